@@ -1,0 +1,19 @@
+//! pipefill-schedules: *what runs when*.
+//!
+//! Pure Rust, no tensors, no I/O beyond schedule files. The types here are the project's
+//! spine: the runtime executes [`Plan`]s, and the profiler builds the same [`Timeline`] the
+//! simulator predicts, so measured and predicted figures share one set of definitions.
+//!
+//! - [`action`]: the action IR and its text form (PyTorch pipelining's grammar).
+//! - [`plan`]: per-rank action lists and the stage → rank placement.
+//! - [`timeline`]: cost model, spans, bubble slots and the metric definitions.
+
+pub mod action;
+pub mod error;
+pub mod plan;
+pub mod timeline;
+
+pub use action::{Action, ActionKind, ParseActionError, StageMb};
+pub use error::{Result, ScheduleError};
+pub use plan::{Placement, Plan};
+pub use timeline::{BubbleSlot, CostModel, RankStats, Span, StageCost, Timeline};

@@ -1,0 +1,4 @@
+//! Subcommands of the `pipefill` binary, one module each.
+
+pub mod schedule;
+pub mod train;

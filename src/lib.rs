@@ -1,0 +1,19 @@
+//! pipefill: a pipeline-parallel training engine in which every stage is an actor and the
+//! pipeline's bubbles do useful work.
+//!
+//! This crate is the concrete engine (DESIGN.md, "src/"):
+//! - [`tensor`]: the `Backend` trait, its CPU implementation and (feature `cuda`) its CUDA one.
+//! - [`model`]: GPT layers with the backward split into I and W, stage chunks, AdamW,
+//!   checkpoints, and the single-device reference trainer.
+//! - [`data`]: synthetic reasoning tasks with verifiable answers, and the tokenizer.
+//! - [`profile`]: trace and timeline writers (Chrome/Perfetto JSON, SVG).
+//!
+//! The schedule IR, generators and simulator live in `pipefill-schedules`, re-exported as
+//! [`schedules`].
+
+pub use pipefill_schedules as schedules;
+
+pub mod data;
+pub mod model;
+pub mod profile;
+pub mod tensor;

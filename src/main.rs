@@ -1,0 +1,45 @@
+//! The `pipefill` command line. Library errors become `anyhow` here, at the edge.
+
+mod cli;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// pipefill: pipeline-parallel training whose bubbles do useful work.
+#[derive(Parser)]
+#[command(name = "pipefill", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Show, validate, simulate, compare and export pipeline schedules.
+    Schedule(cli::schedule::ScheduleArgs),
+    /// Train the model (the embedded default job when no config is given).
+    Train(cli::train::TrainArgs),
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Schedule(args) => cli::schedule::run(args),
+        Command::Train(args) => cli::train::run(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
