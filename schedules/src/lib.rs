@@ -10,10 +10,12 @@
 
 pub mod action;
 pub mod error;
+pub mod memory;
 pub mod plan;
 pub mod timeline;
 
 pub use action::{Action, ActionKind, ParseActionError, StageMb};
 pub use error::{Result, ScheduleError};
+pub use memory::{peak_memory, rank_peak_memory};
 pub use plan::{Placement, Plan};
 pub use timeline::{BubbleSlot, CostModel, RankStats, Span, StageCost, Timeline};
