@@ -1,1 +1,123 @@
-//! (being written)
+//! Timeline writers: the pictures and traces a person reads to see where a pipeline idles.
+//!
+//! Every writer takes a [`Timeline`] (what ran where and when, with its bubble slots and
+//! metrics), never command-line arguments, so the same code draws a *predicted* timeline
+//! (from the schedule simulator, `pipefill schedule export`) and a *measured* one (from the
+//! runtime's profiler), and the two can be laid side by side.
+//!
+//! - [`svg`]: a self-contained SVG picture, one lane per rank, with a legend and a time axis.
+//! - [`chrome`]: a Chrome trace-event JSON file that opens in Perfetto (`ui.perfetto.dev`)
+//!   or `chrome://tracing`, one process per rank.
+//! - [`grid`]: the text grid people draw schedules with, one row per rank and one column
+//!   per time step.
+
+pub mod chrome;
+pub mod grid;
+pub mod svg;
+
+use pipefill_schedules::{Action, ActionKind};
+
+/// The short label of an action: `F3`, `I3`, `W3`, `B3`, `F7+B3` for an overlapped pair,
+/// prefixed by the stage (`2F3`, `0F7+7B3`) when `with_stage` is set — which a reader needs
+/// as soon as a rank holds more than one stage.
+pub fn action_label(action: &Action, with_stage: bool) -> String {
+    let part = |kind: &str, stage: u32, mb: u32| {
+        if with_stage {
+            format!("{stage}{kind}{mb}")
+        } else {
+            format!("{kind}{mb}")
+        }
+    };
+    match (action.kind, action.pair) {
+        (ActionKind::OverlapFB, Some(b)) => format!(
+            "{}+{}",
+            part("F", action.stage, action.microbatch),
+            part("B", b.stage, b.microbatch)
+        ),
+        _ => part(action.kind.as_str(), action.stage, action.microbatch),
+    }
+}
+
+/// A compact decimal form of a time or cost figure: at most `decimals` digits after the
+/// point, trailing zeros dropped (`3`, `2.5`, `0.33`), so labels and reports stay short.
+pub fn fmt_num(x: f64, decimals: usize) -> String {
+    let s = format!("{x:.decimals$}");
+    let s = if s.contains('.') {
+        s.trim_end_matches('0').trim_end_matches('.').to_string()
+    } else {
+        s
+    };
+    if s == "-0" { "0".to_string() } else { s }
+}
+
+#[cfg(test)]
+pub(crate) mod test_support {
+    //! A hand-built two-rank timeline shared by the writers' tests.
+
+    use pipefill_schedules::{Action, Span, StageMb, Timeline};
+
+    /// Rank 0: F0 [0,1) F1 [1,2) idle [2,3) I0 [3,4) W0 [4,5) (0F2;0B1) [5,8).
+    /// Rank 1: idle [0,1) F0 [1,2) B0 [2,4) idle [4,6) B1 [6,8).
+    pub fn two_rank_timeline() -> Timeline {
+        let s = |rank, start, end, action| Span {
+            rank,
+            start,
+            end,
+            action,
+        };
+        let overlap = Action::overlap(
+            StageMb {
+                stage: 0,
+                microbatch: 2,
+            },
+            StageMb {
+                stage: 0,
+                microbatch: 1,
+            },
+        );
+        let spans = vec![
+            s(0, 0.0, 1.0, Action::f(0, 0)),
+            s(0, 1.0, 2.0, Action::f(0, 1)),
+            s(0, 3.0, 4.0, Action::i(0, 0)),
+            s(0, 4.0, 5.0, Action::w(0, 0)),
+            s(0, 5.0, 8.0, overlap),
+            s(1, 1.0, 2.0, Action::f(1, 0)),
+            s(1, 2.0, 4.0, Action::b(1, 0)),
+            s(1, 6.0, 8.0, Action::b(1, 1)),
+        ];
+        Timeline::from_spans(2, spans, &[2.0, 1.0])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pipefill_schedules::StageMb;
+
+    #[test]
+    fn labels_show_the_stage_only_when_asked() {
+        assert_eq!(action_label(&Action::i(2, 5), false), "I5");
+        assert_eq!(action_label(&Action::i(2, 5), true), "2I5");
+        let o = Action::overlap(
+            StageMb {
+                stage: 0,
+                microbatch: 7,
+            },
+            StageMb {
+                stage: 7,
+                microbatch: 3,
+            },
+        );
+        assert_eq!(action_label(&o, false), "F7+B3");
+        assert_eq!(action_label(&o, true), "0F7+7B3");
+    }
+
+    #[test]
+    fn numbers_are_compact() {
+        assert_eq!(fmt_num(3.0, 3), "3");
+        assert_eq!(fmt_num(2.5, 3), "2.5");
+        assert_eq!(fmt_num(1.0 / 3.0, 2), "0.33");
+        assert_eq!(fmt_num(-0.0001, 2), "0");
+        assert_eq!(fmt_num(120.0, 0), "120");
+    }
+}

@@ -1,0 +1,202 @@
+//! A Chrome trace-event JSON file of a timeline, for Perfetto (`ui.perfetto.dev`) and
+//! `chrome://tracing`.
+//!
+//! Layout: `{"traceEvents": [...], "displayTimeUnit": "ms"}`. Each rank is a process
+//! (`pid` = rank, named `rank N` by a `process_name` metadata event); each lane of a rank
+//! is a thread (`tid` [`COMPUTE_LANE`] = 0 holds the compute actions; [`BUBBLE_LANE`] = 1,
+//! when asked for, holds the bubble slots). Every action is one complete event (`"ph":"X"`)
+//! named by its text form (`2I5`, `(0F7;7B3)OVERLAP_F_B`) with `cat` = its kind (`F`, `I`,
+//! `W`, `B`, `OVERLAP_F_B`), so Perfetto can colour and filter by kind.
+//!
+//! **Time scale.** Trace events are in microseconds; a timeline is in cost units (the
+//! simulator's) or seconds (a measured one). `us_per_unit` converts: the default, 1000,
+//! maps one cost unit to one millisecond, which `displayTimeUnit: "ms"` then shows as `1`.
+//! Events of one lane never overlap: each starts at its span's start and lasts its span's
+//! duration, and the spans of one rank never overlap.
+
+use pipefill_schedules::Timeline;
+use serde_json::{Value, json};
+
+/// `tid` of the lane holding compute actions.
+pub const COMPUTE_LANE: u64 = 0;
+/// `tid` of the lane holding bubble slots (see [`ChromeOptions::bubbles`]).
+pub const BUBBLE_LANE: u64 = 1;
+
+/// How to write the trace.
+#[derive(Clone, Debug)]
+pub struct ChromeOptions {
+    /// Microseconds per timeline unit (1000: one cost unit shows as one millisecond).
+    pub us_per_unit: f64,
+    /// Also write every bubble slot as an event named `bubble` on lane [`BUBBLE_LANE`].
+    pub bubbles: bool,
+}
+
+impl Default for ChromeOptions {
+    fn default() -> Self {
+        ChromeOptions {
+            us_per_unit: 1000.0,
+            bubbles: false,
+        }
+    }
+}
+
+/// The trace of `timeline` as a JSON value (see the module docs).
+pub fn chrome_trace(timeline: &Timeline, opts: &ChromeOptions) -> Value {
+    let scale = if opts.us_per_unit > 0.0 {
+        opts.us_per_unit
+    } else {
+        1000.0
+    };
+    let mut events = Vec::new();
+    for r in &timeline.ranks {
+        events.push(json!({
+            "name": "process_name", "ph": "M", "pid": r.rank, "tid": COMPUTE_LANE,
+            "args": { "name": format!("rank {}", r.rank) }
+        }));
+        events.push(json!({
+            "name": "process_sort_index", "ph": "M", "pid": r.rank, "tid": COMPUTE_LANE,
+            "args": { "sort_index": r.rank }
+        }));
+        events.push(json!({
+            "name": "thread_name", "ph": "M", "pid": r.rank, "tid": COMPUTE_LANE,
+            "args": { "name": "compute" }
+        }));
+        if opts.bubbles {
+            events.push(json!({
+                "name": "thread_name", "ph": "M", "pid": r.rank, "tid": BUBBLE_LANE,
+                "args": { "name": "bubbles" }
+            }));
+        }
+    }
+    for span in &timeline.spans {
+        let a = &span.action;
+        let mut args = json!({
+            "stage": a.stage,
+            "microbatch": a.microbatch,
+            "start": span.start,
+            "end": span.end,
+        });
+        if let Some(b) = a.pair {
+            args["backward_stage"] = json!(b.stage);
+            args["backward_microbatch"] = json!(b.microbatch);
+        }
+        events.push(json!({
+            "name": a.to_string(),
+            "cat": a.kind.as_str(),
+            "ph": "X",
+            "pid": span.rank,
+            "tid": COMPUTE_LANE,
+            "ts": span.start * scale,
+            "dur": span.duration() * scale,
+            "args": args,
+        }));
+    }
+    if opts.bubbles {
+        for slot in &timeline.slots {
+            events.push(json!({
+                "name": "bubble",
+                "cat": "bubble",
+                "ph": "X",
+                "pid": slot.rank,
+                "tid": BUBBLE_LANE,
+                "ts": slot.start * scale,
+                "dur": slot.length * scale,
+                "args": {
+                    "length": slot.length,
+                    "before": slot.before.map(|a| a.to_string()),
+                    "after": slot.after.map(|a| a.to_string()),
+                },
+            }));
+        }
+    }
+    json!({ "traceEvents": events, "displayTimeUnit": "ms" })
+}
+
+/// The trace of `timeline` as JSON text, ready to write to a `.json` file.
+pub fn chrome_trace_json(timeline: &Timeline, opts: &ChromeOptions) -> String {
+    // Serialising a `Value` built from numbers and strings cannot fail.
+    serde_json::to_string(&chrome_trace(timeline, opts)).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::profile::test_support::two_rank_timeline;
+
+    fn x_events(v: &Value) -> Vec<&Value> {
+        v["traceEvents"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["ph"] == "X")
+            .collect()
+    }
+
+    #[test]
+    fn one_x_event_per_action_one_process_per_rank() {
+        let t = two_rank_timeline();
+        let text = chrome_trace_json(&t, &ChromeOptions::default());
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["displayTimeUnit"], "ms");
+        let xs = x_events(&v);
+        assert_eq!(xs.len(), t.spans.len());
+        let names: Vec<_> = v["traceEvents"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["name"] == "process_name")
+            .map(|e| {
+                (
+                    e["pid"].as_u64().unwrap(),
+                    e["args"]["name"].as_str().unwrap(),
+                )
+            })
+            .collect();
+        assert_eq!(names, vec![(0, "rank 0"), (1, "rank 1")]);
+        // Rank 1's B0 runs [2, 4) cost units → ts 2000 µs, dur 2000 µs.
+        let b0 = xs
+            .iter()
+            .find(|e| e["name"] == "1B0")
+            .expect("1B0 is in the trace");
+        assert_eq!(b0["cat"], "B");
+        assert_eq!((b0["pid"].as_u64(), b0["tid"].as_u64()), (Some(1), Some(0)));
+        assert_eq!(b0["ts"].as_f64(), Some(2000.0));
+        assert_eq!(b0["dur"].as_f64(), Some(2000.0));
+        let o = xs.iter().find(|e| e["cat"] == "OVERLAP_F_B").unwrap();
+        assert_eq!(o["name"], "(0F2;0B1)OVERLAP_F_B");
+        assert_eq!(o["args"]["backward_microbatch"], 1);
+    }
+
+    #[test]
+    fn events_of_a_lane_do_not_overlap() {
+        let t = two_rank_timeline();
+        let v = chrome_trace(
+            &t,
+            &ChromeOptions {
+                us_per_unit: 1.0,
+                bubbles: true,
+            },
+        );
+        let mut xs: Vec<(u64, u64, f64, f64)> = x_events(&v)
+            .iter()
+            .map(|e| {
+                (
+                    e["pid"].as_u64().unwrap(),
+                    e["tid"].as_u64().unwrap(),
+                    e["ts"].as_f64().unwrap(),
+                    e["dur"].as_f64().unwrap(),
+                )
+            })
+            .collect();
+        xs.sort_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)).then(a.2.total_cmp(&b.2)));
+        for pair in xs.windows(2) {
+            if (pair[0].0, pair[0].1) == (pair[1].0, pair[1].1) {
+                assert!(pair[0].2 + pair[0].3 <= pair[1].2 + 1e-9, "{pair:?}");
+            }
+        }
+        // Bubble slots: rank 0 [2,3); rank 1 [0,1), [4,6).
+        let bubbles: Vec<_> = xs.iter().filter(|e| e.1 == BUBBLE_LANE).collect();
+        assert_eq!(bubbles.len(), t.slots.len());
+        assert_eq!(bubbles.len(), 3);
+    }
+}
