@@ -1,1 +1,121 @@
-//! (being written)
+//! The GPT model, with every backward split into I (input gradient) and W (weight gradient).
+//!
+//! - [`config`]: [`GptConfig`], the model's shape.
+//! - [`layers`]: embedding, RMSNorm, attention, MLP, LM head + loss, and the residual
+//!   [`layers::Block`]; each has `forward`, `backward_input` and `backward_weight`.
+//! - [`chunk`]: [`ModelChunk`], one pipeline stage's share of the model (the calls the
+//!   pipeline runtime makes per micro-batch) and the [`Cut`] that decides it.
+//! - [`gpt`]: [`Gpt`], every chunk of one model on one device (the reference trainer's).
+//! - [`optim`]: [`AdamW`] with decoupled weight decay, global-norm clipping and
+//!   [`LrSchedule`] (warmup + cosine).
+//! - [`init`]: the deterministic initialisation, one RNG stream per (seed, parameter name).
+//!
+//! The model: token embedding + learned positions, `layers` blocks of
+//! `x + Attn(RMSNorm(x))` then `h + MLP(RMSNorm(h))`, a final RMSNorm, a linear LM head and
+//! the cross-entropy loss. The loss of a micro-batch is the **mean over its counted target
+//! tokens** (targets equal to [`crate::tensor::IGNORE_TARGET`] do not count). The backward
+//! starts from `scale = d objective / d loss`: with `M` micro-batches of equal token counts,
+//! `scale = 1/M` makes the accumulated gradients exactly those of the mean loss over the
+//! whole mini-batch (with unequal counts use `count_mb / total_count`).
+
+pub mod checkpoint;
+pub mod chunk;
+pub mod config;
+pub mod gpt;
+pub mod init;
+pub mod layers;
+pub mod optim;
+
+pub use chunk::{ChunkGrad, ChunkInput, ChunkOutput, Cut, ModelChunk, Shape};
+pub use config::GptConfig;
+pub use gpt::Gpt;
+pub use optim::{AdamW, AdamWConfig, LrSchedule, OptimizerState, SlotState, clip_scale};
+
+use crate::tensor::{Backend, DType, TensorError};
+
+/// What can go wrong building or running the model.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    /// A configuration field is unusable.
+    #[error("model config: `{field}` {reason}")]
+    Config { field: &'static str, reason: String },
+    /// The model cannot be cut as asked.
+    #[error("cannot cut {layers} layers as {cut}: {reason}")]
+    Cut {
+        layers: usize,
+        cut: String,
+        reason: String,
+    },
+    /// An input does not fit the chunk (wrong kind, wrong length).
+    #[error("stage {stage}, micro-batch {mb}: {reason}")]
+    Input {
+        stage: usize,
+        mb: usize,
+        reason: String,
+    },
+    /// A backward action came without the action it depends on (I before F, W before I).
+    #[error("{layer}: {action} of micro-batch {mb} has no matching {missing}")]
+    Order {
+        layer: String,
+        action: &'static str,
+        mb: usize,
+        missing: &'static str,
+    },
+    /// No parameter of that name in this chunk.
+    #[error("no parameter named `{0}`")]
+    UnknownParam(String),
+    /// Values given for a parameter have the wrong length.
+    #[error("parameter `{name}` has {expected} values, got {got}")]
+    ParamLen {
+        name: String,
+        expected: usize,
+        got: usize,
+    },
+    /// Optimizer state that does not match the parameters.
+    #[error("optimizer state: {0}")]
+    OptimizerState(String),
+    /// A tensor operation failed.
+    #[error(transparent)]
+    Tensor(#[from] TensorError),
+}
+
+/// Result of a model operation.
+pub type Result<T> = std::result::Result<T, ModelError>;
+
+/// One named parameter with its gradient (same length; the gradient is always `f32`).
+pub struct Param<B: Backend> {
+    /// Stable name, independent of the cut (e.g. `blocks.3.attn.wq`).
+    pub name: String,
+    /// Logical shape, row-major (e.g. `[d_model, d_model]`).
+    pub shape: Vec<usize>,
+    /// The value, in the backend's storage type.
+    pub value: B::Buf,
+    /// The accumulated gradient.
+    pub grad: B::Buf,
+    /// Whether AdamW applies weight decay (not on norm gains).
+    pub decay: bool,
+}
+
+impl<B: Backend> Param<B> {
+    /// A parameter initialised from `values`.
+    pub(crate) fn new(
+        be: &B,
+        name: String,
+        shape: Vec<usize>,
+        values: &[f32],
+        decay: bool,
+    ) -> Result<Self> {
+        Ok(Param {
+            value: be.from_host(values, be.storage_dtype())?,
+            grad: be.zeros(values.len(), DType::F32)?,
+            name,
+            shape,
+            decay,
+        })
+    }
+
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+}

@@ -1,0 +1,492 @@
+//! [`ModelChunk`]: one pipeline stage's share of the GPT, and the [`Cut`] that decides it.
+//!
+//! A chunk is a contiguous range of blocks; the first chunk also holds the embedding, the
+//! last the final norm, the LM head and the loss. Its calls are exactly the pipeline actions
+//! of one (stage, micro-batch): `forward` (F), `backward_input` (I), `backward_weight` (W)
+//! and the fused `backward` (B = I then W). Micro-batches are independent: any number may
+//! be in flight, and the I and W of different micro-batches may interleave in any order the
+//! schedule chooses.
+
+use std::collections::HashMap;
+use std::ops::Range;
+
+use serde::{Deserialize, Serialize};
+
+use super::layers::{Block, Embedding, Head, RmsNorm};
+use super::{GptConfig, ModelError, Param, Result};
+use crate::tensor::Backend;
+
+/// Shape of one micro-batch: `batch` sequences of `seq ≤ config.seq_len` tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Shape {
+    pub batch: usize,
+    pub seq: usize,
+}
+
+impl Shape {
+    /// Tokens in the micro-batch.
+    pub fn tokens(&self) -> usize {
+        self.batch * self.seq
+    }
+}
+
+/// What a chunk's forward consumes.
+pub enum ChunkInput<'a, B: Backend> {
+    /// Token ids `[batch, seq]`: the first chunk's input.
+    Tokens(&'a [u32]),
+    /// Activations `[batch·seq, d_model]` from the previous stage.
+    Hidden(B::Buf),
+}
+
+/// What a chunk's forward produces.
+pub enum ChunkOutput<B: Backend> {
+    /// Activations `[batch·seq, d_model]` for the next stage.
+    Hidden(B::Buf),
+    /// The last chunk with targets: the micro-batch's mean loss over `tokens` counted targets.
+    Loss { loss: f32, tokens: usize },
+    /// The last chunk without targets: logits `[batch·seq, vocab]`; nothing is stashed in
+    /// this chunk (inference).
+    Logits(B::Buf),
+}
+
+/// What a chunk's backward_input starts from.
+pub enum ChunkGrad<B: Backend> {
+    /// The last chunk: `d objective / d loss` of this micro-batch (e.g. `1/M` for `M`
+    /// micro-batches of equal size).
+    Loss(f32),
+    /// Gradient w.r.t. this chunk's output `[batch·seq, d_model]`, from the next stage.
+    Hidden(B::Buf),
+}
+
+/// How the blocks are split over stage chunks.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Cut {
+    /// `S` chunks of as equal size as possible (the earlier chunks take the remainder).
+    Even(usize),
+    /// Explicit block counts per chunk; they must sum to `layers` (a count may be 0).
+    Layers(Vec<usize>),
+}
+
+impl Default for Cut {
+    fn default() -> Self {
+        Cut::Even(1)
+    }
+}
+
+impl Cut {
+    /// The block range of every chunk, or why the cut does not fit `layers` blocks.
+    pub fn ranges(&self, layers: usize) -> Result<Vec<Range<usize>>> {
+        let err = |reason: String| ModelError::Cut {
+            layers,
+            cut: format!("{self:?}"),
+            reason,
+        };
+        let counts = match self {
+            Cut::Even(0) => return Err(err("at least one chunk is needed".into())),
+            Cut::Even(s) if *s > layers => {
+                return Err(err(format!("{s} chunks would leave some without a block")));
+            }
+            Cut::Even(s) => (0..*s)
+                .map(|i| layers / s + usize::from(i < layers % s))
+                .collect(),
+            Cut::Layers(counts) if counts.is_empty() => {
+                return Err(err("at least one chunk is needed".into()));
+            }
+            Cut::Layers(counts) => {
+                let total: usize = counts.iter().sum();
+                if total != layers {
+                    return Err(err(format!("the counts sum to {total}")));
+                }
+                counts.clone()
+            }
+        };
+        let mut start = 0;
+        Ok(counts
+            .iter()
+            .map(|&c| {
+                start += c;
+                start - c..start
+            })
+            .collect())
+    }
+}
+
+/// Progress of one micro-batch through this chunk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    Forwarded,
+    InputDone,
+}
+
+/// One stage's share of the model, with its parameters, gradients and per-micro-batch stash.
+pub struct ModelChunk<B: Backend> {
+    be: B,
+    config: GptConfig,
+    stage: usize,
+    stages: usize,
+    range: Range<usize>,
+    embed: Option<Embedding<B>>,
+    blocks: Vec<Block<B>>,
+    final_norm: Option<RmsNorm<B>>,
+    head: Option<Head<B>>,
+    in_flight: HashMap<usize, (Shape, Phase)>,
+}
+
+impl<B: Backend> ModelChunk<B> {
+    /// Chunk `stage` of the model cut by `cut`. Parameters are initialised from
+    /// (config.seed, name), so every chunk equals the same part of the uncut model.
+    pub fn new(config: &GptConfig, backend: B, cut: &Cut, stage: usize) -> Result<Self> {
+        config.validate()?;
+        let ranges = cut.ranges(config.layers)?;
+        let Some(range) = ranges.get(stage).cloned() else {
+            return Err(ModelError::Cut {
+                layers: config.layers,
+                cut: format!("{cut:?}"),
+                reason: format!("there is no chunk {stage} of {}", ranges.len()),
+            });
+        };
+        let stages = ranges.len();
+        let be = &backend;
+        let (first, last) = (stage == 0, stage + 1 == stages);
+        let embed = if first {
+            Some(Embedding::new(be, "embed", config)?)
+        } else {
+            None
+        };
+        let blocks = range
+            .clone()
+            .map(|i| Block::new(be, i, config))
+            .collect::<Result<_>>()?;
+        let (final_norm, head) = if last {
+            let norm = RmsNorm::new(be, "final_norm", config.d_model, config.norm_eps)?;
+            (Some(norm), Some(Head::new(be, "head", config)?))
+        } else {
+            (None, None)
+        };
+        Ok(ModelChunk {
+            config: config.clone(),
+            stage,
+            stages,
+            range,
+            embed,
+            blocks,
+            final_norm,
+            head,
+            in_flight: HashMap::new(),
+            be: backend,
+        })
+    }
+
+    pub fn config(&self) -> &GptConfig {
+        &self.config
+    }
+    pub fn backend(&self) -> &B {
+        &self.be
+    }
+    /// Index of this chunk among `stages()`.
+    pub fn stage(&self) -> usize {
+        self.stage
+    }
+    pub fn stages(&self) -> usize {
+        self.stages
+    }
+    /// The blocks this chunk holds (global indices).
+    pub fn blocks(&self) -> Range<usize> {
+        self.range.clone()
+    }
+    pub fn is_first(&self) -> bool {
+        self.stage == 0
+    }
+    pub fn is_last(&self) -> bool {
+        self.stage + 1 == self.stages
+    }
+    /// Micro-batches forwarded whose W has not run yet.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.len()
+    }
+
+    fn input_err(&self, mb: usize, reason: String) -> ModelError {
+        ModelError::Input {
+            stage: self.stage,
+            mb,
+            reason,
+        }
+    }
+
+    /// F: runs micro-batch `mb` through the chunk. The first chunk takes
+    /// [`ChunkInput::Tokens`], the others [`ChunkInput::Hidden`]; the last chunk takes
+    /// `targets` (`[batch, seq]`) and returns the loss, or without targets the logits.
+    pub fn forward(
+        &mut self,
+        mb: usize,
+        shape: Shape,
+        input: ChunkInput<'_, B>,
+        targets: Option<&[u32]>,
+    ) -> Result<ChunkOutput<B>> {
+        let be = self.be.clone();
+        let (d, n) = (self.config.d_model, shape.tokens());
+        if self.in_flight.contains_key(&mb) {
+            return Err(self.input_err(mb, "this micro-batch is already in flight".into()));
+        }
+        if shape.seq == 0 || shape.batch == 0 || shape.seq > self.config.seq_len {
+            let reason = format!("shape {shape:?} (seq must be 1..={})", self.config.seq_len);
+            return Err(self.input_err(mb, reason));
+        }
+        if targets.is_some() && !self.is_last() {
+            return Err(self.input_err(mb, "targets given to a chunk without the head".into()));
+        }
+        let x = match (input, &mut self.embed) {
+            (ChunkInput::Tokens(ids), Some(embed)) => {
+                if ids.len() != n {
+                    let reason = format!("{} token ids for {} positions", ids.len(), n);
+                    return Err(self.input_err(mb, reason));
+                }
+                embed.forward(&be, mb, ids, shape.batch, shape.seq)?
+            }
+            (ChunkInput::Hidden(h), None) => {
+                if be.len(&h) != n * d {
+                    let reason = format!("{} activations, expected {}", be.len(&h), n * d);
+                    return Err(self.input_err(mb, reason));
+                }
+                h
+            }
+            (ChunkInput::Tokens(_), None) => {
+                return Err(
+                    self.input_err(mb, "token ids given to a chunk without embedding".into())
+                );
+            }
+            (ChunkInput::Hidden(_), Some(_)) => {
+                return Err(self.input_err(mb, "activations given to the first chunk".into()));
+            }
+        };
+        let result = self.forward_blocks(&be, mb, shape, x, targets);
+        if result.is_err() {
+            self.discard(mb);
+        }
+        result
+    }
+
+    fn forward_blocks(
+        &mut self,
+        be: &B,
+        mb: usize,
+        shape: Shape,
+        mut x: B::Buf,
+        targets: Option<&[u32]>,
+    ) -> Result<ChunkOutput<B>> {
+        self.in_flight.insert(mb, (shape, Phase::Forwarded));
+        for block in &mut self.blocks {
+            x = block.forward(be, mb, &x, shape.batch, shape.seq)?;
+        }
+        let (Some(norm), Some(head)) = (&mut self.final_norm, &mut self.head) else {
+            return Ok(ChunkOutput::Hidden(x));
+        };
+        let h = norm.forward(be, mb, &x, shape.tokens())?;
+        match targets {
+            Some(t) if t.len() != shape.tokens() => {
+                let reason = format!("{} targets for {} positions", t.len(), shape.tokens());
+                Err(self.input_err(mb, reason))
+            }
+            Some(t) => {
+                let (loss, tokens) = head.forward(be, mb, &h, t)?;
+                Ok(ChunkOutput::Loss { loss, tokens })
+            }
+            None => {
+                let logits = head.logits(be, &h, shape.tokens())?;
+                self.discard(mb);
+                Ok(ChunkOutput::Logits(logits))
+            }
+        }
+    }
+
+    /// I: the gradient w.r.t. this chunk's input, from `grad` (the loss scale for the last
+    /// chunk, the next stage's gradient otherwise). The first chunk returns `None` (token ids
+    /// have no gradient). Computes no weight gradient.
+    pub fn backward_input(&mut self, mb: usize, grad: ChunkGrad<B>) -> Result<Option<B::Buf>> {
+        let be = self.be.clone();
+        let shape = match self.in_flight.get(&mb) {
+            Some((shape, Phase::Forwarded)) => *shape,
+            Some((_, Phase::InputDone)) => {
+                return Err(self.input_err(mb, "backward_input already ran".into()));
+            }
+            None => return Err(self.order_err(mb, "backward_input", "forward")),
+        };
+        let n = shape.tokens() * self.config.d_model;
+        let mut dy = match (grad, &mut self.head, &mut self.final_norm) {
+            (ChunkGrad::Loss(scale), Some(head), Some(norm)) => {
+                let dh = head.backward_input(&be, mb, scale)?;
+                norm.backward_input(&be, mb, &dh)?
+            }
+            (ChunkGrad::Hidden(g), None, _) if be.len(&g) == n => g,
+            (ChunkGrad::Hidden(g), None, _) => {
+                let reason = format!("{} output gradients, expected {n}", be.len(&g));
+                return Err(self.input_err(mb, reason));
+            }
+            (ChunkGrad::Hidden(_), Some(_), _) | (ChunkGrad::Loss(_), _, _) => {
+                let reason = "the last chunk starts from ChunkGrad::Loss, the others from Hidden";
+                return Err(self.input_err(mb, reason.into()));
+            }
+        };
+        for block in self.blocks.iter_mut().rev() {
+            dy = block.backward_input(&be, mb, &dy)?;
+        }
+        self.in_flight.insert(mb, (shape, Phase::InputDone));
+        match &mut self.embed {
+            Some(embed) => {
+                embed.backward_input(&be, mb, &dy)?;
+                Ok(None)
+            }
+            None => Ok(Some(dy)),
+        }
+    }
+
+    /// W: accumulates every weight gradient of micro-batch `mb` and frees its stash.
+    pub fn backward_weight(&mut self, mb: usize) -> Result<()> {
+        match self.in_flight.get(&mb) {
+            Some((_, Phase::InputDone)) => {}
+            _ => return Err(self.order_err(mb, "backward_weight", "backward_input")),
+        }
+        let be = &self.be;
+        if let (Some(head), Some(norm)) = (&mut self.head, &mut self.final_norm) {
+            head.backward_weight(be, mb)?;
+            norm.backward_weight(be, mb)?;
+        }
+        for block in self.blocks.iter_mut().rev() {
+            block.backward_weight(be, mb)?;
+        }
+        if let Some(embed) = &mut self.embed {
+            embed.backward_weight(be, mb)?;
+        }
+        self.in_flight.remove(&mb);
+        Ok(())
+    }
+
+    /// B: I then W.
+    pub fn backward(&mut self, mb: usize, grad: ChunkGrad<B>) -> Result<Option<B::Buf>> {
+        let dx = self.backward_input(mb, grad)?;
+        self.backward_weight(mb)?;
+        Ok(dx)
+    }
+
+    /// Forgets micro-batch `mb` (after an evaluation-only forward, or an aborted step).
+    pub fn discard(&mut self, mb: usize) {
+        self.in_flight.remove(&mb);
+        if let Some(e) = &mut self.embed {
+            e.discard(mb);
+        }
+        self.blocks.iter_mut().for_each(|b| b.discard(mb));
+        if let Some(n) = &mut self.final_norm {
+            n.discard(mb);
+        }
+        if let Some(h) = &mut self.head {
+            h.discard(mb);
+        }
+    }
+
+    /// Number of layer stashes held (0 once every micro-batch's W has run).
+    pub fn stashed(&self) -> usize {
+        self.embed.as_ref().map_or(0, |e| e.stashed())
+            + self.blocks.iter().map(|b| b.stashed()).sum::<usize>()
+            + self.final_norm.as_ref().map_or(0, |n| n.stashed())
+            + self.head.as_ref().map_or(0, |h| h.stashed())
+    }
+
+    fn order_err(&self, mb: usize, action: &'static str, missing: &'static str) -> ModelError {
+        ModelError::Order {
+            layer: format!("stage {}", self.stage),
+            action,
+            mb,
+            missing,
+        }
+    }
+
+    /// Every parameter, in model order (embedding, blocks, final norm, head).
+    pub fn params(&self) -> Vec<&Param<B>> {
+        let mut v = self.embed.as_ref().map(|e| e.params()).unwrap_or_default();
+        self.blocks.iter().for_each(|b| v.extend(b.params()));
+        if let (Some(n), Some(h)) = (&self.final_norm, &self.head) {
+            v.extend(n.params());
+            v.extend(h.params());
+        }
+        v
+    }
+
+    /// Every parameter, mutable, in model order.
+    pub fn params_mut(&mut self) -> Vec<&mut Param<B>> {
+        let mut v = self
+            .embed
+            .as_mut()
+            .map(|e| e.params_mut())
+            .unwrap_or_default();
+        self.blocks
+            .iter_mut()
+            .for_each(|b| v.extend(b.params_mut()));
+        if let (Some(n), Some(h)) = (&mut self.final_norm, &mut self.head) {
+            v.extend(n.params_mut());
+            v.extend(h.params_mut());
+        }
+        v
+    }
+
+    /// The parameter called `name`.
+    pub fn param(&self, name: &str) -> Result<&Param<B>> {
+        let found = self.params().into_iter().find(|p| p.name == name);
+        found.ok_or_else(|| ModelError::UnknownParam(name.to_string()))
+    }
+
+    /// The parameter called `name`, mutable.
+    pub fn param_mut(&mut self, name: &str) -> Result<&mut Param<B>> {
+        let found = self.params_mut().into_iter().find(|p| p.name == name);
+        found.ok_or_else(|| ModelError::UnknownParam(name.to_string()))
+    }
+
+    /// The names of every parameter, in model order.
+    pub fn param_names(&self) -> Vec<String> {
+        self.params().iter().map(|p| p.name.clone()).collect()
+    }
+
+    /// A parameter's value, on the host.
+    pub fn param_values(&self, name: &str) -> Result<Vec<f32>> {
+        Ok(self.be.to_host(&self.param(name)?.value)?)
+    }
+
+    /// A parameter's accumulated gradient, on the host.
+    pub fn grad_values(&self, name: &str) -> Result<Vec<f32>> {
+        Ok(self.be.to_host(&self.param(name)?.grad)?)
+    }
+
+    /// Overwrites a parameter's value (e.g. from a checkpoint).
+    pub fn set_param(&mut self, name: &str, values: &[f32]) -> Result<()> {
+        let be = self.be.clone();
+        let p = self.param_mut(name)?;
+        if values.len() != p.numel() {
+            let (expected, got) = (p.numel(), values.len());
+            return Err(ModelError::ParamLen {
+                name: name.to_string(),
+                expected,
+                got,
+            });
+        }
+        p.value = be.from_host(values, be.dtype(&p.value))?;
+        Ok(())
+    }
+
+    /// Sets every gradient to zero (start of a step).
+    pub fn zero_grads(&mut self) -> Result<()> {
+        let be = self.be.clone();
+        for p in self.params_mut() {
+            be.fill(&mut p.grad, 0.0)?;
+        }
+        Ok(())
+    }
+
+    /// `Σ g²` over this chunk's gradients; the global norm is `√` of the sum over chunks.
+    pub fn grad_sq_norm(&self) -> Result<f64> {
+        let mut sum = 0.0;
+        for p in self.params() {
+            sum += self.be.sum_squares(&p.grad)?;
+        }
+        Ok(sum)
+    }
+}

@@ -1,0 +1,77 @@
+//! Deterministic initialisation: each parameter draws from its own SplitMix64 stream seeded
+//! from (model seed, parameter name), so a parameter's initial value does not depend on how
+//! the model is cut into stages, on which rank builds it, or on construction order.
+
+use super::GptConfig;
+
+/// SplitMix64 step: the well-known 64-bit mixer (Steele, Lea, Flood 2014).
+fn splitmix64(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// FNV-1a hash of the name, to separate the streams of different parameters.
+fn fnv1a(name: &str) -> u64 {
+    name.bytes().fold(0xCBF2_9CE4_8422_2325, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01B3)
+    })
+}
+
+/// `len` samples of `N(0, std²)` from the stream of (seed, name) (Box–Muller, in `f64`).
+pub fn normal(seed: u64, name: &str, len: usize, std: f32) -> Vec<f32> {
+    let mut state = seed ^ fnv1a(name);
+    // One warm-up draw decorrelates seeds that differ in few bits.
+    splitmix64(&mut state);
+    let mut uniform = || ((splitmix64(&mut state) >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+    let mut out = Vec::with_capacity(len);
+    while out.len() < len {
+        let (u1, u2) = (uniform(), uniform());
+        let r = (-2.0 * u1.ln()).sqrt();
+        let theta = std::f64::consts::TAU * u2;
+        out.push((r * theta.cos()) as f32 * std);
+        if out.len() < len {
+            out.push((r * theta.sin()) as f32 * std);
+        }
+    }
+    out
+}
+
+/// Standard deviation of most weight matrices and embeddings (GPT-2).
+pub const INIT_STD: f32 = 0.02;
+
+/// Standard deviation of the projections that write into the residual stream (`wo`, `w2`),
+/// scaled down by `√(2·layers)` so the stream's variance does not grow with depth.
+pub fn residual_std(config: &GptConfig) -> f32 {
+    INIT_STD / ((2 * config.layers) as f32).sqrt()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn streams_are_deterministic_and_distinct() {
+        let a = normal(7, "blocks.0.attn.wq", 1000, 1.0);
+        assert_eq!(a, normal(7, "blocks.0.attn.wq", 1000, 1.0));
+        assert_ne!(a, normal(7, "blocks.0.attn.wk", 1000, 1.0));
+        assert_ne!(a, normal(8, "blocks.0.attn.wq", 1000, 1.0));
+        // A prefix of a longer draw is the shorter draw.
+        assert_eq!(normal(7, "x", 11, 1.0)[..], normal(7, "x", 20, 1.0)[..11]);
+    }
+
+    #[test]
+    fn samples_are_standard_normal() {
+        let x = normal(3, "embed.tok", 20_000, 2.0);
+        let mean = x.iter().map(|&v| f64::from(v)).sum::<f64>() / x.len() as f64;
+        let var = x
+            .iter()
+            .map(|&v| (f64::from(v) - mean).powi(2))
+            .sum::<f64>()
+            / x.len() as f64;
+        assert!(mean.abs() < 0.05, "mean {mean}");
+        assert!((var.sqrt() - 2.0).abs() < 0.05, "std {}", var.sqrt());
+    }
+}

@@ -1,0 +1,116 @@
+//! Token embedding plus learned positions: `x[b, t] = tok[ids[b, t]] + pos[t]`.
+//!
+//! The embedding has no input gradient (its input is token ids), so its I action only keeps
+//! the output gradient, and its W action scatters it into the tables.
+
+use super::{Stash, activation};
+use crate::model::{GptConfig, ModelError, Param, Result, init};
+use crate::tensor::Backend;
+
+struct ForW<B: Backend> {
+    ids: Vec<u32>,
+    dy: Option<B::Buf>,
+    batch: usize,
+    seq: usize,
+}
+
+/// `embed.tok: [vocab, d_model]` and `embed.pos: [seq_len, d_model]`.
+pub struct Embedding<B: Backend> {
+    pub tok: Param<B>,
+    pub pos: Param<B>,
+    fwd: Stash<ForW<B>>,
+    for_w: Stash<ForW<B>>,
+}
+
+impl<B: Backend> Embedding<B> {
+    pub fn new(be: &B, name: &str, config: &GptConfig) -> Result<Self> {
+        let d = config.d_model;
+        let mk = |w: &str, rows: usize| {
+            let pname = format!("{name}.{w}");
+            let values = init::normal(config.seed, &pname, rows * d, init::INIT_STD);
+            Param::new(be, pname, vec![rows, d], &values, true)
+        };
+        Ok(Embedding {
+            tok: mk("tok", config.vocab)?,
+            pos: mk("pos", config.seq_len)?,
+            fwd: Stash::new(name),
+            for_w: Stash::new(name),
+        })
+    }
+
+    fn d(&self) -> usize {
+        self.tok.shape[1]
+    }
+
+    /// Embeds `ids: [batch, seq]` into `[batch·seq, d_model]`.
+    pub fn forward(
+        &mut self,
+        be: &B,
+        mb: usize,
+        ids: &[u32],
+        batch: usize,
+        seq: usize,
+    ) -> Result<B::Buf> {
+        let d = self.d();
+        if seq > self.pos.shape[0] || ids.len() != batch * seq {
+            return Err(ModelError::Input {
+                stage: 0,
+                mb,
+                reason: format!(
+                    "{} token ids for batch {batch} × seq {seq} (at most {} positions)",
+                    ids.len(),
+                    self.pos.shape[0]
+                ),
+            });
+        }
+        let mut x = activation(be, ids.len() * d)?;
+        be.embedding_fwd(&self.tok.value, ids, &mut x, d)?;
+        be.add_broadcast_rows(&self.pos.value, &mut x, batch, seq * d)?;
+        self.fwd.put(
+            mb,
+            ForW {
+                ids: ids.to_vec(),
+                dy: None,
+                batch,
+                seq,
+            },
+        );
+        Ok(x)
+    }
+
+    /// I: nothing flows further back; keeps `dy` for W.
+    pub fn backward_input(&mut self, be: &B, mb: usize, dy: &B::Buf) -> Result<()> {
+        let mut s = self.fwd.take(mb, "backward_input", "forward")?;
+        s.dy = Some(be.dup(dy)?);
+        self.for_w.put(mb, s);
+        Ok(())
+    }
+
+    /// W: scatter-adds into `tok`, sums over the batch into `pos`.
+    pub fn backward_weight(&mut self, be: &B, mb: usize) -> Result<()> {
+        let s = self.for_w.take(mb, "backward_weight", "backward_input")?;
+        let d = self.d();
+        if let Some(dy) = &s.dy {
+            be.embedding_bwd(&s.ids, dy, &mut self.tok.grad, d)?;
+            be.sum_rows(dy, &mut self.pos.grad, s.batch, s.seq * d)?;
+        }
+        Ok(())
+    }
+
+    pub fn discard(&mut self, mb: usize) {
+        self.fwd.remove(mb);
+        self.for_w.remove(mb);
+    }
+
+    pub fn stashed(&self) -> usize {
+        self.fwd.len() + self.for_w.len()
+    }
+
+    pub fn params(&self) -> Vec<&Param<B>> {
+        vec![&self.tok, &self.pos]
+    }
+
+    pub fn params_mut(&mut self) -> Vec<&mut Param<B>> {
+        vec![&mut self.tok, &mut self.pos]
+    }
+}

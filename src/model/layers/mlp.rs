@@ -1,0 +1,113 @@
+//! The MLP: `y = act(x·W1)·W2` (no biases), hidden width `mlp_ratio · d_model`.
+
+use super::{Stash, activation, gradient, linear_bwd_input, linear_bwd_weight, linear_fwd};
+use crate::model::{GptConfig, Param, Result, init};
+use crate::tensor::{Activation, Backend};
+
+struct Saved<B: Backend> {
+    x: B::Buf,
+    u: B::Buf,
+    g: B::Buf,
+    rows: usize,
+}
+
+/// What W needs: the inputs of both products and their output gradients.
+struct ForW<B: Backend> {
+    x: B::Buf,
+    g: B::Buf,
+    du: B::Buf,
+    dy: B::Buf,
+    rows: usize,
+}
+
+/// Two-layer perceptron with a GELU or SiLU in between.
+pub struct Mlp<B: Backend> {
+    pub w1: Param<B>,
+    pub w2: Param<B>,
+    act: Activation,
+    fwd: Stash<Saved<B>>,
+    for_w: Stash<ForW<B>>,
+}
+
+impl<B: Backend> Mlp<B> {
+    /// Weights `{name}.w1: [d_model, hidden]` and `{name}.w2: [hidden, d_model]`.
+    pub fn new(be: &B, name: &str, config: &GptConfig) -> Result<Self> {
+        let (d, h) = (config.d_model, config.mlp_hidden());
+        let mk = |w: &str, shape: [usize; 2], std: f32| {
+            let pname = format!("{name}.{w}");
+            let values = init::normal(config.seed, &pname, shape[0] * shape[1], std);
+            Param::new(be, pname, shape.to_vec(), &values, true)
+        };
+        Ok(Mlp {
+            w1: mk("w1", [d, h], init::INIT_STD)?,
+            w2: mk("w2", [h, d], init::residual_std(config))?,
+            act: config.activation,
+            fwd: Stash::new(name),
+            for_w: Stash::new(name),
+        })
+    }
+
+    /// `y = mlp(x)` for `x: [rows, d_model]`.
+    pub fn forward(&mut self, be: &B, mb: usize, x: &B::Buf, rows: usize) -> Result<B::Buf> {
+        let u = linear_fwd(be, x, &self.w1, rows)?;
+        let mut g = activation(be, be.len(&u))?;
+        be.activation_fwd(self.act, &u, &mut g)?;
+        let y = linear_fwd(be, &g, &self.w2, rows)?;
+        self.fwd.put(
+            mb,
+            Saved {
+                x: be.dup(x)?,
+                u,
+                g,
+                rows,
+            },
+        );
+        Ok(y)
+    }
+
+    /// I: `dx` from `dy`.
+    pub fn backward_input(&mut self, be: &B, mb: usize, dy: &B::Buf) -> Result<B::Buf> {
+        let s = self.fwd.take(mb, "backward_input", "forward")?;
+        let (d, h) = (self.w1.shape[0], self.w1.shape[1]);
+        let mut dg = gradient(be, s.rows * h)?;
+        linear_bwd_input(be, dy, &self.w2, &mut dg, s.rows, false)?;
+        let mut du = gradient(be, s.rows * h)?;
+        be.activation_bwd(self.act, &s.u, &dg, &mut du)?;
+        let mut dx = gradient(be, s.rows * d)?;
+        linear_bwd_input(be, &du, &self.w1, &mut dx, s.rows, false)?;
+        let for_w = ForW {
+            x: s.x,
+            g: s.g,
+            du,
+            dy: be.dup(dy)?,
+            rows: s.rows,
+        };
+        self.for_w.put(mb, for_w);
+        Ok(dx)
+    }
+
+    /// W: accumulates the gradients of `w1` and `w2`.
+    pub fn backward_weight(&mut self, be: &B, mb: usize) -> Result<()> {
+        let s = self.for_w.take(mb, "backward_weight", "backward_input")?;
+        linear_bwd_weight(be, &s.g, &s.dy, &mut self.w2, s.rows)?;
+        linear_bwd_weight(be, &s.x, &s.du, &mut self.w1, s.rows)?;
+        Ok(())
+    }
+
+    pub fn discard(&mut self, mb: usize) {
+        self.fwd.remove(mb);
+        self.for_w.remove(mb);
+    }
+
+    pub fn stashed(&self) -> usize {
+        self.fwd.len() + self.for_w.len()
+    }
+
+    pub fn params(&self) -> Vec<&Param<B>> {
+        vec![&self.w1, &self.w2]
+    }
+
+    pub fn params_mut(&mut self) -> Vec<&mut Param<B>> {
+        vec![&mut self.w1, &mut self.w2]
+    }
+}

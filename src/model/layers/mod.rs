@@ -1,0 +1,128 @@
+//! The GPT's layers. Each has three calls, per micro-batch `mb`:
+//! - `forward`: the output, stashing what the backward needs under `mb`;
+//! - `backward_input` (the I action): the gradient w.r.t. the layer's input. It computes no
+//!   weight gradient; it drops what only I needed and keeps what W needs;
+//! - `backward_weight` (the W action): accumulates the weight gradients into the parameters'
+//!   `grad` and frees the micro-batch's stash.
+//!
+//! A full backward (B) is I then W. Calling I before F, or W before I, is a
+//! [`ModelError::Order`] error, never a panic. Activations are stored in the backend's storage
+//! type, gradients in `f32`.
+
+mod attention;
+mod block;
+mod embedding;
+mod head;
+mod mlp;
+mod norm;
+
+pub use attention::Attention;
+pub use block::Block;
+pub use embedding::Embedding;
+pub use head::Head;
+pub use mlp::Mlp;
+pub use norm::RmsNorm;
+
+use std::collections::HashMap;
+
+use super::{ModelError, Param, Result};
+use crate::tensor::{Backend, DType, Gemm};
+
+/// Per-micro-batch storage of one layer: what F leaves for I, or I leaves for W.
+pub(crate) struct Stash<T> {
+    layer: String,
+    items: HashMap<usize, T>,
+}
+
+impl<T> Stash<T> {
+    pub(crate) fn new(layer: &str) -> Self {
+        Stash {
+            layer: layer.to_string(),
+            items: HashMap::new(),
+        }
+    }
+
+    pub(crate) fn put(&mut self, mb: usize, item: T) {
+        self.items.insert(mb, item);
+    }
+
+    /// Removes the stash of `mb`; `action` needed it and `missing` is what should have made it.
+    pub(crate) fn take(
+        &mut self,
+        mb: usize,
+        action: &'static str,
+        missing: &'static str,
+    ) -> Result<T> {
+        self.items.remove(&mb).ok_or_else(|| ModelError::Order {
+            layer: self.layer.clone(),
+            action,
+            mb,
+            missing,
+        })
+    }
+
+    pub(crate) fn remove(&mut self, mb: usize) {
+        self.items.remove(&mb);
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.items.len()
+    }
+}
+
+/// An activation buffer of `len` elements in the backend's storage type.
+pub(crate) fn activation<B: Backend>(be: &B, len: usize) -> Result<B::Buf> {
+    Ok(be.zeros(len, be.storage_dtype())?)
+}
+
+/// A gradient buffer of `len` elements (`f32`).
+pub(crate) fn gradient<B: Backend>(be: &B, len: usize) -> Result<B::Buf> {
+    Ok(be.zeros(len, DType::F32)?)
+}
+
+/// `y = x·W` with `x: [rows, in]`, `W: [in, out]`.
+pub(crate) fn linear_fwd<B: Backend>(
+    be: &B,
+    x: &B::Buf,
+    w: &Param<B>,
+    rows: usize,
+) -> Result<B::Buf> {
+    let (din, dout) = (w.shape[0], w.shape[1]);
+    let mut y = activation(be, rows * dout)?;
+    be.matmul(x, &w.value, &mut y, Gemm::nn(rows, din, dout))?;
+    Ok(y)
+}
+
+/// `dx (+)= dy·Wᵀ`: the input gradient of [`linear_fwd`].
+pub(crate) fn linear_bwd_input<B: Backend>(
+    be: &B,
+    dy: &B::Buf,
+    w: &Param<B>,
+    dx: &mut B::Buf,
+    rows: usize,
+    accumulate: bool,
+) -> Result<()> {
+    let (din, dout) = (w.shape[0], w.shape[1]);
+    let mut g = Gemm::nn(rows, dout, din).trans_b();
+    g.accumulate = accumulate;
+    be.matmul(dy, &w.value, dx, g)?;
+    Ok(())
+}
+
+/// `dW += xᵀ·dy`: the weight gradient of [`linear_fwd`].
+pub(crate) fn linear_bwd_weight<B: Backend>(
+    be: &B,
+    x: &B::Buf,
+    dy: &B::Buf,
+    w: &mut Param<B>,
+    rows: usize,
+) -> Result<()> {
+    let (din, dout) = (w.shape[0], w.shape[1]);
+    be.matmul(
+        x,
+        dy,
+        &mut w.grad,
+        Gemm::nn(din, rows, dout).trans_a().accumulate(),
+    )?;
+    Ok(())
+}

@@ -1,0 +1,105 @@
+//! RMSNorm with a learned gain: `y = x / rms(x) · g`.
+
+use super::{Stash, activation, gradient};
+use crate::model::{Param, Result};
+use crate::tensor::{Backend, DType};
+
+struct Saved<B: Backend> {
+    x: B::Buf,
+    rstd: B::Buf,
+    rows: usize,
+}
+
+/// RMSNorm over the last dimension of `[rows, dim]` activations.
+pub struct RmsNorm<B: Backend> {
+    pub weight: Param<B>,
+    eps: f32,
+    fwd: Stash<Saved<B>>,
+    /// What W needs: the forward's saved tensors and the output gradient.
+    for_w: Stash<(Saved<B>, B::Buf)>,
+}
+
+impl<B: Backend> RmsNorm<B> {
+    /// A norm named `name` (its gain is `{name}.weight`, initialised to 1).
+    pub fn new(be: &B, name: &str, dim: usize, eps: f32) -> Result<Self> {
+        let weight = Param::new(
+            be,
+            format!("{name}.weight"),
+            vec![dim],
+            &vec![1.0; dim],
+            false,
+        )?;
+        Ok(RmsNorm {
+            weight,
+            eps,
+            fwd: Stash::new(name),
+            for_w: Stash::new(name),
+        })
+    }
+
+    fn dim(&self) -> usize {
+        self.weight.shape[0]
+    }
+
+    /// `y = rmsnorm(x)` for `x: [rows, dim]`.
+    pub fn forward(&mut self, be: &B, mb: usize, x: &B::Buf, rows: usize) -> Result<B::Buf> {
+        let dim = self.dim();
+        let mut y = activation(be, rows * dim)?;
+        let mut rstd = be.zeros(rows, DType::F32)?;
+        be.rmsnorm_fwd(
+            x,
+            &self.weight.value,
+            &mut y,
+            &mut rstd,
+            rows,
+            dim,
+            self.eps,
+        )?;
+        self.fwd.put(
+            mb,
+            Saved {
+                x: be.dup(x)?,
+                rstd,
+                rows,
+            },
+        );
+        Ok(y)
+    }
+
+    /// I: `dx` from `dy`.
+    pub fn backward_input(&mut self, be: &B, mb: usize, dy: &B::Buf) -> Result<B::Buf> {
+        let s = self.fwd.take(mb, "backward_input", "forward")?;
+        let dim = self.dim();
+        let mut dx = gradient(be, s.rows * dim)?;
+        be.rmsnorm_bwd_input(&s.x, &self.weight.value, &s.rstd, dy, &mut dx, s.rows, dim)?;
+        self.for_w.put(mb, (s, be.dup(dy)?));
+        Ok(dx)
+    }
+
+    /// W: accumulates the gain's gradient.
+    pub fn backward_weight(&mut self, be: &B, mb: usize) -> Result<()> {
+        let (s, dy) = self.for_w.take(mb, "backward_weight", "backward_input")?;
+        let dim = self.dim();
+        be.rmsnorm_bwd_weight(&s.x, &s.rstd, &dy, &mut self.weight.grad, s.rows, dim)?;
+        Ok(())
+    }
+
+    /// Drops whatever is stashed for `mb`.
+    pub fn discard(&mut self, mb: usize) {
+        self.fwd.remove(mb);
+        self.for_w.remove(mb);
+    }
+
+    /// Micro-batches with something stashed.
+    pub fn stashed(&self) -> usize {
+        self.fwd.len() + self.for_w.len()
+    }
+
+    pub fn params(&self) -> Vec<&Param<B>> {
+        vec![&self.weight]
+    }
+
+    pub fn params_mut(&mut self) -> Vec<&mut Param<B>> {
+        vec![&mut self.weight]
+    }
+}

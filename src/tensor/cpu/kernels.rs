@@ -1,0 +1,331 @@
+//! The CPU kernels, on plain `f32` slices: one function per backend operation that is not a
+//! matrix product. Shapes are checked by the caller ([`super::CpuBackend`]); these functions
+//! only compute, so they are also the readable definition of each operation.
+//!
+//! Row-independent kernels take a `par` flag: when set they split rows over the current rayon
+//! pool (the backend installs its own pool first), otherwise they stay on the caller's thread.
+
+use rayon::prelude::*;
+
+use crate::tensor::{Activation, AdamWStep, AttnShape, IGNORE_TARGET};
+
+/// Runs `f(row_index, row)` over the `width`-wide rows of `data`, in parallel when `par`.
+fn for_rows(par: bool, data: &mut [f32], width: usize, f: impl Fn(usize, &mut [f32]) + Sync) {
+    if width == 0 {
+        return;
+    }
+    if par {
+        data.par_chunks_mut(width)
+            .enumerate()
+            .for_each(|(r, row)| f(r, row));
+    } else {
+        data.chunks_mut(width)
+            .enumerate()
+            .for_each(|(r, row)| f(r, row));
+    }
+}
+
+const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+const GELU_C: f32 = 0.044_715;
+
+fn gelu(x: f32) -> f32 {
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + GELU_C * x * x * x)).tanh())
+}
+
+fn gelu_grad(x: f32) -> f32 {
+    let u = SQRT_2_OVER_PI * (x + GELU_C * x * x * x);
+    let t = u.tanh();
+    let du = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_C * x * x);
+    0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du
+}
+
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+pub fn activation_fwd(act: Activation, x: &[f32], out: &mut [f32]) {
+    match act {
+        Activation::Gelu => out.iter_mut().zip(x).for_each(|(o, &x)| *o = gelu(x)),
+        Activation::Silu => out
+            .iter_mut()
+            .zip(x)
+            .for_each(|(o, &x)| *o = x * sigmoid(x)),
+    }
+}
+
+pub fn activation_bwd(act: Activation, x: &[f32], dy: &[f32], dx: &mut [f32]) {
+    let grad: fn(f32) -> f32 = match act {
+        Activation::Gelu => gelu_grad,
+        Activation::Silu => |x| {
+            let s = sigmoid(x);
+            s * (1.0 + x * (1.0 - s))
+        },
+    };
+    for ((d, &x), &g) in dx.iter_mut().zip(x).zip(dy) {
+        *d = g * grad(x);
+    }
+}
+
+/// Numerically stable softmax of one row, in place.
+fn softmax_in_place(row: &mut [f32]) {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0;
+    for v in row.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    let inv = 1.0 / sum;
+    row.iter_mut().for_each(|v| *v *= inv);
+}
+
+pub fn softmax_rows(par: bool, x: &[f32], out: &mut [f32], cols: usize) {
+    for_rows(par, out, cols, |r, row| {
+        row.copy_from_slice(&x[r * cols..(r + 1) * cols]);
+        softmax_in_place(row);
+    });
+}
+
+pub fn rmsnorm_fwd(par: bool, x: &[f32], w: &[f32], out: &mut [f32], rstd: &mut [f32], eps: f32) {
+    let dim = w.len();
+    for_rows(par, out, dim, |r, row| {
+        let xr = &x[r * dim..(r + 1) * dim];
+        let ms = xr.iter().map(|v| v * v).sum::<f32>() / dim as f32;
+        let s = 1.0 / (ms + eps).sqrt();
+        for ((o, &xv), &wv) in row.iter_mut().zip(xr).zip(w) {
+            *o = xv * s * wv;
+        }
+    });
+    // rstd is recomputed row by row (cheap) rather than shared across threads.
+    for (r, s) in rstd.iter_mut().enumerate() {
+        let xr = &x[r * dim..(r + 1) * dim];
+        let ms = xr.iter().map(|v| v * v).sum::<f32>() / dim as f32;
+        *s = 1.0 / (ms + eps).sqrt();
+    }
+}
+
+pub fn rmsnorm_bwd_input(
+    par: bool,
+    x: &[f32],
+    w: &[f32],
+    rstd: &[f32],
+    dy: &[f32],
+    dx: &mut [f32],
+) {
+    let dim = w.len();
+    for_rows(par, dx, dim, |r, row| {
+        let xr = &x[r * dim..(r + 1) * dim];
+        let dyr = &dy[r * dim..(r + 1) * dim];
+        let s = rstd[r];
+        // mean(g·n) with g = dy·w, n = x·rstd
+        let dot = xr
+            .iter()
+            .zip(dyr)
+            .zip(w)
+            .map(|((&xv, &d), &wv)| d * wv * xv * s)
+            .sum::<f32>()
+            / dim as f32;
+        for (((o, &xv), &d), &wv) in row.iter_mut().zip(xr).zip(dyr).zip(w) {
+            *o = s * (d * wv - xv * s * dot);
+        }
+    });
+}
+
+pub fn rmsnorm_bwd_weight(x: &[f32], rstd: &[f32], dy: &[f32], dw: &mut [f32]) {
+    let dim = dw.len();
+    for (r, &s) in rstd.iter().enumerate() {
+        let xr = &x[r * dim..(r + 1) * dim];
+        let dyr = &dy[r * dim..(r + 1) * dim];
+        for ((g, &xv), &d) in dw.iter_mut().zip(xr).zip(dyr) {
+            *g += d * xv * s;
+        }
+    }
+}
+
+/// Index of element `(b, t, h, e)` in a `[batch, seq, heads, head_dim]` tensor.
+fn at(s: &AttnShape, b: usize, t: usize, h: usize) -> usize {
+    ((b * s.seq + t) * s.heads + h) * s.head_dim
+}
+
+pub fn attention_fwd(
+    par: bool,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    out: &mut [f32],
+    probs: &mut [f32],
+    s: AttnShape,
+) {
+    let (t_len, dh) = (s.seq, s.head_dim);
+    let scale = 1.0 / (dh as f32).sqrt();
+    // One (batch, head) pair per probs block; each returns its [seq, head_dim] output,
+    // scattered into the interleaved layout afterwards (the blocks are strided in `out`).
+    let pair = |bh: usize, p: &mut [f32]| -> Vec<f32> {
+        let (b, h) = (bh / s.heads, bh % s.heads);
+        let mut o = vec![0.0f32; t_len * dh];
+        for i in 0..t_len {
+            let qi = &q[at(&s, b, i, h)..][..dh];
+            let row = &mut p[i * t_len..(i + 1) * t_len];
+            for (j, pj) in row.iter_mut().enumerate().take(i + 1) {
+                let kj = &k[at(&s, b, j, h)..][..dh];
+                *pj = qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * scale;
+            }
+            softmax_in_place(&mut row[..=i]);
+            row[i + 1..].iter_mut().for_each(|x| *x = 0.0);
+            let oi = &mut o[i * dh..(i + 1) * dh];
+            for (j, &pj) in row.iter().enumerate().take(i + 1) {
+                let vj = &v[at(&s, b, j, h)..][..dh];
+                oi.iter_mut().zip(vj).for_each(|(o, &v)| *o += pj * v);
+            }
+        }
+        o
+    };
+    let block = t_len * t_len;
+    let outs: Vec<Vec<f32>> = if par {
+        probs
+            .par_chunks_mut(block.max(1))
+            .enumerate()
+            .map(|(bh, p)| pair(bh, p))
+            .collect()
+    } else {
+        probs
+            .chunks_mut(block.max(1))
+            .enumerate()
+            .map(|(bh, p)| pair(bh, p))
+            .collect()
+    };
+    for (bh, o) in outs.iter().enumerate() {
+        let (b, h) = (bh / s.heads, bh % s.heads);
+        for i in 0..t_len {
+            out[at(&s, b, i, h)..][..dh].copy_from_slice(&o[i * dh..(i + 1) * dh]);
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn attention_bwd(
+    par: bool,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    probs: &[f32],
+    d_out: &[f32],
+    dq: &mut [f32],
+    dk: &mut [f32],
+    dv: &mut [f32],
+    s: AttnShape,
+) {
+    let (t_len, dh) = (s.seq, s.head_dim);
+    let scale = 1.0 / (dh as f32).sqrt();
+    let pair = |bh: usize| -> [Vec<f32>; 3] {
+        let (b, h) = (bh / s.heads, bh % s.heads);
+        let p = &probs[bh * t_len * t_len..(bh + 1) * t_len * t_len];
+        let (mut gq, mut gk, mut gv) = (
+            vec![0.0f32; t_len * dh],
+            vec![0.0f32; t_len * dh],
+            vec![0.0f32; t_len * dh],
+        );
+        let mut dp = vec![0.0f32; t_len];
+        for i in 0..t_len {
+            let doi = &d_out[at(&s, b, i, h)..][..dh];
+            let pi = &p[i * t_len..(i + 1) * t_len];
+            // dP[i, j] = dO_i · V_j; dV_j += P[i, j] dO_i
+            for j in 0..=i {
+                let vj = &v[at(&s, b, j, h)..][..dh];
+                dp[j] = doi.iter().zip(vj).map(|(a, b)| a * b).sum();
+                gv[j * dh..(j + 1) * dh]
+                    .iter_mut()
+                    .zip(doi)
+                    .for_each(|(g, &d)| *g += pi[j] * d);
+            }
+            let dot: f32 = (0..=i).map(|j| dp[j] * pi[j]).sum();
+            let qi = &q[at(&s, b, i, h)..][..dh];
+            for j in 0..=i {
+                let ds = pi[j] * (dp[j] - dot) * scale;
+                let kj = &k[at(&s, b, j, h)..][..dh];
+                gq[i * dh..(i + 1) * dh]
+                    .iter_mut()
+                    .zip(kj)
+                    .for_each(|(g, &kv)| *g += ds * kv);
+                gk[j * dh..(j + 1) * dh]
+                    .iter_mut()
+                    .zip(qi)
+                    .for_each(|(g, &qv)| *g += ds * qv);
+            }
+        }
+        [gq, gk, gv]
+    };
+    let pairs = s.batch * s.heads;
+    let grads: Vec<[Vec<f32>; 3]> = if par {
+        (0..pairs).into_par_iter().map(pair).collect()
+    } else {
+        (0..pairs).map(pair).collect()
+    };
+    for (bh, [gq, gk, gv]) in grads.iter().enumerate() {
+        let (b, h) = (bh / s.heads, bh % s.heads);
+        for i in 0..t_len {
+            let o = at(&s, b, i, h);
+            dq[o..o + dh].copy_from_slice(&gq[i * dh..(i + 1) * dh]);
+            dk[o..o + dh].copy_from_slice(&gk[i * dh..(i + 1) * dh]);
+            dv[o..o + dh].copy_from_slice(&gv[i * dh..(i + 1) * dh]);
+        }
+    }
+}
+
+/// Returns `(Σ loss, counted rows)`; targets were checked by the caller.
+pub fn cross_entropy_fwd(
+    par: bool,
+    logits: &[f32],
+    targets: &[u32],
+    probs: &mut [f32],
+    vocab: usize,
+) -> (f32, usize) {
+    softmax_rows(par, logits, probs, vocab);
+    let mut sum = 0.0f64;
+    let mut count = 0;
+    for (r, &t) in targets.iter().enumerate() {
+        if t == IGNORE_TARGET {
+            continue;
+        }
+        // log-softmax from the logits, for accuracy when the probability underflows.
+        let row = &logits[r * vocab..(r + 1) * vocab];
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let lse = row.iter().map(|&x| (x - max).exp()).sum::<f32>().ln() + max;
+        sum += f64::from(lse - row[t as usize]);
+        count += 1;
+    }
+    (sum as f32, count)
+}
+
+pub fn cross_entropy_bwd(
+    probs: &[f32],
+    targets: &[u32],
+    dlogits: &mut [f32],
+    vocab: usize,
+    scale: f32,
+) {
+    for (r, &t) in targets.iter().enumerate() {
+        let out = &mut dlogits[r * vocab..(r + 1) * vocab];
+        if t == IGNORE_TARGET {
+            out.fill(0.0);
+            continue;
+        }
+        let p = &probs[r * vocab..(r + 1) * vocab];
+        out.iter_mut().zip(p).for_each(|(o, &p)| *o = scale * p);
+        out[t as usize] -= scale;
+    }
+}
+
+/// AdamW on `f32` slices: updates `p` (the master copy when one exists), `m` and `v`.
+pub fn adamw(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], hp: &AdamWStep) {
+    let t = hp.step.max(1) as i32;
+    let bc1 = 1.0 - hp.beta1.powi(t);
+    let bc2 = 1.0 - hp.beta2.powi(t);
+    for i in 0..p.len() {
+        let gi = g[i] * hp.grad_scale;
+        m[i] = hp.beta1 * m[i] + (1.0 - hp.beta1) * gi;
+        v[i] = hp.beta2 * v[i] + (1.0 - hp.beta2) * gi * gi;
+        let mhat = m[i] / bc1;
+        let vhat = v[i] / bc2;
+        p[i] -= hp.lr * (mhat / (vhat.sqrt() + hp.eps) + hp.weight_decay * p[i]);
+    }
+}

@@ -1,0 +1,694 @@
+//! The CPU backend: `f32` arithmetic, matrix products by `gemm`, optional `bf16` storage.
+//!
+//! Threading is explicit because the runtime's virtual clock times each action by the CPU
+//! time of the thread that ran it: [`CpuBackend::new`]`(1)` computes on the caller's thread
+//! only (gemm `Parallelism::None`, serial kernels); `new(n > 1)` owns a rayon pool of `n`
+//! threads and runs every operation inside it (`pool.install` + `Parallelism::Rayon`), so it
+//! never competes with the global rayon pool.
+
+mod kernels;
+#[cfg(test)]
+mod tests;
+
+use std::borrow::Cow;
+use std::sync::Arc;
+
+use gemm::Parallelism;
+use half::bf16;
+
+use super::{
+    Activation, AdamWStep, AttnShape, Backend, BatchedGemm, DType, Gemm, IGNORE_TARGET, Result,
+    TensorError,
+};
+
+/// A CPU buffer: a vector of `f32`, or of `bf16` widened on read.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CpuBuf(Storage);
+
+#[derive(Clone, Debug, PartialEq)]
+enum Storage {
+    F32(Vec<f32>),
+    Bf16(Vec<bf16>),
+}
+
+impl CpuBuf {
+    fn len(&self) -> usize {
+        match &self.0 {
+            Storage::F32(v) => v.len(),
+            Storage::Bf16(v) => v.len(),
+        }
+    }
+
+    /// The values as `f32`: borrowed for `f32` storage, widened for `bf16`.
+    fn read(&self) -> Cow<'_, [f32]> {
+        match &self.0 {
+            Storage::F32(v) => Cow::Borrowed(v),
+            Storage::Bf16(v) => Cow::Owned(v.iter().map(|x| x.to_f32()).collect()),
+        }
+    }
+
+    /// Runs `f` on the values as a mutable `f32` slice, rounding back for `bf16` storage.
+    fn write<R>(&mut self, f: impl FnOnce(&mut [f32]) -> R) -> R {
+        match &mut self.0 {
+            Storage::F32(v) => f(v),
+            Storage::Bf16(v) => {
+                let mut wide: Vec<f32> = v.iter().map(|x| x.to_f32()).collect();
+                let r = f(&mut wide);
+                v.iter_mut()
+                    .zip(&wide)
+                    .for_each(|(d, &s)| *d = bf16::from_f32(s));
+                r
+            }
+        }
+    }
+}
+
+/// The CPU backend. Cheap to clone (the thread pool is shared).
+#[derive(Clone)]
+pub struct CpuBackend {
+    threads: usize,
+    pool: Option<Arc<rayon::ThreadPool>>,
+    storage: DType,
+}
+
+impl std::fmt::Debug for CpuBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CpuBackend")
+            .field("threads", &self.threads)
+            .field("storage", &self.storage)
+            .finish()
+    }
+}
+
+impl CpuBackend {
+    /// A backend computing on `threads` threads (0 is taken as 1). With 1 every operation
+    /// runs on the caller's thread; otherwise on a private rayon pool of that size.
+    pub fn new(threads: usize) -> Result<Self> {
+        let threads = threads.max(1);
+        let pool = if threads > 1 {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .thread_name(|i| format!("pipefill-cpu-{i}"))
+                .build()
+                .map_err(|e| TensorError::Device(format!("cannot start {threads} threads: {e}")))?;
+            Some(Arc::new(pool))
+        } else {
+            None
+        };
+        Ok(CpuBackend {
+            threads,
+            pool,
+            storage: DType::F32,
+        })
+    }
+
+    /// The same backend, asking the model to store parameters and activations as `dtype`.
+    pub fn with_storage(mut self, dtype: DType) -> Self {
+        self.storage = dtype;
+        self
+    }
+
+    /// Number of compute threads.
+    pub fn threads(&self) -> usize {
+        self.threads
+    }
+
+    /// Runs `f` inside the backend's pool (or right here when single-threaded); `f` gets
+    /// whether it may split work across threads.
+    fn run<R: Send>(&self, f: impl FnOnce(bool) -> R + Send) -> R {
+        match &self.pool {
+            Some(pool) => pool.install(|| f(true)),
+            None => f(false),
+        }
+    }
+
+    fn parallelism(&self) -> Parallelism {
+        if self.threads > 1 {
+            Parallelism::Rayon(self.threads)
+        } else {
+            Parallelism::None
+        }
+    }
+}
+
+/// Checks that `buf` has `expected` elements.
+fn check(op: &'static str, operand: &'static str, buf: &CpuBuf, expected: usize) -> Result<()> {
+    if buf.len() == expected {
+        Ok(())
+    } else {
+        Err(TensorError::Shape {
+            op,
+            operand,
+            expected,
+            got: buf.len(),
+        })
+    }
+}
+
+/// Checks that `buf` has at least `expected` elements.
+fn check_at_least(
+    op: &'static str,
+    operand: &'static str,
+    buf: &CpuBuf,
+    expected: usize,
+) -> Result<()> {
+    if buf.len() >= expected {
+        Ok(())
+    } else {
+        Err(TensorError::Shape {
+            op,
+            operand,
+            expected,
+            got: buf.len(),
+        })
+    }
+}
+
+/// Checks that every id is `< vocab` (targets may also be [`IGNORE_TARGET`]).
+fn check_ids(op: &'static str, ids: &[u32], vocab: usize, allow_ignore: bool) -> Result<()> {
+    match ids
+        .iter()
+        .position(|&id| id as usize >= vocab && !(allow_ignore && id == IGNORE_TARGET))
+    {
+        None => Ok(()),
+        Some(position) => Err(TensorError::IdOutOfRange {
+            op,
+            id: ids[position],
+            position,
+            vocab,
+        }),
+    }
+}
+
+/// `c (+)= op(a)·op(b)` on slices with gemm; lengths were checked by the caller.
+fn gemm_slices(a: &[f32], b: &[f32], c: &mut [f32], g: Gemm, par: Parallelism) {
+    let Gemm {
+        m,
+        k,
+        n,
+        trans_a,
+        trans_b,
+        accumulate,
+    } = g;
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            c.fill(0.0);
+        }
+        return;
+    }
+    // Row-major strides (column stride, row stride) of op(A) [m,k] and op(B) [k,n].
+    let (a_cs, a_rs) = if trans_a {
+        (m as isize, 1)
+    } else {
+        (1, k as isize)
+    };
+    let (b_cs, b_rs) = if trans_b {
+        (k as isize, 1)
+    } else {
+        (1, n as isize)
+    };
+    // SAFETY: the caller checked a.len() ≥ m·k, b.len() ≥ k·n, c.len() ≥ m·n, so every
+    // index gemm forms from these strides is in bounds; `c` is exclusively borrowed.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            c.as_mut_ptr(),
+            1,
+            n as isize,
+            accumulate,
+            a.as_ptr(),
+            a_cs,
+            a_rs,
+            b.as_ptr(),
+            b_cs,
+            b_rs,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            par,
+        );
+    }
+}
+
+impl Backend for CpuBackend {
+    type Buf = CpuBuf;
+
+    fn name(&self) -> String {
+        format!(
+            "cpu ({} thread{})",
+            self.threads,
+            if self.threads == 1 { "" } else { "s" }
+        )
+    }
+
+    fn storage_dtype(&self) -> DType {
+        self.storage
+    }
+
+    fn zeros(&self, len: usize, dtype: DType) -> Result<CpuBuf> {
+        Ok(CpuBuf(match dtype {
+            DType::F32 => Storage::F32(vec![0.0; len]),
+            DType::Bf16 => Storage::Bf16(vec![bf16::ZERO; len]),
+        }))
+    }
+
+    fn from_host(&self, data: &[f32], dtype: DType) -> Result<CpuBuf> {
+        Ok(CpuBuf(match dtype {
+            DType::F32 => Storage::F32(data.to_vec()),
+            DType::Bf16 => Storage::Bf16(data.iter().map(|&x| bf16::from_f32(x)).collect()),
+        }))
+    }
+
+    fn to_host(&self, buf: &CpuBuf) -> Result<Vec<f32>> {
+        Ok(buf.read().into_owned())
+    }
+
+    fn len(&self, buf: &CpuBuf) -> usize {
+        buf.len()
+    }
+
+    fn dtype(&self, buf: &CpuBuf) -> DType {
+        match buf.0 {
+            Storage::F32(_) => DType::F32,
+            Storage::Bf16(_) => DType::Bf16,
+        }
+    }
+
+    fn copy(&self, src: &CpuBuf, dst: &mut CpuBuf) -> Result<()> {
+        check("copy", "dst", dst, src.len())?;
+        match (&src.0, &mut dst.0) {
+            (Storage::F32(s), Storage::F32(d)) => d.copy_from_slice(s),
+            (Storage::Bf16(s), Storage::Bf16(d)) => d.copy_from_slice(s),
+            _ => {
+                let s = src.read();
+                dst.write(|d| d.copy_from_slice(&s));
+            }
+        }
+        Ok(())
+    }
+
+    fn fill(&self, buf: &mut CpuBuf, value: f32) -> Result<()> {
+        buf.write(|d| d.fill(value));
+        Ok(())
+    }
+
+    fn matmul(&self, a: &CpuBuf, b: &CpuBuf, c: &mut CpuBuf, g: Gemm) -> Result<()> {
+        check("matmul", "a", a, g.m * g.k)?;
+        check("matmul", "b", b, g.k * g.n)?;
+        check("matmul", "c", c, g.m * g.n)?;
+        let (a, b) = (a.read(), b.read());
+        let par = self.parallelism();
+        self.run(|_| c.write(|c| gemm_slices(&a, &b, c, g, par)));
+        Ok(())
+    }
+
+    fn matmul_batched(&self, a: &CpuBuf, b: &CpuBuf, c: &mut CpuBuf, g: BatchedGemm) -> Result<()> {
+        const OP: &str = "matmul_batched";
+        let BatchedGemm {
+            gemm: gm,
+            batch,
+            stride_a,
+            stride_b,
+            stride_c,
+        } = g;
+        if batch == 0 {
+            return Ok(());
+        }
+        let last = batch - 1;
+        for (name, buf, stride, size) in [
+            ("a", a, stride_a, gm.m * gm.k),
+            ("b", b, stride_b, gm.k * gm.n),
+            ("c", &*c, stride_c, gm.m * gm.n),
+        ] {
+            let need = last * stride + size;
+            if buf.len() < need {
+                return Err(TensorError::Shape {
+                    op: OP,
+                    operand: name,
+                    expected: need,
+                    got: buf.len(),
+                });
+            }
+        }
+        if stride_c == 0 && batch > 1 && !gm.accumulate {
+            return Err(TensorError::Invalid {
+                op: OP,
+                reason: "stride_c = 0 overwrites one output with every product; set accumulate"
+                    .into(),
+            });
+        }
+        let (a, b) = (a.read(), b.read());
+        let par = self.parallelism();
+        self.run(|_| {
+            c.write(|c| {
+                for i in 0..batch {
+                    gemm_slices(
+                        &a[i * stride_a..],
+                        &b[i * stride_b..],
+                        &mut c[i * stride_c..],
+                        gm,
+                        par,
+                    );
+                }
+            })
+        });
+        Ok(())
+    }
+
+    fn add(&self, a: &CpuBuf, b: &CpuBuf, out: &mut CpuBuf) -> Result<()> {
+        check("add", "b", b, a.len())?;
+        check("add", "out", out, a.len())?;
+        let (a, b) = (a.read(), b.read());
+        out.write(|o| {
+            o.iter_mut()
+                .zip(a.iter().zip(b.iter()))
+                .for_each(|(o, (x, y))| *o = x + y)
+        });
+        Ok(())
+    }
+
+    fn axpy(&self, alpha: f32, src: &CpuBuf, dst: &mut CpuBuf) -> Result<()> {
+        check("axpy", "dst", dst, src.len())?;
+        let s = src.read();
+        dst.write(|d| {
+            d.iter_mut()
+                .zip(s.iter())
+                .for_each(|(d, &s)| *d += alpha * s)
+        });
+        Ok(())
+    }
+
+    fn scale(&self, buf: &mut CpuBuf, alpha: f32) -> Result<()> {
+        buf.write(|d| d.iter_mut().for_each(|x| *x *= alpha));
+        Ok(())
+    }
+
+    fn activation_fwd(&self, act: Activation, x: &CpuBuf, out: &mut CpuBuf) -> Result<()> {
+        check("activation_fwd", "out", out, x.len())?;
+        let x = x.read();
+        out.write(|o| kernels::activation_fwd(act, &x, o));
+        Ok(())
+    }
+
+    fn activation_bwd(
+        &self,
+        act: Activation,
+        x: &CpuBuf,
+        dy: &CpuBuf,
+        dx: &mut CpuBuf,
+    ) -> Result<()> {
+        check("activation_bwd", "dy", dy, x.len())?;
+        check("activation_bwd", "dx", dx, x.len())?;
+        let (x, dy) = (x.read(), dy.read());
+        dx.write(|d| kernels::activation_bwd(act, &x, &dy, d));
+        Ok(())
+    }
+
+    fn softmax_rows(&self, x: &CpuBuf, out: &mut CpuBuf, rows: usize, cols: usize) -> Result<()> {
+        check("softmax_rows", "x", x, rows * cols)?;
+        check("softmax_rows", "out", out, rows * cols)?;
+        let x = x.read();
+        self.run(|par| out.write(|o| kernels::softmax_rows(par, &x, o, cols)));
+        Ok(())
+    }
+
+    fn rmsnorm_fwd(
+        &self,
+        x: &CpuBuf,
+        weight: &CpuBuf,
+        out: &mut CpuBuf,
+        rstd: &mut CpuBuf,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+    ) -> Result<()> {
+        const OP: &str = "rmsnorm_fwd";
+        check(OP, "x", x, rows * dim)?;
+        check(OP, "weight", weight, dim)?;
+        check(OP, "out", out, rows * dim)?;
+        check(OP, "rstd", rstd, rows)?;
+        let (x, w) = (x.read(), weight.read());
+        self.run(|par| out.write(|o| rstd.write(|r| kernels::rmsnorm_fwd(par, &x, &w, o, r, eps))));
+        Ok(())
+    }
+
+    fn rmsnorm_bwd_input(
+        &self,
+        x: &CpuBuf,
+        weight: &CpuBuf,
+        rstd: &CpuBuf,
+        dy: &CpuBuf,
+        dx: &mut CpuBuf,
+        rows: usize,
+        dim: usize,
+    ) -> Result<()> {
+        const OP: &str = "rmsnorm_bwd_input";
+        check(OP, "x", x, rows * dim)?;
+        check(OP, "weight", weight, dim)?;
+        check(OP, "rstd", rstd, rows)?;
+        check(OP, "dy", dy, rows * dim)?;
+        check(OP, "dx", dx, rows * dim)?;
+        let (x, w, r, dy) = (x.read(), weight.read(), rstd.read(), dy.read());
+        self.run(|par| dx.write(|d| kernels::rmsnorm_bwd_input(par, &x, &w, &r, &dy, d)));
+        Ok(())
+    }
+
+    fn rmsnorm_bwd_weight(
+        &self,
+        x: &CpuBuf,
+        rstd: &CpuBuf,
+        dy: &CpuBuf,
+        dweight: &mut CpuBuf,
+        rows: usize,
+        dim: usize,
+    ) -> Result<()> {
+        const OP: &str = "rmsnorm_bwd_weight";
+        check(OP, "x", x, rows * dim)?;
+        check(OP, "rstd", rstd, rows)?;
+        check(OP, "dy", dy, rows * dim)?;
+        check(OP, "dweight", dweight, dim)?;
+        let (x, r, dy) = (x.read(), rstd.read(), dy.read());
+        dweight.write(|d| kernels::rmsnorm_bwd_weight(&x, &r, &dy, d));
+        Ok(())
+    }
+
+    fn attention_fwd(
+        &self,
+        q: &CpuBuf,
+        k: &CpuBuf,
+        v: &CpuBuf,
+        out: &mut CpuBuf,
+        probs: &mut CpuBuf,
+        shape: AttnShape,
+    ) -> Result<()> {
+        const OP: &str = "attention_fwd";
+        check_attn(OP, shape)?;
+        let n = shape.qkv_len();
+        check(OP, "q", q, n)?;
+        check(OP, "k", k, n)?;
+        check(OP, "v", v, n)?;
+        check(OP, "out", out, n)?;
+        check(OP, "probs", probs, shape.probs_len())?;
+        let (q, k, v) = (q.read(), k.read(), v.read());
+        self.run(|par| {
+            out.write(|o| probs.write(|p| kernels::attention_fwd(par, &q, &k, &v, o, p, shape)))
+        });
+        Ok(())
+    }
+
+    fn attention_bwd(
+        &self,
+        q: &CpuBuf,
+        k: &CpuBuf,
+        v: &CpuBuf,
+        probs: &CpuBuf,
+        d_out: &CpuBuf,
+        dq: &mut CpuBuf,
+        dk: &mut CpuBuf,
+        dv: &mut CpuBuf,
+        shape: AttnShape,
+    ) -> Result<()> {
+        const OP: &str = "attention_bwd";
+        check_attn(OP, shape)?;
+        let n = shape.qkv_len();
+        for (name, buf) in [("q", q), ("k", k), ("v", v), ("d_out", d_out)] {
+            check(OP, name, buf, n)?;
+        }
+        check(OP, "probs", probs, shape.probs_len())?;
+        check(OP, "dq", dq, n)?;
+        check(OP, "dk", dk, n)?;
+        check(OP, "dv", dv, n)?;
+        let (q, k, v, p, d) = (q.read(), k.read(), v.read(), probs.read(), d_out.read());
+        self.run(|par| {
+            dq.write(|gq| {
+                dk.write(|gk| {
+                    dv.write(|gv| {
+                        kernels::attention_bwd(par, &q, &k, &v, &p, &d, gq, gk, gv, shape)
+                    })
+                })
+            })
+        });
+        Ok(())
+    }
+
+    fn embedding_fwd(
+        &self,
+        table: &CpuBuf,
+        ids: &[u32],
+        out: &mut CpuBuf,
+        dim: usize,
+    ) -> Result<()> {
+        const OP: &str = "embedding_fwd";
+        let vocab = if dim == 0 { 0 } else { table.len() / dim };
+        check(OP, "table", table, vocab * dim)?;
+        check(OP, "out", out, ids.len() * dim)?;
+        check_ids(OP, ids, vocab, false)?;
+        let t = table.read();
+        out.write(|o| {
+            for (row, &id) in o.chunks_mut(dim.max(1)).zip(ids) {
+                row.copy_from_slice(&t[id as usize * dim..][..dim]);
+            }
+        });
+        Ok(())
+    }
+
+    fn embedding_bwd(
+        &self,
+        ids: &[u32],
+        dy: &CpuBuf,
+        dtable: &mut CpuBuf,
+        dim: usize,
+    ) -> Result<()> {
+        const OP: &str = "embedding_bwd";
+        let vocab = if dim == 0 { 0 } else { dtable.len() / dim };
+        check(OP, "dtable", dtable, vocab * dim)?;
+        check(OP, "dy", dy, ids.len() * dim)?;
+        check_ids(OP, ids, vocab, false)?;
+        let dy = dy.read();
+        dtable.write(|t| {
+            for (row, &id) in dy.chunks(dim.max(1)).zip(ids) {
+                let dst = &mut t[id as usize * dim..][..dim];
+                dst.iter_mut().zip(row).for_each(|(d, &g)| *d += g);
+            }
+        });
+        Ok(())
+    }
+
+    fn add_broadcast_rows(
+        &self,
+        row: &CpuBuf,
+        dst: &mut CpuBuf,
+        batch: usize,
+        row_len: usize,
+    ) -> Result<()> {
+        const OP: &str = "add_broadcast_rows";
+        check(OP, "dst", dst, batch * row_len)?;
+        check_at_least(OP, "row", row, row_len)?;
+        let r = row.read();
+        let r = &r[..row_len];
+        dst.write(|d| {
+            for chunk in d.chunks_mut(row_len.max(1)) {
+                chunk.iter_mut().zip(r).for_each(|(d, &s)| *d += s);
+            }
+        });
+        Ok(())
+    }
+
+    fn sum_rows(&self, src: &CpuBuf, out: &mut CpuBuf, batch: usize, row_len: usize) -> Result<()> {
+        const OP: &str = "sum_rows";
+        check(OP, "src", src, batch * row_len)?;
+        check_at_least(OP, "out", out, row_len)?;
+        let s = src.read();
+        out.write(|o| {
+            for chunk in s.chunks(row_len.max(1)) {
+                o[..row_len]
+                    .iter_mut()
+                    .zip(chunk)
+                    .for_each(|(o, &s)| *o += s);
+            }
+        });
+        Ok(())
+    }
+
+    fn cross_entropy_fwd(
+        &self,
+        logits: &CpuBuf,
+        targets: &[u32],
+        probs: &mut CpuBuf,
+        vocab: usize,
+    ) -> Result<(f32, usize)> {
+        const OP: &str = "cross_entropy_fwd";
+        check(OP, "logits", logits, targets.len() * vocab)?;
+        check(OP, "probs", probs, targets.len() * vocab)?;
+        check_ids(OP, targets, vocab, true)?;
+        let l = logits.read();
+        Ok(self.run(|par| probs.write(|p| kernels::cross_entropy_fwd(par, &l, targets, p, vocab))))
+    }
+
+    fn cross_entropy_bwd(
+        &self,
+        probs: &CpuBuf,
+        targets: &[u32],
+        dlogits: &mut CpuBuf,
+        vocab: usize,
+        scale: f32,
+    ) -> Result<()> {
+        const OP: &str = "cross_entropy_bwd";
+        check(OP, "probs", probs, targets.len() * vocab)?;
+        check(OP, "dlogits", dlogits, targets.len() * vocab)?;
+        check_ids(OP, targets, vocab, true)?;
+        let p = probs.read();
+        dlogits.write(|d| kernels::cross_entropy_bwd(&p, targets, d, vocab, scale));
+        Ok(())
+    }
+
+    fn sum_squares(&self, x: &CpuBuf) -> Result<f64> {
+        Ok(x.read().iter().map(|&v| f64::from(v) * f64::from(v)).sum())
+    }
+
+    fn adamw_step(
+        &self,
+        param: &mut CpuBuf,
+        master: Option<&mut CpuBuf>,
+        grad: &CpuBuf,
+        m: &mut CpuBuf,
+        v: &mut CpuBuf,
+        hp: AdamWStep,
+    ) -> Result<()> {
+        const OP: &str = "adamw_step";
+        let n = param.len();
+        check(OP, "grad", grad, n)?;
+        check(OP, "m", m, n)?;
+        check(OP, "v", v, n)?;
+        let g = grad.read();
+        match master {
+            Some(master) => {
+                check(OP, "master", master, n)?;
+                master.write(|p| m.write(|m| v.write(|v| kernels::adamw(p, &g, m, v, &hp))));
+                self.copy(master, param)?;
+            }
+            None => param.write(|p| m.write(|m| v.write(|v| kernels::adamw(p, &g, m, v, &hp)))),
+        }
+        Ok(())
+    }
+}
+
+fn check_attn(op: &'static str, s: AttnShape) -> Result<()> {
+    if s.heads == 0 || s.head_dim == 0 {
+        return Err(TensorError::Invalid {
+            op,
+            reason: format!(
+                "heads ({}) and head_dim ({}) must be positive",
+                s.heads, s.head_dim
+            ),
+        });
+    }
+    Ok(())
+}
