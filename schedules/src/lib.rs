@@ -7,15 +7,21 @@
 //! - [`action`]: the action IR and its text form (PyTorch pipelining's grammar).
 //! - [`plan`]: per-rank action lists and the stage → rank placement.
 //! - [`timeline`]: cost model, spans, bubble slots and the metric definitions.
+//! - [`generators`]: the built-in schedules (GPipe, 1F1B, interleaved, looped BFS, ZB-H1/H2/V).
+//! - [`simulate`]: the discrete-event simulator that times a plan under a cost model.
 
 pub mod action;
 pub mod error;
+pub mod generators;
 pub mod memory;
 pub mod plan;
+pub mod simulate;
 pub mod timeline;
 
 pub use action::{Action, ActionKind, ParseActionError, StageMb};
 pub use error::{Result, ScheduleError};
+pub use generators::{ScheduleKind, build, generate};
 pub use memory::{peak_memory, rank_peak_memory};
 pub use plan::{Placement, Plan};
+pub use simulate::simulate;
 pub use timeline::{BubbleSlot, CostModel, RankStats, Span, StageCost, Timeline};

@@ -1,0 +1,209 @@
+//! The built-in schedule generators: each turns (ranks `p`, micro-batches `m`, chunks `v`)
+//! into a compute-only [`Plan`].
+//!
+//! One file per family: [`gpipe`], [`one_f_one_b`], [`interleaved`], [`looped_bfs`],
+//! [`zero_bubble`] (ZB-H1, ZB-H2) and [`zb_v`]. Each builds its published order directly
+//! (closed-form per-rank lists, no search), so generation is linear in the number of
+//! actions. Every generator states its constraints on `p`, `m` and `v` and answers
+//! [`ScheduleError::Unsupported`] outside them.
+
+pub mod gpipe;
+pub mod interleaved;
+pub mod looped_bfs;
+pub mod one_f_one_b;
+pub mod zb_v;
+pub mod zero_bubble;
+
+use std::fmt;
+use std::str::FromStr;
+
+use crate::error::{Result, ScheduleError};
+use crate::plan::Plan;
+
+/// The built-in schedule families.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ScheduleKind {
+    /// All forwards, then all backwards (one stage per rank).
+    GPipe,
+    /// One forward, one backward (PipeDream-flush / Megatron's default).
+    OneFOneB,
+    /// Megatron's interleaved 1F1B: `v` looped stages per rank.
+    Interleaved1F1B,
+    /// Breadth-first over looped stages: every micro-batch through a rank's chunk 0 first.
+    LoopedBfs,
+    /// Zero-bubble H1: 1F1B's memory, W deferred into the cool-down.
+    ZbH1,
+    /// Zero-bubble H2: more warm-up forwards, zero steady bubble when T_F + T_I ≤ 2 T_W.
+    ZbH2,
+    /// Zero-bubble V: two V-placed stages per rank, 1F1B's memory, zero steady bubble.
+    ZbV,
+}
+
+impl ScheduleKind {
+    /// Every built-in kind, in the order reports list them.
+    pub const ALL: [ScheduleKind; 7] = [
+        ScheduleKind::GPipe,
+        ScheduleKind::OneFOneB,
+        ScheduleKind::Interleaved1F1B,
+        ScheduleKind::LoopedBfs,
+        ScheduleKind::ZbH1,
+        ScheduleKind::ZbH2,
+        ScheduleKind::ZbV,
+    ];
+
+    /// The kind's name on the command line and in files.
+    pub fn name(self) -> &'static str {
+        match self {
+            ScheduleKind::GPipe => "gpipe",
+            ScheduleKind::OneFOneB => "1f1b",
+            ScheduleKind::Interleaved1F1B => "interleaved-1f1b",
+            ScheduleKind::LoopedBfs => "looped-bfs",
+            ScheduleKind::ZbH1 => "zb-h1",
+            ScheduleKind::ZbH2 => "zb-h2",
+            ScheduleKind::ZbV => "zb-v",
+        }
+    }
+
+    /// Stages per rank used when the caller does not choose: 2 for the multi-chunk
+    /// families (interleaved-1f1b, looped-bfs, zb-v), 1 otherwise.
+    pub fn default_chunks(self) -> usize {
+        match self {
+            ScheduleKind::Interleaved1F1B | ScheduleKind::LoopedBfs | ScheduleKind::ZbV => 2,
+            _ => 1,
+        }
+    }
+}
+
+impl fmt::Display for ScheduleKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for ScheduleKind {
+    type Err = ScheduleError;
+
+    fn from_str(s: &str) -> Result<Self> {
+        let t = s.trim().to_ascii_lowercase();
+        ScheduleKind::ALL
+            .into_iter()
+            .find(|k| k.name() == t)
+            .ok_or_else(|| ScheduleError::UnknownSchedule(s.to_string()))
+    }
+}
+
+/// Builds the compute-only plan of `kind` for `ranks` ranks, `microbatches` micro-batches
+/// and `chunks` stages per rank.
+pub fn generate(
+    kind: ScheduleKind,
+    ranks: usize,
+    microbatches: usize,
+    chunks: usize,
+) -> Result<Plan> {
+    match kind {
+        ScheduleKind::GPipe => gpipe::generate(ranks, microbatches, chunks),
+        ScheduleKind::OneFOneB => one_f_one_b::generate(ranks, microbatches, chunks),
+        ScheduleKind::Interleaved1F1B => interleaved::generate(ranks, microbatches, chunks),
+        ScheduleKind::LoopedBfs => looped_bfs::generate(ranks, microbatches, chunks),
+        ScheduleKind::ZbH1 => zero_bubble::generate_h1(ranks, microbatches, chunks),
+        ScheduleKind::ZbH2 => zero_bubble::generate_h2(ranks, microbatches, chunks),
+        ScheduleKind::ZbV => zb_v::generate(ranks, microbatches, chunks),
+    }
+}
+
+/// [`generate`], then [`crate::lower`]: the plan with SEND/RECV for every cross-rank edge.
+pub fn build(kind: ScheduleKind, ranks: usize, microbatches: usize, chunks: usize) -> Result<Plan> {
+    let plan = generate(kind, ranks, microbatches, chunks)?;
+    Ok(plan)
+}
+
+/// Checks the parameters every generator shares: at least one rank and one micro-batch,
+/// stage and micro-batch numbers that fit the IR's `u32`, and (when `fixed_chunks` is
+/// given) the one number of chunks the family supports.
+fn check_common(
+    kind: ScheduleKind,
+    ranks: usize,
+    microbatches: usize,
+    chunks: usize,
+    fixed_chunks: Option<usize>,
+) -> Result<()> {
+    let unsupported = |reason: String| ScheduleError::Unsupported {
+        schedule: kind.name().to_string(),
+        reason,
+    };
+    if ranks == 0 {
+        return Err(unsupported("needs at least one rank (p = 0)".into()));
+    }
+    if microbatches == 0 {
+        return Err(unsupported("needs at least one micro-batch (m = 0)".into()));
+    }
+    if chunks == 0 {
+        return Err(unsupported(
+            "needs at least one stage per rank (v = 0)".into(),
+        ));
+    }
+    if let Some(v) = fixed_chunks
+        && chunks != v
+    {
+        return Err(unsupported(format!(
+            "places exactly {v} stage(s) per rank, not v = {chunks}"
+        )));
+    }
+    let too_big = |n: usize| u32::try_from(n).is_err();
+    if too_big(ranks.saturating_mul(chunks)) || too_big(microbatches) {
+        return Err(unsupported(format!(
+            "p × v = {ranks} × {chunks} stages or m = {microbatches} micro-batches exceed {}",
+            u32::MAX
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip() {
+        for kind in ScheduleKind::ALL {
+            assert_eq!(kind.name().parse::<ScheduleKind>().unwrap(), kind);
+            assert_eq!(kind.to_string(), kind.name());
+        }
+        assert_eq!(" ZB-V ".parse::<ScheduleKind>().unwrap(), ScheduleKind::ZbV);
+        assert!(matches!(
+            "2f2b".parse::<ScheduleKind>(),
+            Err(ScheduleError::UnknownSchedule(name)) if name == "2f2b"
+        ));
+    }
+
+    #[test]
+    fn default_chunks_match_the_families() {
+        let multi: Vec<_> = ScheduleKind::ALL
+            .into_iter()
+            .filter(|k| k.default_chunks() == 2)
+            .collect();
+        assert_eq!(
+            multi,
+            [
+                ScheduleKind::Interleaved1F1B,
+                ScheduleKind::LoopedBfs,
+                ScheduleKind::ZbV
+            ]
+        );
+    }
+
+    #[test]
+    fn zero_ranks_or_microbatches_are_unsupported_for_every_kind() {
+        for kind in ScheduleKind::ALL {
+            let v = kind.default_chunks();
+            for (p, m) in [(0, 4), (4, 0)] {
+                let err = generate(kind, p, m, v).unwrap_err();
+                assert!(
+                    matches!(&err, ScheduleError::Unsupported { schedule, .. } if schedule == kind.name()),
+                    "{kind} p={p} m={m}: {err}"
+                );
+            }
+            assert!(generate(kind, 4, 8, 0).is_err(), "{kind} accepted v = 0");
+        }
+    }
+}
