@@ -1,0 +1,138 @@
+//! `Profiler`: gathers every stage's reports and builds the measured timelines.
+//!
+//! Metrics are never computed here: the profiler turns measured spans into the same
+//! [`Timeline`] the simulator predicts, through [`Timeline::from_spans`], so measured and
+//! predicted figures share one definition and can be printed side by side.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use kameo::Actor;
+use kameo::actor::ActorRef;
+use kameo::error::Infallible;
+use kameo::message::{Context, Message};
+use pipefill_schedules::Timeline;
+use serde::{Deserialize, Serialize};
+
+use crate::filler::{BubbleSpan, FillerSpan};
+use crate::record::{ActionRecord, StageReport};
+use crate::stage::Measured;
+
+/// What was measured during one iteration, over every rank.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct IterationProfile {
+    pub iteration: u64,
+    /// Built from this iteration's spans only (its makespan runs from its own first start).
+    pub timeline: Timeline,
+    /// Every action record, sorted by rank then position in the rank's list.
+    pub records: Vec<ActionRecord>,
+    pub bubbles: Vec<BubbleSpan>,
+    pub fillers: Vec<FillerSpan>,
+    /// How many ranks reported this iteration.
+    pub ranks_reported: usize,
+}
+
+impl IterationProfile {
+    /// The records of one rank, in the order it ran them.
+    pub fn rank_records(&self, rank: usize) -> impl Iterator<Item = &ActionRecord> {
+        self.records.iter().filter(move |r| r.rank == rank)
+    }
+}
+
+/// Everything the profiler holds at the end of a run.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Profile {
+    pub iterations: Vec<IterationProfile>,
+    /// One timeline over all iterations: with overlapping iterations its steady bubble
+    /// ratio is the per-iteration cost of the pipeline.
+    pub overall: Timeline,
+}
+
+/// The profiler actor.
+pub struct Profiler {
+    ranks: usize,
+    peak_memory: Vec<f64>,
+    reports: BTreeMap<u64, Vec<Arc<StageReport>>>,
+}
+
+impl Profiler {
+    /// A profiler for `ranks` ranks; `peak_memory` (per rank, possibly empty) is copied into
+    /// the timelines' rank stats.
+    pub fn new(ranks: usize, peak_memory: Vec<f64>) -> Self {
+        Profiler {
+            ranks,
+            peak_memory,
+            reports: BTreeMap::new(),
+        }
+    }
+
+    /// Builds the profile of everything reported so far.
+    pub fn profile(&self) -> Profile {
+        let mut all_spans = Vec::new();
+        let iterations = self
+            .reports
+            .iter()
+            .map(|(&iteration, reports)| {
+                let mut reports: Vec<&StageReport> = reports.iter().map(Arc::as_ref).collect();
+                reports.sort_by_key(|r| r.rank);
+                let records: Vec<ActionRecord> = reports
+                    .iter()
+                    .flat_map(|r| r.records.iter().copied())
+                    .collect();
+                let spans: Vec<_> = records.iter().map(ActionRecord::span).collect();
+                all_spans.extend_from_slice(&spans);
+                IterationProfile {
+                    iteration,
+                    timeline: Timeline::from_spans(self.ranks, spans, &self.peak_memory),
+                    records,
+                    bubbles: reports
+                        .iter()
+                        .flat_map(|r| r.bubbles.iter().copied())
+                        .collect(),
+                    fillers: reports
+                        .iter()
+                        .flat_map(|r| r.fillers.iter().cloned())
+                        .collect(),
+                    ranks_reported: reports.len(),
+                }
+            })
+            .collect();
+        Profile {
+            iterations,
+            overall: Timeline::from_spans(self.ranks, all_spans, &self.peak_memory),
+        }
+    }
+}
+
+impl Actor for Profiler {
+    type Args = Self;
+    type Error = Infallible;
+
+    async fn on_start(args: Self::Args, _actor_ref: ActorRef<Self>) -> Result<Self, Self::Error> {
+        Ok(args)
+    }
+}
+
+impl Message<Measured> for Profiler {
+    type Reply = ();
+
+    async fn handle(&mut self, msg: Measured, _ctx: &mut Context<Self, Self::Reply>) {
+        self.reports.entry(msg.0.iteration).or_default().push(msg.0);
+    }
+}
+
+/// Asks the profiler for the [`Profile`] of everything reported so far.
+#[derive(Clone, Copy, Debug)]
+pub struct Collect;
+
+impl Message<Collect> for Profiler {
+    type Reply = Box<Profile>;
+
+    async fn handle(
+        &mut self,
+        _msg: Collect,
+        _ctx: &mut Context<Self, Self::Reply>,
+    ) -> Self::Reply {
+        Box::new(self.profile())
+    }
+}

@@ -1,0 +1,322 @@
+//! The entry point: [`Pipeline`] spawns the actors of one job, runs its iterations and
+//! returns a [`RunReport`]; [`run_iterations`] is the one-call form.
+//!
+//! The coordinator keeps `in_flight` iterations queued at every stage (two by default), so a
+//! rank starts iteration k+1 as soon as its own part of k is done, and dispatches the next
+//! iteration once every rank has finished one. The first stage failure stops the job: the
+//! transport is closed (waking every blocked receive), queued iterations are dropped, and
+//! the error names the rank, the action and the cause. A stage actor that dies without a
+//! report (a bug in the runtime itself) is noticed within 100 ms.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use kameo::actor::{ActorRef, Spawn};
+use kameo::mailbox;
+use pipefill_schedules::{CostModel, Plan, Timeline, peak_memory};
+use tokio::sync::mpsc::unbounded_channel;
+
+use crate::clock::Clock;
+use crate::compute::StageCompute;
+use crate::error::{Result, RuntimeError};
+use crate::filler::{BubbleFiller, NoFiller};
+use crate::profiler::{Collect, IterationProfile, Profiler};
+use crate::schedule::{Attach, Dispatch, Measurements, PlanSource, ScheduleActor};
+use crate::stage::{StageActor, StageEvent, StageWiring};
+use crate::transport::{InProcess, Transport};
+
+/// Everything a run measured.
+#[derive(Clone, Debug)]
+pub struct RunReport {
+    pub clock: Clock,
+    /// One profile per iteration, in order.
+    pub iterations: Vec<IterationProfile>,
+    /// One timeline over all iterations.
+    pub overall: Timeline,
+    /// Per-stage median costs (seconds), when every stage was measured.
+    pub measured_cost: Option<CostModel>,
+    /// The last plan run.
+    pub plan: Option<Arc<Plan>>,
+}
+
+impl RunReport {
+    /// A two-column table of `predicted` (from the simulator) next to the measured timeline
+    /// of `iteration`: makespan and both bubble ratios.
+    pub fn side_by_side(&self, iteration: usize, predicted: &Timeline) -> String {
+        let Some(m) = self.iterations.get(iteration).map(|i| &i.timeline) else {
+            return format!("no iteration {iteration} was measured\n");
+        };
+        let row = |name: &str, p: f64, m: f64| format!("{name:<20} {p:>12.6} {m:>12.6}\n");
+        let mut out = format!("{:<20} {:>12} {:>12}\n", "", "predicted", "measured");
+        out += &row("makespan", predicted.makespan, m.makespan);
+        out += &row("bubble ratio", predicted.bubble_ratio, m.bubble_ratio);
+        out += &row(
+            "steady bubble ratio",
+            predicted.steady_bubble_ratio,
+            m.steady_bubble_ratio,
+        );
+        out
+    }
+}
+
+/// A job: where plans come from, which clock, how many iterations.
+pub struct Pipeline {
+    source: PlanSource,
+    clock: Clock,
+    iterations: u64,
+    in_flight: u64,
+    cost_hint: Option<CostModel>,
+    memory_cost: CostModel,
+    fillers: Vec<Box<dyn BubbleFiller>>,
+}
+
+impl Pipeline {
+    pub fn new(source: PlanSource, clock: Clock) -> Self {
+        Pipeline {
+            source,
+            clock,
+            iterations: 1,
+            in_flight: 2,
+            cost_hint: None,
+            memory_cost: CostModel::default(),
+            fillers: Vec::new(),
+        }
+    }
+
+    /// Number of iterations to run (default 1).
+    pub fn iterations(mut self, n: u64) -> Self {
+        self.iterations = n;
+        self
+    }
+
+    /// Iterations queued at each stage at once (default 2: consecutive iterations overlap;
+    /// 1 puts a barrier between iterations).
+    pub fn in_flight(mut self, n: u64) -> Self {
+        self.in_flight = n.max(1);
+        self
+    }
+
+    /// Costs (seconds) to predict bubbles with before any are measured.
+    pub fn cost_hint(mut self, cost: CostModel) -> Self {
+        self.cost_hint = Some(cost);
+        self
+    }
+
+    /// The cost model whose memory figures (m_b, m_w) the timelines' peak memory uses.
+    pub fn memory_cost(mut self, cost: CostModel) -> Self {
+        self.memory_cost = cost;
+        self
+    }
+
+    /// One bubble filler per rank (default: [`NoFiller`] everywhere).
+    pub fn fillers(mut self, fillers: Vec<Box<dyn BubbleFiller>>) -> Self {
+        self.fillers = fillers;
+        self
+    }
+
+    /// Runs the job with one compute per rank, over the in-process transport.
+    pub async fn run<C: StageCompute>(self, computes: Vec<C>) -> Result<RunReport> {
+        let transport: Arc<dyn Transport<C::Tensor>> = Arc::new(InProcess::new(computes.len()));
+        self.run_with(computes, transport).await
+    }
+
+    /// Runs the job with one compute per rank over `transport`.
+    pub async fn run_with<C: StageCompute>(
+        mut self,
+        computes: Vec<C>,
+        transport: Arc<dyn Transport<C::Tensor>>,
+    ) -> Result<RunReport> {
+        let ranks = computes.len();
+        if ranks == 0 || transport.ranks() != ranks {
+            return Err(RuntimeError::Config(format!(
+                "{ranks} computes for a transport of {} ranks: one compute per rank is needed",
+                transport.ranks()
+            )));
+        }
+        if !self.fillers.is_empty() && self.fillers.len() != ranks {
+            return Err(RuntimeError::Config(format!(
+                "{} bubble fillers for {ranks} ranks",
+                self.fillers.len()
+            )));
+        }
+        let mut fillers = std::mem::take(&mut self.fillers).into_iter();
+        let peak = match &self.source {
+            PlanSource::Given(p) => peak_memory(p, &self.memory_cost),
+            _ => Vec::new(),
+        };
+        let link_latency = match self.clock {
+            Clock::Virtual { link_latency } => link_latency,
+            Clock::Wall => 0.0,
+        };
+        let base = CostModel {
+            comm: link_latency,
+            ..self.memory_cost.clone()
+        };
+        let schedule = ScheduleActor::spawn_with_mailbox(
+            ScheduleActor::new(self.source, self.cost_hint, base),
+            mailbox::unbounded(),
+        );
+        let profiler =
+            Profiler::spawn_with_mailbox(Profiler::new(ranks, peak), mailbox::unbounded());
+        let (events_tx, mut events) = unbounded_channel();
+        let abort = Arc::new(AtomicBool::new(false));
+        let epoch = Instant::now();
+        let stages: Vec<ActorRef<StageActor<C>>> = computes
+            .into_iter()
+            .enumerate()
+            .map(|(rank, compute)| {
+                let wiring = StageWiring {
+                    rank,
+                    clock: self.clock,
+                    epoch,
+                    transport: Arc::clone(&transport),
+                    filler: fillers.next().unwrap_or_else(|| Box::new(NoFiller)),
+                    observers: vec![profiler.clone().recipient(), schedule.clone().recipient()],
+                    events: events_tx.clone(),
+                    abort: Arc::clone(&abort),
+                };
+                StageActor::spawn_in_thread_with_mailbox(
+                    StageActor::new(compute, wiring),
+                    mailbox::unbounded(),
+                )
+            })
+            .collect();
+        let job = Job {
+            schedule,
+            profiler,
+            stages,
+            transport,
+            abort,
+        };
+        let outcome = job
+            .drive(&mut events, ranks, self.iterations, self.in_flight)
+            .await;
+        let report = match outcome {
+            Ok(()) => job.report(self.clock).await,
+            Err(e) => Err(e),
+        };
+        job.shutdown();
+        report
+    }
+}
+
+/// The actors of one running job.
+struct Job<C: StageCompute> {
+    schedule: ActorRef<ScheduleActor>,
+    profiler: ActorRef<Profiler>,
+    stages: Vec<ActorRef<StageActor<C>>>,
+    transport: Arc<dyn Transport<C::Tensor>>,
+    abort: Arc<AtomicBool>,
+}
+
+impl<C: StageCompute> Job<C> {
+    async fn dispatch(&self, iteration: u64) -> Result<()> {
+        if iteration == 0 {
+            let stages = self.stages.iter().map(|s| s.clone().recipient()).collect();
+            self.schedule
+                .tell(Attach(stages))
+                .await
+                .map_err(|e| RuntimeError::Actor(format!("schedule actor: {e}")))?;
+        }
+        match self.schedule.ask(Dispatch { iteration }).await {
+            Ok(()) => Ok(()),
+            Err(kameo::error::SendError::HandlerError(e)) => Err(e),
+            Err(e) => Err(RuntimeError::Actor(format!("schedule actor: {e}"))),
+        }
+    }
+
+    /// Runs `iterations` iterations, keeping `in_flight` queued at each stage.
+    async fn drive(
+        &self,
+        events: &mut tokio::sync::mpsc::UnboundedReceiver<StageEvent>,
+        ranks: usize,
+        iterations: u64,
+        in_flight: u64,
+    ) -> Result<()> {
+        let mut next = 0;
+        while next < iterations.min(in_flight) {
+            self.dispatch(next).await?;
+            next += 1;
+        }
+        let mut finished: HashMap<u64, usize> = HashMap::new();
+        let mut complete = 0;
+        let mut watchdog = tokio::time::interval(Duration::from_millis(100));
+        while complete < iterations {
+            let event = tokio::select! {
+                event = events.recv() => event,
+                _ = watchdog.tick() => {
+                    if let Some(rank) = self.stages.iter().position(|s| !s.is_alive()) {
+                        return Err(RuntimeError::Actor(format!(
+                            "rank {rank}'s stage actor stopped without reporting"
+                        )));
+                    }
+                    continue;
+                }
+            };
+            match event {
+                Some(StageEvent::Done { iteration, .. }) => {
+                    let n = finished.entry(iteration).or_default();
+                    *n += 1;
+                    if *n == ranks {
+                        complete += 1;
+                        if next < iterations {
+                            self.dispatch(next).await?;
+                            next += 1;
+                        }
+                    }
+                }
+                Some(StageEvent::Failed(e)) => return Err(e),
+                None => return Err(RuntimeError::Actor("every stage actor is gone".into())),
+            }
+        }
+        Ok(())
+    }
+
+    async fn report(&self, clock: Clock) -> Result<RunReport> {
+        let profile = self
+            .profiler
+            .ask(Collect)
+            .await
+            .map_err(|e| RuntimeError::Actor(format!("profiler: {e}")))?;
+        let (measured_cost, plan) = self
+            .schedule
+            .ask(Measurements)
+            .await
+            .map_err(|e| RuntimeError::Actor(format!("schedule actor: {e}")))?;
+        Ok(RunReport {
+            clock,
+            iterations: profile.iterations,
+            overall: profile.overall,
+            measured_cost,
+            plan,
+        })
+    }
+
+    /// Stops every actor. Blocked receives fail at once (the transport is closed); a stage in
+    /// the middle of a compute action stops when that action returns.
+    fn shutdown(&self) {
+        self.abort.store(true, Ordering::Release);
+        self.transport.close();
+        for s in &self.stages {
+            s.kill();
+        }
+        self.schedule.kill();
+        self.profiler.kill();
+    }
+}
+
+/// Runs `iterations` iterations of `plan` with one compute per rank on the in-process
+/// transport, iterations overlapping (two in flight).
+pub async fn run_iterations<C: StageCompute>(
+    plan: Plan,
+    computes: Vec<C>,
+    clock: Clock,
+    iterations: u64,
+) -> Result<RunReport> {
+    Pipeline::new(PlanSource::Given(plan), clock)
+        .iterations(iterations)
+        .run(computes)
+        .await
+}
