@@ -31,6 +31,11 @@ pub enum ScheduleError {
     #[error("{at}: {rule}")]
     Invalid { at: String, rule: String },
 
+    /// The plan as a whole breaks a rule that no single step is to blame for
+    /// (e.g. "stage 2, micro-batch 3 has no forward", "stage 5 is placed on ranks 0 and 2").
+    #[error("{0}")]
+    Plan(String),
+
     /// The plan hangs under blocking point-to-point semantics.
     #[error("deadlock: {0}")]
     Deadlock(String),

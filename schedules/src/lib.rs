@@ -12,16 +12,22 @@
 
 pub mod action;
 pub mod error;
+pub mod file;
 pub mod generators;
+pub mod lower;
 pub mod memory;
 pub mod plan;
 pub mod simulate;
 pub mod timeline;
+pub mod validate;
 
 pub use action::{Action, ActionKind, ParseActionError, StageMb};
 pub use error::{Result, ScheduleError};
+pub use file::{parse_csv, parse_toml, read_plan, to_csv, to_toml};
+pub use lower::lower;
 pub use generators::{ScheduleKind, build, generate};
 pub use memory::{peak_memory, rank_peak_memory};
 pub use plan::{Placement, Plan};
 pub use simulate::simulate;
 pub use timeline::{BubbleSlot, CostModel, RankStats, Span, StageCost, Timeline};
+pub use validate::{ValidateOptions, Validation, validate};

@@ -1,0 +1,163 @@
+//! Custom schedule files: PyTorch pipelining's CSV form and pipefill's TOML form.
+//!
+//! Both hold one ordered action list per rank in the text grammar of [`crate::action`]
+//! (an idle step is an empty CSV cell, or `_`/`.` in TOML). CSV carries no placement, so
+//! the stage → rank table is inferred from which row each stage appears in; TOML may
+//! state it. Parse errors name the file, the rank (row), the step (0-based cell position)
+//! and the offending text. Whether the plan is *correct* (dependencies, deadlock,
+//! memory) is the validator's job ([`crate::validate`]), not the parser's.
+
+mod csv;
+mod toml;
+
+use std::path::Path;
+
+pub use self::csv::{parse_csv, to_csv};
+pub use self::toml::{parse_toml, to_toml};
+
+use crate::action::Action;
+use crate::error::{Result, ScheduleError};
+use crate::plan::{Placement, Plan};
+
+/// Reads a schedule file, choosing the form by extension (`.csv` or `.toml`).
+pub fn read_plan(path: &Path) -> Result<Plan> {
+    let file = path.display().to_string();
+    let ext = path
+        .extension()
+        .and_then(|e| e.to_str())
+        .map(str::to_ascii_lowercase);
+    let parse: fn(&str, &str) -> Result<Plan> = match ext.as_deref() {
+        Some("csv") => parse_csv,
+        Some("toml") => parse_toml,
+        _ => {
+            return Err(ScheduleError::File {
+                file,
+                reason: "unknown schedule file type: expected a .csv (PyTorch pipelining) \
+                         or .toml (pipefill) file"
+                    .into(),
+            });
+        }
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| ScheduleError::File {
+        file: file.clone(),
+        reason: format!("cannot read: {e}"),
+    })?;
+    parse(&text, &file)
+}
+
+/// Parses one step's text (already trimmed, non-idle) into an action, naming where it was.
+pub(crate) fn parse_step(text: &str, file: &str, rank: usize, step: usize) -> Result<Action> {
+    text.parse().map_err(|source| ScheduleError::Action {
+        file: file.to_string(),
+        rank,
+        step,
+        source,
+    })
+}
+
+/// The stage → rank table implied by which rank's list each stage appears in.
+///
+/// Every action (and an overlap's backward half, and SEND/RECV) names a stage held by the
+/// rank whose list it is in; a stage seen on two ranks is an error, and so is a stage
+/// below the highest one that appears nowhere (its rank cannot be known).
+pub(crate) fn infer_stage_ranks(rows: &[Vec<Option<Action>>], file: &str) -> Result<Vec<usize>> {
+    let mut table: Vec<Option<usize>> = Vec::new();
+    for (rank, row) in rows.iter().enumerate() {
+        for action in row.iter().flatten() {
+            let pair = action.pair.map(|p| p.stage);
+            for stage in std::iter::once(action.stage).chain(pair) {
+                let s = stage as usize;
+                if s >= table.len() {
+                    table.resize(s + 1, None);
+                }
+                match table[s] {
+                    None => table[s] = Some(rank),
+                    Some(r) if r == rank => {}
+                    Some(r) => {
+                        return Err(ScheduleError::File {
+                            file: file.to_string(),
+                            reason: format!("stage {s} is placed on ranks {r} and {rank}"),
+                        });
+                    }
+                }
+            }
+        }
+    }
+    table
+        .iter()
+        .enumerate()
+        .map(|(s, r)| {
+            r.ok_or_else(|| ScheduleError::File {
+                file: file.to_string(),
+                reason: format!(
+                    "stage {s} appears in no rank's list, so its rank is unknown \
+                     (stages run from 0 to {})",
+                    table.len() - 1
+                ),
+            })
+        })
+        .collect()
+}
+
+/// Names a stage → rank table: the built-in placement it matches, else `Custom`.
+pub(crate) fn name_placement(table: &[usize], ranks: usize) -> Placement {
+    let stages = table.len();
+    [Placement::Contiguous, Placement::Looped, Placement::VShape]
+        .into_iter()
+        .find(|p| p.check(ranks, stages).is_ok() && p.stage_ranks(ranks, stages) == table)
+        .unwrap_or_else(|| Placement::Custom(table.to_vec()))
+}
+
+/// Largest micro-batch index named anywhere in `rows`, plus one (0 when there is none).
+pub(crate) fn inferred_microbatches(rows: &[Vec<Option<Action>>]) -> usize {
+    rows.iter()
+        .flatten()
+        .flatten()
+        .flat_map(|a| std::iter::once(a.microbatch).chain(a.pair.map(|p| p.microbatch)))
+        .map(|mb| mb as usize + 1)
+        .max()
+        .unwrap_or(0)
+}
+
+/// Checks that `placement` can hold `stages` stages on `ranks` ranks, as a file error.
+pub(crate) fn check_placement(
+    placement: &Placement,
+    ranks: usize,
+    stages: usize,
+    file: &str,
+) -> Result<()> {
+    placement
+        .check(ranks, stages)
+        .map_err(|reason| ScheduleError::File {
+            file: file.to_string(),
+            reason: format!("placement {}: {reason}", placement.name()),
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn read_plan_rejects_unknown_extensions() {
+        let err = read_plan(Path::new("plan.json")).unwrap_err().to_string();
+        assert!(
+            err.starts_with("plan.json: unknown schedule file type"),
+            "{err}"
+        );
+        let err = read_plan(Path::new("missing.csv")).unwrap_err().to_string();
+        assert!(err.starts_with("missing.csv: cannot read"), "{err}");
+    }
+
+    #[test]
+    fn names_the_built_in_placements() {
+        assert_eq!(name_placement(&[0, 0, 1, 1], 2), Placement::Contiguous);
+        assert_eq!(name_placement(&[0, 1, 0, 1], 2), Placement::Looped);
+        assert_eq!(name_placement(&[0, 1, 1, 0], 2), Placement::VShape);
+        assert_eq!(name_placement(&[0, 1, 2], 3), Placement::Contiguous);
+        assert_eq!(
+            name_placement(&[1, 0, 0, 1, 1, 0], 2),
+            Placement::Custom(vec![1, 0, 0, 1, 1, 0])
+        );
+    }
+}

@@ -1,0 +1,377 @@
+//! Lowering: turn a compute-only plan into one with explicit SEND/RECV actions.
+//!
+//! Semantics of the lowered plan (the validator and simulator use the same): a SEND is
+//! buffered — it completes locally at once; a RECV blocks until its matching SEND (same
+//! stage hand-over, same micro-batch) has executed. Stages on the same rank hand tensors
+//! over locally, with no SEND/RECV.
+//!
+//! What is inserted, for every cross-rank hand-over:
+//! - `SEND_F(s,mb)` right after `F(s,mb)` on s's rank, `RECV_F(s+1,mb)` before `F(s+1,mb)`;
+//! - `SEND_B(s,mb)` right after the I or B of (s,mb), `RECV_B(s−1,mb)` before the I or B of
+//!   (s−1,mb); an OVERLAP_F_B gets both, for its forward and its backward half.
+//!
+//! Where a RECV goes is decided by its *sender*, as PyTorch's `_add_send_recv` does: all
+//! ranks are run together in lockstep rounds (one step per rank per round, idle steps
+//! included, so the plan's own alignment acts as unit time), and when a rank runs an
+//! action that sends, the RECV is appended to the receiver's list at the point the
+//! receiver has reached. A compute action runs only once its RECVs are in place. So every
+//! RECV sits after its SEND in one global order that the lowered plan can replay: it
+//! cannot hang under the semantics above, and on every link the RECVs come in the same
+//! order as the SENDs, which transports that match messages first-in first-out (NCCL,
+//! TCP streams) need as well.
+
+use crate::action::{Action, ActionKind};
+use crate::error::{Result, ScheduleError};
+use crate::plan::Plan;
+use crate::validate::{ValidateOptions, bit, check_structure, validate};
+
+/// Inserts SEND/RECV for every cross-rank hand-over; idle steps are dropped (the RECVs
+/// do the waiting). A plan that already holds SEND/RECV is returned unchanged, so
+/// lowering is idempotent.
+///
+/// Errors when the compute-only plan cannot run to completion (a same-rank dependency out
+/// of order, or a deadlock), with the validator's message naming where.
+pub fn lower(plan: &Plan) -> Result<Plan> {
+    let st = check_structure(plan)?;
+    if st.lowered {
+        return Ok(plan.clone());
+    }
+    let ranks = plan.num_ranks();
+    let stages = plan.stages;
+    let key = |s: u32, mb: u32| st.key(s, mb);
+    // What has "arrived" on the rank of each (stage, mb): F / BWD bits for same-rank
+    // hand-overs, RECV_F / RECV_B bits once the RECV has been placed.
+    let mut done = vec![0u8; st.seen.len()];
+    let mut out: Vec<Vec<Option<Action>>> = plan
+        .ranks
+        .iter()
+        .map(|l| Vec::with_capacity(l.len() * 2))
+        .collect();
+    let mut pc = vec![0usize; ranks];
+    let mut active: Vec<usize> = (0..ranks).filter(|&r| !plan.ranks[r].is_empty()).collect();
+
+    // Can `a` run on `rank` now: are its inputs local and done, or received?
+    let ready = |a: &Action, rank: usize, done: &[u8]| {
+        a.parts().all(|p| {
+            let (s, mb) = (p.stage, p.microbatch);
+            match p.kind {
+                ActionKind::F if s > 0 => {
+                    if plan.rank_of(s - 1) == rank {
+                        done[key(s - 1, mb)] & bit::F != 0
+                    } else {
+                        done[key(s, mb)] & bit::RECV_F != 0
+                    }
+                }
+                ActionKind::I | ActionKind::B if (s as usize) + 1 < stages => {
+                    if plan.rank_of(s + 1) == rank {
+                        done[key(s + 1, mb)] & bit::BWD != 0
+                    } else {
+                        done[key(s, mb)] & bit::RECV_B != 0
+                    }
+                }
+                _ => true,
+            }
+        })
+    };
+
+    while !active.is_empty() {
+        let mut progress = false;
+        for &rank in &active {
+            let Some(step) = plan.ranks[rank].get(pc[rank]) else {
+                continue;
+            };
+            if let Some(a) = step {
+                if !ready(a, rank, &done) {
+                    continue;
+                }
+                out[rank].push(Some(*a));
+                for p in a.parts() {
+                    let (s, mb) = (p.stage, p.microbatch);
+                    done[key(s, mb)] |= bit::of(p.kind);
+                    // The hand-over this part produces, if it crosses ranks.
+                    let (send, recv) = match p.kind {
+                        ActionKind::F if (s as usize) + 1 < stages => {
+                            (ActionKind::SendF, Action::new(ActionKind::RecvF, s + 1, mb))
+                        }
+                        ActionKind::I | ActionKind::B if s > 0 => {
+                            (ActionKind::SendB, Action::new(ActionKind::RecvB, s - 1, mb))
+                        }
+                        _ => continue,
+                    };
+                    let to = plan.rank_of(recv.stage);
+                    if to == rank {
+                        continue;
+                    }
+                    out[rank].push(Some(Action::new(send, s, mb)));
+                    out[to].push(Some(recv));
+                    done[key(recv.stage, mb)] |= bit::of(recv.kind);
+                }
+            }
+            pc[rank] += 1;
+            progress = true;
+        }
+        active.retain(|&r| pc[r] < plan.ranks[r].len());
+        if !progress {
+            return Err(stuck(plan, &active, &pc));
+        }
+    }
+
+    Ok(Plan {
+        stages: plan.stages,
+        microbatches: plan.microbatches,
+        placement: plan.placement.clone(),
+        stage_rank: plan.stage_rank.clone(),
+        ranks: out,
+    })
+}
+
+/// Why lowering cannot proceed: the validator's precise message (an order error or a
+/// deadlock), or, should it find nothing, the ranks that are stuck.
+fn stuck(plan: &Plan, active: &[usize], pc: &[usize]) -> ScheduleError {
+    match validate(plan, &ValidateOptions::default()) {
+        Err(e) => e,
+        Ok(_) => {
+            let at: Vec<String> = active
+                .iter()
+                .map(|&r| format!("rank {r} at step {}", pc[r]))
+                .collect();
+            ScheduleError::Deadlock(format!("cannot lower: stuck with {}", at.join(", ")))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::Placement;
+
+    fn plan(placement: Placement, stages: usize, m: usize, rows: &[&str]) -> Plan {
+        let mut p = Plan::new(rows.len(), stages, m, placement);
+        for (r, row) in rows.iter().enumerate() {
+            p.ranks[r] = row
+                .split_whitespace()
+                .map(|t| (t != "_").then(|| t.parse::<Action>().unwrap()))
+                .collect();
+        }
+        p
+    }
+
+    fn text(list: &[Option<Action>]) -> String {
+        let v: Vec<String> = list
+            .iter()
+            .map(|a| a.map_or("_".into(), |a| a.to_string()))
+            .collect();
+        v.join(" ")
+    }
+
+    /// Looped BFS: every forward in (stage, mb) order, then every backward in reverse
+    /// stage order; correct for any placement.
+    fn bfs(ranks: usize, stages: usize, m: usize, placement: Placement, split: bool) -> Plan {
+        let mut p = Plan::new(ranks, stages, m, placement);
+        for s in 0..stages as u32 {
+            for mb in 0..m as u32 {
+                p.push(p.rank_of(s), Action::f(s, mb));
+            }
+        }
+        for s in (0..stages as u32).rev() {
+            for mb in 0..m as u32 {
+                let r = p.rank_of(s);
+                if split {
+                    p.push(r, Action::i(s, mb));
+                    p.push(r, Action::w(s, mb));
+                } else {
+                    p.push(r, Action::b(s, mb));
+                }
+            }
+        }
+        p
+    }
+
+    fn count(p: &Plan, kind: ActionKind) -> usize {
+        p.iter().filter(|(_, _, a)| a.kind == kind).count()
+    }
+
+    #[test]
+    fn lowers_1f1b_like_pytorch() {
+        let p = plan(
+            Placement::Contiguous,
+            2,
+            2,
+            &["0F0 0F1 0B0 0B1", "1F0 1B0 1F1 1B1"],
+        );
+        let l = lower(&p).unwrap();
+        assert_eq!(
+            text(&l.ranks[0]),
+            "0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1"
+        );
+        assert_eq!(
+            text(&l.ranks[1]),
+            "1RECV_F0 1F0 1RECV_F1 1B0 1SEND_B0 1F1 1B1 1SEND_B1"
+        );
+        validate(&l, &ValidateOptions::default()).unwrap();
+        assert_eq!(lower(&l).unwrap(), l, "lowering is idempotent");
+    }
+
+    #[test]
+    fn same_rank_stages_hand_over_without_sends() {
+        // Looped on 2 ranks: stages 0, 2 on rank 0 and 1, 3 on rank 1; every hand-over
+        // crosses ranks, so each of the 3 links × 4 mb gets a SEND_F and a SEND_B.
+        let looped = bfs(2, 4, 4, Placement::Looped, true);
+        let l = lower(&looped).unwrap();
+        assert_eq!(count(&l, ActionKind::SendF), 3 * 4);
+        assert_eq!(count(&l, ActionKind::RecvB), 3 * 4);
+        validate(&l, &ValidateOptions::default()).unwrap();
+        // Contiguous with 2 stages per rank: 0 → 1 and 2 → 3 stay on their rank.
+        let contiguous = bfs(2, 4, 4, Placement::Contiguous, false);
+        let l = lower(&contiguous).unwrap();
+        for (_, _, a) in l.iter().filter(|(_, _, a)| a.kind.is_comm()) {
+            let s = a.stage;
+            let edge = match a.kind {
+                ActionKind::SendF | ActionKind::RecvB => (s, s + 1),
+                _ => (s - 1, s),
+            };
+            assert_eq!(edge, (1, 2), "{a} exchanges between same-rank stages");
+        }
+        assert_eq!(count(&l, ActionKind::SendF), 4);
+        validate(&l, &ValidateOptions::default()).unwrap();
+        // One rank: nothing to send.
+        let single = bfs(1, 2, 3, Placement::Contiguous, true);
+        let l = lower(&single).unwrap();
+        assert!(l.is_compute_only());
+        assert_eq!(l, single);
+    }
+
+    #[test]
+    fn sends_follow_their_producer_and_recvs_precede_their_consumer() {
+        let p = bfs(3, 6, 5, Placement::VShape, true);
+        let l = lower(&p).unwrap();
+        validate(&l, &ValidateOptions::default()).unwrap();
+        for list in &l.ranks {
+            for (i, a) in list.iter().flatten().enumerate() {
+                match a.kind {
+                    ActionKind::SendF => {
+                        assert_eq!(list[i - 1], Some(Action::f(a.stage, a.microbatch)))
+                    }
+                    ActionKind::SendB => {
+                        assert_eq!(list[i - 1], Some(Action::i(a.stage, a.microbatch)))
+                    }
+                    ActionKind::RecvF => {
+                        let f = Action::f(a.stage, a.microbatch);
+                        assert!(list[i..].contains(&Some(f)), "{a} after its consumer");
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn recvs_on_each_link_come_in_send_order() {
+        let p = bfs(4, 8, 6, Placement::Looped, false);
+        let l = lower(&p).unwrap();
+        for from in 0..4 {
+            for to in 0..4 {
+                let sent: Vec<(ActionKind, u32, u32)> = l.ranks[from]
+                    .iter()
+                    .flatten()
+                    .filter(|a| matches!(a.kind, ActionKind::SendF | ActionKind::SendB))
+                    .filter_map(|a| {
+                        let (peer, kind) = match a.kind {
+                            ActionKind::SendF => (a.stage + 1, ActionKind::RecvF),
+                            _ => (a.stage - 1, ActionKind::RecvB),
+                        };
+                        (l.rank_of(peer) == to).then_some((kind, peer, a.microbatch))
+                    })
+                    .collect();
+                let received: Vec<(ActionKind, u32, u32)> = l.ranks[to]
+                    .iter()
+                    .flatten()
+                    .filter(|a| matches!(a.kind, ActionKind::RecvF | ActionKind::RecvB))
+                    .filter(|a| {
+                        let peer = match a.kind {
+                            ActionKind::RecvF => a.stage - 1,
+                            _ => a.stage + 1,
+                        };
+                        l.rank_of(peer) == from
+                    })
+                    .map(|a| (a.kind, a.stage, a.microbatch))
+                    .collect();
+                assert_eq!(sent, received, "link {from} → {to}");
+            }
+        }
+    }
+
+    #[test]
+    fn overlap_gets_both_hand_overs() {
+        // V-shape on 2 ranks: rank 0 holds 0 and 3, rank 1 holds 1 and 2.
+        let p = plan(
+            Placement::VShape,
+            4,
+            2,
+            &[
+                "0F0 0F1 3F0 3B0 (3F1;0B0)OVERLAP_F_B 3B1 0B1",
+                "1F0 1F1 2F0 2F1 2B0 1B0 2B1 1B1",
+            ],
+        );
+        validate(&p, &ValidateOptions::default()).unwrap();
+        let l = lower(&p).unwrap();
+        validate(&l, &ValidateOptions::default()).unwrap();
+        let r0 = &l.ranks[0];
+        let at = r0
+            .iter()
+            .position(|a| a.is_some_and(|a| a.kind == ActionKind::OverlapFB))
+            .unwrap();
+        // 3 is the last stage (no SEND_F); 0 is the first stage (no SEND_B); so the
+        // overlap needs RECV_B 0/0 before it and sends nothing.
+        assert!(r0[..at].contains(&Some(Action::new(ActionKind::RecvB, 0, 0))));
+        assert!(
+            !r0[at + 1..]
+                .iter()
+                .flatten()
+                .any(|a| a.kind == ActionKind::SendF)
+        );
+        // A plan where both halves send: looped on 2 ranks, rank 1 overlaps 1F1 (whose
+        // output goes to stage 2 on rank 0) with 3B0 (whose gradient goes to stage 2 too).
+        let p = plan(
+            Placement::Looped,
+            4,
+            2,
+            &[
+                "0F0 0F1 2F0 2F1 2B0 0B0 2B1 0B1",
+                "1F0 3F0 (1F1;3B0)OVERLAP_F_B 3F1 3B1 1B0 1B1",
+            ],
+        );
+        validate(&p, &ValidateOptions::default()).unwrap();
+        let l = lower(&p).unwrap();
+        validate(&l, &ValidateOptions::default()).unwrap();
+        let r1 = text(&l.ranks[1]);
+        assert!(
+            r1.contains("(1F1;3B0)OVERLAP_F_B 1SEND_F1 3SEND_B0"),
+            "{r1}"
+        );
+        let at = l.ranks[1]
+            .iter()
+            .position(|a| a.is_some_and(|a| a.kind == ActionKind::OverlapFB))
+            .unwrap();
+        assert!(l.ranks[1][..at].contains(&Some(Action::new(ActionKind::RecvF, 1, 1))));
+    }
+
+    #[test]
+    fn a_plan_that_cannot_run_is_an_error_not_a_hang() {
+        let p = plan(
+            Placement::Contiguous,
+            2,
+            2,
+            &["0F0 0B0 0F1 0B1", "1F1 1F0 1B0 1B1"],
+        );
+        assert_eq!(
+            lower(&p).unwrap_err().to_string(),
+            "deadlock: rank 0 waits for RECV_B 1/0, rank 1 waits for RECV_F 0/1"
+        );
+        let p = plan(Placement::Contiguous, 2, 1, &["1F0 0F0 1B0 0B0"]);
+        assert_eq!(
+            lower(&p).unwrap_err().to_string(),
+            "rank 0, step 0: 1F0 before 0F0 has run"
+        );
+    }
+}
