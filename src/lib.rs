@@ -13,7 +13,9 @@
 
 pub use pipefill_schedules as schedules;
 
+pub mod config;
 pub mod data;
 pub mod model;
 pub mod profile;
 pub mod tensor;
+pub mod train;

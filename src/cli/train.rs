@@ -1,8 +1,208 @@
-//! `pipefill train …` (being written).
+//! `pipefill train [CONFIG.toml] [--set key=value ...] [--schedule none] [--steps N]`:
+//! trains the model of a job file (the embedded default job when none is given).
+//!
+//! With `schedule = "none"` it runs the single-device reference trainer. It prints the
+//! dataset summary (with the solution-length histogram) first, then a progress bar with
+//! step, loss and tokens/s, then a summary line; it writes `job.toml`, `metrics.jsonl`
+//! (one JSON line per step) and the final checkpoint under the run's output directory.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context, bail};
+use indicatif::{ProgressBar, ProgressStyle};
+
+use pipefill::config::JobConfig;
+use pipefill::data::DatasetSummary;
+use pipefill::tensor::Backend;
+use pipefill::train::{StepMetrics, Trainer};
 
 #[derive(clap::Args)]
-pub struct TrainArgs {}
+pub struct TrainArgs {
+    /// Job file (TOML). Without one, the embedded default job (examples/default.toml).
+    config: Option<PathBuf>,
+    /// Override one field of the job, e.g. `--set train.lr=1e-3` (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    set: Vec<String>,
+    /// Pipeline schedule; "none" trains on one device with the reference trainer.
+    #[arg(long)]
+    schedule: Option<String>,
+    /// Number of optimizer steps (overrides train.steps).
+    #[arg(long)]
+    steps: Option<u64>,
+    /// Output directory (overrides out_dir).
+    #[arg(long, value_name = "DIR")]
+    out_dir: Option<PathBuf>,
+}
 
-pub fn run(_args: TrainArgs) -> anyhow::Result<()> {
-    anyhow::bail!("`pipefill train` is being written")
+pub fn run(args: TrainArgs) -> anyhow::Result<()> {
+    let mut sets = args.set.clone();
+    if let Some(steps) = args.steps {
+        sets.push(format!("train.steps={steps}"));
+    }
+    if let Some(schedule) = &args.schedule {
+        sets.push(format!(
+            "schedule={}",
+            toml::Value::String(schedule.clone())
+        ));
+    }
+    if let Some(dir) = &args.out_dir {
+        let dir = dir.display().to_string();
+        sets.push(format!("out_dir={}", toml::Value::String(dir)));
+    }
+    let job = match &args.config {
+        Some(path) => JobConfig::load(path, &sets)?,
+        None => JobConfig::embedded(&sets)?,
+    };
+    if job.schedule != "none" {
+        bail!(
+            "schedule {:?}: pipeline schedules come with the actor runtime, which this build \
+             does not have yet; use --schedule none (the single-device reference trainer)",
+            job.schedule
+        );
+    }
+    if job.stages != 1 {
+        bail!(
+            "stages = {}: schedule \"none\" trains on one device; set stages = 1",
+            job.stages
+        );
+    }
+    train_reference(&job)
+}
+
+/// Runs `job` with the reference trainer, printing progress and writing the run's files.
+fn train_reference(job: &JobConfig) -> anyhow::Result<()> {
+    let summary = DatasetSummary::sample(&job.data, job.train.seed)?;
+    print!("{summary}");
+
+    let mut trainer = Trainer::reference(&job.model, &job.data, &job.train)?;
+    let t = &job.train;
+    println!(
+        "model: {} params ({} layers, d_model {}, {} heads, seq {}) on {}",
+        job.model.param_count(),
+        job.model.layers,
+        job.model.d_model,
+        job.model.heads,
+        job.model.seq_len,
+        trainer.backend().name()
+    );
+    println!(
+        "train: {} steps × {} micro-batches × {} sequences × {} tokens, lr {} (warmup {}), \
+         weight decay {}, clip {}",
+        t.steps,
+        t.micro_batches,
+        t.micro_batch_size,
+        job.model.seq_len,
+        t.lr,
+        t.warmup,
+        t.weight_decay,
+        t.clip
+    );
+
+    let out_dir = job.out_dir.clone().unwrap_or_else(default_out_dir);
+    std::fs::create_dir_all(&out_dir)
+        .with_context(|| format!("cannot create output directory {}", out_dir.display()))?;
+    let job_path = out_dir.join("job.toml");
+    std::fs::write(&job_path, job.to_toml())
+        .with_context(|| format!("cannot write {}", job_path.display()))?;
+    let metrics_path = out_dir.join("metrics.jsonl");
+    let mut metrics = BufWriter::new(
+        File::create(&metrics_path)
+            .with_context(|| format!("cannot create {}", metrics_path.display()))?,
+    );
+
+    let bar = ProgressBar::new(t.steps);
+    bar.set_style(
+        ProgressStyle::with_template("{bar:30} step {pos}/{len} {msg} [{elapsed} < {eta}]")
+            .expect("valid template"),
+    );
+    // Without a terminal the bar is hidden: print a plain line now and then instead.
+    let plain_every = (t.steps / 20).max(1);
+    let started = Instant::now();
+    let mut history: Vec<StepMetrics> = Vec::with_capacity(t.steps as usize);
+    for _ in 0..t.steps {
+        let m = trainer.train_step()?;
+        serde_json::to_writer(&mut metrics, &m)?;
+        writeln!(metrics)?;
+        metrics.flush()?;
+        let line = format!(
+            "loss {:.4} | lr {:.2e} | {:.0} tok/s",
+            m.loss,
+            m.lr,
+            m.tokens_per_second()
+        );
+        if bar.is_hidden() && (m.step % plain_every == 0 || m.step + 1 == t.steps) {
+            println!("step {:>5}/{} {line}", m.step + 1, t.steps);
+        }
+        bar.set_message(line);
+        bar.inc(1);
+        history.push(m);
+    }
+    bar.finish();
+
+    let checkpoint_dir = out_dir.join("checkpoint");
+    let mut checkpoint = trainer.checkpoint()?;
+    checkpoint
+        .meta
+        .notes
+        .insert("job.toml".into(), job.to_toml());
+    checkpoint.save(&checkpoint_dir)?;
+
+    let seconds = started.elapsed().as_secs_f64();
+    let tokens: usize = history.iter().map(|m| m.tokens).sum();
+    let window = history.len().min(10);
+    let mean = |ms: &[StepMetrics]| ms.iter().map(|m| m.loss).sum::<f32>() / ms.len() as f32;
+    println!(
+        "done: {} steps in {:.1} s, {:.0} tok/s; loss {:.4} → {:.4} (mean of first/last {} steps); \
+         checkpoint {}, metrics {}",
+        history.len(),
+        seconds,
+        tokens as f64 / seconds.max(1e-9),
+        mean(&history[..window]),
+        mean(&history[history.len() - window..]),
+        window,
+        checkpoint_dir.display(),
+        metrics_path.display()
+    );
+    Ok(())
+}
+
+/// `runs/<UTC start time>`, e.g. `runs/20260129-153012`.
+fn default_out_dir() -> PathBuf {
+    let secs = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    Path::new("runs").join(utc_stamp(secs))
+}
+
+/// `YYYYMMDD-HHMMSS` of a Unix time (civil-from-days, proleptic Gregorian calendar).
+fn utc_stamp(secs: u64) -> String {
+    let (days, rem) = ((secs / 86_400) as i64, secs % 86_400);
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}{month:02}{day:02}-{:02}{:02}{:02}",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn utc_stamps() {
+        assert_eq!(super::utc_stamp(0), "19700101-000000");
+        assert_eq!(super::utc_stamp(951_782_400 + 3_661), "20000229-010101");
+        assert_eq!(super::utc_stamp(1_767_225_599), "20251231-235959");
+    }
 }

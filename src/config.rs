@@ -1,0 +1,246 @@
+//! The TOML job file: one file drives `pipefill train` (and later `pipefill rl`), and every
+//! rank of a multi-process launch reads the same one.
+//!
+//! Every field has a default ([`JobConfig::default`], also written out as
+//! `examples/default.toml`, which is embedded in the binary), so a job file only states
+//! what it changes. Unknown fields and ill-typed values are errors that name the field;
+//! values that parse but make no sense (zero steps, heads that do not divide the width)
+//! are caught by [`JobConfig::validate`], whose errors name the field too.
+//!
+//! `--set section.key=value` overrides are applied to the parsed document before it is
+//! turned into a [`JobConfig`], so they go through exactly the same checks as the file.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::data::DataConfig;
+use crate::model::GptConfig;
+use crate::train::TrainConfig;
+
+/// The embedded default job (the same text as `examples/default.toml`).
+pub const DEFAULT_JOB: &str = include_str!("../examples/default.toml");
+
+/// Errors reading or checking a job file.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read job file {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    /// A syntax error, an unknown field or an ill-typed value; `message` names the field.
+    #[error("{origin}: {message}")]
+    Parse { origin: String, message: String },
+    /// A `--set` argument that is not `key=value` or cannot be applied.
+    #[error("--set {arg:?}: {reason}")]
+    Set { arg: String, reason: String },
+    /// A value that parses but cannot be used.
+    #[error("invalid `{field}`: {reason}")]
+    Invalid { field: String, reason: String },
+}
+
+/// How stage timelines are timed (see DESIGN.md, "Clocks").
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Clock {
+    /// Each action is timed by the thread CPU time it used, one virtual clock per stage.
+    #[default]
+    Virtual,
+    /// Real elapsed time.
+    Wall,
+}
+
+/// A whole job: model shape, data, training hyper-parameters and how to run them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct JobConfig {
+    /// Pipeline schedule: `"none"` trains on one device with the reference trainer.
+    pub schedule: String,
+    /// Number of pipeline stages (ranks); 1 for the reference trainer.
+    pub stages: usize,
+    /// How stage timelines are timed.
+    pub clock: Clock,
+    /// Where checkpoints and metrics go; `runs/<start time>` when absent.
+    pub out_dir: Option<PathBuf>,
+    pub model: GptConfig,
+    pub data: DataConfig,
+    pub train: TrainConfig,
+}
+
+impl Default for JobConfig {
+    fn default() -> Self {
+        Self {
+            schedule: "none".into(),
+            stages: 1,
+            clock: Clock::default(),
+            out_dir: None,
+            model: GptConfig::default(),
+            data: DataConfig::default(),
+            train: TrainConfig::default(),
+        }
+    }
+}
+
+impl JobConfig {
+    /// Parses a job file's text; `origin` (a path, "embedded default") labels errors.
+    pub fn from_toml(text: &str, origin: &str) -> Result<Self, ConfigError> {
+        Self::from_toml_with(text, origin, &[])
+    }
+
+    /// Parses a job file's text and applies `key=value` overrides (dotted keys, TOML
+    /// values; a value that is not valid TOML is taken as a string), then validates.
+    pub fn from_toml_with(text: &str, origin: &str, sets: &[String]) -> Result<Self, ConfigError> {
+        let parse_err = |e: toml::de::Error| ConfigError::Parse {
+            origin: origin.to_string(),
+            message: e.to_string().trim_end().to_string(),
+        };
+        let job: JobConfig = if sets.is_empty() {
+            // Straight from the text, so errors point at the file's own lines.
+            toml::from_str(text).map_err(parse_err)?
+        } else {
+            let mut doc: toml::Table = toml::from_str(text).map_err(parse_err)?;
+            for arg in sets {
+                apply_set(&mut doc, arg)?;
+            }
+            toml::Value::Table(doc)
+                .try_into()
+                .map_err(|e: toml::de::Error| ConfigError::Parse {
+                    origin: format!("{origin} with --set overrides"),
+                    message: e.to_string().trim_end().to_string(),
+                })?
+        };
+        job.validate()?;
+        Ok(job)
+    }
+
+    /// Reads and parses the job file at `path`.
+    pub fn load(path: &Path, sets: &[String]) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::from_toml_with(&text, &path.display().to_string(), sets)
+    }
+
+    /// The embedded default job with `sets` applied.
+    pub fn embedded(sets: &[String]) -> Result<Self, ConfigError> {
+        Self::from_toml_with(DEFAULT_JOB, "embedded default job", sets)
+    }
+
+    /// The job as TOML text (what is written next to a run's outputs).
+    pub fn to_toml(&self) -> String {
+        toml::to_string(self).expect("a JobConfig always serializes")
+    }
+
+    /// Checks the values that parse but cannot be used; the error names the field.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |field: &str, reason: String| ConfigError::Invalid {
+            field: field.to_string(),
+            reason,
+        };
+        self.model.validate().map_err(|e| match e {
+            crate::model::ModelError::Config { field, reason } => {
+                invalid(&format!("model.{field}"), reason)
+            }
+            other => invalid("model", other.to_string()),
+        })?;
+        self.data.validate().map_err(|e| match e {
+            crate::data::DataError::Invalid { field, reason } => invalid(field, reason),
+            other => invalid("data", other.to_string()),
+        })?;
+        self.train.validate().map_err(|e| match e {
+            crate::train::TrainError::Config { field, reason } => {
+                invalid(&format!("train.{field}"), reason)
+            }
+            other => invalid("train", other.to_string()),
+        })?;
+        if self.data.families.is_empty() {
+            return Err(invalid(
+                "data.families",
+                "at least one family is needed".into(),
+            ));
+        }
+        if self.stages == 0 {
+            return Err(invalid("stages", "must be at least 1".into()));
+        }
+        if self.schedule.trim().is_empty() {
+            return Err(invalid(
+                "schedule",
+                "must name a schedule (\"none\" for the single-device reference trainer)".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Applies one `a.b.c=value` to `doc`, creating the tables on the way.
+fn apply_set(doc: &mut toml::Table, arg: &str) -> Result<(), ConfigError> {
+    let err = |reason: String| ConfigError::Set {
+        arg: arg.to_string(),
+        reason,
+    };
+    let (key, raw) = arg
+        .split_once('=')
+        .ok_or_else(|| err("expected key=value, e.g. train.steps=100".into()))?;
+    let path: Vec<&str> = key.trim().split('.').map(str::trim).collect();
+    if path.iter().any(|p| p.is_empty()) {
+        return Err(err(format!("`{key}` is not a dotted key")));
+    }
+    let raw = raw.trim();
+    // A TOML value (number, bool, quoted string, array); anything else is a bare string.
+    let value = toml::from_str::<toml::Table>(&format!("v = {raw}"))
+        .ok()
+        .and_then(|mut t| t.remove("v"))
+        .unwrap_or_else(|| toml::Value::String(raw.to_string()));
+    let (last, parents) = path.split_last().expect("split gives at least one part");
+    let mut table = doc;
+    for (i, part) in parents.iter().enumerate() {
+        let entry = table
+            .entry(part.to_string())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        table = entry
+            .as_table_mut()
+            .ok_or_else(|| err(format!("`{}` is not a section", path[..=i].join("."))))?;
+    }
+    table.insert(last.to_string(), value);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn embedded_default_is_the_default() {
+        assert_eq!(JobConfig::embedded(&[]).unwrap(), JobConfig::default());
+        // And the serialized form reads back to the same job.
+        let job = JobConfig::default();
+        assert_eq!(
+            JobConfig::from_toml(&job.to_toml(), "round trip").unwrap(),
+            job
+        );
+    }
+
+    #[test]
+    fn sets_override_and_create_sections() {
+        let sets = [
+            "train.steps=7".to_string(),
+            "model.layers = 2".to_string(),
+            "clock=wall".to_string(),
+            "data.families=[\"parity\"]".to_string(),
+        ];
+        let job = JobConfig::from_toml_with("", "test", &sets).unwrap();
+        assert_eq!(job.train.steps, 7);
+        assert_eq!(job.model.layers, 2);
+        assert_eq!(job.clock, Clock::Wall);
+        assert_eq!(job.data.families, vec![crate::data::TaskFamily::Parity]);
+        let err = JobConfig::from_toml_with("", "test", &["train.steps".into()]).unwrap_err();
+        assert!(err.to_string().contains("key=value"), "{err}");
+        let err = JobConfig::from_toml_with("stages = 1", "t", &["stages.x=1".into()]).unwrap_err();
+        assert!(
+            err.to_string().contains("`stages` is not a section"),
+            "{err}"
+        );
+    }
+}

@@ -1,0 +1,473 @@
+//! Checkpoints: parameters (and optimizer moments) in a safetensors file, plus a small JSON
+//! sidecar with everything else needed to resume: step, model config, optimizer scalars,
+//! data stream state.
+//!
+//! A checkpoint is a directory holding `model.safetensors` and `checkpoint.json`. Both are
+//! written atomically (a temporary file in the same directory, synced, then renamed over
+//! the old one), the tensors first and the sidecar last: the sidecar records the tensor
+//! file's exact size and tensor names, so a reader never mixes a new sidecar with a torn
+//! tensor file, and a truncated or foreign file is reported as such instead of loading
+//! garbage. Tensors are stored as little-endian `f32` by name: parameters under their
+//! model names (`blocks.3.attn.wq`), optimizer moments under prefixed names
+//! ([`ADAM_M_PREFIX`], [`ADAM_V_PREFIX`]), so standard safetensors tools can read them.
+
+use std::collections::HashMap;
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use safetensors::{Dtype, SafeTensors, tensor::TensorView};
+use serde::{Deserialize, Serialize};
+
+use super::{AdamW, Gpt, GptConfig, ModelError, OptimizerState, SlotState};
+use crate::tensor::Backend;
+
+/// File name of the tensors inside a checkpoint directory.
+pub const TENSOR_FILE: &str = "model.safetensors";
+/// File name of the sidecar inside a checkpoint directory.
+pub const META_FILE: &str = "checkpoint.json";
+/// Name prefix of AdamW first moments.
+pub const ADAM_M_PREFIX: &str = "optim.m.";
+/// Name prefix of AdamW second moments.
+pub const ADAM_V_PREFIX: &str = "optim.v.";
+/// Name prefix of `f32` master weights (for `bf16` parameters).
+pub const MASTER_PREFIX: &str = "optim.master.";
+/// The sidecar's `format` value.
+pub const FORMAT: &str = "pipefill-checkpoint";
+/// The sidecar's current `version`.
+pub const VERSION: u32 = 1;
+
+/// Errors saving or loading a checkpoint; each names the file.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    #[error("checkpoint {path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("checkpoint {path}: not a pipefill checkpoint sidecar: {reason}")]
+    BadMeta { path: PathBuf, reason: String },
+    #[error(
+        "checkpoint {path}: the file is truncated or was replaced: {got} bytes, the sidecar says {expected}"
+    )]
+    Size {
+        path: PathBuf,
+        expected: u64,
+        got: u64,
+    },
+    #[error("checkpoint {path}: not a valid safetensors file: {reason}")]
+    BadTensors { path: PathBuf, reason: String },
+    /// The checkpoint does not fit the model it is restored into.
+    #[error("checkpoint does not fit this run: {0}")]
+    Mismatch(String),
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error("checkpoint {path}: tensor `{name}`: {reason}")]
+    Tensor {
+        path: PathBuf,
+        name: String,
+        reason: String,
+    },
+}
+
+/// One named tensor on the host.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HostTensor {
+    pub name: String,
+    /// Logical shape, row-major.
+    pub shape: Vec<usize>,
+    pub data: Vec<f32>,
+}
+
+/// Everything in a checkpoint except the tensors.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointMeta {
+    /// Always [`FORMAT`].
+    pub format: String,
+    /// [`VERSION`] of the writer.
+    pub version: u32,
+    /// Optimizer steps completed; training resumes at this step index.
+    pub step: u64,
+    /// The model's shape and initialisation seed.
+    pub model: GptConfig,
+    /// AdamW's own step counter (bias corrections).
+    pub optimizer_step: u64,
+    /// Seed of the data stream; step `k`'s data is a function of `(data_seed, k)`, so this
+    /// and `step` are the whole data RNG state.
+    pub data_seed: u64,
+    /// Free-form facts about the run (job file text, schedule, ...).
+    #[serde(default)]
+    pub notes: HashMap<String, String>,
+    /// Size in bytes of the tensor file this sidecar belongs to.
+    pub tensor_bytes: u64,
+    /// Names of the tensors, in file order.
+    pub tensors: Vec<String>,
+}
+
+/// A checkpoint in memory.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Checkpoint {
+    pub meta: CheckpointMeta,
+    /// Parameters and optimizer state, by name.
+    pub tensors: Vec<HostTensor>,
+}
+
+impl Checkpoint {
+    /// A checkpoint of `tensors` at `step` (the sidecar's size and names are filled on save).
+    pub fn new(
+        step: u64,
+        model: GptConfig,
+        optimizer_step: u64,
+        data_seed: u64,
+        tensors: Vec<HostTensor>,
+    ) -> Self {
+        Self {
+            meta: CheckpointMeta {
+                format: FORMAT.into(),
+                version: VERSION,
+                step,
+                model,
+                optimizer_step,
+                data_seed,
+                notes: HashMap::new(),
+                tensor_bytes: 0,
+                tensors: Vec::new(),
+            },
+            tensors,
+        }
+    }
+
+    /// The tensor called `name`.
+    pub fn tensor(&self, name: &str) -> Option<&HostTensor> {
+        self.tensors.iter().find(|t| t.name == name)
+    }
+
+    /// A checkpoint of every parameter of `model` and the whole state of `optimizer`, at
+    /// `step` of the data stream seeded by `data_seed`.
+    pub fn capture<B: Backend>(
+        model: &Gpt<B>,
+        optimizer: &AdamW<B>,
+        step: u64,
+        data_seed: u64,
+    ) -> Result<Self, CheckpointError> {
+        let mut tensors = Vec::new();
+        for p in model.params() {
+            tensors.push(HostTensor {
+                name: p.name.clone(),
+                shape: p.shape.clone(),
+                data: model.param_values(&p.name)?,
+            });
+        }
+        let be = model.chunks()[0].backend();
+        let state = optimizer.state(be)?;
+        for (name, slot) in &state.slots {
+            let shape = model
+                .params()
+                .into_iter()
+                .find(|p| &p.name == name)
+                .map_or_else(|| vec![slot.m.len()], |p| p.shape.clone());
+            let mut push = |prefix: &str, data: &[f32]| {
+                tensors.push(HostTensor {
+                    name: format!("{prefix}{name}"),
+                    shape: shape.clone(),
+                    data: data.to_vec(),
+                })
+            };
+            push(ADAM_M_PREFIX, &slot.m);
+            push(ADAM_V_PREFIX, &slot.v);
+            if let Some(master) = &slot.master {
+                push(MASTER_PREFIX, master);
+            }
+        }
+        Ok(Self::new(
+            step,
+            model.config().clone(),
+            state.step,
+            data_seed,
+            tensors,
+        ))
+    }
+
+    /// The optimizer state stored in the checkpoint (moments by parameter name).
+    pub fn optimizer_state(&self) -> Result<OptimizerState, CheckpointError> {
+        let mut state = OptimizerState {
+            step: self.meta.optimizer_step,
+            ..OptimizerState::default()
+        };
+        for t in &self.tensors {
+            if let Some(name) = t.name.strip_prefix(ADAM_M_PREFIX) {
+                let v = self
+                    .tensor(&format!("{ADAM_V_PREFIX}{name}"))
+                    .ok_or_else(|| {
+                        CheckpointError::Mismatch(format!(
+                            "`{}` has no second moment `{ADAM_V_PREFIX}{name}`",
+                            t.name
+                        ))
+                    })?;
+                let master = self
+                    .tensor(&format!("{MASTER_PREFIX}{name}"))
+                    .map(|m| m.data.clone());
+                state.slots.insert(
+                    name.to_string(),
+                    SlotState {
+                        m: t.data.clone(),
+                        v: v.data.clone(),
+                        master,
+                    },
+                );
+            }
+        }
+        Ok(state)
+    }
+
+    /// Loads the parameters into `model` and the optimizer state into `optimizer`. The
+    /// model's shape and the data seed must match the checkpoint's, and every parameter of
+    /// the model must be present with its shape.
+    pub fn restore<B: Backend>(
+        &self,
+        model: &mut Gpt<B>,
+        optimizer: &mut AdamW<B>,
+        data_seed: u64,
+    ) -> Result<(), CheckpointError> {
+        if &self.meta.model != model.config() {
+            return Err(CheckpointError::Mismatch(format!(
+                "it holds model {:?}, this run has {:?}",
+                self.meta.model,
+                model.config()
+            )));
+        }
+        if self.meta.data_seed != data_seed {
+            return Err(CheckpointError::Mismatch(format!(
+                "it was trained on data seed {}, this run has {data_seed}",
+                self.meta.data_seed
+            )));
+        }
+        let shapes: Vec<(String, Vec<usize>)> = model
+            .params()
+            .into_iter()
+            .map(|p| (p.name.clone(), p.shape.clone()))
+            .collect();
+        for (name, shape) in shapes {
+            let t = self.tensor(&name).ok_or_else(|| {
+                CheckpointError::Mismatch(format!("parameter `{name}` is missing"))
+            })?;
+            if t.shape != shape {
+                return Err(CheckpointError::Mismatch(format!(
+                    "parameter `{name}` has shape {:?}, the model {shape:?}",
+                    t.shape
+                )));
+            }
+            model.set_param(&name, &t.data)?;
+        }
+        let be = model.chunks()[0].backend().clone();
+        optimizer.load_state(&be, &self.optimizer_state()?)?;
+        Ok(())
+    }
+
+    /// Writes the checkpoint into directory `dir` (created if needed), atomically.
+    pub fn save(&mut self, dir: &Path) -> Result<(), CheckpointError> {
+        fs::create_dir_all(dir).map_err(|source| CheckpointError::Io {
+            path: dir.to_path_buf(),
+            source,
+        })?;
+        let tensor_path = dir.join(TENSOR_FILE);
+        let bytes: Vec<Vec<u8>> = self
+            .tensors
+            .iter()
+            .map(|t| t.data.iter().flat_map(|x| x.to_le_bytes()).collect())
+            .collect();
+        let views = self
+            .tensors
+            .iter()
+            .zip(&bytes)
+            .map(|(t, b)| {
+                TensorView::new(Dtype::F32, t.shape.clone(), b)
+                    .map(|v| (t.name.clone(), v))
+                    .map_err(|e| CheckpointError::Tensor {
+                        path: tensor_path.clone(),
+                        name: t.name.clone(),
+                        reason: format!(
+                            "shape {:?} does not hold its {} values ({e})",
+                            t.shape,
+                            t.data.len()
+                        ),
+                    })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let info = HashMap::from([("format".to_string(), FORMAT.to_string())]);
+        let file =
+            safetensors::serialize(views, Some(info)).map_err(|e| CheckpointError::BadTensors {
+                path: tensor_path.clone(),
+                reason: e.to_string(),
+            })?;
+        write_atomic(&tensor_path, &file)?;
+        self.meta.tensor_bytes = file.len() as u64;
+        self.meta.tensors = self.tensors.iter().map(|t| t.name.clone()).collect();
+        let json = serde_json::to_vec_pretty(&self.meta).expect("the sidecar always serializes");
+        write_atomic(&dir.join(META_FILE), &json)
+    }
+
+    /// Reads the checkpoint in directory `dir`, checking that the two files belong together.
+    pub fn load(dir: &Path) -> Result<Self, CheckpointError> {
+        let meta_path = dir.join(META_FILE);
+        let text = read(&meta_path)?;
+        let meta: CheckpointMeta =
+            serde_json::from_slice(&text).map_err(|e| CheckpointError::BadMeta {
+                path: meta_path.clone(),
+                reason: e.to_string(),
+            })?;
+        if meta.format != FORMAT || meta.version != VERSION {
+            return Err(CheckpointError::BadMeta {
+                path: meta_path,
+                reason: format!(
+                    "format {:?} version {}, expected {FORMAT:?} version {VERSION}",
+                    meta.format, meta.version
+                ),
+            });
+        }
+        let tensor_path = dir.join(TENSOR_FILE);
+        let file = read(&tensor_path)?;
+        if file.len() as u64 != meta.tensor_bytes {
+            return Err(CheckpointError::Size {
+                path: tensor_path,
+                expected: meta.tensor_bytes,
+                got: file.len() as u64,
+            });
+        }
+        let st = SafeTensors::deserialize(&file).map_err(|e| CheckpointError::BadTensors {
+            path: tensor_path.clone(),
+            reason: e.to_string(),
+        })?;
+        let tensors = meta
+            .tensors
+            .iter()
+            .map(|name| {
+                let err = |reason: String| CheckpointError::Tensor {
+                    path: tensor_path.clone(),
+                    name: name.clone(),
+                    reason,
+                };
+                let view = st.tensor(name).map_err(|e| err(e.to_string()))?;
+                if view.dtype() != Dtype::F32 {
+                    return Err(err(format!("dtype {:?}, expected F32", view.dtype())));
+                }
+                let data = view
+                    .data()
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect();
+                Ok(HostTensor {
+                    name: name.clone(),
+                    shape: view.shape().to_vec(),
+                    data,
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self { meta, tensors })
+    }
+}
+
+fn read(path: &Path) -> Result<Vec<u8>, CheckpointError> {
+    fs::read(path).map_err(|source| CheckpointError::Io {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// Writes `bytes` to `path` through a temporary file in the same directory (so the rename
+/// is atomic on POSIX filesystems): readers see the old file or the new one, never a mix.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
+    let io = |source| CheckpointError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy())
+        .unwrap_or_default();
+    let tmp = path.with_file_name(format!(".{name}.tmp.{}", std::process::id()));
+    let result = (|| {
+        let mut f = fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        fs::rename(&tmp, path)
+    })();
+    if result.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    result.map_err(io)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> Checkpoint {
+        let tensors = vec![
+            HostTensor {
+                name: "embed.tokens".into(),
+                shape: vec![3, 2],
+                data: vec![1.0, -2.5, f32::MIN_POSITIVE, 3.0e-39, -0.0, 7.125],
+            },
+            HostTensor {
+                name: format!("{ADAM_M_PREFIX}embed.tokens"),
+                shape: vec![3, 2],
+                data: vec![0.1, 0.2, 0.3, 0.4, 0.5, 0.6],
+            },
+        ];
+        let mut c = Checkpoint::new(12, GptConfig::default(), 12, 99, tensors);
+        c.meta.notes.insert("schedule".into(), "none".into());
+        c
+    }
+
+    #[test]
+    fn round_trip_is_bitwise() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = sample();
+        c.save(dir.path()).unwrap();
+        let back = Checkpoint::load(dir.path()).unwrap();
+        assert_eq!(back.meta, c.meta);
+        for (a, b) in c.tensors.iter().zip(&back.tensors) {
+            assert_eq!(a.name, b.name);
+            assert_eq!(a.shape, b.shape);
+            let bits = |t: &HostTensor| t.data.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(a), bits(b));
+        }
+        // Saving again over it leaves no temporary files behind.
+        c.save(dir.path()).unwrap();
+        let names: Vec<_> = fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names.len(), 2, "{names:?}");
+    }
+
+    #[test]
+    fn truncated_or_foreign_files_are_clear_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        sample().save(dir.path()).unwrap();
+        let tensor_path = dir.path().join(TENSOR_FILE);
+        let full = fs::read(&tensor_path).unwrap();
+        fs::write(&tensor_path, &full[..full.len() - 5]).unwrap();
+        let err = Checkpoint::load(dir.path()).unwrap_err().to_string();
+        assert!(
+            err.contains("truncated") && err.contains(TENSOR_FILE),
+            "{err}"
+        );
+
+        // Same size, but garbage: safetensors rejects the header.
+        fs::write(&tensor_path, vec![0xAB; full.len()]).unwrap();
+        let err = Checkpoint::load(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("not a valid safetensors file"), "{err}");
+
+        fs::write(dir.path().join(META_FILE), b"{\"hello\": 1}").unwrap();
+        let err = Checkpoint::load(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("not a pipefill checkpoint"), "{err}");
+
+        let err = Checkpoint::load(&dir.path().join("missing"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(META_FILE), "{err}");
+    }
+}

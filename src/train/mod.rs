@@ -1,0 +1,144 @@
+//! Training loops. [`reference`] holds the single-device reference trainer: the whole
+//! model on one backend, no pipeline. It is the oracle every pipeline schedule must
+//! reproduce, so its data order and micro-batching are explicit functions of the step.
+//!
+//! This module also holds [`TrainConfig`], the `[train]` section of a job file, and the
+//! per-step [`StepMetrics`] written to `metrics.jsonl`.
+
+pub mod reference;
+
+use serde::{Deserialize, Serialize};
+
+pub use reference::Trainer;
+
+use crate::data::DataError;
+use crate::model::ModelError;
+use crate::model::checkpoint::CheckpointError;
+
+/// Errors of a training run.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    /// A `[train]` value that cannot be used.
+    #[error("`{field}` {reason}")]
+    Config { field: &'static str, reason: String },
+    /// The loss stopped being a number: training diverged.
+    #[error("step {step}: the loss is {loss} (training diverged; try a lower train.lr)")]
+    Diverged { step: u64, loss: f32 },
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(transparent)]
+    Data(#[from] DataError),
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    #[error("cannot write {path}: {source}")]
+    Io {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// The `[train]` section: optimisation hyper-parameters and the batch shape.
+///
+/// A step's mini-batch is `micro_batches × micro_batch_size` sequences; the gradient is
+/// accumulated over the micro-batches and equals the gradient of the mean loss over the
+/// whole mini-batch, so changing `micro_batches` (at a fixed product) does not change
+/// the update.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TrainConfig {
+    /// Optimizer steps.
+    pub steps: u64,
+    /// Micro-batches per step (the pipeline's micro-batches).
+    pub micro_batches: usize,
+    /// Sequences per micro-batch.
+    pub micro_batch_size: usize,
+    /// Peak learning rate (after warmup; cosine decay to a tenth of it at the last step).
+    pub lr: f32,
+    /// Linear warmup steps.
+    pub warmup: u64,
+    /// AdamW decoupled weight decay (not applied to norm gains).
+    pub weight_decay: f32,
+    /// Global gradient-norm clipping threshold (0 disables clipping).
+    pub clip: f32,
+    /// Seed of the data stream (the model's initialisation has `[model] seed`).
+    pub seed: u64,
+    /// CPU threads for the compute backend (0: all available cores).
+    pub threads: usize,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        Self {
+            steps: 300,
+            micro_batches: 4,
+            micro_batch_size: 4,
+            lr: 3e-3,
+            warmup: 20,
+            weight_decay: 0.1,
+            clip: 1.0,
+            seed: 0,
+            threads: 0,
+        }
+    }
+}
+
+impl TrainConfig {
+    /// Checks the values a deserializer cannot; the error names the field.
+    pub fn validate(&self) -> Result<(), TrainError> {
+        let bad = |field: &'static str, reason: String| Err(TrainError::Config { field, reason });
+        if self.steps == 0 {
+            return bad("steps", "must be at least 1".into());
+        }
+        if self.micro_batches == 0 {
+            return bad("micro_batches", "must be at least 1".into());
+        }
+        if self.micro_batch_size == 0 {
+            return bad("micro_batch_size", "must be at least 1".into());
+        }
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            return bad("lr", format!("must be a positive number, got {}", self.lr));
+        }
+        if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
+            return bad(
+                "weight_decay",
+                format!("must be zero or positive, got {}", self.weight_decay),
+            );
+        }
+        if !(self.clip.is_finite() && self.clip >= 0.0) {
+            return bad(
+                "clip",
+                format!("must be zero (off) or positive, got {}", self.clip),
+            );
+        }
+        Ok(())
+    }
+
+    /// Sequences per optimizer step.
+    pub fn batch_size(&self) -> usize {
+        self.micro_batches * self.micro_batch_size
+    }
+}
+
+/// What one step reports (one line of `metrics.jsonl`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StepMetrics {
+    /// 0-based step index.
+    pub step: u64,
+    /// Mean cross-entropy over the step's target tokens (before the update).
+    pub loss: f32,
+    /// Learning rate used by the update.
+    pub lr: f32,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f32,
+    /// Target tokens in the step's mini-batch.
+    pub tokens: usize,
+    /// Wall-clock seconds of the step (data, forward, backward, update).
+    pub seconds: f64,
+}
+
+impl StepMetrics {
+    /// Training throughput of the step.
+    pub fn tokens_per_second(&self) -> f64 {
+        self.tokens as f64 / self.seconds.max(1e-9)
+    }
+}

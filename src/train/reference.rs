@@ -1,0 +1,218 @@
+//! The single-device reference trainer: the whole model on one backend, no pipeline.
+//!
+//! It is the oracle every pipeline schedule must reproduce, so everything that decides an
+//! update is explicit and deterministic:
+//! - **data**: [`step_micro_batches`] returns step `k`'s micro-batches as a pure function
+//!   of the data seed, `k` and the batch shape (see [`crate::data::batch`]);
+//! - **loss normalisation**: micro-batch `i` backpropagates with
+//!   `scale_i = tokens_i / Σ tokens`, so the accumulated gradient is the gradient of the
+//!   mean loss over the whole mini-batch, whatever the number of micro-batches;
+//! - **update**: global-norm clipping, then AdamW with the learning rate of
+//!   [`lr_schedule`] at step `k`.
+//!
+//! A pipeline runtime runs the same forward/backward calls per (stage, micro-batch) in a
+//! different order; the gradients differ only by floating-point summation order.
+
+use std::time::Instant;
+
+use super::{StepMetrics, TrainConfig, TrainError};
+use crate::data::{DataConfig, MicroBatch, StepData};
+use crate::model::checkpoint::Checkpoint;
+use crate::model::{AdamW, AdamWConfig, Cut, Gpt, GptConfig, LrSchedule, Shape};
+use crate::tensor::{Backend, CpuBackend};
+
+/// Step `step`'s micro-batches: `train.micro_batches` micro-batches of
+/// `train.micro_batch_size` consecutive rows of the step's packed batch.
+pub fn step_micro_batches(data: &StepData, train: &TrainConfig, step: u64) -> Vec<MicroBatch> {
+    data.micro_batches(step, train.micro_batches, train.micro_batch_size)
+}
+
+/// The learning-rate schedule of `train`: linear warmup to `lr`, cosine decay to `lr / 10`
+/// at the last step.
+pub fn lr_schedule(train: &TrainConfig) -> LrSchedule {
+    LrSchedule {
+        peak_lr: train.lr,
+        min_lr: train.lr / 10.0,
+        warmup_steps: train.warmup,
+        total_steps: train.steps,
+    }
+}
+
+/// The AdamW hyper-parameters of `train` (betas and epsilon are the model's defaults).
+pub fn adamw_config(train: &TrainConfig) -> AdamWConfig {
+    AdamWConfig {
+        weight_decay: train.weight_decay,
+        max_grad_norm: train.clip,
+        ..AdamWConfig::default()
+    }
+}
+
+/// CPU threads for `train.threads` (0: every available core).
+pub fn cpu_threads(train: &TrainConfig) -> usize {
+    match train.threads {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        n => n,
+    }
+}
+
+/// Trains a whole model on one backend: gradient accumulation over micro-batches, then
+/// one clipped AdamW update per step.
+pub struct Trainer<B: Backend> {
+    backend: B,
+    train: TrainConfig,
+    model: Gpt<B>,
+    optimizer: AdamW<B>,
+    data: StepData,
+    lr: LrSchedule,
+    step: u64,
+}
+
+impl Trainer<CpuBackend> {
+    /// The reference trainer on the CPU backend with `train.threads` threads.
+    pub fn reference(
+        model: &GptConfig,
+        data: &DataConfig,
+        train: &TrainConfig,
+    ) -> Result<Self, TrainError> {
+        let backend =
+            CpuBackend::new(cpu_threads(train)).map_err(crate::model::ModelError::from)?;
+        Self::with_backend(backend, model, data, train)
+    }
+}
+
+impl<B: Backend> Trainer<B> {
+    /// The reference trainer on `backend`, at step 0 with a freshly initialised model.
+    pub fn with_backend(
+        backend: B,
+        model: &GptConfig,
+        data: &DataConfig,
+        train: &TrainConfig,
+    ) -> Result<Self, TrainError> {
+        train.validate()?;
+        model.validate()?;
+        let data = StepData::new(data.clone(), model.seq_len, train.seed)?;
+        Ok(Self {
+            model: Gpt::new(model, backend.clone(), &Cut::Even(1))?,
+            optimizer: AdamW::new(adamw_config(train)),
+            backend,
+            train: train.clone(),
+            data,
+            lr: lr_schedule(train),
+            step: 0,
+        })
+    }
+
+    /// The next step to run (= steps completed).
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    pub fn model(&self) -> &Gpt<B> {
+        &self.model
+    }
+
+    pub fn model_mut(&mut self) -> &mut Gpt<B> {
+        &mut self.model
+    }
+
+    pub fn data(&self) -> &StepData {
+        &self.data
+    }
+
+    pub fn train_config(&self) -> &TrainConfig {
+        &self.train
+    }
+
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// Step `step`'s micro-batches (see [`step_micro_batches`]).
+    pub fn micro_batches(&self, step: u64) -> Vec<MicroBatch> {
+        step_micro_batches(&self.data, &self.train, step)
+    }
+
+    /// Zeroes the gradients, then runs forward and backward of every micro-batch in
+    /// `batches`, accumulating the gradient of their mean loss. Returns that mean loss and
+    /// the number of target tokens.
+    pub fn accumulate(&mut self, batches: &[MicroBatch]) -> Result<(f32, usize), TrainError> {
+        self.model.zero_grads()?;
+        let total: usize = batches.iter().map(MicroBatch::tokens).sum();
+        let mut loss = 0.0f64;
+        for (i, mb) in batches.iter().enumerate() {
+            let share = mb.tokens() as f32 / total as f32;
+            let shape = Shape {
+                batch: mb.rows,
+                seq: mb.seq_len,
+            };
+            let l = self
+                .model
+                .forward_backward(i, shape, &mb.inputs, &mb.targets, share)?;
+            loss += f64::from(l) * f64::from(share);
+        }
+        Ok((loss as f32, total))
+    }
+
+    /// Clips and applies the accumulated gradients with the learning rate of the current
+    /// step, then advances the step. Returns `(lr, gradient norm before clipping)`.
+    pub fn apply_update(&mut self) -> Result<(f32, f32), TrainError> {
+        let lr = self.lr.lr(self.step);
+        let norm = self.optimizer.step_chunks(self.model.chunks_mut(), lr)?;
+        self.step += 1;
+        Ok((lr, norm as f32))
+    }
+
+    /// One whole training step on the current step's data.
+    pub fn train_step(&mut self) -> Result<StepMetrics, TrainError> {
+        let started = Instant::now();
+        let step = self.step;
+        let batches = self.micro_batches(step);
+        let (loss, tokens) = self.accumulate(&batches)?;
+        if !loss.is_finite() {
+            return Err(TrainError::Diverged { step, loss });
+        }
+        let (lr, grad_norm) = self.apply_update()?;
+        Ok(StepMetrics {
+            step,
+            loss,
+            lr,
+            grad_norm,
+            tokens,
+            seconds: started.elapsed().as_secs_f64(),
+        })
+    }
+
+    /// The mean loss of step `step`'s data under the current parameters (no gradients).
+    pub fn eval_loss(&mut self, step: u64) -> Result<f32, TrainError> {
+        let batches = self.micro_batches(step);
+        let total: usize = batches.iter().map(MicroBatch::tokens).sum();
+        let mut loss = 0.0f64;
+        for mb in &batches {
+            let shape = Shape {
+                batch: mb.rows,
+                seq: mb.seq_len,
+            };
+            let l = self.model.loss(shape, &mb.inputs, &mb.targets)?;
+            loss += f64::from(l) * mb.tokens() as f64 / total as f64;
+        }
+        Ok(loss as f32)
+    }
+
+    /// A checkpoint of the model, the optimizer and the data position.
+    pub fn checkpoint(&self) -> Result<Checkpoint, TrainError> {
+        Ok(Checkpoint::capture(
+            &self.model,
+            &self.optimizer,
+            self.step,
+            self.data.seed(),
+        )?)
+    }
+
+    /// Continues from `checkpoint`: parameters, optimizer state and step. The model shape
+    /// and data seed must be this trainer's.
+    pub fn restore(&mut self, checkpoint: &Checkpoint) -> Result<(), TrainError> {
+        checkpoint.restore(&mut self.model, &mut self.optimizer, self.data.seed())?;
+        self.step = checkpoint.meta.step;
+        Ok(())
+    }
+}
