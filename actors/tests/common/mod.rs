@@ -59,6 +59,9 @@ pub struct Observed {
     pub optimizer_steps: Vec<(usize, u64)>,
 }
 
+/// No cost at all (wall-clock tests of order and routing).
+pub const COST_NONE: (f64, f64, f64) = (0.0, 0.0, 0.0);
+
 /// One rank's fake.
 pub struct Fake {
     pub rank: usize,

@@ -1,0 +1,131 @@
+//! (4) A failing stage stops the whole job within a second, with an error that names the
+//! rank, the action and the cause; and plans or wiring the runtime cannot run are refused
+//! with a clear error, never a hang.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{Fake, Fault, lower_simply, swap_ranks};
+use pipefill_actors::{Clock, Pipeline, PlanSource, RuntimeError, run_iterations};
+use pipefill_schedules::{Action, Placement, Plan, ScheduleKind, generate};
+
+/// ZB-H1 (split backward) on 4 ranks with stages 1 and 2 swapped, so that rank 2 runs
+/// stage 1.
+fn swapped_plan() -> Plan {
+    let plan = generate(ScheduleKind::ZbH1, 4, 8, 1).unwrap();
+    swap_ranks(&plan, 1, 2)
+}
+
+/// Runs with a fault at rank 2's `1I3` and returns the error and how long the job took to
+/// stop after the fault fired.
+async fn run_with_fault(fault: Fault, clock: Clock) -> (RuntimeError, Duration) {
+    let plan = lower_simply(&swapped_plan());
+    assert_eq!(plan.rank_of(1), 2);
+    // Long actions: the other ranks are mid-compute or blocked when the fault fires.
+    let (mut fakes, observed) = Fake::for_plan(&plan, (0.02, 0.02, 0.01));
+    fakes[2].fault = Some((Action::i(1, 3), fault));
+    let result = tokio::time::timeout(
+        Duration::from_secs(30),
+        run_iterations(plan, fakes, clock, 3),
+    )
+    .await
+    .expect("the job hung after a stage failure");
+    let stopped = Instant::now();
+    let err = result.expect_err("the job must fail");
+    let fired = observed.lock().unwrap().fault_at.expect("the fault fired");
+    (err, stopped - fired)
+}
+
+fn assert_names_rank_and_action(err: &RuntimeError, cause: &str) {
+    let text = err.to_string();
+    assert!(text.contains("rank 2"), "{text}");
+    assert!(text.contains("1I3"), "{text}");
+    assert!(text.contains(cause), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_error_stops_the_job_within_a_second() {
+    for clock in [Clock::Wall, Clock::virtual_free()] {
+        let (err, took) = run_with_fault(Fault::Error, clock).await;
+        assert!(
+            matches!(err, RuntimeError::Stage { rank: 2, action, iteration: 0, .. } if action == Action::i(1, 3)),
+            "{err:?}"
+        );
+        assert_names_rank_and_action(&err, "injected fault at 1I3");
+        assert!(
+            took < Duration::from_secs(1),
+            "stopped {took:?} after the fault"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_panic_stops_the_job_within_a_second() {
+    let (err, took) = run_with_fault(Fault::Panic, Clock::Wall).await;
+    assert!(
+        matches!(err, RuntimeError::Panic { rank: 2, .. }),
+        "{err:?}"
+    );
+    assert_names_rank_and_action(&err, "injected panic at 1I3");
+    assert!(
+        took < Duration::from_secs(1),
+        "stopped {took:?} after the panic"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_deadlocking_plan_is_refused_before_it_runs() {
+    // Both ranks start with a backward that waits for the other: nothing can progress.
+    let mut plan = Plan::new(2, 2, 1, Placement::Contiguous);
+    plan.ranks[0] = vec![
+        Some(Action::i(0, 0)),
+        Some(Action::f(0, 0)),
+        Some(Action::w(0, 0)),
+    ];
+    plan.ranks[1] = vec![
+        Some(Action::f(1, 0)),
+        Some(Action::i(1, 0)),
+        Some(Action::w(1, 0)),
+    ];
+    let (fakes, _) = Fake::for_plan(&plan, (0.0, 0.0, 0.0));
+    let result = tokio::time::timeout(
+        Duration::from_secs(10),
+        run_iterations(plan, fakes, Clock::Wall, 1),
+    )
+    .await
+    .expect("a deadlocking plan hung the runtime");
+    assert!(matches!(result, Err(RuntimeError::Plan(_))), "{result:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_local_input_out_of_order_names_the_action() {
+    // One rank holds both stages and runs stage 1's forward before stage 0's.
+    let mut plan = Plan::new(1, 2, 1, Placement::Contiguous);
+    plan.ranks[0] = [
+        Action::f(1, 0),
+        Action::f(0, 0),
+        Action::b(1, 0),
+        Action::b(0, 0),
+    ]
+    .into_iter()
+    .map(Some)
+    .collect();
+    let (fakes, _) = Fake::for_plan(&plan, (0.0, 0.0, 0.0));
+    let run = Pipeline::new(PlanSource::Given(plan.clone()), Clock::Wall);
+    // The simulator refuses it first; the stage's own check is the second line of defence.
+    let err = run.run(fakes).await.expect_err("out-of-order plan");
+    assert!(err.to_string().contains("1F0"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn one_compute_per_rank_is_required() {
+    let plan = generate(ScheduleKind::OneFOneB, 4, 4, 1).unwrap();
+    let (mut fakes, _) = Fake::for_plan(&plan, (0.0, 0.0, 0.0));
+    fakes.pop();
+    let err = run_iterations(plan, fakes, Clock::Wall, 1)
+        .await
+        .expect_err("3 computes for 4 ranks");
+    assert!(matches!(err, RuntimeError::Config(_)), "{err:?}");
+    assert!(err.to_string().contains("4 ranks"), "{err}");
+}
