@@ -1,0 +1,259 @@
+//! The `--cost` specification: a cost model written on one command line.
+//!
+//! `--cost f=1,i=1,w=1,comm=0,mb=1,mw=0.5,speed=1` — comma-separated `key=value` pairs; a
+//! key left out keeps its default (shown). Keys:
+//! - `f`, `i`, `w`: time of a forward, an input-gradient backward and a weight-gradient
+//!   backward (a full backward B costs `i + w`). One value applies to every stage; a
+//!   `:`-separated list gives one value per stage (`f=1:1:1.5:1` for 4 stages) and must
+//!   have as many entries as the plan has stages.
+//! - `comm`: latency of one point-to-point transfer between two ranks.
+//! - `mb`, `mw`: activation memory a forward holds until its I, and the part of it that
+//!   stays held after I until W (so `mw ≤ mb`).
+//! - `speed`: per-rank speed factor (one value, or a `:` list with one entry per rank);
+//!   a rank with speed 2 runs every action in half the time.
+//!
+//! Parsing is separate from applying: the number of stages and ranks is only known once
+//! the plan is, so [`CostSpec::model`] checks the lists' lengths against the plan.
+
+use anyhow::{Result, anyhow, bail};
+use pipefill_schedules::{CostModel, Plan, StageCost};
+
+/// The keys `--cost` accepts, as listed in its errors.
+const KEYS: &str = "f, i, w, comm, mb, mw, speed";
+
+/// A parsed `--cost`; lists are per stage (`f`, `i`, `w`) or per rank (`speed`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct CostSpec {
+    pub f: Vec<f64>,
+    pub i: Vec<f64>,
+    pub w: Vec<f64>,
+    pub comm: f64,
+    pub m_b: f64,
+    pub m_w: f64,
+    pub speed: Vec<f64>,
+}
+
+impl Default for CostSpec {
+    fn default() -> Self {
+        CostSpec {
+            f: vec![1.0],
+            i: vec![1.0],
+            w: vec![1.0],
+            comm: 0.0,
+            m_b: 1.0,
+            m_w: 0.5,
+            speed: vec![1.0],
+        }
+    }
+}
+
+impl CostSpec {
+    /// Parses a `--cost` value (see the module docs); errors name the offending entry.
+    pub fn parse(text: &str) -> Result<CostSpec> {
+        let mut spec = CostSpec::default();
+        let mut seen: Vec<&str> = Vec::new();
+        for entry in text.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+            let (key, value) = entry
+                .split_once('=')
+                .ok_or_else(|| anyhow!("--cost: `{entry}` is not key=value (keys: {KEYS})"))?;
+            let (key, value) = (key.trim(), value.trim());
+            let canonical = match key.to_ascii_lowercase().as_str() {
+                "f" => "f",
+                "i" => "i",
+                "w" => "w",
+                "comm" => "comm",
+                "mb" | "m_b" => "mb",
+                "mw" | "m_w" => "mw",
+                "speed" => "speed",
+                _ => bail!("--cost: unknown key `{key}` in `{entry}` (keys: {KEYS})"),
+            };
+            if seen.contains(&canonical) {
+                bail!("--cost: `{canonical}` is given twice");
+            }
+            seen.push(canonical);
+            let values = parse_list(key, value)?;
+            let single = |values: Vec<f64>| -> Result<f64> {
+                match values.as_slice() {
+                    [v] => Ok(*v),
+                    _ => Err(anyhow!(
+                        "--cost: `{key}` takes one value, not a `:` list (`{entry}`)"
+                    )),
+                }
+            };
+            match canonical {
+                "f" => spec.f = values,
+                "i" => spec.i = values,
+                "w" => spec.w = values,
+                "comm" => spec.comm = single(values)?,
+                "mb" => spec.m_b = single(values)?,
+                "mw" => spec.m_w = single(values)?,
+                _ => {
+                    if values.iter().any(|&s| s <= 0.0) {
+                        bail!("--cost: `{entry}`: a rank speed must be greater than 0");
+                    }
+                    spec.speed = values;
+                }
+            }
+        }
+        if spec.m_w > spec.m_b {
+            bail!(
+                "--cost: mw ({}) exceeds mb ({}): W cannot hold more than the forward stashed",
+                spec.m_w,
+                spec.m_b
+            );
+        }
+        Ok(spec)
+    }
+
+    /// The cost model for `plan`, checking that per-stage and per-rank lists fit it.
+    pub fn model(&self, plan: &Plan) -> Result<CostModel> {
+        let stages = plan.stages;
+        for (key, list) in [("f", &self.f), ("i", &self.i), ("w", &self.w)] {
+            if list.len() > 1 && list.len() != stages {
+                bail!(
+                    "--cost: `{key}` has {} per-stage values but the plan has {stages} stages",
+                    list.len()
+                );
+            }
+        }
+        let ranks = plan.num_ranks();
+        if self.speed.len() > 1 && self.speed.len() != ranks {
+            bail!(
+                "--cost: `speed` has {} per-rank values but the plan has {ranks} ranks",
+                self.speed.len()
+            );
+        }
+        let per_stage = [&self.f, &self.i, &self.w].iter().any(|l| l.len() > 1);
+        let at = |list: &[f64], s: usize| if list.len() == 1 { list[0] } else { list[s] };
+        let stage = (0..if per_stage { stages } else { 1 })
+            .map(|s| StageCost {
+                f: at(&self.f, s),
+                i: at(&self.i, s),
+                w: at(&self.w, s),
+            })
+            .collect();
+        let rank_speed = if self.speed.len() == 1 {
+            vec![self.speed[0]; ranks]
+        } else {
+            self.speed.clone()
+        };
+        Ok(CostModel {
+            stage,
+            comm: self.comm,
+            rank_speed,
+            m_b: self.m_b,
+            m_w: self.m_w,
+        })
+    }
+
+    /// The spec written back in `--cost` form (lists joined by `:`), for report headers.
+    pub fn describe(&self) -> String {
+        let list = |l: &[f64]| {
+            l.iter()
+                .map(|v| pipefill::profile::fmt_num(*v, 4))
+                .collect::<Vec<_>>()
+                .join(":")
+        };
+        let mut s = format!(
+            "f={},i={},w={},comm={},mb={},mw={}",
+            list(&self.f),
+            list(&self.i),
+            list(&self.w),
+            list(&[self.comm]),
+            list(&[self.m_b]),
+            list(&[self.m_w])
+        );
+        if self.speed.iter().any(|&v| v != 1.0) {
+            s.push_str(&format!(",speed={}", list(&self.speed)));
+        }
+        s
+    }
+}
+
+/// Parses `value` as one number or a `:`-separated list of finite, non-negative numbers.
+fn parse_list(key: &str, value: &str) -> Result<Vec<f64>> {
+    if value.is_empty() {
+        bail!("--cost: `{key}` has no value");
+    }
+    value
+        .split(':')
+        .map(|v| {
+            let v = v.trim();
+            let x: f64 = v
+                .parse()
+                .map_err(|_| anyhow!("--cost: `{key}={value}`: `{v}` is not a number"))?;
+            if !x.is_finite() || x < 0.0 {
+                bail!("--cost: `{key}={value}`: `{v}` must be a finite number ≥ 0");
+            }
+            Ok(x)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pipefill_schedules::Placement;
+
+    fn plan(ranks: usize, stages: usize) -> Plan {
+        Plan::new(ranks, stages, 4, Placement::Looped)
+    }
+
+    #[test]
+    fn defaults_and_partial_overrides() {
+        assert_eq!(CostSpec::parse("").unwrap(), CostSpec::default());
+        let s = CostSpec::parse("w=0.5, comm=0.1,mb=2,mw=1").unwrap();
+        assert_eq!((s.f.clone(), s.w.clone()), (vec![1.0], vec![0.5]));
+        assert_eq!((s.comm, s.m_b, s.m_w), (0.1, 2.0, 1.0));
+        let m = s.model(&plan(2, 4)).unwrap();
+        assert_eq!(m.stage.len(), 1);
+        assert_eq!(m.of(3).b(), 1.5);
+        assert_eq!(m.rank_speed, vec![1.0, 1.0]);
+    }
+
+    #[test]
+    fn per_stage_lists_broadcast_single_values() {
+        let s = CostSpec::parse("f=1:1:1.5:1,i=2").unwrap();
+        let m = s.model(&plan(2, 4)).unwrap();
+        assert_eq!(m.stage.len(), 4);
+        assert_eq!(m.of(2).f, 1.5);
+        assert_eq!(m.of(2).i, 2.0);
+        let err = s.model(&plan(4, 8)).unwrap_err().to_string();
+        assert_eq!(
+            err,
+            "--cost: `f` has 4 per-stage values but the plan has 8 stages"
+        );
+        let s = CostSpec::parse("speed=1:0.5").unwrap();
+        assert_eq!(s.model(&plan(2, 2)).unwrap().speed(1), 0.5);
+        assert!(s.model(&plan(4, 4)).is_err());
+    }
+
+    #[test]
+    fn errors_name_the_key() {
+        let cases = [
+            ("f=abc", "`f=abc`: `abc` is not a number"),
+            ("x=1", "unknown key `x`"),
+            ("f1", "`f1` is not key=value"),
+            ("w=-1", "must be a finite number ≥ 0"),
+            ("comm=1:2", "`comm` takes one value"),
+            ("f=1,f=2", "`f` is given twice"),
+            ("mb=1,mw=2", "mw (2) exceeds mb (1)"),
+            ("speed=0", "a rank speed must be greater than 0"),
+            ("i=", "`i` has no value"),
+            ("f=1::2", "`` is not a number"),
+        ];
+        for (text, expected) in cases {
+            let err = CostSpec::parse(text).unwrap_err().to_string();
+            assert!(err.starts_with("--cost: "), "{text}: {err}");
+            assert!(err.contains(expected), "{text}: {err}");
+            assert!(!err.contains('\n'), "{text}: {err}");
+        }
+    }
+
+    #[test]
+    fn describes_itself_in_cost_form() {
+        let s = CostSpec::parse("f=1:2,comm=0.25").unwrap();
+        assert_eq!(s.describe(), "f=1:2,i=1,w=1,comm=0.25,mb=1,mw=0.5");
+        assert_eq!(CostSpec::parse(&s.describe()).unwrap(), s);
+    }
+}
