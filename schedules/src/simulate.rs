@@ -70,9 +70,10 @@ impl Need {
 struct Sim<'a> {
     plan: &'a Plan,
     cost: &'a CostModel,
-    m: usize,
-    /// End time of each (stage, micro-batch)'s forward, backward (I or B), and the stamps
-    /// of its SEND_F and SEND_B; [`PENDING`] until produced.
+    stages: usize,
+    /// End time of each (stage, micro-batch)'s forward and backward (I or B), and the
+    /// stamps of its SEND_F and SEND_B; [`PENDING`] until produced. The message tables stay
+    /// empty until the first SEND (a compute-only plan never pays for them).
     f_end: Vec<f64>,
     b_end: Vec<f64>,
     send_f: Vec<f64>,
@@ -82,32 +83,51 @@ struct Sim<'a> {
     /// What each parked rank waits for (`None` while runnable or finished).
     parked: Vec<Option<Need>>,
     queue: VecDeque<usize>,
-    spans: Vec<Span>,
+    /// (start, end) of every compute action, rank by rank in list order: rank `r`'s
+    /// `k`-th compute action is at `first[r] + k`. Spans are built from it once at the end,
+    /// already sorted by rank then start (so the timeline's sort is a single pass).
+    times: Vec<(f64, f64)>,
+    first: Vec<usize>,
+    done: Vec<usize>,
 }
 
 impl<'a> Sim<'a> {
     fn new(plan: &'a Plan, cost: &'a CostModel) -> Result<Self> {
-        check_shape(plan)?;
+        check_placement(plan)?;
         let cells = plan.stages * plan.microbatches;
         let p = plan.num_ranks();
+        let mut first = Vec::with_capacity(p + 1);
+        first.push(0);
+        for list in &plan.ranks {
+            let compute = list
+                .iter()
+                .flatten()
+                .filter(|a| a.kind.is_compute())
+                .count();
+            first.push(first.last().copied().unwrap_or(0) + compute);
+        }
         Ok(Sim {
             plan,
             cost,
-            m: plan.microbatches,
+            stages: plan.stages,
             f_end: vec![PENDING; cells],
             b_end: vec![PENDING; cells],
-            send_f: vec![PENDING; cells],
-            send_b: vec![PENDING; cells],
+            send_f: Vec::new(),
+            send_b: Vec::new(),
             pos: vec![0; p],
             clock: vec![0.0; p],
             parked: vec![None; p],
             queue: (0..p).collect(),
-            spans: Vec::with_capacity(plan.num_actions()),
+            times: vec![(0.0, 0.0); first[p]],
+            done: first[..p].to_vec(),
+            first,
         })
     }
 
+    /// Micro-batch-major: the stages of one micro-batch are adjacent, and the micro-batches
+    /// in flight at any moment form a small window, so lookups stay in cache.
     fn idx(&self, stage: u32, mb: u32) -> usize {
-        stage as usize * self.m + mb as usize
+        mb as usize * self.stages + stage as usize
     }
 
     /// Latency between the ranks of two stages: `comm` across ranks, nothing within one.
@@ -127,7 +147,7 @@ impl<'a> Sim<'a> {
             .filter_map(|r| {
                 let need = self.parked[r]?;
                 let step = self.pos[r];
-                let action = self.plan.ranks[r][step].expect("a rank parks on an action");
+                let action = self.plan.ranks[r][step]?;
                 Some(format!(
                     "rank {r} waits at step {step} ({action}) for {}",
                     need.describe()
@@ -135,7 +155,18 @@ impl<'a> Sim<'a> {
             })
             .collect();
         if stuck.is_empty() {
-            return Ok(self.spans);
+            let mut spans = Vec::with_capacity(self.times.len());
+            for (rank, list) in self.plan.ranks.iter().enumerate() {
+                let compute = list.iter().flatten().filter(|a| a.kind.is_compute());
+                let times = &self.times[self.first[rank]..self.first[rank + 1]];
+                spans.extend(compute.zip(times).map(|(&action, &(start, end))| Span {
+                    rank,
+                    start,
+                    end,
+                    action,
+                }));
+            }
+            return Ok(spans);
         }
         let shown = stuck.len().min(8);
         let more = match stuck.len() - shown {
@@ -156,6 +187,7 @@ impl<'a> Sim<'a> {
                 self.pos[r] += 1; // an idle step: no time of its own in the simulation
                 continue;
             };
+            check_action(self.plan, r, self.pos[r], &action)?;
             match self.ready_at(&action) {
                 Ok(ready) => self.execute(r, action, ready)?,
                 Err(need) => {
@@ -173,8 +205,10 @@ impl<'a> Sim<'a> {
         let (s, mb) = (action.stage, action.microbatch);
         let got = |table: &[f64], need: Need, lat: f64| {
             let (s, mb) = need.key();
-            let t = table[self.idx(s, mb)];
-            if t == PENDING { Err(need) } else { Ok(t + lat) }
+            match table.get(self.idx(s, mb)) {
+                Some(&t) if t != PENDING => Ok(t + lat),
+                _ => Err(need),
+            }
         };
         let last = self.plan.stages as u32 - 1;
         let compute_inputs = |a: Action| -> Result<f64, Need> {
@@ -199,9 +233,10 @@ impl<'a> Sim<'a> {
             ActionKind::SendB => got(&self.b_end, Need::Backward(s, mb), 0.0),
             ActionKind::RecvF => got(&self.send_f, Need::SendF(s - 1, mb), self.link(s - 1, s)),
             ActionKind::RecvB => got(&self.send_b, Need::SendB(s + 1, mb), self.link(s + 1, s)),
-            _ => action
+            ActionKind::OverlapFB => action
                 .parts()
                 .try_fold(0.0f64, |t, part| Ok(t.max(compute_inputs(part)?))),
+            _ => compute_inputs(*action),
         }
     }
 
@@ -211,12 +246,17 @@ impl<'a> Sim<'a> {
         let start = self.clock[r].max(ready);
         match action.kind {
             ActionKind::SendF | ActionKind::SendB => {
+                let cells = self.stages * self.plan.microbatches;
+                let at = self.idx(s, mb);
                 let (table, to) = if action.kind == ActionKind::SendF {
                     (&mut self.send_f, s + 1)
                 } else {
                     (&mut self.send_b, s.wrapping_sub(1))
                 };
-                record(table, s as usize * self.m + mb as usize, start, r, &action)?;
+                if table.is_empty() {
+                    table.resize(cells, PENDING);
+                }
+                record(table, at, start, r, &action)?;
                 self.clock[r] = start;
                 self.wake(to);
             }
@@ -238,12 +278,8 @@ impl<'a> Sim<'a> {
                     }
                 }
                 self.clock[r] = end;
-                self.spans.push(Span {
-                    rank: r,
-                    start,
-                    end,
-                    action,
-                });
+                self.times[self.done[r]] = (start, end);
+                self.done[r] += 1;
             }
         }
         Ok(())
@@ -273,12 +309,13 @@ fn record(table: &mut [f64], at: usize, time: f64, rank: usize, action: &Action)
     Ok(())
 }
 
-/// Rejects what the simulation cannot interpret: a stage → rank table that does not match
-/// the plan, and actions naming a stage or micro-batch outside it or placed on a rank that
-/// does not hold their stage.
-fn check_shape(plan: &Plan) -> Result<()> {
+fn invalid(at: String, rule: String) -> Result<()> {
+    Err(ScheduleError::Invalid { at, rule })
+}
+
+/// Rejects a stage → rank table that does not match the plan.
+fn check_placement(plan: &Plan) -> Result<()> {
     let p = plan.num_ranks();
-    let invalid = |at: String, rule: String| Err(ScheduleError::Invalid { at, rule });
     if plan.stages == 0 || p == 0 {
         return invalid(
             "plan".into(),
@@ -295,54 +332,55 @@ fn check_shape(plan: &Plan) -> Result<()> {
             ),
         );
     }
-    if let Some((s, r)) = plan.stage_rank.iter().enumerate().find(|(_, r)| **r >= p) {
-        return invalid(
+    match plan.stage_rank.iter().enumerate().find(|(_, r)| **r >= p) {
+        Some((s, r)) => invalid(
             format!("stage {s}"),
             format!("placed on rank {r}, but the plan has {p} ranks"),
-        );
+        ),
+        None => Ok(()),
     }
-    for (r, step, action) in plan.iter() {
-        for part in action.parts() {
-            let at = || format!("rank {r}, step {step} ({action})");
-            if part.stage as usize >= plan.stages {
-                return invalid(
-                    at(),
-                    format!("stage {} is outside 0..{}", part.stage, plan.stages),
-                );
-            }
-            if part.microbatch as usize >= plan.microbatches {
-                return invalid(
-                    at(),
-                    format!(
-                        "micro-batch {} is outside 0..{}",
-                        part.microbatch, plan.microbatches
-                    ),
-                );
-            }
-            if plan.rank_of(part.stage) != r {
-                return invalid(
-                    at(),
-                    format!(
-                        "stage {} lives on rank {}",
-                        part.stage,
-                        plan.rank_of(part.stage)
-                    ),
-                );
-            }
-            let edge = match part.kind {
-                ActionKind::SendF | ActionKind::RecvB => part.stage as usize + 1 < plan.stages,
-                ActionKind::RecvF | ActionKind::SendB => part.stage > 0,
-                _ => true,
-            };
-            if !edge {
-                return invalid(
-                    at(),
-                    "this message has no neighbouring stage to go to or come from".into(),
-                );
-            }
+}
+
+/// Rejects an action the simulation cannot interpret: a stage or micro-batch outside the
+/// plan, a stage the rank does not hold, or a message with no neighbouring stage. Checked
+/// as each action is reached, so a valid plan pays one pass of cheap comparisons.
+fn check_action(plan: &Plan, r: usize, step: usize, action: &Action) -> Result<()> {
+    let check = |part: Action| {
+        let at = || format!("rank {r}, step {step} ({action})");
+        if part.stage as usize >= plan.stages {
+            return invalid(
+                at(),
+                format!("stage {} is outside 0..{}", part.stage, plan.stages),
+            );
         }
+        if part.microbatch as usize >= plan.microbatches {
+            let m = plan.microbatches;
+            return invalid(
+                at(),
+                format!("micro-batch {} is outside 0..{m}", part.microbatch),
+            );
+        }
+        let holder = plan.rank_of(part.stage);
+        if holder != r {
+            return invalid(at(), format!("stage {} lives on rank {holder}", part.stage));
+        }
+        let has_neighbour = match part.kind {
+            ActionKind::SendF | ActionKind::RecvB => part.stage as usize + 1 < plan.stages,
+            ActionKind::RecvF | ActionKind::SendB => part.stage > 0,
+            _ => true,
+        };
+        if !has_neighbour {
+            return invalid(
+                at(),
+                "this message has no neighbouring stage to go to or come from".into(),
+            );
+        }
+        Ok(())
+    };
+    match action.kind {
+        ActionKind::OverlapFB => action.parts().try_for_each(check),
+        _ => check(*action),
     }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -113,8 +113,7 @@ pub fn generate(
 
 /// [`generate`], then [`crate::lower`]: the plan with SEND/RECV for every cross-rank edge.
 pub fn build(kind: ScheduleKind, ranks: usize, microbatches: usize, chunks: usize) -> Result<Plan> {
-    let plan = generate(kind, ranks, microbatches, chunks)?;
-    Ok(plan)
+    crate::lower::lower(&generate(kind, ranks, microbatches, chunks)?)
 }
 
 /// Checks the parameters every generator shares: at least one rank and one micro-batch,
