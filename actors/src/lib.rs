@@ -10,6 +10,22 @@
 //! - [`filler`]: the [`BubbleFiller`] seam called when a stage waits in a bubble.
 //! - [`stage`]: [`StageActor`], one per rank, on its own OS thread.
 //! - [`record`]: per-action records and per-iteration stage reports.
+//! - [`schedule`]: [`ScheduleActor`], which builds, checks and dispatches each iteration's
+//!   plan and turns measured costs into a [`pipefill_schedules::CostModel`].
+//! - [`profiler`]: [`Profiler`], which builds measured [`pipefill_schedules::Timeline`]s.
+//! - [`runtime`]: [`Pipeline`] and [`run_iterations`], the entry points.
+//!
+//! ```no_run
+//! # async fn demo<C: pipefill_actors::StageCompute>(computes: Vec<C>) -> pipefill_actors::Result<()> {
+//! use pipefill_actors::{Clock, Pipeline, PlanSource};
+//! use pipefill_schedules::ScheduleKind;
+//!
+//! let source = PlanSource::Builtin { kind: ScheduleKind::ZbH1, ranks: 4, microbatches: 8, chunks: 1 };
+//! let report = Pipeline::new(source, Clock::virtual_free()).iterations(2).run(computes).await?;
+//! println!("{}", report.iterations[0].timeline.bubble_ratio);
+//! # Ok(())
+//! # }
+//! ```
 
 pub mod clock;
 pub mod compute;
