@@ -1,0 +1,272 @@
+//! Device selection: which backend a stage computes on, as given on the command line or in a
+//! job file (`--device cpu`, `cpu:2`, `cuda`, `cuda:1`), and whether that device can be used
+//! here.
+//!
+//! CUDA is detected at run time (the `cuda` feature loads the driver dynamically), so a binary
+//! built with CUDA support still runs on a machine without a GPU: asking for a CUDA device
+//! there is a clear [`DeviceError`], never a panic.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+/// A compute device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum Device {
+    /// The CPU backend on `threads` threads (`cpu` alone is one thread: a pipeline stage
+    /// computes on its own thread, see DESIGN.md "Clocks").
+    Cpu { threads: usize },
+    /// The CUDA GPU with this ordinal (`cuda` alone is ordinal 0).
+    Cuda { ordinal: usize },
+}
+
+impl Default for Device {
+    fn default() -> Self {
+        Device::Cpu { threads: 1 }
+    }
+}
+
+/// Why a device cannot be named or used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DeviceError {
+    /// The device string does not parse.
+    #[error("invalid device `{input}`: {reason} (expected cpu, cpu:THREADS, cuda or cuda:ORDINAL)")]
+    Parse { input: String, reason: String },
+    /// This binary was built without the `cuda` feature.
+    #[error("this build has no CUDA support (rebuild with `--features cuda`); use --device cpu")]
+    CudaNotCompiled,
+    /// The CUDA driver library (libcuda) cannot be loaded: no GPU driver on this machine.
+    #[error("no CUDA driver found; use --device cpu")]
+    NoCudaDriver,
+    /// The driver is there but a CUDA library the backend needs is not.
+    #[error(
+        "the CUDA driver is present but the {library} library is not (install the CUDA toolkit libraries); use --device cpu"
+    )]
+    MissingCudaLibrary { library: &'static str },
+    /// The requested ordinal is past the last GPU.
+    #[error("cuda:{ordinal} does not exist: {count} CUDA device(s) found")]
+    NoSuchDevice { ordinal: usize, count: usize },
+    /// The driver refused to initialise the device (driver too old, device busy, …).
+    #[error("cannot initialise cuda:{ordinal}: {message}")]
+    CudaInit { ordinal: usize, message: String },
+}
+
+impl From<DeviceError> for super::TensorError {
+    fn from(e: DeviceError) -> Self {
+        super::TensorError::Device(e.to_string())
+    }
+}
+
+impl Device {
+    /// Whether this is a CUDA device.
+    pub fn is_cuda(&self) -> bool {
+        matches!(self, Device::Cuda { .. })
+    }
+
+    /// Checks that this device can be used here: always for the CPU; for CUDA, that the
+    /// feature is compiled in, the driver and libraries load, and the ordinal exists.
+    pub fn check_available(&self) -> Result<(), DeviceError> {
+        match *self {
+            Device::Cpu { .. } => Ok(()),
+            Device::Cuda { ordinal } => {
+                let count = cuda_device_count()?;
+                if ordinal < count {
+                    Ok(())
+                } else {
+                    Err(DeviceError::NoSuchDevice { ordinal, count })
+                }
+            }
+        }
+    }
+}
+
+/// Number of CUDA devices on this machine, or why CUDA cannot be used at all.
+pub fn cuda_device_count() -> Result<usize, DeviceError> {
+    #[cfg(feature = "cuda")]
+    {
+        super::cuda::device_count()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        Err(DeviceError::CudaNotCompiled)
+    }
+}
+
+/// One line per device kind saying whether it can be used here (for `pipefill devices`
+/// and error messages).
+pub fn availability_report() -> String {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let cuda = match cuda_device_count() {
+        Ok(0) => "cuda: driver present, no device found".to_string(),
+        Ok(n) => format!("cuda: {n} device(s) (cuda:0 … cuda:{})", n - 1),
+        Err(e) => format!("cuda: unavailable: {e}"),
+    };
+    format!("cpu: available, {threads} hardware thread(s)\n{cuda}")
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Device::Cpu { threads: 1 } => write!(f, "cpu"),
+            Device::Cpu { threads } => write!(f, "cpu:{threads}"),
+            Device::Cuda { ordinal } => write!(f, "cuda:{ordinal}"),
+        }
+    }
+}
+
+impl FromStr for Device {
+    type Err = DeviceError;
+
+    fn from_str(input: &str) -> Result<Self, DeviceError> {
+        let fail = |reason: String| DeviceError::Parse {
+            input: input.to_string(),
+            reason,
+        };
+        let text = input.trim().to_ascii_lowercase();
+        let (kind, index) = match text.split_once(':') {
+            Some((kind, index)) => (kind, Some(index)),
+            None => (text.as_str(), None),
+        };
+        let number = |what: &str| -> Result<Option<usize>, DeviceError> {
+            match index {
+                None => Ok(None),
+                Some(s) => s
+                    .parse::<usize>()
+                    .map(Some)
+                    .map_err(|_| fail(format!("{what} `{s}` is not a non-negative integer"))),
+            }
+        };
+        match kind {
+            "cpu" => match number("thread count")? {
+                None => Ok(Device::Cpu { threads: 1 }),
+                Some(0) => Err(fail("the thread count must be at least 1".into())),
+                Some(threads) => Ok(Device::Cpu { threads }),
+            },
+            "cuda" => Ok(Device::Cuda {
+                ordinal: number("device ordinal")?.unwrap_or(0),
+            }),
+            "" => Err(fail("the device kind is empty".into())),
+            other => Err(fail(format!("unknown device kind `{other}`"))),
+        }
+    }
+}
+
+impl TryFrom<String> for Device {
+    type Error = DeviceError;
+
+    fn try_from(s: String) -> Result<Self, DeviceError> {
+        s.parse()
+    }
+}
+
+impl From<Device> for String {
+    fn from(d: Device) -> String {
+        d.to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_every_documented_form() {
+        assert_eq!("cpu".parse::<Device>().unwrap(), Device::Cpu { threads: 1 });
+        assert_eq!(
+            "cpu:2".parse::<Device>().unwrap(),
+            Device::Cpu { threads: 2 }
+        );
+        assert_eq!(
+            "cuda".parse::<Device>().unwrap(),
+            Device::Cuda { ordinal: 0 }
+        );
+        assert_eq!(
+            "cuda:1".parse::<Device>().unwrap(),
+            Device::Cuda { ordinal: 1 }
+        );
+        assert_eq!(
+            " CUDA:3 ".parse::<Device>().unwrap(),
+            Device::Cuda { ordinal: 3 }
+        );
+    }
+
+    #[test]
+    fn display_round_trips() {
+        for d in [
+            Device::Cpu { threads: 1 },
+            Device::Cpu { threads: 4 },
+            Device::Cuda { ordinal: 0 },
+            Device::Cuda { ordinal: 7 },
+        ] {
+            assert_eq!(d.to_string().parse::<Device>().unwrap(), d);
+        }
+        assert_eq!(Device::Cpu { threads: 1 }.to_string(), "cpu");
+        assert_eq!(Device::Cuda { ordinal: 0 }.to_string(), "cuda:0");
+    }
+
+    #[test]
+    fn rejects_bad_strings_with_a_reason() {
+        for (input, needle) in [
+            ("gpu", "unknown device kind `gpu`"),
+            ("cpu:0", "at least 1"),
+            ("cpu:two", "`two` is not a non-negative integer"),
+            ("cuda:", "`` is not a non-negative integer"),
+            ("cuda:-1", "`-1`"),
+            ("cuda:1:2", "`1:2`"),
+            ("", "empty"),
+        ] {
+            let err = input.parse::<Device>().unwrap_err();
+            let text = err.to_string();
+            assert!(matches!(err, DeviceError::Parse { .. }), "{input}: {err:?}");
+            assert!(text.contains(needle), "{input}: `{text}` lacks `{needle}`");
+            assert!(
+                text.contains(&format!("`{input}`")),
+                "{input}: `{text}` does not name it"
+            );
+        }
+    }
+
+    #[test]
+    fn serde_uses_the_string_form() {
+        #[derive(Debug, Serialize, Deserialize)]
+        struct Job {
+            device: Device,
+        }
+        let job: Job = toml::from_str("device = \"cuda:2\"").unwrap();
+        assert_eq!(job.device, Device::Cuda { ordinal: 2 });
+        assert_eq!(toml::to_string(&job).unwrap().trim(), "device = \"cuda:2\"");
+        let bad = toml::from_str::<Job>("device = \"tpu\"")
+            .unwrap_err()
+            .to_string();
+        assert!(bad.contains("unknown device kind `tpu`"), "{bad}");
+    }
+
+    #[test]
+    fn cpu_is_always_available() {
+        assert_eq!(Device::Cpu { threads: 3 }.check_available(), Ok(()));
+        assert!(availability_report().starts_with("cpu: available"));
+    }
+
+    #[test]
+    fn cuda_availability_is_an_error_not_a_panic_without_a_driver() {
+        // On a machine with a working GPU this is Ok; everywhere else it must be a clear
+        // error naming the way out (or the missing feature).
+        match (Device::Cuda { ordinal: 0 }).check_available() {
+            Ok(()) => {}
+            Err(e) => {
+                let text = e.to_string();
+                assert!(
+                    text.contains("--device cpu") || matches!(e, DeviceError::NoSuchDevice { .. }),
+                    "{text}"
+                );
+            }
+        }
+        #[cfg(not(feature = "cuda"))]
+        assert_eq!(
+            (Device::Cuda { ordinal: 0 }).check_available(),
+            Err(DeviceError::CudaNotCompiled)
+        );
+    }
+}
