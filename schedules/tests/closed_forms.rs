@@ -275,20 +275,19 @@ fn zb_h2_and_zb_v_memory() {
 }
 
 #[test]
-fn lowered_plans_run_the_same_work_and_never_finish_sooner() {
-    // A RECV can only add waiting (it blocks until its SEND), never remove it.
-    let cost = CostModel::uniform(1.0, 1.0, 1.0, 0.25);
-    for kind in ScheduleKind::ALL {
-        let v = kind.default_chunks();
-        let plan = generate(kind, 4, 8, v).unwrap();
-        let a = simulate(&plan, &cost).unwrap();
-        let b = simulate(&lower(&plan).unwrap(), &cost).unwrap();
-        assert_eq!(a.spans.len(), b.spans.len(), "{kind}");
-        assert!(
-            b.makespan >= a.makespan - EPS,
-            "{kind}: {} < {}",
-            b.makespan,
-            a.makespan
-        );
+fn lowered_plans_time_exactly_like_their_compute_only_form() {
+    // Each RECV sits where its compute action would wait anyway, so lowering adds no delay,
+    // whatever the costs and the link latency.
+    for cost in [
+        CostModel::uniform(1.0, 1.0, 1.0, 0.0),
+        CostModel::uniform(1.0, 2.0, 0.5, 0.25),
+        CostModel::uniform(3.0, 1.0, 2.0, 1.5),
+    ] {
+        for (kind, p, m, v) in grid().filter(|&(_, p, _, _)| p <= 4) {
+            let plan = generate(kind, p, m, v).unwrap();
+            let a = simulate(&plan, &cost).unwrap();
+            let b = simulate(&lower(&plan).unwrap(), &cost).unwrap();
+            assert_eq!(a.spans, b.spans, "{kind} p={p} m={m} v={v} cost={cost:?}");
+        }
     }
 }
