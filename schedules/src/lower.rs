@@ -2,118 +2,135 @@
 //!
 //! Semantics of the lowered plan (the validator and simulator use the same): a SEND is
 //! buffered — it completes locally at once; a RECV blocks until its matching SEND (same
-//! stage hand-over, same micro-batch) has executed. Stages on the same rank hand tensors
-//! over locally, with no SEND/RECV.
+//! hand-over, same micro-batch) has executed. Stages on the same rank hand tensors over
+//! locally, with no SEND/RECV.
 //!
-//! What is inserted, for every cross-rank hand-over:
+//! What is inserted, for every hand-over between stages on different ranks:
 //! - `SEND_F(s,mb)` right after `F(s,mb)` on s's rank, `RECV_F(s+1,mb)` before `F(s+1,mb)`;
 //! - `SEND_B(s,mb)` right after the I or B of (s,mb), `RECV_B(s−1,mb)` before the I or B of
-//!   (s−1,mb); an OVERLAP_F_B gets both, for its forward and its backward half.
+//!   (s−1,mb); an OVERLAP_F_B gets both, for its forward and for its backward half.
 //!
-//! Where a RECV goes is decided by its *sender*, as PyTorch's `_add_send_recv` does: all
-//! ranks are run together in lockstep rounds (one step per rank per round, idle steps
-//! included, so the plan's own alignment acts as unit time), and when a rank runs an
-//! action that sends, the RECV is appended to the receiver's list at the point the
-//! receiver has reached. A compute action runs only once its RECVs are in place. So every
-//! RECV sits after its SEND in one global order that the lowered plan can replay: it
-//! cannot hang under the semantics above, and on every link the RECVs come in the same
-//! order as the SENDs, which transports that match messages first-in first-out (NCCL,
-//! TCP streams) need as well.
+//! **Where the RECVs go.** PyTorch's `_add_send_recv` runs all ranks together in lockstep
+//! and lets each SEND append its RECV wherever the receiver has got to. That order replays
+//! a global execution, so it cannot hang, and on every link (sender → receiver) the RECVs
+//! come in the order of the SENDs, which first-in first-out transports (NCCL, TCP streams)
+//! need. But under *blocking* RECVs it adds waits the plan never asked for: on PyTorch's own
+//! ZB1P file, rank 1 would receive micro-batch 1's activation before running micro-batch 0,
+//! stretching the makespan from 49 to 65 steps with free links. So each RECV goes as
+//! late as the two constraints allow: before its consumer, and before the next RECV of the
+//! same link (RECVs of one link keep the SENDs' order). That position is never earlier
+//! than the one the lockstep replay gives (which meets both constraints), and moving a
+//! blocking RECV later cannot create a deadlock, so the result cannot hang either; and a RECV
+//! only ever waits where a later RECV of the same link — sent later by the same rank — makes
+//! the rank wait anyway, so lowering adds no wait to the compute-only plan's timing.
+//! Before anything is placed, the compute-only plan is executed once (the validator's
+//! global run of all ranks): a plan that cannot run gets that error, not a lowered plan.
 
 use crate::action::{Action, ActionKind};
-use crate::error::{Result, ScheduleError};
+use crate::error::Result;
 use crate::plan::Plan;
-use crate::validate::{ValidateOptions, bit, check_structure, validate};
+use crate::validate::{bit, check_executable};
 
-/// Inserts SEND/RECV for every cross-rank hand-over; idle steps are dropped (the RECVs
-/// do the waiting). A plan that already holds SEND/RECV is returned unchanged, so
-/// lowering is idempotent.
+/// A RECV to place on a receiver: where its consumer is, and where it ends up.
+struct Recv {
+    action: Action,
+    from: usize,
+    /// Index, in the receiver's compute list, of the action that consumes it.
+    consumer: usize,
+    /// Index it is placed before (≤ `consumer`).
+    before: usize,
+}
+
+/// Inserts SEND/RECV for every cross-rank hand-over (see the module docs for where);
+/// idle steps are dropped, since the RECVs do the waiting. A plan that already holds
+/// SEND/RECV is returned unchanged, so lowering is idempotent.
 ///
-/// Errors when the compute-only plan cannot run to completion (a same-rank dependency out
-/// of order, or a deadlock), with the validator's message naming where.
+/// The plan must be valid apart from memory; otherwise this is the validator's error
+/// (e.g. a deadlock, naming every waiting rank).
 pub fn lower(plan: &Plan) -> Result<Plan> {
-    let st = check_structure(plan)?;
+    let st = check_executable(plan)?;
     if st.lowered {
         return Ok(plan.clone());
     }
     let ranks = plan.num_ranks();
-    let stages = plan.stages;
-    let key = |s: u32, mb: u32| st.key(s, mb);
-    // What has "arrived" on the rank of each (stage, mb): F / BWD bits for same-rank
-    // hand-overs, RECV_F / RECV_B bits once the RECV has been placed.
-    let mut done = vec![0u8; st.seen.len()];
-    let mut out: Vec<Vec<Option<Action>>> = plan
+    let compute: Vec<Vec<Action>> = plan
         .ranks
         .iter()
-        .map(|l| Vec::with_capacity(l.len() * 2))
+        .map(|l| l.iter().flatten().copied().collect())
         .collect();
-    let mut pc = vec![0usize; ranks];
-    let mut active: Vec<usize> = (0..ranks).filter(|&r| !plan.ranks[r].is_empty()).collect();
 
-    // Can `a` run on `rank` now: are its inputs local and done, or received?
-    let ready = |a: &Action, rank: usize, done: &[u8]| {
-        a.parts().all(|p| {
-            let (s, mb) = (p.stage, p.microbatch);
-            match p.kind {
-                ActionKind::F if s > 0 => {
-                    if plan.rank_of(s - 1) == rank {
-                        done[key(s - 1, mb)] & bit::F != 0
-                    } else {
-                        done[key(s, mb)] & bit::RECV_F != 0
-                    }
+    // Where each (stage, mb)'s forward and backward (I or B) sit in their rank's list.
+    let mut pos_f = vec![0u32; st.seen.len()];
+    let mut pos_bwd = vec![0u32; st.seen.len()];
+    for list in &compute {
+        for (i, a) in list.iter().enumerate() {
+            for p in a.parts() {
+                let k = st.key(p.stage, p.microbatch);
+                match bit::of(p.kind) {
+                    bit::F => pos_f[k] = i as u32,
+                    bit::I | bit::B => pos_bwd[k] = i as u32,
+                    _ => {}
                 }
-                ActionKind::I | ActionKind::B if (s as usize) + 1 < stages => {
-                    if plan.rank_of(s + 1) == rank {
-                        done[key(s + 1, mb)] & bit::BWD != 0
-                    } else {
-                        done[key(s, mb)] & bit::RECV_B != 0
-                    }
-                }
-                _ => true,
             }
-        })
-    };
+        }
+    }
 
-    while !active.is_empty() {
-        let mut progress = false;
-        for &rank in &active {
-            let Some(step) = plan.ranks[rank].get(pc[rank]) else {
-                continue;
+    // Every hand-over, in send order: senders in rank order, each in its list's order, so
+    // each receiver's entries come grouped by sender and, per sender, in send order.
+    let mut recvs: Vec<Vec<Recv>> = (0..ranks).map(|_| Vec::new()).collect();
+    for (from, list) in compute.iter().enumerate() {
+        for a in list {
+            for (_, recv) in hand_overs(plan, from, a) {
+                let to = plan.rank_of(recv.stage);
+                let k = st.key(recv.stage, recv.microbatch);
+                let consumer = match recv.kind {
+                    ActionKind::RecvF => pos_f[k],
+                    _ => pos_bwd[k],
+                } as usize;
+                recvs[to].push(Recv {
+                    action: recv,
+                    from,
+                    consumer,
+                    before: consumer,
+                });
+            }
+        }
+    }
+
+    let mut out = Vec::with_capacity(ranks);
+    for (rank, list) in compute.iter().enumerate() {
+        let mut mine = std::mem::take(&mut recvs[rank]);
+        // Latest positions: walking each link backwards, a RECV goes before its consumer
+        // and before the next RECV of the same link.
+        let mut next_on_link: Option<(usize, usize)> = None;
+        for r in mine.iter_mut().rev() {
+            r.before = match next_on_link {
+                Some((from, before)) if from == r.from => r.consumer.min(before),
+                _ => r.consumer,
             };
-            if let Some(a) = step {
-                if !ready(a, rank, &done) {
-                    continue;
-                }
-                out[rank].push(Some(*a));
-                for p in a.parts() {
-                    let (s, mb) = (p.stage, p.microbatch);
-                    done[key(s, mb)] |= bit::of(p.kind);
-                    // The hand-over this part produces, if it crosses ranks.
-                    let (send, recv) = match p.kind {
-                        ActionKind::F if (s as usize) + 1 < stages => {
-                            (ActionKind::SendF, Action::new(ActionKind::RecvF, s + 1, mb))
-                        }
-                        ActionKind::I | ActionKind::B if s > 0 => {
-                            (ActionKind::SendB, Action::new(ActionKind::RecvB, s - 1, mb))
-                        }
-                        _ => continue,
-                    };
-                    let to = plan.rank_of(recv.stage);
-                    if to == rank {
-                        continue;
-                    }
-                    out[rank].push(Some(Action::new(send, s, mb)));
-                    out[to].push(Some(recv));
-                    done[key(recv.stage, mb)] |= bit::of(recv.kind);
-                }
-            }
-            pc[rank] += 1;
-            progress = true;
+            next_on_link = Some((r.from, r.before));
         }
-        active.retain(|&r| pc[r] < plan.ranks[r].len());
-        if !progress {
-            return Err(stuck(plan, &active, &pc));
+        // Stable bucket order by position: ties keep (sender, send order).
+        let mut start = vec![0usize; list.len() + 1];
+        for r in &mine {
+            start[r.before + 1] += 1;
         }
+        for i in 0..list.len() {
+            start[i + 1] += start[i];
+        }
+        let mut placed: Vec<Option<Action>> = vec![None; mine.len()];
+        let mut fill = start.clone();
+        for r in mine.drain(..) {
+            placed[fill[r.before]] = Some(r.action);
+            fill[r.before] += 1;
+        }
+        let mut lowered = Vec::with_capacity(list.len() + 2 * placed.len());
+        for (i, a) in list.iter().enumerate() {
+            lowered.extend_from_slice(&placed[start[i]..start[i + 1]]);
+            lowered.push(Some(*a));
+            lowered.extend(hand_overs(plan, rank, a).map(|(send, _)| Some(send)));
+        }
+        out.push(lowered);
     }
 
     Ok(Plan {
@@ -125,25 +142,33 @@ pub fn lower(plan: &Plan) -> Result<Plan> {
     })
 }
 
-/// Why lowering cannot proceed: the validator's precise message (an order error or a
-/// deadlock), or, should it find nothing, the ranks that are stuck.
-fn stuck(plan: &Plan, active: &[usize], pc: &[usize]) -> ScheduleError {
-    match validate(plan, &ValidateOptions::default()) {
-        Err(e) => e,
-        Ok(_) => {
-            let at: Vec<String> = active
-                .iter()
-                .map(|&r| format!("rank {r} at step {}", pc[r]))
-                .collect();
-            ScheduleError::Deadlock(format!("cannot lower: stuck with {}", at.join(", ")))
-        }
-    }
+/// The cross-rank hand-overs `a` (run on `rank`) produces, as (SEND, matching RECV): a
+/// forward feeds the next stage, an I or B the previous one; an overlap may do both.
+fn hand_overs<'a>(
+    plan: &'a Plan,
+    rank: usize,
+    a: &'a Action,
+) -> impl Iterator<Item = (Action, Action)> + 'a {
+    a.parts().filter_map(move |p| {
+        let (s, mb) = (p.stage, p.microbatch);
+        let (send, recv) = match p.kind {
+            ActionKind::F if (s as usize) + 1 < plan.stages => {
+                (ActionKind::SendF, Action::new(ActionKind::RecvF, s + 1, mb))
+            }
+            ActionKind::I | ActionKind::B if s > 0 => {
+                (ActionKind::SendB, Action::new(ActionKind::RecvB, s - 1, mb))
+            }
+            _ => return None,
+        };
+        (plan.rank_of(recv.stage) != rank).then_some((Action::new(send, s, mb), recv))
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::plan::Placement;
+    use crate::validate::{ValidateOptions, validate};
 
     fn plan(placement: Placement, stages: usize, m: usize, rows: &[&str]) -> Plan {
         let mut p = Plan::new(rows.len(), stages, m, placement);
@@ -206,7 +231,7 @@ mod tests {
         );
         assert_eq!(
             text(&l.ranks[1]),
-            "1RECV_F0 1F0 1RECV_F1 1B0 1SEND_B0 1F1 1B1 1SEND_B1"
+            "1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1"
         );
         validate(&l, &ValidateOptions::default()).unwrap();
         assert_eq!(lower(&l).unwrap(), l, "lowering is idempotent");

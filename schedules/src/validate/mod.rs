@@ -37,7 +37,7 @@ use crate::memory::peak_memory;
 use crate::plan::Plan;
 use crate::timeline::CostModel;
 
-pub(crate) use checks::check_structure;
+pub(crate) use checks::Structure;
 
 /// What [`validate`] checks beyond correctness.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -57,9 +57,7 @@ pub struct Validation {
 
 /// Checks every rule of the module docs; the first broken one is the error.
 pub fn validate(plan: &Plan, opts: &ValidateOptions) -> Result<Validation> {
-    let structure = check_structure(plan)?;
-    checks::check_complete(plan, &structure)?;
-    exec::execute(plan, &structure)?;
+    check_executable(plan)?;
     let peak = peak_memory(plan, &opts.cost);
     if let Some(limit) = opts.memory_limit {
         if let Some((rank, &p)) = peak.iter().enumerate().find(|(_, p)| **p > limit) {
@@ -71,6 +69,14 @@ pub fn validate(plan: &Plan, opts: &ValidateOptions) -> Result<Validation> {
         }
     }
     Ok(Validation { peak_memory: peak })
+}
+
+/// Rules 1 to 3 (everything but memory); what exists per (stage, micro-batch) on success.
+pub(crate) fn check_executable(plan: &Plan) -> Result<Structure> {
+    let structure = checks::check_structure(plan)?;
+    checks::check_complete(plan, &structure)?;
+    exec::execute(plan, &structure)?;
+    Ok(structure)
 }
 
 /// Bits of the per-(stage, micro-batch) state: which actions exist / have run.
