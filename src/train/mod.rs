@@ -69,7 +69,7 @@ pub struct TrainConfig {
 impl Default for TrainConfig {
     fn default() -> Self {
         Self {
-            steps: 300,
+            steps: 400,
             micro_batches: 4,
             micro_batch_size: 4,
             lr: 3e-3,

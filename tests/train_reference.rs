@@ -1,0 +1,252 @@
+//! The single-device reference trainer end to end: the loss falls, gradient accumulation
+//! does not change the update, checkpoints resume exactly, and job-file errors name the
+//! field.
+
+use pipefill::config::JobConfig;
+use pipefill::data::DataConfig;
+use pipefill::model::GptConfig;
+use pipefill::model::checkpoint::Checkpoint;
+use pipefill::tensor::CpuBackend;
+use pipefill::train::{TrainConfig, Trainer};
+
+/// A shortened, smaller default job: 2 blocks of width 32, sequences of 32 tokens.
+fn small_job() -> (GptConfig, DataConfig, TrainConfig) {
+    let model = GptConfig {
+        layers: 2,
+        d_model: 32,
+        seq_len: 32,
+        ..GptConfig::default()
+    };
+    let train = TrainConfig {
+        steps: LOSS_STEPS,
+        warmup: 10,
+        threads: 1,
+        ..TrainConfig::default()
+    };
+    (model, DataConfig::default(), train)
+}
+
+/// Steps of the loss test, and the mean loss of its last 10 steps must end below
+/// [`LOSS_THRESHOLD`] (it starts at ln(50) ≈ 3.9, a uniform guess over the vocabulary).
+const LOSS_STEPS: u64 = 200;
+const LOSS_THRESHOLD: f32 = 2.0;
+
+#[test]
+fn loss_falls_below_threshold_within_the_step_budget() {
+    let (model, data, train) = small_job();
+    let mut trainer = Trainer::reference(&model, &data, &train).unwrap();
+    let losses: Vec<f32> = (0..LOSS_STEPS)
+        .map(|_| trainer.train_step().unwrap().loss)
+        .collect();
+    let first = losses[0];
+    let last10 = losses[losses.len() - 10..].iter().sum::<f32>() / 10.0;
+    assert!((first - 50f32.ln()).abs() < 0.3, "initial loss {first}");
+    assert!(
+        last10 < LOSS_THRESHOLD,
+        "mean loss of the last 10 of {LOSS_STEPS} steps is {last10}, expected < {LOSS_THRESHOLD}; \
+         curve {losses:?}"
+    );
+}
+
+/// Max |a - b| over two parameter sets, relative to the largest |a|.
+fn max_rel_diff(a: &[f32], b: &[f32]) -> f32 {
+    let scale = a.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-12);
+    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+}
+
+#[test]
+fn accumulating_micro_batches_gives_the_same_update() {
+    let (model, data, base) = small_job();
+    // The same 4 sequences as 1×4, 2×2 and 4×1 micro-batches.
+    let shapes = [(1, 4), (2, 2), (4, 1)];
+    let mut trainers: Vec<Trainer<CpuBackend>> = shapes
+        .iter()
+        .map(|&(micro_batches, micro_batch_size)| {
+            let train = TrainConfig {
+                micro_batches,
+                micro_batch_size,
+                ..base.clone()
+            };
+            Trainer::reference(&model, &data, &train).unwrap()
+        })
+        .collect();
+    let rows = |t: &Trainer<CpuBackend>| -> Vec<u32> {
+        t.micro_batches(0)
+            .into_iter()
+            .flat_map(|mb| mb.inputs)
+            .collect()
+    };
+    assert_eq!(rows(&trainers[0]), rows(&trainers[1]));
+    assert_eq!(rows(&trainers[0]), rows(&trainers[2]));
+
+    let mut losses = Vec::new();
+    for t in &mut trainers {
+        let batches = t.micro_batches(0);
+        assert_eq!(batches.len() * batches[0].rows, 4);
+        losses.push(t.accumulate(&batches).unwrap().0);
+    }
+    let names = trainers[0].model().param_names();
+    for name in &names {
+        let g0 = trainers[0].model().grad_values(name).unwrap();
+        for t in &trainers[1..] {
+            let g = t.model().grad_values(name).unwrap();
+            let d = max_rel_diff(&g0, &g);
+            assert!(d < 1e-4, "gradient of {name} differs by {d} (relative)");
+        }
+    }
+    for l in &losses[1..] {
+        assert!((l - losses[0]).abs() < 1e-5, "losses {losses:?}");
+    }
+    // And the updated parameters agree too.
+    for t in &mut trainers {
+        t.apply_update().unwrap();
+    }
+    for name in &names {
+        let p0 = trainers[0].model().param_values(name).unwrap();
+        for t in &trainers[1..] {
+            let p = t.model().param_values(name).unwrap();
+            let d = p0
+                .iter()
+                .zip(&p)
+                .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            // The first AdamW step moves each weight by at most lr; agreement to a small
+            // fraction of it means the same update.
+            assert!(d < 0.02 * base.lr, "{name} differs by {d} after the update");
+        }
+    }
+}
+
+#[test]
+fn checkpoints_resume_bit_for_bit() {
+    let (model, data, train) = small_job();
+    let mut a = Trainer::reference(&model, &data, &train).unwrap();
+    for _ in 0..3 {
+        a.train_step().unwrap();
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut saved = a.checkpoint().unwrap();
+    saved.save(dir.path()).unwrap();
+    let loaded = Checkpoint::load(dir.path()).unwrap();
+    assert_eq!(loaded.meta.step, 3);
+    assert_eq!(loaded.meta.optimizer_step, 3);
+    assert_eq!(loaded.tensors.len(), saved.tensors.len());
+    for (x, y) in saved.tensors.iter().zip(&loaded.tensors) {
+        assert_eq!(x.name, y.name);
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&x.data), bits(&y.data), "{}", x.name);
+    }
+    // Every parameter is stored with both AdamW moments.
+    for name in a.model().param_names() {
+        for prefix in ["", "optim.m.", "optim.v."] {
+            assert!(
+                loaded.tensor(&format!("{prefix}{name}")).is_some(),
+                "{prefix}{name}"
+            );
+        }
+    }
+
+    let mut b = Trainer::reference(&model, &data, &train).unwrap();
+    b.restore(&loaded).unwrap();
+    assert_eq!(b.step(), 3);
+    let ma = a.train_step().unwrap();
+    let mb = b.train_step().unwrap();
+    assert_eq!(ma.loss.to_bits(), mb.loss.to_bits());
+    for name in a.model().param_names() {
+        assert_eq!(
+            a.model().param_values(&name).unwrap(),
+            b.model().param_values(&name).unwrap(),
+            "{name}"
+        );
+    }
+
+    // A checkpoint of another model shape is refused, naming the mismatch.
+    let other = GptConfig {
+        layers: 3,
+        ..model.clone()
+    };
+    let mut c = Trainer::reference(&other, &data, &train).unwrap();
+    let err = c.restore(&loaded).unwrap_err().to_string();
+    assert!(err.contains("does not fit"), "{err}");
+}
+
+fn job_err(text: &str, sets: &[&str]) -> String {
+    let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+    JobConfig::from_toml_with(text, "job.toml", &sets)
+        .unwrap_err()
+        .to_string()
+}
+
+#[test]
+fn config_errors_name_the_field() {
+    let cases: &[(&str, &[&str], &[&str])] = &[
+        ("[train]\nstepz = 3\n", &[], &["stepz"]),
+        ("[train]\nsteps = \"many\"\n", &[], &["steps", "many"]),
+        ("shedule = \"none\"\n", &[], &["shedule"]),
+        ("[model]\nheads = 3\n", &[], &["model.heads"]),
+        (
+            "[train]\nmicro_batches = 0\n",
+            &[],
+            &["train.micro_batches"],
+        ),
+        ("[data]\nfamilies = []\n", &[], &["data.families"]),
+        ("[data]\nfamilies = [\"sudoku\"]\n", &[], &["sudoku"]),
+        ("", &["train.lr=fast"], &["train.lr", "fast"]),
+        ("", &["train.bogus=1"], &["bogus", "train"]),
+        ("", &["stages=0"], &["stages"]),
+    ];
+    for (text, sets, needles) in cases {
+        let err = job_err(text, sets);
+        for n in *needles {
+            assert!(
+                err.contains(n),
+                "error for {text:?} {sets:?} lacks {n:?}: {err}"
+            );
+        }
+    }
+}
+
+#[test]
+fn cli_trains_a_tiny_job_and_refuses_pipeline_schedules() {
+    let exe = env!("CARGO_BIN_EXE_pipefill");
+    let out = std::process::Command::new(exe)
+        .args(["train", "--schedule", "zb-h1"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("actor runtime"), "{stderr}");
+
+    let dir = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(exe)
+        .args([
+            "train",
+            "--steps",
+            "3",
+            "--set",
+            "model.layers=1",
+            "--set",
+            "train.threads=1",
+        ])
+        .arg("--out-dir")
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("solution length") && stdout.contains("p99"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("done: 3 steps"), "{stdout}");
+    let metrics = std::fs::read_to_string(dir.path().join("metrics.jsonl")).unwrap();
+    assert_eq!(metrics.lines().count(), 3);
+    let job = std::fs::read_to_string(dir.path().join("job.toml")).unwrap();
+    let job = JobConfig::from_toml(&job, "written job").unwrap();
+    assert_eq!((job.train.steps, job.model.layers), (3, 1));
+    let ckpt = Checkpoint::load(&dir.path().join("checkpoint")).unwrap();
+    assert_eq!(ckpt.meta.step, 3);
+}
