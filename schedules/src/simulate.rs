@@ -83,10 +83,12 @@ struct Sim<'a> {
     /// What each parked rank waits for (`None` while runnable or finished).
     parked: Vec<Option<Need>>,
     queue: VecDeque<usize>,
-    /// (start, end) of every compute action, rank by rank in list order: rank `r`'s
-    /// `k`-th compute action is at `first[r] + k`. Spans are built from it once at the end,
-    /// already sorted by rank then start (so the timeline's sort is a single pass).
-    times: Vec<(f64, f64)>,
+    /// Start and end of every compute action, rank by rank in list order: rank `r`'s
+    /// `k`-th compute action is at `first[r] + k` (`first` spaces ranks by their list
+    /// lengths). Spans are built from it once at the end, already sorted by rank then start
+    /// (so the timeline's sort is a single pass).
+    starts: Vec<f64>,
+    ends: Vec<f64>,
     first: Vec<usize>,
     done: Vec<usize>,
 }
@@ -96,15 +98,12 @@ impl<'a> Sim<'a> {
         check_placement(plan)?;
         let cells = plan.stages * plan.microbatches;
         let p = plan.num_ranks();
+        // Rank r's compute actions are at most its list's length: reserve that much of
+        // `starts`/`ends` per rank (untouched slack costs address space, not memory).
         let mut first = Vec::with_capacity(p + 1);
         first.push(0);
         for list in &plan.ranks {
-            let compute = list
-                .iter()
-                .flatten()
-                .filter(|a| a.kind.is_compute())
-                .count();
-            first.push(first.last().copied().unwrap_or(0) + compute);
+            first.push(first.last().copied().unwrap_or(0) + list.len());
         }
         Ok(Sim {
             plan,
@@ -118,7 +117,9 @@ impl<'a> Sim<'a> {
             clock: vec![0.0; p],
             parked: vec![None; p],
             queue: (0..p).collect(),
-            times: vec![(0.0, 0.0); first[p]],
+            // Zeroed allocations: pages are only touched where a span is written.
+            starts: vec![0.0; first[p]],
+            ends: vec![0.0; first[p]],
             done: first[..p].to_vec(),
             first,
         })
@@ -155,14 +156,17 @@ impl<'a> Sim<'a> {
             })
             .collect();
         if stuck.is_empty() {
-            let mut spans = Vec::with_capacity(self.times.len());
+            let total = (0..self.done.len())
+                .map(|r| self.done[r] - self.first[r])
+                .sum();
+            let mut spans = Vec::with_capacity(total);
             for (rank, list) in self.plan.ranks.iter().enumerate() {
                 let compute = list.iter().flatten().filter(|a| a.kind.is_compute());
-                let times = &self.times[self.first[rank]..self.first[rank + 1]];
-                spans.extend(compute.zip(times).map(|(&action, &(start, end))| Span {
+                let at = self.first[rank];
+                spans.extend(compute.enumerate().map(|(k, &action)| Span {
                     rank,
-                    start,
-                    end,
+                    start: self.starts[at + k],
+                    end: self.ends[at + k],
                     action,
                 }));
             }
@@ -278,7 +282,8 @@ impl<'a> Sim<'a> {
                     }
                 }
                 self.clock[r] = end;
-                self.times[self.done[r]] = (start, end);
+                self.starts[self.done[r]] = start;
+                self.ends[self.done[r]] = end;
                 self.done[r] += 1;
             }
         }
