@@ -156,6 +156,30 @@ mod tests {
         );
     }
 
+    /// NVRTC needs no GPU: where the library is installed (the CUDA toolkit, or the
+    /// `nvidia-cuda-nvrtc-cu12` wheel on `LD_LIBRARY_PATH`) the kernels must compile, and the
+    /// PTX must define every entry point. `PIPEFILL_PTX_OUT=path` also writes the PTX (to run
+    /// `ptxas` on it).
+    #[test]
+    fn kernels_compile_with_nvrtc_where_it_is_installed() {
+        // SAFETY: dlopen probe only.
+        if unsafe { !cudarc::nvrtc::sys::is_culib_present() } {
+            eprintln!("SKIP: libnvrtc not found, the kernel source was not compiled");
+            return;
+        }
+        let ptx = ptx().unwrap_or_else(|e| panic!("{e}"));
+        let text = ptx.to_src();
+        for name in NAMES {
+            assert!(
+                text.contains(&format!(".entry {name}(")),
+                "PTX lacks `{name}`"
+            );
+        }
+        if let Ok(path) = std::env::var("PIPEFILL_PTX_OUT") {
+            std::fs::write(path, text).unwrap();
+        }
+    }
+
     #[test]
     fn launch_shapes_cover_their_work() {
         for n in [1, 255, 256, 257, 10_000_000] {
