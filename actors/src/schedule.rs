@@ -1,7 +1,7 @@
 //! `ScheduleActor`: builds each iteration's plan, hands it to the stages, and learns the
 //! real costs of the actions from what the stages measured.
 //!
-//! Each dispatched plan is first simulated (under the measured costs once there are some,
+//! Each new plan is validated, and each dispatched plan simulated (under the measured costs once there are some,
 //! else the hint, else unit costs): a plan that cannot make progress is refused before a
 //! single stage runs it, and the simulated timeline, when its costs are real seconds, tells
 //! each stage how long its bubbles should last (the filler's hint in wall-clock mode).
@@ -14,7 +14,8 @@ use kameo::actor::{ActorRef, Recipient};
 use kameo::error::Infallible;
 use kameo::message::{Context, Message};
 use pipefill_schedules::{
-    ActionKind, CostModel, Plan, ScheduleKind, StageCost, Timeline, build, simulate,
+    ActionKind, CostModel, Plan, ScheduleKind, StageCost, Timeline, ValidateOptions, build,
+    simulate, validate,
 };
 
 use crate::error::RuntimeError;
@@ -190,6 +191,19 @@ impl ScheduleActor {
                 plan.num_ranks(),
                 self.stages.len()
             )));
+        }
+        // Validate each new plan once: a broken plan gets the validator's error naming the
+        // rank, the position and the rule, before any stage runs it.
+        if !self
+            .last_plan
+            .as_ref()
+            .is_some_and(|p| Arc::ptr_eq(p, &plan))
+        {
+            let opts = ValidateOptions {
+                cost: self.base.clone(),
+                memory_limit: None,
+            };
+            validate(&plan, &opts)?;
         }
         self.last_plan = Some(Arc::clone(&plan));
         let known = self.measured_cost().or_else(|| self.hint.clone());

@@ -4,10 +4,16 @@
 
 mod common;
 
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
 use common::{Fake, Fault, lower_simply, swap_ranks};
-use pipefill_actors::{Clock, Pipeline, PlanSource, RuntimeError, run_iterations};
+use kameo::actor::Spawn;
+use pipefill_actors::{
+    Clock, InProcess, NoFiller, Pipeline, PlanSource, RunIteration, RuntimeError, StageActor,
+    StageEvent, StageWiring, run_iterations,
+};
 use pipefill_schedules::{Action, Placement, Plan, ScheduleKind, generate};
 
 /// ZB-H1 (split backward) on 4 ranks with stages 1 and 2 swapped, so that rank 2 runs
@@ -113,9 +119,45 @@ async fn a_local_input_out_of_order_names_the_action() {
     .collect();
     let (fakes, _) = Fake::for_plan(&plan, (0.0, 0.0, 0.0));
     let run = Pipeline::new(PlanSource::Given(plan.clone()), Clock::Wall);
-    // The simulator refuses it first; the stage's own check is the second line of defence.
+    // The validator refuses it before it runs...
     let err = run.run(fakes).await.expect_err("out-of-order plan");
+    assert!(matches!(err, RuntimeError::Plan(_)), "{err:?}");
     assert!(err.to_string().contains("1F0"), "{err}");
+
+    // ...and a stage actor handed it directly (no schedule actor) names the action too.
+    let (mut fakes, _) = Fake::for_plan(&plan, (0.0, 0.0, 0.0));
+    let (events_tx, mut events) = tokio::sync::mpsc::unbounded_channel();
+    let wiring = StageWiring {
+        rank: 0,
+        clock: Clock::Wall,
+        epoch: Instant::now(),
+        transport: Arc::new(InProcess::new(1)),
+        filler: Box::new(NoFiller),
+        observers: Vec::new(),
+        events: events_tx,
+        abort: Arc::new(AtomicBool::new(false)),
+    };
+    let stage = StageActor::spawn_in_thread(StageActor::new(fakes.remove(0), wiring));
+    stage
+        .tell(RunIteration {
+            iteration: 0,
+            plan: Arc::new(plan),
+            predicted: None,
+        })
+        .await
+        .unwrap();
+    let event = tokio::time::timeout(Duration::from_secs(10), events.recv())
+        .await
+        .unwrap();
+    let Some(StageEvent::Failed(err)) = event else {
+        panic!("expected a failure, got {event:?}");
+    };
+    assert!(
+        matches!(err, RuntimeError::Stage { rank: 0, action, .. } if action == Action::f(1, 0)),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("has not produced it yet"), "{err}");
+    stage.kill();
 }
 
 #[tokio::test(flavor = "multi_thread")]

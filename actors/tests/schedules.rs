@@ -5,7 +5,7 @@ mod common;
 
 use common::{Fake, assert_routed, cost_model, lower_simply};
 use pipefill_actors::{Clock, RunReport, run_iterations};
-use pipefill_schedules::{Plan, ScheduleKind, Timeline, generate, simulate};
+use pipefill_schedules::{Plan, ScheduleKind, Timeline, build, generate, simulate};
 
 /// CPU seconds per F, I, W of every stage.
 const COST: (f64, f64, f64) = (0.0015, 0.0015, 0.001);
@@ -98,9 +98,16 @@ async fn check_schedule(kind: ScheduleKind) {
     let (report, observed) = run(&lowered, Clock::virtual_free(), 1).await;
     assert_follows_plan(&report, &lowered, &observed, 1);
     assert_matches_simulation(&report, &predicted);
+    // Lowered by the schedules crate (`build`): RECVs may sit earlier than their consumer.
+    let built = build(kind, 4, 8, kind.default_chunks()).expect("built plan");
+    assert!(!built.is_compute_only());
+    let predicted = simulate(&built, &cost_model(COST)).expect("simulates");
+    let (report, observed) = run(&built, Clock::virtual_free(), 1).await;
+    assert_follows_plan(&report, &built, &observed, 1);
+    assert_matches_simulation(&report, &predicted);
     // Wall clock: same order and routing, two overlapping iterations.
-    let (report, observed) = run(&lowered, Clock::Wall, 2).await;
-    assert_follows_plan(&report, &lowered, &observed, 2);
+    let (report, observed) = run(&built, Clock::Wall, 2).await;
+    assert_follows_plan(&report, &built, &observed, 2);
 }
 
 #[tokio::test(flavor = "multi_thread")]
