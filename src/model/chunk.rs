@@ -490,3 +490,28 @@ impl<B: Backend> ModelChunk<B> {
         Ok(sum)
     }
 }
+
+impl<B: Backend> std::fmt::Debug for ChunkOutput<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ChunkOutput::Hidden(_) => f.write_str("Hidden(..)"),
+            ChunkOutput::Loss { loss, tokens } => f
+                .debug_struct("Loss")
+                .field("loss", loss)
+                .field("tokens", tokens)
+                .finish(),
+            ChunkOutput::Logits(_) => f.write_str("Logits(..)"),
+        }
+    }
+}
+
+impl<B: Backend> std::fmt::Debug for ModelChunk<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelChunk")
+            .field("stage", &self.stage)
+            .field("stages", &self.stages)
+            .field("blocks", &self.range)
+            .field("in_flight", &self.in_flight.len())
+            .finish()
+    }
+}

@@ -153,3 +153,12 @@ impl<B: Backend> Gpt<B> {
         Ok(sum.sqrt())
     }
 }
+
+impl<B: Backend> std::fmt::Debug for Gpt<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gpt")
+            .field("config", &self.config)
+            .field("chunks", &self.chunks)
+            .finish()
+    }
+}

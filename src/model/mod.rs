@@ -25,6 +25,8 @@ pub mod gpt;
 pub mod init;
 pub mod layers;
 pub mod optim;
+#[cfg(test)]
+mod tests;
 
 pub use chunk::{ChunkGrad, ChunkInput, ChunkOutput, Cut, ModelChunk, Shape};
 pub use config::GptConfig;

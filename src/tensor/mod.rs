@@ -194,6 +194,7 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// A new buffer of `len` zeros.
     fn zeros(&self, len: usize, dtype: DType) -> Result<Self::Buf>;
     /// A new buffer holding `data` (rounded to `dtype`).
+    #[allow(clippy::wrong_self_convention)]
     fn from_host(&self, data: &[f32], dtype: DType) -> Result<Self::Buf>;
     /// The buffer's values, widened to `f32`.
     fn to_host(&self, buf: &Self::Buf) -> Result<Vec<f32>>;

@@ -15,6 +15,8 @@ mod embedding;
 mod head;
 mod mlp;
 mod norm;
+#[cfg(test)]
+mod tests;
 
 pub use attention::Attention;
 pub use block::Block;

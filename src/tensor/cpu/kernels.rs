@@ -87,20 +87,18 @@ pub fn softmax_rows(par: bool, x: &[f32], out: &mut [f32], cols: usize) {
 
 pub fn rmsnorm_fwd(par: bool, x: &[f32], w: &[f32], out: &mut [f32], rstd: &mut [f32], eps: f32) {
     let dim = w.len();
-    for_rows(par, out, dim, |r, row| {
-        let xr = &x[r * dim..(r + 1) * dim];
-        let ms = xr.iter().map(|v| v * v).sum::<f32>() / dim as f32;
-        let s = 1.0 / (ms + eps).sqrt();
-        for ((o, &xv), &wv) in row.iter_mut().zip(xr).zip(w) {
-            *o = xv * s * wv;
-        }
-    });
-    // rstd is recomputed row by row (cheap) rather than shared across threads.
     for (r, s) in rstd.iter_mut().enumerate() {
         let xr = &x[r * dim..(r + 1) * dim];
         let ms = xr.iter().map(|v| v * v).sum::<f32>() / dim as f32;
         *s = 1.0 / (ms + eps).sqrt();
     }
+    let rstd = &*rstd;
+    for_rows(par, out, dim, |r, row| {
+        let xr = &x[r * dim..(r + 1) * dim];
+        for ((o, &xv), &wv) in row.iter_mut().zip(xr).zip(w) {
+            *o = xv * rstd[r] * wv;
+        }
+    });
 }
 
 pub fn rmsnorm_bwd_input(

@@ -546,7 +546,7 @@ impl Backend for CpuBackend {
         dim: usize,
     ) -> Result<()> {
         const OP: &str = "embedding_fwd";
-        let vocab = if dim == 0 { 0 } else { table.len() / dim };
+        let vocab = table.len().checked_div(dim).unwrap_or(0);
         check(OP, "table", table, vocab * dim)?;
         check(OP, "out", out, ids.len() * dim)?;
         check_ids(OP, ids, vocab, false)?;
@@ -567,7 +567,7 @@ impl Backend for CpuBackend {
         dim: usize,
     ) -> Result<()> {
         const OP: &str = "embedding_bwd";
-        let vocab = if dim == 0 { 0 } else { dtable.len() / dim };
+        let vocab = dtable.len().checked_div(dim).unwrap_or(0);
         check(OP, "dtable", dtable, vocab * dim)?;
         check(OP, "dy", dy, ids.len() * dim)?;
         check_ids(OP, ids, vocab, false)?;

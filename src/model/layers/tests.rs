@@ -1,0 +1,377 @@
+//! Finite-difference gradient checks of every layer, for I (input gradient) and W (weight
+//! gradients) separately.
+//!
+//! The objective is `L = Σ dy·y` for a fixed random `dy` (for the head: `scale·loss`), so the
+//! analytic gradients are exactly what `backward_input(dy)` / `backward_weight` compute.
+//! Numerical gradients are central differences in `f32` with step `h = 1e-2`, `L` summed in
+//! `f64`. Tolerance: `‖g − g_fd‖ / max(‖g‖, ‖g_fd‖) < 1e-2` per tensor (the `f32` round-off of
+//! `L` divided by `2h` is ~1e-4 of the gradient's scale at these sizes; a wrong formula gives
+//! errors of order 1). Parameters are drawn at scale 0.5 (not the 0.02 of the init) so the
+//! gradients are well above that noise.
+
+use super::*;
+use crate::model::GptConfig;
+use crate::model::init::normal;
+use crate::tensor::{Activation, Backend, CpuBackend};
+
+const H: f32 = 1e-2;
+const TOL: f64 = 1e-2;
+
+fn be() -> CpuBackend {
+    CpuBackend::new(1).unwrap()
+}
+
+fn config(act: Activation) -> GptConfig {
+    GptConfig {
+        vocab: 7,
+        d_model: 8,
+        heads: 2,
+        layers: 2,
+        seq_len: 5,
+        mlp_ratio: 2,
+        activation: act,
+        norm_eps: 1e-5,
+        seed: 3,
+    }
+}
+
+/// Re-draws every parameter at scale 0.5 (norm gains around 1).
+fn randomize(be: &CpuBackend, params: Vec<&mut Param<CpuBackend>>) {
+    for p in params {
+        let mut v = normal(99, &p.name, p.numel(), 0.5);
+        if p.name.contains("norm") {
+            v.iter_mut().for_each(|x| *x += 1.0);
+        }
+        p.value = be.from_host(&v, DType::F32).unwrap();
+    }
+}
+
+fn dot(be: &CpuBackend, y: &<CpuBackend as Backend>::Buf, dy: &[f32]) -> f64 {
+    let y = be.to_host(y).unwrap();
+    y.iter()
+        .zip(dy)
+        .map(|(&a, &b)| f64::from(a) * f64::from(b))
+        .sum()
+}
+
+/// Central differences of `f` at `x0`.
+fn numeric(x0: &[f32], mut f: impl FnMut(&[f32]) -> f64) -> Vec<f64> {
+    let mut x = x0.to_vec();
+    (0..x.len())
+        .map(|i| {
+            x[i] = x0[i] + H;
+            let up = f(&x);
+            x[i] = x0[i] - H;
+            let down = f(&x);
+            x[i] = x0[i];
+            (up - down) / (2.0 * f64::from(H))
+        })
+        .collect()
+}
+
+fn assert_grad(what: &str, analytic: &[f32], numeric: &[f64]) {
+    assert_eq!(analytic.len(), numeric.len(), "{what}");
+    let diff: f64 = analytic
+        .iter()
+        .zip(numeric)
+        .map(|(&a, n)| (f64::from(a) - n).powi(2))
+        .sum();
+    let na: f64 = analytic.iter().map(|&a| f64::from(a).powi(2)).sum();
+    let nn: f64 = numeric.iter().map(|n| n * n).sum();
+    let rel = diff.sqrt() / na.sqrt().max(nn.sqrt()).max(1e-12);
+    assert!(
+        nn > 1e-6,
+        "{what}: numerical gradient vanishes, the check would be vacuous"
+    );
+    assert!(
+        rel < TOL,
+        "{what}: relative error {rel:e} (‖analytic‖ {}, ‖fd‖ {})",
+        na.sqrt(),
+        nn.sqrt()
+    );
+}
+
+/// Checks W of every parameter of a layer: `run(layer)` does F, I and W for micro-batch 0
+/// and returns nothing; `loss(layer)` does F only (micro-batch 1, discarded) and returns L.
+fn check_weights<L>(
+    be: &CpuBackend,
+    layer: &mut L,
+    params: fn(&mut L) -> Vec<&mut Param<CpuBackend>>,
+    run: impl Fn(&mut L),
+    loss: impl Fn(&mut L) -> f64,
+) {
+    run(layer);
+    let names: Vec<String> = params(layer).iter().map(|p| p.name.clone()).collect();
+    for name in names {
+        let (x0, analytic) = {
+            let p = params(layer).into_iter().find(|p| p.name == name).unwrap();
+            (be.to_host(&p.value).unwrap(), be.to_host(&p.grad).unwrap())
+        };
+        let num = numeric(&x0, |x| {
+            let p = params(layer).into_iter().find(|p| p.name == name).unwrap();
+            p.value = be.from_host(x, DType::F32).unwrap();
+            loss(layer)
+        });
+        let p = params(layer).into_iter().find(|p| p.name == name).unwrap();
+        p.value = be.from_host(&x0, DType::F32).unwrap();
+        assert_grad(&name, &analytic, &num);
+    }
+}
+
+#[test]
+fn rmsnorm_input_and_weight_gradients() {
+    let be = be();
+    let (rows, dim) = (4, 8);
+    let mut norm = RmsNorm::new(&be, "n", dim, 1e-5).unwrap();
+    randomize(&be, norm.params_mut());
+    let x = normal(1, "x", rows * dim, 1.0);
+    let dy = normal(2, "dy", rows * dim, 1.0);
+    let xb = be.from_host(&x, DType::F32).unwrap();
+    let dyb = be.from_host(&dy, DType::F32).unwrap();
+    // I
+    norm.forward(&be, 0, &xb, rows).unwrap();
+    let dx = be
+        .to_host(&norm.backward_input(&be, 0, &dyb).unwrap())
+        .unwrap();
+    assert!(
+        be.to_host(&norm.weight.grad)
+            .unwrap()
+            .iter()
+            .all(|&g| g == 0.0),
+        "I touched W"
+    );
+    let num = numeric(&x, |x| {
+        let y = norm
+            .forward(&be, 1, &be.from_host(x, DType::F32).unwrap(), rows)
+            .unwrap();
+        norm.discard(1);
+        dot(&be, &y, &dy)
+    });
+    assert_grad("rmsnorm dx", &dx, &num);
+    norm.discard(0);
+    // W
+    check_weights(
+        &be,
+        &mut norm,
+        |n| n.params_mut(),
+        |n| {
+            n.forward(&be, 0, &xb, rows).unwrap();
+            n.backward_input(&be, 0, &dyb).unwrap();
+            n.backward_weight(&be, 0).unwrap();
+        },
+        |n| {
+            let y = n.forward(&be, 1, &xb, rows).unwrap();
+            n.discard(1);
+            dot(&be, &y, &dy)
+        },
+    );
+    assert_eq!(norm.stashed(), 0);
+}
+
+/// A layer mapping `[batch·seq, d]` to `[batch·seq, d]`, for the shared checks below.
+trait Mapping {
+    fn fwd(&mut self, be: &CpuBackend, mb: usize, x: &CpuBuf) -> CpuBuf;
+    fn bwd_in(&mut self, be: &CpuBackend, mb: usize, dy: &CpuBuf) -> CpuBuf;
+    fn bwd_w(&mut self, be: &CpuBackend, mb: usize);
+    fn drop_mb(&mut self, mb: usize);
+    fn all_params(&mut self) -> Vec<&mut Param<CpuBackend>>;
+}
+
+use crate::tensor::{CpuBuf, DType};
+
+const BATCH: usize = 2;
+const SEQ: usize = 4;
+
+impl Mapping for Attention<CpuBackend> {
+    fn fwd(&mut self, be: &CpuBackend, mb: usize, x: &CpuBuf) -> CpuBuf {
+        self.forward(be, mb, x, BATCH, SEQ).unwrap()
+    }
+    fn bwd_in(&mut self, be: &CpuBackend, mb: usize, dy: &CpuBuf) -> CpuBuf {
+        self.backward_input(be, mb, dy).unwrap()
+    }
+    fn bwd_w(&mut self, be: &CpuBackend, mb: usize) {
+        self.backward_weight(be, mb).unwrap()
+    }
+    fn drop_mb(&mut self, mb: usize) {
+        self.discard(mb)
+    }
+    fn all_params(&mut self) -> Vec<&mut Param<CpuBackend>> {
+        self.params_mut()
+    }
+}
+
+impl Mapping for Mlp<CpuBackend> {
+    fn fwd(&mut self, be: &CpuBackend, mb: usize, x: &CpuBuf) -> CpuBuf {
+        self.forward(be, mb, x, BATCH * SEQ).unwrap()
+    }
+    fn bwd_in(&mut self, be: &CpuBackend, mb: usize, dy: &CpuBuf) -> CpuBuf {
+        self.backward_input(be, mb, dy).unwrap()
+    }
+    fn bwd_w(&mut self, be: &CpuBackend, mb: usize) {
+        self.backward_weight(be, mb).unwrap()
+    }
+    fn drop_mb(&mut self, mb: usize) {
+        self.discard(mb)
+    }
+    fn all_params(&mut self) -> Vec<&mut Param<CpuBackend>> {
+        self.params_mut()
+    }
+}
+
+impl Mapping for Block<CpuBackend> {
+    fn fwd(&mut self, be: &CpuBackend, mb: usize, x: &CpuBuf) -> CpuBuf {
+        self.forward(be, mb, x, BATCH, SEQ).unwrap()
+    }
+    fn bwd_in(&mut self, be: &CpuBackend, mb: usize, dy: &CpuBuf) -> CpuBuf {
+        self.backward_input(be, mb, dy).unwrap()
+    }
+    fn bwd_w(&mut self, be: &CpuBackend, mb: usize) {
+        self.backward_weight(be, mb).unwrap()
+    }
+    fn drop_mb(&mut self, mb: usize) {
+        self.discard(mb)
+    }
+    fn all_params(&mut self) -> Vec<&mut Param<CpuBackend>> {
+        self.params_mut()
+    }
+}
+
+/// I and W of a [`Mapping`] against finite differences; I must leave every grad at zero.
+fn check_mapping<L: Mapping>(mut layer: L) {
+    let be = be();
+    randomize(&be, layer.all_params());
+    let n = BATCH * SEQ * 8;
+    let x = normal(1, "x", n, 1.0);
+    let dy = normal(2, "dy", n, 1.0);
+    let xb = be.from_host(&x, DType::F32).unwrap();
+    let dyb = be.from_host(&dy, DType::F32).unwrap();
+    layer.fwd(&be, 0, &xb);
+    let dx = be.to_host(&layer.bwd_in(&be, 0, &dyb)).unwrap();
+    for p in layer.all_params() {
+        let g = be.to_host(&p.grad).unwrap();
+        assert!(
+            g.iter().all(|&g| g == 0.0),
+            "I computed a weight gradient for {}",
+            p.name
+        );
+    }
+    let num = numeric(&x, |x| {
+        let y = layer.fwd(&be, 1, &be.from_host(x, DType::F32).unwrap());
+        layer.drop_mb(1);
+        dot(&be, &y, &dy)
+    });
+    assert_grad("dx", &dx, &num);
+    layer.bwd_w(&be, 0);
+    check_weights(
+        &be,
+        &mut layer,
+        |l| l.all_params(),
+        |_| {},
+        |l| {
+            let y = l.fwd(&be, 1, &xb);
+            l.drop_mb(1);
+            dot(&be, &y, &dy)
+        },
+    );
+}
+
+#[test]
+fn attention_input_and_weight_gradients() {
+    check_mapping(Attention::new(&be(), "attn", &config(Activation::Gelu)).unwrap());
+}
+
+#[test]
+fn mlp_gelu_input_and_weight_gradients() {
+    check_mapping(Mlp::new(&be(), "mlp", &config(Activation::Gelu)).unwrap());
+}
+
+#[test]
+fn mlp_silu_input_and_weight_gradients() {
+    check_mapping(Mlp::new(&be(), "mlp", &config(Activation::Silu)).unwrap());
+}
+
+#[test]
+fn block_input_and_weight_gradients() {
+    check_mapping(Block::new(&be(), 0, &config(Activation::Gelu)).unwrap());
+}
+
+#[test]
+fn embedding_weight_gradients() {
+    let be = be();
+    let cfg = config(Activation::Gelu);
+    let mut emb = Embedding::new(&be, "embed", &cfg).unwrap();
+    randomize(&be, emb.params_mut());
+    let ids = [1u32, 3, 3, 0, 6, 1, 2, 3]; // repeated ids exercise the scatter-add
+    let dy = normal(2, "dy", ids.len() * 8, 1.0);
+    let dyb = be.from_host(&dy, DType::F32).unwrap();
+    check_weights(
+        &be,
+        &mut emb,
+        |e| e.params_mut(),
+        |e| {
+            e.forward(&be, 0, &ids, BATCH, SEQ).unwrap();
+            e.backward_input(&be, 0, &dyb).unwrap();
+            assert!(
+                be.to_host(&e.tok.grad).unwrap().iter().all(|&g| g == 0.0),
+                "I touched W"
+            );
+            e.backward_weight(&be, 0).unwrap();
+        },
+        |e| {
+            let y = e.forward(&be, 1, &ids, BATCH, SEQ).unwrap();
+            e.discard(1);
+            dot(&be, &y, &dy)
+        },
+    );
+    // Rows of `pos` past the sequence length get no gradient.
+    let pos = be.to_host(&emb.pos.grad).unwrap();
+    assert!(pos[SEQ * 8..].iter().all(|&g| g == 0.0));
+}
+
+#[test]
+fn head_and_loss_input_and_weight_gradients() {
+    let be = be();
+    let cfg = config(Activation::Gelu);
+    let mut head = Head::new(&be, "head", &cfg).unwrap();
+    randomize(&be, head.params_mut());
+    let rows = BATCH * SEQ;
+    let x = normal(1, "x", rows * 8, 1.0);
+    let targets = [0u32, 6, 2, crate::tensor::IGNORE_TARGET, 2, 5, 1, 3];
+    let scale = 0.7;
+    let xb = be.from_host(&x, DType::F32).unwrap();
+    let (_, count) = head.forward(&be, 0, &xb, &targets).unwrap();
+    assert_eq!(count, 7);
+    let dx = be
+        .to_host(&head.backward_input(&be, 0, scale).unwrap())
+        .unwrap();
+    let loss_at = |head: &mut Head<CpuBackend>, x: &CpuBuf| {
+        let (loss, _) = head.forward(&be, 1, x, &targets).unwrap();
+        head.discard(1);
+        f64::from(scale) * f64::from(loss)
+    };
+    let num = numeric(&x, |x| {
+        loss_at(&mut head, &be.from_host(x, DType::F32).unwrap())
+    });
+    assert_grad("head dx", &dx, &num);
+    head.backward_weight(&be, 0).unwrap();
+    check_weights(
+        &be,
+        &mut head,
+        |h| h.params_mut(),
+        |_| {},
+        |h| loss_at(h, &xb),
+    );
+}
+
+#[test]
+fn out_of_order_calls_are_errors() {
+    let be = be();
+    let mut mlp = Mlp::new(&be, "blocks.0.mlp", &config(Activation::Gelu)).unwrap();
+    let err = mlp.backward_weight(&be, 3).unwrap_err().to_string();
+    assert!(
+        err.contains("blocks.0.mlp") && err.contains("micro-batch 3"),
+        "{err}"
+    );
+    let dy = be.zeros(8 * 8, DType::F32).unwrap();
+    assert!(mlp.backward_input(&be, 0, &dy).is_err());
+}

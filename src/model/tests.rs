@@ -1,0 +1,414 @@
+//! Whole-model tests: cutting, split vs fused backward, the optimizer, and training.
+
+use super::*;
+use crate::tensor::{CpuBackend, IGNORE_TARGET};
+
+fn tiny() -> GptConfig {
+    GptConfig {
+        vocab: 11,
+        d_model: 16,
+        heads: 4,
+        layers: 4,
+        seq_len: 8,
+        mlp_ratio: 2,
+        seed: 5,
+        ..GptConfig::default()
+    }
+}
+
+/// Two micro-batches of `batch 2 × seq 6` ids and next-token targets.
+fn data(cfg: &GptConfig) -> Vec<(Vec<u32>, Vec<u32>)> {
+    (0..2)
+        .map(|mb| {
+            let ids: Vec<u32> = (0..12)
+                .map(|i| ((i * 7 + mb * 3 + i / 5) % cfg.vocab) as u32)
+                .collect();
+            let mut targets: Vec<u32> = ids[1..].to_vec();
+            targets.push(IGNORE_TARGET);
+            (ids, targets)
+        })
+        .collect()
+}
+
+const SHAPE: Shape = Shape { batch: 2, seq: 6 };
+
+/// Loss per micro-batch and every gradient, by name, of `cut`.
+fn run(cut: &Cut, threads: usize) -> (Vec<f32>, Vec<(String, Vec<f32>)>) {
+    let cfg = tiny();
+    let mut gpt = Gpt::new(&cfg, CpuBackend::new(threads).unwrap(), cut).unwrap();
+    let losses = data(&cfg)
+        .iter()
+        .enumerate()
+        .map(|(mb, (ids, t))| gpt.forward_backward(mb, SHAPE, ids, t, 0.5).unwrap())
+        .collect();
+    let grads = gpt.param_names().into_iter().map(|n| {
+        let g = gpt.grad_values(&n).unwrap();
+        (n, g)
+    });
+    (losses, grads.collect())
+}
+
+#[test]
+fn cuts_into_one_to_four_chunks_agree_bitwise() {
+    let (loss, grads) = run(&Cut::Even(1), 1);
+    assert!(grads.iter().any(|(n, _)| n == "blocks.3.attn.wq"));
+    assert_eq!(grads.len(), 2 + 4 * 8 + 2);
+    for cut in [
+        Cut::Even(2),
+        Cut::Even(3),
+        Cut::Even(4),
+        Cut::Layers(vec![0, 3, 1]),
+    ] {
+        let (l, g) = run(&cut, 1);
+        assert_eq!(l, loss, "{cut:?}: losses");
+        assert_eq!(g, grads, "{cut:?}: gradients");
+    }
+}
+
+#[test]
+fn two_threads_match_one_closely() {
+    let (loss, grads) = run(&Cut::Even(1), 1);
+    let (l2, g2) = run(&Cut::Even(2), 2);
+    for (a, b) in loss.iter().zip(&l2) {
+        assert!((a - b).abs() < 1e-5);
+    }
+    for ((n, a), (_, b)) in grads.iter().zip(&g2) {
+        for (x, y) in a.iter().zip(b) {
+            assert!((x - y).abs() <= 1e-5 * (1.0 + x.abs()), "{n}: {x} vs {y}");
+        }
+    }
+}
+
+#[test]
+fn init_does_not_depend_on_the_cut() {
+    let cfg = tiny();
+    let whole = Gpt::new(&cfg, CpuBackend::new(1).unwrap(), &Cut::Even(1)).unwrap();
+    let chunk = ModelChunk::new(&cfg, CpuBackend::new(1).unwrap(), &Cut::Even(2), 1).unwrap();
+    assert_eq!(chunk.blocks(), 2..4);
+    for name in chunk.param_names() {
+        assert_eq!(
+            chunk.param_values(&name).unwrap(),
+            whole.param_values(&name).unwrap()
+        );
+    }
+    let other = Gpt::new(
+        &GptConfig { seed: 6, ..cfg },
+        CpuBackend::new(1).unwrap(),
+        &Cut::Even(1),
+    );
+    let other = other.unwrap();
+    assert_ne!(
+        other.param_values("head.w").unwrap(),
+        whole.param_values("head.w").unwrap()
+    );
+}
+
+/// Drives the chunks of `Cut::Even(2)` by hand in a zero-bubble-like order (I before W,
+/// W of micro-batches interleaved and reversed), and compares with fused B per micro-batch.
+#[test]
+fn split_input_weight_equals_fused_backward() {
+    let cfg = tiny();
+    let be = CpuBackend::new(1).unwrap();
+    let batches = data(&cfg);
+    let mut fused = Gpt::new(&cfg, be.clone(), &Cut::Even(2)).unwrap();
+    for (mb, (ids, t)) in batches.iter().enumerate() {
+        fused.forward_backward(mb, SHAPE, ids, t, 0.5).unwrap();
+    }
+    let mut chunks = Gpt::new(&cfg, be.clone(), &Cut::Even(2))
+        .unwrap()
+        .into_chunks();
+    let mut grads_in = Vec::new();
+    for (mb, (ids, t)) in batches.iter().enumerate() {
+        let ChunkOutput::Hidden(h) = chunks[0]
+            .forward(mb, SHAPE, ChunkInput::Tokens(ids), None)
+            .unwrap()
+        else {
+            panic!("first chunk returns activations")
+        };
+        let out = chunks[1]
+            .forward(mb, SHAPE, ChunkInput::Hidden(h), Some(t))
+            .unwrap();
+        assert!(matches!(out, ChunkOutput::Loss { tokens: 11, .. }));
+        let g = chunks[1]
+            .backward_input(mb, ChunkGrad::Loss(0.5))
+            .unwrap()
+            .unwrap();
+        // After I, no weight gradient exists yet on this stage.
+        assert_eq!(chunks[1].grad_sq_norm().unwrap(), 0.0);
+        grads_in.push(g);
+    }
+    for (mb, g) in grads_in.into_iter().enumerate().rev() {
+        assert!(
+            chunks[0]
+                .backward_input(mb, ChunkGrad::Hidden(g))
+                .unwrap()
+                .is_none()
+        );
+    }
+    for mb in [1, 0] {
+        chunks[1].backward_weight(mb).unwrap();
+    }
+    for mb in [0, 1] {
+        chunks[0].backward_weight(mb).unwrap();
+    }
+    for (split, whole) in chunks.iter().zip(fused.chunks()) {
+        assert_eq!(split.stashed(), 0);
+        assert_eq!(split.in_flight(), 0);
+        for name in split.param_names() {
+            // W of micro-batches 1 and 0 ran in the opposite order on stage 1, so the sums
+            // of their contributions may differ in the last bits
+            // (relative to the tensor's largest entry).
+            let (a, b) = (
+                split.grad_values(&name).unwrap(),
+                whole.grad_values(&name).unwrap(),
+            );
+            let scale = a.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+            for (x, y) in a.iter().zip(&b) {
+                assert!((x - y).abs() <= 1e-6 * scale, "{name}: {x} vs {y}");
+            }
+        }
+    }
+}
+
+#[test]
+fn bad_inputs_are_clear_errors() {
+    let cfg = tiny();
+    let be = CpuBackend::new(1).unwrap();
+    let mut chunks = Gpt::new(&cfg, be.clone(), &Cut::Even(2))
+        .unwrap()
+        .into_chunks();
+    let (ids, t) = &data(&cfg)[0];
+    let h = be.zeros(5, crate::tensor::DType::F32).unwrap();
+    let err = chunks[1]
+        .forward(0, SHAPE, ChunkInput::Hidden(h), Some(t))
+        .unwrap_err();
+    assert!(err.to_string().contains("stage 1, micro-batch 0"), "{err}");
+    let err = chunks[1]
+        .forward(0, SHAPE, ChunkInput::Tokens(ids), Some(t))
+        .unwrap_err();
+    assert!(err.to_string().contains("without embedding"), "{err}");
+    let err = chunks[0].backward_weight(4).unwrap_err();
+    assert!(err.to_string().contains("micro-batch 4"), "{err}");
+    let long = Shape { batch: 1, seq: 9 };
+    assert!(
+        chunks[0]
+            .forward(0, long, ChunkInput::Tokens(&[0; 9]), None)
+            .is_err()
+    );
+    let bad_ids: Vec<u32> = vec![11; 12];
+    assert!(
+        chunks[0]
+            .forward(0, SHAPE, ChunkInput::Tokens(&bad_ids), None)
+            .is_err()
+    );
+    // A failed forward leaves nothing behind.
+    assert_eq!(chunks[0].stashed(), 0);
+    assert!(Cut::Even(5).ranges(4).is_err());
+    assert!(Cut::Layers(vec![2, 1]).ranges(4).is_err());
+    assert_eq!(Cut::Even(3).ranges(8).unwrap(), vec![0..3, 3..6, 6..8]);
+    let bad = GptConfig { heads: 3, ..cfg };
+    assert!(
+        Gpt::new(&bad, be, &Cut::Even(1))
+            .unwrap_err()
+            .to_string()
+            .contains("heads")
+    );
+}
+
+#[test]
+fn logits_and_eval_loss_leave_no_stash() {
+    let cfg = tiny();
+    let mut gpt = Gpt::new(&cfg, CpuBackend::new(1).unwrap(), &Cut::Even(2)).unwrap();
+    let (ids, t) = &data(&cfg)[0];
+    let logits = gpt.logits(SHAPE, ids).unwrap();
+    assert_eq!(logits.len(), 12 * cfg.vocab);
+    let loss = gpt.loss(SHAPE, ids, t).unwrap();
+    // The loss is the mean cross-entropy of those logits over the 11 counted targets.
+    let mut want = 0.0f64;
+    for (r, &target) in t.iter().enumerate().filter(|(_, t)| **t != IGNORE_TARGET) {
+        let row = &logits[r * cfg.vocab..(r + 1) * cfg.vocab];
+        let lse = row.iter().map(|&x| f64::from(x).exp()).sum::<f64>().ln();
+        want += lse - f64::from(row[target as usize]);
+    }
+    assert!(
+        (f64::from(loss) - want / 11.0).abs() < 1e-5,
+        "{loss} vs {}",
+        want / 11.0
+    );
+    assert!(
+        gpt.chunks()
+            .iter()
+            .all(|c| c.stashed() == 0 && c.in_flight() == 0)
+    );
+    // At init the loss is close to ln(vocab).
+    assert!((loss - (cfg.vocab as f32).ln()).abs() < 0.1, "{loss}");
+}
+
+#[test]
+fn training_reduces_the_loss() {
+    let cfg = tiny();
+    let be = CpuBackend::new(1).unwrap();
+    let mut gpt = Gpt::new(&cfg, be, &Cut::Even(2)).unwrap();
+    let mut opt = AdamW::new(AdamWConfig::default());
+    let sched = LrSchedule {
+        peak_lr: 1e-2,
+        min_lr: 1e-3,
+        warmup_steps: 5,
+        total_steps: 60,
+    };
+    let batches = data(&cfg);
+    let mut first = 0.0;
+    let mut last = 0.0;
+    for step in 0..60 {
+        gpt.zero_grads().unwrap();
+        let mut loss = 0.0;
+        for (mb, (ids, t)) in batches.iter().enumerate() {
+            loss += gpt.forward_backward(mb, SHAPE, ids, t, 0.5).unwrap() / 2.0;
+        }
+        opt.step_chunks(gpt.chunks_mut(), sched.lr(step)).unwrap();
+        if step == 0 {
+            first = loss;
+        }
+        last = loss;
+    }
+    assert!(last < 0.5 * first, "loss went from {first} to {last}");
+    assert_eq!(opt.steps(), 60);
+}
+
+/// A one-parameter "model" for optimizer tests.
+fn param(
+    be: &CpuBackend,
+    name: &str,
+    value: &[f32],
+    grad: &[f32],
+    decay: bool,
+) -> Param<CpuBackend> {
+    let mut p = Param::new(be, name.into(), vec![value.len()], value, decay).unwrap();
+    p.grad = be.from_host(grad, crate::tensor::DType::F32).unwrap();
+    p
+}
+
+#[test]
+fn adamw_two_steps_match_hand_computation_and_skip_decay_on_norms() {
+    let be = CpuBackend::new(1).unwrap();
+    let cfg = AdamWConfig {
+        beta1: 0.9,
+        beta2: 0.99,
+        eps: 0.0,
+        weight_decay: 0.5,
+        max_grad_norm: 0.0,
+    };
+    let mut opt = AdamW::new(cfg);
+    let mut w = param(&be, "blocks.0.mlp.w1", &[2.0], &[0.3], true);
+    let mut g = param(&be, "blocks.0.norm1.weight", &[2.0], &[0.3], false);
+    let lr = 0.1f64;
+    opt.step(&be, [&mut w, &mut g], lr as f32, 1.0).unwrap();
+    // Step 1: m̂ = g, v̂ = g², update = 1 (eps 0).
+    let w1 = 2.0 - lr * (1.0 + 0.5 * 2.0);
+    let g1 = 2.0 - lr * 1.0;
+    assert!((f64::from(be.to_host(&w.value).unwrap()[0]) - w1).abs() < 1e-6);
+    assert!((f64::from(be.to_host(&g.value).unwrap()[0]) - g1).abs() < 1e-6);
+    // Step 2 with gradient -0.1.
+    w.grad = be.from_host(&[-0.1], crate::tensor::DType::F32).unwrap();
+    opt.step(&be, [&mut w], lr as f32, 1.0).unwrap();
+    let m = 0.9 * (0.1 * 0.3) + 0.1 * -0.1;
+    let v = 0.99 * (0.01 * 0.09) + 0.01 * 0.01;
+    let (mh, vh) = (m / (1.0 - 0.81), v / (1.0 - 0.9801));
+    let w2 = w1 - lr * (mh / f64::sqrt(vh) + 0.5 * w1);
+    assert!((f64::from(be.to_host(&w.value).unwrap()[0]) - w2).abs() < 1e-6);
+    // State round-trips through the host, by name.
+    let state = opt.state(&be).unwrap();
+    assert_eq!(state.step, 2);
+    assert_eq!(
+        state.slots.keys().collect::<Vec<_>>(),
+        ["blocks.0.mlp.w1", "blocks.0.norm1.weight"]
+    );
+    let json = serde_json::to_string(&state).unwrap();
+    let mut restored = AdamW::<CpuBackend>::new(AdamWConfig::default());
+    restored
+        .load_state(&be, &serde_json::from_str(&json).unwrap())
+        .unwrap();
+    assert_eq!(restored.state(&be).unwrap(), state);
+}
+
+#[test]
+fn clipping_scales_the_global_norm_to_the_limit() {
+    assert_eq!(clip_scale(0.5, 1.0), 1.0);
+    assert_eq!(clip_scale(5.0, 0.0), 1.0);
+    assert!((clip_scale(4.0, 1.0) - 0.25).abs() < 1e-7);
+    // Through the optimizer: the first moment after one step is (1 − β1)·scale·g.
+    let be = CpuBackend::new(1).unwrap();
+    let cfg = tiny();
+    let mut gpt = Gpt::new(&cfg, be.clone(), &Cut::Even(2)).unwrap();
+    for p in gpt.params_mut() {
+        let n = p.numel();
+        p.grad = be
+            .from_host(&vec![1.0; n], crate::tensor::DType::F32)
+            .unwrap();
+    }
+    let norm = gpt.grad_norm().unwrap();
+    assert!((norm - (cfg.param_count() as f64).sqrt()).abs() < 1e-6);
+    let mut opt = AdamW::new(AdamWConfig {
+        max_grad_norm: 2.0,
+        ..AdamWConfig::default()
+    });
+    let before = opt.step_chunks(gpt.chunks_mut(), 1e-3).unwrap();
+    assert!((before - norm).abs() < 1e-9);
+    let state = opt.state(&be).unwrap();
+    let m_norm: f64 = state
+        .slots
+        .values()
+        .flat_map(|s| &s.m)
+        .map(|&m| f64::from(m).powi(2))
+        .sum();
+    assert!(
+        (m_norm.sqrt() / 0.1 - 2.0).abs() < 1e-4,
+        "clipped norm {}",
+        m_norm.sqrt() / 0.1
+    );
+}
+
+#[test]
+fn lr_schedule_warms_up_then_decays() {
+    let s = LrSchedule {
+        peak_lr: 1.0,
+        min_lr: 0.1,
+        warmup_steps: 4,
+        total_steps: 14,
+    };
+    assert_eq!(s.lr(0), 0.25);
+    assert_eq!(s.lr(3), 1.0);
+    assert_eq!(s.lr(4), 1.0);
+    assert!((s.lr(9) - 0.55).abs() < 1e-6);
+    assert!((s.lr(14) - 0.1).abs() < 1e-7);
+    assert_eq!(s.lr(100), 0.1);
+    assert!((4..14).all(|k| s.lr(k + 1) <= s.lr(k)));
+}
+
+#[test]
+fn bf16_storage_trains_with_f32_master_weights() {
+    let cfg = tiny();
+    let be = CpuBackend::new(1)
+        .unwrap()
+        .with_storage(crate::tensor::DType::Bf16);
+    let mut gpt = Gpt::new(&cfg, be.clone(), &Cut::Even(1)).unwrap();
+    let (ids, t) = &data(&cfg)[0];
+    let mut opt = AdamW::new(AdamWConfig::default());
+    let first = gpt.loss(SHAPE, ids, t).unwrap();
+    for step in 0..30 {
+        gpt.zero_grads().unwrap();
+        gpt.forward_backward(0, SHAPE, ids, t, 1.0).unwrap();
+        opt.step_chunks(gpt.chunks_mut(), 1e-2 * (step as f32 + 1.0).min(5.0) / 5.0)
+            .unwrap();
+    }
+    let last = gpt.loss(SHAPE, ids, t).unwrap();
+    assert!(last < 0.6 * first, "{first} -> {last}");
+    let state = opt.state(&be).unwrap();
+    assert!(state.slots.values().all(|s| s.master.is_some()));
+    // Stored values are the master weights rounded to bf16.
+    let master = &state.slots["head.w"].master.as_ref().unwrap()[..4];
+    let stored = &gpt.param_values("head.w").unwrap()[..4];
+    for (m, s) in master.iter().zip(stored) {
+        assert_eq!(half::bf16::from_f32(*m).to_f32(), *s);
+    }
+}
