@@ -154,6 +154,15 @@ fn simulate_text_reports_both_ratios_and_memory_per_rank() {
         "{out}"
     );
     assert!(out.contains("peak memory"), "{out}");
+    // --slots lists every bubble slot the library finds, one line each.
+    let with_slots = ok(&["simulate", "1f1b", "-p", "4", "-m", "8", "--slots"]);
+    let listed = with_slots
+        .lines()
+        .skip_while(|l| !l.starts_with("rank     start"))
+        .skip(1)
+        .count();
+    assert_eq!(listed, t.slots.len(), "{with_slots}");
+    assert!(with_slots.contains(" → "), "{with_slots}");
     // Per-stage costs: 4 stages, the third one slower.
     let slow = ok(&[
         "simulate",
@@ -298,7 +307,7 @@ fn export_chrome_trace_opens_in_perfetto() {
     let t = simulate(&plan, &CostModel::uniform(1.0, 1.5, 0.5, 0.1)).unwrap();
     let end = xs.iter().map(|x| x.2 + x.3).fold(0.0, f64::max);
     assert!(
-        (end - t.makespan * 1000.0).abs() < 1e-6,
+        (end - t.makespan * 1000.0).abs() <= 1e-3,
         "{end} vs {}",
         t.makespan
     );

@@ -11,8 +11,9 @@
 //! **Time scale.** Trace events are in microseconds; a timeline is in cost units (the
 //! simulator's) or seconds (a measured one). `us_per_unit` converts: the default, 1000,
 //! maps one cost unit to one millisecond, which `displayTimeUnit: "ms"` then shows as `1`.
-//! Events of one lane never overlap: each starts at its span's start and lasts its span's
-//! duration, and the spans of one rank never overlap.
+//! Times are snapped to whole nanoseconds (what Perfetto stores) before `dur` is taken as
+//! end − start, so events of one lane never overlap, not even by a rounding error, since
+//! the spans of one rank never do.
 
 use pipefill_schedules::Timeline;
 use serde_json::{Value, json};
@@ -38,6 +39,13 @@ impl Default for ChromeOptions {
             bubbles: false,
         }
     }
+}
+
+/// `[start, end)` in cost units → (`ts`, `dur`) in µs, both on a whole-nanosecond grid.
+fn ts_dur(start: f64, end: f64, scale: f64) -> (f64, f64) {
+    let ns = |t: f64| (t * scale * 1000.0).round();
+    let (a, b) = (ns(start), ns(end));
+    (a / 1000.0, (b - a).max(0.0) / 1000.0)
 }
 
 /// The trace of `timeline` as a JSON value (see the module docs).
@@ -80,27 +88,29 @@ pub fn chrome_trace(timeline: &Timeline, opts: &ChromeOptions) -> Value {
             args["backward_stage"] = json!(b.stage);
             args["backward_microbatch"] = json!(b.microbatch);
         }
+        let (ts, dur) = ts_dur(span.start, span.end, scale);
         events.push(json!({
             "name": a.to_string(),
             "cat": a.kind.as_str(),
             "ph": "X",
             "pid": span.rank,
             "tid": COMPUTE_LANE,
-            "ts": span.start * scale,
-            "dur": span.duration() * scale,
+            "ts": ts,
+            "dur": dur,
             "args": args,
         }));
     }
     if opts.bubbles {
         for slot in &timeline.slots {
+            let (ts, dur) = ts_dur(slot.start, slot.start + slot.length, scale);
             events.push(json!({
                 "name": "bubble",
                 "cat": "bubble",
                 "ph": "X",
                 "pid": slot.rank,
                 "tid": BUBBLE_LANE,
-                "ts": slot.start * scale,
-                "dur": slot.length * scale,
+                "ts": ts,
+                "dur": dur,
                 "args": {
                     "length": slot.length,
                     "before": slot.before.map(|a| a.to_string()),
@@ -165,6 +175,17 @@ mod tests {
         let o = xs.iter().find(|e| e["cat"] == "OVERLAP_F_B").unwrap();
         assert_eq!(o["name"], "(0F2;0B1)OVERLAP_F_B");
         assert_eq!(o["args"]["backward_microbatch"], 1);
+    }
+
+    #[test]
+    fn times_snap_to_whole_nanoseconds() {
+        // Thirds of a unit: back-to-back spans stay back to back after scaling.
+        let (ts0, dur0) = ts_dur(0.0, 1.0 / 3.0, 1000.0);
+        let (ts1, _) = ts_dur(1.0 / 3.0, 2.0 / 3.0, 1000.0);
+        assert_eq!(ts0, 0.0);
+        assert_eq!(dur0, 333.333);
+        assert_eq!(ts1, 333.333);
+        assert!(ts0 + dur0 <= ts1);
     }
 
     #[test]

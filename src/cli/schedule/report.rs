@@ -26,6 +26,10 @@ pub(crate) struct SimulateArgs {
     /// Print one JSON object (makespan, bubble ratios, per-rank figures, bubble slots).
     #[arg(long)]
     json: bool,
+    /// Also list every bubble slot (rank, start, length, the actions around it): the idle
+    /// intervals filler work can be placed in.
+    #[arg(long)]
+    slots: bool,
 }
 
 #[derive(clap::Args)]
@@ -92,6 +96,22 @@ pub(crate) fn simulate_cmd(args: SimulateArgs) -> Result<()> {
             format!("{:.4}", steady_of(r.busy, max_span)),
             fmt_num(r.peak_memory, 3),
         ));
+    }
+    if args.slots {
+        out.push_str("\nrank     start    length  between\n");
+        let text = |a: Option<pipefill_schedules::Action>| {
+            a.map_or_else(|| "-".to_string(), |a| a.to_string())
+        };
+        for slot in &t.slots {
+            out.push_str(&format!(
+                "{:>4}  {:>8}  {:>8}  {} → {}\n",
+                slot.rank,
+                fmt_num(slot.start, 3),
+                fmt_num(slot.length, 3),
+                text(slot.before),
+                text(slot.after),
+            ));
+        }
     }
     emit(&out)
 }
