@@ -7,7 +7,7 @@
 use std::hint::black_box;
 use std::time::Duration;
 
-use criterion::{Criterion, criterion_group, criterion_main};
+use criterion::{Criterion, SamplingMode, criterion_group, criterion_main};
 use pipefill_schedules::{CostModel, ScheduleKind, ValidateOptions, build, simulate, validate};
 
 const RANKS: usize = 128;
@@ -21,9 +21,11 @@ fn pipeline(c: &mut Criterion) {
         memory_limit: None,
     };
     let mut group = c.benchmark_group("generate+lower+validate+simulate p=128 v=2 m=4096");
+    // Each iteration takes most of a second: ten equal samples of one iteration each.
+    group.sampling_mode(SamplingMode::Flat);
     group.sample_size(10);
     group.warm_up_time(Duration::from_secs(1));
-    group.measurement_time(Duration::from_secs(20));
+    group.measurement_time(Duration::from_secs(10));
     for kind in [ScheduleKind::ZbV, ScheduleKind::Interleaved1F1B] {
         group.bench_function(kind.name(), |b| {
             b.iter(|| {
