@@ -24,10 +24,10 @@ pub const DEFAULT_JOB: &str = include_str!("../examples/default.toml");
 /// Errors reading or checking a job file.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("cannot read job file {path}: {source}")]
+    #[error("cannot read job file {path}: {error}")]
     Read {
         path: PathBuf,
-        source: std::io::Error,
+        error: std::io::Error,
     },
     /// A syntax error, an unknown field or an ill-typed value; `message` names the field.
     #[error("{origin}: {message}")]
@@ -116,9 +116,9 @@ impl JobConfig {
 
     /// Reads and parses the job file at `path`.
     pub fn load(path: &Path, sets: &[String]) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        let text = std::fs::read_to_string(path).map_err(|error| ConfigError::Read {
             path: path.to_path_buf(),
-            source,
+            error,
         })?;
         Self::from_toml_with(&text, &path.display().to_string(), sets)
     }

@@ -35,6 +35,8 @@ const LOSS_THRESHOLD: f32 = 2.0;
 fn loss_falls_below_threshold_within_the_step_budget() {
     let (model, data, train) = small_job();
     let mut trainer = Trainer::reference(&model, &data, &train).unwrap();
+    // Step 10 000's data is never trained on: a held-out batch.
+    let held_out_before = trainer.eval_loss(10_000).unwrap();
     let losses: Vec<f32> = (0..LOSS_STEPS)
         .map(|_| trainer.train_step().unwrap().loss)
         .collect();
@@ -45,6 +47,11 @@ fn loss_falls_below_threshold_within_the_step_budget() {
         last10 < LOSS_THRESHOLD,
         "mean loss of the last 10 of {LOSS_STEPS} steps is {last10}, expected < {LOSS_THRESHOLD}; \
          curve {losses:?}"
+    );
+    let held_out_after = trainer.eval_loss(10_000).unwrap();
+    assert!(
+        held_out_after < held_out_before - 1.0,
+        "held-out loss {held_out_before} → {held_out_after}"
     );
 }
 

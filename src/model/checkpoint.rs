@@ -40,10 +40,10 @@ pub const VERSION: u32 = 1;
 /// Errors saving or loading a checkpoint; each names the file.
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
-    #[error("checkpoint {path}: {source}")]
+    #[error("checkpoint {path}: {error}")]
     Io {
         path: PathBuf,
-        source: std::io::Error,
+        error: std::io::Error,
     },
     #[error("checkpoint {path}: not a pipefill checkpoint sidecar: {reason}")]
     BadMeta { path: PathBuf, reason: String },
@@ -267,9 +267,9 @@ impl Checkpoint {
 
     /// Writes the checkpoint into directory `dir` (created if needed), atomically.
     pub fn save(&mut self, dir: &Path) -> Result<(), CheckpointError> {
-        fs::create_dir_all(dir).map_err(|source| CheckpointError::Io {
+        fs::create_dir_all(dir).map_err(|error| CheckpointError::Io {
             path: dir.to_path_buf(),
-            source,
+            error,
         })?;
         let tensor_path = dir.join(TENSOR_FILE);
         let bytes: Vec<Vec<u8>> = self
@@ -369,18 +369,18 @@ impl Checkpoint {
 }
 
 fn read(path: &Path) -> Result<Vec<u8>, CheckpointError> {
-    fs::read(path).map_err(|source| CheckpointError::Io {
+    fs::read(path).map_err(|error| CheckpointError::Io {
         path: path.to_path_buf(),
-        source,
+        error,
     })
 }
 
 /// Writes `bytes` to `path` through a temporary file in the same directory (so the rename
 /// is atomic on POSIX filesystems): readers see the old file or the new one, never a mix.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
-    let io = |source| CheckpointError::Io {
+    let io = |error| CheckpointError::Io {
         path: path.to_path_buf(),
-        source,
+        error,
     };
     let name = path
         .file_name()

@@ -30,11 +30,6 @@ pub enum TrainError {
     Data(#[from] DataError),
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
-    #[error("cannot write {path}: {source}")]
-    Io {
-        path: std::path::PathBuf,
-        source: std::io::Error,
-    },
 }
 
 /// The `[train]` section: optimisation hyper-parameters and the batch shape.

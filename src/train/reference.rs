@@ -27,6 +27,27 @@ pub fn step_micro_batches(data: &StepData, train: &TrainConfig, step: u64) -> Ve
     data.micro_batches(step, train.micro_batches, train.micro_batch_size)
 }
 
+/// `d objective / d loss` of each micro-batch: its share of the step's target tokens, so
+/// that the accumulated gradient is that of the mean loss over the whole mini-batch. A
+/// pipeline's last stage starts each micro-batch's backward from the same value.
+pub fn loss_scales(batches: &[MicroBatch]) -> Vec<f32> {
+    let total: usize = batches.iter().map(MicroBatch::tokens).sum();
+    batches
+        .iter()
+        .map(|mb| mb.tokens() as f32 / total as f32)
+        .collect()
+}
+
+/// The step's loss from its micro-batches' mean losses: the token-weighted mean, summed in
+/// `f64` in micro-batch order.
+pub fn combine_losses(losses: &[f32], scales: &[f32]) -> f32 {
+    losses
+        .iter()
+        .zip(scales)
+        .map(|(&l, &s)| f64::from(l) * f64::from(s))
+        .sum::<f64>() as f32
+}
+
 /// The learning-rate schedule of `train`: linear warmup to `lr`, cosine decay to `lr / 10`
 /// at the last step.
 pub fn lr_schedule(train: &TrainConfig) -> LrSchedule {
@@ -137,20 +158,20 @@ impl<B: Backend> Trainer<B> {
     /// the number of target tokens.
     pub fn accumulate(&mut self, batches: &[MicroBatch]) -> Result<(f32, usize), TrainError> {
         self.model.zero_grads()?;
-        let total: usize = batches.iter().map(MicroBatch::tokens).sum();
-        let mut loss = 0.0f64;
-        for (i, mb) in batches.iter().enumerate() {
-            let share = mb.tokens() as f32 / total as f32;
+        let scales = loss_scales(batches);
+        let mut losses = Vec::with_capacity(batches.len());
+        for (i, (mb, &scale)) in batches.iter().zip(&scales).enumerate() {
             let shape = Shape {
                 batch: mb.rows,
                 seq: mb.seq_len,
             };
-            let l = self
-                .model
-                .forward_backward(i, shape, &mb.inputs, &mb.targets, share)?;
-            loss += f64::from(l) * f64::from(share);
+            losses.push(
+                self.model
+                    .forward_backward(i, shape, &mb.inputs, &mb.targets, scale)?,
+            );
         }
-        Ok((loss as f32, total))
+        let tokens = batches.iter().map(MicroBatch::tokens).sum();
+        Ok((combine_losses(&losses, &scales), tokens))
     }
 
     /// Clips and applies the accumulated gradients with the learning rate of the current
@@ -185,17 +206,15 @@ impl<B: Backend> Trainer<B> {
     /// The mean loss of step `step`'s data under the current parameters (no gradients).
     pub fn eval_loss(&mut self, step: u64) -> Result<f32, TrainError> {
         let batches = self.micro_batches(step);
-        let total: usize = batches.iter().map(MicroBatch::tokens).sum();
-        let mut loss = 0.0f64;
+        let mut losses = Vec::with_capacity(batches.len());
         for mb in &batches {
             let shape = Shape {
                 batch: mb.rows,
                 seq: mb.seq_len,
             };
-            let l = self.model.loss(shape, &mb.inputs, &mb.targets)?;
-            loss += f64::from(l) * mb.tokens() as f64 / total as f64;
+            losses.push(self.model.loss(shape, &mb.inputs, &mb.targets)?);
         }
-        Ok(loss as f32)
+        Ok(combine_losses(&losses, &loss_scales(&batches)))
     }
 
     /// A checkpoint of the model, the optimizer and the data position.
