@@ -101,7 +101,10 @@ mod tests {
         // (0F1;1B0) on rank 0 puts stage 1 on rank 0, while row 1 holds it too.
         let text = "0F0,(0F1;1B0)OVERLAP_F_B\n1F0,1B0\n";
         let err = parse_csv(text, "t.csv").unwrap_err().to_string();
-        assert_eq!(err, "t.csv: stage 1 is placed on ranks 0 and 1");
+        assert_eq!(
+            err,
+            "t.csv: rank 1, step 0: `1F0`: stage 1 is placed on ranks 0 and 1"
+        );
     }
 
     #[test]
@@ -137,8 +140,18 @@ mod tests {
         let msg = parse_csv("0F0,2F0\n1F0,2B0\n", "s.csv")
             .unwrap_err()
             .to_string();
-        assert_eq!(msg, "s.csv: stage 2 is placed on ranks 0 and 1");
-        let msg = parse_csv("0F0,2F0\n", "s.csv").unwrap_err().to_string();
+        assert_eq!(
+            msg,
+            "s.csv: rank 1, step 1: `2B0`: stage 2 is placed on ranks 0 and 1"
+        );
+        let msg = parse_csv("0F0,4000000000F0\n", "s.csv")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.starts_with("s.csv: rank 0, step 1: `4000000000F0`: stage 4000000000 cannot exist"),
+            "{msg}"
+        );
+        let msg = parse_csv("0F0,2F0,0B0\n", "s.csv").unwrap_err().to_string();
         assert!(
             msg.starts_with("s.csv: stage 1 appears in no rank's list"),
             "{msg}"

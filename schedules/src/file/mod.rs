@@ -61,12 +61,26 @@ pub(crate) fn parse_step(text: &str, file: &str, rank: usize, step: usize) -> Re
 /// rank whose list it is in; a stage seen on two ranks is an error, and so is a stage
 /// below the highest one that appears nowhere (its rank cannot be known).
 pub(crate) fn infer_stage_ranks(rows: &[Vec<Option<Action>>], file: &str) -> Result<Vec<usize>> {
+    // Every stage needs an action, so no stage number can reach the count of actions:
+    // checking that first keeps a typo like `4000000000F0` from sizing the table.
+    let actions = rows.iter().flatten().flatten().count();
     let mut table: Vec<Option<usize>> = Vec::new();
     for (rank, row) in rows.iter().enumerate() {
-        for action in row.iter().flatten() {
+        for (step, cell) in row.iter().enumerate() {
+            let Some(action) = cell else { continue };
             let pair = action.pair.map(|p| p.stage);
             for stage in std::iter::once(action.stage).chain(pair) {
                 let s = stage as usize;
+                let at = |what: String| ScheduleError::File {
+                    file: file.to_string(),
+                    reason: format!("rank {rank}, step {step}: `{action}`: {what}"),
+                };
+                if s >= actions {
+                    return Err(at(format!(
+                        "stage {s} cannot exist: stages 0 to {s} would need at least one \
+                         action each, and the file has {actions}"
+                    )));
+                }
                 if s >= table.len() {
                     table.resize(s + 1, None);
                 }
@@ -74,10 +88,7 @@ pub(crate) fn infer_stage_ranks(rows: &[Vec<Option<Action>>], file: &str) -> Res
                     None => table[s] = Some(rank),
                     Some(r) if r == rank => {}
                     Some(r) => {
-                        return Err(ScheduleError::File {
-                            file: file.to_string(),
-                            reason: format!("stage {s} is placed on ranks {r} and {rank}"),
-                        });
+                        return Err(at(format!("stage {s} is placed on ranks {r} and {rank}")));
                     }
                 }
             }

@@ -82,6 +82,17 @@ pub fn parse_toml(text: &str, file: &str) -> Result<Plan> {
                 (Placement::Custom(table), None) => table.len(),
                 (_, None) => max_stage(&rows).map_or(0, |s| s + 1),
             };
+            // Every stage needs an action: this also keeps a typo from sizing the table.
+            let actions = rows.iter().flatten().flatten().count();
+            if stages > actions {
+                return Err(file_err(
+                    file,
+                    format!(
+                        "{stages} stages, but the file has {actions} actions and every stage \
+                         needs at least one"
+                    ),
+                ));
+            }
             check_placement(&placement, ranks, stages, file)?;
             let table = placement.stage_ranks(ranks, stages);
             (placement, table, stages)
@@ -312,6 +323,12 @@ actions = ". 1F0 1F1 3F0 3B0 3F1 3B1 1B0 1B1"
             .unwrap_err()
             .to_string();
         assert!(msg.starts_with("t.toml: line 2:"), "{msg}");
+        let huge = LOOPED.replace("stages = 4", "stages = 4000000000");
+        let msg = parse_toml(&huge, "l.toml").unwrap_err().to_string();
+        assert!(
+            msg.starts_with("l.toml: 4000000000 stages, but the file has 16 actions"),
+            "{msg}"
+        );
         let msg = parse_toml("stages = 2\n", "t.toml")
             .unwrap_err()
             .to_string();

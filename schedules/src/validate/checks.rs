@@ -121,6 +121,17 @@ fn check_shape(plan: &Plan) -> Result<()> {
             plan.stages
         )));
     }
+    // Every (stage, micro-batch) needs a forward; when there are fewer actions than that,
+    // say so before sizing per-(stage, micro-batch) tables by an absurd product.
+    let actions: usize = plan.iter().map(|(_, _, a)| a.parts().count()).sum();
+    let keys = plan.stages.checked_mul(plan.microbatches);
+    if keys.is_none_or(|k| k > actions) {
+        return Err(ScheduleError::Plan(format!(
+            "{} stages × {} micro-batches need a forward each, but the plan holds only \
+             {actions} actions",
+            plan.stages, plan.microbatches
+        )));
+    }
     if let Err(reason) = plan.placement.check(ranks, plan.stages) {
         return Err(ScheduleError::Plan(format!(
             "placement {}: {reason}",

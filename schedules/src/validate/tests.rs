@@ -117,6 +117,15 @@ fn placement_errors() {
     );
     p.stage_rank = vec![0];
     assert!(err(&p).starts_with("the stage → rank table lists 1 stages"));
+    let mut p = plan(Placement::Contiguous, 1, 1, &["0F0 0B0"]);
+    p.microbatches = usize::MAX;
+    assert_eq!(
+        err(&p),
+        format!(
+            "1 stages × {} micro-batches need a forward each, but the plan holds only 2 actions",
+            usize::MAX
+        )
+    );
     let p = Plan::new(0, 0, 0, Placement::Contiguous);
     assert_eq!(err(&p), "a plan needs at least one rank");
 }
