@@ -42,7 +42,7 @@ pub use clock::{Clock, spin_cpu, thread_cpu_time};
 pub use compute::StageCompute;
 pub use error::{LinkError, Result, RuntimeError};
 pub use filler::{Bubble, BubbleFiller, BubbleSpan, FillerSpan, FillerWork, NoFiller};
-pub use profiler::{Collect, IterationProfile, Profile, Profiler};
+pub use profiler::{Collect, IterationProfile, PlanMemory, Profile, Profiler};
 pub use record::{ActionRecord, StageReport};
 pub use runtime::{Pipeline, RunReport, run_iterations};
 pub use schedule::{CostSamples, PlanSource, Replanner, ScheduleActor, predict};

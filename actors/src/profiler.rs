@@ -51,19 +51,39 @@ pub struct Profile {
 /// The profiler actor.
 pub struct Profiler {
     ranks: usize,
-    peak_memory: Vec<f64>,
+    /// Per-rank peak activation memory of the plans run, by the first iteration that ran
+    /// each plan (the validator's figures, sent by the schedule actor).
+    peak_memory: BTreeMap<u64, Vec<f64>>,
     reports: BTreeMap<u64, Vec<Arc<StageReport>>>,
 }
 
 impl Profiler {
-    /// A profiler for `ranks` ranks; `peak_memory` (per rank, possibly empty) is copied into
-    /// the timelines' rank stats.
-    pub fn new(ranks: usize, peak_memory: Vec<f64>) -> Self {
+    /// A profiler for `ranks` ranks.
+    pub fn new(ranks: usize) -> Self {
         Profiler {
             ranks,
-            peak_memory,
+            peak_memory: BTreeMap::new(),
             reports: BTreeMap::new(),
         }
+    }
+
+    /// Peak memory of the plan `iteration` ran (empty when unknown).
+    fn peak_of(&self, iteration: u64) -> &[f64] {
+        self.peak_memory
+            .range(..=iteration)
+            .next_back()
+            .map_or(&[], |(_, p)| p.as_slice())
+    }
+
+    /// Per-rank maximum over every plan run.
+    fn overall_peak(&self) -> Vec<f64> {
+        let mut peak = vec![0.0f64; self.ranks];
+        for plan in self.peak_memory.values() {
+            for (p, &q) in peak.iter_mut().zip(plan) {
+                *p = p.max(q);
+            }
+        }
+        peak
     }
 
     /// Builds the profile of everything reported so far.
@@ -83,7 +103,7 @@ impl Profiler {
                 all_spans.extend_from_slice(&spans);
                 IterationProfile {
                     iteration,
-                    timeline: Timeline::from_spans(self.ranks, spans, &self.peak_memory),
+                    timeline: Timeline::from_spans(self.ranks, spans, self.peak_of(iteration)),
                     records,
                     bubbles: reports
                         .iter()
@@ -99,7 +119,7 @@ impl Profiler {
             .collect();
         Profile {
             iterations,
-            overall: Timeline::from_spans(self.ranks, all_spans, &self.peak_memory),
+            overall: Timeline::from_spans(self.ranks, all_spans, &self.overall_peak()),
         }
     }
 }
@@ -118,6 +138,21 @@ impl Message<Measured> for Profiler {
 
     async fn handle(&mut self, msg: Measured, _ctx: &mut Context<Self, Self::Reply>) {
         self.reports.entry(msg.0.iteration).or_default().push(msg.0);
+    }
+}
+
+/// The per-rank peak activation memory of the plan run from `iteration` on.
+#[derive(Clone, Debug)]
+pub struct PlanMemory {
+    pub iteration: u64,
+    pub peak: Vec<f64>,
+}
+
+impl Message<PlanMemory> for Profiler {
+    type Reply = ();
+
+    async fn handle(&mut self, msg: PlanMemory, _ctx: &mut Context<Self, Self::Reply>) {
+        self.peak_memory.insert(msg.iteration, msg.peak);
     }
 }
 

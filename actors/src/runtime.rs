@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use kameo::actor::{ActorRef, Spawn};
 use kameo::mailbox;
-use pipefill_schedules::{CostModel, Plan, Timeline, peak_memory};
+use pipefill_schedules::{CostModel, Plan, Timeline};
 use tokio::sync::mpsc::unbounded_channel;
 
 use crate::clock::Clock;
@@ -142,10 +142,6 @@ impl Pipeline {
             )));
         }
         let mut fillers = std::mem::take(&mut self.fillers).into_iter();
-        let peak = match &self.source {
-            PlanSource::Given(p) => peak_memory(p, &self.memory_cost),
-            _ => Vec::new(),
-        };
         let link_latency = match self.clock {
             Clock::Virtual { link_latency } => link_latency,
             Clock::Wall => 0.0,
@@ -158,8 +154,7 @@ impl Pipeline {
             ScheduleActor::new(self.source, self.cost_hint, base),
             mailbox::unbounded(),
         );
-        let profiler =
-            Profiler::spawn_with_mailbox(Profiler::new(ranks, peak), mailbox::unbounded());
+        let profiler = Profiler::spawn_with_mailbox(Profiler::new(ranks), mailbox::unbounded());
         let (events_tx, mut events) = unbounded_channel();
         let abort = Arc::new(AtomicBool::new(false));
         let epoch = Instant::now();
@@ -216,7 +211,10 @@ impl<C: StageCompute> Job<C> {
         if iteration == 0 {
             let stages = self.stages.iter().map(|s| s.clone().recipient()).collect();
             self.schedule
-                .tell(Attach(stages))
+                .tell(Attach {
+                    stages,
+                    memory: Some(self.profiler.clone().recipient()),
+                })
                 .await
                 .map_err(|e| RuntimeError::Actor(format!("schedule actor: {e}")))?;
         }

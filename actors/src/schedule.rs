@@ -19,6 +19,7 @@ use pipefill_schedules::{
 };
 
 use crate::error::RuntimeError;
+use crate::profiler::PlanMemory;
 use crate::stage::{Measured, RunIteration};
 
 /// Where each iteration's plan comes from.
@@ -131,6 +132,8 @@ pub struct ScheduleActor {
     base: CostModel,
     samples: CostSamples,
     stages: Vec<Recipient<RunIteration>>,
+    /// Where each new plan's peak memory goes (the profiler).
+    memory: Option<Recipient<PlanMemory>>,
     last_plan: Option<Arc<Plan>>,
 }
 
@@ -145,6 +148,7 @@ impl ScheduleActor {
             base,
             samples: CostSamples::default(),
             stages: Vec::new(),
+            memory: None,
             last_plan: None,
         }
     }
@@ -203,7 +207,16 @@ impl ScheduleActor {
                 cost: self.base.clone(),
                 memory_limit: None,
             };
-            validate(&plan, &opts)?;
+            let validation = validate(&plan, &opts)?;
+            if let Some(profiler) = &self.memory {
+                // Only the timelines' memory column is lost if the profiler is gone.
+                let _ = profiler
+                    .tell(PlanMemory {
+                        iteration,
+                        peak: validation.peak_memory,
+                    })
+                    .try_send();
+            }
         }
         self.last_plan = Some(Arc::clone(&plan));
         let known = self.measured_cost().or_else(|| self.hint.clone());
@@ -227,14 +240,18 @@ impl Actor for ScheduleActor {
     }
 }
 
-/// Connects the schedule actor to the stage actors (index = rank).
-pub struct Attach(pub Vec<Recipient<RunIteration>>);
+/// Connects the schedule actor to the stage actors (index = rank) and to the profiler.
+pub struct Attach {
+    pub stages: Vec<Recipient<RunIteration>>,
+    pub memory: Option<Recipient<PlanMemory>>,
+}
 
 impl Message<Attach> for ScheduleActor {
     type Reply = ();
 
     async fn handle(&mut self, msg: Attach, _ctx: &mut Context<Self, Self::Reply>) {
-        self.stages = msg.0;
+        self.stages = msg.stages;
+        self.memory = msg.memory;
     }
 }
 
