@@ -226,6 +226,13 @@ fn compare_reports_unsupported_shapes_in_their_row() {
     // looped-bfs stashes every forward: over a limit of 3 activations on 4 ranks, m = 2 × v = 2.
     let looped = text.lines().find(|l| l.starts_with("looped-bfs ")).unwrap();
     assert!(looped.contains("over --memory-limit"), "{text}");
+    // The summary picks among the rows that run within the limit only.
+    let summary = text.lines().last().unwrap();
+    assert!(summary.starts_with("lowest steady bubble: "), "{text}");
+    assert!(
+        !summary.contains("looped-bfs") && !summary.contains("interleaved"),
+        "{text}"
+    );
 }
 
 #[test]

@@ -5,7 +5,9 @@
 //! The file is self-contained (no scripts, no external fonts) so it can be opened in a
 //! browser or embedded in a report. Each box carries a `<title>` (its action, rank and
 //! interval) that browsers show on hover; the label is written inside the box only when the
-//! box is wide enough to hold it.
+//! box is wide enough to hold it. When a rank holds several stages (chunks), its later
+//! chunks are drawn in darker shades of the kind's colour, so an interleaved or V-shaped
+//! schedule's chunks can be told apart at a glance.
 
 use std::fmt::Write as _;
 
@@ -23,7 +25,8 @@ pub struct SvgOptions {
     /// A title written above the lanes (e.g. the schedule and its parameters); each `\n`
     /// starts a new line.
     pub title: Option<String>,
-    /// Prefix labels with the stage (`2F3`): needed when a rank holds more than one stage.
+    /// Prefix labels with the stage (`2F3`) and shade a rank's later stages darker: for
+    /// plans in which a rank holds more than one stage.
     pub show_stage: bool,
 }
 
@@ -143,7 +146,28 @@ pub fn svg(timeline: &Timeline, opts: &SvgOptions) -> String {
             fmt_num(plot_w, 2),
             fmt_num(lane_h, 2)
         );
+        // The rank's stages in ascending order: a stage's position is its chunk.
+        let mut own_stages: Vec<u32> = timeline
+            .spans
+            .iter()
+            .filter(|s| s.rank == rank)
+            .map(|s| s.action.stage)
+            .collect();
+        own_stages.sort_unstable();
+        own_stages.dedup();
         for span in timeline.spans.iter().filter(|s| s.rank == rank) {
+            let chunk = own_stages
+                .iter()
+                .position(|&st| st == span.action.stage)
+                .unwrap_or(0);
+            let fill = if opts.show_stage && own_stages.len() > 1 {
+                darken(
+                    kind_colour(span.action.kind),
+                    0.4 * chunk as f64 / (own_stages.len() - 1) as f64,
+                )
+            } else {
+                kind_colour(span.action.kind).to_string()
+            };
             let (x0, x1) = (x(span.start), x(span.end));
             let w = (x1 - x0).max(0.5);
             let label = action_label(&span.action, opts.show_stage);
@@ -154,7 +178,7 @@ pub fn svg(timeline: &Timeline, opts: &SvgOptions) -> String {
                 fmt_num(y, 2),
                 fmt_num(w, 2),
                 fmt_num(lane_h, 2),
-                kind_colour(span.action.kind),
+                fill,
                 escape(&span.action.to_string()),
                 fmt_num(span.start, 3),
                 fmt_num(span.end, 3),
@@ -253,8 +277,25 @@ pub fn svg(timeline: &Timeline, opts: &SvgOptions) -> String {
         fmt_num(lx + 16.0, 2),
         fmt_num(legend_y + 10.0, 2)
     );
+    if opts.show_stage {
+        let _ = writeln!(
+            out,
+            r#"<text x="{}" y="{}">darker: a rank's later stage (chunk)</text>"#,
+            fmt_num(lx + 16.0 + 13.0 * CHAR_W + 18.0, 2),
+            fmt_num(legend_y + 10.0, 2)
+        );
+    }
     out.push_str("</g>\n</svg>\n");
     out
+}
+
+/// `#rrggbb` mixed with black: `amount` 0 keeps the colour, 1 gives black.
+fn darken(hex: &str, amount: f64) -> String {
+    let channel =
+        |i: usize| u8::from_str_radix(hex.get(i..i + 2).unwrap_or("80"), 16).unwrap_or(128);
+    let k = 1.0 - amount.clamp(0.0, 1.0);
+    let [r, g, b] = [1, 3, 5].map(|i| (f64::from(channel(i)) * k).round() as u8);
+    format!("#{r:02x}{g:02x}{b:02x}")
 }
 
 /// A picture width (pixels) at which every box of `timeline` is wide enough for its label,
@@ -413,6 +454,42 @@ mod tests {
         let s = svg(&only_f, &SvgOptions::default());
         assert!(s.contains("F forward") && s.contains("idle (bubble)"));
         assert!(!s.contains("W weight-grad"));
+    }
+
+    #[test]
+    fn a_ranks_later_chunks_are_darker() {
+        use pipefill_schedules::{Action, Span};
+        // Rank 0 holds stages 0 and 2 (looped): F of stage 0, then F of stage 2.
+        let span = |start, end, action| Span {
+            rank: 0,
+            start,
+            end,
+            action,
+        };
+        let t = Timeline::from_spans(
+            1,
+            vec![
+                span(0.0, 1.0, Action::f(0, 0)),
+                span(1.0, 2.0, Action::f(2, 0)),
+            ],
+            &[],
+        );
+        let shaded = svg(
+            &t,
+            &SvgOptions {
+                show_stage: true,
+                ..SvgOptions::default()
+            },
+        );
+        let f = kind_colour(ActionKind::F);
+        assert!(shaded.contains(&format!(r#"fill="{f}""#)));
+        assert!(shaded.contains(&format!(r#"fill="{}""#, darken(f, 0.4))));
+        assert!(shaded.contains(">0F0<") && shaded.contains(">2F0<"));
+        assert!(shaded.contains("darker: a rank's later stage"));
+        let flat = svg(&t, &SvgOptions::default());
+        assert!(!flat.contains(&darken(f, 0.4)));
+        assert_eq!(darken("#4e79a7", 0.0), "#4e79a7");
+        assert_eq!(darken("#ffffff", 0.5), "#808080");
     }
 
     #[test]

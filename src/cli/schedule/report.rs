@@ -285,5 +285,35 @@ pub(crate) fn compare_cmd(args: CompareArgs) -> Result<()> {
         out.push_str(&line);
         out.push('\n');
     }
+    out.push_str(&best_lines(&rows));
     emit(&out)
+}
+
+/// The closing summary of `compare`: which runnable schedule (within the memory limit, if
+/// any) has the lowest steady bubble, the lowest synchronous bubble and the lowest peak
+/// memory. Ties go to the schedule listed first.
+fn best_lines(rows: &[Row]) -> String {
+    let fit: Vec<(&Row, &Figures)> = rows
+        .iter()
+        .filter_map(|r| r.outcome.as_ref().ok().map(|f| (r, f)))
+        .filter(|(_, f)| f.over_limit.is_none())
+        .collect();
+    if fit.is_empty() {
+        return "\nno schedule runs for this shape within the limits\n".to_string();
+    }
+    let best = |key: fn(&Figures) -> f64| {
+        fit.iter()
+            .copied()
+            .reduce(|a, b| if key(b.1) < key(a.1) { b } else { a })
+            .map(|(r, f)| (r.kind.name(), key(f)))
+            .unwrap_or(("-", 0.0))
+    };
+    let (steady, s) = best(|f| f.steady_bubble_ratio);
+    let (sync, b) = best(|f| f.bubble_ratio);
+    let (mem, m) = best(|f| f.peak_memory);
+    format!(
+        "\nlowest steady bubble: {steady} ({s:.4}); lowest bubble: {sync} ({b:.4}); \
+         lowest peak memory: {mem} ({})\n",
+        fmt_num(m, 3)
+    )
 }
