@@ -145,6 +145,15 @@ fn fixtures_simulate_with_less_bubble_than_1f1b() {
         let tb = simulate(&base, &cost).unwrap();
         let closed_form = (ranks - 1) as f64 / (microbatches + ranks - 1) as f64;
         assert!((tb.steady_bubble_ratio - closed_form).abs() < 1e-9);
+        println!(
+            "{}: makespan {}, steady bubble {:.4}, bubble {:.4}; 1F1B p={ranks} m={microbatches}: \
+             steady bubble {:.4}",
+            path.rsplit('/').next().unwrap_or(path),
+            t.makespan,
+            t.steady_bubble_ratio,
+            t.bubble_ratio,
+            tb.steady_bubble_ratio
+        );
         assert!(
             t.steady_bubble_ratio < tb.steady_bubble_ratio,
             "{path}: steady bubble {} is not below 1F1B's {}",
