@@ -26,7 +26,7 @@ impl Structure {
 }
 
 /// Rule 1, and rule 2's "never twice": shape, ranges, placement, duplicates, and that
-/// every SEND/RECV crosses ranks. Cheap enough to run before lowering, too.
+/// every SEND/RECV crosses ranks.
 pub(crate) fn check_structure(plan: &Plan) -> Result<Structure> {
     check_shape(plan)?;
     check_placement(plan)?;

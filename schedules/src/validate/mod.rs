@@ -19,7 +19,9 @@
 //!    (on the same rank the previous stage's forward, the own forward before I/B, I before
 //!    W, a SEND after what it sends, an action after its RECV) are order checks: if the
 //!    dependency has not run yet it comes later in the list, which is an error. If every
-//!    unfinished rank is blocked, the plan deadlocks and every waiting rank is named.
+//!    unfinished rank is blocked, the plan deadlocks and every waiting rank is named by
+//!    the data it waits for and the stage that sends it: "deadlock: rank 0 waits for
+//!    RECV_B 1/4, rank 1 waits for RECV_F 0/5".
 //! 4. **Memory.** Per-rank peak activation memory ([`crate::memory`]), checked against
 //!    an optional limit.
 //!
