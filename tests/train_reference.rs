@@ -173,7 +173,10 @@ fn checkpoints_resume_bit_for_bit() {
     };
     let mut c = Trainer::reference(&other, &data, &train).unwrap();
     let err = c.restore(&loaded).unwrap_err().to_string();
-    assert!(err.contains("does not fit"), "{err}");
+    assert!(
+        err.contains("does not fit") && err.contains("`layers` (checkpoint 2, run 3)"),
+        "{err}"
+    );
 }
 
 fn job_err(text: &str, sets: &[&str]) -> String {
@@ -256,4 +259,56 @@ fn cli_trains_a_tiny_job_and_refuses_pipeline_schedules() {
     assert_eq!((job.train.steps, job.model.layers), (3, 1));
     let ckpt = Checkpoint::load(&dir.path().join("checkpoint")).unwrap();
     assert_eq!(ckpt.meta.step, 3);
+
+    // Resuming continues the same run: two more steps, appended metrics.
+    let tiny = ["--set", "model.layers=1", "--set", "train.threads=1"];
+    let out = std::process::Command::new(exe)
+        .args(["train", "--steps", "5"])
+        .args(tiny)
+        .arg("--resume")
+        .arg(dir.path().join("checkpoint"))
+        .arg("--out-dir")
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("at step 3") && stdout.contains("done: 2 steps"),
+        "{stdout}"
+    );
+    let metrics = std::fs::read_to_string(dir.path().join("metrics.jsonl")).unwrap();
+    let steps: Vec<u64> = metrics
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["step"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(steps, [0, 1, 2, 3, 4]);
+    assert_eq!(
+        Checkpoint::load(&dir.path().join("checkpoint"))
+            .unwrap()
+            .meta
+            .step,
+        5
+    );
+
+    // A checkpoint of another model is refused.
+    let out = std::process::Command::new(exe)
+        .args(["train", "--steps", "6", "--set", "model.layers=2"])
+        .arg("--resume")
+        .arg(dir.path().join("checkpoint"))
+        .arg("--out-dir")
+        .arg(dir.path().join("other"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("does not fit"), "{stderr}");
 }

@@ -16,6 +16,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use pipefill::config::JobConfig;
 use pipefill::data::DatasetSummary;
+use pipefill::model::checkpoint::Checkpoint;
 use pipefill::tensor::Backend;
 use pipefill::train::{StepMetrics, Trainer};
 
@@ -35,6 +36,10 @@ pub struct TrainArgs {
     /// Output directory (overrides out_dir).
     #[arg(long, value_name = "DIR")]
     out_dir: Option<PathBuf>,
+    /// Continue from the checkpoint directory DIR (e.g. runs/X/checkpoint) up to
+    /// train.steps; the job must have the checkpoint's model and data seed.
+    #[arg(long, value_name = "DIR")]
+    resume: Option<PathBuf>,
 }
 
 pub fn run(args: TrainArgs) -> anyhow::Result<()> {
@@ -69,15 +74,28 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             job.stages
         );
     }
-    train_reference(&job)
+    train_reference(&job, args.resume.as_deref())
 }
 
-/// Runs `job` with the reference trainer, printing progress and writing the run's files.
-fn train_reference(job: &JobConfig) -> anyhow::Result<()> {
+/// Runs `job` with the reference trainer (from `resume`'s checkpoint when given), printing
+/// progress and writing the run's files.
+fn train_reference(job: &JobConfig, resume: Option<&Path>) -> anyhow::Result<()> {
     let summary = DatasetSummary::sample(&job.data, job.train.seed)?;
     print!("{summary}");
 
     let mut trainer = Trainer::reference(&job.model, &job.data, &job.train)?;
+    if let Some(dir) = resume {
+        let checkpoint = Checkpoint::load(dir)?;
+        trainer.restore(&checkpoint)?;
+        println!("resumed from {} at step {}", dir.display(), trainer.step());
+    }
+    let first_step = trainer.step();
+    if first_step >= job.train.steps {
+        bail!(
+            "the checkpoint is at step {first_step}: nothing to do for train.steps = {}",
+            job.train.steps
+        );
+    }
     let t = &job.train;
     println!(
         "model: {} params ({} layers, d_model {}, {} heads, seq {}) on {}",
@@ -108,12 +126,19 @@ fn train_reference(job: &JobConfig) -> anyhow::Result<()> {
     std::fs::write(&job_path, job.to_toml())
         .with_context(|| format!("cannot write {}", job_path.display()))?;
     let metrics_path = out_dir.join("metrics.jsonl");
+    // A resumed run appends to the metrics of the run it continues.
     let mut metrics = BufWriter::new(
-        File::create(&metrics_path)
+        File::options()
+            .create(true)
+            .write(true)
+            .append(first_step > 0)
+            .truncate(first_step == 0)
+            .open(&metrics_path)
             .with_context(|| format!("cannot create {}", metrics_path.display()))?,
     );
 
     let bar = ProgressBar::new(t.steps);
+    bar.set_position(first_step);
     bar.set_style(
         ProgressStyle::with_template("{bar:30} step {pos}/{len} {msg} [{elapsed} < {eta}]")
             .expect("valid template"),
@@ -121,8 +146,8 @@ fn train_reference(job: &JobConfig) -> anyhow::Result<()> {
     // Without a terminal the bar is hidden: print a plain line now and then instead.
     let plain_every = (t.steps / 20).max(1);
     let started = Instant::now();
-    let mut history: Vec<StepMetrics> = Vec::with_capacity(t.steps as usize);
-    for _ in 0..t.steps {
+    let mut history: Vec<StepMetrics> = Vec::with_capacity((t.steps - first_step) as usize);
+    for _ in first_step..t.steps {
         let m = trainer.train_step()?;
         serde_json::to_writer(&mut metrics, &m)?;
         writeln!(metrics)?;

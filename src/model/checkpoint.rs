@@ -232,9 +232,8 @@ impl Checkpoint {
     ) -> Result<(), CheckpointError> {
         if &self.meta.model != model.config() {
             return Err(CheckpointError::Mismatch(format!(
-                "it holds model {:?}, this run has {:?}",
-                self.meta.model,
-                model.config()
+                "its model differs from this run's in {}",
+                config_diff(&self.meta.model, model.config())
             )));
         }
         if self.meta.data_seed != data_seed {
@@ -366,6 +365,25 @@ impl Checkpoint {
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Self { meta, tensors })
     }
+}
+
+/// The fields in which two model configs differ: `layers (checkpoint 1, run 2), ...`.
+fn config_diff(saved: &GptConfig, run: &GptConfig) -> String {
+    let (a, b) = (
+        serde_json::to_value(saved).expect("a GptConfig serializes"),
+        serde_json::to_value(run).expect("a GptConfig serializes"),
+    );
+    let (Some(a), Some(b)) = (a.as_object(), b.as_object()) else {
+        return format!("{saved:?} vs {run:?}");
+    };
+    a.iter()
+        .filter(|(k, v)| b.get(*k) != Some(*v))
+        .map(|(k, v)| {
+            let other = b.get(k).map_or("-".to_string(), ToString::to_string);
+            format!("`{k}` (checkpoint {v}, run {other})")
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 fn read(path: &Path) -> Result<Vec<u8>, CheckpointError> {
