@@ -63,6 +63,15 @@ pub enum RuntimeError {
     /// The plan could not be built, lowered, validated or simulated.
     #[error("plan: {0}")]
     Plan(#[from] ScheduleError),
+    /// No rank finished an iteration within the stall timeout.
+    #[error(
+        "stalled: no progress for {timeout:?}; ranks {waiting:?} have not finished iteration {iteration}"
+    )]
+    Stalled {
+        iteration: u64,
+        waiting: Vec<usize>,
+        timeout: std::time::Duration,
+    },
     /// The run was configured inconsistently (e.g. one compute per rank is needed).
     #[error("configuration: {0}")]
     Config(String),

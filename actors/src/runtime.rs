@@ -67,6 +67,7 @@ pub struct Pipeline {
     clock: Clock,
     iterations: u64,
     in_flight: u64,
+    stall_timeout: Option<Duration>,
     cost_hint: Option<CostModel>,
     memory_cost: CostModel,
     fillers: Vec<Box<dyn BubbleFiller>>,
@@ -79,6 +80,7 @@ impl Pipeline {
             clock,
             iterations: 1,
             in_flight: 2,
+            stall_timeout: None,
             cost_hint: None,
             memory_cost: CostModel::default(),
             fillers: Vec::new(),
@@ -95,6 +97,14 @@ impl Pipeline {
     /// 1 puts a barrier between iterations).
     pub fn in_flight(mut self, n: u64) -> Self {
         self.in_flight = n.max(1);
+        self
+    }
+
+    /// Fails the job when no rank finishes an iteration for `timeout` (off by default: a
+    /// real model's iteration may legitimately take long). The error names the ranks that
+    /// have not finished the oldest open iteration.
+    pub fn stall_timeout(mut self, timeout: Duration) -> Self {
+        self.stall_timeout = Some(timeout);
         self
     }
 
@@ -186,7 +196,13 @@ impl Pipeline {
             abort,
         };
         let outcome = job
-            .drive(&mut events, ranks, self.iterations, self.in_flight)
+            .drive(
+                &mut events,
+                ranks,
+                self.iterations,
+                self.in_flight,
+                self.stall_timeout,
+            )
             .await;
         let report = match outcome {
             Ok(()) => job.report(self.clock).await,
@@ -232,14 +248,17 @@ impl<C: StageCompute> Job<C> {
         ranks: usize,
         iterations: u64,
         in_flight: u64,
+        stall_timeout: Option<Duration>,
     ) -> Result<()> {
         let mut next = 0;
         while next < iterations.min(in_flight) {
             self.dispatch(next).await?;
             next += 1;
         }
-        let mut finished: HashMap<u64, usize> = HashMap::new();
+        // Ranks that finished each open iteration.
+        let mut finished: HashMap<u64, Vec<usize>> = HashMap::new();
         let mut complete = 0;
+        let mut progress = Instant::now();
         let mut watchdog = tokio::time::interval(Duration::from_millis(100));
         while complete < iterations {
             let event = tokio::select! {
@@ -250,14 +269,23 @@ impl<C: StageCompute> Job<C> {
                             "rank {rank}'s stage actor stopped without reporting"
                         )));
                     }
+                    if let Some(timeout) = stall_timeout.filter(|t| progress.elapsed() > *t) {
+                        let iteration = complete;
+                        let done = finished.get(&iteration).map_or(&[][..], Vec::as_slice);
+                        let waiting = (0..ranks).filter(|r| !done.contains(r)).collect();
+                        return Err(RuntimeError::Stalled { iteration, waiting, timeout });
+                    }
                     continue;
                 }
             };
             match event {
-                Some(StageEvent::Done { iteration, .. }) => {
-                    let n = finished.entry(iteration).or_default();
-                    *n += 1;
-                    if *n == ranks {
+                Some(StageEvent::Done { rank, iteration }) => {
+                    progress = Instant::now();
+                    let done = finished.entry(iteration).or_default();
+                    done.push(rank);
+                    if done.len() == ranks {
+                        finished.remove(&iteration);
+                        tracing::debug!(iteration, "iteration done on every rank");
                         complete += 1;
                         if next < iterations {
                             self.dispatch(next).await?;
@@ -265,7 +293,10 @@ impl<C: StageCompute> Job<C> {
                         }
                     }
                 }
-                Some(StageEvent::Failed(e)) => return Err(e),
+                Some(StageEvent::Failed(e)) => {
+                    tracing::error!("stopping the job: {e}");
+                    return Err(e);
+                }
                 None => return Err(RuntimeError::Actor("every stage actor is gone".into())),
             }
         }

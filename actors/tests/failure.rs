@@ -171,3 +171,26 @@ async fn one_compute_per_rank_is_required() {
     assert!(matches!(err, RuntimeError::Config(_)), "{err:?}");
     assert!(err.to_string().contains("4 ranks"), "{err}");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stalled_stage_is_reported_after_the_stall_timeout() {
+    let plan = generate(ScheduleKind::OneFOneB, 4, 4, 1).unwrap();
+    let (mut fakes, _) = Fake::for_plan(&plan, (0.0, 0.0, 0.0));
+    fakes[1].fault = Some((Action::f(1, 2), Fault::Hang(Duration::from_secs(3))));
+    let start = Instant::now();
+    let err = Pipeline::new(PlanSource::Given(plan), Clock::Wall)
+        .stall_timeout(Duration::from_millis(300))
+        .run(fakes)
+        .await
+        .expect_err("a hung stage must stall the job");
+    assert!(
+        start.elapsed() < Duration::from_secs(2),
+        "took {:?}",
+        start.elapsed()
+    );
+    // Every rank waits on rank 1's micro-batch 2 one way or another; none finished.
+    assert!(
+        matches!(&err, RuntimeError::Stalled { iteration: 0, waiting, .. } if waiting == &vec![0, 1, 2, 3]),
+        "{err:?}"
+    );
+}

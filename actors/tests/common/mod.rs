@@ -45,6 +45,8 @@ pub fn gradient(stage: u32, mb: u32, stages: u32) -> f64 {
 pub enum Fault {
     Error,
     Panic,
+    /// Sleeps this long (a hung device), then goes on.
+    Hang(std::time::Duration),
 }
 
 /// What the fakes observed, shared with the test.
@@ -99,6 +101,10 @@ impl Fake {
                 match fault {
                     Fault::Error => Err(format!("injected fault at {action}")),
                     Fault::Panic => panic!("injected panic at {action}"),
+                    Fault::Hang(d) => {
+                        std::thread::sleep(d);
+                        Ok(())
+                    }
                 }
             }
             _ => Ok(()),
