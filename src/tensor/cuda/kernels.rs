@@ -20,6 +20,10 @@ macro_rules! kernel_table {
 
         /// Entry-point names, in [`K`] order.
         pub(super) const NAMES: &[&str] = &[$($name,)*];
+
+        /// Variant names, in [`K`] order (for the launch-site test).
+        #[cfg(test)]
+        const VARIANTS: &[&str] = &[$(stringify!($variant),)*];
     };
 }
 
@@ -154,6 +158,54 @@ mod tests {
             NAMES.len(),
             "kernels.cu defines kernels the table does not list"
         );
+    }
+
+    /// Number of parameters of kernel `name` in the source.
+    fn kernel_arity(name: &str) -> usize {
+        let sig = format!("extern \"C\" __global__ void {name}(");
+        let start = SOURCE.find(&sig).unwrap() + sig.len();
+        let params = &SOURCE[start..start + SOURCE[start..].find(')').unwrap()];
+        params.split(',').count()
+    }
+
+    /// Every `launch!` in the backend passes as many arguments as its kernel takes: a
+    /// mismatch would only show on a GPU (as garbage or a fault), so count them here.
+    #[test]
+    fn every_launch_site_passes_the_kernels_parameter_count() {
+        let files = [
+            ("mod.rs", include_str!("mod.rs")),
+            ("backend.rs", include_str!("backend.rs")),
+            ("blas.rs", include_str!("blas.rs")),
+            ("loss.rs", include_str!("loss.rs")),
+        ];
+        let mut launched = std::collections::BTreeSet::new();
+        for (file, text) in files {
+            // Skip the macro definition itself.
+            for call in text.split("launch!(").skip(1).filter(|c| c.contains("K::")) {
+                let after = &call[call.find("K::").unwrap() + 3..];
+                let variant: String = after.chars().take_while(|c| c.is_alphanumeric()).collect();
+                let index = VARIANTS.iter().position(|v| *v == variant);
+                let Some(index) = index else { continue };
+                let open = call.find('[').unwrap();
+                let close = open + call[open..].find(']').unwrap();
+                let args = call[open + 1..close]
+                    .split(',')
+                    .filter(|a| !a.trim().is_empty())
+                    .count();
+                let want = kernel_arity(NAMES[index]);
+                assert_eq!(
+                    args, want,
+                    "{file}: launch of {variant} passes {args} arguments, the kernel takes {want}"
+                );
+                launched.insert(index);
+            }
+        }
+        // Every kernel is launched somewhere.
+        let missing: Vec<&str> = (0..NAMES.len())
+            .filter(|i| !launched.contains(i))
+            .map(|i| VARIANTS[i])
+            .collect();
+        assert!(missing.is_empty(), "kernels never launched: {missing:?}");
     }
 
     /// NVRTC needs no GPU: where the library is installed (the CUDA toolkit, or the
