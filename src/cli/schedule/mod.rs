@@ -29,13 +29,19 @@ use pipefill_schedules::{
 use self::cost::CostSpec;
 use self::source::{PlanArgs, describe_shape};
 
-/// Show, validate, simulate, compare and export pipeline schedules.
-///
-/// KIND is a built-in schedule: gpipe, 1f1b, interleaved-1f1b, looped-bfs, zb-h1, zb-h2,
-/// zb-v. FILE is a custom schedule: a .csv in PyTorch pipelining's form (one row per rank,
-/// one action per cell such as `0F3`, `2I0`, `1W2`, `(0F7;7B3)OVERLAP_F_B`, an empty cell
-/// for an idle step) or a .toml file (see examples/schedules/).
+/// `pipefill schedule`: its subcommands, and the KIND|FILE help shown under them.
 #[derive(clap::Args)]
+#[command(after_help = "\
+KIND is a built-in schedule: gpipe, 1f1b, interleaved-1f1b, looped-bfs, zb-h1, zb-h2, zb-v.
+FILE is a custom schedule: .csv (PyTorch pipelining's form: one row per rank, cells such as
+0F3, 2I0, 1W2, (0F7;7B3)OVERLAP_F_B, an empty cell for an idle step) or .toml.
+
+Examples:
+  pipefill schedule show zb-h1 --stages 4 --microbatches 8
+  pipefill schedule compare --stages 4 --microbatches 16 --cost f=1,i=1,w=1,comm=0.1
+  pipefill schedule simulate zb-v -p 4 -m 8 --cost f=1:1:1:1:1:1:1:1.5 --json
+  pipefill schedule validate examples/schedules/zb1p_2x2.toml --memory-limit 4
+  pipefill schedule export zb-h2 -p 4 -m 8 --format chrome -o trace.json  (ui.perfetto.dev)")]
 pub struct ScheduleArgs {
     #[command(subcommand)]
     command: ScheduleCommand,
