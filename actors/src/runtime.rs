@@ -132,12 +132,37 @@ impl Pipeline {
         self.run_with(computes, transport).await
     }
 
-    /// Runs the job with one compute per rank over `transport`.
+    /// Runs the job from synchronous code (a CLI): starts a multi-thread tokio runtime for
+    /// the actors and blocks until the job ends. Fails when called inside a tokio runtime.
+    pub fn run_blocking<C: StageCompute>(self, computes: Vec<C>) -> Result<RunReport> {
+        if tokio::runtime::Handle::try_current().is_ok() {
+            return Err(RuntimeError::Config(
+                "run_blocking called inside a tokio runtime: await Pipeline::run instead".into(),
+            ));
+        }
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| RuntimeError::Actor(format!("cannot start the tokio runtime: {e}")))?;
+        rt.block_on(self.run(computes))
+    }
+
+    /// Runs the job with one compute per rank over `transport`. Needs a multi-thread tokio
+    /// runtime (stage actors own OS threads that block on it).
     pub async fn run_with<C: StageCompute>(
         mut self,
         computes: Vec<C>,
         transport: Arc<dyn Transport<C::Tensor>>,
     ) -> Result<RunReport> {
+        let multi_thread = tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+        if !multi_thread {
+            return Err(RuntimeError::Config(
+                "stage actors need a multi-thread tokio runtime \
+                 (#[tokio::main], #[tokio::test(flavor = \"multi_thread\")] or Pipeline::run_blocking)"
+                    .into(),
+            ));
+        }
         let ranks = computes.len();
         if ranks == 0 || transport.ranks() != ranks {
             return Err(RuntimeError::Config(format!(

@@ -194,3 +194,24 @@ async fn a_stalled_stage_is_reported_after_the_stall_timeout() {
         "{err:?}"
     );
 }
+
+#[tokio::test]
+async fn a_current_thread_runtime_is_refused_not_a_panic() {
+    let plan = generate(ScheduleKind::OneFOneB, 2, 2, 1).unwrap();
+    let (fakes, _) = Fake::for_plan(&plan, (0.0, 0.0, 0.0));
+    let err = run_iterations(plan, fakes, Clock::Wall, 1)
+        .await
+        .expect_err("current-thread runtime");
+    assert!(err.to_string().contains("multi-thread"), "{err}");
+}
+
+#[test]
+fn run_blocking_starts_its_own_runtime() {
+    let plan = generate(ScheduleKind::ZbH1, 2, 4, 1).unwrap();
+    let (fakes, observed) = Fake::for_plan(&plan, (0.0, 0.0, 0.0));
+    let report = Pipeline::new(PlanSource::Given(plan.clone()), Clock::Wall)
+        .run_blocking(fakes)
+        .unwrap();
+    assert_eq!(report.iterations.len(), 1);
+    common::assert_routed(&observed.lock().unwrap(), &plan);
+}
