@@ -79,9 +79,10 @@ async fn wall_clock_bubbles_carry_the_predicted_idle_time() {
     let predicted = first
         .predicted_idle
         .expect("a predicted idle time from the cost hint");
-    // What is left of the predicted 12 ms when the offer is made, a few µs later.
+    // What is left of the predicted 12 ms when the offer is made (µs later, or a few ms on
+    // a loaded machine that preempts the stage thread in between).
     assert!(
-        predicted <= 0.012 && predicted > 0.011,
+        predicted <= 0.012 && predicted > 0.006,
         "predicted {predicted}"
     );
     assert!(!report.iterations[0].bubbles.is_empty());
