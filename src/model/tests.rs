@@ -412,3 +412,60 @@ fn bf16_storage_trains_with_f32_master_weights() {
         assert_eq!(half::bf16::from_f32(*m).to_f32(), *s);
     }
 }
+
+/// Timing of the default model (not a correctness test): F, I, W per micro-batch of
+/// 4 × 64 tokens and a whole step of 4 micro-batches, on 1 and 2 threads.
+/// `cargo test --release -p pipefill --lib default_model_timing -- --ignored --nocapture`
+#[test]
+#[ignore]
+fn default_model_timing() {
+    use std::time::Instant;
+    let cfg = GptConfig::default();
+    let shape = Shape {
+        batch: 4,
+        seq: cfg.seq_len,
+    };
+    let ids: Vec<u32> = (0..shape.tokens())
+        .map(|i| (i * 13 % cfg.vocab) as u32)
+        .collect();
+    for threads in [1, 2] {
+        let be = CpuBackend::new(threads).unwrap();
+        let mut chunk = ModelChunk::new(&cfg, be.clone(), &Cut::Even(1), 0).unwrap();
+        let mut opt = AdamW::new(AdamWConfig::default());
+        let (mut f, mut i, mut w, mut step) = (0.0, 0.0, 0.0, 0.0);
+        let reps = 10;
+        for rep in 0..reps + 2 {
+            let t0 = Instant::now();
+            chunk.zero_grads().unwrap();
+            let (mut tf, mut ti, mut tw) = (0.0, 0.0, 0.0);
+            for mb in 0..4 {
+                let t = Instant::now();
+                chunk
+                    .forward(mb, shape, ChunkInput::Tokens(&ids), Some(&ids))
+                    .unwrap();
+                tf += t.elapsed().as_secs_f64();
+                let t = Instant::now();
+                chunk.backward_input(mb, ChunkGrad::Loss(0.25)).unwrap();
+                ti += t.elapsed().as_secs_f64();
+                let t = Instant::now();
+                chunk.backward_weight(mb).unwrap();
+                tw += t.elapsed().as_secs_f64();
+            }
+            opt.step_chunks(std::slice::from_mut(&mut chunk), 1e-3)
+                .unwrap();
+            if rep >= 2 {
+                (f, i, w) = (f + tf / 4.0, i + ti / 4.0, w + tw / 4.0);
+                step += t0.elapsed().as_secs_f64();
+            }
+        }
+        let ms = |x: f64| 1e3 * x / reps as f64;
+        println!(
+            "threads {threads}: per micro-batch F {:.2} ms, I {:.2} ms, W {:.2} ms; step {:.1} ms ({:.0} tokens/s)",
+            ms(f),
+            ms(i),
+            ms(w),
+            ms(step),
+            4.0 * shape.tokens() as f64 * reps as f64 / step
+        );
+    }
+}

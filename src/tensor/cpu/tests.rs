@@ -3,7 +3,7 @@
 //! wrong formula fails even if forward and backward share a mistake.
 
 use super::*;
-use crate::tensor::{Backend, DType};
+use crate::tensor::{Backend, DType, IGNORE_TARGET};
 
 /// Deterministic pseudo-random values in [-1, 1).
 fn rand_vec(seed: u64, n: usize) -> Vec<f32> {
