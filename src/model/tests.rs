@@ -275,6 +275,45 @@ fn training_reduces_the_loss() {
     assert_eq!(opt.steps(), 60);
 }
 
+#[test]
+fn accumulating_micro_batches_equals_one_big_batch() {
+    // Two micro-batches of 11 counted targets each, `scale = 1/2`, against one micro-batch
+    // holding both (22 targets, scale 1): the mean-over-tokens normalisation makes the
+    // accumulated gradients those of the big batch, up to float rounding.
+    let cfg = tiny();
+    let be = CpuBackend::new(1).unwrap();
+    let batches = data(&cfg);
+    let mut split = Gpt::new(&cfg, be.clone(), &Cut::Even(2)).unwrap();
+    let mut losses = 0.0;
+    for (mb, (ids, t)) in batches.iter().enumerate() {
+        losses += split.forward_backward(mb, SHAPE, ids, t, 0.5).unwrap() / 2.0;
+    }
+    let ids: Vec<u32> = batches.iter().flat_map(|(i, _)| i.clone()).collect();
+    let t: Vec<u32> = batches.iter().flat_map(|(_, t)| t.clone()).collect();
+    let mut whole = Gpt::new(&cfg, be, &Cut::Even(1)).unwrap();
+    let big = Shape { batch: 4, seq: 6 };
+    let loss = whole.forward_backward(0, big, &ids, &t, 1.0).unwrap();
+    assert!((loss - losses).abs() < 1e-6, "{loss} vs {losses}");
+    for name in whole.param_names() {
+        let (a, b) = (
+            split.grad_values(&name).unwrap(),
+            whole.grad_values(&name).unwrap(),
+        );
+        let scale = b.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+        for (x, y) in a.iter().zip(&b) {
+            assert!((x - y).abs() <= 1e-5 * scale, "{name}: {x} vs {y}");
+        }
+    }
+}
+
+#[test]
+fn chunks_and_optimizer_move_between_threads() {
+    fn send<T: Send>() {}
+    send::<ModelChunk<CpuBackend>>();
+    send::<AdamW<CpuBackend>>();
+    send::<Gpt<CpuBackend>>();
+}
+
 /// A one-parameter "model" for optimizer tests.
 fn param(
     be: &CpuBackend,
