@@ -4,7 +4,9 @@
 //! Layout: `{"traceEvents": [...], "displayTimeUnit": "ms"}`. Each rank is a process
 //! (`pid` = rank, named `rank N` by a `process_name` metadata event); each lane of a rank
 //! is a thread (`tid` [`COMPUTE_LANE`] = 0 holds the compute actions; [`BUBBLE_LANE`] = 1,
-//! when asked for, holds the bubble slots). Every action is one complete event (`"ph":"X"`)
+//! when asked for, holds the bubble slots; extra lanes such as the runtime's filler work,
+//! given as [`LaneSpan`]s, follow from tid [`FIRST_EXTRA_LANE`] = 2 on, one per lane name,
+//! each named by a `thread_name` metadata event). Every action is one complete event (`"ph":"X"`)
 //! named by its text form (`2I5`, `(0F7;7B3)OVERLAP_F_B`) with `cat` = its kind (`F`, `I`,
 //! `W`, `B`, `OVERLAP_F_B`), so Perfetto can colour and filter by kind.
 //!
@@ -18,10 +20,14 @@
 use pipefill_schedules::Timeline;
 use serde_json::{Value, json};
 
+use super::{LaneSpan, lane_names};
+
 /// `tid` of the lane holding compute actions.
 pub const COMPUTE_LANE: u64 = 0;
 /// `tid` of the lane holding bubble slots (see [`ChromeOptions::bubbles`]).
 pub const BUBBLE_LANE: u64 = 1;
+/// `tid` of the first extra lane (see [`chrome_trace_with`]).
+pub const FIRST_EXTRA_LANE: u64 = 2;
 
 /// How to write the trace.
 #[derive(Clone, Debug)]
@@ -50,6 +56,12 @@ fn ts_dur(start: f64, end: f64, scale: f64) -> (f64, f64) {
 
 /// The trace of `timeline` as a JSON value (see the module docs).
 pub fn chrome_trace(timeline: &Timeline, opts: &ChromeOptions) -> Value {
+    chrome_trace_with(timeline, &[], opts)
+}
+
+/// The trace of `timeline` plus `extra` spans (filler work, transfers, …), each distinct
+/// lane name on its own thread of its rank, from [`FIRST_EXTRA_LANE`] on.
+pub fn chrome_trace_with(timeline: &Timeline, extra: &[LaneSpan], opts: &ChromeOptions) -> Value {
     let scale = if opts.us_per_unit > 0.0 {
         opts.us_per_unit
     } else {
@@ -119,19 +131,53 @@ pub fn chrome_trace(timeline: &Timeline, opts: &ChromeOptions) -> Value {
             }));
         }
     }
+    let lanes = lane_names(extra);
+    let tid_of =
+        |lane: &str| FIRST_EXTRA_LANE + lanes.iter().position(|l| *l == lane).unwrap_or(0) as u64;
+    let mut named: Vec<(usize, u64)> = Vec::new();
+    for span in extra {
+        let tid = tid_of(&span.lane);
+        if !named.contains(&(span.rank, tid)) {
+            named.push((span.rank, tid));
+            events.push(json!({
+                "name": "thread_name", "ph": "M", "pid": span.rank, "tid": tid,
+                "args": { "name": span.lane }
+            }));
+        }
+        let (ts, dur) = ts_dur(span.start, span.end, scale);
+        events.push(json!({
+            "name": span.label,
+            "cat": span.lane,
+            "ph": "X",
+            "pid": span.rank,
+            "tid": tid,
+            "ts": ts,
+            "dur": dur,
+            "args": { "start": span.start, "end": span.end },
+        }));
+    }
     json!({ "traceEvents": events, "displayTimeUnit": "ms" })
 }
 
 /// The trace of `timeline` as JSON text, ready to write to a `.json` file.
 pub fn chrome_trace_json(timeline: &Timeline, opts: &ChromeOptions) -> String {
+    chrome_trace_json_with(timeline, &[], opts)
+}
+
+/// [`chrome_trace_with`] as JSON text.
+pub fn chrome_trace_json_with(
+    timeline: &Timeline,
+    extra: &[LaneSpan],
+    opts: &ChromeOptions,
+) -> String {
     // Serialising a `Value` built from numbers and strings cannot fail.
-    serde_json::to_string(&chrome_trace(timeline, opts)).unwrap_or_default()
+    serde_json::to_string(&chrome_trace_with(timeline, extra, opts)).unwrap_or_default()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::profile::test_support::two_rank_timeline;
+    use crate::profile::test_support::{fillers, two_rank_timeline};
 
     fn x_events(v: &Value) -> Vec<&Value> {
         v["traceEvents"]
@@ -219,5 +265,29 @@ mod tests {
         let bubbles: Vec<_> = xs.iter().filter(|e| e.1 == BUBBLE_LANE).collect();
         assert_eq!(bubbles.len(), t.slots.len());
         assert_eq!(bubbles.len(), 3);
+    }
+
+    #[test]
+    fn extra_lanes_get_their_own_named_threads() {
+        let t = two_rank_timeline();
+        let text = chrome_trace_json_with(&t, &fillers(), &ChromeOptions::default());
+        let v: Value = serde_json::from_str(&text).unwrap();
+        let xs = x_events(&v);
+        assert_eq!(xs.len(), t.spans.len() + fillers().len());
+        let filler: Vec<_> = xs.iter().filter(|e| e["cat"] == "filler").collect();
+        assert_eq!(filler.len(), 3);
+        assert!(filler.iter().all(|e| e["tid"] == FIRST_EXTRA_LANE));
+        assert_eq!(filler[1]["name"], "verify <12> & co");
+        assert_eq!(filler[1]["pid"], 1);
+        assert_eq!(filler[1]["ts"].as_f64(), Some(4000.0));
+        // One thread_name per (rank, lane) used: rank 0 and rank 1 each have a filler lane.
+        let names: Vec<_> = v["traceEvents"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["name"] == "thread_name" && e["args"]["name"] == "filler")
+            .map(|e| e["pid"].as_u64().unwrap())
+            .collect();
+        assert_eq!(names, vec![0, 1]);
     }
 }

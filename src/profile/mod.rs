@@ -17,6 +17,35 @@ pub mod svg;
 
 use pipefill_schedules::{Action, ActionKind};
 
+/// Work drawn beside a timeline's compute actions on one rank: filler work run inside a
+/// bubble (a drafter-training slice, a rollout verification), a transfer, …
+///
+/// The timeline itself holds compute only (its metrics are defined on compute); the
+/// runtime's profiler passes what else it measured as lane spans, and the writers draw
+/// each distinct `lane` name as its own track of the rank. Spans of one rank and lane are
+/// expected not to overlap, like the actions of one rank.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LaneSpan {
+    pub rank: usize,
+    /// The track's name (`filler`, `comm`, …); also the Chrome trace's `cat`.
+    pub lane: String,
+    pub start: f64,
+    pub end: f64,
+    /// What ran (`drafter step 3`, `verify 12 tokens`).
+    pub label: String,
+}
+
+/// The distinct lane names of `extra`, in order of first appearance.
+pub(crate) fn lane_names(extra: &[LaneSpan]) -> Vec<&str> {
+    let mut names: Vec<&str> = Vec::new();
+    for s in extra {
+        if !names.contains(&s.lane.as_str()) {
+            names.push(&s.lane);
+        }
+    }
+    names
+}
+
 /// The short label of an action: `F3`, `I3`, `W3`, `B3`, `F7+B3` for an overlapped pair,
 /// prefixed by the stage (`2F3`, `0F7+7B3`) when `with_stage` is set — which a reader needs
 /// as soon as a rank holds more than one stage.
@@ -55,6 +84,25 @@ pub(crate) mod test_support {
     //! A hand-built two-rank timeline shared by the writers' tests.
 
     use pipefill_schedules::{Action, Span, StageMb, Timeline};
+
+    use super::LaneSpan;
+
+    /// Filler work in the two-rank timeline's bubbles: one slice on rank 0's [2,3) bubble,
+    /// two on rank 1's [4,6) bubble.
+    pub fn fillers() -> Vec<LaneSpan> {
+        let f = |rank, start, end, label: &str| LaneSpan {
+            rank,
+            lane: "filler".into(),
+            start,
+            end,
+            label: label.into(),
+        };
+        vec![
+            f(0, 2.0, 2.75, "drafter step 0"),
+            f(1, 4.0, 5.0, "verify <12> & co"),
+            f(1, 5.0, 5.5, "drafter step 1"),
+        ]
+    }
 
     /// Rank 0: F0 [0,1) F1 [1,2) idle [2,3) I0 [3,4) W0 [4,5) (0F2;0B1) [5,8).
     /// Rank 1: idle [0,1) F0 [1,2) B0 [2,4) idle [4,6) B1 [6,8).
