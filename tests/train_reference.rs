@@ -252,6 +252,10 @@ fn cli_trains_a_tiny_job_and_refuses_pipeline_schedules() {
         "{stdout}"
     );
     assert!(stdout.contains("done: 3 steps"), "{stdout}");
+    assert!(
+        stdout.contains("exact match (greedy) on 32 held-out tasks"),
+        "{stdout}"
+    );
     let metrics = std::fs::read_to_string(dir.path().join("metrics.jsonl")).unwrap();
     assert_eq!(metrics.lines().count(), 3);
     let job = std::fs::read_to_string(dir.path().join("job.toml")).unwrap();
@@ -311,4 +315,26 @@ fn cli_trains_a_tiny_job_and_refuses_pipeline_schedules() {
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("does not fit"), "{stderr}");
+}
+
+#[test]
+fn held_out_tasks_fit_and_greedy_completions_stay_in_context() {
+    use pipefill::train::eval::{exact_match, greedy_completion, held_out_tasks};
+    let (model, data, train) = small_job();
+    let tasks = held_out_tasks(&data.families, data.size_scale, data.max_size, 5, 32, 8).unwrap();
+    assert_eq!(tasks.len(), 8);
+    assert!(tasks.iter().all(|t| t.text().len() + 2 <= 32));
+    assert_eq!(
+        tasks,
+        held_out_tasks(&data.families, data.size_scale, data.max_size, 5, 32, 8).unwrap()
+    );
+    let mut trainer = Trainer::reference(&model, &data, &train).unwrap();
+    let tok = pipefill::data::Tokenizer::new();
+    for t in &tasks {
+        let c = greedy_completion(trainer.model_mut(), &tok, t).unwrap();
+        assert!(c.len() + t.prompt.len() < 32, "{c:?}");
+    }
+    let em = exact_match(trainer.model_mut(), &tasks).unwrap();
+    assert_eq!(em.tasks, 8);
+    assert!(em.correct <= 8);
 }

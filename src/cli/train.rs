@@ -18,6 +18,7 @@ use pipefill::config::JobConfig;
 use pipefill::data::DatasetSummary;
 use pipefill::model::checkpoint::Checkpoint;
 use pipefill::tensor::Backend;
+use pipefill::train::eval::{exact_match, held_out_tasks};
 use pipefill::train::{StepMetrics, Trainer};
 
 #[derive(clap::Args)]
@@ -176,6 +177,26 @@ fn train_reference(job: &JobConfig, resume: Option<&Path>) -> anyhow::Result<()>
     checkpoint.save(&checkpoint_dir)?;
 
     let seconds = started.elapsed().as_secs_f64();
+    if t.eval_tasks > 0 {
+        let d = &job.data;
+        let tasks = held_out_tasks(
+            &d.families,
+            d.size_scale,
+            d.max_size,
+            t.seed,
+            job.model.seq_len,
+            t.eval_tasks,
+        )?;
+        let em = exact_match(trainer.model_mut(), &tasks)?;
+        println!(
+            "exact match (greedy) on {} held-out tasks that fit seq_len {}: {}/{} ({:.1}%)",
+            em.tasks,
+            job.model.seq_len,
+            em.correct,
+            em.tasks,
+            100.0 * em.accuracy()
+        );
+    }
     let tokens: usize = history.iter().map(|m| m.tokens).sum();
     let window = history.len().min(10);
     let mean = |ms: &[StepMetrics]| ms.iter().map(|m| m.loss).sum::<f32>() / ms.len() as f32;

@@ -2,9 +2,12 @@
 //! model on one backend, no pipeline. It is the oracle every pipeline schedule must
 //! reproduce, so its data order and micro-batching are explicit functions of the step.
 //!
+//! [`eval`] scores greedy completions of held-out tasks by exact match.
+//!
 //! This module also holds [`TrainConfig`], the `[train]` section of a job file, and the
 //! per-step [`StepMetrics`] written to `metrics.jsonl`.
 
+pub mod eval;
 pub mod reference;
 
 use serde::{Deserialize, Serialize};
@@ -59,6 +62,9 @@ pub struct TrainConfig {
     pub seed: u64,
     /// CPU threads for the compute backend (0: all available cores).
     pub threads: usize,
+    /// Held-out tasks whose greedy completions are scored by exact match after training
+    /// (0: none).
+    pub eval_tasks: usize,
 }
 
 impl Default for TrainConfig {
@@ -73,6 +79,7 @@ impl Default for TrainConfig {
             clip: 1.0,
             seed: 0,
             threads: 0,
+            eval_tasks: 32,
         }
     }
 }
