@@ -338,3 +338,35 @@ fn held_out_tasks_fit_and_greedy_completions_stay_in_context() {
     assert_eq!(em.tasks, 8);
     assert!(em.correct <= 8);
 }
+
+#[test]
+fn the_oracle_is_deterministic() {
+    // The same job twice gives bit-identical losses and parameters: pipelines compare
+    // against one run of it.
+    let (model, data, train) = small_job();
+    let train = TrainConfig {
+        threads: 2,
+        ..train
+    };
+    let run = || {
+        let mut t = Trainer::reference(&model, &data, &train).unwrap();
+        let losses: Vec<u32> = (0..5)
+            .map(|_| t.train_step().unwrap().loss.to_bits())
+            .collect();
+        let params: Vec<Vec<u32>> = t
+            .model()
+            .param_names()
+            .iter()
+            .map(|n| {
+                t.model()
+                    .param_values(n)
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.to_bits())
+                    .collect()
+            })
+            .collect();
+        (losses, params)
+    };
+    assert_eq!(run(), run());
+}
