@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use pipefill_schedules::{
-    CostModel, Plan, ScheduleKind, generate, parse_csv, parse_toml, read_plan, simulate,
+    CostModel, Plan, ScheduleKind, generate, lower, parse_csv, parse_toml, read_plan, simulate,
 };
 use serde_json::Value;
 
@@ -95,6 +95,31 @@ fn show_writes_the_plan_in_every_form() {
     assert_eq!(parse_toml(&toml, "stdout").unwrap().ranks, expected.ranks);
     let plan: Plan = serde_json::from_str(&ok(&[&args[..], &["json"]].concat())).unwrap();
     assert_eq!(plan, expected);
+}
+
+#[test]
+fn lower_inserts_the_transfers_a_runtime_executes() {
+    let plan = generate(ScheduleKind::OneFOneB, 2, 3, 1).unwrap();
+    let lowered = lower(&plan).unwrap();
+    let csv = ok(&[
+        "show", "1f1b", "-p", "2", "-m", "3", "--lower", "--format", "csv",
+    ]);
+    assert!(csv.contains("SEND_F") && csv.contains("RECV_B"), "{csv}");
+    assert_eq!(parse_csv(&csv, "stdout").unwrap().ranks, lowered.ranks);
+    // Simulating the lowered plan is the library's figure for it, transfers included.
+    let cost = "comm=0.5";
+    let v = json(&ok(&[
+        "simulate", "1f1b", "-p", "2", "-m", "3", "--lower", "--cost", cost, "--json",
+    ]));
+    let t = simulate(&lowered, &CostModel::uniform(1.0, 1.0, 1.0, 0.5)).unwrap();
+    assert_eq!(v["makespan"].as_f64(), Some(t.makespan));
+    // A lowered file validates and reports its transfers.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("lowered.csv");
+    std::fs::write(&path, &csv).unwrap();
+    let out = ok(&["validate", path.to_str().unwrap()]);
+    let comm = lowered.iter().filter(|(_, _, a)| a.kind.is_comm()).count();
+    assert!(out.contains(&format!("{comm} send/recv")), "{out}");
 }
 
 #[test]
