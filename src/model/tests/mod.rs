@@ -1,7 +1,10 @@
-//! Whole-model tests: cutting, split vs fused backward, the optimizer, and training.
+//! Whole-model tests: cutting, split vs fused backward, ordering, and training;
+//! [`optim`] tests the optimizer.
+
+mod optim;
 
 use super::*;
-use crate::tensor::{CpuBackend, IGNORE_TARGET};
+use crate::tensor::{CpuBackend, CpuBuf, IGNORE_TARGET};
 
 fn tiny() -> GptConfig {
     GptConfig {
@@ -306,150 +309,103 @@ fn accumulating_micro_batches_equals_one_big_batch() {
     }
 }
 
+/// Four stages, four micro-batches, and I/W actions picked in a pseudo-random order among
+/// those whose dependencies are met (I of stage s needs I of stage s+1; W needs its own I),
+/// with F of later micro-batches mixed in: the gradients equal the fused run's.
+#[test]
+fn any_dependency_respecting_order_gives_the_same_gradients() {
+    let cfg = tiny();
+    let be = CpuBackend::new(1).unwrap();
+    let ids: Vec<u32> = (0..4 * 12).map(|i| (i * 5 % cfg.vocab) as u32).collect();
+    let targets: Vec<u32> = ids.iter().map(|&i| (i + 1) % cfg.vocab as u32).collect();
+    let mb_ids = |mb: usize| &ids[mb * 12..(mb + 1) * 12];
+    let mb_targets = |mb: usize| &targets[mb * 12..(mb + 1) * 12];
+    let mut fused = Gpt::new(&cfg, be.clone(), &Cut::Even(4)).unwrap();
+    for mb in 0..4 {
+        fused
+            .forward_backward(mb, SHAPE, mb_ids(mb), mb_targets(mb), 0.25)
+            .unwrap();
+    }
+    let mut chunks = Gpt::new(&cfg, be, &Cut::Even(4)).unwrap().into_chunks();
+    // pending[s][mb]: the activation or gradient waiting to enter stage s (F) or leave it (I).
+    let mut acts: Vec<Vec<Option<CpuBuf>>> =
+        (0..4).map(|_| (0..4).map(|_| None).collect()).collect();
+    let mut grads: Vec<Vec<Option<CpuBuf>>> =
+        (0..4).map(|_| (0..4).map(|_| None).collect()).collect();
+    let (mut f_done, mut i_done, mut w_done) = ([[false; 4]; 4], [[false; 4]; 4], [[false; 4]; 4]);
+    let mut rng = 0x2545_F491_4F6C_DD1Du64;
+    loop {
+        // Every action whose inputs are ready: (kind, stage, mb).
+        let mut ready = Vec::new();
+        for s in 0..4 {
+            for mb in 0..4 {
+                if !f_done[s][mb] && (s == 0 || f_done[s - 1][mb]) {
+                    ready.push((0, s, mb));
+                }
+                if f_done[s][mb] && !i_done[s][mb] && (s == 3 || i_done[s + 1][mb]) {
+                    ready.push((1, s, mb));
+                }
+                if i_done[s][mb] && !w_done[s][mb] {
+                    ready.push((2, s, mb));
+                }
+            }
+        }
+        if ready.is_empty() {
+            break;
+        }
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        let (kind, s, mb) = ready[(rng % ready.len() as u64) as usize];
+        match kind {
+            0 => {
+                let input = match acts[s][mb].take() {
+                    Some(h) => ChunkInput::Hidden(h),
+                    None => ChunkInput::Tokens(mb_ids(mb)),
+                };
+                let t = (s == 3).then(|| mb_targets(mb));
+                if let ChunkOutput::Hidden(h) = chunks[s].forward(mb, SHAPE, input, t).unwrap() {
+                    acts[s + 1][mb] = Some(h);
+                }
+                f_done[s][mb] = true;
+            }
+            1 => {
+                let g = match grads[s][mb].take() {
+                    Some(g) => ChunkGrad::Hidden(g),
+                    None => ChunkGrad::Loss(0.25),
+                };
+                if let Some(dx) = chunks[s].backward_input(mb, g).unwrap() {
+                    grads[s - 1][mb] = Some(dx);
+                }
+                i_done[s][mb] = true;
+            }
+            _ => {
+                chunks[s].backward_weight(mb).unwrap();
+                w_done[s][mb] = true;
+            }
+        }
+    }
+    for (split, whole) in chunks.iter().zip(fused.chunks()) {
+        assert_eq!(split.stashed(), 0);
+        for name in split.param_names() {
+            let (a, b) = (
+                split.grad_values(&name).unwrap(),
+                whole.grad_values(&name).unwrap(),
+            );
+            let scale = b.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+            for (x, y) in a.iter().zip(&b) {
+                assert!((x - y).abs() <= 1e-6 * scale, "{name}: {x} vs {y}");
+            }
+        }
+    }
+}
+
 #[test]
 fn chunks_and_optimizer_move_between_threads() {
     fn send<T: Send>() {}
     send::<ModelChunk<CpuBackend>>();
     send::<AdamW<CpuBackend>>();
     send::<Gpt<CpuBackend>>();
-}
-
-/// A one-parameter "model" for optimizer tests.
-fn param(
-    be: &CpuBackend,
-    name: &str,
-    value: &[f32],
-    grad: &[f32],
-    decay: bool,
-) -> Param<CpuBackend> {
-    let mut p = Param::new(be, name.into(), vec![value.len()], value, decay).unwrap();
-    p.grad = be.from_host(grad, crate::tensor::DType::F32).unwrap();
-    p
-}
-
-#[test]
-fn adamw_two_steps_match_hand_computation_and_skip_decay_on_norms() {
-    let be = CpuBackend::new(1).unwrap();
-    let cfg = AdamWConfig {
-        beta1: 0.9,
-        beta2: 0.99,
-        eps: 0.0,
-        weight_decay: 0.5,
-        max_grad_norm: 0.0,
-    };
-    let mut opt = AdamW::new(cfg);
-    let mut w = param(&be, "blocks.0.mlp.w1", &[2.0], &[0.3], true);
-    let mut g = param(&be, "blocks.0.norm1.weight", &[2.0], &[0.3], false);
-    let lr = 0.1f64;
-    opt.step(&be, [&mut w, &mut g], lr as f32, 1.0).unwrap();
-    // Step 1: m̂ = g, v̂ = g², update = 1 (eps 0).
-    let w1 = 2.0 - lr * (1.0 + 0.5 * 2.0);
-    let g1 = 2.0 - lr * 1.0;
-    assert!((f64::from(be.to_host(&w.value).unwrap()[0]) - w1).abs() < 1e-6);
-    assert!((f64::from(be.to_host(&g.value).unwrap()[0]) - g1).abs() < 1e-6);
-    // Step 2 with gradient -0.1.
-    w.grad = be.from_host(&[-0.1], crate::tensor::DType::F32).unwrap();
-    opt.step(&be, [&mut w], lr as f32, 1.0).unwrap();
-    let m = 0.9 * (0.1 * 0.3) + 0.1 * -0.1;
-    let v = 0.99 * (0.01 * 0.09) + 0.01 * 0.01;
-    let (mh, vh) = (m / (1.0 - 0.81), v / (1.0 - 0.9801));
-    let w2 = w1 - lr * (mh / f64::sqrt(vh) + 0.5 * w1);
-    assert!((f64::from(be.to_host(&w.value).unwrap()[0]) - w2).abs() < 1e-6);
-    // State round-trips through the host, by name.
-    let state = opt.state(&be).unwrap();
-    assert_eq!(state.step, 2);
-    assert_eq!(
-        state.slots.keys().collect::<Vec<_>>(),
-        ["blocks.0.mlp.w1", "blocks.0.norm1.weight"]
-    );
-    let json = serde_json::to_string(&state).unwrap();
-    let mut restored = AdamW::<CpuBackend>::new(AdamWConfig::default());
-    restored
-        .load_state(&be, &serde_json::from_str(&json).unwrap())
-        .unwrap();
-    assert_eq!(restored.state(&be).unwrap(), state);
-}
-
-#[test]
-fn clipping_scales_the_global_norm_to_the_limit() {
-    assert_eq!(clip_scale(0.5, 1.0), 1.0);
-    assert_eq!(clip_scale(5.0, 0.0), 1.0);
-    assert!((clip_scale(4.0, 1.0) - 0.25).abs() < 1e-7);
-    // Through the optimizer: the first moment after one step is (1 − β1)·scale·g.
-    let be = CpuBackend::new(1).unwrap();
-    let cfg = tiny();
-    let mut gpt = Gpt::new(&cfg, be.clone(), &Cut::Even(2)).unwrap();
-    for p in gpt.params_mut() {
-        let n = p.numel();
-        p.grad = be
-            .from_host(&vec![1.0; n], crate::tensor::DType::F32)
-            .unwrap();
-    }
-    let norm = gpt.grad_norm().unwrap();
-    assert!((norm - (cfg.param_count() as f64).sqrt()).abs() < 1e-6);
-    let mut opt = AdamW::new(AdamWConfig {
-        max_grad_norm: 2.0,
-        ..AdamWConfig::default()
-    });
-    let before = opt.step_chunks(gpt.chunks_mut(), 1e-3).unwrap();
-    assert!((before - norm).abs() < 1e-9);
-    let state = opt.state(&be).unwrap();
-    let m_norm: f64 = state
-        .slots
-        .values()
-        .flat_map(|s| &s.m)
-        .map(|&m| f64::from(m).powi(2))
-        .sum();
-    assert!(
-        (m_norm.sqrt() / 0.1 - 2.0).abs() < 1e-4,
-        "clipped norm {}",
-        m_norm.sqrt() / 0.1
-    );
-}
-
-#[test]
-fn lr_schedule_warms_up_then_decays() {
-    let s = LrSchedule {
-        peak_lr: 1.0,
-        min_lr: 0.1,
-        warmup_steps: 4,
-        total_steps: 14,
-    };
-    assert_eq!(s.lr(0), 0.25);
-    assert_eq!(s.lr(3), 1.0);
-    assert_eq!(s.lr(4), 1.0);
-    assert!((s.lr(9) - 0.55).abs() < 1e-6);
-    assert!((s.lr(14) - 0.1).abs() < 1e-7);
-    assert_eq!(s.lr(100), 0.1);
-    assert!((4..14).all(|k| s.lr(k + 1) <= s.lr(k)));
-}
-
-#[test]
-fn bf16_storage_trains_with_f32_master_weights() {
-    let cfg = tiny();
-    let be = CpuBackend::new(1)
-        .unwrap()
-        .with_storage(crate::tensor::DType::Bf16);
-    let mut gpt = Gpt::new(&cfg, be.clone(), &Cut::Even(1)).unwrap();
-    let (ids, t) = &data(&cfg)[0];
-    let mut opt = AdamW::new(AdamWConfig::default());
-    let first = gpt.loss(SHAPE, ids, t).unwrap();
-    for step in 0..30 {
-        gpt.zero_grads().unwrap();
-        gpt.forward_backward(0, SHAPE, ids, t, 1.0).unwrap();
-        opt.step_chunks(gpt.chunks_mut(), 1e-2 * (step as f32 + 1.0).min(5.0) / 5.0)
-            .unwrap();
-    }
-    let last = gpt.loss(SHAPE, ids, t).unwrap();
-    assert!(last < 0.6 * first, "{first} -> {last}");
-    let state = opt.state(&be).unwrap();
-    assert!(state.slots.values().all(|s| s.master.is_some()));
-    // Stored values are the master weights rounded to bf16.
-    let master = &state.slots["head.w"].master.as_ref().unwrap()[..4];
-    let stored = &gpt.param_values("head.w").unwrap()[..4];
-    for (m, s) in master.iter().zip(stored) {
-        assert_eq!(half::bf16::from_f32(*m).to_f32(), *s);
-    }
 }
 
 /// Timing of the default model (not a correctness test): F, I, W per micro-batch of
