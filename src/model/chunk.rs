@@ -456,7 +456,8 @@ impl<B: Backend> ModelChunk<B> {
         Ok(self.be.to_host(&self.param(name)?.grad)?)
     }
 
-    /// Overwrites a parameter's value (e.g. from a checkpoint).
+    /// Overwrites a parameter's value (e.g. from a checkpoint). An optimizer's `f32` master
+    /// copy of it is not touched: restore the optimizer's state with it.
     pub fn set_param(&mut self, name: &str, values: &[f32]) -> Result<()> {
         let be = self.be.clone();
         let p = self.param_mut(name)?;
