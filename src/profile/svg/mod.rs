@@ -71,6 +71,8 @@ const RIGHT: f64 = 20.0;
 const LANE_GAP: f64 = 6.0;
 const FONT: f64 = 11.0;
 const TITLE_FONT: f64 = 13.0;
+/// Height of one row of the legend.
+const LEGEND_ROW: f64 = 18.0;
 /// Approximate advance of one monospace character at [`FONT`] px.
 const CHAR_W: f64 = FONT * 0.62;
 
@@ -92,7 +94,8 @@ pub fn svg_with(timeline: &Timeline, extra: &[LaneSpan], opts: &SvgOptions) -> S
         .title
         .as_deref()
         .map_or(Vec::new(), |t| t.lines().collect());
-    // The picture grows to fit its title's longest line.
+    let legend = legend_items(timeline, &lanes, opts.show_stage);
+    // The picture grows to fit its title's longest line; the legend wraps instead.
     let title_w = title_lines
         .iter()
         .map(|l| l.chars().count() as f64 * TITLE_FONT * 0.62 + 24.0)
@@ -117,7 +120,18 @@ pub fn svg_with(timeline: &Timeline, extra: &[LaneSpan], opts: &SvgOptions) -> S
     let lanes_bottom = top + n_ranks as f64 * (lane_h + LANE_GAP);
     let axis_y = lanes_bottom + 2.0;
     let legend_y = axis_y + 40.0;
-    let height = legend_y + 24.0;
+    // Legend entries flow left to right and wrap onto new rows at the right margin.
+    let mut legend_at = Vec::with_capacity(legend.len());
+    let (mut lx, mut ly) = (LEFT, legend_y);
+    for (swatch, text) in &legend {
+        let w = legend_item_width(swatch, text);
+        if lx > LEFT && lx + w - 18.0 > width - RIGHT {
+            (lx, ly) = (LEFT, ly + LEGEND_ROW);
+        }
+        legend_at.push((lx, ly));
+        lx += w;
+    }
+    let height = ly + 24.0;
 
     let mut out = String::new();
     let _ = writeln!(
@@ -207,8 +221,9 @@ pub fn svg_with(timeline: &Timeline, extra: &[LaneSpan], opts: &SvgOptions) -> S
                 );
             }
         }
-        // Extra spans: a strip over the bottom 40% of the lane, clipped to the plot.
-        let strip_h = lane_h * 0.4;
+        // Extra spans: the bottom 40% of the lane, shared in bands by the extra lanes,
+        // clipped to the plot.
+        let strip_h = lane_h * 0.4 / lanes.len().max(1) as f64;
         for span in extra.iter().filter(|s| s.rank == rank) {
             let x0 = x(span.start).clamp(LEFT, LEFT + plot_w);
             let x1 = x(span.end).clamp(LEFT, LEFT + plot_w);
@@ -218,7 +233,7 @@ pub fn svg_with(timeline: &Timeline, extra: &[LaneSpan], opts: &SvgOptions) -> S
                 r##"<rect class="extra {}" x="{}" y="{}" width="{}" height="{}" fill="{}" stroke="#ffffff" stroke-width="0.5"><title>{} on rank {rank} ({}): {} to {}</title></rect>"##,
                 escape(&span.lane),
                 fmt_num(x0, 2),
-                fmt_num(y + lane_h - strip_h, 2),
+                fmt_num(y + lane_h - strip_h * (lanes.len() - lane) as f64, 2),
                 fmt_num((x1 - x0).max(0.5), 2),
                 fmt_num(strip_h, 2),
                 EXTRA_COLOURS[lane % EXTRA_COLOURS.len()],
@@ -271,74 +286,93 @@ pub fn svg_with(timeline: &Timeline, extra: &[LaneSpan], opts: &SvgOptions) -> S
 
     // Legend.
     let _ = writeln!(out, r#"<g class="legend">"#);
-    // Only the kinds that occur (all of them for an empty timeline), then idle.
-    let present: Vec<_> = LEGEND
-        .iter()
-        .filter(|(k, _)| timeline.spans.iter().any(|s| s.action.kind == *k))
-        .collect();
-    let entries = if present.is_empty() {
-        LEGEND.iter().collect()
-    } else {
-        present
-    };
-    let mut lx = LEFT;
-    for &&(kind, text) in &entries {
-        let _ = writeln!(
-            out,
-            r#"<rect x="{}" y="{}" width="12" height="12" fill="{}"/>"#,
-            fmt_num(lx, 2),
-            fmt_num(legend_y, 2),
-            kind_colour(kind)
-        );
+    for ((swatch, text), &(lx, ly)) in legend.iter().zip(&legend_at) {
+        let (sx, sy) = (fmt_num(lx, 2), fmt_num(ly, 2));
+        let _ = match swatch {
+            Swatch::Box(colour) => writeln!(
+                out,
+                r#"<rect x="{sx}" y="{sy}" width="12" height="12" fill="{colour}"/>"#
+            ),
+            Swatch::Idle => writeln!(
+                out,
+                r##"<rect x="{sx}" y="{sy}" width="12" height="12" fill="#f6f6f6" stroke="#d0d0d0"/>"##
+            ),
+            Swatch::Strip(colour) => writeln!(
+                out,
+                r#"<rect x="{sx}" y="{}" width="12" height="6" fill="{colour}"/>"#,
+                fmt_num(ly + 6.0, 2)
+            ),
+            Swatch::None => Ok(()),
+        };
+        let tx = if matches!(swatch, Swatch::None) {
+            lx
+        } else {
+            lx + 16.0
+        };
         let _ = writeln!(
             out,
             r#"<text x="{}" y="{}">{}</text>"#,
-            fmt_num(lx + 16.0, 2),
-            fmt_num(legend_y + 10.0, 2),
+            fmt_num(tx, 2),
+            fmt_num(ly + 10.0, 2),
             escape(text)
-        );
-        lx += 16.0 + text.len() as f64 * CHAR_W + 18.0;
-    }
-    let _ = writeln!(
-        out,
-        r##"<rect x="{}" y="{}" width="12" height="12" fill="#f6f6f6" stroke="#d0d0d0"/>"##,
-        fmt_num(lx, 2),
-        fmt_num(legend_y, 2)
-    );
-    let _ = writeln!(
-        out,
-        r#"<text x="{}" y="{}">idle (bubble)</text>"#,
-        fmt_num(lx + 16.0, 2),
-        fmt_num(legend_y + 10.0, 2)
-    );
-    lx += 16.0 + 13.0 * CHAR_W + 18.0;
-    for (k, lane) in lanes.iter().enumerate() {
-        let _ = writeln!(
-            out,
-            r#"<rect x="{}" y="{}" width="12" height="6" fill="{}"/>"#,
-            fmt_num(lx, 2),
-            fmt_num(legend_y + 6.0, 2),
-            EXTRA_COLOURS[k % EXTRA_COLOURS.len()]
-        );
-        let _ = writeln!(
-            out,
-            r#"<text x="{}" y="{}">{}</text>"#,
-            fmt_num(lx + 16.0, 2),
-            fmt_num(legend_y + 10.0, 2),
-            escape(lane)
-        );
-        lx += 16.0 + lane.chars().count() as f64 * CHAR_W + 18.0;
-    }
-    if opts.show_stage {
-        let _ = writeln!(
-            out,
-            r#"<text x="{}" y="{}">darker: a rank's later stage (chunk)</text>"#,
-            fmt_num(lx, 2),
-            fmt_num(legend_y + 10.0, 2)
         );
     }
     out.push_str("</g>\n</svg>\n");
     out
+}
+
+/// How a legend entry is marked.
+enum Swatch {
+    /// A square in an action kind's colour.
+    Box(&'static str),
+    /// The idle lane background.
+    Idle,
+    /// A thin bar in an extra lane's colour.
+    Strip(&'static str),
+    /// Text only.
+    None,
+}
+
+/// The legend: the kinds that occur (all of them for an empty timeline), idle, each extra
+/// lane, and the chunk-shading note when stages are shown.
+fn legend_items(timeline: &Timeline, lanes: &[&str], show_stage: bool) -> Vec<(Swatch, String)> {
+    let present: Vec<_> = LEGEND
+        .iter()
+        .filter(|(k, _)| timeline.spans.iter().any(|s| s.action.kind == *k))
+        .collect();
+    let kinds = if present.is_empty() {
+        LEGEND.iter().collect()
+    } else {
+        present
+    };
+    let mut items: Vec<(Swatch, String)> = kinds
+        .into_iter()
+        .map(|&(k, text)| (Swatch::Box(kind_colour(k)), text.to_string()))
+        .collect();
+    items.push((Swatch::Idle, "idle (bubble)".to_string()));
+    for (k, lane) in lanes.iter().enumerate() {
+        items.push((
+            Swatch::Strip(EXTRA_COLOURS[k % EXTRA_COLOURS.len()]),
+            lane.to_string(),
+        ));
+    }
+    if show_stage {
+        items.push((
+            Swatch::None,
+            "darker: later stage (chunk) of a rank".to_string(),
+        ));
+    }
+    items
+}
+
+/// Horizontal room one legend entry takes, gap included.
+fn legend_item_width(swatch: &Swatch, text: &str) -> f64 {
+    let mark = if matches!(swatch, Swatch::None) {
+        0.0
+    } else {
+        16.0
+    };
+    mark + text.chars().count() as f64 * CHAR_W + 18.0
 }
 
 /// `#rrggbb` mixed with black: `amount` 0 keeps the colour, 1 gives black.

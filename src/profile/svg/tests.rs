@@ -1,6 +1,7 @@
 //! Tests of the SVG writer, on hand-built timelines.
 
 use super::*;
+use crate::profile::LaneSpan;
 use crate::profile::test_support::{fillers, two_rank_timeline};
 
 #[test]
@@ -137,7 +138,7 @@ fn a_ranks_later_chunks_are_darker() {
     assert!(shaded.contains(&format!(r#"fill="{f}""#)));
     assert!(shaded.contains(&format!(r#"fill="{}""#, darken(f, 0.4))));
     assert!(shaded.contains(">0F0<") && shaded.contains(">2F0<"));
-    assert!(shaded.contains("darker: a rank's later stage"));
+    assert!(shaded.contains("darker: later stage (chunk) of a rank"));
     let flat = svg(&t, &SvgOptions::default());
     assert!(!flat.contains(&darken(f, 0.4)));
     assert_eq!(darken("#4e79a7", 0.0), "#4e79a7");
@@ -165,10 +166,64 @@ fn extra_lanes_are_strips_in_their_ranks_lanes() {
     // The legend names the lane, in its colour.
     assert!(s.contains(&format!(r#"fill="{}"/>"#, EXTRA_COLOURS[0])));
     assert!(s.contains(">filler</text>"));
+    // Two extra lanes share the bottom 40% in bands: `comm` below `filler`.
+    let mut two = fillers();
+    two.push(LaneSpan {
+        rank: 0,
+        lane: "comm".into(),
+        start: 1.0,
+        end: 3.5,
+        label: "send".into(),
+    });
+    let s = svg_with(
+        &t,
+        &two,
+        &SvgOptions {
+            width: LEFT + RIGHT + 800.0,
+            ..SvgOptions::default()
+        },
+    );
+    assert!(
+        s.contains(r#"class="extra filler" x="270" y="28.8" width="75" height="5.6""#),
+        "{s}"
+    );
+    assert!(
+        s.contains(r#"class="extra comm" x="170" y="34.4" width="250" height="5.6""#),
+        "{s}"
+    );
+    assert!(s.contains(">comm</text>"));
     // Without extra spans the picture is the plain one.
     assert_eq!(
         svg_with(&t, &[], &SvgOptions::default()),
         svg(&t, &SvgOptions::default())
+    );
+}
+
+#[test]
+fn the_legend_wraps_inside_a_narrow_picture() {
+    let t = two_rank_timeline();
+    let s = svg(
+        &t,
+        &SvgOptions {
+            width: 400.0,
+            ..SvgOptions::default()
+        },
+    );
+    assert!(s.starts_with(r#"<svg xmlns="http://www.w3.org/2000/svg" width="400""#));
+    // Every legend swatch starts left of the right margin.
+    let legend = &s[s.find(r#"<g class="legend">"#).unwrap()..];
+    let xs: Vec<f64> = legend
+        .match_indices(r#"<rect x=""#)
+        .map(|(i, m)| {
+            let rest = &legend[i + m.len()..];
+            rest[..rest.find('"').unwrap()].parse().unwrap()
+        })
+        .collect();
+    assert_eq!(xs.len(), 6);
+    assert!(xs.iter().all(|&x| x + 12.0 <= 400.0 - RIGHT), "{xs:?}");
+    assert!(
+        xs.iter().filter(|&&x| x == LEFT).count() >= 2,
+        "wrapped: {xs:?}"
     );
 }
 
