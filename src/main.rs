@@ -20,6 +20,8 @@ enum Command {
     Schedule(cli::schedule::ScheduleArgs),
     /// Train the model (the embedded default job when no config is given).
     Train(cli::train::TrainArgs),
+    /// Print the bubble report of a finished run from its run directory.
+    Profile(cli::profile::ProfileArgs),
 }
 
 fn main() -> ExitCode {
@@ -34,6 +36,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Schedule(args) => cli::schedule::run(args),
         Command::Train(args) => cli::train::run(args),
+        Command::Profile(args) => cli::profile::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

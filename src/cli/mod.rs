@@ -1,4 +1,5 @@
 //! Subcommands of the `pipefill` binary, one module each.
 
+pub mod profile;
 pub mod schedule;
 pub mod train;

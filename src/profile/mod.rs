@@ -8,11 +8,14 @@
 //! - [`svg`]: a self-contained SVG picture, one lane per rank, with a legend and a time axis.
 //! - [`chrome`]: a Chrome trace-event JSON file that opens in Perfetto (`ui.perfetto.dev`)
 //!   or `chrome://tracing`, one process per rank.
+//! - [`report`]: the bubble report of a run (per rank busy / bubble, measured next to
+//!   predicted), as `report.json` and `report.txt`.
 //! - [`grid`]: the text grid people draw schedules with, one row per rank and one column
 //!   per time step.
 
 pub mod chrome;
 pub mod grid;
+pub mod report;
 pub mod svg;
 
 use pipefill_schedules::{Action, ActionKind};

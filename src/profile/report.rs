@@ -1,0 +1,507 @@
+//! The bubble report of a training run: per rank busy time, bubble time and bubble ratio as
+//! measured, next to what the schedule simulator predicts for the same plan under the
+//! costs the run measured.
+//!
+//! A run writes the report twice into its run directory: `report.json` (the
+//! [`BubbleReport`] itself, for programs) and `report.txt` (its [`BubbleReport::to_text`],
+//! for people). `pipefill profile RUN_DIR` reads `report.json` back and prints the same text,
+//! so the text is a pure function of the JSON and the two can never disagree.
+//!
+//! Which timeline the report describes: one steady-state iteration, chosen by
+//! [`steady_iteration`] (the iteration of median makespan, the first iteration excluded since
+//! it warms caches and allocators). The header says which one. The figures follow DESIGN.md's
+//! "Metrics" section: they are copied from [`Timeline`]s built by `Timeline::from_spans`, the
+//! one implementation of those definitions; this module never recomputes a metric.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use pipefill_schedules::Timeline;
+use serde::{Deserialize, Serialize};
+
+/// File name of the machine-readable report in a run directory.
+pub const REPORT_JSON: &str = "report.json";
+/// File name of the human-readable report in a run directory.
+pub const REPORT_TXT: &str = "report.txt";
+
+/// Errors building, writing or reading a report.
+#[derive(Debug, thiserror::Error)]
+pub enum ReportError {
+    /// The measured and predicted timelines do not describe the same pipeline.
+    #[error("the measured timeline has {measured} ranks but the predicted one has {predicted}")]
+    RankMismatch { measured: usize, predicted: usize },
+    #[error("{path}: no such run directory")]
+    NoRunDir { path: PathBuf },
+    #[error("cannot read {path}: {error}")]
+    Read {
+        path: PathBuf,
+        error: std::io::Error,
+    },
+    #[error("cannot write {path}: {error}")]
+    Write {
+        path: PathBuf,
+        error: std::io::Error,
+    },
+    /// The file exists but is not a report this version understands.
+    #[error("{path} is not a valid bubble report: {message}")]
+    Corrupt { path: PathBuf, message: String },
+}
+
+/// What the report is about, besides the timelines themselves.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RunInfo {
+    /// The schedule's name (`zb-h1`) or the custom schedule file's path.
+    pub schedule: String,
+    /// `virtual` or `wall`.
+    pub clock: String,
+    /// Pipeline stages (model chunks) of the plan.
+    pub stages: usize,
+    /// Micro-batches per step.
+    pub microbatches: usize,
+    /// Optimizer steps the run made.
+    pub steps: u64,
+    /// Unit of every time figure (`s` for a measured run, `units` for cost units).
+    pub units: String,
+    /// The 0-based step whose timeline the report describes.
+    pub iteration: usize,
+    /// Why that step (see [`steady_iteration`]).
+    pub iteration_note: String,
+}
+
+/// One rank's figures, measured and predicted.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RankFigures {
+    pub rank: usize,
+    /// Sum of the rank's compute actions.
+    pub busy: f64,
+    /// makespan − busy.
+    pub bubble: f64,
+    /// bubble / makespan.
+    pub bubble_ratio: f64,
+    /// From the rank's first action's start to its last action's end.
+    pub span: f64,
+    pub predicted_busy: f64,
+    pub predicted_bubble: f64,
+    pub predicted_bubble_ratio: f64,
+}
+
+/// The report: one measured steady-state iteration next to the simulator's prediction.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct BubbleReport {
+    #[serde(flatten)]
+    pub info: RunInfo,
+    pub ranks_count: usize,
+    pub makespan: f64,
+    /// Synchronous bubble ratio, measured.
+    pub bubble_ratio: f64,
+    /// Steady (overlapping iterations) bubble ratio, measured.
+    pub steady_bubble_ratio: f64,
+    pub predicted_makespan: f64,
+    pub predicted_bubble_ratio: f64,
+    pub predicted_steady_bubble_ratio: f64,
+    pub ranks: Vec<RankFigures>,
+}
+
+impl BubbleReport {
+    /// The report of `measured` next to `predicted` (same ranks, same plan).
+    pub fn new(
+        info: RunInfo,
+        measured: &Timeline,
+        predicted: &Timeline,
+    ) -> Result<Self, ReportError> {
+        if measured.ranks.len() != predicted.ranks.len() {
+            return Err(ReportError::RankMismatch {
+                measured: measured.ranks.len(),
+                predicted: predicted.ranks.len(),
+            });
+        }
+        let ranks = measured
+            .ranks
+            .iter()
+            .zip(&predicted.ranks)
+            .map(|(m, p)| RankFigures {
+                rank: m.rank,
+                busy: m.busy,
+                bubble: m.idle,
+                bubble_ratio: m.bubble_ratio,
+                span: m.span,
+                predicted_busy: p.busy,
+                predicted_bubble: p.idle,
+                predicted_bubble_ratio: p.bubble_ratio,
+            })
+            .collect();
+        Ok(BubbleReport {
+            info,
+            ranks_count: measured.ranks.len(),
+            makespan: measured.makespan,
+            bubble_ratio: measured.bubble_ratio,
+            steady_bubble_ratio: measured.steady_bubble_ratio,
+            predicted_makespan: predicted.makespan,
+            predicted_bubble_ratio: predicted.bubble_ratio,
+            predicted_steady_bubble_ratio: predicted.steady_bubble_ratio,
+            ranks,
+        })
+    }
+
+    /// The report as people read it (`report.txt`, `pipefill profile`).
+    ///
+    /// Times in seconds are shown in milliseconds; ratios as percentages.
+    pub fn to_text(&self) -> String {
+        let i = &self.info;
+        let (scale, unit) = display_unit(&i.units);
+        let t = |x: f64| fmt_fixed(x * scale, 3);
+        let pct = |x: f64| format!("{}%", fmt_fixed(100.0 * x, 1));
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "bubble report: schedule {}, {} stages on {} ranks, {} micro-batches, {} steps, {} clock",
+            i.schedule, i.stages, self.ranks_count, i.microbatches, i.steps, i.clock
+        );
+        let _ = writeln!(
+            out,
+            "timeline: step {} ({}); times in {unit}",
+            i.iteration, i.iteration_note
+        );
+        let _ = writeln!(
+            out,
+            "predicted: the schedule simulator on the same plan under the measured per-stage costs"
+        );
+        let _ = writeln!(out);
+        let _ = writeln!(
+            out,
+            "{:<6}{:>12}{:>12}{:>9}   {:>12}{:>12}{:>9}",
+            "", "measured", "", "", "predicted", "", ""
+        );
+        let _ = writeln!(
+            out,
+            "{:<6}{:>12}{:>12}{:>9}   {:>12}{:>12}{:>9}",
+            "rank", "busy", "bubble", "ratio", "busy", "bubble", "ratio"
+        );
+        for r in &self.ranks {
+            let _ = writeln!(
+                out,
+                "{:<6}{:>12}{:>12}{:>9}   {:>12}{:>12}{:>9}",
+                r.rank,
+                t(r.busy),
+                t(r.bubble),
+                pct(r.bubble_ratio),
+                t(r.predicted_busy),
+                t(r.predicted_bubble),
+                pct(r.predicted_bubble_ratio)
+            );
+        }
+        let _ = writeln!(out);
+        let _ = writeln!(out, "{:<22}{:>12}{:>12}", "", "measured", "predicted");
+        let _ = writeln!(
+            out,
+            "{:<22}{:>12}{:>12}",
+            format!("makespan ({unit})"),
+            t(self.makespan),
+            t(self.predicted_makespan)
+        );
+        let _ = writeln!(
+            out,
+            "{:<22}{:>12}{:>12}",
+            "bubble ratio",
+            pct(self.bubble_ratio),
+            pct(self.predicted_bubble_ratio)
+        );
+        let _ = writeln!(
+            out,
+            "{:<22}{:>12}{:>12}",
+            "steady bubble ratio",
+            pct(self.steady_bubble_ratio),
+            pct(self.predicted_steady_bubble_ratio)
+        );
+        let _ = writeln!(
+            out,
+            "bubble ratio: Σ(makespan − busy) / (ranks × makespan), steps apart (a barrier);\n\
+             steady bubble ratio: 1 − Σ busy / (ranks × max span), steps overlapping;\n\
+             busy: a rank's compute time; bubble: makespan − busy (DESIGN.md, \"Metrics\")"
+        );
+        out
+    }
+
+    /// The report as pretty-printed JSON (`report.json`).
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("a report always serializes") + "\n"
+    }
+
+    /// Parses `report.json`'s text; `path` labels errors.
+    pub fn from_json(text: &str, path: &Path) -> Result<Self, ReportError> {
+        serde_json::from_str(text).map_err(|e| ReportError::Corrupt {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })
+    }
+
+    /// Writes `report.json` and `report.txt` into `dir` (which must exist).
+    pub fn write(&self, dir: &Path) -> Result<(), ReportError> {
+        for (name, text) in [(REPORT_JSON, self.to_json()), (REPORT_TXT, self.to_text())] {
+            let path = dir.join(name);
+            std::fs::write(&path, text).map_err(|error| ReportError::Write { path, error })?;
+        }
+        Ok(())
+    }
+
+    /// Reads the report of the run directory `dir` back from its `report.json`.
+    pub fn read(dir: &Path) -> Result<Self, ReportError> {
+        if !dir.is_dir() {
+            return Err(ReportError::NoRunDir {
+                path: dir.to_path_buf(),
+            });
+        }
+        let path = dir.join(REPORT_JSON);
+        let text = std::fs::read_to_string(&path).map_err(|error| ReportError::Read {
+            path: path.clone(),
+            error,
+        })?;
+        Self::from_json(&text, &path)
+    }
+}
+
+/// Seconds are shown as milliseconds (step times of a small model are a few ms); any other
+/// unit as it is.
+fn display_unit(units: &str) -> (f64, &str) {
+    match units {
+        "s" => (1e3, "ms"),
+        other => (1.0, other),
+    }
+}
+
+/// `x` with exactly `decimals` digits after the point (a table's columns line up); `-0`
+/// prints as `0`.
+fn fmt_fixed(x: f64, decimals: usize) -> String {
+    let s = format!("{x:.decimals$}");
+    if s.trim_start_matches('-')
+        .chars()
+        .all(|c| c == '0' || c == '.')
+    {
+        s.trim_start_matches('-').to_string()
+    } else {
+        s
+    }
+}
+
+/// The step whose timeline best shows the steady state of a run with these per-step
+/// makespans: the median makespan among every step but the first (which warms caches and
+/// allocators), or step 0 when it is the only one. Returns the step and a note saying so.
+///
+/// `None` when there are no steps.
+pub fn steady_iteration(makespans: &[f64]) -> Option<(usize, String)> {
+    match makespans.len() {
+        0 => None,
+        1 => Some((0, "the only step".to_string())),
+        n => {
+            let mut order: Vec<usize> = (1..n).collect();
+            order.sort_by(|&a, &b| makespans[a].total_cmp(&makespans[b]).then(a.cmp(&b)));
+            let pick = order[(order.len() - 1) / 2];
+            Some((
+                pick,
+                format!(
+                    "the step of median makespan among steps 1..{}; step 0 warms up",
+                    n - 1
+                ),
+            ))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::profile::test_support::two_rank_timeline;
+    use pipefill_schedules::{Action, Span};
+
+    fn info(units: &str) -> RunInfo {
+        RunInfo {
+            schedule: "1f1b".into(),
+            clock: "virtual".into(),
+            stages: 2,
+            microbatches: 2,
+            steps: 5,
+            units: units.into(),
+            iteration: 3,
+            iteration_note: "test".into(),
+        }
+    }
+
+    /// A predicted timeline: rank 0 busy [0,4), rank 1 busy [1,3). Makespan 4.
+    fn predicted() -> Timeline {
+        let s = |rank, start, end, action| Span {
+            rank,
+            start,
+            end,
+            action,
+        };
+        Timeline::from_spans(
+            2,
+            vec![
+                s(0, 0.0, 1.0, Action::f(0, 0)),
+                s(0, 1.0, 4.0, Action::b(0, 0)),
+                s(1, 1.0, 3.0, Action::f(1, 0)),
+            ],
+            &[],
+        )
+    }
+
+    #[test]
+    fn figures_come_from_the_timelines() {
+        let m = two_rank_timeline();
+        let r = BubbleReport::new(info("units"), &m, &predicted()).unwrap();
+        assert_eq!(r.makespan, 8.0);
+        assert_eq!(r.ranks_count, 2);
+        // Rank 0 busy 7 of 8, rank 1 busy 5 of 8 (see test_support).
+        assert_eq!(r.ranks[0].busy, 7.0);
+        assert_eq!(r.ranks[0].bubble, 1.0);
+        assert_eq!(r.ranks[1].bubble, 3.0);
+        assert_eq!(r.ranks[1].bubble_ratio, 3.0 / 8.0);
+        assert_eq!(r.bubble_ratio, 4.0 / 16.0);
+        assert_eq!(r.steady_bubble_ratio, m.steady_bubble_ratio);
+        assert_eq!(r.predicted_makespan, 4.0);
+        assert_eq!(r.ranks[1].predicted_busy, 2.0);
+        assert_eq!(r.ranks[1].predicted_bubble_ratio, 0.5);
+        assert_eq!(r.predicted_bubble_ratio, 2.0 / 8.0);
+    }
+
+    #[test]
+    fn text_table_lists_every_rank_measured_and_predicted() {
+        let r = BubbleReport::new(info("units"), &two_rank_timeline(), &predicted()).unwrap();
+        let text = r.to_text();
+        assert!(text.starts_with(
+            "bubble report: schedule 1f1b, 2 stages on 2 ranks, 2 micro-batches, 5 steps, virtual clock\n"
+        ));
+        assert!(
+            text.contains("timeline: step 3 (test); times in units\n"),
+            "{text}"
+        );
+        let row = |rank: usize| {
+            text.lines()
+                .find(|l| l.starts_with(&format!("{rank} ")))
+                .unwrap_or_else(|| panic!("no row for rank {rank}:\n{text}"))
+                .split_whitespace()
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            row(0),
+            ["0", "7.000", "1.000", "12.5%", "4.000", "0.000", "0.0%"]
+        );
+        assert_eq!(
+            row(1),
+            ["1", "5.000", "3.000", "37.5%", "2.000", "2.000", "50.0%"]
+        );
+        let figures = |name: &str| {
+            text.lines()
+                .find(|l| l.starts_with(name))
+                .unwrap_or_else(|| panic!("no line {name}:\n{text}"))[name.len()..]
+                .split_whitespace()
+                .map(str::to_string)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(figures("makespan (units)"), ["8.000", "4.000"]);
+        assert_eq!(figures("bubble ratio"), ["25.0%", "25.0%"]);
+        assert_eq!(figures("steady bubble ratio"), ["25.0%", "25.0%"]);
+    }
+
+    #[test]
+    fn seconds_are_shown_in_milliseconds() {
+        let mut m = two_rank_timeline();
+        for s in &mut m.spans {
+            s.start /= 1000.0;
+            s.end /= 1000.0;
+        }
+        let m = Timeline::from_spans(2, m.spans, &[]);
+        let r = BubbleReport::new(info("s"), &m, &m).unwrap();
+        let text = r.to_text();
+        assert!(text.contains("times in ms"), "{text}");
+        let line = text
+            .lines()
+            .find(|l| l.starts_with("makespan (ms)"))
+            .unwrap();
+        assert_eq!(
+            line.split_whitespace().collect::<Vec<_>>()[2..],
+            ["8.000", "8.000"]
+        );
+    }
+
+    #[test]
+    fn json_round_trips_to_the_same_text() {
+        let r = BubbleReport::new(info("s"), &two_rank_timeline(), &predicted()).unwrap();
+        let json = r.to_json();
+        let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+        for key in [
+            "bubble_ratio",
+            "steady_bubble_ratio",
+            "predicted_bubble_ratio",
+            "predicted_steady_bubble_ratio",
+            "makespan",
+            "schedule",
+            "clock",
+            "stages",
+            "microbatches",
+            "steps",
+            "units",
+        ] {
+            assert!(v.get(key).is_some(), "report.json lacks {key}: {json}");
+        }
+        let rank = &v["ranks"][1];
+        for key in ["busy", "bubble", "bubble_ratio", "predicted_bubble_ratio"] {
+            assert!(rank.get(key).is_some(), "ranks[1] lacks {key}");
+        }
+        let back = BubbleReport::from_json(&json, Path::new("report.json")).unwrap();
+        assert_eq!(back, r);
+        assert_eq!(back.to_text(), r.to_text());
+    }
+
+    #[test]
+    fn reading_a_missing_or_damaged_report_names_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("nope");
+        let err = BubbleReport::read(&missing).unwrap_err();
+        assert!(err.to_string().contains("no such run directory"), "{err}");
+        let err = BubbleReport::read(dir.path()).unwrap_err();
+        assert!(err.to_string().contains("report.json"), "{err}");
+        std::fs::write(dir.path().join(REPORT_JSON), "{\"schedule\": 3}").unwrap();
+        let err = BubbleReport::read(dir.path()).unwrap_err();
+        assert!(
+            err.to_string().contains("is not a valid bubble report"),
+            "{err}"
+        );
+        let r = BubbleReport::new(info("s"), &predicted(), &predicted()).unwrap();
+        r.write(dir.path()).unwrap();
+        assert_eq!(BubbleReport::read(dir.path()).unwrap(), r);
+        let txt = std::fs::read_to_string(dir.path().join(REPORT_TXT)).unwrap();
+        assert_eq!(txt, r.to_text());
+    }
+
+    #[test]
+    fn mismatched_timelines_are_an_error() {
+        let one = Timeline::from_spans(1, vec![], &[]);
+        let err = BubbleReport::new(info("s"), &one, &predicted()).unwrap_err();
+        assert!(matches!(
+            err,
+            ReportError::RankMismatch {
+                measured: 1,
+                predicted: 2
+            }
+        ));
+    }
+
+    #[test]
+    fn steady_iteration_is_the_median_after_warm_up() {
+        assert_eq!(steady_iteration(&[]), None);
+        assert_eq!(steady_iteration(&[5.0]).unwrap().0, 0);
+        // Step 0 is slowest and excluded; of 1..=4 (3, 1, 2, 4) the lower median is 2.0 at step 3.
+        let (i, note) = steady_iteration(&[9.0, 3.0, 1.0, 2.0, 4.0]).unwrap();
+        assert_eq!(i, 3);
+        assert!(note.contains("median"), "{note}");
+        assert_eq!(steady_iteration(&[9.0, 3.0]).unwrap().0, 1);
+    }
+
+    #[test]
+    fn fixed_numbers_have_no_negative_zero() {
+        assert_eq!(fmt_fixed(-0.0001, 3), "0.000");
+        assert_eq!(fmt_fixed(-1.5, 1), "-1.5");
+        assert_eq!(fmt_fixed(2.0, 3), "2.000");
+    }
+}
