@@ -8,6 +8,7 @@
 //! - [`transport`]: the [`Transport`] trait between stage actors and [`InProcess`].
 //! - [`clock`]: wall and virtual clocks (thread CPU time, one virtual clock per rank).
 //! - [`filler`]: the [`BubbleFiller`] seam called when a stage waits in a bubble.
+//! - [`step`]: gradient statistics, clip/skip decisions and optimizer post-validation.
 //! - [`stage`]: [`StageActor`], one per rank, on its own OS thread.
 //! - [`record`]: per-action records and per-iteration stage reports.
 //! - [`schedule`]: [`ScheduleActor`], which builds, checks and dispatches each iteration's
@@ -36,6 +37,7 @@ pub mod record;
 pub mod runtime;
 pub mod schedule;
 pub mod stage;
+pub mod step;
 pub mod transport;
 
 pub use clock::{Clock, spin_cpu, thread_cpu_time};
@@ -47,4 +49,5 @@ pub use record::{ActionRecord, StageReport};
 pub use runtime::{Pipeline, RunReport, run_iterations};
 pub use schedule::{CostSamples, PlanSource, Replanner, ScheduleActor, predict};
 pub use stage::{Measured, RunIteration, StageActor, StageEvent, StageWiring};
+pub use step::{GradStats, RankStep, StepDecision, StepMode, StepPolicy, StepReport, decide};
 pub use transport::{Envelope, Flow, InProcess, Tag, Transport};

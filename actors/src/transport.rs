@@ -27,6 +27,11 @@ pub enum Flow {
     Activation,
     /// An input gradient, from stage `s + 1` to stage `s`.
     Gradient,
+    /// A rank's gradient statistics after an iteration ([`crate::GradStats`]), sent to
+    /// every other rank for the optimizer step's decision. The tag's `stage` holds the
+    /// sending rank and its `microbatch` is 0. They travel on their own transport
+    /// (`Transport<GradStats>`), so a tensor link never carries them.
+    GradStats,
 }
 
 /// What a payload is: `(flow, consuming stage, micro-batch, iteration)`.
@@ -44,6 +49,13 @@ impl fmt::Display for Tag {
         let what = match self.flow {
             Flow::Activation => "activation",
             Flow::Gradient => "gradient",
+            Flow::GradStats => {
+                return write!(
+                    f,
+                    "gradient statistics of rank {} (iteration {})",
+                    self.stage, self.iteration
+                );
+            }
         };
         write!(
             f,

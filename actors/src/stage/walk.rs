@@ -120,7 +120,7 @@ impl<'a, C: StageCompute> Walk<'a, C> {
         if let Some(&(flow, stage, mb)) = self.outbox.keys().next() {
             let producer = match flow {
                 Flow::Activation => Action::f(stage - 1, mb),
-                Flow::Gradient => Action::i(stage + 1, mb),
+                Flow::Gradient | Flow::GradStats => Action::i(stage + 1, mb),
             };
             return Err(self.fail(
                 producer,

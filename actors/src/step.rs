@@ -1,0 +1,187 @@
+//! The optimizer step across ranks: gradient statistics, the global decision (clip, skip)
+//! and how the runtime reaches it without a barrier between iterations.
+//!
+//! Global gradient-norm clipping and the NaN/Inf check need every rank's gradients: the
+//! global norm is `sqrt(Σ_r sq_norm_r)` and one non-finite gradient anywhere must skip the
+//! step on every rank. Waiting for every rank before stepping is a barrier at the end of each
+//! iteration ([`StepMode::Barrier`], the reference behaviour).
+//!
+//! [`StepMode::PostValidate`] (the default) is the zero-bubble paper's optimizer
+//! post-validation. When a rank finishes its part of iteration k it publishes its
+//! [`GradStats`] to every other rank (a [`crate::Flow::GradStats`] envelope tagged by
+//! iteration), then steps *speculatively* with what it knows: its own statistics plus those
+//! of the ranks that have already arrived (if that partial norm already exceeds
+//! `max_grad_norm` it clips with it; if it already sees a non-finite gradient it skips). The
+//! compute keeps a snapshot, and the rank goes on with iteration k+1. Before the first
+//! action of k+1 that reads or writes the weights that step changed (any F, I, W or B of
+//! k+1), the rank must hold every rank's statistics for k; it computes the exact decision
+//! and, when it differs from the speculative one, rolls the step back and redoes it. Each
+//! rank's result is therefore exactly the barrier's: both modes compute the decision with
+//! [`decide`], summing the ranks' squared norms in rank order, so the float operations are
+//! the same. A compute that cannot roll back ([`crate::StageCompute::can_roll_back`] is
+//! false) defers its step to that same point instead of speculating.
+//!
+//! What this buys: the optimizer step leaves the critical path. Under a barrier every rank
+//! steps after the slowest rank's statistics arrive, then starts k+1; with post-validation a
+//! rank steps while it would otherwise wait, and at the validation point only a wrong
+//! speculation costs a rollback and a second step. Exactness still needs all statistics
+//! before any compute of k+1 (an F of k+1 reads the stepped weights), so the wait for the
+//! slowest rank itself remains.
+
+use serde::{Deserialize, Serialize};
+
+/// One rank's gradient statistics for one iteration, over every stage it holds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct GradStats {
+    /// Σ of squared gradient entries on this rank.
+    pub sq_norm: f64,
+    /// Whether any gradient entry on this rank is NaN or ±Inf.
+    pub nonfinite: bool,
+}
+
+/// What the optimizer step of one iteration does on every rank.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub enum StepDecision {
+    /// Step with the gradients multiplied by `clip_scale` (1.0 when no clipping applies).
+    Apply { clip_scale: f32 },
+    /// Skip the step (a non-finite gradient): parameters and optimizer state stay as they
+    /// are, and the iteration's gradients are discarded.
+    Skip,
+}
+
+impl StepDecision {
+    /// Applied without clipping.
+    pub const UNCLIPPED: StepDecision = StepDecision::Apply { clip_scale: 1.0 };
+
+    /// Bit-exact comparison (two decisions are the same step only if their scales are the
+    /// same float).
+    pub fn same_as(&self, other: &StepDecision) -> bool {
+        match (self, other) {
+            (StepDecision::Apply { clip_scale: a }, StepDecision::Apply { clip_scale: b }) => {
+                a.to_bits() == b.to_bits()
+            }
+            (StepDecision::Skip, StepDecision::Skip) => true,
+            _ => false,
+        }
+    }
+}
+
+/// How the ranks agree on each iteration's optimizer step.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum StepMode {
+    /// Every rank waits for every rank's statistics at the end of an iteration, then steps
+    /// exactly: the reference behaviour.
+    Barrier,
+    /// Speculative step, validated (and rolled back if wrong) before the next iteration
+    /// touches the weights. Gives the same result as [`StepMode::Barrier`].
+    #[default]
+    PostValidate,
+}
+
+/// The job's optimizer-step policy.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct StepPolicy {
+    /// Clip the global gradient norm to this value (`None`: never clip).
+    pub max_grad_norm: Option<f64>,
+    pub mode: StepMode,
+}
+
+/// The global norm and the decision from the statistics of the ranks known so far.
+///
+/// `stats[r]` is rank `r`'s statistics or `None` when not known; the squared norms are
+/// summed in rank order, so the result with every rank known is the same float whoever
+/// computes it. A non-finite gradient (or a sum that overflows) skips the step; a norm
+/// above `max_grad_norm` clips with scale `max / (norm + 1e-6)`.
+pub fn decide(stats: &[Option<GradStats>], max_grad_norm: Option<f64>) -> (f64, StepDecision) {
+    let mut sq = 0.0f64;
+    let mut nonfinite = false;
+    for s in stats.iter().flatten() {
+        sq += s.sq_norm;
+        nonfinite |= s.nonfinite;
+    }
+    let norm = sq.sqrt();
+    if nonfinite || !norm.is_finite() {
+        let norm = if nonfinite { f64::NAN } else { norm };
+        return (norm, StepDecision::Skip);
+    }
+    match max_grad_norm {
+        Some(max) if norm > max => {
+            let clip_scale = (max / (norm + 1e-6)) as f32;
+            (norm, StepDecision::Apply { clip_scale })
+        }
+        _ => (norm, StepDecision::UNCLIPPED),
+    }
+}
+
+/// One rank's side of one iteration's step.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RankStep {
+    pub rank: usize,
+    /// The decision this rank stepped with before it knew every rank's statistics (`None`
+    /// when it waited for them: barrier mode, a deferred step, or every rank was known).
+    pub speculative: Option<StepDecision>,
+    /// The speculative step was wrong: rolled back and redone with the exact decision.
+    pub rolled_back: bool,
+    /// Time the rank waited for other ranks' statistics (seconds, the run's clock).
+    pub waited: f64,
+}
+
+/// The optimizer step of one iteration, over every rank.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StepReport {
+    pub iteration: u64,
+    /// `sqrt(Σ_r sq_norm_r)`; NaN when a gradient was non-finite.
+    pub grad_norm: f64,
+    /// The exact decision every rank ended up with.
+    pub decision: StepDecision,
+    /// One entry per rank, in rank order.
+    pub ranks: Vec<RankStep>,
+}
+
+impl StepReport {
+    /// How many ranks rolled back a speculative step in this iteration.
+    pub fn rollbacks(&self) -> usize {
+        self.ranks.iter().filter(|r| r.rolled_back).count()
+    }
+
+    /// Whether clipping applied.
+    pub fn clipped(&self) -> bool {
+        matches!(self.decision, StepDecision::Apply { clip_scale } if clip_scale != 1.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn s(sq_norm: f64, nonfinite: bool) -> Option<GradStats> {
+        Some(GradStats { sq_norm, nonfinite })
+    }
+
+    #[test]
+    fn clips_above_the_limit_and_skips_non_finite() {
+        let (norm, d) = decide(&[s(9.0, false), s(16.0, false)], Some(10.0));
+        assert_eq!(norm, 5.0);
+        assert!(d.same_as(&StepDecision::UNCLIPPED));
+        let (norm, d) = decide(&[s(9.0, false), s(16.0, false)], Some(2.5));
+        assert_eq!(norm, 5.0);
+        assert!(d.same_as(&StepDecision::Apply {
+            clip_scale: (2.5 / (5.0 + 1e-6)) as f32
+        }));
+        let (norm, d) = decide(&[s(9.0, false), s(1.0, true)], Some(2.5));
+        assert!(norm.is_nan());
+        assert_eq!(d, StepDecision::Skip);
+        let (_, d) = decide(&[s(f64::MAX, false), s(f64::MAX, false)], None);
+        assert_eq!(d, StepDecision::Skip, "an overflowing norm is not finite");
+    }
+
+    #[test]
+    fn partial_knowledge_can_be_wrong_but_full_knowledge_is_exact() {
+        let full = [s(1.0, false), s(30.0, false)];
+        let partial = [s(1.0, false), None];
+        let (_, exact) = decide(&full, Some(5.0));
+        let (_, guess) = decide(&partial, Some(5.0));
+        assert!(!guess.same_as(&exact));
+        assert!(decide(&full, Some(5.0)).1.same_as(&exact));
+    }
+}
