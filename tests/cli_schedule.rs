@@ -346,6 +346,42 @@ fn export_chrome_trace_opens_in_perfetto() {
 }
 
 #[test]
+fn export_chrome_bubbles_lane_holds_every_slot() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("trace.json");
+    let p = path.to_str().unwrap();
+    ok(&[
+        "export",
+        "1f1b",
+        "-p",
+        "3",
+        "-m",
+        "4",
+        "--format",
+        "chrome",
+        "--bubbles",
+        "-o",
+        p,
+    ]);
+    let v = json(&std::fs::read_to_string(&path).unwrap());
+    let bubbles: Vec<&Value> = v["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["ph"] == "X" && e["cat"] == "bubble")
+        .collect();
+    let t = simulate(
+        &generate(ScheduleKind::OneFOneB, 3, 4, 1).unwrap(),
+        &CostModel::default(),
+    )
+    .unwrap();
+    assert_eq!(bubbles.len(), t.slots.len());
+    assert!(bubbles.iter().all(|e| e["tid"] == 1));
+    let idle: f64 = bubbles.iter().map(|e| e["dur"].as_f64().unwrap()).sum();
+    assert!((idle - t.bubble_time() * 1000.0).abs() < 1e-6);
+}
+
+#[test]
 fn export_plan_files_read_back() {
     let dir = tempfile::tempdir().unwrap();
     let expected = generate(ScheduleKind::Interleaved1F1B, 2, 4, 2).unwrap();
