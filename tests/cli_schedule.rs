@@ -229,33 +229,55 @@ fn compare_lists_every_schedule() {
     assert!(steady("zb-h1") < steady("1f1b"), "{v}");
     assert!(steady("zb-h2") < 0.05, "{v}");
     assert!(steady("zb-v") < 0.05, "{v}");
-    // Each row's figures are the library's.
-    let t = simulate(
-        &generate(ScheduleKind::ZbV, 4, 16, 2).unwrap(),
-        &CostModel::default(),
-    )
-    .unwrap();
+    // Each row's figures are the library's, with a two-chunk schedule's stages costing
+    // half of a rank's share each (times and activations).
+    let mut half = CostModel::uniform(0.5, 0.5, 0.5, 0.0);
+    (half.m_b, half.m_w) = (0.5, 0.25);
+    let t = simulate(&generate(ScheduleKind::ZbV, 4, 16, 2).unwrap(), &half).unwrap();
+    let zbv = rows.iter().find(|r| r["schedule"] == "zb-v").unwrap();
     assert!((steady("zb-v") - t.steady_bubble_ratio).abs() < 1e-9);
+    assert_eq!(zbv["makespan"].as_f64(), Some(t.makespan));
+    let peak = t.ranks.iter().map(|r| r.peak_memory).fold(0.0, f64::max);
+    assert_eq!(zbv["peak_memory"].as_f64(), Some(peak));
+    // Like for like, interleaving shortens 1F1B's iteration.
+    let makespan = |name: &str| {
+        let row = rows.iter().find(|r| r["schedule"] == name).unwrap();
+        row["makespan"].as_f64().unwrap()
+    };
+    assert!(makespan("interleaved-1f1b") < makespan("1f1b"), "{v}");
 }
 
 #[test]
 fn compare_reports_unsupported_shapes_in_their_row() {
-    let text = ok(&["compare", "-p", "4", "-m", "2", "--memory-limit", "3"]);
-    let row = text
-        .lines()
-        .find(|l| l.starts_with("interleaved-1f1b "))
-        .unwrap();
-    assert!(row.contains("unsupported: "), "{text}");
-    let gpipe = text.lines().find(|l| l.starts_with("gpipe ")).unwrap();
-    assert!(!gpipe.contains("unsupported"), "{text}");
-    // looped-bfs stashes every forward: over a limit of 3 activations on 4 ranks, m = 2 × v = 2.
-    let looped = text.lines().find(|l| l.starts_with("looped-bfs ")).unwrap();
-    assert!(looped.contains("over --memory-limit"), "{text}");
+    let row_of = |text: &str, name: &str| -> String {
+        let prefix = format!("{name} ");
+        let row = text.lines().find(|l| l.starts_with(&prefix));
+        row.unwrap_or_else(|| panic!("{name} missing: {text}"))
+            .to_string()
+    };
+    let text = ok(&["compare", "-p", "4", "-m", "2"]);
+    assert!(
+        row_of(&text, "interleaved-1f1b").contains("unsupported: "),
+        "{text}"
+    );
+    assert!(!row_of(&text, "gpipe").contains("unsupported"), "{text}");
+
+    // Peak memory, in one rank's share of activations: gpipe and looped-bfs stash all
+    // 8 micro-batches, zb-h2 7, interleaved 5.5; 1f1b, zb-h1 and zb-v stay at p = 4.
+    let text = ok(&["compare", "-p", "4", "-m", "8", "--memory-limit", "5"]);
+    for over in ["gpipe", "looped-bfs", "zb-h2", "interleaved-1f1b"] {
+        assert!(
+            row_of(&text, over).contains("over --memory-limit"),
+            "{text}"
+        );
+    }
+    for within in ["1f1b", "zb-h1", "zb-v"] {
+        assert!(!row_of(&text, within).contains("over"), "{text}");
+    }
     // The summary picks among the rows that run within the limit only.
     let summary = text.lines().last().unwrap();
-    assert!(summary.starts_with("lowest steady bubble: "), "{text}");
     assert!(
-        !summary.contains("looped-bfs") && !summary.contains("interleaved"),
+        summary.starts_with("lowest steady bubble: zb-v ("),
         "{text}"
     );
 }

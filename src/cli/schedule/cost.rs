@@ -146,6 +146,26 @@ impl CostSpec {
         })
     }
 
+    /// The spec for one of `v` stages (chunks) a rank holds, when this spec describes a
+    /// whole rank's share of the model: times and activation memory divided by `v`, so
+    /// that schedules with different `v` model the same model on the same ranks. Per-stage
+    /// lists already name each stage's cost and are kept as given.
+    pub fn per_chunk(&self, v: usize) -> CostSpec {
+        let single = [&self.f, &self.i, &self.w].iter().all(|l| l.len() == 1);
+        if v <= 1 || !single {
+            return self.clone();
+        }
+        let k = v as f64;
+        CostSpec {
+            f: vec![self.f[0] / k],
+            i: vec![self.i[0] / k],
+            w: vec![self.w[0] / k],
+            m_b: self.m_b / k,
+            m_w: self.m_w / k,
+            ..self.clone()
+        }
+    }
+
     /// The spec written back in `--cost` form (lists joined by `:`), for report headers.
     pub fn describe(&self) -> String {
         let list = |l: &[f64]| {
@@ -248,6 +268,17 @@ mod tests {
             assert!(err.contains(expected), "{text}: {err}");
             assert!(!err.contains('\n'), "{text}: {err}");
         }
+    }
+
+    #[test]
+    fn per_chunk_splits_a_ranks_share() {
+        let s = CostSpec::parse("f=2,i=2,w=1,comm=0.5,mb=2,mw=1").unwrap();
+        let c = s.per_chunk(2);
+        assert_eq!((c.f[0], c.i[0], c.w[0]), (1.0, 1.0, 0.5));
+        assert_eq!((c.m_b, c.m_w, c.comm), (1.0, 0.5, 0.5));
+        assert_eq!(s.per_chunk(1), s);
+        let lists = CostSpec::parse("f=1:2:1:2").unwrap();
+        assert_eq!(lists.per_chunk(2), lists);
     }
 
     #[test]

@@ -44,6 +44,9 @@ pub(crate) struct CompareArgs {
     /// [default: each one's own, 2]; the others always hold one stage per rank.
     #[arg(long, value_name = "V")]
     chunks: Option<usize>,
+    /// `--cost` here is one rank's share of the model: a schedule with v stages per rank
+    /// runs each at 1/v of f, i, w and stashes 1/v of mb, mw, so the rows compare the same
+    /// model on the same ranks (per-stage lists are taken as given).
     #[command(flatten)]
     cost: CostArgs,
     /// Print a JSON array, one object per schedule.
@@ -198,7 +201,11 @@ fn compare_row(kind: ScheduleKind, args: &CompareArgs, spec: &CostSpec) -> Row {
             ScheduleError::Unsupported { reason, .. } => format!("unsupported: {reason}"),
             e => format!("error: {e}"),
         })?;
-        let cost = spec.model(&plan).map_err(|e| format!("error: {e}"))?;
+        // Like for like: the cost describes a rank's share of the model, split over its chunks.
+        let cost = spec
+            .per_chunk(chunks)
+            .model(&plan)
+            .map_err(|e| format!("error: {e}"))?;
         let t = simulate(&plan, &cost).map_err(|e| format!("error: {e}"))?;
         Ok(Figures {
             makespan: t.makespan,
@@ -251,6 +258,8 @@ pub(crate) fn compare_cmd(args: CompareArgs) -> Result<()> {
     }
     let mut out = format!(
         "p = {} ranks, m = {} micro-batches, cost {}\n\
+         costs are one rank's share of the model: with v stages per rank each stage runs at \
+         1/v of them and stashes 1/v of the activations\n\
          bubble: iterations separated by a barrier; steady: consecutive iterations overlapped\n\n\
          {:<17} {:>2}  {:>9}  {:>7}  {:>7}  {:>8}\n",
         args.stages,
