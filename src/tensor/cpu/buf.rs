@@ -109,7 +109,92 @@ pub(super) fn check_ids(
     }
 }
 
-/// `c (+)= op(a)·op(b)` on slices with gemm; lengths were checked by the caller.
+/// A strided matrix inside a slice: element `(r, c)` lives at `r·rs + c·cs`.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct View {
+    pub rs: usize,
+    pub cs: usize,
+}
+
+impl View {
+    /// A contiguous row-major matrix with `cols` columns.
+    pub fn rows(cols: usize) -> Self {
+        View { rs: cols, cs: 1 }
+    }
+    /// The transpose of a contiguous row-major matrix with `cols` columns.
+    pub fn transposed(cols: usize) -> Self {
+        View { rs: 1, cs: cols }
+    }
+    /// Largest index of an `r × c` matrix (both positive).
+    fn last(&self, r: usize, c: usize) -> usize {
+        (r - 1) * self.rs + (c - 1) * self.cs
+    }
+}
+
+/// `dst (+)= alpha · lhs · rhs` for `lhs: [m, k]`, `rhs: [k, n]`, `dst: [m, n]` given as
+/// strided views. Panics if a view reaches past its slice: callers derive views from shapes
+/// they have checked, so that would be a bug here, and it keeps the `unsafe` call sound.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn gemm_strided(
+    (m, k, n): (usize, usize, usize),
+    dst: &mut [f32],
+    dv: View,
+    lhs: &[f32],
+    lv: View,
+    rhs: &[f32],
+    rv: View,
+    alpha: f32,
+    accumulate: bool,
+    par: Parallelism,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!(dv.last(m, n) < dst.len(), "gemm: dst view out of bounds");
+    if k == 0 {
+        if !accumulate {
+            (0..m).for_each(|r| (0..n).for_each(|c| dst[r * dv.rs + c * dv.cs] = 0.0));
+        }
+        return;
+    }
+    assert!(lv.last(m, k) < lhs.len(), "gemm: lhs view out of bounds");
+    assert!(rv.last(k, n) < rhs.len(), "gemm: rhs view out of bounds");
+    // Small products run faster on one thread than split over the pool.
+    let par = if m * n * k < 1 << 21 {
+        Parallelism::None
+    } else {
+        par
+    };
+    let is = |x: usize| x as isize;
+    // SAFETY: the asserts above bound every index gemm forms from these strides by the
+    // slices' lengths; `dst` is exclusively borrowed and does not alias `lhs` or `rhs`.
+    // gemm computes dst := 1·dst + alpha·lhs·rhs, reading dst only when `accumulate`.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            is(dv.cs),
+            is(dv.rs),
+            accumulate,
+            lhs.as_ptr(),
+            is(lv.cs),
+            is(lv.rs),
+            rhs.as_ptr(),
+            is(rv.cs),
+            is(rv.rs),
+            1.0,
+            alpha,
+            false,
+            false,
+            false,
+            par,
+        );
+    }
+}
+
+/// `c (+)= op(a)·op(b)` on row-major slices (see [`Gemm`]).
 pub(super) fn gemm_slices(a: &[f32], b: &[f32], c: &mut [f32], g: Gemm, par: Parallelism) {
     let Gemm {
         m,
@@ -119,57 +204,28 @@ pub(super) fn gemm_slices(a: &[f32], b: &[f32], c: &mut [f32], g: Gemm, par: Par
         trans_b,
         accumulate,
     } = g;
-    if m == 0 || n == 0 {
-        return;
-    }
-    if k == 0 {
-        if !accumulate {
-            c.fill(0.0);
-        }
-        return;
-    }
-    // Row-major strides (column stride, row stride) of op(A) [m,k] and op(B) [k,n].
-    // Small products run faster on one thread than split over the pool.
-    let par = if m * n * k < 1 << 21 {
-        Parallelism::None
+    let av = if trans_a {
+        View::transposed(m)
     } else {
-        par
+        View::rows(k)
     };
-    let (a_cs, a_rs) = if trans_a {
-        (m as isize, 1)
+    let bv = if trans_b {
+        View::transposed(k)
     } else {
-        (1, k as isize)
+        View::rows(n)
     };
-    let (b_cs, b_rs) = if trans_b {
-        (k as isize, 1)
-    } else {
-        (1, n as isize)
-    };
-    // SAFETY: the caller checked a.len() ≥ m·k, b.len() ≥ k·n, c.len() ≥ m·n, so every
-    // index gemm forms from these strides is in bounds; `c` is exclusively borrowed.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            c.as_mut_ptr(),
-            1,
-            n as isize,
-            accumulate,
-            a.as_ptr(),
-            a_cs,
-            a_rs,
-            b.as_ptr(),
-            b_cs,
-            b_rs,
-            1.0,
-            1.0,
-            false,
-            false,
-            false,
-            par,
-        );
-    }
+    gemm_strided(
+        (m, k, n),
+        c,
+        View::rows(n),
+        a,
+        av,
+        b,
+        bv,
+        1.0,
+        accumulate,
+        par,
+    );
 }
 
 pub(super) fn check_attn(op: &'static str, s: AttnShape) -> Result<()> {

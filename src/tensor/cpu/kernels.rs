@@ -7,7 +7,13 @@
 
 use rayon::prelude::*;
 
+use gemm::Parallelism;
+
+use super::buf::{View, gemm_strided};
 use crate::tensor::{Activation, AdamWStep, AttnShape, IGNORE_TARGET};
+
+/// Inside a pair of a parallel loop each product stays on its thread.
+const NO_PAR: Parallelism = Parallelism::None;
 
 /// Runs `f(row_index, row)` over the `width`-wide rows of `data`, in parallel when `par`.
 fn for_rows(par: bool, data: &mut [f32], width: usize, f: impl Fn(usize, &mut [f32]) + Sync) {
@@ -164,9 +170,41 @@ pub fn rmsnorm_bwd_weight(x: &[f32], rstd: &[f32], dy: &[f32], dw: &mut [f32]) {
     }
 }
 
-/// Index of element `(b, t, h, e)` in a `[batch, seq, heads, head_dim]` tensor.
-fn at(s: &AttnShape, b: usize, t: usize, h: usize) -> usize {
-    ((b * s.seq + t) * s.heads + h) * s.head_dim
+/// Offset of head `h` of sequence `b` in a `[batch, seq, heads, head_dim]` tensor; from
+/// there the head is a `[seq, head_dim]` matrix with row stride `heads·head_dim`.
+fn head_offset(s: &AttnShape, b: usize, h: usize) -> usize {
+    (b * s.seq * s.heads + h) * s.head_dim
+}
+
+/// Runs `f` for each (batch, head) pair with that pair's `[seq, seq]` block of `probs`
+/// (in parallel when `par`), and returns the per-pair results in pair order.
+fn per_pair<P: Send, T: Send>(
+    par: bool,
+    blocks: Vec<P>,
+    f: impl Fn(usize, P) -> T + Sync,
+) -> Vec<T> {
+    if par {
+        blocks
+            .into_par_iter()
+            .enumerate()
+            .map(|(i, p)| f(i, p))
+            .collect()
+    } else {
+        blocks
+            .into_iter()
+            .enumerate()
+            .map(|(i, p)| f(i, p))
+            .collect()
+    }
+}
+
+/// Copies a contiguous `[seq, head_dim]` result into head `h` of sequence `b`.
+fn scatter_head(s: &AttnShape, b: usize, h: usize, src: &[f32], dst: &mut [f32]) {
+    let (dh, d) = (s.head_dim, s.heads * s.head_dim);
+    let off = head_offset(s, b, h);
+    for (i, row) in src.chunks(dh).enumerate() {
+        dst[off + i * d..][..dh].copy_from_slice(row);
+    }
 }
 
 pub fn attention_fwd(
@@ -178,49 +216,48 @@ pub fn attention_fwd(
     probs: &mut [f32],
     s: AttnShape,
 ) {
-    let (t_len, dh) = (s.seq, s.head_dim);
+    let (t, dh) = (s.seq, s.head_dim);
     let scale = 1.0 / (dh as f32).sqrt();
-    // One (batch, head) pair per probs block; each returns its [seq, head_dim] output,
-    // scattered into the interleaved layout afterwards (the blocks are strided in `out`).
-    let pair = |bh: usize, p: &mut [f32]| -> Vec<f32> {
-        let (b, h) = (bh / s.heads, bh % s.heads);
-        let mut o = vec![0.0f32; t_len * dh];
-        for i in 0..t_len {
-            let qi = &q[at(&s, b, i, h)..][..dh];
-            let row = &mut p[i * t_len..(i + 1) * t_len];
-            for (j, pj) in row.iter_mut().enumerate().take(i + 1) {
-                let kj = &k[at(&s, b, j, h)..][..dh];
-                *pj = qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * scale;
-            }
+    let head = View::rows(s.heads * dh); // one head's [seq, head_dim] inside a row of d
+    let head_t = View::transposed(s.heads * dh);
+    let blocks: Vec<&mut [f32]> = probs.chunks_mut(t * t).collect();
+    let outs = per_pair(par, blocks, |bh, p| {
+        let off = head_offset(&s, bh / s.heads, bh % s.heads);
+        // P = softmax(Q·Kᵀ/√dh) row by row, over the causal prefix only.
+        let sq = View::rows(t);
+        gemm_strided(
+            (t, dh, t),
+            p,
+            sq,
+            &q[off..],
+            head,
+            &k[off..],
+            head_t,
+            scale,
+            false,
+            NO_PAR,
+        );
+        for (i, row) in p.chunks_mut(t).enumerate() {
             softmax_in_place(&mut row[..=i]);
-            row[i + 1..].iter_mut().for_each(|x| *x = 0.0);
-            let oi = &mut o[i * dh..(i + 1) * dh];
-            for (j, &pj) in row.iter().enumerate().take(i + 1) {
-                let vj = &v[at(&s, b, j, h)..][..dh];
-                oi.iter_mut().zip(vj).for_each(|(o, &v)| *o += pj * v);
-            }
+            row[i + 1..].fill(0.0);
         }
+        let mut o = vec![0.0f32; t * dh];
+        gemm_strided(
+            (t, t, dh),
+            &mut o,
+            View::rows(dh),
+            p,
+            sq,
+            &v[off..],
+            head,
+            1.0,
+            false,
+            NO_PAR,
+        );
         o
-    };
-    let block = t_len * t_len;
-    let outs: Vec<Vec<f32>> = if par {
-        probs
-            .par_chunks_mut(block.max(1))
-            .enumerate()
-            .map(|(bh, p)| pair(bh, p))
-            .collect()
-    } else {
-        probs
-            .chunks_mut(block.max(1))
-            .enumerate()
-            .map(|(bh, p)| pair(bh, p))
-            .collect()
-    };
+    });
     for (bh, o) in outs.iter().enumerate() {
-        let (b, h) = (bh / s.heads, bh % s.heads);
-        for i in 0..t_len {
-            out[at(&s, b, i, h)..][..dh].copy_from_slice(&o[i * dh..(i + 1) * dh]);
-        }
+        scatter_head(&s, bh / s.heads, bh % s.heads, o, out);
     }
 }
 
@@ -237,60 +274,83 @@ pub fn attention_bwd(
     dv: &mut [f32],
     s: AttnShape,
 ) {
-    let (t_len, dh) = (s.seq, s.head_dim);
+    let (t, dh) = (s.seq, s.head_dim);
     let scale = 1.0 / (dh as f32).sqrt();
-    let pair = |bh: usize| -> [Vec<f32>; 3] {
-        let (b, h) = (bh / s.heads, bh % s.heads);
-        let p = &probs[bh * t_len * t_len..(bh + 1) * t_len * t_len];
-        let (mut gq, mut gk, mut gv) = (
-            vec![0.0f32; t_len * dh],
-            vec![0.0f32; t_len * dh],
-            vec![0.0f32; t_len * dh],
+    let head = View::rows(s.heads * dh);
+    let head_t = View::transposed(s.heads * dh);
+    let (sq, sq_t, local) = (View::rows(t), View::transposed(t), View::rows(dh));
+    let blocks: Vec<&[f32]> = probs.chunks(t * t).collect();
+    let grads = per_pair(par, blocks, |bh, p| {
+        let off = head_offset(&s, bh / s.heads, bh % s.heads);
+        let d_o = &d_out[off..];
+        // dV = Pᵀ·dO
+        let mut gv = vec![0.0f32; t * dh];
+        gemm_strided(
+            (t, t, dh),
+            &mut gv,
+            local,
+            p,
+            sq_t,
+            d_o,
+            head,
+            1.0,
+            false,
+            NO_PAR,
         );
-        let mut dp = vec![0.0f32; t_len];
-        for i in 0..t_len {
-            let doi = &d_out[at(&s, b, i, h)..][..dh];
-            let pi = &p[i * t_len..(i + 1) * t_len];
-            // dP[i, j] = dO_i · V_j; dV_j += P[i, j] dO_i
-            for j in 0..=i {
-                let vj = &v[at(&s, b, j, h)..][..dh];
-                dp[j] = doi.iter().zip(vj).map(|(a, b)| a * b).sum();
-                gv[j * dh..(j + 1) * dh]
-                    .iter_mut()
-                    .zip(doi)
-                    .for_each(|(g, &d)| *g += pi[j] * d);
-            }
-            let dot: f32 = (0..=i).map(|j| dp[j] * pi[j]).sum();
-            let qi = &q[at(&s, b, i, h)..][..dh];
-            for j in 0..=i {
-                let ds = pi[j] * (dp[j] - dot) * scale;
-                let kj = &k[at(&s, b, j, h)..][..dh];
-                gq[i * dh..(i + 1) * dh]
-                    .iter_mut()
-                    .zip(kj)
-                    .for_each(|(g, &kv)| *g += ds * kv);
-                gk[j * dh..(j + 1) * dh]
-                    .iter_mut()
-                    .zip(qi)
-                    .for_each(|(g, &qv)| *g += ds * qv);
-            }
+        // dP = dO·Vᵀ, then dS = P∘(dP − rowsum(dP∘P))/√dh (zero above the diagonal, as P).
+        let mut ds = vec![0.0f32; t * t];
+        gemm_strided(
+            (t, dh, t),
+            &mut ds,
+            sq,
+            d_o,
+            head,
+            &v[off..],
+            head_t,
+            1.0,
+            false,
+            NO_PAR,
+        );
+        for (i, (dr, pr)) in ds.chunks_mut(t).zip(p.chunks(t)).enumerate() {
+            let dot: f32 = dr[..=i].iter().zip(&pr[..=i]).map(|(a, b)| a * b).sum();
+            dr.iter_mut()
+                .zip(pr)
+                .for_each(|(d, &p)| *d = p * (*d - dot) * scale);
         }
+        // dQ = dS·K, dK = dSᵀ·Q
+        let mut gq = vec![0.0f32; t * dh];
+        gemm_strided(
+            (t, t, dh),
+            &mut gq,
+            local,
+            &ds,
+            sq,
+            &k[off..],
+            head,
+            1.0,
+            false,
+            NO_PAR,
+        );
+        let mut gk = vec![0.0f32; t * dh];
+        gemm_strided(
+            (t, t, dh),
+            &mut gk,
+            local,
+            &ds,
+            sq_t,
+            &q[off..],
+            head,
+            1.0,
+            false,
+            NO_PAR,
+        );
         [gq, gk, gv]
-    };
-    let pairs = s.batch * s.heads;
-    let grads: Vec<[Vec<f32>; 3]> = if par {
-        (0..pairs).into_par_iter().map(pair).collect()
-    } else {
-        (0..pairs).map(pair).collect()
-    };
+    });
     for (bh, [gq, gk, gv]) in grads.iter().enumerate() {
         let (b, h) = (bh / s.heads, bh % s.heads);
-        for i in 0..t_len {
-            let o = at(&s, b, i, h);
-            dq[o..o + dh].copy_from_slice(&gq[i * dh..(i + 1) * dh]);
-            dk[o..o + dh].copy_from_slice(&gk[i * dh..(i + 1) * dh]);
-            dv[o..o + dh].copy_from_slice(&gv[i * dh..(i + 1) * dh]);
-        }
+        scatter_head(&s, b, h, gq, dq);
+        scatter_head(&s, b, h, gk, dk);
+        scatter_head(&s, b, h, gv, dv);
     }
 }
 
