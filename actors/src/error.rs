@@ -60,6 +60,14 @@ pub enum RuntimeError {
         iteration: u64,
         cause: String,
     },
+    /// Exchanging gradient statistics for the optimizer step's decision failed.
+    #[error("rank {rank}: gradient statistics of iteration {iteration}: {source}")]
+    StepSync {
+        rank: usize,
+        iteration: u64,
+        #[source]
+        source: LinkError,
+    },
     /// The plan could not be built, lowered, validated or simulated.
     #[error("plan: {0}")]
     Plan(#[from] ScheduleError),
@@ -87,6 +95,9 @@ impl RuntimeError {
         matches!(
             self,
             RuntimeError::Link {
+                source: LinkError::Closed,
+                ..
+            } | RuntimeError::StepSync {
                 source: LinkError::Closed,
                 ..
             }

@@ -7,8 +7,12 @@
 //! transport is closed (waking every blocked receive), queued iterations are dropped, and
 //! the error names the rank, the action and the cause. A stage actor that dies without a
 //! report (a bug in the runtime itself) is noticed within 100 ms.
+//!
+//! The optimizer step follows the job's [`StepPolicy`] (default: post-validation, no
+//! clipping; see [`crate::step`]). After the last iteration every stage is told to settle
+//! its pending step, and the report holds one [`StepReport`] per iteration.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -24,7 +28,8 @@ use crate::error::{Result, RuntimeError};
 use crate::filler::{BubbleFiller, NoFiller};
 use crate::profiler::{Collect, IterationProfile, Profiler};
 use crate::schedule::{Attach, Dispatch, Measurements, PlanSource, ScheduleActor};
-use crate::stage::{StageActor, StageEvent, StageWiring};
+use crate::stage::{Settle, StageActor, StageEvent, StageWiring};
+use crate::step::{GradStats, RankStep, StepDecision, StepMode, StepPolicy, StepReport};
 use crate::transport::{InProcess, Transport};
 
 /// Everything a run measured.
@@ -39,9 +44,16 @@ pub struct RunReport {
     pub measured_cost: Option<CostModel>,
     /// The last plan run.
     pub plan: Option<Arc<Plan>>,
+    /// One optimizer step per iteration, in order: global norm, decision, rollbacks.
+    pub steps: Vec<StepReport>,
 }
 
 impl RunReport {
+    /// Speculative steps rolled back over the whole run, on every rank.
+    pub fn rollbacks(&self) -> usize {
+        self.steps.iter().map(StepReport::rollbacks).sum()
+    }
+
     /// A two-column table of `predicted` (from the simulator) next to the measured timeline
     /// of `iteration`: makespan and both bubble ratios.
     pub fn side_by_side(&self, iteration: usize, predicted: &Timeline) -> String {
@@ -71,6 +83,8 @@ pub struct Pipeline {
     cost_hint: Option<CostModel>,
     memory_cost: CostModel,
     fillers: Vec<Box<dyn BubbleFiller>>,
+    step: StepPolicy,
+    stats: Option<Arc<dyn Transport<GradStats>>>,
 }
 
 impl Pipeline {
@@ -84,7 +98,34 @@ impl Pipeline {
             cost_hint: None,
             memory_cost: CostModel::default(),
             fillers: Vec::new(),
+            step: StepPolicy::default(),
+            stats: None,
         }
+    }
+
+    /// The optimizer-step policy: clipping and how ranks agree (default: post-validation,
+    /// no clipping).
+    pub fn step_policy(mut self, policy: StepPolicy) -> Self {
+        self.step = policy;
+        self
+    }
+
+    /// Clips the global gradient norm to `max` (see [`crate::step`]).
+    pub fn max_grad_norm(mut self, max: f64) -> Self {
+        self.step.max_grad_norm = Some(max);
+        self
+    }
+
+    /// How the ranks agree on each optimizer step (default [`StepMode::PostValidate`]).
+    pub fn step_mode(mut self, mode: StepMode) -> Self {
+        self.step.mode = mode;
+        self
+    }
+
+    /// The link that carries gradient statistics between ranks (default: in-process).
+    pub fn stats_transport(mut self, stats: Arc<dyn Transport<GradStats>>) -> Self {
+        self.stats = Some(stats);
+        self
     }
 
     /// Number of iterations to run (default 1).
@@ -176,6 +217,32 @@ impl Pipeline {
                 self.fillers.len()
             )));
         }
+        if let Some(max) = self
+            .step
+            .max_grad_norm
+            .filter(|m| !(m.is_finite() && *m > 0.0))
+        {
+            return Err(RuntimeError::Config(format!(
+                "max_grad_norm {max}: the clipping norm must be a positive, finite number"
+            )));
+        }
+        if self.step.mode == StepMode::Unchecked && self.step.max_grad_norm.is_some() {
+            return Err(RuntimeError::Config(
+                "max_grad_norm needs the ranks' gradient statistics: \
+                 use StepMode::PostValidate or StepMode::Barrier, not Unchecked"
+                    .into(),
+            ));
+        }
+        let stats: Arc<dyn Transport<GradStats>> = match self.stats.take() {
+            Some(stats) => stats,
+            None => Arc::new(InProcess::new(ranks)),
+        };
+        if stats.ranks() != ranks {
+            return Err(RuntimeError::Config(format!(
+                "the statistics transport has {} ranks, the job {ranks}",
+                stats.ranks()
+            )));
+        }
         let mut fillers = std::mem::take(&mut self.fillers).into_iter();
         let link_latency = match self.clock {
             Clock::Virtual { link_latency } => link_latency,
@@ -202,6 +269,8 @@ impl Pipeline {
                     clock: self.clock,
                     epoch,
                     transport: Arc::clone(&transport),
+                    stats: Arc::clone(&stats),
+                    step: self.step,
                     filler: fillers.next().unwrap_or_else(|| Box::new(NoFiller)),
                     observers: vec![profiler.clone().recipient(), schedule.clone().recipient()],
                     events: events_tx.clone(),
@@ -218,6 +287,7 @@ impl Pipeline {
             profiler,
             stages,
             transport,
+            stats,
             abort,
         };
         let outcome = job
@@ -230,7 +300,7 @@ impl Pipeline {
             )
             .await;
         let report = match outcome {
-            Ok(()) => job.report(self.clock).await,
+            Ok(steps) => job.report(self.clock, steps).await,
             Err(e) => Err(e),
         };
         job.shutdown();
@@ -244,6 +314,7 @@ struct Job<C: StageCompute> {
     profiler: ActorRef<Profiler>,
     stages: Vec<ActorRef<StageActor<C>>>,
     transport: Arc<dyn Transport<C::Tensor>>,
+    stats: Arc<dyn Transport<GradStats>>,
     abort: Arc<AtomicBool>,
 }
 
@@ -266,7 +337,8 @@ impl<C: StageCompute> Job<C> {
         }
     }
 
-    /// Runs `iterations` iterations, keeping `in_flight` queued at each stage.
+    /// Runs `iterations` iterations, keeping `in_flight` queued at each stage, then settles
+    /// the last optimizer step; returns the steps.
     async fn drive(
         &self,
         events: &mut tokio::sync::mpsc::UnboundedReceiver<StageEvent>,
@@ -274,7 +346,8 @@ impl<C: StageCompute> Job<C> {
         iterations: u64,
         in_flight: u64,
         stall_timeout: Option<Duration>,
-    ) -> Result<()> {
+    ) -> Result<Vec<StepReport>> {
+        let mut steps = Steps::default();
         let mut next = 0;
         while next < iterations.min(in_flight) {
             self.dispatch(next).await?;
@@ -318,6 +391,12 @@ impl<C: StageCompute> Job<C> {
                         }
                     }
                 }
+                Some(StageEvent::Stepped {
+                    iteration,
+                    grad_norm,
+                    decision,
+                    step,
+                }) => steps.add(iteration, grad_norm, decision, step),
                 Some(StageEvent::Failed(e)) => {
                     tracing::error!("stopping the job: {e}");
                     return Err(e);
@@ -325,10 +404,30 @@ impl<C: StageCompute> Job<C> {
                 None => return Err(RuntimeError::Actor("every stage actor is gone".into())),
             }
         }
-        Ok(())
+        // Every rank has sent its last statistics (before reporting done), so settling
+        // only waits for the ranks' mailboxes to drain.
+        for (rank, stage) in self.stages.iter().enumerate() {
+            stage
+                .ask(Settle)
+                .await
+                .map_err(|e| RuntimeError::Actor(format!("rank {rank}'s stage actor: {e}")))?;
+        }
+        while let Ok(event) = events.try_recv() {
+            match event {
+                StageEvent::Stepped {
+                    iteration,
+                    grad_norm,
+                    decision,
+                    step,
+                } => steps.add(iteration, grad_norm, decision, step),
+                StageEvent::Failed(e) => return Err(e),
+                StageEvent::Done { .. } => {}
+            }
+        }
+        steps.finish(ranks, iterations)
     }
 
-    async fn report(&self, clock: Clock) -> Result<RunReport> {
+    async fn report(&self, clock: Clock, steps: Vec<StepReport>) -> Result<RunReport> {
         let profile = self
             .profiler
             .ask(Collect)
@@ -345,6 +444,7 @@ impl<C: StageCompute> Job<C> {
             overall: profile.overall,
             measured_cost,
             plan,
+            steps,
         })
     }
 
@@ -353,11 +453,67 @@ impl<C: StageCompute> Job<C> {
     fn shutdown(&self) {
         self.abort.store(true, Ordering::Release);
         self.transport.close();
+        self.stats.close();
         for s in &self.stages {
             s.kill();
         }
         self.schedule.kill();
         self.profiler.kill();
+    }
+}
+
+/// The optimizer steps reported so far, by iteration.
+#[derive(Default)]
+struct Steps {
+    by_iteration: BTreeMap<u64, StepReport>,
+    /// Iterations whose ranks reported different norms or decisions.
+    disagreed: Vec<u64>,
+}
+
+impl Steps {
+    fn add(&mut self, iteration: u64, grad_norm: f64, decision: StepDecision, step: RankStep) {
+        let report = self
+            .by_iteration
+            .entry(iteration)
+            .or_insert_with(|| StepReport {
+                iteration,
+                grad_norm,
+                decision,
+                ranks: Vec::new(),
+            });
+        if !report.decision.same_as(&decision) || report.grad_norm.to_bits() != grad_norm.to_bits()
+        {
+            self.disagreed.push(iteration);
+        }
+        report.ranks.push(step);
+    }
+
+    /// Every iteration's step from every rank, ranks in order; ranks that disagree on the
+    /// decision are a bug in the runtime, reported rather than hidden.
+    fn finish(self, ranks: usize, iterations: u64) -> Result<Vec<StepReport>> {
+        if let Some(iteration) = self.disagreed.first() {
+            return Err(RuntimeError::Actor(format!(
+                "optimizer step of iteration {iteration}: ranks reached different decisions"
+            )));
+        }
+        let mut out = Vec::with_capacity(self.by_iteration.len());
+        for (iteration, mut report) in self.by_iteration {
+            report.ranks.sort_by_key(|r| r.rank);
+            if report.ranks.len() != ranks {
+                return Err(RuntimeError::Actor(format!(
+                    "optimizer step of iteration {iteration}: {} of {ranks} ranks reported it",
+                    report.ranks.len()
+                )));
+            }
+            out.push(report);
+        }
+        if out.len() as u64 != iterations {
+            return Err(RuntimeError::Actor(format!(
+                "{} optimizer steps reported for {iterations} iterations",
+                out.len()
+            )));
+        }
+        Ok(out)
     }
 }
 

@@ -76,6 +76,11 @@ pub enum StepMode {
     /// touches the weights. Gives the same result as [`StepMode::Barrier`].
     #[default]
     PostValidate,
+    /// No statistics are exchanged: every rank steps at once, unclipped, and never skips
+    /// (a NaN/Inf gradient reaches the weights). Iterations then overlap fully, which is the
+    /// schedules' steady bubble; use it only when no clipping or NaN/Inf check is wanted
+    /// (`max_grad_norm` must be `None`).
+    Unchecked,
 }
 
 /// The job's optimizer-step policy.
@@ -122,6 +127,9 @@ pub struct RankStep {
     pub speculative: Option<StepDecision>,
     /// The speculative step was wrong: rolled back and redone with the exact decision.
     pub rolled_back: bool,
+    /// First-stage forwards of the next iteration that had run on the wrong weights and
+    /// were recomputed after the rollback.
+    pub recomputed: usize,
     /// Time the rank waited for other ranks' statistics (seconds, the run's clock).
     pub waited: f64,
 }
@@ -130,7 +138,8 @@ pub struct RankStep {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct StepReport {
     pub iteration: u64,
-    /// `sqrt(Σ_r sq_norm_r)`; NaN when a gradient was non-finite.
+    /// `sqrt(Σ_r sq_norm_r)`; NaN when a gradient was non-finite, or not computed
+    /// ([`StepMode::Unchecked`]).
     pub grad_norm: f64,
     /// The exact decision every rank ended up with.
     pub decision: StepDecision,

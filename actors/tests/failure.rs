@@ -12,7 +12,7 @@ use common::{Fake, Fault, lower_simply, swap_ranks};
 use kameo::actor::Spawn;
 use pipefill_actors::{
     Clock, InProcess, NoFiller, Pipeline, PlanSource, RunIteration, RuntimeError, StageActor,
-    StageEvent, StageWiring, run_iterations,
+    StageEvent, StageWiring, StepPolicy, run_iterations,
 };
 use pipefill_schedules::{Action, Placement, Plan, ScheduleKind, generate};
 
@@ -132,6 +132,8 @@ async fn a_local_input_out_of_order_names_the_action() {
         clock: Clock::Wall,
         epoch: Instant::now(),
         transport: Arc::new(InProcess::new(1)),
+        stats: Arc::new(InProcess::new(1)),
+        step: StepPolicy::default(),
         filler: Box::new(NoFiller),
         observers: Vec::new(),
         events: events_tx,

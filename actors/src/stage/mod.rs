@@ -14,7 +14,13 @@
 //! Iterations are queued in the actor's mailbox, so a rank starts iteration k+1 as soon as
 //! its own part of k is done; payloads are tagged by iteration, so early arrivals wait in
 //! the transport's buffer.
+//!
+//! After its part of an iteration the rank reports its gradient statistics to every other
+//! rank and takes the optimizer step under the job's [`StepPolicy`] (see [`crate::step`]):
+//! at once after a barrier, or speculatively, validated before the next iteration's first
+//! compute action (`step.rs`).
 
+mod step;
 mod walk;
 
 use std::sync::Arc;
@@ -33,7 +39,10 @@ use crate::compute::StageCompute;
 use crate::error::RuntimeError;
 use crate::filler::BubbleFiller;
 use crate::record::StageReport;
+use crate::step::{GradStats, RankStep, StepDecision, StepPolicy};
 use crate::transport::Transport;
+
+use step::Pending;
 
 use walk::Walk;
 
@@ -56,9 +65,22 @@ pub struct Measured(pub Arc<StageReport>);
 pub enum StageEvent {
     /// The rank finished its part of `iteration` (its report went to the observers first).
     Done { rank: usize, iteration: u64 },
+    /// The rank knows the exact optimizer step of `iteration` and has taken it.
+    Stepped {
+        iteration: u64,
+        /// The global gradient norm (NaN when a gradient was non-finite).
+        grad_norm: f64,
+        decision: StepDecision,
+        step: RankStep,
+    },
     /// The rank failed; the job must stop.
     Failed(RuntimeError),
 }
+
+/// Settles the optimizer step of the last iteration a stage ran (its validation would
+/// otherwise wait for an iteration that never comes). Sent once, after the last iteration.
+#[derive(Clone, Copy, Debug)]
+pub struct Settle;
 
 /// How a stage is wired into its job.
 pub struct StageWiring<T> {
@@ -67,6 +89,10 @@ pub struct StageWiring<T> {
     /// The job's time origin (wall-clock mode).
     pub epoch: Instant,
     pub transport: Arc<dyn Transport<T>>,
+    /// Carries each rank's [`GradStats`] to every other rank ([`crate::Flow::GradStats`]).
+    pub stats: Arc<dyn Transport<GradStats>>,
+    /// Clipping and how the ranks agree on each optimizer step.
+    pub step: StepPolicy,
     pub filler: Box<dyn BubbleFiller>,
     /// Who receives each iteration's report (profiler, schedule actor).
     pub observers: Vec<Recipient<Measured>>,
@@ -80,6 +106,8 @@ pub struct StageActor<C: StageCompute> {
     compute: C,
     wiring: StageWiring<C::Tensor>,
     clock: RankClock,
+    /// The optimizer step of the previous iteration, not yet validated.
+    pending: Option<Pending>,
 }
 
 impl<C: StageCompute> StageActor<C> {
@@ -89,6 +117,7 @@ impl<C: StageCompute> StageActor<C> {
             compute,
             wiring,
             clock,
+            pending: None,
         }
     }
 }
@@ -123,5 +152,18 @@ impl<C: StageCompute> Message<RunIteration> for StageActor<C> {
             Err(e) => StageEvent::Failed(e),
         };
         let _ = self.wiring.events.send(event);
+    }
+}
+
+impl<C: StageCompute> Message<Settle> for StageActor<C> {
+    type Reply = ();
+
+    async fn handle(&mut self, _msg: Settle, _ctx: &mut Context<Self, Self::Reply>) {
+        if self.wiring.abort.load(Ordering::Acquire) {
+            return;
+        }
+        if let Err(e) = self.settle_final() {
+            let _ = self.wiring.events.send(StageEvent::Failed(e));
+        }
     }
 }

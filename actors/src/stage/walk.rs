@@ -16,19 +16,19 @@ use crate::record::{ActionRecord, StageReport};
 use crate::transport::{Envelope, Flow, Tag};
 
 /// Key of a payload held on the rank: `(flow, consuming stage, micro-batch)`.
-type Key = (Flow, u32, u32);
+pub(super) type Key = (Flow, u32, u32);
 
 /// A payload held on the rank with the time it became available.
-struct Held<T> {
-    payload: T,
-    at: f64,
+pub(super) struct Held<T> {
+    pub(super) payload: T,
+    pub(super) at: f64,
 }
 
 /// The walk of one rank through one iteration.
 pub(super) struct Walk<'a, C: StageCompute> {
-    actor: &'a mut StageActor<C>,
+    pub(super) actor: &'a mut StageActor<C>,
     plan: &'a Plan,
-    iteration: u64,
+    pub(super) iteration: u64,
     lowered: bool,
     /// Predicted idle before each compute action of this rank (wall-clock filler hint).
     predicted_idle: HashMap<Action, f64>,
@@ -36,6 +36,9 @@ pub(super) struct Walk<'a, C: StageCompute> {
     ready: HashMap<Key, Held<C::Tensor>>,
     /// Outputs waiting for their SEND action (lowered plans only).
     outbox: HashMap<Key, Held<C::Tensor>>,
+    /// Outputs of forwards that ran on speculatively stepped weights, kept on the rank
+    /// until the step is validated (and recomputed if it was rolled back).
+    pub(super) speculative: Vec<(Action, Key, Held<C::Tensor>)>,
     records: Vec<ActionRecord>,
     bubbles: Vec<BubbleSpan>,
     fillers: Vec<FillerSpan>,
@@ -62,6 +65,7 @@ impl<'a, C: StageCompute> Walk<'a, C> {
             predicted_idle,
             ready: HashMap::new(),
             outbox: HashMap::new(),
+            speculative: Vec::new(),
             records: Vec::with_capacity(n),
             bubbles: Vec::new(),
             fillers: Vec::new(),
@@ -73,7 +77,7 @@ impl<'a, C: StageCompute> Walk<'a, C> {
         self.actor.wiring.rank
     }
 
-    fn fail(&self, action: Action, cause: impl Into<String>) -> RuntimeError {
+    pub(super) fn fail(&self, action: Action, cause: impl Into<String>) -> RuntimeError {
         RuntimeError::Stage {
             rank: self.rank(),
             iteration: self.iteration,
@@ -117,6 +121,15 @@ impl<'a, C: StageCompute> Walk<'a, C> {
                 waited: self.waited,
             });
         }
+        // The last action stands for "the end of the iteration" in a barrier's bubble.
+        let last = list
+            .iter()
+            .flatten()
+            .last()
+            .copied()
+            .unwrap_or(Action::f(0, 0));
+        // A rank whose actions all ran speculatively validates here at the latest.
+        self.validate(last)?;
         if let Some(&(flow, stage, mb)) = self.outbox.keys().next() {
             let producer = match flow {
                 Flow::Activation => Action::f(stage - 1, mb),
@@ -127,23 +140,7 @@ impl<'a, C: StageCompute> Walk<'a, C> {
                 "its output was never sent: the plan has no SEND for it",
             ));
         }
-        let watch = self.actor.clock.start();
-        let step = catch_unwind(AssertUnwindSafe(|| {
-            self.actor.compute.optimizer_step(self.iteration)
-        }));
-        let optimizer = self.actor.clock.stop(watch);
-        let cause = match step {
-            Ok(Ok(())) => None,
-            Ok(Err(e)) => Some(e.to_string()),
-            Err(p) => Some(format!("panicked: {}", panic_text(&*p))),
-        };
-        if let Some(cause) = cause {
-            return Err(RuntimeError::Optimizer {
-                rank,
-                iteration: self.iteration,
-                cause,
-            });
-        }
+        let optimizer = self.end_step(last)?;
         Ok(StageReport {
             rank,
             iteration: self.iteration,
@@ -227,7 +224,7 @@ impl<'a, C: StageCompute> Walk<'a, C> {
         })
     }
 
-    fn bubble(&mut self, start: f64, waiting_for: Action) {
+    pub(super) fn bubble(&mut self, start: f64, waiting_for: Action) {
         let end = self.actor.clock.now();
         self.waited += end - start;
         self.bubbles.push(BubbleSpan {
@@ -241,7 +238,7 @@ impl<'a, C: StageCompute> Walk<'a, C> {
 
     /// Offers the bubble to the filler until it declines; `remaining(clock)` is the idle
     /// time still expected at rank time `clock`.
-    fn fill(&mut self, waiting_for: Action, remaining: impl Fn(f64) -> Option<f64>) {
+    pub(super) fn fill(&mut self, waiting_for: Action, remaining: impl Fn(f64) -> Option<f64>) {
         loop {
             let bubble = Bubble {
                 rank: self.rank(),
@@ -299,6 +296,8 @@ impl<'a, C: StageCompute> Walk<'a, C> {
             _ => (Flow::Gradient, action.stage.wrapping_sub(1)),
         };
         let key = (flow, to_stage, action.microbatch);
+        // What it sends must not come from weights that may still be rolled back.
+        self.validate(action)?;
         let held = self.outbox.remove(&key).ok_or_else(|| {
             self.fail(
                 action,
@@ -344,6 +343,9 @@ impl<'a, C: StageCompute> Walk<'a, C> {
     /// A compute action: gather its inputs (receiving on demand when a compute-only plan
     /// crosses ranks), run it on this thread with panic capture, and pass its outputs on.
     fn compute_action(&mut self, index: usize, action: Action) -> Result<(f64, f64), RuntimeError> {
+        // The previous iteration's optimizer step changed the weights this action uses: it
+        // must be exact before the action runs, unless the action may run speculatively.
+        let speculative = self.before_compute(action)?;
         // At most two parts (an overlapped F+B); gather every input before timing, so that
         // waiting is a bubble, not compute.
         let mut inputs: [Option<C::Tensor>; 2] = [None, None];
@@ -371,7 +373,12 @@ impl<'a, C: StageCompute> Walk<'a, C> {
                 )
             })?;
             let key = (flow, consumer, part.microbatch);
-            self.deliver(action, key, Held { payload, at: end })?;
+            let held = Held { payload, at: end };
+            if speculative {
+                self.speculative.push((action, key, held));
+            } else {
+                self.deliver(action, key, held)?;
+            }
         }
         Ok((start, end))
     }
@@ -424,7 +431,7 @@ impl<'a, C: StageCompute> Walk<'a, C> {
 
     /// Runs one plain compute part through the [`StageCompute`], turning an error or a
     /// panic into a [`RuntimeError`] that names the rank and the action.
-    fn call(
+    pub(super) fn call(
         &mut self,
         action: Action,
         part: Action,
@@ -452,7 +459,7 @@ impl<'a, C: StageCompute> Walk<'a, C> {
 
     /// Hands an output to its consumer: locally when the consuming stage is on this rank,
     /// to the outbox when a SEND action of the plan will ship it, or straight to the link.
-    fn deliver(
+    pub(super) fn deliver(
         &mut self,
         action: Action,
         key: Key,

@@ -205,6 +205,12 @@ impl StageCompute for Fake {
         Ok(())
     }
 
+    /// No weights to restore, so a speculative step is always undoable (and with the
+    /// default, zero gradient statistics it is never wrong).
+    fn can_roll_back(&self) -> bool {
+        true
+    }
+
     fn optimizer_step(&mut self, iteration: u64) -> Result<(), String> {
         if !self.forwarded.is_empty() {
             return Err(format!(
