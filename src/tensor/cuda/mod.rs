@@ -129,6 +129,8 @@ pub(crate) fn device_count() -> std::result::Result<usize, DeviceError> {
     probe_libraries()?;
     match catch_unwind(CudaContext::device_count) {
         Ok(Ok(n)) => Ok(n.max(0) as usize),
+        // A driver without a GPU (e.g. a container with the library mounted): no devices.
+        Ok(Err(e)) if e.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_NO_DEVICE => Ok(0),
         Ok(Err(e)) => Err(DeviceError::CudaInit {
             ordinal: 0,
             message: format!("cuInit: {e}"),
