@@ -160,7 +160,7 @@ pub(super) fn gemm_strided(
     assert!(lv.last(m, k) < lhs.len(), "gemm: lhs view out of bounds");
     assert!(rv.last(k, n) < rhs.len(), "gemm: rhs view out of bounds");
     // Small products run faster on one thread than split over the pool.
-    let par = if m * n * k < 1 << 21 {
+    let par = if m * n * k < super::PARALLEL_WORK {
         Parallelism::None
     } else {
         par

@@ -23,6 +23,9 @@ use super::{
     Activation, AdamWStep, AttnShape, Backend, BatchedGemm, DType, Gemm, Result, TensorError,
 };
 
+/// Operations below this many multiply-adds (or elements) stay on the caller's thread.
+pub(super) const PARALLEL_WORK: usize = 1 << 20;
+
 /// The CPU backend. Cheap to clone (the thread pool is shared).
 #[derive(Clone)]
 pub struct CpuBackend {
@@ -73,12 +76,14 @@ impl CpuBackend {
         self.threads
     }
 
-    /// Runs `f` inside the backend's pool (or right here when single-threaded); `f` gets
-    /// whether it may split work across threads.
-    fn run<R: Send>(&self, f: impl FnOnce(bool) -> R + Send) -> R {
+    /// Runs `f` inside the backend's pool when it has one and the operation is big enough
+    /// (`work` ≈ multiply-adds) to gain from it; otherwise right here, on the caller's
+    /// thread, which also saves the hand-off to the pool. `f` gets whether it may split its
+    /// work across threads.
+    fn run<R: Send>(&self, work: usize, f: impl FnOnce(bool) -> R + Send) -> R {
         match &self.pool {
-            Some(pool) => pool.install(|| f(true)),
-            None => f(false),
+            Some(pool) if work >= PARALLEL_WORK => pool.install(|| f(true)),
+            _ => f(false),
         }
     }
 
@@ -159,7 +164,9 @@ impl Backend for CpuBackend {
         check("matmul", "c", c, g.m * g.n)?;
         let (a, b) = (a.read(), b.read());
         let par = self.parallelism();
-        self.run(|_| c.write(|c| gemm_slices(&a, &b, c, g, par)));
+        self.run(g.m * g.k * g.n, |_| {
+            c.write(|c| gemm_slices(&a, &b, c, g, par))
+        });
         Ok(())
     }
 
@@ -200,7 +207,7 @@ impl Backend for CpuBackend {
         }
         let (a, b) = (a.read(), b.read());
         let par = self.parallelism();
-        self.run(|_| {
+        self.run(batch * gm.m * gm.k * gm.n, |_| {
             c.write(|c| {
                 for i in 0..batch {
                     gemm_slices(
@@ -269,7 +276,9 @@ impl Backend for CpuBackend {
         check("softmax_rows", "x", x, rows * cols)?;
         check("softmax_rows", "out", out, rows * cols)?;
         let x = x.read();
-        self.run(|par| out.write(|o| kernels::softmax_rows(par, &x, o, cols)));
+        self.run(rows * cols, |par| {
+            out.write(|o| kernels::softmax_rows(par, &x, o, cols))
+        });
         Ok(())
     }
 
@@ -289,7 +298,9 @@ impl Backend for CpuBackend {
         check(OP, "out", out, rows * dim)?;
         check(OP, "rstd", rstd, rows)?;
         let (x, w) = (x.read(), weight.read());
-        self.run(|par| out.write(|o| rstd.write(|r| kernels::rmsnorm_fwd(par, &x, &w, o, r, eps))));
+        self.run(rows * dim, |par| {
+            out.write(|o| rstd.write(|r| kernels::rmsnorm_fwd(par, &x, &w, o, r, eps)))
+        });
         Ok(())
     }
 
@@ -310,7 +321,9 @@ impl Backend for CpuBackend {
         check(OP, "dy", dy, rows * dim)?;
         check(OP, "dx", dx, rows * dim)?;
         let (x, w, r, dy) = (x.read(), weight.read(), rstd.read(), dy.read());
-        self.run(|par| dx.write(|d| kernels::rmsnorm_bwd_input(par, &x, &w, &r, &dy, d)));
+        self.run(rows * dim, |par| {
+            dx.write(|d| kernels::rmsnorm_bwd_input(par, &x, &w, &r, &dy, d))
+        });
         Ok(())
     }
 
@@ -351,7 +364,7 @@ impl Backend for CpuBackend {
         check(OP, "out", out, n)?;
         check(OP, "probs", probs, shape.probs_len())?;
         let (q, k, v) = (q.read(), k.read(), v.read());
-        self.run(|par| {
+        self.run(shape.probs_len() * shape.head_dim, |par| {
             out.write(|o| probs.write(|p| kernels::attention_fwd(par, &q, &k, &v, o, p, shape)))
         });
         Ok(())
@@ -380,7 +393,7 @@ impl Backend for CpuBackend {
         check(OP, "dk", dk, n)?;
         check(OP, "dv", dv, n)?;
         let (q, k, v, p, d) = (q.read(), k.read(), v.read(), probs.read(), d_out.read());
-        self.run(|par| {
+        self.run(shape.probs_len() * shape.head_dim, |par| {
             dq.write(|gq| {
                 dk.write(|gk| {
                     dv.write(|gv| {
@@ -483,7 +496,9 @@ impl Backend for CpuBackend {
         check(OP, "probs", probs, targets.len() * vocab)?;
         check_ids(OP, targets, vocab, true)?;
         let l = logits.read();
-        Ok(self.run(|par| probs.write(|p| kernels::cross_entropy_fwd(par, &l, targets, p, vocab))))
+        Ok(self.run(targets.len() * vocab, |par| {
+            probs.write(|p| kernels::cross_entropy_fwd(par, &l, targets, p, vocab))
+        }))
     }
 
     fn cross_entropy_bwd(

@@ -538,7 +538,16 @@ fn single_thread_backend_has_no_pool() {
     assert_eq!(one.name(), "cpu (1 thread)");
     let two = CpuBackend::new(2).unwrap();
     assert_eq!(two.threads(), 2);
-    // Work on the 2-thread backend runs on its own pool's threads.
-    let name = two.run(|_| std::thread::current().name().map(str::to_string));
-    assert!(name.unwrap_or_default().starts_with("pipefill-cpu-"));
+    // Big operations of the 2-thread backend run on its own pool's threads, small ones stay
+    // on the caller's.
+    let on = |work| {
+        two.run(work, |par| {
+            (par, std::thread::current().name().map(str::to_string))
+        })
+    };
+    let (par, name) = on(super::PARALLEL_WORK);
+    assert!(par && name.unwrap_or_default().starts_with("pipefill-cpu-"));
+    let (par, name) = on(10);
+    assert!(!par && name == std::thread::current().name().map(str::to_string));
+    assert!(!one.run(usize::MAX, |par| par));
 }
