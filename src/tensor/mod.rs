@@ -124,7 +124,8 @@ impl Gemm {
 
 /// `batch` independent products of the same [`Gemm`] shape; product `i` reads `A` at element
 /// offset `i·stride_a`, `B` at `i·stride_b` and writes `C` at `i·stride_c` (cuBLAS
-/// "strided batched"). A stride of 0 broadcasts that operand.
+/// "strided batched"). A stride of 0 broadcasts `A` or `B`; `stride_c = 0` (every product
+/// summed into one output) is allowed only with `accumulate`, and is an error otherwise.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BatchedGemm {
     pub gemm: Gemm,
