@@ -167,11 +167,8 @@ impl BubbleReport {
             "predicted: the schedule simulator on the same plan under the measured per-stage costs"
         );
         let _ = writeln!(out);
-        let _ = writeln!(
-            out,
-            "{:<6}{:>12}{:>12}{:>9}   {:>12}{:>12}{:>9}",
-            "", "measured", "", "", "predicted", "", ""
-        );
+        // Group labels centred over their three columns (12 + 12 + 9 wide).
+        let _ = writeln!(out, "{:<6}{:^33}   {:^33}", "", "measured", "predicted");
         let _ = writeln!(
             out,
             "{:<6}{:>12}{:>12}{:>9}   {:>12}{:>12}{:>9}",
