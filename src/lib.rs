@@ -16,6 +16,7 @@ pub use pipefill_schedules as schedules;
 pub mod config;
 pub mod data;
 pub mod model;
+pub mod pipeline;
 pub mod profile;
 pub mod tensor;
 pub mod train;

@@ -1,0 +1,148 @@
+//! [`Shared`]: what the ranks of one pipelined run share besides payloads.
+//!
+//! - The **reported gradient norm** of a step. The runtime agrees on the clip/skip decision
+//!   from each rank's `Σ g²` (`pipefill_actors::step`); for the metrics each rank also posts
+//!   its per-parameter `Σ g²` here, and the norm is summed in model order (stage by stage,
+//!   parameter by parameter), exactly as the reference trainer sums it.
+//! - The **step log**: the last stage's micro-batch losses, and when every rank has stepped,
+//!   one [`StepMetrics`] sent to the trainer (the progress channel).
+//! - The **final state** each rank hands over after its last step (parameters and optimizer
+//!   moments), from which [`super::PipelineRun`] serves parameters and checkpoints.
+
+use std::collections::BTreeMap;
+use std::sync::mpsc::Sender;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Instant;
+
+use super::feed::StepFeed;
+use crate::model::OptimizerState;
+use crate::model::checkpoint::HostTensor;
+use crate::train::StepMetrics;
+use crate::train::reference::combine_losses;
+
+/// One rank's state after its last step.
+#[derive(Debug, Clone)]
+pub struct RankFinal {
+    /// `(stage, parameters of that stage in model order)`.
+    pub stages: Vec<(u32, Vec<HostTensor>)>,
+    pub optimizer: OptimizerState,
+}
+
+/// What is known about one step while its ranks work on it.
+#[derive(Debug, Default)]
+struct StepEntry {
+    /// Stage → `Σ g²` of each of its parameters, in model order.
+    sq_norms: BTreeMap<u32, Vec<f64>>,
+    /// The last stage's mean loss of each micro-batch.
+    losses: BTreeMap<u32, f32>,
+    /// Ranks whose optimizer step is done.
+    stepped: usize,
+}
+
+#[derive(Debug)]
+struct State {
+    steps: BTreeMap<u64, StepEntry>,
+    finals: Vec<Option<RankFinal>>,
+    last_done: Instant,
+}
+
+/// State shared by the ranks of one run (see the module docs).
+#[derive(Debug)]
+pub struct Shared {
+    ranks: usize,
+    pub(crate) feed: Arc<StepFeed>,
+    state: Mutex<State>,
+    progress: Sender<StepMetrics>,
+}
+
+impl Shared {
+    pub fn new(ranks: usize, feed: Arc<StepFeed>, progress: Sender<StepMetrics>) -> Self {
+        Shared {
+            ranks,
+            feed,
+            state: Mutex::new(State {
+                steps: BTreeMap::new(),
+                finals: vec![None; ranks],
+                last_done: Instant::now(),
+            }),
+            progress,
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Records the last stage's mean loss of `microbatch` in `step`.
+    pub fn record_loss(&self, step: u64, microbatch: u32, loss: f32) {
+        let mut state = self.lock();
+        let entry = state.steps.entry(step).or_default();
+        entry.losses.insert(microbatch, loss);
+    }
+
+    /// Posts this rank's per-stage, per-parameter `Σ g²` of `step` (for the step's
+    /// reported norm, summed in model order once every rank has posted).
+    pub fn post_sq_norms(&self, step: u64, own: Vec<(u32, Vec<f64>)>) {
+        let mut state = self.lock();
+        state.steps.entry(step).or_default().sq_norms.extend(own);
+    }
+
+    /// This rank's optimizer step of `step` is done. The last rank to finish it reports
+    /// the step's metrics on the progress channel.
+    pub fn stepped(&self, step: u64, lr: f32) {
+        let mut state = self.lock();
+        let entry = state.steps.entry(step).or_default();
+        entry.stepped += 1;
+        if entry.stepped < self.ranks {
+            return;
+        }
+        let entry = state.steps.remove(&step).expect("just updated");
+        // Model order: stages ascending, each stage's parameters in order, as the
+        // reference trainer sums them.
+        let grad_norm = entry
+            .sq_norms
+            .values()
+            .flatten()
+            .fold(0.0, |s, q| s + q)
+            .sqrt();
+        let now = Instant::now();
+        let seconds = now.duration_since(state.last_done).as_secs_f64();
+        state.last_done = now;
+        drop(state);
+        let batches = self.feed.get(step);
+        let losses: Vec<f32> = (0..batches.batches.len() as u32)
+            .map(|mb| entry.losses.get(&mb).copied().unwrap_or(f32::NAN))
+            .collect();
+        let metrics = StepMetrics {
+            step,
+            loss: combine_losses(&losses, &batches.scales),
+            lr,
+            grad_norm: grad_norm as f32,
+            tokens: batches.tokens(),
+            seconds,
+        };
+        self.feed.evict_before(step + 1);
+        // The trainer may have stopped listening (it failed); the step still happened.
+        let _ = self.progress.send(metrics);
+    }
+
+    /// Hands over `rank`'s final parameters and optimizer state.
+    pub fn deposit_final(&self, rank: usize, fin: RankFinal) {
+        self.lock().finals[rank] = Some(fin);
+    }
+
+    /// Every rank's final state, once all have deposited it.
+    pub fn take_finals(&self) -> Option<Vec<RankFinal>> {
+        let mut state = self.lock();
+        if state.finals.iter().any(Option::is_none) {
+            return None;
+        }
+        Some(
+            state
+                .finals
+                .iter_mut()
+                .map(|f| f.take().expect("checked"))
+                .collect(),
+        )
+    }
+}

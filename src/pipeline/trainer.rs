@@ -1,0 +1,358 @@
+//! [`PipelineTrainer`] runs a job through the actor runtime; [`PipelineRun`] is what it
+//! learned and measured.
+//!
+//! One runtime iteration is one optimizer step. The runtime runs on its own thread while
+//! the caller's thread receives each completed step's [`StepMetrics`] and hands it to the
+//! caller's `on_step` (a progress bar, a metrics file), so nothing the caller does is
+//! timed as stage work.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::mpsc::{RecvTimeoutError, channel};
+use std::time::Duration;
+
+use pipefill_actors::{Clock, Pipeline, PlanSource, RunReport};
+
+use super::compute::RankCompute;
+use super::feed::StepFeed;
+use super::shared::{RankFinal, Shared};
+use super::{PipelineError, check_plan};
+use crate::config::JobConfig;
+use crate::data::StepData;
+use crate::model::checkpoint::{Checkpoint, HostTensor};
+use crate::model::{AdamW, Cut, Gpt, ModelChunk, ModelError, OptimizerState};
+use crate::schedules::{CostModel, Plan, ScheduleKind, Timeline, build, read_plan, simulate};
+use crate::tensor::CpuBackend;
+use crate::train::StepMetrics;
+use crate::train::reference::{adamw_config, lr_schedule};
+
+/// A pipelined training job: a [`JobConfig`] and the [`Plan`] its ranks follow.
+#[derive(Debug, Clone)]
+pub struct PipelineTrainer {
+    job: JobConfig,
+    plan: Plan,
+    clock: Clock,
+    resume: Option<Checkpoint>,
+}
+
+/// The runtime's clock for the job file's `clock`.
+fn clock_of(job: &JobConfig) -> Clock {
+    match job.clock {
+        crate::config::Clock::Virtual => Clock::virtual_free(),
+        crate::config::Clock::Wall => Clock::Wall,
+    }
+}
+
+impl PipelineTrainer {
+    /// A trainer for `job` following `plan` (compute-only or lowered). The plan's
+    /// micro-batches must be the job's `train.micro_batches`, and every stage needs a block.
+    pub fn new(job: &JobConfig, plan: Plan) -> Result<Self, PipelineError> {
+        job.model.validate()?;
+        job.train.validate()?;
+        check_plan(&plan, job.model.layers, job.train.micro_batches)?;
+        Ok(PipelineTrainer {
+            job: job.clone(),
+            plan,
+            clock: clock_of(job),
+            resume: None,
+        })
+    }
+
+    /// A built-in schedule over `job.stages` ranks with `job.train.micro_batches`
+    /// micro-batches and `chunks` stages per rank (the kind's default when `None`).
+    pub fn builtin(
+        job: &JobConfig,
+        kind: ScheduleKind,
+        chunks: Option<usize>,
+    ) -> Result<Self, PipelineError> {
+        let chunks = chunks.unwrap_or_else(|| kind.default_chunks());
+        let plan = build(kind, job.stages, job.train.micro_batches, chunks)?;
+        Self::new(job, plan)
+    }
+
+    /// The plan named by `job.schedule`: a built-in kind, or a `.csv`/`.toml` schedule
+    /// file, which must have `job.stages` ranks.
+    pub fn from_job(job: &JobConfig) -> Result<Self, PipelineError> {
+        let name = job.schedule.trim();
+        if name.eq_ignore_ascii_case("none") {
+            return Err(PipelineError::Config {
+                field: "schedule",
+                reason: "is \"none\": that job trains on one device with the reference \
+                         trainer, not a pipeline"
+                    .into(),
+            });
+        }
+        if let Ok(kind) = name.parse::<ScheduleKind>() {
+            return Self::builtin(job, kind, None);
+        }
+        let plan = read_plan(std::path::Path::new(name))?;
+        if plan.num_ranks() != job.stages {
+            return Err(PipelineError::Config {
+                field: "stages",
+                reason: format!(
+                    "is {}, but schedule file {name} has {} ranks",
+                    job.stages,
+                    plan.num_ranks()
+                ),
+            });
+        }
+        Self::new(job, plan)
+    }
+
+    /// Times the run with `clock` instead of the job's.
+    pub fn clock(mut self, clock: Clock) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// Continues from `checkpoint` (parameters, optimizer moments, step); its model and
+    /// data seed must be the job's (checked by the run).
+    pub fn resume(mut self, checkpoint: &Checkpoint) -> Self {
+        self.resume = Some(checkpoint.clone());
+        self
+    }
+
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    pub fn job(&self) -> &JobConfig {
+        &self.job
+    }
+
+    /// The step the run starts at (0, or the resumed checkpoint's).
+    pub fn first_step(&self) -> u64 {
+        self.resume.as_ref().map_or(0, |c| c.meta.step)
+    }
+
+    /// One [`RankCompute`] per rank, each with its own single-threaded CPU backend (in
+    /// virtual-clock mode a stage's thread CPU time must be all of its work).
+    fn computes(
+        &self,
+        shared: &Arc<Shared>,
+        steps: u64,
+    ) -> Result<Vec<RankCompute<CpuBackend>>, PipelineError> {
+        let (job, plan) = (&self.job, &self.plan);
+        let cut = Cut::Even(plan.stages);
+        let resumed = self.resumed_state()?;
+        let mut computes = Vec::with_capacity(plan.num_ranks());
+        for rank in 0..plan.num_ranks() {
+            let backend = CpuBackend::new(1).map_err(ModelError::from)?;
+            let chunks = plan
+                .stages_of(rank)
+                .into_iter()
+                .map(|s| ModelChunk::new(&job.model, backend.clone(), &cut, s as usize))
+                .collect::<Result<Vec<_>, _>>()?;
+            let mut compute = RankCompute::new(
+                rank,
+                backend.clone(),
+                chunks,
+                adamw_config(&job.train),
+                lr_schedule(&job.train),
+                Arc::clone(shared),
+                self.first_step(),
+                steps,
+            );
+            if let Some((gpt, state)) = &resumed {
+                let mut names = Vec::new();
+                for chunk in compute.chunks_mut() {
+                    for name in chunk.param_names() {
+                        chunk.set_param(&name, &gpt.param_values(&name)?)?;
+                        names.push(name);
+                    }
+                }
+                let own = OptimizerState {
+                    step: state.step,
+                    slots: names
+                        .iter()
+                        .filter_map(|n| state.slots.get(n).map(|s| (n.clone(), s.clone())))
+                        .collect(),
+                };
+                compute.optimizer_mut().load_state(&backend, &own)?;
+            }
+            computes.push(compute);
+        }
+        Ok(computes)
+    }
+
+    /// The resumed model and optimizer state, checked against the job by the checkpoint's
+    /// own restore.
+    fn resumed_state(&self) -> Result<Option<(Gpt<CpuBackend>, OptimizerState)>, PipelineError> {
+        let Some(checkpoint) = &self.resume else {
+            return Ok(None);
+        };
+        let be = CpuBackend::new(1).map_err(ModelError::from)?;
+        let mut gpt = Gpt::new(&self.job.model, be.clone(), &Cut::Even(1))?;
+        let mut optimizer = AdamW::new(adamw_config(&self.job.train));
+        checkpoint.restore(&mut gpt, &mut optimizer, self.job.train.seed)?;
+        let state = optimizer.state(&be)?;
+        Ok(Some((gpt, state)))
+    }
+
+    /// Runs `steps` optimizer steps. `on_step` is called on this thread with each step's
+    /// metrics as soon as every rank has stepped.
+    pub fn run(
+        &self,
+        steps: u64,
+        mut on_step: impl FnMut(&StepMetrics),
+    ) -> Result<PipelineRun, PipelineError> {
+        if steps == 0 {
+            return Err(PipelineError::Config {
+                field: "steps",
+                reason: "must be at least 1".into(),
+            });
+        }
+        let (job, plan) = (&self.job, &self.plan);
+        let data = StepData::new(job.data.clone(), job.model.seq_len, job.train.seed)?;
+        let feed = Arc::new(StepFeed::new(data, job.train.clone()));
+        feed.prefetch(self.first_step());
+        let (progress, steps_rx) = channel();
+        let shared = Arc::new(Shared::new(plan.num_ranks(), feed, progress));
+        let computes = self.computes(&shared, steps)?;
+        let mut pipeline =
+            Pipeline::new(PlanSource::Given(plan.clone()), self.clock).iterations(steps);
+        if job.train.clip > 0.0 {
+            pipeline = pipeline.max_grad_norm(f64::from(job.train.clip));
+        }
+        let mut metrics = Vec::with_capacity(steps as usize);
+        let outcome = std::thread::scope(|scope| {
+            let runner = scope.spawn(|| pipeline.run_blocking(computes));
+            loop {
+                match steps_rx.recv_timeout(Duration::from_millis(20)) {
+                    Ok(m) => {
+                        on_step(&m);
+                        metrics.push(m);
+                    }
+                    Err(RecvTimeoutError::Timeout) if !runner.is_finished() => {}
+                    Err(_) => break,
+                }
+            }
+            let outcome = runner.join();
+            while let Ok(m) = steps_rx.try_recv() {
+                on_step(&m);
+                metrics.push(m);
+            }
+            outcome
+        });
+        let report = match outcome {
+            Ok(report) => report?,
+            Err(panic) => std::panic::resume_unwind(panic),
+        };
+        let finals = shared.take_finals().ok_or(PipelineError::NoFinalState)?;
+        let predicted = match &report.measured_cost {
+            Some(cost) => Some(simulate(plan, cost)?),
+            None => None,
+        };
+        Ok(PipelineRun::new(self, metrics, report, predicted, finals))
+    }
+}
+
+/// What a pipelined run learned and measured.
+#[derive(Debug, Clone)]
+pub struct PipelineRun {
+    /// Each step's metrics, in step order.
+    pub steps: Vec<StepMetrics>,
+    /// The runtime's report: per-iteration measured timelines and action records.
+    pub report: RunReport,
+    /// Per-stage median T_F, T_I, T_W (seconds) over the whole run.
+    pub measured_cost: Option<CostModel>,
+    /// The simulator's timeline of the plan under [`PipelineRun::measured_cost`].
+    pub predicted: Option<Timeline>,
+    pub plan: Plan,
+    job: JobConfig,
+    /// The step after the last one run.
+    next_step: u64,
+    /// Final parameters in model order.
+    params: Vec<HostTensor>,
+    optimizer: OptimizerState,
+}
+
+impl PipelineRun {
+    fn new(
+        trainer: &PipelineTrainer,
+        mut steps: Vec<StepMetrics>,
+        report: RunReport,
+        predicted: Option<Timeline>,
+        mut finals: Vec<RankFinal>,
+    ) -> Self {
+        steps.sort_by_key(|m| m.step);
+        let mut by_stage: BTreeMap<u32, Vec<HostTensor>> = BTreeMap::new();
+        let mut optimizer = OptimizerState::default();
+        for fin in &mut finals {
+            by_stage.extend(std::mem::take(&mut fin.stages));
+            optimizer.step = fin.optimizer.step;
+            optimizer.slots.append(&mut fin.optimizer.slots);
+        }
+        PipelineRun {
+            measured_cost: report.measured_cost.clone(),
+            next_step: trainer.first_step() + report.iterations.len() as u64,
+            steps,
+            report,
+            predicted,
+            plan: trainer.plan.clone(),
+            job: trainer.job.clone(),
+            params: by_stage.into_values().flatten().collect(),
+            optimizer,
+        }
+    }
+
+    /// The measured timeline of every iteration (= step), in order.
+    pub fn timelines(&self) -> impl Iterator<Item = &Timeline> {
+        self.report.iterations.iter().map(|i| &i.timeline)
+    }
+
+    /// Every parameter's name, in model order.
+    pub fn param_names(&self) -> Vec<&str> {
+        self.params.iter().map(|p| p.name.as_str()).collect()
+    }
+
+    /// A parameter's final values.
+    pub fn param_values(&self, name: &str) -> Result<&[f32], PipelineError> {
+        self.params
+            .iter()
+            .find(|p| p.name == name)
+            .map(|p| p.data.as_slice())
+            .ok_or_else(|| ModelError::UnknownParam(name.to_string()).into())
+    }
+
+    /// The step a continuation would start at.
+    pub fn next_step(&self) -> u64 {
+        self.next_step
+    }
+
+    /// The trained model, whole, on a single-threaded CPU backend (evaluation, sampling).
+    pub fn model(&self) -> Result<Gpt<CpuBackend>, PipelineError> {
+        let be = CpuBackend::new(1).map_err(ModelError::from)?;
+        let mut gpt = Gpt::new(&self.job.model, be, &Cut::Even(1))?;
+        for p in &self.params {
+            gpt.set_param(&p.name, &p.data)?;
+        }
+        Ok(gpt)
+    }
+
+    /// A checkpoint of the final parameters and optimizer state, in the reference trainer's
+    /// format, so either trainer can resume it.
+    pub fn checkpoint(&self) -> Result<Checkpoint, PipelineError> {
+        let gpt = self.model()?;
+        let be = gpt.chunks()[0].backend().clone();
+        let mut optimizer = AdamW::new(adamw_config(&self.job.train));
+        optimizer.load_state(&be, &self.optimizer)?;
+        Ok(Checkpoint::capture(
+            &gpt,
+            &optimizer,
+            self.next_step,
+            self.job.train.seed,
+        )?)
+    }
+
+    /// Predicted (simulated under the measured costs) next to measured figures of the
+    /// last iteration: makespan and both bubble ratios.
+    pub fn side_by_side(&self) -> String {
+        match &self.predicted {
+            Some(p) => self
+                .report
+                .side_by_side(self.report.iterations.len().saturating_sub(1), p),
+            None => "no prediction: not every stage was measured\n".into(),
+        }
+    }
+}

@@ -1,0 +1,294 @@
+//! Pipelined training against the oracle: for every built-in schedule and for PyTorch's
+//! ZB1P fixture, K = 3 optimizer steps through the actor runtime leave every parameter
+//! equal to the single-device reference trainer's (same data, same micro-batching, same
+//! clipping), and the runtime ran each rank's actions in the plan's order.
+//!
+//! Tolerance. Every F, I, W of a (stage, micro-batch) is the same call on the same values
+//! as the reference's, and each stage accumulates its weight gradients micro-batch by
+//! micro-batch, so a schedule that runs a stage's W in micro-batch order reproduces the
+//! reference bit for bit (the global norm is summed in the reference's order too). A
+//! schedule free to run W in another order may round the last bits of a gradient sum
+//! differently (relative 1e-7 of a gradient); through AdamW's normalised update, which is
+//! at most `lr` per step, that stays far below `lr · 1e-4`. The bound asserted is
+//! `MAX_ABS_DIFF` = 1e-6 on every parameter value after 3 steps; the figure achieved is
+//! printed per schedule (0 means bitwise).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::OnceLock;
+
+use pipefill::config::JobConfig;
+use pipefill::data::DataConfig;
+use pipefill::model::GptConfig;
+use pipefill::pipeline::{Clock, PipelineError, PipelineRun, PipelineTrainer};
+use pipefill::schedules::{ScheduleKind, build, read_plan};
+use pipefill::train::{StepMetrics, TrainConfig, Trainer};
+
+const STEPS: u64 = 3;
+const MAX_ABS_DIFF: f32 = 1e-6;
+/// Small enough that the gradient norm exceeds it on some steps (asserted below), so the
+/// clipped path is compared too.
+const CLIP: f32 = 0.8;
+
+fn job(stages: usize) -> JobConfig {
+    JobConfig {
+        schedule: "none".into(),
+        stages,
+        model: GptConfig {
+            d_model: 16,
+            heads: 2,
+            layers: 8,
+            seq_len: 16,
+            mlp_ratio: 2,
+            ..GptConfig::default()
+        },
+        data: DataConfig {
+            summary_tasks: 1,
+            ..DataConfig::default()
+        },
+        train: TrainConfig {
+            steps: STEPS,
+            micro_batches: 8,
+            micro_batch_size: 2,
+            lr: 1e-2,
+            warmup: 1,
+            clip: CLIP,
+            threads: 1,
+            eval_tasks: 0,
+            ..TrainConfig::default()
+        },
+        ..JobConfig::default()
+    }
+}
+
+/// The reference trainer's metrics and final parameters (same for every stage count).
+struct Oracle {
+    steps: Vec<StepMetrics>,
+    params: BTreeMap<String, Vec<f32>>,
+}
+
+fn oracle() -> &'static Oracle {
+    static ORACLE: OnceLock<Oracle> = OnceLock::new();
+    ORACLE.get_or_init(|| {
+        let job = job(1);
+        let mut trainer = Trainer::reference(&job.model, &job.data, &job.train).unwrap();
+        let steps: Vec<_> = (0..STEPS).map(|_| trainer.train_step().unwrap()).collect();
+        let model = trainer.model();
+        let params = model
+            .param_names()
+            .into_iter()
+            .map(|n| {
+                let v = model.param_values(&n).unwrap();
+                (n, v)
+            })
+            .collect();
+        Oracle { steps, params }
+    })
+}
+
+/// Runs `trainer` for [`STEPS`] and checks it against the oracle; returns the largest
+/// parameter difference.
+fn check_against_oracle(name: &str, trainer: &PipelineTrainer) -> PipelineRun {
+    let oracle = oracle();
+    let mut seen = Vec::new();
+    let run = trainer.run(STEPS, |m| seen.push(m.step)).unwrap();
+    assert_eq!(
+        seen,
+        (0..STEPS).collect::<Vec<_>>(),
+        "{name}: on_step calls"
+    );
+    assert!(
+        oracle.steps.iter().any(|m| m.grad_norm > CLIP),
+        "the oracle never clipped: lower CLIP so the clipped path is tested"
+    );
+    for (p, r) in run.steps.iter().zip(&oracle.steps) {
+        assert_eq!(p.step, r.step);
+        assert_eq!(p.tokens, r.tokens, "{name}: step {} tokens", p.step);
+        assert_eq!(p.lr, r.lr, "{name}: step {} lr", p.step);
+        assert!(
+            (p.loss - r.loss).abs() <= 1e-6,
+            "{name}: step {} loss {} vs reference {}",
+            p.step,
+            p.loss,
+            r.loss
+        );
+        assert!(
+            (p.grad_norm - r.grad_norm).abs() <= 1e-6 * r.grad_norm.max(1.0),
+            "{name}: step {} grad norm {} vs reference {}",
+            p.step,
+            p.grad_norm,
+            r.grad_norm
+        );
+    }
+    let names: Vec<&str> = run.param_names();
+    let want: Vec<&str> = oracle.params.keys().map(String::as_str).collect();
+    let mut sorted = names.clone();
+    sorted.sort_unstable();
+    assert_eq!(sorted, want, "{name}: parameter names");
+    let mut worst = (0.0f32, "");
+    for n in names {
+        let got = run.param_values(n).unwrap();
+        let exp = &oracle.params[n];
+        assert_eq!(got.len(), exp.len(), "{name}: {n} length");
+        for (a, b) in got.iter().zip(exp) {
+            let d = (a - b).abs();
+            assert!(d.is_finite(), "{name}: {n} is not finite");
+            if d > worst.0 {
+                worst = (d, n);
+            }
+        }
+    }
+    let norms: Vec<String> = run
+        .steps
+        .iter()
+        .map(|m| format!("{:.3}", m.grad_norm))
+        .collect();
+    println!(
+        "{name:<18} max |Δparam| = {:.3e} ({}), grad norms [{}] (clip {CLIP})",
+        worst.0,
+        if worst.0 == 0.0 { "bitwise" } else { worst.1 },
+        norms.join(", ")
+    );
+    assert!(
+        worst.0 <= MAX_ABS_DIFF,
+        "{name}: parameter {} differs from the reference by {:.3e} > {MAX_ABS_DIFF:.0e}",
+        worst.1,
+        worst.0
+    );
+    check_action_order(name, &run);
+    run
+}
+
+/// In virtual mode every rank's records follow its plan list exactly, iteration by
+/// iteration (idle steps excepted), with the same positions.
+fn check_action_order(name: &str, run: &PipelineRun) {
+    assert_eq!(run.report.iterations.len() as u64, STEPS);
+    for it in &run.report.iterations {
+        for (rank, list) in run.plan.ranks.iter().enumerate() {
+            let want: Vec<_> = list
+                .iter()
+                .enumerate()
+                .filter_map(|(i, a)| a.map(|a| (i, a)))
+                .collect();
+            let got: Vec<_> = it.rank_records(rank).map(|r| (r.index, r.action)).collect();
+            assert_eq!(
+                got, want,
+                "{name}: iteration {} rank {rank} ran its actions out of plan order",
+                it.iteration
+            );
+        }
+    }
+}
+
+fn builtin(kind: ScheduleKind) {
+    let job = job(4);
+    let trainer = PipelineTrainer::builtin(&job, kind, None)
+        .unwrap()
+        .clock(Clock::virtual_free());
+    assert_eq!(trainer.plan().num_ranks(), 4);
+    check_against_oracle(kind.name(), &trainer);
+}
+
+#[test]
+fn gpipe_matches_the_reference() {
+    builtin(ScheduleKind::GPipe);
+}
+
+#[test]
+fn one_f_one_b_matches_the_reference() {
+    builtin(ScheduleKind::OneFOneB);
+}
+
+#[test]
+fn interleaved_1f1b_matches_the_reference() {
+    builtin(ScheduleKind::Interleaved1F1B);
+}
+
+#[test]
+fn looped_bfs_matches_the_reference() {
+    builtin(ScheduleKind::LoopedBfs);
+}
+
+#[test]
+fn zb_h1_matches_the_reference() {
+    builtin(ScheduleKind::ZbH1);
+}
+
+#[test]
+fn zb_h2_matches_the_reference() {
+    builtin(ScheduleKind::ZbH2);
+}
+
+#[test]
+fn zb_v_matches_the_reference() {
+    builtin(ScheduleKind::ZbV);
+}
+
+#[test]
+fn torch_zb1p_fixture_matches_the_reference() {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../shared/fixtures/torch/zb1p_2rank_2stagep_compute.csv"
+    );
+    let plan = read_plan(Path::new(path)).unwrap();
+    assert_eq!(
+        (plan.num_ranks(), plan.stages, plan.microbatches),
+        (2, 4, 8)
+    );
+    let trainer = PipelineTrainer::new(&job(2), plan).unwrap();
+    check_against_oracle("torch zb1p", &trainer);
+}
+
+#[test]
+fn a_resumed_run_continues_where_the_checkpoint_left_off() {
+    // 2 steps, checkpoint, 1 more step == 3 steps of the reference.
+    let job = job(4);
+    let trainer = PipelineTrainer::builtin(&job, ScheduleKind::OneFOneB, None).unwrap();
+    let first = trainer.run(2, |_| {}).unwrap();
+    assert_eq!(first.next_step(), 2);
+    let checkpoint = first.checkpoint().unwrap();
+    let rest = trainer.clone().resume(&checkpoint).run(1, |_| {}).unwrap();
+    assert_eq!(rest.steps[0].step, 2);
+    for (n, exp) in &oracle().params {
+        let got = rest.param_values(n).unwrap();
+        let d = got
+            .iter()
+            .zip(exp)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f32::max);
+        assert!(d <= MAX_ABS_DIFF, "{n}: resumed run differs by {d:.3e}");
+    }
+}
+
+#[test]
+fn plans_that_do_not_fit_the_job_are_refused() {
+    let job = job(4);
+    // The plan's micro-batches must be the job's.
+    let plan = build(ScheduleKind::OneFOneB, 4, 4, 1).unwrap();
+    let err = PipelineTrainer::new(&job, plan).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            PipelineError::Config {
+                field: "train.micro_batches",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    // Every stage needs at least one block.
+    let mut shallow = job.clone();
+    shallow.model.layers = 4;
+    let err = PipelineTrainer::builtin(&shallow, ScheduleKind::ZbV, None).unwrap_err();
+    assert!(err.to_string().contains("model.layers"), "{err}");
+    // "none" is the reference trainer's job, and an unknown name is a file that is not there.
+    let err = PipelineTrainer::from_job(&job).unwrap_err();
+    assert!(err.to_string().contains("schedule"), "{err}");
+    let mut missing = job.clone();
+    missing.schedule = "no-such-schedule.csv".into();
+    assert!(PipelineTrainer::from_job(&missing).is_err());
+    let mut named = job.clone();
+    named.schedule = "zb-h1".into();
+    let trainer = PipelineTrainer::from_job(&named).unwrap();
+    assert_eq!(trainer.plan().num_ranks(), 4);
+}
