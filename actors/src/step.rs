@@ -12,21 +12,33 @@
 //! iteration), then steps *speculatively* with what it knows: its own statistics plus those
 //! of the ranks that have already arrived (if that partial norm already exceeds
 //! `max_grad_norm` it clips with it; if it already sees a non-finite gradient it skips). The
-//! compute keeps a snapshot, and the rank goes on with iteration k+1. Before the first
-//! action of k+1 that reads or writes the weights that step changed (any F, I, W or B of
-//! k+1), the rank must hold every rank's statistics for k; it computes the exact decision
-//! and, when it differs from the speculative one, rolls the step back and redoes it. Each
-//! rank's result is therefore exactly the barrier's: both modes compute the decision with
-//! [`decide`], summing the ranks' squared norms in rank order, so the float operations are
-//! the same. A compute that cannot roll back ([`crate::StageCompute::can_roll_back`] is
-//! false) defers its step to that same point instead of speculating.
+//! compute keeps a snapshot, and the rank goes on with iteration k+1:
 //!
-//! What this buys: the optimizer step leaves the critical path. Under a barrier every rank
-//! steps after the slowest rank's statistics arrive, then starts k+1; with post-validation a
-//! rank steps while it would otherwise wait, and at the validation point only a wrong
-//! speculation costs a rollback and a second step. Exactness still needs all statistics
-//! before any compute of k+1 (an F of k+1 reads the stepped weights), so the wait for the
-//! slowest rank itself remains.
+//! - forwards of the first stage (their input is the data) run on the speculative weights,
+//!   and their outputs stay on the rank;
+//! - before any other action that reads or writes the weights (F of a later stage, I, W,
+//!   B) or ships a payload (SEND), the rank must hold every rank's statistics for k (a
+//!   bubble if they are late); it computes the exact decision and, when it differs from
+//!   the speculative one, rolls the step back, redoes it and recomputes the held forwards.
+//!   It validates as soon as the statistics are there, so held outputs leave on time.
+//!
+//! No value computed from a wrong step ever leaves a rank, so every rank's result is exactly
+//! the barrier's: both modes compute the decision with [`decide`], summing the ranks' squared
+//! norms in rank order, so the float operations are the same. A compute that cannot roll
+//! back ([`crate::StageCompute::can_roll_back`] is false) defers its step to the validation
+//! point instead of speculating (and runs no forward early).
+//!
+//! What this buys against the barrier: the optimizer step leaves the critical path (a rank
+//! steps while it would otherwise wait), and the first rank runs its warm-up forwards of
+//! k+1 while later ranks still finish k. What it cannot buy while staying exact: a later
+//! stage's forward of k+1 consumes an activation computed on stepped weights, so it waits
+//! for every rank's statistics of k (letting it run speculatively would need the whole
+//! downstream pipeline to replay on a rollback). [`StepMode::Unchecked`] (no clipping, no
+//! NaN/Inf check, no agreement at all) is the bound: it reaches the schedule's steady bubble.
+//!
+//! [`RunReport::steps`](crate::RunReport::steps) holds one [`StepReport`] per iteration:
+//! the global norm, the decision, and per rank the speculative guess and whether it was
+//! rolled back.
 
 use serde::{Deserialize, Serialize};
 

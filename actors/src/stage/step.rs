@@ -22,7 +22,8 @@
 //! In virtual-clock mode a statistic counts only once its virtual arrival time (the sender's
 //! clock plus the link latency) has passed on this rank; to know that arrival the rank waits
 //! (in real time, not virtual time) until the statistic is physically there. Speculative
-//! decisions, rollbacks and the timeline are then the same on every run.
+//! decisions, rollbacks and the timeline then follow virtual time, not how the OS happened
+//! to schedule the stage threads.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
