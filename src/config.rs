@@ -55,9 +55,11 @@ pub enum Clock {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct JobConfig {
-    /// Pipeline schedule: `"none"` trains on one device with the reference trainer.
+    /// Pipeline schedule: a built-in name (`gpipe`, `1f1b`, `interleaved-1f1b`,
+    /// `looped-bfs`, `zb-h1`, `zb-h2`, `zb-v`), the path of a custom schedule file (`.csv`
+    /// or `.toml`), or `"none"`, which trains on one device with the reference trainer.
     pub schedule: String,
-    /// Number of pipeline stages (ranks); 1 for the reference trainer.
+    /// Number of pipeline ranks (one actor each); ignored by schedule `"none"`.
     pub stages: usize,
     /// How stage timelines are timed.
     pub clock: Clock,
@@ -71,8 +73,8 @@ pub struct JobConfig {
 impl Default for JobConfig {
     fn default() -> Self {
         Self {
-            schedule: "none".into(),
-            stages: 1,
+            schedule: "zb-h1".into(),
+            stages: 4,
             clock: Clock::default(),
             out_dir: None,
             model: GptConfig::default(),
@@ -93,7 +95,7 @@ impl JobConfig {
     pub fn from_toml_with(text: &str, origin: &str, sets: &[String]) -> Result<Self, ConfigError> {
         let parse_err = |e: toml::de::Error| ConfigError::Parse {
             origin: origin.to_string(),
-            message: e.to_string().trim_end().to_string(),
+            message: one_line(&e, text),
         };
         let job: JobConfig = if sets.is_empty() {
             // Straight from the text, so errors point at the file's own lines.
@@ -107,7 +109,7 @@ impl JobConfig {
                 .try_into()
                 .map_err(|e: toml::de::Error| ConfigError::Parse {
                     origin: format!("{origin} with --set overrides"),
-                    message: e.to_string().trim_end().to_string(),
+                    message: one_line(&e, ""),
                 })?
         };
         job.validate()?;
@@ -171,6 +173,36 @@ impl JobConfig {
             ));
         }
         Ok(())
+    }
+}
+
+/// A TOML error as one line: ``line L, column C (`the line`): message`` when it points into
+/// `text`,
+/// `in `section`: message` when it names a field of a document without text (the `--set`
+/// path), so the command line's error stays one line.
+fn one_line(e: &toml::de::Error, text: &str) -> String {
+    let message = e.message().trim();
+    if let Some(span) = e.span().filter(|s| s.start <= text.len()) {
+        let before = &text[..span.start];
+        let line = before.matches('\n').count() + 1;
+        let line_start = before.rfind('\n').map_or(0, |i| i + 1);
+        let column = before.len() - line_start + 1;
+        // The line itself names the field (`steps = "many"`), which the message may not.
+        let source = text[line_start..].lines().next().unwrap_or("").trim();
+        return format!("line {line}, column {column} (`{source}`): {message}");
+    }
+    // Without a position, the Display form ends with `in `a.b`` naming the field's table.
+    let shown = e.to_string();
+    let lines: Vec<&str> = shown
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect();
+    match lines.split_last() {
+        Some((last, rest)) if last.starts_with("in `") && !rest.is_empty() => {
+            format!("{last}: {}", rest.join(" "))
+        }
+        _ => lines.join(" "),
     }
 }
 
@@ -242,5 +274,23 @@ mod tests {
             err.to_string().contains("`stages` is not a section"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn parse_errors_are_one_line_naming_the_field() {
+        let err = JobConfig::from_toml("[train]\nstepz = 3\n", "job.toml").unwrap_err();
+        let err = err.to_string();
+        assert!(
+            err.starts_with("job.toml: line 2, column 1 (`stepz = 3`): unknown field `stepz`"),
+            "{err}"
+        );
+        assert_eq!(err.lines().count(), 1, "{err}");
+        let err = JobConfig::from_toml_with("", "t", &["train.stepz=3".into()]).unwrap_err();
+        let err = err.to_string();
+        assert!(err.contains("in `train`: unknown field `stepz`"), "{err}");
+        assert_eq!(err.lines().count(), 1, "{err}");
+        let err = JobConfig::from_toml_with("", "t", &["stages=many".into()]).unwrap_err();
+        assert!(err.to_string().contains("stages"), "{err}");
+        assert_eq!(err.to_string().lines().count(), 1, "{err}");
     }
 }

@@ -11,7 +11,8 @@
 //! [`steady_iteration`] (the iteration of median makespan, the first iteration excluded since
 //! it warms caches and allocators). The header says which one. The figures follow DESIGN.md's
 //! "Metrics" section: they are copied from [`Timeline`]s built by `Timeline::from_spans`, the
-//! one implementation of those definitions; this module never recomputes a metric.
+//! one implementation of those definitions; this module never recomputes a metric. A
+//! closing line gives the whole run's figures (every step's timeline together), when known.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -100,6 +101,20 @@ pub struct BubbleReport {
     pub predicted_bubble_ratio: f64,
     pub predicted_steady_bubble_ratio: f64,
     pub ranks: Vec<RankFigures>,
+    /// The whole run's measured figures, when the run gave its all-steps timeline.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub whole_run: Option<WholeRun>,
+}
+
+/// The measured timeline of every step of a run together: what the steps cost one after
+/// the other, including whatever separates them (a barrier, the optimizer step).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WholeRun {
+    /// Steps the timeline covers.
+    pub steps: usize,
+    pub makespan: f64,
+    pub bubble_ratio: f64,
+    pub steady_bubble_ratio: f64,
 }
 
 impl BubbleReport {
@@ -140,7 +155,19 @@ impl BubbleReport {
             predicted_bubble_ratio: predicted.bubble_ratio,
             predicted_steady_bubble_ratio: predicted.steady_bubble_ratio,
             ranks,
+            whole_run: None,
         })
+    }
+
+    /// Adds the figures of `overall`, the measured timeline of all `steps` steps together.
+    pub fn with_whole_run(mut self, overall: &Timeline, steps: usize) -> Self {
+        self.whole_run = Some(WholeRun {
+            steps,
+            makespan: overall.makespan,
+            bubble_ratio: overall.bubble_ratio,
+            steady_bubble_ratio: overall.steady_bubble_ratio,
+        });
+        self
     }
 
     /// The report as people read it (`report.txt`, `pipefill profile`).
@@ -210,6 +237,16 @@ impl BubbleReport {
             pct(self.steady_bubble_ratio),
             pct(self.predicted_steady_bubble_ratio)
         );
+        if let Some(w) = &self.whole_run {
+            let _ = writeln!(
+                out,
+                "whole run, {} steps measured: makespan {} {unit}, bubble ratio {}, steady {}",
+                w.steps,
+                t(w.makespan),
+                pct(w.bubble_ratio),
+                pct(w.steady_bubble_ratio)
+            );
+        }
         let _ = writeln!(
             out,
             "bubble ratio: Σ(makespan − busy) / (ranks × makespan), steps apart (a barrier);\n\
@@ -422,8 +459,25 @@ mod tests {
     }
 
     #[test]
+    fn the_whole_run_line_appears_only_when_given() {
+        let r = BubbleReport::new(info("units"), &two_rank_timeline(), &predicted()).unwrap();
+        assert!(!r.to_text().contains("whole run"));
+        assert!(!r.to_json().contains("whole_run"));
+        let r = r.with_whole_run(&predicted(), 5);
+        let text = r.to_text();
+        assert!(
+            text.contains(
+                "whole run, 5 steps measured: makespan 4.000 units, bubble ratio 25.0%, steady 25.0%\n"
+            ),
+            "{text}"
+        );
+    }
+
+    #[test]
     fn json_round_trips_to_the_same_text() {
-        let r = BubbleReport::new(info("s"), &two_rank_timeline(), &predicted()).unwrap();
+        let r = BubbleReport::new(info("s"), &two_rank_timeline(), &predicted())
+            .unwrap()
+            .with_whole_run(&two_rank_timeline(), 5);
         let json = r.to_json();
         let v: serde_json::Value = serde_json::from_str(&json).unwrap();
         for key in [

@@ -1,10 +1,21 @@
-//! `pipefill train [CONFIG.toml] [--set key=value ...] [--schedule none] [--steps N]`:
+//! `pipefill train [CONFIG.toml] [--set key=value ...] [--schedule S] [--clock C] [--steps N]`:
 //! trains the model of a job file (the embedded default job when none is given).
 //!
-//! With `schedule = "none"` it runs the single-device reference trainer. It prints the
-//! dataset summary (with the solution-length histogram) first, then a progress bar with
-//! step, loss and tokens/s, then a summary line; it writes `job.toml`, `metrics.jsonl`
-//! (one JSON line per step) and the final checkpoint under the run's output directory.
+//! Every run prints the dataset summary (with the solution-length histogram) first, then a
+//! progress bar with step, loss and tokens/s, then a summary line and the held-out exact
+//! match, and writes its run directory (`out_dir`): `job.toml`, `metrics.jsonl` (one JSON
+//! line per step) and the final checkpoint.
+//!
+//! - A pipeline schedule (a built-in name or a custom schedule file; the default is
+//!   `zb-h1` on 4 ranks) runs the real model through the actor runtime ([`pipelined`]);
+//!   its run directory also holds the bubble report (`report.txt`, `report.json`), the
+//!   Chrome/Perfetto trace (`trace.json`) and the SVG timeline (`timeline.svg`), written by
+//!   [`run_files`].
+//! - `schedule = "none"` runs the single-device reference trainer (here), the oracle every
+//!   schedule must reproduce.
+
+mod pipelined;
+mod run_files;
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -16,6 +27,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use pipefill::config::JobConfig;
 use pipefill::data::DatasetSummary;
+use pipefill::model::Gpt;
 use pipefill::model::checkpoint::Checkpoint;
 use pipefill::tensor::Backend;
 use pipefill::train::eval::{exact_match, held_out_tasks};
@@ -28,9 +40,13 @@ pub struct TrainArgs {
     /// Override one field of the job, e.g. `--set train.lr=1e-3` (repeatable).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     set: Vec<String>,
-    /// Pipeline schedule; "none" trains on one device with the reference trainer.
+    /// Pipeline schedule: gpipe, 1f1b, interleaved-1f1b, looped-bfs, zb-h1, zb-h2, zb-v, the
+    /// path of a schedule file (.csv/.toml), or "none" (one device, the reference trainer).
     #[arg(long)]
     schedule: Option<String>,
+    /// How stage timelines are timed: virtual (thread CPU time per stage) or wall.
+    #[arg(long, value_enum)]
+    clock: Option<ClockArg>,
     /// Number of optimizer steps (overrides train.steps).
     #[arg(long)]
     steps: Option<u64>,
@@ -43,8 +59,22 @@ pub struct TrainArgs {
     resume: Option<PathBuf>,
 }
 
+/// `--clock`'s values (the job file's `clock`).
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum ClockArg {
+    Virtual,
+    Wall,
+}
+
 pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     let mut sets = args.set.clone();
+    if let Some(clock) = args.clock {
+        let name = match clock {
+            ClockArg::Virtual => "virtual",
+            ClockArg::Wall => "wall",
+        };
+        sets.push(format!("clock=\"{name}\""));
+    }
     if let Some(steps) = args.steps {
         sets.push(format!("train.steps={steps}"));
     }
@@ -62,16 +92,12 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         Some(path) => JobConfig::load(path, &sets)?,
         None => JobConfig::embedded(&sets)?,
     };
-    if job.schedule != "none" {
-        bail!(
-            "schedule {:?}: pipeline schedules come with the actor runtime, which this build \
-             does not have yet; use --schedule none (the single-device reference trainer)",
-            job.schedule
-        );
+    if !job.schedule.trim().eq_ignore_ascii_case("none") {
+        return pipelined::train(&job, args.resume.as_deref());
     }
     if job.stages != 1 {
-        bail!(
-            "stages = {}: schedule \"none\" trains on one device; set stages = 1",
+        println!(
+            "schedule \"none\": the whole model on one device (stages = {} is ignored)",
             job.stages
         );
     }
@@ -120,30 +146,10 @@ fn train_reference(job: &JobConfig, resume: Option<&Path>) -> anyhow::Result<()>
         t.clip
     );
 
-    let out_dir = job.out_dir.clone().unwrap_or_else(default_out_dir);
-    std::fs::create_dir_all(&out_dir)
-        .with_context(|| format!("cannot create output directory {}", out_dir.display()))?;
-    let job_path = out_dir.join("job.toml");
-    std::fs::write(&job_path, job.to_toml())
-        .with_context(|| format!("cannot write {}", job_path.display()))?;
+    let (out_dir, mut metrics) = open_run_dir(job, first_step)?;
     let metrics_path = out_dir.join("metrics.jsonl");
-    // A resumed run appends to the metrics of the run it continues.
-    let mut metrics = BufWriter::new(
-        File::options()
-            .create(true)
-            .write(true)
-            .append(first_step > 0)
-            .truncate(first_step == 0)
-            .open(&metrics_path)
-            .with_context(|| format!("cannot create {}", metrics_path.display()))?,
-    );
 
-    let bar = ProgressBar::new(t.steps);
-    bar.set_position(first_step);
-    bar.set_style(
-        ProgressStyle::with_template("{bar:30} step {pos}/{len} {msg} [{elapsed} < {eta}]")
-            .expect("valid template"),
-    );
+    let bar = progress_bar(t.steps, first_step);
     // Without a terminal the bar is hidden: print a plain line now and then instead.
     let plain_every = (t.steps / 20).max(1);
     let started = Instant::now();
@@ -177,26 +183,7 @@ fn train_reference(job: &JobConfig, resume: Option<&Path>) -> anyhow::Result<()>
     checkpoint.save(&checkpoint_dir)?;
 
     let seconds = started.elapsed().as_secs_f64();
-    if t.eval_tasks > 0 {
-        let d = &job.data;
-        let tasks = held_out_tasks(
-            &d.families,
-            d.size_scale,
-            d.max_size,
-            t.seed,
-            job.model.seq_len,
-            t.eval_tasks,
-        )?;
-        let em = exact_match(trainer.model_mut(), &tasks)?;
-        println!(
-            "exact match (greedy) on {} held-out tasks that fit seq_len {}: {}/{} ({:.1}%)",
-            em.tasks,
-            job.model.seq_len,
-            em.correct,
-            em.tasks,
-            100.0 * em.accuracy()
-        );
-    }
+    evaluate(job, trainer.model_mut())?;
     let tokens: usize = history.iter().map(|m| m.tokens).sum();
     let window = history.len().min(10);
     let mean = |ms: &[StepMetrics]| ms.iter().map(|m| m.loss).sum::<f32>() / ms.len() as f32;
@@ -221,6 +208,66 @@ fn default_out_dir() -> PathBuf {
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
     Path::new("runs").join(utc_stamp(secs))
+}
+
+/// Creates the run directory, writes `job.toml` into it and opens `metrics.jsonl`
+/// (appended to when a resumed run starts past step 0).
+fn open_run_dir(job: &JobConfig, first_step: u64) -> anyhow::Result<(PathBuf, BufWriter<File>)> {
+    let out_dir = job.out_dir.clone().unwrap_or_else(default_out_dir);
+    std::fs::create_dir_all(&out_dir)
+        .with_context(|| format!("cannot create output directory {}", out_dir.display()))?;
+    let job_path = out_dir.join("job.toml");
+    std::fs::write(&job_path, job.to_toml())
+        .with_context(|| format!("cannot write {}", job_path.display()))?;
+    let metrics_path = out_dir.join("metrics.jsonl");
+    // A resumed run appends to the metrics of the run it continues.
+    let metrics = BufWriter::new(
+        File::options()
+            .create(true)
+            .write(true)
+            .append(first_step > 0)
+            .truncate(first_step == 0)
+            .open(&metrics_path)
+            .with_context(|| format!("cannot create {}", metrics_path.display()))?,
+    );
+    Ok((out_dir, metrics))
+}
+
+/// The per-step progress bar, starting at `first_step` of `steps`.
+fn progress_bar(steps: u64, first_step: u64) -> ProgressBar {
+    let bar = ProgressBar::new(steps);
+    bar.set_position(first_step);
+    bar.set_style(
+        ProgressStyle::with_template("{bar:30} step {pos}/{len} {msg} [{elapsed} < {eta}]")
+            .expect("valid template"),
+    );
+    bar
+}
+
+/// Scores greedy completions of the job's held-out tasks and prints the exact match.
+fn evaluate<B: Backend>(job: &JobConfig, model: &mut Gpt<B>) -> anyhow::Result<()> {
+    let (d, t) = (&job.data, &job.train);
+    if t.eval_tasks == 0 {
+        return Ok(());
+    }
+    let tasks = held_out_tasks(
+        &d.families,
+        d.size_scale,
+        d.max_size,
+        t.seed,
+        job.model.seq_len,
+        t.eval_tasks,
+    )?;
+    let em = exact_match(model, &tasks)?;
+    println!(
+        "exact match (greedy) on {} held-out tasks that fit seq_len {}: {}/{} ({:.1}%)",
+        em.tasks,
+        job.model.seq_len,
+        em.correct,
+        em.tasks,
+        100.0 * em.accuracy()
+    );
+    Ok(())
 }
 
 /// `YYYYMMDD-HHMMSS` of a Unix time (civil-from-days, proleptic Gregorian calendar).

@@ -1,0 +1,158 @@
+//! The pipelined main job: the real model through the actor runtime, one stage actor per
+//! rank, following the job's schedule (built-in or a custom file), then the run directory's
+//! profiling files (see [`super::run_files`]).
+
+use std::io::Write;
+use std::path::Path;
+use std::time::Instant;
+
+use anyhow::{Context, bail};
+
+use pipefill::config::{Clock, JobConfig};
+use pipefill::data::DatasetSummary;
+use pipefill::model::checkpoint::Checkpoint;
+use pipefill::pipeline::{PipelineTrainer, StepMetrics};
+use pipefill::schedules::ScheduleKind;
+
+use super::run_files::{StepLine, write_profile};
+use super::{evaluate, open_run_dir, progress_bar};
+
+/// Runs `job`'s pipeline (from `resume`'s checkpoint when given), printing progress and the
+/// bubble report, and writing the run directory.
+pub(super) fn train(job: &JobConfig, resume: Option<&Path>) -> anyhow::Result<()> {
+    check_schedule(&job.schedule)?;
+    let summary = DatasetSummary::sample(&job.data, job.train.seed)?;
+    print!("{summary}");
+
+    let mut trainer = PipelineTrainer::from_job(job)
+        .with_context(|| format!("schedule {:?} on {} ranks", job.schedule, job.stages))?;
+    if let Some(dir) = resume {
+        let checkpoint = Checkpoint::load(dir)?;
+        trainer = trainer.resume(&checkpoint);
+        println!(
+            "resuming from {} at step {}",
+            dir.display(),
+            trainer.first_step()
+        );
+    }
+    let first_step = trainer.first_step();
+    let t = &job.train;
+    if first_step >= t.steps {
+        bail!(
+            "the checkpoint is at step {first_step}: nothing to do for train.steps = {}",
+            t.steps
+        );
+    }
+    let plan = trainer.plan().clone();
+    let clock = match job.clock {
+        Clock::Virtual => "virtual",
+        Clock::Wall => "wall",
+    };
+    println!(
+        "model: {} params ({} layers, d_model {}, {} heads, seq {}) on the CPU",
+        job.model.param_count(),
+        job.model.layers,
+        job.model.d_model,
+        job.model.heads,
+        job.model.seq_len,
+    );
+    println!(
+        "pipeline: schedule {} on {} ranks ({} stages, {} per rank), {} micro-batches × {} \
+         sequences per step, {clock} clock",
+        job.schedule.trim(),
+        plan.num_ranks(),
+        plan.stages,
+        plan.stages_per_rank(),
+        plan.microbatches,
+        t.micro_batch_size,
+    );
+
+    let (out_dir, mut metrics) = open_run_dir(job, first_step)?;
+    let bar = progress_bar(t.steps, first_step);
+    let plain_every = (t.steps / 20).max(1);
+    let started = Instant::now();
+    let run = trainer.run(t.steps - first_step, |m: &StepMetrics| {
+        let line = format!(
+            "loss {:.4} | lr {:.2e} | {:.0} tok/s",
+            m.loss,
+            m.lr,
+            m.tokens_per_second()
+        );
+        if bar.is_hidden() && (m.step % plain_every == 0 || m.step + 1 == t.steps) {
+            println!("step {:>5}/{} {line}", m.step + 1, t.steps);
+        }
+        bar.set_message(line);
+        bar.inc(1);
+    });
+    let run = match run {
+        Ok(run) => run,
+        Err(e) => {
+            bar.abandon();
+            return Err(e.into());
+        }
+    };
+    let seconds = started.elapsed().as_secs_f64();
+
+    // The runtime's timelines arrive with the run: each step's bubble ratios join its line.
+    let timelines: Vec<_> = run.timelines().collect();
+    for (m, tl) in run.steps.iter().zip(&timelines) {
+        serde_json::to_writer(&mut metrics, &StepLine::new(m, tl))?;
+        writeln!(metrics)?;
+    }
+    metrics.flush()?;
+    if let (Some(m), Some(tl)) = (run.steps.last(), timelines.last()) {
+        bar.finish_with_message(format!(
+            "loss {:.4} | {:.0} tok/s | bubble {:.1}% (steady {:.1}%)",
+            m.loss,
+            m.tokens_per_second(),
+            100.0 * tl.bubble_ratio,
+            100.0 * tl.steady_bubble_ratio
+        ));
+    } else {
+        bar.finish();
+    }
+
+    let checkpoint_dir = out_dir.join("checkpoint");
+    let mut checkpoint = run.checkpoint()?;
+    let notes = &mut checkpoint.meta.notes;
+    notes.insert("job.toml".into(), job.to_toml());
+    notes.insert("schedule".into(), job.schedule.trim().to_string());
+    checkpoint.save(&checkpoint_dir)?;
+
+    let report = write_profile(&out_dir, job, &run, clock)?;
+    println!();
+    print!("{}", report.to_text());
+    println!();
+
+    evaluate(job, &mut run.model()?)?;
+    let history = &run.steps;
+    let tokens: usize = history.iter().map(|m| m.tokens).sum();
+    let window = history.len().clamp(1, 10);
+    let mean = |ms: &[StepMetrics]| ms.iter().map(|m| m.loss).sum::<f32>() / ms.len() as f32;
+    println!(
+        "done: {} steps in {:.1} s, {:.0} tok/s; loss {:.4} → {:.4} (mean of first/last {} steps); \
+         run directory {} (report.txt, trace.json, timeline.svg, metrics.jsonl, checkpoint/)",
+        history.len(),
+        seconds,
+        tokens as f64 / seconds.max(1e-9),
+        mean(&history[..window.min(history.len())]),
+        mean(&history[history.len().saturating_sub(window)..]),
+        window,
+        out_dir.display()
+    );
+    Ok(())
+}
+
+/// A schedule that is neither a built-in name nor an existing file is refused up front,
+/// with the list of names, instead of as a failed file read.
+fn check_schedule(schedule: &str) -> anyhow::Result<()> {
+    let name = schedule.trim();
+    if name.parse::<ScheduleKind>().is_ok() || Path::new(name).is_file() {
+        return Ok(());
+    }
+    let names: Vec<&str> = ScheduleKind::ALL.iter().map(|k| k.name()).collect();
+    bail!(
+        "schedule {name:?} is neither a built-in schedule ({}, or none) nor a schedule file",
+        names.join(", ")
+    )
+}

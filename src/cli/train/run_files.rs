@@ -1,0 +1,181 @@
+//! The profiling files of a pipelined run's directory:
+//!
+//! - `metrics.jsonl` lines ([`StepLine`]): the step's metrics plus tokens/s and the step's
+//!   measured bubble ratios;
+//! - `report.txt` / `report.json`: the bubble report of one steady-state step, measured next
+//!   to the simulator's prediction under the measured costs
+//!   ([`pipefill::profile::report`]);
+//! - `trace.json`: the Chrome/Perfetto trace of the whole run, one process per rank, with
+//!   lanes for compute, bubbles (idle slots of the measured timeline) and the runtime's
+//!   measured waits for input (communication);
+//! - `timeline.svg`: the reported step's timeline, in milliseconds.
+
+use std::path::Path;
+
+use anyhow::{Context, bail};
+use serde::Serialize;
+
+use pipefill::config::JobConfig;
+use pipefill::pipeline::{PipelineRun, StepMetrics};
+use pipefill::profile::LaneSpan;
+use pipefill::profile::chrome::{ChromeOptions, chrome_trace_with};
+use pipefill::profile::report::{BubbleReport, RunInfo, steady_iteration};
+use pipefill::profile::svg::{SvgOptions, svg_with};
+use pipefill::schedules::{Span, Timeline};
+use pipefill_actors::IterationProfile;
+
+/// Name of the lane holding the runtime's measured waits for input.
+const WAIT_LANE: &str = "waiting for input";
+/// Name of the lane holding filler work run inside bubbles.
+const FILLER_LANE: &str = "filler";
+
+/// One line of a pipelined run's `metrics.jsonl`.
+#[derive(Serialize)]
+pub(super) struct StepLine<'a> {
+    #[serde(flatten)]
+    metrics: &'a StepMetrics,
+    tokens_per_second: f64,
+    /// Makespan of the step's measured timeline, in seconds.
+    makespan: f64,
+    bubble_ratio: f64,
+    steady_bubble_ratio: f64,
+}
+
+impl<'a> StepLine<'a> {
+    pub(super) fn new(metrics: &'a StepMetrics, timeline: &Timeline) -> Self {
+        StepLine {
+            metrics,
+            tokens_per_second: metrics.tokens_per_second(),
+            makespan: timeline.makespan,
+            bubble_ratio: timeline.bubble_ratio,
+            steady_bubble_ratio: timeline.steady_bubble_ratio,
+        }
+    }
+}
+
+/// Writes `report.json`, `report.txt`, `trace.json` and `timeline.svg` of `run` into `dir`
+/// and returns the report.
+pub(super) fn write_profile(
+    dir: &Path,
+    job: &JobConfig,
+    run: &PipelineRun,
+    clock: &str,
+) -> anyhow::Result<BubbleReport> {
+    let iterations = &run.report.iterations;
+    let makespans: Vec<f64> = iterations.iter().map(|i| i.timeline.makespan).collect();
+    let Some((index, note)) = steady_iteration(&makespans) else {
+        bail!("the runtime measured no step: no timeline to report");
+    };
+    let Some(predicted) = &run.predicted else {
+        bail!(
+            "the runtime did not measure every stage's costs, so the simulator has nothing to \
+             predict with"
+        );
+    };
+    let first_step = run.next_step() - iterations.len() as u64;
+    let step = first_step as usize + index;
+    let measured = &iterations[index];
+    let info = RunInfo {
+        schedule: job.schedule.trim().to_string(),
+        clock: clock.to_string(),
+        stages: run.plan.stages,
+        microbatches: run.plan.microbatches,
+        steps: run.next_step(),
+        units: "s".into(),
+        iteration: step,
+        iteration_note: note,
+    };
+    let report = BubbleReport::new(info, &measured.timeline, predicted)?
+        .with_whole_run(&run.report.overall, iterations.len());
+    report.write(dir)?;
+
+    // The trace covers the whole run; times are seconds, trace events microseconds.
+    let mut extra = Vec::new();
+    for it in iterations {
+        extra.extend(lane_spans(it));
+    }
+    let trace = chrome_trace_with(
+        &run.report.overall,
+        &extra,
+        &ChromeOptions {
+            us_per_unit: 1e6,
+            bubbles: true,
+        },
+    );
+    let path = dir.join("trace.json");
+    let file = std::fs::File::create(&path)
+        .with_context(|| format!("cannot create {}", path.display()))?;
+    serde_json::to_writer(std::io::BufWriter::new(file), &trace)
+        .with_context(|| format!("cannot write {}", path.display()))?;
+
+    // The picture shows the reported step in milliseconds, with the filler work (if any)
+    // along the bottom of each lane. Waits are left out: they are the bubbles themselves.
+    let ms = |t: f64| t * 1e3;
+    let spans: Vec<Span> = measured
+        .timeline
+        .spans
+        .iter()
+        .map(|s| Span {
+            start: ms(s.start),
+            end: ms(s.end),
+            ..*s
+        })
+        .collect();
+    let peak: Vec<f64> = measured
+        .timeline
+        .ranks
+        .iter()
+        .map(|r| r.peak_memory)
+        .collect();
+    let timeline_ms = Timeline::from_spans(measured.timeline.ranks.len(), spans, &peak);
+    let fillers: Vec<LaneSpan> = lane_spans(measured)
+        .filter(|l| l.lane == FILLER_LANE)
+        .map(|l| LaneSpan {
+            start: ms(l.start),
+            end: ms(l.end),
+            ..l
+        })
+        .collect();
+    let title = format!(
+        "{} · {} ranks · {} micro-batches · step {step} measured ({clock} clock) · ms\n\
+         bubble ratio {:.1}% (predicted {:.1}%) · steady {:.1}% (predicted {:.1}%)",
+        report.info.schedule,
+        report.ranks_count,
+        report.info.microbatches,
+        100.0 * report.bubble_ratio,
+        100.0 * report.predicted_bubble_ratio,
+        100.0 * report.steady_bubble_ratio,
+        100.0 * report.predicted_steady_bubble_ratio,
+    );
+    let svg = svg_with(
+        &timeline_ms,
+        &fillers,
+        &SvgOptions {
+            title: Some(title),
+            show_stage: run.plan.stages_per_rank() > 1,
+            ..SvgOptions::default()
+        },
+    );
+    let path = dir.join("timeline.svg");
+    std::fs::write(&path, svg).with_context(|| format!("cannot write {}", path.display()))?;
+    Ok(report)
+}
+
+/// The runtime's measured waits and filler work of one step, as extra lanes.
+fn lane_spans(it: &IterationProfile) -> impl Iterator<Item = LaneSpan> + '_ {
+    let waits = it.bubbles.iter().map(|b| LaneSpan {
+        rank: b.rank,
+        lane: WAIT_LANE.into(),
+        start: b.start,
+        end: b.end,
+        label: format!("wait for {}", b.waiting_for),
+    });
+    let fillers = it.fillers.iter().map(|f| LaneSpan {
+        rank: f.rank,
+        lane: FILLER_LANE.into(),
+        start: f.start,
+        end: f.end,
+        label: f.label.clone(),
+    });
+    waits.chain(fillers)
+}
