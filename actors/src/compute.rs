@@ -120,6 +120,13 @@ pub trait StageCompute: Send + 'static {
     /// When false (the default) the runtime never steps speculatively: under
     /// [`crate::StepMode::PostValidate`] it defers the step until it knows every rank's
     /// statistics, just before the next iteration's first action.
+    ///
+    /// When true, two more things may happen, and the implementation must allow them:
+    /// forwards of the first stage (stage 0, input `None`) of iteration k+1 may run after
+    /// the speculative step of k and before it is confirmed; and after a rollback the
+    /// runtime calls [`StageCompute::forward`] again for each of those (same stage and
+    /// micro-batch, on the corrected weights), and that second call must replace whatever
+    /// the first one stashed and feed the same data.
     fn can_roll_back(&self) -> bool {
         false
     }

@@ -14,8 +14,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
 use pipefill_actors::{
-    Clock, GradStats, Pipeline, PlanSource, RunReport, StageCompute, StepDecision, StepMode,
-    StepPolicy, spin_cpu,
+    Clock, GradStats, Pipeline, PlanSource, RunReport, RuntimeError, StageCompute, StepDecision,
+    StepMode, StepPolicy, spin_cpu,
 };
 use pipefill_schedules::{Plan, ScheduleKind, generate};
 
@@ -56,6 +56,8 @@ struct WeightFake {
     rollback: bool,
     /// The iteration whose data are large.
     large_at: Option<u64>,
+    /// Fail `grad_stats` of this iteration.
+    stats_error_at: Option<u64>,
     cost: f64,
     step_cost: f64,
     log: Arc<Mutex<Log>>,
@@ -101,6 +103,7 @@ impl WeightFake {
                 inf_at: inf.filter(|&(r, _)| r == rank).map(|(_, it)| it),
                 rollback: true,
                 large_at: Some(2),
+                stats_error_at: None,
                 cost,
                 step_cost: cost,
                 log: Arc::clone(&log),
@@ -205,7 +208,10 @@ impl StageCompute for WeightFake {
         Ok(())
     }
 
-    fn grad_stats(&mut self, _iteration: u64) -> Result<GradStats, String> {
+    fn grad_stats(&mut self, iteration: u64) -> Result<GradStats, String> {
+        if self.stats_error_at == Some(iteration) {
+            return Err("device lost while reducing gradients".into());
+        }
         let mut stats = GradStats::default();
         for st in self.stages.values() {
             for g in st.grad {
@@ -547,5 +553,33 @@ async fn bad_step_policies_are_refused() {
             .await
             .expect_err("a bad policy");
         assert!(err.to_string().contains(what), "{err}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_failing_gradient_reduction_stops_the_job_and_names_the_rank() {
+    let plan = generate(ScheduleKind::ZbH2, 4, 6, 1).unwrap();
+    for mode in [StepMode::Barrier, StepMode::PostValidate] {
+        let (mut fakes, _) = WeightFake::for_plan(&plan, None, 0.0);
+        fakes[2].stats_error_at = Some(1);
+        let err = Pipeline::new(PlanSource::Given(plan.clone()), Clock::Wall)
+            .iterations(3)
+            .step_mode(mode)
+            .stall_timeout(std::time::Duration::from_secs(20))
+            .run(fakes)
+            .await
+            .expect_err("rank 2 fails");
+        assert!(
+            matches!(
+                err,
+                RuntimeError::Optimizer {
+                    rank: 2,
+                    iteration: 1,
+                    ..
+                }
+            ),
+            "{mode:?}: {err}"
+        );
+        assert!(err.to_string().contains("device lost"), "{err}");
     }
 }
