@@ -583,3 +583,47 @@ async fn a_failing_gradient_reduction_stops_the_job_and_names_the_rank() {
         assert!(err.to_string().contains("device lost"), "{err}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn several_chunks_per_rank_and_lowered_plans_equal_the_barrier() {
+    let plans = [
+        generate(ScheduleKind::ZbV, 4, 8, 2).unwrap(),
+        generate(ScheduleKind::Interleaved1F1B, 2, 4, 2).unwrap(),
+        // Explicit SEND/RECV: held first-stage outputs leave at their SEND, after validation.
+        pipefill_schedules::lower(&generate(ScheduleKind::ZbH2, 4, 6, 1).unwrap()).unwrap(),
+    ];
+    for plan in &plans {
+        let inf = Some((1, INF_ITERATION));
+        let (free, _) = run(
+            plan,
+            policy(StepMode::Barrier, None),
+            None,
+            Clock::virtual_free(),
+            true,
+        )
+        .await;
+        let max = (free.steps[2].grad_norm + free.steps[1].grad_norm) / 2.0;
+        let (barrier, want) = run(
+            plan,
+            policy(StepMode::Barrier, Some(max)),
+            inf,
+            Clock::virtual_free(),
+            true,
+        )
+        .await;
+        let (post, got) = run(
+            plan,
+            policy(StepMode::PostValidate, Some(max)),
+            inf,
+            Clock::virtual_free(),
+            true,
+        )
+        .await;
+        assert_eq!(got, want, "{} stages", plan.stages);
+        assert!(barrier.steps[2].clipped());
+        assert_eq!(
+            post.steps[INF_ITERATION as usize].decision,
+            StepDecision::Skip
+        );
+    }
+}
