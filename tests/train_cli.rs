@@ -241,6 +241,45 @@ fn a_custom_schedule_file_runs_under_the_wall_clock() {
 }
 
 #[test]
+fn a_pipelined_run_resumes_from_its_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let two_ranks = ["--set", "stages=2", "--set", "model.layers=2"];
+    let out = train(&[&["--steps", "2"][..], &two_ranks].concat(), dir.path());
+    assert!(out.status.success(), "{}", text(&out));
+    let checkpoint = dir.path().join("checkpoint");
+    let checkpoint = checkpoint.to_str().unwrap();
+    let out = train(
+        &[&["--steps", "5", "--resume", checkpoint][..], &two_ranks].concat(),
+        dir.path(),
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("at step 2"));
+    let metrics = std::fs::read_to_string(dir.path().join("metrics.jsonl")).unwrap();
+    let steps: Vec<u64> = metrics
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<Value>(l).unwrap()["step"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(steps, [0, 1, 2, 3, 4]);
+    let report = read_json(&dir.path().join("report.json"));
+    assert_eq!(report["steps"], 5);
+    // Steps 3 and 4 follow the resumed run's warm-up step 2.
+    let step = report["iteration"].as_u64().unwrap();
+    assert!((3..=4).contains(&step), "{step}");
+    assert_eq!(report["whole_run"]["steps"], 3);
+    assert_eq!(
+        Checkpoint::load(&dir.path().join("checkpoint"))
+            .unwrap()
+            .meta
+            .step,
+        5
+    );
+}
+
+#[test]
 fn bad_input_is_one_clear_line() {
     let dir = tempfile::tempdir().unwrap();
     let err = one_line_error(&train(&["--schedule", "zb-h9"], dir.path()));

@@ -317,28 +317,27 @@ fn fmt_fixed(x: f64, decimals: usize) -> String {
     }
 }
 
-/// The step whose timeline best shows the steady state of a run with these per-step
-/// makespans: the median makespan among every step but the first (which warms caches and
-/// allocators), or step 0 when it is the only one. Returns the step and a note saying so.
+/// The step whose timeline best shows the steady state of a run whose steps
+/// `first_step, first_step + 1, …` had these makespans: the median makespan among every
+/// step but the first (which warms caches and allocators), or the first when it is the only
+/// one. Returns the index into `makespans` and a note naming the steps it was chosen from.
 ///
 /// `None` when there are no steps.
-pub fn steady_iteration(makespans: &[f64]) -> Option<(usize, String)> {
-    match makespans.len() {
-        0 => None,
-        1 => Some((0, "the only step".to_string())),
-        n => {
-            let mut order: Vec<usize> = (1..n).collect();
-            order.sort_by(|&a, &b| makespans[a].total_cmp(&makespans[b]).then(a.cmp(&b)));
-            let pick = order[(order.len() - 1) / 2];
-            Some((
-                pick,
-                format!(
-                    "the step of median makespan among steps 1..{}; step 0 warms up",
-                    n - 1
-                ),
-            ))
-        }
-    }
+pub fn steady_iteration(makespans: &[f64], first_step: u64) -> Option<(usize, String)> {
+    let n = makespans.len();
+    let note = match n {
+        0 => return None,
+        1 => return Some((0, "the only step measured".to_string())),
+        2 => format!("the only step after step {first_step}, which warms up"),
+        _ => format!(
+            "median makespan of steps {}–{}; step {first_step} warms up",
+            first_step + 1,
+            first_step + n as u64 - 1
+        ),
+    };
+    let mut order: Vec<usize> = (1..n).collect();
+    order.sort_by(|&a, &b| makespans[a].total_cmp(&makespans[b]).then(a.cmp(&b)));
+    Some((order[(order.len() - 1) / 2], note))
 }
 
 #[cfg(test)]
@@ -540,13 +539,16 @@ mod tests {
 
     #[test]
     fn steady_iteration_is_the_median_after_warm_up() {
-        assert_eq!(steady_iteration(&[]), None);
-        assert_eq!(steady_iteration(&[5.0]).unwrap().0, 0);
+        assert_eq!(steady_iteration(&[], 0), None);
+        assert_eq!(steady_iteration(&[5.0], 7).unwrap().0, 0);
         // Step 0 is slowest and excluded; of 1..=4 (3, 1, 2, 4) the lower median is 2.0 at step 3.
-        let (i, note) = steady_iteration(&[9.0, 3.0, 1.0, 2.0, 4.0]).unwrap();
+        let (i, note) = steady_iteration(&[9.0, 3.0, 1.0, 2.0, 4.0], 0).unwrap();
         assert_eq!(i, 3);
-        assert!(note.contains("median"), "{note}");
-        assert_eq!(steady_iteration(&[9.0, 3.0]).unwrap().0, 1);
+        assert_eq!(note, "median makespan of steps 1–4; step 0 warms up");
+        // A resumed run names its own steps.
+        let (i, note) = steady_iteration(&[9.0, 3.0], 10).unwrap();
+        assert_eq!(i, 1);
+        assert_eq!(note, "the only step after step 10, which warms up");
     }
 
     #[test]

@@ -63,7 +63,8 @@ pub(super) fn write_profile(
 ) -> anyhow::Result<BubbleReport> {
     let iterations = &run.report.iterations;
     let makespans: Vec<f64> = iterations.iter().map(|i| i.timeline.makespan).collect();
-    let Some((index, note)) = steady_iteration(&makespans) else {
+    let first_step = run.next_step() - iterations.len() as u64;
+    let Some((index, note)) = steady_iteration(&makespans, first_step) else {
         bail!("the runtime measured no step: no timeline to report");
     };
     let Some(predicted) = &run.predicted else {
@@ -72,7 +73,6 @@ pub(super) fn write_profile(
              predict with"
         );
     };
-    let first_step = run.next_step() - iterations.len() as u64;
     let step = first_step as usize + index;
     let measured = &iterations[index];
     let info = RunInfo {
