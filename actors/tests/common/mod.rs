@@ -11,6 +11,8 @@
 
 #![allow(dead_code)] // each test binary uses a different part
 
+pub mod weights;
+
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
