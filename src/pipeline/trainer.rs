@@ -21,7 +21,9 @@ use crate::config::JobConfig;
 use crate::data::StepData;
 use crate::model::checkpoint::{Checkpoint, HostTensor};
 use crate::model::{AdamW, Cut, Gpt, ModelChunk, ModelError, OptimizerState};
-use crate::schedules::{CostModel, Plan, ScheduleKind, Timeline, build, read_plan, simulate};
+use crate::schedules::{
+    ActionKind, CostModel, Plan, ScheduleKind, StageCost, Timeline, build, read_plan, simulate,
+};
 use crate::tensor::CpuBackend;
 use crate::train::StepMetrics;
 use crate::train::reference::{adamw_config, lr_schedule};
@@ -299,6 +301,50 @@ impl PipelineRun {
     /// The measured timeline of every iteration (= step), in order.
     pub fn timelines(&self) -> impl Iterator<Item = &Timeline> {
         self.report.iterations.iter().map(|i| &i.timeline)
+    }
+
+    /// Per-stage **mean** T_F, T_I, T_W (seconds) over the iterations from `skip` on (e.g.
+    /// 1 to leave out the warm-up iteration); link latency and memory figures as in
+    /// [`PipelineRun::measured_cost`]. `None` when some stage has no measured forward.
+    ///
+    /// Why means next to the runtime's medians: a timeline's busy time is a *sum* of action
+    /// costs, which means reproduce exactly; action costs are skewed to the right, so a
+    /// prediction under medians under-estimates busy time, and the bubble ratio
+    /// (`1 − busy / (ranks × makespan)`) amplifies that error by `(1 − ratio) / ratio`.
+    pub fn mean_cost(&self, skip: usize) -> Option<CostModel> {
+        let mut sums: BTreeMap<(u32, ActionKind), (f64, usize)> = BTreeMap::new();
+        for it in self.report.iterations.iter().skip(skip) {
+            for r in &it.records {
+                if matches!(
+                    r.action.kind,
+                    ActionKind::F | ActionKind::I | ActionKind::W | ActionKind::B
+                ) {
+                    let e = sums.entry((r.action.stage, r.action.kind)).or_default();
+                    e.0 += r.duration();
+                    e.1 += 1;
+                }
+            }
+        }
+        let mean = |stage, kind| sums.get(&(stage, kind)).map(|&(t, n)| t / n as f64);
+        let stage = (0..self.plan.stages as u32)
+            .map(|s| {
+                let f = mean(s, ActionKind::F)?;
+                // A plan of fused backwards measures B only: T_I = T_B, T_W = 0, as the
+                // runtime's own cost model does.
+                let (i, w) = match (mean(s, ActionKind::I), mean(s, ActionKind::B)) {
+                    (Some(i), _) => (i, mean(s, ActionKind::W).unwrap_or(0.0)),
+                    (None, b) => (b.unwrap_or(0.0), 0.0),
+                };
+                Some(StageCost { f, i, w })
+            })
+            .collect::<Option<Vec<_>>>()?;
+        let base = self.measured_cost.clone().unwrap_or_default();
+        Some(CostModel { stage, ..base })
+    }
+
+    /// The simulator's timeline of this run's plan under `cost`.
+    pub fn predict(&self, cost: &CostModel) -> Result<Timeline, PipelineError> {
+        Ok(simulate(&self.plan, cost)?)
     }
 
     /// Every parameter's name, in model order.
