@@ -551,3 +551,36 @@ fn single_thread_backend_has_no_pool() {
     assert!(!par && name == std::thread::current().name().map(str::to_string));
     assert!(!one.run(usize::MAX, |par| par));
 }
+
+/// With `k = 0` each product is an empty sum: its `[m, n]` block of `c` becomes 0 (or keeps
+/// its values when accumulating), and the elements between blocks are left alone.
+#[test]
+fn matmul_batched_with_k_0_zeroes_only_the_output_blocks() {
+    let be = CpuBackend::new(1).unwrap();
+    let (batch, m, n, stride_c) = (3, 2, 2, 6);
+    let g = BatchedGemm {
+        gemm: Gemm::nn(m, 0, n),
+        batch,
+        stride_a: 0,
+        stride_b: 0,
+        stride_c,
+    };
+    let before: Vec<f32> = (1..=(batch - 1) * stride_c + m * n)
+        .map(|i| i as f32)
+        .collect();
+    let (a, b) = (buf(&be, &[]), buf(&be, &[]));
+    let mut c = buf(&be, &before);
+    be.matmul_batched(&a, &b, &mut c, g).unwrap();
+    let got = host(&be, &c);
+    for (i, (&g, &x)) in got.iter().zip(&before).enumerate() {
+        let in_block = i % stride_c < m * n;
+        assert_eq!(g, if in_block { 0.0 } else { x }, "element {i}: {got:?}");
+    }
+    let mut c = buf(&be, &before);
+    let acc = BatchedGemm {
+        gemm: g.gemm.accumulate(),
+        ..g
+    };
+    be.matmul_batched(&a, &b, &mut c, acc).unwrap();
+    assert_eq!(host(&be, &c), before);
+}
