@@ -17,6 +17,7 @@
 //! - Activations use the `[batch, seq, d]` layout, so an `[N = batch·seq, d]` matrix; attention
 //!   heads are interleaved in `d` as `[batch, seq, heads, head_dim]`.
 
+mod check;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;

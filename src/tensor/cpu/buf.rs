@@ -1,12 +1,12 @@
-//! The CPU buffer type and the shared helpers of the backend: length checks that produce
-//! the [`TensorError`]s, and the row-major matrix product on slices (the one `unsafe` call).
+//! The CPU buffer type and the row-major matrix product on slices (the one `unsafe` call).
+//! The operand checks every operation starts with live in `crate::tensor::check`.
 
 use std::borrow::Cow;
 
 use gemm::Parallelism;
 use half::bf16;
 
-use crate::tensor::{AttnShape, Gemm, IGNORE_TARGET, Result, TensorError};
+use crate::tensor::Gemm;
 
 /// A CPU buffer: a vector of `f32`, or of `bf16` widened on read.
 #[derive(Clone, Debug, PartialEq)]
@@ -47,65 +47,6 @@ impl CpuBuf {
                 r
             }
         }
-    }
-}
-
-/// Checks that `buf` has `expected` elements.
-pub(super) fn check(
-    op: &'static str,
-    operand: &'static str,
-    buf: &CpuBuf,
-    expected: usize,
-) -> Result<()> {
-    if buf.len() == expected {
-        Ok(())
-    } else {
-        Err(TensorError::Shape {
-            op,
-            operand,
-            expected,
-            got: buf.len(),
-        })
-    }
-}
-
-/// Checks that `buf` has at least `expected` elements.
-pub(super) fn check_at_least(
-    op: &'static str,
-    operand: &'static str,
-    buf: &CpuBuf,
-    expected: usize,
-) -> Result<()> {
-    if buf.len() >= expected {
-        Ok(())
-    } else {
-        Err(TensorError::Shape {
-            op,
-            operand,
-            expected,
-            got: buf.len(),
-        })
-    }
-}
-
-/// Checks that every id is `< vocab` (targets may also be [`IGNORE_TARGET`]).
-pub(super) fn check_ids(
-    op: &'static str,
-    ids: &[u32],
-    vocab: usize,
-    allow_ignore: bool,
-) -> Result<()> {
-    match ids
-        .iter()
-        .position(|&id| id as usize >= vocab && !(allow_ignore && id == IGNORE_TARGET))
-    {
-        None => Ok(()),
-        Some(position) => Err(TensorError::IdOutOfRange {
-            op,
-            id: ids[position],
-            position,
-            vocab,
-        }),
     }
 }
 
@@ -226,17 +167,4 @@ pub(super) fn gemm_slices(a: &[f32], b: &[f32], c: &mut [f32], g: Gemm, par: Par
         accumulate,
         par,
     );
-}
-
-pub(super) fn check_attn(op: &'static str, s: AttnShape) -> Result<()> {
-    if s.heads == 0 || s.head_dim == 0 {
-        return Err(TensorError::Invalid {
-            op,
-            reason: format!(
-                "heads ({}) and head_dim ({}) must be positive",
-                s.heads, s.head_dim
-            ),
-        });
-    }
-    Ok(())
 }

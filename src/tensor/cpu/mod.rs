@@ -17,10 +17,10 @@ use gemm::Parallelism;
 use half::bf16;
 
 pub use buf::CpuBuf;
-use buf::{Storage, check, check_at_least, check_attn, check_ids, gemm_slices};
+use buf::{Storage, gemm_slices};
 
 use super::{
-    Activation, AdamWStep, AttnShape, Backend, BatchedGemm, DType, Gemm, Result, TensorError,
+    Activation, AdamWStep, AttnShape, Backend, BatchedGemm, DType, Gemm, Result, TensorError, check,
 };
 
 /// Operations below this many multiply-adds (or elements) stay on the caller's thread.
@@ -141,7 +141,7 @@ impl Backend for CpuBackend {
     }
 
     fn copy(&self, src: &CpuBuf, dst: &mut CpuBuf) -> Result<()> {
-        check("copy", "dst", dst, src.len())?;
+        check::copy(self, src, dst)?;
         match (&src.0, &mut dst.0) {
             (Storage::F32(s), Storage::F32(d)) => d.copy_from_slice(s),
             (Storage::Bf16(s), Storage::Bf16(d)) => d.copy_from_slice(s),
@@ -159,9 +159,7 @@ impl Backend for CpuBackend {
     }
 
     fn matmul(&self, a: &CpuBuf, b: &CpuBuf, c: &mut CpuBuf, g: Gemm) -> Result<()> {
-        check("matmul", "a", a, g.m * g.k)?;
-        check("matmul", "b", b, g.k * g.n)?;
-        check("matmul", "c", c, g.m * g.n)?;
+        check::matmul(self, a, b, c, g)?;
         let (a, b) = (a.read(), b.read());
         let par = self.parallelism();
         self.run(g.m * g.k * g.n, |_| {
@@ -171,7 +169,7 @@ impl Backend for CpuBackend {
     }
 
     fn matmul_batched(&self, a: &CpuBuf, b: &CpuBuf, c: &mut CpuBuf, g: BatchedGemm) -> Result<()> {
-        const OP: &str = "matmul_batched";
+        check::matmul_batched(self, a, b, c, g)?;
         let BatchedGemm {
             gemm: gm,
             batch,
@@ -179,32 +177,6 @@ impl Backend for CpuBackend {
             stride_b,
             stride_c,
         } = g;
-        if batch == 0 {
-            return Ok(());
-        }
-        let last = batch - 1;
-        for (name, buf, stride, size) in [
-            ("a", a, stride_a, gm.m * gm.k),
-            ("b", b, stride_b, gm.k * gm.n),
-            ("c", &*c, stride_c, gm.m * gm.n),
-        ] {
-            let need = last * stride + size;
-            if buf.len() < need {
-                return Err(TensorError::Shape {
-                    op: OP,
-                    operand: name,
-                    expected: need,
-                    got: buf.len(),
-                });
-            }
-        }
-        if stride_c == 0 && batch > 1 && !gm.accumulate {
-            return Err(TensorError::Invalid {
-                op: OP,
-                reason: "stride_c = 0 overwrites one output with every product; set accumulate"
-                    .into(),
-            });
-        }
         let (a, b) = (a.read(), b.read());
         let par = self.parallelism();
         self.run(batch * gm.m * gm.k * gm.n, |_| {
@@ -224,8 +196,7 @@ impl Backend for CpuBackend {
     }
 
     fn add(&self, a: &CpuBuf, b: &CpuBuf, out: &mut CpuBuf) -> Result<()> {
-        check("add", "b", b, a.len())?;
-        check("add", "out", out, a.len())?;
+        check::add(self, a, b, out)?;
         let (a, b) = (a.read(), b.read());
         out.write(|o| {
             o.iter_mut()
@@ -236,7 +207,7 @@ impl Backend for CpuBackend {
     }
 
     fn axpy(&self, alpha: f32, src: &CpuBuf, dst: &mut CpuBuf) -> Result<()> {
-        check("axpy", "dst", dst, src.len())?;
+        check::axpy(self, src, dst)?;
         let s = src.read();
         dst.write(|d| {
             d.iter_mut()
@@ -252,7 +223,7 @@ impl Backend for CpuBackend {
     }
 
     fn activation_fwd(&self, act: Activation, x: &CpuBuf, out: &mut CpuBuf) -> Result<()> {
-        check("activation_fwd", "out", out, x.len())?;
+        check::activation_fwd(self, x, out)?;
         let x = x.read();
         out.write(|o| kernels::activation_fwd(act, &x, o));
         Ok(())
@@ -265,16 +236,14 @@ impl Backend for CpuBackend {
         dy: &CpuBuf,
         dx: &mut CpuBuf,
     ) -> Result<()> {
-        check("activation_bwd", "dy", dy, x.len())?;
-        check("activation_bwd", "dx", dx, x.len())?;
+        check::activation_bwd(self, x, dy, dx)?;
         let (x, dy) = (x.read(), dy.read());
         dx.write(|d| kernels::activation_bwd(act, &x, &dy, d));
         Ok(())
     }
 
     fn softmax_rows(&self, x: &CpuBuf, out: &mut CpuBuf, rows: usize, cols: usize) -> Result<()> {
-        check("softmax_rows", "x", x, rows * cols)?;
-        check("softmax_rows", "out", out, rows * cols)?;
+        check::softmax_rows(self, x, out, rows, cols)?;
         let x = x.read();
         self.run(rows * cols, |par| {
             out.write(|o| kernels::softmax_rows(par, &x, o, cols))
@@ -292,11 +261,7 @@ impl Backend for CpuBackend {
         dim: usize,
         eps: f32,
     ) -> Result<()> {
-        const OP: &str = "rmsnorm_fwd";
-        check(OP, "x", x, rows * dim)?;
-        check(OP, "weight", weight, dim)?;
-        check(OP, "out", out, rows * dim)?;
-        check(OP, "rstd", rstd, rows)?;
+        check::rmsnorm_fwd(self, x, weight, out, rstd, rows, dim)?;
         let (x, w) = (x.read(), weight.read());
         self.run(rows * dim, |par| {
             out.write(|o| rstd.write(|r| kernels::rmsnorm_fwd(par, &x, &w, o, r, eps)))
@@ -314,12 +279,7 @@ impl Backend for CpuBackend {
         rows: usize,
         dim: usize,
     ) -> Result<()> {
-        const OP: &str = "rmsnorm_bwd_input";
-        check(OP, "x", x, rows * dim)?;
-        check(OP, "weight", weight, dim)?;
-        check(OP, "rstd", rstd, rows)?;
-        check(OP, "dy", dy, rows * dim)?;
-        check(OP, "dx", dx, rows * dim)?;
+        check::rmsnorm_bwd_input(self, x, weight, rstd, dy, dx, rows, dim)?;
         let (x, w, r, dy) = (x.read(), weight.read(), rstd.read(), dy.read());
         self.run(rows * dim, |par| {
             dx.write(|d| kernels::rmsnorm_bwd_input(par, &x, &w, &r, &dy, d))
@@ -336,11 +296,7 @@ impl Backend for CpuBackend {
         rows: usize,
         dim: usize,
     ) -> Result<()> {
-        const OP: &str = "rmsnorm_bwd_weight";
-        check(OP, "x", x, rows * dim)?;
-        check(OP, "rstd", rstd, rows)?;
-        check(OP, "dy", dy, rows * dim)?;
-        check(OP, "dweight", dweight, dim)?;
+        check::rmsnorm_bwd_weight(self, x, rstd, dy, dweight, rows, dim)?;
         let (x, r, dy) = (x.read(), rstd.read(), dy.read());
         dweight.write(|d| kernels::rmsnorm_bwd_weight(&x, &r, &dy, d));
         Ok(())
@@ -355,14 +311,7 @@ impl Backend for CpuBackend {
         probs: &mut CpuBuf,
         shape: AttnShape,
     ) -> Result<()> {
-        const OP: &str = "attention_fwd";
-        check_attn(OP, shape)?;
-        let n = shape.qkv_len();
-        check(OP, "q", q, n)?;
-        check(OP, "k", k, n)?;
-        check(OP, "v", v, n)?;
-        check(OP, "out", out, n)?;
-        check(OP, "probs", probs, shape.probs_len())?;
+        check::attention_fwd(self, [q, k, v, out], probs, shape)?;
         let (q, k, v) = (q.read(), k.read(), v.read());
         self.run(shape.probs_len() * shape.head_dim, |par| {
             out.write(|o| probs.write(|p| kernels::attention_fwd(par, &q, &k, &v, o, p, shape)))
@@ -382,16 +331,7 @@ impl Backend for CpuBackend {
         dv: &mut CpuBuf,
         shape: AttnShape,
     ) -> Result<()> {
-        const OP: &str = "attention_bwd";
-        check_attn(OP, shape)?;
-        let n = shape.qkv_len();
-        for (name, buf) in [("q", q), ("k", k), ("v", v), ("d_out", d_out)] {
-            check(OP, name, buf, n)?;
-        }
-        check(OP, "probs", probs, shape.probs_len())?;
-        check(OP, "dq", dq, n)?;
-        check(OP, "dk", dk, n)?;
-        check(OP, "dv", dv, n)?;
+        check::attention_bwd(self, [q, k, v, d_out], probs, [dq, dk, dv], shape)?;
         let (q, k, v, p, d) = (q.read(), k.read(), v.read(), probs.read(), d_out.read());
         self.run(shape.probs_len() * shape.head_dim, |par| {
             dq.write(|gq| {
@@ -412,11 +352,7 @@ impl Backend for CpuBackend {
         out: &mut CpuBuf,
         dim: usize,
     ) -> Result<()> {
-        const OP: &str = "embedding_fwd";
-        let vocab = table.len().checked_div(dim).unwrap_or(0);
-        check(OP, "table", table, vocab * dim)?;
-        check(OP, "out", out, ids.len() * dim)?;
-        check_ids(OP, ids, vocab, false)?;
+        check::embedding_fwd(self, table, ids, out, dim)?;
         let t = table.read();
         out.write(|o| {
             for (row, &id) in o.chunks_mut(dim.max(1)).zip(ids) {
@@ -433,11 +369,7 @@ impl Backend for CpuBackend {
         dtable: &mut CpuBuf,
         dim: usize,
     ) -> Result<()> {
-        const OP: &str = "embedding_bwd";
-        let vocab = dtable.len().checked_div(dim).unwrap_or(0);
-        check(OP, "dtable", dtable, vocab * dim)?;
-        check(OP, "dy", dy, ids.len() * dim)?;
-        check_ids(OP, ids, vocab, false)?;
+        check::embedding_bwd(self, ids, dy, dtable, dim)?;
         let dy = dy.read();
         dtable.write(|t| {
             for (row, &id) in dy.chunks(dim.max(1)).zip(ids) {
@@ -455,9 +387,7 @@ impl Backend for CpuBackend {
         batch: usize,
         row_len: usize,
     ) -> Result<()> {
-        const OP: &str = "add_broadcast_rows";
-        check(OP, "dst", dst, batch * row_len)?;
-        check_at_least(OP, "row", row, row_len)?;
+        check::add_broadcast_rows(self, row, dst, batch, row_len)?;
         let r = row.read();
         let r = &r[..row_len];
         dst.write(|d| {
@@ -469,9 +399,7 @@ impl Backend for CpuBackend {
     }
 
     fn sum_rows(&self, src: &CpuBuf, out: &mut CpuBuf, batch: usize, row_len: usize) -> Result<()> {
-        const OP: &str = "sum_rows";
-        check(OP, "src", src, batch * row_len)?;
-        check_at_least(OP, "out", out, row_len)?;
+        check::sum_rows(self, src, out, batch, row_len)?;
         let s = src.read();
         out.write(|o| {
             for chunk in s.chunks(row_len.max(1)) {
@@ -491,10 +419,7 @@ impl Backend for CpuBackend {
         probs: &mut CpuBuf,
         vocab: usize,
     ) -> Result<(f32, usize)> {
-        const OP: &str = "cross_entropy_fwd";
-        check(OP, "logits", logits, targets.len() * vocab)?;
-        check(OP, "probs", probs, targets.len() * vocab)?;
-        check_ids(OP, targets, vocab, true)?;
+        check::cross_entropy_fwd(self, logits, targets, probs, vocab)?;
         let l = logits.read();
         Ok(self.run(targets.len() * vocab, |par| {
             probs.write(|p| kernels::cross_entropy_fwd(par, &l, targets, p, vocab))
@@ -509,10 +434,7 @@ impl Backend for CpuBackend {
         vocab: usize,
         scale: f32,
     ) -> Result<()> {
-        const OP: &str = "cross_entropy_bwd";
-        check(OP, "probs", probs, targets.len() * vocab)?;
-        check(OP, "dlogits", dlogits, targets.len() * vocab)?;
-        check_ids(OP, targets, vocab, true)?;
+        check::cross_entropy_bwd(self, probs, targets, dlogits, vocab)?;
         let p = probs.read();
         dlogits.write(|d| kernels::cross_entropy_bwd(&p, targets, d, vocab, scale));
         Ok(())
@@ -531,15 +453,10 @@ impl Backend for CpuBackend {
         v: &mut CpuBuf,
         hp: AdamWStep,
     ) -> Result<()> {
-        const OP: &str = "adamw_step";
-        let n = param.len();
-        check(OP, "grad", grad, n)?;
-        check(OP, "m", m, n)?;
-        check(OP, "v", v, n)?;
+        check::adamw_step(self, param, master.as_deref(), grad, m, v)?;
         let g = grad.read();
         match master {
             Some(master) => {
-                check(OP, "master", master, n)?;
                 master.write(|p| m.write(|m| v.write(|v| kernels::adamw(p, &g, m, v, &hp))));
                 self.copy(master, param)?;
             }

@@ -1,14 +1,14 @@
-//! [`Backend`] for [`CudaBackend`]: the same shape checks and semantics as the CPU backend
-//! (`src/tensor/cpu/`, the reference), each operation one kernel launch or cuBLAS call on the
+//! [`Backend`] for [`CudaBackend`]: the same operand checks (`crate::tensor::check`) and
+//! semantics as the CPU backend (`src/tensor/cpu/`, the reference), each operation one kernel launch or cuBLAS call on the
 //! backend's stream. Results come back to the host only where the trait returns a value.
 
 use half::bf16;
 
 use super::blas::dense;
 use super::kernels::{self, K};
-use super::{CudaBackend, CudaBuf, Storage, check, check_at_least, check_ids, dev, grid_rows};
+use super::{CudaBackend, CudaBuf, Storage, dev, grid_rows};
 use crate::tensor::{
-    Activation, AdamWStep, AttnShape, Backend, BatchedGemm, DType, Gemm, Result, TensorError,
+    Activation, AdamWStep, AttnShape, Backend, BatchedGemm, DType, Gemm, Result, check,
 };
 
 impl Backend for CudaBackend {
@@ -68,7 +68,7 @@ impl Backend for CudaBackend {
 
     fn copy(&self, src: &CudaBuf, dst: &mut CudaBuf) -> Result<()> {
         const OP: &str = "copy";
-        check(OP, "dst", dst, src.len())?;
+        check::copy(self, src, dst)?;
         let Some((n64, cfg)) = Self::elementwise_len(src.len()) else {
             return Ok(());
         };
@@ -101,9 +101,7 @@ impl Backend for CudaBackend {
 
     fn matmul(&self, a: &CudaBuf, b: &CudaBuf, c: &mut CudaBuf, g: Gemm) -> Result<()> {
         const OP: &str = "matmul";
-        check(OP, "a", a, g.m * g.k)?;
-        check(OP, "b", b, g.k * g.n)?;
-        check(OP, "c", c, g.m * g.n)?;
+        check::matmul(self, a, b, c, g)?;
         if g.m == 0 || g.n == 0 {
             return Ok(());
         }
@@ -131,8 +129,7 @@ impl Backend for CudaBackend {
 
     fn add(&self, a: &CudaBuf, b: &CudaBuf, out: &mut CudaBuf) -> Result<()> {
         const OP: &str = "add";
-        check(OP, "b", b, a.len())?;
-        check(OP, "out", out, a.len())?;
+        check::add(self, a, b, out)?;
         let Some((n64, cfg)) = Self::elementwise_len(a.len()) else {
             return Ok(());
         };
@@ -144,7 +141,7 @@ impl Backend for CudaBackend {
 
     fn axpy(&self, alpha: f32, src: &CudaBuf, dst: &mut CudaBuf) -> Result<()> {
         const OP: &str = "axpy";
-        check(OP, "dst", dst, src.len())?;
+        check::axpy(self, src, dst)?;
         let Some((n64, cfg)) = Self::elementwise_len(src.len()) else {
             return Ok(());
         };
@@ -166,7 +163,7 @@ impl Backend for CudaBackend {
 
     fn activation_fwd(&self, act: Activation, x: &CudaBuf, out: &mut CudaBuf) -> Result<()> {
         const OP: &str = "activation_fwd";
-        check(OP, "out", out, x.len())?;
+        check::activation_fwd(self, x, out)?;
         let Some((n64, cfg)) = Self::elementwise_len(x.len()) else {
             return Ok(());
         };
@@ -185,8 +182,7 @@ impl Backend for CudaBackend {
         dx: &mut CudaBuf,
     ) -> Result<()> {
         const OP: &str = "activation_bwd";
-        check(OP, "dy", dy, x.len())?;
-        check(OP, "dx", dx, x.len())?;
+        check::activation_bwd(self, x, dy, dx)?;
         let Some((n64, cfg)) = Self::elementwise_len(x.len()) else {
             return Ok(());
         };
@@ -199,8 +195,7 @@ impl Backend for CudaBackend {
 
     fn softmax_rows(&self, x: &CudaBuf, out: &mut CudaBuf, rows: usize, cols: usize) -> Result<()> {
         const OP: &str = "softmax_rows";
-        check(OP, "x", x, rows * cols)?;
-        check(OP, "out", out, rows * cols)?;
+        check::softmax_rows(self, x, out, rows, cols)?;
         if rows == 0 || cols == 0 {
             return Ok(());
         }
@@ -223,10 +218,7 @@ impl Backend for CudaBackend {
         eps: f32,
     ) -> Result<()> {
         const OP: &str = "rmsnorm_fwd";
-        check(OP, "x", x, rows * dim)?;
-        check(OP, "weight", weight, dim)?;
-        check(OP, "out", out, rows * dim)?;
-        check(OP, "rstd", rstd, rows)?;
+        check::rmsnorm_fwd(self, x, weight, out, rstd, rows, dim)?;
         if rows == 0 {
             return Ok(());
         }
@@ -257,11 +249,7 @@ impl Backend for CudaBackend {
         dim: usize,
     ) -> Result<()> {
         const OP: &str = "rmsnorm_bwd_input";
-        check(OP, "x", x, rows * dim)?;
-        check(OP, "weight", weight, dim)?;
-        check(OP, "rstd", rstd, rows)?;
-        check(OP, "dy", dy, rows * dim)?;
-        check(OP, "dx", dx, rows * dim)?;
+        check::rmsnorm_bwd_input(self, x, weight, rstd, dy, dx, rows, dim)?;
         if rows == 0 || dim == 0 {
             return Ok(());
         }
@@ -294,10 +282,7 @@ impl Backend for CudaBackend {
         dim: usize,
     ) -> Result<()> {
         const OP: &str = "rmsnorm_bwd_weight";
-        check(OP, "x", x, rows * dim)?;
-        check(OP, "rstd", rstd, rows)?;
-        check(OP, "dy", dy, rows * dim)?;
-        check(OP, "dweight", dweight, dim)?;
+        check::rmsnorm_bwd_weight(self, x, rstd, dy, dweight, rows, dim)?;
         if rows == 0 || dim == 0 {
             return Ok(());
         }
@@ -325,13 +310,7 @@ impl Backend for CudaBackend {
         shape: AttnShape,
     ) -> Result<()> {
         const OP: &str = "attention_fwd";
-        check_attn(OP, shape)?;
-        let n = shape.qkv_len();
-        check(OP, "q", q, n)?;
-        check(OP, "k", k, n)?;
-        check(OP, "v", v, n)?;
-        check(OP, "out", out, n)?;
-        check(OP, "probs", probs, shape.probs_len())?;
+        check::attention_fwd(self, [q, k, v, out], probs, shape)?;
         let (q, k, v) = (self.read(OP, q)?, self.read(OP, k)?, self.read(OP, v)?);
         self.write(OP, out, |o| {
             self.write(OP, probs, |p| {
@@ -353,15 +332,7 @@ impl Backend for CudaBackend {
         shape: AttnShape,
     ) -> Result<()> {
         const OP: &str = "attention_bwd";
-        check_attn(OP, shape)?;
-        let n = shape.qkv_len();
-        for (name, buf) in [("q", q), ("k", k), ("v", v), ("d_out", d_out)] {
-            check(OP, name, buf, n)?;
-        }
-        check(OP, "probs", probs, shape.probs_len())?;
-        check(OP, "dq", dq, n)?;
-        check(OP, "dk", dk, n)?;
-        check(OP, "dv", dv, n)?;
+        check::attention_bwd(self, [q, k, v, d_out], probs, [dq, dk, dv], shape)?;
         let (q, k, v) = (self.read(OP, q)?, self.read(OP, k)?, self.read(OP, v)?);
         let (p, d) = (self.read(OP, probs)?, self.read(OP, d_out)?);
         self.write(OP, dq, |gq| {
@@ -381,10 +352,7 @@ impl Backend for CudaBackend {
         dim: usize,
     ) -> Result<()> {
         const OP: &str = "embedding_fwd";
-        let vocab = table.len().checked_div(dim).unwrap_or(0);
-        check(OP, "table", table, vocab * dim)?;
-        check(OP, "out", out, ids.len() * dim)?;
-        check_ids(OP, ids, vocab, false)?;
+        check::embedding_fwd(self, table, ids, out, dim)?;
         let Some((n64, cfg)) = Self::elementwise_len(ids.len() * dim) else {
             return Ok(());
         };
@@ -403,10 +371,7 @@ impl Backend for CudaBackend {
         dim: usize,
     ) -> Result<()> {
         const OP: &str = "embedding_bwd";
-        let vocab = dtable.len().checked_div(dim).unwrap_or(0);
-        check(OP, "dtable", dtable, vocab * dim)?;
-        check(OP, "dy", dy, ids.len() * dim)?;
-        check_ids(OP, ids, vocab, false)?;
+        check::embedding_bwd(self, ids, dy, dtable, dim)?;
         let Some((n64, cfg)) = Self::elementwise_len(ids.len() * dim) else {
             return Ok(());
         };
@@ -431,8 +396,7 @@ impl Backend for CudaBackend {
         row_len: usize,
     ) -> Result<()> {
         const OP: &str = "add_broadcast_rows";
-        check(OP, "dst", dst, batch * row_len)?;
-        check_at_least(OP, "row", row, row_len)?;
+        check::add_broadcast_rows(self, row, dst, batch, row_len)?;
         let Some((n64, cfg)) = Self::elementwise_len(batch * row_len) else {
             return Ok(());
         };
@@ -451,8 +415,7 @@ impl Backend for CudaBackend {
         row_len: usize,
     ) -> Result<()> {
         const OP: &str = "sum_rows";
-        check(OP, "src", src, batch * row_len)?;
-        check_at_least(OP, "out", out, row_len)?;
+        check::sum_rows(self, src, out, batch, row_len)?;
         if batch == 0 || row_len == 0 {
             return Ok(());
         }
@@ -508,17 +471,4 @@ fn activation_kind(act: Activation) -> i32 {
         Activation::Gelu => 0,
         Activation::Silu => 1,
     }
-}
-
-fn check_attn(op: &'static str, s: AttnShape) -> Result<()> {
-    if s.heads == 0 || s.head_dim == 0 {
-        return Err(TensorError::Invalid {
-            op,
-            reason: format!(
-                "heads ({}) and head_dim ({}) must be positive",
-                s.heads, s.head_dim
-            ),
-        });
-    }
-    Ok(())
 }

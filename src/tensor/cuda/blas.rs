@@ -13,7 +13,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use super::CudaBuf;
 use super::kernels::{self, K};
 use super::{CudaBackend, dev, grid_rows};
-use crate::tensor::{AttnShape, BatchedGemm, Gemm, Result, TensorError};
+use crate::tensor::{AttnShape, BatchedGemm, Gemm, Result, TensorError, check};
 
 /// One row-major product `C = alpha·op(A)·op(B) + beta·C` with explicit row strides.
 #[derive(Clone, Copy, Debug)]
@@ -109,6 +109,7 @@ impl CudaBackend {
         g: BatchedGemm,
     ) -> Result<()> {
         const OP: &str = "matmul_batched";
+        check::matmul_batched(self, a, b, c, g)?;
         let BatchedGemm {
             gemm: gm,
             batch,
@@ -116,34 +117,8 @@ impl CudaBackend {
             stride_b,
             stride_c,
         } = g;
-        if batch == 0 {
-            return Ok(());
-        }
-        let last = batch - 1;
-        for (name, buf, stride, size) in [
-            ("a", a, stride_a, gm.m * gm.k),
-            ("b", b, stride_b, gm.k * gm.n),
-            ("c", &*c, stride_c, gm.m * gm.n),
-        ] {
-            let need = last * stride + size;
-            if buf.len() < need {
-                return Err(TensorError::Shape {
-                    op: OP,
-                    operand: name,
-                    expected: need,
-                    got: buf.len(),
-                });
-            }
-        }
-        if stride_c == 0 && batch > 1 && !gm.accumulate {
-            return Err(TensorError::Invalid {
-                op: OP,
-                reason: "stride_c = 0 overwrites one output with every product; set accumulate"
-                    .into(),
-            });
-        }
         let size_c = gm.m * gm.n;
-        if size_c == 0 {
+        if batch == 0 || size_c == 0 {
             return Ok(());
         }
         if gm.k == 0 {

@@ -6,8 +6,8 @@
 use cudarc::driver::CudaSlice;
 
 use super::kernels::{self, K};
-use super::{CudaBackend, CudaBuf, check, check_ids, grid_rows};
-use crate::tensor::{AdamWStep, Backend, Result};
+use super::{CudaBackend, CudaBuf, grid_rows};
+use crate::tensor::{AdamWStep, Backend, Result, check};
 
 impl CudaBackend {
     pub(super) fn loss_fwd(
@@ -19,9 +19,7 @@ impl CudaBackend {
     ) -> Result<(f32, usize)> {
         const OP: &str = "cross_entropy_fwd";
         let rows = targets.len();
-        check(OP, "logits", logits, rows * vocab)?;
-        check(OP, "probs", probs, rows * vocab)?;
-        check_ids(OP, targets, vocab, true)?;
+        check::cross_entropy_fwd(self, logits, targets, probs, vocab)?;
         let counted = targets
             .iter()
             .filter(|&&t| t != crate::tensor::IGNORE_TARGET)
@@ -60,9 +58,7 @@ impl CudaBackend {
         scale: f32,
     ) -> Result<()> {
         const OP: &str = "cross_entropy_bwd";
-        check(OP, "probs", probs, targets.len() * vocab)?;
-        check(OP, "dlogits", dlogits, targets.len() * vocab)?;
-        check_ids(OP, targets, vocab, true)?;
+        check::cross_entropy_bwd(self, probs, targets, dlogits, vocab)?;
         let Some((n64, cfg)) = Self::elementwise_len(targets.len() * vocab) else {
             return Ok(());
         };
@@ -114,12 +110,7 @@ impl CudaBackend {
     ) -> Result<()> {
         const OP: &str = "adamw_step";
         let n = param.len();
-        check(OP, "grad", grad, n)?;
-        check(OP, "m", m, n)?;
-        check(OP, "v", v, n)?;
-        if let Some(master) = &master {
-            check(OP, "master", master, n)?;
-        }
+        check::adamw_step(self, param, master.as_deref(), grad, m, v)?;
         let Some((n64, cfg)) = Self::elementwise_len(n) else {
             return Ok(());
         };

@@ -44,7 +44,7 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 
 use self::kernels::{K, Kernels};
 use super::device::DeviceError;
-use super::{DType, IGNORE_TARGET, Result, TensorError};
+use super::{DType, Result, TensorError};
 
 /// A buffer in GPU memory: `f32` values, or `bf16` bit patterns.
 #[derive(Debug)]
@@ -349,55 +349,6 @@ fn dev<E: std::fmt::Display>(op: &'static str) -> impl Fn(E) -> TensorError {
     move |e| TensorError::Device(format!("{op}: {e}"))
 }
 
-/// Checks that `buf` has `expected` elements (the CPU backend's rule and message).
-fn check(op: &'static str, operand: &'static str, buf: &CudaBuf, expected: usize) -> Result<()> {
-    if buf.len() == expected {
-        Ok(())
-    } else {
-        Err(TensorError::Shape {
-            op,
-            operand,
-            expected,
-            got: buf.len(),
-        })
-    }
-}
-
-/// Checks that `buf` has at least `expected` elements.
-fn check_at_least(
-    op: &'static str,
-    operand: &'static str,
-    buf: &CudaBuf,
-    expected: usize,
-) -> Result<()> {
-    if buf.len() >= expected {
-        Ok(())
-    } else {
-        Err(TensorError::Shape {
-            op,
-            operand,
-            expected,
-            got: buf.len(),
-        })
-    }
-}
-
-/// Checks that every id is `< vocab` (targets may also be [`IGNORE_TARGET`]).
-fn check_ids(op: &'static str, ids: &[u32], vocab: usize, allow_ignore: bool) -> Result<()> {
-    match ids
-        .iter()
-        .position(|&id| id as usize >= vocab && !(allow_ignore && id == IGNORE_TARGET))
-    {
-        None => Ok(()),
-        Some(position) => Err(TensorError::IdOutOfRange {
-            op,
-            id: ids[position],
-            position,
-            vocab,
-        }),
-    }
-}
-
 /// `rows` as a grid dimension (one block per row).
 fn grid_rows(op: &'static str, rows: usize) -> Result<u32> {
     u32::try_from(rows)
@@ -443,11 +394,7 @@ mod tests {
     }
 
     #[test]
-    fn id_and_grid_checks_name_the_problem() {
-        let e = check_ids("embedding_fwd", &[1, 2, 9], 5, false).unwrap_err();
-        assert!(e.to_string().contains("id 9 at position 2"), "{e}");
-        assert!(check_ids("ce", &[IGNORE_TARGET, 4], 5, true).is_ok());
-        assert!(check_ids("ce", &[IGNORE_TARGET], 5, false).is_err());
+    fn grid_check_names_the_problem() {
         assert_eq!(grid_rows("op", 7).unwrap(), 7);
         assert!(grid_rows("op", 1 << 40).is_err());
     }
