@@ -171,6 +171,32 @@ impl StepReport {
     }
 }
 
+impl std::fmt::Display for StepReport {
+    /// One line: `iteration 2: grad norm 105.594, clipped x0.5054, rolled back on ranks [1, 3]`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "iteration {}: ", self.iteration)?;
+        match self.decision {
+            StepDecision::Skip => write!(f, "non-finite gradient, step skipped")?,
+            StepDecision::Apply { clip_scale } => {
+                write!(f, "grad norm {:.6}", self.grad_norm)?;
+                if self.clipped() {
+                    write!(f, ", clipped x{clip_scale:.4}")?;
+                }
+            }
+        }
+        let rolled: Vec<usize> = self
+            .ranks
+            .iter()
+            .filter(|r| r.rolled_back)
+            .map(|r| r.rank)
+            .collect();
+        if !rolled.is_empty() {
+            write!(f, ", rolled back on ranks {rolled:?}")?;
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -194,6 +220,33 @@ mod tests {
         assert_eq!(d, StepDecision::Skip);
         let (_, d) = decide(&[s(f64::MAX, false), s(f64::MAX, false)], None);
         assert_eq!(d, StepDecision::Skip, "an overflowing norm is not finite");
+    }
+
+    #[test]
+    fn a_step_report_reads_as_one_line() {
+        let rank = |rank, rolled_back| RankStep {
+            rank,
+            speculative: Some(StepDecision::UNCLIPPED),
+            rolled_back,
+            recomputed: 0,
+            waited: 0.0,
+        };
+        let mut report = StepReport {
+            iteration: 2,
+            grad_norm: 10.0,
+            decision: StepDecision::Apply { clip_scale: 0.5 },
+            ranks: vec![rank(0, false), rank(1, true)],
+        };
+        assert_eq!(
+            report.to_string(),
+            "iteration 2: grad norm 10.000000, clipped x0.5000, rolled back on ranks [1]"
+        );
+        report.decision = StepDecision::Skip;
+        report.ranks = vec![rank(0, false)];
+        assert_eq!(
+            report.to_string(),
+            "iteration 2: non-finite gradient, step skipped"
+        );
     }
 
     #[test]
