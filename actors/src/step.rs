@@ -140,7 +140,9 @@ pub struct RankStep {
     /// The speculative step was wrong: rolled back and redone with the exact decision.
     pub rolled_back: bool,
     /// First-stage forwards of the next iteration that had run on the wrong weights and
-    /// were recomputed after the rollback.
+    /// were recomputed after the rollback. The rollback, the second step and these
+    /// recomputations advance the rank's clock without an action record of their own, so
+    /// the timeline shows them as idle time before the next action.
     pub recomputed: usize,
     /// Time the rank waited for other ranks' statistics (seconds, the run's clock).
     pub waited: f64,
