@@ -20,7 +20,7 @@ use std::sync::OnceLock;
 use pipefill::config::JobConfig;
 use pipefill::data::DataConfig;
 use pipefill::model::GptConfig;
-use pipefill::pipeline::{Clock, PipelineError, PipelineRun, PipelineTrainer};
+use pipefill::pipeline::{Clock, PipelineError, PipelineRun, PipelineTrainer, StepMode};
 use pipefill::schedules::{ScheduleKind, build, read_plan};
 use pipefill::train::{StepMetrics, TrainConfig, Trainer};
 
@@ -222,6 +222,34 @@ fn zb_h2_matches_the_reference() {
 #[test]
 fn zb_v_matches_the_reference() {
     builtin(ScheduleKind::ZbV);
+}
+
+#[test]
+fn speculative_steps_roll_back_to_the_reference() {
+    // Post-validation with speculation: a rank steps on the statistics it has, runs its
+    // first-stage forwards of the next step on those weights, and rolls back when the
+    // exact decision (here: clip or not, and by how much) differs.
+    let mut rollbacks = 0;
+    for kind in [
+        ScheduleKind::ZbH1,
+        ScheduleKind::ZbV,
+        ScheduleKind::Interleaved1F1B,
+    ] {
+        let trainer = PipelineTrainer::builtin(&job(4), kind, None)
+            .unwrap()
+            .speculative_steps(true);
+        let run = check_against_oracle(&format!("{kind} speculative"), &trainer);
+        rollbacks += run.report.rollbacks();
+    }
+    assert!(rollbacks > 0, "no speculative step was ever rolled back");
+}
+
+#[test]
+fn barrier_steps_match_the_reference() {
+    let trainer = PipelineTrainer::builtin(&job(4), ScheduleKind::ZbH2, None)
+        .unwrap()
+        .step_mode(StepMode::Barrier);
+    check_against_oracle("zb-h2 barrier", &trainer);
 }
 
 #[test]

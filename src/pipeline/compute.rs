@@ -15,8 +15,14 @@
 //! learning rate of the step with that clip factor. The runtime runs a rank's iterations
 //! strictly in order, so the rank counts its own iterations to know which step a forward
 //! belongs to.
+//!
+//! Speculative steps (optional, [`RankCompute::set_speculative`]): the runtime may step
+//! before it knows every rank's statistics. The rank then snapshots its parameters and
+//! optimizer moments, keeps its gradients, and on a wrong guess restores them
+//! ([`StageCompute::rollback_step`]) so the step is redone exactly; first-stage forwards
+//! run on the guessed weights are run again and replace their stash.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 
 use pipefill_actors::{GradStats, StageCompute, StepDecision};
@@ -25,7 +31,8 @@ use super::PipelineError;
 use super::shared::{RankFinal, Shared};
 use crate::model::checkpoint::HostTensor;
 use crate::model::{
-    AdamW, AdamWConfig, ChunkGrad, ChunkInput, ChunkOutput, LrSchedule, ModelChunk, Shape,
+    AdamW, AdamWConfig, ChunkGrad, ChunkInput, ChunkOutput, LrSchedule, ModelChunk, OptimizerState,
+    Shape,
 };
 use crate::tensor::Backend;
 
@@ -44,6 +51,14 @@ pub struct RankCompute<B: Backend> {
     done: u64,
     /// Iterations of the run: after the last, the rank hands over its final state.
     iterations: u64,
+    /// Whether the rank offers speculative optimizer steps ([`StageCompute::can_roll_back`]).
+    speculate: bool,
+    /// The state before the speculative step not yet confirmed or rolled back.
+    snapshot: Option<Snapshot<B>>,
+    /// `(stage, micro-batch)` forwards run on speculatively stepped weights.
+    held: HashSet<(u32, u32)>,
+    /// Forwards the runtime runs again after a rollback: each replaces its first stash.
+    redo: HashSet<(u32, u32)>,
 }
 
 impl<B: Backend> RankCompute<B> {
@@ -69,7 +84,18 @@ impl<B: Backend> RankCompute<B> {
             first_step,
             done: 0,
             iterations,
+            speculate: false,
+            snapshot: None,
+            held: HashSet::new(),
+            redo: HashSet::new(),
         }
+    }
+
+    /// Offers speculative optimizer steps to the runtime (post-validation: step at once,
+    /// roll back if the exact decision differs). Off by default: the step then waits for
+    /// every rank's gradient statistics.
+    pub(crate) fn set_speculative(&mut self, on: bool) {
+        self.speculate = on;
     }
 
     /// The optimizer, e.g. to load a checkpoint's moments before the run.
@@ -141,7 +167,14 @@ impl<B: Backend> StageCompute for RankCompute<B> {
             batch: mb.rows,
             seq: mb.seq_len,
         };
+        if self.snapshot.is_some() {
+            self.held.insert((stage, microbatch));
+        }
+        let redo = self.redo.remove(&(stage, microbatch));
         let chunk = self.chunk(stage)?;
+        if redo {
+            chunk.discard(microbatch as usize);
+        }
         let input = match input {
             Some(h) => ChunkInput::Hidden(h),
             None => ChunkInput::Tokens(&mb.inputs),
@@ -212,21 +245,78 @@ impl<B: Backend> StageCompute for RankCompute<B> {
         &mut self,
         iteration: u64,
         decision: StepDecision,
-        _speculative: bool,
+        speculative: bool,
     ) -> Result<(), PipelineError> {
-        // Never speculative: `can_roll_back` is false, so the runtime defers the step until
-        // it knows every rank's statistics.
         self.check_iteration(iteration)?;
         let step = self.step();
         let lr = self.lr.lr(step);
+        if speculative {
+            self.snapshot = Some(self.take_snapshot(iteration)?);
+        }
         if let StepDecision::Apply { clip_scale } = decision {
             let params = self.chunks.values_mut().flat_map(|c| c.params_mut());
             self.optimizer.step(&self.backend, params, lr, clip_scale)?;
         }
+        self.done += 1;
+        if speculative {
+            // The gradients stay until the step is confirmed (a rollback redoes the step
+            // from them); the next step's first-stage forwards may run meanwhile.
+            self.shared.feed.prefetch(self.step());
+            return Ok(());
+        }
+        self.finish(step, lr)
+    }
+
+    fn can_roll_back(&self) -> bool {
+        self.speculate
+    }
+
+    fn rollback_step(&mut self, iteration: u64) -> Result<(), PipelineError> {
+        let snap = self.pending_snapshot(iteration)?;
+        for (&stage, chunk) in &mut self.chunks {
+            for p in chunk.params_mut() {
+                let saved = snap
+                    .params
+                    .get(&p.name)
+                    .ok_or_else(|| PipelineError::Stage {
+                        stage,
+                        reason: format!("no snapshot of `{}` to roll back to", p.name),
+                    })?;
+                self.backend
+                    .copy(saved, &mut p.value)
+                    .map_err(crate::model::ModelError::from)?;
+            }
+        }
+        self.optimizer.load_state(&self.backend, &snap.optimizer)?;
+        self.done -= 1;
+        // The forwards run on the wrong weights are run again; each replaces its stash.
+        self.redo = std::mem::take(&mut self.held);
+        Ok(())
+    }
+
+    fn confirm_step(&mut self, iteration: u64) -> Result<(), PipelineError> {
+        self.pending_snapshot(iteration)?;
+        self.held.clear();
+        let step = self.first_step + iteration;
+        self.finish(step, self.lr.lr(step))
+    }
+}
+
+/// What a rollback restores: every parameter value and the optimizer state before the
+/// speculative step of `iteration` (the gradients are kept until confirmation anyway).
+struct Snapshot<B: Backend> {
+    iteration: u64,
+    params: BTreeMap<String, B::Buf>,
+    optimizer: OptimizerState,
+}
+
+impl<B: Backend> RankCompute<B> {
+    /// The step of `iteration` is final: consume its gradients, report it, and hand over
+    /// the final state after the last one.
+    fn finish(&mut self, step: u64, lr: f32) -> Result<(), PipelineError> {
         for chunk in self.chunks.values_mut() {
             chunk.zero_grads()?;
         }
-        self.done += 1;
         if self.done == self.iterations {
             self.shared.deposit_final(self.rank, self.export()?);
         } else {
@@ -235,9 +325,38 @@ impl<B: Backend> StageCompute for RankCompute<B> {
         self.shared.stepped(step, lr);
         Ok(())
     }
-}
 
-impl<B: Backend> RankCompute<B> {
+    fn take_snapshot(&self, iteration: u64) -> Result<Snapshot<B>, PipelineError> {
+        let mut params = BTreeMap::new();
+        for p in self.chunks.values().flat_map(|c| c.params()) {
+            let copy = self
+                .backend
+                .dup(&p.value)
+                .map_err(crate::model::ModelError::from)?;
+            params.insert(p.name.clone(), copy);
+        }
+        Ok(Snapshot {
+            iteration,
+            params,
+            optimizer: self.optimizer.state(&self.backend)?,
+        })
+    }
+
+    /// The snapshot of the speculative step of `iteration`, taken off the rank.
+    fn pending_snapshot(&mut self, iteration: u64) -> Result<Snapshot<B>, PipelineError> {
+        match self.snapshot.take() {
+            Some(s) if s.iteration == iteration => Ok(s),
+            other => {
+                let expected = other.map_or(self.done, |s| s.iteration);
+                Err(PipelineError::OutOfOrder {
+                    rank: self.rank,
+                    expected,
+                    got: iteration,
+                })
+            }
+        }
+    }
+
     /// The runtime calls the step of iteration `iteration` once, in order.
     fn check_iteration(&self, iteration: u64) -> Result<(), PipelineError> {
         if iteration == self.done {

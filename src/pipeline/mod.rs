@@ -34,7 +34,8 @@
 //!
 //! - [`PipelineTrainer`]: `from_job`, `builtin`, `new` (any [`Plan`], e.g. from
 //!   [`crate::schedules::read_plan`]), then `clock(...)` (virtual by default, from
-//!   `job.clock`), `resume(&checkpoint)`, and `run(steps, on_step)`. `on_step` is called on
+//!   `job.clock`), `step_mode(...)` and `speculative_steps(...)` (optimizer
+//!   post-validation), `resume(&checkpoint)`, and `run(steps, on_step)`. `on_step` is called on
 //!   the caller's thread once per completed optimizer step with that step's
 //!   [`StepMetrics`] (the same type the reference trainer writes to `metrics.jsonl`).
 //! - [`PipelineRun`]: `steps` (per-step metrics), `report` (the runtime's
@@ -52,7 +53,7 @@ pub mod shared;
 pub mod trainer;
 
 pub use compute::RankCompute;
-pub use pipefill_actors::{Clock, RunReport};
+pub use pipefill_actors::{Clock, RunReport, StepMode};
 pub use trainer::{PipelineRun, PipelineTrainer};
 
 use crate::schedules::Plan;

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::sync::mpsc::{RecvTimeoutError, channel};
 use std::time::Duration;
 
-use pipefill_actors::{Clock, Pipeline, PlanSource, RunReport};
+use pipefill_actors::{Clock, Pipeline, PlanSource, RunReport, StepMode};
 
 use super::compute::RankCompute;
 use super::feed::StepFeed;
@@ -35,6 +35,8 @@ pub struct PipelineTrainer {
     plan: Plan,
     clock: Clock,
     resume: Option<Checkpoint>,
+    step_mode: StepMode,
+    speculative: bool,
 }
 
 /// The runtime's clock for the job file's `clock`.
@@ -57,6 +59,8 @@ impl PipelineTrainer {
             plan,
             clock: clock_of(job),
             resume: None,
+            step_mode: StepMode::default(),
+            speculative: false,
         })
     }
 
@@ -104,6 +108,21 @@ impl PipelineTrainer {
     /// Times the run with `clock` instead of the job's.
     pub fn clock(mut self, clock: Clock) -> Self {
         self.clock = clock;
+        self
+    }
+
+    /// How the ranks agree on each optimizer step (default: the runtime's post-validation;
+    /// [`StepMode::Barrier`] waits for every rank at the end of each step).
+    pub fn step_mode(mut self, mode: StepMode) -> Self {
+        self.step_mode = mode;
+        self
+    }
+
+    /// Lets ranks step speculatively under post-validation, before every rank's gradient
+    /// statistics are known, rolling back when the exact decision differs (default off: a
+    /// rank defers its step until it knows them). Results are the same either way.
+    pub fn speculative_steps(mut self, on: bool) -> Self {
+        self.speculative = on;
         self
     }
 
@@ -155,6 +174,7 @@ impl PipelineTrainer {
                 self.first_step(),
                 steps,
             );
+            compute.set_speculative(self.speculative);
             if let Some((gpt, state)) = &resumed {
                 let mut names = Vec::new();
                 for chunk in compute.chunks_mut() {
@@ -211,8 +231,9 @@ impl PipelineTrainer {
         let (progress, steps_rx) = channel();
         let shared = Arc::new(Shared::new(plan.num_ranks(), feed, progress));
         let computes = self.computes(&shared, steps)?;
-        let mut pipeline =
-            Pipeline::new(PlanSource::Given(plan.clone()), self.clock).iterations(steps);
+        let mut pipeline = Pipeline::new(PlanSource::Given(plan.clone()), self.clock)
+            .iterations(steps)
+            .step_mode(self.step_mode);
         if job.train.clip > 0.0 {
             pipeline = pipeline.max_grad_norm(f64::from(job.train.clip));
         }
