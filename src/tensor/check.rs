@@ -9,52 +9,55 @@
 //! embedding, …) live here rather than in a copy per backend. Backends only add what is their
 //! own (grid sizes, 32-bit cuBLAS sizes). The checks run in operand order and the first
 //! failure is reported; `check/tests.rs` pins every message.
+//!
+//! Each check takes the operation's buffers as one array in the order of the trait method's
+//! parameters, then the ids and shape; its body is the table of expected lengths.
 
 use super::{AttnShape, Backend, BatchedGemm, Gemm, IGNORE_TARGET, Result, TensorError};
 
-/// `buf` has exactly `expected` elements.
-fn exact<B: Backend>(
+/// One operand and the number of elements it must hold.
+type Operand<'a, B> = (&'static str, &'a <B as Backend>::Buf, usize);
+
+/// Every operand holds exactly its expected length; the first that does not is the error.
+fn exact<B: Backend, const N: usize>(
+    be: &B,
+    op: &'static str,
+    operands: [Operand<'_, B>; N],
+) -> Result<()> {
+    operands
+        .into_iter()
+        .try_for_each(|(name, buf, expected)| length(be, op, name, buf, expected, false))
+}
+
+/// Every operand holds at least its expected length (strided or prefix views).
+fn at_least<B: Backend, const N: usize>(
+    be: &B,
+    op: &'static str,
+    operands: [Operand<'_, B>; N],
+) -> Result<()> {
+    operands
+        .into_iter()
+        .try_for_each(|(name, buf, expected)| length(be, op, name, buf, expected, true))
+}
+
+fn length<B: Backend>(
     be: &B,
     op: &'static str,
     operand: &'static str,
     buf: &B::Buf,
     expected: usize,
+    longer_ok: bool,
 ) -> Result<()> {
     let got = be.len(buf);
-    if got == expected {
+    if got == expected || (longer_ok && got > expected) {
         Ok(())
     } else {
-        Err(shape_error(op, operand, expected, got))
-    }
-}
-
-/// `buf` has at least `expected` elements.
-fn at_least<B: Backend>(
-    be: &B,
-    op: &'static str,
-    operand: &'static str,
-    buf: &B::Buf,
-    expected: usize,
-) -> Result<()> {
-    let got = be.len(buf);
-    if got >= expected {
-        Ok(())
-    } else {
-        Err(shape_error(op, operand, expected, got))
-    }
-}
-
-fn shape_error(
-    op: &'static str,
-    operand: &'static str,
-    expected: usize,
-    got: usize,
-) -> TensorError {
-    TensorError::Shape {
-        op,
-        operand,
-        expected,
-        got,
+        Err(TensorError::Shape {
+            op,
+            operand,
+            expected,
+            got,
+        })
     }
 }
 
@@ -75,22 +78,18 @@ fn ids(op: &'static str, ids: &[u32], vocab: usize, allow_ignore: bool) -> Resul
 }
 
 /// [`Backend::copy`]: `dst` as long as `src`.
-pub(super) fn copy<B: Backend>(be: &B, src: &B::Buf, dst: &B::Buf) -> Result<()> {
-    exact(be, "copy", "dst", dst, be.len(src))
+pub(super) fn copy<B: Backend>(be: &B, [src, dst]: [&B::Buf; 2]) -> Result<()> {
+    exact(be, "copy", [("dst", dst, be.len(src))])
 }
 
 /// [`Backend::matmul`]: `a: [m, k]`, `b: [k, n]`, `c: [m, n]` (transposes store the same count).
-pub(super) fn matmul<B: Backend>(
-    be: &B,
-    a: &B::Buf,
-    b: &B::Buf,
-    c: &B::Buf,
-    g: Gemm,
-) -> Result<()> {
-    const OP: &str = "matmul";
-    exact(be, OP, "a", a, g.m * g.k)?;
-    exact(be, OP, "b", b, g.k * g.n)?;
-    exact(be, OP, "c", c, g.m * g.n)
+pub(super) fn matmul<B: Backend>(be: &B, [a, b, c]: [&B::Buf; 3], g: Gemm) -> Result<()> {
+    let Gemm { m, k, n, .. } = g;
+    exact(
+        be,
+        "matmul",
+        [("a", a, m * k), ("b", b, k * n), ("c", c, m * n)],
+    )
 }
 
 /// [`Backend::matmul_batched`]: each operand reaches its last product, i.e. holds at least
@@ -99,30 +98,24 @@ pub(super) fn matmul<B: Backend>(
 /// nothing is touched, so nothing is checked.
 pub(super) fn matmul_batched<B: Backend>(
     be: &B,
-    a: &B::Buf,
-    b: &B::Buf,
-    c: &B::Buf,
+    [a, b, c]: [&B::Buf; 3],
     g: BatchedGemm,
 ) -> Result<()> {
     const OP: &str = "matmul_batched";
-    let BatchedGemm {
-        gemm: gm,
-        batch,
-        stride_a,
-        stride_b,
-        stride_c,
-    } = g;
-    let Some(last) = batch.checked_sub(1) else {
+    let Some(last) = g.batch.checked_sub(1) else {
         return Ok(());
     };
-    for (name, buf, stride, size) in [
-        ("a", a, stride_a, gm.m * gm.k),
-        ("b", b, stride_b, gm.k * gm.n),
-        ("c", c, stride_c, gm.m * gm.n),
-    ] {
-        at_least(be, OP, name, buf, last * stride + size)?;
-    }
-    if stride_c == 0 && batch > 1 && !gm.accumulate {
+    let Gemm { m, k, n, .. } = g.gemm;
+    at_least(
+        be,
+        OP,
+        [
+            ("a", a, last * g.stride_a + m * k),
+            ("b", b, last * g.stride_b + k * n),
+            ("c", c, last * g.stride_c + m * n),
+        ],
+    )?;
+    if g.stride_c == 0 && g.batch > 1 && !g.gemm.accumulate {
         return Err(TensorError::Invalid {
             op: OP,
             reason: "stride_c = 0 overwrites one output with every product; set accumulate".into(),
@@ -132,102 +125,83 @@ pub(super) fn matmul_batched<B: Backend>(
 }
 
 /// [`Backend::add`]: `b` and `out` as long as `a`.
-pub(super) fn add<B: Backend>(be: &B, a: &B::Buf, b: &B::Buf, out: &B::Buf) -> Result<()> {
+pub(super) fn add<B: Backend>(be: &B, [a, b, out]: [&B::Buf; 3]) -> Result<()> {
     let n = be.len(a);
-    exact(be, "add", "b", b, n)?;
-    exact(be, "add", "out", out, n)
+    exact(be, "add", [("b", b, n), ("out", out, n)])
 }
 
 /// [`Backend::axpy`]: `dst` as long as `src`.
-pub(super) fn axpy<B: Backend>(be: &B, src: &B::Buf, dst: &B::Buf) -> Result<()> {
-    exact(be, "axpy", "dst", dst, be.len(src))
+pub(super) fn axpy<B: Backend>(be: &B, [src, dst]: [&B::Buf; 2]) -> Result<()> {
+    exact(be, "axpy", [("dst", dst, be.len(src))])
 }
 
 /// [`Backend::activation_fwd`]: `out` as long as `x`.
-pub(super) fn activation_fwd<B: Backend>(be: &B, x: &B::Buf, out: &B::Buf) -> Result<()> {
-    exact(be, "activation_fwd", "out", out, be.len(x))
+pub(super) fn activation_fwd<B: Backend>(be: &B, [x, out]: [&B::Buf; 2]) -> Result<()> {
+    exact(be, "activation_fwd", [("out", out, be.len(x))])
 }
 
 /// [`Backend::activation_bwd`]: `dy` and `dx` as long as `x`.
-pub(super) fn activation_bwd<B: Backend>(
-    be: &B,
-    x: &B::Buf,
-    dy: &B::Buf,
-    dx: &B::Buf,
-) -> Result<()> {
-    const OP: &str = "activation_bwd";
+pub(super) fn activation_bwd<B: Backend>(be: &B, [x, dy, dx]: [&B::Buf; 3]) -> Result<()> {
     let n = be.len(x);
-    exact(be, OP, "dy", dy, n)?;
-    exact(be, OP, "dx", dx, n)
+    exact(be, "activation_bwd", [("dy", dy, n), ("dx", dx, n)])
 }
 
 /// [`Backend::softmax_rows`]: `x` and `out` are `[rows, cols]`.
 pub(super) fn softmax_rows<B: Backend>(
     be: &B,
-    x: &B::Buf,
-    out: &B::Buf,
+    [x, out]: [&B::Buf; 2],
     rows: usize,
     cols: usize,
 ) -> Result<()> {
-    const OP: &str = "softmax_rows";
-    exact(be, OP, "x", x, rows * cols)?;
-    exact(be, OP, "out", out, rows * cols)
+    let n = rows * cols;
+    exact(be, "softmax_rows", [("x", x, n), ("out", out, n)])
 }
 
 /// [`Backend::rmsnorm_fwd`]: `x, out: [rows, dim]`, `weight: [dim]`, `rstd: [rows]`.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn rmsnorm_fwd<B: Backend>(
     be: &B,
-    x: &B::Buf,
-    weight: &B::Buf,
-    out: &B::Buf,
-    rstd: &B::Buf,
+    [x, weight, out, rstd]: [&B::Buf; 4],
     rows: usize,
     dim: usize,
 ) -> Result<()> {
-    const OP: &str = "rmsnorm_fwd";
-    exact(be, OP, "x", x, rows * dim)?;
-    exact(be, OP, "weight", weight, dim)?;
-    exact(be, OP, "out", out, rows * dim)?;
-    exact(be, OP, "rstd", rstd, rows)
+    let n = rows * dim;
+    let operands = [
+        ("x", x, n),
+        ("weight", weight, dim),
+        ("out", out, n),
+        ("rstd", rstd, rows),
+    ];
+    exact(be, "rmsnorm_fwd", operands)
 }
 
 /// [`Backend::rmsnorm_bwd_input`]: `x, dy, dx: [rows, dim]`, `weight: [dim]`, `rstd: [rows]`.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn rmsnorm_bwd_input<B: Backend>(
     be: &B,
-    x: &B::Buf,
-    weight: &B::Buf,
-    rstd: &B::Buf,
-    dy: &B::Buf,
-    dx: &B::Buf,
+    [x, weight, rstd, dy, dx]: [&B::Buf; 5],
     rows: usize,
     dim: usize,
 ) -> Result<()> {
-    const OP: &str = "rmsnorm_bwd_input";
-    exact(be, OP, "x", x, rows * dim)?;
-    exact(be, OP, "weight", weight, dim)?;
-    exact(be, OP, "rstd", rstd, rows)?;
-    exact(be, OP, "dy", dy, rows * dim)?;
-    exact(be, OP, "dx", dx, rows * dim)
+    let n = rows * dim;
+    let operands = [("x", x, n), ("weight", weight, dim), ("rstd", rstd, rows)];
+    exact(be, "rmsnorm_bwd_input", operands)?;
+    exact(be, "rmsnorm_bwd_input", [("dy", dy, n), ("dx", dx, n)])
 }
 
 /// [`Backend::rmsnorm_bwd_weight`]: `x, dy: [rows, dim]`, `rstd: [rows]`, `dweight: [dim]`.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn rmsnorm_bwd_weight<B: Backend>(
     be: &B,
-    x: &B::Buf,
-    rstd: &B::Buf,
-    dy: &B::Buf,
-    dweight: &B::Buf,
+    [x, rstd, dy, dweight]: [&B::Buf; 4],
     rows: usize,
     dim: usize,
 ) -> Result<()> {
-    const OP: &str = "rmsnorm_bwd_weight";
-    exact(be, OP, "x", x, rows * dim)?;
-    exact(be, OP, "rstd", rstd, rows)?;
-    exact(be, OP, "dy", dy, rows * dim)?;
-    exact(be, OP, "dweight", dweight, dim)
+    let n = rows * dim;
+    let operands = [
+        ("x", x, n),
+        ("rstd", rstd, rows),
+        ("dy", dy, n),
+        ("dweight", dweight, dim),
+    ];
+    exact(be, "rmsnorm_bwd_weight", operands)
 }
 
 /// An attention shape needs heads of positive width (`batch` or `seq` may be 0: no work).
@@ -244,74 +218,75 @@ fn attn_shape(op: &'static str, s: AttnShape) -> Result<()> {
     Ok(())
 }
 
-/// [`Backend::attention_fwd`]: a valid shape, `q, k, v, out` of
-/// [`AttnShape::qkv_len`] and `probs` of [`AttnShape::probs_len`] elements.
+/// [`Backend::attention_fwd`]: a valid shape, `q, k, v, out` of [`AttnShape::qkv_len`] and
+/// `probs` of [`AttnShape::probs_len`] elements.
 pub(super) fn attention_fwd<B: Backend>(
     be: &B,
-    [q, k, v, out]: [&B::Buf; 4],
-    probs: &B::Buf,
+    [q, k, v, out, probs]: [&B::Buf; 5],
     shape: AttnShape,
 ) -> Result<()> {
     const OP: &str = "attention_fwd";
     attn_shape(OP, shape)?;
     let n = shape.qkv_len();
-    for (name, buf) in [("q", q), ("k", k), ("v", v), ("out", out)] {
-        exact(be, OP, name, buf, n)?;
-    }
-    exact(be, OP, "probs", probs, shape.probs_len())
+    exact(
+        be,
+        OP,
+        [("q", q, n), ("k", k, n), ("v", v, n), ("out", out, n)],
+    )?;
+    exact(be, OP, [("probs", probs, shape.probs_len())])
 }
 
 /// [`Backend::attention_bwd`]: as the forward, with `d_out` and the gradients `dq, dk, dv`
 /// of [`AttnShape::qkv_len`] elements.
 pub(super) fn attention_bwd<B: Backend>(
     be: &B,
-    [q, k, v, d_out]: [&B::Buf; 4],
-    probs: &B::Buf,
-    [dq, dk, dv]: [&B::Buf; 3],
+    [q, k, v, probs, d_out, dq, dk, dv]: [&B::Buf; 8],
     shape: AttnShape,
 ) -> Result<()> {
     const OP: &str = "attention_bwd";
     attn_shape(OP, shape)?;
     let n = shape.qkv_len();
-    for (name, buf) in [("q", q), ("k", k), ("v", v), ("d_out", d_out)] {
-        exact(be, OP, name, buf, n)?;
-    }
-    exact(be, OP, "probs", probs, shape.probs_len())?;
-    for (name, buf) in [("dq", dq), ("dk", dk), ("dv", dv)] {
-        exact(be, OP, name, buf, n)?;
-    }
-    Ok(())
+    exact(
+        be,
+        OP,
+        [("q", q, n), ("k", k, n), ("v", v, n), ("d_out", d_out, n)],
+    )?;
+    exact(be, OP, [("probs", probs, shape.probs_len())])?;
+    exact(be, OP, [("dq", dq, n), ("dk", dk, n), ("dv", dv, n)])
 }
 
-/// A table of whole `dim`-wide rows, `ids.len()` rows of gradient or output, and every id
-/// inside the table (`vocab = table rows`).
+/// A table of whole `dim`-wide rows, `ids.len()` rows of output or gradient, and every id
+/// inside the table (`vocab` = the table's rows).
 fn embedding<B: Backend>(
     be: &B,
     op: &'static str,
-    (table_name, table): (&'static str, &B::Buf),
-    (rows_name, rows): (&'static str, &B::Buf),
+    [(table_name, table), (rows_name, rows)]: [(&'static str, &B::Buf); 2],
     ids_: &[u32],
     dim: usize,
 ) -> Result<()> {
     let vocab = be.len(table).checked_div(dim).unwrap_or(0);
-    exact(be, op, table_name, table, vocab * dim)?;
-    exact(be, op, rows_name, rows, ids_.len() * dim)?;
+    exact(
+        be,
+        op,
+        [
+            (table_name, table, vocab * dim),
+            (rows_name, rows, ids_.len() * dim),
+        ],
+    )?;
     ids(op, ids_, vocab, false)
 }
 
 /// [`Backend::embedding_fwd`]: `table: [vocab, dim]`, `out: [ids, dim]`, every id `< vocab`.
 pub(super) fn embedding_fwd<B: Backend>(
     be: &B,
-    table: &B::Buf,
+    [table, out]: [&B::Buf; 2],
     ids: &[u32],
-    out: &B::Buf,
     dim: usize,
 ) -> Result<()> {
     embedding(
         be,
         "embedding_fwd",
-        ("table", table),
-        ("out", out),
+        [("table", table), ("out", out)],
         ids,
         dim,
     )
@@ -321,15 +296,13 @@ pub(super) fn embedding_fwd<B: Backend>(
 pub(super) fn embedding_bwd<B: Backend>(
     be: &B,
     ids: &[u32],
-    dy: &B::Buf,
-    dtable: &B::Buf,
+    [dy, dtable]: [&B::Buf; 2],
     dim: usize,
 ) -> Result<()> {
     embedding(
         be,
         "embedding_bwd",
-        ("dtable", dtable),
-        ("dy", dy),
+        [("dtable", dtable), ("dy", dy)],
         ids,
         dim,
     )
@@ -338,87 +311,66 @@ pub(super) fn embedding_bwd<B: Backend>(
 /// [`Backend::add_broadcast_rows`]: `dst: [batch, row_len]`, `row` at least `row_len` long.
 pub(super) fn add_broadcast_rows<B: Backend>(
     be: &B,
-    row: &B::Buf,
-    dst: &B::Buf,
+    [row, dst]: [&B::Buf; 2],
     batch: usize,
     row_len: usize,
 ) -> Result<()> {
     const OP: &str = "add_broadcast_rows";
-    exact(be, OP, "dst", dst, batch * row_len)?;
-    at_least(be, OP, "row", row, row_len)
+    exact(be, OP, [("dst", dst, batch * row_len)])?;
+    at_least(be, OP, [("row", row, row_len)])
 }
 
 /// [`Backend::sum_rows`]: `src: [batch, row_len]`, `out` at least `row_len` long.
 pub(super) fn sum_rows<B: Backend>(
     be: &B,
-    src: &B::Buf,
-    out: &B::Buf,
+    [src, out]: [&B::Buf; 2],
     batch: usize,
     row_len: usize,
 ) -> Result<()> {
     const OP: &str = "sum_rows";
-    exact(be, OP, "src", src, batch * row_len)?;
-    at_least(be, OP, "out", out, row_len)
+    exact(be, OP, [("src", src, batch * row_len)])?;
+    at_least(be, OP, [("out", out, row_len)])
 }
 
-/// The two `[rows, vocab]` operands of a cross-entropy (`rows = targets.len()`), and every
-/// target `< vocab` or [`IGNORE_TARGET`].
-fn cross_entropy<B: Backend>(
-    be: &B,
-    op: &'static str,
-    [(first_name, first), (second_name, second)]: [(&'static str, &B::Buf); 2],
-    targets: &[u32],
-    vocab: usize,
-) -> Result<()> {
-    let n = targets.len() * vocab;
-    exact(be, op, first_name, first, n)?;
-    exact(be, op, second_name, second, n)?;
-    ids(op, targets, vocab, true)
-}
-
-/// [`Backend::cross_entropy_fwd`]: `logits, probs: [targets, vocab]`, valid targets.
+/// [`Backend::cross_entropy_fwd`]: `logits, probs: [targets, vocab]`, every target
+/// `< vocab` or [`IGNORE_TARGET`].
 pub(super) fn cross_entropy_fwd<B: Backend>(
     be: &B,
-    logits: &B::Buf,
+    [logits, probs]: [&B::Buf; 2],
     targets: &[u32],
-    probs: &B::Buf,
     vocab: usize,
 ) -> Result<()> {
-    let operands = [("logits", logits), ("probs", probs)];
-    cross_entropy(be, "cross_entropy_fwd", operands, targets, vocab)
+    const OP: &str = "cross_entropy_fwd";
+    let n = targets.len() * vocab;
+    exact(be, OP, [("logits", logits, n), ("probs", probs, n)])?;
+    ids(OP, targets, vocab, true)
 }
 
-/// [`Backend::cross_entropy_bwd`]: `probs, dlogits: [targets, vocab]`, valid targets.
+/// [`Backend::cross_entropy_bwd`]: `probs, dlogits: [targets, vocab]`, every target
+/// `< vocab` or [`IGNORE_TARGET`].
 pub(super) fn cross_entropy_bwd<B: Backend>(
     be: &B,
-    probs: &B::Buf,
+    [probs, dlogits]: [&B::Buf; 2],
     targets: &[u32],
-    dlogits: &B::Buf,
     vocab: usize,
 ) -> Result<()> {
-    let operands = [("probs", probs), ("dlogits", dlogits)];
-    cross_entropy(be, "cross_entropy_bwd", operands, targets, vocab)
+    const OP: &str = "cross_entropy_bwd";
+    let n = targets.len() * vocab;
+    exact(be, OP, [("probs", probs, n), ("dlogits", dlogits, n)])?;
+    ids(OP, targets, vocab, true)
 }
 
 /// [`Backend::adamw_step`]: `grad`, `m`, `v` and the `master` copy (when given) as long as
 /// `param`.
 pub(super) fn adamw_step<B: Backend>(
     be: &B,
-    param: &B::Buf,
+    [param, grad, m, v]: [&B::Buf; 4],
     master: Option<&B::Buf>,
-    grad: &B::Buf,
-    m: &B::Buf,
-    v: &B::Buf,
 ) -> Result<()> {
     const OP: &str = "adamw_step";
     let n = be.len(param);
-    exact(be, OP, "grad", grad, n)?;
-    exact(be, OP, "m", m, n)?;
-    exact(be, OP, "v", v, n)?;
-    match master {
-        Some(master) => exact(be, OP, "master", master, n),
-        None => Ok(()),
-    }
+    exact(be, OP, [("grad", grad, n), ("m", m, n), ("v", v, n)])?;
+    master.map_or(Ok(()), |master| exact(be, OP, [("master", master, n)]))
 }
 
 #[cfg(test)]

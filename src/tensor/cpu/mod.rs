@@ -141,7 +141,7 @@ impl Backend for CpuBackend {
     }
 
     fn copy(&self, src: &CpuBuf, dst: &mut CpuBuf) -> Result<()> {
-        check::copy(self, src, dst)?;
+        check::copy(self, [src, dst])?;
         match (&src.0, &mut dst.0) {
             (Storage::F32(s), Storage::F32(d)) => d.copy_from_slice(s),
             (Storage::Bf16(s), Storage::Bf16(d)) => d.copy_from_slice(s),
@@ -159,7 +159,7 @@ impl Backend for CpuBackend {
     }
 
     fn matmul(&self, a: &CpuBuf, b: &CpuBuf, c: &mut CpuBuf, g: Gemm) -> Result<()> {
-        check::matmul(self, a, b, c, g)?;
+        check::matmul(self, [a, b, c], g)?;
         let (a, b) = (a.read(), b.read());
         let par = self.parallelism();
         self.run(g.m * g.k * g.n, |_| {
@@ -169,26 +169,15 @@ impl Backend for CpuBackend {
     }
 
     fn matmul_batched(&self, a: &CpuBuf, b: &CpuBuf, c: &mut CpuBuf, g: BatchedGemm) -> Result<()> {
-        check::matmul_batched(self, a, b, c, g)?;
-        let BatchedGemm {
-            gemm: gm,
-            batch,
-            stride_a,
-            stride_b,
-            stride_c,
-        } = g;
+        check::matmul_batched(self, [a, b, c], g)?;
+        let gm = g.gemm;
         let (a, b) = (a.read(), b.read());
         let par = self.parallelism();
-        self.run(batch * gm.m * gm.k * gm.n, |_| {
+        self.run(g.batch * gm.m * gm.k * gm.n, |_| {
             c.write(|c| {
-                for i in 0..batch {
-                    gemm_slices(
-                        &a[i * stride_a..],
-                        &b[i * stride_b..],
-                        &mut c[i * stride_c..],
-                        gm,
-                        par,
-                    );
+                for i in 0..g.batch {
+                    let (a, b) = (&a[i * g.stride_a..], &b[i * g.stride_b..]);
+                    gemm_slices(a, b, &mut c[i * g.stride_c..], gm, par);
                 }
             })
         });
@@ -196,7 +185,7 @@ impl Backend for CpuBackend {
     }
 
     fn add(&self, a: &CpuBuf, b: &CpuBuf, out: &mut CpuBuf) -> Result<()> {
-        check::add(self, a, b, out)?;
+        check::add(self, [a, b, out])?;
         let (a, b) = (a.read(), b.read());
         out.write(|o| {
             o.iter_mut()
@@ -207,7 +196,7 @@ impl Backend for CpuBackend {
     }
 
     fn axpy(&self, alpha: f32, src: &CpuBuf, dst: &mut CpuBuf) -> Result<()> {
-        check::axpy(self, src, dst)?;
+        check::axpy(self, [src, dst])?;
         let s = src.read();
         dst.write(|d| {
             d.iter_mut()
@@ -223,7 +212,7 @@ impl Backend for CpuBackend {
     }
 
     fn activation_fwd(&self, act: Activation, x: &CpuBuf, out: &mut CpuBuf) -> Result<()> {
-        check::activation_fwd(self, x, out)?;
+        check::activation_fwd(self, [x, out])?;
         let x = x.read();
         out.write(|o| kernels::activation_fwd(act, &x, o));
         Ok(())
@@ -236,14 +225,14 @@ impl Backend for CpuBackend {
         dy: &CpuBuf,
         dx: &mut CpuBuf,
     ) -> Result<()> {
-        check::activation_bwd(self, x, dy, dx)?;
+        check::activation_bwd(self, [x, dy, dx])?;
         let (x, dy) = (x.read(), dy.read());
         dx.write(|d| kernels::activation_bwd(act, &x, &dy, d));
         Ok(())
     }
 
     fn softmax_rows(&self, x: &CpuBuf, out: &mut CpuBuf, rows: usize, cols: usize) -> Result<()> {
-        check::softmax_rows(self, x, out, rows, cols)?;
+        check::softmax_rows(self, [x, out], rows, cols)?;
         let x = x.read();
         self.run(rows * cols, |par| {
             out.write(|o| kernels::softmax_rows(par, &x, o, cols))
@@ -261,7 +250,7 @@ impl Backend for CpuBackend {
         dim: usize,
         eps: f32,
     ) -> Result<()> {
-        check::rmsnorm_fwd(self, x, weight, out, rstd, rows, dim)?;
+        check::rmsnorm_fwd(self, [x, weight, out, rstd], rows, dim)?;
         let (x, w) = (x.read(), weight.read());
         self.run(rows * dim, |par| {
             out.write(|o| rstd.write(|r| kernels::rmsnorm_fwd(par, &x, &w, o, r, eps)))
@@ -279,7 +268,7 @@ impl Backend for CpuBackend {
         rows: usize,
         dim: usize,
     ) -> Result<()> {
-        check::rmsnorm_bwd_input(self, x, weight, rstd, dy, dx, rows, dim)?;
+        check::rmsnorm_bwd_input(self, [x, weight, rstd, dy, dx], rows, dim)?;
         let (x, w, r, dy) = (x.read(), weight.read(), rstd.read(), dy.read());
         self.run(rows * dim, |par| {
             dx.write(|d| kernels::rmsnorm_bwd_input(par, &x, &w, &r, &dy, d))
@@ -296,7 +285,7 @@ impl Backend for CpuBackend {
         rows: usize,
         dim: usize,
     ) -> Result<()> {
-        check::rmsnorm_bwd_weight(self, x, rstd, dy, dweight, rows, dim)?;
+        check::rmsnorm_bwd_weight(self, [x, rstd, dy, dweight], rows, dim)?;
         let (x, r, dy) = (x.read(), rstd.read(), dy.read());
         dweight.write(|d| kernels::rmsnorm_bwd_weight(&x, &r, &dy, d));
         Ok(())
@@ -311,7 +300,7 @@ impl Backend for CpuBackend {
         probs: &mut CpuBuf,
         shape: AttnShape,
     ) -> Result<()> {
-        check::attention_fwd(self, [q, k, v, out], probs, shape)?;
+        check::attention_fwd(self, [q, k, v, out, probs], shape)?;
         let (q, k, v) = (q.read(), k.read(), v.read());
         self.run(shape.probs_len() * shape.head_dim, |par| {
             out.write(|o| probs.write(|p| kernels::attention_fwd(par, &q, &k, &v, o, p, shape)))
@@ -331,7 +320,7 @@ impl Backend for CpuBackend {
         dv: &mut CpuBuf,
         shape: AttnShape,
     ) -> Result<()> {
-        check::attention_bwd(self, [q, k, v, d_out], probs, [dq, dk, dv], shape)?;
+        check::attention_bwd(self, [q, k, v, probs, d_out, dq, dk, dv], shape)?;
         let (q, k, v, p, d) = (q.read(), k.read(), v.read(), probs.read(), d_out.read());
         self.run(shape.probs_len() * shape.head_dim, |par| {
             dq.write(|gq| {
@@ -352,7 +341,7 @@ impl Backend for CpuBackend {
         out: &mut CpuBuf,
         dim: usize,
     ) -> Result<()> {
-        check::embedding_fwd(self, table, ids, out, dim)?;
+        check::embedding_fwd(self, [table, out], ids, dim)?;
         let t = table.read();
         out.write(|o| {
             for (row, &id) in o.chunks_mut(dim.max(1)).zip(ids) {
@@ -369,7 +358,7 @@ impl Backend for CpuBackend {
         dtable: &mut CpuBuf,
         dim: usize,
     ) -> Result<()> {
-        check::embedding_bwd(self, ids, dy, dtable, dim)?;
+        check::embedding_bwd(self, ids, [dy, dtable], dim)?;
         let dy = dy.read();
         dtable.write(|t| {
             for (row, &id) in dy.chunks(dim.max(1)).zip(ids) {
@@ -387,7 +376,7 @@ impl Backend for CpuBackend {
         batch: usize,
         row_len: usize,
     ) -> Result<()> {
-        check::add_broadcast_rows(self, row, dst, batch, row_len)?;
+        check::add_broadcast_rows(self, [row, dst], batch, row_len)?;
         let r = row.read();
         let r = &r[..row_len];
         dst.write(|d| {
@@ -399,7 +388,7 @@ impl Backend for CpuBackend {
     }
 
     fn sum_rows(&self, src: &CpuBuf, out: &mut CpuBuf, batch: usize, row_len: usize) -> Result<()> {
-        check::sum_rows(self, src, out, batch, row_len)?;
+        check::sum_rows(self, [src, out], batch, row_len)?;
         let s = src.read();
         out.write(|o| {
             for chunk in s.chunks(row_len.max(1)) {
@@ -419,7 +408,7 @@ impl Backend for CpuBackend {
         probs: &mut CpuBuf,
         vocab: usize,
     ) -> Result<(f32, usize)> {
-        check::cross_entropy_fwd(self, logits, targets, probs, vocab)?;
+        check::cross_entropy_fwd(self, [logits, probs], targets, vocab)?;
         let l = logits.read();
         Ok(self.run(targets.len() * vocab, |par| {
             probs.write(|p| kernels::cross_entropy_fwd(par, &l, targets, p, vocab))
@@ -434,7 +423,7 @@ impl Backend for CpuBackend {
         vocab: usize,
         scale: f32,
     ) -> Result<()> {
-        check::cross_entropy_bwd(self, probs, targets, dlogits, vocab)?;
+        check::cross_entropy_bwd(self, [probs, dlogits], targets, vocab)?;
         let p = probs.read();
         dlogits.write(|d| kernels::cross_entropy_bwd(&p, targets, d, vocab, scale));
         Ok(())
@@ -453,7 +442,7 @@ impl Backend for CpuBackend {
         v: &mut CpuBuf,
         hp: AdamWStep,
     ) -> Result<()> {
-        check::adamw_step(self, param, master.as_deref(), grad, m, v)?;
+        check::adamw_step(self, [param, grad, m, v], master.as_deref())?;
         let g = grad.read();
         match master {
             Some(master) => {

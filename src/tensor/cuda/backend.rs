@@ -68,7 +68,7 @@ impl Backend for CudaBackend {
 
     fn copy(&self, src: &CudaBuf, dst: &mut CudaBuf) -> Result<()> {
         const OP: &str = "copy";
-        check::copy(self, src, dst)?;
+        check::copy(self, [src, dst])?;
         let Some((n64, cfg)) = Self::elementwise_len(src.len()) else {
             return Ok(());
         };
@@ -101,7 +101,7 @@ impl Backend for CudaBackend {
 
     fn matmul(&self, a: &CudaBuf, b: &CudaBuf, c: &mut CudaBuf, g: Gemm) -> Result<()> {
         const OP: &str = "matmul";
-        check::matmul(self, a, b, c, g)?;
+        check::matmul(self, [a, b, c], g)?;
         if g.m == 0 || g.n == 0 {
             return Ok(());
         }
@@ -129,7 +129,7 @@ impl Backend for CudaBackend {
 
     fn add(&self, a: &CudaBuf, b: &CudaBuf, out: &mut CudaBuf) -> Result<()> {
         const OP: &str = "add";
-        check::add(self, a, b, out)?;
+        check::add(self, [a, b, out])?;
         let Some((n64, cfg)) = Self::elementwise_len(a.len()) else {
             return Ok(());
         };
@@ -141,7 +141,7 @@ impl Backend for CudaBackend {
 
     fn axpy(&self, alpha: f32, src: &CudaBuf, dst: &mut CudaBuf) -> Result<()> {
         const OP: &str = "axpy";
-        check::axpy(self, src, dst)?;
+        check::axpy(self, [src, dst])?;
         let Some((n64, cfg)) = Self::elementwise_len(src.len()) else {
             return Ok(());
         };
@@ -163,7 +163,7 @@ impl Backend for CudaBackend {
 
     fn activation_fwd(&self, act: Activation, x: &CudaBuf, out: &mut CudaBuf) -> Result<()> {
         const OP: &str = "activation_fwd";
-        check::activation_fwd(self, x, out)?;
+        check::activation_fwd(self, [x, out])?;
         let Some((n64, cfg)) = Self::elementwise_len(x.len()) else {
             return Ok(());
         };
@@ -182,7 +182,7 @@ impl Backend for CudaBackend {
         dx: &mut CudaBuf,
     ) -> Result<()> {
         const OP: &str = "activation_bwd";
-        check::activation_bwd(self, x, dy, dx)?;
+        check::activation_bwd(self, [x, dy, dx])?;
         let Some((n64, cfg)) = Self::elementwise_len(x.len()) else {
             return Ok(());
         };
@@ -195,7 +195,7 @@ impl Backend for CudaBackend {
 
     fn softmax_rows(&self, x: &CudaBuf, out: &mut CudaBuf, rows: usize, cols: usize) -> Result<()> {
         const OP: &str = "softmax_rows";
-        check::softmax_rows(self, x, out, rows, cols)?;
+        check::softmax_rows(self, [x, out], rows, cols)?;
         if rows == 0 || cols == 0 {
             return Ok(());
         }
@@ -218,7 +218,7 @@ impl Backend for CudaBackend {
         eps: f32,
     ) -> Result<()> {
         const OP: &str = "rmsnorm_fwd";
-        check::rmsnorm_fwd(self, x, weight, out, rstd, rows, dim)?;
+        check::rmsnorm_fwd(self, [x, weight, out, rstd], rows, dim)?;
         if rows == 0 {
             return Ok(());
         }
@@ -249,7 +249,7 @@ impl Backend for CudaBackend {
         dim: usize,
     ) -> Result<()> {
         const OP: &str = "rmsnorm_bwd_input";
-        check::rmsnorm_bwd_input(self, x, weight, rstd, dy, dx, rows, dim)?;
+        check::rmsnorm_bwd_input(self, [x, weight, rstd, dy, dx], rows, dim)?;
         if rows == 0 || dim == 0 {
             return Ok(());
         }
@@ -282,7 +282,7 @@ impl Backend for CudaBackend {
         dim: usize,
     ) -> Result<()> {
         const OP: &str = "rmsnorm_bwd_weight";
-        check::rmsnorm_bwd_weight(self, x, rstd, dy, dweight, rows, dim)?;
+        check::rmsnorm_bwd_weight(self, [x, rstd, dy, dweight], rows, dim)?;
         if rows == 0 || dim == 0 {
             return Ok(());
         }
@@ -310,7 +310,7 @@ impl Backend for CudaBackend {
         shape: AttnShape,
     ) -> Result<()> {
         const OP: &str = "attention_fwd";
-        check::attention_fwd(self, [q, k, v, out], probs, shape)?;
+        check::attention_fwd(self, [q, k, v, out, probs], shape)?;
         let (q, k, v) = (self.read(OP, q)?, self.read(OP, k)?, self.read(OP, v)?);
         self.write(OP, out, |o| {
             self.write(OP, probs, |p| {
@@ -332,7 +332,7 @@ impl Backend for CudaBackend {
         shape: AttnShape,
     ) -> Result<()> {
         const OP: &str = "attention_bwd";
-        check::attention_bwd(self, [q, k, v, d_out], probs, [dq, dk, dv], shape)?;
+        check::attention_bwd(self, [q, k, v, probs, d_out, dq, dk, dv], shape)?;
         let (q, k, v) = (self.read(OP, q)?, self.read(OP, k)?, self.read(OP, v)?);
         let (p, d) = (self.read(OP, probs)?, self.read(OP, d_out)?);
         self.write(OP, dq, |gq| {
@@ -352,7 +352,7 @@ impl Backend for CudaBackend {
         dim: usize,
     ) -> Result<()> {
         const OP: &str = "embedding_fwd";
-        check::embedding_fwd(self, table, ids, out, dim)?;
+        check::embedding_fwd(self, [table, out], ids, dim)?;
         let Some((n64, cfg)) = Self::elementwise_len(ids.len() * dim) else {
             return Ok(());
         };
@@ -371,7 +371,7 @@ impl Backend for CudaBackend {
         dim: usize,
     ) -> Result<()> {
         const OP: &str = "embedding_bwd";
-        check::embedding_bwd(self, ids, dy, dtable, dim)?;
+        check::embedding_bwd(self, ids, [dy, dtable], dim)?;
         let Some((n64, cfg)) = Self::elementwise_len(ids.len() * dim) else {
             return Ok(());
         };
@@ -396,7 +396,7 @@ impl Backend for CudaBackend {
         row_len: usize,
     ) -> Result<()> {
         const OP: &str = "add_broadcast_rows";
-        check::add_broadcast_rows(self, row, dst, batch, row_len)?;
+        check::add_broadcast_rows(self, [row, dst], batch, row_len)?;
         let Some((n64, cfg)) = Self::elementwise_len(batch * row_len) else {
             return Ok(());
         };
@@ -415,7 +415,7 @@ impl Backend for CudaBackend {
         row_len: usize,
     ) -> Result<()> {
         const OP: &str = "sum_rows";
-        check::sum_rows(self, src, out, batch, row_len)?;
+        check::sum_rows(self, [src, out], batch, row_len)?;
         if batch == 0 || row_len == 0 {
             return Ok(());
         }

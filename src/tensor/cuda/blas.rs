@@ -109,7 +109,7 @@ impl CudaBackend {
         g: BatchedGemm,
     ) -> Result<()> {
         const OP: &str = "matmul_batched";
-        check::matmul_batched(self, a, b, c, g)?;
+        check::matmul_batched(self, [a, b, c], g)?;
         let BatchedGemm {
             gemm: gm,
             batch,

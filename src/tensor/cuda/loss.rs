@@ -19,7 +19,7 @@ impl CudaBackend {
     ) -> Result<(f32, usize)> {
         const OP: &str = "cross_entropy_fwd";
         let rows = targets.len();
-        check::cross_entropy_fwd(self, logits, targets, probs, vocab)?;
+        check::cross_entropy_fwd(self, [logits, probs], targets, vocab)?;
         let counted = targets
             .iter()
             .filter(|&&t| t != crate::tensor::IGNORE_TARGET)
@@ -58,7 +58,7 @@ impl CudaBackend {
         scale: f32,
     ) -> Result<()> {
         const OP: &str = "cross_entropy_bwd";
-        check::cross_entropy_bwd(self, probs, targets, dlogits, vocab)?;
+        check::cross_entropy_bwd(self, [probs, dlogits], targets, vocab)?;
         let Some((n64, cfg)) = Self::elementwise_len(targets.len() * vocab) else {
             return Ok(());
         };
@@ -110,7 +110,7 @@ impl CudaBackend {
     ) -> Result<()> {
         const OP: &str = "adamw_step";
         let n = param.len();
-        check::adamw_step(self, param, master.as_deref(), grad, m, v)?;
+        check::adamw_step(self, [param, grad, m, v], master.as_deref())?;
         let Some((n64, cfg)) = Self::elementwise_len(n) else {
             return Ok(());
         };
