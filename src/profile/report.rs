@@ -67,6 +67,9 @@ pub struct RunInfo {
     pub iteration: usize,
     /// Why that step (see [`steady_iteration`]).
     pub iteration_note: String,
+    /// Which measured costs the prediction simulates the plan under (`mean per-stage costs
+    /// measured over steps 1–399`).
+    pub cost_basis: String,
 }
 
 /// One rank's figures, measured and predicted.
@@ -191,7 +194,8 @@ impl BubbleReport {
         );
         let _ = writeln!(
             out,
-            "predicted: the schedule simulator on the same plan under the measured per-stage costs"
+            "predicted: the schedule simulator on the same plan under the {}",
+            i.cost_basis
         );
         let _ = writeln!(out);
         // Group labels centred over their three columns (12 + 12 + 9 wide).
@@ -356,6 +360,7 @@ mod tests {
             units: units.into(),
             iteration: 3,
             iteration_note: "test".into(),
+            cost_basis: "test costs".into(),
         }
     }
 
@@ -406,6 +411,12 @@ mod tests {
         ));
         assert!(
             text.contains("timeline: step 3 (test); times in units\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "predicted: the schedule simulator on the same plan under the test costs\n"
+            ),
             "{text}"
         );
         let row = |rank: usize| {

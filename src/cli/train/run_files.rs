@@ -67,11 +67,28 @@ pub(super) fn write_profile(
     let Some((index, note)) = steady_iteration(&makespans, first_step) else {
         bail!("the runtime measured no step: no timeline to report");
     };
-    let Some(predicted) = &run.predicted else {
-        bail!(
-            "the runtime did not measure every stage's costs, so the simulator has nothing to \
-             predict with"
-        );
+    // Mean costs after the warm-up step predict busy time (a sum of costs) without the
+    // medians' bias; the runtime's median model is the fallback.
+    let skip = usize::from(iterations.len() > 1);
+    let (predicted, cost_basis) = match run.mean_cost(skip) {
+        Some(cost) => (
+            run.predict(&cost)?,
+            format!(
+                "mean per-stage costs measured over steps {}–{}",
+                first_step + skip as u64,
+                run.next_step() - 1
+            ),
+        ),
+        None => match &run.predicted {
+            Some(p) => (
+                p.clone(),
+                "median per-stage costs the runtime measured".into(),
+            ),
+            None => bail!(
+                "the runtime did not measure every stage's costs, so the simulator has nothing \
+                 to predict with"
+            ),
+        },
     };
     let step = first_step as usize + index;
     let measured = &iterations[index];
@@ -84,8 +101,9 @@ pub(super) fn write_profile(
         units: "s".into(),
         iteration: step,
         iteration_note: note,
+        cost_basis,
     };
-    let report = BubbleReport::new(info, &measured.timeline, predicted)?
+    let report = BubbleReport::new(info, &measured.timeline, &predicted)?
         .with_whole_run(&run.report.overall, iterations.len());
     report.write(dir)?;
 
