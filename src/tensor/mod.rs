@@ -11,7 +11,8 @@
 //! - A buffer is a flat array of `f32` values (its *storage* may be `bf16`, see [`DType`]);
 //!   matrices are **row-major**: a `[rows, cols]` matrix stores row `r` at `r * cols ..`.
 //! - Shapes are passed explicitly; a backend checks every buffer length against them and
-//!   returns [`TensorError::Shape`] naming the operation and the operand on a mismatch.
+//!   returns [`TensorError::Shape`] naming the operation and the operand on a mismatch. These
+//!   checks are written once, per operation, in `check.rs` and called by every backend.
 //! - Outputs are **overwritten** unless the operation says it *accumulates* (`+=`).
 //! - Arithmetic is `f32`; `bf16` buffers are widened on read and rounded on write.
 //! - Activations use the `[batch, seq, d]` layout, so an `[N = batch·seq, d]` matrix; attention
