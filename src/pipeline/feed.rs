@@ -69,3 +69,29 @@ impl StepFeed {
         *cache = cache.split_off(&step);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::DataConfig;
+
+    #[test]
+    fn steps_are_the_reference_trainers_and_evicted_when_done() {
+        let train = TrainConfig {
+            micro_batches: 3,
+            micro_batch_size: 2,
+            ..TrainConfig::default()
+        };
+        let data = StepData::new(DataConfig::default(), 8, 7).unwrap();
+        let feed = StepFeed::new(data.clone(), train.clone());
+        let step = feed.get(4);
+        assert_eq!(step.batches, step_micro_batches(&data, &train, 4));
+        assert_eq!(step.scales, loss_scales(&step.batches));
+        assert_eq!(step.tokens(), 3 * 2 * 8);
+        assert!(Arc::ptr_eq(&step, &feed.get(4)), "built once");
+        feed.prefetch(5);
+        feed.evict_before(5);
+        let cache = feed.cache.lock().unwrap();
+        assert_eq!(cache.keys().copied().collect::<Vec<_>>(), vec![5]);
+    }
+}

@@ -146,3 +146,57 @@ impl Shared {
         )
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::mpsc::channel;
+
+    use super::*;
+    use crate::data::{DataConfig, StepData};
+    use crate::train::TrainConfig;
+
+    fn shared(ranks: usize) -> (Shared, std::sync::mpsc::Receiver<StepMetrics>) {
+        let train = TrainConfig {
+            micro_batches: 2,
+            micro_batch_size: 1,
+            ..TrainConfig::default()
+        };
+        let data = StepData::new(DataConfig::default(), 8, 0).unwrap();
+        let (tx, rx) = channel();
+        let feed = Arc::new(StepFeed::new(data, train));
+        (Shared::new(ranks, feed, tx), rx)
+    }
+
+    #[test]
+    fn a_step_is_reported_once_every_rank_has_stepped() {
+        let (shared, rx) = shared(2);
+        // Rank 1 holds stage 1 and posts first; the norm is still summed stage by stage.
+        shared.post_sq_norms(0, vec![(1, vec![16.0])]);
+        shared.post_sq_norms(0, vec![(0, vec![4.0, 5.0])]);
+        shared.record_loss(0, 1, 3.0);
+        shared.record_loss(0, 0, 1.0);
+        shared.stepped(0, 0.5);
+        assert!(rx.try_recv().is_err(), "one rank of two has stepped");
+        shared.stepped(0, 0.5);
+        let m = rx.try_recv().unwrap();
+        assert_eq!(m.step, 0);
+        assert_eq!(m.grad_norm, 5.0);
+        assert_eq!(m.lr, 0.5);
+        // Two micro-batches of equal size: scales 1/2 each.
+        assert_eq!(m.loss, 2.0);
+        assert_eq!(m.tokens, 16);
+    }
+
+    #[test]
+    fn finals_are_given_only_when_every_rank_has_deposited() {
+        let (shared, _rx) = shared(2);
+        let fin = RankFinal {
+            stages: vec![],
+            optimizer: OptimizerState::default(),
+        };
+        shared.deposit_final(1, fin.clone());
+        assert!(shared.take_finals().is_none());
+        shared.deposit_final(0, fin);
+        assert_eq!(shared.take_finals().map(|f| f.len()), Some(2));
+    }
+}
