@@ -330,6 +330,24 @@ fn a_resumed_run_continues_where_the_checkpoint_left_off() {
 }
 
 #[test]
+fn a_failing_stage_stops_the_run_with_an_error_naming_it() {
+    // A vocabulary smaller than the tokenizer's: stage 0's embedding meets a token id it
+    // does not have. The run must end with an error naming the rank and the action, not
+    // hang with the other ranks waiting for stage 0's output.
+    let mut job = job(4);
+    job.model.vocab = 4;
+    let trainer = PipelineTrainer::builtin(&job, ScheduleKind::OneFOneB, None).unwrap();
+    let mut steps = 0;
+    let err = trainer.run(STEPS, |_| steps += 1).unwrap_err();
+    assert_eq!(steps, 0);
+    let text = err.to_string();
+    assert!(
+        matches!(err, PipelineError::Runtime(_)) && text.contains("rank 0") && text.contains("0F0"),
+        "{text}"
+    );
+}
+
+#[test]
 fn plans_that_do_not_fit_the_job_are_refused() {
     let job = job(4);
     // The plan's micro-batches must be the job's.
