@@ -248,7 +248,7 @@ fn unclipped_runs_are_bitwise_the_reference() {
     }
     let path = concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../shared/fixtures/torch/zb1p_2rank_2stagep_compute.csv"
+        "/tests/fixtures/torch/zb1p_2rank_2stagep_compute.csv"
     );
     let plan = read_plan(Path::new(path)).unwrap();
     let trainer = PipelineTrainer::new(&job_clipped_at(2, 0.0), plan).unwrap();
@@ -297,7 +297,7 @@ fn wall_clock_runs_match_the_reference() {
 fn torch_zb1p_fixture_matches_the_reference() {
     let path = concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../shared/fixtures/torch/zb1p_2rank_2stagep_compute.csv"
+        "/tests/fixtures/torch/zb1p_2rank_2stagep_compute.csv"
     );
     let plan = read_plan(Path::new(path)).unwrap();
     assert_eq!(

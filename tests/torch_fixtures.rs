@@ -1,6 +1,6 @@
 //! PyTorch pipelining's own schedule files, read, checked, lowered, written back and timed.
 //!
-//! The fixtures (shared/fixtures/torch/) were written by the PyTorch project: ZB1P on
+//! The fixtures (tests/fixtures/torch/, copied from the team's shared/fixtures/torch/) were written by the PyTorch project: ZB1P on
 //! 2 ranks (4 stages, looped, 8 micro-batches, split backward, idle cells) and DualPipeV on
 //! 4 ranks (8 stages, V-shaped, 10 micro-batches, OVERLAP_F_B composites). Reading them
 //! and writing them back byte for byte is the interchange contract; validating and
@@ -15,11 +15,11 @@ use pipefill_schedules::{
 
 const ZB1P: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
-    "/../shared/fixtures/torch/zb1p_2rank_2stagep_compute.csv"
+    "/tests/fixtures/torch/zb1p_2rank_2stagep_compute.csv"
 );
 const DUALPIPEV: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
-    "/../shared/fixtures/torch/dualpipev_4rank_10mb.csv"
+    "/tests/fixtures/torch/dualpipev_4rank_10mb.csv"
 );
 
 fn load(path: &str) -> (Plan, String) {
