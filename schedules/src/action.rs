@@ -182,7 +182,9 @@ impl FromStr for Action {
         };
         let t = s.trim();
         if t.is_empty() {
-            return Err(err("empty (an idle step is an empty CSV cell, not an action)"));
+            return Err(err(
+                "empty (an idle step is an empty CSV cell, not an action)",
+            ));
         }
         if let Some(rest) = t.strip_prefix('(') {
             let inner = rest
@@ -194,7 +196,9 @@ impl FromStr for Action {
             let fwd = parse_simple(a).map_err(err)?;
             let bwd = parse_simple(b).map_err(err)?;
             if fwd.kind != ActionKind::F || bwd.kind != ActionKind::B {
-                return Err(err("OVERLAP_F_B pairs a forward (F) with a full backward (B)"));
+                return Err(err(
+                    "OVERLAP_F_B pairs a forward (F) with a full backward (B)",
+                ));
             }
             return Ok(Action::overlap(fwd.key(), bwd.key()));
         }
@@ -210,7 +214,9 @@ fn parse_simple(s: &str) -> Result<Action, &'static str> {
     if digits_end == 0 {
         return Err("must start with the stage number");
     }
-    let stage: u32 = s[..digits_end].parse().map_err(|_| "stage number out of range")?;
+    let stage: u32 = s[..digits_end]
+        .parse()
+        .map_err(|_| "stage number out of range")?;
     let rest = &s[digits_end..];
     let kind_end = rest
         .find(|c: char| c.is_ascii_digit())
@@ -265,7 +271,16 @@ mod tests {
 
     #[test]
     fn rejects_malformed_text() {
-        for text in ["", "F3", "0X3", "0F", "0F3x", "(0F1;0F2)OVERLAP_F_B", "(0F1,0B2)", "0SEND3"] {
+        for text in [
+            "",
+            "F3",
+            "0X3",
+            "0F",
+            "0F3x",
+            "(0F1;0F2)OVERLAP_F_B",
+            "(0F1,0B2)",
+            "0SEND3",
+        ] {
             assert!(text.parse::<Action>().is_err(), "{text:?} parsed");
         }
     }

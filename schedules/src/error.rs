@@ -10,7 +10,9 @@ pub enum ScheduleError {
     Unsupported { schedule: String, reason: String },
 
     /// The schedule name is not one of the built-in generators.
-    #[error("unknown schedule `{0}` (built-in: gpipe, 1f1b, interleaved-1f1b, looped-bfs, zb-h1, zb-h2, zb-v)")]
+    #[error(
+        "unknown schedule `{0}` (built-in: gpipe, 1f1b, interleaved-1f1b, looped-bfs, zb-h1, zb-h2, zb-v)"
+    )]
     UnknownSchedule(String),
 
     /// A schedule file cannot be read or parsed.

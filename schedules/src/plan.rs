@@ -59,7 +59,9 @@ impl Placement {
                     ));
                 }
                 if let Some((s, r)) = table.iter().enumerate().find(|(_, r)| **r >= ranks) {
-                    return Err(format!("stage {s} is placed on rank {r}, but there are {ranks} ranks"));
+                    return Err(format!(
+                        "stage {s} is placed on rank {r}, but there are {ranks} ranks"
+                    ));
                 }
                 if let Some(r) = (0..ranks).find(|r| !table.contains(r)) {
                     return Err(format!("rank {r} holds no stage"));

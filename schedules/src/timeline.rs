@@ -69,7 +69,11 @@ impl CostModel {
     /// The costs of `stage`.
     pub fn of(&self, stage: u32) -> StageCost {
         match self.stage.len() {
-            0 => StageCost { f: 1.0, i: 1.0, w: 1.0 },
+            0 => StageCost {
+                f: 1.0,
+                i: 1.0,
+                w: 1.0,
+            },
             1 => self.stage[0],
             _ => self.stage[stage as usize],
         }
@@ -169,8 +173,15 @@ impl Timeline {
         spans.retain(|s| s.action.kind.is_compute());
         spans.sort_by(|a, b| a.rank.cmp(&b.rank).then(a.start.total_cmp(&b.start)));
         let t0 = spans.iter().map(|s| s.start).fold(f64::INFINITY, f64::min);
-        let t1 = spans.iter().map(|s| s.end).fold(f64::NEG_INFINITY, f64::max);
-        let (t0, t1) = if spans.is_empty() { (0.0, 0.0) } else { (t0, t1) };
+        let t1 = spans
+            .iter()
+            .map(|s| s.end)
+            .fold(f64::NEG_INFINITY, f64::max);
+        let (t0, t1) = if spans.is_empty() {
+            (0.0, 0.0)
+        } else {
+            (t0, t1)
+        };
         let makespan = t1 - t0;
         let eps = GAP_EPS * makespan.max(1.0);
 
@@ -278,8 +289,15 @@ mod tests {
         assert_eq!(t.bubble_ratio, 0.5);
         assert_eq!(t.steady_bubble_ratio, 1.0 - 4.0 / 6.0);
         // rank 0: [1,2) and [3,4); rank 1: [0,1) and [2,3).
-        let lens: Vec<_> = t.slots.iter().map(|s| (s.rank, s.start, s.length)).collect();
-        assert_eq!(lens, vec![(0, 1.0, 1.0), (0, 3.0, 1.0), (1, 0.0, 1.0), (1, 2.0, 1.0)]);
+        let lens: Vec<_> = t
+            .slots
+            .iter()
+            .map(|s| (s.rank, s.start, s.length))
+            .collect();
+        assert_eq!(
+            lens,
+            vec![(0, 1.0, 1.0), (0, 3.0, 1.0), (1, 0.0, 1.0), (1, 2.0, 1.0)]
+        );
         assert_eq!(t.slots[1].after, None);
         assert_eq!(t.slots[2].before, None);
         assert_eq!(t.bubble_time(), 4.0);
