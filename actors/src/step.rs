@@ -108,7 +108,8 @@ pub struct StepPolicy {
 /// `stats[r]` is rank `r`'s statistics or `None` when not known; the squared norms are
 /// summed in rank order, so the result with every rank known is the same float whoever
 /// computes it. A non-finite gradient (or a sum that overflows) skips the step; a norm
-/// above `max_grad_norm` clips with scale `max / (norm + 1e-6)`.
+/// above `max_grad_norm` clips with scale `max / norm` (the same factor as the
+/// single-device trainer's clipping, so pipelined and reference runs agree).
 pub fn decide(stats: &[Option<GradStats>], max_grad_norm: Option<f64>) -> (f64, StepDecision) {
     let mut sq = 0.0f64;
     let mut nonfinite = false;
@@ -123,7 +124,7 @@ pub fn decide(stats: &[Option<GradStats>], max_grad_norm: Option<f64>) -> (f64, 
     }
     match max_grad_norm {
         Some(max) if norm > max => {
-            let clip_scale = (max / (norm + 1e-6)) as f32;
+            let clip_scale = (max / norm) as f32;
             (norm, StepDecision::Apply { clip_scale })
         }
         _ => (norm, StepDecision::UNCLIPPED),
@@ -215,7 +216,7 @@ mod tests {
         let (norm, d) = decide(&[s(9.0, false), s(16.0, false)], Some(2.5));
         assert_eq!(norm, 5.0);
         assert!(d.same_as(&StepDecision::Apply {
-            clip_scale: (2.5 / (5.0 + 1e-6)) as f32
+            clip_scale: (2.5 / 5.0) as f32
         }));
         let (norm, d) = decide(&[s(9.0, false), s(1.0, true)], Some(2.5));
         assert!(norm.is_nan());
