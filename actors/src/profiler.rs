@@ -3,9 +3,14 @@
 //! Metrics are never computed here: the profiler turns measured spans into the same
 //! [`Timeline`] the simulator predicts, through [`Timeline::from_spans`], so measured and
 //! predicted figures share one definition and can be printed side by side.
+//!
+//! A run that wants figures while it goes (a progress bar) registers a listener: as soon as
+//! every rank has reported iteration k, the profiler builds that iteration's profile (the
+//! same one the end-of-run [`Profile`] holds) and sends it there.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::sync::mpsc::Sender;
 
 use kameo::Actor;
 use kameo::actor::ActorRef;
@@ -55,6 +60,8 @@ pub struct Profiler {
     /// each plan (the validator's figures, sent by the schedule actor).
     peak_memory: BTreeMap<u64, Vec<f64>>,
     reports: BTreeMap<u64, Vec<Arc<StageReport>>>,
+    /// Where each iteration's profile goes once every rank has reported it.
+    listener: Option<Sender<IterationProfile>>,
 }
 
 impl Profiler {
@@ -64,7 +71,14 @@ impl Profiler {
             ranks,
             peak_memory: BTreeMap::new(),
             reports: BTreeMap::new(),
+            listener: None,
         }
+    }
+
+    /// Sends each iteration's profile to `listener` as soon as every rank has reported it.
+    pub fn with_listener(mut self, listener: Sender<IterationProfile>) -> Self {
+        self.listener = Some(listener);
+        self
     }
 
     /// Peak memory of the plan `iteration` ran (empty when unknown).
@@ -86,40 +100,61 @@ impl Profiler {
         peak
     }
 
+    /// The profile of one iteration from its ranks' reports.
+    fn iteration_profile(&self, iteration: u64, reports: &[Arc<StageReport>]) -> IterationProfile {
+        let mut reports: Vec<&StageReport> = reports.iter().map(Arc::as_ref).collect();
+        reports.sort_by_key(|r| r.rank);
+        let records: Vec<ActionRecord> = reports
+            .iter()
+            .flat_map(|r| r.records.iter().copied())
+            .collect();
+        let spans: Vec<_> = records.iter().map(ActionRecord::span).collect();
+        IterationProfile {
+            iteration,
+            timeline: Timeline::from_spans(self.ranks, spans, self.peak_of(iteration)),
+            records,
+            bubbles: reports
+                .iter()
+                .flat_map(|r| r.bubbles.iter().copied())
+                .collect(),
+            fillers: reports
+                .iter()
+                .flat_map(|r| r.fillers.iter().cloned())
+                .collect(),
+            ranks_reported: reports.len(),
+        }
+    }
+
     /// Builds the profile of everything reported so far.
     pub fn profile(&self) -> Profile {
-        let mut all_spans = Vec::new();
-        let iterations = self
+        let iterations: Vec<IterationProfile> = self
             .reports
             .iter()
-            .map(|(&iteration, reports)| {
-                let mut reports: Vec<&StageReport> = reports.iter().map(Arc::as_ref).collect();
-                reports.sort_by_key(|r| r.rank);
-                let records: Vec<ActionRecord> = reports
-                    .iter()
-                    .flat_map(|r| r.records.iter().copied())
-                    .collect();
-                let spans: Vec<_> = records.iter().map(ActionRecord::span).collect();
-                all_spans.extend_from_slice(&spans);
-                IterationProfile {
-                    iteration,
-                    timeline: Timeline::from_spans(self.ranks, spans, self.peak_of(iteration)),
-                    records,
-                    bubbles: reports
-                        .iter()
-                        .flat_map(|r| r.bubbles.iter().copied())
-                        .collect(),
-                    fillers: reports
-                        .iter()
-                        .flat_map(|r| r.fillers.iter().cloned())
-                        .collect(),
-                    ranks_reported: reports.len(),
-                }
-            })
+            .map(|(&iteration, reports)| self.iteration_profile(iteration, reports))
+            .collect();
+        let all_spans = iterations
+            .iter()
+            .flat_map(|it| it.records.iter().map(ActionRecord::span))
             .collect();
         Profile {
             iterations,
             overall: Timeline::from_spans(self.ranks, all_spans, &self.overall_peak()),
+        }
+    }
+
+    /// Files one rank's report; when it completes its iteration, publishes the iteration's
+    /// profile to the listener (a listener that has gone away is not an error: the run
+    /// goes on, and its figures are still in the end-of-run profile).
+    fn add(&mut self, report: Arc<StageReport>) {
+        let iteration = report.iteration;
+        let reports = self.reports.entry(iteration).or_default();
+        reports.push(report);
+        if reports.len() != self.ranks {
+            return;
+        }
+        if let Some(listener) = &self.listener {
+            let profile = self.iteration_profile(iteration, &self.reports[&iteration]);
+            let _ = listener.send(profile);
         }
     }
 }
@@ -137,7 +172,7 @@ impl Message<Measured> for Profiler {
     type Reply = ();
 
     async fn handle(&mut self, msg: Measured, _ctx: &mut Context<Self, Self::Reply>) {
-        self.reports.entry(msg.0.iteration).or_default().push(msg.0);
+        self.add(msg.0);
     }
 }
 

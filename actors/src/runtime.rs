@@ -11,10 +11,14 @@
 //! The optimizer step follows the job's [`StepPolicy`] (default: post-validation, no
 //! clipping; see [`crate::step`]). After the last iteration every stage is told to settle
 //! its pending step, and the report holds one [`StepReport`] per iteration.
+//!
+//! [`Pipeline::on_iteration`] registers a listener that receives each iteration's measured
+//! profile while the job runs (for live figures), not only in the final report.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::Sender;
 use std::time::{Duration, Instant};
 
 use kameo::actor::{ActorRef, Spawn};
@@ -85,6 +89,7 @@ pub struct Pipeline {
     fillers: Vec<Box<dyn BubbleFiller>>,
     step: StepPolicy,
     stats: Option<Arc<dyn Transport<GradStats>>>,
+    listener: Option<Sender<IterationProfile>>,
 }
 
 impl Pipeline {
@@ -100,7 +105,15 @@ impl Pipeline {
             fillers: Vec::new(),
             step: StepPolicy::default(),
             stats: None,
+            listener: None,
         }
+    }
+
+    /// Sends each iteration's measured profile to `listener` as soon as every rank has
+    /// reported it, while the job runs (the same profile the [`RunReport`] holds at the end).
+    pub fn on_iteration(mut self, listener: Sender<IterationProfile>) -> Self {
+        self.listener = Some(listener);
+        self
     }
 
     /// The optimizer-step policy: clipping and how ranks agree (default: post-validation,
@@ -256,7 +269,11 @@ impl Pipeline {
             ScheduleActor::new(self.source, self.cost_hint, base),
             mailbox::unbounded(),
         );
-        let profiler = Profiler::spawn_with_mailbox(Profiler::new(ranks), mailbox::unbounded());
+        let mut profiler = Profiler::new(ranks);
+        if let Some(listener) = self.listener.take() {
+            profiler = profiler.with_listener(listener);
+        }
+        let profiler = Profiler::spawn_with_mailbox(profiler, mailbox::unbounded());
         let (events_tx, mut events) = unbounded_channel();
         let abort = Arc::new(AtomicBool::new(false));
         let epoch = Instant::now();
