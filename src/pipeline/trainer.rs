@@ -4,14 +4,16 @@
 //! One runtime iteration is one optimizer step. The runtime runs on its own thread while
 //! the caller's thread receives each completed step's [`StepMetrics`] and hands it to the
 //! caller's `on_step` (a progress bar, a metrics file), so nothing the caller does is
-//! timed as stage work.
+//! timed as stage work. [`PipelineTrainer::run_profiled`] also hands over the step's
+//! measured timeline (its bubble ratios), which the runtime publishes as soon as every rank
+//! has reported the iteration: the step's callback waits for both.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::sync::mpsc::{RecvTimeoutError, channel};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, channel};
 use std::time::Duration;
 
-use pipefill_actors::{Clock, Pipeline, PlanSource, RunReport, StepMode};
+use pipefill_actors::{Clock, IterationProfile, Pipeline, PlanSource, RunReport, StepMode};
 
 use super::compute::RankCompute;
 use super::feed::StepFeed;
@@ -212,11 +214,24 @@ impl PipelineTrainer {
     }
 
     /// Runs `steps` optimizer steps. `on_step` is called on this thread with each step's
-    /// metrics as soon as every rank has stepped.
+    /// metrics as soon as every rank has stepped and the step's iteration is measured.
     pub fn run(
         &self,
         steps: u64,
         mut on_step: impl FnMut(&StepMetrics),
+    ) -> Result<PipelineRun, PipelineError> {
+        self.run_profiled(steps, |m, _| on_step(m))
+    }
+
+    /// Runs `steps` optimizer steps. `on_step` is called on this thread, during the run,
+    /// with each step's metrics and the measured [`Timeline`] of its iteration (bubble
+    /// ratios, makespan) as soon as both are known: every rank has stepped and reported the
+    /// iteration. The timeline is `None` only if the runtime never published it (the step
+    /// is then handed over when the run ends).
+    pub fn run_profiled(
+        &self,
+        steps: u64,
+        on_step: impl FnMut(&StepMetrics, Option<&Timeline>),
     ) -> Result<PipelineRun, PipelineError> {
         if steps == 0 {
             return Err(PipelineError::Config {
@@ -231,32 +246,31 @@ impl PipelineTrainer {
         let (progress, steps_rx) = channel();
         let shared = Arc::new(Shared::new(plan.num_ranks(), feed, progress));
         let computes = self.computes(&shared, steps)?;
+        let (profiles, profiles_rx) = channel();
         let mut pipeline = Pipeline::new(PlanSource::Given(plan.clone()), self.clock)
             .iterations(steps)
-            .step_mode(self.step_mode);
+            .step_mode(self.step_mode)
+            .on_iteration(profiles);
         if job.train.clip > 0.0 {
             pipeline = pipeline.max_grad_norm(f64::from(job.train.clip));
         }
-        let mut metrics = Vec::with_capacity(steps as usize);
+        let mut join = StepJoin::new(self.first_step(), profiles_rx, on_step);
         let outcome = std::thread::scope(|scope| {
             let runner = scope.spawn(|| pipeline.run_blocking(computes));
             loop {
                 match steps_rx.recv_timeout(Duration::from_millis(20)) {
-                    Ok(m) => {
-                        on_step(&m);
-                        metrics.push(m);
-                    }
-                    Err(RecvTimeoutError::Timeout) if !runner.is_finished() => {}
+                    Ok(m) => join.metrics(m),
+                    Err(RecvTimeoutError::Timeout) if !runner.is_finished() => join.poll(),
                     Err(_) => break,
                 }
             }
             let outcome = runner.join();
             while let Ok(m) = steps_rx.try_recv() {
-                on_step(&m);
-                metrics.push(m);
+                join.metrics(m);
             }
             outcome
         });
+        let metrics = join.finish();
         let report = match outcome {
             Ok(report) => report?,
             Err(panic) => std::panic::resume_unwind(panic),
@@ -267,6 +281,71 @@ impl PipelineTrainer {
             None => None,
         };
         Ok(PipelineRun::new(self, metrics, report, predicted, finals))
+    }
+}
+
+/// Pairs each step's metrics (from the ranks) with its iteration's measured timeline (from
+/// the runtime's profiler) and hands each pair to the caller once both have arrived; the
+/// two come on separate channels, in either order.
+struct StepJoin<F> {
+    first_step: u64,
+    profiles: Receiver<IterationProfile>,
+    /// Timelines by step, waiting for their metrics.
+    timelines: BTreeMap<u64, Timeline>,
+    /// Metrics waiting for their timeline.
+    waiting: BTreeMap<u64, StepMetrics>,
+    done: Vec<StepMetrics>,
+    on_step: F,
+}
+
+impl<F: FnMut(&StepMetrics, Option<&Timeline>)> StepJoin<F> {
+    fn new(first_step: u64, profiles: Receiver<IterationProfile>, on_step: F) -> Self {
+        StepJoin {
+            first_step,
+            profiles,
+            timelines: BTreeMap::new(),
+            waiting: BTreeMap::new(),
+            done: Vec::new(),
+            on_step,
+        }
+    }
+
+    /// Takes the published timelines and hands over every step now complete.
+    fn poll(&mut self) {
+        while let Ok(p) = self.profiles.try_recv() {
+            self.timelines
+                .insert(self.first_step + p.iteration, p.timeline);
+        }
+        let ready: Vec<u64> = self
+            .waiting
+            .keys()
+            .copied()
+            .filter(|s| self.timelines.contains_key(s))
+            .collect();
+        for step in ready {
+            if let Some(m) = self.waiting.remove(&step) {
+                let tl = self.timelines.remove(&step);
+                (self.on_step)(&m, tl.as_ref());
+                self.done.push(m);
+            }
+        }
+    }
+
+    fn metrics(&mut self, m: StepMetrics) {
+        self.waiting.insert(m.step, m);
+        self.poll();
+    }
+
+    /// After the run: hands over what is left (with its timeline when it came) and returns
+    /// every step's metrics.
+    fn finish(mut self) -> Vec<StepMetrics> {
+        self.poll();
+        for (step, m) in std::mem::take(&mut self.waiting) {
+            let tl = self.timelines.remove(&step);
+            (self.on_step)(&m, tl.as_ref());
+            self.done.push(m);
+        }
+        self.done
     }
 }
 
@@ -421,5 +500,66 @@ impl PipelineRun {
                 .side_by_side(self.report.iterations.len().saturating_sub(1), p),
             None => "no prediction: not every stage was measured\n".into(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::schedules::{Action, Span};
+
+    fn metrics(step: u64) -> StepMetrics {
+        StepMetrics {
+            step,
+            loss: 1.0,
+            lr: 1e-3,
+            grad_norm: 1.0,
+            tokens: 8,
+            seconds: 0.1,
+        }
+    }
+
+    /// Iteration `iteration`'s profile, with one rank busy for `busy` of a makespan of 1.
+    fn profile(iteration: u64, busy: f64) -> IterationProfile {
+        let span = |rank, start, end| Span {
+            rank,
+            start,
+            end,
+            action: Action::new(ActionKind::F, rank as u32, 0),
+        };
+        IterationProfile {
+            iteration,
+            timeline: Timeline::from_spans(2, vec![span(0, 0.0, 1.0), span(1, 0.0, busy)], &[]),
+            records: Vec::new(),
+            bubbles: Vec::new(),
+            fillers: Vec::new(),
+            ranks_reported: 2,
+        }
+    }
+
+    #[test]
+    fn each_step_is_handed_over_once_its_metrics_and_timeline_are_both_in() {
+        let (tx, rx) = channel();
+        let mut seen = Vec::new();
+        let mut join = StepJoin::new(10, rx, |m: &StepMetrics, tl: Option<&Timeline>| {
+            seen.push((m.step, tl.map(|t| t.bubble_ratio)));
+        });
+        // Metrics first: step 10 waits for iteration 0's timeline.
+        join.metrics(metrics(10));
+        tx.send(profile(1, 0.5)).unwrap();
+        join.poll();
+        // Timeline first: iteration 1 (step 11) is handed over with its metrics.
+        join.metrics(metrics(11));
+        tx.send(profile(0, 0.75)).unwrap();
+        join.poll();
+        // Step 12's timeline never comes: it is handed over without one at the end.
+        join.metrics(metrics(12));
+        let done: Vec<u64> = join.finish().iter().map(|m| m.step).collect();
+        assert_eq!(done, [11, 10, 12]);
+        assert_eq!(
+            seen,
+            [(11, Some(0.25)), (10, Some(0.125)), (12, None)],
+            "bubble ratio = idle / (ranks × makespan)"
+        );
     }
 }

@@ -12,7 +12,7 @@ use pipefill::config::{Clock, JobConfig};
 use pipefill::data::DatasetSummary;
 use pipefill::model::checkpoint::Checkpoint;
 use pipefill::pipeline::{PipelineTrainer, StepMetrics};
-use pipefill::schedules::ScheduleKind;
+use pipefill::schedules::{ScheduleKind, Timeline};
 
 use super::run_files::{StepLine, write_profile};
 use super::{evaluate, open_run_dir, progress_bar};
@@ -71,19 +71,41 @@ pub(super) fn train(job: &JobConfig, resume: Option<&Path>) -> anyhow::Result<()
     let bar = progress_bar(t.steps, first_step);
     let plain_every = (t.steps / 20).max(1);
     let started = Instant::now();
-    let run = trainer.run(t.steps - first_step, |m: &StepMetrics| {
-        let line = format!(
-            "loss {:.4} | lr {:.2e} | {:.0} tok/s",
-            m.loss,
-            m.lr,
-            m.tokens_per_second()
-        );
-        if bar.is_hidden() && (m.step % plain_every == 0 || m.step + 1 == t.steps) {
-            println!("step {:>5}/{} {line}", m.step + 1, t.steps);
-        }
-        bar.set_message(line);
-        bar.inc(1);
-    });
+    // Each step's line goes to metrics.jsonl as the step completes, its measured bubble
+    // ratios with it; the first write error ends the writing and is reported after the run.
+    let mut written: anyhow::Result<()> = Ok(());
+    let mut last = None;
+    let run = trainer.run_profiled(
+        t.steps - first_step,
+        |m: &StepMetrics, tl: Option<&Timeline>| {
+            let mut line = format!(
+                "loss {:.4} | lr {:.2e} | {:.0} tok/s",
+                m.loss,
+                m.lr,
+                m.tokens_per_second()
+            );
+            if let Some(tl) = tl {
+                line += &format!(
+                    " | bubble {:.1}% (steady {:.1}%)",
+                    100.0 * tl.bubble_ratio,
+                    100.0 * tl.steady_bubble_ratio
+                );
+            }
+            if bar.is_hidden() && (m.step % plain_every == 0 || m.step + 1 == t.steps) {
+                println!("step {:>5}/{} {line}", m.step + 1, t.steps);
+            }
+            bar.set_message(line);
+            bar.inc(1);
+            if written.is_ok() {
+                written = write_step(&mut metrics, m, tl);
+            }
+            last = Some((
+                m.loss,
+                m.tokens_per_second(),
+                tl.map(|t| (t.bubble_ratio, t.steady_bubble_ratio)),
+            ));
+        },
+    );
     let run = match run {
         Ok(run) => run,
         Err(e) => {
@@ -92,24 +114,17 @@ pub(super) fn train(job: &JobConfig, resume: Option<&Path>) -> anyhow::Result<()
         }
     };
     let seconds = started.elapsed().as_secs_f64();
+    written.context("cannot write metrics.jsonl")?;
 
-    // The runtime's timelines arrive with the run: each step's bubble ratios join its line.
-    let timelines: Vec<_> = run.timelines().collect();
-    for (m, tl) in run.steps.iter().zip(&timelines) {
-        serde_json::to_writer(&mut metrics, &StepLine::new(m, tl))?;
-        writeln!(metrics)?;
-    }
-    metrics.flush()?;
-    if let (Some(m), Some(tl)) = (run.steps.last(), timelines.last()) {
-        bar.finish_with_message(format!(
-            "loss {:.4} | {:.0} tok/s | bubble {:.1}% (steady {:.1}%)",
-            m.loss,
-            m.tokens_per_second(),
-            100.0 * tl.bubble_ratio,
-            100.0 * tl.steady_bubble_ratio
-        ));
-    } else {
-        bar.finish();
+    match last {
+        Some((loss, tokens_per_second, Some((bubble, steady)))) => {
+            bar.finish_with_message(format!(
+                "loss {loss:.4} | {tokens_per_second:.0} tok/s | bubble {:.1}% (steady {:.1}%)",
+                100.0 * bubble,
+                100.0 * steady
+            ))
+        }
+        _ => bar.finish(),
     }
 
     let checkpoint_dir = out_dir.join("checkpoint");
@@ -140,6 +155,14 @@ pub(super) fn train(job: &JobConfig, resume: Option<&Path>) -> anyhow::Result<()
         window,
         out_dir.display()
     );
+    Ok(())
+}
+
+/// Appends one step's line to metrics.jsonl and flushes it, so the file follows the run.
+fn write_step(out: &mut impl Write, m: &StepMetrics, tl: Option<&Timeline>) -> anyhow::Result<()> {
+    serde_json::to_writer(&mut *out, &StepLine::new(m, tl))?;
+    writeln!(out)?;
+    out.flush()?;
     Ok(())
 }
 

@@ -35,20 +35,21 @@ pub(super) struct StepLine<'a> {
     #[serde(flatten)]
     metrics: &'a StepMetrics,
     tokens_per_second: f64,
-    /// Makespan of the step's measured timeline, in seconds.
-    makespan: f64,
-    bubble_ratio: f64,
-    steady_bubble_ratio: f64,
+    /// Makespan of the step's measured timeline, in seconds (these three are null only
+    /// when the runtime measured no timeline for the step).
+    makespan: Option<f64>,
+    bubble_ratio: Option<f64>,
+    steady_bubble_ratio: Option<f64>,
 }
 
 impl<'a> StepLine<'a> {
-    pub(super) fn new(metrics: &'a StepMetrics, timeline: &Timeline) -> Self {
+    pub(super) fn new(metrics: &'a StepMetrics, timeline: Option<&Timeline>) -> Self {
         StepLine {
             metrics,
             tokens_per_second: metrics.tokens_per_second(),
-            makespan: timeline.makespan,
-            bubble_ratio: timeline.bubble_ratio,
-            steady_bubble_ratio: timeline.steady_bubble_ratio,
+            makespan: timeline.map(|t| t.makespan),
+            bubble_ratio: timeline.map(|t| t.bubble_ratio),
+            steady_bubble_ratio: timeline.map(|t| t.steady_bubble_ratio),
         }
     }
 }
