@@ -58,14 +58,7 @@ pub fn generate(ranks: usize, microbatches: usize, chunks: usize) -> Result<Plan
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn text(plan: &Plan, rank: usize) -> Vec<String> {
-        plan.ranks[rank]
-            .iter()
-            .flatten()
-            .map(|a| a.to_string())
-            .collect()
-    }
+    use crate::generators::rank_text;
 
     #[test]
     fn megatron_order_two_ranks_two_chunks() {
@@ -73,7 +66,7 @@ mod tests {
         let plan = generate(2, 4, 2).unwrap();
         // Rank 0: warm-up 2·1 + 1·2 = 4 forwards, then 1F1B over the virtual order.
         assert_eq!(
-            text(&plan, 0),
+            rank_text(&plan, 0),
             [
                 "0F0", "0F1", "2F0", "2F1", "0F2", "2B0", "0F3", "2B1", "2F2", "0B0", "2F3", "0B1",
                 "2B2", "2B3", "0B2", "0B3"
@@ -81,7 +74,7 @@ mod tests {
         );
         // Rank 1: warm-up (v − 1)p = 2 forwards.
         assert_eq!(
-            text(&plan, 1),
+            rank_text(&plan, 1),
             [
                 "1F0", "1F1", "3F0", "3B0", "3F1", "3B1", "1F2", "1B0", "1F3", "1B1", "3F2", "3B2",
                 "3F3", "3B3", "1B2", "1B3"

@@ -158,6 +158,16 @@ fn check_common(
     Ok(())
 }
 
+/// Rank `rank`'s actions in text form, idle steps left out: what the generator tests compare.
+#[cfg(test)]
+pub(crate) fn rank_text(plan: &Plan, rank: usize) -> Vec<String> {
+    plan.ranks[rank]
+        .iter()
+        .flatten()
+        .map(|a| a.to_string())
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -33,12 +33,10 @@ pub fn generate(ranks: usize, microbatches: usize, chunks: usize) -> Result<Plan
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::generators::rank_text;
 
     fn text(plan: &Plan) -> Vec<Vec<String>> {
-        plan.ranks
-            .iter()
-            .map(|l| l.iter().flatten().map(|a| a.to_string()).collect())
-            .collect()
+        (0..plan.num_ranks()).map(|r| rank_text(plan, r)).collect()
     }
 
     #[test]

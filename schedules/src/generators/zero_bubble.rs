@@ -77,28 +77,21 @@ fn split_backward_1f1b(ranks: usize, m: usize, shape: impl Fn(usize) -> (usize, 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn text(plan: &Plan, rank: usize) -> Vec<String> {
-        plan.ranks[rank]
-            .iter()
-            .flatten()
-            .map(|a| a.to_string())
-            .collect()
-    }
+    use crate::generators::rank_text;
 
     #[test]
     fn zb_h1_two_ranks() {
         let plan = generate_h1(2, 3, 1).unwrap();
         // Rank 0: 1F1B's warm-up, every W right after its I.
         assert_eq!(
-            text(&plan, 0),
+            rank_text(&plan, 0),
             [
                 "0F0", "0F1", "0I0", "0W0", "0F2", "0I1", "0W1", "0I2", "0W2"
             ]
         );
         // Rank 1 (last): one W held back, so its I's reach rank 0 sooner.
         assert_eq!(
-            text(&plan, 1),
+            rank_text(&plan, 1),
             [
                 "1F0", "1I0", "1F1", "1I1", "1W0", "1F2", "1I2", "1W1", "1W2"
             ]
@@ -108,11 +101,11 @@ mod tests {
     #[test]
     fn zb_h2_warms_up_deeper() {
         let plan = generate_h2(3, 6, 1).unwrap();
-        let t = text(&plan, 0);
+        let t = rank_text(&plan, 0);
         // 2(p − 1) = 4 warm-up forwards, then the first steady round.
         assert_eq!(&t[..7], ["0F0", "0F1", "0F2", "0F3", "0F4", "0I0", "0W0"]);
         // The last rank holds 2r = 4 W's back before its first one.
-        let last = text(&plan, 2);
+        let last = rank_text(&plan, 2);
         let first_w = last.iter().position(|a| a.contains('W')).unwrap();
         assert_eq!(
             &last[..first_w],
