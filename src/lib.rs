@@ -7,16 +7,19 @@
 //!   checkpoints, and the single-device reference trainer.
 //! - [`data`]: synthetic reasoning tasks with verifiable answers, and the tokenizer.
 //! - [`profile`]: trace and timeline writers (Chrome/Perfetto JSON, SVG).
+//! - [`rl`]: RL rollouts: the KV-cache generation engine and speculative decoding.
 //!
 //! The schedule IR, generators and simulator live in `pipefill-schedules`, re-exported as
 //! [`schedules`].
 
 pub use pipefill_schedules as schedules;
 
+pub mod comm;
 pub mod config;
 pub mod data;
 pub mod model;
 pub mod pipeline;
 pub mod profile;
+pub mod rl;
 pub mod tensor;
 pub mod train;

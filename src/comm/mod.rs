@@ -1,0 +1,10 @@
+//! Communication between the processes of one job (DESIGN.md, "multi-process").
+//!
+//! Everything that crosses a process boundary lives here, so the training code above sees only
+//! the runtime's `Transport` trait and the peer-link seam:
+//! - `frame`: length-prefixed bincode-2 frames with a size cap (the only wire format).
+//! - `rendezvous`: rank 0 gathers every rank's listen address and hands out the table.
+//! - `tcp`: the authenticated TCP mesh between ranks, with per-channel inboxes.
+//! - `heartbeat`: dead-peer detection that closes the mesh naming the rank.
+
+pub mod link;
