@@ -1,0 +1,14 @@
+//! Reinforcement-learning rollouts on the pipeline (issue 6).
+//!
+//! - `rollout`: the rollout engine — batched KV-cache generation through the pipeline
+//!   stages (prefill, then decode), groups of sequences flowing one behind another so the
+//!   stages stay busy while the live batch shrinks into its long tail.
+//! - `accept`: the lossless acceptance rules of speculative decoding (greedy prefix match
+//!   plus a bonus token; rejection sampling with `min(1, p/q)`), pure functions.
+//! - `speculative`: the draft-then-verify loop (a `Proposer` proposes a chain of K tokens,
+//!   the target verifies all K+1 positions in one multi-position pass, rejected positions
+//!   roll back the KV caches).
+//! - `bandit`: the bucketed epsilon-greedy choice of K per live-batch-size bucket.
+//!
+//! The KV-cache inference path itself (no activations stashed for backward) lives in
+//! [`crate::model::infer`].
