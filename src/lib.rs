@@ -8,7 +8,6 @@
 //! - [`data`]: synthetic reasoning tasks with verifiable answers, and the tokenizer.
 //! - [`profile`]: trace and timeline writers (Chrome/Perfetto JSON, SVG).
 //! - [`rl`]: RL rollouts: the KV-cache generation engine and speculative decoding.
-//! - [`rl`]: RL rollouts: the KV-cache generation engine and speculative decoding.
 //!
 //! The schedule IR, generators and simulator live in `pipefill-schedules`, re-exported as
 //! [`schedules`].
@@ -21,7 +20,6 @@ pub mod data;
 pub mod model;
 pub mod pipeline;
 pub mod profile;
-pub mod rl;
 pub mod rl;
 pub mod tensor;
 pub mod train;
