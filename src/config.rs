@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::data::DataConfig;
 use crate::model::GptConfig;
+use crate::rl::config::RlConfig;
 use crate::train::TrainConfig;
 
 /// The embedded default job (the same text as `examples/default.toml`).
@@ -68,6 +69,9 @@ pub struct JobConfig {
     pub model: GptConfig,
     pub data: DataConfig,
     pub train: TrainConfig,
+    /// `pipefill rl`: GRPO rollouts and updates (checked by `pipefill rl` only, so a
+    /// training job's small `seq_len` never trips over RL defaults).
+    pub rl: RlConfig,
 }
 
 impl Default for JobConfig {
@@ -80,6 +84,7 @@ impl Default for JobConfig {
             model: GptConfig::default(),
             data: DataConfig::default(),
             train: TrainConfig::default(),
+            rl: RlConfig::default(),
         }
     }
 }

@@ -12,3 +12,7 @@
 //!
 //! The KV-cache inference path itself (no activations stashed for backward) lives in
 //! [`crate::model::infer`].
+
+pub mod config;
+pub mod grpo;
+pub mod reward;

@@ -1,0 +1,197 @@
+//! [`RlConfig`]: the `[rl]` section of a job file, read by `pipefill rl`.
+//!
+//! The model, data families, schedule, stages and clock are the job's own sections; this
+//! section says how many RL steps to run, what each step samples and how it updates.
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::ConfigError;
+
+/// The `[rl]` section: GRPO rollouts and update.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RlConfig {
+    /// RL steps (one rollout batch and one pipelined update each).
+    pub steps: u64,
+    /// Prompts per step.
+    pub prompts: usize,
+    /// Completions sampled per prompt (the GRPO group size G).
+    pub group: usize,
+    /// Sampling temperature of the rollouts (> 0).
+    pub temperature: f32,
+    /// Most tokens generated per completion (prompt plus completion must fit
+    /// `model.seq_len`; longer prompts are skipped).
+    pub max_new_tokens: usize,
+    /// Clip range ε of the policy ratio.
+    pub clip: f32,
+    /// Weight of the KL penalty to the frozen initial policy. The pipelined update
+    /// expresses the objective through per-sequence loss scales, which cannot carry the
+    /// KL term's per-token gradient, so only 0 is accepted.
+    pub kl_coef: f32,
+    /// Learning rate of the RL updates (constant).
+    pub lr: f32,
+    /// Supervised steps on the same tasks before RL when no `--init` run is given.
+    pub warmup_steps: u64,
+    /// Speculative decoding in the rollouts (lossless: the samples' distribution is the
+    /// same either way).
+    pub speculation: bool,
+    /// Longest draft chain the rollout engine may choose.
+    pub draft_k: usize,
+    /// Speculate only while at most this many sequences are still generating.
+    pub spec_threshold: usize,
+    /// Seed of the prompt stream and of sampling.
+    pub seed: u64,
+}
+
+impl Default for RlConfig {
+    fn default() -> Self {
+        Self {
+            steps: 20,
+            prompts: 4,
+            group: 4,
+            temperature: 1.0,
+            max_new_tokens: 48,
+            clip: 0.2,
+            kl_coef: 0.0,
+            lr: 3e-4,
+            warmup_steps: 200,
+            speculation: true,
+            draft_k: 4,
+            spec_threshold: 8,
+            seed: 0,
+        }
+    }
+}
+
+impl RlConfig {
+    /// Sequences per step: `prompts × group` (one micro-batch each in the update).
+    pub fn sequences(&self) -> usize {
+        self.prompts * self.group
+    }
+
+    /// Checks the values a deserializer cannot; the error names the field as `rl.<field>`.
+    pub fn validate(&self, seq_len: usize) -> Result<(), ConfigError> {
+        let bad = |field: &str, reason: String| {
+            Err(ConfigError::Invalid {
+                field: format!("rl.{field}"),
+                reason,
+            })
+        };
+        if self.steps == 0 {
+            return bad("steps", "must be at least 1".into());
+        }
+        if self.prompts == 0 {
+            return bad("prompts", "must be at least 1".into());
+        }
+        if self.group < 2 {
+            return bad(
+                "group",
+                format!(
+                    "is {}: GRPO compares completions within a group, so it needs at least 2",
+                    self.group
+                ),
+            );
+        }
+        if !(self.temperature.is_finite() && self.temperature > 0.0) {
+            return bad(
+                "temperature",
+                format!("must be a positive number, got {}", self.temperature),
+            );
+        }
+        if self.max_new_tokens == 0 || self.max_new_tokens >= seq_len {
+            return bad(
+                "max_new_tokens",
+                format!(
+                    "is {}: must be at least 1 and leave room for a prompt in model.seq_len = \
+                     {seq_len}",
+                    self.max_new_tokens
+                ),
+            );
+        }
+        if !(self.clip.is_finite() && self.clip > 0.0 && self.clip < 1.0) {
+            return bad("clip", format!("must be in (0, 1), got {}", self.clip));
+        }
+        if self.kl_coef != 0.0 {
+            return bad(
+                "kl_coef",
+                format!(
+                    "is {}: the pipelined update carries the objective as one loss scale per \
+                     sequence, and the KL term needs one per token; only 0 is supported",
+                    self.kl_coef
+                ),
+            );
+        }
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            return bad("lr", format!("must be a positive number, got {}", self.lr));
+        }
+        if self.draft_k == 0 {
+            return bad("draft_k", "must be at least 1".into());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_is_valid_and_bad_values_name_the_field() {
+        RlConfig::default().validate(64).unwrap();
+        let cases = [
+            (
+                RlConfig {
+                    group: 1,
+                    ..RlConfig::default()
+                },
+                "rl.group",
+            ),
+            (
+                RlConfig {
+                    prompts: 0,
+                    ..RlConfig::default()
+                },
+                "rl.prompts",
+            ),
+            (
+                RlConfig {
+                    temperature: 0.0,
+                    ..RlConfig::default()
+                },
+                "rl.temperature",
+            ),
+            (
+                RlConfig {
+                    max_new_tokens: 64,
+                    ..RlConfig::default()
+                },
+                "rl.max_new_tokens",
+            ),
+            (
+                RlConfig {
+                    clip: 1.5,
+                    ..RlConfig::default()
+                },
+                "rl.clip",
+            ),
+            (
+                RlConfig {
+                    kl_coef: 0.1,
+                    ..RlConfig::default()
+                },
+                "rl.kl_coef",
+            ),
+            (
+                RlConfig {
+                    lr: -1.0,
+                    ..RlConfig::default()
+                },
+                "rl.lr",
+            ),
+        ];
+        for (cfg, field) in cases {
+            let err = cfg.validate(64).unwrap_err().to_string();
+            assert!(err.starts_with(&format!("invalid `{field}`")), "{err}");
+        }
+    }
+}
