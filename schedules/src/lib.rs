@@ -9,8 +9,10 @@
 //! - [`timeline`]: cost model, spans, bubble slots and the metric definitions.
 //! - [`generators`]: the built-in schedules (GPipe, 1F1B, interleaved, looped BFS, ZB-H1/H2/V).
 //! - [`simulate`]: the discrete-event simulator that times a plan under a cost model.
+//! - [`auto`]: the auto-scheduler, the plan with the least bubble under a memory limit.
 
 pub mod action;
+pub mod auto;
 pub mod error;
 pub mod file;
 pub mod generators;
@@ -22,6 +24,7 @@ pub mod timeline;
 pub mod validate;
 
 pub use action::{Action, ActionKind, ParseActionError, StageMb};
+pub use auto::{AutoPlan, Origin, auto, auto_plan};
 pub use error::{Result, ScheduleError};
 pub use file::{parse_csv, parse_toml, read_plan, to_csv, to_toml};
 pub use generators::{ScheduleKind, build, generate};
