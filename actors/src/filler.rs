@@ -5,8 +5,15 @@
 //! time it expects ([`Bubble::predicted_idle`]); the filler may hand back one piece of work
 //! ([`FillerWork`]) that the stage runs on its own thread, timed like any action, and then
 //! the stage asks again with what is left of the slot, until the filler declines or the
-//! input is there. [`NoFiller`] (the default) always declines; the drafter trainer and the
-//! rollout verifier plug in here.
+//! input is there. [`NoFiller`] (the default) always declines; [`crate::router`]'s
+//! `RoutedFiller` hands out the queued work of a job's `FillerRouter` (drafter training,
+//! rollout verification).
+//!
+//! After each piece of work the stage tells the filler what it measured
+//! ([`BubbleFiller::finished`]), and after each bubble how long it really lasted when that is
+//! known ([`BubbleFiller::bubble_ended`]): the filler keeps a running cost estimate of its
+//! work and, in wall-clock mode, corrects the schedule's predicted idle time by the error it
+//! has observed.
 
 use pipefill_schedules::Action;
 use serde::{Deserialize, Serialize};
@@ -23,6 +30,8 @@ pub struct Bubble {
     /// virtual arrival is known); in wall mode it comes from the schedule's prediction
     /// and is `None` when there is none.
     pub predicted_idle: Option<f64>,
+    /// Whether `predicted_idle` is exact (virtual clock) rather than a prediction.
+    pub exact: bool,
 }
 
 /// One slice of filler work: runs once on the stage's thread.
@@ -49,6 +58,21 @@ pub trait BubbleFiller: Send + 'static {
     /// Called when the stage enters a bubble, and again after each piece of work it handed
     /// out, while the input is still missing. `None` ends filling for this bubble.
     fn fill(&mut self, bubble: &Bubble) -> Option<FillerWork>;
+
+    /// The work handed out last has run; `span` is what the stage measured (its cost is
+    /// `span.end - span.start` on the stage's clock).
+    fn finished(&mut self, _span: &FillerSpan) {}
+
+    /// A bubble ended. `predicted_idle` is what the stage expected when it entered the
+    /// bubble; `observed_idle` the idle time the input really kept it waiting, `None` when
+    /// filler work was still running as the input arrived (the arrival was not observed).
+    fn bubble_ended(
+        &mut self,
+        _bubble: &BubbleSpan,
+        _predicted_idle: Option<f64>,
+        _observed_idle: Option<f64>,
+    ) {
+    }
 }
 
 /// The default filler: leaves every bubble idle.

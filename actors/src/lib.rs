@@ -14,6 +14,8 @@
 //! - [`schedule`]: [`ScheduleActor`], which builds, checks and dispatches each iteration's
 //!   plan and turns measured costs into a [`pipefill_schedules::CostModel`].
 //! - [`profiler`]: [`Profiler`], which builds measured [`pipefill_schedules::Timeline`]s.
+//! - [`router`]: [`FillerRouter`], the queue of filler work (drafter training, rollout
+//!   verification) routed into bubbles it fits, and [`WeightBoard`] for versioned weights.
 //! - [`runtime`]: [`Pipeline`] and [`run_iterations`], the entry points.
 //!
 //! ```no_run
@@ -34,6 +36,7 @@ pub mod error;
 pub mod filler;
 pub mod profiler;
 pub mod record;
+pub mod router;
 pub mod runtime;
 pub mod schedule;
 pub mod stage;
@@ -46,6 +49,10 @@ pub use error::{LinkError, Result, RuntimeError};
 pub use filler::{Bubble, BubbleFiller, BubbleSpan, FillerSpan, FillerWork, NoFiller};
 pub use profiler::{Collect, IterationProfile, PlanMemory, Profile, Profiler};
 pub use record::{ActionRecord, StageReport};
+pub use router::{
+    FillerRouter, FillerSource, Request, RoutedFiller, RouterConfig, RouterStats, Slice, Versioned,
+    WeightBoard,
+};
 pub use runtime::{Pipeline, RunReport, run_iterations};
 pub use schedule::{CostSamples, PlanSource, Replanner, ScheduleActor, predict};
 pub use stage::{Measured, RunIteration, StageActor, StageEvent, StageWiring};

@@ -346,7 +346,9 @@ impl<C: StageCompute> Walk<'_, C> {
             if ready > start {
                 self.fill(waiting_for, |clock| Some(ready - clock));
                 self.actor.clock.advance_to(ready);
-                self.bubble(start, waiting_for);
+                let span = self.bubble(start, waiting_for);
+                let idle = Some(ready - start);
+                self.actor.wiring.filler.bubble_ended(&span, idle, idle);
             }
         } else if !pending.complete_at(start) {
             // Wall: whatever is missing is late; its length is not predicted.

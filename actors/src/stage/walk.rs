@@ -15,6 +15,10 @@ use crate::filler::{Bubble, BubbleSpan, FillerSpan};
 use crate::record::{ActionRecord, StageReport};
 use crate::transport::{Envelope, Flow, Tag};
 
+/// A wall-clock receive that still blocked this long (seconds) after filling saw its
+/// payload arrive; a shorter one found it already there.
+const ARRIVAL_SEEN: f64 = 20e-6;
+
 /// Key of a payload held on the rank: `(flow, consuming stage, micro-batch)`.
 pub(super) type Key = (Flow, u32, u32);
 
@@ -197,7 +201,9 @@ impl<'a, C: StageCompute> Walk<'a, C> {
             if arrival > start {
                 self.fill(waiting_for, |clock| Some(arrival - clock));
                 self.actor.clock.advance_to(arrival);
-                self.bubble(start, waiting_for);
+                let span = self.bubble(start, waiting_for);
+                let idle = Some(arrival - start);
+                self.actor.wiring.filler.bubble_ended(&span, idle, idle);
             }
             return Ok(Held {
                 payload: env.payload,
@@ -216,24 +222,34 @@ impl<'a, C: StageCompute> Walk<'a, C> {
         self.fill(waiting_for, |clock| {
             predicted.map(|p| (p - (clock - start)).max(0.0))
         });
+        let blocked = self.actor.clock.now();
         let env = transport.recv(rank, &tag).map_err(link)?;
-        self.bubble(start, waiting_for);
+        let span = self.bubble(start, waiting_for);
+        // The arrival was seen only if the receive still had to wait once filling was done.
+        let observed = (span.end - blocked > ARRIVAL_SEEN).then_some(span.end - span.start);
+        self.actor
+            .wiring
+            .filler
+            .bubble_ended(&span, predicted, observed);
         Ok(Held {
             payload: env.payload,
             at: self.actor.clock.now(),
         })
     }
 
-    pub(super) fn bubble(&mut self, start: f64, waiting_for: Action) {
+    /// Records the bubble `[start, now)` spent waiting for `waiting_for`'s input.
+    pub(super) fn bubble(&mut self, start: f64, waiting_for: Action) -> BubbleSpan {
         let end = self.actor.clock.now();
         self.waited += end - start;
-        self.bubbles.push(BubbleSpan {
+        let span = BubbleSpan {
             rank: self.rank(),
             iteration: self.iteration,
             start,
             end,
             waiting_for,
-        });
+        };
+        self.bubbles.push(span);
+        span
     }
 
     /// Offers the bubble to the filler until it declines; `remaining(clock)` is the idle
@@ -245,6 +261,7 @@ impl<'a, C: StageCompute> Walk<'a, C> {
                 iteration: self.iteration,
                 waiting_for,
                 predicted_idle: remaining(self.actor.clock.now()),
+                exact: self.actor.clock.is_virtual(),
             };
             if matches!(bubble.predicted_idle, Some(t) if t <= 0.0) {
                 return;
@@ -263,7 +280,7 @@ impl<'a, C: StageCompute> Walk<'a, C> {
             if let Some(e) = &error {
                 tracing::warn!(rank = self.rank(), label = %work.label, "filler work failed: {e}");
             }
-            self.fillers.push(FillerSpan {
+            let span = FillerSpan {
                 rank: self.rank(),
                 iteration: self.iteration,
                 start,
@@ -271,7 +288,9 @@ impl<'a, C: StageCompute> Walk<'a, C> {
                 label: work.label,
                 predicted_cost: work.predicted_cost,
                 error,
-            });
+            };
+            self.actor.wiring.filler.finished(&span);
+            self.fillers.push(span);
         }
     }
 

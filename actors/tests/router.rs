@@ -1,0 +1,93 @@
+//! The filler router in a running pipeline (virtual clock): slices of known cost go into
+//! the bubbles they fit, fill most of the idle time, and do not stretch the iterations.
+
+mod common;
+
+use common::{Fake, assert_routed};
+use pipefill_actors::{
+    Clock, FillerRouter, FillerSource, Pipeline, PlanSource, RunReport, Slice, spin_cpu,
+};
+use pipefill_schedules::{Plan, ScheduleKind, generate};
+
+const COST: (f64, f64, f64) = (0.001, 0.001, 0.001);
+const SLICE: f64 = 0.0001;
+
+/// Slices of exactly [`SLICE`] seconds of CPU.
+struct Spin(u64);
+
+impl FillerSource for Spin {
+    fn kind(&self) -> &str {
+        "spin"
+    }
+
+    fn next(&mut self, rank: usize) -> Option<Slice> {
+        self.0 += 1;
+        Some(Slice {
+            label: format!("spin {} on {rank}", self.0),
+            run: Box::new(|| {
+                spin_cpu(SLICE);
+                Ok(())
+            }),
+        })
+    }
+}
+
+async fn run(plan: &Plan, router: Option<&FillerRouter>) -> RunReport {
+    let (fakes, observed) = Fake::for_plan(plan, COST);
+    let mut pipeline =
+        Pipeline::new(PlanSource::Given(plan.clone()), Clock::virtual_free()).iterations(3);
+    if let Some(router) = router {
+        pipeline = pipeline.fillers(router.fillers(plan.num_ranks()));
+    }
+    let report = pipeline.run(fakes).await.unwrap();
+    assert_routed(&observed.lock().unwrap(), plan);
+    report
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn routed_slices_fill_the_bubbles_without_stretching_the_step() {
+    for kind in [ScheduleKind::OneFOneB, ScheduleKind::ZbH1] {
+        let plan = generate(kind, 4, 8, 1).unwrap();
+        let bare = run(&plan, None).await;
+        let router = FillerRouter::default();
+        router.add_source(Spin(0), Some(SLICE));
+        let filled = run(&plan, Some(&router)).await;
+
+        let mut waited = 0.0;
+        let mut used = 0.0;
+        for it in &filled.iterations {
+            for f in &it.fillers {
+                assert!(f.error.is_none(), "{f:?}");
+                let inside = it
+                    .bubbles
+                    .iter()
+                    .any(|b| b.rank == f.rank && b.start <= f.start && f.end <= b.end + 1e-12);
+                assert!(
+                    inside,
+                    "{kind}: filler {f:?} outside every bubble of its rank"
+                );
+                used += f.end - f.start;
+            }
+            waited += it.bubbles.iter().map(|b| b.end - b.start).sum::<f64>();
+        }
+        let stats = router.stats();
+        let spin = &stats.kinds["spin"];
+        assert!(spin.slices > 0 && spin.estimate.samples == spin.slices);
+        assert!(
+            (spin.estimate.mean - SLICE).abs() < 0.2 * SLICE,
+            "{kind}: estimate {:?}",
+            spin.estimate
+        );
+        assert!(
+            used >= 0.85 * waited,
+            "{kind}: filler used {used} s of {waited} s waited"
+        );
+        let inflation = filled.overall.makespan / bare.overall.makespan - 1.0;
+        assert!(
+            inflation <= 0.02,
+            "{kind}: makespan {} with fillers, {} without",
+            filled.overall.makespan,
+            bare.overall.makespan
+        );
+    }
+}
