@@ -39,6 +39,8 @@ pub struct PipelineTrainer {
     resume: Option<Checkpoint>,
     step_mode: StepMode,
     speculative: bool,
+    /// Steps handed over by the caller instead of the synthetic stream.
+    feed: Option<Arc<StepFeed>>,
 }
 
 /// The runtime's clock for the job file's `clock`.
@@ -63,6 +65,7 @@ impl PipelineTrainer {
             resume: None,
             step_mode: StepMode::default(),
             speculative: false,
+            feed: None,
         })
     }
 
@@ -132,6 +135,13 @@ impl PipelineTrainer {
     /// data seed must be the job's (checked by the run).
     pub fn resume(mut self, checkpoint: &Checkpoint) -> Self {
         self.resume = Some(checkpoint.clone());
+        self
+    }
+
+    /// Trains on `feed`'s steps (e.g. [`StepFeed::given`] RL rollouts with their loss
+    /// scales) instead of the job's synthetic data stream.
+    pub fn feed(mut self, feed: Arc<StepFeed>) -> Self {
+        self.feed = Some(feed);
         self
     }
 
@@ -240,8 +250,13 @@ impl PipelineTrainer {
             });
         }
         let (job, plan) = (&self.job, &self.plan);
-        let data = StepData::new(job.data.clone(), job.model.seq_len, job.train.seed)?;
-        let feed = Arc::new(StepFeed::new(data, job.train.clone()));
+        let feed = match &self.feed {
+            Some(feed) => Arc::clone(feed),
+            None => {
+                let data = StepData::new(job.data.clone(), job.model.seq_len, job.train.seed)?;
+                Arc::new(StepFeed::new(data, job.train.clone()))
+            }
+        };
         feed.prefetch(self.first_step());
         let (progress, steps_rx) = channel();
         let shared = Arc::new(Shared::new(plan.num_ranks(), feed, progress));
