@@ -6,12 +6,17 @@
 //! and the fused `backward` (B = I then W). Micro-batches are independent: any number may
 //! be in flight, and the I and W of different micro-batches may interleave in any order the
 //! schedule chooses.
+//!
+//! The last chunk can also hand copies of what its forward computes anyway (final hidden
+//! states, next-token distributions) to the drafter's training buffer
+//! ([`ModelChunk::set_draft_sink`]); that changes no result.
 
 use std::collections::HashMap;
 use std::ops::Range;
 
 use serde::{Deserialize, Serialize};
 
+use super::drafter::DraftBufferHandle;
 use super::layers::{Block, Embedding, Head, RmsNorm};
 use super::{GptConfig, ModelError, Param, Result};
 use crate::tensor::Backend;
@@ -131,6 +136,8 @@ pub struct ModelChunk<B: Backend> {
     final_norm: Option<RmsNorm<B>>,
     head: Option<Head<B>>,
     in_flight: HashMap<usize, (Shape, Phase)>,
+    /// Where the last chunk copies its training forwards' hidden states and distributions.
+    draft_sink: Option<DraftBufferHandle>,
 }
 
 impl<B: Backend> ModelChunk<B> {
@@ -174,6 +181,7 @@ impl<B: Backend> ModelChunk<B> {
             final_norm,
             head,
             in_flight: HashMap::new(),
+            draft_sink: None,
             be: backend,
         })
     }
@@ -201,6 +209,32 @@ impl<B: Backend> ModelChunk<B> {
     pub fn is_last(&self) -> bool {
         self.stage + 1 == self.stages
     }
+    /// Sets (or clears) the buffer into which every training forward of this chunk (one with
+    /// targets) copies its final hidden states `[tokens, d_model]`, targets and next-token
+    /// distributions `[tokens, vocab]`, for the drafter. Only the last chunk computes them;
+    /// the buffer must be for this model's width and vocabulary.
+    pub fn set_draft_sink(&mut self, sink: Option<DraftBufferHandle>) -> Result<()> {
+        if let Some(s) = &sink {
+            if !self.is_last() {
+                let reason = "only the last chunk has final hidden states".to_string();
+                return Err(self.input_err(0, reason));
+            }
+            let (d, v) = {
+                let b = s.lock();
+                (b.d_model(), b.vocab())
+            };
+            if (d, v) != (self.config.d_model, self.config.vocab) {
+                let reason = format!(
+                    "draft buffer for d_model {d}, vocab {v}; the model has {}, {}",
+                    self.config.d_model, self.config.vocab
+                );
+                return Err(self.input_err(0, reason));
+            }
+        }
+        self.draft_sink = sink;
+        Ok(())
+    }
+
     /// Micro-batches forwarded whose W has not run yet.
     pub fn in_flight(&self) -> usize {
         self.in_flight.len()
@@ -289,7 +323,13 @@ impl<B: Backend> ModelChunk<B> {
                 Err(self.input_err(mb, reason))
             }
             Some(t) => {
-                let (loss, tokens) = head.forward(be, mb, &h, t)?;
+                let sink = self.draft_sink.clone();
+                let (loss, tokens, probs) = head.forward_capture(be, mb, &h, t, sink.is_some())?;
+                if let (Some(sink), Some(probs)) = (sink, probs) {
+                    let hidden = be.to_host(&h)?;
+                    sink.push_micro_batch(shape, &hidden, t, &probs)
+                        .map_err(|e| self.input_err(mb, e.to_string()))?;
+                }
                 Ok(ChunkOutput::Loss { loss, tokens })
             }
             None => {

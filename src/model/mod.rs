@@ -9,6 +9,8 @@
 //! - [`optim`]: [`AdamW`] with decoupled weight decay, global-norm clipping and
 //!   [`LrSchedule`] (warmup + cosine).
 //! - [`init`]: the deterministic initialisation, one RNG stream per (seed, parameter name).
+//! - [`drafter`]: the EAGLE-style drafter (one block over the target's hidden states), its
+//!   training buffer, trainer and speculative proposals.
 //!
 //! The model: token embedding + learned positions, `layers` blocks of
 //! `x + Attn(RMSNorm(x))` then `h + MLP(RMSNorm(h))`, a final RMSNorm, a linear LM head and
@@ -21,6 +23,7 @@
 pub mod checkpoint;
 pub mod chunk;
 pub mod config;
+pub mod drafter;
 pub mod gpt;
 pub mod init;
 pub mod layers;

@@ -1,0 +1,90 @@
+//! [`DraftBatch`]: sampled [`DraftRow`]s laid out as one drafter micro-batch.
+
+use super::DraftRow;
+use crate::data::SplitMix64;
+use crate::tensor::IGNORE_TARGET;
+
+/// `batch` sequences of `seq` pairs, padded at the end (a padded pair is masked; causal
+/// attention keeps it from touching the real ones before it).
+#[derive(Clone, Debug, PartialEq)]
+pub struct DraftBatch {
+    pub batch: usize,
+    pub seq: usize,
+    /// The fc input `[batch·seq, 2·d_model]`: each pair's token embedding, then its hidden state.
+    pub inputs: Vec<f32>,
+    /// The hidden state to predict `[batch·seq, d_model]`.
+    pub target_hidden: Vec<f32>,
+    /// The target's next-token distribution to match `[batch·seq, vocab]`.
+    pub target_probs: Vec<f32>,
+    /// Which pairs count.
+    pub mask: Vec<bool>,
+}
+
+impl DraftBatch {
+    /// Lays out `rows` with the (frozen) embedding table `tok: [vocab, d]`. A row longer than
+    /// `max_positions + 1` positions contributes a window of that many, starting where `rng`
+    /// says (at 0 without `rng`).
+    pub fn from_rows(
+        rows: &[DraftRow],
+        tok: &[f32],
+        d: usize,
+        vocab: usize,
+        max_positions: usize,
+        mut rng: Option<&mut SplitMix64>,
+    ) -> Self {
+        let windows: Vec<(usize, usize)> = rows
+            .iter()
+            .map(|r| {
+                let w = r.len().min(max_positions.saturating_add(1));
+                let start = match rng.as_mut() {
+                    Some(rng) if r.len() > w => rng.below((r.len() - w + 1) as u64) as usize,
+                    _ => 0,
+                };
+                (start, w)
+            })
+            .collect();
+        let seq = windows
+            .iter()
+            .map(|&(_, w)| w.saturating_sub(1))
+            .max()
+            .unwrap_or(0)
+            .max(1);
+        let n = rows.len() * seq;
+        let mut b = DraftBatch {
+            batch: rows.len(),
+            seq,
+            inputs: vec![0.0; n * 2 * d],
+            target_hidden: vec![0.0; n * d],
+            target_probs: vec![0.0; n * vocab],
+            mask: vec![false; n],
+        };
+        for (i, (row, &(start, w))) in rows.iter().zip(&windows).enumerate() {
+            for j in 0..w.saturating_sub(1) {
+                let (t, out) = (start + j, i * seq + j);
+                let token = row.targets[t];
+                let x = &mut b.inputs[out * 2 * d..(out + 1) * 2 * d];
+                if token != IGNORE_TARGET {
+                    let id = token as usize;
+                    x[..d].copy_from_slice(&tok[id * d..(id + 1) * d]);
+                }
+                x[d..].copy_from_slice(&row.hidden[t * d..(t + 1) * d]);
+                b.target_hidden[out * d..(out + 1) * d]
+                    .copy_from_slice(&row.hidden[(t + 1) * d..(t + 2) * d]);
+                b.target_probs[out * vocab..(out + 1) * vocab]
+                    .copy_from_slice(&row.probs[(t + 1) * vocab..(t + 2) * vocab]);
+                b.mask[out] = row.pair_valid(t);
+            }
+        }
+        b
+    }
+
+    /// Pairs that count.
+    pub fn pairs(&self) -> usize {
+        self.mask.iter().filter(|&&m| m).count()
+    }
+
+    /// Rows of the layout (`batch · seq`).
+    pub fn rows(&self) -> usize {
+        self.batch * self.seq
+    }
+}

@@ -1,0 +1,240 @@
+//! The EAGLE-style drafter: a one-layer model that predicts the target model's next final
+//! hidden state, and through the target's LM head its next token. It is trained in the
+//! pipeline's bubbles on hidden states the last stage already computes, and proposes
+//! tokens for speculative decoding.
+//!
+//! # The model ([`Drafter`])
+//! Pair `t` of a sequence is `(h_t, x_{t+1})`: the target's final hidden state at position
+//! `t` (after the final RMSNorm, the LM head's input) and the token that follows it. The
+//! drafter computes
+//!
+//! ```text
+//! f̂_{t+1} = Block(fc([tok_emb(x_{t+1}), h_t]))      fc: [2·d_model, d_model]
+//! q_{t+1}  = softmax(f̂_{t+1} · W_head)
+//! ```
+//!
+//! where `Block` is one decoder block of the target's shape ([`crate::model::layers::Block`],
+//! parameters `drafter.block.…`) and `tok_emb` / `W_head` are **frozen copies** of the target's
+//! `embed.tok` and `head.w`, refreshed from the target every `refresh_every` target steps
+//! ([`Drafter::refresh_from_chunk`], [`Drafter::refresh_from_gpt`], [`Drafter::refresh`]).
+//! Positions need no embedding of their own: `h_t` already carries them.
+//! The loss of one pair (see [`loss`]) is
+//! `ce_weight · CE(p_{t+1}, q_{t+1}) + hidden_weight · mean_j SmoothL1_β(f̂_{t+1} − h_{t+1})`,
+//! where `p_{t+1}` is the target's next-token distribution. Every layer keeps the target's
+//! split backward: `forward`, `backward_input`, `backward_weight`.
+//!
+//! # Training data ([`DraftBuffer`])
+//! The last pipeline chunk, given a [`DraftBufferHandle`] through
+//! [`crate::model::ModelChunk::set_draft_sink`], copies the final hidden states and the softmax
+//! it already computed for the loss into the buffer, one [`DraftRow`] per sequence. Nothing
+//! else is computed. The buffer keeps the rows of the current and the previous target step
+//! ([`DraftBuffer::begin_step`]), each generation bounded.
+//!
+//! # Training ([`DrafterTrainer`])
+//! A *slice* ([`DrafterTrainer::slice`]) is one forward + backward of the drafter on
+//! `batch_rows` sequences sampled from the buffer; after `accumulation` slices the optimizer
+//! steps. Its cost is kept as an EMA of measured thread CPU time
+//! ([`DrafterTrainer::predicted_cost`]) so a filler can place it in a bubble that fits.
+//! Replicas stay identical by exchanging gradients: each replica hands
+//! [`DrafterTrainer::take_grads`] to every other, and all call [`DrafterTrainer::step_with`]
+//! on the same set, which sums them in replica order, so every replica applies the same
+//! update bit for bit. Alternatively one owner steps and broadcasts
+//! [`DrafterTrainer::weights`] ([`DrafterWeights`], versioned by drafter step), which any
+//! replica or the rollout engine loads with [`Drafter::load_weights`].
+//!
+//! # Proposing ([`Drafter::propose`])
+//! Given, for each live sequence, its last target pairs `(h_i, x_{i+1})`
+//! ([`DraftContext`]), the drafter proposes a chain of `k` tokens and the distribution `q`
+//! each was drawn from (for lossless acceptance), feeding its own predicted hidden state
+//! forward, as EAGLE does.
+//!
+//! # Example
+//! ```
+//! use pipefill::model::{Cut, GptConfig, Gpt, Shape};
+//! use pipefill::model::drafter::{DraftBufferHandle, Drafter, DrafterConfig, DrafterTrainer, DraftContext};
+//! use pipefill::data::SplitMix64;
+//! use pipefill::tensor::CpuBackend;
+//!
+//! let target = GptConfig { layers: 2, d_model: 16, heads: 2, seq_len: 8, ..GptConfig::default() };
+//! let be = CpuBackend::new(1).unwrap();
+//! let mut gpt = Gpt::new(&target, be.clone(), &Cut::Even(1)).unwrap();
+//! // The last stage copies its hidden states and distributions into the buffer.
+//! let config = DrafterConfig { batch_rows: 2, ..DrafterConfig::default() };
+//! let buffer = DraftBufferHandle::new(&target, &config);
+//! gpt.chunks_mut().last_mut().unwrap().set_draft_sink(Some(buffer.clone())).unwrap();
+//! buffer.begin_step(0);
+//! let ids: Vec<u32> = (0..16).map(|i| i % 7).collect();
+//! let targets: Vec<u32> = (1..17).map(|i| i % 7).collect();
+//! gpt.forward_backward(0, Shape { batch: 2, seq: 8 }, &ids, &targets, 1.0).unwrap();
+//! // A filler runs slices in bubbles.
+//! let mut drafter = Drafter::new(&target, &config, be).unwrap();
+//! drafter.refresh_from_gpt(&gpt, 0).unwrap();
+//! let mut trainer = DrafterTrainer::new(drafter, buffer.clone(), 0, 1).unwrap();
+//! let stats = trainer.slice().unwrap();
+//! assert!(stats.loss.is_finite() && trainer.predicted_cost().is_some());
+//! // The rollout engine loads the weights and proposes.
+//! let weights = trainer.weights().unwrap();
+//! let mut rollout_drafter = Drafter::new(&target, &config, CpuBackend::new(1).unwrap()).unwrap();
+//! rollout_drafter.load_weights(&weights).unwrap();
+//! let hidden = vec![0.5f32; 3 * 16];
+//! let ctx = DraftContext { hidden: &hidden, tokens: &[1, 2, 3] };
+//! let chains = rollout_drafter.propose(&[ctx], 4, 0.0, &mut SplitMix64::new(0)).unwrap();
+//! assert_eq!(chains[0].tokens.len(), 4);
+//! ```
+
+mod batch;
+mod buffer;
+mod linear;
+pub mod loss;
+mod net;
+mod propose;
+#[cfg(test)]
+mod tests;
+mod train;
+
+pub use batch::DraftBatch;
+pub use buffer::{DraftBuffer, DraftBufferHandle, DraftRow};
+pub use linear::Linear;
+pub use net::{Drafter, DrafterWeights, LossSums, NamedTensor};
+pub use propose::{DraftChain, DraftContext};
+pub use train::{DrafterGrads, DrafterTrainer, EvalStats, SliceStats};
+
+use serde::{Deserialize, Serialize};
+
+use super::ModelError;
+use crate::tensor::TensorError;
+
+/// The `[drafter]` section of a job file: the drafter's loss, optimizer, data and cost
+/// estimate. Every field has a default.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DrafterConfig {
+    /// Weight of the soft cross-entropy against the target's next-token distribution.
+    pub ce_weight: f32,
+    /// Weight of the SmoothL1 term on the predicted hidden state (mean over its elements).
+    pub hidden_weight: f32,
+    /// SmoothL1 threshold β: quadratic below, linear above.
+    pub smooth_l1_beta: f32,
+    /// Target steps between refreshes of the frozen embedding and LM head copies.
+    pub refresh_every: u64,
+    /// AdamW learning rate (constant).
+    pub lr: f32,
+    /// AdamW decoupled weight decay (not on norm gains).
+    pub weight_decay: f32,
+    /// Gradient-norm clipping threshold of the drafter's update (0: none).
+    pub clip: f32,
+    /// Sequences per slice.
+    pub batch_rows: usize,
+    /// Longest run of pairs taken from one sequence per slice (a random window of a longer
+    /// sequence), which bounds a slice's cost.
+    pub max_positions: usize,
+    /// Slices whose gradients are accumulated into one optimizer step.
+    pub accumulation: usize,
+    /// Rows kept per target step in the buffer (the current and the previous step each).
+    pub buffer_rows: usize,
+    /// Most recent target pairs a proposal attends to (see [`Drafter::propose`]).
+    pub window: usize,
+    /// Weight of the newest measurement in the slice-cost estimate (EMA), in `(0, 1]`.
+    pub cost_ema: f64,
+    /// Seed of the drafter's initialisation and of its batch sampling.
+    pub seed: u64,
+}
+
+impl Default for DrafterConfig {
+    fn default() -> Self {
+        DrafterConfig {
+            ce_weight: 1.0,
+            hidden_weight: 1.0,
+            smooth_l1_beta: 1.0,
+            refresh_every: 1,
+            lr: 3e-3,
+            weight_decay: 0.0,
+            clip: 1.0,
+            batch_rows: 4,
+            max_positions: 64,
+            accumulation: 1,
+            buffer_rows: 256,
+            window: 32,
+            cost_ema: 0.2,
+            seed: 0,
+        }
+    }
+}
+
+impl DrafterConfig {
+    /// Checks every field; the error names the first bad one.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |field: &'static str, reason: String| Err(DrafterError::Config { field, reason });
+        for (field, v) in [
+            ("drafter.ce_weight", self.ce_weight),
+            ("drafter.hidden_weight", self.hidden_weight),
+            ("drafter.lr", self.lr),
+            ("drafter.weight_decay", self.weight_decay),
+            ("drafter.clip", self.clip),
+        ] {
+            if !(v >= 0.0 && v.is_finite()) {
+                return bad(field, format!("{v} is not a finite number ≥ 0"));
+            }
+        }
+        if self.ce_weight == 0.0 && self.hidden_weight == 0.0 {
+            return bad(
+                "drafter.ce_weight",
+                "and hidden_weight are both 0 (no loss)".into(),
+            );
+        }
+        if !(self.smooth_l1_beta > 0.0 && self.smooth_l1_beta.is_finite()) {
+            let reason = format!("{} is not a positive number", self.smooth_l1_beta);
+            return bad("drafter.smooth_l1_beta", reason);
+        }
+        for (field, v) in [
+            ("drafter.refresh_every", self.refresh_every as usize),
+            ("drafter.batch_rows", self.batch_rows),
+            ("drafter.max_positions", self.max_positions),
+            ("drafter.accumulation", self.accumulation),
+            ("drafter.buffer_rows", self.buffer_rows),
+            ("drafter.window", self.window),
+        ] {
+            if v == 0 {
+                return bad(field, "must be at least 1".into());
+            }
+        }
+        if !(self.cost_ema > 0.0 && self.cost_ema <= 1.0) {
+            return bad(
+                "drafter.cost_ema",
+                format!("{} is not in (0, 1]", self.cost_ema),
+            );
+        }
+        Ok(())
+    }
+}
+
+/// What can go wrong building, training or using the drafter.
+#[derive(Debug, thiserror::Error)]
+pub enum DrafterError {
+    /// A `[drafter]` value that cannot be used.
+    #[error("`{field}` {reason}")]
+    Config { field: &'static str, reason: String },
+    /// The buffer holds no sequence with at least one training pair.
+    #[error("drafter slice: the draft buffer holds no sequence with a training pair yet")]
+    NoData,
+    /// An input (row, context, weights, gradients) does not fit the drafter.
+    #[error("drafter {what}: {reason}")]
+    Input { what: &'static str, reason: String },
+    /// Gradients handed to [`DrafterTrainer::step_with`] that do not make one consistent set.
+    #[error("drafter step {version}: {reason}")]
+    Replicas { version: u64, reason: String },
+    #[error(transparent)]
+    Model(#[from] ModelError),
+}
+
+impl From<TensorError> for DrafterError {
+    fn from(e: TensorError) -> Self {
+        DrafterError::Model(ModelError::Tensor(e))
+    }
+}
+
+/// Result of a drafter operation.
+pub type Result<T> = std::result::Result<T, DrafterError>;
+
+/// The named parameters the drafter copies, frozen, from the target.
+pub const FROZEN: [&str; 2] = ["embed.tok", "head.w"];

@@ -1,0 +1,376 @@
+//! [`Drafter`]: the drafter's layers (`fc` and one decoder block), the frozen copies of the
+//! target's token embedding and LM head, the loss, and its weights as a message
+//! ([`DrafterWeights`]).
+
+use serde::{Deserialize, Serialize};
+
+use super::loss::{argmax, smooth_l1, soft_cross_entropy};
+use super::{DraftBatch, DrafterConfig, DrafterError, FROZEN, Linear, Result};
+use crate::model::layers::{Attention, Block, Mlp, RmsNorm};
+use crate::model::{Gpt, GptConfig, ModelChunk, ModelError, Param, init};
+use crate::tensor::{Backend, DType, Gemm};
+
+/// One tensor by name, on the host.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct NamedTensor {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub values: Vec<f32>,
+}
+
+/// A snapshot of a drafter's weights, trainable and frozen, that can be sent as a message
+/// (to the rollout engine, or from an owner to replicas).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DrafterWeights {
+    /// Drafter optimizer steps taken when the snapshot was made.
+    pub version: u64,
+    /// Target step of the frozen copies' last refresh (`None`: the target's initial values).
+    pub frozen_step: Option<u64>,
+    pub tensors: Vec<NamedTensor>,
+}
+
+/// Loss sums of one forward (unweighted, summed over the counted pairs).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct LossSums {
+    /// Σ soft cross-entropy.
+    pub ce: f64,
+    /// Σ mean-over-elements SmoothL1.
+    pub hidden: f64,
+    /// Pairs counted.
+    pub pairs: usize,
+    /// Pairs whose drafter argmax equals the target's argmax.
+    pub agree: usize,
+}
+
+/// The drafter of a target model of shape `target` (see the module docs for the model).
+pub struct Drafter<B: Backend> {
+    pub(super) be: B,
+    pub(super) target: GptConfig,
+    pub(super) config: DrafterConfig,
+    pub(super) fc: Linear<B>,
+    pub(super) block: Block<B>,
+    /// Frozen `embed.tok: [vocab, d]`, on the host: it only gathers rows of the fc input.
+    pub(super) tok: Vec<f32>,
+    /// Frozen `head.w: [d, vocab]`.
+    pub(super) head: B::Buf,
+    pub(super) frozen_step: Option<u64>,
+}
+
+impl<B: Backend> Drafter<B> {
+    /// A drafter initialised from `config.seed`, its frozen copies equal to the target's
+    /// initial `embed.tok` and `head.w` until the first refresh.
+    pub fn new(target: &GptConfig, config: &DrafterConfig, be: B) -> Result<Self> {
+        target.validate()?;
+        config.validate()?;
+        let (d, v) = (target.d_model, target.vocab);
+        let shape = GptConfig {
+            seed: config.seed,
+            ..target.clone()
+        };
+        let block = Block {
+            norm1: RmsNorm::new(&be, "drafter.block.norm1", d, target.norm_eps)?,
+            attn: Attention::new(&be, "drafter.block.attn", &shape)?,
+            norm2: RmsNorm::new(&be, "drafter.block.norm2", d, target.norm_eps)?,
+            mlp: Mlp::new(&be, "drafter.block.mlp", &shape)?,
+        };
+        let head = init::normal(target.seed, FROZEN[1], d * v, init::INIT_STD);
+        Ok(Drafter {
+            fc: Linear::new(&be, "drafter.fc", 2 * d, d, config.seed)?,
+            block,
+            tok: init::normal(target.seed, FROZEN[0], v * d, init::INIT_STD),
+            head: be.from_host(&head, be.storage_dtype())?,
+            frozen_step: None,
+            target: target.clone(),
+            config: config.clone(),
+            be,
+        })
+    }
+
+    pub fn config(&self) -> &DrafterConfig {
+        &self.config
+    }
+
+    /// The target model's shape.
+    pub fn target_config(&self) -> &GptConfig {
+        &self.target
+    }
+
+    pub fn backend(&self) -> &B {
+        &self.be
+    }
+
+    /// Target step of the frozen copies' last refresh (`None`: never refreshed).
+    pub fn frozen_step(&self) -> Option<u64> {
+        self.frozen_step
+    }
+
+    /// Whether the frozen copies are due for a refresh at target step `target_step`
+    /// (never refreshed, or `refresh_every` steps since the last one).
+    pub fn needs_refresh(&self, target_step: u64) -> bool {
+        self.frozen_step
+            .is_none_or(|s| target_step >= s.saturating_add(self.config.refresh_every))
+    }
+
+    /// Overwrites the frozen copy `name` (`embed.tok` or `head.w`) with the target's values at
+    /// target step `step`.
+    pub fn refresh(&mut self, name: &str, values: &[f32], step: u64) -> Result<()> {
+        let expected = self.target.vocab * self.target.d_model;
+        if !FROZEN.contains(&name) {
+            return Err(ModelError::UnknownParam(name.to_string()).into());
+        }
+        if values.len() != expected {
+            let (name, got) = (name.to_string(), values.len());
+            return Err(ModelError::ParamLen {
+                name,
+                expected,
+                got,
+            }
+            .into());
+        }
+        if name == FROZEN[0] {
+            self.tok = values.to_vec();
+        } else {
+            self.head = self.be.from_host(values, self.be.storage_dtype())?;
+        }
+        self.frozen_step = Some(step);
+        Ok(())
+    }
+
+    /// Refreshes whichever frozen copies `chunk` holds (the first chunk has the embedding,
+    /// the last the head); returns how many it held.
+    pub fn refresh_from_chunk<C: Backend>(
+        &mut self,
+        chunk: &ModelChunk<C>,
+        step: u64,
+    ) -> Result<usize> {
+        let mut n = 0;
+        for name in FROZEN {
+            if let Ok(values) = chunk.param_values(name) {
+                self.refresh(name, &values, step)?;
+                n += 1;
+            }
+        }
+        Ok(n)
+    }
+
+    /// Refreshes both frozen copies from a whole model.
+    pub fn refresh_from_gpt<C: Backend>(&mut self, gpt: &Gpt<C>, step: u64) -> Result<()> {
+        for name in FROZEN {
+            self.refresh(name, &gpt.param_values(name)?, step)?;
+        }
+        Ok(())
+    }
+
+    /// The trainable parameters (`drafter.fc.w`, then the block's).
+    pub fn params(&self) -> Vec<&Param<B>> {
+        let mut v = self.fc.params();
+        v.extend(self.block.params());
+        v
+    }
+
+    pub fn params_mut(&mut self) -> Vec<&mut Param<B>> {
+        let mut v = self.fc.params_mut();
+        v.extend(self.block.params_mut());
+        v
+    }
+
+    /// F: the predicted hidden states `[rows, d]` and the logits `[rows, vocab]` of `batch`.
+    pub fn forward(&mut self, mb: usize, batch: &DraftBatch) -> Result<(B::Buf, B::Buf)> {
+        let be = self.be.clone();
+        let (d, rows) = (self.target.d_model, batch.rows());
+        if batch.inputs.len() != rows * 2 * d {
+            return Err(DrafterError::Input {
+                what: "batch",
+                reason: format!(
+                    "{} inputs for {rows} pairs of {}",
+                    batch.inputs.len(),
+                    2 * d
+                ),
+            });
+        }
+        let x = be.from_host(&batch.inputs, be.storage_dtype())?;
+        let result = (|| {
+            let z = self.fc.forward(&be, mb, &x, rows)?;
+            let f = self.block.forward(&be, mb, &z, batch.batch, batch.seq)?;
+            let logits = self.logits(&f, rows)?;
+            Ok((f, logits))
+        })();
+        if result.is_err() {
+            self.discard(mb);
+        }
+        result
+    }
+
+    /// `logits = f · W_head` for `f: [rows, d]` (nothing stashed).
+    pub fn logits(&self, f: &B::Buf, rows: usize) -> Result<B::Buf> {
+        let (d, v) = (self.target.d_model, self.target.vocab);
+        let mut logits = self.be.zeros(rows * v, self.be.storage_dtype())?;
+        self.be
+            .matmul(f, &self.head, &mut logits, Gemm::nn(rows, d, v))?;
+        Ok(logits)
+    }
+
+    /// The loss sums of a forward's outputs and the gradient of their weighted sum
+    /// (`ce_weight · Σ CE + hidden_weight · Σ SmoothL1`) w.r.t. the predicted hidden states.
+    pub fn loss_grad(
+        &self,
+        batch: &DraftBatch,
+        f: &B::Buf,
+        logits: &B::Buf,
+    ) -> Result<(LossSums, B::Buf)> {
+        let be = &self.be;
+        let (d, v, rows) = (self.target.d_model, self.target.vocab, batch.rows());
+        let c = &self.config;
+        let (f_host, z_host) = (be.to_host(f)?, be.to_host(logits)?);
+        let mut df = vec![0.0; rows * d];
+        let hidden = smooth_l1(
+            &f_host,
+            &batch.target_hidden,
+            &batch.mask,
+            d,
+            c.smooth_l1_beta,
+            c.hidden_weight,
+            &mut df,
+        );
+        let mut dz = vec![0.0; rows * v];
+        let ce = soft_cross_entropy(
+            &z_host,
+            &batch.target_probs,
+            &batch.mask,
+            v,
+            c.ce_weight,
+            &mut dz,
+        );
+        let agree = (0..rows)
+            .filter(|&r| batch.mask[r])
+            .filter(|&r| {
+                let span = r * v..(r + 1) * v;
+                argmax(&z_host[span.clone()]) == argmax(&batch.target_probs[span])
+            })
+            .count();
+        let mut dfeat = be.from_host(&df, DType::F32)?;
+        let dz = be.from_host(&dz, DType::F32)?;
+        be.matmul(
+            &dz,
+            &self.head,
+            &mut dfeat,
+            Gemm::nn(rows, v, d).trans_b().accumulate(),
+        )?;
+        let sums = LossSums {
+            ce,
+            hidden,
+            pairs: batch.pairs(),
+            agree,
+        };
+        Ok((sums, dfeat))
+    }
+
+    /// I: from the gradient w.r.t. the predicted hidden states through the block into fc
+    /// (whose input is data, so nothing flows further).
+    pub fn backward_input(&mut self, mb: usize, dfeat: &B::Buf) -> Result<()> {
+        let be = self.be.clone();
+        let dz = self.block.backward_input(&be, mb, dfeat)?;
+        self.fc.backward_input(&be, mb, &dz, false)?;
+        Ok(())
+    }
+
+    /// W: accumulates the weight gradients of micro-batch `mb`.
+    pub fn backward_weight(&mut self, mb: usize) -> Result<()> {
+        let be = self.be.clone();
+        self.block.backward_weight(&be, mb)?;
+        self.fc.backward_weight(&be, mb)?;
+        Ok(())
+    }
+
+    /// Forgets micro-batch `mb`.
+    pub fn discard(&mut self, mb: usize) {
+        self.fc.discard(mb);
+        self.block.discard(mb);
+    }
+
+    /// Layer stashes held (0 when no micro-batch is in flight).
+    pub fn stashed(&self) -> usize {
+        self.fc.stashed() + self.block.stashed()
+    }
+
+    /// Sets every gradient to zero.
+    pub fn zero_grads(&mut self) -> Result<()> {
+        let be = self.be.clone();
+        for p in self.params_mut() {
+            be.fill(&mut p.grad, 0.0)?;
+        }
+        Ok(())
+    }
+
+    /// Every weight, trainable then frozen, as a message versioned `version`.
+    pub fn weights(&self, version: u64) -> Result<DrafterWeights> {
+        let be = &self.be;
+        let mut tensors = Vec::new();
+        for p in self.params() {
+            tensors.push(NamedTensor {
+                name: p.name.clone(),
+                shape: p.shape.clone(),
+                values: be.to_host(&p.value)?,
+            });
+        }
+        let (d, v) = (self.target.d_model, self.target.vocab);
+        tensors.push(NamedTensor {
+            name: FROZEN[0].into(),
+            shape: vec![v, d],
+            values: self.tok.clone(),
+        });
+        tensors.push(NamedTensor {
+            name: FROZEN[1].into(),
+            shape: vec![d, v],
+            values: be.to_host(&self.head)?,
+        });
+        Ok(DrafterWeights {
+            version,
+            frozen_step: self.frozen_step,
+            tensors,
+        })
+    }
+
+    /// Loads a snapshot made by [`Drafter::weights`] of a drafter of the same shape: every
+    /// tensor must be present, known and of the right length.
+    pub fn load_weights(&mut self, weights: &DrafterWeights) -> Result<()> {
+        let expected = self.params().len() + FROZEN.len();
+        if weights.tensors.len() != expected {
+            return Err(DrafterError::Input {
+                what: "weights",
+                reason: format!("{} tensors, expected {expected}", weights.tensors.len()),
+            });
+        }
+        for t in &weights.tensors {
+            if FROZEN.contains(&t.name.as_str()) {
+                continue;
+            }
+            let be = self.be.clone();
+            let p = self
+                .params_mut()
+                .into_iter()
+                .find(|p| p.name == t.name)
+                .ok_or_else(|| ModelError::UnknownParam(t.name.clone()))?;
+            if t.values.len() != p.numel() {
+                let (name, expected, got) = (t.name.clone(), p.numel(), t.values.len());
+                return Err(ModelError::ParamLen {
+                    name,
+                    expected,
+                    got,
+                }
+                .into());
+            }
+            p.value = be.from_host(&t.values, be.dtype(&p.value))?;
+        }
+        for name in FROZEN {
+            let t = weights.tensors.iter().find(|t| t.name == name);
+            let t = t.ok_or_else(|| DrafterError::Input {
+                what: "weights",
+                reason: format!("no `{name}`"),
+            })?;
+            self.refresh(name, &t.values, 0)?;
+        }
+        self.frozen_step = weights.frozen_step;
+        Ok(())
+    }
+}

@@ -1,0 +1,368 @@
+//! [`DrafterTrainer`]: slices of drafter training on rows sampled from the shared buffer,
+//! the optimizer step (alone, or over the gradients of every replica), the running cost
+//! estimate, and held-out agreement with the target.
+
+use pipefill_actors::thread_cpu_time;
+use std::time::Instant;
+
+use super::net::LossSums;
+use super::{
+    DraftBatch, DraftBufferHandle, DraftRow, Drafter, DrafterError, DrafterWeights, NamedTensor,
+    Result,
+};
+use crate::data::SplitMix64;
+use crate::model::{AdamW, AdamWConfig, clip_scale};
+use crate::tensor::{Backend, DType};
+
+/// The micro-batch id of a training slice (one in flight at a time).
+const SLICE_MB: usize = 0;
+/// The micro-batch id of an evaluation forward (discarded right after).
+const EVAL_MB: usize = usize::MAX;
+
+/// What one slice did.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SliceStats {
+    /// Weighted loss per counted pair (`ce_weight·ce + hidden_weight·hidden`).
+    pub loss: f32,
+    /// Mean soft cross-entropy per pair.
+    pub ce: f32,
+    /// Mean SmoothL1 per pair.
+    pub hidden: f32,
+    /// Pairs counted.
+    pub pairs: usize,
+    /// Top-1 agreement with the target on this batch, before the update.
+    pub agreement: f64,
+    /// Thread CPU time of the slice, optimizer step included (seconds).
+    pub cpu_seconds: f64,
+    /// Wall time of the slice (seconds).
+    pub wall_seconds: f64,
+    /// The new version (drafter step) when this slice ended with an optimizer step.
+    pub stepped: Option<u64>,
+}
+
+/// Agreement and loss on held-out rows.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct EvalStats {
+    /// Fraction of pairs whose drafter argmax equals the target's argmax.
+    pub agreement: f64,
+    /// Mean soft cross-entropy per pair.
+    pub ce: f64,
+    /// Mean SmoothL1 per pair.
+    pub hidden: f64,
+    pub pairs: usize,
+}
+
+/// One replica's accumulated gradients for drafter step `version`: the gradients of the
+/// **summed** loss over its `pairs` pairs (the step divides by the total over replicas).
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct DrafterGrads {
+    pub version: u64,
+    pub replica: usize,
+    pub pairs: usize,
+    pub tensors: Vec<NamedTensor>,
+}
+
+/// Trains one drafter replica from a shared [`DraftBufferHandle`].
+pub struct DrafterTrainer<B: Backend> {
+    drafter: Drafter<B>,
+    optimizer: AdamW<B>,
+    buffer: DraftBufferHandle,
+    rng: SplitMix64,
+    replica: usize,
+    replicas: usize,
+    version: u64,
+    slices: usize,
+    pairs: usize,
+    cost: Option<f64>,
+}
+
+impl<B: Backend> DrafterTrainer<B> {
+    /// Replica `replica` of `replicas` (use `0, 1` for a single drafter). Each replica
+    /// samples its own stream of rows (seeded by `(seed, replica)`); replicas must start from
+    /// the same weights (same seed, or [`DrafterTrainer::load_weights`]).
+    pub fn new(
+        drafter: Drafter<B>,
+        buffer: DraftBufferHandle,
+        replica: usize,
+        replicas: usize,
+    ) -> Result<Self> {
+        if replica >= replicas {
+            return Err(DrafterError::Config {
+                field: "replica",
+                reason: format!("{replica} is not below the replica count {replicas}"),
+            });
+        }
+        let c = drafter.config();
+        let optimizer = AdamW::new(AdamWConfig {
+            weight_decay: c.weight_decay,
+            max_grad_norm: c.clip,
+            ..AdamWConfig::default()
+        });
+        Ok(DrafterTrainer {
+            rng: SplitMix64::derive(c.seed, replica as u64),
+            drafter,
+            optimizer,
+            buffer,
+            replica,
+            replicas,
+            version: 0,
+            slices: 0,
+            pairs: 0,
+            cost: None,
+        })
+    }
+
+    pub fn drafter(&self) -> &Drafter<B> {
+        &self.drafter
+    }
+
+    /// The drafter, e.g. to refresh its frozen copies.
+    pub fn drafter_mut(&mut self) -> &mut Drafter<B> {
+        &mut self.drafter
+    }
+
+    pub fn buffer(&self) -> &DraftBufferHandle {
+        &self.buffer
+    }
+
+    /// Drafter optimizer steps taken.
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
+    pub fn replica(&self) -> usize {
+        self.replica
+    }
+
+    /// Slices accumulated since the last optimizer step.
+    pub fn pending_slices(&self) -> usize {
+        self.slices
+    }
+
+    /// Whether `accumulation` slices have run since the last step (with several replicas,
+    /// the moment to exchange gradients).
+    pub fn ready_to_step(&self) -> bool {
+        self.slices >= self.drafter.config().accumulation
+    }
+
+    /// The expected cost of the next slice in seconds of thread CPU time: an EMA of the
+    /// measured slices (`None` before the first).
+    pub fn predicted_cost(&self) -> Option<f64> {
+        self.cost
+    }
+
+    /// One forward + backward of the drafter on `batch_rows` sequences sampled from the
+    /// buffer; a single replica also steps the optimizer after every `accumulation` slices
+    /// (several replicas step through [`DrafterTrainer::step_with`]).
+    pub fn slice(&mut self) -> Result<SliceStats> {
+        let (cpu0, wall0) = (thread_cpu_time(), Instant::now());
+        let c = self.drafter.config().clone();
+        let rows = self.buffer.sample(&mut self.rng, c.batch_rows);
+        if rows.is_empty() {
+            return Err(DrafterError::NoData);
+        }
+        let t = self.drafter.target_config();
+        let batch = DraftBatch::from_rows(
+            &rows,
+            &self.drafter.tok,
+            t.d_model,
+            t.vocab,
+            c.max_positions,
+            Some(&mut self.rng),
+        );
+        let sums = self.forward_backward(&batch)?;
+        self.slices += 1;
+        self.pairs += sums.pairs;
+        let stepped = if self.replicas == 1 && self.ready_to_step() {
+            let pairs = self.pairs;
+            self.apply(pairs)?;
+            Some(self.version)
+        } else {
+            None
+        };
+        let cpu_seconds = (thread_cpu_time() - cpu0).max(0.0);
+        self.cost = Some(match self.cost {
+            None => cpu_seconds,
+            Some(old) => old + c.cost_ema * (cpu_seconds - old),
+        });
+        let n = sums.pairs.max(1) as f64;
+        let (ce, hidden) = (sums.ce / n, sums.hidden / n);
+        Ok(SliceStats {
+            loss: (f64::from(c.ce_weight) * ce + f64::from(c.hidden_weight) * hidden) as f32,
+            ce: ce as f32,
+            hidden: hidden as f32,
+            pairs: sums.pairs,
+            agreement: sums.agree as f64 / n,
+            cpu_seconds,
+            wall_seconds: wall0.elapsed().as_secs_f64(),
+            stepped,
+        })
+    }
+
+    fn forward_backward(&mut self, batch: &DraftBatch) -> Result<LossSums> {
+        let d = &mut self.drafter;
+        let (f, logits) = d.forward(SLICE_MB, batch)?;
+        let result = d.loss_grad(batch, &f, &logits).and_then(|(sums, dfeat)| {
+            d.backward_input(SLICE_MB, &dfeat)?;
+            d.backward_weight(SLICE_MB)?;
+            Ok(sums)
+        });
+        if result.is_err() {
+            d.discard(SLICE_MB);
+        }
+        result
+    }
+
+    /// Clips and applies the accumulated gradients (of the loss summed over `pairs` pairs)
+    /// as the gradient of the mean loss, zeroes them and advances the version.
+    fn apply(&mut self, pairs: usize) -> Result<()> {
+        let be = self.drafter.backend().clone();
+        let mut sq = 0.0;
+        for p in self.drafter.params() {
+            sq += be.sum_squares(&p.grad)?;
+        }
+        // With no pair counted the gradients are 0 and so is the scale (no 0/0).
+        let mean = if pairs == 0 { 0.0 } else { 1.0 / pairs as f64 };
+        let norm = sq.sqrt() * mean;
+        let scale = clip_scale(norm, self.drafter.config().clip) * mean as f32;
+        let lr = self.drafter.config().lr;
+        self.optimizer
+            .step(&be, self.drafter.params_mut(), lr, scale)?;
+        self.drafter.zero_grads()?;
+        self.version += 1;
+        self.slices = 0;
+        self.pairs = 0;
+        Ok(())
+    }
+
+    /// This replica's accumulated gradients as a message, for [`DrafterTrainer::step_with`]
+    /// on every replica; the local gradients are zeroed.
+    pub fn take_grads(&mut self) -> Result<DrafterGrads> {
+        let be = self.drafter.backend().clone();
+        let mut tensors = Vec::new();
+        for p in self.drafter.params() {
+            tensors.push(NamedTensor {
+                name: p.name.clone(),
+                shape: p.shape.clone(),
+                values: be.to_host(&p.grad)?,
+            });
+        }
+        self.drafter.zero_grads()?;
+        let grads = DrafterGrads {
+            version: self.version,
+            replica: self.replica,
+            pairs: self.pairs,
+            tensors,
+        };
+        self.slices = 0;
+        self.pairs = 0;
+        Ok(grads)
+    }
+
+    /// The optimizer step over the gradients of every replica (one [`DrafterGrads`] each,
+    /// all for this step). They are summed in replica order whatever order they arrive in,
+    /// so every replica computes the same update and the weights stay identical.
+    pub fn step_with(&mut self, grads: &[DrafterGrads]) -> Result<u64> {
+        let bad = |reason: String| DrafterError::Replicas {
+            version: self.version,
+            reason,
+        };
+        let mut ordered: Vec<&DrafterGrads> = grads.iter().collect();
+        ordered.sort_by_key(|g| g.replica);
+        let replicas: Vec<usize> = ordered.iter().map(|g| g.replica).collect();
+        if replicas != (0..self.replicas).collect::<Vec<_>>() {
+            return Err(bad(format!(
+                "gradients of replicas {replicas:?}, expected each of 0..{} once",
+                self.replicas
+            )));
+        }
+        if let Some(g) = ordered.iter().find(|g| g.version != self.version) {
+            return Err(bad(format!(
+                "replica {} sent gradients of step {}",
+                g.replica, g.version
+            )));
+        }
+        let be = self.drafter.backend().clone();
+        let mut pairs = 0;
+        for g in &ordered {
+            pairs += g.pairs;
+        }
+        for (i, p) in self.drafter.params_mut().into_iter().enumerate() {
+            let mut sum = vec![0.0f32; p.numel()];
+            for g in &ordered {
+                let t = g.tensors.get(i).filter(|t| t.name == p.name);
+                let t = t.filter(|t| t.values.len() == sum.len()).ok_or_else(|| {
+                    bad(format!(
+                        "replica {}: no gradient of `{}` with {} values at position {i}",
+                        g.replica,
+                        p.name,
+                        sum.len()
+                    ))
+                })?;
+                sum.iter_mut().zip(&t.values).for_each(|(s, &v)| *s += v);
+            }
+            p.grad = be.from_host(&sum, DType::F32)?;
+        }
+        self.apply(pairs)?;
+        Ok(self.version)
+    }
+
+    /// The weights as a message versioned by drafter step.
+    pub fn weights(&self) -> Result<DrafterWeights> {
+        self.drafter.weights(self.version)
+    }
+
+    /// Adopts an owner's weights and version (the owner-broadcast placement). The optimizer
+    /// state stays this replica's own.
+    pub fn load_weights(&mut self, weights: &DrafterWeights) -> Result<()> {
+        self.drafter.load_weights(weights)?;
+        self.version = weights.version;
+        Ok(())
+    }
+
+    /// Top-1 agreement between the drafter's and the target's next token on held-out rows.
+    pub fn agreement(&mut self, held_out: &[DraftRow]) -> Result<f64> {
+        Ok(self.evaluate(held_out)?.agreement)
+    }
+
+    /// Agreement and mean losses on `rows` (whole sequences, `batch_rows` at a time); no
+    /// gradient is touched.
+    pub fn evaluate(&mut self, rows: &[DraftRow]) -> Result<EvalStats> {
+        let t = self.drafter.target_config().clone();
+        let mut total = LossSums::default();
+        for chunk in rows.chunks(self.drafter.config().batch_rows) {
+            for r in chunk {
+                r.check(t.d_model, t.vocab)?;
+            }
+            let batch = DraftBatch::from_rows(
+                chunk,
+                &self.drafter.tok,
+                t.d_model,
+                t.vocab,
+                usize::MAX,
+                None,
+            );
+            let out = self.drafter.forward(EVAL_MB, &batch);
+            self.drafter.discard(EVAL_MB);
+            let (f, logits) = out?;
+            let (s, _) = self.drafter.loss_grad(&batch, &f, &logits)?;
+            total.ce += s.ce;
+            total.hidden += s.hidden;
+            total.pairs += s.pairs;
+            total.agree += s.agree;
+        }
+        if total.pairs == 0 {
+            return Err(DrafterError::Input {
+                what: "held-out rows",
+                reason: format!("{} rows hold no training pair", rows.len()),
+            });
+        }
+        let n = total.pairs as f64;
+        Ok(EvalStats {
+            agreement: total.agree as f64 / n,
+            ce: total.ce / n,
+            hidden: total.hidden / n,
+            pairs: total.pairs,
+        })
+    }
+}
