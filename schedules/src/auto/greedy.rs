@@ -313,8 +313,8 @@ mod tests {
             .map(|a| a.to_string())
             .collect();
         assert_eq!(text, ["0F0", "0I0", "0W0", "0F1", "0I1", "0W1"]);
-        // The timeline built while scheduling is the simulator's: 2 micro-batches
-        // back to back through 2 stages, 3 units each, plus the one-stage offsets.
-        assert_eq!(simulate(&plan, &cost).unwrap().makespan, 12.0);
+        // Rank 0: F0 [0,1), I0 [3,4) once rank 1's I0 is back, W0, F1 [5,6), I1 [8,9), W1
+        // [9,10): micro-batch 1 cannot enter before micro-batch 0's I.
+        assert_eq!(simulate(&plan, &cost).unwrap().makespan, 10.0);
     }
 }
