@@ -8,6 +8,7 @@
 //! - [`gpt`]: [`Gpt`], every chunk of one model on one device (the reference trainer's).
 //! - [`optim`]: [`AdamW`] with decoupled weight decay, global-norm clipping and
 //!   [`LrSchedule`] (warmup + cosine).
+//! - [`infer`]: KV-cache inference stages (generation, no backward stash).
 //! - [`init`]: the deterministic initialisation, one RNG stream per (seed, parameter name).
 //! - [`drafter`]: the EAGLE-style drafter (one block over the target's hidden states), its
 //!   training buffer, trainer and speculative proposals.
@@ -25,6 +26,7 @@ pub mod chunk;
 pub mod config;
 pub mod drafter;
 pub mod gpt;
+pub mod infer;
 pub mod init;
 pub mod layers;
 pub mod optim;

@@ -13,6 +13,8 @@
 //! The KV-cache inference path itself (no activations stashed for backward) lives in
 //! [`crate::model::infer`].
 
+pub mod accept;
+pub mod bandit;
 pub mod config;
 pub mod grpo;
 pub mod reward;

@@ -1,0 +1,17 @@
+//! Inference with a KV cache: the generation path of RL rollouts.
+//!
+//! Training chunks stash every activation for the backward; generation needs none of that,
+//! but it must not recompute the whole prefix for each new token. This module is that
+//! separate, inference-only path:
+//! - [`kv`]: [`KvCache`], per-layer keys and values of every live sequence, with rollback;
+//! - [`stage`]: [`InferStage`], a stage's blocks rebuilt by parameter name from a
+//!   [`ModelChunk`](crate::model::ModelChunk) or a [`Gpt`](crate::model::Gpt), running
+//!   prefill, decode and multi-position verification of several sequences per call.
+
+pub mod kv;
+pub mod stage;
+#[cfg(test)]
+mod tests;
+
+pub use kv::KvCache;
+pub use stage::{InferStage, Span, StageInput, StageOutput, run_stages};

@@ -1,0 +1,371 @@
+//! [`InferStage`]: one pipeline stage's share of the GPT for generation: the same
+//! arithmetic as [`ModelChunk::forward`](crate::model::ModelChunk::forward), but nothing is
+//! stashed for a backward, and attention runs against a [`KvCache`] so that each call only
+//! computes the *new* positions of each sequence.
+//!
+//! One call takes several sequences at once, each with any number of new positions
+//! ([`Span`]): a prompt (prefill), one token (decode) or K+1 tokens (speculative
+//! verification). Every span first rolls its sequence's cache back to `span.start`, so a
+//! verification that rejected draft positions is undone by the next call's span alone.
+
+use std::ops::Range;
+
+use super::kv::KvCache;
+use crate::model::{Cut, Gpt, GptConfig, ModelChunk, ModelError, Result};
+use crate::tensor::{Activation, Backend, DType, Gemm};
+
+/// New positions `start..start + len` of sequence `slot`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Span {
+    pub slot: usize,
+    pub start: usize,
+    pub len: usize,
+}
+
+/// What a stage consumes: token ids (first stage) or the previous stage's activations,
+/// `[rows, d_model]` with the spans' rows in order.
+pub enum StageInput<'a, B: Backend> {
+    Tokens(&'a [u32]),
+    Hidden(B::Buf),
+}
+
+/// What a stage produces.
+pub enum StageOutput<B: Backend> {
+    /// Activations `[rows, d_model]` for the next stage.
+    Hidden(B::Buf),
+    /// The last stage: logits `[rows, vocab]` and the final-norm output `[rows, d_model]`
+    /// (the LM head's input, the "hidden state" a drafter reads), on the host.
+    Final { logits: Vec<f32>, hidden: Vec<f32> },
+}
+
+struct InferBlock<B: Backend> {
+    norm1: B::Buf,
+    /// `[d, 3d]`: wq, wk, wv side by side, one product for all three projections.
+    wqkv: B::Buf,
+    wo: B::Buf,
+    norm2: B::Buf,
+    w1: B::Buf,
+    w2: B::Buf,
+}
+
+/// Blocks `range` of the model (plus the embedding on the first stage, the final norm and
+/// head on the last), with their KV cache.
+pub struct InferStage<B: Backend> {
+    be: B,
+    config: GptConfig,
+    range: Range<usize>,
+    embed: Option<(B::Buf, B::Buf)>,
+    blocks: Vec<InferBlock<B>>,
+    head: Option<(B::Buf, B::Buf)>,
+    cache: KvCache,
+}
+
+impl<B: Backend> InferStage<B> {
+    /// The stage holding blocks `range`, with parameters read by name from `get` (host
+    /// values, e.g. [`ModelChunk::param_values`] or [`Gpt::param_values`]).
+    pub fn build(
+        be: B,
+        config: &GptConfig,
+        range: Range<usize>,
+        first: bool,
+        last: bool,
+        get: impl Fn(&str) -> Result<Vec<f32>>,
+    ) -> Result<Self> {
+        config.validate()?;
+        let dt = be.storage_dtype();
+        let load = |name: &str| -> Result<B::Buf> { Ok(be.from_host(&get(name)?, dt)?) };
+        let d = config.d_model;
+        let embed = if first {
+            Some((load("embed.tok")?, load("embed.pos")?))
+        } else {
+            None
+        };
+        let mut blocks = Vec::with_capacity(range.len());
+        for i in range.clone() {
+            let p = format!("blocks.{i}");
+            let (wq, wk, wv) = (
+                get(&format!("{p}.attn.wq"))?,
+                get(&format!("{p}.attn.wk"))?,
+                get(&format!("{p}.attn.wv"))?,
+            );
+            let mut wqkv = Vec::with_capacity(3 * d * d);
+            for r in 0..d {
+                for w in [&wq, &wk, &wv] {
+                    wqkv.extend_from_slice(&w[r * d..(r + 1) * d]);
+                }
+            }
+            blocks.push(InferBlock {
+                norm1: load(&format!("{p}.norm1.weight"))?,
+                wqkv: be.from_host(&wqkv, dt)?,
+                wo: load(&format!("{p}.attn.wo"))?,
+                norm2: load(&format!("{p}.norm2.weight"))?,
+                w1: load(&format!("{p}.mlp.w1"))?,
+                w2: load(&format!("{p}.mlp.w2"))?,
+            });
+        }
+        let head = if last {
+            Some((load("final_norm.weight")?, load("head.w")?))
+        } else {
+            None
+        };
+        Ok(InferStage {
+            cache: KvCache::new(range.len(), d, config.seq_len),
+            config: config.clone(),
+            range,
+            embed,
+            blocks,
+            head,
+            be,
+        })
+    }
+
+    /// The inference twin of a training chunk (same blocks, same parameter values).
+    pub fn from_chunk(chunk: &ModelChunk<B>) -> Result<Self> {
+        InferStage::build(
+            chunk.backend().clone(),
+            chunk.config(),
+            chunk.blocks(),
+            chunk.is_first(),
+            chunk.is_last(),
+            |n| chunk.param_values(n),
+        )
+    }
+
+    /// The stages of `gpt` cut by `cut` (any cut, independent of how `gpt` is chunked).
+    pub fn stages_of(gpt: &Gpt<B>, cut: &Cut) -> Result<Vec<Self>> {
+        let config = gpt.config();
+        let ranges = cut.ranges(config.layers)?;
+        let be = gpt.chunks()[0].backend().clone();
+        let n = ranges.len();
+        ranges
+            .into_iter()
+            .enumerate()
+            .map(|(s, r)| {
+                InferStage::build(be.clone(), config, r, s == 0, s + 1 == n, |name| {
+                    gpt.param_values(name)
+                })
+            })
+            .collect()
+    }
+
+    pub fn config(&self) -> &GptConfig {
+        &self.config
+    }
+    pub fn backend(&self) -> &B {
+        &self.be
+    }
+    /// Global indices of this stage's blocks.
+    pub fn blocks(&self) -> Range<usize> {
+        self.range.clone()
+    }
+    pub fn is_first(&self) -> bool {
+        self.embed.is_some()
+    }
+    pub fn is_last(&self) -> bool {
+        self.head.is_some()
+    }
+    pub fn cache(&self) -> &KvCache {
+        &self.cache
+    }
+    /// Forgets the cache of a finished sequence.
+    pub fn release(&mut self, slot: usize) {
+        self.cache.remove(slot);
+    }
+
+    fn input_err(&self, reason: String) -> ModelError {
+        ModelError::Input {
+            stage: self.range.start,
+            mb: 0,
+            reason,
+        }
+    }
+
+    /// Runs the new positions of `spans` through this stage, extending their caches (after
+    /// rolling each back to its `span.start`).
+    pub fn forward(&mut self, spans: &[Span], input: StageInput<'_, B>) -> Result<StageOutput<B>> {
+        let be = self.be.clone();
+        let d = self.config.d_model;
+        let rows: usize = spans.iter().map(|s| s.len).sum();
+        for s in spans {
+            if s.len == 0 || s.start + s.len > self.config.seq_len {
+                return Err(self.input_err(format!(
+                    "sequence {}: positions {}..{} (at most {} positions, at least one new)",
+                    s.slot,
+                    s.start,
+                    s.start + s.len,
+                    self.config.seq_len
+                )));
+            }
+            if self.cache.len(s.slot) < s.start {
+                return Err(self.input_err(format!(
+                    "sequence {} resumes at {} but its cache holds {} positions",
+                    s.slot,
+                    s.start,
+                    self.cache.len(s.slot)
+                )));
+            }
+        }
+        let mut x = match (input, &self.embed) {
+            (StageInput::Tokens(ids), Some((tok, pos))) => {
+                if ids.len() != rows {
+                    return Err(self.input_err(format!("{} ids for {rows} rows", ids.len())));
+                }
+                let positions: Vec<u32> = spans
+                    .iter()
+                    .flat_map(|s| (s.start..s.start + s.len).map(|p| p as u32))
+                    .collect();
+                let mut x = be.zeros(rows * d, be.storage_dtype())?;
+                be.embedding_fwd(tok, ids, &mut x, d)?;
+                let mut p = be.zeros(rows * d, be.storage_dtype())?;
+                be.embedding_fwd(pos, &positions, &mut p, d)?;
+                be.axpy(1.0, &p, &mut x)?;
+                x
+            }
+            (StageInput::Hidden(h), None) if be.len(&h) == rows * d => h,
+            (StageInput::Hidden(h), None) => {
+                let got = be.len(&h);
+                return Err(self.input_err(format!("{got} activations for {rows} rows")));
+            }
+            (StageInput::Tokens(_), None) => {
+                return Err(self.input_err("token ids given to a stage without embedding".into()));
+            }
+            (StageInput::Hidden(_), Some(_)) => {
+                return Err(self.input_err("activations given to the first stage".into()));
+            }
+        };
+        // Roll back only once every span is known to be valid, so an error leaves the
+        // caches as they were.
+        for s in spans {
+            self.cache.truncate(s.slot, s.start)?;
+        }
+        for li in 0..self.blocks.len() {
+            x = self.block_forward(li, spans, &x, rows)?;
+        }
+        let Some((norm, head)) = &self.head else {
+            return Ok(StageOutput::Hidden(x));
+        };
+        let h = self.rmsnorm(&x, norm, rows)?;
+        let vocab = self.config.vocab;
+        let mut logits = be.zeros(rows * vocab, DType::F32)?;
+        be.matmul(&h, head, &mut logits, Gemm::nn(rows, d, vocab))?;
+        Ok(StageOutput::Final {
+            logits: be.to_host(&logits)?,
+            hidden: be.to_host(&h)?,
+        })
+    }
+
+    fn rmsnorm(&self, x: &B::Buf, w: &B::Buf, rows: usize) -> Result<B::Buf> {
+        let be = &self.be;
+        let d = self.config.d_model;
+        let mut y = be.zeros(rows * d, be.storage_dtype())?;
+        let mut rstd = be.zeros(rows, DType::F32)?;
+        be.rmsnorm_fwd(x, w, &mut y, &mut rstd, rows, d, self.config.norm_eps)?;
+        Ok(y)
+    }
+
+    fn linear(
+        &self,
+        x: &B::Buf,
+        w: &B::Buf,
+        rows: usize,
+        din: usize,
+        dout: usize,
+    ) -> Result<B::Buf> {
+        let mut y = self.be.zeros(rows * dout, self.be.storage_dtype())?;
+        self.be.matmul(x, w, &mut y, Gemm::nn(rows, din, dout))?;
+        Ok(y)
+    }
+
+    /// `x + Attn(RMSNorm(x))`, then `h + MLP(RMSNorm(h))`, with the attention of each new
+    /// position over its sequence's cache.
+    fn block_forward(
+        &mut self,
+        li: usize,
+        spans: &[Span],
+        x: &B::Buf,
+        rows: usize,
+    ) -> Result<B::Buf> {
+        let be = self.be.clone();
+        let (d, heads) = (self.config.d_model, self.config.heads);
+        let hd = d / heads;
+        let blk = &self.blocks[li];
+        let a = self.rmsnorm(x, &blk.norm1, rows)?;
+        let qkv = be.to_host(&self.linear(&a, &blk.wqkv, rows, d, 3 * d)?)?;
+        let mut o = vec![0.0f32; rows * d];
+        let scale = 1.0 / (hd as f32).sqrt();
+        let mut r0 = 0;
+        let mut scores = Vec::new();
+        for s in spans {
+            let row = |r: usize, part: usize| &qkv[(r0 + r) * 3 * d + part * d..][..d];
+            let k: Vec<f32> = (0..s.len).flat_map(|r| row(r, 1).iter().copied()).collect();
+            let v: Vec<f32> = (0..s.len).flat_map(|r| row(r, 2).iter().copied()).collect();
+            self.cache.append(s.slot, li, &k, &v)?;
+            let (kc, vc) = self.cache.layer(s.slot, li);
+            for r in 0..s.len {
+                let q = row(r, 0);
+                let visible = s.start + r + 1;
+                let out = &mut o[(r0 + r) * d..][..d];
+                for h in 0..heads {
+                    let qh = &q[h * hd..][..hd];
+                    scores.clear();
+                    scores.extend((0..visible).map(|j| {
+                        let kj = &kc[j * d + h * hd..][..hd];
+                        qh.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * scale
+                    }));
+                    let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    let mut sum = 0.0;
+                    for p in scores.iter_mut() {
+                        *p = (*p - max).exp();
+                        sum += *p;
+                    }
+                    let oh = &mut out[h * hd..][..hd];
+                    for (j, p) in scores.iter().enumerate() {
+                        let w = p / sum;
+                        let vj = &vc[j * d + h * hd..][..hd];
+                        oh.iter_mut().zip(vj).for_each(|(o, v)| *o += w * v);
+                    }
+                }
+            }
+            r0 += s.len;
+        }
+        let blk = &self.blocks[li];
+        let o = be.from_host(&o, be.storage_dtype())?;
+        let y = self.linear(&o, &blk.wo, rows, d, d)?;
+        let mut h = be.zeros(rows * d, be.storage_dtype())?;
+        be.add(x, &y, &mut h)?;
+        let c = self.rmsnorm(&h, &blk.norm2, rows)?;
+        let hidden = self.config.mlp_hidden();
+        let u = self.linear(&c, &blk.w1, rows, d, hidden)?;
+        let mut g = be.zeros(rows * hidden, be.storage_dtype())?;
+        be.activation_fwd(self.activation(), &u, &mut g)?;
+        let z = self.linear(&g, &blk.w2, rows, hidden, d)?;
+        let mut out = be.zeros(rows * d, be.storage_dtype())?;
+        be.add(&h, &z, &mut out)?;
+        Ok(out)
+    }
+
+    fn activation(&self) -> Activation {
+        self.config.activation
+    }
+}
+
+/// Runs `spans` (token ids `ids`, rows in span order) through every stage in turn, on the
+/// calling thread; returns the last stage's `(logits, hidden)`.
+pub fn run_stages<B: Backend>(
+    stages: &mut [InferStage<B>],
+    spans: &[Span],
+    ids: &[u32],
+) -> Result<(Vec<f32>, Vec<f32>)> {
+    let mut input = StageInput::Tokens(ids);
+    for stage in stages.iter_mut() {
+        match stage.forward(spans, input)? {
+            StageOutput::Hidden(h) => input = StageInput::Hidden(h),
+            StageOutput::Final { logits, hidden } => return Ok((logits, hidden)),
+        }
+    }
+    Err(ModelError::Input {
+        stage: stages.len(),
+        mb: 0,
+        reason: "no stage holds the LM head".into(),
+    })
+}

@@ -1,0 +1,203 @@
+//! [`KBandit`]: the adaptive engine's choice of the draft length K, a bucketed
+//! epsilon-greedy bandit.
+//!
+//! The best K depends on how many sequences are live: with a large batch, verification of
+//! K+1 positions per sequence costs real compute and small K (or none) wins; in the long
+//! tail a step costs about the same for any K and long drafts pay. So the live-batch size is
+//! bucketed (powers of two: 1, 2, 3–4, 5–8, …) and each bucket learns on its own. The reward
+//! of one verification step is `accepted tokens × batch / elapsed seconds`; an arm's value
+//! is the median of its last `window` rewards (robust to the noise of a shared machine).
+//! Each choice is logged (tracing at debug level, and in [`KBandit::log`]).
+
+use std::collections::{HashMap, VecDeque};
+
+use serde::Serialize;
+
+use crate::data::rng::SplitMix64;
+
+/// One choice of the bandit, and what it earned once reported.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Choice {
+    /// Live batch size when choosing.
+    pub live: usize,
+    /// The bucket's upper bound (a power of two).
+    pub bucket: usize,
+    pub k: usize,
+    /// Chosen at random (exploration) rather than as the best so far.
+    pub explored: bool,
+    /// Reward of the step (tokens·batch/s), once reported.
+    pub reward: Option<f64>,
+}
+
+/// Bucketed epsilon-greedy over the arms `ks`.
+#[derive(Clone, Debug)]
+pub struct KBandit {
+    ks: Vec<usize>,
+    epsilon: f64,
+    window: usize,
+    rng: SplitMix64,
+    rewards: HashMap<(usize, usize), VecDeque<f64>>,
+    log: Vec<Choice>,
+}
+
+/// The bucket of a live batch size: the smallest power of two at least `live`.
+pub fn bucket(live: usize) -> usize {
+    live.max(1).next_power_of_two()
+}
+
+impl KBandit {
+    /// A bandit over draft lengths `ks` (not empty, each ≥ 1), exploring with probability
+    /// `epsilon` and valuing each arm by the median of its last `window` rewards.
+    pub fn new(ks: Vec<usize>, epsilon: f64, window: usize, seed: u64) -> Self {
+        assert!(
+            !ks.is_empty() && ks.iter().all(|&k| k >= 1),
+            "arms must be K ≥ 1"
+        );
+        KBandit {
+            ks,
+            epsilon,
+            window: window.max(1),
+            rng: SplitMix64::new(seed),
+            rewards: HashMap::new(),
+            log: Vec::new(),
+        }
+    }
+
+    /// Median of the recent rewards of arm `k` in `bucket`.
+    pub fn value(&self, bucket: usize, k: usize) -> Option<f64> {
+        let r = self.rewards.get(&(bucket, k))?;
+        let mut v: Vec<f64> = r.iter().copied().collect();
+        v.sort_by(f64::total_cmp);
+        let n = v.len();
+        (n > 0).then(|| {
+            if n % 2 == 1 {
+                v[n / 2]
+            } else {
+                (v[n / 2 - 1] + v[n / 2]) / 2.0
+            }
+        })
+    }
+
+    /// Chooses K for a step with `live` sequences: an untried arm first, then the best
+    /// median, or with probability epsilon a random arm. Returns the index of the choice
+    /// in the log, to pass to [`KBandit::reward`].
+    pub fn choose(&mut self, live: usize) -> (usize, usize) {
+        let b = bucket(live);
+        let untried = self
+            .ks
+            .iter()
+            .copied()
+            .find(|&k| self.value(b, k).is_none());
+        let (k, explored) = match untried {
+            Some(k) => (k, true),
+            None if self.rng.next_f64() < self.epsilon => {
+                (self.ks[self.rng.below(self.ks.len() as u64) as usize], true)
+            }
+            None => {
+                let best = self
+                    .ks
+                    .iter()
+                    .copied()
+                    .max_by(|&a, &c| {
+                        let (va, vc) = (
+                            self.value(b, a).unwrap_or(0.0),
+                            self.value(b, c).unwrap_or(0.0),
+                        );
+                        va.total_cmp(&vc)
+                    })
+                    .expect("at least one arm");
+                (best, false)
+            }
+        };
+        tracing::debug!(live, bucket = b, k, explored, "speculation: chose K");
+        self.log.push(Choice {
+            live,
+            bucket: b,
+            k,
+            explored,
+            reward: None,
+        });
+        (k, self.log.len() - 1)
+    }
+
+    /// Reports the outcome of choice `id`: `accepted_tokens` accepted per sequence (mean
+    /// over the step's `batch` sequences) in `seconds`; reward = accepted × batch / seconds.
+    pub fn reward(&mut self, id: usize, accepted_tokens: f64, batch: usize, seconds: f64) {
+        let Some(c) = self.log.get_mut(id) else {
+            return;
+        };
+        let reward = accepted_tokens * batch as f64 / seconds.max(1e-9);
+        c.reward = Some(reward);
+        let q = self.rewards.entry((c.bucket, c.k)).or_default();
+        q.push_back(reward);
+        if q.len() > self.window {
+            q.pop_front();
+        }
+    }
+
+    /// Every choice so far, in order.
+    pub fn log(&self) -> &[Choice] {
+        &self.log
+    }
+
+    /// The arms.
+    pub fn arms(&self) -> &[usize] {
+        &self.ks
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_are_powers_of_two() {
+        assert_eq!([1, 2, 3, 4, 5, 8, 9].map(bucket), [1, 2, 4, 4, 8, 8, 16]);
+    }
+
+    #[test]
+    fn tries_every_arm_then_exploits_the_best_median() {
+        let mut b = KBandit::new(vec![1, 2, 4], 0.0, 5, 0);
+        let mut tried = Vec::new();
+        for _ in 0..3 {
+            let (k, id) = b.choose(3);
+            tried.push(k);
+            // K = 2 pays best, with one outlier for K = 4 that the median ignores later.
+            b.reward(id, if k == 2 { 3.0 } else { 1.0 }, 1, 1.0);
+        }
+        tried.sort();
+        assert_eq!(tried, vec![1, 2, 4]);
+        for _ in 0..5 {
+            let (k, id) = b.choose(4);
+            assert_eq!(k, 2, "same bucket as live = 3");
+            b.reward(id, 3.0, 1, 1.0);
+        }
+        // Another bucket learns on its own.
+        let (k, _) = b.choose(16);
+        assert_eq!(k, 1);
+        assert!(b.log().iter().filter(|c| c.explored).count() == 4);
+        assert_eq!(b.value(4, 2), Some(3.0));
+    }
+
+    #[test]
+    fn median_over_the_window() {
+        let mut b = KBandit::new(vec![3], 0.0, 3, 0);
+        for r in [100.0, 1.0, 2.0, 3.0] {
+            let (_, id) = b.choose(1);
+            b.reward(id, r, 1, 1.0);
+        }
+        assert_eq!(b.value(1, 3), Some(2.0), "the 100 fell out of the window");
+    }
+
+    #[test]
+    fn epsilon_explores() {
+        let mut b = KBandit::new(vec![1, 2], 1.0, 3, 9);
+        for _ in 0..40 {
+            let (_, id) = b.choose(2);
+            b.reward(id, 1.0, 1, 1.0);
+        }
+        assert!(b.log().iter().all(|c| c.explored));
+        let ones = b.log().iter().filter(|c| c.k == 1).count();
+        assert!(ones > 5 && ones < 35, "both arms drawn: {ones}");
+    }
+}
