@@ -7,4 +7,11 @@
 //! - `tcp`: the authenticated TCP mesh between ranks, with per-channel inboxes.
 //! - `heartbeat`: dead-peer detection that closes the mesh naming the rank.
 
+pub mod collective;
 pub mod link;
+
+pub mod frame;
+pub mod heartbeat;
+pub mod rendezvous;
+pub mod tcp;
+pub mod tcp_transport;

@@ -1,0 +1,276 @@
+//! Collectives over a [`PeerLink`]: the ring all-reduce that sums the gradients of one
+//! pipeline stage across its data-parallel replicas.
+//!
+//! [`all_reduce_sum`] is the bandwidth-optimal ring (reduce-scatter, then all-gather): the
+//! buffer is cut into one chunk per member; in `n − 1` rounds each member passes one chunk to
+//! its successor, which adds its own values to it, so each chunk ends fully summed on exactly
+//! one member; `n − 1` more rounds pass the summed chunks around. Every member therefore
+//! holds bitwise the same result, whatever the timing: each chunk is summed once, in a fixed
+//! order (starting at the member after its owner and going round the ring). That order is
+//! not rank order, so the sum can differ from a left-to-right sum in the last bits; it is
+//! the same on every replica, which is what keeps replicas' parameters identical.
+//!
+//! Frames are the chunk's `f32` values, little-endian. A collective uses one channel;
+//! collectives of disjoint groups may share it (their (sender, receiver) pairs differ).
+
+use super::link::{Channel, LinkError, PeerLink};
+
+/// Errors of a collective; each names the group or the peer.
+#[derive(Debug, thiserror::Error)]
+pub enum CollectiveError {
+    #[error("rank {rank} is not a member of the group {group:?}")]
+    NotMember { rank: usize, group: Vec<usize> },
+    #[error("rank {rank} appears twice in the group {group:?}")]
+    Duplicate { rank: usize, group: Vec<usize> },
+    #[error(
+        "rank {peer} sent {got} bytes on channel {channel}, expected {expected} (a chunk of {values} f32 values): the members disagree on the buffer's length"
+    )]
+    Length {
+        peer: usize,
+        channel: Channel,
+        expected: usize,
+        got: usize,
+        values: usize,
+    },
+    #[error(transparent)]
+    Link(#[from] LinkError),
+}
+
+/// The `n` chunk ranges of a buffer of `len` values: sizes differ by at most one, the
+/// longer ones first, so every member computes the same cut.
+fn chunk_ranges(len: usize, n: usize) -> Vec<std::ops::Range<usize>> {
+    let (base, extra) = (len / n, len % n);
+    let mut start = 0;
+    (0..n)
+        .map(|i| {
+            let size = base + usize::from(i < extra);
+            let range = start..start + size;
+            start += size;
+            range
+        })
+        .collect()
+}
+
+fn encode(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+/// Receives chunk `range` from `peer` and hands each value to `apply(own, received)`.
+fn recv_chunk(
+    link: &dyn PeerLink,
+    peer: usize,
+    channel: Channel,
+    own: &mut [f32],
+    apply: impl Fn(&mut f32, f32),
+) -> Result<(), CollectiveError> {
+    let frame = link.recv(peer, channel)?;
+    if frame.len() != own.len() * 4 {
+        return Err(CollectiveError::Length {
+            peer,
+            channel,
+            expected: own.len() * 4,
+            got: frame.len(),
+            values: own.len(),
+        });
+    }
+    for (o, bytes) in own.iter_mut().zip(frame.chunks_exact(4)) {
+        apply(
+            o,
+            f32::from_le_bytes(bytes.try_into().expect("chunks of 4")),
+        );
+    }
+    Ok(())
+}
+
+/// Sums `buf` element-wise over the members of `group` (global ranks, in ring order; this
+/// rank must be one of them), leaving the sum in every member's `buf`, bitwise the same on
+/// all. Every member must call it with the same group, channel and buffer length.
+pub fn all_reduce_sum(
+    link: &dyn PeerLink,
+    group: &[usize],
+    channel: Channel,
+    buf: &mut [f32],
+) -> Result<(), CollectiveError> {
+    let me = link.rank();
+    let pos = group
+        .iter()
+        .position(|&r| r == me)
+        .ok_or_else(|| CollectiveError::NotMember {
+            rank: me,
+            group: group.to_vec(),
+        })?;
+    if let Some(&dup) = group
+        .iter()
+        .enumerate()
+        .find_map(|(i, r)| group[..i].contains(r).then_some(r))
+    {
+        return Err(CollectiveError::Duplicate {
+            rank: dup,
+            group: group.to_vec(),
+        });
+    }
+    let n = group.len();
+    if n == 1 {
+        return Ok(());
+    }
+    let next = group[(pos + 1) % n];
+    let prev = group[(pos + n - 1) % n];
+    let chunks = chunk_ranges(buf.len(), n);
+    // Reduce-scatter: in round s this member sends chunk (pos − s) and adds its own values
+    // to chunk (pos − s − 1) received from its predecessor. After n − 1 rounds chunk
+    // (pos + 1) holds the sum over every member.
+    for s in 0..n - 1 {
+        let send = chunks[(pos + n - s) % n].clone();
+        link.send(next, channel, &encode(&buf[send]))?;
+        let recv = chunks[(pos + 2 * n - s - 1) % n].clone();
+        // received + own: the partial sum travels round the ring and each member adds its
+        // own term to its right, a fixed order independent of timing.
+        recv_chunk(link, prev, channel, &mut buf[recv], |o, r| *o += r)?;
+    }
+    // All-gather: pass the summed chunks round; each member overwrites with what it gets.
+    for s in 0..n - 1 {
+        let send = chunks[(pos + 1 + n - s) % n].clone();
+        link.send(next, channel, &encode(&buf[send]))?;
+        let recv = chunks[(pos + n - s) % n].clone();
+        recv_chunk(link, prev, channel, &mut buf[recv], |o, r| *o = r)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::thread;
+
+    use super::*;
+    use crate::comm::link::InProcessLink;
+
+    /// Runs the all-reduce on every member of a group of `n` with inputs `inputs[r]`.
+    fn run(inputs: Vec<Vec<f32>>) -> Vec<Vec<f32>> {
+        let n = inputs.len();
+        let links = InProcessLink::group(n);
+        let group: Vec<usize> = (0..n).collect();
+        let handles: Vec<_> = links
+            .into_iter()
+            .zip(inputs)
+            .map(|(link, mut buf)| {
+                let group = group.clone();
+                thread::spawn(move || {
+                    all_reduce_sum(&link, &group, 5, &mut buf).unwrap();
+                    buf
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    /// Deterministic pseudo-random values in [-1, 1) (a 64-bit LCG).
+    fn values(seed: u64, len: usize) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+        (0..len)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    #[test]
+    fn sums_equal_the_direct_sum_for_1_to_5_members_and_odd_lengths() {
+        for n in 1..=5 {
+            for len in [0, 1, 2, 3, 7, 13, 64, 101] {
+                let inputs: Vec<Vec<f32>> = (0..n)
+                    .map(|r| values(r as u64 * 31 + len as u64, len))
+                    .collect();
+                let direct: Vec<f64> = (0..len)
+                    .map(|i| inputs.iter().map(|v| f64::from(v[i])).sum())
+                    .collect();
+                let out = run(inputs);
+                for (r, got) in out.iter().enumerate() {
+                    assert_eq!(
+                        got, &out[0],
+                        "n={n} len={len}: rank {r} differs from rank 0"
+                    );
+                }
+                for (i, (&g, &d)) in out[0].iter().zip(&direct).enumerate() {
+                    // n f32 additions of values in [-1, 1): error below n ulps of n.
+                    assert!(
+                        (f64::from(g) - d).abs() <= 1e-6 * n as f64,
+                        "n={n} len={len} [{i}]: {g} vs direct {d}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn integer_valued_sums_are_exact() {
+        // Small integers add exactly in f32 in any order, so the ring must equal the direct
+        // sum bit for bit: a misplaced or doubled chunk would show.
+        let n = 4;
+        let len = 11;
+        let inputs: Vec<Vec<f32>> = (0..n)
+            .map(|r| (0..len).map(|i| (r * 100 + i) as f32).collect())
+            .collect();
+        let out = run(inputs);
+        let expected: Vec<f32> = (0..len)
+            .map(|i| (0..n).map(|r| (r * 100 + i) as f32).sum())
+            .collect();
+        for got in out {
+            assert_eq!(got, expected);
+        }
+    }
+
+    #[test]
+    fn a_subgroup_reduces_only_among_its_members() {
+        // World of 4 = 2 replicas × 2 stages; each stage's group is {s, 2 + s}.
+        let links = InProcessLink::group(4);
+        let handles: Vec<_> = links
+            .into_iter()
+            .map(|link| {
+                thread::spawn(move || {
+                    let r = link.rank();
+                    let group = [r % 2, 2 + r % 2];
+                    let mut buf = vec![r as f32; 3];
+                    all_reduce_sum(&link, &group, 1, &mut buf).unwrap();
+                    buf
+                })
+            })
+            .collect();
+        let out: Vec<Vec<f32>> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        assert_eq!(out[0], vec![2.0; 3]);
+        assert_eq!(out[2], vec![2.0; 3]);
+        assert_eq!(out[1], vec![4.0; 3]);
+        assert_eq!(out[3], vec![4.0; 3]);
+    }
+
+    #[test]
+    fn bad_groups_and_mismatched_lengths_are_refused() {
+        let links = InProcessLink::group(3);
+        let mut buf = vec![0.0; 4];
+        assert!(matches!(
+            all_reduce_sum(&links[0], &[1, 2], 0, &mut buf),
+            Err(CollectiveError::NotMember { rank: 0, .. })
+        ));
+        assert!(matches!(
+            all_reduce_sum(&links[0], &[0, 1, 1], 0, &mut buf),
+            Err(CollectiveError::Duplicate { rank: 1, .. })
+        ));
+        // Rank 1 sends a chunk of the wrong length for rank 0's buffer of 4.
+        links[1].send(0, 0, &[0; 12]).unwrap();
+        let err = all_reduce_sum(&links[0], &[0, 1], 0, &mut buf).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                CollectiveError::Length {
+                    peer: 1,
+                    expected: 8,
+                    got: 12,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+    }
+}
