@@ -10,6 +10,9 @@
 //! garbage. Tensors are stored as little-endian `f32` by name: parameters under their
 //! model names (`blocks.3.attn.wq`), optimizer moments under prefixed names
 //! ([`ADAM_M_PREFIX`], [`ADAM_V_PREFIX`]), so standard safetensors tools can read them.
+//!
+//! Pipelined and data-parallel runs write the sharded form instead ([`sharded`]: one shard
+//! per rank and a manifest written last), which reads back into the same [`Checkpoint`].
 
 use std::collections::HashMap;
 use std::fs;
@@ -21,6 +24,8 @@ use serde::{Deserialize, Serialize};
 
 use super::{AdamW, Gpt, GptConfig, ModelError, OptimizerState, SlotState};
 use crate::tensor::Backend;
+
+pub mod sharded;
 
 /// File name of the tensors inside a checkpoint directory.
 pub const TENSOR_FILE: &str = "model.safetensors";

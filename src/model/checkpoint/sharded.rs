@@ -1,0 +1,445 @@
+//! Sharded checkpoints: one safetensors shard per rank and a JSON manifest, for pipelined
+//! and data-parallel runs.
+//!
+//! A sharded checkpoint is a directory holding `rank-NNNNN.safetensors` for every rank of
+//! the job and [`MANIFEST_FILE`]. Each rank's shard holds the parameters of the stages the
+//! plan places on it and their AdamW moments, under the names of the whole-model checkpoint
+//! ([`super::Checkpoint`]); data-parallel replicas hold the same stages, so their shards
+//! carry the same tensors. The manifest is written **last**, through a temporary file and a
+//! rename, once every shard is on disk: it records the step, the layout (world = dp × pp,
+//! the stage → rank map), a fingerprint of the job settings that decide the trajectory, and
+//! every shard's size and FNV-1a hash. A directory without a manifest is a checkpoint that
+//! was never finished and is never picked up ([`latest`]); a shard whose size or hash
+//! differs from the manifest's, or a manifest of another layout or job, is refused with an
+//! error naming the file and the figure.
+//!
+//! In memory a sharded checkpoint is read back into the whole-model [`Checkpoint`], which
+//! both trainers resume from.
+
+use std::collections::HashMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use safetensors::{Dtype, SafeTensors, tensor::TensorView};
+use serde::{Deserialize, Serialize};
+
+use super::{
+    ADAM_M_PREFIX, ADAM_V_PREFIX, Checkpoint, CheckpointError, CheckpointMeta, FORMAT, HostTensor,
+    MASTER_PREFIX, VERSION, read, write_atomic,
+};
+use crate::model::{Cut, GptConfig, ModelChunk};
+use crate::tensor::CpuBackend;
+
+/// File name of the manifest inside a sharded checkpoint directory.
+pub const MANIFEST_FILE: &str = "manifest.json";
+/// The manifest's `format` value.
+pub const SHARDED_FORMAT: &str = "pipefill-sharded-checkpoint";
+/// Name of the sub-directory of a run directory that holds its checkpoints.
+pub const CHECKPOINTS_DIR: &str = "checkpoints";
+
+/// Where the stages of a job live: `dp` replicas of a pipeline of `pp` ranks, global rank
+/// `replica × pp + pipeline rank`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Layout {
+    /// Data-parallel replicas.
+    pub dp: usize,
+    /// Stage → pipeline rank (the plan's placement).
+    pub stage_rank: Vec<usize>,
+}
+
+impl Layout {
+    /// Ranks of one pipeline.
+    pub fn pp(&self) -> usize {
+        self.stage_rank.iter().max().map_or(0, |r| r + 1)
+    }
+
+    /// Ranks of the job.
+    pub fn world(&self) -> usize {
+        self.dp * self.pp()
+    }
+}
+
+/// One shard as the manifest records it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ShardEntry {
+    /// The global rank that wrote it.
+    pub rank: usize,
+    /// File name inside the checkpoint directory.
+    pub file: String,
+    /// Exact size in bytes.
+    pub bytes: u64,
+    /// FNV-1a 64 of the file's bytes, hex.
+    pub hash: String,
+    /// Tensor names, in file order.
+    pub tensors: Vec<String>,
+}
+
+/// The manifest of a sharded checkpoint (see the module docs).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Manifest {
+    /// Always [`SHARDED_FORMAT`].
+    pub format: String,
+    /// [`VERSION`] of the writer.
+    pub version: u32,
+    /// Optimizer steps completed; training resumes at this step index.
+    pub step: u64,
+    pub world: usize,
+    pub layout: Layout,
+    /// Fingerprint of the job settings that decide the trajectory (the caller's choice of
+    /// fields, e.g. [`fingerprint`] of their JSON); a resume must present the same.
+    pub config_hash: String,
+    pub model: GptConfig,
+    /// AdamW's own step counter (bias corrections).
+    pub optimizer_step: u64,
+    /// Seed of the data stream (with `step`, the whole data order state).
+    pub data_seed: u64,
+    #[serde(default)]
+    pub notes: HashMap<String, String>,
+    /// One entry per rank, by rank.
+    pub shards: Vec<ShardEntry>,
+}
+
+/// FNV-1a 64 of `bytes`, as 16 hex digits: a cheap check that a shard is the one written
+/// (not a defence against tampering).
+pub fn fingerprint(bytes: &[u8]) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in bytes {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{h:016x}")
+}
+
+/// The shard file name of global rank `rank`.
+pub fn shard_file(rank: usize) -> String {
+    format!("rank-{rank:05}.safetensors")
+}
+
+/// The directory of the checkpoint of `step` inside run directory `run_dir`.
+pub fn step_dir(run_dir: &Path, step: u64) -> PathBuf {
+    run_dir
+        .join(CHECKPOINTS_DIR)
+        .join(format!("step-{step:08}"))
+}
+
+/// Which stage each parameter of `model` cut into `stages` chunks belongs to.
+pub fn param_stages(
+    model: &GptConfig,
+    stages: usize,
+) -> Result<HashMap<String, usize>, CheckpointError> {
+    let be = CpuBackend::new(1).map_err(crate::model::ModelError::from)?;
+    let cut = Cut::Even(stages);
+    let mut owner = HashMap::new();
+    for s in 0..stages {
+        let chunk = ModelChunk::new(model, be.clone(), &cut, s)?;
+        owner.extend(chunk.param_names().into_iter().map(|n| (n, s)));
+    }
+    Ok(owner)
+}
+
+/// The parameter a checkpoint tensor belongs to: itself, or the one whose moment it is.
+fn param_of(tensor: &str) -> &str {
+    [ADAM_M_PREFIX, ADAM_V_PREFIX, MASTER_PREFIX]
+        .iter()
+        .find_map(|p| tensor.strip_prefix(p))
+        .unwrap_or(tensor)
+}
+
+/// Writes `tensors` as global rank `rank`'s shard in `dir` (atomically) and returns its
+/// manifest entry. In a multi-process job every rank calls this for itself; rank 0 then
+/// writes the manifest from every rank's entry.
+pub fn write_shard(
+    dir: &Path,
+    rank: usize,
+    tensors: &[HostTensor],
+) -> Result<ShardEntry, CheckpointError> {
+    fs::create_dir_all(dir).map_err(|error| CheckpointError::Io {
+        path: dir.to_path_buf(),
+        error,
+    })?;
+    let file = shard_file(rank);
+    let path = dir.join(&file);
+    let bytes: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|t| t.data.iter().flat_map(|x| x.to_le_bytes()).collect())
+        .collect();
+    let views = tensors
+        .iter()
+        .zip(&bytes)
+        .map(|(t, b)| {
+            TensorView::new(Dtype::F32, t.shape.clone(), b)
+                .map(|v| (t.name.clone(), v))
+                .map_err(|e| CheckpointError::Tensor {
+                    path: path.clone(),
+                    name: t.name.clone(),
+                    reason: format!("shape {:?} does not hold its values ({e})", t.shape),
+                })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let info = HashMap::from([("format".to_string(), SHARDED_FORMAT.to_string())]);
+    let data =
+        safetensors::serialize(views, Some(info)).map_err(|e| CheckpointError::BadTensors {
+            path: path.clone(),
+            reason: e.to_string(),
+        })?;
+    write_atomic(&path, &data)?;
+    Ok(ShardEntry {
+        rank,
+        file,
+        bytes: data.len() as u64,
+        hash: fingerprint(&data),
+        tensors: tensors.iter().map(|t| t.name.clone()).collect(),
+    })
+}
+
+impl Manifest {
+    /// Writes the manifest into `dir`, atomically. Call it only once every shard it lists
+    /// is written: its presence is what makes the checkpoint complete.
+    pub fn write(&self, dir: &Path) -> Result<(), CheckpointError> {
+        let json = serde_json::to_vec_pretty(self).expect("a manifest always serializes");
+        write_atomic(&dir.join(MANIFEST_FILE), &json)
+    }
+
+    /// Reads the manifest of the checkpoint in `dir`.
+    pub fn read(dir: &Path) -> Result<Self, CheckpointError> {
+        let path = dir.join(MANIFEST_FILE);
+        if !path.exists() {
+            return Err(CheckpointError::BadMeta {
+                path,
+                reason: "no manifest: the checkpoint is incomplete (a run stopped while \
+                         writing it) or this is not a sharded checkpoint"
+                    .into(),
+            });
+        }
+        let text = read(&path)?;
+        let manifest: Manifest =
+            serde_json::from_slice(&text).map_err(|e| CheckpointError::BadMeta {
+                path: path.clone(),
+                reason: e.to_string(),
+            })?;
+        if manifest.format != SHARDED_FORMAT || manifest.version != VERSION {
+            return Err(CheckpointError::BadMeta {
+                path,
+                reason: format!(
+                    "format {:?} version {}, expected {SHARDED_FORMAT:?} version {VERSION}",
+                    manifest.format, manifest.version
+                ),
+            });
+        }
+        Ok(manifest)
+    }
+
+    /// Refuses a manifest written by another layout or job.
+    pub fn check(&self, layout: &Layout, config_hash: &str) -> Result<(), CheckpointError> {
+        let mismatch = |what: String| Err(CheckpointError::Mismatch(what));
+        if self.world != layout.world() {
+            return mismatch(format!(
+                "it was written by {} ranks (dp {} × pp {}), this run has {} (dp {} × pp {})",
+                self.world,
+                self.layout.dp,
+                self.layout.pp(),
+                layout.world(),
+                layout.dp,
+                layout.pp()
+            ));
+        }
+        if self.layout != *layout {
+            return mismatch(format!(
+                "its stage → rank map is {:?} with dp {}, this run's {:?} with dp {}",
+                self.layout.stage_rank, self.layout.dp, layout.stage_rank, layout.dp
+            ));
+        }
+        if self.config_hash != config_hash {
+            return mismatch(format!(
+                "its job settings (fingerprint {}) differ from this run's ({config_hash})",
+                self.config_hash
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Writes `checkpoint` into `dir` as one shard per rank of `layout` and then the manifest.
+/// `stage_of` maps every parameter name to its stage ([`param_stages`]).
+pub fn save_sharded(
+    dir: &Path,
+    checkpoint: &Checkpoint,
+    layout: &Layout,
+    stage_of: &HashMap<String, usize>,
+    config_hash: &str,
+) -> Result<Manifest, CheckpointError> {
+    let pp = layout.pp();
+    let mut per_rank: Vec<Vec<HostTensor>> = vec![Vec::new(); pp];
+    for t in &checkpoint.tensors {
+        let param = param_of(&t.name);
+        let &stage = stage_of.get(param).ok_or_else(|| {
+            CheckpointError::Mismatch(format!(
+                "tensor `{}` belongs to no stage of the layout (unknown parameter `{param}`)",
+                t.name
+            ))
+        })?;
+        let &rank = layout.stage_rank.get(stage).ok_or_else(|| {
+            CheckpointError::Mismatch(format!(
+                "parameter `{param}` is in stage {stage}, the layout places {} stages",
+                layout.stage_rank.len()
+            ))
+        })?;
+        per_rank[rank].push(t.clone());
+    }
+    let mut shards = Vec::with_capacity(layout.world());
+    for replica in 0..layout.dp {
+        for (r, tensors) in per_rank.iter().enumerate() {
+            shards.push(write_shard(dir, replica * pp + r, tensors)?);
+        }
+    }
+    let meta = &checkpoint.meta;
+    let manifest = Manifest {
+        format: SHARDED_FORMAT.into(),
+        version: VERSION,
+        step: meta.step,
+        world: layout.world(),
+        layout: layout.clone(),
+        config_hash: config_hash.to_string(),
+        model: meta.model.clone(),
+        optimizer_step: meta.optimizer_step,
+        data_seed: meta.data_seed,
+        notes: meta.notes.clone(),
+        shards,
+    };
+    manifest.write(dir)?;
+    Ok(manifest)
+}
+
+/// Reads one shard, checking its size and hash against `entry`.
+fn read_shard(dir: &Path, entry: &ShardEntry) -> Result<Vec<HostTensor>, CheckpointError> {
+    let path = dir.join(&entry.file);
+    let data = read(&path)?;
+    if data.len() as u64 != entry.bytes {
+        return Err(CheckpointError::Size {
+            path,
+            expected: entry.bytes,
+            got: data.len() as u64,
+        });
+    }
+    let hash = fingerprint(&data);
+    if hash != entry.hash {
+        return Err(CheckpointError::BadTensors {
+            path,
+            reason: format!(
+                "corrupted: its hash is {hash}, the manifest says {}",
+                entry.hash
+            ),
+        });
+    }
+    let st = SafeTensors::deserialize(&data).map_err(|e| CheckpointError::BadTensors {
+        path: path.clone(),
+        reason: e.to_string(),
+    })?;
+    entry
+        .tensors
+        .iter()
+        .map(|name| {
+            let err = |reason: String| CheckpointError::Tensor {
+                path: path.clone(),
+                name: name.clone(),
+                reason,
+            };
+            let view = st.tensor(name).map_err(|e| err(e.to_string()))?;
+            if view.dtype() != Dtype::F32 {
+                return Err(err(format!("dtype {:?}, expected F32", view.dtype())));
+            }
+            Ok(HostTensor {
+                name: name.clone(),
+                shape: view.shape().to_vec(),
+                data: view
+                    .data()
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect(),
+            })
+        })
+        .collect()
+}
+
+/// Reads the sharded checkpoint in `dir` back into a whole-model [`Checkpoint`], after
+/// checking the manifest against this run's `layout` and `config_hash` and every shard
+/// against the manifest. Replicas' shards are all verified; the first replica's tensors
+/// are used (the replicas hold bitwise the same state).
+pub fn load_sharded(
+    dir: &Path,
+    layout: &Layout,
+    config_hash: &str,
+) -> Result<Checkpoint, CheckpointError> {
+    let manifest = Manifest::read(dir)?;
+    manifest.check(layout, config_hash)?;
+    let ranks: Vec<usize> = manifest.shards.iter().map(|s| s.rank).collect();
+    if ranks != (0..manifest.world).collect::<Vec<_>>() {
+        return Err(CheckpointError::BadMeta {
+            path: dir.join(MANIFEST_FILE),
+            reason: format!(
+                "lists shards of ranks {ranks:?}, expected one per rank 0..{}",
+                manifest.world
+            ),
+        });
+    }
+    let pp = layout.pp();
+    let mut tensors = Vec::new();
+    for entry in &manifest.shards {
+        let shard = read_shard(dir, entry)?;
+        if entry.rank < pp {
+            tensors.extend(shard);
+        }
+    }
+    Ok(Checkpoint {
+        meta: CheckpointMeta {
+            format: FORMAT.into(),
+            version: VERSION,
+            step: manifest.step,
+            model: manifest.model,
+            optimizer_step: manifest.optimizer_step,
+            data_seed: manifest.data_seed,
+            notes: manifest.notes,
+            tensor_bytes: 0,
+            tensors: tensors.iter().map(|t| t.name.clone()).collect(),
+        },
+        tensors,
+    })
+}
+
+/// The newest complete checkpoint of run directory `run_dir` (the highest step whose
+/// directory has a manifest), or `None`. Directories without a manifest are skipped: they
+/// are checkpoints a run never finished writing.
+pub fn latest(run_dir: &Path) -> Result<Option<PathBuf>, CheckpointError> {
+    let root = run_dir.join(CHECKPOINTS_DIR);
+    let entries = match fs::read_dir(&root) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(error) => return Err(CheckpointError::Io { path: root, error }),
+    };
+    let mut best: Option<(u64, PathBuf)> = None;
+    for entry in entries {
+        let entry = entry.map_err(|error| CheckpointError::Io {
+            path: root.clone(),
+            error,
+        })?;
+        let name = entry.file_name();
+        let Some(step) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("step-"))
+            .and_then(|s| s.parse::<u64>().ok())
+        else {
+            continue;
+        };
+        let path = entry.path();
+        if path.join(MANIFEST_FILE).is_file() && best.as_ref().is_none_or(|(s, _)| step > *s) {
+            best = Some((step, path));
+        }
+    }
+    Ok(best.map(|(_, p)| p))
+}
+
+#[cfg(test)]
+#[path = "sharded_tests.rs"]
+mod tests;
