@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::data::DataConfig;
 use crate::model::GptConfig;
+use crate::model::drafter::DrafterConfig;
 use crate::rl::config::RlConfig;
 use crate::train::TrainConfig;
 
@@ -52,6 +53,17 @@ pub enum Clock {
     Wall,
 }
 
+/// What a pipelined job runs in its bubbles (see `actors/src/router.rs`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Filler {
+    /// Train the `[drafter]` on the last stage's hidden states, in the bubbles it fits.
+    #[default]
+    Drafter,
+    /// Leave the bubbles idle.
+    None,
+}
+
 /// A whole job: model shape, data, training hyper-parameters and how to run them.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -64,6 +76,8 @@ pub struct JobConfig {
     pub stages: usize,
     /// How stage timelines are timed.
     pub clock: Clock,
+    /// Filler work in the pipeline's bubbles: `"drafter"` or `"none"`.
+    pub filler: Filler,
     /// Where checkpoints and metrics go; `runs/<start time>` when absent.
     pub out_dir: Option<PathBuf>,
     pub model: GptConfig,
@@ -72,6 +86,8 @@ pub struct JobConfig {
     /// `pipefill rl`: GRPO rollouts and updates (checked by `pipefill rl` only, so a
     /// training job's small `seq_len` never trips over RL defaults).
     pub rl: RlConfig,
+    /// The drafter trained in the bubbles (`filler = "drafter"`).
+    pub drafter: DrafterConfig,
 }
 
 impl Default for JobConfig {
@@ -80,11 +96,13 @@ impl Default for JobConfig {
             schedule: "zb-h1".into(),
             stages: 4,
             clock: Clock::default(),
+            filler: Filler::default(),
             out_dir: None,
             model: GptConfig::default(),
             data: DataConfig::default(),
             train: TrainConfig::default(),
             rl: RlConfig::default(),
+            drafter: DrafterConfig::default(),
         }
     }
 }
@@ -167,6 +185,14 @@ impl JobConfig {
                 "data.families",
                 "at least one family is needed".into(),
             ));
+        }
+        if self.filler == Filler::Drafter {
+            self.drafter.validate().map_err(|e| match e {
+                crate::model::drafter::DrafterError::Config { field, reason } => {
+                    invalid(field, reason)
+                }
+                other => invalid("drafter", other.to_string()),
+            })?;
         }
         if self.stages == 0 {
             return Err(invalid("stages", "must be at least 1".into()));
