@@ -17,6 +17,7 @@ pub use pipefill_schedules as schedules;
 pub mod comm;
 pub mod config;
 pub mod data;
+pub mod launch;
 pub mod model;
 pub mod pipeline;
 pub mod profile;

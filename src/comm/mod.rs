@@ -9,3 +9,9 @@
 
 pub mod collective;
 pub mod link;
+
+pub mod frame;
+pub mod heartbeat;
+pub mod rendezvous;
+pub mod tcp;
+pub mod tcp_transport;

@@ -1,0 +1,171 @@
+use std::io::Write;
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::*;
+
+/// The meshes of `world` ranks on loopback, built on threads as separate processes would.
+fn meshes(world: usize, opts: &MeshOptions) -> Vec<TcpMesh> {
+    let listeners: Vec<TcpListener> = (0..world)
+        .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
+    let handles: Vec<_> = listeners
+        .into_iter()
+        .enumerate()
+        .map(|(rank, l)| {
+            let (addrs, opts) = (addrs.clone(), opts.clone());
+            std::thread::spawn(move || TcpMesh::connect(rank, l, &addrs, &opts).unwrap())
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+#[test]
+fn frames_flow_between_every_pair_in_order_per_channel() {
+    let m = meshes(3, &MeshOptions::new("tok"));
+    m[0].send(2, 7, b"a").unwrap();
+    m[0].send(2, 9, b"x").unwrap();
+    m[0].send(2, 7, b"b").unwrap();
+    m[1].send(2, 7, b"c").unwrap();
+    m[2].send(0, 1, b"back").unwrap();
+    assert_eq!(m[2].recv(0, 9).unwrap(), b"x");
+    assert_eq!(m[2].recv(1, 7).unwrap(), b"c");
+    assert_eq!(m[2].recv(0, 7).unwrap(), b"a");
+    assert_eq!(m[2].recv(0, 7).unwrap(), b"b");
+    assert_eq!(m[0].recv(2, 1).unwrap(), b"back");
+    assert!(matches!(
+        m[0].send(0, 1, b""),
+        Err(LinkError::ToSelf {
+            rank: 0,
+            channel: 1
+        })
+    ));
+}
+
+#[test]
+fn a_goodbye_ends_receives_from_that_peer_without_failing_the_mesh() {
+    let m = meshes(2, &MeshOptions::new("tok"));
+    m[1].send(0, 3, b"last").unwrap();
+    m[1].close().unwrap();
+    assert_eq!(m[0].recv(1, 3).unwrap(), b"last");
+    assert!(matches!(
+        m[0].recv(1, 3),
+        Err(LinkError::Closed {
+            peer: 1,
+            channel: 3
+        })
+    ));
+    assert_eq!(m[0].failure(), None);
+}
+
+#[test]
+fn a_peer_that_dies_fails_the_mesh_naming_it() {
+    let m = meshes(3, &MeshOptions::new("tok"));
+    let start = Instant::now();
+    // Shuts rank 2's sockets without a goodbye, as a killed process's kernel does.
+    m[2].abort("test kill".into());
+    let err = m[0].recv(1, 0).unwrap_err();
+    assert!(err.to_string().contains("rank 2 died"), "{err}");
+    while m[1].failure().is_none() {
+        assert!(start.elapsed() < Duration::from_secs(2));
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(m[1].failure().unwrap().contains("rank 2 died"));
+    assert!(start.elapsed() < Duration::from_secs(2));
+}
+
+#[test]
+fn a_silent_peer_is_declared_dead_after_the_silence_window() {
+    let mut opts = MeshOptions::new("tok");
+    opts.beat = Duration::from_secs(3600);
+    opts.silence = Duration::from_millis(300);
+    let m = meshes(2, &opts);
+    let start = Instant::now();
+    // Both ranks are silent: the first to notice fails its mesh (closing its sockets), so
+    // the other sees the connection end instead. One of them must name the silence.
+    assert!(m[0].recv(1, 0).is_err());
+    while m[1].failure().is_none() {
+        assert!(start.elapsed() < Duration::from_secs(3));
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let failures = [m[0].failure().unwrap(), m[1].failure().unwrap()];
+    assert!(
+        failures
+            .iter()
+            .any(|f| f.contains("no heartbeat for 300ms")),
+        "{failures:?}"
+    );
+}
+
+#[test]
+fn heartbeats_keep_an_idle_mesh_alive() {
+    let mut opts = MeshOptions::new("tok");
+    opts.beat = Duration::from_millis(50);
+    opts.silence = Duration::from_millis(400);
+    let m = meshes(2, &opts);
+    std::thread::sleep(Duration::from_millis(1000));
+    assert_eq!(m[0].failure(), None);
+    assert_eq!(m[1].failure(), None);
+}
+
+#[test]
+fn a_wrong_token_is_refused_before_anything_else_is_read() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let mut opts = MeshOptions::new("right");
+    opts.connect_timeout = Duration::from_millis(1500);
+    let peers = vec![addr, "127.0.0.1:9".parse().unwrap()];
+    let server = std::thread::spawn(move || TcpMesh::connect(0, listener, &peers, &opts));
+    // An intruder with the wrong token, then one sending an oversized length prefix.
+    let mut wrong = TcpStream::connect(addr).unwrap();
+    let hello = Hello {
+        token: "wrong".into(),
+        rank: 1,
+        world: 2,
+    };
+    frame::send_msg(&mut wrong, &hello, HANDSHAKE_CAP).unwrap();
+    let mut huge = TcpStream::connect(addr).unwrap();
+    huge.write_all(&u32::MAX.to_le_bytes()).unwrap();
+    // Both connections are closed without an answer.
+    let _ = wrong.set_read_timeout(Some(Duration::from_secs(5)));
+    assert!(matches!(
+        frame::read_frame(&mut wrong, HANDSHAKE_CAP),
+        Err(FrameError::Eof) | Err(FrameError::Io(_))
+    ));
+    let err = server.join().unwrap().err().unwrap();
+    assert!(
+        err.to_string().contains("ranks [1] did not connect"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_sink_receives_its_channel_and_is_closed_on_failure() {
+    use std::sync::Mutex;
+    #[derive(Default)]
+    struct Rec(Mutex<(Vec<Vec<u8>>, bool)>);
+    impl Sink for Rec {
+        fn deliver(&self, _from: usize, bytes: Vec<u8>) -> Result<(), String> {
+            self.0.lock().unwrap().0.push(bytes);
+            Ok(())
+        }
+        fn close(&self) {
+            self.0.lock().unwrap().1 = true;
+        }
+    }
+    let m = meshes(2, &MeshOptions::new("tok"));
+    let rec = Arc::new(Rec::default());
+    m[0].register(5, Arc::clone(&rec) as Arc<dyn Sink>);
+    m[1].send(0, 5, b"s").unwrap();
+    m[1].send(0, 6, b"q").unwrap();
+    assert_eq!(m[0].recv(1, 6).unwrap(), b"q");
+    assert_eq!(rec.0.lock().unwrap().0, vec![b"s".to_vec()]);
+    m[1].abort("test kill".into());
+    let t = Instant::now();
+    while !rec.0.lock().unwrap().1 {
+        assert!(t.elapsed() < Duration::from_secs(2), "sink not closed");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
