@@ -1,0 +1,158 @@
+//! Resume is bit-identical: a pipelined run of 3 steps, saved as a sharded checkpoint (one
+//! shard per rank, manifest last), read back and continued for 3 steps, ends bitwise where
+//! an uninterrupted 6-step run ends — parameters, AdamW moments and step counter, and the
+//! losses of steps 3..6 (the data order). A checkpoint of another job is refused.
+
+use std::path::Path;
+
+use pipefill::config::JobConfig;
+use pipefill::data::DataConfig;
+use pipefill::model::GptConfig;
+use pipefill::model::checkpoint::Checkpoint;
+use pipefill::model::checkpoint::sharded::{
+    Layout, job_fingerprint, latest, load_sharded, param_stages, save_sharded, step_dir,
+};
+use pipefill::pipeline::{PipelineRun, PipelineTrainer};
+use pipefill::train::TrainConfig;
+
+const STEPS: u64 = 6;
+
+fn job() -> JobConfig {
+    JobConfig {
+        schedule: "1f1b".into(),
+        stages: 2,
+        model: GptConfig {
+            d_model: 16,
+            heads: 2,
+            layers: 4,
+            seq_len: 16,
+            mlp_ratio: 2,
+            ..GptConfig::default()
+        },
+        data: DataConfig {
+            summary_tasks: 1,
+            ..DataConfig::default()
+        },
+        train: TrainConfig {
+            steps: STEPS,
+            micro_batches: 4,
+            micro_batch_size: 2,
+            lr: 1e-2,
+            warmup: 1,
+            // Small enough that some steps clip: the clipped path is resumed too.
+            clip: 0.8,
+            threads: 1,
+            eval_tasks: 0,
+            ..TrainConfig::default()
+        },
+        ..JobConfig::default()
+    }
+}
+
+fn layout(trainer: &PipelineTrainer) -> Layout {
+    Layout {
+        dp: 1,
+        stage_rank: trainer.plan().stage_rank.clone(),
+    }
+}
+
+/// Saves `run`'s final state under `run_dir` in the sharded form.
+fn save(run_dir: &Path, trainer: &PipelineTrainer, run: &PipelineRun) {
+    let job = trainer.job();
+    let stages = param_stages(&job.model, trainer.plan().stages).unwrap();
+    let dir = step_dir(run_dir, run.next_step());
+    let manifest = save_sharded(
+        &dir,
+        &run.checkpoint().unwrap(),
+        &layout(trainer),
+        &stages,
+        &job_fingerprint(job),
+    )
+    .unwrap();
+    assert_eq!(manifest.shards.len(), 2, "one shard per rank");
+}
+
+fn bits(c: &Checkpoint) -> Vec<(String, Vec<usize>, Vec<u32>)> {
+    let mut t: Vec<_> = c
+        .tensors
+        .iter()
+        .map(|t| {
+            let b = t.data.iter().map(|x| x.to_bits()).collect();
+            (t.name.clone(), t.shape.clone(), b)
+        })
+        .collect();
+    t.sort_by(|a, b| a.0.cmp(&b.0));
+    t
+}
+
+#[test]
+fn three_steps_resume_three_steps_equals_six_bit_for_bit() {
+    let job = job();
+    let trainer = PipelineTrainer::from_job(&job).unwrap();
+    let whole = trainer.run(STEPS, |_| {}).unwrap();
+
+    let run_dir = tempfile::tempdir().unwrap();
+    let first = trainer.run(3, |_| {}).unwrap();
+    save(run_dir.path(), &trainer, &first);
+    let dir = latest(run_dir.path())
+        .unwrap()
+        .expect("a complete checkpoint");
+    let back = load_sharded(&dir, &layout(&trainer), &job_fingerprint(&job)).unwrap();
+    assert_eq!(back.meta.step, 3);
+    let rest = trainer.clone().resume(&back).run(3, |_| {}).unwrap();
+
+    assert_eq!(rest.next_step(), STEPS);
+    let (a, b) = (whole.checkpoint().unwrap(), rest.checkpoint().unwrap());
+    assert!(
+        a.tensors.iter().any(|t| t.name.starts_with("optim.m.")),
+        "the comparison covers AdamW moments"
+    );
+    assert_eq!(a.meta.optimizer_step, b.meta.optimizer_step);
+    assert!(
+        bits(&a) == bits(&b),
+        "parameters or moments differ after resume"
+    );
+    // Same data in the same order: the losses of the resumed steps are the same bits.
+    let losses = |r: &PipelineRun, from: u64| -> Vec<(u64, u32)> {
+        r.steps
+            .iter()
+            .filter(|m| m.step >= from)
+            .map(|m| (m.step, m.loss.to_bits()))
+            .collect()
+    };
+    assert_eq!(losses(&rest, 3), losses(&whole, 3));
+    // The state did move: the checkpoint is not the initial model.
+    let init = trainer.run(1, |_| {}).unwrap().checkpoint().unwrap();
+    assert!(bits(&init) != bits(&back));
+}
+
+#[test]
+fn a_checkpoint_of_another_job_or_layout_is_refused() {
+    let job = job();
+    let trainer = PipelineTrainer::from_job(&job).unwrap();
+    let run_dir = tempfile::tempdir().unwrap();
+    let first = trainer.run(1, |_| {}).unwrap();
+    save(run_dir.path(), &trainer, &first);
+    let dir = latest(run_dir.path()).unwrap().unwrap();
+
+    let mut other = job.clone();
+    other.train.lr = 2e-2;
+    let err = load_sharded(&dir, &layout(&trainer), &job_fingerprint(&other))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("job settings"), "{err}");
+
+    // Going further (more steps) is the same job: allowed.
+    let mut longer = job.clone();
+    longer.train.steps = 2 * STEPS;
+    assert_eq!(job_fingerprint(&longer), job_fingerprint(&job));
+
+    let four = Layout {
+        dp: 2,
+        ..layout(&trainer)
+    };
+    let err = load_sharded(&dir, &four, &job_fingerprint(&job))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("written by 2 ranks"), "{err}");
+}
