@@ -9,7 +9,9 @@
 //! - [`cost`]: the `--cost` specification.
 //! - [`report`]: `simulate` and `compare`, as text tables or JSON.
 //! - [`export`]: `export` to SVG, Chrome/Perfetto trace, CSV or TOML.
+//! - [`auto`]: `auto`, the auto-scheduler's plan next to every built-in.
 
+mod auto;
 mod cost;
 mod export;
 mod report;
@@ -41,7 +43,8 @@ Examples:
   pipefill schedule compare --stages 4 --microbatches 16 --cost f=1,i=1,w=1,comm=0.1
   pipefill schedule simulate zb-v -p 4 -m 8 --cost f=1:1:1:1:1:1:1:1.5 --json
   pipefill schedule validate examples/schedules/zb1p_2x2.toml --memory-limit 4
-  pipefill schedule export zb-h2 -p 4 -m 8 --format chrome -o trace.json  (ui.perfetto.dev)")]
+  pipefill schedule export zb-h2 -p 4 -m 8 --format chrome -o trace.json  (ui.perfetto.dev)
+  pipefill schedule auto -p 4 -m 12 --cost f=1,i=1.07,w=0.93,comm=0.05 --memory-limit 8")]
 pub struct ScheduleArgs {
     #[command(subcommand)]
     command: ScheduleCommand,
@@ -61,6 +64,9 @@ enum ScheduleCommand {
     Compare(report::CompareArgs),
     /// Write a schedule's timeline as SVG or a Chrome/Perfetto trace, or the plan as CSV/TOML.
     Export(export::ExportArgs),
+    /// The plan with the least steady bubble under a cost model and a memory limit (greedy
+    /// list scheduling plus search), next to every built-in schedule's figures.
+    Auto(auto::AutoArgs),
 }
 
 /// Output forms of `show`.
@@ -134,6 +140,7 @@ pub fn run(args: ScheduleArgs) -> Result<()> {
         ScheduleCommand::Simulate(a) => report::simulate_cmd(a),
         ScheduleCommand::Compare(a) => report::compare_cmd(a),
         ScheduleCommand::Export(a) => export::export_cmd(a),
+        ScheduleCommand::Auto(a) => auto::auto_cmd(a),
     };
     result.map_err(one_line)
 }

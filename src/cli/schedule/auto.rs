@@ -1,0 +1,172 @@
+//! `pipefill schedule auto`: the auto-scheduler's plan for a pipeline shape, a cost model and
+//! a memory limit, next to every built-in schedule's figures (or, with `--json`, the same
+//! object `schedule simulate --json` prints, for the auto plan).
+//!
+//! As in `compare`, `--cost` is one rank's share of the model: a plan with `v` stages per
+//! rank runs each at `1/v` of it and stashes `1/v` of the activations (per-stage lists are
+//! taken as given), so every row is the same model on the same ranks.
+
+use anyhow::{Result, bail};
+use clap::ValueEnum;
+use pipefill::profile::fmt_num;
+use pipefill_schedules::{
+    Origin, Placement, Plan, ScheduleError, ScheduleKind, Timeline, auto_plan, generate, simulate,
+};
+use serde_json::json;
+
+use super::cost::CostSpec;
+use super::report::timeline_json;
+use super::source::describe_shape;
+use super::{CostArgs, check_memory, emit};
+
+/// Where the auto plan's stages live (`--placement`).
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum PlacementArg {
+    /// Rank r holds stages r·v .. (r+1)·v.
+    Contiguous,
+    /// Stage s lives on rank s mod p (interleaved 1F1B's).
+    Looped,
+    /// Two stages per rank, r and 2p − 1 − r (ZB-V's).
+    VShape,
+}
+
+#[derive(clap::Args)]
+pub(crate) struct AutoArgs {
+    /// Pipeline ranks (devices), P.
+    #[arg(short = 'p', long, visible_alias = "ranks", value_name = "P")]
+    stages: usize,
+    /// Micro-batches per iteration, M.
+    #[arg(short = 'm', long, value_name = "M")]
+    microbatches: usize,
+    /// Stages (model chunks) per rank of the auto plan, V.
+    #[arg(long, value_name = "V", default_value_t = 1)]
+    chunks: usize,
+    /// Placement of the auto plan's stages [default: contiguous for V = 1, v-shape for
+    /// V = 2, looped otherwise].
+    #[arg(long, value_enum)]
+    placement: Option<PlacementArg>,
+    /// `--cost` is one rank's share of the model (see `compare`); `--memory-limit` bounds
+    /// every rank's peak activation memory (none: unlimited).
+    #[command(flatten)]
+    cost: CostArgs,
+    /// Print the auto plan's figures as `schedule simulate --json` does.
+    #[arg(long)]
+    json: bool,
+}
+
+pub(crate) fn auto_cmd(args: AutoArgs) -> Result<()> {
+    let spec = args.cost.spec()?;
+    let (p, m, v) = (args.stages, args.microbatches, args.chunks);
+    if p == 0 || m == 0 || v == 0 {
+        bail!("--stages, --microbatches and --chunks must be at least 1");
+    }
+    let placement = match args.placement {
+        Some(PlacementArg::Contiguous) => Placement::Contiguous,
+        Some(PlacementArg::Looped) => Placement::Looped,
+        Some(PlacementArg::VShape) => Placement::VShape,
+        None if v == 1 => Placement::Contiguous,
+        None if v == 2 => Placement::VShape,
+        None => Placement::Looped,
+    };
+    let limit = args.cost.memory_limit.unwrap_or(f64::INFINITY);
+    // The shape only carries the stage count the cost lists are checked against.
+    let shape = Plan::new(p, p * v, m, placement.clone());
+    let auto_spec = spec.per_chunk(v);
+    let cost = auto_spec.model(&shape)?;
+    let found = auto_plan(&cost, p, m, v, placement, limit)?;
+    let plan = &found.plan;
+    if args.json {
+        let mut j = timeline_json(&found.timeline);
+        j["schedule"] = json!("auto");
+        j["num_ranks"] = json!(plan.num_ranks());
+        j["stages"] = json!(plan.stages);
+        j["microbatches"] = json!(plan.microbatches);
+        j["placement"] = json!(plan.placement.name());
+        j["cost"] = json!(auto_spec.describe());
+        return emit(&(serde_json::to_string_pretty(&j)? + "\n"));
+    }
+
+    let limit_text = match args.cost.memory_limit {
+        Some(l) => fmt_num(l, 3),
+        None => "none".into(),
+    };
+    let origin = match found.origin {
+        Origin::Greedy => "the greedy list scheduler".to_string(),
+        Origin::Search => "the search over the greedy plans".to_string(),
+        Origin::Builtin(kind) => format!("{kind} (nothing built beat it)"),
+    };
+    let mut out = format!(
+        "auto: {}\ncost {} (one rank's share), memory limit {limit_text}\n\
+         found by {origin}, {} plans simulated\n\n",
+        describe_shape(plan),
+        spec.describe(),
+        found.evaluated,
+    );
+    for (r, list) in plan.ranks.iter().enumerate() {
+        let actions: Vec<String> = list.iter().flatten().map(|a| a.to_string()).collect();
+        out.push_str(&format!("rank {r}: {}\n", actions.join(" ")));
+    }
+    out.push_str(&format!(
+        "\nbubble: iterations separated by a barrier; steady: consecutive iterations overlapped\n\n\
+         {:<17} {:>2}  {:>9}  {:>7}  {:>7}  {:>8}\n",
+        "schedule", "v", "makespan", "bubble", "steady", "peak mem"
+    ));
+    out.push_str(&row("auto", v, Ok(&found.timeline), None));
+    for kind in ScheduleKind::ALL {
+        let chunks = if kind.default_chunks() > 1 && v > 1 {
+            v
+        } else {
+            kind.default_chunks()
+        };
+        let outcome = builtin_timeline(kind, p, m, chunks, &spec);
+        let over = outcome
+            .as_ref()
+            .ok()
+            .and_then(|t| check_memory(t, args.cost.memory_limit).err());
+        out.push_str(&row(kind.name(), chunks, outcome.as_ref(), over));
+    }
+    emit(&out)
+}
+
+/// Built-in `kind`'s simulated timeline under its share of `spec`, or why there is none.
+fn builtin_timeline(
+    kind: ScheduleKind,
+    p: usize,
+    m: usize,
+    chunks: usize,
+    spec: &CostSpec,
+) -> Result<Timeline, String> {
+    let plan = generate(kind, p, m, chunks).map_err(|e| match e {
+        ScheduleError::Unsupported { reason, .. } => format!("unsupported: {reason}"),
+        e => format!("error: {e}"),
+    })?;
+    let cost = spec
+        .per_chunk(chunks)
+        .model(&plan)
+        .map_err(|e| format!("error: {e}"))?;
+    simulate(&plan, &cost).map_err(|e| format!("error: {e}"))
+}
+
+/// One line of the table: the figures, or the reason there are none.
+fn row(
+    name: &str,
+    chunks: usize,
+    outcome: Result<&Timeline, &String>,
+    over: Option<ScheduleError>,
+) -> String {
+    let mut line = match outcome {
+        Ok(t) => format!(
+            "{name:<17} {chunks:>2}  {:>9}  {:>7.4}  {:>7.4}  {:>8}",
+            fmt_num(t.makespan, 3),
+            t.bubble_ratio,
+            t.steady_bubble_ratio,
+            fmt_num(t.ranks.iter().map(|r| r.peak_memory).fold(0.0, f64::max), 3)
+        ),
+        Err(reason) => format!("{name:<17} {chunks:>2}  {reason}"),
+    };
+    if let Some(e) = over {
+        line.push_str(&format!("  over --memory-limit: {e}"));
+    }
+    line.push('\n');
+    line
+}
