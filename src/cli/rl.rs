@@ -1,0 +1,220 @@
+//! `pipefill rl [CONFIG.toml] [--set key=value ...] [--init RUN_DIR] [--steps N]`: GRPO on
+//! the job's tasks (the `[rl]` section), each step a rollout batch then one pipelined
+//! update with the job's schedule ([`pipefill::rl::trainer`]).
+//!
+//! The policy starts from a `pipefill train` run (`--init RUN_DIR`: its checkpoint, and its
+//! `[model]` and data seed, which the checkpoint was trained with) or, without one, from
+//! `rl.warmup_steps` supervised pipelined steps on the same tasks. Two progress bars follow
+//! the rollouts (mean reward) and the updates (loss, gradient norm, bubble ratio); the run
+//! directory gets `job.toml`, `metrics.jsonl` (one line per RL step, see
+//! [`RlStepMetrics`]) and the final `checkpoint/`.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context, bail};
+use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
+
+use pipefill::config::JobConfig;
+use pipefill::model::checkpoint::Checkpoint;
+use pipefill::rl::trainer::{RlStepMetrics, RlTrainer, RolloutEngine, warm_up};
+use pipefill::rl::trainer_rollout::PlainSampler;
+
+#[derive(clap::Args)]
+pub struct RlArgs {
+    /// Job file (TOML). Without one, the embedded default job (examples/default.toml).
+    config: Option<PathBuf>,
+    /// Override one field of the job, e.g. `--set rl.group=8` (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    set: Vec<String>,
+    /// Start from this `pipefill train` run directory (its checkpoint/ and job.toml)
+    /// instead of a supervised warm-up.
+    #[arg(long, value_name = "RUN_DIR")]
+    init: Option<PathBuf>,
+    /// Number of RL steps (overrides rl.steps).
+    #[arg(long)]
+    steps: Option<u64>,
+    /// Output directory (overrides out_dir).
+    #[arg(long, value_name = "DIR")]
+    out_dir: Option<PathBuf>,
+}
+
+pub fn run(args: RlArgs) -> anyhow::Result<()> {
+    let mut sets = args.set.clone();
+    if let Some(steps) = args.steps {
+        sets.push(format!("rl.steps={steps}"));
+    }
+    if let Some(dir) = &args.out_dir {
+        let dir = dir.display().to_string();
+        sets.push(format!("out_dir={}", toml::Value::String(dir)));
+    }
+    let mut job = match &args.config {
+        Some(path) => JobConfig::load(path, &sets)?,
+        None => JobConfig::embedded(&sets)?,
+    };
+    let checkpoint = match &args.init {
+        Some(dir) => init_from(&mut job, dir)?,
+        None => None,
+    };
+    job.rl.validate(job.model.seq_len)?;
+    if job.schedule.trim().eq_ignore_ascii_case("none") {
+        bail!("schedule \"none\": the RL update runs as a pipelined step; name a schedule");
+    }
+    let rl = job.rl.clone();
+    println!(
+        "model: {} params ({} layers, d_model {}, seq {}); update: schedule {} on {} ranks, \
+         {} sequences ({} prompts × group {}) per step, one micro-batch each",
+        job.model.param_count(),
+        job.model.layers,
+        job.model.d_model,
+        job.model.seq_len,
+        job.schedule.trim(),
+        job.stages,
+        rl.sequences(),
+        rl.prompts,
+        rl.group
+    );
+    let checkpoint = match checkpoint {
+        Some(c) => c,
+        None => supervised_warm_up(&job)?,
+    };
+
+    let out_dir = job.out_dir.clone().unwrap_or_else(|| {
+        let secs = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        Path::new("runs").join(format!("rl-{secs}"))
+    });
+    std::fs::create_dir_all(&out_dir)
+        .with_context(|| format!("cannot create output directory {}", out_dir.display()))?;
+    std::fs::write(out_dir.join("job.toml"), job.to_toml())
+        .with_context(|| format!("cannot write {}/job.toml", out_dir.display()))?;
+    let metrics_path = out_dir.join("metrics.jsonl");
+    let mut metrics = BufWriter::new(
+        File::create(&metrics_path)
+            .with_context(|| format!("cannot create {}", metrics_path.display()))?,
+    );
+
+    let mut engine = PlainSampler {
+        temperature: rl.temperature,
+        seed: rl.seed,
+    };
+    if rl.speculation {
+        println!("rollouts: plain sampling (speculative rollouts are not wired in yet)");
+    }
+    let mut trainer = RlTrainer::new(&job, checkpoint)?;
+    let bars = MultiProgress::new();
+    let rollout_bar = bars.add(bar(rl.steps, "rollout"));
+    let update_bar = bars.add(bar(rl.steps, "update "));
+    let started = Instant::now();
+    let mut history: Vec<RlStepMetrics> = Vec::new();
+    for _ in 0..rl.steps {
+        let m = trainer
+            .run_step(&mut engine as &mut dyn RolloutEngine, |reward| {
+                rollout_bar.set_message(format!("reward {reward:.3}"));
+                rollout_bar.inc(1);
+            })
+            .with_context(|| format!("rl step {}", trainer.step()))?;
+        update_bar.set_message(format!(
+            "loss {:+.4} | grad norm {:.3} | bubble {}",
+            m.surrogate_loss,
+            m.grad_norm,
+            m.bubble_ratio
+                .map_or("-".into(), |b| format!("{:.1}%", 100.0 * b))
+        ));
+        update_bar.inc(1);
+        if rollout_bar.is_hidden() {
+            println!(
+                "step {:>4}/{} reward {:.3} | rollout {:.2} s ({:.0} tok/s, {:.0}% of the step) \
+                 | update {:.2} s, grad norm {:.3}",
+                m.step + 1,
+                rl.steps,
+                m.reward,
+                m.rollout_seconds,
+                m.tokens_per_s,
+                100.0 * m.rollout_share,
+                m.update_seconds,
+                m.grad_norm
+            );
+        }
+        serde_json::to_writer(&mut metrics, &m)?;
+        writeln!(metrics)?;
+        metrics.flush().context("cannot write metrics.jsonl")?;
+        history.push(m);
+    }
+    rollout_bar.finish();
+    update_bar.finish();
+
+    let checkpoint_dir = out_dir.join("checkpoint");
+    let mut checkpoint = trainer.checkpoint().clone();
+    checkpoint
+        .meta
+        .notes
+        .insert("job.toml".into(), job.to_toml());
+    checkpoint.save(&checkpoint_dir)?;
+    let window = history.len().clamp(1, 5);
+    let mean = |ms: &[RlStepMetrics]| ms.iter().map(|m| m.reward).sum::<f64>() / ms.len() as f64;
+    let rollout: f64 = history.iter().map(|m| m.rollout_seconds).sum();
+    let total = started.elapsed().as_secs_f64();
+    println!(
+        "done: {} RL steps in {total:.1} s (rollouts {:.0}%); reward {:.3} → {:.3} (mean of \
+         first/last {window} steps); run directory {} (metrics.jsonl, checkpoint/)",
+        history.len(),
+        100.0 * rollout / total.max(1e-9),
+        mean(&history[..window]),
+        mean(&history[history.len() - window..]),
+        out_dir.display()
+    );
+    Ok(())
+}
+
+/// The checkpoint of the `pipefill train` run in `dir`, adopting its `[model]` and data
+/// seed (the checkpoint holds that model, trained on that stream).
+fn init_from(job: &mut JobConfig, dir: &Path) -> anyhow::Result<Option<Checkpoint>> {
+    let job_path = dir.join("job.toml");
+    let init = JobConfig::load(&job_path, &[])
+        .with_context(|| format!("--init {}: not a pipefill train run", dir.display()))?;
+    if init.model != job.model || init.train.seed != job.train.seed {
+        println!(
+            "--init {}: using its [model] and train.seed (the checkpoint's)",
+            dir.display()
+        );
+        job.model = init.model;
+        job.train.seed = init.train.seed;
+    }
+    let checkpoint = Checkpoint::load(&dir.join("checkpoint"))
+        .with_context(|| format!("--init {}", dir.display()))?;
+    println!(
+        "policy: {} at step {}",
+        dir.join("checkpoint").display(),
+        checkpoint.meta.step
+    );
+    Ok(Some(checkpoint))
+}
+
+/// `rl.warmup_steps` supervised pipelined steps, with a progress bar.
+fn supervised_warm_up(job: &JobConfig) -> anyhow::Result<Checkpoint> {
+    let steps = job.rl.warmup_steps;
+    if steps == 0 {
+        bail!("rl.warmup_steps is 0 and no --init run is given: the policy would be untrained");
+    }
+    println!("warm-up: {steps} supervised steps on the job's tasks (no --init run)");
+    let warm = bar(steps, "warm-up");
+    let checkpoint = warm_up(job, |m| {
+        warm.set_message(format!("loss {:.4}", m.loss));
+        warm.inc(1);
+    })?;
+    warm.finish();
+    Ok(checkpoint)
+}
+
+fn bar(len: u64, what: &str) -> ProgressBar {
+    let bar = ProgressBar::new(len);
+    bar.set_style(
+        ProgressStyle::with_template(&format!("{what} {{bar:30}} {{pos}}/{{len}} {{msg}}"))
+            .expect("valid template"),
+    );
+    bar
+}

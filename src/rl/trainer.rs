@@ -1,0 +1,385 @@
+//! The RL loop of `pipefill rl`: GRPO steps, each a rollout batch then one pipelined update.
+//!
+//! One step:
+//! 1. **Prompts**: `rl.prompts` tasks of the job's families from a stream seeded by
+//!    `(rl.seed, step)`, keeping those whose prompt leaves room for `rl.max_new_tokens`.
+//! 2. **Rollout**: `rl.group` completions per prompt from the current policy through a
+//!    [`RolloutEngine`] (the plain KV-cache sampler, or speculative decoding, which is
+//!    lossless: the samples are distributed the same either way).
+//! 3. **Rewards** by exact answer match ([`super::reward`]), **advantages** normalised per
+//!    group ([`super::grpo::group_advantages`]).
+//! 4. **Update**: one optimizer step of the pipeline with the job's schedule, through
+//!    [`PipelineTrainer::feed`]: one micro-batch per sequence, prompt targets ignored, loss
+//!    scale `A_i / n` ([`super::grpo::update_scales`]). With one on-policy update per
+//!    rollout batch the policy ratio is 1, so this is the clipped GRPO objective's gradient
+//!    exactly (see [`super::grpo`]). The run resumes from the previous step's checkpoint,
+//!    so optimizer moments carry over.
+//!
+//! The learning rate decays by cosine from `rl.lr` to `rl.lr / 10` over the RL steps (the
+//! update job's warm-up is the step RL starts at, so its schedule starts at the peak).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use serde::Serialize;
+
+use super::config::RlConfig;
+use super::grpo::{GrpoError, group_advantages, update_scales};
+use super::reward::{completion_tokens, reward_of_tokens};
+use crate::config::{ConfigError, JobConfig};
+use crate::data::{DataError, MicroBatch, SplitMix64, Task, TaskGenerator, Tokenizer, tokenizer};
+use crate::model::checkpoint::Checkpoint;
+use crate::model::{AdamW, Cut, Gpt, ModelError};
+use crate::pipeline::feed::{StepBatches, StepFeed};
+use crate::pipeline::{PipelineError, PipelineTrainer, StepMetrics};
+use crate::tensor::{CpuBackend, IGNORE_TARGET};
+use crate::train::reference::adamw_config;
+
+/// What can go wrong in an RL run.
+#[derive(Debug, thiserror::Error)]
+pub enum RlError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("rl update: {0}")]
+    Pipeline(#[from] PipelineError),
+    #[error("grpo: {0}")]
+    Grpo(#[from] GrpoError),
+    #[error(transparent)]
+    Data(#[from] DataError),
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(transparent)]
+    Checkpoint(#[from] crate::model::checkpoint::CheckpointError),
+    /// The task stream has too few prompts short enough for the token budget.
+    #[error(
+        "step {step}: only {found} of {wanted} prompts fit model.seq_len = {seq_len} with \
+         rl.max_new_tokens = {max_new} (lower rl.max_new_tokens or data.max_size)"
+    )]
+    NoPrompts {
+        step: u64,
+        found: usize,
+        wanted: usize,
+        seq_len: usize,
+        max_new: usize,
+    },
+    /// A rollout engine returned something the update cannot use.
+    #[error("rollout: {0}")]
+    Rollout(String),
+}
+
+/// One sampled sequence: `BOS` and the prompt's tokens, then the generated tokens (ending
+/// in `EOS` unless the token budget cut it off).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rollout {
+    pub prompt: Vec<u32>,
+    pub generated: Vec<u32>,
+}
+
+/// A rollout batch and how it was produced.
+#[derive(Debug, Clone, Default)]
+pub struct RolloutBatch {
+    /// `group` rollouts of every prompt, group after group.
+    pub rollouts: Vec<Rollout>,
+    /// Live sequences (still generating) after each decode iteration: the long tail.
+    pub live_batch: Vec<usize>,
+    /// Mean accepted draft tokens per verification + 1 (speculation only).
+    pub acceptance_length: Option<f64>,
+    /// Mean draft length the engine chose (speculation only).
+    pub chosen_k: Option<f64>,
+    /// Share of drafted tokens the target accepted (speculation only).
+    pub drafter_agreement: Option<f64>,
+}
+
+/// Generates the rollouts of a step.
+pub trait RolloutEngine {
+    /// `group` completions of each of `prompts` (each `BOS` + prompt tokens) under
+    /// `policy`, at most `max_new` tokens each; `step` seeds the sampling.
+    fn generate(
+        &mut self,
+        policy: &Gpt<CpuBackend>,
+        prompts: &[Vec<u32>],
+        group: usize,
+        max_new: usize,
+        step: u64,
+    ) -> Result<RolloutBatch, RlError>;
+
+    /// Whether the engine decodes speculatively.
+    fn speculative(&self) -> bool;
+}
+
+/// One line of the RL run's `metrics.jsonl`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RlStepMetrics {
+    /// 0-based RL step.
+    pub step: u64,
+    /// Mean reward of the step's rollouts (the share answered correctly).
+    pub reward: f64,
+    /// Groups whose rewards differ (the only ones with a gradient).
+    pub informative_groups: usize,
+    pub sequences: usize,
+    /// Generated tokens (up to and with `EOS`).
+    pub generated_tokens: usize,
+    pub rollout_seconds: f64,
+    pub update_seconds: f64,
+    /// Rollout time / (rollout + update) time.
+    pub rollout_share: f64,
+    /// Generated tokens per second of rollout.
+    pub tokens_per_s: f64,
+    /// Whether the rollouts decoded speculatively.
+    pub speculation: bool,
+    /// `tokens_per_s` when speculating (else null).
+    pub tokens_per_s_sd: Option<f64>,
+    /// `tokens_per_s` when not speculating (else null).
+    pub tokens_per_s_plain: Option<f64>,
+    /// Live sequences after each decode iteration.
+    pub live_batch: Vec<usize>,
+    pub acceptance_length: Option<f64>,
+    pub chosen_k: Option<f64>,
+    pub drafter_agreement: Option<f64>,
+    /// The update's surrogate loss `Σ (A_i/n)·NLL_i` (its gradient is GRPO's).
+    pub surrogate_loss: f32,
+    pub grad_norm: f32,
+    pub lr: f32,
+    /// The update's measured bubble ratio.
+    pub bubble_ratio: Option<f64>,
+}
+
+/// The `count` prompts of RL step `step`: tasks of the job's families, seeded by
+/// `(rl.seed, step)`, whose `BOS` + prompt leaves `rl.max_new_tokens` in `model.seq_len`.
+pub fn step_prompts(job: &JobConfig, step: u64) -> Result<Vec<Task>, RlError> {
+    let (rl, seq_len) = (&job.rl, job.model.seq_len);
+    let generator = TaskGenerator::new(
+        &job.data.families,
+        job.data.size_scale,
+        job.data.max_size,
+        SplitMix64::derive(rl.seed ^ 0x5eed_0f_a11_u64, step),
+    )?;
+    // Short prompts are the common case; the bound only guards a budget nothing fits.
+    let tasks: Vec<Task> = generator
+        .take(1000 * rl.prompts)
+        .filter(|t| 1 + t.prompt.chars().count() + rl.max_new_tokens <= seq_len)
+        .take(rl.prompts)
+        .collect();
+    if tasks.len() < rl.prompts {
+        return Err(RlError::NoPrompts {
+            step,
+            found: tasks.len(),
+            wanted: rl.prompts,
+            seq_len,
+            max_new: rl.max_new_tokens,
+        });
+    }
+    Ok(tasks)
+}
+
+/// The update's step: one micro-batch per rollout (inputs = the sequence without its last
+/// token, targets = the next tokens with the prompt's ignored) and loss scale `A_i / n`.
+pub fn update_batches(rollouts: &[Rollout], advantages: &[f32]) -> Result<StepBatches, RlError> {
+    if rollouts.len() != advantages.len() {
+        return Err(GrpoError::Count {
+            advantages: advantages.len(),
+            sequences: rollouts.len(),
+        }
+        .into());
+    }
+    let mut batches = Vec::with_capacity(rollouts.len());
+    for (i, r) in rollouts.iter().enumerate() {
+        if r.prompt.is_empty() || r.generated.is_empty() {
+            return Err(RlError::Rollout(format!(
+                "sequence {i} has {} prompt and {} generated tokens (each needs one)",
+                r.prompt.len(),
+                r.generated.len()
+            )));
+        }
+        let ids: Vec<u32> = r.prompt.iter().chain(&r.generated).copied().collect();
+        let len = ids.len() - 1;
+        let targets = (0..len)
+            .map(|t| {
+                if t + 1 < r.prompt.len() {
+                    IGNORE_TARGET
+                } else {
+                    ids[t + 1]
+                }
+            })
+            .collect();
+        batches.push(MicroBatch {
+            rows: 1,
+            seq_len: len,
+            inputs: ids[..len].to_vec(),
+            targets,
+        });
+    }
+    Ok(StepBatches {
+        batches,
+        scales: update_scales(advantages),
+    })
+}
+
+/// Runs `job.rl.warmup_steps` supervised steps of the job's pipeline on the job's tasks
+/// (the model's initial weights), calling `on_step` after each; returns the checkpoint.
+pub fn warm_up(job: &JobConfig, on_step: impl FnMut(&StepMetrics)) -> Result<Checkpoint, RlError> {
+    let mut sft = job.clone();
+    sft.train.steps = job.rl.warmup_steps;
+    sft.train.warmup = sft.train.warmup.min(sft.train.steps / 2);
+    let run = PipelineTrainer::from_job(&sft)?.run(sft.train.steps, on_step)?;
+    Ok(run.checkpoint()?)
+}
+
+/// The RL loop's state: the job, the policy's checkpoint and model, the next RL step.
+pub struct RlTrainer {
+    job: JobConfig,
+    /// The optimizer step RL started at (the checkpoint's step at the start).
+    first_update: u64,
+    checkpoint: Checkpoint,
+    policy: Gpt<CpuBackend>,
+    step: u64,
+    tokenizer: Tokenizer,
+}
+
+impl RlTrainer {
+    /// RL from `checkpoint` (a `pipefill train` run's, or [`warm_up`]'s); the job's model
+    /// and data seed must be the checkpoint's.
+    pub fn new(job: &JobConfig, checkpoint: Checkpoint) -> Result<Self, RlError> {
+        job.validate()?;
+        job.rl.validate(job.model.seq_len)?;
+        let policy = restore(job, &checkpoint)?;
+        Ok(RlTrainer {
+            job: job.clone(),
+            first_update: checkpoint.meta.step,
+            checkpoint,
+            policy,
+            step: 0,
+            tokenizer: Tokenizer::new(),
+        })
+    }
+
+    pub fn checkpoint(&self) -> &Checkpoint {
+        &self.checkpoint
+    }
+
+    pub fn policy(&self) -> &Gpt<CpuBackend> {
+        &self.policy
+    }
+
+    /// The next RL step (= steps done).
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// The pipeline job of the update: one sequence per micro-batch, the RL learning rate.
+    fn update_job(&self) -> JobConfig {
+        let rl: &RlConfig = &self.job.rl;
+        let mut job = self.job.clone();
+        job.train.micro_batches = rl.sequences();
+        job.train.micro_batch_size = 1;
+        job.train.lr = rl.lr;
+        job.train.warmup = self.first_update;
+        job.train.steps = self.first_update + rl.steps;
+        job
+    }
+
+    /// One GRPO step with rollouts from `engine`. `on_rollout` is called between the
+    /// rollout and the update with the step's mean reward.
+    pub fn run_step(
+        &mut self,
+        engine: &mut dyn RolloutEngine,
+        mut on_rollout: impl FnMut(f64),
+    ) -> Result<RlStepMetrics, RlError> {
+        let rl = self.job.rl.clone();
+        let step = self.step;
+        let tasks = step_prompts(&self.job, step)?;
+        let prompts = tasks
+            .iter()
+            .map(|t| {
+                let mut ids = vec![tokenizer::BOS];
+                self.tokenizer.encode_into(&t.prompt, &mut ids)?;
+                Ok(ids)
+            })
+            .collect::<Result<Vec<_>, DataError>>()?;
+        let started = Instant::now();
+        let batch = engine.generate(&self.policy, &prompts, rl.group, rl.max_new_tokens, step)?;
+        let rollout_seconds = started.elapsed().as_secs_f64();
+        if batch.rollouts.len() != rl.sequences() {
+            return Err(RlError::Rollout(format!(
+                "{} rollouts for {} prompts × group {}",
+                batch.rollouts.len(),
+                tasks.len(),
+                rl.group
+            )));
+        }
+        let rewards = batch
+            .rollouts
+            .iter()
+            .enumerate()
+            .map(|(i, r)| reward_of_tokens(&tasks[i / rl.group], &self.tokenizer, &r.generated))
+            .collect::<Result<Vec<f32>, _>>()?;
+        let reward = rewards.iter().map(|&r| f64::from(r)).sum::<f64>() / rewards.len() as f64;
+        on_rollout(reward);
+        let advantages = group_advantages(&rewards, rl.group)?;
+        let informative_groups = advantages
+            .chunks(rl.group)
+            .filter(|g| g.iter().any(|&a| a != 0.0))
+            .count();
+        // Tokens the policy produced: up to and with EOS.
+        let generated_tokens = batch
+            .rollouts
+            .iter()
+            .map(|r| (completion_tokens(&r.generated).len() + 1).min(r.generated.len()))
+            .sum();
+
+        let started = Instant::now();
+        let first = self.checkpoint.meta.step;
+        let feed = Arc::new(StepFeed::given([(
+            first,
+            update_batches(&batch.rollouts, &advantages)?,
+        )]));
+        let trainer = PipelineTrainer::from_job(&self.update_job())?
+            .resume(&self.checkpoint)
+            .feed(feed);
+        let run = trainer.run(1, |_| {})?;
+        self.checkpoint = run.checkpoint()?;
+        self.policy = run.model()?;
+        let update_seconds = started.elapsed().as_secs_f64();
+        let m = run
+            .steps
+            .first()
+            .cloned()
+            .ok_or(PipelineError::NoFinalState)?;
+        let bubble_ratio = run.timelines().next().map(|t| t.bubble_ratio);
+        self.step += 1;
+
+        let tokens_per_s = generated_tokens as f64 / rollout_seconds.max(1e-9);
+        let speculation = engine.speculative();
+        Ok(RlStepMetrics {
+            step,
+            reward,
+            informative_groups,
+            sequences: rewards.len(),
+            generated_tokens,
+            rollout_seconds,
+            update_seconds,
+            rollout_share: rollout_seconds / (rollout_seconds + update_seconds).max(1e-9),
+            tokens_per_s,
+            speculation,
+            tokens_per_s_sd: speculation.then_some(tokens_per_s),
+            tokens_per_s_plain: (!speculation).then_some(tokens_per_s),
+            live_batch: batch.live_batch,
+            acceptance_length: batch.acceptance_length,
+            chosen_k: batch.chosen_k,
+            drafter_agreement: batch.drafter_agreement,
+            surrogate_loss: m.loss,
+            grad_norm: m.grad_norm,
+            lr: m.lr,
+            bubble_ratio,
+        })
+    }
+}
+
+/// The whole model of `checkpoint` on a single-threaded CPU backend.
+fn restore(job: &JobConfig, checkpoint: &Checkpoint) -> Result<Gpt<CpuBackend>, RlError> {
+    let be = CpuBackend::new(1).map_err(ModelError::from)?;
+    let mut gpt = Gpt::new(&job.model, be, &Cut::Even(1))?;
+    let mut optimizer = AdamW::new(adamw_config(&job.train));
+    checkpoint.restore(&mut gpt, &mut optimizer, job.train.seed)?;
+    Ok(gpt)
+}

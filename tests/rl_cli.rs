@@ -1,0 +1,151 @@
+//! `pipefill rl` through the binary: a tiny GRPO run from a supervised warm-up and one
+//! from a `pipefill train` run (`--init`), their run directories, and the errors a user
+//! meets. A tiny model keeps each run to a few seconds.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+const EXE: &str = env!("CARGO_BIN_EXE_pipefill");
+
+/// A model and RL step small enough that a few steps take a second or two.
+const TINY: &[&str] = &[
+    "model.d_model=16",
+    "model.heads=2",
+    "model.layers=4",
+    "model.seq_len=40",
+    "stages=2",
+    "data.max_size=3",
+    "data.summary_tasks=50",
+    "train.micro_batch_size=2",
+    "train.eval_tasks=2",
+    "rl.prompts=2",
+    "rl.group=3",
+    "rl.max_new_tokens=12",
+    "rl.warmup_steps=3",
+];
+
+fn pipefill(sub: &str, args: &[&str], out: &Path) -> Output {
+    let mut cmd = Command::new(EXE);
+    cmd.arg(sub).args(args);
+    for s in TINY {
+        cmd.args(["--set", s]);
+    }
+    cmd.arg("--out-dir").arg(out).output().unwrap()
+}
+
+fn text(out: &Output) -> String {
+    format!(
+        "stdout:\n{}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// A failed command's stderr: exactly one line, returned for further checks.
+fn one_line_error(out: &Output) -> String {
+    assert!(!out.status.success(), "expected a failure: {}", text(out));
+    let stderr = String::from_utf8_lossy(&out.stderr).trim().to_string();
+    assert_eq!(stderr.lines().count(), 1, "not one line: {stderr}");
+    assert!(stderr.starts_with("error: "), "{stderr}");
+    stderr
+}
+
+/// metrics.jsonl's lines, each checked for every per-step field.
+fn metrics(dir: &Path) -> Vec<Value> {
+    let text = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
+    let lines: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    for (i, m) in lines.iter().enumerate() {
+        for field in [
+            "reward",
+            "rollout_share",
+            "live_batch",
+            "acceptance_length",
+            "chosen_k",
+            "drafter_agreement",
+            "tokens_per_s",
+            "tokens_per_s_sd",
+            "tokens_per_s_plain",
+            "grad_norm",
+            "bubble_ratio",
+        ] {
+            assert!(m.get(field).is_some(), "line {i} lacks {field}: {m}");
+        }
+        assert_eq!(m["step"], i as u64);
+        assert_eq!(m["sequences"], 6);
+        let reward = m["reward"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&reward), "{m}");
+        let share = m["rollout_share"].as_f64().unwrap();
+        assert!(share > 0.0 && share < 1.0, "{m}");
+        let live: Vec<u64> = serde_json::from_value(m["live_batch"].clone()).unwrap();
+        assert!(live.windows(2).all(|w| w[0] >= w[1]), "{m}");
+        assert_eq!(live.last(), Some(&0), "{m}");
+        assert!(m["tokens_per_s"].as_f64().unwrap() > 0.0, "{m}");
+    }
+    lines
+}
+
+#[test]
+fn rl_from_a_warm_up_writes_metrics_and_a_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = pipefill("rl", &["--steps", "2"], dir.path());
+    assert!(out.status.success(), "{}", text(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("warm-up: 3 supervised steps"), "{stdout}");
+    assert!(stdout.contains("done: 2 RL steps"), "{stdout}");
+    assert_eq!(metrics(dir.path()).len(), 2);
+    assert!(dir.path().join("checkpoint/checkpoint.json").is_file());
+    assert!(dir.path().join("job.toml").is_file());
+}
+
+#[test]
+fn rl_from_a_train_run_starts_at_its_checkpoint() {
+    let train_dir = tempfile::tempdir().unwrap();
+    let out = pipefill("train", &["--steps", "2"], train_dir.path());
+    assert!(out.status.success(), "{}", text(&out));
+    let dir = tempfile::tempdir().unwrap();
+    let init = train_dir.path().to_str().unwrap();
+    // A different model on the command line: --init's model wins, and says so.
+    let out = pipefill(
+        "rl",
+        &["--init", init, "--steps", "1", "--set", "model.d_model=32"],
+        dir.path(),
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("at step 2"), "{stdout}");
+    assert!(stdout.contains("using its [model]"), "{stdout}");
+    assert!(!stdout.contains("warm-up"), "{stdout}");
+    assert_eq!(metrics(dir.path()).len(), 1);
+}
+
+#[test]
+fn bad_rl_settings_are_one_line_errors_naming_the_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let err = one_line_error(&pipefill("rl", &["--set", "rl.group=1"], dir.path()));
+    assert!(
+        err.contains("`rl.group`") && err.contains("at least 2"),
+        "{err}"
+    );
+    let err = one_line_error(&pipefill("rl", &["--set", "rl.kl_coef=0.1"], dir.path()));
+    assert!(err.contains("`rl.kl_coef`"), "{err}");
+    let err = one_line_error(&pipefill(
+        "rl",
+        &["--set", "rl.max_new_tokens=40"],
+        dir.path(),
+    ));
+    assert!(err.contains("`rl.max_new_tokens`"), "{err}");
+    let err = one_line_error(&pipefill("rl", &["--set", "rl.bogus=1"], dir.path()));
+    assert!(err.contains("bogus"), "{err}");
+    let missing = dir.path().join("no-such-run");
+    let err = one_line_error(&pipefill(
+        "rl",
+        &["--init", missing.to_str().unwrap()],
+        dir.path(),
+    ));
+    assert!(err.contains("no-such-run"), "{err}");
+}
