@@ -14,6 +14,13 @@
 //!
 //! [`Pipeline::on_iteration`] registers a listener that receives each iteration's measured
 //! profile while the job runs (for live figures), not only in the final report.
+//!
+//! A multi-process job runs [`Pipeline::run_local`] in every process: only the ranks of
+//! this process get stage actors, the others are reached through the transport. Every
+//! process builds the same fixed plan and dispatches its iterations itself (payloads are
+//! tagged by iteration, so no cross-process coordination is needed beyond the payloads and
+//! the gradient statistics). The report then holds this process's ranks only: its
+//! timelines show the other ranks idle, and its step reports list the local ranks.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -21,8 +28,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::Sender;
 use std::time::{Duration, Instant};
 
+use kameo::Actor;
 use kameo::actor::{ActorRef, Spawn};
+use kameo::error::Infallible;
 use kameo::mailbox;
+use kameo::message::{Context, Message};
 use pipefill_schedules::{CostModel, Plan, Timeline};
 use tokio::sync::mpsc::unbounded_channel;
 
@@ -32,7 +42,7 @@ use crate::error::{Result, RuntimeError};
 use crate::filler::{BubbleFiller, NoFiller};
 use crate::profiler::{Collect, IterationProfile, Profiler};
 use crate::schedule::{Attach, Dispatch, Measurements, PlanSource, ScheduleActor};
-use crate::stage::{Settle, StageActor, StageEvent, StageWiring};
+use crate::stage::{RunIteration, Settle, StageActor, StageEvent, StageWiring};
 use crate::step::{GradStats, RankStep, StepDecision, StepMode, StepPolicy, StepReport};
 use crate::transport::{InProcess, Transport};
 
@@ -75,6 +85,21 @@ impl RunReport {
         );
         out
     }
+}
+
+/// Runs `job` on a new multi-thread tokio runtime; refused inside a tokio runtime (that
+/// would block one of its workers).
+fn block_on(job: impl Future<Output = Result<RunReport>>) -> Result<RunReport> {
+    if tokio::runtime::Handle::try_current().is_ok() {
+        return Err(RuntimeError::Config(
+            "run_blocking called inside a tokio runtime: await Pipeline::run instead".into(),
+        ));
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| RuntimeError::Actor(format!("cannot start the tokio runtime: {e}")))?;
+    rt.block_on(job)
 }
 
 /// A job: where plans come from, which clock, how many iterations.
@@ -189,23 +214,45 @@ impl Pipeline {
     /// Runs the job from synchronous code (a CLI): starts a multi-thread tokio runtime for
     /// the actors and blocks until the job ends. Fails when called inside a tokio runtime.
     pub fn run_blocking<C: StageCompute>(self, computes: Vec<C>) -> Result<RunReport> {
-        if tokio::runtime::Handle::try_current().is_ok() {
-            return Err(RuntimeError::Config(
-                "run_blocking called inside a tokio runtime: await Pipeline::run instead".into(),
-            ));
-        }
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .enable_all()
-            .build()
-            .map_err(|e| RuntimeError::Actor(format!("cannot start the tokio runtime: {e}")))?;
-        rt.block_on(self.run(computes))
+        block_on(self.run(computes))
+    }
+
+    /// [`Pipeline::run_local`] from synchronous code (one process of a multi-process job),
+    /// as [`Pipeline::run_blocking`] does for a whole job.
+    pub fn run_local_blocking<C: StageCompute>(
+        self,
+        local: Vec<(usize, C)>,
+        transport: Arc<dyn Transport<C::Tensor>>,
+    ) -> Result<RunReport> {
+        block_on(self.run_local(local, transport))
     }
 
     /// Runs the job with one compute per rank over `transport`. Needs a multi-thread tokio
     /// runtime (stage actors own OS threads that block on it).
     pub async fn run_with<C: StageCompute>(
-        mut self,
+        self,
         computes: Vec<C>,
+        transport: Arc<dyn Transport<C::Tensor>>,
+    ) -> Result<RunReport> {
+        let ranks = computes.len();
+        if ranks == 0 || transport.ranks() != ranks {
+            return Err(RuntimeError::Config(format!(
+                "{ranks} computes for a transport of {} ranks: one compute per rank is needed",
+                transport.ranks()
+            )));
+        }
+        self.run_local(computes.into_iter().enumerate().collect(), transport)
+            .await
+    }
+
+    /// Runs the ranks of this process, `(rank, compute)` pairs, in a job whose other ranks
+    /// run in other processes, reached through `transport` (which spans every rank; so must
+    /// the statistics transport). The plan must be fixed (a re-planner would see only local
+    /// measurements and could build different plans in different processes). Bubble
+    /// fillers, when given, are one per local rank, in the order of `local`.
+    pub async fn run_local<C: StageCompute>(
+        mut self,
+        local: Vec<(usize, C)>,
         transport: Arc<dyn Transport<C::Tensor>>,
     ) -> Result<RunReport> {
         let multi_thread = tokio::runtime::Handle::try_current()
@@ -217,17 +264,29 @@ impl Pipeline {
                     .into(),
             ));
         }
-        let ranks = computes.len();
-        if ranks == 0 || transport.ranks() != ranks {
+        let ranks = transport.ranks();
+        let mut local_ranks: Vec<usize> = local.iter().map(|(r, _)| *r).collect();
+        local_ranks.sort_unstable();
+        local_ranks.dedup();
+        if local.is_empty()
+            || local_ranks.len() != local.len()
+            || local_ranks[local.len() - 1] >= ranks
+        {
             return Err(RuntimeError::Config(format!(
-                "{ranks} computes for a transport of {} ranks: one compute per rank is needed",
-                transport.ranks()
+                "local ranks {:?} for a transport of {ranks} ranks: each must be distinct and below {ranks}",
+                local.iter().map(|(r, _)| *r).collect::<Vec<_>>()
             )));
         }
-        if !self.fillers.is_empty() && self.fillers.len() != ranks {
+        if local.len() < ranks && matches!(self.source, PlanSource::Replan(_)) {
+            return Err(RuntimeError::Config(
+                "a job split over processes needs a fixed plan, not a re-planner".into(),
+            ));
+        }
+        if !self.fillers.is_empty() && self.fillers.len() != local.len() {
             return Err(RuntimeError::Config(format!(
-                "{} bubble fillers for {ranks} ranks",
-                self.fillers.len()
+                "{} bubble fillers for {} ranks",
+                self.fillers.len(),
+                local.len()
             )));
         }
         if let Some(max) = self
@@ -277,9 +336,8 @@ impl Pipeline {
         let (events_tx, mut events) = unbounded_channel();
         let abort = Arc::new(AtomicBool::new(false));
         let epoch = Instant::now();
-        let stages: Vec<ActorRef<StageActor<C>>> = computes
+        let stages: Vec<(usize, ActorRef<StageActor<C>>)> = local
             .into_iter()
-            .enumerate()
             .map(|(rank, compute)| {
                 let wiring = StageWiring {
                     rank,
@@ -293,16 +351,21 @@ impl Pipeline {
                     events: events_tx.clone(),
                     abort: Arc::clone(&abort),
                 };
-                StageActor::spawn_in_thread_with_mailbox(
+                let stage = StageActor::spawn_in_thread_with_mailbox(
                     StageActor::new(compute, wiring),
                     mailbox::unbounded(),
-                )
+                );
+                (rank, stage)
             })
             .collect();
+        let remote = (local_ranks.len() < ranks)
+            .then(|| RemoteRank::spawn_with_mailbox(RemoteRank, mailbox::unbounded()));
         let job = Job {
             schedule,
             profiler,
             stages,
+            remote,
+            ranks,
             transport,
             stats,
             abort,
@@ -310,7 +373,6 @@ impl Pipeline {
         let outcome = job
             .drive(
                 &mut events,
-                ranks,
                 self.iterations,
                 self.in_flight,
                 self.stall_timeout,
@@ -329,7 +391,12 @@ impl Pipeline {
 struct Job<C: StageCompute> {
     schedule: ActorRef<ScheduleActor>,
     profiler: ActorRef<Profiler>,
-    stages: Vec<ActorRef<StageActor<C>>>,
+    /// The stage actors of this process's ranks, `(rank, actor)`.
+    stages: Vec<(usize, ActorRef<StageActor<C>>)>,
+    /// Stands in for the ranks of other processes (a multi-process job).
+    remote: Option<ActorRef<RemoteRank>>,
+    /// Ranks of the whole job.
+    ranks: usize,
     transport: Arc<dyn Transport<C::Tensor>>,
     stats: Arc<dyn Transport<GradStats>>,
     abort: Arc<AtomicBool>,
@@ -338,7 +405,17 @@ struct Job<C: StageCompute> {
 impl<C: StageCompute> Job<C> {
     async fn dispatch(&self, iteration: u64) -> Result<()> {
         if iteration == 0 {
-            let stages = self.stages.iter().map(|s| s.clone().recipient()).collect();
+            let stages = (0..self.ranks)
+                .map(|rank| match self.stages.iter().find(|(r, _)| *r == rank) {
+                    Some((_, s)) => s.clone().recipient(),
+                    None => self
+                        .remote
+                        .as_ref()
+                        .expect("a job with ranks elsewhere has a stand-in")
+                        .clone()
+                        .recipient(),
+                })
+                .collect();
             self.schedule
                 .tell(Attach {
                     stages,
@@ -359,11 +436,11 @@ impl<C: StageCompute> Job<C> {
     async fn drive(
         &self,
         events: &mut tokio::sync::mpsc::UnboundedReceiver<StageEvent>,
-        ranks: usize,
         iterations: u64,
         in_flight: u64,
         stall_timeout: Option<Duration>,
     ) -> Result<Vec<StepReport>> {
+        let ranks = self.stages.len();
         let mut steps = Steps::default();
         let mut next = 0;
         while next < iterations.min(in_flight) {
@@ -379,7 +456,7 @@ impl<C: StageCompute> Job<C> {
             let event = tokio::select! {
                 event = events.recv() => event,
                 _ = watchdog.tick() => {
-                    if let Some(rank) = self.stages.iter().position(|s| !s.is_alive()) {
+                    if let Some((rank, _)) = self.stages.iter().find(|(_, s)| !s.is_alive()) {
                         return Err(RuntimeError::Actor(format!(
                             "rank {rank}'s stage actor stopped without reporting"
                         )));
@@ -387,7 +464,12 @@ impl<C: StageCompute> Job<C> {
                     if let Some(timeout) = stall_timeout.filter(|t| progress.elapsed() > *t) {
                         let iteration = complete;
                         let done = finished.get(&iteration).map_or(&[][..], Vec::as_slice);
-                        let waiting = (0..ranks).filter(|r| !done.contains(r)).collect();
+                        let waiting = self
+                            .stages
+                            .iter()
+                            .map(|(r, _)| *r)
+                            .filter(|r| !done.contains(r))
+                            .collect();
                         return Err(RuntimeError::Stalled { iteration, waiting, timeout });
                     }
                     continue;
@@ -423,7 +505,7 @@ impl<C: StageCompute> Job<C> {
         }
         // Every rank has sent its last statistics (before reporting done), so settling
         // only waits for the ranks' mailboxes to drain.
-        for (rank, stage) in self.stages.iter().enumerate() {
+        for (rank, stage) in &self.stages {
             stage
                 .ask(Settle)
                 .await
@@ -471,12 +553,34 @@ impl<C: StageCompute> Job<C> {
         self.abort.store(true, Ordering::Release);
         self.transport.close();
         self.stats.close();
-        for s in &self.stages {
+        for (_, s) in &self.stages {
             s.kill();
+        }
+        if let Some(r) = &self.remote {
+            r.kill();
         }
         self.schedule.kill();
         self.profiler.kill();
     }
+}
+
+/// Receives the iterations dispatched to ranks of other processes and drops them: each
+/// process dispatches the same plan to its own ranks.
+struct RemoteRank;
+
+impl Actor for RemoteRank {
+    type Args = Self;
+    type Error = Infallible;
+
+    async fn on_start(args: Self::Args, _actor_ref: ActorRef<Self>) -> Result<Self, Self::Error> {
+        Ok(args)
+    }
+}
+
+impl Message<RunIteration> for RemoteRank {
+    type Reply = ();
+
+    async fn handle(&mut self, _msg: RunIteration, _ctx: &mut Context<Self, Self::Reply>) {}
 }
 
 /// The optimizer steps reported so far, by iteration.
