@@ -9,8 +9,9 @@
 //!   demands), with a handful of knobs left open (warm-up depth and W's held back per rank,
 //!   the gap a W may fill, F/I priority, depth- or breadth-first over chunks);
 //! - [`search`]: tries families of knob settings, hill-climbs the per-rank knobs of the
-//!   best, then moves single W's within the best plan's rank lists (local search over the
-//!   order of W), each candidate scored by the simulator.
+//!   best, then moves one or two actions at a time within the best plan's rank lists
+//!   (local search over the order of W's and extra F's), each candidate scored by the
+//!   simulator.
 //!
 //! The built-in schedules of the same shape (same `v`, same placement) that fit the limit
 //! are candidates too, so the result is never worse than the best of them. Plans are

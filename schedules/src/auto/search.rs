@@ -7,10 +7,10 @@
 //!    W into any gap or only gaps of at least T_W, F or I first, depth- or breadth-first.
 //! 2. **Per-rank knobs.** Hill-climbing from the best family: one rank's depth or W's held
 //!    back up or down by one, kept when the plan improves.
-//! 3. **W moves.** Local search on the best plan's lists: a W moved a few places earlier or
-//!    later on its rank (never before its I, never over the memory limit), kept when the
-//!    plan improves. Moves are drawn from a fixed-seed generator, so the result is
-//!    reproducible.
+//! 3. **Moves.** Local search on the best plan's lists: one or two actions of a rank (half
+//!    of them W's) moved a few places earlier or later (never against a dependency within
+//!    the rank, never over the memory limit), kept when the plan improves. Moves are drawn
+//!    from a fixed-seed generator, so the result is reproducible.
 //!
 //! The number of simulations is bounded by a budget that shrinks with the plan's size, so
 //! p = 32, m = 256 stays within seconds.
@@ -139,7 +139,7 @@ pub(crate) fn search(shape: &Plan, cost: &CostModel, limit: f64) -> Found {
     if let Some(knobs) = best_knobs {
         hill_climb(&mut s, knobs);
     }
-    move_ws(&mut s);
+    move_actions(&mut s);
     Found {
         evaluated: s.evals,
         best: s.best,
@@ -229,59 +229,78 @@ fn hill_climb(s: &mut Search<'_>, mut knobs: Knobs) {
     }
 }
 
-/// Step 3: single W moves on the best plan's lists, until the budget is spent.
-fn move_ws(s: &mut Search<'_>) {
+/// Step 3: moves on the best plan's lists, until the budget is spent: one or two actions
+/// of one rank shifted a few places (half of them W's, the action the order is most free
+/// in), kept when the plan improves. Two moves together can trade a W held back for a
+/// forward let in later, which neither does alone within a memory limit.
+fn move_actions(s: &mut Search<'_>) {
     let mut rng = XorShift(0x9e37_79b9_7f4a_7c15);
     let mut misses = 0usize;
     while !s.spent() && misses < 4 * s.budget.max(1) {
         let Some((best, _)) = &s.best else { return };
         let plan = &best.plan;
         let r = rng.below(plan.num_ranks());
-        let list = &plan.ranks[r];
-        let ws: Vec<usize> = (0..list.len())
-            .filter(|&i| matches!(list[i], Some(a) if a.kind == ActionKind::W))
-            .collect();
-        if ws.is_empty() {
-            misses += 1;
-            continue;
+        let mut list = plan.ranks[r].clone();
+        for _ in 0..1 + rng.below(2) {
+            let from = if rng.below(2) == 0 {
+                let ws: Vec<usize> = (0..list.len())
+                    .filter(|&i| matches!(list[i], Some(a) if a.kind == ActionKind::W))
+                    .collect();
+                match ws.len() {
+                    0 => continue,
+                    n => ws[rng.below(n)],
+                }
+            } else {
+                rng.below(list.len())
+            };
+            let step = [1usize, 2, 3, 5, 8][rng.below(5)];
+            let to = if rng.below(2) == 0 {
+                from.saturating_sub(step)
+            } else {
+                (from + step).min(list.len() - 1)
+            };
+            let a = list.remove(from);
+            list.insert(to, a);
         }
-        let from = ws[rng.below(ws.len())];
-        let step = [1usize, 2, 3, 5, 8][rng.below(5)];
-        let to = if rng.below(2) == 0 {
-            from.checked_sub(step)
-        } else {
-            Some(from + step).filter(|&t| t < list.len())
-        };
-        let Some(to) = to else {
-            misses += 1;
-            continue;
-        };
-        let Some(moved) = move_w(list, from, to) else {
-            misses += 1;
-            continue;
-        };
-        if rank_peak_memory(&moved, s.cost) > s.limit {
+        if list == plan.ranks[r]
+            || !in_rank_order(plan, r, &list)
+            || rank_peak_memory(&list, s.cost) > s.limit
+        {
             misses += 1;
             continue;
         }
         let mut candidate = plan.clone();
-        candidate.ranks[r] = moved;
+        candidate.ranks[r] = list;
         if !s.offer(candidate, Origin::Search) {
             misses += 1;
         }
     }
 }
 
-/// `list` with the W at `from` moved to `to`, unless that puts it before its own I.
-fn move_w(list: &[Option<Action>], from: usize, to: usize) -> Option<Vec<Option<Action>>> {
-    let w = list[from]?;
-    let mut out = list.to_vec();
-    let a = out.remove(from);
-    out.insert(to, a);
-    let own_i = out
-        .iter()
-        .position(|x| *x == Some(Action::i(w.stage, w.microbatch)))?;
-    (own_i < to).then_some(out)
+/// Whether rank `r`'s `list` keeps the dependencies that lie within the rank: F after the
+/// previous stage's F, I after its own F and after the next stage's I, W after its I (the
+/// simulator would report a broken one as a deadlock, after simulating everything).
+fn in_rank_order(plan: &Plan, r: usize, list: &[Option<Action>]) -> bool {
+    let (stages, m) = (plan.stages, plan.microbatches);
+    let at = |s: u32, mb: u32| mb as usize * stages + s as usize;
+    let mut f_done = vec![false; stages * m];
+    let mut i_done = vec![false; stages * m];
+    let local = |s: u32| (s as usize) < stages && plan.rank_of(s) == r;
+    list.iter().flatten().all(|a| {
+        let (s, mb) = (a.stage, a.microbatch);
+        let ok = match a.kind {
+            ActionKind::F => s == 0 || !local(s - 1) || f_done[at(s - 1, mb)],
+            ActionKind::I => f_done[at(s, mb)] && (!local(s + 1) || i_done[at(s + 1, mb)]),
+            ActionKind::W => i_done[at(s, mb)],
+            _ => true,
+        };
+        match a.kind {
+            ActionKind::F => f_done[at(s, mb)] = true,
+            ActionKind::I => i_done[at(s, mb)] = true,
+            _ => {}
+        }
+        ok
+    })
 }
 
 /// A small fixed-seed generator (xorshift64): reproducible moves without a dependency.
