@@ -332,8 +332,13 @@ impl<B: Backend> Drafter<B> {
     }
 
     /// Loads a snapshot made by [`Drafter::weights`] of a drafter of the same shape: every
-    /// tensor must be present, known and of the right length.
+    /// tensor must be present once, known and of the right length.
     pub fn load_weights(&mut self, weights: &DrafterWeights) -> Result<()> {
+        let be = self.be.clone();
+        let missing = |name: &str| DrafterError::Input {
+            what: "weights",
+            reason: format!("no `{name}`"),
+        };
         let expected = self.params().len() + FROZEN.len();
         if weights.tensors.len() != expected {
             return Err(DrafterError::Input {
@@ -341,16 +346,11 @@ impl<B: Backend> Drafter<B> {
                 reason: format!("{} tensors, expected {expected}", weights.tensors.len()),
             });
         }
-        for t in &weights.tensors {
-            if FROZEN.contains(&t.name.as_str()) {
-                continue;
-            }
-            let be = self.be.clone();
-            let p = self
-                .params_mut()
-                .into_iter()
-                .find(|p| p.name == t.name)
-                .ok_or_else(|| ModelError::UnknownParam(t.name.clone()))?;
+        // Every check first, so a bad snapshot leaves the drafter as it was.
+        let mut values = Vec::with_capacity(expected);
+        for p in self.params() {
+            let t = weights.tensors.iter().find(|t| t.name == p.name);
+            let t = t.ok_or_else(|| missing(&p.name))?;
             if t.values.len() != p.numel() {
                 let (name, expected, got) = (t.name.clone(), p.numel(), t.values.len());
                 return Err(ModelError::ParamLen {
@@ -360,15 +360,33 @@ impl<B: Backend> Drafter<B> {
                 }
                 .into());
             }
-            p.value = be.from_host(&t.values, be.dtype(&p.value))?;
+            values.push(&t.values);
         }
-        for name in FROZEN {
-            let t = weights.tensors.iter().find(|t| t.name == name);
-            let t = t.ok_or_else(|| DrafterError::Input {
-                what: "weights",
-                reason: format!("no `{name}`"),
-            })?;
-            self.refresh(name, &t.values, 0)?;
+        let frozen = FROZEN
+            .iter()
+            .map(|&name| {
+                weights
+                    .tensors
+                    .iter()
+                    .find(|t| t.name == name)
+                    .ok_or_else(|| missing(name))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let size = self.target.vocab * self.target.d_model;
+        if let Some(t) = frozen.iter().find(|t| t.values.len() != size) {
+            let (name, got) = (t.name.clone(), t.values.len());
+            return Err(ModelError::ParamLen {
+                name,
+                expected: size,
+                got,
+            }
+            .into());
+        }
+        for (p, v) in self.params_mut().into_iter().zip(values) {
+            p.value = be.from_host(v, be.dtype(&p.value))?;
+        }
+        for t in frozen {
+            self.refresh(&t.name, &t.values, 0)?;
         }
         self.frozen_step = weights.frozen_step;
         Ok(())
