@@ -10,11 +10,14 @@
 //!   or `chrome://tracing`, one process per rank.
 //! - [`report`]: the bubble report of a run (per rank busy / bubble, measured next to
 //!   predicted), as `report.json` and `report.txt`.
+//! - [`merge`]: every rank's spans of a multi-process run on rank 0's clock (offsets
+//!   estimated at rendezvous), written as the same files as a single-process run.
 //! - [`grid`]: the text grid people draw schedules with, one row per rank and one column
 //!   per time step.
 
 pub mod chrome;
 pub mod grid;
+pub mod merge;
 pub mod report;
 pub mod svg;
 

@@ -1,0 +1,424 @@
+//! Merged profiles of a multi-process run: every rank's spans on rank 0's clock, written as
+//! the same run-directory files a single-process run writes (`trace.json`, `timeline.svg`,
+//! `report.txt`/`report.json`).
+//!
+//! Each process measures its own rank on its own clock. At rendezvous every rank estimates
+//! the offset of its clock to rank 0's with NTP-style exchanges ([`measure_clock`] against
+//! [`serve_clock`]): for one exchange sent at `t0`, received by rank 0 at `t1`, answered at
+//! `t2` and received back at `t3`, the offset is `((t1 − t0) + (t2 − t3)) / 2` and the
+//! round trip `(t3 − t0) − (t2 − t1)`. The exchange with the smallest round trip is kept
+//! ([`estimate_offset`]): its error is at most half its round trip, whatever the delays.
+//! After the run each rank sends its [`RankProfile`] (spans per iteration, extra lanes) to
+//! rank 0 ([`send_profile`] / [`gather_profiles`]), which shifts every rank by its offset
+//! ([`merge`]) and recomputes the metrics with `Timeline::from_spans`, the only metric
+//! computation, so a merged timeline means what a single-process one means.
+
+use std::path::Path;
+
+use pipefill_schedules::{Span, Timeline};
+use serde::{Deserialize, Serialize};
+
+use super::LaneSpan;
+use super::chrome::{ChromeOptions, chrome_trace_with};
+use super::report::{BubbleReport, ReportError, RunInfo, steady_iteration};
+use super::svg::{SvgOptions, svg_with};
+use crate::comm::link::{Channel, LinkError, PeerLink};
+
+/// Lane of the filler work (drawn in the SVG too; other lanes go to the trace only).
+pub const FILLER_LANE: &str = "filler";
+
+/// Errors merging profiles; each names the rank.
+#[derive(Debug, thiserror::Error)]
+pub enum MergeError {
+    #[error("no profile from rank {rank} (expected one from each of {ranks} ranks)")]
+    MissingRank { rank: usize, ranks: usize },
+    #[error("rank {rank} sent its profile twice, or a rank outside 0..{ranks}")]
+    BadRank { rank: usize, ranks: usize },
+    #[error("rank {rank} measured {got} iterations, rank 0 measured {expected}")]
+    Iterations {
+        rank: usize,
+        got: usize,
+        expected: usize,
+    },
+    #[error("rank {rank}'s profile holds a span of rank {span_rank}")]
+    SpanRank { rank: usize, span_rank: usize },
+    #[error("rank {peer} sent an unreadable {what}: {reason}")]
+    BadFrame {
+        peer: usize,
+        what: &'static str,
+        reason: String,
+    },
+    #[error("no clock exchange with rank 0 completed")]
+    NoSamples,
+    #[error("cannot write {path}: {error}")]
+    Write {
+        path: std::path::PathBuf,
+        error: std::io::Error,
+    },
+    #[error("no iteration measured: nothing to report")]
+    Empty,
+    #[error(transparent)]
+    Report(#[from] ReportError),
+    #[error(transparent)]
+    Link(#[from] LinkError),
+}
+
+/// One clock exchange: `sent` and `received` on the measuring rank's clock, `served_at`
+/// (request received) and `answered_at` (reply sent) on rank 0's.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ClockSample {
+    pub sent: f64,
+    pub served_at: f64,
+    pub answered_at: f64,
+    pub received: f64,
+}
+
+impl ClockSample {
+    /// Time on the wire, both ways.
+    pub fn round_trip(&self) -> f64 {
+        (self.received - self.sent) - (self.answered_at - self.served_at)
+    }
+
+    /// What to add to the rank's times to get rank 0's.
+    pub fn offset(&self) -> f64 {
+        ((self.served_at - self.sent) + (self.answered_at - self.received)) / 2.0
+    }
+}
+
+/// A rank's clock offset to rank 0: `rank 0 time = own time + offset`, within
+/// `± round_trip / 2`.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ClockOffset {
+    pub offset: f64,
+    pub round_trip: f64,
+}
+
+/// The offset of the exchange with the smallest round trip (NTP's minimum-delay filter).
+pub fn estimate_offset(samples: &[ClockSample]) -> Option<ClockOffset> {
+    samples
+        .iter()
+        .filter(|s| s.round_trip().is_finite())
+        .min_by(|a, b| a.round_trip().total_cmp(&b.round_trip()))
+        .map(|s| ClockOffset {
+            offset: s.offset(),
+            round_trip: s.round_trip().max(0.0),
+        })
+}
+
+fn f64s(frame: &[u8], peer: usize, what: &'static str) -> Result<Vec<f64>, MergeError> {
+    if frame.len() % 8 != 0 {
+        return Err(MergeError::BadFrame {
+            peer,
+            what,
+            reason: format!("{} bytes is not a whole number of f64", frame.len()),
+        });
+    }
+    Ok(frame
+        .chunks_exact(8)
+        .map(|b| f64::from_le_bytes(b.try_into().expect("chunks of 8")))
+        .collect())
+}
+
+/// Rank 0's side of `rounds` clock exchanges with `peer`: answers each request with the
+/// time it arrived and the time of the answer, on `now` (rank 0's clock, seconds).
+pub fn serve_clock(
+    link: &dyn PeerLink,
+    peer: usize,
+    channel: Channel,
+    rounds: usize,
+    now: &dyn Fn() -> f64,
+) -> Result<(), MergeError> {
+    for _ in 0..rounds {
+        let request = link.recv(peer, channel)?;
+        let served_at = now();
+        f64s(&request, peer, "clock request")?;
+        let mut reply = served_at.to_le_bytes().to_vec();
+        reply.extend(now().to_le_bytes());
+        link.send(peer, channel, &reply)?;
+    }
+    Ok(())
+}
+
+/// A rank's side of `rounds` clock exchanges with rank 0 (which runs [`serve_clock`]); `now`
+/// is this rank's clock in seconds.
+pub fn measure_clock(
+    link: &dyn PeerLink,
+    channel: Channel,
+    rounds: usize,
+    now: &dyn Fn() -> f64,
+) -> Result<ClockOffset, MergeError> {
+    let mut samples = Vec::with_capacity(rounds);
+    for _ in 0..rounds {
+        let sent = now();
+        link.send(0, channel, &sent.to_le_bytes())?;
+        let reply = link.recv(0, channel)?;
+        let received = now();
+        let times = f64s(&reply, 0, "clock reply")?;
+        let [served_at, answered_at] = times[..] else {
+            return Err(MergeError::BadFrame {
+                peer: 0,
+                what: "clock reply",
+                reason: format!("{} values, expected 2", times.len()),
+            });
+        };
+        samples.push(ClockSample {
+            sent,
+            served_at,
+            answered_at,
+            received,
+        });
+    }
+    estimate_offset(&samples).ok_or(MergeError::NoSamples)
+}
+
+/// One extra-lane span of a rank (its rank is the profile's).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LaneRecord {
+    pub lane: String,
+    pub start: f64,
+    pub end: f64,
+    pub label: String,
+}
+
+/// What one rank measured, on its own clock.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RankProfile {
+    pub rank: usize,
+    /// The rank's compute spans of each iteration (= optimizer step), in order.
+    pub iterations: Vec<Vec<Span>>,
+    /// Waits, filler work and other extra lanes, whole run.
+    pub lanes: Vec<LaneRecord>,
+    /// Peak activation memory of the rank (the timeline's figure).
+    pub peak_memory: f64,
+    /// This rank's clock offset to rank 0 (zero for rank 0).
+    pub clock: ClockOffset,
+}
+
+/// Sends this rank's profile to rank 0 as one JSON frame on `channel`.
+pub fn send_profile(
+    link: &dyn PeerLink,
+    channel: Channel,
+    profile: &RankProfile,
+) -> Result<(), MergeError> {
+    let json = serde_json::to_vec(profile).expect("a profile always serializes");
+    Ok(link.send(0, channel, &json)?)
+}
+
+/// On rank 0: `own` and every other rank's profile, by rank.
+pub fn gather_profiles(
+    link: &dyn PeerLink,
+    channel: Channel,
+    own: RankProfile,
+) -> Result<Vec<RankProfile>, MergeError> {
+    let mut all = vec![own];
+    for peer in 1..link.world() {
+        let frame = link.recv(peer, channel)?;
+        let p: RankProfile = serde_json::from_slice(&frame).map_err(|e| MergeError::BadFrame {
+            peer,
+            what: "profile",
+            reason: e.to_string(),
+        })?;
+        all.push(p);
+    }
+    Ok(all)
+}
+
+/// Every rank's profile on rank 0's clock: one timeline per iteration, the whole run's, and
+/// the extra lanes. Times start at 0 at the earliest span of any rank.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MergedProfile {
+    pub iterations: Vec<Timeline>,
+    pub overall: Timeline,
+    pub lanes: Vec<LaneSpan>,
+}
+
+/// Merges one profile per rank `0..ranks` (see the module docs).
+pub fn merge(profiles: &[RankProfile], ranks: usize) -> Result<MergedProfile, MergeError> {
+    let mut by_rank: Vec<Option<&RankProfile>> = vec![None; ranks];
+    for p in profiles {
+        match by_rank.get_mut(p.rank) {
+            Some(slot @ None) => *slot = Some(p),
+            _ => {
+                return Err(MergeError::BadRank {
+                    rank: p.rank,
+                    ranks,
+                });
+            }
+        }
+    }
+    let by_rank = by_rank
+        .into_iter()
+        .enumerate()
+        .map(|(rank, p)| p.ok_or(MergeError::MissingRank { rank, ranks }))
+        .collect::<Result<Vec<_>, _>>()?;
+    let expected = by_rank.first().map_or(0, |p| p.iterations.len());
+    for p in &by_rank {
+        if p.iterations.len() != expected {
+            return Err(MergeError::Iterations {
+                rank: p.rank,
+                got: p.iterations.len(),
+                expected,
+            });
+        }
+        if let Some(s) = p.iterations.iter().flatten().find(|s| s.rank != p.rank) {
+            return Err(MergeError::SpanRank {
+                rank: p.rank,
+                span_rank: s.rank,
+            });
+        }
+    }
+    let t0 = by_rank
+        .iter()
+        .flat_map(|p| {
+            p.iterations
+                .iter()
+                .flatten()
+                .map(|s| s.start + p.clock.offset)
+        })
+        .fold(f64::INFINITY, f64::min);
+    let t0 = if t0.is_finite() { t0 } else { 0.0 };
+    let shift = |p: &RankProfile, t: f64| t + p.clock.offset - t0;
+    let peak: Vec<f64> = by_rank.iter().map(|p| p.peak_memory).collect();
+    let iterations: Vec<Timeline> = (0..expected)
+        .map(|i| {
+            let spans = by_rank
+                .iter()
+                .flat_map(|p| {
+                    p.iterations[i].iter().map(move |s| Span {
+                        start: shift(p, s.start),
+                        end: shift(p, s.end),
+                        ..*s
+                    })
+                })
+                .collect();
+            Timeline::from_spans(ranks, spans, &peak)
+        })
+        .collect();
+    let all = iterations
+        .iter()
+        .flat_map(|t| t.spans.iter().copied())
+        .collect();
+    let overall = Timeline::from_spans(ranks, all, &peak);
+    let lanes = by_rank
+        .iter()
+        .flat_map(|p| {
+            p.lanes.iter().map(move |l| LaneSpan {
+                rank: p.rank,
+                lane: l.lane.clone(),
+                start: shift(p, l.start),
+                end: shift(p, l.end),
+                label: l.label.clone(),
+            })
+        })
+        .collect();
+    Ok(MergedProfile {
+        iterations,
+        overall,
+        lanes,
+    })
+}
+
+impl MergedProfile {
+    /// Writes `report.json`/`report.txt` (the steady step next to `predicted`),
+    /// `trace.json` (the whole run) and `timeline.svg` (the steady step, in ms) into `dir`,
+    /// as a single-process run does. `info`'s `iteration` and `iteration_note` are filled
+    /// here from the steady step; `first_step` is the step of iteration 0.
+    pub fn write_files(
+        &self,
+        dir: &Path,
+        mut info: RunInfo,
+        first_step: u64,
+        predicted: &Timeline,
+        show_stage: bool,
+    ) -> Result<BubbleReport, MergeError> {
+        let makespans: Vec<f64> = self.iterations.iter().map(|t| t.makespan).collect();
+        let (index, note) = steady_iteration(&makespans, first_step).ok_or(MergeError::Empty)?;
+        info.iteration = first_step as usize + index;
+        info.iteration_note = note;
+        let measured = &self.iterations[index];
+        let report = BubbleReport::new(info, measured, predicted)?
+            .with_whole_run(&self.overall, self.iterations.len());
+        report.write(dir)?;
+
+        let trace = chrome_trace_with(
+            &self.overall,
+            &self.lanes,
+            &ChromeOptions {
+                us_per_unit: 1e6,
+                bubbles: true,
+            },
+        );
+        let write = |name: &str, bytes: Vec<u8>| {
+            let path = dir.join(name);
+            std::fs::write(&path, bytes).map_err(|error| MergeError::Write { path, error })
+        };
+        write(
+            "trace.json",
+            serde_json::to_vec(&trace).expect("a trace always serializes"),
+        )?;
+
+        // The picture: the steady step only, in milliseconds from its own start.
+        let (start, end) = (
+            measured
+                .spans
+                .iter()
+                .map(|s| s.start)
+                .fold(f64::INFINITY, f64::min),
+            measured
+                .spans
+                .iter()
+                .map(|s| s.end)
+                .fold(f64::NEG_INFINITY, f64::max),
+        );
+        let ms = |t: f64| (t - start) * 1e3;
+        let spans = measured
+            .spans
+            .iter()
+            .map(|s| Span {
+                start: ms(s.start),
+                end: ms(s.end),
+                ..*s
+            })
+            .collect();
+        let peak: Vec<f64> = measured.ranks.iter().map(|r| r.peak_memory).collect();
+        let timeline_ms = Timeline::from_spans(measured.ranks.len(), spans, &peak);
+        let fillers: Vec<LaneSpan> = self
+            .lanes
+            .iter()
+            .filter(|l| l.lane == FILLER_LANE && l.start >= start && l.end <= end)
+            .map(|l| LaneSpan {
+                start: ms(l.start),
+                end: ms(l.end),
+                ..l.clone()
+            })
+            .collect();
+        let title = format!(
+            "{} · {} ranks (merged from {} processes) · step {} measured ({} clock) · ms\n\
+             bubble ratio {:.1}% (predicted {:.1}%) · steady {:.1}% (predicted {:.1}%)",
+            report.info.schedule,
+            report.ranks_count,
+            report.ranks_count,
+            report.info.iteration,
+            report.info.clock,
+            100.0 * report.bubble_ratio,
+            100.0 * report.predicted_bubble_ratio,
+            100.0 * report.steady_bubble_ratio,
+            100.0 * report.predicted_steady_bubble_ratio,
+        );
+        let svg = svg_with(
+            &timeline_ms,
+            &fillers,
+            &SvgOptions {
+                title: Some(title),
+                show_stage,
+                ..SvgOptions::default()
+            },
+        );
+        write("timeline.svg", svg.into_bytes())?;
+        Ok(report)
+    }
+}
+
+#[cfg(test)]
+#[path = "merge_tests.rs"]
+mod tests;
