@@ -137,6 +137,54 @@ pub fn all_reduce_sum(
     Ok(())
 }
 
+/// Sums one pipeline rank's gradients with those of the same rank in the other
+/// data-parallel replicas (the same stages), in place, before the optimizer step; every
+/// replica ends with bitwise the same sum. The pipelined trainer calls it once per step with
+/// all of the rank's gradients concatenated in model order.
+pub trait GradSync: Send + Sync + std::fmt::Debug {
+    fn all_reduce(&self, grads: &mut [f32]) -> Result<(), CollectiveError>;
+}
+
+/// [`GradSync`] by [`all_reduce_sum`] over a [`PeerLink`] group.
+pub struct RingGradSync {
+    link: std::sync::Arc<dyn PeerLink>,
+    group: Vec<usize>,
+    channel: Channel,
+}
+
+impl RingGradSync {
+    /// Sums over `group` (global ranks holding the same stages, in ring order) on `channel`.
+    pub fn new(link: std::sync::Arc<dyn PeerLink>, group: Vec<usize>, channel: Channel) -> Self {
+        RingGradSync {
+            link,
+            group,
+            channel,
+        }
+    }
+
+    /// The group of global rank `rank` in a job of `dp` replicas of `pp` ranks (global rank
+    /// `replica × pp + pipeline rank`): the same pipeline rank of every replica.
+    pub fn replica_group(rank: usize, dp: usize, pp: usize) -> Vec<usize> {
+        (0..dp).map(|d| d * pp + rank % pp).collect()
+    }
+}
+
+impl std::fmt::Debug for RingGradSync {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RingGradSync")
+            .field("rank", &self.link.rank())
+            .field("group", &self.group)
+            .field("channel", &self.channel)
+            .finish()
+    }
+}
+
+impl GradSync for RingGradSync {
+    fn all_reduce(&self, grads: &mut [f32]) -> Result<(), CollectiveError> {
+        all_reduce_sum(self.link.as_ref(), &self.group, self.channel, grads)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::thread;
@@ -243,6 +291,12 @@ mod tests {
         assert_eq!(out[2], vec![2.0; 3]);
         assert_eq!(out[1], vec![4.0; 3]);
         assert_eq!(out[3], vec![4.0; 3]);
+    }
+
+    #[test]
+    fn replica_groups_hold_the_same_pipeline_rank_of_every_replica() {
+        assert_eq!(RingGradSync::replica_group(5, 3, 2), vec![1, 3, 5]);
+        assert_eq!(RingGradSync::replica_group(0, 1, 4), vec![0]);
     }
 
     #[test]
