@@ -8,15 +8,21 @@
 //!   one [`StepMetrics`] sent to the trainer (the progress channel).
 //! - The **final state** each rank hands over after its last step (parameters and optimizer
 //!   moments), from which [`super::PipelineRun`] serves parameters and checkpoints.
+//! - For a **data-parallel replica** ([`Replica`]): the replica's share of each step's
+//!   micro-batches ([`Shared::step_data`]) and the gradient all-reduce across replicas
+//!   ([`Shared::sync_grads`], called by each rank before it computes its gradient norm).
 
 use std::collections::BTreeMap;
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
-use super::feed::StepFeed;
-use crate::model::OptimizerState;
+use super::PipelineError;
+use super::feed::{StepBatches, StepFeed};
+use crate::comm::collective::GradSync;
 use crate::model::checkpoint::HostTensor;
+use crate::model::{ModelError, OptimizerState, Param};
+use crate::tensor::Backend;
 use crate::train::StepMetrics;
 use crate::train::reference::combine_losses;
 
@@ -46,6 +52,17 @@ struct State {
     last_done: Instant,
 }
 
+/// This pipeline's place among `count` data-parallel replicas of the same plan. Replica
+/// `index` runs micro-batches `index × m .. (index + 1) × m` of every step (`m` = the step's
+/// micro-batches / `count`) with the loss scales of the whole batch, so the sum of the
+/// replicas' gradients ([`GradSync`]) is the whole batch's gradient.
+#[derive(Debug, Clone)]
+pub struct Replica {
+    pub index: usize,
+    pub count: usize,
+    pub sync: Arc<dyn GradSync>,
+}
+
 /// State shared by the ranks of one run (see the module docs).
 #[derive(Debug)]
 pub struct Shared {
@@ -53,6 +70,9 @@ pub struct Shared {
     pub(crate) feed: Arc<StepFeed>,
     state: Mutex<State>,
     progress: Sender<StepMetrics>,
+    replica: Option<Replica>,
+    /// A replica's share of each step, built once per step.
+    shards: Mutex<BTreeMap<u64, Arc<StepBatches>>>,
 }
 
 impl Shared {
@@ -66,7 +86,67 @@ impl Shared {
                 last_done: Instant::now(),
             }),
             progress,
+            replica: None,
+            shards: Mutex::new(BTreeMap::new()),
         }
+    }
+
+    /// Makes the ranks of this run one data-parallel replica (`None`: the whole batch).
+    pub fn with_replica(mut self, replica: Option<Replica>) -> Self {
+        self.replica = replica;
+        self
+    }
+
+    /// Step `step`'s micro-batches as this pipeline runs them: the whole step, or a
+    /// replica's share of it (with the whole batch's loss scales, see [`Replica`]).
+    pub fn step_data(&self, step: u64) -> Arc<StepBatches> {
+        let full = self.feed.get(step);
+        let Some(r) = &self.replica else {
+            return full;
+        };
+        let mut shards = self.shards.lock().unwrap_or_else(PoisonError::into_inner);
+        let shard = shards.entry(step).or_insert_with(|| {
+            let m = full.batches.len() / r.count;
+            let own = r.index * m..(r.index + 1) * m;
+            Arc::new(StepBatches {
+                batches: full.batches[own.clone()].to_vec(),
+                scales: full.scales[own].to_vec(),
+            })
+        });
+        Arc::clone(shard)
+    }
+
+    /// Sums `params`' gradients with the other replicas' (a no-op without replicas): all
+    /// of the rank's gradients, concatenated in model order, in one all-reduce.
+    pub fn sync_grads<'a, B: Backend + 'a>(
+        &self,
+        backend: &B,
+        params: impl IntoIterator<Item = &'a mut Param<B>>,
+    ) -> Result<(), PipelineError> {
+        let Some(r) = &self.replica else {
+            return Ok(());
+        };
+        let mut params: Vec<&mut Param<B>> = params.into_iter().collect();
+        let mut flat = Vec::new();
+        for p in &params {
+            flat.extend(backend.to_host(&p.grad).map_err(ModelError::from)?);
+        }
+        r.sync
+            .all_reduce(&mut flat)
+            .map_err(|e| PipelineError::Stage {
+                stage: 0,
+                reason: format!("gradient all-reduce of replica {}: {e}", r.index),
+            })?;
+        let mut rest = flat.as_slice();
+        for p in &mut params {
+            let n = backend.len(&p.grad);
+            let dtype = backend.dtype(&p.grad);
+            p.grad = backend
+                .from_host(&rest[..n], dtype)
+                .map_err(ModelError::from)?;
+            rest = &rest[n..];
+        }
+        Ok(())
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -109,19 +189,28 @@ impl Shared {
         let seconds = now.duration_since(state.last_done).as_secs_f64();
         state.last_done = now;
         drop(state);
-        let batches = self.feed.get(step);
+        let batches = self.step_data(step);
         let losses: Vec<f32> = (0..batches.batches.len() as u32)
             .map(|mb| entry.losses.get(&mb).copied().unwrap_or(f32::NAN))
             .collect();
+        let mut loss = combine_losses(&losses, &batches.scales);
+        if self.replica.is_some() {
+            // A replica's scales are its share of the whole batch's: its loss is the mean
+            // over its own micro-batches.
+            loss /= batches.scales.iter().sum::<f32>();
+        }
         let metrics = StepMetrics {
             step,
-            loss: combine_losses(&losses, &batches.scales),
+            loss,
             lr,
             grad_norm: grad_norm as f32,
             tokens: batches.tokens(),
             seconds,
         };
         self.feed.evict_before(step + 1);
+        let mut shards = self.shards.lock().unwrap_or_else(PoisonError::into_inner);
+        *shards = shards.split_off(&(step + 1));
+        drop(shards);
         // The trainer may have stopped listening (it failed); the step still happened.
         let _ = self.progress.send(metrics);
     }
@@ -185,6 +274,36 @@ mod tests {
         // Two micro-batches of equal size: scales 1/2 each.
         assert_eq!(m.loss, 2.0);
         assert_eq!(m.tokens, 16);
+    }
+
+    #[derive(Debug)]
+    struct NoSync;
+    impl GradSync for NoSync {
+        fn all_reduce(
+            &self,
+            _: &mut [f32],
+        ) -> Result<(), crate::comm::collective::CollectiveError> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_replica_runs_its_share_of_the_step_with_the_whole_batchs_scales() {
+        let (whole, _rx) = shared(1);
+        let (replica, rx) = shared(1);
+        let replica = replica.with_replica(Some(Replica {
+            index: 1,
+            count: 2,
+            sync: Arc::new(NoSync),
+        }));
+        let (all, own) = (whole.step_data(3), replica.step_data(3));
+        assert_eq!(own.batches, all.batches[1..2]);
+        assert_eq!(own.scales, all.scales[1..2]);
+        assert!(Arc::ptr_eq(&own, &replica.step_data(3)), "built once");
+        // The reported loss is the mean over the replica's own micro-batch.
+        replica.record_loss(3, 0, 2.5);
+        replica.stepped(3, 0.1);
+        assert_eq!(rx.try_recv().unwrap().loss, 2.5);
     }
 
     #[test]
