@@ -22,6 +22,8 @@ enum Command {
     Train(cli::train::TrainArgs),
     /// Reinforcement learning (GRPO) from a `pipefill train` run or a supervised warm-up.
     Rl(cli::rl::RlArgs),
+    /// Benchmarks: `pipefill bench rollout [--json]` (plain vs speculative rollouts).
+    Bench(cli::bench::BenchArgs),
     /// Print the bubble report of a finished run from its run directory.
     Profile(cli::profile::ProfileArgs),
 }
@@ -40,6 +42,7 @@ fn main() -> ExitCode {
         Command::Train(args) => cli::train::run(args),
         Command::Profile(args) => cli::profile::run(args),
         Command::Rl(args) => cli::rl::run(args),
+        Command::Bench(args) => cli::bench::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

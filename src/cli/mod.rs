@@ -1,5 +1,6 @@
 //! Subcommands of the `pipefill` binary, one module each.
 
+pub mod bench;
 pub mod profile;
 pub mod rl;
 pub mod schedule;

@@ -18,5 +18,7 @@ pub mod bandit;
 pub mod config;
 pub mod grpo;
 pub mod reward;
+pub mod rollout;
+pub mod speculative;
 pub mod trainer;
 pub mod trainer_rollout;

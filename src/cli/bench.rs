@@ -1,0 +1,359 @@
+//! `pipefill bench rollout [--json]`: the rollout engine on a long-tail batch, with plain
+//! decoding, speculation at a fixed K, and adaptive speculation.
+//!
+//! What it does, in order (each step prints what it trained or measured):
+//! 1. trains the target (the job's `[model]`, reference trainer) for `--steps` steps on the
+//!    job's tasks, so that it writes solutions and ends them with EOS;
+//! 2. builds the long-tail batch: `--requests` task prompts (heavy-tailed sizes, so
+//!    heavy-tailed completion lengths), each capped by the model's positions;
+//! 3. runs it once with plain decoding, recording the drafter rows, and trains the drafter
+//!    (`[drafter]`) for `--drafter-slices` slices on exactly those rows;
+//! 4. calibrates the adaptive threshold: per live-batch size, the median time of one
+//!    verification step (K+1 positions per sequence) over one plain decode step, and the
+//!    largest batch whose ratio stays below the fixed-K run's acceptance length (there a
+//!    verification emits more tokens per second than plain decoding);
+//! 5. runs the batch `--reps` times per mode and reports medians: tokens/s overall and in
+//!    the long tail (from the moment a quarter of the batch is live), acceptance length,
+//!    time in the tail, and whether every mode produced the same greedy tokens.
+
+use std::time::Instant;
+
+use anyhow::{Context, bail};
+use pipefill::config::JobConfig;
+use pipefill::data::{SplitMix64, TaskGenerator, Tokenizer, tokenizer::BOS};
+use pipefill::model::drafter::{DraftBufferHandle, Drafter, DrafterTrainer};
+use pipefill::model::infer::{InferStage, Span, run_stages};
+use pipefill::model::{Cut, Gpt};
+use pipefill::rl::rollout::{
+    AdaptiveConfig, Request, Rollout, RolloutConfig, RolloutEngine, Speculation,
+};
+use pipefill::tensor::CpuBackend;
+use pipefill::train::reference::Trainer;
+use serde_json::json;
+
+#[derive(clap::Args)]
+pub struct BenchArgs {
+    #[command(subcommand)]
+    what: BenchWhat,
+}
+
+#[derive(clap::Subcommand)]
+enum BenchWhat {
+    /// Plain vs fixed-K vs adaptive speculative rollout on a long-tail batch.
+    Rollout(RolloutArgs),
+}
+
+#[derive(clap::Args)]
+pub struct RolloutArgs {
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// Target training steps before the rollouts.
+    #[arg(long, default_value_t = 200)]
+    steps: u64,
+    /// Drafter training slices on the plain rollout's rows.
+    #[arg(long, default_value_t = 400)]
+    drafter_slices: usize,
+    /// Sequences in the batch.
+    #[arg(long, default_value_t = 32)]
+    requests: usize,
+    /// Pipeline stages (threads).
+    #[arg(long, default_value_t = 4)]
+    stages: usize,
+    /// Groups in flight (default: one per stage).
+    #[arg(long)]
+    groups: Option<usize>,
+    /// K of the fixed-K run.
+    #[arg(long, default_value_t = 4)]
+    k: usize,
+    /// Runs per mode (medians are reported).
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    /// Override job fields, e.g. `--set model.layers=4`.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    sets: Vec<String>,
+}
+
+pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+    match args.what {
+        BenchWhat::Rollout(a) => rollout(a),
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n == 0 {
+        return f64::NAN;
+    }
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+fn say(json: bool, line: String) {
+    if json {
+        eprintln!("{line}");
+    } else {
+        println!("{line}");
+    }
+}
+
+fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
+    if a.reps == 0 || a.requests == 0 || a.k == 0 {
+        bail!("--reps, --requests and --k must be at least 1");
+    }
+    let job = JobConfig::embedded(&a.sets).context("bench rollout: the job")?;
+    let t0 = Instant::now();
+    let mut trainer = Trainer::reference(&job.model, &job.data, &job.train)?;
+    let mut loss = f32::NAN;
+    for _ in 0..a.steps {
+        loss = trainer.train_step()?.loss;
+    }
+    say(
+        a.json,
+        format!(
+            "target: {} layers, d_model {}, trained {} steps on {:?} (last loss {loss:.3}) in {:.1} s",
+            job.model.layers,
+            job.model.d_model,
+            a.steps,
+            job.data.families,
+            t0.elapsed().as_secs_f64()
+        ),
+    );
+    let model: &Gpt<CpuBackend> = trainer.model();
+    let requests = long_tail_batch(&job, a.requests)?;
+    let stages = InferStage::stages_of(model, &Cut::Even(a.stages))?;
+    let mut engine = RolloutEngine::new(stages)?;
+    let groups = a.groups.unwrap_or(a.stages).max(1);
+    let cfg = |speculation, record_rows| RolloutConfig {
+        groups,
+        speculation,
+        record_rows,
+        ..RolloutConfig::default()
+    };
+
+    // The drafter, trained on the rows of a plain rollout of this very batch.
+    let first = engine.run(&requests, &cfg(Speculation::Off, true), None)?;
+    let lens: Vec<usize> = (0..requests.len())
+        .map(|i| first.completion(i).len())
+        .collect();
+    say(
+        a.json,
+        format!(
+            "batch: {} sequences, completion lengths min {} median {} max {} (EOS or the {}-position cap)",
+            requests.len(),
+            lens.iter().min().unwrap_or(&0),
+            median(lens.iter().map(|&l| l as f64).collect()),
+            lens.iter().max().unwrap_or(&0),
+            job.model.seq_len
+        ),
+    );
+    let be = CpuBackend::new(1)?;
+    let mut drafter = Drafter::new(&job.model, &job.drafter, be)?;
+    drafter.refresh_from_gpt(model, a.steps)?;
+    let buffer = DraftBufferHandle::new(&job.model, &job.drafter);
+    buffer.begin_step(a.steps);
+    for row in first.rows.iter().cloned() {
+        buffer.lock().push(row)?;
+    }
+    let t1 = Instant::now();
+    let mut dtrainer = DrafterTrainer::new(drafter, buffer, 0, 1)?;
+    for _ in 0..a.drafter_slices {
+        dtrainer.slice()?;
+    }
+    let agree = dtrainer.agreement(&first.rows)?;
+    say(
+        a.json,
+        format!(
+            "drafter: {} slices on those {} rows in {:.1} s, top-1 agreement with the target {:.1}%",
+            a.drafter_slices,
+            first.rows.len(),
+            t1.elapsed().as_secs_f64(),
+            100.0 * agree
+        ),
+    );
+
+    let mut runs =
+        |spec: &Speculation, drafter: &mut Drafter<CpuBackend>| -> anyhow::Result<Vec<Rollout>> {
+            (0..a.reps)
+                .map(|_| {
+                    let p: Option<&mut dyn pipefill::rl::speculative::Proposer> = match spec {
+                        Speculation::Off => None,
+                        _ => Some(drafter),
+                    };
+                    Ok(engine.run(&requests, &cfg(spec.clone(), false), p)?)
+                })
+                .collect()
+        };
+    let plain = runs(&Speculation::Off, dtrainer.drafter_mut())?;
+    let fixed = runs(&Speculation::Fixed { k: a.k }, dtrainer.drafter_mut())?;
+    let fixed_accept = median(fixed.iter().map(|r| r.stats.acceptance_length()).collect());
+    let (threshold, table) = calibrate(model, a.stages, a.k, fixed_accept)?;
+    for (b, decode, verify) in &table {
+        say(
+            a.json,
+            format!(
+                "calibration: batch {b:>3}: decode step {:.3} ms, verify(K={}) step {:.3} ms, ratio {:.2}",
+                decode * 1e3,
+                a.k,
+                verify * 1e3,
+                verify / decode
+            ),
+        );
+    }
+    say(
+        a.json,
+        format!(
+            "threshold: speculate while live ≤ {threshold} (largest batch whose verify/decode ratio < acceptance length {fixed_accept:.2})"
+        ),
+    );
+    let adaptive = Speculation::Adaptive(AdaptiveConfig {
+        threshold,
+        ..AdaptiveConfig::default()
+    });
+    let adapt = runs(&adaptive, dtrainer.drafter_mut())?;
+
+    let identical = fixed
+        .iter()
+        .chain(&adapt)
+        .all(|r| r.sequences == plain[0].sequences);
+    let m = |rs: &[Rollout], f: &dyn Fn(&Rollout) -> f64| median(rs.iter().map(f).collect());
+    let tps = |r: &Rollout| r.stats.tokens_per_s();
+    let tail = |r: &Rollout| r.stats.tail_tokens_per_s();
+    let tail_s = |r: &Rollout| r.stats.seconds - r.stats.tail_start_s;
+    let acc = |r: &Rollout| r.stats.acceptance_length();
+    let secs = |r: &Rollout| r.stats.seconds;
+    let speedup = m(&adapt, &tail) / m(&plain, &tail);
+    let last = adapt.last().expect("reps ≥ 1");
+    let mut ks: Vec<(usize, usize)> = Vec::new();
+    for c in &last.choices {
+        match ks.iter_mut().find(|(k, _)| *k == c.k) {
+            Some(e) => e.1 += 1,
+            None => ks.push((c.k, 1)),
+        }
+    }
+    ks.sort();
+    if a.json {
+        let out = json!({
+            "plain_tokens_per_s": m(&plain, &tail),
+            "fixed_tokens_per_s": m(&fixed, &tail),
+            "adaptive_tokens_per_s": m(&adapt, &tail),
+            "speedup": speedup,
+            "acceptance_length": m(&adapt, &acc),
+            "fixed_acceptance_length": fixed_accept,
+            "plain_overall_tokens_per_s": m(&plain, &tps),
+            "adaptive_overall_tokens_per_s": m(&adapt, &tps),
+            "overall_speedup": m(&adapt, &tps) / m(&plain, &tps),
+            "plain_tail_s": m(&plain, &tail_s),
+            "adaptive_tail_s": m(&adapt, &tail_s),
+            "threshold": threshold,
+            "k_choices": ks,
+            "identical_outputs": identical,
+            "requests": requests.len(),
+            "reps": a.reps,
+        });
+        println!("{out}");
+    } else {
+        println!(
+            "{:<10} {:>9} {:>11} {:>10} {:>8} {:>10}",
+            "mode", "total s", "tokens/s", "tail tok/s", "tail s", "accept len"
+        );
+        for (name, rs) in [("plain", &plain), ("fixed K", &fixed), ("adaptive", &adapt)] {
+            println!(
+                "{name:<10} {:>9.3} {:>11.1} {:>10.1} {:>8.3} {:>10.2}",
+                m(rs, &secs),
+                m(rs, &tps),
+                m(rs, &tail),
+                m(rs, &tail_s),
+                m(rs, &acc)
+            );
+        }
+        println!(
+            "long-tail speedup adaptive/plain: {speedup:.2}x (medians of {} runs)",
+            a.reps
+        );
+        println!("adaptive K choices (last run, K: count): {ks:?}");
+        println!("greedy outputs identical across modes: {identical}");
+    }
+    if !identical {
+        bail!("speculative decoding changed the greedy outputs");
+    }
+    Ok(())
+}
+
+/// Prompts of the job's tasks (BOS + prompt text), each allowed to run to the model's cap.
+fn long_tail_batch(job: &JobConfig, n: usize) -> anyhow::Result<Vec<Request>> {
+    let tok = Tokenizer::new();
+    let mut tasks = TaskGenerator::new(
+        &job.data.families,
+        job.data.size_scale,
+        job.data.max_size,
+        SplitMix64::new(job.train.seed ^ 0x5eed_0001),
+    )?;
+    let seq_len = job.model.seq_len;
+    let mut out = Vec::with_capacity(n);
+    while out.len() < n {
+        let task = tasks.next_task();
+        let mut prompt = vec![BOS];
+        tok.encode_into(&task.prompt, &mut prompt)?;
+        if prompt.len() + 1 < seq_len {
+            out.push(Request {
+                max_new: seq_len - prompt.len(),
+                prompt,
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// Per batch size, the median time of one plain decode step and one verification step of
+/// `k + 1` positions (sequences prefilled with 16 positions; each timed step is rolled back
+/// by the next, so the cache stays the same), and the largest batch whose ratio is below
+/// `accept_len`.
+fn calibrate(
+    model: &Gpt<CpuBackend>,
+    stages: usize,
+    k: usize,
+    accept_len: f64,
+) -> anyhow::Result<(usize, Vec<(usize, f64, f64)>)> {
+    let mut st = InferStage::stages_of(model, &Cut::Even(stages))?;
+    let prefix = 16.min(model.config().seq_len.saturating_sub(k + 1)).max(1);
+    let mut table = Vec::new();
+    let mut threshold = 1;
+    for b in [1usize, 2, 4, 8, 16, 32] {
+        let spans: Vec<Span> = (0..b)
+            .map(|slot| Span {
+                slot,
+                start: 0,
+                len: prefix,
+            })
+            .collect();
+        run_stages(&mut st, &spans, &vec![3; b * prefix])?;
+        let mut time = |len: usize| -> anyhow::Result<f64> {
+            let spans: Vec<Span> = (0..b)
+                .map(|slot| Span {
+                    slot,
+                    start: prefix,
+                    len,
+                })
+                .collect();
+            let ids = vec![4; b * len];
+            let mut t = Vec::new();
+            for _ in 0..9 {
+                let s = Instant::now();
+                run_stages(&mut st, &spans, &ids)?;
+                t.push(s.elapsed().as_secs_f64());
+            }
+            Ok(median(t))
+        };
+        let (decode, verify) = (time(1)?, time(k + 1)?);
+        if verify / decode < accept_len {
+            threshold = b;
+        }
+        table.push((b, decode, verify));
+    }
+    Ok((threshold, table))
+}

@@ -1,0 +1,390 @@
+//! The rollout driver: launches group steps into the stage pipeline, turns the last stage's
+//! logits into tokens (plain sampling or speculative acceptance), keeps the groups split so
+//! that the stages stay busy, and records the figures.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::mpsc::{Receiver, Sender};
+use std::time::Instant;
+
+use super::pipe::{Done, Msg, WorkKind};
+use super::{LivePoint, Request, Rollout, RolloutConfig, RolloutError, RolloutStats, Speculation};
+use crate::data::SplitMix64;
+use crate::model::ModelError;
+use crate::model::drafter::{DraftChain, DraftContext, DraftRow};
+use crate::model::infer::Span;
+use crate::rl::accept::{accept_greedy, accept_sampling, argmax, sample, softmax};
+use crate::rl::bandit::KBandit;
+use crate::rl::speculative::Proposer;
+use crate::tensor::{Backend, IGNORE_TARGET};
+
+/// Fraction of the batch still live when the long tail starts.
+const TAIL_FRACTION: f64 = 0.25;
+
+struct Seq {
+    tokens: Vec<u32>,
+    prompt: usize,
+    /// Longest the sequence may grow (prompt + max_new, at most the model's positions).
+    cap: usize,
+    done: bool,
+    /// Final hidden states of positions `0..tokens.len() - 1`, `[.., d_model]`.
+    hidden: Vec<f32>,
+    /// Target distributions of the same positions (only when recording rows).
+    probs: Vec<f32>,
+    rng: SplitMix64,
+}
+
+struct InFlight {
+    members: Vec<usize>,
+    spans: Vec<Span>,
+    /// The drafts being verified, and the bandit's choice id.
+    drafts: Option<(Vec<DraftChain>, Option<usize>)>,
+    sent: Instant,
+}
+
+pub(super) struct Driver<'a> {
+    config: &'a RolloutConfig,
+    d: usize,
+    vocab: usize,
+    seqs: Vec<Seq>,
+    bandit: Option<KBandit>,
+    draft_rng: SplitMix64,
+    stats: RolloutStats,
+    curve: Vec<LivePoint>,
+    start: Instant,
+}
+
+impl<'a> Driver<'a> {
+    pub(super) fn new(
+        requests: &[Request],
+        config: &'a RolloutConfig,
+        d: usize,
+        vocab: usize,
+        seq_len: usize,
+    ) -> Self {
+        let seqs = requests
+            .iter()
+            .enumerate()
+            .map(|(i, r)| Seq {
+                tokens: r.prompt.clone(),
+                prompt: r.prompt.len(),
+                cap: (r.prompt.len() + r.max_new).min(seq_len),
+                done: r.max_new == 0,
+                hidden: Vec::new(),
+                probs: Vec::new(),
+                rng: SplitMix64::derive(config.seed, i as u64),
+            })
+            .collect();
+        let bandit = match &config.speculation {
+            Speculation::Adaptive(a) => Some(KBandit::new(
+                a.ks.clone(),
+                a.epsilon,
+                a.window,
+                config.seed ^ 0xb4d1,
+            )),
+            _ => None,
+        };
+        Driver {
+            config,
+            d,
+            vocab,
+            seqs,
+            bandit,
+            draft_rng: SplitMix64::derive(config.seed, u64::MAX),
+            stats: RolloutStats::default(),
+            curve: Vec::new(),
+            start: Instant::now(),
+        }
+    }
+
+    fn live(&self) -> usize {
+        self.seqs.iter().filter(|s| !s.done).count()
+    }
+
+    pub(super) fn run<B: Backend>(
+        &mut self,
+        first: &Sender<Msg<B>>,
+        results: &Receiver<Result<Done, ModelError>>,
+        mut proposer: Option<&mut dyn Proposer>,
+    ) -> Result<(), RolloutError> {
+        self.start = Instant::now();
+        let groups = self.config.groups;
+        let live: Vec<usize> = (0..self.seqs.len())
+            .filter(|&i| !self.seqs[i].done)
+            .collect();
+        let mut ready: VecDeque<Vec<usize>> = (0..groups)
+            .map(|g| {
+                live.iter()
+                    .copied()
+                    .skip(g)
+                    .step_by(groups)
+                    .collect::<Vec<_>>()
+            })
+            .filter(|g| !g.is_empty())
+            .collect();
+        let mut in_flight: HashMap<usize, InFlight> = HashMap::new();
+        let mut next_id = 0;
+        self.point();
+        loop {
+            while in_flight.len() < groups {
+                let Some(members) = ready.pop_front() else {
+                    break;
+                };
+                let f = self.launch(first, next_id, members, proposer.as_deref_mut())?;
+                in_flight.insert(next_id, f);
+                next_id += 1;
+            }
+            if in_flight.is_empty() {
+                return Ok(());
+            }
+            let done = results.recv().map_err(|_| RolloutError::Stopped)??;
+            let f = in_flight.remove(&done.group).ok_or(RolloutError::Stopped)?;
+            let (alive, finished) = self.absorb(&f, &done);
+            self.point();
+            if !finished.is_empty() {
+                first
+                    .send(Msg::Release(finished))
+                    .map_err(|_| RolloutError::Stopped)?;
+            }
+            // Split the group when stages would otherwise wait: the more groups in flight,
+            // the fewer bubbles, as long as each keeps at least one sequence.
+            let spare = groups.saturating_sub(in_flight.len() + ready.len());
+            let pieces = alive.len().min(spare.max(1));
+            if pieces > 0 {
+                let size = alive.len().div_ceil(pieces);
+                ready.extend(alive.chunks(size).map(<[usize]>::to_vec));
+            }
+        }
+    }
+
+    fn point(&mut self) {
+        self.curve.push(LivePoint {
+            t: self.start.elapsed().as_secs_f64(),
+            live: self.live(),
+            tokens: self.stats.tokens,
+        });
+    }
+
+    /// Sends one step of `members`: prefill, decode or (speculation on) verification.
+    fn launch<'p, B: Backend>(
+        &mut self,
+        first: &Sender<Msg<B>>,
+        group: usize,
+        members: Vec<usize>,
+        proposer: Option<&mut (dyn Proposer + 'p)>,
+    ) -> Result<InFlight, RolloutError> {
+        let sent = Instant::now();
+        let prefill = members.iter().all(|&i| self.seqs[i].hidden.is_empty());
+        let live = self.live();
+        let (k, choice) = match (&self.config.speculation, prefill) {
+            (_, true) | (Speculation::Off, _) => (0, None),
+            (Speculation::Fixed { k }, _) => (*k, None),
+            (Speculation::Adaptive(a), _) if live > a.threshold => (0, None),
+            (Speculation::Adaptive(_), _) => {
+                let bandit = self
+                    .bandit
+                    .as_mut()
+                    .expect("adaptive speculation has a bandit");
+                let (k, id) = bandit.choose(live);
+                (k, Some(id))
+            }
+        };
+        let drafts = match (k, proposer) {
+            (0, _) | (_, None) => None,
+            (k, Some(p)) => {
+                let d = self.d;
+                let contexts: Vec<DraftContext<'_>> = members
+                    .iter()
+                    .map(|&i| {
+                        let s = &self.seqs[i];
+                        let n = s.tokens.len() - 1;
+                        DraftContext {
+                            hidden: &s.hidden[..n * d],
+                            tokens: &s.tokens[1..],
+                        }
+                    })
+                    .collect();
+                let t = self.config.temperature;
+                let chains = p.propose(&contexts, k, t, &mut self.draft_rng)?;
+                if chains.len() != members.len() || chains.iter().any(|c| c.tokens.len() != k) {
+                    return Err(RolloutError::Propose(
+                        crate::rl::speculative::ProposeError {
+                            proposer: "proposer",
+                            reason: format!("asked {k} tokens for {} sequences", members.len()),
+                        },
+                    ));
+                }
+                Some((chains, choice))
+            }
+        };
+        let (mut spans, mut ids) = (Vec::with_capacity(members.len()), Vec::new());
+        for (m, &i) in members.iter().enumerate() {
+            let s = &self.seqs[i];
+            if prefill {
+                spans.push(Span {
+                    slot: i,
+                    start: 0,
+                    len: s.tokens.len(),
+                });
+                ids.extend_from_slice(&s.tokens);
+                continue;
+            }
+            let len = s.tokens.len();
+            // Never draft past the cap: the verified positions must fit the model.
+            let ki = drafts
+                .as_ref()
+                .map_or(0, |(c, _)| c[m].tokens.len().min(s.cap - len));
+            spans.push(Span {
+                slot: i,
+                start: len - 1,
+                len: 1 + ki,
+            });
+            ids.push(s.tokens[len - 1]);
+            if let Some((chains, _)) = &drafts {
+                ids.extend_from_slice(&chains[m].tokens[..ki]);
+            }
+        }
+        let kind = match (prefill, &drafts) {
+            (true, _) => WorkKind::Prefill,
+            (false, None) => WorkKind::Decode,
+            (false, Some(_)) => WorkKind::Verify { k },
+        };
+        tracing::trace!(group, ?kind, sequences = members.len(), "rollout step");
+        first
+            .send(Msg::Work {
+                group,
+                kind,
+                spans: spans.clone(),
+                ids,
+                hidden: None,
+            })
+            .map_err(|_| RolloutError::Stopped)?;
+        Ok(InFlight {
+            members,
+            spans,
+            drafts,
+            sent,
+        })
+    }
+
+    /// Applies a group's results; returns its still-live and its finished sequences.
+    fn absorb(&mut self, f: &InFlight, done: &Done) -> (Vec<usize>, Vec<usize>) {
+        let (d, v, t) = (self.d, self.vocab, self.config.temperature);
+        let (mut alive, mut finished) = (Vec::new(), Vec::new());
+        let mut r0 = 0;
+        let mut emitted_total = 0;
+        for (m, (&i, span)) in f.members.iter().zip(&f.spans).enumerate() {
+            let logits = &done.logits[r0 * v..(r0 + span.len) * v];
+            let hidden = &done.hidden[r0 * d..(r0 + span.len) * d];
+            r0 += span.len;
+            let row = |j: usize| &logits[j * v..(j + 1) * v];
+            let seq = &mut self.seqs[i];
+            let (kept, emitted) = match &f.drafts {
+                Some((chains, _)) if span.len > 1 => {
+                    let k = span.len - 1;
+                    let draft = &chains[m].tokens[..k];
+                    let verdict = if t == 0.0 {
+                        let rows: Vec<&[f32]> = (0..=k).map(row).collect();
+                        accept_greedy(draft, &rows)
+                    } else {
+                        let p: Vec<Vec<f32>> = (0..=k).map(|j| softmax(row(j), t)).collect();
+                        let p: Vec<&[f32]> = p.iter().map(Vec::as_slice).collect();
+                        let q: Vec<&[f32]> = (0..k)
+                            .map(|j| &chains[m].probs[j * v..(j + 1) * v])
+                            .collect();
+                        accept_sampling(draft, &p, &q, &mut seq.rng)
+                    };
+                    self.stats.verifications += 1;
+                    self.stats.drafted += k;
+                    self.stats.accepted += verdict.accepted;
+                    (verdict.accepted + 1, verdict.tokens)
+                }
+                _ => {
+                    let last = row(span.len - 1);
+                    let token = if t == 0.0 {
+                        argmax(last)
+                    } else {
+                        sample(&softmax(last, t), &mut seq.rng)
+                    };
+                    (span.len, vec![token])
+                }
+            };
+            // Hidden states of the positions the target has now really seen.
+            seq.hidden.truncate(span.start * d);
+            seq.hidden.extend_from_slice(&hidden[..kept * d]);
+            if self.config.record_rows {
+                seq.probs.truncate(span.start * v);
+                (0..kept).for_each(|j| seq.probs.extend(softmax(row(j), 1.0)));
+            }
+            for tok in emitted {
+                seq.tokens.push(tok);
+                emitted_total += 1;
+                if tok == self.config.eos || seq.tokens.len() >= seq.cap {
+                    seq.done = true;
+                    break;
+                }
+            }
+            if seq.done {
+                finished.push(i);
+            } else {
+                alive.push(i);
+            }
+        }
+        self.stats.tokens += emitted_total;
+        self.stats.steps += 1;
+        if let (Some((_, Some(id))), Some(b)) = (&f.drafts, self.bandit.as_mut()) {
+            let per_seq = emitted_total as f64 / f.members.len() as f64;
+            b.reward(
+                *id,
+                per_seq,
+                f.members.len(),
+                f.sent.elapsed().as_secs_f64(),
+            );
+        }
+        (alive, finished)
+    }
+
+    pub(super) fn finish(self, stage_busy_s: Vec<f64>) -> Rollout {
+        let mut stats = self.stats;
+        stats.seconds = self.start.elapsed().as_secs_f64();
+        stats.stage_busy_s = stage_busy_s;
+        let n = self.seqs.len();
+        let tail_live = ((n as f64 * TAIL_FRACTION).floor() as usize).max(1);
+        let tail = self.curve.iter().find(|p| p.live <= tail_live);
+        if let Some(p) = tail {
+            stats.tail_start_s = p.t;
+            stats.tail_tokens = stats.tokens - p.tokens;
+        }
+        let (d, v) = (self.d, self.vocab);
+        let record = self.config.record_rows;
+        let step = self.config.step;
+        let mut rows = Vec::new();
+        let mut sequences = Vec::with_capacity(n);
+        let mut prompt_lens = Vec::with_capacity(n);
+        for s in self.seqs {
+            if record && s.tokens.len() > 1 {
+                // Position p's hidden state predicts token p + 1; the last token was never fed.
+                let len = (s.tokens.len() - 1).min(s.hidden.len() / d);
+                let mut targets: Vec<u32> = s.tokens[1..=len].to_vec();
+                if targets.is_empty() {
+                    targets.push(IGNORE_TARGET);
+                }
+                rows.push(DraftRow {
+                    hidden: s.hidden[..len * d].to_vec(),
+                    targets,
+                    probs: s.probs[..len * v].to_vec(),
+                    step,
+                });
+            }
+            prompt_lens.push(s.prompt);
+            sequences.push(s.tokens);
+        }
+        Rollout {
+            sequences,
+            prompt_lens,
+            rows,
+            stats,
+            live_curve: self.curve,
+            choices: self.bandit.map(|b| b.log().to_vec()).unwrap_or_default(),
+        }
+    }
+}

@@ -1,0 +1,337 @@
+//! The rollout engine: batched generation through the pipeline stages, each with its own
+//! KV cache, with optional lossless speculative decoding and an adaptive choice of K.
+//!
+//! What is real here: every stage is an [`InferStage`] on its own thread (`pipe`), and the
+//! driver (this module, on the calling thread: the rank that holds the final hidden states
+//! and the drafter) keeps up to `groups` groups of sequences in flight, one behind another,
+//! so that while stage 2 works on group A stage 1 already works on group B. Everything runs
+//! in one process; the stage-to-stage messages are channels, not the actor transport.
+//!
+//! One step of a group is prefill (the prompts), decode (one position per sequence) or
+//! verification (the last token plus K drafted ones, K+1 positions, in one pass); see
+//! [`super::accept`] for the acceptance rules and [`super::speculative`] for the drafts.
+//! Sequences end at EOS or at their length cap, so the live batch shrinks into a long tail;
+//! when a group comes back and fewer than `groups` are in flight, its live sequences are
+//! split so that the stages stay busy. With [`Speculation::Adaptive`] speculation runs only
+//! while the live batch is at most `threshold`, and a [`KBandit`] picks K per live-batch
+//! bucket.
+
+mod driver;
+mod pipe;
+
+pub use pipe::{MessageHook, WorkKind};
+
+use std::sync::Arc;
+use std::sync::mpsc;
+
+use serde::Serialize;
+
+use super::bandit::Choice;
+use super::speculative::{ProposeError, Proposer};
+use crate::model::ModelError;
+use crate::model::drafter::DraftRow;
+use crate::model::infer::InferStage;
+use crate::tensor::Backend;
+use driver::Driver;
+use pipe::{Msg, stage_loop};
+
+/// What can go wrong in a rollout.
+#[derive(Debug, thiserror::Error)]
+pub enum RolloutError {
+    #[error("rollout config: `{field}` {reason}")]
+    Config { field: &'static str, reason: String },
+    #[error("request {index}: {reason}")]
+    Request { index: usize, reason: String },
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(transparent)]
+    Propose(#[from] ProposeError),
+    #[error("stage threads stopped before the rollout finished")]
+    Stopped,
+}
+
+/// Live batch at or below which [`AdaptiveConfig::default`] speculates. Derived with
+/// `pipefill bench rollout`, which measures, per batch size, the time of one verification
+/// step of K+1 positions against one plain decode step and reports the largest batch whose
+/// ratio stays below the measured acceptance length (where a verify step emits more tokens
+/// per second than plain decoding); see `calibrate` in the bench and the report in the
+/// commit that set this value.
+pub const DEFAULT_SPEC_THRESHOLD: usize = 8;
+
+/// When to speculate.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Speculation {
+    /// Plain decoding.
+    Off,
+    /// Always draft `k` tokens.
+    Fixed { k: usize },
+    /// Speculate while the live batch is small; K chosen by a bandit.
+    Adaptive(AdaptiveConfig),
+}
+
+/// The adaptive engine's knobs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AdaptiveConfig {
+    /// Speculate only while at most this many sequences are live.
+    pub threshold: usize,
+    /// The draft lengths the bandit chooses from.
+    pub ks: Vec<usize>,
+    /// Probability of a random K.
+    pub epsilon: f64,
+    /// Rewards per arm the median is taken over.
+    pub window: usize,
+}
+
+impl Default for AdaptiveConfig {
+    fn default() -> Self {
+        AdaptiveConfig {
+            threshold: DEFAULT_SPEC_THRESHOLD,
+            ks: vec![1, 2, 3, 4, 6],
+            epsilon: 0.1,
+            window: 8,
+        }
+    }
+}
+
+/// One rollout's settings.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RolloutConfig {
+    /// The end-of-sequence token (kept in the completion).
+    pub eos: u32,
+    /// 0: greedy; otherwise sampling from `softmax(logits / temperature)`.
+    pub temperature: f32,
+    /// Groups of sequences in flight through the stages at once.
+    pub groups: usize,
+    /// Seeds sampling (one stream per sequence) and the bandit.
+    pub seed: u64,
+    pub speculation: Speculation,
+    /// Keep each finished sequence's hidden states and target distributions as a
+    /// [`DraftRow`] (training rows for the drafter).
+    pub record_rows: bool,
+    /// Target step recorded in the rows.
+    pub step: u64,
+}
+
+impl Default for RolloutConfig {
+    fn default() -> Self {
+        RolloutConfig {
+            eos: crate::data::tokenizer::EOS,
+            temperature: 0.0,
+            groups: 4,
+            seed: 0,
+            speculation: Speculation::Off,
+            record_rows: false,
+            step: 0,
+        }
+    }
+}
+
+/// One sequence to generate: a prompt and at most `max_new` new tokens (also capped by the
+/// model's learned positions).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Request {
+    pub prompt: Vec<u32>,
+    pub max_new: usize,
+}
+
+/// The live batch after a group step.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct LivePoint {
+    /// Seconds since the rollout started.
+    pub t: f64,
+    pub live: usize,
+    /// Tokens generated so far.
+    pub tokens: usize,
+}
+
+/// Figures of one rollout.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct RolloutStats {
+    /// Tokens generated (EOS included).
+    pub tokens: usize,
+    pub seconds: f64,
+    /// Group steps (messages through the whole pipeline).
+    pub steps: usize,
+    /// Per-sequence verifications, draft tokens proposed, draft tokens accepted.
+    pub verifications: usize,
+    pub drafted: usize,
+    pub accepted: usize,
+    /// Compute time of each stage thread (the rest is idle: bubbles).
+    pub stage_busy_s: Vec<f64>,
+    /// The long tail: from the first moment at most a quarter of the batch is live.
+    pub tail_start_s: f64,
+    pub tail_tokens: usize,
+}
+
+impl RolloutStats {
+    pub fn tokens_per_s(&self) -> f64 {
+        self.tokens as f64 / self.seconds.max(1e-9)
+    }
+    /// Tokens per second in the long tail.
+    pub fn tail_tokens_per_s(&self) -> f64 {
+        self.tail_tokens as f64 / (self.seconds - self.tail_start_s).max(1e-9)
+    }
+    /// Mean tokens emitted per verification (accepted drafts + the bonus token); 1 is what
+    /// plain decoding emits per step.
+    pub fn acceptance_length(&self) -> f64 {
+        if self.verifications == 0 {
+            return 1.0;
+        }
+        (self.accepted + self.verifications) as f64 / self.verifications as f64
+    }
+}
+
+/// What a rollout produced.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Rollout {
+    /// Prompt + completion of each request, in request order.
+    pub sequences: Vec<Vec<u32>>,
+    /// Where each completion starts in its sequence.
+    pub prompt_lens: Vec<usize>,
+    /// Drafter training rows (when `record_rows`), in request order.
+    pub rows: Vec<DraftRow>,
+    pub stats: RolloutStats,
+    pub live_curve: Vec<LivePoint>,
+    /// The bandit's choices (adaptive speculation).
+    pub choices: Vec<Choice>,
+}
+
+impl Rollout {
+    /// The generated tokens of request `i`.
+    pub fn completion(&self, i: usize) -> &[u32] {
+        &self.sequences[i][self.prompt_lens[i]..]
+    }
+}
+
+/// The pipeline's inference stages, ready to generate.
+pub struct RolloutEngine<B: Backend> {
+    stages: Vec<InferStage<B>>,
+    hook: Option<Arc<dyn MessageHook>>,
+}
+
+impl<B: Backend> RolloutEngine<B> {
+    /// An engine over `stages` (first with the embedding, last with the head, in order).
+    pub fn new(stages: Vec<InferStage<B>>) -> Result<Self, RolloutError> {
+        let ok = !stages.is_empty()
+            && stages[0].is_first()
+            && stages[stages.len() - 1].is_last()
+            && stages
+                .windows(2)
+                .all(|w| w[0].blocks().end == w[1].blocks().start);
+        if !ok {
+            return Err(RolloutError::Config {
+                field: "stages",
+                reason: "must be the model's stages in order, embedding first, head last".into(),
+            });
+        }
+        Ok(RolloutEngine { stages, hook: None })
+    }
+
+    /// Files every stage message with `hook` (e.g. a bubble router).
+    pub fn with_hook(mut self, hook: Arc<dyn MessageHook>) -> Self {
+        self.hook = Some(hook);
+        self
+    }
+
+    pub fn stages(&self) -> &[InferStage<B>] {
+        &self.stages
+    }
+
+    /// Generates a completion for every request.
+    pub fn run(
+        &mut self,
+        requests: &[Request],
+        config: &RolloutConfig,
+        proposer: Option<&mut dyn Proposer>,
+    ) -> Result<Rollout, RolloutError> {
+        let model = self.stages[0].config().clone();
+        check(
+            requests,
+            config,
+            proposer.is_some(),
+            model.seq_len,
+            model.vocab,
+        )?;
+        let n_stages = self.stages.len();
+        let hook = self.hook.clone();
+        let (drv_tx, drv_rx) = mpsc::channel();
+        std::thread::scope(|scope| {
+            let (mut txs, mut rxs) = (Vec::new(), Vec::new());
+            for _ in 0..n_stages {
+                let (tx, rx) = mpsc::channel::<Msg<B>>();
+                txs.push(tx);
+                rxs.push(rx);
+            }
+            let handles: Vec<_> = self
+                .stages
+                .iter_mut()
+                .zip(rxs)
+                .enumerate()
+                .map(|(i, (stage, rx))| {
+                    let next = txs.get(i + 1).cloned();
+                    let (drv, hook) = (drv_tx.clone(), hook.clone());
+                    scope.spawn(move || stage_loop(i, stage, rx, next, drv, hook))
+                })
+                .collect();
+            let first = txs.swap_remove(0);
+            drop(txs);
+            drop(drv_tx);
+            let mut driver =
+                Driver::new(requests, config, model.d_model, model.vocab, model.seq_len);
+            let result = driver.run(&first, &drv_rx, proposer);
+            drop(first);
+            let busy: Vec<f64> = handles
+                .into_iter()
+                .map(|h| h.join().map(|d| d.as_secs_f64()).unwrap_or(f64::NAN))
+                .collect();
+            result.map(|()| driver.finish(busy))
+        })
+    }
+}
+
+fn check(
+    requests: &[Request],
+    config: &RolloutConfig,
+    has_proposer: bool,
+    seq_len: usize,
+    vocab: usize,
+) -> Result<(), RolloutError> {
+    let bad = |field, reason: String| Err(RolloutError::Config { field, reason });
+    if config.groups == 0 {
+        return bad("groups", "must be at least 1".into());
+    }
+    if !(config.temperature >= 0.0 && config.temperature.is_finite()) {
+        return bad(
+            "temperature",
+            format!("{} is not a finite number ≥ 0", config.temperature),
+        );
+    }
+    match &config.speculation {
+        Speculation::Off => {}
+        _ if !has_proposer => return bad("speculation", "needs a proposer".into()),
+        Speculation::Fixed { k: 0 } => return bad("speculation.k", "must be at least 1".into()),
+        Speculation::Adaptive(a) if a.ks.is_empty() || a.ks.contains(&0) => {
+            return bad(
+                "speculation.ks",
+                format!("{:?}: need draft lengths ≥ 1", a.ks),
+            );
+        }
+        _ => {}
+    }
+    for (index, r) in requests.iter().enumerate() {
+        let reason = if r.prompt.is_empty() {
+            "empty prompt".to_string()
+        } else if r.prompt.len() >= seq_len {
+            format!(
+                "prompt of {} tokens leaves no room in {seq_len} positions",
+                r.prompt.len()
+            )
+        } else if let Some(t) = r.prompt.iter().find(|&&t| t as usize >= vocab) {
+            format!("token {t} is outside the vocabulary {vocab}")
+        } else {
+            continue;
+        };
+        return Err(RolloutError::Request { index, reason });
+    }
+    Ok(())
+}

@@ -1,0 +1,151 @@
+//! The draft side of speculative decoding: the [`Proposer`] seam, and the proposers the
+//! engine and its tests use.
+//!
+//! A proposer sees each live sequence as the drafter API does
+//! ([`DraftContext`]: the target's final hidden states `h_i` paired with the token `x_{i+1}`
+//! that followed each, the last token being the one just emitted and not yet run through
+//! the target) and returns a chain of K tokens with the distributions `q` they were drawn
+//! from ([`DraftChain`]). Temperature 0 means greedy drafting.
+//! - [`Drafter`](crate::model::drafter::Drafter): the trained EAGLE-style drafter;
+//! - [`RandomProposer`]: random chains (acceptance must stay lossless even then);
+//! - [`OracleProposer`]: replays known continuations (every draft right), for tests.
+//!
+//! The engine verifies a chain with one multi-position pass and applies [`super::accept`].
+
+use crate::data::SplitMix64;
+use crate::model::drafter::{DraftChain, DraftContext, Drafter};
+use crate::tensor::Backend;
+
+/// Why a proposer could not draft.
+#[derive(Debug, thiserror::Error)]
+#[error("proposer {proposer}: {reason}")]
+pub struct ProposeError {
+    pub proposer: &'static str,
+    pub reason: String,
+}
+
+/// Drafts chains of `k` tokens for a batch of sequences.
+pub trait Proposer {
+    /// One chain per context, each of exactly `k` tokens with `k·vocab` probabilities.
+    fn propose(
+        &mut self,
+        contexts: &[DraftContext<'_>],
+        k: usize,
+        temperature: f32,
+        rng: &mut SplitMix64,
+    ) -> Result<Vec<DraftChain>, ProposeError>;
+}
+
+impl<B: Backend> Proposer for Drafter<B> {
+    fn propose(
+        &mut self,
+        contexts: &[DraftContext<'_>],
+        k: usize,
+        temperature: f32,
+        rng: &mut SplitMix64,
+    ) -> Result<Vec<DraftChain>, ProposeError> {
+        Drafter::propose(self, contexts, k, temperature, rng).map_err(|e| ProposeError {
+            proposer: "drafter",
+            reason: e.to_string(),
+        })
+    }
+}
+
+/// Random chains: each position's `q` is a random distribution over the vocabulary, and
+/// the token is drawn from it (or its argmax when greedy).
+#[derive(Clone, Debug)]
+pub struct RandomProposer {
+    vocab: usize,
+}
+
+impl RandomProposer {
+    pub fn new(vocab: usize) -> Self {
+        RandomProposer { vocab }
+    }
+}
+
+impl Proposer for RandomProposer {
+    fn propose(
+        &mut self,
+        contexts: &[DraftContext<'_>],
+        k: usize,
+        temperature: f32,
+        rng: &mut SplitMix64,
+    ) -> Result<Vec<DraftChain>, ProposeError> {
+        let v = self.vocab;
+        Ok(contexts
+            .iter()
+            .map(|_| {
+                let mut chain = DraftChain {
+                    tokens: Vec::with_capacity(k),
+                    probs: Vec::with_capacity(k * v),
+                };
+                for _ in 0..k {
+                    let w: Vec<f32> = (0..v).map(|_| rng.next_f64() as f32 + 1e-3).collect();
+                    let sum: f32 = w.iter().sum();
+                    let q: Vec<f32> = w.iter().map(|x| x / sum).collect();
+                    let t = if temperature == 0.0 {
+                        super::accept::argmax(&q)
+                    } else {
+                        super::accept::sample(&q, rng)
+                    };
+                    chain.tokens.push(t);
+                    chain.probs.extend_from_slice(&q);
+                }
+                chain
+            })
+            .collect())
+    }
+}
+
+/// Replays known sequences: after a prefix that matches one of them, proposes its next
+/// tokens with `q` one-hot (a deterministic drafter). Past the end of the known sequence,
+/// or when none matches, it proposes token 0.
+#[derive(Clone, Debug, Default)]
+pub struct OracleProposer {
+    vocab: usize,
+    known: Vec<Vec<u32>>,
+}
+
+impl OracleProposer {
+    /// An oracle over whole `sequences` (prompt + continuation).
+    pub fn new(vocab: usize, sequences: &[Vec<u32>]) -> Self {
+        OracleProposer {
+            vocab,
+            known: sequences.to_vec(),
+        }
+    }
+}
+
+impl Proposer for OracleProposer {
+    fn propose(
+        &mut self,
+        contexts: &[DraftContext<'_>],
+        k: usize,
+        _temperature: f32,
+        _rng: &mut SplitMix64,
+    ) -> Result<Vec<DraftChain>, ProposeError> {
+        let v = self.vocab;
+        Ok(contexts
+            .iter()
+            .map(|c| {
+                // A context holds the sequence's positions 1..=n (see `DraftContext`).
+                let n = c.tokens.len();
+                let found = self
+                    .known
+                    .iter()
+                    .find(|s| s.len() > n && s[1..=n] == *c.tokens);
+                let mut chain = DraftChain {
+                    tokens: Vec::with_capacity(k),
+                    probs: vec![0.0; k * v],
+                };
+                for j in 0..k {
+                    let t = found.and_then(|s| s.get(n + 1 + j).copied()).unwrap_or(0);
+                    chain.tokens.push(t);
+                    chain.probs[j * v + t as usize] = 1.0;
+                }
+                chain
+            })
+            .collect())
+    }
+}

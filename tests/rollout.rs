@@ -1,0 +1,208 @@
+//! The rollout engine end to end: plain decoding through pipelined KV-cache stages equals
+//! greedy generation with the training model, and speculative decoding is lossless.
+
+use pipefill::data::SplitMix64;
+use pipefill::model::drafter::{DraftBufferHandle, Drafter, DrafterConfig, DrafterTrainer};
+use pipefill::model::infer::InferStage;
+use pipefill::model::{Cut, Gpt, GptConfig, Shape};
+use pipefill::rl::accept::argmax;
+use pipefill::rl::rollout::{
+    AdaptiveConfig, Request, Rollout, RolloutConfig, RolloutEngine, RolloutError, Speculation,
+};
+use pipefill::rl::speculative::{OracleProposer, Proposer, RandomProposer};
+use pipefill::tensor::CpuBackend;
+
+fn config() -> GptConfig {
+    GptConfig {
+        layers: 4,
+        seq_len: 40,
+        seed: 11,
+        ..GptConfig::default()
+    }
+}
+
+fn gpt() -> Gpt<CpuBackend> {
+    Gpt::new(&config(), CpuBackend::new(1).unwrap(), &Cut::Even(1)).unwrap()
+}
+
+fn engine(gpt: &Gpt<CpuBackend>) -> RolloutEngine<CpuBackend> {
+    RolloutEngine::new(InferStage::stages_of(gpt, &Cut::Layers(vec![1, 2, 1])).unwrap()).unwrap()
+}
+
+/// Ragged prompts and caps: the live batch shrinks step by step (a long tail).
+fn requests(n: usize) -> Vec<Request> {
+    let mut rng = SplitMix64::new(5);
+    (0..n)
+        .map(|i| Request {
+            prompt: (0..3 + i % 4).map(|_| 3 + rng.below(47) as u32).collect(),
+            max_new: 4 + (i * 7) % 25,
+        })
+        .collect()
+}
+
+fn run(
+    e: &mut RolloutEngine<CpuBackend>,
+    spec: Speculation,
+    groups: usize,
+    p: Option<&mut dyn Proposer>,
+) -> Rollout {
+    let cfg = RolloutConfig {
+        groups,
+        speculation: spec,
+        record_rows: true,
+        ..RolloutConfig::default()
+    };
+    e.run(&requests(10), &cfg, p).unwrap()
+}
+
+#[test]
+fn plain_rollout_equals_greedy_generation_of_the_training_model() {
+    let mut model = gpt();
+    let out = run(&mut engine(&model), Speculation::Off, 3, None);
+    for (i, r) in requests(10).iter().enumerate() {
+        let mut seq = r.prompt.clone();
+        while seq.len() < r.prompt.len() + r.max_new {
+            let shape = Shape {
+                batch: 1,
+                seq: seq.len(),
+            };
+            let logits = model.logits(shape, &seq).unwrap();
+            let t = argmax(&logits[(seq.len() - 1) * 50..]);
+            seq.push(t);
+            if t == 2 {
+                break;
+            }
+        }
+        assert_eq!(out.sequences[i], seq, "request {i}");
+    }
+    assert!(out.live_curve.windows(2).all(|w| w[1].live <= w[0].live));
+    assert_eq!(out.live_curve.last().unwrap().live, 0);
+    assert_eq!(out.stats.verifications, 0);
+}
+
+#[test]
+fn greedy_speculation_is_token_for_token_plain_decoding() {
+    let model = gpt();
+    let mut e = engine(&model);
+    let plain = run(&mut e, Speculation::Off, 2, None);
+    let mut random = RandomProposer::new(50);
+    let fixed = run(&mut e, Speculation::Fixed { k: 3 }, 2, Some(&mut random));
+    assert_eq!(fixed.sequences, plain.sequences, "random drafts");
+    assert!(fixed.stats.verifications > 0);
+    let mut oracle = OracleProposer::new(50, &plain.sequences);
+    let exact = run(&mut e, Speculation::Fixed { k: 4 }, 3, Some(&mut oracle));
+    assert_eq!(exact.sequences, plain.sequences, "oracle drafts");
+    assert!(
+        exact.stats.acceptance_length() > 3.0,
+        "an oracle's drafts are accepted: {}",
+        exact.stats.acceptance_length()
+    );
+    assert!(
+        exact.stats.steps < plain.stats.steps,
+        "fewer steps with accepted drafts"
+    );
+    let adaptive = AdaptiveConfig {
+        threshold: 4,
+        ..AdaptiveConfig::default()
+    };
+    let mut random = RandomProposer::new(50);
+    let ad = run(
+        &mut e,
+        Speculation::Adaptive(adaptive),
+        2,
+        Some(&mut random),
+    );
+    assert_eq!(ad.sequences, plain.sequences, "adaptive");
+    assert!(!ad.choices.is_empty(), "the bandit logged its choices");
+    assert!(
+        ad.choices.iter().all(|c| c.live <= 4),
+        "speculation only in the tail"
+    );
+}
+
+#[test]
+fn greedy_speculation_with_the_drafter_untrained_and_trained() {
+    let model = gpt();
+    let mut e = engine(&model);
+    let plain = run(&mut e, Speculation::Off, 2, None);
+    let dc = DrafterConfig {
+        window: 8,
+        batch_rows: 4,
+        max_positions: 32,
+        ..DrafterConfig::default()
+    };
+    let be = CpuBackend::new(1).unwrap();
+    let mut drafter = Drafter::new(&config(), &dc, be).unwrap();
+    drafter.refresh_from_gpt(&model, 0).unwrap();
+    let untrained = run(&mut e, Speculation::Fixed { k: 3 }, 2, Some(&mut drafter));
+    assert_eq!(untrained.sequences, plain.sequences, "untrained drafter");
+    // Train on the rows the plain rollout just produced (its own outputs).
+    let buffer = DraftBufferHandle::new(&config(), &dc);
+    buffer.begin_step(0);
+    for row in plain.rows.iter().cloned() {
+        buffer.lock().push(row).unwrap();
+    }
+    let mut trainer = DrafterTrainer::new(drafter, buffer, 0, 1).unwrap();
+    for _ in 0..60 {
+        trainer.slice().unwrap();
+    }
+    let out = run(
+        &mut e,
+        Speculation::Fixed { k: 3 },
+        2,
+        Some(trainer.drafter_mut()),
+    );
+    assert_eq!(out.sequences, plain.sequences, "trained drafter");
+    assert!(
+        out.stats.acceptance_length() > untrained.stats.acceptance_length(),
+        "training on the rollouts raises acceptance: {} vs {}",
+        out.stats.acceptance_length(),
+        untrained.stats.acceptance_length()
+    );
+}
+
+#[test]
+fn sampling_is_reproducible_and_independent_of_grouping() {
+    let model = gpt();
+    let mut e = engine(&model);
+    let cfg = |groups| RolloutConfig {
+        temperature: 0.8,
+        groups,
+        seed: 4,
+        ..RolloutConfig::default()
+    };
+    let a = e.run(&requests(8), &cfg(1), None).unwrap();
+    let b = e.run(&requests(8), &cfg(4), None).unwrap();
+    assert_eq!(a.sequences, b.sequences);
+    let greedy = e
+        .run(&requests(8), &RolloutConfig::default(), None)
+        .unwrap();
+    assert_ne!(
+        a.sequences, greedy.sequences,
+        "temperature 0.8 is not greedy"
+    );
+}
+
+#[test]
+fn bad_requests_and_configs_are_errors() {
+    let model = gpt();
+    let mut e = engine(&model);
+    let empty = [Request {
+        prompt: vec![],
+        max_new: 3,
+    }];
+    let err = e.run(&empty, &RolloutConfig::default(), None).unwrap_err();
+    assert!(
+        matches!(err, RolloutError::Request { index: 0, .. }),
+        "{err}"
+    );
+    let spec = RolloutConfig {
+        speculation: Speculation::Fixed { k: 2 },
+        ..RolloutConfig::default()
+    };
+    let err = e.run(&requests(2), &spec, None).unwrap_err();
+    assert!(err.to_string().contains("needs a proposer"), "{err}");
+    let stages = InferStage::stages_of(&model, &Cut::Even(2)).unwrap();
+    let reversed: Vec<_> = stages.into_iter().rev().collect();
+    assert!(RolloutEngine::new(reversed).is_err());
+}
