@@ -155,7 +155,7 @@ impl<B: Backend> StageCompute for RankCompute<B> {
         input: Option<B::Buf>,
     ) -> Result<Option<B::Buf>, PipelineError> {
         let step = self.step();
-        let data = self.shared.feed.get(step);
+        let data = self.shared.step_data(step);
         let mb = data
             .batches
             .get(microbatch as usize)
@@ -221,6 +221,10 @@ impl<B: Backend> StageCompute for RankCompute<B> {
 
     fn grad_stats(&mut self, iteration: u64) -> Result<GradStats, PipelineError> {
         self.check_iteration(iteration)?;
+        // Data-parallel replicas sum their gradients first, so the norm, the clip decision
+        // and the step are the whole batch's on every replica.
+        let params = self.chunks.values_mut().flat_map(|c| c.params_mut());
+        self.shared.sync_grads(&self.backend, params)?;
         let mut own = Vec::with_capacity(self.chunks.len());
         let mut stats = GradStats::default();
         for (&stage, chunk) in &self.chunks {
@@ -379,7 +383,7 @@ impl<B: Backend> RankCompute<B> {
         if let Some(g) = grad {
             return Ok(ChunkGrad::Hidden(g));
         }
-        let data = self.shared.feed.get(self.step());
+        let data = self.shared.step_data(self.step());
         let scale =
             data.scales
                 .get(microbatch as usize)

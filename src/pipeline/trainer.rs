@@ -37,6 +37,8 @@ pub struct PipelineTrainer {
     plan: Plan,
     clock: Clock,
     resume: Option<Checkpoint>,
+    /// This pipeline's place among data-parallel replicas (`None`: the whole batch).
+    replica: Option<super::shared::Replica>,
     step_mode: StepMode,
     speculative: bool,
     /// Steps handed over by the caller instead of the synthetic stream.
@@ -63,6 +65,7 @@ impl PipelineTrainer {
             plan,
             clock: clock_of(job),
             resume: None,
+            replica: None,
             step_mode: StepMode::default(),
             speculative: false,
             feed: None,
@@ -129,6 +132,35 @@ impl PipelineTrainer {
     pub fn speculative_steps(mut self, on: bool) -> Self {
         self.speculative = on;
         self
+    }
+
+    /// A trainer for replica `replica.index` of `replica.count` data-parallel pipelines of
+    /// the same plan (see [`super::shared::Replica`]): each runs its share of every step's
+    /// micro-batches, with the whole batch's loss scales, and each rank all-reduces its
+    /// gradients with the same rank of the other replicas before the optimizer step. The
+    /// job's `train.micro_batches` is the whole batch; `plan` runs
+    /// `train.micro_batches / replica.count` of them.
+    pub fn replica(
+        job: &JobConfig,
+        plan: Plan,
+        replica: super::shared::Replica,
+    ) -> Result<Self, PipelineError> {
+        let (m, n) = (job.train.micro_batches, replica.count);
+        if n == 0 || replica.index >= n || m % n != 0 {
+            return Err(PipelineError::Config {
+                field: "dp",
+                reason: format!(
+                    "replica {} of {n} cannot take an equal share of train.micro_batches = {m}",
+                    replica.index
+                ),
+            });
+        }
+        let mut share = job.clone();
+        share.train.micro_batches = m / n;
+        let mut trainer = Self::new(&share, plan)?;
+        trainer.job = job.clone();
+        trainer.replica = Some(replica);
+        Ok(trainer)
     }
 
     /// Continues from `checkpoint` (parameters, optimizer moments, step); its model and
@@ -259,7 +291,9 @@ impl PipelineTrainer {
         };
         feed.prefetch(self.first_step());
         let (progress, steps_rx) = channel();
-        let shared = Arc::new(Shared::new(plan.num_ranks(), feed, progress));
+        let shared = Arc::new(
+            Shared::new(plan.num_ranks(), feed, progress).with_replica(self.replica.clone()),
+        );
         let computes = self.computes(&shared, steps)?;
         let (profiles, profiles_rx) = channel();
         let mut pipeline = Pipeline::new(PlanSource::Given(plan.clone()), self.clock)
