@@ -69,6 +69,22 @@ fn best_builtin(shape: &Plan, cost: &CostModel, limit: f64) -> Option<f64> {
         .reduce(f64::min)
 }
 
+/// Whether every stage runs its F's, I's and W's in micro-batch order (what keeps a
+/// pipelined run's gradient sums, and so its parameters, bitwise the reference trainer's).
+fn in_microbatch_order(plan: &Plan) -> bool {
+    use pipefill_schedules::ActionKind::{F, I, W};
+    [F, I, W].into_iter().all(|kind| {
+        (0..plan.stages as u32).all(|s| {
+            let mbs: Vec<u32> = plan
+                .iter()
+                .filter(|(_, _, a)| a.kind == kind && a.stage == s)
+                .map(|(_, _, a)| a.microbatch)
+                .collect();
+            mbs.iter().copied().eq(0..plan.microbatches as u32)
+        })
+    })
+}
+
 #[test]
 fn plans_are_valid_within_the_limit_and_never_worse_than_a_fitting_builtin() {
     for p in [2, 3, 4] {
@@ -91,6 +107,7 @@ fn plans_are_valid_within_the_limit_and_never_worse_than_a_fitting_builtin() {
                         };
                         validate(&a.plan, &opts).unwrap_or_else(|e| panic!("{what}: {e}"));
                         assert!(a.plan.is_compute_only(), "{what}");
+                        assert!(in_microbatch_order(&a.plan), "{what}");
                         assert_eq!(a.plan.placement, placement, "{what}");
                         assert!(
                             peak_memory(&a.plan, cost).iter().all(|&x| x <= limit),

@@ -14,7 +14,9 @@
 //!   simulator.
 //!
 //! The built-in schedules of the same shape (same `v`, same placement) that fit the limit
-//! are candidates too, so the result is never worse than the best of them. Plans are
+//! are candidates too, so the result is never worse than the best of them. Every stage runs
+//! its F's, I's and W's in micro-batch order, as the built-ins do, so a stage accumulates
+//! its weight gradients in the reference trainer's order. Plans are
 //! ranked by steady bubble ratio, then bubble ratio, then peak memory (DESIGN.md,
 //! "Metrics"); the winner is validated against the limit before it is returned.
 

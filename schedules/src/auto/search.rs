@@ -277,29 +277,39 @@ fn move_actions(s: &mut Search<'_>) {
     }
 }
 
-/// Whether rank `r`'s `list` keeps the dependencies that lie within the rank: F after the
-/// previous stage's F, I after its own F and after the next stage's I, W after its I (the
-/// simulator would report a broken one as a deadlock, after simulating everything).
+/// Whether rank `r`'s `list` keeps the dependencies that lie within the rank (F after the
+/// previous stage's F, I after its own F and after the next stage's I, W after its I: the
+/// simulator would report a broken one as a deadlock, after simulating everything), and
+/// runs each stage's F's, I's and W's in micro-batch order, as the greedy scheduler does: a
+/// stage then accumulates its weight gradients in the reference trainer's order, so a
+/// pipelined run stays bitwise the reference.
 fn in_rank_order(plan: &Plan, r: usize, list: &[Option<Action>]) -> bool {
     let (stages, m) = (plan.stages, plan.microbatches);
     let at = |s: u32, mb: u32| mb as usize * stages + s as usize;
     let mut f_done = vec![false; stages * m];
     let mut i_done = vec![false; stages * m];
+    // Per stage: the next micro-batch of F, I and W.
+    let mut next = vec![[0u32; 3]; stages];
     let local = |s: u32| (s as usize) < stages && plan.rank_of(s) == r;
     list.iter().flatten().all(|a| {
         let (s, mb) = (a.stage, a.microbatch);
-        let ok = match a.kind {
-            ActionKind::F => s == 0 || !local(s - 1) || f_done[at(s - 1, mb)],
-            ActionKind::I => f_done[at(s, mb)] && (!local(s + 1) || i_done[at(s + 1, mb)]),
-            ActionKind::W => i_done[at(s, mb)],
-            _ => true,
+        let (ok, slot) = match a.kind {
+            ActionKind::F => (s == 0 || !local(s - 1) || f_done[at(s - 1, mb)], 0),
+            ActionKind::I => (
+                f_done[at(s, mb)] && (!local(s + 1) || i_done[at(s + 1, mb)]),
+                1,
+            ),
+            ActionKind::W => (i_done[at(s, mb)], 2),
+            _ => return true,
         };
+        let in_turn = next[s as usize][slot] == mb;
+        next[s as usize][slot] += 1;
         match a.kind {
             ActionKind::F => f_done[at(s, mb)] = true,
             ActionKind::I => i_done[at(s, mb)] = true,
             _ => {}
         }
-        ok
+        ok && in_turn
     })
 }
 
