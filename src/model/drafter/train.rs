@@ -174,8 +174,7 @@ impl<B: Backend> DrafterTrainer<B> {
         self.slices += 1;
         self.pairs += sums.pairs;
         let stepped = if self.replicas == 1 && self.ready_to_step() {
-            let pairs = self.pairs;
-            self.apply(pairs)?;
+            self.step_alone()?;
             Some(self.version)
         } else {
             None
@@ -213,8 +212,9 @@ impl<B: Backend> DrafterTrainer<B> {
         result
     }
 
-    /// Clips and applies the accumulated gradients (of the loss summed over `pairs` pairs)
-    /// as the gradient of the mean loss, zeroes them and advances the version.
+    /// Clips and applies the gradients held in the parameters (of the loss summed over
+    /// `pairs` pairs) as the gradient of the mean loss, and advances the version. The
+    /// gradients are left as they are.
     fn apply(&mut self, pairs: usize) -> Result<()> {
         let be = self.drafter.backend().clone();
         let mut sq = 0.0;
@@ -228,8 +228,14 @@ impl<B: Backend> DrafterTrainer<B> {
         let lr = self.drafter.config().lr;
         self.optimizer
             .step(&be, self.drafter.params_mut(), lr, scale)?;
-        self.drafter.zero_grads()?;
         self.version += 1;
+        Ok(())
+    }
+
+    /// The single replica's step: applies the accumulated gradients and starts afresh.
+    fn step_alone(&mut self) -> Result<()> {
+        self.apply(self.pairs)?;
+        self.drafter.zero_grads()?;
         self.slices = 0;
         self.pairs = 0;
         Ok(())
@@ -261,7 +267,9 @@ impl<B: Backend> DrafterTrainer<B> {
 
     /// The optimizer step over the gradients of every replica (one [`DrafterGrads`] each,
     /// all for this step). They are summed in replica order whatever order they arrive in,
-    /// so every replica computes the same update and the weights stay identical.
+    /// so every replica computes the same update and the weights stay identical. Gradients
+    /// this replica accumulated since its [`DrafterTrainer::take_grads`] (slices run while
+    /// the exchange was under way) are kept for the next step.
     pub fn step_with(&mut self, grads: &[DrafterGrads]) -> Result<u64> {
         let bad = |reason: String| DrafterError::Replicas {
             version: self.version,
@@ -282,12 +290,8 @@ impl<B: Backend> DrafterTrainer<B> {
                 g.replica, g.version
             )));
         }
-        let be = self.drafter.backend().clone();
-        let mut pairs = 0;
-        for g in &ordered {
-            pairs += g.pairs;
-        }
-        for (i, p) in self.drafter.params_mut().into_iter().enumerate() {
+        let mut sums = Vec::new();
+        for (i, p) in self.drafter.params().into_iter().enumerate() {
             let mut sum = vec![0.0f32; p.numel()];
             for g in &ordered {
                 let t = g.tensors.get(i).filter(|t| t.name == p.name);
@@ -301,9 +305,20 @@ impl<B: Backend> DrafterTrainer<B> {
                 })?;
                 sum.iter_mut().zip(&t.values).for_each(|(s, &v)| *s += v);
             }
-            p.grad = be.from_host(&sum, DType::F32)?;
+            sums.push(sum);
         }
-        self.apply(pairs)?;
+        let pairs = ordered.iter().map(|g| g.pairs).sum();
+        let be = self.drafter.backend().clone();
+        let mut pending = Vec::with_capacity(sums.len());
+        for (p, sum) in self.drafter.params_mut().into_iter().zip(&sums) {
+            let summed = be.from_host(sum, DType::F32)?;
+            pending.push(std::mem::replace(&mut p.grad, summed));
+        }
+        let applied = self.apply(pairs);
+        for (p, g) in self.drafter.params_mut().into_iter().zip(pending) {
+            p.grad = g;
+        }
+        applied?;
         Ok(self.version)
     }
 

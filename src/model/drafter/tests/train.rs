@@ -211,8 +211,28 @@ fn replicas_exchanging_gradients_stay_identical() {
             assert_eq!(r.step_with(&g).unwrap(), step + 1);
         }
     }
+    // A slice run while the exchange is under way is kept for the next step.
+    let posted = replicas[0].take_grads().unwrap();
+    assert_eq!(posted.pairs, 0);
+    let late = replicas[0].slice().unwrap();
+    let others: Vec<DrafterGrads> = replicas[1..]
+        .iter_mut()
+        .map(|r| r.take_grads().unwrap())
+        .collect();
+    let mut round = others.clone();
+    round.push(posted);
+    for r in &mut replicas {
+        assert_eq!(r.step_with(&round).unwrap(), 4);
+    }
+    let kept = replicas[0].take_grads().unwrap();
+    assert_eq!((kept.version, kept.pairs), (4, late.pairs));
+    assert!(
+        kept.tensors
+            .iter()
+            .any(|t| t.values.iter().any(|&g| g != 0.0))
+    );
     let w: Vec<DrafterWeights> = replicas.iter().map(|r| r.weights().unwrap()).collect();
-    assert_eq!(w[0].version, 3);
+    assert_eq!(w[0].version, 4);
     assert!(
         w.iter().all(|x| *x == w[0]),
         "every replica holds the same weights"
@@ -221,7 +241,7 @@ fn replicas_exchanging_gradients_stay_identical() {
     // A missing replica or a stale step is refused, naming the step.
     let g = replicas[0].take_grads().unwrap();
     let err = replicas[0].step_with(std::slice::from_ref(&g)).unwrap_err();
-    assert!(err.to_string().contains("drafter step 3"), "{err}");
+    assert!(err.to_string().contains("drafter step 4"), "{err}");
     let mut stale = vec![g.clone(), g.clone(), g];
     for (i, s) in stale.iter_mut().enumerate() {
         s.replica = i;
