@@ -24,7 +24,7 @@ pub mod timeline;
 pub mod validate;
 
 pub use action::{Action, ActionKind, ParseActionError, StageMb};
-pub use auto::{AutoPlan, Origin, auto, auto_plan};
+pub use auto::{AutoPlan, AutoReplanner, Origin, auto, auto_plan};
 pub use error::{Result, ScheduleError};
 pub use file::{parse_csv, parse_toml, read_plan, to_csv, to_toml};
 pub use generators::{ScheduleKind, build, generate};

@@ -19,9 +19,15 @@
 //! its weight gradients in the reference trainer's order. Plans are
 //! ranked by steady bubble ratio, then bubble ratio, then peak memory (DESIGN.md,
 //! "Metrics"); the winner is validated against the limit before it is returned.
+//!
+//! [`AutoReplanner`] re-plans while training: ZB-H1 until the costs are measured, then
+//! the auto plan for them.
 
 mod greedy;
+mod replan;
 mod search;
+
+pub use self::replan::AutoReplanner;
 
 use crate::error::{Result, ScheduleError};
 use crate::generators::{ScheduleKind, generate};
