@@ -224,7 +224,7 @@ impl<B: Backend> StageCompute for RankCompute<B> {
         // Data-parallel replicas sum their gradients first, so the norm, the clip decision
         // and the step are the whole batch's on every replica.
         let params = self.chunks.values_mut().flat_map(|c| c.params_mut());
-        self.shared.sync_grads(&self.backend, params)?;
+        self.shared.sync_grads(self.rank, &self.backend, params)?;
         let mut own = Vec::with_capacity(self.chunks.len());
         let mut stats = GradStats::default();
         for (&stage, chunk) in &self.chunks {
