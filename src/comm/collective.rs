@@ -139,31 +139,47 @@ pub fn all_reduce_sum(
 
 /// Sums one pipeline rank's gradients with those of the same rank in the other
 /// data-parallel replicas (the same stages), in place, before the optimizer step; every
-/// replica ends with bitwise the same sum. The pipelined trainer calls it once per step with
-/// all of the rank's gradients concatenated in model order.
+/// replica ends with bitwise the same sum. The pipelined trainer calls it once per step and
+/// rank with all of the rank's gradients concatenated in model order.
 pub trait GradSync: Send + Sync + std::fmt::Debug {
-    fn all_reduce(&self, grads: &mut [f32]) -> Result<(), CollectiveError>;
+    /// `rank` is the caller's rank within its pipeline (`0..pp`).
+    fn all_reduce(&self, rank: usize, grads: &mut [f32]) -> Result<(), CollectiveError>;
 }
 
-/// [`GradSync`] by [`all_reduce_sum`] over a [`PeerLink`] group.
+/// [`GradSync`] by [`all_reduce_sum`] over [`PeerLink`]s, for a job of `dp` replicas of a
+/// `pp`-rank pipeline, global rank `replica × pp + pipeline rank`. It holds the link ends of
+/// the pipeline ranks this replica runs here: one in a process per rank, all `pp` when a
+/// whole pipeline runs in one process.
 pub struct RingGradSync {
-    link: std::sync::Arc<dyn PeerLink>,
-    group: Vec<usize>,
+    /// Link end by pipeline rank.
+    ends: std::collections::BTreeMap<usize, std::sync::Arc<dyn PeerLink>>,
+    dp: usize,
+    pp: usize,
     channel: Channel,
 }
 
 impl RingGradSync {
-    /// Sums over `group` (global ranks holding the same stages, in ring order) on `channel`.
-    pub fn new(link: std::sync::Arc<dyn PeerLink>, group: Vec<usize>, channel: Channel) -> Self {
+    /// Syncs over `ends` (each at its own global rank) on `channel`.
+    pub fn new(
+        ends: Vec<std::sync::Arc<dyn PeerLink>>,
+        dp: usize,
+        pp: usize,
+        channel: Channel,
+    ) -> Self {
+        let ends = ends
+            .into_iter()
+            .map(|l| (l.rank() % pp.max(1), l))
+            .collect();
         RingGradSync {
-            link,
-            group,
+            ends,
+            dp,
+            pp,
             channel,
         }
     }
 
-    /// The group of global rank `rank` in a job of `dp` replicas of `pp` ranks (global rank
-    /// `replica × pp + pipeline rank`): the same pipeline rank of every replica.
+    /// The group of global rank `rank` in a job of `dp` replicas of `pp` ranks: the same
+    /// pipeline rank of every replica.
     pub fn replica_group(rank: usize, dp: usize, pp: usize) -> Vec<usize> {
         (0..dp).map(|d| d * pp + rank % pp).collect()
     }
@@ -171,17 +187,27 @@ impl RingGradSync {
 
 impl std::fmt::Debug for RingGradSync {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let ranks: Vec<usize> = self.ends.values().map(|l| l.rank()).collect();
         f.debug_struct("RingGradSync")
-            .field("rank", &self.link.rank())
-            .field("group", &self.group)
+            .field("global_ranks", &ranks)
+            .field("dp", &self.dp)
+            .field("pp", &self.pp)
             .field("channel", &self.channel)
             .finish()
     }
 }
 
 impl GradSync for RingGradSync {
-    fn all_reduce(&self, grads: &mut [f32]) -> Result<(), CollectiveError> {
-        all_reduce_sum(self.link.as_ref(), &self.group, self.channel, grads)
+    fn all_reduce(&self, rank: usize, grads: &mut [f32]) -> Result<(), CollectiveError> {
+        let link = self
+            .ends
+            .get(&rank)
+            .ok_or_else(|| CollectiveError::NotMember {
+                rank,
+                group: self.ends.keys().copied().collect(),
+            })?;
+        let group = Self::replica_group(link.rank(), self.dp, self.pp);
+        all_reduce_sum(link.as_ref(), &group, self.channel, grads)
     }
 }
 

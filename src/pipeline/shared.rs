@@ -116,10 +116,11 @@ impl Shared {
         Arc::clone(shard)
     }
 
-    /// Sums `params`' gradients with the other replicas' (a no-op without replicas): all
-    /// of the rank's gradients, concatenated in model order, in one all-reduce.
+    /// Sums the gradients of pipeline rank `rank`'s `params` with the other replicas' (a
+    /// no-op without replicas): all of them, concatenated in model order, in one all-reduce.
     pub fn sync_grads<'a, B: Backend + 'a>(
         &self,
+        rank: usize,
         backend: &B,
         params: impl IntoIterator<Item = &'a mut Param<B>>,
     ) -> Result<(), PipelineError> {
@@ -132,10 +133,13 @@ impl Shared {
             flat.extend(backend.to_host(&p.grad).map_err(ModelError::from)?);
         }
         r.sync
-            .all_reduce(&mut flat)
+            .all_reduce(rank, &mut flat)
             .map_err(|e| PipelineError::Stage {
                 stage: 0,
-                reason: format!("gradient all-reduce of replica {}: {e}", r.index),
+                reason: format!(
+                    "gradient all-reduce of rank {rank}, replica {}: {e}",
+                    r.index
+                ),
             })?;
         let mut rest = flat.as_slice();
         for p in &mut params {
@@ -281,6 +285,7 @@ mod tests {
     impl GradSync for NoSync {
         fn all_reduce(
             &self,
+            _: usize,
             _: &mut [f32],
         ) -> Result<(), crate::comm::collective::CollectiveError> {
             Ok(())
