@@ -42,6 +42,16 @@ impl IterationProfile {
     pub fn rank_records(&self, rank: usize) -> impl Iterator<Item = &ActionRecord> {
         self.records.iter().filter(move |r| r.rank == rank)
     }
+
+    /// Seconds the ranks spent in bubbles, waiting for input (filled or not), summed.
+    pub fn waited(&self) -> f64 {
+        self.bubbles.iter().map(|b| b.end - b.start).sum()
+    }
+
+    /// Seconds of filler work the ranks ran in their bubbles, summed.
+    pub fn filled(&self) -> f64 {
+        self.fillers.iter().map(|f| f.end - f.start).sum()
+    }
 }
 
 /// Everything the profiler holds at the end of a run.

@@ -16,6 +16,11 @@
 //! strictly in order, so the rank counts its own iterations to know which step a forward
 //! belongs to.
 //!
+//! Filler (optional, [`RankCompute::set_drafter`]): the rank holding the last stage has its
+//! chunk copy the rows the drafter trains on into the run's [`DrafterFill`] buffers, and every
+//! rank closes its drafter round at the end of each target step (see [`super::fill`]). The
+//! drafter's own work runs in the bubbles, through the runtime's filler, never here.
+//!
 //! Speculative steps (optional, [`RankCompute::set_speculative`]): the runtime may step
 //! before it knows every rank's statistics. The rank then snapshots its parameters and
 //! optimizer moments, keeps its gradients, and on a wrong guess restores them
@@ -28,6 +33,7 @@ use std::sync::Arc;
 use pipefill_actors::{GradStats, StageCompute, StepDecision};
 
 use super::PipelineError;
+use super::fill::DrafterFill;
 use super::shared::{RankFinal, Shared};
 use crate::model::checkpoint::HostTensor;
 use crate::model::{
@@ -59,6 +65,8 @@ pub struct RankCompute<B: Backend> {
     held: HashSet<(u32, u32)>,
     /// Forwards the runtime runs again after a rollback: each replaces its first stash.
     redo: HashSet<(u32, u32)>,
+    /// The drafter trained in the bubbles, when the job has one.
+    drafter: Option<Arc<DrafterFill>>,
 }
 
 impl<B: Backend> RankCompute<B> {
@@ -88,7 +96,18 @@ impl<B: Backend> RankCompute<B> {
             snapshot: None,
             held: HashSet::new(),
             redo: HashSet::new(),
+            drafter: None,
         }
+    }
+
+    /// Joins the run's drafter: the last stage's chunk (if this rank holds it) captures its
+    /// training rows into the drafter's buffer.
+    pub(crate) fn set_drafter(&mut self, fill: Arc<DrafterFill>) -> Result<(), PipelineError> {
+        for chunk in self.chunks.values_mut().filter(|c| c.is_last()) {
+            chunk.set_draft_sink(Some(fill.buffer().clone()))?;
+        }
+        self.drafter = Some(fill);
+        Ok(())
     }
 
     /// Offers speculative optimizer steps to the runtime (post-validation: step at once,
@@ -101,6 +120,11 @@ impl<B: Backend> RankCompute<B> {
     /// The optimizer, e.g. to load a checkpoint's moments before the run.
     pub(crate) fn optimizer_mut(&mut self) -> &mut AdamW<B> {
         &mut self.optimizer
+    }
+
+    /// The chunk of `stage`, if this rank holds it.
+    pub(crate) fn chunk_ref(&self, stage: u32) -> Option<&ModelChunk<B>> {
+        self.chunks.get(&stage)
     }
 
     /// The chunks this rank holds, mutable (to load parameters before the run).
@@ -171,6 +195,7 @@ impl<B: Backend> StageCompute for RankCompute<B> {
             self.held.insert((stage, microbatch));
         }
         let redo = self.redo.remove(&(stage, microbatch));
+        let fill = self.drafter.clone();
         let chunk = self.chunk(stage)?;
         if redo {
             chunk.discard(microbatch as usize);
@@ -180,7 +205,23 @@ impl<B: Backend> StageCompute for RankCompute<B> {
             None => ChunkInput::Tokens(&mb.inputs),
         };
         let targets = chunk.is_last().then_some(mb.targets.as_slice());
-        match chunk.forward(microbatch as usize, shape, input, targets)? {
+        // Held-out rows go to their own buffer for this forward only.
+        let held_out = match &fill {
+            Some(fill) if chunk.is_last() => {
+                fill.buffer().begin_step(step);
+                let held = DrafterFill::holds_out(step, microbatch);
+                if held {
+                    chunk.set_draft_sink(Some(fill.held_out().clone()))?;
+                }
+                held.then(|| fill.buffer().clone())
+            }
+            _ => None,
+        };
+        let output = chunk.forward(microbatch as usize, shape, input, targets);
+        if let Some(training) = held_out {
+            chunk.set_draft_sink(Some(training))?;
+        }
+        match output? {
             ChunkOutput::Hidden(h) => Ok(Some(h)),
             ChunkOutput::Loss { loss, .. } => {
                 self.shared.record_loss(step, microbatch, loss);
@@ -320,6 +361,14 @@ impl<B: Backend> RankCompute<B> {
     fn finish(&mut self, step: u64, lr: f32) -> Result<(), PipelineError> {
         for chunk in self.chunks.values_mut() {
             chunk.zero_grads()?;
+        }
+        if let Some(fill) = &self.drafter {
+            let chunks: Vec<_> = self.chunks.values().collect();
+            fill.step_end(self.rank, step, &chunks)
+                .map_err(|e| PipelineError::Stage {
+                    stage: self.chunks.keys().next().copied().unwrap_or(0),
+                    reason: format!("drafter: {e}"),
+                })?;
         }
         if self.done == self.iterations {
             self.shared.deposit_final(self.rank, self.export()?);

@@ -50,12 +50,14 @@
 
 pub mod compute;
 pub mod feed;
+pub mod fill;
+mod join;
 pub mod shared;
 pub mod trainer;
 
 pub use compute::RankCompute;
 pub use pipefill_actors::{Clock, RunReport, StepMode};
-pub use trainer::{PipelineRun, PipelineTrainer};
+pub use trainer::{DrafterRun, DrafterStep, PipelineRun, PipelineTrainer, StepView};
 
 use crate::schedules::Plan;
 pub use crate::train::StepMetrics;
@@ -97,6 +99,8 @@ pub enum PipelineError {
     Schedule(#[from] crate::schedules::ScheduleError),
     #[error(transparent)]
     Runtime(#[from] pipefill_actors::RuntimeError),
+    #[error(transparent)]
+    Drafter(#[from] crate::model::drafter::DrafterError),
 }
 
 /// Stages per rank of `plan`, or why the plan cannot drive the model.

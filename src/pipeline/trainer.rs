@@ -7,21 +7,35 @@
 //! timed as stage work. [`PipelineTrainer::run_profiled`] also hands over the step's
 //! measured timeline (its bubble ratios), which the runtime publishes as soon as every rank
 //! has reported the iteration: the step's callback waits for both.
+//! [`PipelineTrainer::run_observed`] hands over the whole [`StepView`]: the iteration's
+//! profile (with its bubbles and filler work) and the drafter's figures.
+//!
+//! With `filler = "drafter"` (the job's default; [`PipelineTrainer::filler`]) the run trains
+//! the drafter in the bubbles ([`super::fill`]): a [`FillerRouter`] hands each rank's bubbles
+//! drafter slices and steps that fit them. Every few steps the caller's thread measures the
+//! drafter's top-1 agreement with the target on held-out rows, from the weights the drafter
+//! publishes; [`PipelineRun::drafter`] holds every replica's final weights and the router's
+//! figures.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::sync::mpsc::{Receiver, RecvTimeoutError, channel};
+use std::sync::mpsc::{RecvTimeoutError, channel};
 use std::time::Duration;
 
-use pipefill_actors::{Clock, IterationProfile, Pipeline, PlanSource, RunReport, StepMode};
+use pipefill_actors::{
+    Clock, FillerRouter, IterationProfile, Pipeline, PlanSource, RouterStats, RunReport, StepMode,
+};
 
 use super::compute::RankCompute;
 use super::feed::StepFeed;
+use super::fill::{DrafterFill, HELD_OUT_EVERY, HeldOutEval};
+use super::join::StepJoin;
 use super::shared::{RankFinal, Shared};
 use super::{PipelineError, check_plan};
-use crate::config::JobConfig;
+use crate::config::{Filler, JobConfig};
 use crate::data::StepData;
 use crate::model::checkpoint::{Checkpoint, HostTensor};
+use crate::model::drafter::DrafterWeights;
 use crate::model::{AdamW, Cut, Gpt, ModelChunk, ModelError, OptimizerState};
 use crate::schedules::{
     ActionKind, CostModel, Plan, ScheduleKind, StageCost, Timeline, build, read_plan, simulate,
@@ -43,6 +57,42 @@ pub struct PipelineTrainer {
     speculative: bool,
     /// Steps handed over by the caller instead of the synthetic stream.
     feed: Option<Arc<StepFeed>>,
+    filler: Filler,
+}
+
+/// One completed step as the caller sees it during the run.
+#[derive(Clone, Copy, Debug)]
+pub struct StepView<'a> {
+    pub metrics: &'a StepMetrics,
+    /// The step's measured iteration: timeline, bubbles, filler spans (`None` only if the
+    /// runtime never published it).
+    pub profile: Option<&'a IterationProfile>,
+    /// The drafter's figures (runs with `filler = "drafter"`).
+    pub drafter: Option<DrafterStep>,
+}
+
+/// What the drafter did up to one step.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DrafterStep {
+    /// Drafter optimizer steps published so far.
+    pub version: u64,
+    /// Slices run since the previous step was handed over, and their mean loss.
+    pub slices: u64,
+    pub loss: Option<f64>,
+    /// Top-1 agreement with the target on held-out rows, measured every
+    /// [`HELD_OUT_EVERY`] steps and at the last step.
+    pub agreement: Option<f64>,
+}
+
+/// The drafter of a run with `filler = "drafter"`.
+#[derive(Clone, Debug)]
+pub struct DrafterRun {
+    /// Every rank's replica after the run (all at the same version, the same weights).
+    pub replicas: Vec<DrafterWeights>,
+    /// The router's cost estimates and counts, by kind of work.
+    pub router: RouterStats,
+    /// `(step, drafter version, held-out agreement)` each time it was measured.
+    pub agreement: Vec<(u64, u64, f64)>,
 }
 
 /// The runtime's clock for the job file's `clock`.
@@ -69,6 +119,7 @@ impl PipelineTrainer {
             step_mode: StepMode::default(),
             speculative: false,
             feed: None,
+            filler: job.filler,
         })
     }
 
@@ -131,6 +182,12 @@ impl PipelineTrainer {
     /// rank defers its step until it knows them). Results are the same either way.
     pub fn speculative_steps(mut self, on: bool) -> Self {
         self.speculative = on;
+        self
+    }
+
+    /// What runs in the bubbles (default: the job's `filler`).
+    pub fn filler(mut self, filler: Filler) -> Self {
+        self.filler = filler;
         self
     }
 
@@ -273,7 +330,19 @@ impl PipelineTrainer {
     pub fn run_profiled(
         &self,
         steps: u64,
-        on_step: impl FnMut(&StepMetrics, Option<&Timeline>),
+        mut on_step: impl FnMut(&StepMetrics, Option<&Timeline>),
+    ) -> Result<PipelineRun, PipelineError> {
+        self.run_observed(steps, |v| {
+            on_step(v.metrics, v.profile.map(|p| &p.timeline))
+        })
+    }
+
+    /// Runs `steps` optimizer steps. `on_step` is called on this thread, during the run, with
+    /// each step's [`StepView`] as soon as every rank has stepped and reported the iteration.
+    pub fn run_observed(
+        &self,
+        steps: u64,
+        mut on_step: impl FnMut(&StepView),
     ) -> Result<PipelineRun, PipelineError> {
         if steps == 0 {
             return Err(PipelineError::Config {
@@ -294,7 +363,7 @@ impl PipelineTrainer {
         let shared = Arc::new(
             Shared::new(plan.num_ranks(), feed, progress).with_replica(self.replica.clone()),
         );
-        let computes = self.computes(&shared, steps)?;
+        let mut computes = self.computes(&shared, steps)?;
         let (profiles, profiles_rx) = channel();
         let mut pipeline = Pipeline::new(PlanSource::Given(plan.clone()), self.clock)
             .iterations(steps)
@@ -303,7 +372,44 @@ impl PipelineTrainer {
         if job.train.clip > 0.0 {
             pipeline = pipeline.max_grad_norm(f64::from(job.train.clip));
         }
-        let mut join = StepJoin::new(self.first_step(), profiles_rx, on_step);
+        let router = FillerRouter::default();
+        let fill = match self.filler {
+            Filler::Drafter => Some(self.drafter_fill(&mut computes)?),
+            Filler::None => None,
+        };
+        let mut eval = match &fill {
+            Some(fill) => {
+                fill.attach(&router);
+                pipeline = pipeline.fillers(router.fillers(plan.num_ranks()));
+                Some(HeldOutEval::new(&job.model, &job.drafter)?)
+            }
+            None => None,
+        };
+        let last_step = self.first_step() + steps - 1;
+        let mut agreement = Vec::new();
+        let mut measure = |m: &StepMetrics, p: Option<&IterationProfile>| {
+            let drafter = fill.as_ref().zip(eval.as_mut()).map(|(fill, eval)| {
+                let (slices, loss, _) = fill.take_tally();
+                let due = m.step % HELD_OUT_EVERY == 0 || m.step == last_step;
+                // A failed measurement only loses the figure; training goes on.
+                let measured = due.then(|| eval.measure(fill).ok().flatten()).flatten();
+                if let Some((version, a)) = measured {
+                    agreement.push((m.step, version, a));
+                }
+                DrafterStep {
+                    version: fill.board().latest().map_or(0, |w| w.version),
+                    slices,
+                    loss,
+                    agreement: measured.map(|(_, a)| a),
+                }
+            });
+            on_step(&StepView {
+                metrics: m,
+                profile: p,
+                drafter,
+            });
+        };
+        let mut join = StepJoin::new(self.first_step(), profiles_rx, &mut measure);
         let outcome = std::thread::scope(|scope| {
             let runner = scope.spawn(|| pipeline.run_blocking(computes));
             loop {
@@ -329,72 +435,52 @@ impl PipelineTrainer {
             Some(cost) => Some(simulate(plan, cost)?),
             None => None,
         };
-        Ok(PipelineRun::new(self, metrics, report, predicted, finals))
-    }
-}
-
-/// Pairs each step's metrics (from the ranks) with its iteration's measured timeline (from
-/// the runtime's profiler) and hands each pair to the caller once both have arrived; the
-/// two come on separate channels, in either order.
-struct StepJoin<F> {
-    first_step: u64,
-    profiles: Receiver<IterationProfile>,
-    /// Timelines by step, waiting for their metrics.
-    timelines: BTreeMap<u64, Timeline>,
-    /// Metrics waiting for their timeline.
-    waiting: BTreeMap<u64, StepMetrics>,
-    done: Vec<StepMetrics>,
-    on_step: F,
-}
-
-impl<F: FnMut(&StepMetrics, Option<&Timeline>)> StepJoin<F> {
-    fn new(first_step: u64, profiles: Receiver<IterationProfile>, on_step: F) -> Self {
-        StepJoin {
-            first_step,
-            profiles,
-            timelines: BTreeMap::new(),
-            waiting: BTreeMap::new(),
-            done: Vec::new(),
-            on_step,
-        }
+        let drafter = match &fill {
+            Some(fill) => Some(DrafterRun {
+                replicas: fill.settle()?,
+                router: router.stats(),
+                agreement,
+            }),
+            None => None,
+        };
+        let mut run = PipelineRun::new(self, metrics, report, predicted, finals);
+        run.drafter = drafter;
+        Ok(run)
     }
 
-    /// Takes the published timelines and hands over every step now complete.
-    fn poll(&mut self) {
-        while let Ok(p) = self.profiles.try_recv() {
-            self.timelines
-                .insert(self.first_step + p.iteration, p.timeline);
-        }
-        let ready: Vec<u64> = self
-            .waiting
-            .keys()
-            .copied()
-            .filter(|s| self.timelines.contains_key(s))
-            .collect();
-        for step in ready {
-            if let Some(m) = self.waiting.remove(&step) {
-                let tl = self.timelines.remove(&step);
-                (self.on_step)(&m, tl.as_ref());
-                self.done.push(m);
+    /// The run's drafter: one replica per rank, seeded from the target's first and last
+    /// chunks, and the last stage's capture hooked to its buffer.
+    fn drafter_fill(
+        &self,
+        computes: &mut [RankCompute<CpuBackend>],
+    ) -> Result<Arc<DrafterFill>, PipelineError> {
+        let last_stage = (self.plan.stages - 1) as u32;
+        let last_rank = self.plan.stage_rank[last_stage as usize];
+        let (first, last) = match (
+            computes[0].chunk_ref(0),
+            computes[last_rank].chunk_ref(last_stage),
+        ) {
+            (Some(f), Some(l)) => (f, l),
+            _ => {
+                return Err(PipelineError::Config {
+                    field: "plan",
+                    reason: "places stage 0 off rank 0: the drafter's frozen copies need it there"
+                        .into(),
+                });
             }
+        };
+        let fill = Arc::new(DrafterFill::new(
+            &self.job.model,
+            &self.job.drafter,
+            computes.len(),
+            first,
+            last,
+            self.first_step(),
+        )?);
+        for c in computes.iter_mut() {
+            c.set_drafter(Arc::clone(&fill))?;
         }
-    }
-
-    fn metrics(&mut self, m: StepMetrics) {
-        self.waiting.insert(m.step, m);
-        self.poll();
-    }
-
-    /// After the run: hands over what is left (with its timeline when it came) and returns
-    /// every step's metrics.
-    fn finish(mut self) -> Vec<StepMetrics> {
-        self.poll();
-        for (step, m) in std::mem::take(&mut self.waiting) {
-            let tl = self.timelines.remove(&step);
-            (self.on_step)(&m, tl.as_ref());
-            self.done.push(m);
-        }
-        self.done
+        Ok(fill)
     }
 }
 
@@ -416,6 +502,8 @@ pub struct PipelineRun {
     /// Final parameters in model order.
     params: Vec<HostTensor>,
     optimizer: OptimizerState,
+    /// The drafter trained in the bubbles (`filler = "drafter"`).
+    pub drafter: Option<DrafterRun>,
 }
 
 impl PipelineRun {
@@ -444,6 +532,7 @@ impl PipelineRun {
             job: trainer.job.clone(),
             params: by_stage.into_values().flatten().collect(),
             optimizer,
+            drafter: None,
         }
     }
 
@@ -549,66 +638,5 @@ impl PipelineRun {
                 .side_by_side(self.report.iterations.len().saturating_sub(1), p),
             None => "no prediction: not every stage was measured\n".into(),
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::schedules::{Action, Span};
-
-    fn metrics(step: u64) -> StepMetrics {
-        StepMetrics {
-            step,
-            loss: 1.0,
-            lr: 1e-3,
-            grad_norm: 1.0,
-            tokens: 8,
-            seconds: 0.1,
-        }
-    }
-
-    /// Iteration `iteration`'s profile, with one rank busy for `busy` of a makespan of 1.
-    fn profile(iteration: u64, busy: f64) -> IterationProfile {
-        let span = |rank, start, end| Span {
-            rank,
-            start,
-            end,
-            action: Action::new(ActionKind::F, rank as u32, 0),
-        };
-        IterationProfile {
-            iteration,
-            timeline: Timeline::from_spans(2, vec![span(0, 0.0, 1.0), span(1, 0.0, busy)], &[]),
-            records: Vec::new(),
-            bubbles: Vec::new(),
-            fillers: Vec::new(),
-            ranks_reported: 2,
-        }
-    }
-
-    #[test]
-    fn each_step_is_handed_over_once_its_metrics_and_timeline_are_both_in() {
-        let (tx, rx) = channel();
-        let mut seen = Vec::new();
-        let mut join = StepJoin::new(10, rx, |m: &StepMetrics, tl: Option<&Timeline>| {
-            seen.push((m.step, tl.map(|t| t.bubble_ratio)));
-        });
-        // Metrics first: step 10 waits for iteration 0's timeline.
-        join.metrics(metrics(10));
-        tx.send(profile(1, 0.5)).unwrap();
-        join.poll();
-        // Timeline first: iteration 1 (step 11) is handed over with its metrics.
-        join.metrics(metrics(11));
-        tx.send(profile(0, 0.75)).unwrap();
-        join.poll();
-        // Step 12's timeline never comes: it is handed over without one at the end.
-        join.metrics(metrics(12));
-        let done: Vec<u64> = join.finish().iter().map(|m| m.step).collect();
-        assert_eq!(done, [11, 10, 12]);
-        assert_eq!(
-            seen,
-            [(11, Some(0.25)), (10, Some(0.125)), (12, None)],
-            "bubble ratio = idle / (ranks × makespan)"
-        );
     }
 }

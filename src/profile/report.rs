@@ -13,6 +13,12 @@
 //! "Metrics" section: they are copied from [`Timeline`]s built by `Timeline::from_spans`, the
 //! one implementation of those definitions; this module never recomputes a metric. A
 //! closing line gives the whole run's figures (every step's timeline together), when known.
+//! A run with filler work adds its bubble-fill ratio, step inflation and drafter agreement
+//! ([`fill`]).
+
+mod fill;
+
+pub use fill::{FillerSpan, Filling, RankFill, WorkFigures, median_step_makespan};
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -107,6 +113,18 @@ pub struct BubbleReport {
     /// The whole run's measured figures, when the run gave its all-steps timeline.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub whole_run: Option<WholeRun>,
+    /// Filler work in the bubbles, per rank, over the whole run (runs with a filler).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub filling: Option<Filling>,
+    /// Filled / bubble time over the whole run and every rank.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bubble_fill_ratio: Option<f64>,
+    /// Median step makespan with fillers / without − 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step_inflation: Option<f64>,
+    /// The drafter's top-1 agreement with the target on held-out rows, at the end.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drafter_agreement: Option<f64>,
 }
 
 /// The measured timeline of every step of a run together: what the steps cost one after
@@ -159,7 +177,20 @@ impl BubbleReport {
             predicted_steady_bubble_ratio: predicted.steady_bubble_ratio,
             ranks,
             whole_run: None,
+            filling: None,
+            bubble_fill_ratio: None,
+            step_inflation: None,
+            drafter_agreement: None,
         })
+    }
+
+    /// Adds the filler figures of the run and the drafter's last held-out agreement.
+    pub fn with_filling(mut self, filling: Filling, drafter_agreement: Option<f64>) -> Self {
+        self.bubble_fill_ratio = Some(filling.fill_ratio());
+        self.step_inflation = filling.step_inflation();
+        self.drafter_agreement = drafter_agreement;
+        self.filling = Some(filling);
+        self
     }
 
     /// Adds the figures of `overall`, the measured timeline of all `steps` steps together.
@@ -250,6 +281,11 @@ impl BubbleReport {
                 pct(w.bubble_ratio),
                 pct(w.steady_bubble_ratio)
             );
+        }
+        if let Some(f) = &self.filling {
+            let _ = writeln!(out);
+            f.write_text(&mut out, unit, self.drafter_agreement, &t, &pct);
+            let _ = writeln!(out);
         }
         let _ = writeln!(
             out,

@@ -1,6 +1,12 @@
 //! The pipelined main job: the real model through the actor runtime, one stage actor per
 //! rank, following the job's schedule (built-in or a custom file), then the run directory's
 //! profiling files (see [`super::run_files`]).
+//!
+//! With a filler (`filler = "drafter"`, the default) the progress bar shows the share of
+//! each step's waits that filler work used and the drafter's held-out agreement. Step
+//! inflation needs the same job without fillers: after the main run a second, shorter run
+//! of the same job with `filler = "none"` ([`BASELINE_STEPS`] steps at most, same plan, model
+//! and data) measures its median step makespan; it only measures and writes nothing.
 
 use std::io::Write;
 use std::path::Path;
@@ -8,17 +14,20 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 
-use pipefill::config::{Clock, JobConfig};
+use pipefill::config::{Clock, Filler, JobConfig};
 use pipefill::data::DatasetSummary;
 use pipefill::model::checkpoint::Checkpoint;
-use pipefill::pipeline::{PipelineTrainer, StepMetrics};
-use pipefill::schedules::{ScheduleKind, Timeline};
+use pipefill::pipeline::{PipelineTrainer, StepMetrics, StepView};
+use pipefill::schedules::ScheduleKind;
 
-use super::run_files::{StepLine, write_profile};
+use super::run_files::{StepLine, filling, write_profile};
 use super::{evaluate, open_run_dir, progress_bar};
 
 /// Runs `job`'s pipeline (from `resume`'s checkpoint when given), printing progress and the
 /// bubble report, and writing the run directory.
+/// Most steps of the run without filler that step inflation is measured against.
+pub(super) const BASELINE_STEPS: u64 = 100;
+
 pub(super) fn train(job: &JobConfig, resume: Option<&Path>) -> anyhow::Result<()> {
     check_schedule(&job.schedule)?;
     let summary = DatasetSummary::sample(&job.data, job.train.seed)?;
@@ -75,37 +84,42 @@ pub(super) fn train(job: &JobConfig, resume: Option<&Path>) -> anyhow::Result<()
     // ratios with it; the first write error ends the writing and is reported after the run.
     let mut written: anyhow::Result<()> = Ok(());
     let mut last = None;
-    let run = trainer.run_profiled(
-        t.steps - first_step,
-        |m: &StepMetrics, tl: Option<&Timeline>| {
-            let mut line = format!(
-                "loss {:.4} | lr {:.2e} | {:.0} tok/s",
-                m.loss,
-                m.lr,
-                m.tokens_per_second()
+    let filler = job.filler != Filler::None;
+    let mut agreement = None;
+    let run = trainer.run_observed(t.steps - first_step, |v: &StepView| {
+        let m = v.metrics;
+        let mut line = format!(
+            "loss {:.4} | lr {:.2e} | {:.0} tok/s",
+            m.loss,
+            m.lr,
+            m.tokens_per_second()
+        );
+        if let Some(p) = v.profile {
+            line += &format!(
+                " | bubble {:.1}% (steady {:.1}%)",
+                100.0 * p.timeline.bubble_ratio,
+                100.0 * p.timeline.steady_bubble_ratio
             );
-            if let Some(tl) = tl {
-                line += &format!(
-                    " | bubble {:.1}% (steady {:.1}%)",
-                    100.0 * tl.bubble_ratio,
-                    100.0 * tl.steady_bubble_ratio
-                );
+            if filler && p.waited() > 0.0 {
+                line += &format!(" | fill {:.1}%", 100.0 * p.filled() / p.waited());
             }
-            if bar.is_hidden() && (m.step % plain_every == 0 || m.step + 1 == t.steps) {
-                println!("step {:>5}/{} {line}", m.step + 1, t.steps);
-            }
-            bar.set_message(line);
-            bar.inc(1);
-            if written.is_ok() {
-                written = write_step(&mut metrics, m, tl);
-            }
-            last = Some((
-                m.loss,
-                m.tokens_per_second(),
-                tl.map(|t| (t.bubble_ratio, t.steady_bubble_ratio)),
-            ));
-        },
-    );
+        }
+        if let Some(a) = v.drafter.and_then(|d| d.agreement) {
+            agreement = Some(a);
+        }
+        if let Some(a) = agreement {
+            line += &format!(" | draft agree {:.1}%", 100.0 * a);
+        }
+        if bar.is_hidden() && (m.step % plain_every == 0 || m.step + 1 == t.steps) {
+            println!("step {:>5}/{} {line}", m.step + 1, t.steps);
+        }
+        bar.set_message(line.clone());
+        bar.inc(1);
+        if written.is_ok() {
+            written = write_step(&mut metrics, v, filler);
+        }
+        last = Some(line);
+    });
     let run = match run {
         Ok(run) => run,
         Err(e) => {
@@ -117,14 +131,8 @@ pub(super) fn train(job: &JobConfig, resume: Option<&Path>) -> anyhow::Result<()
     written.context("cannot write metrics.jsonl")?;
 
     match last {
-        Some((loss, tokens_per_second, Some((bubble, steady)))) => {
-            bar.finish_with_message(format!(
-                "loss {loss:.4} | {tokens_per_second:.0} tok/s | bubble {:.1}% (steady {:.1}%)",
-                100.0 * bubble,
-                100.0 * steady
-            ))
-        }
-        _ => bar.finish(),
+        Some(line) => bar.finish_with_message(line),
+        None => bar.finish(),
     }
 
     let checkpoint_dir = out_dir.join("checkpoint");
@@ -134,7 +142,18 @@ pub(super) fn train(job: &JobConfig, resume: Option<&Path>) -> anyhow::Result<()
     notes.insert("schedule".into(), job.schedule.trim().to_string());
     checkpoint.save(&checkpoint_dir)?;
 
-    let report = write_profile(&out_dir, job, &run, clock)?;
+    let baseline = match filler {
+        true => Some(baseline(&trainer, t.steps - first_step)?),
+        false => None,
+    };
+    let filling = filling(
+        job,
+        &run,
+        baseline
+            .as_ref()
+            .map(|(m, note)| (m.as_slice(), note.clone())),
+    );
+    let report = write_profile(&out_dir, job, &run, clock, filling)?;
     println!();
     print!("{}", report.to_text());
     println!();
@@ -159,11 +178,28 @@ pub(super) fn train(job: &JobConfig, resume: Option<&Path>) -> anyhow::Result<()
 }
 
 /// Appends one step's line to metrics.jsonl and flushes it, so the file follows the run.
-fn write_step(out: &mut impl Write, m: &StepMetrics, tl: Option<&Timeline>) -> anyhow::Result<()> {
-    serde_json::to_writer(&mut *out, &StepLine::new(m, tl))?;
+fn write_step(out: &mut impl Write, v: &StepView, filler: bool) -> anyhow::Result<()> {
+    serde_json::to_writer(&mut *out, &StepLine::new(v, filler))?;
     writeln!(out)?;
     out.flush()?;
     Ok(())
+}
+
+/// Runs the same job without filler for at most [`BASELINE_STEPS`] of its `steps` steps and
+/// returns its per-step makespans, with a note saying how it ran.
+fn baseline(trainer: &PipelineTrainer, steps: u64) -> anyhow::Result<(Vec<f64>, String)> {
+    let n = steps.min(BASELINE_STEPS);
+    println!("step inflation: measuring {n} steps of the same job with filler = \"none\"");
+    let run = trainer
+        .clone()
+        .filler(Filler::None)
+        .run(n, |_| {})
+        .context("the run without filler (for step inflation)")?;
+    let makespans = run.timelines().map(|t| t.makespan).collect();
+    Ok((
+        makespans,
+        format!("the same job with filler = \"none\", {n} steps"),
+    ))
 }
 
 /// A schedule that is neither a built-in name nor an existing file is refused up front,

@@ -1,10 +1,14 @@
 //! The profiling files of a pipelined run's directory:
 //!
-//! - `metrics.jsonl` lines ([`StepLine`]): the step's metrics plus tokens/s and the step's
-//!   measured bubble ratios;
+//! - `metrics.jsonl` lines ([`StepLine`]): the step's metrics plus tokens/s, the step's
+//!   measured bubble ratios and, with a filler, the share of its waits that filler work used
+//!   and the drafter's progress (its held-out agreement every few steps: the curve of its
+//!   training);
 //! - `report.txt` / `report.json`: the bubble report of one steady-state step, measured next
 //!   to the simulator's prediction under the measured costs
-//!   ([`pipefill::profile::report`]);
+//!   ([`pipefill::profile::report`]), with the filler's bubble-fill ratio, step inflation
+//!   (against a run of the same job without filler, measured by the caller) and the
+//!   drafter's final agreement;
 //! - `trace.json`: the Chrome/Perfetto trace of the whole run, one process per rank, with
 //!   lanes for compute, bubbles (idle slots of the measured timeline) and the runtime's
 //!   measured waits for input (communication);
@@ -16,10 +20,12 @@ use anyhow::{Context, bail};
 use serde::Serialize;
 
 use pipefill::config::JobConfig;
-use pipefill::pipeline::{PipelineRun, StepMetrics};
+use pipefill::pipeline::{PipelineRun, StepMetrics, StepView};
 use pipefill::profile::LaneSpan;
 use pipefill::profile::chrome::{ChromeOptions, chrome_trace_with};
-use pipefill::profile::report::{BubbleReport, RunInfo, steady_iteration};
+use pipefill::profile::report::{
+    BubbleReport, Filling, RunInfo, WorkFigures, median_step_makespan, steady_iteration,
+};
 use pipefill::profile::svg::{SvgOptions, svg_with};
 use pipefill::schedules::{Span, Timeline};
 use pipefill_actors::IterationProfile;
@@ -40,18 +46,87 @@ pub(super) struct StepLine<'a> {
     makespan: Option<f64>,
     bubble_ratio: Option<f64>,
     steady_bubble_ratio: Option<f64>,
+    /// Seconds the ranks waited for input during the step, and how many of them filler
+    /// work used; their ratio (runs with a filler).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    waited: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    filled: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    bubble_fill_ratio: Option<f64>,
+    /// Drafter steps so far, slices run during the step and their mean loss.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    drafter_version: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    drafter_slices: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    drafter_loss: Option<f64>,
+    /// Top-1 agreement with the target on held-out rows, on the steps it was measured.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    drafter_agreement: Option<f64>,
 }
 
 impl<'a> StepLine<'a> {
-    pub(super) fn new(metrics: &'a StepMetrics, timeline: Option<&Timeline>) -> Self {
+    pub(super) fn new(view: &StepView<'a>, filler: bool) -> Self {
+        let timeline = view.profile.map(|p| &p.timeline);
+        let fill = view
+            .profile
+            .filter(|_| filler)
+            .map(|p| (p.waited(), p.filled()));
+        let drafter = view.drafter;
         StepLine {
-            metrics,
-            tokens_per_second: metrics.tokens_per_second(),
+            metrics: view.metrics,
+            tokens_per_second: view.metrics.tokens_per_second(),
             makespan: timeline.map(|t| t.makespan),
             bubble_ratio: timeline.map(|t| t.bubble_ratio),
             steady_bubble_ratio: timeline.map(|t| t.steady_bubble_ratio),
+            waited: fill.map(|f| f.0),
+            filled: fill.map(|f| f.1),
+            bubble_fill_ratio: fill.map(|(w, f)| if w > 0.0 { f / w } else { 0.0 }),
+            drafter_version: drafter.map(|d| d.version),
+            drafter_slices: drafter.map(|d| d.slices),
+            drafter_loss: drafter.and_then(|d| d.loss),
+            drafter_agreement: drafter.and_then(|d| d.agreement),
         }
     }
+}
+
+/// The filler figures of `run` over the whole run, with the median step makespan of a run
+/// without filler (`baseline`: its per-step makespans and how it ran) when one was measured.
+pub(super) fn filling(
+    job: &JobConfig,
+    run: &PipelineRun,
+    baseline: Option<(&[f64], String)>,
+) -> Option<Filling> {
+    run.drafter.as_ref()?;
+    let spans: Vec<_> = run
+        .report
+        .iterations
+        .iter()
+        .flat_map(|it| it.fillers.iter().map(|f| (f.rank, f.start, f.end)))
+        .collect();
+    let makespans: Vec<f64> = run.timelines().map(|t| t.makespan).collect();
+    let name = format!("{:?}", job.filler).to_lowercase();
+    let mut f = Filling::measure(&name, &run.report.overall, &spans).with_baseline(
+        median_step_makespan(&makespans).unwrap_or(0.0),
+        baseline.and_then(|(m, note)| Some((median_step_makespan(m)?, note))),
+    );
+    let drafter = run.drafter.as_ref()?;
+    f.drafter_version = drafter.agreement.last().map(|a| a.1);
+    f.work = drafter
+        .router
+        .kinds
+        .iter()
+        .map(|(kind, k)| WorkFigures {
+            kind: kind.clone(),
+            slices: k.slices,
+            seconds: k.seconds,
+            estimate: k.estimate.mean,
+            overran: k.overran,
+            failed: k.failed,
+        })
+        .collect();
+    Some(f)
 }
 
 /// Writes `report.json`, `report.txt`, `trace.json` and `timeline.svg` of `run` into `dir`
@@ -61,6 +136,7 @@ pub(super) fn write_profile(
     job: &JobConfig,
     run: &PipelineRun,
     clock: &str,
+    filling: Option<Filling>,
 ) -> anyhow::Result<BubbleReport> {
     let iterations = &run.report.iterations;
     let makespans: Vec<f64> = iterations.iter().map(|i| i.timeline.makespan).collect();
@@ -104,8 +180,16 @@ pub(super) fn write_profile(
         iteration_note: note,
         cost_basis,
     };
-    let report = BubbleReport::new(info, &measured.timeline, &predicted)?
+    let mut report = BubbleReport::new(info, &measured.timeline, &predicted)?
         .with_whole_run(&run.report.overall, iterations.len());
+    if let Some(f) = filling {
+        let agreement = run
+            .drafter
+            .as_ref()
+            .and_then(|d| d.agreement.last())
+            .map(|a| a.2);
+        report = report.with_filling(f, agreement);
+    }
     report.write(dir)?;
 
     // The trace covers the whole run; times are seconds, trace events microseconds.

@@ -1,0 +1,415 @@
+//! Drafter training in the pipeline's bubbles (`filler = "drafter"`).
+//!
+//! **Data.** The last stage's chunk copies the final hidden states and next-token
+//! distributions its training forwards compute anyway into a bounded [`DraftBufferHandle`]
+//! ([`crate::model::ModelChunk::set_draft_sink`]). The first micro-batch of every
+//! [`HELD_OUT_EVERY`]-th step goes to a separate held-out buffer instead, never trained on,
+//! on which the drafter's top-1 agreement with the target is measured.
+//!
+//! **Placement: a replica per rank, gradients exchanged.** Every rank holds a replica of the
+//! drafter (same seed, same initial weights) and trains it in its own bubbles: a *slice* is
+//! one forward + backward on `batch_rows` sampled sequences (kind `"drafter"` in the
+//! [`FillerRouter`]). At the end of each target step a rank posts the gradients its replica
+//! accumulated as *round* `v` (its drafter version). Once every rank has posted round `v`,
+//! each replica applies the same update — every round's gradients summed in replica order
+//! ([`DrafterTrainer::step_with`]) — in its next bubble (kind `"drafter step"`), or at its
+//! next target step's end if no bubble came. So after each drafter step every replica holds
+//! the same weights, bit for bit. Slices run while a round is still open compute
+//! gradients on weights one version old (as asynchronous data parallelism does); they go
+//! into the next round.
+//!
+//! **Frozen copies.** The drafter's embedding and LM head are frozen copies of the target's
+//! (`embed.tok` on the first rank, `head.w` on the last). Those ranks deposit them after
+//! every `refresh_every`-th target step; the rank that completes a round attaches the newest
+//! deposit, and every replica refreshes from it right after that round's update, so the
+//! copies too are the same on every replica at every version.
+//!
+//! **Hand-off.** After each drafter step replica 0 publishes its weights on a
+//! [`WeightBoard`] versioned by drafter step; the trainer's caller thread (and later the
+//! rollout engine) loads them from there.
+//!
+//! Filler work never touches the target: it reads copies of what the target computed and
+//! writes only drafter state, so the target's parameters are those of a run without it.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use pipefill_actors::{FillerRouter, FillerSource, Slice, WeightBoard, thread_cpu_time};
+
+use crate::data::SplitMix64;
+use crate::model::drafter::{
+    DraftBufferHandle, DraftRow, Drafter, DrafterConfig, DrafterError, DrafterGrads,
+    DrafterTrainer, DrafterWeights,
+};
+use crate::model::{GptConfig, ModelChunk, Shape};
+use crate::tensor::{Backend, CpuBackend};
+
+/// Every this many target steps, micro-batch 0's rows are held out of training.
+pub const HELD_OUT_EVERY: u64 = 4;
+/// Most recent held-out rows the agreement is measured on.
+const HELD_OUT_ROWS: usize = 32;
+/// Router kind of a drafter slice (forward + backward).
+pub const SLICE_KIND: &str = "drafter";
+/// Router kind of a drafter optimizer step (one round's update).
+pub const STEP_KIND: &str = "drafter step";
+
+/// One rank's replica and where it stands in the exchange.
+struct Replica {
+    trainer: DrafterTrainer<CpuBackend>,
+    /// The round this replica posted and has not applied yet.
+    posted: Option<u64>,
+}
+
+/// A frozen copy deposited by the rank that holds it: `(target step, values)`.
+type Deposit = Option<(u64, Arc<Vec<f32>>)>;
+
+#[derive(Clone, Default)]
+struct Frozen {
+    embed: Deposit,
+    head: Deposit,
+}
+
+/// One round's gradients, and once complete what every replica applies.
+#[derive(Default)]
+struct Round {
+    grads: Vec<DrafterGrads>,
+    complete: Option<(Arc<Vec<DrafterGrads>>, Frozen)>,
+    applied: usize,
+}
+
+#[derive(Default)]
+struct Exchange {
+    rounds: BTreeMap<u64, Round>,
+    frozen: Frozen,
+}
+
+/// What the slices did since the caller last looked.
+#[derive(Clone, Copy, Debug, Default)]
+struct Tally {
+    slices: u64,
+    loss: f64,
+    failed: u64,
+}
+
+/// The drafter trained in one pipelined run's bubbles (see the module docs).
+pub struct DrafterFill {
+    ranks: usize,
+    refresh_every: u64,
+    buffer: DraftBufferHandle,
+    held_out: DraftBufferHandle,
+    replicas: Vec<Mutex<Replica>>,
+    exchange: Mutex<Exchange>,
+    board: WeightBoard<DrafterWeights>,
+    tally: Mutex<Tally>,
+    /// Measured (slice, step) costs before the run, in thread CPU seconds.
+    priors: (f64, f64),
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl DrafterFill {
+    /// One replica per rank; `first` and `last` are the chunks holding the target's
+    /// embedding and LM head, whose values seed the frozen copies (target step `step`).
+    pub fn new<C: Backend>(
+        target: &GptConfig,
+        config: &DrafterConfig,
+        ranks: usize,
+        first: &ModelChunk<C>,
+        last: &ModelChunk<C>,
+        step: u64,
+    ) -> Result<Self, DrafterError> {
+        let buffer = DraftBufferHandle::new(target, config);
+        let mut replicas = Vec::with_capacity(ranks);
+        for r in 0..ranks {
+            let mut drafter = Drafter::new(target, config, CpuBackend::new(1)?)?;
+            drafter.refresh_from_chunk(first, step)?;
+            drafter.refresh_from_chunk(last, step)?;
+            let trainer = DrafterTrainer::new(drafter, buffer.clone(), r, ranks)?;
+            replicas.push(Mutex::new(Replica {
+                trainer,
+                posted: None,
+            }));
+        }
+        Ok(DrafterFill {
+            ranks,
+            refresh_every: config.refresh_every,
+            held_out: DraftBufferHandle::new(target, config),
+            buffer,
+            replicas,
+            exchange: Mutex::new(Exchange::default()),
+            board: WeightBoard::default(),
+            tally: Mutex::new(Tally::default()),
+            priors: calibrate(target, config)?,
+        })
+    }
+
+    /// The buffer the last stage captures training rows into.
+    pub fn buffer(&self) -> &DraftBufferHandle {
+        &self.buffer
+    }
+
+    /// The buffer of held-out rows (never trained on).
+    pub fn held_out(&self) -> &DraftBufferHandle {
+        &self.held_out
+    }
+
+    /// The newest drafter weights, versioned by drafter step.
+    pub fn board(&self) -> &WeightBoard<DrafterWeights> {
+        &self.board
+    }
+
+    /// Whether the last stage's forward of `(step, microbatch)` feeds the held-out rows.
+    pub fn holds_out(step: u64, microbatch: u32) -> bool {
+        microbatch == 0 && step % HELD_OUT_EVERY == 0
+    }
+
+    /// Registers the two kinds of drafter work with `router`, with the costs measured
+    /// before the run as priors.
+    pub fn attach(self: &Arc<Self>, router: &FillerRouter) {
+        router.add_source(Steps(Arc::clone(self)), Some(self.priors.1));
+        router.add_source(Slices(Arc::clone(self)), Some(self.priors.0));
+    }
+
+    /// Rank `rank` finished target step `step`: deposits the frozen copies it holds, applies
+    /// a completed round its bubbles did not, and posts its gradients as the next round.
+    pub fn step_end<C: Backend>(
+        &self,
+        rank: usize,
+        step: u64,
+        chunks: &[&ModelChunk<C>],
+    ) -> Result<(), DrafterError> {
+        if (step + 1) % self.refresh_every == 0 {
+            for chunk in chunks {
+                self.deposit(chunk, step)?;
+            }
+        }
+        if self.pending(rank).is_some() {
+            self.apply(rank)?;
+        }
+        let mut replica = lock(&self.replicas[rank]);
+        if replica.posted.is_some() {
+            return Ok(()); // its round is still open: keep accumulating
+        }
+        let grads = replica.trainer.take_grads()?;
+        let version = grads.version;
+        replica.posted = Some(version);
+        drop(replica);
+        let mut ex = lock(&self.exchange);
+        let frozen = ex.frozen.clone();
+        let round = ex.rounds.entry(version).or_default();
+        round.grads.push(grads);
+        if round.grads.len() == self.ranks {
+            round.complete = Some((Arc::new(std::mem::take(&mut round.grads)), frozen));
+        }
+        Ok(())
+    }
+
+    fn deposit<C: Backend>(&self, chunk: &ModelChunk<C>, step: u64) -> Result<(), DrafterError> {
+        let mut ex = lock(&self.exchange);
+        if let Ok(values) = chunk.param_values("embed.tok") {
+            ex.frozen.embed = Some((step, Arc::new(values)));
+        }
+        if let Ok(values) = chunk.param_values("head.w") {
+            ex.frozen.head = Some((step, Arc::new(values)));
+        }
+        Ok(())
+    }
+
+    /// The completed round `rank`'s replica has still to apply.
+    fn pending(&self, rank: usize) -> Option<u64> {
+        let v = lock(&self.replicas[rank]).posted?;
+        let ex = lock(&self.exchange);
+        ex.rounds.get(&v)?.complete.as_ref().map(|_| v)
+    }
+
+    /// Applies the completed round `rank`'s replica posted: the summed update, then the
+    /// round's frozen copies; replica 0 publishes the new weights.
+    fn apply(&self, rank: usize) -> Result<(), DrafterError> {
+        let mut replica = lock(&self.replicas[rank]);
+        let Some(v) = replica.posted else {
+            return Ok(());
+        };
+        let Some((grads, frozen)) = lock(&self.exchange)
+            .rounds
+            .get(&v)
+            .and_then(|r| r.complete.clone())
+        else {
+            return Ok(());
+        };
+        let version = replica.trainer.step_with(&grads)?;
+        let drafter = replica.trainer.drafter_mut();
+        for (name, deposit) in [("embed.tok", &frozen.embed), ("head.w", &frozen.head)] {
+            if let Some((step, values)) = deposit {
+                drafter.refresh(name, values, *step)?;
+            }
+        }
+        replica.posted = None;
+        if rank == 0 {
+            self.board.publish(version, replica.trainer.weights()?);
+        }
+        drop(replica);
+        let mut ex = lock(&self.exchange);
+        if let Some(round) = ex.rounds.get_mut(&v) {
+            round.applied += 1;
+            if round.applied == self.ranks {
+                ex.rounds.remove(&v);
+            }
+        }
+        Ok(())
+    }
+
+    /// One slice on `rank`'s replica.
+    fn slice(&self, rank: usize) -> Result<(), DrafterError> {
+        let outcome = lock(&self.replicas[rank]).trainer.slice();
+        let mut tally = lock(&self.tally);
+        match outcome {
+            Ok(stats) => {
+                tally.slices += 1;
+                tally.loss += f64::from(stats.loss);
+                Ok(())
+            }
+            Err(e) => {
+                tally.failed += 1;
+                Err(e)
+            }
+        }
+    }
+
+    /// After the run: every replica applies the rounds completed but not yet applied, so
+    /// all stand at the same version. Returns each replica's weights, by rank.
+    pub fn settle(&self) -> Result<Vec<DrafterWeights>, DrafterError> {
+        for rank in 0..self.ranks {
+            self.apply(rank)?;
+        }
+        self.replicas
+            .iter()
+            .map(|r| lock(r).trainer.weights())
+            .collect()
+    }
+
+    /// Slices run and their mean loss since the last call.
+    pub fn take_tally(&self) -> (u64, Option<f64>, u64) {
+        let t = std::mem::take(&mut *lock(&self.tally));
+        let loss = (t.slices > 0).then(|| t.loss / t.slices as f64);
+        (t.slices, loss, t.failed)
+    }
+}
+
+/// Slices of the drafter: there while the buffer has rows and the rank's replica has no
+/// completed round to apply first.
+struct Slices(Arc<DrafterFill>);
+
+impl FillerSource for Slices {
+    fn kind(&self) -> &str {
+        SLICE_KIND
+    }
+
+    fn next(&mut self, rank: usize) -> Option<Slice> {
+        let fill = &self.0;
+        if fill.pending(rank).is_some() || fill.buffer.is_empty() {
+            return None;
+        }
+        let version = lock(&fill.replicas[rank]).trainer.version();
+        let fill = Arc::clone(fill);
+        Some(Slice {
+            label: format!("drafter slice (v{version})"),
+            run: Box::new(move || fill.slice(rank).map_err(|e| e.to_string())),
+        })
+    }
+}
+
+/// The drafter's optimizer steps: one per completed round, on every replica.
+struct Steps(Arc<DrafterFill>);
+
+impl FillerSource for Steps {
+    fn kind(&self) -> &str {
+        STEP_KIND
+    }
+
+    fn next(&mut self, rank: usize) -> Option<Slice> {
+        let v = self.0.pending(rank)?;
+        let fill = Arc::clone(&self.0);
+        Some(Slice {
+            label: format!("drafter step {}", v + 1),
+            run: Box::new(move || fill.apply(rank).map_err(|e| e.to_string())),
+        })
+    }
+}
+
+/// Measures, on this thread, what a slice and a two-replica step cost, on synthetic rows of
+/// the target's shape: the router's priors until real slices are measured.
+fn calibrate(target: &GptConfig, config: &DrafterConfig) -> Result<(f64, f64), DrafterError> {
+    let buffer = DraftBufferHandle::new(target, config);
+    let (d, v) = (target.d_model, target.vocab);
+    let shape = Shape {
+        batch: config.batch_rows,
+        seq: target.seq_len,
+    };
+    let n = shape.tokens();
+    let mut rng = SplitMix64::new(config.seed);
+    let hidden: Vec<f32> = (0..n * d).map(|_| rng.next_f64() as f32 - 0.5).collect();
+    let targets: Vec<u32> = (0..n).map(|_| (rng.next_u64() % v as u64) as u32).collect();
+    let probs = vec![1.0 / v as f32; n * v];
+    buffer.begin_step(0);
+    buffer.push_micro_batch(shape, &hidden, &targets, &probs)?;
+    let mut trainers = (0..2)
+        .map(|r| {
+            let drafter = Drafter::new(target, config, CpuBackend::new(1)?)?;
+            DrafterTrainer::new(drafter, buffer.clone(), r, 2)
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut costs = Vec::new();
+    for _ in 0..3 {
+        costs.push(trainers[0].slice()?.cpu_seconds);
+    }
+    costs.sort_by(f64::total_cmp);
+    trainers[1].slice()?;
+    let grads = vec![trainers[0].take_grads()?, trainers[1].take_grads()?];
+    let t0 = thread_cpu_time();
+    trainers[0].step_with(&grads)?;
+    trainers[0].weights()?;
+    Ok((costs[1], (thread_cpu_time() - t0).max(0.0)))
+}
+
+/// Measures the drafter on held-out rows from the weights it was handed (the caller's
+/// thread, off the pipeline's timeline).
+pub struct HeldOutEval {
+    trainer: DrafterTrainer<CpuBackend>,
+    version: Option<u64>,
+}
+
+impl HeldOutEval {
+    pub fn new(target: &GptConfig, config: &DrafterConfig) -> Result<Self, DrafterError> {
+        let drafter = Drafter::new(target, config, CpuBackend::new(1)?)?;
+        let buffer = DraftBufferHandle::new(target, config);
+        Ok(HeldOutEval {
+            trainer: DrafterTrainer::new(drafter, buffer, 0, 1)?,
+            version: None,
+        })
+    }
+
+    /// `(drafter version, top-1 agreement)` of the newest published weights on the newest
+    /// held-out rows; `None` before the first drafter step or the first held-out rows.
+    pub fn measure(&mut self, fill: &DrafterFill) -> Result<Option<(u64, f64)>, DrafterError> {
+        let Some(latest) = fill.board().latest() else {
+            return Ok(None);
+        };
+        if self.version != Some(latest.version) {
+            self.trainer.load_weights(&latest.value)?;
+            self.version = Some(latest.version);
+        }
+        let rows: Vec<DraftRow> = {
+            let held = fill.held_out().lock();
+            let all: Vec<&DraftRow> = held.rows().collect();
+            let from = all.len().saturating_sub(HELD_OUT_ROWS);
+            all[from..].iter().map(|r| (*r).clone()).collect()
+        };
+        if rows.is_empty() {
+            return Ok(None);
+        }
+        let stats = self.trainer.evaluate(&rows)?;
+        Ok(Some((latest.version, stats.agreement)))
+    }
+}
