@@ -392,3 +392,14 @@ impl<B: Backend> Drafter<B> {
         Ok(())
     }
 }
+
+impl<B: Backend> std::fmt::Debug for Drafter<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Drafter")
+            .field("d_model", &self.target.d_model)
+            .field("vocab", &self.target.vocab)
+            .field("frozen_step", &self.frozen_step)
+            .field("stashed", &self.stashed())
+            .finish()
+    }
+}

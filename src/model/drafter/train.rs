@@ -146,7 +146,9 @@ impl<B: Backend> DrafterTrainer<B> {
     }
 
     /// The expected cost of the next slice in seconds of thread CPU time: an EMA of the
-    /// measured slices (`None` before the first).
+    /// measured slices (`None` before the first). It is the whole cost when the drafter's
+    /// backend computes on the calling thread (a one-thread CPU backend, as in virtual-clock
+    /// runs); a backend with worker threads does part of the work off this clock.
     pub fn predicted_cost(&self) -> Option<f64> {
         self.cost
     }
@@ -379,5 +381,17 @@ impl<B: Backend> DrafterTrainer<B> {
             hidden: total.hidden / n,
             pairs: total.pairs,
         })
+    }
+}
+
+impl<B: Backend> std::fmt::Debug for DrafterTrainer<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DrafterTrainer")
+            .field("replica", &self.replica)
+            .field("replicas", &self.replicas)
+            .field("version", &self.version)
+            .field("pending_slices", &self.slices)
+            .field("predicted_cost", &self.cost)
+            .finish()
     }
 }
