@@ -31,6 +31,10 @@ enum PlacementArg {
 }
 
 #[derive(clap::Args)]
+#[command(after_help = "\
+--cost is one rank's share of the model, as in `compare`: with V stages per rank each stage
+runs at 1/V of f, i, w and stashes 1/V of mb, mw (per-stage lists are taken as given).
+--memory-limit bounds every rank's peak activation memory; without it memory is unlimited.")]
 pub(crate) struct AutoArgs {
     /// Pipeline ranks (devices), P.
     #[arg(short = 'p', long, visible_alias = "ranks", value_name = "P")]
@@ -45,8 +49,6 @@ pub(crate) struct AutoArgs {
     /// V = 2, looped otherwise].
     #[arg(long, value_enum)]
     placement: Option<PlacementArg>,
-    /// `--cost` is one rank's share of the model (see `compare`); `--memory-limit` bounds
-    /// every rank's peak activation memory (none: unlimited).
     #[command(flatten)]
     cost: CostArgs,
     /// Print the auto plan's figures as `schedule simulate --json` does.
