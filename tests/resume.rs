@@ -156,3 +156,29 @@ fn a_checkpoint_of_another_job_or_layout_is_refused() {
         .to_string();
     assert!(err.contains("written by 2 ranks"), "{err}");
 }
+
+#[test]
+fn a_run_checkpointing_every_three_steps_resumes_from_its_middle_checkpoint_bit_for_bit() {
+    let job = job();
+    let run_dir = tempfile::tempdir().unwrap();
+    let trainer = PipelineTrainer::from_job(&job).unwrap();
+    let whole = trainer
+        .clone()
+        .checkpoint_every(3, run_dir.path())
+        .run(STEPS, |_| {})
+        .unwrap();
+    // Saved during the run after steps 3 and 6; the last equals the run's final state.
+    assert_eq!(
+        latest(run_dir.path()).unwrap(),
+        Some(step_dir(run_dir.path(), 6))
+    );
+    let (layout, hash) = (layout(&trainer), job_fingerprint(&job));
+    let last = load_sharded(&step_dir(run_dir.path(), 6), &layout, &hash).unwrap();
+    assert!(bits(&last) == bits(&whole.checkpoint().unwrap()));
+    assert_eq!(last.meta.optimizer_step, 6);
+
+    // As if the run had stopped after step 3: resume from that checkpoint.
+    let middle = load_sharded(&step_dir(run_dir.path(), 3), &layout, &hash).unwrap();
+    let rest = trainer.resume(&middle).run(3, |_| {}).unwrap();
+    assert!(bits(&rest.checkpoint().unwrap()) == bits(&whole.checkpoint().unwrap()));
+}

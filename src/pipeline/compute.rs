@@ -370,6 +370,10 @@ impl<B: Backend> RankCompute<B> {
                     reason: format!("drafter: {e}"),
                 })?;
         }
+        if self.shared.checkpoint_due(step) {
+            self.shared
+                .deposit_checkpoint(step, self.rank, self.export()?);
+        }
         if self.done == self.iterations {
             self.shared.deposit_final(self.rank, self.export()?);
         } else {

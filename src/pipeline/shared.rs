@@ -11,8 +11,13 @@
 //! - For a **data-parallel replica** ([`Replica`]): the replica's share of each step's
 //!   micro-batches ([`Shared::step_data`]) and the gradient all-reduce across replicas
 //!   ([`Shared::sync_grads`], called by each rank before it computes its gradient norm).
+//! - **Periodic checkpoints** ([`Checkpointing`]): after every `every`-th step each rank
+//!   deposits its state; once all have, a writer thread saves the sharded checkpoint (one
+//!   shard per rank, manifest last), off the stage threads; the trainer joins the writers
+//!   when the run ends ([`Shared::join_checkpoints`]).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
@@ -20,7 +25,8 @@ use std::time::Instant;
 use super::PipelineError;
 use super::feed::{StepBatches, StepFeed};
 use crate::comm::collective::GradSync;
-use crate::model::checkpoint::HostTensor;
+use crate::model::checkpoint::sharded::{self, Layout};
+use crate::model::checkpoint::{CheckpointError, HostTensor};
 use crate::model::{ModelError, OptimizerState, Param};
 use crate::tensor::Backend;
 use crate::train::StepMetrics;
@@ -63,6 +69,37 @@ pub struct Replica {
     pub sync: Arc<dyn GradSync>,
 }
 
+/// Where and how often a run saves sharded checkpoints ([`sharded::step_dir`] of `run_dir`).
+#[derive(Debug, Clone)]
+pub struct Checkpointing {
+    /// Save after every step `k` with `(k + 1) % every == 0`.
+    pub every: u64,
+    pub run_dir: PathBuf,
+    pub model: crate::model::GptConfig,
+    pub data_seed: u64,
+    pub layout: Layout,
+    /// Parameter name → stage ([`sharded::param_stages`]).
+    pub stage_of: HashMap<String, usize>,
+    /// [`sharded::job_fingerprint`] of the job.
+    pub config_hash: String,
+}
+
+/// Checkpoints being gathered from the ranks, and the writers already started.
+#[derive(Default)]
+struct Saves {
+    pending: BTreeMap<u64, Vec<Option<RankFinal>>>,
+    writers: Vec<std::thread::JoinHandle<Result<PathBuf, CheckpointError>>>,
+}
+
+impl std::fmt::Debug for Saves {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Saves")
+            .field("pending", &self.pending.keys().collect::<Vec<_>>())
+            .field("writers", &self.writers.len())
+            .finish()
+    }
+}
+
 /// State shared by the ranks of one run (see the module docs).
 #[derive(Debug)]
 pub struct Shared {
@@ -73,6 +110,8 @@ pub struct Shared {
     replica: Option<Replica>,
     /// A replica's share of each step, built once per step.
     shards: Mutex<BTreeMap<u64, Arc<StepBatches>>>,
+    checkpointing: Option<Checkpointing>,
+    saves: Mutex<Saves>,
 }
 
 impl Shared {
@@ -88,7 +127,71 @@ impl Shared {
             progress,
             replica: None,
             shards: Mutex::new(BTreeMap::new()),
+            checkpointing: None,
+            saves: Mutex::new(Saves::default()),
         }
+    }
+
+    /// Saves sharded checkpoints as `checkpointing` says (`None`: never during the run).
+    pub fn with_checkpoints(mut self, checkpointing: Option<Checkpointing>) -> Self {
+        self.checkpointing = checkpointing;
+        self
+    }
+
+    /// Whether the ranks save their state after step `step`. Only the first data-parallel
+    /// replica saves: the others hold the same state.
+    pub fn checkpoint_due(&self, step: u64) -> bool {
+        let first_replica = self.replica.as_ref().is_none_or(|r| r.index == 0);
+        self.checkpointing
+            .as_ref()
+            .is_some_and(|c| c.every > 0 && (step + 1) % c.every == 0 && first_replica)
+    }
+
+    /// `rank`'s state after step `step`; the last rank to deposit starts the writer.
+    pub fn deposit_checkpoint(&self, step: u64, rank: usize, fin: RankFinal) {
+        let Some(plan) = &self.checkpointing else {
+            return;
+        };
+        let mut saves = self.saves.lock().unwrap_or_else(PoisonError::into_inner);
+        let slots = saves
+            .pending
+            .entry(step)
+            .or_insert_with(|| vec![None; self.ranks]);
+        slots[rank] = Some(fin);
+        if slots.iter().any(Option::is_none) {
+            return;
+        }
+        let finals: Vec<RankFinal> = saves
+            .pending
+            .remove(&step)
+            .expect("just filled")
+            .into_iter()
+            .flatten()
+            .collect();
+        let plan = plan.clone();
+        saves.writers.push(std::thread::spawn(move || {
+            save_finals(&plan, step + 1, finals)
+        }));
+    }
+
+    /// Waits for every checkpoint writer; the directories written, in step order.
+    pub fn join_checkpoints(&self) -> Result<Vec<PathBuf>, PipelineError> {
+        let writers = std::mem::take(
+            &mut self
+                .saves
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .writers,
+        );
+        let mut dirs = Vec::with_capacity(writers.len());
+        for w in writers {
+            match w.join() {
+                Ok(dir) => dirs.push(dir?),
+                Err(panic) => std::panic::resume_unwind(panic),
+            }
+        }
+        dirs.sort();
+        Ok(dirs)
     }
 
     /// Makes the ranks of this run one data-parallel replica (`None`: the whole batch).
@@ -238,6 +341,38 @@ impl Shared {
                 .collect(),
         )
     }
+}
+
+/// Writes the ranks' `finals` as the sharded checkpoint of `next_step` (steps done).
+fn save_finals(
+    plan: &Checkpointing,
+    next_step: u64,
+    finals: Vec<RankFinal>,
+) -> Result<PathBuf, CheckpointError> {
+    let mut by_stage: BTreeMap<u32, Vec<HostTensor>> = BTreeMap::new();
+    let mut optimizer = OptimizerState::default();
+    for mut fin in finals {
+        by_stage.extend(fin.stages);
+        optimizer.step = fin.optimizer.step;
+        optimizer.slots.append(&mut fin.optimizer.slots);
+    }
+    let params = by_stage.into_values().flatten().collect();
+    let checkpoint = sharded::from_state(
+        plan.model.clone(),
+        plan.data_seed,
+        next_step,
+        params,
+        &optimizer,
+    );
+    let dir = sharded::step_dir(&plan.run_dir, next_step);
+    sharded::save_sharded(
+        &dir,
+        &checkpoint,
+        &plan.layout,
+        &plan.stage_of,
+        &plan.config_hash,
+    )?;
+    Ok(dir)
 }
 
 #[cfg(test)]

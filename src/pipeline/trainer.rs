@@ -53,6 +53,8 @@ pub struct PipelineTrainer {
     resume: Option<Checkpoint>,
     /// This pipeline's place among data-parallel replicas (`None`: the whole batch).
     replica: Option<super::shared::Replica>,
+    /// Save a sharded checkpoint every `.0` steps under run directory `.1`.
+    checkpoints: Option<(u64, std::path::PathBuf)>,
     step_mode: StepMode,
     speculative: bool,
     /// Steps handed over by the caller instead of the synthetic stream.
@@ -116,6 +118,7 @@ impl PipelineTrainer {
             clock: clock_of(job),
             resume: None,
             replica: None,
+            checkpoints: None,
             step_mode: StepMode::default(),
             speculative: false,
             feed: None,
@@ -189,6 +192,34 @@ impl PipelineTrainer {
     pub fn filler(mut self, filler: Filler) -> Self {
         self.filler = filler;
         self
+    }
+
+    /// Saves a sharded checkpoint (one shard per rank, manifest last) under `run_dir`
+    /// (`checkpoints/step-N/`, see [`crate::model::checkpoint::sharded`]) after every
+    /// `every`-th step of the run; 0: never.
+    pub fn checkpoint_every(mut self, every: u64, run_dir: &std::path::Path) -> Self {
+        self.checkpoints = (every > 0).then(|| (every, run_dir.to_path_buf()));
+        self
+    }
+
+    /// What the ranks need to save periodic checkpoints, if the run saves any.
+    fn checkpointing(&self) -> Result<Option<super::shared::Checkpointing>, PipelineError> {
+        use crate::model::checkpoint::sharded::{Layout, job_fingerprint, param_stages};
+        let Some((every, run_dir)) = &self.checkpoints else {
+            return Ok(None);
+        };
+        Ok(Some(super::shared::Checkpointing {
+            every: *every,
+            run_dir: run_dir.clone(),
+            model: self.job.model.clone(),
+            data_seed: self.job.train.seed,
+            layout: Layout {
+                dp: self.replica.as_ref().map_or(1, |r| r.count),
+                stage_rank: self.plan.stage_rank.clone(),
+            },
+            stage_of: param_stages(&self.job.model, self.plan.stages)?,
+            config_hash: job_fingerprint(&self.job),
+        }))
     }
 
     /// A trainer for replica `replica.index` of `replica.count` data-parallel pipelines of
@@ -361,7 +392,9 @@ impl PipelineTrainer {
         feed.prefetch(self.first_step());
         let (progress, steps_rx) = channel();
         let shared = Arc::new(
-            Shared::new(plan.num_ranks(), feed, progress).with_replica(self.replica.clone()),
+            Shared::new(plan.num_ranks(), feed, progress)
+                .with_replica(self.replica.clone())
+                .with_checkpoints(self.checkpointing()?),
         );
         let mut computes = self.computes(&shared, steps)?;
         let (profiles, profiles_rx) = channel();
@@ -430,6 +463,7 @@ impl PipelineTrainer {
             Ok(report) => report?,
             Err(panic) => std::panic::resume_unwind(panic),
         };
+        shared.join_checkpoints()?;
         let finals = shared.take_finals().ok_or(PipelineError::NoFinalState)?;
         let predicted = match &report.measured_cost {
             Some(cost) => Some(simulate(plan, cost)?),

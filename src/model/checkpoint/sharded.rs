@@ -328,6 +328,42 @@ pub fn save_sharded(
     Ok(manifest)
 }
 
+/// A whole-model checkpoint of `params` (in model order) and `optimizer` after `step`
+/// steps, for a run whose state is held by its ranks rather than by one [`crate::model::Gpt`].
+/// Moments are stored as [`super::Checkpoint::capture`] stores them.
+pub fn from_state(
+    model: GptConfig,
+    data_seed: u64,
+    step: u64,
+    params: Vec<HostTensor>,
+    optimizer: &crate::model::OptimizerState,
+) -> Checkpoint {
+    let mut tensors = params;
+    let shapes: HashMap<String, Vec<usize>> = tensors
+        .iter()
+        .map(|t| (t.name.clone(), t.shape.clone()))
+        .collect();
+    for (name, slot) in &optimizer.slots {
+        let shape = shapes
+            .get(name)
+            .cloned()
+            .unwrap_or_else(|| vec![slot.m.len()]);
+        let mut push = |prefix: &str, data: &[f32]| {
+            tensors.push(HostTensor {
+                name: format!("{prefix}{name}"),
+                shape: shape.clone(),
+                data: data.to_vec(),
+            })
+        };
+        push(ADAM_M_PREFIX, &slot.m);
+        push(ADAM_V_PREFIX, &slot.v);
+        if let Some(master) = &slot.master {
+            push(MASTER_PREFIX, master);
+        }
+    }
+    Checkpoint::new(step, model, optimizer.step, data_seed, tensors)
+}
+
 /// Reads one shard, checking its size and hash against `entry`.
 fn read_shard(dir: &Path, entry: &ShardEntry) -> Result<Vec<HostTensor>, CheckpointError> {
     let path = dir.join(&entry.file);
