@@ -28,11 +28,12 @@ const TINY: &[&str] = &[
 
 fn pipefill(sub: &str, args: &[&str], out: &Path) -> Output {
     let mut cmd = Command::new(EXE);
-    cmd.arg(sub).args(args);
+    cmd.arg(sub);
     for s in TINY {
         cmd.args(["--set", s]);
     }
-    cmd.arg("--out-dir").arg(out).output().unwrap()
+    // After TINY, so a test's own --set wins.
+    cmd.args(args).arg("--out-dir").arg(out).output().unwrap()
 }
 
 fn text(out: &Output) -> String {
@@ -112,7 +113,7 @@ fn rl_from_a_train_run_starts_at_its_checkpoint() {
     // A different model on the command line: --init's model wins, and says so.
     let out = pipefill(
         "rl",
-        &["--init", init, "--steps", "1", "--set", "model.d_model=32"],
+        &["--init", init, "--steps", "1", "--set", "model.mlp_ratio=2"],
         dir.path(),
     );
     assert!(out.status.success(), "{}", text(&out));

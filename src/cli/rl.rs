@@ -20,7 +20,7 @@ use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use pipefill::config::JobConfig;
 use pipefill::model::checkpoint::Checkpoint;
 use pipefill::rl::trainer::{RlStepMetrics, RlTrainer, RolloutEngine, warm_up};
-use pipefill::rl::trainer_rollout::PlainSampler;
+use pipefill::rl::trainer_spec::PipelineRollouts;
 
 #[derive(clap::Args)]
 pub struct RlArgs {
@@ -97,12 +97,15 @@ pub fn run(args: RlArgs) -> anyhow::Result<()> {
             .with_context(|| format!("cannot create {}", metrics_path.display()))?,
     );
 
-    let mut engine = PlainSampler {
-        temperature: rl.temperature,
-        seed: rl.seed,
-    };
+    let mut engine = PipelineRollouts::new(&job)?;
     if rl.speculation {
-        println!("rollouts: plain sampling (speculative rollouts are not wired in yet)");
+        println!(
+            "rollouts: speculative decoding while at most {} sequences are live (K ≤ {} chosen \
+             by a bandit), drafter trained {} slices per step on the rollouts",
+            rl.spec_threshold, rl.draft_k, rl.drafter_slices
+        );
+    } else {
+        println!("rollouts: plain sampling (rl.speculation = false)");
     }
     let mut trainer = RlTrainer::new(&job, checkpoint)?;
     let bars = MultiProgress::new();

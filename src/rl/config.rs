@@ -39,6 +39,8 @@ pub struct RlConfig {
     pub draft_k: usize,
     /// Speculate only while at most this many sequences are still generating.
     pub spec_threshold: usize,
+    /// Drafter training slices on each step's rollouts.
+    pub drafter_slices: usize,
     /// Seed of the prompt stream and of sampling.
     pub seed: u64,
 }
@@ -58,6 +60,7 @@ impl Default for RlConfig {
             speculation: true,
             draft_k: 4,
             spec_threshold: 8,
+            drafter_slices: 16,
             seed: 0,
         }
     }

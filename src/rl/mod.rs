@@ -22,3 +22,4 @@ pub mod rollout;
 pub mod speculative;
 pub mod trainer;
 pub mod trainer_rollout;
+pub mod trainer_spec;

@@ -86,7 +86,8 @@ pub struct RolloutBatch {
     pub acceptance_length: Option<f64>,
     /// Mean draft length the engine chose (speculation only).
     pub chosen_k: Option<f64>,
-    /// Share of drafted tokens the target accepted (speculation only).
+    /// Top-1 agreement of the drafter with the policy on this step's rollouts, before
+    /// training on them (engines with a drafter only).
     pub drafter_agreement: Option<f64>,
 }
 
@@ -152,7 +153,9 @@ pub fn step_prompts(job: &JobConfig, step: u64) -> Result<Vec<Task>, RlError> {
         &job.data.families,
         job.data.size_scale,
         job.data.max_size,
-        SplitMix64::derive(rl.seed ^ 0x5eed_0f_a11_u64, step),
+        // Apart from the training stream (seeded by (train.seed, step)) even when the seeds
+        // are equal, so RL prompts are not the warm-up's documents.
+        SplitMix64::derive(rl.seed ^ 0x5eed_0fa1_u64, step),
     )?;
     // Short prompts are the common case; the bound only guards a budget nothing fits.
     let tasks: Vec<Task> = generator
