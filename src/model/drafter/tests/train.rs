@@ -259,6 +259,29 @@ fn replicas_exchanging_gradients_stay_identical() {
     assert_eq!(other.weights().unwrap(), w[0]);
 }
 
+#[test]
+fn owner_placement_keeps_workers_identical() {
+    let (mut t, buffer) = trainer_with_sink(3);
+    run(&mut t, &buffer, 2);
+    // Replica 0 owns the optimizer; the others only compute gradients and load weights.
+    let mut all: Vec<_> = (0..3).map(|r| new_trainer(&t, &buffer, r, 3)).collect();
+    for round in 1..=2u64 {
+        let mut grads = Vec::new();
+        for r in &mut all {
+            r.slice().unwrap();
+            grads.push(r.take_grads().unwrap());
+        }
+        grads.reverse();
+        assert_eq!(all[0].step_with(&grads).unwrap(), round);
+        let w = all[0].weights().unwrap();
+        assert_eq!(w.version, round);
+        for r in &mut all[1..] {
+            r.load_weights(&w).unwrap();
+            assert_eq!((r.version(), r.weights().unwrap()), (round, w.clone()));
+        }
+    }
+}
+
 /// The first `n` pairs of `r` as a proposal context.
 fn ctx(r: &DraftRow, n: usize) -> DraftContext<'_> {
     let dm = target().d_model;
