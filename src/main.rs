@@ -22,6 +22,8 @@ enum Command {
     Train(cli::train::TrainArgs),
     /// Reinforcement learning (GRPO) from a `pipefill train` run or a supervised warm-up.
     Rl(cli::rl::RlArgs),
+    /// Run an N-process job on this machine: `pipefill launch -n 4 -- train [ARGS]`.
+    Launch(cli::launch::LaunchArgs),
     /// Benchmarks: `pipefill bench rollout [--json]` (plain vs speculative rollouts).
     Bench(cli::bench::BenchArgs),
     /// Print the bubble report of a finished run from its run directory.
@@ -41,6 +43,7 @@ fn main() -> ExitCode {
         Command::Schedule(args) => cli::schedule::run(args),
         Command::Train(args) => cli::train::run(args),
         Command::Profile(args) => cli::profile::run(args),
+        Command::Launch(args) => cli::launch::run(args),
         Command::Rl(args) => cli::rl::run(args),
         Command::Bench(args) => cli::bench::run(args),
     };

@@ -4,7 +4,10 @@
 //! the runtime's `Transport` trait and the peer-link seam:
 //! - `frame`: length-prefixed bincode-2 frames with a size cap (the only wire format).
 //! - `rendezvous`: rank 0 gathers every rank's listen address and hands out the table.
-//! - `tcp`: the authenticated TCP mesh between ranks, with per-channel inboxes.
+//! - `tcp`: the authenticated TCP mesh between ranks, with per-channel inboxes; it
+//!   implements the `link::PeerLink` seam.
+//! - `tcp_transport`: the runtime's `Transport<T>` over the mesh, with the codecs of
+//!   backend buffers and serde types.
 //! - `heartbeat`: dead-peer detection that closes the mesh naming the rank.
 
 pub mod collective;

@@ -33,7 +33,7 @@ pub enum Rendezvous {
 
 #[derive(Debug, thiserror::Error)]
 pub enum RendezvousError {
-    #[error("rendezvous: {what}: {source}")]
+    #[error("rendezvous: {what}")]
     Io {
         what: String,
         #[source]

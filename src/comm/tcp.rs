@@ -77,7 +77,7 @@ impl MeshOptions {
 /// Why a mesh could not be set up.
 #[derive(Debug, thiserror::Error)]
 pub enum MeshError {
-    #[error("rank {rank}: {what}: {source}")]
+    #[error("rank {rank}: {what}")]
     Io {
         rank: usize,
         what: String,
@@ -140,9 +140,12 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Inner {
-    /// The ranks this mesh has a connection to.
-    pub(crate) fn peers(&self) -> impl Iterator<Item = usize> + '_ {
-        (0..self.world).filter(|&p| self.writers[p].is_some())
+    /// The ranks this mesh is connected to and that have not said goodbye.
+    pub(crate) fn peers(&self) -> Vec<usize> {
+        let boxes = lock(&self.boxes);
+        (0..self.world)
+            .filter(|&p| self.writers[p].is_some() && !boxes.gone[p])
+            .collect()
     }
 
     /// Sends one wire frame to `to` as one write (length prefix and payload together).
@@ -160,9 +163,31 @@ impl Inner {
                 world: self.world,
             });
         };
-        lock(stream)
-            .write_all(&buf)
-            .map_err(|source| LinkError::Io { peer: to, source })
+        let written = lock(stream).write_all(&buf);
+        let Err(source) = written else {
+            return Ok(());
+        };
+        // A peer that said goodbye and exited is not dead; its goodbye may still be on its
+        // way to the reader, so give it a moment before calling the peer dead.
+        let mut boxes = lock(&self.boxes);
+        let deadline = Instant::now() + Duration::from_millis(500);
+        while !boxes.gone[to] && boxes.failure.is_none() && !boxes.closed {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            boxes = self
+                .arrived
+                .wait_timeout(boxes, left)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+        let gone = boxes.gone[to];
+        drop(boxes);
+        if !gone {
+            self.fail(format!("rank {to} died: sending to it failed: {source}"));
+        }
+        Err(LinkError::Io { peer: to, source })
     }
 
     /// The first failure, naming the rank that caused it.
@@ -364,6 +389,24 @@ impl TcpMesh {
     /// The first failure (naming the rank that caused it), if the mesh failed.
     pub fn failure(&self) -> Option<String> {
         self.inner.failure()
+    }
+
+    /// A wait for the mesh's failure, to run on another thread: returns the failure once
+    /// there is one (never, if the mesh closes cleanly first).
+    pub fn failure_watch(&self) -> impl FnOnce() -> String + Send + 'static {
+        let inner = Arc::clone(&self.inner);
+        move || {
+            let mut boxes = lock(&inner.boxes);
+            loop {
+                if let Some(reason) = &boxes.failure {
+                    return reason.clone();
+                }
+                boxes = inner
+                    .arrived
+                    .wait(boxes)
+                    .unwrap_or_else(PoisonError::into_inner);
+            }
+        }
     }
 
     pub(crate) fn inner(&self) -> &Arc<Inner> {

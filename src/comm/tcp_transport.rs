@@ -193,7 +193,10 @@ impl<T: Send + 'static, C: Codec<T>> Transport<T> for TcpTransport<T, C> {
                     bytes,
                 },
             )
-            .map_err(|e| self.explain(LinkError::Other(e.to_string())))
+            .map_err(|e| match self.mesh.failure() {
+                Some(reason) => LinkError::Other(reason),
+                None => LinkError::Other(e.to_string()),
+            })
     }
 
     fn try_recv(&self, rank: usize, tag: &Tag) -> Result<Option<Envelope<T>>, LinkError> {

@@ -1,5 +1,6 @@
 //! Starting a multi-process job: who this process is ([`env`]), and joining the others
-//! ([`join`]): rendezvous on rank 0, then the authenticated TCP mesh.
+//! ([`join`]): rendezvous on rank 0, then the authenticated TCP mesh; and one rank's part
+//! of pipelined training over that mesh ([`train`]).
 //!
 //! `pipefill launch` (src/cli/launch.rs) spawns local ranks with pipefill's variables; any
 //! other launcher (torchrun, mpirun, srun) works through its own variables. Every rank of
@@ -8,6 +9,7 @@
 //! otherwise; the rendezvous listens on the master address.
 
 pub mod env;
+pub mod train;
 
 use std::net::{IpAddr, SocketAddr, TcpListener, ToSocketAddrs};
 use std::time::Duration;
@@ -28,7 +30,7 @@ pub enum LaunchError {
         "rank {rank} of a {world}-rank job has no job token: set PIPEFILL_TOKEN to the same secret on every rank (pipefill launch does)"
     )]
     NoToken { rank: usize, world: usize },
-    #[error("rank {rank}: cannot listen on {addr}: {source}")]
+    #[error("rank {rank}: cannot listen on {addr}")]
     Listen {
         rank: usize,
         addr: String,
@@ -47,12 +49,8 @@ pub enum LaunchError {
         value: String,
         reason: String,
     },
-    #[error("rank {rank}: {source}")]
-    Rendezvous {
-        rank: usize,
-        #[source]
-        source: RendezvousError,
-    },
+    #[error("rank {rank}: {error}")]
+    Rendezvous { rank: usize, error: RendezvousError },
     #[error(transparent)]
     Mesh(#[from] MeshError),
 }
@@ -117,7 +115,7 @@ pub fn join(env: &RankEnv, listen: IpAddr, timeout: Duration) -> Result<TcpMesh,
             addr: master_text.clone(),
             reason,
         })?;
-    let rendezvous = |source| LaunchError::Rendezvous { rank, source };
+    let rendezvous = |error| LaunchError::Rendezvous { rank, error };
     let table = if rank == 0 {
         let server = TcpListener::bind(master).map_err(|source| LaunchError::Listen {
             rank,

@@ -92,6 +92,11 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         Some(path) => JobConfig::load(path, &sets)?,
         None => JobConfig::embedded(&sets)?,
     };
+    // One rank of a multi-process job (pipefill launch, torchrun, mpirun, srun).
+    let rank_env = pipefill::launch::RankEnv::detect()?;
+    if rank_env.is_distributed() {
+        return crate::cli::launch::train_distributed(&job, &rank_env, args.resume.as_deref());
+    }
     if !job.schedule.trim().eq_ignore_ascii_case("none") {
         return pipelined::train(&job, args.resume.as_deref());
     }

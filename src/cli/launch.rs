@@ -1,0 +1,285 @@
+//! `pipefill launch -n N [--master-addr A] [--master-port P] [--listen-addr IP] -- train|rl
+//! [ARGS]`: runs an N-process job on this machine, and [`train_distributed`], what
+//! `pipefill train` does when it finds itself one rank of such a job.
+//!
+//! The launcher spawns N copies of this executable with pipefill's rank variables and a
+//! fresh job token (or `PIPEFILL_TOKEN` when set), prefixes every output line with its
+//! rank, and exits non-zero if any rank fails. When one rank fails, the others are given a
+//! grace period to notice (their mesh names the failed rank within seconds) and exit with
+//! their own error; whoever is still running after it is killed.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context, bail};
+
+use pipefill::config::{Clock, JobConfig};
+use pipefill::launch::train::train_rank;
+use pipefill::launch::{RankEnv, join, join_timeout, listen_ip};
+use pipefill::model::checkpoint::Checkpoint;
+use pipefill::pipeline::PipelineTrainer;
+
+/// How long the other ranks have to exit on their own after one failed.
+const GRACE: Duration = Duration::from_secs(8);
+
+#[derive(clap::Args)]
+pub struct LaunchArgs {
+    /// Number of ranks (processes) to start on this machine.
+    #[arg(short = 'n', long = "nproc", value_name = "N")]
+    nproc: usize,
+    /// Address of rank 0's rendezvous.
+    #[arg(long, default_value = "127.0.0.1")]
+    master_addr: String,
+    /// Port of rank 0's rendezvous (default: a free port).
+    #[arg(long)]
+    master_port: Option<u16>,
+    /// IP address the ranks' sockets listen on (default: loopback).
+    #[arg(long, value_name = "IP")]
+    listen_addr: Option<String>,
+    /// The subcommand every rank runs, and its arguments (after `--`).
+    #[arg(last = true, required = true, value_name = "COMMAND")]
+    command: Vec<String>,
+}
+
+/// A random job token from the OS (32 hex digits).
+fn fresh_token() -> anyhow::Result<String> {
+    let mut bytes = [0u8; 16];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut bytes))
+        .context("cannot read /dev/urandom for the job token; set PIPEFILL_TOKEN instead")?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// Copies `from` to `to` line by line, each prefixed with `[rank R] `.
+fn forward(rank: usize, from: impl Read + Send + 'static, mut to: impl Write + Send + 'static) {
+    std::thread::spawn(move || {
+        for line in BufReader::new(from).split(b'\n') {
+            let Ok(line) = line else { return };
+            let mut out = format!("[rank {rank}] ").into_bytes();
+            out.extend_from_slice(&line);
+            out.push(b'\n');
+            if to.write_all(&out).and_then(|()| to.flush()).is_err() {
+                return;
+            }
+        }
+    });
+}
+
+pub fn run(args: LaunchArgs) -> anyhow::Result<()> {
+    if args.nproc == 0 {
+        bail!("-n must be at least 1");
+    }
+    match args.command.first().map(String::as_str) {
+        Some("train" | "rl") => {}
+        other => bail!("launch runs `train` or `rl` on every rank, not {other:?}"),
+    }
+    let token = match std::env::var("PIPEFILL_TOKEN") {
+        Ok(t) if !t.is_empty() => t,
+        _ => fresh_token()?,
+    };
+    let port = match args.master_port {
+        Some(p) => p,
+        // The port is free now; rank 0 binds it again a moment later.
+        None => TcpListener::bind((args.master_addr.as_str(), 0))
+            .and_then(|l| l.local_addr())
+            .with_context(|| format!("no free port on {}", args.master_addr))?
+            .port(),
+    };
+    let exe = std::env::current_exe().context("cannot find this executable")?;
+    let mut children: Vec<Option<Child>> = Vec::with_capacity(args.nproc);
+    for rank in 0..args.nproc {
+        let mut cmd = Command::new(&exe);
+        cmd.args(&args.command)
+            .env("PIPEFILL_RANK", rank.to_string())
+            .env("PIPEFILL_WORLD_SIZE", args.nproc.to_string())
+            .env("PIPEFILL_LOCAL_RANK", rank.to_string())
+            .env("PIPEFILL_MASTER_ADDR", &args.master_addr)
+            .env("PIPEFILL_MASTER_PORT", port.to_string())
+            .env("PIPEFILL_TOKEN", &token)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        if let Some(ip) = &args.listen_addr {
+            cmd.env("PIPEFILL_LISTEN_ADDR", ip);
+        }
+        let mut child = cmd
+            .spawn()
+            .with_context(|| format!("cannot start rank {rank}"))?;
+        eprintln!("[launch] rank {rank}: pid {}", child.id());
+        if let Some(out) = child.stdout.take() {
+            forward(rank, out, std::io::stdout());
+        }
+        if let Some(err) = child.stderr.take() {
+            forward(rank, err, std::io::stderr());
+        }
+        children.push(Some(child));
+    }
+    supervise(children)
+}
+
+/// Waits for every rank; after the first failure, gives the others [`GRACE`] to exit, then
+/// kills the rest. Fails naming every rank that failed.
+fn supervise(mut children: Vec<Option<Child>>) -> anyhow::Result<()> {
+    let mut failed: Vec<(usize, ExitStatus)> = Vec::new();
+    let mut first_failure: Option<Instant> = None;
+    while children.iter().any(Option::is_some) {
+        for (rank, slot) in children.iter_mut().enumerate() {
+            let Some(child) = slot else { continue };
+            match child.try_wait() {
+                Ok(Some(status)) => {
+                    if !status.success() {
+                        eprintln!("[launch] rank {rank} failed: {status}");
+                        failed.push((rank, status));
+                        first_failure.get_or_insert_with(Instant::now);
+                    }
+                    *slot = None;
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    eprintln!("[launch] rank {rank}: cannot wait for it: {e}");
+                    failed.push((rank, ExitStatus::default()));
+                    *slot = None;
+                }
+            }
+        }
+        if first_failure.is_some_and(|t| t.elapsed() > GRACE) {
+            for (rank, slot) in children.iter_mut().enumerate() {
+                if let Some(mut child) = slot.take() {
+                    eprintln!(
+                        "[launch] rank {rank} still running {GRACE:?} after a failure: killing it"
+                    );
+                    let _ = child.kill();
+                    let _ = child.wait();
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Let the output threads drain what the ranks wrote last.
+    std::thread::sleep(Duration::from_millis(100));
+    if failed.is_empty() {
+        return Ok(());
+    }
+    let ranks: Vec<String> = failed
+        .iter()
+        .map(|(r, s)| format!("rank {r} ({s})"))
+        .collect();
+    bail!(
+        "{} of the job's ranks failed: {}",
+        failed.len(),
+        ranks.join(", ")
+    )
+}
+
+/// The runtime's clock for the job file's `clock`.
+fn clock_of(job: &JobConfig) -> pipefill::pipeline::Clock {
+    match job.clock {
+        Clock::Virtual => pipefill::pipeline::Clock::virtual_free(),
+        Clock::Wall => pipefill::pipeline::Clock::Wall,
+    }
+}
+
+/// `pipefill train` as one rank of a multi-process job: joins the others, trains this
+/// rank's stages, and on rank 0 writes `job.toml` and the whole model's checkpoint.
+pub fn train_distributed(
+    job: &JobConfig,
+    env: &RankEnv,
+    resume: Option<&Path>,
+) -> anyhow::Result<()> {
+    let rank = env.rank;
+    let trainer = PipelineTrainer::from_job(job)
+        .with_context(|| format!("schedule {:?} on {} ranks", job.schedule, job.stages))?;
+    let plan = trainer.plan();
+    if plan.num_ranks() != env.world {
+        bail!(
+            "the job's schedule {:?} has {} ranks but {} processes were launched: one rank per process (set stages = {})",
+            job.schedule,
+            plan.num_ranks(),
+            env.world,
+            env.world
+        );
+    }
+    let checkpoint = resume.map(Checkpoint::load).transpose()?;
+    let first_step = checkpoint.as_ref().map_or(0, |c| c.meta.step);
+    if first_step >= job.train.steps {
+        bail!(
+            "the checkpoint is at step {first_step}: nothing to do for train.steps = {}",
+            job.train.steps
+        );
+    }
+    let mesh = join(env, listen_ip()?, join_timeout()?)?;
+    if rank == 0 {
+        println!(
+            "distributed: {} ranks ({:?} launcher), schedule {} with {} stages, {} steps",
+            env.world,
+            env.launcher,
+            job.schedule.trim(),
+            plan.stages,
+            job.train.steps - first_step
+        );
+    }
+    if rank == 0 && job.filler != pipefill::config::Filler::None {
+        println!(
+            "note: bubble filling does not run in multi-process jobs yet: the bubbles stay idle"
+        );
+    }
+    watchdog(&mesh);
+    let run = train_rank(
+        job,
+        plan,
+        &mesh,
+        clock_of(job),
+        job.train.steps - first_step,
+        checkpoint.as_ref(),
+    )?;
+    for step in &run.report.steps {
+        if rank == 0 {
+            println!(
+                "step {:>5}/{} grad norm {:.4} {:?}",
+                first_step + step.iteration + 1,
+                job.train.steps,
+                step.grad_norm,
+                step.decision
+            );
+        }
+    }
+    if let Some(mut checkpoint) = run.checkpoint {
+        let out_dir = job.out_dir.clone().unwrap_or_else(|| {
+            let secs = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs());
+            PathBuf::from("runs").join(format!("distributed-{secs}"))
+        });
+        std::fs::create_dir_all(&out_dir)
+            .with_context(|| format!("cannot create output directory {}", out_dir.display()))?;
+        std::fs::write(out_dir.join("job.toml"), job.to_toml())
+            .with_context(|| format!("cannot write {}/job.toml", out_dir.display()))?;
+        let notes = &mut checkpoint.meta.notes;
+        notes.insert("job.toml".into(), job.to_toml());
+        notes.insert("schedule".into(), job.schedule.trim().to_string());
+        checkpoint.save(&out_dir.join("checkpoint"))?;
+        println!(
+            "done: run directory {} (job.toml, checkpoint/)",
+            out_dir.display()
+        );
+    }
+    use pipefill::comm::link::PeerLink;
+    mesh.close()?;
+    Ok(())
+}
+
+/// Ends the process a few seconds after the mesh fails, whatever the rank is doing then (a
+/// compute action runs to its end before the runtime notices): a dead peer must end every
+/// rank within 10 s.
+fn watchdog(mesh: &pipefill::comm::tcp::TcpMesh) {
+    let failure = mesh.failure_watch();
+    std::thread::spawn(move || {
+        let reason = failure();
+        std::thread::sleep(Duration::from_secs(3));
+        eprintln!("error: {reason}");
+        std::process::exit(1);
+    });
+}

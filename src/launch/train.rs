@@ -1,0 +1,303 @@
+//! Pipelined training of one rank in a multi-process job: [`train_rank`].
+//!
+//! Every process builds the same plan from the same job and runs only its own rank's
+//! [`RankCompute`] through the runtime's [`Pipeline::run_local`]; activations, gradients
+//! and gradient statistics travel on the TCP mesh ([`TcpTransport`]). The computation of
+//! each rank is the in-process pipeline's, action for action, so the parameters after K
+//! steps are bitwise those of the in-process run of the same job (f32 on the CPU).
+//!
+//! After the last step every rank sends its final parameters and optimizer moments to rank
+//! 0 on the control channel, and rank 0 assembles the checkpoint in the reference
+//! trainer's format. Losses are only known to the last stage's rank, so a rank's step
+//! report carries the global gradient norm and the optimizer decision, not the loss.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::mpsc::channel;
+
+use pipefill_actors::{Clock, GradStats, Pipeline, PlanSource, RunReport, StepMode, Transport};
+use serde::{Deserialize, Serialize};
+
+use crate::comm::frame;
+use crate::comm::link::{LinkError, PeerLink};
+use crate::comm::tcp::TcpMesh;
+use crate::comm::tcp_transport::{
+    BufCodec, CONTROL_CHANNEL, STATS_CHANNEL, SerdeCodec, TENSOR_CHANNEL, TcpTransport,
+};
+use crate::config::JobConfig;
+use crate::data::StepData;
+use crate::model::checkpoint::{Checkpoint, HostTensor};
+use crate::model::{AdamW, Cut, Gpt, ModelChunk, ModelError, OptimizerState};
+use crate::pipeline::feed::StepFeed;
+use crate::pipeline::shared::{RankFinal, Shared};
+use crate::pipeline::{PipelineError, RankCompute};
+use crate::schedules::Plan;
+use crate::tensor::CpuBackend;
+use crate::train::reference::{adamw_config, lr_schedule};
+
+/// Why a rank's part of a distributed run failed.
+#[derive(Debug, thiserror::Error)]
+pub enum DistributedError {
+    #[error("the plan has {plan} ranks but the job was launched with {world} processes")]
+    World { plan: usize, world: usize },
+    /// The rank's own pipeline failed (the error names the rank; it is shown whole, not as
+    /// a chain, so that the one-line CLI error does not repeat it).
+    #[error("{error}")]
+    Pipeline { rank: usize, error: PipelineError },
+    #[error("rank {rank}: gathering the final state")]
+    Gather {
+        rank: usize,
+        #[source]
+        source: LinkError,
+    },
+    #[error("rank {rank}: the final state of rank {from} is undecodable: {reason}")]
+    BadFinal {
+        rank: usize,
+        from: usize,
+        reason: String,
+    },
+    /// The mesh failed: a peer died or broke the protocol (named in the text).
+    #[error("rank {rank}: {reason}")]
+    Peer { rank: usize, reason: String },
+}
+
+/// What one rank's run produced.
+#[derive(Debug)]
+pub struct RankRun {
+    pub rank: usize,
+    /// This process's ranks' measured timelines and optimizer steps.
+    pub report: RunReport,
+    /// The whole model's final checkpoint (rank 0 only).
+    pub checkpoint: Option<Checkpoint>,
+}
+
+/// A parameter or moment on the wire: name, shape, values.
+type TensorWire = (String, Vec<usize>, Vec<f32>);
+
+/// A rank's final state on the wire.
+#[derive(Serialize, Deserialize)]
+struct FinalWire {
+    /// `(stage, tensors of that stage)`.
+    stages: Vec<(u32, Vec<TensorWire>)>,
+    optimizer: OptimizerState,
+}
+
+impl From<RankFinal> for FinalWire {
+    fn from(f: RankFinal) -> Self {
+        FinalWire {
+            stages: f
+                .stages
+                .into_iter()
+                .map(|(s, ts)| {
+                    (
+                        s,
+                        ts.into_iter().map(|t| (t.name, t.shape, t.data)).collect(),
+                    )
+                })
+                .collect(),
+            optimizer: f.optimizer,
+        }
+    }
+}
+
+impl From<FinalWire> for RankFinal {
+    fn from(f: FinalWire) -> Self {
+        RankFinal {
+            stages: f
+                .stages
+                .into_iter()
+                .map(|(s, ts)| {
+                    let ts = ts
+                        .into_iter()
+                        .map(|(name, shape, data)| HostTensor { name, shape, data })
+                        .collect();
+                    (s, ts)
+                })
+                .collect(),
+            optimizer: f.optimizer,
+        }
+    }
+}
+
+/// Runs `steps` optimizer steps of `job`'s `plan` as the mesh's rank, from `resume` when
+/// given. Every process of the job calls it with the same job and plan.
+pub fn train_rank(
+    job: &JobConfig,
+    plan: &Plan,
+    mesh: &TcpMesh,
+    clock: Clock,
+    steps: u64,
+    resume: Option<&Checkpoint>,
+) -> Result<RankRun, DistributedError> {
+    let (rank, world) = (mesh.rank(), mesh.world());
+    if plan.num_ranks() != world {
+        return Err(DistributedError::World {
+            plan: plan.num_ranks(),
+            world,
+        });
+    }
+    let pipeline_err = |error: PipelineError| DistributedError::Pipeline { rank, error };
+    let first_step = resume.map_or(0, |c| c.meta.step);
+    let data = StepData::new(job.data.clone(), job.model.seq_len, job.train.seed)
+        .map_err(|e| pipeline_err(e.into()))?;
+    let feed = Arc::new(StepFeed::new(data, job.train.clone()));
+    feed.prefetch(first_step);
+    // The step log needs every rank's losses and norms, which stay in their processes;
+    // this rank's steps are reported by the runtime instead (see the module docs).
+    let (progress, _steps) = channel();
+    let shared = Arc::new(Shared::new(world, feed, progress));
+    let backend = CpuBackend::new(1).map_err(|e| pipeline_err(ModelError::from(e).into()))?;
+    let compute = rank_compute(
+        job, plan, rank, &backend, &shared, first_step, steps, resume,
+    )
+    .map_err(pipeline_err)?;
+
+    let tensors: Arc<dyn Transport<_>> =
+        Arc::new(TcpTransport::new(mesh, TENSOR_CHANNEL, BufCodec(backend)));
+    let stats: Arc<dyn Transport<GradStats>> =
+        Arc::new(TcpTransport::new(mesh, STATS_CHANNEL, SerdeCodec));
+    let mut pipeline = Pipeline::new(PlanSource::Given(plan.clone()), clock)
+        .iterations(steps)
+        .step_mode(StepMode::default())
+        .stats_transport(stats);
+    if job.train.clip > 0.0 {
+        pipeline = pipeline.max_grad_norm(f64::from(job.train.clip));
+    }
+    let report = pipeline
+        .run_local_blocking(vec![(rank, compute)], tensors)
+        .map_err(|e| match mesh.failure() {
+            // The mesh's failure names the rank that died; the runtime's error only says
+            // which action noticed.
+            Some(reason) => DistributedError::Peer { rank, reason },
+            None => pipeline_err(e.into()),
+        })?;
+
+    // Other ranks' finals live in their processes: stand-ins let `take_finals` hand over
+    // this rank's own.
+    for other in (0..world).filter(|&r| r != rank) {
+        shared.deposit_final(
+            other,
+            RankFinal {
+                stages: Vec::new(),
+                optimizer: OptimizerState::default(),
+            },
+        );
+    }
+    let own = shared
+        .take_finals()
+        .and_then(|mut f| (rank < f.len()).then(|| f.swap_remove(rank)))
+        .ok_or_else(|| pipeline_err(PipelineError::NoFinalState))?;
+    let gather = |source| DistributedError::Gather { rank, source };
+    if rank != 0 {
+        let bytes = frame::encode(&FinalWire::from(own)).map_err(|e| {
+            gather(LinkError::Protocol {
+                peer: 0,
+                reason: e.to_string(),
+            })
+        })?;
+        mesh.send(0, CONTROL_CHANNEL, &bytes).map_err(gather)?;
+        return Ok(RankRun {
+            rank,
+            report,
+            checkpoint: None,
+        });
+    }
+    let mut finals = vec![own];
+    for from in 1..world {
+        let bytes = mesh.recv(from, CONTROL_CHANNEL).map_err(gather)?;
+        let wire: FinalWire = frame::decode(&bytes).map_err(|e| DistributedError::BadFinal {
+            rank,
+            from,
+            reason: e.to_string(),
+        })?;
+        finals.push(wire.into());
+    }
+    let checkpoint = assemble(job, finals, first_step + steps).map_err(pipeline_err)?;
+    Ok(RankRun {
+        rank,
+        report,
+        checkpoint: Some(checkpoint),
+    })
+}
+
+/// The [`RankCompute`] of `rank`: its chunks of the plan, on `backend`, loaded from
+/// `resume` when given (as the in-process trainer does for every rank).
+#[allow(clippy::too_many_arguments)]
+fn rank_compute(
+    job: &JobConfig,
+    plan: &Plan,
+    rank: usize,
+    backend: &CpuBackend,
+    shared: &Arc<Shared>,
+    first_step: u64,
+    steps: u64,
+    resume: Option<&Checkpoint>,
+) -> Result<RankCompute<CpuBackend>, PipelineError> {
+    let cut = Cut::Even(plan.stages);
+    let chunks = plan
+        .stages_of(rank)
+        .into_iter()
+        .map(|s| ModelChunk::new(&job.model, backend.clone(), &cut, s as usize))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut compute = RankCompute::new(
+        rank,
+        backend.clone(),
+        chunks,
+        adamw_config(&job.train),
+        lr_schedule(&job.train),
+        Arc::clone(shared),
+        first_step,
+        steps,
+    );
+    if let Some(checkpoint) = resume {
+        let be = CpuBackend::new(1).map_err(ModelError::from)?;
+        let mut gpt = Gpt::new(&job.model, be.clone(), &Cut::Even(1))?;
+        let mut optimizer = AdamW::new(adamw_config(&job.train));
+        checkpoint.restore(&mut gpt, &mut optimizer, job.train.seed)?;
+        let state = optimizer.state(&be)?;
+        let mut names = Vec::new();
+        for chunk in compute.chunks_mut() {
+            for name in chunk.param_names() {
+                chunk.set_param(&name, &gpt.param_values(&name)?)?;
+                names.push(name);
+            }
+        }
+        let own = OptimizerState {
+            step: state.step,
+            slots: names
+                .iter()
+                .filter_map(|n| state.slots.get(n).map(|s| (n.clone(), s.clone())))
+                .collect(),
+        };
+        compute.optimizer_mut().load_state(backend, &own)?;
+    }
+    Ok(compute)
+}
+
+/// The whole model's checkpoint from every rank's final state (stages in model order).
+fn assemble(
+    job: &JobConfig,
+    finals: Vec<RankFinal>,
+    next_step: u64,
+) -> Result<Checkpoint, PipelineError> {
+    let mut by_stage: BTreeMap<u32, Vec<HostTensor>> = BTreeMap::new();
+    let mut state = OptimizerState::default();
+    for mut fin in finals {
+        by_stage.extend(fin.stages);
+        state.step = fin.optimizer.step;
+        state.slots.append(&mut fin.optimizer.slots);
+    }
+    let be = CpuBackend::new(1).map_err(ModelError::from)?;
+    let mut gpt = Gpt::new(&job.model, be.clone(), &Cut::Even(1))?;
+    for p in by_stage.into_values().flatten() {
+        gpt.set_param(&p.name, &p.data)?;
+    }
+    let mut optimizer = AdamW::new(adamw_config(&job.train));
+    optimizer.load_state(&be, &state)?;
+    Ok(Checkpoint::capture(
+        &gpt,
+        &optimizer,
+        next_step,
+        job.train.seed,
+    )?)
+}

@@ -1,0 +1,263 @@
+//! Multi-process jobs through the binary: `pipefill launch -n 4` and a real `mpirun` give
+//! exactly the parameters (and optimizer moments) of the in-process run of the same job; a
+//! killed rank ends the job within 10 s with its rank named; a wrong job token is refused.
+//! A tiny model keeps each job to a few seconds.
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::sync::mpsc::{Receiver, channel};
+use std::time::{Duration, Instant};
+
+use pipefill::model::checkpoint::Checkpoint;
+
+const EXE: &str = env!("CARGO_BIN_EXE_pipefill");
+
+/// Four ranks of ZB-H1 with clipping on (the ranks' gradient statistics cross processes).
+const JOB: &[&str] = &[
+    "schedule=\"zb-h1\"",
+    "stages=4",
+    "filler=\"none\"",
+    "model.d_model=16",
+    "model.heads=2",
+    "model.layers=4",
+    "model.seq_len=32",
+    "train.micro_batches=4",
+    "train.micro_batch_size=2",
+    "train.steps=3",
+    "train.clip=0.5",
+    "train.eval_tasks=2",
+    "data.summary_tasks=50",
+];
+
+fn train_args(out: &Path, extra: &[&str]) -> Vec<String> {
+    let mut args = vec!["train".to_string()];
+    for s in JOB.iter().chain(extra) {
+        args.push("--set".into());
+        args.push(s.to_string());
+    }
+    args.push("--out-dir".into());
+    args.push(out.display().to_string());
+    args
+}
+
+fn text(out: &Output) -> String {
+    format!(
+        "stdout:\n{}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// A command with no launcher variables inherited from the test's environment.
+fn clean(program: &str) -> Command {
+    let mut cmd = Command::new(program);
+    for var in [
+        "RANK",
+        "WORLD_SIZE",
+        "PMI_RANK",
+        "SLURM_PROCID",
+        "OMPI_COMM_WORLD_RANK",
+        "PIPEFILL_RANK",
+        "PIPEFILL_TOKEN",
+    ] {
+        cmd.env_remove(var);
+    }
+    cmd
+}
+
+/// The in-process run's checkpoint (computed once per test that needs it).
+fn in_process(dir: &Path) -> Checkpoint {
+    let out = clean(EXE).args(train_args(dir, &[])).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    Checkpoint::load(&dir.join("checkpoint")).unwrap()
+}
+
+/// Every tensor (parameters and optimizer moments) bitwise equal, and the same step.
+fn assert_same(a: &Checkpoint, b: &Checkpoint) {
+    assert_eq!(a.meta.step, b.meta.step);
+    assert_eq!(a.meta.optimizer_step, b.meta.optimizer_step);
+    assert_eq!(a.tensors.len(), b.tensors.len());
+    for (x, y) in a.tensors.iter().zip(&b.tensors) {
+        assert_eq!(x.name, y.name);
+        assert_eq!(x.shape, y.shape, "{}", x.name);
+        let bits = |t: &[f32]| t.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert!(bits(&x.data) == bits(&y.data), "{} differs", x.name);
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[test]
+fn launch_of_four_ranks_and_mpirun_equal_the_in_process_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let reference = in_process(&dir.path().join("single"));
+
+    let launched = dir.path().join("launch");
+    let out = clean(EXE)
+        .args(["launch", "-n", "4", "--"])
+        .args(train_args(&launched, &[]))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("[rank 0] done: run directory"),
+        "{}",
+        text(&out)
+    );
+    assert!(launched.join("job.toml").exists());
+    assert_same(
+        &reference,
+        &Checkpoint::load(&launched.join("checkpoint")).unwrap(),
+    );
+
+    let has_mpirun = Command::new("sh")
+        .args(["-c", "command -v mpirun"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !has_mpirun {
+        println!("skipping the mpirun run: mpirun is not installed (apt-get install openmpi-bin)");
+        return;
+    }
+    let mpi = dir.path().join("mpirun");
+    let port = free_port().to_string();
+    let out = clean("mpirun")
+        .args(["--allow-run-as-root", "--oversubscribe", "-np", "4"])
+        .args(["-x", "PIPEFILL_TOKEN=mpirun-test-token"])
+        .args(["-x", &format!("PIPEFILL_MASTER_PORT={port}")])
+        .arg(EXE)
+        .args(train_args(&mpi, &[]))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    assert_same(
+        &reference,
+        &Checkpoint::load(&mpi.join("checkpoint")).unwrap(),
+    );
+}
+
+/// Sends every line of `from` on a channel.
+fn lines(from: impl Read + Send + 'static) -> Receiver<String> {
+    let (tx, rx) = channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(from).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    rx
+}
+
+#[test]
+fn killing_one_rank_ends_the_job_within_ten_seconds_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = clean(EXE)
+        .args(["launch", "-n", "4", "--"])
+        .args(train_args(&dir.path().join("run"), &["train.steps=100000"]))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = lines(child.stdout.take().unwrap());
+    let stderr = lines(child.stderr.take().unwrap());
+    let mut seen = Vec::new();
+    let mut victim = None;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    // Wait until rank 2's pid is known and the job trains (rank 0 reports the mesh).
+    let mut training = false;
+    while victim.is_none() || !training {
+        assert!(
+            Instant::now() < deadline,
+            "the job did not start: {seen:#?}"
+        );
+        while let Ok(line) = stderr.try_recv() {
+            if let Some(pid) = line.strip_prefix("[launch] rank 2: pid ") {
+                victim = Some(pid.trim().to_string());
+            }
+            seen.push(line);
+        }
+        while let Ok(line) = stdout.try_recv() {
+            training |= line.starts_with("[rank 0] distributed:");
+            seen.push(line);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let killed = Instant::now();
+    let status = Command::new("kill")
+        .args(["-9", victim.as_deref().unwrap()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let exit = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if killed.elapsed() > Duration::from_secs(15) {
+            let _ = child.kill();
+            panic!("the job still runs 15 s after rank 2 was killed");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let took = killed.elapsed();
+    std::thread::sleep(Duration::from_millis(200));
+    seen.extend(stderr.try_iter());
+    seen.extend(stdout.try_iter());
+    let all = seen.join("\n");
+    assert!(!exit.success(), "{all}");
+    assert!(took < Duration::from_secs(10), "took {took:?}: {all}");
+    assert!(all.contains("[launch] rank 2 failed: signal: 9"), "{all}");
+    for rank in [0, 1, 3] {
+        assert!(
+            all.lines()
+                .any(|l| l.starts_with(&format!("[rank {rank}] error:"))
+                    && l.contains("rank 2 died")),
+            "rank {rank} did not name rank 2: {all}"
+        );
+    }
+    println!("the job ended {took:?} after rank 2 was killed");
+}
+
+#[test]
+fn a_rank_with_a_wrong_token_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port().to_string();
+    let spawn = |rank: &str, token: &str| {
+        clean(EXE)
+            .args(train_args(&dir.path().join(format!("run{rank}")), &[]))
+            .env("PIPEFILL_RANK", rank)
+            .env("PIPEFILL_WORLD_SIZE", "4")
+            .env("PIPEFILL_MASTER_PORT", &port)
+            .env("PIPEFILL_TOKEN", token)
+            .env("PIPEFILL_JOIN_TIMEOUT", "3")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let master = spawn("0", "the-job-token");
+    let intruder = spawn("1", "a-guessed-token");
+    let (master, intruder) = (
+        master.wait_with_output().unwrap(),
+        intruder.wait_with_output().unwrap(),
+    );
+    let (m, i) = (text(&master), text(&intruder));
+    assert!(
+        !master.status.success() && !intruder.status.success(),
+        "{m}\n{i}"
+    );
+    assert!(
+        m.contains("refused connection") && m.contains("wrong job token"),
+        "{m}"
+    );
+    assert!(m.contains("ranks [1, 2, 3] did not join within 3 s"), "{m}");
+    assert!(i.contains("rank 0 closed the connection"), "{i}");
+}
