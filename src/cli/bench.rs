@@ -8,22 +8,23 @@
 //!    heavy-tailed completion lengths), each capped by the model's positions;
 //! 3. runs it once with plain decoding, recording the drafter rows, and trains the drafter
 //!    (`[drafter]`) for `--drafter-slices` slices on exactly those rows;
-//! 4. calibrates the adaptive threshold: per live-batch size, the median time of one
-//!    verification step (K+1 positions per sequence) over one plain decode step, and the
-//!    largest batch whose ratio stays below the fixed-K run's acceptance length (there a
-//!    verification emits more tokens per second than plain decoding);
+//! 4. runs it plainly and with a fixed K, and calibrates the adaptive threshold from those
+//!    runs: per live-batch bucket, tokens/s with speculation against without; the threshold
+//!    is the largest bucket up to which speculation wins in every bucket;
 //! 5. runs the batch `--reps` times per mode and reports medians: tokens/s overall and in
 //!    the long tail (from the moment a quarter of the batch is live), acceptance length,
 //!    time in the tail, and whether every mode produced the same greedy tokens.
 
+use std::collections::BTreeMap;
 use std::time::Instant;
 
 use anyhow::{Context, bail};
 use pipefill::config::JobConfig;
 use pipefill::data::{SplitMix64, TaskGenerator, Tokenizer, tokenizer::BOS};
-use pipefill::model::drafter::{DraftBufferHandle, Drafter, DrafterTrainer};
-use pipefill::model::infer::{InferStage, Span, run_stages};
+use pipefill::model::drafter::{DraftBufferHandle, DraftContext, Drafter, DrafterTrainer};
+use pipefill::model::infer::InferStage;
 use pipefill::model::{Cut, Gpt};
+use pipefill::rl::bandit::bucket;
 use pipefill::rl::rollout::{
     AdaptiveConfig, Request, Rollout, RolloutConfig, RolloutEngine, Speculation,
 };
@@ -55,7 +56,7 @@ pub struct RolloutArgs {
     #[arg(long, default_value_t = 400)]
     drafter_slices: usize,
     /// Sequences in the batch.
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 128)]
     requests: usize,
     /// Pipeline stages (threads).
     #[arg(long, default_value_t = 4)]
@@ -67,7 +68,7 @@ pub struct RolloutArgs {
     #[arg(long, default_value_t = 4)]
     k: usize,
     /// Runs per mode (medians are reported).
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 5)]
     reps: usize,
     /// Override job fields, e.g. `--set model.layers=4`.
     #[arg(long = "set", value_name = "KEY=VALUE")]
@@ -175,46 +176,72 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
             100.0 * agree
         ),
     );
+    // What one draft costs, next to the engine's per-token figures below: the proposal of
+    // K tokens for a single sequence (the long tail's batch), median of 9.
+    let propose_ms = {
+        let row = first
+            .rows
+            .iter()
+            .max_by_key(|r| r.len())
+            .context("no rows")?;
+        let (n, d) = (row.len(), job.model.d_model);
+        let tokens: Vec<u32> = row.targets[..n].to_vec();
+        let ctx = [DraftContext {
+            hidden: &row.hidden[..n * d],
+            tokens: &tokens,
+        }];
+        let mut rng = SplitMix64::new(1);
+        let mut t = Vec::new();
+        for _ in 0..9 {
+            let s = Instant::now();
+            dtrainer.drafter_mut().propose(&ctx, a.k, 0.0, &mut rng)?;
+            t.push(s.elapsed().as_secs_f64() * 1e3);
+        }
+        median(t)
+    };
+    say(
+        a.json,
+        format!(
+            "drafter: proposing K={} tokens for one sequence takes {propose_ms:.3} ms (median of 9)",
+            a.k
+        ),
+    );
 
-    let mut runs =
-        |spec: &Speculation, drafter: &mut Drafter<CpuBackend>| -> anyhow::Result<Vec<Rollout>> {
-            (0..a.reps)
-                .map(|_| {
-                    let p: Option<&mut dyn pipefill::rl::speculative::Proposer> = match spec {
-                        Speculation::Off => None,
-                        _ => Some(drafter),
-                    };
-                    Ok(engine.run(&requests, &cfg(spec.clone(), false), p)?)
-                })
-                .collect()
-        };
-    let plain = runs(&Speculation::Off, dtrainer.drafter_mut())?;
-    let fixed = runs(&Speculation::Fixed { k: a.k }, dtrainer.drafter_mut())?;
+    // Modes alternate run by run, so that the machine's drift (other jobs on a shared box)
+    // hits both sides of a comparison alike.
+    let drafter = dtrainer.drafter_mut();
+    let mut pair = |spec: &Speculation| -> anyhow::Result<(Vec<Rollout>, Vec<Rollout>)> {
+        let (mut plain, mut spec_runs) = (Vec::new(), Vec::new());
+        for _ in 0..a.reps {
+            plain.push(engine.run(&requests, &cfg(Speculation::Off, false), None)?);
+            let p: &mut dyn pipefill::rl::speculative::Proposer = &mut *drafter;
+            spec_runs.push(engine.run(&requests, &cfg(spec.clone(), false), Some(p))?);
+        }
+        Ok((plain, spec_runs))
+    };
+    let (plain0, fixed) = pair(&Speculation::Fixed { k: a.k })?;
     let fixed_accept = median(fixed.iter().map(|r| r.stats.acceptance_length()).collect());
-    let (threshold, table) = calibrate(model, a.stages, a.k, fixed_accept)?;
-    for (b, decode, verify) in &table {
+    let (threshold, table) = calibrate(&plain0, &fixed);
+    for (b, pr, fr) in &table {
         say(
             a.json,
             format!(
-                "calibration: batch {b:>3}: decode step {:.3} ms, verify(K={}) step {:.3} ms, ratio {:.2}",
-                decode * 1e3,
-                a.k,
-                verify * 1e3,
-                verify / decode
+                "calibration: live ≤ {b:>3}: plain {pr:>9.1} tokens/s, fixed K={} {fr:>9.1} tokens/s",
+                a.k
             ),
         );
     }
     say(
         a.json,
         format!(
-            "threshold: speculate while live ≤ {threshold} (largest batch whose verify/decode ratio < acceptance length {fixed_accept:.2})"
+            "threshold: speculate while live ≤ {threshold} (fixed K beat plain in every bucket up to it; acceptance length {fixed_accept:.2})"
         ),
     );
     let adaptive = Speculation::Adaptive(AdaptiveConfig {
         threshold,
         ..AdaptiveConfig::default()
     });
-    let adapt = runs(&adaptive, dtrainer.drafter_mut())?;
+    let (plain, adapt) = pair(&adaptive)?;
 
     let identical = fixed
         .iter()
@@ -250,6 +277,7 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
             "plain_tail_s": m(&plain, &tail_s),
             "adaptive_tail_s": m(&adapt, &tail_s),
             "threshold": threshold,
+            "propose_ms": propose_ms,
             "k_choices": ks,
             "identical_outputs": identical,
             "requests": requests.len(),
@@ -284,7 +312,10 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Prompts of the job's tasks (BOS + prompt text), each allowed to run to the model's cap.
+/// Scale of the heavy-tailed per-request caps: P(cap > 2 + k) = s / (s + k).
+const CAP_SCALE: f64 = 8.0;
+
+/// Prompts of the job's tasks (BOS + prompt text), each with a heavy-tailed cap.
 fn long_tail_batch(job: &JobConfig, n: usize) -> anyhow::Result<Vec<Request>> {
     let tok = Tokenizer::new();
     let mut tasks = TaskGenerator::new(
@@ -294,14 +325,20 @@ fn long_tail_batch(job: &JobConfig, n: usize) -> anyhow::Result<Vec<Request>> {
         SplitMix64::new(job.train.seed ^ 0x5eed_0001),
     )?;
     let seq_len = job.model.seq_len;
+    let mut rng = SplitMix64::new(job.train.seed ^ 0x5eed_0002);
     let mut out = Vec::with_capacity(n);
     while out.len() < n {
         let task = tasks.next_task();
         let mut prompt = vec![BOS];
         tok.encode_into(&task.prompt, &mut prompt)?;
         if prompt.len() + 1 < seq_len {
+            // Response lengths of RL rollouts are heavy-tailed: most stop early, a few run
+            // long. The task sizes give that only weakly in 64 positions, so each request
+            // also draws its own cap from the heavy-tailed law (EOS may still end it first).
+            let room = seq_len - prompt.len();
+            let cap = 2 + rng.heavy_tailed(CAP_SCALE, room as u32) as usize;
             out.push(Request {
-                max_new: seq_len - prompt.len(),
+                max_new: cap.min(room),
                 prompt,
             });
         }
@@ -309,51 +346,36 @@ fn long_tail_batch(job: &JobConfig, n: usize) -> anyhow::Result<Vec<Request>> {
     Ok(out)
 }
 
-/// Per batch size, the median time of one plain decode step and one verification step of
-/// `k + 1` positions (sequences prefilled with 16 positions; each timed step is rolled back
-/// by the next, so the cache stays the same), and the largest batch whose ratio is below
-/// `accept_len`.
-fn calibrate(
-    model: &Gpt<CpuBackend>,
-    stages: usize,
-    k: usize,
-    accept_len: f64,
-) -> anyhow::Result<(usize, Vec<(usize, f64, f64)>)> {
-    let mut st = InferStage::stages_of(model, &Cut::Even(stages))?;
-    let prefix = 16.min(model.config().seq_len.saturating_sub(k + 1)).max(1);
+/// Tokens generated and seconds spent while the live batch was in each bucket, summed
+/// over `runs` (from their live curves).
+fn by_bucket(runs: &[Rollout]) -> BTreeMap<usize, (f64, f64)> {
+    let mut out: BTreeMap<usize, (f64, f64)> = BTreeMap::new();
+    for r in runs {
+        for w in r.live_curve.windows(2).filter(|w| w[0].live > 0) {
+            let e = out.entry(bucket(w[0].live)).or_default();
+            e.0 += (w[1].tokens - w[0].tokens) as f64;
+            e.1 += w[1].t - w[0].t;
+        }
+    }
+    out
+}
+
+/// The adaptive threshold, measured in the engine itself: per live-batch bucket, tokens/s
+/// of the fixed-K runs against the plain runs; speculation pays up to the largest bucket
+/// such that it wins in that bucket and every smaller one (0: it never pays).
+fn calibrate(plain: &[Rollout], fixed: &[Rollout]) -> (usize, Vec<(usize, f64, f64)>) {
+    let (p, f) = (by_bucket(plain), by_bucket(fixed));
+    let mut threshold = 0;
+    let mut winning = true;
     let mut table = Vec::new();
-    let mut threshold = 1;
-    for b in [1usize, 2, 4, 8, 16, 32] {
-        let spans: Vec<Span> = (0..b)
-            .map(|slot| Span {
-                slot,
-                start: 0,
-                len: prefix,
-            })
-            .collect();
-        run_stages(&mut st, &spans, &vec![3; b * prefix])?;
-        let mut time = |len: usize| -> anyhow::Result<f64> {
-            let spans: Vec<Span> = (0..b)
-                .map(|slot| Span {
-                    slot,
-                    start: prefix,
-                    len,
-                })
-                .collect();
-            let ids = vec![4; b * len];
-            let mut t = Vec::new();
-            for _ in 0..9 {
-                let s = Instant::now();
-                run_stages(&mut st, &spans, &ids)?;
-                t.push(s.elapsed().as_secs_f64());
-            }
-            Ok(median(t))
-        };
-        let (decode, verify) = (time(1)?, time(k + 1)?);
-        if verify / decode < accept_len {
+    for (&b, &(pt, ps)) in &p {
+        let Some(&(ft, fs)) = f.get(&b) else { continue };
+        let (pr, fr) = (pt / ps.max(1e-9), ft / fs.max(1e-9));
+        winning &= fr > pr;
+        if winning {
             threshold = b;
         }
-        table.push((b, decode, verify));
+        table.push((b, pr, fr));
     }
-    Ok((threshold, table))
+    (threshold, table)
 }

@@ -50,12 +50,17 @@ pub enum RolloutError {
     Stopped,
 }
 
-/// Live batch at or below which [`AdaptiveConfig::default`] speculates. Derived with
-/// `pipefill bench rollout`, which measures, per batch size, the time of one verification
-/// step of K+1 positions against one plain decode step and reports the largest batch whose
-/// ratio stays below the measured acceptance length (where a verify step emits more tokens
-/// per second than plain decoding); see `calibrate` in the bench and the report in the
-/// commit that set this value.
+/// Live batch at or below which [`AdaptiveConfig::default`] speculates.
+///
+/// How it is derived: `pipefill bench rollout` runs the same long-tail batch plainly and
+/// with a fixed K, alternating run by run, and compares tokens/s per live-batch bucket; the
+/// threshold is the largest bucket up to which speculation wins in every bucket. The
+/// target-side cost behind it (`InferStage`, one thread, K = 4, 2-core box): a
+/// verification step costs 2.0× a decode step at batch 1, 3.6× at 2, 4.4–4.6× at 4–8 and
+/// 5–9× beyond, against acceptance lengths of 2.8–3.7 with the bench's trained drafter, so
+/// speculation can only pay up to about 8 live sequences; that is this default. The
+/// engine-level calibration on the shared 2-core machine is dominated by noise (runs of a
+/// few milliseconds) and gives anything from 0 to 2: calibrate per machine with the bench.
 pub const DEFAULT_SPEC_THRESHOLD: usize = 8;
 
 /// When to speculate.
