@@ -10,7 +10,8 @@
 //! [`PipelineTrainer::run_observed`] hands over the whole [`StepView`]: the iteration's
 //! profile (with its bubbles and filler work) and the drafter's figures.
 //!
-//! With `filler = "drafter"` (the job's default; [`PipelineTrainer::filler`]) the run trains
+//! With [`PipelineTrainer::filler`]`(Filler::Drafter)` (what `pipefill train` asks for when the
+//! job's `filler` is `"drafter"`, its default) the run trains
 //! the drafter in the bubbles ([`super::fill`]): a [`FillerRouter`] hands each rank's bubbles
 //! drafter slices and steps that fit them. Every few steps the caller's thread measures the
 //! drafter's top-1 agreement with the target on held-out rows, from the weights the drafter
@@ -122,7 +123,7 @@ impl PipelineTrainer {
             step_mode: StepMode::default(),
             speculative: false,
             feed: None,
-            filler: job.filler,
+            filler: Filler::None,
         })
     }
 
@@ -188,7 +189,9 @@ impl PipelineTrainer {
         self
     }
 
-    /// What runs in the bubbles (default: the job's `filler`).
+    /// What runs in the bubbles: `job.filler` for the job's own choice (what `pipefill
+    /// train` does). Off by default, so a library caller (the RL updates, the tests of the
+    /// pipeline's timing) gets exactly the pipeline it built.
     pub fn filler(mut self, filler: Filler) -> Self {
         self.filler = filler;
         self

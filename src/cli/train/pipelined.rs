@@ -34,7 +34,8 @@ pub(super) fn train(job: &JobConfig, resume: Option<&Path>) -> anyhow::Result<()
     print!("{summary}");
 
     let mut trainer = PipelineTrainer::from_job(job)
-        .with_context(|| format!("schedule {:?} on {} ranks", job.schedule, job.stages))?;
+        .with_context(|| format!("schedule {:?} on {} ranks", job.schedule, job.stages))?
+        .filler(job.filler);
     if let Some(dir) = resume {
         let checkpoint = Checkpoint::load(dir)?;
         trainer = trainer.resume(&checkpoint);
