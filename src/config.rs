@@ -80,6 +80,10 @@ pub struct JobConfig {
     pub filler: Filler,
     /// Where checkpoints and metrics go; `runs/<start time>` when absent.
     pub out_dir: Option<PathBuf>,
+    /// A pipelined run also saves a sharded checkpoint (`checkpoints/step-N/` of the run
+    /// directory: one shard per rank, manifest last) after every this many steps; 0: only
+    /// the final `checkpoint/`.
+    pub checkpoint_every: u64,
     pub model: GptConfig,
     pub data: DataConfig,
     pub train: TrainConfig,
@@ -98,6 +102,7 @@ impl Default for JobConfig {
             clock: Clock::default(),
             filler: Filler::default(),
             out_dir: None,
+            checkpoint_every: 0,
             model: GptConfig::default(),
             data: DataConfig::default(),
             train: TrainConfig::default(),

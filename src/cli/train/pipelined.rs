@@ -16,7 +16,10 @@ use anyhow::{Context, bail};
 
 use pipefill::config::{Clock, Filler, JobConfig};
 use pipefill::data::DatasetSummary;
-use pipefill::model::checkpoint::Checkpoint;
+use pipefill::model::checkpoint::sharded::{
+    CHECKPOINTS_DIR, Layout, MANIFEST_FILE, Manifest, job_fingerprint, latest, load_sharded,
+};
+use pipefill::model::checkpoint::{Checkpoint, META_FILE};
 use pipefill::pipeline::{PipelineTrainer, StepMetrics, StepView};
 use pipefill::schedules::ScheduleKind;
 
@@ -37,7 +40,7 @@ pub(super) fn train(job: &JobConfig, resume: Option<&Path>) -> anyhow::Result<()
         .with_context(|| format!("schedule {:?} on {} ranks", job.schedule, job.stages))?
         .filler(job.filler);
     if let Some(dir) = resume {
-        let checkpoint = Checkpoint::load(dir)?;
+        let checkpoint = load_resume(dir, &trainer)?;
         trainer = trainer.resume(&checkpoint);
         println!(
             "resuming from {} at step {}",
@@ -87,7 +90,11 @@ pub(super) fn train(job: &JobConfig, resume: Option<&Path>) -> anyhow::Result<()
     let mut last = None;
     let filler = job.filler != Filler::None;
     let mut agreement = None;
-    let run = trainer.run_observed(t.steps - first_step, |v: &StepView| {
+    // Periodic checkpoints for the main run only (the baseline run below measures).
+    let main = trainer
+        .clone()
+        .checkpoint_every(job.checkpoint_every, &out_dir);
+    let run = main.run_observed(t.steps - first_step, |v: &StepView| {
         let m = v.metrics;
         let mut line = format!(
             "loss {:.4} | lr {:.2e} | {:.0} tok/s",
@@ -215,4 +222,49 @@ fn check_schedule(schedule: &str) -> anyhow::Result<()> {
         "schedule {name:?} is neither a built-in schedule ({}, or none) nor a schedule file",
         names.join(", ")
     )
+}
+
+/// The checkpoint `--resume PATH` names: a run directory (the newest of its complete sharded
+/// `checkpoints/step-N/` and its final `checkpoint/`), a sharded checkpoint directory, or a
+/// whole-model checkpoint directory. A sharded one must have been written by this job's
+/// layout and settings (checked against its manifest).
+fn load_resume(path: &Path, trainer: &PipelineTrainer) -> anyhow::Result<Checkpoint> {
+    let layout = Layout {
+        dp: 1,
+        stage_rank: trainer.plan().stage_rank.clone(),
+    };
+    let hash = job_fingerprint(trainer.job());
+    let sharded = |dir: &Path| {
+        load_sharded(dir, &layout, &hash)
+            .with_context(|| format!("cannot resume from {}", dir.display()))
+    };
+    if path.join(MANIFEST_FILE).is_file() {
+        return sharded(path);
+    }
+    if path.join(META_FILE).is_file() {
+        return Ok(Checkpoint::load(path)?);
+    }
+    let newest_sharded = latest(path)?;
+    let whole = path.join("checkpoint");
+    let whole_step = match whole.join(META_FILE).is_file() {
+        true => Some(Checkpoint::load(&whole)?.meta.step),
+        false => None,
+    };
+    match (newest_sharded, whole_step) {
+        (Some(dir), Some(step)) if step > Manifest::read(&dir)?.step => {
+            Ok(Checkpoint::load(&whole)?)
+        }
+        (Some(dir), _) => sharded(&dir),
+        (None, Some(_)) => Ok(Checkpoint::load(&whole)?),
+        (None, None) if path.join(CHECKPOINTS_DIR).is_dir() => bail!(
+            "{}: no complete checkpoint in {CHECKPOINTS_DIR}/ (none has its manifest: the run \
+             stopped while writing them)",
+            path.display()
+        ),
+        (None, None) => bail!(
+            "{}: not a checkpoint or a run directory with one (no {MANIFEST_FILE}, {META_FILE}, \
+             {CHECKPOINTS_DIR}/ or checkpoint/)",
+            path.display()
+        ),
+    }
 }
