@@ -9,8 +9,8 @@
 //! 3. runs it once with plain decoding, recording the drafter rows, and trains the drafter
 //!    (`[drafter]`) for `--drafter-slices` slices on exactly those rows;
 //! 4. runs it plainly and with a fixed K, and calibrates the adaptive threshold from those
-//!    runs: per live-batch bucket, tokens/s with speculation against without; the threshold
-//!    is the largest bucket up to which speculation wins in every bucket;
+//!    runs: tokens/s with speculation against without over the live-batch buckets up to
+//!    `b`, pooled; the threshold is the largest `b` where speculation wins;
 //! 5. runs the batch `--reps` times per mode and reports medians: tokens/s overall and in
 //!    the long tail (from the moment a quarter of the batch is live), acceptance length,
 //!    time in the tail, and whether every mode produced the same greedy tokens.
@@ -234,7 +234,7 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
     say(
         a.json,
         format!(
-            "threshold: speculate while live ≤ {threshold} (fixed K beat plain in every bucket up to it; acceptance length {fixed_accept:.2})"
+            "threshold: speculate while live ≤ {threshold} (fixed K beat plain over all buckets up to it pooled; acceptance length {fixed_accept:.2})"
         ),
     );
     let adaptive = Speculation::Adaptive(AdaptiveConfig {
@@ -360,22 +360,22 @@ fn by_bucket(runs: &[Rollout]) -> BTreeMap<usize, (f64, f64)> {
     out
 }
 
-/// The adaptive threshold, measured in the engine itself: per live-batch bucket, tokens/s
-/// of the fixed-K runs against the plain runs; speculation pays up to the largest bucket
-/// such that it wins in that bucket and every smaller one (0: it never pays).
+/// The adaptive threshold, measured in the engine itself: tokens/s of the fixed-K runs
+/// against the plain runs over all live-batch buckets up to `b` (pooled, so one noisy
+/// bucket of a few milliseconds cannot decide alone); the threshold is the largest `b`
+/// where speculation wins (0: it never pays). Returns it with the per-bucket rates.
 fn calibrate(plain: &[Rollout], fixed: &[Rollout]) -> (usize, Vec<(usize, f64, f64)>) {
     let (p, f) = (by_bucket(plain), by_bucket(fixed));
-    let mut threshold = 0;
-    let mut winning = true;
-    let mut table = Vec::new();
+    let (mut threshold, mut table) = (0, Vec::new());
+    let (mut pool_p, mut pool_f) = ((0.0, 0.0), (0.0, 0.0));
     for (&b, &(pt, ps)) in &p {
         let Some(&(ft, fs)) = f.get(&b) else { continue };
-        let (pr, fr) = (pt / ps.max(1e-9), ft / fs.max(1e-9));
-        winning &= fr > pr;
-        if winning {
+        pool_p = (pool_p.0 + pt, pool_p.1 + ps);
+        pool_f = (pool_f.0 + ft, pool_f.1 + fs);
+        if pool_f.0 / pool_f.1.max(1e-9) > pool_p.0 / pool_p.1.max(1e-9) {
             threshold = b;
         }
-        table.push((b, pr, fr));
+        table.push((b, pt / ps.max(1e-9), ft / fs.max(1e-9)));
     }
     (threshold, table)
 }

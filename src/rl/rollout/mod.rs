@@ -54,7 +54,7 @@ pub enum RolloutError {
 ///
 /// How it is derived: `pipefill bench rollout` runs the same long-tail batch plainly and
 /// with a fixed K, alternating run by run, and compares tokens/s per live-batch bucket; the
-/// threshold is the largest bucket up to which speculation wins in every bucket. The
+/// threshold is the largest bucket up to which speculation wins (buckets pooled). The
 /// target-side cost behind it (`InferStage`, one thread, K = 4, 2-core box): a
 /// verification step costs 2.0× a decode step at batch 1, 3.6× at 2, 4.4–4.6× at 4–8 and
 /// 5–9× beyond, against acceptance lengths of 2.8–3.7 with the bench's trained drafter, so
