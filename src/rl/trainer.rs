@@ -89,6 +89,8 @@ pub struct RolloutBatch {
     /// Top-1 agreement of the drafter with the policy on this step's rollouts, before
     /// training on them (engines with a drafter only).
     pub drafter_agreement: Option<f64>,
+    /// Seconds of drafter training inside `generate`, after the rollout proper.
+    pub drafter_seconds: f64,
 }
 
 /// Generates the rollouts of a step.
@@ -120,10 +122,15 @@ pub struct RlStepMetrics {
     pub sequences: usize,
     /// Generated tokens (up to and with `EOS`).
     pub generated_tokens: usize,
+    /// Generation time (drafter training excluded).
     pub rollout_seconds: f64,
+    /// Drafter training on the step's rollouts.
+    pub drafter_seconds: f64,
     pub update_seconds: f64,
-    /// Rollout time / (rollout + update) time.
+    /// Rollout time / whole step time (rollout + drafter + update).
     pub rollout_share: f64,
+    /// The whole step: prompts, rollout, drafter, rewards, update.
+    pub step_seconds: f64,
     /// Generated tokens per second of rollout.
     pub tokens_per_s: f64,
     /// Whether the rollouts decoded speculatively.
@@ -299,9 +306,9 @@ impl RlTrainer {
                 Ok(ids)
             })
             .collect::<Result<Vec<_>, DataError>>()?;
-        let started = Instant::now();
+        let step_started = Instant::now();
         let batch = engine.generate(&self.policy, &prompts, rl.group, rl.max_new_tokens, step)?;
-        let rollout_seconds = started.elapsed().as_secs_f64();
+        let rollout_seconds = step_started.elapsed().as_secs_f64() - batch.drafter_seconds;
         if batch.rollouts.len() != rl.sequences() {
             return Err(RlError::Rollout(format!(
                 "{} rollouts for {} prompts × group {}",
@@ -351,6 +358,7 @@ impl RlTrainer {
         let bubble_ratio = run.timelines().next().map(|t| t.bubble_ratio);
         self.step += 1;
 
+        let step_seconds = step_started.elapsed().as_secs_f64();
         let tokens_per_s = generated_tokens as f64 / rollout_seconds.max(1e-9);
         let speculation = engine.speculative();
         Ok(RlStepMetrics {
@@ -360,8 +368,10 @@ impl RlTrainer {
             sequences: rewards.len(),
             generated_tokens,
             rollout_seconds,
+            drafter_seconds: batch.drafter_seconds,
             update_seconds,
-            rollout_share: rollout_seconds / (rollout_seconds + update_seconds).max(1e-9),
+            rollout_share: rollout_seconds / step_seconds.max(1e-9),
+            step_seconds,
             tokens_per_s,
             speculation,
             tokens_per_s_sd: speculation.then_some(tokens_per_s),

@@ -8,10 +8,13 @@
 //! the rollout the drafter trains `drafter_slices` slices on them (this step's rows and the
 //! previous step's, [`crate::model::drafter::DraftBuffer`]), with its frozen embedding and
 //! head copies refreshed from the new policy. The slices run on the caller's thread after
-//! the rollout, not yet inside the long tail's idle time or the update's bubbles.
+//! the rollout (reported apart, as `drafter_seconds`), not yet inside the long tail's idle
+//! time or the update's bubbles. With speculation off no drafter is recorded or trained.
 //!
 //! Speculation never changes what is sampled (acceptance is lossless), so the reward curve
 //! is the same in distribution with it on or off; only the time differs.
+
+use std::time::Instant;
 
 use super::rollout::{
     AdaptiveConfig, Request, RolloutConfig, RolloutEngine as Engine, RolloutError, Speculation,
@@ -110,28 +113,36 @@ impl RolloutEngine for PipelineRollouts {
             groups: self.stages.max(1),
             seed: SplitMix64::derive(self.rl.seed, step).next_u64(),
             speculation: self.speculation.clone(),
-            record_rows: true,
+            record_rows: speculate,
             step,
         };
         let proposer = speculate.then_some(&mut self.proposer as &mut dyn Proposer);
         let out = engine.run(&requests, &config, proposer)?;
 
         // The drafter follows the policy: agreement on this step's rows before training
-        // on them (how well it matched the policy that sampled them), then slices.
-        self.trainer.drafter_mut().refresh_from_gpt(policy, step)?;
-        let held: Vec<DraftRow> = out.rows.iter().take(4).cloned().collect();
-        let agreement = self.trainer.agreement(&held)?;
-        let buffer = self.trainer.buffer().clone();
-        buffer.begin_step(step);
-        {
-            let mut b = buffer.lock();
-            for row in &out.rows {
-                b.push(row.clone())?;
+        // on them (how well it matched the policy that sampled them), then slices. Without
+        // speculation nothing would use it, so it is left alone.
+        let drafted = Instant::now();
+        let agreement = if speculate {
+            self.trainer.drafter_mut().refresh_from_gpt(policy, step)?;
+            let held: Vec<DraftRow> = out.rows.iter().take(4).cloned().collect();
+            let agreement = self.trainer.agreement(&held)?;
+            let buffer = self.trainer.buffer().clone();
+            buffer.begin_step(step);
+            {
+                let mut b = buffer.lock();
+                for row in &out.rows {
+                    b.push(row.clone())?;
+                }
             }
-        }
-        for _ in 0..self.rl.drafter_slices {
-            self.trainer.slice()?;
-        }
+            for _ in 0..self.rl.drafter_slices {
+                self.trainer.slice()?;
+            }
+            Some(agreement)
+        } else {
+            None
+        };
+        let drafter_seconds = drafted.elapsed().as_secs_f64();
 
         let rollouts = (0..requests.len())
             .map(|i| Rollout {
@@ -148,7 +159,8 @@ impl RolloutEngine for PipelineRollouts {
             live_batch: out.live_curve.iter().map(|p| p.live).collect(),
             acceptance_length: (s.verifications > 0).then(|| s.acceptance_length()),
             chosen_k,
-            drafter_agreement: Some(agreement),
+            drafter_agreement: agreement,
+            drafter_seconds,
         })
     }
 
