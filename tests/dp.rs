@@ -11,12 +11,15 @@
 //! leave room for AdamW amplifying a near-zero gradient's rounding: every parameter within
 //! 1e-5 of dp = 1's and the difference's L2 norm within 1e-6 of the parameters'. The
 //! replicas themselves must end bitwise equal (the all-reduce gives every replica the same
-//! bits).
+//! bits), and the all-reduce over loopback TCP (`TcpMesh`, one mesh end per global rank)
+//! gives the in-process link's bits.
 
+use std::net::{SocketAddr, TcpListener};
 use std::sync::Arc;
 
 use pipefill::comm::collective::RingGradSync;
 use pipefill::comm::link::{InProcessLink, PeerLink};
+use pipefill::comm::tcp::{MeshOptions, TcpMesh};
 use pipefill::config::JobConfig;
 use pipefill::data::DataConfig;
 use pipefill::model::GptConfig;
@@ -61,12 +64,22 @@ fn job() -> JobConfig {
     }
 }
 
-/// Runs `dp` replicas of the 1F1B pipeline on threads of this process.
+/// Runs `dp` replicas of the 1F1B pipeline on threads of this process, joined by the
+/// in-process link.
 fn run_replicas(job: &JobConfig, dp: usize) -> Vec<PipelineRun> {
     let links: Vec<Arc<dyn PeerLink>> = InProcessLink::group(dp * PP)
         .into_iter()
         .map(|l| Arc::new(l) as Arc<dyn PeerLink>)
         .collect();
+    run_replicas_over(job, dp, links)
+}
+
+/// Runs `dp` replicas whose gradient all-reduce goes over `links` (one per global rank).
+fn run_replicas_over(
+    job: &JobConfig,
+    dp: usize,
+    links: Vec<Arc<dyn PeerLink>>,
+) -> Vec<PipelineRun> {
     let plan = build(ScheduleKind::OneFOneB, PP, job.train.micro_batches / dp, 1).unwrap();
     let trainers: Vec<PipelineTrainer> = (0..dp)
         .map(|d| {
@@ -157,4 +170,46 @@ fn a_batch_that_does_not_split_evenly_is_refused() {
         err.contains("dp") && err.contains("micro_batches = 4"),
         "{err}"
     );
+}
+
+/// The TCP mesh of `world` ranks on loopback, each end built on its own thread as separate
+/// processes would build theirs.
+fn tcp_links(world: usize) -> Vec<Arc<dyn PeerLink>> {
+    let listeners: Vec<TcpListener> = (0..world)
+        .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
+    let handles: Vec<_> = listeners
+        .into_iter()
+        .enumerate()
+        .map(|(rank, l)| {
+            let addrs = addrs.clone();
+            std::thread::spawn(move || {
+                TcpMesh::connect(rank, l, &addrs, &MeshOptions::new("dp-test")).unwrap()
+            })
+        })
+        .collect();
+    handles
+        .into_iter()
+        .map(|h| Arc::new(h.join().unwrap()) as Arc<dyn PeerLink>)
+        .collect()
+}
+
+#[test]
+fn the_all_reduce_over_tcp_gives_the_same_bits_as_in_process() {
+    // Same ring, same chunking, same summation order: the transport must not matter.
+    let job = job();
+    let local = run_replicas(&job, 2);
+    let tcp = run_replicas_over(&job, 2, tcp_links(2 * PP));
+    for name in local[0].param_names() {
+        let bits = |r: &PipelineRun| {
+            r.param_values(name)
+                .unwrap()
+                .iter()
+                .map(|x| x.to_bits())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(bits(&tcp[0]), bits(&local[0]), "{name}");
+        assert_eq!(bits(&tcp[1]), bits(&local[0]), "{name}");
+    }
 }
