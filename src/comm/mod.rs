@@ -9,6 +9,10 @@
 //! - `tcp_transport`: the runtime's `Transport<T>` over the mesh, with the codecs of
 //!   backend buffers and serde types.
 //! - `heartbeat`: dead-peer detection that closes the mesh naming the rank.
+//! - `link`: the `PeerLink` seam (byte frames to a rank on a numbered channel) and its
+//!   in-process implementation for tests.
+//! - `collective`: the ring all-reduce over a `PeerLink` group and `GradSync`, which sums a
+//!   pipeline rank's gradients across data-parallel replicas.
 
 pub mod collective;
 pub mod link;
