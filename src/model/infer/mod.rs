@@ -3,11 +3,14 @@
 //! Training chunks stash every activation for the backward; generation needs none of that,
 //! but it must not recompute the whole prefix for each new token. This module is that
 //! separate, inference-only path:
+//! - [`attend`]: causal attention of a new position against a host cache (shared with
+//!   the drafter's incremental proposals);
 //! - [`kv`]: [`KvCache`], per-layer keys and values of every live sequence, with rollback;
 //! - [`stage`]: [`InferStage`], a stage's blocks rebuilt by parameter name from a
 //!   [`ModelChunk`](crate::model::ModelChunk) or a [`Gpt`](crate::model::Gpt), running
 //!   prefill, decode and multi-position verification of several sequences per call.
 
+pub mod attend;
 pub mod kv;
 pub mod stage;
 #[cfg(test)]

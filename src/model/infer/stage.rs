@@ -10,6 +10,7 @@
 
 use std::ops::Range;
 
+use super::attend::attend;
 use super::kv::KvCache;
 use crate::model::{Cut, Gpt, GptConfig, ModelChunk, ModelError, Result};
 use crate::tensor::{Activation, Backend, DType, Gemm};
@@ -287,12 +288,10 @@ impl<B: Backend> InferStage<B> {
     ) -> Result<B::Buf> {
         let be = self.be.clone();
         let (d, heads) = (self.config.d_model, self.config.heads);
-        let hd = d / heads;
         let blk = &self.blocks[li];
         let a = self.rmsnorm(x, &blk.norm1, rows)?;
         let qkv = be.to_host(&self.linear(&a, &blk.wqkv, rows, d, 3 * d)?)?;
         let mut o = vec![0.0f32; rows * d];
-        let scale = 1.0 / (hd as f32).sqrt();
         let mut r0 = 0;
         let mut scores = Vec::new();
         for s in spans {
@@ -302,29 +301,8 @@ impl<B: Backend> InferStage<B> {
             self.cache.append(s.slot, li, &k, &v)?;
             let (kc, vc) = self.cache.layer(s.slot, li);
             for r in 0..s.len {
-                let q = row(r, 0);
-                let visible = s.start + r + 1;
                 let out = &mut o[(r0 + r) * d..][..d];
-                for h in 0..heads {
-                    let qh = &q[h * hd..][..hd];
-                    scores.clear();
-                    scores.extend((0..visible).map(|j| {
-                        let kj = &kc[j * d + h * hd..][..hd];
-                        qh.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * scale
-                    }));
-                    let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                    let mut sum = 0.0;
-                    for p in scores.iter_mut() {
-                        *p = (*p - max).exp();
-                        sum += *p;
-                    }
-                    let oh = &mut out[h * hd..][..hd];
-                    for (j, p) in scores.iter().enumerate() {
-                        let w = p / sum;
-                        let vj = &vc[j * d + h * hd..][..hd];
-                        oh.iter_mut().zip(vj).for_each(|(o, v)| *o += w * v);
-                    }
-                }
+                attend(row(r, 0), kc, vc, s.start + r + 1, heads, &mut scores, out);
             }
             r0 += s.len;
         }
