@@ -286,6 +286,17 @@ pub fn save_sharded(
     stage_of: &HashMap<String, usize>,
     config_hash: &str,
 ) -> Result<Manifest, CheckpointError> {
+    // Saving over an older checkpoint: its manifest goes first, so that until the new one
+    // is written the directory reads as incomplete, never as the old manifest over new shards.
+    match fs::remove_file(dir.join(MANIFEST_FILE)) {
+        Err(error) if error.kind() != std::io::ErrorKind::NotFound => {
+            return Err(CheckpointError::Io {
+                path: dir.join(MANIFEST_FILE),
+                error,
+            });
+        }
+        _ => {}
+    }
     let pp = layout.pp();
     let mut per_rank: Vec<Vec<HostTensor>> = vec![Vec::new(); pp];
     for t in &checkpoint.tensors {
