@@ -36,12 +36,16 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use pipefill_actors::{FillerRouter, FillerSource, Slice, WeightBoard, thread_cpu_time};
 
+use super::PipelineError;
+use super::compute::RankCompute;
+use crate::config::JobConfig;
 use crate::data::SplitMix64;
 use crate::model::drafter::{
     DraftBufferHandle, DraftRow, Drafter, DrafterConfig, DrafterError, DrafterGrads,
     DrafterTrainer, DrafterWeights,
 };
 use crate::model::{GptConfig, ModelChunk, Shape};
+use crate::schedules::Plan;
 use crate::tensor::{Backend, CpuBackend};
 
 /// Every this many target steps, micro-batch 0's rows are held out of training.
@@ -143,6 +147,44 @@ impl DrafterFill {
             tally: Mutex::new(Tally::default()),
             priors: calibrate(target, config)?,
         })
+    }
+
+    /// The drafter of a run of `job` following `plan` from target step `step`: one replica
+    /// per rank, seeded from the target's first and last chunks, and the last stage's capture
+    /// hooked to its buffer.
+    pub(crate) fn join<B: Backend>(
+        job: &JobConfig,
+        plan: &Plan,
+        step: u64,
+        computes: &mut [RankCompute<B>],
+    ) -> Result<Arc<Self>, PipelineError> {
+        let last_stage = (plan.stages - 1) as u32;
+        let last_rank = plan.stage_rank[last_stage as usize];
+        let (first, last) = match (
+            computes[0].chunk_ref(0),
+            computes[last_rank].chunk_ref(last_stage),
+        ) {
+            (Some(f), Some(l)) => (f, l),
+            _ => {
+                return Err(PipelineError::Config {
+                    field: "plan",
+                    reason: "places stage 0 off rank 0: the drafter's frozen copies need it there"
+                        .into(),
+                });
+            }
+        };
+        let fill = Arc::new(DrafterFill::new(
+            &job.model,
+            &job.drafter,
+            computes.len(),
+            first,
+            last,
+            step,
+        )?);
+        for c in computes.iter_mut() {
+            c.set_drafter(Arc::clone(&fill))?;
+        }
+        Ok(fill)
     }
 
     /// The buffer the last stage captures training rows into.

@@ -1,13 +1,50 @@
 //! [`StepJoin`]: hands each completed step to the trainer's caller once both halves are
 //! in — the step's metrics (from the ranks, through [`super::shared::Shared`]) and its
-//! iteration's measured profile (from the runtime's profiler) — whichever comes first.
+//! iteration's measured profile (from the runtime's profiler) — whichever comes first; and
+//! what the caller is handed: [`StepView`], [`DrafterStep`], [`DrafterRun`].
 
 use std::collections::BTreeMap;
 use std::sync::mpsc::Receiver;
 
-use pipefill_actors::IterationProfile;
+use pipefill_actors::{IterationProfile, RouterStats};
 
+use crate::model::drafter::DrafterWeights;
 use crate::train::StepMetrics;
+
+/// One completed step as the caller sees it during the run.
+#[derive(Clone, Copy, Debug)]
+pub struct StepView<'a> {
+    pub metrics: &'a StepMetrics,
+    /// The step's measured iteration: timeline, bubbles, filler spans (`None` only if the
+    /// runtime never published it).
+    pub profile: Option<&'a IterationProfile>,
+    /// The drafter's figures (runs with `filler = "drafter"`).
+    pub drafter: Option<DrafterStep>,
+}
+
+/// What the drafter did up to one step.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DrafterStep {
+    /// Drafter optimizer steps published so far.
+    pub version: u64,
+    /// Slices run since the previous step was handed over, and their mean loss.
+    pub slices: u64,
+    pub loss: Option<f64>,
+    /// Top-1 agreement with the target on held-out rows, measured every
+    /// [`super::fill::HELD_OUT_EVERY`] steps and at the last step.
+    pub agreement: Option<f64>,
+}
+
+/// The drafter of a run with `filler = "drafter"`.
+#[derive(Clone, Debug)]
+pub struct DrafterRun {
+    /// Every rank's replica after the run (all at the same version, the same weights).
+    pub replicas: Vec<DrafterWeights>,
+    /// The router's cost estimates and counts, by kind of work.
+    pub router: RouterStats,
+    /// `(step, drafter version, held-out agreement)` each time it was measured.
+    pub agreement: Vec<(u64, u64, f64)>,
+}
 
 /// Pairs each step's metrics (from the ranks) with its iteration's measured profile (from
 /// the runtime's profiler) and hands each pair to the caller once both have arrived; the

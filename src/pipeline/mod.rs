@@ -56,8 +56,9 @@ pub mod shared;
 pub mod trainer;
 
 pub use compute::RankCompute;
+pub use join::{DrafterRun, DrafterStep, StepView};
 pub use pipefill_actors::{Clock, RunReport, StepMode};
-pub use trainer::{DrafterRun, DrafterStep, PipelineRun, PipelineTrainer, StepView};
+pub use trainer::{PipelineRun, PipelineTrainer};
 
 use crate::schedules::Plan;
 pub use crate::train::StepMetrics;

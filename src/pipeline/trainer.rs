@@ -24,19 +24,18 @@ use std::sync::mpsc::{RecvTimeoutError, channel};
 use std::time::Duration;
 
 use pipefill_actors::{
-    Clock, FillerRouter, IterationProfile, Pipeline, PlanSource, RouterStats, RunReport, StepMode,
+    Clock, FillerRouter, IterationProfile, Pipeline, PlanSource, RunReport, StepMode,
 };
 
 use super::compute::RankCompute;
 use super::feed::StepFeed;
 use super::fill::{DrafterFill, HELD_OUT_EVERY, HeldOutEval};
-use super::join::StepJoin;
+use super::join::{DrafterRun, DrafterStep, StepJoin, StepView};
 use super::shared::{RankFinal, Shared};
 use super::{PipelineError, check_plan};
 use crate::config::{Filler, JobConfig};
 use crate::data::StepData;
 use crate::model::checkpoint::{Checkpoint, HostTensor};
-use crate::model::drafter::DrafterWeights;
 use crate::model::{AdamW, Cut, Gpt, ModelChunk, ModelError, OptimizerState};
 use crate::schedules::{
     ActionKind, CostModel, Plan, ScheduleKind, StageCost, Timeline, build, read_plan, simulate,
@@ -61,41 +60,6 @@ pub struct PipelineTrainer {
     /// Steps handed over by the caller instead of the synthetic stream.
     feed: Option<Arc<StepFeed>>,
     filler: Filler,
-}
-
-/// One completed step as the caller sees it during the run.
-#[derive(Clone, Copy, Debug)]
-pub struct StepView<'a> {
-    pub metrics: &'a StepMetrics,
-    /// The step's measured iteration: timeline, bubbles, filler spans (`None` only if the
-    /// runtime never published it).
-    pub profile: Option<&'a IterationProfile>,
-    /// The drafter's figures (runs with `filler = "drafter"`).
-    pub drafter: Option<DrafterStep>,
-}
-
-/// What the drafter did up to one step.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct DrafterStep {
-    /// Drafter optimizer steps published so far.
-    pub version: u64,
-    /// Slices run since the previous step was handed over, and their mean loss.
-    pub slices: u64,
-    pub loss: Option<f64>,
-    /// Top-1 agreement with the target on held-out rows, measured every
-    /// [`HELD_OUT_EVERY`] steps and at the last step.
-    pub agreement: Option<f64>,
-}
-
-/// The drafter of a run with `filler = "drafter"`.
-#[derive(Clone, Debug)]
-pub struct DrafterRun {
-    /// Every rank's replica after the run (all at the same version, the same weights).
-    pub replicas: Vec<DrafterWeights>,
-    /// The router's cost estimates and counts, by kind of work.
-    pub router: RouterStats,
-    /// `(step, drafter version, held-out agreement)` each time it was measured.
-    pub agreement: Vec<(u64, u64, f64)>,
 }
 
 /// The runtime's clock for the job file's `clock`.
@@ -410,7 +374,12 @@ impl PipelineTrainer {
         }
         let router = FillerRouter::default();
         let fill = match self.filler {
-            Filler::Drafter => Some(self.drafter_fill(&mut computes)?),
+            Filler::Drafter => Some(DrafterFill::join(
+                &self.job,
+                &self.plan,
+                self.first_step(),
+                &mut computes,
+            )?),
             Filler::None => None,
         };
         let mut eval = match &fill {
@@ -483,41 +452,6 @@ impl PipelineTrainer {
         let mut run = PipelineRun::new(self, metrics, report, predicted, finals);
         run.drafter = drafter;
         Ok(run)
-    }
-
-    /// The run's drafter: one replica per rank, seeded from the target's first and last
-    /// chunks, and the last stage's capture hooked to its buffer.
-    fn drafter_fill(
-        &self,
-        computes: &mut [RankCompute<CpuBackend>],
-    ) -> Result<Arc<DrafterFill>, PipelineError> {
-        let last_stage = (self.plan.stages - 1) as u32;
-        let last_rank = self.plan.stage_rank[last_stage as usize];
-        let (first, last) = match (
-            computes[0].chunk_ref(0),
-            computes[last_rank].chunk_ref(last_stage),
-        ) {
-            (Some(f), Some(l)) => (f, l),
-            _ => {
-                return Err(PipelineError::Config {
-                    field: "plan",
-                    reason: "places stage 0 off rank 0: the drafter's frozen copies need it there"
-                        .into(),
-                });
-            }
-        };
-        let fill = Arc::new(DrafterFill::new(
-            &self.job.model,
-            &self.job.drafter,
-            computes.len(),
-            first,
-            last,
-            self.first_step(),
-        )?);
-        for c in computes.iter_mut() {
-            c.set_drafter(Arc::clone(&fill))?;
-        }
-        Ok(fill)
     }
 }
 
