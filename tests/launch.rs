@@ -261,3 +261,31 @@ fn a_rank_with_a_wrong_token_is_refused() {
     assert!(m.contains("ranks [1, 2, 3] did not join within 3 s"), "{m}");
     assert!(i.contains("rank 0 closed the connection"), "{i}");
 }
+
+#[test]
+fn launch_refuses_what_it_cannot_run_and_fails_when_every_rank_does() {
+    let out = clean(EXE)
+        .args(["launch", "-n", "2", "--", "rl"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("multi-process rl is not supported"),
+        "{}",
+        text(&out)
+    );
+    // Two processes for a four-rank schedule: each rank refuses, the launcher names both.
+    let dir = tempfile::tempdir().unwrap();
+    let out = clean(EXE)
+        .args(["launch", "-n", "2", "--"])
+        .args(train_args(dir.path(), &[]))
+        .output()
+        .unwrap();
+    let all = text(&out);
+    assert!(!out.status.success(), "{all}");
+    assert!(
+        all.contains("has 4 ranks but 2 processes were launched"),
+        "{all}"
+    );
+    assert!(all.contains("2 of the job's ranks failed"), "{all}");
+}

@@ -1,4 +1,4 @@
-//! `pipefill launch -n N [--master-addr A] [--master-port P] [--listen-addr IP] -- train|rl
+//! `pipefill launch -n N [--master-addr A] [--master-port P] [--listen-addr IP] -- train
 //! [ARGS]`: runs an N-process job on this machine, and [`train_distributed`], what
 //! `pipefill train` does when it finds itself one rank of such a job.
 //!
@@ -39,7 +39,7 @@ pub struct LaunchArgs {
     /// IP address the ranks' sockets listen on (default: loopback).
     #[arg(long, value_name = "IP")]
     listen_addr: Option<String>,
-    /// The subcommand every rank runs, and its arguments (after `--`).
+    /// The subcommand every rank runs (`train`), and its arguments (after `--`).
     #[arg(last = true, required = true, value_name = "COMMAND")]
     command: Vec<String>,
 }
@@ -72,9 +72,12 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<()> {
     if args.nproc == 0 {
         bail!("-n must be at least 1");
     }
+    // `rl` does not split over processes yet: N copies would each run the whole job.
     match args.command.first().map(String::as_str) {
-        Some("train" | "rl") => {}
-        other => bail!("launch runs `train` or `rl` on every rank, not {other:?}"),
+        Some("train") => {}
+        other => bail!(
+            "launch runs `train` on every rank, not {other:?} (multi-process rl is not supported yet)"
+        ),
     }
     let token = match std::env::var("PIPEFILL_TOKEN") {
         Ok(t) if !t.is_empty() => t,

@@ -4,6 +4,7 @@
 //! the runtime's `Transport` trait and the peer-link seam:
 //! - `frame`: length-prefixed bincode-2 frames with a size cap (the only wire format).
 //! - `rendezvous`: rank 0 gathers every rank's listen address and hands out the table.
+//! - `handshake`: the job-token exchange that opens every mesh connection.
 //! - `tcp`: the authenticated TCP mesh between ranks, with per-channel inboxes; it
 //!   implements the `link::PeerLink` seam.
 //! - `tcp_transport`: the runtime's `Transport<T>` over the mesh, with the codecs of
@@ -18,6 +19,7 @@ pub mod collective;
 pub mod link;
 
 pub mod frame;
+pub mod handshake;
 pub mod heartbeat;
 pub mod rendezvous;
 pub mod tcp;

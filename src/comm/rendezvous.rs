@@ -149,7 +149,7 @@ fn register(
     else {
         return Err(("the first message is not a registration".into(), false));
     };
-    if !super::tcp::same_token(&theirs, token) {
+    if !super::handshake::same_token(&theirs, token) {
         return Err(("wrong job token".into(), false));
     }
     let rank = rank as usize;

@@ -5,7 +5,8 @@
 //! listen: rank r dials every rank below it and accepts one connection from every rank
 //! above it. The dialling side speaks first with a [`Hello`] (job token, its rank, the
 //! world size); the accepting side reads nothing else before it, under the small handshake
-//! cap and a read timeout, and drops a connection whose token is wrong with a logged error.
+//! cap and a read timeout, and drops a connection whose token is wrong with a logged error
+//! (`handshake.rs`).
 //! The answer repeats the token, so both sides know the other belongs to the job.
 //!
 //! Then one reader thread per peer reads [`Wire`] frames: data frames go to the channel's
@@ -23,17 +24,11 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use super::frame::{self, FrameError, HANDSHAKE_CAP};
+use super::frame::{self, FrameError};
+pub use super::handshake::Hello;
+use super::handshake::{admit, dial};
 use super::heartbeat::Heartbeat;
 use super::link::{Channel, LinkError, PeerLink, check_peer};
-
-/// What a rank says first on a connection it opened.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Hello {
-    pub token: String,
-    pub rank: u32,
-    pub world: u32,
-}
 
 /// A frame on an established connection.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -120,6 +115,9 @@ struct Boxes {
     gone: Vec<bool>,
     /// This rank closed its side.
     closed: bool,
+    /// This rank's work is done: a peer's connection ending now means it left, not died
+    /// (its goodbye may be lost when it exits with unread bytes and the kernel resets).
+    quiet: bool,
     /// The first failure, naming the rank.
     failure: Option<String>,
 }
@@ -171,7 +169,7 @@ impl Inner {
         // way to the reader, so give it a moment before calling the peer dead.
         let mut boxes = lock(&self.boxes);
         let deadline = Instant::now() + Duration::from_millis(500);
-        while !boxes.gone[to] && boxes.failure.is_none() && !boxes.closed {
+        while !boxes.gone[to] && boxes.failure.is_none() && !boxes.closed && !boxes.quiet {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 break;
@@ -182,7 +180,7 @@ impl Inner {
                 .unwrap_or_else(PoisonError::into_inner)
                 .0;
         }
-        let gone = boxes.gone[to];
+        let gone = boxes.gone[to] || boxes.quiet;
         drop(boxes);
         if !gone {
             self.fail(format!("rank {to} died: sending to it failed: {source}"));
@@ -218,8 +216,12 @@ impl Inner {
             let wire = frame::read_frame(&mut stream, self.cap).and_then(|b| frame::decode(&b));
             match wire {
                 Ok(Wire::Data { channel, bytes }) => {
-                    let sink = lock(&self.sinks).get(&channel).cloned();
-                    if let Some(sink) = sink {
+                    // The sinks lock is held while a frame without a sink is queued, so a
+                    // sink registered meanwhile (which drains the queue under that lock)
+                    // cannot miss it.
+                    let sinks = lock(&self.sinks);
+                    if let Some(sink) = sinks.get(&channel).cloned() {
+                        drop(sinks);
                         if let Err(e) = sink.deliver(from, bytes) {
                             self.fail(format!(
                                 "rank {from} sent a bad frame on channel {channel}: {e}"
@@ -232,6 +234,7 @@ impl Inner {
                             .entry((from, channel))
                             .or_default()
                             .push_back(bytes);
+                        drop(sinks);
                         self.arrived.notify_all();
                     }
                 }
@@ -242,7 +245,15 @@ impl Inner {
                     return;
                 }
                 Err(e) => {
-                    let closed = lock(&self.boxes).closed;
+                    let mut boxes = lock(&self.boxes);
+                    if boxes.quiet {
+                        boxes.gone[from] = true;
+                        drop(boxes);
+                        self.arrived.notify_all();
+                        return;
+                    }
+                    let closed = boxes.closed;
+                    drop(boxes);
                     if !closed {
                         self.fail(match e {
                             FrameError::Eof => format!("rank {from} died: its connection closed"),
@@ -269,11 +280,6 @@ impl Inner {
 pub struct TcpMesh {
     inner: Arc<Inner>,
     heartbeat: Mutex<Option<Heartbeat>>,
-}
-
-/// Compares two tokens in time independent of where they differ.
-pub(crate) fn same_token(a: &str, b: &str) -> bool {
-    a.len() == b.len() && a.bytes().zip(b.bytes()).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
 }
 
 impl TcpMesh {
@@ -376,14 +382,40 @@ impl TcpMesh {
         })
     }
 
-    /// Routes every data frame of `channel` to `sink` from now on. Register before any
-    /// peer sends on the channel (frames that arrived earlier stay in the FIFO).
+    /// Routes every data frame of `channel` to `sink` from now on, starting with those that
+    /// arrived before (a peer may send before this rank registers), in arrival order.
     pub fn register(&self, channel: Channel, sink: Arc<dyn Sink>) {
-        let failed = lock(&self.inner.boxes).failure.is_some();
+        let mut sinks = lock(&self.inner.sinks);
+        let (failed, early) = {
+            let mut boxes = lock(&self.inner.boxes);
+            let keys: Vec<_> = boxes
+                .queues
+                .keys()
+                .filter(|(_, c)| *c == channel)
+                .copied()
+                .collect();
+            let early: Vec<_> = keys
+                .into_iter()
+                .filter_map(|k| boxes.queues.remove(&k).map(|q| (k.0, q)))
+                .collect();
+            (boxes.failure.is_some(), early)
+        };
+        for (from, frames) in early {
+            for bytes in frames {
+                if let Err(e) = sink.deliver(from, bytes) {
+                    drop(sinks);
+                    self.inner.fail(format!(
+                        "rank {from} sent a bad frame on channel {channel}: {e}"
+                    ));
+                    sink.close();
+                    return;
+                }
+            }
+        }
         if failed {
             sink.close();
         }
-        lock(&self.inner.sinks).insert(channel, sink);
+        sinks.insert(channel, sink);
     }
 
     /// The first failure (naming the rank that caused it), if the mesh failed.
@@ -409,6 +441,34 @@ impl TcpMesh {
         }
     }
 
+    /// This rank's work is done but its mesh stays open to hear the others leave: from now
+    /// on a peer's connection ending is its leaving, not its death.
+    pub fn quiesce(&self) {
+        lock(&self.inner.boxes).quiet = true;
+    }
+
+    /// Waits until `peer` has left (goodbye or, once quiesced, end of connection), the mesh
+    /// failed, or `timeout` passed; true when it left.
+    pub fn wait_gone(&self, peer: usize, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        let mut boxes = lock(&self.inner.boxes);
+        loop {
+            if boxes.gone.get(peer).copied().unwrap_or(true) {
+                return true;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() || boxes.failure.is_some() {
+                return false;
+            }
+            boxes = self
+                .inner
+                .arrived
+                .wait_timeout(boxes, left)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+    }
+
     pub(crate) fn inner(&self) -> &Arc<Inner> {
         &self.inner
     }
@@ -427,82 +487,6 @@ impl Drop for TcpMesh {
     fn drop(&mut self) {
         let _ = PeerLink::close(self);
     }
-}
-
-/// Opens the connection to `peer` (retrying until `deadline`: it may not listen yet) and
-/// runs the dialling side of the handshake.
-fn dial(
-    rank: usize,
-    world: usize,
-    peer: usize,
-    addr: SocketAddr,
-    deadline: Instant,
-    opts: &MeshOptions,
-) -> Result<TcpStream, MeshError> {
-    let mut stream = loop {
-        match TcpStream::connect_timeout(&addr, Duration::from_secs(1)) {
-            Ok(s) => break s,
-            Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
-            Err(_) => {
-                return Err(MeshError::Timeout {
-                    rank,
-                    missing: vec![peer],
-                    timeout: opts.connect_timeout,
-                });
-            }
-        }
-    };
-    let handshake = |reason: String| MeshError::Handshake { rank, peer, reason };
-    let hello = Hello {
-        token: opts.token.clone(),
-        rank: rank as u32,
-        world: world as u32,
-    };
-    let _ = stream.set_read_timeout(Some(opts.connect_timeout));
-    frame::send_msg(&mut stream, &hello, HANDSHAKE_CAP).map_err(|e| handshake(e.to_string()))?;
-    let answer: Hello =
-        frame::recv_msg(&mut stream, HANDSHAKE_CAP).map_err(|e| handshake(e.to_string()))?;
-    if !same_token(&answer.token, &opts.token) || answer.rank as usize != peer {
-        return Err(handshake(format!(
-            "answered as rank {} with {} token",
-            answer.rank,
-            if same_token(&answer.token, &opts.token) {
-                "the job's"
-            } else {
-                "a wrong"
-            }
-        )));
-    }
-    Ok(stream)
-}
-
-/// The accepting side of the handshake: reads the [`Hello`] (nothing before it), checks it
-/// and answers. Returns the peer's rank, or why the connection is refused.
-fn admit(
-    rank: usize,
-    world: usize,
-    mut stream: TcpStream,
-    opts: &MeshOptions,
-) -> Result<(usize, TcpStream), String> {
-    stream.set_nonblocking(false).map_err(|e| e.to_string())?;
-    let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
-    let hello: Hello = frame::recv_msg(&mut stream, HANDSHAKE_CAP).map_err(|e| e.to_string())?;
-    if !same_token(&hello.token, &opts.token) {
-        return Err("wrong job token".into());
-    }
-    if hello.world as usize != world || hello.rank as usize >= world {
-        return Err(format!(
-            "it claims rank {} of {} ranks, this job has {world}",
-            hello.rank, hello.world
-        ));
-    }
-    let answer = Hello {
-        token: opts.token.clone(),
-        rank: rank as u32,
-        world: world as u32,
-    };
-    frame::send_msg(&mut stream, &answer, HANDSHAKE_CAP).map_err(|e| e.to_string())?;
-    Ok((hello.rank as usize, stream))
 }
 
 impl PeerLink for TcpMesh {

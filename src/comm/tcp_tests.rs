@@ -4,6 +4,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::*;
+use crate::comm::frame::HANDSHAKE_CAP;
 
 /// The meshes of `world` ranks on loopback, built on threads as separate processes would.
 fn meshes(world: usize, opts: &MeshOptions) -> Vec<TcpMesh> {
@@ -156,16 +157,37 @@ fn a_sink_receives_its_channel_and_is_closed_on_failure() {
         }
     }
     let m = meshes(2, &MeshOptions::new("tok"));
+    // A frame sent before the sink is registered reaches it first.
+    m[1].send(0, 5, b"early").unwrap();
+    m[1].send(0, 6, b"p").unwrap();
+    assert_eq!(m[0].recv(1, 6).unwrap(), b"p");
     let rec = Arc::new(Rec::default());
     m[0].register(5, Arc::clone(&rec) as Arc<dyn Sink>);
     m[1].send(0, 5, b"s").unwrap();
     m[1].send(0, 6, b"q").unwrap();
     assert_eq!(m[0].recv(1, 6).unwrap(), b"q");
-    assert_eq!(rec.0.lock().unwrap().0, vec![b"s".to_vec()]);
+    assert_eq!(
+        rec.0.lock().unwrap().0,
+        vec![b"early".to_vec(), b"s".to_vec()]
+    );
     m[1].abort("test kill".into());
     let t = Instant::now();
     while !rec.0.lock().unwrap().1 {
         assert!(t.elapsed() < Duration::from_secs(2), "sink not closed");
         std::thread::sleep(Duration::from_millis(5));
     }
+}
+
+#[test]
+fn once_quiesced_a_peer_ending_its_connection_has_left_not_died() {
+    let m = meshes(3, &MeshOptions::new("tok"));
+    m[0].quiesce();
+    assert!(!m[0].wait_gone(2, Duration::from_millis(50)));
+    // Rank 2 vanishes without a goodbye: rank 0, whose work is done, sees it leave;
+    // rank 1, still working, sees it die.
+    m[2].abort("test kill".into());
+    assert!(m[0].wait_gone(2, Duration::from_secs(2)));
+    assert_eq!(m[0].failure(), None);
+    assert!(!m[1].wait_gone(2, Duration::from_secs(2)));
+    assert!(m[1].failure().unwrap().contains("rank 2 died"));
 }

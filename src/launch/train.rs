@@ -14,6 +14,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::mpsc::channel;
+use std::time::Duration;
 
 use pipefill_actors::{Clock, GradStats, Pipeline, PlanSource, RunReport, StepMode, Transport};
 use serde::{Deserialize, Serialize};
@@ -34,6 +35,9 @@ use crate::pipeline::{PipelineError, RankCompute};
 use crate::schedules::Plan;
 use crate::tensor::CpuBackend;
 use crate::train::reference::{adamw_config, lr_schedule};
+
+/// How long a rank waits for rank 0 to have gathered every final state.
+const FINAL_WAIT: Duration = Duration::from_secs(120);
 
 /// Why a rank's part of a distributed run failed.
 #[derive(Debug, thiserror::Error)]
@@ -196,6 +200,17 @@ pub fn train_rank(
             })
         })?;
         mesh.send(0, CONTROL_CHANNEL, &bytes).map_err(gather)?;
+        // Leave only after rank 0 does (it leaves once it holds every final state): an
+        // exit now could reset the connection before rank 0 has read this rank's state.
+        mesh.quiesce();
+        if !mesh.wait_gone(0, FINAL_WAIT) {
+            return Err(DistributedError::Peer {
+                rank,
+                reason: mesh.failure().unwrap_or_else(|| {
+                    format!("rank 0 did not confirm the final state within {FINAL_WAIT:?}")
+                }),
+            });
+        }
         return Ok(RankRun {
             rank,
             report,
@@ -212,6 +227,8 @@ pub fn train_rank(
         })?;
         finals.push(wire.into());
     }
+    // Every rank's work is done: say goodbye, which lets the others exit.
+    mesh.close().map_err(gather)?;
     let checkpoint = assemble(job, finals, first_step + steps).map_err(pipeline_err)?;
     Ok(RankRun {
         rank,
