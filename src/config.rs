@@ -69,8 +69,10 @@ pub enum Filler {
 #[serde(default, deny_unknown_fields)]
 pub struct JobConfig {
     /// Pipeline schedule: a built-in name (`gpipe`, `1f1b`, `interleaved-1f1b`,
-    /// `looped-bfs`, `zb-h1`, `zb-h2`, `zb-v`), the path of a custom schedule file (`.csv`
-    /// or `.toml`), or `"none"`, which trains on one device with the reference trainer.
+    /// `looped-bfs`, `zb-h1`, `zb-h2`, `zb-v`), `"auto"` (ZB-H1 until every stage's costs
+    /// are measured, then the auto-scheduler's plan for them within ZB-H1's memory), the
+    /// path of a custom schedule file (`.csv` or `.toml`), or `"none"`, which trains on one
+    /// device with the reference trainer.
     pub schedule: String,
     /// Number of pipeline ranks (one actor each); ignored by schedule `"none"`.
     pub stages: usize,

@@ -326,8 +326,8 @@ fn every_example_config_loads_and_builds_its_plan() {
         assert_eq!(trainer.plan().num_ranks(), job.stages, "{}", path.display());
         seen += 1;
     }
-    // default + one per built-in schedule + the custom-file example.
-    assert_eq!(seen, 9);
+    // default + one per built-in schedule + the custom-file, auto and RL examples.
+    assert_eq!(seen, 11);
 }
 
 #[test]

@@ -38,7 +38,8 @@ use crate::data::StepData;
 use crate::model::checkpoint::{Checkpoint, HostTensor};
 use crate::model::{AdamW, Cut, Gpt, ModelChunk, ModelError, OptimizerState};
 use crate::schedules::{
-    ActionKind, CostModel, Plan, ScheduleKind, StageCost, Timeline, build, read_plan, simulate,
+    ActionKind, AutoReplanner, CostModel, Plan, ScheduleKind, StageCost, Timeline, build,
+    read_plan, simulate,
 };
 use crate::tensor::CpuBackend;
 use crate::train::StepMetrics;
@@ -60,6 +61,9 @@ pub struct PipelineTrainer {
     /// Steps handed over by the caller instead of the synthetic stream.
     feed: Option<Arc<StepFeed>>,
     filler: Filler,
+    /// `schedule = "auto"`: re-plans from the measured costs (the plan above is the ZB-H1
+    /// the first iterations run).
+    auto: Option<AutoReplanner>,
 }
 
 /// The runtime's clock for the job file's `clock`.
@@ -88,6 +92,7 @@ impl PipelineTrainer {
             speculative: false,
             feed: None,
             filler: Filler::None,
+            auto: None,
         })
     }
 
@@ -117,6 +122,17 @@ impl PipelineTrainer {
         }
         if let Ok(kind) = name.parse::<ScheduleKind>() {
             return Self::builtin(job, kind, None);
+        }
+        if name.eq_ignore_ascii_case("auto") {
+            // ZB-H1 until every stage is measured, then the auto plan for the measured costs
+            // within ZB-H1's own memory (p forwards' activations per rank).
+            let mut trainer = Self::builtin(job, ScheduleKind::ZbH1, Some(1))?;
+            trainer.auto = Some(AutoReplanner::new(
+                job.stages,
+                job.train.micro_batches,
+                None,
+            ));
+            return Ok(trainer);
         }
         let plan = read_plan(std::path::Path::new(name))?;
         if plan.num_ranks() != job.stages {
@@ -365,7 +381,14 @@ impl PipelineTrainer {
         );
         let mut computes = self.computes(&shared, steps)?;
         let (profiles, profiles_rx) = channel();
-        let mut pipeline = Pipeline::new(PlanSource::Given(plan.clone()), self.clock)
+        let source = match &self.auto {
+            Some(replanner) => {
+                let mut replanner = replanner.clone();
+                PlanSource::Replan(Box::new(move |i, cost| replanner.plan(i, cost)))
+            }
+            None => PlanSource::Given(plan.clone()),
+        };
+        let mut pipeline = Pipeline::new(source, self.clock)
             .iterations(steps)
             .step_mode(self.step_mode)
             .on_iteration(profiles);
@@ -437,6 +460,11 @@ impl PipelineTrainer {
         };
         shared.join_checkpoints()?;
         let finals = shared.take_finals().ok_or(PipelineError::NoFinalState)?;
+        // An auto-scheduled run is predicted (and reported) by the plan its last step ran.
+        let plan = match (&self.auto, &report.plan) {
+            (Some(_), Some(last)) => last.as_ref(),
+            _ => plan,
+        };
         let predicted = match &report.measured_cost {
             Some(cost) => Some(simulate(plan, cost)?),
             None => None,
@@ -493,13 +521,18 @@ impl PipelineRun {
             optimizer.step = fin.optimizer.step;
             optimizer.slots.append(&mut fin.optimizer.slots);
         }
+        // The plan the last step ran (an auto-scheduled run's may differ from its first).
+        let plan = match (&trainer.auto, &report.plan) {
+            (Some(_), Some(last)) => last.as_ref().clone(),
+            _ => trainer.plan.clone(),
+        };
         PipelineRun {
             measured_cost: report.measured_cost.clone(),
             next_step: trainer.first_step() + report.iterations.len() as u64,
             steps,
             report,
             predicted,
-            plan: trainer.plan.clone(),
+            plan,
             job: trainer.job.clone(),
             params: by_stage.into_values().flatten().collect(),
             optimizer,

@@ -214,12 +214,15 @@ fn baseline(trainer: &PipelineTrainer, steps: u64) -> anyhow::Result<(Vec<f64>, 
 /// with the list of names, instead of as a failed file read.
 fn check_schedule(schedule: &str) -> anyhow::Result<()> {
     let name = schedule.trim();
-    if name.parse::<ScheduleKind>().is_ok() || Path::new(name).is_file() {
+    if name.parse::<ScheduleKind>().is_ok()
+        || name.eq_ignore_ascii_case("auto")
+        || Path::new(name).is_file()
+    {
         return Ok(());
     }
     let names: Vec<&str> = ScheduleKind::ALL.iter().map(|k| k.name()).collect();
     bail!(
-        "schedule {name:?} is neither a built-in schedule ({}, or none) nor a schedule file",
+        "schedule {name:?} is neither a built-in schedule ({}, auto, or none) nor a schedule file",
         names.join(", ")
     )
 }
