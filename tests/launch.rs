@@ -86,6 +86,53 @@ fn assert_same(a: &Checkpoint, b: &Checkpoint) {
     }
 }
 
+/// The launched run's directory holds what a single-process run's does: the merged
+/// profile's report, trace (a process per rank) and timeline, and the step log with the
+/// same losses as the in-process run (bitwise: the same computation).
+fn assert_run_files(single: &Path, launched: &Path) {
+    for name in ["report.txt", "report.json", "timeline.svg"] {
+        let path = launched.join(name);
+        assert!(
+            std::fs::metadata(&path).is_ok_and(|m| m.len() > 0),
+            "{} missing or empty",
+            path.display()
+        );
+    }
+    let trace: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(launched.join("trace.json")).unwrap()).unwrap();
+    let events = trace
+        .get("traceEvents")
+        .and_then(|e| e.as_array())
+        .or(trace.as_array())
+        .expect("a trace is an event list");
+    let mut pids: Vec<u64> = events
+        .iter()
+        .filter(|e| e.get("ph").and_then(|p| p.as_str()) == Some("X"))
+        .filter_map(|e| e.get("pid").and_then(|p| p.as_u64()))
+        .collect();
+    pids.sort_unstable();
+    pids.dedup();
+    assert_eq!(pids.len(), 4, "compute spans of every rank: {pids:?}");
+    let report = std::fs::read_to_string(launched.join("report.txt")).unwrap();
+    assert!(report.contains("merged from 4 processes"), "{report}");
+    let losses = |dir: &Path| -> Vec<(u64, f64)> {
+        std::fs::read_to_string(dir.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| {
+                let v: serde_json::Value = serde_json::from_str(l).unwrap();
+                (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap())
+            })
+            .collect()
+    };
+    let (a, b) = (losses(single), losses(launched));
+    assert_eq!(a.len(), 3, "{a:?}");
+    assert_eq!(
+        a, b,
+        "the launched run's losses differ from the in-process run's"
+    );
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -113,6 +160,7 @@ fn launch_of_four_ranks_and_mpirun_equal_the_in_process_run() {
         text(&out)
     );
     assert!(launched.join("job.toml").exists());
+    assert_run_files(&dir.path().join("single"), &launched);
     assert_same(
         &reference,
         &Checkpoint::load(&launched.join("checkpoint")).unwrap(),

@@ -17,10 +17,15 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use anyhow::{Context, bail};
 
 use pipefill::config::{Clock, JobConfig};
+use pipefill::launch::profile::mean_cost;
 use pipefill::launch::train::train_rank;
 use pipefill::launch::{RankEnv, join, join_timeout, listen_ip};
 use pipefill::model::checkpoint::Checkpoint;
 use pipefill::pipeline::PipelineTrainer;
+use pipefill::profile::merge::MergedProfile;
+use pipefill::profile::report::RunInfo;
+use pipefill::schedules::{Plan, simulate};
+use pipefill::train::StepMetrics;
 
 /// How long the other ranks have to exit on their own after one failed.
 const GRACE: Duration = Duration::from_secs(8);
@@ -186,7 +191,8 @@ fn clock_of(job: &JobConfig) -> pipefill::pipeline::Clock {
 }
 
 /// `pipefill train` as one rank of a multi-process job: joins the others, trains this
-/// rank's stages, and on rank 0 writes `job.toml` and the whole model's checkpoint.
+/// rank's stages, and on rank 0 writes the run directory: `job.toml`, the whole model's
+/// checkpoint, `metrics.jsonl` and the merged profile's report, trace and timeline.
 pub fn train_distributed(
     job: &JobConfig,
     env: &RankEnv,
@@ -238,14 +244,14 @@ pub fn train_distributed(
         job.train.steps - first_step,
         checkpoint.as_ref(),
     )?;
-    for step in &run.report.steps {
-        if rank == 0 {
+    if rank == 0 {
+        for m in &run.metrics {
             println!(
-                "step {:>5}/{} grad norm {:.4} {:?}",
-                first_step + step.iteration + 1,
+                "step {:>5}/{} loss {:.4} grad norm {:.4}",
+                m.step + 1,
                 job.train.steps,
-                step.grad_norm,
-                step.decision
+                m.loss,
+                m.grad_norm
             );
         }
     }
@@ -264,13 +270,90 @@ pub fn train_distributed(
         notes.insert("job.toml".into(), job.to_toml());
         notes.insert("schedule".into(), job.schedule.trim().to_string());
         checkpoint.save(&out_dir.join("checkpoint"))?;
+        if let Some(merged) = &run.merged {
+            write_run_files(&out_dir, job, plan, merged, &run.metrics, first_step)?;
+        }
         println!(
-            "done: run directory {} (job.toml, checkpoint/)",
+            "done: run directory {} (job.toml, metrics.jsonl, report.txt, report.json, trace.json, timeline.svg, checkpoint/)",
             out_dir.display()
         );
     }
     use pipefill::comm::link::PeerLink;
     mesh.close()?;
+    Ok(())
+}
+
+/// One line of a multi-process run's `metrics.jsonl`: the step's metrics and its merged
+/// timeline's figures (the single-process line's fields without the filler's).
+#[derive(serde::Serialize)]
+struct StepLine<'a> {
+    #[serde(flatten)]
+    metrics: &'a StepMetrics,
+    tokens_per_second: f64,
+    makespan: Option<f64>,
+    bubble_ratio: Option<f64>,
+    steady_bubble_ratio: Option<f64>,
+}
+
+/// Rank 0's run files from the merged profile and the step log: `metrics.jsonl`, the bubble
+/// report of a steady step next to the simulator's prediction under the mean measured
+/// costs, `trace.json` and `timeline.svg`.
+fn write_run_files(
+    dir: &Path,
+    job: &JobConfig,
+    plan: &Plan,
+    merged: &MergedProfile,
+    metrics: &[StepMetrics],
+    first_step: u64,
+) -> anyhow::Result<()> {
+    let path = dir.join("metrics.jsonl");
+    let mut lines = String::new();
+    for m in metrics {
+        let timeline = merged.iterations.get((m.step - first_step) as usize);
+        let line = StepLine {
+            metrics: m,
+            tokens_per_second: m.tokens_per_second(),
+            makespan: timeline.map(|t| t.makespan),
+            bubble_ratio: timeline.map(|t| t.bubble_ratio),
+            steady_bubble_ratio: timeline.map(|t| t.steady_bubble_ratio),
+        };
+        lines += &serde_json::to_string(&line)?;
+        lines.push('\n');
+    }
+    std::fs::write(&path, lines).with_context(|| format!("cannot write {}", path.display()))?;
+
+    // Means after the warm-up step, as a single-process run predicts with.
+    let skip = usize::from(merged.iterations.len() > 1);
+    let cost = mean_cost(plan, &merged.iterations, skip)
+        .context("some stage measured no forward in the merged profile: nothing to predict with")?;
+    let predicted = simulate(plan, &cost)?;
+    let info = RunInfo {
+        schedule: job.schedule.trim().to_string(),
+        clock: match job.clock {
+            Clock::Virtual => "virtual",
+            Clock::Wall => "wall",
+        }
+        .into(),
+        stages: plan.stages,
+        microbatches: plan.microbatches,
+        steps: first_step + merged.iterations.len() as u64,
+        units: "s".into(),
+        iteration: 0,
+        iteration_note: String::new(),
+        cost_basis: format!(
+            "mean per-stage costs measured over steps {}–{} (merged from {} processes)",
+            first_step + skip as u64,
+            first_step + merged.iterations.len() as u64 - 1,
+            plan.num_ranks()
+        ),
+    };
+    merged.write_files(
+        dir,
+        info,
+        first_step,
+        &predicted,
+        plan.stages_per_rank() > 1,
+    )?;
     Ok(())
 }
 

@@ -9,6 +9,7 @@
 //! otherwise; the rendezvous listens on the master address.
 
 pub mod env;
+pub mod profile;
 pub mod train;
 
 use std::net::{IpAddr, SocketAddr, TcpListener, ToSocketAddrs};

@@ -8,14 +8,19 @@
 //!
 //! After the last step every rank sends its final parameters and optimizer moments to rank
 //! 0 on the control channel, and rank 0 assembles the checkpoint in the reference
-//! trainer's format. Losses are only known to the last stage's rank, so a rank's step
-//! report carries the global gradient norm and the optimizer decision, not the loss.
+//! trainer's format. Every rank then sends its profile (spans on its own clock, with the
+//! offset to rank 0's measured at join) and the last stage's process its step log (only it
+//! knows the losses); rank 0 merges them ([`profile`](super::profile)) into the run
+//! directory files a single-process run writes.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::mpsc::channel;
 use std::time::Duration;
 
+use super::profile::{
+    PROFILE_CHANNEL, loss_rank, rank_profile, recv_metrics, send_metrics, sync_clock,
+};
 use pipefill_actors::{Clock, GradStats, Pipeline, PlanSource, RunReport, StepMode, Transport};
 use serde::{Deserialize, Serialize};
 
@@ -32,8 +37,10 @@ use crate::model::{AdamW, Cut, Gpt, ModelChunk, ModelError, OptimizerState};
 use crate::pipeline::feed::StepFeed;
 use crate::pipeline::shared::{RankFinal, Shared};
 use crate::pipeline::{PipelineError, RankCompute};
+use crate::profile::merge::{MergeError, MergedProfile, gather_profiles, merge, send_profile};
 use crate::schedules::Plan;
 use crate::tensor::CpuBackend;
+use crate::train::StepMetrics;
 use crate::train::reference::{adamw_config, lr_schedule};
 
 /// How long a rank waits for rank 0 to have gathered every final state.
@@ -60,6 +67,8 @@ pub enum DistributedError {
         from: usize,
         reason: String,
     },
+    #[error("rank {rank}: merging the profiles: {error}")]
+    Profile { rank: usize, error: MergeError },
     /// The mesh failed: a peer died or broke the protocol (named in the text).
     #[error("rank {rank}: {reason}")]
     Peer { rank: usize, reason: String },
@@ -73,6 +82,10 @@ pub struct RankRun {
     pub report: RunReport,
     /// The whole model's final checkpoint (rank 0 only).
     pub checkpoint: Option<Checkpoint>,
+    /// Every rank's spans on rank 0's clock (rank 0 only).
+    pub merged: Option<MergedProfile>,
+    /// The step log with the losses (rank 0 only; the gradient norm is the global one).
+    pub metrics: Vec<StepMetrics>,
 }
 
 /// A parameter or moment on the wire: name, shape, values.
@@ -148,8 +161,16 @@ pub fn train_rank(
     feed.prefetch(first_step);
     // The step log needs every rank's losses and norms, which stay in their processes;
     // this rank's steps are reported by the runtime instead (see the module docs).
-    let (progress, _steps) = channel();
+    let (progress, step_log) = channel();
     let shared = Arc::new(Shared::new(world, feed, progress));
+    // The other ranks step in their own processes: stand-ins for their `stepped` let this
+    // rank's own one close each step, so the step log reports (with the losses in the last
+    // stage's process; the norm of own gradients only, replaced by the global one).
+    for step in first_step..first_step + steps {
+        for _ in 1..world {
+            shared.stepped(step, 0.0);
+        }
+    }
     let backend = CpuBackend::new(1).map_err(|e| pipeline_err(ModelError::from(e).into()))?;
     let compute = rank_compute(
         job, plan, rank, &backend, &shared, first_step, steps, resume,
@@ -167,6 +188,10 @@ pub fn train_rank(
     if job.train.clip > 0.0 {
         pipeline = pipeline.max_grad_norm(f64::from(job.train.clip));
     }
+    let profile_err = |error| DistributedError::Profile { rank, error };
+    let mut clock_sync =
+        sync_clock(mesh, matches!(clock, Clock::Virtual { .. })).map_err(profile_err)?;
+    clock_sync.at_run_start();
     let report = pipeline
         .run_local_blocking(vec![(rank, compute)], tensors)
         .map_err(|e| match mesh.failure() {
@@ -200,6 +225,16 @@ pub fn train_rank(
             })
         })?;
         mesh.send(0, CONTROL_CHANNEL, &bytes).map_err(gather)?;
+        send_profile(
+            mesh,
+            PROFILE_CHANNEL,
+            &rank_profile(rank, &report, &clock_sync),
+        )
+        .map_err(profile_err)?;
+        if rank == loss_rank(plan) {
+            let log: Vec<StepMetrics> = step_log.try_iter().collect();
+            send_metrics(mesh, &log).map_err(profile_err)?;
+        }
         // Leave only after rank 0 does (it leaves once it holds every final state): an
         // exit now could reset the connection before rank 0 has read this rank's state.
         mesh.quiesce();
@@ -215,6 +250,8 @@ pub fn train_rank(
             rank,
             report,
             checkpoint: None,
+            merged: None,
+            metrics: Vec::new(),
         });
     }
     let mut finals = vec![own];
@@ -227,13 +264,27 @@ pub fn train_rank(
         })?;
         finals.push(wire.into());
     }
+    let own_profile = rank_profile(rank, &report, &clock_sync);
+    let profiles = gather_profiles(mesh, PROFILE_CHANNEL, own_profile).map_err(profile_err)?;
+    let mut metrics: Vec<StepMetrics> = match loss_rank(plan) {
+        0 => step_log.try_iter().collect(),
+        from => recv_metrics(mesh, from).map_err(profile_err)?,
+    };
     // Every rank's work is done: say goodbye, which lets the others exit.
     mesh.close().map_err(gather)?;
+    for m in &mut metrics {
+        if let Some(s) = report.steps.get((m.step - first_step) as usize) {
+            m.grad_norm = s.grad_norm as f32;
+        }
+    }
+    let merged = merge(&profiles, world).map_err(profile_err)?;
     let checkpoint = assemble(job, finals, first_step + steps).map_err(pipeline_err)?;
     Ok(RankRun {
         rank,
         report,
         checkpoint: Some(checkpoint),
+        merged: Some(merged),
+        metrics,
     })
 }
 

@@ -1,0 +1,199 @@
+//! The profile and step log of a multi-process run, brought to rank 0: clock offsets
+//! measured at join ([`sync_clock`]), every rank's spans after the run ([`RankProfile`]
+//! gathered by [`crate::profile::merge`]), and the step losses, which only the process of
+//! the last stage knows ([`loss_rank`]).
+//!
+//! Span times are seconds from the runtime's epoch, taken when `run_local` starts; the
+//! clock exchange runs on an epoch of our own taken at join. [`ClockSync::at_run_start`]
+//! records how far into our epoch the run started, so a rank's offset to rank 0's span
+//! times is `offset + lead − lead₀` (the runtime's own setup before its epoch, microseconds
+//! on every rank alike, is the error left). With the virtual clock every rank's times are
+//! already on one base (payloads carry their send time), so the offsets are zero.
+
+use std::time::Instant;
+
+use pipefill_actors::RunReport;
+
+use crate::comm::link::{Channel, PeerLink};
+use crate::comm::tcp::TcpMesh;
+use crate::profile::merge::{
+    ClockOffset, FILLER_LANE, LaneRecord, MergeError, RankProfile, measure_clock, serve_clock,
+};
+use crate::schedules::{ActionKind, CostModel, Plan, StageCost, Timeline};
+use crate::train::StepMetrics;
+
+/// Channel of the clock exchanges at join.
+pub const CLOCK_CHANNEL: Channel = u32::MAX - 4;
+/// Channel of the ranks' profiles after the run.
+pub const PROFILE_CHANNEL: Channel = u32::MAX - 5;
+/// Channel of the step log (last stage's process → rank 0).
+pub const METRICS_CHANNEL: Channel = u32::MAX - 6;
+
+/// Clock exchanges per rank; the one with the smallest round trip is kept.
+const CLOCK_ROUNDS: usize = 16;
+/// Lane of the runtime's measured waits for input (as a single-process run names it).
+const WAIT_LANE: &str = "waiting for input";
+
+/// This rank's clock relation to rank 0 (see the module docs).
+#[derive(Clone, Copy, Debug)]
+pub struct ClockSync {
+    epoch: Instant,
+    offset: ClockOffset,
+    /// Where in `epoch`'s time the run started.
+    lead: f64,
+}
+
+impl ClockSync {
+    /// Marks the start of the run (call right before the runtime starts).
+    pub fn at_run_start(&mut self) {
+        self.lead = self.epoch.elapsed().as_secs_f64();
+    }
+
+    /// What to add to this rank's span times to get rank 0's run time, before rank 0's own
+    /// lead is subtracted by the merge (which aligns the earliest span at 0).
+    fn span_offset(&self) -> ClockOffset {
+        ClockOffset {
+            offset: self.offset.offset + self.lead,
+            round_trip: self.offset.round_trip,
+        }
+    }
+}
+
+/// Measures every rank's clock offset to rank 0 over the mesh (every rank calls it at
+/// join); `virtual_clock`: the run's times share one base already, offsets are zero.
+pub fn sync_clock(mesh: &TcpMesh, virtual_clock: bool) -> Result<ClockSync, MergeError> {
+    let epoch = Instant::now();
+    let zero = ClockOffset {
+        offset: 0.0,
+        round_trip: 0.0,
+    };
+    let mut sync = ClockSync {
+        epoch,
+        offset: zero,
+        lead: 0.0,
+    };
+    if virtual_clock {
+        return Ok(sync);
+    }
+    let now = move || epoch.elapsed().as_secs_f64();
+    if mesh.rank() == 0 {
+        for peer in 1..mesh.world() {
+            serve_clock(mesh, peer, CLOCK_CHANNEL, CLOCK_ROUNDS, &now)?;
+        }
+    } else {
+        sync.offset = measure_clock(mesh, CLOCK_CHANNEL, CLOCK_ROUNDS, &now)?;
+    }
+    Ok(sync)
+}
+
+/// This rank's profile from its run report: its spans per iteration, its waits and filler
+/// work, its peak memory, and its clock offset.
+pub fn rank_profile(rank: usize, report: &RunReport, clock: &ClockSync) -> RankProfile {
+    let iterations = report
+        .iterations
+        .iter()
+        .map(|it| {
+            it.timeline
+                .spans
+                .iter()
+                .filter(|s| s.rank == rank)
+                .copied()
+                .collect()
+        })
+        .collect();
+    let mut lanes = Vec::new();
+    for it in &report.iterations {
+        lanes.extend(
+            it.bubbles
+                .iter()
+                .filter(|b| b.rank == rank)
+                .map(|b| LaneRecord {
+                    lane: WAIT_LANE.into(),
+                    start: b.start,
+                    end: b.end,
+                    label: format!("wait for {}", b.waiting_for),
+                }),
+        );
+        lanes.extend(
+            it.fillers
+                .iter()
+                .filter(|f| f.rank == rank)
+                .map(|f| LaneRecord {
+                    lane: FILLER_LANE.into(),
+                    start: f.start,
+                    end: f.end,
+                    label: f.label.clone(),
+                }),
+        );
+    }
+    RankProfile {
+        rank,
+        iterations,
+        lanes,
+        peak_memory: report
+            .overall
+            .ranks
+            .get(rank)
+            .map_or(0.0, |r| r.peak_memory),
+        clock: clock.span_offset(),
+    }
+}
+
+/// The rank holding the plan's last stage: the one process that knows the losses.
+pub fn loss_rank(plan: &Plan) -> usize {
+    let last = plan.stages.saturating_sub(1) as u32;
+    (0..plan.num_ranks())
+        .find(|&r| plan.stages_of(r).contains(&last))
+        .unwrap_or(0)
+}
+
+/// Sends the step log to rank 0 as one JSON frame.
+pub fn send_metrics(mesh: &TcpMesh, metrics: &[StepMetrics]) -> Result<(), MergeError> {
+    let json = serde_json::to_vec(metrics).expect("step metrics always serialize");
+    Ok(mesh.send(0, METRICS_CHANNEL, &json)?)
+}
+
+/// On rank 0: the step log `from` sent.
+pub fn recv_metrics(mesh: &TcpMesh, from: usize) -> Result<Vec<StepMetrics>, MergeError> {
+    let frame = mesh.recv(from, METRICS_CHANNEL)?;
+    serde_json::from_slice(&frame).map_err(|e| MergeError::BadFrame {
+        peer: from,
+        what: "step log",
+        reason: e.to_string(),
+    })
+}
+
+/// Per-stage mean T_F, T_I, T_W over the merged iterations from `skip` on (as
+/// `PipelineRun::mean_cost` does for a single-process run); `None` when a stage has no
+/// measured forward.
+pub fn mean_cost(plan: &Plan, iterations: &[Timeline], skip: usize) -> Option<CostModel> {
+    let stages = plan.stages;
+    let kinds = [ActionKind::F, ActionKind::I, ActionKind::W, ActionKind::B];
+    let mut sums = vec![[(0.0f64, 0usize); 4]; stages];
+    for s in iterations.iter().skip(skip).flat_map(|t| &t.spans) {
+        let Some(k) = kinds.iter().position(|&k| k == s.action.kind) else {
+            continue;
+        };
+        if let Some(e) = sums.get_mut(s.action.stage as usize) {
+            e[k].0 += s.duration();
+            e[k].1 += 1;
+        }
+    }
+    let mean = |e: (f64, usize)| (e.1 > 0).then(|| e.0 / e.1 as f64);
+    let stage = sums
+        .iter()
+        .map(|e| {
+            let f = mean(e[0])?;
+            // Fused backwards measure B only: T_I = T_B, T_W = 0 (the runtime's rule).
+            let (i, w) = match (mean(e[1]), mean(e[3])) {
+                (Some(i), _) => (i, mean(e[2]).unwrap_or(0.0)),
+                (None, b) => (b.unwrap_or(0.0), 0.0),
+            };
+            Some(StageCost { f, i, w })
+        })
+        .collect::<Option<Vec<_>>>()?;
+    Some(CostModel {
+        stage,
+        ..CostModel::default()
+    })
+}
