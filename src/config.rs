@@ -76,6 +76,9 @@ pub struct JobConfig {
     pub schedule: String,
     /// Number of pipeline ranks (one actor each); ignored by schedule `"none"`.
     pub stages: usize,
+    /// Data-parallel pipeline replicas of a multi-process job (world = dp × the plan's
+    /// ranks); each takes `1/dp` of every step's micro-batches.
+    pub dp: usize,
     /// How stage timelines are timed.
     pub clock: Clock,
     /// Filler work in the pipeline's bubbles: `"drafter"` or `"none"`.
@@ -101,6 +104,7 @@ impl Default for JobConfig {
         Self {
             schedule: "zb-h1".into(),
             stages: 4,
+            dp: 1,
             clock: Clock::default(),
             filler: Filler::default(),
             out_dir: None,
@@ -213,6 +217,9 @@ impl JobConfig {
         }
         if self.stages == 0 {
             return Err(invalid("stages", "must be at least 1".into()));
+        }
+        if self.dp == 0 {
+            return Err(invalid("dp", "must be at least 1".into()));
         }
         if self.schedule.trim().is_empty() {
             return Err(invalid(
