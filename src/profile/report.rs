@@ -14,11 +14,14 @@
 //! one implementation of those definitions; this module never recomputes a metric. A
 //! closing line gives the whole run's figures (every step's timeline together), when known.
 //! A run with filler work adds its bubble-fill ratio, step inflation and drafter agreement
-//! ([`fill`]).
+//! ([`fill`]); its step inflation comes from replaying each filled step without its
+//! fillers ([`replay`]).
 
 mod fill;
+mod replay;
 
 pub use fill::{FillerSpan, Filling, RankFill, WorkFigures, median_step_makespan};
+pub use replay::{ReplayError, replay_makespan, step_inflations};
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};

@@ -20,11 +20,12 @@ use anyhow::{Context, bail};
 use serde::Serialize;
 
 use pipefill::config::JobConfig;
-use pipefill::pipeline::{PipelineRun, StepMetrics, StepView};
+use pipefill::pipeline::{Clock, PipelineRun, StepMetrics, StepView};
 use pipefill::profile::LaneSpan;
 use pipefill::profile::chrome::{ChromeOptions, chrome_trace_with};
 use pipefill::profile::report::{
     BubbleReport, Filling, RunInfo, WorkFigures, median_step_makespan, steady_iteration,
+    step_inflations,
 };
 use pipefill::profile::svg::{SvgOptions, svg_with};
 use pipefill::schedules::{Span, Timeline};
@@ -111,6 +112,18 @@ pub(super) fn filling(
         median_step_makespan(&makespans).unwrap_or(0.0),
         baseline.and_then(|(m, note)| Some((median_step_makespan(m)?, note))),
     );
+    // Virtual clock: each step against itself replayed without fillers (no load noise).
+    if let Clock::Virtual { link_latency } = run.report.clock {
+        let steps = run
+            .report
+            .iterations
+            .iter()
+            .map(|it| (it.timeline.makespan, &it.records[..]));
+        match step_inflations(steps, link_latency) {
+            Ok(per_step) => f = f.with_replay(&per_step),
+            Err(e) => eprintln!("warning: step inflation not replayed: {e}"),
+        }
+    }
     let drafter = run.drafter.as_ref()?;
     f.drafter_version = drafter.agreement.last().map(|a| a.1);
     f.work = drafter

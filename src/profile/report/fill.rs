@@ -6,9 +6,12 @@
 //!   timeline of the whole run (its idle intervals inside the makespan);
 //! - its **filled** time is the filler work that lies inside those slots;
 //! - **bubble-fill ratio** = filled / bubble, per rank and over all ranks;
-//! - **step inflation** = step makespan with fillers / without − 1, where "without" is a run
-//!   of the same job (same plan, model, data) with `filler = "none"`, and each side's step
-//!   makespan is its median over the steps after the first (see [`median_step_makespan`]).
+//! - **step inflation** = step makespan with fillers / without − 1. Under the virtual clock
+//!   "without" is each filled step replayed without its fillers (same actions, same measured
+//!   costs, see [`super::replay`]) and the inflation is the median over the steps after the
+//!   first; that is free of machine-load noise. A separate run of the same job with
+//!   `filler = "none"` (median step makespans compared, see [`median_step_makespan`]) is a
+//!   secondary figure: it also measures how differently loaded the machine was.
 
 use std::fmt::Write as _;
 
@@ -40,6 +43,10 @@ pub struct Filling {
     /// How the baseline was measured.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub baseline_note: Option<String>,
+    /// Median over the steps after the first of each step's makespan / its replay without
+    /// fillers − 1 (virtual clock only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replay_inflation: Option<f64>,
     /// Each kind of filler work: slices run, their time and cost estimate.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub work: Vec<WorkFigures>,
@@ -104,6 +111,7 @@ impl Filling {
             step_makespan: 0.0,
             baseline_step_makespan: None,
             baseline_note: None,
+            replay_inflation: None,
             work: Vec::new(),
             drafter_version: None,
         }
@@ -124,8 +132,20 @@ impl Filling {
         self
     }
 
-    /// step makespan with fillers / without − 1, when a baseline was measured.
+    /// Sets the step inflation measured by replaying each step without its fillers: the
+    /// median of `per_step` after the first step (see [`median_step_makespan`]).
+    pub fn with_replay(mut self, per_step: &[f64]) -> Self {
+        self.replay_inflation = median_step_makespan(per_step);
+        self
+    }
+
+    /// The step inflation: from the replay when measured, else against the baseline run.
     pub fn step_inflation(&self) -> Option<f64> {
+        self.replay_inflation.or_else(|| self.run_inflation())
+    }
+
+    /// step makespan with fillers / without − 1 against the separate run without fillers.
+    pub fn run_inflation(&self) -> Option<f64> {
         self.baseline_step_makespan
             .filter(|&b| b > 0.0)
             .map(|b| self.step_makespan / b - 1.0)
@@ -181,17 +201,30 @@ impl Filling {
                 w.failed
             );
         }
-        match (self.step_inflation(), self.baseline_step_makespan) {
+        if let Some(inflation) = self.replay_inflation {
+            let _ = writeln!(
+                out,
+                "step inflation {:+.2}%: median over steps of makespan / the same step replayed \
+                 without its fillers (same actions, same measured costs) − 1",
+                100.0 * inflation
+            );
+        }
+        match (self.run_inflation(), self.baseline_step_makespan) {
             (Some(inflation), Some(base)) => {
+                let label = match self.replay_inflation {
+                    Some(_) => "against a separate run (includes machine-load differences)",
+                    None => "step inflation",
+                };
                 let _ = writeln!(
                     out,
-                    "step inflation {:+.2}%: median step makespan {} {unit} with fillers, {} {unit} without ({})",
+                    "{label} {:+.2}%: median step makespan {} {unit} with fillers, {} {unit} without ({})",
                     100.0 * inflation,
                     t(self.step_makespan),
                     t(base),
                     self.baseline_note.as_deref().unwrap_or("baseline run")
                 );
             }
+            _ if self.replay_inflation.is_some() => {}
             _ => {
                 let _ = writeln!(out, "step inflation: not measured (no run without fillers)");
             }
@@ -260,5 +293,18 @@ mod tests {
         assert_eq!(median_step_makespan(&[7.0]), Some(7.0));
         // The first step warms up and is left out: median of 3, 1, 2 is 2.
         assert_eq!(median_step_makespan(&[9.0, 3.0, 1.0, 2.0]), Some(2.0));
+        // The replay's figure takes precedence; the separate run stays as run_inflation.
+        let f = f.with_replay(&[0.5, 0.01, 0.03, 0.02]);
+        assert_eq!(f.step_inflation(), Some(0.02));
+        assert!((f.run_inflation().unwrap() - 0.02).abs() < 1e-12);
+        let mut text = String::new();
+        f.write_text(&mut text, "s", None, &|x| format!("{x}"), &|x| {
+            format!("{:.1}%", 100.0 * x)
+        });
+        assert!(
+            text.contains("step inflation +2.00%: median over steps"),
+            "{text}"
+        );
+        assert!(text.contains("against a separate run"), "{text}");
     }
 }
