@@ -1,7 +1,8 @@
 //! `pipefill bench rollout [--json]`: the rollout engine on a long-tail batch, with plain
 //! decoding, speculation at a fixed K, and adaptive speculation.
 //!
-//! What it does, in order (each step prints what it trained or measured):
+//! What it does, in order (each step prints what it trained or measured), on the job of
+//! [`BENCH_SETS`] (a `d_model` 256 target, where decoding is bound by reading weights):
 //! 1. trains the target (the job's `[model]`, reference trainer) for `--steps` steps on the
 //!    job's tasks, so that it writes solutions and ends them with EOS;
 //! 2. builds the long-tail batch: `--requests` task prompts (heavy-tailed sizes, so
@@ -50,10 +51,10 @@ pub struct RolloutArgs {
     #[arg(long)]
     json: bool,
     /// Target training steps before the rollouts.
-    #[arg(long, default_value_t = 200)]
+    #[arg(long, default_value_t = 100)]
     steps: u64,
     /// Drafter training slices on the plain rollout's rows.
-    #[arg(long, default_value_t = 400)]
+    #[arg(long, default_value_t = 1500)]
     drafter_slices: usize,
     /// Sequences in the batch.
     #[arg(long, default_value_t = 128)]
@@ -106,7 +107,13 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
     if a.reps == 0 || a.requests == 0 || a.k == 0 {
         bail!("--reps, --requests and --k must be at least 1");
     }
-    let job = JobConfig::embedded(&a.sets).context("bench rollout: the job")?;
+    // The bench's own defaults first, so that `--set` can still override them.
+    let sets: Vec<String> = BENCH_SETS
+        .iter()
+        .map(|s| s.to_string())
+        .chain(a.sets.iter().cloned())
+        .collect();
+    let job = JobConfig::embedded(&sets).context("bench rollout: the job")?;
     let t0 = Instant::now();
     let mut trainer = Trainer::reference(&job.model, &job.data, &job.train)?;
     let mut loss = f32::NAN;
@@ -116,9 +123,10 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
     say(
         a.json,
         format!(
-            "target: {} layers, d_model {}, trained {} steps on {:?} (last loss {loss:.3}) in {:.1} s",
+            "target: {} layers, d_model {} ({} parameters), trained {} steps on {:?} (last loss {loss:.3}) in {:.1} s",
             job.model.layers,
             job.model.d_model,
+            job.model.param_count(),
             a.steps,
             job.data.families,
             t0.elapsed().as_secs_f64()
@@ -311,6 +319,13 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// The bench's job on top of the embedded default (each overridable with `--set`): a
+/// target wide enough (`d_model` 256, 8 layers, 6.3 M parameters, 25 MB of f32 weights)
+/// that decoding one token reads more weights than it computes with, the regime where
+/// verifying K+1 positions costs about one decode step; and proposals that attend to the
+/// last 8 target pairs (the drafter trains on windows of at most 16).
+const BENCH_SETS: &[&str] = &["model.d_model=256", "drafter.window=8"];
 
 /// Scale of the heavy-tailed per-request caps: P(cap > 2 + k) = s / (s + k).
 const CAP_SCALE: f64 = 8.0;

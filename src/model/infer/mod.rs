@@ -6,12 +6,14 @@
 //! - [`attend`]: causal attention of a new position against a host cache (shared with
 //!   the drafter's incremental proposals);
 //! - [`kv`]: [`KvCache`], per-layer keys and values of every live sequence, with rollback;
+//! - [`rowmul`]: few-row products that stream the weights once (decode, verification);
 //! - [`stage`]: [`InferStage`], a stage's blocks rebuilt by parameter name from a
 //!   [`ModelChunk`](crate::model::ModelChunk) or a [`Gpt`](crate::model::Gpt), running
 //!   prefill, decode and multi-position verification of several sequences per call.
 
 pub mod attend;
 pub mod kv;
+pub mod rowmul;
 pub mod stage;
 #[cfg(test)]
 mod tests;

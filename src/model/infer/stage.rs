@@ -8,12 +8,14 @@
 //! verification). Every span first rolls its sequence's cache back to `span.start`, so a
 //! verification that rejected draft positions is undone by the next call's span alone.
 
+use std::any::Any;
 use std::ops::Range;
 
 use super::attend::attend;
 use super::kv::KvCache;
+use super::rowmul::{Packed, ROWMUL_MAX_ROWS, rowmul};
 use crate::model::{Cut, Gpt, GptConfig, ModelChunk, ModelError, Result};
-use crate::tensor::{Activation, Backend, DType, Gemm};
+use crate::tensor::{Activation, Backend, CpuBackend, DType, Gemm};
 
 /// New positions `start..start + len` of sequence `slot`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -47,6 +49,8 @@ struct InferBlock<B: Backend> {
     norm2: B::Buf,
     w1: B::Buf,
     w2: B::Buf,
+    /// Host copies of `[wqkv, wo, w1, w2]` for [`rowmul`] (host backend only).
+    host: Option<[Packed; 4]>,
 }
 
 /// Blocks `range` of the model (plus the embedding on the first stage, the final norm and
@@ -58,6 +62,8 @@ pub struct InferStage<B: Backend> {
     embed: Option<(B::Buf, B::Buf)>,
     blocks: Vec<InferBlock<B>>,
     head: Option<(B::Buf, B::Buf)>,
+    /// Host copy of the head for [`rowmul`] (host backend only).
+    head_host: Option<Packed>,
     cache: KvCache,
 }
 
@@ -76,6 +82,9 @@ impl<B: Backend> InferStage<B> {
         let dt = be.storage_dtype();
         let load = |name: &str| -> Result<B::Buf> { Ok(be.from_host(&get(name)?, dt)?) };
         let d = config.d_model;
+        // Few-row products stream host weights (see `rowmul`) where the backend's buffers
+        // are host memory in f32 anyway; a device backend keeps its own GEMM.
+        let host = (&be as &dyn Any).is::<CpuBackend>() && dt == DType::F32;
         let embed = if first {
             Some((load("embed.tok")?, load("embed.pos")?))
         } else {
@@ -95,19 +104,38 @@ impl<B: Backend> InferStage<B> {
                     wqkv.extend_from_slice(&w[r * d..(r + 1) * d]);
                 }
             }
+            let (wo, w1, w2) = (
+                get(&format!("{p}.attn.wo"))?,
+                get(&format!("{p}.mlp.w1"))?,
+                get(&format!("{p}.mlp.w2"))?,
+            );
             blocks.push(InferBlock {
                 norm1: load(&format!("{p}.norm1.weight"))?,
                 wqkv: be.from_host(&wqkv, dt)?,
-                wo: load(&format!("{p}.attn.wo"))?,
+                wo: be.from_host(&wo, dt)?,
                 norm2: load(&format!("{p}.norm2.weight"))?,
-                w1: load(&format!("{p}.mlp.w1"))?,
-                w2: load(&format!("{p}.mlp.w2"))?,
+                w1: be.from_host(&w1, dt)?,
+                w2: be.from_host(&w2, dt)?,
+                host: host.then(|| {
+                    let h = config.mlp_hidden();
+                    [
+                        Packed::new(&wqkv, d, 3 * d),
+                        Packed::new(&wo, d, d),
+                        Packed::new(&w1, d, h),
+                        Packed::new(&w2, h, d),
+                    ]
+                }),
             });
         }
-        let head = if last {
-            Some((load("final_norm.weight")?, load("head.w")?))
+        let (head, head_host) = if last {
+            let w = get("head.w")?;
+            let buf = be.from_host(&w, dt)?;
+            (
+                Some((load("final_norm.weight")?, buf)),
+                host.then(|| Packed::new(&w, d, config.vocab)),
+            )
         } else {
-            None
+            (None, None)
         };
         Ok(InferStage {
             cache: KvCache::new(range.len(), d, config.seq_len),
@@ -116,6 +144,7 @@ impl<B: Backend> InferStage<B> {
             embed,
             blocks,
             head,
+            head_host,
             be,
         })
     }
@@ -247,12 +276,16 @@ impl<B: Backend> InferStage<B> {
         };
         let h = self.rmsnorm(&x, norm, rows)?;
         let vocab = self.config.vocab;
-        let mut logits = be.zeros(rows * vocab, DType::F32)?;
-        be.matmul(&h, head, &mut logits, Gemm::nn(rows, d, vocab))?;
-        Ok(StageOutput::Final {
-            logits: be.to_host(&logits)?,
-            hidden: be.to_host(&h)?,
-        })
+        let hidden = be.to_host(&h)?;
+        let logits = match &self.head_host {
+            Some(w) if rows <= ROWMUL_MAX_ROWS => rowmul(&hidden, w, rows),
+            _ => {
+                let mut logits = be.zeros(rows * vocab, DType::F32)?;
+                be.matmul(&h, head, &mut logits, Gemm::nn(rows, d, vocab))?;
+                be.to_host(&logits)?
+            }
+        };
+        Ok(StageOutput::Final { logits, hidden })
     }
 
     fn rmsnorm(&self, x: &B::Buf, w: &B::Buf, rows: usize) -> Result<B::Buf> {
@@ -264,14 +297,24 @@ impl<B: Backend> InferStage<B> {
         Ok(y)
     }
 
+    /// `x·w`, `w` being block matrix `which` (0 wqkv, 1 wo, 2 w1, 3 w2) of `li`: a few rows
+    /// stream its host copy ([`rowmul`]), more go to the backend's GEMM.
     fn linear(
         &self,
         x: &B::Buf,
-        w: &B::Buf,
+        (li, which): (usize, usize),
         rows: usize,
         din: usize,
         dout: usize,
     ) -> Result<B::Buf> {
+        let blk = &self.blocks[li];
+        if let Some(host) = &blk.host
+            && rows <= ROWMUL_MAX_ROWS
+        {
+            let y = rowmul(&self.be.to_host(x)?, &host[which], rows);
+            return Ok(self.be.from_host(&y, self.be.storage_dtype())?);
+        }
+        let w = [&blk.wqkv, &blk.wo, &blk.w1, &blk.w2][which];
         let mut y = self.be.zeros(rows * dout, self.be.storage_dtype())?;
         self.be.matmul(x, w, &mut y, Gemm::nn(rows, din, dout))?;
         Ok(y)
@@ -290,7 +333,7 @@ impl<B: Backend> InferStage<B> {
         let (d, heads) = (self.config.d_model, self.config.heads);
         let blk = &self.blocks[li];
         let a = self.rmsnorm(x, &blk.norm1, rows)?;
-        let qkv = be.to_host(&self.linear(&a, &blk.wqkv, rows, d, 3 * d)?)?;
+        let qkv = be.to_host(&self.linear(&a, (li, 0), rows, d, 3 * d)?)?;
         let mut o = vec![0.0f32; rows * d];
         let mut r0 = 0;
         let mut scores = Vec::new();
@@ -308,15 +351,15 @@ impl<B: Backend> InferStage<B> {
         }
         let blk = &self.blocks[li];
         let o = be.from_host(&o, be.storage_dtype())?;
-        let y = self.linear(&o, &blk.wo, rows, d, d)?;
+        let y = self.linear(&o, (li, 1), rows, d, d)?;
         let mut h = be.zeros(rows * d, be.storage_dtype())?;
         be.add(x, &y, &mut h)?;
         let c = self.rmsnorm(&h, &blk.norm2, rows)?;
         let hidden = self.config.mlp_hidden();
-        let u = self.linear(&c, &blk.w1, rows, d, hidden)?;
+        let u = self.linear(&c, (li, 2), rows, d, hidden)?;
         let mut g = be.zeros(rows * hidden, be.storage_dtype())?;
         be.activation_fwd(self.activation(), &u, &mut g)?;
-        let z = self.linear(&g, &blk.w2, rows, hidden, d)?;
+        let z = self.linear(&g, (li, 3), rows, hidden, d)?;
         let mut out = be.zeros(rows * d, be.storage_dtype())?;
         be.add(&h, &z, &mut out)?;
         Ok(out)

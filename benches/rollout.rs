@@ -1,0 +1,137 @@
+//! Target-side cost of speculative decoding: one [`InferStage`] call over the whole model
+//! (one stage, one thread) decoding one position per sequence against verifying K+1 = 5
+//! positions per sequence, at batch 1, 2, 4 and 8, for a small (`d_model` 64) and a
+//! weight-bound (`d_model` 256) target; and the drafter's proposal of K = 4 tokens. Every
+//! call resumes at position 32 of a prefilled cache (the span rolls the cache back), so
+//! each iteration does the same work. Afterwards a table of medians and the verify/decode
+//! ratio is printed: speculation can only pay where the ratio is well under the acceptance
+//! length.
+//!
+//! `cargo bench -p pipefill --bench rollout`
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use criterion::Criterion;
+use pipefill::config::JobConfig;
+use pipefill::data::SplitMix64;
+use pipefill::model::drafter::{DraftContext, Drafter};
+use pipefill::model::infer::{InferStage, Span, run_stages};
+use pipefill::model::{Cut, Gpt, GptConfig};
+use pipefill::tensor::CpuBackend;
+
+const PAST: usize = 32;
+const K: usize = 4;
+
+fn config(d_model: usize) -> GptConfig {
+    let mut c = JobConfig::default().model;
+    c.d_model = d_model;
+    c
+}
+
+/// Spans of `batch` sequences, each `len` new positions at `PAST`, and their token ids.
+fn spans(batch: usize, len: usize) -> (Vec<Span>, Vec<u32>) {
+    let spans = (0..batch)
+        .map(|slot| Span {
+            slot,
+            start: PAST,
+            len,
+        })
+        .collect();
+    let ids = (0..batch * len).map(|i| 3 + (i % 40) as u32).collect();
+    (spans, ids)
+}
+
+fn timed(per: &mut Vec<Duration>, mut f: impl FnMut()) -> impl FnMut(u64) -> Duration {
+    move |iters| {
+        let mut total = Duration::ZERO;
+        for _ in 0..iters {
+            let t = Instant::now();
+            f();
+            let took = t.elapsed();
+            per.push(took);
+            total += took;
+        }
+        total
+    }
+}
+
+fn median_ms(mut v: Vec<Duration>) -> f64 {
+    v.sort();
+    v.get(v.len() / 2)
+        .map_or(f64::NAN, |d| d.as_secs_f64() * 1e3)
+}
+
+fn main() {
+    let mut criterion = Criterion::default()
+        .warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_secs(1))
+        .sample_size(10)
+        .configure_from_args();
+    let mut table = Vec::new();
+    for d_model in [64, 256] {
+        let cfg = config(d_model);
+        let be = CpuBackend::new(1).expect("a one-thread backend");
+        let gpt = Gpt::new(&cfg, be.clone(), &Cut::Even(1)).expect("the model");
+        let mut stages = InferStage::stages_of(&gpt, &Cut::Even(1)).expect("the stage");
+        let mut group = criterion.benchmark_group(format!("infer_d{d_model}"));
+        for batch in [1, 2, 4, 8] {
+            let (pre, pre_ids) = (
+                (0..batch)
+                    .map(|slot| Span {
+                        slot,
+                        start: 0,
+                        len: PAST + K + 1,
+                    })
+                    .collect::<Vec<_>>(),
+                vec![5u32; batch * (PAST + K + 1)],
+            );
+            run_stages(&mut stages, &pre, &pre_ids).expect("prefill");
+            let mut ms = [0.0; 2];
+            for (j, len) in [1, K + 1].into_iter().enumerate() {
+                let (sp, ids) = spans(batch, len);
+                let mut per = Vec::new();
+                let name = if len == 1 { "decode" } else { "verify5" };
+                group.bench_function(format!("{name}/batch{batch}"), |b| {
+                    b.iter_custom(timed(&mut per, || {
+                        black_box(run_stages(&mut stages, &sp, &ids).expect("a step"));
+                    }))
+                });
+                ms[j] = median_ms(per);
+            }
+            table.push((d_model, batch, ms[0], ms[1]));
+        }
+        group.finish();
+        // The drafter's proposal of K tokens per sequence over a full window of context.
+        let job = JobConfig::default();
+        let mut drafter = Drafter::new(&cfg, &job.drafter, be).expect("the drafter");
+        let n = job.drafter.window;
+        let hidden = vec![0.1f32; n * d_model];
+        let tokens: Vec<u32> = (0..n).map(|i| 3 + (i % 40) as u32).collect();
+        let mut rng = SplitMix64::new(1);
+        for batch in [1, 4] {
+            let ctx = vec![
+                DraftContext {
+                    hidden: &hidden,
+                    tokens: &tokens,
+                };
+                batch
+            ];
+            let mut per = Vec::new();
+            criterion.bench_function(&format!("propose_d{d_model}/k{K}/batch{batch}"), |b| {
+                b.iter_custom(timed(&mut per, || {
+                    black_box(drafter.propose(&ctx, K, 0.0, &mut rng).expect("a draft"));
+                }))
+            });
+            println!(
+                "d_model {d_model}: drafter proposal of K={K} at batch {batch} (window {n}): median {:.3} ms",
+                median_ms(per)
+            );
+        }
+    }
+    criterion.final_summary();
+    println!("d_model batch  decode ms  verify(K+1={}) ms  ratio", K + 1);
+    for (d, b, dec, ver) in table {
+        println!("{d:>7} {b:>5} {dec:>10.3} {ver:>18.3} {:>6.2}", ver / dec);
+    }
+}

@@ -1,0 +1,147 @@
+//! [`rowmul`]: `y = x·W` for a few rows `x`, streaming `W` once from a panel layout.
+//!
+//! Generation multiplies one to a few dozen rows (decode: one per sequence; verification:
+//! K+1 per sequence) by weight matrices far larger than the cache. Such a product is bound
+//! by reading `W`, yet the backend's general GEMM packs `W` into panels on every call,
+//! which at `d_model` 256 made a 5-row product cost 3–4× a 1-row one. Here `W` is packed
+//! once, when the stage is built ([`Packed`]: panels of 8 columns, contiguous over `k`),
+//! and each pass streams the panels while up to 8 rows keep their sums in registers, so a
+//! weight vector is loaded once and used by every row. Every output element is one
+//! multiply-add chain over `k` in order: a row's result does not depend on how many rows
+//! share the call, so decoding one position and verifying several give bitwise the same
+//! values for the same position.
+
+/// Rows up to which [`InferStage`](super::InferStage) uses [`rowmul`] instead of the
+/// backend's GEMM (beyond it the product is compute bound and the GEMM's blocking wins).
+pub const ROWMUL_MAX_ROWS: usize = 32;
+
+/// Rows sharing one pass over `W` (their sums stay in registers: 8 of 16 AVX registers).
+const ROWS_PER_PASS: usize = 8;
+/// Columns per panel (one AVX register of f32).
+const PANEL: usize = 8;
+
+/// `W: [din, dout]` as `ceil(dout / 8)` panels of `[din, 8]` (the last one zero-padded).
+#[derive(Clone, Debug)]
+pub struct Packed {
+    din: usize,
+    dout: usize,
+    panels: Vec<f32>,
+}
+
+impl Packed {
+    /// Packs the row-major `w: [din, dout]`.
+    pub fn new(w: &[f32], din: usize, dout: usize) -> Self {
+        assert_eq!(w.len(), din * dout, "Packed: w is [din, dout]");
+        let n = dout.div_ceil(PANEL);
+        let mut panels = vec![0.0f32; n * din * PANEL];
+        for p in 0..n {
+            for k in 0..din {
+                for j in 0..PANEL.min(dout - p * PANEL) {
+                    panels[(p * din + k) * PANEL + j] = w[k * dout + p * PANEL + j];
+                }
+            }
+        }
+        Packed { din, dout, panels }
+    }
+}
+
+/// `y[r] = Σ_k x[r,k]·W[k]` for `x: [rows, din]`.
+pub fn rowmul(x: &[f32], w: &Packed, rows: usize) -> Vec<f32> {
+    assert_eq!(x.len(), rows * w.din, "rowmul: x is [rows, din]");
+    let mut y = vec![0.0f32; rows * w.dout];
+    for (xs, ys) in x
+        .chunks(ROWS_PER_PASS * w.din)
+        .zip(y.chunks_mut(ROWS_PER_PASS * w.dout))
+    {
+        #[cfg(target_arch = "x86_64")]
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            // SAFETY: the CPU has the features these functions are compiled for.
+            unsafe {
+                match xs.len() / w.din {
+                    1 => pass_fma::<1>(xs, w, ys),
+                    2 => pass_fma::<2>(xs, w, ys),
+                    3 => pass_fma::<3>(xs, w, ys),
+                    4 => pass_fma::<4>(xs, w, ys),
+                    5 => pass_fma::<5>(xs, w, ys),
+                    6 => pass_fma::<6>(xs, w, ys),
+                    7 => pass_fma::<7>(xs, w, ys),
+                    _ => pass_fma::<8>(xs, w, ys),
+                }
+            }
+            continue;
+        }
+        pass_plain(xs, w, ys);
+    }
+    y
+}
+
+/// One pass over the panels for exactly `R` rows.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn pass_fma<const R: usize>(x: &[f32], w: &Packed, y: &mut [f32]) {
+    use std::arch::x86_64::{
+        __m256, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_set1_ps, _mm256_setzero_ps,
+        _mm256_storeu_ps,
+    };
+    let (din, dout) = (w.din, w.dout);
+    assert!(x.len() == R * din && y.len() == R * dout);
+    for (p, panel) in w.panels.chunks_exact(din * PANEL).enumerate() {
+        let mut acc: [__m256; R] = [_mm256_setzero_ps(); R];
+        for (k, wk) in panel.chunks_exact(PANEL).enumerate() {
+            // SAFETY: `wk` holds exactly PANEL = 8 floats.
+            let wv = unsafe { _mm256_loadu_ps(wk.as_ptr()) };
+            for (r, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_fmadd_ps(_mm256_set1_ps(x[r * din + k]), wv, *a);
+            }
+        }
+        let (c, width) = (p * PANEL, PANEL.min(dout - p * PANEL));
+        let mut out = [0.0f32; PANEL];
+        for (r, a) in acc.iter().enumerate() {
+            // SAFETY: `out` holds 8 floats.
+            unsafe { _mm256_storeu_ps(out.as_mut_ptr(), *a) };
+            y[r * dout + c..][..width].copy_from_slice(&out[..width]);
+        }
+    }
+}
+
+/// The same chains without AVX: `mul_add` keeps one rounding per step, as the FMA does.
+fn pass_plain(x: &[f32], w: &Packed, y: &mut [f32]) {
+    let (din, dout) = (w.din, w.dout);
+    for (xr, yr) in x.chunks_exact(din).zip(y.chunks_exact_mut(dout)) {
+        for (p, panel) in w.panels.chunks_exact(din * PANEL).enumerate() {
+            let mut acc = [0.0f32; PANEL];
+            for (k, wk) in panel.chunks_exact(PANEL).enumerate() {
+                acc.iter_mut()
+                    .zip(wk)
+                    .for_each(|(a, &w)| *a = xr[k].mul_add(w, *a));
+            }
+            let (c, width) = (p * PANEL, PANEL.min(dout - p * PANEL));
+            yr[c..c + width].copy_from_slice(&acc[..width]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_match_a_naive_product_and_do_not_depend_on_the_batch() {
+        let (rows, din, dout) = (11, 13, 37);
+        let val = |i: usize| ((i * 7919 % 101) as f32 - 50.0) / 37.0;
+        let x: Vec<f32> = (0..rows * din).map(val).collect();
+        let w: Vec<f32> = (0..din * dout).map(|i| val(i + 5)).collect();
+        let packed = Packed::new(&w, din, dout);
+        let y = rowmul(&x, &packed, rows);
+        for r in 0..rows {
+            for c in 0..dout {
+                let want: f64 = (0..din)
+                    .map(|k| f64::from(x[r * din + k]) * f64::from(w[k * dout + c]))
+                    .sum();
+                assert!((f64::from(y[r * dout + c]) - want).abs() < 1e-4);
+            }
+            let alone = rowmul(&x[r * din..(r + 1) * din], &packed, 1);
+            assert_eq!(alone, y[r * dout..(r + 1) * dout], "row {r} alone");
+        }
+    }
+}
