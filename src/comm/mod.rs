@@ -14,6 +14,8 @@
 //!   in-process implementation for tests.
 //! - `collective`: the ring all-reduce over a `PeerLink` group and `GradSync`, which sums a
 //!   pipeline rank's gradients across data-parallel replicas.
+//! - `nccl` (feature `cuda`): NCCL between GPUs: the unique-id exchange, p2p send/recv and
+//!   the all-reduce behind `NcclGradSync`.
 
 pub mod collective;
 pub mod link;
@@ -21,6 +23,8 @@ pub mod link;
 pub mod frame;
 pub mod handshake;
 pub mod heartbeat;
+#[cfg(feature = "cuda")]
+pub mod nccl;
 pub mod rendezvous;
 pub mod tcp;
 pub mod tcp_transport;
