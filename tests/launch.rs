@@ -1,6 +1,7 @@
 //! Multi-process jobs through the binary: `pipefill launch -n 4` and a real `mpirun` give
 //! exactly the parameters (and optimizer moments) of the in-process run of the same job; a
-//! killed rank ends the job within 10 s with its rank named; a wrong job token is refused.
+//! killed rank ends the job within 10 s with its rank named; a wrong job token is refused;
+//! dp = 2 replicas × 2 stages equal the in-process dp = 1 run within tests/dp.rs's tolerance.
 //! A tiny model keeps each job to a few seconds.
 
 use std::io::{BufRead, BufReader, Read};
@@ -332,8 +333,67 @@ fn launch_refuses_what_it_cannot_run_and_fails_when_every_rank_does() {
     let all = text(&out);
     assert!(!out.status.success(), "{all}");
     assert!(
-        all.contains("has 4 ranks but 2 processes were launched"),
+        all.contains("has 4 ranks × dp = 1 but 2 processes were launched"),
         "{all}"
     );
     assert!(all.contains("2 of the job's ranks failed"), "{all}");
+}
+
+/// tests/dp.rs's tolerance: the all-reduce sums the replicas' gradients in another order
+/// than one pipeline does (≈1e-7 relative), which AdamW carries into the parameters.
+const DP_MAX_ABS_DIFF: f32 = 1e-5;
+const DP_MAX_REL_L2: f64 = 1e-6;
+
+#[test]
+fn launch_of_dp2_times_pp2_equals_the_in_process_dp1_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let single = dir.path().join("single");
+    let out = clean(EXE)
+        .args(train_args(&single, &["stages=2"]))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let reference = Checkpoint::load(&single.join("checkpoint")).unwrap();
+
+    let launched = dir.path().join("dp2");
+    let out = clean(EXE)
+        .args(["launch", "-n", "4", "--"])
+        .args(train_args(&launched, &["stages=2", "dp=2"]))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let got = Checkpoint::load(&launched.join("checkpoint")).unwrap();
+    assert_eq!(reference.meta.step, got.meta.step);
+    assert_eq!(reference.tensors.len(), got.tensors.len());
+    let (mut diff2, mut norm2, mut max_abs) = (0.0f64, 0.0f64, 0.0f32);
+    for (a, b) in reference.tensors.iter().zip(&got.tensors) {
+        assert_eq!((&a.name, &a.shape), (&b.name, &b.shape));
+        for (x, y) in a.data.iter().zip(&b.data) {
+            max_abs = max_abs.max((x - y).abs());
+            diff2 += f64::from(x - y).powi(2);
+            norm2 += f64::from(*x).powi(2);
+        }
+    }
+    let rel = (diff2 / norm2.max(f64::MIN_POSITIVE)).sqrt();
+    assert!(max_abs <= DP_MAX_ABS_DIFF, "max |Δ| {max_abs}");
+    assert!(rel <= DP_MAX_REL_L2, "relative L2 {rel}");
+    // The whole batch's losses (each replica's token-weighted), as one pipeline computes
+    // them up to the summation order.
+    let losses = |dir: &Path| -> Vec<f64> {
+        std::fs::read_to_string(dir.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| {
+                serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
+                    .as_f64()
+                    .unwrap()
+            })
+            .collect()
+    };
+    let (a, b) = (losses(&single), losses(&launched));
+    assert_eq!(a.len(), b.len());
+    for (x, y) in a.iter().zip(&b) {
+        assert!((x - y).abs() <= 1e-5 * x.abs(), "losses {a:?} vs {b:?}");
+    }
+    println!("dp=2 × pp=2 through launch: max |Δparam| {max_abs:e}, relative L2 {rel:e}");
 }

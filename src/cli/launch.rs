@@ -199,14 +199,25 @@ pub fn train_distributed(
     resume: Option<&Path>,
 ) -> anyhow::Result<()> {
     let rank = env.rank;
-    let trainer = PipelineTrainer::from_job(job)
+    // Each replica's pipeline runs its share of every step's micro-batches.
+    if job.train.micro_batches % job.dp != 0 {
+        bail!(
+            "dp = {} replicas cannot take equal shares of train.micro_batches = {}",
+            job.dp,
+            job.train.micro_batches
+        );
+    }
+    let mut share = job.clone();
+    share.train.micro_batches /= job.dp;
+    let trainer = PipelineTrainer::from_job(&share)
         .with_context(|| format!("schedule {:?} on {} ranks", job.schedule, job.stages))?;
     let plan = trainer.plan();
-    if plan.num_ranks() != env.world {
+    if plan.num_ranks() * job.dp != env.world {
         bail!(
-            "the job's schedule {:?} has {} ranks but {} processes were launched: one rank per process (set stages = {})",
+            "the job's schedule {:?} has {} ranks × dp = {} but {} processes were launched: one rank per process (set stages × dp = {})",
             job.schedule,
             plan.num_ranks(),
+            job.dp,
             env.world,
             env.world
         );
@@ -219,12 +230,13 @@ pub fn train_distributed(
             job.train.steps
         );
     }
-    let mesh = join(env, listen_ip()?, join_timeout()?)?;
+    let mesh = std::sync::Arc::new(join(env, listen_ip()?, join_timeout()?)?);
     if rank == 0 {
         println!(
-            "distributed: {} ranks ({:?} launcher), schedule {} with {} stages, {} steps",
+            "distributed: {} ranks ({:?} launcher), {} × schedule {} with {} stages, {} steps",
             env.world,
             env.launcher,
+            job.dp,
             job.schedule.trim(),
             plan.stages,
             job.train.steps - first_step

@@ -84,13 +84,15 @@ pub struct WireEnvelope {
 struct Port<T, C> {
     local: InProcess<T>,
     codec: C,
+    /// This process's rank within the transport's group, whose rank 0 is mesh rank `base`.
     rank: usize,
+    base: usize,
 }
 
 impl<T: Send + 'static, C: Codec<T>> Sink for Port<T, C> {
     fn deliver(&self, from: usize, bytes: Vec<u8>) -> Result<(), String> {
         let wire: WireEnvelope = frame::decode(&bytes).map_err(|e| e.to_string())?;
-        if wire.to as usize != self.rank || wire.from as usize != from {
+        if wire.to as usize != self.rank || wire.from as usize + self.base != from {
             return Err(format!(
                 "envelope from rank {} to rank {} arrived at rank {} from rank {from}",
                 wire.from, wire.to, self.rank
@@ -99,7 +101,7 @@ impl<T: Send + 'static, C: Codec<T>> Sink for Port<T, C> {
         let payload = self.codec.decode(&wire.payload)?;
         let envelope = Envelope {
             tag: wire.tag,
-            from,
+            from: wire.from as usize,
             sent_at: wire.sent_at,
             payload,
         };
@@ -127,11 +129,30 @@ impl<T: Send + 'static, C: Codec<T>> TcpTransport<T, C> {
     /// The transport on `channel` of `mesh`, for this process's rank.
     pub fn new(mesh: &TcpMesh, channel: Channel, codec: C) -> Self {
         use super::link::PeerLink;
-        let (rank, world) = (mesh.rank(), mesh.world());
+        let world = mesh.world();
+        Self::group(mesh, channel, codec, 0, world)
+    }
+
+    /// The transport among mesh ranks `base..base + size` (one data-parallel replica's
+    /// pipeline), which it numbers `0..size`.
+    ///
+    /// # Panics
+    /// When this process's mesh rank is not one of them (a caller's numbering bug).
+    pub fn group(mesh: &TcpMesh, channel: Channel, codec: C, base: usize, size: usize) -> Self {
+        use super::link::PeerLink;
+        let rank = mesh.rank().wrapping_sub(base);
+        assert!(
+            rank < size,
+            "mesh rank {} is not in ranks {base}..{}",
+            mesh.rank(),
+            base + size
+        );
+        let world = size;
         let port = Arc::new(Port {
             local: InProcess::new(world),
             codec,
             rank,
+            base,
         });
         mesh.register(channel, Arc::clone(&port) as Arc<dyn Sink>);
         TcpTransport {
@@ -187,7 +208,7 @@ impl<T: Send + 'static, C: Codec<T>> Transport<T> for TcpTransport<T, C> {
         let bytes = frame::encode(&wire).map_err(|e| LinkError::Other(e.to_string()))?;
         self.mesh
             .send_wire(
-                to,
+                self.port.base + to,
                 &Wire::Data {
                     channel: self.channel,
                     bytes,

@@ -2,7 +2,11 @@
 //!
 //! Every process builds the same plan from the same job and runs only its own rank's
 //! [`RankCompute`] through the runtime's [`Pipeline::run_local`]; activations, gradients
-//! and gradient statistics travel on the TCP mesh ([`TcpTransport`]). The computation of
+//! and gradient statistics travel on the TCP mesh ([`TcpTransport`]). With `dp` > 1 the
+//! world is `dp` replicas of the plan's ranks (global rank = replica × pp + pipeline
+//! rank): each replica's pipeline runs its share of every step's micro-batches among its
+//! own ranks, and every rank all-reduces its gradients with the same rank of the other
+//! replicas ([`RingGradSync`] over the mesh) before the optimizer step. The computation of
 //! each rank is the in-process pipeline's, action for action, so the parameters after K
 //! steps are bitwise those of the in-process run of the same job (f32 on the CPU).
 //!
@@ -19,11 +23,13 @@ use std::sync::mpsc::channel;
 use std::time::Duration;
 
 use super::profile::{
-    PROFILE_CHANNEL, loss_rank, rank_profile, recv_metrics, send_metrics, sync_clock,
+    GRAD_CHANNEL, PROFILE_CHANNEL, gather_profiles, loss_rank, rank_profile, recv_metrics,
+    send_metrics, sync_clock, whole_batch,
 };
 use pipefill_actors::{Clock, GradStats, Pipeline, PlanSource, RunReport, StepMode, Transport};
 use serde::{Deserialize, Serialize};
 
+use crate::comm::collective::RingGradSync;
 use crate::comm::frame;
 use crate::comm::link::{LinkError, PeerLink};
 use crate::comm::tcp::TcpMesh;
@@ -35,9 +41,10 @@ use crate::data::StepData;
 use crate::model::checkpoint::{Checkpoint, HostTensor};
 use crate::model::{AdamW, Cut, Gpt, ModelChunk, ModelError, OptimizerState};
 use crate::pipeline::feed::StepFeed;
+use crate::pipeline::shared::Replica;
 use crate::pipeline::shared::{RankFinal, Shared};
 use crate::pipeline::{PipelineError, RankCompute};
-use crate::profile::merge::{MergeError, MergedProfile, gather_profiles, merge, send_profile};
+use crate::profile::merge::{MergeError, MergedProfile, merge, send_profile};
 use crate::schedules::Plan;
 use crate::tensor::CpuBackend;
 use crate::train::StepMetrics;
@@ -49,8 +56,14 @@ const FINAL_WAIT: Duration = Duration::from_secs(120);
 /// Why a rank's part of a distributed run failed.
 #[derive(Debug, thiserror::Error)]
 pub enum DistributedError {
-    #[error("the plan has {plan} ranks but the job was launched with {world} processes")]
-    World { plan: usize, world: usize },
+    #[error(
+        "the plan has {plan} ranks × dp = {dp} replicas but the job was launched with {world} processes"
+    )]
+    World {
+        plan: usize,
+        dp: usize,
+        world: usize,
+    },
     /// The rank's own pipeline failed (the error names the rank; it is shown whole, not as
     /// a chain, so that the one-line CLI error does not repeat it).
     #[error("{error}")]
@@ -141,18 +154,21 @@ impl From<FinalWire> for RankFinal {
 pub fn train_rank(
     job: &JobConfig,
     plan: &Plan,
-    mesh: &TcpMesh,
+    mesh: &Arc<TcpMesh>,
     clock: Clock,
     steps: u64,
     resume: Option<&Checkpoint>,
 ) -> Result<RankRun, DistributedError> {
-    let (rank, world) = (mesh.rank(), mesh.world());
-    if plan.num_ranks() != world {
+    let (rank, world, pp, dp) = (mesh.rank(), mesh.world(), plan.num_ranks(), job.dp);
+    if pp * dp != world {
         return Err(DistributedError::World {
-            plan: plan.num_ranks(),
+            plan: pp,
+            dp,
             world,
         });
     }
+    // Global rank = replica × pp + pipeline rank (RingGradSync's numbering).
+    let (replica, prank) = (rank / pp, rank % pp);
     let pipeline_err = |error: PipelineError| DistributedError::Pipeline { rank, error };
     let first_step = resume.map_or(0, |c| c.meta.step);
     let data = StepData::new(job.data.clone(), job.model.seq_len, job.train.seed)
@@ -162,25 +178,45 @@ pub fn train_rank(
     // The step log needs every rank's losses and norms, which stay in their processes;
     // this rank's steps are reported by the runtime instead (see the module docs).
     let (progress, step_log) = channel();
-    let shared = Arc::new(Shared::new(world, feed, progress));
+    let sync = (dp > 1).then(|| Replica {
+        index: replica,
+        count: dp,
+        sync: Arc::new(RingGradSync::new(
+            vec![Arc::clone(mesh) as Arc<dyn PeerLink>],
+            dp,
+            pp,
+            GRAD_CHANNEL,
+        )),
+    });
+    let shared = Arc::new(Shared::new(pp, feed, progress).with_replica(sync));
     // The other ranks step in their own processes: stand-ins for their `stepped` let this
     // rank's own one close each step, so the step log reports (with the losses in the last
     // stage's process; the norm of own gradients only, replaced by the global one).
     for step in first_step..first_step + steps {
-        for _ in 1..world {
+        for _ in 1..pp {
             shared.stepped(step, 0.0);
         }
     }
     let backend = CpuBackend::new(1).map_err(|e| pipeline_err(ModelError::from(e).into()))?;
     let compute = rank_compute(
-        job, plan, rank, &backend, &shared, first_step, steps, resume,
+        job, plan, prank, &backend, &shared, first_step, steps, resume,
     )
     .map_err(pipeline_err)?;
 
-    let tensors: Arc<dyn Transport<_>> =
-        Arc::new(TcpTransport::new(mesh, TENSOR_CHANNEL, BufCodec(backend)));
-    let stats: Arc<dyn Transport<GradStats>> =
-        Arc::new(TcpTransport::new(mesh, STATS_CHANNEL, SerdeCodec));
+    let tensors: Arc<dyn Transport<_>> = Arc::new(TcpTransport::group(
+        mesh,
+        TENSOR_CHANNEL,
+        BufCodec(backend),
+        replica * pp,
+        pp,
+    ));
+    let stats: Arc<dyn Transport<GradStats>> = Arc::new(TcpTransport::group(
+        mesh,
+        STATS_CHANNEL,
+        SerdeCodec,
+        replica * pp,
+        pp,
+    ));
     let mut pipeline = Pipeline::new(PlanSource::Given(plan.clone()), clock)
         .iterations(steps)
         .step_mode(StepMode::default())
@@ -193,7 +229,7 @@ pub fn train_rank(
         sync_clock(mesh, matches!(clock, Clock::Virtual { .. })).map_err(profile_err)?;
     clock_sync.at_run_start();
     let report = pipeline
-        .run_local_blocking(vec![(rank, compute)], tensors)
+        .run_local_blocking(vec![(prank, compute)], tensors)
         .map_err(|e| match mesh.failure() {
             // The mesh's failure names the rank that died; the runtime's error only says
             // which action noticed.
@@ -203,7 +239,7 @@ pub fn train_rank(
 
     // Other ranks' finals live in their processes: stand-ins let `take_finals` hand over
     // this rank's own.
-    for other in (0..world).filter(|&r| r != rank) {
+    for other in (0..pp).filter(|&r| r != prank) {
         shared.deposit_final(
             other,
             RankFinal {
@@ -214,7 +250,7 @@ pub fn train_rank(
     }
     let own = shared
         .take_finals()
-        .and_then(|mut f| (rank < f.len()).then(|| f.swap_remove(rank)))
+        .and_then(|mut f| (prank < f.len()).then(|| f.swap_remove(prank)))
         .ok_or_else(|| pipeline_err(PipelineError::NoFinalState))?;
     let gather = |source| DistributedError::Gather { rank, source };
     if rank != 0 {
@@ -224,14 +260,17 @@ pub fn train_rank(
                 reason: e.to_string(),
             })
         })?;
-        mesh.send(0, CONTROL_CHANNEL, &bytes).map_err(gather)?;
-        send_profile(
-            mesh,
-            PROFILE_CHANNEL,
-            &rank_profile(rank, &report, &clock_sync),
-        )
-        .map_err(profile_err)?;
-        if rank == loss_rank(plan) {
+        // Replicas end bitwise equal: replica 0's ranks stand for the others.
+        if replica == 0 {
+            mesh.send(0, CONTROL_CHANNEL, &bytes).map_err(gather)?;
+            send_profile(
+                mesh.as_ref(),
+                PROFILE_CHANNEL,
+                &rank_profile(prank, &report, &clock_sync),
+            )
+            .map_err(profile_err)?;
+        }
+        if prank == loss_rank(plan) {
             let log: Vec<StepMetrics> = step_log.try_iter().collect();
             send_metrics(mesh, &log).map_err(profile_err)?;
         }
@@ -255,7 +294,7 @@ pub fn train_rank(
         });
     }
     let mut finals = vec![own];
-    for from in 1..world {
+    for from in 1..pp {
         let bytes = mesh.recv(from, CONTROL_CHANNEL).map_err(gather)?;
         let wire: FinalWire = frame::decode(&bytes).map_err(|e| DistributedError::BadFinal {
             rank,
@@ -265,11 +304,15 @@ pub fn train_rank(
         finals.push(wire.into());
     }
     let own_profile = rank_profile(rank, &report, &clock_sync);
-    let profiles = gather_profiles(mesh, PROFILE_CHANNEL, own_profile).map_err(profile_err)?;
-    let mut metrics: Vec<StepMetrics> = match loss_rank(plan) {
-        0 => step_log.try_iter().collect(),
-        from => recv_metrics(mesh, from).map_err(profile_err)?,
-    };
+    let profiles = gather_profiles(mesh, PROFILE_CHANNEL, pp, own_profile).map_err(profile_err)?;
+    let mut logs = Vec::with_capacity(dp);
+    for d in 0..dp {
+        logs.push(match d * pp + loss_rank(plan) {
+            0 => step_log.try_iter().collect(),
+            from => recv_metrics(mesh, from).map_err(profile_err)?,
+        });
+    }
+    let mut metrics = whole_batch(logs);
     // Every rank's work is done: say goodbye, which lets the others exit.
     mesh.close().map_err(gather)?;
     for m in &mut metrics {
@@ -277,7 +320,7 @@ pub fn train_rank(
             m.grad_norm = s.grad_norm as f32;
         }
     }
-    let merged = merge(&profiles, world).map_err(profile_err)?;
+    let merged = merge(&profiles, pp).map_err(profile_err)?;
     let checkpoint = assemble(job, finals, first_step + steps).map_err(pipeline_err)?;
     Ok(RankRun {
         rank,
