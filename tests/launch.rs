@@ -68,8 +68,8 @@ fn clean(program: &str) -> Command {
 }
 
 /// The in-process run's checkpoint (computed once per test that needs it).
-fn in_process(dir: &Path) -> Checkpoint {
-    let out = clean(EXE).args(train_args(dir, &[])).output().unwrap();
+fn in_process(dir: &Path, extra: &[&str]) -> Checkpoint {
+    let out = clean(EXE).args(train_args(dir, extra)).output().unwrap();
     assert!(out.status.success(), "{}", text(&out));
     Checkpoint::load(&dir.join("checkpoint")).unwrap()
 }
@@ -145,7 +145,7 @@ fn free_port() -> u16 {
 #[test]
 fn launch_of_four_ranks_and_mpirun_equal_the_in_process_run() {
     let dir = tempfile::tempdir().unwrap();
-    let reference = in_process(&dir.path().join("single"));
+    let reference = in_process(&dir.path().join("single"), &[]);
 
     let launched = dir.path().join("launch");
     let out = clean(EXE)
@@ -396,4 +396,30 @@ fn launch_of_dp2_times_pp2_equals_the_in_process_dp1_run() {
         assert!((x - y).abs() <= 1e-5 * x.abs(), "losses {a:?} vs {b:?}");
     }
     println!("dp=2 × pp=2 through launch: max |Δparam| {max_abs:e}, relative L2 {rel:e}");
+}
+
+#[test]
+fn a_launched_run_of_2_steps_resumed_for_2_more_equals_4_steps_bitwise() {
+    let dir = tempfile::tempdir().unwrap();
+    let reference = in_process(&dir.path().join("single"), &["train.steps=4"]);
+    let first = dir.path().join("first");
+    let out = clean(EXE)
+        .args(["launch", "-n", "4", "--"])
+        .args(train_args(&first, &["train.steps=2"]))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let second = dir.path().join("second");
+    let out = clean(EXE)
+        .args(["launch", "-n", "4", "--"])
+        .args(train_args(&second, &["train.steps=4"]))
+        .arg("--resume")
+        .arg(&first)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    assert_same(
+        &reference,
+        &Checkpoint::load(&second.join("checkpoint")).unwrap(),
+    );
 }

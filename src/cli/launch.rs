@@ -20,7 +20,7 @@ use pipefill::config::{Clock, JobConfig};
 use pipefill::launch::profile::mean_cost;
 use pipefill::launch::train::train_rank;
 use pipefill::launch::{RankEnv, join, join_timeout, listen_ip};
-use pipefill::model::checkpoint::Checkpoint;
+use pipefill::model::checkpoint::{Checkpoint, META_FILE};
 use pipefill::pipeline::PipelineTrainer;
 use pipefill::profile::merge::MergedProfile;
 use pipefill::profile::report::RunInfo;
@@ -222,7 +222,7 @@ pub fn train_distributed(
             env.world
         );
     }
-    let checkpoint = resume.map(Checkpoint::load).transpose()?;
+    let checkpoint = resume.map(resume_checkpoint).transpose()?;
     let first_step = checkpoint.as_ref().map_or(0, |c| c.meta.step);
     if first_step >= job.train.steps {
         bail!(
@@ -293,6 +293,22 @@ pub fn train_distributed(
     use pipefill::comm::link::PeerLink;
     mesh.close()?;
     Ok(())
+}
+
+/// The whole-model checkpoint `--resume PATH` names: a checkpoint directory, or a run
+/// directory of a multi-process run (its final `checkpoint/`).
+fn resume_checkpoint(path: &Path) -> anyhow::Result<Checkpoint> {
+    let dir = if path.join(META_FILE).is_file() {
+        path.to_path_buf()
+    } else if path.join("checkpoint").join(META_FILE).is_file() {
+        path.join("checkpoint")
+    } else {
+        bail!(
+            "{}: not a checkpoint or a run directory with one (no {META_FILE} or checkpoint/)",
+            path.display()
+        );
+    };
+    Checkpoint::load(&dir).with_context(|| format!("cannot resume from {}", dir.display()))
 }
 
 /// One line of a multi-process run's `metrics.jsonl`: the step's metrics and its merged
