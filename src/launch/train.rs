@@ -366,21 +366,7 @@ fn rank_compute(
         let mut optimizer = AdamW::new(adamw_config(&job.train));
         checkpoint.restore(&mut gpt, &mut optimizer, job.train.seed)?;
         let state = optimizer.state(&be)?;
-        let mut names = Vec::new();
-        for chunk in compute.chunks_mut() {
-            for name in chunk.param_names() {
-                chunk.set_param(&name, &gpt.param_values(&name)?)?;
-                names.push(name);
-            }
-        }
-        let own = OptimizerState {
-            step: state.step,
-            slots: names
-                .iter()
-                .filter_map(|n| state.slots.get(n).map(|s| (n.clone(), s.clone())))
-                .collect(),
-        };
-        compute.optimizer_mut().load_state(backend, &own)?;
+        compute.load_resumed(&gpt, &state)?;
     }
     Ok(compute)
 }

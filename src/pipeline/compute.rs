@@ -117,19 +117,34 @@ impl<B: Backend> RankCompute<B> {
         self.speculate = on;
     }
 
-    /// The optimizer, e.g. to load a checkpoint's moments before the run.
-    pub(crate) fn optimizer_mut(&mut self) -> &mut AdamW<B> {
-        &mut self.optimizer
+    /// Loads this rank's share of a resumed model and optimizer state: the parameters of the
+    /// chunks it holds and their AdamW moments (the other ranks' slots are left out).
+    pub(crate) fn load_resumed<G: Backend>(
+        &mut self,
+        model: &crate::model::Gpt<G>,
+        state: &OptimizerState,
+    ) -> Result<(), PipelineError> {
+        let mut names = Vec::new();
+        for chunk in self.chunks.values_mut() {
+            for name in chunk.param_names() {
+                chunk.set_param(&name, &model.param_values(&name)?)?;
+                names.push(name);
+            }
+        }
+        let own = OptimizerState {
+            step: state.step,
+            slots: names
+                .iter()
+                .filter_map(|n| state.slots.get(n).map(|s| (n.clone(), s.clone())))
+                .collect(),
+        };
+        self.optimizer.load_state(&self.backend, &own)?;
+        Ok(())
     }
 
     /// The chunk of `stage`, if this rank holds it.
     pub(crate) fn chunk_ref(&self, stage: u32) -> Option<&ModelChunk<B>> {
         self.chunks.get(&stage)
-    }
-
-    /// The chunks this rank holds, mutable (to load parameters before the run).
-    pub(crate) fn chunks_mut(&mut self) -> impl Iterator<Item = &mut ModelChunk<B>> {
-        self.chunks.values_mut()
     }
 
     /// The step the rank is working on.

@@ -291,21 +291,7 @@ impl PipelineTrainer {
             );
             compute.set_speculative(self.speculative);
             if let Some((gpt, state)) = &resumed {
-                let mut names = Vec::new();
-                for chunk in compute.chunks_mut() {
-                    for name in chunk.param_names() {
-                        chunk.set_param(&name, &gpt.param_values(&name)?)?;
-                        names.push(name);
-                    }
-                }
-                let own = OptimizerState {
-                    step: state.step,
-                    slots: names
-                        .iter()
-                        .filter_map(|n| state.slots.get(n).map(|s| (n.clone(), s.clone())))
-                        .collect(),
-                };
-                compute.optimizer_mut().load_state(&backend, &own)?;
+                compute.load_resumed(gpt, state)?;
             }
             computes.push(compute);
         }
