@@ -166,31 +166,12 @@ impl Checkpoint {
         }
         let be = model.chunks()[0].backend();
         let state = optimizer.state(be)?;
-        for (name, slot) in &state.slots {
-            let shape = model
-                .params()
-                .into_iter()
-                .find(|p| &p.name == name)
-                .map_or_else(|| vec![slot.m.len()], |p| p.shape.clone());
-            let mut push = |prefix: &str, data: &[f32]| {
-                tensors.push(HostTensor {
-                    name: format!("{prefix}{name}"),
-                    shape: shape.clone(),
-                    data: data.to_vec(),
-                })
-            };
-            push(ADAM_M_PREFIX, &slot.m);
-            push(ADAM_V_PREFIX, &slot.v);
-            if let Some(master) = &slot.master {
-                push(MASTER_PREFIX, master);
-            }
-        }
-        Ok(Self::new(
-            step,
+        Ok(sharded::from_state(
             model.config().clone(),
-            state.step,
             data_seed,
+            step,
             tensors,
+            &state,
         ))
     }
 
