@@ -39,7 +39,7 @@ use crate::comm::tcp_transport::{
 use crate::config::JobConfig;
 use crate::data::StepData;
 use crate::model::checkpoint::{Checkpoint, HostTensor};
-use crate::model::{AdamW, Cut, Gpt, ModelChunk, ModelError, OptimizerState};
+use crate::model::{AdamW, Cut, Gpt, ModelError, OptimizerState};
 use crate::pipeline::feed::StepFeed;
 use crate::pipeline::shared::Replica;
 use crate::pipeline::shared::{RankFinal, Shared};
@@ -48,7 +48,7 @@ use crate::profile::merge::{MergeError, MergedProfile, merge, send_profile};
 use crate::schedules::Plan;
 use crate::tensor::CpuBackend;
 use crate::train::StepMetrics;
-use crate::train::reference::{adamw_config, lr_schedule};
+use crate::train::reference::adamw_config;
 
 /// How long a rank waits for rank 0 to have gathered every final state.
 const FINAL_WAIT: Duration = Duration::from_secs(120);
@@ -344,22 +344,15 @@ fn rank_compute(
     steps: u64,
     resume: Option<&Checkpoint>,
 ) -> Result<RankCompute<CpuBackend>, PipelineError> {
-    let cut = Cut::Even(plan.stages);
-    let chunks = plan
-        .stages_of(rank)
-        .into_iter()
-        .map(|s| ModelChunk::new(&job.model, backend.clone(), &cut, s as usize))
-        .collect::<Result<Vec<_>, _>>()?;
-    let mut compute = RankCompute::new(
+    let mut compute = RankCompute::for_rank(
+        job,
+        plan,
         rank,
         backend.clone(),
-        chunks,
-        adamw_config(&job.train),
-        lr_schedule(&job.train),
         Arc::clone(shared),
         first_step,
         steps,
-    );
+    )?;
     if let Some(checkpoint) = resume {
         let be = CpuBackend::new(1).map_err(ModelError::from)?;
         let mut gpt = Gpt::new(&job.model, be.clone(), &Cut::Even(1))?;

@@ -320,37 +320,44 @@ impl Checkpoint {
                 got: file.len() as u64,
             });
         }
-        let st = SafeTensors::deserialize(&file).map_err(|e| CheckpointError::BadTensors {
-            path: tensor_path.clone(),
-            reason: e.to_string(),
-        })?;
-        let tensors = meta
-            .tensors
-            .iter()
-            .map(|name| {
-                let err = |reason: String| CheckpointError::Tensor {
-                    path: tensor_path.clone(),
-                    name: name.clone(),
-                    reason,
-                };
-                let view = st.tensor(name).map_err(|e| err(e.to_string()))?;
-                if view.dtype() != Dtype::F32 {
-                    return Err(err(format!("dtype {:?}, expected F32", view.dtype())));
-                }
-                let data = view
+        let tensors = read_f32_tensors(&tensor_path, &file, &meta.tensors)?;
+        Ok(Self { meta, tensors })
+    }
+}
+
+/// The f32 tensors `names` of the safetensors bytes `data` read from `path` (named in errors).
+pub(crate) fn read_f32_tensors(
+    path: &Path,
+    data: &[u8],
+    names: &[String],
+) -> Result<Vec<HostTensor>, CheckpointError> {
+    let st = SafeTensors::deserialize(data).map_err(|e| CheckpointError::BadTensors {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })?;
+    names
+        .iter()
+        .map(|name| {
+            let err = |reason: String| CheckpointError::Tensor {
+                path: path.to_path_buf(),
+                name: name.clone(),
+                reason,
+            };
+            let view = st.tensor(name).map_err(|e| err(e.to_string()))?;
+            if view.dtype() != Dtype::F32 {
+                return Err(err(format!("dtype {:?}, expected F32", view.dtype())));
+            }
+            Ok(HostTensor {
+                name: name.clone(),
+                shape: view.shape().to_vec(),
+                data: view
                     .data()
                     .chunks_exact(4)
                     .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                    .collect();
-                Ok(HostTensor {
-                    name: name.clone(),
-                    shape: view.shape().to_vec(),
-                    data,
-                })
+                    .collect(),
             })
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(Self { meta, tensors })
-    }
+        })
+        .collect()
 }
 
 /// The fields in which two model configs differ: `layers (checkpoint 1, run 2), ...`.

@@ -37,10 +37,10 @@ use super::fill::DrafterFill;
 use super::shared::{RankFinal, Shared};
 use crate::model::checkpoint::HostTensor;
 use crate::model::{
-    AdamW, AdamWConfig, ChunkGrad, ChunkInput, ChunkOutput, LrSchedule, ModelChunk, OptimizerState,
-    Shape,
+    AdamW, ChunkGrad, ChunkInput, ChunkOutput, LrSchedule, ModelChunk, OptimizerState, Shape,
 };
 use crate::tensor::Backend;
+use crate::train::reference::{adamw_config, lr_schedule};
 
 /// One rank of a pipelined model (see the module docs).
 pub struct RankCompute<B: Backend> {
@@ -70,24 +70,30 @@ pub struct RankCompute<B: Backend> {
 }
 
 impl<B: Backend> RankCompute<B> {
-    /// Rank `rank` holding `chunks` (each chunk's own stage index decides where it sits).
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn new(
+    /// Rank `rank` of `plan` for `job`: the chunks the plan places on it (the model cut
+    /// into `plan.stages` even chunks), on `backend`, with the job's AdamW and learning-rate
+    /// schedule, running `iterations` steps from `first_step`.
+    pub(crate) fn for_rank(
+        job: &crate::config::JobConfig,
+        plan: &crate::schedules::Plan,
         rank: usize,
         backend: B,
-        chunks: Vec<ModelChunk<B>>,
-        adamw: AdamWConfig,
-        lr: LrSchedule,
         shared: Arc<Shared>,
         first_step: u64,
         iterations: u64,
-    ) -> Self {
-        RankCompute {
+    ) -> Result<Self, PipelineError> {
+        let cut = crate::model::Cut::Even(plan.stages);
+        let chunks = plan
+            .stages_of(rank)
+            .into_iter()
+            .map(|s| ModelChunk::new(&job.model, backend.clone(), &cut, s as usize))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(RankCompute {
             rank,
             backend,
             chunks: chunks.into_iter().map(|c| (c.stage() as u32, c)).collect(),
-            optimizer: AdamW::new(adamw),
-            lr,
+            optimizer: AdamW::new(adamw_config(&job.train)),
+            lr: lr_schedule(&job.train),
             shared,
             first_step,
             done: 0,
@@ -97,7 +103,7 @@ impl<B: Backend> RankCompute<B> {
             held: HashSet::new(),
             redo: HashSet::new(),
             drafter: None,
-        }
+        })
     }
 
     /// Joins the run's drafter: the last stage's chunk (if this rank holds it) captures its

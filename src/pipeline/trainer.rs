@@ -36,14 +36,14 @@ use super::{PipelineError, check_plan};
 use crate::config::{Filler, JobConfig};
 use crate::data::StepData;
 use crate::model::checkpoint::{Checkpoint, HostTensor};
-use crate::model::{AdamW, Cut, Gpt, ModelChunk, ModelError, OptimizerState};
+use crate::model::{AdamW, Cut, Gpt, ModelError, OptimizerState};
 use crate::schedules::{
     ActionKind, AutoReplanner, CostModel, Plan, ScheduleKind, StageCost, Timeline, build,
     read_plan, simulate,
 };
 use crate::tensor::CpuBackend;
 use crate::train::StepMetrics;
-use crate::train::reference::{adamw_config, lr_schedule};
+use crate::train::reference::adamw_config;
 
 /// A pipelined training job: a [`JobConfig`] and the [`Plan`] its ranks follow.
 #[derive(Debug, Clone)]
@@ -269,26 +269,19 @@ impl PipelineTrainer {
         steps: u64,
     ) -> Result<Vec<RankCompute<CpuBackend>>, PipelineError> {
         let (job, plan) = (&self.job, &self.plan);
-        let cut = Cut::Even(plan.stages);
         let resumed = self.resumed_state()?;
         let mut computes = Vec::with_capacity(plan.num_ranks());
         for rank in 0..plan.num_ranks() {
             let backend = CpuBackend::new(1).map_err(ModelError::from)?;
-            let chunks = plan
-                .stages_of(rank)
-                .into_iter()
-                .map(|s| ModelChunk::new(&job.model, backend.clone(), &cut, s as usize))
-                .collect::<Result<Vec<_>, _>>()?;
-            let mut compute = RankCompute::new(
+            let mut compute = RankCompute::for_rank(
+                job,
+                plan,
                 rank,
-                backend.clone(),
-                chunks,
-                adamw_config(&job.train),
-                lr_schedule(&job.train),
+                backend,
                 Arc::clone(shared),
                 self.first_step(),
                 steps,
-            );
+            )?;
             compute.set_speculative(self.speculative);
             if let Some((gpt, state)) = &resumed {
                 compute.load_resumed(gpt, state)?;

@@ -20,7 +20,7 @@ use std::collections::HashMap;
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use safetensors::{Dtype, SafeTensors, tensor::TensorView};
+use safetensors::{Dtype, tensor::TensorView};
 use serde::{Deserialize, Serialize};
 
 use super::{
@@ -396,34 +396,7 @@ fn read_shard(dir: &Path, entry: &ShardEntry) -> Result<Vec<HostTensor>, Checkpo
             ),
         });
     }
-    let st = SafeTensors::deserialize(&data).map_err(|e| CheckpointError::BadTensors {
-        path: path.clone(),
-        reason: e.to_string(),
-    })?;
-    entry
-        .tensors
-        .iter()
-        .map(|name| {
-            let err = |reason: String| CheckpointError::Tensor {
-                path: path.clone(),
-                name: name.clone(),
-                reason,
-            };
-            let view = st.tensor(name).map_err(|e| err(e.to_string()))?;
-            if view.dtype() != Dtype::F32 {
-                return Err(err(format!("dtype {:?}, expected F32", view.dtype())));
-            }
-            Ok(HostTensor {
-                name: name.clone(),
-                shape: view.shape().to_vec(),
-                data: view
-                    .data()
-                    .chunks_exact(4)
-                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                    .collect(),
-            })
-        })
-        .collect()
+    super::read_f32_tensors(&path, &data, &entry.tensors)
 }
 
 /// Reads the sharded checkpoint in `dir` back into a whole-model [`Checkpoint`], after
