@@ -392,19 +392,14 @@ impl MergedProfile {
                 ..l.clone()
             })
             .collect();
-        let title = format!(
-            "{} · {} ranks (merged from {} processes) · step {} measured ({} clock) · ms\n\
-             bubble ratio {:.1}% (predicted {:.1}%) · steady {:.1}% (predicted {:.1}%)",
+        let title = report.timeline_title(&format!(
+            "{} · {} ranks (merged from {} processes) · step {} measured ({} clock) · ms",
             report.info.schedule,
             report.ranks_count,
             report.ranks_count,
             report.info.iteration,
             report.info.clock,
-            100.0 * report.bubble_ratio,
-            100.0 * report.predicted_bubble_ratio,
-            100.0 * report.steady_bubble_ratio,
-            100.0 * report.predicted_steady_bubble_ratio,
-        );
+        ));
         let svg = svg_with(
             &timeline_ms,
             &fillers,

@@ -142,6 +142,18 @@ pub struct WholeRun {
 }
 
 impl BubbleReport {
+    /// The SVG timeline's title: `head` (what was measured) over a line of both bubble
+    /// ratios, measured and predicted.
+    pub fn timeline_title(&self, head: &str) -> String {
+        format!(
+            "{head}\nbubble ratio {:.1}% (predicted {:.1}%) · steady {:.1}% (predicted {:.1}%)",
+            100.0 * self.bubble_ratio,
+            100.0 * self.predicted_bubble_ratio,
+            100.0 * self.steady_bubble_ratio,
+            100.0 * self.predicted_steady_bubble_ratio,
+        )
+    }
+
     /// The report of `measured` next to `predicted` (same ranks, same plan).
     pub fn new(
         info: RunInfo,

@@ -252,17 +252,10 @@ pub(super) fn write_profile(
             ..l
         })
         .collect();
-    let title = format!(
-        "{} · {} ranks · {} micro-batches · step {step} measured ({clock} clock) · ms\n\
-         bubble ratio {:.1}% (predicted {:.1}%) · steady {:.1}% (predicted {:.1}%)",
-        report.info.schedule,
-        report.ranks_count,
-        report.info.microbatches,
-        100.0 * report.bubble_ratio,
-        100.0 * report.predicted_bubble_ratio,
-        100.0 * report.steady_bubble_ratio,
-        100.0 * report.predicted_steady_bubble_ratio,
-    );
+    let title = report.timeline_title(&format!(
+        "{} · {} ranks · {} micro-batches · step {step} measured ({clock} clock) · ms",
+        report.info.schedule, report.ranks_count, report.info.microbatches,
+    ));
     let svg = svg_with(
         &timeline_ms,
         &fillers,
