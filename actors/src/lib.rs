@@ -48,7 +48,7 @@ pub use compute::StageCompute;
 pub use error::{LinkError, Result, RuntimeError};
 pub use filler::{Bubble, BubbleFiller, BubbleSpan, FillerSpan, FillerWork, NoFiller};
 pub use profiler::{Collect, IterationProfile, PlanMemory, Profile, Profiler};
-pub use record::{ActionRecord, StageReport};
+pub use record::{ActionRecord, StageReport, StepRecord, StepWork};
 pub use router::{
     FillerRouter, FillerSource, Request, RoutedFiller, RouterConfig, RouterStats, Slice, Versioned,
     WeightBoard,

@@ -20,7 +20,7 @@ use pipefill_schedules::Timeline;
 use serde::{Deserialize, Serialize};
 
 use crate::filler::{BubbleSpan, FillerSpan};
-use crate::record::{ActionRecord, StageReport};
+use crate::record::{ActionRecord, StageReport, StepRecord};
 use crate::stage::Measured;
 
 /// What was measured during one iteration, over every rank.
@@ -33,6 +33,9 @@ pub struct IterationProfile {
     pub records: Vec<ActionRecord>,
     pub bubbles: Vec<BubbleSpan>,
     pub fillers: Vec<FillerSpan>,
+    /// Every rank's walk start and optimizer-step work, by rank then in the order it ran.
+    #[serde(default)]
+    pub steps: Vec<StepRecord>,
     /// How many ranks reported this iteration.
     pub ranks_reported: usize,
 }
@@ -130,6 +133,10 @@ impl Profiler {
             fillers: reports
                 .iter()
                 .flat_map(|r| r.fillers.iter().cloned())
+                .collect(),
+            steps: reports
+                .iter()
+                .flat_map(|r| r.steps.iter().copied())
                 .collect(),
             ranks_reported: reports.len(),
         }

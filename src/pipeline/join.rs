@@ -143,6 +143,7 @@ mod tests {
             records: Vec::new(),
             bubbles: Vec::new(),
             fillers: Vec::new(),
+            steps: Vec::new(),
             ranks_reported: 2,
         }
     }

@@ -34,6 +34,7 @@ use super::walk::{Held, Walk, panic_text};
 use super::{StageActor, StageEvent};
 use crate::compute::StageCompute;
 use crate::error::{LinkError, RuntimeError};
+use crate::record::StepWork;
 use crate::step::{GradStats, RankStep, StepDecision, StepMode, decide};
 use crate::transport::{Envelope, Flow, Tag};
 
@@ -242,20 +243,25 @@ impl<C: StageCompute> Walk<'_, C> {
         if policy.mode == StepMode::Unchecked {
             return self.unchecked_step();
         }
+        let computed = self.actor.clock.now();
         let mut pending = self.actor.exchange(iteration)?;
         let now = self.actor.clock.now();
+        self.record_step(StepWork::Stats { step: iteration }, (computed, now));
         if policy.mode == StepMode::Barrier || pending.complete_at(now) {
             let waited = self.wait_for_stats(&mut pending, last)?;
             let start = self.actor.clock.now();
             self.actor.resolve(pending, waited, 0)?;
-            return Ok((start, self.actor.clock.now()));
+            let span = (start, self.actor.clock.now());
+            self.record_step(StepWork::Exact { step: iteration }, span);
+            return Ok(span);
         }
         if self.actor.compute.can_roll_back() {
             let (_, guess) = decide(&pending.usable_at(now), policy.max_grad_norm);
             let watch = self.actor.clock.start();
             self.actor
                 .guarded(iteration, |c| c.apply_step(iteration, guess, true))?;
-            self.actor.clock.stop(watch);
+            let span = self.actor.clock.stop(watch);
+            self.record_step(StepWork::Speculative { step: iteration }, span);
             pending.speculative = Some(guess);
         }
         self.actor.pending = Some(pending);
@@ -270,6 +276,7 @@ impl<C: StageCompute> Walk<'_, C> {
             c.apply_step(iteration, StepDecision::UNCLIPPED, false)
         })?;
         let span = self.actor.clock.stop(watch);
+        self.record_step(StepWork::Unchecked { step: iteration }, span);
         let step = RankStep {
             rank: self.actor.wiring.rank,
             speculative: None,
@@ -314,12 +321,20 @@ impl<C: StageCompute> Walk<'_, C> {
         };
         let waited = self.wait_for_stats(&mut pending, action)?;
         let held = std::mem::take(&mut self.speculative);
+        let step = pending.iteration;
+        let start = self.actor.clock.now();
         let rolled_back = self.actor.resolve(pending, waited, held.len())?;
+        self.record_step(StepWork::Exact { step }, (start, self.actor.clock.now()));
         for (forward, key, mut out) in held {
             if rolled_back {
                 let watch = self.actor.clock.start();
                 let payload = self.call(forward, forward, None)?;
-                let (_, end) = self.actor.clock.stop(watch);
+                let (start, end) = self.actor.clock.stop(watch);
+                let work = StepWork::Recompute {
+                    step,
+                    action: forward,
+                };
+                self.record_step(work, (start, end));
                 let payload = payload.ok_or_else(|| {
                     self.fail(
                         forward,

@@ -12,7 +12,7 @@ use super::{RunIteration, StageActor};
 use crate::compute::StageCompute;
 use crate::error::{LinkError, RuntimeError};
 use crate::filler::{Bubble, BubbleSpan, FillerSpan};
-use crate::record::{ActionRecord, StageReport};
+use crate::record::{ActionRecord, StageReport, StepRecord, StepWork};
 use crate::transport::{Envelope, Flow, Tag};
 
 /// A wall-clock receive that still blocked this long (seconds) after filling saw its
@@ -44,6 +44,10 @@ pub(super) struct Walk<'a, C: StageCompute> {
     /// until the step is validated (and recomputed if it was rolled back).
     pub(super) speculative: Vec<(Action, Key, Held<C::Tensor>)>,
     records: Vec<ActionRecord>,
+    /// The walk's start and optimizer-step work (see [`StepRecord`]).
+    steps: Vec<StepRecord>,
+    /// Position in the action list of the action being run (the list's length after it).
+    at: usize,
     bubbles: Vec<BubbleSpan>,
     fillers: Vec<FillerSpan>,
     /// Bubble time spent waiting for the action being run.
@@ -71,6 +75,8 @@ impl<'a, C: StageCompute> Walk<'a, C> {
             outbox: HashMap::new(),
             speculative: Vec::new(),
             records: Vec::with_capacity(n),
+            steps: Vec::new(),
+            at: 0,
             bubbles: Vec::new(),
             fillers: Vec::new(),
             waited: 0.0,
@@ -99,8 +105,11 @@ impl<'a, C: StageCompute> Walk<'a, C> {
                 plan.num_ranks()
             ))
         })?;
+        let began = self.actor.clock.now();
+        self.record_step(StepWork::Began, (began, began));
         for (index, step) in list.iter().enumerate() {
             let Some(action) = *step else { continue };
+            self.at = index;
             if self.actor.wiring.abort.load(Ordering::Relaxed) {
                 return Err(RuntimeError::Link {
                     rank,
@@ -125,6 +134,7 @@ impl<'a, C: StageCompute> Walk<'a, C> {
                 waited: self.waited,
             });
         }
+        self.at = list.len();
         // The last action stands for "the end of the iteration" in a barrier's bubble.
         let last = list
             .iter()
@@ -152,7 +162,20 @@ impl<'a, C: StageCompute> Walk<'a, C> {
             bubbles: self.bubbles,
             fillers: self.fillers,
             optimizer,
+            steps: self.steps,
         })
+    }
+
+    /// Records optimizer-step work that ran over `(start, end)` before the current action.
+    pub(super) fn record_step(&mut self, work: StepWork, (start, end): (f64, f64)) {
+        self.steps.push(StepRecord {
+            rank: self.rank(),
+            iteration: self.iteration,
+            before: self.at,
+            work,
+            start,
+            end,
+        });
     }
 
     /// The tag of the payload a RECV (or an on-demand receive) waits for.
