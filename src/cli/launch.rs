@@ -372,7 +372,7 @@ fn write_run_files(
             "mean per-stage costs measured over steps {}–{} (merged from {} processes)",
             first_step + skip as u64,
             first_step + merged.iterations.len() as u64 - 1,
-            plan.num_ranks()
+            merged.overall.ranks.len()
         ),
     };
     merged.write_files(

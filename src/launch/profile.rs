@@ -1,6 +1,6 @@
 //! The profile and step log of a multi-process run, brought to rank 0: clock offsets
-//! measured at join ([`sync_clock`]), every rank's spans after the run ([`RankProfile`]
-//! gathered by [`crate::profile::merge`]), and the step losses, which only the process of
+//! measured at join ([`sync_clock`]), every rank's spans after the run ([`rank_profile`],
+//! gathered from every replica's ranks by [`crate::profile::merge::gather_profiles`]), and the step losses, which only the process of
 //! the last stage knows ([`loss_rank`]).
 //!
 //! Span times are seconds from the runtime's epoch, taken when `run_local` starts; the
@@ -19,7 +19,7 @@ use crate::comm::tcp::TcpMesh;
 use crate::profile::merge::{
     ClockOffset, FILLER_LANE, LaneRecord, MergeError, RankProfile, measure_clock, serve_clock,
 };
-use crate::schedules::{ActionKind, CostModel, Plan, StageCost, Timeline};
+use crate::schedules::{ActionKind, CostModel, Plan, Span, StageCost, Timeline};
 use crate::train::StepMetrics;
 
 /// Channel of the clock exchanges at join.
@@ -90,8 +90,15 @@ pub fn sync_clock(mesh: &TcpMesh, virtual_clock: bool) -> Result<ClockSync, Merg
 }
 
 /// This rank's profile from its run report: its spans per iteration, its waits and filler
-/// work, its peak memory, and its clock offset.
-pub fn rank_profile(rank: usize, report: &RunReport, clock: &ClockSync) -> RankProfile {
+/// work, its peak memory, and its clock offset. The report numbers the rank by its place in
+/// its replica's pipeline (`pipeline_rank`); the profile by its mesh rank (`rank` = replica
+/// × pp + pipeline rank), so that every replica's ranks have their own rows once merged.
+pub fn rank_profile(
+    rank: usize,
+    pipeline_rank: usize,
+    report: &RunReport,
+    clock: &ClockSync,
+) -> RankProfile {
     let iterations = report
         .iterations
         .iter()
@@ -99,8 +106,8 @@ pub fn rank_profile(rank: usize, report: &RunReport, clock: &ClockSync) -> RankP
             it.timeline
                 .spans
                 .iter()
-                .filter(|s| s.rank == rank)
-                .copied()
+                .filter(|s| s.rank == pipeline_rank)
+                .map(|s| Span { rank, ..*s })
                 .collect()
         })
         .collect();
@@ -109,7 +116,7 @@ pub fn rank_profile(rank: usize, report: &RunReport, clock: &ClockSync) -> RankP
         lanes.extend(
             it.bubbles
                 .iter()
-                .filter(|b| b.rank == rank)
+                .filter(|b| b.rank == pipeline_rank)
                 .map(|b| LaneRecord {
                     lane: WAIT_LANE.into(),
                     start: b.start,
@@ -120,7 +127,7 @@ pub fn rank_profile(rank: usize, report: &RunReport, clock: &ClockSync) -> RankP
         lanes.extend(
             it.fillers
                 .iter()
-                .filter(|f| f.rank == rank)
+                .filter(|f| f.rank == pipeline_rank)
                 .map(|f| LaneRecord {
                     lane: FILLER_LANE.into(),
                     start: f.start,
@@ -136,7 +143,7 @@ pub fn rank_profile(rank: usize, report: &RunReport, clock: &ClockSync) -> RankP
         peak_memory: report
             .overall
             .ranks
-            .get(rank)
+            .get(pipeline_rank)
             .map_or(0.0, |r| r.peak_memory),
         clock: clock.span_offset(),
     }
@@ -164,28 +171,6 @@ pub fn recv_metrics(mesh: &TcpMesh, from: usize) -> Result<Vec<StepMetrics>, Mer
         what: "step log",
         reason: e.to_string(),
     })
-}
-
-/// On rank 0: `own` and the profiles of mesh ranks `1..pp` (replica 0's pipeline; the
-/// other replicas run the same plan on the same shapes and send none).
-pub fn gather_profiles(
-    mesh: &TcpMesh,
-    channel: Channel,
-    pp: usize,
-    own: RankProfile,
-) -> Result<Vec<RankProfile>, MergeError> {
-    let mut all = vec![own];
-    for peer in 1..pp {
-        let frame = mesh.recv(peer, channel)?;
-        all.push(
-            serde_json::from_slice(&frame).map_err(|e| MergeError::BadFrame {
-                peer,
-                what: "profile",
-                reason: e.to_string(),
-            })?,
-        );
-    }
-    Ok(all)
 }
 
 /// The whole batch's step log from every replica's (replica 0's metrics otherwise): each

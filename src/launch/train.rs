@@ -23,8 +23,8 @@ use std::sync::mpsc::channel;
 use std::time::Duration;
 
 use super::profile::{
-    GRAD_CHANNEL, PROFILE_CHANNEL, gather_profiles, loss_rank, rank_profile, recv_metrics,
-    send_metrics, sync_clock, whole_batch,
+    GRAD_CHANNEL, PROFILE_CHANNEL, loss_rank, rank_profile, recv_metrics, send_metrics, sync_clock,
+    whole_batch,
 };
 use pipefill_actors::{Clock, GradStats, Pipeline, PlanSource, RunReport, StepMode, Transport};
 use serde::{Deserialize, Serialize};
@@ -44,7 +44,7 @@ use crate::pipeline::feed::StepFeed;
 use crate::pipeline::shared::Replica;
 use crate::pipeline::shared::{RankFinal, Shared};
 use crate::pipeline::{PipelineError, RankCompute};
-use crate::profile::merge::{MergeError, MergedProfile, merge, send_profile};
+use crate::profile::merge::{MergeError, MergedProfile, gather_profiles, merge, send_profile};
 use crate::schedules::Plan;
 use crate::tensor::CpuBackend;
 use crate::train::StepMetrics;
@@ -263,13 +263,14 @@ pub fn train_rank(
         // Replicas end bitwise equal: replica 0's ranks stand for the others.
         if replica == 0 {
             mesh.send(0, CONTROL_CHANNEL, &bytes).map_err(gather)?;
-            send_profile(
-                mesh.as_ref(),
-                PROFILE_CHANNEL,
-                &rank_profile(prank, &report, &clock_sync),
-            )
-            .map_err(profile_err)?;
         }
+        // Every replica's ranks are profiled (one row per mesh rank in the merged trace).
+        send_profile(
+            mesh.as_ref(),
+            PROFILE_CHANNEL,
+            &rank_profile(rank, prank, &report, &clock_sync),
+        )
+        .map_err(profile_err)?;
         if prank == loss_rank(plan) {
             let log: Vec<StepMetrics> = step_log.try_iter().collect();
             send_metrics(mesh, &log).map_err(profile_err)?;
@@ -303,8 +304,9 @@ pub fn train_rank(
         })?;
         finals.push(wire.into());
     }
-    let own_profile = rank_profile(rank, &report, &clock_sync);
-    let profiles = gather_profiles(mesh, PROFILE_CHANNEL, pp, own_profile).map_err(profile_err)?;
+    let own_profile = rank_profile(rank, prank, &report, &clock_sync);
+    let profiles =
+        gather_profiles(mesh.as_ref(), PROFILE_CHANNEL, own_profile).map_err(profile_err)?;
     let mut logs = Vec::with_capacity(dp);
     for d in 0..dp {
         logs.push(match d * pp + loss_rank(plan) {
@@ -320,7 +322,9 @@ pub fn train_rank(
             m.grad_norm = s.grad_norm as f32;
         }
     }
-    let merged = merge(&profiles, pp).map_err(profile_err)?;
+    let merged = merge(&profiles, world)
+        .map_err(profile_err)?
+        .with_pipeline(plan);
     let checkpoint = assemble(job, finals, first_step + steps).map_err(pipeline_err)?;
     Ok(RankRun {
         rank,

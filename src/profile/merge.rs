@@ -12,15 +12,25 @@
 //! rank 0 ([`send_profile`] / [`gather_profiles`]), which shifts every rank by its offset
 //! ([`merge`]) and recomputes the metrics with `Timeline::from_spans`, the only metric
 //! computation, so a merged timeline means what a single-process one means.
+//!
+//! With data parallelism the mesh holds `dp` replicas of the plan's `pp` ranks (mesh rank =
+//! replica × pp + pipeline rank). Every replica's ranks are merged, one row each
+//! ([`MergedProfile::with_pipeline`] says which stages each pipeline rank holds): the trace
+//! names each process by replica and stages, the report gives every replica's figures next
+//! to the bubble ratio over all ranks, and the picture shows every rank.
 
 use std::path::Path;
 
-use pipefill_schedules::{Span, Timeline};
+use std::fmt::Write as _;
+
+use pipefill_schedules::{Plan, Span, Timeline};
 use serde::{Deserialize, Serialize};
 
 use super::LaneSpan;
 use super::chrome::{ChromeOptions, chrome_trace_with};
-use super::report::{BubbleReport, ReportError, RunInfo, steady_iteration};
+use super::report::{
+    BubbleReport, REPORT_JSON, REPORT_TXT, ReportError, RunInfo, steady_iteration,
+};
 use super::svg::{SvgOptions, svg_with};
 use crate::comm::link::{Channel, LinkError, PeerLink};
 
@@ -230,6 +240,9 @@ pub struct MergedProfile {
     pub iterations: Vec<Timeline>,
     pub overall: Timeline,
     pub lanes: Vec<LaneSpan>,
+    /// The stages each rank of one pipeline holds; the merged ranks are `ranks / len`
+    /// replicas of it. Empty: one pipeline of all ranks, stages unnamed.
+    pub pipeline: Vec<Vec<u32>>,
 }
 
 /// Merges one profile per rank `0..ranks` (see the module docs).
@@ -315,10 +328,100 @@ pub fn merge(profiles: &[RankProfile], ranks: usize) -> Result<MergedProfile, Me
         iterations,
         overall,
         lanes,
+        pipeline: Vec::new(),
     })
 }
 
+/// One replica's figures in a step's timeline.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ReplicaFigures {
+    pub replica: usize,
+    /// Its mesh ranks.
+    pub ranks: std::ops::Range<usize>,
+    pub makespan: f64,
+    pub bubble_ratio: f64,
+    pub steady_bubble_ratio: f64,
+}
+
+/// `timeline` (over `replicas` × `pp` ranks) cut into its replicas, each with the metrics of
+/// its own ranks (`Timeline::from_spans` on its spans, renumbered from 0).
+pub fn replica_figures(timeline: &Timeline, pp: usize) -> Vec<ReplicaFigures> {
+    let pp = pp.max(1);
+    let replicas = timeline.ranks.len() / pp;
+    (0..replicas)
+        .map(|r| {
+            let ranks = r * pp..(r + 1) * pp;
+            let spans = timeline
+                .spans
+                .iter()
+                .filter(|s| ranks.contains(&s.rank))
+                .map(|s| Span {
+                    rank: s.rank - ranks.start,
+                    ..*s
+                })
+                .collect();
+            let own = Timeline::from_spans(pp, spans, &[]);
+            ReplicaFigures {
+                replica: r,
+                ranks,
+                makespan: own.makespan,
+                bubble_ratio: own.bubble_ratio,
+                steady_bubble_ratio: own.steady_bubble_ratio,
+            }
+        })
+        .collect()
+}
+
+/// `timeline` of one pipeline repeated for `replicas` replicas (mesh rank = replica × pp +
+/// rank): the prediction for every rank of a data-parallel job, whose replicas run the same
+/// plan on the same shapes.
+pub fn tile(timeline: &Timeline, replicas: usize) -> Timeline {
+    let pp = timeline.ranks.len();
+    let spans = (0..replicas)
+        .flat_map(|r| {
+            timeline.spans.iter().map(move |s| Span {
+                rank: r * pp + s.rank,
+                ..*s
+            })
+        })
+        .collect();
+    let peak: Vec<f64> = (0..replicas)
+        .flat_map(|_| timeline.ranks.iter().map(|r| r.peak_memory))
+        .collect();
+    Timeline::from_spans(pp * replicas, spans, &peak)
+}
+
 impl MergedProfile {
+    /// Names the merged ranks by `plan`'s pipeline: mesh rank g is replica g / pp, holding
+    /// the stages of `plan`'s rank g % pp.
+    pub fn with_pipeline(mut self, plan: &Plan) -> Self {
+        self.pipeline = (0..plan.num_ranks()).map(|r| plan.stages_of(r)).collect();
+        self
+    }
+
+    /// Ranks of one pipeline (all ranks when no pipeline was given).
+    fn pp(&self) -> usize {
+        match self.pipeline.len() {
+            0 => self.overall.ranks.len().max(1),
+            pp => pp,
+        }
+    }
+
+    /// The trace's name of mesh rank `rank`.
+    fn process_name(&self, rank: usize) -> String {
+        let pp = self.pp();
+        let Some(stages) = self.pipeline.get(rank % pp) else {
+            return format!("rank {rank}");
+        };
+        let list: Vec<String> = stages.iter().map(u32::to_string).collect();
+        let word = if stages.len() == 1 { "stage" } else { "stages" };
+        format!(
+            "rank {rank} · replica {} {word} {}",
+            rank / pp,
+            list.join(",")
+        )
+    }
+
     /// Writes `report.json`/`report.txt` (the steady step next to `predicted`),
     /// `trace.json` (the whole run) and `timeline.svg` (the steady step, in ms) into `dir`,
     /// as a single-process run does. `info`'s `iteration` and `iteration_note` are filled
@@ -336,11 +439,27 @@ impl MergedProfile {
         info.iteration = first_step as usize + index;
         info.iteration_note = note;
         let measured = &self.iterations[index];
+        let (ranks, pp) = (measured.ranks.len(), self.pp());
+        // `predicted` is one pipeline's; every replica runs the same plan.
+        let tiled;
+        let predicted = if predicted.ranks.len() == pp && ranks > pp {
+            tiled = tile(predicted, ranks / pp);
+            &tiled
+        } else {
+            predicted
+        };
         let report = BubbleReport::new(info, measured, predicted)?
             .with_whole_run(&self.overall, self.iterations.len());
-        report.write(dir)?;
+        let mut text = report.to_text();
+        if ranks > pp {
+            text += &self.replica_text(measured, report.info.iteration, &report.info.units);
+        }
+        for (name, body) in [(REPORT_JSON, report.to_json()), (REPORT_TXT, text)] {
+            let path = dir.join(name);
+            std::fs::write(&path, body).map_err(|error| MergeError::Write { path, error })?;
+        }
 
-        let trace = chrome_trace_with(
+        let mut trace = chrome_trace_with(
             &self.overall,
             &self.lanes,
             &ChromeOptions {
@@ -348,6 +467,7 @@ impl MergedProfile {
                 bubbles: true,
             },
         );
+        self.name_processes(&mut trace);
         let write = |name: &str, bytes: Vec<u8>| {
             let path = dir.join(name);
             std::fs::write(&path, bytes).map_err(|error| MergeError::Write { path, error })
@@ -392,8 +512,13 @@ impl MergedProfile {
                 ..l.clone()
             })
             .collect();
+        let replicas = if ranks > pp {
+            format!(" = {} replicas × {pp}", ranks / pp)
+        } else {
+            String::new()
+        };
         let title = report.timeline_title(&format!(
-            "{} · {} ranks (merged from {} processes) · step {} measured ({} clock) · ms",
+            "{} · {} ranks{replicas} (merged from {} processes) · step {} measured ({} clock) · ms",
             report.info.schedule,
             report.ranks_count,
             report.ranks_count,
@@ -411,6 +536,56 @@ impl MergedProfile {
         );
         write("timeline.svg", svg.into_bytes())?;
         Ok(report)
+    }
+}
+
+impl MergedProfile {
+    /// Renames the trace's processes by replica and stages (the trace writer names them
+    /// `rank N` only).
+    fn name_processes(&self, trace: &mut serde_json::Value) {
+        let Some(events) = trace
+            .get_mut("traceEvents")
+            .and_then(serde_json::Value::as_array_mut)
+        else {
+            return;
+        };
+        for e in events.iter_mut().filter(|e| e["name"] == "process_name") {
+            if let Some(rank) = e["pid"].as_u64() {
+                e["args"]["name"] = self.process_name(rank as usize).into();
+            }
+        }
+    }
+
+    /// The report's section on every replica's figures in `measured` (step `step`) and the
+    /// whole run's, in the report's units.
+    fn replica_text(&self, measured: &Timeline, step: usize, units: &str) -> String {
+        let pp = self.pp();
+        let (scale, unit) = if units == "s" {
+            (1e3, "ms")
+        } else {
+            (1.0, units)
+        };
+        let mut out = format!(
+            "\nreplicas ({} × {pp} ranks; bubble ratios over each replica's own ranks, the figures above over all {} ranks):\n",
+            measured.ranks.len() / pp,
+            measured.ranks.len()
+        );
+        let whole = replica_figures(&self.overall, pp);
+        for (r, w) in replica_figures(measured, pp).iter().zip(&whole) {
+            let _ = writeln!(
+                out,
+                "replica {} (ranks {}–{}): step {step} makespan {:.3} {unit}, bubble ratio {:.1}%, steady {:.1}%; whole run bubble ratio {:.1}%, steady {:.1}%",
+                r.replica,
+                r.ranks.start,
+                r.ranks.end - 1,
+                r.makespan * scale,
+                100.0 * r.bubble_ratio,
+                100.0 * r.steady_bubble_ratio,
+                100.0 * w.bubble_ratio,
+                100.0 * w.steady_bubble_ratio,
+            );
+        }
+        out
     }
 }
 
