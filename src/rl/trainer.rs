@@ -228,11 +228,30 @@ pub fn update_batches(rollouts: &[Rollout], advantages: &[f32]) -> Result<StepBa
 /// Runs `job.rl.warmup_steps` supervised steps of the job's pipeline on the job's tasks
 /// (the model's initial weights), calling `on_step` after each; returns the checkpoint.
 pub fn warm_up(job: &JobConfig, on_step: impl FnMut(&StepMetrics)) -> Result<Checkpoint, RlError> {
+    let sft = warm_up_job(job);
+    let run = PipelineTrainer::from_job(&sft)?.run(sft.train.steps, on_step)?;
+    Ok(run.checkpoint()?)
+}
+
+/// The supervised job [`warm_up`] runs (the multi-process warm-up runs it too).
+pub(crate) fn warm_up_job(job: &JobConfig) -> JobConfig {
     let mut sft = job.clone();
     sft.train.steps = job.rl.warmup_steps;
     sft.train.warmup = sft.train.warmup.min(sft.train.steps / 2);
-    let run = PipelineTrainer::from_job(&sft)?.run(sft.train.steps, on_step)?;
-    Ok(run.checkpoint()?)
+    sft
+}
+
+/// The pipeline job of the RL update when RL started at optimizer step `first_update`: one
+/// sequence per micro-batch, the RL learning rate (the multi-process update runs it too).
+pub(crate) fn update_job_of(job: &JobConfig, first_update: u64) -> JobConfig {
+    let rl: &RlConfig = &job.rl;
+    let mut job = job.clone();
+    job.train.micro_batches = rl.sequences();
+    job.train.micro_batch_size = 1;
+    job.train.lr = rl.lr;
+    job.train.warmup = first_update;
+    job.train.steps = first_update + rl.steps;
+    job
 }
 
 /// The RL loop's state: the job, the policy's checkpoint and model, the next RL step.
@@ -278,14 +297,7 @@ impl RlTrainer {
 
     /// The pipeline job of the update: one sequence per micro-batch, the RL learning rate.
     fn update_job(&self) -> JobConfig {
-        let rl: &RlConfig = &self.job.rl;
-        let mut job = self.job.clone();
-        job.train.micro_batches = rl.sequences();
-        job.train.micro_batch_size = 1;
-        job.train.lr = rl.lr;
-        job.train.warmup = self.first_update;
-        job.train.steps = self.first_update + rl.steps;
-        job
+        update_job_of(&self.job, self.first_update)
     }
 
     /// One GRPO step with rollouts from `engine`. `on_rollout` is called between the
