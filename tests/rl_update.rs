@@ -2,16 +2,21 @@
 //! rollouts with known rewards go through [`RlTrainer::run_step`] (prompts, rewards,
 //! group advantages, one micro-batch per sequence, pipelined step resumed from the
 //! checkpoint), and the single-device side accumulates `forward_backward` with the same
-//! scales on the whole model and steps AdamW at the RL learning rate.
+//! scales on the whole model and steps AdamW at the RL learning rate. With a KL penalty
+//! the single-device side is the GRPO objective's gradient token by token
+//! ([`grpo_loss`] from the policy's and the reference's log-probs), so the per-token loss
+//! hook of the pipelined head is checked against an independent computation.
 
 use pipefill::config::JobConfig;
-use pipefill::data::{Task, Tokenizer, tokenizer};
+use pipefill::data::{MicroBatch, Task, Tokenizer, tokenizer};
+use pipefill::model::checkpoint::Checkpoint;
+use pipefill::model::layers::log_prob;
 use pipefill::model::{AdamW, Cut, Gpt, Shape};
-use pipefill::rl::grpo::group_advantages;
+use pipefill::rl::grpo::{GrpoLoss, SequenceLogProbs, group_advantages, grpo_loss};
 use pipefill::rl::trainer::{
     RlError, RlTrainer, Rollout, RolloutBatch, RolloutEngine, step_prompts, update_batches, warm_up,
 };
-use pipefill::tensor::CpuBackend;
+use pipefill::tensor::{CpuBackend, IGNORE_TARGET};
 use pipefill::train::reference::adamw_config;
 
 /// Rollouts fixed in advance: the first of each group is the task's worked solution (reward
@@ -173,4 +178,142 @@ fn a_batch_of_the_wrong_size_is_refused() {
     assert_eq!(mb.inputs, [tokenizer::BOS, 5]);
     assert_eq!(mb.targets, [5, tokenizer::EOS]);
     assert_eq!(step.scales, [2.0]);
+}
+
+/// The model and optimizer of `checkpoint` on one device.
+fn load(job: &JobConfig, checkpoint: &Checkpoint) -> (Gpt<CpuBackend>, AdamW<CpuBackend>) {
+    let mut gpt = Gpt::new(&job.model, CpuBackend::new(1).unwrap(), &Cut::Even(1)).unwrap();
+    let mut opt = AdamW::new(adamw_config(&job.train));
+    checkpoint
+        .restore(&mut gpt, &mut opt, job.train.seed)
+        .unwrap();
+    (gpt, opt)
+}
+
+/// `(position, target)` of each counted target of `mb`.
+fn counted(mb: &MicroBatch) -> Vec<(usize, u32)> {
+    (mb.targets.iter().copied().enumerate())
+        .filter(|&(_, t)| t != IGNORE_TARGET)
+        .collect()
+}
+
+fn log_probs(gpt: &mut Gpt<CpuBackend>, mb: &MicroBatch) -> Vec<f32> {
+    let v = gpt.config().vocab;
+    let shape = Shape {
+        batch: mb.rows,
+        seq: mb.seq_len,
+    };
+    let logits = gpt.logits(shape, &mb.inputs).unwrap();
+    counted(mb)
+        .into_iter()
+        .map(|(p, t)| log_prob(&logits[p * v..(p + 1) * v], t as usize))
+        .collect()
+}
+
+/// Tolerance of the KL comparison: the single-device gradient sums token by token, the
+/// pipelined head per sequence, so the parameters agree to rounding, not bitwise.
+const KL_TOL: f32 = 1e-5;
+
+#[test]
+fn the_pipelined_update_with_kl_equals_the_single_device_grpo_update() {
+    let mut job = job();
+    job.rl.kl_coef = 0.5;
+    // The reference is one warm-up step behind the policy, so the KL term has a gradient.
+    let mut one = job.clone();
+    one.rl.warmup_steps = 1;
+    let reference = warm_up(&one, |_| {}).unwrap();
+    let start = warm_up(&job, |_| {}).unwrap();
+    let tasks = step_prompts(&job, 0).unwrap();
+    let mut engine = Scripted {
+        tasks: tasks.clone(),
+    };
+    let mut rl = RlTrainer::new(&job, start.clone())
+        .unwrap()
+        .with_reference(&reference)
+        .unwrap();
+    let m = rl.run_step(&mut engine, |_| {}).unwrap();
+    let kl = m.kl.expect("the step measures its KL");
+    assert!(kl > 0.0 && kl.is_finite(), "{kl}");
+
+    // The same GRPO step on one device, token by token.
+    let (mut gpt, mut opt) = load(&job, &start);
+    let (mut frozen, _) = load(&job, &reference);
+    let prompts: Vec<Vec<u32>> = tasks
+        .iter()
+        .map(|t| {
+            let mut ids = vec![tokenizer::BOS];
+            ids.extend(Tokenizer::new().encode(&t.prompt).unwrap());
+            ids
+        })
+        .collect();
+    let batch = engine.generate(&gpt, &prompts, 3, 24, 0).unwrap();
+    let advantages = group_advantages(&[1.0, 0.0, 0.0, 1.0, 0.0, 0.0], 3).unwrap();
+    let step = update_batches(&batch.rollouts, &advantages).unwrap();
+    let seqs: Vec<SequenceLogProbs> = step
+        .batches
+        .iter()
+        .map(|mb| {
+            let logp = log_probs(&mut gpt, mb);
+            SequenceLogProbs {
+                logp_old: logp.clone(),
+                logp,
+                logp_ref: Some(log_probs(&mut frozen, mb)),
+            }
+        })
+        .collect();
+    let cfg = GrpoLoss {
+        clip: job.rl.clip,
+        kl_coef: job.rl.kl_coef,
+    };
+    let (_, dlogp) = grpo_loss(cfg, &seqs, &advantages).unwrap();
+    gpt.zero_grads().unwrap();
+    let mut k = 0;
+    for (s, mb) in step.batches.iter().enumerate() {
+        let shape = Shape {
+            batch: mb.rows,
+            seq: mb.seq_len,
+        };
+        // A micro-batch of one target t has loss −log p_t: scale −∂L/∂log p_t.
+        for (j, (p, t)) in counted(mb).into_iter().enumerate() {
+            let mut only = vec![IGNORE_TARGET; mb.targets.len()];
+            only[p] = t;
+            gpt.forward_backward(k, shape, &mb.inputs, &only, -dlogp[s][j])
+                .unwrap();
+            k += 1;
+        }
+    }
+    opt.step_chunks(gpt.chunks_mut(), 1e-2).unwrap();
+
+    // Without KL the same step lands elsewhere: the comparison can tell the term apart.
+    let mut plain_job = job.clone();
+    plain_job.rl.kl_coef = 0.0;
+    let mut plain = RlTrainer::new(&plain_job, start.clone()).unwrap();
+    plain.run_step(&mut engine, |_| {}).unwrap();
+    let (mut worst, mut kl_moved) = (0.0f32, 0.0f32);
+    for name in gpt.param_names() {
+        let want = gpt.param_values(&name).unwrap();
+        let got = rl.policy().param_values(&name).unwrap();
+        let without = plain.policy().param_values(&name).unwrap();
+        for ((w, g), o) in want.iter().zip(&got).zip(&without) {
+            worst = worst.max((w - g).abs() / (1.0 + w.abs()));
+            kl_moved = kl_moved.max((w - o).abs() / (1.0 + w.abs()));
+        }
+    }
+    assert!(
+        worst <= KL_TOL,
+        "the pipelined KL update differs by {worst}"
+    );
+    assert!(
+        kl_moved > 20.0 * KL_TOL,
+        "the KL term moved the update by {kl_moved} only"
+    );
+}
+
+#[test]
+fn a_negative_kl_coefficient_is_refused() {
+    let mut job = job();
+    let start = warm_up(&job, |_| {}).unwrap();
+    job.rl.kl_coef = -0.5;
+    let err = RlTrainer::new(&job, start).err().expect("refused");
+    assert!(err.to_string().contains("rl.kl_coef"), "{err}");
 }

@@ -235,6 +235,22 @@ impl<B: Backend> ModelChunk<B> {
         Ok(())
     }
 
+    /// Sets (or clears) the [`crate::model::layers::TokenLoss`] that replaces the mean
+    /// cross-entropy of this chunk's training forwards (the last chunk only).
+    pub fn set_token_loss(
+        &mut self,
+        hook: Option<std::sync::Arc<dyn crate::model::layers::TokenLoss>>,
+    ) -> Result<()> {
+        match &mut self.head {
+            Some(head) => {
+                head.set_token_loss(hook);
+                Ok(())
+            }
+            None if hook.is_none() => Ok(()),
+            None => Err(self.input_err(0, "only the last chunk has a loss".into())),
+        }
+    }
+
     /// Micro-batches forwarded whose W has not run yet.
     pub fn in_flight(&self) -> usize {
         self.in_flight.len()

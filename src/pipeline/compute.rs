@@ -226,6 +226,9 @@ impl<B: Backend> StageCompute for RankCompute<B> {
             None => ChunkInput::Tokens(&mb.inputs),
         };
         let targets = chunk.is_last().then_some(mb.targets.as_slice());
+        if chunk.is_last() {
+            chunk.set_token_loss(data.token_loss.clone())?;
+        }
         // Held-out rows go to their own buffer for this forward only.
         let held_out = match &fill {
             Some(fill) if chunk.is_last() => {

@@ -18,6 +18,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::data::{MicroBatch, StepData};
+use crate::model::layers::TokenLoss;
 use crate::train::TrainConfig;
 use crate::train::reference::{loss_scales, step_micro_batches};
 
@@ -26,6 +27,9 @@ use crate::train::reference::{loss_scales, step_micro_batches};
 pub struct StepBatches {
     pub batches: Vec<MicroBatch>,
     pub scales: Vec<f32>,
+    /// Replaces the mean cross-entropy of each micro-batch at the last stage (e.g. the RL
+    /// update's GRPO objective with a per-token KL penalty); `None`: plain training.
+    pub token_loss: Option<Arc<dyn TokenLoss>>,
 }
 
 impl StepBatches {
@@ -80,13 +84,18 @@ impl StepFeed {
             Source::Synthetic { data, train } => {
                 let batches = step_micro_batches(data, train, step);
                 let scales = loss_scales(&batches);
-                let entry = Arc::new(StepBatches { batches, scales });
+                let entry = Arc::new(StepBatches {
+                    batches,
+                    scales,
+                    token_loss: None,
+                });
                 cache.insert(step, Arc::clone(&entry));
                 entry
             }
             Source::Given => Arc::new(StepBatches {
                 batches: Vec::new(),
                 scales: Vec::new(),
+                token_loss: None,
             }),
         }
     }
@@ -141,6 +150,7 @@ mod tests {
         let step = StepBatches {
             batches: vec![mb.clone(), mb],
             scales: vec![0.5, -0.25],
+            token_loss: None,
         };
         let feed = StepFeed::given([(7, step)]);
         feed.prefetch(8);

@@ -27,6 +27,7 @@ use super::feed::{StepBatches, StepFeed};
 use crate::comm::collective::GradSync;
 use crate::model::checkpoint::sharded::{self, Layout};
 use crate::model::checkpoint::{CheckpointError, HostTensor};
+use crate::model::layers::{OffsetTokenLoss, TokenLoss};
 use crate::model::{ModelError, OptimizerState, Param};
 use crate::tensor::Backend;
 use crate::train::StepMetrics;
@@ -211,9 +212,17 @@ impl Shared {
         let shard = shards.entry(step).or_insert_with(|| {
             let m = full.batches.len() / r.count;
             let own = r.index * m..(r.index + 1) * m;
+            // A token loss sees the replica's micro-batches at their index in the step.
+            let token_loss = full.token_loss.as_ref().map(|inner| {
+                Arc::new(OffsetTokenLoss {
+                    inner: Arc::clone(inner),
+                    offset: own.start,
+                }) as Arc<dyn TokenLoss>
+            });
             Arc::new(StepBatches {
                 batches: full.batches[own.clone()].to_vec(),
                 scales: full.scales[own].to_vec(),
+                token_loss,
             })
         });
         Arc::clone(shard)

@@ -24,9 +24,9 @@ pub struct RlConfig {
     pub max_new_tokens: usize,
     /// Clip range ε of the policy ratio.
     pub clip: f32,
-    /// Weight of the KL penalty to the frozen initial policy. The pipelined update
-    /// expresses the objective through per-sequence loss scales, which cannot carry the
-    /// KL term's per-token gradient, so only 0 is accepted.
+    /// Weight β of the k3 KL penalty to the frozen initial policy (0: none). With β > 0 the
+    /// reference's log-probs are computed once per rollout batch and the update's head
+    /// takes the per-token GRPO loss ([`super::grpo::GrpoTokenLoss`]).
     pub kl_coef: f32,
     /// Learning rate of the RL updates (constant).
     pub lr: f32,
@@ -114,14 +114,10 @@ impl RlConfig {
         if !(self.clip.is_finite() && self.clip > 0.0 && self.clip < 1.0) {
             return bad("clip", format!("must be in (0, 1), got {}", self.clip));
         }
-        if self.kl_coef != 0.0 {
+        if !(self.kl_coef.is_finite() && self.kl_coef >= 0.0) {
             return bad(
                 "kl_coef",
-                format!(
-                    "is {}: the pipelined update carries the objective as one loss scale per \
-                     sequence, and the KL term needs one per token; only 0 is supported",
-                    self.kl_coef
-                ),
+                format!("must be a finite number ≥ 0, got {}", self.kl_coef),
             );
         }
         if !(self.lr.is_finite() && self.lr > 0.0) {
@@ -179,7 +175,7 @@ mod tests {
             ),
             (
                 RlConfig {
-                    kl_coef: 0.1,
+                    kl_coef: -0.1,
                     ..RlConfig::default()
                 },
                 "rl.kl_coef",

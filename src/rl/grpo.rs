@@ -25,9 +25,14 @@
 //! mean cross-entropy over its completion tokens, which is exactly what a training step
 //! computes for a micro-batch holding sequence `i` alone (prompt targets ignored) with
 //! loss scale `A_i / n` ([`update_scales`]). That is how the pipelined update runs the
-//! GRPO objective through the pipeline's existing `d objective / d loss` scales. The KL
-//! term's gradient differs per token (`1 − exp(d)`), which a per-micro-batch scale cannot
-//! express, so the pipelined update takes `kl_coef = 0` only (see [`super::config`]).
+//! GRPO objective through the pipeline's existing `d objective / d loss` scales.
+//!
+//! The KL term's gradient differs per token (`β·(1 − exp(d))`), which a per-micro-batch
+//! scale cannot express. With `kl_coef > 0` the update instead hands the last stage's head
+//! a [`GrpoTokenLoss`] ([`crate::model::layers::TokenLoss`]): micro-batch `i`'s loss is the
+//! mean of [`token_loss`] over its completion tokens (at `ρ = 1`, with the reference's
+//! log-probs computed once per rollout batch, [`reference_log_probs`]) and its scale `1/n`,
+//! so `Σ_i loss_i / n` is [`grpo_loss`] and the head backpropagates its per-token gradient.
 
 /// What can be wrong with GRPO inputs; each names the figure and where.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -166,6 +171,111 @@ pub fn grpo_loss(
         grads.push(g);
     }
     Ok((total as f32, grads))
+}
+
+/// The on-policy GRPO objective of the update as the head's per-token loss (see the module
+/// docs): micro-batch `i` holds sequence `i`, whose completion tokens' reference log-probs
+/// are `logp_ref[i]`. It also sums the k3 KL it sees, for the step's metrics.
+#[derive(Debug)]
+pub struct GrpoTokenLoss {
+    cfg: GrpoLoss,
+    advantages: Vec<f32>,
+    logp_ref: Vec<Vec<f32>>,
+    /// `(Σ k3, tokens)` over the forwards so far.
+    kl: std::sync::Mutex<(f64, usize)>,
+}
+
+impl GrpoTokenLoss {
+    pub fn new(
+        cfg: GrpoLoss,
+        advantages: Vec<f32>,
+        logp_ref: Vec<Vec<f32>>,
+    ) -> Result<Self, GrpoError> {
+        if advantages.len() != logp_ref.len() {
+            return Err(GrpoError::Count {
+                advantages: advantages.len(),
+                sequences: logp_ref.len(),
+            });
+        }
+        Ok(GrpoTokenLoss {
+            cfg,
+            advantages,
+            logp_ref,
+            kl: std::sync::Mutex::new((0.0, 0)),
+        })
+    }
+
+    /// Mean k3 KL to the reference per completion token, over the forwards so far.
+    pub fn mean_kl(&self) -> Option<f64> {
+        let (sum, n) = *self
+            .kl
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        (n > 0).then(|| sum / n as f64)
+    }
+}
+
+impl crate::model::layers::TokenLoss for GrpoTokenLoss {
+    fn loss(&self, mb: usize, logp: &[f32]) -> Result<(f32, Vec<f32>), String> {
+        let (Some(&a), Some(r)) = (self.advantages.get(mb), self.logp_ref.get(mb)) else {
+            return Err(format!("no sequence {mb} of {}", self.advantages.len()));
+        };
+        if r.len() != logp.len() {
+            return Err(GrpoError::Length {
+                sequence: mb,
+                what: "logp_ref",
+                got: r.len(),
+                expected: logp.len(),
+            }
+            .to_string());
+        }
+        let n = logp.len().max(1) as f64;
+        let (mut total, mut kl) = (0.0f64, 0.0f64);
+        let mut grads = Vec::with_capacity(logp.len());
+        for (&lp, &rt) in logp.iter().zip(r) {
+            let (l, g) = token_loss(self.cfg, lp, lp, Some(rt), a);
+            total += f64::from(l);
+            let d = f64::from(rt - lp);
+            kl += d.exp() - d - 1.0;
+            grads.push((f64::from(g) / n) as f32);
+        }
+        let mut acc = self
+            .kl
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        acc.0 += kl;
+        acc.1 += logp.len();
+        Ok(((total / n) as f32, grads))
+    }
+}
+
+/// Each sequence's completion-token log-probs under `reference` (one forward per
+/// sequence; `batches` as [`super::trainer::update_batches`] builds them, prompt targets
+/// ignored), in the order [`GrpoTokenLoss`] reads them.
+pub fn reference_log_probs<B: crate::tensor::Backend>(
+    reference: &mut crate::model::Gpt<B>,
+    batches: &[crate::data::MicroBatch],
+) -> Result<Vec<Vec<f32>>, crate::model::ModelError> {
+    let vocab = reference.config().vocab;
+    batches
+        .iter()
+        .map(|mb| {
+            let shape = crate::model::Shape {
+                batch: mb.rows,
+                seq: mb.seq_len,
+            };
+            let logits = reference.logits(shape, &mb.inputs)?;
+            Ok(mb
+                .targets
+                .iter()
+                .enumerate()
+                .filter(|&(_, &t)| t != crate::tensor::IGNORE_TARGET)
+                .map(|(r, &t)| {
+                    crate::model::layers::log_prob(&logits[r * vocab..(r + 1) * vocab], t as usize)
+                })
+                .collect())
+        })
+        .collect()
 }
 
 /// The loss scale of each sequence's micro-batch in the on-policy update without KL:
@@ -384,5 +494,114 @@ mod tests {
             .sum::<f32>()
             .sqrt();
         assert!(err <= 1e-5 * norm.max(1.0), "error {err} of norm {norm}");
+    }
+
+    /// The head's hooked loss (GRPO with KL through [`GrpoTokenLoss`], scale `1/n`) has the
+    /// gradient of [`grpo_loss`] computed from the logits: checked by central differences on
+    /// the entries of two parameters with the largest gradients.
+    #[test]
+    fn kl_token_loss_gradient_matches_finite_differences() {
+        let cfg = GptConfig {
+            vocab: 11,
+            d_model: 16,
+            heads: 4,
+            layers: 2,
+            seq_len: 6,
+            mlp_ratio: 2,
+            seed: 5,
+            ..GptConfig::default()
+        };
+        let loss_cfg = GrpoLoss {
+            clip: 0.2,
+            kl_coef: 0.5,
+        };
+        let mut gpt = Gpt::new(&cfg, CpuBackend::new(1).unwrap(), &Cut::Even(1)).unwrap();
+        let shape = Shape { batch: 1, seq: 6 };
+        let rows: [(&[u32], &[u32]); 2] = [
+            (&[1, 4, 5, 6, 7, 2], &[IGNORE_TARGET, 5, 6, 7, 2, 9]),
+            (
+                &[1, 3, 9, 8, 2, 0],
+                &[IGNORE_TARGET, IGNORE_TARGET, 8, 2, 0, 3],
+            ),
+        ];
+        let advantages = vec![0.8f32, -0.8];
+        // A reference that differs from the policy, so the KL term has a gradient.
+        let logp_ref = vec![
+            vec![-1.0, -2.5, -0.3, -3.0, -1.7],
+            vec![-2.0, -0.5, -2.2, -1.1],
+        ];
+        let n = rows.len() as f32;
+        let log_probs = |gpt: &mut Gpt<CpuBackend>| -> Vec<Vec<f32>> {
+            rows.iter()
+                .map(|&(ids, targets)| {
+                    let logits = gpt.logits(shape, ids).unwrap();
+                    (targets.iter().enumerate())
+                        .filter(|&(_, &t)| t != IGNORE_TARGET)
+                        .map(|(p, &t)| {
+                            crate::model::layers::log_prob(
+                                &logits[p * 11..(p + 1) * 11],
+                                t as usize,
+                            )
+                        })
+                        .collect()
+                })
+                .collect()
+        };
+        // The sampling policy's log-probs stay those of the unperturbed model.
+        let old = log_probs(&mut gpt);
+        // The objective from the logits, as grpo_loss defines it.
+        let objective = |gpt: &mut Gpt<CpuBackend>| -> f64 {
+            let seqs: Vec<SequenceLogProbs> = (log_probs(gpt).into_iter())
+                .zip(&old)
+                .zip(&logp_ref)
+                .map(|((logp, o), r)| SequenceLogProbs {
+                    logp,
+                    logp_old: o.clone(),
+                    logp_ref: Some(r.clone()),
+                })
+                .collect();
+            f64::from(grpo_loss(loss_cfg, &seqs, &advantages).unwrap().0)
+        };
+        let hook = std::sync::Arc::new(
+            GrpoTokenLoss::new(loss_cfg, advantages.clone(), logp_ref.clone()).unwrap(),
+        );
+        gpt.chunks_mut()[0]
+            .set_token_loss(Some(hook.clone()))
+            .unwrap();
+        gpt.zero_grads().unwrap();
+        let mut hooked = 0.0f64;
+        for (i, &(ids, targets)) in rows.iter().enumerate() {
+            hooked += f64::from(
+                gpt.forward_backward(i, shape, ids, targets, 1.0 / n)
+                    .unwrap(),
+            ) / f64::from(n);
+        }
+        gpt.chunks_mut()[0].set_token_loss(None).unwrap();
+        let at = objective(&mut gpt);
+        assert!((hooked - at).abs() < 1e-5, "hooked loss {hooked} vs {at}");
+        assert!(hook.mean_kl().unwrap() > 0.0);
+        let names = gpt.param_names();
+        for name in [&names[names.len() - 1], &names[2]] {
+            let grad = gpt.grad_values(name).unwrap();
+            let mut order: Vec<usize> = (0..grad.len()).collect();
+            order.sort_by(|&a, &b| grad[b].abs().total_cmp(&grad[a].abs()));
+            let values = gpt.param_values(name).unwrap();
+            for &j in &order[..4] {
+                let h = 1e-2f32;
+                let mut at_j = |x: f32| {
+                    let mut v = values.clone();
+                    v[j] = x;
+                    gpt.set_param(name, &v).unwrap();
+                    objective(&mut gpt)
+                };
+                let fd = (at_j(values[j] + h) - at_j(values[j] - h)) / f64::from(2.0 * h);
+                gpt.set_param(name, &values).unwrap();
+                let g = f64::from(grad[j]);
+                assert!(
+                    (fd - g).abs() <= 2e-2 * g.abs() + 1e-4,
+                    "{name}[{j}]: finite difference {fd} vs analytic {g}"
+                );
+            }
+        }
     }
 }

@@ -15,6 +15,11 @@
 //!    exactly (see [`super::grpo`]). The run resumes from the previous step's checkpoint,
 //!    so optimizer moments carry over.
 //!
+//! With `rl.kl_coef = β > 0` the objective adds β·k3-KL to a frozen reference (the policy
+//! RL started from, or [`RlTrainer::with_reference`]): the reference's per-token log-probs
+//! are computed once per rollout batch ([`super::grpo::reference_log_probs`]) and the
+//! update's head takes the per-token GRPO loss ([`GrpoTokenLoss`]) with scale `1/n`.
+//!
 //! The learning rate decays by cosine from `rl.lr` to `rl.lr / 10` over the RL steps (the
 //! update job's warm-up is the step RL starts at, so its schedule starts at the peak).
 
@@ -24,7 +29,9 @@ use std::time::Instant;
 use serde::Serialize;
 
 use super::config::RlConfig;
-use super::grpo::{GrpoError, group_advantages, update_scales};
+use super::grpo::{
+    GrpoError, GrpoLoss, GrpoTokenLoss, group_advantages, reference_log_probs, update_scales,
+};
 use super::reward::{completion_tokens, reward_of_tokens};
 use crate::config::{ConfigError, JobConfig};
 use crate::data::{DataError, MicroBatch, SplitMix64, Task, TaskGenerator, Tokenizer, tokenizer};
@@ -91,6 +98,12 @@ pub struct RolloutBatch {
     pub drafter_agreement: Option<f64>,
     /// Seconds of drafter training inside `generate`, after the rollout proper.
     pub drafter_seconds: f64,
+    /// Idle time of the rollout's stage threads (summed over stages), and the part of it
+    /// filled with routed work (engines with stage threads only).
+    pub idle_seconds: Option<f64>,
+    pub idle_filled_seconds: Option<f64>,
+    /// Drafter-training slices run in the stages' idle time.
+    pub idle_drafter_slices: usize,
 }
 
 /// Generates the rollouts of a step.
@@ -124,12 +137,23 @@ pub struct RlStepMetrics {
     pub generated_tokens: usize,
     /// Generation time (drafter training excluded).
     pub rollout_seconds: f64,
-    /// Drafter training on the step's rollouts.
+    /// Drafter training on the step's rollouts after the rollout (slices that did not fit
+    /// the stages' idle time).
     pub drafter_seconds: f64,
+    /// The reference's log-probs of the rollouts (KL only; 0 without).
+    pub reference_seconds: f64,
     pub update_seconds: f64,
-    /// Rollout time / whole step time (rollout + drafter + update).
+    /// Rollout time / whole step time (rollout + drafter + reference + update).
     pub rollout_share: f64,
-    /// The whole step: prompts, rollout, drafter, rewards, update.
+    /// Idle time of the rollout's stage threads, summed over stages, and the part filled
+    /// with routed work (verification passes and drafter slices).
+    pub rollout_idle_seconds: Option<f64>,
+    pub rollout_idle_filled_seconds: Option<f64>,
+    /// Drafter-training slices run in that idle time.
+    pub idle_drafter_slices: usize,
+    /// Mean k3 KL to the reference per completion token (KL only).
+    pub kl: Option<f64>,
+    /// The whole step: prompts, rollout, drafter, rewards, reference, update.
     pub step_seconds: f64,
     /// Generated tokens per second of rollout.
     pub tokens_per_s: f64,
@@ -144,7 +168,9 @@ pub struct RlStepMetrics {
     pub acceptance_length: Option<f64>,
     pub chosen_k: Option<f64>,
     pub drafter_agreement: Option<f64>,
-    /// The update's surrogate loss `Σ (A_i/n)·NLL_i` (its gradient is GRPO's).
+    /// The update's loss as the pipeline combines its micro-batches' losses: each
+    /// sequence's mean NLL (scaled by `A_i/n` in the backward, so the gradient is GRPO's),
+    /// or with KL each sequence's mean per-token GRPO loss.
     pub surrogate_loss: f32,
     pub grad_norm: f32,
     pub lr: f32,
@@ -222,6 +248,7 @@ pub fn update_batches(rollouts: &[Rollout], advantages: &[f32]) -> Result<StepBa
     Ok(StepBatches {
         batches,
         scales: update_scales(advantages),
+        token_loss: None,
     })
 }
 
@@ -261,6 +288,8 @@ pub struct RlTrainer {
     first_update: u64,
     checkpoint: Checkpoint,
     policy: Gpt<CpuBackend>,
+    /// The frozen KL reference (`rl.kl_coef > 0` only).
+    reference: Option<Gpt<CpuBackend>>,
     step: u64,
     tokenizer: Tokenizer,
 }
@@ -272,14 +301,27 @@ impl RlTrainer {
         job.validate()?;
         job.rl.validate(job.model.seq_len)?;
         let policy = restore(job, &checkpoint)?;
+        let reference = (job.rl.kl_coef > 0.0)
+            .then(|| restore(job, &checkpoint))
+            .transpose()?;
         Ok(RlTrainer {
             job: job.clone(),
             first_update: checkpoint.meta.step,
             checkpoint,
             policy,
+            reference,
             step: 0,
             tokenizer: Tokenizer::new(),
         })
+    }
+
+    /// Uses `reference`'s model as the frozen KL reference instead of the starting policy
+    /// (no effect with `rl.kl_coef = 0`).
+    pub fn with_reference(mut self, reference: &Checkpoint) -> Result<Self, RlError> {
+        if self.reference.is_some() {
+            self.reference = Some(restore(&self.job, reference)?);
+        }
+        Ok(self)
     }
 
     pub fn checkpoint(&self) -> &Checkpoint {
@@ -349,12 +391,27 @@ impl RlTrainer {
             .map(|r| (completion_tokens(&r.generated).len() + 1).min(r.generated.len()))
             .sum();
 
+        let mut update = update_batches(&batch.rollouts, &advantages)?;
+        let reference_started = Instant::now();
+        let kl_hook = match &mut self.reference {
+            Some(reference) => {
+                let logp_ref = reference_log_probs(reference, &update.batches)?;
+                let cfg = GrpoLoss {
+                    clip: rl.clip,
+                    kl_coef: rl.kl_coef,
+                };
+                let hook = Arc::new(GrpoTokenLoss::new(cfg, advantages.clone(), logp_ref)?);
+                let n = update.batches.len() as f32;
+                update.scales = vec![1.0 / n; update.batches.len()];
+                update.token_loss = Some(hook.clone());
+                Some(hook)
+            }
+            None => None,
+        };
+        let reference_seconds = reference_started.elapsed().as_secs_f64();
         let started = Instant::now();
         let first = self.checkpoint.meta.step;
-        let feed = Arc::new(StepFeed::given([(
-            first,
-            update_batches(&batch.rollouts, &advantages)?,
-        )]));
+        let feed = Arc::new(StepFeed::given([(first, update)]));
         let trainer = PipelineTrainer::from_job(&self.update_job())?
             .resume(&self.checkpoint)
             .feed(feed);
@@ -381,8 +438,13 @@ impl RlTrainer {
             generated_tokens,
             rollout_seconds,
             drafter_seconds: batch.drafter_seconds,
+            reference_seconds,
             update_seconds,
             rollout_share: rollout_seconds / step_seconds.max(1e-9),
+            rollout_idle_seconds: batch.idle_seconds,
+            rollout_idle_filled_seconds: batch.idle_filled_seconds,
+            idle_drafter_slices: batch.idle_drafter_slices,
+            kl: kl_hook.and_then(|h| h.mean_kl()),
             step_seconds,
             tokens_per_s,
             speculation,

@@ -161,6 +161,7 @@ impl RolloutEngine for PipelineRollouts {
             chosen_k,
             drafter_agreement: agreement,
             drafter_seconds,
+            ..RolloutBatch::default()
         })
     }
 

@@ -21,7 +21,7 @@ mod tests;
 pub use attention::Attention;
 pub use block::Block;
 pub use embedding::Embedding;
-pub use head::Head;
+pub use head::{Head, OffsetTokenLoss, TokenLoss, log_prob};
 pub use mlp::Mlp;
 pub use norm::RmsNorm;
 
