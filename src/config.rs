@@ -81,6 +81,9 @@ pub struct JobConfig {
     pub dp: usize,
     /// How stage timelines are timed.
     pub clock: Clock,
+    /// What a multi-process run's ranks talk over: `"auto"` (NCCL between CUDA GPUs where
+    /// it can be used, else TCP), `"tcp"` or `"nccl"` (an error where it cannot be used).
+    pub transport: crate::comm::select::TransportKind,
     /// Filler work in the pipeline's bubbles: `"drafter"` or `"none"`.
     pub filler: Filler,
     /// Where checkpoints and metrics go; `runs/<start time>` when absent.
@@ -106,6 +109,7 @@ impl Default for JobConfig {
             stages: 4,
             dp: 1,
             clock: Clock::default(),
+            transport: Default::default(),
             filler: Filler::default(),
             out_dir: None,
             checkpoint_every: 0,

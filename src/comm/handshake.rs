@@ -80,7 +80,7 @@ pub(crate) fn admit(
     opts: &MeshOptions,
 ) -> Result<(usize, TcpStream), String> {
     stream.set_nonblocking(false).map_err(|e| e.to_string())?;
-    let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
+    let _ = stream.set_read_timeout(Some(opts.handshake_timeout));
     let hello: Hello = frame::recv_msg(&mut stream, HANDSHAKE_CAP).map_err(|e| e.to_string())?;
     if !same_token(&hello.token, &opts.token) {
         return Err("wrong job token".into());

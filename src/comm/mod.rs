@@ -16,6 +16,10 @@
 //!   pipeline rank's gradients across data-parallel replicas.
 //! - `nccl` (feature `cuda`): NCCL between GPUs: the unique-id exchange, p2p send/recv and
 //!   the all-reduce behind `NcclGradSync`.
+//! - `nccl_id` (feature `cuda`): NCCL unique ids, shared as rendezvous messages on the mesh.
+//! - `nccl_transport` (feature `cuda`): the runtime's `Transport<CudaBuf>` over NCCL p2p,
+//!   with headers on the mesh.
+//! - `select`: which transport a run uses (`transport = "auto" | "tcp" | "nccl"`).
 
 pub mod collective;
 pub mod link;
@@ -25,6 +29,14 @@ pub mod handshake;
 pub mod heartbeat;
 #[cfg(feature = "cuda")]
 pub mod nccl;
+#[cfg(feature = "cuda")]
+pub mod nccl_id;
+#[cfg(feature = "cuda")]
+pub mod nccl_transport;
 pub mod rendezvous;
+pub mod select;
 pub mod tcp;
 pub mod tcp_transport;
+
+#[cfg(test)]
+mod test_log;

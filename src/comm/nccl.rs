@@ -13,18 +13,13 @@
 //! same clear error as the CUDA backend ("no CUDA driver found; use --device cpu"); the
 //! remaining cudarc calls run under `catch_unwind` as in `tensor::cuda`.
 //!
-//! The id exchange ([`share_id`]): NCCL ranks meet through a 128-byte unique id that one
-//! member creates. It travels over the job's [`PeerLink`] (the TCP mesh set up by the
-//! rendezvous on rank 0), on a channel of its own, from the group's first member to the
-//! others. The frame carries either the id or the leader's error, so a leader that cannot
-//! create one fails every member with its reason instead of leaving them waiting.
+//! The unique ids that let ranks meet are made and shared in `nccl_id` (re-exported here).
 //!
-//! Not wired yet: a `Transport<CudaBuf>` for the runtime's stage links. `CudaBuf` keeps its
-//! `CudaSlice` private to `tensor::cuda`, so the transport needs an accessor there (take the
-//! `f32` slice out of a buffer and build one from a slice); with it, a transport sends an
-//! activation with [`NcclComm::send`] and receives into a buffer of the shape the schedule
-//! predicts with [`NcclComm::recv`]. NCCL p2p has no tags: both ends must post in the same
-//! order, which the plan's fixed per-link order gives.
+//! Besides the blocking calls ([`NcclComm::send`], [`NcclComm::recv`], the all-reduces),
+//! a communicator takes *posted* point-to-point operations ([`NcclComm::post_send`],
+//! [`NcclComm::post_recv`]) whose completion runs on its thread: the stage-link transport
+//! (`nccl_transport`) posts without waiting, as the runtime's `Transport::send` must not
+//! block on the receiver.
 
 use std::collections::BTreeMap;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -32,22 +27,17 @@ use std::sync::{Arc, mpsc};
 use std::thread::JoinHandle;
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
-use cudarc::nccl::{Comm, Id, ReduceOp};
+use cudarc::nccl::{Comm, ReduceOp};
 
 use super::collective::{CollectiveError, GradSync};
-use super::link::{Channel, LinkError, PeerLink};
+use super::link::{LinkError, PeerLink};
+pub use super::nccl_id::{
+    NCCL_HEADER_CHANNEL, NCCL_ID_BYTES, NCCL_ID_CHANNEL, NCCL_LINK_ID_CHANNEL, NcclId,
+    id_from_frame, share_id,
+};
+use crate::tensor::DType;
+pub use crate::tensor::cuda::CudaData;
 use crate::tensor::device::{Device, DeviceError};
-
-/// Bytes of an NCCL unique id (`ncclUniqueId`).
-pub const NCCL_ID_BYTES: usize = 128;
-
-/// The [`PeerLink`] channel the data-parallel groups' ids travel on (next to the
-/// transports' channels in `tcp_transport`). Groups with different leaders may share it.
-pub const NCCL_ID_CHANNEL: Channel = u32::MAX - 4;
-
-/// Frame tags of the id exchange.
-const ID_FRAME: u8 = 1;
-const LEADER_FAILED_FRAME: u8 = 0;
 
 /// Errors of the NCCL layer; each names the rank, peer or operation.
 #[derive(Debug, thiserror::Error)]
@@ -122,7 +112,7 @@ fn panic_text(payload: Box<dyn std::any::Any + Send>) -> String {
 }
 
 /// Runs a cudarc call, turning its error or panic into [`NcclError::Call`].
-fn call<T, E: std::fmt::Debug>(
+pub(super) fn call<T, E: std::fmt::Debug>(
     rank: usize,
     op: &'static str,
     f: impl FnOnce() -> Result<T, E>,
@@ -138,90 +128,6 @@ fn call<T, E: std::fmt::Debug>(
             rank,
             op,
             message: panic_text(p),
-        }),
-    }
-}
-
-/// An NCCL unique id: the rendezvous token of one communicator.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub struct NcclId([u8; NCCL_ID_BYTES]);
-
-impl std::fmt::Debug for NcclId {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        // The first bytes identify it in logs; the rest is noise.
-        write!(f, "NcclId({:02x?}…)", &self.0[..8])
-    }
-}
-
-impl NcclId {
-    /// A fresh id from libnccl (after the [`probe`]).
-    pub fn create() -> Result<Self, NcclError> {
-        probe()?;
-        let id = call(0, "ncclGetUniqueId", Id::new)?;
-        // `c_char` is `i8` or `u8` by platform; the bits are what travels.
-        Ok(NcclId(id.internal().map(|c| c as u8)))
-    }
-
-    /// The id in `bytes`, which must be exactly [`NCCL_ID_BYTES`] long.
-    pub fn from_bytes(bytes: &[u8]) -> Option<Self> {
-        bytes.try_into().ok().map(NcclId)
-    }
-
-    pub fn as_bytes(&self) -> &[u8; NCCL_ID_BYTES] {
-        &self.0
-    }
-
-    fn to_cudarc(self) -> Id {
-        Id::uninit(self.0.map(|b| b as std::ffi::c_char))
-    }
-}
-
-/// Gives every member of `group` (global ranks; the first is the leader) the same id: the
-/// leader runs `create` and sends the outcome to the others on `channel` of `link`.
-/// Communicators whose groups share a leader must use different channels.
-pub fn share_id(
-    link: &dyn PeerLink,
-    group: &[usize],
-    channel: Channel,
-    create: impl FnOnce() -> Result<NcclId, NcclError>,
-) -> Result<NcclId, NcclError> {
-    let rank = link.rank();
-    let not_member = || NcclError::NotMember {
-        rank,
-        group: group.to_vec(),
-    };
-    let &leader = group.first().ok_or_else(not_member)?;
-    if !group.contains(&rank) {
-        return Err(not_member());
-    }
-    if rank == leader {
-        let made = create();
-        let frame = match &made {
-            Ok(id) => [&[ID_FRAME][..], id.as_bytes()].concat(),
-            Err(e) => [&[LEADER_FAILED_FRAME][..], e.to_string().as_bytes()].concat(),
-        };
-        for &peer in group.iter().filter(|&&r| r != leader) {
-            link.send(peer, channel, &frame)?;
-        }
-        return made;
-    }
-    let frame = link.recv(leader, channel)?;
-    match frame.split_first() {
-        Some((&ID_FRAME, id)) => NcclId::from_bytes(id).ok_or_else(|| NcclError::BadId {
-            from: leader,
-            reason: format!("{} bytes, expected {NCCL_ID_BYTES}", id.len()),
-        }),
-        Some((&LEADER_FAILED_FRAME, reason)) => Err(NcclError::LeaderFailed {
-            leader,
-            reason: String::from_utf8_lossy(reason).into_owned(),
-        }),
-        Some((tag, _)) => Err(NcclError::BadId {
-            from: leader,
-            reason: format!("unknown frame tag {tag}"),
-        }),
-        None => Err(NcclError::BadId {
-            from: leader,
-            reason: "an empty frame".into(),
         }),
     }
 }
@@ -248,7 +154,22 @@ enum Command {
         values: Vec<f32>,
         done: Reply<Vec<f32>>,
     },
+    PostSend {
+        data: CudaData,
+        peer: usize,
+        done: Posted,
+    },
+    PostRecv {
+        dtype: DType,
+        len: usize,
+        peer: usize,
+        done: Posted,
+    },
 }
+
+/// The completion of a posted operation, run on the communicator's thread: the buffer
+/// that left (a send) or arrived (a receive), or the failure.
+pub type Posted = Box<dyn FnOnce(Result<CudaData, NcclError>) + Send>;
 
 /// One rank's NCCL communicator, owned by a thread of its own (see the module docs).
 pub struct NcclComm {
@@ -362,6 +283,41 @@ impl NcclComm {
         self.run(|done| Command::Recv { buf, peer, done })
     }
 
+    /// Queues sending `data` to rank `peer` (which must post a receive of the same type
+    /// and length) and returns at once; `done` gets the buffer back once it has left.
+    /// Operations run in the order they are posted.
+    pub fn post_send(&self, data: CudaData, peer: usize, done: Posted) -> Result<(), NcclError> {
+        self.check_peer(peer)?;
+        self.post(Command::PostSend { data, peer, done })
+    }
+
+    /// Queues receiving `len` elements of `dtype` from rank `peer` into a new buffer and
+    /// returns at once; `done` gets the buffer once it has arrived.
+    pub fn post_recv(
+        &self,
+        dtype: DType,
+        len: usize,
+        peer: usize,
+        done: Posted,
+    ) -> Result<(), NcclError> {
+        self.check_peer(peer)?;
+        self.post(Command::PostRecv {
+            dtype,
+            len,
+            peer,
+            done,
+        })
+    }
+
+    fn post(&self, command: Command) -> Result<(), NcclError> {
+        let stopped = || NcclError::Stopped { rank: self.rank };
+        self.commands
+            .as_ref()
+            .ok_or_else(stopped)?
+            .send(command)
+            .map_err(|_| stopped())
+    }
+
     /// Sums `buf` over every rank, in place.
     pub fn all_reduce_sum(&self, buf: CudaSlice<f32>) -> Result<CudaSlice<f32>, NcclError> {
         self.run(|done| Command::AllReduce { buf, done })
@@ -419,6 +375,22 @@ fn serve(comm: &Comm, rank: usize, inbox: &mpsc::Receiver<Command>) {
                 .map(|()| buf);
                 let _ = done.send(r);
             }
+            Command::PostSend { data, peer, done } => {
+                let r = send_data(comm, rank, &data, peer)
+                    .and_then(|()| sync("ncclSend"))
+                    .map(|()| data);
+                done(r);
+            }
+            Command::PostRecv {
+                dtype,
+                len,
+                peer,
+                done,
+            } => {
+                let r = recv_data(comm, rank, dtype, len, peer)
+                    .and_then(|data| sync("ncclRecv").map(|()| data));
+                done(r);
+            }
             Command::AllReduceHost { values, done } => {
                 let r = (|| {
                     let mut buf = call(rank, "copying to the GPU", || stream.clone_htod(&values))?;
@@ -431,6 +403,67 @@ fn serve(comm: &Comm, rank: usize, inbox: &mpsc::Receiver<Command>) {
             }
         }
     }
+}
+
+/// Queues sending `data` as bytes (NCCL p2p moves bytes; a bf16 buffer has no NCCL type
+/// here). Nothing is sent for an empty buffer: the receiver skips it too.
+fn send_data(comm: &Comm, rank: usize, data: &CudaData, peer: usize) -> Result<(), NcclError> {
+    fn bytes<T>(comm: &Comm, rank: usize, s: &CudaSlice<T>, peer: usize) -> Result<(), NcclError> {
+        if s.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: the view covers exactly the slice's bytes, and any bits are valid `u8`s.
+        let view = unsafe { s.transmute::<u8>(s.len() * std::mem::size_of::<T>()) };
+        let view = view.ok_or_else(|| NcclError::Call {
+            rank,
+            op: "ncclSend",
+            message: "the byte view does not fit the buffer".into(),
+        })?;
+        call(rank, "ncclSend", || comm.send(&view, peer as i32))
+    }
+    match data {
+        CudaData::F32(s) => bytes(comm, rank, s, peer),
+        CudaData::Bf16(s) => bytes(comm, rank, s, peer),
+    }
+}
+
+/// Queues receiving `len` elements of `dtype` as bytes into a new buffer on the
+/// communicator's stream.
+fn recv_data(
+    comm: &Comm,
+    rank: usize,
+    dtype: DType,
+    len: usize,
+    peer: usize,
+) -> Result<CudaData, NcclError> {
+    fn bytes<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        comm: &Comm,
+        rank: usize,
+        len: usize,
+        peer: usize,
+    ) -> Result<CudaSlice<T>, NcclError> {
+        let stream = comm.stream();
+        if len == 0 {
+            return call(rank, "allocating a receive buffer", || stream.null::<T>());
+        }
+        let mut buf = call(rank, "allocating a receive buffer", || {
+            stream.alloc_zeros::<T>(len)
+        })?;
+        // SAFETY: the view covers exactly the buffer's bytes; any bytes are valid `T`s
+        // here (`f32` and `u16` have no invalid bit patterns).
+        let view = unsafe { buf.transmute_mut::<u8>(len * std::mem::size_of::<T>()) };
+        let mut view = view.ok_or_else(|| NcclError::Call {
+            rank,
+            op: "ncclRecv",
+            message: "the byte view does not fit the buffer".into(),
+        })?;
+        call(rank, "ncclRecv", || comm.recv(&mut view, peer as i32))?;
+        Ok(buf)
+    }
+    Ok(match dtype {
+        DType::F32 => CudaData::F32(bytes(comm, rank, len, peer)?),
+        DType::Bf16 => CudaData::Bf16(bytes(comm, rank, len, peer)?),
+    })
 }
 
 /// [`GradSync`] over NCCL: each pipeline rank run here holds the communicator of its
@@ -495,6 +528,46 @@ impl GradSync for NcclGradSync {
             })
         })
     }
+}
+
+/// Whether this machine can run a GPU test of `ranks` NCCL ranks; prints why not. Ranks
+/// beyond the GPU count share GPUs (`rank % count`), which NCCL may refuse: tests then
+/// skip on its "invalid usage" error ([`skip_duplicate_gpu`]).
+#[cfg(test)]
+pub(crate) fn gpu_test_ready(test: &str) -> Option<usize> {
+    // SAFETY: only a dlopen attempt.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        eprintln!(
+            "{test}: skipped: no CUDA driver (cudarc::driver::sys::is_culib_present() is false)"
+        );
+        return None;
+    }
+    if let Err(e) = probe() {
+        eprintln!("{test}: skipped: {e}");
+        return None;
+    }
+    match crate::tensor::device::cuda_device_count() {
+        Ok(0) => {
+            eprintln!("{test}: skipped: the CUDA driver sees no GPU");
+            None
+        }
+        Ok(count) => Some(count),
+        Err(e) => {
+            eprintln!("{test}: skipped: {e}");
+            None
+        }
+    }
+}
+
+/// True (after printing why) when `err` is NCCL refusing ranks that share one GPU.
+#[cfg(test)]
+pub(crate) fn skip_duplicate_gpu(test: &str, err: &dyn std::fmt::Display) -> bool {
+    let text = err.to_string();
+    let refused = text.contains("InvalidUsage");
+    if refused {
+        eprintln!("{test}: skipped: NCCL refuses two ranks on one GPU here: {text}");
+    }
+    refused
 }
 
 #[cfg(test)]

@@ -7,7 +7,9 @@
 //! world size); the accepting side reads nothing else before it, under the small handshake
 //! cap and a read timeout, and drops a connection whose token is wrong with a logged error
 //! (`handshake.rs`).
-//! The answer repeats the token, so both sides know the other belongs to the job.
+//! The answer repeats the token, so both sides know the other belongs to the job. Each
+//! accepted connection's handshake runs on a thread of its own, so a connection that
+//! stays silent (or is slow) until its handshake timeout never delays the ranks behind it.
 //!
 //! Then one reader thread per peer reads [`Wire`] frames: data frames go to the channel's
 //! sink when one is registered (the runtime's transports, [`super::tcp_transport`]), else
@@ -55,6 +57,8 @@ pub struct MeshOptions {
     pub beat: Duration,
     /// A peer silent for this long is declared dead.
     pub silence: Duration,
+    /// How long an accepted connection may take to present its hello.
+    pub handshake_timeout: Duration,
 }
 
 impl MeshOptions {
@@ -65,6 +69,7 @@ impl MeshOptions {
             connect_timeout: Duration::from_secs(60),
             beat: Duration::from_secs(1),
             silence: Duration::from_secs(5),
+            handshake_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -308,9 +313,13 @@ impl TcpMesh {
         listener
             .set_nonblocking(true)
             .map_err(io("listener".into()))?;
+        // Handshakes run on threads of their own (see the module docs); admitted
+        // connections come back here, where duplicates are refused in arrival order.
+        let (admitted, handshakes) =
+            std::sync::mpsc::channel::<(SocketAddr, Result<(usize, TcpStream), String>)>();
         while streams[rank + 1..].iter().any(Option::is_none) {
-            match listener.accept() {
-                Ok((stream, from)) => match admit(rank, world, stream, opts) {
+            while let Ok((from, outcome)) = handshakes.try_recv() {
+                match outcome {
                     Ok((peer, stream)) if peer > rank && streams[peer].is_none() => {
                         streams[peer] = Some(stream)
                     }
@@ -320,7 +329,32 @@ impl TcpMesh {
                     Err(reason) => {
                         tracing::error!("rank {rank}: refused connection from {from}: {reason}")
                     }
-                },
+                }
+            }
+            if !streams[rank + 1..].iter().any(Option::is_none) {
+                break;
+            }
+            match listener.accept() {
+                Ok((stream, from)) => {
+                    let (admitted, opts) = (admitted.clone(), opts.clone());
+                    let dispatch = tracing::dispatcher::get_default(Clone::clone);
+                    std::thread::Builder::new()
+                        .name(format!("pipefill-handshake-{from}"))
+                        .spawn(move || {
+                            tracing::dispatcher::with_default(&dispatch, || {
+                                let outcome = admit(rank, world, stream, &opts);
+                                if let Err(returned) = admitted.send((from, outcome)) {
+                                    // Setup is over (done or failed): nobody reads this one.
+                                    if let (from, Err(reason)) = returned.0 {
+                                        tracing::error!(
+                                            "rank {rank}: dropped connection from {from}: {reason}"
+                                        );
+                                    }
+                                }
+                            })
+                        })
+                        .map_err(io("handshake thread".into()))?;
+                }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                     if Instant::now() > deadline {
                         let missing = (rank + 1..world)

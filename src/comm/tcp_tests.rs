@@ -191,3 +191,49 @@ fn once_quiesced_a_peer_ending_its_connection_has_left_not_died() {
     assert!(!m[1].wait_gone(2, Duration::from_secs(2)));
     assert!(m[1].failure().unwrap().contains("rank 2 died"));
 }
+
+#[test]
+fn a_silent_connection_does_not_delay_a_real_rank_and_is_dropped_with_a_logged_error() {
+    let listeners: Vec<TcpListener> = (0..2)
+        .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
+    let mut opts = MeshOptions::new("tok");
+    opts.handshake_timeout = Duration::from_secs(3);
+    // It connects before the real rank and never says a word.
+    let mut silent = TcpStream::connect(addrs[0]).unwrap();
+    let silent_addr = silent.local_addr().unwrap();
+    let log = crate::comm::test_log::LogBuf::default();
+    let start = Instant::now();
+    let mut listeners = listeners.into_iter();
+    let (l0, l1) = (listeners.next().unwrap(), listeners.next().unwrap());
+    let rank0 = {
+        let (addrs, opts, log) = (addrs.clone(), opts.clone(), log.clone());
+        std::thread::spawn(move || {
+            tracing::subscriber::with_default(log.subscriber(), || {
+                TcpMesh::connect(0, l0, &addrs, &opts)
+            })
+        })
+    };
+    let rank1 = std::thread::spawn(move || TcpMesh::connect(1, l1, &addrs, &opts));
+    let (m0, m1) = (
+        rank0.join().unwrap().unwrap(),
+        rank1.join().unwrap().unwrap(),
+    );
+    // Well before the silent connection's 3 s handshake timeout.
+    let joined = start.elapsed();
+    assert!(joined < Duration::from_secs(2), "joined after {joined:?}");
+    m1.send(0, 4, b"hi").unwrap();
+    assert_eq!(m0.recv(1, 4).unwrap(), b"hi");
+    // The silent connection is closed once its handshake times out, with a logged error.
+    silent
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    assert!(matches!(
+        frame::read_frame(&mut silent, HANDSHAKE_CAP),
+        Err(FrameError::Eof) | Err(FrameError::Io(_))
+    ));
+    let needle = format!("dropped connection from {silent_addr}");
+    let line = log.wait_for(&needle, Duration::from_secs(5));
+    assert!(line.is_some(), "no {needle:?} in the log:\n{}", log.text());
+}

@@ -117,6 +117,55 @@ impl<T: Send + 'static, C: Codec<T>> Sink for Port<T, C> {
     }
 }
 
+/// Why a group of mesh ranks cannot carry a transport (a caller's numbering bug).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum GroupError {
+    #[error("transport group at mesh rank {base}: the group is empty")]
+    Empty { base: usize },
+    #[error(
+        "transport group of mesh ranks {base}..{end}: it runs past the mesh's {world} ranks",
+        end = .base.saturating_add(*.size)
+    )]
+    PastMesh {
+        base: usize,
+        size: usize,
+        world: usize,
+    },
+    #[error(
+        "transport group of mesh ranks {base}..{end}: this process is mesh rank {rank}, not one of them",
+        end = .base + .size
+    )]
+    NotMember {
+        rank: usize,
+        base: usize,
+        size: usize,
+    },
+}
+
+/// This process's rank within the group of mesh ranks `base..base + size`, or why the
+/// group is wrong (shared by every transport that numbers a range of the mesh).
+pub fn group_rank(
+    mesh_rank: usize,
+    world: usize,
+    base: usize,
+    size: usize,
+) -> Result<usize, GroupError> {
+    if size == 0 {
+        return Err(GroupError::Empty { base });
+    }
+    if base.checked_add(size).is_none_or(|end| end > world) {
+        return Err(GroupError::PastMesh { base, size, world });
+    }
+    if mesh_rank < base || mesh_rank >= base + size {
+        return Err(GroupError::NotMember {
+            rank: mesh_rank,
+            base,
+            size,
+        });
+    }
+    Ok(mesh_rank - base)
+}
+
 /// The runtime's transport between the ranks of a multi-process job (one rank per process).
 pub struct TcpTransport<T, C> {
     port: Arc<Port<T, C>>,
@@ -130,36 +179,43 @@ impl<T: Send + 'static, C: Codec<T>> TcpTransport<T, C> {
     pub fn new(mesh: &TcpMesh, channel: Channel, codec: C) -> Self {
         use super::link::PeerLink;
         let world = mesh.world();
-        Self::group(mesh, channel, codec, 0, world)
+        let port = Arc::new(Port {
+            local: InProcess::new(world),
+            codec,
+            rank: mesh.rank(),
+            base: 0,
+        });
+        Self::on_mesh(mesh, channel, port)
     }
 
     /// The transport among mesh ranks `base..base + size` (one data-parallel replica's
-    /// pipeline), which it numbers `0..size`.
-    ///
-    /// # Panics
-    /// When this process's mesh rank is not one of them (a caller's numbering bug).
-    pub fn group(mesh: &TcpMesh, channel: Channel, codec: C, base: usize, size: usize) -> Self {
+    /// pipeline), which it numbers `0..size`; an error names the range when it is empty,
+    /// runs past the mesh or does not hold this process's mesh rank.
+    pub fn group(
+        mesh: &TcpMesh,
+        channel: Channel,
+        codec: C,
+        base: usize,
+        size: usize,
+    ) -> Result<Self, GroupError> {
         use super::link::PeerLink;
-        let rank = mesh.rank().wrapping_sub(base);
-        assert!(
-            rank < size,
-            "mesh rank {} is not in ranks {base}..{}",
-            mesh.rank(),
-            base + size
-        );
-        let world = size;
+        let rank = group_rank(mesh.rank(), mesh.world(), base, size)?;
         let port = Arc::new(Port {
-            local: InProcess::new(world),
+            local: InProcess::new(size),
             codec,
             rank,
             base,
         });
+        Ok(Self::on_mesh(mesh, channel, port))
+    }
+
+    fn on_mesh(mesh: &TcpMesh, channel: Channel, port: Arc<Port<T, C>>) -> Self {
         mesh.register(channel, Arc::clone(&port) as Arc<dyn Sink>);
         TcpTransport {
+            world: port.local.ranks(),
             port,
             mesh: Arc::clone(mesh.inner()),
             channel,
-            world,
         }
     }
 
@@ -233,5 +289,60 @@ impl<T: Send + 'static, C: Codec<T>> Transport<T> for TcpTransport<T, C> {
 
     fn close(&self) {
         Transport::close(&self.port.local);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::TcpListener;
+
+    use super::*;
+    use crate::comm::tcp::MeshOptions;
+    use crate::tensor::CpuBackend;
+
+    #[test]
+    fn a_group_is_numbered_from_its_base() {
+        assert_eq!(group_rank(5, 8, 4, 2), Ok(1));
+        assert_eq!(group_rank(0, 1, 0, 1), Ok(0));
+    }
+
+    #[test]
+    fn a_wrong_group_is_a_typed_error_naming_the_range() {
+        let err = group_rank(1, 4, 2, 2).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "transport group of mesh ranks 2..4: this process is mesh rank 1, not one of them"
+        );
+        assert_eq!(
+            group_rank(3, 4, 2, 3).unwrap_err().to_string(),
+            "transport group of mesh ranks 2..5: it runs past the mesh's 4 ranks"
+        );
+        assert_eq!(
+            group_rank(0, 4, 0, 0).unwrap_err().to_string(),
+            "transport group at mesh rank 0: the group is empty"
+        );
+        assert!(matches!(
+            group_rank(0, 4, usize::MAX, 2),
+            Err(GroupError::PastMesh { .. })
+        ));
+    }
+
+    #[test]
+    fn group_on_a_mesh_refuses_a_range_without_this_rank_instead_of_panicking() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mesh = TcpMesh::connect(0, listener, &[addr], &MeshOptions::new("t")).unwrap();
+        let codec = BufCodec(CpuBackend::new(1).unwrap());
+        let err = TcpTransport::group(&mesh, TENSOR_CHANNEL, codec, 1, 1).err();
+        assert_eq!(
+            err,
+            Some(GroupError::PastMesh {
+                base: 1,
+                size: 1,
+                world: 1
+            })
+        );
+        let ok = TcpTransport::group(&mesh, STATS_CHANNEL, SerdeCodec, 0, 1);
+        assert_eq!(Transport::<u32>::ranks(&ok.unwrap()), 1);
     }
 }

@@ -85,6 +85,12 @@ pub enum DistributedError {
     /// The mesh failed: a peer died or broke the protocol (named in the text).
     #[error("rank {rank}: {reason}")]
     Peer { rank: usize, reason: String },
+    /// The transport between the ranks cannot be set up (`transport` in the job).
+    #[error("rank {rank}: {error}")]
+    Transport {
+        rank: usize,
+        error: crate::comm::select::TransportError,
+    },
 }
 
 /// What one rank's run produced.
@@ -203,20 +209,18 @@ pub fn train_rank(
     )
     .map_err(pipeline_err)?;
 
-    let tensors: Arc<dyn Transport<_>> = Arc::new(TcpTransport::group(
-        mesh,
-        TENSOR_CHANNEL,
-        BufCodec(backend),
-        replica * pp,
-        pp,
-    ));
-    let stats: Arc<dyn Transport<GradStats>> = Arc::new(TcpTransport::group(
-        mesh,
-        STATS_CHANNEL,
-        SerdeCodec,
-        replica * pp,
-        pp,
-    ));
+    let transport_err = |error| DistributedError::Transport { rank, error };
+    // Launched ranks compute on the CPU backend: TCP, or one clear error for "nccl".
+    crate::comm::select::select_transport(job.transport, Default::default())
+        .map_err(transport_err)?;
+    let tensors: Arc<dyn Transport<_>> = Arc::new(
+        TcpTransport::group(mesh, TENSOR_CHANNEL, BufCodec(backend), replica * pp, pp)
+            .map_err(|e| transport_err(e.into()))?,
+    );
+    let stats: Arc<dyn Transport<GradStats>> = Arc::new(
+        TcpTransport::group(mesh, STATS_CHANNEL, SerdeCodec, replica * pp, pp)
+            .map_err(|e| transport_err(e.into()))?,
+    );
     let mut pipeline = Pipeline::new(PlanSource::Given(plan.clone()), clock)
         .iterations(steps)
         .step_mode(StepMode::default())

@@ -63,6 +63,46 @@ impl CudaBuf {
             Storage::Bf16(s) => s.len(),
         }
     }
+
+    /// Number of elements (the same as `Backend::len`, without a backend at hand).
+    pub fn element_count(&self) -> usize {
+        self.len()
+    }
+
+    /// The storage type (the same as `Backend::dtype`, without a backend at hand).
+    pub fn storage_dtype(&self) -> DType {
+        match self.0 {
+            Storage::F32(_) => DType::F32,
+            Storage::Bf16(_) => DType::Bf16,
+        }
+    }
+
+    /// The device memory itself, for code that moves buffers between GPUs (NCCL in
+    /// `comm::nccl_transport`) without a round trip through the host.
+    pub fn into_data(self) -> CudaData {
+        match self.0 {
+            Storage::F32(s) => CudaData::F32(s),
+            Storage::Bf16(s) => CudaData::Bf16(s),
+        }
+    }
+}
+
+/// A [`CudaBuf`]'s device memory: `f32` values, or `bf16` bit patterns. Converting back
+/// with `CudaBuf::from` gives a buffer any [`CudaBackend`] on the same GPU can use (cudarc
+/// orders its use on the backend's stream after the stream that wrote it).
+#[derive(Debug)]
+pub enum CudaData {
+    F32(CudaSlice<f32>),
+    Bf16(CudaSlice<u16>),
+}
+
+impl From<CudaData> for CudaBuf {
+    fn from(data: CudaData) -> Self {
+        CudaBuf(match data {
+            CudaData::F32(s) => Storage::F32(s),
+            CudaData::Bf16(s) => Storage::Bf16(s),
+        })
+    }
 }
 
 /// The CUDA backend for one GPU. Cheap to clone: clones share the context, the stream (so
