@@ -7,6 +7,12 @@
 //! ratio is printed: speculation can only pay where the ratio is well under the acceptance
 //! length.
 //!
+//! The pieces of one call at `d_model` 256, batch 1, one row (decode) against K+1 rows
+//! (verification), to see where a verification's extra cost goes: the weight products
+//! ([`rowmul`] through the model's 32 block matrices and the head) and the attention of the
+//! new positions over a cache of `PAST` positions in every layer ([`attend`]); the rest of
+//! a call (norms, activation, copies) is the difference to the whole call.
+//!
 //! `cargo bench -p pipefill --bench rollout`
 
 use std::hint::black_box;
@@ -16,6 +22,8 @@ use criterion::Criterion;
 use pipefill::config::JobConfig;
 use pipefill::data::SplitMix64;
 use pipefill::model::drafter::{DraftContext, Drafter};
+use pipefill::model::infer::attend::attend;
+use pipefill::model::infer::rowmul::{Packed, rowmul};
 use pipefill::model::infer::{InferStage, Span, run_stages};
 use pipefill::model::{Cut, Gpt, GptConfig};
 use pipefill::tensor::CpuBackend;
@@ -129,9 +137,84 @@ fn main() {
             );
         }
     }
+    let pieces = pieces(&mut criterion);
     criterion.final_summary();
     println!("d_model batch  decode ms  verify(K+1={}) ms  ratio", K + 1);
     for (d, b, dec, ver) in table {
         println!("{d:>7} {b:>5} {dec:>10.3} {ver:>18.3} {:>6.2}", ver / dec);
     }
+    println!(
+        "piece (d_model 256, batch 1)  1 row ms  {} rows ms  ratio",
+        K + 1
+    );
+    for (name, one, many) in pieces {
+        println!("{name:<28} {one:>9.3} {many:>10.3} {:>6.2}", many / one);
+    }
+}
+
+/// The weight products and the attention of one call at `d_model` 256, batch 1, for one
+/// row and for K+1 rows: `(piece, ms for 1, ms for K+1)`.
+fn pieces(criterion: &mut Criterion) -> Vec<(&'static str, f64, f64)> {
+    let cfg = config(256);
+    let (d, h, v) = (cfg.d_model, cfg.mlp_hidden(), cfg.vocab);
+    let mut rng = SplitMix64::new(7);
+    let mut random = |n: usize| -> Vec<f32> {
+        (0..n)
+            .map(|_| (rng.next_f64() as f32 - 0.5) * 0.1)
+            .collect()
+    };
+    // Distinct matrices per layer, as in the model: 25 MB streamed per call.
+    let mut mats = Vec::new();
+    for _ in 0..cfg.layers {
+        for (din, dout) in [(d, 3 * d), (d, d), (d, h), (h, d)] {
+            mats.push((din, Packed::new(&random(din * dout), din, dout)));
+        }
+    }
+    mats.push((d, Packed::new(&random(d * v), d, v)));
+    let x = random((K + 1) * h);
+    let (keys, values) = (random((PAST + K + 1) * d), random((PAST + K + 1) * d));
+    let mut out = Vec::new();
+    let mut group = criterion.benchmark_group("pieces_d256");
+    let mut weights = [0.0; 2];
+    for (j, rows) in [1, K + 1].into_iter().enumerate() {
+        let mut per = Vec::new();
+        group.bench_function(format!("weights/rows{rows}"), |b| {
+            b.iter_custom(timed(&mut per, || {
+                for (din, w) in &mats {
+                    black_box(rowmul(&x[..rows * din], w, rows));
+                }
+            }))
+        });
+        weights[j] = median_ms(per);
+    }
+    out.push(("weight products (rowmul)", weights[0], weights[1]));
+    let mut attn = [0.0; 2];
+    for (j, rows) in [1, K + 1].into_iter().enumerate() {
+        let mut per = Vec::new();
+        let mut scores = Vec::new();
+        let mut o = vec![0.0f32; d];
+        group.bench_function(format!("attention/rows{rows}"), |b| {
+            b.iter_custom(timed(&mut per, || {
+                for _ in 0..cfg.layers {
+                    for r in 0..rows {
+                        let q = &x[r * d..(r + 1) * d];
+                        attend(
+                            q,
+                            &keys,
+                            &values,
+                            PAST + r + 1,
+                            cfg.heads,
+                            &mut scores,
+                            &mut o,
+                        );
+                    }
+                }
+                black_box(&o);
+            }))
+        });
+        attn[j] = median_ms(per);
+    }
+    out.push(("attention (attend)", attn[0], attn[1]));
+    group.finish();
+    out
 }

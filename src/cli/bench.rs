@@ -9,9 +9,14 @@
 //!    heavy-tailed completion lengths), each capped by the model's positions;
 //! 3. runs it once with plain decoding, recording the drafter rows, and trains the drafter
 //!    (`[drafter]`) for `--drafter-slices` slices on exactly those rows;
-//! 4. runs it plainly and with a fixed K, and calibrates the adaptive threshold from those
-//!    runs: tokens/s with speculation against without over the live-batch buckets up to
-//!    `b`, pooled; the threshold is the largest `b` where speculation wins;
+//! 4. runs it plainly and with a fixed K (its acceptance length is the one the threshold
+//!    uses), and derives the adaptive threshold from measured step costs: per sequences in
+//!    one group `b` = 1, 2, 4, …, the target's decode step, its verification of K+1
+//!    positions and the drafter's proposal (one thread, medians); speculation pays at `b`
+//!    while `acceptance × decode(b) > propose(b) + verify(b)`, and the threshold is the
+//!    largest such `b` (all smaller ones paying too) times the groups in flight. The
+//!    engine's own tokens/s per live-batch bucket are printed next to it as a check (runs
+//!    of a few milliseconds per bucket: too noisy on a shared box to decide alone);
 //! 5. runs the batch `--reps` times per mode and reports medians: tokens/s overall and in
 //!    the long tail (from the moment a quarter of the batch is live), acceptance length,
 //!    time in the tail, and whether every mode produced the same greedy tokens.
@@ -23,7 +28,7 @@ use anyhow::{Context, bail};
 use pipefill::config::JobConfig;
 use pipefill::data::{SplitMix64, TaskGenerator, Tokenizer, tokenizer::BOS};
 use pipefill::model::drafter::{DraftBufferHandle, DraftContext, Drafter, DrafterTrainer};
-use pipefill::model::infer::InferStage;
+use pipefill::model::infer::{InferStage, Span, run_stages};
 use pipefill::model::{Cut, Gpt};
 use pipefill::rl::bandit::bucket;
 use pipefill::rl::rollout::{
@@ -184,33 +189,22 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
             100.0 * agree
         ),
     );
-    // What one draft costs, next to the engine's per-token figures below: the proposal of
-    // K tokens for a single sequence (the long tail's batch), median of 9.
-    let propose_ms = {
-        let row = first
-            .rows
-            .iter()
-            .max_by_key(|r| r.len())
-            .context("no rows")?;
-        let (n, d) = (row.len(), job.model.d_model);
-        let tokens: Vec<u32> = row.targets[..n].to_vec();
-        let ctx = [DraftContext {
-            hidden: &row.hidden[..n * d],
-            tokens: &tokens,
-        }];
-        let mut rng = SplitMix64::new(1);
-        let mut t = Vec::new();
-        for _ in 0..9 {
-            let s = Instant::now();
-            dtrainer.drafter_mut().propose(&ctx, a.k, 0.0, &mut rng)?;
-            t.push(s.elapsed().as_secs_f64() * 1e3);
-        }
-        median(t)
-    };
+    // What a step costs per sequences in one group, measured piece by piece (one thread):
+    // the target's decode and verification, and the drafter's proposal on the longest row
+    // of the plain rollout (the long tail's context). They decide the threshold below.
+    let probe = first
+        .rows
+        .iter()
+        .max_by_key(|r| r.len())
+        .context("no rows")?
+        .clone();
+    let max_b = requests.len().div_ceil(groups).min(MAX_CALIBRATION_BATCH);
+    let costs = step_costs(model, dtrainer.drafter_mut(), &probe, a.k, max_b)?;
+    let propose_ms = costs.first().map_or(f64::NAN, |c| c.propose_ms);
     say(
         a.json,
         format!(
-            "drafter: proposing K={} tokens for one sequence takes {propose_ms:.3} ms (median of 9)",
+            "drafter: proposing K={} tokens for one sequence takes {propose_ms:.3} ms (median of {COST_REPS})",
             a.k
         ),
     );
@@ -229,20 +223,43 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
     };
     let (plain0, fixed) = pair(&Speculation::Fixed { k: a.k })?;
     let fixed_accept = median(fixed.iter().map(|r| r.stats.acceptance_length()).collect());
-    let (threshold, table) = calibrate(&plain0, &fixed);
-    for (b, pr, fr) in &table {
+    for (b, pr, fr) in engine_buckets(&plain0, &fixed) {
         say(
             a.json,
             format!(
-                "calibration: live ≤ {b:>3}: plain {pr:>9.1} tokens/s, fixed K={} {fr:>9.1} tokens/s",
+                "engine check: live ≤ {b:>3}: plain {pr:>9.1} tokens/s, fixed K={} {fr:>9.1} tokens/s",
                 a.k
+            ),
+        );
+    }
+    let per_group = threshold_per_group(&costs, fixed_accept);
+    let threshold = per_group * groups;
+    for c in &costs {
+        say(
+            a.json,
+            format!(
+                "step costs: {:>3} per group: decode {:>7.3} ms, verify K+1={} {:>7.3} ms ({:.2}x), propose {:>6.3} ms: speculation {} ({:.2} vs {:.2} ms per plain-token-equivalent)",
+                c.batch,
+                c.decode_ms,
+                a.k + 1,
+                c.verify_ms,
+                c.verify_ms / c.decode_ms,
+                c.propose_ms,
+                if c.pays(fixed_accept) {
+                    "pays"
+                } else {
+                    "loses"
+                },
+                (c.propose_ms + c.verify_ms) / fixed_accept,
+                c.decode_ms
             ),
         );
     }
     say(
         a.json,
         format!(
-            "threshold: speculate while live ≤ {threshold} (fixed K beat plain over all buckets up to it pooled; acceptance length {fixed_accept:.2})"
+            "threshold: speculate while live ≤ {threshold} ({per_group} per group × {groups} groups; acceptance length {fixed_accept:.2} at K={})",
+            a.k
         ),
     );
     let adaptive = Speculation::Adaptive(AdaptiveConfig {
@@ -286,6 +303,7 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
             "adaptive_tail_s": m(&adapt, &tail_s),
             "threshold": threshold,
             "propose_ms": propose_ms,
+            "step_costs": costs,
             "k_choices": ks,
             "identical_outputs": identical,
             "requests": requests.len(),
@@ -376,22 +394,118 @@ fn by_bucket(runs: &[Rollout]) -> BTreeMap<usize, (f64, f64)> {
     out
 }
 
-/// The adaptive threshold, measured in the engine itself: tokens/s of the fixed-K runs
-/// against the plain runs over all live-batch buckets up to `b` (pooled, so one noisy
-/// bucket of a few milliseconds cannot decide alone); the threshold is the largest `b`
-/// where speculation wins (0: it never pays). Returns it with the per-bucket rates.
-fn calibrate(plain: &[Rollout], fixed: &[Rollout]) -> (usize, Vec<(usize, f64, f64)>) {
+/// Tokens/s of the plain and the fixed-K runs while the live batch was in each bucket:
+/// `(bucket, plain, fixed)`, over the buckets both runs went through.
+fn engine_buckets(plain: &[Rollout], fixed: &[Rollout]) -> Vec<(usize, f64, f64)> {
     let (p, f) = (by_bucket(plain), by_bucket(fixed));
-    let (mut threshold, mut table) = (0, Vec::new());
-    let (mut pool_p, mut pool_f) = ((0.0, 0.0), (0.0, 0.0));
-    for (&b, &(pt, ps)) in &p {
-        let Some(&(ft, fs)) = f.get(&b) else { continue };
-        pool_p = (pool_p.0 + pt, pool_p.1 + ps);
-        pool_f = (pool_f.0 + ft, pool_f.1 + fs);
-        if pool_f.0 / pool_f.1.max(1e-9) > pool_p.0 / pool_p.1.max(1e-9) {
-            threshold = b;
-        }
-        table.push((b, pt / ps.max(1e-9), ft / fs.max(1e-9)));
+    p.iter()
+        .filter_map(|(&b, &(pt, ps))| {
+            let &(ft, fs) = f.get(&b)?;
+            Some((b, pt / ps.max(1e-9), ft / fs.max(1e-9)))
+        })
+        .collect()
+}
+
+/// Largest group size the step costs are measured for.
+const MAX_CALIBRATION_BATCH: usize = 32;
+/// Timed repetitions per cost (medians).
+const COST_REPS: usize = 9;
+/// Positions already in each sequence's cache when a timed step starts.
+const COST_PAST: usize = 32;
+
+/// What one step of a group of `batch` sequences costs, in milliseconds.
+#[derive(Clone, Copy, Debug, serde::Serialize)]
+struct StepCost {
+    batch: usize,
+    decode_ms: f64,
+    verify_ms: f64,
+    propose_ms: f64,
+}
+
+impl StepCost {
+    /// Whether a speculative step (proposal + verification, `acceptance` tokens per
+    /// sequence) emits tokens faster than plain decode steps (one token each).
+    fn pays(&self, acceptance: f64) -> bool {
+        acceptance * self.decode_ms > self.propose_ms + self.verify_ms
     }
-    (threshold, table)
+}
+
+/// Step costs for groups of 1, 2, 4, … up to `max_b` sequences: the whole target on one
+/// thread (a group in the long tail passes the stages one after another, so their costs add
+/// up) decoding one position per sequence and verifying K+1, each resuming at
+/// `COST_PAST` of a prefilled cache; and `drafter` proposing `k` tokens for `batch` copies
+/// of `probe`'s context.
+fn step_costs(
+    model: &Gpt<CpuBackend>,
+    drafter: &mut Drafter<CpuBackend>,
+    probe: &pipefill::model::drafter::DraftRow,
+    k: usize,
+    max_b: usize,
+) -> anyhow::Result<Vec<StepCost>> {
+    let past = COST_PAST.min(model.config().seq_len.saturating_sub(k + 1));
+    let mut stages = InferStage::stages_of(model, &Cut::Even(1))?;
+    let d = model.config().d_model;
+    let n = probe.len();
+    let tokens: Vec<u32> = probe.targets[..n].to_vec();
+    let ctx = DraftContext {
+        hidden: &probe.hidden[..n * d],
+        tokens: &tokens,
+    };
+    let mut rng = SplitMix64::new(1);
+    let time = |f: &mut dyn FnMut() -> anyhow::Result<()>| -> anyhow::Result<f64> {
+        let mut t = Vec::with_capacity(COST_REPS);
+        for _ in 0..COST_REPS {
+            let s = Instant::now();
+            f()?;
+            t.push(s.elapsed().as_secs_f64() * 1e3);
+        }
+        Ok(median(t))
+    };
+    let spans = |b: usize, start: usize, len: usize| -> Vec<Span> {
+        (0..b).map(|slot| Span { slot, start, len }).collect()
+    };
+    let mut out = Vec::new();
+    let mut b = 1;
+    while b <= max_b.max(1) {
+        let ids = vec![5u32; b * (past + k + 1)];
+        run_stages(&mut stages, &spans(b, 0, past + k + 1), &ids)?;
+        let decode_ms = time(&mut || {
+            run_stages(&mut stages, &spans(b, past, 1), &ids[..b])?;
+            Ok(())
+        })?;
+        let verify_ms = time(&mut || {
+            run_stages(&mut stages, &spans(b, past, k + 1), &ids[..b * (k + 1)])?;
+            Ok(())
+        })?;
+        let contexts = vec![ctx; b];
+        let propose_ms = time(&mut || {
+            drafter.propose(&contexts, k, 0.0, &mut rng)?;
+            Ok(())
+        })?;
+        out.push(StepCost {
+            batch: b,
+            decode_ms,
+            verify_ms,
+            propose_ms,
+        });
+        b *= 2;
+    }
+    Ok(out)
+}
+
+/// The largest group size up to which speculation pays at every measured size (0: it does
+/// not pay even for one sequence). Between measured sizes the smaller one decides.
+fn threshold_per_group(costs: &[StepCost], acceptance: f64) -> usize {
+    let mut best = 0;
+    for (i, c) in costs.iter().enumerate() {
+        if !c.pays(acceptance) {
+            break;
+        }
+        // Paying at `c.batch` and at the next measured size covers the sizes between.
+        best = match costs.get(i + 1) {
+            Some(next) if next.pays(acceptance) => next.batch - 1,
+            _ => c.batch,
+        };
+    }
+    best
 }
