@@ -52,16 +52,17 @@ pub enum RolloutError {
 
 /// Live batch at or below which [`AdaptiveConfig::default`] speculates.
 ///
-/// How it is derived: `pipefill bench rollout` runs the same long-tail batch plainly and
-/// with a fixed K, alternating run by run, and compares tokens/s per live-batch bucket; the
-/// threshold is the largest bucket up to which speculation wins (buckets pooled). The
-/// target-side cost behind it (`InferStage`, one thread, K = 4, 2-core box): a
-/// verification step costs 2.0× a decode step at batch 1, 3.6× at 2, 4.4–4.6× at 4–8 and
-/// 5–9× beyond, against acceptance lengths of 2.8–3.7 with the bench's trained drafter, so
-/// speculation can only pay up to about 8 live sequences; that is this default. The
-/// engine-level calibration on the shared 2-core machine is dominated by noise (runs of a
-/// few milliseconds) and gives anything from 0 to 2: calibrate per machine with the bench.
-pub const DEFAULT_SPEC_THRESHOLD: usize = 8;
+/// How it is derived: `pipefill bench rollout` measures, per sequences in one group `b`,
+/// the target's decode step, its verification of K+1 positions and the drafter's proposal
+/// (one thread, medians), and speculation pays at `b` while
+/// `acceptance × decode(b) > propose(b) + verify(b)`; the threshold is the largest paying
+/// `b` times the groups in flight. Measured on the shared 2-core box (`d_model` 256,
+/// 8 layers, K = 4, acceptance length 2.11 with the bench's drafter, 4 groups): at `b` = 1
+/// decode 1.74 ms, verify 2.81 ms (1.61×), propose 0.37 ms, so speculation pays
+/// (1.51 ms per token against 1.74); at `b` = 2, 4, 8 verification costs 2.2–3.2× a decode
+/// step and it loses. One sequence per group × 4 groups: 4. The figures move with the
+/// machine's load and the drafter's acceptance: rerun the bench per machine.
+pub const DEFAULT_SPEC_THRESHOLD: usize = 4;
 
 /// When to speculate.
 #[derive(Clone, Debug, PartialEq)]
