@@ -79,6 +79,18 @@ fn headers_round_trip_and_misaddressed_or_oversized_ones_are_named() {
     );
 }
 
+proptest::proptest! {
+    /// The header decoder and checks are what a peer's bytes reach first: never a panic.
+    #[test]
+    fn arbitrary_bytes_never_panic_the_header_decoder(
+        bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..128)
+    ) {
+        if let Ok(h) = frame::decode::<NcclHeader>(&bytes) {
+            let _ = check_header(1, 0, 2, 0, &h);
+        }
+    }
+}
+
 #[test]
 fn a_bad_group_or_a_missing_gpu_is_a_clear_error_not_a_panic() {
     let mesh = meshes(1).pop().unwrap();
