@@ -1,9 +1,11 @@
 //! Drafter training in the bubbles (`filler = "drafter"`): the target's training is exactly
 //! that of a run without filler, every rank's drafter replica ends with the same weights,
-//! the drafter learns, and its work fills the bubbles it is given.
+//! the drafter learns, and its work fills the bubbles it is given; the replay that measures
+//! step inflation gives an unfilled run back its own timeline.
 
 use pipefill::config::{Filler, JobConfig};
-use pipefill::pipeline::{PipelineRun, PipelineTrainer, StepView};
+use pipefill::pipeline::{Clock, PipelineRun, PipelineTrainer, StepMode, StepView};
+use pipefill::profile::report::{replay, replay_makespans};
 use pipefill::schedules::ScheduleKind;
 
 /// The default model and pipeline (4 stages, 4 micro-batches), `steps` steps.
@@ -112,4 +114,54 @@ fn the_drafter_learns_in_the_bubbles_it_fills() {
         filled >= 0.8 * waited,
         "filled {filled} s of {waited} s waited"
     );
+}
+
+#[test]
+fn an_unfilled_run_replays_to_its_measured_timeline() {
+    // The replay that measures step inflation, run on real steps without filler, must give
+    // back each step's own makespan (and each action its own times): any gap it cannot
+    // explain would read as inflation. Every way a rank can take its optimizer step: the
+    // default post-validation (stepping at the end of a walk or deferred to the next),
+    // speculative steps, and the barrier.
+    let job = job(4);
+    type Setup = fn(PipelineTrainer) -> PipelineTrainer;
+    let cases: [(ScheduleKind, Setup); 5] = [
+        (ScheduleKind::ZbH1, |t| t),
+        (ScheduleKind::OneFOneB, |t| t),
+        (ScheduleKind::ZbH2, |t| t),
+        (ScheduleKind::ZbH1, |t| t.speculative_steps(true)),
+        (ScheduleKind::OneFOneB, |t| t.step_mode(StepMode::Barrier)),
+    ];
+    for (case, (kind, setup)) in cases.into_iter().enumerate() {
+        let trainer = setup(PipelineTrainer::builtin(&job, kind, None).unwrap());
+        let run = trainer.run(job.train.steps, |_| {}).unwrap();
+        let its = &run.report.iterations;
+        assert_eq!(its.len() as u64, job.train.steps);
+        let Clock::Virtual { link_latency } = run.report.clock else {
+            panic!("the default job runs on the virtual clock");
+        };
+        let replayed = replay_makespans(its, link_latency).unwrap();
+        for (it, replayed) in its.iter().zip(replayed) {
+            let measured = it.timeline.makespan;
+            assert!(
+                (replayed - measured).abs() <= 1e-9 * measured,
+                "{kind} (case {case}) step {}: replayed {replayed}, measured {measured}",
+                it.iteration
+            );
+        }
+        let records: Vec<_> = its.iter().flat_map(|it| it.records.clone()).collect();
+        let steps: Vec<_> = its.iter().flat_map(|it| it.steps.clone()).collect();
+        let times = replay(&records, &steps, link_latency).unwrap();
+        for (m, r) in records.iter().zip(&times) {
+            assert!(
+                (m.start - r.start).abs() <= 1e-9 * m.end && (m.end - r.end).abs() <= 1e-9 * m.end,
+                "{kind} (case {case}) rank {} step {} {}: measured {:?}, replayed {:?}",
+                m.rank,
+                m.iteration,
+                m.action,
+                (m.start, m.end),
+                (r.start, r.end)
+            );
+        }
+    }
 }

@@ -20,8 +20,11 @@
 mod fill;
 mod replay;
 
-pub use fill::{FillerSpan, Filling, RankFill, WorkFigures, median_step_makespan};
-pub use replay::{ReplayError, replay_makespan, step_inflations};
+pub use fill::{
+    ActionCosts, CostChange, FillerSpan, Filling, RankFill, WorkFigures, action_costs,
+    median_step_makespan,
+};
+pub use replay::{ReplayError, replay, replay_makespans, step_inflations};
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -122,7 +125,9 @@ pub struct BubbleReport {
     /// Filled / bubble time over the whole run and every rank.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bubble_fill_ratio: Option<f64>,
-    /// Median step makespan with fillers / without − 1.
+    /// Step makespan with fillers / without − 1: under the virtual clock the critical-path
+    /// inflation of the run replayed without its fillers, else against a separate run
+    /// ([`Filling::step_inflation`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub step_inflation: Option<f64>,
     /// The drafter's top-1 agreement with the target on held-out rows, at the end.

@@ -21,6 +21,7 @@ use pipefill::model::checkpoint::sharded::{
 };
 use pipefill::model::checkpoint::{Checkpoint, META_FILE};
 use pipefill::pipeline::{PipelineTrainer, StepMetrics, StepView};
+use pipefill::profile::report::{ActionCosts, action_costs};
 use pipefill::schedules::ScheduleKind;
 
 use super::run_files::{StepLine, filling, write_profile};
@@ -159,7 +160,7 @@ pub(super) fn train(job: &JobConfig, resume: Option<&Path>) -> anyhow::Result<()
         &run,
         baseline
             .as_ref()
-            .map(|(m, note)| (m.as_slice(), note.clone())),
+            .map(|(m, note, costs)| (m.as_slice(), note.clone(), costs)),
     );
     let report = write_profile(&out_dir, job, &run, clock, filling)?;
     println!();
@@ -194,8 +195,12 @@ fn write_step(out: &mut impl Write, v: &StepView, filler: bool) -> anyhow::Resul
 }
 
 /// Runs the same job without filler for at most [`BASELINE_STEPS`] of its `steps` steps and
-/// returns its per-step makespans, with a note saying how it ran.
-fn baseline(trainer: &PipelineTrainer, steps: u64) -> anyhow::Result<(Vec<f64>, String)> {
+/// returns its per-step makespans, with a note saying how it ran, and its compute-action
+/// costs (for the action cost change under filling).
+fn baseline(
+    trainer: &PipelineTrainer,
+    steps: u64,
+) -> anyhow::Result<(Vec<f64>, String, ActionCosts)> {
     let n = steps.min(BASELINE_STEPS);
     println!("step inflation: measuring {n} steps of the same job with filler = \"none\"");
     let run = trainer
@@ -207,6 +212,7 @@ fn baseline(trainer: &PipelineTrainer, steps: u64) -> anyhow::Result<(Vec<f64>, 
     Ok((
         makespans,
         format!("the same job with filler = \"none\", {n} steps"),
+        action_costs(&run.report.iterations),
     ))
 }
 

@@ -24,8 +24,8 @@ use pipefill::pipeline::{Clock, PipelineRun, StepMetrics, StepView};
 use pipefill::profile::LaneSpan;
 use pipefill::profile::chrome::{ChromeOptions, chrome_trace_with};
 use pipefill::profile::report::{
-    BubbleReport, Filling, RunInfo, WorkFigures, median_step_makespan, steady_iteration,
-    step_inflations,
+    ActionCosts, BubbleReport, Filling, RunInfo, WorkFigures, action_costs, median_step_makespan,
+    steady_iteration, step_inflations,
 };
 use pipefill::profile::svg::{SvgOptions, svg_with};
 use pipefill::schedules::{Span, Timeline};
@@ -93,11 +93,12 @@ impl<'a> StepLine<'a> {
 }
 
 /// The filler figures of `run` over the whole run, with the median step makespan of a run
-/// without filler (`baseline`: its per-step makespans and how it ran) when one was measured.
+/// without filler (`baseline`: its per-step makespans, how it ran and its compute-action
+/// costs) when one was measured.
 pub(super) fn filling(
     job: &JobConfig,
     run: &PipelineRun,
-    baseline: Option<(&[f64], String)>,
+    baseline: Option<(&[f64], String, &ActionCosts)>,
 ) -> Option<Filling> {
     run.drafter.as_ref()?;
     let spans: Vec<_> = run
@@ -110,16 +111,16 @@ pub(super) fn filling(
     let name = format!("{:?}", job.filler).to_lowercase();
     let mut f = Filling::measure(&name, &run.report.overall, &spans).with_baseline(
         median_step_makespan(&makespans).unwrap_or(0.0),
-        baseline.and_then(|(m, note)| Some((median_step_makespan(m)?, note))),
+        baseline
+            .as_ref()
+            .and_then(|(m, note, _)| Some((median_step_makespan(m)?, note.clone()))),
     );
+    if let Some((_, _, without)) = baseline {
+        f = f.with_action_costs(&action_costs(&run.report.iterations), without);
+    }
     // Virtual clock: each step against itself replayed without fillers (no load noise).
     if let Clock::Virtual { link_latency } = run.report.clock {
-        let steps = run
-            .report
-            .iterations
-            .iter()
-            .map(|it| (it.timeline.makespan, &it.records[..]));
-        match step_inflations(steps, link_latency) {
+        match step_inflations(&run.report.iterations, link_latency) {
             Ok(per_step) => f = f.with_replay(&per_step),
             Err(e) => eprintln!("warning: step inflation not replayed: {e}"),
         }

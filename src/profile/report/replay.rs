@@ -1,273 +1,412 @@
-//! Step inflation without machine-load noise: a filled step replayed without its fillers.
+//! Step inflation without machine-load noise: a filled run replayed without its fillers.
 //!
 //! Comparing a filled run with a separate run without fillers mixes what filling cost with
 //! how loaded the machine was in each run (the compute actions' thread-CPU costs differ
-//! between runs). Under the virtual clock the cost of filling is exact instead: take one
-//! filled step's measured compute actions (their own durations), run them again in the
-//! plan's order per rank with the runtime's receive rule, and leave the filler spans out.
-//! Same actions, same costs; the makespans differ only by what filling cost the critical
-//! path.
+//! between runs). Under the virtual clock the cost of filling on the critical path is exact
+//! instead: take the run's measured actions and optimizer-step work (their own durations),
+//! run them again in the order each rank ran them under the virtual clock's rules, and
+//! leave the filler spans out. Same work, same costs; each step's makespan differs only by
+//! what filling cost the critical path.
 //!
-//! The replay follows the virtual clock (`pipefill_actors` `clock.rs`, `stage/walk.rs`):
-//! - each rank starts where it started the step (its first record's start minus the bubble
-//!   it waited in before it, which is where any filler in that bubble began);
+//! A rank's virtual clock (`pipefill_actors` `clock.rs`, `stage/walk.rs`, `stage/step.rs`)
+//! moves only by timed work and by waits for something another rank produced, so the
+//! replay follows every such move, across steps (a rank starts step k+1 where its part of
+//! step k ended, so a filler that delayed the end of k shows in k+1):
+//! - each rank starts where its first walk began ([`StepWork::Began`]);
 //! - a compute action starts when the rank is free and its inputs are there, and lasts its
-//!   measured duration. Inputs (as in the simulator): `F(s, mb)` needs `F(s − 1, mb)`, a
-//!   backward (`I`/`B`) of `(s, mb)` needs the backward of `(s + 1, mb)`; one produced on
-//!   another rank is there `link_latency` after it was produced. Local inputs (`F` before
-//!   its backward, `I` before `W`) were produced earlier on the same rank;
+//!   measured duration. Inputs: `F(s, mb)` needs `F(s − 1, mb)`, a backward (`I`/`B`) of
+//!   `(s, mb)` needs the backward of `(s + 1, mb)`; one produced on another rank is there
+//!   `link_latency` after it was produced (local ones were produced earlier on the rank);
 //! - a SEND stamps the payload with the rank's clock (no time of its own); the matching
-//!   RECV completes at `max(clock, stamp + link_latency)`.
+//!   RECV completes at `max(clock, stamp + link_latency)`;
+//! - the optimizer step's work lies where the rank ran it ([`StepRecord::before`]): the
+//!   gradient statistics take their measured time and leave at its end; an exact step
+//!   starts once every rank's statistics of that step are there (`link_latency` after they
+//!   left another rank) and takes its measured time; a speculative step takes its time, and
+//!   the first-stage forwards run after it keep their outputs until the exact step (or
+//!   their recomputation after a rollback) releases them.
+//!
+//! Which way each rank went (stepping at the end of a walk or at the next walk's first
+//! compute action, speculating or not) is taken as it was measured; without fillers a
+//! different timing could have chosen differently, which the replay does not explore.
 
 use std::collections::HashMap;
 
-use pipefill_actors::ActionRecord;
-use pipefill_schedules::{Action, ActionKind};
+use pipefill_actors::{ActionRecord, IterationProfile, StepRecord, StepWork};
+use pipefill_schedules::{Action, ActionKind, Timeline};
 use thiserror::Error;
 
-/// Why a step could not be replayed.
+/// Why a run could not be replayed.
 #[derive(Debug, Error, PartialEq)]
 pub enum ReplayError {
     #[error("step replay: no record has a compute action, so there is no makespan")]
     Empty,
     #[error(
-        "step replay: no rank can make progress; rank {rank} waits at {action} for an input \
-         no record of the step produces"
+        "step replay: rank {rank} has no record of where its first walk began (a profile \
+         from before step records were kept?)"
     )]
-    Stuck { rank: usize, action: Action },
+    NoStart { rank: usize },
+    #[error(
+        "step replay: no rank can make progress; rank {rank} in iteration {iteration} waits \
+         at {what} for something no record of the run produces"
+    )]
+    Stuck {
+        rank: usize,
+        iteration: u64,
+        what: String,
+    },
 }
 
-/// What a produced value is: the forward output or input gradient of `(stage, mb)`, or the
-/// stamp of the message carrying it.
+/// What a rank produced that another may wait for, by iteration.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 enum Made {
-    Forward(u32, u32),
-    Backward(u32, u32),
-    SentF(u32, u32),
-    SentB(u32, u32),
+    Forward(u64, u32, u32),
+    Backward(u64, u32, u32),
+    SentF(u64, u32, u32),
+    SentB(u64, u32, u32),
+    /// A rank's gradient statistics of a step.
+    Stats(usize, u64),
 }
 
-/// The makespan of one step's records (every rank's, in the order each rank ran them)
-/// replayed without fillers under a virtual clock with `link_latency` between ranks:
-/// last compute end − first compute start, as [`pipefill_schedules::Timeline`] measures it.
-pub fn replay_makespan(records: &[ActionRecord], link_latency: f64) -> Result<f64, ReplayError> {
-    let ranks = records.iter().map(|r| r.rank + 1).max().unwrap_or(0);
-    let mut lists: Vec<Vec<&ActionRecord>> = vec![Vec::new(); ranks];
-    for r in records {
-        lists[r.rank].push(r);
-    }
-    for list in &mut lists {
-        list.sort_by_key(|r| r.index);
-    }
-    // Which rank holds each stage, from where its compute actions ran.
-    let mut stage_rank: HashMap<u32, usize> = HashMap::new();
-    let mut last_stage = 0;
-    for r in records.iter().filter(|r| r.action.kind.is_compute()) {
-        for part in r.action.parts() {
-            stage_rank.insert(part.stage, r.rank);
-            last_stage = last_stage.max(part.stage);
+/// One thing a rank did, in the order it did it.
+#[derive(Clone, Copy)]
+enum Item<'a> {
+    Act(usize, &'a ActionRecord),
+    Step(&'a StepRecord),
+}
+
+impl Item<'_> {
+    fn iteration(&self) -> u64 {
+        match self {
+            Item::Act(_, r) => r.iteration,
+            Item::Step(s) => s.iteration,
         }
     }
-    let mut clock: Vec<f64> = lists
-        .iter()
-        .map(|l| l.first().map_or(0.0, |r| r.start - r.waited))
-        .collect();
-    let mut pos = vec![0usize; ranks];
-    let mut made: HashMap<Made, f64> = HashMap::new();
-    let (mut t0, mut t1) = (f64::INFINITY, f64::NEG_INFINITY);
-    let link = |from: Option<&usize>, to: usize| match from {
-        Some(&f) if f != to => link_latency,
-        _ => 0.0,
-    };
+
+    fn describe(&self) -> String {
+        match self {
+            Item::Act(_, r) => r.action.to_string(),
+            Item::Step(s) => format!("{:?}", s.work),
+        }
+    }
+}
+
+/// Per rank: its clock, the step it stepped speculatively for (not yet exact) and the
+/// outputs held meanwhile with the action that produced them.
+struct RankState {
+    clock: f64,
+    speculative: Option<u64>,
+    held: Vec<(Action, Made)>,
+}
+
+/// A replay in progress: each rank's items, how far it got, and what has been produced.
+struct Replay<'a> {
+    lists: Vec<Vec<Item<'a>>>,
+    pos: Vec<usize>,
+    state: Vec<RankState>,
+    /// When each product was there on the rank that made it, and that rank.
+    made: HashMap<Made, (f64, usize)>,
+    /// The last stage of each iteration (whose forward feeds no one).
+    last_stage: HashMap<u64, u32>,
+    link_latency: f64,
+    out: Vec<ActionRecord>,
+}
+
+/// `records` (every rank's actions) and `steps` (every rank's walk starts and
+/// optimizer-step work) of consecutive iterations, replayed without fillers under a virtual
+/// clock with `link_latency` between ranks: the records with their replayed times, in the
+/// order given (`waited` is left as measured: the replay does not split idle time).
+pub fn replay(
+    records: &[ActionRecord],
+    steps: &[StepRecord],
+    link_latency: f64,
+) -> Result<Vec<ActionRecord>, ReplayError> {
+    let mut replay = Replay::new(records, steps, link_latency)?;
+    let ranks = replay.lists.len();
     loop {
         let mut progressed = false;
         for rank in 0..ranks {
-            while let Some(&rec) = lists[rank].get(pos[rank]) {
-                let a = rec.action;
-                let ready = match a.kind {
-                    ActionKind::SendF | ActionKind::SendB => {
-                        let key = match a.kind {
-                            ActionKind::SendF => Made::SentF(a.stage, a.microbatch),
-                            _ => Made::SentB(a.stage, a.microbatch),
-                        };
-                        made.insert(key, clock[rank]);
-                        Some(clock[rank])
-                    }
-                    // RECV_F of stage s takes SEND_F of s − 1; RECV_B of s takes SEND_B of s + 1.
-                    ActionKind::RecvF => made
-                        .get(&Made::SentF(a.stage.wrapping_sub(1), a.microbatch))
-                        .map(|&t| t + link_latency),
-                    ActionKind::RecvB => made
-                        .get(&Made::SentB(a.stage + 1, a.microbatch))
-                        .map(|&t| t + link_latency),
-                    _ => a.parts().try_fold(clock[rank], |at, part| {
-                        let need = match part.kind {
-                            ActionKind::F if part.stage > 0 => {
-                                Some(Made::Forward(part.stage - 1, part.microbatch))
-                            }
-                            ActionKind::I | ActionKind::B if part.stage < last_stage => {
-                                Some(Made::Backward(part.stage + 1, part.microbatch))
-                            }
-                            _ => None,
-                        };
-                        let Some(need) = need else { return Some(at) };
-                        let (Made::Forward(s, _) | Made::Backward(s, _)) = need else {
-                            unreachable!("compute inputs are forwards or backwards")
-                        };
-                        let lat = link(stage_rank.get(&s), rank);
-                        made.get(&need).map(|&t| at.max(t + lat))
-                    }),
-                };
-                let Some(ready) = ready else { break };
-                let start = clock[rank].max(ready);
-                if a.kind.is_compute() {
-                    let end = start + rec.duration();
-                    for part in a.parts() {
-                        match part.kind {
-                            ActionKind::F => {
-                                made.insert(Made::Forward(part.stage, part.microbatch), end);
-                            }
-                            ActionKind::I | ActionKind::B => {
-                                made.insert(Made::Backward(part.stage, part.microbatch), end);
-                            }
-                            _ => {}
-                        }
-                    }
-                    t0 = t0.min(start);
-                    t1 = t1.max(end);
-                    clock[rank] = end;
-                } else {
-                    clock[rank] = start;
-                }
-                pos[rank] += 1;
+            while replay.advance(rank) {
                 progressed = true;
             }
         }
-        if (0..ranks).all(|r| pos[r] == lists[r].len()) {
-            break;
-        }
+        let waiting = (0..ranks).find(|&r| replay.pos[r] < replay.lists[r].len());
+        let Some(rank) = waiting else {
+            return Ok(replay.out);
+        };
         if !progressed {
-            let rank = (0..ranks)
-                .find(|&r| pos[r] < lists[r].len())
-                .unwrap_or_default();
+            let item = replay.lists[rank][replay.pos[rank]];
             return Err(ReplayError::Stuck {
                 rank,
-                action: lists[rank][pos[rank]].action,
+                iteration: item.iteration(),
+                what: item.describe(),
             });
         }
     }
-    if t1 < t0 {
-        return Err(ReplayError::Empty);
-    }
-    Ok(t1 - t0)
 }
 
-/// Step inflation of each step: its measured makespan / its replay without fillers − 1.
-pub fn step_inflations<'a>(
-    steps: impl IntoIterator<Item = (f64, &'a [ActionRecord])>,
+impl<'a> Replay<'a> {
+    fn new(
+        records: &'a [ActionRecord],
+        steps: &'a [StepRecord],
+        link_latency: f64,
+    ) -> Result<Self, ReplayError> {
+        let ranks = records
+            .iter()
+            .map(|r| r.rank + 1)
+            .chain(steps.iter().map(|s| s.rank + 1))
+            .max()
+            .unwrap_or(0);
+        // Each rank's items in the order it ran them: its step work before the action it
+        // preceded, iterations one after the other (the stable sort keeps the recorded
+        // order of step work at one position).
+        let mut lists: Vec<Vec<Item>> = vec![Vec::new(); ranks];
+        for s in steps {
+            lists[s.rank].push(Item::Step(s));
+        }
+        for (i, r) in records.iter().enumerate() {
+            lists[r.rank].push(Item::Act(i, r));
+        }
+        for list in &mut lists {
+            list.sort_by_key(|item| match item {
+                Item::Step(s) => (s.iteration, s.before, 0),
+                Item::Act(_, r) => (r.iteration, r.index, 1),
+            });
+        }
+        let mut last_stage: HashMap<u64, u32> = HashMap::new();
+        for r in records.iter().filter(|r| r.action.kind.is_compute()) {
+            for part in r.action.parts() {
+                let last = last_stage.entry(r.iteration).or_default();
+                *last = (*last).max(part.stage);
+            }
+        }
+        let mut state = Vec::with_capacity(ranks);
+        for (rank, list) in lists.iter().enumerate() {
+            let began = list.iter().find_map(|item| match item {
+                Item::Step(s) if s.work == StepWork::Began => Some(s.start),
+                _ => None,
+            });
+            let clock = match (began, list.is_empty()) {
+                (Some(t), _) => t,
+                (None, true) => 0.0,
+                (None, false) => return Err(ReplayError::NoStart { rank }),
+            };
+            state.push(RankState {
+                clock,
+                speculative: None,
+                held: Vec::new(),
+            });
+        }
+        Ok(Replay {
+            pos: vec![0; ranks],
+            lists,
+            state,
+            made: HashMap::new(),
+            last_stage,
+            link_latency,
+            out: records.to_vec(),
+        })
+    }
+
+    /// When `key` is there on rank `to` (`None`: not produced yet).
+    fn arrival(&self, key: Made, to: usize) -> Option<f64> {
+        let &(t, from) = self.made.get(&key)?;
+        Some(if from == to { t } else { t + self.link_latency })
+    }
+
+    /// Runs rank `rank`'s next item if what it waits for is there; false if it cannot.
+    fn advance(&mut self, rank: usize) -> bool {
+        let Some(&item) = self.lists[rank].get(self.pos[rank]) else {
+            return false;
+        };
+        let ran = match item {
+            Item::Step(s) => self.step_work(rank, s),
+            Item::Act(i, r) => self.action(rank, i, r),
+        };
+        if ran {
+            self.pos[rank] += 1;
+        }
+        ran
+    }
+
+    fn step_work(&mut self, rank: usize, s: &StepRecord) -> bool {
+        let cost = s.end - s.start;
+        match s.work {
+            StepWork::Began => {}
+            StepWork::Stats { step } => {
+                let st = &mut self.state[rank];
+                st.clock += cost;
+                self.made.insert(Made::Stats(rank, step), (st.clock, rank));
+            }
+            StepWork::Exact { step } => {
+                let ranks = self.lists.len();
+                let ready = (0..ranks).try_fold(self.state[rank].clock, |at, from| {
+                    Some(at.max(self.arrival(Made::Stats(from, step), rank)?))
+                });
+                let Some(ready) = ready else { return false };
+                let st = &mut self.state[rank];
+                st.clock = ready + cost;
+                if st.speculative == Some(step) {
+                    st.speculative = None;
+                    // Held outputs leave now, except those recomputed next.
+                    let recomputed: Vec<Action> = self.lists[rank][self.pos[rank] + 1..]
+                        .iter()
+                        .map_while(|item| match item {
+                            Item::Step(StepRecord {
+                                work: StepWork::Recompute { action, .. },
+                                ..
+                            }) => Some(*action),
+                            _ => None,
+                        })
+                        .collect();
+                    self.release(rank, |a| !recomputed.contains(&a));
+                }
+            }
+            StepWork::Speculative { step } => {
+                let st = &mut self.state[rank];
+                st.clock += cost;
+                st.speculative = Some(step);
+            }
+            StepWork::Unchecked { .. } => self.state[rank].clock += cost,
+            StepWork::Recompute { action, .. } => {
+                self.state[rank].clock += cost;
+                self.release(rank, |a| a == action);
+            }
+        }
+        true
+    }
+
+    /// Releases the outputs rank `rank` holds from the actions that pass `which`, now.
+    fn release(&mut self, rank: usize, which: impl Fn(Action) -> bool) {
+        let st = &mut self.state[rank];
+        let clock = st.clock;
+        let made = &mut self.made;
+        st.held.retain(|&(action, key)| {
+            if !which(action) {
+                return true;
+            }
+            made.insert(key, (clock, rank));
+            false
+        });
+    }
+
+    fn action(&mut self, rank: usize, i: usize, rec: &ActionRecord) -> bool {
+        let (a, it) = (rec.action, rec.iteration);
+        let clock = self.state[rank].clock;
+        let (start, end) = match a.kind {
+            ActionKind::SendF | ActionKind::SendB => {
+                let key = match a.kind {
+                    ActionKind::SendF => Made::SentF(it, a.stage, a.microbatch),
+                    _ => Made::SentB(it, a.stage, a.microbatch),
+                };
+                self.made.insert(key, (clock, rank));
+                (clock, clock)
+            }
+            // RECV_F of stage s takes SEND_F of s − 1; RECV_B of s, SEND_B of s + 1.
+            ActionKind::RecvF | ActionKind::RecvB => {
+                let key = match a.kind {
+                    ActionKind::RecvF => Made::SentF(it, a.stage.wrapping_sub(1), a.microbatch),
+                    _ => Made::SentB(it, a.stage + 1, a.microbatch),
+                };
+                let Some(arrival) = self.arrival(key, rank) else {
+                    return false;
+                };
+                let t = clock.max(arrival);
+                (t, t)
+            }
+            _ => {
+                let last = self.last_stage.get(&it).copied().unwrap_or(0);
+                let ready = a.parts().try_fold(clock, |at, part| {
+                    let need = match part.kind {
+                        ActionKind::F if part.stage > 0 => {
+                            Made::Forward(it, part.stage - 1, part.microbatch)
+                        }
+                        ActionKind::I | ActionKind::B if part.stage < last => {
+                            Made::Backward(it, part.stage + 1, part.microbatch)
+                        }
+                        _ => return Some(at),
+                    };
+                    Some(at.max(self.arrival(need, rank)?))
+                });
+                let Some(start) = ready else { return false };
+                let end = start + rec.duration();
+                let st = &mut self.state[rank];
+                for part in a.parts() {
+                    let key = match part.kind {
+                        ActionKind::F => Made::Forward(it, part.stage, part.microbatch),
+                        ActionKind::I | ActionKind::B => {
+                            Made::Backward(it, part.stage, part.microbatch)
+                        }
+                        _ => continue,
+                    };
+                    // On speculatively stepped weights: the output stays until the step
+                    // is exact.
+                    if st.speculative.is_some() {
+                        st.held.push((a, key));
+                    } else {
+                        self.made.insert(key, (end, rank));
+                    }
+                }
+                (start, end)
+            }
+        };
+        self.state[rank].clock = end;
+        self.out[i].start = start;
+        self.out[i].end = end;
+        true
+    }
+}
+
+/// Each iteration's makespan in the replay of `iterations` (consecutive, as the profiler
+/// gives them) without fillers: last compute end − first compute start, through
+/// [`Timeline::from_spans`] like the measured one.
+pub fn replay_makespans(
+    iterations: &[IterationProfile],
     link_latency: f64,
 ) -> Result<Vec<f64>, ReplayError> {
-    steps
-        .into_iter()
-        .map(|(measured, records)| {
-            let without = replay_makespan(records, link_latency)?;
-            Ok(if without > 0.0 {
-                measured / without - 1.0
+    let records: Vec<ActionRecord> = iterations
+        .iter()
+        .flat_map(|it| it.records.iter().copied())
+        .collect();
+    let steps: Vec<StepRecord> = iterations
+        .iter()
+        .flat_map(|it| it.steps.iter().copied())
+        .collect();
+    let replayed = replay(&records, &steps, link_latency)?;
+    let mut makespans = Vec::with_capacity(iterations.len());
+    let mut rest = &replayed[..];
+    for it in iterations {
+        let (mine, after) = rest.split_at(it.records.len());
+        rest = after;
+        if !mine.iter().any(|r| r.action.kind.is_compute()) {
+            return Err(ReplayError::Empty);
+        }
+        let spans = mine.iter().map(ActionRecord::span).collect();
+        makespans.push(Timeline::from_spans(it.timeline.ranks.len(), spans, &[]).makespan);
+    }
+    Ok(makespans)
+}
+
+/// Step inflation of each iteration: its measured makespan / its makespan in the replay
+/// without fillers − 1.
+pub fn step_inflations(
+    iterations: &[IterationProfile],
+    link_latency: f64,
+) -> Result<Vec<f64>, ReplayError> {
+    let without = replay_makespans(iterations, link_latency)?;
+    Ok(iterations
+        .iter()
+        .zip(without)
+        .map(|(it, w)| {
+            if w > 0.0 {
+                it.timeline.makespan / w - 1.0
             } else {
                 0.0
-            })
+            }
         })
-        .collect()
+        .collect())
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn rec(rank: usize, index: usize, action: Action, start: f64, end: f64) -> ActionRecord {
-        ActionRecord {
-            rank,
-            iteration: 0,
-            index,
-            action,
-            start,
-            end,
-            waited: 0.0,
-        }
-    }
-
-    /// Two ranks, two stages, one micro-batch, compute-only: 0F0 [0,1), 1F0 [1,2),
-    /// 1B0 [2,4), 0B0 [4,6); `late` delays rank 1's forward by that much (a filler that
-    /// overran the slot it was given while rank 1 waited for 0F0).
-    fn one_microbatch(late: f64) -> Vec<ActionRecord> {
-        let mut r1 = rec(1, 0, Action::f(1, 0), 1.0 + late, 2.0 + late);
-        r1.waited = 1.0 + late;
-        vec![
-            rec(0, 0, Action::f(0, 0), 0.0, 1.0),
-            rec(0, 1, Action::b(0, 0), 4.0 + late, 6.0 + late),
-            r1,
-            rec(1, 1, Action::b(1, 0), 2.0 + late, 4.0 + late),
-        ]
-    }
-
-    fn makespan(records: &[ActionRecord]) -> f64 {
-        let t0 = records
-            .iter()
-            .map(|r| r.start)
-            .fold(f64::INFINITY, f64::min);
-        let t1 = records.iter().map(|r| r.end).fold(0.0, f64::max);
-        t1 - t0
-    }
-
-    #[test]
-    fn an_unfilled_step_replays_to_its_measured_makespan() {
-        let step = one_microbatch(0.0);
-        assert_eq!(replay_makespan(&step, 0.0), Ok(makespan(&step)));
-        assert_eq!(step_inflations([(6.0, &step[..])], 0.0), Ok(vec![0.0]));
-    }
-
-    #[test]
-    fn a_filler_overrun_on_the_critical_path_is_the_inflation() {
-        // The filler ran 0.3 past 0F0's arrival: the measured step is 6.3, the replay 6.
-        let step = one_microbatch(0.3);
-        assert!((makespan(&step) - 6.3).abs() < 1e-12);
-        assert!((replay_makespan(&step, 0.0).unwrap() - 6.0).abs() < 1e-12);
-        let inflation = step_inflations([(6.3, &step[..])], 0.0).unwrap()[0];
-        assert!((inflation - 0.05).abs() < 1e-12, "{inflation}");
-    }
-
-    #[test]
-    fn lowered_plans_receive_at_the_send_stamp_plus_the_link_latency() {
-        use ActionKind::{RecvB, RecvF, SendB, SendF};
-        let lat = 0.5;
-        // Rank 1 waits from 0 for 0F0; rank 0 waits from 1 for 1B0.
-        let waiting = |mut r: ActionRecord, waited: f64| {
-            r.waited = waited;
-            r
-        };
-        let step = vec![
-            rec(0, 0, Action::f(0, 0), 0.0, 1.0),
-            rec(0, 1, Action::new(SendF, 0, 0), 1.0, 1.0),
-            waiting(rec(0, 2, Action::new(RecvB, 0, 0), 5.0, 5.0), 4.0),
-            rec(0, 3, Action::b(0, 0), 5.0, 7.0),
-            waiting(rec(1, 0, Action::new(RecvF, 1, 0), 1.5, 1.5), 1.5),
-            rec(1, 1, Action::f(1, 0), 1.5, 2.5),
-            rec(1, 2, Action::b(1, 0), 2.5, 4.5),
-            rec(1, 3, Action::new(SendB, 1, 0), 4.5, 4.5),
-        ];
-        assert_eq!(replay_makespan(&step, lat), Ok(7.0));
-        // Without the latency both hand-offs are immediate: 1 + 1 + 2 + 2.
-        assert_eq!(replay_makespan(&step, 0.0), Ok(6.0));
-    }
-
-    #[test]
-    fn a_step_missing_a_producer_is_refused_naming_who_waits() {
-        let step = vec![rec(1, 0, Action::f(1, 0), 0.0, 1.0), {
-            // Stage 0 is on rank 0, but its forward is missing from the records.
-            rec(0, 0, Action::b(0, 0), 1.0, 2.0)
-        }];
-        let err = replay_makespan(&step, 0.0).unwrap_err();
-        assert!(matches!(err, ReplayError::Stuck { .. }), "{err}");
-        assert_eq!(replay_makespan(&[], 0.0), Err(ReplayError::Empty));
-    }
-}
+#[path = "replay_tests.rs"]
+mod tests;
