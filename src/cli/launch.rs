@@ -10,17 +10,17 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 
 use pipefill::config::{Clock, JobConfig};
 use pipefill::launch::profile::mean_cost;
-use pipefill::launch::train::train_rank;
+use pipefill::launch::train::{RankResume, train_rank};
 use pipefill::launch::{RankEnv, join, join_timeout, listen_ip};
-use pipefill::model::checkpoint::{Checkpoint, META_FILE};
+use pipefill::model::checkpoint::resume::ResumePoint;
 use pipefill::pipeline::PipelineTrainer;
 use pipefill::profile::merge::MergedProfile;
 use pipefill::profile::report::RunInfo;
@@ -191,8 +191,11 @@ fn clock_of(job: &JobConfig) -> pipefill::pipeline::Clock {
 }
 
 /// `pipefill train` as one rank of a multi-process job: joins the others, trains this
-/// rank's stages, and on rank 0 writes the run directory: `job.toml`, the whole model's
-/// checkpoint, `metrics.jsonl` and the merged profile's report, trace and timeline.
+/// rank's stages (each rank writing its shard of the sharded checkpoints), and on rank 0
+/// writes the run directory: `job.toml`, the whole model's checkpoint, `metrics.jsonl` and
+/// the merged profile's report, trace and timeline. `--resume` takes a run directory or a
+/// checkpoint directory ([`ResumePoint::find`]); from a sharded one each rank reads its own
+/// shard.
 pub fn train_distributed(
     job: &JobConfig,
     env: &RankEnv,
@@ -222,8 +225,15 @@ pub fn train_distributed(
             env.world
         );
     }
-    let checkpoint = resume.map(resume_checkpoint).transpose()?;
-    let first_step = checkpoint.as_ref().map_or(0, |c| c.meta.step);
+    let checkpoint = resume
+        .map(|path| {
+            let point = ResumePoint::find(path)
+                .with_context(|| format!("cannot resume from {}", path.display()))?;
+            RankResume::load(&point, job, plan, rank)
+                .with_context(|| format!("cannot resume from {}", point.dir().display()))
+        })
+        .transpose()?;
+    let first_step = checkpoint.as_ref().map_or(0, RankResume::step);
     if first_step >= job.train.steps {
         bail!(
             "the checkpoint is at step {first_step}: nothing to do for train.steps = {}",
@@ -268,12 +278,14 @@ pub fn train_distributed(
         }
     }
     if let Some(mut checkpoint) = run.checkpoint {
-        let out_dir = job.out_dir.clone().unwrap_or_else(|| {
-            let secs = SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map_or(0, |d| d.as_secs());
-            PathBuf::from("runs").join(format!("distributed-{secs}"))
-        });
+        let out_dir = run.run_dir.clone();
+        if let Some(last) = run.checkpoints.last() {
+            println!(
+                "sharded checkpoints: {} (last {})",
+                run.checkpoints.len(),
+                last.display()
+            );
+        }
         std::fs::create_dir_all(&out_dir)
             .with_context(|| format!("cannot create output directory {}", out_dir.display()))?;
         std::fs::write(out_dir.join("job.toml"), job.to_toml())
@@ -286,29 +298,13 @@ pub fn train_distributed(
             write_run_files(&out_dir, job, plan, merged, &run.metrics, first_step)?;
         }
         println!(
-            "done: run directory {} (job.toml, metrics.jsonl, report.txt, report.json, trace.json, timeline.svg, checkpoint/)",
+            "done: run directory {} (job.toml, metrics.jsonl, report.txt, report.json, trace.json, timeline.svg, checkpoint/, checkpoints/)",
             out_dir.display()
         );
     }
     use pipefill::comm::link::PeerLink;
     mesh.close()?;
     Ok(())
-}
-
-/// The whole-model checkpoint `--resume PATH` names: a checkpoint directory, or a run
-/// directory of a multi-process run (its final `checkpoint/`).
-fn resume_checkpoint(path: &Path) -> anyhow::Result<Checkpoint> {
-    let dir = if path.join(META_FILE).is_file() {
-        path.to_path_buf()
-    } else if path.join("checkpoint").join(META_FILE).is_file() {
-        path.join("checkpoint")
-    } else {
-        bail!(
-            "{}: not a checkpoint or a run directory with one (no {META_FILE} or checkpoint/)",
-            path.display()
-        );
-    };
-    Checkpoint::load(&dir).with_context(|| format!("cannot resume from {}", dir.display()))
 }
 
 /// One line of a multi-process run's `metrics.jsonl`: the step's metrics and its merged

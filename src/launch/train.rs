@@ -16,8 +16,18 @@
 //! offset to rank 0's measured at join) and the last stage's process its step log (only it
 //! knows the losses); rank 0 merges them ([`profile`](super::profile)) into the run
 //! directory files a single-process run writes.
+//!
+//! Checkpoints ([`shards`]): every rank of replica 0 writes its own shard after every
+//! `checkpoint_every`-th step and after the last one, under the run directory rank 0 chose
+//! ([`RankRun::run_dir`]); rank 0 writes each manifest once every shard is acknowledged. A
+//! resumed rank reads only its own shard ([`RankResume`]).
+
+mod shards;
+
+pub use shards::{CHECKPOINT_CHANNEL, RankResume, agree_run_dir, layout};
 
 use std::collections::BTreeMap;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::mpsc::channel;
 use std::time::Duration;
@@ -38,11 +48,14 @@ use crate::comm::tcp_transport::{
 };
 use crate::config::JobConfig;
 use crate::data::StepData;
-use crate::model::checkpoint::{Checkpoint, HostTensor};
+use crate::model::checkpoint::sharded::{job_fingerprint, param_stages};
+use crate::model::checkpoint::{
+    ADAM_M_PREFIX, ADAM_V_PREFIX, Checkpoint, HostTensor, MASTER_PREFIX,
+};
 use crate::model::{AdamW, Cut, Gpt, ModelError, OptimizerState};
 use crate::pipeline::feed::StepFeed;
 use crate::pipeline::shared::Replica;
-use crate::pipeline::shared::{RankFinal, Shared};
+use crate::pipeline::shared::{Checkpointing, RankCheckpointer, RankFinal, Shared};
 use crate::pipeline::{PipelineError, RankCompute};
 use crate::profile::merge::{MergeError, MergedProfile, gather_profiles, merge, send_profile};
 use crate::schedules::Plan;
@@ -105,6 +118,11 @@ pub struct RankRun {
     pub merged: Option<MergedProfile>,
     /// The step log with the losses (rank 0 only; the gradient norm is the global one).
     pub metrics: Vec<StepMetrics>,
+    /// The run directory every rank agreed on (rank 0's choice).
+    pub run_dir: PathBuf,
+    /// The sharded checkpoints this rank wrote its shard of, in step order (on rank 0: the
+    /// checkpoints completed, manifest written); empty on the ranks of other replicas.
+    pub checkpoints: Vec<PathBuf>,
 }
 
 /// A parameter or moment on the wire: name, shape, values.
@@ -156,14 +174,15 @@ impl From<FinalWire> for RankFinal {
 }
 
 /// Runs `steps` optimizer steps of `job`'s `plan` as the mesh's rank, from `resume` when
-/// given. Every process of the job calls it with the same job and plan.
+/// given, saving sharded checkpoints under the run directory (`job.out_dir`, as rank 0
+/// chooses it). Every process of the job calls it with the same job and plan.
 pub fn train_rank(
     job: &JobConfig,
     plan: &Plan,
     mesh: &Arc<TcpMesh>,
     clock: Clock,
     steps: u64,
-    resume: Option<&Checkpoint>,
+    resume: Option<&RankResume>,
 ) -> Result<RankRun, DistributedError> {
     let (rank, world, pp, dp) = (mesh.rank(), mesh.world(), plan.num_ranks(), job.dp);
     if pp * dp != world {
@@ -176,7 +195,12 @@ pub fn train_rank(
     // Global rank = replica × pp + pipeline rank (RingGradSync's numbering).
     let (replica, prank) = (rank / pp, rank % pp);
     let pipeline_err = |error: PipelineError| DistributedError::Pipeline { rank, error };
-    let first_step = resume.map_or(0, |c| c.meta.step);
+    let first_step = resume.map_or(0, RankResume::step);
+    let peer_err = |e: LinkError| DistributedError::Peer {
+        rank,
+        reason: mesh.failure().unwrap_or_else(|| e.to_string()),
+    };
+    let run_dir = agree_run_dir(mesh, job.out_dir.as_deref()).map_err(peer_err)?;
     let data = StepData::new(job.data.clone(), job.model.seq_len, job.train.seed)
         .map_err(|e| pipeline_err(e.into()))?;
     let feed = Arc::new(StepFeed::new(data, job.train.clone()));
@@ -194,7 +218,29 @@ pub fn train_rank(
             GRAD_CHANNEL,
         )),
     });
-    let shared = Arc::new(Shared::new(pp, feed, progress).with_replica(sync));
+    let checkpointing = Checkpointing {
+        every: job.checkpoint_every,
+        run_dir: run_dir.clone(),
+        model: job.model.clone(),
+        data_seed: job.train.seed,
+        layout: layout(job, plan),
+        stage_of: param_stages(&job.model, plan.stages).map_err(|e| pipeline_err(e.into()))?,
+        config_hash: job_fingerprint(job),
+    };
+    // Replica 0's ranks write the shards; the others hold the same state.
+    let saver = (replica == 0).then(|| {
+        Arc::new(shards::MeshCheckpointer::start(
+            Arc::clone(mesh),
+            checkpointing.clone(),
+        ))
+    });
+    let mut shared = Shared::new(pp, feed, progress)
+        .with_replica(sync)
+        .with_checkpoints(Some(checkpointing));
+    if let Some(saver) = &saver {
+        shared = shared.with_rank_checkpointer(Arc::clone(saver) as Arc<dyn RankCheckpointer>);
+    }
+    let shared = Arc::new(shared);
     // The other ranks step in their own processes: stand-ins for their `stepped` let this
     // rank's own one close each step, so the step log reports (with the losses in the last
     // stage's process; the norm of own gradients only, replaced by the global one).
@@ -256,6 +302,17 @@ pub fn train_rank(
         .take_finals()
         .and_then(|mut f| (prank < f.len()).then(|| f.swap_remove(prank)))
         .ok_or_else(|| pipeline_err(PipelineError::NoFinalState))?;
+    // The final checkpoint, unless the last step was a periodic one.
+    let last_step = first_step + steps - 1;
+    if let Some(saver) = saver.as_ref().filter(|_| !shared.checkpoint_due(last_step)) {
+        saver.deposit(last_step, prank, own.clone());
+    }
+    let checkpoints = shared
+        .join_checkpoints()
+        .map_err(|e| match mesh.failure() {
+            Some(reason) => DistributedError::Peer { rank, reason },
+            None => pipeline_err(e),
+        })?;
     let gather = |source| DistributedError::Gather { rank, source };
     if rank != 0 {
         let bytes = frame::encode(&FinalWire::from(own)).map_err(|e| {
@@ -296,6 +353,8 @@ pub fn train_rank(
             checkpoint: None,
             merged: None,
             metrics: Vec::new(),
+            run_dir,
+            checkpoints,
         });
     }
     let mut finals = vec![own];
@@ -336,11 +395,14 @@ pub fn train_rank(
         checkpoint: Some(checkpoint),
         merged: Some(merged),
         metrics,
+        run_dir,
+        checkpoints,
     })
 }
 
 /// The [`RankCompute`] of `rank`: its chunks of the plan, on `backend`, loaded from
-/// `resume` when given (as the in-process trainer does for every rank).
+/// `resume` when given (as the in-process trainer does for every rank; from a shard, only
+/// the rank's own parameters are set, and its chunks need no others).
 #[allow(clippy::too_many_arguments)]
 fn rank_compute(
     job: &JobConfig,
@@ -350,7 +412,7 @@ fn rank_compute(
     shared: &Arc<Shared>,
     first_step: u64,
     steps: u64,
-    resume: Option<&Checkpoint>,
+    resume: Option<&RankResume>,
 ) -> Result<RankCompute<CpuBackend>, PipelineError> {
     let mut compute = RankCompute::for_rank(
         job,
@@ -361,13 +423,30 @@ fn rank_compute(
         first_step,
         steps,
     )?;
-    if let Some(checkpoint) = resume {
-        let be = CpuBackend::new(1).map_err(ModelError::from)?;
-        let mut gpt = Gpt::new(&job.model, be.clone(), &Cut::Even(1))?;
-        let mut optimizer = AdamW::new(adamw_config(&job.train));
-        checkpoint.restore(&mut gpt, &mut optimizer, job.train.seed)?;
-        let state = optimizer.state(&be)?;
-        compute.load_resumed(&gpt, &state)?;
+    let be = CpuBackend::new(1).map_err(ModelError::from)?;
+    match resume {
+        None => {}
+        Some(RankResume::Whole(checkpoint)) => {
+            let mut gpt = Gpt::new(&job.model, be.clone(), &Cut::Even(1))?;
+            let mut optimizer = AdamW::new(adamw_config(&job.train));
+            checkpoint.restore(&mut gpt, &mut optimizer, job.train.seed)?;
+            let state = optimizer.state(&be)?;
+            compute.load_resumed(&gpt, &state)?;
+        }
+        Some(RankResume::Shard(shard)) => {
+            // The manifest's job fingerprint covers the model and the data seed.
+            let mut gpt = Gpt::new(&job.model, be, &Cut::Even(1))?;
+            let moment = |n: &str| {
+                [ADAM_M_PREFIX, ADAM_V_PREFIX, MASTER_PREFIX]
+                    .iter()
+                    .any(|p| n.starts_with(p))
+            };
+            for t in shard.tensors.iter().filter(|t| !moment(&t.name)) {
+                gpt.set_param(&t.name, &t.data)?;
+            }
+            let state = shard.checkpoint().optimizer_state()?;
+            compute.load_resumed(&gpt, &state)?;
+        }
     }
     Ok(compute)
 }

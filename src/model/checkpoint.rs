@@ -11,6 +11,10 @@
 //! model names (`blocks.3.attn.wq`), optimizer moments under prefixed names
 //! ([`ADAM_M_PREFIX`], [`ADAM_V_PREFIX`]), so standard safetensors tools can read them.
 //!
+//! A run that trains the drafter in its bubbles also saves the drafter's state ([`drafter`]:
+//! `drafter.safetensors`, listed in the sidecar with its size and hash), written before the
+//! sidecar.
+//!
 //! Pipelined and data-parallel runs write the sharded form instead ([`sharded`]: one shard
 //! per rank and a manifest written last), which reads back into the same [`Checkpoint`].
 
@@ -25,6 +29,8 @@ use serde::{Deserialize, Serialize};
 use super::{AdamW, Gpt, GptConfig, ModelError, OptimizerState, SlotState};
 use crate::tensor::Backend;
 
+pub mod drafter;
+pub mod resume;
 pub mod sharded;
 
 /// File name of the tensors inside a checkpoint directory.
@@ -65,8 +71,19 @@ pub enum CheckpointError {
     /// The checkpoint does not fit the model it is restored into.
     #[error("checkpoint does not fit this run: {0}")]
     Mismatch(String),
+    /// Another rank of a multi-process run could not write (or acknowledge) its shard of
+    /// the checkpoint in `path`.
+    #[error("checkpoint {path}: rank {rank}'s shard: {reason}")]
+    Peer {
+        path: PathBuf,
+        rank: usize,
+        reason: String,
+    },
     #[error(transparent)]
     Model(#[from] ModelError),
+    /// The drafter's state could not be taken or does not fit the drafter.
+    #[error("checkpoint of the drafter: {0}")]
+    Drafter(#[from] crate::model::drafter::DrafterError),
     #[error("checkpoint {path}: tensor `{name}`: {reason}")]
     Tensor {
         path: PathBuf,
@@ -108,6 +125,9 @@ pub struct CheckpointMeta {
     pub tensor_bytes: u64,
     /// Names of the tensors, in file order.
     pub tensors: Vec<String>,
+    /// The drafter's file, when the run trained one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drafter: Option<drafter::DrafterEntry>,
 }
 
 /// A checkpoint in memory.
@@ -116,6 +136,8 @@ pub struct Checkpoint {
     pub meta: CheckpointMeta,
     /// Parameters and optimizer state, by name.
     pub tensors: Vec<HostTensor>,
+    /// The drafter trained in the bubbles (`filler = "drafter"`), if the run had one.
+    pub drafter: Option<crate::model::drafter::state::DrafterState>,
 }
 
 impl Checkpoint {
@@ -138,8 +160,10 @@ impl Checkpoint {
                 notes: HashMap::new(),
                 tensor_bytes: 0,
                 tensors: Vec::new(),
+                drafter: None,
             },
             tensors,
+            drafter: None,
         }
     }
 
@@ -289,6 +313,10 @@ impl Checkpoint {
         write_atomic(&tensor_path, &file)?;
         self.meta.tensor_bytes = file.len() as u64;
         self.meta.tensors = self.tensors.iter().map(|t| t.name.clone()).collect();
+        self.meta.drafter = match &self.drafter {
+            Some(state) => Some(drafter::save_drafter(dir, state, &self.meta.model)?),
+            None => None,
+        };
         let json = serde_json::to_vec_pretty(&self.meta).expect("the sidecar always serializes");
         write_atomic(&dir.join(META_FILE), &json)
     }
@@ -321,7 +349,15 @@ impl Checkpoint {
             });
         }
         let tensors = read_f32_tensors(&tensor_path, &file, &meta.tensors)?;
-        Ok(Self { meta, tensors })
+        let drafter = match &meta.drafter {
+            Some(entry) => Some(drafter::load_drafter(dir, entry, &meta.model)?),
+            None => None,
+        };
+        Ok(Self {
+            meta,
+            tensors,
+            drafter,
+        })
     }
 }
 
@@ -388,6 +424,8 @@ fn read(path: &Path) -> Result<Vec<u8>, CheckpointError> {
 
 /// Writes `bytes` to `path` through a temporary file in the same directory (so the rename
 /// is atomic on POSIX filesystems): readers see the old file or the new one, never a mix.
+/// The file and then its directory are synced, so once this returns the new file survives
+/// a crash (a checkpoint's manifest may then be written over it).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
     let io = |error| CheckpointError::Io {
         path: path.to_path_buf(),
@@ -402,7 +440,11 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
         let mut f = fs::File::create(&tmp)?;
         f.write_all(bytes)?;
         f.sync_all()?;
-        fs::rename(&tmp, path)
+        fs::rename(&tmp, path)?;
+        match path.parent().filter(|p| !p.as_os_str().is_empty()) {
+            Some(dir) => fs::File::open(dir)?.sync_all(),
+            None => Ok(()),
+        }
     })();
     if result.is_err() {
         let _ = fs::remove_file(&tmp);

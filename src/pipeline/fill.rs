@@ -40,6 +40,7 @@ use super::PipelineError;
 use super::compute::RankCompute;
 use crate::config::JobConfig;
 use crate::data::SplitMix64;
+use crate::model::drafter::state::{BufferState, DrafterState};
 use crate::model::drafter::{
     DraftBufferHandle, DraftRow, Drafter, DrafterConfig, DrafterError, DrafterGrads,
     DrafterTrainer, DrafterWeights,
@@ -453,5 +454,53 @@ impl HeldOutEval {
         }
         let stats = self.trainer.evaluate(&rows)?;
         Ok(Some((latest.version, stats.agreement)))
+    }
+}
+
+/// Checkpoints ([`crate::model::drafter::state`]): the drafter a resumed run continues from.
+impl DrafterFill {
+    /// The drafter's state now: replica 0's weights, version and optimizer (every replica
+    /// applies the same updates), every replica's row sampler, and both buffers' rows.
+    /// Gradients of an open exchange round are not part of it.
+    pub fn export_state(&self) -> Result<DrafterState, DrafterError> {
+        let samplers = self
+            .replicas
+            .iter()
+            .map(|r| lock(r).trainer.sampler())
+            .collect();
+        let (weights, optimizer) = lock(&self.replicas[0]).trainer.export_state()?;
+        Ok(DrafterState {
+            weights,
+            optimizer,
+            samplers,
+            buffer: BufferState::of(&self.buffer.lock()),
+            held_out: BufferState::of(&self.held_out.lock()),
+        })
+    }
+
+    /// Continues from `state` before the run starts: every replica takes its weights, version,
+    /// frozen copies and optimizer and its own sampler, the buffers their rows, and the board
+    /// the weights (so the held-out measurement and the rollout engine see them at once).
+    pub fn import_state(&self, state: &DrafterState) -> Result<(), DrafterError> {
+        if state.samplers.len() != self.ranks {
+            return Err(DrafterError::Input {
+                what: "checkpointed state",
+                reason: format!(
+                    "has {} replicas' samplers, this run has {} ranks",
+                    state.samplers.len(),
+                    self.ranks
+                ),
+            });
+        }
+        for (replica, &sampler) in self.replicas.iter().zip(&state.samplers) {
+            lock(replica)
+                .trainer
+                .import_state(&state.weights, &state.optimizer, sampler)?;
+        }
+        state.buffer.restore(&mut self.buffer.lock())?;
+        state.held_out.restore(&mut self.held_out.lock())?;
+        self.board
+            .publish(state.weights.version, state.weights.clone());
+        Ok(())
     }
 }

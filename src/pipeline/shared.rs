@@ -14,7 +14,10 @@
 //! - **Periodic checkpoints** ([`Checkpointing`]): after every `every`-th step each rank
 //!   deposits its state; once all have, a writer thread saves the sharded checkpoint (one
 //!   shard per rank, manifest last), off the stage threads; the trainer joins the writers
-//!   when the run ends ([`Shared::join_checkpoints`]).
+//!   when the run ends ([`Shared::join_checkpoints`]). When the ranks live in different
+//!   processes, each process's [`RankCheckpointer`] takes its own rank's state instead.
+//!   With a drafter in the bubbles ([`Shared::checkpoint_drafter`]) its state is taken when
+//!   the last rank deposits, and saved with the checkpoint.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
@@ -27,6 +30,8 @@ use super::feed::{StepBatches, StepFeed};
 use crate::comm::collective::GradSync;
 use crate::model::checkpoint::sharded::{self, Layout};
 use crate::model::checkpoint::{CheckpointError, HostTensor};
+use crate::model::drafter::DrafterError;
+use crate::model::drafter::state::DrafterState;
 use crate::model::layers::{OffsetTokenLoss, TokenLoss};
 use crate::model::{ModelError, OptimizerState, Param};
 use crate::tensor::Backend;
@@ -85,6 +90,16 @@ pub struct Checkpointing {
     pub config_hash: String,
 }
 
+/// Where a rank's periodic state goes when the run's ranks live in different processes:
+/// each process writes its own rank's shard (see [`crate::launch::train`]), so nothing is
+/// gathered here.
+pub trait RankCheckpointer: Send + Sync + std::fmt::Debug {
+    /// `rank`'s state after step `step` (a due step, see [`Shared::checkpoint_due`]).
+    fn deposit(&self, step: u64, rank: usize, fin: RankFinal);
+    /// Waits until every checkpoint deposited so far is written; the directories completed.
+    fn join(&self) -> Result<Vec<PathBuf>, CheckpointError>;
+}
+
 /// Checkpoints being gathered from the ranks, and the writers already started.
 #[derive(Default)]
 struct Saves {
@@ -113,6 +128,23 @@ pub struct Shared {
     shards: Mutex<BTreeMap<u64, Arc<StepBatches>>>,
     checkpointing: Option<Checkpointing>,
     saves: Mutex<Saves>,
+    rank_checkpointer: Option<Arc<dyn RankCheckpointer>>,
+    /// The drafter trained in the bubbles, saved with every checkpoint.
+    drafter: DrafterSlot,
+}
+
+/// The drafter whose state checkpoints save (set once, before the run).
+#[derive(Default)]
+struct DrafterSlot(std::sync::OnceLock<Arc<super::fill::DrafterFill>>);
+
+impl std::fmt::Debug for DrafterSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.get().is_some() {
+            "DrafterSlot(set)"
+        } else {
+            "DrafterSlot(none)"
+        })
+    }
 }
 
 impl Shared {
@@ -130,6 +162,8 @@ impl Shared {
             shards: Mutex::new(BTreeMap::new()),
             checkpointing: None,
             saves: Mutex::new(Saves::default()),
+            rank_checkpointer: None,
+            drafter: DrafterSlot::default(),
         }
     }
 
@@ -137,6 +171,18 @@ impl Shared {
     pub fn with_checkpoints(mut self, checkpointing: Option<Checkpointing>) -> Self {
         self.checkpointing = checkpointing;
         self
+    }
+
+    /// Hands every due rank state to `saver` (a multi-process rank's own writer) instead of
+    /// gathering the ranks' states here.
+    pub fn with_rank_checkpointer(mut self, saver: Arc<dyn RankCheckpointer>) -> Self {
+        self.rank_checkpointer = Some(saver);
+        self
+    }
+
+    /// Saves `fill`'s state with every periodic checkpoint (set once, before the run).
+    pub fn checkpoint_drafter(&self, fill: Arc<super::fill::DrafterFill>) {
+        let _ = self.drafter.0.set(fill);
     }
 
     /// Whether the ranks save their state after step `step`. Only the first data-parallel
@@ -153,6 +199,9 @@ impl Shared {
         let Some(plan) = &self.checkpointing else {
             return;
         };
+        if let Some(saver) = &self.rank_checkpointer {
+            return saver.deposit(step, rank, fin);
+        }
         let mut saves = self.saves.lock().unwrap_or_else(PoisonError::into_inner);
         let slots = saves
             .pending
@@ -170,8 +219,11 @@ impl Shared {
             .flatten()
             .collect();
         let plan = plan.clone();
+        // Taken now, at the end of the step's last rank (the writer runs while the next
+        // step's bubbles go on training the drafter).
+        let drafter = self.drafter.0.get().map(|fill| fill.export_state());
         saves.writers.push(std::thread::spawn(move || {
-            save_finals(&plan, step + 1, finals)
+            save_finals(&plan, step + 1, finals, drafter)
         }));
     }
 
@@ -190,6 +242,9 @@ impl Shared {
                 Ok(dir) => dirs.push(dir?),
                 Err(panic) => std::panic::resume_unwind(panic),
             }
+        }
+        if let Some(saver) = &self.rank_checkpointer {
+            dirs.extend(saver.join()?);
         }
         dirs.sort();
         Ok(dirs)
@@ -357,6 +412,7 @@ fn save_finals(
     plan: &Checkpointing,
     next_step: u64,
     finals: Vec<RankFinal>,
+    drafter: Option<Result<DrafterState, DrafterError>>,
 ) -> Result<PathBuf, CheckpointError> {
     let mut by_stage: BTreeMap<u32, Vec<HostTensor>> = BTreeMap::new();
     let mut optimizer = OptimizerState::default();
@@ -366,13 +422,14 @@ fn save_finals(
         optimizer.slots.append(&mut fin.optimizer.slots);
     }
     let params = by_stage.into_values().flatten().collect();
-    let checkpoint = sharded::from_state(
+    let mut checkpoint = sharded::from_state(
         plan.model.clone(),
         plan.data_seed,
         next_step,
         params,
         &optimizer,
     );
+    checkpoint.drafter = drafter.transpose()?;
     let dir = sharded::step_dir(&plan.run_dir, next_step);
     sharded::save_sharded(
         &dir,

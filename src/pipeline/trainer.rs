@@ -36,6 +36,7 @@ use super::{PipelineError, check_plan};
 use crate::config::{Filler, JobConfig};
 use crate::data::StepData;
 use crate::model::checkpoint::{Checkpoint, HostTensor};
+use crate::model::drafter::state::DrafterState;
 use crate::model::{AdamW, Cut, Gpt, ModelError, OptimizerState};
 use crate::schedules::{
     ActionKind, AutoReplanner, CostModel, Plan, ScheduleKind, StageCost, Timeline, build,
@@ -384,6 +385,13 @@ impl PipelineTrainer {
             )?),
             Filler::None => None,
         };
+        if let Some(fill) = &fill {
+            // A resumed run continues the checkpoint's drafter, and saves it with its own.
+            if let Some(state) = self.resume.as_ref().and_then(|c| c.drafter.as_ref()) {
+                fill.import_state(state)?;
+            }
+            shared.checkpoint_drafter(Arc::clone(fill));
+        }
         let mut eval = match &fill {
             Some(fill) => {
                 fill.attach(&router);
@@ -458,6 +466,7 @@ impl PipelineTrainer {
         };
         let mut run = PipelineRun::new(self, metrics, report, predicted, finals);
         run.drafter = drafter;
+        run.drafter_state = fill.map(|f| f.export_state()).transpose()?;
         Ok(run)
     }
 }
@@ -482,6 +491,8 @@ pub struct PipelineRun {
     optimizer: OptimizerState,
     /// The drafter trained in the bubbles (`filler = "drafter"`).
     pub drafter: Option<DrafterRun>,
+    /// Its whole state after the run, for the final checkpoint.
+    drafter_state: Option<DrafterState>,
 }
 
 impl PipelineRun {
@@ -516,6 +527,7 @@ impl PipelineRun {
             params: by_stage.into_values().flatten().collect(),
             optimizer,
             drafter: None,
+            drafter_state: None,
         }
     }
 
@@ -598,18 +610,22 @@ impl PipelineRun {
     }
 
     /// A checkpoint of the final parameters and optimizer state, in the reference trainer's
-    /// format, so either trainer can resume it.
+    /// format, so either trainer can resume it, with the drafter's state when the run
+    /// trained one.
     pub fn checkpoint(&self) -> Result<Checkpoint, PipelineError> {
         let gpt = self.model()?;
         let be = gpt.chunks()[0].backend().clone();
         let mut optimizer = AdamW::new(adamw_config(&self.job.train));
         optimizer.load_state(&be, &self.optimizer)?;
-        Ok(Checkpoint::capture(
-            &gpt,
-            &optimizer,
-            self.next_step,
-            self.job.train.seed,
-        )?)
+        let mut checkpoint =
+            Checkpoint::capture(&gpt, &optimizer, self.next_step, self.job.train.seed)?;
+        checkpoint.drafter = self.drafter_state.clone();
+        Ok(checkpoint)
+    }
+
+    /// The drafter's whole state after the run (`filler = "drafter"`).
+    pub fn drafter_state(&self) -> Option<&DrafterState> {
+        self.drafter_state.as_ref()
     }
 
     /// Predicted (simulated under the measured costs) next to measured figures of the

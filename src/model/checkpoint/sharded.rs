@@ -23,6 +23,7 @@ use std::path::{Path, PathBuf};
 use safetensors::{Dtype, tensor::TensorView};
 use serde::{Deserialize, Serialize};
 
+use super::drafter::{DrafterEntry, load_drafter, save_drafter};
 use super::{
     ADAM_M_PREFIX, ADAM_V_PREFIX, Checkpoint, CheckpointError, CheckpointMeta, FORMAT, HostTensor,
     MASTER_PREFIX, VERSION, read, write_atomic,
@@ -97,8 +98,16 @@ pub struct Manifest {
     pub data_seed: u64,
     #[serde(default)]
     pub notes: HashMap<String, String>,
-    /// One entry per rank, by rank.
+    /// Replicas whose ranks wrote a shard: 1 when replica 0's ranks stand for the others
+    /// (a multi-process run; the replicas hold bitwise the same state), `dp` when every
+    /// replica wrote its own copy. Absent in manifests written before the field: every replica.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replicas_saved: Option<usize>,
+    /// One entry per saved rank (`0..replicas_saved × pp`), by rank.
     pub shards: Vec<ShardEntry>,
+    /// The drafter's file, when the run trained one in its bubbles.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drafter: Option<DrafterEntry>,
 }
 
 /// FNV-1a 64 of `bytes`, as 16 hex digits: a cheap check that a shard is the one written
@@ -176,7 +185,22 @@ pub fn write_shard(
         error,
     })?;
     let file = shard_file(rank);
-    let path = dir.join(&file);
+    let (bytes, hash) = write_tensor_file(&dir.join(&file), tensors)?;
+    Ok(ShardEntry {
+        rank,
+        file,
+        bytes,
+        hash,
+        tensors: tensors.iter().map(|t| t.name.clone()).collect(),
+    })
+}
+
+/// Writes `tensors` as the safetensors file `path` (atomically); returns its size and hash.
+pub(super) fn write_tensor_file(
+    path: &Path,
+    tensors: &[HostTensor],
+) -> Result<(u64, String), CheckpointError> {
+    let path = path.to_path_buf();
     let bytes: Vec<Vec<u8>> = tensors
         .iter()
         .map(|t| t.data.iter().flat_map(|x| x.to_le_bytes()).collect())
@@ -201,13 +225,7 @@ pub fn write_shard(
             reason: e.to_string(),
         })?;
     write_atomic(&path, &data)?;
-    Ok(ShardEntry {
-        rank,
-        file,
-        bytes: data.len() as u64,
-        hash: fingerprint(&data),
-        tensors: tensors.iter().map(|t| t.name.clone()).collect(),
-    })
+    Ok((data.len() as u64, fingerprint(&data)))
 }
 
 impl Manifest {
@@ -245,6 +263,25 @@ impl Manifest {
             });
         }
         Ok(manifest)
+    }
+
+    /// Refuses a manifest that does not list one shard per saved rank, in rank order (the
+    /// manifest read from `dir`, named in the error).
+    pub fn check_shards(&self, dir: &Path) -> Result<(), CheckpointError> {
+        let saved = self.replicas_saved.unwrap_or(self.layout.dp);
+        let expected = saved * self.layout.pp();
+        let ranks: Vec<usize> = self.shards.iter().map(|s| s.rank).collect();
+        if saved == 0 || saved > self.layout.dp || ranks != (0..expected).collect::<Vec<_>>() {
+            return Err(CheckpointError::BadMeta {
+                path: dir.join(MANIFEST_FILE),
+                reason: format!(
+                    "lists shards of ranks {ranks:?} for {saved} saved replica(s) of dp {}, \
+                     expected one per rank 0..{expected}",
+                    self.layout.dp
+                ),
+            });
+        }
+        Ok(())
     }
 
     /// Refuses a manifest written by another layout or job.
@@ -286,17 +323,7 @@ pub fn save_sharded(
     stage_of: &HashMap<String, usize>,
     config_hash: &str,
 ) -> Result<Manifest, CheckpointError> {
-    // Saving over an older checkpoint: its manifest goes first, so that until the new one
-    // is written the directory reads as incomplete, never as the old manifest over new shards.
-    match fs::remove_file(dir.join(MANIFEST_FILE)) {
-        Err(error) if error.kind() != std::io::ErrorKind::NotFound => {
-            return Err(CheckpointError::Io {
-                path: dir.join(MANIFEST_FILE),
-                error,
-            });
-        }
-        _ => {}
-    }
+    remove_manifest(dir)?;
     let pp = layout.pp();
     let mut per_rank: Vec<Vec<HostTensor>> = vec![Vec::new(); pp];
     for t in &checkpoint.tensors {
@@ -321,6 +348,10 @@ pub fn save_sharded(
             shards.push(write_shard(dir, replica * pp + r, tensors)?);
         }
     }
+    let drafter = match &checkpoint.drafter {
+        Some(state) => Some(save_drafter(dir, state, &checkpoint.meta.model)?),
+        None => None,
+    };
     let meta = &checkpoint.meta;
     let manifest = Manifest {
         format: SHARDED_FORMAT.into(),
@@ -333,10 +364,25 @@ pub fn save_sharded(
         optimizer_step: meta.optimizer_step,
         data_seed: meta.data_seed,
         notes: meta.notes.clone(),
+        replicas_saved: Some(layout.dp),
         shards,
+        drafter,
     };
     manifest.write(dir)?;
     Ok(manifest)
+}
+
+/// Removes the manifest of the checkpoint in `dir`, if any. Saving over an older checkpoint
+/// starts with this, so that until the new manifest is written the directory reads as
+/// incomplete, never as the old manifest over new shards.
+pub fn remove_manifest(dir: &Path) -> Result<(), CheckpointError> {
+    match fs::remove_file(dir.join(MANIFEST_FILE)) {
+        Err(error) if error.kind() != std::io::ErrorKind::NotFound => Err(CheckpointError::Io {
+            path: dir.join(MANIFEST_FILE),
+            error,
+        }),
+        _ => Ok(()),
+    }
 }
 
 /// A whole-model checkpoint of `params` (in model order) and `optimizer` after `step`
@@ -376,27 +422,41 @@ pub fn from_state(
 }
 
 /// Reads one shard, checking its size and hash against `entry`.
-fn read_shard(dir: &Path, entry: &ShardEntry) -> Result<Vec<HostTensor>, CheckpointError> {
-    let path = dir.join(&entry.file);
-    let data = read(&path)?;
-    if data.len() as u64 != entry.bytes {
+pub(super) fn read_shard(
+    dir: &Path,
+    entry: &ShardEntry,
+) -> Result<Vec<HostTensor>, CheckpointError> {
+    read_tensor_file(
+        &dir.join(&entry.file),
+        entry.bytes,
+        &entry.hash,
+        &entry.tensors,
+    )
+}
+
+/// Reads the tensors `names` of the safetensors file `path`, checking its size and hash.
+pub(super) fn read_tensor_file(
+    path: &Path,
+    bytes: u64,
+    hash: &str,
+    names: &[String],
+) -> Result<Vec<HostTensor>, CheckpointError> {
+    let data = read(path)?;
+    if data.len() as u64 != bytes {
         return Err(CheckpointError::Size {
-            path,
-            expected: entry.bytes,
+            path: path.to_path_buf(),
+            expected: bytes,
             got: data.len() as u64,
         });
     }
-    let hash = fingerprint(&data);
-    if hash != entry.hash {
+    let got = fingerprint(&data);
+    if got != hash {
         return Err(CheckpointError::BadTensors {
-            path,
-            reason: format!(
-                "corrupted: its hash is {hash}, the manifest says {}",
-                entry.hash
-            ),
+            path: path.to_path_buf(),
+            reason: format!("corrupted: its hash is {got}, the manifest says {hash}"),
         });
     }
-    super::read_f32_tensors(&path, &data, &entry.tensors)
+    super::read_f32_tensors(path, &data, names)
 }
 
 /// Reads the sharded checkpoint in `dir` back into a whole-model [`Checkpoint`], after
@@ -410,16 +470,11 @@ pub fn load_sharded(
 ) -> Result<Checkpoint, CheckpointError> {
     let manifest = Manifest::read(dir)?;
     manifest.check(layout, config_hash)?;
-    let ranks: Vec<usize> = manifest.shards.iter().map(|s| s.rank).collect();
-    if ranks != (0..manifest.world).collect::<Vec<_>>() {
-        return Err(CheckpointError::BadMeta {
-            path: dir.join(MANIFEST_FILE),
-            reason: format!(
-                "lists shards of ranks {ranks:?}, expected one per rank 0..{}",
-                manifest.world
-            ),
-        });
-    }
+    manifest.check_shards(dir)?;
+    let drafter = match &manifest.drafter {
+        Some(entry) => Some(load_drafter(dir, entry, &manifest.model)?),
+        None => None,
+    };
     let pp = layout.pp();
     let mut tensors = Vec::new();
     for entry in &manifest.shards {
@@ -439,8 +494,10 @@ pub fn load_sharded(
             notes: manifest.notes,
             tensor_bytes: 0,
             tensors: tensors.iter().map(|t| t.name.clone()).collect(),
+            drafter: None,
         },
         tensors,
+        drafter,
     })
 }
 

@@ -88,6 +88,7 @@ mod linear;
 pub mod loss;
 mod net;
 mod propose;
+pub mod state;
 #[cfg(test)]
 mod tests;
 mod train;

@@ -395,3 +395,27 @@ impl<B: Backend> std::fmt::Debug for DrafterTrainer<B> {
             .finish()
     }
 }
+
+/// What a checkpoint keeps of a replica besides its weights ([`super::state`]).
+impl<B: Backend> DrafterTrainer<B> {
+    /// The optimizer's state (moments and step counter).
+    pub fn optimizer_state(&self) -> Result<crate::model::OptimizerState> {
+        Ok(self.optimizer.state(self.drafter.backend())?)
+    }
+
+    /// Replaces the optimizer's state with a checkpointed one.
+    pub fn load_optimizer_state(&mut self, state: &crate::model::OptimizerState) -> Result<()> {
+        let be = self.drafter.backend().clone();
+        Ok(self.optimizer.load_state(&be, state)?)
+    }
+
+    /// The row sampler (where this replica's stream of sampled rows stands).
+    pub fn sampler(&self) -> SplitMix64 {
+        self.rng
+    }
+
+    /// Continues the row sampler from a checkpointed position.
+    pub fn set_sampler(&mut self, rng: SplitMix64) {
+        self.rng = rng;
+    }
+}

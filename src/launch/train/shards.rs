@@ -1,0 +1,281 @@
+//! Sharded checkpoints of a multi-process run: every rank writes its own shard, and rank 0
+//! writes the manifest once every shard is durably on disk.
+//!
+//! - **Where** ([`agree_run_dir`]): the run directory is rank 0's choice (the job's
+//!   `out_dir`, or `runs/distributed-<start time>`), sent to every rank before the first step,
+//!   so that all shards of a checkpoint land in one `checkpoints/step-N/`.
+//! - **When**: after every `checkpoint_every`-th step (the runtime's [`Shared::checkpoint_due`])
+//!   and after the last step. Only replica 0's ranks write: with `dp` > 1 the replicas hold
+//!   bitwise the same state, and the manifest says so (`replicas_saved = 1`).
+//! - **How** ([`MeshCheckpointer`]): a rank's state is handed to one writer thread per process,
+//!   off the stage thread, which handles checkpoints in step order. Each writer removes the
+//!   step's old manifest (a run resumed into its own directory saves over its old steps),
+//!   writes its shard through a synced temporary file and a rename, syncs the directory, and
+//!   then acknowledges: rank 0's writer collects its pipeline's acknowledgements on
+//!   [`CHECKPOINT_CHANNEL`] — each carries the shard's size and hash, or the writer's error —
+//!   and only then writes the manifest. A checkpoint without its manifest is never resumed
+//!   from ([`crate::model::checkpoint::resume::ResumePoint::find`]).
+//! - **Resume** ([`RankResume`]): each rank reads only its own shard (see
+//!   [`RankShard::load`]), or the whole-model checkpoint when the run resumes from one.
+
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::{Sender, channel};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread::JoinHandle;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+
+use crate::comm::frame;
+use crate::comm::link::{Channel, LinkError, PeerLink};
+use crate::comm::tcp::TcpMesh;
+use crate::config::JobConfig;
+use crate::model::checkpoint::resume::{RankShard, ResumePoint};
+use crate::model::checkpoint::sharded::{
+    self, Layout, Manifest, SHARDED_FORMAT, ShardEntry, job_fingerprint, remove_manifest, step_dir,
+};
+use crate::model::checkpoint::{Checkpoint, CheckpointError, HostTensor, VERSION};
+use crate::pipeline::shared::{Checkpointing, RankCheckpointer, RankFinal};
+use crate::schedules::Plan;
+
+/// Channel of the run directory (rank 0 to every rank) and of the shard acknowledgements
+/// (replica 0's ranks to rank 0).
+pub const CHECKPOINT_CHANNEL: Channel = u32::MAX - 16;
+
+/// What `--resume` gives one rank of a multi-process run.
+#[derive(Debug, Clone)]
+pub enum RankResume {
+    /// The whole model (a whole-model checkpoint, read by every rank).
+    Whole(Checkpoint),
+    /// This rank's own shard of a sharded checkpoint.
+    Shard(RankShard),
+}
+
+impl RankResume {
+    /// Global rank `rank`'s share of `point` for `job` run as `plan` with `job.dp` replicas:
+    /// a sharded checkpoint must have been written by the same layout and job settings.
+    pub fn load(
+        point: &ResumePoint,
+        job: &JobConfig,
+        plan: &Plan,
+        rank: usize,
+    ) -> Result<Self, CheckpointError> {
+        match point {
+            ResumePoint::Whole(dir) => Ok(RankResume::Whole(Checkpoint::load(dir)?)),
+            ResumePoint::Sharded(dir) => Ok(RankResume::Shard(RankShard::load(
+                dir,
+                &layout(job, plan),
+                &job_fingerprint(job),
+                rank,
+            )?)),
+        }
+    }
+
+    /// The step the run resumes at.
+    pub fn step(&self) -> u64 {
+        match self {
+            RankResume::Whole(c) => c.meta.step,
+            RankResume::Shard(s) => s.manifest.step,
+        }
+    }
+
+    /// The checkpoint the rank loads: the whole one, or its shard's tensors alone.
+    pub fn checkpoint(&self) -> Checkpoint {
+        match self {
+            RankResume::Whole(c) => c.clone(),
+            RankResume::Shard(s) => s.checkpoint(),
+        }
+    }
+}
+
+/// The layout of `job` run as `plan` (`job.dp` replicas of its ranks).
+pub fn layout(job: &JobConfig, plan: &Plan) -> Layout {
+    Layout {
+        dp: job.dp,
+        stage_rank: plan.stage_rank.clone(),
+    }
+}
+
+/// The run directory of the job: rank 0's `proposed` (or `runs/distributed-<seconds>`), sent
+/// to every other rank, which returns it.
+pub fn agree_run_dir(mesh: &TcpMesh, proposed: Option<&Path>) -> Result<PathBuf, LinkError> {
+    let protocol = |peer, reason: String| LinkError::Protocol { peer, reason };
+    if mesh.rank() != 0 {
+        let bytes = mesh.recv(0, CHECKPOINT_CHANNEL)?;
+        return frame::decode(&bytes).map_err(|e| protocol(0, format!("run directory: {e}")));
+    }
+    let dir = proposed.map(Path::to_path_buf).unwrap_or_else(|| {
+        let secs = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        PathBuf::from("runs").join(format!("distributed-{secs}"))
+    });
+    let bytes = frame::encode(&dir).map_err(|e| protocol(0, format!("run directory: {e}")))?;
+    for peer in 1..mesh.world() {
+        mesh.send(peer, CHECKPOINT_CHANNEL, &bytes)?;
+    }
+    Ok(dir)
+}
+
+/// A writer's acknowledgement of its shard of checkpoint `step`.
+#[derive(Serialize, Deserialize)]
+struct Ack {
+    step: u64,
+    entry: Result<ShardEntry, String>,
+}
+
+type Worker = JoinHandle<Result<Vec<PathBuf>, CheckpointError>>;
+
+/// This process's shard writer (see the module docs).
+pub struct MeshCheckpointer {
+    jobs: Mutex<Option<Sender<(u64, RankFinal)>>>,
+    worker: Mutex<Option<Worker>>,
+}
+
+impl std::fmt::Debug for MeshCheckpointer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MeshCheckpointer").finish_non_exhaustive()
+    }
+}
+
+/// What the writer thread needs.
+struct Writer {
+    mesh: Arc<TcpMesh>,
+    plan: Checkpointing,
+}
+
+impl MeshCheckpointer {
+    /// The writer of this process's rank (its mesh rank, in replica 0 when it writes at all),
+    /// saving under `plan.run_dir`.
+    pub fn start(mesh: Arc<TcpMesh>, plan: Checkpointing) -> Self {
+        let (jobs, rx) = channel::<(u64, RankFinal)>();
+        let writer = Writer { mesh, plan };
+        let worker = std::thread::spawn(move || {
+            let mut dirs = Vec::new();
+            for (step, fin) in rx {
+                dirs.push(writer.save(step + 1, fin)?);
+            }
+            Ok(dirs)
+        });
+        MeshCheckpointer {
+            jobs: Mutex::new(Some(jobs)),
+            worker: Mutex::new(Some(worker)),
+        }
+    }
+}
+
+impl RankCheckpointer for MeshCheckpointer {
+    fn deposit(&self, step: u64, _rank: usize, fin: RankFinal) {
+        let jobs = self.jobs.lock().unwrap_or_else(PoisonError::into_inner);
+        // A writer that stopped has failed: `join` reports its error.
+        if let Some(tx) = jobs.as_ref() {
+            let _ = tx.send((step, fin));
+        }
+    }
+
+    fn join(&self) -> Result<Vec<PathBuf>, CheckpointError> {
+        drop(
+            self.jobs
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take(),
+        );
+        let worker = self
+            .worker
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        match worker.map(JoinHandle::join) {
+            None => Ok(Vec::new()),
+            Some(Ok(dirs)) => dirs,
+            Some(Err(panic)) => std::panic::resume_unwind(panic),
+        }
+    }
+}
+
+impl Writer {
+    /// Writes this rank's shard of the checkpoint of `next_step` (steps done); on rank 0
+    /// also waits for the others' and writes the manifest. Returns the directory.
+    fn save(&self, next_step: u64, fin: RankFinal) -> Result<PathBuf, CheckpointError> {
+        let (rank, plan) = (self.mesh.rank(), &self.plan);
+        let started = Instant::now();
+        let dir = step_dir(&plan.run_dir, next_step);
+        let optimizer_step = fin.optimizer.step;
+        let written = remove_manifest(&dir).and_then(|()| {
+            let tensors = shard_tensors(plan, next_step, fin);
+            sharded::write_shard(&dir, rank, &tensors)
+        });
+        let peer_err = |rank, reason: String| CheckpointError::Peer {
+            path: dir.clone(),
+            rank,
+            reason,
+        };
+        if rank != 0 {
+            let ack = Ack {
+                step: next_step,
+                entry: written.as_ref().map_err(ToString::to_string).cloned(),
+            };
+            let bytes = frame::encode(&ack).map_err(|e| peer_err(rank, e.to_string()))?;
+            self.mesh
+                .send(0, CHECKPOINT_CHANNEL, &bytes)
+                .map_err(|e| peer_err(0, e.to_string()))?;
+            written?;
+            return Ok(dir);
+        }
+        let mut shards = vec![written?];
+        for from in 1..plan.layout.pp() {
+            let bytes = self
+                .mesh
+                .recv(from, CHECKPOINT_CHANNEL)
+                .map_err(|e| peer_err(from, e.to_string()))?;
+            let ack: Ack = frame::decode(&bytes).map_err(|e| peer_err(from, e.to_string()))?;
+            if ack.step != next_step {
+                return Err(peer_err(
+                    from,
+                    format!("acknowledged step {}, expected {next_step}", ack.step),
+                ));
+            }
+            shards.push(ack.entry.map_err(|reason| peer_err(from, reason))?);
+        }
+        let manifest = Manifest {
+            format: SHARDED_FORMAT.into(),
+            version: VERSION,
+            step: next_step,
+            world: plan.layout.world(),
+            layout: plan.layout.clone(),
+            config_hash: plan.config_hash.clone(),
+            model: plan.model.clone(),
+            optimizer_step,
+            data_seed: plan.data_seed,
+            notes: Default::default(),
+            replicas_saved: Some(1),
+            shards,
+            // Multi-process runs train no drafter (their bubbles stay idle).
+            drafter: None,
+        };
+        manifest.write(&dir)?;
+        tracing::info!(
+            "checkpoint {}: {} shards, {} bytes, complete {:.1} ms after rank 0 began its shard",
+            dir.display(),
+            manifest.shards.len(),
+            manifest.shards.iter().map(|s| s.bytes).sum::<u64>(),
+            1e3 * started.elapsed().as_secs_f64()
+        );
+        Ok(dir)
+    }
+}
+
+/// A rank's state as shard tensors: its stages' parameters in model order, then their
+/// optimizer moments (as the whole-model checkpoint names them).
+fn shard_tensors(plan: &Checkpointing, next_step: u64, mut fin: RankFinal) -> Vec<HostTensor> {
+    fin.stages.sort_by_key(|(s, _)| *s);
+    let params = fin.stages.into_iter().flat_map(|(_, ts)| ts).collect();
+    sharded::from_state(
+        plan.model.clone(),
+        plan.data_seed,
+        next_step,
+        params,
+        &fin.optimizer,
+    )
+    .tensors
+}

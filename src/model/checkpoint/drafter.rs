@@ -1,0 +1,71 @@
+//! The drafter's part of a checkpoint: [`DRAFTER_FILE`] (its floats, named as
+//! [`DrafterState::to_parts`] names them) and a [`DrafterEntry`] in the manifest (sharded) or
+//! sidecar (whole) that lists it with its size, hash and the JSON part of the state. The file
+//! is written before the manifest or sidecar, so a complete checkpoint never names a drafter
+//! file that is not there; a file that does not match its entry is refused, naming it.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use super::CheckpointError;
+use super::sharded::{read_tensor_file, write_tensor_file};
+use crate::model::GptConfig;
+use crate::model::drafter::state::{DrafterMeta, DrafterState};
+
+/// File name of the drafter's tensors inside a checkpoint directory.
+pub const DRAFTER_FILE: &str = "drafter.safetensors";
+
+/// The drafter file of a checkpoint, as its manifest or sidecar records it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DrafterEntry {
+    /// File name inside the checkpoint directory.
+    pub file: String,
+    /// Exact size in bytes.
+    pub bytes: u64,
+    /// FNV-1a 64 of the file's bytes, hex.
+    pub hash: String,
+    /// Tensor names, in file order.
+    pub tensors: Vec<String>,
+    /// Everything but the floats.
+    pub state: DrafterMeta,
+}
+
+/// Writes `state` of a drafter of target `model` into `dir` (atomically); returns the entry
+/// the manifest or sidecar records.
+pub fn save_drafter(
+    dir: &Path,
+    state: &DrafterState,
+    model: &GptConfig,
+) -> Result<DrafterEntry, CheckpointError> {
+    let (tensors, meta) = state.to_parts(model.d_model, model.vocab);
+    std::fs::create_dir_all(dir).map_err(|error| CheckpointError::Io {
+        path: dir.to_path_buf(),
+        error,
+    })?;
+    let (bytes, hash) = write_tensor_file(&dir.join(DRAFTER_FILE), &tensors)?;
+    Ok(DrafterEntry {
+        file: DRAFTER_FILE.into(),
+        bytes,
+        hash,
+        tensors: tensors.into_iter().map(|t| t.name).collect(),
+        state: meta,
+    })
+}
+
+/// Reads the drafter state `entry` records in `dir`, for a drafter of target `model`.
+pub fn load_drafter(
+    dir: &Path,
+    entry: &DrafterEntry,
+    model: &GptConfig,
+) -> Result<DrafterState, CheckpointError> {
+    let path = dir.join(&entry.file);
+    let tensors = read_tensor_file(&path, entry.bytes, &entry.hash, &entry.tensors)?;
+    DrafterState::from_parts(&entry.state, &tensors, model.d_model, model.vocab).map_err(|e| {
+        CheckpointError::BadTensors {
+            path,
+            reason: e.to_string(),
+        }
+    })
+}

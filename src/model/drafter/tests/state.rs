@@ -1,0 +1,143 @@
+//! The drafter's checkpointed state: saved == restored bit for bit, and a trainer restored
+//! from it continues exactly as the original does.
+
+use super::*;
+use crate::model::checkpoint::drafter::{load_drafter, save_drafter};
+use crate::model::drafter::{DraftBufferHandle, Drafter, DrafterConfig};
+use crate::model::{Cut, Gpt, GptConfig, Shape};
+use crate::tensor::CpuBackend;
+
+fn target() -> GptConfig {
+    GptConfig {
+        vocab: 11,
+        d_model: 8,
+        heads: 2,
+        layers: 2,
+        seq_len: 8,
+        mlp_ratio: 2,
+        seed: 5,
+        ..GptConfig::default()
+    }
+}
+
+fn config() -> DrafterConfig {
+    DrafterConfig {
+        batch_rows: 2,
+        accumulation: 1,
+        ..DrafterConfig::default()
+    }
+}
+
+/// A buffer holding two target steps' rows, captured from the target's forwards.
+fn filled_buffer() -> (Gpt<CpuBackend>, DraftBufferHandle) {
+    let be = CpuBackend::new(1).unwrap();
+    let mut gpt = Gpt::new(&target(), be, &Cut::Even(1)).unwrap();
+    let buffer = DraftBufferHandle::new(&target(), &config());
+    let last = gpt.chunks_mut().last_mut().unwrap();
+    last.set_draft_sink(Some(buffer.clone())).unwrap();
+    for step in 0..2u32 {
+        buffer.begin_step(u64::from(step));
+        let ids: Vec<u32> = (0..16).map(|i| (i * 3 + step) % 11).collect();
+        let targets: Vec<u32> = (0..16).map(|i| (i * 5 + 1 + step) % 11).collect();
+        let shape = Shape { batch: 2, seq: 8 };
+        gpt.forward_backward(0, shape, &ids, &targets, 1.0).unwrap();
+    }
+    (gpt, buffer)
+}
+
+fn trainer(gpt: &Gpt<CpuBackend>, buffer: &DraftBufferHandle) -> DrafterTrainer<CpuBackend> {
+    let mut drafter = Drafter::new(&target(), &config(), CpuBackend::new(1).unwrap()).unwrap();
+    drafter.refresh_from_gpt(gpt, 1).unwrap();
+    DrafterTrainer::new(drafter, buffer.clone(), 0, 1).unwrap()
+}
+
+fn state_of(t: &DrafterTrainer<CpuBackend>, buffer: &DraftBufferHandle) -> DrafterState {
+    let (weights, optimizer) = t.export_state().unwrap();
+    DrafterState {
+        weights,
+        optimizer,
+        samplers: vec![t.sampler()],
+        buffer: BufferState::of(&buffer.lock()),
+        held_out: BufferState::default(),
+    }
+}
+
+fn weight_bits(w: &DrafterWeights) -> Vec<(String, Vec<u32>)> {
+    w.tensors
+        .iter()
+        .map(|t| {
+            (
+                t.name.clone(),
+                t.values.iter().map(|x| x.to_bits()).collect(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn saved_state_is_restored_bitwise_and_the_restored_trainer_continues_identically() {
+    let (gpt, buffer) = filled_buffer();
+    let mut original = trainer(&gpt, &buffer);
+    for _ in 0..3 {
+        original.slice().unwrap();
+    }
+    assert_eq!(original.version(), 3, "one step per slice");
+    let saved = state_of(&original, &buffer);
+    assert_eq!(saved.buffer.previous.len(), 2);
+    assert_eq!(saved.buffer.current.len(), 2);
+    assert!(
+        saved
+            .optimizer
+            .slots
+            .values()
+            .any(|s| s.m.iter().any(|&m| m != 0.0))
+    );
+
+    let dir = tempfile::tempdir().unwrap();
+    let entry = save_drafter(dir.path(), &saved, &target()).unwrap();
+    assert_eq!(entry.state.version, 3);
+    let back = load_drafter(dir.path(), &entry, &target()).unwrap();
+    assert_eq!(back, saved);
+    assert_eq!(weight_bits(&back.weights), weight_bits(&saved.weights));
+
+    // A fresh trainer on a fresh buffer, restored, continues exactly as the original.
+    let fresh_buffer = DraftBufferHandle::new(&target(), &config());
+    back.buffer.restore(&mut fresh_buffer.lock()).unwrap();
+    let mut restored = trainer(&gpt, &fresh_buffer);
+    restored
+        .import_state(&back.weights, &back.optimizer, back.samplers[0])
+        .unwrap();
+    assert_eq!(state_of(&restored, &fresh_buffer), saved);
+    for _ in 0..2 {
+        let (a, b) = (original.slice().unwrap(), restored.slice().unwrap());
+        assert_eq!(a.loss.to_bits(), b.loss.to_bits());
+    }
+    assert_eq!(restored.version(), 5);
+    assert_eq!(
+        weight_bits(&restored.weights().unwrap()),
+        weight_bits(&original.weights().unwrap())
+    );
+
+    // A restore into a buffer already in use is refused.
+    let err = back.buffer.restore(&mut buffer.lock()).unwrap_err();
+    assert!(err.to_string().contains("already in use"), "{err}");
+}
+
+#[test]
+fn a_drafter_file_that_does_not_match_its_entry_is_refused() {
+    let (gpt, buffer) = filled_buffer();
+    let t = trainer(&gpt, &buffer);
+    let dir = tempfile::tempdir().unwrap();
+    let entry = save_drafter(dir.path(), &state_of(&t, &buffer), &target()).unwrap();
+    let path = dir.path().join(&entry.file);
+    let mut bytes = std::fs::read(&path).unwrap();
+    *bytes.last_mut().unwrap() ^= 0x40;
+    std::fs::write(&path, &bytes).unwrap();
+    let err = load_drafter(dir.path(), &entry, &target())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("drafter.safetensors") && err.contains("corrupted"),
+        "{err}"
+    );
+}
