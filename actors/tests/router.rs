@@ -20,10 +20,11 @@ impl FillerSource for Spin {
         "spin"
     }
 
-    fn next(&mut self, rank: usize) -> Option<Slice> {
+    fn next(&mut self, rank: usize, units: u64) -> Option<Slice> {
         self.0 += 1;
         Some(Slice {
             label: format!("spin {} on {rank}", self.0),
+            units,
             run: Box::new(|| {
                 spin_cpu(SLICE);
                 Ok(())
@@ -81,6 +82,85 @@ async fn routed_slices_fill_the_bubbles_without_stretching_the_step() {
         assert!(
             used >= 0.85 * waited,
             "{kind}: filler used {used} s of {waited} s waited"
+        );
+        let inflation = filled.overall.makespan / bare.overall.makespan - 1.0;
+        assert!(
+            inflation <= 0.02,
+            "{kind}: makespan {} with fillers, {} without",
+            filled.overall.makespan,
+            bare.overall.makespan
+        );
+    }
+}
+
+/// Fixed and per-unit CPU cost of a [`SizedSpin`] slice: a full one (12 units) costs 350 µs,
+/// a third of a 1 ms action, so whole slices alone would strand much of each bubble.
+const FIXED: f64 = 50e-6;
+const PER_UNIT: f64 = 25e-6;
+
+/// Slices of 1..=12 units costing exactly `FIXED + PER_UNIT · units` seconds of CPU.
+struct SizedSpin(Vec<u64>);
+
+impl FillerSource for SizedSpin {
+    fn kind(&self) -> &str {
+        "sized spin"
+    }
+
+    fn sizes(&self) -> (u64, u64) {
+        (1, 12)
+    }
+
+    fn next(&mut self, rank: usize, units: u64) -> Option<Slice> {
+        self.0.push(units);
+        Some(Slice {
+            label: format!("{units} units on {rank}"),
+            units,
+            run: Box::new(move || {
+                spin_cpu(FIXED + PER_UNIT * units as f64);
+                Ok(())
+            }),
+        })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sized_slices_fill_the_waits_up_to_the_margin() {
+    for kind in [ScheduleKind::OneFOneB, ScheduleKind::ZbH1] {
+        let plan = generate(kind, 4, 8, 1).unwrap();
+        let bare = run(&plan, None).await;
+        let router = FillerRouter::default();
+        // The prior: the line the slices follow, as a calibration before the job measures.
+        let prior = pipefill_actors::router::CostEstimate::prior_line(12.0, 350e-6, PER_UNIT);
+        router.add_sized_source(SizedSpin(Vec::new()), Some(prior));
+        let filled = run(&plan, Some(&router)).await;
+
+        let mut waited = 0.0;
+        let mut used = 0.0;
+        let mut sizes = std::collections::BTreeSet::new();
+        for it in &filled.iterations {
+            for f in &it.fillers {
+                assert!(f.error.is_none(), "{f:?}");
+                let inside = it
+                    .bubbles
+                    .iter()
+                    .any(|b| b.rank == f.rank && b.start <= f.start && f.end <= b.end + 1e-12);
+                assert!(inside, "{kind}: filler {f:?} outside every bubble");
+                sizes.insert(f.label.split(' ').next().unwrap().to_string());
+                used += f.end - f.start;
+            }
+            waited += it.bubbles.iter().map(|b| b.end - b.start).sum::<f64>();
+        }
+        let stats = router.stats();
+        let k = &stats.kinds["sized spin"];
+        assert!(
+            (k.estimate.slope - PER_UNIT).abs() < 0.2 * PER_UNIT,
+            "{kind}: fitted {:?}",
+            k.estimate
+        );
+        assert!(sizes.len() > 2, "{kind}: slices of sizes {sizes:?} only");
+        assert!(
+            used >= 0.9 * waited,
+            "{kind}: sized slices used {used} s of {waited} s waited"
         );
         let inflation = filled.overall.makespan / bare.overall.makespan - 1.0;
         assert!(

@@ -8,8 +8,13 @@
 //!
 //! **Placement: a replica per rank, gradients exchanged.** Every rank holds a replica of the
 //! drafter (same seed, same initial weights) and trains it in its own bubbles: a *slice* is
-//! one forward + backward on `batch_rows` sampled sequences (kind `"drafter"` in the
-//! [`FillerRouter`]). At the end of each target step a rank posts the gradients its replica
+//! one forward + backward on up to `batch_rows` sampled sequences (kind `"drafter"` in the
+//! [`FillerRouter`]). Slices are sized to the bubble: the router asks for a slice of at most
+//! so many layout rows (`batch · seq`, from one position of one sequence up to `batch_rows`
+//! windows of `max_positions`) as its cost line says fit the idle time left, so the end of
+//! a bubble is filled by a shorter slice instead of left idle. A slice's gradients are of
+//! its loss summed over its pairs and the update divides by the round's pairs, so every pair
+//! weighs the same whatever the slices' sizes. At the end of each target step a rank posts the gradients its replica
 //! accumulated as *round* `v` (its drafter version). Once every rank has posted round `v`,
 //! each replica applies the same update — every round's gradients summed in replica order
 //! ([`DrafterTrainer::step_with`]) — in its next bubble (kind `"drafter step"`), or at its
@@ -34,6 +39,7 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
+use pipefill_actors::router::CostEstimate;
 use pipefill_actors::{FillerRouter, FillerSource, Slice, WeightBoard, thread_cpu_time};
 
 use super::PipelineError;
@@ -106,8 +112,8 @@ pub struct DrafterFill {
     exchange: Mutex<Exchange>,
     board: WeightBoard<DrafterWeights>,
     tally: Mutex<Tally>,
-    /// Measured (slice, step) costs before the run, in thread CPU seconds.
-    priors: (f64, f64),
+    /// Measured slice cost line and step cost before the run, in thread CPU seconds.
+    priors: (CostEstimate, f64),
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -212,7 +218,7 @@ impl DrafterFill {
     /// before the run as priors.
     pub fn attach(self: &Arc<Self>, router: &FillerRouter) {
         router.add_source(Steps(Arc::clone(self)), Some(self.priors.1));
-        router.add_source(Slices(Arc::clone(self)), Some(self.priors.0));
+        router.add_sized_source(Slices(Arc::clone(self)), Some(self.priors.0));
     }
 
     /// Rank `rank` finished target step `step`: deposits the frozen copies it holds, applies
@@ -303,9 +309,9 @@ impl DrafterFill {
         Ok(())
     }
 
-    /// One slice on `rank`'s replica.
-    fn slice(&self, rank: usize) -> Result<(), DrafterError> {
-        let outcome = lock(&self.replicas[rank]).trainer.slice();
+    /// One slice of at most `rows` layout rows on `rank`'s replica.
+    fn slice(&self, rank: usize, rows: usize) -> Result<(), DrafterError> {
+        let outcome = lock(&self.replicas[rank]).trainer.slice_within(rows);
         let mut tally = lock(&self.tally);
         match outcome {
             Ok(stats) => {
@@ -349,16 +355,27 @@ impl FillerSource for Slices {
         SLICE_KIND
     }
 
-    fn next(&mut self, rank: usize) -> Option<Slice> {
+    /// From one layout row up to a full slice (the same on every replica).
+    fn sizes(&self) -> (u64, u64) {
+        let full = lock(&self.0.replicas[0]).trainer.max_slice_rows();
+        (1, full as u64)
+    }
+
+    fn next(&mut self, rank: usize, units: u64) -> Option<Slice> {
         let fill = &self.0;
         if fill.pending(rank).is_some() || fill.buffer.is_empty() {
             return None;
         }
-        let version = lock(&fill.replicas[rank]).trainer.version();
+        let (version, rows) = {
+            let replica = lock(&fill.replicas[rank]);
+            let rows = usize::try_from(units).unwrap_or(usize::MAX);
+            (replica.trainer.version(), replica.trainer.slice_size(rows))
+        };
         let fill = Arc::clone(fill);
         Some(Slice {
-            label: format!("drafter slice (v{version})"),
-            run: Box::new(move || fill.slice(rank).map_err(|e| e.to_string())),
+            label: format!("drafter slice (v{version}, {rows} rows)"),
+            units: rows as u64,
+            run: Box::new(move || fill.slice(rank, rows).map_err(|e| e.to_string())),
         })
     }
 }
@@ -371,19 +388,24 @@ impl FillerSource for Steps {
         STEP_KIND
     }
 
-    fn next(&mut self, rank: usize) -> Option<Slice> {
+    fn next(&mut self, rank: usize, _units: u64) -> Option<Slice> {
         let v = self.0.pending(rank)?;
         let fill = Arc::clone(&self.0);
         Some(Slice {
             label: format!("drafter step {}", v + 1),
+            units: 1,
             run: Box::new(move || fill.apply(rank).map_err(|e| e.to_string())),
         })
     }
 }
 
-/// Measures, on this thread, what a slice and a two-replica step cost, on synthetic rows of
-/// the target's shape: the router's priors until real slices are measured.
-fn calibrate(target: &GptConfig, config: &DrafterConfig) -> Result<(f64, f64), DrafterError> {
+/// Measures, on this thread, what a full and a one-row slice and a two-replica step cost, on
+/// synthetic rows of the target's shape: the router's priors (a cost line through the two
+/// slice sizes, and the step's cost) until real slices are measured.
+fn calibrate(
+    target: &GptConfig,
+    config: &DrafterConfig,
+) -> Result<(CostEstimate, f64), DrafterError> {
     let buffer = DraftBufferHandle::new(target, config);
     let (d, v) = (target.d_model, target.vocab);
     let shape = Shape {
@@ -403,17 +425,29 @@ fn calibrate(target: &GptConfig, config: &DrafterConfig) -> Result<(f64, f64), D
             DrafterTrainer::new(drafter, buffer.clone(), r, 2)
         })
         .collect::<Result<Vec<_>, _>>()?;
-    let mut costs = Vec::new();
-    for _ in 0..3 {
-        costs.push(trainers[0].slice()?.cpu_seconds);
-    }
-    costs.sort_by(f64::total_cmp);
+    let full = trainers[0].max_slice_rows();
+    // The median of three of each size.
+    let mut median = |rows: usize| -> Result<f64, DrafterError> {
+        let mut costs = Vec::new();
+        for _ in 0..3 {
+            costs.push(trainers[0].slice_within(rows)?.cpu_seconds);
+        }
+        costs.sort_by(f64::total_cmp);
+        Ok(costs[1])
+    };
+    let (large, small) = (median(full)?, median(1)?);
+    let slope = if full > 1 {
+        (large - small) / (full - 1) as f64
+    } else {
+        0.0
+    };
     trainers[1].slice()?;
     let grads = vec![trainers[0].take_grads()?, trainers[1].take_grads()?];
     let t0 = thread_cpu_time();
     trainers[0].step_with(&grads)?;
     trainers[0].weights()?;
-    Ok((costs[1], (thread_cpu_time() - t0).max(0.0)))
+    let step = (thread_cpu_time() - t0).max(0.0);
+    Ok((CostEstimate::prior_line(full as f64, large, slope), step))
 }
 
 /// Measures the drafter on held-out rows from the weights it was handed (the caller's

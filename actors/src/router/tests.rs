@@ -15,11 +15,13 @@ impl FillerSource for Counter {
         "drafter"
     }
 
-    fn next(&mut self, rank: usize) -> Option<Slice> {
+    fn next(&mut self, rank: usize, units: u64) -> Option<Slice> {
+        assert_eq!(units, 1, "a source of one size is asked for one unit");
         let n = self.made.fetch_add(1, Ordering::SeqCst);
         let ran = Arc::clone(&self.ran);
         Some(Slice {
             label: format!("drafter {n}"),
+            units,
             run: Box::new(move || {
                 ran.lock().unwrap().push(rank);
                 Ok(())
@@ -243,4 +245,116 @@ async fn the_router_actor_queues_requests_and_reports_stats() {
     assert_eq!(work.label, "verify 8 tokens");
     assert_eq!(actor.ask(Stats).await.unwrap().queued, 0);
     actor.kill();
+}
+
+/// An estimate fitted to slices costing exactly `fixed + per_unit · units`, sizes 1..=16.
+fn fitted_line(fixed: f64, per_unit: f64) -> CostEstimate {
+    let mut e = CostEstimate::prior(fixed);
+    for i in 0..200u64 {
+        let units = 1 + (i * 7) % 16;
+        e.observe_sized(units as f64, fixed + per_unit * units as f64, 0.2);
+    }
+    e
+}
+
+#[test]
+fn the_cost_line_is_fitted_from_slices_of_several_sizes() {
+    let e = fitted_line(40e-6, 7e-6);
+    assert!((e.slope - 7e-6).abs() < 1e-9, "{e:?}");
+    assert!((e.line(1.0) - 47e-6).abs() < 1e-9, "{e:?}");
+    assert!((e.line(16.0) - 152e-6).abs() < 1e-9, "{e:?}");
+    assert!(e.deviation < 1e-9, "an exact line has no deviation: {e:?}");
+    // Slices of one size keep the prior's slope.
+    let mut flat = CostEstimate::prior_line(16.0, 1.0, 0.05);
+    for _ in 0..10 {
+        flat.observe_sized(16.0, 0.8, 0.2);
+    }
+    assert_eq!(flat.slope, 0.05);
+    assert!((flat.line(6.0) - 0.3).abs() < 1e-9, "{flat:?}");
+}
+
+#[test]
+fn a_sized_slice_fits_its_budget_and_grows_with_it() {
+    let mut e = fitted_line(40e-6, 7e-6);
+    e.deviation = 3e-6;
+    let margin = 2.0;
+    let cost = |u: u64| e.predicted_at(u as f64, margin);
+    assert_eq!(
+        e.size(cost(1) * 0.999, 1, 16, margin),
+        None,
+        "not even 1 unit fits"
+    );
+    let mut last = 0;
+    for i in 0..2000 {
+        let idle = cost(1) + i as f64 * 0.25e-6;
+        let u = e.size(idle, 1, 16, margin).expect("one unit fits");
+        assert!((1..=16).contains(&u));
+        assert!(
+            cost(u) <= idle,
+            "{u} units predicted {} s > {idle} s",
+            cost(u)
+        );
+        if idle < cost(16) {
+            // One slice: the largest that fits, never smaller than for a shorter budget.
+            assert!(u >= last, "{u} units for {idle} s, {last} for less");
+            assert!(
+                cost(u + 1) > idle,
+                "{} units fit {idle} s, {u} asked",
+                u + 1
+            );
+            last = u;
+        } else if idle - cost(16) >= cost(1) {
+            assert_eq!(u, 16, "{idle} s holds a full slice and another");
+        } else if idle - cost(1) >= cost(1) {
+            // A full slice would strand the rest: leave room for a 1-unit slice.
+            assert!(
+                cost(u) + cost(1) <= idle,
+                "{u} units leave no room in {idle} s"
+            );
+        }
+    }
+    assert_eq!(last, 15);
+}
+
+/// A source of 1..=16-unit slices that remembers the sizes it was asked for.
+struct Sized(Arc<Mutex<Vec<u64>>>);
+
+impl FillerSource for Sized {
+    fn kind(&self) -> &str {
+        "sized"
+    }
+
+    fn sizes(&self) -> (u64, u64) {
+        (1, 16)
+    }
+
+    fn next(&mut self, _rank: usize, units: u64) -> Option<Slice> {
+        self.0.lock().unwrap().push(units);
+        Some(Slice {
+            label: format!("{units} units"),
+            units,
+            run: Box::new(|| Ok(())),
+        })
+    }
+}
+
+#[test]
+fn the_router_sizes_slices_to_the_idle_time_left() {
+    let config = RouterConfig::default();
+    let router = FillerRouter::new(config);
+    let asked = Arc::new(Mutex::new(Vec::new()));
+    let prior = fitted_line(40e-6, 7e-6);
+    router.add_sized_source(Sized(Arc::clone(&asked)), Some(prior));
+    let mut filler = router.filler(0);
+    // 100 µs exact: 8 units (96 µs) fit, 9 (103 µs) do not.
+    let work = filler.fill(&bubble(0, Some(100e-6), true)).unwrap();
+    assert_eq!(work.label, "8 units");
+    assert!((work.predicted_cost - 96e-6).abs() < 1e-9);
+    // Too short for one unit: nothing is made.
+    assert!(filler.fill(&bubble(0, Some(40e-6), true)).is_none());
+    assert_eq!(*asked.lock().unwrap(), [8]);
+    // The measured slice is folded in at its size.
+    filler.finished(&span(0, 96e-6, None));
+    let k = &router.stats().kinds["sized"];
+    assert_eq!((k.slices, k.units, k.overran), (1, 8, 0));
 }

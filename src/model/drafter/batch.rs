@@ -78,6 +78,15 @@ impl DraftBatch {
         b
     }
 
+    /// The shape `(rows, positions)` of a slice laid out in at most `pairs` layout rows
+    /// (`batch · seq`, what a slice's cost grows with): the longest window first (up to
+    /// `max_positions`), then as many rows as fit (up to `max_rows`); at least `(1, 1)`.
+    pub fn shape_within(pairs: usize, max_rows: usize, max_positions: usize) -> (usize, usize) {
+        let positions = pairs.clamp(1, max_positions.max(1));
+        let rows = (pairs / positions).clamp(1, max_rows.max(1));
+        (rows, positions)
+    }
+
     /// Pairs that count.
     pub fn pairs(&self) -> usize {
         self.mask.iter().filter(|&&m| m).count()

@@ -32,6 +32,8 @@ pub struct SliceStats {
     pub pairs: usize,
     /// Top-1 agreement with the target on this batch, before the update.
     pub agreement: f64,
+    /// Layout rows computed (`batch · seq`, padding included): what the cost grows with.
+    pub layout_rows: usize,
     /// Thread CPU time of the slice, optimizer step included (seconds).
     pub cpu_seconds: f64,
     /// Wall time of the slice (seconds).
@@ -153,13 +155,51 @@ impl<B: Backend> DrafterTrainer<B> {
         self.cost
     }
 
+    /// The longest window a slice takes from one sequence: `max_positions`, and no more
+    /// than the target's sequences hold pairs.
+    fn max_window(&self) -> usize {
+        let seq = self.drafter.target_config().seq_len;
+        self.drafter
+            .config()
+            .max_positions
+            .min(seq.saturating_sub(1))
+            .max(1)
+    }
+
+    /// The most layout rows (`batch · seq`) a slice computes: `batch_rows` full windows.
+    pub fn max_slice_rows(&self) -> usize {
+        self.drafter.config().batch_rows * self.max_window()
+    }
+
+    /// The layout rows [`DrafterTrainer::slice_within`]`(rows)` computes at most (exactly,
+    /// when the buffer's sequences are `seq_len` long, as the pipeline's are): its size, to
+    /// predict its cost before it runs.
+    pub fn slice_size(&self, rows: usize) -> usize {
+        let (r, p) = self.slice_shape(rows);
+        r * p
+    }
+
+    fn slice_shape(&self, rows: usize) -> (usize, usize) {
+        let max_rows = self.drafter.config().batch_rows;
+        DraftBatch::shape_within(rows, max_rows, self.max_window())
+    }
+
     /// One forward + backward of the drafter on `batch_rows` sequences sampled from the
     /// buffer; a single replica also steps the optimizer after every `accumulation` slices
     /// (several replicas step through [`DrafterTrainer::step_with`]).
     pub fn slice(&mut self) -> Result<SliceStats> {
+        self.slice_within(self.max_slice_rows())
+    }
+
+    /// A slice sized to at most `rows` layout rows (see [`DrafterTrainer::slice_size`]):
+    /// fewer sequences and shorter windows than a full one, for a bubble with less time left.
+    /// Its gradients are of the loss summed over its pairs, as a full slice's, so the step
+    /// weighs every pair the same whatever the slices' sizes.
+    pub fn slice_within(&mut self, rows: usize) -> Result<SliceStats> {
         let (cpu0, wall0) = (thread_cpu_time(), Instant::now());
         let c = self.drafter.config().clone();
-        let rows = self.buffer.sample(&mut self.rng, c.batch_rows);
+        let (batch_rows, positions) = self.slice_shape(rows);
+        let rows = self.buffer.sample(&mut self.rng, batch_rows);
         if rows.is_empty() {
             return Err(DrafterError::NoData);
         }
@@ -169,7 +209,7 @@ impl<B: Backend> DrafterTrainer<B> {
             &self.drafter.tok,
             t.d_model,
             t.vocab,
-            c.max_positions,
+            positions,
             Some(&mut self.rng),
         );
         let sums = self.forward_backward(&batch)?;
@@ -194,6 +234,7 @@ impl<B: Backend> DrafterTrainer<B> {
             hidden: hidden as f32,
             pairs: sums.pairs,
             agreement: sums.agree as f64 / n,
+            layout_rows: batch.rows(),
             cpu_seconds,
             wall_seconds: wall0.elapsed().as_secs_f64(),
             stepped,
