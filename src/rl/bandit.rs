@@ -81,13 +81,25 @@ impl KBandit {
     /// Chooses K for a step with `live` sequences: an untried arm first, then the best
     /// median, or with probability epsilon a random arm. Returns the index of the choice
     /// in the log, to pass to [`KBandit::reward`].
+    ///
+    /// An arm chosen for a step still in flight counts as tried: with several groups in
+    /// the pipeline, choices come before the rewards of earlier ones, and the first untried
+    /// arm would otherwise be chosen for every group in flight. Among untried arms the
+    /// one with the fewest pending choices goes first, so the arms are tried in turn.
     pub fn choose(&mut self, live: usize) -> (usize, usize) {
         let b = bucket(live);
+        let pending = |k: usize| {
+            self.log
+                .iter()
+                .filter(|c| c.bucket == b && c.k == k && c.reward.is_none())
+                .count()
+        };
         let untried = self
             .ks
             .iter()
             .copied()
-            .find(|&k| self.value(b, k).is_none());
+            .filter(|&k| self.value(b, k).is_none())
+            .min_by_key(|&k| pending(k));
         let (k, explored) = match untried {
             Some(k) => (k, true),
             None if self.rng.next_f64() < self.epsilon => {
@@ -177,6 +189,22 @@ mod tests {
         assert_eq!(k, 1);
         assert!(b.log().iter().filter(|c| c.explored).count() == 4);
         assert_eq!(b.value(4, 2), Some(3.0));
+    }
+
+    #[test]
+    fn choices_in_flight_try_the_arms_in_turn() {
+        let mut b = KBandit::new(vec![1, 2, 4, 6], 0.0, 5, 0);
+        // Four groups in flight choose before any reward comes back.
+        let ids: Vec<(usize, usize)> = (0..4).map(|_| b.choose(2)).collect();
+        let mut ks: Vec<usize> = ids.iter().map(|&(k, _)| k).collect();
+        ks.sort();
+        assert_eq!(ks, vec![1, 2, 4, 6], "each arm once, not K = 1 four times");
+        // A fifth before any reward: all are pending once, so the first arm again.
+        assert_eq!(b.choose(2).0, 1);
+        for (k, id) in ids {
+            b.reward(id, if k == 4 { 2.0 } else { 1.0 }, 1, 1.0);
+        }
+        assert_eq!(b.choose(2).0, 4, "every arm rewarded: the best median");
     }
 
     #[test]
