@@ -132,7 +132,7 @@ fn bad_rl_settings_are_one_line_errors_naming_the_field() {
         err.contains("`rl.group`") && err.contains("at least 2"),
         "{err}"
     );
-    let err = one_line_error(&pipefill("rl", &["--set", "rl.kl_coef=0.1"], dir.path()));
+    let err = one_line_error(&pipefill("rl", &["--set", "rl.kl_coef=-0.1"], dir.path()));
     assert!(err.contains("`rl.kl_coef`"), "{err}");
     let err = one_line_error(&pipefill(
         "rl",
