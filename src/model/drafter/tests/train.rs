@@ -383,3 +383,54 @@ fn refresh_follows_the_target_and_no_data_is_an_error() {
     assert!(matches!(dt.slice(), Err(DrafterError::NoData)));
     assert!(dt.predicted_cost().is_none());
 }
+
+#[test]
+fn sized_slices_compute_what_they_announce_and_replicas_stay_identical() {
+    let (mut t, buffer) = trainer_with_sink(2);
+    run(&mut t, &buffer, 2);
+    let mut replicas: Vec<_> = (0..2).map(|r| new_trainer(&t, &buffer, r, 2)).collect();
+    // batch_rows 4 windows of at most seq_len − 1 = 31 pairs.
+    let full = replicas[0].max_slice_rows();
+    assert_eq!(full, 4 * 31);
+    let mut last = 0;
+    for rows in [1, 2, 5, 30, 31, 40, 62, 100, 124, 1000] {
+        let size = replicas[0].slice_size(rows);
+        assert!(
+            size >= 1 && size <= rows.min(full),
+            "{rows} rows asked, {size}"
+        );
+        assert!(size >= last, "{rows} rows asked: {size}, less than {last}");
+        last = size;
+        let s = replicas[0].slice_within(rows).unwrap();
+        // The target's sequences are seq_len long: the announced size is exact.
+        assert_eq!(s.layout_rows, size, "{rows} rows asked");
+        assert!(s.pairs <= size);
+    }
+    assert_eq!(last, full);
+    // Replicas whose slices had different sizes apply the same update.
+    replicas[1].slice_within(full).unwrap();
+    let grads = vec![
+        replicas[0].take_grads().unwrap(),
+        replicas[1].take_grads().unwrap(),
+    ];
+    assert_ne!(grads[0].pairs, grads[1].pairs);
+    let mut reversed = grads.clone();
+    reversed.reverse();
+    replicas[0].step_with(&grads).unwrap();
+    replicas[1].step_with(&reversed).unwrap();
+    let (a, b) = (
+        replicas[0].weights().unwrap(),
+        replicas[1].weights().unwrap(),
+    );
+    assert_eq!(a.version, 1);
+    for (x, y) in a.tensors.iter().zip(&b.tensors) {
+        assert!(
+            x.values
+                .iter()
+                .zip(&y.values)
+                .all(|(p, q)| p.to_bits() == q.to_bits()),
+            "`{}` differs between the replicas",
+            x.name
+        );
+    }
+}
