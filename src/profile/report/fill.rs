@@ -19,9 +19,11 @@
 //!   one under the wall clock, where nothing can be replayed).
 //! - **action cost change under filling**: the compute actions' own measured time (thread
 //!   CPU under the virtual clock), median per stage and kind, with fillers against the run
-//!   without ([`action_costs`]). Filling keeps every stage thread busy, so on a machine with
-//!   fewer cores than ranks it may make the actions themselves dearer; the replay takes the
-//!   costs as measured and cannot see that, this figure does.
+//!   without ([`action_costs`]). Filling keeps every stage thread busy, which changes what
+//!   the actions themselves cost: dearer when the threads share too few cores, cheaper when
+//!   a thread that would sleep through its bubbles stays hot. The replay takes the costs as
+//!   measured and cannot see that; this figure does (it compares two runs, so it also
+//!   carries their load difference).
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
