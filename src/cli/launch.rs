@@ -77,12 +77,11 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<()> {
     if args.nproc == 0 {
         bail!("-n must be at least 1");
     }
-    // `rl` does not split over processes yet: N copies would each run the whole job.
+    // Each rank runs its part of the job (train: its stages; rl: its stages of the update,
+    // rank 0 the rollouts); anything else would run N whole copies.
     match args.command.first().map(String::as_str) {
-        Some("train") => {}
-        other => bail!(
-            "launch runs `train` on every rank, not {other:?} (multi-process rl is not supported yet)"
-        ),
+        Some("train" | "rl") => {}
+        other => bail!("launch runs `train` or `rl` on every rank, not {other:?}"),
     }
     let token = match std::env::var("PIPEFILL_TOKEN") {
         Ok(t) if !t.is_empty() => t,
@@ -392,4 +391,77 @@ fn watchdog(mesh: &pipefill::comm::tcp::TcpMesh) {
         eprintln!("error: {reason}");
         std::process::exit(1);
     });
+}
+
+/// `pipefill rl` as one rank of a multi-process job ([`pipefill::launch::rl`]): joins the
+/// others, runs its stages of every update (rank 0 also the rollouts), and on rank 0 writes
+/// the run directory: `job.toml`, `metrics.jsonl` (one line per RL step) and the final
+/// policy's `checkpoint/`.
+pub fn rl_distributed(
+    job: &JobConfig,
+    env: &RankEnv,
+    init: Option<pipefill::model::checkpoint::Checkpoint>,
+) -> anyhow::Result<()> {
+    use pipefill::launch::rl::rl_rank;
+    let rank = env.rank;
+    let mesh = std::sync::Arc::new(join(env, listen_ip()?, join_timeout()?)?);
+    if rank == 0 {
+        println!(
+            "distributed rl: {} ranks ({:?} launcher), update schedule {} with {} stages, {} steps; rank 0 runs the rollouts ({})",
+            env.world,
+            env.launcher,
+            job.schedule.trim(),
+            job.stages,
+            job.rl.steps,
+            if job.rl.speculation {
+                "speculative"
+            } else {
+                "plain sampling"
+            }
+        );
+    }
+    watchdog(&mesh);
+    let mut lines = String::new();
+    let run = rl_rank(job, &mesh, clock_of(job), init.as_ref(), |m| {
+        println!(
+            "step {:>4}/{} reward {:.3} | rollout {:.2} s | weight sync {:.3} s | update {:.2} s, loss {:+.4}, grad norm {:.3}",
+            m.step + 1,
+            job.rl.steps,
+            m.reward,
+            m.rollout_seconds,
+            m.sync_seconds,
+            m.update_seconds,
+            m.surrogate_loss,
+            m.grad_norm
+        );
+        lines += &serde_json::to_string(m).expect("a step line always serializes");
+        lines.push('\n');
+    })?;
+    let Some(mut run) = run else {
+        return Ok(());
+    };
+    let out_dir = job.out_dir.clone().unwrap_or_else(|| {
+        let secs = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        std::path::PathBuf::from("runs").join(format!("rl-distributed-{secs}"))
+    });
+    std::fs::create_dir_all(&out_dir)
+        .with_context(|| format!("cannot create output directory {}", out_dir.display()))?;
+    std::fs::write(out_dir.join("job.toml"), job.to_toml())
+        .with_context(|| format!("cannot write {}/job.toml", out_dir.display()))?;
+    std::fs::write(out_dir.join("metrics.jsonl"), lines)
+        .with_context(|| format!("cannot write {}/metrics.jsonl", out_dir.display()))?;
+    run.checkpoint
+        .meta
+        .notes
+        .insert("job.toml".into(), job.to_toml());
+    run.checkpoint.save(&out_dir.join("checkpoint"))?;
+    println!(
+        "done: {} RL steps over {} processes; run directory {} (job.toml, metrics.jsonl, checkpoint/)",
+        run.steps.len(),
+        env.world,
+        out_dir.display()
+    );
+    Ok(())
 }

@@ -10,6 +10,7 @@
 
 pub mod env;
 pub mod profile;
+pub mod rl;
 pub mod train;
 
 use std::net::{IpAddr, SocketAddr, TcpListener, ToSocketAddrs};
