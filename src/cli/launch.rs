@@ -213,7 +213,24 @@ pub fn train_distributed(
     share.train.micro_batches /= job.dp;
     let trainer = PipelineTrainer::from_job(&share)
         .with_context(|| format!("schedule {:?} on {} ranks", job.schedule, job.stages))?;
-    let plan = trainer.plan();
+    // schedule = "auto" re-plans in one process from the costs it measures; a multi-process
+    // job runs one fixed plan, so every rank builds the same auto plan, for the modelled
+    // costs (equal stages, T_F = T_I = T_W) within ZB-H1's memory: the static variant.
+    let auto = job
+        .schedule
+        .trim()
+        .eq_ignore_ascii_case("auto")
+        .then(|| {
+            pipefill::schedules::AutoReplanner::new(
+                trainer.plan().num_ranks(),
+                share.train.micro_batches,
+                None,
+            )
+            .plan(0, Some(&pipefill::schedules::CostModel::default()))
+        })
+        .transpose()
+        .context("schedule \"auto\": the auto plan of the modelled costs")?;
+    let plan = auto.as_ref().unwrap_or(trainer.plan());
     if plan.num_ranks() * job.dp != env.world {
         bail!(
             "the job's schedule {:?} has {} ranks × dp = {} but {} processes were launched: one rank per process (set stages × dp = {})",
@@ -249,6 +266,11 @@ pub fn train_distributed(
             job.schedule.trim(),
             plan.stages,
             job.train.steps - first_step
+        );
+    }
+    if rank == 0 && auto.is_some() {
+        println!(
+            "schedule auto: every rank runs the auto plan of the modelled costs (equal stages); a single-process run re-plans from its measured costs"
         );
     }
     if rank == 0 && job.filler != pipefill::config::Filler::None {
