@@ -62,11 +62,6 @@ pub fn run(args: RlArgs) -> anyhow::Result<()> {
     if job.schedule.trim().eq_ignore_ascii_case("none") {
         bail!("schedule \"none\": the RL update runs as a pipelined step; name a schedule");
     }
-    // One rank of a multi-process job (pipefill launch, torchrun, mpirun, srun).
-    let rank_env = pipefill::launch::RankEnv::detect()?;
-    if rank_env.is_distributed() {
-        return crate::cli::launch::rl_distributed(&job, &rank_env, checkpoint);
-    }
     let rl = job.rl.clone();
     println!(
         "model: {} params ({} layers, d_model {}, seq {}); update: schedule {} on {} ranks, \
@@ -135,14 +130,18 @@ pub fn run(args: RlArgs) -> anyhow::Result<()> {
         update_bar.inc(1);
         if rollout_bar.is_hidden() {
             println!(
-                "step {:>4}/{} reward {:.3} | rollout {:.2} s ({:.0} tok/s, {:.0}% of the step) \
-                 | update {:.2} s, grad norm {:.3}",
+                "step {:>4}/{} reward {:.3} | rollout {:.2} s ({:.0} tok/s, {:.0}% of the step, \
+                 stages idle {}) | drafter {:.2} s | reference {:.2} s | update {:.2} s, grad \
+                 norm {:.3}",
                 m.step + 1,
                 rl.steps,
                 m.reward,
                 m.rollout_seconds,
                 m.tokens_per_s,
                 100.0 * m.rollout_share,
+                idle_line(&m),
+                m.drafter_seconds,
+                m.reference_seconds,
                 m.update_seconds,
                 m.grad_norm
             );
@@ -166,6 +165,19 @@ pub fn run(args: RlArgs) -> anyhow::Result<()> {
     let mean = |ms: &[RlStepMetrics]| ms.iter().map(|m| m.reward).sum::<f64>() / ms.len() as f64;
     let rollout: f64 = history.iter().map(|m| m.rollout_seconds).sum();
     let total = started.elapsed().as_secs_f64();
+    let median = |f: fn(&RlStepMetrics) -> f64| {
+        let mut v: Vec<f64> = history.iter().map(f).collect();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    println!(
+        "median step {:.3} s: rollout {:.3} s, drafter {:.3} s, reference {:.3} s, update {:.3} s",
+        median(|m| m.step_seconds),
+        median(|m| m.rollout_seconds),
+        median(|m| m.drafter_seconds),
+        median(|m| m.reference_seconds),
+        median(|m| m.update_seconds),
+    );
     println!(
         "done: {} RL steps in {total:.1} s (rollouts {:.0}%); reward {:.3} → {:.3} (mean of \
          first/last {window} steps); run directory {} (metrics.jsonl, checkpoint/)",
@@ -176,6 +188,18 @@ pub fn run(args: RlArgs) -> anyhow::Result<()> {
         out_dir.display()
     );
     Ok(())
+}
+
+/// `"1.23 s, 45% filled (6 slices)"`, or `-` without an idle-work router.
+fn idle_line(m: &RlStepMetrics) -> String {
+    match (m.rollout_idle_seconds, m.rollout_idle_filled_seconds) {
+        (Some(idle), Some(filled)) => format!(
+            "{idle:.2} s, {:.0}% filled ({} drafter slices)",
+            100.0 * filled / idle.max(1e-9),
+            m.idle_drafter_slices
+        ),
+        _ => "-".into(),
+    }
 }
 
 /// The checkpoint of the `pipefill train` run in `dir`, adopting its `[model]` and data

@@ -41,6 +41,10 @@ pub struct RlConfig {
     pub spec_threshold: usize,
     /// Drafter training slices on each step's rollouts.
     pub drafter_slices: usize,
+    /// Run those slices in the rollout stages' idle time (the long tail), routed by a
+    /// `FillerRouter` with the verification passes; what does not fit runs after the
+    /// rollout. `false`: all of them after the rollout.
+    pub idle_fill: bool,
     /// Seed of the prompt stream and of sampling.
     pub seed: u64,
 }
@@ -61,6 +65,7 @@ impl Default for RlConfig {
             draft_k: 4,
             spec_threshold: 8,
             drafter_slices: 16,
+            idle_fill: true,
             seed: 0,
         }
     }

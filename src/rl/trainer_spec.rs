@@ -4,20 +4,31 @@
 //! whose draft length a bandit picks while the live batch is at most `rl.spec_threshold`.
 //!
 //! The drafter adapts to the moving policy: every rollout records its sequences' final
-//! hidden states and next-token distributions ([`DraftRow`]s, computed anyway), and after
-//! the rollout the drafter trains `drafter_slices` slices on them (this step's rows and the
+//! hidden states and next-token distributions ([`DraftRow`]s, computed anyway), and the
+//! drafter trains `drafter_slices` slices per step on them (this step's rows and the
 //! previous step's, [`crate::model::drafter::DraftBuffer`]), with its frozen embedding and
-//! head copies refreshed from the new policy. The slices run on the caller's thread after
-//! the rollout (reported apart, as `drafter_seconds`), not yet inside the long tail's idle
-//! time or the update's bubbles. With speculation off no drafter is recorded or trained.
+//! head copies refreshed from the new policy before the rollout. With `rl.idle_fill` the
+//! slices run inside the rollout, in the stages' idle time of the long tail: a
+//! [`RolloutRouter`] files the verification passes and [`DrafterSlices`] with a
+//! [`FillerRouter`] kept across steps (its cost estimates carry over), and each finished
+//! sequence's row reaches the buffer at once. What does not fit runs on the caller's
+//! thread after the rollout (reported as `drafter_seconds`). The drafter that proposes
+//! during a rollout is a copy loaded before it, so training never changes what a rollout
+//! samples. With speculation off no drafter is recorded or trained.
 //!
 //! Speculation never changes what is sampled (acceptance is lossless), so the reward curve
 //! is the same in distribution with it on or off; only the time differs.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
+use pipefill_actors::FillerRouter;
+
+use super::rollout::idle::{DRAFTER, DrafterSlices, RolloutRouter};
 use super::rollout::{
-    AdaptiveConfig, Request, RolloutConfig, RolloutEngine as Engine, RolloutError, Speculation,
+    AdaptiveConfig, MessageHook, Request, RolloutConfig, RolloutEngine as Engine, RolloutError,
+    Speculation,
 };
 use super::speculative::Proposer;
 use super::trainer::{RlError, Rollout, RolloutBatch, RolloutEngine};
@@ -41,16 +52,27 @@ impl From<crate::model::drafter::DrafterError> for RlError {
     }
 }
 
+/// Rows of each step held out of the drafter's training to measure its agreement.
+const HELD_OUT_ROWS: usize = 4;
+
 /// Rollouts through the pipelined rollout engine, speculative or plain, with a drafter
 /// trained on every step's rollouts.
 pub struct PipelineRollouts {
     rl: RlConfig,
     stages: usize,
     speculation: Speculation,
-    /// Trains on the rollouts' rows.
-    trainer: DrafterTrainer<CpuBackend>,
+    /// Trains on the rollouts' rows (shared with the router's drafter source).
+    trainer: Arc<Mutex<DrafterTrainer<CpuBackend>>>,
     /// Proposes during the rollout, loaded with the trainer's weights before each one.
     proposer: Drafter<CpuBackend>,
+    /// Routes the stages' idle work, across steps.
+    router: FillerRouter,
+    /// Drafter slices left this step.
+    budget: Arc<AtomicU64>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl PipelineRollouts {
@@ -77,8 +99,31 @@ impl PipelineRollouts {
             rl: rl.clone(),
             stages,
             speculation,
-            trainer,
+            trainer: Arc::new(Mutex::new(trainer)),
+            router: FillerRouter::default(),
+            budget: Arc::new(AtomicU64::new(0)),
         })
+    }
+}
+
+impl PipelineRollouts {
+    /// This step's idle-work hook: the step's drafter budget set, the router's prior for
+    /// a slice's cost from the trainer's measured slices (kept once the router measured
+    /// its own), rows sent to the drafter's buffer as sequences finish.
+    fn idle_router(&mut self) -> RolloutRouter {
+        let (cost, buffer) = {
+            let trainer = lock(&self.trainer);
+            (trainer.predicted_cost(), trainer.buffer().clone())
+        };
+        if let Some(cost) = cost {
+            self.router.set_prior(DRAFTER, cost);
+        }
+        self.budget
+            .store(self.rl.drafter_slices as u64, Ordering::Release);
+        let slices = DrafterSlices::new(Arc::clone(&self.trainer), self.budget.clone());
+        RolloutRouter::new(self.router.clone(), self.stages.max(1), true)
+            .with_rows(buffer, HELD_OUT_ROWS)
+            .with_drafter(slices)
     }
 }
 
@@ -103,9 +148,19 @@ impl RolloutEngine for PipelineRollouts {
             })
             .collect();
         let speculate = !matches!(self.speculation, Speculation::Off);
+        let hook = match speculate && self.rl.idle_fill {
+            true => Some(Arc::new(self.idle_router())),
+            false => None,
+        };
         if speculate {
-            self.proposer.load_weights(&self.trainer.weights()?)?;
+            let mut trainer = lock(&self.trainer);
+            self.proposer.load_weights(&trainer.weights()?)?;
             self.proposer.refresh_from_gpt(policy, step)?;
+            trainer.drafter_mut().refresh_from_gpt(policy, step)?;
+            trainer.buffer().begin_step(step);
+        }
+        if let Some(h) = &hook {
+            engine = engine.with_hook(Arc::clone(h) as Arc<dyn MessageHook>);
         }
         let config = RolloutConfig {
             eos: tokenizer::EOS,
@@ -118,25 +173,37 @@ impl RolloutEngine for PipelineRollouts {
         };
         let proposer = speculate.then_some(&mut self.proposer as &mut dyn Proposer);
         let out = engine.run(&requests, &config, proposer)?;
+        let report = hook.as_ref().map(|h| h.report());
 
-        // The drafter follows the policy: agreement on this step's rows before training
-        // on them (how well it matched the policy that sampled them), then slices. Without
-        // speculation nothing would use it, so it is left alone.
+        // The drafter follows the policy: its agreement on rows it never trained on, then
+        // the slices the stages' idle time did not take. Without speculation nothing would
+        // use it, so it is left alone.
         let drafted = Instant::now();
         let agreement = if speculate {
-            self.trainer.drafter_mut().refresh_from_gpt(policy, step)?;
-            let held: Vec<DraftRow> = out.rows.iter().take(4).cloned().collect();
-            let agreement = self.trainer.agreement(&held)?;
-            let buffer = self.trainer.buffer().clone();
-            buffer.begin_step(step);
+            let mut trainer = lock(&self.trainer);
+            let (held, rest): (Vec<DraftRow>, &[DraftRow]) = match &hook {
+                // The router sent every row but the held-out ones to the buffer already.
+                Some(h) => (h.held_out(), &[]),
+                None => {
+                    let n = HELD_OUT_ROWS.min(out.rows.len());
+                    (out.rows[..n].to_vec(), &out.rows[..])
+                }
+            };
+            let agreement = trainer.agreement(&held)?;
             {
+                let buffer = trainer.buffer().clone();
                 let mut b = buffer.lock();
-                for row in &out.rows {
+                let late = if hook.is_some() { &held[..] } else { rest };
+                for row in late {
                     b.push(row.clone())?;
                 }
             }
-            for _ in 0..self.rl.drafter_slices {
-                self.trainer.slice()?;
+            let slices = match &hook {
+                Some(_) => self.budget.swap(0, Ordering::AcqRel),
+                None => self.rl.drafter_slices as u64,
+            };
+            for _ in 0..slices {
+                trainer.slice()?;
             }
             Some(agreement)
         } else {
@@ -161,7 +228,13 @@ impl RolloutEngine for PipelineRollouts {
             chosen_k,
             drafter_agreement: agreement,
             drafter_seconds,
-            ..RolloutBatch::default()
+            idle_seconds: report.as_ref().map(|_| {
+                (s.stage_busy_s.iter())
+                    .map(|b| (s.seconds - b).max(0.0))
+                    .sum()
+            }),
+            idle_filled_seconds: report.as_ref().map(|r| r.filled_total()),
+            idle_drafter_slices: report.map_or(0, |r| r.drafter_slices),
         })
     }
 

@@ -1,12 +1,15 @@
 //! The rollout driver: launches group steps into the stage pipeline, turns the last stage's
 //! logits into tokens (plain sampling or speculative acceptance), keeps the groups split so
-//! that the stages stay busy, and records the figures.
+//! that the stages stay busy, and records the figures. With a [`MessageHook`], each
+//! sequence's drafter-training row goes to the hook as soon as the sequence finishes, so
+//! that the stages' idle time in the long tail can train on it while the rollout runs.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
 use std::sync::mpsc::{Receiver, Sender};
 use std::time::Instant;
 
-use super::pipe::{Done, Msg, WorkKind};
+use super::pipe::{Done, MessageHook, Msg, WorkKind};
 use super::{LivePoint, Request, Rollout, RolloutConfig, RolloutError, RolloutStats, Speculation};
 use crate::data::SplitMix64;
 use crate::model::ModelError;
@@ -51,6 +54,7 @@ pub(super) struct Driver<'a> {
     stats: RolloutStats,
     curve: Vec<LivePoint>,
     start: Instant,
+    hook: Option<Arc<dyn MessageHook>>,
 }
 
 impl<'a> Driver<'a> {
@@ -93,7 +97,14 @@ impl<'a> Driver<'a> {
             stats: RolloutStats::default(),
             curve: Vec::new(),
             start: Instant::now(),
+            hook: None,
         }
+    }
+
+    /// Hands each finished sequence's drafter row to `hook` (when rows are recorded).
+    pub(super) fn with_hook(mut self, hook: Option<Arc<dyn MessageHook>>) -> Self {
+        self.hook = hook;
+        self
     }
 
     fn live(&self) -> usize {
@@ -324,6 +335,11 @@ impl<'a> Driver<'a> {
                 }
             }
             if seq.done {
+                if let (Some(h), true) = (&self.hook, self.config.record_rows) {
+                    if let Some(row) = draft_row(seq, d, v, self.config.step) {
+                        h.row(&row);
+                    }
+                }
                 finished.push(i);
             } else {
                 alive.push(i);
@@ -361,19 +377,8 @@ impl<'a> Driver<'a> {
         let mut sequences = Vec::with_capacity(n);
         let mut prompt_lens = Vec::with_capacity(n);
         for s in self.seqs {
-            if record && s.tokens.len() > 1 {
-                // Position p's hidden state predicts token p + 1; the last token was never fed.
-                let len = (s.tokens.len() - 1).min(s.hidden.len() / d);
-                let mut targets: Vec<u32> = s.tokens[1..=len].to_vec();
-                if targets.is_empty() {
-                    targets.push(IGNORE_TARGET);
-                }
-                rows.push(DraftRow {
-                    hidden: s.hidden[..len * d].to_vec(),
-                    targets,
-                    probs: s.probs[..len * v].to_vec(),
-                    step,
-                });
+            if record {
+                rows.extend(draft_row(&s, d, v, step));
             }
             prompt_lens.push(s.prompt);
             sequences.push(s.tokens);
@@ -387,4 +392,24 @@ impl<'a> Driver<'a> {
             choices: self.bandit.map(|b| b.log().to_vec()).unwrap_or_default(),
         }
     }
+}
+
+/// A sequence's drafter-training row: its final hidden states, next tokens and target
+/// distributions (`None` before it has two tokens).
+fn draft_row(s: &Seq, d: usize, v: usize, step: u64) -> Option<DraftRow> {
+    if s.tokens.len() <= 1 {
+        return None;
+    }
+    // Position p's hidden state predicts token p + 1; the last token was never fed.
+    let len = (s.tokens.len() - 1).min(s.hidden.len() / d);
+    let mut targets: Vec<u32> = s.tokens[1..=len].to_vec();
+    if targets.is_empty() {
+        targets.push(IGNORE_TARGET);
+    }
+    Some(DraftRow {
+        hidden: s.hidden[..len * d].to_vec(),
+        targets,
+        probs: s.probs[..len * v].to_vec(),
+        step,
+    })
 }

@@ -17,9 +17,10 @@
 //! bucket.
 
 mod driver;
+pub mod idle;
 mod pipe;
 
-pub use pipe::{MessageHook, WorkKind};
+pub use pipe::{IdleTurn, MessageHook, WorkKind};
 
 use std::sync::Arc;
 use std::sync::mpsc;
@@ -283,7 +284,8 @@ impl<B: Backend> RolloutEngine<B> {
             drop(txs);
             drop(drv_tx);
             let mut driver =
-                Driver::new(requests, config, model.d_model, model.vocab, model.seq_len);
+                Driver::new(requests, config, model.d_model, model.vocab, model.seq_len)
+                    .with_hook(hook.clone());
             let result = driver.run(&first, &drv_rx, proposer);
             drop(first);
             let busy: Vec<f64> = handles

@@ -7,11 +7,23 @@
 //! same message with K+1 positions per sequence, and its spans' `start` rolls back whatever
 //! an earlier verification left beyond the accepted tokens. Each stage files every message
 //! it takes with the optional [`MessageHook`], the seam through which a bubble router
-//! (`FillerRouter`) can see the traffic.
+//! (`FillerRouter`, see [`super::idle`]) sees the traffic and fills the stages' idle time:
+//!
+//! - a message of a kind the hook [`routes`](MessageHook::routes) (verification) waits at
+//!   its stage until the hook hands it back ([`IdleTurn::Routed`]); the stage runs it then,
+//!   as its own work;
+//! - when its inbox is empty (the long tail: few groups in flight, the stage waits for the
+//!   others), the stage asks the hook for idle work ([`MessageHook::idle`]), e.g. a slice of
+//!   drafter training, and only blocks on its inbox when the hook has none.
+//!
+//! The stage's compute (what the rollout measures as busy) is its messages' forwards; idle
+//! work is the hook's to time and record.
 
 use std::sync::Arc;
-use std::sync::mpsc::{Receiver, Sender};
+use std::sync::mpsc::{Receiver, Sender, TryRecvError};
 use std::time::{Duration, Instant};
+
+use crate::model::drafter::DraftRow;
 
 use crate::model::ModelError;
 use crate::model::infer::{InferStage, Span, StageInput, StageOutput};
@@ -29,10 +41,48 @@ pub enum WorkKind {
     },
 }
 
-/// Sees every message a stage takes (e.g. to file it with a bubble router).
+/// Sees every message a stage takes (e.g. to file it with a bubble router) and may route
+/// messages and fill the stages' idle time (see the module docs). Only
+/// [`MessageHook::filed`] is required: by default nothing is routed and no idle work runs.
 pub trait MessageHook: Send + Sync {
     /// Stage `stage` starts `kind` for `rows` positions of group `group`.
     fn filed(&self, stage: usize, group: usize, kind: WorkKind, rows: usize);
+
+    /// Whether stage `stage` queues messages of `kind` with the hook ([`MessageHook::queue`])
+    /// and runs them when [`MessageHook::idle`] hands them back.
+    fn routes(&self, _stage: usize, _kind: WorkKind) -> bool {
+        false
+    }
+
+    /// Group `group`'s message of `kind` waits at stage `stage` for the hook.
+    fn queue(&self, _stage: usize, _group: usize, _kind: WorkKind) {}
+
+    /// Stage `stage` has nothing in its inbox; `waiting`: routed messages wait at it. What
+    /// it does next.
+    fn idle(&self, _stage: usize, _waiting: bool) -> IdleTurn {
+        IdleTurn::Wait
+    }
+
+    /// The routed message handed back last by [`MessageHook::idle`] ran over
+    /// `[start, end)`.
+    fn routed_ran(&self, _stage: usize, _start: Instant, _end: Instant) {}
+
+    /// Stage `stage` blocked on its inbox over `[start, end)`.
+    fn waited(&self, _stage: usize, _start: Instant, _end: Instant) {}
+
+    /// A sequence finished; its drafter-training row (rollouts that record rows only).
+    fn row(&self, _row: &DraftRow) {}
+}
+
+/// What an idle stage does next (the answer of [`MessageHook::idle`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IdleTurn {
+    /// Run the routed message of this group now.
+    Routed { group: usize },
+    /// The hook ran a piece of idle work on the stage's thread; ask again.
+    Worked,
+    /// Nothing to do: block on the inbox.
+    Wait,
 }
 
 /// One message between stages.
@@ -67,64 +117,162 @@ pub(crate) fn stage_loop<B: Backend>(
     hook: Option<Arc<dyn MessageHook>>,
 ) -> Duration {
     let mut busy = Duration::ZERO;
-    for msg in inbox {
-        let (group, kind, spans, ids, hidden) = match msg {
-            Msg::Release(slots) => {
-                slots.iter().for_each(|&s| stage.release(s));
-                if let Some(n) = &next {
-                    let _ = n.send(Msg::Release(slots));
+    // Routed messages waiting for the hook, oldest first.
+    let mut routed: Vec<(usize, Msg<B>)> = Vec::new();
+    let out = Outlets {
+        index,
+        next: &next,
+        driver: &driver,
+    };
+    loop {
+        let msg = match inbox.try_recv() {
+            Ok(msg) => msg,
+            Err(TryRecvError::Disconnected) if routed.is_empty() => break,
+            Err(_) => {
+                let turn = hook
+                    .as_ref()
+                    .map_or(IdleTurn::Wait, |h| h.idle(index, !routed.is_empty()));
+                let group = match turn {
+                    IdleTurn::Worked => continue,
+                    IdleTurn::Routed { group } => Some(group),
+                    // A hook that keeps a routed message waiting would stall the rollout:
+                    // the oldest runs now.
+                    IdleTurn::Wait if !routed.is_empty() => None,
+                    IdleTurn::Wait => {
+                        let t = Instant::now();
+                        let Ok(msg) = inbox.recv() else { break };
+                        if let Some(h) = &hook {
+                            h.waited(index, t, Instant::now());
+                        }
+                        if let Some(work) = intake(msg, &hook, index, &mut routed, stage, &next) {
+                            let t = Instant::now();
+                            let sent = run(stage, work, &out);
+                            busy += t.elapsed();
+                            if !sent {
+                                break;
+                            }
+                        }
+                        continue;
+                    }
+                };
+                let at = group
+                    .and_then(|g| routed.iter().position(|(rg, _)| *rg == g))
+                    .unwrap_or(0);
+                let (_, work) = routed.remove(at);
+                let t = Instant::now();
+                let sent = run(stage, work, &out);
+                let end = Instant::now();
+                busy += end - t;
+                if let (Some(h), Some(_)) = (&hook, group) {
+                    h.routed_ran(index, t, end);
+                }
+                if !sent {
+                    break;
                 }
                 continue;
             }
-            Msg::Work {
-                group,
-                kind,
-                spans,
-                ids,
-                hidden,
-            } => (group, kind, spans, ids, hidden),
         };
-        if let Some(h) = &hook {
-            h.filed(index, group, kind, spans.iter().map(|s| s.len).sum());
-        }
-        let t = Instant::now();
-        let input = match hidden {
-            Some(h) => StageInput::Hidden(h),
-            None => StageInput::Tokens(&ids),
-        };
-        let out = stage.forward(&spans, input);
-        busy += t.elapsed();
-        let sent = match out {
-            Ok(StageOutput::Hidden(h)) => match &next {
-                Some(n) => n
-                    .send(Msg::Work {
-                        group,
-                        kind,
-                        spans,
-                        ids: Vec::new(),
-                        hidden: Some(h),
-                    })
-                    .is_ok(),
-                None => driver
-                    .send(Err(ModelError::Input {
-                        stage: index,
-                        mb: group,
-                        reason: "the last stage has no LM head".into(),
-                    }))
-                    .is_ok(),
-            },
-            Ok(StageOutput::Final { logits, hidden }) => driver
-                .send(Ok(Done {
-                    group,
-                    logits,
-                    hidden,
-                }))
-                .is_ok(),
-            Err(e) => driver.send(Err(e)).is_ok(),
-        };
-        if !sent {
-            break;
+        if let Some(work) = intake(msg, &hook, index, &mut routed, stage, &next) {
+            let t = Instant::now();
+            let sent = run(stage, work, &out);
+            busy += t.elapsed();
+            if !sent {
+                break;
+            }
         }
     }
     busy
+}
+
+/// Where a stage's results go.
+struct Outlets<'a, B: Backend> {
+    index: usize,
+    next: &'a Option<Sender<Msg<B>>>,
+    driver: &'a Sender<Result<Done, ModelError>>,
+}
+
+/// Takes one message in: releases run at once (and travel on), routed work waits in
+/// `routed`; returns the work to run now.
+fn intake<B: Backend>(
+    msg: Msg<B>,
+    hook: &Option<Arc<dyn MessageHook>>,
+    index: usize,
+    routed: &mut Vec<(usize, Msg<B>)>,
+    stage: &mut InferStage<B>,
+    next: &Option<Sender<Msg<B>>>,
+) -> Option<Msg<B>> {
+    match msg {
+        Msg::Release(slots) => {
+            slots.iter().for_each(|&s| stage.release(s));
+            if let Some(n) = next {
+                let _ = n.send(Msg::Release(slots));
+            }
+            None
+        }
+        Msg::Work {
+            group,
+            kind,
+            ref spans,
+            ..
+        } => {
+            if let Some(h) = hook {
+                h.filed(index, group, kind, spans.iter().map(|s| s.len).sum());
+                if h.routes(index, kind) {
+                    routed.push((group, msg));
+                    h.queue(index, group, kind);
+                    return None;
+                }
+            }
+            Some(msg)
+        }
+    }
+}
+
+/// Runs one work message through the stage and sends the result on; `false` when the
+/// receiver is gone (the rollout stopped).
+fn run<B: Backend>(stage: &mut InferStage<B>, msg: Msg<B>, out: &Outlets<'_, B>) -> bool {
+    let Msg::Work {
+        group,
+        kind,
+        spans,
+        ids,
+        hidden,
+    } = msg
+    else {
+        return true;
+    };
+    let input = match hidden {
+        Some(h) => StageInput::Hidden(h),
+        None => StageInput::Tokens(&ids),
+    };
+    match stage.forward(&spans, input) {
+        Ok(StageOutput::Hidden(h)) => match out.next {
+            Some(n) => n
+                .send(Msg::Work {
+                    group,
+                    kind,
+                    spans,
+                    ids: Vec::new(),
+                    hidden: Some(h),
+                })
+                .is_ok(),
+            None => out
+                .driver
+                .send(Err(ModelError::Input {
+                    stage: out.index,
+                    mb: group,
+                    reason: "the last stage has no LM head".into(),
+                }))
+                .is_ok(),
+        },
+        Ok(StageOutput::Final { logits, hidden }) => out
+            .driver
+            .send(Ok(Done {
+                group,
+                logits,
+                hidden,
+            }))
+            .is_ok(),
+        Err(e) => out.driver.send(Err(e)).is_ok(),
+    }
 }

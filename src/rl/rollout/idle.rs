@@ -1,0 +1,435 @@
+//! The rollout stages' idle work, routed by a [`FillerRouter`] (the long-tail bubbles).
+//!
+//! While the live batch is large every stage always has a group to run; in the long tail
+//! few groups are in flight and a stage waits for the others most of the time. A
+//! [`RolloutRouter`] is the engine's [`MessageHook`]: each stage thread, when its inbox is
+//! empty, asks its rank's [`RoutedFiller`] of a job's router for work:
+//!
+//! 1. **verification** (kind `"verify"`, one-off requests pinned to the stage): a
+//!    speculative verification message is filed with the router when it reaches a stage,
+//!    and handed back to that stage (the one holding the layers it needs) as the first
+//!    request it may run; the stage then runs it as its own work. The router thereby
+//!    learns the verification passes' cost and orders them ahead of every source;
+//! 2. **drafter training** (kind `"drafter"`, always available while the step's budget
+//!    lasts, [`DrafterSlices`]): slices of the drafter's training on the rows this step's
+//!    rollouts produced (each finished sequence's row reaches the buffer at once through
+//!    [`MessageHook::row`]) and the previous step's. An idle stage files one slice as a
+//!    request pinned to itself when the router's estimate of a slice's cost fits the idle
+//!    time it has left, and takes it back through its filler (only one-off requests and
+//!    the router's estimates are used, not its source interface).
+//!
+//! The idle time a stage has left is predicted from what it observed: the moving average
+//! of its idle gaps (from going idle to the next message), measured whenever the arrival
+//! was seen; when a message arrived while a slice ran, the gap is only known to exceed the
+//! time before the slice, and that lower bound is what the average learns, so an estimate
+//! that let slices overrun shrinks. Every piece of work is recorded as an [`IdleSpan`].
+//!
+//! The samples do not change: idle work never touches the stages' caches, and the drafter
+//! being trained is not the one proposing during this rollout (that one was loaded before
+//! it), so the rollout is as lossless and, for greedy decoding, as deterministic as without.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Instant;
+
+use pipefill_actors::{
+    Bubble, BubbleFiller, FillerRouter, FillerSpan, Request as RouterRequest, RoutedFiller,
+    RouterConfig,
+};
+use pipefill_schedules::Action;
+use serde::Serialize;
+
+use super::pipe::{IdleTurn, MessageHook, WorkKind};
+use crate::model::drafter::{DraftBufferHandle, DraftRow, DrafterTrainer};
+use crate::tensor::CpuBackend;
+
+/// Weight of the newest observed gap in a stage's idle-gap average.
+const GAP_EMA: f64 = 0.3;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// One piece of work a rollout stage ran through the router.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct IdleSpan {
+    pub stage: usize,
+    /// Seconds since the router's rollout began.
+    pub start: f64,
+    pub end: f64,
+    /// `"verify"` (the stage's own message, routed) or `"drafter"` (idle work).
+    pub kind: String,
+    pub label: String,
+    /// The work's error, if it failed.
+    pub error: Option<String>,
+}
+
+/// What the stages did through the router in one rollout.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct IdleReport {
+    pub spans: Vec<IdleSpan>,
+    /// Seconds each stage blocked on its inbox with nothing to do.
+    pub waited_s: Vec<f64>,
+    /// Seconds of idle work (drafter slices) each stage ran.
+    pub filled_s: Vec<f64>,
+    /// Drafter slices run in idle time.
+    pub drafter_slices: usize,
+    /// Verification messages routed.
+    pub verifications: usize,
+}
+
+impl IdleReport {
+    pub fn filled_total(&self) -> f64 {
+        self.filled_s.iter().sum()
+    }
+}
+
+/// One stage's side of the router.
+struct StageSide {
+    filler: RoutedFiller,
+    /// Moving average of the stage's idle gaps, seconds (`None` before one was seen).
+    gap: Option<f64>,
+    /// When the stage went idle (`None` while it works).
+    idle_since: Option<Instant>,
+    /// When the last idle work of this idle period started.
+    last_work: Option<Instant>,
+    /// The arrival ending this idle period was observed (the stage blocked).
+    observed: bool,
+}
+
+impl StageSide {
+    fn learn(&mut self, gap: f64) {
+        let gap = gap.max(0.0);
+        self.gap = Some(match self.gap {
+            None => gap,
+            Some(g) => g + GAP_EMA * (gap - g),
+        });
+    }
+}
+
+/// Kind of the routed verification requests.
+pub const VERIFY: &str = "verify";
+/// Kind of the drafter-training source.
+pub const DRAFTER: &str = "drafter";
+
+/// The rollout engine's [`MessageHook`] over a [`FillerRouter`] (see the module docs).
+pub struct RolloutRouter {
+    router: FillerRouter,
+    route_verify: bool,
+    stages: Vec<Mutex<StageSide>>,
+    /// Groups whose routed message the router handed to each stage, oldest first.
+    handed: Arc<Vec<Mutex<VecDeque<usize>>>>,
+    /// Where finished sequences' rows go, all but the first `hold_out`, which are kept.
+    rows: Option<DraftBufferHandle>,
+    hold_out: usize,
+    held: Mutex<Vec<DraftRow>>,
+    origin: Instant,
+    report: Mutex<IdleReport>,
+    drafter: Option<DrafterSlices>,
+}
+
+impl RolloutRouter {
+    /// A hook for `stages` stages taking work from `router`; verification messages are
+    /// routed when `route_verify`. A verification is only handed out once the router has
+    /// a cost estimate for `"verify"`: this sets a prior of 0 if none was measured (a
+    /// stage's own message always fits its idle time).
+    pub fn new(router: FillerRouter, stages: usize, route_verify: bool) -> Self {
+        if route_verify {
+            router.set_prior(VERIFY, 0.0);
+        }
+        RolloutRouter {
+            stages: (0..stages)
+                .map(|s| {
+                    Mutex::new(StageSide {
+                        filler: router.filler(s),
+                        gap: None,
+                        idle_since: None,
+                        last_work: None,
+                        observed: false,
+                    })
+                })
+                .collect(),
+            router,
+            route_verify,
+            handed: Arc::new((0..stages).map(|_| Mutex::new(VecDeque::new())).collect()),
+            rows: None,
+            hold_out: 0,
+            held: Mutex::new(Vec::new()),
+            origin: Instant::now(),
+            report: Mutex::new(IdleReport {
+                waited_s: vec![0.0; stages],
+                filled_s: vec![0.0; stages],
+                ..IdleReport::default()
+            }),
+            drafter: None,
+        }
+    }
+
+    /// Fills idle time with `slices` of drafter training.
+    pub fn with_drafter(mut self, slices: DrafterSlices) -> Self {
+        self.drafter = Some(slices);
+        self
+    }
+
+    /// Sends finished sequences' drafter rows to `buffer`, except the first `hold_out`,
+    /// kept apart ([`RolloutRouter::held_out`]) to measure the drafter on rows it never
+    /// trained on.
+    pub fn with_rows(mut self, buffer: DraftBufferHandle, hold_out: usize) -> Self {
+        self.rows = Some(buffer);
+        self.hold_out = hold_out;
+        self
+    }
+
+    /// The rows held out of training.
+    pub fn held_out(&self) -> Vec<DraftRow> {
+        lock(&self.held).clone()
+    }
+
+    /// What the stages did so far.
+    pub fn report(&self) -> IdleReport {
+        lock(&self.report).clone()
+    }
+
+    fn seconds(&self, t: Instant) -> f64 {
+        t.saturating_duration_since(self.origin).as_secs_f64()
+    }
+
+    fn record(&self, span: IdleSpan) {
+        let mut r = lock(&self.report);
+        if span.kind == DRAFTER {
+            r.filled_s[span.stage] += span.end - span.start;
+        }
+        r.spans.push(span);
+    }
+
+    /// A bubble of `idle` seconds at `stage`, taken as it is (the stage's own estimate,
+    /// already learned from its observed gaps).
+    fn bubble(stage: usize, idle: f64) -> Bubble {
+        Bubble {
+            rank: stage,
+            iteration: 0,
+            waiting_for: Action::f(stage as u32, 0),
+            predicted_idle: Some(idle),
+            exact: true,
+        }
+    }
+
+    /// Files one drafter slice pinned to `stage` if the router's estimate of its cost fits
+    /// `left` seconds (so the router hands it straight back).
+    fn file_drafter(&self, stage: usize, left: f64) {
+        let Some(drafter) = &self.drafter else {
+            return;
+        };
+        // The router's widest margin: what fits here fits its own check.
+        let margin = RouterConfig::default().margin;
+        let fits = (self.router.stats().kinds.get(DRAFTER))
+            .is_some_and(|k| k.estimate.predicted(margin) <= left);
+        // Only a request that is filed takes a slice from the budget.
+        if let Some(request) = fits.then(|| drafter.request(stage)).flatten() {
+            self.router.submit(request);
+        }
+    }
+
+    /// Runs `work` on this thread as idle work of `stage` and tells the filler.
+    fn run_idle(&self, stage: usize, side: &mut StageSide, work: pipefill_actors::FillerWork) {
+        let start = Instant::now();
+        side.last_work = Some(start);
+        let result = (work.run)();
+        let end = Instant::now();
+        let error = result.err();
+        side.filler.finished(&FillerSpan {
+            rank: stage,
+            iteration: 0,
+            start: self.seconds(start),
+            end: self.seconds(end),
+            label: work.label.clone(),
+            predicted_cost: work.predicted_cost,
+            error: error.clone(),
+        });
+        let is_drafter = work.label.starts_with(DRAFTER);
+        if is_drafter {
+            lock(&self.report).drafter_slices += 1;
+        }
+        self.record(IdleSpan {
+            stage,
+            start: self.seconds(start),
+            end: self.seconds(end),
+            kind: if is_drafter { DRAFTER } else { "other" }.into(),
+            label: work.label,
+            error,
+        });
+    }
+}
+
+impl MessageHook for RolloutRouter {
+    fn filed(&self, stage: usize, _group: usize, _kind: WorkKind, _rows: usize) {
+        let mut side = lock(&self.stages[stage]);
+        if let Some(since) = side.idle_since.take() {
+            if !side.observed {
+                // The message came while idle work ran: the gap was at least the time
+                // before the last piece started.
+                let lower = side.last_work.map_or(0.0, |t| (t - since).as_secs_f64());
+                side.learn(lower);
+            }
+        }
+        side.observed = false;
+        side.last_work = None;
+    }
+
+    fn routes(&self, _stage: usize, kind: WorkKind) -> bool {
+        self.route_verify && matches!(kind, WorkKind::Verify { .. })
+    }
+
+    fn queue(&self, stage: usize, group: usize, kind: WorkKind) {
+        let handed = Arc::clone(&self.handed);
+        let k = match kind {
+            WorkKind::Verify { k } => k,
+            _ => 0,
+        };
+        self.router.submit(RouterRequest {
+            kind: VERIFY.into(),
+            label: format!("verify group {group} k {k}"),
+            rank: Some(stage),
+            run: Box::new(move || {
+                lock(&handed[stage]).push_back(group);
+                Ok(())
+            }),
+        });
+    }
+
+    fn idle(&self, stage: usize, waiting: bool) -> IdleTurn {
+        let mut side = lock(&self.stages[stage]);
+        if waiting {
+            // The stage's own routed message: the oldest request the router has for it.
+            let Some(work) = side.filler.fill(&Self::bubble(stage, f64::INFINITY)) else {
+                return IdleTurn::Wait;
+            };
+            if !work.label.starts_with(VERIFY) {
+                // No request for this stage: the router handed out a source's slice.
+                self.run_idle(stage, &mut side, work);
+                return IdleTurn::Worked;
+            }
+            let _ = (work.run)();
+            return match lock(&self.handed[stage]).pop_front() {
+                // The filler measures the verification when the stage reports it ran.
+                Some(group) => IdleTurn::Routed { group },
+                None => IdleTurn::Wait,
+            };
+        }
+        let now = Instant::now();
+        let since = *side.idle_since.get_or_insert(now);
+        // No idle work before the stage has seen how long it waits.
+        let Some(gap) = side.gap else {
+            return IdleTurn::Wait;
+        };
+        let left = gap - (now - since).as_secs_f64();
+        if left <= 0.0 {
+            return IdleTurn::Wait;
+        }
+        self.file_drafter(stage, left);
+        match side.filler.fill(&Self::bubble(stage, left)) {
+            Some(work) => {
+                self.run_idle(stage, &mut side, work);
+                IdleTurn::Worked
+            }
+            None => IdleTurn::Wait,
+        }
+    }
+
+    fn routed_ran(&self, stage: usize, start: Instant, end: Instant) {
+        let mut side = lock(&self.stages[stage]);
+        let span = FillerSpan {
+            rank: stage,
+            iteration: 0,
+            start: self.seconds(start),
+            end: self.seconds(end),
+            label: VERIFY.into(),
+            predicted_cost: 0.0,
+            error: None,
+        };
+        side.filler.finished(&span);
+        drop(side);
+        lock(&self.report).verifications += 1;
+        self.record(IdleSpan {
+            stage,
+            start: span.start,
+            end: span.end,
+            kind: VERIFY.into(),
+            label: VERIFY.into(),
+            error: None,
+        });
+    }
+
+    fn waited(&self, stage: usize, start: Instant, end: Instant) {
+        let mut side = lock(&self.stages[stage]);
+        let since = side.idle_since.unwrap_or(start);
+        side.learn((end - since).as_secs_f64());
+        side.observed = true;
+        drop(side);
+        lock(&self.report).waited_s[stage] += (end - start).as_secs_f64();
+    }
+
+    fn row(&self, row: &DraftRow) {
+        let Some(buffer) = &self.rows else {
+            return;
+        };
+        {
+            let mut held = lock(&self.held);
+            if held.len() < self.hold_out {
+                held.push(row.clone());
+                return;
+            }
+        }
+        // A row the buffer refuses (wrong width) only costs the drafter a row.
+        if let Err(e) = buffer.lock().push(row.clone()) {
+            tracing::warn!("drafter row refused: {e}");
+        }
+    }
+}
+
+/// The drafter's training as router requests (kind `"drafter"`): one slice at a time,
+/// while this step's budget of slices lasts, the buffer has rows and no other
+/// stage is training it. Shares the trainer with the caller, who runs what is left of the
+/// budget after the rollout.
+pub struct DrafterSlices {
+    trainer: Arc<Mutex<DrafterTrainer<CpuBackend>>>,
+    /// Slices left to train this step.
+    budget: Arc<AtomicU64>,
+    /// A slice was filed and has not finished.
+    claimed: Arc<AtomicBool>,
+}
+
+impl DrafterSlices {
+    pub fn new(trainer: Arc<Mutex<DrafterTrainer<CpuBackend>>>, budget: Arc<AtomicU64>) -> Self {
+        DrafterSlices {
+            trainer,
+            budget,
+            claimed: Arc::new(AtomicBool::new(false)),
+        }
+    }
+
+    /// A slice for `stage` to run, or `None` (budget spent, no rows, one in flight).
+    fn request(&self, stage: usize) -> Option<RouterRequest> {
+        let left = self.budget.load(Ordering::Acquire);
+        if left == 0 || self.claimed.swap(true, Ordering::AcqRel) {
+            return None;
+        }
+        if !matches!(self.trainer.try_lock(), Ok(t) if !t.buffer().is_empty()) {
+            self.claimed.store(false, Ordering::Release);
+            return None;
+        }
+        self.budget.fetch_sub(1, Ordering::AcqRel);
+        let (trainer, claimed) = (Arc::clone(&self.trainer), Arc::clone(&self.claimed));
+        Some(RouterRequest {
+            kind: DRAFTER.into(),
+            label: format!("{DRAFTER} slice"),
+            rank: Some(stage),
+            run: Box::new(move || {
+                let result = lock(&trainer).slice();
+                claimed.store(false, Ordering::Release);
+                result.map(|_| ()).map_err(|e| e.to_string())
+            }),
+        })
+    }
+}
