@@ -70,8 +70,11 @@ fn run_ok(out: &Path, extra: &[&str], resume: Option<&Path>) {
     assert!(o.status.success(), "{}", text(&o));
 }
 
+/// Every tensor's name, shape and bits.
+type TensorBits = Vec<(String, Vec<usize>, Vec<u32>)>;
+
 /// Every tensor's bits by name, with the step and optimizer step.
-fn bits(c: &Checkpoint) -> (u64, u64, Vec<(String, Vec<usize>, Vec<u32>)>) {
+fn bits(c: &Checkpoint) -> (u64, u64, TensorBits) {
     let mut t: Vec<_> = c
         .tensors
         .iter()
