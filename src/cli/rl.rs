@@ -62,6 +62,11 @@ pub fn run(args: RlArgs) -> anyhow::Result<()> {
     if job.schedule.trim().eq_ignore_ascii_case("none") {
         bail!("schedule \"none\": the RL update runs as a pipelined step; name a schedule");
     }
+    // One rank of a multi-process job (pipefill launch, torchrun, mpirun, srun).
+    let rank_env = pipefill::launch::RankEnv::detect()?;
+    if rank_env.is_distributed() {
+        return crate::cli::launch::rl_distributed(&job, &rank_env, checkpoint);
+    }
     let rl = job.rl.clone();
     println!(
         "model: {} params ({} layers, d_model {}, seq {}); update: schedule {} on {} ranks, \
