@@ -314,12 +314,13 @@ fn a_rank_with_a_wrong_token_is_refused() {
 #[test]
 fn launch_refuses_what_it_cannot_run_and_fails_when_every_rank_does() {
     let out = clean(EXE)
-        .args(["launch", "-n", "2", "--", "rl"])
+        .args(["launch", "-n", "2", "--", "profile"])
         .output()
         .unwrap();
     assert!(!out.status.success());
     assert!(
-        String::from_utf8_lossy(&out.stderr).contains("multi-process rl is not supported"),
+        String::from_utf8_lossy(&out.stderr)
+            .contains("launch runs `train` or `rl` on every rank, not Some(\"profile\")"),
         "{}",
         text(&out)
     );
