@@ -37,7 +37,9 @@ pub struct RlConfig {
     pub speculation: bool,
     /// Longest draft chain the rollout engine may choose.
     pub draft_k: usize,
-    /// Speculate only while at most this many sequences are still generating.
+    /// Speculate only while at most this many sequences are still generating (default
+    /// [`DEFAULT_SPEC_THRESHOLD`](crate::rl::rollout::DEFAULT_SPEC_THRESHOLD), derived by
+    /// `pipefill bench rollout`).
     pub spec_threshold: usize,
     /// Drafter training slices on each step's rollouts.
     pub drafter_slices: usize,
@@ -63,7 +65,7 @@ impl Default for RlConfig {
             warmup_steps: 200,
             speculation: true,
             draft_k: 4,
-            spec_threshold: 8,
+            spec_threshold: crate::rl::rollout::DEFAULT_SPEC_THRESHOLD,
             drafter_slices: 16,
             idle_fill: true,
             seed: 0,
