@@ -32,6 +32,7 @@ use pipefill_actors::{Clock, GradStats, Pipeline, PlanSource, RunReport, StepMod
 use serde::{Deserialize, Serialize};
 
 use super::profile::{loss_rank, recv_metrics, send_metrics};
+use super::train::FinalWire;
 use crate::comm::frame;
 use crate::comm::link::{Channel, LinkError, PeerLink};
 use crate::comm::tcp::TcpMesh;
@@ -138,34 +139,6 @@ pub struct RlLaunchRun {
     pub steps: Vec<RlLaunchStep>,
 }
 
-/// A parameter or moment on the wire: name, shape, values.
-type TensorWire = (String, Vec<usize>, Vec<f32>);
-
-/// A rank's stages on the wire (the weight sync).
-#[derive(Default, Serialize, Deserialize)]
-struct ShardWire {
-    stages: Vec<(u32, Vec<TensorWire>)>,
-    optimizer: OptimizerState,
-}
-
-impl From<RankFinal> for ShardWire {
-    fn from(f: RankFinal) -> Self {
-        ShardWire {
-            stages: f
-                .stages
-                .into_iter()
-                .map(|(s, ts)| {
-                    (
-                        s,
-                        ts.into_iter().map(|t| (t.name, t.shape, t.data)).collect(),
-                    )
-                })
-                .collect(),
-            optimizer: f.optimizer,
-        }
-    }
-}
-
 /// A step's rollouts on the wire: `(prompt, generated)` token ids and the advantages.
 #[derive(Serialize, Deserialize)]
 struct RolloutWire {
@@ -182,7 +155,7 @@ struct RankState {
 }
 
 impl RankState {
-    fn absorb(&mut self, shard: ShardWire) -> Result<(), ModelError> {
+    fn absorb(&mut self, shard: FinalWire) -> Result<(), ModelError> {
         for (name, _, data) in shard.stages.into_iter().flat_map(|(_, ts)| ts) {
             self.model.set_param(&name, &data)?;
         }
@@ -309,7 +282,7 @@ impl Ctx<'_> {
     }
 
     /// The weight sync: every rank sends `own` to rank 0, which absorbs them into `state`.
-    fn sync_weights(&self, own: ShardWire, state: &mut RankState) -> Result<(), RlLaunchError> {
+    fn sync_weights(&self, own: FinalWire, state: &mut RankState) -> Result<(), RlLaunchError> {
         if self.rank != 0 {
             let bytes = frame::encode(&own).map_err(|e| RlLaunchError::BadFrame {
                 rank: self.rank,
@@ -327,7 +300,7 @@ impl Ctx<'_> {
                 .mesh
                 .recv(peer, RL_CHANNEL)
                 .map_err(self.link_err(peer, "receiving the weights"))?;
-            let shard: ShardWire = frame::decode(&bytes).map_err(|e| RlLaunchError::BadFrame {
+            let shard: FinalWire = frame::decode(&bytes).map_err(|e| RlLaunchError::BadFrame {
                 rank: 0,
                 peer,
                 what: "weights",
@@ -407,7 +380,7 @@ pub fn rl_rank(
         },
     };
     // This rank's stages after the last pipeline (sent to rank 0 at the next weight sync).
-    let mut own = ShardWire::default();
+    let mut own = FinalWire::default();
     if init.is_none() {
         let sft = warm_up_job(job);
         if sft.train.steps == 0 {
@@ -423,7 +396,7 @@ pub fn rl_rank(
         let (_, fin, _) = ctx.run(&sft, &sft_plan, feed, 0, sft.train.steps, None, ctx.links())?;
         own = fin.into();
         // The rank's own slice of `own` is its state; the rest of its model is unused.
-        let copy = ShardWire {
+        let copy = FinalWire {
             stages: own.stages.clone(),
             optimizer: own.optimizer.clone(),
         };
@@ -487,7 +460,7 @@ pub fn rl_rank(
             ctx.run(&update, plan, feed, state.step, 1, Some(&state), links)?;
         let update_seconds = updated.elapsed().as_secs_f64();
         own = fin.into();
-        let copy = ShardWire {
+        let copy = FinalWire {
             stages: own.stages.clone(),
             optimizer: own.optimizer.clone(),
         };

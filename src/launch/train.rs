@@ -126,14 +126,14 @@ pub struct RankRun {
 }
 
 /// A parameter or moment on the wire: name, shape, values.
-type TensorWire = (String, Vec<usize>, Vec<f32>);
+pub(crate) type TensorWire = (String, Vec<usize>, Vec<f32>);
 
-/// A rank's final state on the wire.
-#[derive(Serialize, Deserialize)]
-struct FinalWire {
+/// A rank's stages on the wire: its final state here, its weight sync in `launch rl`.
+#[derive(Default, Serialize, Deserialize)]
+pub(crate) struct FinalWire {
     /// `(stage, tensors of that stage)`.
-    stages: Vec<(u32, Vec<TensorWire>)>,
-    optimizer: OptimizerState,
+    pub(crate) stages: Vec<(u32, Vec<TensorWire>)>,
+    pub(crate) optimizer: OptimizerState,
 }
 
 impl From<RankFinal> for FinalWire {
