@@ -6,11 +6,14 @@
 
 use std::io::{BufRead, BufReader, Read};
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::mpsc::{Receiver, channel};
 use std::time::{Duration, Instant};
 
 use pipefill::model::checkpoint::Checkpoint;
+
+mod common;
+use common::{clean, text};
 
 const EXE: &str = env!("CARGO_BIN_EXE_pipefill");
 
@@ -40,31 +43,6 @@ fn train_args(out: &Path, extra: &[&str]) -> Vec<String> {
     args.push("--out-dir".into());
     args.push(out.display().to_string());
     args
-}
-
-fn text(out: &Output) -> String {
-    format!(
-        "stdout:\n{}\nstderr:\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
-}
-
-/// A command with no launcher variables inherited from the test's environment.
-fn clean(program: &str) -> Command {
-    let mut cmd = Command::new(program);
-    for var in [
-        "RANK",
-        "WORLD_SIZE",
-        "PMI_RANK",
-        "SLURM_PROCID",
-        "OMPI_COMM_WORLD_RANK",
-        "PIPEFILL_RANK",
-        "PIPEFILL_TOKEN",
-    ] {
-        cmd.env_remove(var);
-    }
-    cmd
 }
 
 /// The in-process run's checkpoint (computed once per test that needs it).

@@ -5,9 +5,12 @@
 //! gradients in the reference trainer's order.
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
 use pipefill::model::checkpoint::Checkpoint;
+
+mod common;
+use common::{clean, text};
 
 const EXE: &str = env!("CARGO_BIN_EXE_pipefill");
 
@@ -30,31 +33,12 @@ const JOB: &[&str] = &[
 /// `pipefill PREFIX... train` of [`JOB`] into `out`, with no launcher variables inherited
 /// from the test's environment.
 fn train(prefix: &[&str], out: &Path) -> Output {
-    let mut cmd = Command::new(EXE);
-    for var in [
-        "RANK",
-        "WORLD_SIZE",
-        "PMI_RANK",
-        "SLURM_PROCID",
-        "OMPI_COMM_WORLD_RANK",
-        "PIPEFILL_RANK",
-        "PIPEFILL_TOKEN",
-    ] {
-        cmd.env_remove(var);
-    }
+    let mut cmd = clean(EXE);
     cmd.args(prefix).arg("train");
     for s in JOB {
         cmd.args(["--set", s]);
     }
     cmd.arg("--out-dir").arg(out).output().unwrap()
-}
-
-fn text(out: &Output) -> String {
-    format!(
-        "stdout:\n{}\nstderr:\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
 }
 
 #[test]

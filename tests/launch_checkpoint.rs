@@ -6,12 +6,15 @@
 //! naming the file or the figure. A tiny model keeps each job to a few seconds.
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
 use pipefill::model::checkpoint::Checkpoint;
 use pipefill::model::checkpoint::sharded::{
     Layout, MANIFEST_FILE, Manifest, load_sharded, shard_file, step_dir,
 };
+
+mod common;
+use common::{clean, text};
 
 const EXE: &str = env!("CARGO_BIN_EXE_pipefill");
 
@@ -34,18 +37,7 @@ const JOB: &[&str] = &[
 
 /// `pipefill launch -n <n> -- train` of the job with `extra` settings into `out`.
 fn launch(n: usize, out: &Path, extra: &[&str], resume: Option<&Path>) -> Output {
-    let mut cmd = Command::new(EXE);
-    for var in [
-        "RANK",
-        "WORLD_SIZE",
-        "PMI_RANK",
-        "SLURM_PROCID",
-        "OMPI_COMM_WORLD_RANK",
-        "PIPEFILL_RANK",
-        "PIPEFILL_TOKEN",
-    ] {
-        cmd.env_remove(var);
-    }
+    let mut cmd = clean(EXE);
     cmd.args(["launch", "-n", &n.to_string(), "--", "train"]);
     for s in JOB.iter().chain(extra) {
         cmd.args(["--set", s]);
@@ -55,14 +47,6 @@ fn launch(n: usize, out: &Path, extra: &[&str], resume: Option<&Path>) -> Output
         cmd.arg("--resume").arg(r);
     }
     cmd.output().unwrap()
-}
-
-fn text(out: &Output) -> String {
-    format!(
-        "stdout:\n{}\nstderr:\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
 }
 
 fn run_ok(out: &Path, extra: &[&str], resume: Option<&Path>) {

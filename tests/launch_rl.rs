@@ -6,9 +6,12 @@
 //! warmed up until some rollouts are right, so both steps have a gradient.
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
 use pipefill::model::checkpoint::Checkpoint;
+
+mod common;
+use common::{clean, text};
 
 const EXE: &str = env!("CARGO_BIN_EXE_pipefill");
 
@@ -35,31 +38,12 @@ const TINY: &[&str] = &[
 /// `pipefill PREFIX... rl` of [`TINY`] and `extra` into `out`, with no launcher variables
 /// inherited from the test's environment.
 fn pipefill(prefix: &[&str], extra: &[&str], out: &Path) -> Output {
-    let mut cmd = Command::new(EXE);
-    for var in [
-        "RANK",
-        "WORLD_SIZE",
-        "PMI_RANK",
-        "SLURM_PROCID",
-        "OMPI_COMM_WORLD_RANK",
-        "PIPEFILL_RANK",
-        "PIPEFILL_TOKEN",
-    ] {
-        cmd.env_remove(var);
-    }
+    let mut cmd = clean(EXE);
     cmd.args(prefix).arg("rl");
     for s in TINY.iter().chain(extra) {
         cmd.args(["--set", s]);
     }
     cmd.arg("--out-dir").arg(out).output().unwrap()
-}
-
-fn text(out: &Output) -> String {
-    format!(
-        "stdout:\n{}\nstderr:\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
 }
 
 /// A field of every line of `dir`'s metrics.jsonl.

@@ -4,7 +4,9 @@
 //! each replica's figures next to the bubble ratio over all ranks.
 
 use std::path::Path;
-use std::process::Command;
+
+mod common;
+use common::clean;
 
 const EXE: &str = env!("CARGO_BIN_EXE_pipefill");
 
@@ -27,18 +29,7 @@ const JOB: &[&str] = &[
 /// `pipefill launch -n 4 -- train` of [`JOB`] into `out`, with no launcher variables
 /// inherited from the test's environment.
 fn launch(out: &Path) {
-    let mut cmd = Command::new(EXE);
-    for var in [
-        "RANK",
-        "WORLD_SIZE",
-        "PMI_RANK",
-        "SLURM_PROCID",
-        "OMPI_COMM_WORLD_RANK",
-        "PIPEFILL_RANK",
-        "PIPEFILL_TOKEN",
-    ] {
-        cmd.env_remove(var);
-    }
+    let mut cmd = clean(EXE);
     cmd.args(["launch", "-n", "4", "--", "train"]);
     for s in JOB {
         cmd.args(["--set", s]);

@@ -1,0 +1,38 @@
+//! Helpers shared by the tests that run the `pipefill` binary as child processes (the
+//! launcher tests): a command that does not inherit launcher variables, and a child's output
+//! for assertion messages.
+// Each test binary compiles this module and uses only some of it.
+#![allow(dead_code)]
+
+use std::process::{Command, Output};
+
+/// Variables a rank reads its identity from (pipefill's own, torchrun's, PMI's, Slurm's,
+/// OpenMPI's) and the job token: a test run under a launcher must not pass them on, or its
+/// children would take themselves for ranks of the test's own job.
+const LAUNCHER_VARS: [&str; 7] = [
+    "RANK",
+    "WORLD_SIZE",
+    "PMI_RANK",
+    "SLURM_PROCID",
+    "OMPI_COMM_WORLD_RANK",
+    "PIPEFILL_RANK",
+    "PIPEFILL_TOKEN",
+];
+
+/// `program` with no launcher variables inherited from the test's environment.
+pub fn clean(program: &str) -> Command {
+    let mut cmd = Command::new(program);
+    for var in LAUNCHER_VARS {
+        cmd.env_remove(var);
+    }
+    cmd
+}
+
+/// A finished child's stdout and stderr, for an assertion's message.
+pub fn text(out: &Output) -> String {
+    format!(
+        "stdout:\n{}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
