@@ -43,6 +43,11 @@ pub enum Wire {
     Beat,
     /// The peer has sent everything and is leaving: its connection ending is not a failure.
     Bye,
+    /// The peer's mesh failed for `reason` (which names the rank at fault) and it is about
+    /// to exit: its connection ending next is a consequence, not the cause.
+    Failed {
+        reason: String,
+    },
 }
 
 /// Settings of a mesh.
@@ -198,11 +203,23 @@ impl Inner {
         lock(&self.boxes).failure.clone()
     }
 
-    /// Fails the mesh (first failure wins): logs it, closes every sink and wakes receivers.
+    /// Fails the mesh (first failure wins): logs it, closes every sink, wakes receivers
+    /// and tells the peers why.
     pub(crate) fn fail(&self, reason: String) {
+        if self.fail_here(reason.clone()) {
+            // The sockets stay open, and every peer hears the reason first: when this
+            // rank's process exits its connections end, and a peer that had not yet seen
+            // the cause itself would otherwise blame this rank for a death it only
+            // witnessed.
+            self.tell_peers(&Wire::Failed { reason });
+        }
+    }
+
+    /// [`Inner::fail`] without telling the peers; whether this was the first failure.
+    fn fail_here(&self, reason: String) -> bool {
         let mut boxes = lock(&self.boxes);
         if boxes.failure.is_some() || boxes.closed {
-            return;
+            return false;
         }
         tracing::error!("rank {}: {reason}", self.rank);
         boxes.failure = Some(reason);
@@ -211,8 +228,28 @@ impl Inner {
         for sink in lock(&self.sinks).values() {
             sink.close();
         }
-        // The sockets stay open: shutting them would make the other peers blame this rank
-        // for a death it only witnessed. They close when the process exits.
+        true
+    }
+
+    /// Best effort, never blocking on a busy link: a writer held by a send in progress
+    /// (perhaps to the dead rank) is skipped.
+    fn tell_peers(&self, wire: &Wire) {
+        let Ok(payload) = frame::encode(wire) else {
+            return;
+        };
+        let mut buf = Vec::with_capacity(payload.len() + 4);
+        if frame::write_frame(&mut buf, &payload, self.cap).is_err() {
+            return;
+        }
+        for (peer, writer) in self.writers.iter().enumerate() {
+            let Some(writer) = writer else { continue };
+            if peer == self.rank {
+                continue;
+            }
+            if let Ok(mut stream) = writer.try_lock() {
+                let _ = stream.write_all(&buf);
+            }
+        }
     }
 
     fn reader(self: Arc<Self>, from: usize, mut stream: TcpStream, silence: Duration) {
@@ -247,6 +284,12 @@ impl Inner {
                 Ok(Wire::Bye) => {
                     lock(&self.boxes).gone[from] = true;
                     self.arrived.notify_all();
+                    return;
+                }
+                Ok(Wire::Failed { reason }) => {
+                    if !lock(&self.boxes).quiet {
+                        self.fail(format!("{reason} (reported by rank {from})"));
+                    }
                     return;
                 }
                 Err(e) => {
@@ -508,9 +551,9 @@ impl TcpMesh {
     }
 
     /// Fails the mesh on purpose (a local error) and shuts its sockets: peers see this
-    /// rank die.
+    /// rank die (the fault is this rank's, so they are not told another cause).
     pub fn abort(&self, reason: String) {
-        self.inner.fail(reason);
+        self.inner.fail_here(reason);
         for s in self.inner.writers.iter().flatten() {
             let _ = lock(s).shutdown(Shutdown::Both);
         }

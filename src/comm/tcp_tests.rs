@@ -77,6 +77,26 @@ fn a_peer_that_dies_fails_the_mesh_naming_it() {
     assert!(start.elapsed() < Duration::from_secs(2));
 }
 
+/// A rank that witnessed a death tells its peers before its own connections end, so a
+/// peer that had not seen the death itself names the dead rank, not the witness.
+#[test]
+fn a_witness_of_a_death_passes_the_cause_on_before_it_exits() {
+    let m = meshes(3, &MeshOptions::new("tok"));
+    m[1].inner()
+        .fail("rank 7 died: its connection closed".into());
+    // The witness's process exits: its sockets end without a goodbye.
+    for s in m[1].inner().writers.iter().flatten() {
+        let _ = lock(s).shutdown(Shutdown::Both);
+    }
+    let err = m[0].recv(2, 0).unwrap_err();
+    let failure = m[0].failure().unwrap();
+    assert!(
+        failure.contains("rank 7 died") && failure.contains("reported by rank 1"),
+        "{failure} / {err}"
+    );
+    assert!(!failure.contains("rank 1 died"), "{failure}");
+}
+
 #[test]
 fn a_silent_peer_is_declared_dead_after_the_silence_window() {
     let mut opts = MeshOptions::new("tok");
