@@ -120,6 +120,50 @@ fn greedy_speculation_is_token_for_token_plain_decoding() {
     );
 }
 
+/// The adaptive engine keeps its K bandit across rollouts (and hands it to the next
+/// engine): what a long tail's few choices taught it is not thrown away. With no random
+/// exploration, a bandit that has tried every arm in a bucket explores there no more.
+#[test]
+fn the_k_bandit_keeps_learning_across_rollouts_and_engines() {
+    let model = gpt();
+    let adaptive = Speculation::Adaptive(AdaptiveConfig {
+        threshold: 10,
+        ks: vec![1, 3],
+        epsilon: 0.0,
+        ..AdaptiveConfig::default()
+    });
+    let explored = |r: &Rollout| r.choices.iter().filter(|c| c.explored).count();
+    let mut e = engine(&model);
+    let mut random = RandomProposer::new(50);
+    let first = run(&mut e, adaptive.clone(), 1, Some(&mut random));
+    assert!(explored(&first) > 0, "a fresh bandit tries its arms");
+    let second = run(&mut e, adaptive.clone(), 1, Some(&mut random));
+    assert!(
+        explored(&second) < explored(&first),
+        "the same engine's bandit goes on from what it learned: {} explored choices, {} before",
+        explored(&second),
+        explored(&first)
+    );
+    // Each rollout reports its own choices only, every one with its reward.
+    assert!(!second.choices.is_empty() && second.choices.len() <= second.stats.steps);
+    assert!(second.choices.iter().all(|c| c.reward.is_some()));
+    let bandit = e.take_bandit().expect("an adaptive run leaves its bandit");
+    let mut next = engine(&model).with_bandit(bandit);
+    let third = run(&mut next, adaptive.clone(), 1, Some(&mut random));
+    assert!(
+        explored(&third) < explored(&first),
+        "handed to a new engine"
+    );
+    let mut fresh = engine(&model);
+    let mut random = RandomProposer::new(50);
+    let again = run(&mut fresh, adaptive, 1, Some(&mut random));
+    assert_eq!(
+        explored(&again),
+        explored(&first),
+        "a fresh engine starts over"
+    );
+}
+
 #[test]
 fn greedy_speculation_with_the_drafter_untrained_and_trained() {
     let model = gpt();

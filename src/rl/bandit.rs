@@ -152,6 +152,20 @@ impl KBandit {
         &self.log
     }
 
+    /// Hands over the choices logged so far and starts a new log, keeping what the arms
+    /// have earned: a rollout engine reports each rollout's own choices while the bandit
+    /// keeps learning across rollouts. Choice ids restart at 0, so call it only when no
+    /// choice is waiting for its reward.
+    pub fn take_log(&mut self) -> Vec<Choice> {
+        std::mem::take(&mut self.log)
+    }
+
+    /// Whether this bandit was built with these arms and knobs (so it can go on learning
+    /// under them).
+    pub fn fits(&self, ks: &[usize], epsilon: f64, window: usize) -> bool {
+        self.ks == ks && self.epsilon == epsilon && self.window == window.max(1)
+    }
+
     /// The arms.
     pub fn arms(&self) -> &[usize] {
         &self.ks

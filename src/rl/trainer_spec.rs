@@ -25,6 +25,7 @@ use std::time::Instant;
 
 use pipefill_actors::FillerRouter;
 
+use super::bandit::KBandit;
 use super::rollout::idle::{DRAFTER, DrafterSlices, RolloutRouter};
 use super::rollout::{
     AdaptiveConfig, MessageHook, Request, RolloutConfig, RolloutEngine as Engine, RolloutError,
@@ -69,6 +70,9 @@ pub struct PipelineRollouts {
     router: FillerRouter,
     /// Drafter slices left this step.
     budget: Arc<AtomicU64>,
+    /// The adaptive engine's K bandit, carried from step to step (each step builds a new
+    /// engine for the new policy).
+    bandit: Option<KBandit>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -102,6 +106,7 @@ impl PipelineRollouts {
             trainer: Arc::new(Mutex::new(trainer)),
             router: FillerRouter::default(),
             budget: Arc::new(AtomicU64::new(0)),
+            bandit: None,
         })
     }
 }
@@ -138,6 +143,9 @@ impl RolloutEngine for PipelineRollouts {
     ) -> Result<RolloutBatch, RlError> {
         let stages = InferStage::stages_of(policy, &Cut::Even(self.stages))?;
         let mut engine = Engine::new(stages)?;
+        if let Some(b) = self.bandit.take() {
+            engine = engine.with_bandit(b);
+        }
         let requests: Vec<Request> = prompts
             .iter()
             .flat_map(|p| {
@@ -173,6 +181,7 @@ impl RolloutEngine for PipelineRollouts {
         };
         let proposer = speculate.then_some(&mut self.proposer as &mut dyn Proposer);
         let out = engine.run(&requests, &config, proposer)?;
+        self.bandit = engine.take_bandit();
         let report = hook.as_ref().map(|h| h.report());
 
         // The drafter follows the policy: its agreement on rows it never trained on, then

@@ -64,6 +64,7 @@ impl<'a> Driver<'a> {
         d: usize,
         vocab: usize,
         seq_len: usize,
+        bandit: Option<KBandit>,
     ) -> Self {
         let seqs = requests
             .iter()
@@ -78,15 +79,6 @@ impl<'a> Driver<'a> {
                 rng: SplitMix64::derive(config.seed, i as u64),
             })
             .collect();
-        let bandit = match &config.speculation {
-            Speculation::Adaptive(a) => Some(KBandit::new(
-                a.ks.clone(),
-                a.epsilon,
-                a.window,
-                config.seed ^ 0xb4d1,
-            )),
-            _ => None,
-        };
         Driver {
             config,
             d,
@@ -359,7 +351,8 @@ impl<'a> Driver<'a> {
         (alive, finished)
     }
 
-    pub(super) fn finish(self, stage_busy_s: Vec<f64>) -> Rollout {
+    pub(super) fn finish(self, stage_busy_s: Vec<f64>) -> (Rollout, Option<KBandit>) {
+        let mut bandit = self.bandit;
         let mut stats = self.stats;
         stats.seconds = self.start.elapsed().as_secs_f64();
         stats.stage_busy_s = stage_busy_s;
@@ -383,14 +376,15 @@ impl<'a> Driver<'a> {
             prompt_lens.push(s.prompt);
             sequences.push(s.tokens);
         }
-        Rollout {
+        let rollout = Rollout {
             sequences,
             prompt_lens,
             rows,
             stats,
             live_curve: self.curve,
-            choices: self.bandit.map(|b| b.log().to_vec()).unwrap_or_default(),
-        }
+            choices: bandit.as_mut().map(KBandit::take_log).unwrap_or_default(),
+        };
+        (rollout, bandit)
     }
 }
 

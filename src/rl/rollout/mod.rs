@@ -27,7 +27,7 @@ use std::sync::mpsc;
 
 use serde::Serialize;
 
-use super::bandit::Choice;
+use super::bandit::{Choice, KBandit};
 use super::speculative::{ProposeError, Proposer};
 use crate::model::ModelError;
 use crate::model::drafter::DraftRow;
@@ -214,6 +214,9 @@ impl Rollout {
 pub struct RolloutEngine<B: Backend> {
     stages: Vec<InferStage<B>>,
     hook: Option<Arc<dyn MessageHook>>,
+    /// The adaptive engine's K bandit, kept across runs: a rollout's long tail gives it
+    /// only a few choices per live-batch bucket, too few to leave exploration.
+    bandit: Option<KBandit>,
 }
 
 impl<B: Backend> RolloutEngine<B> {
@@ -231,7 +234,23 @@ impl<B: Backend> RolloutEngine<B> {
                 reason: "must be the model's stages in order, embedding first, head last".into(),
             });
         }
-        Ok(RolloutEngine { stages, hook: None })
+        Ok(RolloutEngine {
+            stages,
+            hook: None,
+            bandit: None,
+        })
+    }
+
+    /// Goes on with `bandit` (one a previous engine learned) under adaptive speculation;
+    /// a bandit built for other arms or knobs is replaced by a fresh one.
+    pub fn with_bandit(mut self, bandit: KBandit) -> Self {
+        self.bandit = Some(bandit);
+        self
+    }
+
+    /// The K bandit adaptive runs have trained so far (for the next engine).
+    pub fn take_bandit(&mut self) -> Option<KBandit> {
+        self.bandit.take()
     }
 
     /// Files every stage message with `hook` (e.g. a bubble router).
@@ -261,6 +280,13 @@ impl<B: Backend> RolloutEngine<B> {
         )?;
         let n_stages = self.stages.len();
         let hook = self.hook.clone();
+        let bandit = match &config.speculation {
+            Speculation::Adaptive(a) => Some(match self.bandit.take() {
+                Some(b) if b.fits(&a.ks, a.epsilon, a.window) => b,
+                _ => KBandit::new(a.ks.clone(), a.epsilon, a.window, config.seed ^ 0xb4d1),
+            }),
+            _ => None,
+        };
         let (drv_tx, drv_rx) = mpsc::channel();
         std::thread::scope(|scope| {
             let (mut txs, mut rxs) = (Vec::new(), Vec::new());
@@ -283,9 +309,15 @@ impl<B: Backend> RolloutEngine<B> {
             let first = txs.swap_remove(0);
             drop(txs);
             drop(drv_tx);
-            let mut driver =
-                Driver::new(requests, config, model.d_model, model.vocab, model.seq_len)
-                    .with_hook(hook.clone());
+            let mut driver = Driver::new(
+                requests,
+                config,
+                model.d_model,
+                model.vocab,
+                model.seq_len,
+                bandit,
+            )
+            .with_hook(hook.clone());
             let result = driver.run(&first, &drv_rx, proposer);
             drop(first);
             let busy: Vec<f64> = handles
@@ -293,6 +325,12 @@ impl<B: Backend> RolloutEngine<B> {
                 .map(|h| h.join().map(|d| d.as_secs_f64()).unwrap_or(f64::NAN))
                 .collect();
             result.map(|()| driver.finish(busy))
+        })
+        .map(|(rollout, bandit)| {
+            if bandit.is_some() {
+                self.bandit = bandit;
+            }
+            rollout
         })
     }
 }
