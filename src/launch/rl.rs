@@ -40,16 +40,15 @@ use crate::comm::tcp_transport::{
     BufCodec, STATS_CHANNEL, SerdeCodec, TENSOR_CHANNEL, TcpTransport,
 };
 use crate::config::JobConfig;
-use crate::data::{DataError, StepData, Tokenizer, tokenizer};
+use crate::data::{StepData, Tokenizer};
 use crate::model::checkpoint::Checkpoint;
 use crate::model::{AdamW, Cut, Gpt, ModelError, OptimizerState};
 use crate::pipeline::feed::StepFeed;
 use crate::pipeline::shared::{RankFinal, Shared};
 use crate::pipeline::{PipelineError, PipelineTrainer, RankCompute};
 use crate::rl::grpo::group_advantages;
-use crate::rl::reward::reward_of_tokens;
 use crate::rl::trainer::{
-    RlError, Rollout, RolloutEngine, step_prompts, update_batches, update_job_of, warm_up_job,
+    RlError, Rollout, RolloutEngine, scored_rollouts, update_batches, update_job_of, warm_up_job,
 };
 use crate::rl::trainer_spec::PipelineRollouts;
 use crate::schedules::Plan;
@@ -265,18 +264,8 @@ impl Ctx<'_> {
                 Some(reason) => RlLaunchError::Peer { rank, reason },
                 None => err(e.into()),
             })?;
-        for other in (0..pp).filter(|&r| r != rank) {
-            shared.deposit_final(
-                other,
-                RankFinal {
-                    stages: Vec::new(),
-                    optimizer: OptimizerState::default(),
-                },
-            );
-        }
         let own = shared
-            .take_finals()
-            .and_then(|mut f| (rank < f.len()).then(|| f.swap_remove(rank)))
+            .take_own_final(rank)
             .ok_or_else(|| err(PipelineError::NoFinalState))?;
         Ok((report, own, step_log.try_iter().collect()))
     }
@@ -551,30 +540,7 @@ fn rollout(
     step: u64,
 ) -> Result<(RolloutWire, RolloutFigures), RlError> {
     let rl = &job.rl;
-    let tasks = step_prompts(job, step)?;
-    let prompts = tasks
-        .iter()
-        .map(|t| {
-            let mut ids = vec![tokenizer::BOS];
-            tok.encode_into(&t.prompt, &mut ids)?;
-            Ok(ids)
-        })
-        .collect::<Result<Vec<_>, DataError>>()?;
-    let batch = engine.generate(policy, &prompts, rl.group, rl.max_new_tokens, step)?;
-    if batch.rollouts.len() != rl.sequences() {
-        return Err(RlError::Rollout(format!(
-            "{} rollouts for {} prompts × group {}",
-            batch.rollouts.len(),
-            tasks.len(),
-            rl.group
-        )));
-    }
-    let rewards = batch
-        .rollouts
-        .iter()
-        .enumerate()
-        .map(|(i, r)| reward_of_tokens(&tasks[i / rl.group], tok, &r.generated))
-        .collect::<Result<Vec<f32>, _>>()?;
+    let (batch, rewards) = scored_rollouts(job, tok, engine, policy, step)?;
     let advantages = group_advantages(&rewards, rl.group)?;
     let figures = RolloutFigures {
         reward: rewards.iter().map(|&r| f64::from(r)).sum::<f64>() / rewards.len() as f64,

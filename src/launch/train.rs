@@ -287,20 +287,8 @@ pub fn train_rank(
             None => pipeline_err(e.into()),
         })?;
 
-    // Other ranks' finals live in their processes: stand-ins let `take_finals` hand over
-    // this rank's own.
-    for other in (0..pp).filter(|&r| r != prank) {
-        shared.deposit_final(
-            other,
-            RankFinal {
-                stages: Vec::new(),
-                optimizer: OptimizerState::default(),
-            },
-        );
-    }
     let own = shared
-        .take_finals()
-        .and_then(|mut f| (prank < f.len()).then(|| f.swap_remove(prank)))
+        .take_own_final(prank)
         .ok_or_else(|| pipeline_err(PipelineError::NoFinalState))?;
     // The final checkpoint, unless the last step was a periodic one.
     let last_step = first_step + steps - 1;

@@ -391,6 +391,12 @@ impl Shared {
         self.lock().finals[rank] = Some(fin);
     }
 
+    /// `rank`'s own final state, in a process that runs only that rank (the others'
+    /// finals live in their processes); `None` until it has deposited it.
+    pub fn take_own_final(&self, rank: usize) -> Option<RankFinal> {
+        self.lock().finals.get_mut(rank)?.take()
+    }
+
     /// Every rank's final state, once all have deposited it.
     pub fn take_finals(&self) -> Option<Vec<RankFinal>> {
         let mut state = self.lock();
@@ -523,5 +529,24 @@ mod tests {
         assert!(shared.take_finals().is_none());
         shared.deposit_final(0, fin);
         assert_eq!(shared.take_finals().map(|f| f.len()), Some(2));
+    }
+
+    /// A process that runs one rank takes its own final without the others'.
+    #[test]
+    fn a_rank_takes_its_own_final_alone_once() {
+        let (shared, _rx) = shared(3);
+        assert!(shared.take_own_final(1).is_none(), "not deposited yet");
+        let mut optimizer = OptimizerState::default();
+        optimizer.step = 7;
+        shared.deposit_final(
+            1,
+            RankFinal {
+                stages: vec![],
+                optimizer,
+            },
+        );
+        assert_eq!(shared.take_own_final(1).map(|f| f.optimizer.step), Some(7));
+        assert!(shared.take_own_final(1).is_none(), "taken once");
+        assert!(shared.take_own_final(5).is_none(), "no such rank");
     }
 }

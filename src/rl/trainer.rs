@@ -178,6 +178,44 @@ pub struct RlStepMetrics {
     pub bubble_ratio: Option<f64>,
 }
 
+/// RL step `step`'s rollouts from `engine` under `policy`, one reward each: the step's
+/// prompts ([`step_prompts`]) encoded after `BOS`, `rl.group` completions each, scored by
+/// exact answer match. The in-process trainer and the multi-process rollout rank share it.
+pub(crate) fn scored_rollouts(
+    job: &JobConfig,
+    tok: &Tokenizer,
+    engine: &mut dyn RolloutEngine,
+    policy: &Gpt<CpuBackend>,
+    step: u64,
+) -> Result<(RolloutBatch, Vec<f32>), RlError> {
+    let rl = &job.rl;
+    let tasks = step_prompts(job, step)?;
+    let prompts = tasks
+        .iter()
+        .map(|t| {
+            let mut ids = vec![tokenizer::BOS];
+            tok.encode_into(&t.prompt, &mut ids)?;
+            Ok(ids)
+        })
+        .collect::<Result<Vec<_>, DataError>>()?;
+    let batch = engine.generate(policy, &prompts, rl.group, rl.max_new_tokens, step)?;
+    if batch.rollouts.len() != rl.sequences() {
+        return Err(RlError::Rollout(format!(
+            "{} rollouts for {} prompts × group {}",
+            batch.rollouts.len(),
+            tasks.len(),
+            rl.group
+        )));
+    }
+    let rewards = batch
+        .rollouts
+        .iter()
+        .enumerate()
+        .map(|(i, r)| reward_of_tokens(&tasks[i / rl.group], tok, &r.generated))
+        .collect::<Result<Vec<f32>, _>>()?;
+    Ok((batch, rewards))
+}
+
 /// The `count` prompts of RL step `step`: tasks of the job's families, seeded by
 /// `(rl.seed, step)`, whose `BOS` + prompt leaves `rl.max_new_tokens` in `model.seq_len`.
 pub fn step_prompts(job: &JobConfig, step: u64) -> Result<Vec<Task>, RlError> {
@@ -351,32 +389,10 @@ impl RlTrainer {
     ) -> Result<RlStepMetrics, RlError> {
         let rl = self.job.rl.clone();
         let step = self.step;
-        let tasks = step_prompts(&self.job, step)?;
-        let prompts = tasks
-            .iter()
-            .map(|t| {
-                let mut ids = vec![tokenizer::BOS];
-                self.tokenizer.encode_into(&t.prompt, &mut ids)?;
-                Ok(ids)
-            })
-            .collect::<Result<Vec<_>, DataError>>()?;
         let step_started = Instant::now();
-        let batch = engine.generate(&self.policy, &prompts, rl.group, rl.max_new_tokens, step)?;
+        let (batch, rewards) =
+            scored_rollouts(&self.job, &self.tokenizer, engine, &self.policy, step)?;
         let rollout_seconds = step_started.elapsed().as_secs_f64() - batch.drafter_seconds;
-        if batch.rollouts.len() != rl.sequences() {
-            return Err(RlError::Rollout(format!(
-                "{} rollouts for {} prompts × group {}",
-                batch.rollouts.len(),
-                tasks.len(),
-                rl.group
-            )));
-        }
-        let rewards = batch
-            .rollouts
-            .iter()
-            .enumerate()
-            .map(|(i, r)| reward_of_tokens(&tasks[i / rl.group], &self.tokenizer, &r.generated))
-            .collect::<Result<Vec<f32>, _>>()?;
         let reward = rewards.iter().map(|&r| f64::from(r)).sum::<f64>() / rewards.len() as f64;
         on_rollout(reward);
         let advantages = group_advantages(&rewards, rl.group)?;
