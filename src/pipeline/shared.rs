@@ -536,13 +536,14 @@ mod tests {
     fn a_rank_takes_its_own_final_alone_once() {
         let (shared, _rx) = shared(3);
         assert!(shared.take_own_final(1).is_none(), "not deposited yet");
-        let mut optimizer = OptimizerState::default();
-        optimizer.step = 7;
         shared.deposit_final(
             1,
             RankFinal {
                 stages: vec![],
-                optimizer,
+                optimizer: OptimizerState {
+                    step: 7,
+                    ..OptimizerState::default()
+                },
             },
         );
         assert_eq!(shared.take_own_final(1).map(|f| f.optimizer.step), Some(7));
