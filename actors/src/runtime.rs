@@ -115,6 +115,8 @@ pub struct Pipeline {
     step: StepPolicy,
     stats: Option<Arc<dyn Transport<GradStats>>>,
     listener: Option<Sender<IterationProfile>>,
+    /// The re-planner builds the same plan in every process (see [`Pipeline::replanner_agrees`]).
+    replan_agrees: bool,
 }
 
 impl Pipeline {
@@ -131,7 +133,18 @@ impl Pipeline {
             step: StepPolicy::default(),
             stats: None,
             listener: None,
+            replan_agrees: false,
         }
+    }
+
+    /// Declares that a [`PlanSource::Replan`] re-planner builds the same plan for every
+    /// iteration in every process of a job split over processes, agreeing with the others
+    /// itself (e.g. from costs all-gathered between them): the runtime hands it only this
+    /// process's measurements (`None` until every stage is measured here, i.e. always in a
+    /// split job), so [`Pipeline::run_local`] refuses a re-planner without this promise.
+    pub fn replanner_agrees(mut self) -> Self {
+        self.replan_agrees = true;
+        self
     }
 
     /// Sends each iteration's measured profile to `listener` as soon as every rank has
@@ -248,7 +261,8 @@ impl Pipeline {
     /// Runs the ranks of this process, `(rank, compute)` pairs, in a job whose other ranks
     /// run in other processes, reached through `transport` (which spans every rank; so must
     /// the statistics transport). The plan must be fixed (a re-planner would see only local
-    /// measurements and could build different plans in different processes). Bubble
+    /// measurements and could build different plans in different processes), unless the
+    /// re-planner agrees with the other processes itself ([`Pipeline::replanner_agrees`]). Bubble
     /// fillers, when given, are one per local rank, in the order of `local`.
     pub async fn run_local<C: StageCompute>(
         mut self,
@@ -277,9 +291,14 @@ impl Pipeline {
                 local.iter().map(|(r, _)| *r).collect::<Vec<_>>()
             )));
         }
-        if local.len() < ranks && matches!(self.source, PlanSource::Replan(_)) {
+        if local.len() < ranks
+            && matches!(self.source, PlanSource::Replan(_))
+            && !self.replan_agrees
+        {
             return Err(RuntimeError::Config(
-                "a job split over processes needs a fixed plan, not a re-planner".into(),
+                "a job split over processes needs a fixed plan, not a re-planner \
+                 (unless it agrees across processes: Pipeline::replanner_agrees)"
+                    .into(),
             ));
         }
         if !self.fillers.is_empty() && self.fillers.len() != local.len() {
