@@ -25,9 +25,15 @@
 //!
 //! **Frozen copies.** The drafter's embedding and LM head are frozen copies of the target's
 //! (`embed.tok` on the first rank, `head.w` on the last). Those ranks deposit them after
-//! every `refresh_every`-th target step; the rank that completes a round attaches the newest
-//! deposit, and every replica refreshes from it right after that round's update, so the
-//! copies too are the same on every replica at every version.
+//! every `refresh_every`-th target step; a rank's post of a round carries its newest deposits,
+//! and every replica refreshes from the round's newest ones right after that round's update,
+//! so the copies too are the same on every replica at every version (whichever rank
+//! completes the round, and whenever).
+//!
+//! **Other processes.** In a multi-process run (`pipefill launch`) each process holds the
+//! replica of its own rank; [`DrafterFill::connect`] hands every local post to a
+//! [`RoundPeers`], which sends it to the other processes, where it goes in through
+//! [`DrafterFill::post_remote`] (src/launch/train/fill.rs).
 //!
 //! **Hand-off.** After each drafter step replica 0 publishes its weights on a
 //! [`WeightBoard`] versioned by drafter step; the trainer's caller thread (and later the
@@ -37,7 +43,7 @@
 //! writes only drafter state, so the target's parameters are those of a run without it.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 
 use pipefill_actors::router::CostEstimate;
 use pipefill_actors::{FillerRouter, FillerSource, Slice, WeightBoard, thread_cpu_time};
@@ -80,10 +86,45 @@ struct Frozen {
     head: Deposit,
 }
 
+impl Frozen {
+    /// Keeps, of each copy, the newer deposit.
+    fn merge(&mut self, other: Frozen) {
+        for (mine, theirs) in [(&mut self.embed, other.embed), (&mut self.head, other.head)] {
+            if let Some((step, values)) = theirs
+                && mine.as_ref().is_none_or(|(s, _)| *s < step)
+            {
+                *mine = Some((step, values));
+            }
+        }
+    }
+}
+
+/// One replica's post of a round as it travels between processes: its gradients and the
+/// frozen copies its rank had deposited, `(target step, values)`.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct RoundPost {
+    pub grads: DrafterGrads,
+    pub embed: Option<(u64, Vec<f32>)>,
+    pub head: Option<(u64, Vec<f32>)>,
+}
+
+/// The other processes of a multi-process run, told of what this process's replica does.
+pub trait RoundPeers: Send + Sync {
+    /// Local `rank` ended target step `step`, posting `post` (`None` while its round is open).
+    fn step_end(
+        &self,
+        rank: usize,
+        step: u64,
+        post: Option<&RoundPost>,
+    ) -> Result<(), DrafterError>;
+}
+
 /// One round's gradients, and once complete what every replica applies.
 #[derive(Default)]
 struct Round {
     grads: Vec<DrafterGrads>,
+    /// The newest copies the posters carried.
+    frozen: Frozen,
     complete: Option<(Arc<Vec<DrafterGrads>>, Frozen)>,
     applied: usize,
 }
@@ -91,7 +132,8 @@ struct Round {
 #[derive(Default)]
 struct Exchange {
     rounds: BTreeMap<u64, Round>,
-    frozen: Frozen,
+    /// Each rank's newest deposits.
+    held: BTreeMap<usize, Frozen>,
 }
 
 /// What the slices did since the caller last looked.
@@ -114,6 +156,8 @@ pub struct DrafterFill {
     tally: Mutex<Tally>,
     /// Measured slice cost line and step cost before the run, in thread CPU seconds.
     priors: (CostEstimate, f64),
+    /// The other processes, in a multi-process run (this one then applies one replica).
+    peers: OnceLock<Arc<dyn RoundPeers>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -153,6 +197,7 @@ impl DrafterFill {
             board: WeightBoard::default(),
             tally: Mutex::new(Tally::default()),
             priors: calibrate(target, config)?,
+            peers: OnceLock::new(),
         })
     }
 
@@ -231,37 +276,96 @@ impl DrafterFill {
     ) -> Result<(), DrafterError> {
         if (step + 1) % self.refresh_every == 0 {
             for chunk in chunks {
-                self.deposit(chunk, step)?;
+                self.deposit(rank, chunk, step)?;
             }
         }
         if self.pending(rank).is_some() {
             self.apply(rank)?;
         }
         let mut replica = lock(&self.replicas[rank]);
-        if replica.posted.is_some() {
-            return Ok(()); // its round is still open: keep accumulating
+        // While its round is open the replica keeps accumulating.
+        let post = match replica.posted {
+            Some(_) => None,
+            None => {
+                let grads = replica.trainer.take_grads()?;
+                replica.posted = Some(grads.version);
+                drop(replica);
+                let held = lock(&self.exchange).held.get(&rank).cloned();
+                Some((grads, held.unwrap_or_default()))
+            }
+        };
+        let peers = self.peers.get();
+        let wire = match (&post, peers) {
+            (Some((grads, frozen)), Some(_)) => {
+                let copy = |d: &Deposit| d.as_ref().map(|(s, v)| (*s, v.to_vec()));
+                Some(RoundPost {
+                    grads: grads.clone(),
+                    embed: copy(&frozen.embed),
+                    head: copy(&frozen.head),
+                })
+            }
+            _ => None,
+        };
+        if let Some((grads, frozen)) = post {
+            self.post(grads, frozen)?;
         }
-        let grads = replica.trainer.take_grads()?;
-        let version = grads.version;
-        replica.posted = Some(version);
-        drop(replica);
+        match peers {
+            Some(peers) => peers.step_end(rank, step, wire.as_ref()),
+            None => Ok(()),
+        }
+    }
+
+    /// Adds one replica's post to its round, completing the round with the last one.
+    fn post(&self, grads: DrafterGrads, frozen: Frozen) -> Result<(), DrafterError> {
         let mut ex = lock(&self.exchange);
-        let frozen = ex.frozen.clone();
-        let round = ex.rounds.entry(version).or_default();
+        let round = ex.rounds.entry(grads.version).or_default();
+        if grads.replica >= self.ranks || round.grads.iter().any(|g| g.replica == grads.replica) {
+            return Err(DrafterError::Replicas {
+                version: grads.version,
+                reason: format!(
+                    "replica {} posted again, or is not one of {}",
+                    grads.replica, self.ranks
+                ),
+            });
+        }
+        round.frozen.merge(frozen);
         round.grads.push(grads);
         if round.grads.len() == self.ranks {
-            round.complete = Some((Arc::new(std::mem::take(&mut round.grads)), frozen));
+            let grads = Arc::new(std::mem::take(&mut round.grads));
+            round.complete = Some((grads, std::mem::take(&mut round.frozen)));
         }
         Ok(())
     }
 
-    fn deposit<C: Backend>(&self, chunk: &ModelChunk<C>, step: u64) -> Result<(), DrafterError> {
+    /// Hands every post of this process's replicas to `peers` (a multi-process run, where this
+    /// process applies one replica's rounds; set once, before the run).
+    pub fn connect(&self, peers: Arc<dyn RoundPeers>) {
+        let _ = self.peers.set(peers);
+    }
+
+    /// Another process's replica posted `post`.
+    pub fn post_remote(&self, post: RoundPost) -> Result<(), DrafterError> {
+        let arc = |d: Option<(u64, Vec<f32>)>| d.map(|(s, v)| (s, Arc::new(v)));
+        let frozen = Frozen {
+            embed: arc(post.embed),
+            head: arc(post.head),
+        };
+        self.post(post.grads, frozen)
+    }
+
+    fn deposit<C: Backend>(
+        &self,
+        rank: usize,
+        chunk: &ModelChunk<C>,
+        step: u64,
+    ) -> Result<(), DrafterError> {
         let mut ex = lock(&self.exchange);
+        let held = ex.held.entry(rank).or_default();
         if let Ok(values) = chunk.param_values("embed.tok") {
-            ex.frozen.embed = Some((step, Arc::new(values)));
+            held.embed = Some((step, Arc::new(values)));
         }
         if let Ok(values) = chunk.param_values("head.w") {
-            ex.frozen.head = Some((step, Arc::new(values)));
+            held.head = Some((step, Arc::new(values)));
         }
         Ok(())
     }
@@ -302,7 +406,12 @@ impl DrafterFill {
         let mut ex = lock(&self.exchange);
         if let Some(round) = ex.rounds.get_mut(&v) {
             round.applied += 1;
-            if round.applied == self.ranks {
+            let appliers = if self.peers.get().is_some() {
+                1
+            } else {
+                self.ranks
+            };
+            if round.applied == appliers {
                 ex.rounds.remove(&v);
             }
         }
