@@ -4,7 +4,9 @@
 //! - **sources** ([`FillerSource`]): work that is always there while their data lasts, one
 //!   slice at a time — drafter training (a forward + backward on a small batch). A source
 //!   may size its slices ([`FillerSource::sizes`], in units of its own work): the router
-//!   asks for a slice of the size that fits the idle time left;
+//!   asks for a slice of the size that fits the idle time left, or, for a source whose
+//!   slices are fixed in advance ([`FillerSource::fixed_size`]), hands out the next one only
+//!   where it fits;
 //! - **requests** ([`Request`]): one-off pieces queued first-in first-out — rollout
 //!   verification — optionally pinned to one rank.
 //!
@@ -74,6 +76,13 @@ pub trait FillerSource: Send + 'static {
     /// A slice of at most `units` units (within [`FillerSource::sizes`]) for `rank` to run
     /// now, or `None` when there is nothing to do yet.
     fn next(&mut self, rank: usize, units: u64) -> Option<Slice>;
+    /// For a source whose slices are fixed in advance (a planned placement): the size of
+    /// `rank`'s next slice, which the router asks for with [`FillerSource::next`] only where
+    /// its predicted cost fits the idle time (else the bubble gets none of it: the order is
+    /// fixed). `None` (the default): the router sizes each slice to the idle time.
+    fn fixed_size(&mut self, _rank: usize) -> Option<u64> {
+        None
+    }
 }
 
 /// One queued piece of work (e.g. a rollout verification).
@@ -195,9 +204,16 @@ impl State {
             let Some(estimate) = self.kinds.get(&kind).map(|k| k.estimate) else {
                 continue;
             };
-            let (min, max) = self.sources[i].sizes();
-            let Some(units) = estimate.size(idle, min, max, margin) else {
-                continue;
+            let units = match self.sources[i].fixed_size(rank) {
+                Some(fixed) if estimate.predicted_at(fixed as f64, margin) <= idle => fixed,
+                Some(_) => continue,
+                None => {
+                    let (min, max) = self.sources[i].sizes();
+                    let Some(units) = estimate.size(idle, min, max, margin) else {
+                        continue;
+                    };
+                    units
+                }
             };
             if let Some(slice) = self.sources[i].next(rank, units) {
                 let units = slice.units.max(1);

@@ -618,6 +618,7 @@ impl DrafterFill {
             samplers,
             buffer: BufferState::of(&self.buffer.lock()),
             held_out: BufferState::of(&self.held_out.lock()),
+            round: None,
         })
     }
 

@@ -358,3 +358,52 @@ fn the_router_sizes_slices_to_the_idle_time_left() {
     let k = &router.stats().kinds["sized"];
     assert_eq!((k.slices, k.units, k.overran), (1, 8, 0));
 }
+
+/// A source of slices fixed in advance: the sizes it will hand out, in order.
+struct Fixed(Arc<Mutex<VecDeque<u64>>>);
+
+impl FillerSource for Fixed {
+    fn kind(&self) -> &str {
+        "sized"
+    }
+
+    fn sizes(&self) -> (u64, u64) {
+        (1, 16)
+    }
+
+    fn fixed_size(&mut self, _rank: usize) -> Option<u64> {
+        self.0.lock().unwrap().front().copied()
+    }
+
+    fn next(&mut self, _rank: usize, units: u64) -> Option<Slice> {
+        let next = self.0.lock().unwrap().pop_front()?;
+        assert_eq!(units, next, "asked for the fixed size");
+        Some(Slice {
+            label: format!("{units} units"),
+            units,
+            run: Box::new(|| Ok(())),
+        })
+    }
+}
+
+#[test]
+fn a_fixed_slice_is_handed_out_only_where_it_fits_and_in_order() {
+    let router = FillerRouter::new(RouterConfig::default());
+    let queue = Arc::new(Mutex::new(VecDeque::from([12, 2])));
+    router.add_sized_source(Fixed(Arc::clone(&queue)), Some(fitted_line(40e-6, 7e-6)));
+    let mut filler = router.filler(0);
+    // 100 µs fits 8 units but the next slice is 12: the bubble gets nothing, and the smaller
+    // slice behind it is not taken out of order.
+    assert!(filler.fill(&bubble(0, Some(100e-6), true)).is_none());
+    assert_eq!(queue.lock().unwrap().len(), 2);
+    // 130 µs fits 12 units (124 µs): it goes, then the 2-unit slice in what is left.
+    let work = filler.fill(&bubble(0, Some(130e-6), true)).unwrap();
+    assert_eq!(work.label, "12 units");
+    filler.finished(&span(0, 124e-6, None));
+    let work = filler.fill(&bubble(0, Some(60e-6), true)).unwrap();
+    assert_eq!(work.label, "2 units");
+    filler.finished(&span(0, 54e-6, None));
+    // Nothing left: the source says so and the router does not size one.
+    assert!(filler.fill(&bubble(0, Some(1.0), true)).is_none());
+    assert_eq!(router.stats().kinds["sized"].units, 14);
+}

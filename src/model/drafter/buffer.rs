@@ -226,6 +226,24 @@ impl DraftBuffer {
             })
             .collect()
     }
+    /// `n` rows drawn uniformly, with replacement, from the rows of target step `step` alone
+    /// (none when it has none). A planned placement samples this way: once every rank has
+    /// finished a step, that step's rows are complete, whatever rows of later steps are
+    /// arriving meanwhile, so what is drawn does not depend on timing.
+    pub fn sample_step(&self, rng: &mut SplitMix64, n: usize, step: u64) -> Vec<DraftRow> {
+        let rows: Vec<&DraftRow> = self.rows().filter(|r| r.step == step).collect();
+        if rows.is_empty() {
+            return Vec::new();
+        }
+        (0..n)
+            .map(|_| rows[rng.below(rows.len() as u64) as usize].clone())
+            .collect()
+    }
+
+    /// Whether the buffer holds rows of target step `step`.
+    pub fn has_step(&self, step: u64) -> bool {
+        self.rows().any(|r| r.step == step)
+    }
 }
 
 /// A [`DraftBuffer`] shared between the last pipeline stage (which pushes copies) and the
@@ -273,6 +291,16 @@ impl DraftBufferHandle {
     /// See [`DraftBuffer::sample`].
     pub fn sample(&self, rng: &mut SplitMix64, n: usize) -> Vec<DraftRow> {
         self.lock().sample(rng, n)
+    }
+
+    /// See [`DraftBuffer::sample_step`].
+    pub fn sample_step(&self, rng: &mut SplitMix64, n: usize, step: u64) -> Vec<DraftRow> {
+        self.lock().sample_step(rng, n, step)
+    }
+
+    /// See [`DraftBuffer::has_step`].
+    pub fn has_step(&self, step: u64) -> bool {
+        self.lock().has_step(step)
     }
 
     /// Rows held.

@@ -139,6 +139,30 @@ pub struct DrafterConfig {
     pub cost_ema: f64,
     /// Seed of the drafter's initialisation and of its batch sampling.
     pub seed: u64,
+    /// What decides which drafter work runs in which bubble of a pipelined run (see
+    /// [`Placement`]).
+    pub placement: Placement,
+    /// With [`Placement::Planned`]: the share of each bubble, as the plan's simulation under
+    /// a cost model of the configs predicts it, that the step's slices are sized to fill, in
+    /// `(0, 1]` (below 1 leaves room for the model's error).
+    pub planned_fill: f64,
+}
+
+/// Which drafter work runs in which bubble of a pipelined run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Placement {
+    /// Slices sized to each bubble's measured idle time, rounds applied as soon as every
+    /// replica posted them: the fullest bubbles, but what the drafter learns depends on
+    /// timing, so it is not reproducible (nor bitwise across a resume).
+    #[default]
+    Measured,
+    /// Each step's slices (count, sizes, order) come from the plan and the configs alone, each
+    /// step's round is applied at the end of the next step, and slices sample only the
+    /// previous step's rows: the drafter is the same bit for bit on every run and across a
+    /// resume. Measured times decide only *when* a slice runs (in a bubble it fits, or at the
+    /// step's end).
+    Planned,
 }
 
 impl Default for DrafterConfig {
@@ -158,6 +182,8 @@ impl Default for DrafterConfig {
             window: 32,
             cost_ema: 0.2,
             seed: 0,
+            placement: Placement::Measured,
+            planned_fill: 0.9,
         }
     }
 }
@@ -199,11 +225,13 @@ impl DrafterConfig {
                 return bad(field, "must be at least 1".into());
             }
         }
-        if !(self.cost_ema > 0.0 && self.cost_ema <= 1.0) {
-            return bad(
-                "drafter.cost_ema",
-                format!("{} is not in (0, 1]", self.cost_ema),
-            );
+        for (field, v) in [
+            ("drafter.cost_ema", self.cost_ema),
+            ("drafter.planned_fill", self.planned_fill),
+        ] {
+            if !(v > 0.0 && v <= 1.0) {
+                return bad(field, format!("{v} is not in (0, 1]"));
+            }
         }
         Ok(())
     }

@@ -8,6 +8,9 @@
 //! run apply the same update at every drafter step, so one replica's weights and optimizer
 //! stand for all of them; gradients accumulated since the last drafter step (an open
 //! exchange round) are not kept: the resumed run starts a fresh round at the saved version.
+//! Under a planned placement ([`super::Placement::Planned`]) the round of the step just
+//! finished is complete but applied only at the end of the next step, so it is kept
+//! ([`RoundState`]): a resumed run applies it where an uninterrupted run would.
 //!
 //! On disk ([`crate::model::checkpoint::drafter`]) the floats go into a safetensors file
 //! under the names [`DrafterState::to_parts`] gives, and the rest (version, samplers, the
@@ -16,7 +19,9 @@
 use serde::{Deserialize, Serialize};
 
 use super::Result;
-use super::{DraftBuffer, DraftRow, DrafterError, DrafterTrainer, DrafterWeights, NamedTensor};
+use super::{
+    DraftBuffer, DraftRow, DrafterError, DrafterGrads, DrafterTrainer, DrafterWeights, NamedTensor,
+};
 use crate::data::SplitMix64;
 use crate::model::OptimizerState;
 use crate::model::SlotState;
@@ -27,6 +32,9 @@ use crate::tensor::Backend;
 pub const WEIGHT_PREFIX: &str = "drafter.w.";
 /// Name prefixes of the drafter's AdamW first and second moments and master weights.
 pub const ADAM_PREFIXES: [&str; 3] = ["drafter.m.", "drafter.v.", "drafter.master."];
+/// Name prefix of a kept round's gradients (`drafter.round.{replica}.{param}`) and frozen
+/// copies (`drafter.round.frozen.{param}`).
+pub const ROUND_PREFIX: &str = "drafter.round.";
 
 /// The rows of a [`DraftBuffer`], both generations.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -48,6 +56,17 @@ impl BufferState {
             step: buffer.step(),
             previous: previous.to_vec(),
             current: current.to_vec(),
+        }
+    }
+
+    /// The rows of target steps before `step` only (rows of `step` and later that were
+    /// arriving when the state was taken are dropped; a resumed run computes them again).
+    pub fn before(&self, step: u64) -> Self {
+        let keep = |rows: &[DraftRow]| rows.iter().filter(|r| r.step < step).cloned().collect();
+        BufferState {
+            step: self.step,
+            previous: keep(&self.previous),
+            current: keep(&self.current),
         }
     }
 
@@ -200,6 +219,109 @@ pub struct DrafterMeta {
     pub samplers: Vec<SplitMix64>,
     pub buffer: BufferMeta,
     pub held_out: BufferMeta,
+    /// The kept round of a planned placement (absent otherwise).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub round: Option<RoundMeta>,
+}
+
+/// A kept round without its floats.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RoundMeta {
+    pub step: u64,
+    /// The drafter version the gradients were posted at.
+    pub version: u64,
+    /// Pairs counted by each replica, by replica.
+    pub pairs: Vec<usize>,
+    /// The gradients' parameter names, in order.
+    pub params: Vec<String>,
+    /// Target steps of the frozen copies posted with the round.
+    pub embed_step: Option<u64>,
+    pub head_step: Option<u64>,
+}
+
+/// A planned placement's round that every replica posted and none applied yet (see the
+/// module docs): each replica's gradients, by replica, and the frozen copies posted with it,
+/// `(target step, values)`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RoundState {
+    /// The target step whose slices it holds.
+    pub step: u64,
+    pub grads: Vec<DrafterGrads>,
+    pub embed: Option<(u64, Vec<f32>)>,
+    pub head: Option<(u64, Vec<f32>)>,
+}
+
+impl RoundState {
+    fn to_parts(&self) -> (Vec<HostTensor>, RoundMeta) {
+        let mut tensors = Vec::new();
+        for g in &self.grads {
+            for t in &g.tensors {
+                tensors.push(HostTensor {
+                    name: format!("{ROUND_PREFIX}{}.{}", g.replica, t.name),
+                    shape: t.shape.clone(),
+                    data: t.values.clone(),
+                });
+            }
+        }
+        for (name, copy) in [("embed.tok", &self.embed), ("head.w", &self.head)] {
+            if let Some((_, values)) = copy {
+                tensors.push(HostTensor {
+                    name: format!("{ROUND_PREFIX}frozen.{name}"),
+                    shape: vec![values.len()],
+                    data: values.clone(),
+                });
+            }
+        }
+        let meta = RoundMeta {
+            step: self.step,
+            version: self.grads.first().map_or(0, |g| g.version),
+            pairs: self.grads.iter().map(|g| g.pairs).collect(),
+            params: self.grads.first().map_or_else(Vec::new, |g| {
+                g.tensors.iter().map(|t| t.name.clone()).collect()
+            }),
+            embed_step: self.embed.as_ref().map(|(s, _)| *s),
+            head_step: self.head.as_ref().map(|(s, _)| *s),
+        };
+        (tensors, meta)
+    }
+
+    fn from_parts(meta: &RoundMeta, tensors: &[HostTensor]) -> Result<Self> {
+        let mut grads = Vec::with_capacity(meta.pairs.len());
+        for (replica, &pairs) in meta.pairs.iter().enumerate() {
+            let tensors = meta
+                .params
+                .iter()
+                .map(|name| {
+                    let t = find(tensors, &format!("{ROUND_PREFIX}{replica}.{name}"))?;
+                    Ok(NamedTensor {
+                        name: name.clone(),
+                        shape: t.shape.clone(),
+                        values: t.data.clone(),
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            grads.push(DrafterGrads {
+                version: meta.version,
+                replica,
+                pairs,
+                tensors,
+            });
+        }
+        let copy = |name: &str, step: Option<u64>| -> Result<Option<(u64, Vec<f32>)>> {
+            step.map(|s| {
+                let t = find(tensors, &format!("{ROUND_PREFIX}frozen.{name}"))?;
+                Ok((s, t.data.clone()))
+            })
+            .transpose()
+        };
+        Ok(RoundState {
+            step: meta.step,
+            grads,
+            embed: copy("embed.tok", meta.embed_step)?,
+            head: copy("head.w", meta.head_step)?,
+        })
+    }
 }
 
 /// The drafter's state (see the module docs).
@@ -212,6 +334,8 @@ pub struct DrafterState {
     pub samplers: Vec<SplitMix64>,
     pub buffer: BufferState,
     pub held_out: BufferState,
+    /// The kept round of a planned placement.
+    pub round: Option<RoundState>,
 }
 
 impl DrafterState {
@@ -251,7 +375,13 @@ impl DrafterState {
         let (held, held_meta) = self.held_out.to_parts("drafter.held_out", d_model, vocab);
         tensors.extend(buffer);
         tensors.extend(held);
+        let round = self.round.as_ref().map(|r| {
+            let (t, meta) = r.to_parts();
+            tensors.extend(t);
+            meta
+        });
         let meta = DrafterMeta {
+            round,
             version: self.weights.version,
             frozen_step: self.weights.frozen_step,
             optimizer_step: self.optimizer.step,
@@ -312,6 +442,11 @@ impl DrafterState {
             samplers: meta.samplers.clone(),
             buffer: BufferState::from_parts("drafter.buffer", &meta.buffer, tensors, widths)?,
             held_out: BufferState::from_parts("drafter.held_out", &meta.held_out, tensors, widths)?,
+            round: meta
+                .round
+                .as_ref()
+                .map(|r| RoundState::from_parts(r, tensors))
+                .transpose()?,
         })
     }
 }

@@ -196,10 +196,25 @@ impl<B: Backend> DrafterTrainer<B> {
     /// Its gradients are of the loss summed over its pairs, as a full slice's, so the step
     /// weighs every pair the same whatever the slices' sizes.
     pub fn slice_within(&mut self, rows: usize) -> Result<SliceStats> {
+        self.slice_from(rows, None)
+    }
+
+    /// [`DrafterTrainer::slice_within`] on rows of target step `step` only
+    /// ([`super::DraftBuffer::sample_step`]): what a planned placement runs.
+    pub fn slice_of_step(&mut self, rows: usize, step: u64) -> Result<SliceStats> {
+        self.slice_from(rows, Some(step))
+    }
+
+    /// A slice of at most `rows` layout rows sampled from the whole buffer, or from one
+    /// step's rows.
+    fn slice_from(&mut self, rows: usize, step: Option<u64>) -> Result<SliceStats> {
         let (cpu0, wall0) = (thread_cpu_time(), Instant::now());
         let c = self.drafter.config().clone();
         let (batch_rows, positions) = self.slice_shape(rows);
-        let rows = self.buffer.sample(&mut self.rng, batch_rows);
+        let rows = match step {
+            Some(step) => self.buffer.sample_step(&mut self.rng, batch_rows, step),
+            None => self.buffer.sample(&mut self.rng, batch_rows),
+        };
         if rows.is_empty() {
             return Err(DrafterError::NoData);
         }

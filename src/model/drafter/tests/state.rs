@@ -59,6 +59,7 @@ fn state_of(t: &DrafterTrainer<CpuBackend>, buffer: &DraftBufferHandle) -> Draft
         samplers: vec![t.sampler()],
         buffer: BufferState::of(&buffer.lock()),
         held_out: BufferState::default(),
+        round: None,
     }
 }
 
