@@ -39,6 +39,13 @@
 //! [`WeightBoard`] versioned by drafter step; the trainer's caller thread (and later the
 //! rollout engine) loads them from there.
 //!
+//! **Placement.** The above is the *measured* placement (`[drafter] placement = "measured"`,
+//! the default): slice sizes, and when a round is applied, follow measured times, so the
+//! drafter differs from run to run. Under `placement = "planned"` ([`planned`]) each rank's
+//! slices in each step are a pure function of the plan and the configs ([`SlicePlan`]), they
+//! sample only the previous step's rows, and each step's round is applied at the end of the
+//! next step: the drafter is the same bit for bit on every run and across a resume.
+//!
 //! Filler work never touches the target: it reads copies of what the target computed and
 //! writes only drafter state, so the target's parameters are those of a run without it.
 
@@ -46,20 +53,26 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 
 use pipefill_actors::router::CostEstimate;
-use pipefill_actors::{FillerRouter, FillerSource, Slice, WeightBoard, thread_cpu_time};
+use pipefill_actors::{FillerRouter, FillerSource, Slice, WeightBoard};
 
 use super::PipelineError;
 use super::compute::RankCompute;
 use crate::config::JobConfig;
-use crate::data::SplitMix64;
-use crate::model::drafter::state::{BufferState, DrafterState};
 use crate::model::drafter::{
-    DraftBufferHandle, DraftRow, Drafter, DrafterConfig, DrafterError, DrafterGrads,
-    DrafterTrainer, DrafterWeights,
+    DraftBufferHandle, Drafter, DrafterConfig, DrafterError, DrafterGrads, DrafterTrainer,
+    DrafterWeights,
 };
-use crate::model::{GptConfig, ModelChunk, Shape};
+use crate::model::{GptConfig, ModelChunk};
 use crate::schedules::Plan;
 use crate::tensor::{Backend, CpuBackend};
+
+mod eval;
+mod planned;
+mod slice_plan;
+mod state;
+
+pub use eval::HeldOutEval;
+pub use slice_plan::{SliceCost, SlicePlan, modelled_costs};
 
 /// Every this many target steps, micro-batch 0's rows are held out of training.
 pub const HELD_OUT_EVERY: u64 = 4;
@@ -87,6 +100,36 @@ struct Frozen {
 }
 
 impl Frozen {
+    /// Takes the copies `chunk` holds, as of target step `step`.
+    fn take_from<C: Backend>(&mut self, chunk: &ModelChunk<C>, step: u64) {
+        if let Ok(values) = chunk.param_values("embed.tok") {
+            self.embed = Some((step, Arc::new(values)));
+        }
+        if let Ok(values) = chunk.param_values("head.w") {
+            self.head = Some((step, Arc::new(values)));
+        }
+    }
+
+    /// `grads` posted with these copies, as it travels between processes.
+    fn post(&self, grads: &DrafterGrads) -> RoundPost {
+        let copy = |d: &Deposit| d.as_ref().map(|(s, v)| (*s, v.to_vec()));
+        RoundPost {
+            grads: grads.clone(),
+            embed: copy(&self.embed),
+            head: copy(&self.head),
+        }
+    }
+
+    /// A post from another process: its copies and gradients.
+    fn of_post(post: RoundPost) -> (Frozen, DrafterGrads) {
+        let arc = |d: Option<(u64, Vec<f32>)>| d.map(|(s, v)| (s, Arc::new(v)));
+        let frozen = Frozen {
+            embed: arc(post.embed),
+            head: arc(post.head),
+        };
+        (frozen, post.grads)
+    }
+
     /// Keeps, of each copy, the newer deposit.
     fn merge(&mut self, other: Frozen) {
         for (mine, theirs) in [(&mut self.embed, other.embed), (&mut self.head, other.head)] {
@@ -158,6 +201,8 @@ pub struct DrafterFill {
     priors: (CostEstimate, f64),
     /// The other processes, in a multi-process run (this one then applies one replica).
     peers: OnceLock<Arc<dyn RoundPeers>>,
+    /// The planned placement's state (`None`: slices placed by measured times).
+    planned: Option<planned::Planned>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -196,8 +241,9 @@ impl DrafterFill {
             exchange: Mutex::new(Exchange::default()),
             board: WeightBoard::default(),
             tally: Mutex::new(Tally::default()),
-            priors: calibrate(target, config)?,
+            priors: eval::calibrate(target, config)?,
             peers: OnceLock::new(),
+            planned: None,
         })
     }
 
@@ -225,14 +271,12 @@ impl DrafterFill {
                 });
             }
         };
-        let fill = Arc::new(DrafterFill::new(
-            &job.model,
-            &job.drafter,
-            computes.len(),
-            first,
-            last,
-            step,
-        )?);
+        let mut fill =
+            DrafterFill::new(&job.model, &job.drafter, computes.len(), first, last, step)?;
+        if let Some(slices) = SlicePlan::of_job(plan, job)? {
+            fill.plan_slices(slices, step);
+        }
+        let fill = Arc::new(fill);
         for c in computes.iter_mut() {
             c.set_drafter(Arc::clone(&fill))?;
         }
@@ -260,8 +304,14 @@ impl DrafterFill {
     }
 
     /// Registers the two kinds of drafter work with `router`, with the costs measured
-    /// before the run as priors.
+    /// before the run as priors; under the planned placement only the planned slices (its
+    /// rounds are applied at step ends).
     pub fn attach(self: &Arc<Self>, router: &FillerRouter) {
+        if self.planned.is_some() {
+            let slices = planned::PlannedSlices(Arc::clone(self));
+            router.add_sized_source(slices, Some(self.priors.0));
+            return;
+        }
         router.add_source(Steps(Arc::clone(self)), Some(self.priors.1));
         router.add_sized_source(Slices(Arc::clone(self)), Some(self.priors.0));
     }
@@ -274,6 +324,9 @@ impl DrafterFill {
         step: u64,
         chunks: &[&ModelChunk<C>],
     ) -> Result<(), DrafterError> {
+        if let Some(planned) = &self.planned {
+            return self.planned_step_end(planned, rank, step, chunks);
+        }
         if (step + 1) % self.refresh_every == 0 {
             for chunk in chunks {
                 self.deposit(rank, chunk, step)?;
@@ -418,9 +471,16 @@ impl DrafterFill {
         Ok(())
     }
 
-    /// One slice of at most `rows` layout rows on `rank`'s replica.
-    fn slice(&self, rank: usize, rows: usize) -> Result<(), DrafterError> {
-        let outcome = lock(&self.replicas[rank]).trainer.slice_within(rows);
+    /// One slice of at most `rows` layout rows on `rank`'s replica, sampling the whole
+    /// buffer or the rows of target step `from` only.
+    fn slice(&self, rank: usize, rows: usize, from: Option<u64>) -> Result<(), DrafterError> {
+        let outcome = {
+            let trainer = &mut lock(&self.replicas[rank]).trainer;
+            match from {
+                Some(step) => trainer.slice_of_step(rows, step),
+                None => trainer.slice_within(rows),
+            }
+        };
         let mut tally = lock(&self.tally);
         match outcome {
             Ok(stats) => {
@@ -436,9 +496,11 @@ impl DrafterFill {
     }
 
     /// After the run: every replica applies the rounds completed but not yet applied, so
-    /// all stand at the same version. Returns each replica's weights, by rank.
+    /// all stand at the same version. Returns each replica's weights, by rank. Under the
+    /// planned placement every replica stands at the same version already, and the last
+    /// step's round stays posted (a continuation applies it at its first step's end).
     pub fn settle(&self) -> Result<Vec<DrafterWeights>, DrafterError> {
-        for rank in 0..self.ranks {
+        for rank in (0..self.ranks).filter(|_| self.planned.is_none()) {
             self.apply(rank)?;
         }
         self.replicas
@@ -484,7 +546,7 @@ impl FillerSource for Slices {
         Some(Slice {
             label: format!("drafter slice (v{version}, {rows} rows)"),
             units: rows as u64,
-            run: Box::new(move || fill.slice(rank, rows).map_err(|e| e.to_string())),
+            run: Box::new(move || fill.slice(rank, rows, None).map_err(|e| e.to_string())),
         })
     }
 }
@@ -505,146 +567,5 @@ impl FillerSource for Steps {
             units: 1,
             run: Box::new(move || fill.apply(rank).map_err(|e| e.to_string())),
         })
-    }
-}
-
-/// Measures, on this thread, what a full and a one-row slice and a two-replica step cost, on
-/// synthetic rows of the target's shape: the router's priors (a cost line through the two
-/// slice sizes, and the step's cost) until real slices are measured.
-fn calibrate(
-    target: &GptConfig,
-    config: &DrafterConfig,
-) -> Result<(CostEstimate, f64), DrafterError> {
-    let buffer = DraftBufferHandle::new(target, config);
-    let (d, v) = (target.d_model, target.vocab);
-    let shape = Shape {
-        batch: config.batch_rows,
-        seq: target.seq_len,
-    };
-    let n = shape.tokens();
-    let mut rng = SplitMix64::new(config.seed);
-    let hidden: Vec<f32> = (0..n * d).map(|_| rng.next_f64() as f32 - 0.5).collect();
-    let targets: Vec<u32> = (0..n).map(|_| (rng.next_u64() % v as u64) as u32).collect();
-    let probs = vec![1.0 / v as f32; n * v];
-    buffer.begin_step(0);
-    buffer.push_micro_batch(shape, &hidden, &targets, &probs)?;
-    let mut trainers = (0..2)
-        .map(|r| {
-            let drafter = Drafter::new(target, config, CpuBackend::new(1)?)?;
-            DrafterTrainer::new(drafter, buffer.clone(), r, 2)
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    let full = trainers[0].max_slice_rows();
-    // The median of three of each size.
-    let mut median = |rows: usize| -> Result<f64, DrafterError> {
-        let mut costs = Vec::new();
-        for _ in 0..3 {
-            costs.push(trainers[0].slice_within(rows)?.cpu_seconds);
-        }
-        costs.sort_by(f64::total_cmp);
-        Ok(costs[1])
-    };
-    let (large, small) = (median(full)?, median(1)?);
-    let slope = if full > 1 {
-        (large - small) / (full - 1) as f64
-    } else {
-        0.0
-    };
-    trainers[1].slice()?;
-    let grads = vec![trainers[0].take_grads()?, trainers[1].take_grads()?];
-    let t0 = thread_cpu_time();
-    trainers[0].step_with(&grads)?;
-    trainers[0].weights()?;
-    let step = (thread_cpu_time() - t0).max(0.0);
-    Ok((CostEstimate::prior_line(full as f64, large, slope), step))
-}
-
-/// Measures the drafter on held-out rows from the weights it was handed (the caller's
-/// thread, off the pipeline's timeline).
-pub struct HeldOutEval {
-    trainer: DrafterTrainer<CpuBackend>,
-    version: Option<u64>,
-}
-
-impl HeldOutEval {
-    pub fn new(target: &GptConfig, config: &DrafterConfig) -> Result<Self, DrafterError> {
-        let drafter = Drafter::new(target, config, CpuBackend::new(1)?)?;
-        let buffer = DraftBufferHandle::new(target, config);
-        Ok(HeldOutEval {
-            trainer: DrafterTrainer::new(drafter, buffer, 0, 1)?,
-            version: None,
-        })
-    }
-
-    /// `(drafter version, top-1 agreement)` of the newest published weights on the newest
-    /// held-out rows; `None` before the first drafter step or the first held-out rows.
-    pub fn measure(&mut self, fill: &DrafterFill) -> Result<Option<(u64, f64)>, DrafterError> {
-        let Some(latest) = fill.board().latest() else {
-            return Ok(None);
-        };
-        if self.version != Some(latest.version) {
-            self.trainer.load_weights(&latest.value)?;
-            self.version = Some(latest.version);
-        }
-        let rows: Vec<DraftRow> = {
-            let held = fill.held_out().lock();
-            let all: Vec<&DraftRow> = held.rows().collect();
-            let from = all.len().saturating_sub(HELD_OUT_ROWS);
-            all[from..].iter().map(|r| (*r).clone()).collect()
-        };
-        if rows.is_empty() {
-            return Ok(None);
-        }
-        let stats = self.trainer.evaluate(&rows)?;
-        Ok(Some((latest.version, stats.agreement)))
-    }
-}
-
-/// Checkpoints ([`crate::model::drafter::state`]): the drafter a resumed run continues from.
-impl DrafterFill {
-    /// The drafter's state now: replica 0's weights, version and optimizer (every replica
-    /// applies the same updates), every replica's row sampler, and both buffers' rows.
-    /// Gradients of an open exchange round are not part of it.
-    pub fn export_state(&self) -> Result<DrafterState, DrafterError> {
-        let samplers = self
-            .replicas
-            .iter()
-            .map(|r| lock(r).trainer.sampler())
-            .collect();
-        let (weights, optimizer) = lock(&self.replicas[0]).trainer.export_state()?;
-        Ok(DrafterState {
-            weights,
-            optimizer,
-            samplers,
-            buffer: BufferState::of(&self.buffer.lock()),
-            held_out: BufferState::of(&self.held_out.lock()),
-            round: None,
-        })
-    }
-
-    /// Continues from `state` before the run starts: every replica takes its weights, version,
-    /// frozen copies and optimizer and its own sampler, the buffers their rows, and the board
-    /// the weights (so the held-out measurement and the rollout engine see them at once).
-    pub fn import_state(&self, state: &DrafterState) -> Result<(), DrafterError> {
-        if state.samplers.len() != self.ranks {
-            return Err(DrafterError::Input {
-                what: "checkpointed state",
-                reason: format!(
-                    "has {} replicas' samplers, this run has {} ranks",
-                    state.samplers.len(),
-                    self.ranks
-                ),
-            });
-        }
-        for (replica, &sampler) in self.replicas.iter().zip(&state.samplers) {
-            lock(replica)
-                .trainer
-                .import_state(&state.weights, &state.optimizer, sampler)?;
-        }
-        state.buffer.restore(&mut self.buffer.lock())?;
-        state.held_out.restore(&mut self.held_out.lock())?;
-        self.board
-            .publish(state.weights.version, state.weights.clone());
-        Ok(())
     }
 }

@@ -1,0 +1,382 @@
+//! The planned placement at run time ([`Placement::Planned`]): the drafter a run trains is a
+//! function of the plan, the configs and the step index, not of measured times.
+//!
+//! - **What runs.** Rank `r` runs, in target step `s`, the slices [`SlicePlan::slices`]`(r, s)`
+//!   in order, each sampling only the rows of step `s − 1` (complete on every rank once it has
+//!   finished step `s − 1`, whatever rows of step `s` are arriving). The router hands the next
+//!   one out in a bubble where its cost fits ([`PlannedSlices`], via
+//!   [`pipefill_actors::FillerSource::fixed_size`]); the slices no bubble took run at the
+//!   step's end. Where they run changes the step's time, never what they compute: one
+//!   replica's slices run one after another on its rank's thread, in the planned order.
+//! - **Rounds.** At the end of step `s` every rank applies the round of step `s − 1` (its
+//!   gradients of every replica, summed in replica order, then the frozen copies posted with
+//!   it) and posts its gradients of step `s` as round `s`. Round `s − 1` is complete by then:
+//!   a rank cannot finish step `s` before every rank has begun it, that is ended step `s − 1`
+//!   (it waits on a condition variable all the same). A round with no pair counted is not an
+//!   update (the version stays).
+//! - **Checkpoints.** After step `s` the state is each replica's weights after round `s − 1`,
+//!   its sampler as it ended step `s`, round `s` (posted, not applied) and the rows of steps up
+//!   to `s` ([`super::state`]).
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use pipefill_actors::{FillerSource, Slice};
+
+use super::{DrafterFill, Frozen, RoundPost, SLICE_KIND, SlicePlan, lock};
+use crate::data::SplitMix64;
+use crate::model::ModelChunk;
+use crate::model::drafter::state::RoundState;
+use crate::model::drafter::{DrafterError, DrafterGrads};
+use crate::tensor::Backend;
+
+/// How long a rank waits for a round that every rank should have posted already.
+const ROUND_WAIT: Duration = Duration::from_secs(300);
+
+/// Where one rank stands in its planned slices.
+struct Cursor {
+    /// The target step whose slices the rank runs (the step after the last it ended).
+    step: u64,
+    /// Slices of that step handed out so far.
+    next: usize,
+    /// The replica's row sampler as it ended its last step (what a checkpoint keeps).
+    sampler: SplitMix64,
+}
+
+/// One step's round: each replica's gradients, by replica, and the copies posted with them.
+#[derive(Default)]
+struct Round {
+    grads: BTreeMap<usize, DrafterGrads>,
+    frozen: Frozen,
+    applied: usize,
+}
+
+/// The planned placement's state (see the module docs).
+pub(super) struct Planned {
+    slices: SlicePlan,
+    /// The target step the run starts at.
+    start: u64,
+    cursors: Vec<Mutex<Cursor>>,
+    rounds: Mutex<BTreeMap<u64, Round>>,
+    posted: Condvar,
+}
+
+impl Planned {
+    pub(super) fn new(slices: SlicePlan, start: u64, samplers: Vec<SplitMix64>) -> Self {
+        let cursors = samplers
+            .into_iter()
+            .map(|sampler| {
+                Mutex::new(Cursor {
+                    step: start,
+                    next: 0,
+                    sampler,
+                })
+            })
+            .collect();
+        Planned {
+            slices,
+            start,
+            cursors,
+            rounds: Mutex::new(BTreeMap::new()),
+            posted: Condvar::new(),
+        }
+    }
+
+    pub(super) fn start(&self) -> u64 {
+        self.start
+    }
+
+    /// The step a run continuing from now would start at: the step after the last one
+    /// every rank ended.
+    pub(super) fn resume_step(&self) -> u64 {
+        let steps = self.cursors.iter().map(|c| lock(c).step);
+        steps.min().unwrap_or(self.start)
+    }
+
+    /// Each replica's sampler as it ended its last step.
+    pub(super) fn samplers(&self) -> Vec<SplitMix64> {
+        self.cursors.iter().map(|c| lock(c).sampler).collect()
+    }
+
+    /// The round of the step before `next`, when every replica posted it.
+    pub(super) fn kept_round(&self, next: u64) -> Option<RoundState> {
+        let step = next.checked_sub(1)?;
+        let rounds = lock(&self.rounds);
+        let round = rounds.get(&step)?;
+        if round.grads.len() != self.cursors.len() {
+            return None;
+        }
+        let copy = |d: &super::Deposit| d.as_ref().map(|(s, v)| (*s, v.to_vec()));
+        Some(RoundState {
+            step,
+            grads: round.grads.values().cloned().collect(),
+            embed: copy(&round.frozen.embed),
+            head: copy(&round.frozen.head),
+        })
+    }
+
+    /// Before the run: every cursor takes its checkpointed sampler, and the kept round (of
+    /// the step before the run's first) is posted again.
+    pub(super) fn restore(
+        &self,
+        samplers: &[SplitMix64],
+        round: Option<&RoundState>,
+    ) -> Result<(), DrafterError> {
+        for (cursor, &sampler) in self.cursors.iter().zip(samplers) {
+            lock(cursor).sampler = sampler;
+        }
+        let Some(round) = round else {
+            return Ok(());
+        };
+        if round.step + 1 != self.start || round.grads.len() != self.cursors.len() {
+            return Err(DrafterError::Input {
+                what: "checkpointed state",
+                reason: format!(
+                    "keeps the round of step {} from {} replicas; a run from step {} with {} \
+                     ranks applies the round of step {} from each",
+                    round.step,
+                    round.grads.len(),
+                    self.start,
+                    self.cursors.len(),
+                    self.start.wrapping_sub(1)
+                ),
+            });
+        }
+        let deposit =
+            |d: &Option<(u64, Vec<f32>)>| d.as_ref().map(|(s, v)| (*s, Arc::new(v.clone())));
+        let mut rounds = lock(&self.rounds);
+        rounds.insert(
+            round.step,
+            Round {
+                grads: round.grads.iter().map(|g| (g.replica, g.clone())).collect(),
+                frozen: Frozen {
+                    embed: deposit(&round.embed),
+                    head: deposit(&round.head),
+                },
+                applied: 0,
+            },
+        );
+        Ok(())
+    }
+
+    /// `rank`'s next planned slice, `(its step, layout rows)`, if it has one left and the
+    /// step before has rows to sample; `take` hands it out.
+    fn next(&self, fill: &DrafterFill, rank: usize, take: bool) -> Option<(u64, u64)> {
+        let mut cursor = lock(self.cursors.get(rank)?);
+        let rows = *self.slices.slices(rank, cursor.step).get(cursor.next)?;
+        let step = cursor.step;
+        // A step with slices is at least 1; its slices sample the step before.
+        if !fill.buffer.has_step(step - 1) {
+            return None;
+        }
+        if take {
+            cursor.next += 1;
+        }
+        Some((step, rows))
+    }
+
+    /// Adds one replica's post of round `step`.
+    fn post(&self, step: u64, grads: DrafterGrads, frozen: Frozen) -> Result<(), DrafterError> {
+        let mut rounds = lock(&self.rounds);
+        let round = rounds.entry(step).or_default();
+        let replica = grads.replica;
+        if replica >= self.cursors.len() || round.grads.contains_key(&replica) {
+            return Err(DrafterError::Replicas {
+                version: grads.version,
+                reason: format!(
+                    "replica {replica} posted the round of step {step} again, or is not one of {}",
+                    self.cursors.len()
+                ),
+            });
+        }
+        round.frozen.merge(frozen);
+        round.grads.insert(replica, grads);
+        drop(rounds);
+        self.posted.notify_all();
+        Ok(())
+    }
+
+    /// Waits until every replica posted round `step`; its gradients and copies.
+    fn complete(&self, step: u64) -> Result<(Vec<DrafterGrads>, Frozen), DrafterError> {
+        let deadline = Instant::now() + ROUND_WAIT;
+        let mut rounds = lock(&self.rounds);
+        loop {
+            let posted = rounds.get(&step).map(|r| r.grads.len());
+            if posted == Some(self.cursors.len()) {
+                let round = &rounds[&step];
+                return Ok((
+                    round.grads.values().cloned().collect(),
+                    round.frozen.clone(),
+                ));
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(DrafterError::Replicas {
+                    version: 0,
+                    reason: format!(
+                        "the round of target step {step} has {} of {} replicas' gradients after {} s",
+                        posted.unwrap_or(0),
+                        self.cursors.len(),
+                        ROUND_WAIT.as_secs()
+                    ),
+                });
+            }
+            rounds = self
+                .posted
+                .wait_timeout(rounds, left)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+    }
+}
+
+impl DrafterFill {
+    /// Switches to the planned placement of `slices` for a run from target step `start`
+    /// (before the run, before [`DrafterFill::import_state`]).
+    pub fn plan_slices(&mut self, slices: SlicePlan, start: u64) {
+        let samplers = self
+            .replicas
+            .iter()
+            .map(|r| lock(r).trainer.sampler())
+            .collect();
+        self.planned = Some(Planned::new(slices, start, samplers));
+    }
+
+    /// Whether this fill places its slices by plan.
+    pub fn is_planned(&self) -> bool {
+        self.planned.is_some()
+    }
+
+    /// Another process's replica posted `post` as its round of target step `step` (the
+    /// planned placement's rounds are keyed by step; see [`DrafterFill::post_remote`] for
+    /// the measured placement's).
+    pub fn post_remote_at(&self, step: u64, post: RoundPost) -> Result<(), DrafterError> {
+        let planned = self.planned.as_ref().ok_or_else(|| DrafterError::Input {
+            what: "round post",
+            reason: "keyed by step, but this run places its slices by measured times".into(),
+        })?;
+        let (frozen, grads) = Frozen::of_post(post);
+        planned.post(step, grads, frozen)
+    }
+
+    /// The planned placement's end of target step `step` on `rank` (see the module docs):
+    /// the step's slices no bubble took, the previous step's round applied, this step's
+    /// round posted with the frozen copies `chunks` hold when they are due.
+    pub(super) fn planned_step_end<C: Backend>(
+        &self,
+        planned: &Planned,
+        rank: usize,
+        step: u64,
+        chunks: &[&ModelChunk<C>],
+    ) -> Result<(), DrafterError> {
+        let at = lock(&planned.cursors[rank]).step;
+        if at != step {
+            return Err(DrafterError::Input {
+                what: "planned placement",
+                reason: format!("rank {rank} ended target step {step} while at step {at}"),
+            });
+        }
+        while let Some((s, rows)) = planned.next(self, rank, true) {
+            self.slice(rank, rows as usize, Some(s - 1))?;
+        }
+        if step > planned.start || lock(&planned.rounds).contains_key(&step.wrapping_sub(1)) {
+            self.planned_apply(planned, rank, step - 1)?;
+        }
+        let mut frozen = Frozen::default();
+        if (step + 1) % self.refresh_every == 0 {
+            for chunk in chunks {
+                frozen.take_from(chunk, step);
+            }
+        }
+        let (grads, sampler) = {
+            let mut replica = lock(&self.replicas[rank]);
+            (replica.trainer.take_grads()?, replica.trainer.sampler())
+        };
+        *lock(&planned.cursors[rank]) = Cursor {
+            step: step + 1,
+            next: 0,
+            sampler,
+        };
+        let wire = self.peers.get().map(|_| frozen.post(&grads));
+        planned.post(step, grads, frozen)?;
+        match (self.peers.get(), wire) {
+            (Some(peers), Some(post)) => peers.step_end(rank, step, Some(&post)),
+            _ => Ok(()),
+        }
+    }
+
+    /// `rank`'s replica applies round `step`: the summed update when it counted pairs, then
+    /// the copies posted with it; replica 0 publishes the weights.
+    fn planned_apply(&self, planned: &Planned, rank: usize, step: u64) -> Result<(), DrafterError> {
+        let (grads, frozen) = planned.complete(step)?;
+        let mut replica = lock(&self.replicas[rank]);
+        let updates = grads.iter().any(|g| g.pairs > 0);
+        if updates {
+            replica.trainer.step_with(&grads)?;
+        }
+        let drafter = replica.trainer.drafter_mut();
+        for (name, deposit) in [("embed.tok", &frozen.embed), ("head.w", &frozen.head)] {
+            if let Some((s, values)) = deposit {
+                drafter.refresh(name, values, *s)?;
+            }
+        }
+        if rank == 0 && updates {
+            self.board
+                .publish(replica.trainer.version(), replica.trainer.weights()?);
+        }
+        drop(replica);
+        let appliers = if self.peers.get().is_some() {
+            1
+        } else {
+            self.ranks
+        };
+        let mut rounds = lock(&planned.rounds);
+        if let Some(round) = rounds.get_mut(&step) {
+            round.applied += 1;
+            if round.applied == appliers {
+                rounds.remove(&step);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The planned slices, handed to the router one at a time, in order, each only where it
+/// fits (see the module docs).
+pub(super) struct PlannedSlices(pub(super) Arc<DrafterFill>);
+
+impl PlannedSlices {
+    fn planned(&self) -> Option<&Planned> {
+        self.0.planned.as_ref()
+    }
+}
+
+impl FillerSource for PlannedSlices {
+    fn kind(&self) -> &str {
+        SLICE_KIND
+    }
+
+    fn sizes(&self) -> (u64, u64) {
+        let full = lock(&self.0.replicas[0]).trainer.max_slice_rows();
+        (1, full as u64)
+    }
+
+    fn fixed_size(&mut self, rank: usize) -> Option<u64> {
+        let (_, rows) = self.planned()?.next(&self.0, rank, false)?;
+        Some(rows)
+    }
+
+    fn next(&mut self, rank: usize, _units: u64) -> Option<Slice> {
+        let (step, rows) = self.planned()?.next(&self.0, rank, true)?;
+        let fill = Arc::clone(&self.0);
+        Some(Slice {
+            label: format!("drafter slice (step {step}, {rows} rows)"),
+            units: rows,
+            run: Box::new(move || {
+                fill.slice(rank, rows as usize, Some(step - 1))
+                    .map_err(|e| e.to_string())
+            }),
+        })
+    }
+}

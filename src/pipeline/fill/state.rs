@@ -1,0 +1,83 @@
+//! Checkpoints ([`crate::model::drafter::state`]): the drafter a resumed run continues from.
+//!
+//! Under the measured placement the state is whatever the replicas hold when it is taken.
+//! Under the planned one ([`super::planned`]) it is what they held at the end of the step the
+//! checkpoint follows: each replica's sampler as it ended that step, the round it posted (to
+//! be applied at the end of the next step), and only rows of steps up to it, so a resumed run
+//! continues exactly as an uninterrupted one would.
+
+use super::{DrafterFill, lock};
+use crate::model::drafter::DrafterError;
+use crate::model::drafter::state::{BufferState, DrafterState};
+
+impl DrafterFill {
+    /// The drafter's state now: replica 0's weights, version and optimizer (every replica
+    /// applies the same updates), every replica's row sampler, and both buffers' rows.
+    /// Gradients of an open exchange round are not part of it; under the planned placement
+    /// the posted round of the last step every rank ended is.
+    pub fn export_state(&self) -> Result<DrafterState, DrafterError> {
+        let (weights, optimizer) = lock(&self.replicas[0]).trainer.export_state()?;
+        let buffer = BufferState::of(&self.buffer.lock());
+        let held_out = BufferState::of(&self.held_out.lock());
+        let Some(planned) = &self.planned else {
+            let samplers = self
+                .replicas
+                .iter()
+                .map(|r| lock(r).trainer.sampler())
+                .collect();
+            return Ok(DrafterState {
+                weights,
+                optimizer,
+                samplers,
+                buffer,
+                held_out,
+                round: None,
+            });
+        };
+        let next = planned.resume_step();
+        Ok(DrafterState {
+            weights,
+            optimizer,
+            samplers: planned.samplers(),
+            buffer: buffer.before(next),
+            held_out: held_out.before(next),
+            round: planned.kept_round(next),
+        })
+    }
+
+    /// Continues from `state` before the run starts: every replica takes its weights, version,
+    /// frozen copies and optimizer and its own sampler, the buffers their rows, and the board
+    /// the weights (so the held-out measurement and the rollout engine see them at once).
+    /// Under the planned placement the kept round is posted again and rows of the run's own
+    /// steps are left out.
+    pub fn import_state(&self, state: &DrafterState) -> Result<(), DrafterError> {
+        if state.samplers.len() != self.ranks {
+            return Err(DrafterError::Input {
+                what: "checkpointed state",
+                reason: format!(
+                    "has {} replicas' samplers, this run has {} ranks",
+                    state.samplers.len(),
+                    self.ranks
+                ),
+            });
+        }
+        for (replica, &sampler) in self.replicas.iter().zip(&state.samplers) {
+            lock(replica)
+                .trainer
+                .import_state(&state.weights, &state.optimizer, sampler)?;
+        }
+        let (buffer, held_out) = match &self.planned {
+            Some(planned) => {
+                planned.restore(&state.samplers, state.round.as_ref())?;
+                let start = planned.start();
+                (state.buffer.before(start), state.held_out.before(start))
+            }
+            None => (state.buffer.clone(), state.held_out.clone()),
+        };
+        buffer.restore(&mut self.buffer.lock())?;
+        held_out.restore(&mut self.held_out.lock())?;
+        self.board
+            .publish(state.weights.version, state.weights.clone());
+        Ok(())
+    }
+}

@@ -1,0 +1,188 @@
+//! [`PipelineRun`]: what a pipelined run hands back — each step's metrics, the runtime's
+//! measured timelines and the simulator's prediction, the final parameters and optimizer
+//! moments (served as a model or a checkpoint), and the drafter trained in the bubbles.
+
+use std::collections::BTreeMap;
+
+use pipefill_actors::RunReport;
+
+use super::super::join::DrafterRun;
+use super::super::shared::RankFinal;
+use super::{PipelineError, PipelineTrainer};
+use crate::config::JobConfig;
+use crate::model::checkpoint::{Checkpoint, HostTensor};
+use crate::model::drafter::state::DrafterState;
+use crate::model::{AdamW, Cut, Gpt, ModelError, OptimizerState};
+use crate::schedules::{ActionKind, CostModel, Plan, StageCost, Timeline, simulate};
+use crate::tensor::CpuBackend;
+use crate::train::StepMetrics;
+use crate::train::reference::adamw_config;
+
+/// What a pipelined run learned and measured.
+#[derive(Debug, Clone)]
+pub struct PipelineRun {
+    /// Each step's metrics, in step order.
+    pub steps: Vec<StepMetrics>,
+    /// The runtime's report: per-iteration measured timelines and action records.
+    pub report: RunReport,
+    /// Per-stage median T_F, T_I, T_W (seconds) over the whole run.
+    pub measured_cost: Option<CostModel>,
+    /// The simulator's timeline of the plan under [`PipelineRun::measured_cost`].
+    pub predicted: Option<Timeline>,
+    pub plan: Plan,
+    job: JobConfig,
+    /// The step after the last one run.
+    next_step: u64,
+    /// Final parameters in model order.
+    params: Vec<HostTensor>,
+    optimizer: OptimizerState,
+    /// The drafter trained in the bubbles (`filler = "drafter"`).
+    pub drafter: Option<DrafterRun>,
+    /// Its whole state after the run, for the final checkpoint.
+    pub(super) drafter_state: Option<DrafterState>,
+}
+
+impl PipelineRun {
+    pub(super) fn new(
+        trainer: &PipelineTrainer,
+        mut steps: Vec<StepMetrics>,
+        report: RunReport,
+        predicted: Option<Timeline>,
+        mut finals: Vec<RankFinal>,
+    ) -> Self {
+        steps.sort_by_key(|m| m.step);
+        let mut by_stage: BTreeMap<u32, Vec<HostTensor>> = BTreeMap::new();
+        let mut optimizer = OptimizerState::default();
+        for fin in &mut finals {
+            by_stage.extend(std::mem::take(&mut fin.stages));
+            optimizer.step = fin.optimizer.step;
+            optimizer.slots.append(&mut fin.optimizer.slots);
+        }
+        // The plan the last step ran (an auto-scheduled run's may differ from its first).
+        let plan = match (&trainer.auto, &report.plan) {
+            (Some(_), Some(last)) => last.as_ref().clone(),
+            _ => trainer.plan.clone(),
+        };
+        PipelineRun {
+            measured_cost: report.measured_cost.clone(),
+            next_step: trainer.first_step() + report.iterations.len() as u64,
+            steps,
+            report,
+            predicted,
+            plan,
+            job: trainer.job.clone(),
+            params: by_stage.into_values().flatten().collect(),
+            optimizer,
+            drafter: None,
+            drafter_state: None,
+        }
+    }
+
+    /// The measured timeline of every iteration (= step), in order.
+    pub fn timelines(&self) -> impl Iterator<Item = &Timeline> {
+        self.report.iterations.iter().map(|i| &i.timeline)
+    }
+
+    /// Per-stage **mean** T_F, T_I, T_W (seconds) over the iterations from `skip` on (e.g.
+    /// 1 to leave out the warm-up iteration); link latency and memory figures as in
+    /// [`PipelineRun::measured_cost`]. `None` when some stage has no measured forward.
+    ///
+    /// Why means next to the runtime's medians: a timeline's busy time is a *sum* of action
+    /// costs, which means reproduce exactly; action costs are skewed to the right, so a
+    /// prediction under medians under-estimates busy time, and the bubble ratio
+    /// (`1 − busy / (ranks × makespan)`) amplifies that error by `(1 − ratio) / ratio`.
+    pub fn mean_cost(&self, skip: usize) -> Option<CostModel> {
+        let mut sums: BTreeMap<(u32, ActionKind), (f64, usize)> = BTreeMap::new();
+        for it in self.report.iterations.iter().skip(skip) {
+            for r in &it.records {
+                if matches!(
+                    r.action.kind,
+                    ActionKind::F | ActionKind::I | ActionKind::W | ActionKind::B
+                ) {
+                    let e = sums.entry((r.action.stage, r.action.kind)).or_default();
+                    e.0 += r.duration();
+                    e.1 += 1;
+                }
+            }
+        }
+        let mean = |stage, kind| sums.get(&(stage, kind)).map(|&(t, n)| t / n as f64);
+        let stage = (0..self.plan.stages as u32)
+            .map(|s| {
+                let f = mean(s, ActionKind::F)?;
+                // A plan of fused backwards measures B only: T_I = T_B, T_W = 0, as the
+                // runtime's own cost model does.
+                let (i, w) = match (mean(s, ActionKind::I), mean(s, ActionKind::B)) {
+                    (Some(i), _) => (i, mean(s, ActionKind::W).unwrap_or(0.0)),
+                    (None, b) => (b.unwrap_or(0.0), 0.0),
+                };
+                Some(StageCost { f, i, w })
+            })
+            .collect::<Option<Vec<_>>>()?;
+        let base = self.measured_cost.clone().unwrap_or_default();
+        Some(CostModel { stage, ..base })
+    }
+
+    /// The simulator's timeline of this run's plan under `cost`.
+    pub fn predict(&self, cost: &CostModel) -> Result<Timeline, PipelineError> {
+        Ok(simulate(&self.plan, cost)?)
+    }
+
+    /// Every parameter's name, in model order.
+    pub fn param_names(&self) -> Vec<&str> {
+        self.params.iter().map(|p| p.name.as_str()).collect()
+    }
+
+    /// A parameter's final values.
+    pub fn param_values(&self, name: &str) -> Result<&[f32], PipelineError> {
+        self.params
+            .iter()
+            .find(|p| p.name == name)
+            .map(|p| p.data.as_slice())
+            .ok_or_else(|| ModelError::UnknownParam(name.to_string()).into())
+    }
+
+    /// The step a continuation would start at.
+    pub fn next_step(&self) -> u64 {
+        self.next_step
+    }
+
+    /// The trained model, whole, on a single-threaded CPU backend (evaluation, sampling).
+    pub fn model(&self) -> Result<Gpt<CpuBackend>, PipelineError> {
+        let be = CpuBackend::new(1).map_err(ModelError::from)?;
+        let mut gpt = Gpt::new(&self.job.model, be, &Cut::Even(1))?;
+        for p in &self.params {
+            gpt.set_param(&p.name, &p.data)?;
+        }
+        Ok(gpt)
+    }
+
+    /// A checkpoint of the final parameters and optimizer state, in the reference trainer's
+    /// format, so either trainer can resume it, with the drafter's state when the run
+    /// trained one.
+    pub fn checkpoint(&self) -> Result<Checkpoint, PipelineError> {
+        let gpt = self.model()?;
+        let be = gpt.chunks()[0].backend().clone();
+        let mut optimizer = AdamW::new(adamw_config(&self.job.train));
+        optimizer.load_state(&be, &self.optimizer)?;
+        let mut checkpoint =
+            Checkpoint::capture(&gpt, &optimizer, self.next_step, self.job.train.seed)?;
+        checkpoint.drafter = self.drafter_state.clone();
+        Ok(checkpoint)
+    }
+
+    /// The drafter's whole state after the run (`filler = "drafter"`).
+    pub fn drafter_state(&self) -> Option<&DrafterState> {
+        self.drafter_state.as_ref()
+    }
+
+    /// Predicted (simulated under the measured costs) next to measured figures of the
+    /// last iteration: makespan and both bubble ratios.
+    pub fn side_by_side(&self) -> String {
+        match &self.predicted {
+            Some(p) => self
+                .report
+                .side_by_side(self.report.iterations.len().saturating_sub(1), p),
+            None => "no prediction: not every stage was measured\n".into(),
+        }
+    }
+}

@@ -1,0 +1,201 @@
+//! Running a [`PipelineTrainer`]: the runtime on its own thread, this thread joining each
+//! step's metrics with its measured profile (and the drafter's figures) for the caller.
+
+use std::sync::Arc;
+use std::sync::mpsc::{RecvTimeoutError, channel};
+use std::time::Duration;
+
+use pipefill_actors::{FillerRouter, IterationProfile, Pipeline, PlanSource};
+
+use super::super::feed::StepFeed;
+use super::super::fill::{DrafterFill, HELD_OUT_EVERY, HeldOutEval};
+use super::super::join::{DrafterRun, DrafterStep, StepJoin, StepView};
+use super::super::shared::Shared;
+use super::{PipelineError, PipelineRun, PipelineTrainer};
+use crate::config::Filler;
+use crate::data::StepData;
+use crate::model::drafter::Placement;
+use crate::schedules::{Timeline, simulate};
+use crate::train::StepMetrics;
+
+impl PipelineTrainer {
+    /// Runs `steps` optimizer steps. `on_step` is called on this thread with each step's
+    /// metrics as soon as every rank has stepped and the step's iteration is measured.
+    pub fn run(
+        &self,
+        steps: u64,
+        mut on_step: impl FnMut(&StepMetrics),
+    ) -> Result<PipelineRun, PipelineError> {
+        self.run_profiled(steps, |m, _| on_step(m))
+    }
+
+    /// Runs `steps` optimizer steps. `on_step` is called on this thread, during the run,
+    /// with each step's metrics and the measured [`Timeline`] of its iteration (bubble
+    /// ratios, makespan) as soon as both are known: every rank has stepped and reported the
+    /// iteration. The timeline is `None` only if the runtime never published it (the step
+    /// is then handed over when the run ends).
+    pub fn run_profiled(
+        &self,
+        steps: u64,
+        mut on_step: impl FnMut(&StepMetrics, Option<&Timeline>),
+    ) -> Result<PipelineRun, PipelineError> {
+        self.run_observed(steps, |v| {
+            on_step(v.metrics, v.profile.map(|p| &p.timeline))
+        })
+    }
+
+    /// Runs `steps` optimizer steps. `on_step` is called on this thread, during the run, with
+    /// each step's [`StepView`] as soon as every rank has stepped and reported the iteration.
+    pub fn run_observed(
+        &self,
+        steps: u64,
+        mut on_step: impl FnMut(&StepView),
+    ) -> Result<PipelineRun, PipelineError> {
+        if steps == 0 {
+            return Err(PipelineError::Config {
+                field: "steps",
+                reason: "must be at least 1".into(),
+            });
+        }
+        let planned = job_is_planned(self);
+        if planned && self.speculative {
+            return Err(PipelineError::Config {
+                field: "drafter.placement",
+                reason:
+                    "is \"planned\", which needs steps that are never rolled back (a rolled-back \
+                         step's forwards run again and capture their rows twice): turn speculative \
+                         steps off"
+                        .into(),
+            });
+        }
+        let (job, plan) = (&self.job, &self.plan);
+        let feed = match &self.feed {
+            Some(feed) => Arc::clone(feed),
+            None => {
+                let data = StepData::new(job.data.clone(), job.model.seq_len, job.train.seed)?;
+                Arc::new(StepFeed::new(data, job.train.clone()))
+            }
+        };
+        feed.prefetch(self.first_step());
+        let (progress, steps_rx) = channel();
+        let shared = Arc::new(
+            Shared::new(plan.num_ranks(), feed, progress)
+                .with_replica(self.replica.clone())
+                .with_checkpoints(self.checkpointing()?),
+        );
+        let mut computes = self.computes(&shared, steps)?;
+        let (profiles, profiles_rx) = channel();
+        let source = match &self.auto {
+            Some(replanner) => {
+                let mut replanner = replanner.clone();
+                PlanSource::Replan(Box::new(move |i, cost| replanner.plan(i, cost)))
+            }
+            None => PlanSource::Given(plan.clone()),
+        };
+        let mut pipeline = Pipeline::new(source, self.clock)
+            .iterations(steps)
+            .step_mode(self.step_mode)
+            .on_iteration(profiles);
+        if job.train.clip > 0.0 {
+            pipeline = pipeline.max_grad_norm(f64::from(job.train.clip));
+        }
+        let router = FillerRouter::default();
+        let fill = match self.filler {
+            Filler::Drafter => Some(DrafterFill::join(
+                &self.job,
+                &self.plan,
+                self.first_step(),
+                &mut computes,
+            )?),
+            Filler::None => None,
+        };
+        if let Some(fill) = &fill {
+            // A resumed run continues the checkpoint's drafter, and saves it with its own.
+            if let Some(state) = self.resume.as_ref().and_then(|c| c.drafter.as_ref()) {
+                fill.import_state(state)?;
+            }
+            shared.checkpoint_drafter(Arc::clone(fill));
+        }
+        let mut eval = match &fill {
+            Some(fill) => {
+                fill.attach(&router);
+                pipeline = pipeline.fillers(router.fillers(plan.num_ranks()));
+                Some(HeldOutEval::new(&job.model, &job.drafter)?)
+            }
+            None => None,
+        };
+        let last_step = self.first_step() + steps - 1;
+        let mut agreement = Vec::new();
+        let mut measure = |m: &StepMetrics, p: Option<&IterationProfile>| {
+            let drafter = fill.as_ref().zip(eval.as_mut()).map(|(fill, eval)| {
+                let (slices, loss, _) = fill.take_tally();
+                let due = m.step % HELD_OUT_EVERY == 0 || m.step == last_step;
+                // A failed measurement only loses the figure; training goes on.
+                let measured = due.then(|| eval.measure(fill).ok().flatten()).flatten();
+                if let Some((version, a)) = measured {
+                    agreement.push((m.step, version, a));
+                }
+                DrafterStep {
+                    version: fill.board().latest().map_or(0, |w| w.version),
+                    slices,
+                    loss,
+                    agreement: measured.map(|(_, a)| a),
+                }
+            });
+            on_step(&StepView {
+                metrics: m,
+                profile: p,
+                drafter,
+            });
+        };
+        let mut join = StepJoin::new(self.first_step(), profiles_rx, &mut measure);
+        let outcome = std::thread::scope(|scope| {
+            let runner = scope.spawn(|| pipeline.run_blocking(computes));
+            loop {
+                match steps_rx.recv_timeout(Duration::from_millis(20)) {
+                    Ok(m) => join.metrics(m),
+                    Err(RecvTimeoutError::Timeout) if !runner.is_finished() => join.poll(),
+                    Err(_) => break,
+                }
+            }
+            let outcome = runner.join();
+            while let Ok(m) = steps_rx.try_recv() {
+                join.metrics(m);
+            }
+            outcome
+        });
+        let metrics = join.finish();
+        let report = match outcome {
+            Ok(report) => report?,
+            Err(panic) => std::panic::resume_unwind(panic),
+        };
+        shared.join_checkpoints()?;
+        let finals = shared.take_finals().ok_or(PipelineError::NoFinalState)?;
+        // An auto-scheduled run is predicted (and reported) by the plan its last step ran.
+        let plan = match (&self.auto, &report.plan) {
+            (Some(_), Some(last)) => last.as_ref(),
+            _ => plan,
+        };
+        let predicted = match &report.measured_cost {
+            Some(cost) => Some(simulate(plan, cost)?),
+            None => None,
+        };
+        let drafter = match &fill {
+            Some(fill) => Some(DrafterRun {
+                replicas: fill.settle()?,
+                router: router.stats(),
+                agreement,
+            }),
+            None => None,
+        };
+        let mut run = PipelineRun::new(self, metrics, report, predicted, finals);
+        run.drafter = drafter;
+        run.drafter_state = fill.map(|f| f.export_state()).transpose()?;
+        Ok(run)
+    }
+}
+
+/// Whether `trainer` fills its bubbles with the drafter under the planned placement.
+fn job_is_planned(trainer: &PipelineTrainer) -> bool {
+    matches!(trainer.filler, Filler::Drafter) && trainer.job.drafter.placement == Placement::Planned
+}
