@@ -64,6 +64,58 @@ pub enum Filler {
     None,
 }
 
+/// What a job's ranks compute on: `"cpu"` or `"cuda"` (the job file's `device`).
+///
+/// A job names the kind only: each rank of a launched job computes on the CUDA GPU whose
+/// ordinal is its local rank (one GPU per process), a single-process run on GPU 0
+/// ([`DeviceKind::on_local_rank`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceKind {
+    /// The CPU backend, one thread per rank (DESIGN.md, "Clocks").
+    #[default]
+    Cpu,
+    /// A CUDA GPU per rank (a build with the `cuda` feature, on a machine with a driver).
+    Cuda,
+}
+
+impl DeviceKind {
+    /// The device of the process with this local rank (its CUDA ordinal).
+    pub fn on_local_rank(self, local_rank: usize) -> crate::tensor::device::Device {
+        use crate::tensor::device::Device;
+        match self {
+            DeviceKind::Cpu => Device::Cpu { threads: 1 },
+            DeviceKind::Cuda => Device::Cuda {
+                ordinal: local_rank,
+            },
+        }
+    }
+
+    /// [`on_local_rank`](Self::on_local_rank), checked to be usable here: without the
+    /// `cuda` feature, without a driver (probed before any other CUDA call, so never a
+    /// panic) or without that GPU, the error names the `device` field.
+    pub fn usable_on_local_rank(
+        self,
+        local_rank: usize,
+    ) -> Result<crate::tensor::device::Device, ConfigError> {
+        let device = self.on_local_rank(local_rank);
+        device.check_available().map_err(|e| ConfigError::Invalid {
+            field: "device".into(),
+            reason: format!("\"{self}\" ({device}) cannot be used here: {e}"),
+        })?;
+        Ok(device)
+    }
+}
+
+impl std::fmt::Display for DeviceKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DeviceKind::Cpu => "cpu",
+            DeviceKind::Cuda => "cuda",
+        })
+    }
+}
+
 /// A whole job: model shape, data, training hyper-parameters and how to run them.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -81,6 +133,9 @@ pub struct JobConfig {
     pub dp: usize,
     /// How stage timelines are timed.
     pub clock: Clock,
+    /// What the ranks compute on: `"cpu"` or `"cuda"` (a launched rank's GPU is the one
+    /// of its local rank).
+    pub device: DeviceKind,
     /// What a multi-process run's ranks talk over: `"auto"` (NCCL between CUDA GPUs where
     /// it can be used, else TCP), `"tcp"` or `"nccl"` (an error where it cannot be used).
     pub transport: crate::comm::select::TransportKind,
@@ -109,6 +164,7 @@ impl Default for JobConfig {
             stages: 4,
             dp: 1,
             clock: Clock::default(),
+            device: DeviceKind::default(),
             transport: Default::default(),
             filler: Filler::default(),
             out_dir: None,
@@ -333,6 +389,28 @@ mod tests {
             err.to_string().contains("`stages` is not a section"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn device_parses_and_names_itself_when_unusable() {
+        use crate::tensor::device::Device;
+        let job = JobConfig::from_toml_with("", "t", &["device=cuda".into()]).unwrap();
+        assert_eq!(job.device, DeviceKind::Cuda);
+        assert_eq!(job.device.on_local_rank(3), Device::Cuda { ordinal: 3 });
+        assert_eq!(
+            DeviceKind::Cpu.usable_on_local_rank(3).unwrap(),
+            Device::Cpu { threads: 1 }
+        );
+        let err = JobConfig::from_toml("device = \"tpu\"", "job.toml").unwrap_err();
+        assert!(err.to_string().contains("unknown variant `tpu`"), "{err}");
+        // Without the feature (or a driver) a CUDA job is one error naming the field.
+        if let Err(e) = (Device::Cuda { ordinal: 0 }).check_available() {
+            let err = DeviceKind::Cuda.usable_on_local_rank(0).unwrap_err();
+            assert_eq!(
+                err.to_string(),
+                format!("invalid `device`: \"cuda\" (cuda:0) cannot be used here: {e}")
+            );
+        }
     }
 
     #[test]

@@ -286,6 +286,7 @@ pub fn train_distributed(
         clock_of(job),
         job.train.steps - first_step,
         checkpoint.as_ref(),
+        job.device.on_local_rank(env.local_rank),
     )?;
     if rank == 0 {
         for m in &run.metrics {

@@ -11,9 +11,18 @@
 //! The decision ([`decide`]) is separate from probing the machine, so its rules are tested
 //! on any machine; [`select_transport`] probes for real (never panicking without a GPU:
 //! the probe dlopens the libraries before any other cudarc call).
+//!
+//! Every rank decides for itself, but a transport only works when every rank uses it:
+//! NCCL's communicators wait for all their members, so one rank on TCP (or one that failed
+//! to set up its GPU) would leave the others waiting forever. The ranks of a GPU run
+//! therefore send their own [`Choice`] to rank 0, which settles the run's transport with
+//! [`agree`]: any rank's failure fails every rank, naming it; NCCL only where every rank
+//! can use it.
 
 use serde::{Deserialize, Serialize};
 
+use super::frame;
+use super::link::{Channel, PeerLink};
 use super::tcp_transport::GroupError;
 use crate::tensor::device::{Device, DeviceError};
 
@@ -61,6 +70,12 @@ pub enum TransportError {
     /// NCCL asked for on a GPU, but CUDA or NCCL cannot be used here.
     #[error("transport = \"nccl\" cannot be used on {device}: {reason}")]
     NcclUnavailable { device: Device, reason: DeviceError },
+    /// Another rank cannot set up its device or transport (rank `rank`'s own reason).
+    #[error("rank {rank} cannot set up its device or transport: {reason}")]
+    OtherRank { rank: usize, reason: String },
+    /// The ranks could not settle the transport (the mesh failed or a message was bad).
+    #[error("agreeing on the transport: {reason}")]
+    Agreement { reason: String },
     /// A transport over a range of mesh ranks that is wrong.
     #[error(transparent)]
     Group(#[from] GroupError),
@@ -69,6 +84,9 @@ pub enum TransportError {
     #[error(transparent)]
     Nccl(#[from] super::nccl::NcclError),
 }
+
+/// Channel of the ranks' [`Choice`]s and rank 0's verdict ([`settle`]).
+pub const TRANSPORT_CHANNEL: Channel = u32::MAX - 9;
 
 /// The rules: `nccl_ready(ordinal)` says whether NCCL can be used on that GPU.
 pub fn decide(
@@ -123,6 +141,91 @@ pub fn select_transport(
     device: Device,
 ) -> Result<Selected, TransportError> {
     decide(requested, device, nccl_ready)
+}
+
+/// One rank's own outcome, sent to rank 0 so that every rank uses the same transport.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Choice {
+    Tcp,
+    Nccl,
+    /// This rank cannot compute or communicate as the job asks (the reason, as text).
+    Failed(String),
+}
+
+impl From<&Result<Selected, TransportError>> for Choice {
+    fn from(own: &Result<Selected, TransportError>) -> Self {
+        match own {
+            Ok(Selected::Tcp) => Choice::Tcp,
+            Ok(Selected::Nccl { .. }) => Choice::Nccl,
+            Err(e) => Choice::Failed(e.to_string()),
+        }
+    }
+}
+
+/// The run's transport from every rank's [`Choice`] (index = rank): the first failed
+/// rank fails the run; otherwise NCCL when every rank can use it, TCP when any cannot
+/// (only `auto` leaves a rank on TCP while others could use NCCL: `nccl` fails instead).
+pub fn agree(choices: &[Choice]) -> Result<Choice, TransportError> {
+    if let Some((rank, reason)) = choices.iter().enumerate().find_map(|(r, c)| match c {
+        Choice::Failed(reason) => Some((r, reason)),
+        _ => None,
+    }) {
+        return Err(TransportError::OtherRank {
+            rank,
+            reason: reason.clone(),
+        });
+    }
+    let tcp: Vec<usize> = (0..choices.len())
+        .filter(|&r| choices[r] == Choice::Tcp)
+        .collect();
+    if tcp.is_empty() && !choices.is_empty() {
+        return Ok(Choice::Nccl);
+    }
+    if tcp.len() < choices.len() {
+        tracing::warn!("ranks {tcp:?} cannot use NCCL: every rank uses TCP");
+    }
+    Ok(Choice::Tcp)
+}
+
+/// Rank 0's answer on the wire: the agreed choice, or the failed rank and its reason.
+type Verdict = Result<Choice, (usize, String)>;
+
+/// The transport every rank of `link` uses: each sends its own choice to rank 0, which
+/// [`agree`]s and answers every rank. All ranks call it at the same point, before any of
+/// them creates a communicator.
+pub fn settle(link: &dyn PeerLink, own: Choice) -> Result<Choice, TransportError> {
+    let broken = |reason: String| TransportError::Agreement { reason };
+    if link.rank() != 0 {
+        let bytes = frame::encode(&own).map_err(|e| broken(e.to_string()))?;
+        link.send(0, TRANSPORT_CHANNEL, &bytes)
+            .map_err(|e| broken(e.to_string()))?;
+        let bytes = link
+            .recv(0, TRANSPORT_CHANNEL)
+            .map_err(|e| broken(e.to_string()))?;
+        let verdict: Verdict =
+            frame::decode(&bytes).map_err(|e| broken(format!("rank 0's verdict: {e}")))?;
+        return verdict.map_err(|(rank, reason)| TransportError::OtherRank { rank, reason });
+    }
+    let mut choices = vec![own];
+    for from in 1..link.world() {
+        let bytes = link
+            .recv(from, TRANSPORT_CHANNEL)
+            .map_err(|e| broken(e.to_string()))?;
+        choices
+            .push(frame::decode(&bytes).map_err(|e| broken(format!("rank {from}'s choice: {e}")))?);
+    }
+    let agreed = agree(&choices);
+    let verdict: Verdict = match &agreed {
+        Ok(choice) => Ok(choice.clone()),
+        Err(TransportError::OtherRank { rank, reason }) => Err((*rank, reason.clone())),
+        Err(other) => Err((0, other.to_string())),
+    };
+    let bytes = frame::encode(&verdict).map_err(|e| broken(e.to_string()))?;
+    for peer in 1..link.world() {
+        link.send(peer, TRANSPORT_CHANNEL, &bytes)
+            .map_err(|e| broken(e.to_string()))?;
+    }
+    agreed
 }
 
 #[cfg(test)]
@@ -213,6 +316,82 @@ mod tests {
         }
         #[cfg(not(feature = "cuda"))]
         assert_eq!(nccl_ready(0), Err(DeviceError::CudaNotCompiled));
+    }
+
+    #[test]
+    fn every_rank_uses_nccl_or_none_does() {
+        use Choice::{Failed, Nccl, Tcp};
+        assert_eq!(agree(&[Nccl, Nccl, Nccl]).unwrap(), Nccl);
+        assert_eq!(agree(&[Tcp, Tcp]).unwrap(), Tcp);
+        // One rank without NCCL (auto fell back there) puts every rank on TCP.
+        assert_eq!(agree(&[Nccl, Tcp, Nccl]).unwrap(), Tcp);
+        assert_eq!(agree(&[]).unwrap(), Tcp);
+        // A failed rank fails the run, named, even when the others agree.
+        let err = agree(&[
+            Nccl,
+            Nccl,
+            Failed("no CUDA driver found".into()),
+            Failed("x".into()),
+        ])
+        .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "rank 2 cannot set up its device or transport: no CUDA driver found"
+        );
+    }
+
+    #[test]
+    fn the_ranks_settle_on_one_transport() {
+        use crate::comm::link::InProcessLink;
+        let run = |choices: Vec<Choice>| -> Vec<Result<Choice, String>> {
+            let links = InProcessLink::group(choices.len());
+            let handles: Vec<_> = links
+                .into_iter()
+                .zip(choices)
+                .map(|(link, own)| {
+                    std::thread::spawn(move || settle(&link, own).map_err(|e| e.to_string()))
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        };
+        assert_eq!(
+            run(vec![Choice::Nccl, Choice::Nccl, Choice::Nccl]),
+            vec![Ok(Choice::Nccl); 3]
+        );
+        assert_eq!(
+            run(vec![Choice::Nccl, Choice::Tcp]),
+            vec![Ok(Choice::Tcp); 2]
+        );
+        // Rank 1 failed: every rank (rank 0 included) fails naming it.
+        let failed = run(vec![
+            Choice::Nccl,
+            Choice::Failed("cuda:1 does not exist".into()),
+            Choice::Nccl,
+        ]);
+        let text = "rank 1 cannot set up its device or transport: cuda:1 does not exist";
+        assert_eq!(failed, vec![Err(text.to_string()); 3]);
+        assert_eq!(run(vec![Choice::Tcp]), vec![Ok(Choice::Tcp)]);
+    }
+
+    #[test]
+    fn a_rank_s_own_outcome_becomes_its_choice() {
+        assert_eq!(Choice::from(&Ok(Selected::Tcp)), Choice::Tcp);
+        assert_eq!(
+            Choice::from(&Ok(Selected::Nccl { ordinal: 3 })),
+            Choice::Nccl
+        );
+        let failed = decide(TransportKind::Nccl, CPU, |_| unreachable!());
+        let Choice::Failed(reason) = Choice::from(&failed) else {
+            panic!("{failed:?} is not a failure");
+        };
+        assert!(
+            reason.contains("needs the ranks to compute on a CUDA GPU"),
+            "{reason}"
+        );
+        // The wire form round-trips (it travels to rank 0 on the mesh).
+        let bytes = crate::comm::frame::encode(&Choice::Failed(reason.clone())).unwrap();
+        let back: Choice = crate::comm::frame::decode(&bytes).unwrap();
+        assert_eq!(back, Choice::Failed(reason));
     }
 
     #[test]

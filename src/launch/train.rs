@@ -10,6 +10,10 @@
 //! each rank is the in-process pipeline's, action for action, so the parameters after K
 //! steps are bitwise those of the in-process run of the same job (f32 on the CPU).
 //!
+//! Each rank computes on the job's `device` ([`device`]): the CPU, or (feature `cuda`) the
+//! GPU of its local rank, where the ranks agree on the transport `transport` asks for
+//! (`auto`: NCCL where every rank can use it) and replicas all-reduce over NCCL.
+//!
 //! After the last step every rank sends its final parameters and optimizer moments to rank
 //! 0 on the control channel, and rank 0 assembles the checkpoint in the reference
 //! trainer's format. Every rank then sends its profile (spans on its own clock, with the
@@ -22,6 +26,7 @@
 //! ([`RankRun::run_dir`]); rank 0 writes each manifest once every shard is acknowledged. A
 //! resumed rank reads only its own shard ([`RankResume`]).
 
+mod device;
 mod shards;
 
 pub use shards::{CHECKPOINT_CHANNEL, RankResume, agree_run_dir, layout};
@@ -33,19 +38,15 @@ use std::sync::mpsc::channel;
 use std::time::Duration;
 
 use super::profile::{
-    GRAD_CHANNEL, PROFILE_CHANNEL, loss_rank, rank_profile, recv_metrics, send_metrics, sync_clock,
-    whole_batch,
+    PROFILE_CHANNEL, loss_rank, rank_profile, recv_metrics, send_metrics, sync_clock, whole_batch,
 };
 use pipefill_actors::{Clock, GradStats, Pipeline, PlanSource, RunReport, StepMode, Transport};
 use serde::{Deserialize, Serialize};
 
-use crate::comm::collective::RingGradSync;
 use crate::comm::frame;
 use crate::comm::link::{LinkError, PeerLink};
 use crate::comm::tcp::TcpMesh;
-use crate::comm::tcp_transport::{
-    BufCodec, CONTROL_CHANNEL, STATS_CHANNEL, SerdeCodec, TENSOR_CHANNEL, TcpTransport,
-};
+use crate::comm::tcp_transport::{CONTROL_CHANNEL, STATS_CHANNEL, SerdeCodec, TcpTransport};
 use crate::config::JobConfig;
 use crate::data::StepData;
 use crate::model::checkpoint::sharded::{job_fingerprint, param_stages};
@@ -59,7 +60,8 @@ use crate::pipeline::shared::{Checkpointing, RankCheckpointer, RankFinal, Shared
 use crate::pipeline::{PipelineError, RankCompute};
 use crate::profile::merge::{MergeError, MergedProfile, gather_profiles, merge, send_profile};
 use crate::schedules::Plan;
-use crate::tensor::CpuBackend;
+use crate::tensor::device::Device;
+use crate::tensor::{Backend, CpuBackend};
 use crate::train::StepMetrics;
 use crate::train::reference::adamw_config;
 
@@ -104,6 +106,9 @@ pub enum DistributedError {
         rank: usize,
         error: crate::comm::select::TransportError,
     },
+    /// The rank's device (`device` in the job) cannot be used.
+    #[error("rank {rank}: {reason}")]
+    Device { rank: usize, reason: String },
 }
 
 /// What one rank's run produced.
@@ -173,9 +178,10 @@ impl From<FinalWire> for RankFinal {
     }
 }
 
-/// Runs `steps` optimizer steps of `job`'s `plan` as the mesh's rank, from `resume` when
-/// given, saving sharded checkpoints under the run directory (`job.out_dir`, as rank 0
-/// chooses it). Every process of the job calls it with the same job and plan.
+/// Runs `steps` optimizer steps of `job`'s `plan` as the mesh's rank on `device` (the
+/// job's `device` on this process's local rank), from `resume` when given, saving sharded
+/// checkpoints under the run directory (`job.out_dir`, as rank 0 chooses it). Every
+/// process of the job calls it with the same job and plan.
 pub fn train_rank(
     job: &JobConfig,
     plan: &Plan,
@@ -183,6 +189,7 @@ pub fn train_rank(
     clock: Clock,
     steps: u64,
     resume: Option<&RankResume>,
+    device: Device,
 ) -> Result<RankRun, DistributedError> {
     let (rank, world, pp, dp) = (mesh.rank(), mesh.world(), plan.num_ranks(), job.dp);
     if pp * dp != world {
@@ -193,6 +200,38 @@ pub fn train_rank(
         });
     }
     // Global rank = replica × pp + pipeline rank (RingGradSync's numbering).
+    let at = device::Placement {
+        rank,
+        replica: rank / pp,
+        pp,
+        dp,
+    };
+    match device {
+        Device::Cpu { threads } => {
+            let links = device::cpu_links(mesh, job.transport, at, threads)?;
+            run_rank(job, plan, mesh, clock, steps, resume, links)
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda { ordinal } => {
+            let links = device::cuda_links(mesh, job.transport, at, ordinal)?;
+            run_rank(job, plan, mesh, clock, steps, resume, links)
+        }
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda { ordinal } => Err(device::cuda_unavailable(at, ordinal)),
+    }
+}
+
+/// [`train_rank`] on `links`' backend and transports.
+fn run_rank<B: Backend>(
+    job: &JobConfig,
+    plan: &Plan,
+    mesh: &Arc<TcpMesh>,
+    clock: Clock,
+    steps: u64,
+    resume: Option<&RankResume>,
+    links: device::RankLinks<B>,
+) -> Result<RankRun, DistributedError> {
+    let (rank, world, pp, dp) = (mesh.rank(), mesh.world(), plan.num_ranks(), job.dp);
     let (replica, prank) = (rank / pp, rank % pp);
     let pipeline_err = |error: PipelineError| DistributedError::Pipeline { rank, error };
     let first_step = resume.map_or(0, RankResume::step);
@@ -208,15 +247,15 @@ pub fn train_rank(
     // The step log needs every rank's losses and norms, which stay in their processes;
     // this rank's steps are reported by the runtime instead (see the module docs).
     let (progress, step_log) = channel();
-    let sync = (dp > 1).then(|| Replica {
+    let device::RankLinks {
+        backend,
+        tensors,
+        sync,
+    } = links;
+    let sync = sync.map(|sync| Replica {
         index: replica,
         count: dp,
-        sync: Arc::new(RingGradSync::new(
-            vec![Arc::clone(mesh) as Arc<dyn PeerLink>],
-            dp,
-            pp,
-            GRAD_CHANNEL,
-        )),
+        sync,
     });
     let checkpointing = Checkpointing {
         every: job.checkpoint_every,
@@ -249,20 +288,12 @@ pub fn train_rank(
             shared.stepped(step, 0.0);
         }
     }
-    let backend = CpuBackend::new(1).map_err(|e| pipeline_err(ModelError::from(e).into()))?;
     let compute = rank_compute(
         job, plan, prank, &backend, &shared, first_step, steps, resume,
     )
     .map_err(pipeline_err)?;
 
     let transport_err = |error| DistributedError::Transport { rank, error };
-    // Launched ranks compute on the CPU backend: TCP, or one clear error for "nccl".
-    crate::comm::select::select_transport(job.transport, Default::default())
-        .map_err(transport_err)?;
-    let tensors: Arc<dyn Transport<_>> = Arc::new(
-        TcpTransport::group(mesh, TENSOR_CHANNEL, BufCodec(backend), replica * pp, pp)
-            .map_err(|e| transport_err(e.into()))?,
-    );
     let stats: Arc<dyn Transport<GradStats>> = Arc::new(
         TcpTransport::group(mesh, STATS_CHANNEL, SerdeCodec, replica * pp, pp)
             .map_err(|e| transport_err(e.into()))?,
@@ -392,16 +423,16 @@ pub fn train_rank(
 /// `resume` when given (as the in-process trainer does for every rank; from a shard, only
 /// the rank's own parameters are set, and its chunks need no others).
 #[allow(clippy::too_many_arguments)]
-fn rank_compute(
+fn rank_compute<B: Backend>(
     job: &JobConfig,
     plan: &Plan,
     rank: usize,
-    backend: &CpuBackend,
+    backend: &B,
     shared: &Arc<Shared>,
     first_step: u64,
     steps: u64,
     resume: Option<&RankResume>,
-) -> Result<RankCompute<CpuBackend>, PipelineError> {
+) -> Result<RankCompute<B>, PipelineError> {
     let mut compute = RankCompute::for_rank(
         job,
         plan,

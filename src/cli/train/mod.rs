@@ -13,6 +13,12 @@
 //!   [`run_files`].
 //! - `schedule = "none"` runs the single-device reference trainer (here), the oracle every
 //!   schedule must reproduce.
+//!
+//! `device` (`--device`) is checked before anything runs: `"cuda"` in a build without the
+//! `cuda` feature, without a driver or without the GPU is one error naming the field. On a
+//! GPU, the reference trainer and each rank of a launched job compute there (a launched
+//! rank on the GPU of its local rank); the single-process pipeline runs on the CPU only
+//! and says so.
 
 mod pipelined;
 mod run_files;
@@ -30,6 +36,7 @@ use pipefill::data::DatasetSummary;
 use pipefill::model::Gpt;
 use pipefill::model::checkpoint::Checkpoint;
 use pipefill::tensor::Backend;
+use pipefill::tensor::device::Device;
 use pipefill::train::eval::{exact_match, held_out_tasks};
 use pipefill::train::{StepMetrics, Trainer};
 
@@ -47,6 +54,10 @@ pub struct TrainArgs {
     /// How stage timelines are timed: virtual (thread CPU time per stage) or wall.
     #[arg(long, value_enum)]
     clock: Option<ClockArg>,
+    /// What the ranks compute on: cpu or cuda (overrides device; a launched rank uses the
+    /// GPU of its local rank).
+    #[arg(long, value_enum)]
+    device: Option<DeviceArg>,
     /// Number of optimizer steps (overrides train.steps).
     #[arg(long)]
     steps: Option<u64>,
@@ -66,8 +77,22 @@ enum ClockArg {
     Wall,
 }
 
+/// `--device`'s values (the job file's `device`).
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum DeviceArg {
+    Cpu,
+    Cuda,
+}
+
 pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     let mut sets = args.set.clone();
+    if let Some(device) = args.device {
+        let name = match device {
+            DeviceArg::Cpu => "cpu",
+            DeviceArg::Cuda => "cuda",
+        };
+        sets.push(format!("device=\"{name}\""));
+    }
     if let Some(clock) = args.clock {
         let name = match clock {
             ClockArg::Virtual => "virtual",
@@ -94,10 +119,17 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     };
     // One rank of a multi-process job (pipefill launch, torchrun, mpirun, srun).
     let rank_env = pipefill::launch::RankEnv::detect()?;
+    // Before joining any other rank: a device that cannot be used here ends the run at once.
+    let device = job.device.usable_on_local_rank(rank_env.local_rank)?;
     if rank_env.is_distributed() {
         return crate::cli::launch::train_distributed(&job, &rank_env, args.resume.as_deref());
     }
     if !job.schedule.trim().eq_ignore_ascii_case("none") {
+        if device.is_cuda() {
+            bail!(
+                "device = \"cuda\": the single-process pipeline computes on the CPU only; run the job as one process per GPU (`pipefill launch -n <ranks> -- train ...`) or with schedule \"none\" on one GPU"
+            );
+        }
         return pipelined::train(&job, args.resume.as_deref());
     }
     if job.stages != 1 {
@@ -106,16 +138,34 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             job.stages
         );
     }
-    train_reference(&job, args.resume.as_deref())
+    let resume = args.resume.as_deref();
+    match device {
+        Device::Cpu { .. } => train_reference(
+            &job,
+            resume,
+            Trainer::reference(&job.model, &job.data, &job.train)?,
+        ),
+        #[cfg(feature = "cuda")]
+        Device::Cuda { ordinal } => {
+            let backend = pipefill::tensor::cuda::CudaBackend::new(ordinal)?;
+            let trainer = Trainer::with_backend(backend, &job.model, &job.data, &job.train)?;
+            train_reference(&job, resume, trainer)
+        }
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda { .. } => Err(pipefill::tensor::device::DeviceError::CudaNotCompiled.into()),
+    }
 }
 
-/// Runs `job` with the reference trainer (from `resume`'s checkpoint when given), printing
-/// progress and writing the run's files.
-fn train_reference(job: &JobConfig, resume: Option<&Path>) -> anyhow::Result<()> {
+/// Runs `job` with the reference `trainer` (from `resume`'s checkpoint when given),
+/// printing progress and writing the run's files.
+fn train_reference<B: Backend>(
+    job: &JobConfig,
+    resume: Option<&Path>,
+    mut trainer: Trainer<B>,
+) -> anyhow::Result<()> {
     let summary = DatasetSummary::sample(&job.data, job.train.seed)?;
     print!("{summary}");
 
-    let mut trainer = Trainer::reference(&job.model, &job.data, &job.train)?;
     if let Some(dir) = resume {
         let checkpoint = Checkpoint::load(dir)?;
         trainer.restore(&checkpoint)?;

@@ -40,7 +40,8 @@ use crate::schedules::Plan;
 
 /// Channel of the run directory (rank 0 to every rank) and of the shard acknowledgements
 /// (replica 0's ranks to rank 0).
-pub const CHECKPOINT_CHANNEL: Channel = u32::MAX - 16;
+/// (Not `u32::MAX - 16`: that is NCCL's id exchange, `comm::nccl_id::NCCL_ID_CHANNEL`.)
+pub const CHECKPOINT_CHANNEL: Channel = u32::MAX - 10;
 
 /// What `--resume` gives one rank of a multi-process run.
 #[derive(Debug, Clone)]

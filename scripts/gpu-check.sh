@@ -1,0 +1,178 @@
+#!/usr/bin/env bash
+# GPU check for a session that has a CUDA device: `device = "cuda"` end to end.
+#
+#   scripts/gpu-check.sh            # from anywhere; it works in the repository root
+#
+# 1. builds the binary and tests with `--features cuda` (its own target directory,
+#    target/cuda unless CARGO_TARGET_DIR is set, so the default build stays untouched);
+# 2. runs the CUDA backend tests (tests/cuda_backend.rs, the lib's tensor::cuda), the
+#    comm tests (NCCL p2p, all-reduce, NcclTransport, transport selection) and the launched
+#    train's unit tests (mesh channels incl. NCCL's) with the feature on;
+# 3. trains one small job as launched ranks on the GPUs, `transport = "nccl"` against
+#    `transport = "tcp"` on the same GPUs, and compares every tensor of the two final
+#    checkpoints (parameters and AdamW moments): with 2+ GPUs a 2-stage pipeline (tensors
+#    over NcclTransport) and 2 data-parallel replicas (gradients over NcclGradSync), with one
+#    GPU a 1-rank run (the NCCL plumbing without traffic; the 2-rank checks are reported as
+#    skipped). Also the CUDA run against the same launched job on the CPU, and the reference
+#    trainer (`schedule = "none"`) on the GPU against the CPU.
+#
+# Tolerances (max |a - b| over every compared element):
+#   NCCL vs TCP, same GPUs: TOL_TRANSPORT = 1e-6. The transports carry the same bits and a
+#     2-replica sum is order-free, so bitwise equality is expected; the count of differing
+#     elements is printed.
+#   GPU vs CPU, parameters only (moments amplify rounding): TOL_DEVICE = 1e-2 after 3 steps
+#     at lr 1e-3: cuBLAS and the CPU gemm sum in different orders, so the two agree to
+#     rounding, while a wrong kernel or a dropped gradient is off by far more.
+# Every step runs under `timeout`; a skipped test on a machine with a GPU, a failed step or a
+# tolerance exceeded makes the script exit non-zero, after the summary.
+set -uo pipefail
+
+cd "$(dirname "$0")/.."
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-target/cuda}"
+TOL_TRANSPORT="${TOL_TRANSPORT:-1e-6}"
+TOL_DEVICE="${TOL_DEVICE:-1e-2}"
+OUT="$(mktemp -d /tmp/pipefill-gpu-check.XXXXXX)"
+EXE="$CARGO_TARGET_DIR/release/pipefill"
+declare -a SUMMARY=()
+FAILED=0
+
+say() { printf '\n=== %s\n' "$*"; }
+record() { # record STATUS NAME [DETAIL]
+    SUMMARY+=("$(printf '%-5s %s%s' "$1" "$2" "${3:+ ($3)}")")
+    [ "$1" = FAIL ] && FAILED=1
+    return 0
+}
+
+# run NAME LIMIT_S COMMAND...: the step's output is kept in $OUT/NAME.log; a non-zero exit
+# or a test that skipped (no usable device, said by the test itself) fails the step.
+run() {
+    local name="$1" limit="$2"
+    shift 2
+    say "$name: $*"
+    timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+    local rc="${PIPESTATUS[0]}"
+    if [ "$rc" -ne 0 ]; then
+        record FAIL "$name" "exit $rc$([ "$rc" -eq 124 ] && echo ", timed out after ${limit}s")"
+        return 1
+    fi
+    if grep -qE '^SKIP |: skipped: ' "$OUT/$name.log"; then
+        record FAIL "$name" "a test skipped on a machine with a GPU: $(grep -m1 -E '^SKIP |: skipped: ' "$OUT/$name.log")"
+        return 1
+    fi
+    record ok "$name"
+}
+
+# compare NAME DIR_A DIR_B TOL PARAMS_ONLY: every tensor of the two checkpoints, max |a-b|.
+compare() {
+    local name="$1" a="$2/checkpoint/model.safetensors" b="$3/checkpoint/model.safetensors"
+    say "compare $name: $a vs $b (tolerance $4)"
+    local verdict
+    verdict="$(python3 - "$a" "$b" "$4" "$5" <<'EOF'
+import json, math, struct, sys
+
+def load(path):
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+        data = f.read()
+    header.pop("__metadata__", None)
+    out = {}
+    for name, t in header.items():
+        if t["dtype"] != "F32":
+            sys.exit(f"{path}: {name} is {t['dtype']}, expected F32")
+        lo, hi = t["data_offsets"]
+        out[name] = struct.unpack(f"<{(hi - lo) // 4}f", data[lo:hi])
+    return out
+
+a, b = load(sys.argv[1]), load(sys.argv[2])
+tol, params_only = float(sys.argv[3]), sys.argv[4] == "1"
+if set(a) != set(b):
+    sys.exit(f"different tensors: only in a {sorted(set(a) - set(b))}, only in b {sorted(set(b) - set(a))}")
+worst, where, differing, total = 0.0, "", 0, 0
+for name in sorted(a):
+    if params_only and name.startswith("optim."):
+        continue
+    if len(a[name]) != len(b[name]):
+        sys.exit(f"{name}: {len(a[name])} vs {len(b[name])} elements")
+    for x, y in zip(a[name], b[name]):
+        total += 1
+        if not (math.isfinite(x) and math.isfinite(y)):
+            sys.exit(f"{name}: non-finite value ({x} vs {y})")
+        d = abs(x - y)
+        differing += x != y
+        if d > worst:
+            worst, where = d, name
+print(f"max |a-b| = {worst:.3e} (in {where or '-'}), {differing}/{total} elements differ, tolerance {tol:g}")
+sys.exit(0 if worst <= tol else 3)
+EOF
+)"
+    local rc=$?
+    echo "$verdict"
+    if [ "$rc" -eq 0 ]; then record ok "compare $name" "$verdict"; else record FAIL "compare $name" "$verdict"; fi
+}
+
+# A small job (seconds per run on a GPU): ZB-H1, clipping on so gradient statistics cross
+# ranks, no filler (the drafter is not the subject here), 3 steps.
+JOB=(--set 'schedule="zb-h1"' --set 'filler="none"' --set model.d_model=32 --set model.heads=2
+     --set model.layers=4 --set model.seq_len=32 --set train.micro_batches=4
+     --set train.micro_batch_size=2 --set train.steps=3 --set train.clip=0.5 --set train.lr=1e-3
+     --set train.eval_tasks=0 --set data.summary_tasks=20)
+
+# launched NAME NPROC STAGES DP DEVICE TRANSPORT: one launched training run into $OUT/NAME.
+launched() {
+    local name="$1" n="$2" stages="$3" dp="$4" device="$5" transport="$6"
+    run "$name" 300 "$EXE" launch -n "$n" -- train "${JOB[@]}" --set "stages=$stages" \
+        --set "dp=$dp" --set "device=\"$device\"" --set "transport=\"$transport\"" \
+        --out-dir "$OUT/$name"
+}
+
+say "machine"
+timeout 30 nvidia-smi -L || record FAIL "nvidia-smi" "no GPU listed"
+GPUS="$(timeout 30 nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)"
+echo "GPUs: $GPUS; target dir: $CARGO_TARGET_DIR; outputs: $OUT"
+command -v python3 >/dev/null || record FAIL "python3" "needed to compare checkpoints"
+
+if run build 1200 cargo build --release --features cuda; then
+    run cuda-backend 600 cargo test --release --features cuda --test cuda_backend -- --nocapture
+    run lib-tensor-cuda 600 cargo test --release --features cuda --lib tensor::cuda -- --nocapture
+    run lib-comm 600 cargo test --release --features cuda --lib comm -- --nocapture
+    run lib-launch-train 600 cargo test --release --features cuda --lib launch::train -- --nocapture
+
+    # The reference trainer on one GPU against the CPU (needs no second GPU).
+    run reference-cuda 300 "$EXE" train "${JOB[@]}" --set 'schedule="none"' --device cuda \
+        --out-dir "$OUT/reference-cuda" &&
+        run reference-cpu 300 "$EXE" train "${JOB[@]}" --set 'schedule="none"' --device cpu \
+            --out-dir "$OUT/reference-cpu" &&
+        compare "reference gpu-vs-cpu" "$OUT/reference-cuda" "$OUT/reference-cpu" "$TOL_DEVICE" 1
+
+    if [ "${GPUS:-0}" -ge 2 ]; then
+        # Two pipeline stages: activations and gradients over NcclTransport.
+        launched pp2-nccl 2 2 1 cuda nccl && launched pp2-tcp 2 2 1 cuda tcp &&
+            compare "pp=2 nccl-vs-tcp" "$OUT/pp2-nccl" "$OUT/pp2-tcp" "$TOL_TRANSPORT" 0
+        launched pp2-cpu 2 2 1 cpu tcp &&
+            compare "pp=2 gpu-vs-cpu" "$OUT/pp2-nccl" "$OUT/pp2-cpu" "$TOL_DEVICE" 1
+        # Two replicas of one stage: gradients all-reduced by NcclGradSync.
+        launched dp2-nccl 2 1 2 cuda nccl && launched dp2-tcp 2 1 2 cuda tcp &&
+            compare "dp=2 nccl-vs-tcp" "$OUT/dp2-nccl" "$OUT/dp2-tcp" "$TOL_TRANSPORT" 0
+        # auto picks NCCL on GPUs: the same result as nccl.
+        launched pp2-auto 2 2 1 cuda auto && grep -qE 'NCCL cannot be used|cannot use NCCL' "$OUT/pp2-auto.log" &&
+            record FAIL "pp2-auto" "auto fell back to TCP"
+        [ -d "$OUT/pp2-auto" ] &&
+            compare "pp=2 auto-vs-nccl" "$OUT/pp2-auto" "$OUT/pp2-nccl" "$TOL_TRANSPORT" 0
+    else
+        record SKIP "2-rank NCCL runs" "$GPUS GPU(s): a rank's GPU is its local rank, 2 are needed"
+        # One rank: NCCL's setup and the GPU pipeline runtime, without traffic.
+        launched pp1-nccl 1 1 1 cuda nccl && launched pp1-tcp 1 1 1 cuda tcp &&
+            compare "1 rank nccl-vs-tcp" "$OUT/pp1-nccl" "$OUT/pp1-tcp" "$TOL_TRANSPORT" 0
+        launched pp1-cpu 1 1 1 cpu tcp &&
+            compare "1 rank gpu-vs-cpu" "$OUT/pp1-nccl" "$OUT/pp1-cpu" "$TOL_DEVICE" 1
+    fi
+fi
+
+say "summary (logs and run directories in $OUT)"
+printf '%s\n' "${SUMMARY[@]}"
+if [ "$FAILED" -ne 0 ]; then
+    echo "GPU CHECK FAILED"
+    exit 1
+fi
+echo "GPU CHECK PASSED"

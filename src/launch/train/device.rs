@@ -1,0 +1,219 @@
+//! What a launched rank computes on and talks over ([`RankLinks`]): the backend of the job's
+//! `device`, the transport of activations and gradients between the ranks of its pipeline,
+//! and the gradient all-reduce between data-parallel replicas.
+//!
+//! - `device = "cpu"`: the CPU backend on one thread, TCP between the ranks and the ring
+//!   all-reduce over the mesh ([`RingGradSync`]); `transport = "nccl"` is an error.
+//! - `device = "cuda"` (feature `cuda`): the GPU whose ordinal is the rank's local rank,
+//!   and the transport [`select`](crate::comm::select) picks. Every rank sends its own
+//!   outcome (its transport, or why its GPU or NCCL cannot be used) to rank 0 before any
+//!   NCCL communicator exists ([`settle`]), so a rank that cannot join never leaves the
+//!   others waiting inside NCCL. With NCCL, tensors go GPU to GPU ([`NcclTransport`]) and
+//!   replicas all-reduce with [`NcclGradSync`]; with TCP, as on the CPU.
+//!
+//! [`NcclTransport`]: crate::comm::nccl_transport::NcclTransport
+//! [`NcclGradSync`]: crate::comm::nccl::NcclGradSync
+
+use std::sync::Arc;
+
+use pipefill_actors::Transport;
+
+use super::DistributedError;
+use crate::comm::collective::{GradSync, RingGradSync};
+use crate::comm::link::PeerLink;
+use crate::comm::select::{TransportError, select_transport};
+use crate::comm::tcp::TcpMesh;
+use crate::comm::tcp_transport::{BufCodec, TENSOR_CHANNEL, TcpTransport};
+use crate::launch::profile::GRAD_CHANNEL;
+use crate::tensor::device::Device;
+use crate::tensor::{Backend, CpuBackend};
+
+/// A rank's backend and its links to the other ranks.
+pub(super) struct RankLinks<B: Backend> {
+    pub(super) backend: B,
+    /// Activations and gradients among the ranks of this rank's pipeline replica.
+    pub(super) tensors: Arc<dyn Transport<B::Buf>>,
+    /// The all-reduce with the same rank of the other replicas (`dp` > 1).
+    pub(super) sync: Option<Arc<dyn GradSync>>,
+}
+
+/// The place of a rank in the job: `dp` replicas of a `pp`-rank pipeline.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Placement {
+    pub(super) rank: usize,
+    pub(super) replica: usize,
+    pub(super) pp: usize,
+    pub(super) dp: usize,
+}
+
+impl Placement {
+    fn transport_err(self, error: TransportError) -> DistributedError {
+        DistributedError::Transport {
+            rank: self.rank,
+            error,
+        }
+    }
+}
+
+/// The CPU rank's links: the CPU backend on `threads` threads, TCP, ring all-reduce (the
+/// transport the job asks for must be TCP: `auto` is, `nccl` is an error naming the device).
+pub(super) fn cpu_links(
+    mesh: &Arc<TcpMesh>,
+    requested: crate::comm::select::TransportKind,
+    at: Placement,
+    threads: usize,
+) -> Result<RankLinks<CpuBackend>, DistributedError> {
+    select_transport(requested, Device::Cpu { threads }).map_err(|e| at.transport_err(e))?;
+    let backend = CpuBackend::new(threads).map_err(|e| DistributedError::Device {
+        rank: at.rank,
+        reason: e.to_string(),
+    })?;
+    tcp_links(mesh, backend, at)
+}
+
+/// Links over the TCP mesh for `backend`'s buffers (any device).
+fn tcp_links<B: Backend>(
+    mesh: &Arc<TcpMesh>,
+    backend: B,
+    at: Placement,
+) -> Result<RankLinks<B>, DistributedError> {
+    let tensors: Arc<dyn Transport<B::Buf>> = Arc::new(
+        TcpTransport::group(
+            mesh,
+            TENSOR_CHANNEL,
+            BufCodec(backend.clone()),
+            at.replica * at.pp,
+            at.pp,
+        )
+        .map_err(|e| at.transport_err(e.into()))?,
+    );
+    let sync = (at.dp > 1).then(|| {
+        Arc::new(RingGradSync::new(
+            vec![Arc::clone(mesh) as Arc<dyn PeerLink>],
+            at.dp,
+            at.pp,
+            GRAD_CHANNEL,
+        )) as Arc<dyn GradSync>
+    });
+    Ok(RankLinks {
+        backend,
+        tensors,
+        sync,
+    })
+}
+
+/// Without the `cuda` feature a CUDA rank is the clear "rebuild with --features cuda"
+/// error (the CLI reports it before joining the mesh; this is the library's own check).
+#[cfg(not(feature = "cuda"))]
+pub(super) fn cuda_unavailable(at: Placement, ordinal: usize) -> DistributedError {
+    DistributedError::Device {
+        rank: at.rank,
+        reason: format!(
+            "device = \"cuda\" (cuda:{ordinal}): {}",
+            crate::tensor::device::DeviceError::CudaNotCompiled
+        ),
+    }
+}
+
+#[cfg(feature = "cuda")]
+pub(super) use cuda::cuda_links;
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::*;
+    use crate::comm::nccl::NcclGradSync;
+    use crate::comm::nccl_transport::NcclTransport;
+    use crate::comm::select::{Choice, settle};
+    use crate::tensor::cuda::CudaBackend;
+
+    /// The CUDA rank's links on GPU `ordinal` (its local rank), over the transport every
+    /// rank agreed on (see the module docs).
+    pub(in crate::launch::train) fn cuda_links(
+        mesh: &Arc<TcpMesh>,
+        requested: crate::comm::select::TransportKind,
+        at: Placement,
+        ordinal: usize,
+    ) -> Result<RankLinks<CudaBackend>, DistributedError> {
+        let device = Device::Cuda { ordinal };
+        // The backend first: a GPU that cannot be used is this rank's failure to report.
+        let backend = CudaBackend::new(ordinal);
+        let own = match &backend {
+            Ok(_) => Choice::from(&select_transport(requested, device)),
+            Err(e) => Choice::Failed(format!("device = \"cuda\" ({device}): {e}")),
+        };
+        let agreed = settle(mesh.as_ref(), own).map_err(|e| match mesh.failure() {
+            Some(reason) => DistributedError::Peer {
+                rank: at.rank,
+                reason,
+            },
+            None => at.transport_err(e),
+        })?;
+        // Past the agreement no rank failed, this one included.
+        let backend = backend.map_err(|e| DistributedError::Device {
+            rank: at.rank,
+            reason: e.to_string(),
+        })?;
+        if agreed == Choice::Tcp {
+            return tcp_links(mesh, backend, at);
+        }
+        let tensors: Arc<dyn Transport<_>> = Arc::new(
+            NcclTransport::group(mesh, ordinal, at.replica * at.pp, at.pp)
+                .map_err(|e| at.transport_err(e))?,
+        );
+        let sync = if at.dp > 1 {
+            let sync = NcclGradSync::connect(mesh.as_ref(), at.dp, at.pp, ordinal)
+                .map_err(|e| at.transport_err(e.into()))?;
+            Some(Arc::new(sync) as Arc<dyn GradSync>)
+        } else {
+            None
+        };
+        Ok(RankLinks {
+            backend,
+            tensors,
+            sync,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::comm::link::Channel;
+
+    /// Every mesh channel a launched training rank may use, by name.
+    fn channels() -> Vec<(&'static str, Channel)> {
+        use crate::comm::tcp_transport as t;
+        use crate::launch::profile as p;
+        #[allow(unused_mut)]
+        let mut all = vec![
+            ("TENSOR", t::TENSOR_CHANNEL),
+            ("STATS", t::STATS_CHANNEL),
+            ("CONTROL", t::CONTROL_CHANNEL),
+            ("CLOCK", p::CLOCK_CHANNEL),
+            ("PROFILE", p::PROFILE_CHANNEL),
+            ("METRICS", p::METRICS_CHANNEL),
+            ("GRAD", p::GRAD_CHANNEL),
+            ("CHECKPOINT", super::super::CHECKPOINT_CHANNEL),
+            ("TRANSPORT", crate::comm::select::TRANSPORT_CHANNEL),
+            ("RL", crate::launch::rl::RL_CHANNEL),
+        ];
+        #[cfg(feature = "cuda")]
+        all.extend([
+            ("NCCL_ID", crate::comm::nccl_id::NCCL_ID_CHANNEL),
+            ("NCCL_LINK_ID", crate::comm::nccl_id::NCCL_LINK_ID_CHANNEL),
+            ("NCCL_HEADER", crate::comm::nccl_id::NCCL_HEADER_CHANNEL),
+        ]);
+        all
+    }
+
+    #[test]
+    fn no_two_protocols_share_a_channel() {
+        // Two protocols on one channel would read each other's frames (the run directory
+        // taken for an NCCL id).
+        let all = channels();
+        for (i, (a, ca)) in all.iter().enumerate() {
+            for (b, cb) in &all[i + 1..] {
+                assert_ne!(ca, cb, "{a} and {b} share channel {ca}");
+            }
+        }
+    }
+}
