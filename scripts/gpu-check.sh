@@ -10,11 +10,14 @@
 #    train's unit tests (mesh channels incl. NCCL's) with the feature on;
 # 3. trains one small job as launched ranks on the GPUs, `transport = "nccl"` against
 #    `transport = "tcp"` on the same GPUs, and compares every tensor of the two final
-#    checkpoints (parameters and AdamW moments): with 2+ GPUs a 2-stage pipeline (tensors
-#    over NcclTransport) and 2 data-parallel replicas (gradients over NcclGradSync), with one
-#    GPU a 1-rank run (the NCCL plumbing without traffic; the 2-rank checks are reported as
-#    skipped). Also the CUDA run against the same launched job on the CPU, and the reference
-#    trainer (`schedule = "none"`) on the GPU against the CPU.
+#    checkpoints (parameters and AdamW moments), with 2+ GPUs: a 2-stage pipeline (tensors
+#    over NcclTransport) and 2 data-parallel replicas (gradients over NcclGradSync); also
+#    `auto` (must pick NCCL) and the GPU runs against the same launched jobs on the CPU.
+#    A rank's GPU is its local rank, so with one GPU the NCCL runs are reported as skipped
+#    (NCCL refuses two ranks on one GPU), and two ranks are started by hand, both with local
+#    rank 0 as on two one-GPU machines, on cuda:0 over TCP, against the CPU: the GPU
+#    pipeline runtime, GPU buffers on the wire and the all-reduce of GPU gradients.
+# 4. the reference trainer (`schedule = "none"`) on the GPU against the CPU.
 #
 # Tolerances (max |a - b| over every compared element):
 #   NCCL vs TCP, same GPUs: TOL_TRANSPORT = 1e-6. The transports carry the same bits and a
@@ -118,6 +121,33 @@ JOB=(--set 'schedule="zb-h1"' --set 'filler="none"' --set model.d_model=32 --set
      --set train.micro_batch_size=2 --set train.steps=3 --set train.clip=0.5 --set train.lr=1e-3
      --set train.eval_tasks=0 --set data.summary_tasks=20)
 
+# by_hand NAME STAGES DP DEVICE TRANSPORT: a 2-rank job whose ranks this script starts
+# itself, both with local rank 0 (as on two one-GPU machines): on one GPU both use cuda:0.
+by_hand() {
+    local name="$1" stages="$2" dp="$3" device="$4" transport="$5" port token r rc=0
+    port="$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+    token="$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n')"
+    say "$name: 2 ranks started by hand, local rank 0 each, device $device, transport $transport"
+    local pids=()
+    for r in 0 1; do
+        PIPEFILL_RANK="$r" PIPEFILL_WORLD_SIZE=2 PIPEFILL_LOCAL_RANK=0 \
+            PIPEFILL_MASTER_ADDR=127.0.0.1 PIPEFILL_MASTER_PORT="$port" PIPEFILL_TOKEN="$token" \
+            timeout 300 "$EXE" train "${JOB[@]}" --set "stages=$stages" --set "dp=$dp" \
+            --set "device=\"$device\"" --set "transport=\"$transport\"" \
+            --out-dir "$OUT/$name" >"$OUT/$name.rank$r.log" 2>&1 &
+        pids+=("$!")
+    done
+    for r in 0 1; do
+        wait "${pids[$r]}" || rc=$?
+        sed "s/^/[rank $r] /" "$OUT/$name.rank$r.log"
+    done
+    if [ "$rc" -ne 0 ]; then
+        record FAIL "$name" "a rank exited with $rc"
+        return 1
+    fi
+    record ok "$name"
+}
+
 # launched NAME NPROC STAGES DP DEVICE TRANSPORT: one launched training run into $OUT/NAME.
 launched() {
     local name="$1" n="$2" stages="$3" dp="$4" device="$5" transport="$6"
@@ -161,11 +191,10 @@ if run build 1200 cargo build --release --features cuda; then
             compare "pp=2 auto-vs-nccl" "$OUT/pp2-auto" "$OUT/pp2-nccl" "$TOL_TRANSPORT" 0
     else
         record SKIP "2-rank NCCL runs" "$GPUS GPU(s): a rank's GPU is its local rank, 2 are needed"
-        # One rank: NCCL's setup and the GPU pipeline runtime, without traffic.
-        launched pp1-nccl 1 1 1 cuda nccl && launched pp1-tcp 1 1 1 cuda tcp &&
-            compare "1 rank nccl-vs-tcp" "$OUT/pp1-nccl" "$OUT/pp1-tcp" "$TOL_TRANSPORT" 0
-        launched pp1-cpu 1 1 1 cpu tcp &&
-            compare "1 rank gpu-vs-cpu" "$OUT/pp1-nccl" "$OUT/pp1-cpu" "$TOL_DEVICE" 1
+        by_hand pp2-cuda-tcp 2 1 cuda tcp && launched pp2-cpu 2 2 1 cpu tcp &&
+            compare "pp=2 gpu-vs-cpu (tcp)" "$OUT/pp2-cuda-tcp" "$OUT/pp2-cpu" "$TOL_DEVICE" 1
+        by_hand dp2-cuda-tcp 1 2 cuda tcp && launched dp2-cpu 2 1 2 cpu tcp &&
+            compare "dp=2 gpu-vs-cpu (tcp)" "$OUT/dp2-cuda-tcp" "$OUT/dp2-cpu" "$TOL_DEVICE" 1
     fi
 fi
 
