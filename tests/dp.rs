@@ -14,7 +14,6 @@
 //! bits), and the all-reduce over loopback TCP (`TcpMesh`, one mesh end per global rank)
 //! gives the in-process link's bits.
 
-use std::net::{SocketAddr, TcpListener};
 use std::sync::Arc;
 
 use pipefill::comm::collective::RingGradSync;
@@ -172,26 +171,12 @@ fn a_batch_that_does_not_split_evenly_is_refused() {
     );
 }
 
-/// The TCP mesh of `world` ranks on loopback, each end built on its own thread as separate
-/// processes would build theirs.
+/// The TCP mesh of `world` ranks on loopback, one end per global rank.
 fn tcp_links(world: usize) -> Vec<Arc<dyn PeerLink>> {
-    let listeners: Vec<TcpListener> = (0..world)
-        .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
-        .collect();
-    let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
-    let handles: Vec<_> = listeners
+    TcpMesh::loopback(world, &MeshOptions::new("dp-test"))
+        .unwrap()
         .into_iter()
-        .enumerate()
-        .map(|(rank, l)| {
-            let addrs = addrs.clone();
-            std::thread::spawn(move || {
-                TcpMesh::connect(rank, l, &addrs, &MeshOptions::new("dp-test")).unwrap()
-            })
-        })
-        .collect();
-    handles
-        .into_iter()
-        .map(|h| Arc::new(h.join().unwrap()) as Arc<dyn PeerLink>)
+        .map(|m| Arc::new(m) as Arc<dyn PeerLink>)
         .collect()
 }
 

@@ -40,7 +40,7 @@ use super::nccl::{
 };
 use super::select::TransportError;
 use super::tcp::{Inner, Sink, TcpMesh, Wire};
-use super::tcp_transport::group_rank;
+use super::tcp_transport::{Route, explain_closed, group_rank, route};
 use crate::tensor::DType;
 use crate::tensor::cuda::CudaBuf;
 
@@ -247,12 +247,9 @@ impl NcclTransport {
         self.inbox.failure().or_else(|| self.mesh.failure())
     }
 
-    /// `Closed` after a failure becomes the failure.
+    /// [`explain_closed`] by the inbox or the mesh's failure.
     fn explain(&self, e: LinkError) -> LinkError {
-        match (e, self.failure()) {
-            (LinkError::Closed, Some(reason)) => LinkError::Other(reason),
-            (e, _) => e,
-        }
+        explain_closed(e, self.failure())
     }
 }
 
@@ -262,21 +259,12 @@ impl Transport<CudaBuf> for NcclTransport {
     }
 
     fn send(&self, to: usize, envelope: Envelope<CudaBuf>) -> Result<(), LinkError> {
-        if to == self.rank {
+        if route(self.rank, self.world, to, || self.failure())? == Route::Local {
             return self
                 .inbox
                 .local
                 .send(to, envelope)
                 .map_err(|e| self.explain(e));
-        }
-        if to >= self.world {
-            return Err(LinkError::NoSuchRank {
-                to,
-                ranks: self.world,
-            });
-        }
-        if let Some(reason) = self.failure() {
-            return Err(LinkError::Other(reason));
         }
         let header = NcclHeader {
             to: to as u32,

@@ -2,8 +2,6 @@
 //! anywhere; the exchange between two ranks needs a GPU with NCCL and skips with a printed
 //! reason elsewhere.
 
-use std::net::{SocketAddr, TcpListener};
-
 use pipefill_actors::Flow;
 
 use super::*;
@@ -13,23 +11,9 @@ use crate::comm::tcp_transport::GroupError;
 use crate::tensor::cuda::CudaBackend;
 use crate::tensor::{Backend, DType};
 
-/// The meshes of `world` ranks on loopback, built on threads as separate processes would.
+/// The meshes of `world` ranks on loopback.
 fn meshes(world: usize) -> Vec<TcpMesh> {
-    let listeners: Vec<TcpListener> = (0..world)
-        .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
-        .collect();
-    let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
-    let handles: Vec<_> = listeners
-        .into_iter()
-        .enumerate()
-        .map(|(rank, l)| {
-            let addrs = addrs.clone();
-            std::thread::spawn(move || {
-                TcpMesh::connect(rank, l, &addrs, &MeshOptions::new("nccl-test")).unwrap()
-            })
-        })
-        .collect();
-    handles.into_iter().map(|h| h.join().unwrap()).collect()
+    TcpMesh::loopback(world, &MeshOptions::new("nccl-test")).unwrap()
 }
 
 fn tag(flow: Flow, stage: u32, microbatch: u32) -> Tag {

@@ -4,28 +4,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::*;
-use crate::comm::frame::HANDSHAKE_CAP;
-
-/// The meshes of `world` ranks on loopback, built on threads as separate processes would.
-fn meshes(world: usize, opts: &MeshOptions) -> Vec<TcpMesh> {
-    let listeners: Vec<TcpListener> = (0..world)
-        .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
-        .collect();
-    let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
-    let handles: Vec<_> = listeners
-        .into_iter()
-        .enumerate()
-        .map(|(rank, l)| {
-            let (addrs, opts) = (addrs.clone(), opts.clone());
-            std::thread::spawn(move || TcpMesh::connect(rank, l, &addrs, &opts).unwrap())
-        })
-        .collect();
-    handles.into_iter().map(|h| h.join().unwrap()).collect()
-}
+use crate::comm::frame::{FrameError, HANDSHAKE_CAP};
 
 #[test]
 fn frames_flow_between_every_pair_in_order_per_channel() {
-    let m = meshes(3, &MeshOptions::new("tok"));
+    let m = TcpMesh::loopback(3, &MeshOptions::new("tok")).unwrap();
     m[0].send(2, 7, b"a").unwrap();
     m[0].send(2, 9, b"x").unwrap();
     m[0].send(2, 7, b"b").unwrap();
@@ -47,7 +30,7 @@ fn frames_flow_between_every_pair_in_order_per_channel() {
 
 #[test]
 fn a_goodbye_ends_receives_from_that_peer_without_failing_the_mesh() {
-    let m = meshes(2, &MeshOptions::new("tok"));
+    let m = TcpMesh::loopback(2, &MeshOptions::new("tok")).unwrap();
     m[1].send(0, 3, b"last").unwrap();
     m[1].close().unwrap();
     assert_eq!(m[0].recv(1, 3).unwrap(), b"last");
@@ -63,7 +46,7 @@ fn a_goodbye_ends_receives_from_that_peer_without_failing_the_mesh() {
 
 #[test]
 fn a_peer_that_dies_fails_the_mesh_naming_it() {
-    let m = meshes(3, &MeshOptions::new("tok"));
+    let m = TcpMesh::loopback(3, &MeshOptions::new("tok")).unwrap();
     let start = Instant::now();
     // Shuts rank 2's sockets without a goodbye, as a killed process's kernel does.
     m[2].abort("test kill".into());
@@ -81,7 +64,7 @@ fn a_peer_that_dies_fails_the_mesh_naming_it() {
 /// peer that had not seen the death itself names the dead rank, not the witness.
 #[test]
 fn a_witness_of_a_death_passes_the_cause_on_before_it_exits() {
-    let m = meshes(3, &MeshOptions::new("tok"));
+    let m = TcpMesh::loopback(3, &MeshOptions::new("tok")).unwrap();
     m[1].inner()
         .fail("rank 7 died: its connection closed".into());
     // The witness's process exits: its sockets end without a goodbye.
@@ -102,7 +85,7 @@ fn a_silent_peer_is_declared_dead_after_the_silence_window() {
     let mut opts = MeshOptions::new("tok");
     opts.beat = Duration::from_secs(3600);
     opts.silence = Duration::from_millis(300);
-    let m = meshes(2, &opts);
+    let m = TcpMesh::loopback(2, &opts).unwrap();
     let start = Instant::now();
     // Both ranks are silent: the first to notice fails its mesh (closing its sockets), so
     // the other sees the connection end instead. One of them must name the silence.
@@ -125,7 +108,7 @@ fn heartbeats_keep_an_idle_mesh_alive() {
     let mut opts = MeshOptions::new("tok");
     opts.beat = Duration::from_millis(50);
     opts.silence = Duration::from_millis(400);
-    let m = meshes(2, &opts);
+    let m = TcpMesh::loopback(2, &opts).unwrap();
     std::thread::sleep(Duration::from_millis(1000));
     assert_eq!(m[0].failure(), None);
     assert_eq!(m[1].failure(), None);
@@ -176,7 +159,7 @@ fn a_sink_receives_its_channel_and_is_closed_on_failure() {
             self.0.lock().unwrap().1 = true;
         }
     }
-    let m = meshes(2, &MeshOptions::new("tok"));
+    let m = TcpMesh::loopback(2, &MeshOptions::new("tok")).unwrap();
     // A frame sent before the sink is registered reaches it first.
     m[1].send(0, 5, b"early").unwrap();
     m[1].send(0, 6, b"p").unwrap();
@@ -200,7 +183,7 @@ fn a_sink_receives_its_channel_and_is_closed_on_failure() {
 
 #[test]
 fn once_quiesced_a_peer_ending_its_connection_has_left_not_died() {
-    let m = meshes(3, &MeshOptions::new("tok"));
+    let m = TcpMesh::loopback(3, &MeshOptions::new("tok")).unwrap();
     m[0].quiesce();
     assert!(!m[0].wait_gone(2, Duration::from_millis(50)));
     // Rank 2 vanishes without a goodbye: rank 0, whose work is done, sees it leave;

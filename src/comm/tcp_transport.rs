@@ -166,6 +166,44 @@ pub fn group_rank(
     Ok(mesh_rank - base)
 }
 
+/// Where a transport over the mesh sends a payload.
+#[derive(Debug, PartialEq)]
+pub(crate) enum Route {
+    /// To a rank of this process: into its inbox, as in-process.
+    Local,
+    /// Over the mesh.
+    Remote,
+}
+
+/// The send guards every transport over the mesh shares: a payload for `rank` itself stays
+/// in this process, one for a rank past `world` is refused, and nothing leaves once the
+/// mesh failed (`failure`'s reason names the rank at fault).
+pub(crate) fn route(
+    rank: usize,
+    world: usize,
+    to: usize,
+    failure: impl FnOnce() -> Option<String>,
+) -> Result<Route, LinkError> {
+    if to == rank {
+        return Ok(Route::Local);
+    }
+    if to >= world {
+        return Err(LinkError::NoSuchRank { to, ranks: world });
+    }
+    match failure() {
+        Some(reason) => Err(LinkError::Other(reason)),
+        None => Ok(Route::Remote),
+    }
+}
+
+/// `Closed` after a failure becomes the failure (it names the rank that died).
+pub(crate) fn explain_closed(e: LinkError, failure: Option<String>) -> LinkError {
+    match (e, failure) {
+        (LinkError::Closed, Some(reason)) => LinkError::Other(reason),
+        (e, _) => e,
+    }
+}
+
 /// The runtime's transport between the ranks of a multi-process job (one rank per process).
 pub struct TcpTransport<T, C> {
     port: Arc<Port<T, C>>,
@@ -219,12 +257,9 @@ impl<T: Send + 'static, C: Codec<T>> TcpTransport<T, C> {
         }
     }
 
-    /// `Closed` after a mesh failure becomes the failure (it names the rank that died).
+    /// [`explain_closed`] by the mesh's failure.
     fn explain(&self, e: LinkError) -> LinkError {
-        match (e, self.mesh.failure()) {
-            (LinkError::Closed, Some(reason)) => LinkError::Other(reason),
-            (e, _) => e,
-        }
+        explain_closed(e, self.mesh.failure())
     }
 }
 
@@ -234,21 +269,12 @@ impl<T: Send + 'static, C: Codec<T>> Transport<T> for TcpTransport<T, C> {
     }
 
     fn send(&self, to: usize, envelope: Envelope<T>) -> Result<(), LinkError> {
-        if to == self.port.rank {
+        if route(self.port.rank, self.world, to, || self.mesh.failure())? == Route::Local {
             return self
                 .port
                 .local
                 .send(to, envelope)
                 .map_err(|e| self.explain(e));
-        }
-        if to >= self.world {
-            return Err(LinkError::NoSuchRank {
-                to,
-                ranks: self.world,
-            });
-        }
-        if let Some(reason) = self.mesh.failure() {
-            return Err(LinkError::Other(reason));
         }
         let wire = WireEnvelope {
             to: to as u32,
@@ -294,11 +320,31 @@ impl<T: Send + 'static, C: Codec<T>> Transport<T> for TcpTransport<T, C> {
 
 #[cfg(test)]
 mod tests {
-    use std::net::TcpListener;
-
     use super::*;
     use crate::comm::tcp::MeshOptions;
     use crate::tensor::CpuBackend;
+
+    #[test]
+    fn sends_stay_local_or_are_refused_past_the_world_or_after_a_failure() {
+        let none = || None;
+        assert_eq!(route(1, 4, 1, || Some("x".into())).unwrap(), Route::Local);
+        assert_eq!(route(1, 4, 3, none).unwrap(), Route::Remote);
+        assert!(matches!(
+            route(1, 4, 4, none),
+            Err(LinkError::NoSuchRank { to: 4, ranks: 4 })
+        ));
+        let failed = route(1, 4, 2, || Some("rank 2 died".into())).unwrap_err();
+        assert_eq!(
+            failed.to_string(),
+            LinkError::Other("rank 2 died".into()).to_string()
+        );
+        let closed = explain_closed(LinkError::Closed, Some("rank 3 died".into()));
+        assert!(matches!(closed, LinkError::Other(r) if r == "rank 3 died"));
+        assert!(matches!(
+            explain_closed(LinkError::Closed, None),
+            LinkError::Closed
+        ));
+    }
 
     #[test]
     fn a_group_is_numbered_from_its_base() {
@@ -329,9 +375,10 @@ mod tests {
 
     #[test]
     fn group_on_a_mesh_refuses_a_range_without_this_rank_instead_of_panicking() {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
-        let mesh = TcpMesh::connect(0, listener, &[addr], &MeshOptions::new("t")).unwrap();
+        let mesh = TcpMesh::loopback(1, &MeshOptions::new("t"))
+            .unwrap()
+            .pop()
+            .unwrap();
         let codec = BufCodec(CpuBackend::new(1).unwrap());
         let err = TcpTransport::group(&mesh, TENSOR_CHANNEL, codec, 1, 1).err();
         assert_eq!(
