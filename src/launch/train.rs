@@ -27,8 +27,10 @@
 //! resumed rank reads only its own shard ([`RankResume`]).
 
 mod device;
+mod fill;
 mod shards;
 
+pub use fill::{FILL_CHANNEL, FillError, LaunchFill, drafter_of};
 pub use shards::{CHECKPOINT_CHANNEL, RankResume, agree_run_dir, layout};
 
 use std::collections::BTreeMap;
@@ -95,6 +97,9 @@ pub enum DistributedError {
         from: usize,
         reason: String,
     },
+    /// The drafter in the bubbles (`filler = "drafter"`, [`fill`]) failed.
+    #[error(transparent)]
+    Fill(#[from] FillError),
     #[error("rank {rank}: merging the profiles: {error}")]
     Profile { rank: usize, error: MergeError },
     /// The mesh failed: a peer died or broke the protocol (named in the text).
@@ -128,6 +133,8 @@ pub struct RankRun {
     /// The sharded checkpoints this rank wrote its shard of, in step order (on rank 0: the
     /// checkpoints completed, manifest written); empty on the ranks of other replicas.
     pub checkpoints: Vec<PathBuf>,
+    /// This rank's drafter replica after the run (replica 0's ranks, `filler = "drafter"`).
+    pub drafter: Option<crate::model::drafter::DrafterWeights>,
 }
 
 /// A parameter or moment on the wire: name, shape, values.
@@ -288,10 +295,25 @@ fn run_rank<B: Backend>(
             shared.stepped(step, 0.0);
         }
     }
-    let compute = rank_compute(
+    let mut compute = rank_compute(
         job, plan, prank, &backend, &shared, first_step, steps, resume,
     )
     .map_err(pipeline_err)?;
+    // The drafter lives in replica 0's pipeline ([`fill`]).
+    let filling = match (job.filler, replica) {
+        (crate::config::Filler::Drafter, 0) => Some(LaunchFill::join(
+            job,
+            plan,
+            mesh,
+            &mut compute,
+            first_step,
+            resume,
+        )?),
+        _ => None,
+    };
+    if let (Some(saver), Some(filling)) = (&saver, &filling) {
+        saver.save_drafter(Arc::clone(filling));
+    }
 
     let transport_err = |error| DistributedError::Transport { rank, error };
     let stats: Arc<dyn Transport<GradStats>> = Arc::new(
@@ -304,6 +326,9 @@ fn run_rank<B: Backend>(
         .stats_transport(stats);
     if job.train.clip > 0.0 {
         pipeline = pipeline.max_grad_norm(f64::from(job.train.clip));
+    }
+    if let Some(filling) = &filling {
+        pipeline = pipeline.fillers(vec![filling.filler()]);
     }
     let profile_err = |error| DistributedError::Profile { rank, error };
     let mut clock_sync =
@@ -321,6 +346,7 @@ fn run_rank<B: Backend>(
     let own = shared
         .take_own_final(prank)
         .ok_or_else(|| pipeline_err(PipelineError::NoFinalState))?;
+    let drafter = filling.as_ref().map(|f| f.finish()).transpose()?;
     // The final checkpoint, unless the last step was a periodic one.
     let last_step = first_step + steps - 1;
     if let Some(saver) = saver.as_ref().filter(|_| !shared.checkpoint_due(last_step)) {
@@ -374,6 +400,7 @@ fn run_rank<B: Backend>(
             metrics: Vec::new(),
             run_dir,
             checkpoints,
+            drafter,
         });
     }
     let mut finals = vec![own];
@@ -404,9 +431,12 @@ fn run_rank<B: Backend>(
             m.grad_norm = s.grad_norm as f32;
         }
     }
-    let merged = merge(&profiles, world)
+    let mut merged = merge(&profiles, world)
         .map_err(profile_err)?
         .with_pipeline(plan);
+    if filling.is_some() {
+        merged.filling = Some(LaunchFill::measure(&merged));
+    }
     let checkpoint = assemble(job, finals, first_step + steps).map_err(pipeline_err)?;
     Ok(RankRun {
         rank,
@@ -416,6 +446,7 @@ fn run_rank<B: Backend>(
         metrics,
         run_dir,
         checkpoints,
+        drafter,
     })
 }
 

@@ -243,6 +243,8 @@ pub struct MergedProfile {
     /// The stages each rank of one pipeline holds; the merged ranks are `ranks / len`
     /// replicas of it. Empty: one pipeline of all ranks, stages unnamed.
     pub pipeline: Vec<Vec<u32>>,
+    /// The filler figures the report gives, when the run filled its bubbles.
+    pub filling: Option<super::report::Filling>,
 }
 
 /// Merges one profile per rank `0..ranks` (see the module docs).
@@ -329,6 +331,7 @@ pub fn merge(profiles: &[RankProfile], ranks: usize) -> Result<MergedProfile, Me
         overall,
         lanes,
         pipeline: Vec::new(),
+        filling: None,
     })
 }
 
@@ -448,8 +451,11 @@ impl MergedProfile {
         } else {
             predicted
         };
-        let report = BubbleReport::new(info, measured, predicted)?
+        let mut report = BubbleReport::new(info, measured, predicted)?
             .with_whole_run(&self.overall, self.iterations.len());
+        if let Some(filling) = &self.filling {
+            report = report.with_filling(filling.clone(), None);
+        }
         let mut text = report.to_text();
         if ranks > pp {
             text += &self.replica_text(measured, report.info.iteration, &report.info.units);

@@ -17,10 +17,14 @@
 //!   from ([`crate::model::checkpoint::resume::ResumePoint::find`]).
 //! - **Resume** ([`RankResume`]): each rank reads only its own shard (see
 //!   [`RankShard::load`]), or the whole-model checkpoint when the run resumes from one.
+//! - **Drafter** ([`MeshCheckpointer::save_drafter`], when the run fills its bubbles): each
+//!   rank snapshots its drafter replica when it deposits its state (at the step's end),
+//!   every other rank's acknowledgement carries its row sampler, and rank 0 writes the
+//!   drafter's file ([`super::fill`]) before the manifest, which names it.
 
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{Sender, channel};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
@@ -30,6 +34,8 @@ use crate::comm::frame;
 use crate::comm::link::{Channel, LinkError, PeerLink};
 use crate::comm::tcp::TcpMesh;
 use crate::config::JobConfig;
+use crate::data::SplitMix64;
+use crate::model::checkpoint::drafter::save_drafter;
 use crate::model::checkpoint::resume::{RankShard, ResumePoint};
 use crate::model::checkpoint::sharded::{
     self, Layout, Manifest, SHARDED_FORMAT, ShardEntry, job_fingerprint, remove_manifest, step_dir,
@@ -37,6 +43,8 @@ use crate::model::checkpoint::sharded::{
 use crate::model::checkpoint::{Checkpoint, CheckpointError, HostTensor, VERSION};
 use crate::pipeline::shared::{Checkpointing, RankCheckpointer, RankFinal};
 use crate::schedules::Plan;
+
+use super::fill::{DrafterSnap, LaunchFill};
 
 /// Channel of the run directory (rank 0 to every rank) and of the shard acknowledgements
 /// (replica 0's ranks to rank 0).
@@ -123,14 +131,20 @@ pub fn agree_run_dir(mesh: &TcpMesh, proposed: Option<&Path>) -> Result<PathBuf,
 struct Ack {
     step: u64,
     entry: Result<ShardEntry, String>,
+    /// The rank's drafter row sampler at the step's end (runs that fill their bubbles).
+    sampler: Option<Result<SplitMix64, String>>,
 }
 
 type Worker = JoinHandle<Result<Vec<PathBuf>, CheckpointError>>;
 
+/// A rank's state at a step's end, and its drafter's when the run trains one.
+type Job = (u64, RankFinal, Option<Result<DrafterSnap, String>>);
+
 /// This process's shard writer (see the module docs).
 pub struct MeshCheckpointer {
-    jobs: Mutex<Option<Sender<(u64, RankFinal)>>>,
+    jobs: Mutex<Option<Sender<Job>>>,
     worker: Mutex<Option<Worker>>,
+    drafter: OnceLock<Arc<LaunchFill>>,
 }
 
 impl std::fmt::Debug for MeshCheckpointer {
@@ -149,28 +163,39 @@ impl MeshCheckpointer {
     /// The writer of this process's rank (its mesh rank, in replica 0 when it writes at all),
     /// saving under `plan.run_dir`.
     pub fn start(mesh: Arc<TcpMesh>, plan: Checkpointing) -> Self {
-        let (jobs, rx) = channel::<(u64, RankFinal)>();
+        let (jobs, rx) = channel::<Job>();
         let writer = Writer { mesh, plan };
         let worker = std::thread::spawn(move || {
             let mut dirs = Vec::new();
-            for (step, fin) in rx {
-                dirs.push(writer.save(step + 1, fin)?);
+            for (step, fin, drafter) in rx {
+                dirs.push(writer.save(step + 1, fin, drafter)?);
             }
             Ok(dirs)
         });
         MeshCheckpointer {
             jobs: Mutex::new(Some(jobs)),
             worker: Mutex::new(Some(worker)),
+            drafter: OnceLock::new(),
         }
+    }
+
+    /// Saves `fill`'s drafter with every checkpoint (set once, before the run).
+    pub fn save_drafter(&self, fill: Arc<LaunchFill>) {
+        let _ = self.drafter.set(fill);
     }
 }
 
 impl RankCheckpointer for MeshCheckpointer {
     fn deposit(&self, step: u64, _rank: usize, fin: RankFinal) {
+        // The drafter as it stands at this step's end, on the depositing stage thread.
+        let drafter = self
+            .drafter
+            .get()
+            .map(|d| d.snapshot().map_err(|e| e.to_string()));
         let jobs = self.jobs.lock().unwrap_or_else(PoisonError::into_inner);
         // A writer that stopped has failed: `join` reports its error.
         if let Some(tx) = jobs.as_ref() {
-            let _ = tx.send((step, fin));
+            let _ = tx.send((step, fin, drafter));
         }
     }
 
@@ -197,7 +222,12 @@ impl RankCheckpointer for MeshCheckpointer {
 impl Writer {
     /// Writes this rank's shard of the checkpoint of `next_step` (steps done); on rank 0
     /// also waits for the others' and writes the manifest. Returns the directory.
-    fn save(&self, next_step: u64, fin: RankFinal) -> Result<PathBuf, CheckpointError> {
+    fn save(
+        &self,
+        next_step: u64,
+        fin: RankFinal,
+        drafter: Option<Result<DrafterSnap, String>>,
+    ) -> Result<PathBuf, CheckpointError> {
         let (rank, plan) = (self.mesh.rank(), &self.plan);
         let started = Instant::now();
         let dir = step_dir(&plan.run_dir, next_step);
@@ -212,9 +242,14 @@ impl Writer {
             reason,
         };
         if rank != 0 {
+            let sampler = drafter.map(|d| match d? {
+                DrafterSnap::Sampler(s) => Ok(s),
+                DrafterSnap::State(_) => Err("only rank 0 snapshots the whole drafter".into()),
+            });
             let ack = Ack {
                 step: next_step,
                 entry: written.as_ref().map_err(ToString::to_string).cloned(),
+                sampler,
             };
             let bytes = frame::encode(&ack).map_err(|e| peer_err(rank, e.to_string()))?;
             self.mesh
@@ -224,6 +259,7 @@ impl Writer {
             return Ok(dir);
         }
         let mut shards = vec![written?];
+        let mut samplers = Vec::new();
         for from in 1..plan.layout.pp() {
             let bytes = self
                 .mesh
@@ -237,7 +273,25 @@ impl Writer {
                 ));
             }
             shards.push(ack.entry.map_err(|reason| peer_err(from, reason))?);
+            if let Some(sampler) = ack.sampler {
+                samplers.push((from, sampler.map_err(|reason| peer_err(from, reason))?));
+            }
         }
+        // The drafter's file goes in before the manifest that names it.
+        let drafter = match drafter.transpose().map_err(|reason| peer_err(0, reason))? {
+            Some(DrafterSnap::State(mut state)) => {
+                for (from, sampler) in samplers {
+                    if let Some(slot) = state.samplers.get_mut(from) {
+                        *slot = sampler;
+                    }
+                }
+                Some(save_drafter(&dir, &state, &plan.model)?)
+            }
+            Some(DrafterSnap::Sampler(_)) => {
+                return Err(peer_err(0, "rank 0 snapshotted only its sampler".into()));
+            }
+            None => None,
+        };
         let manifest = Manifest {
             format: SHARDED_FORMAT.into(),
             version: VERSION,
@@ -251,8 +305,7 @@ impl Writer {
             notes: Default::default(),
             replicas_saved: Some(1),
             shards,
-            // Multi-process runs train no drafter (their bubbles stay idle).
-            drafter: None,
+            drafter,
         };
         manifest.write(&dir)?;
         tracing::info!(
