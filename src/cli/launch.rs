@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 
 use pipefill::config::{Clock, JobConfig};
+use pipefill::launch::auto::AutoChoice;
 use pipefill::launch::profile::mean_cost;
 use pipefill::launch::train::{RankResume, train_rank};
 use pipefill::launch::{RankEnv, join, join_timeout, listen_ip};
@@ -213,24 +214,11 @@ pub fn train_distributed(
     share.train.micro_batches /= job.dp;
     let trainer = PipelineTrainer::from_job(&share)
         .with_context(|| format!("schedule {:?} on {} ranks", job.schedule, job.stages))?;
-    // schedule = "auto" re-plans in one process from the costs it measures; a multi-process
-    // job runs one fixed plan, so every rank builds the same auto plan, for the modelled
-    // costs (equal stages, T_F = T_I = T_W) within ZB-H1's memory: the static variant.
-    let auto = job
-        .schedule
-        .trim()
-        .eq_ignore_ascii_case("auto")
-        .then(|| {
-            pipefill::schedules::AutoReplanner::new(
-                trainer.plan().num_ranks(),
-                share.train.micro_batches,
-                None,
-            )
-            .plan(0, Some(&pipefill::schedules::CostModel::default()))
-        })
-        .transpose()
-        .context("schedule \"auto\": the auto plan of the modelled costs")?;
-    let plan = auto.as_ref().unwrap_or(trainer.plan());
+    // schedule = "auto": the trainer's plan is ZB-H1, which every rank runs until the ranks
+    // have gathered their measured costs and switch to the same auto plan
+    // (pipefill::launch::auto).
+    let auto = job.schedule.trim().eq_ignore_ascii_case("auto");
+    let plan = trainer.plan();
     if plan.num_ranks() * job.dp != env.world {
         bail!(
             "the job's schedule {:?} has {} ranks × dp = {} but {} processes were launched: one rank per process (set stages × dp = {})",
@@ -268,9 +256,9 @@ pub fn train_distributed(
             job.train.steps - first_step
         );
     }
-    if rank == 0 && auto.is_some() {
+    if rank == 0 && auto {
         println!(
-            "schedule auto: every rank runs the auto plan of the modelled costs (equal stages); a single-process run re-plans from its measured costs"
+            "schedule auto: ZB-H1 until every rank has measured its stage, then the auto plan of the gathered costs"
         );
     }
     if rank == 0 && job.filler != pipefill::config::Filler::None {
@@ -288,6 +276,11 @@ pub fn train_distributed(
         checkpoint.as_ref(),
         job.device.on_local_rank(env.local_rank),
     )?;
+    if let Some(choice) = &run.auto {
+        print_auto_choice(rank, first_step, choice);
+    }
+    // An auto-scheduled run is reported by the plan its last step ran.
+    let plan = run.report.plan.as_deref().unwrap_or(plan);
     if rank == 0 {
         for m in &run.metrics {
             println!(
@@ -327,6 +320,33 @@ pub fn train_distributed(
     use pipefill::comm::link::PeerLink;
     mesh.close()?;
     Ok(())
+}
+
+/// What the ranks of an auto-scheduled run agreed on: every rank names the plan (a digest
+/// of its text, equal on every rank) and what its stage measured; rank 0 the gathered costs.
+fn print_auto_choice(rank: usize, first_step: u64, choice: &AutoChoice) {
+    let c = &choice.measured;
+    println!(
+        "schedule auto: from step {} the auto plan {:016x} of the measured costs; stage {} measured F {:?} I {:?} W {:?}",
+        first_step + choice.iteration + 1,
+        choice.plan_hash(),
+        choice.stage,
+        c.f,
+        c.i,
+        c.w
+    );
+    if rank == 0 {
+        let stages: Vec<String> = choice
+            .cost
+            .stage
+            .iter()
+            .map(|c| format!("[{:?}, {:?}, {:?}]", c.f, c.i, c.w))
+            .collect();
+        println!(
+            "schedule auto: gathered costs (F, I, W by stage): [{}]",
+            stages.join(", ")
+        );
+    }
 }
 
 /// One line of a multi-process run's `metrics.jsonl`: the step's metrics and its merged

@@ -1,5 +1,6 @@
 //! Collectives over a [`PeerLink`]: the ring all-reduce that sums the gradients of one
-//! pipeline stage across its data-parallel replicas.
+//! pipeline stage across its data-parallel replicas, and [`all_gather`] of small frames
+//! (the measured costs a launched `schedule = "auto"` job plans from).
 //!
 //! [`all_reduce_sum`] is the bandwidth-optimal ring (reduce-scatter, then all-gather): the
 //! buffer is cut into one chunk per member; in `n − 1` rounds each member passes one chunk to
@@ -82,15 +83,8 @@ fn recv_chunk(
     Ok(())
 }
 
-/// Sums `buf` element-wise over the members of `group` (global ranks, in ring order; this
-/// rank must be one of them), leaving the sum in every member's `buf`, bitwise the same on
-/// all. Every member must call it with the same group, channel and buffer length.
-pub fn all_reduce_sum(
-    link: &dyn PeerLink,
-    group: &[usize],
-    channel: Channel,
-    buf: &mut [f32],
-) -> Result<(), CollectiveError> {
+/// This rank's position in `group`, which must hold it once and no rank twice.
+fn position(link: &dyn PeerLink, group: &[usize]) -> Result<usize, CollectiveError> {
     let me = link.rank();
     let pos = group
         .iter()
@@ -109,6 +103,49 @@ pub fn all_reduce_sum(
             group: group.to_vec(),
         });
     }
+    Ok(pos)
+}
+
+/// Every member's `frame`, in group order, on every member of `group` (this rank's own
+/// included, as given). Each member sends its frame to every other member, then reads one
+/// from each in group order; the frames are meant to be small (a few measured figures), so
+/// sending everything before reading cannot fill a link. Every member must call it with the
+/// same group and channel.
+pub fn all_gather(
+    link: &dyn PeerLink,
+    group: &[usize],
+    channel: Channel,
+    frame: &[u8],
+) -> Result<Vec<Vec<u8>>, CollectiveError> {
+    let pos = position(link, group)?;
+    for (i, &peer) in group.iter().enumerate() {
+        if i != pos {
+            link.send(peer, channel, frame)?;
+        }
+    }
+    group
+        .iter()
+        .enumerate()
+        .map(|(i, &peer)| {
+            if i == pos {
+                Ok(frame.to_vec())
+            } else {
+                Ok(link.recv(peer, channel)?)
+            }
+        })
+        .collect()
+}
+
+/// Sums `buf` element-wise over the members of `group` (global ranks, in ring order; this
+/// rank must be one of them), leaving the sum in every member's `buf`, bitwise the same on
+/// all. Every member must call it with the same group, channel and buffer length.
+pub fn all_reduce_sum(
+    link: &dyn PeerLink,
+    group: &[usize],
+    channel: Channel,
+    buf: &mut [f32],
+) -> Result<(), CollectiveError> {
+    let pos = position(link, group)?;
     let n = group.len();
     if n == 1 {
         return Ok(());
@@ -352,5 +389,31 @@ mod tests {
             ),
             "{err}"
         );
+    }
+
+    #[test]
+    fn all_gather_gives_every_member_every_frame_in_group_order() {
+        // A subgroup in a non-sorted order, next to a rank that takes no part.
+        let group = vec![3, 0, 2];
+        let handles: Vec<_> = InProcessLink::group(4)
+            .into_iter()
+            .filter(|l| group.contains(&l.rank()))
+            .map(|link| {
+                let group = group.clone();
+                thread::spawn(move || {
+                    let own = vec![link.rank() as u8; link.rank() + 1];
+                    all_gather(&link, &group, 9, &own).unwrap()
+                })
+            })
+            .collect();
+        let expected = vec![vec![3u8; 4], vec![0u8; 1], vec![2u8; 3]];
+        for h in handles {
+            assert_eq!(h.join().unwrap(), expected);
+        }
+        let links = InProcessLink::group(2);
+        assert!(matches!(
+            all_gather(&links[0], &[1], 0, b"x"),
+            Err(CollectiveError::NotMember { rank: 0, .. })
+        ));
     }
 }

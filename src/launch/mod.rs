@@ -1,6 +1,7 @@
 //! Starting a multi-process job: who this process is ([`env`]), and joining the others
 //! ([`join`]): rendezvous on rank 0, then the authenticated TCP mesh; and one rank's part
-//! of pipelined training over that mesh ([`train`]).
+//! of pipelined training over that mesh ([`train`]), where `schedule = "auto"` switches
+//! every rank to the plan of the costs they measured and all-gathered ([`auto`]).
 //!
 //! `pipefill launch` (src/cli/launch.rs) spawns local ranks with pipefill's variables; any
 //! other launcher (torchrun, mpirun, srun) works through its own variables. Every rank of
@@ -8,6 +9,7 @@
 //! Sockets listen on loopback unless `PIPEFILL_LISTEN_ADDR` (or `--listen-addr`) says
 //! otherwise; the rendezvous listens on the master address.
 
+pub mod auto;
 pub mod env;
 pub mod profile;
 pub mod rl;

@@ -39,10 +39,11 @@ use std::sync::Arc;
 use std::sync::mpsc::channel;
 use std::time::Duration;
 
+use super::auto::{AutoChoice, AutoSwitch};
 use super::profile::{
     PROFILE_CHANNEL, loss_rank, rank_profile, recv_metrics, send_metrics, sync_clock, whole_batch,
 };
-use pipefill_actors::{Clock, GradStats, Pipeline, PlanSource, RunReport, StepMode, Transport};
+use pipefill_actors::{Clock, GradStats, Pipeline, RunReport, StepMode, Transport};
 use serde::{Deserialize, Serialize};
 
 use crate::comm::frame;
@@ -122,6 +123,8 @@ pub struct RankRun {
     pub rank: usize,
     /// This process's ranks' measured timelines and optimizer steps.
     pub report: RunReport,
+    /// What the ranks of an auto-scheduled run measured and switched to.
+    pub auto: Option<AutoChoice>,
     /// The whole model's final checkpoint (rank 0 only).
     pub checkpoint: Option<Checkpoint>,
     /// Every rank's spans on rank 0's clock (rank 0 only).
@@ -320,7 +323,13 @@ fn run_rank<B: Backend>(
         TcpTransport::group(mesh, STATS_CHANNEL, SerdeCodec, replica * pp, pp)
             .map_err(|e| transport_err(e.into()))?,
     );
-    let mut pipeline = Pipeline::new(PlanSource::Given(plan.clone()), clock)
+    // schedule = "auto": ZB-H1, then the plan of the costs every rank measured (super::auto).
+    let auto = AutoSwitch::for_job(job, plan, clock);
+    let link = Arc::clone(mesh) as Arc<dyn PeerLink>;
+    let (source, compute) = super::auto::plan_source(auto.as_ref(), plan, link, compute)
+        .map_err(|e| pipeline_err(e.into()))?;
+    let mut pipeline = Pipeline::new(source, clock)
+        .replanner_agrees()
         .iterations(steps)
         .step_mode(StepMode::default())
         .stats_transport(stats);
@@ -395,6 +404,7 @@ fn run_rank<B: Backend>(
         return Ok(RankRun {
             rank,
             report,
+            auto: auto.as_ref().and_then(AutoSwitch::choice),
             checkpoint: None,
             merged: None,
             metrics: Vec::new(),
@@ -441,6 +451,7 @@ fn run_rank<B: Backend>(
     Ok(RankRun {
         rank,
         report,
+        auto: auto.as_ref().and_then(AutoSwitch::choice),
         checkpoint: Some(checkpoint),
         merged: Some(merged),
         metrics,
