@@ -190,3 +190,39 @@ fn the_launched_checkpoint_carries_the_drafter_and_a_resumed_run_continues_it() 
         assert_eq!(d.version, version + 1, "rank {rank}");
     }
 }
+
+#[test]
+fn the_planned_placement_is_refused_in_launched_jobs() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut job = job(Filler::Drafter, dir.path());
+    job.drafter.placement = pipefill::model::drafter::Placement::Planned;
+    let plan = plan();
+    let meshes = meshes(PP);
+    let errors: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = meshes
+            .iter()
+            .map(|mesh| {
+                let (job, plan) = (&job, &plan);
+                s.spawn(move || {
+                    let run = train_rank(
+                        job,
+                        plan,
+                        mesh,
+                        Clock::virtual_free(),
+                        1,
+                        None,
+                        Device::Cpu { threads: 1 },
+                    );
+                    // A rank that fails leaves the mesh, so its peers end too.
+                    let _ = mesh.close();
+                    run.map(|_| ()).unwrap_err().to_string()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(
+        errors[0].contains("placement") && errors[0].contains("planned"),
+        "{errors:?}"
+    );
+}

@@ -36,6 +36,8 @@
 //! optimizer, its copies of the buffers, and every rank's row sampler (sent with each
 //! shard's acknowledgement). A resumed run's ranks read it back ([`drafter_of`]).
 //!
+//! The placement is the measured one: `drafter.placement = "planned"` is refused here.
+//!
 //! Filling never touches the target: the target's parameters are those of an unfilled run.
 
 use std::sync::mpsc::{Receiver, Sender, channel};
@@ -54,7 +56,9 @@ use crate::data::SplitMix64;
 use crate::model::checkpoint::CheckpointError;
 use crate::model::checkpoint::drafter::load_drafter;
 use crate::model::drafter::state::DrafterState;
-use crate::model::drafter::{DraftBufferHandle, DraftRow, DrafterError, DrafterWeights, FROZEN};
+use crate::model::drafter::{
+    DraftBufferHandle, DraftRow, DrafterError, DrafterWeights, FROZEN, Placement,
+};
 use crate::model::{Cut, Gpt, ModelError};
 use crate::pipeline::RankCompute;
 use crate::pipeline::fill::{DrafterFill, RoundPeers, RoundPost};
@@ -168,6 +172,16 @@ impl LaunchFill {
         resume: Option<&RankResume>,
     ) -> Result<Arc<Self>, FillError> {
         let (rank, pp) = (mesh.rank(), plan.num_ranks());
+        // The planned placement needs each step's rows on every rank before its slices
+        // sample them, which the exchange here does not wait for.
+        if job.drafter.placement == Placement::Planned {
+            return Err(FillError::Plan {
+                rank,
+                reason: "`drafter.placement = \"planned\"` runs in one process only for now; \
+                         launched jobs use \"measured\""
+                    .into(),
+            });
+        }
         let last_stage = (plan.stages - 1) as u32;
         let holders = [plan.stage_rank[0], plan.stage_rank[last_stage as usize]];
         if holders[0] != 0 {
