@@ -2,6 +2,9 @@
 # GPU check for a session that has a CUDA device: `device = "cuda"` end to end.
 #
 #   scripts/gpu-check.sh            # from anywhere; it works in the repository root
+#   scripts/gpu-check.sh build      # only step 1 (binary and test binaries), for machines
+#                                   # that limit one command's time: run it first, then
+#                                   # the whole script, which reuses the build
 #
 # 1. builds the binary and tests with `--features cuda` (its own target directory,
 #    target/cuda unless CARGO_TARGET_DIR is set, so the default build stays untouched);
@@ -167,7 +170,15 @@ GPUS="$(timeout 30 nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)"
 echo "GPUs: $GPUS; target dir: $CARGO_TARGET_DIR; outputs: $OUT"
 command -v python3 >/dev/null || record FAIL "python3" "needed to compare checkpoints"
 
-if run build 1200 cargo build --release --features cuda; then
+if [ "${1:-}" = build ]; then
+    run build 590 cargo build --release --features cuda &&
+        run build-tests 590 cargo test --release --features cuda --no-run --lib --test cuda_backend
+    say "summary"
+    printf '%s\n' "${SUMMARY[@]}"
+    exit "$FAILED"
+fi
+
+if run build 590 cargo build --release --features cuda; then
     run cuda-backend 600 cargo test --release --features cuda --test cuda_backend -- --nocapture
     run lib-tensor-cuda 600 cargo test --release --features cuda --lib tensor::cuda -- --nocapture
     run lib-comm 600 cargo test --release --features cuda --lib comm -- --nocapture
