@@ -2,18 +2,36 @@
 //! engine, the update pipelined over both processes, weights synced to rank 0 every step)
 //! ends with exactly the policy and optimizer moments of the in-process `pipefill rl` of
 //! the same job: the rollouts are the same samples (same policy, same sampling seeds) and
-//! the pipelined update is bitwise the in-process one. A tiny model on the parity task,
+//! the pipelined update is bitwise the in-process one; with the KL term too (rank 0's
+//! frozen reference gives the in-process log-probs). A tiny model on the parity task,
 //! warmed up until some rollouts are right, so both steps have a gradient.
+//!
+//! With replicas (`launch -n 4`, dp = 2 × pp = 2) the rollouts are rank 0's, so every
+//! step's rewards equal dp = 1's (`launch -n 2`), and the parameters equal dp = 1's within a
+//! tolerance: dp = 2 sums each replica's half of the micro-batch gradients and then the
+//! halves, where dp = 1 accumulates them one after the other, so the two differ by float
+//! rounding (see tests/dp.rs). From the same policy (`--init` of a launched train run), 2
+//! RL steps with KL measured max |Δparam| 1.5e-8, relative L2 1.2e-9; stated tolerance
+//! [`INIT_TOLERANCE`], ~70× that, small next to what a wrong share, scale or reference
+//! would move (the RL step moves each parameter by up to lr = 3e-4). Warmed up over the
+//! replicas (60 steps at lr 1e-2), the start itself differs: `launch -n 4 -- train` with
+//! dp = 2 vs dp = 1 of the warm-up job measured max 4.3e-5, relative L2 2.4e-5 (the
+//! parameters here after the 2 RL steps: the same figures, and the warmed-up dp = 1 run
+//! equals launch train + `rl --init` bitwise); stated tolerance [`WARM_UP_TOLERANCE`], ~20×.
 
 use std::path::Path;
 use std::process::Output;
 
-use pipefill::model::checkpoint::Checkpoint;
+use pipefill::model::checkpoint::{ADAM_M_PREFIX, ADAM_V_PREFIX, Checkpoint, MASTER_PREFIX};
 
 mod common;
 use common::{clean, text};
 
 const EXE: &str = env!("CARGO_BIN_EXE_pipefill");
+/// dp = 2 vs dp = 1 from the same policy: (max |Δparam|, relative L2 of the difference).
+const INIT_TOLERANCE: (f32, f64) = (1e-6, 1e-7);
+/// dp = 2 vs dp = 1 warmed up over the replicas (see the module docs).
+const WARM_UP_TOLERANCE: (f32, f64) = (1e-3, 5e-4);
 
 const TINY: &[&str] = &[
     "model.d_model=16",
@@ -38,8 +56,13 @@ const TINY: &[&str] = &[
 /// `pipefill PREFIX... rl` of [`TINY`] and `extra` into `out`, with no launcher variables
 /// inherited from the test's environment.
 fn pipefill(prefix: &[&str], extra: &[&str], out: &Path) -> Output {
+    run(prefix, &["rl"], extra, out)
+}
+
+/// `pipefill PREFIX... ARGS...` of [`TINY`] and `extra` into `out`.
+fn run(prefix: &[&str], args: &[&str], extra: &[&str], out: &Path) -> Output {
     let mut cmd = clean(EXE);
-    cmd.args(prefix).arg("rl");
+    cmd.args(prefix).args(args);
     for s in TINY.iter().chain(extra) {
         cmd.args(["--set", s]);
     }
@@ -53,9 +76,32 @@ fn column(dir: &Path, field: &str) -> Vec<f64> {
         .lines()
         .map(|l| {
             let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            v[field].as_f64().unwrap()
+            v[field].as_f64().unwrap_or(f64::NAN)
         })
         .collect()
+}
+
+/// `dir`'s final checkpoint.
+fn checkpoint(dir: &Path) -> Checkpoint {
+    Checkpoint::load(&dir.join("checkpoint")).unwrap()
+}
+
+/// Asserts that `a` and `b` hold the same tensors, bit for bit.
+fn assert_bitwise(a: &Checkpoint, b: &Checkpoint) {
+    assert_eq!(a.meta.step, b.meta.step);
+    assert_eq!(a.meta.optimizer_step, b.meta.optimizer_step);
+    assert_eq!(a.tensors.len(), b.tensors.len());
+    for (x, y) in a.tensors.iter().zip(&b.tensors) {
+        assert_eq!(x.name, y.name);
+        assert_eq!(x.shape, y.shape);
+        let differ = x
+            .data
+            .iter()
+            .zip(&y.data)
+            .filter(|(p, q)| p.to_bits() != q.to_bits())
+            .count();
+        assert_eq!(differ, 0, "{}: {differ} values differ", x.name);
+    }
 }
 
 #[test]
@@ -77,45 +123,131 @@ fn launched_rl_over_two_processes_equals_the_in_process_run_bitwise() {
         text(&out)
     );
 
-    let a = Checkpoint::load(&single.join("checkpoint")).unwrap();
-    let b = Checkpoint::load(&multi.join("checkpoint")).unwrap();
+    let (a, b) = (checkpoint(&single), checkpoint(&multi));
     assert_eq!(a.meta.step, 60 + 2);
-    assert_eq!(a.meta.step, b.meta.step);
-    assert_eq!(a.meta.optimizer_step, b.meta.optimizer_step);
-    assert_eq!(a.tensors.len(), b.tensors.len());
-    for (x, y) in a.tensors.iter().zip(&b.tensors) {
-        assert_eq!(x.name, y.name);
-        assert_eq!(x.shape, y.shape);
-        let differ = x
-            .data
-            .iter()
-            .zip(&y.data)
-            .filter(|(p, q)| p.to_bits() != q.to_bits())
-            .count();
-        assert_eq!(differ, 0, "{}: {differ} values differ", x.name);
-    }
+    assert_bitwise(&a, &b);
 }
 
 #[test]
-fn launched_rl_refuses_replicas_kl_and_a_world_unlike_the_plan() {
+fn launched_rl_with_the_kl_term_equals_the_in_process_run_bitwise() {
     let dir = tempfile::tempdir().unwrap();
-    let out = pipefill(
-        &["launch", "-n", "2", "--"],
-        &["dp=2", "stages=1"],
-        dir.path(),
-    );
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("dp = 1), not dp = 2"), "{err}");
+    let (single, multi) = (dir.path().join("single"), dir.path().join("multi"));
+    let kl = ["rl.kl_coef=0.5"];
+    let out = pipefill(&[], &kl, &single);
+    assert!(out.status.success(), "{}", text(&out));
+    let out = pipefill(&["launch", "-n", "2", "--"], &kl, &multi);
+    assert!(out.status.success(), "{}", text(&out));
 
-    let out = pipefill(
+    assert_eq!(column(&multi, "reward"), column(&single, "reward"));
+    // Step 1 starts at the reference (KL 0); after one update the policy has moved, and the
+    // last stage's head saw the reference's log-probs that rank 0 sent.
+    let (kl_multi, kl_single) = (column(&multi, "kl"), column(&single, "kl"));
+    assert_eq!(kl_multi[0], 0.0, "{}", text(&out));
+    assert!(kl_multi[1] > 0.0, "{}", text(&out));
+    for (m, s) in kl_multi.iter().zip(&kl_single) {
+        assert!((m - s).abs() <= 1e-12 * s.abs().max(1e-30), "kl {m} vs {s}");
+    }
+    assert_bitwise(&checkpoint(&single), &checkpoint(&multi));
+}
+
+#[test]
+fn launched_rl_with_two_replicas_equals_one_within_float_rounding() {
+    let dir = tempfile::tempdir().unwrap();
+    let init = dir.path().join("init");
+    let out = run(
         &["launch", "-n", "2", "--"],
-        &["rl.kl_coef=0.1"],
+        &["train"],
+        &["train.steps=60"],
+        &init,
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    let init = init.to_str().unwrap();
+    let (launch2, launch4) = (["launch", "-n", "2", "--"], ["launch", "-n", "4", "--"]);
+    // From the same policy: plain GRPO, and with the KL term (each replica's head reads its
+    // own sequences' reference log-probs).
+    for (name, kl) in [("plain", "rl.kl_coef=0"), ("kl", "rl.kl_coef=0.5")] {
+        let (one, two) = (
+            dir.path().join(name),
+            dir.path().join(format!("{name}-dp2")),
+        );
+        let out = run(&launch2, &["rl", "--init", init], &[kl], &one);
+        assert!(out.status.success(), "{}", text(&out));
+        let out = run(&launch4, &["rl", "--init", init], &[kl, "dp=2"], &two);
+        assert!(out.status.success(), "{}", text(&out));
+        assert_replicas_match(&one, &two, &out, INIT_TOLERANCE);
+    }
+    // Warmed up over the replicas too (data-parallel, as launch train).
+    let (one, two) = (dir.path().join("warm"), dir.path().join("warm-dp2"));
+    let kl = "rl.kl_coef=0.5";
+    let out = pipefill(&launch2, &[kl], &one);
+    assert!(out.status.success(), "{}", text(&out));
+    let out = pipefill(&launch4, &[kl, "dp=2"], &two);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_replicas_match(&one, &two, &out, WARM_UP_TOLERANCE);
+}
+
+/// `two` (dp = 2) had `one`'s (dp = 1) rollouts, and ends with its parameters within the
+/// stated tolerance.
+fn assert_replicas_match(
+    one: &Path,
+    two: &Path,
+    out: &Output,
+    (max_abs_diff, max_rel_l2): (f32, f64),
+) {
+    // Rank 0's rollouts under (almost) the same policy: the same samples, the same rewards.
+    assert_eq!(column(two, "reward"), column(one, "reward"));
+    assert_eq!(column(two, "sequences"), column(one, "sequences"));
+    assert!(
+        column(two, "grad_norm").iter().all(|&g| g > 0.0),
+        "a step without a gradient: {}",
+        text(out)
+    );
+    for (k2, k1) in column(two, "kl").iter().zip(column(one, "kl")) {
+        let same = (k2.is_nan() && k1.is_nan()) || (k2 - k1).abs() <= 1e-5 * (1.0 + k1.abs());
+        assert!(same, "kl {k2} vs {k1}");
+    }
+
+    let (a, b) = (checkpoint(one), checkpoint(two));
+    assert_eq!(a.meta.step, b.meta.step);
+    assert_eq!(a.meta.optimizer_step, b.meta.optimizer_step);
+    let (mut max_abs, mut diff_sq, mut norm_sq) = (0.0f32, 0.0f64, 0.0f64);
+    let moment = |n: &str| {
+        [ADAM_M_PREFIX, ADAM_V_PREFIX, MASTER_PREFIX]
+            .iter()
+            .any(|p| n.starts_with(p))
+    };
+    for (x, y) in a.tensors.iter().zip(&b.tensors) {
+        assert_eq!((&x.name, &x.shape), (&y.name, &y.shape));
+        if moment(&x.name) {
+            continue;
+        }
+        for (&p, &q) in x.data.iter().zip(&y.data) {
+            max_abs = max_abs.max((p - q).abs());
+            diff_sq += f64::from(p - q).powi(2);
+            norm_sq += f64::from(p).powi(2);
+        }
+    }
+    let rel_l2 = (diff_sq / norm_sq).sqrt();
+    eprintln!("dp = 2 vs dp = 1: max |Δparam| {max_abs:e}, relative L2 {rel_l2:e}");
+    assert!(max_abs <= max_abs_diff, "max |Δparam| {max_abs}");
+    assert!(rel_l2 <= max_rel_l2, "relative L2 {rel_l2}");
+}
+
+#[test]
+fn launched_rl_refuses_unequal_shares_and_a_world_unlike_the_plan() {
+    let dir = tempfile::tempdir().unwrap();
+    // 32 sequences and 4 warm-up micro-batches do not split into 3 shares.
+    let out = pipefill(
+        &["launch", "-n", "3", "--"],
+        &["dp=3", "stages=1"],
         dir.path(),
     );
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("rl.kl_coef = 0.1"), "{err}");
+    assert!(
+        err.contains("dp = 3 replicas cannot take equal shares"),
+        "{err}"
+    );
 
     let out = pipefill(&["launch", "-n", "3", "--"], &[], dir.path());
     assert!(!out.status.success());

@@ -1,0 +1,427 @@
+//! One rank's pieces of a launched RL run ([`super::rl_rank`]): its place in the job
+//! ([`Ctx`]: replica and pipeline rank on the mesh), one pipelined run of its stages, the
+//! weight sync to rank 0, and rank 0's rollouts with the KL reference's log-probs.
+
+use std::sync::Arc;
+use std::sync::mpsc::channel;
+use std::time::Instant;
+
+use pipefill_actors::{Clock, GradStats, Pipeline, PlanSource, RunReport, StepMode, Transport};
+use serde::{Deserialize, Serialize};
+
+use super::{RL_CHANNEL, RlLaunchError, Share};
+use crate::comm::collective::RingGradSync;
+use crate::comm::frame;
+use crate::comm::link::{LinkError, PeerLink};
+use crate::comm::tcp::TcpMesh;
+use crate::comm::tcp_transport::{
+    BufCodec, STATS_CHANNEL, SerdeCodec, TENSOR_CHANNEL, TcpTransport,
+};
+use crate::config::JobConfig;
+use crate::data::Tokenizer;
+use crate::launch::profile::GRAD_CHANNEL;
+use crate::launch::train::FinalWire;
+use crate::model::{Cut, Gpt, ModelError, OptimizerState};
+use crate::pipeline::feed::{StepBatches, StepFeed};
+use crate::pipeline::shared::{RankFinal, Replica, Shared};
+use crate::pipeline::{PipelineError, RankCompute};
+use crate::rl::grpo::{GrpoLoss, GrpoTokenLoss, group_advantages, reference_log_probs};
+use crate::rl::trainer::{RlError, Rollout, RolloutEngine, scored_rollouts, update_batches};
+use crate::rl::trainer_spec::PipelineRollouts;
+use crate::schedules::Plan;
+use crate::tensor::CpuBackend;
+use crate::train::StepMetrics;
+
+/// A step's rollouts on the wire: `(prompt, generated)` token ids, the advantages and,
+/// with the KL term, each sequence's completion-token log-probs under the reference.
+#[derive(Serialize, Deserialize)]
+pub(super) struct RolloutWire {
+    rollouts: Vec<(Vec<u32>, Vec<u32>)>,
+    advantages: Vec<f32>,
+    logp_ref: Option<Vec<Vec<f32>>>,
+}
+
+impl RolloutWire {
+    fn rollouts(&self) -> Vec<Rollout> {
+        self.rollouts
+            .iter()
+            .map(|(prompt, generated)| Rollout {
+                prompt: prompt.clone(),
+                generated: generated.clone(),
+            })
+            .collect()
+    }
+
+    /// The update's step, as the in-process trainer builds it: one micro-batch per
+    /// sequence with scale `A_i / n`, or with the KL term the [`GrpoTokenLoss`] hook and
+    /// scale `1 / n` (returned too, for its KL figure).
+    pub(super) fn update(
+        &self,
+        rl: &crate::rl::config::RlConfig,
+    ) -> Result<(StepBatches, Option<Arc<GrpoTokenLoss>>), RlError> {
+        let mut update = update_batches(&self.rollouts(), &self.advantages)?;
+        let Some(logp_ref) = &self.logp_ref else {
+            return Ok((update, None));
+        };
+        let cfg = GrpoLoss {
+            clip: rl.clip,
+            kl_coef: rl.kl_coef,
+        };
+        let hook = Arc::new(GrpoTokenLoss::new(
+            cfg,
+            self.advantages.clone(),
+            logp_ref.clone(),
+        )?);
+        let n = update.batches.len() as f32;
+        update.scales = vec![1.0 / n; update.batches.len()];
+        update.token_loss = Some(hook.clone());
+        Ok((update, Some(hook)))
+    }
+
+    pub(super) fn sequences(&self) -> usize {
+        self.rollouts.len()
+    }
+}
+
+/// Rank 0's figures of a rollout.
+pub(super) struct RolloutFigures {
+    pub reward: f64,
+    pub informative_groups: usize,
+    pub drafter_seconds: f64,
+    pub reference_seconds: f64,
+    pub speculation: bool,
+    pub acceptance_length: Option<f64>,
+}
+
+/// What a rank holds between steps: a whole model and optimizer state, of which its own
+/// stages are current (rank 0: all, after the weight sync), and the next optimizer step.
+pub(super) struct RankState {
+    pub model: Gpt<CpuBackend>,
+    pub optimizer: OptimizerState,
+    pub step: u64,
+}
+
+impl RankState {
+    /// Takes `shard`'s stages and moments.
+    pub fn absorb(&mut self, shard: FinalWire) -> Result<(), ModelError> {
+        for (name, _, data) in shard.stages.into_iter().flat_map(|(_, ts)| ts) {
+            self.model.set_param(&name, &data)?;
+        }
+        self.optimizer.step = self.optimizer.step.max(shard.optimizer.step);
+        self.optimizer.slots.extend(shard.optimizer.slots);
+        Ok(())
+    }
+
+    /// Takes this rank's own final state of a run, returning it for the next weight sync.
+    pub fn absorb_own(&mut self, fin: RankFinal) -> Result<FinalWire, ModelError> {
+        let own = FinalWire::from(fin);
+        self.absorb(FinalWire {
+            stages: own.stages.clone(),
+            optimizer: own.optimizer.clone(),
+        })?;
+        Ok(own)
+    }
+
+    /// A frozen copy of the whole model (the KL reference).
+    pub fn frozen_model(&self, backend: &CpuBackend) -> Result<Gpt<CpuBackend>, ModelError> {
+        let model = &self.model;
+        let mut copy = Gpt::new(model.config(), backend.clone(), &Cut::Even(1))?;
+        for name in model.param_names() {
+            copy.set_param(&name, &model.param_values(&name)?)?;
+        }
+        Ok(copy)
+    }
+}
+
+/// This rank on the mesh, and how its pipelines run: global rank `replica × pp + prank`.
+pub(super) struct Ctx<'a> {
+    pub mesh: &'a Arc<TcpMesh>,
+    pub rank: usize,
+    pub replica: usize,
+    /// The rank in its replica's pipeline.
+    pub prank: usize,
+    pub pp: usize,
+    pub dp: usize,
+    pub clock: Clock,
+    pub backend: CpuBackend,
+}
+
+/// One pipeline's transports, opened (registered on the mesh) before the step is released.
+pub(super) struct Links {
+    tensors: Arc<dyn Transport<<CpuBackend as crate::tensor::Backend>::Buf>>,
+    stats: Arc<dyn Transport<GradStats>>,
+}
+
+impl Ctx<'_> {
+    pub fn link_err(&self, peer: usize, what: &'static str) -> impl Fn(LinkError) -> RlLaunchError {
+        let (rank, mesh) = (self.rank, Arc::clone(self.mesh));
+        move |source| match mesh.failure() {
+            Some(reason) => RlLaunchError::Peer { rank, reason },
+            None => RlLaunchError::Link {
+                rank,
+                peer,
+                what,
+                source,
+            },
+        }
+    }
+
+    pub fn rl_err(&self) -> impl Fn(RlError) -> RlLaunchError {
+        let rank = self.rank;
+        move |error| RlLaunchError::Rl { rank, error }
+    }
+
+    pub fn pipeline_err(&self) -> impl Fn(PipelineError) -> RlLaunchError {
+        let rank = self.rank;
+        move |error| RlLaunchError::Pipeline { rank, error }
+    }
+
+    fn bad_frame(&self, peer: usize, what: &'static str) -> impl Fn(String) -> RlLaunchError {
+        let rank = self.rank;
+        move |reason| RlLaunchError::BadFrame {
+            rank,
+            peer,
+            what,
+            reason,
+        }
+    }
+
+    /// The transports of this rank's replica's pipeline (mesh ranks `replica × pp ..`).
+    pub fn links(&self) -> Result<Links, RlLaunchError> {
+        let base = self.replica * self.pp;
+        let err = |error| RlLaunchError::Group {
+            rank: self.rank,
+            error,
+        };
+        let codec = BufCodec(self.backend.clone());
+        Ok(Links {
+            tensors: Arc::new(
+                TcpTransport::group(self.mesh, TENSOR_CHANNEL, codec, base, self.pp)
+                    .map_err(err)?,
+            ),
+            stats: Arc::new(
+                TcpTransport::group(self.mesh, STATS_CHANNEL, SerdeCodec, base, self.pp)
+                    .map_err(err)?,
+            ),
+        })
+    }
+
+    /// Runs `steps` optimizer steps of `plan` (one replica's pipeline) from `first_step` as
+    /// this rank, from `state`'s stages (fresh ones without), on `links`; `feed` holds the
+    /// whole batch of each step, of which a replica runs its share and all-reduces its
+    /// gradients with the other replicas (launch train's [`RingGradSync`]). Returns the
+    /// rank's report, final state and step log.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run(
+        &self,
+        job: &JobConfig,
+        plan: &Plan,
+        feed: Arc<StepFeed>,
+        first_step: u64,
+        steps: u64,
+        state: Option<&RankState>,
+        links: Links,
+    ) -> Result<(RunReport, RankFinal, Vec<StepMetrics>), RlLaunchError> {
+        let (rank, prank) = (self.rank, self.prank);
+        let err = self.pipeline_err();
+        feed.prefetch(first_step);
+        let (progress, step_log) = channel();
+        let replica = (self.dp > 1).then(|| Replica {
+            index: self.replica,
+            count: self.dp,
+            sync: Arc::new(RingGradSync::new(
+                vec![Arc::clone(self.mesh) as Arc<dyn PeerLink>],
+                self.dp,
+                self.pp,
+                GRAD_CHANNEL,
+            )),
+        });
+        let shared = Arc::new(Shared::new(self.pp, feed, progress).with_replica(replica));
+        // The other ranks step in their own processes: stand-ins close each step here.
+        for step in first_step..first_step + steps {
+            for _ in 1..self.pp {
+                shared.stepped(step, 0.0);
+            }
+        }
+        let mut compute = RankCompute::for_rank(
+            job,
+            plan,
+            prank,
+            self.backend.clone(),
+            Arc::clone(&shared),
+            first_step,
+            steps,
+        )
+        .map_err(&err)?;
+        if let Some(s) = state {
+            compute.load_resumed(&s.model, &s.optimizer).map_err(&err)?;
+        }
+        let mut pipeline = Pipeline::new(PlanSource::Given(plan.clone()), self.clock)
+            .iterations(steps)
+            .step_mode(StepMode::default())
+            .stats_transport(links.stats);
+        if job.train.clip > 0.0 {
+            pipeline = pipeline.max_grad_norm(f64::from(job.train.clip));
+        }
+        let report = pipeline
+            .run_local_blocking(vec![(prank, compute)], links.tensors)
+            .map_err(|e| match self.mesh.failure() {
+                Some(reason) => RlLaunchError::Peer { rank, reason },
+                None => err(e.into()),
+            })?;
+        let own = shared
+            .take_own_final(prank)
+            .ok_or_else(|| err(PipelineError::NoFinalState))?;
+        Ok((report, own, step_log.try_iter().collect()))
+    }
+
+    /// The weight sync: every rank sends rank 0 its stages `own` (replica 0's ranks; the
+    /// other replicas hold the same bits and send an empty frame, which tells rank 0 they
+    /// have opened the step's transports), and rank 0 absorbs them into `state`.
+    pub fn sync_weights(&self, own: FinalWire, state: &mut RankState) -> Result<(), RlLaunchError> {
+        if self.rank != 0 {
+            let own = if self.replica == 0 {
+                own
+            } else {
+                FinalWire::default()
+            };
+            let bytes =
+                frame::encode(&own).map_err(|e| self.bad_frame(0, "weights")(e.to_string()))?;
+            return self
+                .mesh
+                .send(0, RL_CHANNEL, &bytes)
+                .map_err(self.link_err(0, "sending the weights"));
+        }
+        for peer in 1..self.mesh.world() {
+            let bytes = self
+                .mesh
+                .recv(peer, RL_CHANNEL)
+                .map_err(self.link_err(peer, "receiving the weights"))?;
+            let shard: FinalWire = frame::decode(&bytes)
+                .map_err(|e| self.bad_frame(peer, "weights")(e.to_string()))?;
+            state
+                .absorb(shard)
+                .map_err(|e| self.pipeline_err()(e.into()))?;
+        }
+        Ok(())
+    }
+
+    /// Step `step`'s rollouts: rank 0 (`engine`) generates and scores them under `policy`,
+    /// computes the reference's log-probs when given, and sends them to every rank, which
+    /// receives them here. Rank 0 also returns its figures.
+    pub fn exchange_rollouts(
+        &self,
+        job: &JobConfig,
+        engine: Option<&mut PipelineRollouts>,
+        policy: &Gpt<CpuBackend>,
+        reference: Option<&mut Gpt<CpuBackend>>,
+        step: u64,
+    ) -> Result<(RolloutWire, Option<RolloutFigures>), RlLaunchError> {
+        let Some(engine) = engine else {
+            let bytes = self
+                .mesh
+                .recv(0, RL_CHANNEL)
+                .map_err(self.link_err(0, "receiving the rollouts"))?;
+            let wire =
+                frame::decode(&bytes).map_err(|e| self.bad_frame(0, "rollouts")(e.to_string()))?;
+            return Ok((wire, None));
+        };
+        let tok = Tokenizer::new();
+        let (mut wire, mut figures) =
+            rollout(job, &tok, engine, policy, step).map_err(self.rl_err())?;
+        if let Some(reference) = reference {
+            let started = Instant::now();
+            let batches = update_batches(&wire.rollouts(), &wire.advantages)
+                .map_err(self.rl_err())?
+                .batches;
+            let logp_ref =
+                reference_log_probs(reference, &batches).map_err(|e| self.rl_err()(e.into()))?;
+            wire.logp_ref = Some(logp_ref);
+            figures.reference_seconds = started.elapsed().as_secs_f64();
+        }
+        let bytes =
+            frame::encode(&wire).map_err(|e| self.bad_frame(0, "rollouts")(e.to_string()))?;
+        for peer in 1..self.mesh.world() {
+            self.mesh
+                .send(peer, RL_CHANNEL, &bytes)
+                .map_err(self.link_err(peer, "sending the rollouts"))?;
+        }
+        Ok((wire, Some(figures)))
+    }
+
+    /// The mean k3 KL of the update over every replica (`own`: this rank's hook, whose
+    /// forwards are its replica's when this is a last-stage rank): each replica's last
+    /// stage sends its mean to rank 0, which weighs them by their `shares`' tokens.
+    pub fn gather_kl(
+        &self,
+        own: Option<&GrpoTokenLoss>,
+        loss_rank: usize,
+        shares: &[Share],
+    ) -> Result<Option<f64>, RlLaunchError> {
+        let Some(own) = own else {
+            return Ok(None);
+        };
+        if self.rank != 0 {
+            if self.prank == loss_rank {
+                let bytes = frame::encode(&own.mean_kl())
+                    .map_err(|e| self.bad_frame(0, "KL figure")(e.to_string()))?;
+                self.mesh
+                    .send(0, RL_CHANNEL, &bytes)
+                    .map_err(self.link_err(0, "sending the KL figure"))?;
+            }
+            return Ok(None);
+        }
+        let (mut sum, mut tokens) = (0.0, 0usize);
+        for (d, share) in shares.iter().enumerate() {
+            let mean = match d * self.pp + loss_rank {
+                0 => own.mean_kl(),
+                from => {
+                    let bytes = self
+                        .mesh
+                        .recv(from, RL_CHANNEL)
+                        .map_err(self.link_err(from, "receiving the KL figure"))?;
+                    frame::decode::<Option<f64>>(&bytes)
+                        .map_err(|e| self.bad_frame(from, "KL figure")(e.to_string()))?
+                }
+            };
+            sum += mean.unwrap_or(0.0) * share.tokens as f64;
+            tokens += share.tokens;
+        }
+        Ok((tokens > 0).then(|| sum / tokens as f64))
+    }
+}
+
+/// RL step `step`'s prompts, rollouts under `policy`, rewards and advantages, as the
+/// in-process trainer computes them.
+fn rollout(
+    job: &JobConfig,
+    tok: &Tokenizer,
+    engine: &mut PipelineRollouts,
+    policy: &Gpt<CpuBackend>,
+    step: u64,
+) -> Result<(RolloutWire, RolloutFigures), RlError> {
+    let rl = &job.rl;
+    let (batch, rewards) = scored_rollouts(job, tok, engine, policy, step)?;
+    let advantages = group_advantages(&rewards, rl.group)?;
+    let figures = RolloutFigures {
+        reward: rewards.iter().map(|&r| f64::from(r)).sum::<f64>() / rewards.len() as f64,
+        informative_groups: advantages
+            .chunks(rl.group)
+            .filter(|g| g.iter().any(|&a| a != 0.0))
+            .count(),
+        drafter_seconds: batch.drafter_seconds,
+        reference_seconds: 0.0,
+        speculation: engine.speculative(),
+        acceptance_length: batch.acceptance_length,
+    };
+    let wire = RolloutWire {
+        rollouts: batch
+            .rollouts
+            .into_iter()
+            .map(|r| (r.prompt, r.generated))
+            .collect(),
+        advantages,
+        logp_ref: None,
+    };
+    Ok((wire, figures))
+}
