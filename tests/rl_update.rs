@@ -151,6 +151,38 @@ fn the_pipelined_grpo_update_equals_the_single_device_update() {
     assert!(moved > 1e-4, "the update moved the parameters: {moved}");
 }
 
+/// The policy the next rollout samples from is the checkpoint the next update resumes:
+/// updated in place step after step, it stays equal to the pipeline's final parameters.
+#[test]
+fn the_policy_follows_the_checkpoint_from_step_to_step() {
+    let job = job();
+    let start = warm_up(&job, |_| {}).unwrap();
+    let mut rl = RlTrainer::new(&job, start.clone()).unwrap();
+    for step in 0..2 {
+        let mut engine = Scripted {
+            tasks: step_prompts(&job, step).unwrap(),
+        };
+        let m = rl.run_step(&mut engine, |_| {}).unwrap();
+        assert!(
+            m.informative_groups > 0,
+            "step {step} has a gradient: {m:?}"
+        );
+        let checkpoint = rl.checkpoint();
+        let mut moved = false;
+        for name in rl.policy().param_names() {
+            let saved = &checkpoint.tensor(&name).unwrap().data;
+            let start = &start.tensor(&name).unwrap().data;
+            assert_eq!(
+                &rl.policy().param_values(&name).unwrap(),
+                saved,
+                "step {step}: {name}"
+            );
+            moved |= saved != start;
+        }
+        assert!(moved, "step {step}: the updates moved the parameters");
+    }
+}
+
 #[test]
 fn a_batch_of_the_wrong_size_is_refused() {
     let r = Rollout {

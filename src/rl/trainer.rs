@@ -433,7 +433,12 @@ impl RlTrainer {
             .feed(feed);
         let run = trainer.run(1, |_| {})?;
         self.checkpoint = run.checkpoint()?;
-        self.policy = run.model()?;
+        // The policy follows the update in place: a fresh model (`run.model()`) would redo
+        // the random initialisation of every parameter only to overwrite it, a sizeable
+        // share of the step at d_model 256.
+        for name in self.policy.param_names() {
+            self.policy.set_param(&name, run.param_values(&name)?)?;
+        }
         let update_seconds = started.elapsed().as_secs_f64();
         let m = run
             .steps
