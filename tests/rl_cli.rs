@@ -97,6 +97,7 @@ fn rl_from_a_warm_up_writes_metrics_and_a_checkpoint() {
     assert!(out.status.success(), "{}", text(&out));
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains("warm-up: 3 supervised steps"), "{stdout}");
+    assert!(stdout.contains("drafter: untrained"), "{stdout}");
     assert!(stdout.contains("done: 2 RL steps"), "{stdout}");
     assert_eq!(metrics(dir.path()).len(), 2);
     assert!(dir.path().join("checkpoint/checkpoint.json").is_file());
@@ -120,6 +121,11 @@ fn rl_from_a_train_run_starts_at_its_checkpoint() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains("at step 2"), "{stdout}");
     assert!(stdout.contains("using its [model]"), "{stdout}");
+    // The train run's drafter (filler = "drafter" by default) starts the rollouts' one.
+    assert!(
+        stdout.contains("drafter: the starting checkpoint's"),
+        "{stdout}"
+    );
     assert!(!stdout.contains("warm-up"), "{stdout}");
     assert_eq!(metrics(dir.path()).len(), 1);
 }

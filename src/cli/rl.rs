@@ -4,7 +4,9 @@
 //!
 //! The policy starts from a `pipefill train` run (`--init RUN_DIR`: its checkpoint, and its
 //! `[model]` and data seed, which the checkpoint was trained with) or, without one, from
-//! `rl.warmup_steps` supervised pipelined steps on the same tasks. Two progress bars follow
+//! `rl.warmup_steps` supervised pipelined steps on the same tasks. With speculation the
+//! rollouts' drafter starts from the `--init` checkpoint's when that run trained one in its
+//! bubbles (`filler = "drafter"`). Two progress bars follow
 //! the rollouts (mean reward) and the updates (loss, gradient norm, bubble ratio); the run
 //! directory gets `job.toml`, `metrics.jsonl` (one line per RL step, see
 //! [`RlStepMetrics`]) and the final `checkpoint/`.
@@ -109,6 +111,20 @@ pub fn run(args: RlArgs) -> anyhow::Result<()> {
              by a bandit), drafter trained {} slices per step on the rollouts",
             rl.spec_threshold, rl.draft_k, rl.drafter_slices
         );
+        match &checkpoint.drafter {
+            Some(state) => {
+                engine = engine.with_drafter(state)?;
+                println!(
+                    "drafter: the starting checkpoint's (trained in its run's bubbles, {} \
+                     optimizer steps)",
+                    engine.drafter_version()
+                );
+            }
+            None => println!(
+                "drafter: untrained (the starting checkpoint has none; a `pipefill train` run \
+                 with filler = \"drafter\" trains one in its bubbles)"
+            ),
+        }
     } else {
         println!("rollouts: plain sampling (rl.speculation = false)");
     }

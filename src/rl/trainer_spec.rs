@@ -12,7 +12,10 @@
 //! [`RolloutRouter`] files the verification passes and [`DrafterSlices`] with a
 //! [`FillerRouter`] kept across steps (its cost estimates carry over), and each finished
 //! sequence's row reaches the buffer at once. What does not fit runs on the caller's
-//! thread after the rollout (reported as `drafter_seconds`). The drafter that proposes
+//! thread after the rollout (reported as `drafter_seconds`). The drafter starts from the
+//! policy's own run's drafter when that run trained one in its pipeline's bubbles
+//! ([`PipelineRollouts::with_drafter`]), as TLT starts RL with a drafter that already
+//! follows the policy; otherwise untrained. The drafter that proposes
 //! during a rollout is a copy loaded before it, so training never changes what a rollout
 //! samples. With speculation off no drafter is recorded or trained.
 //!
@@ -35,6 +38,7 @@ use super::speculative::Proposer;
 use super::trainer::{RlError, Rollout, RolloutBatch, RolloutEngine};
 use crate::config::JobConfig;
 use crate::data::{SplitMix64, tokenizer};
+use crate::model::drafter::state::DrafterState;
 use crate::model::drafter::{DraftBufferHandle, DraftRow, Drafter, DrafterConfig, DrafterTrainer};
 use crate::model::infer::InferStage;
 use crate::model::{Cut, Gpt};
@@ -112,6 +116,26 @@ impl PipelineRollouts {
 }
 
 impl PipelineRollouts {
+    /// Starts the drafter from `state` (an `--init` run's, trained in its pipeline's
+    /// bubbles) instead of untrained: its weights and optimizer moments. The buffer starts
+    /// empty (its rows were the supervised data, not this policy's rollouts), and the
+    /// frozen embedding and head copies are refreshed from the policy before every rollout
+    /// anyway. Without a warm start the drafter begins RL knowing nothing, so the first
+    /// steps' acceptance is near 1 and speculation only costs.
+    pub fn with_drafter(self, state: &DrafterState) -> Result<Self, RlError> {
+        {
+            let mut trainer = lock(&self.trainer);
+            trainer.load_weights(&state.weights)?;
+            trainer.load_optimizer_state(&state.optimizer)?;
+        }
+        Ok(self)
+    }
+
+    /// The drafter's version (optimizer steps taken), for the CLI's report.
+    pub fn drafter_version(&self) -> u64 {
+        lock(&self.trainer).version()
+    }
+
     /// This step's idle-work hook: the step's drafter budget set, the router's prior for
     /// a slice's cost from the trainer's measured slices (kept once the router measured
     /// its own), rows sent to the drafter's buffer as sequences finish.
