@@ -5,9 +5,11 @@
 //!
 //! With the drafter in the bubbles (`filler = "drafter"`) its state (weights, AdamW, version,
 //! frozen copies, buffers, samplers) is saved with the checkpoint, read back bit for bit, and
-//! a resumed run continues from that drafter version instead of a fresh drafter. What runs in
-//! which bubble depends on measured times, so the drafter after 3 + resume + 3 steps is not
-//! compared with 6 uninterrupted steps; the target still is, bit for bit.
+//! a resumed run continues from that drafter version instead of a fresh drafter. Under the
+//! default measured placement what runs in which bubble depends on measured times, so the
+//! drafter after 3 + resume + 3 steps is not compared with 6 uninterrupted steps; the target
+//! still is, bit for bit. Under `[drafter] placement = "planned"` the drafter is compared
+//! too, bit for bit (tests/resume_fill.rs).
 
 use std::path::Path;
 
