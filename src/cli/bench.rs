@@ -19,7 +19,9 @@
 //!    of a few milliseconds per bucket: too noisy on a shared box to decide alone);
 //! 5. runs the batch `--reps` times per mode and reports medians: tokens/s overall and in
 //!    the long tail (from the moment a quarter of the batch is live), acceptance length,
-//!    time in the tail, and whether every mode produced the same greedy tokens.
+//!    time in the tail, the driver's drafting time per verified sequence inside the
+//!    rollout (against the proposal timed alone: the gap is cold caches and a shared
+//!    machine), and whether every mode produced the same greedy tokens.
 
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -280,6 +282,10 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
     let tail_s = |r: &Rollout| r.stats.seconds - r.stats.tail_start_s;
     let acc = |r: &Rollout| r.stats.acceptance_length();
     let secs = |r: &Rollout| r.stats.seconds;
+    // Driver time per verification spent drafting: what a speculative round pays on top of
+    // the target's verification pass.
+    let propose_round_ms =
+        |r: &Rollout| 1e3 * r.stats.propose_s / (r.stats.verifications.max(1) as f64);
     let speedup = m(&adapt, &tail) / m(&plain, &tail);
     let last = adapt.last().expect("reps ≥ 1");
     let mut ks: Vec<(usize, usize)> = Vec::new();
@@ -305,6 +311,7 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
             "adaptive_tail_s": m(&adapt, &tail_s),
             "threshold": threshold,
             "propose_ms": propose_ms,
+            "fixed_propose_ms_per_verification": m(&fixed, &propose_round_ms),
             "step_costs": costs,
             "k_choices": ks,
             "identical_outputs": identical,
@@ -330,6 +337,11 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
         println!(
             "long-tail speedup adaptive/plain: {speedup:.2}x (medians of {} runs)",
             a.reps
+        );
+        println!(
+            "drafting inside the rollout, fixed K={}: {:.3} ms per sequence verified (alone: {propose_ms:.3} ms)",
+            a.k,
+            m(&fixed, &propose_round_ms)
         );
         println!("adaptive K choices (last run, K: count): {ks:?}");
         println!("greedy outputs identical across modes: {identical}");

@@ -141,7 +141,9 @@ impl<'a> Driver<'a> {
             }
             let done = results.recv().map_err(|_| RolloutError::Stopped)??;
             let f = in_flight.remove(&done.group).ok_or(RolloutError::Stopped)?;
+            let clock = Instant::now();
             let (alive, finished) = self.absorb(&f, &done);
+            self.stats.absorb_s += clock.elapsed().as_secs_f64();
             self.point();
             if !finished.is_empty() {
                 first
@@ -207,7 +209,9 @@ impl<'a> Driver<'a> {
                     })
                     .collect();
                 let t = self.config.temperature;
+                let clock = Instant::now();
                 let chains = p.propose(&contexts, k, t, &mut self.draft_rng)?;
+                self.stats.propose_s += clock.elapsed().as_secs_f64();
                 if chains.len() != members.len() || chains.iter().any(|c| c.tokens.len() != k) {
                     return Err(RolloutError::Propose(
                         crate::rl::speculative::ProposeError {

@@ -168,6 +168,10 @@ pub struct RolloutStats {
     /// The long tail: from the first moment at most a quarter of the batch is live.
     pub tail_start_s: f64,
     pub tail_tokens: usize,
+    /// Driver time spent drafting (the proposer's calls).
+    pub propose_s: f64,
+    /// Driver time spent turning logits into tokens (sampling, acceptance, bookkeeping).
+    pub absorb_s: f64,
 }
 
 impl RolloutStats {
