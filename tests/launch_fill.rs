@@ -9,6 +9,7 @@ use std::net::{SocketAddr, TcpListener};
 use std::path::Path;
 use std::sync::Arc;
 
+use pipefill::comm::link::PeerLink;
 use pipefill::comm::tcp::{MeshOptions, TcpMesh};
 use pipefill::config::{Filler, JobConfig};
 use pipefill::launch::train::{RankResume, RankRun, train_rank};

@@ -55,9 +55,9 @@ pub const CHECKPOINT_CHANNEL: Channel = u32::MAX - 10;
 #[derive(Debug, Clone)]
 pub enum RankResume {
     /// The whole model (a whole-model checkpoint, read by every rank).
-    Whole(Checkpoint),
+    Whole(Box<Checkpoint>),
     /// This rank's own shard of a sharded checkpoint.
-    Shard(RankShard),
+    Shard(Box<RankShard>),
 }
 
 impl RankResume {
@@ -70,13 +70,13 @@ impl RankResume {
         rank: usize,
     ) -> Result<Self, CheckpointError> {
         match point {
-            ResumePoint::Whole(dir) => Ok(RankResume::Whole(Checkpoint::load(dir)?)),
-            ResumePoint::Sharded(dir) => Ok(RankResume::Shard(RankShard::load(
+            ResumePoint::Whole(dir) => Ok(RankResume::Whole(Box::new(Checkpoint::load(dir)?))),
+            ResumePoint::Sharded(dir) => Ok(RankResume::Shard(Box::new(RankShard::load(
                 dir,
                 &layout(job, plan),
                 &job_fingerprint(job),
                 rank,
-            )?)),
+            )?))),
         }
     }
 
@@ -91,7 +91,7 @@ impl RankResume {
     /// The checkpoint the rank loads: the whole one, or its shard's tensors alone.
     pub fn checkpoint(&self) -> Checkpoint {
         match self {
-            RankResume::Whole(c) => c.clone(),
+            RankResume::Whole(c) => (**c).clone(),
             RankResume::Shard(s) => s.checkpoint(),
         }
     }
