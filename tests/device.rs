@@ -178,3 +178,27 @@ fn launched_cpu_ranks_refuse_nccl_clearly() {
         assert!(stderr.contains(&expected), "{expected}\n{}", text(&out));
     }
 }
+
+#[test]
+fn rl_on_cuda_is_refused_clearly_instead_of_running_on_the_cpu() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut args = vec!["rl".to_string()];
+    for s in JOB.iter().chain(&["device=\"cuda\""]) {
+        args.push("--set".into());
+        args.push(s.to_string());
+    }
+    args.extend(["--out-dir".into(), dir.path().display().to_string()]);
+    let out = run(&args);
+    assert!(!out.status.success(), "{}", text(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let expected = if cuda_usable(0) {
+        "pipefill rl computes on the CPU only".to_string()
+    } else {
+        let reason = (Device::Cuda { ordinal: 0 }).check_available().unwrap_err();
+        format!("invalid `device`: \"cuda\" (cuda:0) cannot be used here: {reason}")
+    };
+    assert!(stderr.contains(&expected), "{}", text(&out));
+    assert!(!stderr.contains("panicked"), "{}", text(&out));
+    // Refused before anything ran: no warm-up, no run directory.
+    assert!(!dir.path().join("job.toml").exists());
+}

@@ -56,6 +56,19 @@ pub fn run(args: RlArgs) -> anyhow::Result<()> {
         Some(path) => JobConfig::load(path, &sets)?,
         None => JobConfig::embedded(&sets)?,
     };
+    // One rank of a multi-process job (pipefill launch, torchrun, mpirun, srun).
+    let rank_env = pipefill::launch::RankEnv::detect()?;
+    // The rollouts and the update compute on the CPU only so far: a job that names a GPU is
+    // refused rather than quietly run on the CPU (an unusable device is named first).
+    if job
+        .device
+        .usable_on_local_rank(rank_env.local_rank)?
+        .is_cuda()
+    {
+        bail!(
+            "device = \"cuda\": pipefill rl computes on the CPU only for now; set device = \"cpu\""
+        );
+    }
     let checkpoint = match &args.init {
         Some(dir) => init_from(&mut job, dir)?,
         None => None,
@@ -64,8 +77,6 @@ pub fn run(args: RlArgs) -> anyhow::Result<()> {
     if job.schedule.trim().eq_ignore_ascii_case("none") {
         bail!("schedule \"none\": the RL update runs as a pipelined step; name a schedule");
     }
-    // One rank of a multi-process job (pipefill launch, torchrun, mpirun, srun).
-    let rank_env = pipefill::launch::RankEnv::detect()?;
     if rank_env.is_distributed() {
         return crate::cli::launch::rl_distributed(&job, &rank_env, checkpoint);
     }

@@ -180,7 +180,8 @@ impl RankShard {
                 drafter: None,
             },
             tensors: self.tensors.clone(),
-            // Multi-process runs train no drafter (their bubbles stay idle).
+            // A launched run's drafter is its own file named by the manifest, read back by
+            // `launch::train::drafter_of`, not part of any rank's shard.
             drafter: None,
         }
     }
