@@ -186,6 +186,13 @@ impl<B: Backend> ModelChunk<B> {
         })
     }
 
+    /// Chunk `stage` as [`ModelChunk::new`] builds it, but with placeholder parameters
+    /// (zeros; a norm's gain ones) instead of the seeded draws, for a caller that sets every
+    /// parameter at once (a resumed rank): see [`super::init::overwritten`].
+    pub fn blank(config: &GptConfig, backend: B, cut: &Cut, stage: usize) -> Result<Self> {
+        super::init::overwritten(|| Self::new(config, backend, cut, stage))
+    }
+
     pub fn config(&self) -> &GptConfig {
         &self.config
     }

@@ -24,6 +24,13 @@ impl<B: Backend> Gpt<B> {
         })
     }
 
+    /// The model of `config` as [`Gpt::new`] builds it, but with placeholder parameters
+    /// (zeros; a norm's gain ones) instead of the seeded draws, for a caller that sets every
+    /// parameter at once (a checkpoint's restore): see [`super::init::overwritten`].
+    pub fn blank(config: &GptConfig, backend: B, cut: &Cut) -> Result<Self> {
+        super::init::overwritten(|| Self::new(config, backend, cut))
+    }
+
     pub fn config(&self) -> &GptConfig {
         &self.config
     }

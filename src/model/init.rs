@@ -1,8 +1,37 @@
 //! Deterministic initialisation: each parameter draws from its own SplitMix64 stream seeded
 //! from (model seed, parameter name), so a parameter's initial value does not depend on how
 //! the model is cut into stages, on which rank builds it, or on construction order.
+//!
+//! [`overwritten`] builds a model whose parameters the caller sets at once (a resumed
+//! checkpoint, a run's final weights) without drawing them: the draws (a `ln`, `sqrt`,
+//! `sin`/`cos` per pair of values) were ~16% of all CPU of a `pipefill rl` run, which
+//! rebuilds its update pipeline from the previous step's weights every step.
+
+use std::cell::Cell;
 
 use super::GptConfig;
+
+thread_local! {
+    /// Inside [`overwritten`] on this thread: [`normal`] hands out zeros instead of draws.
+    static SKIP_DRAWS: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Runs `build` with every [`normal`] draw on this thread replaced by zeros, for a model
+/// whose parameters are all overwritten right after it is built. Layers that start from a
+/// constant (a norm's gain of ones) are unaffected; either way the caller must set every
+/// parameter, which the checkpoint's restore and [`crate::model::Gpt::set_param`] loops do.
+pub fn overwritten<T>(build: impl FnOnce() -> T) -> T {
+    /// Restores the previous mode even if `build` panics, so nothing after it on this
+    /// thread gets zeros for a real initialisation.
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            SKIP_DRAWS.with(|s| s.set(self.0));
+        }
+    }
+    let _restore = Restore(SKIP_DRAWS.with(|s| s.replace(true)));
+    build()
+}
 
 /// SplitMix64 step: the well-known 64-bit mixer (Steele, Lea, Flood 2014).
 fn splitmix64(state: &mut u64) -> u64 {
@@ -22,6 +51,9 @@ fn fnv1a(name: &str) -> u64 {
 
 /// `len` samples of `N(0, std²)` from the stream of (seed, name) (Box–Muller, in `f64`).
 pub fn normal(seed: u64, name: &str, len: usize, std: f32) -> Vec<f32> {
+    if SKIP_DRAWS.with(Cell::get) {
+        return vec![0.0; len];
+    }
     let mut state = seed ^ fnv1a(name);
     // One warm-up draw decorrelates seeds that differ in few bits.
     splitmix64(&mut state);
@@ -60,6 +92,23 @@ mod tests {
         assert_ne!(a, normal(8, "blocks.0.attn.wq", 1000, 1.0));
         // A prefix of a longer draw is the shorter draw.
         assert_eq!(normal(7, "x", 11, 1.0)[..], normal(7, "x", 20, 1.0)[..11]);
+    }
+
+    #[test]
+    fn overwritten_skips_draws_only_inside_its_scope() {
+        let drawn = normal(7, "w", 64, 1.0);
+        assert_eq!(overwritten(|| normal(7, "w", 64, 1.0)), vec![0.0; 64]);
+        // Nested scopes restore the outer mode, and draws resume after the scope.
+        assert_eq!(
+            overwritten(|| {
+                overwritten(|| ());
+                normal(7, "w", 3, 1.0)
+            }),
+            vec![0.0; 3]
+        );
+        assert_eq!(normal(7, "w", 64, 1.0), drawn);
+        let _ = std::panic::catch_unwind(|| overwritten(|| panic!("a failed build")));
+        assert_eq!(normal(7, "w", 64, 1.0), drawn);
     }
 
     #[test]

@@ -82,11 +82,55 @@ impl<B: Backend> RankCompute<B> {
         first_step: u64,
         iterations: u64,
     ) -> Result<Self, PipelineError> {
+        Self::build(
+            job, plan, rank, backend, shared, first_step, iterations, false,
+        )
+    }
+
+    /// [`RankCompute::for_rank`] continuing from `model` and `state` (see
+    /// [`RankCompute::load_resumed`]): the chunks are built without the random
+    /// initialisation, since every parameter is overwritten at once.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn resumed<G: Backend>(
+        job: &crate::config::JobConfig,
+        plan: &crate::schedules::Plan,
+        rank: usize,
+        backend: B,
+        shared: Arc<Shared>,
+        first_step: u64,
+        iterations: u64,
+        (model, state): (&crate::model::Gpt<G>, &OptimizerState),
+    ) -> Result<Self, PipelineError> {
+        let mut compute = Self::build(
+            job, plan, rank, backend, shared, first_step, iterations, true,
+        )?;
+        compute.load_resumed(model, state)?;
+        Ok(compute)
+    }
+
+    /// The rank's chunks (`blank`: placeholder parameters the caller overwrites) and a
+    /// fresh optimizer.
+    #[allow(clippy::too_many_arguments)]
+    fn build(
+        job: &crate::config::JobConfig,
+        plan: &crate::schedules::Plan,
+        rank: usize,
+        backend: B,
+        shared: Arc<Shared>,
+        first_step: u64,
+        iterations: u64,
+        blank: bool,
+    ) -> Result<Self, PipelineError> {
         let cut = crate::model::Cut::Even(plan.stages);
+        let chunk = if blank {
+            ModelChunk::blank
+        } else {
+            ModelChunk::new
+        };
         let chunks = plan
             .stages_of(rank)
             .into_iter()
-            .map(|s| ModelChunk::new(&job.model, backend.clone(), &cut, s as usize))
+            .map(|s| chunk(&job.model, backend.clone(), &cut, s as usize))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(RankCompute {
             rank,

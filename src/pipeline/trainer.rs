@@ -272,19 +272,21 @@ impl PipelineTrainer {
         let mut computes = Vec::with_capacity(plan.num_ranks());
         for rank in 0..plan.num_ranks() {
             let backend = CpuBackend::new(1).map_err(ModelError::from)?;
-            let mut compute = RankCompute::for_rank(
-                job,
-                plan,
-                rank,
-                backend,
-                Arc::clone(shared),
-                self.first_step(),
-                steps,
-            )?;
+            let (shared, first) = (Arc::clone(shared), self.first_step());
+            let mut compute = match &resumed {
+                Some((gpt, state)) => RankCompute::resumed(
+                    job,
+                    plan,
+                    rank,
+                    backend,
+                    shared,
+                    first,
+                    steps,
+                    (gpt, state),
+                )?,
+                None => RankCompute::for_rank(job, plan, rank, backend, shared, first, steps)?,
+            };
             compute.set_speculative(self.speculative);
-            if let Some((gpt, state)) = &resumed {
-                compute.load_resumed(gpt, state)?;
-            }
             computes.push(compute);
         }
         Ok(computes)
@@ -297,7 +299,8 @@ impl PipelineTrainer {
             return Ok(None);
         };
         let be = CpuBackend::new(1).map_err(ModelError::from)?;
-        let mut gpt = Gpt::new(&self.job.model, be.clone(), &Cut::Even(1))?;
+        // Blank: the restore sets every parameter (and fails on a missing one).
+        let mut gpt = Gpt::blank(&self.job.model, be.clone(), &Cut::Even(1))?;
         let mut optimizer = AdamW::new(adamw_config(&self.job.train));
         checkpoint.restore(&mut gpt, &mut optimizer, self.job.train.seed)?;
         let state = optimizer.state(&be)?;

@@ -486,7 +486,8 @@ impl RlTrainer {
 /// The whole model of `checkpoint` on a single-threaded CPU backend.
 fn restore(job: &JobConfig, checkpoint: &Checkpoint) -> Result<Gpt<CpuBackend>, RlError> {
     let be = CpuBackend::new(1).map_err(ModelError::from)?;
-    let mut gpt = Gpt::new(&job.model, be, &Cut::Even(1))?;
+    // Blank: the restore sets every parameter (and fails on a missing one).
+    let mut gpt = Gpt::blank(&job.model, be, &Cut::Even(1))?;
     let mut optimizer = AdamW::new(adamw_config(&job.train));
     checkpoint.restore(&mut gpt, &mut optimizer, job.train.seed)?;
     Ok(gpt)

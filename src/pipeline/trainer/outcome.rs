@@ -12,11 +12,10 @@ use super::{PipelineError, PipelineTrainer};
 use crate::config::JobConfig;
 use crate::model::checkpoint::{Checkpoint, HostTensor};
 use crate::model::drafter::state::DrafterState;
-use crate::model::{AdamW, Cut, Gpt, ModelError, OptimizerState};
+use crate::model::{Cut, Gpt, ModelError, OptimizerState};
 use crate::schedules::{ActionKind, CostModel, Plan, StageCost, Timeline, simulate};
 use crate::tensor::CpuBackend;
 use crate::train::StepMetrics;
-use crate::train::reference::adamw_config;
 
 /// What a pipelined run learned and measured.
 #[derive(Debug, Clone)]
@@ -149,9 +148,11 @@ impl PipelineRun {
     /// The trained model, whole, on a single-threaded CPU backend (evaluation, sampling).
     pub fn model(&self) -> Result<Gpt<CpuBackend>, PipelineError> {
         let be = CpuBackend::new(1).map_err(ModelError::from)?;
-        let mut gpt = Gpt::new(&self.job.model, be, &Cut::Even(1))?;
-        for p in &self.params {
-            gpt.set_param(&p.name, &p.data)?;
+        // Blank, then every parameter of the model set from the run's (a missing one fails).
+        let mut gpt = Gpt::blank(&self.job.model, be, &Cut::Even(1))?;
+        for name in gpt.param_names() {
+            let values = self.param_values(&name)?;
+            gpt.set_param(&name, values)?;
         }
         Ok(gpt)
     }
@@ -159,13 +160,19 @@ impl PipelineRun {
     /// A checkpoint of the final parameters and optimizer state, in the reference trainer's
     /// format, so either trainer can resume it, with the drafter's state when the run
     /// trained one.
+    ///
+    /// Straight from the run's host copies: what [`Checkpoint::capture`] of
+    /// [`PipelineRun::model`] and an AdamW loaded with the run's moments would hold (the same
+    /// tensors in the same model order), without building either (`pipefill rl` takes one
+    /// per step).
     pub fn checkpoint(&self) -> Result<Checkpoint, PipelineError> {
-        let gpt = self.model()?;
-        let be = gpt.chunks()[0].backend().clone();
-        let mut optimizer = AdamW::new(adamw_config(&self.job.train));
-        optimizer.load_state(&be, &self.optimizer)?;
-        let mut checkpoint =
-            Checkpoint::capture(&gpt, &optimizer, self.next_step, self.job.train.seed)?;
+        let mut checkpoint = crate::model::checkpoint::sharded::from_state(
+            self.job.model.clone(),
+            self.job.train.seed,
+            self.next_step,
+            self.params.clone(),
+            &self.optimizer,
+        );
         checkpoint.drafter = self.drafter_state.clone();
         Ok(checkpoint)
     }
