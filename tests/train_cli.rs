@@ -326,8 +326,9 @@ fn every_example_config_loads_and_builds_its_plan() {
         assert_eq!(trainer.plan().num_ranks(), job.stages, "{}", path.display());
         seen += 1;
     }
-    // default + one per built-in schedule + the custom-file, auto and RL examples.
-    assert_eq!(seen, 11);
+    // default + one per built-in schedule + the custom-file, auto and two RL examples
+    // (rl.toml, rl-longtail.toml).
+    assert_eq!(seen, 12);
 }
 
 #[test]
