@@ -240,6 +240,20 @@ impl Checkpoint {
         optimizer: &mut AdamW<B>,
         data_seed: u64,
     ) -> Result<(), CheckpointError> {
+        self.restore_model(model, data_seed)?;
+        let be = model.chunks()[0].backend().clone();
+        optimizer.load_state(&be, &self.optimizer_state()?)?;
+        Ok(())
+    }
+
+    /// The parameter half of [`Checkpoint::restore`], with the same checks: for a caller
+    /// that takes the moments as [`Checkpoint::optimizer_state`] (a pipeline hands each
+    /// rank its share) rather than through an optimizer on the model's backend.
+    pub fn restore_model<B: Backend>(
+        &self,
+        model: &mut Gpt<B>,
+        data_seed: u64,
+    ) -> Result<(), CheckpointError> {
         if &self.meta.model != model.config() {
             return Err(CheckpointError::Mismatch(format!(
                 "its model differs from this run's in {}",
@@ -269,8 +283,6 @@ impl Checkpoint {
             }
             model.set_param(&name, &t.data)?;
         }
-        let be = model.chunks()[0].backend().clone();
-        optimizer.load_state(&be, &self.optimizer_state()?)?;
         Ok(())
     }
 

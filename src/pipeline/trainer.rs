@@ -34,10 +34,9 @@ use super::shared::Shared;
 use super::{PipelineError, check_plan};
 use crate::config::{Filler, JobConfig};
 use crate::model::checkpoint::Checkpoint;
-use crate::model::{AdamW, Cut, Gpt, ModelError, OptimizerState};
+use crate::model::{Cut, Gpt, ModelError, OptimizerState};
 use crate::schedules::{AutoReplanner, Plan, ScheduleKind, build, read_plan};
 use crate::tensor::CpuBackend;
-use crate::train::reference::adamw_config;
 
 mod outcome;
 mod run;
@@ -300,10 +299,10 @@ impl PipelineTrainer {
         };
         let be = CpuBackend::new(1).map_err(ModelError::from)?;
         // Blank: the restore sets every parameter (and fails on a missing one).
-        let mut gpt = Gpt::blank(&self.job.model, be.clone(), &Cut::Even(1))?;
-        let mut optimizer = AdamW::new(adamw_config(&self.job.train));
-        checkpoint.restore(&mut gpt, &mut optimizer, self.job.train.seed)?;
-        let state = optimizer.state(&be)?;
-        Ok(Some((gpt, state)))
+        let mut gpt = Gpt::blank(&self.job.model, be, &Cut::Even(1))?;
+        checkpoint.restore_model(&mut gpt, self.job.train.seed)?;
+        // The moments go to the ranks as they are (each rank's optimizer checks its share),
+        // not through an optimizer of the whole model first: two copies fewer per resume.
+        Ok(Some((gpt, checkpoint.optimizer_state()?)))
     }
 }
