@@ -26,7 +26,7 @@ use std::process::Output;
 use pipefill::model::checkpoint::{ADAM_M_PREFIX, ADAM_V_PREFIX, Checkpoint, MASTER_PREFIX};
 
 mod common;
-use common::{clean, text};
+use common::{assert_bitwise, clean, text};
 
 const EXE: &str = env!("CARGO_BIN_EXE_pipefill");
 /// dp = 2 vs dp = 1 from the same policy: (max |Δparam|, relative L2 of the difference).
@@ -85,24 +85,6 @@ fn column(dir: &Path, field: &str) -> Vec<f64> {
 /// `dir`'s final checkpoint.
 fn checkpoint(dir: &Path) -> Checkpoint {
     Checkpoint::load(&dir.join("checkpoint")).unwrap()
-}
-
-/// Asserts that `a` and `b` hold the same tensors, bit for bit.
-fn assert_bitwise(a: &Checkpoint, b: &Checkpoint) {
-    assert_eq!(a.meta.step, b.meta.step);
-    assert_eq!(a.meta.optimizer_step, b.meta.optimizer_step);
-    assert_eq!(a.tensors.len(), b.tensors.len());
-    for (x, y) in a.tensors.iter().zip(&b.tensors) {
-        assert_eq!(x.name, y.name);
-        assert_eq!(x.shape, y.shape);
-        let differ = x
-            .data
-            .iter()
-            .zip(&y.data)
-            .filter(|(p, q)| p.to_bits() != q.to_bits())
-            .count();
-        assert_eq!(differ, 0, "{}: {differ} values differ", x.name);
-    }
 }
 
 #[test]

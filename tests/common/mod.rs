@@ -1,10 +1,12 @@
 //! Helpers shared by the tests that run the `pipefill` binary as child processes (the
-//! launcher tests): a command that does not inherit launcher variables, and a child's output
-//! for assertion messages.
+//! launcher tests): a command that does not inherit launcher variables, a child's output
+//! for assertion messages, and the bitwise comparison of two runs' checkpoints.
 // Each test binary compiles this module and uses only some of it.
 #![allow(dead_code)]
 
 use std::process::{Command, Output};
+
+use pipefill::model::checkpoint::Checkpoint;
 
 /// Variables a rank reads its identity from (pipefill's own, torchrun's, PMI's, Slurm's,
 /// OpenMPI's) and the job token: a test run under a launcher must not pass them on, or its
@@ -35,4 +37,23 @@ pub fn text(out: &Output) -> String {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     )
+}
+
+/// Asserts that `a` and `b` are the same step and hold the same tensors, bit for bit
+/// (names, shapes and values; the optimizer's moments are tensors too).
+pub fn assert_bitwise(a: &Checkpoint, b: &Checkpoint) {
+    assert_eq!(a.meta.step, b.meta.step);
+    assert_eq!(a.meta.optimizer_step, b.meta.optimizer_step);
+    assert_eq!(a.tensors.len(), b.tensors.len());
+    for (x, y) in a.tensors.iter().zip(&b.tensors) {
+        assert_eq!(x.name, y.name);
+        assert_eq!(x.shape, y.shape);
+        let differ = x
+            .data
+            .iter()
+            .zip(&y.data)
+            .filter(|(p, q)| p.to_bits() != q.to_bits())
+            .count();
+        assert_eq!(differ, 0, "{}: {differ} values differ", x.name);
+    }
 }
