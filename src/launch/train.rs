@@ -241,8 +241,13 @@ fn run_rank<B: Backend>(
     resume: Option<&RankResume>,
     links: device::RankLinks<B>,
 ) -> Result<RankRun, DistributedError> {
-    let (rank, world, pp, dp) = (mesh.rank(), mesh.world(), plan.num_ranks(), job.dp);
-    let (replica, prank) = (rank / pp, rank % pp);
+    let device::Placement {
+        rank,
+        replica,
+        pp,
+        dp,
+    } = links.at;
+    let (world, prank) = (mesh.world(), rank % pp);
     let pipeline_err = |error: PipelineError| DistributedError::Pipeline { rank, error };
     let first_step = resume.map_or(0, RankResume::step);
     let peer_err = |e: LinkError| DistributedError::Peer {
@@ -261,6 +266,7 @@ fn run_rank<B: Backend>(
         backend,
         tensors,
         sync,
+        ..
     } = links;
     let sync = sync.map(|sync| Replica {
         index: replica,

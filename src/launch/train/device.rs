@@ -30,6 +30,8 @@ use crate::tensor::{Backend, CpuBackend};
 
 /// A rank's backend and its links to the other ranks.
 pub(super) struct RankLinks<B: Backend> {
+    /// Where the rank sits in the job (the links are built for it).
+    pub(super) at: Placement,
     pub(super) backend: B,
     /// Activations and gradients among the ranks of this rank's pipeline replica.
     pub(super) tensors: Arc<dyn Transport<B::Buf>>,
@@ -96,6 +98,7 @@ fn tcp_links<B: Backend>(
         )) as Arc<dyn GradSync>
     });
     Ok(RankLinks {
+        at,
         backend,
         tensors,
         sync,
@@ -168,6 +171,7 @@ mod cuda {
             None
         };
         Ok(RankLinks {
+            at,
             backend,
             tensors,
             sync,
