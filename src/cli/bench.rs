@@ -57,9 +57,13 @@ pub struct RolloutArgs {
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
-    /// Target training steps before the rollouts.
+    /// Target training steps before the rollouts (ignored with `--init`).
     #[arg(long, default_value_t = 100)]
     steps: u64,
+    /// Take the target from a `pipefill train` run (its checkpoint and `[model]`) instead
+    /// of training one: benchmark your own model, or skip the training on a re-run.
+    #[arg(long, value_name = "RUN_DIR")]
+    init: Option<std::path::PathBuf>,
     /// Drafter training slices on the plain rollout's rows (self-distillation on the
     /// target's own generations). 6000 (about 25 s on 16 Xeon cores) took top-1 agreement
     /// from 71.7% to 80.7% and the acceptance length at K=4 from 2.11 to 2.99 over 1500.
@@ -122,26 +126,54 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
         .map(|s| s.to_string())
         .chain(a.sets.iter().cloned())
         .collect();
-    let job = JobConfig::embedded(&sets).context("bench rollout: the job")?;
+    let mut job = JobConfig::embedded(&sets).context("bench rollout: the job")?;
     let t0 = Instant::now();
-    let mut trainer = Trainer::reference(&job.model, &job.data, &job.train)?;
-    let mut loss = f32::NAN;
-    for _ in 0..a.steps {
-        loss = trainer.train_step()?.loss;
-    }
-    say(
-        a.json,
-        format!(
-            "target: {} layers, d_model {} ({} parameters), trained {} steps on {:?} (last loss {loss:.3}) in {:.1} s",
-            job.model.layers,
-            job.model.d_model,
-            job.model.param_count(),
-            a.steps,
-            job.data.families,
-            t0.elapsed().as_secs_f64()
-        ),
-    );
-    let model: &Gpt<CpuBackend> = trainer.model();
+    // Whichever target is used lives in one of these two.
+    let (trainer, loaded);
+    let (trained, model): (u64, &Gpt<CpuBackend>) = match &a.init {
+        Some(dir) => {
+            let checkpoint = super::rl::init_from(&mut job, dir)?
+                .with_context(|| format!("--init {}: no checkpoint", dir.display()))?;
+            let mut model = Gpt::blank(&job.model, CpuBackend::new(1)?, &Cut::Even(1))?;
+            checkpoint
+                .restore_model(&mut model, job.train.seed)
+                .with_context(|| format!("--init {}", dir.display()))?;
+            let step = checkpoint.meta.step;
+            say(
+                a.json,
+                format!(
+                    "target: {} layers, d_model {} ({} parameters), from {} at step {step}",
+                    job.model.layers,
+                    job.model.d_model,
+                    job.model.param_count(),
+                    dir.display()
+                ),
+            );
+            loaded = model;
+            (step, &loaded)
+        }
+        None => {
+            let mut t = Trainer::reference(&job.model, &job.data, &job.train)?;
+            let mut loss = f32::NAN;
+            for _ in 0..a.steps {
+                loss = t.train_step()?.loss;
+            }
+            say(
+                a.json,
+                format!(
+                    "target: {} layers, d_model {} ({} parameters), trained {} steps on {:?} (last loss {loss:.3}) in {:.1} s",
+                    job.model.layers,
+                    job.model.d_model,
+                    job.model.param_count(),
+                    a.steps,
+                    job.data.families,
+                    t0.elapsed().as_secs_f64()
+                ),
+            );
+            trainer = t;
+            (a.steps, trainer.model())
+        }
+    };
     let requests = long_tail_batch(&job, a.requests)?;
     let stages = InferStage::stages_of(model, &Cut::Even(a.stages))?;
     let mut engine = RolloutEngine::new(stages)?;
@@ -171,9 +203,9 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
     );
     let be = CpuBackend::new(1)?;
     let mut drafter = Drafter::new(&job.model, &job.drafter, be)?;
-    drafter.refresh_from_gpt(model, a.steps)?;
+    drafter.refresh_from_gpt(model, trained)?;
     let buffer = DraftBufferHandle::new(&job.model, &job.drafter);
-    buffer.begin_step(a.steps);
+    buffer.begin_step(trained);
     for row in first.rows.iter().cloned() {
         buffer.lock().push(row)?;
     }

@@ -43,6 +43,20 @@ pub struct RlArgs {
     out_dir: Option<PathBuf>,
 }
 
+/// Which drafter the rollouts start from, for the in-process and the launched run alike:
+/// the starting checkpoint's after `version` optimizer steps, or untrained (`None`).
+pub fn drafter_line(version: Option<u64>) -> String {
+    match version {
+        Some(steps) => format!(
+            "drafter: the starting checkpoint's (trained in its run's bubbles, {steps} optimizer \
+             steps)"
+        ),
+        None => "drafter: untrained (the starting checkpoint has none; a `pipefill train` run \
+                 with filler = \"drafter\" trains one in its bubbles)"
+            .into(),
+    }
+}
+
 pub fn run(args: RlArgs) -> anyhow::Result<()> {
     let mut sets = args.set.clone();
     if let Some(steps) = args.steps {
@@ -122,20 +136,14 @@ pub fn run(args: RlArgs) -> anyhow::Result<()> {
              by a bandit), drafter trained {} slices per step on the rollouts",
             rl.spec_threshold, rl.draft_k, rl.drafter_slices
         );
-        match &checkpoint.drafter {
-            Some(state) => {
-                engine = engine.with_drafter(state)?;
-                println!(
-                    "drafter: the starting checkpoint's (trained in its run's bubbles, {} \
-                     optimizer steps)",
-                    engine.drafter_version()
-                );
-            }
-            None => println!(
-                "drafter: untrained (the starting checkpoint has none; a `pipefill train` run \
-                 with filler = \"drafter\" trains one in its bubbles)"
-            ),
+        if let Some(state) = &checkpoint.drafter {
+            engine = engine.with_drafter(state)?;
         }
+        let version = checkpoint
+            .drafter
+            .is_some()
+            .then(|| engine.drafter_version());
+        println!("{}", drafter_line(version));
     } else {
         println!("rollouts: plain sampling (rl.speculation = false)");
     }
@@ -236,7 +244,7 @@ fn idle_line(m: &RlStepMetrics) -> String {
 
 /// The checkpoint of the `pipefill train` run in `dir`, adopting its `[model]` and data
 /// seed (the checkpoint holds that model, trained on that stream).
-fn init_from(job: &mut JobConfig, dir: &Path) -> anyhow::Result<Option<Checkpoint>> {
+pub(super) fn init_from(job: &mut JobConfig, dir: &Path) -> anyhow::Result<Option<Checkpoint>> {
     let job_path = dir.join("job.toml");
     let init = JobConfig::load(&job_path, &[])
         .with_context(|| format!("--init {}: not a pipefill train run", dir.display()))?;
