@@ -20,47 +20,21 @@ use pipefill::comm::collective::RingGradSync;
 use pipefill::comm::link::{InProcessLink, PeerLink};
 use pipefill::comm::tcp::{MeshOptions, TcpMesh};
 use pipefill::config::JobConfig;
-use pipefill::data::DataConfig;
-use pipefill::model::GptConfig;
 use pipefill::pipeline::shared::Replica;
 use pipefill::pipeline::{PipelineRun, PipelineTrainer};
 use pipefill::schedules::{ScheduleKind, build};
-use pipefill::train::TrainConfig;
+
+mod common;
+use common::job::tiny_job;
 
 const STEPS: u64 = 3;
 const PP: usize = 2;
 const MAX_ABS_DIFF: f32 = 1e-5;
 const MAX_REL_L2: f64 = 1e-6;
 
+/// The tiny job over `PP` stages (clipped on some steps).
 fn job() -> JobConfig {
-    JobConfig {
-        schedule: "1f1b".into(),
-        stages: PP,
-        model: GptConfig {
-            d_model: 16,
-            heads: 2,
-            layers: 4,
-            seq_len: 16,
-            mlp_ratio: 2,
-            ..GptConfig::default()
-        },
-        data: DataConfig {
-            summary_tasks: 1,
-            ..DataConfig::default()
-        },
-        train: TrainConfig {
-            steps: STEPS,
-            micro_batches: 4,
-            micro_batch_size: 2,
-            lr: 1e-2,
-            warmup: 1,
-            clip: 0.8,
-            threads: 1,
-            eval_tasks: 0,
-            ..TrainConfig::default()
-        },
-        ..JobConfig::default()
-    }
+    tiny_job(PP, STEPS)
 }
 
 /// Runs `dp` replicas of the 1F1B pipeline on threads of this process, joined by the

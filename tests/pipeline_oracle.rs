@@ -21,52 +21,32 @@ use std::path::Path;
 use std::sync::OnceLock;
 
 use pipefill::config::JobConfig;
-use pipefill::data::DataConfig;
-use pipefill::model::GptConfig;
 use pipefill::pipeline::{Clock, PipelineError, PipelineRun, PipelineTrainer, StepMode};
 use pipefill::schedules::{ScheduleKind, build, read_plan};
-use pipefill::train::{StepMetrics, TrainConfig, Trainer};
+use pipefill::train::{StepMetrics, Trainer};
+
+mod common;
+use common::job::{TINY_CLIP, tiny_job};
 
 const STEPS: u64 = 3;
 const MAX_ABS_DIFF: f32 = 0.0;
 /// Small enough that the gradient norm exceeds it on some steps (asserted below), so the
 /// clipped path is compared too.
-const CLIP: f32 = 0.8;
+const CLIP: f32 = TINY_CLIP;
 
 fn job(stages: usize) -> JobConfig {
     job_clipped_at(stages, CLIP)
 }
 
-/// The test job with `train.clip = clip` (0: no clipping).
+/// The test job with `train.clip = clip` (0: no clipping): the tiny job, 8 layers deep and
+/// 8 micro-batches wide, with no schedule of its own (each test names its plan).
 fn job_clipped_at(stages: usize, clip: f32) -> JobConfig {
-    JobConfig {
-        schedule: "none".into(),
-        stages,
-        model: GptConfig {
-            d_model: 16,
-            heads: 2,
-            layers: 8,
-            seq_len: 16,
-            mlp_ratio: 2,
-            ..GptConfig::default()
-        },
-        data: DataConfig {
-            summary_tasks: 1,
-            ..DataConfig::default()
-        },
-        train: TrainConfig {
-            steps: STEPS,
-            micro_batches: 8,
-            micro_batch_size: 2,
-            lr: 1e-2,
-            warmup: 1,
-            clip,
-            threads: 1,
-            eval_tasks: 0,
-            ..TrainConfig::default()
-        },
-        ..JobConfig::default()
-    }
+    let mut job = tiny_job(stages, STEPS);
+    job.schedule = "none".into();
+    job.model.layers = 8;
+    job.train.micro_batches = 8;
+    job.train.clip = clip;
+    job
 }
 
 /// The reference trainer's metrics and final parameters (same for every stage count).

@@ -14,54 +14,20 @@
 use std::path::Path;
 
 use pipefill::config::{Filler, JobConfig};
-use pipefill::data::DataConfig;
-use pipefill::model::GptConfig;
 use pipefill::model::checkpoint::Checkpoint;
 use pipefill::model::checkpoint::sharded::{
     Layout, job_fingerprint, latest, load_sharded, param_stages, save_sharded, step_dir,
 };
 use pipefill::pipeline::{PipelineRun, PipelineTrainer, StepView};
-use pipefill::train::TrainConfig;
+
+mod common;
+use common::job::{one_replica_layout, sorted_bits, tiny_job};
 
 const STEPS: u64 = 6;
 
+/// Two stages, clipped on some steps (the clipped path is resumed too).
 fn job() -> JobConfig {
-    JobConfig {
-        schedule: "1f1b".into(),
-        stages: 2,
-        model: GptConfig {
-            d_model: 16,
-            heads: 2,
-            layers: 4,
-            seq_len: 16,
-            mlp_ratio: 2,
-            ..GptConfig::default()
-        },
-        data: DataConfig {
-            summary_tasks: 1,
-            ..DataConfig::default()
-        },
-        train: TrainConfig {
-            steps: STEPS,
-            micro_batches: 4,
-            micro_batch_size: 2,
-            lr: 1e-2,
-            warmup: 1,
-            // Small enough that some steps clip: the clipped path is resumed too.
-            clip: 0.8,
-            threads: 1,
-            eval_tasks: 0,
-            ..TrainConfig::default()
-        },
-        ..JobConfig::default()
-    }
-}
-
-fn layout(trainer: &PipelineTrainer) -> Layout {
-    Layout {
-        dp: 1,
-        stage_rank: trainer.plan().stage_rank.clone(),
-    }
+    tiny_job(2, STEPS)
 }
 
 /// Saves `run`'s final state under `run_dir` in the sharded form.
@@ -72,25 +38,12 @@ fn save(run_dir: &Path, trainer: &PipelineTrainer, run: &PipelineRun) {
     let manifest = save_sharded(
         &dir,
         &run.checkpoint().unwrap(),
-        &layout(trainer),
+        &one_replica_layout(trainer),
         &stages,
         &job_fingerprint(job),
     )
     .unwrap();
     assert_eq!(manifest.shards.len(), 2, "one shard per rank");
-}
-
-fn bits(c: &Checkpoint) -> Vec<(String, Vec<usize>, Vec<u32>)> {
-    let mut t: Vec<_> = c
-        .tensors
-        .iter()
-        .map(|t| {
-            let b = t.data.iter().map(|x| x.to_bits()).collect();
-            (t.name.clone(), t.shape.clone(), b)
-        })
-        .collect();
-    t.sort_by(|a, b| a.0.cmp(&b.0));
-    t
 }
 
 #[test]
@@ -105,7 +58,7 @@ fn three_steps_resume_three_steps_equals_six_bit_for_bit() {
     let dir = latest(run_dir.path())
         .unwrap()
         .expect("a complete checkpoint");
-    let back = load_sharded(&dir, &layout(&trainer), &job_fingerprint(&job)).unwrap();
+    let back = load_sharded(&dir, &one_replica_layout(&trainer), &job_fingerprint(&job)).unwrap();
     assert_eq!(back.meta.step, 3);
     let rest = trainer.clone().resume(&back).run(3, |_| {}).unwrap();
 
@@ -117,7 +70,7 @@ fn three_steps_resume_three_steps_equals_six_bit_for_bit() {
     );
     assert_eq!(a.meta.optimizer_step, b.meta.optimizer_step);
     assert!(
-        bits(&a) == bits(&b),
+        sorted_bits(&a) == sorted_bits(&b),
         "parameters or moments differ after resume"
     );
     // Same data in the same order: the losses of the resumed steps are the same bits.
@@ -131,7 +84,7 @@ fn three_steps_resume_three_steps_equals_six_bit_for_bit() {
     assert_eq!(losses(&rest, 3), losses(&whole, 3));
     // The state did move: the checkpoint is not the initial model.
     let init = trainer.run(1, |_| {}).unwrap().checkpoint().unwrap();
-    assert!(bits(&init) != bits(&back));
+    assert!(sorted_bits(&init) != sorted_bits(&back));
 }
 
 #[test]
@@ -145,9 +98,13 @@ fn a_checkpoint_of_another_job_or_layout_is_refused() {
 
     let mut other = job.clone();
     other.train.lr = 2e-2;
-    let err = load_sharded(&dir, &layout(&trainer), &job_fingerprint(&other))
-        .unwrap_err()
-        .to_string();
+    let err = load_sharded(
+        &dir,
+        &one_replica_layout(&trainer),
+        &job_fingerprint(&other),
+    )
+    .unwrap_err()
+    .to_string();
     assert!(err.contains("job settings"), "{err}");
 
     // Going further (more steps) is the same job: allowed.
@@ -157,7 +114,7 @@ fn a_checkpoint_of_another_job_or_layout_is_refused() {
 
     let four = Layout {
         dp: 2,
-        ..layout(&trainer)
+        ..one_replica_layout(&trainer)
     };
     let err = load_sharded(&dir, &four, &job_fingerprint(&job))
         .unwrap_err()
@@ -180,15 +137,15 @@ fn a_run_checkpointing_every_three_steps_resumes_from_its_middle_checkpoint_bit_
         latest(run_dir.path()).unwrap(),
         Some(step_dir(run_dir.path(), 6))
     );
-    let (layout, hash) = (layout(&trainer), job_fingerprint(&job));
+    let (layout, hash) = (one_replica_layout(&trainer), job_fingerprint(&job));
     let last = load_sharded(&step_dir(run_dir.path(), 6), &layout, &hash).unwrap();
-    assert!(bits(&last) == bits(&whole.checkpoint().unwrap()));
+    assert!(sorted_bits(&last) == sorted_bits(&whole.checkpoint().unwrap()));
     assert_eq!(last.meta.optimizer_step, 6);
 
     // As if the run had stopped after step 3: resume from that checkpoint.
     let middle = load_sharded(&step_dir(run_dir.path(), 3), &layout, &hash).unwrap();
     let rest = trainer.resume(&middle).run(3, |_| {}).unwrap();
-    assert!(bits(&rest.checkpoint().unwrap()) == bits(&whole.checkpoint().unwrap()));
+    assert!(sorted_bits(&rest.checkpoint().unwrap()) == sorted_bits(&whole.checkpoint().unwrap()));
 }
 
 #[test]
@@ -227,7 +184,7 @@ fn the_drafter_is_saved_with_the_checkpoint_and_a_resumed_run_continues_it() {
         back.drafter.as_ref() == Some(&state),
         "whole checkpoint round trip"
     );
-    let (layout, hash) = (layout(&trainer), job_fingerprint(&job));
+    let (layout, hash) = (one_replica_layout(&trainer), job_fingerprint(&job));
     let periodic = load_sharded(&step_dir(run_dir.path(), 3), &layout, &hash).unwrap();
     let saved = periodic
         .drafter
@@ -256,5 +213,5 @@ fn the_drafter_is_saved_with_the_checkpoint_and_a_resumed_run_continues_it() {
     );
     assert!(rest.drafter_state().unwrap().weights.version > version);
     // Filling never touches the target: it ends where 6 uninterrupted steps end.
-    assert!(bits(&rest.checkpoint().unwrap()) == bits(&whole.checkpoint().unwrap()));
+    assert!(sorted_bits(&rest.checkpoint().unwrap()) == sorted_bits(&whole.checkpoint().unwrap()));
 }

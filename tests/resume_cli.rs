@@ -4,10 +4,14 @@
 //! checkpoint, never one without its manifest; a corrupted shard is refused in one line.
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
 use pipefill::model::checkpoint::Checkpoint;
 use pipefill::model::checkpoint::sharded::{MANIFEST_FILE, step_dir};
+
+mod common;
+use common::job::{TensorBits, sorted_bits};
+use common::{clean, text};
 
 const EXE: &str = env!("CARGO_BIN_EXE_pipefill");
 
@@ -25,8 +29,9 @@ const JOB: &[&str] = &[
     "data.summary_tasks=50",
 ];
 
+/// `pipefill train --steps 4` of [`JOB`] into `out`, with no launcher variables inherited.
 fn train(extra: &[&str], out: &Path) -> Output {
-    let mut cmd = Command::new(EXE);
+    let mut cmd = clean(EXE);
     cmd.args(["train", "--steps", "4"]).args(extra);
     for s in JOB {
         cmd.args(["--set", s]);
@@ -34,23 +39,9 @@ fn train(extra: &[&str], out: &Path) -> Output {
     cmd.arg("--out-dir").arg(out).output().unwrap()
 }
 
-fn text(out: &Output) -> String {
-    format!(
-        "stdout:\n{}\nstderr:\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
-}
-
-fn bits(dir: &Path) -> Vec<(String, Vec<u32>)> {
-    let c = Checkpoint::load(dir).unwrap();
-    let mut t: Vec<_> = c
-        .tensors
-        .iter()
-        .map(|t| (t.name.clone(), t.data.iter().map(|x| x.to_bits()).collect()))
-        .collect();
-    t.sort();
-    t
+/// The tensors of the whole checkpoint in `dir`.
+fn bits(dir: &Path) -> TensorBits {
+    sorted_bits(&Checkpoint::load(dir).unwrap())
 }
 
 #[test]

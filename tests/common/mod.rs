@@ -1,8 +1,12 @@
-//! Helpers shared by the tests that run the `pipefill` binary as child processes (the
-//! launcher tests): a command that does not inherit launcher variables, a child's output
-//! for assertion messages, and the bitwise comparison of two runs' checkpoints.
+//! Helpers shared by the integration tests. Here: for the tests that run the `pipefill`
+//! binary as child processes (the launcher and CLI tests), a command that does not inherit
+//! launcher variables, a child's output for assertion messages, and the bitwise comparison
+//! of two runs' checkpoints. [`job`]: the tiny in-process training job and the checkpoint
+//! bits the resume, data-parallel and oracle tests compare.
 // Each test binary compiles this module and uses only some of it.
 #![allow(dead_code)]
+
+pub mod job;
 
 use std::process::{Command, Output};
 
