@@ -87,6 +87,7 @@ mod buffer;
 mod linear;
 pub mod loss;
 mod net;
+mod packed;
 mod propose;
 pub mod state;
 #[cfg(test)]

@@ -54,6 +54,8 @@ pub struct Drafter<B: Backend> {
     /// Frozen `head.w: [d, vocab]`.
     pub(super) head: B::Buf,
     pub(super) frozen_step: Option<u64>,
+    /// The proposal's packed weights and memo: dropped by every `&mut` path to the weights.
+    pub(super) packs: super::packed::PackCache,
 }
 
 impl<B: Backend> Drafter<B> {
@@ -80,6 +82,7 @@ impl<B: Backend> Drafter<B> {
             tok: init::normal(target.seed, FROZEN[0], v * d, init::INIT_STD),
             head: be.from_host(&head, be.storage_dtype())?,
             frozen_step: None,
+            packs: Default::default(),
             target: target.clone(),
             config: config.clone(),
             be,
@@ -127,6 +130,7 @@ impl<B: Backend> Drafter<B> {
             }
             .into());
         }
+        self.packs.invalidate();
         if name == FROZEN[0] {
             self.tok = values.to_vec();
         } else {
@@ -168,7 +172,9 @@ impl<B: Backend> Drafter<B> {
         v
     }
 
+    /// The trainable parameters, to change: the proposal's packed copies are dropped.
     pub fn params_mut(&mut self) -> Vec<&mut Param<B>> {
+        self.packs.invalidate();
         let mut v = self.fc.params_mut();
         v.extend(self.block.params_mut());
         v

@@ -13,9 +13,11 @@
 use std::collections::BTreeMap;
 
 use super::loss::argmax;
+use super::packed::{KvMemo, PackedDrafter};
 use super::{Drafter, DrafterError, Result};
 use crate::data::SplitMix64;
 use crate::model::infer::attend::attend;
+use crate::model::infer::rowmul::rowmul;
 use crate::tensor::{Backend, DType, Gemm};
 
 /// One live sequence as the target left it: its last `n ≥ 1` pairs `(h_i, x_{i+1})`:
@@ -35,11 +37,32 @@ pub struct DraftChain {
     pub probs: Vec<f32>,
 }
 
+/// Where a proposal's products run: the packed host copies and the memo of context
+/// pairs, or the backend's GEMM (a device backend, or a test's reference).
+enum Products<'a> {
+    Packed(&'a PackedDrafter, &'a mut KvMemo),
+    Backend,
+}
+
+/// The drafter matrices a proposal multiplies by.
+#[derive(Clone, Copy)]
+enum Mat {
+    Fc,
+    Q,
+    /// `[wk | wv]`: a row's key and value side by side.
+    Kv,
+    O,
+    W1,
+    W2,
+    Head,
+}
+
 impl<B: Backend> Drafter<B> {
     /// Drafts `k` tokens for each context. `temperature = 0` drafts greedily (argmax, `q` is
     /// the softmax of the logits); otherwise tokens are sampled from
     /// `q = softmax(logits / temperature)` with `rng`. Contexts longer than `window` pairs
-    /// are cut to their last `window`.
+    /// are cut to their last `window`. On the host backend the first proposal after a
+    /// weight change packs the weights (see [`super::packed`]).
     pub fn propose(
         &mut self,
         contexts: &[DraftContext<'_>],
@@ -47,16 +70,41 @@ impl<B: Backend> Drafter<B> {
         temperature: f32,
         rng: &mut SplitMix64,
     ) -> Result<Vec<DraftChain>> {
-        let (d, v) = (self.target.d_model, self.target.vocab);
         if !(temperature >= 0.0 && temperature.is_finite()) {
             return Err(DrafterError::Input {
                 what: "proposal",
                 reason: format!("temperature {temperature} is not a finite number ≥ 0"),
             });
         }
-        // Per sequence: the fc inputs of its last `window` pairs, `[rows, 2d]`.
-        let mut inputs = Vec::with_capacity(contexts.len());
-        let mut groups: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+        let host = self.host_products();
+        // The cache is taken out for the call, so that the weights it packs from and the
+        // backend stay borrowed shared; it goes back whatever the outcome.
+        let mut cache = std::mem::take(&mut self.packs);
+        let result = (|| {
+            let mut products = if host {
+                let (packed, memo) = cache.ensure(self)?;
+                Products::Packed(packed, memo)
+            } else {
+                Products::Backend
+            };
+            self.propose_with(&mut products, contexts, k, temperature, rng)
+        })();
+        self.packs = cache;
+        result
+    }
+
+    fn propose_with(
+        &self,
+        products: &mut Products<'_>,
+        contexts: &[DraftContext<'_>],
+        k: usize,
+        temperature: f32,
+        rng: &mut SplitMix64,
+    ) -> Result<Vec<DraftChain>> {
+        let (d, v) = (self.target.d_model, self.target.vocab);
+        // Per sequence: the first of its last `window` pairs; sequences are grouped by
+        // how many pairs that leaves.
+        let mut groups: BTreeMap<usize, Vec<(usize, usize)>> = BTreeMap::new();
         for (i, c) in contexts.iter().enumerate() {
             let n = c.tokens.len();
             let bad = |reason: String| DrafterError::Input {
@@ -73,12 +121,7 @@ impl<B: Backend> Drafter<B> {
                 return Err(bad(format!("token {t} is outside the vocabulary {v}")));
             }
             let from = n.saturating_sub(self.config.window);
-            let mut x = Vec::with_capacity((n - from + k) * 2 * d);
-            for t in from..n {
-                self.push_pair(&mut x, c.tokens[t], &c.hidden[t * d..(t + 1) * d]);
-            }
-            groups.entry(n - from).or_default().push(i);
-            inputs.push(x);
+            groups.entry(n - from).or_default().push((i, from));
         }
         let mut chains = vec![
             DraftChain {
@@ -90,25 +133,26 @@ impl<B: Backend> Drafter<B> {
         for (&n, members) in &groups {
             let batch = members.len();
             let mut caches = vec![(Vec::new(), Vec::new()); batch];
-            let mut x = Vec::with_capacity(batch * n * 2 * d);
-            members
-                .iter()
-                .for_each(|&i| x.extend_from_slice(&inputs[i]));
-            let mut last = self.block_step(&x, n, &mut caches)?;
+            let mut tokens = Vec::with_capacity(batch * n);
+            let mut hidden = Vec::with_capacity(batch * n * d);
+            for &(i, from) in members {
+                tokens.extend_from_slice(&contexts[i].tokens[from..]);
+                hidden.extend_from_slice(&contexts[i].hidden[from * d..]);
+            }
+            let mut last = self.block_step(products, &tokens, &hidden, n, &mut caches, true)?;
             for j in 0..k {
-                let logits = self.be.to_host(
-                    &self.logits(&self.be.from_host(&last, self.be.storage_dtype())?, batch)?,
-                )?;
-                x.clear();
-                for (m, &i) in members.iter().enumerate() {
-                    let z = &logits[m * v..(m + 1) * v];
-                    let (token, q) = draw(z, temperature, rng);
+                let logits = self.product(products, Mat::Head, &last, batch)?;
+                tokens.clear();
+                for (m, &(i, _)) in members.iter().enumerate() {
+                    let (token, q) = draw(&logits[m * v..(m + 1) * v], temperature, rng);
                     chains[i].tokens.push(token);
                     chains[i].probs.extend_from_slice(&q);
-                    self.push_pair(&mut x, token, &last[m * d..(m + 1) * d]);
+                    tokens.push(token);
                 }
                 if j + 1 < k {
-                    last = self.block_step(&x, 1, &mut caches)?;
+                    // The next pair of each sequence: its predicted hidden state and the
+                    // token just drafted from it.
+                    last = self.block_step(products, &tokens, &last, 1, &mut caches, false)?;
                 }
             }
         }
@@ -123,74 +167,176 @@ impl<B: Backend> Drafter<B> {
         x.extend_from_slice(hidden);
     }
 
-    /// Runs `new` fc input rows per member (`x: [members·new, 2d]`) through `fc` and the
-    /// block, attending over each member's cache (extended by these rows); returns the
-    /// block output at each member's last row, `[members, d]`.
+    /// Runs `new` pairs per member (`tokens: [members·new]`, `hidden: [members·new, d]`)
+    /// through `fc` and the block, attending over each member's cache (extended by these
+    /// pairs); returns the block output at each member's last pair, `[members, d]`.
+    ///
+    /// Rows are independent but for attention, so the pairs before a member's last one
+    /// need only their key and value (taken from the memo when `remember` and known, and
+    /// remembered when computed); the query, the attention and the rest of the block run
+    /// on the last pair alone.
     fn block_step(
         &self,
-        x: &[f32],
+        products: &mut Products<'_>,
+        tokens: &[u32],
+        hidden: &[f32],
         new: usize,
         caches: &mut [(Vec<f32>, Vec<f32>)],
+        remember: bool,
     ) -> Result<Vec<f32>> {
-        let be = &self.be;
-        let dt = be.storage_dtype();
-        let (d, heads, eps) = (self.target.d_model, self.target.heads, self.target.norm_eps);
-        let hidden = self.target.mlp_hidden();
-        let rows = caches.len() * new;
-        let linear = |x: &B::Buf, w: &B::Buf, din: usize, dout: usize| -> Result<B::Buf> {
-            let mut y = be.zeros(rows * dout, dt)?;
-            be.matmul(x, w, &mut y, Gemm::nn(rows, din, dout))?;
-            Ok(y)
-        };
-        let rmsnorm = |x: &B::Buf, w: &B::Buf| -> Result<B::Buf> {
-            let mut y = be.zeros(rows * d, dt)?;
-            let mut rstd = be.zeros(rows, DType::F32)?;
-            be.rmsnorm_fwd(x, w, &mut y, &mut rstd, rows, d, eps)?;
-            Ok(y)
-        };
-        let blk = &self.block;
-        let z = linear(&be.from_host(x, dt)?, &self.fc.w.value, 2 * d, d)?;
-        let a = rmsnorm(&z, &blk.norm1.weight.value)?;
-        let [q, k, v] = [&blk.attn.wq, &blk.attn.wk, &blk.attn.wv]
-            .map(|w| linear(&a, &w.value, d, d).and_then(|y| Ok(be.to_host(&y)?)));
-        let (q, k, v) = (q?, k?, v?);
-        let mut o = vec![0.0f32; rows * d];
-        let mut scores = Vec::new();
-        for (b, (kc, vc)) in caches.iter_mut().enumerate() {
-            let past = kc.len() / d;
-            kc.extend_from_slice(&k[b * new * d..(b + 1) * new * d]);
-            vc.extend_from_slice(&v[b * new * d..(b + 1) * new * d]);
-            for r in 0..new {
-                let row = (b * new + r) * d;
-                let out = &mut o[row..row + d];
-                attend(
-                    &q[row..row + d],
-                    kc,
-                    vc,
-                    past + r + 1,
-                    heads,
-                    &mut scores,
-                    out,
-                );
+        let (d, heads) = (self.target.d_model, self.target.heads);
+        let (members, rows) = (caches.len(), caches.len() * new);
+        let pair = |i: usize| &hidden[i * d..(i + 1) * d];
+        let is_last = |i: usize| i % new == new - 1;
+        let mut kv = vec![0.0f32; rows * 2 * d];
+        let mut todo = Vec::with_capacity(rows);
+        for i in 0..rows {
+            let known = match products {
+                Products::Packed(_, memo) if remember && !is_last(i) => {
+                    memo.get(tokens[i], pair(i))
+                }
+                _ => None,
+            };
+            match known {
+                Some(row) => kv[i * 2 * d..(i + 1) * 2 * d].copy_from_slice(row),
+                None => todo.push(i),
             }
         }
-        let y = linear(&be.from_host(&o, dt)?, &blk.attn.wo.value, d, d)?;
-        let mut h = be.zeros(rows * d, dt)?;
-        be.add(&z, &y, &mut h)?;
-        let c = rmsnorm(&h, &blk.norm2.weight.value)?;
-        let u = linear(&c, &blk.mlp.w1.value, d, hidden)?;
-        let mut g = be.zeros(rows * hidden, dt)?;
-        be.activation_fwd(self.target.activation, &u, &mut g)?;
-        let m = linear(&g, &blk.mlp.w2.value, hidden, d)?;
-        let mut out = be.zeros(rows * d, dt)?;
-        be.add(&h, &m, &mut out)?;
-        let f = be.to_host(&out)?;
-        let mut last = Vec::with_capacity(caches.len() * d);
-        for b in 0..caches.len() {
-            let row = b * new + new - 1;
-            last.extend_from_slice(&f[row * d..(row + 1) * d]);
+        let mut x = Vec::with_capacity(todo.len() * 2 * d);
+        for &i in &todo {
+            self.push_pair(&mut x, tokens[i], pair(i));
         }
-        Ok(last)
+        let blk = &self.block;
+        let z = self.product(products, Mat::Fc, &x, todo.len())?;
+        let a = self.norm(&z, &blk.norm1.weight.value, todo.len())?;
+        let computed = self.product(products, Mat::Kv, &a, todo.len())?;
+        let (mut z_last, mut a_last) = (Vec::with_capacity(members * d), Vec::new());
+        for (t, &i) in todo.iter().enumerate() {
+            let row = &computed[t * 2 * d..(t + 1) * 2 * d];
+            kv[i * 2 * d..(i + 1) * 2 * d].copy_from_slice(row);
+            if let (true, Products::Packed(_, memo)) = (remember, &mut *products) {
+                memo.insert(tokens[i], pair(i), row);
+            }
+            if is_last(i) {
+                z_last.extend_from_slice(&z[t * d..(t + 1) * d]);
+                a_last.extend_from_slice(&a[t * d..(t + 1) * d]);
+            }
+        }
+        let q = self.product(products, Mat::Q, &a_last, members)?;
+        let mut o = vec![0.0f32; members * d];
+        let mut scores = Vec::new();
+        for (b, (kc, vc)) in caches.iter_mut().enumerate() {
+            for row in kv[b * new * 2 * d..(b + 1) * new * 2 * d].chunks_exact(2 * d) {
+                kc.extend_from_slice(&row[..d]);
+                vc.extend_from_slice(&row[d..]);
+            }
+            let out = &mut o[b * d..(b + 1) * d];
+            attend(
+                &q[b * d..(b + 1) * d],
+                kc,
+                vc,
+                kc.len() / d,
+                heads,
+                &mut scores,
+                out,
+            );
+        }
+        let y = self.product(products, Mat::O, &o, members)?;
+        let h: Vec<f32> = z_last.iter().zip(&y).map(|(a, b)| a + b).collect();
+        let c = self.norm(&h, &blk.norm2.weight.value, members)?;
+        let u = self.product(products, Mat::W1, &c, members)?;
+        let g = self.activate(&u)?;
+        let m = self.product(products, Mat::W2, &g, members)?;
+        Ok(h.iter().zip(&m).map(|(a, b)| a + b).collect())
+    }
+
+    /// `x·W` for `x: [rows, din]` on the host, `W` being matrix `which`.
+    fn product(
+        &self,
+        products: &Products<'_>,
+        which: Mat,
+        x: &[f32],
+        rows: usize,
+    ) -> Result<Vec<f32>> {
+        let (d, v, hidden) = (
+            self.target.d_model,
+            self.target.vocab,
+            self.target.mlp_hidden(),
+        );
+        if rows == 0 {
+            return Ok(Vec::new());
+        }
+        if let Products::Packed(p, _) = products {
+            let w = match which {
+                Mat::Fc => &p.fc,
+                Mat::Q => &p.wq,
+                Mat::Kv => &p.wkv,
+                Mat::O => &p.wo,
+                Mat::W1 => &p.w1,
+                Mat::W2 => &p.w2,
+                Mat::Head => &p.head,
+            };
+            return Ok(rowmul(x, w, rows));
+        }
+        let be = &self.be;
+        let dt = be.storage_dtype();
+        let xb = be.from_host(x, dt)?;
+        let mm = |w: &B::Buf, din: usize, dout: usize| -> Result<Vec<f32>> {
+            let mut y = be.zeros(rows * dout, dt)?;
+            be.matmul(&xb, w, &mut y, Gemm::nn(rows, din, dout))?;
+            Ok(be.to_host(&y)?)
+        };
+        let (blk, attn) = (&self.block, &self.block.attn);
+        match which {
+            Mat::Fc => mm(&self.fc.w.value, 2 * d, d),
+            Mat::Q => mm(&attn.wq.value, d, d),
+            Mat::Kv => {
+                let (k, v) = (mm(&attn.wk.value, d, d)?, mm(&attn.wv.value, d, d)?);
+                let mut kv = Vec::with_capacity(rows * 2 * d);
+                for (k, v) in k.chunks_exact(d).zip(v.chunks_exact(d)) {
+                    kv.extend_from_slice(k);
+                    kv.extend_from_slice(v);
+                }
+                Ok(kv)
+            }
+            Mat::O => mm(&attn.wo.value, d, d),
+            Mat::W1 => mm(&blk.mlp.w1.value, d, hidden),
+            Mat::W2 => mm(&blk.mlp.w2.value, hidden, d),
+            Mat::Head => mm(&self.head, d, v),
+        }
+    }
+
+    /// RMSNorm of `x: [rows, d]` with gain `w`, through the backend (the training kernel).
+    fn norm(&self, x: &[f32], w: &B::Buf, rows: usize) -> Result<Vec<f32>> {
+        let be = &self.be;
+        let (d, eps) = (self.target.d_model, self.target.norm_eps);
+        if rows == 0 {
+            return Ok(Vec::new());
+        }
+        let mut y = be.zeros(rows * d, be.storage_dtype())?;
+        let mut rstd = be.zeros(rows, DType::F32)?;
+        be.rmsnorm_fwd(
+            &be.from_host(x, be.storage_dtype())?,
+            w,
+            &mut y,
+            &mut rstd,
+            rows,
+            d,
+            eps,
+        )?;
+        Ok(be.to_host(&y)?)
+    }
+
+    /// The MLP's activation of `x`, through the backend (the training kernel).
+    fn activate(&self, x: &[f32]) -> Result<Vec<f32>> {
+        let be = &self.be;
+        let mut y = be.zeros(x.len(), be.storage_dtype())?;
+        be.activation_fwd(
+            self.target.activation,
+            &be.from_host(x, be.storage_dtype())?,
+            &mut y,
+        )?;
+        Ok(be.to_host(&y)?)
     }
 }
 

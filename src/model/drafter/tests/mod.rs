@@ -1,11 +1,13 @@
 //! Tests of the drafter: finite-difference gradient checks of its new pieces (fc, the
 //! soft cross-entropy, SmoothL1, the whole drafter), the buffer and the config here;
-//! training, replicas, capture and proposals in [`train`].
+//! training, replicas, capture and proposals in [`train`]; the packed proposal path in
+//! [`propose`].
 //!
 //! Gradient checks follow `model/layers/tests.rs`: central differences with `h = 1e-2`,
 //! the objective summed in `f64`, parameters drawn at scale 0.5, and a relative error
 //! `‖g − g_fd‖ / max(‖g‖, ‖g_fd‖) < 1e-2` per tensor.
 
+mod propose;
 mod train;
 
 use super::loss::{smooth_l1, soft_cross_entropy};

@@ -1,0 +1,199 @@
+//! Proposals through the packed host weights ([`super::super::packed`]): they equal the
+//! backend GEMM's proposals, do not depend on the batch or on what the memo holds, and
+//! follow every weight change.
+
+use super::*;
+
+/// A drafter of `cfg` with weights at scale 0.3 (norm gains around 1), so that logits are
+/// far apart and a greedy draft is not decided by rounding.
+fn drafter(cfg: &GptConfig, window: usize, seed: u64) -> Drafter<CpuBackend> {
+    let dc = DrafterConfig {
+        window,
+        ..DrafterConfig::default()
+    };
+    let be = be();
+    let mut d = Drafter::new(cfg, &dc, be.clone()).unwrap();
+    for p in d.params_mut() {
+        let mut v = normal(seed, &p.name, p.numel(), 0.3);
+        if p.name.contains("norm") {
+            v.iter_mut().for_each(|x| *x += 1.0);
+        }
+        p.value = be.from_host(&v, DType::F32).unwrap();
+    }
+    let n = cfg.vocab * cfg.d_model;
+    d.refresh("head.w", &normal(seed, "head", n, 0.3), 0).unwrap();
+    d.refresh("embed.tok", &normal(seed, "tok", n, 0.3), 0).unwrap();
+    d
+}
+
+/// `n` pairs of random hidden states and tokens.
+fn pairs(cfg: &GptConfig, n: usize, seed: u64) -> (Vec<f32>, Vec<u32>) {
+    let hidden = normal(seed, "hidden", n * cfg.d_model, 1.0);
+    let tokens = (0..n)
+        .map(|i| ((i as u64 * 7 + seed * 3) % cfg.vocab as u64) as u32)
+        .collect();
+    (hidden, tokens)
+}
+
+fn contexts<'a>(data: &'a [(Vec<f32>, Vec<u32>)]) -> Vec<DraftContext<'a>> {
+    data.iter()
+        .map(|(hidden, tokens)| DraftContext { hidden, tokens })
+        .collect()
+}
+
+fn shapes() -> Vec<GptConfig> {
+    vec![
+        tiny(),
+        // Widths that are not multiples of a panel (8 columns): the padded last panel.
+        GptConfig {
+            vocab: 37,
+            d_model: 12,
+            heads: 3,
+            mlp_ratio: 3,
+            ..tiny()
+        },
+        GptConfig {
+            vocab: 50,
+            d_model: 64,
+            heads: 4,
+            mlp_ratio: 4,
+            ..tiny()
+        },
+    ]
+}
+
+#[test]
+fn packed_proposals_equal_the_gemm_path_and_do_not_depend_on_the_batch() {
+    for (s, cfg) in shapes().iter().enumerate() {
+        let window = 6;
+        // Lengths below, at and beyond the window (cut to its last 6 pairs).
+        let lens = [1, 3, 6, 9, 3, 14];
+        let data: Vec<_> = lens
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| pairs(cfg, n, 10 * s as u64 + i as u64))
+            .collect();
+        for batch in [1, 2, 6] {
+            let ctx = contexts(&data[..batch]);
+            for temperature in [0.0, 0.9] {
+                let mut packed = drafter(cfg, window, 5);
+                let mut gemm = drafter(cfg, window, 5);
+                gemm.packs.gemm_only = true;
+                let a = packed
+                    .propose(&ctx, 4, temperature, &mut SplitMix64::new(1))
+                    .unwrap();
+                let b = gemm
+                    .propose(&ctx, 4, temperature, &mut SplitMix64::new(1))
+                    .unwrap();
+                assert_eq!((packed.packs.packs(), gemm.packs.packs()), (1, 0));
+                assert_eq!(gemm.packs.remembered(), 0);
+                for (i, (a, b)) in a.iter().zip(&b).enumerate() {
+                    let at = format!("shape {s}, batch {batch}, t {temperature}, seq {i}");
+                    assert_eq!(a.tokens, b.tokens, "{at}");
+                    assert_eq!(a.probs.len(), 4 * cfg.vocab, "{at}");
+                    let diff = a
+                        .probs
+                        .iter()
+                        .zip(&b.probs)
+                        .map(|(x, y)| (x - y).abs())
+                        .fold(0.0f32, f32::max);
+                    assert!(diff < 1e-5, "{at}: probabilities differ by {diff}");
+                }
+                // Greedy: each sequence alone gives bitwise its batched chain.
+                if temperature == 0.0 {
+                    for (i, chain) in a.iter().enumerate() {
+                        let mut fresh = drafter(cfg, window, 5);
+                        let alone = fresh
+                            .propose(&ctx[i..=i], 4, 0.0, &mut SplitMix64::new(1))
+                            .unwrap();
+                        assert_eq!(&alone[0], chain, "shape {s}, batch {batch}, seq {i}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn the_memo_of_context_pairs_changes_no_bit() {
+    let cfg = &shapes()[1];
+    let (hidden, tokens) = pairs(cfg, 12, 7);
+    let d = cfg.d_model;
+    let mut warm = drafter(cfg, 8, 2);
+    let mut rng = SplitMix64::new(0);
+    // The sequence grows by one or two pairs per proposal, as in a rollout: the warm
+    // drafter recomputes only the new pairs, a fresh one all of them.
+    for n in [3, 4, 6, 7, 9, 12, 12] {
+        let ctx = [DraftContext {
+            hidden: &hidden[..n * d],
+            tokens: &tokens[..n],
+        }];
+        let got = warm.propose(&ctx, 3, 0.0, &mut rng).unwrap();
+        let want = drafter(cfg, 8, 2).propose(&ctx, 3, 0.0, &mut rng).unwrap();
+        assert_eq!(got, want, "{n} pairs");
+        assert_eq!(warm.packs.packs(), 1, "packed once for all of them");
+    }
+    assert_eq!(warm.packs.remembered(), 12, "each context pair remembered once");
+    // A pair with the same token but another hidden state is not taken for a known one.
+    let mut other = hidden.clone();
+    other[5 * d] += 1.0;
+    let ctx = [DraftContext {
+        hidden: &other[..9 * d],
+        tokens: &tokens[..9],
+    }];
+    let got = warm.propose(&ctx, 3, 0.0, &mut rng).unwrap();
+    let want = drafter(cfg, 8, 2).propose(&ctx, 3, 0.0, &mut rng).unwrap();
+    assert_eq!(got, want);
+}
+
+#[test]
+fn a_weight_change_between_proposals_is_packed_again() {
+    let cfg = &shapes()[2];
+    let be = be();
+    let (hidden, tokens) = pairs(cfg, 5, 3);
+    let ctx = [DraftContext {
+        hidden: &hidden,
+        tokens: &tokens,
+    }];
+    let mut rng = SplitMix64::new(0);
+    let mut d = drafter(cfg, 32, 1);
+    let first = d.propose(&ctx, 4, 0.0, &mut rng).unwrap();
+    assert_eq!(d.propose(&ctx, 4, 0.0, &mut rng).unwrap(), first);
+    assert_eq!(d.packs.packs(), 1);
+    // Each way the weights change: the next proposal is a fresh drafter's with the new
+    // weights, bit for bit.
+    let other = drafter(cfg, 32, 9).weights(0).unwrap();
+    let changes: [&dyn Fn(&mut Drafter<CpuBackend>); 4] = [
+        // An optimizer step writes through `params_mut`.
+        &|d| {
+            let p = &mut d.params_mut()[3];
+            let mut v = be.to_host(&p.value).unwrap();
+            v.iter_mut().for_each(|x| *x *= -1.5);
+            p.value = be.from_host(&v, DType::F32).unwrap();
+        },
+        &|d| {
+            let head = normal(4, "head2", cfg.d_model * cfg.vocab, 0.3);
+            d.refresh("head.w", &head, 1).unwrap();
+        },
+        &|d| {
+            let tok = normal(4, "tok2", cfg.d_model * cfg.vocab, 0.3);
+            d.refresh("embed.tok", &tok, 1).unwrap();
+        },
+        &|d| d.load_weights(&other).unwrap(),
+    ];
+    let mut before = first;
+    for (i, change) in changes.iter().enumerate() {
+        change(&mut d);
+        let got = d.propose(&ctx, 4, 0.0, &mut rng).unwrap();
+        assert_eq!(d.packs.packs(), i as u64 + 2, "change {i}");
+        let mut fresh = Drafter::new(cfg, d.config(), be.clone()).unwrap();
+        fresh.load_weights(&d.weights(0).unwrap()).unwrap();
+        assert_eq!(
+            got,
+            fresh.propose(&ctx, 4, 0.0, &mut rng).unwrap(),
+            "change {i}"
+        );
+        assert_ne!(got[0].probs, before[0].probs, "change {i} changed the drafts");
+        before = got;
+    }
+}
