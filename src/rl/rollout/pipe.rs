@@ -125,60 +125,46 @@ pub(crate) fn stage_loop<B: Backend>(
         driver: &driver,
     };
     loop {
-        let msg = match inbox.try_recv() {
-            Ok(msg) => msg,
+        // The work to run now, and whether the hook picked it from the routed queue.
+        let next_work = match inbox.try_recv() {
+            Ok(msg) => intake(msg, &hook, index, &mut routed, stage, &next).map(|w| (w, false)),
             Err(TryRecvError::Disconnected) if routed.is_empty() => break,
             Err(_) => {
                 let turn = hook
                     .as_ref()
                     .map_or(IdleTurn::Wait, |h| h.idle(index, !routed.is_empty()));
-                let group = match turn {
-                    IdleTurn::Worked => continue,
-                    IdleTurn::Routed { group } => Some(group),
+                match turn {
+                    IdleTurn::Worked => None,
+                    IdleTurn::Routed { group } => {
+                        let at = routed.iter().position(|(rg, _)| *rg == group).unwrap_or(0);
+                        Some((routed.remove(at).1, true))
+                    }
                     // A hook that keeps a routed message waiting would stall the rollout:
                     // the oldest runs now.
-                    IdleTurn::Wait if !routed.is_empty() => None,
+                    IdleTurn::Wait if !routed.is_empty() => Some((routed.remove(0).1, false)),
                     IdleTurn::Wait => {
                         let t = Instant::now();
                         let Ok(msg) = inbox.recv() else { break };
                         if let Some(h) = &hook {
                             h.waited(index, t, Instant::now());
                         }
-                        if let Some(work) = intake(msg, &hook, index, &mut routed, stage, &next) {
-                            let t = Instant::now();
-                            let sent = run(stage, work, &out);
-                            busy += t.elapsed();
-                            if !sent {
-                                break;
-                            }
-                        }
-                        continue;
+                        intake(msg, &hook, index, &mut routed, stage, &next).map(|w| (w, false))
                     }
-                };
-                let at = group
-                    .and_then(|g| routed.iter().position(|(rg, _)| *rg == g))
-                    .unwrap_or(0);
-                let (_, work) = routed.remove(at);
-                let t = Instant::now();
-                let sent = run(stage, work, &out);
-                let end = Instant::now();
-                busy += end - t;
-                if let (Some(h), Some(_)) = (&hook, group) {
-                    h.routed_ran(index, t, end);
                 }
-                if !sent {
-                    break;
-                }
-                continue;
             }
         };
-        if let Some(work) = intake(msg, &hook, index, &mut routed, stage, &next) {
-            let t = Instant::now();
-            let sent = run(stage, work, &out);
-            busy += t.elapsed();
-            if !sent {
-                break;
-            }
+        let Some((work, picked)) = next_work else {
+            continue;
+        };
+        let t = Instant::now();
+        let sent = run(stage, work, &out);
+        let end = Instant::now();
+        busy += end - t;
+        if let (Some(h), true) = (&hook, picked) {
+            h.routed_ran(index, t, end);
+        }
+        if !sent {
+            break;
         }
     }
     busy
