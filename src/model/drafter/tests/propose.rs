@@ -146,6 +146,9 @@ fn the_memo_of_context_pairs_changes_no_bit() {
     assert_eq!(got, want);
 }
 
+/// A way to change a drafter's weights.
+type Change<'a> = &'a dyn Fn(&mut Drafter<CpuBackend>);
+
 #[test]
 fn a_weight_change_between_proposals_is_packed_again() {
     let cfg = &shapes()[2];
@@ -163,7 +166,7 @@ fn a_weight_change_between_proposals_is_packed_again() {
     // Each way the weights change: the next proposal is a fresh drafter's with the new
     // weights, bit for bit.
     let other = drafter(cfg, 32, 9).weights(0).unwrap();
-    let changes: [&dyn Fn(&mut Drafter<CpuBackend>); 4] = [
+    let changes: [Change<'_>; 4] = [
         // An optimizer step writes through `params_mut`.
         &|d| {
             let p = &mut d.params_mut()[3];
