@@ -3,8 +3,10 @@
 //! ends with exactly the policy and optimizer moments of the in-process `pipefill rl` of
 //! the same job: the rollouts are the same samples (same policy, same sampling seeds) and
 //! the pipelined update is bitwise the in-process one; with the KL term too (rank 0's
-//! frozen reference gives the in-process log-probs). A tiny model on the parity task,
-//! warmed up until some rollouts are right, so both steps have a gradient.
+//! frozen reference gives the in-process log-probs); and from a `pipefill train` run that
+//! trained a drafter in its bubbles (`--init`), whose drafter rank 0's rollouts start from,
+//! as in-process. A tiny model on the parity task, warmed up until some rollouts are right,
+//! so both steps have a gradient.
 //!
 //! With replicas (`launch -n 4`, dp = 2 × pp = 2) the rollouts are rank 0's, so every
 //! step's rewards equal dp = 1's (`launch -n 2`), and the parameters equal dp = 1's within a
@@ -130,6 +132,77 @@ fn launched_rl_with_the_kl_term_equals_the_in_process_run_bitwise() {
     for (m, s) in kl_multi.iter().zip(&kl_single) {
         assert!((m - s).abs() <= 1e-12 * s.abs().max(1e-30), "kl {m} vs {s}");
     }
+    assert_bitwise(&checkpoint(&single), &checkpoint(&multi));
+}
+
+/// Rollouts that speculate at every live-batch size with one draft length, so that they
+/// are a function of the policy and the drafter only: the bandit rewards each K by measured
+/// time, so with several two runs may choose differently, and drafter slices in the stages'
+/// idle time sample rows by timing (which would change step 2's drafter). The seed gives
+/// both steps informative groups from the run below.
+const SPECULATIVE: &[&str] = &[
+    "rl.speculation=true",
+    "rl.draft_k=1",
+    "rl.spec_threshold=32",
+    "rl.idle_fill=false",
+    "rl.seed=4",
+];
+
+#[test]
+fn launched_rl_starts_from_the_init_runs_drafter_and_equals_the_in_process_run_bitwise() {
+    let dir = tempfile::tempdir().unwrap();
+    // The planned placement trains the same drafter in every run (tests/resume_fill.rs), so
+    // the rollouts below are the same from run to run; filling leaves the target as it is
+    // without, so `plain` is the same policy with no drafter.
+    let (init, plain) = (dir.path().join("init"), dir.path().join("plain"));
+    let sft = ["train.steps=60", "drafter.placement=\"planned\""];
+    let filled = [&sft[..], &["filler=\"drafter\""]].concat();
+    let out = run(&[], &["train"], &filled, &init);
+    assert!(out.status.success(), "{}", text(&out));
+    let out = run(&[], &["train"], &sft, &plain);
+    assert!(out.status.success(), "{}", text(&out));
+    let trained = checkpoint(&init).drafter.expect("the train run's drafter");
+    assert!(trained.weights.version > 0, "the drafter never stepped");
+    let said = format!(
+        "drafter: the starting checkpoint's (trained in its run's bubbles, {} optimizer steps)",
+        trained.weights.version
+    );
+
+    let rl = |launch: &[&str], from: &Path, out: &Path| {
+        let output = run(
+            launch,
+            &["rl", "--init", from.to_str().unwrap()],
+            SPECULATIVE,
+            out,
+        );
+        assert!(output.status.success(), "{}", text(&output));
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    };
+    let launch2 = ["launch", "-n", "2", "--"];
+    let (single, multi, fresh) = (
+        dir.path().join("single"),
+        dir.path().join("multi"),
+        dir.path().join("fresh"),
+    );
+    let stdout = rl(&[], &init, &single);
+    assert!(stdout.contains(&said), "{stdout}");
+    let stdout = rl(&launch2, &init, &multi);
+    assert!(stdout.contains(&said), "{stdout}");
+    let stdout = rl(&launch2, &plain, &fresh);
+    assert!(stdout.contains("drafter: untrained"), "{stdout}");
+
+    // Every step speculated with the trained drafter, as in-process: its acceptance lengths
+    // (those of an untrained drafter are lower: `fresh`), so the same samples were drawn;
+    // and they carried a gradient.
+    let accepted = column(&multi, "acceptance_length");
+    assert_eq!(accepted, column(&single, "acceptance_length"));
+    let untrained = column(&fresh, "acceptance_length");
+    assert!(accepted[0] > untrained[0], "{accepted:?} vs {untrained:?}");
+    assert_eq!(column(&multi, "reward"), column(&single, "reward"));
+    assert!(
+        column(&multi, "grad_norm").iter().all(|&g| g > 0.0),
+        "a step without a gradient (another rl.seed in SPECULATIVE may give one)"
+    );
     assert_bitwise(&checkpoint(&single), &checkpoint(&multi));
 }
 

@@ -463,6 +463,11 @@ pub fn rl_distributed(
             }
         );
     }
+    if rank == 0 && job.rl.speculation {
+        let start = pipefill::launch::rl::starting_drafter(job, init.as_ref());
+        let version = start.map(|d| d.weights.version);
+        println!("{}", crate::cli::rl::drafter_line(version));
+    }
     watchdog(&mesh);
     let mut lines = String::new();
     let run = rl_rank(job, &mesh, clock_of(job), init.as_ref(), |m| {

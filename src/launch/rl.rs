@@ -10,7 +10,8 @@
 //!    bits after every all-reduced step, so only replica 0's ranks send their stages; the
 //!    other replicas' ranks send an empty frame (see the ordering note below);
 //! 2. rank 0 samples the step's prompts, generates the rollouts with the in-process rollout
-//!    engine ([`PipelineRollouts`], speculation as configured), scores them and normalises
+//!    engine ([`PipelineRollouts`], speculation as configured, its drafter started from
+//!    `--init`'s as in-process: [`starting_drafter`]), scores them and normalises
 //!    the advantages; with `rl.kl_coef > 0` it computes each sequence's completion-token
 //!    log-probs under the frozen reference; it sends the rollouts (token ids), advantages
 //!    and reference log-probs to every rank;
@@ -65,6 +66,7 @@ use crate::comm::tcp_transport::GroupError;
 use crate::config::JobConfig;
 use crate::data::StepData;
 use crate::model::checkpoint::Checkpoint;
+use crate::model::drafter::state::DrafterState;
 use crate::model::{AdamW, Cut, Gpt, ModelError, OptimizerState};
 use crate::pipeline::feed::StepFeed;
 use crate::pipeline::{PipelineError, PipelineTrainer};
@@ -215,7 +217,7 @@ pub fn rl_rank(
     let (mut state, mut own) = start(&ctx, job, init)?;
 
     let mut engine = (rank == 0)
-        .then(|| PipelineRollouts::new(job))
+        .then(|| rollout_engine(job, init))
         .transpose()
         .map_err(rl_err)?;
     let mut reference = None;
@@ -299,6 +301,27 @@ pub fn rl_rank(
     let checkpoint = Checkpoint::capture(&state.model, &optimizer, state.step, job.train.seed)
         .map_err(|e| rl_err(e.into()))?;
     Ok(Some(RlLaunchRun { checkpoint, steps }))
+}
+
+/// The drafter that rank 0's rollouts start from, by the in-process `pipefill rl --init`
+/// rule: with speculation, `init`'s when that run trained one in its bubbles; `None` means
+/// untrained (or no speculation, which needs no drafter).
+pub fn starting_drafter<'a>(
+    job: &JobConfig,
+    init: Option<&'a Checkpoint>,
+) -> Option<&'a DrafterState> {
+    init.filter(|_| job.rl.speculation)
+        .and_then(|c| c.drafter.as_ref())
+}
+
+/// Rank 0's rollout engine, its drafter warm-started from [`starting_drafter`] (weights and
+/// optimizer moments, as in-process).
+fn rollout_engine(job: &JobConfig, init: Option<&Checkpoint>) -> Result<PipelineRollouts, RlError> {
+    let engine = PipelineRollouts::new(job)?;
+    match starting_drafter(job, init) {
+        Some(state) => engine.with_drafter(state),
+        None => Ok(engine),
+    }
 }
 
 /// The plan of one replica's pipeline for `job`: `1/dp` of its micro-batches (`what`, for
