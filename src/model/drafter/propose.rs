@@ -9,6 +9,14 @@
 //! decode steps at `d_model` 256. The arithmetic is the training forward's (same weights,
 //! same norms, same causal softmax), so the first draft matches it. Sequences are batched
 //! by context length, so a batch of live sequences costs one block step per draft token.
+//!
+//! Only a sequence's last pair needs the whole block (its output is the one drafted
+//! from); the pairs before it need only their key and value, which the host backend
+//! remembers from the sequence's previous proposal ([`super::packed`]). The products run
+//! on packed host copies of the weights ([`rowmul`]), so what is left of a draft token's
+//! cost is streaming the block's weights once (15 MB in f32 at `d_model` 512): measured on
+//! the 2-core box, proposing K=4 for one sequence went from 8.5 to 1.2 ms at `d_model` 512
+//! (the target's decode 5–10 ms), and from 0.46 to 0.25 ms at 256.
 
 use std::collections::BTreeMap;
 
