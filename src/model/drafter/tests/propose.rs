@@ -21,8 +21,10 @@ fn drafter(cfg: &GptConfig, window: usize, seed: u64) -> Drafter<CpuBackend> {
         p.value = be.from_host(&v, DType::F32).unwrap();
     }
     let n = cfg.vocab * cfg.d_model;
-    d.refresh("head.w", &normal(seed, "head", n, 0.3), 0).unwrap();
-    d.refresh("embed.tok", &normal(seed, "tok", n, 0.3), 0).unwrap();
+    d.refresh("head.w", &normal(seed, "head", n, 0.3), 0)
+        .unwrap();
+    d.refresh("embed.tok", &normal(seed, "tok", n, 0.3), 0)
+        .unwrap();
     d
 }
 
@@ -133,7 +135,11 @@ fn the_memo_of_context_pairs_changes_no_bit() {
         assert_eq!(got, want, "{n} pairs");
         assert_eq!(warm.packs.packs(), 1, "packed once for all of them");
     }
-    assert_eq!(warm.packs.remembered(), 12, "each context pair remembered once");
+    assert_eq!(
+        warm.packs.remembered(),
+        12,
+        "each context pair remembered once"
+    );
     // A pair with the same token but another hidden state is not taken for a known one.
     let mut other = hidden.clone();
     other[5 * d] += 1.0;
@@ -196,7 +202,10 @@ fn a_weight_change_between_proposals_is_packed_again() {
             fresh.propose(&ctx, 4, 0.0, &mut rng).unwrap(),
             "change {i}"
         );
-        assert_ne!(got[0].probs, before[0].probs, "change {i} changed the drafts");
+        assert_ne!(
+            got[0].probs, before[0].probs,
+            "change {i} changed the drafts"
+        );
         before = got;
     }
 }
