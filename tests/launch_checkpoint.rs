@@ -14,6 +14,7 @@ use pipefill::model::checkpoint::sharded::{
 };
 
 mod common;
+use common::job::{TensorBits, sorted_bits};
 use common::{clean, text};
 
 const EXE: &str = env!("CARGO_BIN_EXE_pipefill");
@@ -54,21 +55,9 @@ fn run_ok(out: &Path, extra: &[&str], resume: Option<&Path>) {
     assert!(o.status.success(), "{}", text(&o));
 }
 
-/// Every tensor's name, shape and bits.
-type TensorBits = Vec<(String, Vec<usize>, Vec<u32>)>;
-
 /// Every tensor's bits by name, with the step and optimizer step.
 fn bits(c: &Checkpoint) -> (u64, u64, TensorBits) {
-    let mut t: Vec<_> = c
-        .tensors
-        .iter()
-        .map(|t| {
-            let b = t.data.iter().map(|x| x.to_bits()).collect();
-            (t.name.clone(), t.shape.clone(), b)
-        })
-        .collect();
-    t.sort();
-    (c.meta.step, c.meta.optimizer_step, t)
+    (c.meta.step, c.meta.optimizer_step, sorted_bits(c))
 }
 
 /// The sharded checkpoint of `step` in run directory `run`, read whole.

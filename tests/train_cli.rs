@@ -11,6 +11,9 @@ use pipefill::model::checkpoint::Checkpoint;
 use pipefill::pipeline::PipelineTrainer;
 use serde_json::Value;
 
+mod common;
+use common::{clean, text};
+
 const EXE: &str = env!("CARGO_BIN_EXE_pipefill");
 
 /// A model small enough that a few pipelined steps take about a second.
@@ -24,20 +27,12 @@ const TINY: &[&str] = &[
 ];
 
 fn train(args: &[&str], out: &Path) -> Output {
-    let mut cmd = Command::new(EXE);
+    let mut cmd = clean(EXE);
     cmd.arg("train").args(args);
     for s in TINY {
         cmd.args(["--set", s]);
     }
     cmd.arg("--out-dir").arg(out).output().unwrap()
-}
-
-fn text(out: &Output) -> String {
-    format!(
-        "stdout:\n{}\nstderr:\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
 }
 
 /// A failed command's stderr: exactly one line, returned for further checks.
