@@ -9,15 +9,16 @@ use std::net::{SocketAddr, TcpListener};
 use std::path::Path;
 use std::sync::Arc;
 
-use pipefill::comm::link::PeerLink;
 use pipefill::comm::tcp::{MeshOptions, TcpMesh};
 use pipefill::config::{Filler, JobConfig};
-use pipefill::launch::train::{RankResume, RankRun, train_rank};
+use pipefill::launch::train::{RankResume, RankRun, drafter_of, train_rank};
 use pipefill::model::GptConfig;
 use pipefill::model::checkpoint::resume::ResumePoint;
-use pipefill::model::checkpoint::sharded::Manifest;
+use pipefill::model::checkpoint::sharded::{Manifest, step_dir};
 use pipefill::model::checkpoint::{Checkpoint, HostTensor};
-use pipefill::pipeline::Clock;
+use pipefill::model::drafter::Placement;
+use pipefill::model::drafter::state::DrafterState;
+use pipefill::pipeline::{Clock, PipelineTrainer};
 use pipefill::schedules::{Plan, ScheduleKind, build};
 use pipefill::tensor::device::Device;
 
@@ -172,10 +173,9 @@ fn the_launched_checkpoint_carries_the_drafter_and_a_resumed_run_continues_it() 
         "the manifest names no drafter file"
     );
     let point = ResumePoint::find(&saved).unwrap();
-    let state =
-        pipefill::launch::train::drafter_of(&RankResume::load(&point, &job, &plan(), 0).unwrap())
-            .unwrap()
-            .expect("the checkpoint's drafter");
+    let state = drafter_of(&RankResume::load(&point, &job, &plan(), 0).unwrap())
+        .unwrap()
+        .expect("the checkpoint's drafter");
     // The final checkpoint is taken after the replicas settle: it is every rank's drafter.
     assert_eq!(&state.weights, first[0].drafter.as_ref().unwrap());
     assert_eq!(state.samplers.len(), PP);
@@ -192,38 +192,137 @@ fn the_launched_checkpoint_carries_the_drafter_and_a_resumed_run_continues_it() 
     }
 }
 
+/// The job of `job` with the drafter placed by plan.
+fn planned(filler: Filler, out: &Path) -> JobConfig {
+    let mut job = job(filler, out);
+    job.drafter.placement = Placement::Planned;
+    job
+}
+
+/// Every float of a drafter state as bits, by name, and the rest (version, AdamW step,
+/// samplers, rows' targets and steps, the kept round's shape) as JSON.
+fn state_bits(job: &JobConfig, state: &DrafterState) -> (Vec<(String, Vec<u32>)>, String) {
+    let (tensors, meta) = state.to_parts(job.model.d_model, job.model.vocab);
+    let mut t: Vec<_> = tensors.iter().map(|t| (t.name.clone(), bits(t))).collect();
+    t.sort();
+    (t, serde_json::to_string(&meta).unwrap())
+}
+
+/// The drafter state of the checkpoint at `dir` (a run directory: its newest checkpoint).
+fn saved_drafter(job: &JobConfig, dir: &Path) -> DrafterState {
+    let point = ResumePoint::find(dir).unwrap();
+    drafter_of(&RankResume::load(&point, job, &plan(), 0).unwrap())
+        .unwrap()
+        .expect("the checkpoint's drafter")
+}
+
+/// The target's parameters and AdamW moments as bits, by name.
+fn target_bits(run: &RankRun) -> Vec<(String, Vec<u32>)> {
+    let mut t: Vec<_> = params(run)
+        .iter()
+        .map(|t| (t.name.clone(), bits(t)))
+        .collect();
+    t.sort();
+    t
+}
+
+/// Steps of each half of the planned resume test.
+const N: u64 = 3;
+
 #[test]
-fn the_planned_placement_is_refused_in_launched_jobs() {
+fn launched_planned_runs_train_the_same_drafter_bit_for_bit_as_in_process() {
     let dir = tempfile::tempdir().unwrap();
-    let mut job = job(Filler::Drafter, dir.path());
-    job.drafter.placement = pipefill::model::drafter::Placement::Planned;
-    let plan = plan();
-    let meshes = meshes(PP);
-    let errors: Vec<String> = std::thread::scope(|s| {
-        let handles: Vec<_> = meshes
-            .iter()
-            .map(|mesh| {
-                let (job, plan) = (&job, &plan);
-                s.spawn(move || {
-                    let run = train_rank(
-                        job,
-                        plan,
-                        mesh,
-                        Clock::virtual_free(),
-                        1,
-                        None,
-                        Device::Cpu { threads: 1 },
-                    );
-                    // A rank that fails leaves the mesh, so its peers end too.
-                    let _ = mesh.close();
-                    run.map(|_| ()).unwrap_err().to_string()
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    assert!(
-        errors[0].contains("placement") && errors[0].contains("planned"),
-        "{errors:?}"
+    let job_a = planned(Filler::Drafter, &dir.path().join("a"));
+    let job_b = planned(Filler::Drafter, &dir.path().join("b"));
+    let a = launch(&job_a, 2 * N, None);
+    let b = launch(&job_b, 2 * N, None);
+
+    // Every rank holds the same replica, in both runs, and the drafter trained.
+    let weights = a[0].drafter.clone().expect("rank 0's replica");
+    assert!(weights.version >= 2, "version {}", weights.version);
+    for (run, name) in [(&a, "a"), (&b, "b")] {
+        for (rank, r) in run.iter().enumerate() {
+            assert!(
+                r.drafter.as_ref() == Some(&weights),
+                "run {name}, rank {rank}: the drafter differs"
+            );
+        }
+    }
+    // The whole saved state too (optimizer, samplers, buffers, the kept round).
+    let (sa, sb) = (
+        saved_drafter(&job_a, &dir.path().join("a")),
+        saved_drafter(&job_a, &dir.path().join("b")),
     );
+    assert!(sa.round.is_some(), "the last step's round is kept");
+    assert_eq!(sa.weights, weights);
+    assert!(
+        state_bits(&job_a, &sa) == state_bits(&job_a, &sb),
+        "two launched runs saved different drafters"
+    );
+
+    // The in-process planned run of the same job trains the same drafter, bit for bit.
+    let local = PipelineTrainer::from_job(&job_a)
+        .unwrap()
+        .filler(Filler::Drafter)
+        .run(2 * N, |_| {})
+        .unwrap();
+    let own = local.drafter_state().expect("the in-process drafter");
+    assert_eq!(own.weights, weights, "the in-process drafter differs");
+    assert!(
+        state_bits(&job_a, own) == state_bits(&job_a, &sa),
+        "the in-process drafter's state differs from the launched one's"
+    );
+
+    // Slices ran in bubbles: the merged profile reports them.
+    let filling = a[0].merged.as_ref().unwrap().filling.as_ref().unwrap();
+    assert!(filling.fill_ratio() > 0.0, "fill {}", filling.fill_ratio());
+}
+
+#[test]
+fn launched_planned_n_steps_resume_n_steps_equal_2n_steps_bit_for_bit() {
+    let dir = tempfile::tempdir().unwrap();
+    let whole_dir = dir.path().join("whole");
+    let mut whole_job = planned(Filler::Drafter, &whole_dir);
+    whole_job.checkpoint_every = N;
+    let whole = launch(&whole_job, 2 * N, None);
+    let target = target_bits(&whole[0]);
+    let drafter = state_bits(&whole_job, &saved_drafter(&whole_job, &whole_dir));
+
+    // N steps, then N more resumed from its final checkpoint, in the same directory.
+    let half_dir = dir.path().join("half");
+    let half_job = planned(Filler::Drafter, &half_dir);
+    launch(&half_job, N, None);
+    let rest = launch(&half_job, N, Some(&half_dir));
+    assert!(target_bits(&rest[0]) == target, "the target differs");
+    assert!(
+        state_bits(&half_job, &saved_drafter(&half_job, &half_dir)) == drafter,
+        "the drafter differs after a resume (final checkpoint)"
+    );
+    for r in &rest {
+        assert_eq!(r.drafter, whole[0].drafter, "rank {}", r.rank);
+    }
+
+    // And resumed from the whole run's periodic checkpoint after step N.
+    let periodic = step_dir(&whole_dir, N);
+    let again_dir = dir.path().join("again");
+    let again_job = planned(Filler::Drafter, &again_dir);
+    let again = launch(&again_job, N, Some(&periodic));
+    assert!(target_bits(&again[0]) == target);
+    assert!(
+        state_bits(&again_job, &saved_drafter(&again_job, &again_dir)) == drafter,
+        "the drafter differs after a resume (periodic checkpoint)"
+    );
+}
+
+#[test]
+fn launched_planned_filling_leaves_the_target_of_the_unfilled_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let bare = launch(&planned(Filler::None, &dir.path().join("bare")), N, None);
+    let filled = launch(
+        &planned(Filler::Drafter, &dir.path().join("filled")),
+        N,
+        None,
+    );
+    assert!(filled[0].drafter.as_ref().is_some_and(|d| d.version > 0));
+    assert!(target_bits(&bare[0]) == target_bits(&filled[0]));
 }

@@ -33,7 +33,9 @@
 //! **Other processes.** In a multi-process run (`pipefill launch`) each process holds the
 //! replica of its own rank; [`DrafterFill::connect`] hands every local post to a
 //! [`RoundPeers`], which sends it to the other processes, where it goes in through
-//! [`DrafterFill::post_remote`] (src/launch/train/fill.rs).
+//! [`DrafterFill::post_remote`] (or [`DrafterFill::post_remote_at`] under the planned
+//! placement; src/launch/train/fill.rs). A failed exchange calls [`DrafterFill::abort`], which
+//! ends any wait for a round.
 //!
 //! **Hand-off.** After each drafter step replica 0 publishes its weights on a
 //! [`WeightBoard`] versioned by drafter step; the trainer's caller thread (and later the
@@ -201,6 +203,8 @@ pub struct DrafterFill {
     priors: (CostEstimate, f64),
     /// The other processes, in a multi-process run (this one then applies one replica).
     peers: OnceLock<Arc<dyn RoundPeers>>,
+    /// This process's replica, in a multi-process run (the only one that trains here).
+    local: OnceLock<usize>,
     /// The planned placement's state (`None`: slices placed by measured times).
     planned: Option<planned::Planned>,
 }
@@ -243,6 +247,7 @@ impl DrafterFill {
             tally: Mutex::new(Tally::default()),
             priors: eval::calibrate(target, config)?,
             peers: OnceLock::new(),
+            local: OnceLock::new(),
             planned: None,
         })
     }
@@ -391,9 +396,32 @@ impl DrafterFill {
     }
 
     /// Hands every post of this process's replicas to `peers` (a multi-process run, where this
-    /// process applies one replica's rounds; set once, before the run).
-    pub fn connect(&self, peers: Arc<dyn RoundPeers>) {
+    /// process trains and applies the replica of `rank` alone; set once, before the run).
+    pub fn connect(&self, rank: usize, peers: Arc<dyn RoundPeers>) {
+        let _ = self.local.set(rank);
         let _ = self.peers.set(peers);
+    }
+
+    /// The exchange with the other processes failed for `reason` (a peer is gone, or sent
+    /// something undecodable): a rank waiting for a round of the planned placement stops
+    /// waiting with this error instead of until its timeout.
+    pub fn abort(&self, reason: String) {
+        if let Some(planned) = &self.planned {
+            planned.abort(reason);
+        }
+    }
+
+    /// `rank`'s row sampler as a checkpoint keeps it (see [`DrafterFill::export_state`]):
+    /// under the planned placement as the replica ended its last step.
+    pub fn checkpoint_sampler(&self, rank: usize) -> Result<crate::data::SplitMix64, DrafterError> {
+        if let Some(sampler) = self.planned.as_ref().and_then(|p| p.sampler(rank)) {
+            return Ok(sampler);
+        }
+        let replica = self.replicas.get(rank).ok_or_else(|| DrafterError::Input {
+            what: "replica",
+            reason: format!("{rank} is not one of {}", self.ranks),
+        })?;
+        Ok(lock(replica).trainer.sampler())
     }
 
     /// Another process's replica posted `post`.

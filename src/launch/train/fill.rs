@@ -13,11 +13,14 @@
 //!   replicas, which never train here).
 //! - **Rows.** Only the last stage's process captures the rows the drafter trains on (and
 //!   the held-out ones); at the end of each target step it sends that step's rows to every
-//!   other rank, which adds them to its own copy of the buffers, in the same order.
+//!   other rank (the training rows even when there are none, so every copy of the buffer
+//!   turns over with the last stage's), which adds them to its own copy of the buffers, in
+//!   the same order.
 //! - **Rounds.** Every post of the local replica (its gradients, and the frozen copies its
-//!   rank deposited: [`RoundPost`]) goes to every other rank, which adds it to its exchange
-//!   ([`DrafterFill::post_remote`]); a round completes in every process with the same posts,
-//!   so every replica applies the same update and the same copies.
+//!   rank deposited: [`RoundPost`]) goes to every other rank, after that step's rows, which
+//!   adds it to its exchange ([`DrafterFill::post_remote`], or under the planned placement
+//!   [`DrafterFill::post_remote_at`], keyed by the step); a round completes in every process
+//!   with the same posts, so every replica applies the same update and the same copies.
 //!
 //! One sender thread per process sends, so a stage thread only queues; one receiver thread
 //! per peer receives. After the run every process sends `Done` and waits for every peer's,
@@ -34,38 +37,50 @@
 //! in-process format ([`crate::model::checkpoint::drafter`]): rank 0's writer puts the file
 //! into the step directory and names it in the manifest, with its own replica's weights and
 //! optimizer, its copies of the buffers, and every rank's row sampler (sent with each
-//! shard's acknowledgement). A resumed run's ranks read it back ([`drafter_of`]).
+//! shard's acknowledgement); under the planned placement also the kept round, made whole
+//! from every rank's posts, and the last stage's own rows, both sent the same way ([`snap`]).
+//! A resumed run's ranks read it back ([`drafter_of`]).
 //!
-//! The placement is the measured one: `drafter.placement = "planned"` is refused here.
+//! **Placement.** Both placements run here. Under `drafter.placement = "planned"` every
+//! process computes the same [`SlicePlan`] and its rank runs its planned slices
+//! ([`crate::pipeline::fill`]'s `planned` module): what a slice computes is fixed by the
+//! plan, only when it runs follows the rank's bubbles. A rank whose step ends before the
+//! other processes' posts of the previous step's round (and, before them, that step's rows)
+//! have arrived waits for them there, then runs its leftover slices and applies the round;
+//! so the drafter is the in-process planned run's, bit for bit, and a resumed run continues
+//! it exactly. A failed exchange thread ([`DrafterFill::abort`]) ends that wait with its
+//! error (the mesh's heartbeat names a dead peer within seconds); otherwise it is bounded.
+//! Checkpoints gather the round and the rows instead of waiting for them ([`snap`]).
 //!
 //! Filling never touches the target: the target's parameters are those of an unfilled run.
 
-use std::sync::mpsc::{Receiver, Sender, channel};
+mod exchange;
+mod snap;
+
+pub use snap::{DrafterSnap, PeerSnap, assemble};
+
+use std::sync::mpsc::{Sender, channel};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 
 use pipefill_actors::{BubbleFiller, FillerRouter};
-use serde::{Deserialize, Serialize};
 
 use super::shards::RankResume;
-use crate::comm::frame;
 use crate::comm::link::{Channel, PeerLink};
 use crate::comm::tcp::TcpMesh;
 use crate::config::JobConfig;
-use crate::data::SplitMix64;
 use crate::model::checkpoint::CheckpointError;
 use crate::model::checkpoint::drafter::load_drafter;
 use crate::model::drafter::state::DrafterState;
-use crate::model::drafter::{
-    DraftBufferHandle, DraftRow, DrafterError, DrafterWeights, FROZEN, Placement,
-};
+use crate::model::drafter::{DrafterError, DrafterWeights, FROZEN};
 use crate::model::{Cut, Gpt, ModelError};
 use crate::pipeline::RankCompute;
-use crate::pipeline::fill::{DrafterFill, RoundPeers, RoundPost};
+use crate::pipeline::fill::{DrafterFill, SlicePlan};
 use crate::profile::merge::{FILLER_LANE, MergedProfile};
 use crate::profile::report::Filling;
 use crate::schedules::Plan;
 use crate::tensor::{Backend, CpuBackend};
+use exchange::{FillWire, Peers, aborting, decode, encode, peer_err, receive, send_all};
 
 /// Channel of the drafter's seeds, rows and rounds between the ranks of replica 0.
 pub const FILL_CHANNEL: Channel = u32::MAX - 19;
@@ -95,40 +110,11 @@ pub enum FillError {
     },
 }
 
-/// A rank's part of the drafter in a checkpoint ([`LaunchFill::snapshot`]).
-pub enum DrafterSnap {
-    State(Box<DrafterState>),
-    Sampler(SplitMix64),
-}
-
-/// What travels on [`FILL_CHANNEL`].
-#[derive(Serialize, Deserialize)]
-enum FillWire {
-    /// A frozen copy's values (`embed.tok` or `head.w`) before the run.
-    Seed { name: String, values: Vec<f32> },
-    /// The rows the last stage captured in target step `step` (held out or for training).
-    Rows {
-        step: u64,
-        held_out: bool,
-        rows: Vec<RowWire>,
-    },
-    /// A post of the sender's replica.
-    Post(RoundPost),
-    /// The sender's run has ended: nothing follows.
-    Done,
-}
-
-/// A [`DraftRow`] on the wire.
-#[derive(Serialize, Deserialize)]
-struct RowWire {
-    hidden: Vec<f32>,
-    targets: Vec<u32>,
-    probs: Vec<f32>,
-}
-
 /// This process's drafter replica in a multi-process run (see the module docs).
 pub struct LaunchFill {
     rank: usize,
+    /// Whether this process holds the last stage (which captures the rows).
+    captures: bool,
     fill: Arc<DrafterFill>,
     router: FillerRouter,
     outbox: Mutex<Option<Sender<FillWire>>>,
@@ -172,16 +158,6 @@ impl LaunchFill {
         resume: Option<&RankResume>,
     ) -> Result<Arc<Self>, FillError> {
         let (rank, pp) = (mesh.rank(), plan.num_ranks());
-        // The planned placement needs each step's rows on every rank before its slices
-        // sample them, which the exchange here does not wait for.
-        if job.drafter.placement == Placement::Planned {
-            return Err(FillError::Plan {
-                rank,
-                reason: "`drafter.placement = \"planned\"` runs in one process only for now; \
-                         launched jobs use \"measured\""
-                    .into(),
-            });
-        }
         let last_stage = (plan.stages - 1) as u32;
         let holders = [plan.stage_rank[0], plan.stage_rank[last_stage as usize]];
         if holders[0] != 0 {
@@ -237,10 +213,17 @@ impl LaunchFill {
             }
         }
         let chunk = &target.chunks()[0];
-        let fill = Arc::new(
-            DrafterFill::new(&job.model, &job.drafter, pp, chunk, chunk, first_step)
-                .map_err(drafter_err)?,
-        );
+        let mut fill = DrafterFill::new(&job.model, &job.drafter, pp, chunk, chunk, first_step)
+            .map_err(drafter_err)?;
+        // The same pure function of the plan and the job in every process.
+        let slices = SlicePlan::of_job(plan, job).map_err(|e| FillError::Plan {
+            rank,
+            reason: format!("the planned placement: {e}"),
+        })?;
+        if let Some(slices) = slices {
+            fill.plan_slices(slices, first_step);
+        }
+        let fill = Arc::new(fill);
         compute
             .set_drafter(Arc::clone(&fill))
             .map_err(|e| FillError::Plan {
@@ -258,29 +241,32 @@ impl LaunchFill {
             held.dropped() + held.len() as u64
         };
         let (outbox, rx) = channel();
-        fill.connect(Arc::new(Peers {
-            outbox: Mutex::new(outbox.clone()),
-            capture: compute
-                .chunk_ref(last_stage)
-                .map(|_| (fill.buffer().clone(), fill.held_out().clone())),
-            held_sent: Mutex::new(held_taken),
-        }));
+        let captures = compute.chunk_ref(last_stage).is_some();
+        fill.connect(
+            rank,
+            Arc::new(Peers {
+                outbox: Mutex::new(outbox.clone()),
+                capture: captures.then(|| (fill.buffer().clone(), fill.held_out().clone())),
+                held_sent: Mutex::new(held_taken),
+            }),
+        );
         let router = FillerRouter::default();
         fill.attach(&router);
         let peers: Vec<usize> = (0..pp).filter(|&p| p != rank).collect();
         let sender = {
-            let (mesh, peers) = (Arc::clone(mesh), peers.clone());
-            std::thread::spawn(move || send_all(rank, &mesh, &peers, rx))
+            let (mesh, peers, fill) = (Arc::clone(mesh), peers.clone(), Arc::clone(&fill));
+            std::thread::spawn(move || aborting(&fill, send_all(rank, &mesh, &peers, rx)))
         };
         let receivers = peers
             .iter()
             .map(|&peer| {
                 let (mesh, fill) = (Arc::clone(mesh), Arc::clone(&fill));
-                std::thread::spawn(move || receive(rank, peer, &mesh, &fill))
+                std::thread::spawn(move || aborting(&fill, receive(rank, peer, &mesh, &fill)))
             })
             .collect();
         Ok(Arc::new(LaunchFill {
             rank,
+            captures,
             fill,
             router,
             outbox: Mutex::new(Some(outbox)),
@@ -316,14 +302,21 @@ impl LaunchFill {
         Ok(replicas.swap_remove(self.rank))
     }
 
-    /// What a checkpoint keeps of the drafter now: on rank 0 the state (its replica's
-    /// weights and optimizer, its copies of the buffers; the other ranks' samplers are
-    /// filled in from their acknowledgements), elsewhere this replica's row sampler.
+    /// What a checkpoint keeps of the drafter now, on the stage thread at the step's end: on
+    /// rank 0 the state (its replica's weights and optimizer, its copies of the buffers, the
+    /// posts of the kept round it holds), elsewhere this replica's row sampler and, under the
+    /// planned placement, the posts of the kept round this process holds and, on the last
+    /// stage's rank, its rows; rank 0's writer puts them together ([`assemble`]).
     pub fn snapshot(&self) -> Result<DrafterSnap, DrafterError> {
-        let state = self.fill.export_state()?;
+        let fill = &self.fill;
         Ok(match self.rank {
-            0 => DrafterSnap::State(Box::new(state)),
-            r => DrafterSnap::Sampler(state.samplers[r]),
+            0 => DrafterSnap::State(Box::new(fill.export_state()?)),
+            r => DrafterSnap::Peer(Box::new(PeerSnap::new(
+                fill.checkpoint_sampler(r)?,
+                fill.checkpoint_round(),
+                // Only the last stage's process captures rows; the others hold copies.
+                fill.checkpoint_rows().filter(|_| self.captures),
+            ))),
         })
     }
 
@@ -344,157 +337,5 @@ fn join(handle: JoinHandle<Result<(), FillError>>) -> Result<(), FillError> {
     match handle.join() {
         Ok(result) => result,
         Err(panic) => std::panic::resume_unwind(panic),
-    }
-}
-
-fn peer_err(rank: usize, peer: usize, e: impl std::fmt::Display) -> FillError {
-    FillError::Peer {
-        rank,
-        peer,
-        reason: e.to_string(),
-    }
-}
-
-fn encode(rank: usize, wire: &FillWire) -> Result<Vec<u8>, FillError> {
-    frame::encode(wire).map_err(|e| FillError::Plan {
-        rank,
-        reason: format!("encoding a drafter message: {e}"),
-    })
-}
-
-fn decode(rank: usize, peer: usize, bytes: &[u8]) -> Result<FillWire, FillError> {
-    frame::decode(bytes).map_err(|e| peer_err(rank, peer, format!("undecodable message: {e}")))
-}
-
-/// What the stage thread tells the other processes at the end of each of its target steps.
-struct Peers {
-    outbox: Mutex<Sender<FillWire>>,
-    /// The training and held-out buffers, on the process of the last stage (whose rows go
-    /// to every other process).
-    capture: Option<(DraftBufferHandle, DraftBufferHandle)>,
-    /// Held-out rows taken so far (sent or dropped before the step end).
-    held_sent: Mutex<u64>,
-}
-
-impl RoundPeers for Peers {
-    fn step_end(
-        &self,
-        _rank: usize,
-        step: u64,
-        post: Option<&RoundPost>,
-    ) -> Result<(), DrafterError> {
-        let mut messages = Vec::new();
-        if let Some((buffer, held_out)) = &self.capture {
-            let wire = |r: &DraftRow| RowWire {
-                hidden: r.hidden.clone(),
-                targets: r.targets.clone(),
-                probs: r.probs.clone(),
-            };
-            let rows: Vec<RowWire> = buffer
-                .lock()
-                .rows()
-                .filter(|r| r.step == step)
-                .map(wire)
-                .collect();
-            // The held-out buffer is one generation that never turns over (its rows all
-            // say step 0): what it took since the last step end is its newest rows.
-            let held: Vec<RowWire> = {
-                let held_out = held_out.lock();
-                let taken = held_out.dropped() + held_out.len() as u64;
-                let mut sent = lock(&self.held_sent);
-                let new = (taken - *sent).min(held_out.len() as u64) as usize;
-                *sent = taken;
-                let skip = held_out.len() - new;
-                held_out.rows().skip(skip).map(wire).collect()
-            };
-            for (held_out, rows) in [(false, rows), (true, held)] {
-                if !rows.is_empty() {
-                    messages.push(FillWire::Rows {
-                        step,
-                        held_out,
-                        rows,
-                    });
-                }
-            }
-        }
-        messages.extend(post.cloned().map(FillWire::Post));
-        let outbox = lock(&self.outbox);
-        for m in messages {
-            outbox.send(m).map_err(|_| DrafterError::Input {
-                what: "exchange",
-                reason: "the sender to the other processes has stopped".into(),
-            })?;
-        }
-        Ok(())
-    }
-}
-
-/// The sender thread: every queued message to every peer, in order, until `Done`.
-fn send_all(
-    rank: usize,
-    mesh: &TcpMesh,
-    peers: &[usize],
-    rx: Receiver<FillWire>,
-) -> Result<(), FillError> {
-    for wire in rx {
-        let done = matches!(wire, FillWire::Done);
-        let bytes = encode(rank, &wire)?;
-        for &peer in peers {
-            mesh.send(peer, FILL_CHANNEL, &bytes)
-                .map_err(|e| peer_err(rank, peer, mesh.failure().unwrap_or(e.to_string())))?;
-        }
-        if done {
-            break;
-        }
-    }
-    Ok(())
-}
-
-/// A receiver thread: `peer`'s rows into this process's buffers, its posts into the
-/// exchange, until its `Done`.
-fn receive(rank: usize, peer: usize, mesh: &TcpMesh, fill: &DrafterFill) -> Result<(), FillError> {
-    let drafter_err = |e: DrafterError| peer_err(rank, peer, e);
-    loop {
-        let bytes = mesh
-            .recv(peer, FILL_CHANNEL)
-            .map_err(|e| peer_err(rank, peer, mesh.failure().unwrap_or(e.to_string())))?;
-        match decode(rank, peer, &bytes)? {
-            FillWire::Rows {
-                step,
-                held_out,
-                rows,
-            } => {
-                // As on the last stage: the training buffer turns over by step, the
-                // held-out one never does.
-                let handle = if held_out {
-                    fill.held_out()
-                } else {
-                    fill.buffer()
-                };
-                let mut buffer = handle.lock();
-                if !held_out {
-                    buffer.begin_step(step);
-                }
-                for r in rows {
-                    buffer
-                        .push(DraftRow {
-                            hidden: r.hidden,
-                            targets: r.targets,
-                            probs: r.probs,
-                            step,
-                        })
-                        .map_err(drafter_err)?;
-                }
-            }
-            FillWire::Post(post) => fill.post_remote(post).map_err(drafter_err)?,
-            FillWire::Done => return Ok(()),
-            FillWire::Seed { name, .. } => {
-                return Err(peer_err(
-                    rank,
-                    peer,
-                    format!("sent seed {name} during the run"),
-                ));
-            }
-        }
     }
 }

@@ -19,8 +19,10 @@
 //!   [`RankShard::load`]), or the whole-model checkpoint when the run resumes from one.
 //! - **Drafter** ([`MeshCheckpointer::save_drafter`], when the run fills its bubbles): each
 //!   rank snapshots its drafter replica when it deposits its state (at the step's end),
-//!   every other rank's acknowledgement carries its row sampler, and rank 0 writes the
-//!   drafter's file ([`super::fill`]) before the manifest, which names it.
+//!   every other rank's acknowledgement carries its part ([`PeerSnap`]: its row sampler,
+//!   and under the planned placement its posts of the kept round and the last stage's rows),
+//!   and rank 0 assembles and writes the drafter's file ([`super::fill`]) before the
+//!   manifest, which names it.
 
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{Sender, channel};
@@ -34,7 +36,6 @@ use crate::comm::frame;
 use crate::comm::link::{Channel, LinkError, PeerLink};
 use crate::comm::tcp::TcpMesh;
 use crate::config::JobConfig;
-use crate::data::SplitMix64;
 use crate::model::checkpoint::drafter::save_drafter;
 use crate::model::checkpoint::resume::{RankShard, ResumePoint};
 use crate::model::checkpoint::sharded::{
@@ -44,7 +45,7 @@ use crate::model::checkpoint::{Checkpoint, CheckpointError, HostTensor, VERSION}
 use crate::pipeline::shared::{Checkpointing, RankCheckpointer, RankFinal};
 use crate::schedules::Plan;
 
-use super::fill::{DrafterSnap, LaunchFill};
+use super::fill::{DrafterSnap, LaunchFill, PeerSnap, assemble};
 
 /// Channel of the run directory (rank 0 to every rank) and of the shard acknowledgements
 /// (replica 0's ranks to rank 0).
@@ -131,8 +132,8 @@ pub fn agree_run_dir(mesh: &TcpMesh, proposed: Option<&Path>) -> Result<PathBuf,
 struct Ack {
     step: u64,
     entry: Result<ShardEntry, String>,
-    /// The rank's drafter row sampler at the step's end (runs that fill their bubbles).
-    sampler: Option<Result<SplitMix64, String>>,
+    /// The rank's part of the drafter at the step's end (runs that fill their bubbles).
+    sampler: Option<Result<PeerSnap, String>>,
 }
 
 type Worker = JoinHandle<Result<Vec<PathBuf>, CheckpointError>>;
@@ -243,7 +244,7 @@ impl Writer {
         };
         if rank != 0 {
             let sampler = drafter.map(|d| match d? {
-                DrafterSnap::Sampler(s) => Ok(s),
+                DrafterSnap::Peer(s) => Ok(*s),
                 DrafterSnap::State(_) => Err("only rank 0 snapshots the whole drafter".into()),
             });
             let ack = Ack {
@@ -279,15 +280,11 @@ impl Writer {
         }
         // The drafter's file goes in before the manifest that names it.
         let drafter = match drafter.transpose().map_err(|reason| peer_err(0, reason))? {
-            Some(DrafterSnap::State(mut state)) => {
-                for (from, sampler) in samplers {
-                    if let Some(slot) = state.samplers.get_mut(from) {
-                        *slot = sampler;
-                    }
-                }
+            Some(DrafterSnap::State(state)) => {
+                let state = assemble(*state, samplers).map_err(|(from, e)| peer_err(from, e))?;
                 Some(save_drafter(&dir, &state, &plan.model)?)
             }
-            Some(DrafterSnap::Sampler(_)) => {
+            Some(DrafterSnap::Peer(_)) => {
                 return Err(peer_err(0, "rank 0 snapshotted only its sampler".into()));
             }
             None => None,

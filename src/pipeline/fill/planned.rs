@@ -8,18 +8,23 @@
 //!   [`pipefill_actors::FillerSource::fixed_size`]); the slices no bubble took run at the
 //!   step's end. Where they run changes the step's time, never what they compute: one
 //!   replica's slices run one after another on its rank's thread, in the planned order.
-//! - **Rounds.** At the end of step `s` every rank applies the round of step `s − 1` (its
-//!   gradients of every replica, summed in replica order, then the frozen copies posted with
-//!   it) and posts its gradients of step `s` as round `s`. Round `s − 1` is complete by then:
-//!   a rank cannot finish step `s` before every rank has begun it, that is ended step `s − 1`
-//!   (it waits on a condition variable all the same). A round with no pair counted is not an
-//!   update (the version stays).
+//! - **Rounds.** At the end of step `s` every rank waits until round `s − 1` is complete,
+//!   runs the step's leftover slices, applies that round (its gradients of every replica,
+//!   summed in replica order, then the frozen copies posted with it) and posts its gradients
+//!   of step `s` as round `s`. In one process round `s − 1` is complete by then: a rank cannot
+//!   finish step `s` before every rank has begun it, that is ended step `s − 1`. Across
+//!   processes (`pipefill launch`) the other replicas' posts, and step `s − 1`'s rows, travel
+//!   on the mesh and may still be on their way, so the wait is real; the last stage's process
+//!   sends a step's rows before its post of that step's round, so a complete round `s − 1`
+//!   also means the rows its slices sample are in. The wait is bounded (`ROUND_WAIT`) and
+//!   ends at once with the exchange's error when a peer is gone ([`DrafterFill::abort`]). A
+//!   round with no pair counted is not an update (the version stays).
 //! - **Checkpoints.** After step `s` the state is each replica's weights after round `s − 1`,
-//!   its sampler as it ended step `s`, round `s` (posted, not applied) and the rows of steps up
-//!   to `s` ([`super::state`]).
+//!   its sampler as it ended step `s`, round `s` (posted, not applied: the export waits until
+//!   it is complete) and the rows of steps up to `s` ([`super::state`]).
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
 use pipefill_actors::{FillerSource, Slice};
@@ -60,6 +65,8 @@ pub(super) struct Planned {
     cursors: Vec<Mutex<Cursor>>,
     rounds: Mutex<BTreeMap<u64, Round>>,
     posted: Condvar,
+    /// Why the exchange with the other processes failed: no round will complete.
+    failed: OnceLock<String>,
 }
 
 impl Planned {
@@ -80,6 +87,7 @@ impl Planned {
             cursors,
             rounds: Mutex::new(BTreeMap::new()),
             posted: Condvar::new(),
+            failed: OnceLock::new(),
         }
     }
 
@@ -88,8 +96,12 @@ impl Planned {
     }
 
     /// The step a run continuing from now would start at: the step after the last one
-    /// every rank ended.
-    pub(super) fn resume_step(&self) -> u64 {
+    /// every rank ended; in a multi-process run (`local`: this process's replica, the only
+    /// one that steps here) the step after the last one the local rank ended.
+    pub(super) fn resume_step(&self, local: Option<usize>) -> u64 {
+        if let Some(cursor) = local.and_then(|r| self.cursors.get(r)) {
+            return lock(cursor).step;
+        }
         let steps = self.cursors.iter().map(|c| lock(c).step);
         steps.min().unwrap_or(self.start)
     }
@@ -99,21 +111,43 @@ impl Planned {
         self.cursors.iter().map(|c| lock(c).sampler).collect()
     }
 
-    /// The round of the step before `next`, when every replica posted it.
-    pub(super) fn kept_round(&self, next: u64) -> Option<RoundState> {
+    /// `rank`'s sampler as it ended its last step.
+    pub(super) fn sampler(&self, rank: usize) -> Option<SplitMix64> {
+        self.cursors.get(rank).map(|c| lock(c).sampler)
+    }
+
+    /// The round of the step before `next`, once every replica posted it (waiting for the
+    /// posts when a step of this run posted it); none before the run's first step when the
+    /// run did not resume one.
+    pub(super) fn kept_round(&self, next: u64) -> Result<Option<RoundState>, DrafterError> {
+        let Some(step) = next.checked_sub(1) else {
+            return Ok(None);
+        };
+        if next == self.start && !lock(&self.rounds).contains_key(&step) {
+            return Ok(None);
+        }
+        let (grads, frozen) = self.complete(step)?;
+        Ok(Some(round_state(step, grads, &frozen)))
+    }
+
+    /// The posts of the round of the step before `next` this process holds now, without
+    /// waiting for the others (a multi-process run's checkpoint gathers them from every
+    /// process instead: a wait here, on a stage thread, could wait on that very thread).
+    pub(super) fn round_so_far(&self, next: u64) -> Option<RoundState> {
         let step = next.checked_sub(1)?;
         let rounds = lock(&self.rounds);
         let round = rounds.get(&step)?;
-        if round.grads.len() != self.cursors.len() {
-            return None;
-        }
-        let copy = |d: &super::Deposit| d.as_ref().map(|(s, v)| (*s, v.to_vec()));
-        Some(RoundState {
-            step,
-            grads: round.grads.values().cloned().collect(),
-            embed: copy(&round.frozen.embed),
-            head: copy(&round.frozen.head),
-        })
+        let grads = round.grads.values().cloned().collect();
+        Some(round_state(step, grads, &round.frozen))
+    }
+
+    /// The exchange failed for `reason`: every wait for a round ends with it.
+    pub(super) fn abort(&self, reason: String) {
+        let _ = self.failed.set(reason);
+        // Under the rounds' lock, so that a waiter that has not seen the failure yet is
+        // already waiting when the notification comes.
+        let _rounds = lock(&self.rounds);
+        self.posted.notify_all();
     }
 
     /// Before the run: every cursor takes its checkpointed sampler, and the kept round (of
@@ -202,22 +236,40 @@ impl Planned {
         let deadline = Instant::now() + ROUND_WAIT;
         let mut rounds = lock(&self.rounds);
         loop {
-            let posted = rounds.get(&step).map(|r| r.grads.len());
-            if posted == Some(self.cursors.len()) {
+            let posted = rounds.get(&step).map_or(0, |r| r.grads.len());
+            if posted == self.cursors.len() {
                 let round = &rounds[&step];
                 return Ok((
                     round.grads.values().cloned().collect(),
                     round.frozen.clone(),
                 ));
             }
+            let missing = || {
+                let have = rounds.get(&step);
+                let missing: Vec<String> = (0..self.cursors.len())
+                    .filter(|r| have.is_none_or(|h| !h.grads.contains_key(r)))
+                    .map(|r| r.to_string())
+                    .collect();
+                missing.join(", ")
+            };
+            if let Some(reason) = self.failed.get() {
+                return Err(DrafterError::Replicas {
+                    version: 0,
+                    reason: format!(
+                        "the round of target step {step} lacks replicas {} and will not \
+                         complete: {reason}",
+                        missing()
+                    ),
+                });
+            }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return Err(DrafterError::Replicas {
                     version: 0,
                     reason: format!(
-                        "the round of target step {step} has {} of {} replicas' gradients after {} s",
-                        posted.unwrap_or(0),
-                        self.cursors.len(),
+                        "the round of target step {step} still lacks the gradients of replicas \
+                         {} after {} s",
+                        missing(),
                         ROUND_WAIT.as_secs()
                     ),
                 });
@@ -228,6 +280,17 @@ impl Planned {
                 .unwrap_or_else(PoisonError::into_inner)
                 .0;
         }
+    }
+}
+
+/// A round as a checkpoint keeps it.
+fn round_state(step: u64, grads: Vec<DrafterGrads>, frozen: &Frozen) -> RoundState {
+    let copy = |d: &super::Deposit| d.as_ref().map(|(s, v)| (*s, v.to_vec()));
+    RoundState {
+        step,
+        grads,
+        embed: copy(&frozen.embed),
+        head: copy(&frozen.head),
     }
 }
 
@@ -277,11 +340,16 @@ impl DrafterFill {
                 reason: format!("rank {rank} ended target step {step} while at step {at}"),
             });
         }
+        let applies =
+            step > planned.start || lock(&planned.rounds).contains_key(&step.wrapping_sub(1));
+        // Before the leftover slices: across processes the round's completion is what says
+        // that the rows they sample are in (see the module docs).
+        let round = applies.then(|| planned.complete(step - 1)).transpose()?;
         while let Some((s, rows)) = planned.next(self, rank, true) {
             self.slice(rank, rows as usize, Some(s - 1))?;
         }
-        if step > planned.start || lock(&planned.rounds).contains_key(&step.wrapping_sub(1)) {
-            self.planned_apply(planned, rank, step - 1)?;
+        if let Some(round) = round {
+            self.planned_apply(planned, rank, step - 1, round)?;
         }
         let mut frozen = Frozen::default();
         if (step + 1) % self.refresh_every == 0 {
@@ -308,8 +376,13 @@ impl DrafterFill {
 
     /// `rank`'s replica applies round `step`: the summed update when it counted pairs, then
     /// the copies posted with it; replica 0 publishes the weights.
-    fn planned_apply(&self, planned: &Planned, rank: usize, step: u64) -> Result<(), DrafterError> {
-        let (grads, frozen) = planned.complete(step)?;
+    fn planned_apply(
+        &self,
+        planned: &Planned,
+        rank: usize,
+        step: u64,
+        (grads, frozen): (Vec<DrafterGrads>, Frozen),
+    ) -> Result<(), DrafterError> {
         let mut replica = lock(&self.replicas[rank]);
         let updates = grads.iter().any(|g| g.pairs > 0);
         if updates {
@@ -378,5 +451,43 @@ impl FillerSource for PlannedSlices {
                     .map_err(|e| e.to_string())
             }),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::JobConfig;
+    use crate::model::drafter::Placement;
+    use crate::schedules::{ScheduleKind, build};
+
+    #[test]
+    fn a_failed_exchange_ends_the_wait_for_a_round_with_its_reason() {
+        let mut job = JobConfig::default();
+        job.drafter.placement = Placement::Planned;
+        let plan = build(ScheduleKind::OneFOneB, 2, job.train.micro_batches, 1).unwrap();
+        let slices = SlicePlan::new(&plan, &job).unwrap();
+        let planned = Arc::new(Planned::new(slices, 0, vec![SplitMix64::new(1); 2]));
+        let waiter = {
+            let planned = Arc::clone(&planned);
+            std::thread::spawn(move || planned.complete(4).map(|_| ()))
+        };
+        std::thread::sleep(Duration::from_millis(50));
+        planned.abort("rank 1 died: no heartbeat for 10s".into());
+        // Far below ROUND_WAIT: the wait ends with the failure, not with its timeout.
+        let started = Instant::now();
+        while !waiter.is_finished() {
+            assert!(started.elapsed() < Duration::from_secs(30), "still waiting");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let err = waiter.join().unwrap().unwrap_err().to_string();
+        assert!(
+            err.contains("target step 4")
+                && err.contains("replicas 0, 1")
+                && err.contains("rank 1 died"),
+            "{err}"
+        );
+        // A wait that begins after the failure ends at once too.
+        assert!(planned.complete(5).is_err());
     }
 }

@@ -8,18 +8,35 @@
 
 use super::{DrafterFill, lock};
 use crate::model::drafter::DrafterError;
-use crate::model::drafter::state::{BufferState, DrafterState};
+use crate::model::drafter::state::{BufferState, DrafterState, RoundState};
 
 impl DrafterFill {
     /// The drafter's state now: replica 0's weights, version and optimizer (every replica
     /// applies the same updates), every replica's row sampler, and both buffers' rows.
     /// Gradients of an open exchange round are not part of it; under the planned placement
-    /// the posted round of the last step every rank ended is.
+    /// the posted round of the last step every rank ended is. In a multi-process run that is
+    /// the last step this process's rank ended, and the round and rows are what this process
+    /// holds now: the other processes' posts and the last stage's rows are gathered with
+    /// their shards ([`DrafterFill::checkpoint_round`], [`DrafterFill::checkpoint_rows`]).
     pub fn export_state(&self) -> Result<DrafterState, DrafterError> {
+        // In one process every rank has posted the kept round when a checkpoint is taken;
+        // across processes the others' posts are gathered with their shards instead.
+        let kept = match &self.planned {
+            Some(planned) => {
+                let local = self.local.get().copied();
+                let next = planned.resume_step(local);
+                let round = match local {
+                    Some(_) => planned.round_so_far(next),
+                    None => planned.kept_round(next)?,
+                };
+                Some((next, round))
+            }
+            None => None,
+        };
         let (weights, optimizer) = lock(&self.replicas[0]).trainer.export_state()?;
         let buffer = BufferState::of(&self.buffer.lock());
         let held_out = BufferState::of(&self.held_out.lock());
-        let Some(planned) = &self.planned else {
+        let (Some(planned), Some((next, round))) = (&self.planned, kept) else {
             let samplers = self
                 .replicas
                 .iter()
@@ -34,15 +51,32 @@ impl DrafterFill {
                 round: None,
             });
         };
-        let next = planned.resume_step();
         Ok(DrafterState {
             weights,
             optimizer,
             samplers: planned.samplers(),
             buffer: buffer.before(next),
             held_out: held_out.before(next),
-            round: planned.kept_round(next),
+            round,
         })
+    }
+
+    /// Under the planned placement in a multi-process run, what this process holds of the
+    /// round a checkpoint taken now keeps (at least its own replica's post).
+    pub fn checkpoint_round(&self) -> Option<RoundState> {
+        let planned = self.planned.as_ref()?;
+        planned.round_so_far(planned.resume_step(self.local.get().copied()))
+    }
+
+    /// Under the planned placement, this process's training and held-out rows as a
+    /// checkpoint taken now keeps them: exact on the process that captures them (the last
+    /// stage's), whose stage thread takes them at its step end.
+    pub fn checkpoint_rows(&self) -> Option<(BufferState, BufferState)> {
+        let planned = self.planned.as_ref()?;
+        let next = planned.resume_step(self.local.get().copied());
+        let buffer = BufferState::of(&self.buffer.lock()).before(next);
+        let held_out = BufferState::of(&self.held_out.lock()).before(next);
+        Some((buffer, held_out))
     }
 
     /// Continues from `state` before the run starts: every replica takes its weights, version,
