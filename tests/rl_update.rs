@@ -1,8 +1,9 @@
 //! The RL update through the pipeline equals the same GRPO update computed on one device:
 //! rollouts with known rewards go through [`RlTrainer::run_step`] (prompts, rewards,
-//! group advantages, one micro-batch per sequence, pipelined step resumed from the
-//! checkpoint), and the single-device side accumulates `forward_backward` with the same
-//! scales on the whole model and steps AdamW at the RL learning rate. With a KL penalty
+//! group advantages, sequences packed `rl.group` per micro-batch, pipelined step resumed
+//! from the checkpoint), and the single-device side accumulates `forward_backward` of the
+//! same packed step on the whole model and steps AdamW at the RL learning rate (bitwise),
+//! and so does one micro-batch per sequence with scale `A_i / n` (to rounding). With a KL penalty
 //! the single-device side is the GRPO objective's gradient token by token
 //! ([`grpo_loss`] from the policy's and the reference's log-probs), so the per-token loss
 //! hook of the pipelined head is checked against an independent computation.
@@ -12,9 +13,11 @@ use pipefill::data::{MicroBatch, Task, Tokenizer, tokenizer};
 use pipefill::model::checkpoint::Checkpoint;
 use pipefill::model::layers::log_prob;
 use pipefill::model::{AdamW, Cut, Gpt, Shape};
+use pipefill::pipeline::feed::StepBatches;
 use pipefill::rl::grpo::{GrpoLoss, SequenceLogProbs, group_advantages, grpo_loss};
 use pipefill::rl::trainer::{
-    RlError, RlTrainer, Rollout, RolloutBatch, RolloutEngine, step_prompts, update_batches, warm_up,
+    RlError, RlTrainer, Rollout, RolloutBatch, RolloutEngine, step_prompts, update_batches,
+    update_step, warm_up,
 };
 use pipefill::tensor::{CpuBackend, IGNORE_TARGET};
 use pipefill::train::reference::adamw_config;
@@ -103,10 +106,7 @@ fn the_pipelined_grpo_update_equals_the_single_device_update() {
     assert_eq!(rl.checkpoint().meta.step, 3);
 
     // The same update on one device.
-    let be = CpuBackend::new(1).unwrap();
-    let mut gpt = Gpt::new(&job.model, be, &Cut::Even(1)).unwrap();
-    let mut opt = AdamW::new(adamw_config(&job.train));
-    start.restore(&mut gpt, &mut opt, job.train.seed).unwrap();
+    let (mut gpt, mut opt) = load(&job, &start);
     let prompts: Vec<Vec<u32>> = tasks
         .iter()
         .map(|t| {
@@ -117,23 +117,23 @@ fn the_pipelined_grpo_update_equals_the_single_device_update() {
         .collect();
     let batch = engine.generate(&gpt, &prompts, 3, 24, 0).unwrap();
     let advantages = group_advantages(&[1.0, 0.0, 0.0, 1.0, 0.0, 0.0], 3).unwrap();
-    let step = update_batches(&batch.rollouts, &advantages).unwrap();
-    gpt.zero_grads().unwrap();
-    for (i, (mb, &scale)) in step.batches.iter().zip(&step.scales).enumerate() {
-        let shape = Shape {
-            batch: mb.rows,
-            seq: mb.seq_len,
-        };
-        gpt.forward_backward(i, shape, &mb.inputs, &mb.targets, scale)
-            .unwrap();
-    }
-    opt.step_chunks(gpt.chunks_mut(), 1e-2).unwrap();
+    // The packed step on one device: the pipeline computes exactly this, stage by stage.
+    let (packed, _) = update_step(&job.rl, &batch.rollouts, &advantages, None).unwrap();
+    assert_eq!(packed.batches.len(), 2, "rl.prompts micro-batches");
+    assert!(
+        packed.batches.iter().all(|mb| mb.rows == 3),
+        "rl.group rows each"
+    );
+    single_device_step(&job, &mut gpt, &mut opt, &packed);
+    // One micro-batch per sequence with scale A_i / n: the GRPO update as plain training.
+    let (mut plain, mut plain_opt) = load(&job, &start);
+    let per_sequence = update_batches(&batch.rollouts, &advantages).unwrap();
+    assert_eq!(per_sequence.batches.len(), 6);
+    single_device_step(&job, &mut plain, &mut plain_opt, &per_sequence);
 
     let policy = rl.policy();
-    let mut before = Gpt::new(&job.model, CpuBackend::new(1).unwrap(), &Cut::Even(1)).unwrap();
-    let mut o = AdamW::new(adamw_config(&job.train));
-    start.restore(&mut before, &mut o, job.train.seed).unwrap();
-    let mut moved = 0.0f32;
+    let (before, _) = load(&job, &start);
+    let (mut moved, mut packing_error) = (0.0f32, 0.0f32);
     for name in gpt.param_names() {
         let (want, got) = (
             gpt.param_values(&name).unwrap(),
@@ -147,8 +147,49 @@ fn the_pipelined_grpo_update_equals_the_single_device_update() {
                 .fold(0.0, f32::max),
         );
         assert_eq!(got, want, "{name}: the pipelined update differs");
+        let plain = plain.param_values(&name).unwrap();
+        packing_error = want
+            .iter()
+            .zip(&plain)
+            .map(|(a, b)| (a - b).abs())
+            .fold(packing_error, f32::max);
     }
     assert!(moved > 1e-4, "the update moved the parameters: {moved}");
+    eprintln!("packed vs one sequence per micro-batch: max |Δparam| {packing_error:e}");
+    assert!(
+        packing_error <= PACKING_TOL,
+        "packed vs one sequence per micro-batch: max |Δparam| {packing_error}"
+    );
+}
+
+/// Packed vs one-sequence-per-micro-batch updates: the same gradient summed in another
+/// order (and each row's weight applied per token), so equal to rounding; 0 here would
+/// only mean the case is degenerate, so the bound is far below the step (`moved` > 1e-4).
+const PACKING_TOL: f32 = 1e-6;
+
+/// Accumulates `step`'s micro-batches on `gpt` (with its token loss on the head, if any)
+/// and takes AdamW's step at the RL learning rate of [`job`].
+fn single_device_step(
+    job: &JobConfig,
+    gpt: &mut Gpt<CpuBackend>,
+    opt: &mut AdamW<CpuBackend>,
+    step: &StepBatches,
+) {
+    let last = gpt.chunks_mut().len() - 1;
+    gpt.chunks_mut()[last]
+        .set_token_loss(step.token_loss.clone())
+        .unwrap();
+    gpt.zero_grads().unwrap();
+    for (i, (mb, &scale)) in step.batches.iter().zip(&step.scales).enumerate() {
+        let shape = Shape {
+            batch: mb.rows,
+            seq: mb.seq_len,
+        };
+        gpt.forward_backward(i, shape, &mb.inputs, &mb.targets, scale)
+            .unwrap();
+    }
+    gpt.chunks_mut()[last].set_token_loss(None).unwrap();
+    opt.step_chunks(gpt.chunks_mut(), job.rl.lr).unwrap();
 }
 
 /// The policy the next rollout samples from is the checkpoint the next update resumes:

@@ -27,12 +27,14 @@
 //! loss scale `A_i / n` ([`update_scales`]). That is how the pipelined update runs the
 //! GRPO objective through the pipeline's existing `d objective / d loss` scales.
 //!
-//! The KL term's gradient differs per token (`β·(1 − exp(d))`), which a per-micro-batch
-//! scale cannot express. With `kl_coef > 0` the update instead hands the last stage's head
-//! a [`GrpoTokenLoss`] ([`crate::model::layers::TokenLoss`]): micro-batch `i`'s loss is the
-//! mean of [`token_loss`] over its completion tokens (at `ρ = 1`, with the reference's
-//! log-probs computed once per rollout batch, [`reference_log_probs`]) and its scale `1/n`,
-//! so `Σ_i loss_i / n` is [`grpo_loss`] and the head backpropagates its per-token gradient.
+//! The KL term's gradient differs per token (`β·(1 − exp(d))`), and a micro-batch packing
+//! several sequences needs a weight per row; neither is one scale per micro-batch. The
+//! pipelined update therefore hands the last stage's head a [`GrpoTokenLoss`]
+//! ([`crate::model::layers::TokenLoss`], built by [`super::update::update_step`]): each
+//! row's tokens get the derivative of its sequence's share of the objective (with KL the
+//! mean of [`token_loss`] over its completion tokens at `ρ = 1`, the reference's log-probs
+//! computed once per rollout batch by [`reference_log_probs`]), so the micro-batches' losses
+//! sum to [`grpo_loss`] and the head backpropagates its per-token gradient.
 
 /// What can be wrong with GRPO inputs; each names the figure and where.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -50,7 +52,12 @@ pub enum GrpoError {
     },
     #[error("{advantages} advantages for {sequences} sequences")]
     Count { advantages: usize, sequences: usize },
+    /// A packed update's rows do not hold every sequence exactly once.
+    #[error("micro-batch layout: {0}")]
+    Layout(String),
 }
+
+pub use super::update::GrpoTokenLoss;
 
 /// Added to a group's standard deviation so an almost-uniform group cannot blow up.
 pub const ADVANTAGE_EPS: f32 = 1e-6;
@@ -173,85 +180,9 @@ pub fn grpo_loss(
     Ok((total as f32, grads))
 }
 
-/// The on-policy GRPO objective of the update as the head's per-token loss (see the module
-/// docs): micro-batch `i` holds sequence `i`, whose completion tokens' reference log-probs
-/// are `logp_ref[i]`. It also sums the k3 KL it sees, for the step's metrics.
-#[derive(Debug)]
-pub struct GrpoTokenLoss {
-    cfg: GrpoLoss,
-    advantages: Vec<f32>,
-    logp_ref: Vec<Vec<f32>>,
-    /// `(Σ k3, tokens)` over the forwards so far.
-    kl: std::sync::Mutex<(f64, usize)>,
-}
-
-impl GrpoTokenLoss {
-    pub fn new(
-        cfg: GrpoLoss,
-        advantages: Vec<f32>,
-        logp_ref: Vec<Vec<f32>>,
-    ) -> Result<Self, GrpoError> {
-        if advantages.len() != logp_ref.len() {
-            return Err(GrpoError::Count {
-                advantages: advantages.len(),
-                sequences: logp_ref.len(),
-            });
-        }
-        Ok(GrpoTokenLoss {
-            cfg,
-            advantages,
-            logp_ref,
-            kl: std::sync::Mutex::new((0.0, 0)),
-        })
-    }
-
-    /// Mean k3 KL to the reference per completion token, over the forwards so far.
-    pub fn mean_kl(&self) -> Option<f64> {
-        let (sum, n) = *self
-            .kl
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        (n > 0).then(|| sum / n as f64)
-    }
-}
-
-impl crate::model::layers::TokenLoss for GrpoTokenLoss {
-    fn loss(&self, mb: usize, logp: &[f32]) -> Result<(f32, Vec<f32>), String> {
-        let (Some(&a), Some(r)) = (self.advantages.get(mb), self.logp_ref.get(mb)) else {
-            return Err(format!("no sequence {mb} of {}", self.advantages.len()));
-        };
-        if r.len() != logp.len() {
-            return Err(GrpoError::Length {
-                sequence: mb,
-                what: "logp_ref",
-                got: r.len(),
-                expected: logp.len(),
-            }
-            .to_string());
-        }
-        let n = logp.len().max(1) as f64;
-        let (mut total, mut kl) = (0.0f64, 0.0f64);
-        let mut grads = Vec::with_capacity(logp.len());
-        for (&lp, &rt) in logp.iter().zip(r) {
-            let (l, g) = token_loss(self.cfg, lp, lp, Some(rt), a);
-            total += f64::from(l);
-            let d = f64::from(rt - lp);
-            kl += d.exp() - d - 1.0;
-            grads.push((f64::from(g) / n) as f32);
-        }
-        let mut acc = self
-            .kl
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        acc.0 += kl;
-        acc.1 += logp.len();
-        Ok(((total / n) as f32, grads))
-    }
-}
-
 /// Each sequence's completion-token log-probs under `reference` (one forward per
-/// sequence; `batches` as [`super::trainer::update_batches`] builds them, prompt targets
-/// ignored), in the order [`GrpoTokenLoss`] reads them.
+/// sequence; `batches` as [`super::update::update_batches`] builds them, prompt targets
+/// ignored), as [`GrpoTokenLoss`] takes them.
 pub fn reference_log_probs<B: crate::tensor::Backend>(
     reference: &mut crate::model::Gpt<B>,
     batches: &[crate::data::MicroBatch],
@@ -496,9 +427,10 @@ mod tests {
         assert!(err <= 1e-5 * norm.max(1.0), "error {err} of norm {norm}");
     }
 
-    /// The head's hooked loss (GRPO with KL through [`GrpoTokenLoss`], scale `1/n`) has the
-    /// gradient of [`grpo_loss`] computed from the logits: checked by central differences on
-    /// the entries of two parameters with the largest gradients.
+    /// The head's hooked loss (GRPO with KL through [`GrpoTokenLoss`], both sequences packed
+    /// in one micro-batch of two rows, scale 1) has the gradient of [`grpo_loss`] computed
+    /// from the logits: checked by central differences on the entries of two parameters
+    /// with the largest gradients.
     #[test]
     fn kl_token_loss_gradient_matches_finite_differences() {
         let cfg = GptConfig {
@@ -530,7 +462,6 @@ mod tests {
             vec![-1.0, -2.5, -0.3, -3.0, -1.7],
             vec![-2.0, -0.5, -2.2, -1.1],
         ];
-        let n = rows.len() as f32;
         let log_probs = |gpt: &mut Gpt<CpuBackend>| -> Vec<Vec<f32>> {
             rows.iter()
                 .map(|&(ids, targets)| {
@@ -562,20 +493,30 @@ mod tests {
                 .collect();
             f64::from(grpo_loss(loss_cfg, &seqs, &advantages).unwrap().0)
         };
+        let tokens = logp_ref.iter().map(Vec::len).collect();
         let hook = std::sync::Arc::new(
-            GrpoTokenLoss::new(loss_cfg, advantages.clone(), logp_ref.clone()).unwrap(),
+            GrpoTokenLoss::new(
+                loss_cfg,
+                advantages.clone(),
+                tokens,
+                Some(logp_ref.clone()),
+                vec![vec![0, 1]],
+            )
+            .unwrap(),
         );
         gpt.chunks_mut()[0]
             .set_token_loss(Some(hook.clone()))
             .unwrap();
         gpt.zero_grads().unwrap();
-        let mut hooked = 0.0f64;
-        for (i, &(ids, targets)) in rows.iter().enumerate() {
-            hooked += f64::from(
-                gpt.forward_backward(i, shape, ids, targets, 1.0 / n)
-                    .unwrap(),
-            ) / f64::from(n);
-        }
+        let (ids, targets): (Vec<u32>, Vec<u32>) = rows
+            .iter()
+            .flat_map(|&(i, t)| i.iter().copied().zip(t.iter().copied()))
+            .unzip();
+        let packed = Shape { batch: 2, seq: 6 };
+        let hooked = f64::from(
+            gpt.forward_backward(0, packed, &ids, &targets, 1.0)
+                .unwrap(),
+        );
         gpt.chunks_mut()[0].set_token_loss(None).unwrap();
         let at = objective(&mut gpt);
         assert!((hooked - at).abs() < 1e-5, "hooked loss {hooked} vs {at}");

@@ -9,6 +9,8 @@
 //!   the target verifies all K+1 positions in one multi-position pass, rejected positions
 //!   roll back the KV caches).
 //! - `bandit`: the bucketed epsilon-greedy choice of K per live-batch-size bucket.
+//! - `update`: the GRPO update's step as pipeline micro-batches (sequences packed several
+//!   per micro-batch) and the head's per-token loss that weighs them.
 //!
 //! The KV-cache inference path itself (no activations stashed for backward) lives in
 //! [`crate::model::infer`].
@@ -23,3 +25,4 @@ pub mod speculative;
 pub mod trainer;
 pub mod trainer_rollout;
 pub mod trainer_spec;
+pub mod update;

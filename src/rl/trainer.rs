@@ -9,16 +9,17 @@
 //! 3. **Rewards** by exact answer match ([`super::reward`]), **advantages** normalised per
 //!    group ([`super::grpo::group_advantages`]).
 //! 4. **Update**: one optimizer step of the pipeline with the job's schedule, through
-//!    [`PipelineTrainer::feed`]: one micro-batch per sequence, prompt targets ignored, loss
-//!    scale `A_i / n` ([`super::grpo::update_scales`]). With one on-policy update per
+//!    [`PipelineTrainer::feed`]: `rl.prompts` micro-batches of `rl.group` sequences
+//!    ([`update_step`]), prompt targets ignored, the head weighing each sequence's tokens
+//!    by `A_i / n` ([`super::update::GrpoTokenLoss`]). With one on-policy update per
 //!    rollout batch the policy ratio is 1, so this is the clipped GRPO objective's gradient
 //!    exactly (see [`super::grpo`]). The run resumes from the previous step's checkpoint,
 //!    so optimizer moments carry over.
 //!
 //! With `rl.kl_coef = β > 0` the objective adds β·k3-KL to a frozen reference (the policy
 //! RL started from, or [`RlTrainer::with_reference`]): the reference's per-token log-probs
-//! are computed once per rollout batch ([`super::grpo::reference_log_probs`]) and the
-//! update's head takes the per-token GRPO loss ([`GrpoTokenLoss`]) with scale `1/n`.
+//! are computed once per rollout batch ([`super::grpo::reference_log_probs`], one forward
+//! per sequence of [`update_batches`]) and the head's loss takes the per-token KL term.
 //!
 //! The learning rate decays by cosine from `rl.lr` to `rl.lr / 10` over the RL steps (the
 //! update job's warm-up is the step RL starts at, so its schedule starts at the peak).
@@ -29,17 +30,16 @@ use std::time::Instant;
 use serde::Serialize;
 
 use super::config::RlConfig;
-use super::grpo::{
-    GrpoError, GrpoLoss, GrpoTokenLoss, group_advantages, reference_log_probs, update_scales,
-};
+use super::grpo::{GrpoError, group_advantages, reference_log_probs};
 use super::reward::{completion_tokens, reward_of_tokens};
+pub use super::update::{update_batches, update_step};
 use crate::config::{ConfigError, JobConfig};
-use crate::data::{DataError, MicroBatch, SplitMix64, Task, TaskGenerator, Tokenizer, tokenizer};
+use crate::data::{DataError, SplitMix64, Task, TaskGenerator, Tokenizer, tokenizer};
 use crate::model::checkpoint::Checkpoint;
 use crate::model::{AdamW, Cut, Gpt, ModelError};
-use crate::pipeline::feed::{StepBatches, StepFeed};
+use crate::pipeline::feed::StepFeed;
 use crate::pipeline::{PipelineError, PipelineTrainer, StepMetrics};
-use crate::tensor::{CpuBackend, IGNORE_TARGET};
+use crate::tensor::CpuBackend;
 use crate::train::reference::adamw_config;
 
 /// What can go wrong in an RL run.
@@ -168,9 +168,9 @@ pub struct RlStepMetrics {
     pub acceptance_length: Option<f64>,
     pub chosen_k: Option<f64>,
     pub drafter_agreement: Option<f64>,
-    /// The update's loss as the pipeline combines its micro-batches' losses: each
-    /// sequence's mean NLL (scaled by `A_i/n` in the backward, so the gradient is GRPO's),
-    /// or with KL each sequence's mean per-token GRPO loss.
+    /// The update's loss as the pipeline combines its micro-batches' losses: `Σ_i A_i/n ·
+    /// NLL_i` over the sequences' mean NLLs (its gradient is GRPO's), or with KL the GRPO
+    /// loss, the mean over sequences of their mean per-token loss.
     pub surrogate_loss: f32,
     pub grad_norm: f32,
     pub lr: f32,
@@ -246,50 +246,6 @@ pub fn step_prompts(job: &JobConfig, step: u64) -> Result<Vec<Task>, RlError> {
     Ok(tasks)
 }
 
-/// The update's step: one micro-batch per rollout (inputs = the sequence without its last
-/// token, targets = the next tokens with the prompt's ignored) and loss scale `A_i / n`.
-pub fn update_batches(rollouts: &[Rollout], advantages: &[f32]) -> Result<StepBatches, RlError> {
-    if rollouts.len() != advantages.len() {
-        return Err(GrpoError::Count {
-            advantages: advantages.len(),
-            sequences: rollouts.len(),
-        }
-        .into());
-    }
-    let mut batches = Vec::with_capacity(rollouts.len());
-    for (i, r) in rollouts.iter().enumerate() {
-        if r.prompt.is_empty() || r.generated.is_empty() {
-            return Err(RlError::Rollout(format!(
-                "sequence {i} has {} prompt and {} generated tokens (each needs one)",
-                r.prompt.len(),
-                r.generated.len()
-            )));
-        }
-        let ids: Vec<u32> = r.prompt.iter().chain(&r.generated).copied().collect();
-        let len = ids.len() - 1;
-        let targets = (0..len)
-            .map(|t| {
-                if t + 1 < r.prompt.len() {
-                    IGNORE_TARGET
-                } else {
-                    ids[t + 1]
-                }
-            })
-            .collect();
-        batches.push(MicroBatch {
-            rows: 1,
-            seq_len: len,
-            inputs: ids[..len].to_vec(),
-            targets,
-        });
-    }
-    Ok(StepBatches {
-        batches,
-        scales: update_scales(advantages),
-        token_loss: None,
-    })
-}
-
 /// Runs `job.rl.warmup_steps` supervised steps of the job's pipeline on the job's tasks
 /// (the model's initial weights), calling `on_step` after each; returns the checkpoint.
 pub fn warm_up(job: &JobConfig, on_step: impl FnMut(&StepMetrics)) -> Result<Checkpoint, RlError> {
@@ -306,13 +262,14 @@ pub(crate) fn warm_up_job(job: &JobConfig) -> JobConfig {
     sft
 }
 
-/// The pipeline job of the RL update when RL started at optimizer step `first_update`: one
-/// sequence per micro-batch, the RL learning rate (the multi-process update runs it too).
+/// The pipeline job of the RL update when RL started at optimizer step `first_update`:
+/// `rl.prompts` micro-batches of `rl.group` sequences ([`update_step`]), the RL learning
+/// rate (the multi-process update runs it too).
 pub(crate) fn update_job_of(job: &JobConfig, first_update: u64) -> JobConfig {
     let rl: &RlConfig = &job.rl;
     let mut job = job.clone();
-    job.train.micro_batches = rl.sequences();
-    job.train.micro_batch_size = 1;
+    job.train.micro_batches = rl.prompts;
+    job.train.micro_batch_size = rl.group;
     job.train.lr = rl.lr;
     job.train.warmup = first_update;
     job.train.steps = first_update + rl.steps;
@@ -375,7 +332,7 @@ impl RlTrainer {
         self.step
     }
 
-    /// The pipeline job of the update: one sequence per micro-batch, the RL learning rate.
+    /// The pipeline job of the update: [`update_step`]'s micro-batches, the RL learning rate.
     fn update_job(&self) -> JobConfig {
         update_job_of(&self.job, self.first_update)
     }
@@ -407,23 +364,15 @@ impl RlTrainer {
             .map(|r| (completion_tokens(&r.generated).len() + 1).min(r.generated.len()))
             .sum();
 
-        let mut update = update_batches(&batch.rollouts, &advantages)?;
         let reference_started = Instant::now();
-        let kl_hook = match &mut self.reference {
+        let logp_ref = match &mut self.reference {
             Some(reference) => {
-                let logp_ref = reference_log_probs(reference, &update.batches)?;
-                let cfg = GrpoLoss {
-                    clip: rl.clip,
-                    kl_coef: rl.kl_coef,
-                };
-                let hook = Arc::new(GrpoTokenLoss::new(cfg, advantages.clone(), logp_ref)?);
-                let n = update.batches.len() as f32;
-                update.scales = vec![1.0 / n; update.batches.len()];
-                update.token_loss = Some(hook.clone());
-                Some(hook)
+                let plain = update_batches(&batch.rollouts, &advantages)?;
+                Some(reference_log_probs(reference, &plain.batches)?)
             }
             None => None,
         };
+        let (update, kl_hook) = update_step(&rl, &batch.rollouts, &advantages, logp_ref)?;
         let reference_seconds = reference_started.elapsed().as_secs_f64();
         let started = Instant::now();
         let first = self.checkpoint.meta.step;

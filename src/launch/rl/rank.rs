@@ -25,8 +25,10 @@ use crate::model::{Cut, Gpt, ModelError, OptimizerState};
 use crate::pipeline::feed::{StepBatches, StepFeed};
 use crate::pipeline::shared::{RankFinal, Replica, Shared};
 use crate::pipeline::{PipelineError, RankCompute};
-use crate::rl::grpo::{GrpoLoss, GrpoTokenLoss, group_advantages, reference_log_probs};
-use crate::rl::trainer::{RlError, Rollout, RolloutEngine, scored_rollouts, update_batches};
+use crate::rl::grpo::{GrpoTokenLoss, group_advantages, reference_log_probs};
+use crate::rl::trainer::{
+    RlError, Rollout, RolloutEngine, scored_rollouts, update_batches, update_step,
+};
 use crate::rl::trainer_spec::PipelineRollouts;
 use crate::schedules::Plan;
 use crate::tensor::CpuBackend;
@@ -52,30 +54,18 @@ impl RolloutWire {
             .collect()
     }
 
-    /// The update's step, as the in-process trainer builds it: one micro-batch per
-    /// sequence with scale `A_i / n`, or with the KL term the [`GrpoTokenLoss`] hook and
-    /// scale `1 / n` (returned too, for its KL figure).
+    /// The update's step, as the in-process trainer builds it ([`update_step`]), and with
+    /// the KL term its hook (for its KL figure).
     pub(super) fn update(
         &self,
         rl: &crate::rl::config::RlConfig,
     ) -> Result<(StepBatches, Option<Arc<GrpoTokenLoss>>), RlError> {
-        let mut update = update_batches(&self.rollouts(), &self.advantages)?;
-        let Some(logp_ref) = &self.logp_ref else {
-            return Ok((update, None));
-        };
-        let cfg = GrpoLoss {
-            clip: rl.clip,
-            kl_coef: rl.kl_coef,
-        };
-        let hook = Arc::new(GrpoTokenLoss::new(
-            cfg,
-            self.advantages.clone(),
-            logp_ref.clone(),
-        )?);
-        let n = update.batches.len() as f32;
-        update.scales = vec![1.0 / n; update.batches.len()];
-        update.token_loss = Some(hook.clone());
-        Ok((update, Some(hook)))
+        update_step(
+            rl,
+            &self.rollouts(),
+            &self.advantages,
+            self.logp_ref.clone(),
+        )
     }
 
     pub(super) fn sequences(&self) -> usize {

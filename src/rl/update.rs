@@ -1,0 +1,451 @@
+//! The RL update's step: a rollout batch as pipeline micro-batches, and the GRPO loss the
+//! last stage's head takes for them.
+//!
+//! [`update_step`] packs the step's `n = rl.prompts × rl.group` sequences into
+//! `rl.prompts` micro-batches of `rl.group` rows each (what `pipefill rl` and `launch rl`
+//! train on). With one sequence per micro-batch ([`update_batches`], the plain form the
+//! tests and the reference's log-probs use) every matrix product of a stage had one
+//! ~50-token row block: at d_model 512 on the CPU, packing the weight panels cost as much
+//! as the products themselves and the update ran at a third of SFT's tokens/s. Rows are
+//! padded to their micro-batch's longest (`PAD` inputs, ignored targets; causal attention
+//! keeps the padding out of the real positions, and ignored targets give it no gradient),
+//! so the sequences are sorted by length before they are chunked; the chunks are ordered
+//! shortest, longest, second shortest, … so that a data-parallel replica's consecutive
+//! share holds short and long ones alike.
+//!
+//! A loss scale per micro-batch cannot weigh each row by its own `A_i / n`, so every
+//! packed step hands the head a [`GrpoTokenLoss`] with scale 1: micro-batch `j`'s loss is
+//! `Σ_{i in j} w_i · mean_t f_it` over its rows' completion tokens, and the head
+//! backpropagates the per-token derivatives. Without KL `f = −log p` and `w_i = A_i / n`
+//! (the gradient of the on-policy GRPO objective, see [`super::grpo`], and the same
+//! reported surrogate as one micro-batch per sequence with scale `A_i / n`); with KL `f` is
+//! [`token_loss`] at `ρ = 1` against the reference's log-probs and `w_i = 1 / n`, which sums
+//! to [`super::grpo::grpo_loss`]. Either way the step's gradient is the one-per-sequence
+//! update's up to float rounding (tests/rl_update.rs compares them).
+
+use std::sync::{Arc, Mutex, PoisonError};
+
+use super::config::RlConfig;
+use super::grpo::{GrpoError, GrpoLoss, token_loss, update_scales};
+use super::trainer::{RlError, Rollout};
+use crate::data::{MicroBatch, tokenizer};
+use crate::model::layers::TokenLoss;
+use crate::pipeline::feed::StepBatches;
+use crate::tensor::IGNORE_TARGET;
+
+/// The update's step of one micro-batch per rollout (inputs = the sequence without its last
+/// token, targets = the next tokens with the prompt's ignored) and loss scale `A_i / n`.
+pub fn update_batches(rollouts: &[Rollout], advantages: &[f32]) -> Result<StepBatches, RlError> {
+    check_counts(rollouts, advantages)?;
+    let batches = rollouts
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let (inputs, targets) = row(i, r)?;
+            Ok(MicroBatch {
+                rows: 1,
+                seq_len: inputs.len(),
+                inputs,
+                targets,
+            })
+        })
+        .collect::<Result<Vec<_>, RlError>>()?;
+    Ok(StepBatches {
+        batches,
+        scales: update_scales(advantages),
+        token_loss: None,
+    })
+}
+
+/// The update's packed step (see the module docs): `rl.prompts` micro-batches of
+/// `rl.group` rows, scale 1 each, the head's [`GrpoTokenLoss`] weighing the rows. With
+/// `logp_ref` (each sequence's completion-token log-probs under the frozen reference, as
+/// [`super::grpo::reference_log_probs`] computes them on [`update_batches`]) the loss has
+/// the KL term, and the hook is returned too, for its KL figure.
+pub fn update_step(
+    rl: &RlConfig,
+    rollouts: &[Rollout],
+    advantages: &[f32],
+    logp_ref: Option<Vec<Vec<f32>>>,
+) -> Result<(StepBatches, Option<Arc<GrpoTokenLoss>>), RlError> {
+    check_counts(rollouts, advantages)?;
+    if rollouts.len() != rl.sequences() {
+        return Err(RlError::Rollout(format!(
+            "{} rollouts for {} prompts × group {}",
+            rollouts.len(),
+            rl.prompts,
+            rl.group
+        )));
+    }
+    let rows = rollouts
+        .iter()
+        .enumerate()
+        .map(|(i, r)| row(i, r))
+        .collect::<Result<Vec<_>, RlError>>()?;
+    let layout = packing(
+        &rows.iter().map(|(x, _)| x.len()).collect::<Vec<_>>(),
+        rl.group,
+    );
+    let batches = layout
+        .iter()
+        .map(|seqs| {
+            let seq_len = seqs.iter().map(|&i| rows[i].0.len()).max().unwrap_or(0);
+            let mut inputs = Vec::with_capacity(seqs.len() * seq_len);
+            let mut targets = Vec::with_capacity(seqs.len() * seq_len);
+            for &i in seqs {
+                let (x, t) = &rows[i];
+                inputs.extend_from_slice(x);
+                inputs.resize(inputs.len() + seq_len - x.len(), tokenizer::PAD);
+                targets.extend_from_slice(t);
+                targets.resize(targets.len() + seq_len - t.len(), IGNORE_TARGET);
+            }
+            MicroBatch {
+                rows: seqs.len(),
+                seq_len,
+                inputs,
+                targets,
+            }
+        })
+        .collect::<Vec<_>>();
+    let tokens = rollouts.iter().map(|r| r.generated.len()).collect();
+    let cfg = GrpoLoss {
+        clip: rl.clip,
+        kl_coef: rl.kl_coef,
+    };
+    let hook = Arc::new(GrpoTokenLoss::new(
+        cfg,
+        advantages.to_vec(),
+        tokens,
+        logp_ref,
+        layout,
+    )?);
+    let kl_hook = hook.has_reference().then(|| Arc::clone(&hook));
+    let step = StepBatches {
+        scales: vec![1.0; batches.len()],
+        batches,
+        token_loss: Some(hook),
+    };
+    Ok((step, kl_hook))
+}
+
+fn check_counts(rollouts: &[Rollout], advantages: &[f32]) -> Result<(), RlError> {
+    if rollouts.len() != advantages.len() {
+        return Err(GrpoError::Count {
+            advantages: advantages.len(),
+            sequences: rollouts.len(),
+        }
+        .into());
+    }
+    Ok(())
+}
+
+/// Sequence `i`'s inputs (without its last token) and targets (the next tokens, the
+/// prompt's ignored): `generated.len()` counted targets.
+fn row(i: usize, r: &Rollout) -> Result<(Vec<u32>, Vec<u32>), RlError> {
+    if r.prompt.is_empty() || r.generated.is_empty() {
+        return Err(RlError::Rollout(format!(
+            "sequence {i} has {} prompt and {} generated tokens (each needs one)",
+            r.prompt.len(),
+            r.generated.len()
+        )));
+    }
+    let ids: Vec<u32> = r.prompt.iter().chain(&r.generated).copied().collect();
+    let len = ids.len() - 1;
+    let targets = (0..len)
+        .map(|t| {
+            if t + 1 < r.prompt.len() {
+                IGNORE_TARGET
+            } else {
+                ids[t + 1]
+            }
+        })
+        .collect();
+    Ok((ids[..len].to_vec(), targets))
+}
+
+/// The sequences of each micro-batch, `rows` per micro-batch (the last may hold fewer):
+/// sorted by `lens` (ties by index) and chunked, the chunks ordered shortest, longest,
+/// second shortest, second longest, ….
+fn packing(lens: &[usize], rows: usize) -> Vec<Vec<usize>> {
+    let mut order: Vec<usize> = (0..lens.len()).collect();
+    order.sort_by_key(|&i| (lens[i], i));
+    let chunks: Vec<Vec<usize>> = order.chunks(rows.max(1)).map(<[usize]>::to_vec).collect();
+    let (mut lo, mut hi) = (0, chunks.len());
+    let mut out = Vec::with_capacity(chunks.len());
+    while lo < hi {
+        out.push(chunks[lo].clone());
+        lo += 1;
+        if lo < hi {
+            hi -= 1;
+            out.push(chunks[hi].clone());
+        }
+    }
+    out
+}
+
+/// The GRPO objective of a packed update as the head's per-token loss (see the module
+/// docs): micro-batch `j` holds sequences `rows[j]`, row after row, each contributing its
+/// `tokens[i]` completion tokens to the micro-batch's counted targets in that order. It
+/// also sums the k3 KL it sees (with a reference), for the step's metrics.
+#[derive(Debug)]
+pub struct GrpoTokenLoss {
+    cfg: GrpoLoss,
+    advantages: Vec<f32>,
+    tokens: Vec<usize>,
+    /// Each sequence's reference log-probs (the KL term); `None`: no KL term.
+    logp_ref: Option<Vec<Vec<f32>>>,
+    rows: Vec<Vec<usize>>,
+    /// `(Σ k3, tokens)` over the forwards so far.
+    kl: Mutex<(f64, usize)>,
+}
+
+impl GrpoTokenLoss {
+    /// The loss of `advantages.len()` sequences of `tokens` completion tokens each, laid
+    /// out in micro-batches as `rows` says (every sequence exactly once); with `logp_ref`,
+    /// `tokens[i]` log-probs for each sequence, the KL term of `cfg`.
+    pub fn new(
+        cfg: GrpoLoss,
+        advantages: Vec<f32>,
+        tokens: Vec<usize>,
+        logp_ref: Option<Vec<Vec<f32>>>,
+        rows: Vec<Vec<usize>>,
+    ) -> Result<Self, GrpoError> {
+        let n = advantages.len();
+        let count = |sequences| GrpoError::Count {
+            advantages: n,
+            sequences,
+        };
+        if tokens.len() != n {
+            return Err(count(tokens.len()));
+        }
+        if let Some(r) = &logp_ref {
+            if r.len() != n {
+                return Err(count(r.len()));
+            }
+            if let Some(sequence) = (0..n).find(|&i| r[i].len() != tokens[i]) {
+                return Err(GrpoError::Length {
+                    sequence,
+                    what: "logp_ref",
+                    got: r[sequence].len(),
+                    expected: tokens[sequence],
+                });
+            }
+        }
+        let mut seen = vec![0usize; n];
+        for &i in rows.iter().flatten() {
+            match seen.get_mut(i) {
+                Some(s) => *s += 1,
+                None => return Err(GrpoError::Layout(format!("no sequence {i} of {n}"))),
+            }
+        }
+        if let Some(i) = seen.iter().position(|&s| s != 1) {
+            return Err(GrpoError::Layout(format!(
+                "sequence {i} is in {} micro-batch rows, not one",
+                seen[i]
+            )));
+        }
+        Ok(GrpoTokenLoss {
+            cfg,
+            advantages,
+            tokens,
+            logp_ref,
+            rows,
+            kl: Mutex::new((0.0, 0)),
+        })
+    }
+
+    /// Whether the loss has the KL term (a reference's log-probs).
+    pub fn has_reference(&self) -> bool {
+        self.logp_ref.is_some()
+    }
+
+    /// Mean k3 KL to the reference per completion token, over the forwards so far.
+    pub fn mean_kl(&self) -> Option<f64> {
+        let (sum, n) = *self.kl.lock().unwrap_or_else(PoisonError::into_inner);
+        (n > 0).then(|| sum / n as f64)
+    }
+}
+
+impl TokenLoss for GrpoTokenLoss {
+    fn loss(&self, mb: usize, logp: &[f32]) -> Result<(f32, Vec<f32>), String> {
+        let Some(rows) = self.rows.get(mb) else {
+            return Err(format!("no micro-batch {mb} of {}", self.rows.len()));
+        };
+        let expected: usize = rows.iter().map(|&i| self.tokens[i]).sum();
+        if logp.len() != expected {
+            return Err(format!(
+                "micro-batch {mb} has {} counted targets, its sequences {expected} completion \
+                 tokens",
+                logp.len()
+            ));
+        }
+        let n = self.advantages.len().max(1) as f64;
+        let (mut total, mut kl) = (0.0f64, 0.0f64);
+        let mut grads = Vec::with_capacity(logp.len());
+        let mut rest = logp;
+        for &i in rows {
+            let (own, next) = rest.split_at(self.tokens[i]);
+            rest = next;
+            // Each sequence counts as the mean over its tokens, the step as the mean over
+            // its sequences.
+            let per_token = 1.0 / (own.len().max(1) as f64 * n);
+            let a = self.advantages[i];
+            match &self.logp_ref {
+                Some(r) => {
+                    for (&lp, &rt) in own.iter().zip(&r[i]) {
+                        let (l, g) = token_loss(self.cfg, lp, lp, Some(rt), a);
+                        total += f64::from(l) * per_token;
+                        grads.push((f64::from(g) * per_token) as f32);
+                        let d = f64::from(rt - lp);
+                        kl += d.exp() - d - 1.0;
+                    }
+                }
+                // At ρ = 1, ∂loss/∂log p = −A; the value reported is A_i/n · NLL_i.
+                None => {
+                    let w = f64::from(a) * per_token;
+                    for &lp in own {
+                        total -= w * f64::from(lp);
+                        grads.push((-w) as f32);
+                    }
+                }
+            }
+        }
+        if self.logp_ref.is_some() {
+            let mut acc = self.kl.lock().unwrap_or_else(PoisonError::into_inner);
+            acc.0 += kl;
+            acc.1 += logp.len();
+        }
+        Ok((total as f32, grads))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rollout(prompt: usize, generated: usize) -> Rollout {
+        Rollout {
+            prompt: (0..prompt as u32).map(|t| 3 + t).collect(),
+            generated: (0..generated as u32).map(|t| 10 + t).collect(),
+        }
+    }
+
+    fn rl(prompts: usize, group: usize) -> RlConfig {
+        RlConfig {
+            prompts,
+            group,
+            ..RlConfig::default()
+        }
+    }
+
+    #[test]
+    fn packing_sorts_by_length_and_alternates_short_and_long_chunks() {
+        let lens = [5, 1, 9, 3, 7, 2, 8, 4];
+        // Sorted: 1(1) 2(5) 3(3) 4(7) 5(0) 7(4) 8(6) 9(2).
+        assert_eq!(
+            packing(&lens, 2),
+            vec![vec![1, 5], vec![6, 2], vec![3, 7], vec![0, 4]]
+        );
+        assert_eq!(
+            packing(&lens, 3),
+            vec![vec![1, 5, 3], vec![6, 2], vec![7, 0, 4]]
+        );
+        assert_eq!(packing(&[4, 4, 4], 1), vec![vec![0], vec![2], vec![1]]);
+    }
+
+    #[test]
+    fn packed_rows_are_the_plain_rows_padded() {
+        let rollouts: Vec<Rollout> = [(2, 3), (1, 1), (3, 4), (2, 2)]
+            .iter()
+            .map(|&(p, g)| rollout(p, g))
+            .collect();
+        let adv = [0.5, -0.5, 1.0, -1.0];
+        let plain = update_batches(&rollouts, &adv).unwrap();
+        let (packed, kl) = update_step(&rl(2, 2), &rollouts, &adv, None).unwrap();
+        assert!(kl.is_none(), "no KL hook without a reference");
+        assert_eq!(packed.scales, [1.0, 1.0]);
+        // Lengths 4, 1, 6, 3: micro-batch 0 holds sequences 1 and 3, micro-batch 1 0 and 2.
+        let want = [[1, 3], [0, 2]];
+        for (mb, seqs) in packed.batches.iter().zip(want) {
+            assert_eq!(mb.rows, 2);
+            let width = seqs
+                .iter()
+                .map(|&i| plain.batches[i].seq_len)
+                .max()
+                .unwrap();
+            assert_eq!(mb.seq_len, width);
+            for (r, &i) in seqs.iter().enumerate() {
+                let one = &plain.batches[i];
+                let (x, t) = (
+                    &mb.inputs[r * width..(r + 1) * width],
+                    &mb.targets[r * width..(r + 1) * width],
+                );
+                assert_eq!(&x[..one.seq_len], one.inputs.as_slice());
+                assert_eq!(&t[..one.seq_len], one.targets.as_slice());
+                assert!(x[one.seq_len..].iter().all(|&v| v == tokenizer::PAD));
+                assert!(t[one.seq_len..].iter().all(|&v| v == IGNORE_TARGET));
+            }
+        }
+        let err = update_step(&rl(3, 2), &rollouts, &adv, None).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("4 rollouts for 3 prompts × group 2"),
+            "{err}"
+        );
+    }
+
+    /// Without KL each row's tokens get `−A_i / (len_i · n)`, the loss is `Σ A_i/n · NLL_i`;
+    /// with KL each token gets `token_loss`'s derivative over `len_i · n`.
+    #[test]
+    fn the_hook_weighs_each_row_by_its_own_sequence() {
+        let cfg = GrpoLoss {
+            clip: 0.2,
+            kl_coef: 0.5,
+        };
+        let adv = vec![1.0f32, -2.0, 0.5];
+        let rows = vec![vec![2, 0], vec![1]];
+        let hook = GrpoTokenLoss::new(cfg, adv.clone(), vec![2, 1, 3], None, rows.clone()).unwrap();
+        let logp = [-0.1f32, -0.2, -0.3, -0.4, -0.5];
+        let (loss, g) = hook.loss(0, &logp).unwrap();
+        let want_loss = 0.5 / 9.0 * (0.1 + 0.2 + 0.3) + 1.0 / 6.0 * (0.4 + 0.5);
+        assert!(
+            (f64::from(loss) - want_loss).abs() < 1e-6,
+            "{loss} vs {want_loss}"
+        );
+        let (a, b) = (-0.5f32 / 9.0, -1.0f32 / 6.0);
+        assert_eq!(g, [a, a, a, b, b]);
+        assert!(hook.mean_kl().is_none());
+        assert!(
+            hook.loss(1, &logp)
+                .unwrap_err()
+                .contains("5 counted targets")
+        );
+        assert!(
+            hook.loss(2, &logp)
+                .unwrap_err()
+                .contains("no micro-batch 2")
+        );
+
+        let refs = vec![vec![-0.3, -0.1], vec![-0.7], vec![-0.2, -0.2, -0.9]];
+        let hook =
+            GrpoTokenLoss::new(cfg, adv.clone(), vec![2, 1, 3], Some(refs.clone()), rows).unwrap();
+        let (loss, g) = hook.loss(1, &[-0.4]).unwrap();
+        let (l, d) = token_loss(cfg, -0.4, -0.4, Some(-0.7), -2.0);
+        assert!((loss - l / 3.0).abs() < 1e-7 && (g[0] - d / 3.0).abs() < 1e-7);
+        assert!(hook.mean_kl().unwrap() > 0.0);
+
+        let bad = |tokens, refs, rows| {
+            GrpoTokenLoss::new(cfg, adv.clone(), tokens, refs, rows)
+                .unwrap_err()
+                .to_string()
+        };
+        let two = vec![vec![0, 1], vec![2]];
+        assert!(bad(vec![2, 1], None, two.clone()).contains("3 advantages for 2 sequences"));
+        assert!(
+            bad(vec![2, 2, 3], Some(refs), two.clone())
+                .contains("sequence 1: logp_ref has 1 values")
+        );
+        assert!(bad(vec![2, 1, 3], None, vec![vec![0, 1]]).contains("sequence 2 is in 0"));
+        assert!(bad(vec![2, 1, 3], None, vec![vec![0, 1, 2, 3]]).contains("no sequence 3"));
+    }
+}
