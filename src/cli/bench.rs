@@ -2,7 +2,7 @@
 //! decoding, speculation at a fixed K, and adaptive speculation.
 //!
 //! What it does, in order (each step prints what it trained or measured), on the job of
-//! [`BENCH_SETS`] (a `d_model` 256 target, where decoding is bound by reading weights):
+//! [`BENCH_SETS`] (a `d_model` 512 target, where decoding is bound by reading weights):
 //! 1. trains the target (the job's `[model]`, reference trainer) for `--steps` steps on the
 //!    job's tasks, so that it writes solutions and ends them with EOS;
 //! 2. builds the long-tail batch: `--requests` task prompts (heavy-tailed sizes, so
@@ -65,8 +65,9 @@ pub struct RolloutArgs {
     #[arg(long, value_name = "RUN_DIR")]
     init: Option<std::path::PathBuf>,
     /// Drafter training slices on the plain rollout's rows (self-distillation on the
-    /// target's own generations). 6000 (about 25 s on 16 Xeon cores) took top-1 agreement
-    /// from 71.7% to 80.7% and the acceptance length at K=4 from 2.11 to 2.99 over 1500.
+    /// target's own generations). At `d_model` 256, 6000 (about 25 s on 16 Xeon cores) took
+    /// top-1 agreement from 71.7% to 80.7% and the acceptance length at K=4 from 2.11 to
+    /// 2.99 over 1500; at 512, 6000 (159 s on the 2-core box) reached 88.2% and 2.82.
     #[arg(long, default_value_t = 6000)]
     drafter_slices: usize,
     /// Sequences in the batch.
@@ -385,15 +386,15 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
 }
 
 /// The bench's job on top of the embedded default (each overridable with `--set`): a
-/// target wide enough (`d_model` 256, 8 layers, 6.3 M parameters, 25 MB of f32 weights)
-/// that decoding one token is bound by reading weights, the regime where verifying K+1
-/// positions can approach one decode step (this bench's step costs at batch 1: 1.26×
-/// on 2 pinned Xeon cores, 1.32–1.61× elsewhere; 2.4× before `rowmul` prefetched its
-/// weight streams). From two sequences per group a verification is bound by its 5× the
-/// multiply-adds (2.2× a decode at 2, 3.5–4.2× at 4). Proposals attend to the last 8
-/// target pairs (the drafter trains on windows of at most 16). A longer tail: `--set
-/// model.seq_len=192` (completion lengths up to ~160 instead of 47).
-const BENCH_SETS: &[&str] = &["model.d_model=256", "drafter.window=8"];
+/// target wide enough that decoding a few sequences is bound by reading its weights from
+/// memory, as decoding is on a GPU, the regime speculative decoding is for: `d_model` 512,
+/// 8 layers, 25 M parameters, 100 MB of f32 weights, far beyond the 32 MB L3 of the 2-core
+/// EPYC box. There (busy box, medians) verifying K+1 = 5 positions of one sequence cost
+/// 1.15–1.43× a decode step. At `d_model` 256 (25 MB, which the L3 holds) it cost 1.7×, and
+/// the same bench's long-tail speedup was 0.6–1.1×: `--set model.d_model=256` to compare.
+/// Proposals attend to the last 8 target pairs (the drafter trains on windows of at most
+/// 16). A longer tail: `--set model.seq_len=192` (completion lengths up to ~160, not 47).
+const BENCH_SETS: &[&str] = &["model.d_model=512", "drafter.window=8"];
 
 /// Scale of the heavy-tailed per-request caps: P(cap > 2 + k) = s / (s + k).
 const CAP_SCALE: f64 = 8.0;
