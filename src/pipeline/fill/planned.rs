@@ -455,39 +455,5 @@ impl FillerSource for PlannedSlices {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::config::JobConfig;
-    use crate::model::drafter::Placement;
-    use crate::schedules::{ScheduleKind, build};
-
-    #[test]
-    fn a_failed_exchange_ends_the_wait_for_a_round_with_its_reason() {
-        let mut job = JobConfig::default();
-        job.drafter.placement = Placement::Planned;
-        let plan = build(ScheduleKind::OneFOneB, 2, job.train.micro_batches, 1).unwrap();
-        let slices = SlicePlan::new(&plan, &job).unwrap();
-        let planned = Arc::new(Planned::new(slices, 0, vec![SplitMix64::new(1); 2]));
-        let waiter = {
-            let planned = Arc::clone(&planned);
-            std::thread::spawn(move || planned.complete(4).map(|_| ()))
-        };
-        std::thread::sleep(Duration::from_millis(50));
-        planned.abort("rank 1 died: no heartbeat for 10s".into());
-        // Far below ROUND_WAIT: the wait ends with the failure, not with its timeout.
-        let started = Instant::now();
-        while !waiter.is_finished() {
-            assert!(started.elapsed() < Duration::from_secs(30), "still waiting");
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        let err = waiter.join().unwrap().unwrap_err().to_string();
-        assert!(
-            err.contains("target step 4")
-                && err.contains("replicas 0, 1")
-                && err.contains("rank 1 died"),
-            "{err}"
-        );
-        // A wait that begins after the failure ends at once too.
-        assert!(planned.complete(5).is_err());
-    }
-}
+#[path = "planned_tests.rs"]
+mod tests;
