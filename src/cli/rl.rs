@@ -97,7 +97,7 @@ pub fn run(args: RlArgs) -> anyhow::Result<()> {
     let rl = job.rl.clone();
     println!(
         "model: {} params ({} layers, d_model {}, seq {}); update: schedule {} on {} ranks, \
-         {} sequences ({} prompts × group {}) per step, one micro-batch each",
+         {} sequences ({} prompts × group {}) per step, packed {} per micro-batch",
         job.model.param_count(),
         job.model.layers,
         job.model.d_model,
@@ -106,6 +106,7 @@ pub fn run(args: RlArgs) -> anyhow::Result<()> {
         job.stages,
         rl.sequences(),
         rl.prompts,
+        rl.group,
         rl.group
     );
     let checkpoint = match checkpoint {

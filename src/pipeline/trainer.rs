@@ -49,7 +49,9 @@ pub struct PipelineTrainer {
     job: JobConfig,
     plan: Plan,
     clock: Clock,
-    resume: Option<Checkpoint>,
+    /// Shared, so that a caller resuming once per step (the RL update) hands it over
+    /// without a copy.
+    resume: Option<Arc<Checkpoint>>,
     /// This pipeline's place among data-parallel replicas (`None`: the whole batch).
     replica: Option<super::shared::Replica>,
     /// Save a sharded checkpoint every `.0` steps under run directory `.1`.
@@ -234,8 +236,14 @@ impl PipelineTrainer {
 
     /// Continues from `checkpoint` (parameters, optimizer moments, step); its model and
     /// data seed must be the job's (checked by the run).
-    pub fn resume(mut self, checkpoint: &Checkpoint) -> Self {
-        self.resume = Some(checkpoint.clone());
+    pub fn resume(self, checkpoint: &Checkpoint) -> Self {
+        self.resume_shared(Arc::new(checkpoint.clone()))
+    }
+
+    /// [`PipelineTrainer::resume`] without copying `checkpoint` (parameters and moments,
+    /// three times the model's size).
+    pub fn resume_shared(mut self, checkpoint: Arc<Checkpoint>) -> Self {
+        self.resume = Some(checkpoint);
         self
     }
 

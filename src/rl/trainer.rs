@@ -251,7 +251,7 @@ pub fn step_prompts(job: &JobConfig, step: u64) -> Result<Vec<Task>, RlError> {
 pub fn warm_up(job: &JobConfig, on_step: impl FnMut(&StepMetrics)) -> Result<Checkpoint, RlError> {
     let sft = warm_up_job(job);
     let run = PipelineTrainer::from_job(&sft)?.run(sft.train.steps, on_step)?;
-    Ok(run.checkpoint()?)
+    Ok(run.into_checkpoint())
 }
 
 /// The supervised job [`warm_up`] runs (the multi-process warm-up runs it too).
@@ -281,7 +281,8 @@ pub struct RlTrainer {
     job: JobConfig,
     /// The optimizer step RL started at (the checkpoint's step at the start).
     first_update: u64,
-    checkpoint: Checkpoint,
+    /// Shared with the update's pipeline, which resumes it (no copy per step).
+    checkpoint: Arc<Checkpoint>,
     policy: Gpt<CpuBackend>,
     /// The frozen KL reference (`rl.kl_coef > 0` only).
     reference: Option<Gpt<CpuBackend>>,
@@ -302,7 +303,7 @@ impl RlTrainer {
         Ok(RlTrainer {
             job: job.clone(),
             first_update: checkpoint.meta.step,
-            checkpoint,
+            checkpoint: Arc::new(checkpoint),
             policy,
             reference,
             step: 0,
@@ -378,23 +379,26 @@ impl RlTrainer {
         let first = self.checkpoint.meta.step;
         let feed = Arc::new(StepFeed::given([(first, update)]));
         let trainer = PipelineTrainer::from_job(&self.update_job())?
-            .resume(&self.checkpoint)
+            .resume_shared(Arc::clone(&self.checkpoint))
             .feed(feed);
         let run = trainer.run(1, |_| {})?;
-        self.checkpoint = run.checkpoint()?;
-        // The policy follows the update in place: a fresh model (`run.model()`) would redo
-        // the random initialisation of every parameter only to overwrite it, a sizeable
-        // share of the step at d_model 256.
-        for name in self.policy.param_names() {
-            self.policy.set_param(&name, run.param_values(&name)?)?;
-        }
-        let update_seconds = started.elapsed().as_secs_f64();
         let m = run
             .steps
             .first()
             .cloned()
             .ok_or(PipelineError::NoFinalState)?;
         let bubble_ratio = run.timelines().next().map(|t| t.bubble_ratio);
+        let checkpoint = run.into_checkpoint();
+        // The policy follows the update in place: a fresh model would redo the random
+        // initialisation of every parameter only to overwrite it.
+        for name in self.policy.param_names() {
+            let t = checkpoint
+                .tensor(&name)
+                .ok_or_else(|| ModelError::UnknownParam(name.clone()))?;
+            self.policy.set_param(&name, &t.data)?;
+        }
+        self.checkpoint = Arc::new(checkpoint);
+        let update_seconds = started.elapsed().as_secs_f64();
         self.step += 1;
 
         let step_seconds = step_started.elapsed().as_secs_f64();

@@ -177,6 +177,20 @@ impl PipelineRun {
         Ok(checkpoint)
     }
 
+    /// [`PipelineRun::checkpoint`], consuming the run: its parameters move into the
+    /// checkpoint instead of being copied.
+    pub fn into_checkpoint(self) -> Checkpoint {
+        let mut checkpoint = crate::model::checkpoint::sharded::from_state(
+            self.job.model,
+            self.job.train.seed,
+            self.next_step,
+            self.params,
+            &self.optimizer,
+        );
+        checkpoint.drafter = self.drafter_state;
+        checkpoint
+    }
+
     /// The drafter's whole state after the run (`filler = "drafter"`).
     pub fn drafter_state(&self) -> Option<&DrafterState> {
         self.drafter_state.as_ref()
