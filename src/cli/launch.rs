@@ -261,10 +261,8 @@ pub fn train_distributed(
             "schedule auto: ZB-H1 until every rank has measured its stage, then the auto plan of the gathered costs"
         );
     }
-    if rank == 0 && job.filler != pipefill::config::Filler::None {
-        println!(
-            "note: bubble filling does not run in multi-process jobs yet: the bubbles stay idle"
-        );
+    if rank == 0 && job.filler != pipefill::config::Filler::None && job.dp > 1 {
+        println!("note: with dp > 1 only replica 0's pipeline fills its bubbles with the drafter");
     }
     watchdog(&mesh);
     let run = train_rank(
