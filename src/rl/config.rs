@@ -43,6 +43,13 @@ pub struct RlConfig {
     pub spec_threshold: usize,
     /// Drafter training slices on each step's rollouts.
     pub drafter_slices: usize,
+    /// AdamW learning rate of the drafter during RL when it starts trained (the `--init`
+    /// run's drafter, from its bubbles); an untrained drafter learns at `drafter.lr`. A
+    /// trained drafter only has to follow a slowly moving policy, on each step's few rows
+    /// (the prompts of one step): at `drafter.lr` (3e-3, sized to learn from scratch) each
+    /// step's update chases those rows and acceptance fell below the untouched drafter's
+    /// (examples/rl-longtail.toml); a tenth of it keeps improving on the next step's rows.
+    pub drafter_lr: f32,
     /// Run those slices in the rollout stages' idle time (the long tail), routed by a
     /// `FillerRouter` with the verification passes; what does not fit runs after the
     /// rollout. `false`: all of them after the rollout.
@@ -67,6 +74,7 @@ impl Default for RlConfig {
             draft_k: 4,
             spec_threshold: crate::rl::rollout::DEFAULT_SPEC_THRESHOLD,
             drafter_slices: 16,
+            drafter_lr: 3e-4,
             idle_fill: true,
             seed: 0,
         }
@@ -129,6 +137,12 @@ impl RlConfig {
         }
         if !(self.lr.is_finite() && self.lr > 0.0) {
             return bad("lr", format!("must be a positive number, got {}", self.lr));
+        }
+        if !(self.drafter_lr.is_finite() && self.drafter_lr >= 0.0) {
+            return bad(
+                "drafter_lr",
+                format!("must be a finite number ≥ 0, got {}", self.drafter_lr),
+            );
         }
         if self.draft_k == 0 {
             return bad("draft_k", "must be at least 1".into());
@@ -193,6 +207,13 @@ mod tests {
                     ..RlConfig::default()
                 },
                 "rl.lr",
+            ),
+            (
+                RlConfig {
+                    drafter_lr: f32::NAN,
+                    ..RlConfig::default()
+                },
+                "rl.drafter_lr",
             ),
         ];
         for (cfg, field) in cases {

@@ -15,7 +15,8 @@
 //! thread after the rollout (reported as `drafter_seconds`). The drafter starts from the
 //! policy's own run's drafter when that run trained one in its pipeline's bubbles
 //! ([`PipelineRollouts::with_drafter`]), as TLT starts RL with a drafter that already
-//! follows the policy; otherwise untrained. The drafter that proposes
+//! follows the policy, and then trains at the lower `rl.drafter_lr`; otherwise untrained,
+//! at `drafter.lr`. The drafter that proposes
 //! during a rollout is a copy loaded before it, so training never changes what a rollout
 //! samples. With speculation off no drafter is recorded or trained.
 //!
@@ -39,7 +40,9 @@ use super::trainer::{RlError, Rollout, RolloutBatch, RolloutEngine};
 use crate::config::JobConfig;
 use crate::data::{SplitMix64, tokenizer};
 use crate::model::drafter::state::DrafterState;
-use crate::model::drafter::{DraftBufferHandle, DraftRow, Drafter, DrafterConfig, DrafterTrainer};
+use crate::model::drafter::{
+    DraftBufferHandle, DraftRow, Drafter, DrafterConfig, DrafterTrainer, EvalStats,
+};
 use crate::model::infer::InferStage;
 use crate::model::{Cut, Gpt};
 use crate::rl::config::RlConfig;
@@ -117,18 +120,26 @@ impl PipelineRollouts {
 
 impl PipelineRollouts {
     /// Starts the drafter from `state` (an `--init` run's, trained in its pipeline's
-    /// bubbles) instead of untrained: its weights and optimizer moments. The buffer starts
-    /// empty (its rows were the supervised data, not this policy's rollouts), and the
-    /// frozen embedding and head copies are refreshed from the policy before every rollout
-    /// anyway. Without a warm start the drafter begins RL knowing nothing, so the first
-    /// steps' acceptance is near 1 and speculation only costs.
+    /// bubbles) instead of untrained: its weights and optimizer moments, and from now on
+    /// `rl.drafter_lr` instead of `drafter.lr` (a trained drafter only follows the policy;
+    /// see [`RlConfig::drafter_lr`]). The buffer starts empty (its rows were the supervised
+    /// data, not this policy's rollouts), and the frozen embedding and head copies are
+    /// refreshed from the policy before every rollout anyway. Without a warm start the
+    /// drafter begins RL knowing nothing, so the first steps' acceptance is near 1 and
+    /// speculation only costs.
     pub fn with_drafter(self, state: &DrafterState) -> Result<Self, RlError> {
         {
             let mut trainer = lock(&self.trainer);
             trainer.load_weights(&state.weights)?;
             trainer.load_optimizer_state(&state.optimizer)?;
+            trainer.set_lr(self.rl.drafter_lr)?;
         }
         Ok(self)
+    }
+
+    /// The drafter trainer's learning rate now (`rl.drafter_lr` once warm-started).
+    pub fn drafter_lr(&self) -> f32 {
+        lock(&self.trainer).lr()
     }
 
     /// The drafter's version (optimizer steps taken), for the CLI's report.
@@ -212,35 +223,15 @@ impl RolloutEngine for PipelineRollouts {
         // the slices the stages' idle time did not take. Without speculation nothing would
         // use it, so it is left alone.
         let drafted = Instant::now();
-        let agreement = if speculate {
-            let mut trainer = lock(&self.trainer);
-            let (held, rest): (Vec<DraftRow>, &[DraftRow]) = match &hook {
-                // The router sent every row but the held-out ones to the buffer already.
-                Some(h) => (h.held_out(), &[]),
-                None => {
-                    let n = HELD_OUT_ROWS.min(out.rows.len());
-                    (out.rows[..n].to_vec(), &out.rows[..])
-                }
-            };
-            let agreement = trainer.agreement(&held)?;
-            {
-                let buffer = trainer.buffer().clone();
-                let mut b = buffer.lock();
-                let late = if hook.is_some() { &held[..] } else { rest };
-                for row in late {
-                    b.push(row.clone())?;
-                }
+        let agreement = match (&hook, speculate) {
+            // The router sent every row but the held-out ones to the buffer already; the
+            // slices are what the stages' idle time left of the budget.
+            (Some(h), true) => {
+                let (held, slices) = (h.held_out(), self.budget.swap(0, Ordering::AcqRel));
+                Some(self.drafter_work(&held, &held, slices)?)
             }
-            let slices = match &hook {
-                Some(_) => self.budget.swap(0, Ordering::AcqRel),
-                None => self.rl.drafter_slices as u64,
-            };
-            for _ in 0..slices {
-                trainer.slice()?;
-            }
-            Some(agreement)
-        } else {
-            None
+            (None, true) => Some(self.follow(&out.rows, step)?),
+            _ => None,
         };
         let drafter_seconds = drafted.elapsed().as_secs_f64();
 
@@ -273,5 +264,46 @@ impl RolloutEngine for PipelineRollouts {
 
     fn speculative(&self) -> bool {
         !matches!(self.speculation, Speculation::Off)
+    }
+}
+
+impl PipelineRollouts {
+    /// The drafter's share of a step on a rollout's `rows`, without the idle router: its
+    /// agreement on the first few (held out: it never trained on them), then every row into
+    /// the buffer (the previous step's rows stay) and `rl.drafter_slices` slices. What
+    /// [`RolloutEngine::generate`] does after a rollout when `rl.idle_fill` is off; public so
+    /// that how the drafter follows a moving policy can be checked on rows alone.
+    pub fn follow(&mut self, rows: &[DraftRow], step: u64) -> Result<f64, RlError> {
+        lock(&self.trainer).buffer().begin_step(step);
+        let held = &rows[..HELD_OUT_ROWS.min(rows.len())];
+        self.drafter_work(held, rows, self.rl.drafter_slices as u64)
+    }
+
+    /// The drafter's agreement on `held`, then `late` rows into the buffer (after: they may
+    /// include `held`) and `slices` slices.
+    fn drafter_work(
+        &mut self,
+        held: &[DraftRow],
+        late: &[DraftRow],
+        slices: u64,
+    ) -> Result<f64, RlError> {
+        let mut trainer = lock(&self.trainer);
+        let agreement = trainer.agreement(held)?;
+        {
+            let buffer = trainer.buffer().clone();
+            let mut b = buffer.lock();
+            for row in late {
+                b.push(row.clone())?;
+            }
+        }
+        for _ in 0..slices {
+            trainer.slice()?;
+        }
+        Ok(agreement)
+    }
+
+    /// The drafter's agreement and losses on `rows` (see [`DrafterTrainer::evaluate`]).
+    pub fn evaluate_drafter(&mut self, rows: &[DraftRow]) -> Result<EvalStats, RlError> {
+        Ok(lock(&self.trainer).evaluate(rows)?)
     }
 }

@@ -51,6 +51,11 @@ pub struct EvalStats {
     pub ce: f64,
     /// Mean SmoothL1 per pair.
     pub hidden: f64,
+    /// Mean over pairs of `Σ_v min(p_v, q_v)` with `q` the drafter's softmax: the chance
+    /// that a draft token sampled from `q` is accepted against the target's `p` (lossless
+    /// sampling acceptance) given the true context, at the temperature of the rows' `p`
+    /// (rollout rows record it at 1). Greedy acceptance of the first draft is `agreement`.
+    pub overlap: f64,
     pub pairs: usize,
 }
 
@@ -72,6 +77,8 @@ pub struct DrafterTrainer<B: Backend> {
     rng: SplitMix64,
     replica: usize,
     replicas: usize,
+    /// AdamW learning rate: `config.lr` unless set apart ([`DrafterTrainer::set_lr`]).
+    lr: f32,
     version: u64,
     slices: usize,
     pairs: usize,
@@ -100,8 +107,10 @@ impl<B: Backend> DrafterTrainer<B> {
             max_grad_norm: c.clip,
             ..AdamWConfig::default()
         });
+        let lr = c.lr;
         Ok(DrafterTrainer {
             rng: SplitMix64::derive(c.seed, replica as u64),
+            lr,
             drafter,
             optimizer,
             buffer,
@@ -125,6 +134,25 @@ impl<B: Backend> DrafterTrainer<B> {
 
     pub fn buffer(&self) -> &DraftBufferHandle {
         &self.buffer
+    }
+
+    /// The learning rate of the next optimizer steps.
+    pub fn lr(&self) -> f32 {
+        self.lr
+    }
+
+    /// Changes the learning rate of the next optimizer steps (the moments are kept): e.g. a
+    /// drafter trained from scratch in the bubbles that goes on to follow a slowly moving
+    /// target on few rows (RL, see [`crate::rl::trainer_spec`]).
+    pub fn set_lr(&mut self, lr: f32) -> Result<()> {
+        if !(lr >= 0.0 && lr.is_finite()) {
+            return Err(DrafterError::Config {
+                field: "lr",
+                reason: format!("{lr} is not a finite number ≥ 0"),
+            });
+        }
+        self.lr = lr;
+        Ok(())
     }
 
     /// Drafter optimizer steps taken.
@@ -283,9 +311,8 @@ impl<B: Backend> DrafterTrainer<B> {
         let mean = if pairs == 0 { 0.0 } else { 1.0 / pairs as f64 };
         let norm = sq.sqrt() * mean;
         let scale = clip_scale(norm, self.drafter.config().clip) * mean as f32;
-        let lr = self.drafter.config().lr;
         self.optimizer
-            .step(&be, self.drafter.params_mut(), lr, scale)?;
+            .step(&be, self.drafter.params_mut(), self.lr, scale)?;
         self.version += 1;
         Ok(())
     }
@@ -403,6 +430,7 @@ impl<B: Backend> DrafterTrainer<B> {
     pub fn evaluate(&mut self, rows: &[DraftRow]) -> Result<EvalStats> {
         let t = self.drafter.target_config().clone();
         let mut total = LossSums::default();
+        let mut overlap = 0.0;
         for chunk in rows.chunks(self.drafter.config().batch_rows) {
             for r in chunk {
                 r.check(t.d_model, t.vocab)?;
@@ -419,6 +447,7 @@ impl<B: Backend> DrafterTrainer<B> {
             self.drafter.discard(EVAL_MB);
             let (f, logits) = out?;
             let (s, _) = self.drafter.loss_grad(&batch, &f, &logits)?;
+            overlap += overlap_sum(&self.drafter.backend().to_host(&logits)?, &batch);
             total.ce += s.ce;
             total.hidden += s.hidden;
             total.pairs += s.pairs;
@@ -435,9 +464,32 @@ impl<B: Backend> DrafterTrainer<B> {
             agreement: total.agree as f64 / n,
             ce: total.ce / n,
             hidden: total.hidden / n,
+            overlap: overlap / n,
             pairs: total.pairs,
         })
     }
+}
+
+/// `Σ_v min(p_v, softmax(z)_v)` summed over the counted pairs of `batch` (`logits: [rows,
+/// vocab]`), see [`EvalStats::overlap`].
+fn overlap_sum(logits: &[f32], batch: &DraftBatch) -> f64 {
+    let v = batch.target_probs.len() / batch.rows().max(1);
+    let mut total = 0.0;
+    for r in (0..batch.rows()).filter(|&r| batch.mask[r]) {
+        let (z, p) = (
+            &logits[r * v..(r + 1) * v],
+            &batch.target_probs[r * v..(r + 1) * v],
+        );
+        let max = z.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let e: Vec<f64> = z.iter().map(|&x| f64::from(x - max).exp()).collect();
+        let sum: f64 = e.iter().sum();
+        total += e
+            .iter()
+            .zip(p)
+            .map(|(&q, &p)| (q / sum).min(f64::from(p)))
+            .sum::<f64>();
+    }
+    total
 }
 
 impl<B: Backend> std::fmt::Debug for DrafterTrainer<B> {
