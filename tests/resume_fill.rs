@@ -8,48 +8,22 @@
 use std::path::Path;
 
 use pipefill::config::{Filler, JobConfig};
-use pipefill::data::DataConfig;
-use pipefill::model::GptConfig;
 use pipefill::model::checkpoint::Checkpoint;
-use pipefill::model::checkpoint::sharded::{Layout, job_fingerprint, load_sharded, step_dir};
+use pipefill::model::checkpoint::sharded::{job_fingerprint, load_sharded, step_dir};
 use pipefill::model::drafter::Placement;
 use pipefill::model::drafter::state::DrafterState;
 use pipefill::pipeline::{PipelineRun, PipelineTrainer};
-use pipefill::train::TrainConfig;
+
+mod common;
+use common::job::{one_replica_layout, tiny_job};
 
 /// Steps of each half.
 const N: u64 = 3;
 
+/// The tiny pipelined job on 2 stages with the drafter in its bubbles, planned.
 fn job() -> JobConfig {
-    let mut job = JobConfig {
-        schedule: "1f1b".into(),
-        stages: 2,
-        filler: Filler::Drafter,
-        model: GptConfig {
-            d_model: 16,
-            heads: 2,
-            layers: 4,
-            seq_len: 16,
-            mlp_ratio: 2,
-            ..GptConfig::default()
-        },
-        data: DataConfig {
-            summary_tasks: 1,
-            ..DataConfig::default()
-        },
-        train: TrainConfig {
-            steps: 2 * N,
-            micro_batches: 4,
-            micro_batch_size: 2,
-            lr: 1e-2,
-            warmup: 1,
-            clip: 0.8,
-            threads: 1,
-            eval_tasks: 0,
-            ..TrainConfig::default()
-        },
-        ..JobConfig::default()
-    };
+    let mut job = tiny_job(2, 2 * N);
+    job.filler = Filler::Drafter;
     job.drafter.placement = Placement::Planned;
     job
 }
@@ -111,13 +85,6 @@ fn two_planned_runs_train_the_same_drafter_bit_for_bit() {
     );
 }
 
-fn layout(trainer: &PipelineTrainer) -> Layout {
-    Layout {
-        dp: 1,
-        stage_rank: trainer.plan().stage_rank.clone(),
-    }
-}
-
 fn save_and_load(run: &PipelineRun, dir: &Path) -> Checkpoint {
     run.checkpoint().unwrap().save(dir).unwrap();
     Checkpoint::load(dir).unwrap()
@@ -153,7 +120,7 @@ fn n_steps_resume_n_steps_equal_2n_steps_with_the_drafter_bit_for_bit() {
     // From the periodic checkpoint the 2N-step run saved after step N (sharded).
     let periodic = load_sharded(
         &step_dir(run_dir.path(), N),
-        &layout(&t),
+        &one_replica_layout(&t),
         &job_fingerprint(&job),
     )
     .unwrap();
