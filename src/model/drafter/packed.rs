@@ -24,7 +24,7 @@
 use std::collections::HashMap;
 
 use super::Drafter;
-use crate::model::infer::rowmul::Packed;
+use crate::model::infer::rowmul::{Packed, side_by_side, streams_host_weights};
 use crate::tensor::Backend;
 
 /// The drafter's matrices packed for [`rowmul`](crate::model::infer::rowmul::rowmul).
@@ -52,12 +52,7 @@ impl PackedDrafter {
         let (dm, v, hidden) = (d.target.d_model, d.target.vocab, d.target.mlp_hidden());
         let host = |p: &crate::model::Param<B>| be.to_host(&p.value);
         let attn = &d.block.attn;
-        let (wk, wv) = (host(&attn.wk)?, host(&attn.wv)?);
-        let mut wkv = Vec::with_capacity(2 * dm * dm);
-        for r in 0..dm {
-            wkv.extend_from_slice(&wk[r * dm..(r + 1) * dm]);
-            wkv.extend_from_slice(&wv[r * dm..(r + 1) * dm]);
-        }
+        let wkv = side_by_side(&[&host(&attn.wk)?, &host(&attn.wv)?], dm, dm);
         Ok(PackedDrafter {
             fc: Packed::new(&host(&d.fc.w)?, 2 * dm, dm),
             wq: Packed::new(&host(&attn.wq)?, dm, dm),
@@ -201,8 +196,6 @@ impl<B: Backend> Drafter<B> {
         if self.packs.gemm_only {
             return false;
         }
-        let any: &dyn std::any::Any = &self.be;
-        any.is::<crate::tensor::CpuBackend>()
-            && self.be.storage_dtype() == crate::tensor::DType::F32
+        streams_host_weights(&self.be)
     }
 }

@@ -25,7 +25,7 @@ use super::packed::{KvMemo, PackedDrafter};
 use super::{Drafter, DrafterError, Result};
 use crate::data::SplitMix64;
 use crate::model::infer::attend::attend;
-use crate::model::infer::rowmul::rowmul;
+use crate::model::infer::rowmul::{rowmul, side_by_side};
 use crate::tensor::{Backend, DType, Gemm};
 
 /// One live sequence as the target left it: its last `n ≥ 1` pairs `(h_i, x_{i+1})`:
@@ -300,12 +300,7 @@ impl<B: Backend> Drafter<B> {
             Mat::Q => mm(&attn.wq.value, d, d),
             Mat::Kv => {
                 let (k, v) = (mm(&attn.wk.value, d, d)?, mm(&attn.wv.value, d, d)?);
-                let mut kv = Vec::with_capacity(rows * 2 * d);
-                for (k, v) in k.chunks_exact(d).zip(v.chunks_exact(d)) {
-                    kv.extend_from_slice(k);
-                    kv.extend_from_slice(v);
-                }
-                Ok(kv)
+                Ok(side_by_side(&[&k, &v], rows, d))
             }
             Mat::O => mm(&attn.wo.value, d, d),
             Mat::W1 => mm(&blk.mlp.w1.value, d, hidden),

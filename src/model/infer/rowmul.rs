@@ -21,6 +21,8 @@
 
 use std::ops::Range;
 
+use crate::tensor::{Backend, CpuBackend, DType};
+
 /// Rows up to which [`InferStage`](super::InferStage) uses [`rowmul`] instead of the
 /// backend's GEMM (beyond it the product is compute bound and the GEMM's blocking wins).
 pub const ROWMUL_MAX_ROWS: usize = 32;
@@ -59,6 +61,25 @@ impl Packed {
         }
         Packed { din, dout, panels }
     }
+}
+
+/// Whether few-row products on `be` should stream packed host weights through [`rowmul`]:
+/// where the backend's buffers are host memory in f32 anyway (a device backend keeps its
+/// own GEMM).
+pub fn streams_host_weights<B: Backend>(be: &B) -> bool {
+    (be as &dyn std::any::Any).is::<CpuBackend>() && be.storage_dtype() == DType::F32
+}
+
+/// Row `r` of the result is row `r` of each of `parts` in turn (`[rows, cols]` each):
+/// matrices fused side by side (`[wq | wk | wv]`), so one product computes all of them.
+pub fn side_by_side(parts: &[&[f32]], rows: usize, cols: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(parts.len() * rows * cols);
+    for r in 0..rows {
+        for p in parts {
+            out.extend_from_slice(&p[r * cols..(r + 1) * cols]);
+        }
+    }
+    out
 }
 
 /// `y[r] = Σ_k x[r,k]·W[k]` for `x: [rows, din]`.

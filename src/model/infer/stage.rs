@@ -8,14 +8,13 @@
 //! verification). Every span first rolls its sequence's cache back to `span.start`, so a
 //! verification that rejected draft positions is undone by the next call's span alone.
 
-use std::any::Any;
 use std::ops::Range;
 
 use super::attend::attend;
 use super::kv::KvCache;
-use super::rowmul::{Packed, ROWMUL_MAX_ROWS, rowmul};
+use super::rowmul::{Packed, ROWMUL_MAX_ROWS, rowmul, side_by_side, streams_host_weights};
 use crate::model::{Cut, Gpt, GptConfig, ModelChunk, ModelError, Result};
-use crate::tensor::{Activation, Backend, CpuBackend, DType, Gemm};
+use crate::tensor::{Activation, Backend, DType, Gemm};
 
 /// New positions `start..start + len` of sequence `slot`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -84,7 +83,7 @@ impl<B: Backend> InferStage<B> {
         let d = config.d_model;
         // Few-row products stream host weights (see `rowmul`) where the backend's buffers
         // are host memory in f32 anyway; a device backend keeps its own GEMM.
-        let host = (&be as &dyn Any).is::<CpuBackend>() && dt == DType::F32;
+        let host = streams_host_weights(&be);
         let embed = if first {
             Some((load("embed.tok")?, load("embed.pos")?))
         } else {
@@ -98,12 +97,7 @@ impl<B: Backend> InferStage<B> {
                 get(&format!("{p}.attn.wk"))?,
                 get(&format!("{p}.attn.wv"))?,
             );
-            let mut wqkv = Vec::with_capacity(3 * d * d);
-            for r in 0..d {
-                for w in [&wq, &wk, &wv] {
-                    wqkv.extend_from_slice(&w[r * d..(r + 1) * d]);
-                }
-            }
+            let wqkv = side_by_side(&[&wq, &wk, &wv], d, d);
             let (wo, w1, w2) = (
                 get(&format!("{p}.attn.wo"))?,
                 get(&format!("{p}.mlp.w1"))?,
