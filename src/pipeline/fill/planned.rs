@@ -120,14 +120,20 @@ impl Planned {
     /// posts when a step of this run posted it); none before the run's first step when the
     /// run did not resume one.
     pub(super) fn kept_round(&self, next: u64) -> Result<Option<RoundState>, DrafterError> {
-        let Some(step) = next.checked_sub(1) else {
-            return Ok(None);
-        };
-        if next == self.start && !lock(&self.rounds).contains_key(&step) {
+        if !self.has_round_before(next) {
             return Ok(None);
         }
-        let (grads, frozen) = self.complete(step)?;
-        Ok(Some(round_state(step, grads, &frozen)))
+        let (grads, frozen) = self.complete(next - 1)?;
+        Ok(Some(round_state(next - 1, grads, &frozen)))
+    }
+
+    /// Whether step `next` has a round before it (to wait for, apply or keep): every step
+    /// after the run's first, and the first one when the run resumed with a posted round.
+    fn has_round_before(&self, next: u64) -> bool {
+        next > self.start
+            || next
+                .checked_sub(1)
+                .is_some_and(|s| lock(&self.rounds).contains_key(&s))
     }
 
     /// The posts of the round of the step before `next` this process holds now, without
@@ -340,8 +346,7 @@ impl DrafterFill {
                 reason: format!("rank {rank} ended target step {step} while at step {at}"),
             });
         }
-        let applies =
-            step > planned.start || lock(&planned.rounds).contains_key(&step.wrapping_sub(1));
+        let applies = planned.has_round_before(step);
         // Before the leftover slices: across processes the round's completion is what says
         // that the rows they sample are in (see the module docs).
         let round = applies.then(|| planned.complete(step - 1)).transpose()?;
