@@ -132,7 +132,7 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
     let t0 = Instant::now();
     // Whichever target is used lives in one of these two.
     let (trainer, loaded);
-    let (trained, model): (u64, &Gpt<CpuBackend>) = match &a.init {
+    let (trained, model, origin): (u64, &Gpt<CpuBackend>, String) = match &a.init {
         Some(dir) => {
             let checkpoint = super::rl::init_from(&mut job, dir)?
                 .with_context(|| format!("--init {}: no checkpoint", dir.display()))?;
@@ -141,18 +141,12 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
                 .restore_model(&mut model, job.train.seed)
                 .with_context(|| format!("--init {}", dir.display()))?;
             let step = checkpoint.meta.step;
-            say(
-                a.json,
-                format!(
-                    "target: {} layers, d_model {} ({} parameters), from {} at step {step}",
-                    job.model.layers,
-                    job.model.d_model,
-                    job.model.param_count(),
-                    dir.display()
-                ),
-            );
             loaded = model;
-            (step, &loaded)
+            (
+                step,
+                &loaded,
+                format!("from {} at step {step}", dir.display()),
+            )
         }
         None => {
             let mut t = Trainer::reference(&job.model, &job.data, &job.train)?;
@@ -160,22 +154,25 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
             for _ in 0..a.steps {
                 loss = t.train_step()?.loss;
             }
-            say(
-                a.json,
-                format!(
-                    "target: {} layers, d_model {} ({} parameters), trained {} steps on {:?} (last loss {loss:.3}) in {:.1} s",
-                    job.model.layers,
-                    job.model.d_model,
-                    job.model.param_count(),
-                    a.steps,
-                    job.data.families,
-                    t0.elapsed().as_secs_f64()
-                ),
-            );
             trainer = t;
-            (a.steps, trainer.model())
+            let origin = format!(
+                "trained {} steps on {:?} (last loss {loss:.3}) in {:.1} s",
+                a.steps,
+                job.data.families,
+                t0.elapsed().as_secs_f64()
+            );
+            (a.steps, trainer.model(), origin)
         }
     };
+    say(
+        a.json,
+        format!(
+            "target: {} layers, d_model {} ({} parameters), {origin}",
+            job.model.layers,
+            job.model.d_model,
+            job.model.param_count(),
+        ),
+    );
     let requests = long_tail_batch(&job, a.requests)?;
     let stages = InferStage::stages_of(model, &Cut::Even(a.stages))?;
     let mut engine = RolloutEngine::new(stages)?;
