@@ -6,6 +6,7 @@ use pipefill_actors::thread_cpu_time;
 use std::time::Instant;
 
 use super::net::LossSums;
+use super::unroll::Unroller;
 use super::{
     DraftBatch, DraftBufferHandle, DraftRow, Drafter, DrafterError, DrafterWeights, NamedTensor,
     Result,
@@ -28,11 +29,15 @@ pub struct SliceStats {
     pub ce: f32,
     /// Mean SmoothL1 per pair.
     pub hidden: f32,
-    /// Pairs counted.
+    /// Pairs counted (the next-token pairs; the loss, CE, SmoothL1 and agreement are theirs).
     pub pairs: usize,
+    /// Pairs counted by the unrolled steps `2..=unroll` (their losses are in the gradient, see
+    /// [`super::DrafterConfig::unroll`]); 0 without unrolling.
+    pub unrolled_pairs: usize,
     /// Top-1 agreement with the target on this batch, before the update.
     pub agreement: f64,
-    /// Layout rows computed (`batch · seq`, padding included): what the cost grows with.
+    /// Layout rows of the batch (`batch · seq`, padding included): what the cost grows with.
+    /// Each unrolled step computes them again, so a slice costs about `unroll` times this.
     pub layout_rows: usize,
     /// Thread CPU time of the slice, optimizer step included (seconds).
     pub cpu_seconds: f64,
@@ -247,7 +252,7 @@ impl<B: Backend> DrafterTrainer<B> {
             return Err(DrafterError::NoData);
         }
         let t = self.drafter.target_config();
-        let batch = DraftBatch::from_rows(
+        let mut batch = DraftBatch::from_rows(
             &rows,
             &self.drafter.tok,
             t.d_model,
@@ -255,7 +260,7 @@ impl<B: Backend> DrafterTrainer<B> {
             positions,
             Some(&mut self.rng),
         );
-        let sums = self.forward_backward(&batch)?;
+        let (sums, unrolled_pairs) = self.forward_backward(&mut batch)?;
         self.slices += 1;
         self.pairs += sums.pairs;
         let stepped = if self.replicas == 1 && self.ready_to_step() {
@@ -276,6 +281,7 @@ impl<B: Backend> DrafterTrainer<B> {
             ce: ce as f32,
             hidden: hidden as f32,
             pairs: sums.pairs,
+            unrolled_pairs,
             agreement: sums.agree as f64 / n,
             layout_rows: batch.rows(),
             cpu_seconds,
@@ -284,7 +290,31 @@ impl<B: Backend> DrafterTrainer<B> {
         })
     }
 
-    fn forward_backward(&mut self, batch: &DraftBatch) -> Result<LossSums> {
+    /// Step 1 of a slice on `batch`, then its unrolled steps (which rewrite `batch`, see
+    /// [`super::unroll`]): step 1's loss sums and the pairs the unrolled steps counted.
+    fn forward_backward(&mut self, batch: &mut DraftBatch) -> Result<(LossSums, usize)> {
+        let (first, mut f) = self.step(batch)?;
+        let unroll = self.drafter.config().unroll;
+        let mut unrolled = 0;
+        if unroll > 1 {
+            let unroller = Unroller::new(batch, self.drafter.target_config().d_model);
+            for _ in 2..=unroll {
+                let fed = self.drafter.backend().to_host(&f)?;
+                // No pair is that many predictions deep: the later steps have none either.
+                if unroller.advance(batch, &fed) == 0 {
+                    break;
+                }
+                let (sums, next) = self.step(batch)?;
+                unrolled += sums.pairs;
+                f = next;
+            }
+        }
+        Ok((first, unrolled))
+    }
+
+    /// One forward, `backward_input` and `backward_weight` of the drafter on `batch`; its
+    /// loss sums and predicted hidden states.
+    fn step(&mut self, batch: &DraftBatch) -> Result<(LossSums, B::Buf)> {
         let d = &mut self.drafter;
         let (f, logits) = d.forward(SLICE_MB, batch)?;
         let result = d.loss_grad(batch, &f, &logits).and_then(|(sums, dfeat)| {
@@ -295,7 +325,7 @@ impl<B: Backend> DrafterTrainer<B> {
         if result.is_err() {
             d.discard(SLICE_MB);
         }
-        result
+        Ok((result?, f))
     }
 
     /// Clips and applies the gradients held in the parameters (of the loss summed over

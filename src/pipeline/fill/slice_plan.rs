@@ -168,10 +168,12 @@ pub fn modelled_costs(plan: &Plan, job: &JobConfig) -> (CostModel, SliceCost) {
         .collect();
     let dc: &DrafterConfig = &job.drafter;
     let max_window = dc.max_positions.min(t.seq_len.saturating_sub(1)).max(1);
+    // Each unrolled step (`drafter.unroll`) runs the whole forward + backward again.
+    let steps = dc.unroll.max(1) as f64;
     let slice = SliceCost {
-        per_row: 3.0 * (2.0 * 2.0 * d * d + linear + head) / NOMINAL_FLOPS,
+        per_row: steps * 3.0 * (2.0 * 2.0 * d * d + linear + head) / NOMINAL_FLOPS,
         // Attention over the window: scores and weighted sum, half the window on average.
-        per_row_position: 3.0 * 2.0 * 2.0 * 0.5 * d / NOMINAL_FLOPS,
+        per_row_position: steps * 3.0 * 2.0 * 2.0 * 0.5 * d / NOMINAL_FLOPS,
         max_rows: dc.batch_rows.max(1),
         max_window,
     };

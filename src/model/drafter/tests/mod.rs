@@ -1,7 +1,7 @@
 //! Tests of the drafter: finite-difference gradient checks of its new pieces (fc, the
 //! soft cross-entropy, SmoothL1, the whole drafter), the buffer and the config here;
 //! training, replicas, capture and proposals in [`train`]; the packed proposal path in
-//! [`propose`].
+//! [`propose`]; the unrolled training-time test in [`unroll`].
 //!
 //! Gradient checks follow `model/layers/tests.rs`: central differences with `h = 1e-2`,
 //! the objective summed in `f64`, parameters drawn at scale 0.5, and a relative error
@@ -9,6 +9,7 @@
 
 mod propose;
 mod train;
+mod unroll;
 
 use super::loss::{smooth_l1, soft_cross_entropy};
 use super::*;

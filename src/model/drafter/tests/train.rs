@@ -8,7 +8,7 @@ use crate::model::{Cut, Gpt, Shape};
 use crate::train::{TrainConfig, Trainer};
 
 /// The target: small enough that a few dozen reference steps take well under a second.
-fn target() -> GptConfig {
+pub(super) fn target() -> GptConfig {
     GptConfig {
         d_model: 32,
         heads: 4,
@@ -19,7 +19,7 @@ fn target() -> GptConfig {
     }
 }
 
-fn train_config(steps: u64) -> TrainConfig {
+pub(super) fn train_config(steps: u64) -> TrainConfig {
     TrainConfig {
         steps,
         micro_batches: 2,
@@ -31,7 +31,7 @@ fn train_config(steps: u64) -> TrainConfig {
     }
 }
 
-fn drafter_config() -> DrafterConfig {
+pub(super) fn drafter_config() -> DrafterConfig {
     DrafterConfig {
         batch_rows: 4,
         buffer_rows: 64,
@@ -40,7 +40,7 @@ fn drafter_config() -> DrafterConfig {
 }
 
 /// A reference trainer whose last chunk copies into a new buffer.
-fn trainer_with_sink(steps: u64) -> (Trainer<CpuBackend>, DraftBufferHandle) {
+pub(super) fn trainer_with_sink(steps: u64) -> (Trainer<CpuBackend>, DraftBufferHandle) {
     let mut t =
         Trainer::reference(&target(), &DataConfig::default(), &train_config(steps)).unwrap();
     let buffer = DraftBufferHandle::new(&target(), &drafter_config());
@@ -50,7 +50,7 @@ fn trainer_with_sink(steps: u64) -> (Trainer<CpuBackend>, DraftBufferHandle) {
 }
 
 /// Trains the target `steps` steps, the buffer following its steps.
-fn run(t: &mut Trainer<CpuBackend>, buffer: &DraftBufferHandle, steps: u64) {
+pub(super) fn run(t: &mut Trainer<CpuBackend>, buffer: &DraftBufferHandle, steps: u64) {
     for _ in 0..steps {
         buffer.begin_step(t.step());
         t.train_step().unwrap();
@@ -58,7 +58,7 @@ fn run(t: &mut Trainer<CpuBackend>, buffer: &DraftBufferHandle, steps: u64) {
 }
 
 /// The rows of one forward of step `step`'s data under the target's current weights.
-fn held_out(t: &mut Trainer<CpuBackend>, step: u64) -> Vec<DraftRow> {
+pub(super) fn held_out(t: &mut Trainer<CpuBackend>, step: u64) -> Vec<DraftRow> {
     let sink = DraftBufferHandle::new(&target(), &drafter_config());
     let last = t.model_mut().chunks_mut().last_mut().unwrap();
     last.set_draft_sink(Some(sink.clone())).unwrap();
