@@ -18,24 +18,7 @@ use std::time::{Duration, Instant};
 use criterion::Criterion;
 use pipefill::data::SplitMix64;
 use pipefill::model::GptConfig;
-use pipefill::model::infer::rowmul::{Packed, rowmul};
-
-/// Only the detected instruction set so far (AVX2 on x86-64).
-#[derive(Clone, Copy, Debug)]
-enum Isa {
-    Avx2,
-    Avx512,
-}
-
-impl Isa {
-    fn is_available(self) -> bool {
-        matches!(self, Isa::Avx2)
-    }
-}
-
-fn rowmul_on(_: Isa, x: &[f32], w: &Packed, rows: usize) -> Option<Vec<f32>> {
-    Some(rowmul(x, w, rows))
-}
+use pipefill::model::infer::rowmul::{Isa, Packed, rowmul_on};
 
 const ROWS: [usize; 6] = [1, 2, 5, 8, 10, 20];
 /// Bytes of distinct weights each case cycles through: twice the 32 MB L3.
@@ -58,7 +41,8 @@ fn cases() -> Vec<(String, Vec<Set>)> {
     };
     let (d, h, v) = (cfg.d_model, cfg.mlp_hidden(), cfg.vocab);
     let mut rng = SplitMix64::new(11);
-    let mut pack = |din: usize, dout: usize| (din, Packed::new(&random(&mut rng, din * dout), din, dout));
+    let mut pack =
+        |din: usize, dout: usize| (din, Packed::new(&random(&mut rng, din * dout), din, dout));
     let mut out = Vec::new();
     for (name, din, dout) in [
         ("qkv", d, 3 * d),
