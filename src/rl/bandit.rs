@@ -5,9 +5,16 @@
 //! K+1 positions per sequence costs real compute and small K (or none) wins; in the long
 //! tail a step costs about the same for any K and long drafts pay. So the live-batch size is
 //! bucketed (powers of two: 1, 2, 3–4, 5–8, …) and each bucket learns on its own. The reward
-//! of one verification step is `accepted tokens × batch / elapsed seconds`; an arm's value
+//! of one step is `emitted tokens × batch / seconds`, the seconds being what the step cost
+//! (the rollout engine reports its drafting plus every stage's compute, not its latency,
+//! which with several groups in flight is mostly the other groups' work); an arm's value
 //! is the median of its last `window` rewards (robust to the noise of a shared machine).
-//! Each choice is logged (tracing at debug level, and in [`KBandit::log`]).
+//!
+//! An arm K = 0 is a plain decode step, rewarded the same way: with it a bucket learns on
+//! its own whether speculation pays there at all, from the engine's own steps, instead of
+//! a threshold derived from step costs timed alone (which miss the pipeline's overlap and
+//! the drafter's cold caches inside a rollout). Each choice is logged (tracing at debug
+//! level, and in [`KBandit::log`]).
 
 use std::collections::{HashMap, VecDeque};
 
@@ -46,12 +53,13 @@ pub fn bucket(live: usize) -> usize {
 }
 
 impl KBandit {
-    /// A bandit over draft lengths `ks` (not empty, each ≥ 1), exploring with probability
-    /// `epsilon` and valuing each arm by the median of its last `window` rewards.
+    /// A bandit over draft lengths `ks` (at least one ≥ 1; 0 is plain decoding), exploring
+    /// with probability `epsilon` and valuing each arm by the median of its last `window`
+    /// rewards.
     pub fn new(ks: Vec<usize>, epsilon: f64, window: usize, seed: u64) -> Self {
         assert!(
-            !ks.is_empty() && ks.iter().all(|&k| k >= 1),
-            "arms must be K ≥ 1"
+            ks.iter().any(|&k| k >= 1),
+            "arms must include a draft length K ≥ 1"
         );
         KBandit {
             ks,
@@ -132,8 +140,9 @@ impl KBandit {
         (k, self.log.len() - 1)
     }
 
-    /// Reports the outcome of choice `id`: `accepted_tokens` accepted per sequence (mean
-    /// over the step's `batch` sequences) in `seconds`; reward = accepted × batch / seconds.
+    /// Reports the outcome of choice `id`: `accepted_tokens` emitted per sequence (mean over
+    /// the step's `batch` sequences; 1 for a plain step) in `seconds`;
+    /// reward = emitted × batch / seconds.
     pub fn reward(&mut self, id: usize, accepted_tokens: f64, batch: usize, seconds: f64) {
         let Some(c) = self.log.get_mut(id) else {
             return;
@@ -219,6 +228,27 @@ mod tests {
             b.reward(id, if k == 4 { 2.0 } else { 1.0 }, 1, 1.0);
         }
         assert_eq!(b.choose(2).0, 4, "every arm rewarded: the best median");
+    }
+
+    #[test]
+    fn a_plain_arm_wins_where_speculation_does_not_pay() {
+        let mut b = KBandit::new(vec![0, 2, 4], 0.0, 5, 0);
+        for _ in 0..12 {
+            // A big batch: plain steps emit 1 token per sequence fast, drafts cost more
+            // than they save; in the tail (live 1) K = 4 pays.
+            let (k, id) = b.choose(30);
+            b.reward(id, 1.0 + k as f64 * 0.1, 30, 1.0 + k as f64);
+            let (k, id) = b.choose(1);
+            b.reward(id, 1.0 + k as f64 * 0.6, 1, 1.0 + k as f64 * 0.1);
+        }
+        assert_eq!(b.choose(30).0, 0, "plain decoding in the big bucket");
+        assert_eq!(b.choose(1).0, 4, "long drafts in the tail");
+    }
+
+    #[test]
+    #[should_panic(expected = "K ≥ 1")]
+    fn plain_alone_is_not_a_bandit() {
+        KBandit::new(vec![0], 0.1, 4, 0);
     }
 
     #[test]

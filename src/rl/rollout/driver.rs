@@ -7,7 +7,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, Sender};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::pipe::{Done, MessageHook, Msg, WorkKind};
 use super::{LivePoint, Request, Rollout, RolloutConfig, RolloutError, RolloutStats, Speculation};
@@ -39,9 +39,12 @@ struct Seq {
 struct InFlight {
     members: Vec<usize>,
     spans: Vec<Span>,
-    /// The drafts being verified, and the bandit's choice id.
-    drafts: Option<(Vec<DraftChain>, Option<usize>)>,
-    sent: Instant,
+    /// The drafts being verified.
+    drafts: Option<Vec<DraftChain>>,
+    /// The bandit's choice id (a verification, or a plain step its K = 0 arm chose).
+    choice: Option<usize>,
+    /// Driver time spent drafting for this step.
+    drafting: Duration,
 }
 
 pub(super) struct Driver<'a> {
@@ -177,7 +180,7 @@ impl<'a> Driver<'a> {
         members: Vec<usize>,
         proposer: Option<&mut (dyn Proposer + 'p)>,
     ) -> Result<InFlight, RolloutError> {
-        let sent = Instant::now();
+        let mut drafting = Duration::ZERO;
         let prefill = members.iter().all(|&i| self.seqs[i].hidden.is_empty());
         let live = self.live();
         let (k, choice) = match (&self.config.speculation, prefill) {
@@ -211,7 +214,8 @@ impl<'a> Driver<'a> {
                 let t = self.config.temperature;
                 let clock = Instant::now();
                 let chains = p.propose(&contexts, k, t, &mut self.draft_rng)?;
-                self.stats.propose_s += clock.elapsed().as_secs_f64();
+                drafting = clock.elapsed();
+                self.stats.propose_s += drafting.as_secs_f64();
                 if chains.len() != members.len() || chains.iter().any(|c| c.tokens.len() != k) {
                     return Err(RolloutError::Propose(
                         crate::rl::speculative::ProposeError {
@@ -220,7 +224,7 @@ impl<'a> Driver<'a> {
                         },
                     ));
                 }
-                Some((chains, choice))
+                Some(chains)
             }
         };
         let (mut spans, mut ids) = (Vec::with_capacity(members.len()), Vec::new());
@@ -239,14 +243,14 @@ impl<'a> Driver<'a> {
             // Never draft past the cap: the verified positions must fit the model.
             let ki = drafts
                 .as_ref()
-                .map_or(0, |(c, _)| c[m].tokens.len().min(s.cap - len));
+                .map_or(0, |c| c[m].tokens.len().min(s.cap - len));
             spans.push(Span {
                 slot: i,
                 start: len - 1,
                 len: 1 + ki,
             });
             ids.push(s.tokens[len - 1]);
-            if let Some((chains, _)) = &drafts {
+            if let Some(chains) = &drafts {
                 ids.extend_from_slice(&chains[m].tokens[..ki]);
             }
         }
@@ -263,13 +267,15 @@ impl<'a> Driver<'a> {
                 spans: spans.clone(),
                 ids,
                 hidden: None,
+                spent: Duration::ZERO,
             })
             .map_err(|_| RolloutError::Stopped)?;
         Ok(InFlight {
             members,
             spans,
             drafts,
-            sent,
+            choice,
+            drafting,
         })
     }
 
@@ -286,7 +292,7 @@ impl<'a> Driver<'a> {
             let row = |j: usize| &logits[j * v..(j + 1) * v];
             let seq = &mut self.seqs[i];
             let (kept, emitted) = match &f.drafts {
-                Some((chains, _)) if span.len > 1 => {
+                Some(chains) if span.len > 1 => {
                     let k = span.len - 1;
                     let draft = &chains[m].tokens[..k];
                     let verdict = if t == 0.0 {
@@ -343,14 +349,13 @@ impl<'a> Driver<'a> {
         }
         self.stats.tokens += emitted_total;
         self.stats.steps += 1;
-        if let (Some((_, Some(id))), Some(b)) = (&f.drafts, self.bandit.as_mut()) {
+        if let (Some(id), Some(b)) = (f.choice, self.bandit.as_mut()) {
+            // The step's own cost (drafting and every stage's compute), not its latency:
+            // with several groups in flight, a step's latency is mostly the other groups'
+            // work queued ahead of it, which would favour long drafts in every bucket.
             let per_seq = emitted_total as f64 / f.members.len() as f64;
-            b.reward(
-                *id,
-                per_seq,
-                f.members.len(),
-                f.sent.elapsed().as_secs_f64(),
-            );
+            let cost = f.drafting + done.spent;
+            b.reward(id, per_seq, f.members.len(), cost.as_secs_f64());
         }
         (alive, finished)
     }

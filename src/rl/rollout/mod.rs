@@ -81,7 +81,8 @@ pub enum Speculation {
 pub struct AdaptiveConfig {
     /// Speculate only while at most this many sequences are live.
     pub threshold: usize,
-    /// The draft lengths the bandit chooses from.
+    /// The draft lengths the bandit chooses from; 0 is a plain decode step (an arm with
+    /// which each live-batch bucket learns whether speculating pays there at all).
     pub ks: Vec<usize>,
     /// Probability of a random K.
     pub epsilon: f64,
@@ -360,10 +361,10 @@ fn check(
         Speculation::Off => {}
         _ if !has_proposer => return bad("speculation", "needs a proposer".into()),
         Speculation::Fixed { k: 0 } => return bad("speculation.k", "must be at least 1".into()),
-        Speculation::Adaptive(a) if a.ks.is_empty() || a.ks.contains(&0) => {
+        Speculation::Adaptive(a) if !a.ks.iter().any(|&k| k >= 1) => {
             return bad(
                 "speculation.ks",
-                format!("{:?}: need draft lengths ≥ 1", a.ks),
+                format!("{:?}: need a draft length ≥ 1 (0 is plain decoding)", a.ks),
             );
         }
         _ => {}
@@ -384,4 +385,73 @@ fn check(
         return Err(RolloutError::Request { index, reason });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Cut, Gpt, GptConfig};
+    use crate::rl::speculative::RandomProposer;
+    use crate::tensor::CpuBackend;
+
+    /// A bandit with a plain arm (K = 0) runs some of the tail's steps as plain decode
+    /// steps, rewards them like verifications, and stays lossless.
+    #[test]
+    fn a_plain_arm_decodes_some_steps_and_is_rewarded() {
+        let config = GptConfig {
+            layers: 2,
+            seq_len: 32,
+            seed: 3,
+            ..GptConfig::default()
+        };
+        let gpt = Gpt::new(&config, CpuBackend::new(1).unwrap(), &Cut::Even(1)).unwrap();
+        let stages = || InferStage::stages_of(&gpt, &Cut::Even(2)).unwrap();
+        let requests: Vec<Request> = (0..6)
+            .map(|i| Request {
+                prompt: vec![1, 5 + i as u32, 9],
+                max_new: 6 + 3 * i,
+            })
+            .collect();
+        let run = |speculation, proposer: Option<&mut dyn Proposer>| {
+            let cfg = RolloutConfig {
+                groups: 2,
+                speculation,
+                ..RolloutConfig::default()
+            };
+            RolloutEngine::new(stages())
+                .unwrap()
+                .run(&requests, &cfg, proposer)
+                .unwrap()
+        };
+        let plain = run(Speculation::Off, None);
+        let mut random = RandomProposer::new(config.vocab);
+        let adaptive = Speculation::Adaptive(AdaptiveConfig {
+            threshold: requests.len(),
+            ks: vec![0, 2],
+            epsilon: 0.0,
+            window: 4,
+        });
+        let ad = run(adaptive, Some(&mut random));
+        assert_eq!(ad.sequences, plain.sequences, "lossless");
+        let plain_steps = ad.choices.iter().filter(|c| c.k == 0).count();
+        let drafted = ad.choices.iter().filter(|c| c.k == 2).count();
+        assert!(plain_steps > 0 && drafted > 0, "{:?}", ad.choices);
+        assert!(ad.choices.iter().all(|c| c.reward.is_some_and(|r| r > 0.0)));
+        // Only the K = 2 choices verified drafts.
+        assert!(ad.stats.verifications > 0 && ad.stats.drafted <= 2 * ad.stats.verifications);
+        let bad = AdaptiveConfig {
+            ks: vec![0],
+            ..AdaptiveConfig::default()
+        };
+        let cfg = RolloutConfig {
+            speculation: Speculation::Adaptive(bad),
+            ..RolloutConfig::default()
+        };
+        let mut random = RandomProposer::new(config.vocab);
+        let err = RolloutEngine::new(stages())
+            .unwrap()
+            .run(&requests, &cfg, Some(&mut random))
+            .unwrap_err();
+        assert!(err.to_string().contains("speculation.ks"), "{err}");
+    }
 }

@@ -95,6 +95,8 @@ pub(crate) enum Msg<B: Backend> {
         ids: Vec<u32>,
         /// Activations (to every later stage).
         hidden: Option<B::Buf>,
+        /// Compute time the stages before this one spent on the step.
+        spent: Duration,
     },
     /// The sequences finished: drop their caches.
     Release(Vec<usize>),
@@ -105,6 +107,9 @@ pub(crate) struct Done {
     pub group: usize,
     pub logits: Vec<f32>,
     pub hidden: Vec<f32>,
+    /// Compute time every stage spent on the step (not the time it waited in their
+    /// queues behind other groups): what the step cost the pipeline.
+    pub spent: Duration,
 }
 
 /// Runs stage `index` until its inbox closes; returns the time it spent computing.
@@ -223,6 +228,7 @@ fn run<B: Backend>(stage: &mut InferStage<B>, msg: Msg<B>, out: &Outlets<'_, B>)
         spans,
         ids,
         hidden,
+        spent,
     } = msg
     else {
         return true;
@@ -231,7 +237,10 @@ fn run<B: Backend>(stage: &mut InferStage<B>, msg: Msg<B>, out: &Outlets<'_, B>)
         Some(h) => StageInput::Hidden(h),
         None => StageInput::Tokens(&ids),
     };
-    match stage.forward(&spans, input) {
+    let t = Instant::now();
+    let result = stage.forward(&spans, input);
+    let spent = spent + t.elapsed();
+    match result {
         Ok(StageOutput::Hidden(h)) => match out.next {
             Some(n) => n
                 .send(Msg::Work {
@@ -240,6 +249,7 @@ fn run<B: Backend>(stage: &mut InferStage<B>, msg: Msg<B>, out: &Outlets<'_, B>)
                     spans,
                     ids: Vec::new(),
                     hidden: Some(h),
+                    spent,
                 })
                 .is_ok(),
             None => out
@@ -257,6 +267,7 @@ fn run<B: Backend>(stage: &mut InferStage<B>, msg: Msg<B>, out: &Outlets<'_, B>)
                 group,
                 logits,
                 hidden,
+                spent,
             }))
             .is_ok(),
         Err(e) => out.driver.send(Err(e)).is_ok(),
