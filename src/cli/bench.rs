@@ -15,25 +15,33 @@
 //!    positions and the drafter's proposal (one thread, timed in turn, fastest of 9);
 //!    speculation pays at `b` while `acceptance × decode(b) > propose(b) + verify(b)`, and
 //!    the threshold is the largest such `b` (all smaller ones paying too) times the groups
-//!    in flight. The
-//!    engine's own tokens/s per live-batch bucket are printed next to it as a check (runs
-//!    of a few milliseconds per bucket: too noisy on a shared box to decide alone);
-//! 5. runs the batch `--reps` times per mode and reports medians: tokens/s overall and in
+//!    in flight. The engine's own tokens/s per live-batch bucket are printed next to it,
+//!    and give a second threshold (the largest bucket up to which the fixed-K run was
+//!    faster in every bucket);
+//! 5. runs the batch `--reps` times per mode, each adaptive variant alternating with plain
+//!    runs: `adaptive` (the step-cost threshold, arms K ≥ 1), `engine thr` (the engine's
+//!    threshold) and `K=0 arm` (the whole long tail, with a plain arm that lets the bandit
+//!    learn per bucket whether to speculate, from each step's own cost); the headline
+//!    speedup is [`HEADLINE`]'s. It reports medians: tokens/s overall and in
 //!    the long tail (from the moment a quarter of the batch is live), acceptance length,
 //!    time in the tail, the driver's drafting time per verified sequence inside the
 //!    rollout (against the proposal timed alone: the gap is cold caches and a shared
 //!    machine), and whether every mode produced the same greedy tokens.
 
-use std::collections::BTreeMap;
+mod costs;
+
 use std::time::Instant;
 
 use anyhow::{Context, bail};
+use costs::{
+    COST_REPS, MAX_CALIBRATION_BATCH, engine_buckets, step_costs, threshold_of_buckets,
+    threshold_per_group,
+};
 use pipefill::config::JobConfig;
 use pipefill::data::{SplitMix64, TaskGenerator, Tokenizer, tokenizer::BOS};
-use pipefill::model::drafter::{DraftBufferHandle, DraftContext, Drafter, DrafterTrainer};
-use pipefill::model::infer::{InferStage, Span, run_stages};
+use pipefill::model::drafter::{DraftBufferHandle, Drafter, DrafterTrainer};
+use pipefill::model::infer::InferStage;
 use pipefill::model::{Cut, Gpt};
-use pipefill::rl::bandit::bucket;
 use pipefill::rl::rollout::{
     AdaptiveConfig, Request, Rollout, RolloutConfig, RolloutEngine, Speculation,
 };
@@ -297,15 +305,38 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
             a.k
         ),
     );
-    let adaptive = Speculation::Adaptive(AdaptiveConfig {
-        threshold,
-        ..AdaptiveConfig::default()
-    });
-    let (plain, adapt) = pair(&adaptive)?;
+    // The engine's own figures decide the same threshold: the largest bucket up to which
+    // the fixed-K run was faster than the plain one in every bucket.
+    let engine_threshold = threshold_of_buckets(&engine_buckets(&plain0, &fixed));
+    say(
+        a.json,
+        format!(
+            "threshold from the engine's per-bucket tokens/s: speculate while live ≤ {engine_threshold}"
+        ),
+    );
+    // And with a plain arm, the bandit decides per bucket over the whole long tail.
+    let tail_live = (requests.len() / 4).max(threshold);
+    let variants = [
+        ("adaptive", threshold, AdaptiveConfig::default().ks),
+        ("engine thr", engine_threshold, AdaptiveConfig::default().ks),
+        ("K=0 arm", tail_live, PLAIN_ARM_KS.to_vec()),
+    ];
+    let mut runs: Vec<(&str, usize, Vec<Rollout>, Vec<Rollout>)> = Vec::new();
+    for (name, threshold, ks) in variants {
+        let spec = Speculation::Adaptive(AdaptiveConfig {
+            threshold,
+            ks,
+            ..AdaptiveConfig::default()
+        });
+        let (plain, spec_runs) = pair(&spec)?;
+        runs.push((name, threshold, plain, spec_runs));
+    }
+    let plain: Vec<Rollout> = runs.iter().flat_map(|r| r.2.iter().cloned()).collect();
+    let adapt = runs[HEADLINE].3.clone();
 
     let identical = fixed
         .iter()
-        .chain(&adapt)
+        .chain(runs.iter().flat_map(|r| &r.3))
         .all(|r| r.sequences == plain[0].sequences);
     let m = |rs: &[Rollout], f: &dyn Fn(&Rollout) -> f64| median(rs.iter().map(f).collect());
     let tps = |r: &Rollout| r.stats.tokens_per_s();
@@ -317,7 +348,12 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
     // the target's verification pass.
     let propose_round_ms =
         |r: &Rollout| 1e3 * r.stats.propose_s / (r.stats.verifications.max(1) as f64);
-    let speedup = m(&adapt, &tail) / m(&plain, &tail);
+    // Each variant against the plain runs interleaved with it (the same drift).
+    let speedups: Vec<f64> = runs
+        .iter()
+        .map(|r| m(&r.3, &tail) / m(&r.2, &tail))
+        .collect();
+    let speedup = speedups[HEADLINE];
     let last = adapt.last().expect("reps ≥ 1");
     let mut ks: Vec<(usize, usize)> = Vec::new();
     for c in &last.choices {
@@ -340,7 +376,16 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
             "overall_speedup": m(&adapt, &tps) / m(&plain, &tps),
             "plain_tail_s": m(&plain, &tail_s),
             "adaptive_tail_s": m(&adapt, &tail_s),
+            "adaptive_mode": runs[HEADLINE].0,
+            "variants": runs.iter().zip(&speedups).map(|(r, s)| json!({
+                "mode": r.0,
+                "threshold": r.1,
+                "tokens_per_s": m(&r.3, &tail),
+                "speedup": s,
+                "acceptance_length": m(&r.3, &acc),
+            })).collect::<Vec<_>>(),
             "threshold": threshold,
+            "engine_threshold": engine_threshold,
             "propose_ms": propose_ms,
             "fixed_propose_ms_per_verification": m(&fixed, &propose_round_ms),
             "step_costs": costs,
@@ -355,7 +400,10 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
             "{:<10} {:>9} {:>11} {:>10} {:>8} {:>10}",
             "mode", "total s", "tokens/s", "tail tok/s", "tail s", "accept len"
         );
-        for (name, rs) in [("plain", &plain), ("fixed K", &fixed), ("adaptive", &adapt)] {
+        let table = [("plain", &plain), ("fixed K", &fixed)]
+            .into_iter()
+            .chain(runs.iter().map(|r| (r.0, &r.3)));
+        for (name, rs) in table {
             println!(
                 "{name:<10} {:>9.3} {:>11.1} {:>10.1} {:>8.3} {:>10.2}",
                 m(rs, &secs),
@@ -365,9 +413,20 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
                 m(rs, &acc)
             );
         }
+        for (r, s) in runs.iter().zip(&speedups) {
+            println!(
+                "long-tail speedup {}/plain: {s:.2}x (live ≤ {}, arms {:?})",
+                r.0,
+                r.1,
+                match r.0 {
+                    "K=0 arm" => PLAIN_ARM_KS.to_vec(),
+                    _ => AdaptiveConfig::default().ks,
+                }
+            );
+        }
         println!(
-            "long-tail speedup adaptive/plain: {speedup:.2}x (medians of {} runs)",
-            a.reps
+            "long-tail speedup adaptive/plain: {speedup:.2}x ({}; medians of {} runs)",
+            runs[HEADLINE].0, a.reps
         );
         println!(
             "drafting inside the rollout, fixed K={}: {:.3} ms per sequence verified (alone: {propose_ms:.3} ms)",
@@ -428,134 +487,7 @@ fn long_tail_batch(job: &JobConfig, n: usize) -> anyhow::Result<Vec<Request>> {
     Ok(out)
 }
 
-/// Tokens generated and seconds spent while the live batch was in each bucket, summed
-/// over `runs` (from their live curves).
-fn by_bucket(runs: &[Rollout]) -> BTreeMap<usize, (f64, f64)> {
-    let mut out: BTreeMap<usize, (f64, f64)> = BTreeMap::new();
-    for r in runs {
-        for w in r.live_curve.windows(2).filter(|w| w[0].live > 0) {
-            let e = out.entry(bucket(w[0].live)).or_default();
-            e.0 += (w[1].tokens - w[0].tokens) as f64;
-            e.1 += w[1].t - w[0].t;
-        }
-    }
-    out
-}
-
-/// Tokens/s of the plain and the fixed-K runs while the live batch was in each bucket:
-/// `(bucket, plain, fixed)`, over the buckets both runs went through.
-fn engine_buckets(plain: &[Rollout], fixed: &[Rollout]) -> Vec<(usize, f64, f64)> {
-    let (p, f) = (by_bucket(plain), by_bucket(fixed));
-    p.iter()
-        .filter_map(|(&b, &(pt, ps))| {
-            let &(ft, fs) = f.get(&b)?;
-            Some((b, pt / ps.max(1e-9), ft / fs.max(1e-9)))
-        })
-        .collect()
-}
-
-/// Largest group size the step costs are measured for.
-const MAX_CALIBRATION_BATCH: usize = 32;
-/// Timed repetitions per cost (the fastest is kept).
-const COST_REPS: usize = 9;
-/// Positions already in each sequence's cache when a timed step starts.
-const COST_PAST: usize = 32;
-
-/// What one step of a group of `batch` sequences costs, in milliseconds.
-#[derive(Clone, Copy, Debug, serde::Serialize)]
-struct StepCost {
-    batch: usize,
-    decode_ms: f64,
-    verify_ms: f64,
-    propose_ms: f64,
-}
-
-impl StepCost {
-    /// Whether a speculative step (proposal + verification, `acceptance` tokens per
-    /// sequence) emits tokens faster than plain decode steps (one token each).
-    fn pays(&self, acceptance: f64) -> bool {
-        acceptance * self.decode_ms > self.propose_ms + self.verify_ms
-    }
-}
-
-/// Step costs for groups of 1, 2, 4, … up to `max_b` sequences: the whole target on one
-/// thread (a group in the long tail passes the stages one after another, so their costs add
-/// up) decoding one position per sequence and verifying K+1, each resuming at
-/// `COST_PAST` of a prefilled cache; and `drafter` proposing `k` tokens for `batch` copies
-/// of `probe`'s context.
-fn step_costs(
-    model: &Gpt<CpuBackend>,
-    drafter: &mut Drafter<CpuBackend>,
-    probe: &pipefill::model::drafter::DraftRow,
-    k: usize,
-    max_b: usize,
-) -> anyhow::Result<Vec<StepCost>> {
-    let past = COST_PAST.min(model.config().seq_len.saturating_sub(k + 1));
-    let mut stages = InferStage::stages_of(model, &Cut::Even(1))?;
-    let d = model.config().d_model;
-    let n = probe.len();
-    let tokens: Vec<u32> = probe.targets[..n].to_vec();
-    let ctx = DraftContext {
-        hidden: &probe.hidden[..n * d],
-        tokens: &tokens,
-    };
-    let mut rng = SplitMix64::new(1);
-    let ms = |f: &mut dyn FnMut() -> anyhow::Result<()>| -> anyhow::Result<f64> {
-        let s = Instant::now();
-        f()?;
-        Ok(s.elapsed().as_secs_f64() * 1e3)
-    };
-    let spans = |b: usize, start: usize, len: usize| -> Vec<Span> {
-        (0..b).map(|slot| Span { slot, start, len }).collect()
-    };
-    let mut out = Vec::new();
-    let mut b = 1;
-    while b <= max_b.max(1) {
-        let ids = vec![5u32; b * (past + k + 1)];
-        run_stages(&mut stages, &spans(b, 0, past + k + 1), &ids)?;
-        let contexts = vec![ctx; b];
-        // The three are timed in turn, so that a burst of other work on a shared box hits
-        // them alike, and each keeps its least-disturbed time: the threshold below needs
-        // every smaller size to pay, so one inflated verification would cut it.
-        let (mut decode_ms, mut verify_ms, mut propose_ms) = (f64::MAX, f64::MAX, f64::MAX);
-        for _ in 0..COST_REPS {
-            decode_ms = decode_ms.min(ms(&mut || {
-                run_stages(&mut stages, &spans(b, past, 1), &ids[..b])?;
-                Ok(())
-            })?);
-            verify_ms = verify_ms.min(ms(&mut || {
-                run_stages(&mut stages, &spans(b, past, k + 1), &ids[..b * (k + 1)])?;
-                Ok(())
-            })?);
-            propose_ms = propose_ms.min(ms(&mut || {
-                drafter.propose(&contexts, k, 0.0, &mut rng)?;
-                Ok(())
-            })?);
-        }
-        out.push(StepCost {
-            batch: b,
-            decode_ms,
-            verify_ms,
-            propose_ms,
-        });
-        b *= 2;
-    }
-    Ok(out)
-}
-
-/// The largest group size up to which speculation pays at every measured size (0: it does
-/// not pay even for one sequence). Between measured sizes the smaller one decides.
-fn threshold_per_group(costs: &[StepCost], acceptance: f64) -> usize {
-    let mut best = 0;
-    for (i, c) in costs.iter().enumerate() {
-        if !c.pays(acceptance) {
-            break;
-        }
-        // Paying at `c.batch` and at the next measured size covers the sizes between.
-        best = match costs.get(i + 1) {
-            Some(next) if next.pays(acceptance) => next.batch - 1,
-            _ => c.batch,
-        };
-    }
-    best
-}
+/// The arms of the bandit that also chooses plain decoding (K = 0) per bucket.
+const PLAIN_ARM_KS: &[usize] = &[0, 1, 2, 4, 6];
+/// Which of the adaptive variants is the bench's headline `adaptive` figure.
+const HEADLINE: usize = 2;
