@@ -23,9 +23,20 @@ use pipefill::tensor::{CpuBackend, IGNORE_TARGET};
 use pipefill::train::reference::adamw_config;
 
 /// Rollouts fixed in advance: the first of each group is the task's worked solution (reward
-/// 1), the others a wrong answer (reward 0).
+/// 1), the others a wrong answer (reward 0); a prompt in `uniform` has every completion
+/// right (`true`) or wrong (`false`), a group of advantage 0.
 struct Scripted {
     tasks: Vec<Task>,
+    uniform: Vec<(usize, bool)>,
+}
+
+impl Scripted {
+    fn new(tasks: Vec<Task>) -> Self {
+        Scripted {
+            tasks,
+            uniform: Vec::new(),
+        }
+    }
 }
 
 impl RolloutEngine for Scripted {
@@ -39,9 +50,10 @@ impl RolloutEngine for Scripted {
     ) -> Result<RolloutBatch, RlError> {
         let tok = Tokenizer::new();
         let mut rollouts = Vec::new();
-        for (prompt, task) in prompts.iter().zip(&self.tasks) {
+        for (p, (prompt, task)) in prompts.iter().zip(&self.tasks).enumerate() {
+            let uniform = self.uniform.iter().find(|u| u.0 == p).map(|u| u.1);
             for g in 0..group {
-                let text = if g == 0 {
+                let text = if uniform.unwrap_or(g == 0) {
                     task.solution.clone()
                 } else {
                     format!("0:0\n#{}2", task.answer)
@@ -95,13 +107,16 @@ fn the_pipelined_grpo_update_equals_the_single_device_update() {
     let start = warm_up(&job, |_| {}).unwrap();
     assert_eq!(start.meta.step, 2);
     let tasks = step_prompts(&job, 0).unwrap();
-    let mut engine = Scripted {
-        tasks: tasks.clone(),
-    };
+    let mut engine = Scripted::new(tasks.clone());
     let mut rl = RlTrainer::new(&job, start.clone()).unwrap();
     let m = rl.run_step(&mut engine, |_| {}).unwrap();
     assert!((m.reward - 1.0 / 3.0).abs() < 1e-9, "{m:?}");
     assert_eq!(m.informative_groups, 2);
+    assert_eq!(
+        (m.skipped_groups, m.update_micro_batches),
+        (0, 2),
+        "nothing to skip"
+    );
     assert_eq!(m.lr, 1e-2, "the first RL step runs at the peak rate");
     assert_eq!(rl.checkpoint().meta.step, 3);
 
@@ -118,7 +133,9 @@ fn the_pipelined_grpo_update_equals_the_single_device_update() {
     let batch = engine.generate(&gpt, &prompts, 3, 24, 0).unwrap();
     let advantages = group_advantages(&[1.0, 0.0, 0.0, 1.0, 0.0, 0.0], 3).unwrap();
     // The packed step on one device: the pipeline computes exactly this, stage by stage.
-    let (packed, _) = update_step(&job.rl, &batch.rollouts, &advantages, None).unwrap();
+    let packed = update_step(&job.rl, &batch.rollouts, &advantages, None, 2)
+        .unwrap()
+        .step;
     assert_eq!(packed.batches.len(), 2, "rl.prompts micro-batches");
     assert!(
         packed.batches.iter().all(|mb| mb.rows == 3),
@@ -200,9 +217,7 @@ fn the_policy_follows_the_checkpoint_from_step_to_step() {
     let start = warm_up(&job, |_| {}).unwrap();
     let mut rl = RlTrainer::new(&job, start.clone()).unwrap();
     for step in 0..2 {
-        let mut engine = Scripted {
-            tasks: step_prompts(&job, step).unwrap(),
-        };
+        let mut engine = Scripted::new(step_prompts(&job, step).unwrap());
         let m = rl.run_step(&mut engine, |_| {}).unwrap();
         assert!(
             m.informative_groups > 0,
@@ -222,6 +237,134 @@ fn the_policy_follows_the_checkpoint_from_step_to_step() {
         }
         assert!(moved, "step {step}: the updates moved the parameters");
     }
+}
+
+/// [`job`] with 4 prompts of 3 completions, for the tests of skipped groups.
+fn skip_job() -> JobConfig {
+    let mut job = job();
+    job.rl.prompts = 4;
+    job
+}
+
+/// Largest `|a − b|` over every parameter of two models of the same job.
+fn max_diff(a: &Gpt<CpuBackend>, b: &Gpt<CpuBackend>) -> f32 {
+    let mut worst = 0.0f32;
+    for name in a.param_names() {
+        let (x, y) = (
+            a.param_values(&name).unwrap(),
+            b.param_values(&name).unwrap(),
+        );
+        worst = x
+            .iter()
+            .zip(&y)
+            .map(|(p, q)| (p - q).abs())
+            .fold(worst, f32::max);
+    }
+    worst
+}
+
+/// `prompts` (BOS + each task's prompt) of `tasks`.
+fn encoded(tasks: &[Task]) -> Vec<Vec<u32>> {
+    tasks
+        .iter()
+        .map(|t| {
+            let mut ids = vec![tokenizer::BOS];
+            ids.extend(Tokenizer::new().encode(&t.prompt).unwrap());
+            ids
+        })
+        .collect()
+}
+
+/// Two of four groups have equal rewards (one all wrong, one all right): the update leaves
+/// their 6 sequences out and runs 2 micro-batches instead of 4, and lands where the whole
+/// step does (one micro-batch per sequence, scale `A_i / n` over all 12): the skipped
+/// sequences had exactly no gradient. Normalised by the 6 kept sequences instead, the
+/// update lands elsewhere, far outside the tolerance.
+#[test]
+fn groups_without_a_gradient_are_skipped_and_the_update_is_the_whole_steps() {
+    let job = skip_job();
+    let start = warm_up(&job, |_| {}).unwrap();
+    let tasks = step_prompts(&job, 0).unwrap();
+    let mut engine = Scripted {
+        tasks: tasks.clone(),
+        uniform: vec![(1, false), (3, true)],
+    };
+    let mut rl = RlTrainer::new(&job, start.clone()).unwrap();
+    let m = rl.run_step(&mut engine, |_| {}).unwrap();
+    let counts = (
+        m.informative_groups,
+        m.skipped_groups,
+        m.skipped_sequences,
+        m.update_micro_batches,
+    );
+    assert_eq!(counts, (2, 2, 6, 2), "{m:?}");
+
+    let (gpt, _) = load(&job, &start);
+    let batch = engine.generate(&gpt, &encoded(&tasks), 3, 24, 0).unwrap();
+    let rewards = [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0];
+    let advantages = group_advantages(&rewards, 3).unwrap();
+    // The pipeline ran exactly the skipping packed step (bitwise, as without skipping).
+    let packed = update_step(&job.rl, &batch.rollouts, &advantages, None, 2)
+        .unwrap()
+        .step;
+    let (mut same, mut same_opt) = load(&job, &start);
+    single_device_step(&job, &mut same, &mut same_opt, &packed);
+    assert_eq!(max_diff(rl.policy(), &same), 0.0, "pipelined vs one device");
+
+    let (mut whole, mut whole_opt) = load(&job, &start);
+    let all = update_batches(&batch.rollouts, &advantages).unwrap();
+    single_device_step(&job, &mut whole, &mut whole_opt, &all);
+    let kept: Vec<usize> = (0..12).filter(|&i| advantages[i] != 0.0).collect();
+    let rollouts: Vec<Rollout> = kept.iter().map(|&i| batch.rollouts[i].clone()).collect();
+    let mut by_kept = update_batches(&rollouts, &vec![0.0; kept.len()]).unwrap();
+    by_kept.scales = kept.iter().map(|&i| advantages[i] / 6.0).collect();
+    let (mut wrong, mut wrong_opt) = load(&job, &start);
+    single_device_step(&job, &mut wrong, &mut wrong_opt, &by_kept);
+
+    let (err, off) = (max_diff(rl.policy(), &whole), max_diff(&wrong, &whole));
+    eprintln!("skipping vs the whole step: max |Δparam| {err:e}; normalised by the kept: {off:e}");
+    assert!(err <= PACKING_TOL, "skipping moved the update by {err}");
+    assert!(off > 20.0 * PACKING_TOL, "n = kept moves it by {off} only");
+    assert!(
+        max_diff(&whole, &gpt) > 1e-4,
+        "the update moved the parameters"
+    );
+}
+
+/// A step where every group has equal rewards has no gradient; it runs one micro-batch of a
+/// zero-loss sequence and still takes AdamW's step (its moments and weight decay move the
+/// parameters) exactly as the whole step of zero gradients does: bitwise.
+#[test]
+fn a_step_without_any_gradient_still_steps_the_optimizer_exactly() {
+    let job = skip_job();
+    let start = warm_up(&job, |_| {}).unwrap();
+    let tasks = step_prompts(&job, 0).unwrap();
+    let mut engine = Scripted {
+        tasks: tasks.clone(),
+        uniform: vec![(0, false), (1, true), (2, false), (3, false)],
+    };
+    let mut rl = RlTrainer::new(&job, start.clone()).unwrap();
+    let m = rl.run_step(&mut engine, |_| {}).unwrap();
+    let counts = (
+        m.informative_groups,
+        m.skipped_groups,
+        m.skipped_sequences,
+        m.update_micro_batches,
+    );
+    assert_eq!(counts, (0, 3, 11, 1), "{m:?}");
+    assert_eq!(m.grad_norm, 0.0);
+
+    let (gpt, _) = load(&job, &start);
+    let batch = engine.generate(&gpt, &encoded(&tasks), 3, 24, 0).unwrap();
+    let (mut whole, mut whole_opt) = load(&job, &start);
+    let all = update_batches(&batch.rollouts, &[0.0; 12]).unwrap();
+    single_device_step(&job, &mut whole, &mut whole_opt, &all);
+    assert_eq!(
+        max_diff(rl.policy(), &whole),
+        0.0,
+        "not the whole step's update"
+    );
+    assert!(max_diff(&whole, &gpt) > 0.0, "AdamW's step moved nothing");
 }
 
 #[test]
@@ -297,9 +440,7 @@ fn the_pipelined_update_with_kl_equals_the_single_device_grpo_update() {
     let reference = warm_up(&one, |_| {}).unwrap();
     let start = warm_up(&job, |_| {}).unwrap();
     let tasks = step_prompts(&job, 0).unwrap();
-    let mut engine = Scripted {
-        tasks: tasks.clone(),
-    };
+    let mut engine = Scripted::new(tasks.clone());
     let mut rl = RlTrainer::new(&job, start.clone())
         .unwrap()
         .with_reference(&reference)

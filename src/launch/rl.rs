@@ -70,7 +70,7 @@ use crate::model::drafter::state::DrafterState;
 use crate::model::{AdamW, Cut, Gpt, ModelError, OptimizerState};
 use crate::pipeline::feed::StepFeed;
 use crate::pipeline::{PipelineError, PipelineTrainer};
-use crate::rl::trainer::{RlError, update_job_of, warm_up_job};
+use crate::rl::trainer::{RlError, fitted_update, update_job_of, warm_up_job};
 use crate::rl::trainer_spec::PipelineRollouts;
 use crate::tensor::CpuBackend;
 use crate::train::StepMetrics;
@@ -139,6 +139,11 @@ pub struct RlLaunchStep {
     pub sequences: usize,
     /// Groups whose rewards differ (the only ones with a gradient).
     pub informative_groups: usize,
+    /// Groups and sequences the update left out (exactly no gradient), as in-process.
+    pub skipped_groups: usize,
+    pub skipped_sequences: usize,
+    /// Micro-batches the update ran, over all replicas.
+    pub update_micro_batches: usize,
     /// Rank 0's rollout, rewards included (drafter training excluded).
     pub rollout_seconds: f64,
     /// Drafter training on the step's rollouts.
@@ -221,7 +226,6 @@ pub fn rl_rank(
         .transpose()
         .map_err(rl_err)?;
     let mut reference = None;
-    let last_stage = loss_rank(&plan);
     let mut steps = Vec::new();
     for step in 0..job.rl.steps {
         let step_started = Instant::now();
@@ -239,12 +243,18 @@ pub fn rl_rank(
         let (wire, figures) =
             ctx.exchange_rollouts(job, engine.as_mut(), &state.model, reference.as_mut(), step)?;
         let rollout_seconds = rolled.elapsed().as_secs_f64();
-        let (batches, kl_hook) = wire.update(&job.rl).map_err(rl_err)?;
-        let shares = shares(&batches.batches, &batches.scales, dp);
-        let feed = Arc::new(StepFeed::given([(state.step, batches)]));
         let updated = Instant::now();
+        // Every rank fits the same count: the rollouts' advantages are the same bits.
+        let needed = wire.needed_micro_batches(&job.rl);
+        let (step_job, trainer) = fitted_update(&update, needed, dp).map_err(pipeline_err)?;
+        let (plan, micro_batches) = (trainer.plan(), step_job.train.micro_batches);
+        let last_stage = loss_rank(plan);
+        let packed = wire.update(&job.rl, micro_batches).map_err(rl_err)?;
+        let kl_hook = packed.kl_hook;
+        let shares = shares(&packed.step.batches, &packed.step.scales, dp);
+        let feed = Arc::new(StepFeed::given([(state.step, packed.step)]));
         let (report, fin, log) =
-            ctx.run(&update, &plan, feed, state.step, 1, Some(&state), links)?;
+            ctx.run(&step_job, plan, feed, state.step, 1, Some(&state), links)?;
         let update_seconds = updated.elapsed().as_secs_f64();
         own = state.absorb_own(fin).map_err(|e| pipeline_err(e.into()))?;
         state.step += 1;
@@ -257,6 +267,9 @@ pub fn rl_rank(
                 reward: f.reward,
                 sequences: wire.sequences(),
                 informative_groups: f.informative_groups,
+                skipped_groups: packed.skipped_groups,
+                skipped_sequences: packed.skipped_sequences,
+                update_micro_batches: micro_batches,
                 rollout_seconds: rollout_seconds - f.drafter_seconds - f.reference_seconds,
                 drafter_seconds: f.drafter_seconds,
                 sync_seconds,

@@ -13,8 +13,10 @@
 //!    ([`update_step`]), prompt targets ignored, the head weighing each sequence's tokens
 //!    by `A_i / n` ([`super::update::GrpoTokenLoss`]). With one on-policy update per
 //!    rollout batch the policy ratio is 1, so this is the clipped GRPO objective's gradient
-//!    exactly (see [`super::grpo`]). The run resumes from the previous step's checkpoint,
-//!    so optimizer moments carry over.
+//!    exactly (see [`super::grpo`]). Without the KL term the sequences of advantage 0 (groups
+//!    whose rewards are all equal) have exactly no gradient and are left out, so the step
+//!    runs fewer micro-batches ([`fitted_update`]; `n` still counts them). The run resumes
+//!    from the previous step's checkpoint, so optimizer moments carry over.
 //!
 //! With `rl.kl_coef = β > 0` the objective adds β·k3-KL to a frozen reference (the policy
 //! RL started from, or [`RlTrainer::with_reference`]): the reference's per-token log-probs
@@ -32,7 +34,7 @@ use serde::Serialize;
 use super::config::RlConfig;
 use super::grpo::{GrpoError, group_advantages, reference_log_probs};
 use super::reward::{completion_tokens, reward_of_tokens};
-pub use super::update::{update_batches, update_step};
+pub use super::update::{UpdateStep, needed_micro_batches, skippable, update_batches, update_step};
 use crate::config::{ConfigError, JobConfig};
 use crate::data::{DataError, SplitMix64, Task, TaskGenerator, Tokenizer, tokenizer};
 use crate::model::checkpoint::Checkpoint;
@@ -72,6 +74,17 @@ pub enum RlError {
     /// A rollout engine returned something the update cannot use.
     #[error("rollout: {0}")]
     Rollout(String),
+    /// The update was asked to pack its sequences into a count of micro-batches that
+    /// cannot hold the ones with a gradient, or more than one per prompt.
+    #[error(
+        "update: {micro_batches} micro-batches asked for; the sequences with a gradient need \
+         {needed} to {prompts} (rl.prompts)"
+    )]
+    Packing {
+        micro_batches: usize,
+        needed: usize,
+        prompts: usize,
+    },
 }
 
 /// One sampled sequence: `BOS` and the prompt's tokens, then the generated tokens (ending
@@ -132,6 +145,12 @@ pub struct RlStepMetrics {
     pub reward: f64,
     /// Groups whose rewards differ (the only ones with a gradient).
     pub informative_groups: usize,
+    /// Groups the update left out, and sequences (no KL term: advantage 0, exactly no
+    /// gradient; see [`super::update::skippable`]).
+    pub skipped_groups: usize,
+    pub skipped_sequences: usize,
+    /// Micro-batches the update ran (`rl.prompts` when nothing is skipped).
+    pub update_micro_batches: usize,
     pub sequences: usize,
     /// Generated tokens (up to and with `EOS`).
     pub generated_tokens: usize,
@@ -264,7 +283,8 @@ pub(crate) fn warm_up_job(job: &JobConfig) -> JobConfig {
 
 /// The pipeline job of the RL update when RL started at optimizer step `first_update`:
 /// `rl.prompts` micro-batches of `rl.group` sequences ([`update_step`]), the RL learning
-/// rate (the multi-process update runs it too).
+/// rate (the multi-process update runs it too); a step with skippable sequences runs fewer
+/// ([`fitted_update`]).
 pub(crate) fn update_job_of(job: &JobConfig, first_update: u64) -> JobConfig {
     let rl: &RlConfig = &job.rl;
     let mut job = job.clone();
@@ -274,6 +294,33 @@ pub(crate) fn update_job_of(job: &JobConfig, first_update: u64) -> JobConfig {
     job.train.warmup = first_update;
     job.train.steps = first_update + rl.steps;
     job
+}
+
+/// The update's pipeline for a step whose sequences with a gradient need `needed`
+/// micro-batches ([`needed_micro_batches`]) over `replicas` data-parallel pipelines: the
+/// fewest micro-batches from `needed` to `update`'s (`rl.prompts`) that the replicas share
+/// equally and the job's schedule runs (a schedule file runs its own count only; some
+/// schedules need a multiple of the ranks). Returns the whole step's job and one replica's
+/// trainer (the whole pipeline's with one replica).
+pub(crate) fn fitted_update(
+    update: &JobConfig,
+    needed: usize,
+    replicas: usize,
+) -> Result<(JobConfig, PipelineTrainer), PipelineError> {
+    let (full, replicas) = (update.train.micro_batches, replicas.max(1));
+    let with = |m: usize| {
+        let mut job = update.clone();
+        job.train.micro_batches = m;
+        let mut share = job.clone();
+        share.train.micro_batches = m / replicas;
+        PipelineTrainer::from_job(&share).map(|t| (job, t))
+    };
+    // Fewer micro-batches than the full count are an optimisation: one the schedule
+    // refuses is passed over, and only the full count's error is the job's.
+    (needed.max(1)..full)
+        .filter(|m| m % replicas == 0)
+        .find_map(|m| with(m).ok())
+        .map_or_else(|| with(full), Ok)
 }
 
 /// The RL loop's state: the job, the policy's checkpoint and model, the next RL step.
@@ -373,12 +420,26 @@ impl RlTrainer {
             }
             None => None,
         };
-        let (update, kl_hook) = update_step(&rl, &batch.rollouts, &advantages, logp_ref)?;
         let reference_seconds = reference_started.elapsed().as_secs_f64();
         let started = Instant::now();
+        let needed = needed_micro_batches(&rl, &advantages);
+        let (job, trainer) = fitted_update(&self.update_job(), needed, 1)?;
+        let update_micro_batches = job.train.micro_batches;
+        let UpdateStep {
+            step: update,
+            kl_hook,
+            skipped_sequences,
+            skipped_groups,
+        } = update_step(
+            &rl,
+            &batch.rollouts,
+            &advantages,
+            logp_ref,
+            update_micro_batches,
+        )?;
         let first = self.checkpoint.meta.step;
         let feed = Arc::new(StepFeed::given([(first, update)]));
-        let trainer = PipelineTrainer::from_job(&self.update_job())?
+        let trainer = trainer
             .resume_shared(Arc::clone(&self.checkpoint))
             .feed(feed);
         let run = trainer.run(1, |_| {})?;
@@ -408,6 +469,9 @@ impl RlTrainer {
             step,
             reward,
             informative_groups,
+            skipped_groups,
+            skipped_sequences,
+            update_micro_batches,
             sequences: rewards.len(),
             generated_tokens,
             rollout_seconds,

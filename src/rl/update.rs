@@ -2,8 +2,14 @@
 //! last stage's head takes for them.
 //!
 //! [`update_step`] packs the step's `n = rl.prompts × rl.group` sequences into
-//! `rl.prompts` micro-batches of `rl.group` rows each (what `pipefill rl` and `launch rl`
-//! train on). With one sequence per micro-batch ([`update_batches`], the plain form the
+//! micro-batches of `rl.group` rows each (what `pipefill rl` and `launch rl` train on):
+//! `rl.prompts` of them when every sequence has a gradient. Without the KL term a sequence
+//! of advantage 0 (every sequence of a group whose rewards are all equal) has exactly zero
+//! loss and gradient, so it is left out ([`skippable`]) and the step runs fewer
+//! micro-batches ([`needed_micro_batches`]; the caller picks the count its schedule and
+//! replicas can run). The loss still divides by all `n` sequences, so the step's gradient
+//! is the full batch's, and the optimizer steps as before (even when no sequence is left
+//! with a gradient: one micro-batch of a zero-loss sequence then carries the step). With one sequence per micro-batch ([`update_batches`], the plain form the
 //! tests and the reference's log-probs use) every matrix product of a stage had one
 //! ~50-token row block: at d_model 512 on the CPU, packing the weight panels cost as much
 //! as the products themselves and the update ran at a third of SFT's tokens/s. Rows are
@@ -57,17 +63,25 @@ pub fn update_batches(rollouts: &[Rollout], advantages: &[f32]) -> Result<StepBa
     })
 }
 
-/// The update's packed step (see the module docs): `rl.prompts` micro-batches of
-/// `rl.group` rows, scale 1 each, the head's [`GrpoTokenLoss`] weighing the rows. With
-/// `logp_ref` (each sequence's completion-token log-probs under the frozen reference, as
-/// [`super::grpo::reference_log_probs`] computes them on [`update_batches`]) the loss has
+/// The update's packed step (see the module docs): `micro_batches` micro-batches of at
+/// most `rl.group` rows, scale 1 each, the head's [`GrpoTokenLoss`] weighing the rows.
+/// With `logp_ref` (each sequence's completion-token log-probs under the frozen reference,
+/// as [`super::grpo::reference_log_probs`] computes them on [`update_batches`]) the loss has
 /// the KL term, and the hook is returned too, for its KL figure.
+///
+/// Sequences whose loss and gradient are exactly zero ([`skippable`]) are left out (the
+/// shortest of them are kept as padding when `micro_batches` needs more rows than the
+/// others fill): `micro_batches` must lie in [`needed_micro_batches`]`..=rl.prompts`. The
+/// loss still averages over all `n` sequences, so the gradient is the full step's; with
+/// every sequence kept (`rl.prompts` micro-batches and nothing skippable) the layout is
+/// the one-group-per-micro-batch packing of the whole step.
 pub fn update_step(
     rl: &RlConfig,
     rollouts: &[Rollout],
     advantages: &[f32],
     logp_ref: Option<Vec<Vec<f32>>>,
-) -> Result<(StepBatches, Option<Arc<GrpoTokenLoss>>), RlError> {
+    micro_batches: usize,
+) -> Result<UpdateStep, RlError> {
     check_counts(rollouts, advantages)?;
     if rollouts.len() != rl.sequences() {
         return Err(RlError::Rollout(format!(
@@ -77,15 +91,28 @@ pub fn update_step(
             rl.group
         )));
     }
+    let needed = needed_micro_batches(rl, advantages);
+    if !(needed..=rl.prompts).contains(&micro_batches) {
+        return Err(RlError::Packing {
+            micro_batches,
+            needed,
+            prompts: rl.prompts,
+        });
+    }
     let rows = rollouts
         .iter()
         .enumerate()
         .map(|(i, r)| row(i, r))
         .collect::<Result<Vec<_>, RlError>>()?;
-    let layout = packing(
-        &rows.iter().map(|(x, _)| x.len()).collect::<Vec<_>>(),
+    let lens: Vec<usize> = rows.iter().map(|(x, _)| x.len()).collect();
+    let selected = selection(rl, advantages, &lens, micro_batches);
+    let layout: Vec<Vec<usize>> = packing(
+        &selected.iter().map(|&i| lens[i]).collect::<Vec<_>>(),
         rl.group,
-    );
+    )
+    .into_iter()
+    .map(|chunk| chunk.into_iter().map(|j| selected[j]).collect())
+    .collect();
     let batches = layout
         .iter()
         .map(|seqs| {
@@ -107,6 +134,15 @@ pub fn update_step(
             }
         })
         .collect::<Vec<_>>();
+    let mut in_update = vec![false; rollouts.len()];
+    for &i in &selected {
+        in_update[i] = true;
+    }
+    let skipped_sequences = in_update.iter().filter(|&&kept| !kept).count();
+    let skipped_groups = in_update
+        .chunks(rl.group.max(1))
+        .filter(|g| g.iter().all(|&kept| !kept))
+        .count();
     let tokens = rollouts.iter().map(|r| r.generated.len()).collect();
     let cfg = GrpoLoss {
         clip: rl.clip,
@@ -120,12 +156,64 @@ pub fn update_step(
         layout,
     )?);
     let kl_hook = hook.has_reference().then(|| Arc::clone(&hook));
-    let step = StepBatches {
-        scales: vec![1.0; batches.len()],
-        batches,
-        token_loss: Some(hook),
-    };
-    Ok((step, kl_hook))
+    Ok(UpdateStep {
+        step: StepBatches {
+            scales: vec![1.0; batches.len()],
+            batches,
+            token_loss: Some(hook),
+        },
+        kl_hook,
+        skipped_sequences,
+        skipped_groups,
+    })
+}
+
+/// A packed update step ([`update_step`]) and what it left out.
+#[derive(Debug)]
+pub struct UpdateStep {
+    pub step: StepBatches,
+    /// The head's loss when it has the KL term (for the step's KL figure).
+    pub kl_hook: Option<Arc<GrpoTokenLoss>>,
+    /// Sequences not in any micro-batch (their loss and gradient are exactly zero).
+    pub skipped_sequences: usize,
+    /// Groups none of whose sequences is in a micro-batch.
+    pub skipped_groups: usize,
+}
+
+/// Whether a sequence of advantage `a` has exactly zero loss and gradient, so the update
+/// may leave it out: with `ρ = 1` (one on-policy update) its clipped surrogate is `min(ρ·0,
+/// clip(ρ)·0) = 0` for every token and its per-token derivative `−A/(len·n) = 0`; with the
+/// KL term its tokens still pull towards the reference, so nothing is skippable. GRPO gives
+/// `A = 0` to every sequence of a group whose rewards are all equal (DAPO filters those
+/// groups for the same reason).
+pub fn skippable(rl: &RlConfig, a: f32) -> bool {
+    rl.kl_coef == 0.0 && a == 0.0
+}
+
+/// The fewest micro-batches of `rl.group` rows that hold every sequence with a gradient
+/// (not [`skippable`]), and at least one: the optimizer steps even when no sequence has a
+/// gradient (AdamW's moments and weight decay move the parameters all the same).
+pub fn needed_micro_batches(rl: &RlConfig, advantages: &[f32]) -> usize {
+    let kept = advantages.iter().filter(|&&a| !skippable(rl, a)).count();
+    kept.div_ceil(rl.group.max(1)).max(1)
+}
+
+/// The sequences [`update_step`] packs into `micro_batches` chunks of `rl.group` rows, in
+/// index order: every one with a gradient, then as many of the shortest skippable ones
+/// (ties by index) as it takes for the chunks to number `micro_batches`.
+fn selection(
+    rl: &RlConfig,
+    advantages: &[f32],
+    lens: &[usize],
+    micro_batches: usize,
+) -> Vec<usize> {
+    let (mut selected, mut spare): (Vec<usize>, Vec<usize>) =
+        (0..advantages.len()).partition(|&i| !skippable(rl, advantages[i]));
+    let fill = ((micro_batches.max(1) - 1) * rl.group + 1).saturating_sub(selected.len());
+    spare.sort_by_key(|&i| (lens[i], i));
+    selected.extend(spare.into_iter().take(fill));
+    selected.sort_unstable();
+    selected
 }
 
 fn check_counts(rollouts: &[Rollout], advantages: &[f32]) -> Result<(), RlError> {
@@ -201,7 +289,8 @@ pub struct GrpoTokenLoss {
 
 impl GrpoTokenLoss {
     /// The loss of `advantages.len()` sequences of `tokens` completion tokens each, laid
-    /// out in micro-batches as `rows` says (every sequence exactly once); with `logp_ref`,
+    /// out in micro-batches as `rows` says (every sequence at most once, and one left out
+    /// only if its loss is exactly zero: advantage 0, no KL term); with `logp_ref`,
     /// `tokens[i]` log-probs for each sequence, the KL term of `cfg`.
     pub fn new(
         cfg: GrpoLoss,
@@ -238,10 +327,21 @@ impl GrpoTokenLoss {
                 None => return Err(GrpoError::Layout(format!("no sequence {i} of {n}"))),
             }
         }
-        if let Some(i) = seen.iter().position(|&s| s != 1) {
+        if let Some(i) = seen.iter().position(|&s| s > 1) {
             return Err(GrpoError::Layout(format!(
                 "sequence {i} is in {} micro-batch rows, not one",
                 seen[i]
+            )));
+        }
+        // A sequence may be left out only if its loss and gradient are exactly zero, so
+        // that the micro-batches' losses still sum to the whole step's objective.
+        if let Some(i) =
+            (0..n).find(|&i| seen[i] == 0 && !(advantages[i] == 0.0 && logp_ref.is_none()))
+        {
+            return Err(GrpoError::Layout(format!(
+                "sequence {i} is in no micro-batch but has a loss (advantage {}{})",
+                advantages[i],
+                if logp_ref.is_some() { ", KL term" } else { "" }
             )));
         }
         Ok(GrpoTokenLoss {
@@ -361,8 +461,10 @@ mod tests {
             .collect();
         let adv = [0.5, -0.5, 1.0, -1.0];
         let plain = update_batches(&rollouts, &adv).unwrap();
-        let (packed, kl) = update_step(&rl(2, 2), &rollouts, &adv, None).unwrap();
-        assert!(kl.is_none(), "no KL hook without a reference");
+        let step = update_step(&rl(2, 2), &rollouts, &adv, None, 2).unwrap();
+        assert!(step.kl_hook.is_none(), "no KL hook without a reference");
+        assert_eq!((step.skipped_sequences, step.skipped_groups), (0, 0));
+        let packed = step.step;
         assert_eq!(packed.scales, [1.0, 1.0]);
         // Lengths 4, 1, 6, 3: micro-batch 0 holds sequences 1 and 3, micro-batch 1 0 and 2.
         let want = [[1, 3], [0, 2]];
@@ -386,7 +488,7 @@ mod tests {
                 assert!(t[one.seq_len..].iter().all(|&v| v == IGNORE_TARGET));
             }
         }
-        let err = update_step(&rl(3, 2), &rollouts, &adv, None).unwrap_err();
+        let err = update_step(&rl(3, 2), &rollouts, &adv, None, 3).unwrap_err();
         assert!(
             err.to_string()
                 .contains("4 rollouts for 3 prompts × group 2"),
@@ -445,7 +547,87 @@ mod tests {
             bad(vec![2, 2, 3], Some(refs), two.clone())
                 .contains("sequence 1: logp_ref has 1 values")
         );
-        assert!(bad(vec![2, 1, 3], None, vec![vec![0, 1]]).contains("sequence 2 is in 0"));
+        assert!(
+            bad(vec![2, 1, 3], None, vec![vec![0, 1]])
+                .contains("sequence 2 is in no micro-batch but has a loss (advantage 0.5)")
+        );
         assert!(bad(vec![2, 1, 3], None, vec![vec![0, 1, 2, 3]]).contains("no sequence 3"));
+    }
+
+    /// Without KL the sequences of advantage 0 are left out, the shortest of them kept
+    /// only as padding for the count asked for; the rows left keep their `A_i / n` weight
+    /// over all `n` sequences. With KL every sequence stays.
+    #[test]
+    fn zero_advantage_sequences_are_left_out_without_changing_the_weights() {
+        // Groups of 2: group 0 and 2 uniform (A = 0), group 1 informative.
+        let rollouts: Vec<Rollout> = [(2, 3), (1, 1), (3, 4), (2, 2), (1, 5), (2, 6)]
+            .iter()
+            .map(|&(p, g)| rollout(p, g))
+            .collect();
+        let adv = [0.0, 0.0, 1.0, -1.0, 0.0, 0.0];
+        let job = rl(3, 2);
+        assert!(skippable(&job, 0.0) && !skippable(&job, -1.0));
+        assert_eq!(needed_micro_batches(&job, &adv), 1);
+        assert_eq!(
+            needed_micro_batches(&job, &[0.0; 6]),
+            1,
+            "the optimizer still steps"
+        );
+
+        let one = update_step(&job, &rollouts, &adv, None, 1).unwrap();
+        assert_eq!((one.skipped_sequences, one.skipped_groups), (4, 2));
+        assert_eq!(one.step.batches.len(), 1);
+        let mb = &one.step.batches[0];
+        // Sequences 3 (inputs of 3) and 2 (6), by length.
+        assert_eq!((mb.rows, mb.seq_len), (2, 6));
+        let hook = one.step.token_loss.as_ref().unwrap();
+        let (_, g) = hook.loss(0, &[-0.5; 6]).unwrap();
+        let (a, b) = (1.0f32 / (2.0 * 6.0), -1.0f32 / (4.0 * 6.0));
+        assert_eq!(g, [a, a, b, b, b, b], "weights over all 6 sequences");
+
+        // Two micro-batches need 3 rows: the shortest zero-advantage one (sequence 1).
+        let two = update_step(&job, &rollouts, &adv, None, 2).unwrap();
+        assert_eq!((two.skipped_sequences, two.skipped_groups), (3, 1));
+        let rows: Vec<usize> = two.step.batches.iter().map(|mb| mb.rows).collect();
+        assert_eq!(rows, [2, 1]);
+        assert_eq!(two.step.batches[0].seq_len, 3, "sequences 1 and 3");
+
+        for bad in [0, 4] {
+            let err = update_step(&job, &rollouts, &adv, None, bad).unwrap_err();
+            assert!(
+                err.to_string()
+                    .contains(&format!("{bad} micro-batches asked for")),
+                "{err}"
+            );
+        }
+        let mut kl = job.clone();
+        kl.kl_coef = 0.1;
+        assert!(!skippable(&kl, 0.0));
+        assert_eq!(needed_micro_batches(&kl, &adv), 3);
+        let refs = rollouts
+            .iter()
+            .map(|r| vec![-1.0; r.generated.len()])
+            .collect();
+        let all = update_step(&kl, &rollouts, &adv, Some(refs), 3).unwrap();
+        assert_eq!((all.skipped_sequences, all.skipped_groups), (0, 0));
+        assert!(all.kl_hook.is_some());
+    }
+
+    #[test]
+    fn the_hook_refuses_to_leave_out_a_sequence_with_a_loss() {
+        let cfg = GrpoLoss {
+            clip: 0.2,
+            kl_coef: 0.0,
+        };
+        let rows = vec![vec![0]];
+        let new =
+            |adv: Vec<f32>, refs| GrpoTokenLoss::new(cfg, adv, vec![1, 1], refs, rows.clone());
+        assert!(new(vec![1.0, 0.0], None).is_ok());
+        let err = new(vec![1.0, 0.5], None).unwrap_err().to_string();
+        assert!(err.contains("sequence 1 is in no micro-batch"), "{err}");
+        let err = new(vec![1.0, 0.0], Some(vec![vec![-1.0], vec![-1.0]]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("KL term"), "{err}");
     }
 }

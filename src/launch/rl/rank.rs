@@ -22,12 +22,13 @@ use crate::data::Tokenizer;
 use crate::launch::profile::GRAD_CHANNEL;
 use crate::launch::train::FinalWire;
 use crate::model::{Cut, Gpt, ModelError, OptimizerState};
-use crate::pipeline::feed::{StepBatches, StepFeed};
+use crate::pipeline::feed::StepFeed;
 use crate::pipeline::shared::{RankFinal, Replica, Shared};
 use crate::pipeline::{PipelineError, RankCompute};
 use crate::rl::grpo::{GrpoTokenLoss, group_advantages, reference_log_probs};
 use crate::rl::trainer::{
-    RlError, Rollout, RolloutEngine, scored_rollouts, update_batches, update_step,
+    RlError, Rollout, RolloutEngine, UpdateStep, needed_micro_batches, scored_rollouts,
+    update_batches, update_step,
 };
 use crate::rl::trainer_spec::PipelineRollouts;
 use crate::schedules::Plan;
@@ -54,18 +55,25 @@ impl RolloutWire {
             .collect()
     }
 
-    /// The update's step, as the in-process trainer builds it ([`update_step`]), and with
-    /// the KL term its hook (for its KL figure).
+    /// The update's step in `micro_batches` micro-batches, as the in-process trainer
+    /// builds it ([`update_step`]), with the KL term's hook (for its KL figure).
     pub(super) fn update(
         &self,
         rl: &crate::rl::config::RlConfig,
-    ) -> Result<(StepBatches, Option<Arc<GrpoTokenLoss>>), RlError> {
+        micro_batches: usize,
+    ) -> Result<UpdateStep, RlError> {
         update_step(
             rl,
             &self.rollouts(),
             &self.advantages,
             self.logp_ref.clone(),
+            micro_batches,
         )
+    }
+
+    /// The fewest micro-batches the update can run in ([`needed_micro_batches`]).
+    pub(super) fn needed_micro_batches(&self, rl: &crate::rl::config::RlConfig) -> usize {
+        needed_micro_batches(rl, &self.advantages)
     }
 
     pub(super) fn sequences(&self) -> usize {
