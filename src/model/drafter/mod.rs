@@ -143,10 +143,12 @@ pub struct DrafterConfig {
     /// Drafter steps unrolled per slice (training-time test, see the module docs): step 1 learns
     /// from the target's hidden states; step `j ≥ 2` from the drafter's own predictions of
     /// step `j − 1`, as a proposal's depth-`j` draft does. A slice costs about `unroll` times
-    /// a one-step slice of the same rows. 1 by default: on `pipefill bench rollout`'s target,
-    /// 6000 slices with `unroll = 3` reached 81.0% top-1 agreement and an acceptance length
-    /// of 2.74 at K=4, against 88.2% and 2.82 with 1 (the later drafts gain less than the
-    /// first loses; its unrolled context is all predictions, see `drafter/unroll.rs`).
+    /// a one-step slice of the same rows. 1 by default. On `pipefill bench rollout` (6000
+    /// slices, one run each, 2-core box): `unroll = 1` 88.2% top-1 agreement, acceptance
+    /// length 2.82 at K=4, long-tail speedup 1.20x; `2`: 79.5%, 3.07, 1.31x; `3`: 81.0%, 2.74
+    /// (its speedup run was spoiled by the box's load). The first draft always loses (its
+    /// unrolled context is all predictions, see `drafter/unroll.rs`) and the later ones gain;
+    /// `2` looks better but one run each does not settle it against `3`.
     pub unroll: usize,
     /// Rows kept per target step in the buffer (the current and the previous step each).
     pub buffer_rows: usize,
