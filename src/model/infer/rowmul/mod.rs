@@ -182,7 +182,7 @@ struct Tiling {
 /// The product on `isa`, which the caller has checked is available.
 fn run(isa: Isa, x: &[f32], w: &Packed, rows: usize) -> Vec<f32> {
     let mut y = vec![0.0f32; rows * w.dout];
-    if rows == 0 || w.dout == 0 {
+    if rows == 0 || w.din == 0 || w.dout == 0 {
         return y;
     }
     let tiling = match isa {
