@@ -17,14 +17,15 @@
 //! and beyond one pass the rows go over the panels block by block, so a block comes from
 //! memory once and from the cache for the other passes.
 //!
-//! Measured (`cargo bench --bench rowmul`, the 2-core EPYC box at 2.6 GHz, busy, medians of
-//! one run): the 33 matrices of the `d_model` 512 target (100 MB, from memory) cost 5.0 ms
-//! for one row, and 5, 8, 10 and 20 rows cost 1.06, 1.26, 1.64 and 2.64× that on AVX-512,
-//! 1.04, 1.44, 1.95 and 3.03× on AVX2. This CPU (Zen 4) runs a 512-bit FMA as two 256-bit
-//! halves, so AVX-512 does not double the FMA rate; it wins by its 32 registers (10 rows in
-//! one pass, fewer loads per FMA). From about 8 rows on the product is bound by the FMAs,
-//! not the weights: 20 rows are 31 M FMAs of 16 lanes, 12 ms at one per cycle, against 5
-//! ms to stream the weights once.
+//! Measured (`cargo bench --bench rowmul`, the 2-core EPYC box at 2.6 GHz, shared, medians
+//! of one run): the 33 matrices of the `d_model` 512 target (100 MB, from memory) cost 4.6
+//! ms for one row on AVX-512, and 5, 8, 10 and 20 rows cost 1.04, 1.19, 1.45 and 2.45×
+//! that; AVX2 took 5.2 ms and 1.07, 1.50, 1.62 and 2.63×. This CPU (Zen 4) runs a
+//! 512-bit FMA as two 256-bit halves, so AVX-512 does not double the FMA rate; it wins by
+//! its 32 registers (10 rows in one pass, fewer loads per FMA). From about 8 rows on the
+//! product is bound by the FMAs, not the weights: 20 rows are 31 M 16-lane FMAs, at most
+//! one per cycle, 12 ms at the nominal 2.6 GHz (11.4 measured: the clock boosts), against
+//! under 5 ms to stream the weights once.
 //!
 //! Every output element is one multiply-add chain over `k` in order, on every path: a
 //! row's result does not depend on how many rows share the call nor on the instruction set,
