@@ -16,8 +16,10 @@
 //! `cargo bench -p pipefill --bench rollout`
 
 use std::hint::black_box;
-use std::time::{Duration, Instant};
 
+mod common;
+
+use common::{median_ms, quick_criterion, timed};
 use criterion::Criterion;
 use pipefill::config::JobConfig;
 use pipefill::data::SplitMix64;
@@ -50,32 +52,8 @@ fn spans(batch: usize, len: usize) -> (Vec<Span>, Vec<u32>) {
     (spans, ids)
 }
 
-fn timed(per: &mut Vec<Duration>, mut f: impl FnMut()) -> impl FnMut(u64) -> Duration {
-    move |iters| {
-        let mut total = Duration::ZERO;
-        for _ in 0..iters {
-            let t = Instant::now();
-            f();
-            let took = t.elapsed();
-            per.push(took);
-            total += took;
-        }
-        total
-    }
-}
-
-fn median_ms(mut v: Vec<Duration>) -> f64 {
-    v.sort();
-    v.get(v.len() / 2)
-        .map_or(f64::NAN, |d| d.as_secs_f64() * 1e3)
-}
-
 fn main() {
-    let mut criterion = Criterion::default()
-        .warm_up_time(Duration::from_millis(300))
-        .measurement_time(Duration::from_secs(1))
-        .sample_size(10)
-        .configure_from_args();
+    let mut criterion = quick_criterion();
     let mut table = Vec::new();
     for d_model in [64, 256] {
         let cfg = config(d_model);

@@ -13,9 +13,10 @@
 //! `cargo bench --bench rowmul` (`-- --measurement-time 2` for steadier figures).
 
 use std::hint::black_box;
-use std::time::{Duration, Instant};
 
-use criterion::Criterion;
+mod common;
+
+use common::{median_ms, quick_criterion, timed};
 use pipefill::data::SplitMix64;
 use pipefill::model::GptConfig;
 use pipefill::model::infer::rowmul::{Isa, Packed, rowmul_on};
@@ -66,18 +67,8 @@ fn cases() -> Vec<(String, Vec<Set>)> {
     out
 }
 
-fn median_ms(mut v: Vec<Duration>) -> f64 {
-    v.sort();
-    v.get(v.len() / 2)
-        .map_or(f64::NAN, |d| d.as_secs_f64() * 1e3)
-}
-
 fn main() {
-    let mut criterion = Criterion::default()
-        .warm_up_time(Duration::from_millis(300))
-        .measurement_time(Duration::from_secs(1))
-        .sample_size(10)
-        .configure_from_args();
+    let mut criterion = quick_criterion();
     let isas: Vec<Isa> = [Isa::Avx2, Isa::Avx512]
         .into_iter()
         .filter(|i| i.is_available())
@@ -95,22 +86,14 @@ fn main() {
                 let mut per = Vec::new();
                 let mut next = 0;
                 group.bench_function(format!("{isa:?}/rows{rows}"), |b| {
-                    b.iter_custom(|iters| {
-                        let mut total = Duration::ZERO;
-                        for _ in 0..iters {
-                            let set = &sets[next % sets.len()];
-                            next += 1;
-                            let t = Instant::now();
-                            for (din, w) in set {
-                                let y = rowmul_on(isa, &x[..rows * din], w, rows);
-                                black_box(y.expect("rowmul"));
-                            }
-                            let took = t.elapsed();
-                            per.push(took);
-                            total += took;
+                    b.iter_custom(timed(&mut per, || {
+                        let set = &sets[next % sets.len()];
+                        next += 1;
+                        for (din, w) in set {
+                            let y = rowmul_on(isa, &x[..rows * din], w, rows);
+                            black_box(y.expect("rowmul"));
                         }
-                        total
-                    })
+                    }))
                 });
                 ms.push(median_ms(per));
             }

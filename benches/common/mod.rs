@@ -1,0 +1,38 @@
+//! Timing helpers the micro-benchmarks share: criterion runs the iterations, and each
+//! iteration's own time is kept too, so a bench can print medians and ratios of its cases
+//! side by side in one table after criterion's summary.
+
+use std::time::{Duration, Instant};
+
+use criterion::Criterion;
+
+/// Criterion for cases of a few milliseconds: short warm-up and measurement, 10 samples.
+pub fn quick_criterion() -> Criterion {
+    Criterion::default()
+        .warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_secs(1))
+        .sample_size(10)
+        .configure_from_args()
+}
+
+/// An `iter_custom` body that runs `f` `iters` times, pushing each run's time onto `per`.
+pub fn timed(per: &mut Vec<Duration>, mut f: impl FnMut()) -> impl FnMut(u64) -> Duration {
+    move |iters| {
+        let mut total = Duration::ZERO;
+        for _ in 0..iters {
+            let t = Instant::now();
+            f();
+            let took = t.elapsed();
+            per.push(took);
+            total += took;
+        }
+        total
+    }
+}
+
+/// The median of `v` in milliseconds (NaN when empty).
+pub fn median_ms(mut v: Vec<Duration>) -> f64 {
+    v.sort();
+    v.get(v.len() / 2)
+        .map_or(f64::NAN, |d| d.as_secs_f64() * 1e3)
+}
