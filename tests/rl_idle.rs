@@ -111,7 +111,7 @@ fn routed_verification_and_idle_drafter_training_change_no_sample() {
     let verify: Vec<_> = report.spans.iter().filter(|s| s.kind == VERIFY).collect();
     assert_eq!(verify.len(), report.verifications);
     // Every verification group step passes all stages, each through the router.
-    assert!(report.verifications > 0 && report.verifications % STAGES == 0);
+    assert!(report.verifications > 0 && report.verifications.is_multiple_of(STAGES));
     for stage in 0..STAGES {
         let here = verify.iter().filter(|s| s.stage == stage).count();
         assert_eq!(here * STAGES, report.verifications, "stage {stage}");

@@ -45,9 +45,9 @@ impl Placement {
             return Err(format!("{stages} stages cannot cover {ranks} ranks"));
         }
         match self {
-            Placement::Contiguous | Placement::Looped if stages % ranks != 0 => Err(format!(
-                "{stages} stages do not divide evenly over {ranks} ranks"
-            )),
+            Placement::Contiguous | Placement::Looped if !stages.is_multiple_of(ranks) => Err(
+                format!("{stages} stages do not divide evenly over {ranks} ranks"),
+            ),
             Placement::VShape if stages != 2 * ranks => Err(format!(
                 "V-shaped placement needs exactly 2 stages per rank (2×{ranks}), not {stages}"
             )),

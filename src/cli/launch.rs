@@ -203,7 +203,7 @@ pub fn train_distributed(
 ) -> anyhow::Result<()> {
     let rank = env.rank;
     // Each replica's pipeline runs its share of every step's micro-batches.
-    if job.train.micro_batches % job.dp != 0 {
+    if !job.train.micro_batches.is_multiple_of(job.dp) {
         bail!(
             "dp = {} replicas cannot take equal shares of train.micro_batches = {}",
             job.dp,

@@ -345,7 +345,7 @@ fn replica_plan(
     what: &'static str,
 ) -> Result<crate::schedules::Plan, RlLaunchError> {
     let count = job.train.micro_batches;
-    if count % job.dp != 0 {
+    if !count.is_multiple_of(job.dp) {
         return Err(RlLaunchError::Shares {
             dp: job.dp,
             what,

@@ -64,7 +64,7 @@ impl GptConfig {
                 return bad(field, "must be at least 1".into());
             }
         }
-        if self.d_model % self.heads != 0 {
+        if !self.d_model.is_multiple_of(self.heads) {
             return bad(
                 "heads",
                 format!(

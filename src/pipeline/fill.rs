@@ -305,7 +305,7 @@ impl DrafterFill {
 
     /// Whether the last stage's forward of `(step, microbatch)` feeds the held-out rows.
     pub fn holds_out(step: u64, microbatch: u32) -> bool {
-        microbatch == 0 && step % HELD_OUT_EVERY == 0
+        microbatch == 0 && step.is_multiple_of(HELD_OUT_EVERY)
     }
 
     /// Registers the two kinds of drafter work with `router`, with the costs measured
@@ -332,7 +332,7 @@ impl DrafterFill {
         if let Some(planned) = &self.planned {
             return self.planned_step_end(planned, rank, step, chunks);
         }
-        if (step + 1) % self.refresh_every == 0 {
+        if (step + 1).is_multiple_of(self.refresh_every) {
             for chunk in chunks {
                 self.deposit(rank, chunk, step)?;
             }

@@ -191,7 +191,7 @@ impl Shared {
         let first_replica = self.replica.as_ref().is_none_or(|r| r.index == 0);
         self.checkpointing
             .as_ref()
-            .is_some_and(|c| c.every > 0 && (step + 1) % c.every == 0 && first_replica)
+            .is_some_and(|c| c.every > 0 && (step + 1).is_multiple_of(c.every) && first_replica)
     }
 
     /// `rank`'s state after step `step`; the last rank to deposit starts the writer.

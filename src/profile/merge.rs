@@ -116,7 +116,7 @@ pub fn estimate_offset(samples: &[ClockSample]) -> Option<ClockOffset> {
 }
 
 fn f64s(frame: &[u8], peer: usize, what: &'static str) -> Result<Vec<f64>, MergeError> {
-    if frame.len() % 8 != 0 {
+    if !frame.len().is_multiple_of(8) {
         return Err(MergeError::BadFrame {
             peer,
             what,

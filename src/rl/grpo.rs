@@ -65,7 +65,7 @@ pub const ADVANTAGE_EPS: f32 = 1e-6;
 /// Group-normalised advantages of `rewards`, laid out group after group (`group`
 /// consecutive rewards per prompt).
 pub fn group_advantages(rewards: &[f32], group: usize) -> Result<Vec<f32>, GrpoError> {
-    if group == 0 || rewards.len() % group != 0 {
+    if group == 0 || !rewards.len().is_multiple_of(group) {
         return Err(GrpoError::Ragged {
             len: rewards.len(),
             group,

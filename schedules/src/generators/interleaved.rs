@@ -23,7 +23,7 @@ pub fn generate(ranks: usize, microbatches: usize, chunks: usize) -> Result<Plan
         chunks,
         None,
     )?;
-    if microbatches % ranks != 0 {
+    if !microbatches.is_multiple_of(ranks) {
         return Err(ScheduleError::Unsupported {
             schedule: ScheduleKind::Interleaved1F1B.name().to_string(),
             reason: format!(

@@ -61,14 +61,14 @@ pub struct Validation {
 pub fn validate(plan: &Plan, opts: &ValidateOptions) -> Result<Validation> {
     check_executable(plan)?;
     let peak = peak_memory(plan, &opts.cost);
-    if let Some(limit) = opts.memory_limit {
-        if let Some((rank, &p)) = peak.iter().enumerate().find(|(_, p)| **p > limit) {
-            return Err(ScheduleError::Memory {
-                rank,
-                peak: p,
-                limit,
-            });
-        }
+    if let Some(limit) = opts.memory_limit
+        && let Some((rank, &p)) = peak.iter().enumerate().find(|(_, p)| **p > limit)
+    {
+        return Err(ScheduleError::Memory {
+            rank,
+            peak: p,
+            limit,
+        });
     }
     Ok(Validation { peak_memory: peak })
 }

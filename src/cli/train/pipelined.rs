@@ -119,7 +119,7 @@ pub(super) fn train(job: &JobConfig, resume: Option<&Path>) -> anyhow::Result<()
         if let Some(a) = agreement {
             line += &format!(" | draft agree {:.1}%", 100.0 * a);
         }
-        if bar.is_hidden() && (m.step % plain_every == 0 || m.step + 1 == t.steps) {
+        if bar.is_hidden() && (m.step.is_multiple_of(plain_every) || m.step + 1 == t.steps) {
             println!("step {:>5}/{} {line}", m.step + 1, t.steps);
         }
         bar.set_message(line.clone());

@@ -93,7 +93,7 @@ impl KvCache {
             mb: slot,
             reason,
         };
-        if layer >= layers || keys.len() != values.len() || keys.len() % width != 0 {
+        if layer >= layers || keys.len() != values.len() || !keys.len().is_multiple_of(width) {
             return Err(bad(format!(
                 "append to layer {layer} of {layers}: {} keys and {} values for rows of {width}",
                 keys.len(),

@@ -357,7 +357,7 @@ impl DrafterFill {
             self.planned_apply(planned, rank, step - 1, round)?;
         }
         let mut frozen = Frozen::default();
-        if (step + 1) % self.refresh_every == 0 {
+        if (step + 1).is_multiple_of(self.refresh_every) {
             for chunk in chunks {
                 frozen.take_from(chunk, step);
             }

@@ -82,7 +82,8 @@ impl SlicePlan {
     /// on every rank by then), so step 0 has none, and neither does the step after a step
     /// whose only micro-batch was held out.
     pub fn slices(&self, rank: usize, step: u64) -> &[u64] {
-        let held_out_only = self.micro_batches == 1 && (step.wrapping_sub(1)) % HELD_OUT_EVERY == 0;
+        let held_out_only =
+            self.micro_batches == 1 && (step.wrapping_sub(1)).is_multiple_of(HELD_OUT_EVERY);
         if step == 0 || held_out_only {
             return &[];
         }

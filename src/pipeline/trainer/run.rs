@@ -129,7 +129,7 @@ impl PipelineTrainer {
         let mut measure = |m: &StepMetrics, p: Option<&IterationProfile>| {
             let drafter = fill.as_ref().zip(eval.as_mut()).map(|(fill, eval)| {
                 let (slices, loss, _) = fill.take_tally();
-                let due = m.step % HELD_OUT_EVERY == 0 || m.step == last_step;
+                let due = m.step.is_multiple_of(HELD_OUT_EVERY) || m.step == last_step;
                 // A failed measurement only loses the figure; training goes on.
                 let measured = due.then(|| eval.measure(fill).ok().flatten()).flatten();
                 if let Some((version, a)) = measured {

@@ -337,10 +337,10 @@ impl<'a> Driver<'a> {
                 }
             }
             if seq.done {
-                if let (Some(h), true) = (&self.hook, self.config.record_rows) {
-                    if let Some(row) = draft_row(seq, d, v, self.config.step) {
-                        h.row(&row);
-                    }
+                if let (Some(h), true) = (&self.hook, self.config.record_rows)
+                    && let Some(row) = draft_row(seq, d, v, self.config.step)
+                {
+                    h.row(&row);
                 }
                 finished.push(i);
             } else {

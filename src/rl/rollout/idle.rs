@@ -265,13 +265,13 @@ impl RolloutRouter {
 impl MessageHook for RolloutRouter {
     fn filed(&self, stage: usize, _group: usize, _kind: WorkKind, _rows: usize) {
         let mut side = lock(&self.stages[stage]);
-        if let Some(since) = side.idle_since.take() {
-            if !side.observed {
-                // The message came while idle work ran: the gap was at least the time
-                // before the last piece started.
-                let lower = side.last_work.map_or(0.0, |t| (t - since).as_secs_f64());
-                side.learn(lower);
-            }
+        if let Some(since) = side.idle_since.take()
+            && !side.observed
+        {
+            // The message came while idle work ran: the gap was at least the time
+            // before the last piece started.
+            let lower = side.last_work.map_or(0.0, |t| (t - since).as_secs_f64());
+            side.learn(lower);
         }
         side.observed = false;
         side.last_work = None;

@@ -34,10 +34,8 @@
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
-// Its intrinsics are stable since Rust 1.89, later than the crate's declared MSRV (whose
-// let chains already need 1.88).
+// Its intrinsics are stable since Rust 1.89: the workspace's rust-version.
 #[cfg(target_arch = "x86_64")]
-#[clippy::msrv = "1.89"]
 mod avx512;
 #[cfg(test)]
 mod tests;
