@@ -16,8 +16,8 @@ use pipefill::model::{AdamW, Cut, Gpt, Shape};
 use pipefill::pipeline::feed::StepBatches;
 use pipefill::rl::grpo::{GrpoLoss, SequenceLogProbs, group_advantages, grpo_loss};
 use pipefill::rl::trainer::{
-    RlError, RlTrainer, Rollout, RolloutBatch, RolloutEngine, step_prompts, update_batches,
-    update_step, warm_up,
+    RlError, RlStepMetrics, RlTrainer, Rollout, RolloutBatch, RolloutEngine, step_prompts,
+    update_batches, update_step, warm_up,
 };
 use pipefill::tensor::{CpuBackend, IGNORE_TARGET};
 use pipefill::train::reference::adamw_config;
@@ -275,6 +275,17 @@ fn encoded(tasks: &[Task]) -> Vec<Vec<u32>> {
         .collect()
 }
 
+/// What a step's update left out: (informative groups, skipped groups, skipped
+/// sequences, micro-batches run).
+fn skip_counts(m: &RlStepMetrics) -> (usize, usize, usize, usize) {
+    (
+        m.informative_groups,
+        m.skipped_groups,
+        m.skipped_sequences,
+        m.update_micro_batches,
+    )
+}
+
 /// Two of four groups have equal rewards (one all wrong, one all right): the update leaves
 /// their 6 sequences out and runs 2 micro-batches instead of 4, and lands where the whole
 /// step does (one micro-batch per sequence, scale `A_i / n` over all 12): the skipped
@@ -291,13 +302,7 @@ fn groups_without_a_gradient_are_skipped_and_the_update_is_the_whole_steps() {
     };
     let mut rl = RlTrainer::new(&job, start.clone()).unwrap();
     let m = rl.run_step(&mut engine, |_| {}).unwrap();
-    let counts = (
-        m.informative_groups,
-        m.skipped_groups,
-        m.skipped_sequences,
-        m.update_micro_batches,
-    );
-    assert_eq!(counts, (2, 2, 6, 2), "{m:?}");
+    assert_eq!(skip_counts(&m), (2, 2, 6, 2), "{m:?}");
 
     let (gpt, _) = load(&job, &start);
     let batch = engine.generate(&gpt, &encoded(&tasks), 3, 24, 0).unwrap();
@@ -345,13 +350,7 @@ fn a_step_without_any_gradient_still_steps_the_optimizer_exactly() {
     };
     let mut rl = RlTrainer::new(&job, start.clone()).unwrap();
     let m = rl.run_step(&mut engine, |_| {}).unwrap();
-    let counts = (
-        m.informative_groups,
-        m.skipped_groups,
-        m.skipped_sequences,
-        m.update_micro_batches,
-    );
-    assert_eq!(counts, (0, 3, 11, 1), "{m:?}");
+    assert_eq!(skip_counts(&m), (0, 3, 11, 1), "{m:?}");
     assert_eq!(m.grad_norm, 0.0);
 
     let (gpt, _) = load(&job, &start);
