@@ -187,7 +187,13 @@ pub struct UpdateStep {
 /// `A = 0` to every sequence of a group whose rewards are all equal (DAPO filters those
 /// groups for the same reason).
 pub fn skippable(rl: &RlConfig, a: f32) -> bool {
-    rl.kl_coef == 0.0 && a == 0.0
+    zero_loss(a, rl.kl_coef != 0.0)
+}
+
+/// Whether a sequence of advantage `a` has exactly zero loss and gradient: the one rule
+/// that both the packing ([`skippable`]) and the head's layout check follow.
+fn zero_loss(a: f32, kl_term: bool) -> bool {
+    a == 0.0 && !kl_term
 }
 
 /// The fewest micro-batches of `rl.group` rows that hold every sequence with a gradient
@@ -336,7 +342,7 @@ impl GrpoTokenLoss {
         // A sequence may be left out only if its loss and gradient are exactly zero, so
         // that the micro-batches' losses still sum to the whole step's objective.
         if let Some(i) =
-            (0..n).find(|&i| seen[i] == 0 && !(advantages[i] == 0.0 && logp_ref.is_none()))
+            (0..n).find(|&i| seen[i] == 0 && !zero_loss(advantages[i], logp_ref.is_some()))
         {
             return Err(GrpoError::Layout(format!(
                 "sequence {i} is in no micro-batch but has a loss (advantage {}{})",
