@@ -8,6 +8,8 @@
 //! - `speculative`: the draft-then-verify loop (a `Proposer` proposes a chain of K tokens,
 //!   the target verifies all K+1 positions in one multi-position pass, rejected positions
 //!   roll back the KV caches).
+//! - `tree`: the lossless acceptance of a draft tree (greedy walk; sequential rejection
+//!   over a node's distinct children, zeroing each rejected one).
 //! - `bandit`: the bucketed epsilon-greedy choice of K per live-batch-size bucket.
 //! - `update`: the GRPO update's step as pipeline micro-batches (sequences packed several
 //!   per micro-batch) and the head's per-token loss that weighs them.
@@ -25,4 +27,5 @@ pub mod speculative;
 pub mod trainer;
 pub mod trainer_rollout;
 pub mod trainer_spec;
+pub mod tree;
 pub mod update;

@@ -99,6 +99,7 @@ pub mod state;
 #[cfg(test)]
 mod tests;
 mod train;
+mod tree;
 mod unroll;
 
 pub use batch::DraftBatch;
@@ -107,6 +108,7 @@ pub use linear::Linear;
 pub use net::{Drafter, DrafterWeights, LossSums, NamedTensor};
 pub use propose::{DraftChain, DraftContext};
 pub use train::{DrafterGrads, DrafterTrainer, EvalStats, SliceStats};
+pub use tree::DraftTree;
 pub use unroll::ChainStats;
 
 use serde::{Deserialize, Serialize};
