@@ -229,18 +229,39 @@ impl<B: Backend> DrafterTrainer<B> {
     /// Its gradients are of the loss summed over its pairs, as a full slice's, so the step
     /// weighs every pair the same whatever the slices' sizes.
     pub fn slice_within(&mut self, rows: usize) -> Result<SliceStats> {
-        self.slice_from(rows, None)
+        self.slice_from(rows, None, true)
     }
 
     /// [`DrafterTrainer::slice_within`] on rows of target step `step` only
     /// ([`super::DraftBuffer::sample_step`]): what a planned placement runs.
     pub fn slice_of_step(&mut self, rows: usize, step: u64) -> Result<SliceStats> {
-        self.slice_from(rows, Some(step))
+        self.slice_from(rows, Some(step), true)
+    }
+
+    /// [`DrafterTrainer::slice_within`] that only accumulates its gradients: no optimizer
+    /// step whatever `accumulation` says, [`DrafterTrainer::step_accumulated`] takes it. For
+    /// work cut finer than a slice (a rollout's idle gaps, `rl::rollout::idle`) that should
+    /// still step once per slice's worth of pairs.
+    pub fn accumulate_within(&mut self, rows: usize) -> Result<SliceStats> {
+        self.slice_from(rows, None, false)
+    }
+
+    /// A single replica's optimizer step over the gradients accumulated since the last one
+    /// (what [`DrafterTrainer::slice`] does after `accumulation` slices); the new version.
+    pub fn step_accumulated(&mut self) -> Result<u64> {
+        if self.replicas != 1 {
+            return Err(DrafterError::Replicas {
+                version: self.version,
+                reason: format!("{} replicas step together (step_with)", self.replicas),
+            });
+        }
+        self.step_alone()?;
+        Ok(self.version)
     }
 
     /// A slice of at most `rows` layout rows sampled from the whole buffer, or from one
-    /// step's rows.
-    fn slice_from(&mut self, rows: usize, step: Option<u64>) -> Result<SliceStats> {
+    /// step's rows; `may_step`: a single replica steps after `accumulation` slices.
+    fn slice_from(&mut self, rows: usize, step: Option<u64>, may_step: bool) -> Result<SliceStats> {
         let (cpu0, wall0) = (thread_cpu_time(), Instant::now());
         let c = self.drafter.config().clone();
         let (batch_rows, positions) = self.slice_shape(rows);
@@ -263,7 +284,7 @@ impl<B: Backend> DrafterTrainer<B> {
         let (sums, unrolled_pairs) = self.forward_backward(&mut batch)?;
         self.slices += 1;
         self.pairs += sums.pairs;
-        let stepped = if self.replicas == 1 && self.ready_to_step() {
+        let stepped = if may_step && self.replicas == 1 && self.ready_to_step() {
             self.step_alone()?;
             Some(self.version)
         } else {
