@@ -341,10 +341,17 @@ impl FillerRouter {
 
     /// Sets the prior cost of `kind` (kept if a slice of it was measured already).
     pub fn set_prior(&self, kind: &str, cost: f64) {
+        self.set_prior_line(kind, CostEstimate::prior(cost));
+    }
+
+    /// Sets a prior cost line of `kind` ([`CostEstimate::prior_line`]: a sized source's
+    /// slices need a slope to be sized below the one size measured), kept if a slice of it
+    /// was measured already.
+    pub fn set_prior_line(&self, kind: &str, prior: CostEstimate) {
         let mut state = self.lock();
         let k = state.kinds.entry(kind.to_string()).or_default();
         if k.estimate.samples == 0 {
-            k.estimate = CostEstimate::prior(cost);
+            k.estimate = prior;
         }
     }
 
