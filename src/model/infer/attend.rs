@@ -42,13 +42,31 @@ pub fn attend(
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
+    attend_rows(q, keys, values, (visible, &[]), heads, scores, out);
+}
+
+/// [`attend`] over the cached rows `0..prefix` followed by the rows `extra` (increasing),
+/// `visible = (prefix, extra)`: a draft tree's node sees the sequence's prefix, its
+/// ancestors and itself. The rows are taken in that order with the same arithmetic as
+/// [`attend`], so a node's result is bitwise the one of decoding its path in a cache
+/// holding only that path.
+pub fn attend_rows(
+    q: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    (prefix, extra): (usize, &[usize]),
+    heads: usize,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
     let width = q.len();
     let hd = width / heads;
     let scale = 1.0 / (hd as f32).sqrt();
+    let rows = || (0..prefix).chain(extra.iter().copied());
     for h in 0..heads {
         let qh = &q[h * hd..][..hd];
         scores.clear();
-        scores.extend((0..visible).map(|j| dot(qh, &keys[j * width + h * hd..][..hd]) * scale));
+        scores.extend(rows().map(|j| dot(qh, &keys[j * width + h * hd..][..hd]) * scale));
         let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let mut sum = 0.0;
         for p in scores.iter_mut() {
@@ -56,7 +74,7 @@ pub fn attend(
             sum += *p;
         }
         let oh = &mut out[h * hd..][..hd];
-        for (j, p) in scores.iter().enumerate() {
+        for (p, j) in scores.iter().zip(rows()) {
             let w = p / sum;
             let vj = &values[j * width + h * hd..][..hd];
             oh.iter_mut().zip(vj).for_each(|(o, v)| *o += w * v);

@@ -6,7 +6,8 @@
 //! out for a batched device product (DESIGN.md keeps the projections on the backend).
 //! Speculative decoding appends the K+1 verified positions and then *rolls back* the
 //! rejected ones with [`KvCache::truncate`]; a truncated cache is indistinguishable from
-//! one that never saw those positions.
+//! one that never saw those positions. A draft tree's verification appends every node and
+//! [`KvCache::compact`] then keeps only the accepted path, moved to consecutive positions.
 
 use std::collections::HashMap;
 
@@ -74,6 +75,49 @@ impl KvCache {
             s.keys.iter_mut().for_each(|k| k.truncate(keep));
             s.values.iter_mut().for_each(|v| v.truncate(keep));
             s.len = len;
+        }
+        Ok(())
+    }
+
+    /// Why [`KvCache::compact`] of `slot` would fail, or `None`.
+    pub fn compact_error(&self, slot: usize, start: usize, keep: &[usize]) -> Option<String> {
+        let have = self.len(slot);
+        let increasing = keep.windows(2).all(|w| w[0] < w[1]);
+        match keep.last() {
+            _ if !increasing => Some(format!("rows {keep:?} to keep are not increasing")),
+            Some(&last) if start + last >= have => Some(format!(
+                "KV cache of sequence {slot} holds {have} positions, cannot keep row {last} \
+                 after {start}"
+            )),
+            _ if start > have => Some(format!(
+                "KV cache of sequence {slot} holds {have} positions, cannot compact from {start}"
+            )),
+            _ => None,
+        }
+    }
+
+    /// Keeps positions `0..start` of `slot`, then its rows `start + keep[j]` moved to
+    /// `start + j` (`keep` increasing), and drops the rest: a verified draft tree's
+    /// accepted path made consecutive, as if only it had been decoded. The chain's rollback
+    /// is the case `keep = 0..n`.
+    pub fn compact(&mut self, slot: usize, start: usize, keep: &[usize]) -> Result<()> {
+        if let Some(reason) = self.compact_error(slot, start, keep) {
+            return Err(ModelError::Input {
+                stage: 0,
+                mb: slot,
+                reason,
+            });
+        }
+        let w = self.width;
+        if let Some(s) = self.slots.get_mut(&slot) {
+            for buf in s.keys.iter_mut().chain(s.values.iter_mut()) {
+                for (j, &r) in keep.iter().enumerate() {
+                    // `keep` increases, so a row moves down over rows already moved.
+                    buf.copy_within((start + r) * w..(start + r + 1) * w, (start + j) * w);
+                }
+                buf.truncate((start + keep.len()) * w);
+            }
+            s.len = start + keep.len();
         }
         Ok(())
     }
@@ -158,6 +202,22 @@ mod tests {
         assert_eq!(c.len(7), 1);
         assert_eq!(c.layer(7, 1), (&[1.0, 2.0][..], &[5.0, 6.0][..]));
         assert!(c.truncate(7, 2).is_err(), "cannot resume past the cache");
+    }
+
+    #[test]
+    fn compact_keeps_the_chosen_rows_in_order() {
+        let mut c = KvCache::new(2, 1, 8);
+        for layer in 0..2 {
+            let k: Vec<f32> = (0..6).map(|i| (10 * layer + i) as f32).collect();
+            c.append(1, layer, &k, &k).unwrap();
+        }
+        c.compact(1, 2, &[0, 2, 3]).unwrap();
+        assert_eq!(c.len(1), 5);
+        assert_eq!(c.layer(1, 1).0, &[10.0, 11.0, 12.0, 14.0, 15.0][..]);
+        assert_eq!(c.layer(1, 0).1, &[0.0, 1.0, 2.0, 4.0, 5.0][..]);
+        assert!(c.compact(1, 2, &[1, 0]).is_err(), "not increasing");
+        assert!(c.compact(1, 2, &[3]).is_err(), "past the cache");
+        assert_eq!(c.len(1), 5, "a refused compaction changes nothing");
     }
 
     #[test]

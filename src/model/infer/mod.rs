@@ -9,7 +9,9 @@
 //! - [`rowmul`]: few-row products that stream the weights once (decode, verification);
 //! - [`stage`]: [`InferStage`], a stage's blocks rebuilt by parameter name from a
 //!   [`ModelChunk`](crate::model::ModelChunk) or a [`Gpt`](crate::model::Gpt), running
-//!   prefill, decode and multi-position verification of several sequences per call.
+//!   prefill, decode and multi-position verification of several sequences per call;
+//! - [`tree`]: [`TreeStep`], spans verified as draft trees and the cache compaction that
+//!   keeps a tree's accepted path.
 
 pub mod attend;
 pub mod kv;
@@ -17,6 +19,8 @@ pub mod rowmul;
 pub mod stage;
 #[cfg(test)]
 mod tests;
+pub mod tree;
 
 pub use kv::KvCache;
 pub use stage::{InferStage, Span, StageInput, StageOutput, run_stages};
+pub use tree::{Compaction, TreeStep};

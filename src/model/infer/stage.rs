@@ -7,12 +7,15 @@
 //! ([`Span`]): a prompt (prefill), one token (decode) or K+1 tokens (speculative
 //! verification). Every span first rolls its sequence's cache back to `span.start`, so a
 //! verification that rejected draft positions is undone by the next call's span alone.
+//! [`InferStage::forward_with`] also takes a [`TreeStep`]: spans holding a draft tree
+//! (rows attending to their ancestors only) and the compaction of an earlier tree's cache.
 
 use std::ops::Range;
 
-use super::attend::attend;
+use super::attend::{attend, attend_rows};
 use super::kv::KvCache;
 use super::rowmul::{Packed, ROWMUL_MAX_ROWS, rowmul, side_by_side, streams_host_weights};
+use super::tree::{RowLayout, TreeStep, layout};
 use crate::model::{Cut, Gpt, GptConfig, ModelChunk, ModelError, Result};
 use crate::tensor::{Activation, Backend, DType, Gemm};
 
@@ -207,9 +210,39 @@ impl<B: Backend> InferStage<B> {
     /// Runs the new positions of `spans` through this stage, extending their caches (after
     /// rolling each back to its `span.start`).
     pub fn forward(&mut self, spans: &[Span], input: StageInput<'_, B>) -> Result<StageOutput<B>> {
+        self.forward_with(spans, None, input)
+    }
+
+    /// [`InferStage::forward`] where `tree` may shape some spans as draft trees and compact
+    /// caches first (see [`super::tree`]). Nothing changes in the caches when it fails.
+    pub fn forward_with(
+        &mut self,
+        spans: &[Span],
+        tree: Option<&TreeStep>,
+        input: StageInput<'_, B>,
+    ) -> Result<StageOutput<B>> {
         let be = self.be.clone();
         let d = self.config.d_model;
         let rows: usize = spans.iter().map(|s| s.len).sum();
+        let empty = TreeStep::default();
+        let tree = tree.unwrap_or(&empty);
+        let lens: Vec<usize> = spans.iter().map(|s| s.len).collect();
+        if let Some(reason) = tree.check(&lens) {
+            return Err(self.input_err(reason));
+        }
+        for c in &tree.compact {
+            if let Some(reason) = self.cache.compact_error(c.slot, c.start, &c.keep) {
+                return Err(self.input_err(reason));
+            }
+        }
+        // What each sequence's cache holds once compacted.
+        let held = |slot: usize| {
+            tree.compact
+                .iter()
+                .rev()
+                .find(|c| c.slot == slot)
+                .map_or(self.cache.len(slot), |c| c.start + c.keep.len())
+        };
         for s in spans {
             if s.len == 0 || s.start + s.len > self.config.seq_len {
                 return Err(self.input_err(format!(
@@ -220,15 +253,18 @@ impl<B: Backend> InferStage<B> {
                     self.config.seq_len
                 )));
             }
-            if self.cache.len(s.slot) < s.start {
+            if held(s.slot) < s.start {
                 return Err(self.input_err(format!(
                     "sequence {} resumes at {} but its cache holds {} positions",
                     s.slot,
                     s.start,
-                    self.cache.len(s.slot)
+                    held(s.slot)
                 )));
             }
         }
+        let layouts: Vec<Option<RowLayout>> = (0..spans.len())
+            .map(|i| tree.tree(i).map(|p| layout(Some(p), spans[i].len)))
+            .collect();
         let mut x = match (input, &self.embed) {
             (StageInput::Tokens(ids), Some((tok, pos))) => {
                 if ids.len() != rows {
@@ -236,7 +272,11 @@ impl<B: Backend> InferStage<B> {
                 }
                 let positions: Vec<u32> = spans
                     .iter()
-                    .flat_map(|s| (s.start..s.start + s.len).map(|p| p as u32))
+                    .zip(&layouts)
+                    .flat_map(|(s, l)| {
+                        (0..s.len)
+                            .map(move |r| (s.start + l.as_ref().map_or(r, |l| l.depth[r])) as u32)
+                    })
                     .collect();
                 let mut x = be.zeros(rows * d, be.storage_dtype())?;
                 be.embedding_fwd(tok, ids, &mut x, d)?;
@@ -259,11 +299,14 @@ impl<B: Backend> InferStage<B> {
         };
         // Roll back only once every span is known to be valid, so an error leaves the
         // caches as they were.
+        for c in &tree.compact {
+            self.cache.compact(c.slot, c.start, &c.keep)?;
+        }
         for s in spans {
             self.cache.truncate(s.slot, s.start)?;
         }
         for li in 0..self.blocks.len() {
-            x = self.block_forward(li, spans, &x, rows)?;
+            x = self.block_forward(li, spans, &layouts, &x, rows)?;
         }
         let Some((norm, head)) = &self.head else {
             return Ok(StageOutput::Hidden(x));
@@ -320,6 +363,7 @@ impl<B: Backend> InferStage<B> {
         &mut self,
         li: usize,
         spans: &[Span],
+        layouts: &[Option<RowLayout>],
         x: &B::Buf,
         rows: usize,
     ) -> Result<B::Buf> {
@@ -331,7 +375,8 @@ impl<B: Backend> InferStage<B> {
         let mut o = vec![0.0f32; rows * d];
         let mut r0 = 0;
         let mut scores = Vec::new();
-        for s in spans {
+        let mut extra = Vec::new();
+        for (s, layout) in spans.iter().zip(layouts) {
             let row = |r: usize, part: usize| &qkv[(r0 + r) * 3 * d + part * d..][..d];
             let k: Vec<f32> = (0..s.len).flat_map(|r| row(r, 1).iter().copied()).collect();
             let v: Vec<f32> = (0..s.len).flat_map(|r| row(r, 2).iter().copied()).collect();
@@ -339,7 +384,16 @@ impl<B: Backend> InferStage<B> {
             let (kc, vc) = self.cache.layer(s.slot, li);
             for r in 0..s.len {
                 let out = &mut o[(r0 + r) * d..][..d];
-                attend(row(r, 0), kc, vc, s.start + r + 1, heads, &mut scores, out);
+                match layout {
+                    None => attend(row(r, 0), kc, vc, s.start + r + 1, heads, &mut scores, out),
+                    Some(l) => {
+                        // A tree row sees the prefix, its ancestors and itself.
+                        extra.clear();
+                        extra.extend(l.sees[r].iter().map(|&a| s.start + a));
+                        let visible = (s.start, extra.as_slice());
+                        attend_rows(row(r, 0), kc, vc, visible, heads, &mut scores, out);
+                    }
+                }
             }
             r0 += s.len;
         }
