@@ -47,14 +47,14 @@ pub struct DraftChain {
 
 /// Where a proposal's products run: the packed host copies and the memo of context
 /// pairs, or the backend's GEMM (a device backend, or a test's reference).
-enum Products<'a> {
+pub(super) enum Products<'a> {
     Packed(&'a PackedDrafter, &'a mut KvMemo),
     Backend,
 }
 
 /// The drafter matrices a proposal multiplies by.
 #[derive(Clone, Copy)]
-enum Mat {
+pub(super) enum Mat {
     Fc,
     Q,
     /// `[wk | wv]`: a row's key and value side by side.
@@ -183,7 +183,7 @@ impl<B: Backend> Drafter<B> {
     /// need only their key and value (taken from the memo when `remember` and known, and
     /// remembered when computed); the query, the attention and the rest of the block run
     /// on the last pair alone.
-    fn block_step(
+    pub(super) fn block_step(
         &self,
         products: &mut Products<'_>,
         tokens: &[u32],
@@ -259,7 +259,7 @@ impl<B: Backend> Drafter<B> {
     }
 
     /// `x·W` for `x: [rows, din]` on the host, `W` being matrix `which`.
-    fn product(
+    pub(super) fn product(
         &self,
         products: &Products<'_>,
         which: Mat,
