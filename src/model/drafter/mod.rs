@@ -108,7 +108,7 @@ pub use linear::Linear;
 pub use net::{Drafter, DrafterWeights, LossSums, NamedTensor};
 pub use propose::{DraftChain, DraftContext};
 pub use train::{DrafterGrads, DrafterTrainer, EvalStats, SliceStats};
-pub use tree::DraftTree;
+pub use tree::{DraftTree, MAX_TREE_NODES, TreeShape};
 pub use unroll::ChainStats;
 
 use serde::{Deserialize, Serialize};

@@ -1,11 +1,311 @@
 //! [`DraftTree`]: a tree of draft tokens for speculative decoding (SpecInfer, EAGLE-2), the
-//! generalisation of a [`DraftChain`](super::DraftChain).
+//! generalisation of a [`DraftChain`](super::DraftChain), and [`Drafter::propose_tree`],
+//! which drafts one.
 //!
 //! The root is the last verified token (not a node); node `i` follows its parent node, or
 //! the root when it has none. Nodes are stored parents first, and the children of one
 //! node are distinct tokens, so the target verifies the whole tree in one pass (row 0 the
 //! root, row `i + 1` node `i`, each row attending to its ancestors only) and lossless
 //! acceptance ([`crate::rl::tree`]) can walk it without drawing a token twice.
+//!
+//! # The shape ([`TreeShape`]): EAGLE-2's dynamic tree
+//! The drafter grows the tree depth by depth. Each candidate node scores the drafter's
+//! probability of its whole path (the product of `q` along it). At each depth the `width`
+//! best-scoring nodes are expanded: their pairs (the parent's predicted hidden state and
+//! the node's token) go through the drafter's block as one batch of rows, each attending
+//! to the context window plus its ancestors, and each gets its `branch` most likely
+//! tokens as children. After `depth` levels the `nodes` best-scoring candidates form the
+//! tree. Why this rather than a fixed shape ("4,2,2,1"): where the drafter is sure, the
+//! budget goes deep; where it hesitates, it goes wide, and the score is an estimate of
+//! each node's chance of acceptance (EAGLE-2 shows the drafter's confidence is well
+//! calibrated). A child never scores above its parent, so the best `nodes` always include
+//! every selected node's parent. The cost is the chain's: one block step per depth, with
+//! `width` rows instead of one, which [`rowmul`](crate::model::infer::rowmul) streams at
+//! nearly the cost of one row; and the target verifies `nodes + 1` rows at once.
+//!
+//! Candidates are the top tokens of the drafter's logits, not draws, so they are a
+//! deterministic function of the context: the tree's sampling acceptance needs no `q`.
+
+use std::collections::BTreeMap;
+
+use super::propose::{Mat, Products};
+use super::{DraftContext, Drafter, DrafterError, Result};
+use crate::tensor::Backend;
+
+/// The shape of the drafter's trees (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TreeShape {
+    /// Levels below the root.
+    pub depth: usize,
+    /// Children per expanded node (the drafter's top tokens).
+    pub branch: usize,
+    /// Nodes expanded per level.
+    pub width: usize,
+    /// Nodes the tree keeps (the target verifies `nodes + 1` rows).
+    pub nodes: usize,
+}
+
+impl Default for TreeShape {
+    /// 12 nodes, 13 verification rows: one pass of the AVX-512 row product (up to 14 rows).
+    fn default() -> Self {
+        TreeShape {
+            depth: 6,
+            branch: 3,
+            width: 3,
+            nodes: 12,
+        }
+    }
+}
+
+impl TreeShape {
+    /// Why the shape is unusable (the field and the reason), or `None`.
+    pub fn check(&self) -> Option<(&'static str, String)> {
+        let fields = [
+            ("depth", self.depth),
+            ("branch", self.branch),
+            ("width", self.width),
+            ("nodes", self.nodes),
+        ];
+        if let Some((f, _)) = fields.iter().find(|(_, v)| *v == 0) {
+            return Some((f, "must be at least 1".into()));
+        }
+        if self.nodes > MAX_TREE_NODES {
+            return Some((
+                "nodes",
+                format!(
+                    "{} exceeds {MAX_TREE_NODES} (rows the target verifies at once)",
+                    self.nodes
+                ),
+            ));
+        }
+        None
+    }
+}
+
+/// Most nodes a tree may hold: beyond 31 verification rows the target's row product gives
+/// way to the GEMM and a tree costs as much as decoding.
+pub const MAX_TREE_NODES: usize = 31;
+
+/// A candidate node while the tree grows.
+struct Candidate {
+    parent: Option<usize>,
+    token: u32,
+    /// `ln` of the drafter's probability of the path down to this node.
+    score: f64,
+    /// The block output the node's pair is made from (its parent's, or the context's).
+    from: usize,
+}
+
+impl<B: Backend> Drafter<B> {
+    /// Drafts a tree of at most `shape.nodes` nodes for each context (see the module docs).
+    /// Candidates are the top tokens of `softmax(logits / temperature)` (temperature 0
+    /// scores paths with temperature 1); the result does not depend on any draw.
+    pub fn propose_tree(
+        &mut self,
+        contexts: &[DraftContext<'_>],
+        shape: &TreeShape,
+        temperature: f32,
+    ) -> Result<Vec<DraftTree>> {
+        if !(temperature >= 0.0 && temperature.is_finite()) {
+            return Err(DrafterError::Input {
+                what: "tree proposal",
+                reason: format!("temperature {temperature} is not a finite number ≥ 0"),
+            });
+        }
+        if let Some((field, reason)) = shape.check() {
+            return Err(DrafterError::Config { field, reason });
+        }
+        let host = self.host_products();
+        // As in `propose`: the pack cache is out for the call and goes back whatever happens.
+        let mut cache = std::mem::take(&mut self.packs);
+        let result = (|| {
+            let mut products = if host {
+                let (packed, memo) = cache.ensure(self)?;
+                Products::Packed(packed, memo)
+            } else {
+                Products::Backend
+            };
+            self.grow_trees(&mut products, contexts, shape, temperature)
+        })();
+        self.packs = cache;
+        result
+    }
+
+    fn grow_trees(
+        &self,
+        products: &mut Products<'_>,
+        contexts: &[DraftContext<'_>],
+        shape: &TreeShape,
+        temperature: f32,
+    ) -> Result<Vec<DraftTree>> {
+        let (d, v) = (self.target.d_model, self.target.vocab);
+        let t = if temperature > 0.0 { temperature } else { 1.0 };
+        // Sequences grouped by how many context pairs they bring, as in `propose`.
+        let mut groups: BTreeMap<usize, Vec<(usize, usize)>> = BTreeMap::new();
+        for (i, c) in contexts.iter().enumerate() {
+            let n = c.tokens.len();
+            let bad = |reason: String| DrafterError::Input {
+                what: "tree proposal",
+                reason: format!("context {i}: {reason}"),
+            };
+            if n == 0 || c.hidden.len() != n * d {
+                let got = c.hidden.len();
+                return Err(bad(format!(
+                    "{n} tokens and {got} hidden values (width {d})"
+                )));
+            }
+            if let Some(&tok) = c.tokens.iter().find(|&&tok| tok as usize >= v) {
+                return Err(bad(format!("token {tok} is outside the vocabulary {v}")));
+            }
+            let from = n.saturating_sub(self.config.window);
+            groups.entry(n - from).or_default().push((i, from));
+        }
+        let mut trees = vec![DraftTree::default(); contexts.len()];
+        for (&n, members) in &groups {
+            let mut caches = vec![(Vec::new(), Vec::new()); members.len()];
+            let (mut tokens, mut hidden) = (Vec::new(), Vec::new());
+            for &(i, from) in members {
+                tokens.extend_from_slice(&contexts[i].tokens[from..]);
+                hidden.extend_from_slice(&contexts[i].hidden[from * d..]);
+            }
+            let last = self.block_step(products, &tokens, &hidden, n, &mut caches, true)?;
+            // Per member: its candidates, and per block output (0: the context's) the
+            // output rows and the cache they attend with.
+            let mut cands: Vec<Vec<Candidate>> = (0..members.len()).map(|_| Vec::new()).collect();
+            let mut outs: Vec<Vec<(Vec<f32>, (Vec<f32>, Vec<f32>))>> = caches
+                .into_iter()
+                .enumerate()
+                .map(|(m, c)| vec![(last[m * d..(m + 1) * d].to_vec(), c)])
+                .collect();
+            let logits = self.product(products, Mat::Head, &last, members.len())?;
+            for (m, c) in cands.iter_mut().enumerate() {
+                children(
+                    &logits[m * v..(m + 1) * v],
+                    t,
+                    shape.branch,
+                    None,
+                    0.0,
+                    0,
+                    c,
+                );
+            }
+            // The candidates of the level below the root (then of each next level).
+            let mut level: Vec<Vec<usize>> = cands.iter().map(|c| (0..c.len()).collect()).collect();
+            for _ in 1..shape.depth {
+                // The `width` best of each member's newest level, expanded as one batch.
+                let mut rows: Vec<(usize, usize)> = Vec::new();
+                for (m, lv) in level.iter_mut().enumerate() {
+                    lv.sort_by(|&a, &b| {
+                        cands[m][b]
+                            .score
+                            .total_cmp(&cands[m][a].score)
+                            .then(a.cmp(&b))
+                    });
+                    lv.truncate(shape.width);
+                    lv.sort_unstable();
+                    rows.extend(lv.iter().map(|&c| (m, c)));
+                }
+                if rows.is_empty() {
+                    break;
+                }
+                let mut toks = Vec::with_capacity(rows.len());
+                let mut hid = Vec::with_capacity(rows.len() * d);
+                let mut row_caches = Vec::with_capacity(rows.len());
+                for &(m, c) in &rows {
+                    let cand = &cands[m][c];
+                    toks.push(cand.token);
+                    let (h, cache) = &outs[m][cand.from];
+                    hid.extend_from_slice(h);
+                    row_caches.push(cache.clone());
+                }
+                let out = self.block_step(products, &toks, &hid, 1, &mut row_caches, false)?;
+                let logits = self.product(products, Mat::Head, &out, rows.len())?;
+                for lv in level.iter_mut() {
+                    lv.clear();
+                }
+                for (r, (&(m, c), cache)) in rows.iter().zip(row_caches).enumerate() {
+                    outs[m].push((out[r * d..(r + 1) * d].to_vec(), cache));
+                    let from = outs[m].len() - 1;
+                    let before = cands[m].len();
+                    let score = cands[m][c].score;
+                    children(
+                        &logits[r * v..(r + 1) * v],
+                        t,
+                        shape.branch,
+                        Some(c),
+                        score,
+                        from,
+                        &mut cands[m],
+                    );
+                    level[m].extend(before..cands[m].len());
+                }
+            }
+            for (m, &(i, _)) in members.iter().enumerate() {
+                trees[i] = best_nodes(&cands[m], shape.nodes);
+            }
+        }
+        Ok(trees)
+    }
+}
+
+/// Appends the `branch` most likely tokens of `softmax(z / t)` as children of `parent`
+/// (ties to the lower token, as greedy decoding's argmax), scored `score + ln q`.
+fn children(
+    z: &[f32],
+    t: f32,
+    branch: usize,
+    parent: Option<usize>,
+    score: f64,
+    from: usize,
+    out: &mut Vec<Candidate>,
+) {
+    let t = f64::from(t);
+    let max = z.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let lse: f64 = z
+        .iter()
+        .map(|&x| (f64::from(x - max) / t).exp())
+        .sum::<f64>()
+        .ln();
+    let mut top: Vec<usize> = Vec::with_capacity(branch + 1);
+    for (i, &x) in z.iter().enumerate() {
+        // Insertion into a short sorted list: `branch` is a handful.
+        let at = top.partition_point(|&j| z[j] >= x);
+        if at < branch {
+            top.insert(at, i);
+            top.truncate(branch);
+        }
+    }
+    out.extend(top.into_iter().map(|i| Candidate {
+        parent,
+        token: i as u32,
+        score: score + f64::from(z[i] - max) / t - lse,
+        from,
+    }));
+}
+
+/// The `nodes` best-scoring candidates as a tree, in candidate order (parents first: a
+/// child scores at most its parent and comes after it, so ties keep the parent).
+fn best_nodes(cands: &[Candidate], nodes: usize) -> DraftTree {
+    let mut order: Vec<usize> = (0..cands.len()).collect();
+    order.sort_by(|&a, &b| cands[b].score.total_cmp(&cands[a].score).then(a.cmp(&b)));
+    order.truncate(nodes);
+    order.sort_unstable();
+    let mut index = vec![usize::MAX; cands.len()];
+    let mut tree = DraftTree::default();
+    for &c in &order {
+        let parent = match cands[c].parent {
+            None => None,
+            // A parent always ranks above its children; should rounding ever break that,
+            // the orphan is dropped rather than attached elsewhere.
+            Some(p) if index[p] == usize::MAX => continue,
+            Some(p) => Some(index[p]),
+        };
+        index[c] = tree.len();
+        tree.parents.push(parent);
+        tree.tokens.push(cands[c].token);
+    }
+    tree
+}
 
 /// Draft tokens as a tree hanging from the last verified token.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -144,3 +444,7 @@ mod tests {
         assert!(late.check(4).unwrap().contains("before its parent"));
     }
 }
+
+#[cfg(test)]
+#[path = "tree_tests.rs"]
+mod proposal_tests;
