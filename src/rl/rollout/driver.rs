@@ -267,6 +267,7 @@ impl<'a> Driver<'a> {
                 spans: spans.clone(),
                 ids,
                 hidden: None,
+                tree: None,
                 spent: Duration::ZERO,
             })
             .map_err(|_| RolloutError::Stopped)?;

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use crate::model::drafter::DraftRow;
 
 use crate::model::ModelError;
-use crate::model::infer::{InferStage, Span, StageInput, StageOutput};
+use crate::model::infer::{InferStage, Span, StageInput, StageOutput, TreeStep};
 use crate::tensor::Backend;
 
 /// What kind of step a message carries.
@@ -95,6 +95,8 @@ pub(crate) enum Msg<B: Backend> {
         ids: Vec<u32>,
         /// Activations (to every later stage).
         hidden: Option<B::Buf>,
+        /// Draft-tree spans and cache compactions (see [`TreeStep`]), for every stage.
+        tree: Option<TreeStep>,
         /// Compute time the stages before this one spent on the step.
         spent: Duration,
     },
@@ -228,6 +230,7 @@ fn run<B: Backend>(stage: &mut InferStage<B>, msg: Msg<B>, out: &Outlets<'_, B>)
         spans,
         ids,
         hidden,
+        tree,
         spent,
     } = msg
     else {
@@ -238,7 +241,7 @@ fn run<B: Backend>(stage: &mut InferStage<B>, msg: Msg<B>, out: &Outlets<'_, B>)
         None => StageInput::Tokens(&ids),
     };
     let t = Instant::now();
-    let result = stage.forward(&spans, input);
+    let result = stage.forward_with(&spans, tree.as_ref(), input);
     let spent = spent + t.elapsed();
     match result {
         Ok(StageOutput::Hidden(h)) => match out.next {
@@ -249,6 +252,7 @@ fn run<B: Backend>(stage: &mut InferStage<B>, msg: Msg<B>, out: &Outlets<'_, B>)
                     spans,
                     ids: Vec::new(),
                     hidden: Some(h),
+                    tree,
                     spent,
                 })
                 .is_ok(),
