@@ -16,10 +16,21 @@ pub fn quick_criterion() -> Criterion {
 }
 
 /// An `iter_custom` body that runs `f` `iters` times, pushing each run's time onto `per`.
-pub fn timed(per: &mut Vec<Duration>, mut f: impl FnMut()) -> impl FnMut(u64) -> Duration {
+pub fn timed(per: &mut Vec<Duration>, f: impl FnMut()) -> impl FnMut(u64) -> Duration {
+    timed_after(per, || {}, f)
+}
+
+/// [`timed`], with `before` run ahead of each run of `f`, untimed (to evict the caches,
+/// or to prepare the run's input).
+pub fn timed_after(
+    per: &mut Vec<Duration>,
+    mut before: impl FnMut(),
+    mut f: impl FnMut(),
+) -> impl FnMut(u64) -> Duration {
     move |iters| {
         let mut total = Duration::ZERO;
         for _ in 0..iters {
+            before();
             let t = Instant::now();
             f();
             let took = t.elapsed();

@@ -15,6 +15,13 @@
 //! and a proposal recomputes only the pairs it has not seen: its result is bitwise the one
 //! a fresh drafter gives.
 //!
+//! The matrices are packed in half precision by default ([`Precision::F16`], see
+//! [`Drafter::set_proposal_precision`]): a proposal streams the block once per draft token
+//! and is bound by those bytes, and losslessness does not depend on the drafter's numerics
+//! (acceptance compares the target's `p` with the `q` actually drafted), only the
+//! acceptance rate does, and f16's 11 significant bits keep a weight within 2⁻¹¹ of its
+//! value. A matrix with a weight beyond f16's range stays in f32.
+//!
 //! Both are dropped whenever the weights change ([`PackCache::invalidate`], called by every
 //! `&mut` path to the weights: [`Drafter::params_mut`](super::Drafter::params_mut),
 //! [`Drafter::refresh`](super::Drafter::refresh) and so
@@ -24,7 +31,7 @@
 use std::collections::HashMap;
 
 use super::Drafter;
-use crate::model::infer::rowmul::{Packed, side_by_side, streams_host_weights};
+use crate::model::infer::rowmul::{Packed, Precision, side_by_side, streams_host_weights};
 use crate::tensor::Backend;
 
 /// The drafter's matrices packed for [`rowmul`](crate::model::infer::rowmul::rowmul).
@@ -46,22 +53,36 @@ pub(super) struct PackedDrafter {
 }
 
 impl PackedDrafter {
-    /// Packs the drafter's current weights (read back from its backend).
-    fn new<B: Backend>(d: &Drafter<B>) -> crate::tensor::Result<Self> {
+    /// Packs the drafter's current weights (read back from its backend) in `precision`.
+    fn new<B: Backend>(d: &Drafter<B>, precision: Precision) -> crate::tensor::Result<Self> {
         let be = &d.be;
         let (dm, v, hidden) = (d.target.d_model, d.target.vocab, d.target.mlp_hidden());
         let host = |p: &crate::model::Param<B>| be.to_host(&p.value);
+        // A matrix half precision cannot hold stays in f32 (the shapes are right by
+        // construction, so that is the only refusal).
+        let pack = |w: &[f32], din: usize, dout: usize| {
+            Packed::with_precision(w, din, dout, precision)
+                .unwrap_or_else(|_| Packed::new(w, din, dout))
+        };
         let attn = &d.block.attn;
         let wkv = side_by_side(&[&host(&attn.wk)?, &host(&attn.wv)?], dm, dm);
         Ok(PackedDrafter {
-            fc: Packed::new(&host(&d.fc.w)?, 2 * dm, dm),
-            wq: Packed::new(&host(&attn.wq)?, dm, dm),
-            wkv: Packed::new(&wkv, dm, 2 * dm),
-            wo: Packed::new(&host(&attn.wo)?, dm, dm),
-            w1: Packed::new(&host(&d.block.mlp.w1)?, dm, hidden),
-            w2: Packed::new(&host(&d.block.mlp.w2)?, hidden, dm),
-            head: Packed::new(&be.to_host(&d.head)?, dm, v),
+            fc: pack(&host(&d.fc.w)?, 2 * dm, dm),
+            wq: pack(&host(&attn.wq)?, dm, dm),
+            wkv: pack(&wkv, dm, 2 * dm),
+            wo: pack(&host(&attn.wo)?, dm, dm),
+            w1: pack(&host(&d.block.mlp.w1)?, dm, hidden),
+            w2: pack(&host(&d.block.mlp.w2)?, hidden, dm),
+            head: pack(&be.to_host(&d.head)?, dm, v),
         })
+    }
+
+    /// The matrices, in the order of [`Drafter::propose`]'s products.
+    #[cfg(test)]
+    pub fn all(&self) -> [&Packed; 7] {
+        [
+            &self.fc, &self.wq, &self.wkv, &self.wo, &self.w1, &self.w2, &self.head,
+        ]
     }
 }
 
@@ -140,15 +161,29 @@ impl KvMemo {
 
 /// What a drafter keeps for its proposals between calls; empty until the first proposal
 /// and after every weight change.
-#[derive(Default)]
 pub(crate) struct PackCache {
     packed: Option<PackedDrafter>,
+    /// What the matrices are packed in.
+    precision: Precision,
     memo: KvMemo,
     /// Times the weights were packed (what a test checks a weight update against).
     packs: u64,
     /// Tests only: multiply through the backend's GEMM even on the host backend.
     #[cfg(test)]
     pub(super) gemm_only: bool,
+}
+
+impl Default for PackCache {
+    fn default() -> Self {
+        PackCache {
+            packed: None,
+            precision: Precision::F16,
+            memo: KvMemo::default(),
+            packs: 0,
+            #[cfg(test)]
+            gemm_only: false,
+        }
+    }
 }
 
 impl PackCache {
@@ -179,7 +214,7 @@ impl PackCache {
         d: &Drafter<B>,
     ) -> crate::tensor::Result<(&PackedDrafter, &mut KvMemo)> {
         if self.packed.is_none() {
-            self.packed = Some(PackedDrafter::new(d)?);
+            self.packed = Some(PackedDrafter::new(d, self.precision)?);
             self.memo = KvMemo::default();
             self.packs += 1;
         }
@@ -189,6 +224,31 @@ impl PackCache {
 }
 
 impl<B: Backend> Drafter<B> {
+    /// The precision proposals pack the drafter's matrices in on the host backend
+    /// ([`Precision::F16`] unless set; see the module docs). A change repacks them at the
+    /// next proposal.
+    pub fn set_proposal_precision(&mut self, precision: Precision) {
+        if self.packs.precision != precision {
+            self.packs.precision = precision;
+            self.packs.invalidate();
+        }
+    }
+
+    pub fn proposal_precision(&self) -> Precision {
+        self.packs.precision
+    }
+
+    /// The packed matrices (packing them if they are not): what a test inspects.
+    #[cfg(test)]
+    pub(super) fn packed_matrices(&mut self) -> crate::tensor::Result<Vec<Packed>> {
+        let mut cache = std::mem::take(&mut self.packs);
+        let result = cache
+            .ensure(self)
+            .map(|(p, _)| p.all().map(Packed::clone).to_vec());
+        self.packs = cache;
+        result
+    }
+
     /// Whether products use [`PackedDrafter`]: where the backend's buffers are host memory
     /// in f32 anyway (a device backend keeps its own GEMM).
     pub(super) fn host_products(&self) -> bool {

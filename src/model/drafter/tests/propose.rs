@@ -1,8 +1,10 @@
 //! Proposals through the packed host weights ([`super::super::packed`]): they equal the
-//! backend GEMM's proposals, do not depend on the batch or on what the memo holds, and
-//! follow every weight change.
+//! backend GEMM's proposals (in f32, and in half precision those of the weights rounded to
+//! f16), do not depend on the batch or on what the memo holds, and follow every weight
+//! change.
 
 use super::*;
+use crate::model::infer::rowmul::Precision;
 
 /// A drafter of `cfg` with weights at scale 0.3 (norm gains around 1), so that logits are
 /// far apart and a greedy draft is not decided by rounding.
@@ -37,6 +39,25 @@ fn pairs(cfg: &GptConfig, n: usize, seed: u64) -> (Vec<f32>, Vec<u32>) {
     (hidden, tokens)
 }
 
+/// `x` rounded to the nearest f16, as half-precision packing rounds it.
+fn to_half(x: &[f32]) -> Vec<f32> {
+    x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect()
+}
+
+/// Rounds what a proposal packs (every matrix and the head; not the norm gains nor the
+/// embedding, which stay f32) to f16 in `d`'s own weights.
+fn round_packed_weights(d: &mut Drafter<CpuBackend>) {
+    let be = be();
+    for p in d.params_mut() {
+        if !p.name.contains("norm") {
+            let v = to_half(&be.to_host(&p.value).unwrap());
+            p.value = be.from_host(&v, DType::F32).unwrap();
+        }
+    }
+    let head = to_half(&be.to_host(&d.head).unwrap());
+    d.refresh("head.w", &head, 0).unwrap();
+}
+
 fn contexts<'a>(data: &'a [(Vec<f32>, Vec<u32>)]) -> Vec<DraftContext<'a>> {
     data.iter()
         .map(|(hidden, tokens)| DraftContext { hidden, tokens })
@@ -66,6 +87,15 @@ fn shapes() -> Vec<GptConfig> {
 
 #[test]
 fn packed_proposals_equal_the_gemm_path_and_do_not_depend_on_the_batch() {
+    for precision in [Precision::F32, Precision::F16] {
+        packed_proposals_equal_the_gemm_path(precision);
+    }
+}
+
+/// The packed path in `precision` against the backend's GEMM on the same weights (rounded
+/// to f16 for [`Precision::F16`]): the same tokens, probabilities within 1e-5 (the GEMM
+/// sums in another order).
+fn packed_proposals_equal_the_gemm_path(precision: Precision) {
     for (s, cfg) in shapes().iter().enumerate() {
         let window = 6;
         // Lengths below, at and beyond the window (cut to its last 6 pairs).
@@ -79,7 +109,11 @@ fn packed_proposals_equal_the_gemm_path_and_do_not_depend_on_the_batch() {
             let ctx = contexts(&data[..batch]);
             for temperature in [0.0, 0.9] {
                 let mut packed = drafter(cfg, window, 5);
+                packed.set_proposal_precision(precision);
                 let mut gemm = drafter(cfg, window, 5);
+                if precision == Precision::F16 {
+                    round_packed_weights(&mut gemm);
+                }
                 gemm.packs.gemm_only = true;
                 let a = packed
                     .propose(&ctx, 4, temperature, &mut SplitMix64::new(1))
@@ -90,7 +124,9 @@ fn packed_proposals_equal_the_gemm_path_and_do_not_depend_on_the_batch() {
                 assert_eq!((packed.packs.packs(), gemm.packs.packs()), (1, 0));
                 assert_eq!(gemm.packs.remembered(), 0);
                 for (i, (a, b)) in a.iter().zip(&b).enumerate() {
-                    let at = format!("shape {s}, batch {batch}, t {temperature}, seq {i}");
+                    let at = format!(
+                        "{precision:?}, shape {s}, batch {batch}, t {temperature}, seq {i}"
+                    );
                     assert_eq!(a.tokens, b.tokens, "{at}");
                     assert_eq!(a.probs.len(), 4 * cfg.vocab, "{at}");
                     let diff = a
@@ -105,6 +141,7 @@ fn packed_proposals_equal_the_gemm_path_and_do_not_depend_on_the_batch() {
                 if temperature == 0.0 {
                     for (i, chain) in a.iter().enumerate() {
                         let mut fresh = drafter(cfg, window, 5);
+                        fresh.set_proposal_precision(precision);
                         let alone = fresh
                             .propose(&ctx[i..=i], 4, 0.0, &mut SplitMix64::new(1))
                             .unwrap();
@@ -208,4 +245,48 @@ fn a_weight_change_between_proposals_is_packed_again() {
         );
         before = got;
     }
+}
+
+#[test]
+fn matrices_are_packed_in_half_precision_unless_set_or_out_of_range() {
+    let cfg = &shapes()[2];
+    let (hidden, tokens) = pairs(cfg, 5, 3);
+    let ctx = [DraftContext {
+        hidden: &hidden,
+        tokens: &tokens,
+    }];
+    let mut d = drafter(cfg, 32, 1);
+    assert_eq!(d.proposal_precision(), Precision::F16);
+    let all = |d: &mut Drafter<CpuBackend>| -> Vec<Precision> {
+        d.packed_matrices()
+            .unwrap()
+            .iter()
+            .map(|p| p.precision())
+            .collect()
+    };
+    assert_eq!(all(&mut d), vec![Precision::F16; 7]);
+    let half = d.propose(&ctx, 4, 0.0, &mut SplitMix64::new(0)).unwrap();
+    // Setting f32 repacks (and forgets the memo); the drafts move by the rounding only.
+    d.set_proposal_precision(Precision::F32);
+    assert_eq!(all(&mut d), vec![Precision::F32; 7]);
+    let full = d.propose(&ctx, 4, 0.0, &mut SplitMix64::new(0)).unwrap();
+    assert_eq!(d.packs.packs(), 2);
+    let diff = half[0]
+        .probs
+        .iter()
+        .zip(&full[0].probs)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(diff > 0.0 && diff < 1e-2, "f16 moved q by {diff}");
+    // A matrix with a weight f16 cannot hold stays in f32; the others are halved.
+    d.set_proposal_precision(Precision::F16);
+    let be = be();
+    let p = &mut d.params_mut()[0];
+    assert_eq!(p.name, "drafter.fc.w");
+    let mut v = be.to_host(&p.value).unwrap();
+    v[3] = 1e5;
+    p.value = be.from_host(&v, DType::F32).unwrap();
+    let mut want = vec![Precision::F16; 7];
+    want[0] = Precision::F32;
+    assert_eq!(all(&mut d), want);
 }

@@ -31,6 +31,12 @@
 //! row's result does not depend on how many rows share the call nor on the instruction set,
 //! so decoding one position and verifying several give bitwise the same values for the
 //! same position.
+//!
+//! A matrix may be packed in half precision ([`Precision::F16`]): every kernel widens a
+//! line to f32 as it loads it, so the product is bitwise the f32 product of the rounded
+//! weights, and a weight-bound product streams half the bytes. The drafter's proposals use
+//! it (their numerics only move the acceptance rate); the target stays in f32, the
+//! numerics its training and its sampled log-probabilities share.
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
@@ -56,33 +62,129 @@ const PANEL: usize = 16;
 #[repr(C, align(64))]
 struct Line([f32; PANEL]);
 
+/// [`Line`] in half precision: the bits of 16 IEEE `f16` weights, half a cache line.
+#[derive(Clone, Copy, Debug, Default)]
+#[repr(C, align(32))]
+struct HalfLine([u16; PANEL]);
+
+/// How [`Packed`] stores its weights. A product is f32 arithmetic either way (every weight
+/// is widened exactly to f32 before its multiply-add), so half precision changes only the
+/// weights' values (rounded once, when packed), not the kernels' order of operations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Precision {
+    F32,
+    /// IEEE binary16: half the bytes to stream, 11 significant bits (a weight's relative
+    /// rounding error at most 2⁻¹¹), magnitudes up to 65504.
+    F16,
+}
+
+#[derive(Clone, Debug)]
+enum Lines {
+    F32(Vec<Line>),
+    F16(Vec<HalfLine>),
+}
+
 /// `W: [din, dout]` as `ceil(dout / 16)` panels of `[din, 16]` (the last one zero-padded).
 #[derive(Clone, Debug)]
 pub struct Packed {
     din: usize,
     dout: usize,
     /// Panel `p`, row `k` at `p · din + k`.
-    lines: Vec<Line>,
+    lines: Lines,
 }
 
 impl Packed {
-    /// Packs the row-major `w: [din, dout]`.
+    /// Packs the row-major `w: [din, dout]` in f32.
     pub fn new(w: &[f32], din: usize, dout: usize) -> Self {
         assert_eq!(w.len(), din * dout, "Packed: w is [din, dout]");
-        let n = dout.div_ceil(PANEL);
-        let mut lines = vec![Line::default(); n * din];
-        for p in 0..n {
-            let (c, width) = (p * PANEL, PANEL.min(dout - p * PANEL));
-            for k in 0..din {
-                lines[p * din + k].0[..width].copy_from_slice(&w[k * dout + c..][..width]);
-            }
+        Packed {
+            din,
+            dout,
+            lines: Lines::F32(panels(w, din, dout, Line)),
         }
-        Packed { din, dout, lines }
+    }
+
+    /// Packs the row-major `w: [din, dout]` in `precision`. Half precision refuses a
+    /// finite weight beyond its range (it would become infinite).
+    pub fn with_precision(
+        w: &[f32],
+        din: usize,
+        dout: usize,
+        precision: Precision,
+    ) -> Result<Self, RowmulError> {
+        if w.len() != din * dout {
+            return Err(RowmulError::Weights {
+                got: w.len(),
+                din,
+                dout,
+            });
+        }
+        let lines = match precision {
+            Precision::F32 => return Ok(Packed::new(w, din, dout)),
+            Precision::F16 => {
+                let max = f32::from(half::f16::MAX);
+                if let Some(&v) = w.iter().find(|v| v.is_finite() && v.abs() > max) {
+                    return Err(RowmulError::HalfRange(v));
+                }
+                Lines::F16(panels(w, din, dout, |v| {
+                    HalfLine(v.map(|x| half::f16::from_f32(x).to_bits()))
+                }))
+            }
+        };
+        Ok(Packed { din, dout, lines })
+    }
+
+    pub fn precision(&self) -> Precision {
+        match self.lines {
+            Lines::F32(_) => Precision::F32,
+            Lines::F16(_) => Precision::F16,
+        }
+    }
+
+    /// Bytes of packed weights (padding included): what one product streams.
+    pub fn bytes(&self) -> usize {
+        match &self.lines {
+            Lines::F32(l) => std::mem::size_of_val(l.as_slice()),
+            Lines::F16(l) => std::mem::size_of_val(l.as_slice()),
+        }
     }
 
     fn panels(&self) -> usize {
         self.dout.div_ceil(PANEL)
     }
+
+    /// For the kernels: the first line's address and the number of lines.
+    fn raw_lines(&self) -> (*const u8, usize) {
+        match &self.lines {
+            Lines::F32(l) => (l.as_ptr().cast(), l.len()),
+            Lines::F16(l) => (l.as_ptr().cast(), l.len()),
+        }
+    }
+
+    /// Weight `j` (0 to 15) of panel `p`, row `k`, widened to f32.
+    fn weight(&self, p: usize, k: usize, j: usize) -> f32 {
+        let at = p * self.din + k;
+        match &self.lines {
+            Lines::F32(l) => l[at].0[j],
+            Lines::F16(l) => half::f16::from_bits(l[at].0[j]).to_f32(),
+        }
+    }
+}
+
+/// The panels of `w: [din, dout]`, each row of 16 columns (zero-padded) made a line by
+/// `line`.
+fn panels<L>(w: &[f32], din: usize, dout: usize, line: impl Fn([f32; PANEL]) -> L) -> Vec<L> {
+    let n = dout.div_ceil(PANEL);
+    let mut lines = Vec::with_capacity(n * din);
+    for p in 0..n {
+        let (c, width) = (p * PANEL, PANEL.min(dout - p * PANEL));
+        for k in 0..din {
+            let mut v = [0.0f32; PANEL];
+            v[..width].copy_from_slice(&w[k * dout + c..][..width]);
+            lines.push(line(v));
+        }
+    }
+    lines
 }
 
 /// The kernels [`rowmul`] can run on; [`Isa::best`] is the one it does.
@@ -90,7 +192,7 @@ impl Packed {
 pub enum Isa {
     /// AVX-512F: 16 lanes, 32 registers.
     Avx512,
-    /// AVX2 and FMA: 8 lanes, 16 registers.
+    /// AVX2, FMA and F16C (to widen half-precision weights): 8 lanes, 16 registers.
     Avx2,
     /// Scalar `mul_add`, anywhere.
     Plain,
@@ -104,7 +206,9 @@ impl Isa {
             Isa::Avx512 => std::is_x86_feature_detected!("avx512f"),
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => {
-                std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
+                std::is_x86_feature_detected!("avx2")
+                    && std::is_x86_feature_detected!("fma")
+                    && std::is_x86_feature_detected!("f16c")
             }
             Isa::Plain => true,
             #[cfg(not(target_arch = "x86_64"))]
@@ -128,6 +232,10 @@ pub enum RowmulError {
     Unavailable(Isa),
     #[error("rowmul: x has {got} floats, not rows {rows} × din {din}")]
     Shape { got: usize, rows: usize, din: usize },
+    #[error("rowmul: w has {got} floats, not din {din} × dout {dout}")]
+    Weights { got: usize, din: usize, dout: usize },
+    #[error("rowmul: weight {0} is beyond the range of half precision (±65504)")]
+    HalfRange(f32),
 }
 
 /// Whether few-row products on `be` should stream packed host weights through [`rowmul`]:
@@ -237,10 +345,10 @@ fn pass_plain(x: &[f32], w: &Packed, panels: Range<usize>, y: &mut [f32]) {
     for (r, xr) in x.chunks_exact(din).enumerate() {
         for p in panels.clone() {
             let mut acc = [0.0f32; PANEL];
-            for (xk, line) in xr.iter().zip(&w.lines[p * din..(p + 1) * din]) {
-                acc.iter_mut()
-                    .zip(&line.0)
-                    .for_each(|(a, &w)| *a = xk.mul_add(w, *a));
+            for (k, xk) in xr.iter().enumerate() {
+                for (j, a) in acc.iter_mut().enumerate() {
+                    *a = xk.mul_add(w.weight(p, k, j), *a);
+                }
             }
             put(y, dout, r, p, &acc);
         }

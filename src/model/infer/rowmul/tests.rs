@@ -33,7 +33,8 @@ fn rows_match_a_naive_product_and_do_not_depend_on_the_batch() {
 
 /// Each kernel this CPU has, forced, gives bitwise what the plain one gives (the same
 /// chain of FMAs per element), for widths that leave a partial last panel or half, every
-/// pass shape and several passes over blocks of panels (up to 33 rows).
+/// pass shape and several passes over blocks of panels (up to 33 rows), with weights in
+/// f32 and in half precision.
 #[test]
 fn every_kernel_gives_bitwise_the_same_values() {
     let available: Vec<Isa> = [Isa::Avx512, Isa::Avx2]
@@ -44,20 +45,64 @@ fn every_kernel_gives_bitwise_the_same_values() {
     // the last half all padding; 50 the vocabulary.
     for (din, dout) in [(3, 5), (17, 17), (29, 203), (40, 50), (8, 16 * 13 + 7)] {
         let w: Vec<f32> = (0..din * dout).map(|i| val(i + 3)).collect();
-        let packed = Packed::new(&w, din, dout);
-        for rows in 1..=33 {
-            let x: Vec<f32> = (0..rows * din).map(|i| val(2 * i + 1)).collect();
-            let plain = rowmul_on(Isa::Plain, &x, &packed, rows).unwrap();
-            for &isa in &available {
-                let y = rowmul_on(isa, &x, &packed, rows).unwrap();
-                let same = y
-                    .iter()
-                    .zip(&plain)
-                    .all(|(a, b)| a.to_bits() == b.to_bits());
-                assert!(same, "{isa:?}, rows {rows}, {din} -> {dout}");
+        for precision in [Precision::F32, Precision::F16] {
+            let packed = Packed::with_precision(&w, din, dout, precision).unwrap();
+            for rows in 1..=33 {
+                let x: Vec<f32> = (0..rows * din).map(|i| val(2 * i + 1)).collect();
+                let plain = rowmul_on(Isa::Plain, &x, &packed, rows).unwrap();
+                for &isa in &available {
+                    let y = rowmul_on(isa, &x, &packed, rows).unwrap();
+                    let same = y
+                        .iter()
+                        .zip(&plain)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{isa:?} {precision:?}, rows {rows}, {din} -> {dout}");
+                }
             }
         }
     }
+}
+
+/// Half precision rounds each weight once and changes nothing else: the product equals,
+/// bitwise, the f32 product of the rounded weights, at half the bytes.
+#[test]
+fn half_precision_is_the_f32_product_of_rounded_weights() {
+    let (rows, din, dout) = (5, 37, 45);
+    // Magnitudes from 1e-6 (f16 subnormals) to 1e3, both signs.
+    let w: Vec<f32> = (0..din * dout)
+        .map(|i| val(i) * 10f32.powi((i % 10) as i32 - 6))
+        .collect();
+    let rounded: Vec<f32> = w.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect();
+    assert!(
+        w.iter().zip(&rounded).any(|(a, b)| a != b),
+        "some weight rounds"
+    );
+    let x: Vec<f32> = (0..rows * din).map(|i| val(3 * i)).collect();
+    let half = Packed::with_precision(&w, din, dout, Precision::F16).unwrap();
+    let full = Packed::new(&rounded, din, dout);
+    assert_eq!(half.precision(), Precision::F16);
+    assert_eq!(2 * half.bytes(), full.bytes());
+    let (a, b) = (rowmul(&x, &half, rows), rowmul(&x, &full, rows));
+    assert!(a.iter().zip(&b).all(|(a, b)| a.to_bits() == b.to_bits()));
+    // Within f16's relative rounding (2^-11 per weight) of the exact product.
+    let exact = rowmul(&x, &Packed::new(&w, din, dout), rows);
+    for (r, (a, e)) in a.iter().zip(&exact).enumerate() {
+        let scale: f32 = (0..din)
+            .map(|k| (x[r / dout * din + k] * w[k * dout + r % dout]).abs())
+            .sum();
+        assert!((a - e).abs() <= scale * 2f32.powi(-11) + 1e-6, "{a} vs {e}");
+    }
+}
+
+#[test]
+fn a_weight_beyond_half_range_is_an_error() {
+    let err = Packed::with_precision(&[1.0, 7e4, 0.0, 1.0], 2, 2, Precision::F16).unwrap_err();
+    assert!(
+        matches!(err, RowmulError::HalfRange(v) if v == 7e4),
+        "{err}"
+    );
+    let err = Packed::with_precision(&[1.0; 3], 2, 2, Precision::F32).unwrap_err();
+    assert!(matches!(err, RowmulError::Weights { got: 3, .. }), "{err}");
 }
 
 #[test]
