@@ -118,7 +118,7 @@ fn the_pipelined_grpo_update_equals_the_single_device_update() {
         "nothing to skip"
     );
     assert_eq!(m.lr, 1e-2, "the first RL step runs at the peak rate");
-    assert_eq!(rl.checkpoint().meta.step, 3);
+    assert_eq!(rl.checkpoint().unwrap().meta.step, 3);
 
     // The same update on one device.
     let (mut gpt, mut opt) = load(&job, &start);
@@ -223,7 +223,7 @@ fn the_policy_follows_the_checkpoint_from_step_to_step() {
             m.informative_groups > 0,
             "step {step} has a gradient: {m:?}"
         );
-        let checkpoint = rl.checkpoint();
+        let checkpoint = rl.checkpoint().unwrap();
         let mut moved = false;
         for name in rl.policy().param_names() {
             let saved = &checkpoint.tensor(&name).unwrap().data;

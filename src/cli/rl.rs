@@ -196,7 +196,7 @@ pub fn run(args: RlArgs) -> anyhow::Result<()> {
     update_bar.finish();
 
     let checkpoint_dir = out_dir.join("checkpoint");
-    let mut checkpoint = trainer.checkpoint().clone();
+    let mut checkpoint = trainer.checkpoint()?;
     checkpoint
         .meta
         .notes

@@ -21,6 +21,11 @@
 //! rank closes its drafter round at the end of each target step (see [`super::fill`]). The
 //! drafter's own work runs in the bubbles, through the runtime's filler, never here.
 //!
+//! Kept ranks (optional, [`RankCompute::keep_into`]): after its last iteration the rank moves
+//! its chunks and optimizer out ([`RankParts`]) instead of exporting host copies, and a
+//! later run continues from them ([`RankCompute::from_parts`]): the RL update runs one
+//! short run per RL step and would otherwise copy every parameter and moment out and back.
+//!
 //! Speculative steps (optional, [`RankCompute::set_speculative`]): the runtime may step
 //! before it knows every rank's statistics. The rank then snapshots its parameters and
 //! optimizer moments, keeps its gradients, and on a wrong guess restores them
@@ -29,6 +34,7 @@
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
+use std::sync::mpsc::Sender;
 
 use pipefill_actors::{GradStats, StageCompute, StepDecision};
 
@@ -41,6 +47,10 @@ use crate::model::{
 };
 use crate::tensor::Backend;
 use crate::train::reference::{adamw_config, lr_schedule};
+
+mod parts;
+
+pub(crate) use parts::RankParts;
 
 /// One rank of a pipelined model (see the module docs).
 pub struct RankCompute<B: Backend> {
@@ -67,6 +77,8 @@ pub struct RankCompute<B: Backend> {
     redo: HashSet<(u32, u32)>,
     /// The drafter trained in the bubbles, when the job has one.
     drafter: Option<Arc<DrafterFill>>,
+    /// Where the rank moves its parts after the last iteration (`None`: it exports them).
+    keep: Option<Sender<RankParts<B>>>,
 }
 
 impl<B: Backend> RankCompute<B> {
@@ -147,6 +159,7 @@ impl<B: Backend> RankCompute<B> {
             held: HashSet::new(),
             redo: HashSet::new(),
             drafter: None,
+            keep: None,
         })
     }
 
@@ -443,7 +456,10 @@ impl<B: Backend> RankCompute<B> {
                 .deposit_checkpoint(step, self.rank, self.export()?);
         }
         if self.done == self.iterations {
-            self.shared.deposit_final(self.rank, self.export()?);
+            match self.keep.take() {
+                Some(keep) => self.send_parts(&keep),
+                None => self.shared.deposit_final(self.rank, self.export()?),
+            }
         } else {
             self.shared.feed.prefetch(self.step());
         }

@@ -58,7 +58,7 @@ pub mod trainer;
 pub use compute::RankCompute;
 pub use join::{DrafterRun, DrafterStep, StepView};
 pub use pipefill_actors::{Clock, RunReport, StepMode};
-pub use trainer::{PipelineRun, PipelineTrainer};
+pub use trainer::{KeptRanks, KeptRun, PipelineRun, PipelineTrainer};
 
 use crate::schedules::Plan;
 pub use crate::train::StepMetrics;

@@ -4,7 +4,8 @@
 //! This file holds the trainer's configuration (plan, clock, step mode, filler, resume,
 //! periodic checkpoints, data-parallel share) and the ranks' setup; [`run`] runs it (the
 //! runtime on its own thread, the caller's thread joining each step's metrics and profile);
-//! [`outcome`] is what a run hands back (final parameters, moments, the drafter, figures).
+//! [`outcome`] is what a run hands back (final parameters, moments, the drafter, figures);
+//! [`kept`] runs whose ranks stay alive for the next run (the RL update's steps).
 //!
 //! One runtime iteration is one optimizer step. The runtime runs on its own thread while
 //! the caller's thread receives each completed step's [`crate::train::StepMetrics`] and hands it to the
@@ -38,9 +39,11 @@ use crate::model::{Cut, Gpt, ModelError, OptimizerState};
 use crate::schedules::{AutoReplanner, Plan, ScheduleKind, build, read_plan};
 use crate::tensor::CpuBackend;
 
+mod kept;
 mod outcome;
 mod run;
 
+pub use kept::{KeptRanks, KeptRun};
 pub use outcome::PipelineRun;
 
 /// A pipelined training job: a [`JobConfig`] and the [`Plan`] its ranks follow.

@@ -15,8 +15,11 @@
 //!    rollout batch the policy ratio is 1, so this is the clipped GRPO objective's gradient
 //!    exactly (see [`super::grpo`]). Without the KL term the sequences of advantage 0 (groups
 //!    whose rewards are all equal) have exactly no gradient and are left out, so the step
-//!    runs fewer micro-batches ([`fitted_update`]; `n` still counts them). The run resumes
-//!    from the previous step's checkpoint, so optimizer moments carry over.
+//!    runs fewer micro-batches ([`fitted_update`]; `n` still counts them). The pipeline's
+//!    ranks stay alive from step to step ([`PipelineTrainer::run_kept`]): the next update
+//!    continues from their parameters and optimizer moments, and the policy is refreshed
+//!    from them buffer to buffer, where resuming each step from a checkpoint copied all of
+//!    it out and back (bitwise the same result; [`RlTrainer::keep_update_ranks`]).
 //!
 //! With `rl.kl_coef = β > 0` the objective adds β·k3-KL to a frozen reference (the policy
 //! RL started from, or [`RlTrainer::with_reference`]): the reference's per-token log-probs
@@ -40,7 +43,7 @@ use crate::data::{DataError, SplitMix64, Task, TaskGenerator, Tokenizer, tokeniz
 use crate::model::checkpoint::Checkpoint;
 use crate::model::{AdamW, Cut, Gpt, ModelError};
 use crate::pipeline::feed::StepFeed;
-use crate::pipeline::{PipelineError, PipelineTrainer, StepMetrics};
+use crate::pipeline::{KeptRanks, PipelineError, PipelineTrainer, StepMetrics};
 use crate::tensor::CpuBackend;
 use crate::train::reference::adamw_config;
 
@@ -71,6 +74,12 @@ pub enum RlError {
         seq_len: usize,
         max_new: usize,
     },
+    /// An earlier update failed and took the policy's optimizer state with it.
+    #[error(
+        "update: an earlier step's update failed and lost the optimizer state; restart from \
+         the last saved checkpoint"
+    )]
+    UpdateLost,
     /// A rollout engine returned something the update cannot use.
     #[error("rollout: {0}")]
     Rollout(String),
@@ -323,13 +332,27 @@ pub(crate) fn fitted_update(
         .map_or_else(|| with(full), Ok)
 }
 
-/// The RL loop's state: the job, the policy's checkpoint and model, the next RL step.
+/// Where the next update starts.
+enum UpdateState {
+    /// The checkpoint RL started from (shared with the pipeline that resumes it), or with
+    /// [`RlTrainer::keep_update_ranks`] off the previous update's.
+    Checkpoint(Arc<Checkpoint>),
+    /// The previous update's ranks, alive.
+    Kept(KeptRanks),
+    /// A failed update took the state with it.
+    Lost,
+}
+
+/// The RL loop's state: the job, the update's state (parameters and optimizer), the
+/// policy's model, the next RL step.
 pub struct RlTrainer {
     job: JobConfig,
     /// The optimizer step RL started at (the checkpoint's step at the start).
     first_update: u64,
-    /// Shared with the update's pipeline, which resumes it (no copy per step).
-    checkpoint: Arc<Checkpoint>,
+    update: UpdateState,
+    /// Whether the update's ranks stay alive between steps (else each update resumes from
+    /// the previous one's checkpoint).
+    keep_ranks: bool,
     policy: Gpt<CpuBackend>,
     /// The frozen KL reference (`rl.kl_coef > 0` only).
     reference: Option<Gpt<CpuBackend>>,
@@ -350,7 +373,8 @@ impl RlTrainer {
         Ok(RlTrainer {
             job: job.clone(),
             first_update: checkpoint.meta.step,
-            checkpoint: Arc::new(checkpoint),
+            update: UpdateState::Checkpoint(Arc::new(checkpoint)),
+            keep_ranks: true,
             policy,
             reference,
             step: 0,
@@ -367,8 +391,22 @@ impl RlTrainer {
         Ok(self)
     }
 
-    pub fn checkpoint(&self) -> &Checkpoint {
-        &self.checkpoint
+    /// Whether the update's pipeline ranks stay alive from step to step (default on);
+    /// off, every update resumes from a checkpoint of the previous one, as the
+    /// multi-process `launch rl` does. The results are bitwise the same.
+    pub fn keep_update_ranks(mut self, keep: bool) -> Self {
+        self.keep_ranks = keep;
+        self
+    }
+
+    /// The policy's checkpoint now: parameters and optimizer state after the last update
+    /// (the starting checkpoint before any).
+    pub fn checkpoint(&self) -> Result<Checkpoint, RlError> {
+        match &self.update {
+            UpdateState::Checkpoint(c) => Ok(Checkpoint::clone(c)),
+            UpdateState::Kept(ranks) => Ok(ranks.checkpoint()?),
+            UpdateState::Lost => Err(RlError::UpdateLost),
+        }
     }
 
     pub fn policy(&self) -> &Gpt<CpuBackend> {
@@ -437,28 +475,7 @@ impl RlTrainer {
             logp_ref,
             update_micro_batches,
         )?;
-        let first = self.checkpoint.meta.step;
-        let feed = Arc::new(StepFeed::given([(first, update)]));
-        let trainer = trainer
-            .resume_shared(Arc::clone(&self.checkpoint))
-            .feed(feed);
-        let run = trainer.run(1, |_| {})?;
-        let m = run
-            .steps
-            .first()
-            .cloned()
-            .ok_or(PipelineError::NoFinalState)?;
-        let bubble_ratio = run.timelines().next().map(|t| t.bubble_ratio);
-        let checkpoint = run.into_checkpoint();
-        // The policy follows the update in place: a fresh model would redo the random
-        // initialisation of every parameter only to overwrite it.
-        for name in self.policy.param_names() {
-            let t = checkpoint
-                .tensor(&name)
-                .ok_or_else(|| ModelError::UnknownParam(name.clone()))?;
-            self.policy.set_param(&name, &t.data)?;
-        }
-        self.checkpoint = Arc::new(checkpoint);
+        let (m, bubble_ratio) = self.update(trainer, update)?;
         let update_seconds = started.elapsed().as_secs_f64();
         self.step += 1;
 
@@ -497,6 +514,60 @@ impl RlTrainer {
             lr: m.lr,
             bubble_ratio,
         })
+    }
+}
+
+impl RlTrainer {
+    /// Runs `update` (one optimizer step) on `trainer` from the update's state, and
+    /// refreshes the policy from its result in place (a fresh model would redo the random
+    /// initialisation of every parameter only to overwrite it). Returns the step's metrics
+    /// and measured bubble ratio.
+    fn update(
+        &mut self,
+        trainer: PipelineTrainer,
+        update: crate::pipeline::feed::StepBatches,
+    ) -> Result<(StepMetrics, Option<f64>), RlError> {
+        let from = std::mem::replace(&mut self.update, UpdateState::Lost);
+        let (trainer, kept) = match from {
+            UpdateState::Checkpoint(c) => (trainer.resume_shared(c), None),
+            UpdateState::Kept(k) if k.fits(&trainer) => (trainer, Some(k)),
+            // A plan that places the stages elsewhere starts from their checkpoint.
+            UpdateState::Kept(k) => (trainer.resume(&k.checkpoint()?), None),
+            UpdateState::Lost => return Err(RlError::UpdateLost),
+        };
+        let first = kept
+            .as_ref()
+            .map_or(trainer.first_step(), KeptRanks::next_step);
+        let trainer = trainer.feed(Arc::new(StepFeed::given([(first, update)])));
+        if self.keep_ranks {
+            let run = trainer.run_kept(kept, 1)?;
+            let m = run.steps.first().cloned();
+            let bubble_ratio = run
+                .report
+                .iterations
+                .first()
+                .map(|i| i.timeline.bubble_ratio);
+            run.ranks.copy_params_into(&mut self.policy)?;
+            self.update = UpdateState::Kept(run.ranks);
+            return Ok((m.ok_or(PipelineError::NoFinalState)?, bubble_ratio));
+        }
+        // Through a checkpoint (kept ranks, if any, were left by a caller that switched).
+        let trainer = match kept {
+            Some(k) => trainer.resume(&k.checkpoint()?),
+            None => trainer,
+        };
+        let run = trainer.run(1, |_| {})?;
+        let m = run.steps.first().cloned();
+        let bubble_ratio = run.timelines().next().map(|t| t.bubble_ratio);
+        let checkpoint = run.into_checkpoint();
+        for name in self.policy.param_names() {
+            let t = checkpoint
+                .tensor(&name)
+                .ok_or_else(|| ModelError::UnknownParam(name.clone()))?;
+            self.policy.set_param(&name, &t.data)?;
+        }
+        self.update = UpdateState::Checkpoint(Arc::new(checkpoint));
+        Ok((m.ok_or(PipelineError::NoFinalState)?, bubble_ratio))
     }
 }
 

@@ -69,13 +69,7 @@ impl PipelineTrainer {
             });
         }
         let (job, plan) = (&self.job, &self.plan);
-        let feed = match &self.feed {
-            Some(feed) => Arc::clone(feed),
-            None => {
-                let data = StepData::new(job.data.clone(), job.model.seq_len, job.train.seed)?;
-                Arc::new(StepFeed::new(data, job.train.clone()))
-            }
-        };
+        let feed = self.step_feed()?;
         feed.prefetch(self.first_step());
         let (progress, steps_rx) = channel();
         let shared = Arc::new(
@@ -85,20 +79,7 @@ impl PipelineTrainer {
         );
         let mut computes = self.computes(&shared, steps)?;
         let (profiles, profiles_rx) = channel();
-        let source = match &self.auto {
-            Some(replanner) => {
-                let mut replanner = replanner.clone();
-                PlanSource::Replan(Box::new(move |i, cost| replanner.plan(i, cost)))
-            }
-            None => PlanSource::Given(plan.clone()),
-        };
-        let mut pipeline = Pipeline::new(source, self.clock)
-            .iterations(steps)
-            .step_mode(self.step_mode)
-            .on_iteration(profiles);
-        if job.train.clip > 0.0 {
-            pipeline = pipeline.max_grad_norm(f64::from(job.train.clip));
-        }
+        let mut pipeline = self.pipeline(steps).on_iteration(profiles);
         let router = FillerRouter::default();
         let fill = match self.filler {
             Filler::Drafter => Some(DrafterFill::join(
@@ -192,6 +173,39 @@ impl PipelineTrainer {
         run.drafter = drafter;
         run.drafter_state = fill.map(|f| f.export_state()).transpose()?;
         Ok(run)
+    }
+}
+
+impl PipelineTrainer {
+    /// The steps the run trains on: the caller's feed, or the job's synthetic stream.
+    pub(super) fn step_feed(&self) -> Result<Arc<StepFeed>, PipelineError> {
+        Ok(match &self.feed {
+            Some(feed) => Arc::clone(feed),
+            None => {
+                let job = &self.job;
+                let data = StepData::new(job.data.clone(), job.model.seq_len, job.train.seed)?;
+                Arc::new(StepFeed::new(data, job.train.clone()))
+            }
+        })
+    }
+
+    /// The runtime's job of `steps` iterations: the plan (or the auto re-planner), the clock,
+    /// the step mode and the job's gradient clipping.
+    pub(super) fn pipeline(&self, steps: u64) -> Pipeline {
+        let source = match &self.auto {
+            Some(replanner) => {
+                let mut replanner = replanner.clone();
+                PlanSource::Replan(Box::new(move |i, cost| replanner.plan(i, cost)))
+            }
+            None => PlanSource::Given(self.plan.clone()),
+        };
+        let pipeline = Pipeline::new(source, self.clock)
+            .iterations(steps)
+            .step_mode(self.step_mode);
+        match self.job.train.clip {
+            clip if clip > 0.0 => pipeline.max_grad_norm(f64::from(clip)),
+            _ => pipeline,
+        }
     }
 }
 
