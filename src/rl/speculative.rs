@@ -11,9 +11,11 @@
 //! - [`OracleProposer`]: replays known continuations (every draft right), for tests.
 //!
 //! The engine verifies a chain with one multi-position pass and applies [`super::accept`].
+//! A proposer may also draft a [`DraftTree`] ([`Proposer::propose_tree`]), which the engine
+//! verifies in one pass with tree attention and accepts with [`super::tree`].
 
 use crate::data::SplitMix64;
-use crate::model::drafter::{DraftChain, DraftContext, Drafter};
+use crate::model::drafter::{DraftChain, DraftContext, DraftTree, Drafter, TreeShape};
 use crate::tensor::Backend;
 
 /// Why a proposer could not draft.
@@ -34,6 +36,23 @@ pub trait Proposer {
         temperature: f32,
         rng: &mut SplitMix64,
     ) -> Result<Vec<DraftChain>, ProposeError>;
+
+    /// One tree per context, of at most `shape.nodes` nodes and `shape.depth` levels,
+    /// siblings distinct; its tokens must not be draws correlated with the target (the
+    /// tree's sampling acceptance needs no `q` because of that). By default a proposer
+    /// drafts no trees.
+    fn propose_tree(
+        &mut self,
+        _contexts: &[DraftContext<'_>],
+        _shape: &TreeShape,
+        _temperature: f32,
+        _rng: &mut SplitMix64,
+    ) -> Result<Vec<DraftTree>, ProposeError> {
+        Err(ProposeError {
+            proposer: "proposer",
+            reason: "does not draft trees".into(),
+        })
+    }
 }
 
 impl<B: Backend> Proposer for Drafter<B> {
@@ -45,6 +64,19 @@ impl<B: Backend> Proposer for Drafter<B> {
         rng: &mut SplitMix64,
     ) -> Result<Vec<DraftChain>, ProposeError> {
         Drafter::propose(self, contexts, k, temperature, rng).map_err(|e| ProposeError {
+            proposer: "drafter",
+            reason: e.to_string(),
+        })
+    }
+
+    fn propose_tree(
+        &mut self,
+        contexts: &[DraftContext<'_>],
+        shape: &TreeShape,
+        temperature: f32,
+        _rng: &mut SplitMix64,
+    ) -> Result<Vec<DraftTree>, ProposeError> {
+        Drafter::propose_tree(self, contexts, shape, temperature).map_err(|e| ProposeError {
             proposer: "drafter",
             reason: e.to_string(),
         })
@@ -93,6 +125,43 @@ impl Proposer for RandomProposer {
                     chain.probs.extend_from_slice(&q);
                 }
                 chain
+            })
+            .collect())
+    }
+
+    /// Random trees of the full shape: every expanded node (the first `width` of each
+    /// level) gets `branch` distinct random children, until `nodes`.
+    fn propose_tree(
+        &mut self,
+        contexts: &[DraftContext<'_>],
+        shape: &TreeShape,
+        _temperature: f32,
+        rng: &mut SplitMix64,
+    ) -> Result<Vec<DraftTree>, ProposeError> {
+        let v = self.vocab as u64;
+        let branch = shape.branch.min(self.vocab);
+        Ok(contexts
+            .iter()
+            .map(|_| {
+                let mut tree = DraftTree::default();
+                let mut level: Vec<Option<usize>> = vec![None];
+                for _ in 0..shape.depth {
+                    let mut next = Vec::new();
+                    for &parent in level.iter().take(shape.width) {
+                        let mut seen = Vec::with_capacity(branch);
+                        while seen.len() < branch && tree.len() < shape.nodes {
+                            let t = rng.below(v) as u32;
+                            if !seen.contains(&t) {
+                                seen.push(t);
+                                next.push(Some(tree.len()));
+                                tree.parents.push(parent);
+                                tree.tokens.push(t);
+                            }
+                        }
+                    }
+                    level = next;
+                }
+                tree
             })
             .collect())
     }
@@ -147,5 +216,18 @@ impl Proposer for OracleProposer {
                 chain
             })
             .collect())
+    }
+
+    /// The known continuation as a chain of `shape.depth` nodes (at most `shape.nodes`).
+    fn propose_tree(
+        &mut self,
+        contexts: &[DraftContext<'_>],
+        shape: &TreeShape,
+        temperature: f32,
+        rng: &mut SplitMix64,
+    ) -> Result<Vec<DraftTree>, ProposeError> {
+        let k = shape.depth.min(shape.nodes);
+        let chains = self.propose(contexts, k, temperature, rng)?;
+        Ok(chains.iter().map(|c| DraftTree::chain(&c.tokens)).collect())
     }
 }

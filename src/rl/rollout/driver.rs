@@ -13,11 +13,13 @@ use super::pipe::{Done, MessageHook, Msg, WorkKind};
 use super::{LivePoint, Request, Rollout, RolloutConfig, RolloutError, RolloutStats, Speculation};
 use crate::data::SplitMix64;
 use crate::model::ModelError;
-use crate::model::drafter::{DraftChain, DraftContext, DraftRow};
-use crate::model::infer::Span;
+use crate::model::drafter::{DraftChain, DraftContext, DraftRow, DraftTree, TreeShape};
+use crate::model::infer::{Compaction, Span, TreeStep};
 use crate::rl::accept::{accept_greedy, accept_sampling, argmax, sample, softmax};
 use crate::rl::bandit::KBandit;
+use crate::rl::speculative::ProposeError;
 use crate::rl::speculative::Proposer;
+use crate::rl::tree::{accept_tree_greedy, accept_tree_sampling};
 use crate::tensor::{Backend, IGNORE_TARGET};
 
 /// Fraction of the batch still live when the long tail starts.
@@ -34,6 +36,9 @@ struct Seq {
     /// Target distributions of the same positions (only when recording rows).
     probs: Vec<f32>,
     rng: SplitMix64,
+    /// The stages' caches still hold a verified tree's other branches: the next step
+    /// keeps only the accepted path.
+    compact: Option<Compaction>,
 }
 
 struct InFlight {
@@ -41,6 +46,8 @@ struct InFlight {
     spans: Vec<Span>,
     /// The drafts being verified.
     drafts: Option<Vec<DraftChain>>,
+    /// The draft trees being verified (instead of `drafts`).
+    trees: Option<Vec<DraftTree>>,
     /// The bandit's choice id (a verification, or a plain step its K = 0 arm chose).
     choice: Option<usize>,
     /// Driver time spent drafting for this step.
@@ -80,6 +87,7 @@ impl<'a> Driver<'a> {
                 hidden: Vec::new(),
                 probs: Vec::new(),
                 rng: SplitMix64::derive(config.seed, i as u64),
+                compact: None,
             })
             .collect();
         Driver {
@@ -183,34 +191,36 @@ impl<'a> Driver<'a> {
         let mut drafting = Duration::ZERO;
         let prefill = members.iter().all(|&i| self.seqs[i].hidden.is_empty());
         let live = self.live();
-        let (k, choice) = match (&self.config.speculation, prefill) {
-            (_, true) | (Speculation::Off, _) => (0, None),
-            (Speculation::Fixed { k }, _) => (*k, None),
-            (Speculation::Adaptive(a), _) if live > a.threshold => (0, None),
-            (Speculation::Adaptive(_), _) => {
+        let (k, choice, shape) = match (&self.config.speculation, prefill) {
+            (_, true) | (Speculation::Off, _) => (0, None, None),
+            (Speculation::Fixed { k }, _) => (*k, None, None),
+            (Speculation::Tree(shape), _) => (shape.depth, None, Some(*shape)),
+            (Speculation::Adaptive(a), _) if live > a.threshold => (0, None, None),
+            (Speculation::Adaptive(a), _) => {
                 let bandit = self
                     .bandit
                     .as_mut()
                     .expect("adaptive speculation has a bandit");
                 let (k, id) = bandit.choose(live);
-                (k, Some(id))
+                let shape = a.tree.map(|s| TreeShape { depth: k, ..s });
+                (k, Some(id), shape)
             }
         };
+        let mut trees = None;
         let drafts = match (k, proposer) {
             (0, _) | (_, None) => None,
+            (_, Some(p)) if let Some(shape) = shape => {
+                let clock = Instant::now();
+                let t = self.config.temperature;
+                let contexts = contexts(&self.seqs, &members, self.d);
+                let got = p.propose_tree(&contexts, &shape, t, &mut self.draft_rng)?;
+                drafting = clock.elapsed();
+                self.stats.propose_s += drafting.as_secs_f64();
+                trees = Some(self.fit_trees(&members, got, &shape)?);
+                None
+            }
             (k, Some(p)) => {
-                let d = self.d;
-                let contexts: Vec<DraftContext<'_>> = members
-                    .iter()
-                    .map(|&i| {
-                        let s = &self.seqs[i];
-                        let n = s.tokens.len() - 1;
-                        DraftContext {
-                            hidden: &s.hidden[..n * d],
-                            tokens: &s.tokens[1..],
-                        }
-                    })
-                    .collect();
+                let contexts = contexts(&self.seqs, &members, self.d);
                 let t = self.config.temperature;
                 let clock = Instant::now();
                 let chains = p.propose(&contexts, k, t, &mut self.draft_rng)?;
@@ -228,7 +238,9 @@ impl<'a> Driver<'a> {
             }
         };
         let (mut spans, mut ids) = (Vec::with_capacity(members.len()), Vec::new());
+        let mut step = TreeStep::default();
         for (m, &i) in members.iter().enumerate() {
+            step.compact.extend(self.seqs[i].compact.take());
             let s = &self.seqs[i];
             if prefill {
                 spans.push(Span {
@@ -240,6 +252,18 @@ impl<'a> Driver<'a> {
                 continue;
             }
             let len = s.tokens.len();
+            if let Some(trees) = &trees {
+                let tree = &trees[m];
+                spans.push(Span {
+                    slot: i,
+                    start: len - 1,
+                    len: 1 + tree.len(),
+                });
+                ids.push(s.tokens[len - 1]);
+                ids.extend_from_slice(&tree.tokens);
+                step.parents.push(Some(tree.row_parents()));
+                continue;
+            }
             // Never draft past the cap: the verified positions must fit the model.
             let ki = drafts
                 .as_ref()
@@ -254,11 +278,12 @@ impl<'a> Driver<'a> {
                 ids.extend_from_slice(&chains[m].tokens[..ki]);
             }
         }
-        let kind = match (prefill, &drafts) {
+        let kind = match (prefill, drafts.is_some() || trees.is_some()) {
             (true, _) => WorkKind::Prefill,
-            (false, None) => WorkKind::Decode,
-            (false, Some(_)) => WorkKind::Verify { k },
+            (false, false) => WorkKind::Decode,
+            (false, true) => WorkKind::Verify { k },
         };
+        let tree = (!step.parents.is_empty() || !step.compact.is_empty()).then_some(step);
         tracing::trace!(group, ?kind, sequences = members.len(), "rollout step");
         first
             .send(Msg::Work {
@@ -267,7 +292,7 @@ impl<'a> Driver<'a> {
                 spans: spans.clone(),
                 ids,
                 hidden: None,
-                tree: None,
+                tree,
                 spent: Duration::ZERO,
             })
             .map_err(|_| RolloutError::Stopped)?;
@@ -275,9 +300,53 @@ impl<'a> Driver<'a> {
             members,
             spans,
             drafts,
+            trees,
             choice,
             drafting,
         })
+    }
+
+    /// Checks the proposer's trees and prunes each to what its sequence has room for: no
+    /// node deeper than the positions left, no more rows than the cache holds.
+    fn fit_trees(
+        &self,
+        members: &[usize],
+        trees: Vec<DraftTree>,
+        shape: &TreeShape,
+    ) -> Result<Vec<DraftTree>, RolloutError> {
+        let bad = |reason: String| {
+            RolloutError::Propose(ProposeError {
+                proposer: "proposer",
+                reason,
+            })
+        };
+        if trees.len() != members.len() {
+            return Err(bad(format!(
+                "{} trees for {} sequences",
+                trees.len(),
+                members.len()
+            )));
+        }
+        members
+            .iter()
+            .zip(trees)
+            .map(|(&i, tree)| {
+                let depth = tree.depths().into_iter().max().unwrap_or(0);
+                let problem = tree.check(self.vocab).or_else(|| {
+                    (tree.len() > shape.nodes || depth > shape.depth).then(|| {
+                        format!(
+                            "a tree of {} nodes, {depth} deep, beyond the shape {shape:?}",
+                            tree.len()
+                        )
+                    })
+                });
+                if let Some(reason) = problem {
+                    return Err(bad(reason));
+                }
+                let room = self.seqs[i].cap - self.seqs[i].tokens.len();
+                Ok(tree.pruned(room, room))
+            })
+            .collect()
     }
 
     /// Applies a group's results; returns its still-live and its finished sequences.
@@ -292,8 +361,37 @@ impl<'a> Driver<'a> {
             r0 += span.len;
             let row = |j: usize| &logits[j * v..(j + 1) * v];
             let seq = &mut self.seqs[i];
-            let (kept, emitted) = match &f.drafts {
-                Some(chains) if span.len > 1 => {
+            // Verification rows whose positions the sequence keeps; `None`: the first `kept`.
+            let mut tree_rows = None;
+            let (kept, emitted) = match (&f.drafts, &f.trees) {
+                (_, Some(trees)) if span.len > 1 => {
+                    let tree = &trees[m];
+                    let verdict = if t == 0.0 {
+                        let rows: Vec<&[f32]> = (0..span.len).map(row).collect();
+                        accept_tree_greedy(tree, &rows)
+                    } else {
+                        let p: Vec<Vec<f32>> = (0..span.len).map(|j| softmax(row(j), t)).collect();
+                        let p: Vec<&[f32]> = p.iter().map(Vec::as_slice).collect();
+                        accept_tree_sampling(tree, &p, &mut seq.rng)
+                    };
+                    self.stats.verifications += 1;
+                    self.stats.drafted += tree.len();
+                    self.stats.accepted += verdict.path.len();
+                    let keep = verdict.kept_rows();
+                    // Rows 0..n kept in place need no compaction: the next span's start
+                    // rolls the rest back, as for a chain.
+                    if keep.iter().enumerate().any(|(j, &r)| j != r) {
+                        seq.compact = Some(Compaction {
+                            slot: i,
+                            start: span.start,
+                            keep: keep.clone(),
+                        });
+                    }
+                    let n = keep.len();
+                    tree_rows = Some(keep);
+                    (n, verdict.tokens)
+                }
+                (Some(chains), _) if span.len > 1 => {
                     let k = span.len - 1;
                     let draft = &chains[m].tokens[..k];
                     let verdict = if t == 0.0 {
@@ -323,11 +421,16 @@ impl<'a> Driver<'a> {
                 }
             };
             // Hidden states of the positions the target has now really seen.
+            let kept_rows = tree_rows.unwrap_or_else(|| (0..kept).collect());
             seq.hidden.truncate(span.start * d);
-            seq.hidden.extend_from_slice(&hidden[..kept * d]);
+            for &j in &kept_rows {
+                seq.hidden.extend_from_slice(&hidden[j * d..(j + 1) * d]);
+            }
             if self.config.record_rows {
                 seq.probs.truncate(span.start * v);
-                (0..kept).for_each(|j| seq.probs.extend(softmax(row(j), 1.0)));
+                kept_rows
+                    .iter()
+                    .for_each(|&j| seq.probs.extend(softmax(row(j), 1.0)));
             }
             for tok in emitted {
                 seq.tokens.push(tok);
@@ -416,4 +519,19 @@ fn draft_row(s: &Seq, d: usize, v: usize, step: u64) -> Option<DraftRow> {
         probs: s.probs[..len * v].to_vec(),
         step,
     })
+}
+
+/// What the proposer sees of sequences `members` (see [`DraftContext`]).
+fn contexts<'s>(seqs: &'s [Seq], members: &[usize], d: usize) -> Vec<DraftContext<'s>> {
+    members
+        .iter()
+        .map(|&i| {
+            let s = &seqs[i];
+            let n = s.tokens.len() - 1;
+            DraftContext {
+                hidden: &s.hidden[..n * d],
+                tokens: &s.tokens[1..],
+            }
+        })
+        .collect()
 }

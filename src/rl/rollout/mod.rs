@@ -14,7 +14,10 @@
 //! when a group comes back and fewer than `groups` are in flight, its live sequences are
 //! split so that the stages stay busy. With [`Speculation::Adaptive`] speculation runs only
 //! while the live batch is at most `threshold`, and a [`KBandit`] picks K per live-batch
-//! bucket.
+//! bucket. With a draft tree ([`Speculation::Tree`], or [`AdaptiveConfig::tree`]) a step
+//! verifies the drafter's tree instead of a chain: its rows attend to their ancestors only
+//! ([`crate::model::infer::TreeStep`]), [`super::tree`] accepts a path, and the sequence's
+//! next step compacts the stages' caches to that path.
 
 mod driver;
 pub mod idle;
@@ -30,7 +33,7 @@ use serde::Serialize;
 use super::bandit::{Choice, KBandit};
 use super::speculative::{ProposeError, Proposer};
 use crate::model::ModelError;
-use crate::model::drafter::DraftRow;
+use crate::model::drafter::{DraftRow, TreeShape};
 use crate::model::infer::InferStage;
 use crate::tensor::Backend;
 use driver::Driver;
@@ -74,6 +77,8 @@ pub enum Speculation {
     Fixed { k: usize },
     /// Speculate while the live batch is small; K chosen by a bandit.
     Adaptive(AdaptiveConfig),
+    /// Always draft a tree of this shape.
+    Tree(TreeShape),
 }
 
 /// The adaptive engine's knobs.
@@ -88,6 +93,9 @@ pub struct AdaptiveConfig {
     pub epsilon: f64,
     /// Rewards per arm the median is taken over.
     pub window: usize,
+    /// Draft trees instead of chains: a step with K ≥ 1 drafts a tree `K` levels deep (the
+    /// shape's `depth` is the bandit's K) with the shape's `branch`, `width` and `nodes`.
+    pub tree: Option<TreeShape>,
 }
 
 impl Default for AdaptiveConfig {
@@ -97,6 +105,7 @@ impl Default for AdaptiveConfig {
             ks: vec![1, 2, 3, 4, 6],
             epsilon: 0.1,
             window: 8,
+            tree: None,
         }
     }
 }
@@ -361,6 +370,22 @@ fn check(
         Speculation::Off => {}
         _ if !has_proposer => return bad("speculation", "needs a proposer".into()),
         Speculation::Fixed { k: 0 } => return bad("speculation.k", "must be at least 1".into()),
+        Speculation::Tree(shape) => {
+            if let Some((field, reason)) = shape.check() {
+                return Err(RolloutError::Config {
+                    field: tree_field(field),
+                    reason,
+                });
+            }
+        }
+        Speculation::Adaptive(AdaptiveConfig {
+            tree: Some(shape), ..
+        }) if let Some((field, reason)) = (TreeShape { depth: 1, ..*shape }).check() => {
+            return Err(RolloutError::Config {
+                field: tree_field(field),
+                reason,
+            });
+        }
         Speculation::Adaptive(a) if !a.ks.iter().any(|&k| k >= 1) => {
             return bad(
                 "speculation.ks",
@@ -385,6 +410,16 @@ fn check(
         return Err(RolloutError::Request { index, reason });
     }
     Ok(())
+}
+
+/// The config path of a [`TreeShape`] field.
+fn tree_field(field: &str) -> &'static str {
+    match field {
+        "depth" => "speculation.tree.depth",
+        "branch" => "speculation.tree.branch",
+        "width" => "speculation.tree.width",
+        _ => "speculation.tree.nodes",
+    }
 }
 
 #[cfg(test)]
@@ -430,6 +465,7 @@ mod tests {
             ks: vec![0, 2],
             epsilon: 0.0,
             window: 4,
+            tree: None,
         });
         let ad = run(adaptive, Some(&mut random));
         assert_eq!(ad.sequences, plain.sequences, "lossless");
