@@ -4,7 +4,6 @@
 //! drafter trains in the idle time on rows the rollout produced, and the figures add up;
 //! and the RL loop's drafter, trained in idle time, keeps up with a moving policy.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use pipefill::config::JobConfig;
@@ -16,7 +15,7 @@ use pipefill::model::drafter::{
 use pipefill::model::infer::InferStage;
 use pipefill::model::{Cut, Gpt, GptConfig, init};
 use pipefill::rl::config::RlConfig;
-use pipefill::rl::rollout::idle::{DRAFTER, DrafterSlices, RolloutRouter, VERIFY};
+use pipefill::rl::rollout::idle::{DRAFTER, DRAFTER_STEP, DrafterSlices, RolloutRouter, VERIFY};
 use pipefill::rl::rollout::{
     MessageHook, Request, Rollout, RolloutConfig, RolloutEngine, Speculation,
 };
@@ -24,6 +23,7 @@ use pipefill::rl::speculative::RandomProposer;
 use pipefill::rl::trainer_spec::PipelineRollouts;
 use pipefill::tensor::CpuBackend;
 use pipefill_actors::FillerRouter;
+use pipefill_actors::router::CostEstimate;
 
 const STAGES: usize = 4;
 
@@ -90,15 +90,17 @@ fn routed_verification_and_idle_drafter_training_change_no_sample() {
     }
     buffer.begin_step(1);
     let trainer = trainer(buffer.clone());
-    let budget = Arc::new(AtomicU64::new(1000));
     let router = FillerRouter::default();
-    // A prior of 0 s: the first slice fits any idle time; measured costs take over after.
-    router.set_prior(DRAFTER, 0.0);
-    let slices = DrafterSlices::new(Arc::clone(&trainer), budget.clone());
+    let slices = DrafterSlices::new(Arc::clone(&trainer), &router);
+    // A prior of 0 s: the first piece fits any idle time; measured costs take over after.
+    let full = slices.full_rows();
+    router.set_prior_line(DRAFTER, CostEstimate::prior_line(full as f64, 0.0, 0.0));
+    router.set_prior(DRAFTER_STEP, 0.0);
+    slices.begin(1000, &router);
     let hook = Arc::new(
         RolloutRouter::new(router.clone(), STAGES, true)
             .with_rows(buffer.clone(), 2)
-            .with_drafter(slices),
+            .with_drafter(slices.clone()),
     );
     let mut e = engine(&model).with_hook(Arc::clone(&hook) as Arc<dyn MessageHook>);
     let spec = rollout(&mut e, Speculation::Fixed { k: 3 });
@@ -122,14 +124,14 @@ fn routed_verification_and_idle_drafter_training_change_no_sample() {
 
     // The long tail left stages idle and the drafter trained there.
     let drafted: Vec<_> = report.spans.iter().filter(|s| s.kind == DRAFTER).collect();
-    assert_eq!(drafted.len(), report.drafter_slices);
+    assert_eq!(drafted.len(), report.drafter_slices + report.drafter_steps);
     assert!(report.drafter_slices >= 1, "{report:?}");
     assert!(drafted.iter().all(|s| s.error.is_none()), "{drafted:?}");
     let filled: f64 = drafted.iter().map(|s| s.end - s.start).sum();
     assert!((report.filled_total() - filled).abs() < 1e-9);
     assert_eq!(
-        budget.load(Ordering::Acquire),
-        1000 - report.drafter_slices as u64,
+        slices.rows_left(),
+        1000 * full - report.drafter_rows,
         "the budget pays for what ran"
     );
     assert!(trainer.lock().unwrap().pending_slices() > 0 || trainer.lock().unwrap().version() > 0);

@@ -9,10 +9,12 @@
 //! previous step's, [`crate::model::drafter::DraftBuffer`]), with its frozen embedding and
 //! head copies refreshed from the new policy before the rollout. With `rl.idle_fill` the
 //! slices run inside the rollout, in the stages' idle time of the long tail: a
-//! [`RolloutRouter`] files the verification passes and [`DrafterSlices`] with a
-//! [`FillerRouter`] kept across steps (its cost estimates carry over), and each finished
-//! sequence's row reaches the buffer at once. What does not fit runs on the caller's
-//! thread after the rollout (reported as `drafter_seconds`). The drafter starts from the
+//! [`RolloutRouter`] files the verification passes with a [`FillerRouter`] kept across
+//! steps (its cost estimates carry over), whose [`DrafterSlices`] sources cut the step's
+//! slices into pieces sized to the stages' idle gaps (one optimizer step per slice's worth
+//! of rows, as whole slices take), and each finished sequence's row reaches the buffer at
+//! once. What the gaps do not take runs on the caller's thread after the rollout (reported
+//! as `drafter_seconds`). The drafter starts from the
 //! policy's own run's drafter when that run trained one in its pipeline's bubbles
 //! ([`PipelineRollouts::with_drafter`]), as TLT starts RL with a drafter that already
 //! follows the policy, and then trains at the lower `rl.drafter_lr`; otherwise untrained,
@@ -23,14 +25,13 @@
 //! Speculation never changes what is sampled (acceptance is lossless), so the reward curve
 //! is the same in distribution with it on or off; only the time differs.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
 use pipefill_actors::FillerRouter;
 
 use super::bandit::KBandit;
-use super::rollout::idle::{DRAFTER, DrafterSlices, RolloutRouter};
+use super::rollout::idle::{DrafterSlices, RolloutRouter};
 use super::rollout::{
     AdaptiveConfig, MessageHook, Request, RolloutConfig, RolloutEngine as Engine, RolloutError,
     Speculation,
@@ -75,8 +76,8 @@ pub struct PipelineRollouts {
     proposer: Drafter<CpuBackend>,
     /// Routes the stages' idle work, across steps.
     router: FillerRouter,
-    /// Drafter slices left this step.
-    budget: Arc<AtomicU64>,
+    /// The trainer's work as the router's sources, a step's budget at a time.
+    slices: DrafterSlices,
     /// The adaptive engine's K bandit, carried from step to step (each step builds a new
     /// engine for the new policy).
     bandit: Option<KBandit>,
@@ -105,14 +106,16 @@ impl PipelineRollouts {
         } else {
             Speculation::Off
         };
+        let trainer = Arc::new(Mutex::new(trainer));
+        let router = FillerRouter::default();
         Ok(PipelineRollouts {
             proposer: Drafter::new(model, config, be()?)?,
             rl: rl.clone(),
             stages,
             speculation,
-            trainer: Arc::new(Mutex::new(trainer)),
-            router: FillerRouter::default(),
-            budget: Arc::new(AtomicU64::new(0)),
+            slices: DrafterSlices::new(Arc::clone(&trainer), &router),
+            trainer,
+            router,
             bandit: None,
         })
     }
@@ -147,23 +150,15 @@ impl PipelineRollouts {
         lock(&self.trainer).version()
     }
 
-    /// This step's idle-work hook: the step's drafter budget set, the router's prior for
-    /// a slice's cost from the trainer's measured slices (kept once the router measured
-    /// its own), rows sent to the drafter's buffer as sequences finish.
+    /// This step's idle-work hook: the step's drafter budget set (with the router's priors
+    /// from the slices measured after earlier rollouts, kept once the router measured its
+    /// own), rows sent to the drafter's buffer as sequences finish.
     fn idle_router(&mut self) -> RolloutRouter {
-        let (cost, buffer) = {
-            let trainer = lock(&self.trainer);
-            (trainer.predicted_cost(), trainer.buffer().clone())
-        };
-        if let Some(cost) = cost {
-            self.router.set_prior(DRAFTER, cost);
-        }
-        self.budget
-            .store(self.rl.drafter_slices as u64, Ordering::Release);
-        let slices = DrafterSlices::new(Arc::clone(&self.trainer), self.budget.clone());
+        let buffer = lock(&self.trainer).buffer().clone();
+        self.slices.begin(self.rl.drafter_slices, &self.router);
         RolloutRouter::new(self.router.clone(), self.stages.max(1), true)
             .with_rows(buffer, HELD_OUT_ROWS)
-            .with_drafter(slices)
+            .with_drafter(self.slices.clone())
     }
 }
 
@@ -224,11 +219,13 @@ impl RolloutEngine for PipelineRollouts {
         // use it, so it is left alone.
         let drafted = Instant::now();
         let agreement = match (&hook, speculate) {
-            // The router sent every row but the held-out ones to the buffer already; the
-            // slices are what the stages' idle time left of the budget.
+            // The router sent every row but the held-out ones to the buffer already; then
+            // what the stages' idle time left of the budget.
             (Some(h), true) => {
-                let (held, slices) = (h.held_out(), self.budget.swap(0, Ordering::AcqRel));
-                Some(self.drafter_work(&held, &held, slices)?)
+                let held = h.held_out();
+                let agreement = self.drafter_work(&held, &held, 0)?;
+                self.slices.finish()?;
+                Some(agreement)
             }
             (None, true) => Some(self.follow(&out.rows, step)?),
             _ => None,

@@ -10,39 +10,40 @@
 //!    and handed back to that stage (the one holding the layers it needs) as the first
 //!    request it may run; the stage then runs it as its own work. The router thereby
 //!    learns the verification passes' cost and orders them ahead of every source;
-//! 2. **drafter training** (kind `"drafter"`, always available while the step's budget
-//!    lasts, [`DrafterSlices`]): slices of the drafter's training on the rows this step's
-//!    rollouts produced (each finished sequence's row reaches the buffer at once through
-//!    [`MessageHook::row`]) and the previous step's. An idle stage files one slice as a
-//!    request pinned to itself when the router's estimate of a slice's cost fits the idle
-//!    time it has left, and takes it back through its filler (only one-off requests and
-//!    the router's estimates are used, not its source interface).
+//! 2. **drafter training** ([`DrafterSlices`], the router's sources `"drafter step"` and
+//!    `"drafter"`, while the step's budget lasts): pieces of the drafter's training on the
+//!    rows this step's rollouts produced (each finished sequence's row reaches the buffer
+//!    at once through [`MessageHook::row`]) and the previous step's, each sized by the
+//!    router to the idle time the stage has left, and the optimizer step once they add up
+//!    to a whole slice (see [`slices`]: the gaps are far shorter than a whole slice).
 //!
 //! The idle time a stage has left is predicted from what it observed: the moving average
 //! of its idle gaps (from going idle to the next message), measured whenever the arrival
-//! was seen; when a message arrived while a slice ran, the gap is only known to exceed the
-//! time before the slice, and that lower bound is what the average learns, so an estimate
-//! that let slices overrun shrinks. Every piece of work is recorded as an [`IdleSpan`].
+//! was seen; when a message arrived while a piece ran, the gap is only known to exceed the
+//! time before the piece, and that lower bound is what the average learns, so an estimate
+//! that let pieces overrun shrinks. Every piece of work is recorded as an [`IdleSpan`].
 //!
 //! The samples do not change: idle work never touches the stages' caches, and the drafter
 //! being trained is not the one proposing during this rollout (that one was loaded before
-//! it), so the rollout is as lossless and, for greedy decoding, as deterministic as without.
+//! it), so the rollout is as lossless and, for greedy decoding and for sampling with the
+//! same proposer, as deterministic as without.
+
+mod slices;
+
+pub use slices::{DRAFTER, DRAFTER_STEP, DrafterSlices, DrafterWork, MIN_PIECE_ROWS};
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
 use pipefill_actors::{
     Bubble, BubbleFiller, FillerRouter, FillerSpan, Request as RouterRequest, RoutedFiller,
-    RouterConfig,
 };
 use pipefill_schedules::Action;
 use serde::Serialize;
 
 use super::pipe::{IdleTurn, MessageHook, WorkKind};
-use crate::model::drafter::{DraftBufferHandle, DraftRow, DrafterTrainer};
-use crate::tensor::CpuBackend;
+use crate::model::drafter::{DraftBufferHandle, DraftRow};
 
 /// Weight of the newest observed gap in a stage's idle-gap average.
 const GAP_EMA: f64 = 0.3;
@@ -58,7 +59,8 @@ pub struct IdleSpan {
     /// Seconds since the router's rollout began.
     pub start: f64,
     pub end: f64,
-    /// `"verify"` (the stage's own message, routed) or `"drafter"` (idle work).
+    /// `"verify"` (the stage's own message, routed) or `"drafter"` (idle work: a piece of
+    /// training or an optimizer step, see `label`).
     pub kind: String,
     pub label: String,
     /// The work's error, if it failed.
@@ -71,10 +73,14 @@ pub struct IdleReport {
     pub spans: Vec<IdleSpan>,
     /// Seconds each stage blocked on its inbox with nothing to do.
     pub waited_s: Vec<f64>,
-    /// Seconds of idle work (drafter slices) each stage ran.
+    /// Seconds of idle work (drafter pieces and steps) each stage ran.
     pub filled_s: Vec<f64>,
-    /// Drafter slices run in idle time.
+    /// Pieces of drafter training run in idle time.
     pub drafter_slices: usize,
+    /// Their layout rows.
+    pub drafter_rows: usize,
+    /// Drafter optimizer steps taken in idle time.
+    pub drafter_steps: usize,
     /// Verification messages routed.
     pub verifications: usize,
 }
@@ -110,8 +116,6 @@ impl StageSide {
 
 /// Kind of the routed verification requests.
 pub const VERIFY: &str = "verify";
-/// Kind of the drafter-training source.
-pub const DRAFTER: &str = "drafter";
 
 /// The rollout engine's [`MessageHook`] over a [`FillerRouter`] (see the module docs).
 pub struct RolloutRouter {
@@ -166,7 +170,8 @@ impl RolloutRouter {
         }
     }
 
-    /// Fills idle time with `slices` of drafter training.
+    /// Reports the drafter training `slices` (registered with this hook's router) ran in
+    /// idle time.
     pub fn with_drafter(mut self, slices: DrafterSlices) -> Self {
         self.drafter = Some(slices);
         self
@@ -188,7 +193,11 @@ impl RolloutRouter {
 
     /// What the stages did so far.
     pub fn report(&self) -> IdleReport {
-        lock(&self.report).clone()
+        let mut report = lock(&self.report).clone();
+        if let Some(d) = &self.drafter {
+            report.drafter_rows = d.idle_work().rows;
+        }
+        report
     }
 
     fn seconds(&self, t: Instant) -> f64 {
@@ -215,22 +224,6 @@ impl RolloutRouter {
         }
     }
 
-    /// Files one drafter slice pinned to `stage` if the router's estimate of its cost fits
-    /// `left` seconds (so the router hands it straight back).
-    fn file_drafter(&self, stage: usize, left: f64) {
-        let Some(drafter) = &self.drafter else {
-            return;
-        };
-        // The router's widest margin: what fits here fits its own check.
-        let margin = RouterConfig::default().margin;
-        let fits = (self.router.stats().kinds.get(DRAFTER))
-            .is_some_and(|k| k.estimate.predicted(margin) <= left);
-        // Only a request that is filed takes a slice from the budget.
-        if let Some(request) = fits.then(|| drafter.request(stage)).flatten() {
-            self.router.submit(request);
-        }
-    }
-
     /// Runs `work` on this thread as idle work of `stage` and tells the filler.
     fn run_idle(&self, stage: usize, side: &mut StageSide, work: pipefill_actors::FillerWork) {
         let start = Instant::now();
@@ -248,7 +241,9 @@ impl RolloutRouter {
             error: error.clone(),
         });
         let is_drafter = work.label.starts_with(DRAFTER);
-        if is_drafter {
+        if work.label.starts_with(DRAFTER_STEP) {
+            lock(&self.report).drafter_steps += 1;
+        } else if is_drafter {
             lock(&self.report).drafter_slices += 1;
         }
         self.record(IdleSpan {
@@ -327,7 +322,6 @@ impl MessageHook for RolloutRouter {
         if left <= 0.0 {
             return IdleTurn::Wait;
         }
-        self.file_drafter(stage, left);
         match side.filler.fill(&Self::bubble(stage, left)) {
             Some(work) => {
                 self.run_idle(stage, &mut side, work);
@@ -385,51 +379,5 @@ impl MessageHook for RolloutRouter {
         if let Err(e) = buffer.lock().push(row.clone()) {
             tracing::warn!("drafter row refused: {e}");
         }
-    }
-}
-
-/// The drafter's training as router requests (kind `"drafter"`): one slice at a time,
-/// while this step's budget of slices lasts, the buffer has rows and no other
-/// stage is training it. Shares the trainer with the caller, who runs what is left of the
-/// budget after the rollout.
-pub struct DrafterSlices {
-    trainer: Arc<Mutex<DrafterTrainer<CpuBackend>>>,
-    /// Slices left to train this step.
-    budget: Arc<AtomicU64>,
-    /// A slice was filed and has not finished.
-    claimed: Arc<AtomicBool>,
-}
-
-impl DrafterSlices {
-    pub fn new(trainer: Arc<Mutex<DrafterTrainer<CpuBackend>>>, budget: Arc<AtomicU64>) -> Self {
-        DrafterSlices {
-            trainer,
-            budget,
-            claimed: Arc::new(AtomicBool::new(false)),
-        }
-    }
-
-    /// A slice for `stage` to run, or `None` (budget spent, no rows, one in flight).
-    fn request(&self, stage: usize) -> Option<RouterRequest> {
-        let left = self.budget.load(Ordering::Acquire);
-        if left == 0 || self.claimed.swap(true, Ordering::AcqRel) {
-            return None;
-        }
-        if !matches!(self.trainer.try_lock(), Ok(t) if !t.buffer().is_empty()) {
-            self.claimed.store(false, Ordering::Release);
-            return None;
-        }
-        self.budget.fetch_sub(1, Ordering::AcqRel);
-        let (trainer, claimed) = (Arc::clone(&self.trainer), Arc::clone(&self.claimed));
-        Some(RouterRequest {
-            kind: DRAFTER.into(),
-            label: format!("{DRAFTER} slice"),
-            rank: Some(stage),
-            run: Box::new(move || {
-                let result = lock(&trainer).slice();
-                claimed.store(false, Ordering::Release);
-                result.map(|_| ()).map_err(|e| e.to_string())
-            }),
-        })
     }
 }

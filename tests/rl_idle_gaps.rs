@@ -1,0 +1,205 @@
+//! The drafter's training in the rollout stages' idle gaps ([`DrafterSlices`]): the gaps of
+//! the long tail are far shorter than a whole slice, so the step's slices are cut into
+//! pieces sized to them, with one optimizer step per slice's worth of rows. The router's
+//! inputs are set so that a whole slice never fits a gap (its prior says 10 s) while a
+//! smallest piece fits any gap of a millisecond, and the driver spends 10 ms on every
+//! proposal, so every stage waits at least that long between messages: pieces must run in
+//! the gaps, whole slices could not. The samples, greedy or sampled, stay those of the same
+//! rollout without the hook.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use pipefill::data::SplitMix64;
+use pipefill::model::drafter::{
+    DraftBufferHandle, DraftChain, DraftContext, Drafter, DrafterConfig, DrafterTrainer,
+};
+use pipefill::model::infer::InferStage;
+use pipefill::model::{Cut, Gpt, GptConfig};
+use pipefill::rl::rollout::idle::{
+    DRAFTER, DRAFTER_STEP, DrafterSlices, MIN_PIECE_ROWS, RolloutRouter,
+};
+use pipefill::rl::rollout::{
+    MessageHook, Request, Rollout, RolloutConfig, RolloutEngine, Speculation,
+};
+use pipefill::rl::speculative::{ProposeError, Proposer};
+use pipefill::tensor::CpuBackend;
+use pipefill_actors::FillerRouter;
+use pipefill_actors::router::CostEstimate;
+
+const STAGES: usize = 4;
+/// Whole slices of budget per rollout.
+const SLICES: usize = 2;
+
+fn config() -> GptConfig {
+    GptConfig {
+        layers: 4,
+        seq_len: 40,
+        seed: 11,
+        ..GptConfig::default()
+    }
+}
+
+fn drafter() -> Drafter<CpuBackend> {
+    Drafter::new(
+        &config(),
+        &DrafterConfig::default(),
+        CpuBackend::new(1).unwrap(),
+    )
+    .unwrap()
+}
+
+/// The drafter's proposals, 10 ms slower: the stages wait for the driver at least that.
+struct Slow(Drafter<CpuBackend>);
+
+impl Proposer for Slow {
+    fn propose(
+        &mut self,
+        contexts: &[DraftContext<'_>],
+        k: usize,
+        temperature: f32,
+        rng: &mut SplitMix64,
+    ) -> Result<Vec<DraftChain>, ProposeError> {
+        std::thread::sleep(Duration::from_millis(10));
+        Proposer::propose(&mut self.0, contexts, k, temperature, rng)
+    }
+}
+
+/// Ragged prompts and caps: a long tail.
+fn requests() -> Vec<Request> {
+    let mut rng = SplitMix64::new(9);
+    (0..8)
+        .map(|i| Request {
+            prompt: (0..2 + i % 3).map(|_| 3 + rng.below(47) as u32).collect(),
+            max_new: 4 + (i * 11) % 30,
+        })
+        .collect()
+}
+
+fn rollout(gpt: &Gpt<CpuBackend>, temperature: f32, hook: Option<Arc<RolloutRouter>>) -> Rollout {
+    let stages = InferStage::stages_of(gpt, &Cut::Even(STAGES)).unwrap();
+    let mut engine = RolloutEngine::new(stages).unwrap();
+    if let Some(h) = hook {
+        engine = engine.with_hook(h as Arc<dyn MessageHook>);
+    }
+    let cfg = RolloutConfig {
+        groups: STAGES,
+        temperature,
+        seed: 5,
+        speculation: Speculation::Fixed { k: 3 },
+        record_rows: true,
+        ..RolloutConfig::default()
+    };
+    // The same weights every time (the drafter's seed): what proposes is never trained.
+    let mut proposer = Slow(drafter());
+    engine.run(&requests(), &cfg, Some(&mut proposer)).unwrap()
+}
+
+#[test]
+fn idle_gaps_train_the_drafter_in_pieces_and_change_no_sample() {
+    let gpt = Gpt::new(&config(), CpuBackend::new(1).unwrap(), &Cut::Even(1)).unwrap();
+    for temperature in [0.0, 1.0] {
+        let plain = rollout(&gpt, temperature, None);
+
+        // The trainer starts with a previous rollout's rows.
+        let buffer = DraftBufferHandle::new(&config(), &DrafterConfig::default());
+        buffer.begin_step(0);
+        for row in &plain.rows {
+            buffer.lock().push(row.clone()).unwrap();
+        }
+        buffer.begin_step(1);
+        let trainer = DrafterTrainer::new(drafter(), buffer.clone(), 0, 1).unwrap();
+        let trainer = Arc::new(Mutex::new(trainer));
+        let router = FillerRouter::default();
+        let slices = DrafterSlices::new(Arc::clone(&trainer), &router);
+        let full = slices.full_rows();
+        assert!(full > MIN_PIECE_ROWS);
+        // A whole slice is predicted to cost 10 s, a smallest piece 1 ms: only pieces fit.
+        let slope = (10.0 - 1e-3) / (full - MIN_PIECE_ROWS) as f64;
+        router.set_prior_line(DRAFTER, CostEstimate::prior_line(full as f64, 10.0, slope));
+        router.set_prior(DRAFTER_STEP, 0.0);
+        slices.begin(SLICES, &router);
+        assert_eq!(slices.rows_left(), SLICES * full);
+
+        let hook = Arc::new(
+            RolloutRouter::new(router.clone(), STAGES, true)
+                .with_rows(buffer.clone(), 2)
+                .with_drafter(slices.clone()),
+        );
+        let spec = rollout(&gpt, temperature, Some(Arc::clone(&hook)));
+        // The drafter trained during the rollout is not the one that proposed.
+        assert_eq!(spec.sequences, plain.sequences, "temperature {temperature}");
+
+        let report = hook.report();
+        let idle = slices.idle_work();
+        assert!(
+            report.drafter_slices >= 1,
+            "no piece in the gaps: {report:?}"
+        );
+        assert_eq!(report.drafter_slices, idle.pieces);
+        assert_eq!(report.drafter_steps, idle.steps);
+        assert_eq!(report.drafter_rows, idle.rows);
+        // Cut finer than whole slices (the first ones, under the prior, are the smallest).
+        assert!(idle.pieces > idle.rows / full, "{idle:?}");
+        let pieces: Vec<_> = (report.spans.iter())
+            .filter(|s| s.kind == DRAFTER && s.label.starts_with("drafter slice"))
+            .collect();
+        assert_eq!(pieces.len(), idle.pieces);
+        assert!(pieces.iter().all(|s| s.error.is_none()), "{pieces:?}");
+        // One optimizer step per whole slice's worth of rows, none before.
+        let version = trainer.lock().unwrap().version() as usize;
+        assert_eq!(version, idle.steps);
+        assert_eq!(version, idle.rows / full);
+        assert_eq!(slices.rows_left(), SLICES * full - idle.rows);
+
+        // After the rollout the rest of the budget runs here: as many steps as slices.
+        let after = slices.finish().unwrap();
+        assert_eq!(idle.rows + after.rows, SLICES * full);
+        assert_eq!(idle.steps + after.steps, SLICES);
+        assert_eq!(trainer.lock().unwrap().version() as usize, SLICES);
+        assert_eq!(trainer.lock().unwrap().pending_slices(), 0);
+        assert_eq!(slices.rows_left(), 0);
+    }
+}
+
+/// Pieces only accumulate: the trainer steps once per whole slice's worth of rows,
+/// whatever the pieces' sizes, and a budget's rest finishes the slice it is in.
+#[test]
+fn pieces_accumulate_into_one_step_per_slice() {
+    let gpt = Gpt::new(&config(), CpuBackend::new(1).unwrap(), &Cut::Even(1)).unwrap();
+    let rows = rollout(&gpt, 0.0, None).rows;
+    let buffer = DraftBufferHandle::new(&config(), &DrafterConfig::default());
+    buffer.begin_step(0);
+    for row in rows {
+        buffer.lock().push(row).unwrap();
+    }
+    let mut trainer = DrafterTrainer::new(drafter(), buffer, 0, 1).unwrap();
+    let full = trainer.max_slice_rows();
+    let mut sum = 0;
+    for piece in [MIN_PIECE_ROWS, 2 * MIN_PIECE_ROWS, MIN_PIECE_ROWS] {
+        let size = trainer.slice_size(piece);
+        trainer.accumulate_within(size).unwrap();
+        sum += size;
+        assert_eq!(trainer.version(), 0, "no step before a slice's worth");
+    }
+    assert_eq!(trainer.pending_slices(), 3);
+    trainer.accumulate_within(full - sum).unwrap();
+    assert_eq!(trainer.step_accumulated().unwrap(), 1);
+    assert_eq!(trainer.pending_slices(), 0);
+
+    // Through DrafterSlices with no gaps: everything runs in `finish`.
+    let router = FillerRouter::default();
+    let trainer = Arc::new(Mutex::new(trainer));
+    let slices = DrafterSlices::new(Arc::clone(&trainer), &router);
+    slices.begin(3, &router);
+    let done = slices.finish().unwrap();
+    assert_eq!((done.rows, done.steps, done.pieces), (3 * full, 3, 3));
+    assert_eq!(trainer.lock().unwrap().version(), 4);
+    // The next step's budget starts from a prior line through the whole slice measured.
+    slices.begin(1, &router);
+    let estimate = router.stats().kinds[DRAFTER].estimate;
+    assert_eq!(estimate.samples, 0);
+    assert!(estimate.slope > 0.0 && estimate.line(full as f64) > 0.0);
+    assert!(estimate.line(MIN_PIECE_ROWS as f64) < estimate.line(full as f64));
+    assert!(router.stats().kinds.contains_key(DRAFTER_STEP));
+}
