@@ -86,6 +86,10 @@ impl TreeShape {
 /// way to the GEMM and a tree costs as much as decoding.
 pub const MAX_TREE_NODES: usize = 31;
 
+/// A block output a node's children are made from, and the key/value cache it attended
+/// with (the context's, then its ancestors').
+type Expanded = (Vec<f32>, (Vec<f32>, Vec<f32>));
+
 /// A candidate node while the tree grows.
 struct Candidate {
     parent: Option<usize>,
@@ -172,7 +176,7 @@ impl<B: Backend> Drafter<B> {
             // Per member: its candidates, and per block output (0: the context's) the
             // output rows and the cache they attend with.
             let mut cands: Vec<Vec<Candidate>> = (0..members.len()).map(|_| Vec::new()).collect();
-            let mut outs: Vec<Vec<(Vec<f32>, (Vec<f32>, Vec<f32>))>> = caches
+            let mut outs: Vec<Vec<Expanded>> = caches
                 .into_iter()
                 .enumerate()
                 .map(|(m, c)| vec![(last[m * d..(m + 1) * d].to_vec(), c)])
