@@ -113,7 +113,10 @@ unsafe fn sums<const R: usize, const P: usize, const H: bool>(
             let mut wv = [_mm512_setzero_ps(); P];
             for (q, v) in wv.iter_mut().enumerate() {
                 let at = base.add((q * din + k) * line);
-                _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(PREFETCH_AHEAD).cast());
+                // Once per 64-byte cache line: every other half-precision line.
+                if !H || k % 2 == 0 {
+                    _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(PREFETCH_AHEAD).cast());
+                }
                 *v = if H {
                     _mm512_cvtph_ps(_mm256_load_si256(at.cast::<__m256i>()))
                 } else {
