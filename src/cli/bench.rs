@@ -28,6 +28,11 @@
 //!    time in the tail, the driver's drafting time per verified sequence inside the
 //!    rollout (against the proposal timed alone: the gap is cold caches and a shared
 //!    machine), and whether every mode produced the same greedy tokens.
+//! 6. next to the chain (fixed K) it runs a draft tree (`--tree`, EAGLE-2's dynamic tree:
+//!    depth, children per node, nodes expanded per level, nodes verified) as a fixed mode
+//!    and as an adaptive variant (`adapt tree`: the bandit's K is the tree's depth), each
+//!    alternating with plain runs, and prints the tree's step costs at one sequence per
+//!    group (verification of its rows, proposal) next to the chain's.
 
 mod costs;
 
@@ -36,11 +41,11 @@ use std::time::Instant;
 use anyhow::{Context, bail};
 use costs::{
     COST_REPS, MAX_CALIBRATION_BATCH, engine_buckets, step_costs, threshold_of_buckets,
-    threshold_per_group,
+    threshold_per_group, tree_cost,
 };
 use pipefill::config::JobConfig;
 use pipefill::data::{SplitMix64, TaskGenerator, Tokenizer, tokenizer::BOS};
-use pipefill::model::drafter::{DraftBufferHandle, Drafter, DrafterTrainer};
+use pipefill::model::drafter::{DraftBufferHandle, Drafter, DrafterTrainer, TreeShape};
 use pipefill::model::infer::InferStage;
 use pipefill::model::{Cut, Gpt};
 use pipefill::rl::rollout::{
@@ -95,6 +100,10 @@ pub struct RolloutArgs {
     /// Runs per mode (medians are reported).
     #[arg(long, default_value_t = 5)]
     reps: usize,
+    /// The draft tree of the tree variants, `DEPTH,BRANCH,WIDTH,NODES` (see
+    /// `TreeShape`; the adaptive tree's depth is the bandit's K).
+    #[arg(long, default_value = "6,3,3,12", value_name = "D,B,W,N")]
+    tree: String,
     /// Override job fields, e.g. `--set model.layers=4`.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     sets: Vec<String>,
@@ -255,6 +264,9 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
 
     // Modes alternate run by run, so that the machine's drift (other jobs on a shared box)
     // hits both sides of a comparison alike.
+    let shape = parse_tree(&a.tree)?;
+    let (tree_verify_ms, tree_propose_ms, tree_rows) =
+        tree_cost(model, dtrainer.drafter_mut(), &probe, &shape)?;
     let drafter = dtrainer.drafter_mut();
     let mut pair = |spec: &Speculation| -> anyhow::Result<(Vec<Rollout>, Vec<Rollout>)> {
         let (mut plain, mut spec_runs) = (Vec::new(), Vec::new());
@@ -267,6 +279,13 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
     };
     let (plain0, fixed) = pair(&Speculation::Fixed { k: a.k })?;
     let fixed_accept = median(fixed.iter().map(|r| r.stats.acceptance_length()).collect());
+    let (plain_tree, fixed_tree) = pair(&Speculation::Tree(shape))?;
+    let tree_accept = median(
+        fixed_tree
+            .iter()
+            .map(|r| r.stats.acceptance_length())
+            .collect(),
+    );
     for (b, pr, fr) in engine_buckets(&plain0, &fixed) {
         say(
             a.json,
@@ -299,6 +318,18 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
             ),
         );
     }
+    if let Some(c) = costs.first() {
+        say(
+            a.json,
+            format!(
+                "step costs:   1 per group: verify tree {tree_rows} rows {tree_verify_ms:>7.3} ms ({:.2}x), propose tree {tree_propose_ms:>6.3} ms: {:.2} ms per token at acceptance length {tree_accept:.2} (chain {:.2} at {fixed_accept:.2}; decode {:.2})",
+                tree_verify_ms / c.decode_ms,
+                (tree_verify_ms + tree_propose_ms) / tree_accept,
+                (c.verify_ms + c.propose_ms) / fixed_accept,
+                c.decode_ms
+            ),
+        );
+    }
     say(
         a.json,
         format!(
@@ -318,14 +349,21 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
     // And with a plain arm, the bandit decides per bucket over the whole long tail.
     let tail_live = (requests.len() / 4).max(threshold);
     let variants = [
-        ("adaptive", threshold, AdaptiveConfig::default().ks),
-        ("K=0 arm", tail_live, PLAIN_ARM_KS.to_vec()),
+        ("adaptive", threshold, AdaptiveConfig::default().ks, None),
+        ("K=0 arm", tail_live, PLAIN_ARM_KS.to_vec(), None),
+        (
+            "adapt tree",
+            threshold,
+            AdaptiveConfig::default().ks,
+            Some(shape),
+        ),
     ];
     let mut runs: Vec<(&str, usize, Vec<Rollout>, Vec<Rollout>)> = Vec::new();
-    for (name, threshold, ks) in variants {
+    for (name, threshold, ks, tree) in variants {
         let spec = Speculation::Adaptive(AdaptiveConfig {
             threshold,
             ks,
+            tree,
             ..AdaptiveConfig::default()
         });
         let (plain, spec_runs) = pair(&spec)?;
@@ -336,6 +374,7 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
 
     let identical = fixed
         .iter()
+        .chain(&fixed_tree)
         .chain(runs.iter().flat_map(|r| &r.3))
         .all(|r| r.sequences == plain[0].sequences);
     let m = |rs: &[Rollout], f: &dyn Fn(&Rollout) -> f64| median(rs.iter().map(f).collect());
@@ -354,6 +393,8 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
         .map(|r| m(&r.3, &tail) / m(&r.2, &tail))
         .collect();
     let speedup = speedups[HEADLINE];
+    let fixed_speedup = m(&fixed, &tail) / m(&plain0, &tail);
+    let tree_speedup = m(&fixed_tree, &tail) / m(&plain_tree, &tail);
     let last = adapt.last().expect("reps ≥ 1");
     let mut ks: Vec<(usize, usize)> = Vec::new();
     for c in &last.choices {
@@ -371,6 +412,16 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
             "speedup": speedup,
             "acceptance_length": m(&adapt, &acc),
             "fixed_acceptance_length": fixed_accept,
+            "fixed_speedup": fixed_speedup,
+            "tree": json!({
+                "shape": [shape.depth, shape.branch, shape.width, shape.nodes],
+                "fixed_tokens_per_s": m(&fixed_tree, &tail),
+                "fixed_speedup": tree_speedup,
+                "acceptance_length": tree_accept,
+                "verify_ms": tree_verify_ms,
+                "propose_ms": tree_propose_ms,
+                "rows": tree_rows,
+            }),
             "plain_overall_tokens_per_s": m(&plain, &tps),
             "adaptive_overall_tokens_per_s": m(&adapt, &tps),
             "overall_speedup": m(&adapt, &tps) / m(&plain, &tps),
@@ -400,9 +451,13 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
             "{:<10} {:>9} {:>11} {:>10} {:>8} {:>10}",
             "mode", "total s", "tokens/s", "tail tok/s", "tail s", "accept len"
         );
-        let table = [("plain", &plain), ("fixed K", &fixed)]
-            .into_iter()
-            .chain(runs.iter().map(|r| (r.0, &r.3)));
+        let table = [
+            ("plain", &plain),
+            ("fixed K", &fixed),
+            ("fixed tree", &fixed_tree),
+        ]
+        .into_iter()
+        .chain(runs.iter().map(|r| (r.0, &r.3)));
         for (name, rs) in table {
             println!(
                 "{name:<10} {:>9.3} {:>11.1} {:>10.1} {:>8.3} {:>10.2}",
@@ -413,6 +468,10 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
                 m(rs, &acc)
             );
         }
+        println!(
+            "long-tail speedup fixed K={}/plain: {fixed_speedup:.2}x; fixed tree {:?}/plain: {tree_speedup:.2}x",
+            a.k, shape
+        );
         for (r, s) in runs.iter().zip(&speedups) {
             println!(
                 "long-tail speedup {}/plain: {s:.2}x (live ≤ {}, arms {:?})",
@@ -485,6 +544,28 @@ fn long_tail_batch(job: &JobConfig, n: usize) -> anyhow::Result<Vec<Request>> {
         }
     }
     Ok(out)
+}
+
+/// `DEPTH,BRANCH,WIDTH,NODES` as a checked [`TreeShape`].
+fn parse_tree(s: &str) -> anyhow::Result<TreeShape> {
+    let v: Vec<usize> = s
+        .split(',')
+        .map(|x| x.trim().parse::<usize>())
+        .collect::<Result<_, _>>()
+        .with_context(|| format!("--tree {s:?}: expected DEPTH,BRANCH,WIDTH,NODES"))?;
+    let [depth, branch, width, nodes] = v[..] else {
+        bail!("--tree {s:?}: expected 4 numbers DEPTH,BRANCH,WIDTH,NODES");
+    };
+    let shape = TreeShape {
+        depth,
+        branch,
+        width,
+        nodes,
+    };
+    if let Some((field, reason)) = shape.check() {
+        bail!("--tree {s:?}: {field} {reason}");
+    }
+    Ok(shape)
 }
 
 /// The arms of the bandit that also chooses plain decoding (K = 0) per bucket.

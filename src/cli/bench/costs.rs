@@ -6,8 +6,8 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 use pipefill::data::SplitMix64;
-use pipefill::model::drafter::{DraftContext, Drafter};
-use pipefill::model::infer::{InferStage, Span, run_stages};
+use pipefill::model::drafter::{DraftContext, Drafter, TreeShape};
+use pipefill::model::infer::{InferStage, Span, StageInput, StageOutput, TreeStep, run_stages};
 use pipefill::model::{Cut, Gpt};
 use pipefill::rl::bandit::bucket;
 use pipefill::rl::rollout::Rollout;
@@ -153,4 +153,63 @@ pub(super) fn threshold_per_group(costs: &[StepCost], acceptance: f64) -> usize 
         };
     }
     best
+}
+
+/// What a draft-tree step of one sequence costs (one thread, fastest of [`COST_REPS`]): the
+/// target verifying the tree the drafter proposes for `probe` (its nodes + 1 rows, with
+/// tree attention, resuming at `COST_PAST`), and that proposal. `(verify_ms, propose_ms,
+/// rows)`.
+pub(super) fn tree_cost(
+    model: &Gpt<CpuBackend>,
+    drafter: &mut Drafter<CpuBackend>,
+    probe: &pipefill::model::drafter::DraftRow,
+    shape: &TreeShape,
+) -> anyhow::Result<(f64, f64, usize)> {
+    let d = model.config().d_model;
+    let n = probe.len();
+    let tokens: Vec<u32> = probe.targets[..n].to_vec();
+    let ctx = [DraftContext {
+        hidden: &probe.hidden[..n * d],
+        tokens: &tokens,
+    }];
+    let tree = drafter.propose_tree(&ctx, shape, 0.0)?.remove(0);
+    let rows = tree.len() + 1;
+    let past = COST_PAST.min(model.config().seq_len.saturating_sub(rows));
+    let mut stages = InferStage::stages_of(model, &Cut::Even(1))?;
+    run_stages(
+        &mut stages,
+        &[Span {
+            slot: 0,
+            start: 0,
+            len: past,
+        }],
+        &vec![5u32; past],
+    )?;
+    let span = [Span {
+        slot: 0,
+        start: past,
+        len: rows,
+    }];
+    let step = TreeStep {
+        parents: vec![Some(tree.row_parents())],
+        compact: Vec::new(),
+    };
+    let mut ids = vec![5u32];
+    ids.extend_from_slice(&tree.tokens);
+    let (mut verify_ms, mut propose_ms) = (f64::MAX, f64::MAX);
+    for _ in 0..COST_REPS {
+        let s = Instant::now();
+        let mut input = StageInput::Tokens(&ids);
+        for stage in stages.iter_mut() {
+            match stage.forward_with(&span, Some(&step), input)? {
+                StageOutput::Hidden(h) => input = StageInput::Hidden(h),
+                StageOutput::Final { .. } => break,
+            }
+        }
+        verify_ms = verify_ms.min(s.elapsed().as_secs_f64() * 1e3);
+        let s = Instant::now();
+        drafter.propose_tree(&ctx, shape, 0.0)?;
+        propose_ms = propose_ms.min(s.elapsed().as_secs_f64() * 1e3);
+    }
+    Ok((verify_ms, propose_ms, rows))
 }
