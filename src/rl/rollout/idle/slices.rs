@@ -24,6 +24,14 @@
 //! measured: before any piece ran in a gap, [`DrafterSlices::begin`] sets a prior line
 //! through the last whole slice [`DrafterSlices::finish`] measured (cost proportional to
 //! the rows; the pieces measured then fit the line's level and slope).
+//!
+//! What limits it (measured on the shared 2-core box, `pipefill rl examples/rl-longtail.toml`,
+//! one run each): a piece has a fixed cost of ~1.7 ms at d_model 256 (a 16-row piece ~3 ms
+//! alone, ~0.09 ms a row more; perf puts half of it in the GEMM packing the drafter's weight
+//! matrices, which a piece of few rows pays as a whole slice does), comparable to the tail's
+//! gaps (1-5 ms), so only a few pieces fit a step; at d_model 512 the gaps are 10-17 ms and
+//! 64-row pieces took 57-120 ms on the stage threads under load. Cheaper small pieces
+//! (weights streamed, not packed, as the proposals' row kernels do) would let more fit.
 
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
