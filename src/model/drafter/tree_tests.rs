@@ -89,7 +89,9 @@ fn trees_are_well_formed_and_rank_by_the_drafter() {
         width: 2,
         nodes: 9,
     };
-    let chains = d.propose(&ctx, 1, 0.0, &mut SplitMix64::new(0)).unwrap();
+    let chains = d
+        .propose(&ctx, shape.depth, 0.0, &mut SplitMix64::new(0))
+        .unwrap();
     for temperature in [0.0, 0.7] {
         let trees = d.propose_tree(&ctx, &shape, temperature).unwrap();
         for (t, c) in trees.iter().zip(&chains) {
@@ -100,8 +102,12 @@ fn trees_are_well_formed_and_rank_by_the_drafter() {
             assert!(!first.is_empty() && first.len() <= shape.branch);
             // The root's first child is the drafter's greedy token.
             assert_eq!(t.tokens[first[0]], c.tokens[0]);
-            // Deeper than one level: the budget went to confident paths.
-            assert!(t.depths().iter().any(|&x| x >= 2));
+            // The greedy chain of the tree's depth is one of its paths.
+            let mut at = None;
+            for &tok in &c.tokens {
+                at = t.children(at).find(|&n| t.tokens[n] == tok);
+                assert!(at.is_some(), "chain {:?} not in {t:?}", c.tokens);
+            }
             for i in 0..t.len() {
                 assert!(t.children(Some(i)).count() <= shape.branch);
             }
