@@ -58,6 +58,8 @@ pub(super) struct Driver<'a> {
     config: &'a RolloutConfig,
     d: usize,
     vocab: usize,
+    /// The model's positions: the most rows a sequence's cache holds.
+    seq_len: usize,
     seqs: Vec<Seq>,
     bandit: Option<KBandit>,
     draft_rng: SplitMix64,
@@ -94,6 +96,7 @@ impl<'a> Driver<'a> {
             config,
             d,
             vocab,
+            seq_len,
             seqs,
             bandit,
             draft_rng: SplitMix64::derive(config.seed, u64::MAX),
@@ -343,8 +346,11 @@ impl<'a> Driver<'a> {
                 if let Some(reason) = problem {
                     return Err(bad(reason));
                 }
-                let room = self.seqs[i].cap - self.seqs[i].tokens.len();
-                Ok(tree.pruned(room, room))
+                // Depth is bounded by the tokens the sequence may still emit, the node
+                // count only by the cache's rows: pruning near the cap by count would cut
+                // the deep greedy chain and keep the shallow side branches.
+                let len = self.seqs[i].tokens.len();
+                Ok(tree.pruned(self.seq_len - len, self.seqs[i].cap - len))
             })
             .collect()
     }
