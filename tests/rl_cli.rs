@@ -131,6 +131,28 @@ fn rl_from_a_train_run_starts_at_its_checkpoint() {
 }
 
 #[test]
+fn rl_with_draft_trees_runs_and_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = pipefill(
+        "rl",
+        &[
+            "--steps",
+            "1",
+            "--set",
+            "rl.draft_tree.nodes=5",
+            "--set",
+            "rl.spec_threshold=6",
+        ],
+        dir.path(),
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("draft trees of up to 5 nodes"), "{stdout}");
+    let m = metrics(dir.path());
+    assert!(m[0]["acceptance_length"].as_f64().is_some(), "{}", m[0]);
+}
+
+#[test]
 fn bad_rl_settings_are_one_line_errors_naming_the_field() {
     let dir = tempfile::tempdir().unwrap();
     let err = one_line_error(&pipefill("rl", &["--set", "rl.group=1"], dir.path()));
@@ -148,6 +170,12 @@ fn bad_rl_settings_are_one_line_errors_naming_the_field() {
     assert!(err.contains("`rl.max_new_tokens`"), "{err}");
     let err = one_line_error(&pipefill("rl", &["--set", "rl.bogus=1"], dir.path()));
     assert!(err.contains("bogus"), "{err}");
+    let err = one_line_error(&pipefill(
+        "rl",
+        &["--set", "rl.draft_tree.width=0"],
+        dir.path(),
+    ));
+    assert!(err.contains("`rl.draft_tree.width`"), "{err}");
     let missing = dir.path().join("no-such-run");
     let err = one_line_error(&pipefill(
         "rl",

@@ -137,6 +137,13 @@ pub fn run(args: RlArgs) -> anyhow::Result<()> {
              by a bandit), drafter trained {} slices per step on the rollouts",
             rl.spec_threshold, rl.draft_k, rl.drafter_slices
         );
+        if let Some(t) = &rl.draft_tree {
+            println!(
+                "rollouts: draft trees of up to {} nodes ({} children of the {} best nodes a \
+                 level), as deep as the bandit's K",
+                t.nodes, t.branch, t.width
+            );
+        }
         if let Some(state) = &checkpoint.drafter {
             engine = engine.with_drafter(state)?;
         }

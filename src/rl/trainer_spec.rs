@@ -101,6 +101,7 @@ impl PipelineRollouts {
             Speculation::Adaptive(AdaptiveConfig {
                 threshold: rl.spec_threshold,
                 ks: (1..=rl.draft_k).collect(),
+                tree: rl.tree_shape(),
                 ..AdaptiveConfig::default()
             })
         } else {
