@@ -86,15 +86,28 @@ impl<B: Backend> Drafter<B> {
         temperature: f32,
         rng: &mut SplitMix64,
     ) -> Result<Vec<DraftChain>> {
+        self.with_products("proposal", temperature, |drafter, products| {
+            drafter.propose_with(products, contexts, k, temperature, rng)
+        })
+    }
+
+    /// Runs `f` on this drafter's products after checking `temperature` (errors say
+    /// `what`). On the host backend the pack cache is taken out for the call, so that the
+    /// weights it packs from and the backend stay borrowed shared; it goes back whatever
+    /// the outcome.
+    pub(super) fn with_products<T>(
+        &mut self,
+        what: &'static str,
+        temperature: f32,
+        f: impl FnOnce(&Self, &mut Products<'_>) -> Result<T>,
+    ) -> Result<T> {
         if !(temperature >= 0.0 && temperature.is_finite()) {
             return Err(DrafterError::Input {
-                what: "proposal",
+                what,
                 reason: format!("temperature {temperature} is not a finite number ≥ 0"),
             });
         }
         let host = self.host_products();
-        // The cache is taken out for the call, so that the weights it packs from and the
-        // backend stay borrowed shared; it goes back whatever the outcome.
         let mut cache = std::mem::take(&mut self.packs);
         let result = (|| {
             let mut products = if host {
@@ -103,28 +116,25 @@ impl<B: Backend> Drafter<B> {
             } else {
                 Products::Backend
             };
-            self.propose_with(&mut products, contexts, k, temperature, rng)
+            f(self, &mut products)
         })();
         self.packs = cache;
         result
     }
 
-    fn propose_with(
+    /// Checks each context and groups them by how many context pairs they bring (their
+    /// last `window`): per group, each member's index and its first pair.
+    pub(super) fn context_groups(
         &self,
-        products: &mut Products<'_>,
         contexts: &[DraftContext<'_>],
-        k: usize,
-        temperature: f32,
-        rng: &mut SplitMix64,
-    ) -> Result<Vec<DraftChain>> {
+        what: &'static str,
+    ) -> Result<BTreeMap<usize, Vec<(usize, usize)>>> {
         let (d, v) = (self.target.d_model, self.target.vocab);
-        // Per sequence: the first of its last `window` pairs; sequences are grouped by
-        // how many pairs that leaves.
         let mut groups: BTreeMap<usize, Vec<(usize, usize)>> = BTreeMap::new();
         for (i, c) in contexts.iter().enumerate() {
             let n = c.tokens.len();
             let bad = |reason: String| DrafterError::Input {
-                what: "proposal",
+                what,
                 reason: format!("context {i}: {reason}"),
             };
             if n == 0 || c.hidden.len() != n * d {
@@ -139,6 +149,19 @@ impl<B: Backend> Drafter<B> {
             let from = n.saturating_sub(self.config.window);
             groups.entry(n - from).or_default().push((i, from));
         }
+        Ok(groups)
+    }
+
+    fn propose_with(
+        &self,
+        products: &mut Products<'_>,
+        contexts: &[DraftContext<'_>],
+        k: usize,
+        temperature: f32,
+        rng: &mut SplitMix64,
+    ) -> Result<Vec<DraftChain>> {
+        let (d, v) = (self.target.d_model, self.target.vocab);
+        let groups = self.context_groups(contexts, "proposal")?;
         let mut chains = vec![
             DraftChain {
                 tokens: Vec::with_capacity(k),

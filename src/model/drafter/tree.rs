@@ -35,8 +35,6 @@
 //! Candidates are the top tokens of the drafter's logits, not draws, so they are a
 //! deterministic function of the context: the tree's sampling acceptance needs no `q`.
 
-use std::collections::BTreeMap;
-
 use super::propose::{Mat, Products};
 use super::{DraftContext, Drafter, DrafterError, Result};
 use crate::tensor::Backend;
@@ -128,29 +126,12 @@ impl<B: Backend> Drafter<B> {
         shape: &TreeShape,
         temperature: f32,
     ) -> Result<Vec<DraftTree>> {
-        if !(temperature >= 0.0 && temperature.is_finite()) {
-            return Err(DrafterError::Input {
-                what: "tree proposal",
-                reason: format!("temperature {temperature} is not a finite number ≥ 0"),
-            });
-        }
         if let Some((field, reason)) = shape.check() {
             return Err(DrafterError::Config { field, reason });
         }
-        let host = self.host_products();
-        // As in `propose`: the pack cache is out for the call and goes back whatever happens.
-        let mut cache = std::mem::take(&mut self.packs);
-        let result = (|| {
-            let mut products = if host {
-                let (packed, memo) = cache.ensure(self)?;
-                Products::Packed(packed, memo)
-            } else {
-                Products::Backend
-            };
-            self.grow_trees(&mut products, contexts, shape, temperature)
-        })();
-        self.packs = cache;
-        result
+        self.with_products("tree proposal", temperature, |drafter, products| {
+            drafter.grow_trees(products, contexts, shape, temperature)
+        })
     }
 
     fn grow_trees(
@@ -162,26 +143,7 @@ impl<B: Backend> Drafter<B> {
     ) -> Result<Vec<DraftTree>> {
         let (d, v) = (self.target.d_model, self.target.vocab);
         let t = if temperature > 0.0 { temperature } else { 1.0 };
-        // Sequences grouped by how many context pairs they bring, as in `propose`.
-        let mut groups: BTreeMap<usize, Vec<(usize, usize)>> = BTreeMap::new();
-        for (i, c) in contexts.iter().enumerate() {
-            let n = c.tokens.len();
-            let bad = |reason: String| DrafterError::Input {
-                what: "tree proposal",
-                reason: format!("context {i}: {reason}"),
-            };
-            if n == 0 || c.hidden.len() != n * d {
-                let got = c.hidden.len();
-                return Err(bad(format!(
-                    "{n} tokens and {got} hidden values (width {d})"
-                )));
-            }
-            if let Some(&tok) = c.tokens.iter().find(|&&tok| tok as usize >= v) {
-                return Err(bad(format!("token {tok} is outside the vocabulary {v}")));
-            }
-            let from = n.saturating_sub(self.config.window);
-            groups.entry(n - from).or_default().push((i, from));
-        }
+        let groups = self.context_groups(contexts, "tree proposal")?;
         let mut trees = vec![DraftTree::default(); contexts.len()];
         for (&n, members) in &groups {
             let mut caches = vec![(Vec::new(), Vec::new()); members.len()];
