@@ -8,13 +8,13 @@ mod common;
 
 use common::assert_bitwise;
 use common::job::tiny_job;
+use common::scripted::scripted_batch;
 use pipefill::config::{Filler, JobConfig};
-use pipefill::data::{Tokenizer, tokenizer};
 use pipefill::model::Gpt;
 use pipefill::model::checkpoint::ADAM_V_PREFIX;
 use pipefill::pipeline::{KeptRun, PipelineError, PipelineTrainer};
 use pipefill::rl::trainer::{
-    RlError, RlTrainer, Rollout, RolloutBatch, RolloutEngine, step_prompts, warm_up,
+    RlError, RlTrainer, RolloutBatch, RolloutEngine, step_prompts, warm_up,
 };
 use pipefill::tensor::CpuBackend;
 
@@ -41,31 +41,13 @@ impl RolloutEngine for Varying {
         _max_new: usize,
         step: u64,
     ) -> Result<RolloutBatch, RlError> {
-        let tok = Tokenizer::new();
         let tasks = step_prompts(&self.job, step)?;
-        let uniform = UNIFORM[step as usize % UNIFORM.len()];
-        let mut rollouts = Vec::new();
-        for (p, (prompt, task)) in prompts.iter().zip(&tasks).enumerate() {
-            let all = uniform.iter().find(|u| u.0 == p).map(|u| u.1);
-            for g in 0..group {
-                let text = if all.unwrap_or(g == 0) {
-                    task.solution.clone()
-                } else {
-                    format!("0:0\n#{}2", task.answer)
-                };
-                let mut generated = tok.encode(&text)?;
-                generated.push(tokenizer::EOS);
-                rollouts.push(Rollout {
-                    prompt: prompt.clone(),
-                    generated,
-                });
-            }
-        }
-        Ok(RolloutBatch {
-            live_batch: vec![rollouts.len(), 0],
-            rollouts,
-            ..RolloutBatch::default()
-        })
+        scripted_batch(
+            prompts,
+            &tasks,
+            group,
+            UNIFORM[step as usize % UNIFORM.len()],
+        )
     }
 
     fn speculative(&self) -> bool {

@@ -8,6 +8,9 @@
 //! ([`grpo_loss`] from the policy's and the reference's log-probs), so the per-token loss
 //! hook of the pipelined head is checked against an independent computation.
 
+mod common;
+
+use common::scripted::scripted_batch;
 use pipefill::config::JobConfig;
 use pipefill::data::{MicroBatch, Task, Tokenizer, tokenizer};
 use pipefill::model::checkpoint::Checkpoint;
@@ -48,29 +51,7 @@ impl RolloutEngine for Scripted {
         _max_new: usize,
         _step: u64,
     ) -> Result<RolloutBatch, RlError> {
-        let tok = Tokenizer::new();
-        let mut rollouts = Vec::new();
-        for (p, (prompt, task)) in prompts.iter().zip(&self.tasks).enumerate() {
-            let uniform = self.uniform.iter().find(|u| u.0 == p).map(|u| u.1);
-            for g in 0..group {
-                let text = if uniform.unwrap_or(g == 0) {
-                    task.solution.clone()
-                } else {
-                    format!("0:0\n#{}2", task.answer)
-                };
-                let mut generated = tok.encode(&text)?;
-                generated.push(tokenizer::EOS);
-                rollouts.push(Rollout {
-                    prompt: prompt.clone(),
-                    generated,
-                });
-            }
-        }
-        Ok(RolloutBatch {
-            live_batch: vec![rollouts.len(), 0],
-            rollouts,
-            ..RolloutBatch::default()
-        })
+        scripted_batch(prompts, &self.tasks, group, &self.uniform)
     }
 
     fn speculative(&self) -> bool {

@@ -1,44 +1,18 @@
 //! The rollout engine end to end: plain decoding through pipelined KV-cache stages equals
 //! greedy generation with the training model, and speculative decoding is lossless.
 
-use pipefill::data::SplitMix64;
+mod common;
+
+use common::rollouts::{config, engine, gpt, requests};
 use pipefill::model::drafter::{DraftBufferHandle, Drafter, DrafterConfig, DrafterTrainer};
 use pipefill::model::infer::InferStage;
-use pipefill::model::{Cut, Gpt, GptConfig, Shape};
+use pipefill::model::{Cut, Shape};
 use pipefill::rl::accept::argmax;
 use pipefill::rl::rollout::{
     AdaptiveConfig, Request, Rollout, RolloutConfig, RolloutEngine, RolloutError, Speculation,
 };
 use pipefill::rl::speculative::{OracleProposer, Proposer, RandomProposer};
 use pipefill::tensor::CpuBackend;
-
-fn config() -> GptConfig {
-    GptConfig {
-        layers: 4,
-        seq_len: 40,
-        seed: 11,
-        ..GptConfig::default()
-    }
-}
-
-fn gpt() -> Gpt<CpuBackend> {
-    Gpt::new(&config(), CpuBackend::new(1).unwrap(), &Cut::Even(1)).unwrap()
-}
-
-fn engine(gpt: &Gpt<CpuBackend>) -> RolloutEngine<CpuBackend> {
-    RolloutEngine::new(InferStage::stages_of(gpt, &Cut::Layers(vec![1, 2, 1])).unwrap()).unwrap()
-}
-
-/// Ragged prompts and caps: the live batch shrinks step by step (a long tail).
-fn requests(n: usize) -> Vec<Request> {
-    let mut rng = SplitMix64::new(5);
-    (0..n)
-        .map(|i| Request {
-            prompt: (0..3 + i % 4).map(|_| 3 + rng.below(47) as u32).collect(),
-            max_new: 4 + (i * 7) % 25,
-        })
-        .collect()
-}
 
 fn run(
     e: &mut RolloutEngine<CpuBackend>,

@@ -2,11 +2,14 @@
 //! binary as child processes (the launcher and CLI tests), a command that does not inherit
 //! launcher variables, a child's output for assertion messages, and the bitwise comparison
 //! of two runs' checkpoints. [`job`]: the tiny in-process training job and the checkpoint
-//! bits the resume, data-parallel and oracle tests compare.
+//! bits the resume, data-parallel and oracle tests compare. [`scripted`]: rollouts fixed in
+//! advance for the RL update tests. [`rollouts`]: the rollout-engine tests' target and requests.
 // Each test binary compiles this module and uses only some of it.
 #![allow(dead_code)]
 
 pub mod job;
+pub mod rollouts;
+pub mod scripted;
 
 use std::process::{Command, Output};
 
