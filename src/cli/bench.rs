@@ -469,8 +469,9 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
             );
         }
         println!(
-            "long-tail speedup fixed K={}/plain: {fixed_speedup:.2}x; fixed tree {:?}/plain: {tree_speedup:.2}x",
-            a.k, shape
+            "long-tail speedup fixed K={}/plain: {fixed_speedup:.2}x; fixed tree {}/plain: \
+             {tree_speedup:.2}x",
+            a.k, a.tree
         );
         for (r, s) in runs.iter().zip(&speedups) {
             println!(
