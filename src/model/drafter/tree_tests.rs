@@ -5,8 +5,8 @@ use super::*;
 use crate::data::SplitMix64;
 use crate::model::GptConfig;
 use crate::model::drafter::DrafterConfig;
-use crate::model::init::normal;
-use crate::tensor::{CpuBackend, DType};
+use crate::model::drafter::tests::propose::{self as propose_tests, pairs};
+use crate::tensor::CpuBackend;
 
 fn target() -> GptConfig {
     GptConfig {
@@ -19,43 +19,17 @@ fn target() -> GptConfig {
     }
 }
 
-/// A drafter with weights at scale 0.3 (norm gains around 1): logits far apart, so the
-/// greedy choices are not decided by rounding.
+/// The proposal tests' random drafter (weights at scale 0.3, logits far apart), with the
+/// default window.
 fn drafter(cfg: &GptConfig, seed: u64) -> Drafter<CpuBackend> {
-    let be = CpuBackend::new(1).unwrap();
-    let mut d = Drafter::new(cfg, &DrafterConfig::default(), be.clone()).unwrap();
-    for p in d.params_mut() {
-        let mut v = normal(seed, &p.name, p.numel(), 0.3);
-        if p.name.contains("norm") {
-            v.iter_mut().for_each(|x| *x += 1.0);
-        }
-        p.value = be.from_host(&v, DType::F32).unwrap();
-    }
-    let n = cfg.vocab * cfg.d_model;
-    d.refresh("head.w", &normal(seed, "head", n, 0.3), 0)
-        .unwrap();
-    d.refresh("embed.tok", &normal(seed, "tok", n, 0.3), 0)
-        .unwrap();
-    d
-}
-
-fn context(cfg: &GptConfig, n: usize, seed: u64) -> (Vec<f32>, Vec<u32>) {
-    let hidden = normal(seed, "hidden", n * cfg.d_model, 1.0);
-    let tokens = (0..n)
-        .map(|i| ((i as u64 * 7 + seed * 3) % cfg.vocab as u64) as u32)
-        .collect();
-    (hidden, tokens)
+    propose_tests::drafter(cfg, DrafterConfig::default().window, seed)
 }
 
 #[test]
 fn a_one_wide_tree_is_the_greedy_chain() {
     let cfg = target();
     let mut d = drafter(&cfg, 1);
-    let data = [
-        context(&cfg, 5, 1),
-        context(&cfg, 9, 2),
-        context(&cfg, 5, 3),
-    ];
+    let data = [pairs(&cfg, 5, 1), pairs(&cfg, 9, 2), pairs(&cfg, 5, 3)];
     let ctx: Vec<DraftContext<'_>> = data
         .iter()
         .map(|(hidden, tokens)| DraftContext { hidden, tokens })
@@ -78,7 +52,7 @@ fn a_one_wide_tree_is_the_greedy_chain() {
 fn trees_are_well_formed_and_rank_by_the_drafter() {
     let cfg = target();
     let mut d = drafter(&cfg, 4);
-    let data = [context(&cfg, 6, 5), context(&cfg, 3, 6)];
+    let data = [pairs(&cfg, 6, 5), pairs(&cfg, 3, 6)];
     let ctx: Vec<DraftContext<'_>> = data
         .iter()
         .map(|(hidden, tokens)| DraftContext { hidden, tokens })
@@ -121,7 +95,7 @@ fn trees_are_well_formed_and_rank_by_the_drafter() {
 fn bad_shapes_and_inputs_are_errors() {
     let cfg = target();
     let mut d = drafter(&cfg, 2);
-    let (hidden, tokens) = context(&cfg, 4, 1);
+    let (hidden, tokens) = pairs(&cfg, 4, 1);
     let ctx = [DraftContext {
         hidden: &hidden,
         tokens: &tokens,

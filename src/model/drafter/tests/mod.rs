@@ -7,7 +7,8 @@
 //! the objective summed in `f64`, parameters drawn at scale 0.5, and a relative error
 //! `‖g − g_fd‖ / max(‖g‖, ‖g_fd‖) < 1e-2` per tensor.
 
-mod propose;
+/// Its random drafter and contexts also serve the tree proposal's tests.
+pub(super) mod propose;
 mod train;
 mod unroll;
 

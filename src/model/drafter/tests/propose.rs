@@ -8,7 +8,11 @@ use crate::model::infer::rowmul::Precision;
 
 /// A drafter of `cfg` with weights at scale 0.3 (norm gains around 1), so that logits are
 /// far apart and a greedy draft is not decided by rounding.
-fn drafter(cfg: &GptConfig, window: usize, seed: u64) -> Drafter<CpuBackend> {
+pub(in crate::model::drafter) fn drafter(
+    cfg: &GptConfig,
+    window: usize,
+    seed: u64,
+) -> Drafter<CpuBackend> {
     let dc = DrafterConfig {
         window,
         ..DrafterConfig::default()
@@ -31,7 +35,11 @@ fn drafter(cfg: &GptConfig, window: usize, seed: u64) -> Drafter<CpuBackend> {
 }
 
 /// `n` pairs of random hidden states and tokens.
-fn pairs(cfg: &GptConfig, n: usize, seed: u64) -> (Vec<f32>, Vec<u32>) {
+pub(in crate::model::drafter) fn pairs(
+    cfg: &GptConfig,
+    n: usize,
+    seed: u64,
+) -> (Vec<f32>, Vec<u32>) {
     let hidden = normal(seed, "hidden", n * cfg.d_model, 1.0);
     let tokens = (0..n)
         .map(|i| ((i as u64 * 7 + seed * 3) % cfg.vocab as u64) as u32)
