@@ -144,11 +144,29 @@ impl<B: Backend> RankCompute<B> {
             .into_iter()
             .map(|s| chunk(&job.model, backend.clone(), &cut, s as usize))
             .collect::<Result<Vec<_>, _>>()?;
-        Ok(RankCompute {
+        let chunks = chunks.into_iter().map(|c| (c.stage() as u32, c)).collect();
+        let optimizer = AdamW::new(adamw_config(&job.train));
+        let state = (backend, chunks, optimizer);
+        Ok(Self::assemble(
+            job, rank, state, shared, first_step, iterations,
+        ))
+    }
+
+    /// A rank that has run none of its `iterations` yet, over `state`: its backend, chunks
+    /// by stage and optimizer (fresh, or kept from an earlier run).
+    fn assemble(
+        job: &crate::config::JobConfig,
+        rank: usize,
+        (backend, chunks, optimizer): (B, BTreeMap<u32, ModelChunk<B>>, AdamW<B>),
+        shared: Arc<Shared>,
+        first_step: u64,
+        iterations: u64,
+    ) -> Self {
+        RankCompute {
             rank,
             backend,
-            chunks: chunks.into_iter().map(|c| (c.stage() as u32, c)).collect(),
-            optimizer: AdamW::new(adamw_config(&job.train)),
+            chunks,
+            optimizer,
             lr: lr_schedule(&job.train),
             shared,
             first_step,
@@ -160,7 +178,7 @@ impl<B: Backend> RankCompute<B> {
             redo: HashSet::new(),
             drafter: None,
             keep: None,
-        })
+        }
     }
 
     /// Joins the run's drafter: the last stage's chunk (if this rank holds it) captures its

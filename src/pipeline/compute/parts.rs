@@ -2,7 +2,7 @@
 //! a later run's rank continuing from them ([`RankCompute::from_parts`]), so that runs of
 //! one step each (the RL update's) neither export nor reload the model and its moments.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::mpsc::Sender;
 
@@ -11,7 +11,7 @@ use super::super::shared::Shared;
 use super::RankCompute;
 use crate::model::{AdamW, ModelChunk};
 use crate::tensor::Backend;
-use crate::train::reference::{adamw_config, lr_schedule};
+use crate::train::reference::adamw_config;
 
 /// A finished rank's state, moved out of it, not copied: its chunks (parameters on its
 /// backend) and its optimizer (moments, step count).
@@ -55,23 +55,10 @@ impl<B: Backend> RankCompute<B> {
                 ),
             });
         }
-        Ok(RankCompute {
-            rank,
-            backend: parts.backend,
-            chunks: parts.chunks,
-            optimizer: parts.optimizer,
-            lr: lr_schedule(&job.train),
-            shared,
-            first_step,
-            done: 0,
-            iterations,
-            speculate: false,
-            snapshot: None,
-            held: HashSet::new(),
-            redo: HashSet::new(),
-            drafter: None,
-            keep: None,
-        })
+        let state = (parts.backend, parts.chunks, parts.optimizer);
+        Ok(RankCompute::assemble(
+            job, rank, state, shared, first_step, iterations,
+        ))
     }
 
     /// After its last iteration the rank sends its chunks and optimizer to `keep` instead
