@@ -4,6 +4,9 @@
 //! drafter trains in the idle time on rows the rollout produced, and the figures add up;
 //! and the RL loop's drafter, trained in idle time, keeps up with a moving policy.
 
+mod common;
+
+use common::rollouts::{config, gpt};
 use std::sync::{Arc, Mutex};
 
 use pipefill::config::JobConfig;
@@ -26,19 +29,6 @@ use pipefill_actors::FillerRouter;
 use pipefill_actors::router::CostEstimate;
 
 const STAGES: usize = 4;
-
-fn config() -> GptConfig {
-    GptConfig {
-        layers: 4,
-        seq_len: 40,
-        seed: 11,
-        ..GptConfig::default()
-    }
-}
-
-fn gpt() -> Gpt<CpuBackend> {
-    Gpt::new(&config(), CpuBackend::new(1).unwrap(), &Cut::Even(1)).unwrap()
-}
 
 fn engine(gpt: &Gpt<CpuBackend>) -> RolloutEngine<CpuBackend> {
     RolloutEngine::new(InferStage::stages_of(gpt, &Cut::Even(STAGES)).unwrap()).unwrap()

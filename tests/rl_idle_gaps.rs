@@ -7,6 +7,9 @@
 //! the gaps, whole slices could not. The samples, greedy or sampled, stay those of the same
 //! rollout without the hook.
 
+mod common;
+
+use common::rollouts::config;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -15,7 +18,7 @@ use pipefill::model::drafter::{
     DraftBufferHandle, DraftChain, DraftContext, Drafter, DrafterConfig, DrafterTrainer,
 };
 use pipefill::model::infer::InferStage;
-use pipefill::model::{Cut, Gpt, GptConfig};
+use pipefill::model::{Cut, Gpt};
 use pipefill::rl::rollout::idle::{
     DRAFTER, DRAFTER_STEP, DrafterSlices, MIN_PIECE_ROWS, RolloutRouter,
 };
@@ -30,15 +33,6 @@ use pipefill_actors::router::CostEstimate;
 const STAGES: usize = 4;
 /// Whole slices of budget per rollout.
 const SLICES: usize = 2;
-
-fn config() -> GptConfig {
-    GptConfig {
-        layers: 4,
-        seq_len: 40,
-        seed: 11,
-        ..GptConfig::default()
-    }
-}
 
 fn drafter() -> Drafter<CpuBackend> {
     Drafter::new(
@@ -97,7 +91,7 @@ fn rollout(gpt: &Gpt<CpuBackend>, temperature: f32, hook: Option<Arc<RolloutRout
 
 #[test]
 fn idle_gaps_train_the_drafter_in_pieces_and_change_no_sample() {
-    let gpt = Gpt::new(&config(), CpuBackend::new(1).unwrap(), &Cut::Even(1)).unwrap();
+    let gpt = common::rollouts::gpt();
     for temperature in [0.0, 1.0] {
         let plain = rollout(&gpt, temperature, None);
 
@@ -166,7 +160,7 @@ fn idle_gaps_train_the_drafter_in_pieces_and_change_no_sample() {
 /// whatever the pieces' sizes, and a budget's rest finishes the slice it is in.
 #[test]
 fn pieces_accumulate_into_one_step_per_slice() {
-    let gpt = Gpt::new(&config(), CpuBackend::new(1).unwrap(), &Cut::Even(1)).unwrap();
+    let gpt = common::rollouts::gpt();
     let rows = rollout(&gpt, 0.0, None).rows;
     let buffer = DraftBufferHandle::new(&config(), &DrafterConfig::default());
     buffer.begin_step(0);
