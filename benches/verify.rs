@@ -1,0 +1,151 @@
+//! The target's verification cost per row: one [`InferStage`] call over the whole model
+//! (one stage, one thread) decoding one position per sequence against verifying several
+//! positions per sequence, as chains and as draft trees, at `d_model` 256 and 512 (8
+//! layers, 4 heads: 25 MB and 100 MB of weights). Every call resumes at position `PAST`
+//! of a prefilled cache (its span rolls the cache back, a tree's compaction is not
+//! needed), so each iteration does the same work.
+//!
+//! Cases: 1 sequence × 1 (decode), 5 (K+1 = 5 chain), 13 and 20 rows (chains and trees);
+//! 4 sequences × 1 and × 5. Afterwards a table of medians and each case's ratio to the
+//! decode step of as many sequences: speculation pays only while that ratio stays well
+//! under the tokens a step accepts.
+//!
+//! `cargo bench --bench verify` (a criterion filter such as `-- d512/tree13` runs one case,
+//! e.g. under `perf record`).
+
+use std::hint::black_box;
+
+mod common;
+
+use common::{median_ms, quick_criterion, timed};
+use pipefill::config::JobConfig;
+use pipefill::model::infer::{InferStage, Span, StageInput, StageOutput, TreeStep};
+use pipefill::model::{Cut, Gpt, GptConfig};
+use pipefill::tensor::CpuBackend;
+
+/// Positions in each sequence's cache when a timed call starts.
+const PAST: usize = 32;
+
+/// A draft tree of `rows` rows (root included) as the drafter builds them: three
+/// branches under the root, each continued by one chain, side branches breadth first.
+fn tree_parents(rows: usize) -> Vec<usize> {
+    // Rows 1..=3 are the root's children; every later row extends the row three before it,
+    // so the tree is three chains of about (rows - 1) / 3 nodes.
+    (0..rows)
+        .map(|r| if r <= 3 { 0 } else { r - 3 })
+        .collect()
+}
+
+/// One case: name, sequences, rows per sequence, whether the rows form a tree.
+struct Case {
+    name: String,
+    seqs: usize,
+    rows: usize,
+    tree: bool,
+}
+
+fn cases() -> Vec<Case> {
+    let mut out = Vec::new();
+    for (seqs, rows, tree) in [
+        (1, 1, false),
+        (1, 5, false),
+        (1, 13, false),
+        (1, 13, true),
+        (1, 20, false),
+        (1, 20, true),
+        (4, 1, false),
+        (4, 5, false),
+    ] {
+        let kind = if tree { "tree" } else { "chain" };
+        let name = if rows == 1 {
+            format!("decode/seqs{seqs}")
+        } else {
+            format!("{kind}{rows}/seqs{seqs}")
+        };
+        out.push(Case {
+            name,
+            seqs,
+            rows,
+            tree,
+        });
+    }
+    out
+}
+
+fn config(d_model: usize) -> GptConfig {
+    let mut c = JobConfig::default().model;
+    c.d_model = d_model;
+    c
+}
+
+fn main() {
+    let mut criterion = quick_criterion();
+    // (d_model, case, median ms, decode ms of as many sequences)
+    let mut table: Vec<(usize, String, usize, f64)> = Vec::new();
+    for d_model in [256, 512] {
+        let cfg = config(d_model);
+        let be = CpuBackend::new(1).expect("a one-thread backend");
+        let gpt = Gpt::new(&cfg, be, &Cut::Even(1)).expect("the model");
+        let mut stages = InferStage::stages_of(&gpt, &Cut::Even(1)).expect("the stage");
+        let stage = &mut stages[0];
+        let most = cases().iter().map(|c| c.rows).max().unwrap_or(1);
+        let prefill: Vec<Span> = (0..4)
+            .map(|slot| Span {
+                slot,
+                start: 0,
+                len: PAST + most,
+            })
+            .collect();
+        let ids = vec![5u32; 4 * (PAST + most)];
+        stage
+            .forward(&prefill, StageInput::Tokens(&ids))
+            .expect("prefill");
+        let mut group = criterion.benchmark_group(format!("d{d_model}"));
+        for case in cases() {
+            let spans: Vec<Span> = (0..case.seqs)
+                .map(|slot| Span {
+                    slot,
+                    start: PAST,
+                    len: case.rows,
+                })
+                .collect();
+            let step = TreeStep {
+                parents: if case.tree {
+                    vec![Some(tree_parents(case.rows)); case.seqs]
+                } else {
+                    Vec::new()
+                },
+                compact: Vec::new(),
+            };
+            let ids: Vec<u32> = (0..case.seqs * case.rows)
+                .map(|i| 3 + (i % 40) as u32)
+                .collect();
+            let mut per = Vec::new();
+            group.bench_function(&case.name, |b| {
+                b.iter_custom(timed(&mut per, || {
+                    let out = stage
+                        .forward_with(&spans, Some(&step), StageInput::Tokens(&ids))
+                        .expect("a step");
+                    match out {
+                        StageOutput::Final { logits, .. } => black_box(logits),
+                        StageOutput::Hidden(_) => unreachable!("one stage holds the head"),
+                    };
+                }))
+            });
+            table.push((d_model, case.name, case.seqs, median_ms(per)));
+        }
+        group.finish();
+    }
+    criterion.final_summary();
+    println!(
+        "{:>7} {:<16} {:>10} {:>9}",
+        "d_model", "case (medians)", "ms", "x decode"
+    );
+    for (d, name, seqs, ms) in &table {
+        let decode = table
+            .iter()
+            .find(|(d2, n, s, _)| d2 == d && s == seqs && n.starts_with("decode"))
+            .map_or(f64::NAN, |t| t.3);
+        println!("{d:>7} {name:<16} {ms:>10.3} {:>9.2}", ms / decode);
+    }
+}
