@@ -21,11 +21,20 @@
 //! dp = 2 vs dp = 1 of the warm-up job measured max 4.3e-5, relative L2 2.4e-5 (the
 //! parameters here after the 2 RL steps: the same figures, and the warmed-up dp = 1 run
 //! equals launch train + `rl --init` bitwise); stated tolerance [`WARM_UP_TOLERANCE`], ~20×.
+//!
+//! Each rank keeps its update compute alive from step to step (the default, as in-process);
+//! rebuilding it every step from host copies (`keep_update_ranks` off) gives the same bits,
+//! with replicas and the KL term too: ranks on threads of the test over a loopback mesh.
 
 use std::path::Path;
 use std::process::Output;
+use std::sync::Arc;
 
+use pipefill::comm::tcp::{MeshOptions, TcpMesh};
+use pipefill::config::JobConfig;
+use pipefill::launch::rl::{RankOptions, RlLaunchRun, rl_rank_with};
 use pipefill::model::checkpoint::{ADAM_M_PREFIX, ADAM_V_PREFIX, Checkpoint, MASTER_PREFIX};
+use pipefill::pipeline::Clock;
 
 mod common;
 use common::{assert_bitwise, clean, text};
@@ -309,4 +318,58 @@ fn launched_rl_refuses_unequal_shares_and_a_world_unlike_the_plan() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("launched with 3 processes"), "{err}");
+}
+
+/// [`TINY`] and `extra` as a job.
+fn job(extra: &[&str]) -> JobConfig {
+    let sets: Vec<String> = TINY.iter().chain(extra).map(|s| s.to_string()).collect();
+    JobConfig::embedded(&sets).unwrap()
+}
+
+/// `job`'s launched RL with its `world` ranks on threads of this process (a loopback TCP
+/// mesh), each keeping its update compute from step to step or not: rank 0's run.
+fn launched_on_threads(job: &JobConfig, world: usize, keep: bool) -> RlLaunchRun {
+    let meshes = TcpMesh::loopback(world, &MeshOptions::new("launch-rl-test")).unwrap();
+    let options = RankOptions {
+        keep_update_ranks: keep,
+    };
+    std::thread::scope(|s| {
+        let ranks: Vec<_> = meshes
+            .into_iter()
+            .map(|mesh| {
+                let mesh = Arc::new(mesh);
+                let clock = Clock::virtual_free();
+                s.spawn(move || rl_rank_with(job, &mesh, clock, None, options, |_| {}))
+            })
+            .collect();
+        let mut runs = ranks.into_iter().map(|r| r.join().unwrap().unwrap());
+        let run = runs.next().unwrap().expect("rank 0 returns the run");
+        assert!(runs.all(|r| r.is_none()), "only rank 0 returns the run");
+        run
+    })
+}
+
+#[test]
+fn launched_rl_keeping_its_update_ranks_equals_rebuilding_them_bitwise() {
+    // One pipeline of plain GRPO, and two replicas with the KL term; 3 steps, each after
+    // the first continuing from the kept ranks.
+    for (world, extra) in [
+        (2, &["rl.steps=3"][..]),
+        (4, &["rl.steps=3", "dp=2", "rl.kl_coef=0.5"][..]),
+    ] {
+        let job = job(extra);
+        let (kept, rebuilt) = (
+            launched_on_threads(&job, world, true),
+            launched_on_threads(&job, world, false),
+        );
+        let column = |run: &RlLaunchRun, f: fn(&pipefill::launch::rl::RlLaunchStep) -> f64| {
+            run.steps.iter().map(f).collect::<Vec<_>>()
+        };
+        assert_eq!(column(&kept, |s| s.reward), column(&rebuilt, |s| s.reward));
+        let norms = column(&kept, |s| f64::from(s.grad_norm));
+        assert!(norms.iter().all(|&g| g > 0.0), "{world}: {norms:?}");
+        assert_eq!(norms, column(&rebuilt, |s| f64::from(s.grad_norm)));
+        assert_eq!(kept.checkpoint.meta.step, 60 + 3);
+        assert_bitwise(&kept.checkpoint, &rebuilt.checkpoint);
+    }
 }

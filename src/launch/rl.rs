@@ -5,10 +5,11 @@
 //! their optimizer moments), and rank 0 is the rollout engine, with the whole policy and the
 //! drafter. With `dp` > 1 the world is `dp` replicas of the update's pipeline (global rank =
 //! replica × pp + pipeline rank, as in `launch -- train`). Each RL step:
-//! 1. every rank sends its stages' parameters and moments to rank 0 on [`RL_CHANNEL`] (the
-//!    weight sync; rank 0 then holds the whole model and optimizer). Replicas hold the same
-//!    bits after every all-reduced step, so only replica 0's ranks send their stages; the
-//!    other replicas' ranks send an empty frame (see the ordering note below);
+//! 1. every rank sends its stages' parameters to rank 0 on [`RL_CHANNEL`] (the weight sync;
+//!    rank 0 then holds the whole policy; the moments follow at the final sync, or every
+//!    step with `keep_update_ranks` off). Replicas hold the same bits after every
+//!    all-reduced step, so only replica 0's ranks send their stages; the other replicas'
+//!    ranks send an empty frame (see the ordering note below);
 //! 2. rank 0 samples the step's prompts, generates the rollouts with the in-process rollout
 //!    engine ([`PipelineRollouts`], speculation as configured, its drafter started from
 //!    `--init`'s as in-process: [`starting_drafter`]), scores them and normalises
@@ -21,7 +22,9 @@
 //!    update job over the TCP mesh, as `launch -- train` does; each replica runs its share
 //!    of the step's sequences and all-reduces its gradients with the other replicas (the
 //!    runtime's [`Replica`](crate::pipeline::shared::Replica) and launch train's ring
-//!    all-reduce, on the same channel).
+//!    all-reduce, on the same channel). The rank's compute (its stages' parameters, AdamW
+//!    moments and buffers) stays alive from one step's update to the next, as in-process
+//!    ([`RankOptions::keep_update_ranks`]; see `rl/state.rs`).
 //!
 //! **The KL reference** is the policy RL starts from, as in-process: rank 0 freezes a copy
 //! of the whole model at the first weight sync (after the warm-up, or `--init`'s) and runs
@@ -50,6 +53,7 @@
 //! so no frame of a step can reach a rank's previous, finished transport.
 
 mod rank;
+mod state;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -58,7 +62,6 @@ use pipefill_actors::Clock;
 use serde::Serialize;
 
 use super::profile::loss_rank;
-use super::train::FinalWire;
 use crate::comm::frame;
 use crate::comm::link::{Channel, LinkError, PeerLink};
 use crate::comm::tcp::TcpMesh;
@@ -75,7 +78,8 @@ use crate::rl::trainer_spec::PipelineRollouts;
 use crate::tensor::CpuBackend;
 use crate::train::StepMetrics;
 use crate::train::reference::adamw_config;
-use rank::{Ctx, RankState};
+use rank::Ctx;
+use state::{RankState, Start};
 
 /// Channel of the weight sync (ranks → rank 0) and of the rollouts (rank 0 → ranks).
 pub const RL_CHANNEL: Channel = u32::MAX - 8;
@@ -176,6 +180,25 @@ pub struct RlLaunchRun {
     pub steps: Vec<RlLaunchStep>,
 }
 
+/// How a rank runs its part ([`rl_rank_with`]); [`Default`]: as [`rl_rank`] runs it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RankOptions {
+    /// Whether the rank's update compute (its stages' parameters, AdamW moments and
+    /// buffers) stays alive from step to step, as in-process
+    /// ([`RlTrainer::keep_update_ranks`](crate::rl::trainer::RlTrainer::keep_update_ranks),
+    /// default on); off, every update rebuilds the rank from host copies of the previous
+    /// one's. The results are bitwise the same.
+    pub keep_update_ranks: bool,
+}
+
+impl Default for RankOptions {
+    fn default() -> Self {
+        RankOptions {
+            keep_update_ranks: true,
+        }
+    }
+}
+
 /// Runs `job`'s RL (`rl.steps` GRPO steps) as the mesh's rank, from `init` when given (every
 /// rank passes the same checkpoint) or after `rl.warmup_steps` supervised steps. Rank 0 calls
 /// `on_step` after each step and returns the final policy; the other ranks return `None`.
@@ -184,6 +207,18 @@ pub fn rl_rank(
     mesh: &Arc<TcpMesh>,
     clock: Clock,
     init: Option<&Checkpoint>,
+    on_step: impl FnMut(&RlLaunchStep),
+) -> Result<Option<RlLaunchRun>, RlLaunchError> {
+    rl_rank_with(job, mesh, clock, init, RankOptions::default(), on_step)
+}
+
+/// [`rl_rank`] with `options` (every rank passes the same).
+pub fn rl_rank_with(
+    job: &JobConfig,
+    mesh: &Arc<TcpMesh>,
+    clock: Clock,
+    init: Option<&Checkpoint>,
+    options: RankOptions,
     mut on_step: impl FnMut(&RlLaunchStep),
 ) -> Result<Option<RlLaunchRun>, RlLaunchError> {
     let (rank, world, dp) = (mesh.rank(), mesh.world(), job.dp);
@@ -218,8 +253,8 @@ pub fn rl_rank(
         clock,
         backend: backend.clone(),
     };
-    // `own`: this rank's stages after the last pipeline (sent to rank 0 at the next sync).
-    let (mut state, mut own) = start(&ctx, job, init)?;
+    let keep = options.keep_update_ranks;
+    let mut state = start(&ctx, job, init, keep)?;
 
     let mut engine = (rank == 0)
         .then(|| rollout_engine(job, init))
@@ -232,7 +267,7 @@ pub fn rl_rank(
         // Open this step's transports before the weight sync releases the step.
         let links = ctx.links()?;
         let synced = Instant::now();
-        ctx.sync_weights(std::mem::take(&mut own), &mut state)?;
+        ctx.sync_weights(&mut state, false)?;
         let sync_seconds = synced.elapsed().as_secs_f64();
         if rank == 0 && job.rl.kl_coef > 0.0 && reference.is_none() {
             // The policy RL starts from, whole at rank 0 after the first sync.
@@ -253,10 +288,11 @@ pub fn rl_rank(
         let kl_hook = packed.kl_hook;
         let shares = shares(&packed.step.batches, &packed.step.scales, dp);
         let feed = Arc::new(StepFeed::given([(state.step, packed.step)]));
-        let (report, fin, log) =
-            ctx.run(&step_job, plan, feed, state.step, 1, Some(&state), links)?;
+        let first = state.step;
+        let from = state.start();
+        let (report, ended, log) = ctx.run(&step_job, plan, feed, (first, 1), from, keep, links)?;
+        state.ended(ended).map_err(|e| pipeline_err(e.into()))?;
         let update_seconds = updated.elapsed().as_secs_f64();
-        own = state.absorb_own(fin).map_err(|e| pipeline_err(e.into()))?;
         state.step += 1;
         let losses = gather_losses(&ctx, last_stage, log)?;
         let kl = ctx.gather_kl(kl_hook.as_deref(), last_stage, &shares)?;
@@ -291,7 +327,7 @@ pub fn rl_rank(
         }
     }
     // The last weight sync: rank 0 ends with the whole policy and optimizer.
-    ctx.sync_weights(own, &mut state)?;
+    ctx.sync_weights(&mut state, true)?;
     if rank != 0 {
         // Leave only after rank 0 does: an exit now could reset the connection before rank
         // 0 has read this rank's weights.
@@ -361,28 +397,25 @@ fn replica_plan(
 
 /// The policy RL starts from, as this rank holds it: `init`'s whole model and optimizer, or
 /// `rl.warmup_steps` supervised steps pipelined over the processes (its own stages current,
-/// also returned for the first weight sync).
+/// alive with `keep`, else exported for the first weight sync).
 fn start(
     ctx: &Ctx<'_>,
     job: &JobConfig,
     init: Option<&Checkpoint>,
-) -> Result<(RankState, FinalWire), RlLaunchError> {
+    keep: bool,
+) -> Result<RankState, RlLaunchError> {
     let (rl_err, pipeline_err) = (ctx.rl_err(), ctx.pipeline_err());
-    let mut model = Gpt::new(&job.model, ctx.backend.clone(), &Cut::Even(1))
-        .map_err(|e| pipeline_err(e.into()))?;
     if let Some(c) = init {
+        // Blank: the restore sets every parameter (and fails on a missing one).
+        let mut model = Gpt::blank(&job.model, ctx.backend.clone(), &Cut::Even(1))
+            .map_err(|e| pipeline_err(e.into()))?;
         let mut optimizer = AdamW::new(adamw_config(&job.train));
         c.restore(&mut model, &mut optimizer, job.train.seed)
             .map_err(|e| rl_err(e.into()))?;
         let optimizer = optimizer
             .state(&ctx.backend)
             .map_err(|e| pipeline_err(e.into()))?;
-        let state = RankState {
-            model,
-            optimizer,
-            step: c.meta.step,
-        };
-        return Ok((state, FinalWire::default()));
+        return Ok(RankState::new(model, optimizer, c.meta.step));
     }
     let sft = warm_up_job(job);
     if sft.train.steps == 0 {
@@ -392,22 +425,16 @@ fn start(
     let data = StepData::new(sft.data.clone(), sft.model.seq_len, sft.train.seed)
         .map_err(|e| pipeline_err(e.into()))?;
     let feed = Arc::new(StepFeed::new(data, sft.train.clone()));
-    let (_, fin, _) = ctx.run(
-        &sft,
-        &sft_plan,
-        feed,
-        0,
-        sft.train.steps,
-        None,
-        ctx.links()?,
-    )?;
-    let mut state = RankState {
-        model,
-        optimizer: OptimizerState::default(),
-        step: sft.train.steps,
-    };
-    let own = state.absorb_own(fin).map_err(|e| pipeline_err(e.into()))?;
-    Ok((state, own))
+    let run = (0, sft.train.steps);
+    let links = ctx.links()?;
+    let (_, ended, _) = ctx.run(&sft, &sft_plan, feed, run, Start::Fresh, keep, links)?;
+    // Only this rank's stages of the model are ever read: the others are rank 0's after the
+    // first weight sync, and a rebuilt rank loads its own.
+    let model = Gpt::blank(&job.model, ctx.backend.clone(), &Cut::Even(1))
+        .map_err(|e| pipeline_err(e.into()))?;
+    let mut state = RankState::new(model, OptimizerState::default(), sft.train.steps);
+    state.ended(ended).map_err(|e| pipeline_err(e.into()))?;
+    Ok(state)
 }
 
 /// One replica's share of an update step: the sum of its loss scales (as the runtime sums

@@ -9,6 +9,7 @@ use std::time::Instant;
 use pipefill_actors::{Clock, GradStats, Pipeline, PlanSource, RunReport, StepMode, Transport};
 use serde::{Deserialize, Serialize};
 
+use super::state::{Ended, RankState, Start};
 use super::{RL_CHANNEL, RlLaunchError, Share};
 use crate::comm::collective::RingGradSync;
 use crate::comm::frame;
@@ -21,9 +22,9 @@ use crate::config::JobConfig;
 use crate::data::Tokenizer;
 use crate::launch::profile::GRAD_CHANNEL;
 use crate::launch::train::FinalWire;
-use crate::model::{Cut, Gpt, ModelError, OptimizerState};
+use crate::model::{Gpt, ModelError};
 use crate::pipeline::feed::StepFeed;
-use crate::pipeline::shared::{RankFinal, Replica, Shared};
+use crate::pipeline::shared::{Replica, Shared};
 use crate::pipeline::{PipelineError, RankCompute};
 use crate::rl::grpo::{GrpoTokenLoss, group_advantages, reference_log_probs};
 use crate::rl::trainer::{
@@ -89,46 +90,6 @@ pub(super) struct RolloutFigures {
     pub reference_seconds: f64,
     pub speculation: bool,
     pub acceptance_length: Option<f64>,
-}
-
-/// What a rank holds between steps: a whole model and optimizer state, of which its own
-/// stages are current (rank 0: all, after the weight sync), and the next optimizer step.
-pub(super) struct RankState {
-    pub model: Gpt<CpuBackend>,
-    pub optimizer: OptimizerState,
-    pub step: u64,
-}
-
-impl RankState {
-    /// Takes `shard`'s stages and moments.
-    pub fn absorb(&mut self, shard: FinalWire) -> Result<(), ModelError> {
-        for (name, _, data) in shard.stages.into_iter().flat_map(|(_, ts)| ts) {
-            self.model.set_param(&name, &data)?;
-        }
-        self.optimizer.step = self.optimizer.step.max(shard.optimizer.step);
-        self.optimizer.slots.extend(shard.optimizer.slots);
-        Ok(())
-    }
-
-    /// Takes this rank's own final state of a run, returning it for the next weight sync.
-    pub fn absorb_own(&mut self, fin: RankFinal) -> Result<FinalWire, ModelError> {
-        let own = FinalWire::from(fin);
-        self.absorb(FinalWire {
-            stages: own.stages.clone(),
-            optimizer: own.optimizer.clone(),
-        })?;
-        Ok(own)
-    }
-
-    /// A frozen copy of the whole model (the KL reference).
-    pub fn frozen_model(&self, backend: &CpuBackend) -> Result<Gpt<CpuBackend>, ModelError> {
-        let model = &self.model;
-        let mut copy = Gpt::new(model.config(), backend.clone(), &Cut::Even(1))?;
-        for name in model.param_names() {
-            copy.set_param(&name, &model.param_values(&name)?)?;
-        }
-        Ok(copy)
-    }
 }
 
 /// This rank on the mesh, and how its pipelines run: global rank `replica × pp + prank`.
@@ -205,21 +166,22 @@ impl Ctx<'_> {
     }
 
     /// Runs `steps` optimizer steps of `plan` (one replica's pipeline) from `first_step` as
-    /// this rank, from `state`'s stages (fresh ones without), on `links`; `feed` holds the
-    /// whole batch of each step, of which a replica runs its share and all-reduces its
-    /// gradients with the other replicas (launch train's [`RingGradSync`]). Returns the
-    /// rank's report, final state and step log.
+    /// this rank, from `start`, on `links`; `feed` holds the whole batch of each step, of
+    /// which a replica runs its share and all-reduces its gradients with the other replicas
+    /// (launch train's [`RingGradSync`]). With `keep` the run ends with the rank alive
+    /// ([`Ended::Kept`]), else with host copies of its stages. Returns the rank's report,
+    /// what the run left and the step log.
     #[allow(clippy::too_many_arguments)]
     pub fn run(
         &self,
         job: &JobConfig,
         plan: &Plan,
         feed: Arc<StepFeed>,
-        first_step: u64,
-        steps: u64,
-        state: Option<&RankState>,
+        (first_step, steps): (u64, u64),
+        start: Start<'_>,
+        keep: bool,
         links: Links,
-    ) -> Result<(RunReport, RankFinal, Vec<StepMetrics>), RlLaunchError> {
+    ) -> Result<(RunReport, Ended, Vec<StepMetrics>), RlLaunchError> {
         let (rank, prank) = (self.rank, self.prank);
         let err = self.pipeline_err();
         feed.prefetch(first_step);
@@ -241,19 +203,31 @@ impl Ctx<'_> {
                 shared.stepped(step, 0.0);
             }
         }
-        let mut compute = RankCompute::for_rank(
-            job,
-            plan,
-            prank,
-            self.backend.clone(),
-            Arc::clone(&shared),
-            first_step,
-            steps,
-        )
-        .map_err(&err)?;
-        if let Some(s) = state {
-            compute.load_resumed(&s.model, &s.optimizer).map_err(&err)?;
+        let (backend, shared_rank) = (self.backend.clone(), Arc::clone(&shared));
+        let mut compute = match start {
+            Start::Fresh => {
+                RankCompute::for_rank(job, plan, prank, backend, shared_rank, first_step, steps)
+            }
+            Start::Host(s) => RankCompute::resumed(
+                job,
+                plan,
+                prank,
+                backend,
+                shared_rank,
+                first_step,
+                steps,
+                (&s.model, &s.optimizer),
+            ),
+            Start::Kept(parts) => {
+                RankCompute::from_parts(job, plan, parts, shared_rank, first_step, steps)
+            }
         }
+        .map_err(&err)?;
+        let kept = keep.then(|| {
+            let (tx, rx) = channel();
+            compute.keep_into(tx);
+            rx
+        });
         let mut pipeline = Pipeline::new(PlanSource::Given(plan.clone()), self.clock)
             .iterations(steps)
             .step_mode(StepMode::default())
@@ -267,19 +241,24 @@ impl Ctx<'_> {
                 Some(reason) => RlLaunchError::Peer { rank, reason },
                 None => err(e.into()),
             })?;
-        let own = shared
-            .take_own_final(prank)
-            .ok_or_else(|| err(PipelineError::NoFinalState))?;
-        Ok((report, own, step_log.try_iter().collect()))
+        let ended = match kept {
+            Some(rx) => rx.try_recv().ok().map(Ended::Kept),
+            None => shared.take_own_final(prank).map(Ended::Exported),
+        };
+        let ended = ended.ok_or_else(|| err(PipelineError::NoFinalState))?;
+        Ok((report, ended, step_log.try_iter().collect()))
     }
 
-    /// The weight sync: every rank sends rank 0 its stages `own` (replica 0's ranks; the
-    /// other replicas hold the same bits and send an empty frame, which tells rank 0 they
-    /// have opened the step's transports), and rank 0 absorbs them into `state`.
-    pub fn sync_weights(&self, own: FinalWire, state: &mut RankState) -> Result<(), RlLaunchError> {
+    /// The weight sync: every rank sends rank 0 its stages (replica 0's ranks; the other
+    /// replicas hold the same bits and send an empty frame, which tells rank 0 they have
+    /// opened the step's transports), and rank 0 takes them into `state`. Mid-run a kept
+    /// rank sends its parameters only; the `last` sync sends the moments too (see
+    /// [`super::state`]).
+    pub fn sync_weights(&self, state: &mut RankState, last: bool) -> Result<(), RlLaunchError> {
+        let model_err = |e: ModelError| self.pipeline_err()(e.into());
         if self.rank != 0 {
             let own = if self.replica == 0 {
-                own
+                state.sync_wire(last).map_err(model_err)?
             } else {
                 FinalWire::default()
             };
@@ -290,6 +269,7 @@ impl Ctx<'_> {
                 .send(0, RL_CHANNEL, &bytes)
                 .map_err(self.link_err(0, "sending the weights"));
         }
+        state.refresh_own(last).map_err(model_err)?;
         for peer in 1..self.mesh.world() {
             let bytes = self
                 .mesh
@@ -297,9 +277,7 @@ impl Ctx<'_> {
                 .map_err(self.link_err(peer, "receiving the weights"))?;
             let shard: FinalWire = frame::decode(&bytes)
                 .map_err(|e| self.bad_frame(peer, "weights")(e.to_string()))?;
-            state
-                .absorb(shard)
-                .map_err(|e| self.pipeline_err()(e.into()))?;
+            state.absorb(shard).map_err(model_err)?;
         }
         Ok(())
     }
