@@ -80,13 +80,9 @@ fn args() -> Args {
 fn batch(job: &JobConfig, n: usize, seed: u64) -> Vec<Request> {
     let tok = Tokenizer::new();
     let d = &job.data;
-    let mut tasks = TaskGenerator::new(
-        &d.families,
-        d.size_scale,
-        d.max_size,
-        SplitMix64::new(seed),
-    )
-    .expect("the job's tasks");
+    let mut tasks =
+        TaskGenerator::new(&d.families, d.size_scale, d.max_size, SplitMix64::new(seed))
+            .expect("the job's tasks");
     let mut rng = SplitMix64::new(seed ^ 1);
     let seq_len = job.model.seq_len;
     let mut out = Vec::with_capacity(n);
@@ -164,8 +160,8 @@ fn main() {
     for &(unroll, decay) in &a.variants {
         let mut config = job.drafter.clone();
         config.unroll = unroll;
-        if let Some(_w) = decay {
-            // config.unroll_decay = w;
+        if let Some(w) = decay {
+            config.unroll_decay = w;
         }
         config.buffer_rows = train.len();
         let buffer = DraftBufferHandle::new(&job.model, &config);
@@ -173,8 +169,8 @@ fn main() {
         for r in &train {
             buffer.lock().push(r.clone()).expect("row");
         }
-        let mut d = Drafter::new(&job.model, &config, CpuBackend::new(1).expect("be"))
-            .expect("drafter");
+        let mut d =
+            Drafter::new(&job.model, &config, CpuBackend::new(1).expect("be")).expect("drafter");
         d.refresh_from_gpt(model, step).expect("refresh");
         let mut t = DrafterTrainer::new(d, buffer, 0, 1).expect("trainer");
         let t1 = Instant::now();
@@ -184,7 +180,7 @@ fn main() {
         }
         let wall = t1.elapsed().as_secs_f64();
         cpu.sort_by(f64::total_cmp);
-        let name = format!("unroll {unroll} decay {decay:?}");
+        let name = format!("unroll {unroll} decay {}", config.unroll_decay);
         println!(
             "{name}: {} slices in {wall:.1} s, median {:.2} ms CPU per slice",
             a.slices,
@@ -192,10 +188,7 @@ fn main() {
         );
         for (what, set) in [("train", &train), ("held", &held)] {
             let agree = t.agreement(set).expect("agreement");
-            let s = t
-                .drafter_mut()
-                .chain_acceptance(set, a.k)
-                .expect("chains");
+            let s = t.drafter_mut().chain_acceptance(set, a.k).expect("chains");
             let per: Vec<String> = (1..=a.k)
                 .map(|j| format!("{:.3}", s.conditional(j)))
                 .collect();

@@ -92,6 +92,7 @@ mod batch;
 mod buffer;
 mod linear;
 pub mod loss;
+mod masked;
 mod net;
 mod packed;
 mod propose;
@@ -152,6 +153,9 @@ pub struct DrafterConfig {
     /// unrolled context is all predictions, see `drafter/unroll.rs`) and the later ones gain;
     /// `2` looks better but one run each does not settle it against `3`.
     pub unroll: usize,
+    /// Weight of unrolled step `j`'s loss relative to step 1's: `unroll_decay^(j−1)`, in
+    /// `(0, 1]` (1: the steps' losses are summed, as EAGLE-3 does).
+    pub unroll_decay: f32,
     /// Rows kept per target step in the buffer (the current and the previous step each).
     pub buffer_rows: usize,
     /// Most recent target pairs a proposal attends to (see [`Drafter::propose`]).
@@ -200,6 +204,7 @@ impl Default for DrafterConfig {
             max_positions: 64,
             accumulation: 1,
             unroll: 1,
+            unroll_decay: 1.0,
             buffer_rows: 256,
             window: 32,
             cost_ema: 0.2,
@@ -247,6 +252,10 @@ impl DrafterConfig {
             if v == 0 {
                 return bad(field, "must be at least 1".into());
             }
+        }
+        if !(self.unroll_decay > 0.0 && self.unroll_decay <= 1.0) {
+            let reason = format!("{} is not in (0, 1]", self.unroll_decay);
+            return bad("drafter.unroll_decay", reason);
         }
         for (field, v) in [
             ("drafter.cost_ema", self.cost_ema),

@@ -224,6 +224,18 @@ impl<B: Backend> Drafter<B> {
         f: &B::Buf,
         logits: &B::Buf,
     ) -> Result<(LossSums, B::Buf)> {
+        self.loss_grad_weighted(batch, f, logits, 1.0)
+    }
+
+    /// [`Drafter::loss_grad`] with the gradient scaled by `weight` (an unrolled step's, see
+    /// [`super::DrafterConfig::unroll_decay`]); the sums stay unweighted.
+    pub(super) fn loss_grad_weighted(
+        &self,
+        batch: &DraftBatch,
+        f: &B::Buf,
+        logits: &B::Buf,
+        weight: f32,
+    ) -> Result<(LossSums, B::Buf)> {
         let be = &self.be;
         let (d, v, rows) = (self.target.d_model, self.target.vocab, batch.rows());
         let c = &self.config;
@@ -235,7 +247,7 @@ impl<B: Backend> Drafter<B> {
             &batch.mask,
             d,
             c.smooth_l1_beta,
-            c.hidden_weight,
+            c.hidden_weight * weight,
             &mut df,
         );
         let mut dz = vec![0.0; rows * v];
@@ -244,7 +256,7 @@ impl<B: Backend> Drafter<B> {
             &batch.target_probs,
             &batch.mask,
             v,
-            c.ce_weight,
+            c.ce_weight * weight,
             &mut dz,
         );
         let agree = (0..rows)

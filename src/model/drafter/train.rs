@@ -6,7 +6,6 @@ use pipefill_actors::thread_cpu_time;
 use std::time::Instant;
 
 use super::net::LossSums;
-use super::unroll::Unroller;
 use super::{
     DraftBatch, DraftBufferHandle, DraftRow, Drafter, DrafterError, DrafterWeights, NamedTensor,
     Result,
@@ -314,28 +313,15 @@ impl<B: Backend> DrafterTrainer<B> {
     /// Step 1 of a slice on `batch`, then its unrolled steps (which rewrite `batch`, see
     /// [`super::unroll`]): step 1's loss sums and the pairs the unrolled steps counted.
     fn forward_backward(&mut self, batch: &mut DraftBatch) -> Result<(LossSums, usize)> {
-        let (first, mut f) = self.step(batch)?;
-        let unroll = self.drafter.config().unroll;
-        let mut unrolled = 0;
-        if unroll > 1 {
-            let unroller = Unroller::new(batch, self.drafter.target_config().d_model);
-            for _ in 2..=unroll {
-                let fed = self.drafter.backend().to_host(&f)?;
-                // No pair is that many predictions deep: the later steps have none either.
-                if unroller.advance(batch, &fed) == 0 {
-                    break;
-                }
-                let (sums, next) = self.step(batch)?;
-                unrolled += sums.pairs;
-                f = next;
-            }
+        match self.drafter.config().unroll {
+            1 => Ok((self.step(batch)?, 0)),
+            n => self.drafter.unrolled_slice(batch, n),
         }
-        Ok((first, unrolled))
     }
 
     /// One forward, `backward_input` and `backward_weight` of the drafter on `batch`; its
-    /// loss sums and predicted hidden states.
-    fn step(&mut self, batch: &DraftBatch) -> Result<(LossSums, B::Buf)> {
+    /// loss sums.
+    fn step(&mut self, batch: &DraftBatch) -> Result<LossSums> {
         let d = &mut self.drafter;
         let (f, logits) = d.forward(SLICE_MB, batch)?;
         let result = d.loss_grad(batch, &f, &logits).and_then(|(sums, dfeat)| {
@@ -346,7 +332,7 @@ impl<B: Backend> DrafterTrainer<B> {
         if result.is_err() {
             d.discard(SLICE_MB);
         }
-        Ok((result?, f))
+        result
     }
 
     /// Clips and applies the gradients held in the parameters (of the loss summed over

@@ -12,28 +12,30 @@
 //! a pair counts at step `j` only when it is `j − 1` predictions deep (the `j − 1` pairs
 //! before it are real ones), so every counted pair trains the depth it names.
 //!
-//! Two simplifications, both deliberate:
-//! - The fed-back features are **detached** (data, as `h_t` is at step 1), as EAGLE-3's
-//!   recurrence is in effect. Each step is then a whole forward, `backward_input`,
-//!   `backward_weight` of its own (the split backward the filler relies on, and one step's
-//!   stash at a time), and step 1 is not pushed to predict features that are easy to draft
-//!   from rather than close to the target's.
-//! - The causal context of a step-`j` pair is the step's other pairs, whose features are
-//!   predictions too, where a proposal attends to the target's own pairs before the chain.
-//!   The exact context needs a per-query attention mask (EAGLE-3's), which the backends'
-//!   causal attention does not have; the query's own input, the drift that matters most, is
-//!   the proposal's. A variant that fed predictions only along chains of `unroll` pairs from
-//!   a real one (so the first chain of a window had the exact context) did worse on
-//!   `pipefill bench rollout` (acceptance length 2.66 at K=4 with `unroll = 2`, against 3.07
-//!   for this one and 2.82 without unrolling): fewer trained pairs per step.
+//! The fed-back features are **detached** (data, as `h_t` is at step 1), as EAGLE-3's
+//! recurrence is in effect, so step 1 is not pushed to predict features that are easy to draft
+//! from rather than close to the target's. Every query attends to its **exact proposal
+//! context** ([`super::masked`]): the target's real pairs before its chain, then its own
+//! chain's pairs, the keys and values of the earlier steps included, so the steps of a slice
+//! run forward one after the other and backward together, last to first
+//! ([`Drafter::unrolled_slice`]); a slice keeps every step's stash until then.
+//! An earlier variant attended causally to the step's own other pairs (each step a whole
+//! forward and backward of its own through the backends' causal attention), so the context
+//! of a step-`j` pair was other predictions where a proposal has the target's pairs: on
+//! `pipefill bench rollout` (d512) that gave acceptance length 3.07 at K=4 with `unroll = 2`
+//! against 2.82 without unrolling, but cost the first draft (top-1 agreement 79.5% against
+//! 88.2%); see [`super::DrafterConfig::unroll`] for this one's figures.
 //!
 //! The unrolled losses are added to step 1's, per position (EAGLE-3 sums its steps' losses),
-//! and the gradient is averaged over step 1's pairs, so [`super::SliceStats::pairs`] and
+//! step `j`'s weighted `unroll_decay^(j−1)`, and the gradient is averaged over step 1's pairs, so [`super::SliceStats::pairs`] and
 //! [`super::DrafterGrads::pairs`] still count the slice's next-token pairs.
 
+use super::masked::ChainAttention;
+use super::net::LossSums;
 use super::{DraftBatch, DraftRow, Drafter, DrafterError, Result};
 use crate::data::SplitMix64;
-use crate::tensor::Backend;
+use crate::model::layers::{activation, gradient, linear_bwd_input, linear_bwd_weight, linear_fwd};
+use crate::tensor::{Backend, DType};
 
 /// Rewrites a slice's batch into the batch of its next unrolled step.
 pub(super) struct Unroller {
@@ -99,7 +101,140 @@ impl ChainStats {
     }
 }
 
+/// One unrolled step's forward: what its backward needs besides the layers' stashes, and its
+/// outputs.
+pub(super) struct UnrolledStep<B: Backend> {
+    /// The attention's input (after `norm1`).
+    a: B::Buf,
+    /// The attention's output, before `wo`.
+    o: B::Buf,
+    /// The loss's gradient w.r.t. the step's predicted hidden states.
+    df: B::Buf,
+    /// The predicted hidden states `[rows, d_model]`.
+    pub(super) f: B::Buf,
+    pub(super) sums: LossSums,
+}
+
 impl<B: Backend> Drafter<B> {
+    /// A slice of up to `steps` unrolled steps on `batch` (step 1 as laid out; the others
+    /// rewrite it, see the module docs), forward then backward, the gradients accumulated
+    /// into the parameters: step 1's loss sums and the pairs the later steps counted. On an
+    /// error nothing stays stashed.
+    pub(super) fn unrolled_slice(
+        &mut self,
+        batch: &mut DraftBatch,
+        steps: usize,
+    ) -> Result<(LossSums, usize)> {
+        let heads = self.target.heads;
+        let mut chain =
+            ChainAttention::new(batch.batch, batch.seq, heads, self.target.d_model / heads);
+        let result = self
+            .unrolled_forward(batch, steps, &mut chain)
+            .and_then(|out| self.unrolled_backward(&out, &mut chain).map(|()| out));
+        match result {
+            Ok(out) => {
+                let unrolled = out[1..].iter().map(|s| s.sums.pairs).sum();
+                Ok((out[0].sums, unrolled))
+            }
+            Err(e) => {
+                (0..steps).for_each(|s| self.discard(s));
+                Err(e)
+            }
+        }
+    }
+
+    /// The forward of up to `steps` unrolled steps (micro-batch `s` for step `s + 1`), each
+    /// with its loss's gradient; stops early when no pair is that many predictions deep.
+    pub(super) fn unrolled_forward(
+        &mut self,
+        batch: &mut DraftBatch,
+        steps: usize,
+        chain: &mut ChainAttention,
+    ) -> Result<Vec<UnrolledStep<B>>> {
+        let be = self.be.clone();
+        let (d, rows) = (self.target.d_model, batch.rows());
+        if batch.inputs.len() != rows * 2 * d {
+            return Err(DrafterError::Input {
+                what: "batch",
+                reason: format!(
+                    "{} inputs for {rows} pairs of {}",
+                    batch.inputs.len(),
+                    2 * d
+                ),
+            });
+        }
+        let unroller = Unroller::new(batch, d);
+        let mut out: Vec<UnrolledStep<B>> = Vec::with_capacity(steps);
+        for s in 0..steps {
+            // No pair is that many predictions deep: the later steps have none either.
+            if let Some(prev) = out.last()
+                && unroller.advance(batch, &be.to_host(&prev.f)?) == 0
+            {
+                break;
+            }
+            let x = be.from_host(&batch.inputs, be.storage_dtype())?;
+            let z = self.fc.forward(&be, s, &x, rows)?;
+            let a = self.block.norm1.forward(&be, s, &z, rows)?;
+            let attn = &self.block.attn;
+            let project =
+                |w| -> Result<Vec<f32>> { Ok(be.to_host(&linear_fwd(&be, &a, w, rows)?)?) };
+            let o = chain.forward(project(&attn.wq)?, project(&attn.wk)?, project(&attn.wv)?);
+            let o = be.from_host(&o, be.storage_dtype())?;
+            let y = linear_fwd(&be, &o, &attn.wo, rows)?;
+            let mut h = activation(&be, rows * d)?;
+            be.add(&z, &y, &mut h)?;
+            let c = self.block.norm2.forward(&be, s, &h, rows)?;
+            let m = self.block.mlp.forward(&be, s, &c, rows)?;
+            let mut f = activation(&be, rows * d)?;
+            be.add(&h, &m, &mut f)?;
+            let logits = self.logits(&f, rows)?;
+            let weight = self.config.unroll_decay.powi(s as i32);
+            let (sums, df) = self.loss_grad_weighted(batch, &f, &logits, weight)?;
+            out.push(UnrolledStep { a, o, df, f, sums });
+        }
+        Ok(out)
+    }
+
+    /// The backward of [`Drafter::unrolled_forward`]'s steps, last to first (a step's keys
+    /// and values get gradients from every later step's queries), through the block into fc.
+    fn unrolled_backward(
+        &mut self,
+        steps: &[UnrolledStep<B>],
+        chain: &mut ChainAttention,
+    ) -> Result<()> {
+        let be = self.be.clone();
+        let d = self.target.d_model;
+        for (s, st) in steps.iter().enumerate().rev() {
+            let rows = be.len(&st.f) / d;
+            let dc = self.block.mlp.backward_input(&be, s, &st.df)?;
+            let mut dh = self.block.norm2.backward_input(&be, s, &dc)?;
+            be.axpy(1.0, &st.df, &mut dh)?;
+            let attn = &mut self.block.attn;
+            let mut d_o = gradient(&be, rows * d)?;
+            linear_bwd_input(&be, &dh, &attn.wo, &mut d_o, rows, false)?;
+            linear_bwd_weight(&be, &st.o, &dh, &mut attn.wo, rows)?;
+            let dq = chain.backward(s, &be.to_host(&d_o)?);
+            let (dk, dv) = chain.kv_grads(s);
+            let mut da = gradient(&be, rows * d)?;
+            for (i, (g, w)) in [(dq, &mut attn.wq), (dk, &mut attn.wk), (dv, &mut attn.wv)]
+                .into_iter()
+                .enumerate()
+            {
+                let g = be.from_host(&g, DType::F32)?;
+                linear_bwd_input(&be, &g, w, &mut da, rows, i > 0)?;
+                linear_bwd_weight(&be, &st.a, &g, w, rows)?;
+            }
+            let mut dz = self.block.norm1.backward_input(&be, s, &da)?;
+            be.axpy(1.0, &dh, &mut dz)?;
+            self.fc.backward_input(&be, s, &dz, false)?;
+            self.block.mlp.backward_weight(&be, s)?;
+            self.block.norm2.backward_weight(&be, s)?;
+            self.block.norm1.backward_weight(&be, s)?;
+            self.fc.backward_weight(&be, s)?;
+        }
+        Ok(())
+    }
+
     /// Drafts `k` tokens greedily after every position `t` of each row (context: the row's
     /// pairs up to `t`, cut to `window` as a proposal cuts it) that has `k` known tokens after
     /// it, and counts how deep each chain matches the row's own next tokens. On rows that are

@@ -1,7 +1,10 @@
-//! The unrolled training-time test: what each unrolled step feeds and counts, that slices
-//! stay whole and replicas identical with it, and that it raises the acceptance of greedy
-//! chains beyond their first draft on a trained target's own generations.
+//! The unrolled training-time test: what each unrolled step feeds and counts, that each of
+//! its predictions is the one a causal forward over its chain's own context makes (the exact
+//! proposal context), that one step of it is the plain slice's gradient, that slices stay
+//! whole and replicas identical with it, and that it raises the acceptance of greedy chains
+//! beyond their first draft on a trained target's own generations.
 
+use super::super::masked::ChainAttention;
 use super::super::unroll::Unroller;
 use super::train::{drafter_config, held_out, run, target, trainer_with_sink};
 use super::*;
@@ -55,6 +58,122 @@ fn each_unrolled_step_feeds_the_previous_prediction_and_counts_deeper_pairs() {
     assert_eq!(feature(&batch, 2), &g[d..2 * d]);
     assert_eq!(u.advance(&mut batch, &g), 1);
     assert_eq!(u.advance(&mut batch, &g), 0);
+}
+
+/// A batch of `rows` sequences of `seq` pairs with random inputs and targets (every pair
+/// real but the last two of row 1, which are padding).
+fn random_batch(cfg: &GptConfig, rows: usize, seq: usize, seed: u64) -> DraftBatch {
+    let (d, v, n) = (cfg.d_model, cfg.vocab, rows * seq);
+    let mut mask = vec![true; n];
+    if rows > 1 {
+        mask[2 * seq - 2..2 * seq].fill(false);
+    }
+    DraftBatch {
+        batch: rows,
+        seq,
+        inputs: normal(seed, "inputs", n * 2 * d, 1.0),
+        target_hidden: normal(seed, "hidden", n * d, 1.0),
+        target_probs: distributions("probs", n, v),
+        mask,
+    }
+}
+
+#[test]
+fn each_unrolled_prediction_is_a_causal_forward_over_its_chains_context() {
+    let cfg = GptConfig {
+        vocab: 9,
+        d_model: 8,
+        heads: 2,
+        layers: 1,
+        seq_len: 8,
+        mlp_ratio: 2,
+        ..GptConfig::default()
+    };
+    let (d, seq, steps) = (cfg.d_model, 6, 3);
+    let mut dr = super::propose::drafter(&cfg, 32, 5);
+    let original = random_batch(&cfg, 1, seq, 1);
+    let mut batch = original.clone();
+    let mut chain = ChainAttention::new(1, seq, cfg.heads, d / cfg.heads);
+    let out = dr.unrolled_forward(&mut batch, steps, &mut chain).unwrap();
+    (0..steps).for_each(|s| dr.discard(s));
+    assert_eq!(out.len(), steps);
+    let be = be();
+    let unrolled: Vec<Vec<f32>> = out.iter().map(|s| be.to_host(&s.f).unwrap()).collect();
+    // The chain of real pair r: its pairs r + 1, r + 2, … feed the prediction before them,
+    // as a proposal does (with the row's own tokens where it has its drafts).
+    for r in 0..seq {
+        let mut inputs = original.inputs[..(r + 1) * 2 * d].to_vec();
+        for (s, step) in unrolled.iter().enumerate().take(seq - r) {
+            let n = r + s + 1;
+            let one = DraftBatch {
+                batch: 1,
+                seq: n,
+                inputs: inputs.clone(),
+                target_hidden: vec![0.0; n * d],
+                target_probs: vec![0.0; n * cfg.vocab],
+                mask: vec![true; n],
+            };
+            let (f, _) = dr.forward(9, &one).unwrap();
+            dr.discard(9);
+            let f = be.to_host(&f).unwrap();
+            let last = &f[(n - 1) * d..n * d];
+            let ours = &step[(n - 1) * d..n * d];
+            for (a, b) in last.iter().zip(ours) {
+                assert!((a - b).abs() < 1e-4, "chain from {r}, step {s}: {a} vs {b}");
+            }
+            if n < seq {
+                inputs.extend_from_slice(&original.inputs[n * 2 * d..n * 2 * d + d]);
+                inputs.extend_from_slice(last);
+            }
+        }
+    }
+}
+
+#[test]
+fn one_unrolled_step_is_the_plain_slices_gradient() {
+    let cfg = GptConfig {
+        vocab: 9,
+        d_model: 8,
+        heads: 2,
+        layers: 1,
+        seq_len: 8,
+        mlp_ratio: 2,
+        ..GptConfig::default()
+    };
+    let be = be();
+    let mut dr = super::propose::drafter(&cfg, 32, 6);
+    let batch = random_batch(&cfg, 2, 5, 2);
+    let grads = |dr: &Drafter<CpuBackend>| -> Vec<Vec<f32>> {
+        dr.params()
+            .iter()
+            .map(|p| be.to_host(&p.grad).unwrap())
+            .collect()
+    };
+    dr.zero_grads().unwrap();
+    let (f, logits) = dr.forward(0, &batch).unwrap();
+    let (plain, df) = dr.loss_grad(&batch, &f, &logits).unwrap();
+    dr.backward_input(0, &df).unwrap();
+    dr.backward_weight(0).unwrap();
+    let want = grads(&dr);
+    dr.zero_grads().unwrap();
+    let (sums, unrolled) = dr.unrolled_slice(&mut batch.clone(), 1).unwrap();
+    assert_eq!(
+        (sums.pairs, sums.agree, unrolled),
+        (plain.pairs, plain.agree, 0)
+    );
+    assert!(
+        (sums.ce - plain.ce).abs() < 1e-6 * plain.ce,
+        "{sums:?} vs {plain:?}"
+    );
+    assert!((sums.hidden - plain.hidden).abs() < 1e-6 * plain.hidden);
+    assert_eq!(dr.stashed(), 0);
+    for ((g, w), p) in grads(&dr).iter().zip(&want).zip(dr.params()) {
+        let scale = w.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+        assert!(scale > 0.0, "{}", p.name);
+        for (a, b) in g.iter().zip(w) {
+            assert!((a - b).abs() <= 1e-4 * scale, "{}: {a} vs {b}", p.name);
+        }
+    }
 }
 
 #[test]
