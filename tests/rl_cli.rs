@@ -153,6 +153,65 @@ fn rl_with_draft_trees_runs_and_says_so() {
 }
 
 #[test]
+fn rl_with_an_auto_threshold_calibrates_and_records_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = pipefill(
+        "rl",
+        &["--steps", "2", "--set", "rl.spec_threshold=\"auto\""],
+        dir.path(),
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("calibrated on the policy"), "{stdout}");
+    assert!(
+        stdout.contains("K ∈ 0..=4 (0: plain)"),
+        "the plain arm: {stdout}"
+    );
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("calibration ("))
+        .unwrap_or_else(|| panic!("no calibration line: {stdout}"));
+    assert!(line.contains("b=1 ") && line.contains("b=2 "), "{line}");
+    let m = metrics(dir.path());
+    // The costs measured, on the first line only.
+    let costs = m[0]["calibration"]["costs"].as_array().unwrap();
+    assert!(!costs.is_empty(), "{}", m[0]);
+    for c in costs {
+        for f in ["decode_ms", "verify_ms", "propose_ms"] {
+            assert!(c[f].as_f64().unwrap() > 0.0, "{c}");
+        }
+    }
+    assert!(m[1].get("calibration").is_none(), "{}", m[1]);
+    let (first, second) = (&m[0]["spec_threshold"], &m[1]["spec_threshold"]);
+    if line.contains("cannot pay") {
+        // Speculation off for the run: nothing drafted, the drafter left alone.
+        assert_eq!(first["source"], "cannot pay", "{first}");
+        assert!(m[1]["acceptance_length"].is_null(), "{}", m[1]);
+    } else {
+        // The warm-up trained no drafter: no acceptance to start from, so the first
+        // rollout does not speculate; its held-out rows measure one for the second.
+        assert_eq!(first["source"], "no acceptance measured yet", "{first}");
+        assert_eq!(first["threshold"], 0, "{first}");
+        assert!(m[0]["acceptance_length"].is_null(), "{}", m[0]);
+        assert_eq!(second["source"], "calibrated", "{second}");
+        let alpha = second["alpha"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&alpha), "{second}");
+    }
+    // A fixed threshold is used as given.
+    let dir = tempfile::tempdir().unwrap();
+    let out = pipefill(
+        "rl",
+        &["--steps", "1", "--set", "rl.spec_threshold=5"],
+        dir.path(),
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    let m = metrics(dir.path());
+    assert_eq!(m[0]["spec_threshold"]["threshold"], 5, "{}", m[0]);
+    assert_eq!(m[0]["spec_threshold"]["source"], "rl.spec_threshold");
+    assert!(m[0].get("calibration").is_none(), "{}", m[0]);
+}
+
+#[test]
 fn bad_rl_settings_are_one_line_errors_naming_the_field() {
     let dir = tempfile::tempdir().unwrap();
     let err = one_line_error(&pipefill("rl", &["--set", "rl.group=1"], dir.path()));
@@ -168,6 +227,15 @@ fn bad_rl_settings_are_one_line_errors_naming_the_field() {
         dir.path(),
     ));
     assert!(err.contains("`rl.max_new_tokens`"), "{err}");
+    let err = one_line_error(&pipefill(
+        "rl",
+        &["--set", "rl.spec_threshold=often"],
+        dir.path(),
+    ));
+    assert!(
+        err.contains("spec_threshold") && err.contains("\"auto\""),
+        "{err}"
+    );
     let err = one_line_error(&pipefill("rl", &["--set", "rl.bogus=1"], dir.path()));
     assert!(err.contains("bogus"), "{err}");
     let err = one_line_error(&pipefill(

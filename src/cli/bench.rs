@@ -39,15 +39,15 @@ mod costs;
 use std::time::Instant;
 
 use anyhow::{Context, bail};
-use costs::{
-    COST_REPS, MAX_CALIBRATION_BATCH, engine_buckets, step_costs, threshold_of_buckets,
-    threshold_per_group, tree_cost,
-};
+use costs::{COST_REPS, engine_buckets, probe_context, step_cost_lines, threshold_of_buckets};
 use pipefill::config::JobConfig;
 use pipefill::data::{SplitMix64, TaskGenerator, Tokenizer, tokenizer::BOS};
-use pipefill::model::drafter::{DraftBufferHandle, Drafter, DrafterTrainer, TreeShape};
+use pipefill::model::drafter::{
+    DraftBufferHandle, DraftContext, Drafter, DrafterTrainer, TreeShape,
+};
 use pipefill::model::infer::InferStage;
 use pipefill::model::{Cut, Gpt};
+use pipefill::rl::calibrate::{MAX_CALIBRATION_BATCH, step_costs, threshold_per_group, tree_cost};
 use pipefill::rl::rollout::{
     AdaptiveConfig, Request, Rollout, RolloutConfig, RolloutEngine, Speculation,
 };
@@ -252,7 +252,12 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
         .context("no rows")?
         .clone();
     let max_b = requests.len().div_ceil(groups).min(MAX_CALIBRATION_BATCH);
-    let costs = step_costs(model, dtrainer.drafter_mut(), &probe, a.k, max_b)?;
+    let (hidden, tokens) = probe_context(&probe, job.model.d_model);
+    let ctx = DraftContext {
+        hidden: &hidden,
+        tokens: &tokens,
+    };
+    let costs = step_costs(model, dtrainer.drafter_mut(), ctx, &[a.k], max_b, COST_REPS)?;
     let propose_ms = costs.first().map_or(f64::NAN, |c| c.propose_ms);
     say(
         a.json,
@@ -266,7 +271,7 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
     // hits both sides of a comparison alike.
     let shape = parse_tree(&a.tree)?;
     let (tree_verify_ms, tree_propose_ms, tree_rows) =
-        tree_cost(model, dtrainer.drafter_mut(), &probe, &shape)?;
+        tree_cost(model, dtrainer.drafter_mut(), ctx, &shape, COST_REPS)?;
     let drafter = dtrainer.drafter_mut();
     let mut pair = |spec: &Speculation| -> anyhow::Result<(Vec<Rollout>, Vec<Rollout>)> {
         let (mut plain, mut spec_runs) = (Vec::new(), Vec::new());
@@ -295,28 +300,10 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
             ),
         );
     }
-    let per_group = threshold_per_group(&costs, fixed_accept);
+    let per_group = threshold_per_group(&costs, |_| fixed_accept);
     let threshold = per_group * groups;
-    for c in &costs {
-        say(
-            a.json,
-            format!(
-                "step costs: {:>3} per group: decode {:>7.3} ms, verify K+1={} {:>7.3} ms ({:.2}x), propose {:>6.3} ms: speculation {} ({:.2} vs {:.2} ms per plain-token-equivalent)",
-                c.batch,
-                c.decode_ms,
-                a.k + 1,
-                c.verify_ms,
-                c.verify_ms / c.decode_ms,
-                c.propose_ms,
-                if c.pays(fixed_accept) {
-                    "pays"
-                } else {
-                    "loses"
-                },
-                (c.propose_ms + c.verify_ms) / fixed_accept,
-                c.decode_ms
-            ),
-        );
+    for line in step_cost_lines(&costs, fixed_accept) {
+        say(a.json, line);
     }
     if let Some(c) = costs.first() {
         say(

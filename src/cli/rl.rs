@@ -21,8 +21,10 @@ use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 
 use pipefill::config::JobConfig;
 use pipefill::model::checkpoint::Checkpoint;
+use pipefill::rl::calibrate::Calibration;
+use pipefill::rl::config::SpecThreshold;
 use pipefill::rl::trainer::{RlStepMetrics, RlTrainer, RolloutEngine, warm_up};
-use pipefill::rl::trainer_spec::PipelineRollouts;
+use pipefill::rl::trainer_spec::{PipelineRollouts, ThresholdChoice};
 
 #[derive(clap::Args)]
 pub struct RlArgs {
@@ -131,11 +133,27 @@ pub fn run(args: RlArgs) -> anyhow::Result<()> {
     );
 
     let mut engine = PipelineRollouts::new(&job)?;
+    let mut version = None;
+    if rl.speculation
+        && let Some(state) = &checkpoint.drafter
+    {
+        engine = engine.with_drafter(state)?;
+        version = Some(engine.drafter_version());
+    }
+    let mut trainer = RlTrainer::new(&job, checkpoint)?;
     if rl.speculation {
+        let arms = match rl.plain_arm {
+            true => format!("K ∈ 0..={} (0: plain)", rl.draft_k),
+            false => format!("K ≤ {}", rl.draft_k),
+        };
+        let below = match rl.spec_threshold {
+            SpecThreshold::Live(n) => format!("at most {n} sequences (rl.spec_threshold)"),
+            SpecThreshold::Auto => "at most a threshold calibrated on the policy".into(),
+        };
         println!(
-            "rollouts: speculative decoding while at most {} sequences are live (K ≤ {} chosen \
-             by a bandit), drafter trained {} slices per step on the rollouts",
-            rl.spec_threshold, rl.draft_k, rl.drafter_slices
+            "rollouts: speculative decoding while {below} are live ({arms} chosen by a \
+             bandit), drafter trained {} slices per step on the rollouts",
+            rl.drafter_slices
         );
         if let Some(t) = &rl.draft_tree {
             println!(
@@ -144,18 +162,14 @@ pub fn run(args: RlArgs) -> anyhow::Result<()> {
                 t.nodes, t.branch, t.width
             );
         }
-        if let Some(state) = &checkpoint.drafter {
-            engine = engine.with_drafter(state)?;
-        }
-        let version = checkpoint
-            .drafter
-            .is_some()
-            .then(|| engine.drafter_version());
         println!("{}", drafter_line(version));
+        engine.calibrate(trainer.policy())?;
+        if let Some(line) = calibration_line(&engine) {
+            println!("{line}");
+        }
     } else {
         println!("rollouts: plain sampling (rl.speculation = false)");
     }
-    let mut trainer = RlTrainer::new(&job, checkpoint)?;
     let bars = MultiProgress::new();
     let rollout_bar = bars.add(bar(rl.steps, "rollout"));
     let update_bar = bars.add(bar(rl.steps, "update "));
@@ -179,7 +193,7 @@ pub fn run(args: RlArgs) -> anyhow::Result<()> {
         if rollout_bar.is_hidden() {
             println!(
                 "step {:>4}/{} reward {:.3} | rollout {:.2} s ({:.0} tok/s, {:.0}% of the step, \
-                 stages idle {}) | drafter {:.2} s | reference {:.2} s | update {:.2} s, grad \
+                 stages idle {}){} | drafter {:.2} s | reference {:.2} s | update {:.2} s, grad \
                  norm {:.3}",
                 m.step + 1,
                 rl.steps,
@@ -188,13 +202,21 @@ pub fn run(args: RlArgs) -> anyhow::Result<()> {
                 m.tokens_per_s,
                 100.0 * m.rollout_share,
                 idle_line(&m),
+                engine
+                    .threshold()
+                    .map_or(String::new(), |t| format!(" speculating ≤ {}", t.threshold)),
                 m.drafter_seconds,
                 m.reference_seconds,
                 m.update_seconds,
                 m.grad_norm
             );
         }
-        serde_json::to_writer(&mut metrics, &m)?;
+        let line = MetricsLine {
+            step: &m,
+            spec_threshold: engine.threshold(),
+            calibration: (m.step == 0).then(|| engine.calibration()).flatten(),
+        };
+        serde_json::to_writer(&mut metrics, &line)?;
         writeln!(metrics)?;
         metrics.flush().context("cannot write metrics.jsonl")?;
         history.push(m);
@@ -236,6 +258,46 @@ pub fn run(args: RlArgs) -> anyhow::Result<()> {
         out_dir.display()
     );
     Ok(())
+}
+
+/// A line of metrics.jsonl: the step's [`RlStepMetrics`], the live-batch threshold its
+/// rollout speculated below (and where it came from), and on the first line the step costs
+/// a calibrated threshold was derived from.
+#[derive(serde::Serialize)]
+struct MetricsLine<'a> {
+    #[serde(flatten)]
+    step: &'a RlStepMetrics,
+    spec_threshold: Option<&'a ThresholdChoice>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    calibration: Option<&'a Calibration>,
+}
+
+/// The calibration in one line: what it measured, the acceptance it starts from and the
+/// threshold of the first rollout; `None` without one.
+fn calibration_line(engine: &PipelineRollouts) -> Option<String> {
+    let c = engine.calibration()?;
+    let t = engine.next_threshold()?;
+    let outcome = match (t.source, t.alpha, t.alpha_from) {
+        ("cannot pay", ..) => "speculation cannot pay on this target (not even with every \
+                               draft accepted): plain decoding, drafter not trained"
+            .to_string(),
+        (_, Some(alpha), Some(from)) => format!(
+            "per-token acceptance {alpha:.2} ({from}) → speculate while live ≤ {} ({} per \
+             group × {} groups), re-derived each step",
+            t.threshold,
+            t.threshold / c.groups,
+            c.groups
+        ),
+        _ => "no acceptance measured yet → no speculation in the first rollout, re-derived \
+              each step"
+            .to_string(),
+    };
+    Some(format!(
+        "calibration ({:.2} s, fastest of {}): {}; {outcome}",
+        c.seconds,
+        c.reps,
+        c.summary()
+    ))
 }
 
 /// `"1.23 s, 45% filled (6 slices)"`, or `-` without an idle-work router.

@@ -43,10 +43,15 @@ pub struct RlConfig {
     /// 3.23 tokens against the chain's 2.82 but cost 1.92x a decode to verify against
     /// 1.18x (`pipefill bench rollout --tree`), so chains won.
     pub draft_tree: Option<DraftTreeConfig>,
-    /// Speculate only while at most this many sequences are still generating (default
-    /// [`DEFAULT_SPEC_THRESHOLD`](crate::rl::rollout::DEFAULT_SPEC_THRESHOLD), derived by
-    /// `pipefill bench rollout`).
-    pub spec_threshold: usize,
+    /// Speculate only while at most this many sequences are still generating: a number, or
+    /// `"auto"` (the default) to derive it from the policy's and drafter's step costs,
+    /// measured once at the start, and the drafter's acceptance measured every step
+    /// ([`crate::rl::calibrate`]).
+    pub spec_threshold: SpecThreshold,
+    /// A plain decode step (K = 0) among the bandit's arms, so that in each live-batch bucket
+    /// below the threshold it learns, from the rollouts' own step costs, whether speculating
+    /// pays there at all.
+    pub plain_arm: bool,
     /// Drafter training slices on each step's rollouts.
     pub drafter_slices: usize,
     /// AdamW learning rate of the drafter during RL when it starts trained (the `--init`
@@ -79,7 +84,8 @@ impl Default for RlConfig {
             speculation: true,
             draft_k: 4,
             draft_tree: None,
-            spec_threshold: crate::rl::rollout::DEFAULT_SPEC_THRESHOLD,
+            spec_threshold: SpecThreshold::Auto,
+            plain_arm: true,
             drafter_slices: 16,
             drafter_lr: 3e-4,
             idle_fill: true,
@@ -174,6 +180,69 @@ impl RlConfig {
             width: t.width,
             nodes: t.nodes,
         })
+    }
+}
+
+/// `rl.spec_threshold`: a live-batch size, or `"auto"` (calibrated from measurement).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SpecThreshold {
+    /// Derived from measured step costs and acceptance ([`crate::rl::calibrate`]).
+    #[default]
+    Auto,
+    /// Speculate while at most this many sequences are live.
+    Live(usize),
+}
+
+impl std::fmt::Display for SpecThreshold {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SpecThreshold::Auto => f.write_str("auto"),
+            SpecThreshold::Live(n) => write!(f, "{n}"),
+        }
+    }
+}
+
+impl Serialize for SpecThreshold {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            SpecThreshold::Auto => s.serialize_str("auto"),
+            SpecThreshold::Live(n) => s.serialize_u64(*n as u64),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for SpecThreshold {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        const EXPECTED: &str = "a live-batch size (an integer ≥ 0) or \"auto\"";
+        impl serde::de::Visitor<'_> for V {
+            type Value = SpecThreshold;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(EXPECTED)
+            }
+            fn visit_u64<E: serde::de::Error>(self, n: u64) -> Result<SpecThreshold, E> {
+                usize::try_from(n)
+                    .map(SpecThreshold::Live)
+                    .map_err(|_| E::custom(format!("spec_threshold {n} is too large")))
+            }
+            fn visit_i64<E: serde::de::Error>(self, n: i64) -> Result<SpecThreshold, E> {
+                match u64::try_from(n) {
+                    Ok(n) => self.visit_u64(n),
+                    Err(_) => Err(E::custom(format!(
+                        "spec_threshold is {n}: expected {EXPECTED}"
+                    ))),
+                }
+            }
+            fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<SpecThreshold, E> {
+                match s.trim() {
+                    "auto" => Ok(SpecThreshold::Auto),
+                    other => Err(E::custom(format!(
+                        "spec_threshold is {other:?}: expected {EXPECTED}"
+                    ))),
+                }
+            }
+        }
+        d.deserialize_any(V)
     }
 }
 
@@ -290,5 +359,48 @@ mod tests {
             let err = cfg.validate(64).unwrap_err().to_string();
             assert!(err.starts_with(&format!("invalid `{field}`")), "{err}");
         }
+    }
+
+    #[test]
+    fn spec_threshold_is_auto_or_a_number_and_anything_else_names_the_field() {
+        use crate::config::JobConfig;
+        let job = |set: &str| JobConfig::embedded(&[set.to_string()]);
+        assert_eq!(RlConfig::default().spec_threshold, SpecThreshold::Auto);
+        assert!(RlConfig::default().plain_arm);
+        let auto = job("rl.spec_threshold=\"auto\"").unwrap();
+        assert_eq!(auto.rl.spec_threshold, SpecThreshold::Auto);
+        // A bare word on the command line is a string too.
+        assert_eq!(
+            job("rl.spec_threshold=auto").unwrap().rl.spec_threshold,
+            SpecThreshold::Auto
+        );
+        assert_eq!(
+            job("rl.spec_threshold=12").unwrap().rl.spec_threshold,
+            SpecThreshold::Live(12)
+        );
+        assert!(!job("rl.plain_arm=false").unwrap().rl.plain_arm);
+        // The job written next to a run reads back the same.
+        let text = auto.to_toml();
+        assert!(text.contains("spec_threshold = \"auto\""), "{text}");
+        let back = JobConfig::from_toml(&text, "written").unwrap();
+        assert_eq!(back.rl.spec_threshold, SpecThreshold::Auto);
+        for bad in [
+            "rl.spec_threshold=fast",
+            "rl.spec_threshold=-1",
+            "rl.spec_threshold=1.5",
+        ] {
+            let err = job(bad).unwrap_err().to_string();
+            assert!(err.contains("spec_threshold"), "{bad}: {err}");
+            assert!(err.contains("\"auto\""), "{bad}: says what it takes: {err}");
+        }
+        // In a file, the error points at the line.
+        let text = "[rl]\nspec_threshold = \"sometimes\"\n";
+        let err = JobConfig::from_toml(text, "job.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("spec_threshold") && err.contains("line 2"),
+            "{err}"
+        );
     }
 }

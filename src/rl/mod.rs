@@ -11,6 +11,8 @@
 //! - `tree`: the lossless acceptance of a draft tree (greedy walk; sequential rejection
 //!   over a node's distinct children, zeroing each rejected one).
 //! - `bandit`: the bucketed epsilon-greedy choice of K per live-batch-size bucket.
+//! - `calibrate`: the measured step costs that decide below which live batch speculation
+//!   pays (`rl.spec_threshold = "auto"`).
 //! - `update`: the GRPO update's step as pipeline micro-batches (sequences packed several
 //!   per micro-batch) and the head's per-token loss that weighs them.
 //!
@@ -19,6 +21,7 @@
 
 pub mod accept;
 pub mod bandit;
+pub mod calibrate;
 pub mod config;
 pub mod grpo;
 pub mod reward;

@@ -2,6 +2,17 @@
 //! ([`super::rollout`]): the policy cut into the job's stages, groups of sequences in
 //! flight one behind another, and, with `rl.speculation`, lossless speculative decoding
 //! whose draft length a bandit picks while the live batch is at most `rl.spec_threshold`.
+//! With `rl.plain_arm` the bandit may also choose a plain step (K = 0) in each live-batch
+//! bucket, so that where speculation does not pay it learns to stop.
+//!
+//! `rl.spec_threshold = "auto"` derives the threshold from measurement
+//! ([`crate::rl::calibrate`]): the policy's decode and verification and the drafter's
+//! proposal are timed once, on the first policy (a fraction of a second), and before every
+//! rollout the threshold follows from those costs and the drafter's per-token acceptance
+//! measured on rows it never trained on: the last step's held-out rows, before the first
+//! step the `--init` checkpoint's held-out rows (none: no speculation until one step has
+//! measured it). When speculation cannot pay on the target at all (not even with every
+//! draft accepted), the rollouts decode plainly and the drafter is left alone.
 //!
 //! The drafter adapts to the moving policy: every rollout records its sequences' final
 //! hidden states and next-token distributions ([`DraftRow`]s, computed anyway), and the
@@ -31,10 +42,12 @@ use std::time::Instant;
 use pipefill_actors::FillerRouter;
 
 use super::bandit::KBandit;
+use super::calibrate::Calibration;
+use super::config::SpecThreshold;
 use super::rollout::idle::{DrafterSlices, RolloutRouter};
 use super::rollout::{
-    AdaptiveConfig, MessageHook, Request, RolloutConfig, RolloutEngine as Engine, RolloutError,
-    Speculation,
+    AdaptiveConfig, DEFAULT_SPEC_THRESHOLD, MessageHook, Request, RolloutConfig,
+    RolloutEngine as Engine, RolloutError, Speculation,
 };
 use super::speculative::Proposer;
 use super::trainer::{RlError, Rollout, RolloutBatch, RolloutEngine};
@@ -63,6 +76,25 @@ impl From<crate::model::drafter::DrafterError> for RlError {
 
 /// Rows of each step held out of the drafter's training to measure its agreement.
 const HELD_OUT_ROWS: usize = 4;
+/// Rows of the `--init` checkpoint's held-out buffer the acceptance prior is measured on.
+const PRIOR_ROWS: usize = 8;
+/// Repetitions per cost of the start-up calibration (the bench takes 9): about 0.2 s at
+/// `d_model` 256 for groups of up to 8.
+const CALIBRATION_REPS: usize = 3;
+
+/// The live-batch threshold of one rollout, and where it came from.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct ThresholdChoice {
+    /// Speculate while at most this many sequences are live (0: not in this rollout).
+    pub threshold: usize,
+    /// `rl.spec_threshold`, `calibrated`, `cannot pay` (speculation off for the run),
+    /// `no acceptance measured yet` or `draft trees: not calibrated`.
+    pub source: &'static str,
+    /// The drafter's per-token acceptance α a calibrated threshold was derived with.
+    pub alpha: Option<f64>,
+    /// Where α was measured.
+    pub alpha_from: Option<&'static str>,
+}
 
 /// Rollouts through the pipelined rollout engine, speculative or plain, with a drafter
 /// trained on every step's rollouts.
@@ -81,6 +113,12 @@ pub struct PipelineRollouts {
     /// The adaptive engine's K bandit, carried from step to step (each step builds a new
     /// engine for the new policy).
     bandit: Option<KBandit>,
+    /// With `rl.spec_threshold = "auto"`: the step costs measured on the first policy.
+    calibration: Option<Calibration>,
+    /// The drafter's per-token acceptance on rows it never trained on, and which rows.
+    alpha: Option<(f64, &'static str)>,
+    /// The threshold of the latest rollout.
+    threshold: Option<ThresholdChoice>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -98,9 +136,16 @@ impl PipelineRollouts {
         let buffer = DraftBufferHandle::new(model, config);
         let trainer = DrafterTrainer::new(Drafter::new(model, config, be()?)?, buffer, 0, 1)?;
         let speculation = if rl.speculation {
+            let threshold = match rl.spec_threshold {
+                SpecThreshold::Live(n) => n,
+                SpecThreshold::Auto if rl.draft_tree.is_some() => DEFAULT_SPEC_THRESHOLD,
+                // Set from the calibration before each rollout.
+                SpecThreshold::Auto => 0,
+            };
+            let plain = usize::from(!rl.plain_arm);
             Speculation::Adaptive(AdaptiveConfig {
-                threshold: rl.spec_threshold,
-                ks: (1..=rl.draft_k).collect(),
+                threshold,
+                ks: (plain..=rl.draft_k).collect(),
                 tree: rl.tree_shape(),
                 ..AdaptiveConfig::default()
             })
@@ -118,6 +163,9 @@ impl PipelineRollouts {
             trainer,
             router,
             bandit: None,
+            calibration: None,
+            alpha: None,
+            threshold: None,
         })
     }
 }
@@ -131,14 +179,102 @@ impl PipelineRollouts {
     /// refreshed from the policy before every rollout anyway. Without a warm start the
     /// drafter begins RL knowing nothing, so the first steps' acceptance is near 1 and
     /// speculation only costs.
-    pub fn with_drafter(self, state: &DrafterState) -> Result<Self, RlError> {
-        {
-            let mut trainer = lock(&self.trainer);
-            trainer.load_weights(&state.weights)?;
-            trainer.load_optimizer_state(&state.optimizer)?;
-            trainer.set_lr(self.rl.drafter_lr)?;
+    ///
+    /// Its per-token acceptance on the checkpoint's held-out rows (a few) is the prior of a
+    /// calibrated threshold until the first step has measured it on the policy's rollouts.
+    pub fn with_drafter(mut self, state: &DrafterState) -> Result<Self, RlError> {
+        let mut trainer = lock(&self.trainer);
+        trainer.load_weights(&state.weights)?;
+        trainer.load_optimizer_state(&state.optimizer)?;
+        trainer.set_lr(self.rl.drafter_lr)?;
+        let held = &state.held_out;
+        let rows: Vec<DraftRow> = (held.current.iter().rev().chain(held.previous.iter().rev()))
+            .take(PRIOR_ROWS)
+            .cloned()
+            .collect();
+        // No held-out pair (an empty buffer): no prior, as without a trained drafter.
+        if let Ok(stats) = trainer.evaluate(&rows) {
+            self.alpha = Some((stats.overlap, "the starting checkpoint's held-out rows"));
         }
+        drop(trainer);
         Ok(self)
+    }
+
+    /// Whether the threshold is calibrated here (`rl.spec_threshold = "auto"`, speculating
+    /// with chains: trees keep the default, their step costs not being modelled).
+    fn auto_threshold(&self) -> bool {
+        self.rl.spec_threshold == SpecThreshold::Auto
+            && self.rl.speculation
+            && self.rl.draft_tree.is_none()
+    }
+
+    /// With `rl.spec_threshold = "auto"`, measures the step costs on `policy` and the
+    /// drafter, once (later calls return the first measurement); `None` otherwise. If
+    /// speculation cannot pay on this target, the rollouts decode plainly from now on.
+    pub fn calibrate(&mut self, policy: &Gpt<CpuBackend>) -> Result<Option<&Calibration>, RlError> {
+        if self.auto_threshold() && self.calibration.is_none() {
+            let ks: Vec<usize> = (1..=self.rl.draft_k).collect();
+            let groups = self.stages.max(1);
+            let sequences = self.rl.sequences();
+            // The proposer's weights do not change what a proposal costs; before each
+            // rollout they are reloaded anyway.
+            let c = Calibration::measure(
+                policy,
+                &mut self.proposer,
+                &ks,
+                sequences,
+                groups,
+                CALIBRATION_REPS,
+            )
+            .map_err(|e| RlError::Rollout(e.to_string()))?;
+            if !c.can_pay() {
+                self.speculation = Speculation::Off;
+            }
+            self.calibration = Some(c);
+        }
+        Ok(self.calibration.as_ref())
+    }
+
+    /// The threshold the next rollout uses (and, after a rollout, the one it used).
+    pub fn next_threshold(&self) -> Option<ThresholdChoice> {
+        let Speculation::Adaptive(a) = &self.speculation else {
+            return self.calibration.as_ref().map(|_| ThresholdChoice {
+                threshold: 0,
+                source: "cannot pay",
+                alpha: None,
+                alpha_from: None,
+            });
+        };
+        let choice = |threshold, source| ThresholdChoice {
+            threshold,
+            source,
+            alpha: None,
+            alpha_from: None,
+        };
+        Some(match (&self.calibration, self.alpha) {
+            _ if !self.auto_threshold() && self.rl.spec_threshold == SpecThreshold::Auto => {
+                choice(a.threshold, "draft trees: not calibrated")
+            }
+            (None, _) => choice(a.threshold, "rl.spec_threshold"),
+            (Some(_), None) => choice(0, "no acceptance measured yet"),
+            (Some(c), Some((alpha, from))) => ThresholdChoice {
+                threshold: c.threshold(alpha),
+                source: "calibrated",
+                alpha: Some(alpha),
+                alpha_from: Some(from),
+            },
+        })
+    }
+
+    /// The threshold of the latest rollout (`None` before the first, or without
+    /// speculation).
+    pub fn threshold(&self) -> Option<&ThresholdChoice> {
+        self.threshold.as_ref()
+    }
+
+    /// The step costs measured by [`Self::calibrate`].
+    pub fn calibration(&self) -> Option<&Calibration> {
+        self.calibration.as_ref()
     }
 
     /// The drafter trainer's learning rate now (`rl.drafter_lr` once warm-started).
@@ -172,6 +308,13 @@ impl RolloutEngine for PipelineRollouts {
         max_new: usize,
         step: u64,
     ) -> Result<RolloutBatch, RlError> {
+        if self.auto_threshold() {
+            self.calibrate(policy)?;
+        }
+        self.threshold = self.next_threshold();
+        if let (Speculation::Adaptive(a), Some(t)) = (&mut self.speculation, &self.threshold) {
+            a.threshold = t.threshold;
+        }
         let stages = InferStage::stages_of(policy, &Cut::Even(self.stages))?;
         let mut engine = Engine::new(stages)?;
         if let Some(b) = self.bandit.take() {
@@ -224,13 +367,18 @@ impl RolloutEngine for PipelineRollouts {
             // what the stages' idle time left of the budget.
             (Some(h), true) => {
                 let held = h.held_out();
-                let agreement = self.drafter_work(&held, &held, 0)?;
+                let stats = self.drafter_work(&held, &held, 0)?;
                 self.slices.finish()?;
-                Some(agreement)
+                Some(stats)
             }
-            (None, true) => Some(self.follow(&out.rows, step)?),
+            (None, true) => Some(self.follow_stats(&out.rows, step)?),
             _ => None,
         };
+        // The next rollout's threshold follows the drafter's acceptance on this policy.
+        if let Some(stats) = &agreement {
+            self.alpha = Some((stats.overlap, "the last step's held-out rows"));
+        }
+        let agreement = agreement.map(|s| s.agreement);
         let drafter_seconds = drafted.elapsed().as_secs_f64();
 
         let rollouts = (0..requests.len())
@@ -272,21 +420,26 @@ impl PipelineRollouts {
     /// [`RolloutEngine::generate`] does after a rollout when `rl.idle_fill` is off; public so
     /// that how the drafter follows a moving policy can be checked on rows alone.
     pub fn follow(&mut self, rows: &[DraftRow], step: u64) -> Result<f64, RlError> {
+        Ok(self.follow_stats(rows, step)?.agreement)
+    }
+
+    /// [`Self::follow`] with all the held-out figures.
+    fn follow_stats(&mut self, rows: &[DraftRow], step: u64) -> Result<EvalStats, RlError> {
         lock(&self.trainer).buffer().begin_step(step);
         let held = &rows[..HELD_OUT_ROWS.min(rows.len())];
         self.drafter_work(held, rows, self.rl.drafter_slices as u64)
     }
 
-    /// The drafter's agreement on `held`, then `late` rows into the buffer (after: they may
-    /// include `held`) and `slices` slices.
+    /// The drafter's agreement and acceptance on `held`, then `late` rows into the buffer
+    /// (after: they may include `held`) and `slices` slices.
     fn drafter_work(
         &mut self,
         held: &[DraftRow],
         late: &[DraftRow],
         slices: u64,
-    ) -> Result<f64, RlError> {
+    ) -> Result<EvalStats, RlError> {
         let mut trainer = lock(&self.trainer);
-        let agreement = trainer.agreement(held)?;
+        let stats = trainer.evaluate(held)?;
         {
             let buffer = trainer.buffer().clone();
             let mut b = buffer.lock();
@@ -297,7 +450,7 @@ impl PipelineRollouts {
         for _ in 0..slices {
             trainer.slice()?;
         }
-        Ok(agreement)
+        Ok(stats)
     }
 
     /// The drafter's agreement and losses on `rows` (see [`DrafterTrainer::evaluate`]).
