@@ -7,7 +7,7 @@
 //! never competes with the global rayon pool.
 
 mod buf;
-mod kernels;
+pub(crate) mod kernels;
 #[cfg(test)]
 mod tests;
 
