@@ -14,10 +14,13 @@ use std::ops::Range;
 
 use super::attend::{attend, attend_rows};
 use super::kv::KvCache;
-use super::rowmul::{Packed, ROWMUL_MAX_ROWS, rowmul, side_by_side, streams_host_weights};
+use super::rowmul::{Packed, side_by_side, streams_host_weights};
 use super::tree::{RowLayout, TreeStep, layout};
 use crate::model::{Cut, Gpt, GptConfig, ModelChunk, ModelError, Result};
 use crate::tensor::{Activation, Backend, DType, Gemm};
+use host::{HostBlock, HostHead};
+
+mod host;
 
 /// New positions `start..start + len` of sequence `slot`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -51,8 +54,8 @@ struct InferBlock<B: Backend> {
     norm2: B::Buf,
     w1: B::Buf,
     w2: B::Buf,
-    /// Host copies of `[wqkv, wo, w1, w2]` for [`rowmul`] (host backend only).
-    host: Option<[Packed; 4]>,
+    /// Host copies for the host path (host backend only).
+    host: Option<HostBlock>,
 }
 
 /// Blocks `range` of the model (plus the embedding on the first stage, the final norm and
@@ -64,8 +67,8 @@ pub struct InferStage<B: Backend> {
     embed: Option<(B::Buf, B::Buf)>,
     blocks: Vec<InferBlock<B>>,
     head: Option<(B::Buf, B::Buf)>,
-    /// Host copy of the head for [`rowmul`] (host backend only).
-    head_host: Option<Packed>,
+    /// Host copies of the final norm and the head (host backend only).
+    head_host: Option<HostHead>,
     cache: KvCache,
 }
 
@@ -106,30 +109,41 @@ impl<B: Backend> InferStage<B> {
                 get(&format!("{p}.mlp.w1"))?,
                 get(&format!("{p}.mlp.w2"))?,
             );
+            let (norm1, norm2) = (
+                get(&format!("{p}.norm1.weight"))?,
+                get(&format!("{p}.norm2.weight"))?,
+            );
             blocks.push(InferBlock {
-                norm1: load(&format!("{p}.norm1.weight"))?,
+                norm1: be.from_host(&norm1, dt)?,
                 wqkv: be.from_host(&wqkv, dt)?,
                 wo: be.from_host(&wo, dt)?,
-                norm2: load(&format!("{p}.norm2.weight"))?,
+                norm2: be.from_host(&norm2, dt)?,
                 w1: be.from_host(&w1, dt)?,
                 w2: be.from_host(&w2, dt)?,
                 host: host.then(|| {
                     let h = config.mlp_hidden();
-                    [
-                        Packed::new(&wqkv, d, 3 * d),
-                        Packed::new(&wo, d, d),
-                        Packed::new(&w1, d, h),
-                        Packed::new(&w2, h, d),
-                    ]
+                    HostBlock {
+                        norm1,
+                        norm2,
+                        w: [
+                            Packed::new(&wqkv, d, 3 * d),
+                            Packed::new(&wo, d, d),
+                            Packed::new(&w1, d, h),
+                            Packed::new(&w2, h, d),
+                        ],
+                    }
                 }),
             });
         }
         let (head, head_host) = if last {
-            let w = get("head.w")?;
+            let (w, norm) = (get("head.w")?, get("final_norm.weight")?);
             let buf = be.from_host(&w, dt)?;
             (
-                Some((load("final_norm.weight")?, buf)),
-                host.then(|| Packed::new(&w, d, config.vocab)),
+                Some((be.from_host(&norm, dt)?, buf)),
+                host.then(|| HostHead {
+                    norm,
+                    w: Packed::new(&w, d, config.vocab),
+                }),
             )
         } else {
             (None, None)
@@ -305,6 +319,9 @@ impl<B: Backend> InferStage<B> {
         for s in spans {
             self.cache.truncate(s.slot, s.start)?;
         }
+        if self.host_path(rows) {
+            return self.forward_host(spans, &layouts, &be.to_host(&x)?, rows);
+        }
         for li in 0..self.blocks.len() {
             x = self.block_forward(li, spans, &layouts, &x, rows)?;
         }
@@ -314,14 +331,9 @@ impl<B: Backend> InferStage<B> {
         let h = self.rmsnorm(&x, norm, rows)?;
         let vocab = self.config.vocab;
         let hidden = be.to_host(&h)?;
-        let logits = match &self.head_host {
-            Some(w) if rows <= ROWMUL_MAX_ROWS => rowmul(&hidden, w, rows),
-            _ => {
-                let mut logits = be.zeros(rows * vocab, DType::F32)?;
-                be.matmul(&h, head, &mut logits, Gemm::nn(rows, d, vocab))?;
-                be.to_host(&logits)?
-            }
-        };
+        let mut logits = be.zeros(rows * vocab, DType::F32)?;
+        be.matmul(&h, head, &mut logits, Gemm::nn(rows, d, vocab))?;
+        let logits = be.to_host(&logits)?;
         Ok(StageOutput::Final { logits, hidden })
     }
 
@@ -334,8 +346,8 @@ impl<B: Backend> InferStage<B> {
         Ok(y)
     }
 
-    /// `x·w`, `w` being block matrix `which` (0 wqkv, 1 wo, 2 w1, 3 w2) of `li`: a few rows
-    /// stream its host copy ([`rowmul`]), more go to the backend's GEMM.
+    /// `x·w` on the backend's GEMM, `w` being block matrix `which` (0 wqkv, 1 wo, 2 w1, 3
+    /// w2) of `li` (a few rows on a host backend take the host path instead).
     fn linear(
         &self,
         x: &B::Buf,
@@ -345,12 +357,6 @@ impl<B: Backend> InferStage<B> {
         dout: usize,
     ) -> Result<B::Buf> {
         let blk = &self.blocks[li];
-        if let Some(host) = &blk.host
-            && rows <= ROWMUL_MAX_ROWS
-        {
-            let y = rowmul(&self.be.to_host(x)?, &host[which], rows);
-            return Ok(self.be.from_host(&y, self.be.storage_dtype())?);
-        }
         let w = [&blk.wqkv, &blk.wo, &blk.w1, &blk.w2][which];
         let mut y = self.be.zeros(rows * dout, self.be.storage_dtype())?;
         self.be.matmul(x, w, &mut y, Gemm::nn(rows, din, dout))?;
@@ -368,18 +374,51 @@ impl<B: Backend> InferStage<B> {
         rows: usize,
     ) -> Result<B::Buf> {
         let be = self.be.clone();
-        let (d, heads) = (self.config.d_model, self.config.heads);
+        let d = self.config.d_model;
         let blk = &self.blocks[li];
         let a = self.rmsnorm(x, &blk.norm1, rows)?;
         let qkv = be.to_host(&self.linear(&a, (li, 0), rows, d, 3 * d)?)?;
+        let o = self.attention(li, spans, layouts, &qkv)?;
+        let blk = &self.blocks[li];
+        let o = be.from_host(&o, be.storage_dtype())?;
+        let y = self.linear(&o, (li, 1), rows, d, d)?;
+        let mut h = be.zeros(rows * d, be.storage_dtype())?;
+        be.add(x, &y, &mut h)?;
+        let c = self.rmsnorm(&h, &blk.norm2, rows)?;
+        let hidden = self.config.mlp_hidden();
+        let u = self.linear(&c, (li, 2), rows, d, hidden)?;
+        let mut g = be.zeros(rows * hidden, be.storage_dtype())?;
+        be.activation_fwd(self.activation(), &u, &mut g)?;
+        let z = self.linear(&g, (li, 3), rows, hidden, d)?;
+        let mut out = be.zeros(rows * d, be.storage_dtype())?;
+        be.add(&h, &z, &mut out)?;
+        Ok(out)
+    }
+
+    /// Appends the keys and values of `qkv` (`[rows, 3d]`, the spans' rows in order) to layer
+    /// `li`'s cache and returns each row's attention over its sequence, `[rows, d]`.
+    fn attention(
+        &mut self,
+        li: usize,
+        spans: &[Span],
+        layouts: &[Option<RowLayout>],
+        qkv: &[f32],
+    ) -> Result<Vec<f32>> {
+        let (d, heads) = (self.config.d_model, self.config.heads);
+        let rows = qkv.len() / (3 * d);
         let mut o = vec![0.0f32; rows * d];
         let mut r0 = 0;
         let mut scores = Vec::new();
         let mut extra = Vec::new();
+        let (mut k, mut v) = (Vec::new(), Vec::new());
         for (s, layout) in spans.iter().zip(layouts) {
             let row = |r: usize, part: usize| &qkv[(r0 + r) * 3 * d + part * d..][..d];
-            let k: Vec<f32> = (0..s.len).flat_map(|r| row(r, 1).iter().copied()).collect();
-            let v: Vec<f32> = (0..s.len).flat_map(|r| row(r, 2).iter().copied()).collect();
+            k.clear();
+            v.clear();
+            for r in 0..s.len {
+                k.extend_from_slice(row(r, 1));
+                v.extend_from_slice(row(r, 2));
+            }
             self.cache.append(s.slot, li, &k, &v)?;
             let (kc, vc) = self.cache.layer(s.slot, li);
             for r in 0..s.len {
@@ -397,20 +436,7 @@ impl<B: Backend> InferStage<B> {
             }
             r0 += s.len;
         }
-        let blk = &self.blocks[li];
-        let o = be.from_host(&o, be.storage_dtype())?;
-        let y = self.linear(&o, (li, 1), rows, d, d)?;
-        let mut h = be.zeros(rows * d, be.storage_dtype())?;
-        be.add(x, &y, &mut h)?;
-        let c = self.rmsnorm(&h, &blk.norm2, rows)?;
-        let hidden = self.config.mlp_hidden();
-        let u = self.linear(&c, (li, 2), rows, d, hidden)?;
-        let mut g = be.zeros(rows * hidden, be.storage_dtype())?;
-        be.activation_fwd(self.activation(), &u, &mut g)?;
-        let z = self.linear(&g, (li, 3), rows, hidden, d)?;
-        let mut out = be.zeros(rows * d, be.storage_dtype())?;
-        be.add(&h, &z, &mut out)?;
-        Ok(out)
+        Ok(o)
     }
 
     fn activation(&self) -> Activation {
