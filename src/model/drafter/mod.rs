@@ -37,9 +37,10 @@
 //! ([`DrafterTrainer::predicted_cost`]) so a filler can place it in a bubble that fits.
 //! With `unroll = n > 1` a slice also runs the "training-time test" of EAGLE-3: `n − 1` more
 //! steps on the same rows, in which each pair's hidden state is the drafter's own (detached)
-//! prediction from the step before, as a proposal feeds it at depth `2..=n`, against the same
-//! targets; their losses are added to the gradient, and the slice costs about `n` times as
-//! much (it is measured, so the estimate follows). [`Drafter::chain_acceptance`] measures
+//! prediction from the step before, as a proposal feeds it at depth `2..=n`, attending to
+//! what that proposal attends to (the target's pairs before the chain, then the chain's own),
+//! against the same targets; their losses are added to the gradient, and the slice costs
+//! about `n` times as much (it is measured, so the estimate follows). [`Drafter::chain_acceptance`] measures
 //! what it is for: how deep greedy chains match the target's own generations.
 //! Replicas stay identical by exchanging gradients: each replica hands
 //! [`DrafterTrainer::take_grads`] to every other, and all call [`DrafterTrainer::step_with`]
@@ -110,7 +111,7 @@ pub use net::{Drafter, DrafterWeights, LossSums, NamedTensor};
 pub use propose::{DraftChain, DraftContext};
 pub use train::{DrafterGrads, DrafterTrainer, EvalStats, SliceStats};
 pub use tree::{DraftTree, MAX_TREE_NODES, TreeShape};
-pub use unroll::ChainStats;
+pub use unroll::{ChainStats, greedy_tail};
 
 use serde::{Deserialize, Serialize};
 

@@ -27,9 +27,11 @@
 //! 88.2%); see [`super::DrafterConfig::unroll`] for this one's figures.
 //!
 //! The unrolled losses are added to step 1's, per position (EAGLE-3 sums its steps' losses),
-//! step `j`'s weighted `unroll_decay^(j−1)`, and the gradient is averaged over step 1's pairs, so [`super::SliceStats::pairs`] and
-//! [`super::DrafterGrads::pairs`] still count the slice's next-token pairs.
+//! step `j`'s weighted `unroll_decay^(j−1)`, and the gradient is averaged over step 1's
+//! pairs, so [`super::SliceStats::pairs`] and [`super::DrafterGrads::pairs`] still count the
+//! slice's next-token pairs.
 
+use super::loss::argmax;
 use super::masked::ChainAttention;
 use super::net::LossSums;
 use super::{DraftBatch, DraftRow, Drafter, DrafterError, Result};
@@ -235,11 +237,13 @@ impl<B: Backend> Drafter<B> {
         Ok(())
     }
 
-    /// Drafts `k` tokens greedily after every position `t` of each row (context: the row's
-    /// pairs up to `t`, cut to `window` as a proposal cuts it) that has `k` known tokens after
-    /// it, and counts how deep each chain matches the row's own next tokens. On rows that are
-    /// the target's greedy generations (a rollout's rows at temperature 0) those are the
-    /// target's greedy tokens, so this is what greedy verification would accept.
+    /// Drafts `k` tokens greedily after every position `t` of each row's greedy tail (see
+    /// [`greedy_tail`]; context: the row's pairs up to `t`, cut to `window` as a proposal cuts
+    /// it) that has `k` known tokens after it, and counts how deep each chain matches the
+    /// row's own next tokens. On rows of a rollout at temperature 0 the tail is the
+    /// completion, whose tokens are the target's greedy ones, so this is what greedy
+    /// verification would accept; a prompt's tokens are not the target's to choose, and no
+    /// proposal drafts them.
     pub fn chain_acceptance(&mut self, rows: &[DraftRow], k: usize) -> Result<ChainStats> {
         let (d, v) = (self.target.d_model, self.target.vocab);
         if k == 0 {
@@ -256,7 +260,7 @@ impl<B: Backend> Drafter<B> {
         for row in rows {
             row.check(d, v)?;
             // Position t's chain predicts targets[t + 1 ..= t + k].
-            for t in 0..row.len().saturating_sub(k) {
+            for t in greedy_tail(row, v)..row.len().saturating_sub(k) {
                 let next = &row.targets[t + 1..=t + k];
                 if row.targets[..=t]
                     .iter()
@@ -279,4 +283,20 @@ impl<B: Backend> Drafter<B> {
         }
         Ok(stats)
     }
+}
+
+/// Where the greedy tail of `row` starts: the longest suffix in which every known token is
+/// its distribution's argmax (the target's greedy choice), i.e. the completion of a greedy
+/// rollout (and any prompt tokens before it that the target would have chosen too).
+pub fn greedy_tail(row: &DraftRow, vocab: usize) -> usize {
+    let mut start = row.len();
+    while start > 0 {
+        let t = start - 1;
+        let x = row.targets[t] as usize;
+        if x < vocab && argmax(&row.probs[t * vocab..(t + 1) * vocab]) != Some(x) {
+            break;
+        }
+        start = t;
+    }
+    start
 }
