@@ -35,6 +35,8 @@ use pipefill::config::JobConfig;
 use pipefill::launch::rl::{RankOptions, RlLaunchRun, rl_rank_with};
 use pipefill::model::checkpoint::{ADAM_M_PREFIX, ADAM_V_PREFIX, Checkpoint, MASTER_PREFIX};
 use pipefill::pipeline::Clock;
+use pipefill::rl::trainer::RlTrainer;
+use pipefill::rl::trainer_spec::PipelineRollouts;
 
 mod common;
 use common::{assert_bitwise, clean, text};
@@ -144,13 +146,14 @@ fn launched_rl_with_the_kl_term_equals_the_in_process_run_bitwise() {
     assert_bitwise(&checkpoint(&single), &checkpoint(&multi));
 }
 
-/// Rollouts that speculate at every live-batch size with one draft length, so that they
-/// are a function of the policy and the drafter only: the bandit rewards each K by measured
-/// time, so with several two runs may choose differently, and drafter slices in the stages'
-/// idle time sample rows by timing (which would change step 2's drafter). The seed gives
-/// both steps informative groups from the run below.
+/// Rollouts that speculate at every live-batch size with one draft length (and no plain
+/// K = 0 arm), so that they are a function of the policy and the drafter only: the bandit
+/// rewards each K by measured time, so with several two runs may choose differently, and
+/// drafter slices in the stages' idle time sample rows by timing (which would change step
+/// 2's drafter). The seed gives both steps informative groups from the run below.
 const SPECULATIVE: &[&str] = &[
     "rl.speculation=true",
+    "rl.plain_arm=false",
     "rl.draft_k=1",
     "rl.spec_threshold=32",
     "rl.idle_fill=false",
@@ -321,14 +324,20 @@ fn launched_rl_refuses_unequal_shares_and_a_world_unlike_the_plan() {
 }
 
 /// [`TINY`] and `extra` as a job.
-fn job(extra: &[&str]) -> JobConfig {
+fn tiny_job(extra: &[&str]) -> JobConfig {
     let sets: Vec<String> = TINY.iter().chain(extra).map(|s| s.to_string()).collect();
     JobConfig::embedded(&sets).unwrap()
 }
 
 /// `job`'s launched RL with its `world` ranks on threads of this process (a loopback TCP
-/// mesh), each keeping its update compute from step to step or not: rank 0's run.
-fn launched_on_threads(job: &JobConfig, world: usize, keep: bool) -> RlLaunchRun {
+/// mesh), from `init` or the warm-up, each rank keeping its update compute from step to
+/// step or not: rank 0's run.
+fn launched_on_threads(
+    job: &JobConfig,
+    world: usize,
+    init: Option<&Checkpoint>,
+    keep: bool,
+) -> RlLaunchRun {
     let meshes = TcpMesh::loopback(world, &MeshOptions::new("launch-rl-test")).unwrap();
     let options = RankOptions {
         keep_update_ranks: keep,
@@ -339,7 +348,7 @@ fn launched_on_threads(job: &JobConfig, world: usize, keep: bool) -> RlLaunchRun
             .map(|mesh| {
                 let mesh = Arc::new(mesh);
                 let clock = Clock::virtual_free();
-                s.spawn(move || rl_rank_with(job, &mesh, clock, None, options, |_| {}))
+                s.spawn(move || rl_rank_with(job, &mesh, clock, init, options, |_| {}))
             })
             .collect();
         let mut runs = ranks.into_iter().map(|r| r.join().unwrap().unwrap());
@@ -349,27 +358,48 @@ fn launched_on_threads(job: &JobConfig, world: usize, keep: bool) -> RlLaunchRun
     })
 }
 
+fn rewards(run: &RlLaunchRun) -> Vec<f64> {
+    run.steps.iter().map(|s| s.reward).collect()
+}
+
+fn grad_norms(run: &RlLaunchRun) -> Vec<f32> {
+    run.steps.iter().map(|s| s.grad_norm).collect()
+}
+
 #[test]
 fn launched_rl_keeping_its_update_ranks_equals_rebuilding_them_bitwise() {
     // One pipeline of plain GRPO, and two replicas with the KL term; 3 steps, each after
-    // the first continuing from the kept ranks.
+    // the first continuing from the kept ranks (the warm-up's, for the first).
     for (world, extra) in [
         (2, &["rl.steps=3"][..]),
         (4, &["rl.steps=3", "dp=2", "rl.kl_coef=0.5"][..]),
     ] {
-        let job = job(extra);
-        let (kept, rebuilt) = (
-            launched_on_threads(&job, world, true),
-            launched_on_threads(&job, world, false),
-        );
-        let column = |run: &RlLaunchRun, f: fn(&pipefill::launch::rl::RlLaunchStep) -> f64| {
-            run.steps.iter().map(f).collect::<Vec<_>>()
-        };
-        assert_eq!(column(&kept, |s| s.reward), column(&rebuilt, |s| s.reward));
-        let norms = column(&kept, |s| f64::from(s.grad_norm));
-        assert!(norms.iter().all(|&g| g > 0.0), "{world}: {norms:?}");
-        assert_eq!(norms, column(&rebuilt, |s| f64::from(s.grad_norm)));
+        let job = tiny_job(extra);
+        let kept = launched_on_threads(&job, world, None, true);
+        let rebuilt = launched_on_threads(&job, world, None, false);
+        assert_eq!(rewards(&kept), rewards(&rebuilt));
+        assert!(grad_norms(&kept).iter().all(|&g| g > 0.0), "{world}");
+        assert_eq!(grad_norms(&kept), grad_norms(&rebuilt));
         assert_eq!(kept.checkpoint.meta.step, 60 + 3);
         assert_bitwise(&kept.checkpoint, &rebuilt.checkpoint);
     }
+}
+
+#[test]
+fn launched_rl_from_an_init_checkpoint_keeping_its_ranks_equals_the_in_process_run_bitwise() {
+    // The first update starts from the checkpoint's host copy, the next from the kept
+    // ranks; plain sampling, so the rollouts are a function of the policy alone.
+    let job = tiny_job(&["rl.steps=3", "rl.speculation=false"]);
+    let init = launched_on_threads(&tiny_job(&["rl.steps=1"]), 2, None, true).checkpoint;
+    let launched = launched_on_threads(&job, 2, Some(&init), true);
+
+    let mut trainer = RlTrainer::new(&job, init).unwrap();
+    let mut engine = PipelineRollouts::new(&job).unwrap();
+    let in_process: Vec<_> = (0..job.rl.steps)
+        .map(|_| trainer.run_step(&mut engine, |_| {}).unwrap())
+        .collect();
+    let in_process_rewards: Vec<f64> = in_process.iter().map(|m| m.reward).collect();
+    assert_eq!(rewards(&launched), in_process_rewards);
+    assert!(grad_norms(&launched).iter().all(|&g| g > 0.0));
+    assert_bitwise(&trainer.checkpoint().unwrap(), &launched.checkpoint);
 }
