@@ -75,9 +75,10 @@ pub(super) unsafe fn attend_rows(
             }
             e += m;
         }
-        for i in vectors * LANES..hd {
+        let tail = vectors * LANES;
+        for (i, o) in oh.iter_mut().enumerate().skip(tail) {
             for (p, j) in scores.iter().zip(rows()) {
-                oh[i] += p / sum * value(j)[i];
+                *o += p / sum * value(j)[i];
             }
         }
     }
