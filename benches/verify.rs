@@ -11,7 +11,8 @@
 //! under the tokens a step accepts.
 //!
 //! `cargo bench --bench verify` (a criterion filter such as `-- d512/tree13` runs one case,
-//! e.g. under `perf record`).
+//! e.g. under `perf record`; `VERIFY_D=512` builds only that model, so that building the
+//! other one does not fill the profile).
 
 use std::hint::black_box;
 
@@ -26,14 +27,12 @@ use pipefill::tensor::CpuBackend;
 /// Positions in each sequence's cache when a timed call starts.
 const PAST: usize = 32;
 
-/// A draft tree of `rows` rows (root included) as the drafter builds them: three
-/// branches under the root, each continued by one chain, side branches breadth first.
+/// A draft tree of `rows` rows (root included): three branches under the root, each
+/// continued as a chain, nodes breadth first.
 fn tree_parents(rows: usize) -> Vec<usize> {
     // Rows 1..=3 are the root's children; every later row extends the row three before it,
     // so the tree is three chains of about (rows - 1) / 3 nodes.
-    (0..rows)
-        .map(|r| if r <= 3 { 0 } else { r - 3 })
-        .collect()
+    (0..rows).map(|r| r.saturating_sub(3)).collect()
 }
 
 /// One case: name, sequences, rows per sequence, whether the rows form a tree.
@@ -82,7 +81,11 @@ fn main() {
     let mut criterion = quick_criterion();
     // (d_model, case, median ms, decode ms of as many sequences)
     let mut table: Vec<(usize, String, usize, f64)> = Vec::new();
-    for d_model in [256, 512] {
+    let widths: Vec<usize> = match std::env::var("VERIFY_D") {
+        Ok(v) => vec![v.parse().expect("VERIFY_D: a d_model such as 512")],
+        Err(_) => vec![256, 512],
+    };
+    for d_model in widths {
         let cfg = config(d_model);
         let be = CpuBackend::new(1).expect("a one-thread backend");
         let gpt = Gpt::new(&cfg, be, &Cut::Even(1)).expect("the model");
