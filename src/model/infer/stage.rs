@@ -9,6 +9,10 @@
 //! verification that rejected draft positions is undone by the next call's span alone.
 //! [`InferStage::forward_with`] also takes a [`TreeStep`]: spans holding a draft tree
 //! (rows attending to their ancestors only) and the compaction of an earlier tree's cache.
+//!
+//! On the CPU backend in f32, a call of a few rows (decode, verification) runs its blocks
+//! on host slices (the `host` submodule); larger calls (prefill) and other backends run
+//! the backend's ops and GEMM.
 
 use std::ops::Range;
 
