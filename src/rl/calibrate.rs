@@ -136,13 +136,56 @@ pub fn step_costs(
 /// K at each (0: it does not pay even for one sequence), `acceptance(k)` tokens per
 /// verification of a chain of `k`. Between measured sizes the smaller one decides.
 pub fn threshold_per_group(costs: &[StepCost], acceptance: impl Fn(usize) -> f64) -> usize {
-    let mut sizes: Vec<usize> = costs.iter().map(|c| c.batch).collect();
-    sizes.dedup();
-    let pays = |b: usize| {
+    largest_paying(costs, |b| {
         costs
             .iter()
             .any(|c| c.batch == b && c.pays(acceptance(c.k)))
-    };
+    })
+}
+
+/// [`threshold_per_group`] for an epsilon-greedy bandit over the measured draft lengths
+/// (and a plain arm, K = 0, with `plain_arm`): at a size, the bandit mostly takes the best
+/// arm but a fraction `epsilon` of its steps go to an arm drawn at random, which at a size
+/// where only a short draft barely pays can cost more than the best arm saves. Speculation
+/// pays there when that mix emits tokens faster than plain decoding: `Σ p_a L_a / Σ p_a
+/// c_a > 1 / decode`, `p_a` the arm's share of steps, `L_a` its tokens per sequence and
+/// `c_a` its cost (plain: 1 token for a decode).
+pub fn threshold_per_group_explored(
+    costs: &[StepCost],
+    acceptance: impl Fn(usize) -> f64,
+    epsilon: f64,
+    plain_arm: bool,
+) -> usize {
+    largest_paying(costs, |b| {
+        let at: Vec<&StepCost> = costs.iter().filter(|c| c.batch == b).collect();
+        let Some(decode) = at.first().map(|c| c.decode_ms) else {
+            return false;
+        };
+        // (tokens, cost) of every arm.
+        let mut arms: Vec<(f64, f64)> = at
+            .iter()
+            .map(|c| (acceptance(c.k), c.propose_ms + c.verify_ms))
+            .collect();
+        if plain_arm {
+            arms.push((1.0, decode));
+        }
+        let rate = |&(l, c): &(f64, f64)| l / c;
+        let Some(best) = (0..arms.len()).max_by(|&i, &j| rate(&arms[i]).total_cmp(&rate(&arms[j])))
+        else {
+            return false;
+        };
+        let e = epsilon.clamp(0.0, 1.0);
+        let share = |i: usize| e / arms.len() as f64 + if i == best { 1.0 - e } else { 0.0 };
+        let tokens: f64 = (0..arms.len()).map(|i| share(i) * arms[i].0).sum();
+        let cost: f64 = (0..arms.len()).map(|i| share(i) * arms[i].1).sum();
+        tokens / cost > 1.0 / decode
+    })
+}
+
+/// The largest group size up to which `pays` holds at every measured size of `costs`.
+fn largest_paying(costs: &[StepCost], pays: impl Fn(usize) -> bool) -> usize {
+    let mut sizes: Vec<usize> = costs.iter().map(|c| c.batch).collect();
+    sizes.dedup();
     let mut best = 0;
     for (i, &b) in sizes.iter().enumerate() {
         if !pays(b) {
@@ -207,9 +250,12 @@ impl Calibration {
         })
     }
 
-    /// The engine's threshold (live sequences) at per-token acceptance `alpha`.
-    pub fn threshold(&self, alpha: f64) -> usize {
-        threshold_per_group(&self.costs, |k| chain_acceptance(alpha, k)) * self.groups
+    /// The engine's threshold (live sequences) at per-token acceptance `alpha`, for a
+    /// bandit over the measured draft lengths (and plain steps with `plain_arm`) exploring
+    /// with probability `epsilon` ([`threshold_per_group_explored`]).
+    pub fn threshold(&self, alpha: f64, epsilon: f64, plain_arm: bool) -> usize {
+        let accept = |k| chain_acceptance(alpha, k);
+        threshold_per_group_explored(&self.costs, accept, epsilon, plain_arm) * self.groups
     }
 
     /// Whether speculation could pay at all: with every draft token accepted, for one
@@ -328,8 +374,8 @@ mod tests {
         // Nearly free verification (memory-bound): pays at every measured size.
         assert_eq!(threshold_per_group(&costs(0.02, 0.01), accept), 8);
         // In between: pays for small groups only, and only up to the first size that loses.
-        let mid = threshold_per_group(&costs(0.5, 0.02), accept);
-        assert!(mid >= 1 && mid < 8, "{mid}");
+        // (b = 2: 2.70 ms of decodes against 2.56 + 0.02; b = 4: 3.60 against 4.0 + 0.02.)
+        assert_eq!(threshold_per_group(&costs(0.5, 0.02), accept), 2);
         // A useless drafter (α = 0) never pays, however cheap the verification.
         assert_eq!(threshold_per_group(&costs(0.02, 0.01), |_| 1.0), 0);
     }
@@ -364,13 +410,41 @@ mod tests {
             reps: 1,
             seconds: 0.0,
         };
-        assert_eq!(cal.threshold(0.5), 8, "two per group, four groups");
-        assert_eq!(cal.threshold(0.0), 0);
+        assert_eq!(
+            cal.threshold(0.5, 0.0, true),
+            8,
+            "two per group, four groups"
+        );
+        assert_eq!(cal.threshold(0.0, 0.0, true), 0);
         assert!(cal.can_pay());
         let hopeless = Calibration {
             costs: vec![c(1, 1, 5.0), c(1, 4, 9.0)],
             ..cal
         };
         assert!(!hopeless.can_pay(), "not even with every token accepted");
+    }
+
+    #[test]
+    fn exploration_that_costs_more_than_the_best_arm_saves_turns_a_size_off() {
+        let c = |batch, k, verify_ms| StepCost {
+            batch,
+            k,
+            decode_ms: 1.0,
+            verify_ms,
+            propose_ms: 0.0,
+        };
+        let accept = |k: usize| chain_acceptance(0.5, k);
+        // b = 1: K = 1 and K = 4 both pay well. b = 2: K = 1 barely pays (1.5 tokens for
+        // 1.4 ms) and K = 4 costs 4 decodes for 1.94 tokens.
+        let costs = [c(1, 1, 1.1), c(1, 4, 1.2), c(2, 1, 1.4), c(2, 4, 4.0)];
+        assert_eq!(threshold_per_group(&costs, accept), 2);
+        // Never exploring, the bandit keeps K = 1 at b = 2: it pays.
+        assert_eq!(threshold_per_group_explored(&costs, accept, 0.0, true), 2);
+        // Exploring a third of the time, the draws of K = 4 cost more than K = 1 saves.
+        assert_eq!(threshold_per_group_explored(&costs, accept, 0.34, true), 1);
+        // A plain arm's draws cost no more than plain decoding, so the same exploration
+        // hurts less with one: at ε = 0.1, b = 2 still pays with it and not without.
+        assert_eq!(threshold_per_group_explored(&costs, accept, 0.1, true), 2);
+        assert_eq!(threshold_per_group_explored(&costs, accept, 0.1, false), 1);
     }
 }
