@@ -9,8 +9,8 @@
 //! cargo bench -p pipefill --bench chain -- [--init RUN_DIR] [--steps N] [--slices N]
 //!     [--requests N] [--k K] [--variants V,V,...] [--set KEY=VALUE]...
 //! ```
-//! A variant is `unroll` or `unroll:decay` (`drafter.unroll`, `drafter.unroll_decay`), e.g.
-//! `1,2,3,3:0.5`. Without `--init` the target is the embedded job's model (`--set
+//! A variant is `unroll`, then `e` for `drafter.unroll_context = "exact"`, then optionally
+//! `:decay` (`drafter.unroll_decay`), e.g. `1,2,2e,3e:0.5`. Without `--init` the target is the embedded job's model (`--set
 //! model.d_model=512` for the rollout bench's) trained `--steps` steps. Everything but the
 //! timings is deterministic: a re-run at another commit sees the same rows.
 
@@ -20,7 +20,9 @@ use std::time::Instant;
 use pipefill::config::JobConfig;
 use pipefill::data::{SplitMix64, TaskGenerator, Tokenizer, tokenizer::BOS};
 use pipefill::model::checkpoint::Checkpoint;
-use pipefill::model::drafter::{DraftBufferHandle, DraftRow, Drafter, DrafterTrainer};
+use pipefill::model::drafter::{
+    DraftBufferHandle, DraftRow, Drafter, DrafterTrainer, UnrollContext,
+};
 use pipefill::model::infer::InferStage;
 use pipefill::model::{Cut, Gpt};
 use pipefill::rl::rollout::{Request, RolloutConfig, RolloutEngine, Speculation};
@@ -33,7 +35,7 @@ struct Args {
     slices: usize,
     requests: usize,
     k: usize,
-    variants: Vec<(usize, Option<f32>)>,
+    variants: Vec<(String, Option<f32>)>,
     sets: Vec<String>,
 }
 
@@ -44,7 +46,7 @@ fn args() -> Args {
         slices: 3000,
         requests: 128,
         k: 4,
-        variants: vec![(1, None), (2, None), (3, None)],
+        variants: vec![("1".into(), None), ("2".into(), None), ("2e".into(), None)],
         sets: vec!["drafter.window=8".into()],
     };
     let mut it = std::env::args().skip(1);
@@ -65,8 +67,8 @@ fn args() -> Args {
                 a.variants = value
                     .split(',')
                     .map(|v| match v.split_once(':') {
-                        Some((u, w)) => (num(u), Some(w.parse().expect("a decay"))),
-                        None => (num(v), None),
+                        Some((u, w)) => (u.to_string(), Some(w.parse().expect("a decay"))),
+                        None => (v.to_string(), None),
                     })
                     .collect()
             }
@@ -157,10 +159,17 @@ fn main() {
         held.len(),
         pairs(&held)
     );
-    for &(unroll, decay) in &a.variants {
+    for (variant, decay) in &a.variants {
         let mut config = job.drafter.clone();
-        config.unroll = unroll;
-        if let Some(w) = decay {
+        let (unroll, exact) = match variant.strip_suffix('e') {
+            Some(u) => (u, true),
+            None => (variant.as_str(), false),
+        };
+        config.unroll = unroll.parse().expect("--variants: an unroll count");
+        if exact {
+            config.unroll_context = UnrollContext::Exact;
+        }
+        if let Some(w) = *decay {
             config.unroll_decay = w;
         }
         config.buffer_rows = train.len();
@@ -180,7 +189,10 @@ fn main() {
         }
         let wall = t1.elapsed().as_secs_f64();
         cpu.sort_by(f64::total_cmp);
-        let name = format!("unroll {unroll} decay {}", config.unroll_decay);
+        let name = format!(
+            "unroll {unroll} {:?} decay {}",
+            config.unroll_context, config.unroll_decay
+        );
         println!(
             "{name}: {} slices in {wall:.1} s, median {:.2} ms CPU per slice",
             a.slices,

@@ -147,13 +147,16 @@ pub struct DrafterConfig {
     /// Drafter steps unrolled per slice (training-time test, see the module docs): step 1 learns
     /// from the target's hidden states; step `j ≥ 2` from the drafter's own predictions of
     /// step `j − 1`, as a proposal's depth-`j` draft does. A slice costs about `unroll` times
-    /// a one-step slice of the same rows. 1 by default. On `pipefill bench rollout` (6000
-    /// slices, one run each, 2-core box): `unroll = 1` 88.2% top-1 agreement, acceptance
-    /// length 2.82 at K=4, long-tail speedup 1.20x; `2`: 79.5%, 3.07, 1.31x; `3`: 81.0%, 2.74
-    /// (its speedup run was spoiled by the box's load). The first draft always loses (its
-    /// unrolled context is all predictions, see `drafter/unroll.rs`) and the later ones gain;
-    /// `2` looks better but one run each does not settle it against `3`.
+    /// a one-step slice of the same rows (`cargo bench --bench chain`, median thread CPU per
+    /// slice of 16 pairs: d256 4.5 ms, 7.2 with `2` causal, 6.9 exact; d512 23.9 ms, 37.2
+    /// causal, 38.2 exact). 1 by default. On `pipefill bench rollout` (6000 slices, one run
+    /// each, 2-core box): `unroll = 1` 88.2% top-1 agreement, acceptance length 2.82 at K=4,
+    /// long-tail speedup 1.20x; `2` (causal): 79.5%, 3.07, 1.31x; `3`: 81.0%, 2.74. The
+    /// narrower `cargo bench --bench chain` (greedy chains in the completions only) gives `2`
+    /// causal +0.15 at d256 and +1.0 at d512 over `1` (see `drafter/unroll.rs`).
     pub unroll: usize,
+    /// What an unrolled step's pairs attend to (see [`UnrollContext`]).
+    pub unroll_context: UnrollContext,
     /// Weight of unrolled step `j`'s loss relative to step 1's: `unroll_decay^(j−1)`, in
     /// `(0, 1]` (1: the steps' losses are summed, as EAGLE-3 does).
     pub unroll_decay: f32,
@@ -172,6 +175,20 @@ pub struct DrafterConfig {
     /// a cost model of the configs predicts it, that the step's slices are sized to fill, in
     /// `(0, 1]` (below 1 leaves room for the model's error).
     pub planned_fill: f64,
+}
+
+/// What the pairs of an unrolled step (`drafter.unroll ≥ 2`) attend to.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum UnrollContext {
+    /// The step's own other pairs, causally (features that are predictions too, where a
+    /// proposal has the target's pairs before its chain): each step is a whole forward and
+    /// backward of its own through the backends' causal attention.
+    #[default]
+    Causal,
+    /// Exactly what a proposal attends to: the target's pairs before the chain, then the
+    /// chain's own pairs (`drafter/masked.rs`); the steps run backward together.
+    Exact,
 }
 
 /// Which drafter work runs in which bubble of a pipelined run.
@@ -205,6 +222,7 @@ impl Default for DrafterConfig {
             max_positions: 64,
             accumulation: 1,
             unroll: 1,
+            unroll_context: UnrollContext::Causal,
             unroll_decay: 1.0,
             buffer_rows: 256,
             window: 32,

@@ -6,9 +6,10 @@ use pipefill_actors::thread_cpu_time;
 use std::time::Instant;
 
 use super::net::LossSums;
+use super::unroll::Unroller;
 use super::{
     DraftBatch, DraftBufferHandle, DraftRow, Drafter, DrafterError, DrafterWeights, NamedTensor,
-    Result,
+    Result, UnrollContext,
 };
 use crate::data::SplitMix64;
 use crate::model::{AdamW, AdamWConfig, clip_scale};
@@ -313,26 +314,47 @@ impl<B: Backend> DrafterTrainer<B> {
     /// Step 1 of a slice on `batch`, then its unrolled steps (which rewrite `batch`, see
     /// [`super::unroll`]): step 1's loss sums and the pairs the unrolled steps counted.
     fn forward_backward(&mut self, batch: &mut DraftBatch) -> Result<(LossSums, usize)> {
-        match self.drafter.config().unroll {
-            1 => Ok((self.step(batch)?, 0)),
-            n => self.drafter.unrolled_slice(batch, n),
+        let c = self.drafter.config();
+        let (unroll, context) = (c.unroll, c.unroll_context);
+        if unroll > 1 && context == UnrollContext::Exact {
+            return self.drafter.unrolled_slice(batch, unroll);
         }
+        // Causal: each step a whole forward and backward of its own.
+        let (first, mut f) = self.step(batch, 1.0)?;
+        let mut unrolled = 0;
+        if unroll > 1 {
+            let unroller = Unroller::new(batch, self.drafter.target_config().d_model);
+            for j in 1..unroll {
+                let fed = self.drafter.backend().to_host(&f)?;
+                // No pair is that many predictions deep: the later steps have none either.
+                if unroller.advance(batch, &fed) == 0 {
+                    break;
+                }
+                let weight = self.drafter.config().unroll_decay.powi(j as i32);
+                let (sums, next) = self.step(batch, weight)?;
+                unrolled += sums.pairs;
+                f = next;
+            }
+        }
+        Ok((first, unrolled))
     }
 
-    /// One forward, `backward_input` and `backward_weight` of the drafter on `batch`; its
-    /// loss sums.
-    fn step(&mut self, batch: &DraftBatch) -> Result<LossSums> {
+    /// One forward, `backward_input` and `backward_weight` of the drafter on `batch`, its
+    /// loss's gradient scaled by `weight`; its loss sums and predicted hidden states.
+    fn step(&mut self, batch: &DraftBatch, weight: f32) -> Result<(LossSums, B::Buf)> {
         let d = &mut self.drafter;
         let (f, logits) = d.forward(SLICE_MB, batch)?;
-        let result = d.loss_grad(batch, &f, &logits).and_then(|(sums, dfeat)| {
-            d.backward_input(SLICE_MB, &dfeat)?;
-            d.backward_weight(SLICE_MB)?;
-            Ok(sums)
-        });
+        let result = d
+            .loss_grad_weighted(batch, &f, &logits, weight)
+            .and_then(|(sums, dfeat)| {
+                d.backward_input(SLICE_MB, &dfeat)?;
+                d.backward_weight(SLICE_MB)?;
+                Ok(sums)
+            });
         if result.is_err() {
             d.discard(SLICE_MB);
         }
-        result
+        Ok((result?, f))
     }
 
     /// Clips and applies the gradients held in the parameters (of the loss summed over

@@ -14,17 +14,28 @@
 //!
 //! The fed-back features are **detached** (data, as `h_t` is at step 1), as EAGLE-3's
 //! recurrence is in effect, so step 1 is not pushed to predict features that are easy to draft
-//! from rather than close to the target's. Every query attends to its **exact proposal
-//! context** ([`super::masked`]): the target's real pairs before its chain, then its own
-//! chain's pairs, the keys and values of the earlier steps included, so the steps of a slice
-//! run forward one after the other and backward together, last to first
-//! ([`Drafter::unrolled_slice`]); a slice keeps every step's stash until then.
-//! An earlier variant attended causally to the step's own other pairs (each step a whole
-//! forward and backward of its own through the backends' causal attention), so the context
-//! of a step-`j` pair was other predictions where a proposal has the target's pairs: on
-//! `pipefill bench rollout` (d512) that gave acceptance length 3.07 at K=4 with `unroll = 2`
-//! against 2.82 without unrolling, but cost the first draft (top-1 agreement 79.5% against
-//! 88.2%); see [`super::DrafterConfig::unroll`] for this one's figures.
+//! from rather than close to the target's. What a step's pairs attend to is
+//! [`super::UnrollContext`]:
+//! - `causal` (the default): the step's own other pairs, whose features are predictions too,
+//!   where a proposal attends to the target's pairs before its chain; each step is a whole
+//!   forward and backward of its own through the backends' causal attention, one step's
+//!   stash at a time.
+//! - `exact`: every query attends to its exact proposal context ([`super::masked`]): the
+//!   target's real pairs before its chain, then its own chain's pairs, the keys and values of
+//!   the earlier steps included, so the steps run forward one after the other and backward
+//!   together, last to first ([`Drafter::unrolled_slice`]), every step's stash kept until then.
+//!
+//! Neither wins everywhere (`cargo bench --bench chain`, 6000 slices, one run each, greedy
+//! chains of K=4 on the training rows; acceptance length, then top-1 agreement): on the
+//! `d_model` 256 SFT target of `/tmp/pf6` `unroll = 1` 2.26 (69.4%), `2` causal 2.41
+//! (71.6%), `2` exact 2.51 (69.5%), and with drafter seed 1: 2.38, –, 2.53; on the rollout
+//! bench's `d_model` 512 target (100 steps) `1` 2.39 (77.3%), `2` causal 3.41 (71.8%), `2`
+//! exact 1.96 (40.2%: its first draft collapsed, the later ones gained), while on
+//! `pipefill bench rollout` (its own batch, same target) `2` exact reached 86.4% and 3.20
+//! (adaptive long-tail speedup 1.45x, one run) against 88.2% and 2.82 for `1` and 79.5% and
+//! 3.07 for `2` causal in an earlier session: exact is not stable there. A variant that fed
+//! predictions only along chains of `unroll` pairs from a real one did worse still (2.66 on
+//! `pipefill bench rollout` with `unroll = 2`).
 //!
 //! The unrolled losses are added to step 1's, per position (EAGLE-3 sums its steps' losses),
 //! step `j`'s weighted `unroll_decay^(j−1)`, and the gradient is averaged over step 1's

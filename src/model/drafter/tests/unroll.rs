@@ -201,10 +201,17 @@ fn one_unrolled_step_is_the_plain_slices_gradient() {
 
 #[test]
 fn unrolled_slices_count_every_depth_and_replicas_stay_identical() {
+    for context in [UnrollContext::Causal, UnrollContext::Exact] {
+        unrolled_slices_count_every_depth(context);
+    }
+}
+
+fn unrolled_slices_count_every_depth(unroll_context: UnrollContext) {
     let (mut t, buffer) = trainer_with_sink(2);
     run(&mut t, &buffer, 2);
     let config = DrafterConfig {
         unroll: 3,
+        unroll_context,
         ..drafter_config()
     };
     let trainer = |replica| {
