@@ -153,7 +153,8 @@ pub struct DrafterConfig {
     /// each, 2-core box): `unroll = 1` 88.2% top-1 agreement, acceptance length 2.82 at K=4,
     /// long-tail speedup 1.20x; `2` (causal): 79.5%, 3.07, 1.31x; `3`: 81.0%, 2.74. The
     /// narrower `cargo bench --bench chain` (greedy chains in the completions only) gives `2`
-    /// causal +0.15 at d256 and +1.0 at d512 over `1` (see `drafter/unroll.rs`).
+    /// causal +0.33 at d256 and +1.0 at d512 over `1`, exact +0.46 at d256 (see
+    /// `drafter/unroll.rs`).
     pub unroll: usize,
     /// What an unrolled step's pairs attend to (see [`UnrollContext`]).
     pub unroll_context: UnrollContext,

@@ -26,14 +26,17 @@
 //!   together, last to first ([`Drafter::unrolled_slice`]), every step's stash kept until then.
 //!
 //! Neither wins everywhere (`cargo bench --bench chain`, 6000 slices, one run each, greedy
-//! chains of K=4 on the training rows; acceptance length, then top-1 agreement): on the
-//! `d_model` 256 SFT target of `/tmp/pf6` `unroll = 1` 2.26 (69.4%), `2` causal 2.41
-//! (71.6%), `2` exact 2.51 (69.5%), and with drafter seed 1: 2.38, –, 2.53; on the rollout
-//! bench's `d_model` 512 target (100 steps) `1` 2.39 (77.3%), `2` causal 3.41 (71.8%), `2`
-//! exact 1.96 (40.2%: its first draft collapsed, the later ones gained), while on
-//! `pipefill bench rollout` (its own batch, same target) `2` exact reached 86.4% and 3.20
-//! (adaptive long-tail speedup 1.45x, one run) against 88.2% and 2.82 for `1` and 79.5% and
-//! 3.07 for `2` causal in an earlier session: exact is not stable there. A variant that fed
+//! chains of K=4 in the training rows' completions; acceptance length, per-depth acceptance
+//! given the drafts before, top-1 agreement): on the `d_model` 256 SFT target of `/tmp/pf6`
+//! `unroll = 1` 2.35 [.74 .54 .39 .39] 69.4%, `2` causal 2.68 [.71 .66 .69 .58] 71.6%, `2`
+//! exact 2.82 [.73 .74 .64 .60] 69.5% (held-out rows: 2.02, 2.34, 2.41); on the rollout
+//! bench's `d_model` 512 target (100 steps) `1` 2.39 [.79 .65 .16 .04] 77.3%, `2` causal
+//! 3.41 [.76 .83 .97 .67] 71.8%, `2` exact 1.96 [.37 .59 .87 .95] 40.2% (its first draft
+//! collapsed), while on `pipefill bench rollout` (its own batch, same target) `2` exact
+//! reached 86.4% and 3.20 (adaptive long-tail speedup 1.45x, one run) against 88.2% and
+//! 2.82 for `1` and 79.5% and 3.07 for `2` causal in an earlier session: exact is not stable
+//! there. Why its first draft can collapse is open (the later steps' losses reach the real
+//! pairs' keys and values; `unroll_decay` < 1 is untried at d512). A variant that fed
 //! predictions only along chains of `unroll` pairs from a real one did worse still (2.66 on
 //! `pipefill bench rollout` with `unroll = 2`).
 //!
