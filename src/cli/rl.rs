@@ -223,8 +223,6 @@ pub fn run(args: RlArgs) -> anyhow::Result<()> {
     }
     rollout_bar.finish();
     update_bar.finish();
-    // The last step's drafter catch-up, and how it ended.
-    engine.settle().context("rl: the drafter's last training")?;
 
     let checkpoint_dir = out_dir.join("checkpoint");
     let mut checkpoint = trainer.checkpoint()?;

@@ -24,10 +24,9 @@
 //! steps (its cost estimates carry over), whose [`DrafterSlices`] sources cut the step's
 //! slices into pieces sized to the stages' idle gaps (one optimizer step per slice's worth
 //! of rows, as whole slices take), and each finished sequence's row reaches the buffer at
-//! once. What the gaps do not take trains after the rollout on a thread of its own, beside
-//! the update, and is waited for before the drafter is next used (only the held-out
-//! evaluation is reported as `drafter_seconds`; the catch-up's cost shows in the update's
-//! time, where it shares the cores). The drafter starts from the
+//! once. What the gaps do not take runs on the caller's thread after the rollout (reported
+//! as `drafter_seconds`; on a thread of its own beside the update it slowed the update by
+//! more than its own time on the 2-core box). The drafter starts from the
 //! policy's own run's drafter when that run trained one in its pipeline's bubbles
 //! ([`PipelineRollouts::with_drafter`]), as TLT starts RL with a drafter that already
 //! follows the policy, and then trains at the lower `rl.drafter_lr`; otherwise untrained,
@@ -39,7 +38,6 @@
 //! is the same in distribution with it on or off; only the time differs.
 
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::thread::JoinHandle;
 use std::time::Instant;
 
 use pipefill_actors::FillerRouter;
@@ -47,7 +45,7 @@ use pipefill_actors::FillerRouter;
 use super::bandit::KBandit;
 use super::calibrate::Calibration;
 use super::config::SpecThreshold;
-use super::rollout::idle::{DrafterSlices, DrafterWork, RolloutRouter};
+use super::rollout::idle::{DrafterSlices, RolloutRouter};
 use super::rollout::{
     AdaptiveConfig, DEFAULT_SPEC_THRESHOLD, MessageHook, Request, RolloutConfig,
     RolloutEngine as Engine, RolloutError, Speculation,
@@ -122,19 +120,6 @@ pub struct PipelineRollouts {
     alpha: Option<(f64, &'static str)>,
     /// The threshold of the latest rollout.
     threshold: Option<ThresholdChoice>,
-    /// The step's drafter slices the rollout's idle time did not take, training on a
-    /// thread of their own while the caller goes on (the update); waited for before
-    /// anything else touches the drafter.
-    catch_up: Mutex<Option<JoinHandle<Result<DrafterWork, crate::model::drafter::DrafterError>>>>,
-    /// What a finished catch-up failed with, for the next call that can report it.
-    catch_up_error: Mutex<Option<String>>,
-}
-
-impl Drop for PipelineRollouts {
-    fn drop(&mut self) {
-        // No training thread outlives its engine.
-        self.wait_catch_up();
-    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -182,8 +167,6 @@ impl PipelineRollouts {
             calibration: None,
             alpha: None,
             threshold: None,
-            catch_up: Mutex::new(None),
-            catch_up_error: Mutex::new(None),
         })
     }
 }
@@ -201,7 +184,6 @@ impl PipelineRollouts {
     /// Its per-token acceptance on the checkpoint's held-out rows (a few) is the prior of a
     /// calibrated threshold until the first step has measured it on the policy's rollouts.
     pub fn with_drafter(mut self, state: &DrafterState) -> Result<Self, RlError> {
-        self.settle()?;
         let mut trainer = lock(&self.trainer);
         trainer.load_weights(&state.weights)?;
         trainer.load_optimizer_state(&state.optimizer)?;
@@ -298,13 +280,11 @@ impl PipelineRollouts {
 
     /// The drafter trainer's learning rate now (`rl.drafter_lr` once warm-started).
     pub fn drafter_lr(&self) -> f32 {
-        self.wait_catch_up();
         lock(&self.trainer).lr()
     }
 
     /// The drafter's version (optimizer steps taken), for the CLI's report.
     pub fn drafter_version(&self) -> u64 {
-        self.wait_catch_up();
         lock(&self.trainer).version()
     }
 
@@ -329,7 +309,6 @@ impl RolloutEngine for PipelineRollouts {
         max_new: usize,
         step: u64,
     ) -> Result<RolloutBatch, RlError> {
-        self.settle()?;
         if self.auto_threshold() {
             self.calibrate(policy)?;
         }
@@ -390,11 +369,7 @@ impl RolloutEngine for PipelineRollouts {
             (Some(h), true) => {
                 let held = h.held_out();
                 let stats = self.drafter_work(&held, &held, 0)?;
-                // The rest of the step's budget trains beside the update instead of before
-                // it: on a speculating step this catch-up was what the rollout's savings
-                // went to. The same slices in the same order, so the same drafter.
-                let slices = self.slices.clone();
-                *lock(&self.catch_up) = Some(std::thread::spawn(move || slices.finish()));
+                self.slices.finish()?;
                 Some(stats)
             }
             (None, true) => Some(self.follow_stats(&out.rows, step)?),
@@ -451,41 +426,9 @@ impl PipelineRollouts {
 
     /// [`Self::follow`] with all the held-out figures.
     fn follow_stats(&mut self, rows: &[DraftRow], step: u64) -> Result<EvalStats, RlError> {
-        self.settle()?;
         lock(&self.trainer).buffer().begin_step(step);
         let held = &rows[..HELD_OUT_ROWS.min(rows.len())];
         self.drafter_work(held, rows, self.rl.drafter_slices as u64)
-    }
-
-    /// Waits for the drafter's catch-up training, if one runs, and reports how it ended.
-    pub fn settle(&self) -> Result<(), RlError> {
-        self.wait_catch_up();
-        match lock(&self.catch_up_error).take() {
-            Some(e) => Err(RlError::Rollout(format!("drafter catch-up: {e}"))),
-            None => Ok(()),
-        }
-    }
-
-    /// Joins the catch-up thread, keeping a failure for [`Self::settle`] to report.
-    fn wait_catch_up(&self) {
-        let Some(handle) = lock(&self.catch_up).take() else {
-            return;
-        };
-        let failed = match handle.join() {
-            Ok(Ok(work)) => {
-                tracing::debug!(
-                    seconds = work.seconds,
-                    steps = work.steps,
-                    "drafter catch-up after the rollout"
-                );
-                None
-            }
-            Ok(Err(e)) => Some(e.to_string()),
-            Err(_) => Some("the training thread panicked".to_string()),
-        };
-        if let Some(e) = failed {
-            *lock(&self.catch_up_error) = Some(e);
-        }
     }
 
     /// The drafter's agreement and acceptance on `held`, then `late` rows into the buffer
@@ -513,7 +456,6 @@ impl PipelineRollouts {
 
     /// The drafter's agreement and losses on `rows` (see [`DrafterTrainer::evaluate`]).
     pub fn evaluate_drafter(&mut self, rows: &[DraftRow]) -> Result<EvalStats, RlError> {
-        self.settle()?;
         Ok(lock(&self.trainer).evaluate(rows)?)
     }
 }
