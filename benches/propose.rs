@@ -18,11 +18,10 @@ use std::time::Duration;
 
 mod common;
 
-use common::{median_ms, quick_criterion, timed, timed_after};
+use common::{median_ms, model_config, quick_criterion, timed, timed_after};
 use criterion::Bencher;
 use pipefill::config::JobConfig;
 use pipefill::data::SplitMix64;
-use pipefill::model::GptConfig;
 use pipefill::model::drafter::{DraftContext, Drafter};
 use pipefill::model::infer::rowmul::{Isa, Packed, Precision, rowmul_on};
 use pipefill::tensor::CpuBackend;
@@ -63,12 +62,6 @@ fn cases() -> Vec<(Precision, bool, bool)> {
     out
 }
 
-fn config(d_model: usize) -> GptConfig {
-    let mut c = JobConfig::default().model;
-    c.d_model = d_model;
-    c
-}
-
 fn main() {
     let mut criterion = quick_criterion();
     let evict_buf = vec![1u8; EVICT_BYTES];
@@ -77,7 +70,7 @@ fn main() {
     // (case, ms)
     let mut table: Vec<(String, f64)> = Vec::new();
     for d in [256, 512] {
-        let cfg = config(d);
+        let cfg = model_config(d);
         let be = CpuBackend::new(1).expect("a one-thread backend");
         let mut drafter = Drafter::new(&cfg, &job.drafter, be).expect("the drafter");
         let mut rng = SplitMix64::new(3);
@@ -147,7 +140,7 @@ fn matrices(
     evict_buf: &[u8],
     table: &mut Vec<(String, f64)>,
 ) {
-    let cfg = config(512);
+    let cfg = model_config(512);
     let (d, h, v) = (cfg.d_model, cfg.mlp_hidden(), cfg.vocab);
     let mut rng = SplitMix64::new(9);
     let shapes = [

@@ -18,10 +18,9 @@ use std::hint::black_box;
 
 mod common;
 
-use common::{median_ms, quick_criterion, timed};
-use pipefill::config::JobConfig;
+use common::{median_ms, model_config, quick_criterion, timed};
 use pipefill::model::infer::{InferStage, Span, StageInput, StageOutput, TreeStep};
-use pipefill::model::{Cut, Gpt, GptConfig};
+use pipefill::model::{Cut, Gpt};
 use pipefill::tensor::CpuBackend;
 
 /// Positions in each sequence's cache when a timed call starts.
@@ -71,12 +70,6 @@ fn cases() -> Vec<Case> {
     out
 }
 
-fn config(d_model: usize) -> GptConfig {
-    let mut c = JobConfig::default().model;
-    c.d_model = d_model;
-    c
-}
-
 fn main() {
     let mut criterion = quick_criterion();
     // (d_model, case, median ms, decode ms of as many sequences)
@@ -86,7 +79,7 @@ fn main() {
         Err(_) => vec![256, 512],
     };
     for d_model in widths {
-        let cfg = config(d_model);
+        let cfg = model_config(d_model);
         let be = CpuBackend::new(1).expect("a one-thread backend");
         let gpt = Gpt::new(&cfg, be, &Cut::Even(1)).expect("the model");
         let mut stages = InferStage::stages_of(&gpt, &Cut::Even(1)).expect("the stage");

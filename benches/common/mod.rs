@@ -47,3 +47,11 @@ pub fn median_ms(mut v: Vec<Duration>) -> f64 {
     v.get(v.len() / 2)
         .map_or(f64::NAN, |d| d.as_secs_f64() * 1e3)
 }
+
+/// The default job's model at another width: the benches' targets differ only in `d_model`.
+#[allow(dead_code)] // not every bench builds a model
+pub fn model_config(d_model: usize) -> pipefill::model::GptConfig {
+    let mut c = pipefill::config::JobConfig::default().model;
+    c.d_model = d_model;
+    c
+}
