@@ -358,6 +358,17 @@ mod tests {
             .collect()
     }
 
+    /// One measured cost with a 1 ms decode: the hand-built cases below.
+    fn unit_decode(batch: usize, k: usize, verify_ms: f64, propose_ms: f64) -> StepCost {
+        StepCost {
+            batch,
+            k,
+            decode_ms: 1.0,
+            verify_ms,
+            propose_ms,
+        }
+    }
+
     #[test]
     fn chain_acceptance_is_the_geometric_sum() {
         assert_eq!(chain_acceptance(0.0, 4), 1.0);
@@ -382,13 +393,7 @@ mod tests {
 
     #[test]
     fn some_k_paying_is_enough_and_the_threshold_stops_at_the_first_loss() {
-        let c = |batch, k, verify_ms| StepCost {
-            batch,
-            k,
-            decode_ms: 1.0,
-            verify_ms,
-            propose_ms: 0.1,
-        };
+        let c = |batch, k, verify_ms| unit_decode(batch, k, verify_ms, 0.1);
         let accept = |k: usize| chain_acceptance(0.5, k);
         // b = 1: K = 4 loses (3.0 > 1.94) but K = 1 pays (1.2 < 1.5); b = 2 pays; b = 4
         // loses; b = 8 would pay but the threshold has stopped.
@@ -426,13 +431,7 @@ mod tests {
 
     #[test]
     fn exploration_that_costs_more_than_the_best_arm_saves_turns_a_size_off() {
-        let c = |batch, k, verify_ms| StepCost {
-            batch,
-            k,
-            decode_ms: 1.0,
-            verify_ms,
-            propose_ms: 0.0,
-        };
+        let c = |batch, k, verify_ms| unit_decode(batch, k, verify_ms, 0.0);
         let accept = |k: usize| chain_acceptance(0.5, k);
         // b = 1: K = 1 and K = 4 both pay well. b = 2: K = 1 barely pays (1.5 tokens for
         // 1.4 ms) and K = 4 costs 4 decodes for 1.94 tokens.

@@ -1,6 +1,6 @@
 //! [`DraftBatch`]: sampled [`DraftRow`]s laid out as one drafter micro-batch.
 
-use super::DraftRow;
+use super::{DraftRow, DrafterError};
 use crate::data::SplitMix64;
 use crate::tensor::IGNORE_TARGET;
 
@@ -21,6 +21,23 @@ pub struct DraftBatch {
 }
 
 impl DraftBatch {
+    /// Errors unless `inputs` holds one `2·d_model` pair per row: the forward passes read it
+    /// as a `[rows, 2·d_model]` matrix.
+    pub(super) fn check_inputs(&self, d_model: usize) -> Result<(), DrafterError> {
+        let rows = self.rows();
+        if self.inputs.len() == rows * 2 * d_model {
+            return Ok(());
+        }
+        Err(DrafterError::Input {
+            what: "batch",
+            reason: format!(
+                "{} inputs for {rows} pairs of {}",
+                self.inputs.len(),
+                2 * d_model
+            ),
+        })
+    }
+
     /// Lays out `rows` with the (frozen) embedding table `tok: [vocab, d]`. A row longer than
     /// `max_positions + 1` positions contributes a window of that many, starting where `rng`
     /// says (at 0 without `rng`).

@@ -184,16 +184,7 @@ impl<B: Backend> Drafter<B> {
     pub fn forward(&mut self, mb: usize, batch: &DraftBatch) -> Result<(B::Buf, B::Buf)> {
         let be = self.be.clone();
         let (d, rows) = (self.target.d_model, batch.rows());
-        if batch.inputs.len() != rows * 2 * d {
-            return Err(DrafterError::Input {
-                what: "batch",
-                reason: format!(
-                    "{} inputs for {rows} pairs of {}",
-                    batch.inputs.len(),
-                    2 * d
-                ),
-            });
-        }
+        batch.check_inputs(d)?;
         let x = be.from_host(&batch.inputs, be.storage_dtype())?;
         let result = (|| {
             let z = self.fc.forward(&be, mb, &x, rows)?;

@@ -169,16 +169,7 @@ impl<B: Backend> Drafter<B> {
     ) -> Result<Vec<UnrolledStep<B>>> {
         let be = self.be.clone();
         let (d, rows) = (self.target.d_model, batch.rows());
-        if batch.inputs.len() != rows * 2 * d {
-            return Err(DrafterError::Input {
-                what: "batch",
-                reason: format!(
-                    "{} inputs for {rows} pairs of {}",
-                    batch.inputs.len(),
-                    2 * d
-                ),
-            });
-        }
+        batch.check_inputs(d)?;
         let unroller = Unroller::new(batch, d);
         let mut out: Vec<UnrolledStep<B>> = Vec::with_capacity(steps);
         for s in 0..steps {
