@@ -101,9 +101,9 @@ fn random_batch(cfg: &GptConfig, rows: usize, seq: usize, seed: u64) -> DraftBat
     }
 }
 
-#[test]
-fn each_unrolled_prediction_is_a_causal_forward_over_its_chains_context() {
-    let cfg = GptConfig {
+/// A one-layer target small enough to check every unrolled prediction by hand.
+fn tiny_config() -> GptConfig {
+    GptConfig {
         vocab: 9,
         d_model: 8,
         heads: 2,
@@ -111,7 +111,12 @@ fn each_unrolled_prediction_is_a_causal_forward_over_its_chains_context() {
         seq_len: 8,
         mlp_ratio: 2,
         ..GptConfig::default()
-    };
+    }
+}
+
+#[test]
+fn each_unrolled_prediction_is_a_causal_forward_over_its_chains_context() {
+    let cfg = tiny_config();
     let (d, seq, steps) = (cfg.d_model, 6, 3);
     let mut dr = super::propose::drafter(&cfg, 32, 5);
     let original = random_batch(&cfg, 1, seq, 1);
@@ -154,15 +159,7 @@ fn each_unrolled_prediction_is_a_causal_forward_over_its_chains_context() {
 
 #[test]
 fn one_unrolled_step_is_the_plain_slices_gradient() {
-    let cfg = GptConfig {
-        vocab: 9,
-        d_model: 8,
-        heads: 2,
-        layers: 1,
-        seq_len: 8,
-        mlp_ratio: 2,
-        ..GptConfig::default()
-    };
+    let cfg = tiny_config();
     let be = be();
     let mut dr = super::propose::drafter(&cfg, 32, 6);
     let batch = random_batch(&cfg, 2, 5, 2);
