@@ -37,10 +37,10 @@
 //! ([`DrafterTrainer::predicted_cost`]) so a filler can place it in a bubble that fits.
 //! With `unroll = n > 1` a slice also runs the "training-time test" of EAGLE-3: `n − 1` more
 //! steps on the same rows, in which each pair's hidden state is the drafter's own (detached)
-//! prediction from the step before, as a proposal feeds it at depth `2..=n`, attending to
-//! what that proposal attends to (the target's pairs before the chain, then the chain's own),
-//! against the same targets; their losses are added to the gradient, and the slice costs
-//! about `n` times as much (it is measured, so the estimate follows). [`Drafter::chain_acceptance`] measures
+//! prediction from the step before, as a proposal feeds it at depth `2..=n`, against the
+//! same targets; their losses are added to the gradient, and the slice costs about `n` times
+//! as much (it is measured, so the estimate follows). The default is `unroll = 2` with
+//! causal context (see [`DrafterConfig::unroll`] for the figures that chose it). [`Drafter::chain_acceptance`] measures
 //! what it is for: how deep greedy chains match the target's own generations.
 //! Replicas stay identical by exchanging gradients: each replica hands
 //! [`DrafterTrainer::take_grads`] to every other, and all call [`DrafterTrainer::step_with`]
@@ -148,13 +148,16 @@ pub struct DrafterConfig {
     /// from the target's hidden states; step `j ≥ 2` from the drafter's own predictions of
     /// step `j − 1`, as a proposal's depth-`j` draft does. A slice costs about `unroll` times
     /// a one-step slice of the same rows (`cargo bench --bench chain`, median thread CPU per
-    /// slice of 16 pairs: d256 4.5 ms, 7.2 with `2` causal, 6.9 exact; d512 23.9 ms, 37.2
-    /// causal, 38.2 exact). 1 by default. On `pipefill bench rollout` (6000 slices, one run
-    /// each, 2-core box): `unroll = 1` 88.2% top-1 agreement, acceptance length 2.82 at K=4,
-    /// long-tail speedup 1.20x; `2` (causal): 79.5%, 3.07, 1.31x; `3`: 81.0%, 2.74. The
-    /// narrower `cargo bench --bench chain` (greedy chains in the completions only) gives `2`
-    /// causal +0.33 at d256 and +1.0 at d512 over `1`, exact +0.46 at d256 (see
-    /// `drafter/unroll.rs`).
+    /// slice of 16 pairs: d256 4.3-4.5 ms, 6.5-7.2 with `2` causal, 6.9 exact; d512 23.9 ms,
+    /// 37.2 causal, 38.2 exact: ~1.5x at `2`). **2 by default** (with `unroll_context =
+    /// "causal"`), because the drafter exists for the depth of its chains, and `2` lengthens
+    /// them more than the dearer slices cost. On `pipefill bench rollout` (d512, 6000 slices,
+    /// medians of 3 runs each, 2-core box): `unroll = 1` 88.2% top-1 agreement, acceptance
+    /// length 2.82 at fixed K=4 and 2.86 adaptive, adaptive long-tail speedup 1.29x; `2`
+    /// causal: 79.5%, 3.07, 3.63, 1.37x (top-1 agreement falls: step 1's weights also serve
+    /// the deeper steps); `3` (an earlier session): 81.0%, 2.74 at K=4. `cargo bench --bench
+    /// chain` (greedy chains of K=4 in the completions) gives `2` causal +0.41 (held-out
+    /// +0.46) at d256 and +1.0 at d512 over `1` (see `drafter/unroll.rs`).
     pub unroll: usize,
     /// What an unrolled step's pairs attend to (see [`UnrollContext`]).
     pub unroll_context: UnrollContext,
@@ -222,7 +225,7 @@ impl Default for DrafterConfig {
             batch_rows: 4,
             max_positions: 64,
             accumulation: 1,
-            unroll: 1,
+            unroll: 2,
             unroll_context: UnrollContext::Causal,
             unroll_decay: 1.0,
             buffer_rows: 256,
