@@ -11,10 +11,15 @@
 //! every run), which gives an acceptance length near the trained drafter's (3.0–3.4 at
 //! K = 4). Outputs stay lossless, and are checked against the plain run.
 //!
-//! Per mode it prints medians over `TAIL_REPS` runs (default 5, the modes alternating run
-//! by run): the whole run, the long tail (from the moment a quarter of the batch is live),
-//! and the tail broken down per live-batch size: seconds, tokens/s, group steps and
-//! sequences per step. `TAIL_MODES` (comma-separated, default all) picks modes.
+//! Modes: plain decoding, a fixed K = 4, adaptive speculation below 4 and 16 live, each with
+//! the engine's groups carrying at least `r` rows (`RolloutEngine::with_min_group_rows`;
+//! `TAIL_ROWS`, comma-separated, default 1 and [`MIN_GROUP_ROWS`]; r1 splits the live batch
+//! down to single sequences, as the engine did before it merged groups). Per mode it prints
+//! medians over `TAIL_REPS` runs (default 5, the modes alternating run by run): the whole
+//! run, the long tail (from the moment a quarter of the batch is live), driver time
+//! (proposing, absorbing), each stage's busy time, and the tail per live-batch bucket:
+//! time between group results, tokens/s and group steps. `TAIL_MODES` (comma-separated
+//! names, default all) picks modes.
 //!
 //! `cargo bench -p pipefill --bench tail`
 
@@ -26,11 +31,12 @@ use pipefill::model::drafter::{DraftChain, DraftContext, Drafter};
 use pipefill::model::infer::InferStage;
 use pipefill::model::{Cut, Gpt};
 use pipefill::rl::rollout::{
-    AdaptiveConfig, Request, Rollout, RolloutConfig, RolloutEngine, Speculation,
+    AdaptiveConfig, MIN_GROUP_ROWS, Request, Rollout, RolloutConfig, RolloutEngine, Speculation,
 };
 use pipefill::rl::speculative::{ProposeError, Proposer};
 use pipefill::tensor::CpuBackend;
 
+#[allow(dead_code)] // the timing helpers are for criterion benches
 mod common;
 
 /// Probability that a replayed draft token is the target's own.
@@ -133,25 +139,29 @@ fn main() {
     let only: Option<Vec<String>> = std::env::var("TAIL_MODES")
         .ok()
         .map(|s| s.split(',').map(str::to_string).collect());
-    let mut job = JobConfig::default();
-    job.model = common::model_config(512);
-    job.drafter.window = 8;
-    let cfg = job.model.clone();
+    // `bench rollout`'s job: `d_model` 512, proposals over the last 8 target pairs.
+    let cfg = common::model_config(512);
+    let mut drafter_cfg = JobConfig::default().drafter;
+    drafter_cfg.window = 8;
     let be = CpuBackend::new(1).expect("a one-thread backend");
     let gpt = Gpt::new(&cfg, be.clone(), &Cut::Even(1)).expect("the target");
-    let stages = InferStage::stages_of(&gpt, &Cut::Even(STAGES)).expect("the stages");
-    let mut engine = RolloutEngine::new(stages).expect("the engine");
+    let engine = |min_rows| {
+        let stages = InferStage::stages_of(&gpt, &Cut::Even(STAGES)).expect("the stages");
+        RolloutEngine::new(stages)
+            .expect("the engine")
+            .with_min_group_rows(min_rows)
+    };
     let reqs = requests(cfg.seq_len, cfg.vocab);
     let run_cfg = |speculation| RolloutConfig {
         groups: STAGES,
         speculation,
         ..RolloutConfig::default()
     };
-    let reference = engine
+    let reference = engine(1)
         .run(&reqs, &run_cfg(Speculation::Off), None)
         .expect("the plain run");
     let mut replay = Replay {
-        drafter: Drafter::new(&cfg, &job.drafter, be).expect("the drafter"),
+        drafter: Drafter::new(&cfg, &drafter_cfg, be).expect("the drafter"),
         known: reference.sequences.clone(),
         vocab: cfg.vocab,
     };
@@ -161,23 +171,28 @@ fn main() {
             ..AdaptiveConfig::default()
         })
     };
-    let modes: Vec<(&str, Speculation)> = vec![
-        ("plain", Speculation::Off),
-        ("fixed K=4", Speculation::Fixed { k: 4 }),
-        ("adaptive16", adaptive(16)),
-        ("adaptive32", adaptive(32)),
-    ]
-    .into_iter()
-    .filter(|(n, _)| only.as_ref().is_none_or(|o| o.iter().any(|x| x == n)))
-    .collect();
+    // (name, speculation, fewest rows per group step); r1 splits as far as `groups` allows.
+    let mut modes: Vec<(String, Speculation, usize)> = Vec::new();
+    let rows: Vec<usize> = std::env::var("TAIL_ROWS")
+        .ok()
+        .map(|s| s.split(',').filter_map(|x| x.trim().parse().ok()).collect())
+        .unwrap_or_else(|| vec![1, MIN_GROUP_ROWS]);
+    for &r in &rows {
+        modes.push((format!("plain r{r}"), Speculation::Off, r));
+        modes.push((format!("fixed4 r{r}"), Speculation::Fixed { k: 4 }, r));
+        modes.push((format!("adapt4 r{r}"), adaptive(4), r));
+        modes.push((format!("adapt16 r{r}"), adaptive(16), r));
+    }
+    modes.retain(|(n, _, _)| only.as_ref().is_none_or(|o| o.iter().any(|x| x == n)));
+    let mut engines: Vec<_> = modes.iter().map(|(_, _, m)| engine(*m)).collect();
     let mut runs: Vec<Vec<Rollout>> = vec![Vec::new(); modes.len()];
     for _ in 0..reps {
-        for (m, (_, spec)) in modes.iter().enumerate() {
+        for (m, (_, spec, _)) in modes.iter().enumerate() {
             let proposer: Option<&mut dyn Proposer> = match spec {
                 Speculation::Off => None,
                 _ => Some(&mut replay),
             };
-            let r = engine
+            let r = engines[m]
                 .run(&reqs, &run_cfg(spec.clone()), proposer)
                 .expect("a run");
             assert_eq!(r.sequences, reference.sequences, "lossless");
@@ -186,17 +201,17 @@ fn main() {
     }
     let tail_live = REQUESTS / 4;
     println!(
-        "{REQUESTS} requests, {} tokens, {STAGES} stages/groups, medians of {reps} (modes alternate)",
+        "{REQUESTS} requests, {} tokens, {STAGES} stages and groups, medians of {reps} (modes alternate)",
         reference.stats.tokens
     );
     println!(
-        "{:<11} {:>8} {:>8} {:>10} {:>8} {:>7} {:>8} {:>8}",
+        "{:<13} {:>8} {:>8} {:>10} {:>8} {:>7} {:>8} {:>8}",
         "mode", "total s", "tail s", "tail tok/s", "accept", "steps", "propose", "absorb"
     );
-    for ((name, _), rs) in modes.iter().zip(&runs) {
+    for ((name, _, _), rs) in modes.iter().zip(&runs) {
         let m = |f: &dyn Fn(&Rollout) -> f64| median(rs.iter().map(f).collect());
         println!(
-            "{name:<11} {:>8.3} {:>8.3} {:>10.1} {:>8.2} {:>7.0} {:>8.3} {:>8.3}",
+            "{name:<13} {:>8.3} {:>8.3} {:>10.1} {:>8.2} {:>7.0} {:>8.3} {:>8.3}",
             m(&|r| r.stats.seconds),
             m(&|r| r.stats.seconds - r.stats.tail_start_s),
             m(&|r| r.stats.tail_tokens_per_s()),
@@ -212,7 +227,7 @@ fn main() {
     }
     // Per live size: the run with the median tail, bucketed by powers of two.
     println!("tail per live-batch bucket (median-tail run): ms per group step / tokens/s / steps");
-    for ((name, _), rs) in modes.iter().zip(&runs) {
+    for ((name, _, _), rs) in modes.iter().zip(&runs) {
         let mut by: Vec<&Rollout> = rs.iter().collect();
         by.sort_by(|a, b| {
             (a.stats.seconds - a.stats.tail_start_s)
@@ -236,6 +251,6 @@ fn main() {
                 )
             })
             .collect();
-        println!("  {name:<11} {}", line.join(" | "));
+        println!("  {name:<13} {}", line.join(" | "));
     }
 }

@@ -49,7 +49,8 @@ use pipefill::model::infer::InferStage;
 use pipefill::model::{Cut, Gpt};
 use pipefill::rl::calibrate::{MAX_CALIBRATION_BATCH, step_costs, threshold_per_group, tree_cost};
 use pipefill::rl::rollout::{
-    AdaptiveConfig, Request, Rollout, RolloutConfig, RolloutEngine, Speculation,
+    AdaptiveConfig, MIN_GROUP_ROWS, Request, Rollout, RolloutConfig, RolloutEngine, Speculation,
+    live_threshold,
 };
 use pipefill::tensor::CpuBackend;
 use pipefill::train::reference::Trainer;
@@ -301,7 +302,8 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
         );
     }
     let per_group = threshold_per_group(&costs, |_| fixed_accept);
-    let threshold = per_group * groups;
+    // The engine merges small groups: the live batch at which groups are still that small.
+    let threshold = live_threshold(per_group, (a.k + 1) as f64, groups);
     for line in step_cost_lines(&costs, fixed_accept) {
         say(a.json, line);
     }
@@ -320,7 +322,7 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
     say(
         a.json,
         format!(
-            "threshold: speculate while live ≤ {threshold} ({per_group} per group × {groups} groups; acceptance length {fixed_accept:.2} at K={})",
+            "threshold: speculate while live ≤ {threshold} (at most {per_group} per group, up to {groups} groups of at least {MIN_GROUP_ROWS} rows; acceptance length {fixed_accept:.2} at K={})",
             a.k
         ),
     );

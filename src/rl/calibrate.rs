@@ -9,7 +9,8 @@
 //! their costs add up), each the fastest of a few repetitions timed in turn. A chain of K
 //! pays at `b` while `acceptance(K) × decode(b) > propose(K, b) + verify(K, b)`; the
 //! threshold per group is the largest `b` up to which some K pays at every measured size,
-//! and the engine's is that times the groups in flight. The acceptance of a chain of K
+//! and the engine's is the live batch up to which its groups stay that small (it merges
+//! small groups: [`crate::rl::rollout::live_threshold`]). The acceptance of a chain of K
 //! follows from the drafter's per-token acceptance α (its held-out `Σ min(p, q)`, measured
 //! every step) as `1 + α + … + α^K`.
 
@@ -255,7 +256,10 @@ impl Calibration {
     /// with probability `epsilon` ([`threshold_per_group_explored`]).
     pub fn threshold(&self, alpha: f64, epsilon: f64, plain_arm: bool) -> usize {
         let accept = |k| chain_acceptance(alpha, k);
-        threshold_per_group_explored(&self.costs, accept, epsilon, plain_arm) * self.groups
+        let per_group = threshold_per_group_explored(&self.costs, accept, epsilon, plain_arm);
+        // The engine merges small groups: its live threshold for `per_group` per group.
+        let k_max = self.costs.iter().map(|c| c.k).max().unwrap_or(0);
+        crate::rl::rollout::live_threshold(per_group, (k_max + 1) as f64, self.groups)
     }
 
     /// Whether speculation could pay at all: with every draft token accepted, for one
@@ -415,11 +419,11 @@ mod tests {
             reps: 1,
             seconds: 0.0,
         };
-        assert_eq!(
-            cal.threshold(0.5, 0.0, true),
-            8,
-            "two per group, four groups"
-        );
+        // Two per group; verifying K+1 = 5 rows each, the engine keeps one group until
+        // the live batch fills two of MIN_GROUP_ROWS: at most two live.
+        let engine = crate::rl::rollout::live_threshold(2, 5.0, 4);
+        assert_eq!(engine, 2, "one group of two");
+        assert_eq!(cal.threshold(0.5, 0.0, true), engine);
         assert_eq!(cal.threshold(0.0, 0.0, true), 0);
         assert!(cal.can_pay());
         let hopeless = Calibration {

@@ -67,6 +67,11 @@ pub(super) struct Driver<'a> {
     curve: Vec<LivePoint>,
     start: Instant,
     hook: Option<Arc<dyn MessageHook>>,
+    /// Fewest positions a group step should carry (see [`super::MIN_GROUP_ROWS`]).
+    min_rows: usize,
+    /// Positions per sequence of the last decode or verification step launched: what the
+    /// next steps will likely carry (1 for plain decoding, K+1 for a verification).
+    rows_per_seq: f64,
 }
 
 impl<'a> Driver<'a> {
@@ -77,6 +82,7 @@ impl<'a> Driver<'a> {
         vocab: usize,
         seq_len: usize,
         bandit: Option<KBandit>,
+        min_rows: usize,
     ) -> Self {
         let seqs = requests
             .iter()
@@ -104,6 +110,8 @@ impl<'a> Driver<'a> {
             curve: Vec::new(),
             start: Instant::now(),
             hook: None,
+            min_rows,
+            rows_per_seq: 1.0,
         }
     }
 
@@ -124,10 +132,10 @@ impl<'a> Driver<'a> {
         mut proposer: Option<&mut dyn Proposer>,
     ) -> Result<(), RolloutError> {
         self.start = Instant::now();
-        let groups = self.config.groups;
         let live: Vec<usize> = (0..self.seqs.len())
             .filter(|&i| !self.seqs[i].done)
             .collect();
+        let groups = self.groups_for(live.len());
         let mut ready: VecDeque<Vec<usize>> = (0..groups)
             .map(|g| {
                 live.iter()
@@ -142,6 +150,7 @@ impl<'a> Driver<'a> {
         let mut next_id = 0;
         self.point();
         loop {
+            let groups = self.groups_for(self.live());
             while in_flight.len() < groups {
                 let Some(members) = ready.pop_front() else {
                     break;
@@ -164,15 +173,33 @@ impl<'a> Driver<'a> {
                     .send(Msg::Release(finished))
                     .map_err(|_| RolloutError::Stopped)?;
             }
-            // Split the group when stages would otherwise wait: the more groups in flight,
-            // the fewer bubbles, as long as each keeps at least one sequence.
-            let spare = groups.saturating_sub(in_flight.len() + ready.len());
-            let pieces = alive.len().min(spare.max(1));
-            if pieces > 0 {
+            if alive.is_empty() {
+                continue;
+            }
+            let groups = self.groups_for(self.live());
+            let now = in_flight.len() + ready.len();
+            if now >= groups {
+                // Too many groups for the live batch: every group step reads all the
+                // stages' weights again, so small groups merge (the group waits for the
+                // next one to come back, or joins one already waiting).
+                match ready.back_mut() {
+                    Some(back) => back.extend(alive),
+                    None => ready.push_back(alive),
+                }
+            } else {
+                // Split the group when stages would otherwise wait: the more groups in
+                // flight, the fewer bubbles, as long as each keeps at least one sequence.
+                let pieces = alive.len().min(groups - now);
                 let size = alive.len().div_ceil(pieces);
                 ready.extend(alive.chunks(size).map(<[usize]>::to_vec));
             }
         }
+    }
+
+    /// Groups to keep in flight while `live` sequences are live: at most the config's, and
+    /// none whose step would carry fewer than `min_rows` positions (but at least one).
+    fn groups_for(&self, live: usize) -> usize {
+        super::groups_in_flight(live, self.rows_per_seq, self.config.groups, self.min_rows)
     }
 
     fn point(&mut self) {
@@ -280,6 +307,10 @@ impl<'a> Driver<'a> {
             if let Some(chains) = &drafts {
                 ids.extend_from_slice(&chains[m].tokens[..ki]);
             }
+        }
+        if !prefill {
+            let rows: usize = spans.iter().map(|s| s.len).sum();
+            self.rows_per_seq = rows as f64 / members.len() as f64;
         }
         let kind = match (prefill, drafts.is_some() || trees.is_some()) {
             (true, _) => WorkKind::Prefill,

@@ -59,14 +59,56 @@ pub enum RolloutError {
 /// How it is derived: `pipefill bench rollout` measures, per sequences in one group `b`,
 /// the target's decode step, its verification of K+1 positions and the drafter's proposal
 /// (one thread, medians), and speculation pays at `b` while
-/// `acceptance × decode(b) > propose(b) + verify(b)`; the threshold is the largest paying
-/// `b` times the groups in flight. Measured on the shared 2-core box (`d_model` 256,
+/// `acceptance × decode(b) > propose(b) + verify(b)`; the threshold is the live batch up to
+/// which the engine's groups hold at most the largest paying `b` ([`live_threshold`]; it
+/// was `b` times the groups in flight before the engine merged small groups). Measured on the shared 2-core box (`d_model` 256,
 /// 8 layers, K = 4, acceptance length 2.11 with the bench's drafter, 4 groups): at `b` = 1
 /// decode 1.74 ms, verify 2.81 ms (1.61×), propose 0.37 ms, so speculation pays
 /// (1.51 ms per token against 1.74); at `b` = 2, 4, 8 verification costs 2.2–3.2× a decode
-/// step and it loses. One sequence per group × 4 groups: 4. The figures move with the
-/// machine's load and the drafter's acceptance: rerun the bench per machine.
+/// step and it loses. One sequence per group × 4 groups: 4. At `d_model` 512 (session 8's
+/// bench: speculation pays up to 4 per group) the merging engine's threshold is 4 too, one
+/// group of 4. The figures move with the machine's load and the drafter's acceptance: rerun
+/// the bench per machine.
 pub const DEFAULT_SPEC_THRESHOLD: usize = 4;
+
+/// Fewest positions (rows) a group step should carry, unless fewer are live: the live batch
+/// is split into no more groups than that allows, and groups that shrink below it merge.
+///
+/// Why: a group step reads every stage's weights once, whatever its size, and on a
+/// memory-bound target that read is most of a small step's cost. On the 2-core box at
+/// `d_model` 512 (100 MB of weights; `pipefill bench rollout`'s step costs) a step of the
+/// whole model costs about 4.7 ms plus 0.55 ms per row, and two stages at once read weights
+/// only about 1.4× as fast as one: four groups of one sequence read the weights four times
+/// for four tokens where one group of four reads them once. A verification carries K+1 rows
+/// per sequence, so speculation keeps more, smaller groups than plain decoding.
+/// `benches/tail.rs` (128 requests, 4 stages, 4 groups, medians of 5 in one run, busy box):
+/// plain decoding's long tail (live ≤ 32) took 0.47 / 0.45 / 0.42 / 0.41 s at 8 / 16 / 32 /
+/// 64 rows, and the whole batch 2.35 / 2.27 / 2.26 / 2.31 s; splitting down to single
+/// sequences (1 row, the engine before) took 0.81 s in the tail in another run where 8 rows
+/// took 0.46.
+pub const MIN_GROUP_ROWS: usize = 32;
+
+/// Groups the engine keeps in flight while `live` sequences are live and each step carries
+/// `rows_per_seq` positions per sequence: at most `groups`, none with fewer than
+/// `min_rows` positions, at least one.
+pub fn groups_in_flight(live: usize, rows_per_seq: f64, groups: usize, min_rows: usize) -> usize {
+    let rows = live as f64 * rows_per_seq / min_rows.max(1) as f64;
+    (rows.floor() as usize).clamp(1, groups.max(1))
+}
+
+/// The live-batch threshold at which speculation still runs at most `per_group` sequences
+/// per group, verifying `rows_per_seq` positions per sequence with up to `groups` groups
+/// ([`groups_in_flight`] at [`MIN_GROUP_ROWS`]): how a threshold per group, which step costs
+/// decide, becomes the engine's.
+pub fn live_threshold(per_group: usize, rows_per_seq: f64, groups: usize) -> usize {
+    (1..=per_group * groups.max(1))
+        .take_while(|&live| {
+            let g = groups_in_flight(live, rows_per_seq, groups, MIN_GROUP_ROWS);
+            live.div_ceil(g) <= per_group
+        })
+        .last()
+        .unwrap_or(0)
+}
 
 /// When to speculate.
 #[derive(Clone, Debug, PartialEq)]
@@ -231,6 +273,7 @@ pub struct RolloutEngine<B: Backend> {
     /// The adaptive engine's K bandit, kept across runs: a rollout's long tail gives it
     /// only a few choices per live-batch bucket, too few to leave exploration.
     bandit: Option<KBandit>,
+    min_group_rows: usize,
 }
 
 impl<B: Backend> RolloutEngine<B> {
@@ -252,6 +295,7 @@ impl<B: Backend> RolloutEngine<B> {
             stages,
             hook: None,
             bandit: None,
+            min_group_rows: MIN_GROUP_ROWS,
         })
     }
 
@@ -265,6 +309,13 @@ impl<B: Backend> RolloutEngine<B> {
     /// The K bandit adaptive runs have trained so far (for the next engine).
     pub fn take_bandit(&mut self) -> Option<KBandit> {
         self.bandit.take()
+    }
+
+    /// Splits the live batch into no groups whose steps carry fewer than `rows` positions
+    /// (default [`MIN_GROUP_ROWS`]; 1: as many groups as `groups` allows, however small).
+    pub fn with_min_group_rows(mut self, rows: usize) -> Self {
+        self.min_group_rows = rows.max(1);
+        self
     }
 
     /// Files every stage message with `hook` (e.g. a bubble router).
@@ -330,6 +381,7 @@ impl<B: Backend> RolloutEngine<B> {
                 model.vocab,
                 model.seq_len,
                 bandit,
+                self.min_group_rows,
             )
             .with_hook(hook.clone());
             let result = driver.run(&first, &drv_rx, proposer);
@@ -428,6 +480,78 @@ mod tests {
     use crate::model::{Cut, Gpt, GptConfig};
     use crate::rl::speculative::RandomProposer;
     use crate::tensor::CpuBackend;
+
+    /// Groups follow the rows a step carries: one group until the live batch fills two of
+    /// `min_rows`, then more up to `groups`; a threshold per group becomes the live batch up
+    /// to which the groups stay that small.
+    #[test]
+    fn groups_in_flight_follow_the_rows_and_thresholds_follow_the_groups() {
+        assert_eq!(groups_in_flight(1, 1.0, 4, 32), 1);
+        assert_eq!(groups_in_flight(63, 1.0, 4, 32), 1);
+        assert_eq!(groups_in_flight(64, 1.0, 4, 32), 2);
+        assert_eq!(groups_in_flight(128, 1.0, 4, 32), 4);
+        assert_eq!(groups_in_flight(13, 5.0, 4, 32), 2, "verifying 5 rows each");
+        assert_eq!(groups_in_flight(500, 1.0, 4, 1), 4);
+        assert_eq!(groups_in_flight(0, 1.0, 0, 0), 1);
+        // 4 per group: one group of 4 verifying 20 rows; 5 would be one group of 5.
+        assert_eq!(live_threshold(4, 5.0, 4), 4);
+        // 8 per group at 5 rows each: two groups from 13 live, at most 8 each up to 16.
+        assert_eq!(live_threshold(8, 5.0, 4), 8);
+        assert_eq!(live_threshold(0, 5.0, 4), 0);
+    }
+
+    /// The engine merges groups that shrink (fewer group steps than splitting down to
+    /// single sequences), and what it generates does not depend on it.
+    #[test]
+    fn merging_small_groups_takes_fewer_steps_and_changes_no_output() {
+        let config = GptConfig {
+            layers: 2,
+            seq_len: 48,
+            seed: 5,
+            ..GptConfig::default()
+        };
+        let gpt = Gpt::new(&config, CpuBackend::new(1).unwrap(), &Cut::Even(1)).unwrap();
+        let engine = |rows| {
+            let stages = InferStage::stages_of(&gpt, &Cut::Even(2)).unwrap();
+            RolloutEngine::new(stages)
+                .unwrap()
+                .with_min_group_rows(rows)
+        };
+        // A long tail: caps from 2 to 30 (the untrained model rarely emits EOS).
+        let requests: Vec<Request> = (0..12)
+            .map(|i| Request {
+                prompt: vec![1, 4 + i as u32],
+                max_new: 2 + (i * i) % 29,
+            })
+            .collect();
+        let cfg = |speculation| RolloutConfig {
+            groups: 4,
+            speculation,
+            ..RolloutConfig::default()
+        };
+        let split = engine(1)
+            .run(&requests, &cfg(Speculation::Off), None)
+            .unwrap();
+        let merged = engine(4)
+            .run(&requests, &cfg(Speculation::Off), None)
+            .unwrap();
+        assert_eq!(merged.sequences, split.sequences);
+        assert!(
+            merged.stats.steps < split.stats.steps,
+            "{} merged steps against {} split",
+            merged.stats.steps,
+            split.stats.steps
+        );
+        let mut random = RandomProposer::new(config.vocab);
+        let spec = engine(4)
+            .run(
+                &requests,
+                &cfg(Speculation::Fixed { k: 3 }),
+                Some(&mut random),
+            )
+            .unwrap();
+        assert_eq!(spec.sequences, split.sequences, "lossless");
+    }
 
     /// A bandit with a plain arm (K = 0) runs some of the tail's steps as plain decode
     /// steps, rewards them like verifications, and stays lossless.
