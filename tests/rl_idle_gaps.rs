@@ -5,7 +5,9 @@
 //! smallest piece fits any gap of a millisecond, and the driver spends 10 ms on every
 //! proposal, so every stage waits at least that long between messages: pieces must run in
 //! the gaps, whole slices could not. The samples, greedy or sampled, stay those of the same
-//! rollout without the hook.
+//! rollout without the hook. With `rl.drafter_leftover = "defer"` nothing runs after the
+//! rollout: the budget's rest is carried to the next step (capped at one step's budget), the
+//! held-out rows are evaluated in the gaps, and the priors are measured up front.
 
 mod common;
 
@@ -20,7 +22,8 @@ use pipefill::model::drafter::{
 use pipefill::model::infer::InferStage;
 use pipefill::model::{Cut, Gpt};
 use pipefill::rl::rollout::idle::{
-    DRAFTER, DRAFTER_STEP, DrafterSlices, MIN_PIECE_ROWS, RolloutRouter,
+    DRAFTER, DRAFTER_EVAL, DRAFTER_STEP, DrafterSlices, DrafterWork, EvalWork, MIN_PIECE_ROWS,
+    RolloutRouter,
 };
 use pipefill::rl::rollout::{
     MessageHook, Request, Rollout, RolloutConfig, RolloutEngine, Speculation,
@@ -196,4 +199,179 @@ fn pieces_accumulate_into_one_step_per_slice() {
     assert!(estimate.slope > 0.0 && estimate.line(full as f64) > 0.0);
     assert!(estimate.line(MIN_PIECE_ROWS as f64) < estimate.line(full as f64));
     assert!(router.stats().kinds.contains_key(DRAFTER_STEP));
+}
+
+/// The trainer of a fresh drafter whose buffer holds `rows` as step 0's rows, now at step 1.
+fn trainer_on(
+    rows: &[pipefill::model::drafter::DraftRow],
+) -> Arc<Mutex<DrafterTrainer<CpuBackend>>> {
+    let buffer = DraftBufferHandle::new(&config(), &DrafterConfig::default());
+    buffer.begin_step(0);
+    for row in rows {
+        buffer.lock().push(row.clone()).unwrap();
+    }
+    buffer.begin_step(1);
+    Arc::new(Mutex::new(
+        DrafterTrainer::new(drafter(), buffer, 0, 1).unwrap(),
+    ))
+}
+
+#[test]
+fn a_deferred_step_trains_only_in_the_gaps_and_carries_the_rest() {
+    let gpt = common::rollouts::gpt();
+    let plain = rollout(&gpt, 0.0, None);
+    let trainer = trainer_on(&plain.rows);
+    let buffer = trainer.lock().unwrap().buffer().clone();
+    let router = FillerRouter::default();
+    let slices = DrafterSlices::new(Arc::clone(&trainer), &router);
+    let full = slices.full_rows();
+    // As above: only pieces fit; an evaluation fits any gap.
+    let slope = (10.0 - 1e-3) / (full - MIN_PIECE_ROWS) as f64;
+    router.set_prior_line(DRAFTER, CostEstimate::prior_line(full as f64, 10.0, slope));
+    router.set_prior(DRAFTER_STEP, 0.0);
+    router.set_prior(DRAFTER_EVAL, 0.0);
+    // More than the gaps can take.
+    const BUDGET: usize = 1000;
+    slices.begin_carrying(BUDGET);
+    let begun = slices.account();
+    assert_eq!(
+        (begun.leftover, begun.budget_rows),
+        ("defer", BUDGET * full)
+    );
+    assert_eq!(begun.carried_in_rows, 0);
+
+    let held = 2;
+    let hook = Arc::new(
+        RolloutRouter::new(router.clone(), STAGES, true)
+            .with_rows(buffer.clone(), held)
+            .with_drafter(slices.clone()),
+    );
+    let spec = rollout(&gpt, 0.0, Some(Arc::clone(&hook)));
+    assert_eq!(spec.sequences, plain.sequences);
+    let report = hook.report();
+    let idle = slices.idle_work();
+    assert!(
+        report.drafter_slices >= 1,
+        "no piece in the gaps: {report:?}"
+    );
+    let version = trainer.lock().unwrap().version();
+    let accumulated = trainer.lock().unwrap().pending_slices();
+
+    // The step ends: nothing trains here, the rest of the budget is carried.
+    let account = slices.defer();
+    assert_eq!(trainer.lock().unwrap().version(), version);
+    assert_eq!(trainer.lock().unwrap().pending_slices(), accumulated);
+    assert_eq!(account.after, DrafterWork::default());
+    assert_eq!(account.eval_after, EvalWork::default());
+    assert_eq!(account.idle, idle);
+    let left = BUDGET * full - idle.rows;
+    assert!(left > 0, "the gaps took the whole budget: {idle:?}");
+    assert_eq!((account.carried_out_rows, account.dropped_rows), (left, 0));
+    assert_eq!(slices.rows_left(), left);
+    // Rows accumulated since the last optimizer step stay, for the next step's gaps.
+    assert_eq!(account.pending_rows, idle.rows - idle.steps * full);
+    // The held-out rows: evaluated in the gaps or, if none fitted, sent to training as
+    // they are; every row with a training pair ends in the buffer either way.
+    assert_eq!(account.eval_idle.rows + account.eval_skipped_rows, held);
+    assert_eq!(report.drafter_evals, account.eval_idle.pieces);
+    // (an evaluation is predicted free here, so the gaps take it.)
+    assert!(account.eval_idle.rows > 0, "{account:?}");
+    assert!(slices.held_out_stats().unwrap().pairs > 0);
+    let trainable = spec.rows.iter().filter(|r| r.pairs() > 0).count();
+    assert_eq!(buffer.lock().current_len(), trainable);
+
+    // The next step's budget adds what was carried.
+    slices.begin_carrying(BUDGET);
+    let next = slices.account();
+    assert_eq!(next.carried_in_rows, left);
+    assert_eq!(next.budget_rows, left + BUDGET * full);
+    assert_eq!(slices.rows_left(), left + BUDGET * full);
+    assert_eq!(next.idle, DrafterWork::default());
+}
+
+#[test]
+fn the_carry_is_capped_at_one_steps_budget_and_after_runs_the_rest_here() {
+    let gpt = common::rollouts::gpt();
+    let rows = rollout(&gpt, 0.0, None).rows;
+    let trainer = trainer_on(&rows);
+    let buffer = trainer.lock().unwrap().buffer().clone();
+    let router = FillerRouter::default();
+    let slices = DrafterSlices::new(Arc::clone(&trainer), &router);
+    let full = slices.full_rows();
+
+    // No rollout, so no gap: a whole step's budget is carried, nothing dropped or run.
+    slices.begin_carrying(3);
+    let first = slices.defer();
+    assert_eq!((first.carried_out_rows, first.dropped_rows), (3 * full, 0));
+    assert_eq!(first.idle, DrafterWork::default());
+    assert_eq!(first.after, DrafterWork::default());
+    assert_eq!(trainer.lock().unwrap().version(), 0);
+    // Twice the budget left: one step's worth carried, the other dropped.
+    slices.begin_carrying(3);
+    assert_eq!(slices.account().budget_rows, 6 * full);
+    let held = &rows[0];
+    assert!(slices.hold(held), "a deferred step evaluates in the gaps");
+    let before = buffer.lock().current_len();
+    let second = slices.defer();
+    assert_eq!(
+        (second.carried_out_rows, second.dropped_rows),
+        (3 * full, 3 * full)
+    );
+    assert_eq!(slices.rows_left(), 3 * full);
+    // The held row no gap evaluated went to training unevaluated.
+    assert_eq!(second.eval_skipped_rows, 1);
+    assert!(slices.held_out_stats().is_none());
+    assert_eq!(
+        buffer.lock().current_len(),
+        before + usize::from(held.pairs() > 0)
+    );
+    // A budget of nothing carries nothing.
+    slices.begin_carrying(0);
+    let none = slices.defer();
+    assert_eq!((none.carried_out_rows, none.dropped_rows), (0, 3 * full));
+
+    // "after": a fresh budget whatever was carried, evaluated by the caller, run here.
+    slices.begin(2, &router);
+    assert!(!slices.hold(held));
+    assert_eq!(slices.rows_left(), 2 * full);
+    assert_eq!(slices.account().leftover, "after");
+    let done = slices.finish().unwrap();
+    assert_eq!((done.rows, done.steps), (2 * full, 2));
+    assert_eq!(trainer.lock().unwrap().version(), 2);
+}
+
+#[test]
+fn priors_are_measured_once_on_a_scratch_drafter() {
+    let gpt = common::rollouts::gpt();
+    let trainer = trainer_on(&rollout(&gpt, 0.0, None).rows);
+    let router = FillerRouter::default();
+    let slices = DrafterSlices::new(Arc::clone(&trainer), &router);
+    let (version, sampler) = {
+        let t = trainer.lock().unwrap();
+        (t.version(), t.sampler().state())
+    };
+    let p = slices.measure_priors(&router).unwrap().expect("measured");
+    assert!(p.small > 0.0 && p.large > 0.0 && p.step > 0.0, "{p:?}");
+    assert!(
+        p.large_rows > p.small_rows && p.small_rows == MIN_PIECE_ROWS,
+        "{p:?}"
+    );
+    assert!(p.eval_short > 0.0 && p.eval_long > 0.0, "{p:?}");
+    let kinds = router.stats().kinds;
+    for kind in [DRAFTER, DRAFTER_STEP, DRAFTER_EVAL] {
+        let e = kinds[kind].estimate;
+        assert_eq!(e.samples, 0, "{kind}: a prior, not a measurement");
+        assert!(
+            e.line(1.0) >= 0.0 && e.predicted(0.0) > 0.0,
+            "{kind}: {e:?}"
+        );
+    }
+    let line = kinds[DRAFTER].estimate;
+    assert!(line.line(p.small_rows as f64) < line.line(slices.full_rows() as f64));
+    // The real drafter is untouched: no step, no gradient, the same row sampler.
+    let t = trainer.lock().unwrap();
+    assert_eq!((t.version(), t.sampler().state()), (version, sampler));
+    assert_eq!(t.pending_slices(), 0);
+    drop(t);
+    assert!(slices.measure_priors(&router).unwrap().is_none(), "once");
 }

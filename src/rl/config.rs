@@ -62,9 +62,15 @@ pub struct RlConfig {
     /// (examples/rl-longtail.toml); a tenth of it keeps improving on the next step's rows.
     pub drafter_lr: f32,
     /// Run those slices in the rollout stages' idle time (the long tail), routed by a
-    /// `FillerRouter` with the verification passes; what does not fit runs after the
-    /// rollout. `false`: all of them after the rollout.
+    /// `FillerRouter` with the verification passes; what does not fit goes by
+    /// `drafter_leftover`. `false`: all of them after the rollout.
     pub idle_fill: bool,
+    /// With `idle_fill`, what becomes of the drafter work the idle gaps did not take:
+    /// `"defer"` (the default) carries the slices into the next step's idle budget (at most
+    /// one step's budget carried, the rest dropped and counted) and evaluates the held-out
+    /// rows in the gaps too, so the drafter trains only in idle time; `"after"` runs them
+    /// after the rollout, on the step's critical path.
+    pub drafter_leftover: DrafterLeftover,
     /// Seed of the prompt stream and of sampling.
     pub seed: u64,
 }
@@ -89,6 +95,7 @@ impl Default for RlConfig {
             drafter_slices: 16,
             drafter_lr: 3e-4,
             idle_fill: true,
+            drafter_leftover: DrafterLeftover::Defer,
             seed: 0,
         }
     }
@@ -180,6 +187,52 @@ impl RlConfig {
             width: t.width,
             nodes: t.nodes,
         })
+    }
+}
+
+/// `rl.drafter_leftover`: where the drafter work the rollout's idle gaps did not take goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DrafterLeftover {
+    /// Into the next step's idle budget (capped at one step's budget): nothing after the
+    /// rollout.
+    #[default]
+    Defer,
+    /// Run after the rollout on the caller's thread (on the step's critical path).
+    After,
+}
+
+impl DrafterLeftover {
+    /// The setting as written in a job file.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DrafterLeftover::Defer => "defer",
+            DrafterLeftover::After => "after",
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for DrafterLeftover {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        const EXPECTED: &str =
+            "\"defer\" (to the next step's idle time) or \"after\" (after the rollout)";
+        impl serde::de::Visitor<'_> for V {
+            type Value = DrafterLeftover;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(EXPECTED)
+            }
+            fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<DrafterLeftover, E> {
+                match s.trim() {
+                    "defer" => Ok(DrafterLeftover::Defer),
+                    "after" => Ok(DrafterLeftover::After),
+                    other => Err(E::custom(format!(
+                        "drafter_leftover is {other:?}: expected {EXPECTED}"
+                    ))),
+                }
+            }
+        }
+        d.deserialize_str(V)
     }
 }
 
@@ -359,6 +412,44 @@ mod tests {
             let err = cfg.validate(64).unwrap_err().to_string();
             assert!(err.starts_with(&format!("invalid `{field}`")), "{err}");
         }
+    }
+
+    #[test]
+    fn drafter_leftover_is_defer_or_after_and_anything_else_names_the_field() {
+        use crate::config::JobConfig;
+        let job = |set: &str| JobConfig::embedded(&[set.to_string()]);
+        assert_eq!(RlConfig::default().drafter_leftover, DrafterLeftover::Defer);
+        let after = job("rl.drafter_leftover=\"after\"").unwrap();
+        assert_eq!(after.rl.drafter_leftover, DrafterLeftover::After);
+        assert_eq!(
+            job("rl.drafter_leftover=defer")
+                .unwrap()
+                .rl
+                .drafter_leftover,
+            DrafterLeftover::Defer
+        );
+        // The job written next to a run reads back the same.
+        let text = after.to_toml();
+        assert!(text.contains("drafter_leftover = \"after\""), "{text}");
+        let back = JobConfig::from_toml(&text, "written").unwrap();
+        assert_eq!(back.rl.drafter_leftover, DrafterLeftover::After);
+        assert_eq!(DrafterLeftover::After.as_str(), "after");
+        for bad in ["rl.drafter_leftover=later", "rl.drafter_leftover=1"] {
+            let err = job(bad).unwrap_err().to_string();
+            assert!(err.contains("drafter_leftover"), "{bad}: {err}");
+            assert!(
+                err.contains("defer") && err.contains("after"),
+                "{bad}: says what it takes: {err}"
+            );
+        }
+        let text = "[rl]\ndrafter_leftover = \"never\"\n";
+        let err = JobConfig::from_toml(text, "job.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("drafter_leftover") && err.contains("line 2"),
+            "{err}"
+        );
     }
 
     #[test]

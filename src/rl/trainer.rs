@@ -126,6 +126,8 @@ pub struct RolloutBatch {
     pub idle_filled_seconds: Option<f64>,
     /// Drafter-training slices run in the stages' idle time.
     pub idle_drafter_slices: usize,
+    /// The drafter's work of the step and where it ran (engines with an idle-work router).
+    pub drafter_work: Option<crate::rl::rollout::idle::DrafterAccount>,
 }
 
 /// Generates the rollouts of a step.
@@ -165,8 +167,10 @@ pub struct RlStepMetrics {
     pub generated_tokens: usize,
     /// Generation time (drafter training excluded).
     pub rollout_seconds: f64,
-    /// Drafter training on the step's rollouts after the rollout (slices that did not fit
-    /// the stages' idle time).
+    /// The drafter's time on the step's critical path, outside the rollout proper: with
+    /// `rl.drafter_leftover = "after"` the held-out evaluation and the slices that did not
+    /// fit the stages' idle time; with `"defer"` only the first step's one-off measurement
+    /// of the idle work's costs (see `drafter_work`).
     pub drafter_seconds: f64,
     /// The reference's log-probs of the rollouts (KL only; 0 without).
     pub reference_seconds: f64,
@@ -179,6 +183,9 @@ pub struct RlStepMetrics {
     pub rollout_idle_filled_seconds: Option<f64>,
     /// Drafter-training slices run in that idle time.
     pub idle_drafter_slices: usize,
+    /// The drafter's work and where it ran: in the idle gaps, after the rollout, carried
+    /// to the next step or dropped (`rl.drafter_leftover`; engines with an idle router).
+    pub drafter_work: Option<crate::rl::rollout::idle::DrafterAccount>,
     /// Mean k3 KL to the reference per completion token (KL only).
     pub kl: Option<f64>,
     /// The whole step: prompts, rollout, drafter, rewards, reference, update.
@@ -499,6 +506,7 @@ impl RlTrainer {
             rollout_idle_seconds: batch.idle_seconds,
             rollout_idle_filled_seconds: batch.idle_filled_seconds,
             idle_drafter_slices: batch.idle_drafter_slices,
+            drafter_work: batch.drafter_work,
             kl: kl_hook.and_then(|h| h.mean_kl()),
             step_seconds,
             tokens_per_s,

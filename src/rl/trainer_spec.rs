@@ -24,9 +24,14 @@
 //! steps (its cost estimates carry over), whose [`DrafterSlices`] sources cut the step's
 //! slices into pieces sized to the stages' idle gaps (one optimizer step per slice's worth
 //! of rows, as whole slices take), and each finished sequence's row reaches the buffer at
-//! once. What the gaps do not take runs on the caller's thread after the rollout (reported
-//! as `drafter_seconds`; on a thread of its own beside the update it slowed the update by
-//! more than its own time on the 2-core box). The drafter starts from the
+//! once. What the gaps do not take goes by `rl.drafter_leftover`: with `"defer"` (the
+//! default) it is carried into the next step's idle budget (at most one step's budget) and
+//! the held-out evaluation runs in the gaps too, so nothing of the drafter runs after the
+//! rollout (the router's priors, which `"after"` takes from the slices run there, are
+//! measured once before the first rollout instead); with `"after"` it runs on the caller's
+//! thread after the rollout, on the critical path (reported as `drafter_seconds`; on a
+//! thread of its own beside the update it slowed the update by more than its own time on
+//! the 2-core box). Each step's `drafter_work` says what ran where. The drafter starts from the
 //! policy's own run's drafter when that run trained one in its pipeline's bubbles
 //! ([`PipelineRollouts::with_drafter`]), as TLT starts RL with a drafter that already
 //! follows the policy, and then trains at the lower `rl.drafter_lr`; otherwise untrained,
@@ -44,8 +49,8 @@ use pipefill_actors::FillerRouter;
 
 use super::bandit::KBandit;
 use super::calibrate::Calibration;
-use super::config::SpecThreshold;
-use super::rollout::idle::{DrafterSlices, RolloutRouter};
+use super::config::{DrafterLeftover, SpecThreshold};
+use super::rollout::idle::{DrafterAccount, DrafterSlices, EvalWork, RolloutRouter};
 use super::rollout::{
     AdaptiveConfig, DEFAULT_SPEC_THRESHOLD, MessageHook, Request, RolloutConfig,
     RolloutEngine as Engine, RolloutError, Speculation,
@@ -118,6 +123,9 @@ pub struct PipelineRollouts {
     calibration: Option<Calibration>,
     /// The drafter's per-token acceptance on rows it never trained on, and which rows.
     alpha: Option<(f64, &'static str)>,
+    /// The last step measured no α (`rl.drafter_leftover = "defer"`: its gaps evaluated
+    /// no held-out row), so the next one must.
+    alpha_stale: bool,
     /// The threshold of the latest rollout.
     threshold: Option<ThresholdChoice>,
 }
@@ -166,6 +174,7 @@ impl PipelineRollouts {
             bandit: None,
             calibration: None,
             alpha: None,
+            alpha_stale: false,
             threshold: None,
         })
     }
@@ -288,15 +297,96 @@ impl PipelineRollouts {
         lock(&self.trainer).version()
     }
 
-    /// This step's idle-work hook: the step's drafter budget set (with the router's priors
-    /// from the slices measured after earlier rollouts, kept once the router measured its
-    /// own), rows sent to the drafter's buffer as sequences finish.
-    fn idle_router(&mut self) -> RolloutRouter {
+    /// This step's idle-work hook: the step's drafter budget set, rows sent to the drafter's
+    /// buffer as sequences finish. With `"after"` the router's priors come from the slices
+    /// measured after earlier rollouts (kept once the router measured its own); with
+    /// `"defer"` the budget adds what the last step carried, the held-out rows are evaluated
+    /// in the gaps, and the priors are measured before the first rollout: the seconds that
+    /// took are returned (0 later).
+    fn idle_router(&mut self) -> Result<(RolloutRouter, f64), RlError> {
         let buffer = lock(&self.trainer).buffer().clone();
-        self.slices.begin(self.rl.drafter_slices, &self.router);
-        RolloutRouter::new(self.router.clone(), self.stages.max(1), true)
+        let startup = match self.rl.drafter_leftover {
+            DrafterLeftover::After => {
+                self.slices.begin(self.rl.drafter_slices, &self.router);
+                0.0
+            }
+            DrafterLeftover::Defer => {
+                let priors = self.slices.measure_priors(&self.router)?;
+                if let Some(p) = &priors {
+                    tracing::info!(
+                        "drafter idle-work priors ({:.3} s): pieces of {}/{} rows {:.2}/{:.2} \
+                         ms, step {:.2} ms, eval {}/{} positions {:.2}/{:.2} ms",
+                        p.seconds,
+                        p.small_rows,
+                        p.large_rows,
+                        1e3 * p.small,
+                        1e3 * p.large,
+                        1e3 * p.step,
+                        p.short_len,
+                        p.long_len,
+                        1e3 * p.eval_short,
+                        1e3 * p.eval_long
+                    );
+                }
+                self.slices.begin_carrying(self.rl.drafter_slices);
+                priors.map_or(0.0, |p| p.seconds)
+            }
+        };
+        let hook = RolloutRouter::new(self.router.clone(), self.stages.max(1), true)
             .with_rows(buffer, HELD_OUT_ROWS)
-            .with_drafter(self.slices.clone())
+            .with_drafter(self.slices.clone());
+        Ok((hook, startup))
+    }
+
+    /// The drafter's share of a step after its idle-routed rollout: its held-out figures and
+    /// what it did where. `"after"`: the held-out rows evaluated, then what the stages'
+    /// idle time left of the budget, here on the critical path; `"defer"`: nothing runs,
+    /// the budget's rest is carried (the figures are those the gaps measured).
+    fn drafter_after_rollout(
+        &mut self,
+        hook: &RolloutRouter,
+    ) -> Result<(Option<EvalStats>, DrafterAccount), RlError> {
+        match self.rl.drafter_leftover {
+            DrafterLeftover::After => {
+                // The router sent every row but the held-out ones to the buffer already.
+                let held = hook.held_out();
+                let t = Instant::now();
+                let stats = self.drafter_work(&held, &held, 0)?;
+                let eval_seconds = t.elapsed().as_secs_f64();
+                let mut account = self.slices.account();
+                account.after = self.slices.finish()?;
+                account.eval_after = EvalWork {
+                    pieces: 1,
+                    rows: held.len(),
+                    seconds: eval_seconds,
+                };
+                Ok((Some(stats), account))
+            }
+            DrafterLeftover::Defer => {
+                let mut account = self.slices.defer();
+                let mut stats = self.slices.held_out_stats();
+                // The gaps evaluated no held-out row: the threshold keeps the last α for one
+                // step; with none yet, or one already a step old, the rows are evaluated
+                // here (a few ms; they reached the buffer, but nothing trained since).
+                if stats.is_none() && (self.alpha.is_none() || self.alpha_stale) {
+                    let held: Vec<DraftRow> = (hook.held_out().into_iter())
+                        .filter(|r| r.pairs() > 0)
+                        .collect();
+                    if !held.is_empty() {
+                        let t = Instant::now();
+                        stats = Some(lock(&self.trainer).evaluate(&held)?);
+                        account.eval_after = EvalWork {
+                            pieces: 1,
+                            rows: held.len(),
+                            seconds: t.elapsed().as_secs_f64(),
+                        };
+                        account.eval_skipped_rows = 0;
+                    }
+                }
+                self.alpha_stale = stats.is_none();
+                Ok((stats, account))
+            }
+        }
     }
 }
 
@@ -331,9 +421,12 @@ impl RolloutEngine for PipelineRollouts {
             })
             .collect();
         let speculate = !matches!(self.speculation, Speculation::Off);
-        let hook = match speculate && self.rl.idle_fill {
-            true => Some(Arc::new(self.idle_router())),
-            false => None,
+        let (hook, startup_seconds) = match speculate && self.rl.idle_fill {
+            true => {
+                let (hook, startup) = self.idle_router()?;
+                (Some(Arc::new(hook)), startup)
+            }
+            false => (None, 0.0),
         };
         if speculate {
             let mut trainer = lock(&self.trainer);
@@ -360,27 +453,32 @@ impl RolloutEngine for PipelineRollouts {
         let report = hook.as_ref().map(|h| h.report());
 
         // The drafter follows the policy: its agreement on rows it never trained on, then
-        // the slices the stages' idle time did not take. Without speculation nothing would
-        // use it, so it is left alone.
+        // (`"after"`) the slices the stages' idle time did not take. Without speculation
+        // nothing would use it, so it is left alone.
         let drafted = Instant::now();
-        let agreement = match (&hook, speculate) {
-            // The router sent every row but the held-out ones to the buffer already; then
-            // what the stages' idle time left of the budget.
+        let (agreement, account) = match (&hook, speculate) {
             (Some(h), true) => {
-                let held = h.held_out();
-                let stats = self.drafter_work(&held, &held, 0)?;
-                self.slices.finish()?;
-                Some(stats)
+                let (stats, mut account) = self.drafter_after_rollout(h)?;
+                account.startup_seconds = startup_seconds;
+                (stats, Some(account))
             }
-            (None, true) => Some(self.follow_stats(&out.rows, step)?),
-            _ => None,
+            (None, true) => (Some(self.follow_stats(&out.rows, step)?), None),
+            _ => (None, None),
         };
-        // The next rollout's threshold follows the drafter's acceptance on this policy.
-        if let Some(stats) = &agreement {
-            self.alpha = Some((stats.overlap, "the last step's held-out rows"));
+        // The next rollout's threshold follows the drafter's acceptance on this policy; a
+        // step whose gaps evaluated no held-out row keeps the last figure.
+        match (&agreement, self.alpha) {
+            (Some(stats), _) => {
+                self.alpha = Some((stats.overlap, "the last step's held-out rows"));
+            }
+            (None, Some((alpha, from))) if speculate && from == "the last step's held-out rows" => {
+                self.alpha = Some((alpha, "an earlier step's held-out rows"));
+            }
+            _ => {}
         }
         let agreement = agreement.map(|s| s.agreement);
-        let drafter_seconds = drafted.elapsed().as_secs_f64();
+        // On the critical path: what ran here after the rollout, and the one-off priors.
+        let drafter_seconds = drafted.elapsed().as_secs_f64() + startup_seconds;
 
         let rollouts = (0..requests.len())
             .map(|i| Rollout {
@@ -406,6 +504,7 @@ impl RolloutEngine for PipelineRollouts {
             }),
             idle_filled_seconds: report.as_ref().map(|r| r.filled_total()),
             idle_drafter_slices: report.map_or(0, |r| r.drafter_slices),
+            drafter_work: account,
         })
     }
 

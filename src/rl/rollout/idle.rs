@@ -15,7 +15,10 @@
 //!    rows this step's rollouts produced (each finished sequence's row reaches the buffer
 //!    at once through [`MessageHook::row`]) and the previous step's, each sized by the
 //!    router to the idle time the stage has left, and the optimizer step once they add up
-//!    to a whole slice (see [`slices`]: the gaps are far shorter than a whole slice).
+//!    to a whole slice (see [`slices`]: the gaps are far shorter than a whole slice);
+//!    with `rl.drafter_leftover = "defer"` also the held-out evaluation (`"drafter eval"`,
+//!    see [`eval`]), and the budget's rest carried into the next step instead of run after
+//!    the rollout.
 //!
 //! The idle time a stage has left is predicted from what it observed: the moving average
 //! of its idle gaps (from going idle to the next message), measured whenever the arrival
@@ -28,9 +31,15 @@
 //! it), so the rollout is as lossless and, for greedy decoding and for sampling with the
 //! same proposer, as deterministic as without.
 
+mod eval;
+mod prior;
 mod slices;
 
-pub use slices::{DRAFTER, DRAFTER_STEP, DrafterSlices, DrafterWork, MIN_PIECE_ROWS};
+pub use eval::{DRAFTER_EVAL, EvalWork, merge_eval};
+pub use prior::DrafterPriors;
+pub use slices::{
+    DRAFTER, DRAFTER_STEP, DrafterAccount, DrafterSlices, DrafterWork, MIN_PIECE_ROWS,
+};
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -60,7 +69,7 @@ pub struct IdleSpan {
     pub start: f64,
     pub end: f64,
     /// `"verify"` (the stage's own message, routed) or `"drafter"` (idle work: a piece of
-    /// training or an optimizer step, see `label`).
+    /// training, an optimizer step or a held-out evaluation, see `label`).
     pub kind: String,
     pub label: String,
     /// The work's error, if it failed.
@@ -81,6 +90,8 @@ pub struct IdleReport {
     pub drafter_rows: usize,
     /// Drafter optimizer steps taken in idle time.
     pub drafter_steps: usize,
+    /// Held-out evaluation pieces run in idle time.
+    pub drafter_evals: usize,
     /// Verification messages routed.
     pub verifications: usize,
 }
@@ -179,7 +190,8 @@ impl RolloutRouter {
 
     /// Sends finished sequences' drafter rows to `buffer`, except the first `hold_out`,
     /// kept apart ([`RolloutRouter::held_out`]) to measure the drafter on rows it never
-    /// trained on.
+    /// trained on; with a drafter evaluating in the gaps ([`DrafterSlices::hold`]) they are
+    /// queued there too, and reach the buffer once evaluated.
     pub fn with_rows(mut self, buffer: DraftBufferHandle, hold_out: usize) -> Self {
         self.rows = Some(buffer);
         self.hold_out = hold_out;
@@ -243,6 +255,8 @@ impl RolloutRouter {
         let is_drafter = work.label.starts_with(DRAFTER);
         if work.label.starts_with(DRAFTER_STEP) {
             lock(&self.report).drafter_steps += 1;
+        } else if work.label.starts_with(DRAFTER_EVAL) {
+            lock(&self.report).drafter_evals += 1;
         } else if is_drafter {
             lock(&self.report).drafter_slices += 1;
         }
@@ -372,6 +386,9 @@ impl MessageHook for RolloutRouter {
             let mut held = lock(&self.held);
             if held.len() < self.hold_out {
                 held.push(row.clone());
+                if let Some(d) = &self.drafter {
+                    d.hold(row);
+                }
                 return;
             }
         }

@@ -17,13 +17,24 @@
 //! So the drafter takes as many optimizer steps per RL step, each over a slice's worth of
 //! rows, as when its slices run whole after the rollout: the learning rate keeps its
 //! meaning (`rl.drafter_lr` was set against whole slices). One piece or step runs at a time
-//! (they share the trainer); what the gaps did not take, [`DrafterSlices::finish`] runs on
-//! the caller's thread after the rollout, as before.
+//! (they share the trainer). What the gaps did not take goes by `rl.drafter_leftover`:
+//!
+//! - `"after"` ([`DrafterSlices::begin`], [`DrafterSlices::finish`]): run on the caller's
+//!   thread after the rollout, on the step's critical path;
+//! - `"defer"` ([`DrafterSlices::begin_carrying`], [`DrafterSlices::defer`]): carried into
+//!   the next step's budget, at most one step's budget (the rest is dropped and counted: a
+//!   rollout whose gaps never take the work must not pile it up), and the held-out
+//!   evaluation runs in the gaps too (the `"drafter eval"` source, [`super::eval`]): the
+//!   drafter then trains only in idle time. Gradients accumulated towards an optimizer step
+//!   stay accumulated across the step boundary; the step runs first in the next gaps.
 //!
 //! The router needs a cost line with a slope to size a piece below the one size it has
-//! measured: before any piece ran in a gap, [`DrafterSlices::begin`] sets a prior line
-//! through the last whole slice [`DrafterSlices::finish`] measured (cost proportional to
-//! the rows; the pieces measured then fit the line's level and slope).
+//! measured: with `"after"`, before any piece ran in a gap, [`DrafterSlices::begin`] sets a
+//! prior line through the last whole slice [`DrafterSlices::finish`] measured (cost
+//! proportional to the rows); with `"defer"`, where nothing runs after the rollout, the
+//! priors of every kind are measured once before the first rollout on a scratch copy of the
+//! drafter ([`super::prior`]). Either way the pieces measured then fit the line's level and
+//! slope. Each step's [`DrafterAccount`] says what ran where.
 //!
 //! What limits it (measured on the shared 2-core box, `pipefill rl examples/rl-longtail.toml`,
 //! one run each): a piece has a fixed cost of ~1.7 ms at d_model 256 (a 16-row piece ~3 ms
@@ -33,13 +44,16 @@
 //! 64-row pieces took 57-120 ms on the stage threads under load. Cheaper small pieces
 //! (weights streamed, not packed, as the proposals' row kernels do) would let more fit.
 
+use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
 use pipefill_actors::router::CostEstimate;
 use pipefill_actors::{FillerRouter, FillerSource, Slice};
+use serde::Serialize;
 
-use crate::model::drafter::{DrafterError, DrafterTrainer};
+use super::eval::{EvalWork, Evals};
+use crate::model::drafter::{DraftRow, DrafterError, DrafterTrainer, EvalStats};
 use crate::tensor::CpuBackend;
 
 /// Kind (and label prefix) of the pieces of drafter training.
@@ -50,12 +64,12 @@ pub const DRAFTER_STEP: &str = "drafter step";
 /// d_model 256, about 20 rows' worth) would outweigh its work.
 pub const MIN_PIECE_ROWS: usize = 16;
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// What the drafter's training did in one part of a step (the idle gaps, or after).
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct DrafterWork {
     /// Pieces of training run.
     pub pieces: usize,
@@ -67,21 +81,77 @@ pub struct DrafterWork {
     pub seconds: f64,
 }
 
+/// The drafter's work in one RL step and where it ran: the step's `drafter_work` in
+/// metrics.jsonl, so that "trained only in idle time" can be checked (`after` all zero).
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct DrafterAccount {
+    /// `rl.drafter_leftover`: `"defer"` or `"after"`.
+    pub leftover: &'static str,
+    /// Layout rows the step had to train: `rl.drafter_slices` slices' worth, plus the
+    /// carried ones.
+    pub budget_rows: usize,
+    /// Of those, the rows the previous step's gaps left (`"defer"`).
+    pub carried_in_rows: usize,
+    /// Training run in the rollout's idle gaps.
+    pub idle: DrafterWork,
+    /// Training run after the rollout, on the step's critical path (`"after"` only).
+    pub after: DrafterWork,
+    /// Pieces that failed in the gaps (their rows went back to the budget).
+    pub failed_pieces: usize,
+    /// Rows left at the end and carried into the next step (`"defer"`; at most one step's
+    /// budget).
+    pub carried_out_rows: usize,
+    /// Rows left at the end beyond that cap: dropped, never trained.
+    pub dropped_rows: usize,
+    /// Rows whose gradients were accumulated but not yet applied at the end: their optimizer
+    /// step comes first in the next step's gaps (`"defer"`).
+    pub pending_rows: usize,
+    /// The held-out evaluation in the gaps (`"defer"`) and after the rollout (`"after"`).
+    pub eval_idle: EvalWork,
+    pub eval_after: EvalWork,
+    /// Held-out rows the gaps did not evaluate (`"defer"`): sent to training unevaluated;
+    /// the agreement and acceptance are those of the rows evaluated (none: no figure this
+    /// step, the threshold keeps the last acceptance).
+    pub eval_skipped_rows: usize,
+    /// Seconds of the one-off measurement of the router's priors before the first rollout
+    /// (`"defer"`, first step only; on the critical path once).
+    pub startup_seconds: f64,
+}
+
 /// The step's plan, shared by the sources and the caller.
 #[derive(Debug, Default)]
-struct Plan {
+pub(super) struct Plan {
     /// Layout rows left to train this step (a running piece's taken off already).
     rows_left: usize,
     /// Layout rows accumulated towards the next optimizer step (a running piece's counted).
     pending: usize,
-    /// A piece or step runs.
-    busy: bool,
+    /// A piece, step or evaluation runs.
+    pub(super) busy: bool,
     /// What ran in the idle gaps this step.
     idle: DrafterWork,
+    /// Pieces that failed this step.
+    failed: usize,
+    /// This step's own budget (without the carried rows), and the rows carried into it.
+    budget: usize,
+    carried_in: usize,
+    /// Set at the end of a `"defer"` step: rows carried out, dropped, still pending.
+    carried_out: usize,
+    dropped: usize,
+    pending_out: usize,
+    /// Held-out rows are evaluated in the gaps (`"defer"`).
+    pub(super) evaluating: bool,
+    /// Held-out rows waiting for their evaluation, oldest first.
+    pub(super) held: VecDeque<DraftRow>,
+    /// The held-out figures of this step's evaluated rows, and what that cost.
+    pub(super) eval: Option<EvalStats>,
+    pub(super) eval_idle: EvalWork,
+    eval_skipped: usize,
     /// The last whole slice [`DrafterSlices::finish`] ran: `(layout rows, seconds)`.
     whole: Option<(usize, f64)>,
     /// The last optimizer step's seconds.
     step_seconds: Option<f64>,
+    /// The priors were measured before the first rollout ([`super::prior`]).
+    pub(super) measured: bool,
 }
 
 impl Plan {
@@ -91,41 +161,50 @@ impl Plan {
     }
 }
 
-struct Shared {
-    trainer: Arc<Mutex<DrafterTrainer<CpuBackend>>>,
+pub(super) struct Shared {
+    pub(super) trainer: Arc<Mutex<DrafterTrainer<CpuBackend>>>,
     /// A whole slice's layout rows.
-    full: usize,
-    plan: Mutex<Plan>,
+    pub(super) full: usize,
+    /// The target's sequence length (a held-out row's most positions).
+    pub(super) seq_len: usize,
+    pub(super) plan: Mutex<Plan>,
 }
 
 /// The drafter's training as the idle work of a rollout's stages, a step's budget at a time
 /// (see the module docs). Clones share the plan.
 #[derive(Clone)]
-pub struct DrafterSlices(Arc<Shared>);
+pub struct DrafterSlices(pub(super) Arc<Shared>);
 
 impl DrafterSlices {
-    /// Trains `trainer` in `router`'s idle time: registers the two sources with it (once:
+    /// Trains `trainer` in `router`'s idle time: registers the three sources with it (once:
     /// keep this value for the router's life, one step's budget at a time).
     pub fn new(trainer: Arc<Mutex<DrafterTrainer<CpuBackend>>>, router: &FillerRouter) -> Self {
-        let full = lock(&trainer).max_slice_rows();
+        let (full, seq_len) = {
+            let t = lock(&trainer);
+            (t.max_slice_rows(), t.drafter().target_config().seq_len)
+        };
         let slices = DrafterSlices(Arc::new(Shared {
             trainer,
             full,
+            seq_len,
             plan: Mutex::default(),
         }));
-        // Steps first: a due step goes before more pieces (which wait for it).
+        // Steps first: a due step goes before more pieces (which wait for it); then the
+        // held-out evaluation, whose rows wait out of training until it ran.
         router.add_source(Steps(slices.clone()), None);
+        router.add_sized_source(Evals(slices.clone()), None);
         router.add_sized_source(Pieces(slices.clone()), None);
         slices
     }
 
     /// Starts a step with a budget of `slices` whole slices' worth of layout rows and one
-    /// optimizer step each; sets the router's priors from what [`DrafterSlices::finish`]
-    /// measured (kept once the router measured its own).
+    /// optimizer step each, whatever an earlier step left (`rl.drafter_leftover = "after"`:
+    /// [`DrafterSlices::finish`] runs the rest); sets the router's priors from what
+    /// [`DrafterSlices::finish`] measured (kept once the router measured its own).
     pub fn begin(&self, slices: usize, router: &FillerRouter) {
-        let mut plan = lock(&self.0.plan);
-        plan.rows_left = slices * self.0.full;
-        plan.idle = DrafterWork::default();
+        let mut plan = self.reset(slices);
+        plan.rows_left = plan.budget;
+        plan.evaluating = false;
         if let Some((rows, seconds)) = plan.whole {
             let per_row = seconds / rows.max(1) as f64;
             router.set_prior_line(
@@ -135,6 +214,96 @@ impl DrafterSlices {
         }
         if let Some(seconds) = plan.step_seconds {
             router.set_prior(DRAFTER_STEP, seconds);
+        }
+    }
+
+    /// Starts a step of `rl.drafter_leftover = "defer"`: a budget of `slices` slices' worth
+    /// plus what the last step carried ([`DrafterSlices::defer`]), held-out rows evaluated in
+    /// the gaps ([`DrafterSlices::hold`]). The router's priors come from
+    /// [`DrafterSlices::measure_priors`].
+    pub fn begin_carrying(&self, slices: usize) {
+        let mut plan = self.reset(slices);
+        plan.carried_in = plan.rows_left;
+        plan.rows_left += plan.budget;
+        plan.evaluating = true;
+    }
+
+    /// The per-step parts of the plan cleared for a new step of `slices` slices.
+    fn reset(&self, slices: usize) -> MutexGuard<'_, Plan> {
+        let mut plan = lock(&self.0.plan);
+        plan.budget = slices * self.0.full;
+        plan.idle = DrafterWork::default();
+        plan.failed = 0;
+        plan.carried_in = 0;
+        plan.carried_out = 0;
+        plan.dropped = 0;
+        plan.pending_out = 0;
+        plan.eval = None;
+        plan.eval_idle = EvalWork::default();
+        plan.eval_skipped = 0;
+        plan
+    }
+
+    /// Ends a `"defer"` step without running anything: the budget's rest is carried into
+    /// the next step, at most one step's budget (the rest is dropped and counted), and the
+    /// held-out rows the gaps did not evaluate go to training unevaluated. Returns the step's
+    /// account.
+    pub fn defer(&self) -> DrafterAccount {
+        let mut plan = lock(&self.0.plan);
+        let carried = plan.rows_left.min(plan.budget);
+        plan.dropped = plan.rows_left - carried;
+        plan.carried_out = carried;
+        plan.rows_left = carried;
+        plan.pending_out = plan.pending;
+        let skipped: Vec<DraftRow> = plan.held.drain(..).collect();
+        plan.eval_skipped = skipped.len();
+        drop(plan);
+        if !skipped.is_empty() {
+            let buffer = lock(&self.0.trainer).buffer().clone();
+            let mut b = buffer.lock();
+            for row in skipped {
+                // A row the buffer refuses (wrong width) only costs the drafter a row.
+                if let Err(e) = b.push(row) {
+                    tracing::warn!("held-out drafter row refused: {e}");
+                }
+            }
+        }
+        self.account()
+    }
+
+    /// Queues a held-out row for its evaluation in the gaps (`"defer"`); `false` (nothing
+    /// queued) when the step evaluates after the rollout.
+    pub fn hold(&self, row: &DraftRow) -> bool {
+        let mut plan = lock(&self.0.plan);
+        if plan.evaluating {
+            plan.held.push_back(row.clone());
+        }
+        plan.evaluating
+    }
+
+    /// The drafter's agreement and acceptance on the held-out rows evaluated in the gaps
+    /// since the step began (`None`: none was).
+    pub fn held_out_stats(&self) -> Option<EvalStats> {
+        lock(&self.0.plan).eval
+    }
+
+    /// What the step's drafter work did so far, and where (`after` is the caller's to fill).
+    pub fn account(&self) -> DrafterAccount {
+        let plan = lock(&self.0.plan);
+        DrafterAccount {
+            leftover: if plan.evaluating { "defer" } else { "after" },
+            budget_rows: plan.budget + plan.carried_in,
+            carried_in_rows: plan.carried_in,
+            idle: plan.idle,
+            after: DrafterWork::default(),
+            failed_pieces: plan.failed,
+            carried_out_rows: plan.carried_out,
+            dropped_rows: plan.dropped,
+            pending_rows: plan.pending_out,
+            eval_idle: plan.eval_idle,
+            eval_after: EvalWork::default(),
+            eval_skipped_rows: plan.eval_skipped,
+            startup_seconds: 0.0,
         }
     }
 
@@ -197,9 +366,8 @@ impl DrafterSlices {
         }
     }
 
-    /// Claims the trainer for one piece or step; `None` while one runs or the caller holds
-    /// the trainer.
-    fn claim(&self) -> Option<MutexGuard<'_, Plan>> {
+    /// Claims the trainer for one piece, step or evaluation; `None` while one runs.
+    pub(super) fn claim(&self) -> Option<MutexGuard<'_, Plan>> {
         let plan = lock(&self.0.plan);
         (!plan.busy).then_some(plan)
     }
@@ -253,8 +421,10 @@ impl FillerSource for Pieces {
                         plan.idle.seconds += t.elapsed().as_secs_f64();
                         Ok(())
                     }
-                    // Not trained: the rows go back to the budget (`finish` tries again).
+                    // Not trained: the rows go back to the budget (a later piece, or
+                    // `finish`, tries again).
                     Err(e) => {
+                        plan.failed += 1;
                         plan.rows_left += rows;
                         plan.pending -= rows;
                         Err(e.to_string())

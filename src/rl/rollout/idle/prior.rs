@@ -1,0 +1,162 @@
+//! The router's priors for the drafter's idle work, measured once before the first rollout
+//! ([`DrafterSlices::measure_priors`]).
+//!
+//! The router hands out no work of a kind before it has a cost estimate for it. With
+//! `rl.drafter_leftover = "after"` the first estimates come from the whole slices run after
+//! a rollout; with `"defer"` nothing runs there, so the costs are measured up front, on a
+//! scratch drafter of the same shape (the real one's weights, gradients, optimizer and row
+//! sampler stay untouched) over synthetic rows (a slice's cost depends on its shape, not its
+//! values): pieces of [`MIN_PIECE_ROWS`] and of [`LINE_PIECES`] times that (the line's
+//! level and slope: the gaps only ever fit small pieces, and a whole slice would cost
+//! several times more to measure), an optimizer step, and evaluations of a short and a
+//! whole-length row. Each is the median of [`REPS`] after one unmeasured warm-up run (~0.1 s
+//! in all at d_model 256, once per run). The router replaces these with its own
+//! measurements as the pieces run.
+
+use std::time::Instant;
+
+use pipefill_actors::FillerRouter;
+use pipefill_actors::router::CostEstimate;
+
+use super::eval::DRAFTER_EVAL;
+use super::slices::{DRAFTER, DRAFTER_STEP, DrafterSlices, MIN_PIECE_ROWS, lock};
+use crate::data::SplitMix64;
+use crate::model::GptConfig;
+use crate::model::drafter::{DraftBufferHandle, DraftRow, Drafter, DrafterError, DrafterTrainer};
+use crate::tensor::CpuBackend;
+
+/// Timed runs per cost (after a warm-up).
+const REPS: usize = 3;
+/// Synthetic rows in the scratch buffer.
+const ROWS: usize = 4;
+/// The larger measured piece, in smallest pieces.
+const LINE_PIECES: usize = 4;
+
+/// What [`DrafterSlices::measure_priors`] measured, seconds.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DrafterPriors {
+    /// Pieces of `small_rows` and `large_rows` layout rows.
+    pub small_rows: usize,
+    pub small: f64,
+    pub large_rows: usize,
+    pub large: f64,
+    /// An optimizer step.
+    pub step: f64,
+    /// Evaluations of one row of `short_len` positions and one of `long_len`.
+    pub short_len: usize,
+    pub eval_short: f64,
+    pub long_len: usize,
+    pub eval_long: f64,
+    /// The whole measurement, scratch drafter included.
+    pub seconds: f64,
+}
+
+/// The median seconds of `REPS` runs of `f` after one warm-up run.
+fn median_of(mut f: impl FnMut() -> Result<(), DrafterError>) -> Result<f64, DrafterError> {
+    f()?;
+    let mut times = Vec::with_capacity(REPS);
+    for _ in 0..REPS {
+        let t = Instant::now();
+        f()?;
+        times.push(t.elapsed().as_secs_f64());
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[REPS / 2])
+}
+
+/// `n` rows of `len` positions with arbitrary hidden states, tokens and distributions.
+fn synthetic_rows(target: &GptConfig, n: usize, len: usize) -> Vec<DraftRow> {
+    let mut rng = SplitMix64::new(0x5eed);
+    let vocab = target.vocab.max(1);
+    (0..n)
+        .map(|_| DraftRow {
+            hidden: (0..len * target.d_model)
+                .map(|_| (rng.next_f64() * 2.0 - 1.0) as f32)
+                .collect(),
+            targets: (0..len).map(|_| rng.below(vocab as u64) as u32).collect(),
+            probs: vec![1.0 / vocab as f32; len * vocab],
+            step: 0,
+        })
+        .collect()
+}
+
+/// The line through `(small_units, small)` and `(large_units, large)`; through the origin
+/// when the two sizes are one.
+fn line(small_units: usize, small: f64, large_units: usize, large: f64) -> CostEstimate {
+    let slope = if large_units > small_units {
+        (large - small) / (large_units - small_units) as f64
+    } else {
+        large / large_units.max(1) as f64
+    };
+    CostEstimate::prior_line(large_units as f64, large, slope)
+}
+
+impl DrafterSlices {
+    /// Measures the costs of the drafter's idle work on a scratch drafter and sets them as
+    /// `router`'s priors (kept where the router measured its own); once: later calls return
+    /// `None` and measure nothing.
+    pub fn measure_priors(
+        &self,
+        router: &FillerRouter,
+    ) -> Result<Option<DrafterPriors>, DrafterError> {
+        if lock(&self.0.plan).measured {
+            return Ok(None);
+        }
+        let started = Instant::now();
+        let (target, config) = {
+            let t = lock(&self.0.trainer);
+            (
+                t.drafter().target_config().clone(),
+                t.drafter().config().clone(),
+            )
+        };
+        let buffer = DraftBufferHandle::new(&target, &config);
+        let drafter = Drafter::new(&target, &config, CpuBackend::new(1)?)?;
+        let mut scratch = DrafterTrainer::new(drafter, buffer.clone(), 0, 1)?;
+        let long_len = target.seq_len.max(2);
+        {
+            let mut b = buffer.lock();
+            for row in synthetic_rows(&target, ROWS, long_len) {
+                b.push(row)?;
+            }
+        }
+        let small_rows = MIN_PIECE_ROWS.min(self.0.full);
+        let large_rows = (LINE_PIECES * MIN_PIECE_ROWS).min(self.0.full);
+        // The sizes a piece of that many rows really takes (whole windows).
+        let (small_rows, large_rows) = (
+            scratch.slice_size(small_rows),
+            scratch.slice_size(large_rows),
+        );
+        let small = median_of(|| scratch.accumulate_within(small_rows).map(drop))?;
+        let large = if large_rows > small_rows {
+            median_of(|| scratch.accumulate_within(large_rows).map(drop))?
+        } else {
+            small
+        };
+        let step = median_of(|| scratch.step_accumulated().map(drop))?;
+        let short_len = MIN_PIECE_ROWS.min(long_len);
+        let short = synthetic_rows(&target, 1, short_len);
+        let long = synthetic_rows(&target, 1, long_len);
+        let eval_short = median_of(|| scratch.evaluate(&short).map(drop))?;
+        let eval_long = median_of(|| scratch.evaluate(&long).map(drop))?;
+        router.set_prior_line(DRAFTER, line(small_rows, small, large_rows, large));
+        router.set_prior(DRAFTER_STEP, step);
+        router.set_prior_line(
+            DRAFTER_EVAL,
+            line(short_len, eval_short, long_len, eval_long),
+        );
+        lock(&self.0.plan).measured = true;
+        Ok(Some(DrafterPriors {
+            small_rows,
+            small,
+            large_rows,
+            large,
+            step,
+            short_len,
+            eval_short,
+            long_len,
+            eval_long,
+            seconds: started.elapsed().as_secs_f64(),
+        }))
+    }
+}
