@@ -21,9 +21,10 @@
 //!   forward and backward of its own through the backends' causal attention, one step's
 //!   stash at a time.
 //! - `exact`: every query attends to its exact proposal context ([`super::masked`]): the
-//!   target's real pairs before its chain, then its own chain's pairs, the keys and values of
-//!   the earlier steps included, so the steps run forward one after the other and backward
-//!   together, last to first ([`Drafter::unrolled_slice`]), every step's stash kept until then.
+//!   target's real pairs before its chain (whose keys and values are constants to the
+//!   unrolled steps), then its own chain's pairs, the keys and values of the earlier steps
+//!   included, so the steps run forward one after the other and backward together, last to
+//!   first ([`Drafter::unrolled_slice`]), every step's stash kept until then.
 //!
 //! Neither wins everywhere (`cargo bench --bench chain`, 6000 slices, one run each, greedy
 //! chains of K=4 in the training rows' completions; acceptance length, per-depth acceptance
@@ -35,10 +36,14 @@
 //! collapsed), while on `pipefill bench rollout` (its own batch, same target) `2` exact
 //! reached 86.4% and 3.20 (adaptive long-tail speedup 1.45x, one run) against 88.2% and
 //! 2.82 for `1` and 79.5% and 3.07 for `2` causal in an earlier session: exact is not stable
-//! there. Why its first draft can collapse is open (the later steps' losses reach the real
-//! pairs' keys and values; `unroll_decay` < 1 is untried at d512). A variant that fed
-//! predictions only along chains of `unroll` pairs from a real one did worse still (2.66 on
-//! `pipefill bench rollout` with `unroll = 2`).
+//! there. Its first draft collapsed because the later steps' losses reached the real pairs'
+//! keys and values: with that gradient stopped (now always, see `drafter/masked.rs`) `2`
+//! exact gives 4.04 [.86 .89 .93 .98] 80.0% on that d512 target against 3.50 [.85 .88 .92
+//! .33] 78.3% for `2` causal (held-out 4.04 vs 3.58; 3000 slices, one run each, the same
+//! ~36 ms per slice), and on the d256 target 2.37 vs 2.38 (held-out 2.24 vs 2.34; 7.4 vs 6.5
+//! ms per slice), so causal stays the default until `pipefill bench rollout` says. A
+//! variant that fed predictions only along chains of `unroll` pairs from a real one did
+//! worse still (2.66 on `pipefill bench rollout` with `unroll = 2`).
 //!
 //! The unrolled losses are added to step 1's, per position (EAGLE-3 sums its steps' losses),
 //! step `j`'s weighted `unroll_decay^(j−1)`, and the gradient is averaged over step 1's
