@@ -197,7 +197,8 @@ pub enum UnrollContext {
     /// Exactly what a proposal attends to: the target's pairs before the chain (their keys
     /// and values constants to the unrolled steps), then the chain's own pairs
     /// (`drafter/masked.rs`); the steps run backward together. At d512 it drafted deeper
-    /// than causal (chain bench 4.04 vs 3.50), at d256 as deep (see `drafter/unroll.rs`).
+    /// than causal (chain bench 4.04 vs 3.50), at d256 less deep (2.57 vs 2.73; see
+    /// `drafter/unroll.rs`).
     Exact,
 }
 

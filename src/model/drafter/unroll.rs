@@ -40,8 +40,9 @@
 //! keys and values: with that gradient stopped (now always, see `drafter/masked.rs`) `2`
 //! exact gives 4.04 [.86 .89 .93 .98] 80.0% on that d512 target against 3.50 [.85 .88 .92
 //! .33] 78.3% for `2` causal (held-out 4.04 vs 3.58; 3000 slices, one run each, the same
-//! ~36 ms per slice), and on the d256 target 2.37 vs 2.38 (held-out 2.24 vs 2.34; 7.4 vs 6.5
-//! ms per slice), so causal stays the default until `pipefill bench rollout` says. A
+//! ~36 ms per slice), but on the d256 target 2.37 vs 2.38 (held-out 2.24 vs 2.34; 7.4 vs 6.5
+//! ms per slice), and with 6000 slices 2.57 vs 2.73 (held-out 2.20 vs 2.38; `1` 2.50, 2.27),
+//! so causal stays the default until `pipefill bench rollout` says otherwise. A
 //! variant that fed predictions only along chains of `unroll` pairs from a real one did
 //! worse still (2.66 on `pipefill bench rollout` with `unroll = 2`).
 //!
