@@ -14,8 +14,9 @@
 //!    one group `b` = 1, 2, 4, …, the target's decode step, its verification of K+1
 //!    positions and the drafter's proposal (one thread, timed in turn, fastest of 9);
 //!    speculation pays at `b` while `acceptance × decode(b) > propose(b) + verify(b)`, and
-//!    the threshold is the largest such `b` (all smaller ones paying too) times the groups
-//!    in flight. The engine's own tokens/s per live-batch bucket are printed next to it,
+//!    the threshold is the live batch up to which the engine's groups hold at most the
+//!    largest such `b` (all smaller ones paying too; the engine merges small groups, see
+//!    `live_threshold`). The engine's own tokens/s per live-batch bucket are printed next to it,
 //!    with the threshold they would give (the largest bucket up to which the fixed-K run
 //!    was faster in every bucket: runs of a few milliseconds per bucket, too noisy on a
 //!    shared box to decide);
