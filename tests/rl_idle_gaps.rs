@@ -232,7 +232,7 @@ fn a_deferred_step_trains_only_in_the_gaps_and_carries_the_rest() {
     router.set_prior(DRAFTER_EVAL, 0.0);
     // More than the gaps can take.
     const BUDGET: usize = 1000;
-    slices.begin_carrying(BUDGET);
+    slices.begin_carrying(BUDGET, &router);
     let begun = slices.account();
     assert_eq!(
         (begun.leftover, begun.budget_rows),
@@ -281,7 +281,7 @@ fn a_deferred_step_trains_only_in_the_gaps_and_carries_the_rest() {
     assert_eq!(buffer.lock().current_len(), trainable);
 
     // The next step's budget adds what was carried.
-    slices.begin_carrying(BUDGET);
+    slices.begin_carrying(BUDGET, &router);
     let next = slices.account();
     assert_eq!(next.carried_in_rows, left);
     assert_eq!(next.budget_rows, left + BUDGET * full);
@@ -300,14 +300,14 @@ fn the_carry_is_capped_at_one_steps_budget_and_after_runs_the_rest_here() {
     let full = slices.full_rows();
 
     // No rollout, so no gap: a whole step's budget is carried, nothing dropped or run.
-    slices.begin_carrying(3);
+    slices.begin_carrying(3, &router);
     let first = slices.defer();
     assert_eq!((first.carried_out_rows, first.dropped_rows), (3 * full, 0));
     assert_eq!(first.idle, DrafterWork::default());
     assert_eq!(first.after, DrafterWork::default());
     assert_eq!(trainer.lock().unwrap().version(), 0);
     // Twice the budget left: one step's worth carried, the other dropped.
-    slices.begin_carrying(3);
+    slices.begin_carrying(3, &router);
     assert_eq!(slices.account().budget_rows, 6 * full);
     let held = &rows[0];
     assert!(slices.hold(held), "a deferred step evaluates in the gaps");
@@ -326,7 +326,7 @@ fn the_carry_is_capped_at_one_steps_budget_and_after_runs_the_rest_here() {
         before + usize::from(held.pairs() > 0)
     );
     // A budget of nothing carries nothing.
-    slices.begin_carrying(0);
+    slices.begin_carrying(0, &router);
     let none = slices.defer();
     assert_eq!((none.carried_out_rows, none.dropped_rows), (0, 3 * full));
 
@@ -374,4 +374,60 @@ fn priors_are_measured_once_on_a_scratch_drafter() {
     assert_eq!(t.pending_slices(), 0);
     drop(t);
     assert!(slices.measure_priors(&router).unwrap().is_none(), "once");
+}
+
+/// A kind whose estimate went too high for any gap is never handed out, so never measured
+/// again: a deferred step whose gaps took none of its work starts the next from the prior.
+#[test]
+fn a_stale_estimate_is_reset_to_its_prior_after_a_step_without_pieces() {
+    use pipefill::model::drafter::DraftRow;
+    use pipefill_actors::{Bubble, BubbleFiller, FillerSpan};
+    use pipefill_schedules::Action;
+
+    let gpt = common::rollouts::gpt();
+    let rows: Vec<DraftRow> = rollout(&gpt, 0.0, None).rows;
+    let trainer = trainer_on(&rows);
+    let router = FillerRouter::default();
+    let slices = DrafterSlices::new(Arc::clone(&trainer), &router);
+    slices.measure_priors(&router).unwrap().expect("measured");
+    let prior = router.stats().kinds[DRAFTER].estimate;
+
+    // Step A: one piece runs and is measured at 100 s (a preempted run, say).
+    slices.begin_carrying(2, &router);
+    let mut filler = router.filler(0);
+    let bubble = Bubble {
+        rank: 0,
+        iteration: 0,
+        waiting_for: Action::f(0, 0),
+        predicted_idle: Some(1e6),
+        exact: true,
+    };
+    let work = filler.fill(&bubble).expect("a piece fits a huge gap");
+    assert!(work.label.starts_with("drafter slice"), "{}", work.label);
+    (work.run)().unwrap();
+    filler.finished(&FillerSpan {
+        rank: 0,
+        iteration: 0,
+        start: 0.0,
+        end: 100.0,
+        label: work.label,
+        predicted_cost: work.predicted_cost,
+        error: None,
+    });
+    let stale = router.stats().kinds[DRAFTER].estimate;
+    assert_eq!(stale.samples, 1);
+    assert!(
+        stale.predicted_at(MIN_PIECE_ROWS as f64, 2.0) > 10.0,
+        "{stale:?}"
+    );
+    slices.defer();
+    // Step B ran a piece last step: nothing reset; its gaps take none (no gaps here).
+    slices.begin_carrying(2, &router);
+    assert_eq!(slices.account().reset_estimates, 0);
+    assert_eq!(router.stats().kinds[DRAFTER].estimate, stale);
+    slices.defer();
+    // Step C: the last step had budget and no piece, so the estimate is the prior again.
+    slices.begin_carrying(2, &router);
+    assert_eq!(slices.account().reset_estimates, 1);
+    assert_eq!(router.stats().kinds[DRAFTER].estimate, prior);
 }

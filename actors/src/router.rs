@@ -355,6 +355,17 @@ impl FillerRouter {
         }
     }
 
+    /// Replaces `kind`'s estimate with `prior`, forgetting its measurements: for a kind
+    /// whose estimate went stale high (a kind predicted not to fit is never handed out, so
+    /// never measured again).
+    pub fn reset_estimate(&self, kind: &str, prior: CostEstimate) {
+        self.lock()
+            .kinds
+            .entry(kind.to_string())
+            .or_default()
+            .estimate = prior;
+    }
+
     /// Queues a one-off request behind those already queued.
     pub fn submit(&self, request: Request) {
         self.lock().requests.push_back(request);

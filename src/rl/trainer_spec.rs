@@ -328,7 +328,8 @@ impl PipelineRollouts {
                         1e3 * p.eval_long
                     );
                 }
-                self.slices.begin_carrying(self.rl.drafter_slices);
+                self.slices
+                    .begin_carrying(self.rl.drafter_slices, &self.router);
                 priors.map_or(0.0, |p| p.seconds)
             }
         };

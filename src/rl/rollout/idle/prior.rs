@@ -101,7 +101,7 @@ impl DrafterSlices {
         &self,
         router: &FillerRouter,
     ) -> Result<Option<DrafterPriors>, DrafterError> {
-        if lock(&self.0.plan).measured {
+        if !lock(&self.0.plan).priors.is_empty() {
             return Ok(None);
         }
         let started = Instant::now();
@@ -144,13 +144,18 @@ impl DrafterSlices {
         let long = synthetic_rows(&target, 1, long_len);
         let eval_short = fastest_of(|| scratch.evaluate(&short).map(drop))?;
         let eval_long = fastest_of(|| scratch.evaluate(&long).map(drop))?;
-        router.set_prior_line(DRAFTER, line(small_rows, small, large_rows, large));
-        router.set_prior(DRAFTER_STEP, step);
-        router.set_prior_line(
-            DRAFTER_EVAL,
-            line(short_len, eval_short, long_len, eval_long),
-        );
-        lock(&self.0.plan).measured = true;
+        let priors = vec![
+            (DRAFTER, line(small_rows, small, large_rows, large)),
+            (DRAFTER_STEP, CostEstimate::prior(step)),
+            (
+                DRAFTER_EVAL,
+                line(short_len, eval_short, long_len, eval_long),
+            ),
+        ];
+        for &(kind, prior) in &priors {
+            router.set_prior_line(kind, prior);
+        }
+        lock(&self.0.plan).priors = priors;
         Ok(Some(DrafterPriors {
             small_rows,
             small,

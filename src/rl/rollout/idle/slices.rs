@@ -116,6 +116,9 @@ pub struct DrafterAccount {
     /// Seconds of the one-off measurement of the router's priors before the first rollout
     /// (`"defer"`, first step only; on the critical path once).
     pub startup_seconds: f64,
+    /// Kinds of drafter work whose stale estimate was reset to its prior at the step's start
+    /// (`"defer"`: the last step had such work and its gaps took none).
+    pub reset_estimates: usize,
 }
 
 /// The step's plan, shared by the sources and the caller.
@@ -150,8 +153,10 @@ pub(super) struct Plan {
     whole: Option<(usize, f64)>,
     /// The last optimizer step's seconds.
     step_seconds: Option<f64>,
-    /// The priors were measured before the first rollout ([`super::prior`]).
-    pub(super) measured: bool,
+    /// The priors measured before the first rollout ([`super::prior`]), by kind.
+    pub(super) priors: Vec<(&'static str, CostEstimate)>,
+    /// Kinds whose stale estimate was reset to its prior at this step's start.
+    reset: usize,
 }
 
 impl Plan {
@@ -221,11 +226,36 @@ impl DrafterSlices {
     /// plus what the last step carried ([`DrafterSlices::defer`]), held-out rows evaluated in
     /// the gaps ([`DrafterSlices::hold`]). The router's priors come from
     /// [`DrafterSlices::measure_priors`].
-    pub fn begin_carrying(&self, slices: usize) {
+    pub fn begin_carrying(&self, slices: usize, router: &FillerRouter) {
+        let reset = self.reset_stale(router);
         let mut plan = self.reset(slices);
         plan.carried_in = plan.rows_left;
         plan.rows_left += plan.budget;
         plan.evaluating = true;
+        plan.reset = reset;
+    }
+
+    /// Resets to its measured prior each kind of work the last step had but its gaps never
+    /// took: a kind predicted not to fit is never handed out, so never measured again, and
+    /// one preempted piece on a busy machine can leave its estimate (and deviation) too
+    /// high for any gap for good. Returns how many were reset.
+    fn reset_stale(&self, router: &FillerRouter) -> usize {
+        let plan = lock(&self.0.plan);
+        let had = |kind: &str| match kind {
+            DRAFTER => plan.idle.pieces == 0 && plan.carried_out + plan.dropped > 0,
+            DRAFTER_STEP => plan.idle.steps == 0 && plan.pending_out >= self.0.full,
+            _ => plan.eval_idle.pieces == 0 && plan.eval_skipped > 0,
+        };
+        let kinds = router.stats().kinds;
+        let mut reset = 0;
+        for &(kind, prior) in &plan.priors {
+            let measured = kinds.get(kind).is_some_and(|k| k.estimate.samples > 0);
+            if measured && had(kind) {
+                router.reset_estimate(kind, prior);
+                reset += 1;
+            }
+        }
+        reset
     }
 
     /// The per-step parts of the plan cleared for a new step of `slices` slices.
@@ -241,6 +271,7 @@ impl DrafterSlices {
         plan.eval = None;
         plan.eval_idle = EvalWork::default();
         plan.eval_skipped = 0;
+        plan.reset = 0;
         plan
     }
 
@@ -304,6 +335,7 @@ impl DrafterSlices {
             eval_after: EvalWork::default(),
             eval_skipped_rows: plan.eval_skipped,
             startup_seconds: 0.0,
+            reset_estimates: plan.reset,
         }
     }
 
