@@ -96,6 +96,13 @@ pub struct RolloutArgs {
     /// Groups in flight (default: one per stage).
     #[arg(long)]
     groups: Option<usize>,
+    /// Fewest positions a group step carries: the engine merges smaller groups. The
+    /// bench's d_model-512 target reads ~100 MB of weights per group step, so merging
+    /// pays (benches/tail, same run: plain's tail 0.42 s at 32 rows against 0.81 s
+    /// splitting down to single sequences); `pipefill rl`'s `rl.min_group_rows` defaults
+    /// to 1, measured at d_model 256.
+    #[arg(long, default_value_t = MIN_GROUP_ROWS)]
+    min_group_rows: usize,
     /// K of the fixed-K run.
     #[arg(long, default_value_t = 4)]
     k: usize,
@@ -195,7 +202,7 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
     );
     let requests = long_tail_batch(&job, a.requests)?;
     let stages = InferStage::stages_of(model, &Cut::Even(a.stages))?;
-    let mut engine = RolloutEngine::new(stages)?;
+    let mut engine = RolloutEngine::new(stages)?.with_min_group_rows(a.min_group_rows);
     let groups = a.groups.unwrap_or(a.stages).max(1);
     let cfg = |speculation, record_rows| RolloutConfig {
         groups,
@@ -304,7 +311,7 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
     }
     let per_group = threshold_per_group(&costs, |_| fixed_accept);
     // The engine merges small groups: the live batch at which groups are still that small.
-    let threshold = live_threshold(per_group, (a.k + 1) as f64, groups);
+    let threshold = live_threshold(per_group, (a.k + 1) as f64, groups, a.min_group_rows);
     for line in step_cost_lines(&costs, fixed_accept) {
         say(a.json, line);
     }
@@ -323,8 +330,8 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
     say(
         a.json,
         format!(
-            "threshold: speculate while live ≤ {threshold} (at most {per_group} per group, up to {groups} groups of at least {MIN_GROUP_ROWS} rows; acceptance length {fixed_accept:.2} at K={})",
-            a.k
+            "threshold: speculate while live ≤ {threshold} (at most {per_group} per group, up to {groups} groups of at least {} rows; acceptance length {fixed_accept:.2} at K={})",
+            a.min_group_rows, a.k
         ),
     );
     // The engine's own figures decide the same threshold: the largest bucket up to which

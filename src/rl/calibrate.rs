@@ -216,6 +216,9 @@ pub fn timing_context(n: usize, d: usize, vocab: usize) -> (Vec<f32>, Vec<u32>) 
 pub struct Calibration {
     pub costs: Vec<StepCost>,
     pub groups: usize,
+    /// Fewest positions a group step carries (`rl.min_group_rows`): the engine merges
+    /// groups below it.
+    pub min_group_rows: usize,
     /// Repetitions per cost (the fastest kept).
     pub reps: usize,
     /// Wall time the measurement took.
@@ -231,6 +234,7 @@ impl Calibration {
         ks: &[usize],
         sequences: usize,
         groups: usize,
+        min_group_rows: usize,
         reps: usize,
     ) -> Result<Self, CalibrationError> {
         let started = Instant::now();
@@ -246,6 +250,7 @@ impl Calibration {
         Ok(Calibration {
             costs,
             groups,
+            min_group_rows,
             reps,
             seconds: started.elapsed().as_secs_f64(),
         })
@@ -259,7 +264,12 @@ impl Calibration {
         let per_group = threshold_per_group_explored(&self.costs, accept, epsilon, plain_arm);
         // The engine merges small groups: its live threshold for `per_group` per group.
         let k_max = self.costs.iter().map(|c| c.k).max().unwrap_or(0);
-        crate::rl::rollout::live_threshold(per_group, (k_max + 1) as f64, self.groups)
+        crate::rl::rollout::live_threshold(
+            per_group,
+            (k_max + 1) as f64,
+            self.groups,
+            self.min_group_rows,
+        )
     }
 
     /// Whether speculation could pay at all: with every draft token accepted, for one
@@ -416,15 +426,23 @@ mod tests {
         let cal = Calibration {
             costs: costs.to_vec(),
             groups: 4,
+            min_group_rows: crate::rl::rollout::MIN_GROUP_ROWS,
             reps: 1,
             seconds: 0.0,
         };
         // Two per group; verifying K+1 = 5 rows each, the engine keeps one group until
         // the live batch fills two of MIN_GROUP_ROWS: at most two live.
-        let engine = crate::rl::rollout::live_threshold(2, 5.0, 4);
+        let engine =
+            crate::rl::rollout::live_threshold(2, 5.0, 4, crate::rl::rollout::MIN_GROUP_ROWS);
         assert_eq!(engine, 2, "one group of two");
         assert_eq!(cal.threshold(0.5, 0.0, true), engine);
         assert_eq!(cal.threshold(0.0, 0.0, true), 0);
+        // Never merging (`rl.min_group_rows = 1`): two per group in each of four groups.
+        let split = Calibration {
+            min_group_rows: 1,
+            ..cal.clone()
+        };
+        assert_eq!(split.threshold(0.5, 0.0, true), 8);
         assert!(cal.can_pay());
         let hopeless = Calibration {
             costs: vec![c(1, 1, 5.0), c(1, 4, 9.0)],

@@ -234,6 +234,7 @@ impl PipelineRollouts {
                 &ks,
                 sequences,
                 groups,
+                self.rl.min_group_rows,
                 CALIBRATION_REPS,
             )
             .map_err(|e| RlError::Rollout(e.to_string()))?;
@@ -408,7 +409,7 @@ impl RolloutEngine for PipelineRollouts {
             a.threshold = t.threshold;
         }
         let stages = InferStage::stages_of(policy, &Cut::Even(self.stages))?;
-        let mut engine = Engine::new(stages)?;
+        let mut engine = Engine::new(stages)?.with_min_group_rows(self.rl.min_group_rows);
         if let Some(b) = self.bandit.take() {
             engine = engine.with_bandit(b);
         }

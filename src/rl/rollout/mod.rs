@@ -85,7 +85,10 @@ pub const DEFAULT_SPEC_THRESHOLD: usize = 4;
 /// plain decoding's long tail (live ≤ 32) took 0.47 / 0.45 / 0.42 / 0.41 s at 8 / 16 / 32 /
 /// 64 rows, and the whole batch 2.35 / 2.27 / 2.26 / 2.31 s; splitting down to single
 /// sequences (1 row, the engine before) took 0.81 s in the tail in another run where 8 rows
-/// took 0.46.
+/// took 0.46. A target whose weights sit in the cache gains the other way: at `d_model`
+/// 256 (`pipefill rl`, 32 sequences) more groups in flight use more cores, and 1 row was
+/// faster (`RlConfig::min_group_rows`, which defaults to 1, has the figures). So this is the
+/// engine's and `bench rollout`'s default, not `pipefill rl`'s.
 pub const MIN_GROUP_ROWS: usize = 32;
 
 /// Groups the engine keeps in flight while `live` sequences are live and each step carries
@@ -98,12 +101,17 @@ pub fn groups_in_flight(live: usize, rows_per_seq: f64, groups: usize, min_rows:
 
 /// The live-batch threshold at which speculation still runs at most `per_group` sequences
 /// per group, verifying `rows_per_seq` positions per sequence with up to `groups` groups
-/// ([`groups_in_flight`] at [`MIN_GROUP_ROWS`]): how a threshold per group, which step costs
-/// decide, becomes the engine's.
-pub fn live_threshold(per_group: usize, rows_per_seq: f64, groups: usize) -> usize {
+/// of at least `min_rows` positions ([`groups_in_flight`]): how a threshold per group,
+/// which step costs decide, becomes the engine's.
+pub fn live_threshold(
+    per_group: usize,
+    rows_per_seq: f64,
+    groups: usize,
+    min_rows: usize,
+) -> usize {
     (1..=per_group * groups.max(1))
         .take_while(|&live| {
-            let g = groups_in_flight(live, rows_per_seq, groups, MIN_GROUP_ROWS);
+            let g = groups_in_flight(live, rows_per_seq, groups, min_rows);
             live.div_ceil(g) <= per_group
         })
         .last()
@@ -494,10 +502,10 @@ mod tests {
         assert_eq!(groups_in_flight(500, 1.0, 4, 1), 4);
         assert_eq!(groups_in_flight(0, 1.0, 0, 0), 1);
         // 4 per group: one group of 4 verifying 20 rows; 5 would be one group of 5.
-        assert_eq!(live_threshold(4, 5.0, 4), 4);
+        assert_eq!(live_threshold(4, 5.0, 4, MIN_GROUP_ROWS), 4);
         // 8 per group at 5 rows each: two groups from 13 live, at most 8 each up to 16.
-        assert_eq!(live_threshold(8, 5.0, 4), 8);
-        assert_eq!(live_threshold(0, 5.0, 4), 0);
+        assert_eq!(live_threshold(8, 5.0, 4, MIN_GROUP_ROWS), 8);
+        assert_eq!(live_threshold(0, 5.0, 4, MIN_GROUP_ROWS), 0);
     }
 
     /// The engine merges groups that shrink (fewer group steps than splitting down to
