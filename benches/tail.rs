@@ -60,13 +60,8 @@ impl Proposer for Replay {
         temperature: f32,
         rng: &mut SplitMix64,
     ) -> Result<Vec<DraftChain>, ProposeError> {
-        let mut chains = self
-            .drafter
-            .propose(contexts, k, temperature, rng)
-            .map_err(|e| ProposeError {
-                proposer: "replay",
-                reason: e.to_string(),
-            })?;
+        // The real drafter's proposal, for its cost; its tokens are then replaced.
+        let mut chains = Proposer::propose(&mut self.drafter, contexts, k, temperature, rng)?;
         for (c, chain) in contexts.iter().zip(&mut chains) {
             let n = c.tokens.len();
             let seq = self
