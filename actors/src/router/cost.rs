@@ -50,6 +50,18 @@ impl CostEstimate {
         }
     }
 
+    /// Starts from the line through two measured slices, `(small_units, small)` and
+    /// `(large_units, large)`; when the sizes do not differ, through the origin and the
+    /// larger one (cost proportional to the size).
+    pub fn prior_through(small_units: f64, small: f64, large_units: f64, large: f64) -> Self {
+        let slope = if large_units > small_units {
+            (large - small) / (large_units - small_units)
+        } else {
+            large / large_units.max(1.0)
+        };
+        Self::prior_line(large_units, large, slope)
+    }
+
     /// The cost of a slice of `units` units on the line (no margin).
     pub fn line(&self, units: f64) -> f64 {
         (self.mean + self.slope * (units - self.units)).max(0.0)

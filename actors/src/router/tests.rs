@@ -274,6 +274,16 @@ fn the_cost_line_is_fitted_from_slices_of_several_sizes() {
 }
 
 #[test]
+fn a_prior_through_two_slices_passes_through_both() {
+    let two = CostEstimate::prior_through(16.0, 3e-3, 64.0, 7.8e-3);
+    assert!((two.line(16.0) - 3e-3).abs() < 1e-12, "{two:?}");
+    assert!((two.line(64.0) - 7.8e-3).abs() < 1e-12, "{two:?}");
+    // One size measured: proportional to the size.
+    let one = CostEstimate::prior_through(8.0, 2e-3, 8.0, 2e-3);
+    assert!((one.line(4.0) - 1e-3).abs() < 1e-12, "{one:?}");
+}
+
+#[test]
 fn a_sized_slice_fits_its_budget_and_grows_with_it() {
     let mut e = fitted_line(40e-6, 7e-6);
     e.deviation = 3e-6;

@@ -50,18 +50,17 @@ pub(super) fn calibrate(
         Ok(costs[1])
     };
     let (large, small) = (median(full)?, median(1)?);
-    let slope = if full > 1 {
-        (large - small) / (full - 1) as f64
-    } else {
-        0.0
-    };
     trainers[1].slice()?;
     let grads = vec![trainers[0].take_grads()?, trainers[1].take_grads()?];
     let t0 = thread_cpu_time();
     trainers[0].step_with(&grads)?;
     trainers[0].weights()?;
     let step = (thread_cpu_time() - t0).max(0.0);
-    Ok((CostEstimate::prior_line(full as f64, large, slope), step))
+    // A full slice of one row is the only size: the line's slope is never used.
+    Ok((
+        CostEstimate::prior_through(1.0, small, full as f64, large),
+        step,
+    ))
 }
 
 /// Measures the drafter on held-out rows from the weights it was handed (the caller's

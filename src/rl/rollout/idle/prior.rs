@@ -82,17 +82,6 @@ fn synthetic_rows(target: &GptConfig, n: usize, len: usize) -> Vec<DraftRow> {
         .collect()
 }
 
-/// The line through `(small_units, small)` and `(large_units, large)`; through the origin
-/// when the two sizes are one.
-fn line(small_units: usize, small: f64, large_units: usize, large: f64) -> CostEstimate {
-    let slope = if large_units > small_units {
-        (large - small) / (large_units - small_units) as f64
-    } else {
-        large / large_units.max(1) as f64
-    };
-    CostEstimate::prior_line(large_units as f64, large, slope)
-}
-
 impl DrafterSlices {
     /// Measures the costs of the drafter's idle work on a scratch drafter and sets them as
     /// `router`'s priors (kept where the router measured its own); once: later calls return
@@ -145,11 +134,19 @@ impl DrafterSlices {
         let eval_short = fastest_of(|| scratch.evaluate(&short).map(drop))?;
         let eval_long = fastest_of(|| scratch.evaluate(&long).map(drop))?;
         let priors = vec![
-            (DRAFTER, line(small_rows, small, large_rows, large)),
+            (
+                DRAFTER,
+                CostEstimate::prior_through(small_rows as f64, small, large_rows as f64, large),
+            ),
             (DRAFTER_STEP, CostEstimate::prior(step)),
             (
                 DRAFTER_EVAL,
-                line(short_len, eval_short, long_len, eval_long),
+                CostEstimate::prior_through(
+                    short_len as f64,
+                    eval_short,
+                    long_len as f64,
+                    eval_long,
+                ),
             ),
         ];
         for &(kind, prior) in &priors {
