@@ -55,23 +55,7 @@ async fn routed_slices_fill_the_bubbles_without_stretching_the_step() {
             router.add_source(Spin(0), Some(SLICE));
             let filled = run(&plan, Some(&router)).await;
 
-            let mut waited = 0.0;
-            let mut used = 0.0;
-            for it in &filled.iterations {
-                for f in &it.fillers {
-                    assert!(f.error.is_none(), "{f:?}");
-                    let inside = it
-                        .bubbles
-                        .iter()
-                        .any(|b| b.rank == f.rank && b.start <= f.start && f.end <= b.end + 1e-12);
-                    assert!(
-                        inside,
-                        "{kind}: filler {f:?} outside every bubble of its rank"
-                    );
-                    used += f.end - f.start;
-                }
-                waited += it.bubbles.iter().map(|b| b.end - b.start).sum::<f64>();
-            }
+            let (used, waited) = fillers_in_bubbles(kind, &filled);
             let stats = router.stats();
             let spin = &stats.kinds["spin"];
             assert!(spin.slices > 0 && spin.estimate.samples == spin.slices);
@@ -84,6 +68,29 @@ async fn routed_slices_fill_the_bubbles_without_stretching_the_step() {
         })
         .await;
     }
+}
+
+/// Checks that every filler of `filled` ran without error inside a bubble of its rank;
+/// returns the seconds the fillers used and the seconds the bubbles lasted.
+fn fillers_in_bubbles(kind: ScheduleKind, filled: &RunReport) -> (f64, f64) {
+    let mut waited = 0.0;
+    let mut used = 0.0;
+    for it in &filled.iterations {
+        for f in &it.fillers {
+            assert!(f.error.is_none(), "{f:?}");
+            let inside = it
+                .bubbles
+                .iter()
+                .any(|b| b.rank == f.rank && b.start <= f.start && f.end <= b.end + 1e-12);
+            assert!(
+                inside,
+                "{kind}: filler {f:?} outside every bubble of its rank"
+            );
+            used += f.end - f.start;
+        }
+        waited += it.bubbles.iter().map(|b| b.end - b.start).sum::<f64>();
+    }
+    (used, waited)
 }
 
 /// The checks that read wall-clock spans: the share of the waits the fillers used, and
@@ -169,22 +176,13 @@ async fn sized_slices_fill_the_waits_up_to_the_margin() {
             router.add_sized_source(SizedSpin(Vec::new()), Some(prior));
             let filled = run(&plan, Some(&router)).await;
 
-            let mut waited = 0.0;
-            let mut used = 0.0;
-            let mut sizes = std::collections::BTreeSet::new();
-            for it in &filled.iterations {
-                for f in &it.fillers {
-                    assert!(f.error.is_none(), "{f:?}");
-                    let inside = it
-                        .bubbles
-                        .iter()
-                        .any(|b| b.rank == f.rank && b.start <= f.start && f.end <= b.end + 1e-12);
-                    assert!(inside, "{kind}: filler {f:?} outside every bubble");
-                    sizes.insert(f.label.split(' ').next().unwrap().to_string());
-                    used += f.end - f.start;
-                }
-                waited += it.bubbles.iter().map(|b| b.end - b.start).sum::<f64>();
-            }
+            let (used, waited) = fillers_in_bubbles(kind, &filled);
+            let sizes: std::collections::BTreeSet<&str> = filled
+                .iterations
+                .iter()
+                .flat_map(|it| &it.fillers)
+                .map(|f| f.label.split(' ').next().unwrap())
+                .collect();
             let stats = router.stats();
             let k = &stats.kinds["sized spin"];
             assert!(
