@@ -8,6 +8,7 @@
 //! - [`data`]: synthetic reasoning tasks with verifiable answers, and the tokenizer.
 //! - [`profile`]: trace and timeline writers (Chrome/Perfetto JSON, SVG).
 //! - [`rl`]: RL rollouts: the KV-cache generation engine and speculative decoding.
+//! - [`run`]: what every way of running a job shares (the run directory).
 //!
 //! The schedule IR, generators and simulator live in `pipefill-schedules`, re-exported as
 //! [`schedules`].
@@ -22,5 +23,6 @@ pub mod model;
 pub mod pipeline;
 pub mod profile;
 pub mod rl;
+pub mod run;
 pub mod tensor;
 pub mod train;

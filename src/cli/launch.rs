@@ -25,6 +25,7 @@ use pipefill::model::checkpoint::resume::ResumePoint;
 use pipefill::pipeline::PipelineTrainer;
 use pipefill::profile::merge::MergedProfile;
 use pipefill::profile::report::RunInfo;
+use pipefill::run::{Existing, Resume, RunDir};
 use pipefill::schedules::{Plan, simulate};
 use pipefill::train::StepMetrics;
 
@@ -200,6 +201,7 @@ pub fn train_distributed(
     job: &JobConfig,
     env: &RankEnv,
     resume: Option<&Path>,
+    existing: Existing,
 ) -> anyhow::Result<()> {
     let rank = env.rank;
     // Each replica's pipeline runs its share of every step's micro-batches.
@@ -244,6 +246,23 @@ pub fn train_distributed(
             job.train.steps
         );
     }
+    // Rank 0 owns the run directory: it is claimed and made the run's once the job has been
+    // checked against its checkpoint, before any rank joins (the others learn of a refusal
+    // from the rendezvous). Its path goes to every rank with the job (agree_run_dir).
+    let mut job = job.clone();
+    let mut run_dir = None;
+    if rank == 0 {
+        let dir = RunDir::claim(
+            job.out_dir.as_deref(),
+            "distributed-",
+            resume.map_or(Resume::Fresh, Resume::From),
+            existing,
+        )?;
+        let metrics = dir.create(&job.to_toml(), first_step)?;
+        job.out_dir = Some(dir.path().to_path_buf());
+        run_dir = Some((dir, metrics));
+    }
+    let job = &job;
     let mesh = std::sync::Arc::new(join(env, listen_ip()?, join_timeout()?)?);
     if rank == 0 {
         println!(
@@ -290,8 +309,8 @@ pub fn train_distributed(
             );
         }
     }
-    if let Some(mut checkpoint) = run.checkpoint {
-        let out_dir = run.run_dir.clone();
+    if let (Some(mut checkpoint), Some((run_dir, metrics))) = (run.checkpoint, &mut run_dir) {
+        let out_dir = run_dir.path().to_path_buf();
         if let Some(last) = run.checkpoints.last() {
             println!(
                 "sharded checkpoints: {} (last {})",
@@ -299,16 +318,17 @@ pub fn train_distributed(
                 last.display()
             );
         }
-        std::fs::create_dir_all(&out_dir)
-            .with_context(|| format!("cannot create output directory {}", out_dir.display()))?;
-        std::fs::write(out_dir.join("job.toml"), job.to_toml())
-            .with_context(|| format!("cannot write {}/job.toml", out_dir.display()))?;
-        let notes = &mut checkpoint.meta.notes;
-        notes.insert("job.toml".into(), job.to_toml());
-        notes.insert("schedule".into(), job.schedule.trim().to_string());
-        checkpoint.save(&out_dir.join("checkpoint"))?;
+        run_dir.save_final(&mut checkpoint, job)?;
         if let Some(merged) = &run.merged {
-            write_run_files(&out_dir, job, plan, merged, &run.metrics, first_step)?;
+            write_run_files(
+                &out_dir,
+                metrics,
+                job,
+                plan,
+                merged,
+                &run.metrics,
+                first_step,
+            )?;
         }
         println!(
             "done: run directory {} (job.toml, metrics.jsonl, report.txt, report.json, trace.json, timeline.svg, checkpoint/, checkpoints/)",
@@ -364,13 +384,13 @@ struct StepLine<'a> {
 /// costs, `trace.json` and `timeline.svg`.
 fn write_run_files(
     dir: &Path,
+    metrics_file: &mut impl Write,
     job: &JobConfig,
     plan: &Plan,
     merged: &MergedProfile,
     metrics: &[StepMetrics],
     first_step: u64,
 ) -> anyhow::Result<()> {
-    let path = dir.join("metrics.jsonl");
     let mut lines = String::new();
     for m in metrics {
         let timeline = merged.iterations.get((m.step - first_step) as usize);
@@ -384,7 +404,10 @@ fn write_run_files(
         lines += &serde_json::to_string(&line)?;
         lines.push('\n');
     }
-    std::fs::write(&path, lines).with_context(|| format!("cannot write {}", path.display()))?;
+    metrics_file
+        .write_all(lines.as_bytes())
+        .and_then(|()| metrics_file.flush())
+        .with_context(|| format!("cannot write {}/metrics.jsonl", dir.display()))?;
 
     // Means after the warm-up step, as a single-process run predicts with.
     let skip = usize::from(merged.iterations.len() > 1);
@@ -442,9 +465,20 @@ pub fn rl_distributed(
     job: &JobConfig,
     env: &RankEnv,
     init: Option<pipefill::model::checkpoint::Checkpoint>,
+    existing: Existing,
 ) -> anyhow::Result<()> {
     use pipefill::launch::rl::rl_rank;
     let rank = env.rank;
+    // Rank 0 writes the run directory; it is claimed before any rank joins.
+    let run_dir = match rank {
+        0 => Some(RunDir::claim(
+            job.out_dir.as_deref(),
+            "rl-distributed-",
+            Resume::Unsupported,
+            existing,
+        )?),
+        _ => None,
+    };
     let mesh = std::sync::Arc::new(join(env, listen_ip()?, join_timeout()?)?);
     if rank == 0 {
         println!(
@@ -483,26 +517,16 @@ pub fn rl_distributed(
         lines += &serde_json::to_string(m).expect("a step line always serializes");
         lines.push('\n');
     })?;
-    let Some(mut run) = run else {
+    let (Some(mut run), Some(run_dir)) = (run, run_dir) else {
         return Ok(());
     };
-    let out_dir = job.out_dir.clone().unwrap_or_else(|| {
-        let secs = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs());
-        std::path::PathBuf::from("runs").join(format!("rl-distributed-{secs}"))
-    });
-    std::fs::create_dir_all(&out_dir)
-        .with_context(|| format!("cannot create output directory {}", out_dir.display()))?;
-    std::fs::write(out_dir.join("job.toml"), job.to_toml())
-        .with_context(|| format!("cannot write {}/job.toml", out_dir.display()))?;
-    std::fs::write(out_dir.join("metrics.jsonl"), lines)
+    let out_dir = run_dir.path().to_path_buf();
+    let mut metrics = run_dir.create(&job.to_toml(), 0)?;
+    metrics
+        .write_all(lines.as_bytes())
+        .and_then(|()| metrics.flush())
         .with_context(|| format!("cannot write {}/metrics.jsonl", out_dir.display()))?;
-    run.checkpoint
-        .meta
-        .notes
-        .insert("job.toml".into(), job.to_toml());
-    run.checkpoint.save(&out_dir.join("checkpoint"))?;
+    run_dir.save_final(&mut run.checkpoint, job)?;
     println!(
         "done: {} RL steps over {} processes; run directory {} (job.toml, metrics.jsonl, checkpoint/)",
         run.steps.len(),

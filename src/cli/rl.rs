@@ -11,10 +11,9 @@
 //! directory gets `job.toml`, `metrics.jsonl` (one line per RL step, see
 //! [`RlStepMetrics`]) and the final `checkpoint/`.
 
-use std::fs::File;
-use std::io::{BufWriter, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::Instant;
 
 use anyhow::{Context, bail};
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
@@ -25,6 +24,7 @@ use pipefill::rl::calibrate::Calibration;
 use pipefill::rl::config::SpecThreshold;
 use pipefill::rl::trainer::{RlStepMetrics, RlTrainer, RolloutEngine, warm_up};
 use pipefill::rl::trainer_spec::{PipelineRollouts, ThresholdChoice};
+use pipefill::run::{Existing, Resume, RunDir};
 
 #[derive(clap::Args)]
 pub struct RlArgs {
@@ -43,6 +43,10 @@ pub struct RlArgs {
     /// Output directory (overrides out_dir).
     #[arg(long, value_name = "DIR")]
     out_dir: Option<PathBuf>,
+    /// Replace the run already in the output directory (its job.toml, metrics and
+    /// checkpoint; other files stay). Without it a non-empty output directory is refused.
+    #[arg(long)]
+    overwrite: bool,
 }
 
 /// Which drafter the rollouts start from, for the in-process and the launched run alike:
@@ -93,9 +97,15 @@ pub fn run(args: RlArgs) -> anyhow::Result<()> {
     if job.schedule.trim().eq_ignore_ascii_case("none") {
         bail!("schedule \"none\": the RL update runs as a pipelined step; name a schedule");
     }
+    let existing = match args.overwrite {
+        true => Existing::Overwrite,
+        false => Existing::Refuse,
+    };
     if rank_env.is_distributed() {
-        return crate::cli::launch::rl_distributed(&job, &rank_env, checkpoint);
+        return crate::cli::launch::rl_distributed(&job, &rank_env, checkpoint, existing);
     }
+    // Before any work: a run directory that holds another run ends the run at once.
+    let run_dir = RunDir::claim(job.out_dir.as_deref(), "rl-", Resume::Unsupported, existing)?;
     let rl = job.rl.clone();
     println!(
         "model: {} params ({} layers, d_model {}, seq {}); update: schedule {} on {} ranks, \
@@ -116,21 +126,8 @@ pub fn run(args: RlArgs) -> anyhow::Result<()> {
         None => supervised_warm_up(&job)?,
     };
 
-    let out_dir = job.out_dir.clone().unwrap_or_else(|| {
-        let secs = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs());
-        Path::new("runs").join(format!("rl-{secs}"))
-    });
-    std::fs::create_dir_all(&out_dir)
-        .with_context(|| format!("cannot create output directory {}", out_dir.display()))?;
-    std::fs::write(out_dir.join("job.toml"), job.to_toml())
-        .with_context(|| format!("cannot write {}/job.toml", out_dir.display()))?;
-    let metrics_path = out_dir.join("metrics.jsonl");
-    let mut metrics = BufWriter::new(
-        File::create(&metrics_path)
-            .with_context(|| format!("cannot create {}", metrics_path.display()))?,
-    );
+    let out_dir = run_dir.path().to_path_buf();
+    let mut metrics = run_dir.create(&job.to_toml(), 0)?;
 
     let mut engine = PipelineRollouts::new(&job)?;
     let mut version = None;
@@ -224,13 +221,7 @@ pub fn run(args: RlArgs) -> anyhow::Result<()> {
     rollout_bar.finish();
     update_bar.finish();
 
-    let checkpoint_dir = out_dir.join("checkpoint");
-    let mut checkpoint = trainer.checkpoint()?;
-    checkpoint
-        .meta
-        .notes
-        .insert("job.toml".into(), job.to_toml());
-    checkpoint.save(&checkpoint_dir)?;
+    run_dir.save_final(&mut trainer.checkpoint()?, &job)?;
     let window = history.len().clamp(1, 5);
     let mean = |ms: &[RlStepMetrics]| ms.iter().map(|m| m.reward).sum::<f64>() / ms.len() as f64;
     let rollout: f64 = history.iter().map(|m| m.rollout_seconds).sum();

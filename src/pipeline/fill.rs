@@ -71,7 +71,7 @@ use crate::tensor::{Backend, CpuBackend};
 mod eval;
 mod planned;
 mod slice_plan;
-mod state;
+pub(crate) mod state;
 
 pub use eval::HeldOutEval;
 pub use slice_plan::{SliceCost, SlicePlan, modelled_costs};

@@ -304,7 +304,7 @@ impl PipelineTrainer {
 
     /// The resumed model and optimizer state, checked against the job by the checkpoint's
     /// own restore.
-    fn resumed_state(&self) -> Result<Option<(Gpt<CpuBackend>, OptimizerState)>, PipelineError> {
+    pub(super) fn resumed_state(&self) -> Result<Option<(Gpt<CpuBackend>, OptimizerState)>, PipelineError> {
         let Some(checkpoint) = &self.resume else {
             return Ok(None);
         };

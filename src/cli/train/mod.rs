@@ -26,15 +26,16 @@ mod run_files;
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::Instant;
 
-use anyhow::{Context, bail};
+use anyhow::bail;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use pipefill::config::JobConfig;
 use pipefill::data::DatasetSummary;
 use pipefill::model::Gpt;
 use pipefill::model::checkpoint::Checkpoint;
+use pipefill::run::{Existing, Resume, RunDir};
 use pipefill::tensor::Backend;
 use pipefill::tensor::device::Device;
 use pipefill::train::eval::{exact_match, held_out_tasks};
@@ -68,6 +69,11 @@ pub struct TrainArgs {
     /// train.steps; the job must have the checkpoint's model and data seed.
     #[arg(long, value_name = "DIR")]
     resume: Option<PathBuf>,
+    /// Replace the run already in the output directory (its job.toml, metrics, reports and
+    /// checkpoints; other files stay). Without it a non-empty output directory is refused,
+    /// unless `--resume` continues the run in it.
+    #[arg(long)]
+    overwrite: bool,
 }
 
 /// `--clock`'s values (the job file's `clock`).
@@ -121,16 +127,28 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     let rank_env = pipefill::launch::RankEnv::detect()?;
     // Before joining any other rank: a device that cannot be used here ends the run at once.
     let device = job.device.usable_on_local_rank(rank_env.local_rank)?;
+    let existing = match args.overwrite {
+        true => Existing::Overwrite,
+        false => Existing::Refuse,
+    };
+    let resume = args.resume.as_deref();
     if rank_env.is_distributed() {
-        return crate::cli::launch::train_distributed(&job, &rank_env, args.resume.as_deref());
+        return crate::cli::launch::train_distributed(&job, &rank_env, resume, existing);
     }
+    // Before any work: a run directory that holds another run ends the run at once.
+    let run_dir = RunDir::claim(
+        job.out_dir.as_deref(),
+        "",
+        resume.map_or(Resume::Fresh, Resume::From),
+        existing,
+    )?;
     if !job.schedule.trim().eq_ignore_ascii_case("none") {
         if device.is_cuda() {
             bail!(
                 "device = \"cuda\": the single-process pipeline computes on the CPU only; run the job as one process per GPU (`pipefill launch -n <ranks> -- train ...`) or with schedule \"none\" on one GPU"
             );
         }
-        return pipelined::train(&job, args.resume.as_deref());
+        return pipelined::train(&job, resume, &run_dir);
     }
     if job.stages != 1 {
         println!(
@@ -138,18 +156,18 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             job.stages
         );
     }
-    let resume = args.resume.as_deref();
     match device {
         Device::Cpu { .. } => train_reference(
             &job,
             resume,
+            &run_dir,
             Trainer::reference(&job.model, &job.data, &job.train)?,
         ),
         #[cfg(feature = "cuda")]
         Device::Cuda { ordinal } => {
             let backend = pipefill::tensor::cuda::CudaBackend::new(ordinal)?;
             let trainer = Trainer::with_backend(backend, &job.model, &job.data, &job.train)?;
-            train_reference(&job, resume, trainer)
+            train_reference(&job, resume, &run_dir, trainer)
         }
         #[cfg(not(feature = "cuda"))]
         Device::Cuda { .. } => Err(pipefill::tensor::device::DeviceError::CudaNotCompiled.into()),
@@ -157,10 +175,11 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
 }
 
 /// Runs `job` with the reference `trainer` (from `resume`'s checkpoint when given),
-/// printing progress and writing the run's files.
+/// printing progress and writing the run's files into `run_dir`.
 fn train_reference<B: Backend>(
     job: &JobConfig,
     resume: Option<&Path>,
+    run_dir: &RunDir,
     mut trainer: Trainer<B>,
 ) -> anyhow::Result<()> {
     let summary = DatasetSummary::sample(&job.data, job.train.seed)?;
@@ -201,7 +220,7 @@ fn train_reference<B: Backend>(
         t.clip
     );
 
-    let (out_dir, mut metrics) = open_run_dir(job, first_step)?;
+    let (out_dir, mut metrics) = open_run_dir(run_dir, job, first_step)?;
     let metrics_path = out_dir.join("metrics.jsonl");
 
     let bar = progress_bar(t.steps, first_step);
@@ -229,13 +248,7 @@ fn train_reference<B: Backend>(
     }
     bar.finish();
 
-    let checkpoint_dir = out_dir.join("checkpoint");
-    let mut checkpoint = trainer.checkpoint()?;
-    checkpoint
-        .meta
-        .notes
-        .insert("job.toml".into(), job.to_toml());
-    checkpoint.save(&checkpoint_dir)?;
+    let checkpoint_dir = run_dir.save_final(&mut trainer.checkpoint()?, job)?;
 
     let seconds = started.elapsed().as_secs_f64();
     evaluate(job, trainer.model_mut())?;
@@ -257,35 +270,15 @@ fn train_reference<B: Backend>(
     Ok(())
 }
 
-/// `runs/<UTC start time>`, e.g. `runs/20260129-153012`.
-fn default_out_dir() -> PathBuf {
-    let secs = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    Path::new("runs").join(utc_stamp(secs))
-}
-
-/// Creates the run directory, writes `job.toml` into it and opens `metrics.jsonl`
-/// (appended to when a resumed run starts past step 0).
-fn open_run_dir(job: &JobConfig, first_step: u64) -> anyhow::Result<(PathBuf, BufWriter<File>)> {
-    let out_dir = job.out_dir.clone().unwrap_or_else(default_out_dir);
-    std::fs::create_dir_all(&out_dir)
-        .with_context(|| format!("cannot create output directory {}", out_dir.display()))?;
-    let job_path = out_dir.join("job.toml");
-    std::fs::write(&job_path, job.to_toml())
-        .with_context(|| format!("cannot write {}", job_path.display()))?;
-    let metrics_path = out_dir.join("metrics.jsonl");
-    // A resumed run appends to the metrics of the run it continues.
-    let metrics = BufWriter::new(
-        File::options()
-            .create(true)
-            .write(true)
-            .append(first_step > 0)
-            .truncate(first_step == 0)
-            .open(&metrics_path)
-            .with_context(|| format!("cannot create {}", metrics_path.display()))?,
-    );
-    Ok((out_dir, metrics))
+/// Makes `run_dir` the run's ([`RunDir::create`]): writes `job.toml` and opens
+/// `metrics.jsonl` for the steps from `first_step` on.
+fn open_run_dir(
+    run_dir: &RunDir,
+    job: &JobConfig,
+    first_step: u64,
+) -> anyhow::Result<(PathBuf, BufWriter<File>)> {
+    let metrics = run_dir.create(&job.to_toml(), first_step)?;
+    Ok((run_dir.path().to_path_buf(), metrics))
 }
 
 /// The per-step progress bar, starting at `first_step` of `steps`.
@@ -323,34 +316,4 @@ fn evaluate<B: Backend>(job: &JobConfig, model: &mut Gpt<B>) -> anyhow::Result<(
         100.0 * em.accuracy()
     );
     Ok(())
-}
-
-/// `YYYYMMDD-HHMMSS` of a Unix time (civil-from-days, proleptic Gregorian calendar).
-fn utc_stamp(secs: u64) -> String {
-    let (days, rem) = ((secs / 86_400) as i64, secs % 86_400);
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!(
-        "{year:04}{month:02}{day:02}-{:02}{:02}{:02}",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn utc_stamps() {
-        assert_eq!(super::utc_stamp(0), "19700101-000000");
-        assert_eq!(super::utc_stamp(951_782_400 + 3_661), "20000229-010101");
-        assert_eq!(super::utc_stamp(1_767_225_599), "20251231-235959");
-    }
 }

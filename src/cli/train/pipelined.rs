@@ -22,6 +22,7 @@ use pipefill::model::checkpoint::sharded::{
 use pipefill::model::checkpoint::{Checkpoint, META_FILE};
 use pipefill::pipeline::{PipelineTrainer, StepMetrics, StepView};
 use pipefill::profile::report::{ActionCosts, action_costs};
+use pipefill::run::RunDir;
 use pipefill::schedules::ScheduleKind;
 
 use super::run_files::{StepLine, filling, write_profile};
@@ -32,7 +33,11 @@ use super::{evaluate, open_run_dir, progress_bar};
 /// Most steps of the run without filler that step inflation is measured against.
 pub(super) const BASELINE_STEPS: u64 = 100;
 
-pub(super) fn train(job: &JobConfig, resume: Option<&Path>) -> anyhow::Result<()> {
+pub(super) fn train(
+    job: &JobConfig,
+    resume: Option<&Path>,
+    run_dir: &RunDir,
+) -> anyhow::Result<()> {
     check_schedule(&job.schedule)?;
     let summary = DatasetSummary::sample(&job.data, job.train.seed)?;
     print!("{summary}");
@@ -43,6 +48,7 @@ pub(super) fn train(job: &JobConfig, resume: Option<&Path>) -> anyhow::Result<()
     if let Some(dir) = resume {
         let checkpoint = load_resume(dir, &trainer)?;
         trainer = trainer.resume(&checkpoint);
+        trainer.check_resume()?;
         println!(
             "resuming from {} at step {}",
             dir.display(),
@@ -81,7 +87,7 @@ pub(super) fn train(job: &JobConfig, resume: Option<&Path>) -> anyhow::Result<()
         t.micro_batch_size,
     );
 
-    let (out_dir, mut metrics) = open_run_dir(job, first_step)?;
+    let (out_dir, mut metrics) = open_run_dir(run_dir, job, first_step)?;
     let bar = progress_bar(t.steps, first_step);
     let plain_every = (t.steps / 20).max(1);
     let started = Instant::now();
@@ -144,12 +150,7 @@ pub(super) fn train(job: &JobConfig, resume: Option<&Path>) -> anyhow::Result<()
         None => bar.finish(),
     }
 
-    let checkpoint_dir = out_dir.join("checkpoint");
-    let mut checkpoint = run.checkpoint()?;
-    let notes = &mut checkpoint.meta.notes;
-    notes.insert("job.toml".into(), job.to_toml());
-    notes.insert("schedule".into(), job.schedule.trim().to_string());
-    checkpoint.save(&checkpoint_dir)?;
+    run_dir.save_final(&mut run.checkpoint()?, job)?;
 
     let baseline = match filler {
         true => Some(baseline(&trainer, t.steps - first_step)?),

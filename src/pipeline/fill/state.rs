@@ -85,16 +85,7 @@ impl DrafterFill {
     /// Under the planned placement the kept round is posted again and rows of the run's own
     /// steps are left out.
     pub fn import_state(&self, state: &DrafterState) -> Result<(), DrafterError> {
-        if state.samplers.len() != self.ranks {
-            return Err(DrafterError::Input {
-                what: "checkpointed state",
-                reason: format!(
-                    "has {} replicas' samplers, this run has {} ranks",
-                    state.samplers.len(),
-                    self.ranks
-                ),
-            });
-        }
+        samplers_fit(state, self.ranks)?;
         for (replica, &sampler) in self.replicas.iter().zip(&state.samplers) {
             lock(replica)
                 .trainer
@@ -114,4 +105,18 @@ impl DrafterFill {
             .publish(state.weights.version, state.weights.clone());
         Ok(())
     }
+}
+
+/// Whether a checkpointed drafter `state` fits a run of `ranks` ranks: one sampler each.
+pub(crate) fn samplers_fit(state: &DrafterState, ranks: usize) -> Result<(), DrafterError> {
+    if state.samplers.len() == ranks {
+        return Ok(());
+    }
+    Err(DrafterError::Input {
+        what: "checkpointed state",
+        reason: format!(
+            "has {} replicas' samplers, this run has {ranks} ranks",
+            state.samplers.len()
+        ),
+    })
 }

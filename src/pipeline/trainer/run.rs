@@ -8,6 +8,7 @@ use std::time::Duration;
 use pipefill_actors::{FillerRouter, IterationProfile, Pipeline, PlanSource};
 
 use super::super::feed::StepFeed;
+use super::super::fill::state::samplers_fit;
 use super::super::fill::{DrafterFill, HELD_OUT_EVERY, HeldOutEval};
 use super::super::join::{DrafterRun, DrafterStep, StepJoin, StepView};
 use super::super::shared::Shared;
@@ -19,6 +20,19 @@ use crate::schedules::{Timeline, simulate};
 use crate::train::StepMetrics;
 
 impl PipelineTrainer {
+    /// Checks the checkpoint the trainer resumes from against its job before anything runs:
+    /// every parameter of the model, and the drafter's state (one sampler per rank) when the
+    /// run fills its bubbles with it. A caller that writes files checks first, so that a
+    /// checkpoint the run cannot continue from is refused before a file changes.
+    pub fn check_resume(&self) -> Result<(), PipelineError> {
+        self.resumed_state()?;
+        let drafter = self.resume.as_ref().and_then(|c| c.drafter.as_ref());
+        if let (Filler::Drafter, Some(state)) = (self.filler, drafter) {
+            samplers_fit(state, self.plan.num_ranks())?;
+        }
+        Ok(())
+    }
+
     /// Runs `steps` optimizer steps. `on_step` is called on this thread with each step's
     /// metrics as soon as every rank has stepped and the step's iteration is measured.
     pub fn run(
