@@ -106,6 +106,24 @@ fn assert_run_files(single: &Path, launched: &Path) {
     };
     let (a, b) = (losses(single), losses(launched));
     assert_eq!(a.len(), 3, "{a:?}");
+    // One line type for both runs (pipefill::run::StepLine): the same fields, step by step.
+    let keys = |dir: &Path| -> Vec<Vec<String>> {
+        std::fs::read_to_string(dir.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| {
+                let v: serde_json::Value = serde_json::from_str(l).unwrap();
+                let mut k: Vec<String> = v.as_object().unwrap().keys().cloned().collect();
+                k.sort();
+                k
+            })
+            .collect()
+    };
+    assert_eq!(
+        keys(single),
+        keys(launched),
+        "metrics.jsonl lines differ in their fields"
+    );
     assert_eq!(
         a, b,
         "the launched run's losses differ from the in-process run's"

@@ -22,10 +22,10 @@ use pipefill::model::checkpoint::sharded::{
 use pipefill::model::checkpoint::{Checkpoint, META_FILE};
 use pipefill::pipeline::{PipelineTrainer, StepMetrics, StepView};
 use pipefill::profile::report::{ActionCosts, action_costs};
-use pipefill::run::RunDir;
+use pipefill::run::{RunDir, StepLine};
 use pipefill::schedules::ScheduleKind;
 
-use super::run_files::{StepLine, filling, write_profile};
+use super::run_files::{filling, write_profile};
 use super::{evaluate, open_run_dir, progress_bar};
 
 /// Runs `job`'s pipeline (from `resume`'s checkpoint when given), printing progress and the
@@ -189,8 +189,7 @@ pub(super) fn train(
 
 /// Appends one step's line to metrics.jsonl and flushes it, so the file follows the run.
 fn write_step(out: &mut impl Write, v: &StepView, filler: bool) -> anyhow::Result<()> {
-    serde_json::to_writer(&mut *out, &StepLine::new(v, filler))?;
-    writeln!(out)?;
+    writeln!(out, "{}", StepLine::of_view(v, filler).to_json())?;
     out.flush()?;
     Ok(())
 }

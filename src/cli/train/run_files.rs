@@ -1,6 +1,6 @@
 //! The profiling files of a pipelined run's directory:
 //!
-//! - `metrics.jsonl` lines ([`StepLine`]): the step's metrics plus tokens/s, the step's
+//! - `metrics.jsonl` lines ([`pipefill::run::StepLine`], written by the caller): the step's metrics plus tokens/s, the step's
 //!   measured bubble ratios and, with a filler, the share of its waits that filler work used
 //!   and the drafter's progress (its held-out agreement every few steps: the curve of its
 //!   training);
@@ -17,10 +17,8 @@
 use std::path::Path;
 
 use anyhow::{Context, bail};
-use serde::Serialize;
-
 use pipefill::config::JobConfig;
-use pipefill::pipeline::{Clock, PipelineRun, StepMetrics, StepView};
+use pipefill::pipeline::{Clock, PipelineRun};
 use pipefill::profile::LaneSpan;
 use pipefill::profile::chrome::{ChromeOptions, chrome_trace_with};
 use pipefill::profile::report::{
@@ -35,62 +33,6 @@ use pipefill_actors::IterationProfile;
 const WAIT_LANE: &str = "waiting for input";
 /// Name of the lane holding filler work run inside bubbles.
 const FILLER_LANE: &str = "filler";
-
-/// One line of a pipelined run's `metrics.jsonl`.
-#[derive(Serialize)]
-pub(super) struct StepLine<'a> {
-    #[serde(flatten)]
-    metrics: &'a StepMetrics,
-    tokens_per_second: f64,
-    /// Makespan of the step's measured timeline, in seconds (these three are null only
-    /// when the runtime measured no timeline for the step).
-    makespan: Option<f64>,
-    bubble_ratio: Option<f64>,
-    steady_bubble_ratio: Option<f64>,
-    /// Seconds the ranks waited for input during the step, and how many of them filler
-    /// work used; their ratio (runs with a filler).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    waited: Option<f64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    filled: Option<f64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    bubble_fill_ratio: Option<f64>,
-    /// Drafter steps so far, slices run during the step and their mean loss.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    drafter_version: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    drafter_slices: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    drafter_loss: Option<f64>,
-    /// Top-1 agreement with the target on held-out rows, on the steps it was measured.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    drafter_agreement: Option<f64>,
-}
-
-impl<'a> StepLine<'a> {
-    pub(super) fn new(view: &StepView<'a>, filler: bool) -> Self {
-        let timeline = view.profile.map(|p| &p.timeline);
-        let fill = view
-            .profile
-            .filter(|_| filler)
-            .map(|p| (p.waited(), p.filled()));
-        let drafter = view.drafter;
-        StepLine {
-            metrics: view.metrics,
-            tokens_per_second: view.metrics.tokens_per_second(),
-            makespan: timeline.map(|t| t.makespan),
-            bubble_ratio: timeline.map(|t| t.bubble_ratio),
-            steady_bubble_ratio: timeline.map(|t| t.steady_bubble_ratio),
-            waited: fill.map(|f| f.0),
-            filled: fill.map(|f| f.1),
-            bubble_fill_ratio: fill.map(|(w, f)| if w > 0.0 { f / w } else { 0.0 }),
-            drafter_version: drafter.map(|d| d.version),
-            drafter_slices: drafter.map(|d| d.slices),
-            drafter_loss: drafter.and_then(|d| d.loss),
-            drafter_agreement: drafter.and_then(|d| d.agreement),
-        }
-    }
-}
 
 /// The filler figures of `run` over the whole run, with the median step makespan of a run
 /// without filler (`baseline`: its per-step makespans, how it ran and its compute-action
