@@ -135,6 +135,50 @@ pub(super) fn axpy<B: Backend>(be: &B, [src, dst]: [&B::Buf; 2]) -> Result<()> {
     exact(be, "axpy", [("dst", dst, be.len(src))])
 }
 
+/// [`Backend::mul`]: `b` and `out` as long as `a`.
+pub(super) fn mul<B: Backend>(be: &B, [a, b, out]: [&B::Buf; 3]) -> Result<()> {
+    let n = be.len(a);
+    exact(be, "mul", [("b", b, n), ("out", out, n)])
+}
+
+/// [`Backend::rope`]: `x, out: [positions, heads·head_dim]`, `head_dim` even.
+pub(super) fn rope<B: Backend>(
+    be: &B,
+    [x, out]: [&B::Buf; 2],
+    positions: usize,
+    heads: usize,
+    head_dim: usize,
+) -> Result<()> {
+    if !head_dim.is_multiple_of(2) {
+        return Err(TensorError::Invalid {
+            op: "rope",
+            reason: format!("head_dim {head_dim} is odd"),
+        });
+    }
+    let n = positions * heads * head_dim;
+    exact(be, "rope", [("x", x, n), ("out", out, n)])
+}
+
+/// [`Backend::repeat_kv`] (`op = "repeat_kv"`, `src` the `kv_heads`-wide side) and
+/// [`Backend::repeat_kv_bwd`] (`"repeat_kv_bwd"`, `src` the repeated side).
+pub(super) fn repeat_kv<B: Backend>(
+    be: &B,
+    op: &'static str,
+    [src, dst]: [&B::Buf; 2],
+    rows: usize,
+    kv_heads: usize,
+    rep: usize,
+    head_dim: usize,
+) -> Result<()> {
+    let (narrow, wide) = (rows * kv_heads * head_dim, rows * kv_heads * rep * head_dim);
+    let (s, d) = if op == "repeat_kv" {
+        (narrow, wide)
+    } else {
+        (wide, narrow)
+    };
+    exact(be, op, [("src", src, s), ("dst", dst, d)])
+}
+
 /// [`Backend::activation_fwd`]: `out` as long as `x`.
 pub(super) fn activation_fwd<B: Backend>(be: &B, [x, out]: [&B::Buf; 2]) -> Result<()> {
     exact(be, "activation_fwd", [("out", out, be.len(x))])

@@ -78,6 +78,16 @@ pub enum Activation {
     Gelu,
     /// SiLU (swish): `x·σ(x)`.
     Silu,
+    /// SwiGLU, Llama's gated MLP `(silu(x·W1) ∘ (x·W3))·W2`. As an elementwise non-linearity
+    /// (what [`Backend::activation_fwd`] applies to the gate) it is SiLU.
+    Swiglu,
+}
+
+impl Activation {
+    /// Whether the MLP is gated (a third, "up", projection multiplies the activation).
+    pub fn is_gated(self) -> bool {
+        self == Activation::Swiglu
+    }
 }
 
 /// One matrix product `C (+)= op(A) · op(B)`, all row-major.
@@ -247,6 +257,51 @@ pub trait Backend: Clone + Send + Sync + 'static {
         x: &Self::Buf,
         dy: &Self::Buf,
         dx: &mut Self::Buf,
+    ) -> Result<()>;
+
+    /// `out = a ∘ b`, elementwise (same length).
+    fn mul(&self, a: &Self::Buf, b: &Self::Buf, out: &mut Self::Buf) -> Result<()>;
+
+    // ---- positions and heads ----------------------------------------------------------------
+
+    /// Rotary position embedding of `x: [rows, heads, head_dim]` into `out` (same shape), row
+    /// `r` at position `positions[r]` (`rows = positions.len()`), Llama's `rotate_half`
+    /// convention: for `i < head_dim/2` and `a = positions[r]·theta^(−2i/head_dim)`,
+    /// `out[i] = x[i]·cos a − x[i+head_dim/2]·sin a`, `out[i+head_dim/2] = x[i+head_dim/2]·cos a
+    /// + x[i]·sin a`. With `inverse` the rotation is by `−a`: the transpose, so the input
+    /// gradient of the forward rotation. `head_dim` must be even.
+    #[allow(clippy::too_many_arguments)]
+    fn rope(
+        &self,
+        x: &Self::Buf,
+        out: &mut Self::Buf,
+        positions: &[u32],
+        heads: usize,
+        head_dim: usize,
+        theta: f32,
+        inverse: bool,
+    ) -> Result<()>;
+    /// Grouped-query attention's sharing: `dst: [rows, kv_heads·rep, head_dim]` from
+    /// `src: [rows, kv_heads, head_dim]`, query head `h` getting key/value head `h / rep`.
+    fn repeat_kv(
+        &self,
+        src: &Self::Buf,
+        dst: &mut Self::Buf,
+        rows: usize,
+        kv_heads: usize,
+        rep: usize,
+        head_dim: usize,
+    ) -> Result<()>;
+    /// The gradient of [`Backend::repeat_kv`]: `dst[g] = Σ_{r < rep} src[g·rep + r]` per row,
+    /// summed in increasing `r`; `src: [rows, kv_heads·rep, head_dim]`. Overwrites `dst`.
+    fn repeat_kv_bwd(
+        &self,
+        src: &Self::Buf,
+        dst: &mut Self::Buf,
+        rows: usize,
+        kv_heads: usize,
+        rep: usize,
+        head_dim: usize,
     ) -> Result<()>;
 
     // ---- row-wise ------------------------------------------------------------------------

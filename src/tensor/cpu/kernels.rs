@@ -78,7 +78,7 @@ fn sigmoid(x: f32) -> f32 {
 pub fn activation_fwd(act: Activation, x: &[f32], out: &mut [f32]) {
     match act {
         Activation::Gelu => out.iter_mut().zip(x).for_each(|(o, &x)| *o = gelu(x)),
-        Activation::Silu => out
+        Activation::Silu | Activation::Swiglu => out
             .iter_mut()
             .zip(x)
             .for_each(|(o, &x)| *o = x * sigmoid(x)),
@@ -90,7 +90,7 @@ pub fn activation_bwd(act: Activation, x: &[f32], dy: &[f32], dx: &mut [f32]) {
     let it = dx.iter_mut().zip(x).zip(dy);
     match act {
         Activation::Gelu => it.for_each(|((d, &x), &g)| *d = g * gelu_grad(x)),
-        Activation::Silu => it.for_each(|((d, &x), &g)| {
+        Activation::Silu | Activation::Swiglu => it.for_each(|((d, &x), &g)| {
             let s = sigmoid(x);
             *d = g * s * (1.0 + x * (1.0 - s));
         }),
@@ -425,5 +425,74 @@ mod tests {
         }
         assert!(worst < 5e-7, "max error {worst:e}"); // a few ulp near ±1
         assert_eq!(super::fast_tanh(1e4), super::fast_tanh(8.0));
+    }
+}
+
+/// Rotary embedding of `x: [positions.len(), heads, head_dim]` into `out` (Llama's
+/// `rotate_half` convention): for `i < head_dim/2`, with `a = positions[r]·theta^(−2i/head_dim)`,
+/// `out[i] = x[i]·cos a − x[i+h/2]·sin a` and `out[i+h/2] = x[i+h/2]·cos a + x[i]·sin a`.
+/// `inverse` rotates by `−a`: the transpose of the rotation, i.e. its input gradient.
+pub fn rope(
+    x: &[f32],
+    out: &mut [f32],
+    positions: &[u32],
+    head_dim: usize,
+    theta: f32,
+    inverse: bool,
+) {
+    let half = head_dim / 2;
+    if half == 0 {
+        return;
+    }
+    let inv_freq: Vec<f32> = (0..half)
+        .map(|i| 1.0 / theta.powf((2 * i) as f32 / head_dim as f32))
+        .collect();
+    let width = x.len() / positions.len().max(1);
+    let sign = if inverse { -1.0 } else { 1.0 };
+    let mut cos = vec![0.0f32; half];
+    let mut sin = vec![0.0f32; half];
+    for ((xr, or), &p) in x.chunks(width).zip(out.chunks_mut(width)).zip(positions) {
+        for ((c, s), &f) in cos.iter_mut().zip(sin.iter_mut()).zip(&inv_freq) {
+            let a = p as f32 * f;
+            *c = a.cos();
+            *s = sign * a.sin();
+        }
+        for (xh, oh) in xr.chunks(head_dim).zip(or.chunks_mut(head_dim)) {
+            let (x1, x2) = xh.split_at(half);
+            let (o1, o2) = oh.split_at_mut(half);
+            let outs = o1.iter_mut().zip(o2.iter_mut());
+            let ins = x1.iter().zip(x2).zip(cos.iter().zip(&sin));
+            for ((o1, o2), ((&x1, &x2), (&c, &s))) in outs.zip(ins) {
+                *o1 = x1 * c - x2 * s;
+                *o2 = x2 * c + x1 * s;
+            }
+        }
+    }
+}
+
+/// Grouped-query heads: `dst: [rows, kv_heads·rep, head_dim]` from `src: [rows, kv_heads,
+/// head_dim]`, query head `h` getting key/value head `h / rep`.
+pub fn repeat_kv(src: &[f32], dst: &mut [f32], kv_heads: usize, rep: usize, head_dim: usize) {
+    let (sw, dw) = (kv_heads * head_dim, kv_heads * rep * head_dim);
+    for (s, d) in src.chunks(sw.max(1)).zip(dst.chunks_mut(dw.max(1))) {
+        for (g, sh) in s.chunks(head_dim).enumerate() {
+            for r in 0..rep {
+                d[(g * rep + r) * head_dim..][..head_dim].copy_from_slice(sh);
+            }
+        }
+    }
+}
+
+/// The gradient of [`repeat_kv`]: `dst[g] = Σ_{r < rep} src[g·rep + r]`, summed in order of `r`.
+pub fn repeat_kv_bwd(src: &[f32], dst: &mut [f32], kv_heads: usize, rep: usize, head_dim: usize) {
+    let (sw, dw) = (kv_heads * rep * head_dim, kv_heads * head_dim);
+    for (s, d) in src.chunks(sw.max(1)).zip(dst.chunks_mut(dw.max(1))) {
+        for (g, dh) in d.chunks_mut(head_dim).enumerate() {
+            dh.copy_from_slice(&s[g * rep * head_dim..][..head_dim]);
+            for r in 1..rep {
+                let sh = &s[(g * rep + r) * head_dim..][..head_dim];
+                dh.iter_mut().zip(sh).for_each(|(d, &v)| *d += v);
+            }
+        }
     }
 }

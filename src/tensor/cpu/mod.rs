@@ -231,6 +231,71 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn mul(&self, a: &CpuBuf, b: &CpuBuf, out: &mut CpuBuf) -> Result<()> {
+        check::mul(self, [a, b, out])?;
+        let (a, b) = (a.read(), b.read());
+        out.write(|o| {
+            o.iter_mut()
+                .zip(a.iter().zip(b.iter()))
+                .for_each(|(o, (x, y))| *o = x * y)
+        });
+        Ok(())
+    }
+
+    fn rope(
+        &self,
+        x: &CpuBuf,
+        out: &mut CpuBuf,
+        positions: &[u32],
+        heads: usize,
+        head_dim: usize,
+        theta: f32,
+        inverse: bool,
+    ) -> Result<()> {
+        check::rope(self, [x, out], positions.len(), heads, head_dim)?;
+        let x = x.read();
+        out.write(|o| kernels::rope(&x, o, positions, head_dim, theta, inverse));
+        Ok(())
+    }
+
+    fn repeat_kv(
+        &self,
+        src: &CpuBuf,
+        dst: &mut CpuBuf,
+        rows: usize,
+        kv_heads: usize,
+        rep: usize,
+        head_dim: usize,
+    ) -> Result<()> {
+        check::repeat_kv(self, "repeat_kv", [src, dst], rows, kv_heads, rep, head_dim)?;
+        let s = src.read();
+        dst.write(|d| kernels::repeat_kv(&s, d, kv_heads, rep, head_dim));
+        Ok(())
+    }
+
+    fn repeat_kv_bwd(
+        &self,
+        src: &CpuBuf,
+        dst: &mut CpuBuf,
+        rows: usize,
+        kv_heads: usize,
+        rep: usize,
+        head_dim: usize,
+    ) -> Result<()> {
+        check::repeat_kv(
+            self,
+            "repeat_kv_bwd",
+            [src, dst],
+            rows,
+            kv_heads,
+            rep,
+            head_dim,
+        )?;
+        let s = src.read();
+        dst.write(|d| kernels::repeat_kv_bwd(&s, d, kv_heads, rep, head_dim));
+        Ok(())
+    }
+
     fn softmax_rows(&self, x: &CpuBuf, out: &mut CpuBuf, rows: usize, cols: usize) -> Result<()> {
         check::softmax_rows(self, [x, out], rows, cols)?;
         let x = x.read();

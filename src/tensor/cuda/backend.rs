@@ -8,7 +8,7 @@ use super::blas::dense;
 use super::kernels::{self, K};
 use super::{CudaBackend, CudaBuf, Storage, dev, grid_rows};
 use crate::tensor::{
-    Activation, AdamWStep, AttnShape, Backend, BatchedGemm, DType, Gemm, Result, check,
+    Activation, AdamWStep, AttnShape, Backend, BatchedGemm, DType, Gemm, Result, TensorError, check,
 };
 
 impl Backend for CudaBackend {
@@ -191,6 +191,59 @@ impl Backend for CudaBackend {
         self.write(OP, dx, |d| {
             launch!(self, OP, K::ActivationBwd, cfg, [&*x, &*dy, d, &n64, &kind])
         })
+    }
+
+    fn mul(&self, a: &CudaBuf, b: &CudaBuf, out: &mut CudaBuf) -> Result<()> {
+        check::mul(self, [a, b, out])?;
+        not_yet("mul")
+    }
+
+    fn rope(
+        &self,
+        x: &CudaBuf,
+        out: &mut CudaBuf,
+        positions: &[u32],
+        heads: usize,
+        head_dim: usize,
+        _theta: f32,
+        _inverse: bool,
+    ) -> Result<()> {
+        check::rope(self, [x, out], positions.len(), heads, head_dim)?;
+        not_yet("rope")
+    }
+
+    fn repeat_kv(
+        &self,
+        src: &CudaBuf,
+        dst: &mut CudaBuf,
+        rows: usize,
+        kv_heads: usize,
+        rep: usize,
+        head_dim: usize,
+    ) -> Result<()> {
+        check::repeat_kv(self, "repeat_kv", [src, dst], rows, kv_heads, rep, head_dim)?;
+        not_yet("repeat_kv")
+    }
+
+    fn repeat_kv_bwd(
+        &self,
+        src: &CudaBuf,
+        dst: &mut CudaBuf,
+        rows: usize,
+        kv_heads: usize,
+        rep: usize,
+        head_dim: usize,
+    ) -> Result<()> {
+        check::repeat_kv(
+            self,
+            "repeat_kv_bwd",
+            [src, dst],
+            rows,
+            kv_heads,
+            rep,
+            head_dim,
+        )?;
+        not_yet("repeat_kv_bwd")
     }
 
     fn softmax_rows(&self, x: &CudaBuf, out: &mut CudaBuf, rows: usize, cols: usize) -> Result<()> {
@@ -465,10 +518,19 @@ impl Backend for CudaBackend {
     }
 }
 
+/// The error of an operation the CUDA backend has no kernel for yet (the Llama-family ops:
+/// RoPE, grouped-query head sharing, the SwiGLU product); the CPU backend runs them.
+fn not_yet(op: &'static str) -> Result<()> {
+    Err(TensorError::Invalid {
+        op,
+        reason: format!("not implemented on CUDA yet: {op}"),
+    })
+}
+
 /// The `kind` argument of the activation kernels.
 fn activation_kind(act: Activation) -> i32 {
     match act {
         Activation::Gelu => 0,
-        Activation::Silu => 1,
+        Activation::Silu | Activation::Swiglu => 1,
     }
 }
