@@ -5,6 +5,32 @@ use serde::{Deserialize, Serialize};
 use super::ModelError;
 use crate::tensor::Activation;
 
+/// The RoPE base of Llama 2 (and the default of `rope_theta`).
+pub const DEFAULT_ROPE_THETA: f32 = 10_000.0;
+
+fn is_default_theta(theta: &f32) -> bool {
+    *theta == DEFAULT_ROPE_THETA
+}
+
+/// How the model encodes positions. The new fields of [`GptConfig`] are left out of its
+/// serialized form while they hold their defaults, so a default model serializes (and
+/// fingerprints) exactly as before they existed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Positions {
+    /// A learned `[seq_len, d_model]` table added to the token embedding.
+    #[default]
+    Learned,
+    /// Rotary position embeddings on queries and keys (Llama's `rotate_half` convention).
+    Rope,
+}
+
+impl Positions {
+    fn is_learned(&self) -> bool {
+        *self == Positions::Learned
+    }
+}
+
 /// Shape and seed of a decoder-only GPT.
 ///
 /// The default is small enough that a few hundred steps train in a minute or two on two
@@ -22,10 +48,28 @@ pub struct GptConfig {
     pub layers: usize,
     /// Longest sequence (number of learned positions).
     pub seq_len: usize,
-    /// MLP hidden width = `mlp_ratio · d_model`.
+    /// MLP hidden width = `mlp_ratio · d_model`, unless `intermediate` is given.
     pub mlp_ratio: usize,
-    /// MLP non-linearity.
+    /// MLP hidden width (Llama's `intermediate_size`); `None` (absent): `mlp_ratio · d_model`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub intermediate: Option<usize>,
+    /// MLP non-linearity: `gelu` or `silu` for `act(x·W1)·W2`, or `swiglu` for Llama's gated
+    /// MLP `(silu(x·W1) ∘ (x·W3))·W2` (W1 gate, W3 up, W2 down).
     pub activation: Activation,
+    /// How positions enter: `learned` (a table added to the embedding) or `rope` (rotary
+    /// embeddings applied to the queries and keys inside attention; no position table).
+    #[serde(skip_serializing_if = "Positions::is_learned")]
+    pub positions: Positions,
+    /// RoPE base: frequency `i` of a head of width `h` is `rope_theta^(−2i/h)`.
+    #[serde(skip_serializing_if = "is_default_theta")]
+    pub rope_theta: f32,
+    /// Key/value heads (grouped-query attention); `None` (absent): one per query head. Must
+    /// divide `heads`; query head `h` reads key/value head `h / (heads / kv_heads)`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_heads: Option<usize>,
+    /// Biases on the query, key and value projections (Qwen2).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub qkv_bias: bool,
     /// RMSNorm epsilon.
     pub norm_eps: f32,
     /// Seed of the initialisation; each parameter's stream is derived from (seed, name).
@@ -41,7 +85,12 @@ impl Default for GptConfig {
             layers: 8,
             seq_len: 64,
             mlp_ratio: 4,
+            intermediate: None,
             activation: Activation::Gelu,
+            positions: Positions::Learned,
+            rope_theta: DEFAULT_ROPE_THETA,
+            kv_heads: None,
+            qkv_bias: false,
             norm_eps: 1e-5,
             seed: 0,
         }
@@ -73,6 +122,31 @@ impl GptConfig {
                 ),
             );
         }
+        if let Some(kv) = self.kv_heads
+            && (kv == 0 || !self.heads.is_multiple_of(kv))
+        {
+            return bad(
+                "kv_heads",
+                format!("{kv} key/value heads do not divide heads = {}", self.heads),
+            );
+        }
+        if self.intermediate == Some(0) {
+            return bad("intermediate", "must be at least 1".into());
+        }
+        if self.positions == Positions::Rope {
+            if !self.head_dim().is_multiple_of(2) {
+                return bad(
+                    "positions",
+                    format!("rope needs an even head width, not {}", self.head_dim()),
+                );
+            }
+            if !(self.rope_theta > 0.0 && self.rope_theta.is_finite()) {
+                return bad(
+                    "rope_theta",
+                    format!("{} is not a positive number", self.rope_theta),
+                );
+            }
+        }
         if !(self.norm_eps > 0.0 && self.norm_eps.is_finite()) {
             return bad(
                 "norm_eps",
@@ -89,13 +163,29 @@ impl GptConfig {
 
     /// Hidden width of the MLP.
     pub fn mlp_hidden(&self) -> usize {
-        self.mlp_ratio * self.d_model
+        self.intermediate.unwrap_or(self.mlp_ratio * self.d_model)
+    }
+
+    /// Key/value heads (`heads` unless grouped-query attention is asked for).
+    pub fn kv_heads(&self) -> usize {
+        self.kv_heads.unwrap_or(self.heads)
+    }
+
+    /// Width of the key and value projections: `kv_heads · head_dim`.
+    pub fn kv_dim(&self) -> usize {
+        self.kv_heads() * self.head_dim()
     }
 
     /// Total number of parameters.
     pub fn param_count(&self) -> usize {
-        let d = self.d_model;
-        let block = 2 * d + 4 * d * d + 2 * d * self.mlp_hidden();
-        self.vocab * d + self.seq_len * d + self.layers * block + d + d * self.vocab
+        let (d, kv) = (self.d_model, self.kv_dim());
+        let bias = if self.qkv_bias { d + 2 * kv } else { 0 };
+        let mlp_mats = if self.activation.is_gated() { 3 } else { 2 };
+        let block = 2 * d + 2 * d * d + 2 * d * kv + bias + mlp_mats * d * self.mlp_hidden();
+        let pos = match self.positions {
+            Positions::Learned => self.seq_len * d,
+            Positions::Rope => 0,
+        };
+        self.vocab * d + pos + self.layers * block + d + d * self.vocab
     }
 }

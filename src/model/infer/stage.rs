@@ -76,6 +76,29 @@ pub struct InferStage<B: Backend> {
     cache: KvCache,
 }
 
+/// The Llama-family options the KV-cache path does not run yet: an error naming the field
+/// rather than a wrong generation.
+fn unsupported(config: &GptConfig) -> Result<()> {
+    use crate::model::config::Positions;
+    let field = if config.positions == Positions::Rope {
+        "positions"
+    } else if config.kv_heads() != config.heads {
+        "kv_heads"
+    } else if config.qkv_bias {
+        "qkv_bias"
+    } else if config.activation.is_gated() {
+        "activation"
+    } else {
+        return Ok(());
+    };
+    Err(ModelError::Config {
+        field,
+        reason: "is not supported by KV-cache inference yet (rope, kv_heads < heads, \
+                 qkv_bias and swiglu train, but do not generate)"
+            .into(),
+    })
+}
+
 impl<B: Backend> InferStage<B> {
     /// The stage holding blocks `range`, with parameters read by name from `get` (host
     /// values, e.g. [`ModelChunk::param_values`] or [`Gpt::param_values`]).
@@ -88,6 +111,7 @@ impl<B: Backend> InferStage<B> {
         get: impl Fn(&str) -> Result<Vec<f32>>,
     ) -> Result<Self> {
         config.validate()?;
+        unsupported(config)?;
         let dt = be.storage_dtype();
         let load = |name: &str| -> Result<B::Buf> { Ok(be.from_host(&get(name)?, dt)?) };
         let d = config.d_model;

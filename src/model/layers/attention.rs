@@ -1,11 +1,21 @@
-//! Causal multi-head self-attention: `y = Attn(x·Wq, x·Wk, x·Wv)·Wo` (no biases).
+//! Causal multi-head self-attention: `y = Attn(x·Wq, x·Wk, x·Wv)·Wo`, with the Llama-family
+//! options of [`GptConfig`]: biases on `q`, `k`, `v` (`qkv_bias`), rotary positions on `q` and
+//! `k` (`positions = "rope"`), and grouped-query attention (`kv_heads < heads`: `Wk`, `Wv` are
+//! `[d_model, kv_heads·head_dim]`, each key/value head read by `heads / kv_heads` query heads).
+//!
+//! The attention kernel sees `heads` full heads: the shared key/value heads are repeated
+//! before it ([`Backend::repeat_kv`]) and their gradients summed after it, RoPE is applied to
+//! the projections (plus bias) and its transpose to their gradients, so I yields the
+//! gradients of the projections' outputs and W only multiplies them by the saved input.
 
 use super::{Stash, activation, gradient, linear_bwd_input, linear_bwd_weight, linear_fwd};
+use crate::model::config::Positions;
 use crate::model::{GptConfig, Param, Result, init};
 use crate::tensor::{AttnShape, Backend};
 
 struct Saved<B: Backend> {
     x: B::Buf,
+    /// The attention kernel's operands: rotated, and `k`, `v` repeated to `heads`.
     q: B::Buf,
     k: B::Buf,
     v: B::Buf,
@@ -14,7 +24,8 @@ struct Saved<B: Backend> {
     shape: AttnShape,
 }
 
-/// What W needs: the layer input, the attention output, and the four gradients.
+/// What W needs: the layer input, the attention output, and the gradients of the four
+/// projections' outputs (`dk`, `dv` at `kv_heads` width).
 struct ForW<B: Backend> {
     x: B::Buf,
     o: B::Buf,
@@ -31,26 +42,43 @@ pub struct Attention<B: Backend> {
     pub wk: Param<B>,
     pub wv: Param<B>,
     pub wo: Param<B>,
+    /// `bq: [d_model]`, `bk`, `bv: [kv_heads·head_dim]` when `qkv_bias`.
+    pub bias: Option<[Param<B>; 3]>,
     heads: usize,
+    kv_heads: usize,
+    /// The RoPE base, when positions are rotary.
+    rope: Option<f32>,
     fwd: Stash<Saved<B>>,
     for_w: Stash<ForW<B>>,
 }
 
 impl<B: Backend> Attention<B> {
-    /// Weights `{name}.wq|wk|wv|wo`, each `[d_model, d_model]`.
+    /// Weights `{name}.wq|wo: [d_model, d_model]`, `{name}.wk|wv: [d_model, kv_dim]`, and
+    /// with `qkv_bias` the biases `{name}.bq|bk|bv` (initialised to zero, not decayed).
     pub fn new(be: &B, name: &str, config: &GptConfig) -> Result<Self> {
-        let d = config.d_model;
-        let mk = |w: &str, std: f32| {
+        let (d, kv) = (config.d_model, config.kv_dim());
+        let mk = |w: &str, cols: usize, std: f32| {
             let pname = format!("{name}.{w}");
-            let values = init::normal(config.seed, &pname, d * d, std);
-            Param::new(be, pname, vec![d, d], &values, true)
+            let values = init::normal(config.seed, &pname, d * cols, std);
+            Param::new(be, pname, vec![d, cols], &values, true)
+        };
+        let bias = |w: &str, len: usize| {
+            Param::new(be, format!("{name}.{w}"), vec![len], &vec![0.0; len], false)
+        };
+        let bias = if config.qkv_bias {
+            Some([bias("bq", d)?, bias("bk", kv)?, bias("bv", kv)?])
+        } else {
+            None
         };
         Ok(Attention {
-            wq: mk("wq", init::INIT_STD)?,
-            wk: mk("wk", init::INIT_STD)?,
-            wv: mk("wv", init::INIT_STD)?,
-            wo: mk("wo", init::residual_std(config))?,
+            wq: mk("wq", d, init::INIT_STD)?,
+            wk: mk("wk", kv, init::INIT_STD)?,
+            wv: mk("wv", kv, init::INIT_STD)?,
+            wo: mk("wo", d, init::residual_std(config))?,
+            bias,
             heads: config.heads,
+            kv_heads: config.kv_heads(),
+            rope: (config.positions == Positions::Rope).then_some(config.rope_theta),
             fwd: Stash::new(name),
             for_w: Stash::new(name),
         })
@@ -58,6 +86,90 @@ impl<B: Backend> Attention<B> {
 
     fn d(&self) -> usize {
         self.wq.shape[0]
+    }
+
+    fn head_dim(&self) -> usize {
+        self.d() / self.heads
+    }
+
+    /// Query heads per key/value head.
+    fn rep(&self) -> usize {
+        self.heads / self.kv_heads
+    }
+
+    /// The position of every row: `t` for row `b·seq + t`.
+    fn positions(batch: usize, seq: usize) -> Vec<u32> {
+        (0..batch * seq).map(|r| (r % seq) as u32).collect()
+    }
+
+    /// `x·W (+ b)`, then rotated when positions are rotary (`heads` of the output's width).
+    fn project(
+        &self,
+        be: &B,
+        x: &B::Buf,
+        w: &Param<B>,
+        b: Option<&Param<B>>,
+        rotate: Option<&[u32]>,
+        rows: usize,
+    ) -> Result<B::Buf> {
+        let mut y = linear_fwd(be, x, w, rows)?;
+        if let Some(b) = b {
+            be.add_broadcast_rows(&b.value, &mut y, rows, w.shape[1])?;
+        }
+        match (self.rope, rotate) {
+            (Some(theta), Some(pos)) => {
+                let hd = self.head_dim();
+                let mut r = activation(be, be.len(&y))?;
+                be.rope(&y, &mut r, pos, w.shape[1] / hd, hd, theta, false)?;
+                Ok(r)
+            }
+            _ => Ok(y),
+        }
+    }
+
+    /// `k` or `v` at `kv_heads` width repeated to `heads` (itself without sharing).
+    fn repeat(&self, be: &B, x: B::Buf, rows: usize) -> Result<B::Buf> {
+        if self.rep() == 1 {
+            return Ok(x);
+        }
+        let mut out = activation(be, rows * self.d())?;
+        be.repeat_kv(
+            &x,
+            &mut out,
+            rows,
+            self.kv_heads,
+            self.rep(),
+            self.head_dim(),
+        )?;
+        Ok(out)
+    }
+
+    /// The gradient of a `heads`-wide `dk` or `dv` at `kv_heads` width, un-rotated when
+    /// `rotate` (the transpose of [`Attention::project`]'s rotation).
+    fn unshare(
+        &self,
+        be: &B,
+        g: B::Buf,
+        rotate: Option<&[u32]>,
+        rows: usize,
+        width: usize,
+    ) -> Result<B::Buf> {
+        let hd = self.head_dim();
+        let g = if width == self.d() {
+            g
+        } else {
+            let mut out = gradient(be, rows * width)?;
+            be.repeat_kv_bwd(&g, &mut out, rows, self.kv_heads, self.rep(), hd)?;
+            out
+        };
+        match (self.rope, rotate) {
+            (Some(theta), Some(pos)) => {
+                let mut out = gradient(be, rows * width)?;
+                be.rope(&g, &mut out, pos, width / hd, hd, theta, true)?;
+                Ok(out)
+            }
+            _ => Ok(g),
+        }
     }
 
     /// `y = attn(x)` for `x: [batch·seq, d_model]`.
@@ -74,11 +186,15 @@ impl<B: Backend> Attention<B> {
             batch,
             seq,
             heads: self.heads,
-            head_dim: self.d() / self.heads,
+            head_dim: self.head_dim(),
         };
-        let q = linear_fwd(be, x, &self.wq, rows)?;
-        let k = linear_fwd(be, x, &self.wk, rows)?;
-        let v = linear_fwd(be, x, &self.wv, rows)?;
+        let pos = self.rope.map(|_| Self::positions(batch, seq));
+        let pos = pos.as_deref();
+        let b = self.bias.as_ref();
+        let q = self.project(be, x, &self.wq, b.map(|b| &b[0]), pos, rows)?;
+        let k = self.project(be, x, &self.wk, b.map(|b| &b[1]), pos, rows)?;
+        let v = self.project(be, x, &self.wv, b.map(|b| &b[2]), None, rows)?;
+        let (k, v) = (self.repeat(be, k, rows)?, self.repeat(be, v, rows)?);
         let mut o = activation(be, rows * self.d())?;
         let mut probs = activation(be, shape.probs_len())?;
         be.attention_fwd(&q, &k, &v, &mut o, &mut probs, shape)?;
@@ -109,6 +225,14 @@ impl<B: Backend> Attention<B> {
         be.attention_bwd(
             &s.q, &s.k, &s.v, &s.probs, &d_o, &mut dq, &mut dk, &mut dv, s.shape,
         )?;
+        let pos = self
+            .rope
+            .map(|_| Self::positions(s.shape.batch, s.shape.seq));
+        let pos = pos.as_deref();
+        let kv = self.wk.shape[1];
+        let dq = self.unshare(be, dq, pos, rows, self.d())?;
+        let dk = self.unshare(be, dk, pos, rows, kv)?;
+        let dv = self.unshare(be, dv, None, rows, kv)?;
         let mut dx = gradient(be, n)?;
         linear_bwd_input(be, &dq, &self.wq, &mut dx, rows, false)?;
         linear_bwd_input(be, &dk, &self.wk, &mut dx, rows, true)?;
@@ -126,13 +250,19 @@ impl<B: Backend> Attention<B> {
         Ok(dx)
     }
 
-    /// W: accumulates the gradients of `wq`, `wk`, `wv`, `wo`.
+    /// W: accumulates the gradients of `wq`, `wk`, `wv`, `wo` (and of the biases).
     pub fn backward_weight(&mut self, be: &B, mb: usize) -> Result<()> {
         let s = self.for_w.take(mb, "backward_weight", "backward_input")?;
         linear_bwd_weight(be, &s.o, &s.dy, &mut self.wo, s.rows)?;
         linear_bwd_weight(be, &s.x, &s.dq, &mut self.wq, s.rows)?;
         linear_bwd_weight(be, &s.x, &s.dk, &mut self.wk, s.rows)?;
         linear_bwd_weight(be, &s.x, &s.dv, &mut self.wv, s.rows)?;
+        if let Some([bq, bk, bv]) = &mut self.bias {
+            for (b, g) in [(bq, &s.dq), (bk, &s.dk), (bv, &s.dv)] {
+                let width = b.numel();
+                be.sum_rows(g, &mut b.grad, s.rows, width)?;
+            }
+        }
         Ok(())
     }
 
@@ -145,11 +275,16 @@ impl<B: Backend> Attention<B> {
         self.fwd.len() + self.for_w.len()
     }
 
+    /// `wq, wk, wv, wo`, then `bq, bk, bv` when there are biases.
     pub fn params(&self) -> Vec<&Param<B>> {
-        vec![&self.wq, &self.wk, &self.wv, &self.wo]
+        let mut v = vec![&self.wq, &self.wk, &self.wv, &self.wo];
+        v.extend(self.bias.iter().flatten());
+        v
     }
 
     pub fn params_mut(&mut self) -> Vec<&mut Param<B>> {
-        vec![&mut self.wq, &mut self.wk, &mut self.wv, &mut self.wo]
+        let mut v = vec![&mut self.wq, &mut self.wk, &mut self.wv, &mut self.wo];
+        v.extend(self.bias.iter_mut().flatten());
+        v
     }
 }

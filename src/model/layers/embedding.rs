@@ -1,9 +1,11 @@
-//! Token embedding plus learned positions: `x[b, t] = tok[ids[b, t]] + pos[t]`.
+//! Token embedding plus learned positions: `x[b, t] = tok[ids[b, t]] + pos[t]`; with rotary
+//! positions (`positions = "rope"`, applied inside attention) only `x[b, t] = tok[ids[b, t]]`.
 //!
 //! The embedding has no input gradient (its input is token ids), so its I action only keeps
 //! the output gradient, and its W action scatters it into the tables.
 
 use super::{Stash, activation};
+use crate::model::config::Positions;
 use crate::model::{GptConfig, ModelError, Param, Result, init};
 use crate::tensor::Backend;
 
@@ -14,10 +16,11 @@ struct ForW<B: Backend> {
     seq: usize,
 }
 
-/// `embed.tok: [vocab, d_model]` and `embed.pos: [seq_len, d_model]`.
+/// `embed.tok: [vocab, d_model]` and, with learned positions, `embed.pos: [seq_len, d_model]`.
 pub struct Embedding<B: Backend> {
     pub tok: Param<B>,
-    pub pos: Param<B>,
+    pub pos: Option<Param<B>>,
+    seq_len: usize,
     fwd: Stash<ForW<B>>,
     for_w: Stash<ForW<B>>,
 }
@@ -32,7 +35,11 @@ impl<B: Backend> Embedding<B> {
         };
         Ok(Embedding {
             tok: mk("tok", config.vocab)?,
-            pos: mk("pos", config.seq_len)?,
+            pos: match config.positions {
+                Positions::Learned => Some(mk("pos", config.seq_len)?),
+                Positions::Rope => None,
+            },
+            seq_len: config.seq_len,
             fwd: Stash::new(name),
             for_w: Stash::new(name),
         })
@@ -52,20 +59,22 @@ impl<B: Backend> Embedding<B> {
         seq: usize,
     ) -> Result<B::Buf> {
         let d = self.d();
-        if seq > self.pos.shape[0] || ids.len() != batch * seq {
+        if seq > self.seq_len || ids.len() != batch * seq {
             return Err(ModelError::Input {
                 stage: 0,
                 mb,
                 reason: format!(
                     "{} token ids for batch {batch} × seq {seq} (at most {} positions)",
                     ids.len(),
-                    self.pos.shape[0]
+                    self.seq_len
                 ),
             });
         }
         let mut x = activation(be, ids.len() * d)?;
         be.embedding_fwd(&self.tok.value, ids, &mut x, d)?;
-        be.add_broadcast_rows(&self.pos.value, &mut x, batch, seq * d)?;
+        if let Some(pos) = &self.pos {
+            be.add_broadcast_rows(&pos.value, &mut x, batch, seq * d)?;
+        }
         self.fwd.put(
             mb,
             ForW {
@@ -92,7 +101,9 @@ impl<B: Backend> Embedding<B> {
         let d = self.d();
         if let Some(dy) = &s.dy {
             be.embedding_bwd(&s.ids, dy, &mut self.tok.grad, d)?;
-            be.sum_rows(dy, &mut self.pos.grad, s.batch, s.seq * d)?;
+            if let Some(pos) = &mut self.pos {
+                be.sum_rows(dy, &mut pos.grad, s.batch, s.seq * d)?;
+            }
         }
         Ok(())
     }
@@ -107,10 +118,14 @@ impl<B: Backend> Embedding<B> {
     }
 
     pub fn params(&self) -> Vec<&Param<B>> {
-        vec![&self.tok, &self.pos]
+        let mut v = vec![&self.tok];
+        v.extend(self.pos.as_ref());
+        v
     }
 
     pub fn params_mut(&mut self) -> Vec<&mut Param<B>> {
-        vec![&mut self.tok, &mut self.pos]
+        let mut v = vec![&mut self.tok];
+        v.extend(self.pos.as_mut());
+        v
     }
 }

@@ -1,4 +1,6 @@
-//! The MLP: `y = act(x·W1)·W2` (no biases), hidden width `mlp_ratio · d_model`.
+//! The MLP: `y = act(x·W1)·W2` (no biases), hidden width [`GptConfig::mlp_hidden`]; with
+//! `activation = "swiglu"` Llama's gated MLP `y = (silu(x·W1) ∘ (x·W3))·W2`, in Meta's names:
+//! `W1` the gate, `W3` the up and `W2` the down projection.
 
 use super::{Stash, activation, gradient, linear_bwd_input, linear_bwd_weight, linear_fwd};
 use crate::model::{GptConfig, Param, Result, init};
@@ -6,8 +8,12 @@ use crate::tensor::{Activation, Backend};
 
 struct Saved<B: Backend> {
     x: B::Buf,
+    /// `x·W1`, before the activation.
     u: B::Buf,
+    /// The input of `W2`: `act(u)`, or `silu(u) ∘ up` when gated.
     g: B::Buf,
+    /// When gated: `silu(u)` and `up = x·W3`.
+    gate: Option<(B::Buf, B::Buf)>,
     rows: usize,
 }
 
@@ -16,21 +22,26 @@ struct ForW<B: Backend> {
     x: B::Buf,
     g: B::Buf,
     du: B::Buf,
+    /// When gated, the gradient of `up = x·W3`.
+    d_up: Option<B::Buf>,
     dy: B::Buf,
     rows: usize,
 }
 
-/// Two-layer perceptron with a GELU or SiLU in between.
+/// Two-layer perceptron with a GELU or SiLU in between, or the gated SwiGLU.
 pub struct Mlp<B: Backend> {
     pub w1: Param<B>,
     pub w2: Param<B>,
+    /// The up projection `[d_model, hidden]` of the gated MLP.
+    pub w3: Option<Param<B>>,
     act: Activation,
     fwd: Stash<Saved<B>>,
     for_w: Stash<ForW<B>>,
 }
 
 impl<B: Backend> Mlp<B> {
-    /// Weights `{name}.w1: [d_model, hidden]` and `{name}.w2: [hidden, d_model]`.
+    /// Weights `{name}.w1: [d_model, hidden]` and `{name}.w2: [hidden, d_model]`, and when
+    /// gated `{name}.w3: [d_model, hidden]`.
     pub fn new(be: &B, name: &str, config: &GptConfig) -> Result<Self> {
         let (d, h) = (config.d_model, config.mlp_hidden());
         let mk = |w: &str, shape: [usize; 2], std: f32| {
@@ -41,6 +52,11 @@ impl<B: Backend> Mlp<B> {
         Ok(Mlp {
             w1: mk("w1", [d, h], init::INIT_STD)?,
             w2: mk("w2", [h, d], init::residual_std(config))?,
+            w3: if config.activation.is_gated() {
+                Some(mk("w3", [d, h], init::INIT_STD)?)
+            } else {
+                None
+            },
             act: config.activation,
             fwd: Stash::new(name),
             for_w: Stash::new(name),
@@ -52,6 +68,13 @@ impl<B: Backend> Mlp<B> {
         let u = linear_fwd(be, x, &self.w1, rows)?;
         let mut g = activation(be, be.len(&u))?;
         be.activation_fwd(self.act, &u, &mut g)?;
+        let mut gate = None;
+        if let Some(w3) = &self.w3 {
+            let up = linear_fwd(be, x, w3, rows)?;
+            let mut h = activation(be, be.len(&u))?;
+            be.mul(&g, &up, &mut h)?;
+            gate = Some((std::mem::replace(&mut g, h), up));
+        }
         let y = linear_fwd(be, &g, &self.w2, rows)?;
         self.fwd.put(
             mb,
@@ -59,6 +82,7 @@ impl<B: Backend> Mlp<B> {
                 x: be.dup(x)?,
                 u,
                 g,
+                gate,
                 rows,
             },
         );
@@ -71,14 +95,27 @@ impl<B: Backend> Mlp<B> {
         let (d, h) = (self.w1.shape[0], self.w1.shape[1]);
         let mut dg = gradient(be, s.rows * h)?;
         linear_bwd_input(be, dy, &self.w2, &mut dg, s.rows, false)?;
+        let mut d_up = None;
+        if let Some((act, up)) = &s.gate {
+            let mut du3 = gradient(be, s.rows * h)?;
+            be.mul(&dg, act, &mut du3)?;
+            let mut d_act = gradient(be, s.rows * h)?;
+            be.mul(&dg, up, &mut d_act)?;
+            dg = d_act;
+            d_up = Some(du3);
+        }
         let mut du = gradient(be, s.rows * h)?;
         be.activation_bwd(self.act, &s.u, &dg, &mut du)?;
         let mut dx = gradient(be, s.rows * d)?;
         linear_bwd_input(be, &du, &self.w1, &mut dx, s.rows, false)?;
+        if let (Some(w3), Some(du3)) = (&self.w3, &d_up) {
+            linear_bwd_input(be, du3, w3, &mut dx, s.rows, true)?;
+        }
         let for_w = ForW {
             x: s.x,
             g: s.g,
             du,
+            d_up,
             dy: be.dup(dy)?,
             rows: s.rows,
         };
@@ -86,11 +123,14 @@ impl<B: Backend> Mlp<B> {
         Ok(dx)
     }
 
-    /// W: accumulates the gradients of `w1` and `w2`.
+    /// W: accumulates the gradients of `w1` and `w2` (and `w3`).
     pub fn backward_weight(&mut self, be: &B, mb: usize) -> Result<()> {
         let s = self.for_w.take(mb, "backward_weight", "backward_input")?;
         linear_bwd_weight(be, &s.g, &s.dy, &mut self.w2, s.rows)?;
         linear_bwd_weight(be, &s.x, &s.du, &mut self.w1, s.rows)?;
+        if let (Some(w3), Some(du3)) = (&mut self.w3, &s.d_up) {
+            linear_bwd_weight(be, &s.x, du3, w3, s.rows)?;
+        }
         Ok(())
     }
 
@@ -103,11 +143,16 @@ impl<B: Backend> Mlp<B> {
         self.fwd.len() + self.for_w.len()
     }
 
+    /// `w1, w2`, then `w3` when gated.
     pub fn params(&self) -> Vec<&Param<B>> {
-        vec![&self.w1, &self.w2]
+        let mut v = vec![&self.w1, &self.w2];
+        v.extend(self.w3.as_ref());
+        v
     }
 
     pub fn params_mut(&mut self) -> Vec<&mut Param<B>> {
-        vec![&mut self.w1, &mut self.w2]
+        let mut v = vec![&mut self.w1, &mut self.w2];
+        v.extend(self.w3.as_mut());
+        v
     }
 }

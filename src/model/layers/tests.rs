@@ -32,6 +32,7 @@ fn config(act: Activation) -> GptConfig {
         activation: act,
         norm_eps: 1e-5,
         seed: 3,
+        ..GptConfig::default()
     }
 }
 
@@ -295,6 +296,151 @@ fn block_input_and_weight_gradients() {
     check_mapping(Block::new(&be(), 0, &config(Activation::Gelu)).unwrap());
 }
 
+/// The Llama-family options on the test shape (`d_model` 8): rotary positions with a small
+/// base (so every frequency turns visibly over 4 positions), `heads` 4 of width 2 sharing
+/// `kv_heads` 2, and q/k/v biases, as asked.
+fn llama(act: Activation, rope: bool, kv_heads: Option<usize>, qkv_bias: bool) -> GptConfig {
+    GptConfig {
+        heads: 4,
+        positions: if rope {
+            Positions::Rope
+        } else {
+            Positions::Learned
+        },
+        rope_theta: 10.0,
+        kv_heads,
+        qkv_bias,
+        ..config(act)
+    }
+}
+
+use crate::model::config::Positions;
+
+#[test]
+fn attention_rope_input_and_weight_gradients() {
+    let cfg = llama(Activation::Gelu, true, None, false);
+    check_mapping(Attention::new(&be(), "attn", &cfg).unwrap());
+    // A head width of 4: two frequencies per head.
+    let cfg = GptConfig { heads: 2, ..cfg };
+    check_mapping(Attention::new(&be(), "attn", &cfg).unwrap());
+}
+
+#[test]
+fn attention_grouped_query_input_and_weight_gradients() {
+    let cfg = llama(Activation::Gelu, false, Some(2), false);
+    let attn = Attention::new(&be(), "attn", &cfg).unwrap();
+    assert_eq!(attn.wk.shape, vec![8, 4]);
+    check_mapping(attn);
+    let cfg = llama(Activation::Gelu, false, Some(1), false);
+    check_mapping(Attention::new(&be(), "attn", &cfg).unwrap());
+}
+
+/// With rotary positions (without them the key bias adds `q·bk` to every score of a query,
+/// which the softmax ignores: its gradient is zero, checked below, and its finite
+/// difference would be vacuous).
+#[test]
+fn attention_qkv_bias_input_and_weight_gradients() {
+    let cfg = llama(Activation::Gelu, true, None, true);
+    let attn = Attention::new(&be(), "attn", &cfg).unwrap();
+    assert_eq!(attn.params().len(), 7);
+    check_mapping(attn);
+    let be = be();
+    let cfg = llama(Activation::Gelu, false, None, true);
+    let mut attn = Attention::new(&be, "attn", &cfg).unwrap();
+    randomize(&be, attn.params_mut());
+    let n = BATCH * SEQ * 8;
+    let x = be.from_host(&normal(1, "x", n, 1.0), DType::F32).unwrap();
+    let dy = be.from_host(&normal(2, "dy", n, 1.0), DType::F32).unwrap();
+    attn.fwd(&be, 0, &x);
+    attn.bwd_in(&be, 0, &dy);
+    attn.bwd_w(&be, 0);
+    let [bq, bk, _] = attn.bias.as_ref().unwrap();
+    let norm = |p: &Param<CpuBackend>| {
+        let g = be.to_host(&p.grad).unwrap();
+        g.iter().map(|v| v * v).sum::<f32>().sqrt()
+    };
+    assert!(norm(bk) < 1e-5 * norm(bq), "{} vs {}", norm(bk), norm(bq));
+}
+
+#[test]
+fn attention_llama_input_and_weight_gradients() {
+    let cfg = llama(Activation::Gelu, true, Some(2), true);
+    check_mapping(Attention::new(&be(), "attn", &cfg).unwrap());
+}
+
+#[test]
+fn mlp_swiglu_input_and_weight_gradients() {
+    let mlp = Mlp::new(&be(), "mlp", &config(Activation::Swiglu)).unwrap();
+    assert_eq!(mlp.params().len(), 3, "gate, down and up");
+    check_mapping(mlp);
+    let cfg = GptConfig {
+        intermediate: Some(5),
+        ..config(Activation::Swiglu)
+    };
+    let mlp = Mlp::new(&be(), "mlp", &cfg).unwrap();
+    assert_eq!(mlp.w3.as_ref().unwrap().shape, vec![8, 5]);
+    check_mapping(mlp);
+}
+
+#[test]
+fn llama_block_input_and_weight_gradients() {
+    let cfg = llama(Activation::Swiglu, true, Some(2), true);
+    check_mapping(Block::new(&be(), 0, &cfg).unwrap());
+}
+
+/// Grouped-query attention is multi-head attention whose key/value projections repeat each
+/// shared head's columns for the `heads / kv_heads` query heads that read it (query head `h`
+/// reads key/value head `h / 2` here), with rotary positions and biases on.
+#[test]
+fn grouped_query_attention_is_attention_with_repeated_key_value_heads() {
+    let be = be();
+    let gqa_cfg = llama(Activation::Gelu, true, Some(2), true);
+    let mut gqa = Attention::new(&be, "attn", &gqa_cfg).unwrap();
+    randomize(&be, gqa.params_mut());
+    let mha_cfg = GptConfig {
+        kv_heads: None,
+        ..gqa_cfg
+    };
+    let mut mha = Attention::new(&be, "attn", &mha_cfg).unwrap();
+    let hd = 2;
+    // Column block `h` of the full projection is block `h / 2` of the shared one.
+    let widen = |w: &[f32], rows: usize| -> Vec<f32> {
+        let mut out = Vec::with_capacity(rows * 4 * hd);
+        for r in 0..rows {
+            for h in 0..4 {
+                let g = h / 2;
+                out.extend_from_slice(&w[r * 2 * hd + g * hd..][..hd]);
+            }
+        }
+        out
+    };
+    let host = |p: &Param<CpuBackend>| be.to_host(&p.value).unwrap();
+    let set = |p: &mut Param<CpuBackend>, v: &[f32]| p.value = be.from_host(v, DType::F32).unwrap();
+    set(&mut mha.wq, &host(&gqa.wq));
+    set(&mut mha.wo, &host(&gqa.wo));
+    set(&mut mha.wk, &widen(&host(&gqa.wk), 8));
+    set(&mut mha.wv, &widen(&host(&gqa.wv), 8));
+    let (gb, mb) = (gqa.bias.as_ref().unwrap(), mha.bias.as_mut().unwrap());
+    set(&mut mb[0], &host(&gb[0]));
+    set(&mut mb[1], &widen(&host(&gb[1]), 1));
+    set(&mut mb[2], &widen(&host(&gb[2]), 1));
+    let x = be
+        .from_host(&normal(1, "x", BATCH * SEQ * 8, 1.0), DType::F32)
+        .unwrap();
+    let a = be.to_host(&gqa.fwd(&be, 0, &x)).unwrap();
+    let b = be.to_host(&mha.fwd(&be, 0, &x)).unwrap();
+    let err = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max);
+    assert!(
+        err < 1e-5,
+        "grouped-query vs repeated heads differ by {err}"
+    );
+    assert!(a.iter().any(|&v| v.abs() > 1e-3), "a vanishing output");
+}
+
 #[test]
 fn embedding_weight_gradients() {
     let be = be();
@@ -324,7 +470,7 @@ fn embedding_weight_gradients() {
         },
     );
     // Rows of `pos` past the sequence length get no gradient.
-    let pos = be.to_host(&emb.pos.grad).unwrap();
+    let pos = be.to_host(&emb.pos.as_ref().unwrap().grad).unwrap();
     assert!(pos[SEQ * 8..].iter().all(|&g| g == 0.0));
 }
 

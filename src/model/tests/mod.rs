@@ -464,3 +464,125 @@ fn default_model_timing() {
         );
     }
 }
+
+/// [`tiny`] with every Llama-family option: rotary positions, SwiGLU, 4 query heads over
+/// 2 key/value heads, q/k/v biases, an explicit intermediate width.
+fn tiny_llama() -> GptConfig {
+    GptConfig {
+        positions: config::Positions::Rope,
+        activation: crate::tensor::Activation::Swiglu,
+        kv_heads: Some(2),
+        qkv_bias: true,
+        intermediate: Some(24),
+        ..tiny()
+    }
+}
+
+#[test]
+fn llama_shaped_models_cut_bitwise_and_count_their_params() {
+    let cfg = tiny_llama();
+    let run = |cut: &Cut| {
+        let mut gpt = Gpt::new(&cfg, CpuBackend::new(1).unwrap(), cut).unwrap();
+        let losses: Vec<f32> = data(&cfg)
+            .iter()
+            .enumerate()
+            .map(|(mb, (ids, t))| gpt.forward_backward(mb, SHAPE, ids, t, 0.5).unwrap())
+            .collect();
+        let grads: Vec<(String, Vec<f32>)> = gpt
+            .param_names()
+            .into_iter()
+            .map(|n| {
+                let g = gpt.grad_values(&n).unwrap();
+                (n, g)
+            })
+            .collect();
+        let numel: usize = gpt
+            .param_names()
+            .iter()
+            .map(|n| gpt.param_values(n).unwrap().len())
+            .sum();
+        (losses, grads, numel)
+    };
+    let (loss, grads, numel) = run(&Cut::Even(1));
+    assert_eq!(numel, cfg.param_count());
+    let names: Vec<&str> = grads.iter().map(|(n, _)| n.as_str()).collect();
+    assert!(!names.contains(&"embed.pos"));
+    // tok; per block 2 norms, wq wk wv wo bq bk bv, w1 w2 w3; final norm; head.
+    assert_eq!(names.len(), 1 + 4 * 12 + 2);
+    assert!(loss.iter().all(|l| l.is_finite()));
+    for (n, g) in &grads {
+        assert!(g.iter().any(|&v| v != 0.0), "{n} has no gradient");
+    }
+    for cut in [Cut::Even(2), Cut::Even(4), Cut::Layers(vec![0, 3, 1])] {
+        let (l, g, _) = run(&cut);
+        assert_eq!(l, loss, "{cut:?}: losses");
+        assert_eq!(g, grads, "{cut:?}: gradients");
+    }
+}
+
+#[test]
+fn llama_options_are_validated_and_serialize_only_when_set() {
+    let bad = |c: GptConfig| c.validate().unwrap_err().to_string();
+    let cfg = tiny_llama();
+    assert!(cfg.validate().is_ok());
+    assert!(
+        bad(GptConfig {
+            kv_heads: Some(3),
+            ..cfg.clone()
+        })
+        .contains("`kv_heads`")
+    );
+    assert!(
+        bad(GptConfig {
+            kv_heads: Some(0),
+            ..cfg.clone()
+        })
+        .contains("`kv_heads`")
+    );
+    assert!(
+        bad(GptConfig {
+            intermediate: Some(0),
+            ..cfg.clone()
+        })
+        .contains("`intermediate`")
+    );
+    assert!(
+        bad(GptConfig {
+            rope_theta: -1.0,
+            ..cfg.clone()
+        })
+        .contains("`rope_theta`")
+    );
+    let odd = GptConfig {
+        d_model: 12,
+        heads: 4,
+        kv_heads: None,
+        ..cfg.clone()
+    };
+    assert!(bad(odd).contains("`positions`"));
+    // The default serializes exactly as before the options existed (job fingerprints,
+    // checkpoint sidecars); a Llama-shaped one names them and reads back.
+    let json = serde_json::to_string(&GptConfig::default()).unwrap();
+    assert_eq!(
+        json,
+        r#"{"vocab":50,"d_model":64,"heads":4,"layers":8,"seq_len":64,"mlp_ratio":4,"activation":"gelu","norm_eps":0.00001,"seed":0}"#
+    );
+    let json = serde_json::to_string(&cfg).unwrap();
+    for key in [
+        "\"positions\":\"rope\"",
+        "\"kv_heads\":2",
+        "\"qkv_bias\":true",
+        "\"intermediate\":24",
+        "\"activation\":\"swiglu\"",
+    ] {
+        assert!(json.contains(key), "{key} in {json}");
+    }
+    assert_eq!(serde_json::from_str::<GptConfig>(&json).unwrap(), cfg);
+    let toml_cfg: GptConfig = toml::from_str(
+        "positions = \"rope\"\nrope_theta = 500000.0\nkv_heads = 2\nactivation = \"swiglu\"\nqkv_bias = true",
+    )
+    .unwrap();
+    assert_eq!(toml_cfg.kv_heads(), 2);
+    assert_eq!(toml_cfg.rope_theta, 500_000.0);
+    assert_eq!(toml_cfg.kv_dim(), 32);
+}
