@@ -21,8 +21,11 @@ use std::path::Path;
 use std::sync::OnceLock;
 
 use pipefill::config::JobConfig;
+use pipefill::model::GptConfig;
+use pipefill::model::config::Positions;
 use pipefill::pipeline::{Clock, PipelineError, PipelineRun, PipelineTrainer, StepMode};
 use pipefill::schedules::{ScheduleKind, build, read_plan};
+use pipefill::tensor::Activation;
 use pipefill::train::{StepMetrics, Trainer};
 
 mod common;
@@ -60,21 +63,44 @@ fn oracle(clip: f32) -> &'static Oracle {
     static CLIPPED: OnceLock<Oracle> = OnceLock::new();
     static UNCLIPPED: OnceLock<Oracle> = OnceLock::new();
     let cell = if clip == 0.0 { &UNCLIPPED } else { &CLIPPED };
-    cell.get_or_init(|| {
-        let job = job_clipped_at(1, clip);
-        let mut trainer = Trainer::reference(&job.model, &job.data, &job.train).unwrap();
-        let steps: Vec<_> = (0..STEPS).map(|_| trainer.train_step().unwrap()).collect();
-        let model = trainer.model();
-        let params = model
-            .param_names()
-            .into_iter()
-            .map(|n| {
-                let v = model.param_values(&n).unwrap();
-                (n, v)
-            })
-            .collect();
-        Oracle { steps, params }
-    })
+    cell.get_or_init(|| reference(&job_clipped_at(1, clip)))
+}
+
+/// The job of [`job`] with a Llama-shaped model: rotary positions, a SwiGLU MLP, 4 query
+/// heads sharing 2 key/value heads, and q/k/v biases (Qwen2).
+fn llama_job(stages: usize) -> JobConfig {
+    let mut job = job(stages);
+    job.model = GptConfig {
+        heads: 4,
+        kv_heads: Some(2),
+        positions: Positions::Rope,
+        activation: Activation::Swiglu,
+        qkv_bias: true,
+        ..job.model
+    };
+    job
+}
+
+/// The oracle of [`llama_job`].
+fn llama_oracle() -> &'static Oracle {
+    static LLAMA: OnceLock<Oracle> = OnceLock::new();
+    LLAMA.get_or_init(|| reference(&llama_job(1)))
+}
+
+/// [`STEPS`] of the reference trainer on `job`'s model, data and training settings.
+fn reference(job: &JobConfig) -> Oracle {
+    let mut trainer = Trainer::reference(&job.model, &job.data, &job.train).unwrap();
+    let steps: Vec<_> = (0..STEPS).map(|_| trainer.train_step().unwrap()).collect();
+    let model = trainer.model();
+    let params = model
+        .param_names()
+        .into_iter()
+        .map(|n| {
+            let v = model.param_values(&n).unwrap();
+            (n, v)
+        })
+        .collect();
+    Oracle { steps, params }
 }
 
 /// Runs `trainer` for [`STEPS`] and checks it against the oracle of its job: bitwise
@@ -82,7 +108,17 @@ fn oracle(clip: f32) -> &'static Oracle {
 fn check_against_oracle(name: &str, trainer: &PipelineTrainer) -> PipelineRun {
     let clip = trainer.job().train.clip;
     assert!(clip == 0.0 || clip == CLIP, "the oracles know CLIP and 0");
-    let oracle = oracle(clip);
+    let oracle = if trainer.job().model == llama_job(1).model {
+        assert_eq!(clip, CLIP, "the Llama oracle is clipped");
+        llama_oracle()
+    } else {
+        assert_eq!(
+            trainer.job().model,
+            job(1).model,
+            "a model the oracles know"
+        );
+        oracle(clip)
+    };
     let bound = if clip == 0.0 { 0.0 } else { MAX_ABS_DIFF };
     let mut seen = Vec::new();
     let run = trainer.run(STEPS, |m| seen.push(m.step)).unwrap();
@@ -235,6 +271,27 @@ fn auto_schedule_matches_the_reference() {
     let run = check_against_oracle("auto", &trainer);
     pipefill::schedules::validate(&run.plan, &Default::default())
         .expect("the last auto plan is valid");
+}
+
+/// A Llama-shaped model (RoPE, SwiGLU, grouped-query attention, q/k/v biases) pipelined
+/// under every built-in schedule is bitwise the reference trainer's, clipped steps included.
+#[test]
+fn llama_shaped_models_match_the_reference_under_every_schedule() {
+    let job = llama_job(4);
+    let names: Vec<String> = llama_oracle().params.keys().cloned().collect();
+    for want in ["blocks.0.attn.bq", "blocks.7.attn.bv", "blocks.3.mlp.w3"] {
+        assert!(names.iter().any(|n| n == want), "no {want} in {names:?}");
+    }
+    assert!(
+        !names.iter().any(|n| n == "embed.pos"),
+        "rope has no position table"
+    );
+    for kind in ScheduleKind::ALL {
+        let trainer = PipelineTrainer::builtin(&job, kind, None)
+            .unwrap()
+            .clock(Clock::virtual_free());
+        check_against_oracle(&format!("{kind} llama"), &trainer);
+    }
 }
 
 #[test]
