@@ -42,8 +42,9 @@ pub enum ConfigError {
     Invalid { field: String, reason: String },
 }
 
-/// How stage timelines are timed (see DESIGN.md, "Clocks").
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+/// How stage timelines are timed (see DESIGN.md, "Clocks"): the job file's `clock` and
+/// `--clock`'s values.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum Clock {
     /// Each action is timed by the thread CPU time it used, one virtual clock per stage.
@@ -51,6 +52,24 @@ pub enum Clock {
     Virtual,
     /// Real elapsed time.
     Wall,
+}
+
+impl Clock {
+    /// The runtime's clock for this choice (a virtual clock without link latency).
+    pub fn runtime(self) -> pipefill_actors::Clock {
+        match self {
+            Clock::Virtual => pipefill_actors::Clock::virtual_free(),
+            Clock::Wall => pipefill_actors::Clock::Wall,
+        }
+    }
+
+    /// The name the job file uses.
+    pub fn name(self) -> &'static str {
+        match self {
+            Clock::Virtual => "virtual",
+            Clock::Wall => "wall",
+        }
+    }
 }
 
 /// What a pipelined job runs in its bubbles (see `actors/src/router.rs`).

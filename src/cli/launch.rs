@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 
-use pipefill::config::{Clock, JobConfig};
+use pipefill::config::JobConfig;
 use pipefill::launch::auto::AutoChoice;
 use pipefill::launch::profile::mean_cost;
 use pipefill::launch::train::{RankResume, train_rank};
@@ -25,7 +25,7 @@ use pipefill::model::checkpoint::resume::ResumePoint;
 use pipefill::pipeline::PipelineTrainer;
 use pipefill::profile::merge::MergedProfile;
 use pipefill::profile::report::RunInfo;
-use pipefill::run::{Existing, Resume, RunDir};
+use pipefill::run::{Existing, Resume, RunDir, StepLine};
 use pipefill::schedules::{Plan, simulate};
 use pipefill::train::StepMetrics;
 
@@ -183,14 +183,6 @@ fn supervise(mut children: Vec<Option<Child>>) -> anyhow::Result<()> {
     )
 }
 
-/// The runtime's clock for the job file's `clock`.
-fn clock_of(job: &JobConfig) -> pipefill::pipeline::Clock {
-    match job.clock {
-        Clock::Virtual => pipefill::pipeline::Clock::virtual_free(),
-        Clock::Wall => pipefill::pipeline::Clock::Wall,
-    }
-}
-
 /// `pipefill train` as one rank of a multi-process job: joins the others, trains this
 /// rank's stages (each rank writing its shard of the sharded checkpoints), and on rank 0
 /// writes the run directory: `job.toml`, the whole model's checkpoint, `metrics.jsonl` and
@@ -288,7 +280,7 @@ pub fn train_distributed(
         job,
         plan,
         &mesh,
-        clock_of(job),
+        job.clock.runtime(),
         job.train.steps - first_step,
         checkpoint.as_ref(),
         job.device.on_local_rank(env.local_rank),
@@ -367,18 +359,6 @@ fn print_auto_choice(rank: usize, first_step: u64, choice: &AutoChoice) {
     }
 }
 
-/// One line of a multi-process run's `metrics.jsonl`: the step's metrics and its merged
-/// timeline's figures (the single-process line's fields without the filler's).
-#[derive(serde::Serialize)]
-struct StepLine<'a> {
-    #[serde(flatten)]
-    metrics: &'a StepMetrics,
-    tokens_per_second: f64,
-    makespan: Option<f64>,
-    bubble_ratio: Option<f64>,
-    steady_bubble_ratio: Option<f64>,
-}
-
 /// Rank 0's run files from the merged profile and the step log: `metrics.jsonl`, the bubble
 /// report of a steady step next to the simulator's prediction under the mean measured
 /// costs, `trace.json` and `timeline.svg`.
@@ -394,14 +374,7 @@ fn write_run_files(
     let mut lines = String::new();
     for m in metrics {
         let timeline = merged.iterations.get((m.step - first_step) as usize);
-        let line = StepLine {
-            metrics: m,
-            tokens_per_second: m.tokens_per_second(),
-            makespan: timeline.map(|t| t.makespan),
-            bubble_ratio: timeline.map(|t| t.bubble_ratio),
-            steady_bubble_ratio: timeline.map(|t| t.steady_bubble_ratio),
-        };
-        lines += &serde_json::to_string(&line)?;
+        lines += &StepLine::new(m, timeline).to_json();
         lines.push('\n');
     }
     metrics_file
@@ -416,11 +389,7 @@ fn write_run_files(
     let predicted = simulate(plan, &cost)?;
     let info = RunInfo {
         schedule: job.schedule.trim().to_string(),
-        clock: match job.clock {
-            Clock::Virtual => "virtual",
-            Clock::Wall => "wall",
-        }
-        .into(),
+        clock: job.clock.name().into(),
         stages: plan.stages,
         microbatches: plan.microbatches,
         steps: first_step + merged.iterations.len() as u64,
@@ -502,7 +471,7 @@ pub fn rl_distributed(
     }
     watchdog(&mesh);
     let mut lines = String::new();
-    let run = rl_rank(job, &mesh, clock_of(job), init.as_ref(), |m| {
+    let run = rl_rank(job, &mesh, job.clock.runtime(), init.as_ref(), |m| {
         println!(
             "step {:>4}/{} reward {:.3} | rollout {:.2} s | weight sync {:.3} s | update {:.2} s, loss {:+.4}, grad norm {:.3}",
             m.step + 1,

@@ -69,14 +69,6 @@ pub struct PipelineTrainer {
     auto: Option<AutoReplanner>,
 }
 
-/// The runtime's clock for the job file's `clock`.
-fn clock_of(job: &JobConfig) -> Clock {
-    match job.clock {
-        crate::config::Clock::Virtual => Clock::virtual_free(),
-        crate::config::Clock::Wall => Clock::Wall,
-    }
-}
-
 impl PipelineTrainer {
     /// A trainer for `job` following `plan` (compute-only or lowered). The plan's
     /// micro-batches must be the job's `train.micro_batches`, and every stage needs a block.
@@ -87,7 +79,7 @@ impl PipelineTrainer {
         Ok(PipelineTrainer {
             job: job.clone(),
             plan,
-            clock: clock_of(job),
+            clock: job.clock.runtime(),
             resume: None,
             replica: None,
             checkpoints: None,

@@ -31,7 +31,7 @@ use std::time::Instant;
 use anyhow::bail;
 use indicatif::{ProgressBar, ProgressStyle};
 
-use pipefill::config::JobConfig;
+use pipefill::config::{Clock, JobConfig};
 use pipefill::data::DatasetSummary;
 use pipefill::model::Gpt;
 use pipefill::model::checkpoint::Checkpoint;
@@ -54,7 +54,7 @@ pub struct TrainArgs {
     schedule: Option<String>,
     /// How stage timelines are timed: virtual (thread CPU time per stage) or wall.
     #[arg(long, value_enum)]
-    clock: Option<ClockArg>,
+    clock: Option<Clock>,
     /// What the ranks compute on: cpu or cuda (overrides device; a launched rank uses the
     /// GPU of its local rank).
     #[arg(long, value_enum)]
@@ -76,13 +76,6 @@ pub struct TrainArgs {
     overwrite: bool,
 }
 
-/// `--clock`'s values (the job file's `clock`).
-#[derive(Clone, Copy, clap::ValueEnum)]
-enum ClockArg {
-    Virtual,
-    Wall,
-}
-
 /// `--device`'s values (the job file's `device`).
 #[derive(Clone, Copy, clap::ValueEnum)]
 enum DeviceArg {
@@ -100,11 +93,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         sets.push(format!("device=\"{name}\""));
     }
     if let Some(clock) = args.clock {
-        let name = match clock {
-            ClockArg::Virtual => "virtual",
-            ClockArg::Wall => "wall",
-        };
-        sets.push(format!("clock=\"{name}\""));
+        sets.push(format!("clock=\"{}\"", clock.name()));
     }
     if let Some(steps) = args.steps {
         sets.push(format!("train.steps={steps}"));

@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 
-use pipefill::config::{Clock, Filler, JobConfig};
+use pipefill::config::{Filler, JobConfig};
 use pipefill::data::DatasetSummary;
 use pipefill::model::checkpoint::sharded::{
     CHECKPOINTS_DIR, Layout, MANIFEST_FILE, Manifest, job_fingerprint, latest, load_sharded,
@@ -64,10 +64,7 @@ pub(super) fn train(
         );
     }
     let plan = trainer.plan().clone();
-    let clock = match job.clock {
-        Clock::Virtual => "virtual",
-        Clock::Wall => "wall",
-    };
+    let clock = job.clock.name();
     println!(
         "model: {} params ({} layers, d_model {}, {} heads, seq {}) on the CPU",
         job.model.param_count(),
