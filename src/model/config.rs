@@ -31,6 +31,19 @@ impl Positions {
     }
 }
 
+/// Llama 3's RoPE scaling (Hugging Face's `rope_scaling` with `rope_type = "llama3"`): low
+/// frequencies (wavelengths above `original_max_position_embeddings / low_freq_factor`) are
+/// divided by `factor`, high ones (below `… / high_freq_factor`) kept, and the band between
+/// interpolated smoothly.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RopeScaling {
+    pub factor: f32,
+    pub low_freq_factor: f32,
+    pub high_freq_factor: f32,
+    pub original_max_position_embeddings: usize,
+}
+
 /// Shape and seed of a decoder-only GPT.
 ///
 /// The default is small enough that a few hundred steps train in a minute or two on two
@@ -63,6 +76,10 @@ pub struct GptConfig {
     /// RoPE base: frequency `i` of a head of width `h` is `rope_theta^(−2i/h)`.
     #[serde(skip_serializing_if = "is_default_theta")]
     pub rope_theta: f32,
+    /// Llama 3's RoPE scaling of those frequencies (a `[model.rope_scaling]` table); `None`
+    /// (absent): unscaled.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rope_scaling: Option<RopeScaling>,
     /// Key/value heads (grouped-query attention); `None` (absent): one per query head. Must
     /// divide `heads`; query head `h` reads key/value head `h / (heads / kv_heads)`.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -89,6 +106,7 @@ impl Default for GptConfig {
             activation: Activation::Gelu,
             positions: Positions::Learned,
             rope_theta: DEFAULT_ROPE_THETA,
+            rope_scaling: None,
             kv_heads: None,
             qkv_bias: false,
             norm_eps: 1e-5,
@@ -146,6 +164,23 @@ impl GptConfig {
                     format!("{} is not a positive number", self.rope_theta),
                 );
             }
+            if let Some(s) = self.rope_scaling {
+                let positive = |v: f32| v > 0.0 && v.is_finite();
+                if !(positive(s.factor)
+                    && positive(s.low_freq_factor)
+                    && s.high_freq_factor > s.low_freq_factor
+                    && s.high_freq_factor.is_finite()
+                    && s.original_max_position_embeddings > 0)
+                {
+                    return bad(
+                        "rope_scaling",
+                        format!(
+                            "{s:?} needs factor > 0, 0 < low_freq_factor < high_freq_factor \
+                             and original_max_position_embeddings ≥ 1"
+                        ),
+                    );
+                }
+            }
         }
         if !(self.norm_eps > 0.0 && self.norm_eps.is_finite()) {
             return bad(
@@ -164,6 +199,34 @@ impl GptConfig {
     /// Hidden width of the MLP.
     pub fn mlp_hidden(&self) -> usize {
         self.intermediate.unwrap_or(self.mlp_ratio * self.d_model)
+    }
+
+    /// The `head_dim / 2` RoPE frequencies `rope_theta^(−2i/head_dim)` (in `f32`, as Hugging
+    /// Face computes them), Llama-3 scaled when `rope_scaling` is set.
+    pub fn rope_inv_freq(&self) -> Vec<f32> {
+        let hd = self.head_dim();
+        let base: Vec<f32> = (0..hd / 2)
+            .map(|i| 1.0 / self.rope_theta.powf((2 * i) as f32 / hd as f32))
+            .collect();
+        let Some(s) = self.rope_scaling else {
+            return base;
+        };
+        let old = s.original_max_position_embeddings as f32;
+        let (low_wavelen, high_wavelen) = (old / s.low_freq_factor, old / s.high_freq_factor);
+        base.into_iter()
+            .map(|f| {
+                let wavelen = 2.0 * std::f32::consts::PI / f;
+                if wavelen < high_wavelen {
+                    f
+                } else if wavelen > low_wavelen {
+                    f / s.factor
+                } else {
+                    let smooth = (old / wavelen - s.low_freq_factor)
+                        / (s.high_freq_factor - s.low_freq_factor);
+                    (1.0 - smooth) * f / s.factor + smooth * f
+                }
+            })
+            .collect()
     }
 
     /// Key/value heads (`heads` unless grouped-query attention is asked for).

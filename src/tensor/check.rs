@@ -141,18 +141,22 @@ pub(super) fn mul<B: Backend>(be: &B, [a, b, out]: [&B::Buf; 3]) -> Result<()> {
     exact(be, "mul", [("b", b, n), ("out", out, n)])
 }
 
-/// [`Backend::rope`]: `x, out: [positions, heads·head_dim]`, `head_dim` even.
+/// [`Backend::rope`]: `x, out: [positions, heads·head_dim]`, `head_dim` even, `head_dim/2`
+/// frequencies.
 pub(super) fn rope<B: Backend>(
     be: &B,
     [x, out]: [&B::Buf; 2],
     positions: usize,
     heads: usize,
     head_dim: usize,
+    frequencies: usize,
 ) -> Result<()> {
-    if !head_dim.is_multiple_of(2) {
+    if !head_dim.is_multiple_of(2) || frequencies != head_dim / 2 {
         return Err(TensorError::Invalid {
             op: "rope",
-            reason: format!("head_dim {head_dim} is odd"),
+            reason: format!(
+                "head_dim {head_dim} must be even, with half as many frequencies (got {frequencies})"
+            ),
         });
     }
     let n = positions * heads * head_dim;

@@ -266,7 +266,8 @@ pub trait Backend: Clone + Send + Sync + 'static {
 
     /// Rotary position embedding of `x: [rows, heads, head_dim]` into `out` (same shape), row
     /// `r` at position `positions[r]` (`rows = positions.len()`), Llama's `rotate_half`
-    /// convention: for `i < head_dim/2` and `a = positions[r]·theta^(−2i/head_dim)`,
+    /// convention: for `i < head_dim/2` and `a = positions[r]·inv_freq[i]` (`inv_freq` has
+    /// `head_dim/2` frequencies, e.g. `theta^(−2i/head_dim)`, see `GptConfig::rope_inv_freq`),
     /// `out[i] = x[i]·cos a − x[i+head_dim/2]·sin a`, `out[i+head_dim/2] = x[i+head_dim/2]·cos a
     /// + x[i]·sin a`. With `inverse` the rotation is by `−a`: the transpose, so the input
     /// gradient of the forward rotation. `head_dim` must be even.
@@ -278,7 +279,7 @@ pub trait Backend: Clone + Send + Sync + 'static {
         positions: &[u32],
         heads: usize,
         head_dim: usize,
-        theta: f32,
+        inv_freq: &[f32],
         inverse: bool,
     ) -> Result<()>;
     /// Grouped-query attention's sharing: `dst: [rows, kv_heads·rep, head_dim]` from

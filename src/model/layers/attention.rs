@@ -46,8 +46,8 @@ pub struct Attention<B: Backend> {
     pub bias: Option<[Param<B>; 3]>,
     heads: usize,
     kv_heads: usize,
-    /// The RoPE base, when positions are rotary.
-    rope: Option<f32>,
+    /// The RoPE frequencies ([`GptConfig::rope_inv_freq`]), when positions are rotary.
+    rope: Option<Vec<f32>>,
     fwd: Stash<Saved<B>>,
     for_w: Stash<ForW<B>>,
 }
@@ -78,7 +78,7 @@ impl<B: Backend> Attention<B> {
             bias,
             heads: config.heads,
             kv_heads: config.kv_heads(),
-            rope: (config.positions == Positions::Rope).then_some(config.rope_theta),
+            rope: (config.positions == Positions::Rope).then(|| config.rope_inv_freq()),
             fwd: Stash::new(name),
             for_w: Stash::new(name),
         })
@@ -116,11 +116,11 @@ impl<B: Backend> Attention<B> {
         if let Some(b) = b {
             be.add_broadcast_rows(&b.value, &mut y, rows, w.shape[1])?;
         }
-        match (self.rope, rotate) {
-            (Some(theta), Some(pos)) => {
+        match (&self.rope, rotate) {
+            (Some(freq), Some(pos)) => {
                 let hd = self.head_dim();
                 let mut r = activation(be, be.len(&y))?;
-                be.rope(&y, &mut r, pos, w.shape[1] / hd, hd, theta, false)?;
+                be.rope(&y, &mut r, pos, w.shape[1] / hd, hd, freq, false)?;
                 Ok(r)
             }
             _ => Ok(y),
@@ -162,10 +162,10 @@ impl<B: Backend> Attention<B> {
             be.repeat_kv_bwd(&g, &mut out, rows, self.kv_heads, self.rep(), hd)?;
             out
         };
-        match (self.rope, rotate) {
-            (Some(theta), Some(pos)) => {
+        match (&self.rope, rotate) {
+            (Some(freq), Some(pos)) => {
                 let mut out = gradient(be, rows * width)?;
-                be.rope(&g, &mut out, pos, width / hd, hd, theta, true)?;
+                be.rope(&g, &mut out, pos, width / hd, hd, freq, true)?;
                 Ok(out)
             }
             _ => Ok(g),
@@ -188,7 +188,7 @@ impl<B: Backend> Attention<B> {
             heads: self.heads,
             head_dim: self.head_dim(),
         };
-        let pos = self.rope.map(|_| Self::positions(batch, seq));
+        let pos = self.rope.as_ref().map(|_| Self::positions(batch, seq));
         let pos = pos.as_deref();
         let b = self.bias.as_ref();
         let q = self.project(be, x, &self.wq, b.map(|b| &b[0]), pos, rows)?;
@@ -227,6 +227,7 @@ impl<B: Backend> Attention<B> {
         )?;
         let pos = self
             .rope
+            .as_ref()
             .map(|_| Self::positions(s.shape.batch, s.shape.seq));
         let pos = pos.as_deref();
         let kv = self.wk.shape[1];

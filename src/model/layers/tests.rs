@@ -314,7 +314,7 @@ fn llama(act: Activation, rope: bool, kv_heads: Option<usize>, qkv_bias: bool) -
     }
 }
 
-use crate::model::config::Positions;
+use crate::model::config::{Positions, RopeScaling};
 
 #[test]
 fn attention_rope_input_and_weight_gradients() {
@@ -322,6 +322,20 @@ fn attention_rope_input_and_weight_gradients() {
     check_mapping(Attention::new(&be(), "attn", &cfg).unwrap());
     // A head width of 4: two frequencies per head.
     let cfg = GptConfig { heads: 2, ..cfg };
+    check_mapping(Attention::new(&be(), "attn", &cfg).unwrap());
+    // Llama-3 scaled: the second frequency (wavelength 19.9) lies in the smoothed band.
+    let cfg = GptConfig {
+        rope_scaling: Some(RopeScaling {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 40,
+        }),
+        ..cfg
+    };
+    let freq = cfg.rope_inv_freq();
+    assert_eq!(freq[0], 1.0);
+    assert!(freq[1] < 0.316 && freq[1] > 0.316 / 8.0, "{freq:?}");
     check_mapping(Attention::new(&be(), "attn", &cfg).unwrap());
 }
 

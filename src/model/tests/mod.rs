@@ -586,3 +586,64 @@ fn llama_options_are_validated_and_serialize_only_when_set() {
     assert_eq!(toml_cfg.rope_theta, 500_000.0);
     assert_eq!(toml_cfg.kv_dim(), 32);
 }
+
+/// Llama 3.1's scaling (factor 8, low 1, high 4, 8192 original positions, base 500000, head
+/// width 128): wavelengths under 2048 keep their frequency, those over 8192 are divided by
+/// 8, the band between is interpolated, and the frequencies stay in decreasing order.
+#[test]
+fn llama3_rope_scaling_keeps_high_and_divides_low_frequencies() {
+    let plain = GptConfig {
+        d_model: 128 * 4,
+        heads: 4,
+        positions: config::Positions::Rope,
+        rope_theta: 500_000.0,
+        ..GptConfig::default()
+    };
+    let scaled = GptConfig {
+        rope_scaling: Some(config::RopeScaling {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192,
+        }),
+        ..plain.clone()
+    };
+    assert!(scaled.validate().is_ok());
+    let (f, g) = (plain.rope_inv_freq(), scaled.rope_inv_freq());
+    assert_eq!(f.len(), 64);
+    for (i, &fi) in f.iter().enumerate() {
+        let want = 500_000f32.powf(-((2 * i) as f32) / 128.0);
+        assert!((fi - want).abs() <= 1e-6 * want, "{i}: {fi} vs {want}");
+    }
+    let mut band = 0;
+    for (&fi, &gi) in f.iter().zip(&g) {
+        let wavelen = 2.0 * std::f32::consts::PI / fi;
+        if wavelen < 2048.0 {
+            assert_eq!(gi, fi);
+        } else if wavelen > 8192.0 {
+            assert_eq!(gi, fi / 8.0);
+        } else {
+            band += 1;
+            assert!(
+                gi < fi && gi > fi / 8.0,
+                "{gi} not between {fi} and {}",
+                fi / 8.0
+            );
+        }
+    }
+    assert!(band > 0, "no frequency in the smoothed band");
+    assert!(g.windows(2).all(|w| w[0] > w[1]), "{g:?}");
+    let bad = GptConfig {
+        rope_scaling: Some(config::RopeScaling {
+            high_freq_factor: 0.5,
+            ..scaled.rope_scaling.unwrap()
+        }),
+        ..scaled
+    };
+    assert!(
+        bad.validate()
+            .unwrap_err()
+            .to_string()
+            .contains("`rope_scaling`")
+    );
+}

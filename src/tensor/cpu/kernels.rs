@@ -429,7 +429,7 @@ mod tests {
 }
 
 /// Rotary embedding of `x: [positions.len(), heads, head_dim]` into `out` (Llama's
-/// `rotate_half` convention): for `i < head_dim/2`, with `a = positions[r]·theta^(−2i/head_dim)`,
+/// `rotate_half` convention): for `i < head_dim/2`, with `a = positions[r]·inv_freq[i]`,
 /// `out[i] = x[i]·cos a − x[i+h/2]·sin a` and `out[i+h/2] = x[i+h/2]·cos a + x[i]·sin a`.
 /// `inverse` rotates by `−a`: the transpose of the rotation, i.e. its input gradient.
 pub fn rope(
@@ -437,22 +437,19 @@ pub fn rope(
     out: &mut [f32],
     positions: &[u32],
     head_dim: usize,
-    theta: f32,
+    inv_freq: &[f32],
     inverse: bool,
 ) {
     let half = head_dim / 2;
     if half == 0 {
         return;
     }
-    let inv_freq: Vec<f32> = (0..half)
-        .map(|i| 1.0 / theta.powf((2 * i) as f32 / head_dim as f32))
-        .collect();
     let width = x.len() / positions.len().max(1);
     let sign = if inverse { -1.0 } else { 1.0 };
     let mut cos = vec![0.0f32; half];
     let mut sin = vec![0.0f32; half];
     for ((xr, or), &p) in x.chunks(width).zip(out.chunks_mut(width)).zip(positions) {
-        for ((c, s), &f) in cos.iter_mut().zip(sin.iter_mut()).zip(&inv_freq) {
+        for ((c, s), &f) in cos.iter_mut().zip(sin.iter_mut()).zip(inv_freq) {
             let a = p as f32 * f;
             *c = a.cos();
             *s = sign * a.sin();

@@ -249,12 +249,19 @@ impl Backend for CpuBackend {
         positions: &[u32],
         heads: usize,
         head_dim: usize,
-        theta: f32,
+        inv_freq: &[f32],
         inverse: bool,
     ) -> Result<()> {
-        check::rope(self, [x, out], positions.len(), heads, head_dim)?;
+        check::rope(
+            self,
+            [x, out],
+            positions.len(),
+            heads,
+            head_dim,
+            inv_freq.len(),
+        )?;
         let x = x.read();
-        out.write(|o| kernels::rope(&x, o, positions, head_dim, theta, inverse));
+        out.write(|o| kernels::rope(&x, o, positions, head_dim, inv_freq, inverse));
         Ok(())
     }
 

@@ -593,11 +593,22 @@ fn matmul_batched_with_k_0_zeroes_only_the_output_blocks() {
 fn rope_rotates_pairs_by_position() {
     let be = CpuBackend::new(1).unwrap();
     let (heads, hd, theta) = (2, 6, 100.0f32);
+    let inv_freq: Vec<f32> = (0..hd / 2)
+        .map(|i| theta.powf(-2.0 * i as f32 / hd as f32))
+        .collect();
     let positions = [0u32, 1, 5, 2];
     let x = rand_vec(11, positions.len() * heads * hd);
     let mut out = be.zeros(x.len(), DType::F32).unwrap();
-    be.rope(&buf(&be, &x), &mut out, &positions, heads, hd, theta, false)
-        .unwrap();
+    be.rope(
+        &buf(&be, &x),
+        &mut out,
+        &positions,
+        heads,
+        hd,
+        &inv_freq,
+        false,
+    )
+    .unwrap();
     let got = host(&be, &out);
     let mut want = vec![0.0f64; x.len()];
     for (r, &p) in positions.iter().enumerate() {
@@ -618,7 +629,7 @@ fn rope_rotates_pairs_by_position() {
         "position 0 is the identity"
     );
     let mut back = be.zeros(x.len(), DType::F32).unwrap();
-    be.rope(&out, &mut back, &positions, heads, hd, theta, true)
+    be.rope(&out, &mut back, &positions, heads, hd, &inv_freq, true)
         .unwrap();
     assert_close("inverse of rope", &host(&be, &back), &wide(&x), 1e-5);
     // q at position m, k at n: the product is the same at (m + s, n + s).
@@ -626,7 +637,7 @@ fn rope_rotates_pairs_by_position() {
     let dot_at = |m: u32, n: u32| {
         let rot = |v: &[f32], p: u32| {
             let mut o = be.zeros(hd, DType::F32).unwrap();
-            be.rope(&buf(&be, v), &mut o, &[p], 1, hd, theta, false)
+            be.rope(&buf(&be, v), &mut o, &[p], 1, hd, &inv_freq, false)
                 .unwrap();
             host(&be, &o)
         };
@@ -644,10 +655,21 @@ fn rope_rotates_pairs_by_position() {
         &[0],
         1,
         5,
-        theta,
+        &inv_freq[..2],
         false,
     );
-    assert!(odd.unwrap_err().to_string().contains("odd"));
+    assert!(odd.unwrap_err().to_string().contains("must be even"));
+    let mut o = be.zeros(x.len(), DType::F32).unwrap();
+    let short = be.rope(
+        &buf(&be, &x),
+        &mut o,
+        &positions,
+        heads,
+        hd,
+        &inv_freq[..2],
+        false,
+    );
+    assert!(short.unwrap_err().to_string().contains("got 2"));
 }
 
 /// `repeat_kv` gives query head `h` the key/value head `h / rep`; its backward sums the

@@ -205,10 +205,17 @@ impl Backend for CudaBackend {
         positions: &[u32],
         heads: usize,
         head_dim: usize,
-        _theta: f32,
+        inv_freq: &[f32],
         _inverse: bool,
     ) -> Result<()> {
-        check::rope(self, [x, out], positions.len(), heads, head_dim)?;
+        check::rope(
+            self,
+            [x, out],
+            positions.len(),
+            heads,
+            head_dim,
+            inv_freq.len(),
+        )?;
         not_yet("rope")
     }
 
