@@ -413,21 +413,6 @@ pub fn adamw(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], hp: &AdamWS
     }
 }
 
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn fast_tanh_is_accurate_everywhere() {
-        let mut worst = 0.0f64;
-        for i in -20_000..=20_000 {
-            let x = i as f32 * 1e-3;
-            let err = (f64::from(super::fast_tanh(x)) - f64::from(x).tanh()).abs();
-            worst = worst.max(err);
-        }
-        assert!(worst < 5e-7, "max error {worst:e}"); // a few ulp near ±1
-        assert_eq!(super::fast_tanh(1e4), super::fast_tanh(8.0));
-    }
-}
-
 /// Rotary embedding of `x: [positions.len(), heads, head_dim]` into `out` (Llama's
 /// `rotate_half` convention): for `i < head_dim/2`, with `a = positions[r]·inv_freq[i]`,
 /// `out[i] = x[i]·cos a − x[i+h/2]·sin a` and `out[i+h/2] = x[i+h/2]·cos a + x[i]·sin a`.
@@ -491,5 +476,20 @@ pub fn repeat_kv_bwd(src: &[f32], dst: &mut [f32], kv_heads: usize, rep: usize, 
                 dh.iter_mut().zip(sh).for_each(|(d, &v)| *d += v);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn fast_tanh_is_accurate_everywhere() {
+        let mut worst = 0.0f64;
+        for i in -20_000..=20_000 {
+            let x = i as f32 * 1e-3;
+            let err = (f64::from(super::fast_tanh(x)) - f64::from(x).tanh()).abs();
+            worst = worst.max(err);
+        }
+        assert!(worst < 5e-7, "max error {worst:e}"); // a few ulp near ±1
+        assert_eq!(super::fast_tanh(1e4), super::fast_tanh(8.0));
     }
 }
