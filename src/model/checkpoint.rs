@@ -5,9 +5,11 @@
 //! A checkpoint is a directory holding `model.safetensors` and `checkpoint.json`. Both are
 //! written atomically (a temporary file in the same directory, synced, then renamed over
 //! the old one), the tensors first and the sidecar last: the sidecar records the tensor
-//! file's exact size and tensor names, so a reader never mixes a new sidecar with a torn
-//! tensor file, and a truncated or foreign file is reported as such instead of loading
-//! garbage. Tensors are stored as little-endian `f32` by name: parameters under their
+//! file's exact size, its FNV-1a hash (the one every shard and drafter file carries) and its
+//! tensor names, so a reader never mixes a new sidecar with a torn tensor file, and a
+//! truncated, corrupted or foreign file is reported as such instead of loading garbage. A
+//! sidecar without the hash (written before checkpoints carried one) is refused, saying so:
+//! nothing would tell a flipped byte from a trained one. Tensors are stored as little-endian `f32` by name: parameters under their
 //! model names (`blocks.3.attn.wq`), optimizer moments under prefixed names
 //! ([`ADAM_M_PREFIX`], [`ADAM_V_PREFIX`]), so standard safetensors tools can read them.
 //!
@@ -17,21 +19,25 @@
 //!
 //! Pipelined and data-parallel runs write the sharded form instead ([`sharded`]: one shard
 //! per rank and a manifest written last), which reads back into the same [`Checkpoint`].
+//! [`files`] is how every file of a checkpoint is written and read (plain names, regular
+//! files, sizes checked first).
 
 use std::collections::HashMap;
 use std::fs;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 use serde::{Deserialize, Serialize};
 
 use super::{AdamW, Gpt, GptConfig, ModelError, OptimizerState, SlotState};
 use crate::tensor::Backend;
 
 pub mod drafter;
+pub mod files;
 pub mod resume;
 pub mod sharded;
+
+pub use files::write_atomic;
+use files::{MAX_META_BYTES, check_hash, read_bounded, read_exact, read_f32_tensors};
 
 /// File name of the tensors inside a checkpoint directory.
 pub const TENSOR_FILE: &str = "model.safetensors";
@@ -59,12 +65,40 @@ pub enum CheckpointError {
     #[error("checkpoint {path}: not a pipefill checkpoint sidecar: {reason}")]
     BadMeta { path: PathBuf, reason: String },
     #[error(
-        "checkpoint {path}: the file is truncated or was replaced: {got} bytes, the sidecar says {expected}"
+        "checkpoint {path}: the file is truncated or was replaced: {got} bytes, its manifest or sidecar says {expected}"
     )]
     Size {
         path: PathBuf,
         expected: u64,
         got: u64,
+    },
+    /// A file of the checkpoint whose bytes are not the ones its listing recorded.
+    #[error("checkpoint {path}: corrupted: its hash is {got}, {listing} says {expected}")]
+    Corrupted {
+        path: PathBuf,
+        got: String,
+        expected: String,
+        /// The manifest's or sidecar's file name.
+        listing: String,
+    },
+    /// A file name or size that the manifest or sidecar `path` gives in `field`, refused
+    /// before anything is read ([`files`]).
+    #[error("checkpoint {path}: {field} {name:?} {reason}")]
+    Listed {
+        path: PathBuf,
+        field: String,
+        name: String,
+        reason: String,
+    },
+    #[error("checkpoint {path}: is {kind}, not a regular file")]
+    Irregular { path: PathBuf, kind: &'static str },
+    #[error(
+        "checkpoint {path}: {bytes} bytes, more than this file of a checkpoint may hold ({limit})"
+    )]
+    TooLarge {
+        path: PathBuf,
+        bytes: u64,
+        limit: u64,
     },
     #[error("checkpoint {path}: not a valid safetensors file: {reason}")]
     BadTensors { path: PathBuf, reason: String },
@@ -123,6 +157,10 @@ pub struct CheckpointMeta {
     pub notes: HashMap<String, String>,
     /// Size in bytes of the tensor file this sidecar belongs to.
     pub tensor_bytes: u64,
+    /// FNV-1a 64 of the tensor file's bytes, hex ([`sharded::fingerprint`]). Always written;
+    /// a sidecar without it is refused by [`Checkpoint::load`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tensor_hash: Option<String>,
     /// Names of the tensors, in file order.
     pub tensors: Vec<String>,
     /// The drafter's file, when the run trained one.
@@ -159,6 +197,7 @@ impl Checkpoint {
                 data_seed,
                 notes: HashMap::new(),
                 tensor_bytes: 0,
+                tensor_hash: None,
                 tensors: Vec::new(),
                 drafter: None,
             },
@@ -292,38 +331,10 @@ impl Checkpoint {
             path: dir.to_path_buf(),
             error,
         })?;
-        let tensor_path = dir.join(TENSOR_FILE);
-        let bytes: Vec<Vec<u8>> = self
-            .tensors
-            .iter()
-            .map(|t| t.data.iter().flat_map(|x| x.to_le_bytes()).collect())
-            .collect();
-        let views = self
-            .tensors
-            .iter()
-            .zip(&bytes)
-            .map(|(t, b)| {
-                TensorView::new(Dtype::F32, t.shape.clone(), b)
-                    .map(|v| (t.name.clone(), v))
-                    .map_err(|e| CheckpointError::Tensor {
-                        path: tensor_path.clone(),
-                        name: t.name.clone(),
-                        reason: format!(
-                            "shape {:?} does not hold its {} values ({e})",
-                            t.shape,
-                            t.data.len()
-                        ),
-                    })
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        let info = HashMap::from([("format".to_string(), FORMAT.to_string())]);
-        let file =
-            safetensors::serialize(views, Some(info)).map_err(|e| CheckpointError::BadTensors {
-                path: tensor_path.clone(),
-                reason: e.to_string(),
-            })?;
-        write_atomic(&tensor_path, &file)?;
-        self.meta.tensor_bytes = file.len() as u64;
+        let (bytes, hash) =
+            files::write_tensor_file(&dir.join(TENSOR_FILE), &self.tensors, FORMAT)?;
+        self.meta.tensor_bytes = bytes;
+        self.meta.tensor_hash = Some(hash);
         self.meta.tensors = self.tensors.iter().map(|t| t.name.clone()).collect();
         self.meta.drafter = match &self.drafter {
             Some(state) => Some(drafter::save_drafter(dir, state, &self.meta.model)?),
@@ -333,10 +344,11 @@ impl Checkpoint {
         write_atomic(&dir.join(META_FILE), &json)
     }
 
-    /// Reads the checkpoint in directory `dir`, checking that the two files belong together.
+    /// Reads the checkpoint in directory `dir`, checking that the two files belong together
+    /// (the tensor file's size before it is read, then its hash).
     pub fn load(dir: &Path) -> Result<Self, CheckpointError> {
         let meta_path = dir.join(META_FILE);
-        let text = read(&meta_path)?;
+        let text = read_bounded(&meta_path, MAX_META_BYTES)?;
         let meta: CheckpointMeta =
             serde_json::from_slice(&text).map_err(|e| CheckpointError::BadMeta {
                 path: meta_path.clone(),
@@ -351,18 +363,22 @@ impl Checkpoint {
                 ),
             });
         }
-        let tensor_path = dir.join(TENSOR_FILE);
-        let file = read(&tensor_path)?;
-        if file.len() as u64 != meta.tensor_bytes {
-            return Err(CheckpointError::Size {
-                path: tensor_path,
-                expected: meta.tensor_bytes,
-                got: file.len() as u64,
+        let Some(hash) = &meta.tensor_hash else {
+            return Err(CheckpointError::BadMeta {
+                path: meta_path,
+                reason: format!(
+                    "no `tensor_hash` for {TENSOR_FILE}: it was written by a version of pipefill \
+                     before checkpoints carried a hash, and its tensors cannot be checked; \
+                     resume from a checkpoint this version wrote"
+                ),
             });
-        }
+        };
+        let tensor_path = dir.join(TENSOR_FILE);
+        let file = read_exact(&tensor_path, meta.tensor_bytes)?;
+        check_hash(&tensor_path, &file, hash, &meta_path)?;
         let tensors = read_f32_tensors(&tensor_path, &file, &meta.tensors)?;
         let drafter = match &meta.drafter {
-            Some(entry) => Some(drafter::load_drafter(dir, entry, &meta.model)?),
+            Some(entry) => Some(drafter::load_listed(dir, &meta_path, entry, &meta.model)?),
             None => None,
         };
         Ok(Self {
@@ -371,41 +387,6 @@ impl Checkpoint {
             drafter,
         })
     }
-}
-
-/// The f32 tensors `names` of the safetensors bytes `data` read from `path` (named in errors).
-pub(crate) fn read_f32_tensors(
-    path: &Path,
-    data: &[u8],
-    names: &[String],
-) -> Result<Vec<HostTensor>, CheckpointError> {
-    let st = SafeTensors::deserialize(data).map_err(|e| CheckpointError::BadTensors {
-        path: path.to_path_buf(),
-        reason: e.to_string(),
-    })?;
-    names
-        .iter()
-        .map(|name| {
-            let err = |reason: String| CheckpointError::Tensor {
-                path: path.to_path_buf(),
-                name: name.clone(),
-                reason,
-            };
-            let view = st.tensor(name).map_err(|e| err(e.to_string()))?;
-            if view.dtype() != Dtype::F32 {
-                return Err(err(format!("dtype {:?}, expected F32", view.dtype())));
-            }
-            Ok(HostTensor {
-                name: name.clone(),
-                shape: view.shape().to_vec(),
-                data: view
-                    .data()
-                    .chunks_exact(4)
-                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                    .collect(),
-            })
-        })
-        .collect()
 }
 
 /// The fields in which two model configs differ: `layers (checkpoint 1, run 2), ...`.
@@ -425,43 +406,6 @@ fn config_diff(saved: &GptConfig, run: &GptConfig) -> String {
         })
         .collect::<Vec<_>>()
         .join(", ")
-}
-
-fn read(path: &Path) -> Result<Vec<u8>, CheckpointError> {
-    fs::read(path).map_err(|error| CheckpointError::Io {
-        path: path.to_path_buf(),
-        error,
-    })
-}
-
-/// Writes `bytes` to `path` through a temporary file in the same directory (so the rename
-/// is atomic on POSIX filesystems): readers see the old file or the new one, never a mix.
-/// The file and then its directory are synced, so once this returns the new file survives
-/// a crash (a checkpoint's manifest may then be written over it).
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
-    let io = |error| CheckpointError::Io {
-        path: path.to_path_buf(),
-        error,
-    };
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy())
-        .unwrap_or_default();
-    let tmp = path.with_file_name(format!(".{name}.tmp.{}", std::process::id()));
-    let result = (|| {
-        let mut f = fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        fs::rename(&tmp, path)?;
-        match path.parent().filter(|p| !p.as_os_str().is_empty()) {
-            Some(dir) => fs::File::open(dir)?.sync_all(),
-            None => Ok(()),
-        }
-    })();
-    if result.is_err() {
-        let _ = fs::remove_file(&tmp);
-    }
-    result.map_err(io)
 }
 
 #[cfg(test)]
@@ -521,10 +465,17 @@ mod tests {
             "{err}"
         );
 
-        // Same size, but garbage: safetensors rejects the header.
-        fs::write(&tensor_path, vec![0xAB; full.len()]).unwrap();
-        let err = Checkpoint::load(dir.path()).unwrap_err().to_string();
-        assert!(err.contains("not a valid safetensors file"), "{err}");
+        // Same size, one byte flipped in a tensor, or garbage: the hash the sidecar records.
+        let mut flipped = full.clone();
+        *flipped.last_mut().unwrap() ^= 1;
+        for bytes in [flipped, vec![0xAB; full.len()]] {
+            fs::write(&tensor_path, bytes).unwrap();
+            let err = Checkpoint::load(dir.path()).unwrap_err().to_string();
+            assert!(
+                err.contains("corrupted") && err.contains(TENSOR_FILE) && err.contains(META_FILE),
+                "{err}"
+            );
+        }
 
         fs::write(dir.path().join(META_FILE), b"{\"hello\": 1}").unwrap();
         let err = Checkpoint::load(dir.path()).unwrap_err().to_string();

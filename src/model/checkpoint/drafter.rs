@@ -2,14 +2,16 @@
 //! [`DrafterState::to_parts`] names them) and a [`DrafterEntry`] in the manifest (sharded) or
 //! sidecar (whole) that lists it with its size, hash and the JSON part of the state. The file
 //! is written before the manifest or sidecar, so a complete checkpoint never names a drafter
-//! file that is not there; a file that does not match its entry is refused, naming it.
+//! file that is not there; a file that does not match its entry is refused, naming it, and so
+//! is an entry whose name is not a plain file name in the checkpoint's directory.
 
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
 use super::CheckpointError;
-use super::sharded::{read_tensor_file, write_tensor_file};
+use super::files::{read_listed_tensors, write_tensor_file};
+use super::sharded::{MANIFEST_FILE, SHARDED_FORMAT};
 use crate::model::GptConfig;
 use crate::model::drafter::state::{DrafterMeta, DrafterState};
 
@@ -44,7 +46,7 @@ pub fn save_drafter(
         path: dir.to_path_buf(),
         error,
     })?;
-    let (bytes, hash) = write_tensor_file(&dir.join(DRAFTER_FILE), &tensors)?;
+    let (bytes, hash) = write_tensor_file(&dir.join(DRAFTER_FILE), &tensors, SHARDED_FORMAT)?;
     Ok(DrafterEntry {
         file: DRAFTER_FILE.into(),
         bytes,
@@ -54,14 +56,27 @@ pub fn save_drafter(
     })
 }
 
-/// Reads the drafter state `entry` records in `dir`, for a drafter of target `model`.
+/// Reads the drafter state `entry` of the manifest in `dir` records, for a drafter of target
+/// `model`.
 pub fn load_drafter(
     dir: &Path,
     entry: &DrafterEntry,
     model: &GptConfig,
 ) -> Result<DrafterState, CheckpointError> {
+    load_listed(dir, &dir.join(MANIFEST_FILE), entry, model)
+}
+
+/// Reads the drafter state `entry` of `listing` (the manifest or sidecar) records in `dir`:
+/// its file name, size and hash are checked before the state is parsed.
+pub(super) fn load_listed(
+    dir: &Path,
+    listing: &Path,
+    entry: &DrafterEntry,
+    model: &GptConfig,
+) -> Result<DrafterState, CheckpointError> {
     let path = dir.join(&entry.file);
-    let tensors = read_tensor_file(&path, entry.bytes, &entry.hash, &entry.tensors)?;
+    let listed = (entry.file.as_str(), entry.bytes, entry.hash.as_str());
+    let tensors = read_listed_tensors(dir, listing, "drafter.file", listed, &entry.tensors)?;
     DrafterState::from_parts(&entry.state, &tensors, model.d_model, model.vocab).map_err(|e| {
         CheckpointError::BadTensors {
             path,

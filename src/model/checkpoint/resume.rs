@@ -10,7 +10,10 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use super::sharded::{CHECKPOINTS_DIR, Layout, MANIFEST_FILE, Manifest, latest, read_shard};
+use super::files::{MAX_META_BYTES, read_bounded, stat_listed};
+use super::sharded::{
+    CHECKPOINTS_DIR, Layout, MANIFEST_FILE, Manifest, latest, read_shard, shard_field,
+};
 use super::{Checkpoint, CheckpointError, CheckpointMeta, FORMAT, HostTensor, META_FILE, VERSION};
 
 /// Name of the final whole-model checkpoint directory inside a run directory.
@@ -84,10 +87,7 @@ impl ResumePoint {
             ResumePoint::Sharded(dir) => Ok(Manifest::read(dir)?.step),
             ResumePoint::Whole(dir) => {
                 let path = dir.join(META_FILE);
-                let text = fs::read(&path).map_err(|error| CheckpointError::Io {
-                    path: path.clone(),
-                    error,
-                })?;
+                let text = read_bounded(&path, MAX_META_BYTES)?;
                 let meta: CheckpointMeta =
                     serde_json::from_slice(&text).map_err(|e| CheckpointError::BadMeta {
                         path,
@@ -133,21 +133,10 @@ impl RankShard {
         let manifest = Manifest::read(dir)?;
         manifest.check(layout, config_hash)?;
         manifest.check_shards(dir)?;
+        let listing = dir.join(MANIFEST_FILE);
         for entry in &manifest.shards {
-            let path = dir.join(&entry.file);
-            let got = fs::metadata(&path)
-                .map_err(|error| CheckpointError::Io {
-                    path: path.clone(),
-                    error,
-                })?
-                .len();
-            if got != entry.bytes {
-                return Err(CheckpointError::Size {
-                    path,
-                    expected: entry.bytes,
-                    got,
-                });
-            }
+            let field = shard_field(entry.rank);
+            stat_listed(dir, &listing, &field, &entry.file, entry.bytes)?;
         }
         let index = match rank < manifest.shards.len() {
             true => rank,
@@ -176,6 +165,7 @@ impl RankShard {
                 data_seed: m.data_seed,
                 notes: m.notes.clone(),
                 tensor_bytes: 0,
+                tensor_hash: None,
                 tensors: self.tensors.iter().map(|t| t.name.clone()).collect(),
                 drafter: None,
             },

@@ -20,13 +20,13 @@ use std::collections::HashMap;
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use safetensors::{Dtype, tensor::TensorView};
 use serde::{Deserialize, Serialize};
 
 use super::drafter::{DrafterEntry, load_drafter, save_drafter};
+use super::files::{MAX_META_BYTES, check_listed, read_bounded, read_listed_tensors};
 use super::{
     ADAM_M_PREFIX, ADAM_V_PREFIX, Checkpoint, CheckpointError, CheckpointMeta, FORMAT, HostTensor,
-    MASTER_PREFIX, VERSION, read, write_atomic,
+    MASTER_PREFIX, VERSION, write_atomic,
 };
 use crate::model::{Cut, GptConfig, ModelChunk};
 use crate::tensor::CpuBackend;
@@ -185,7 +185,7 @@ pub fn write_shard(
         error,
     })?;
     let file = shard_file(rank);
-    let (bytes, hash) = write_tensor_file(&dir.join(&file), tensors)?;
+    let (bytes, hash) = super::files::write_tensor_file(&dir.join(&file), tensors, SHARDED_FORMAT)?;
     Ok(ShardEntry {
         rank,
         file,
@@ -193,39 +193,6 @@ pub fn write_shard(
         hash,
         tensors: tensors.iter().map(|t| t.name.clone()).collect(),
     })
-}
-
-/// Writes `tensors` as the safetensors file `path` (atomically); returns its size and hash.
-pub(super) fn write_tensor_file(
-    path: &Path,
-    tensors: &[HostTensor],
-) -> Result<(u64, String), CheckpointError> {
-    let path = path.to_path_buf();
-    let bytes: Vec<Vec<u8>> = tensors
-        .iter()
-        .map(|t| t.data.iter().flat_map(|x| x.to_le_bytes()).collect())
-        .collect();
-    let views = tensors
-        .iter()
-        .zip(&bytes)
-        .map(|(t, b)| {
-            TensorView::new(Dtype::F32, t.shape.clone(), b)
-                .map(|v| (t.name.clone(), v))
-                .map_err(|e| CheckpointError::Tensor {
-                    path: path.clone(),
-                    name: t.name.clone(),
-                    reason: format!("shape {:?} does not hold its values ({e})", t.shape),
-                })
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    let info = HashMap::from([("format".to_string(), SHARDED_FORMAT.to_string())]);
-    let data =
-        safetensors::serialize(views, Some(info)).map_err(|e| CheckpointError::BadTensors {
-            path: path.clone(),
-            reason: e.to_string(),
-        })?;
-    write_atomic(&path, &data)?;
-    Ok((data.len() as u64, fingerprint(&data)))
 }
 
 impl Manifest {
@@ -236,7 +203,9 @@ impl Manifest {
         write_atomic(&dir.join(MANIFEST_FILE), &json)
     }
 
-    /// Reads the manifest of the checkpoint in `dir`.
+    /// Reads the manifest of the checkpoint in `dir`. The names it gives its files must be
+    /// plain file names, and their sizes at most [`super::files::MAX_FILE_BYTES`]: a
+    /// manifest that points outside its directory is refused before any file is looked at.
     pub fn read(dir: &Path) -> Result<Self, CheckpointError> {
         let path = dir.join(MANIFEST_FILE);
         if !path.exists() {
@@ -247,7 +216,7 @@ impl Manifest {
                     .into(),
             });
         }
-        let text = read(&path)?;
+        let text = read_bounded(&path, MAX_META_BYTES)?;
         let manifest: Manifest =
             serde_json::from_slice(&text).map_err(|e| CheckpointError::BadMeta {
                 path: path.clone(),
@@ -261,6 +230,12 @@ impl Manifest {
                     manifest.format, manifest.version
                 ),
             });
+        }
+        for (i, shard) in manifest.shards.iter().enumerate() {
+            check_listed(&path, &shard_field(i), &shard.file, shard.bytes)?;
+        }
+        if let Some(d) = &manifest.drafter {
+            check_listed(&path, "drafter.file", &d.file, d.bytes)?;
         }
         Ok(manifest)
     }
@@ -421,42 +396,24 @@ pub fn from_state(
     Checkpoint::new(step, model, optimizer.step, data_seed, tensors)
 }
 
-/// Reads one shard, checking its size and hash against `entry`.
+/// Reads one shard, checking its name, size and hash against `entry` (the manifest's
+/// `shards[entry.rank]`) before its tensors are parsed.
 pub(super) fn read_shard(
     dir: &Path,
     entry: &ShardEntry,
 ) -> Result<Vec<HostTensor>, CheckpointError> {
-    read_tensor_file(
-        &dir.join(&entry.file),
-        entry.bytes,
-        &entry.hash,
+    read_listed_tensors(
+        dir,
+        &dir.join(MANIFEST_FILE),
+        &shard_field(entry.rank),
+        (&entry.file, entry.bytes, &entry.hash),
         &entry.tensors,
     )
 }
 
-/// Reads the tensors `names` of the safetensors file `path`, checking its size and hash.
-pub(super) fn read_tensor_file(
-    path: &Path,
-    bytes: u64,
-    hash: &str,
-    names: &[String],
-) -> Result<Vec<HostTensor>, CheckpointError> {
-    let data = read(path)?;
-    if data.len() as u64 != bytes {
-        return Err(CheckpointError::Size {
-            path: path.to_path_buf(),
-            expected: bytes,
-            got: data.len() as u64,
-        });
-    }
-    let got = fingerprint(&data);
-    if got != hash {
-        return Err(CheckpointError::BadTensors {
-            path: path.to_path_buf(),
-            reason: format!("corrupted: its hash is {got}, the manifest says {hash}"),
-        });
-    }
-    super::read_f32_tensors(path, &data, names)
+/// The manifest field that names rank `rank`'s shard file.
+pub(super) fn shard_field(rank: usize) -> String {
+    format!("shards[{rank}].file")
 }
 
 /// Reads the sharded checkpoint in `dir` back into a whole-model [`Checkpoint`], after
@@ -493,6 +450,7 @@ pub fn load_sharded(
             data_seed: manifest.data_seed,
             notes: manifest.notes,
             tensor_bytes: 0,
+            tensor_hash: None,
             tensors: tensors.iter().map(|t| t.name.clone()).collect(),
             drafter: None,
         },

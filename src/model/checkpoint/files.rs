@@ -1,0 +1,347 @@
+//! The files of a checkpoint on disk: how they are written (atomically, with their size and
+//! hash) and how they are read back (only what the checkpoint lists, never more).
+//!
+//! A manifest or sidecar is input like any other: the names it gives its shards and its
+//! drafter must be plain file names ([`plain_name`]: no `/`, no `..`, not absolute), so a
+//! checkpoint only ever reads inside its own directory. Every file read is a regular file
+//! (not a symlink, a directory, a device or a pipe) whose size on disk is the one listed,
+//! checked from its metadata before a byte is read, and at most [`MAX_FILE_BYTES`]
+//! ([`MAX_META_BYTES`] for a manifest or sidecar); the read takes at most that many bytes,
+//! so a file that grows while it is read is refused too.
+
+use std::collections::HashMap;
+use std::ffi::OsStr;
+use std::fs;
+use std::io::{Read, Write};
+use std::path::{Component, Path, PathBuf};
+
+use safetensors::{Dtype, SafeTensors, tensor::TensorView};
+
+use super::sharded::fingerprint;
+use super::{CheckpointError, HostTensor};
+
+/// The most bytes one tensor file of a checkpoint may hold (256 GiB: the parameters, both
+/// AdamW moments and the master weights of a 16-billion-parameter model).
+pub const MAX_FILE_BYTES: u64 = 256 << 30;
+/// The most bytes a manifest or sidecar may hold.
+pub const MAX_META_BYTES: u64 = 64 << 20;
+
+/// Whether `name` is a plain file name: one normal path component, nothing that leaves the
+/// directory it is joined to.
+pub fn plain_name(name: &str) -> bool {
+    let mut parts = Path::new(name).components();
+    matches!(
+        (parts.next(), parts.next()),
+        (Some(Component::Normal(part)), None) if part == OsStr::new(name)
+    ) && !name.contains(['/', '\\'])
+}
+
+/// Checks a file name that the listing `listing` (a manifest or sidecar) gives in `field`:
+/// a plain file name, declared at most [`MAX_FILE_BYTES`] long.
+pub(crate) fn check_listed(
+    listing: &Path,
+    field: &str,
+    name: &str,
+    bytes: u64,
+) -> Result<(), CheckpointError> {
+    let refuse = |reason: String| CheckpointError::Listed {
+        path: listing.to_path_buf(),
+        field: field.to_string(),
+        name: name.to_string(),
+        reason,
+    };
+    if !plain_name(name) {
+        return Err(refuse(
+            "is not a plain file name inside the checkpoint directory".into(),
+        ));
+    }
+    if bytes > MAX_FILE_BYTES {
+        return Err(refuse(format!(
+            "declares {bytes} bytes, more than a checkpoint file may hold ({MAX_FILE_BYTES})"
+        )));
+    }
+    Ok(())
+}
+
+/// What kind of file `meta` describes, when it is not a regular file.
+fn irregular(meta: &fs::Metadata) -> Option<&'static str> {
+    let kind = meta.file_type();
+    if kind.is_file() {
+        None
+    } else if kind.is_symlink() {
+        Some("a symlink")
+    } else if kind.is_dir() {
+        Some("a directory")
+    } else {
+        Some("a device, pipe or socket")
+    }
+}
+
+/// The metadata of `listing`'s file `name` in `dir` (its `field`, declared `bytes` long):
+/// a regular file of exactly that size, checked without reading it. The name is checked
+/// first ([`check_listed`]), so nothing outside `dir` is looked at.
+pub(crate) fn stat_listed(
+    dir: &Path,
+    listing: &Path,
+    field: &str,
+    name: &str,
+    bytes: u64,
+) -> Result<(PathBuf, fs::Metadata), CheckpointError> {
+    check_listed(listing, field, name, bytes)?;
+    let path = dir.join(name);
+    let meta = stat(&path)?;
+    if let Some(kind) = irregular(&meta) {
+        return Err(CheckpointError::Listed {
+            path: listing.to_path_buf(),
+            field: field.to_string(),
+            name: name.to_string(),
+            reason: format!("is {kind}, not a regular file"),
+        });
+    }
+    if meta.len() != bytes {
+        return Err(CheckpointError::Size {
+            path,
+            expected: bytes,
+            got: meta.len(),
+        });
+    }
+    Ok((path, meta))
+}
+
+fn stat(path: &Path) -> Result<fs::Metadata, CheckpointError> {
+    fs::symlink_metadata(path).map_err(|error| CheckpointError::Io {
+        path: path.to_path_buf(),
+        error,
+    })
+}
+
+/// Reads the regular file `path` whose metadata `meta` was checked: at most its size, and
+/// refused if it is not that file any more or not that size.
+fn read_checked(path: &Path, meta: &fs::Metadata) -> Result<Vec<u8>, CheckpointError> {
+    let io = |error| CheckpointError::Io {
+        path: path.to_path_buf(),
+        error,
+    };
+    let file = fs::File::open(path).map_err(io)?;
+    let opened = file.metadata().map_err(io)?;
+    if irregular(&opened).is_some() || !same_file(meta, &opened) {
+        return Err(CheckpointError::Irregular {
+            path: path.to_path_buf(),
+            kind: "a file replaced while it was opened",
+        });
+    }
+    let len = meta.len();
+    let mut data = Vec::with_capacity(usize::try_from(len).unwrap_or(0));
+    file.take(len.saturating_add(1))
+        .read_to_end(&mut data)
+        .map_err(io)?;
+    if data.len() as u64 != len {
+        return Err(CheckpointError::Size {
+            path: path.to_path_buf(),
+            expected: len,
+            got: data.len() as u64,
+        });
+    }
+    Ok(data)
+}
+
+#[cfg(unix)]
+fn same_file(a: &fs::Metadata, b: &fs::Metadata) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    (a.dev(), a.ino()) == (b.dev(), b.ino())
+}
+
+#[cfg(not(unix))]
+fn same_file(a: &fs::Metadata, b: &fs::Metadata) -> bool {
+    a.len() == b.len()
+}
+
+/// Reads the regular file `path` (a manifest or sidecar, or a tensor file whose size is
+/// checked by the caller) of at most `limit` bytes.
+pub(crate) fn read_bounded(path: &Path, limit: u64) -> Result<Vec<u8>, CheckpointError> {
+    let meta = stat(path)?;
+    if let Some(kind) = irregular(&meta) {
+        return Err(CheckpointError::Irregular {
+            path: path.to_path_buf(),
+            kind,
+        });
+    }
+    if meta.len() > limit {
+        return Err(CheckpointError::TooLarge {
+            path: path.to_path_buf(),
+            bytes: meta.len(),
+            limit,
+        });
+    }
+    read_checked(path, &meta)
+}
+
+/// Reads the regular file `path` of exactly `bytes` bytes (its listing's figure), checking
+/// its size before reading.
+pub(crate) fn read_exact(path: &Path, bytes: u64) -> Result<Vec<u8>, CheckpointError> {
+    if bytes > MAX_FILE_BYTES {
+        return Err(CheckpointError::TooLarge {
+            path: path.to_path_buf(),
+            bytes,
+            limit: MAX_FILE_BYTES,
+        });
+    }
+    let meta = stat(path)?;
+    if let Some(kind) = irregular(&meta) {
+        return Err(CheckpointError::Irregular {
+            path: path.to_path_buf(),
+            kind,
+        });
+    }
+    if meta.len() != bytes {
+        return Err(CheckpointError::Size {
+            path: path.to_path_buf(),
+            expected: bytes,
+            got: meta.len(),
+        });
+    }
+    read_checked(path, &meta)
+}
+
+/// The tensors `names` of the file `listing` lists as `name` in `dir` (its `field`), with its
+/// size `bytes` and hash `hash`: both checked before the tensors are parsed.
+pub(crate) fn read_listed_tensors(
+    dir: &Path,
+    listing: &Path,
+    field: &str,
+    (name, bytes, hash): (&str, u64, &str),
+    names: &[String],
+) -> Result<Vec<HostTensor>, CheckpointError> {
+    let (path, meta) = stat_listed(dir, listing, field, name, bytes)?;
+    let data = read_checked(&path, &meta)?;
+    check_hash(&path, &data, hash, listing)?;
+    read_f32_tensors(&path, &data, names)
+}
+
+/// Refuses the bytes `data` of `path` unless their hash is `hash`, as `listing` records it.
+pub(crate) fn check_hash(
+    path: &Path,
+    data: &[u8],
+    hash: &str,
+    listing: &Path,
+) -> Result<(), CheckpointError> {
+    let got = fingerprint(data);
+    if got != hash {
+        return Err(CheckpointError::Corrupted {
+            path: path.to_path_buf(),
+            got,
+            expected: hash.to_string(),
+            listing: listing
+                .file_name()
+                .map_or_else(String::new, |n| n.to_string_lossy().into_owned()),
+        });
+    }
+    Ok(())
+}
+
+/// Writes `tensors` as the safetensors file `path` (atomically), its metadata's `format`
+/// entry `format`; returns its size and hash.
+pub(crate) fn write_tensor_file(
+    path: &Path,
+    tensors: &[HostTensor],
+    format: &str,
+) -> Result<(u64, String), CheckpointError> {
+    let bytes: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|t| t.data.iter().flat_map(|x| x.to_le_bytes()).collect())
+        .collect();
+    let views = tensors
+        .iter()
+        .zip(&bytes)
+        .map(|(t, b)| {
+            TensorView::new(Dtype::F32, t.shape.clone(), b)
+                .map(|v| (t.name.clone(), v))
+                .map_err(|e| CheckpointError::Tensor {
+                    path: path.to_path_buf(),
+                    name: t.name.clone(),
+                    reason: format!(
+                        "shape {:?} does not hold its {} values ({e})",
+                        t.shape,
+                        t.data.len()
+                    ),
+                })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let info = HashMap::from([("format".to_string(), format.to_string())]);
+    let data =
+        safetensors::serialize(views, Some(info)).map_err(|e| CheckpointError::BadTensors {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })?;
+    write_atomic(path, &data)?;
+    Ok((data.len() as u64, fingerprint(&data)))
+}
+
+/// The f32 tensors `names` of the safetensors bytes `data` read from `path` (named in errors).
+pub(crate) fn read_f32_tensors(
+    path: &Path,
+    data: &[u8],
+    names: &[String],
+) -> Result<Vec<HostTensor>, CheckpointError> {
+    let st = SafeTensors::deserialize(data).map_err(|e| CheckpointError::BadTensors {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })?;
+    names
+        .iter()
+        .map(|name| {
+            let err = |reason: String| CheckpointError::Tensor {
+                path: path.to_path_buf(),
+                name: name.clone(),
+                reason,
+            };
+            let view = st.tensor(name).map_err(|e| err(e.to_string()))?;
+            if view.dtype() != Dtype::F32 {
+                return Err(err(format!("dtype {:?}, expected F32", view.dtype())));
+            }
+            Ok(HostTensor {
+                name: name.clone(),
+                shape: view.shape().to_vec(),
+                data: view
+                    .data()
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect(),
+            })
+        })
+        .collect()
+}
+
+/// Writes `bytes` to `path` through a temporary file in the same directory (so the rename
+/// is atomic on POSIX filesystems): readers see the old file or the new one, never a mix.
+/// The file and then its directory are synced, so once this returns the new file survives
+/// a crash (a checkpoint's manifest may then be written over it).
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
+    let io = |error| CheckpointError::Io {
+        path: path.to_path_buf(),
+        error,
+    };
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy())
+        .unwrap_or_default();
+    let tmp = path.with_file_name(format!(".{name}.tmp.{}", std::process::id()));
+    let result = (|| {
+        let mut f = fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        fs::rename(&tmp, path)?;
+        match path.parent().filter(|p| !p.as_os_str().is_empty()) {
+            Some(dir) => fs::File::open(dir)?.sync_all(),
+            None => Ok(()),
+        }
+    })();
+    if result.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    result.map_err(io)
+}
+
+#[cfg(test)]
+#[path = "files_tests.rs"]
+mod tests;
