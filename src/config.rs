@@ -166,6 +166,10 @@ pub struct JobConfig {
     /// directory: one shard per rank, manifest last) after every this many steps; 0: only
     /// the final `checkpoint/`.
     pub checkpoint_every: u64,
+    /// How many of those sharded checkpoints the run keeps: once one is complete, this run's
+    /// complete ones older than the newest `checkpoint_keep` are deleted (never one of
+    /// another run, never the final `checkpoint/`); 0 keeps them all.
+    pub checkpoint_keep: usize,
     pub model: GptConfig,
     pub data: DataConfig,
     pub train: TrainConfig,
@@ -188,6 +192,7 @@ impl Default for JobConfig {
             filler: Filler::default(),
             out_dir: None,
             checkpoint_every: 0,
+            checkpoint_keep: 3,
             model: GptConfig::default(),
             data: DataConfig::default(),
             train: TrainConfig::default(),

@@ -19,12 +19,14 @@ use common::{clean, text};
 
 const EXE: &str = env!("CARGO_BIN_EXE_pipefill");
 
-/// Four ranks of ZB-H1 with clipping on, checkpointing every 5 steps.
+/// Four ranks of ZB-H1 with clipping on, checkpointing every 5 steps and keeping them all
+/// (the 20-step run's four are each checked).
 const JOB: &[&str] = &[
     "schedule=\"zb-h1\"",
     "stages=4",
     "filler=\"none\"",
     "checkpoint_every=5",
+    "checkpoint_keep=0",
     "model.d_model=16",
     "model.heads=2",
     "model.layers=4",

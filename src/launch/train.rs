@@ -52,6 +52,7 @@ use crate::comm::tcp::TcpMesh;
 use crate::comm::tcp_transport::{CONTROL_CHANNEL, STATS_CHANNEL, SerdeCodec, TcpTransport};
 use crate::config::JobConfig;
 use crate::data::StepData;
+use crate::model::checkpoint::retain::Retention;
 use crate::model::checkpoint::sharded::{job_fingerprint, param_stages};
 use crate::model::checkpoint::{
     ADAM_M_PREFIX, ADAM_V_PREFIX, Checkpoint, HostTensor, MASTER_PREFIX,
@@ -281,6 +282,7 @@ fn run_rank<B: Backend>(
         layout: layout(job, plan),
         stage_of: param_stages(&job.model, plan.stages).map_err(|e| pipeline_err(e.into()))?,
         config_hash: job_fingerprint(job),
+        retention: Arc::new(Retention::new(job.checkpoint_keep)),
     };
     // Replica 0's ranks write the shards; the others hold the same state.
     let saver = (replica == 0).then(|| {

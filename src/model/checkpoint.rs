@@ -18,9 +18,9 @@
 //! sidecar.
 //!
 //! Pipelined and data-parallel runs write the sharded form instead ([`sharded`]: one shard
-//! per rank and a manifest written last), which reads back into the same [`Checkpoint`].
-//! [`files`] is how every file of a checkpoint is written and read (plain names, regular
-//! files, sizes checked first).
+//! per rank and a manifest written last), which reads back into the same [`Checkpoint`];
+//! [`retain`] keeps only a run's newest few of them. [`files`] is how every file of a
+//! checkpoint is written and read (plain names, regular files, sizes checked first).
 
 use std::collections::HashMap;
 use std::fs;
@@ -34,6 +34,7 @@ use crate::tensor::Backend;
 pub mod drafter;
 pub mod files;
 pub mod resume;
+pub mod retain;
 pub mod sharded;
 
 pub use files::write_atomic;

@@ -88,6 +88,9 @@ pub struct Checkpointing {
     pub stage_of: HashMap<String, usize>,
     /// [`sharded::job_fingerprint`] of the job.
     pub config_hash: String,
+    /// How many complete checkpoints the run keeps (`checkpoint_keep`), shared by its
+    /// writers: each tells it when its checkpoint is complete.
+    pub retention: Arc<crate::model::checkpoint::retain::Retention>,
 }
 
 /// Where a rank's periodic state goes when the run's ranks live in different processes:
@@ -437,13 +440,14 @@ fn save_finals(
     );
     checkpoint.drafter = drafter.transpose()?;
     let dir = sharded::step_dir(&plan.run_dir, next_step);
-    sharded::save_sharded(
+    let manifest = sharded::save_sharded(
         &dir,
         &checkpoint,
         &plan.layout,
         &plan.stage_of,
         &plan.config_hash,
     )?;
+    plan.retention.completed(&dir, &manifest)?;
     Ok(dir)
 }
 

@@ -174,7 +174,8 @@ impl PipelineTrainer {
 
     /// Saves a sharded checkpoint (one shard per rank, manifest last) under `run_dir`
     /// (`checkpoints/step-N/`, see [`crate::model::checkpoint::sharded`]) after every
-    /// `every`-th step of the run; 0: never.
+    /// `every`-th step of the run; 0: never. The run keeps its newest `checkpoint_keep` of
+    /// them (the job's; see [`crate::model::checkpoint::retain`]).
     pub fn checkpoint_every(mut self, every: u64, run_dir: &std::path::Path) -> Self {
         self.checkpoints = (every > 0).then(|| (every, run_dir.to_path_buf()));
         self
@@ -182,6 +183,7 @@ impl PipelineTrainer {
 
     /// What the ranks need to save periodic checkpoints, if the run saves any.
     fn checkpointing(&self) -> Result<Option<super::shared::Checkpointing>, PipelineError> {
+        use crate::model::checkpoint::retain::Retention;
         use crate::model::checkpoint::sharded::{Layout, job_fingerprint, param_stages};
         let Some((every, run_dir)) = &self.checkpoints else {
             return Ok(None);
@@ -197,6 +199,8 @@ impl PipelineTrainer {
             },
             stage_of: param_stages(&self.job.model, self.plan.stages)?,
             config_hash: job_fingerprint(&self.job),
+            // One per run: it deletes only what this run wrote.
+            retention: Arc::new(Retention::new(self.job.checkpoint_keep)),
         }))
     }
 
@@ -296,7 +300,9 @@ impl PipelineTrainer {
 
     /// The resumed model and optimizer state, checked against the job by the checkpoint's
     /// own restore.
-    pub(super) fn resumed_state(&self) -> Result<Option<(Gpt<CpuBackend>, OptimizerState)>, PipelineError> {
+    pub(super) fn resumed_state(
+        &self,
+    ) -> Result<Option<(Gpt<CpuBackend>, OptimizerState)>, PipelineError> {
         let Some(checkpoint) = &self.resume else {
             return Ok(None);
         };

@@ -15,6 +15,10 @@
 //!   [`CHECKPOINT_CHANNEL`] — each carries the shard's size and hash, or the writer's error —
 //!   and only then writes the manifest. A checkpoint without its manifest is never resumed
 //!   from ([`crate::model::checkpoint::resume::ResumePoint::find`]).
+//! - **How many** (`checkpoint_keep`): once a manifest is written, rank 0's writer hands the
+//!   checkpoint to the run's [`Retention`](crate::model::checkpoint::retain::Retention),
+//!   which deletes this run's complete checkpoints older than the newest `keep` — the same
+//!   one the in-process pipeline uses. [`MeshCheckpointer`]'s `join` then lists the ones kept.
 //! - **Resume** ([`RankResume`]): each rank reads only its own shard (see
 //!   [`RankShard::load`]), or the whole-model checkpoint when the run resumes from one.
 //! - **Drafter** ([`MeshCheckpointer::save_drafter`], when the run fills its bubbles): each
@@ -169,7 +173,9 @@ impl MeshCheckpointer {
         let worker = std::thread::spawn(move || {
             let mut dirs = Vec::new();
             for (step, fin, drafter) in rx {
-                dirs.push(writer.save(step + 1, fin, drafter)?);
+                let (dir, removed) = writer.save(step + 1, fin, drafter)?;
+                dirs.push(dir);
+                dirs.retain(|d| !removed.contains(d));
             }
             Ok(dirs)
         });
@@ -222,13 +228,14 @@ impl RankCheckpointer for MeshCheckpointer {
 
 impl Writer {
     /// Writes this rank's shard of the checkpoint of `next_step` (steps done); on rank 0
-    /// also waits for the others' and writes the manifest. Returns the directory.
+    /// also waits for the others', writes the manifest and applies `checkpoint_keep`.
+    /// Returns the directory, and the older ones that deleted.
     fn save(
         &self,
         next_step: u64,
         fin: RankFinal,
         drafter: Option<Result<DrafterSnap, String>>,
-    ) -> Result<PathBuf, CheckpointError> {
+    ) -> Result<(PathBuf, Vec<PathBuf>), CheckpointError> {
         let (rank, plan) = (self.mesh.rank(), &self.plan);
         let started = Instant::now();
         let dir = step_dir(&plan.run_dir, next_step);
@@ -257,7 +264,7 @@ impl Writer {
                 .send(0, CHECKPOINT_CHANNEL, &bytes)
                 .map_err(|e| peer_err(0, e.to_string()))?;
             written?;
-            return Ok(dir);
+            return Ok((dir, Vec::new()));
         }
         let mut shards = vec![written?];
         let mut samplers = Vec::new();
@@ -312,7 +319,8 @@ impl Writer {
             manifest.shards.iter().map(|s| s.bytes).sum::<u64>(),
             1e3 * started.elapsed().as_secs_f64()
         );
-        Ok(dir)
+        let removed = plan.retention.completed(&dir, &manifest)?;
+        Ok((dir, removed))
     }
 }
 
