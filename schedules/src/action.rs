@@ -166,7 +166,7 @@ impl fmt::Display for Action {
 
 /// Why a piece of text is not an action.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("`{text}` is not an action: {reason}")]
+#[error("`{}` is not an action: {reason}", crate::error::cut(.text))]
 pub struct ParseActionError {
     pub text: String,
     pub reason: &'static str,

@@ -248,6 +248,7 @@ impl<'a> Sim<'a> {
     fn execute(&mut self, r: usize, action: Action, ready: f64) -> Result<()> {
         let (s, mb) = (action.stage, action.microbatch);
         let start = self.clock[r].max(ready);
+        self.check_time(r, &action, start)?;
         match action.kind {
             ActionKind::SendF | ActionKind::SendB => {
                 let cells = self.stages * self.plan.microbatches;
@@ -267,6 +268,7 @@ impl<'a> Sim<'a> {
             ActionKind::RecvF | ActionKind::RecvB => self.clock[r] = start,
             _ => {
                 let end = start + self.cost.duration(r, &action);
+                self.check_time(r, &action, end)?;
                 for part in action.parts() {
                     let at = self.idx(part.stage, part.microbatch);
                     match part.kind {
@@ -288,6 +290,19 @@ impl<'a> Sim<'a> {
             }
         }
         Ok(())
+    }
+
+    /// A time past the largest `f64` would read as "not produced yet" ([`PENDING`]) and
+    /// the plan as deadlocked: it is an overflow of the costs, named as such.
+    fn check_time(&self, r: usize, action: &Action, time: f64) -> Result<()> {
+        if time.is_finite() {
+            return Ok(());
+        }
+        Err(ScheduleError::TimeOverflow {
+            rank: r,
+            step: self.pos[r],
+            action: action.to_string(),
+        })
     }
 
     /// Makes the rank holding `stage` runnable again if it is parked (no-op for a stage
@@ -532,6 +547,28 @@ mod tests {
             [("1F0".into(), 1.0, 1.5), ("1B0".into(), 1.5, 2.5)]
         );
         assert_eq!(t.makespan, 4.5);
+    }
+
+    #[test]
+    fn costs_that_overflow_are_an_overflow_not_a_deadlock() {
+        let plan = crate::generate(crate::ScheduleKind::ZbH1, 4, 8, 1).unwrap();
+        let huge = CostModel::uniform(1e308, 1e308, 1e308, 0.0);
+        let err = simulate(&plan, &huge).unwrap_err();
+        assert!(
+            matches!(err, ScheduleError::TimeOverflow { rank: 0, .. }),
+            "expected an overflow, got {err}"
+        );
+        assert!(
+            err.to_string().contains("the simulated time overflows"),
+            "{err}"
+        );
+        // A latency that overflows the time of a lowered plan's receive is one too.
+        let lowered = crate::lower(&plan).unwrap();
+        let err = simulate(&lowered, &CostModel::uniform(1.0, 1.0, 1.0, f64::MAX)).unwrap_err();
+        assert!(matches!(err, ScheduleError::TimeOverflow { .. }), "{err}");
+        // Large but finite costs still simulate.
+        let big = CostModel::uniform(1e300, 1e300, 1e300, 0.0);
+        assert!(simulate(&plan, &big).unwrap().makespan.is_finite());
     }
 
     #[test]

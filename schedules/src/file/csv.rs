@@ -165,6 +165,23 @@ mod tests {
     }
 
     #[test]
+    fn a_huge_bad_cell_is_quoted_cut_and_once() {
+        let text = format!("0F0,{}\n", "x".repeat(10_000_000));
+        let err = parse_csv(&text, "big.csv").unwrap_err();
+        let msg = err.to_string();
+        assert_eq!(
+            msg,
+            format!(
+                "big.csv: rank 0, step 1: `{}… (10000000 characters)` is not an action: \
+                 must start with the stage number",
+                "x".repeat(40)
+            )
+        );
+        // The parse error is part of the message, not a source a chain would print again.
+        assert!(std::error::Error::source(&err).is_none());
+    }
+
+    #[test]
     fn accepts_crlf_and_a_missing_final_newline() {
         let p = parse_csv("0F0,0B0\r\n1F0,1B0", "t.csv").unwrap();
         assert_eq!(to_csv(&p), "0F0,0B0\n1F0,1B0\n");

@@ -47,11 +47,11 @@ pub fn read_plan(path: &Path) -> Result<Plan> {
 
 /// Parses one step's text (already trimmed, non-idle) into an action, naming where it was.
 pub(crate) fn parse_step(text: &str, file: &str, rank: usize, step: usize) -> Result<Action> {
-    text.parse().map_err(|source| ScheduleError::Action {
+    text.parse().map_err(|error| ScheduleError::Action {
         file: file.to_string(),
         rank,
         step,
-        source,
+        error,
     })
 }
 

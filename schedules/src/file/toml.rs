@@ -17,7 +17,7 @@ use super::{
     check_placement, infer_stage_ranks, inferred_microbatches, name_placement, parse_step,
 };
 use crate::action::Action;
-use crate::error::{Result, ScheduleError};
+use crate::error::{Result, ScheduleError, cut, cut_middle};
 use crate::plan::{Placement, Plan};
 
 #[derive(Deserialize)]
@@ -50,7 +50,8 @@ pub fn parse_toml(text: &str, file: &str) -> Result<Plan> {
         let line = e
             .span()
             .map(|s| text[..s.start.min(text.len())].matches('\n').count() + 1);
-        let msg = e.message().trim_end();
+        // A parser's message may quote the input: a huge bad value is cut.
+        let msg = cut_middle(e.message().trim_end(), 160);
         match line {
             Some(l) => file_err(file, format!("line {l}: {msg}")),
             None => file_err(file, msg),
@@ -144,8 +145,9 @@ fn parse_placement(v: &::toml::Value, file: &str) -> Result<Placement> {
         file_err(
             file,
             format!(
-                "placement = {v}: expected \"contiguous\", \"looped\", \"v-shape\" \
-                 or an array giving each stage's rank"
+                "placement = {}: expected \"contiguous\", \"looped\", \"v-shape\" \
+                 or an array giving each stage's rank",
+                cut(&v.to_string())
             ),
         )
     };
@@ -337,5 +339,26 @@ actions = ". 1F0 1F1 3F0 3B0 3F1 3B1 1B0 1B1"
             .unwrap_err()
             .to_string();
         assert!(msg.contains("actoins"), "{msg}");
+    }
+
+    #[test]
+    fn huge_bad_values_are_not_echoed_whole() {
+        let long = "x".repeat(1_000_000);
+        let bad = LOOPED.replace("\"looped\"", &format!("\"{long}\""));
+        let msg = parse_toml(&bad, "l.toml").unwrap_err().to_string();
+        assert!(msg.starts_with("l.toml: placement = \"xxx"), "{msg}");
+        assert!(msg.contains("(1000002 characters)"), "{msg}");
+        assert!(msg.len() < 300, "{} bytes", msg.len());
+        // A parser's own message quoting the value is cut too.
+        let bad = format!("stages = \"{long}\"\n[[rank]]\nactions = \"0F0 0B0\"\n");
+        let msg = parse_toml(&bad, "t.toml").unwrap_err().to_string();
+        assert!(msg.starts_with("t.toml: line 1: "), "{msg}");
+        assert!(msg.len() < 300, "{} bytes: {}", msg.len(), &msg[..300]);
+        let cell = format!("[[rank]]\nactions = \"0F0 {long}\"\n");
+        let msg = parse_toml(&cell, "t.toml").unwrap_err().to_string();
+        assert!(
+            msg.contains("(1000000 characters)` is not an action"),
+            "{msg}"
+        );
     }
 }

@@ -64,6 +64,25 @@ impl ScheduleKind {
         }
     }
 
+    /// Compute actions per (stage, micro-batch): F, I and W for the zero-bubble family
+    /// (which splits the backward), F and B otherwise.
+    pub fn actions_per_cell(self) -> u64 {
+        match self {
+            ScheduleKind::ZbH1 | ScheduleKind::ZbH2 | ScheduleKind::ZbV => 3,
+            _ => 2,
+        }
+    }
+
+    /// The compute actions of the plan [`generate`] builds for `ranks × chunks` stages and
+    /// `microbatches` micro-batches, counted with checked arithmetic (`None` when the count
+    /// overflows `u64`): what a caller bounds before asking for a plan that large.
+    pub fn compute_actions(self, ranks: usize, microbatches: usize, chunks: usize) -> Option<u64> {
+        (ranks as u64)
+            .checked_mul(chunks as u64)?
+            .checked_mul(microbatches as u64)?
+            .checked_mul(self.actions_per_cell())
+    }
+
     /// Stages per rank used when the caller does not choose: 2 for the multi-chunk
     /// families (interleaved-1f1b, looped-bfs, zb-v), 1 otherwise.
     pub fn default_chunks(self) -> usize {
@@ -198,6 +217,29 @@ mod tests {
                 ScheduleKind::LoopedBfs,
                 ScheduleKind::ZbV
             ]
+        );
+    }
+
+    #[test]
+    fn compute_actions_counts_what_each_generator_builds() {
+        for kind in ScheduleKind::ALL {
+            let v = kind.default_chunks();
+            for (p, m) in [(1, 1), (2, 4), (4, 8), (3, 6)] {
+                let Ok(plan) = generate(kind, p, m, v) else {
+                    continue;
+                };
+                assert_eq!(
+                    kind.compute_actions(p, m, v),
+                    Some(plan.num_actions() as u64),
+                    "{kind} p={p} m={m}"
+                );
+            }
+        }
+        let huge = ScheduleKind::ZbH1.compute_actions(100_000, 100_000, 1);
+        assert_eq!(huge, Some(30_000_000_000));
+        assert_eq!(
+            ScheduleKind::ZbV.compute_actions(usize::MAX, usize::MAX, 2),
+            None
         );
     }
 
