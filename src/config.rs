@@ -10,6 +10,8 @@
 //! `--set section.key=value` overrides are applied to the parsed document before it is
 //! turned into a [`JobConfig`], so they go through exactly the same checks as the file.
 
+pub mod memory;
+
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -275,6 +277,17 @@ impl JobConfig {
             }
             other => invalid("model", other.to_string()),
         })?;
+        let min_vocab = Self::min_vocab();
+        if self.model.vocab < min_vocab {
+            return Err(invalid(
+                "model.vocab",
+                format!(
+                    "{} is too small: the tokenizer's ids (PAD, BOS, EOS and the tasks' \
+                     characters) need at least {min_vocab}",
+                    self.model.vocab
+                ),
+            ));
+        }
         self.data.validate().map_err(|e| match e {
             crate::data::DataError::Invalid { field, reason } => invalid(field, reason),
             other => invalid("data", other.to_string()),
@@ -311,6 +324,9 @@ impl JobConfig {
                 "must name a schedule (\"none\" for the single-device reference trainer)".into(),
             ));
         }
+        // Sizes whose memory cannot even be counted (checked arithmetic) are errors now;
+        // whether the count fits the machine is the command's check (`check_memory`).
+        memory::MemoryEstimate::bounded(self, memory::Workload::Train)?;
         Ok(())
     }
 }

@@ -239,16 +239,47 @@ impl GptConfig {
         self.kv_heads() * self.head_dim()
     }
 
-    /// Total number of parameters.
+    /// Total number of parameters, saturating at `usize::MAX` (see
+    /// [`checked_param_count`](Self::checked_param_count)); a job that passed
+    /// `JobConfig::validate` never gets there, since validation counts a bound of it.
     pub fn param_count(&self) -> usize {
-        let (d, kv) = (self.d_model, self.kv_dim());
-        let bias = if self.qkv_bias { d + 2 * kv } else { 0 };
+        self.checked_param_count().unwrap_or(usize::MAX)
+    }
+
+    /// Total number of parameters, or `None` where the count (or a width it needs: the MLP's
+    /// `mlp_ratio · d_model`, the key/value projections') overflows `usize`, or `heads` is 0.
+    pub fn checked_param_count(&self) -> Option<usize> {
+        let d = self.d_model;
+        let mul = |xs: &[usize]| xs.iter().try_fold(1usize, |a, &x| a.checked_mul(x));
+        let add = |xs: &[Option<usize>]| xs.iter().try_fold(0usize, |a, x| a.checked_add((*x)?));
+        let hidden = match self.intermediate {
+            Some(width) => width,
+            None => self.mlp_ratio.checked_mul(d)?,
+        };
+        let kv = self.kv_heads().checked_mul(d.checked_div(self.heads)?)?;
+        let bias = if self.qkv_bias {
+            add(&[Some(d), mul(&[2, kv])])?
+        } else {
+            0
+        };
         let mlp_mats = if self.activation.is_gated() { 3 } else { 2 };
-        let block = 2 * d + 2 * d * d + 2 * d * kv + bias + mlp_mats * d * self.mlp_hidden();
+        let block = add(&[
+            mul(&[2, d]),
+            mul(&[2, d, d]),
+            mul(&[2, d, kv]),
+            Some(bias),
+            mul(&[mlp_mats, d, hidden]),
+        ])?;
         let pos = match self.positions {
-            Positions::Learned => self.seq_len * d,
+            Positions::Learned => mul(&[self.seq_len, d])?,
             Positions::Rope => 0,
         };
-        self.vocab * d + pos + self.layers * block + d + d * self.vocab
+        add(&[
+            mul(&[self.vocab, d]),
+            Some(pos),
+            mul(&[self.layers, block]),
+            Some(d),
+            mul(&[d, self.vocab]),
+        ])
     }
 }

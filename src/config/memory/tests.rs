@@ -1,0 +1,386 @@
+use proptest::prelude::*;
+
+use super::*;
+
+fn job(sets: &[&str]) -> Result<JobConfig, ConfigError> {
+    let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+    JobConfig::embedded(&sets)
+}
+
+fn limit(text: &str) -> MemoryLimit {
+    MemoryLimit::parse(text).unwrap()
+}
+
+/// The error's field, asserting it is one line.
+fn field_of(err: ConfigError) -> String {
+    let text = err.to_string();
+    assert_eq!(text.lines().count(), 1, "{text}");
+    match err {
+        ConfigError::Invalid { field, .. } => field,
+        other => panic!("expected an invalid field, got {other}"),
+    }
+}
+
+#[test]
+fn the_default_job_is_estimated_near_its_measured_peak() {
+    // Measured: 94 MB peak RSS for `pipefill train --steps 1` of the default job.
+    let e = MemoryEstimate::of(&JobConfig::default(), Workload::Train).unwrap();
+    assert!(
+        (94 << 20..256 << 20).contains(&e.total),
+        "{}",
+        Bytes(e.total)
+    );
+    assert_eq!(e.total, e.parts.iter().map(|p| p.bytes).sum::<u64>());
+    assert!(e.parts.windows(2).all(|w| w[0].bytes >= w[1].bytes));
+    let rl = MemoryEstimate::of(&JobConfig::default(), Workload::Rl).unwrap();
+    assert!(rl.total > e.total);
+    assert!(rl.parts.iter().any(|p| p.what == "rollouts"));
+}
+
+#[test]
+fn sizes_that_overflow_name_their_field() {
+    for (set, field) in [
+        ("model.d_model=4000000000", "model.d_model"),
+        ("model.seq_len=9000000000000000000", "model.seq_len"),
+        ("model.vocab=9000000000000000000", "model.vocab"),
+        ("model.mlp_ratio=9000000000000000000", "model.mlp_ratio"),
+        (
+            "train.micro_batch_size=9000000000000000000",
+            "train.micro_batch_size",
+        ),
+        ("train.eval_tasks=9000000000000000000", "train.eval_tasks"),
+        ("train.steps=9000000000000000000", "train.steps"),
+        (
+            "data.summary_tasks=9000000000000000000",
+            "data.summary_tasks",
+        ),
+    ] {
+        let err = job(&[set]).unwrap_err();
+        let text = err.to_string();
+        assert_eq!(field_of(err), field, "{set}: {text}");
+        assert!(
+            text.contains("overflows 64-bit arithmetic"),
+            "{set}: {text}"
+        );
+    }
+}
+
+#[test]
+fn over_the_limit_is_one_line_naming_the_field_and_the_estimate() {
+    let cases = [
+        ("model.seq_len=1000000", "model.seq_len"),
+        ("train.eval_tasks=100000000", "train.eval_tasks"),
+        ("model.d_model=1000000", "model.d_model"),
+        ("model.vocab=100000000", "model.vocab"),
+        ("train.micro_batch_size=10000000", "train.micro_batch_size"),
+    ];
+    for (set, field) in cases {
+        let job = job(&[set]).unwrap();
+        let err = job
+            .check_memory(Workload::Train, &limit("8GiB"), 1)
+            .unwrap_err();
+        let text = err.to_string();
+        assert_eq!(field_of(err), field, "{set}: {text}");
+        assert!(
+            text.contains("the job needs an estimated")
+                && text.contains("over the memory limit of 8.0 GiB (--max-memory)"),
+            "{set}: {text}"
+        );
+    }
+    // The same job fits a larger limit, and a launched rank checks its share only.
+    let big = job(&["model.seq_len=4096"]).unwrap();
+    let e = MemoryEstimate::of(&big, Workload::Train).unwrap();
+    let just = MemoryLimit {
+        bytes: e.total,
+        source: LimitSource::Flag,
+    };
+    assert!(big.check_memory(Workload::Train, &just, 1).is_ok());
+    let under = MemoryLimit {
+        bytes: e.total - 1,
+        ..just
+    };
+    assert!(big.check_memory(Workload::Train, &under, 1).is_err());
+    assert!(big.check_memory(Workload::Train, &under, 4).is_ok());
+}
+
+#[test]
+fn activations_follow_the_schedules_peak() {
+    let acts = |schedule: &str| {
+        let job = job(&[&format!("schedule={schedule:?}"), "train.micro_batches=16"]).unwrap();
+        let e = MemoryEstimate::of(&job, Workload::Train).unwrap();
+        e.parts
+            .iter()
+            .find(|p| p.what == "activations")
+            .unwrap()
+            .bytes
+    };
+    // GPipe holds all 16 micro-batches on every rank, 1F1B at most 4, the reference one.
+    let (gpipe, one_f_one_b, none) = (acts("gpipe"), acts("1f1b"), acts("none"));
+    assert!(gpipe > 2 * one_f_one_b, "{gpipe} vs {one_f_one_b}");
+    assert!(one_f_one_b > none, "{one_f_one_b} vs {none}");
+    // A schedule file is read for its peak: 1F1B's, written out, is 1F1B's.
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("1f1b.csv");
+    let plan = generate(ScheduleKind::OneFOneB, 4, 16, 1).unwrap();
+    std::fs::write(&file, crate::schedules::to_csv(&plan)).unwrap();
+    assert_eq!(acts(file.to_str().unwrap()), one_f_one_b);
+    // Without reading it (validation), or when it is missing, GPipe's peak bounds it.
+    let missing = job(&["schedule=\"plan.csv\"", "train.micro_batches=16"]).unwrap();
+    let bounded = MemoryEstimate::bounded(&missing, Workload::Train).unwrap();
+    let part = bounded
+        .parts
+        .iter()
+        .find(|p| p.what == "activations")
+        .unwrap();
+    assert!(part.bytes >= gpipe, "{} vs {gpipe}", part.bytes);
+    // A file that cannot be read or used is one line naming `schedule`, its text once.
+    let err = MemoryEstimate::of(&missing, Workload::Train).unwrap_err();
+    assert!(err.to_string().contains("plan.csv: cannot read"), "{err}");
+    assert_eq!(field_of(err), "schedule");
+    let garbage = dir.path().join("garbage.csv");
+    std::fs::write(&garbage, "0F0,garbage\n").unwrap();
+    let sets = [format!("schedule={:?}", garbage.to_str().unwrap())];
+    let err = MemoryEstimate::of(&JobConfig::embedded(&sets).unwrap(), Workload::Train)
+        .unwrap_err()
+        .to_string();
+    assert_eq!(err.matches("is not an action").count(), 1, "{err}");
+}
+
+#[test]
+fn the_parameter_bound_covers_every_model_option() {
+    // Options of the model section are set by name, so a missing one is skipped.
+    let variants: [&[&str]; 6] = [
+        &[],
+        &["model.d_model=512", "model.heads=8"],
+        &["model.activation=\"swiglu\""],
+        &["model.qkv_bias=true", "model.kv_heads=2"],
+        &["model.positions=\"rope\""],
+        &["model.intermediate=1000", "model.seq_len=4096"],
+    ];
+    for sets in variants {
+        let Ok(job) = job(sets) else { continue };
+        let bound = param_bound(&job).unwrap().n;
+        let exact = job.model.param_count() as u64;
+        assert!(bound >= exact, "{sets:?}: {bound} < {exact}");
+        assert!(bound <= 2 * exact, "{sets:?}: {bound} is far above {exact}");
+    }
+}
+
+#[test]
+fn the_parameter_count_is_checked() {
+    use crate::model::GptConfig;
+    let default = GptConfig::default();
+    assert_eq!(default.checked_param_count(), Some(default.param_count()));
+    assert_eq!(default.param_count(), 404_800);
+    for big in [
+        GptConfig {
+            d_model: 4_000_000_000,
+            ..GptConfig::default()
+        },
+        GptConfig {
+            mlp_ratio: usize::MAX,
+            ..GptConfig::default()
+        },
+        GptConfig {
+            kv_heads: Some(usize::MAX),
+            ..GptConfig::default()
+        },
+        GptConfig {
+            heads: 0,
+            ..GptConfig::default()
+        },
+    ] {
+        assert_eq!(big.checked_param_count(), None, "{big:?}");
+        assert_eq!(big.param_count(), usize::MAX);
+    }
+}
+
+#[test]
+fn a_vocabulary_smaller_than_the_tokenizers_is_refused_at_validation() {
+    let err = job(&["model.vocab=5"]).unwrap_err();
+    let text = err.to_string();
+    assert_eq!(field_of(err), "model.vocab");
+    assert!(text.contains("need at least 50"), "{text}");
+    assert!(job(&["model.vocab=50"]).is_ok());
+    assert_eq!(JobConfig::min_vocab(), 50);
+}
+
+#[test]
+fn max_memory_parses_sizes_and_names_itself_when_it_cannot() {
+    for (text, bytes) in [
+        ("8GiB", 8u64 << 30),
+        ("8G", 8 << 30),
+        ("512MiB", 512 << 20),
+        ("512 mib", 512 << 20),
+        ("1.5GiB", 3 << 29),
+        ("2GB", 2_000_000_000),
+        ("64kB", 64_000),
+        ("1000", 1000),
+        ("1000B", 1000),
+        ("1TiB", 1 << 40),
+    ] {
+        let l = MemoryLimit::parse(text).unwrap();
+        assert_eq!((l.bytes, l.source), (bytes, LimitSource::Flag), "{text}");
+    }
+    for (text, why) in [
+        ("", "is not a size"),
+        ("lots", "is not a size"),
+        ("8XB", "is not a size"),
+        ("-1GiB", "is not a size"),
+        ("1.2.3G", "is not a size"),
+        ("0", "at least 1 byte"),
+        ("0.1", "at least 1 byte"),
+        ("99999999999TiB", "larger than 2^64"),
+    ] {
+        let err = MemoryLimit::parse(text).unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains(why), "{text}: {msg}");
+        assert_eq!(field_of(err), "--max-memory", "{text}");
+    }
+}
+
+#[test]
+fn the_machine_limit_is_memavailable_else_memtotal() {
+    let both =
+        "MemTotal:       24683584 kB\nMemFree:        22482948 kB\nMemAvailable:   24038920 kB\n";
+    assert_eq!(
+        MemoryLimit::from_meminfo(both),
+        Some(MemoryLimit {
+            bytes: 24038920 * 1024,
+            source: LimitSource::Available
+        })
+    );
+    assert_eq!(
+        MemoryLimit::from_meminfo("MemTotal: 1000 kB\n"),
+        Some(MemoryLimit {
+            bytes: 1024000,
+            source: LimitSource::Total
+        })
+    );
+    assert_eq!(MemoryLimit::from_meminfo("Cached: 5 kB\n"), None);
+    assert_eq!(
+        MemoryLimit::from_meminfo("MemAvailable: 99999999999999999999 kB\nMemTotal: 4 kB"),
+        Some(MemoryLimit {
+            bytes: 4096,
+            source: LimitSource::Total
+        })
+    );
+}
+
+#[test]
+fn bytes_display_in_binary_units() {
+    assert_eq!(Bytes(512).to_string(), "512 B");
+    assert_eq!(Bytes(1536).to_string(), "1.5 KiB");
+    assert_eq!(Bytes(8 << 30).to_string(), "8.0 GiB");
+    assert_eq!(Bytes(u64::MAX).to_string(), "16.0 EiB");
+}
+
+/// Every numeric field of the job file: those of the default job's TOML, and the optional
+/// ones it leaves out (kept where this build has them).
+fn numeric_fields() -> Vec<String> {
+    fn walk(prefix: &str, table: &toml::Table, out: &mut Vec<String>) {
+        for (key, value) in table {
+            let path = if prefix.is_empty() {
+                key.clone()
+            } else {
+                format!("{prefix}.{key}")
+            };
+            match value {
+                toml::Value::Integer(_) | toml::Value::Float(_) => out.push(path),
+                toml::Value::Table(t) => walk(&path, t, out),
+                _ => {}
+            }
+        }
+    }
+    let doc: toml::Table = toml::from_str(&JobConfig::default().to_toml()).unwrap();
+    let mut fields = Vec::new();
+    walk("", &doc, &mut fields);
+    for optional in [
+        "model.intermediate",
+        "model.kv_heads",
+        "model.rope_theta",
+        "rl.spec_threshold",
+    ] {
+        let known = job(&[&format!("{optional}=1")])
+            .err()
+            .is_none_or(|e| !e.to_string().contains("unknown field"));
+        if known && !fields.iter().any(|f| f == optional) {
+            fields.push(optional.to_string());
+        }
+    }
+    fields
+}
+
+#[test]
+fn the_numeric_fields_cover_every_section() {
+    let fields = numeric_fields();
+    for field in [
+        "stages",
+        "dp",
+        "model.d_model",
+        "model.seq_len",
+        "train.eval_tasks",
+        "data.max_size",
+        "rl.max_new_tokens",
+        "drafter.buffer_rows",
+    ] {
+        assert!(fields.iter().any(|f| f == field), "{field}: {fields:?}");
+    }
+}
+
+/// A `--set` value for a numeric field: boundary integers, arbitrary ones, and floats
+/// (infinities and NaN included, in TOML's spelling).
+fn value() -> impl Strategy<Value = String> {
+    prop_oneof![
+        (0i64..=8).prop_map(|v| v.to_string()),
+        (0u32..=63).prop_map(|b| (1i64 << b).to_string()),
+        (0u32..=62).prop_map(|b| ((1i64 << b) - 1).to_string()),
+        Just(i64::MAX.to_string()),
+        Just(i64::MIN.to_string()),
+        any::<i64>().prop_map(|v| v.to_string()),
+        any::<f64>().prop_map(|v| match v {
+            v if v.is_nan() => "nan".to_string(),
+            v if v.is_infinite() => if v > 0.0 { "inf" } else { "-inf" }.to_string(),
+            v => format!("{v:e}"),
+        }),
+        (-1e3f64..1e9).prop_map(|v| format!("{v:e}")),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    /// Arbitrary values for up to three numeric fields, through the path `--set` takes
+    /// (parse, validate, estimate, check): never a panic, every error one line, and a job
+    /// that passes the check is estimated within the limit.
+    #[test]
+    fn numeric_sets_never_panic_and_never_pass_over_the_limit(
+        picks in proptest::collection::vec((any::<prop::sample::Index>(), value()), 1..=3)
+    ) {
+        let fields = numeric_fields();
+        let sets: Vec<String> = picks
+            .iter()
+            .map(|(i, v)| format!("{}={v}", fields[i.index(fields.len())]))
+            .collect();
+        let limit = MemoryLimit::parse("8GiB").unwrap();
+        match JobConfig::embedded(&sets) {
+            Err(e) => prop_assert_eq!(e.to_string().lines().count(), 1, "{:?}: {}", sets, e),
+            Ok(job) => {
+                for workload in [Workload::Train, Workload::Rl] {
+                    if workload == Workload::Rl
+                        && let Err(e) = job.rl.validate(job.model.seq_len)
+                    {
+                        prop_assert_eq!(e.to_string().lines().count(), 1, "{}", e);
+                        continue;
+                    }
+                    match job.check_memory(workload, &limit, 1) {
+                        Ok(e) => prop_assert!(e.total <= limit.bytes, "{:?}: {}", sets, e.total),
+                        Err(e) => {
+                            prop_assert_eq!(e.to_string().lines().count(), 1, "{}", e)
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
