@@ -16,8 +16,9 @@ use serde_json::json;
 
 use super::cost::CostSpec;
 use super::report::timeline_json;
-use super::source::describe_shape;
+use super::source::{ACTION_BYTES, check_plan_size, describe_shape};
 use super::{CostArgs, check_memory, emit};
+use pipefill::config::memory::MemoryLimit;
 
 /// Where the auto plan's stages live (`--placement`).
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -56,11 +57,17 @@ pub(crate) struct AutoArgs {
     json: bool,
 }
 
-pub(crate) fn auto_cmd(args: AutoArgs) -> Result<()> {
+pub(crate) fn auto_cmd(args: AutoArgs, limit: &MemoryLimit) -> Result<()> {
     let spec = args.cost.spec()?;
     let (p, m, v) = (args.stages, args.microbatches, args.chunks);
     if p == 0 || m == 0 || v == 0 {
         bail!("--stages, --microbatches and --chunks must be at least 1");
+    }
+    // The search holds a few candidate plans (F, I and W each) at once; the built-ins after
+    // it are built one at a time.
+    check_plan_size(ScheduleKind::ZbH1, p, m, v, AUTO_ACTION_BYTES, limit)?;
+    for kind in ScheduleKind::ALL {
+        check_plan_size(kind, p, m, builtin_chunks(kind, v), ACTION_BYTES, limit)?;
     }
     let placement = match args.placement {
         Some(PlacementArg::Contiguous) => Placement::Contiguous,
@@ -115,11 +122,7 @@ pub(crate) fn auto_cmd(args: AutoArgs) -> Result<()> {
     ));
     out.push_str(&row("auto", v, Ok(&found.timeline), None));
     for kind in ScheduleKind::ALL {
-        let chunks = if kind.default_chunks() > 1 && v > 1 {
-            v
-        } else {
-            kind.default_chunks()
-        };
+        let chunks = builtin_chunks(kind, v);
         let outcome = builtin_timeline(kind, p, m, chunks, &spec);
         let over = outcome
             .as_ref()
@@ -128,6 +131,20 @@ pub(crate) fn auto_cmd(args: AutoArgs) -> Result<()> {
         out.push_str(&row(kind.name(), chunks, outcome.as_ref(), over));
     }
     emit(&out)
+}
+
+/// Bytes per action of the auto plan's search: the greedy scheduler's and the search's
+/// candidates held at once.
+const AUTO_ACTION_BYTES: u64 = 4 * ACTION_BYTES;
+
+/// Stages per rank of built-in `kind` next to an auto plan of `v`: `v` for the multi-chunk
+/// families when `v > 1`, each kind's own otherwise.
+fn builtin_chunks(kind: ScheduleKind, v: usize) -> usize {
+    if kind.default_chunks() > 1 && v > 1 {
+        v
+    } else {
+        kind.default_chunks()
+    }
 }
 
 /// Built-in `kind`'s simulated timeline under its share of `spec`, or why there is none.

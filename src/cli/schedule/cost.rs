@@ -105,7 +105,44 @@ impl CostSpec {
         Ok(spec)
     }
 
-    /// The cost model for `plan`, checking that per-stage and per-rank lists fit it.
+    /// Refuses costs under which a plan of `stages` stages and `microbatches` micro-batches
+    /// could reach a time past the largest `f64` (the simulator would see every action as
+    /// never done): no simulated time exceeds every action's time at the slowest rank's
+    /// speed plus every transfer's latency, added up, so that sum must be finite. The error
+    /// names the key whose share of the sum is largest.
+    pub fn check_overflow(&self, stages: usize, microbatches: usize) -> Result<()> {
+        let (s, m) = (stages as f64, microbatches as f64);
+        let slowest = self.speed.iter().copied().fold(f64::INFINITY, f64::min);
+        let over_stages = |list: &[f64]| match list {
+            [one] => one * s,
+            many => many.iter().sum(),
+        };
+        let largest = |list: &[f64]| list.iter().copied().fold(0.0, f64::max);
+        let terms = [
+            ("f", over_stages(&self.f) * m / slowest, largest(&self.f)),
+            ("i", over_stages(&self.i) * m / slowest, largest(&self.i)),
+            ("w", over_stages(&self.w) * m / slowest, largest(&self.w)),
+            ("comm", self.comm * 2.0 * s * m, self.comm),
+        ];
+        let total: f64 = terms.iter().map(|t| t.1).sum();
+        if total.is_finite() {
+            return Ok(());
+        }
+        let (key, _, value) = terms
+            .iter()
+            .copied()
+            .fold(terms[0], |a, b| if b.1 > a.1 { b } else { a });
+        bail!(
+            "--cost {key}={}: the simulated makespan overflows: the costs of {stages} stages × \
+             {microbatches} micro-batches add up past {:e}, the largest time there is; use \
+             smaller costs",
+            short(value),
+            f64::MAX
+        )
+    }
+
+    /// The cost model for `plan`, checking that per-stage and per-rank lists fit it and
+    /// that its times cannot overflow ([`CostSpec::check_overflow`]).
     pub fn model(&self, plan: &Plan) -> Result<CostModel> {
         let stages = plan.stages;
         for (key, list) in [("f", &self.f), ("i", &self.i), ("w", &self.w)] {
@@ -123,6 +160,7 @@ impl CostSpec {
                 self.speed.len()
             );
         }
+        self.check_overflow(stages, plan.microbatches)?;
         let per_stage = [&self.f, &self.i, &self.w].iter().any(|l| l.len() > 1);
         let at = |list: &[f64], s: usize| if list.len() == 1 { list[0] } else { list[s] };
         let stage = (0..if per_stage { stages } else { 1 })
@@ -187,6 +225,15 @@ impl CostSpec {
             s.push_str(&format!(",speed={}", list(&self.speed)));
         }
         s
+    }
+}
+
+/// A cost as an error shows it: in exponent form when large (`1e308`, not 309 digits).
+fn short(v: f64) -> String {
+    if v.abs() >= 1e6 {
+        format!("{v:e}")
+    } else {
+        pipefill::profile::fmt_num(v, 4)
     }
 }
 
@@ -268,6 +315,29 @@ mod tests {
             assert!(err.contains(expected), "{text}: {err}");
             assert!(!err.contains('\n'), "{text}: {err}");
         }
+    }
+
+    #[test]
+    fn costs_that_overflow_the_makespan_name_the_key() {
+        let s = CostSpec::parse("f=1e308,i=1e308,w=1e308").unwrap();
+        let err = s.model(&plan(4, 4)).unwrap_err().to_string();
+        assert!(
+            err.starts_with("--cost f=1e308: the simulated makespan overflows"),
+            "{err}"
+        );
+        assert!(!err.contains('\n') && !err.contains("deadlock"), "{err}");
+        let err = CostSpec::parse("comm=1e307")
+            .unwrap()
+            .model(&plan(4, 4))
+            .unwrap_err()
+            .to_string();
+        assert!(err.starts_with("--cost comm=1e307:"), "{err}");
+        // The same large costs fit a plan small enough, and a slow rank counts.
+        let one = CostSpec::parse("f=1e306,i=1e306,w=1e306").unwrap();
+        assert!(one.model(&plan(1, 1)).is_ok());
+        let slow = CostSpec::parse("f=1e306,i=1e306,w=1e306,speed=1e-10").unwrap();
+        assert!(slow.check_overflow(1, 4).is_err());
+        assert!(CostSpec::default().check_overflow(100_000, 100_000).is_ok());
     }
 
     #[test]

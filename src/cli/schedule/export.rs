@@ -10,8 +10,11 @@ use pipefill::profile::fmt_num;
 use pipefill::profile::svg::{SvgOptions, fitting_width, svg};
 use pipefill_schedules::{simulate, to_csv, to_toml};
 
-use super::source::{PlanArgs, describe_shape};
+use super::source::{
+    ACTION_BYTES, CHROME_ACTION_BYTES, PlanArgs, SVG_ACTION_BYTES, describe_shape,
+};
 use super::{CostArgs, check_memory, emit, maybe_lower};
+use pipefill::config::memory::MemoryLimit;
 
 /// What `export` writes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -54,7 +57,7 @@ pub(crate) struct ExportArgs {
     bubbles: bool,
 }
 
-pub(crate) fn export_cmd(args: ExportArgs) -> Result<()> {
+pub(crate) fn export_cmd(args: ExportArgs, limit: &MemoryLimit) -> Result<()> {
     let spec = args.cost.spec()?;
     if let Some(w) = args.width
         && !(w.is_finite() && w > 0.0)
@@ -67,7 +70,12 @@ pub(crate) fn export_cmd(args: ExportArgs) -> Result<()> {
             args.us_per_unit
         );
     }
-    let loaded = args.plan.load()?;
+    let per_action = match args.format {
+        ExportFormat::Svg => SVG_ACTION_BYTES,
+        ExportFormat::Chrome => CHROME_ACTION_BYTES,
+        ExportFormat::Csv | ExportFormat::Toml => ACTION_BYTES,
+    };
+    let loaded = args.plan.load(per_action, limit)?;
     let plan = maybe_lower(loaded.plan, args.lower)?;
     let (text, what) = match args.format {
         ExportFormat::Csv => (to_csv(&plan), "CSV plan".to_string()),

@@ -29,7 +29,9 @@ use pipefill_schedules::{
 };
 
 use self::cost::CostSpec;
-use self::source::{PlanArgs, describe_shape};
+use pipefill::config::memory::MemoryLimit;
+
+use self::source::{ACTION_BYTES, PlanArgs, describe_shape};
 
 /// `pipefill schedule`: its subcommands, and the KIND|FILE help shown under them.
 #[derive(clap::Args)]
@@ -48,6 +50,11 @@ Examples:
 pub struct ScheduleArgs {
     #[command(subcommand)]
     command: ScheduleCommand,
+    /// Most memory a command may use to build and check its plans, e.g. `8GiB`, `512MiB`
+    /// [default: the memory available, MemAvailable in /proc/meminfo]. A shape whose plan
+    /// would need more is refused before it is built.
+    #[arg(long, global = true, value_name = "SIZE")]
+    max_memory: Option<String>,
 }
 
 #[derive(Subcommand)]
@@ -134,14 +141,16 @@ struct ValidateArgs {
 
 /// Runs `pipefill schedule …`.
 pub fn run(args: ScheduleArgs) -> Result<()> {
-    let result = match args.command {
-        ScheduleCommand::Show(a) => show(a),
-        ScheduleCommand::Validate(a) => validate_cmd(a),
-        ScheduleCommand::Simulate(a) => report::simulate_cmd(a),
-        ScheduleCommand::Compare(a) => report::compare_cmd(a),
-        ScheduleCommand::Export(a) => export::export_cmd(a),
-        ScheduleCommand::Auto(a) => auto::auto_cmd(a),
-    };
+    let result = MemoryLimit::resolve(args.max_memory.as_deref())
+        .map_err(anyhow::Error::from)
+        .and_then(|limit| match args.command {
+            ScheduleCommand::Show(a) => show(a, &limit),
+            ScheduleCommand::Validate(a) => validate_cmd(a, &limit),
+            ScheduleCommand::Simulate(a) => report::simulate_cmd(a, &limit),
+            ScheduleCommand::Compare(a) => report::compare_cmd(a, &limit),
+            ScheduleCommand::Export(a) => export::export_cmd(a, &limit),
+            ScheduleCommand::Auto(a) => auto::auto_cmd(a, &limit),
+        });
     result.map_err(one_line)
 }
 
@@ -164,8 +173,8 @@ fn one_line(e: anyhow::Error) -> anyhow::Error {
     anyhow::anyhow!(msg)
 }
 
-fn show(args: ShowArgs) -> Result<()> {
-    let loaded = args.plan.load()?;
+fn show(args: ShowArgs, limit: &MemoryLimit) -> Result<()> {
+    let loaded = args.plan.load(ACTION_BYTES, limit)?;
     let plan = maybe_lower(loaded.plan, args.lower)?;
     let text = match args.format {
         ShowFormat::Text => {
@@ -198,9 +207,9 @@ fn show(args: ShowArgs) -> Result<()> {
     emit(&text)
 }
 
-fn validate_cmd(args: ValidateArgs) -> Result<()> {
+fn validate_cmd(args: ValidateArgs, limit: &MemoryLimit) -> Result<()> {
     let spec = args.cost.spec()?;
-    let loaded = args.plan.load()?;
+    let loaded = args.plan.load(ACTION_BYTES, limit)?;
     let plan = &loaded.plan;
     let opts = ValidateOptions {
         cost: spec.model(plan)?,

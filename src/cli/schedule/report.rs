@@ -10,8 +10,9 @@ use pipefill_schedules::{ScheduleError, ScheduleKind, Timeline, generate, simula
 use serde_json::{Value, json};
 
 use super::cost::CostSpec;
-use super::source::{PlanArgs, describe_shape};
+use super::source::{ACTION_BYTES, PlanArgs, check_plan_size, describe_shape};
 use super::{CostArgs, check_memory, emit, maybe_lower};
+use pipefill::config::memory::MemoryLimit;
 
 #[derive(clap::Args)]
 pub(crate) struct SimulateArgs {
@@ -54,9 +55,9 @@ pub(crate) struct CompareArgs {
     json: bool,
 }
 
-pub(crate) fn simulate_cmd(args: SimulateArgs) -> Result<()> {
+pub(crate) fn simulate_cmd(args: SimulateArgs, limit: &MemoryLimit) -> Result<()> {
     let spec = args.cost.spec()?;
-    let loaded = args.plan.load()?;
+    let loaded = args.plan.load(ACTION_BYTES, limit)?;
     let plan = maybe_lower(loaded.plan, args.lower)?;
     let timeline = simulate(&plan, &spec.model(&plan)?)?;
     check_memory(&timeline, args.cost.memory_limit).context(loaded.name.clone())?;
@@ -191,11 +192,16 @@ struct Figures {
     over_limit: Option<String>,
 }
 
-fn compare_row(kind: ScheduleKind, args: &CompareArgs, spec: &CostSpec) -> Row {
-    let chunks = match args.chunks {
+/// Stages per rank `compare` gives `kind`: `--chunks` for the multi-chunk families.
+fn compare_chunks(kind: ScheduleKind, args: &CompareArgs) -> usize {
+    match args.chunks {
         Some(v) if kind.default_chunks() > 1 => v,
         _ => kind.default_chunks(),
-    };
+    }
+}
+
+fn compare_row(kind: ScheduleKind, args: &CompareArgs, spec: &CostSpec) -> Row {
+    let chunks = compare_chunks(kind, args);
     let outcome = (|| -> Result<Figures, String> {
         let plan = generate(kind, args.stages, args.microbatches, chunks).map_err(|e| match e {
             ScheduleError::Unsupported { reason, .. } => format!("unsupported: {reason}"),
@@ -224,13 +230,28 @@ fn compare_row(kind: ScheduleKind, args: &CompareArgs, spec: &CostSpec) -> Row {
     }
 }
 
-pub(crate) fn compare_cmd(args: CompareArgs) -> Result<()> {
+pub(crate) fn compare_cmd(args: CompareArgs, limit: &MemoryLimit) -> Result<()> {
     let spec = args.cost.spec()?;
     if args.stages == 0 {
         anyhow::bail!("--stages must be at least 1");
     }
     if args.microbatches == 0 {
         anyhow::bail!("--microbatches must be at least 1");
+    }
+    // Each schedule's plan is built, simulated and dropped in turn: each must fit, and the
+    // costs must not overflow the largest (a row each would repeat the same error).
+    for kind in ScheduleKind::ALL {
+        let chunks = compare_chunks(kind, &args);
+        check_plan_size(
+            kind,
+            args.stages,
+            args.microbatches,
+            chunks,
+            ACTION_BYTES,
+            limit,
+        )?;
+        spec.per_chunk(chunks)
+            .check_overflow(args.stages.saturating_mul(chunks), args.microbatches)?;
     }
     let rows: Vec<Row> = ScheduleKind::ALL
         .into_iter()
