@@ -19,6 +19,7 @@ use anyhow::{Context, bail};
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 
 use pipefill::config::JobConfig;
+use pipefill::config::memory::{Bytes, MemoryLimit, Workload};
 use pipefill::model::checkpoint::Checkpoint;
 use pipefill::rl::calibrate::Calibration;
 use pipefill::rl::config::SpecThreshold;
@@ -47,6 +48,11 @@ pub struct RlArgs {
     /// checkpoint; other files stay). Without it a non-empty output directory is refused.
     #[arg(long)]
     overwrite: bool,
+    /// Most memory the run may use, e.g. `8GiB`, `512MiB` (a launched rank: its share of the
+    /// job) [default: the memory available, MemAvailable in /proc/meminfo]. A job whose
+    /// estimate exceeds it is refused before the rollouts and the update are built.
+    #[arg(long, value_name = "SIZE")]
+    max_memory: Option<String>,
 }
 
 /// Which drafter the rollouts start from, for the in-process and the launched run alike:
@@ -94,6 +100,17 @@ pub fn run(args: RlArgs) -> anyhow::Result<()> {
         None => None,
     };
     job.rl.validate(job.model.seq_len)?;
+    let limit = MemoryLimit::resolve(args.max_memory.as_deref())?;
+    let processes = if rank_env.is_distributed() {
+        rank_env.world
+    } else {
+        1
+    };
+    let estimate = job.check_memory(Workload::Rl, &limit, processes)?;
+    if !rank_env.is_distributed() {
+        crate::cli::train::refuse_dp(&job, "rl")?;
+        println!("memory: {} estimated, {limit}", Bytes(estimate.total));
+    }
     if job.schedule.trim().eq_ignore_ascii_case("none") {
         bail!("schedule \"none\": the RL update runs as a pipelined step; name a schedule");
     }

@@ -31,6 +31,7 @@ use std::time::Instant;
 use anyhow::bail;
 use indicatif::{ProgressBar, ProgressStyle};
 
+use pipefill::config::memory::{Bytes, MemoryLimit, Workload};
 use pipefill::config::{Clock, JobConfig};
 use pipefill::data::DatasetSummary;
 use pipefill::model::Gpt;
@@ -74,6 +75,11 @@ pub struct TrainArgs {
     /// unless `--resume` continues the run in it.
     #[arg(long)]
     overwrite: bool,
+    /// Most memory the run may use, e.g. `8GiB`, `512MiB` (a launched rank: its share of the
+    /// job) [default: the memory available, MemAvailable in /proc/meminfo]. A job whose
+    /// estimate exceeds it is refused before anything is allocated.
+    #[arg(long, value_name = "SIZE")]
+    max_memory: Option<String>,
 }
 
 /// `--device`'s values (the job file's `device`).
@@ -114,6 +120,18 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     };
     // One rank of a multi-process job (pipefill launch, torchrun, mpirun, srun).
     let rank_env = pipefill::launch::RankEnv::detect()?;
+    // Before anything is allocated: the job's sizes against the memory there is.
+    let limit = MemoryLimit::resolve(args.max_memory.as_deref())?;
+    let processes = if rank_env.is_distributed() {
+        rank_env.world
+    } else {
+        1
+    };
+    let estimate = job.check_memory(Workload::Train, &limit, processes)?;
+    if !rank_env.is_distributed() {
+        refuse_dp(&job, "train")?;
+        println!("memory: {} estimated, {limit}", Bytes(estimate.total));
+    }
     // Before joining any other rank: a device that cannot be used here ends the run at once.
     let device = job.device.usable_on_local_rank(rank_env.local_rank)?;
     let existing = match args.overwrite {
@@ -161,6 +179,22 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         #[cfg(not(feature = "cuda"))]
         Device::Cuda { .. } => Err(pipefill::tensor::device::DeviceError::CudaNotCompiled.into()),
     }
+}
+
+/// A single process runs one pipeline: `dp > 1` needs `dp × stages` processes, each a rank
+/// of a launched job, so a single-process `command` with it is refused rather than run as
+/// `dp = 1`.
+pub(crate) fn refuse_dp(job: &JobConfig, command: &str) -> anyhow::Result<()> {
+    if job.dp > 1 {
+        bail!(
+            "dp = {}: a single-process `pipefill {command}` runs one pipeline; launch dp × stages = \
+             {} processes (`pipefill launch -n {} -- {command} ...`), or set dp = 1",
+            job.dp,
+            job.dp.saturating_mul(job.stages),
+            job.dp.saturating_mul(job.stages)
+        );
+    }
+    Ok(())
 }
 
 /// Runs `job` with the reference `trainer` (from `resume`'s checkpoint when given),

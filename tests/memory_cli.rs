@@ -1,0 +1,337 @@
+//! Memory bounds and misleading errors (issue 19, items 2 and 6), through the binary: sizes
+//! too large for the machine (or `--max-memory`) are one line naming the field and the
+//! estimate, refused before anything is allocated (each such child's peak RSS is measured
+//! and must stay small); the estimate covers what a run really uses; and the errors that
+//! misled (overflowing costs reported as a deadlock, a huge bad cell echoed whole, a parse
+//! error printed twice, a too-small vocabulary failing mid-run, `dp` ignored) say what is
+//! wrong.
+
+use std::io::Read;
+use std::path::Path;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use pipefill::config::JobConfig;
+use pipefill::config::memory::{Bytes, MemoryEstimate, Workload};
+
+mod common;
+use common::clean;
+
+const EXE: &str = env!("CARGO_BIN_EXE_pipefill");
+
+/// What a refused command may use at most: the binary and its start-up, nothing sized by
+/// the job.
+const REFUSED_RSS: u64 = 64 << 20;
+const REFUSED_SECONDS: u64 = 10;
+
+/// A finished child: its exit, output, peak RSS and wall time.
+struct Run {
+    success: bool,
+    stdout: String,
+    stderr: String,
+    peak_rss: u64,
+    elapsed: Duration,
+}
+
+/// Runs `pipefill ARGS` in `dir`, measuring the child's own peak RSS (`wait4`'s rusage).
+#[expect(
+    clippy::zombie_processes,
+    reason = "the child is reaped by wait4, which std's Child cannot do with its rusage"
+)]
+fn run(dir: &Path, args: &[&str]) -> Run {
+    let started = Instant::now();
+    let mut child = clean(EXE)
+        .args(args)
+        .current_dir(dir)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the pipefill binary runs");
+    let read = |mut pipe: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut text = String::new();
+            pipe.read_to_string(&mut text)
+                .map(|_| text)
+                .unwrap_or_default()
+        })
+    };
+    let out = read(Box::new(child.stdout.take().unwrap()));
+    let err = read(Box::new(child.stderr.take().unwrap()));
+    let pid = child.id() as libc::pid_t;
+    let mut status = 0;
+    // SAFETY: `usage` is a plain C struct that wait4 fills; the child is ours and waited
+    // for here only (std's `Child` is not waited on afterwards).
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    let waited = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
+    assert_eq!(waited, pid, "wait4 failed");
+    let elapsed = started.elapsed();
+    Run {
+        success: libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+        stdout: out.join().unwrap(),
+        stderr: err.join().unwrap(),
+        // Linux reports kilobytes.
+        peak_rss: usage.ru_maxrss as u64 * 1024,
+        elapsed,
+    }
+}
+
+/// A refused command: one `error: …` line, quickly and without allocating what the job
+/// would need; returns that line.
+fn refused(dir: &Path, args: &[&str]) -> String {
+    let r = run(dir, args);
+    assert!(!r.success, "{args:?} succeeded: {}", r.stdout);
+    let line = r.stderr.trim().to_string();
+    assert_eq!(line.lines().count(), 1, "{args:?}: not one line: {line}");
+    assert!(line.starts_with("error: "), "{args:?}: {line}");
+    assert!(
+        r.peak_rss < REFUSED_RSS,
+        "{args:?}: peak RSS {} before refusing",
+        Bytes(r.peak_rss)
+    );
+    assert!(
+        r.elapsed < Duration::from_secs(REFUSED_SECONDS),
+        "{args:?}: took {:?} to refuse",
+        r.elapsed
+    );
+    line
+}
+
+#[test]
+fn a_schedule_too_large_to_build_is_refused_naming_its_flags() {
+    let dir = tempfile::tempdir().unwrap();
+    let line = refused(
+        dir.path(),
+        &[
+            "schedule",
+            "validate",
+            "zb-h1",
+            "--stages",
+            "100000",
+            "--microbatches",
+            "100000",
+        ],
+    );
+    assert!(
+        line.contains(
+            "--stages 100000 × --microbatches 100000: zb-h1's plan has 30000000000 actions"
+        ) && line.contains("over the memory limit of"),
+        "{line}"
+    );
+    // Under --max-memory, a shape that fits the machine is refused too, and the other
+    // subcommands check before building.
+    for cmd in ["show", "simulate"] {
+        let line = refused(
+            dir.path(),
+            &[
+                "schedule",
+                cmd,
+                "zb-h1",
+                "-p",
+                "64",
+                "-m",
+                "1024",
+                "--max-memory",
+                "1MiB",
+            ],
+        );
+        assert!(line.contains("1.0 MiB (--max-memory)"), "{line}");
+    }
+    for cmd in ["compare", "auto"] {
+        let line = refused(
+            dir.path(),
+            &[
+                "schedule",
+                cmd,
+                "-p",
+                "64",
+                "-m",
+                "1024",
+                "--max-memory",
+                "1MiB",
+            ],
+        );
+        assert!(line.contains("--stages 64 × --microbatches 1024"), "{line}");
+    }
+}
+
+#[test]
+fn job_sizes_over_the_memory_are_one_line_naming_the_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let train = |set: &str| {
+        refused(
+            dir.path(),
+            &[
+                "train",
+                "--steps",
+                "1",
+                "--max-memory",
+                "8GiB",
+                "--set",
+                set,
+            ],
+        )
+    };
+    // Too large to count: the estimate overflows.
+    for (set, field) in [
+        ("model.seq_len=100000000", "model.seq_len"),
+        ("model.d_model=4000000000", "model.d_model"),
+    ] {
+        let line = train(set);
+        assert!(
+            line.starts_with(&format!("error: invalid `{field}`:"))
+                && line.contains("the memory estimate of"),
+            "{line}"
+        );
+    }
+    // Countable, but over the limit: the estimate and its largest parts.
+    let line = train("train.eval_tasks=100000000");
+    assert!(
+        line.starts_with(
+            "error: invalid `train.eval_tasks`: the job needs an estimated 35.9 GiB (data 35.8 GiB"
+        ) && line.ends_with("over the memory limit of 8.0 GiB (--max-memory)"),
+        "{line}"
+    );
+    let line = refused(
+        dir.path(),
+        &[
+            "rl",
+            "--max-memory",
+            "8GiB",
+            "--set",
+            "model.seq_len=200000",
+            "--set",
+            "rl.max_new_tokens=10",
+        ],
+    );
+    assert!(
+        line.starts_with("error: invalid `model.seq_len`: the job needs an estimated"),
+        "{line}"
+    );
+    let line = refused(dir.path(), &["train", "--max-memory", "lots"]);
+    assert!(
+        line.starts_with("error: invalid `--max-memory`: \"lots\" is not a size"),
+        "{line}"
+    );
+    // Nothing was started: no run directory appeared.
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+}
+
+#[test]
+fn the_estimate_covers_what_a_run_uses() {
+    let dir = tempfile::tempdir().unwrap();
+    // Each run's peak RSS must stay within its estimate, and the estimate within 4x of it
+    // (a bound so loose it refuses jobs that fit would be no use either).
+    for sets in [
+        &["schedule=\"none\"", "model.seq_len=512"][..],
+        &["model.seq_len=512"],
+        &["model.d_model=256"],
+    ] {
+        let mut sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        sets.extend([
+            "train.steps=1".into(),
+            "train.eval_tasks=2".into(),
+            "data.summary_tasks=500".into(),
+        ]);
+        let job = JobConfig::embedded(&sets).unwrap();
+        let estimate = MemoryEstimate::of(&job, Workload::Train).unwrap().total;
+        let out = dir.path().join(format!("run{}", sets.len()));
+        let mut args = vec!["train", "--out-dir", out.to_str().unwrap()];
+        for s in &sets {
+            args.extend(["--set", s]);
+        }
+        let r = run(dir.path(), &args);
+        assert!(r.success, "{sets:?}: {}", r.stderr);
+        assert!(
+            r.stdout
+                .contains(&format!("memory: {} estimated", Bytes(estimate))),
+            "{}",
+            r.stdout
+        );
+        assert!(
+            r.peak_rss <= estimate && estimate <= 4 * r.peak_rss,
+            "{sets:?}: peak RSS {} against an estimate of {}",
+            Bytes(r.peak_rss),
+            Bytes(estimate)
+        );
+        std::fs::remove_dir_all(&out).unwrap();
+    }
+}
+
+#[test]
+fn overflowing_costs_are_named_not_a_deadlock() {
+    let dir = tempfile::tempdir().unwrap();
+    for cmd in [
+        &["simulate", "zb-h1", "-p", "4", "-m", "8"][..],
+        &["compare", "-p", "4", "-m", "8"],
+        &["auto", "-p", "4", "-m", "8"],
+    ] {
+        let mut args = vec!["schedule"];
+        args.extend_from_slice(cmd);
+        args.extend(["--cost", "f=1e308,i=1e308,w=1e308"]);
+        let line = refused(dir.path(), &args);
+        assert!(
+            line.starts_with("error: --cost f=1e308: the simulated makespan overflows")
+                && !line.contains("deadlock"),
+            "{line}"
+        );
+    }
+}
+
+#[test]
+fn bad_schedule_files_are_quoted_short_and_once() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("big.csv"),
+        format!("0F0,{}\n", "x".repeat(10_000_000)),
+    )
+    .unwrap();
+    std::fs::write(dir.path().join("garbage.csv"), "0F0,garbage\n").unwrap();
+    for args in [
+        &["schedule", "validate", "big.csv"][..],
+        &["train", "--schedule", "big.csv", "--steps", "1"],
+    ] {
+        let r = run(dir.path(), args);
+        let line = r.stderr.trim();
+        assert!(
+            !r.success && line.lines().count() == 1,
+            "{args:?}: {line:.300}"
+        );
+        assert!(
+            line.len() < 400 && line.contains("… (10000000 characters)` is not an action"),
+            "{args:?}: {line:.400}"
+        );
+    }
+    for args in [
+        &["schedule", "validate", "garbage.csv"][..],
+        &["train", "--schedule", "garbage.csv", "--steps", "1"],
+    ] {
+        let line = refused(dir.path(), args);
+        assert_eq!(
+            line.matches("`garbage` is not an action").count(),
+            1,
+            "{args:?}: {line}"
+        );
+    }
+}
+
+#[test]
+fn a_vocabulary_too_small_and_dp_in_one_process_are_refused_before_the_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let line = refused(dir.path(), &["train", "--set", "model.vocab=5"]);
+    assert_eq!(
+        line,
+        "error: invalid `model.vocab`: 5 is too small: the tokenizer's ids (PAD, BOS, EOS and \
+         the tasks' characters) need at least 50"
+    );
+    for cmd in ["train", "rl"] {
+        let line = refused(dir.path(), &[cmd, "--set", "dp=2"]);
+        assert_eq!(
+            line,
+            format!(
+                "error: dp = 2: a single-process `pipefill {cmd}` runs one pipeline; launch dp × \
+                 stages = 8 processes (`pipefill launch -n 8 -- {cmd} ...`), or set dp = 1"
+            )
+        );
+    }
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+}
