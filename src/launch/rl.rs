@@ -108,11 +108,16 @@ pub enum RlLaunchError {
     Group { rank: usize, error: GroupError },
     #[error("rl.warmup_steps is 0 and no --init run is given: the policy would be untrained")]
     Untrained,
+    /// (Boxed, as the pipeline's error below: they would make every result of a rank's
+    /// run as large as the largest of them.)
     #[error("rank {rank}: {error}")]
-    Rl { rank: usize, error: RlError },
+    Rl { rank: usize, error: Box<RlError> },
     /// The rank's own pipeline failed (the error names the rank).
     #[error("{error}")]
-    Pipeline { rank: usize, error: PipelineError },
+    Pipeline {
+        rank: usize,
+        error: Box<PipelineError>,
+    },
     #[error("rank {rank}: {what} with rank {peer}: {source}")]
     Link {
         rank: usize,
@@ -222,8 +227,14 @@ pub fn rl_rank_with(
     mut on_step: impl FnMut(&RlLaunchStep),
 ) -> Result<Option<RlLaunchRun>, RlLaunchError> {
     let (rank, world, dp) = (mesh.rank(), mesh.world(), job.dp);
-    let rl_err = |error: RlError| RlLaunchError::Rl { rank, error };
-    let pipeline_err = |error: PipelineError| RlLaunchError::Pipeline { rank, error };
+    let rl_err = |error: RlError| RlLaunchError::Rl {
+        rank,
+        error: Box::new(error),
+    };
+    let pipeline_err = |error: PipelineError| RlLaunchError::Pipeline {
+        rank,
+        error: Box::new(error),
+    };
     let backend = CpuBackend::new(1).map_err(|e| rl_err(ModelError::from(e).into()))?;
     job.rl
         .validate(job.model.seq_len)
@@ -390,8 +401,10 @@ fn replica_plan(
     }
     let mut share = job.clone();
     share.train.micro_batches /= job.dp;
-    let trainer = PipelineTrainer::from_job(&share)
-        .map_err(|error| RlLaunchError::Pipeline { rank, error })?;
+    let trainer = PipelineTrainer::from_job(&share).map_err(|error| RlLaunchError::Pipeline {
+        rank,
+        error: Box::new(error),
+    })?;
     Ok(trainer.plan().clone())
 }
 

@@ -96,7 +96,7 @@ pub enum PipelineError {
     Data(#[from] crate::data::DataError),
     #[error(transparent)]
     Checkpoint(#[from] crate::model::checkpoint::CheckpointError),
-    #[error("schedule: {0}")]
+    #[error(transparent)]
     Schedule(#[from] crate::schedules::ScheduleError),
     #[error(transparent)]
     Runtime(#[from] pipefill_actors::RuntimeError),

@@ -127,12 +127,18 @@ impl Ctx<'_> {
 
     pub fn rl_err(&self) -> impl Fn(RlError) -> RlLaunchError {
         let rank = self.rank;
-        move |error| RlLaunchError::Rl { rank, error }
+        move |error| RlLaunchError::Rl {
+            rank,
+            error: Box::new(error),
+        }
     }
 
     pub fn pipeline_err(&self) -> impl Fn(PipelineError) -> RlLaunchError {
         let rank = self.rank;
-        move |error| RlLaunchError::Pipeline { rank, error }
+        move |error| RlLaunchError::Pipeline {
+            rank,
+            error: Box::new(error),
+        }
     }
 
     fn bad_frame(&self, peer: usize, what: &'static str) -> impl Fn(String) -> RlLaunchError {
