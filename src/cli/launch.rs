@@ -5,13 +5,21 @@
 //! The launcher spawns N copies of this executable with pipefill's rank variables and a
 //! fresh job token (or `PIPEFILL_TOKEN` when set), prefixes every output line with its
 //! rank, and exits non-zero if any rank fails. When one rank fails, the others are given a
-//! grace period to notice (their mesh names the failed rank within seconds) and exit with
-//! their own error; whoever is still running after it is killed.
+//! grace period (`--grace`, 8 s) to notice (their mesh names the failed rank within
+//! seconds) and exit with their own error; whoever is still running after it is killed.
+//! The ranks die with the launcher: a SIGTERM, SIGINT or SIGHUP is passed on to every rank
+//! (the same grace follows, and a second signal kills them at once), and however the
+//! launcher ends, a SIGKILL included, the kernel kills its ranks (their parent-death
+//! signal). A failed or interrupted job ends with a summary naming every rank and what
+//! became of it: exited ok, failed with its status, ended by a signal, or killed by the
+//! launcher after the grace.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
+use std::os::unix::process::ExitStatusExt;
 use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
@@ -29,8 +37,13 @@ use pipefill::run::{Existing, Resume, RunDir, StepLine};
 use pipefill::schedules::{Plan, simulate};
 use pipefill::train::StepMetrics;
 
-/// How long the other ranks have to exit on their own after one failed.
-const GRACE: Duration = Duration::from_secs(8);
+/// How long the other ranks have to exit on their own after one failed, or after the
+/// launcher passed them a signal, unless `--grace` says otherwise.
+const GRACE: &str = "8";
+
+/// How long a rank the launcher killed (SIGKILL) may take to be reaped before the summary
+/// goes on without it (a process stuck in the kernel ends only when the kernel lets it).
+const REAP: Duration = Duration::from_secs(5);
 
 #[derive(clap::Args)]
 pub struct LaunchArgs {
@@ -46,9 +59,22 @@ pub struct LaunchArgs {
     /// IP address the ranks' sockets listen on (default: loopback).
     #[arg(long, value_name = "IP")]
     listen_addr: Option<String>,
+    /// Seconds the other ranks have to exit on their own once one failed, or once the
+    /// launcher passed on a SIGTERM, SIGINT or SIGHUP; whoever still runs then is killed.
+    #[arg(long, value_name = "SECONDS", default_value = GRACE, value_parser = seconds)]
+    grace: Duration,
     /// The subcommand every rank runs (`train`), and its arguments (after `--`).
     #[arg(last = true, required = true, value_name = "COMMAND")]
     command: Vec<String>,
+}
+
+/// A non-negative number of seconds.
+fn seconds(text: &str) -> Result<Duration, String> {
+    text.trim()
+        .parse::<f64>()
+        .ok()
+        .and_then(|s| Duration::try_from_secs_f64(s).ok())
+        .ok_or_else(|| format!("{text:?} is not a non-negative number of seconds"))
 }
 
 /// A random job token from the OS (32 hex digits).
@@ -60,8 +86,12 @@ fn fresh_token() -> anyhow::Result<String> {
     Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
 }
 
-/// Copies `from` to `to` line by line, each prefixed with `[rank R] `.
-fn forward(rank: usize, from: impl Read + Send + 'static, mut to: impl Write + Send + 'static) {
+/// Copies `from` to `to` line by line, each prefixed with `[rank R] `, until `from` ends.
+fn forward(
+    rank: usize,
+    from: impl Read + Send + 'static,
+    mut to: impl Write + Send + 'static,
+) -> JoinHandle<()> {
     std::thread::spawn(move || {
         for line in BufReader::new(from).split(b'\n') {
             let Ok(line) = line else { return };
@@ -72,7 +102,7 @@ fn forward(rank: usize, from: impl Read + Send + 'static, mut to: impl Write + S
                 return;
             }
         }
-    });
+    })
 }
 
 pub fn run(args: LaunchArgs) -> anyhow::Result<()> {
@@ -98,7 +128,10 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<()> {
             .port(),
     };
     let exe = std::env::current_exe().context("cannot find this executable")?;
-    let mut children: Vec<Option<Child>> = Vec::with_capacity(args.nproc);
+    // From here a SIGTERM, SIGINT or SIGHUP is passed on to the ranks (see `supervise`).
+    signals::install().context("cannot install the launcher's signal handlers")?;
+    let mut ranks: Vec<Rank> = Vec::with_capacity(args.nproc);
+    let mut output = Vec::with_capacity(2 * args.nproc);
     for rank in 0..args.nproc {
         let mut cmd = Command::new(&exe);
         cmd.args(&args.command)
@@ -114,73 +147,304 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<()> {
         if let Some(ip) = &args.listen_addr {
             cmd.env("PIPEFILL_LISTEN_ADDR", ip);
         }
-        let mut child = cmd
-            .spawn()
-            .with_context(|| format!("cannot start rank {rank}"))?;
+        die_with_launcher(&mut cmd);
+        let mut child = match cmd.spawn() {
+            Ok(child) => child,
+            Err(e) => {
+                // The ranks already started would wait for this one until their timeout.
+                for r in &mut ranks {
+                    if let Rank::Running(child) = r {
+                        let _ = child.kill();
+                        let _ = child.wait();
+                    }
+                }
+                return Err(e).with_context(|| format!("cannot start rank {rank}"));
+            }
+        };
         eprintln!("[launch] rank {rank}: pid {}", child.id());
         if let Some(out) = child.stdout.take() {
-            forward(rank, out, std::io::stdout());
+            output.push(forward(rank, out, std::io::stdout()));
         }
         if let Some(err) = child.stderr.take() {
-            forward(rank, err, std::io::stderr());
+            output.push(forward(rank, err, std::io::stderr()));
         }
-        children.push(Some(child));
+        ranks.push(Rank::Running(child));
     }
-    supervise(children)
+    supervise(ranks, args.grace, output)
 }
 
-/// Waits for every rank; after the first failure, gives the others [`GRACE`] to exit, then
-/// kills the rest. Fails naming every rank that failed.
-fn supervise(mut children: Vec<Option<Child>>) -> anyhow::Result<()> {
-    let mut failed: Vec<(usize, ExitStatus)> = Vec::new();
-    let mut first_failure: Option<Instant> = None;
-    while children.iter().any(Option::is_some) {
-        for (rank, slot) in children.iter_mut().enumerate() {
-            let Some(child) = slot else { continue };
-            match child.try_wait() {
-                Ok(Some(status)) => {
-                    if !status.success() {
-                        eprintln!("[launch] rank {rank} failed: {status}");
-                        failed.push((rank, status));
-                        first_failure.get_or_insert_with(Instant::now);
-                    }
-                    *slot = None;
+/// Arms the rank's parent-death signal: the kernel sends it SIGKILL when the launcher ends,
+/// however it ends (a SIGKILL of the launcher included), so no rank outlives its launcher.
+/// It is set between fork and exec, in `pipefill launch`'s own children only: ranks that
+/// mpirun, srun or torchrun start live by their launcher's rules, not these. The signal
+/// follows the thread that spawned the rank, here the launcher's main thread, which lives
+/// as long as the launcher. If the launcher ended before the signal was armed, the rank
+/// is not started.
+#[cfg(target_os = "linux")]
+fn die_with_launcher(cmd: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    let launcher = std::process::id() as libc::pid_t;
+    // SAFETY: the closure runs in the forked child before exec and calls only prctl and
+    // getppid (async-signal-safe) and builds an io::Error from a raw code (no allocation).
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if libc::getppid() != launcher {
+                return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
+            }
+            Ok(())
+        });
+    }
+}
+
+/// Without a parent-death signal (not Linux) a rank outlives a killed launcher; a SIGTERM,
+/// SIGINT or SIGHUP of the launcher is still passed on.
+#[cfg(not(target_os = "linux"))]
+fn die_with_launcher(_: &mut Command) {}
+
+/// The launcher's SIGTERM, SIGINT and SIGHUP: the handler only counts the signal (atomics,
+/// safe in a handler); [`supervise`] polls the count and passes the signal on to the ranks.
+mod signals {
+    use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
+
+    static LAST: AtomicI32 = AtomicI32::new(0);
+    static COUNT: AtomicUsize = AtomicUsize::new(0);
+
+    extern "C" fn record(signal: libc::c_int) {
+        LAST.store(signal, Ordering::SeqCst);
+        COUNT.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Handles each of SIGTERM, SIGINT and SIGHUP that this process does not ignore: a
+    /// launcher started under nohup, or in the background of a non-interactive shell, goes
+    /// on ignoring what it was told to ignore (and so do its ranks, which inherit that).
+    pub fn install() -> std::io::Result<()> {
+        for signal in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
+            // SAFETY: sigaction with zero-initialised structs (a valid empty action), a
+            // handler that only touches atomics, and SA_RESTART so that no other call of
+            // the launcher sees EINTR.
+            unsafe {
+                let mut old: libc::sigaction = std::mem::zeroed();
+                if libc::sigaction(signal, std::ptr::null(), &mut old) != 0 {
+                    return Err(std::io::Error::last_os_error());
                 }
-                Ok(None) => {}
-                Err(e) => {
-                    eprintln!("[launch] rank {rank}: cannot wait for it: {e}");
-                    failed.push((rank, ExitStatus::default()));
-                    *slot = None;
+                if old.sa_sigaction == libc::SIG_IGN {
+                    continue;
+                }
+                let mut new: libc::sigaction = std::mem::zeroed();
+                new.sa_sigaction = record as extern "C" fn(libc::c_int) as libc::sighandler_t;
+                new.sa_flags = libc::SA_RESTART;
+                libc::sigemptyset(&mut new.sa_mask);
+                if libc::sigaction(signal, &new, std::ptr::null_mut()) != 0 {
+                    return Err(std::io::Error::last_os_error());
                 }
             }
         }
-        if first_failure.is_some_and(|t| t.elapsed() > GRACE) {
-            for (rank, slot) in children.iter_mut().enumerate() {
-                if let Some(mut child) = slot.take() {
-                    eprintln!(
-                        "[launch] rank {rank} still running {GRACE:?} after a failure: killing it"
-                    );
-                    let _ = child.kill();
-                    let _ = child.wait();
+        Ok(())
+    }
+
+    /// How many of them arrived so far, and the last one.
+    pub fn received() -> (usize, i32) {
+        let count = COUNT.load(Ordering::SeqCst);
+        (count, LAST.load(Ordering::SeqCst))
+    }
+}
+
+/// A signal's name, for the launcher's lines.
+fn signal_name(signal: i32) -> String {
+    let name = match signal {
+        libc::SIGHUP => "SIGHUP",
+        libc::SIGINT => "SIGINT",
+        libc::SIGQUIT => "SIGQUIT",
+        libc::SIGILL => "SIGILL",
+        libc::SIGABRT => "SIGABRT",
+        libc::SIGBUS => "SIGBUS",
+        libc::SIGFPE => "SIGFPE",
+        libc::SIGKILL => "SIGKILL",
+        libc::SIGSEGV => "SIGSEGV",
+        libc::SIGPIPE => "SIGPIPE",
+        libc::SIGTERM => "SIGTERM",
+        other => return format!("signal {other}"),
+    };
+    name.into()
+}
+
+/// One rank, as the launcher sees it.
+enum Rank {
+    Running(Child),
+    /// Sent SIGKILL by the launcher (why), not reaped yet (since when).
+    Killing(Child, String, Instant),
+    /// It ended by itself (or by a signal someone else, or the launcher passing one on, sent).
+    Ended(ExitStatus),
+    /// The launcher killed it: why (the grace ran out, or a second signal).
+    Killed(String),
+    /// The launcher cannot tell (waiting for it failed, why).
+    Unknown(String),
+}
+
+impl Rank {
+    fn running(&self) -> bool {
+        matches!(self, Rank::Running(_) | Rank::Killing(..))
+    }
+
+    fn ok(&self) -> bool {
+        matches!(self, Rank::Ended(s) if s.success())
+    }
+
+    /// Sends the rank SIGKILL, for `why`.
+    fn kill(&mut self, rank: usize, why: &str) {
+        let Rank::Running(child) = self else { return };
+        eprintln!("[launch] rank {rank} {why}: killing it");
+        match child.kill() {
+            Ok(()) => {}
+            // It ended just now; the next poll reaps it.
+            Err(e) if e.kind() == std::io::ErrorKind::InvalidInput => return,
+            Err(e) => eprintln!("[launch] rank {rank}: cannot kill it: {e}"),
+        }
+        let Rank::Running(child) = std::mem::replace(self, Rank::Unknown(String::new())) else {
+            return;
+        };
+        *self = Rank::Killing(child, why.to_string(), Instant::now());
+    }
+
+    /// What became of it, for the summary; `passed_on` is the signal the launcher passed on.
+    fn describe(&self, passed_on: Option<i32>) -> String {
+        match self {
+            Rank::Running(_) => "still running".into(),
+            Rank::Killing(_, why, _) => {
+                format!("killed by the launcher ({why}), not reaped {REAP:?} later")
+            }
+            Rank::Ended(s) if s.success() => "exited ok".into(),
+            Rank::Ended(s) => match (s.code(), s.signal()) {
+                (Some(code), _) => format!("failed with exit status {code}"),
+                (None, Some(sig)) if Some(sig) == passed_on => {
+                    format!("ended by the {} the launcher passed on", signal_name(sig))
                 }
+                (None, Some(sig)) => format!("killed by signal {sig} ({})", signal_name(sig)),
+                (None, None) => format!("ended: {s}"),
+            },
+            Rank::Killed(why) => format!("killed by the launcher ({why})"),
+            Rank::Unknown(why) => format!("cannot be waited for: {why}"),
+        }
+    }
+}
+
+/// Waits for every rank. After the first failure, or once the launcher got a SIGTERM,
+/// SIGINT or SIGHUP (passed on to every rank still running), the others have `grace` to
+/// exit; whoever still runs then is killed, and a second signal kills them at once. Then,
+/// once the ranks' `output` is drained, fails naming every rank with what became of it
+/// (and prints the same, a `[launch]` line per rank) unless every rank exited ok.
+fn supervise(
+    mut ranks: Vec<Rank>,
+    grace: Duration,
+    output: Vec<JoinHandle<()>>,
+) -> anyhow::Result<()> {
+    // When the grace started, and why.
+    let mut cause: Option<(Instant, String)> = None;
+    let mut signals_seen = 0;
+    let mut passed_on: Option<i32> = None;
+    while ranks.iter().any(Rank::running) {
+        for (rank, state) in ranks.iter_mut().enumerate() {
+            let (child, killed) = match state {
+                Rank::Running(child) => (child, None),
+                Rank::Killing(child, why, since) => (child, Some((why.clone(), *since))),
+                _ => continue,
+            };
+            match (child.try_wait(), killed) {
+                (Ok(Some(_)), Some((why, _))) => *state = Rank::Killed(why),
+                (Ok(Some(status)), None) => {
+                    let expected = passed_on.is_some_and(|sig| status.signal() == Some(sig));
+                    if !status.success() && !expected {
+                        eprintln!("[launch] rank {rank} failed: {status}");
+                        cause
+                            .get_or_insert_with(|| (Instant::now(), format!("rank {rank} failed")));
+                    }
+                    *state = Rank::Ended(status);
+                }
+                (Ok(None), Some((why, since))) if since.elapsed() > REAP => {
+                    eprintln!(
+                        "[launch] rank {rank} was killed ({why}) but has not ended {REAP:?} later: leaving it"
+                    );
+                    *state = Rank::Killed(format!("{why}; not reaped {REAP:?} later"));
+                }
+                (Ok(None), _) => {}
+                (Err(e), _) => {
+                    eprintln!("[launch] rank {rank}: cannot wait for it: {e}");
+                    let _ = child.kill();
+                    cause.get_or_insert_with(|| (Instant::now(), format!("rank {rank} was lost")));
+                    *state = Rank::Unknown(e.to_string());
+                }
+            }
+        }
+        let (count, signal) = signals::received();
+        if count > signals_seen {
+            signals_seen = count;
+            let name = signal_name(signal);
+            let live: Vec<usize> = (0..ranks.len())
+                .filter(|&r| matches!(ranks[r], Rank::Running(_)))
+                .collect();
+            if passed_on.is_none() {
+                passed_on = Some(signal);
+                eprintln!(
+                    "[launch] got {name}: passing it on to ranks {live:?}; whoever still runs {grace:?} later is killed"
+                );
+                for &rank in &live {
+                    if let Rank::Running(child) = &ranks[rank] {
+                        // SAFETY: kill(2) on our own child's pid, which is not reaped yet
+                        // (try_wait above saw it running), so the pid is still its.
+                        unsafe { libc::kill(child.id() as libc::pid_t, signal) };
+                    }
+                }
+                // The ranks have the whole grace from now to act on it.
+                cause = Some((Instant::now(), format!("the launcher got {name}")));
+            } else {
+                for &rank in &live {
+                    ranks[rank].kill(rank, &format!("still running at a second {name}"));
+                }
+            }
+        }
+        if let Some((since, why)) = &cause
+            && since.elapsed() > grace
+        {
+            for (rank, state) in ranks.iter_mut().enumerate() {
+                state.kill(rank, &format!("still running {grace:?} after {why}"));
             }
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    // Let the output threads drain what the ranks wrote last.
-    std::thread::sleep(Duration::from_millis(100));
-    if failed.is_empty() {
+    // What the ranks wrote last, before the summary (a rank's pipe ends with the rank,
+    // unless a process it started holds it: then the summary goes on after a second).
+    let drained = Instant::now() + Duration::from_secs(1);
+    while output.iter().any(|t| !t.is_finished()) && Instant::now() < drained {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let failed = ranks.iter().filter(|r| !r.ok()).count();
+    if failed == 0 && passed_on.is_none() {
         return Ok(());
     }
-    let ranks: Vec<String> = failed
+    let outcomes: Vec<String> = ranks
         .iter()
-        .map(|(r, s)| format!("rank {r} ({s})"))
+        .enumerate()
+        .map(|(rank, r)| format!("rank {rank} {}", r.describe(passed_on)))
         .collect();
-    bail!(
-        "{} of the job's ranks failed: {}",
-        failed.len(),
-        ranks.join(", ")
-    )
+    for line in &outcomes {
+        eprintln!("[launch] {line}");
+    }
+    match passed_on {
+        Some(signal) => bail!(
+            "the launcher got {} and passed it on to the job's {} ranks: {}",
+            signal_name(signal),
+            ranks.len(),
+            outcomes.join(", ")
+        ),
+        None => bail!(
+            "{failed} of the job's ranks failed ({} ranks in all): {}",
+            ranks.len(),
+            outcomes.join(", ")
+        ),
+    }
 }
 
 /// `pipefill train` as one rank of a multi-process job: joins the others, trains this

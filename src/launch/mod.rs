@@ -3,9 +3,13 @@
 //! of pipelined training over that mesh ([`train`]), where `schedule = "auto"` switches
 //! every rank to the plan of the costs they measured and all-gathered ([`auto`]).
 //!
-//! `pipefill launch` (src/cli/launch.rs) spawns local ranks with pipefill's variables; any
-//! other launcher (torchrun, mpirun, srun) works through its own variables. Every rank of
-//! a job must be given the same job token (`PIPEFILL_TOKEN`; `pipefill launch` makes one).
+//! `pipefill launch` (src/cli/launch.rs) spawns local ranks with pipefill's variables, and
+//! arms each one's parent-death signal as it spawns it, so its ranks never outlive it; any
+//! other launcher (torchrun, mpirun, srun) works through its own variables, and its ranks
+//! live by its rules (a rank arms nothing itself: under another launcher its parent is
+//! that launcher's agent, whose lifetime, signals and restarts are its own business).
+//! Every rank of a job must be given the same job token (`PIPEFILL_TOKEN`; `pipefill
+//! launch` makes one).
 //! Sockets listen on loopback unless `PIPEFILL_LISTEN_ADDR` (or `--listen-addr`) says
 //! otherwise; the rendezvous listens on the master address.
 
