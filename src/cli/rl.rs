@@ -19,7 +19,7 @@ use anyhow::{Context, bail};
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 
 use pipefill::config::JobConfig;
-use pipefill::config::memory::{Bytes, MemoryLimit, Workload};
+use pipefill::config::memory::Workload;
 use pipefill::model::checkpoint::Checkpoint;
 use pipefill::rl::calibrate::Calibration;
 use pipefill::rl::config::SpecThreshold;
@@ -100,24 +100,11 @@ pub fn run(args: RlArgs) -> anyhow::Result<()> {
         None => None,
     };
     job.rl.validate(job.model.seq_len)?;
-    let limit = MemoryLimit::resolve(args.max_memory.as_deref())?;
-    let processes = if rank_env.is_distributed() {
-        rank_env.world
-    } else {
-        1
-    };
-    let estimate = job.check_memory(Workload::Rl, &limit, processes)?;
-    if !rank_env.is_distributed() {
-        crate::cli::train::refuse_dp(&job, "rl")?;
-        println!("memory: {} estimated, {limit}", Bytes(estimate.total));
-    }
+    crate::cli::train::check_memory(&job, &rank_env, args.max_memory.as_deref(), Workload::Rl)?;
     if job.schedule.trim().eq_ignore_ascii_case("none") {
         bail!("schedule \"none\": the RL update runs as a pipelined step; name a schedule");
     }
-    let existing = match args.overwrite {
-        true => Existing::Overwrite,
-        false => Existing::Refuse,
-    };
+    let existing = Existing::overwrite(args.overwrite);
     if rank_env.is_distributed() {
         return crate::cli::launch::rl_distributed(&job, &rank_env, checkpoint, existing);
     }

@@ -97,6 +97,16 @@ pub enum Existing {
     Overwrite,
 }
 
+impl Existing {
+    /// `--overwrite`'s choice: [`Existing::Overwrite`] when given.
+    pub fn overwrite(given: bool) -> Self {
+        match given {
+            true => Existing::Overwrite,
+            false => Existing::Refuse,
+        }
+    }
+}
+
 /// A run directory that a run has been allowed to write (see the module docs).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RunDir {

@@ -34,6 +34,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use pipefill::config::memory::{Bytes, MemoryLimit, Workload};
 use pipefill::config::{Clock, JobConfig};
 use pipefill::data::DatasetSummary;
+use pipefill::launch::RankEnv;
 use pipefill::model::Gpt;
 use pipefill::model::checkpoint::Checkpoint;
 use pipefill::run::{Existing, Resume, RunDir};
@@ -120,24 +121,10 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     };
     // One rank of a multi-process job (pipefill launch, torchrun, mpirun, srun).
     let rank_env = pipefill::launch::RankEnv::detect()?;
-    // Before anything is allocated: the job's sizes against the memory there is.
-    let limit = MemoryLimit::resolve(args.max_memory.as_deref())?;
-    let processes = if rank_env.is_distributed() {
-        rank_env.world
-    } else {
-        1
-    };
-    let estimate = job.check_memory(Workload::Train, &limit, processes)?;
-    if !rank_env.is_distributed() {
-        refuse_dp(&job, "train")?;
-        println!("memory: {} estimated, {limit}", Bytes(estimate.total));
-    }
+    check_memory(&job, &rank_env, args.max_memory.as_deref(), Workload::Train)?;
     // Before joining any other rank: a device that cannot be used here ends the run at once.
     let device = job.device.usable_on_local_rank(rank_env.local_rank)?;
-    let existing = match args.overwrite {
-        true => Existing::Overwrite,
-        false => Existing::Refuse,
-    };
+    let existing = Existing::overwrite(args.overwrite);
     let resume = args.resume.as_deref();
     if rank_env.is_distributed() {
         return crate::cli::launch::train_distributed(&job, &rank_env, resume, existing);
@@ -181,10 +168,37 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     }
 }
 
+/// Before anything is allocated: the job's sizes against `max_memory` (or the memory there
+/// is), a launched rank's share of them on each rank. A single process also refuses
+/// `dp > 1` ([`refuse_dp`]) and prints its estimate.
+pub(crate) fn check_memory(
+    job: &JobConfig,
+    rank_env: &RankEnv,
+    max_memory: Option<&str>,
+    workload: Workload,
+) -> anyhow::Result<()> {
+    let limit = MemoryLimit::resolve(max_memory)?;
+    let processes = if rank_env.is_distributed() {
+        rank_env.world
+    } else {
+        1
+    };
+    let estimate = job.check_memory(workload, &limit, processes)?;
+    if !rank_env.is_distributed() {
+        let command = match workload {
+            Workload::Train => "train",
+            Workload::Rl => "rl",
+        };
+        refuse_dp(job, command)?;
+        println!("memory: {} estimated, {limit}", Bytes(estimate.total));
+    }
+    Ok(())
+}
+
 /// A single process runs one pipeline: `dp > 1` needs `dp × stages` processes, each a rank
 /// of a launched job, so a single-process `command` with it is refused rather than run as
 /// `dp = 1`.
-pub(crate) fn refuse_dp(job: &JobConfig, command: &str) -> anyhow::Result<()> {
+fn refuse_dp(job: &JobConfig, command: &str) -> anyhow::Result<()> {
     if job.dp > 1 {
         bail!(
             "dp = {}: a single-process `pipefill {command}` runs one pipeline; launch dp × stages = \
