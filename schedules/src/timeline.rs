@@ -24,6 +24,43 @@ impl StageCost {
     pub fn b(&self) -> f64 {
         self.i + self.w
     }
+
+    /// Per-stage **mean** T_F, T_I, T_W over the compute spans of `timelines` (measured
+    /// iterations); `None` when some stage of the `stages` has no forward among them. A
+    /// plan of fused backwards measures B only: T_I = T_B, T_W = 0, as the runtime's own
+    /// cost model does.
+    ///
+    /// Why means next to the runtime's medians: a timeline's busy time is a *sum* of action
+    /// costs, which means reproduce exactly; action costs are skewed to the right, so a
+    /// prediction under medians under-estimates busy time, and the bubble ratio
+    /// (`1 − busy / (ranks × makespan)`) amplifies that error by `(1 − ratio) / ratio`.
+    pub fn means<'a>(
+        stages: usize,
+        timelines: impl IntoIterator<Item = &'a Timeline>,
+    ) -> Option<Vec<StageCost>> {
+        let kinds = [ActionKind::F, ActionKind::I, ActionKind::W, ActionKind::B];
+        let mut sums = vec![[(0.0f64, 0usize); 4]; stages];
+        for s in timelines.into_iter().flat_map(|t| &t.spans) {
+            let Some(k) = kinds.iter().position(|&k| k == s.action.kind) else {
+                continue;
+            };
+            if let Some(e) = sums.get_mut(s.action.stage as usize) {
+                e[k].0 += s.duration();
+                e[k].1 += 1;
+            }
+        }
+        let mean = |e: (f64, usize)| (e.1 > 0).then(|| e.0 / e.1 as f64);
+        sums.iter()
+            .map(|e| {
+                let f = mean(e[0])?;
+                let (i, w) = match (mean(e[1]), mean(e[3])) {
+                    (Some(i), _) => (i, mean(e[2]).unwrap_or(0.0)),
+                    (None, b) => (b.unwrap_or(0.0), 0.0),
+                };
+                Some(StageCost { f, i, w })
+            })
+            .collect()
+    }
 }
 
 /// What each action costs in time and activation memory.
@@ -301,5 +338,48 @@ mod tests {
         assert_eq!(t.slots[1].after, None);
         assert_eq!(t.slots[2].before, None);
         assert_eq!(t.bubble_time(), 4.0);
+    }
+
+    #[test]
+    fn stage_means_average_every_span_and_read_fused_backwards_as_i() {
+        let split = Timeline::from_spans(
+            1,
+            vec![
+                span(0, 0.0, 1.0, Action::f(0, 0)),
+                span(0, 1.0, 4.0, Action::f(0, 1)),
+                span(0, 4.0, 6.0, Action::i(0, 0)),
+                span(0, 6.0, 6.5, Action::w(0, 0)),
+            ],
+            &[],
+        );
+        let fused = Timeline::from_spans(1, vec![span(0, 0.0, 3.0, Action::b(0, 0))], &[]);
+        let means = StageCost::means(1, [&split, &fused]).unwrap();
+        // F: (1 + 3) / 2; a plan with I takes I's mean, not B's.
+        assert_eq!(
+            means,
+            vec![StageCost {
+                f: 2.0,
+                i: 2.0,
+                w: 0.5
+            }]
+        );
+        let only_b = Timeline::from_spans(
+            1,
+            vec![
+                span(0, 0.0, 1.0, Action::f(0, 0)),
+                span(0, 1.0, 3.0, Action::b(0, 0)),
+            ],
+            &[],
+        );
+        assert_eq!(
+            StageCost::means(1, [&only_b]).unwrap(),
+            vec![StageCost {
+                f: 1.0,
+                i: 2.0,
+                w: 0.0
+            }]
+        );
+        // A stage with no forward has no means.
+        assert_eq!(StageCost::means(2, [&only_b]), None);
     }
 }

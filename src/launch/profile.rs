@@ -19,7 +19,7 @@ use crate::comm::tcp::TcpMesh;
 use crate::profile::merge::{
     ClockOffset, FILLER_LANE, LaneRecord, MergeError, RankProfile, measure_clock, serve_clock,
 };
-use crate::schedules::{ActionKind, CostModel, Plan, Span, StageCost, Timeline};
+use crate::schedules::{CostModel, Plan, Span, StageCost, Timeline};
 use crate::train::StepMetrics;
 
 /// Channel of the clock exchanges at join.
@@ -199,33 +199,8 @@ pub fn whole_batch(logs: Vec<Vec<StepMetrics>>) -> Vec<StepMetrics> {
 /// `PipelineRun::mean_cost` does for a single-process run); `None` when a stage has no
 /// measured forward.
 pub fn mean_cost(plan: &Plan, iterations: &[Timeline], skip: usize) -> Option<CostModel> {
-    let stages = plan.stages;
-    let kinds = [ActionKind::F, ActionKind::I, ActionKind::W, ActionKind::B];
-    let mut sums = vec![[(0.0f64, 0usize); 4]; stages];
-    for s in iterations.iter().skip(skip).flat_map(|t| &t.spans) {
-        let Some(k) = kinds.iter().position(|&k| k == s.action.kind) else {
-            continue;
-        };
-        if let Some(e) = sums.get_mut(s.action.stage as usize) {
-            e[k].0 += s.duration();
-            e[k].1 += 1;
-        }
-    }
-    let mean = |e: (f64, usize)| (e.1 > 0).then(|| e.0 / e.1 as f64);
-    let stage = sums
-        .iter()
-        .map(|e| {
-            let f = mean(e[0])?;
-            // Fused backwards measure B only: T_I = T_B, T_W = 0 (the runtime's rule).
-            let (i, w) = match (mean(e[1]), mean(e[3])) {
-                (Some(i), _) => (i, mean(e[2]).unwrap_or(0.0)),
-                (None, b) => (b.unwrap_or(0.0), 0.0),
-            };
-            Some(StageCost { f, i, w })
-        })
-        .collect::<Option<Vec<_>>>()?;
     Some(CostModel {
-        stage,
+        stage: StageCost::means(plan.stages, iterations.iter().skip(skip))?,
         ..CostModel::default()
     })
 }

@@ -13,7 +13,7 @@ use crate::config::JobConfig;
 use crate::model::checkpoint::{Checkpoint, HostTensor};
 use crate::model::drafter::state::DrafterState;
 use crate::model::{Cut, Gpt, ModelError, OptimizerState};
-use crate::schedules::{ActionKind, CostModel, Plan, StageCost, Timeline, simulate};
+use crate::schedules::{CostModel, Plan, StageCost, Timeline, simulate};
 use crate::tensor::CpuBackend;
 use crate::train::StepMetrics;
 
@@ -83,40 +83,20 @@ impl PipelineRun {
     }
 
     /// Per-stage **mean** T_F, T_I, T_W (seconds) over the iterations from `skip` on (e.g.
-    /// 1 to leave out the warm-up iteration); link latency and memory figures as in
-    /// [`PipelineRun::measured_cost`]. `None` when some stage has no measured forward.
-    ///
-    /// Why means next to the runtime's medians: a timeline's busy time is a *sum* of action
-    /// costs, which means reproduce exactly; action costs are skewed to the right, so a
-    /// prediction under medians under-estimates busy time, and the bubble ratio
-    /// (`1 − busy / (ranks × makespan)`) amplifies that error by `(1 − ratio) / ratio`.
+    /// 1 to leave out the warm-up iteration), see [`StageCost::means`]; link latency and
+    /// memory figures as in [`PipelineRun::measured_cost`]. `None` when some stage has no
+    /// measured forward.
     pub fn mean_cost(&self, skip: usize) -> Option<CostModel> {
-        let mut sums: BTreeMap<(u32, ActionKind), (f64, usize)> = BTreeMap::new();
-        for it in self.report.iterations.iter().skip(skip) {
-            for r in &it.records {
-                if matches!(
-                    r.action.kind,
-                    ActionKind::F | ActionKind::I | ActionKind::W | ActionKind::B
-                ) {
-                    let e = sums.entry((r.action.stage, r.action.kind)).or_default();
-                    e.0 += r.duration();
-                    e.1 += 1;
-                }
-            }
-        }
-        let mean = |stage, kind| sums.get(&(stage, kind)).map(|&(t, n)| t / n as f64);
-        let stage = (0..self.plan.stages as u32)
-            .map(|s| {
-                let f = mean(s, ActionKind::F)?;
-                // A plan of fused backwards measures B only: T_I = T_B, T_W = 0, as the
-                // runtime's own cost model does.
-                let (i, w) = match (mean(s, ActionKind::I), mean(s, ActionKind::B)) {
-                    (Some(i), _) => (i, mean(s, ActionKind::W).unwrap_or(0.0)),
-                    (None, b) => (b.unwrap_or(0.0), 0.0),
-                };
-                Some(StageCost { f, i, w })
-            })
-            .collect::<Option<Vec<_>>>()?;
+        self.cost_over(self.timelines().skip(skip))
+    }
+
+    /// [`PipelineRun::mean_cost`] over the given iterations' timelines only (e.g. one
+    /// iteration, to predict that iteration from its own costs).
+    pub fn cost_over<'a>(
+        &self,
+        timelines: impl IntoIterator<Item = &'a Timeline>,
+    ) -> Option<CostModel> {
+        let stage = StageCost::means(self.plan.stages, timelines)?;
         let base = self.measured_cost.clone().unwrap_or_default();
         Some(CostModel { stage, ..base })
     }
