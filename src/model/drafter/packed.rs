@@ -40,14 +40,16 @@ pub(super) struct PackedDrafter {
     pub fc: Packed,
     /// `[d, d]`.
     pub wq: Packed,
-    /// `[d, 2d]`: `wk` and `wv` side by side, one product for both (a context pair needs
-    /// only its key and value; only each sequence's last row needs a query).
+    /// `[d, 2·kv_dim]`: `wk` and `wv` side by side, one product for both (a context pair
+    /// needs only its key and value; only each sequence's last row needs a query).
     pub wkv: Packed,
     pub wo: Packed,
     /// `[d, hidden]`.
     pub w1: Packed,
     /// `[hidden, d]`.
     pub w2: Packed,
+    /// `[d, hidden]`: the gated MLP's up projection.
+    pub w3: Option<Packed>,
     /// The frozen LM head, `[d, vocab]`.
     pub head: Packed,
 }
@@ -65,14 +67,20 @@ impl PackedDrafter {
                 .unwrap_or_else(|_| Packed::new(w, din, dout))
         };
         let attn = &d.block.attn;
-        let wkv = side_by_side(&[&host(&attn.wk)?, &host(&attn.wv)?], dm, dm);
+        let kvd = d.target.kv_dim();
+        let wkv = side_by_side(&[&host(&attn.wk)?, &host(&attn.wv)?], dm, kvd);
+        let w3 = match &d.block.mlp.w3 {
+            Some(w3) => Some(pack(&host(w3)?, dm, hidden)),
+            None => None,
+        };
         Ok(PackedDrafter {
             fc: pack(&host(&d.fc.w)?, 2 * dm, dm),
             wq: pack(&host(&attn.wq)?, dm, dm),
-            wkv: pack(&wkv, dm, 2 * dm),
+            wkv: pack(&wkv, dm, 2 * kvd),
             wo: pack(&host(&attn.wo)?, dm, dm),
             w1: pack(&host(&d.block.mlp.w1)?, dm, hidden),
             w2: pack(&host(&d.block.mlp.w2)?, hidden, dm),
+            w3,
             head: pack(&be.to_host(&d.head)?, dm, v),
         })
     }

@@ -32,8 +32,10 @@ use super::loss::argmax;
 use super::packed::{KvMemo, PackedDrafter};
 use super::{Drafter, DrafterError, Result};
 use crate::data::SplitMix64;
-use crate::model::infer::attend::attend;
+use crate::model::config::Positions;
+use crate::model::infer::attend::{Heads, attend};
 use crate::model::infer::rowmul::{rowmul, side_by_side};
+use crate::tensor::cpu::kernels;
 use crate::tensor::{Backend, DType, Gemm};
 
 /// One live sequence as the target left it: its last `n ≥ 1` pairs `(h_i, x_{i+1})`:
@@ -70,6 +72,8 @@ pub(super) enum Mat {
     O,
     W1,
     W2,
+    /// The up projection of a gated (SwiGLU) MLP.
+    W3,
     Head,
 }
 
@@ -214,6 +218,12 @@ impl<B: Backend> Drafter<B> {
     /// need only their key and value (taken from the memo when `remember` and known, and
     /// remembered when computed); the query, the attention and the rest of the block run
     /// on the last pair alone.
+    ///
+    /// The block is the target's family: q/k/v biases, grouped-query heads (the caches hold
+    /// `kv_heads` heads), a gated MLP, and with rotary positions each new pair's key (and
+    /// the last one's query) rotated at its place in the member's cache, the first
+    /// context pair at 0, as the training forward places a window's pairs. The memo keeps
+    /// keys before the rotation, so a remembered pair serves any position.
     pub(super) fn block_step(
         &self,
         products: &mut Products<'_>,
@@ -223,11 +233,15 @@ impl<B: Backend> Drafter<B> {
         caches: &mut [(Vec<f32>, Vec<f32>)],
         remember: bool,
     ) -> Result<Vec<f32>> {
-        let (d, heads) = (self.target.d_model, self.target.heads);
+        let (d, kvd) = (self.target.d_model, self.target.kv_dim());
+        let heads = Heads {
+            q: self.target.heads,
+            kv: self.target.kv_heads(),
+        };
         let (members, rows) = (caches.len(), caches.len() * new);
         let pair = |i: usize| &hidden[i * d..(i + 1) * d];
         let is_last = |i: usize| i % new == new - 1;
-        let mut kv = vec![0.0f32; rows * 2 * d];
+        let mut kv = vec![0.0f32; rows * 2 * kvd];
         let mut todo = Vec::with_capacity(rows);
         for i in 0..rows {
             let known = match products {
@@ -237,7 +251,7 @@ impl<B: Backend> Drafter<B> {
                 _ => None,
             };
             match known {
-                Some(row) => kv[i * 2 * d..(i + 1) * 2 * d].copy_from_slice(row),
+                Some(row) => kv[i * 2 * kvd..(i + 1) * 2 * kvd].copy_from_slice(row),
                 None => todo.push(i),
             }
         }
@@ -248,11 +262,17 @@ impl<B: Backend> Drafter<B> {
         let blk = &self.block;
         let z = self.product(products, Mat::Fc, &x, todo.len())?;
         let a = self.norm(&z, &blk.norm1.weight.value, todo.len())?;
-        let computed = self.product(products, Mat::Kv, &a, todo.len())?;
+        let mut computed = self.product(products, Mat::Kv, &a, todo.len())?;
+        if let Some([_, bk, bv]) = &blk.attn.bias {
+            let b = [self.be.to_host(&bk.value)?, self.be.to_host(&bv.value)?].concat();
+            for row in computed.chunks_exact_mut(2 * kvd) {
+                row.iter_mut().zip(&b).for_each(|(x, &b)| *x += b);
+            }
+        }
         let (mut z_last, mut a_last) = (Vec::with_capacity(members * d), Vec::new());
         for (t, &i) in todo.iter().enumerate() {
-            let row = &computed[t * 2 * d..(t + 1) * 2 * d];
-            kv[i * 2 * d..(i + 1) * 2 * d].copy_from_slice(row);
+            let row = &computed[t * 2 * kvd..(t + 1) * 2 * kvd];
+            kv[i * 2 * kvd..(i + 1) * 2 * kvd].copy_from_slice(row);
             if let (true, Products::Packed(_, memo)) = (remember, &mut *products) {
                 memo.insert(tokens[i], pair(i), row);
             }
@@ -261,30 +281,51 @@ impl<B: Backend> Drafter<B> {
                 a_last.extend_from_slice(&a[t * d..(t + 1) * d]);
             }
         }
-        let q = self.product(products, Mat::Q, &a_last, members)?;
+        let mut q = self.product(products, Mat::Q, &a_last, members)?;
+        if let Some([bq, _, _]) = &blk.attn.bias {
+            let b = self.be.to_host(&bq.value)?;
+            for row in q.chunks_exact_mut(d) {
+                row.iter_mut().zip(&b).for_each(|(x, &b)| *x += b);
+            }
+        }
+        let rope = self.rope();
+        let hd = self.target.head_dim();
+        let mut rotated = vec![0.0f32; d];
         let mut o = vec![0.0f32; members * d];
         let mut scores = Vec::new();
         for (b, (kc, vc)) in caches.iter_mut().enumerate() {
-            for row in kv[b * new * 2 * d..(b + 1) * new * 2 * d].chunks_exact(2 * d) {
-                kc.extend_from_slice(&row[..d]);
-                vc.extend_from_slice(&row[d..]);
+            for row in kv[b * new * 2 * kvd..(b + 1) * new * 2 * kvd].chunks_exact(2 * kvd) {
+                let (k, v) = row.split_at(kvd);
+                match &rope {
+                    Some(freq) => {
+                        let pos = [(kc.len() / kvd) as u32];
+                        kernels::rope(k, &mut rotated[..kvd], &pos, hd, freq, false);
+                        kc.extend_from_slice(&rotated[..kvd]);
+                    }
+                    None => kc.extend_from_slice(k),
+                }
+                vc.extend_from_slice(v);
+            }
+            let qb = &mut q[b * d..(b + 1) * d];
+            if let Some(freq) = &rope {
+                // The last pair's query, at the position of its own key.
+                let pos = [(kc.len() / kvd - 1) as u32];
+                kernels::rope(qb, &mut rotated, &pos, hd, freq, false);
+                qb.copy_from_slice(&rotated);
             }
             let out = &mut o[b * d..(b + 1) * d];
-            attend(
-                &q[b * d..(b + 1) * d],
-                kc,
-                vc,
-                kc.len() / d,
-                heads,
-                &mut scores,
-                out,
-            );
+            attend(qb, kc, vc, kc.len() / kvd, heads, &mut scores, out);
         }
         let y = self.product(products, Mat::O, &o, members)?;
         let h: Vec<f32> = z_last.iter().zip(&y).map(|(a, b)| a + b).collect();
         let c = self.norm(&h, &blk.norm2.weight.value, members)?;
         let u = self.product(products, Mat::W1, &c, members)?;
-        let g = self.activate(&u)?;
+        let mut g = self.activate(&u)?;
+        if blk.mlp.w3.is_some() {
+            // SwiGLU: silu(c·W1) ∘ (c·W3), the training MLP's order.
+            let up = self.product(products, Mat::W3, &c, members)?;
+            g.iter_mut().zip(&up).for_each(|(g, &u)| *g *= u);
+        }
         let m = self.product(products, Mat::W2, &g, members)?;
         Ok(h.iter().zip(&m).map(|(a, b)| a + b).collect())
     }
@@ -313,6 +354,7 @@ impl<B: Backend> Drafter<B> {
                 Mat::O => &p.wo,
                 Mat::W1 => &p.w1,
                 Mat::W2 => &p.w2,
+                Mat::W3 => p.w3.as_ref().ok_or_else(no_w3)?,
                 Mat::Head => &p.head,
             };
             return Ok(rowmul(x, w, rows));
@@ -326,18 +368,25 @@ impl<B: Backend> Drafter<B> {
             Ok(be.to_host(&y)?)
         };
         let (blk, attn) = (&self.block, &self.block.attn);
+        let kvd = self.target.kv_dim();
         match which {
             Mat::Fc => mm(&self.fc.w.value, 2 * d, d),
             Mat::Q => mm(&attn.wq.value, d, d),
             Mat::Kv => {
-                let (k, v) = (mm(&attn.wk.value, d, d)?, mm(&attn.wv.value, d, d)?);
-                Ok(side_by_side(&[&k, &v], rows, d))
+                let (k, v) = (mm(&attn.wk.value, d, kvd)?, mm(&attn.wv.value, d, kvd)?);
+                Ok(side_by_side(&[&k, &v], rows, kvd))
             }
             Mat::O => mm(&attn.wo.value, d, d),
             Mat::W1 => mm(&blk.mlp.w1.value, d, hidden),
             Mat::W2 => mm(&blk.mlp.w2.value, hidden, d),
+            Mat::W3 => mm(&blk.mlp.w3.as_ref().ok_or_else(no_w3)?.value, d, hidden),
             Mat::Head => mm(&self.head, d, v),
         }
+    }
+
+    /// The block's RoPE frequencies, when the target's positions are rotary.
+    fn rope(&self) -> Option<Vec<f32>> {
+        (self.target.positions == Positions::Rope).then(|| self.target.rope_inv_freq())
     }
 
     /// RMSNorm of `x: [rows, d]` with gain `w`, through the backend (the training kernel).
@@ -371,6 +420,14 @@ impl<B: Backend> Drafter<B> {
             &mut y,
         )?;
         Ok(be.to_host(&y)?)
+    }
+}
+
+/// The error of a product by `W3` in a drafter whose MLP is not gated.
+fn no_w3() -> DrafterError {
+    DrafterError::Input {
+        what: "proposal",
+        reason: "the drafter's MLP has no up projection (w3): it is not gated".into(),
     }
 }
 

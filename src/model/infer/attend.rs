@@ -41,14 +41,38 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
-/// `out += softmax(q·Kᵀ/√hd)·V` per head over the first `visible` cached rows, `q` and each
-/// cache row `width = heads·hd` wide; `scores` is scratch space reused across calls.
+/// Query heads and the key/value heads they share (grouped-query attention: query head `h`
+/// reads key/value head `h / (q / kv)`; `kv = q` is plain multi-head attention).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Heads {
+    pub q: usize,
+    pub kv: usize,
+}
+
+impl Heads {
+    /// Multi-head attention: one key/value head per query head.
+    pub fn mha(heads: usize) -> Self {
+        Heads {
+            q: heads,
+            kv: heads,
+        }
+    }
+
+    /// Query heads per key/value head.
+    fn rep(self) -> usize {
+        (self.q / self.kv.max(1)).max(1)
+    }
+}
+
+/// `out += softmax(q·Kᵀ/√hd)·V` per head over the first `visible` cached rows, `q`
+/// `heads.q·hd` wide and each cache row `heads.kv·hd`; `scores` is scratch space reused
+/// across calls.
 pub fn attend(
     q: &[f32],
     keys: &[f32],
     values: &[f32],
     visible: usize,
-    heads: usize,
+    heads: Heads,
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
@@ -65,7 +89,7 @@ pub fn attend_rows(
     keys: &[f32],
     values: &[f32],
     visible: (usize, &[usize]),
-    heads: usize,
+    heads: Heads,
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
@@ -83,17 +107,18 @@ fn attend_rows_plain(
     keys: &[f32],
     values: &[f32],
     (prefix, extra): (usize, &[usize]),
-    heads: usize,
+    heads: Heads,
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
-    let width = q.len();
-    let hd = width / heads;
+    let hd = q.len() / heads.q;
+    let (width, rep) = (heads.kv * hd, heads.rep());
     let scale = 1.0 / (hd as f32).sqrt();
     let rows = || (0..prefix).chain(extra.iter().copied());
-    for h in 0..heads {
+    for h in 0..heads.q {
         let qh = &q[h * hd..][..hd];
-        let key = |j: usize| &keys[j * width + h * hd..][..hd];
+        let g = h / rep;
+        let key = |j: usize| &keys[j * width + g * hd..][..hd];
         scores.clear();
         scores.extend(rows().map(|j| dot(qh, key(j)) * scale));
         let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -105,7 +130,7 @@ fn attend_rows_plain(
         let oh = &mut out[h * hd..][..hd];
         for (p, j) in scores.iter().zip(rows()) {
             let w = p / sum;
-            let vj = &values[j * width + h * hd..][..hd];
+            let vj = &values[j * width + g * hd..][..hd];
             oh.iter_mut().zip(vj).for_each(|(o, v)| *o += w * v);
         }
     }
@@ -125,22 +150,25 @@ mod tests {
         }
     }
 
-    /// The attention written out plainly: one [`dot`] per cached row, outputs in memory.
+    /// The attention written out plainly: one [`dot`] per cached row, outputs in memory,
+    /// query head `h` reading key/value head `h / (heads.q / heads.kv)`.
     fn attend_one_by_one(
         q: &[f32],
         keys: &[f32],
         values: &[f32],
         seen: &[usize],
-        heads: usize,
+        heads: Heads,
     ) -> Vec<f32> {
-        let (width, mut out) = (q.len(), vec![0.0f32; q.len()]);
-        let hd = width / heads;
+        let mut out = vec![0.0f32; q.len()];
+        let hd = q.len() / heads.q;
+        let width = heads.kv * hd;
         let scale = 1.0 / (hd as f32).sqrt();
-        for h in 0..heads {
+        for h in 0..heads.q {
+            let g = h / (heads.q / heads.kv);
             let qh = &q[h * hd..][..hd];
             let mut s: Vec<f32> = seen
                 .iter()
-                .map(|&j| dot(qh, &keys[j * width + h * hd..][..hd]) * scale)
+                .map(|&j| dot(qh, &keys[j * width + g * hd..][..hd]) * scale)
                 .collect();
             let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let mut sum = 0.0;
@@ -151,7 +179,7 @@ mod tests {
             for (p, &j) in s.iter().zip(seen) {
                 let w = p / sum;
                 for i in 0..hd {
-                    out[h * hd + i] += w * values[j * width + h * hd + i];
+                    out[h * hd + i] += w * values[j * width + g * hd + i];
                 }
             }
         }
@@ -162,15 +190,25 @@ mod tests {
     fn every_path_is_bitwise_one_dot_per_cached_row() {
         let wave =
             |n: usize, f: f32| -> Vec<f32> { (0..n).map(|i| (i as f32 * f).sin()).collect() };
-        for (heads, width) in [(4, 256), (4, 512), (3, 60), (2, 18)] {
-            let (q, keys, values) = (
-                wave(width, 0.37),
-                wave(12 * width, 0.11),
-                wave(12 * width, 0.23),
-            );
+        // (query heads, key/value heads, query width): grouped-query shapes too.
+        for (hq, hkv, width) in [
+            (4, 4, 256),
+            (4, 4, 512),
+            (3, 3, 60),
+            (2, 2, 18),
+            (4, 2, 256),
+            (4, 1, 64),
+            (6, 3, 60),
+        ] {
+            let heads = Heads { q: hq, kv: hkv };
+            let kw = width / hq * hkv;
+            let (q, keys, values) = (wave(width, 0.37), wave(12 * kw, 0.11), wave(12 * kw, 0.23));
             for prefix in 0..=9 {
                 for extra in [&[][..], &[10][..], &[9, 10, 11][..]] {
                     let seen: Vec<usize> = (0..prefix).chain(extra.iter().copied()).collect();
+                    if seen.is_empty() {
+                        continue;
+                    }
                     let want = attend_one_by_one(&q, &keys, &values, &seen, heads);
                     let mut got = vec![0.0f32; width];
                     attend_rows(
@@ -182,7 +220,7 @@ mod tests {
                         &mut Vec::new(),
                         &mut got,
                     );
-                    assert_eq!(got, want, "heads {heads} width {width} rows {seen:?}");
+                    assert_eq!(got, want, "heads {heads:?} width {width} rows {seen:?}");
                     let plain = {
                         let mut o = vec![0.0f32; width];
                         attend_rows_plain(
@@ -203,6 +241,51 @@ mod tests {
     }
 
     #[test]
+    fn grouped_heads_equal_repeated_key_value_heads() {
+        // Query heads 0, 1 share kv head 0 and 2, 3 share kv head 1: the same as plain
+        // multi-head attention over the cache with each kv head written out twice.
+        let wave =
+            |n: usize, f: f32| -> Vec<f32> { (0..n).map(|i| (i as f32 * f).sin()).collect() };
+        let (hd, rows) = (8, 5);
+        let (q, keys, values) = (
+            wave(4 * hd, 0.3),
+            wave(rows * 2 * hd, 0.7),
+            wave(rows * 2 * hd, 0.9),
+        );
+        let repeat = |x: &[f32]| -> Vec<f32> {
+            x.chunks(2 * hd)
+                .flat_map(|r| {
+                    let (a, b) = r.split_at(hd);
+                    [a, a, b, b].concat()
+                })
+                .collect()
+        };
+        let mut grouped = vec![0.0f32; 4 * hd];
+        let heads = Heads { q: 4, kv: 2 };
+        attend(
+            &q,
+            &keys,
+            &values,
+            rows,
+            heads,
+            &mut Vec::new(),
+            &mut grouped,
+        );
+        let mut full = vec![0.0f32; 4 * hd];
+        let (k4, v4) = (repeat(&keys), repeat(&values));
+        attend(
+            &q,
+            &k4,
+            &v4,
+            rows,
+            Heads::mha(4),
+            &mut Vec::new(),
+            &mut full,
+        );
+        assert_eq!(grouped, full);
+    }
+
+    #[test]
     fn one_position_attends_as_softmax_weights_over_values() {
         // Two heads of width 2, three cached rows, checked against the formula in f64.
         let q = [1.0f32, 0.0, 0.0, 2.0];
@@ -213,7 +296,15 @@ mod tests {
             1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0,
         ];
         let mut out = [0.0f32; 4];
-        attend(&q, &keys, &values, 3, 2, &mut Vec::new(), &mut out);
+        attend(
+            &q,
+            &keys,
+            &values,
+            3,
+            Heads::mha(2),
+            &mut Vec::new(),
+            &mut out,
+        );
         let scale = 1.0 / 2f64.sqrt();
         for h in 0..2 {
             let s: Vec<f64> = (0..3)

@@ -16,11 +16,13 @@
 
 use std::ops::Range;
 
-use super::attend::{attend, attend_rows};
+use super::attend::{Heads, attend, attend_rows};
 use super::kv::KvCache;
-use super::rowmul::{Packed, side_by_side, streams_host_weights};
+use super::rowmul::{Packed, concat_cols, streams_host_weights};
 use super::tree::{RowLayout, TreeStep, layout};
+use crate::model::config::Positions;
 use crate::model::{Cut, Gpt, GptConfig, ModelChunk, ModelError, Result};
+use crate::tensor::cpu::kernels;
 use crate::tensor::{Activation, Backend, DType, Gemm};
 use host::{HostBlock, HostHead};
 
@@ -52,12 +54,16 @@ pub enum StageOutput<B: Backend> {
 
 struct InferBlock<B: Backend> {
     norm1: B::Buf,
-    /// `[d, 3d]`: wq, wk, wv side by side, one product for all three projections.
+    /// `[d, d + 2·kv_dim]`: wq, wk, wv side by side, one product for all three projections.
     wqkv: B::Buf,
+    /// `[bq | bk | bv]` (`qkv_bias`), added to that product's rows on the host.
+    bqkv: Option<Vec<f32>>,
     wo: B::Buf,
     norm2: B::Buf,
     w1: B::Buf,
     w2: B::Buf,
+    /// The up projection of the gated MLP (`activation = "swiglu"`).
+    w3: Option<B::Buf>,
     /// Host copies for the host path (host backend only).
     host: Option<HostBlock>,
 }
@@ -68,35 +74,15 @@ pub struct InferStage<B: Backend> {
     be: B,
     config: GptConfig,
     range: Range<usize>,
-    embed: Option<(B::Buf, B::Buf)>,
+    /// `embed.tok` and, with learned positions, `embed.pos`.
+    embed: Option<(B::Buf, Option<B::Buf>)>,
+    /// The RoPE frequencies, when positions are rotary.
+    rope: Option<Vec<f32>>,
     blocks: Vec<InferBlock<B>>,
     head: Option<(B::Buf, B::Buf)>,
     /// Host copies of the final norm and the head (host backend only).
     head_host: Option<HostHead>,
     cache: KvCache,
-}
-
-/// The Llama-family options the KV-cache path does not run yet: an error naming the field
-/// rather than a wrong generation.
-fn unsupported(config: &GptConfig) -> Result<()> {
-    use crate::model::config::Positions;
-    let field = if config.positions == Positions::Rope {
-        "positions"
-    } else if config.kv_heads() != config.heads {
-        "kv_heads"
-    } else if config.qkv_bias {
-        "qkv_bias"
-    } else if config.activation.is_gated() {
-        "activation"
-    } else {
-        return Ok(());
-    };
-    Err(ModelError::Config {
-        field,
-        reason: "is not supported by KV-cache inference yet (rope, kv_heads < heads, \
-                 qkv_bias and swiglu train, but do not generate)"
-            .into(),
-    })
 }
 
 impl<B: Backend> InferStage<B> {
@@ -111,15 +97,19 @@ impl<B: Backend> InferStage<B> {
         get: impl Fn(&str) -> Result<Vec<f32>>,
     ) -> Result<Self> {
         config.validate()?;
-        unsupported(config)?;
         let dt = be.storage_dtype();
         let load = |name: &str| -> Result<B::Buf> { Ok(be.from_host(&get(name)?, dt)?) };
-        let d = config.d_model;
+        let (d, kv, hidden) = (config.d_model, config.kv_dim(), config.mlp_hidden());
+        let gated = config.activation.is_gated();
         // Few-row products stream host weights (see `rowmul`) where the backend's buffers
         // are host memory in f32 anyway; a device backend keeps its own GEMM.
         let host = streams_host_weights(&be);
         let embed = if first {
-            Some((load("embed.tok")?, load("embed.pos")?))
+            let pos = match config.positions {
+                Positions::Learned => Some(load("embed.pos")?),
+                Positions::Rope => None,
+            };
+            Some((load("embed.tok")?, pos))
         } else {
             None
         };
@@ -131,12 +121,23 @@ impl<B: Backend> InferStage<B> {
                 get(&format!("{p}.attn.wk"))?,
                 get(&format!("{p}.attn.wv"))?,
             );
-            let wqkv = side_by_side(&[&wq, &wk, &wv], d, d);
+            let wqkv = concat_cols(&[&wq, &wk, &wv], d);
+            let bqkv = if config.qkv_bias {
+                let b = |w: &str| get(&format!("{p}.attn.{w}"));
+                Some([b("bq")?, b("bk")?, b("bv")?].concat())
+            } else {
+                None
+            };
             let (wo, w1, w2) = (
                 get(&format!("{p}.attn.wo"))?,
                 get(&format!("{p}.mlp.w1"))?,
                 get(&format!("{p}.mlp.w2"))?,
             );
+            let w3 = if gated {
+                Some(get(&format!("{p}.mlp.w3"))?)
+            } else {
+                None
+            };
             let (norm1, norm2) = (
                 get(&format!("{p}.norm1.weight"))?,
                 get(&format!("{p}.norm2.weight"))?,
@@ -144,20 +145,26 @@ impl<B: Backend> InferStage<B> {
             blocks.push(InferBlock {
                 norm1: be.from_host(&norm1, dt)?,
                 wqkv: be.from_host(&wqkv, dt)?,
+                bqkv,
                 wo: be.from_host(&wo, dt)?,
                 norm2: be.from_host(&norm2, dt)?,
                 w1: be.from_host(&w1, dt)?,
                 w2: be.from_host(&w2, dt)?,
+                w3: w3.as_ref().map(|w| be.from_host(w, dt)).transpose()?,
                 host: host.then(|| {
-                    let h = config.mlp_hidden();
+                    // The gated MLP's gate and up side by side: one product for both.
+                    let (w13, width) = match &w3 {
+                        Some(w3) => (concat_cols(&[&w1, w3], d), 2 * hidden),
+                        None => (w1.clone(), hidden),
+                    };
                     HostBlock {
                         norm1,
                         norm2,
                         w: [
-                            Packed::new(&wqkv, d, 3 * d),
+                            Packed::new(&wqkv, d, d + 2 * kv),
                             Packed::new(&wo, d, d),
-                            Packed::new(&w1, d, h),
-                            Packed::new(&w2, h, d),
+                            Packed::new(&w13, d, width),
+                            Packed::new(&w2, hidden, d),
                         ],
                     }
                 }),
@@ -177,10 +184,11 @@ impl<B: Backend> InferStage<B> {
             (None, None)
         };
         Ok(InferStage {
-            cache: KvCache::new(range.len(), d, config.seq_len),
+            cache: KvCache::new(range.len(), kv, config.seq_len),
             config: config.clone(),
             range,
             embed,
+            rope: (config.positions == Positions::Rope).then(|| config.rope_inv_freq()),
             blocks,
             head,
             head_host,
@@ -320,11 +328,19 @@ impl<B: Backend> InferStage<B> {
                             .map(move |r| (s.start + l.as_ref().map_or(r, |l| l.depth[r])) as u32)
                     })
                     .collect();
+                if let Some(&t) = ids.iter().find(|&&t| t as usize >= self.config.vocab) {
+                    return Err(self.input_err(format!(
+                        "token {t} is outside the vocabulary of {}",
+                        self.config.vocab
+                    )));
+                }
                 let mut x = be.zeros(rows * d, be.storage_dtype())?;
                 be.embedding_fwd(tok, ids, &mut x, d)?;
-                let mut p = be.zeros(rows * d, be.storage_dtype())?;
-                be.embedding_fwd(pos, &positions, &mut p, d)?;
-                be.axpy(1.0, &p, &mut x)?;
+                if let Some(pos) = pos {
+                    let mut p = be.zeros(rows * d, be.storage_dtype())?;
+                    be.embedding_fwd(pos, &positions, &mut p, d)?;
+                    be.axpy(1.0, &p, &mut x)?;
+                }
                 x
             }
             (StageInput::Hidden(h), None) if be.len(&h) == rows * d => h,
@@ -375,7 +391,7 @@ impl<B: Backend> InferStage<B> {
     }
 
     /// `x·w` on the backend's GEMM, `w` being block matrix `which` (0 wqkv, 1 wo, 2 w1, 3
-    /// w2) of `li` (a few rows on a host backend take the host path instead).
+    /// w2, 4 w3) of `li` (a few rows on a host backend take the host path instead).
     fn linear(
         &self,
         x: &B::Buf,
@@ -385,7 +401,13 @@ impl<B: Backend> InferStage<B> {
         dout: usize,
     ) -> Result<B::Buf> {
         let blk = &self.blocks[li];
-        let w = [&blk.wqkv, &blk.wo, &blk.w1, &blk.w2][which];
+        let w = match which {
+            0 => &blk.wqkv,
+            1 => &blk.wo,
+            2 => &blk.w1,
+            3 => &blk.w2,
+            _ => blk.w3.as_ref().expect("w3 only for a gated MLP"),
+        };
         let mut y = self.be.zeros(rows * dout, self.be.storage_dtype())?;
         self.be.matmul(x, w, &mut y, Gemm::nn(rows, din, dout))?;
         Ok(y)
@@ -402,10 +424,10 @@ impl<B: Backend> InferStage<B> {
         rows: usize,
     ) -> Result<B::Buf> {
         let be = self.be.clone();
-        let d = self.config.d_model;
+        let (d, kv) = (self.config.d_model, self.config.kv_dim());
         let blk = &self.blocks[li];
         let a = self.rmsnorm(x, &blk.norm1, rows)?;
-        let qkv = be.to_host(&self.linear(&a, (li, 0), rows, d, 3 * d)?)?;
+        let qkv = be.to_host(&self.linear(&a, (li, 0), rows, d, d + 2 * kv)?)?;
         let o = self.attention(li, spans, layouts, &qkv)?;
         let blk = &self.blocks[li];
         let o = be.from_host(&o, be.storage_dtype())?;
@@ -417,14 +439,24 @@ impl<B: Backend> InferStage<B> {
         let u = self.linear(&c, (li, 2), rows, d, hidden)?;
         let mut g = be.zeros(rows * hidden, be.storage_dtype())?;
         be.activation_fwd(self.activation(), &u, &mut g)?;
+        if self.blocks[li].w3.is_some() {
+            // SwiGLU: silu(x·W1) ∘ (x·W3), as the training MLP computes it.
+            let up = self.linear(&c, (li, 4), rows, d, hidden)?;
+            let mut gu = be.zeros(rows * hidden, be.storage_dtype())?;
+            be.mul(&g, &up, &mut gu)?;
+            g = gu;
+        }
         let z = self.linear(&g, (li, 3), rows, hidden, d)?;
         let mut out = be.zeros(rows * d, be.storage_dtype())?;
         be.add(&h, &z, &mut out)?;
         Ok(out)
     }
 
-    /// Appends the keys and values of `qkv` (`[rows, 3d]`, the spans' rows in order) to layer
-    /// `li`'s cache and returns each row's attention over its sequence, `[rows, d]`.
+    /// Appends the keys and values of `qkv` (`[rows, d + 2·kv_dim]`, the spans' rows in
+    /// order: the projections before their biases and rotation) to layer `li`'s cache and
+    /// returns each row's attention over its sequence, `[rows, d]`. The biases are added
+    /// and, with rotary positions, queries and keys rotated at each row's absolute position
+    /// (`start + depth` for a tree row) before the keys enter the cache.
     fn attention(
         &mut self,
         li: usize,
@@ -432,33 +464,62 @@ impl<B: Backend> InferStage<B> {
         layouts: &[Option<RowLayout>],
         qkv: &[f32],
     ) -> Result<Vec<f32>> {
-        let (d, heads) = (self.config.d_model, self.config.heads);
-        let rows = qkv.len() / (3 * d);
+        let (d, kvd) = (self.config.d_model, self.config.kv_dim());
+        let heads = Heads {
+            q: self.config.heads,
+            kv: self.config.kv_heads(),
+        };
+        let hd = self.config.head_dim();
+        let width = d + 2 * kvd;
+        let rows = qkv.len() / width;
+        let mut qkv = qkv.to_vec();
+        if let Some(b) = &self.blocks[li].bqkv {
+            for row in qkv.chunks_exact_mut(width) {
+                row.iter_mut().zip(b).for_each(|(x, &b)| *x += b);
+            }
+        }
+        if let Some(freq) = &self.rope {
+            let mut r0 = 0;
+            let mut rotated = vec![0.0f32; d];
+            for (s, layout) in spans.iter().zip(layouts) {
+                for r in 0..s.len {
+                    let pos = [(s.start + layout.as_ref().map_or(r, |l| l.depth[r])) as u32];
+                    let row = &mut qkv[(r0 + r) * width..][..d + kvd];
+                    let (q, k) = row.split_at_mut(d);
+                    kernels::rope(q, &mut rotated, &pos, hd, freq, false);
+                    q.copy_from_slice(&rotated);
+                    kernels::rope(k, &mut rotated[..kvd], &pos, hd, freq, false);
+                    k.copy_from_slice(&rotated[..kvd]);
+                }
+                r0 += s.len;
+            }
+        }
         let mut o = vec![0.0f32; rows * d];
         let mut r0 = 0;
         let mut scores = Vec::new();
         let mut extra = Vec::new();
         let (mut k, mut v) = (Vec::new(), Vec::new());
         for (s, layout) in spans.iter().zip(layouts) {
-            let row = |r: usize, part: usize| &qkv[(r0 + r) * 3 * d + part * d..][..d];
+            let q = |r: usize| &qkv[(r0 + r) * width..][..d];
             k.clear();
             v.clear();
             for r in 0..s.len {
-                k.extend_from_slice(row(r, 1));
-                v.extend_from_slice(row(r, 2));
+                let row = &qkv[(r0 + r) * width + d..][..2 * kvd];
+                k.extend_from_slice(&row[..kvd]);
+                v.extend_from_slice(&row[kvd..]);
             }
             self.cache.append(s.slot, li, &k, &v)?;
             let (kc, vc) = self.cache.layer(s.slot, li);
             for r in 0..s.len {
                 let out = &mut o[(r0 + r) * d..][..d];
                 match layout {
-                    None => attend(row(r, 0), kc, vc, s.start + r + 1, heads, &mut scores, out),
+                    None => attend(q(r), kc, vc, s.start + r + 1, heads, &mut scores, out),
                     Some(l) => {
                         // A tree row sees the prefix, its ancestors and itself.
                         extra.clear();
                         extra.extend(l.sees[r].iter().map(|&a| s.start + a));
                         let visible = (s.start, extra.as_slice());
-                        attend_rows(row(r, 0), kc, vc, visible, heads, &mut scores, out);
+                        attend_rows(q(r), kc, vc, visible, heads, &mut scores, out);
                     }
                 }
             }

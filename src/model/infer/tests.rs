@@ -1,8 +1,11 @@
-//! The KV-cache path against the training model: same logits, and rollback is exact.
+//! The KV-cache path against the training model: same logits, and rollback is exact; for
+//! the default GPT and for a Llama-shaped one (rope with Llama 3 scaling, SwiGLU,
+//! grouped-query attention, q/k/v biases).
 
 use super::*;
-use crate::model::{Cut, Gpt, GptConfig, Shape};
-use crate::tensor::CpuBackend;
+use crate::model::config::{Positions, RopeScaling};
+use crate::model::{Cut, Gpt, GptConfig, Shape, init};
+use crate::tensor::{Activation, CpuBackend};
 
 fn model() -> Gpt<CpuBackend> {
     let config = GptConfig {
@@ -30,10 +33,71 @@ fn assert_close(a: &[f32], b: &[f32], what: &str) {
     assert!(worst <= 1e-5, "{what}: max |Δ| = {worst}");
 }
 
+/// A Llama-shaped model: rotary positions with Llama 3's scaling, SwiGLU of width
+/// `intermediate`, 4 query heads sharing 2 key/value heads, q/k/v biases. The biases are
+/// set to random values (they are initialised to zero) so that they matter.
+pub(super) fn llama_config() -> GptConfig {
+    GptConfig {
+        layers: 4,
+        seq_len: 48,
+        seed: 3,
+        d_model: 32,
+        heads: 4,
+        kv_heads: Some(2),
+        intermediate: Some(48),
+        activation: Activation::Swiglu,
+        positions: Positions::Rope,
+        rope_theta: 500_000.0,
+        rope_scaling: Some(RopeScaling {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 16,
+        }),
+        qkv_bias: true,
+        ..GptConfig::default()
+    }
+}
+
+pub(super) fn llama_model() -> Gpt<CpuBackend> {
+    let config = llama_config();
+    let mut gpt = Gpt::new(&config, CpuBackend::new(1).unwrap(), &Cut::Even(1)).unwrap();
+    let names: Vec<(String, usize)> = gpt
+        .params()
+        .iter()
+        .filter(|p| [".bq", ".bk", ".bv"].iter().any(|b| p.name.ends_with(b)))
+        .map(|p| (p.name.clone(), p.numel()))
+        .collect();
+    assert_eq!(
+        names.len(),
+        3 * config.layers,
+        "every block has q/k/v biases"
+    );
+    for (name, n) in names {
+        gpt.set_param(&name, &init::normal(11, &name, n, 0.5))
+            .unwrap();
+    }
+    gpt
+}
+
 #[test]
 fn prefill_then_decode_equals_full_forward() {
-    let mut gpt = model();
-    let (prompt, total) = (5, 12);
+    prefill_then_decode(model(), (5, 12), 7);
+}
+
+/// Prefill of 2 × 20 rows (more than the host path takes: the backend's GEMM), then decode
+/// and a 3-position step on the host path, against the training forward: every logit
+/// within 1e-5, as for the default GPT.
+#[test]
+fn llama_prefill_then_decode_equals_full_forward() {
+    prefill_then_decode(llama_model(), (20, 30), 23);
+    prefill_then_decode(llama_model(), (5, 12), 7);
+}
+
+/// Two sequences: a prefill of `prompt` positions each, then decode up to `total`, with a
+/// three-position step at `three`.
+fn prefill_then_decode(mut gpt: Gpt<CpuBackend>, (prompt, total): (usize, usize), three: usize) {
+    let vocab = gpt.config().vocab;
     let seqs = [ids(total, 0), ids(total, 1)];
     let mut stages = InferStage::stages_of(&gpt, &Cut::Layers(vec![1, 2, 1])).unwrap();
     // Prefill both prompts in one call, then decode one position at a time, except a
@@ -51,11 +115,11 @@ fn prefill_then_decode_equals_full_forward() {
         .collect();
     let (first, _) = run_stages(&mut stages, &spans, &flat).unwrap();
     let mut got: Vec<Vec<f32>> = (0..2)
-        .map(|s| first[s * prompt * 50..][..prompt * 50].to_vec())
+        .map(|s| first[s * prompt * vocab..][..prompt * vocab].to_vec())
         .collect();
     let mut pos = prompt;
     while pos < total {
-        let n = if pos == 7 { 3 } else { 1 };
+        let n = if pos == three { 3 } else { 1 };
         let spans: Vec<Span> = (0..2)
             .map(|s| Span {
                 slot: s,
@@ -69,7 +133,7 @@ fn prefill_then_decode_equals_full_forward() {
             .collect();
         let (l, _) = run_stages(&mut stages, &spans, &flat).unwrap();
         for s in 0..2 {
-            got[s].extend_from_slice(&l[s * n * 50..][..n * 50]);
+            got[s].extend_from_slice(&l[s * n * vocab..][..n * vocab]);
         }
         pos += n;
     }
@@ -89,7 +153,11 @@ fn prefill_then_decode_equals_full_forward() {
 
 #[test]
 fn rollback_then_redecode_equals_no_rollback() {
-    let gpt = model();
+    rollback_then_redecode(model());
+    rollback_then_redecode(llama_model());
+}
+
+fn rollback_then_redecode(gpt: Gpt<CpuBackend>) {
     let seq = ids(10, 2);
     let mut a = InferStage::stages_of(&gpt, &Cut::Even(2)).unwrap();
     let mut b = InferStage::stages_of(&gpt, &Cut::Even(2)).unwrap();

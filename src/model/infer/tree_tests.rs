@@ -27,7 +27,8 @@ const TOKENS: [u32; 8] = [9, 12, 40, 7, 7, 11, 2, 3];
 const PARENTS: [usize; 8] = [0, 0, 0, 1, 2, 2, 3, 0];
 
 fn stages(gpt: &Gpt<CpuBackend>) -> Vec<InferStage<CpuBackend>> {
-    InferStage::stages_of(gpt, &Cut::Layers(vec![2, 1])).unwrap()
+    let layers = gpt.config().layers;
+    InferStage::stages_of(gpt, &Cut::Layers(vec![layers - 1, 1])).unwrap()
 }
 
 /// `stages` after the prompt on slot 0.
@@ -87,9 +88,14 @@ fn path_to(r: usize) -> Vec<u32> {
 /// row products (`rowmul`) do not depend on how many rows share a call.
 #[test]
 fn every_node_sees_exactly_its_path() {
-    let gpt = model();
+    every_node_sees_its_path(&model());
+    // Rotary positions at each node's depth, grouped-query heads, SwiGLU, biases.
+    every_node_sees_its_path(&crate::model::infer::tests::llama_model());
+}
+
+fn every_node_sees_its_path(gpt: &Gpt<CpuBackend>) {
     let vocab = gpt.config().vocab;
-    let mut s = prefilled(&gpt);
+    let mut s = prefilled(gpt);
     let span = Span {
         slot: 0,
         start: PROMPT.len(),
@@ -101,14 +107,18 @@ fn every_node_sees_exactly_its_path() {
     };
     let (logits, _) = run_tree(&mut s, &[span], &TOKENS, &step).unwrap();
     for r in 0..TOKENS.len() {
-        let (want, _) = decode_path(&gpt, &path_to(r));
+        let (want, _) = decode_path(gpt, &path_to(r));
         assert_eq!(&logits[r * vocab..][..vocab], &want[..], "row {r}");
     }
 }
 
 #[test]
 fn compaction_leaves_the_cache_of_the_accepted_path() {
-    let gpt = model();
+    compaction_leaves_the_accepted_path(model());
+    compaction_leaves_the_accepted_path(crate::model::infer::tests::llama_model());
+}
+
+fn compaction_leaves_the_accepted_path(gpt: Gpt<CpuBackend>) {
     let mut s = prefilled(&gpt);
     let start = PROMPT.len();
     let span = Span {

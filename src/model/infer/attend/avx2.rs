@@ -12,7 +12,7 @@ use std::arch::x86_64::{
     _mm256_storeu_ps,
 };
 
-use super::LANES;
+use super::{Heads, LANES};
 
 /// [`attend_rows`](super::attend_rows) on AVX2.
 ///
@@ -24,17 +24,18 @@ pub(super) unsafe fn attend_rows(
     keys: &[f32],
     values: &[f32],
     (prefix, extra): (usize, &[usize]),
-    heads: usize,
+    heads: Heads,
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
-    let width = q.len();
-    let hd = width / heads;
+    let hd = q.len() / heads.q;
+    let (width, rep) = (heads.kv * hd, heads.rep());
     let scale = 1.0 / (hd as f32).sqrt();
     let rows = || (0..prefix).chain(extra.iter().copied());
-    for h in 0..heads {
+    for h in 0..heads.q {
         let qh = &q[h * hd..][..hd];
-        let key = |j: usize| &keys[j * width + h * hd..][..hd];
+        let g = h / rep;
+        let key = |j: usize| &keys[j * width + g * hd..][..hd];
         scores.clear();
         let mut it = rows();
         while let (Some(a), Some(b), Some(c), Some(d)) =
@@ -55,7 +56,7 @@ pub(super) unsafe fn attend_rows(
             *p = (*p - max).exp();
             sum += *p;
         }
-        let value = |j: usize| &values[j * width + h * hd..][..hd];
+        let value = |j: usize| &values[j * width + g * hd..][..hd];
         let oh = &mut out[h * hd..][..hd];
         let vectors = hd / LANES;
         let mut e = 0;

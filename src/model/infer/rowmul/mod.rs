@@ -257,6 +257,20 @@ pub fn side_by_side(parts: &[&[f32]], rows: usize, cols: usize) -> Vec<f32> {
     out
 }
 
+/// [`side_by_side`] of parts of any widths (`[rows, len / rows]` each): `[wq | wk | wv]`
+/// where grouped-query attention makes `wk`, `wv` narrower than `wq`.
+pub fn concat_cols(parts: &[&[f32]], rows: usize) -> Vec<f32> {
+    let total: usize = parts.iter().map(|p| p.len()).sum();
+    let mut out = Vec::with_capacity(total);
+    for r in 0..rows {
+        for p in parts {
+            let cols = p.len() / rows.max(1);
+            out.extend_from_slice(&p[r * cols..(r + 1) * cols]);
+        }
+    }
+    out
+}
+
 /// `y[r] = Σ_k x[r,k]·W[k]` for `x: [rows, din]`, on [`Isa::best`].
 pub fn rowmul(x: &[f32], w: &Packed, rows: usize) -> Vec<f32> {
     assert_eq!(x.len(), rows * w.din, "rowmul: x is [rows, din]");

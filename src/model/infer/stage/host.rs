@@ -18,7 +18,8 @@ use crate::tensor::cpu::kernels;
 pub(super) struct HostBlock {
     pub norm1: Vec<f32>,
     pub norm2: Vec<f32>,
-    /// `[wqkv, wo, w1, w2]`, packed for [`rowmul`].
+    /// `[wqkv, wo, w1, w2]`, packed for [`rowmul`]; with the gated MLP the third is
+    /// `[w1 | w3]`, gate and up side by side.
     pub w: [Packed; 4],
 }
 
@@ -92,8 +93,22 @@ impl<B: Backend> InferStage<B> {
         let hb = self.blocks[li].host.as_ref().expect("checked above");
         let h = add(x, &rowmul(&o, &hb.w[1], rows));
         let u = rowmul(&self.rmsnorm_host(&h, &hb.norm2), &hb.w[2], rows);
-        let mut g = vec![0.0f32; u.len()];
-        kernels::activation_fwd(self.config.activation, &u, &mut g);
+        let g = if self.config.activation.is_gated() {
+            // `u` holds each row's gate `x·W1` then its up `x·W3` (see `HostBlock::w`):
+            // `silu(gate) ∘ up`, the backend path's activation then `mul`.
+            let hidden = self.config.mlp_hidden();
+            let mut g = vec![0.0f32; rows * hidden];
+            for (gr, ur) in g.chunks_exact_mut(hidden).zip(u.chunks_exact(2 * hidden)) {
+                let (gate, up) = ur.split_at(hidden);
+                kernels::activation_fwd(self.config.activation, gate, gr);
+                gr.iter_mut().zip(up).for_each(|(g, &u)| *g *= u);
+            }
+            g
+        } else {
+            let mut g = vec![0.0f32; u.len()];
+            kernels::activation_fwd(self.config.activation, &u, &mut g);
+            g
+        };
         Ok(add(&h, &rowmul(&g, &hb.w[3], rows)))
     }
 }
