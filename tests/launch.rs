@@ -395,6 +395,57 @@ fn launch_of_dp2_times_pp2_equals_the_in_process_dp1_run() {
     println!("dp=2 × pp=2 through launch: max |Δparam| {max_abs:e}, relative L2 {rel:e}");
 }
 
+/// A Llama-shaped model with the LM head tied to the token embedding: its first and last
+/// stages are in different processes and sum the tied gradient over the mesh. Two ranks
+/// launched equal the in-process run bitwise; with two replicas of those (the pair's
+/// group offset by the replica) the copies stay bitwise tied too.
+#[test]
+fn a_tied_model_launched_equals_the_in_process_run_and_stays_tied() {
+    const TIED: &[&str] = &[
+        "stages=2",
+        "model.tie_embeddings=true",
+        "model.positions=\"rope\"",
+        "model.activation=\"swiglu\"",
+        "model.kv_heads=1",
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    let reference = in_process(&dir.path().join("single"), TIED);
+    let tied = |c: &Checkpoint| {
+        let get = |n: &str| &c.tensors.iter().find(|t| t.name == n).unwrap().data;
+        let (tok, head) = (get("embed.tok"), get("head.w"));
+        let v = c
+            .tensors
+            .iter()
+            .find(|t| t.name == "embed.tok")
+            .unwrap()
+            .shape[0];
+        assert_eq!(
+            &pipefill::model::tie::transpose(tok, v, tok.len() / v),
+            head
+        );
+    };
+    tied(&reference);
+    let launched = dir.path().join("launched");
+    let out = clean(EXE)
+        .args(["launch", "-n", "2", "--"])
+        .args(train_args(&launched, TIED))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    assert_same(
+        &reference,
+        &Checkpoint::load(&launched.join("checkpoint")).unwrap(),
+    );
+    let dp = dir.path().join("dp2");
+    let out = clean(EXE)
+        .args(["launch", "-n", "4", "--"])
+        .args(train_args(&dp, &[TIED, &["dp=2"]].concat()))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    tied(&Checkpoint::load(&dp.join("checkpoint")).unwrap());
+}
+
 #[test]
 fn a_launched_run_of_2_steps_resumed_for_2_more_equals_4_steps_bitwise() {
     let dir = tempfile::tempdir().unwrap();

@@ -23,6 +23,7 @@ use std::sync::OnceLock;
 use pipefill::config::JobConfig;
 use pipefill::model::GptConfig;
 use pipefill::model::config::Positions;
+use pipefill::model::init::INIT_STD;
 use pipefill::pipeline::{Clock, PipelineError, PipelineRun, PipelineTrainer, StepMode};
 use pipefill::schedules::{ScheduleKind, build, read_plan};
 use pipefill::tensor::Activation;
@@ -67,7 +68,9 @@ fn oracle(clip: f32) -> &'static Oracle {
 }
 
 /// The job of [`job`] with a Llama-shaped model: rotary positions, a SwiGLU MLP, 4 query
-/// heads sharing 2 key/value heads, and q/k/v biases (Qwen2).
+/// heads sharing 2 key/value heads, q/k/v biases (Qwen2) and the LM head tied to the token
+/// embedding (so the first and last stages sum the tied gradient across ranks, or on one
+/// rank under ZB-V's V-shaped placement).
 fn llama_job(stages: usize) -> JobConfig {
     let mut job = job(stages);
     job.model = GptConfig {
@@ -76,6 +79,7 @@ fn llama_job(stages: usize) -> JobConfig {
         positions: Positions::Rope,
         activation: Activation::Swiglu,
         qkv_bias: true,
+        tie_embeddings: true,
         ..job.model
     };
     job
@@ -286,12 +290,35 @@ fn llama_shaped_models_match_the_reference_under_every_schedule() {
         !names.iter().any(|n| n == "embed.pos"),
         "rope has no position table"
     );
+    let oracle = llama_oracle();
+    let (tok, head) = (&oracle.params["embed.tok"], &oracle.params["head.w"]);
+    assert_tied("reference", tok, head, &job.model);
     for kind in ScheduleKind::ALL {
         let trainer = PipelineTrainer::builtin(&job, kind, None)
             .unwrap()
             .clock(Clock::virtual_free());
-        check_against_oracle(&format!("{kind} llama"), &trainer);
+        let run = check_against_oracle(&format!("{kind} llama"), &trainer);
+        let tok = run.param_values("embed.tok").unwrap();
+        assert_tied(
+            kind.name(),
+            &tok,
+            &run.param_values("head.w").unwrap(),
+            &job.model,
+        );
     }
+}
+
+/// The tied copies stayed bitwise equal (`head.w` is `embed.tok` transposed) after steps
+/// that moved them (they differ from the untrained draw).
+fn assert_tied(name: &str, tok: &[f32], head: &[f32], model: &GptConfig) {
+    let (v, d) = (model.vocab, model.d_model);
+    assert_eq!(
+        pipefill::model::tie::transpose(tok, v, d),
+        head,
+        "{name}: head.w is not embed.tok transposed"
+    );
+    let init = pipefill::model::init::normal(model.seed, "embed.tok", v * d, INIT_STD);
+    assert_ne!(tok, init.as_slice(), "{name}: embed.tok never moved");
 }
 
 #[test]

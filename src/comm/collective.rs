@@ -193,7 +193,13 @@ pub struct RingGradSync {
     dp: usize,
     pp: usize,
     channel: Channel,
+    /// [`RingGradSync::tied`]: the two pipeline ranks of a tied embedding's copies.
+    pair: Option<[usize; 2]>,
 }
+
+/// Channel of the tied embedding's gradient sum ([`RingGradSync::tied`]); apart from the
+/// replicas' [`crate::launch::profile::GRAD_CHANNEL`] since the groups share members.
+pub const TIE_CHANNEL: Channel = u32::MAX - 11;
 
 impl RingGradSync {
     /// Syncs over `ends` (each at its own global rank) on `channel`.
@@ -212,6 +218,23 @@ impl RingGradSync {
             dp,
             pp,
             channel,
+            pair: None,
+        }
+    }
+
+    /// The sum of a tied embedding's two copies ([`crate::model::tie`]) between pipeline
+    /// ranks `first` (the first stage's) and `last` (the last stage's) of the same replica,
+    /// over `ends` as [`RingGradSync::new`] takes them. A sum of two, so both ranks get
+    /// bitwise `a + b`, the reference trainer's sum.
+    pub fn tied(
+        ends: Vec<std::sync::Arc<dyn PeerLink>>,
+        pp: usize,
+        [first, last]: [usize; 2],
+        channel: Channel,
+    ) -> Self {
+        RingGradSync {
+            pair: Some([first.min(last), first.max(last)]),
+            ..Self::new(ends, 1, pp, channel)
         }
     }
 
@@ -230,6 +253,7 @@ impl std::fmt::Debug for RingGradSync {
             .field("dp", &self.dp)
             .field("pp", &self.pp)
             .field("channel", &self.channel)
+            .field("pair", &self.pair)
             .finish()
     }
 }
@@ -243,7 +267,13 @@ impl GradSync for RingGradSync {
                 rank,
                 group: self.ends.keys().copied().collect(),
             })?;
-        let group = Self::replica_group(link.rank(), self.dp, self.pp);
+        let group = match self.pair {
+            Some(pair) => {
+                let base = link.rank() - link.rank() % self.pp.max(1);
+                pair.map(|r| base + r).to_vec()
+            }
+            None => Self::replica_group(link.rank(), self.dp, self.pp),
+        };
         all_reduce_sum(link.as_ref(), &group, self.channel, grads)
     }
 }

@@ -46,6 +46,7 @@ use super::profile::{
 use pipefill_actors::{Clock, GradStats, Pipeline, RunReport, StepMode, Transport};
 use serde::{Deserialize, Serialize};
 
+use crate::comm::collective::{GradSync, RingGradSync, TIE_CHANNEL};
 use crate::comm::frame;
 use crate::comm::link::{LinkError, PeerLink};
 use crate::comm::tcp::TcpMesh;
@@ -60,7 +61,7 @@ use crate::model::checkpoint::{
 use crate::model::{AdamW, Cut, Gpt, ModelError, OptimizerState};
 use crate::pipeline::feed::StepFeed;
 use crate::pipeline::shared::Replica;
-use crate::pipeline::shared::{Checkpointing, RankCheckpointer, RankFinal, Shared};
+use crate::pipeline::shared::{Checkpointing, RankCheckpointer, RankFinal, Shared, tie_ranks};
 use crate::pipeline::{PipelineError, RankCompute};
 use crate::profile::merge::{MergeError, MergedProfile, gather_profiles, merge, send_profile};
 use crate::schedules::Plan;
@@ -291,8 +292,18 @@ fn run_rank<B: Backend>(
             checkpointing.clone(),
         ))
     });
+    // A tied embedding's first and last stages exchange their gradients on the mesh.
+    let tie = tie_ranks(&job.model, plan).map(|pair| {
+        Arc::new(RingGradSync::tied(
+            vec![Arc::clone(mesh) as Arc<dyn PeerLink>],
+            pp,
+            pair,
+            TIE_CHANNEL,
+        )) as Arc<dyn GradSync>
+    });
     let mut shared = Shared::new(pp, feed, progress)
         .with_replica(sync)
+        .with_tie(tie)
         .with_checkpoints(Some(checkpointing));
     if let Some(saver) = &saver {
         shared = shared.with_rank_checkpointer(Arc::clone(saver) as Arc<dyn RankCheckpointer>);

@@ -546,9 +546,10 @@ impl<B: Backend> ModelChunk<B> {
     }
 
     /// `Σ g²` over this chunk's gradients; the global norm is `√` of the sum over chunks.
+    /// A tied copy ([`Param::tied`]) is not counted: its original is.
     pub fn grad_sq_norm(&self) -> Result<f64> {
         let mut sum = 0.0;
-        for p in self.params() {
+        for p in self.params().into_iter().filter(|p| !p.tied) {
             sum += self.be.sum_squares(&p.grad)?;
         }
         Ok(sum)

@@ -87,6 +87,12 @@ pub struct GptConfig {
     /// Biases on the query, key and value projections (Qwen2).
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub qkv_bias: bool,
+    /// The LM head reuses the token embedding (`tie_word_embeddings`): the last stage holds
+    /// a copy of `embed.tok` as `head.w` (transposed), and the two copies' gradients are
+    /// summed before every optimizer step, so they stay bitwise equal (as Megatron-LM keeps
+    /// a first and a last stage's shared embedding); see [`crate::model::tie`].
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub tie_embeddings: bool,
     /// RMSNorm epsilon.
     pub norm_eps: f32,
     /// Seed of the initialisation; each parameter's stream is derived from (seed, name).
@@ -109,6 +115,7 @@ impl Default for GptConfig {
             rope_scaling: None,
             kv_heads: None,
             qkv_bias: false,
+            tie_embeddings: false,
             norm_eps: 1e-5,
             seed: 0,
         }

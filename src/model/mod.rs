@@ -9,6 +9,7 @@
 //! - [`optim`]: [`AdamW`] with decoupled weight decay, global-norm clipping and
 //!   [`LrSchedule`] (warmup + cosine).
 //! - [`infer`]: KV-cache inference stages (generation, no backward stash).
+//! - [`tie`]: tied input and output embeddings (the head's copy of `embed.tok`).
 //! - [`init`]: the deterministic initialisation, one RNG stream per (seed, parameter name).
 //! - [`drafter`]: the EAGLE-style drafter (one block over the target's hidden states), its
 //!   training buffer, trainer and speculative proposals.
@@ -32,6 +33,7 @@ pub mod layers;
 pub mod optim;
 #[cfg(test)]
 mod tests;
+pub mod tie;
 
 pub use chunk::{ChunkGrad, ChunkInput, ChunkOutput, Cut, ModelChunk, Shape};
 pub use config::GptConfig;
@@ -81,6 +83,9 @@ pub enum ModelError {
     /// Optimizer state that does not match the parameters.
     #[error("optimizer state: {0}")]
     OptimizerState(String),
+    /// The tied embedding's two copies cannot be summed as asked.
+    #[error("tied embeddings: {0}")]
+    Tied(String),
     /// A tensor operation failed.
     #[error(transparent)]
     Tensor(#[from] TensorError),
@@ -101,6 +106,10 @@ pub struct Param<B: Backend> {
     pub grad: B::Buf,
     /// Whether AdamW applies weight decay (not on norm gains).
     pub decay: bool,
+    /// A copy of a parameter held elsewhere too (the tied LM head's copy of `embed.tok`):
+    /// its gradient is summed with the original's before each step, and the gradient norm
+    /// counts the original only.
+    pub tied: bool,
 }
 
 impl<B: Backend> Param<B> {
@@ -118,6 +127,7 @@ impl<B: Backend> Param<B> {
             name,
             shape,
             decay,
+            tied: false,
         })
     }
 

@@ -185,9 +185,13 @@ impl<B: Backend> AdamW<B> {
         Ok(())
     }
 
-    /// Clips by the global norm of `chunks` (all on this optimizer) and steps them all.
-    /// Returns the gradient norm before clipping.
+    /// Clips by the global norm of `chunks` (all on this optimizer) and steps them all;
+    /// a tied embedding's two copies first take the sum of their gradients
+    /// ([`super::tie::sum_local`]). Returns the gradient norm before clipping.
     pub fn step_chunks(&mut self, chunks: &mut [ModelChunk<B>], lr: f32) -> Result<f64> {
+        if let Some(be) = chunks.first().map(|c| c.backend().clone()) {
+            super::tie::sum_local(&be, chunks.iter_mut())?;
+        }
         let mut sq = 0.0;
         for c in chunks.iter() {
             sq += c.grad_sq_norm()?;

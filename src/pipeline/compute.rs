@@ -191,6 +191,21 @@ impl<B: Backend> RankCompute<B> {
         Ok(())
     }
 
+    /// A tied embedding's copies take the sum of their gradients ([`crate::model::tie`]):
+    /// here when this rank holds both, with the other stage's rank when it holds one.
+    fn sum_tied(&mut self) -> Result<(), PipelineError> {
+        use crate::model::tie;
+        match tie::sides(self.chunks.values_mut()) {
+            (None, None) => Ok(()),
+            (Some(_), Some(_)) => Ok(tie::sum_local(&self.backend, self.chunks.values_mut())?),
+            (Some(mut side), None) | (None, Some(mut side)) => {
+                let mut grad = side.grad(&self.backend)?;
+                self.shared.sum_tied(self.rank, &mut grad)?;
+                Ok(side.set_grad(&self.backend, &grad)?)
+            }
+        }
+    }
+
     /// Offers speculative optimizer steps to the runtime (post-validation: step at once,
     /// roll back if the exact decision differs). Off by default: the step then waits for
     /// every rank's gradient statistics.
@@ -365,11 +380,13 @@ impl<B: Backend> StageCompute for RankCompute<B> {
         // and the step are the whole batch's on every replica.
         let params = self.chunks.values_mut().flat_map(|c| c.params_mut());
         self.shared.sync_grads(self.rank, &self.backend, params)?;
+        self.sum_tied()?;
         let mut own = Vec::with_capacity(self.chunks.len());
         let mut stats = GradStats::default();
         for (&stage, chunk) in &self.chunks {
             let mut sq = Vec::new();
-            for p in chunk.params() {
+            // A tied copy's gradient is its original's: the norm counts it once.
+            for p in chunk.params().into_iter().filter(|p| !p.tied) {
                 let q = self
                     .backend
                     .sum_squares(&p.grad)

@@ -27,13 +27,14 @@ use std::time::Instant;
 
 use super::PipelineError;
 use super::feed::{StepBatches, StepFeed};
-use crate::comm::collective::GradSync;
+use crate::comm::collective::{GradSync, RingGradSync, TIE_CHANNEL};
 use crate::model::checkpoint::sharded::{self, Layout};
 use crate::model::checkpoint::{CheckpointError, HostTensor};
 use crate::model::drafter::DrafterError;
 use crate::model::drafter::state::DrafterState;
 use crate::model::layers::{OffsetTokenLoss, TokenLoss};
-use crate::model::{ModelError, OptimizerState, Param};
+use crate::model::{GptConfig, ModelError, OptimizerState, Param};
+use crate::schedules::Plan;
 use crate::tensor::Backend;
 use crate::train::StepMetrics;
 use crate::train::reference::combine_losses;
@@ -119,6 +120,14 @@ impl std::fmt::Debug for Saves {
     }
 }
 
+/// The pipeline ranks of `plan` holding a tied embedding's first and last stage, when
+/// `model` ties them and they differ (`None`: nothing to exchange between ranks).
+pub fn tie_ranks(model: &GptConfig, plan: &Plan) -> Option<[usize; 2]> {
+    let last = u32::try_from(plan.stages.checked_sub(1)?).ok()?;
+    let pair = [plan.rank_of(0), plan.rank_of(last)];
+    (model.tie_embeddings && pair[0] != pair[1]).then_some(pair)
+}
+
 /// State shared by the ranks of one run (see the module docs).
 #[derive(Debug)]
 pub struct Shared {
@@ -134,6 +143,9 @@ pub struct Shared {
     rank_checkpointer: Option<Arc<dyn RankCheckpointer>>,
     /// The drafter trained in the bubbles, saved with every checkpoint.
     drafter: DrafterSlot,
+    /// The sum of a tied embedding's copies when the first and last stages are on
+    /// different ranks ([`crate::model::tie`]).
+    tie: Option<Arc<dyn GradSync>>,
 }
 
 /// The drafter whose state checkpoints save (set once, before the run).
@@ -167,7 +179,45 @@ impl Shared {
             saves: Mutex::new(Saves::default()),
             rank_checkpointer: None,
             drafter: DrafterSlot::default(),
+            tie: None,
         }
+    }
+
+    /// Sums a tied embedding's copies over `tie` (see [`Shared::tie_in_process`]).
+    pub fn with_tie(mut self, tie: Option<Arc<dyn GradSync>>) -> Self {
+        self.tie = tie;
+        self
+    }
+
+    /// The exchange of a tied embedding's gradient between the ranks of `plan` that hold
+    /// its first and its last stage, when they are different ranks of this process; `None`
+    /// when the model is not tied or one rank holds both.
+    pub fn tie_in_process(model: &GptConfig, plan: &Plan) -> Option<Arc<dyn GradSync>> {
+        let pair = tie_ranks(model, plan)?;
+        let ends = crate::comm::link::InProcessLink::group(plan.num_ranks())
+            .into_iter()
+            .map(|l| Arc::new(l) as Arc<dyn crate::comm::link::PeerLink>)
+            .collect();
+        Some(Arc::new(RingGradSync::tied(
+            ends,
+            plan.num_ranks(),
+            pair,
+            TIE_CHANNEL,
+        )))
+    }
+
+    /// Sums this rank's copy of the tied embedding's gradient (`grad`, in the embedding's
+    /// layout) with the other stage's, in place.
+    pub fn sum_tied(&self, rank: usize, grad: &mut [f32]) -> Result<(), PipelineError> {
+        let reason = |reason: String| PipelineError::Stage { stage: 0, reason };
+        let Some(tie) = &self.tie else {
+            return Err(reason(format!(
+                "rank {rank} holds one copy of the tied embedding (tie_embeddings) and this \
+                 run has no exchange with the rank holding the other"
+            )));
+        };
+        tie.all_reduce(rank, grad)
+            .map_err(|e| reason(format!("tied embedding gradient sum of rank {rank}: {e}")))
     }
 
     /// Saves sharded checkpoints as `checkpointing` says (`None`: never during the run).

@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use super::state::{Ended, RankState, Start};
 use super::{RL_CHANNEL, RlLaunchError, Share};
-use crate::comm::collective::RingGradSync;
+use crate::comm::collective::{GradSync, RingGradSync, TIE_CHANNEL};
 use crate::comm::frame;
 use crate::comm::link::{LinkError, PeerLink};
 use crate::comm::tcp::TcpMesh;
@@ -24,7 +24,7 @@ use crate::launch::profile::GRAD_CHANNEL;
 use crate::launch::train::FinalWire;
 use crate::model::{Gpt, ModelError};
 use crate::pipeline::feed::StepFeed;
-use crate::pipeline::shared::{Replica, Shared};
+use crate::pipeline::shared::{Replica, Shared, tie_ranks};
 use crate::pipeline::{PipelineError, RankCompute};
 use crate::rl::grpo::{GrpoTokenLoss, group_advantages, reference_log_probs};
 use crate::rl::trainer::{
@@ -202,7 +202,19 @@ impl Ctx<'_> {
                 GRAD_CHANNEL,
             )),
         });
-        let shared = Arc::new(Shared::new(self.pp, feed, progress).with_replica(replica));
+        let tie = tie_ranks(&job.model, plan).map(|pair| {
+            Arc::new(RingGradSync::tied(
+                vec![Arc::clone(self.mesh) as Arc<dyn PeerLink>],
+                self.pp,
+                pair,
+                TIE_CHANNEL,
+            )) as Arc<dyn GradSync>
+        });
+        let shared = Arc::new(
+            Shared::new(self.pp, feed, progress)
+                .with_replica(replica)
+                .with_tie(tie),
+        );
         // The other ranks step in their own processes: stand-ins close each step here.
         for step in first_step..first_step + steps {
             for _ in 1..self.pp {

@@ -68,12 +68,21 @@ pub struct Head<B: Backend> {
 }
 
 impl<B: Backend> Head<B> {
+    /// `{name}.w: [d_model, vocab]`; with `tie_embeddings` a copy of the token embedding
+    /// (`embed.tok`'s draw, transposed), marked [`Param::tied`].
     pub fn new(be: &B, name: &str, config: &GptConfig) -> Result<Self> {
         let (d, v) = (config.d_model, config.vocab);
         let pname = format!("{name}.w");
-        let values = init::normal(config.seed, &pname, d * v, init::INIT_STD);
+        let values = if config.tie_embeddings {
+            let tok = init::normal(config.seed, crate::model::tie::EMBED, v * d, init::INIT_STD);
+            crate::model::tie::transpose(&tok, v, d)
+        } else {
+            init::normal(config.seed, &pname, d * v, init::INIT_STD)
+        };
+        let mut w = Param::new(be, pname, vec![d, v], &values, true)?;
+        w.tied = config.tie_embeddings;
         Ok(Head {
-            w: Param::new(be, pname, vec![d, v], &values, true)?,
+            w,
             fwd: Stash::new(name),
             for_w: Stash::new(name),
             token_loss: None,

@@ -647,3 +647,61 @@ fn llama3_rope_scaling_keeps_high_and_divides_low_frequencies() {
             .contains("`rope_scaling`")
     );
 }
+
+/// A tied model's two copies start equal, and after [`tie::sum_local`] both hold the
+/// gradient of the loss with respect to the one shared matrix: checked against central
+/// finite differences that move `embed.tok[v, j]` and `head.w[j, v]` together (f64 loss
+/// sums over both micro-batches, the perturbation large enough for f32).
+#[test]
+fn tied_embeddings_get_the_gradient_of_the_shared_matrix() {
+    let cfg = GptConfig {
+        tie_embeddings: true,
+        ..tiny_llama()
+    };
+    let (v, d) = (cfg.vocab, cfg.d_model);
+    let mut gpt = Gpt::new(&cfg, CpuBackend::new(1).unwrap(), &Cut::Even(2)).unwrap();
+    let tok = gpt.param_values(tie::EMBED).unwrap();
+    assert_eq!(
+        tie::transpose(&tok, v, d),
+        gpt.param_values(tie::HEAD).unwrap()
+    );
+    let batches = data(&cfg);
+    for (mb, (ids, t)) in batches.iter().enumerate() {
+        gpt.forward_backward(mb, SHAPE, ids, t, 1.0).unwrap();
+    }
+    let untied_embed = gpt.grad_values(tie::EMBED).unwrap();
+    let be = gpt.chunks()[0].backend().clone();
+    tie::sum_local(&be, gpt.chunks_mut().iter_mut()).unwrap();
+    let grad = gpt.grad_values(tie::EMBED).unwrap();
+    assert_eq!(
+        tie::transpose(&grad, v, d),
+        gpt.grad_values(tie::HEAD).unwrap(),
+        "both copies take the sum"
+    );
+    assert_ne!(grad, untied_embed, "the head's part was added");
+    let total = |gpt: &mut Gpt<CpuBackend>| -> f64 {
+        let mut sum = 0.0;
+        for (ids, t) in &batches {
+            sum += f64::from(gpt.loss(SHAPE, ids, t).unwrap());
+        }
+        sum
+    };
+    let h = 1e-2f32;
+    // Tokens the data uses (an unused row only gets the head's part).
+    for (row, col) in [(0usize, 3usize), (3, 0), (7, 15), (10, 9)] {
+        let at = row * d + col;
+        let moved = |delta: f32, gpt: &mut Gpt<CpuBackend>| {
+            let mut e = tok.clone();
+            e[at] += delta;
+            gpt.set_param(tie::EMBED, &e).unwrap();
+            gpt.set_param(tie::HEAD, &tie::transpose(&e, v, d)).unwrap();
+            total(gpt)
+        };
+        let numeric = (moved(h, &mut gpt) - moved(-h, &mut gpt)) / (2.0 * f64::from(h));
+        let analytic = f64::from(grad[at]);
+        assert!(
+            (numeric - analytic).abs() <= 2e-3 + 2e-2 * analytic.abs(),
+            "d loss / d E[{row}, {col}]: finite differences {numeric:.6}, tied gradient {analytic:.6}"
+        );
+    }
+}

@@ -188,7 +188,9 @@ impl PipelineTrainer {
         feed.prefetch(first);
         let (progress, steps_rx) = channel();
         let shared = Arc::new(
-            Shared::new(self.plan.num_ranks(), feed, progress).with_replica(self.replica.clone()),
+            Shared::new(self.plan.num_ranks(), feed, progress)
+                .with_replica(self.replica.clone())
+                .with_tie(Shared::tie_in_process(&self.job.model, &self.plan)),
         );
         let mut computes = match ranks {
             Some(k) => k

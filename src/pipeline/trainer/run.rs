@@ -89,6 +89,7 @@ impl PipelineTrainer {
         let shared = Arc::new(
             Shared::new(plan.num_ranks(), feed, progress)
                 .with_replica(self.replica.clone())
+                .with_tie(Shared::tie_in_process(&job.model, plan))
                 .with_checkpoints(self.checkpointing()?),
         );
         let mut computes = self.computes(&shared, steps)?;

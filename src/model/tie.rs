@@ -1,0 +1,108 @@
+//! Tied input and output embeddings (`tie_embeddings`, Hugging Face's
+//! `tie_word_embeddings`).
+//!
+//! The first stage owns the token embedding `embed.tok: [vocab, d_model]`; the last stage
+//! holds a copy of it as the LM head `head.w: [d_model, vocab]` (transposed, so the head
+//! computes `x·W` like any other linear layer and everything that reads `head.w` — KV-cache
+//! inference, the drafter's frozen head, export — needs no second code path). As in
+//! Megatron-LM, both copies are trained: before each optimizer step their gradients are
+//! summed (`g = g_embed + g_headᵀ`) and each copy takes the sum, so the same AdamW update
+//! keeps them bitwise equal. The sum is one `f32` addition per element, which commutes
+//! exactly, so the single-device reference and a pipeline whose first and last stages sit
+//! on different ranks get bitwise the same gradient.
+
+use super::{ModelChunk, ModelError, Param, Result};
+use crate::tensor::Backend;
+
+/// The token embedding's name.
+pub const EMBED: &str = "embed.tok";
+/// The LM head's name.
+pub const HEAD: &str = "head.w";
+
+/// `values: [rows, cols]` transposed to `[cols, rows]`.
+pub fn transpose(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut out = vec![0.0; values.len()];
+    for r in 0..rows {
+        for c in 0..cols {
+            out[c * rows + r] = values[r * cols + c];
+        }
+    }
+    out
+}
+
+/// A tied pair's side held in one place: the embedding's or the head's copy.
+pub enum Side<'a, B: Backend> {
+    Embed(&'a mut Param<B>),
+    Head(&'a mut Param<B>),
+}
+
+impl<B: Backend> Side<'_, B> {
+    /// The copy's gradient in the embedding's `[vocab, d_model]` layout.
+    pub fn grad(&self, be: &B) -> Result<Vec<f32>> {
+        Ok(match self {
+            Side::Embed(p) => be.to_host(&p.grad)?,
+            Side::Head(p) => transpose(&be.to_host(&p.grad)?, p.shape[0], p.shape[1]),
+        })
+    }
+
+    /// Sets the copy's gradient to `sum` (in the embedding's layout).
+    pub fn set_grad(&mut self, be: &B, sum: &[f32]) -> Result<()> {
+        let (p, values) = match self {
+            Side::Embed(p) => (p, sum.to_vec()),
+            Side::Head(p) => {
+                let (d, v) = (p.shape[0], p.shape[1]);
+                (p, transpose(sum, v, d))
+            }
+        };
+        let dtype = be.dtype(&p.grad);
+        p.grad = be.from_host(&values, dtype)?;
+        Ok(())
+    }
+}
+
+/// The sides of the tied pair among `chunks` (the chunks one rank holds): the first
+/// stage's `embed.tok` and the last stage's tied `head.w`, each `None` where that chunk is
+/// held elsewhere. Both `None` when the model is not tied.
+pub fn sides<'a, B: Backend + 'a>(
+    chunks: impl IntoIterator<Item = &'a mut ModelChunk<B>>,
+) -> (Option<Side<'a, B>>, Option<Side<'a, B>>) {
+    let (mut embed, mut head) = (None, None);
+    for chunk in chunks {
+        if !chunk.config().tie_embeddings {
+            continue;
+        }
+        for p in chunk.params_mut() {
+            if p.name == EMBED {
+                embed = Some(Side::Embed(p));
+            } else if p.name == HEAD && p.tied {
+                head = Some(Side::Head(p));
+            }
+        }
+    }
+    (embed, head)
+}
+
+/// Sums the tied pair's gradients when one rank holds both copies (the reference trainer,
+/// a one-rank pipeline, a V-shaped placement); a no-op when it holds neither. Holding one
+/// copy only is an error: the sum needs the other rank ([`sides`] and a collective).
+pub fn sum_local<'a, B: Backend + 'a>(
+    be: &B,
+    chunks: impl IntoIterator<Item = &'a mut ModelChunk<B>>,
+) -> Result<()> {
+    match sides(chunks) {
+        (None, None) => Ok(()),
+        (Some(mut e), Some(mut h)) => {
+            let mut sum = e.grad(be)?;
+            for (s, g) in sum.iter_mut().zip(h.grad(be)?) {
+                *s += g;
+            }
+            e.set_grad(be, &sum)?;
+            h.set_grad(be, &sum)
+        }
+        _ => Err(ModelError::Tied(
+            "these chunks hold one copy of the tied embedding only; its gradient must be \
+             summed with the other stage's"
+                .into(),
+        )),
+    }
+}
