@@ -31,6 +31,7 @@ outputs are those of the bf16-rounded weights computed in f32), llama3 (llama3 r
 """
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -85,8 +86,9 @@ def build(name, cls, config, seed, adamw=True, dtype="float32", shard=None):
     shutil.rmtree(out_dir, ignore_errors=True)
     kwargs = {"max_shard_size": shard} if shard else {}
     if dtype == "bfloat16":
-        model.to(torch.bfloat16).save_pretrained(out_dir, **kwargs)
-        model.float()
+        # A copy: .to() would also round the rotary inv_freq buffer of the model computing
+        # the expected outputs.
+        copy.deepcopy(model).to(torch.bfloat16).save_pretrained(out_dir, **kwargs)
     else:
         model.save_pretrained(out_dir, **kwargs)
 

@@ -5,6 +5,7 @@
 //!   [`layers::Block`]; each has `forward`, `backward_input` and `backward_weight`.
 //! - [`chunk`]: [`ModelChunk`], one pipeline stage's share of the model (the calls the
 //!   pipeline runtime makes per micro-batch) and the [`Cut`] that decides it.
+//! - [`hf`]: Hugging Face model directories (Llama, Qwen2, Mistral) read and written.
 //! - [`gpt`]: [`Gpt`], every chunk of one model on one device (the reference trainer's).
 //! - [`optim`]: [`AdamW`] with decoupled weight decay, global-norm clipping and
 //!   [`LrSchedule`] (warmup + cosine).
@@ -27,6 +28,7 @@ pub mod chunk;
 pub mod config;
 pub mod drafter;
 pub mod gpt;
+pub mod hf;
 pub mod infer;
 pub mod init;
 pub mod layers;
