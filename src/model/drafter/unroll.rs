@@ -147,6 +147,19 @@ impl<B: Backend> Drafter<B> {
         batch: &mut DraftBatch,
         steps: usize,
     ) -> Result<(LossSums, usize)> {
+        let t = &self.target;
+        if t.positions == crate::model::config::Positions::Rope
+            || t.kv_heads() != t.heads
+            || t.qkv_bias
+        {
+            // `ChainAttention` is plain multi-head attention without biases or rotation.
+            return Err(DrafterError::Config {
+                field: "unroll_context",
+                reason: "= \"exact\" needs a target without rope, kv_heads < heads or \
+                         qkv_bias; use \"causal\" (the default)"
+                    .into(),
+            });
+        }
         let heads = self.target.heads;
         let mut chain =
             ChainAttention::new(batch.batch, batch.seq, heads, self.target.d_model / heads);
