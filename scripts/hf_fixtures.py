@@ -6,8 +6,9 @@ safetensors and tokenizers installed (no network is needed; everything is random
 
     python3 -m venv /tmp/hfenv && /tmp/hfenv/bin/pip install torch transformers safetensors
     /tmp/hfenv/bin/python scripts/hf_fixtures.py            # writes tests/fixtures/hf/*
-    /tmp/hfenv/bin/python scripts/hf_fixtures.py --check DIR  # loads DIR (e.g. an export)
-                                                             # with from_pretrained, prints logits
+    /tmp/hfenv/bin/python scripts/hf_fixtures.py --check FIXTURE EXPORT
+        # loads both with from_pretrained: an export of FIXTURE must give its logits
+        # (tests/hf_interop.rs writes exports there when PIPEFILL_HF_EXPORT=DIR is set)
 
 Each fixture is a tiny randomly initialised model (fixed seeds, f32 unless said) saved with
 save_pretrained, plus `expected.safetensors` and `expected.json`:
@@ -26,7 +27,8 @@ biases N(0, 0.1²)) rather than transformers' std 0.02, so activations, attentio
 and logits are O(1) and a wrong convention (RoPE layout, norm eps, GQA head order) shows.
 
 Fixtures: llama (GQA 4/2 heads, untied, one model.safetensors), qwen2 (qkv biases, saved in
-shards with model.safetensors.index.json), mistral (weights saved in bf16; the expected
+shards with model.safetensors.index.json), qwen2_tied (tie_word_embeddings: no
+lm_head.weight in the file; its gradient is the embedding's, both uses summed), mistral (weights saved in bf16; the expected
 outputs are those of the bf16-rounded weights computed in f32), llama3 (llama3 rope_scaling).
 """
 
@@ -154,16 +156,25 @@ def small(**kw):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--check", help="load this directory with from_pretrained and print logits")
+    ap.add_argument(
+        "--check",
+        nargs=2,
+        metavar=("FIXTURE", "EXPORT"),
+        help="load both directories with from_pretrained and print their logits' max difference",
+    )
     args = ap.parse_args()
     torch.use_deterministic_algorithms(True)
     if args.check:
-        model = AutoModelForCausalLM.from_pretrained(args.check, attn_implementation="eager")
-        model = model.float().eval()
-        ids = torch.arange(SEQ).unsqueeze(0) % model.config.vocab_size
-        with torch.no_grad():
-            print(json.dumps(model(input_ids=ids).logits[0].tolist()))
-        return
+        logits = []
+        for d in args.check:
+            model = AutoModelForCausalLM.from_pretrained(d, attn_implementation="eager")
+            model = model.float().eval()
+            ids = torch.arange(3 * SEQ).reshape(3, SEQ) % model.config.vocab_size
+            with torch.no_grad():
+                logits.append(model(input_ids=ids).logits)
+        diff = (logits[0] - logits[1]).abs().max().item()
+        print(f"{args.check[1]}: {type(model).__name__}, logits max abs diff {diff:.3e}")
+        return 0 if diff <= 1e-5 else 1
     os.makedirs(OUT, exist_ok=True)
     build(
         "llama",
@@ -185,6 +196,13 @@ def main():
         Qwen2Config(**small(rope_theta=1000000.0, use_sliding_window=False)),
         seed=2,
         shard="40KB",
+    )
+    build(
+        "qwen2_tied",
+        Qwen2ForCausalLM,
+        Qwen2Config(**small(tie_word_embeddings=True, use_sliding_window=False)),
+        seed=5,
+        adamw=False,
     )
     build(
         "mistral",

@@ -139,8 +139,18 @@ fn matches_transformers(name: &str) {
     println!("{name}: loss {loss} vs {want}, rel diff {rel:.3e}");
     assert!(rel <= 1e-4, "{name}: loss {loss} vs {want}");
 
+    // A tied model's two copies get the sum of their gradients (what transformers computes
+    // for its one shared matrix).
+    let tied = model.config().tie_embeddings;
+    pipefill::model::tie::sum_local(&be, gpt.chunks_mut().iter_mut()).unwrap();
     let mut worst = (0.0f32, String::new());
     for p in gpt.params() {
+        if tied && p.name == "head.w" {
+            let embed = gpt.grad_values("embed.tok").unwrap();
+            let head = gpt.grad_values("head.w").unwrap();
+            assert_eq!(hf::transpose(&head, p.shape[0], p.shape[1]), embed);
+            continue;
+        }
         let (hf_name, g) = to_hf(&p.name, &p.shape, &gpt.grad_values(&p.name).unwrap());
         let (_, want) = &e.f32s[&format!("grad.{hf_name}")];
         let (d, scale) = diff(&g, want);
@@ -217,6 +227,11 @@ fn qwen2_sharded_matches_transformers() {
 }
 
 #[test]
+fn qwen2_tied_matches_transformers() {
+    matches_transformers("qwen2_tied");
+}
+
+#[test]
 fn mistral_bf16_matches_transformers() {
     matches_transformers("mistral");
 }
@@ -254,7 +269,7 @@ fn params(gpt: &Gpt<CpuBackend>) -> Vec<HostTensor> {
 
 #[test]
 fn export_reimports_to_the_same_tensors() {
-    for name in ["llama", "qwen2", "mistral", "llama3"] {
+    for name in ["llama", "qwen2", "qwen2_tied", "mistral", "llama3"] {
         let (model, gpt) = open(name);
         let tmp = tempfile::tempdir().unwrap();
         let out = tmp.path().join("out");
@@ -263,6 +278,15 @@ fn export_reimports_to_the_same_tensors() {
             ..ExportOptions::default()
         };
         hf::export_gpt(&gpt, &out, &opts).unwrap();
+        // For scripts/hf_fixtures.py --check: transformers loads the export.
+        if let Some(dir) = std::env::var_os("PIPEFILL_HF_EXPORT") {
+            let keep = Path::new(&dir).join(name);
+            let keep_opts = ExportOptions {
+                overwrite: true,
+                ..opts.clone()
+            };
+            hf::export_gpt(&gpt, &keep, &keep_opts).unwrap();
+        }
         let back = HfModel::open(&out).unwrap();
         assert_eq!(
             back.hf_config().architecture,
@@ -310,6 +334,22 @@ fn a_pipefill_model_exports_as_llama_and_learned_positions_do_not() {
     let gpt = Gpt::new(&config, CpuBackend::new(1).unwrap(), &Cut::Even(1)).unwrap();
     let tmp = tempfile::tempdir().unwrap();
     hf::export_gpt(&gpt, tmp.path(), &ExportOptions::default()).unwrap();
+    if let Some(dir) = std::env::var_os("PIPEFILL_HF_EXPORT") {
+        let keep = Path::new(&dir).join("native");
+        let opts = ExportOptions {
+            overwrite: true,
+            ..ExportOptions::default()
+        };
+        hf::export_gpt(&gpt, &keep, &opts).unwrap();
+        let ids: Vec<u32> = (0..8).collect();
+        let shape = Shape { batch: 1, seq: 8 };
+        let logits = Gpt::new(&config, CpuBackend::new(1).unwrap(), &Cut::Even(1))
+            .unwrap()
+            .logits(shape, &ids)
+            .unwrap();
+        let json = serde_json::to_vec(&logits).unwrap();
+        std::fs::write(keep.join("pipefill_logits.json"), json).unwrap();
+    }
     let back = HfModel::open(tmp.path()).unwrap();
     assert_eq!(back.hf_config().architecture, hf::Architecture::Llama);
     assert_eq!(back.config().d_model, config.d_model);
@@ -521,13 +561,9 @@ fn shard_names_stay_inside_the_model_directory() {
 }
 
 #[test]
-fn tied_models_are_untied_on_import() {
-    let (_tmp, dir) = copy("llama");
-    edit_config(&dir, |m| {
-        m.insert("tie_word_embeddings".into(), serde_json::json!(true));
-    });
-    rewrite(&dir, "model.safetensors", Some("lm_head.weight"), None);
-    let model = HfModel::open(&dir).unwrap();
+fn tied_models_import_tied_and_export_without_lm_head() {
+    let (model, gpt) = open("qwen2_tied");
+    assert!(model.config().tie_embeddings && model.hf_config().tied);
     let embed = model.read("embed.tok").unwrap();
     let head = model.read("head.w").unwrap();
     assert_eq!(head.shape, vec![embed.shape[1], embed.shape[0]]);
@@ -535,10 +571,23 @@ fn tied_models_are_untied_on_import() {
         head.data,
         hf::transpose(&embed.data, embed.shape[0], embed.shape[1])
     );
-    // Untied, lm_head.weight is required.
+    let tmp = tempfile::tempdir().unwrap();
+    hf::export_gpt(&gpt, tmp.path(), &ExportOptions::default()).unwrap();
+    let files = hf::WeightFiles::open(tmp.path()).unwrap();
+    assert!(!files.names().any(|n| n == "lm_head.weight"));
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(tmp.path().join("config.json")).unwrap()).unwrap();
+    assert_eq!(json["tie_word_embeddings"], serde_json::json!(true));
+
+    // An untied config needs lm_head.weight.
+    let (_tmp, dir) = copy("qwen2_tied");
     edit_config(&dir, |m| {
         m.insert("tie_word_embeddings".into(), serde_json::json!(false));
     });
-    assert!(open_err(&dir).contains("lm_head.weight"));
+    let err = open_err(&dir);
+    assert!(
+        err.contains("lm_head.weight") && err.contains("missing"),
+        "{err}"
+    );
     let _: Option<HfError> = None;
 }

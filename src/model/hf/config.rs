@@ -86,7 +86,7 @@ pub struct HfConfig {
     pub architecture: Architecture,
     /// The model's shape (`seed` 0: the weights come from the files).
     pub gpt: GptConfig,
-    /// `tie_word_embeddings`: the LM head is the embedding (transposed).
+    /// `tie_word_embeddings` (also `gpt.tie_embeddings`): the LM head is the embedding.
     pub tied: bool,
     /// The whole config.json, kept so an export writes back what pipefill does not model
     /// (token ids, `max_position_embeddings` above the cap, ...).
@@ -240,9 +240,9 @@ pub fn parse(path: &std::path::Path, text: &[u8]) -> Result<HfConfig, HfError> {
         rope_scaling,
         kv_heads: (kv_heads != heads).then_some(kv_heads),
         qkv_bias: architecture == Architecture::Qwen2,
+        tie_embeddings: tied,
         norm_eps,
         seed: 0,
-        ..GptConfig::default()
     };
     gpt.validate().map_err(|e| bad("(shape)", e.to_string()))?;
     if gpt.checked_param_count().is_none() {
@@ -401,7 +401,7 @@ pub fn to_json(
         ("max_position_embeddings", json!(max_pos)),
         ("rms_norm_eps", json!(short(config.norm_eps))),
         ("rope_parameters", rope),
-        ("tie_word_embeddings", json!(false)),
+        ("tie_word_embeddings", json!(config.tie_embeddings)),
         ("dtype", json!(dtype)),
     ];
     for (k, v) in fields {

@@ -28,9 +28,10 @@
 //! `rotate_half` on each head's two halves (Hugging Face's layout, not Meta's interleaved
 //! one), its RMSNorm is `x / √(mean x² + eps) · g` (eps inside the root, as `LlamaRMSNorm`),
 //! and query head `h` reads key/value head `h / (heads / kv_heads)` (`repeat_kv`). A tied
-//! model (`tie_word_embeddings`) is untied on import: `head.w` starts as `embed.tok`
-//! transposed and the two train separately (pipefill's [`GptConfig`] has no tied head), so
-//! an export writes `tie_word_embeddings: false` and both tensors.
+//! model (`tie_word_embeddings`) imports as `tie_embeddings = true`: `head.w` is read from
+//! `model.embed_tokens.weight` (transposed; an `lm_head.weight` in the file is ignored), and
+//! an export of a tied model writes `tie_word_embeddings: true` and no `lm_head.weight`, as
+//! transformers does.
 
 pub mod config;
 pub mod files;
@@ -291,7 +292,7 @@ impl HfModel {
             .ok_or_else(|| ModelError::UnknownParam(name.to_string()))?;
         let (mut hf, t) = hf_name(name).ok_or_else(|| ModelError::UnknownParam(name.into()))?;
         let mut t = t;
-        if name == "head.w" && self.config.tied && self.files.meta(&hf).is_none() {
+        if name == "head.w" && self.config.tied {
             hf = "model.embed_tokens.weight".into();
             t = true;
         }
@@ -420,6 +421,10 @@ pub fn export(
                 "parameter `{name}` has shape {:?}, the config implies {shape:?}",
                 t.shape
             )));
+        }
+        if name == "head.w" && config.tie_embeddings {
+            // transformers ties it to model.embed_tokens.weight on load.
+            continue;
         }
         let (hf, tr) = hf_name(&name).expect("exportable configs have HF names");
         let (data, hf_shape) = if tr {
