@@ -24,7 +24,7 @@ use criterion::Criterion;
 use pipefill::config::JobConfig;
 use pipefill::data::SplitMix64;
 use pipefill::model::drafter::{DraftContext, Drafter};
-use pipefill::model::infer::attend::attend;
+use pipefill::model::infer::attend::{Heads, attend};
 use pipefill::model::infer::rowmul::{Packed, rowmul};
 use pipefill::model::infer::{InferStage, Span, run_stages};
 use pipefill::model::{Cut, Gpt, GptConfig};
@@ -181,7 +181,7 @@ fn pieces(criterion: &mut Criterion) -> Vec<(&'static str, f64, f64)> {
                             &keys,
                             &values,
                             PAST + r + 1,
-                            cfg.heads,
+                            Heads::mha(cfg.heads),
                             &mut scores,
                             &mut o,
                         );

@@ -1,44 +1,104 @@
-//! Reference trainer throughput: training tokens per second of one optimizer step of the
-//! default job (default model, 4 micro-batches × 4 sequences × 64 tokens) on the CPU
-//! backend. Criterion reports the time per step and its throughput; afterwards the
-//! median tokens/s over every measured step is printed, the figure quoted in reports.
+//! Training throughput: tokens per second of one optimizer step (4 micro-batches × 4
+//! sequences × 64 tokens) on the CPU backend, for
+//! - `train_step/default_model`: the reference trainer on the default job's model;
+//! - `train_step/llama_d256`: the reference trainer on a Llama-shaped model (d 256, 8 layers,
+//!   RoPE, SwiGLU with intermediate 704, GQA 4 query / 2 key-value heads, tied embeddings);
+//! - `pipeline_1f1b/llama_d256`: the same model in the in-process pipeline (2 stages, 1F1B,
+//!   no filler), each step's time as its metrics report it.
 //!
-//! `cargo bench -p pipefill --bench train` (threads: `PIPEFILL_THREADS`, default all cores).
+//! Criterion reports the time per step; afterwards each case prints the median tokens/s
+//! over its measured steps, the figure quoted in reports. `scripts/bench_torch_llama.py`
+//! times transformers + torch on the same model and batch for the comparison.
+//!
+//! `cargo bench -p pipefill --bench train [-- FILTER]` (threads: `PIPEFILL_THREADS`,
+//! default all cores).
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, SamplingMode, Throughput};
-use pipefill::config::JobConfig;
+use pipefill::config::{Filler, JobConfig};
+use pipefill::model::GptConfig;
+use pipefill::model::config::Positions;
+use pipefill::pipeline::PipelineTrainer;
+use pipefill::schedules::ScheduleKind;
+use pipefill::tensor::Activation;
 use pipefill::train::Trainer;
 
-fn main() {
-    let mut job = JobConfig::default();
+/// The Llama-shaped case's model (the default job's vocabulary and sequence length).
+fn llama_d256() -> GptConfig {
+    GptConfig {
+        d_model: 256,
+        heads: 4,
+        kv_heads: Some(2),
+        layers: 8,
+        intermediate: Some(704),
+        activation: Activation::Swiglu,
+        positions: Positions::Rope,
+        tie_embeddings: true,
+        ..GptConfig::default()
+    }
+}
+
+fn job(model: GptConfig) -> JobConfig {
+    let mut job = JobConfig {
+        model,
+        ..JobConfig::default()
+    };
+    job.train.micro_batches = 4;
+    job.train.micro_batch_size = 4;
+    job.train.eval_tasks = 0;
+    job.filler = Filler::None;
     if let Some(threads) = std::env::var("PIPEFILL_THREADS")
         .ok()
         .and_then(|t| t.parse().ok())
     {
         job.train.threads = threads;
     }
-    let mut trainer = Trainer::reference(&job.model, &job.data, &job.train)
-        .expect("the default job builds a trainer");
-    let tokens = job.train.batch_size() * job.model.seq_len;
-    // Warm the allocator and caches; the first steps are not representative.
-    for _ in 0..2 {
-        trainer.train_step().expect("a training step");
-    }
+    job
+}
 
-    let mut per_step: Vec<Duration> = Vec::new();
-    let mut criterion = Criterion::default()
-        .warm_up_time(Duration::from_secs(1))
-        .measurement_time(Duration::from_secs(8))
-        .sample_size(10)
-        .configure_from_args();
-    let mut group = criterion.benchmark_group("reference_trainer");
-    group.throughput(Throughput::Elements(tokens as u64));
-    // A step takes ~0.1 s: flat sampling (the same iterations per sample) suits long ones.
+fn tokens(job: &JobConfig) -> usize {
+    job.train.batch_size() * job.model.seq_len
+}
+
+/// The median of `steps` as one line of the report.
+fn report(case: &str, job: &JobConfig, mut steps: Vec<Duration>) {
+    if steps.is_empty() {
+        return;
+    }
+    steps.sort();
+    let median = steps[steps.len() / 2].as_secs_f64();
+    println!(
+        "{case}: {} params on {} thread(s): median step {:.1} ms, median {:.0} tokens/s over \
+         {} steps of {} tokens",
+        job.model.param_count(),
+        pipefill::train::reference::cpu_threads(&job.train),
+        median * 1e3,
+        tokens(job) as f64 / median,
+        steps.len(),
+        tokens(job)
+    );
+}
+
+/// The reference trainer's step on `job`, timed by criterion; the steps' durations.
+fn reference(c: &mut Criterion, name: &str, job: &JobConfig) -> Vec<Duration> {
+    let mut per_step = Vec::new();
+    let mut group = c.benchmark_group("train_step");
+    group.throughput(Throughput::Elements(tokens(job) as u64));
+    // A step takes 0.1–1 s: flat sampling (the same iterations per sample) suits long ones.
     group.sampling_mode(SamplingMode::Flat);
-    group.bench_function("train_step/default_model", |b| {
+    let mut trainer = None;
+    group.bench_function(name, |b| {
+        let trainer = trainer.get_or_insert_with(|| {
+            let mut t = Trainer::reference(&job.model, &job.data, &job.train)
+                .expect("the job builds a trainer");
+            // Warm the allocator and caches; the first steps are not representative.
+            for _ in 0..2 {
+                t.train_step().expect("a training step");
+            }
+            t
+        });
         b.iter_custom(|iters| {
             let mut total = Duration::ZERO;
             for _ in 0..iters {
@@ -52,21 +112,59 @@ fn main() {
         })
     });
     group.finish();
-    criterion.final_summary();
+    per_step
+}
 
-    if per_step.is_empty() {
-        return;
-    }
-    per_step.sort();
-    let median = per_step[per_step.len() / 2].as_secs_f64();
-    println!(
-        "reference trainer, default model ({} params) on {} thread(s): median step {:.1} ms, \
-         median {:.0} tokens/s over {} steps of {} tokens",
-        job.model.param_count(),
-        pipefill::train::reference::cpu_threads(&job.train),
-        median * 1e3,
-        tokens as f64 / median,
-        per_step.len(),
-        tokens
+/// Steps of the in-process pipeline (1F1B over `job.stages`), each as long as its metrics
+/// say; the first step of every run (thread start, first touch of every buffer) is left
+/// out.
+fn pipeline(c: &mut Criterion, name: &str, job: &JobConfig) -> Vec<Duration> {
+    const STEPS: u64 = 4;
+    let mut per_step = Vec::new();
+    let mut group = c.benchmark_group("pipeline_1f1b");
+    group.throughput(Throughput::Elements(tokens(job) as u64));
+    group.sampling_mode(SamplingMode::Flat);
+    group.bench_function(name, |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for _ in 0..iters {
+                let trainer = PipelineTrainer::builtin(job, ScheduleKind::OneFOneB, None)
+                    .expect("the job builds a pipeline");
+                let run = black_box(trainer.run(STEPS, |_| {}).expect("a pipelined run"));
+                for m in run.steps.iter().skip(1) {
+                    let took = Duration::from_secs_f64(m.seconds);
+                    per_step.push(took);
+                    total += took;
+                }
+            }
+            total / (STEPS as u32 - 1)
+        })
+    });
+    group.finish();
+    per_step
+}
+
+fn main() {
+    let mut criterion = Criterion::default()
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(8))
+        .sample_size(10)
+        .configure_from_args();
+    let default = job(GptConfig::default());
+    let steps = reference(&mut criterion, "default_model", &default);
+    report("reference trainer, default model", &default, steps);
+    let llama = job(llama_d256());
+    let steps = reference(&mut criterion, "llama_d256", &llama);
+    report("reference trainer, llama_d256", &llama, steps);
+    let piped = JobConfig {
+        stages: 2,
+        ..llama.clone()
+    };
+    let steps = pipeline(&mut criterion, "llama_d256", &piped);
+    report(
+        "in-process pipeline (1f1b, 2 stages), llama_d256",
+        &piped,
+        steps,
     );
+    criterion.final_summary();
 }

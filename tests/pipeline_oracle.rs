@@ -298,13 +298,8 @@ fn llama_shaped_models_match_the_reference_under_every_schedule() {
             .unwrap()
             .clock(Clock::virtual_free());
         let run = check_against_oracle(&format!("{kind} llama"), &trainer);
-        let tok = run.param_values("embed.tok").unwrap();
-        assert_tied(
-            kind.name(),
-            &tok,
-            &run.param_values("head.w").unwrap(),
-            &job.model,
-        );
+        let (tok, head) = (run.param_values("embed.tok"), run.param_values("head.w"));
+        assert_tied(kind.name(), tok.unwrap(), head.unwrap(), &job.model);
     }
 }
 
