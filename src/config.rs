@@ -292,6 +292,17 @@ impl JobConfig {
             crate::data::DataError::Invalid { field, reason } => invalid(field, reason),
             other => invalid("data", other.to_string()),
         })?;
+        let tokenizer_vocab =
+            (self.data.tokenizer_vocab()).map_err(|e| invalid("data.tokenizer", e.to_string()))?;
+        if let Some(ids) = tokenizer_vocab.filter(|&ids| self.model.vocab < ids) {
+            return Err(invalid(
+                "model.vocab",
+                format!(
+                    "{} is smaller than data.tokenizer's {ids} ids",
+                    self.model.vocab
+                ),
+            ));
+        }
         self.train.validate().map_err(|e| match e {
             crate::train::TrainError::Config { field, reason } => {
                 invalid(&format!("train.{field}"), reason)

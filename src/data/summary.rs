@@ -33,8 +33,19 @@ pub struct DatasetSummary {
 
 impl DatasetSummary {
     /// The summary of `config.summary_tasks` tasks drawn like the training stream of `seed`.
+    ///
+    /// For a `jsonl` source: the file's documents (read and tokenized), lengths in tokens
+    /// of whole documents, and no families.
     pub fn sample(config: &DataConfig, seed: u64) -> Result<Self, DataError> {
         config.validate()?;
+        if config.source == super::DataSource::Jsonl {
+            let data = super::StepData::new(config.clone(), 1, seed)?;
+            let docs = data.documents().expect("a jsonl source has documents");
+            return Ok(Self::from_lengths(
+                docs.lengths().collect(),
+                BTreeMap::new(),
+            ));
+        }
         let tasks: Vec<Task> = TaskGenerator::new(
             &config.families,
             config.size_scale,
@@ -54,6 +65,10 @@ impl DatasetSummary {
             *per_family.entry(t.family).or_insert(0) += 1;
             lengths.push(t.solution.chars().count());
         }
+        Self::from_lengths(lengths, per_family)
+    }
+
+    fn from_lengths(mut lengths: Vec<usize>, per_family: BTreeMap<TaskFamily, usize>) -> Self {
         lengths.sort_unstable();
         let n = lengths.len();
         let mean = if n == 0 {
@@ -107,10 +122,18 @@ impl fmt::Display for DatasetSummary {
             .iter()
             .map(|(fam, n)| format!("{fam} {n}"))
             .collect();
-        writeln!(f, "dataset: {} tasks ({})", self.tasks, families.join(", "))?;
+        let what = if self.per_family.is_empty() {
+            // A file's documents (no task families).
+            let tokens = (self.mean * self.tasks as f64).round();
+            writeln!(f, "dataset: {} documents, {tokens} tokens", self.tasks)?;
+            "document"
+        } else {
+            writeln!(f, "dataset: {} tasks ({})", self.tasks, families.join(", "))?;
+            "solution"
+        };
         writeln!(
             f,
-            "solution length (tokens): mean {:.1}, median {}, p90 {}, p99 {}, max {}",
+            "{what} length (tokens): mean {:.1}, median {}, p90 {}, p99 {}, max {}",
             self.mean, self.median, self.p90, self.p99, self.max
         )?;
         let top = self.histogram.iter().map(|b| b.2).max().unwrap_or(0).max(1);

@@ -27,14 +27,21 @@ pub fn step_micro_batches(data: &StepData, train: &TrainConfig, step: u64) -> Ve
     data.micro_batches(step, train.micro_batches, train.micro_batch_size)
 }
 
-/// `d objective / d loss` of each micro-batch: its share of the step's target tokens, so
-/// that the accumulated gradient is that of the mean loss over the whole mini-batch. A
-/// pipeline's last stage starts each micro-batch's backward from the same value.
+/// `d objective / d loss` of each micro-batch: its share of the step's counted target
+/// tokens (an SFT prompt's ignored targets do not count), so that the accumulated gradient
+/// is that of the mean loss over the whole mini-batch. A pipeline's last stage starts each
+/// micro-batch's backward from the same value. A step with no counted target scales by 0.
 pub fn loss_scales(batches: &[MicroBatch]) -> Vec<f32> {
-    let total: usize = batches.iter().map(MicroBatch::tokens).sum();
+    let total: usize = batches.iter().map(MicroBatch::counted).sum();
     batches
         .iter()
-        .map(|mb| mb.tokens() as f32 / total as f32)
+        .map(|mb| {
+            if total == 0 {
+                0.0
+            } else {
+                mb.counted() as f32 / total as f32
+            }
+        })
         .collect()
 }
 

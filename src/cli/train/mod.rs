@@ -332,7 +332,8 @@ fn progress_bar(steps: u64, first_step: u64) -> ProgressBar {
 /// Scores greedy completions of the job's held-out tasks and prints the exact match.
 fn evaluate<B: Backend>(job: &JobConfig, model: &mut Gpt<B>) -> anyhow::Result<()> {
     let (d, t) = (&job.data, &job.train);
-    if t.eval_tasks == 0 {
+    // The held-out tasks are the synthetic ones (character-tokenized); a JSONL run has none.
+    if t.eval_tasks == 0 || d.source != pipefill::data::DataSource::Synthetic {
         return Ok(());
     }
     let tasks = held_out_tasks(
