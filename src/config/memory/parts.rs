@@ -1,0 +1,378 @@
+//! The estimate's parts, one function each: the activations in flight at the schedule's
+//! peak, the parameters, the tasks' text, the drafter and the rollouts.
+
+use super::super::{ConfigError, JobConfig};
+use super::size::{Size, add, div_ceil, f, k, mul, overflow};
+use super::*;
+
+/// Micro-batches in flight at a schedule's peak, in units of one micro-batch's stash on
+/// one stage (summed over the ranks), and on the rank that holds the head.
+pub(super) struct InFlight {
+    /// Σ over ranks of each rank's peak stash count.
+    pub(super) units: Size,
+    /// The head's rank's peak.
+    pub(super) head_units: Size,
+    /// Model blocks per stage (chunk).
+    pub(super) layers_per_stage: Size,
+    /// Pipeline ranks (1 for the reference trainer).
+    pub(super) ranks: Size,
+    /// Compute actions per step.
+    pub(super) actions: Size,
+}
+
+/// The peak of `schedule` over `ranks` ranks and `microbatches` micro-batches of a model of
+/// `layers` blocks. A schedule file is read for its peak when `read_files` (a broken one is
+/// an error naming `schedule`), else bounded by GPipe's.
+pub(super) fn in_flight(
+    schedule: &str,
+    ranks: usize,
+    microbatches: usize,
+    layers: usize,
+    microbatches_field: &'static str,
+    read_files: bool,
+) -> Result<InFlight, ConfigError> {
+    let m = f(microbatches_field, microbatches);
+    let layers = f("model.layers", layers);
+    let name = schedule.trim();
+    if name.eq_ignore_ascii_case("none") {
+        // The reference trainer: one micro-batch at a time through the whole model.
+        return Ok(InFlight {
+            units: k(1),
+            head_units: k(1),
+            layers_per_stage: layers,
+            ranks: k(1),
+            actions: mul("the plan", &[m, k(2)])?,
+        });
+    }
+    let p = f("stages", ranks);
+    let kind = match name.parse::<ScheduleKind>() {
+        Ok(kind) => Some(kind),
+        Err(_) if name.eq_ignore_ascii_case("auto") => Some(ScheduleKind::ZbH1),
+        Err(_) => None,
+    };
+    let chunks = kind.map_or(1, |k| k.default_chunks());
+    let v = f("stages", chunks);
+    let per_cell = kind.map_or(ACTIONS_PER_CELL, |k| k.actions_per_cell());
+    let actions = mul("the plan", &[p, v, m, k(per_cell)])?;
+    // GPipe's bound: every micro-batch stashed on every stage (a schedule file's stage
+    // count is only known once it is read, so it is bounded by one block per stage).
+    let gpipe = InFlight {
+        units: mul("the activations", &[m, p, v])?,
+        head_units: m,
+        layers_per_stage: div_ceil(layers, (ranks as u64).saturating_mul(chunks as u64)),
+        ranks: p,
+        actions,
+    };
+    let Some(kind) = kind else {
+        let bound = InFlight {
+            units: m,
+            layers_per_stage: layers,
+            ..gpipe
+        };
+        return match read_files {
+            true => file_peak(name, layers, bound),
+            false => Ok(bound),
+        };
+    };
+    if actions.n > MAX_PEAK_ACTIONS {
+        return Ok(gpipe);
+    }
+    let Ok(plan) = generate(kind, ranks, microbatches, chunks) else {
+        // The trainer reports why the schedule cannot be built.
+        return Ok(gpipe);
+    };
+    Ok(plan_peak(&plan, layers, gpipe))
+}
+
+/// `bound` with the units and blocks per stage of `plan`'s own peak.
+pub(super) fn plan_peak(plan: &crate::schedules::Plan, layers: Size, bound: InFlight) -> InFlight {
+    let peaks = peak_memory(plan, &CostModel::default());
+    let ceil = |x: f64| x.ceil().max(0.0) as u64;
+    let units = ceil(peaks.iter().sum());
+    let head_rank = plan.stage_rank.last().copied().unwrap_or(0);
+    let head = ceil(peaks.get(head_rank).copied().unwrap_or(0.0));
+    InFlight {
+        units: Size {
+            n: units,
+            ..bound.units
+        },
+        head_units: Size {
+            n: head,
+            ..bound.head_units
+        },
+        layers_per_stage: div_ceil(layers, plan.stages as u64),
+        ..bound
+    }
+}
+
+/// The schedule file `schedule` names (a `.csv` or `.toml` path), if it does.
+pub(super) fn schedule_file(schedule: &str) -> Option<&std::path::Path> {
+    let path = std::path::Path::new(schedule.trim());
+    let ext = path.extension()?.to_str()?.to_ascii_lowercase();
+    matches!(ext.as_str(), "csv" | "toml").then_some(path)
+}
+
+/// The peak of the schedule file `name`, read and validated; `bound` for a name that is not
+/// a file's (the trainer says what it is not). A file that cannot be read or used is an
+/// error naming `schedule`, its reason on one line.
+pub(super) fn file_peak(
+    name: &str,
+    layers: Size,
+    bound: InFlight,
+) -> Result<InFlight, ConfigError> {
+    let Some(path) = schedule_file(name) else {
+        return Ok(bound);
+    };
+    let invalid = |e: crate::schedules::ScheduleError| ConfigError::Invalid {
+        field: "schedule".into(),
+        reason: e
+            .to_string()
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" "),
+    };
+    let plan = crate::schedules::read_plan(path).map_err(invalid)?;
+    crate::schedules::validate(&plan, &Default::default()).map_err(invalid)?;
+    Ok(plan_peak(&plan, layers, bound))
+}
+
+/// Bytes of the activations of micro-batches of `rows` sequences of `seq` tokens held at
+/// `flight`'s peak, plus one working set per rank (a layer's backward: the attention
+/// probabilities' gradient, the logits and their gradient).
+pub(super) fn activations(
+    job: &JobConfig,
+    flight: &InFlight,
+    rows: Size,
+    seq: Size,
+) -> Result<Size, ConfigError> {
+    let m = &job.model;
+    let (d, h, vocab) = (
+        f("model.d_model", m.d_model),
+        f("model.heads", m.heads),
+        f("model.vocab", m.vocab),
+    );
+    let hidden = hidden(job)?;
+    let what = "the activations";
+    // Per token and layer: the stash, and the attention probabilities (heads × seq).
+    let per_token = add(
+        what,
+        &[
+            mul(what, &[k(STASH_PER_D), d])?,
+            mul(what, &[k(STASH_PER_HIDDEN), hidden])?,
+            mul(what, &[h, seq])?,
+        ],
+    )?;
+    let tokens = mul(what, &[rows, seq])?;
+    let stash = mul(
+        what,
+        &[
+            flight.units,
+            flight.layers_per_stage,
+            tokens,
+            per_token,
+            k(ELEMENT),
+        ],
+    )?;
+    // The head's stash: the logits' softmax per micro-batch in flight on its rank.
+    let head = mul(what, &[flight.head_units, tokens, vocab, k(ELEMENT)])?;
+    let working_per_token = add(
+        what,
+        &[
+            mul(what, &[k(2), h, seq])?,
+            mul(what, &[k(3), vocab])?,
+            mul(what, &[k(12), d])?,
+            mul(what, &[k(4), hidden])?,
+        ],
+    )?;
+    let working = mul(what, &[flight.ranks, tokens, working_per_token, k(ELEMENT)])?;
+    add(what, &[stash, head, working])
+}
+
+/// The MLP's hidden width, checked (`mlp_ratio × d_model` unless `intermediate` is given).
+pub(super) fn hidden(job: &JobConfig) -> Result<Size, ConfigError> {
+    let m = &job.model;
+    if let Some(width) = m.intermediate {
+        return Ok(f("model.intermediate", width));
+    }
+    let hidden = mul(
+        "the MLP",
+        &[
+            f("model.mlp_ratio", m.mlp_ratio),
+            f("model.d_model", m.d_model),
+        ],
+    )?;
+    usize::try_from(hidden.n).map_err(|_| overflow("the MLP", hidden))?;
+    Ok(hidden)
+}
+
+/// An upper bound of the model's parameter count, checked: key/value projections as wide
+/// as `d_model`, three MLP matrices, biases, learned positions. Every term of
+/// [`crate::model::GptConfig::param_count`] is at most its term here, so a bound that fits
+/// means the exact count cannot overflow.
+pub(super) fn param_bound(job: &JobConfig) -> Result<Size, ConfigError> {
+    let m = &job.model;
+    let what = "the parameters";
+    let (vocab, d, seq, layers) = (
+        f("model.vocab", m.vocab),
+        f("model.d_model", m.d_model),
+        f("model.seq_len", m.seq_len),
+        f("model.layers", m.layers),
+    );
+    let hidden = hidden(job)?;
+    let block = add(
+        what,
+        &[
+            mul(what, &[k(4), d, d])?,
+            mul(what, &[k(3), d, hidden])?,
+            mul(what, &[k(5), d])?,
+        ],
+    )?;
+    add(
+        what,
+        &[
+            mul(what, &[k(2), vocab, d])?,
+            mul(what, &[seq, d])?,
+            mul(what, &[layers, block])?,
+            d,
+        ],
+    )
+}
+
+/// The exact parameter count, once [`param_bound`] has shown it cannot overflow.
+pub(super) fn params(job: &JobConfig) -> Result<Size, ConfigError> {
+    let bound = param_bound(job)?;
+    Ok(Size {
+        n: job
+            .model
+            .checked_param_count()
+            .map_or(bound.n, |n| (n as u64).min(bound.n)),
+        ..bound
+    })
+}
+
+/// Expected text bytes of one task: the sizes follow `P(size > k) = s / (s + k)` up to
+/// `max_size` (`E[size] ≈ s·ln(1 + M/s)`, `E[size²] ≤ 2·s·M`), and a sorting task's
+/// worked solution rewrites what is left of its list (≈ 1.5·size² characters).
+pub(super) fn task_text(job: &JobConfig) -> Result<Size, ConfigError> {
+    let (s, max) = (job.data.size_scale, f64::from(job.data.max_size));
+    // A size never exceeds max_size, which bounds both moments too.
+    let mean = (s * (1.0 + max / s).ln()).min(max) + 1.0;
+    let square = (2.0 * s * max).min(max * max) + 1.0;
+    let text = 8.0 * mean + 2.0 * square + 64.0;
+    if !(text.is_finite() && text < u64::MAX as f64) {
+        let field = if s > max {
+            "data.size_scale"
+        } else {
+            "data.max_size"
+        };
+        return Err(ConfigError::Invalid {
+            field: field.into(),
+            reason: "is too large: the memory estimate of the tasks overflows".into(),
+        });
+    }
+    Ok(Size {
+        n: text.ceil() as u64,
+        field: "data.max_size",
+        value: u64::from(job.data.max_size),
+    })
+}
+
+pub(super) fn is_none(schedule: &str) -> bool {
+    schedule.trim().eq_ignore_ascii_case("none")
+}
+
+/// The drafter: its block (as wide as the target's), input projection, frozen copies of
+/// the embedding and head, with gradients and moments; its buffer of two steps' rows
+/// (hidden states and next-token distributions); one slice's activations.
+pub(super) fn drafter_bytes(job: &JobConfig) -> Result<Size, ConfigError> {
+    let (m, dr) = (&job.model, &job.drafter);
+    let what = "the drafter";
+    let (d, vocab, seq, h) = (
+        f("model.d_model", m.d_model),
+        f("model.vocab", m.vocab),
+        f("model.seq_len", m.seq_len),
+        f("model.heads", m.heads),
+    );
+    let hidden = hidden(job)?;
+    let trained = add(
+        what,
+        &[
+            mul(what, &[k(6), d, d])?,
+            mul(what, &[k(3), d, hidden])?,
+            mul(what, &[k(8), d])?,
+        ],
+    )?;
+    let weights = add(
+        what,
+        &[
+            mul(what, &[trained, k(PARAM_BYTES)])?,
+            mul(what, &[k(2 * ELEMENT), vocab, d])?,
+        ],
+    )?;
+    let row = add(what, &[d, vocab, k(1)])?;
+    let buffer = mul(
+        what,
+        &[
+            k(2),
+            f("drafter.buffer_rows", dr.buffer_rows),
+            seq,
+            row,
+            k(ELEMENT),
+        ],
+    )?;
+    let positions = f("drafter.max_positions", dr.max_positions);
+    let per_token = add(
+        what,
+        &[
+            mul(what, &[k(STASH_PER_D + 8), d])?,
+            mul(what, &[k(STASH_PER_HIDDEN + 2), hidden])?,
+            mul(what, &[k(2), h, positions])?,
+            mul(what, &[k(4), vocab])?,
+        ],
+    )?;
+    let slice = mul(
+        what,
+        &[
+            f("drafter.batch_rows", dr.batch_rows),
+            positions,
+            f("drafter.unroll", dr.unroll),
+            per_token,
+            k(ELEMENT),
+        ],
+    )?;
+    add(what, &[weights, buffer, slice])
+}
+
+/// `pipefill rl`'s rollouts: every sequence's KV cache through every block, its final
+/// hidden states and next-token distributions (the drafter's rows), and one decode step's
+/// logits for the verified drafts (a tree's nodes, or the chain of `draft_k`).
+pub(super) fn rollout_bytes(job: &JobConfig) -> Result<Size, ConfigError> {
+    let (m, r) = (&job.model, &job.rl);
+    let what = "the rollouts";
+    let sequences = mul(what, &[f("rl.prompts", r.prompts), f("rl.group", r.group)])?;
+    let (d, vocab, seq) = (
+        f("model.d_model", m.d_model),
+        f("model.vocab", m.vocab),
+        f("model.seq_len", m.seq_len),
+    );
+    let kv = mul(
+        what,
+        &[
+            sequences,
+            f("model.layers", m.layers),
+            k(2),
+            d,
+            seq,
+            k(ELEMENT),
+        ],
+    )?;
+    let row = add(what, &[d, vocab, k(2)])?;
+    let rows = mul(what, &[sequences, seq, row, k(ELEMENT)])?;
+    let drafts = match r.draft_tree {
+        Some(tree) => f("rl.draft_tree.nodes", tree.nodes),
+        None => add(what, &[f("rl.draft_k", r.draft_k), k(1)])?,
+    };
+    let logits = mul(what, &[sequences, drafts, vocab, k(2 * ELEMENT)])?;
+    let prompts = mul(what, &[sequences, add(what, &[k(TASK_BYTES), seq])?])?;
+    add(what, &[kv, rows, logits, prompts])
+}
