@@ -28,6 +28,8 @@ enum Command {
     Bench(cli::bench::BenchArgs),
     /// Print the bubble report of a finished run from its run directory.
     Profile(cli::profile::ProfileArgs),
+    /// Write a run's model as a Hugging Face directory: `pipefill export RUN_DIR -o DIR`.
+    Export(cli::export::ExportArgs),
 }
 
 fn main() -> ExitCode {
@@ -46,6 +48,7 @@ fn main() -> ExitCode {
         Command::Launch(args) => cli::launch::run(args),
         Command::Rl(args) => cli::rl::run(args),
         Command::Bench(args) => cli::bench::run(args),
+        Command::Export(args) => cli::export::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,6 +1,7 @@
 //! Subcommands of the `pipefill` binary, one module each.
 
 pub mod bench;
+pub mod export;
 pub mod launch;
 pub mod profile;
 pub mod rl;

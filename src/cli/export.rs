@@ -1,0 +1,79 @@
+//! `pipefill export RUN_DIR --format hf -o DIR`: writes a run's model (its newest checkpoint:
+//! the final `checkpoint/` or the newest complete sharded `checkpoints/step-N/`, or a
+//! checkpoint directory given directly) as a Hugging Face model directory that transformers
+//! loads with `from_pretrained` ([`pipefill::model::hf::export`]). Only rotary-position
+//! SwiGLU models (the Llama family) can be expressed; others are one clear error.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use pipefill::model::checkpoint::resume::ResumePoint;
+use pipefill::model::checkpoint::sharded::{Manifest, load_sharded};
+use pipefill::model::checkpoint::{Checkpoint, HostTensor};
+use pipefill::model::hf::{self, ExportDtype, ExportOptions};
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum Format {
+    /// A Hugging Face model directory (config.json, model.safetensors).
+    Hf,
+}
+
+#[derive(clap::Args)]
+pub struct ExportArgs {
+    /// A run directory written by `pipefill train`, or one of its checkpoint directories.
+    run_dir: PathBuf,
+    /// What to write.
+    #[arg(long, value_enum, default_value = "hf")]
+    format: Format,
+    /// The directory to write (created; refused when it exists and is not empty).
+    #[arg(short = 'o', long = "out")]
+    out: PathBuf,
+    /// Type of the written weights: f32 or bf16.
+    #[arg(long, default_value = "f32")]
+    dtype: ExportDtype,
+    /// The Hugging Face directory the run started from: its architecture and other
+    /// config.json fields are kept and its tokenizer files copied.
+    #[arg(long)]
+    source: Option<PathBuf>,
+    /// Replace the model in a non-empty output directory.
+    #[arg(long)]
+    overwrite: bool,
+}
+
+pub fn run(args: ExportArgs) -> anyhow::Result<()> {
+    let Format::Hf = args.format;
+    let point = ResumePoint::find(&args.run_dir)?;
+    let ckpt = match &point {
+        ResumePoint::Whole(dir) => Checkpoint::load(dir)?,
+        ResumePoint::Sharded(dir) => {
+            let m = Manifest::read(dir)?;
+            load_sharded(dir, &m.layout, &m.config_hash)?
+        }
+    };
+    let config = ckpt.meta.model.clone();
+    let names: Vec<String> = hf::param_shapes(&config)
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    let tensors: Vec<HostTensor> = ckpt
+        .tensors
+        .into_iter()
+        .filter(|t| names.contains(&t.name))
+        .collect();
+    let opts = ExportOptions {
+        dtype: args.dtype,
+        overwrite: args.overwrite,
+        source: args.source,
+    };
+    hf::export(&args.out, &config, &tensors, &opts)
+        .with_context(|| format!("exporting {}", point.dir().display()))?;
+    println!(
+        "exported step {} of {} ({} tensors, {:?}) to {}",
+        ckpt.meta.step,
+        point.dir().display(),
+        tensors.len(),
+        args.dtype,
+        args.out.display()
+    );
+    Ok(())
+}

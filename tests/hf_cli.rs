@@ -1,0 +1,97 @@
+//! `pipefill export RUN_DIR --format hf -o DIR` through the binary: a run of a Llama-shaped
+//! model (rotary positions, SwiGLU, grouped-query attention) exports to a directory whose
+//! tensors re-import equal to the run's checkpoint; a non-empty output needs --overwrite; a
+//! learned-positions model cannot be expressed and says so in one line.
+
+mod common;
+
+use std::path::Path;
+use std::process::Output;
+
+use common::{clean, text};
+use pipefill::model::checkpoint::Checkpoint;
+use pipefill::model::hf::HfModel;
+
+const EXE: &str = env!("CARGO_BIN_EXE_pipefill");
+
+const TINY: &[&str] = &[
+    "model.d_model=16",
+    "model.heads=2",
+    "model.layers=2",
+    "model.seq_len=32",
+    "train.micro_batch_size=2",
+    "train.eval_tasks=2",
+    "data.summary_tasks=50",
+];
+
+fn train(extra: &[&str], out: &Path) -> Output {
+    let mut cmd = clean(EXE);
+    cmd.args(["train", "--schedule", "none", "--steps", "2"]);
+    for s in TINY.iter().chain(extra) {
+        cmd.args(["--set", s]);
+    }
+    cmd.arg("--out-dir").arg(out).output().unwrap()
+}
+
+fn export(run: &Path, out: &Path, extra: &[&str]) -> Output {
+    let mut cmd = clean(EXE);
+    cmd.arg("export").arg(run).args(["--format", "hf", "-o"]);
+    cmd.arg(out).args(extra).output().unwrap()
+}
+
+#[test]
+fn a_llama_shaped_run_exports_and_reimports() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let llama = [
+        "model.positions=\"rope\"",
+        "model.activation=\"swiglu\"",
+        "model.kv_heads=1",
+    ];
+    let out = train(&llama, &run);
+    assert!(out.status.success(), "{}", text(&out));
+    let hf_dir = dir.path().join("hf");
+    let out = export(&run, &hf_dir, &[]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("exported step 2"),
+        "{}",
+        text(&out)
+    );
+
+    let ckpt = Checkpoint::load(&run.join("checkpoint")).unwrap();
+    let model = HfModel::open(&hf_dir).unwrap();
+    assert_eq!(model.config().d_model, 16);
+    assert_eq!(model.config().kv_heads, Some(1));
+    for (name, _) in pipefill::model::hf::param_shapes(model.config()) {
+        let t = model.read(&name).unwrap();
+        assert_eq!(Some(&t), ckpt.tensor(&name), "{name}");
+    }
+
+    // Again into the same directory: refused without --overwrite, in one line.
+    let out = export(&run, &hf_dir, &[]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(err.contains("not empty"), "{err}");
+    let out = export(&run, &hf_dir, &["--overwrite", "--dtype", "bf16"]);
+    assert!(out.status.success(), "{}", text(&out));
+    HfModel::open(&hf_dir).unwrap();
+}
+
+#[test]
+fn a_learned_positions_run_cannot_be_exported() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let out = train(&[], &run);
+    assert!(out.status.success(), "{}", text(&out));
+    let out = export(&run, &dir.path().join("hf"), &[]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(
+        err.contains("positions") && err.contains("learned"),
+        "{err}"
+    );
+    assert!(!dir.path().join("hf").exists());
+}
