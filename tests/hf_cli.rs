@@ -95,3 +95,40 @@ fn a_learned_positions_run_cannot_be_exported() {
     );
     assert!(!dir.path().join("hf").exists());
 }
+
+#[test]
+fn a_pipelined_runs_sharded_checkpoint_exports() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let extra = [
+        "model.positions=\"rope\"",
+        "model.activation=\"swiglu\"",
+        "stages=2",
+        "checkpoint_every=1",
+    ];
+    let mut cmd = clean(EXE);
+    cmd.args(["train", "--schedule", "1f1b", "--steps", "2"]);
+    for s in TINY.iter().chain(&extra) {
+        cmd.args(["--set", s]);
+    }
+    let out = cmd.arg("--out-dir").arg(&run).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    // The run directory's newest checkpoint is the sharded step 2.
+    let hf_dir = dir.path().join("hf");
+    let out = export(&run, &hf_dir, &[]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("checkpoints/step-"),
+        "{}",
+        text(&out)
+    );
+    let whole = Checkpoint::load(&run.join("checkpoint")).unwrap();
+    let model = HfModel::open(&hf_dir).unwrap();
+    for (name, _) in pipefill::model::hf::param_shapes(model.config()) {
+        assert_eq!(
+            Some(&model.read(&name).unwrap()),
+            whole.tensor(&name),
+            "{name}"
+        );
+    }
+}
