@@ -197,3 +197,25 @@ fn file_errors_are_one_line() {
         "{stderr}"
     );
 }
+
+#[test]
+fn pipefill_rl_refuses_a_jsonl_source_in_one_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cmd = clean(EXE);
+    cmd.args(["rl", "--steps", "1"]);
+    for s in jsonl_sets(&fixtures().join("rl.jsonl")) {
+        cmd.args(["--set", &s]);
+    }
+    let out = cmd
+        .args(["--set", "model.vocab=300", "--out-dir"])
+        .arg(dir.path().join("run"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr).trim().to_string();
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.contains("pipefill rl rolls out the synthetic tasks only"),
+        "{stderr}"
+    );
+}

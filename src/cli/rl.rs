@@ -95,6 +95,14 @@ pub fn run(args: RlArgs) -> anyhow::Result<()> {
             "device = \"cuda\": pipefill rl computes on the CPU only for now; set device = \"cpu\""
         );
     }
+    // The rollouts' prompts are the synthetic tasks so far: a JSONL file's prompt/answer
+    // records (data::jsonl, data::reward) are not read by rl yet.
+    if job.data.source != pipefill::data::DataSource::Synthetic {
+        bail!(
+            "data.source = \"jsonl\": pipefill rl rolls out the synthetic tasks only for now; \
+             set data.source = \"synthetic\""
+        );
+    }
     let checkpoint = match &args.init {
         Some(dir) => init_from(&mut job, dir)?,
         None => None,
