@@ -30,6 +30,8 @@ enum Command {
     Profile(cli::profile::ProfileArgs),
     /// Write a run's model as a Hugging Face directory: `pipefill export RUN_DIR -o DIR`.
     Export(cli::export::ExportArgs),
+    /// Generate from a trained run: `pipefill generate --model RUN_DIR --prompt TEXT`.
+    Generate(cli::generate::GenerateArgs),
 }
 
 fn main() -> ExitCode {
@@ -49,6 +51,7 @@ fn main() -> ExitCode {
         Command::Rl(args) => cli::rl::run(args),
         Command::Bench(args) => cli::bench::run(args),
         Command::Export(args) => cli::export::run(args),
+        Command::Generate(args) => cli::generate::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -2,6 +2,7 @@
 
 pub mod bench;
 pub mod export;
+pub mod generate;
 pub mod launch;
 pub mod profile;
 pub mod rl;

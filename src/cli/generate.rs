@@ -1,0 +1,338 @@
+//! `pipefill generate --model RUN_DIR --prompt TEXT`: generation from a trained model.
+//!
+//! The model comes from a pipefill run directory (`pipefill train` writes its final
+//! whole-model `checkpoint/` there; a checkpoint directory itself is taken too) and runs
+//! on the KV-cache inference path ([`InferStage`]) through the rollout engine: greedy at
+//! temperature 0, otherwise sampled from `softmax(logits / T)` with `--seed`. When the
+//! checkpoint holds a drafter (a run that trained one in its bubbles) the engine
+//! speculates with it: at temperature 0 that is token for token plain greedy decoding
+//! (lossless acceptance), and `--no-draft` turns it off.
+//!
+//! The pieces are separate so that another source of models and tokenizers plugs in:
+//! [`load_run`] gives a [`Loaded`] model (a Hugging Face directory can give one too),
+//! [`Codec`] is what a tokenizer must do (the synthetic job's character tokenizer
+//! implements it here; a `tokenizer.json` one can), and [`generate`] takes the two.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, bail};
+use pipefill::config::JobConfig;
+use pipefill::data::Tokenizer;
+use pipefill::data::tokenizer::{BOS, EOS};
+use pipefill::model::checkpoint::resume::{FINAL_DIR, ResumePoint};
+use pipefill::model::checkpoint::{Checkpoint, META_FILE};
+use pipefill::model::drafter::{Drafter, DrafterConfig};
+use pipefill::model::infer::InferStage;
+use pipefill::model::{Cut, Gpt};
+use pipefill::rl::rollout::{Request, RolloutConfig, RolloutEngine, Speculation};
+use pipefill::rl::speculative::Proposer;
+use pipefill::tensor::{Backend, CpuBackend};
+
+#[derive(clap::Args)]
+pub struct GenerateArgs {
+    /// A pipefill run directory (its final `checkpoint/`) or a checkpoint directory.
+    #[arg(long, value_name = "RUN_DIR")]
+    model: PathBuf,
+    /// The prompt, as text (the model's tokenizer encodes it).
+    #[arg(
+        long,
+        conflicts_with = "prompt_ids",
+        required_unless_present = "prompt_ids"
+    )]
+    prompt: Option<String>,
+    /// The prompt as raw token ids: `--prompt-ids 1,2,3`.
+    #[arg(long, value_name = "IDS", allow_hyphen_values = true)]
+    prompt_ids: Option<String>,
+    /// Most tokens to generate (fewer when the model's positions run out or at EOS).
+    #[arg(long, default_value_t = 32)]
+    max_new_tokens: usize,
+    /// 0: greedy; otherwise sampling from softmax(logits / T).
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
+    temperature: f32,
+    /// Seed of sampling.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Draft length of speculative decoding with the run's drafter.
+    #[arg(long, default_value_t = 4)]
+    draft: usize,
+    /// Plain decoding even when the run has a drafter.
+    #[arg(long)]
+    no_draft: bool,
+    /// Print one JSON object `{"tokens": [...], "text": "..."}` (the generated tokens).
+    #[arg(long)]
+    json: bool,
+}
+
+/// What a tokenizer does for generation: a prompt's text to the ids the model expects
+/// (special tokens included), and generated ids back to text.
+pub trait Codec {
+    fn encode_prompt(&self, text: &str) -> anyhow::Result<Vec<u32>>;
+    fn decode(&self, ids: &[u32]) -> anyhow::Result<String>;
+}
+
+/// The synthetic job's characters: a prompt is `BOS` and its characters, as the job's
+/// documents and `pipefill rl`'s prompts begin.
+impl Codec for Tokenizer {
+    fn encode_prompt(&self, text: &str) -> anyhow::Result<Vec<u32>> {
+        let mut ids = vec![BOS];
+        self.encode_into(text, &mut ids)?;
+        Ok(ids)
+    }
+    fn decode(&self, ids: &[u32]) -> anyhow::Result<String> {
+        Ok(Tokenizer::decode(self, ids)?)
+    }
+}
+
+/// A model ready to generate: the target and, if it has one, its drafter.
+pub struct Loaded<B: Backend> {
+    pub gpt: Gpt<B>,
+    pub drafter: Option<Drafter<B>>,
+}
+
+/// How to generate.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Options {
+    pub max_new_tokens: usize,
+    pub temperature: f32,
+    pub seed: u64,
+    /// Draft length when the model has a drafter (0: plain decoding).
+    pub draft: usize,
+}
+
+/// What [`generate`] produced.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct Generation {
+    /// The generated ids (EOS included when the model ended with it).
+    pub tokens: Vec<u32>,
+    /// Their text.
+    pub text: String,
+}
+
+pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
+    if !(args.temperature >= 0.0 && args.temperature.is_finite()) {
+        bail!(
+            "--temperature {} is not a finite number ≥ 0 (0 is greedy)",
+            args.temperature
+        );
+    }
+    let mut loaded = load_run(&args.model, CpuBackend::new(1)?)?;
+    if args.no_draft {
+        loaded.drafter = None;
+    }
+    let tokenizer = Tokenizer::new();
+    let prompt = match (&args.prompt, &args.prompt_ids) {
+        (_, Some(ids)) => parse_ids(ids)?,
+        (Some(text), None) => tokenizer
+            .encode_prompt(text)
+            .with_context(|| format!("--prompt {text:?}"))?,
+        (None, None) => bail!("give --prompt TEXT or --prompt-ids 1,2,3"),
+    };
+    let options = Options {
+        max_new_tokens: args.max_new_tokens,
+        temperature: args.temperature,
+        seed: args.seed,
+        draft: args.draft,
+    };
+    let out = generate(&mut loaded, &tokenizer, &prompt, &options)?;
+    if args.json {
+        println!("{}", serde_json::to_string(&out)?);
+    } else {
+        println!("{}", out.text);
+    }
+    Ok(())
+}
+
+/// `1,2,3` (spaces allowed) as token ids.
+fn parse_ids(text: &str) -> anyhow::Result<Vec<u32>> {
+    text.split(',')
+        .map(|s| {
+            let s = s.trim();
+            s.parse::<u32>().with_context(|| {
+                format!("--prompt-ids {text:?}: {s:?} is not a token id (ids are 0, 1, 2, ...)")
+            })
+        })
+        .collect()
+}
+
+/// The model of the run directory (or checkpoint directory) `path` on `be`: its final
+/// whole-model checkpoint, and the drafter it holds (with the run's `[drafter]` settings
+/// from its `job.toml` where there is one).
+pub fn load_run<B: Backend>(path: &Path, be: B) -> anyhow::Result<Loaded<B>> {
+    if !path.exists() {
+        bail!("--model {}: no such run directory", path.display());
+    }
+    let dir = if path.join(META_FILE).is_file() {
+        path.to_path_buf()
+    } else if path.join(FINAL_DIR).join(META_FILE).is_file() {
+        path.join(FINAL_DIR)
+    } else {
+        match ResumePoint::find(path).with_context(|| format!("--model {}", path.display()))? {
+            ResumePoint::Whole(dir) => dir,
+            ResumePoint::Sharded(dir) => bail!(
+                "--model {}: only the sharded checkpoint {} (a run still going or stopped \
+                 early); generate reads a finished run's {FINAL_DIR}/",
+                path.display(),
+                dir.display()
+            ),
+        }
+    };
+    let checkpoint =
+        Checkpoint::load(&dir).with_context(|| format!("--model {}", path.display()))?;
+    let config = checkpoint.meta.model.clone();
+    let mut gpt = Gpt::new(&config, be.clone(), &Cut::Even(1))?;
+    checkpoint
+        .restore_model(&mut gpt, checkpoint.meta.data_seed)
+        .with_context(|| format!("--model {}", dir.display()))?;
+    let drafter = match &checkpoint.drafter {
+        Some(state) => {
+            let dc = drafter_config(path).unwrap_or_default();
+            let mut d = Drafter::new(&config, &dc, be)?;
+            d.load_weights(&state.weights)
+                .with_context(|| format!("--model {}: its drafter", dir.display()))?;
+            Some(d)
+        }
+        None => None,
+    };
+    Ok(Loaded { gpt, drafter })
+}
+
+/// The `[drafter]` of the run's `job.toml`, when `path` is a run directory that has one.
+fn drafter_config(path: &Path) -> Option<DrafterConfig> {
+    let job = path.join("job.toml");
+    job.is_file()
+        .then(|| JobConfig::load(&job, &[]).ok().map(|j| j.drafter))
+        .flatten()
+}
+
+/// Generates after `prompt` (ids) with `model`, decoding the generated ids with `codec`.
+/// Every bad input is an error: an empty prompt, an id outside the vocabulary, a prompt
+/// that leaves no position to generate into, a temperature below 0.
+pub fn generate<B: Backend>(
+    model: &mut Loaded<B>,
+    codec: &dyn Codec,
+    prompt: &[u32],
+    options: &Options,
+) -> anyhow::Result<Generation> {
+    let config = model.gpt.config().clone();
+    if prompt.is_empty() {
+        bail!("the prompt is empty: give at least one token");
+    }
+    if let Some(&t) = prompt.iter().find(|&&t| t as usize >= config.vocab) {
+        bail!(
+            "prompt token {t} is outside the model's vocabulary (ids 0..{})",
+            config.vocab
+        );
+    }
+    if prompt.len() >= config.seq_len {
+        bail!(
+            "the prompt has {} tokens; the model has {} positions, so at most {} leave room \
+             to generate",
+            prompt.len(),
+            config.seq_len,
+            config.seq_len - 1
+        );
+    }
+    if !(options.temperature >= 0.0 && options.temperature.is_finite()) {
+        bail!(
+            "temperature {} is not a finite number ≥ 0 (0 is greedy)",
+            options.temperature
+        );
+    }
+    let max_new = options.max_new_tokens.min(config.seq_len - prompt.len());
+    if max_new == 0 {
+        return Ok(Generation {
+            tokens: Vec::new(),
+            text: String::new(),
+        });
+    }
+    let stages = InferStage::stages_of(&model.gpt, &Cut::Even(1))?;
+    let mut engine = RolloutEngine::new(stages)?;
+    let speculate = model.drafter.is_some() && options.draft > 0;
+    let rollout = RolloutConfig {
+        eos: EOS,
+        temperature: options.temperature,
+        groups: 1,
+        seed: options.seed,
+        speculation: match speculate {
+            true => Speculation::Fixed { k: options.draft },
+            false => Speculation::Off,
+        },
+        ..RolloutConfig::default()
+    };
+    let request = Request {
+        prompt: prompt.to_vec(),
+        max_new,
+    };
+    let proposer = match (speculate, model.drafter.as_mut()) {
+        (true, Some(d)) => Some(d as &mut dyn Proposer),
+        _ => None,
+    };
+    let out = engine.run(&[request], &rollout, proposer)?;
+    let tokens = out.completion(0).to_vec();
+    let text = codec.decode(&tokens)?;
+    Ok(Generation { tokens, text })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pipefill::model::GptConfig;
+
+    fn model() -> Loaded<CpuBackend> {
+        let config = GptConfig {
+            layers: 2,
+            seq_len: 12,
+            ..GptConfig::default()
+        };
+        let gpt = Gpt::new(&config, CpuBackend::new(1).unwrap(), &Cut::Even(1)).unwrap();
+        Loaded { gpt, drafter: None }
+    }
+
+    fn options() -> Options {
+        Options {
+            max_new_tokens: 4,
+            temperature: 0.0,
+            seed: 0,
+            draft: 4,
+        }
+    }
+
+    #[test]
+    fn bad_prompts_are_errors() {
+        let mut m = model();
+        let t = Tokenizer::new();
+        let err = |prompt: &[u32], o: &Options, m: &mut Loaded<CpuBackend>| {
+            generate(m, &t, prompt, o).unwrap_err().to_string()
+        };
+        assert!(err(&[], &options(), &mut m).contains("empty"));
+        assert!(err(&[3, 50], &options(), &mut m).contains("token 50"));
+        assert!(err(&[3; 12], &options(), &mut m).contains("12 positions"));
+        let cold = Options {
+            temperature: -1.0,
+            ..options()
+        };
+        assert!(err(&[3], &cold, &mut m).contains("temperature"));
+        assert!(
+            parse_ids("1, 2,x")
+                .unwrap_err()
+                .to_string()
+                .contains("\"x\"")
+        );
+        assert_eq!(parse_ids("1, 2,3").unwrap(), vec![1, 2, 3]);
+    }
+
+    #[test]
+    fn generation_stops_at_the_models_positions() {
+        let mut m = model();
+        let o = Options {
+            max_new_tokens: 100,
+            ..options()
+        };
+        let g = generate(&mut m, &Tokenizer::new(), &[3, 4, 5], &o).unwrap();
+        assert!(
+            !g.tokens.is_empty() && g.tokens.len() <= 9,
+            "{:?}",
+            g.tokens
+        );
+    }
+}
