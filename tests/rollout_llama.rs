@@ -168,3 +168,54 @@ fn speculation_is_token_for_token_plain_decoding() {
         untrained.stats.acceptance_length()
     );
 }
+
+/// `pipefill rl` on a Llama-shaped `[model]` through the binary: a supervised warm-up, two
+/// RL steps whose rollouts speculate (acceptance recorded in the metrics).
+#[test]
+fn pipefill_rl_runs_on_a_llama_shaped_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_pipefill"));
+    cmd.args(["rl", "--steps", "2"]);
+    for s in [
+        "model.d_model=16",
+        "model.heads=2",
+        "model.kv_heads=1",
+        "model.layers=4",
+        "model.seq_len=40",
+        "model.positions=\"rope\"",
+        "model.activation=\"swiglu\"",
+        "model.intermediate=24",
+        "model.qkv_bias=true",
+        "stages=2",
+        "data.max_size=3",
+        "data.summary_tasks=50",
+        "train.micro_batch_size=2",
+        "train.eval_tasks=2",
+        "rl.prompts=2",
+        "rl.group=3",
+        "rl.max_new_tokens=12",
+        "rl.warmup_steps=3",
+        "rl.spec_threshold=5",
+    ] {
+        cmd.args(["--set", s]);
+    }
+    let done = cmd.arg("--out-dir").arg(&out).output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&done.stdout),
+        String::from_utf8_lossy(&done.stderr)
+    );
+    assert!(done.status.success(), "{text}");
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let lines: Vec<serde_json::Value> = metrics
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 2, "{metrics}");
+    assert!(
+        lines.iter().any(|m| m["speculation"] == true),
+        "the rollouts speculated: {metrics}"
+    );
+    assert!(out.join("checkpoint").is_dir());
+}
