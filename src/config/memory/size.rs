@@ -47,8 +47,13 @@ pub(super) fn overflow(what: &str, blamed: Size) -> ConfigError {
     }
 }
 
-/// The product of `xs`; it is blamed on its largest named factor.
-pub(super) fn mul(what: &str, xs: &[Size]) -> Result<Size, ConfigError> {
+/// `xs` folded from `init` by `op`; an overflow is blamed on the largest named one.
+fn fold(
+    what: &str,
+    xs: &[Size],
+    init: u64,
+    op: fn(u64, u64) -> Option<u64>,
+) -> Result<Size, ConfigError> {
     let blamed = xs
         .iter()
         .filter(|x| !x.field.is_empty())
@@ -57,24 +62,19 @@ pub(super) fn mul(what: &str, xs: &[Size]) -> Result<Size, ConfigError> {
         .unwrap_or(k(0));
     let n = xs
         .iter()
-        .try_fold(1u64, |acc, x| acc.checked_mul(x.n))
+        .try_fold(init, |acc, x| op(acc, x.n))
         .ok_or_else(|| overflow(what, blamed))?;
     Ok(Size { n, ..blamed })
 }
 
+/// The product of `xs`; it is blamed on its largest named factor.
+pub(super) fn mul(what: &str, xs: &[Size]) -> Result<Size, ConfigError> {
+    fold(what, xs, 1, u64::checked_mul)
+}
+
 /// The sum of `xs`; it is blamed on its largest named term.
 pub(super) fn add(what: &str, xs: &[Size]) -> Result<Size, ConfigError> {
-    let blamed = xs
-        .iter()
-        .filter(|x| !x.field.is_empty())
-        .max_by_key(|x| x.n)
-        .copied()
-        .unwrap_or(k(0));
-    let n = xs
-        .iter()
-        .try_fold(0u64, |acc, x| acc.checked_add(x.n))
-        .ok_or_else(|| overflow(what, blamed))?;
-    Ok(Size { n, ..blamed })
+    fold(what, xs, 0, u64::checked_add)
 }
 
 /// `ceil(a / b)` for `b ≥ 1`.

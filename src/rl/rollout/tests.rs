@@ -1,0 +1,138 @@
+use super::*;
+use crate::model::{Cut, Gpt, GptConfig};
+use crate::rl::speculative::RandomProposer;
+use crate::tensor::CpuBackend;
+
+/// Groups follow the rows a step carries: one group until the live batch fills two of
+/// `min_rows`, then more up to `groups`; a threshold per group becomes the live batch up
+/// to which the groups stay that small.
+#[test]
+fn groups_in_flight_follow_the_rows_and_thresholds_follow_the_groups() {
+    assert_eq!(groups_in_flight(1, 1.0, 4, 32), 1);
+    assert_eq!(groups_in_flight(63, 1.0, 4, 32), 1);
+    assert_eq!(groups_in_flight(64, 1.0, 4, 32), 2);
+    assert_eq!(groups_in_flight(128, 1.0, 4, 32), 4);
+    assert_eq!(groups_in_flight(13, 5.0, 4, 32), 2, "verifying 5 rows each");
+    assert_eq!(groups_in_flight(500, 1.0, 4, 1), 4);
+    assert_eq!(groups_in_flight(0, 1.0, 0, 0), 1);
+    // 4 per group: one group of 4 verifying 20 rows; 5 would be one group of 5.
+    assert_eq!(live_threshold(4, 5.0, 4, MIN_GROUP_ROWS), 4);
+    // 8 per group at 5 rows each: two groups from 13 live, at most 8 each up to 16.
+    assert_eq!(live_threshold(8, 5.0, 4, MIN_GROUP_ROWS), 8);
+    assert_eq!(live_threshold(0, 5.0, 4, MIN_GROUP_ROWS), 0);
+}
+
+/// The engine merges groups that shrink (fewer group steps than splitting down to
+/// single sequences), and what it generates does not depend on it.
+#[test]
+fn merging_small_groups_takes_fewer_steps_and_changes_no_output() {
+    let config = GptConfig {
+        layers: 2,
+        seq_len: 48,
+        seed: 5,
+        ..GptConfig::default()
+    };
+    let gpt = Gpt::new(&config, CpuBackend::new(1).unwrap(), &Cut::Even(1)).unwrap();
+    let engine = |rows| {
+        let stages = InferStage::stages_of(&gpt, &Cut::Even(2)).unwrap();
+        RolloutEngine::new(stages)
+            .unwrap()
+            .with_min_group_rows(rows)
+    };
+    // A long tail: caps from 2 to 30 (the untrained model rarely emits EOS).
+    let requests: Vec<Request> = (0..12)
+        .map(|i| Request {
+            prompt: vec![1, 4 + i as u32],
+            max_new: 2 + (i * i) % 29,
+        })
+        .collect();
+    let cfg = |speculation| RolloutConfig {
+        groups: 4,
+        speculation,
+        ..RolloutConfig::default()
+    };
+    let split = engine(1)
+        .run(&requests, &cfg(Speculation::Off), None)
+        .unwrap();
+    let merged = engine(4)
+        .run(&requests, &cfg(Speculation::Off), None)
+        .unwrap();
+    assert_eq!(merged.sequences, split.sequences);
+    assert!(
+        merged.stats.steps < split.stats.steps,
+        "{} merged steps against {} split",
+        merged.stats.steps,
+        split.stats.steps
+    );
+    let mut random = RandomProposer::new(config.vocab);
+    let spec = engine(4)
+        .run(
+            &requests,
+            &cfg(Speculation::Fixed { k: 3 }),
+            Some(&mut random),
+        )
+        .unwrap();
+    assert_eq!(spec.sequences, split.sequences, "lossless");
+}
+
+/// A bandit with a plain arm (K = 0) runs some of the tail's steps as plain decode
+/// steps, rewards them like verifications, and stays lossless.
+#[test]
+fn a_plain_arm_decodes_some_steps_and_is_rewarded() {
+    let config = GptConfig {
+        layers: 2,
+        seq_len: 32,
+        seed: 3,
+        ..GptConfig::default()
+    };
+    let gpt = Gpt::new(&config, CpuBackend::new(1).unwrap(), &Cut::Even(1)).unwrap();
+    let stages = || InferStage::stages_of(&gpt, &Cut::Even(2)).unwrap();
+    let requests: Vec<Request> = (0..6)
+        .map(|i| Request {
+            prompt: vec![1, 5 + i as u32, 9],
+            max_new: 6 + 3 * i,
+        })
+        .collect();
+    let run = |speculation, proposer: Option<&mut dyn Proposer>| {
+        let cfg = RolloutConfig {
+            groups: 2,
+            speculation,
+            ..RolloutConfig::default()
+        };
+        RolloutEngine::new(stages())
+            .unwrap()
+            .run(&requests, &cfg, proposer)
+            .unwrap()
+    };
+    let plain = run(Speculation::Off, None);
+    let mut random = RandomProposer::new(config.vocab);
+    let adaptive = Speculation::Adaptive(AdaptiveConfig {
+        threshold: requests.len(),
+        ks: vec![0, 2],
+        epsilon: 0.0,
+        window: 4,
+        tree: None,
+    });
+    let ad = run(adaptive, Some(&mut random));
+    assert_eq!(ad.sequences, plain.sequences, "lossless");
+    let plain_steps = ad.choices.iter().filter(|c| c.k == 0).count();
+    let drafted = ad.choices.iter().filter(|c| c.k == 2).count();
+    assert!(plain_steps > 0 && drafted > 0, "{:?}", ad.choices);
+    assert!(ad.choices.iter().all(|c| c.reward.is_some_and(|r| r > 0.0)));
+    // Only the K = 2 choices verified drafts.
+    assert!(ad.stats.verifications > 0 && ad.stats.drafted <= 2 * ad.stats.verifications);
+    let bad = AdaptiveConfig {
+        ks: vec![0],
+        ..AdaptiveConfig::default()
+    };
+    let cfg = RolloutConfig {
+        speculation: Speculation::Adaptive(bad),
+        ..RolloutConfig::default()
+    };
+    let mut random = RandomProposer::new(config.vocab);
+    let err = RolloutEngine::new(stages())
+        .unwrap()
+        .run(&requests, &cfg, Some(&mut random))
+        .unwrap_err();
+    assert!(err.to_string().contains("speculation.ks"), "{err}");
+}
