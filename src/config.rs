@@ -199,18 +199,8 @@ impl Default for JobConfig {
             data: DataConfig::default(),
             train: TrainConfig::default(),
             rl: RlConfig::default(),
-            drafter: pipelined_drafter(),
+            drafter: DrafterConfig::default(),
         }
-    }
-}
-
-/// The drafter a pipelined job trains in its bubbles: small slices (one sequence, a window of
-/// 16 positions, ~0.15 ms on the default model's CPU stage) so they fit the bubbles finely.
-fn pipelined_drafter() -> DrafterConfig {
-    DrafterConfig {
-        batch_rows: 1,
-        max_positions: 16,
-        ..DrafterConfig::default()
     }
 }
 
@@ -227,7 +217,7 @@ impl JobConfig {
             origin: origin.to_string(),
             message: one_line(&e, text),
         };
-        let job: JobConfig = if sets.is_empty() {
+        let mut job: JobConfig = if sets.is_empty() {
             // Straight from the text, so errors point at the file's own lines.
             toml::from_str(text).map_err(parse_err)?
         } else {
@@ -242,8 +232,56 @@ impl JobConfig {
                     message: one_line(&e, ""),
                 })?
         };
+        job.import_model()?;
         job.validate()?;
         Ok(job)
+    }
+
+    /// With `[model] from = "DIR"`: the model's shape from the directory's config.json
+    /// (the job keeps its `seq_len`, which must fit the model's positions, and its seed),
+    /// and a JSONL dataset's tokenizer from the directory unless `data.tokenizer` names
+    /// one. The weights are read later, each chunk its own ([`crate::model::ModelChunk`]).
+    fn import_model(&mut self) -> Result<(), ConfigError> {
+        let Some(dir) = self.model.from.clone() else {
+            return Ok(());
+        };
+        let invalid = |reason: String| ConfigError::Invalid {
+            field: "model.from".into(),
+            reason,
+        };
+        let hf = crate::model::hf::HfModel::open(&dir).map_err(|e| invalid(e.to_string()))?;
+        let imported = hf.config();
+        // The model's own positions (config.json's `max_position_embeddings`; the imported
+        // shape's seq_len is capped for the memory estimate).
+        let positions = hf
+            .hf_config()
+            .raw
+            .get("max_position_embeddings")
+            .and_then(|v| v.as_u64())
+            .map_or(imported.seq_len, |p| {
+                usize::try_from(p).unwrap_or(usize::MAX)
+            });
+        if self.model.seq_len > positions {
+            return Err(ConfigError::Invalid {
+                field: "model.seq_len".into(),
+                reason: format!(
+                    "{} is longer than the {} positions of the model in {}",
+                    self.model.seq_len,
+                    positions,
+                    dir.display()
+                ),
+            });
+        }
+        self.model = GptConfig {
+            seq_len: self.model.seq_len,
+            seed: self.model.seed,
+            from: Some(dir.clone()),
+            ..imported.clone()
+        };
+        if self.data.source == crate::data::DataSource::Jsonl && self.data.tokenizer.is_none() {
+            self.data.tokenizer = Some(dir);
+        }
+        Ok(())
     }
 
     /// Reads and parses the job file at `path`.
@@ -418,6 +456,31 @@ mod tests {
             JobConfig::from_toml(&job.to_toml(), "round trip").unwrap(),
             job
         );
+    }
+
+    /// A job file that states one field of a section gets every other field's one default
+    /// (a section's own `Default` once disagreed with the job's: a `[drafter]` table with
+    /// only `lr` got 4 × 64-position slices instead of 1 × 16).
+    #[test]
+    fn a_partial_section_keeps_the_other_defaults() {
+        let default = JobConfig::default();
+        for (text, changed) in [
+            ("[drafter]\nlr = 0.001", "drafter"),
+            ("[model]\nseed = 9", "model"),
+            ("[train]\nseed = 9", "train"),
+            ("[data]\nsummary_tasks = 9", "data"),
+            ("[rl]\nseed = 9", "rl"),
+        ] {
+            let mut job = JobConfig::from_toml(text, "partial").unwrap();
+            match changed {
+                "drafter" => job.drafter.lr = default.drafter.lr,
+                "model" => job.model.seed = default.model.seed,
+                "train" => job.train.seed = default.train.seed,
+                "data" => job.data.summary_tasks = default.data.summary_tasks,
+                _ => job.rl.seed = default.rl.seed,
+            }
+            assert_eq!(job, default, "{text}: another field lost its default");
+        }
     }
 
     #[test]

@@ -37,13 +37,18 @@ const STAGES: usize = 4;
 /// Whole slices of budget per rollout.
 const SLICES: usize = 2;
 
+/// Slices of 4 sequences × 64 positions: large enough to be cut into pieces of at least
+/// `MIN_PIECE_ROWS` rows (the job's default slice, 1 × 16, is one piece already).
+fn drafter_config() -> DrafterConfig {
+    DrafterConfig {
+        batch_rows: 4,
+        max_positions: 64,
+        ..DrafterConfig::default()
+    }
+}
+
 fn drafter() -> Drafter<CpuBackend> {
-    Drafter::new(
-        &config(),
-        &DrafterConfig::default(),
-        CpuBackend::new(1).unwrap(),
-    )
-    .unwrap()
+    Drafter::new(&config(), &drafter_config(), CpuBackend::new(1).unwrap()).unwrap()
 }
 
 /// The drafter's proposals, 10 ms slower: the stages wait for the driver at least that.
@@ -99,7 +104,7 @@ fn idle_gaps_train_the_drafter_in_pieces_and_change_no_sample() {
         let plain = rollout(&gpt, temperature, None);
 
         // The trainer starts with a previous rollout's rows.
-        let buffer = DraftBufferHandle::new(&config(), &DrafterConfig::default());
+        let buffer = DraftBufferHandle::new(&config(), &drafter_config());
         buffer.begin_step(0);
         for row in &plain.rows {
             buffer.lock().push(row.clone()).unwrap();
@@ -165,7 +170,7 @@ fn idle_gaps_train_the_drafter_in_pieces_and_change_no_sample() {
 fn pieces_accumulate_into_one_step_per_slice() {
     let gpt = common::rollouts::gpt();
     let rows = rollout(&gpt, 0.0, None).rows;
-    let buffer = DraftBufferHandle::new(&config(), &DrafterConfig::default());
+    let buffer = DraftBufferHandle::new(&config(), &drafter_config());
     buffer.begin_step(0);
     for row in rows {
         buffer.lock().push(row).unwrap();
@@ -205,7 +210,7 @@ fn pieces_accumulate_into_one_step_per_slice() {
 fn trainer_on(
     rows: &[pipefill::model::drafter::DraftRow],
 ) -> Arc<Mutex<DrafterTrainer<CpuBackend>>> {
-    let buffer = DraftBufferHandle::new(&config(), &DrafterConfig::default());
+    let buffer = DraftBufferHandle::new(&config(), &drafter_config());
     buffer.begin_step(0);
     for row in rows {
         buffer.lock().push(row.clone()).unwrap();

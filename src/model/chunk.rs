@@ -142,7 +142,8 @@ pub struct ModelChunk<B: Backend> {
 
 impl<B: Backend> ModelChunk<B> {
     /// Chunk `stage` of the model cut by `cut`. Parameters are initialised from
-    /// (config.seed, name), so every chunk equals the same part of the uncut model.
+    /// (config.seed, name), so every chunk equals the same part of the uncut model, or
+    /// imported from `config.from`'s directory.
     pub fn new(config: &GptConfig, backend: B, cut: &Cut, stage: usize) -> Result<Self> {
         config.validate()?;
         let ranges = cut.ranges(config.layers)?;
@@ -171,7 +172,7 @@ impl<B: Backend> ModelChunk<B> {
         } else {
             (None, None)
         };
-        Ok(ModelChunk {
+        let mut chunk = ModelChunk {
             config: config.clone(),
             stage,
             stages,
@@ -183,7 +184,17 @@ impl<B: Backend> ModelChunk<B> {
             in_flight: HashMap::new(),
             draft_sink: None,
             be: backend,
-        })
+        };
+        // An imported model starts from its directory's weights (this chunk's only), unless
+        // the caller overwrites every parameter anyway (a resumed run).
+        if let Some(dir) = &config.from
+            && !super::init::overwriting()
+        {
+            super::hf::HfModel::open(dir)
+                .and_then(|model| model.load_chunk(&mut chunk))
+                .map_err(|e| ModelError::Import(e.to_string()))?;
+        }
+        Ok(chunk)
     }
 
     /// Chunk `stage` as [`ModelChunk::new`] builds it, but with placeholder parameters

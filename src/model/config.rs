@@ -93,6 +93,12 @@ pub struct GptConfig {
     /// a first and a last stage's shared embedding); see [`crate::model::tie`].
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub tie_embeddings: bool,
+    /// A Hugging Face model directory (Llama, Qwen2, Mistral) the model is imported from:
+    /// its config.json gives every shape field above except `seq_len` (the training
+    /// sequence length, at most the model's positions), and every chunk starts from the
+    /// directory's weights, reading only its own tensors ([`crate::model::hf`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub from: Option<std::path::PathBuf>,
     /// RMSNorm epsilon.
     pub norm_eps: f32,
     /// Seed of the initialisation; each parameter's stream is derived from (seed, name).
@@ -116,6 +122,7 @@ impl Default for GptConfig {
             kv_heads: None,
             qkv_bias: false,
             tie_embeddings: false,
+            from: None,
             norm_eps: 1e-5,
             seed: 0,
         }

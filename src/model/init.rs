@@ -33,6 +33,12 @@ pub fn overwritten<T>(build: impl FnOnce() -> T) -> T {
     build()
 }
 
+/// Whether this thread is inside [`overwritten`] (the parameters built now are placeholders
+/// their caller overwrites: nothing is drawn, nothing imported).
+pub(crate) fn overwriting() -> bool {
+    SKIP_DRAWS.with(Cell::get)
+}
+
 /// SplitMix64 step: the well-known 64-bit mixer (Steele, Lea, Flood 2014).
 fn splitmix64(state: &mut u64) -> u64 {
     *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);

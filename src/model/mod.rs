@@ -88,6 +88,9 @@ pub enum ModelError {
     /// The tied embedding's two copies cannot be summed as asked.
     #[error("tied embeddings: {0}")]
     Tied(String),
+    /// The weights of `[model] from` could not be read (the message names the file).
+    #[error("importing the model: {0}")]
+    Import(String),
     /// A tensor operation failed.
     #[error(transparent)]
     Tensor(#[from] TensorError),

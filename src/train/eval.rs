@@ -70,7 +70,10 @@ pub fn greedy_completion<B: Backend>(
         };
         let logits = model.logits(shape, &ids)?;
         let last = &logits[(ids.len() - 1) * vocab..ids.len() * vocab];
-        // First maximum, so ties break the same way everywhere.
+        // Among the ids the tokenizer can write (a model with a larger vocabulary, e.g. an
+        // imported one, answers the tasks in their characters); first maximum, so ties
+        // break the same way everywhere.
+        let last = &last[..vocab.min(tokenizer.vocab_size())];
         let next = last
             .iter()
             .enumerate()

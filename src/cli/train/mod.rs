@@ -50,6 +50,10 @@ pub struct TrainArgs {
     /// Override one field of the job, e.g. `--set train.lr=1e-3` (repeatable).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     set: Vec<String>,
+    /// Train the Hugging Face model in directory DIR (Llama, Qwen2, Mistral): its config.json
+    /// gives the model's shape, its safetensors the starting weights (sets `model.from`).
+    #[arg(long, value_name = "DIR")]
+    model: Option<PathBuf>,
     /// Pipeline schedule: gpipe, 1f1b, interleaved-1f1b, looped-bfs, zb-h1, zb-h2, zb-v, the
     /// path of a schedule file (.csv/.toml), or "none" (one device, the reference trainer).
     #[arg(long)]
@@ -114,6 +118,10 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     if let Some(dir) = &args.out_dir {
         let dir = dir.display().to_string();
         sets.push(format!("out_dir={}", toml::Value::String(dir)));
+    }
+    if let Some(dir) = &args.model {
+        let dir = dir.display().to_string();
+        sets.push(format!("model.from={}", toml::Value::String(dir)));
     }
     let job = match &args.config {
         Some(path) => JobConfig::load(path, &sets)?,

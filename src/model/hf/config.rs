@@ -241,6 +241,7 @@ pub fn parse(path: &std::path::Path, text: &[u8]) -> Result<HfConfig, HfError> {
         kv_heads: (kv_heads != heads).then_some(kv_heads),
         qkv_bias: architecture == Architecture::Qwen2,
         tie_embeddings: tied,
+        from: None,
         norm_eps,
         seed: 0,
     };

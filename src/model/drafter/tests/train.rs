@@ -33,8 +33,10 @@ pub(super) fn train_config(steps: u64) -> TrainConfig {
 }
 
 pub(super) fn drafter_config() -> DrafterConfig {
+    // Slices of 4 whole sequences (the job's default slice is 1 × 16 positions).
     DrafterConfig {
         batch_rows: 4,
+        max_positions: 64,
         buffer_rows: 64,
         ..DrafterConfig::default()
     }

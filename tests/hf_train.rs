@@ -1,0 +1,163 @@
+//! `pipefill train --model DIR` through the binary on the Hugging Face fixtures
+//! (tests/fixtures/hf/, written by scripts/hf_fixtures.py): the run starts from the
+//! directory's weights, with its shape; pipelined training of an imported (tied) model is
+//! bitwise the reference trainer's; the result exports back to a directory that imports
+//! to the run's checkpoint; a sequence longer than the model's positions is one line.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Output;
+
+use common::{clean, text};
+use pipefill::model::checkpoint::Checkpoint;
+use pipefill::model::hf::HfModel;
+
+const EXE: &str = env!("CARGO_BIN_EXE_pipefill");
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/hf")
+        .join(name)
+}
+
+const JOB: &[&str] = &[
+    "model.seq_len=32",
+    "train.micro_batches=4",
+    "train.micro_batch_size=2",
+    "train.eval_tasks=2",
+    "data.summary_tasks=50",
+    "filler=\"none\"",
+];
+
+fn train(model: &Path, extra: &[&str], out: &Path) -> Output {
+    let mut cmd = clean(EXE);
+    cmd.arg("train").arg("--model").arg(model);
+    for s in JOB.iter().chain(extra) {
+        cmd.args(["--set", s]);
+    }
+    cmd.arg("--out-dir").arg(out).output().unwrap()
+}
+
+/// The checkpoint's parameters (not its optimizer moments).
+fn params(c: &Checkpoint) -> impl Iterator<Item = &pipefill::model::checkpoint::HostTensor> {
+    c.tensors.iter().filter(|t| !t.name.starts_with("optim."))
+}
+
+fn tensor<'a>(c: &'a Checkpoint, name: &str) -> &'a [f32] {
+    &c.tensors.iter().find(|t| t.name == name).unwrap().data
+}
+
+/// With a learning rate far below any weight's last bit, one step leaves every parameter
+/// where the directory put it: the run started from the imported weights (a seeded
+/// initialisation differs everywhere), and its job records the imported shape.
+#[test]
+fn a_run_starts_from_the_directorys_weights_and_shape() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let llama = fixture("llama");
+    let out = train(
+        &llama,
+        &["train.lr=1e-30", "train.steps=1", "stages=2"],
+        &run,
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    let ckpt = Checkpoint::load(&run.join("checkpoint")).unwrap();
+    let hf = HfModel::open(&llama).unwrap();
+    assert_eq!(params(&ckpt).count(), 1 + 2 * 9 + 2, "llama's parameters");
+    let mut worst = 0.0f32;
+    for t in params(&ckpt) {
+        let want = hf.read(&t.name).unwrap();
+        assert_eq!(t.shape, want.shape, "{}", t.name);
+        for (a, b) in t.data.iter().zip(&want.data) {
+            worst = worst.max((a - b).abs());
+        }
+    }
+    assert!(
+        worst <= 1e-12,
+        "a parameter moved from the import by {worst:e}"
+    );
+    let job = std::fs::read_to_string(run.join("job.toml")).unwrap();
+    for line in [
+        "vocab = 256",
+        "d_model = 64",
+        "kv_heads = 2",
+        "positions = \"rope\"",
+    ] {
+        assert!(job.contains(line), "job.toml lacks {line:?}:\n{job}");
+    }
+}
+
+/// An imported tied model (Qwen2 with tie_word_embeddings) trained under 1F1B on 2 stages
+/// is bitwise the reference trainer's (`--schedule none`), its tied copies still equal;
+/// the run exports and the export imports to the checkpoint's tensors.
+#[test]
+fn a_pipelined_imported_model_is_the_reference_and_exports() {
+    let dir = tempfile::tempdir().unwrap();
+    let qwen = fixture("qwen2_tied");
+    let (single, piped) = (dir.path().join("single"), dir.path().join("piped"));
+    let out = train(&qwen, &["train.steps=2", "schedule=\"none\""], &single);
+    assert!(out.status.success(), "{}", text(&out));
+    let out = train(
+        &qwen,
+        &["train.steps=2", "schedule=\"1f1b\"", "stages=2"],
+        &piped,
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    let (a, b) = (
+        Checkpoint::load(&single.join("checkpoint")).unwrap(),
+        Checkpoint::load(&piped.join("checkpoint")).unwrap(),
+    );
+    assert_eq!(a.tensors.len(), b.tensors.len());
+    let bits = |t: &[f32]| t.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    for (x, y) in a.tensors.iter().zip(&b.tensors) {
+        assert_eq!(x.name, y.name);
+        assert!(bits(&x.data) == bits(&y.data), "{} differs", x.name);
+    }
+    let (tok, head) = (tensor(&b, "embed.tok"), tensor(&b, "head.w"));
+    assert_eq!(pipefill::model::tie::transpose(tok, 128, 32), head);
+    let hf = HfModel::open(&qwen).unwrap();
+    assert_ne!(
+        tok,
+        hf.read("embed.tok").unwrap().data,
+        "training moved nothing"
+    );
+
+    let exported = dir.path().join("hf");
+    let out = clean(EXE)
+        .arg("export")
+        .arg(&piped)
+        .args(["--format", "hf", "-o"])
+        .arg(&exported)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let back = HfModel::open(&exported).unwrap();
+    assert!(back.config().tie_embeddings);
+    for t in params(&b) {
+        assert_eq!(back.read(&t.name).unwrap().data, t.data, "{}", t.name);
+    }
+}
+
+#[test]
+fn a_sequence_longer_than_the_models_positions_is_one_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = train(
+        &fixture("llama"),
+        &["model.seq_len=1000"],
+        &dir.path().join("run"),
+    );
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("model.seq_len") && err.contains("1000 is longer than the 256 positions"),
+        "{err}"
+    );
+    let out = train(&dir.path().join("nowhere"), &[], &dir.path().join("run2"));
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("model.from") && err.contains("config.json"),
+        "{err}"
+    );
+}
