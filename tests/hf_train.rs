@@ -2,7 +2,8 @@
 //! (tests/fixtures/hf/, written by scripts/hf_fixtures.py): the run starts from the
 //! directory's weights, with its shape; pipelined training of an imported (tied) model is
 //! bitwise the reference trainer's; the result exports back to a directory that imports
-//! to the run's checkpoint; a sequence longer than the model's positions is one line.
+//! to the run's checkpoint; a sequence longer than the model's positions is one line;
+//! `pipefill generate` on a directory is transformers' greedy decoding.
 
 mod common;
 
@@ -159,5 +160,45 @@ fn a_sequence_longer_than_the_models_positions_is_one_line() {
     assert!(
         err.contains("model.from") && err.contains("config.json"),
         "{err}"
+    );
+}
+
+/// `pipefill generate --model DIR` on a Hugging Face directory: greedy decoding token for
+/// token what transformers 5.24's `generate(do_sample=False)` gives on the same fixture and
+/// prompt (computed once with scripts/hf_fixtures.py's venv; the fixtures are fixed), and
+/// a text prompt without a tokenizer.json is one line asking for ids.
+#[test]
+fn generation_from_a_model_directory_is_transformers_greedy() {
+    for (name, want) in [
+        ("llama", [224, 81, 162, 235, 178, 207, 238, 88]),
+        ("qwen2_tied", [3; 8]),
+    ] {
+        let out = clean(EXE)
+            .args(["generate", "--model"])
+            .arg(fixture(name))
+            .args(["--prompt-ids", "1,5,9,3", "--max-new-tokens", "8", "--json"])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", text(&out));
+        let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let tokens: Vec<u64> = json["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap())
+            .collect();
+        assert_eq!(tokens, want, "{name}");
+    }
+    let out = clean(EXE)
+        .args(["generate", "--model"])
+        .arg(fixture("llama"))
+        .args(["--prompt", "hi"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("has no tokenizer.json"),
+        "{}",
+        text(&out)
     );
 }

@@ -17,11 +17,12 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
 use pipefill::config::JobConfig;
-use pipefill::data::Tokenizer;
 use pipefill::data::tokenizer::{BOS, EOS};
+use pipefill::data::{TextTokenizer, Tokenizer};
 use pipefill::model::checkpoint::resume::{FINAL_DIR, ResumePoint};
 use pipefill::model::checkpoint::{Checkpoint, META_FILE};
 use pipefill::model::drafter::{Drafter, DrafterConfig};
+use pipefill::model::hf::HfModel;
 use pipefill::model::infer::InferStage;
 use pipefill::model::{Cut, Gpt};
 use pipefill::rl::rollout::{Request, RolloutConfig, RolloutEngine, Speculation};
@@ -30,8 +31,9 @@ use pipefill::tensor::{Backend, CpuBackend};
 
 #[derive(clap::Args)]
 pub struct GenerateArgs {
-    /// A pipefill run directory (its final `checkpoint/`) or a checkpoint directory.
-    #[arg(long, value_name = "RUN_DIR")]
+    /// A pipefill run directory (its final `checkpoint/`), a checkpoint directory, or a
+    /// Hugging Face model directory (config.json, safetensors, and tokenizer.json for text).
+    #[arg(long, value_name = "RUN_DIR|DIR")]
     model: PathBuf,
     /// The prompt, as text (the model's tokenizer encodes it).
     #[arg(
@@ -83,6 +85,33 @@ impl Codec for Tokenizer {
     }
 }
 
+/// A Hugging Face tokenizer.json: the prompt encoded with the special tokens its
+/// post-processor adds (e.g. BOS), special tokens dropped from the text.
+impl Codec for TextTokenizer {
+    fn encode_prompt(&self, text: &str) -> anyhow::Result<Vec<u32>> {
+        Ok(self.encode(text, true)?)
+    }
+    fn decode(&self, ids: &[u32]) -> anyhow::Result<String> {
+        Ok(TextTokenizer::decode(self, ids)?)
+    }
+}
+
+/// A model directory without a tokenizer.json: ids only.
+struct IdsOnly(PathBuf);
+
+impl Codec for IdsOnly {
+    fn encode_prompt(&self, _: &str) -> anyhow::Result<Vec<u32>> {
+        bail!(
+            "{} has no tokenizer.json to encode --prompt with: give --prompt-ids 1,2,3",
+            self.0.display()
+        )
+    }
+    /// No text: the generated ids are the output.
+    fn decode(&self, _: &[u32]) -> anyhow::Result<String> {
+        Ok(String::new())
+    }
+}
+
 /// A model ready to generate: the target and, if it has one, its drafter.
 pub struct Loaded<B: Backend> {
     pub gpt: Gpt<B>,
@@ -115,11 +144,24 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             args.temperature
         );
     }
-    let mut loaded = load_run(&args.model, CpuBackend::new(1)?)?;
+    let be = CpuBackend::new(1)?;
+    // A Hugging Face directory (its config.json) or a pipefill run.
+    let hf = args.model.join(pipefill::model::hf::CONFIG_FILE).is_file();
+    let (mut loaded, tokenizer): (_, Box<dyn Codec>) = if hf {
+        let model = HfModel::open(&args.model)?;
+        let gpt = model.gpt(be, &Cut::Even(1))?;
+        let codec: Box<dyn Codec> = if args.model.join("tokenizer.json").is_file() {
+            Box::new(TextTokenizer::load(&args.model)?)
+        } else {
+            Box::new(IdsOnly(args.model.clone()))
+        };
+        (Loaded { gpt, drafter: None }, codec)
+    } else {
+        (load_run(&args.model, be)?, Box::new(Tokenizer::new()))
+    };
     if args.no_draft {
         loaded.drafter = None;
     }
-    let tokenizer = Tokenizer::new();
     let prompt = match (&args.prompt, &args.prompt_ids) {
         (_, Some(ids)) => parse_ids(ids)?,
         (Some(text), None) => tokenizer
@@ -133,7 +175,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         seed: args.seed,
         draft: args.draft,
     };
-    let out = generate(&mut loaded, &tokenizer, &prompt, &options)?;
+    let out = generate(&mut loaded, tokenizer.as_ref(), &prompt, &options)?;
     if args.json {
         println!("{}", serde_json::to_string(&out)?);
     } else {
@@ -179,7 +221,8 @@ pub fn load_run<B: Backend>(path: &Path, be: B) -> anyhow::Result<Loaded<B>> {
     let checkpoint =
         Checkpoint::load(&dir).with_context(|| format!("--model {}", path.display()))?;
     let config = checkpoint.meta.model.clone();
-    let mut gpt = Gpt::new(&config, be.clone(), &Cut::Even(1))?;
+    // Every parameter comes from the checkpoint (nothing drawn, nothing imported).
+    let mut gpt = Gpt::blank(&config, be.clone(), &Cut::Even(1))?;
     checkpoint
         .restore_model(&mut gpt, checkpoint.meta.data_seed)
         .with_context(|| format!("--model {}", dir.display()))?;

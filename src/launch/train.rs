@@ -507,7 +507,8 @@ fn rank_compute<B: Backend>(
     match resume {
         None => {}
         Some(RankResume::Whole(checkpoint)) => {
-            let mut gpt = Gpt::new(&job.model, be.clone(), &Cut::Even(1))?;
+            // Every parameter comes from the checkpoint: nothing drawn or imported.
+            let mut gpt = Gpt::blank(&job.model, be.clone(), &Cut::Even(1))?;
             let mut optimizer = AdamW::new(adamw_config(&job.train));
             checkpoint.restore(&mut gpt, &mut optimizer, job.train.seed)?;
             let state = optimizer.state(&be)?;
@@ -515,7 +516,7 @@ fn rank_compute<B: Backend>(
         }
         Some(RankResume::Shard(shard)) => {
             // The manifest's job fingerprint covers the model and the data seed.
-            let mut gpt = Gpt::new(&job.model, be, &Cut::Even(1))?;
+            let mut gpt = Gpt::blank(&job.model, be, &Cut::Even(1))?;
             let moment = |n: &str| {
                 [ADAM_M_PREFIX, ADAM_V_PREFIX, MASTER_PREFIX]
                     .iter()
@@ -545,7 +546,7 @@ fn assemble(
         state.slots.append(&mut fin.optimizer.slots);
     }
     let be = CpuBackend::new(1).map_err(ModelError::from)?;
-    let mut gpt = Gpt::new(&job.model, be.clone(), &Cut::Even(1))?;
+    let mut gpt = Gpt::blank(&job.model, be.clone(), &Cut::Even(1))?;
     for p in by_stage.into_values().flatten() {
         gpt.set_param(&p.name, &p.data)?;
     }
