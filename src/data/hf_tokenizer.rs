@@ -17,6 +17,21 @@ pub const MAX_TOKENIZER_BYTES: u64 = 256 << 20;
 /// Largest `tokenizer_config.json` / `special_tokens_map.json` read.
 pub const MAX_CONFIG_BYTES: u64 = 64 << 20;
 
+/// `path`'s metadata when it is a regular file; otherwise an error naming it.
+pub(crate) fn regular_file(path: &Path) -> Result<std::fs::Metadata, DataError> {
+    let meta = std::fs::metadata(path).map_err(|error| DataError::Io {
+        path: path.to_path_buf(),
+        error,
+    })?;
+    if !meta.is_file() {
+        return Err(DataError::File {
+            path: path.to_path_buf(),
+            reason: "is not a regular file".into(),
+        });
+    }
+    Ok(meta)
+}
+
 /// `path`'s bytes, at most `cap` of them: a path that is not a regular file, or one whose
 /// size (from its metadata, then as read) is over `cap`, is an error naming it.
 pub fn read_capped(path: &Path, cap: u64) -> Result<Vec<u8>, DataError> {
@@ -24,13 +39,7 @@ pub fn read_capped(path: &Path, cap: u64) -> Result<Vec<u8>, DataError> {
         path: path.to_path_buf(),
         error,
     };
-    let meta = std::fs::metadata(path).map_err(io)?;
-    if !meta.is_file() {
-        return Err(DataError::File {
-            path: path.to_path_buf(),
-            reason: "is not a regular file".into(),
-        });
-    }
+    let meta = regular_file(path)?;
     let too_big = |len: u64| DataError::File {
         path: path.to_path_buf(),
         reason: format!("is {len} bytes, over the limit of {cap}"),

@@ -126,13 +126,7 @@ pub fn read_records(
         path: path.to_path_buf(),
         error,
     };
-    let meta = std::fs::metadata(path).map_err(io)?;
-    if !meta.is_file() {
-        return Err(DataError::File {
-            path: path.to_path_buf(),
-            reason: "is not a regular file".into(),
-        });
-    }
+    let meta = super::hf_tokenizer::regular_file(path)?;
     if meta.len() > max_bytes {
         return Err(DataError::File {
             path: path.to_path_buf(),

@@ -159,16 +159,8 @@ pub fn param_shapes(config: &GptConfig) -> Vec<(String, Vec<usize>)> {
     out
 }
 
-/// `[rows, cols]` row-major → `[cols, rows]`.
-pub fn transpose(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
-    let mut out = vec![0.0; x.len()];
-    for r in 0..rows {
-        for c in 0..cols {
-            out[c * rows + r] = x[r * cols + c];
-        }
-    }
-    out
-}
+/// `[rows, cols]` row-major → `[cols, rows]` (the tied head's transpose, one helper).
+pub use super::tie::transpose;
 
 /// Tensors an old checkpoint may carry that are not parameters (recomputed buffers).
 fn ignorable(name: &str) -> bool {
