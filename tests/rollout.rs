@@ -3,11 +3,10 @@
 
 mod common;
 
-use common::rollouts::{config, engine, gpt, requests};
+use common::rollouts::{config, engine, gpt, greedy_reference, requests};
+use pipefill::model::Cut;
 use pipefill::model::drafter::{DraftBufferHandle, Drafter, DrafterConfig, DrafterTrainer};
 use pipefill::model::infer::InferStage;
-use pipefill::model::{Cut, Shape};
-use pipefill::rl::accept::argmax;
 use pipefill::rl::rollout::{
     AdaptiveConfig, Request, Rollout, RolloutConfig, RolloutEngine, RolloutError, Speculation,
 };
@@ -34,20 +33,11 @@ fn plain_rollout_equals_greedy_generation_of_the_training_model() {
     let mut model = gpt();
     let out = run(&mut engine(&model), Speculation::Off, 3, None);
     for (i, r) in requests(10).iter().enumerate() {
-        let mut seq = r.prompt.clone();
-        while seq.len() < r.prompt.len() + r.max_new {
-            let shape = Shape {
-                batch: 1,
-                seq: seq.len(),
-            };
-            let logits = model.logits(shape, &seq).unwrap();
-            let t = argmax(&logits[(seq.len() - 1) * 50..]);
-            seq.push(t);
-            if t == 2 {
-                break;
-            }
-        }
-        assert_eq!(out.sequences[i], seq, "request {i}");
+        assert_eq!(
+            out.sequences[i],
+            greedy_reference(&mut model, r),
+            "request {i}"
+        );
     }
     assert!(out.live_curve.windows(2).all(|w| w[1].live <= w[0].live));
     assert_eq!(out.live_curve.last().unwrap().live, 0);

@@ -6,14 +6,13 @@
 
 mod common;
 
-use common::rollouts::requests;
+use common::rollouts::{greedy_reference, requests};
 use pipefill::model::config::{Positions, RopeScaling};
 use pipefill::model::drafter::{
     DraftBufferHandle, Drafter, DrafterConfig, DrafterTrainer, TreeShape,
 };
 use pipefill::model::infer::InferStage;
-use pipefill::model::{Cut, Gpt, GptConfig, Shape, init};
-use pipefill::rl::accept::argmax;
+use pipefill::model::{Cut, Gpt, GptConfig, init};
 use pipefill::rl::rollout::{Rollout, RolloutConfig, RolloutEngine, Speculation};
 use pipefill::rl::speculative::{OracleProposer, Proposer, RandomProposer};
 use pipefill::tensor::{Activation, CpuBackend};
@@ -92,20 +91,11 @@ fn plain_rollout_equals_greedy_generation_of_the_training_model() {
     let mut model = gpt();
     let out = run(&mut engine(&model), Speculation::Off, 3, None);
     for (i, r) in requests(10).iter().enumerate() {
-        let mut seq = r.prompt.clone();
-        while seq.len() < r.prompt.len() + r.max_new {
-            let shape = Shape {
-                batch: 1,
-                seq: seq.len(),
-            };
-            let logits = model.logits(shape, &seq).unwrap();
-            let t = argmax(&logits[(seq.len() - 1) * 50..]);
-            seq.push(t);
-            if t == 2 {
-                break;
-            }
-        }
-        assert_eq!(out.sequences[i], seq, "request {i}");
+        assert_eq!(
+            out.sequences[i],
+            greedy_reference(&mut model, r),
+            "request {i}"
+        );
     }
 }
 

@@ -2,7 +2,8 @@
 
 use pipefill::data::SplitMix64;
 use pipefill::model::infer::InferStage;
-use pipefill::model::{Cut, Gpt, GptConfig};
+use pipefill::model::{Cut, Gpt, GptConfig, Shape};
+use pipefill::rl::accept::argmax;
 use pipefill::rl::rollout::{Request, RolloutEngine};
 use pipefill::tensor::CpuBackend;
 
@@ -33,4 +34,24 @@ pub fn requests(n: usize) -> Vec<Request> {
             max_new: 4 + (i * 7) % 25,
         })
         .collect()
+}
+
+/// Greedy decoding of `request` by full-sequence forwards of the training model (no KV
+/// cache): what a plain rollout must reproduce. Stops at EOS (id 2) or after `max_new`.
+pub fn greedy_reference(model: &mut Gpt<CpuBackend>, request: &Request) -> Vec<u32> {
+    let vocab = model.config().vocab;
+    let mut seq = request.prompt.clone();
+    while seq.len() < request.prompt.len() + request.max_new {
+        let shape = Shape {
+            batch: 1,
+            seq: seq.len(),
+        };
+        let logits = model.logits(shape, &seq).unwrap();
+        let t = argmax(&logits[(seq.len() - 1) * vocab..]);
+        seq.push(t);
+        if t == 2 {
+            break;
+        }
+    }
+    seq
 }
