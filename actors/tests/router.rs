@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{Fake, assert_routed};
+use common::{Fake, assert_routed, retry_noisy};
 use pipefill_actors::{
     Clock, FillerRouter, FillerSource, Pipeline, PlanSource, RunReport, Slice, spin_cpu,
 };
@@ -113,25 +113,6 @@ fn timing_checks(
         ));
     }
     Ok(())
-}
-
-/// Runs `attempt` up to three times, until its timing checks pass. The fillers spin real
-/// CPU (the pipeline's clock is virtual), so a preemption on the shared box can stretch
-/// one run by more than the 2% margin; a router that stretched the step or left the waits
-/// idle fails every attempt.
-async fn retry_noisy<F, Fut>(kind: ScheduleKind, mut attempt: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<(), String>>,
-{
-    let mut failures = Vec::new();
-    for _ in 0..3 {
-        match attempt().await {
-            Ok(()) => return,
-            Err(e) => failures.push(e),
-        }
-    }
-    panic!("{kind}: every attempt failed: {failures:?}");
 }
 
 /// Fixed and per-unit CPU cost of a [`SizedSpin`] slice: a full one (12 units) costs 350 µs,

@@ -31,6 +31,6 @@ pub use generators::{ScheduleKind, build, generate};
 pub use lower::lower;
 pub use memory::{peak_memory, rank_peak_memory};
 pub use plan::{Placement, Plan};
-pub use simulate::simulate;
+pub use simulate::{simulate, simulate_measured};
 pub use timeline::{BubbleSlot, CostModel, RankStats, Span, StageCost, Timeline};
 pub use validate::{ValidateOptions, Validation, validate};

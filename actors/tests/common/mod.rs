@@ -18,7 +18,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use pipefill_actors::{StageCompute, spin_cpu};
-use pipefill_schedules::{Action, ActionKind, CostModel, Placement, Plan};
+use pipefill_schedules::{
+    Action, ActionKind, CostModel, Placement, Plan, Timeline, simulate_measured,
+};
 
 /// What travels between fake stages.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -232,6 +234,42 @@ impl StageCompute for Fake {
 /// The cost model (seconds) matching a fake's costs.
 pub fn cost_model(cost: (f64, f64, f64)) -> CostModel {
     CostModel::uniform(cost.0, cost.1, cost.2, 0.0)
+}
+
+/// The simulator's timeline of `plan` with every action lasting what `measured` recorded:
+/// what a virtual-clock run must reproduce. The fake spins for its nominal cost, but on a
+/// busy VM a thread's CPU clock now and then reads several milliseconds late and catches
+/// up, so one spin of 1 ms can read 5 ms (CI saw a makespan 12% over the nominal
+/// prediction); the nominal costs only bound each action from below, which this checks.
+pub fn replayed(plan: &Plan, measured: &Timeline, base: &CostModel) -> Timeline {
+    for span in &measured.spans {
+        let nominal = base.duration(span.rank, &span.action);
+        assert!(
+            span.duration() >= nominal * (1.0 - 1e-6),
+            "{span:?} took {} s, below the fake's spin of {nominal} s",
+            span.duration()
+        );
+    }
+    simulate_measured(plan, base, measured).expect("simulates")
+}
+
+/// Runs `attempt` up to three times, until its timing checks pass. Fillers spin real CPU
+/// under a virtual clock, and the thread CPU clock itself now and then reads milliseconds
+/// late ([`replayed`]), so on the shared box one slow action on the critical path can move
+/// a run past a timing margin; a runtime that broke the property fails every attempt.
+pub async fn retry_noisy<F, Fut>(what: impl std::fmt::Display, mut attempt: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<(), String>>,
+{
+    let mut failures = Vec::new();
+    for _ in 0..3 {
+        match attempt().await {
+            Ok(()) => return,
+            Err(e) => failures.push(e),
+        }
+    }
+    panic!("{what}: every attempt failed: {failures:?}");
 }
 
 /// Checks every micro-batch's loss and input gradient after a run.
