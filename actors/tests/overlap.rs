@@ -41,11 +41,10 @@ async fn zb_h2_overlap(plan: &Plan) -> Result<(), String> {
             "rank 0 started iteration 1 at {rank0_starts}, after rank {last} finished iteration 0 at {last_ends}"
         ));
     }
-    let both = first.timeline.makespan + second.timeline.makespan;
-    if report.overall.makespan >= both {
+    if report.overall.makespan >= 2.0 * first.timeline.makespan {
         return Err(format!(
-            "two iterations took {} s, their makespans add to {both} s",
-            report.overall.makespan
+            "two iterations took {} s, one {} s",
+            report.overall.makespan, first.timeline.makespan
         ));
     }
 
@@ -58,10 +57,10 @@ async fn zb_h2_overlap(plan: &Plan) -> Result<(), String> {
         .run(fakes)
         .await
         .unwrap();
-    let [one, two] = [0, 1].map(|i| unchecked.iterations[i].timeline.makespan);
-    if unchecked.overall.makespan >= 0.95 * (one + two) {
+    let one = unchecked.iterations[0].timeline.makespan;
+    if unchecked.overall.makespan >= 2.0 * one * 0.95 {
         return Err(format!(
-            "unchecked: two iterations took {} s, their makespans {one} + {two} s",
+            "unchecked: two iterations took {} s, one {one} s",
             unchecked.overall.makespan
         ));
     }
@@ -125,6 +124,11 @@ impl BubbleFiller for SliceFiller {
 #[tokio::test(flavor = "multi_thread")]
 async fn filler_work_runs_inside_bubbles_without_stretching_the_step() {
     let plan = generate(ScheduleKind::OneFOneB, 4, 8, 1).unwrap();
+    retry_noisy("1F1B with fillers", || fillers_fit(&plan)).await;
+}
+
+async fn fillers_fit(plan: &Plan) -> Result<(), String> {
+    let plan = plan.clone();
     let offers = Arc::new(Mutex::new(Vec::new()));
     let fillers: Vec<Box<dyn BubbleFiller>> = (0..4)
         .map(|_| {
@@ -156,11 +160,9 @@ async fn filler_work_runs_inside_bubbles_without_stretching_the_step() {
     // the makespan is the simulator's for the compute alone, at the costs it ran at.
     let predicted = replayed(&plan, &it.timeline, &cost_model(COST));
     let makespan = it.timeline.makespan;
-    assert!(
-        makespan <= predicted.makespan * 1.05,
-        "makespan {makespan} vs {}",
-        predicted.makespan
-    );
+    if makespan > predicted.makespan * 1.05 {
+        return Err(format!("makespan {makespan} vs {}", predicted.makespan));
+    }
     let offers = offers.lock().unwrap();
     assert!(
         offers
@@ -173,6 +175,7 @@ async fn filler_work_runs_inside_bubbles_without_stretching_the_step() {
         filled > 0.3 * idle,
         "filled {filled}s of {idle}s of bubbles"
     );
+    Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread")]

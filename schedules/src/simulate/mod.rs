@@ -28,9 +28,7 @@ use crate::timeline::{CostModel, Span, Timeline};
 
 /// Simulates `plan` (compute-only or lowered) under `cost`.
 pub fn simulate(plan: &Plan, cost: &CostModel) -> Result<Timeline> {
-    let spans = Sim::new(plan, cost, None)?.run()?;
-    let peak = crate::peak_memory(plan, cost);
-    Ok(Timeline::from_spans(plan.num_ranks(), spans, &peak))
+    timeline(plan, cost, None)
 }
 
 /// Simulates `plan` with every compute action lasting what `measured` recorded for it on
@@ -46,7 +44,15 @@ pub fn simulate_measured(plan: &Plan, cost: &CostModel, measured: &Timeline) -> 
         .iter()
         .map(|s| ((s.rank, s.action), s.duration()))
         .collect();
-    let spans = Sim::new(plan, cost, Some(durations))?.run()?;
+    timeline(plan, cost, Some(durations))
+}
+
+fn timeline(
+    plan: &Plan,
+    cost: &CostModel,
+    measured: Option<HashMap<(usize, Action), f64>>,
+) -> Result<Timeline> {
+    let spans = Sim::new(plan, cost, measured)?.run()?;
     let peak = crate::peak_memory(plan, cost);
     Ok(Timeline::from_spans(plan.num_ranks(), spans, &peak))
 }
