@@ -7,6 +7,11 @@
 //!   `max(receiver clock, sender clock + link latency)`. On a small shared CPU machine this
 //!   gives the timeline the job would have with one device per rank, independent of how the
 //!   OS interleaves the stage threads.
+//! - [`Clock::Declared`]: the virtual clock's rules, but an action lasts exactly what its
+//!   work declared with [`declare_cost`] on the stage's thread, whatever the host did
+//!   meanwhile. It runs the real runtime against a chosen cost profile (a what-if replay of
+//!   costs measured elsewhere, or a test whose timeline must equal the simulator's to the
+//!   bit): the thread CPU clock of a shared VM now and then reads milliseconds late.
 
 use std::time::Instant;
 
@@ -20,6 +25,9 @@ pub enum Clock {
     /// Per-rank virtual time from thread CPU time; `link_latency` (seconds) is added to every
     /// payload that crosses ranks.
     Virtual { link_latency: f64 },
+    /// Per-rank virtual time advanced by the costs work declares ([`declare_cost`]), with
+    /// the virtual clock's link rule.
+    Declared { link_latency: f64 },
 }
 
 impl Clock {
@@ -27,6 +35,42 @@ impl Clock {
     pub const fn virtual_free() -> Clock {
         Clock::Virtual { link_latency: 0.0 }
     }
+
+    /// A declared-cost clock with free links.
+    pub const fn declared_free() -> Clock {
+        Clock::Declared { link_latency: 0.0 }
+    }
+
+    /// Whether each rank keeps its own clock (virtual or declared), so predicted idle time
+    /// is exact and a receive completes at the virtual-clock rule's time.
+    pub const fn is_virtual(&self) -> bool {
+        matches!(self, Clock::Virtual { .. } | Clock::Declared { .. })
+    }
+
+    /// Seconds added to every payload that crosses ranks (0 on the wall clock, where the
+    /// links take what they take).
+    pub const fn link_latency(&self) -> f64 {
+        match *self {
+            Clock::Virtual { link_latency } | Clock::Declared { link_latency } => link_latency,
+            Clock::Wall => 0.0,
+        }
+    }
+}
+
+thread_local! {
+    /// Seconds of cost declared so far on this thread ([`Clock::Declared`]).
+    static DECLARED: std::cell::Cell<f64> = const { std::cell::Cell::new(0.0) };
+}
+
+/// Declares that the work running on this thread costs `seconds`: under
+/// [`Clock::Declared`] the action (or filler slice) in progress lasts the sum of what it
+/// declared. Other clocks ignore it, so work can both spin and declare.
+pub fn declare_cost(seconds: f64) {
+    DECLARED.with(|d| d.set(d.get() + seconds.max(0.0)));
+}
+
+fn declared_time() -> f64 {
+    DECLARED.with(|d| d.get())
 }
 
 /// CPU time consumed so far by the calling thread, in seconds.
@@ -79,14 +123,14 @@ impl RankClock {
     }
 
     pub fn is_virtual(&self) -> bool {
-        matches!(self.mode, Clock::Virtual { .. })
+        self.mode.is_virtual()
     }
 
     /// The rank's current time.
     pub fn now(&self) -> f64 {
         match self.mode {
             Clock::Wall => self.epoch.elapsed().as_secs_f64(),
-            Clock::Virtual { .. } => self.virtual_now,
+            Clock::Virtual { .. } | Clock::Declared { .. } => self.virtual_now,
         }
     }
 
@@ -94,37 +138,38 @@ impl RankClock {
     pub fn start(&self) -> Stopwatch {
         Stopwatch {
             start: self.now(),
-            cpu: if self.is_virtual() {
-                thread_cpu_time()
-            } else {
-                0.0
+            cpu: match self.mode {
+                Clock::Wall => 0.0,
+                Clock::Virtual { .. } => thread_cpu_time(),
+                Clock::Declared { .. } => declared_time(),
             },
         }
     }
 
     /// Ends the measurement: returns `(start, end)` and, in virtual mode, advances the clock
-    /// by the CPU time used since [`RankClock::start`].
+    /// by the CPU time used (declared mode: the cost declared) since [`RankClock::start`].
     pub fn stop(&mut self, watch: Stopwatch) -> (f64, f64) {
-        match self.mode {
-            Clock::Wall => (watch.start, self.now()),
-            Clock::Virtual { .. } => {
-                let used = (thread_cpu_time() - watch.cpu).max(0.0);
-                self.virtual_now = watch.start + used;
-                (watch.start, self.virtual_now)
-            }
-        }
+        let used = match self.mode {
+            Clock::Wall => return (watch.start, self.now()),
+            Clock::Virtual { .. } => thread_cpu_time() - watch.cpu,
+            Clock::Declared { .. } => declared_time() - watch.cpu,
+        };
+        self.virtual_now = watch.start + used.max(0.0);
+        (watch.start, self.virtual_now)
     }
 
     /// When a payload sent at `sent_at` by rank `from` is available to rank `to`: the
     /// virtual-clock rule; in wall mode, the moment it was taken (now).
     pub fn arrival(&self, from: usize, to: usize, sent_at: f64) -> f64 {
-        match self.mode {
-            Clock::Wall => self.now(),
-            Clock::Virtual { link_latency } => {
-                let latency = if from == to { 0.0 } else { link_latency };
-                sent_at + latency
-            }
+        if !self.is_virtual() {
+            return self.now();
         }
+        let latency = if from == to {
+            0.0
+        } else {
+            self.mode.link_latency()
+        };
+        sent_at + latency
     }
 
     /// Moves a virtual clock forward to `t` (a receive that completes later than now); no
@@ -155,6 +200,24 @@ mod tests {
             "spinning 10ms measured {}s",
             e - s
         );
+    }
+
+    #[test]
+    fn declared_time_is_what_the_work_declared() {
+        let mut c = RankClock::new(Clock::declared_free(), Instant::now());
+        let w = c.start();
+        spin_cpu(0.005);
+        let (s, e) = c.stop(w);
+        assert_eq!(e - s, 0.0, "undeclared spinning took declared time");
+        let w = c.start();
+        declare_cost(0.25);
+        declare_cost(0.5);
+        let (s, e) = c.stop(w);
+        assert_eq!((s, e), (0.0, 0.75));
+        let mut c = RankClock::new(Clock::Declared { link_latency: 0.5 }, Instant::now());
+        assert_eq!(c.arrival(0, 1, 1.0), 1.5);
+        c.advance_to(3.0);
+        assert_eq!(c.now(), 3.0);
     }
 
     #[test]

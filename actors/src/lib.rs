@@ -43,7 +43,7 @@ pub mod stage;
 pub mod step;
 pub mod transport;
 
-pub use clock::{Clock, spin_cpu, thread_cpu_time};
+pub use clock::{Clock, declare_cost, spin_cpu, thread_cpu_time};
 pub use compute::StageCompute;
 pub use error::{LinkError, Result, RuntimeError};
 pub use filler::{Bubble, BubbleFiller, BubbleSpan, FillerSpan, FillerWork, NoFiller};

@@ -335,10 +335,7 @@ impl Pipeline {
             )));
         }
         let mut fillers = std::mem::take(&mut self.fillers).into_iter();
-        let link_latency = match self.clock {
-            Clock::Virtual { link_latency } => link_latency,
-            Clock::Wall => 0.0,
-        };
+        let link_latency = self.clock.link_latency();
         let base = CostModel {
             comm: link_latency,
             ..self.memory_cost.clone()

@@ -139,7 +139,7 @@ impl AutoSwitch {
         let meter = CostMeter {
             inner: compute,
             samples: Some(Arc::clone(&samples)),
-            virtual_clock: matches!(self.clock, Clock::Virtual { .. }),
+            virtual_clock: self.clock.is_virtual(),
         };
         Ok((PlanSource::Replan(self.replanner(link, samples)?), meter))
     }
@@ -224,10 +224,7 @@ impl AutoSwitch {
                 })
                 .collect(),
             // The runtime's base model: link latency of the clock, default memory figures.
-            comm: match self.clock {
-                Clock::Virtual { link_latency } => link_latency,
-                Clock::Wall => 0.0,
-            },
+            comm: self.clock.link_latency(),
             ..CostModel::default()
         };
         let plan =

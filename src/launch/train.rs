@@ -359,8 +359,7 @@ fn run_rank<B: Backend>(
         pipeline = pipeline.fillers(vec![filling.filler()]);
     }
     let profile_err = |error| DistributedError::Profile { rank, error };
-    let mut clock_sync =
-        sync_clock(mesh, matches!(clock, Clock::Virtual { .. })).map_err(profile_err)?;
+    let mut clock_sync = sync_clock(mesh, clock.is_virtual()).map_err(profile_err)?;
     clock_sync.at_run_start();
     let report = pipeline
         .run_local_blocking(vec![(prank, compute)], tensors)

@@ -1,7 +1,9 @@
 //! A fake `StageCompute` whose costs are known and whose payloads check their own routing.
 //!
-//! Costs: every F, I and W spins for a fixed thread CPU time, so in virtual-clock mode the
-//! measured timeline must match the simulator's under the same costs.
+//! Costs: every F, I and W spins for a fixed thread CPU time and declares it ([`work`]), so
+//! in virtual-clock mode the measured timeline replays the simulator's at the costs it ran
+//! at ([`replayed`]), and in declared-clock mode it is the simulator's under the nominal
+//! costs, bit for bit.
 //!
 //! Arithmetic: micro-batch `mb` enters stage 0 as `mb + 1`; F of stage `s` adds `s + 1`;
 //! the last stage's backward starts from its own forward output times `L + 2`; I of stage
@@ -17,7 +19,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use pipefill_actors::{StageCompute, spin_cpu};
+use pipefill_actors::{StageCompute, declare_cost, spin_cpu};
 use pipefill_schedules::{
     Action, ActionKind, CostModel, Placement, Plan, Timeline, simulate_measured,
 };
@@ -147,7 +149,7 @@ impl StageCompute for Fake {
             (Some(stage - 1), activation(stage - 1, mb))
         };
         self.check(&format!("{stage}F{mb}"), input, from, mb, want)?;
-        spin_cpu(self.cost.0);
+        work(self.cost.0);
         let value = activation(stage, mb);
         if self.forwarded.insert((stage, mb), value).is_some() {
             return Err(format!("{stage}F{mb} ran twice"));
@@ -182,7 +184,7 @@ impl StageCompute for Fake {
             .get(&(stage, mb))
             .copied()
             .ok_or(format!("{stage}I{mb} before its forward"))?;
-        spin_cpu(self.cost.1);
+        work(self.cost.1);
         let g = match grad {
             Some(g) => g.value * (stage + 2) as f64,
             None => act * (last + 2) as f64,
@@ -205,7 +207,7 @@ impl StageCompute for Fake {
             return Err(format!("{stage}W{mb} before its input-gradient backward"));
         }
         self.forwarded.remove(&(stage, mb));
-        spin_cpu(self.cost.2);
+        work(self.cost.2);
         Ok(())
     }
 
@@ -231,6 +233,13 @@ impl StageCompute for Fake {
     }
 }
 
+/// Spins `seconds` of thread CPU and declares them: the cost of one piece of fake work,
+/// whichever clock times it.
+pub fn work(seconds: f64) {
+    spin_cpu(seconds);
+    declare_cost(seconds);
+}
+
 /// The cost model (seconds) matching a fake's costs.
 pub fn cost_model(cost: (f64, f64, f64)) -> CostModel {
     CostModel::uniform(cost.0, cost.1, cost.2, 0.0)
@@ -251,25 +260,6 @@ pub fn replayed(plan: &Plan, measured: &Timeline, base: &CostModel) -> Timeline 
         );
     }
     simulate_measured(plan, base, measured).expect("simulates")
-}
-
-/// Runs `attempt` up to three times, until its timing checks pass. Fillers spin real CPU
-/// under a virtual clock, and the thread CPU clock itself now and then reads milliseconds
-/// late ([`replayed`]), so on the shared box one slow action on the critical path can move
-/// a run past a timing margin; a runtime that broke the property fails every attempt.
-pub async fn retry_noisy<F, Fut>(what: impl std::fmt::Display, mut attempt: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<(), String>>,
-{
-    let mut failures = Vec::new();
-    for _ in 0..3 {
-        match attempt().await {
-            Ok(()) => return,
-            Err(e) => failures.push(e),
-        }
-    }
-    panic!("{what}: every attempt failed: {failures:?}");
 }
 
 /// Checks every micro-batch's loss and input gradient after a run.
