@@ -2,7 +2,8 @@
 //! by scripts/data_fixtures.py): the pipelined trainer stays bitwise the reference trainer
 //! on SFT data whose prompts are masked out of the loss, and `pipefill train` runs on a
 //! JSONL file through the binary, with a malformed line and a too-small vocabulary each one
-//! error line.
+//! error line; `pipefill rl` rolls out a file's prompt/answer records, in-process and
+//! launched bitwise alike.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -198,24 +199,75 @@ fn file_errors_are_one_line() {
     );
 }
 
-#[test]
-fn pipefill_rl_refuses_a_jsonl_source_in_one_line() {
-    let dir = tempfile::tempdir().unwrap();
+/// `pipefill PREFIX... rl` of a tiny model on the fixture's prompt/answer records.
+fn rl(prefix: &[&str], out: &Path) -> Output {
     let mut cmd = clean(EXE);
-    cmd.args(["rl", "--steps", "1"]);
-    for s in jsonl_sets(&fixtures().join("rl.jsonl")) {
+    cmd.args(prefix).args(["rl", "--steps", "2"]);
+    let mut sets = jsonl_sets(&fixtures().join("rl.jsonl"));
+    sets.extend(
+        [
+            "model.d_model=32",
+            "model.heads=2",
+            "model.layers=2",
+            "model.seq_len=64",
+            "model.vocab=300",
+            "stages=2",
+            "filler=\"none\"",
+            "train.micro_batch_size=4",
+            "train.lr=1e-2",
+            "train.eval_tasks=2",
+            "data.summary_tasks=50",
+            "rl.prompts=4",
+            "rl.group=4",
+            "rl.max_new_tokens=24",
+            "rl.warmup_steps=200",
+        ]
+        .map(String::from),
+    );
+    for s in sets {
         cmd.args(["--set", &s]);
     }
-    let out = cmd
-        .args(["--set", "model.vocab=300", "--out-dir"])
-        .arg(dir.path().join("run"))
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let stderr = String::from_utf8_lossy(&out.stderr).trim().to_string();
-    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    cmd.arg("--out-dir").arg(out).output().unwrap()
+}
+
+fn column(run: &Path, field: &str) -> Vec<f64> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v[field].as_f64().unwrap_or(f64::NAN)
+        })
+        .collect()
+}
+
+#[test]
+fn pipefill_rl_rolls_out_a_jsonl_files_prompts_in_process_and_launched_alike() {
+    let dir = tempfile::tempdir().unwrap();
+    let (single, multi) = (dir.path().join("single"), dir.path().join("multi"));
+    let out = rl(&[], &single);
+    assert!(out.status.success(), "{}", text(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
-        stderr.contains("pipefill rl rolls out the synthetic tasks only"),
-        "{stderr}"
+        stdout.contains("prompts: 10 prompt/answer records of") && stdout.contains("Numeric"),
+        "{stdout}"
     );
+    // Warmed up on the same records, the policy answers some of them right (the numeric
+    // reward read the `#### N` of its completions), so the update has a gradient.
+    let rewards = column(&single, "reward");
+    assert_eq!(rewards.len(), 2);
+    assert!(
+        rewards.iter().all(|r| (0.0..=1.0).contains(r)),
+        "{rewards:?}"
+    );
+    assert!(rewards[0] > 0.0, "{rewards:?}: {stdout}");
+    assert!(column(&single, "grad_norm")[0] > 0.0);
+
+    // Rank 0 rolls out the same records with the same tokenizer: the same rewards, the
+    // same policy bit for bit.
+    let out = rl(&["launch", "-n", "2", "--"], &multi);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(column(&multi, "reward"), rewards);
+    let load = |d: &Path| pipefill::model::checkpoint::Checkpoint::load(&d.join("checkpoint"));
+    common::assert_bitwise(&load(&single).unwrap(), &load(&multi).unwrap());
 }

@@ -95,14 +95,6 @@ pub fn run(args: RlArgs) -> anyhow::Result<()> {
             "device = \"cuda\": pipefill rl computes on the CPU only for now; set device = \"cpu\""
         );
     }
-    // The rollouts' prompts are the synthetic tasks so far: a JSONL file's prompt/answer
-    // records (data::jsonl, data::reward) are not read by rl yet.
-    if job.data.source != pipefill::data::DataSource::Synthetic {
-        bail!(
-            "data.source = \"jsonl\": pipefill rl rolls out the synthetic tasks only for now; \
-             set data.source = \"synthetic\""
-        );
-    }
     let checkpoint = match &args.init {
         Some(dir) => init_from(&mut job, dir)?,
         None => None,
@@ -150,6 +142,13 @@ pub fn run(args: RlArgs) -> anyhow::Result<()> {
         version = Some(engine.drafter_version());
     }
     let mut trainer = RlTrainer::new(&job, checkpoint)?;
+    if let (Some(n), Some(path)) = (trainer.prompts().records(), &job.data.path) {
+        println!(
+            "prompts: {n} prompt/answer records of {} (each once per epoch), scored by rl.reward = {:?}",
+            path.display(),
+            rl.reward
+        );
+    }
     if rl.speculation {
         let arms = match rl.plain_arm {
             true => format!("K ∈ 0..={} (0: plain)", rl.draft_k),

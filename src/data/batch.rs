@@ -79,15 +79,11 @@ impl StepData {
                 reason: "must be at least 1".into(),
             });
         }
-        let (text, stream) = match config.source {
-            DataSource::Synthetic => (TextTokenizer::Chars(Box::default()), Stream::Tasks),
+        let text = config.text_tokenizer()?;
+        let stream = match config.source {
+            DataSource::Synthetic => Stream::Tasks,
             DataSource::Jsonl => {
                 let path = config.path.as_deref().expect("validated: jsonl has a path");
-                let tok = config
-                    .tokenizer
-                    .as_deref()
-                    .expect("validated: jsonl has one");
-                let text = TextTokenizer::load(tok)?;
                 let lines = read_records(path, config.max_file_bytes, config.max_line_bytes)?;
                 let docs = Documents::build(&lines, path, &text)?;
                 if docs.is_empty() {
@@ -96,7 +92,7 @@ impl StepData {
                         reason: "has no records".into(),
                     });
                 }
-                (text, Stream::Documents(Arc::new(docs)))
+                Stream::Documents(Arc::new(docs))
             }
         };
         Ok(Self {

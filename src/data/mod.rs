@@ -152,6 +152,21 @@ impl Default for DataConfig {
 }
 
 impl DataConfig {
+    /// The stream's tokenizer: the character tokenizer for the synthetic tasks, else
+    /// `data.tokenizer`'s (read here).
+    pub fn text_tokenizer(&self) -> Result<TextTokenizer, DataError> {
+        match (self.source, &self.tokenizer) {
+            (DataSource::Synthetic, _) => Ok(TextTokenizer::Chars(Box::default())),
+            (DataSource::Jsonl, Some(path)) => TextTokenizer::load(path),
+            (DataSource::Jsonl, None) => Err(DataError::Invalid {
+                field: "data.tokenizer",
+                reason: "source = \"jsonl\" needs a tokenizer: a tokenizer.json, a model \
+                         directory, or \"chars\""
+                    .into(),
+            }),
+        }
+    }
+
     /// The number of ids of `data.tokenizer` for a `jsonl` source (reading the tokenizer),
     /// `None` for the synthetic tasks.
     pub fn tokenizer_vocab(&self) -> Result<Option<usize>, DataError> {

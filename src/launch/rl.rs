@@ -73,6 +73,7 @@ use crate::model::drafter::state::DrafterState;
 use crate::model::{AdamW, Cut, Gpt, ModelError, OptimizerState};
 use crate::pipeline::feed::StepFeed;
 use crate::pipeline::{PipelineError, PipelineTrainer};
+use crate::rl::prompts::PromptSource;
 use crate::rl::trainer::{RlError, fitted_update, update_job_of, warm_up_job};
 use crate::rl::trainer_spec::PipelineRollouts;
 use crate::tensor::CpuBackend;
@@ -271,6 +272,10 @@ pub fn rl_rank_with(
         .then(|| rollout_engine(job, init))
         .transpose()
         .map_err(rl_err)?;
+    let prompts = (rank == 0)
+        .then(|| PromptSource::from_job(job))
+        .transpose()
+        .map_err(rl_err)?;
     let mut reference = None;
     let mut steps = Vec::new();
     for step in 0..job.rl.steps {
@@ -286,8 +291,13 @@ pub fn rl_rank_with(
             reference = Some(frozen.map_err(|e| pipeline_err(e.into()))?);
         }
         let rolled = Instant::now();
-        let (wire, figures) =
-            ctx.exchange_rollouts(job, engine.as_mut(), &state.model, reference.as_mut(), step)?;
+        let (wire, figures) = ctx.exchange_rollouts(
+            job,
+            engine.as_mut().zip(prompts.as_ref()),
+            &state.model,
+            reference.as_mut(),
+            step,
+        )?;
         let rollout_seconds = rolled.elapsed().as_secs_f64();
         let updated = Instant::now();
         // Every rank fits the same count: the rollouts' advantages are the same bits.

@@ -6,6 +6,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::config::ConfigError;
+use crate::data::reward::Reward;
 use crate::model::drafter::TreeShape;
 
 /// The `[rl]` section: GRPO rollouts and update.
@@ -23,6 +24,10 @@ pub struct RlConfig {
     /// Most tokens generated per completion (prompt plus completion must fit
     /// `model.seq_len`; longer prompts are skipped).
     pub max_new_tokens: usize,
+    /// How a completion of a JSONL `prompt`/`answer` record is scored: `"numeric"` (the
+    /// number after GSM8K's `####`, else the last number), `"exact"` (trimmed texts equal)
+    /// or `"boxed"` (MATH's last `\boxed{}`). Synthetic tasks use their own checker.
+    pub reward: Reward,
     /// Clip range ε of the policy ratio.
     pub clip: f32,
     /// Weight β of the k3 KL penalty to the frozen initial policy (0: none). With β > 0 the
@@ -94,6 +99,7 @@ impl Default for RlConfig {
             group: 4,
             temperature: 1.0,
             max_new_tokens: 48,
+            reward: Reward::Numeric,
             clip: 0.2,
             kl_coef: 0.0,
             lr: 3e-4,

@@ -24,6 +24,7 @@ pub mod bandit;
 pub mod calibrate;
 pub mod config;
 pub mod grpo;
+pub mod prompts;
 pub mod reward;
 pub mod rollout;
 pub mod speculative;

@@ -22,19 +22,19 @@ pub fn reward(task: &Task, completion: &str) -> f32 {
     }
 }
 
-/// The generated tokens up to (without) the first `EOS`.
-pub fn completion_tokens(ids: &[u32]) -> &[u32] {
-    let end = ids
-        .iter()
-        .position(|&t| t == tokenizer::EOS)
-        .unwrap_or(ids.len());
+/// The generated tokens up to (without) the first `eos`.
+pub fn completion_tokens(ids: &[u32], eos: u32) -> &[u32] {
+    let end = ids.iter().position(|&t| t == eos).unwrap_or(ids.len());
     &ids[..end]
 }
 
 /// The reward of the generated token ids `ids` (after the prompt) for `task`. An id
 /// outside the vocabulary is an error naming it and its position.
 pub fn reward_of_tokens(task: &Task, tok: &Tokenizer, ids: &[u32]) -> Result<f32, DataError> {
-    Ok(reward(task, &tok.decode(completion_tokens(ids))?))
+    Ok(reward(
+        task,
+        &tok.decode(completion_tokens(ids, tokenizer::EOS))?,
+    ))
 }
 
 #[cfg(test)]

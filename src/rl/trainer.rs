@@ -36,10 +36,11 @@ use serde::Serialize;
 
 use super::config::RlConfig;
 use super::grpo::{GrpoError, group_advantages, reference_log_probs};
-use super::reward::{completion_tokens, reward_of_tokens};
+use super::prompts::PromptSource;
+use super::reward::completion_tokens;
 pub use super::update::{UpdateStep, needed_micro_batches, skippable, update_batches, update_step};
 use crate::config::{ConfigError, JobConfig};
-use crate::data::{DataError, SplitMix64, Task, TaskGenerator, Tokenizer, tokenizer};
+use crate::data::{DataError, SplitMix64, Task, TaskGenerator};
 use crate::model::checkpoint::Checkpoint;
 use crate::model::{AdamW, Cut, Gpt, ModelError};
 use crate::pipeline::feed::StepFeed;
@@ -214,31 +215,25 @@ pub struct RlStepMetrics {
 }
 
 /// RL step `step`'s rollouts from `engine` under `policy`, one reward each: the step's
-/// prompts ([`step_prompts`]) encoded after `BOS`, `rl.group` completions each, scored by
-/// exact answer match. The in-process trainer and the multi-process rollout rank share it.
+/// prompts ([`PromptSource::prompts`]), `rl.group` completions each, scored by
+/// [`PromptSource::score`]. The in-process trainer and the multi-process rollout rank share
+/// it.
 pub(crate) fn scored_rollouts(
     job: &JobConfig,
-    tok: &Tokenizer,
+    source: &PromptSource,
     engine: &mut dyn RolloutEngine,
     policy: &Gpt<CpuBackend>,
     step: u64,
 ) -> Result<(RolloutBatch, Vec<f32>), RlError> {
     let rl = &job.rl;
-    let tasks = step_prompts(job, step)?;
-    let prompts = tasks
-        .iter()
-        .map(|t| {
-            let mut ids = vec![tokenizer::BOS];
-            tok.encode_into(&t.prompt, &mut ids)?;
-            Ok(ids)
-        })
-        .collect::<Result<Vec<_>, DataError>>()?;
-    let batch = engine.generate(policy, &prompts, rl.group, rl.max_new_tokens, step)?;
+    let prompts = source.prompts(step)?;
+    let ids: Vec<Vec<u32>> = prompts.iter().map(|p| p.ids.clone()).collect();
+    let batch = engine.generate(policy, &ids, rl.group, rl.max_new_tokens, step)?;
     if batch.rollouts.len() != rl.sequences() {
         return Err(RlError::Rollout(format!(
             "{} rollouts for {} prompts × group {}",
             batch.rollouts.len(),
-            tasks.len(),
+            prompts.len(),
             rl.group
         )));
     }
@@ -246,7 +241,7 @@ pub(crate) fn scored_rollouts(
         .rollouts
         .iter()
         .enumerate()
-        .map(|(i, r)| reward_of_tokens(&tasks[i / rl.group], tok, &r.generated))
+        .map(|(i, r)| source.score(&prompts[i / rl.group], &r.generated))
         .collect::<Result<Vec<f32>, _>>()?;
     Ok((batch, rewards))
 }
@@ -364,7 +359,7 @@ pub struct RlTrainer {
     /// The frozen KL reference (`rl.kl_coef > 0` only).
     reference: Option<Gpt<CpuBackend>>,
     step: u64,
-    tokenizer: Tokenizer,
+    prompts: PromptSource,
 }
 
 impl RlTrainer {
@@ -385,7 +380,7 @@ impl RlTrainer {
             policy,
             reference,
             step: 0,
-            tokenizer: Tokenizer::new(),
+            prompts: PromptSource::from_job(job)?,
         })
     }
 
@@ -416,6 +411,11 @@ impl RlTrainer {
         }
     }
 
+    /// What the steps roll out and how they are scored.
+    pub fn prompts(&self) -> &PromptSource {
+        &self.prompts
+    }
+
     pub fn policy(&self) -> &Gpt<CpuBackend> {
         &self.policy
     }
@@ -441,7 +441,7 @@ impl RlTrainer {
         let step = self.step;
         let step_started = Instant::now();
         let (batch, rewards) =
-            scored_rollouts(&self.job, &self.tokenizer, engine, &self.policy, step)?;
+            scored_rollouts(&self.job, &self.prompts, engine, &self.policy, step)?;
         let rollout_seconds = step_started.elapsed().as_secs_f64() - batch.drafter_seconds;
         let reward = rewards.iter().map(|&r| f64::from(r)).sum::<f64>() / rewards.len() as f64;
         on_rollout(reward);
@@ -451,10 +451,11 @@ impl RlTrainer {
             .filter(|g| g.iter().any(|&a| a != 0.0))
             .count();
         // Tokens the policy produced: up to and with EOS.
+        let eos = self.prompts.eos();
         let generated_tokens = batch
             .rollouts
             .iter()
-            .map(|r| (completion_tokens(&r.generated).len() + 1).min(r.generated.len()))
+            .map(|r| (completion_tokens(&r.generated, eos).len() + 1).min(r.generated.len()))
             .sum();
 
         let reference_started = Instant::now();

@@ -9,7 +9,7 @@
 
 use super::accept::{sample, softmax};
 use super::trainer::{RlError, Rollout, RolloutBatch, RolloutEngine};
-use crate::data::{SplitMix64, tokenizer};
+use crate::data::SplitMix64;
 use crate::model::infer::{InferStage, Span, run_stages};
 use crate::model::{Cut, Gpt};
 use crate::tensor::CpuBackend;
@@ -19,6 +19,8 @@ use crate::tensor::CpuBackend;
 pub struct PlainSampler {
     pub temperature: f32,
     pub seed: u64,
+    /// The id that ends a completion (the job's tokenizer's EOS).
+    pub eos: u32,
 }
 
 impl RolloutEngine for PlainSampler {
@@ -67,7 +69,7 @@ impl RolloutEngine for PlainSampler {
                 let token = sample(&softmax(last, self.temperature), &mut rngs[slot]);
                 let s = &mut seqs[slot];
                 s.generated.push(token);
-                if token != tokenizer::EOS && s.generated.len() < max_new {
+                if token != self.eos && s.generated.len() < max_new {
                     next_live.push(slot);
                 } else {
                     for stage in &mut stages {
@@ -105,6 +107,7 @@ impl RolloutEngine for PlainSampler {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::data::tokenizer;
     use crate::model::GptConfig;
 
     #[test]
@@ -121,6 +124,7 @@ mod tests {
         let mut engine = PlainSampler {
             temperature: 1.0,
             seed: 4,
+            eos: tokenizer::EOS,
         };
         let batch = engine.generate(&gpt, &prompts, 3, 6, 0).unwrap();
         assert_eq!(batch.rollouts.len(), 6);

@@ -58,7 +58,7 @@ use super::rollout::{
 use super::speculative::Proposer;
 use super::trainer::{RlError, Rollout, RolloutBatch, RolloutEngine};
 use crate::config::JobConfig;
-use crate::data::{SplitMix64, tokenizer};
+use crate::data::SplitMix64;
 use crate::model::drafter::state::DrafterState;
 use crate::model::drafter::{
     DraftBufferHandle, DraftRow, Drafter, DrafterConfig, DrafterTrainer, EvalStats,
@@ -128,6 +128,8 @@ pub struct PipelineRollouts {
     alpha_stale: bool,
     /// The threshold of the latest rollout.
     threshold: Option<ThresholdChoice>,
+    /// The job's tokenizer's end of a completion.
+    eos: u32,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -176,6 +178,7 @@ impl PipelineRollouts {
             alpha: None,
             alpha_stale: false,
             threshold: None,
+            eos: job.data.text_tokenizer()?.eos(),
         })
     }
 }
@@ -441,7 +444,7 @@ impl RolloutEngine for PipelineRollouts {
             engine = engine.with_hook(Arc::clone(h) as Arc<dyn MessageHook>);
         }
         let config = RolloutConfig {
-            eos: tokenizer::EOS,
+            eos: self.eos,
             temperature: self.rl.temperature,
             groups: self.stages.max(1),
             seed: SplitMix64::derive(self.rl.seed, step).next_u64(),

@@ -19,7 +19,6 @@ use crate::comm::tcp_transport::{
     BufCodec, STATS_CHANNEL, SerdeCodec, TENSOR_CHANNEL, TcpTransport,
 };
 use crate::config::JobConfig;
-use crate::data::Tokenizer;
 use crate::launch::profile::GRAD_CHANNEL;
 use crate::launch::train::FinalWire;
 use crate::model::{Gpt, ModelError};
@@ -27,6 +26,7 @@ use crate::pipeline::feed::StepFeed;
 use crate::pipeline::shared::{Replica, Shared, tie_ranks};
 use crate::pipeline::{PipelineError, RankCompute};
 use crate::rl::grpo::{GrpoTokenLoss, group_advantages, reference_log_probs};
+use crate::rl::prompts::PromptSource;
 use crate::rl::trainer::{
     RlError, Rollout, RolloutEngine, UpdateStep, needed_micro_batches, scored_rollouts,
     update_batches, update_step,
@@ -300,18 +300,19 @@ impl Ctx<'_> {
         Ok(())
     }
 
-    /// Step `step`'s rollouts: rank 0 (`engine`) generates and scores them under `policy`,
+    /// Step `step`'s rollouts: rank 0 (`engine` and its prompts) generates and scores them
+    /// under `policy`,
     /// computes the reference's log-probs when given, and sends them to every rank, which
     /// receives them here. Rank 0 also returns its figures.
     pub fn exchange_rollouts(
         &self,
         job: &JobConfig,
-        engine: Option<&mut PipelineRollouts>,
+        engine: Option<(&mut PipelineRollouts, &PromptSource)>,
         policy: &Gpt<CpuBackend>,
         reference: Option<&mut Gpt<CpuBackend>>,
         step: u64,
     ) -> Result<(RolloutWire, Option<RolloutFigures>), RlLaunchError> {
-        let Some(engine) = engine else {
+        let Some((engine, prompts)) = engine else {
             let bytes = self
                 .mesh
                 .recv(0, RL_CHANNEL)
@@ -320,9 +321,8 @@ impl Ctx<'_> {
                 frame::decode(&bytes).map_err(|e| self.bad_frame(0, "rollouts")(e.to_string()))?;
             return Ok((wire, None));
         };
-        let tok = Tokenizer::new();
         let (mut wire, mut figures) =
-            rollout(job, &tok, engine, policy, step).map_err(self.rl_err())?;
+            rollout(job, prompts, engine, policy, step).map_err(self.rl_err())?;
         if let Some(reference) = reference {
             let started = Instant::now();
             let batches = update_batches(&wire.rollouts(), &wire.advantages)
@@ -389,13 +389,13 @@ impl Ctx<'_> {
 /// in-process trainer computes them.
 fn rollout(
     job: &JobConfig,
-    tok: &Tokenizer,
+    prompts: &PromptSource,
     engine: &mut PipelineRollouts,
     policy: &Gpt<CpuBackend>,
     step: u64,
 ) -> Result<(RolloutWire, RolloutFigures), RlError> {
     let rl = &job.rl;
-    let (batch, rewards) = scored_rollouts(job, tok, engine, policy, step)?;
+    let (batch, rewards) = scored_rollouts(job, prompts, engine, policy, step)?;
     let advantages = group_advantages(&rewards, rl.group)?;
     let figures = RolloutFigures {
         reward: rewards.iter().map(|&r| f64::from(r)).sum::<f64>() / rewards.len() as f64,
