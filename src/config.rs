@@ -11,6 +11,7 @@
 //! turned into a [`JobConfig`], so they go through exactly the same checks as the file.
 
 pub mod memory;
+pub mod schedule;
 
 use std::path::{Path, PathBuf};
 
@@ -21,6 +22,7 @@ use crate::model::GptConfig;
 use crate::model::drafter::DrafterConfig;
 use crate::rl::config::RlConfig;
 use crate::train::TrainConfig;
+pub use schedule::{ScheduleChoice, UnknownSchedule};
 
 /// The embedded default job (the same text as `examples/default.toml`).
 pub const DEFAULT_JOB: &str = include_str!("../examples/default.toml");
@@ -146,7 +148,7 @@ pub struct JobConfig {
     /// are measured, then the auto-scheduler's plan for them within ZB-H1's memory), the
     /// path of a custom schedule file (`.csv` or `.toml`), or `"none"`, which trains on one
     /// device with the reference trainer.
-    pub schedule: String,
+    pub schedule: ScheduleChoice,
     /// Number of pipeline ranks (one actor each); ignored by schedule `"none"`.
     pub stages: usize,
     /// Data-parallel pipeline replicas of a multi-process job (world = dp × the plan's
@@ -185,7 +187,7 @@ pub struct JobConfig {
 impl Default for JobConfig {
     fn default() -> Self {
         Self {
-            schedule: "zb-h1".into(),
+            schedule: ScheduleChoice::Builtin(crate::schedules::ScheduleKind::ZbH1),
             stages: 4,
             dp: 1,
             clock: Clock::default(),
@@ -366,12 +368,6 @@ impl JobConfig {
         }
         if self.dp == 0 {
             return Err(invalid("dp", "must be at least 1".into()));
-        }
-        if self.schedule.trim().is_empty() {
-            return Err(invalid(
-                "schedule",
-                "must name a schedule (\"none\" for the single-device reference trainer)".into(),
-            ));
         }
         // Sizes whose memory cannot even be counted (checked arithmetic) are errors now;
         // whether the count fits the machine is the command's check (`check_memory`).

@@ -28,7 +28,7 @@ const MICRO_BATCHES: usize = 4;
 /// A small model over `PP` ranks (1F1B), `filler` in the bubbles, run files under `out`.
 fn job(filler: Filler, out: &Path) -> JobConfig {
     let mut job = JobConfig::default();
-    job.schedule = "1f1b".into();
+    job.schedule = "1f1b".parse().unwrap();
     job.stages = PP;
     job.filler = filler;
     job.out_dir = Some(out.to_path_buf());

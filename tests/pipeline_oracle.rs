@@ -20,7 +20,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::OnceLock;
 
-use pipefill::config::JobConfig;
+use pipefill::config::{JobConfig, ScheduleChoice};
 use pipefill::model::GptConfig;
 use pipefill::model::config::Positions;
 use pipefill::model::init::INIT_STD;
@@ -46,7 +46,7 @@ fn job(stages: usize) -> JobConfig {
 /// 8 micro-batches wide, with no schedule of its own (each test names its plan).
 fn job_clipped_at(stages: usize, clip: f32) -> JobConfig {
     let mut job = tiny_job(stages, STEPS);
-    job.schedule = "none".into();
+    job.schedule = ScheduleChoice::None;
     job.model.layers = 8;
     job.train.micro_batches = 8;
     job.train.clip = clip;
@@ -189,7 +189,7 @@ fn check_against_oracle(name: &str, trainer: &PipelineTrainer) -> PipelineRun {
         worst.1,
         worst.0
     );
-    check_action_order(name, &run, trainer.job().schedule == "auto");
+    check_action_order(name, &run, trainer.job().schedule.is_auto());
     run
 }
 
@@ -266,7 +266,7 @@ fn zb_v_matches_the_reference() {
 #[test]
 fn auto_schedule_matches_the_reference() {
     let job = JobConfig {
-        schedule: "auto".into(),
+        schedule: ScheduleChoice::Auto,
         ..job(4)
     };
     let trainer = PipelineTrainer::from_job(&job)
@@ -449,10 +449,10 @@ fn plans_that_do_not_fit_the_job_are_refused() {
     let err = PipelineTrainer::from_job(&job).unwrap_err();
     assert!(err.to_string().contains("schedule"), "{err}");
     let mut missing = job.clone();
-    missing.schedule = "no-such-schedule.csv".into();
+    missing.schedule = "no-such-schedule.csv".parse().unwrap();
     assert!(PipelineTrainer::from_job(&missing).is_err());
     let mut named = job.clone();
-    named.schedule = "zb-h1".into();
+    named.schedule = "zb-h1".parse().unwrap();
     let trainer = PipelineTrainer::from_job(&named).unwrap();
     assert_eq!(trainer.plan().num_ranks(), 4);
 }

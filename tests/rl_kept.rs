@@ -200,7 +200,7 @@ fn a_kept_run_refuses_what_it_cannot_keep() {
     let ranks = trainer.run_kept(None, 1).unwrap().ranks;
     // Two stages per rank instead of one: the kept ranks do not fit that plan.
     let mut interleaved = job.clone();
-    interleaved.schedule = "interleaved-1f1b".into();
+    interleaved.schedule = "interleaved-1f1b".parse().unwrap();
     let other = PipelineTrainer::from_job(&interleaved).unwrap();
     assert!(!ranks.fits(&other));
     assert!(err(other.run_kept(Some(ranks), 1)).contains("places other stages"));

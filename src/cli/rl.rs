@@ -101,7 +101,7 @@ pub fn run(args: RlArgs) -> anyhow::Result<()> {
     };
     job.rl.validate(job.model.seq_len)?;
     crate::cli::train::check_memory(&job, &rank_env, args.max_memory.as_deref(), Workload::Rl)?;
-    if job.schedule.trim().eq_ignore_ascii_case("none") {
+    if job.schedule.is_none() {
         bail!("schedule \"none\": the RL update runs as a pipelined step; name a schedule");
     }
     let existing = Existing::overwrite(args.overwrite);
@@ -118,7 +118,7 @@ pub fn run(args: RlArgs) -> anyhow::Result<()> {
         job.model.layers,
         job.model.d_model,
         job.model.seq_len,
-        job.schedule.trim(),
+        job.schedule,
         job.stages,
         rl.sequences(),
         rl.prompts,

@@ -33,7 +33,7 @@ use size::{Size, add, f, k, mul};
 
 use super::{ConfigError, Filler, JobConfig};
 use crate::data::Tokenizer;
-use crate::schedules::{CostModel, ScheduleKind, generate, peak_memory};
+use crate::schedules::{CostModel, generate, peak_memory};
 
 /// Bytes per parameter: the f32 value, its gradient and two AdamW moments (16), and the
 /// copies of values and moments that initialisation and the checkpoints make.
@@ -208,7 +208,7 @@ impl MemoryEstimate {
         parts.push(("data", add("the data", &[summary, eval, batches])?));
 
         let drafter = match workload {
-            Workload::Train => job.filler == Filler::Drafter && !is_none(&job.schedule),
+            Workload::Train => job.filler == Filler::Drafter && !job.schedule.is_none(),
             Workload::Rl => job.rl.speculation,
         };
         if drafter {
@@ -217,7 +217,7 @@ impl MemoryEstimate {
         if workload == Workload::Rl {
             parts.push(("rollouts", rollout_bytes(job)?));
         }
-        if let Some(file) = schedule_file(&job.schedule) {
+        if let Some(file) = job.schedule.file() {
             // Reading it: its size is known before it is read.
             let bytes = std::fs::metadata(file).map_or(0, |m| m.len());
             let read = mul(
@@ -298,7 +298,7 @@ impl JobConfig {
         // that one too large is refused unread; then with its own peak.
         let bounded = MemoryEstimate::bounded(self, workload)?;
         bounded.check(bounded.share(processes), limit)?;
-        if schedule_file(&self.schedule).is_none() {
+        if self.schedule.file().is_none() {
             return Ok(bounded);
         }
         let estimate = MemoryEstimate::of(self, workload)?;

@@ -116,8 +116,7 @@ impl AutoSwitch {
     /// share of the micro-batches) when the job is auto-scheduled; `None` otherwise.
     pub fn for_job(job: &JobConfig, plan: &Plan, clock: Clock) -> Option<Self> {
         job.schedule
-            .trim()
-            .eq_ignore_ascii_case("auto")
+            .is_auto()
             .then(|| AutoSwitch::new(plan.num_ranks(), job.dp, plan.microbatches, clock))
     }
 

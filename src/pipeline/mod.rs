@@ -21,7 +21,7 @@
 //! use pipefill::schedules::ScheduleKind;
 //!
 //! # fn main() -> Result<(), pipefill::pipeline::PipelineError> {
-//! let job = JobConfig { stages: 4, schedule: "zb-h1".into(), ..JobConfig::default() };
+//! let job = JobConfig { stages: 4, schedule: "zb-h1".parse().unwrap(), ..JobConfig::default() };
 //! // From the job's `schedule` (a built-in name or a .csv/.toml file) and `stages`:
 //! let trainer = PipelineTrainer::from_job(&job)?;
 //! // or explicitly: PipelineTrainer::builtin(&job, ScheduleKind::ZbH1, None)?

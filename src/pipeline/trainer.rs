@@ -33,7 +33,7 @@ use super::compute::RankCompute;
 use super::feed::StepFeed;
 use super::shared::Shared;
 use super::{PipelineError, check_plan};
-use crate::config::{Filler, JobConfig};
+use crate::config::{Filler, JobConfig, ScheduleChoice};
 use crate::model::checkpoint::Checkpoint;
 use crate::model::{Cut, Gpt, ModelError, OptimizerState};
 use crate::schedules::{AutoReplanner, Plan, ScheduleKind, build, read_plan};
@@ -106,41 +106,41 @@ impl PipelineTrainer {
     /// The plan named by `job.schedule`: a built-in kind, or a `.csv`/`.toml` schedule
     /// file, which must have `job.stages` ranks.
     pub fn from_job(job: &JobConfig) -> Result<Self, PipelineError> {
-        let name = job.schedule.trim();
-        if name.eq_ignore_ascii_case("none") {
-            return Err(PipelineError::Config {
+        match &job.schedule {
+            ScheduleChoice::None => Err(PipelineError::Config {
                 field: "schedule",
                 reason: "is \"none\": that job trains on one device with the reference \
                          trainer, not a pipeline"
                     .into(),
-            });
-        }
-        if let Ok(kind) = name.parse::<ScheduleKind>() {
-            return Self::builtin(job, kind, None);
-        }
-        if name.eq_ignore_ascii_case("auto") {
-            // ZB-H1 until every stage is measured, then the auto plan for the measured costs
-            // within ZB-H1's own memory (p forwards' activations per rank).
-            let mut trainer = Self::builtin(job, ScheduleKind::ZbH1, Some(1))?;
-            trainer.auto = Some(AutoReplanner::new(
-                job.stages,
-                job.train.micro_batches,
-                None,
-            ));
-            return Ok(trainer);
-        }
-        let plan = read_plan(std::path::Path::new(name))?;
-        if plan.num_ranks() != job.stages {
-            return Err(PipelineError::Config {
-                field: "stages",
-                reason: format!(
-                    "is {}, but schedule file {name} has {} ranks",
+            }),
+            ScheduleChoice::Builtin(kind) => Self::builtin(job, *kind, None),
+            ScheduleChoice::Auto => {
+                // ZB-H1 until every stage is measured, then the auto plan for the measured
+                // costs within ZB-H1's own memory (p forwards' activations per rank).
+                let mut trainer = Self::builtin(job, ScheduleKind::ZbH1, Some(1))?;
+                trainer.auto = Some(AutoReplanner::new(
                     job.stages,
-                    plan.num_ranks()
-                ),
-            });
+                    job.train.micro_batches,
+                    None,
+                ));
+                Ok(trainer)
+            }
+            ScheduleChoice::File(path) => {
+                let plan = read_plan(path)?;
+                if plan.num_ranks() != job.stages {
+                    return Err(PipelineError::Config {
+                        field: "stages",
+                        reason: format!(
+                            "is {}, but schedule file {} has {} ranks",
+                            job.stages,
+                            path.display(),
+                            plan.num_ranks()
+                        ),
+                    });
+                }
+                Self::new(job, plan)
+            }
         }
-        Self::new(job, plan)
     }
 
     /// Times the run with `clock` instead of the job's.

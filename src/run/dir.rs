@@ -243,7 +243,7 @@ impl RunDir {
     ) -> Result<PathBuf, RunDirError> {
         let notes = &mut checkpoint.meta.notes;
         notes.insert(JOB_FILE.into(), job.to_toml());
-        notes.insert("schedule".into(), job.schedule.trim().to_string());
+        notes.insert("schedule".into(), job.schedule.to_string());
         let dir = self.path.join(FINAL_DIR);
         checkpoint.save(&dir)?;
         Ok(dir)

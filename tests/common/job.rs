@@ -20,7 +20,7 @@ pub const TINY_CLIP: f32 = 0.8;
 /// change the few fields their test is about.
 pub fn tiny_job(stages: usize, steps: u64) -> JobConfig {
     JobConfig {
-        schedule: "1f1b".into(),
+        schedule: "1f1b".parse().unwrap(),
         stages,
         model: GptConfig {
             d_model: 16,

@@ -45,15 +45,15 @@ pub fn train_distributed(
     let mut share = job.clone();
     share.train.micro_batches /= job.dp;
     let trainer = PipelineTrainer::from_job(&share)
-        .with_context(|| format!("schedule {:?} on {} ranks", job.schedule, job.stages))?;
+        .with_context(|| format!("schedule {} on {} ranks", job.schedule, job.stages))?;
     // schedule = "auto": the trainer's plan is ZB-H1, which every rank runs until the ranks
     // have gathered their measured costs and switch to the same auto plan
     // (pipefill::launch::auto).
-    let auto = job.schedule.trim().eq_ignore_ascii_case("auto");
+    let auto = job.schedule.is_auto();
     let plan = trainer.plan();
     if plan.num_ranks() * job.dp != env.world {
         bail!(
-            "the job's schedule {:?} has {} ranks × dp = {} but {} processes were launched: one rank per process (set stages × dp = {})",
+            "the job's schedule \"{}\" has {} ranks × dp = {} but {} processes were launched: one rank per process (set stages × dp = {})",
             job.schedule,
             plan.num_ranks(),
             job.dp,
@@ -100,7 +100,7 @@ pub fn train_distributed(
             env.world,
             env.launcher,
             job.dp,
-            job.schedule.trim(),
+            job.schedule,
             plan.stages,
             job.train.steps - first_step
         );
@@ -226,7 +226,7 @@ fn write_run_files(
         .context("some stage measured no forward in the merged profile: nothing to predict with")?;
     let predicted = simulate(plan, &cost)?;
     let info = RunInfo {
-        schedule: job.schedule.trim().to_string(),
+        schedule: job.schedule.to_string(),
         clock: job.clock.name().into(),
         stages: plan.stages,
         microbatches: plan.microbatches,
@@ -292,7 +292,7 @@ pub fn rl_distributed(
             "distributed rl: {} ranks ({:?} launcher), update schedule {} with {} stages, {} steps; rank 0 runs the rollouts ({})",
             env.world,
             env.launcher,
-            job.schedule.trim(),
+            job.schedule,
             job.stages,
             job.rl.steps,
             if job.rl.speculation {

@@ -144,7 +144,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         resume.map_or(Resume::Fresh, Resume::From),
         existing,
     )?;
-    if !job.schedule.trim().eq_ignore_ascii_case("none") {
+    if !job.schedule.is_none() {
         if device.is_cuda() {
             bail!(
                 "device = \"cuda\": the single-process pipeline computes on the CPU only; run the job as one process per GPU (`pipefill launch -n <ranks> -- train ...`) or with schedule \"none\" on one GPU"

@@ -23,7 +23,6 @@ use pipefill::model::checkpoint::{Checkpoint, META_FILE};
 use pipefill::pipeline::{PipelineTrainer, StepMetrics, StepView};
 use pipefill::profile::report::{ActionCosts, action_costs};
 use pipefill::run::{RunDir, StepLine};
-use pipefill::schedules::ScheduleKind;
 
 use super::run_files::{filling, write_profile};
 use super::{evaluate, open_run_dir, progress_bar};
@@ -38,12 +37,11 @@ pub(super) fn train(
     resume: Option<&Path>,
     run_dir: &RunDir,
 ) -> anyhow::Result<()> {
-    check_schedule(&job.schedule)?;
     let summary = DatasetSummary::sample(&job.data, job.train.seed)?;
     print!("{summary}");
 
     let mut trainer = PipelineTrainer::from_job(job)
-        .with_context(|| format!("schedule {:?} on {} ranks", job.schedule, job.stages))?
+        .with_context(|| format!("schedule {} on {} ranks", job.schedule, job.stages))?
         .filler(job.filler);
     if let Some(dir) = resume {
         let checkpoint = load_resume(dir, &trainer)?;
@@ -76,7 +74,7 @@ pub(super) fn train(
     println!(
         "pipeline: schedule {} on {} ranks ({} stages, {} per rank), {} micro-batches × {} \
          sequences per step, {clock} clock",
-        job.schedule.trim(),
+        job.schedule,
         plan.num_ranks(),
         plan.stages,
         plan.stages_per_rank(),
@@ -211,23 +209,6 @@ fn baseline(
         format!("the same job with filler = \"none\", {n} steps"),
         action_costs(&run.report.iterations),
     ))
-}
-
-/// A schedule that is neither a built-in name nor an existing file is refused up front,
-/// with the list of names, instead of as a failed file read.
-fn check_schedule(schedule: &str) -> anyhow::Result<()> {
-    let name = schedule.trim();
-    if name.parse::<ScheduleKind>().is_ok()
-        || name.eq_ignore_ascii_case("auto")
-        || Path::new(name).is_file()
-    {
-        return Ok(());
-    }
-    let names: Vec<&str> = ScheduleKind::ALL.iter().map(|k| k.name()).collect();
-    bail!(
-        "schedule {name:?} is neither a built-in schedule ({}, auto, or none) nor a schedule file",
-        names.join(", ")
-    )
 }
 
 /// The checkpoint `--resume PATH` names: a run directory (the newest of its complete sharded

@@ -126,7 +126,7 @@ pub(super) fn write_profile(
     let step = first_step as usize + index;
     let measured = &iterations[index];
     let info = RunInfo {
-        schedule: job.schedule.trim().to_string(),
+        schedule: job.schedule.to_string(),
         clock: clock.to_string(),
         stages: run.plan.stages,
         microbatches: run.plan.microbatches,

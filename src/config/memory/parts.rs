@@ -1,7 +1,7 @@
 //! The estimate's parts, one function each: the activations in flight at the schedule's
 //! peak, the parameters, the tasks' text, the drafter and the rollouts.
 
-use super::super::{ConfigError, JobConfig};
+use super::super::{ConfigError, JobConfig, ScheduleChoice};
 use super::size::{Size, add, div_ceil, f, k, mul, overflow};
 use super::*;
 
@@ -24,7 +24,7 @@ pub(super) struct InFlight {
 /// `layers` blocks. A schedule file is read for its peak when `read_files` (a broken one is
 /// an error naming `schedule`), else bounded by GPipe's.
 pub(super) fn in_flight(
-    schedule: &str,
+    schedule: &ScheduleChoice,
     ranks: usize,
     microbatches: usize,
     layers: usize,
@@ -33,8 +33,7 @@ pub(super) fn in_flight(
 ) -> Result<InFlight, ConfigError> {
     let m = f(microbatches_field, microbatches);
     let layers = f("model.layers", layers);
-    let name = schedule.trim();
-    if name.eq_ignore_ascii_case("none") {
+    if schedule.is_none() {
         // The reference trainer: one micro-batch at a time through the whole model.
         return Ok(InFlight {
             units: k(1),
@@ -45,11 +44,7 @@ pub(super) fn in_flight(
         });
     }
     let p = f("stages", ranks);
-    let kind = match name.parse::<ScheduleKind>() {
-        Ok(kind) => Some(kind),
-        Err(_) if name.eq_ignore_ascii_case("auto") => Some(ScheduleKind::ZbH1),
-        Err(_) => None,
-    };
+    let kind = schedule.kind();
     let chunks = kind.map_or(1, |k| k.default_chunks());
     let v = f("stages", chunks);
     let per_cell = kind.map_or(ACTIONS_PER_CELL, |k| k.actions_per_cell());
@@ -70,7 +65,7 @@ pub(super) fn in_flight(
             ..gpipe
         };
         return match read_files {
-            true => file_peak(name, layers, bound),
+            true => file_peak(schedule, layers, bound),
             false => Ok(bound),
         };
     };
@@ -105,22 +100,15 @@ pub(super) fn plan_peak(plan: &crate::schedules::Plan, layers: Size, bound: InFl
     }
 }
 
-/// The schedule file `schedule` names (a `.csv` or `.toml` path), if it does.
-pub(super) fn schedule_file(schedule: &str) -> Option<&std::path::Path> {
-    let path = std::path::Path::new(schedule.trim());
-    let ext = path.extension()?.to_str()?.to_ascii_lowercase();
-    matches!(ext.as_str(), "csv" | "toml").then_some(path)
-}
-
-/// The peak of the schedule file `name`, read and validated; `bound` for a name that is not
-/// a file's (the trainer says what it is not). A file that cannot be read or used is an
-/// error naming `schedule`, its reason on one line.
+/// The peak of the schedule file `schedule` names, read and validated; `bound` for any
+/// other choice. A file that cannot be read or used is an error naming `schedule`, its
+/// reason on one line.
 pub(super) fn file_peak(
-    name: &str,
+    schedule: &ScheduleChoice,
     layers: Size,
     bound: InFlight,
 ) -> Result<InFlight, ConfigError> {
-    let Some(path) = schedule_file(name) else {
+    let Some(path) = schedule.file() else {
         return Ok(bound);
     };
     let invalid = |e: crate::schedules::ScheduleError| ConfigError::Invalid {
@@ -275,10 +263,6 @@ pub(super) fn task_text(job: &JobConfig) -> Result<Size, ConfigError> {
         field: "data.max_size",
         value: u64::from(job.data.max_size),
     })
-}
-
-pub(super) fn is_none(schedule: &str) -> bool {
-    schedule.trim().eq_ignore_ascii_case("none")
 }
 
 /// The drafter: its block (as wide as the target's), input projection, frozen copies of
