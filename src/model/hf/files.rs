@@ -12,6 +12,7 @@ use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Component, Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use safetensors::Dtype;
 use safetensors::tensor::Metadata;
@@ -38,6 +39,8 @@ pub struct WeightFiles {
     shards: Vec<Shard>,
     /// Tensor name → index into `shards`.
     index: BTreeMap<String, usize>,
+    /// Tensor bytes read so far (what a rank's stage cost it in reads).
+    read: AtomicU64,
 }
 
 /// A tensor's header entry.
@@ -79,6 +82,7 @@ impl WeightFiles {
         Ok(WeightFiles {
             shards: vec![shard],
             index,
+            read: AtomicU64::new(0),
         })
     }
 
@@ -136,7 +140,22 @@ impl WeightFiles {
                 });
             }
         }
-        Ok(WeightFiles { shards, index })
+        Ok(WeightFiles {
+            shards,
+            index,
+            read: AtomicU64::new(0),
+        })
+    }
+
+    /// Bytes of tensor data read so far (headers not counted).
+    pub fn bytes_read(&self) -> u64 {
+        self.read.load(Ordering::Relaxed)
+    }
+
+    /// Bytes of tensor data `name` holds in its file, if it is there.
+    pub fn data_bytes(&self, name: &str) -> Option<u64> {
+        let info = self.shards[*self.index.get(name)?].meta.info(name)?;
+        Some((info.data_offsets.1 - info.data_offsets.0) as u64)
     }
 
     /// Every tensor name, sorted.
@@ -195,6 +214,7 @@ impl WeightFiles {
         f.seek(SeekFrom::Start(s.data_start + start as u64))
             .and_then(|_| f.read_exact(&mut bytes))
             .map_err(|e| bad(format!("cannot be read: {e}")))?;
+        self.read.fetch_add(bytes.len() as u64, Ordering::Relaxed);
         let values = match info.dtype {
             Dtype::F32 => bytes
                 .chunks_exact(width)

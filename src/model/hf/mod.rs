@@ -274,6 +274,11 @@ impl HfModel {
         &self.config.gpt
     }
 
+    /// The weight files (tensor names, sizes, and the bytes read from them so far).
+    pub fn files(&self) -> &WeightFiles {
+        &self.files
+    }
+
     /// Pipefill parameter `name` in pipefill's layout (transposed where it must be; `head.w`
     /// from the embedding when the model is tied and has no `lm_head.weight`).
     pub fn read(&self, name: &str) -> Result<HostTensor, HfError> {
