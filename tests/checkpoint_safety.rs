@@ -312,3 +312,43 @@ fn one_flipped_byte_in_a_single_process_checkpoint_is_refused_on_resume() {
         "{stderr}"
     );
 }
+
+/// A checkpoint whose file declares (and on disk has, sparse) more bytes than the memory
+/// holds is refused in one line before the read is allocated; it aborted in the allocator.
+#[test]
+fn a_checkpoint_file_larger_than_memory_is_refused_before_it_is_allocated() {
+    const HUGE: u64 = 250 << 30;
+    let available = pipefill::config::memory::MemoryLimit::machine().bytes;
+    if available >= HUGE {
+        eprintln!("skipped: {available} bytes available, the sparse file would fit");
+        return;
+    }
+    let root = tempfile::tempdir().unwrap();
+    let run = root.path().join("run");
+    let out = train(2, &run, &[]);
+    assert!(out.status.success(), "{}", text(&out));
+    let ckpt = run.join("checkpoint");
+    let meta_path = ckpt.join(META_FILE);
+    let mut meta: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&meta_path).unwrap()).unwrap();
+    meta["tensor_bytes"] = HUGE.into();
+    std::fs::write(&meta_path, serde_json::to_vec(&meta).unwrap()).unwrap();
+    std::fs::File::options()
+        .write(true)
+        .open(ckpt.join(TENSOR_FILE))
+        .unwrap()
+        .set_len(HUGE)
+        .unwrap();
+    let out = train(
+        3,
+        &root.path().join("bad"),
+        &["--resume", ckpt.to_str().unwrap()],
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr).trim().to_string();
+    assert_eq!(stderr.lines().count(), 1, "not one line: {stderr}");
+    assert!(
+        stderr.contains("more than the memory can hold") && stderr.contains(TENSOR_FILE),
+        "{stderr}"
+    );
+}

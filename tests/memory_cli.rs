@@ -183,6 +183,12 @@ fn job_sizes_over_the_memory_are_one_line_naming_the_field() {
             "{line}"
         );
     }
+    // Compute threads start before the first step and the estimate does not count them.
+    let line = train("train.threads=3000");
+    assert!(
+        line.contains("train.threads") && line.contains("is 3000, more than 1024"),
+        "{line}"
+    );
     // Countable, but over the limit: the estimate and its largest parts.
     let line = train("train.eval_tasks=100000000");
     assert!(

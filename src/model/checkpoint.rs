@@ -101,6 +101,16 @@ pub enum CheckpointError {
         bytes: u64,
         limit: u64,
     },
+    /// A file whose listed size the memory cannot hold: refused before it is allocated.
+    #[error(
+        "checkpoint {path}: {bytes} bytes, more than the memory can hold ({available} bytes \
+         available)"
+    )]
+    OverMemory {
+        path: PathBuf,
+        bytes: u64,
+        available: u64,
+    },
     #[error("checkpoint {path}: not a valid safetensors file: {reason}")]
     BadTensors { path: PathBuf, reason: String },
     /// The checkpoint does not fit the model it is restored into.

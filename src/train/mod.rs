@@ -35,6 +35,9 @@ pub enum TrainError {
     Checkpoint(#[from] CheckpointError),
 }
 
+/// The most compute threads `train.threads` may ask for.
+pub const MAX_THREADS: usize = 1024;
+
 /// The `[train]` section: optimisation hyper-parameters and the batch shape.
 ///
 /// A step's mini-batch is `micro_batches × micro_batch_size` sequences; the gradient is
@@ -60,7 +63,8 @@ pub struct TrainConfig {
     pub clip: f32,
     /// Seed of the data stream (the model's initialisation has `[model] seed`).
     pub seed: u64,
-    /// CPU threads for the compute backend (0: all available cores).
+    /// CPU threads for the compute backend (0: all available cores; at most
+    /// [`MAX_THREADS`]).
     pub threads: usize,
     /// Held-out tasks whose greedy completions are scored by exact match after training
     /// (0: none).
@@ -96,6 +100,18 @@ impl TrainConfig {
         }
         if self.micro_batch_size == 0 {
             return bad("micro_batch_size", "must be at least 1".into());
+        }
+        // Each thread is a pool worker with its own stack, started before the first step:
+        // past this, starting them alone took seconds and memory the estimate does not
+        // count, for no speed-up on any CPU this runs on.
+        if self.threads > MAX_THREADS {
+            return bad(
+                "threads",
+                format!(
+                    "is {}, more than {MAX_THREADS} (0 uses every available core)",
+                    self.threads
+                ),
+            );
         }
         if !(self.lr.is_finite() && self.lr > 0.0) {
             return bad("lr", format!("must be a positive number, got {}", self.lr));

@@ -19,6 +19,7 @@ use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 
 use super::sharded::fingerprint;
 use super::{CheckpointError, HostTensor};
+use crate::config::memory::MemoryLimit;
 
 /// The most bytes one tensor file of a checkpoint may hold (256 GiB: the parameters, both
 /// AdamW moments and the master weights of a 16-billion-parameter model).
@@ -131,7 +132,20 @@ fn read_checked(path: &Path, meta: &fs::Metadata) -> Result<Vec<u8>, CheckpointE
         });
     }
     let len = meta.len();
-    let mut data = Vec::with_capacity(usize::try_from(len).unwrap_or(0));
+    // The size is what the listing declared and the disk holds, not what memory can hold:
+    // a sparse file of 200 GiB is both. Over the available memory, or where the allocator
+    // refuses it, the read is one error instead of an allocation failure's abort.
+    let over = || CheckpointError::OverMemory {
+        path: path.to_path_buf(),
+        bytes: len,
+        available: MemoryLimit::machine().bytes,
+    };
+    if len > MemoryLimit::machine().bytes {
+        return Err(over());
+    }
+    let mut data = Vec::new();
+    data.try_reserve_exact(usize::try_from(len).map_err(|_| over())?)
+        .map_err(|_| over())?;
     file.take(len.saturating_add(1))
         .read_to_end(&mut data)
         .map_err(io)?;
