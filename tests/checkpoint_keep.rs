@@ -151,3 +151,49 @@ fn a_launched_job_keeps_the_newest_two_and_resumes_from_them_bitwise() {
     assert!(final_bits(&from_four) == final_bits(&first));
     assert!(step_dir(&first, 4).join(MANIFEST_FILE).is_file());
 }
+
+/// `pipefill [launch -n 2 --] train` of [`JOB`] for `steps` steps into `out`.
+fn train(launched: bool, steps: u64, out: &Path, resume: Option<&Path>) -> Output {
+    if launched {
+        return launch(steps, out, resume);
+    }
+    let mut cmd = clean(EXE);
+    cmd.arg("train");
+    for s in JOB {
+        cmd.args(["--set", s]);
+    }
+    cmd.args(["--set", &format!("train.steps={steps}")]);
+    cmd.arg("--out-dir").arg(out);
+    if let Some(r) = resume {
+        cmd.arg("--resume").arg(r);
+    }
+    let o = cmd.output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    o
+}
+
+/// A run resumed into its own directory continues it: the newest two checkpoints across
+/// both parts stay (the older part's were left, four of them after two resumes).
+#[test]
+fn resuming_into_the_same_directory_keeps_the_newest_two_of_the_whole_run() {
+    for launched in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let run = dir.path().join("run");
+        train(launched, 3, &run, None);
+        assert_eq!(listing(&run), ["step-00000002", "step-00000003"]);
+        train(launched, 5, &run, Some(&run));
+        assert_eq!(
+            listing(&run),
+            ["step-00000004", "step-00000005"],
+            "launched: {launched}"
+        );
+        // Resumed from the older kept checkpoint (4): the continuation writes step 5 anew
+        // and still keeps the newest two.
+        train(launched, 7, &run, Some(&step_dir(&run, 4)));
+        assert_eq!(
+            listing(&run),
+            ["step-00000006", "step-00000007"],
+            "launched: {launched}"
+        );
+    }
+}

@@ -275,6 +275,13 @@ fn run_rank<B: Backend>(
         count: dp,
         sync,
     });
+    let config_hash = job_fingerprint(job);
+    // As in-process: a resumed run keeps the newest checkpoints across the resume.
+    let retention = match first_step {
+        0 => Retention::new(job.checkpoint_keep),
+        step => Retention::continuing(job.checkpoint_keep, &run_dir, &config_hash, step)
+            .map_err(|e| pipeline_err(e.into()))?,
+    };
     let checkpointing = Checkpointing {
         every: job.checkpoint_every,
         run_dir: run_dir.clone(),
@@ -282,8 +289,8 @@ fn run_rank<B: Backend>(
         data_seed: job.train.seed,
         layout: layout(job, plan),
         stage_of: param_stages(&job.model, plan.stages).map_err(|e| pipeline_err(e.into()))?,
-        config_hash: job_fingerprint(job),
-        retention: Arc::new(Retention::new(job.checkpoint_keep)),
+        config_hash,
+        retention: Arc::new(retention),
     };
     // Replica 0's ranks write the shards; the others hold the same state.
     let saver = (replica == 0).then(|| {

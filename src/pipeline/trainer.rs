@@ -188,6 +188,13 @@ impl PipelineTrainer {
         let Some((every, run_dir)) = &self.checkpoints else {
             return Ok(None);
         };
+        let config_hash = job_fingerprint(&self.job);
+        // One per run: it deletes only what this run wrote, or what the run it continues
+        // wrote in the same directory.
+        let retention = match self.first_step() {
+            0 => Retention::new(self.job.checkpoint_keep),
+            step => Retention::continuing(self.job.checkpoint_keep, run_dir, &config_hash, step)?,
+        };
         Ok(Some(super::shared::Checkpointing {
             every: *every,
             run_dir: run_dir.clone(),
@@ -198,9 +205,8 @@ impl PipelineTrainer {
                 stage_rank: self.plan.stage_rank.clone(),
             },
             stage_of: param_stages(&self.job.model, self.plan.stages)?,
-            config_hash: job_fingerprint(&self.job),
-            // One per run: it deletes only what this run wrote.
-            retention: Arc::new(Retention::new(self.job.checkpoint_keep)),
+            config_hash,
+            retention: Arc::new(retention),
         }))
     }
 

@@ -8,7 +8,10 @@
 //!
 //! - a checkpoint is deleted only once `keep` newer ones are complete; one still being
 //!   written (no manifest yet) is never counted, so its predecessors stay;
-//! - only checkpoints this run completed are deleted: the retention remembers them, and
+//! - only checkpoints this run completed are deleted (a run resumed from step `s` into its
+//!   own run directory continues that run: its complete checkpoints of steps up to `s`
+//!   with the same job fingerprint count as this run's, [`Retention::continuing`]); the
+//!   retention remembers them, and
 //!   checks before deleting that the directory is still `checkpoints/step-NNNNNNNN/` (the exact
 //!   name [`super::sharded::step_dir`] gives), a real directory, whose manifest still has
 //!   that step and this job's fingerprint. Checkpoints of earlier runs in the same run
@@ -52,6 +55,55 @@ impl Retention {
             keep,
             written: Mutex::new(BTreeMap::new()),
         }
+    }
+
+    /// A run resumed from step `step` into `run_dir`: the directory's complete checkpoints of
+    /// steps up to `step` whose manifest has `config_hash` (the same job) are this run's
+    /// too, so the newest `keep` across the resume stay. Anything else there is left alone.
+    pub fn continuing(
+        keep: usize,
+        run_dir: &Path,
+        config_hash: &str,
+        step: u64,
+    ) -> Result<Self, CheckpointError> {
+        let retention = Self::new(keep);
+        let root = run_dir.join(CHECKPOINTS_DIR);
+        let entries = match fs::read_dir(&root) {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(retention),
+            Err(error) => return Err(CheckpointError::Io { path: root, error }),
+        };
+        let mut written = retention
+            .written
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        for entry in entries {
+            let dir = entry
+                .map_err(|error| CheckpointError::Io {
+                    path: root.clone(),
+                    error,
+                })?
+                .path();
+            // Only complete checkpoints of this job, named as their step's; a directory
+            // that does not read as one is not this run's and stays.
+            let Ok(manifest) = Manifest::read(&dir) else {
+                continue;
+            };
+            if manifest.step <= step
+                && manifest.config_hash == config_hash
+                && is_step_dir(&dir, manifest.step)
+            {
+                written.insert(
+                    manifest.step,
+                    Written {
+                        dir,
+                        config_hash: manifest.config_hash,
+                    },
+                );
+            }
+        }
+        drop(written);
+        Ok(retention)
     }
 
     /// How many complete checkpoints the run keeps (0: all).
