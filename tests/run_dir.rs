@@ -216,6 +216,64 @@ fn a_resume_that_cannot_continue_changes_no_file() {
     assert!(snapshot(&run) == before, "a failed resume changed a file");
 }
 
+/// A launched resume whose rank 1 shard is corrupted: rank 0 owns the run directory and
+/// wrote job.toml and cut metrics.jsonl before rank 1 found the bad shard; now every shard
+/// is checked first and the run directory stays as it was.
+#[test]
+fn a_launched_resume_from_a_corrupted_shard_changes_no_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let r = run.to_str().unwrap();
+    let out = pipefill(
+        &[
+            "launch",
+            "-n",
+            "2",
+            "--",
+            "train",
+            "--steps",
+            "3",
+            "--out-dir",
+            r,
+        ],
+        &["checkpoint_every=1"],
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    let shard = run.join("checkpoints/step-00000002/rank-00001.safetensors");
+    let mut bytes = std::fs::read(&shard).unwrap();
+    let at = bytes.len() - 5;
+    bytes[at] ^= 0x01;
+    std::fs::write(&shard, &bytes).unwrap();
+    let before = snapshot(&run);
+    let step2 = run.join("checkpoints/step-00000002");
+    let out = pipefill(
+        &[
+            "launch",
+            "-n",
+            "2",
+            "--",
+            "train",
+            "--steps",
+            "5",
+            "--resume",
+            step2.to_str().unwrap(),
+            "--out-dir",
+            r,
+        ],
+        &["checkpoint_every=1"],
+    );
+    assert!(!out.status.success(), "{}", text(&out));
+    let all = text(&out);
+    assert!(
+        all.contains("corrupted") && all.contains("rank-00001.safetensors"),
+        "{all}"
+    );
+    assert!(
+        snapshot(&run) == before,
+        "a failed launched resume changed a file"
+    );
+}
+
 #[test]
 fn a_continued_run_has_each_steps_metrics_once() {
     let dir = tempfile::tempdir().unwrap();

@@ -13,7 +13,7 @@ use pipefill::launch::auto::AutoChoice;
 use pipefill::launch::profile::mean_cost;
 use pipefill::launch::train::{RankResume, train_rank};
 use pipefill::launch::{RankEnv, join, join_timeout, listen_ip};
-use pipefill::model::checkpoint::resume::ResumePoint;
+use pipefill::model::checkpoint::resume::{ResumePoint, verify_files};
 use pipefill::pipeline::PipelineTrainer;
 use pipefill::profile::merge::MergedProfile;
 use pipefill::profile::report::RunInfo;
@@ -82,6 +82,13 @@ pub fn train_distributed(
     let mut job = job.clone();
     let mut run_dir = None;
     if rank == 0 {
+        // Every rank checks its own shard's hash, but rank 0 writes the run directory first:
+        // every shard is checked here before that, so a bad one changes no file.
+        if let Some(ResumePoint::Sharded(dir)) =
+            resume.map(ResumePoint::find).transpose().ok().flatten()
+        {
+            verify_files(&dir).with_context(|| format!("cannot resume from {}", dir.display()))?;
+        }
         let dir = RunDir::claim(
             job.out_dir.as_deref(),
             "distributed-",

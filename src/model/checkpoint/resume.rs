@@ -5,14 +5,17 @@
 //! its layout and job, and the size of every shard the manifest lists (a `stat`, no read):
 //! a truncated shard is then refused by every rank at once, with the same error naming the
 //! file, instead of by its owner alone while the others wait for it at the rendezvous. A
-//! shard's hash is checked by the rank that reads it.
+//! shard's hash is checked by the rank that reads it; before a launched job's rank 0 touches
+//! its run directory it also streams every listed file through its hash
+//! ([`verify_files`]), so a corrupted shard of another rank fails the start before any file
+//! of the run changes.
 
 use std::fs;
 use std::path::{Path, PathBuf};
 
 use super::files::{MAX_META_BYTES, read_bounded, stat_listed};
 use super::sharded::{
-    CHECKPOINTS_DIR, Layout, MANIFEST_FILE, Manifest, latest, read_shard, shard_field,
+    CHECKPOINTS_DIR, Fnv1a, Layout, MANIFEST_FILE, Manifest, latest, read_shard, shard_field,
 };
 use super::{Checkpoint, CheckpointError, CheckpointMeta, FORMAT, HostTensor, META_FILE, VERSION};
 
@@ -175,6 +178,58 @@ impl RankShard {
             drafter: None,
         }
     }
+}
+
+/// Checks every file the manifest in `dir` lists (each shard, and the drafter's) against its
+/// size and hash, streaming each through the hash in 1 MiB pieces (memory stays flat
+/// whatever the checkpoint's size). The first mismatch is the error, naming the file.
+pub fn verify_files(dir: &Path) -> Result<(), CheckpointError> {
+    use std::io::Read;
+    let manifest = Manifest::read(dir)?;
+    let listing = dir.join(MANIFEST_FILE);
+    let drafter = manifest
+        .drafter
+        .iter()
+        .map(|d| ("drafter.file".to_string(), &d.file, d.bytes, &d.hash));
+    let files = manifest
+        .shards
+        .iter()
+        .map(|s| (shard_field(s.rank), &s.file, s.bytes, &s.hash))
+        .chain(drafter);
+    let mut buf = vec![0u8; 1 << 20];
+    for (field, file, bytes, hash) in files {
+        let (path, _) = stat_listed(dir, &listing, &field, file, bytes)?;
+        let io = |error| CheckpointError::Io {
+            path: path.clone(),
+            error,
+        };
+        let mut f = fs::File::open(&path).map_err(io)?.take(bytes);
+        let (mut h, mut read) = (Fnv1a::default(), 0u64);
+        loop {
+            let n = f.read(&mut buf).map_err(io)?;
+            if n == 0 {
+                break;
+            }
+            h.update(&buf[..n]);
+            read += n as u64;
+        }
+        if read != bytes {
+            return Err(CheckpointError::Size {
+                path,
+                expected: bytes,
+                got: read,
+            });
+        }
+        if h.finish() != *hash {
+            return Err(CheckpointError::Corrupted {
+                path,
+                got: h.finish(),
+                expected: hash.clone(),
+                listing: MANIFEST_FILE.into(),
+            });
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

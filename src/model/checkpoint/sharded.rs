@@ -113,12 +113,34 @@ pub struct Manifest {
 /// FNV-1a 64 of `bytes`, as 16 hex digits: a cheap check that a shard is the one written
 /// (not a defence against tampering).
 pub fn fingerprint(bytes: &[u8]) -> String {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for &b in bytes {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
+    let mut h = Fnv1a::default();
+    h.update(bytes);
+    h.finish()
+}
+
+/// FNV-1a 64 fed a piece at a time ([`fingerprint`] of the concatenation), so a file can be
+/// hashed as it streams past instead of read whole.
+#[derive(Debug, Clone, Copy)]
+pub struct Fnv1a(u64);
+
+impl Default for Fnv1a {
+    fn default() -> Self {
+        Fnv1a(0xcbf2_9ce4_8422_2325)
     }
-    format!("{h:016x}")
+}
+
+impl Fnv1a {
+    pub fn update(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 ^= u64::from(b);
+            self.0 = self.0.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+
+    /// The hash, hex, as the manifests write it.
+    pub fn finish(&self) -> String {
+        format!("{:016x}", self.0)
+    }
 }
 
 /// The fingerprint of the job settings that decide a run's trajectory: the model, the data

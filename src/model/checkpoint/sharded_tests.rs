@@ -160,4 +160,10 @@ fn fingerprint_is_fnv1a() {
     assert_eq!(fingerprint(b""), "cbf29ce484222325");
     assert_eq!(fingerprint(b"a"), "af63dc4c8601ec8c");
     assert_eq!(fingerprint(b"foobar"), "85944171f73967e8");
+    // Fed in pieces, the same hash.
+    let mut h = Fnv1a::default();
+    for piece in [&b"fo"[..], b"", b"oba", b"r"] {
+        h.update(piece);
+    }
+    assert_eq!(h.finish(), "85944171f73967e8");
 }
