@@ -293,7 +293,8 @@ fn numeric_fields() -> Vec<String> {
             }
         }
     }
-    let doc: toml::Table = toml::from_str(&JobConfig::default().to_toml()).unwrap();
+    // With its optional tables present, so their fields are walked too.
+    let doc: toml::Table = toml::from_str(&job(OPTIONAL_TABLES).unwrap().to_toml()).unwrap();
     let mut fields = Vec::new();
     walk("", &doc, &mut fields);
     for optional in [
@@ -324,10 +325,21 @@ fn the_numeric_fields_cover_every_section() {
         "data.max_size",
         "rl.max_new_tokens",
         "drafter.buffer_rows",
+        "model.rope_scaling.factor",
+        "model.rope_scaling.original_max_position_embeddings",
+        "rl.draft_tree.nodes",
     ] {
         assert!(fields.iter().any(|f| f == field), "{field}: {fields:?}");
     }
 }
+
+/// Optional tables a job may have, each a `--set`: the Llama-3 rope scaling and draft trees.
+const OPTIONAL_TABLES: &[&str] = &[
+    "model.positions=\"rope\"",
+    "model.rope_scaling={factor = 8.0, low_freq_factor = 1.0, high_freq_factor = 4.0, \
+     original_max_position_embeddings = 32}",
+    "rl.draft_tree={}",
+];
 
 /// A `--set` value for a numeric field: boundary integers, arbitrary ones, and floats
 /// (infinities and NaN included, in TOML's spelling).
@@ -356,12 +368,21 @@ proptest! {
     /// that passes the check is estimated within the limit.
     #[test]
     fn numeric_sets_never_panic_and_never_pass_over_the_limit(
-        picks in proptest::collection::vec((any::<prop::sample::Index>(), value()), 1..=3)
+        picks in proptest::collection::vec((any::<prop::sample::Index>(), value()), 1..=3),
+        with_tables in any::<bool>(),
     ) {
         let fields = numeric_fields();
-        let sets: Vec<String> = picks
+        // Half the jobs have the optional tables whose fields may be picked (without them a
+        // pick of such a field is an error naming what is missing).
+        let base = if with_tables { OPTIONAL_TABLES } else { &[] };
+        let sets: Vec<String> = base
             .iter()
-            .map(|(i, v)| format!("{}={v}", fields[i.index(fields.len())]))
+            .map(|s| s.to_string())
+            .chain(
+                picks
+                    .iter()
+                    .map(|(i, v)| format!("{}={v}", fields[i.index(fields.len())])),
+            )
             .collect();
         let limit = MemoryLimit::parse("8GiB").unwrap();
         match JobConfig::embedded(&sets) {
