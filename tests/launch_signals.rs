@@ -198,32 +198,40 @@ fn a_sigkill_of_the_launcher_ends_every_rank_at_once() {
 }
 
 #[test]
-fn a_sigterm_of_the_launcher_is_passed_on_and_the_summary_names_every_rank() {
-    let dir = tempfile::tempdir().unwrap();
-    let mut job = Job::start(&dir.path().join("run"));
-    let sent = Instant::now();
-    job.signal("TERM", None);
-    let (status, all) = job.wait(Duration::from_secs(10));
-    let took = sent.elapsed();
-    assert!(!status.success(), "{all}");
-    assert_eq!(job.alive(), Vec::<u32>::new(), "{all}");
-    assert!(
-        all.contains("[launch] got SIGTERM: passing it on to ranks [0, 1]"),
-        "{all}"
-    );
-    for rank in 0..2 {
+fn a_sigterm_sigint_or_sighup_of_the_launcher_is_passed_on_and_the_summary_names_every_rank() {
+    for sig in ["TERM", "INT", "HUP"] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut job = Job::start(&dir.path().join("run"));
+        let sent = Instant::now();
+        job.signal(sig, None);
+        let (status, all) = job.wait(Duration::from_secs(10));
+        let took = sent.elapsed();
+        assert!(!status.success(), "{all}");
+        assert_eq!(job.alive(), Vec::<u32>::new(), "{all}");
         assert!(
             all.contains(&format!(
-                "[launch] rank {rank} ended by the SIGTERM the launcher passed on"
+                "[launch] got SIG{sig}: passing it on to ranks [0, 1]"
             )),
-            "rank {rank} is not in the summary: {all}"
+            "{all}"
         );
+        let ended =
+            |rank: usize| format!("rank {rank} ended by the SIG{sig} the launcher passed on");
+        for rank in 0..2 {
+            assert!(
+                all.contains(&format!("[launch] {}", ended(rank))),
+                "rank {rank} is not in the summary: {all}"
+            );
+        }
+        assert!(
+            all.contains(&format!(
+                "error: the launcher got SIG{sig} and passed it on to the job's 2 ranks: {}, {}",
+                ended(0),
+                ended(1)
+            )),
+            "{all}"
+        );
+        println!("the job ended {took:?} after the launcher's SIG{sig}");
     }
-    assert!(
-        all.contains("error: the launcher got SIGTERM and passed it on to the job's 2 ranks: rank 0 ended by the SIGTERM the launcher passed on, rank 1 ended by the SIGTERM the launcher passed on"),
-        "{all}"
-    );
-    println!("the job ended {took:?} after the launcher's SIGTERM");
 }
 
 #[test]
