@@ -1,10 +1,12 @@
 //! Setting a mesh up: [`TcpMesh::connect`] (dial the ranks below, admit the ranks above,
-//! each admission's handshake on its own thread; see the module docs of [`super`]) and
+//! each admission's handshake on its own thread, at most [`pending_cap`] at once; see the
+//! module docs of [`super`]) and
 //! [`TcpMesh::loopback`], every rank of a mesh on this machine's loopback, as the tests
 //! build it.
 
 use std::collections::HashMap;
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -12,6 +14,16 @@ use super::inner::{Boxes, Inner};
 use super::{MeshError, MeshOptions, TcpMesh};
 use crate::comm::handshake::{admit, dial};
 use crate::comm::heartbeat::Heartbeat;
+use crate::comm::rendezvous::pending_cap;
+
+/// Counts a handshake thread for as long as it lives (a panic included).
+struct Admitting(Arc<AtomicUsize>);
+
+impl Drop for Admitting {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
 
 impl TcpMesh {
     /// Connects rank `rank` to every other rank: `listener` is this rank's bound listener,
@@ -43,6 +55,10 @@ impl TcpMesh {
         // connections come back here, where duplicates are refused in arrival order.
         let (admitted, handshakes) =
             std::sync::mpsc::channel::<(SocketAddr, Result<(usize, TcpStream), String>)>();
+        // A flood of connections that never finish their handshake starts no more than
+        // `cap` threads: past it the next connection waits in the listen backlog until a
+        // handshake ends (each is bounded by the handshake's own timeout).
+        let (admitting, cap) = (Arc::new(AtomicUsize::new(0)), pending_cap(world));
         while streams[rank + 1..].iter().any(Option::is_none) {
             while let Ok((from, outcome)) = handshakes.try_recv() {
                 match outcome {
@@ -60,13 +76,20 @@ impl TcpMesh {
             if !streams[rank + 1..].iter().any(Option::is_none) {
                 break;
             }
-            match listener.accept() {
+            let accepted = match admitting.load(Ordering::Acquire) < cap {
+                true => listener.accept(),
+                false => Err(std::io::ErrorKind::WouldBlock.into()),
+            };
+            match accepted {
                 Ok((stream, from)) => {
                     let (admitted, opts) = (admitted.clone(), opts.clone());
+                    admitting.fetch_add(1, Ordering::AcqRel);
+                    let guard = Admitting(Arc::clone(&admitting));
                     let dispatch = tracing::dispatcher::get_default(Clone::clone);
                     std::thread::Builder::new()
                         .name(format!("pipefill-handshake-{from}"))
                         .spawn(move || {
+                            let _counted = guard;
                             tracing::dispatcher::with_default(&dispatch, || {
                                 let outcome = admit(rank, world, stream, &opts);
                                 if let Err(returned) = admitted.send((from, outcome)) {
