@@ -4,7 +4,8 @@
 //! and must stay small); the estimate covers what a run really uses; and the errors that
 //! misled (overflowing costs reported as a deadlock, a huge bad cell echoed whole, a parse
 //! error printed twice, a too-small vocabulary failing mid-run, `dp` ignored) say what is
-//! wrong.
+//! wrong. A proptest over the job's size fields runs the binary: a job the check lets
+//! through never uses more than its estimate.
 
 use std::io::Read;
 use std::path::Path;
@@ -13,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use pipefill::config::JobConfig;
 use pipefill::config::memory::{Bytes, MemoryEstimate, Workload};
+use proptest::prelude::*;
 
 mod common;
 use common::clean;
@@ -340,4 +342,74 @@ fn a_vocabulary_too_small_and_dp_in_one_process_are_refused_before_the_run() {
         );
     }
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+}
+
+/// A size field of the default job and a value for it, from tiny to far over the limit
+/// (bounded where one step's compute, not its memory, would take minutes).
+fn size_set() -> impl Strategy<Value = String> {
+    prop_oneof![
+        (1u32..=9).prop_map(|b| format!("model.d_model={}", 8u64 << b)),
+        (1u64..=24).prop_map(|n| format!("model.layers={n}")),
+        (3u32..=10).prop_map(|b| format!("model.seq_len={}", 1u64 << b)),
+        (1u64..=48).prop_map(|n| format!("train.micro_batch_size={n}")),
+        (1u64..=32).prop_map(|n| format!("train.micro_batches={n}")),
+        (1u64..=8).prop_map(|n| format!("stages={n}")),
+        (4u32..=17).prop_map(|b| format!("data.summary_tasks={}", 1u64 << b)),
+        (1u32..=16).prop_map(|b| format!("drafter.buffer_rows={}", 1u64 << b)),
+        Just("schedule=\"none\"".to_string()),
+        Just("schedule=\"gpipe\"".to_string()),
+        Just("filler=\"none\"".to_string()),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    /// Through the binary: a job the memory check lets through uses at most its estimate
+    /// (the child's peak RSS), and one it refuses is one line, refused before allocating.
+    #[test]
+    fn a_job_the_check_lets_through_stays_within_its_estimate(
+        sets in proptest::collection::vec(size_set(), 1..=3)
+    ) {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("run");
+        let mut args = vec![
+            "train", "--steps", "1", "--max-memory", "384MiB",
+            "--set", "train.eval_tasks=2", "--out-dir", out.to_str().unwrap(),
+        ];
+        for s in &sets {
+            args.extend(["--set", s.as_str()]);
+        }
+        let r = run(dir.path(), &args);
+        let estimated = r
+            .stdout
+            .lines()
+            .find_map(|l| l.strip_prefix("memory: ")?.split(" estimated").next())
+            .map(str::to_string);
+        if r.success {
+            let mut job_sets: Vec<String> = sets.clone();
+            job_sets.extend(["train.eval_tasks=2".into(), "train.steps=1".into()]);
+            let job = JobConfig::embedded(&job_sets).unwrap();
+            let estimate = MemoryEstimate::of(&job, Workload::Train).unwrap().total;
+            prop_assert_eq!(estimated, Some(Bytes(estimate).to_string()), "{:?}", sets);
+            prop_assert!(
+                r.peak_rss <= estimate,
+                "{:?}: peak RSS {} over the estimate {}",
+                sets,
+                Bytes(r.peak_rss),
+                Bytes(estimate)
+            );
+        } else {
+            let errors: Vec<&str> = r.stderr.lines().filter(|l| l.starts_with("error")).collect();
+            prop_assert_eq!(errors.len(), 1, "{:?}: {}", sets, r.stderr);
+            if errors[0].contains("estimate") {
+                prop_assert!(
+                    r.peak_rss < REFUSED_RSS,
+                    "{:?}: refused after using {}",
+                    sets,
+                    Bytes(r.peak_rss)
+                );
+            }
+        }
+    }
 }
