@@ -99,19 +99,7 @@ const JOB: &[&str] = &[
 
 /// `pipefill launch -n 2 -- train` of [`JOB`] for `steps` steps into `out`.
 fn launch(steps: u64, out: &Path, resume: Option<&Path>) -> Output {
-    let mut cmd = clean(EXE);
-    cmd.args(["launch", "-n", "2", "--", "train"]);
-    for s in JOB {
-        cmd.args(["--set", s]);
-    }
-    cmd.args(["--set", &format!("train.steps={steps}")]);
-    cmd.arg("--out-dir").arg(out);
-    if let Some(r) = resume {
-        cmd.arg("--resume").arg(r);
-    }
-    let o = cmd.output().unwrap();
-    assert!(o.status.success(), "{}", text(&o));
-    o
+    train(true, steps, out, resume)
 }
 
 fn final_bits(run: &Path) -> common::job::TensorBits {
@@ -154,10 +142,10 @@ fn a_launched_job_keeps_the_newest_two_and_resumes_from_them_bitwise() {
 
 /// `pipefill [launch -n 2 --] train` of [`JOB`] for `steps` steps into `out`.
 fn train(launched: bool, steps: u64, out: &Path, resume: Option<&Path>) -> Output {
-    if launched {
-        return launch(steps, out, resume);
-    }
     let mut cmd = clean(EXE);
+    if launched {
+        cmd.args(["launch", "-n", "2", "--"]);
+    }
     cmd.arg("train");
     for s in JOB {
         cmd.args(["--set", s]);

@@ -18,7 +18,7 @@ use pipefill::train::Trainer;
 
 mod common;
 use common::job::tiny_job;
-use common::{clean, text};
+use common::{clean, metrics_column, text};
 
 const EXE: &str = env!("CARGO_BIN_EXE_pipefill");
 const STEPS: u64 = 3;
@@ -230,17 +230,6 @@ fn rl(prefix: &[&str], out: &Path) -> Output {
     cmd.arg("--out-dir").arg(out).output().unwrap()
 }
 
-fn column(run: &Path, field: &str) -> Vec<f64> {
-    std::fs::read_to_string(run.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            v[field].as_f64().unwrap_or(f64::NAN)
-        })
-        .collect()
-}
-
 #[test]
 fn pipefill_rl_rolls_out_a_jsonl_files_prompts_in_process_and_launched_alike() {
     let dir = tempfile::tempdir().unwrap();
@@ -254,20 +243,20 @@ fn pipefill_rl_rolls_out_a_jsonl_files_prompts_in_process_and_launched_alike() {
     );
     // Warmed up on the same records, the policy answers some of them right (the numeric
     // reward read the `#### N` of its completions), so the update has a gradient.
-    let rewards = column(&single, "reward");
+    let rewards = metrics_column(&single, "reward");
     assert_eq!(rewards.len(), 2);
     assert!(
         rewards.iter().all(|r| (0.0..=1.0).contains(r)),
         "{rewards:?}"
     );
     assert!(rewards[0] > 0.0, "{rewards:?}: {stdout}");
-    assert!(column(&single, "grad_norm")[0] > 0.0);
+    assert!(metrics_column(&single, "grad_norm")[0] > 0.0);
 
     // Rank 0 rolls out the same records with the same tokenizer: the same rewards, the
     // same policy bit for bit.
     let out = rl(&["launch", "-n", "2", "--"], &multi);
     assert!(out.status.success(), "{}", text(&out));
-    assert_eq!(column(&multi, "reward"), rewards);
+    assert_eq!(metrics_column(&multi, "reward"), rewards);
     let load = |d: &Path| pipefill::model::checkpoint::Checkpoint::load(&d.join("checkpoint"));
     common::assert_bitwise(&load(&single).unwrap(), &load(&multi).unwrap());
 }

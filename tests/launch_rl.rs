@@ -39,7 +39,7 @@ use pipefill::rl::trainer::RlTrainer;
 use pipefill::rl::trainer_spec::PipelineRollouts;
 
 mod common;
-use common::{assert_bitwise, clean, text};
+use common::{assert_bitwise, clean, metrics_column, text};
 
 const EXE: &str = env!("CARGO_BIN_EXE_pipefill");
 /// dp = 2 vs dp = 1 from the same policy: (max |Δparam|, relative L2 of the difference).
@@ -83,18 +83,6 @@ fn run(prefix: &[&str], args: &[&str], extra: &[&str], out: &Path) -> Output {
     cmd.arg("--out-dir").arg(out).output().unwrap()
 }
 
-/// A field of every line of `dir`'s metrics.jsonl.
-fn column(dir: &Path, field: &str) -> Vec<f64> {
-    std::fs::read_to_string(dir.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            v[field].as_f64().unwrap_or(f64::NAN)
-        })
-        .collect()
-}
-
 /// `dir`'s final checkpoint.
 fn checkpoint(dir: &Path) -> Checkpoint {
     Checkpoint::load(&dir.join("checkpoint")).unwrap()
@@ -111,10 +99,10 @@ fn launched_rl_over_two_processes_equals_the_in_process_run_bitwise() {
 
     // The same rollouts were scored, and they carried a gradient (else only weight decay
     // would move the parameters).
-    let rewards = column(&multi, "reward");
-    assert_eq!(rewards, column(&single, "reward"));
+    let rewards = metrics_column(&multi, "reward");
+    assert_eq!(rewards, metrics_column(&single, "reward"));
     assert!(
-        column(&multi, "grad_norm").iter().all(|&g| g > 0.0),
+        metrics_column(&multi, "grad_norm").iter().all(|&g| g > 0.0),
         "a step without a gradient: {}",
         text(&out)
     );
@@ -134,10 +122,13 @@ fn launched_rl_with_the_kl_term_equals_the_in_process_run_bitwise() {
     let out = pipefill(&["launch", "-n", "2", "--"], &kl, &multi);
     assert!(out.status.success(), "{}", text(&out));
 
-    assert_eq!(column(&multi, "reward"), column(&single, "reward"));
+    assert_eq!(
+        metrics_column(&multi, "reward"),
+        metrics_column(&single, "reward")
+    );
     // Step 1 starts at the reference (KL 0); after one update the policy has moved, and the
     // last stage's head saw the reference's log-probs that rank 0 sent.
-    let (kl_multi, kl_single) = (column(&multi, "kl"), column(&single, "kl"));
+    let (kl_multi, kl_single) = (metrics_column(&multi, "kl"), metrics_column(&single, "kl"));
     assert_eq!(kl_multi[0], 0.0, "{}", text(&out));
     assert!(kl_multi[1] > 0.0, "{}", text(&out));
     for (m, s) in kl_multi.iter().zip(&kl_single) {
@@ -206,13 +197,16 @@ fn launched_rl_starts_from_the_init_runs_drafter_and_equals_the_in_process_run_b
     // Every step speculated with the trained drafter, as in-process: its acceptance lengths
     // (those of an untrained drafter are lower: `fresh`), so the same samples were drawn;
     // and they carried a gradient.
-    let accepted = column(&multi, "acceptance_length");
-    assert_eq!(accepted, column(&single, "acceptance_length"));
-    let untrained = column(&fresh, "acceptance_length");
+    let accepted = metrics_column(&multi, "acceptance_length");
+    assert_eq!(accepted, metrics_column(&single, "acceptance_length"));
+    let untrained = metrics_column(&fresh, "acceptance_length");
     assert!(accepted[0] > untrained[0], "{accepted:?} vs {untrained:?}");
-    assert_eq!(column(&multi, "reward"), column(&single, "reward"));
+    assert_eq!(
+        metrics_column(&multi, "reward"),
+        metrics_column(&single, "reward")
+    );
     assert!(
-        column(&multi, "grad_norm").iter().all(|&g| g > 0.0),
+        metrics_column(&multi, "grad_norm").iter().all(|&g| g > 0.0),
         "a step without a gradient (another rl.seed in SPECULATIVE may give one)"
     );
     assert_bitwise(&checkpoint(&single), &checkpoint(&multi));
@@ -263,14 +257,20 @@ fn assert_replicas_match(
     (max_abs_diff, max_rel_l2): (f32, f64),
 ) {
     // Rank 0's rollouts under (almost) the same policy: the same samples, the same rewards.
-    assert_eq!(column(two, "reward"), column(one, "reward"));
-    assert_eq!(column(two, "sequences"), column(one, "sequences"));
+    assert_eq!(metrics_column(two, "reward"), metrics_column(one, "reward"));
+    assert_eq!(
+        metrics_column(two, "sequences"),
+        metrics_column(one, "sequences")
+    );
     assert!(
-        column(two, "grad_norm").iter().all(|&g| g > 0.0),
+        metrics_column(two, "grad_norm").iter().all(|&g| g > 0.0),
         "a step without a gradient: {}",
         text(out)
     );
-    for (k2, k1) in column(two, "kl").iter().zip(column(one, "kl")) {
+    for (k2, k1) in metrics_column(two, "kl")
+        .iter()
+        .zip(metrics_column(one, "kl"))
+    {
         let same = (k2.is_nan() && k1.is_nan()) || (k2 - k1).abs() <= 1e-5 * (1.0 + k1.abs());
         assert!(same, "kl {k2} vs {k1}");
     }

@@ -10,18 +10,11 @@ use std::time::{Duration, Instant};
 use pipefill::comm::rendezvous::pending_cap;
 use pipefill::comm::tcp::{MeshOptions, TcpMesh};
 
+mod common;
+use common::threads;
+
 /// Silent connections: more than the cap, fewer than the listen backlog (128) holds.
 const FLOOD: usize = 120;
-
-/// This process's thread count.
-fn threads() -> usize {
-    std::fs::read_to_string("/proc/self/status")
-        .unwrap()
-        .lines()
-        .find_map(|l| l.strip_prefix("Threads:"))
-        .and_then(|n| n.trim().parse().ok())
-        .unwrap()
-}
 
 #[test]
 fn a_flood_of_silent_connections_starts_at_most_the_cap_of_handshake_threads() {

@@ -9,19 +9,12 @@ use std::time::{Duration, Instant};
 
 use pipefill::comm::rendezvous::{join, pending_cap, serve_with};
 
+mod common;
+use common::threads;
+
 /// As many silent connections as the 905 (well within a 1024-descriptor limit
 /// when rank 0 keeps only `pending_cap` of its ends open).
 const FLOOD: usize = 900;
-
-/// This process's thread count.
-fn threads() -> usize {
-    std::fs::read_to_string("/proc/self/status")
-        .unwrap()
-        .lines()
-        .find_map(|l| l.strip_prefix("Threads:"))
-        .and_then(|n| n.trim().parse().ok())
-        .unwrap()
-}
 
 /// How many file descriptors this process holds open.
 fn descriptors() -> usize {

@@ -64,3 +64,25 @@ pub fn assert_bitwise(a: &Checkpoint, b: &Checkpoint) {
         assert_eq!(differ, 0, "{}: {differ} values differ", x.name);
     }
 }
+
+/// A field of every line of `run`'s metrics.jsonl (NaN where a line lacks it).
+pub fn metrics_column(run: &std::path::Path, field: &str) -> Vec<f64> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v[field].as_f64().unwrap_or(f64::NAN)
+        })
+        .collect()
+}
+
+/// This process's thread count (`/proc/self/status`).
+pub fn threads() -> usize {
+    std::fs::read_to_string("/proc/self/status")
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("Threads:"))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap()
+}
