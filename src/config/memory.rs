@@ -68,6 +68,13 @@ const MAX_PEAK_ACTIONS: u64 = 1 << 16;
 /// Bytes per byte of a schedule file read: an empty CSV cell (one byte) becomes a 24-byte
 /// step, a 4-byte cell an action with the validator's tables.
 pub const SCHEDULE_FILE_BYTE_COST: u64 = 64;
+/// Bytes per byte of a JSONL dataset: its records' text (about its size, with each line's
+/// parse transient), and its documents' ids (4 B) and target flags (1 B) per token, at most
+/// one token per byte (a byte-level or character tokenizer), with room for special tokens.
+pub const JSONL_BYTE_COST: u64 = 8;
+/// Bytes per byte of a tokenizer.json in memory (its vocabulary and merges as the
+/// `tokenizers` crate holds them).
+pub const TOKENIZER_BYTE_COST: u64 = 16;
 /// Compute actions per (stage, micro-batch) in the largest case (F, I and W).
 const ACTIONS_PER_CELL: u64 = 3;
 
@@ -205,7 +212,8 @@ impl MemoryEstimate {
             "the batches",
             &[f("train.micro_batches", t.micro_batches), rows, seq, k(8)],
         )?;
-        parts.push(("data", add("the data", &[summary, eval, batches])?));
+        let dataset = parts::dataset_bytes(job)?;
+        parts.push(("data", add("the data", &[summary, eval, batches, dataset])?));
 
         let drafter = match workload {
             Workload::Train => job.filler == Filler::Drafter && !job.schedule.is_none(),

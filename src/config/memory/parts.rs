@@ -360,3 +360,29 @@ pub(super) fn rollout_bytes(job: &JobConfig) -> Result<Size, ConfigError> {
     let prompts = mul(what, &[sequences, add(what, &[k(TASK_BYTES), seq])?])?;
     add(what, &[kv, rows, logits, prompts])
 }
+
+/// A JSONL dataset's records and documents and its tokenizer, from their sizes on disk (a
+/// `stat`, nothing read); 0 for the synthetic tasks, or a file that is not there (reading
+/// it fails later, naming it).
+pub(super) fn dataset_bytes(job: &JobConfig) -> Result<Size, ConfigError> {
+    let data = &job.data;
+    if data.source != crate::data::DataSource::Jsonl {
+        return Ok(k(0));
+    }
+    let size = |p: &std::path::Path| std::fs::metadata(p).map_or(0, |m| m.len());
+    let file = data.path.as_deref().map_or(0, size);
+    let tokenizer = data.tokenizer.as_deref().map_or(0, |p| match p.is_dir() {
+        true => size(&p.join("tokenizer.json")),
+        false => size(p),
+    });
+    add(
+        "the dataset",
+        &[
+            mul("the dataset", &[f("data.path", file), k(JSONL_BYTE_COST)])?,
+            mul(
+                "the dataset",
+                &[f("data.tokenizer", tokenizer), k(TOKENIZER_BYTE_COST)],
+            )?,
+        ],
+    )
+}

@@ -406,3 +406,46 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn a_jsonl_dataset_and_its_tokenizer_are_counted_by_their_size() {
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/data");
+    let dir = tempfile::tempdir().unwrap();
+    let data_bytes = |lines: usize| {
+        let file = dir.path().join(format!("{lines}.jsonl"));
+        std::fs::write(&file, "{\"text\": \"the quick brown fox\"}\n".repeat(lines)).unwrap();
+        let sets = [
+            "data.source=\"jsonl\"".to_string(),
+            format!("data.path={:?}", file.display().to_string()),
+            format!(
+                "data.tokenizer={:?}",
+                fixtures.join("tokenizer").display().to_string()
+            ),
+            "model.vocab=300".into(),
+        ];
+        let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
+        let e = MemoryEstimate::of(&job(&sets).unwrap(), Workload::Train).unwrap();
+        (
+            std::fs::metadata(&file).unwrap().len(),
+            e.parts.iter().find(|p| p.what == "data").unwrap().bytes,
+        )
+    };
+    let (small_file, small) = data_bytes(10);
+    let (big_file, big) = data_bytes(100_000);
+    assert_eq!(big - small, (big_file - small_file) * JSONL_BYTE_COST);
+    // The tokenizer is counted too: the synthetic job's data part is smaller still.
+    let tokenizer = std::fs::metadata(fixtures.join("tokenizer/tokenizer.json"))
+        .unwrap()
+        .len();
+    let synthetic = MemoryEstimate::of(&job(&["model.vocab=300"]).unwrap(), Workload::Train)
+        .unwrap()
+        .parts
+        .iter()
+        .find(|p| p.what == "data")
+        .unwrap()
+        .bytes;
+    assert!(
+        small >= synthetic + tokenizer * TOKENIZER_BYTE_COST + small_file * JSONL_BYTE_COST,
+        "{small} vs {synthetic}"
+    );
+}
