@@ -4,7 +4,7 @@
 //! the budget's rest and the held-out evaluation run there, as before.
 
 use pipefill::config::JobConfig;
-use pipefill::data::tokenizer::BOS;
+use pipefill::data::tokenizer::{BOS, EOS};
 use pipefill::model::{Cut, Gpt};
 use pipefill::rl::rollout::idle::{DrafterAccount, DrafterWork, EvalWork};
 use pipefill::rl::trainer::RolloutEngine;
@@ -44,7 +44,9 @@ fn accounts(leftover: &str) -> Vec<(DrafterAccount, f64)> {
         .collect();
     (0..STEPS)
         .map(|step| {
-            let batch = engine.generate(&policy, &prompts, 3, 12, step).unwrap();
+            let batch = engine
+                .generate(&policy, &prompts, 3, 12, EOS, step)
+                .unwrap();
             assert!(batch.acceptance_length.is_some(), "step {step} speculated");
             (
                 batch.drafter_work.expect("an idle router"),

@@ -39,6 +39,7 @@ impl RolloutEngine for Varying {
         prompts: &[Vec<u32>],
         group: usize,
         _max_new: usize,
+        _eos: u32,
         step: u64,
     ) -> Result<RolloutBatch, RlError> {
         let tasks = step_prompts(&self.job, step)?;

@@ -49,6 +49,7 @@ impl RolloutEngine for Scripted {
         prompts: &[Vec<u32>],
         group: usize,
         _max_new: usize,
+        _eos: u32,
         _step: u64,
     ) -> Result<RolloutBatch, RlError> {
         scripted_batch(prompts, &self.tasks, group, &self.uniform)
@@ -111,7 +112,9 @@ fn the_pipelined_grpo_update_equals_the_single_device_update() {
             ids
         })
         .collect();
-    let batch = engine.generate(&gpt, &prompts, 3, 24, 0).unwrap();
+    let batch = engine
+        .generate(&gpt, &prompts, 3, 24, tokenizer::EOS, 0)
+        .unwrap();
     let advantages = group_advantages(&[1.0, 0.0, 0.0, 1.0, 0.0, 0.0], 3).unwrap();
     // The packed step on one device: the pipeline computes exactly this, stage by stage.
     let packed = update_step(&job.rl, &batch.rollouts, &advantages, None, 2)
@@ -286,7 +289,9 @@ fn groups_without_a_gradient_are_skipped_and_the_update_is_the_whole_steps() {
     assert_eq!(skip_counts(&m), (2, 2, 6, 2), "{m:?}");
 
     let (gpt, _) = load(&job, &start);
-    let batch = engine.generate(&gpt, &encoded(&tasks), 3, 24, 0).unwrap();
+    let batch = engine
+        .generate(&gpt, &encoded(&tasks), 3, 24, tokenizer::EOS, 0)
+        .unwrap();
     let rewards = [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0];
     let advantages = group_advantages(&rewards, 3).unwrap();
     // The pipeline ran exactly the skipping packed step (bitwise, as without skipping).
@@ -335,7 +340,9 @@ fn a_step_without_any_gradient_still_steps_the_optimizer_exactly() {
     assert_eq!(m.grad_norm, 0.0);
 
     let (gpt, _) = load(&job, &start);
-    let batch = engine.generate(&gpt, &encoded(&tasks), 3, 24, 0).unwrap();
+    let batch = engine
+        .generate(&gpt, &encoded(&tasks), 3, 24, tokenizer::EOS, 0)
+        .unwrap();
     let (mut whole, mut whole_opt) = load(&job, &start);
     let all = update_batches(&batch.rollouts, &[0.0; 12]).unwrap();
     single_device_step(&job, &mut whole, &mut whole_opt, &all);
@@ -440,7 +447,9 @@ fn the_pipelined_update_with_kl_equals_the_single_device_grpo_update() {
             ids
         })
         .collect();
-    let batch = engine.generate(&gpt, &prompts, 3, 24, 0).unwrap();
+    let batch = engine
+        .generate(&gpt, &prompts, 3, 24, tokenizer::EOS, 0)
+        .unwrap();
     let advantages = group_advantages(&[1.0, 0.0, 0.0, 1.0, 0.0, 0.0], 3).unwrap();
     let step = update_batches(&batch.rollouts, &advantages).unwrap();
     let seqs: Vec<SequenceLogProbs> = step

@@ -134,13 +134,15 @@ pub struct RolloutBatch {
 /// Generates the rollouts of a step.
 pub trait RolloutEngine {
     /// `group` completions of each of `prompts` (each `BOS` + prompt tokens) under
-    /// `policy`, at most `max_new` tokens each; `step` seeds the sampling.
+    /// `policy`, each ending at `eos` (the prompts' tokenizer's) or after `max_new` tokens;
+    /// `step` seeds the sampling.
     fn generate(
         &mut self,
         policy: &Gpt<CpuBackend>,
         prompts: &[Vec<u32>],
         group: usize,
         max_new: usize,
+        eos: u32,
         step: u64,
     ) -> Result<RolloutBatch, RlError>;
 
@@ -228,7 +230,14 @@ pub(crate) fn scored_rollouts(
     let rl = &job.rl;
     let prompts = source.prompts(step)?;
     let ids: Vec<Vec<u32>> = prompts.iter().map(|p| p.ids.clone()).collect();
-    let batch = engine.generate(policy, &ids, rl.group, rl.max_new_tokens, step)?;
+    let batch = engine.generate(
+        policy,
+        &ids,
+        rl.group,
+        rl.max_new_tokens,
+        source.eos(),
+        step,
+    )?;
     if batch.rollouts.len() != rl.sequences() {
         return Err(RlError::Rollout(format!(
             "{} rollouts for {} prompts × group {}",

@@ -19,8 +19,6 @@ use crate::tensor::CpuBackend;
 pub struct PlainSampler {
     pub temperature: f32,
     pub seed: u64,
-    /// The id that ends a completion (the job's tokenizer's EOS).
-    pub eos: u32,
 }
 
 impl RolloutEngine for PlainSampler {
@@ -30,6 +28,7 @@ impl RolloutEngine for PlainSampler {
         prompts: &[Vec<u32>],
         group: usize,
         max_new: usize,
+        eos: u32,
         step: u64,
     ) -> Result<RolloutBatch, RlError> {
         let vocab = policy.config().vocab;
@@ -69,7 +68,7 @@ impl RolloutEngine for PlainSampler {
                 let token = sample(&softmax(last, self.temperature), &mut rngs[slot]);
                 let s = &mut seqs[slot];
                 s.generated.push(token);
-                if token != self.eos && s.generated.len() < max_new {
+                if token != eos && s.generated.len() < max_new {
                     next_live.push(slot);
                 } else {
                     for stage in &mut stages {
@@ -124,9 +123,10 @@ mod tests {
         let mut engine = PlainSampler {
             temperature: 1.0,
             seed: 4,
-            eos: tokenizer::EOS,
         };
-        let batch = engine.generate(&gpt, &prompts, 3, 6, 0).unwrap();
+        let batch = engine
+            .generate(&gpt, &prompts, 3, 6, tokenizer::EOS, 0)
+            .unwrap();
         assert_eq!(batch.rollouts.len(), 6);
         for (i, r) in batch.rollouts.iter().enumerate() {
             assert_eq!(r.prompt, prompts[i / 3]);
@@ -142,10 +142,14 @@ mod tests {
         let longest = batch.rollouts.iter().map(|r| r.generated.len()).max();
         assert_eq!(Some(batch.live_batch.len()), longest);
         // An untrained model's samples differ within a group; the seed repeats them.
-        let again = engine.generate(&gpt, &prompts, 3, 6, 0).unwrap();
+        let again = engine
+            .generate(&gpt, &prompts, 3, 6, tokenizer::EOS, 0)
+            .unwrap();
         assert_eq!(again.rollouts, batch.rollouts);
         assert_ne!(batch.rollouts[0], batch.rollouts[1]);
-        let other = engine.generate(&gpt, &prompts, 3, 6, 1).unwrap();
+        let other = engine
+            .generate(&gpt, &prompts, 3, 6, tokenizer::EOS, 1)
+            .unwrap();
         assert_ne!(other.rollouts, batch.rollouts);
     }
 }

@@ -128,8 +128,6 @@ pub struct PipelineRollouts {
     alpha_stale: bool,
     /// The threshold of the latest rollout.
     threshold: Option<ThresholdChoice>,
-    /// The job's tokenizer's end of a completion.
-    eos: u32,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -178,7 +176,6 @@ impl PipelineRollouts {
             alpha: None,
             alpha_stale: false,
             threshold: None,
-            eos: job.data.text_tokenizer()?.eos(),
         })
     }
 }
@@ -402,6 +399,7 @@ impl RolloutEngine for PipelineRollouts {
         prompts: &[Vec<u32>],
         group: usize,
         max_new: usize,
+        eos: u32,
         step: u64,
     ) -> Result<RolloutBatch, RlError> {
         if self.auto_threshold() {
@@ -444,7 +442,7 @@ impl RolloutEngine for PipelineRollouts {
             engine = engine.with_hook(Arc::clone(h) as Arc<dyn MessageHook>);
         }
         let config = RolloutConfig {
-            eos: self.eos,
+            eos,
             temperature: self.rl.temperature,
             groups: self.stages.max(1),
             seed: SplitMix64::derive(self.rl.seed, step).next_u64(),
