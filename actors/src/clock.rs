@@ -110,7 +110,9 @@ pub(crate) struct RankClock {
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Stopwatch {
     pub start: f64,
-    cpu: f64,
+    /// The meter's reading at the start: thread CPU time (virtual) or the declared costs
+    /// (declared); unused on the wall clock.
+    meter: f64,
 }
 
 impl RankClock {
@@ -138,7 +140,7 @@ impl RankClock {
     pub fn start(&self) -> Stopwatch {
         Stopwatch {
             start: self.now(),
-            cpu: match self.mode {
+            meter: match self.mode {
                 Clock::Wall => 0.0,
                 Clock::Virtual { .. } => thread_cpu_time(),
                 Clock::Declared { .. } => declared_time(),
@@ -151,8 +153,8 @@ impl RankClock {
     pub fn stop(&mut self, watch: Stopwatch) -> (f64, f64) {
         let used = match self.mode {
             Clock::Wall => return (watch.start, self.now()),
-            Clock::Virtual { .. } => thread_cpu_time() - watch.cpu,
-            Clock::Declared { .. } => declared_time() - watch.cpu,
+            Clock::Virtual { .. } => thread_cpu_time() - watch.meter,
+            Clock::Declared { .. } => declared_time() - watch.meter,
         };
         self.virtual_now = watch.start + used.max(0.0);
         (watch.start, self.virtual_now)

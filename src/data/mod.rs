@@ -158,12 +158,7 @@ impl DataConfig {
         match (self.source, &self.tokenizer) {
             (DataSource::Synthetic, _) => Ok(TextTokenizer::Chars(Box::default())),
             (DataSource::Jsonl, Some(path)) => TextTokenizer::load(path),
-            (DataSource::Jsonl, None) => Err(DataError::Invalid {
-                field: "data.tokenizer",
-                reason: "source = \"jsonl\" needs a tokenizer: a tokenizer.json, a model \
-                         directory, or \"chars\""
-                    .into(),
-            }),
+            (DataSource::Jsonl, None) => Err(no_tokenizer()),
         }
     }
 
@@ -171,7 +166,7 @@ impl DataConfig {
     /// `None` for the synthetic tasks.
     pub fn tokenizer_vocab(&self) -> Result<Option<usize>, DataError> {
         match (self.source, &self.tokenizer) {
-            (DataSource::Jsonl, Some(path)) => Ok(Some(TextTokenizer::load(path)?.vocab_size())),
+            (DataSource::Jsonl, Some(_)) => Ok(Some(self.text_tokenizer()?.vocab_size())),
             _ => Ok(None),
         }
     }
@@ -187,12 +182,7 @@ impl DataConfig {
                 });
             }
             if self.tokenizer.is_none() {
-                return Err(DataError::Invalid {
-                    field: "data.tokenizer",
-                    reason: "source = \"jsonl\" needs a tokenizer: a tokenizer.json, a model \
-                             directory, or \"chars\""
-                        .into(),
-                });
+                return Err(no_tokenizer());
             }
             if self.max_line_bytes == 0 {
                 return Err(DataError::Invalid {
@@ -215,6 +205,16 @@ impl DataConfig {
             SplitMix64::new(0),
         )
         .map(|_| ())
+    }
+}
+
+/// A `jsonl` source without `data.tokenizer`.
+fn no_tokenizer() -> DataError {
+    DataError::Invalid {
+        field: "data.tokenizer",
+        reason: "source = \"jsonl\" needs a tokenizer: a tokenizer.json, a model directory, \
+                 or \"chars\""
+            .into(),
     }
 }
 

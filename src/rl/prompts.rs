@@ -41,7 +41,7 @@ pub enum Check {
     Answer {
         answer: String,
         reward: Reward,
-        /// The record's line in the file (for messages).
+        /// The record's line in the file (which record it is).
         line: u64,
     },
 }
@@ -98,11 +98,6 @@ impl PromptSource {
     /// The id that ends a completion.
     pub fn eos(&self) -> u32 {
         self.tokenizer.eos()
-    }
-
-    /// The tokenizer prompts are encoded and completions decoded with.
-    pub fn tokenizer(&self) -> &TextTokenizer {
-        &self.tokenizer
     }
 
     /// Usable JSONL records (prompt short enough), or `None` for synthetic tasks.

@@ -61,11 +61,16 @@ pub fn train_distributed(
             env.world
         );
     }
-    let checkpoint = resume
+    let point = resume
         .map(|path| {
-            let point = ResumePoint::find(path)
-                .with_context(|| format!("cannot resume from {}", path.display()))?;
-            RankResume::load(&point, job, plan, rank)
+            ResumePoint::find(path)
+                .with_context(|| format!("cannot resume from {}", path.display()))
+        })
+        .transpose()?;
+    let checkpoint = point
+        .as_ref()
+        .map(|point| {
+            RankResume::load(point, job, plan, rank)
                 .with_context(|| format!("cannot resume from {}", point.dir().display()))
         })
         .transpose()?;
@@ -84,10 +89,8 @@ pub fn train_distributed(
     if rank == 0 {
         // Every rank checks its own shard's hash, but rank 0 writes the run directory first:
         // every shard is checked here before that, so a bad one changes no file.
-        if let Some(ResumePoint::Sharded(dir)) =
-            resume.map(ResumePoint::find).transpose().ok().flatten()
-        {
-            verify_files(&dir).with_context(|| format!("cannot resume from {}", dir.display()))?;
+        if let Some(ResumePoint::Sharded(dir)) = &point {
+            verify_files(dir).with_context(|| format!("cannot resume from {}", dir.display()))?;
         }
         let dir = RunDir::claim(
             job.out_dir.as_deref(),

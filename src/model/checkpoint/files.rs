@@ -17,7 +17,7 @@ use std::path::{Component, Path, PathBuf};
 
 use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 
-use super::sharded::fingerprint;
+use super::sharded::{Fnv1a, fingerprint};
 use super::{CheckpointError, HostTensor};
 use crate::config::memory::MemoryLimit;
 
@@ -116,9 +116,9 @@ fn stat(path: &Path) -> Result<fs::Metadata, CheckpointError> {
     })
 }
 
-/// Reads the regular file `path` whose metadata `meta` was checked: at most its size, and
-/// refused if it is not that file any more or not that size.
-fn read_checked(path: &Path, meta: &fs::Metadata) -> Result<Vec<u8>, CheckpointError> {
+/// Opens the regular file `path` whose metadata `meta` was checked, refused if it is not
+/// that file any more.
+fn open_checked(path: &Path, meta: &fs::Metadata) -> Result<fs::File, CheckpointError> {
     let io = |error| CheckpointError::Io {
         path: path.to_path_buf(),
         error,
@@ -131,16 +131,28 @@ fn read_checked(path: &Path, meta: &fs::Metadata) -> Result<Vec<u8>, CheckpointE
             kind: "a file replaced while it was opened",
         });
     }
+    Ok(file)
+}
+
+/// Reads the regular file `path` whose metadata `meta` was checked: at most its size, and
+/// refused if it is not that file any more or not that size.
+fn read_checked(path: &Path, meta: &fs::Metadata) -> Result<Vec<u8>, CheckpointError> {
+    let io = |error| CheckpointError::Io {
+        path: path.to_path_buf(),
+        error,
+    };
+    let file = open_checked(path, meta)?;
     let len = meta.len();
     // The size is what the listing declared and the disk holds, not what memory can hold:
     // a sparse file of 200 GiB is both. Over the available memory, or where the allocator
     // refuses it, the read is one error instead of an allocation failure's abort.
+    let available = MemoryLimit::machine().bytes;
     let over = || CheckpointError::OverMemory {
         path: path.to_path_buf(),
         bytes: len,
-        available: MemoryLimit::machine().bytes,
+        available,
     };
-    if len > MemoryLimit::machine().bytes {
+    if len > available {
         return Err(over());
     }
     let mut data = Vec::new();
@@ -232,6 +244,39 @@ pub(crate) fn read_listed_tensors(
     read_f32_tensors(&path, &data, names)
 }
 
+/// Checks the listed file `name` of `dir` (`listing`'s `field`, `bytes` long, hashing to
+/// `hash`) without holding it: it is streamed through its hash 1 MiB at a time, so the
+/// memory used stays flat whatever the file's size.
+pub(crate) fn verify_listed(
+    dir: &Path,
+    listing: &Path,
+    field: &str,
+    (name, bytes, hash): (&str, u64, &str),
+) -> Result<(), CheckpointError> {
+    let (path, meta) = stat_listed(dir, listing, field, name, bytes)?;
+    let mut file = open_checked(&path, &meta)?.take(bytes.saturating_add(1));
+    let (mut h, mut read, mut buf) = (Fnv1a::default(), 0u64, vec![0u8; 1 << 20]);
+    loop {
+        let n = file.read(&mut buf).map_err(|error| CheckpointError::Io {
+            path: path.clone(),
+            error,
+        })?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+        read += n as u64;
+    }
+    if read != bytes {
+        return Err(CheckpointError::Size {
+            path,
+            expected: bytes,
+            got: read,
+        });
+    }
+    check_digest(&path, h.finish(), hash, listing)
+}
+
 /// Refuses the bytes `data` of `path` unless their hash is `hash`, as `listing` records it.
 pub(crate) fn check_hash(
     path: &Path,
@@ -239,7 +284,16 @@ pub(crate) fn check_hash(
     hash: &str,
     listing: &Path,
 ) -> Result<(), CheckpointError> {
-    let got = fingerprint(data);
+    check_digest(path, fingerprint(data), hash, listing)
+}
+
+/// Refuses `path` unless its hash `got` is `hash`, as `listing` records it.
+fn check_digest(
+    path: &Path,
+    got: String,
+    hash: &str,
+    listing: &Path,
+) -> Result<(), CheckpointError> {
     if got != hash {
         return Err(CheckpointError::Corrupted {
             path: path.to_path_buf(),

@@ -13,9 +13,9 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use super::files::{MAX_META_BYTES, read_bounded, stat_listed};
+use super::files::{MAX_META_BYTES, read_bounded, stat_listed, verify_listed};
 use super::sharded::{
-    CHECKPOINTS_DIR, Fnv1a, Layout, MANIFEST_FILE, Manifest, latest, read_shard, shard_field,
+    CHECKPOINTS_DIR, Layout, MANIFEST_FILE, Manifest, latest, read_shard, shard_field,
 };
 use super::{Checkpoint, CheckpointError, CheckpointMeta, FORMAT, HostTensor, META_FILE, VERSION};
 
@@ -181,53 +181,21 @@ impl RankShard {
 }
 
 /// Checks every file the manifest in `dir` lists (each shard, and the drafter's) against its
-/// size and hash, streaming each through the hash in 1 MiB pieces (memory stays flat
-/// whatever the checkpoint's size). The first mismatch is the error, naming the file.
+/// size and hash without holding any of it ([`super::files::verify_listed`]). The first
+/// mismatch is the error, naming the file.
 pub fn verify_files(dir: &Path) -> Result<(), CheckpointError> {
-    use std::io::Read;
     let manifest = Manifest::read(dir)?;
     let listing = dir.join(MANIFEST_FILE);
-    let drafter = manifest
-        .drafter
-        .iter()
-        .map(|d| ("drafter.file".to_string(), &d.file, d.bytes, &d.hash));
-    let files = manifest
-        .shards
-        .iter()
-        .map(|s| (shard_field(s.rank), &s.file, s.bytes, &s.hash))
-        .chain(drafter);
-    let mut buf = vec![0u8; 1 << 20];
-    for (field, file, bytes, hash) in files {
-        let (path, _) = stat_listed(dir, &listing, &field, file, bytes)?;
-        let io = |error| CheckpointError::Io {
-            path: path.clone(),
-            error,
-        };
-        let mut f = fs::File::open(&path).map_err(io)?.take(bytes);
-        let (mut h, mut read) = (Fnv1a::default(), 0u64);
-        loop {
-            let n = f.read(&mut buf).map_err(io)?;
-            if n == 0 {
-                break;
-            }
-            h.update(&buf[..n]);
-            read += n as u64;
-        }
-        if read != bytes {
-            return Err(CheckpointError::Size {
-                path,
-                expected: bytes,
-                got: read,
-            });
-        }
-        if h.finish() != *hash {
-            return Err(CheckpointError::Corrupted {
-                path,
-                got: h.finish(),
-                expected: hash.clone(),
-                listing: MANIFEST_FILE.into(),
-            });
-        }
+    for s in &manifest.shards {
+        verify_listed(
+            dir,
+            &listing,
+            &shard_field(s.rank),
+            (&s.file, s.bytes, &s.hash),
+        )?;
+    }
+    if let Some(d) = &manifest.drafter {
+        verify_listed(dir, &listing, "drafter.file", (&d.file, d.bytes, &d.hash))?;
     }
     Ok(())
 }
