@@ -11,6 +11,8 @@ use pipefill::model::hf::{HfModel, hf_name};
 use pipefill::model::{Cut, ModelChunk};
 use pipefill::tensor::CpuBackend;
 
+mod common;
+
 fn fixture() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/qwen2")
 }
@@ -22,18 +24,7 @@ fn chunk(model: &HfModel, stage: usize) -> ModelChunk<CpuBackend> {
 }
 
 fn values(c: &ModelChunk<CpuBackend>) -> Vec<(String, Vec<u32>)> {
-    c.param_names()
-        .into_iter()
-        .map(|n| {
-            let bits = c
-                .param_values(&n)
-                .unwrap()
-                .iter()
-                .map(|x| x.to_bits())
-                .collect();
-            (n, bits)
-        })
-        .collect()
+    common::job::named_bits(c.param_names(), |n| c.param_values(n).unwrap())
 }
 
 /// The Hugging Face names of a stage's parameters.

@@ -82,18 +82,7 @@ fn rl_job(schedule: &str) -> JobConfig {
 
 /// Bit patterns of every parameter of `gpt`, in model order.
 fn param_bits(gpt: &Gpt<CpuBackend>) -> Vec<(String, Vec<u32>)> {
-    gpt.param_names()
-        .into_iter()
-        .map(|n| {
-            let bits = gpt
-                .param_values(&n)
-                .unwrap()
-                .iter()
-                .map(|x| x.to_bits())
-                .collect();
-            (n, bits)
-        })
-        .collect()
+    common::job::named_bits(gpt.param_names(), |n| gpt.param_values(n).unwrap())
 }
 
 #[test]

@@ -21,10 +21,10 @@ const COST: (f64, f64, f64) = (0.001, 0.001, 0.001);
 #[tokio::test(flavor = "multi_thread")]
 async fn zb_h2_iterations_overlap_in_virtual_time() {
     let plan = generate(ScheduleKind::ZbH2, 4, 8, 1).unwrap();
-    zb_h2_overlap(&plan).await.unwrap();
+    zb_h2_overlap(&plan).await;
 }
 
-async fn zb_h2_overlap(plan: &Plan) -> Result<(), String> {
+async fn zb_h2_overlap(plan: &Plan) {
     let last = plan.num_ranks() - 1;
     // Default step policy (post-validation): rank 0's first-stage forwards of iteration 1
     // run on its speculatively stepped weights, before the last rank has finished 0.
@@ -39,17 +39,16 @@ async fn zb_h2_overlap(plan: &Plan) -> Result<(), String> {
         .map(|r| r.start)
         .fold(f64::INFINITY, f64::min);
     let last_ends = first.rank_records(last).map(|r| r.end).fold(0.0, f64::max);
-    if rank0_starts >= last_ends {
-        return Err(format!(
-            "rank 0 started iteration 1 at {rank0_starts}, after rank {last} finished iteration 0 at {last_ends}"
-        ));
-    }
-    if report.overall.makespan >= 2.0 * first.timeline.makespan {
-        return Err(format!(
-            "two iterations took {} s, one {} s",
-            report.overall.makespan, first.timeline.makespan
-        ));
-    }
+    assert!(
+        rank0_starts < last_ends,
+        "rank 0 started iteration 1 at {rank0_starts}, after rank {last} finished iteration 0 at {last_ends}"
+    );
+    assert!(
+        report.overall.makespan < 2.0 * first.timeline.makespan,
+        "two iterations took {} s, one {} s",
+        report.overall.makespan,
+        first.timeline.makespan
+    );
 
     // Without any agreement on the step, iterations overlap fully and pay the steady
     // bubble, not the synchronous one: two iterations take well under twice one.
@@ -61,19 +60,17 @@ async fn zb_h2_overlap(plan: &Plan) -> Result<(), String> {
         .await
         .unwrap();
     let one = unchecked.iterations[0].timeline.makespan;
-    if unchecked.overall.makespan >= 2.0 * one * 0.95 {
-        return Err(format!(
-            "unchecked: two iterations took {} s, one {one} s",
-            unchecked.overall.makespan
-        ));
-    }
-    if unchecked.overall.makespan > report.overall.makespan + 1e-4 {
-        return Err(format!(
-            "unchecked took {} s, post-validated {} s",
-            unchecked.overall.makespan, report.overall.makespan
-        ));
-    }
-    Ok(())
+    assert!(
+        unchecked.overall.makespan < 2.0 * one * 0.95,
+        "unchecked: two iterations took {} s, one {one} s",
+        unchecked.overall.makespan
+    );
+    assert!(
+        unchecked.overall.makespan <= report.overall.makespan + 1e-4,
+        "unchecked took {} s, post-validated {} s",
+        unchecked.overall.makespan,
+        report.overall.makespan
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -127,10 +124,10 @@ impl BubbleFiller for SliceFiller {
 #[tokio::test(flavor = "multi_thread")]
 async fn filler_work_runs_inside_bubbles_without_stretching_the_step() {
     let plan = generate(ScheduleKind::OneFOneB, 4, 8, 1).unwrap();
-    fillers_fit(&plan).await.unwrap();
+    fillers_fit(&plan).await;
 }
 
-async fn fillers_fit(plan: &Plan) -> Result<(), String> {
+async fn fillers_fit(plan: &Plan) {
     let plan = plan.clone();
     let offers = Arc::new(Mutex::new(Vec::new()));
     let fillers: Vec<Box<dyn BubbleFiller>> = (0..4)
@@ -163,9 +160,11 @@ async fn fillers_fit(plan: &Plan) -> Result<(), String> {
     // step: the makespan is the simulator's for the compute alone.
     let predicted = simulate(&plan, &cost_model(COST)).unwrap();
     let makespan = it.timeline.makespan;
-    if (makespan - predicted.makespan).abs() > 1e-9 {
-        return Err(format!("makespan {makespan} vs {}", predicted.makespan));
-    }
+    assert!(
+        (makespan - predicted.makespan).abs() <= 1e-9,
+        "makespan {makespan} vs {}",
+        predicted.makespan
+    );
     let offers = offers.lock().unwrap();
     assert!(
         offers
@@ -178,15 +177,14 @@ async fn fillers_fit(plan: &Plan) -> Result<(), String> {
         filled > 0.3 * idle,
         "filled {filled}s of {idle}s of bubbles"
     );
-    Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_schedule_actor_measures_per_stage_costs() {
-    measured_costs_predict_the_run().await.unwrap();
+    measured_costs_predict_the_run().await;
 }
 
-async fn measured_costs_predict_the_run() -> Result<(), String> {
+async fn measured_costs_predict_the_run() {
     let report = {
         let plan_source = PlanSource::Builtin {
             kind: ScheduleKind::ZbH1,
@@ -206,20 +204,16 @@ async fn measured_costs_predict_the_run() -> Result<(), String> {
     assert_eq!(cost.stage.len(), 4);
     for c in &cost.stage {
         for (name, got) in [("T_F", c.f), ("T_I", c.i), ("T_W", c.w)] {
-            if (got - 0.001).abs() > 1e-12 {
-                return Err(format!("{name} measured {got}"));
-            }
+            assert!((got - 0.001).abs() <= 1e-12, "{name} measured {got}");
         }
     }
     // The measured model predicts what was measured.
     let plan = report.plan.as_ref().unwrap();
     let predicted = simulate(plan, &cost).unwrap();
     let measured = report.iterations[1].timeline.makespan;
-    if (measured - predicted.makespan).abs() > 1e-9 {
-        return Err(format!(
-            "measured {measured}, predicted {} from {cost:?}",
-            predicted.makespan
-        ));
-    }
-    Ok(())
+    assert!(
+        (measured - predicted.makespan).abs() <= 1e-9,
+        "measured {measured}, predicted {} from {cost:?}",
+        predicted.makespan
+    );
 }

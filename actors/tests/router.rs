@@ -48,25 +48,21 @@ async fn run(plan: &Plan, router: Option<&FillerRouter>) -> RunReport {
 async fn routed_slices_fill_the_bubbles_without_stretching_the_step() {
     for kind in [ScheduleKind::OneFOneB, ScheduleKind::ZbH1] {
         let plan = generate(kind, 4, 8, 1).unwrap();
-        let checked: Result<(), String> = async {
-            let bare = run(&plan, None).await;
-            let router = FillerRouter::default();
-            router.add_source(Spin(0), Some(SLICE));
-            let filled = run(&plan, Some(&router)).await;
+        let bare = run(&plan, None).await;
+        let router = FillerRouter::default();
+        router.add_source(Spin(0), Some(SLICE));
+        let filled = run(&plan, Some(&router)).await;
 
-            let (used, waited) = fillers_in_bubbles(kind, &filled);
-            let stats = router.stats();
-            let spin = &stats.kinds["spin"];
-            assert!(spin.slices > 0 && spin.estimate.samples == spin.slices);
-            assert!(
-                (spin.estimate.mean - SLICE).abs() < 1e-9 * SLICE,
-                "{kind}: estimate {:?}",
-                spin.estimate
-            );
-            timing_checks(&bare, &filled, used, waited, 0.85)
-        }
-        .await;
-        checked.unwrap_or_else(|e| panic!("{kind}: {e}"));
+        let (used, waited) = fillers_in_bubbles(kind, &filled);
+        let stats = router.stats();
+        let spin = &stats.kinds["spin"];
+        assert!(spin.slices > 0 && spin.estimate.samples == spin.slices);
+        assert!(
+            (spin.estimate.mean - SLICE).abs() < 1e-9 * SLICE,
+            "{kind}: estimate {:?}",
+            spin.estimate
+        );
+        timing_checks(kind, &bare, &filled, used, waited, 0.85);
     }
 }
 
@@ -97,23 +93,24 @@ fn fillers_in_bubbles(kind: ScheduleKind, filled: &RunReport) -> (f64, f64) {
 /// makespan's inflation, none (on a per-rank clock the predicted idle time is exact, so a
 /// slice that fits never delays the next action).
 fn timing_checks(
+    kind: ScheduleKind,
     bare: &RunReport,
     filled: &RunReport,
     used: f64,
     waited: f64,
     share: f64,
-) -> Result<(), String> {
-    if used < share * waited {
-        return Err(format!("filler used {used} s of {waited} s waited"));
-    }
+) {
+    assert!(
+        used >= share * waited,
+        "{kind}: filler used {used} s of {waited} s waited"
+    );
     let inflation = filled.overall.makespan / bare.overall.makespan - 1.0;
-    if inflation > 1e-9 {
-        return Err(format!(
-            "makespan {} with fillers, {} without",
-            filled.overall.makespan, bare.overall.makespan
-        ));
-    }
-    Ok(())
+    assert!(
+        inflation <= 1e-9,
+        "{kind}: makespan {} with fillers, {} without",
+        filled.overall.makespan,
+        bare.overall.makespan
+    );
 }
 
 /// Fixed and per-unit CPU cost of a [`SizedSpin`] slice: a full one (12 units) costs 350 µs,
@@ -150,32 +147,28 @@ impl FillerSource for SizedSpin {
 async fn sized_slices_fill_the_waits_up_to_the_margin() {
     for kind in [ScheduleKind::OneFOneB, ScheduleKind::ZbH1] {
         let plan = generate(kind, 4, 8, 1).unwrap();
-        let checked: Result<(), String> = async {
-            let bare = run(&plan, None).await;
-            let router = FillerRouter::default();
-            // The prior: the line the slices follow, as a calibration before the job measures.
-            let prior = pipefill_actors::router::CostEstimate::prior_line(12.0, 350e-6, PER_UNIT);
-            router.add_sized_source(SizedSpin(Vec::new()), Some(prior));
-            let filled = run(&plan, Some(&router)).await;
+        let bare = run(&plan, None).await;
+        let router = FillerRouter::default();
+        // The prior: the line the slices follow, as a calibration before the job measures.
+        let prior = pipefill_actors::router::CostEstimate::prior_line(12.0, 350e-6, PER_UNIT);
+        router.add_sized_source(SizedSpin(Vec::new()), Some(prior));
+        let filled = run(&plan, Some(&router)).await;
 
-            let (used, waited) = fillers_in_bubbles(kind, &filled);
-            let sizes: std::collections::BTreeSet<&str> = filled
-                .iterations
-                .iter()
-                .flat_map(|it| &it.fillers)
-                .map(|f| f.label.split(' ').next().unwrap())
-                .collect();
-            let stats = router.stats();
-            let k = &stats.kinds["sized spin"];
-            assert!(
-                (k.estimate.slope - PER_UNIT).abs() < 1e-6 * PER_UNIT,
-                "{kind}: fitted {:?}",
-                k.estimate
-            );
-            assert!(sizes.len() > 2, "{kind}: slices of sizes {sizes:?} only");
-            timing_checks(&bare, &filled, used, waited, 0.9)
-        }
-        .await;
-        checked.unwrap_or_else(|e| panic!("{kind}: {e}"));
+        let (used, waited) = fillers_in_bubbles(kind, &filled);
+        let sizes: std::collections::BTreeSet<&str> = filled
+            .iterations
+            .iter()
+            .flat_map(|it| &it.fillers)
+            .map(|f| f.label.split(' ').next().unwrap())
+            .collect();
+        let stats = router.stats();
+        let k = &stats.kinds["sized spin"];
+        assert!(
+            (k.estimate.slope - PER_UNIT).abs() < 1e-6 * PER_UNIT,
+            "{kind}: fitted {:?}",
+            k.estimate
+        );
+        assert!(sizes.len() > 2, "{kind}: slices of sizes {sizes:?} only");
+        timing_checks(kind, &bare, &filled, used, waited, 0.9);
     }
 }

@@ -75,3 +75,15 @@ pub fn one_replica_layout(trainer: &PipelineTrainer) -> Layout {
         stage_rank: trainer.plan().stage_rank.clone(),
     }
 }
+
+/// Each of `names` with the bit patterns of its values (`value(name)`), in `names`' order:
+/// parameters compared bit for bit, whatever holds them (a model, a chunk).
+pub fn named_bits(names: Vec<String>, value: impl Fn(&str) -> Vec<f32>) -> Vec<(String, Vec<u32>)> {
+    names
+        .into_iter()
+        .map(|n| {
+            let bits = value(&n).iter().map(|x| x.to_bits()).collect();
+            (n, bits)
+        })
+        .collect()
+}
