@@ -56,10 +56,8 @@ fn a_stage_reads_exactly_its_own_tensors() {
             read, own,
             "stage {stage} read {read} bytes, its tensors hold {own}"
         );
-        assert!(
-            2 * own < total + total / 2,
-            "stage {stage}: {own} of {total}"
-        );
+        // Well under the whole model: under three quarters of its bytes.
+        assert!(4 * own < 3 * total, "stage {stage}: {own} of {total}");
         read_before += read;
         own_sum += own;
     }
