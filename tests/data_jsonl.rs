@@ -41,14 +41,9 @@ fn jsonl_job(file: &str, stages: usize) -> JobConfig {
     job
 }
 
+/// Each parameter's bits by name ([`common::job::named_bits`], keyed).
 fn params(names: Vec<String>, value: impl Fn(&str) -> Vec<f32>) -> BTreeMap<String, Vec<u32>> {
-    names
-        .into_iter()
-        .map(|n| {
-            let bits = value(&n).iter().map(|x| x.to_bits()).collect();
-            (n, bits)
-        })
-        .collect()
+    common::job::named_bits(names, value).into_iter().collect()
 }
 
 #[test]
