@@ -130,12 +130,24 @@ fn assert_run_files(single: &Path, launched: &Path) {
     );
 }
 
+/// A port for a launcher that is told one (mpirun, torchrun-style variables): free now,
+/// and below the kernel's ephemeral range, so that no test's `bind(0)` or outgoing
+/// connection can be given it before rank 0 binds it (a port from `bind(0)` could be).
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    let span = u32::from(low.saturating_sub(10_000)).max(1);
+    let mut seed = std::process::id() ^ std::time::UNIX_EPOCH.elapsed().unwrap().subsec_nanos();
+    for _ in 0..1000 {
+        seed = seed.wrapping_mul(1_103_515_245).wrapping_add(12_345);
+        let port = 10_000 + ((seed >> 8) % span) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port between 10000 and {low}")
 }
 
 #[test]

@@ -25,6 +25,7 @@ use anyhow::{Context, bail};
 
 mod rank;
 
+use pipefill::launch::MASTER_FD;
 pub use rank::{rl_distributed, train_distributed};
 
 /// How long the other ranks have to exit on their own after one failed, or after the
@@ -109,13 +110,20 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<()> {
         Ok(t) if !t.is_empty() => t,
         _ => fresh_token()?,
     };
-    let port = match args.master_port {
-        Some(p) => p,
-        // The port is free now; rank 0 binds it again a moment later.
-        None => TcpListener::bind((args.master_addr.as_str(), 0))
-            .and_then(|l| l.local_addr())
-            .with_context(|| format!("no free port on {}", args.master_addr))?
-            .port(),
+    // Without --master-port the launcher binds the rendezvous listener itself and hands
+    // the open socket to rank 0 (`PIPEFILL_MASTER_FD`): a port only chosen here and bound
+    // again by rank 0 could be taken by another process in between.
+    let (master, port) = match args.master_port {
+        Some(port) => (None, port),
+        None => {
+            let listener = TcpListener::bind((args.master_addr.as_str(), 0))
+                .with_context(|| format!("no free port on {}", args.master_addr))?;
+            let port = listener
+                .local_addr()
+                .with_context(|| format!("no free port on {}", args.master_addr))?
+                .port();
+            (Some(listener), port)
+        }
     };
     let exe = std::env::current_exe().context("cannot find this executable")?;
     // From here a SIGTERM, SIGINT or SIGHUP is passed on to the ranks (see `supervise`).
@@ -136,6 +144,12 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<()> {
             .stderr(Stdio::piped());
         if let Some(ip) = &args.listen_addr {
             cmd.env("PIPEFILL_LISTEN_ADDR", ip);
+        }
+        match (&master, rank) {
+            (Some(listener), 0) => hand_down(&mut cmd, listener),
+            _ => {
+                cmd.env_remove(MASTER_FD);
+            }
         }
         die_with_launcher(&mut cmd);
         let mut child = match cmd.spawn() {
@@ -160,7 +174,29 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<()> {
         }
         ranks.push(Rank::Running(child));
     }
+    // Rank 0 holds its own copy of the rendezvous listener now.
+    drop(master);
     supervise(ranks, args.grace, output)
+}
+
+/// Passes `listener` to the rank as an open descriptor named in `PIPEFILL_MASTER_FD`
+/// (std opens every descriptor close-on-exec; this one rank's copy is kept open).
+fn hand_down(cmd: &mut Command, listener: &TcpListener) {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::process::CommandExt;
+    let fd = listener.as_raw_fd();
+    cmd.env(MASTER_FD, fd.to_string());
+    // SAFETY: runs in the forked child before exec and calls only fcntl (async-signal-safe)
+    // on a descriptor the launcher holds open until every rank is spawned.
+    unsafe {
+        cmd.pre_exec(move || {
+            let flags = libc::fcntl(fd, libc::F_GETFD);
+            if flags < 0 || libc::fcntl(fd, libc::F_SETFD, flags & !libc::FD_CLOEXEC) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
 }
 
 /// Arms the rank's parent-death signal: the kernel sends it SIGKILL when the launcher ends,

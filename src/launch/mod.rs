@@ -11,7 +11,9 @@
 //! Every rank of a job must be given the same job token (`PIPEFILL_TOKEN`; `pipefill
 //! launch` makes one).
 //! Sockets listen on loopback unless `PIPEFILL_LISTEN_ADDR` (or `--listen-addr`) says
-//! otherwise; the rendezvous listens on the master address.
+//! otherwise; the rendezvous listens on the master address. `pipefill launch` binds that
+//! listener itself and hands it to rank 0 as an open descriptor ([`MASTER_FD`]); a port
+//! chosen by the launcher and bound again by rank 0 could be taken in between.
 
 pub mod auto;
 pub mod env;
@@ -26,6 +28,11 @@ pub use env::{EnvError, Launcher, RankEnv};
 
 use crate::comm::rendezvous::{self, RendezvousError};
 use crate::comm::tcp::{MeshError, MeshOptions, TcpMesh};
+
+/// The environment variable through which `pipefill launch` hands rank 0 the rendezvous
+/// listener it bound (an open descriptor number), so that the port cannot be taken by
+/// another process between the launcher choosing it and rank 0 listening on it.
+pub const MASTER_FD: &str = "PIPEFILL_MASTER_FD";
 
 /// Default time every rank has to join the rendezvous and the mesh.
 pub const DEFAULT_JOIN_TIMEOUT: Duration = Duration::from_secs(60);
@@ -125,11 +132,14 @@ pub fn join(env: &RankEnv, listen: IpAddr, timeout: Duration) -> Result<TcpMesh,
         })?;
     let rendezvous = |error| LaunchError::Rendezvous { rank, error };
     let table = if rank == 0 {
-        let server = TcpListener::bind(master).map_err(|source| LaunchError::Listen {
-            rank,
-            addr: master_text.clone(),
-            source,
-        })?;
+        let server = match inherited_master(master)? {
+            Some(server) => server,
+            None => TcpListener::bind(master).map_err(|source| LaunchError::Listen {
+                rank,
+                addr: master_text.clone(),
+                source,
+            })?,
+        };
         rendezvous::serve(&server, env.world, own, &token, timeout).map_err(rendezvous)?
     } else {
         rendezvous::join(rank, env.world, master, own, &token, timeout).map_err(rendezvous)?
@@ -137,4 +147,108 @@ pub fn join(env: &RankEnv, listen: IpAddr, timeout: Duration) -> Result<TcpMesh,
     let mut opts = MeshOptions::new(token);
     opts.connect_timeout = timeout;
     Ok(TcpMesh::connect(rank, listener, &table, &opts)?)
+}
+
+/// The rendezvous listener named by [`MASTER_FD`], if set: it must be an open TCP socket
+/// bound to the master port, or the variable is refused (a stray number must not be taken
+/// for someone else's descriptor).
+fn inherited_master(master: SocketAddr) -> Result<Option<TcpListener>, LaunchError> {
+    match std::env::var(MASTER_FD) {
+        Ok(value) => adopt_master(value, master).map(Some),
+        Err(_) => Ok(None),
+    }
+}
+
+/// Takes ownership of the listening socket whose descriptor number is `value`.
+fn adopt_master(value: String, master: SocketAddr) -> Result<TcpListener, LaunchError> {
+    use std::os::fd::FromRawFd;
+    let refuse = |reason: String| LaunchError::Setting {
+        var: MASTER_FD,
+        value: value.clone(),
+        reason,
+    };
+    let fd: libc::c_int = value
+        .trim()
+        .parse()
+        .ok()
+        .filter(|fd| *fd > 2)
+        .ok_or_else(|| refuse("not a descriptor number above 2".into()))?;
+    // SAFETY: fstat and getsockopt only read the descriptor's state into local values.
+    let listening = unsafe {
+        let mut stat: libc::stat = std::mem::zeroed();
+        let mut accepting: libc::c_int = 0;
+        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        libc::fstat(fd, &mut stat) == 0
+            && stat.st_mode & libc::S_IFMT == libc::S_IFSOCK
+            && libc::getsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                libc::SO_ACCEPTCONN,
+                (&mut accepting as *mut libc::c_int).cast(),
+                &mut len,
+            ) == 0
+            && accepting != 0
+    };
+    if !listening {
+        return Err(refuse("not an open, listening socket".into()));
+    }
+    // SAFETY: the descriptor is open and a listening socket; the launcher handed it to this
+    // process alone, and nothing else in it takes ownership of that number.
+    let listener = unsafe { TcpListener::from_raw_fd(fd) };
+    // Not passed on to anything this rank starts.
+    // SAFETY: fcntl on the descriptor `listener` now owns.
+    unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
+    match listener.local_addr() {
+        Ok(addr) if addr.port() == master.port() => Ok(listener),
+        Ok(addr) => Err(refuse(format!(
+            "listens on {addr}, not on the master port {}",
+            master.port()
+        ))),
+        Err(e) => Err(refuse(format!("not a TCP socket ({e})"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::{AsRawFd, IntoRawFd};
+
+    use super::*;
+
+    fn refusal(value: &str, master: SocketAddr) -> String {
+        adopt_master(value.into(), master).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn the_handed_down_listener_is_adopted_only_when_it_listens_on_the_master_port() {
+        // Handed over whole (into_raw_fd): the refusal closes it.
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let fd = listener.into_raw_fd().to_string();
+        let elsewhere = SocketAddr::from(([127, 0, 0, 1], 1));
+        assert!(refusal(&fd, elsewhere).contains("not on the master port 1"));
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let master = listener.local_addr().unwrap();
+        let fd = listener.into_raw_fd();
+        let adopted = adopt_master(fd.to_string(), master).unwrap();
+        assert_eq!(adopted.local_addr().unwrap(), master);
+        assert_eq!(adopted.as_raw_fd(), fd);
+    }
+
+    #[test]
+    fn a_stray_descriptor_number_is_refused_naming_the_variable() {
+        let master = SocketAddr::from(([127, 0, 0, 1], 29500));
+        for value in ["", "x", "-4", "2"] {
+            let e = refusal(value, master);
+            assert!(
+                e.contains(MASTER_FD) && e.contains("not a descriptor number"),
+                "{e}"
+            );
+        }
+        let file = tempfile::tempfile().unwrap();
+        let e = refusal(&file.as_raw_fd().to_string(), master);
+        assert!(e.contains("not an open, listening socket"), "{e}");
+        // A socket bound but not listening is not a rendezvous.
+        let socket = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let e = refusal(&socket.as_raw_fd().to_string(), master);
+        assert!(e.contains("not an open, listening socket"), "{e}");
+    }
 }
