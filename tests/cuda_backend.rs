@@ -198,6 +198,59 @@ fn elementwise_and_activations_match() {
     both!("elementwise", 1e-5, cpu, gpu, elementwise);
 }
 
+/// Rotary embedding forward and inverse (the input gradient), at positions up to a long
+/// context's (the angle's range reduction matters there), with an odd row count.
+fn rope<B: Backend>(b: &B, dtype: DType) -> Result<Vec<Vec<f32>>> {
+    let mut r = Rng(12);
+    let (rows, heads, head_dim) = (37, 6, 16);
+    let n = rows * heads * head_dim;
+    let x = b.from_host(&r.vec(n), dtype)?;
+    let positions: Vec<u32> = (0..rows as u32).map(|i| i * 2917 % 32768).collect();
+    let inv_freq: Vec<f32> = (0..head_dim / 2)
+        .map(|i| 500000f32.powf(-2.0 * i as f32 / head_dim as f32))
+        .collect();
+    let (mut fwd, mut back) = (b.zeros(n, dtype)?, b.zeros(n, dtype)?);
+    b.rope(&x, &mut fwd, &positions, heads, head_dim, &inv_freq, false)?;
+    b.rope(
+        &fwd, &mut back, &positions, heads, head_dim, &inv_freq, true,
+    )?;
+    host(b, &[&fwd, &back])
+}
+
+/// Grouped-query sharing and its gradient, and the SwiGLU product: copies and sums in the
+/// CPU's order, so the two backends agree exactly.
+fn heads_and_products<B: Backend>(b: &B) -> Result<Vec<Vec<f32>>> {
+    let mut r = Rng(13);
+    let (rows, kv_heads, rep, head_dim) = (11, 2, 3, 8);
+    let (narrow, wide) = (rows * kv_heads * head_dim, rows * kv_heads * rep * head_dim);
+    let kv = b.from_host(&r.vec(narrow), DType::F32)?;
+    let grad = b.from_host(&r.vec(wide), DType::F32)?;
+    let mut repeated = b.zeros(wide, DType::F32)?;
+    b.repeat_kv(&kv, &mut repeated, rows, kv_heads, rep, head_dim)?;
+    let mut summed = b.zeros(narrow, DType::F32)?;
+    b.repeat_kv_bwd(&grad, &mut summed, rows, kv_heads, rep, head_dim)?;
+    let other = b.from_host(&r.vec(wide), DType::F32)?;
+    let mut product = b.zeros(wide, DType::F32)?;
+    b.mul(&grad, &other, &mut product)?;
+    host(b, &[&repeated, &summed, &product])
+}
+
+#[test]
+fn llama_ops_match() {
+    let Some((cpu, gpu)) = backends("llama ops") else {
+        return;
+    };
+    both!("rope f32", 1e-5, cpu, gpu, rope, DType::F32);
+    both!("rope bf16", 2e-2, cpu, gpu, rope, DType::Bf16);
+    both!(
+        "repeat_kv, its gradient, mul",
+        0.0,
+        cpu,
+        gpu,
+        heads_and_products
+    );
+}
+
 fn rows<B: Backend>(b: &B, dim: usize) -> Result<Vec<Vec<f32>>> {
     let mut r = Rng(4 + dim as u64);
     let n_rows = 9;

@@ -8,7 +8,7 @@ use super::blas::dense;
 use super::kernels::{self, K};
 use super::{CudaBackend, CudaBuf, Storage, dev, grid_rows};
 use crate::tensor::{
-    Activation, AdamWStep, AttnShape, Backend, BatchedGemm, DType, Gemm, Result, TensorError, check,
+    Activation, AdamWStep, AttnShape, Backend, BatchedGemm, DType, Gemm, Result, check,
 };
 
 impl Backend for CudaBackend {
@@ -194,8 +194,15 @@ impl Backend for CudaBackend {
     }
 
     fn mul(&self, a: &CudaBuf, b: &CudaBuf, out: &mut CudaBuf) -> Result<()> {
+        const OP: &str = "mul";
         check::mul(self, [a, b, out])?;
-        not_yet("mul")
+        let Some((n64, cfg)) = Self::elementwise_len(a.len()) else {
+            return Ok(());
+        };
+        let (a, b) = (self.read(OP, a)?, self.read(OP, b)?);
+        self.write(OP, out, |o| {
+            launch!(self, OP, K::MulF32, cfg, [&*a, &*b, o, &n64])
+        })
     }
 
     fn rope(
@@ -206,8 +213,9 @@ impl Backend for CudaBackend {
         heads: usize,
         head_dim: usize,
         inv_freq: &[f32],
-        _inverse: bool,
+        inverse: bool,
     ) -> Result<()> {
+        const OP: &str = "rope";
         check::rope(
             self,
             [x, out],
@@ -216,7 +224,23 @@ impl Backend for CudaBackend {
             head_dim,
             inv_freq.len(),
         )?;
-        not_yet("rope")
+        let half = head_dim / 2;
+        let Some((n64, cfg)) = Self::elementwise_len(positions.len() * heads * half) else {
+            return Ok(());
+        };
+        let (heads64, half64) = (heads as u64, half as u64);
+        let sign: f32 = if inverse { -1.0 } else { 1.0 };
+        let x = self.read(OP, x)?;
+        let (pos, freq) = (self.upload(OP, positions)?, self.upload(OP, inv_freq)?);
+        self.write(OP, out, |o| {
+            launch!(
+                self,
+                OP,
+                K::RopeF32,
+                cfg,
+                [&*x, o, &pos, &freq, &heads64, &half64, &sign, &n64]
+            )
+        })
     }
 
     fn repeat_kv(
@@ -228,8 +252,22 @@ impl Backend for CudaBackend {
         rep: usize,
         head_dim: usize,
     ) -> Result<()> {
-        check::repeat_kv(self, "repeat_kv", [src, dst], rows, kv_heads, rep, head_dim)?;
-        not_yet("repeat_kv")
+        const OP: &str = "repeat_kv";
+        check::repeat_kv(self, OP, [src, dst], rows, kv_heads, rep, head_dim)?;
+        let Some((n64, cfg)) = Self::elementwise_len(rows * kv_heads * rep * head_dim) else {
+            return Ok(());
+        };
+        let (kv64, rep64, dim64) = (kv_heads as u64, rep as u64, head_dim as u64);
+        let src = self.read(OP, src)?;
+        self.write(OP, dst, |d| {
+            launch!(
+                self,
+                OP,
+                K::RepeatKvF32,
+                cfg,
+                [&*src, d, &kv64, &rep64, &dim64, &n64]
+            )
+        })
     }
 
     fn repeat_kv_bwd(
@@ -241,16 +279,22 @@ impl Backend for CudaBackend {
         rep: usize,
         head_dim: usize,
     ) -> Result<()> {
-        check::repeat_kv(
-            self,
-            "repeat_kv_bwd",
-            [src, dst],
-            rows,
-            kv_heads,
-            rep,
-            head_dim,
-        )?;
-        not_yet("repeat_kv_bwd")
+        const OP: &str = "repeat_kv_bwd";
+        check::repeat_kv(self, OP, [src, dst], rows, kv_heads, rep, head_dim)?;
+        let Some((n64, cfg)) = Self::elementwise_len(rows * kv_heads * head_dim) else {
+            return Ok(());
+        };
+        let (kv64, rep64, dim64) = (kv_heads as u64, rep as u64, head_dim as u64);
+        let src = self.read(OP, src)?;
+        self.write(OP, dst, |d| {
+            launch!(
+                self,
+                OP,
+                K::RepeatKvBwdF32,
+                cfg,
+                [&*src, d, &kv64, &rep64, &dim64, &n64]
+            )
+        })
     }
 
     fn softmax_rows(&self, x: &CudaBuf, out: &mut CudaBuf, rows: usize, cols: usize) -> Result<()> {
@@ -417,7 +461,7 @@ impl Backend for CudaBackend {
             return Ok(());
         };
         let dim64 = dim as u64;
-        let (t, ids) = (self.read(OP, table)?, self.upload_ids(OP, ids)?);
+        let (t, ids) = (self.read(OP, table)?, self.upload(OP, ids)?);
         self.write(OP, out, |o| {
             launch!(self, OP, K::EmbeddingFwd, cfg, [&*t, &ids, o, &dim64, &n64])
         })
@@ -436,7 +480,7 @@ impl Backend for CudaBackend {
             return Ok(());
         };
         let dim64 = dim as u64;
-        let (dy, ids) = (self.read(OP, dy)?, self.upload_ids(OP, ids)?);
+        let (dy, ids) = (self.read(OP, dy)?, self.upload(OP, ids)?);
         self.write(OP, dtable, |t| {
             launch!(
                 self,
@@ -523,15 +567,6 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         self.adamw_update(param, master, grad, m, v, hp)
     }
-}
-
-/// The error of an operation the CUDA backend has no kernel for yet (the Llama-family ops:
-/// RoPE, grouped-query head sharing, the SwiGLU product); the CPU backend runs them.
-fn not_yet(op: &'static str) -> Result<()> {
-    Err(TensorError::Invalid {
-        op,
-        reason: format!("not implemented on CUDA yet: {op}"),
-    })
 }
 
 /// The `kind` argument of the activation kernels.

@@ -125,6 +125,54 @@ extern "C" __global__ void scale_f32(float* buf, float alpha, u64 n) {
     GRID_STRIDE(i, n) buf[i] *= alpha;
 }
 
+extern "C" __global__ void mul_f32(const float* a, const float* b, float* out, u64 n) {
+    GRID_STRIDE(i, n) out[i] = a[i] * b[i];
+}
+
+// ---- positions and heads -------------------------------------------------------------------
+
+// Rotary embedding (Llama's rotate_half) of x: [rows, heads, 2·half] into out, row r at
+// positions[r]: for i < half and a = positions[r]·inv_freq[i], out[i] = x[i]·cos a −
+// x[i+half]·sin a and out[i+half] = x[i+half]·cos a + x[i]·sin a; sign = −1 rotates by −a (the
+// input gradient). One thread per pair, n = rows·heads·half; the angle is computed in f32 as
+// the CPU backend does (no fast math: cosf/sinf keep full range).
+extern "C" __global__ void rope_f32(const float* x, float* out, const unsigned int* positions,
+                                    const float* inv_freq, u64 heads, u64 half, float sign, u64 n) {
+    GRID_STRIDE(k, n) {
+        const u64 i = k % half, head = k / half, r = head / heads;
+        const float a = (float)positions[r] * inv_freq[i];
+        const float c = cosf(a), s = sign * sinf(a);
+        const u64 base = head * 2 * half;
+        const float x1 = x[base + i], x2 = x[base + half + i];
+        out[base + i] = x1 * c - x2 * s;
+        out[base + half + i] = x2 * c + x1 * s;
+    }
+}
+
+// Grouped-query sharing: dst[row, h, :] = src[row, h / rep, :], dst: [rows, kv_heads·rep,
+// head_dim]. n = rows·kv_heads·rep·head_dim.
+extern "C" __global__ void repeat_kv_f32(const float* src, float* dst, u64 kv_heads, u64 rep,
+                                         u64 head_dim, u64 n) {
+    GRID_STRIDE(i, n) {
+        const u64 j = i % head_dim, h = (i / head_dim) % (kv_heads * rep);
+        const u64 row = i / (head_dim * kv_heads * rep);
+        dst[i] = src[(row * kv_heads + h / rep) * head_dim + j];
+    }
+}
+
+// Its gradient: dst[row, g, :] = Σ_{r < rep} src[row, g·rep + r, :], summed in increasing r
+// (the CPU backend's order, so the two agree bit for bit). n = rows·kv_heads·head_dim.
+extern "C" __global__ void repeat_kv_bwd_f32(const float* src, float* dst, u64 kv_heads, u64 rep,
+                                             u64 head_dim, u64 n) {
+    GRID_STRIDE(i, n) {
+        const u64 j = i % head_dim, g = (i / head_dim) % kv_heads, row = i / (head_dim * kv_heads);
+        const float* s = src + (row * kv_heads + g) * rep * head_dim + j;
+        float acc = s[0];
+        for (u64 r = 1; r < rep; ++r) acc += s[r * head_dim];
+        dst[i] = acc;
+    }
+}
+
 #define SQRT_2_OVER_PI 0.7978846f
 #define GELU_C 0.044715f
 

@@ -29,7 +29,7 @@ impl CudaBackend {
         }
         let cfg = kernels::per_row(grid_rows(OP, rows)?, vocab);
         let vocab64 = vocab as u64;
-        let (l, t) = (self.read(OP, logits)?, self.upload_ids(OP, targets)?);
+        let (l, t) = (self.read(OP, logits)?, self.upload(OP, targets)?);
         let mut loss = self.alloc_f32(OP, rows)?;
         self.write(OP, probs, |p| {
             launch!(
@@ -63,7 +63,7 @@ impl CudaBackend {
             return Ok(());
         };
         let vocab64 = vocab as u64;
-        let (p, t) = (self.read(OP, probs)?, self.upload_ids(OP, targets)?);
+        let (p, t) = (self.read(OP, probs)?, self.upload(OP, targets)?);
         self.write(OP, dlogits, |d| {
             launch!(
                 self,

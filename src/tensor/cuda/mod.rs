@@ -344,13 +344,18 @@ impl CudaBackend {
         .map_err(dev(op))
     }
 
-    /// Copies `ids` (token ids or targets) to the device.
-    fn upload_ids(&self, op: &'static str, ids: &[u32]) -> Result<CudaSlice<u32>> {
+    /// Copies a host array a kernel reads as it is (token ids, targets, positions,
+    /// frequencies) to the device.
+    fn upload<T: cudarc::driver::DeviceRepr>(
+        &self,
+        op: &'static str,
+        host: &[T],
+    ) -> Result<CudaSlice<T>> {
         let s = self.stream();
-        if ids.is_empty() {
+        if host.is_empty() {
             s.null()
         } else {
-            s.clone_htod(ids)
+            s.clone_htod(host)
         }
         .map_err(dev(op))
     }
