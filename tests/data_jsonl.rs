@@ -147,12 +147,29 @@ fn losses(run: &Path) -> Vec<f64> {
 fn pipefill_train_runs_on_a_jsonl_file() {
     let dir = tempfile::tempdir().unwrap();
     let sets = jsonl_sets(&fixtures().join("chat.jsonl"));
+    let records = std::fs::read_to_string(fixtures().join("chat.jsonl"))
+        .unwrap()
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .count();
     let pipelined = dir.path().join("pipelined");
-    let out = train(&sets, &[], &pipelined);
-    assert!(out.status.success(), "{}", text(&out));
     let reference = dir.path().join("reference");
-    let out = train(&sets, &["--schedule", "none"], &reference);
-    assert!(out.status.success(), "{}", text(&out));
+    for (run, extra) in [
+        (&pipelined, &[][..]),
+        (&reference, &["--schedule", "none"][..]),
+    ] {
+        let out = train(&sets, extra, run);
+        assert!(out.status.success(), "{}", text(&out));
+        // The file is tokenized once, for the summary and the run, and says what it read.
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let read: Vec<&str> = stdout.lines().filter(|l| l.starts_with("data: ")).collect();
+        assert_eq!(read.len(), 1, "{stdout}");
+        assert!(
+            read[0].starts_with(&format!("data: {records} records, ")),
+            "{}",
+            read[0]
+        );
+    }
     let (a, b) = (losses(&pipelined), losses(&reference));
     assert_eq!(a.len(), 2);
     for (x, y) in a.iter().zip(&b) {

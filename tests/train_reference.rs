@@ -3,7 +3,7 @@
 //! field.
 
 use pipefill::config::JobConfig;
-use pipefill::data::DataConfig;
+use pipefill::data::{DataConfig, StepData};
 use pipefill::model::GptConfig;
 use pipefill::model::checkpoint::Checkpoint;
 use pipefill::tensor::CpuBackend;
@@ -365,4 +365,34 @@ fn the_oracle_is_deterministic() {
         (losses, params)
     };
     assert_eq!(run(), run());
+}
+
+#[test]
+fn data_loaded_once_trains_as_the_config_does_and_must_fit_the_job() {
+    // `with_data` (the CLI's path: the data is loaded once for the summary and the run)
+    // trains bit for bit as `with_backend` loading it itself; data built for another
+    // `seq_len` or seed is refused naming the field.
+    let (model, data, train) = small_job();
+    let losses = |mut t: Trainer<CpuBackend>| -> Vec<u32> {
+        (0..3)
+            .map(|_| t.train_step().unwrap().loss.to_bits())
+            .collect()
+    };
+    let be = || CpuBackend::new(1).unwrap();
+    let loaded = StepData::new(data.clone(), model.seq_len, train.seed).unwrap();
+    assert_eq!(
+        losses(Trainer::with_data(be(), &model, loaded, &train).unwrap()),
+        losses(Trainer::with_backend(be(), &model, &data, &train).unwrap())
+    );
+    for (seq_len, seed, field) in [
+        (model.seq_len / 2, train.seed, "model.seq_len"),
+        (model.seq_len, train.seed + 1, "train.seed"),
+    ] {
+        let other = StepData::new(data.clone(), seq_len, seed).unwrap();
+        let e = Trainer::with_data(be(), &model, other, &train)
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(e.contains(field), "{e}");
+    }
 }

@@ -17,7 +17,7 @@
 
 use std::sync::Arc;
 
-use super::documents::Documents;
+use super::documents::{Documents, Tokenized};
 use super::jsonl::read_records;
 use super::rng::SplitMix64;
 use super::tasks::TaskGenerator;
@@ -72,6 +72,17 @@ impl StepData {
     /// Data for `config` in sequences of `seq_len` tokens, seeded by `seed`. Fails if the
     /// config is invalid or `seq_len` is 0.
     pub fn new(config: DataConfig, seq_len: usize, seed: u64) -> Result<Self, DataError> {
+        Self::load(config, seq_len, seed, &mut |_| {})
+    }
+
+    /// [`StepData::new`], telling `progress` how far tokenizing a JSONL dataset got (a
+    /// synthetic source reads nothing and reports nothing).
+    pub fn load(
+        config: DataConfig,
+        seq_len: usize,
+        seed: u64,
+        progress: &mut dyn FnMut(Tokenized),
+    ) -> Result<Self, DataError> {
         config.validate()?;
         if seq_len == 0 {
             return Err(DataError::Invalid {
@@ -85,7 +96,7 @@ impl StepData {
             DataSource::Jsonl => {
                 let path = config.path.as_deref().expect("validated: jsonl has a path");
                 let lines = read_records(path, config.max_file_bytes, config.max_line_bytes)?;
-                let docs = Documents::build(&lines, path, &text)?;
+                let docs = Documents::build(&lines, path, &text, progress)?;
                 if docs.is_empty() {
                     return Err(DataError::File {
                         path: path.to_path_buf(),

@@ -28,17 +28,31 @@ pub struct Documents {
     starts: Vec<usize>,
 }
 
+/// How far [`Documents::build`] got: records tokenized so far of all of them, and the ids
+/// they gave. Reported every [`PROGRESS_EVERY`] records and once at the end.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tokenized {
+    pub records: usize,
+    pub of: usize,
+    pub tokens: usize,
+}
+
+/// Records between two progress reports (a report costs a callback, not a syscall).
+pub const PROGRESS_EVERY: usize = 1024;
+
 /// Whether byte range `(a, b)` of a token overlaps `[lo, hi)`.
 fn overlaps((a, b): (usize, usize), lo: usize, hi: usize) -> bool {
     b > lo && a < hi && b > a
 }
 
 impl Documents {
-    /// Tokenizes `lines` (read from `path`, which errors name) with `tokenizer`.
+    /// Tokenizes `lines` (read from `path`, which errors name) with `tokenizer`, telling
+    /// `progress` how far it got.
     pub fn build(
         lines: &[Line],
         path: &Path,
         tokenizer: &TextTokenizer,
+        progress: &mut dyn FnMut(Tokenized),
     ) -> Result<Self, DataError> {
         let mut docs = Documents {
             ids: Vec::new(),
@@ -51,7 +65,14 @@ impl Documents {
             line,
             reason: e.to_string(),
         };
-        for Line { line, record } in lines {
+        for (done, Line { line, record }) in lines.iter().enumerate() {
+            if done % PROGRESS_EVERY == 0 && done > 0 {
+                progress(Tokenized {
+                    records: done,
+                    of: lines.len(),
+                    tokens: docs.ids.len(),
+                });
+            }
             let (ids, targets): (Vec<u32>, Vec<bool>) = match record {
                 Record::Text(text) => {
                     let ids = tokenizer.encode(text, true).map_err(|e| at(*line, e))?;
@@ -103,6 +124,11 @@ impl Documents {
             }
             docs.starts.push(docs.ids.len());
         }
+        progress(Tokenized {
+            records: lines.len(),
+            of: lines.len(),
+            tokens: docs.ids.len(),
+        });
         // Every document has at least one id; an empty file is refused by the caller.
         docs.starts.dedup();
         Ok(docs)

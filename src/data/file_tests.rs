@@ -7,6 +7,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use super::chat::ChatTemplate;
+use super::documents::PROGRESS_EVERY;
 use super::hf_tokenizer::HfTokenizer;
 use super::jsonl::{Record, parse_record, read_lines};
 use super::reward::{Reward, boxed_match, final_number, last_boxed, numeric_match};
@@ -326,6 +327,33 @@ fn chat_loss_is_on_the_assistant_turns_only() {
         err.contains("d.jsonl:2: a `messages` record needs a tokenizer with a chat_template"),
         "{err}"
     );
+}
+
+#[test]
+fn tokenizing_reports_its_progress_up_to_every_record_and_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let records: Vec<String> = (0..2 * PROGRESS_EVERY + 5)
+        .map(|i| format!(r#"{{"text": "bubble {i}"}}"#))
+        .collect();
+    let lines: Vec<&str> = records.iter().map(String::as_str).collect();
+    let config = jsonl_config(dir.path(), &lines);
+    let mut reports = Vec::new();
+    let data = StepData::load(config, 16, 0, &mut |t| reports.push(t)).unwrap();
+    let tokens = data.documents().unwrap().tokens();
+    let of = records.len();
+    assert_eq!(
+        reports
+            .iter()
+            .map(|t| (t.records, t.of))
+            .collect::<Vec<_>>(),
+        [(PROGRESS_EVERY, of), (2 * PROGRESS_EVERY, of), (of, of)]
+    );
+    assert!(reports.windows(2).all(|w| w[0].tokens < w[1].tokens));
+    assert_eq!(reports.last().unwrap().tokens, tokens);
+    // The synthetic tasks read nothing.
+    let mut synthetic = 0;
+    StepData::load(DataConfig::default(), 16, 0, &mut |_| synthetic += 1).unwrap();
+    assert_eq!(synthetic, 0);
 }
 
 #[test]

@@ -31,6 +31,7 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 pub use batch::{MicroBatch, StepData};
+pub use documents::Tokenized;
 pub use rng::SplitMix64;
 pub use summary::DatasetSummary;
 pub use tasks::{Task, TaskFamily, TaskGenerator, parse_answer};

@@ -32,25 +32,31 @@ pub struct DatasetSummary {
 }
 
 impl DatasetSummary {
-    /// The summary of `config.summary_tasks` tasks drawn like the training stream of `seed`.
-    ///
-    /// For a `jsonl` source: the file's documents (read and tokenized), lengths in tokens
-    /// of whole documents, and no families.
+    /// The summary of `config.summary_tasks` tasks drawn like the training stream of `seed`,
+    /// or of a `jsonl` source's documents (read and tokenized here: [`Self::of`] summarises
+    /// data already loaded).
     pub fn sample(config: &DataConfig, seed: u64) -> Result<Self, DataError> {
         config.validate()?;
-        if config.source == super::DataSource::Jsonl {
-            let data = super::StepData::new(config.clone(), 1, seed)?;
-            let docs = data.documents().expect("a jsonl source has documents");
+        Self::of(&super::StepData::new(config.clone(), 1, seed)?)
+    }
+
+    /// The summary of the data `data` trains on: for the synthetic tasks,
+    /// `data.summary_tasks` tasks drawn like its stream (from a sub-stream of its seed no
+    /// step uses); for a `jsonl` source, its documents (lengths in tokens of whole
+    /// documents, no families).
+    pub fn of(data: &super::StepData) -> Result<Self, DataError> {
+        if let Some(docs) = data.documents() {
             return Ok(Self::from_lengths(
                 docs.lengths().collect(),
                 BTreeMap::new(),
             ));
         }
+        let config = data.config();
         let tasks: Vec<Task> = TaskGenerator::new(
             &config.families,
             config.size_scale,
             config.max_size,
-            SplitMix64::derive(seed, SUMMARY_STREAM),
+            SplitMix64::derive(data.seed(), SUMMARY_STREAM),
         )?
         .take(config.summary_tasks)
         .collect();

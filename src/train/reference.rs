@@ -119,6 +119,31 @@ impl<B: Backend> Trainer<B> {
         train.validate()?;
         model.validate()?;
         let data = StepData::new(data.clone(), model.seq_len, train.seed)?;
+        Self::with_data(backend, model, data, train)
+    }
+
+    /// The reference trainer on `backend` over `data` already loaded (a JSONL dataset is
+    /// tokenized once for the summary and the run); `data` must be built for the model's
+    /// `seq_len` and the job's `train.seed`.
+    pub fn with_data(
+        backend: B,
+        model: &GptConfig,
+        data: StepData,
+        train: &TrainConfig,
+    ) -> Result<Self, TrainError> {
+        train.validate()?;
+        model.validate()?;
+        for (field, data_has, job_has) in [
+            ("model.seq_len", data.seq_len() as u64, model.seq_len as u64),
+            ("train.seed", data.seed(), train.seed),
+        ] {
+            if data_has != job_has {
+                return Err(TrainError::Config {
+                    field,
+                    reason: format!("is {job_has}, but the step data was built for {data_has}"),
+                });
+            }
+        }
         Ok(Self {
             model: Gpt::new(model, backend.clone(), &Cut::Even(1))?,
             optimizer: AdamW::new(adamw_config(train)),

@@ -1,7 +1,8 @@
 //! `pipefill train [CONFIG.toml] [--set key=value ...] [--schedule S] [--clock C] [--steps N]`:
 //! trains the model of a job file (the embedded default job when none is given).
 //!
-//! Every run prints the dataset summary (with the solution-length histogram) first, then a
+//! Every run loads its data once (a JSONL dataset under a bar of the records tokenized, then
+//! one `data:` line), prints the dataset summary (with the solution-length histogram), then a
 //! progress bar with step, loss and tokens/s, then a summary line and the held-out exact
 //! match, and writes its run directory (`out_dir`): `job.toml`, `metrics.jsonl` (one JSON
 //! line per step) and the final checkpoint.
@@ -33,14 +34,15 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use pipefill::config::memory::{Bytes, MemoryLimit, Workload};
 use pipefill::config::{Clock, JobConfig};
-use pipefill::data::DatasetSummary;
+use pipefill::data::{DataSource, DatasetSummary, StepData};
 use pipefill::launch::RankEnv;
 use pipefill::model::Gpt;
 use pipefill::model::checkpoint::Checkpoint;
 use pipefill::run::{Existing, Resume, RunDir};
-use pipefill::tensor::Backend;
 use pipefill::tensor::device::Device;
+use pipefill::tensor::{Backend, CpuBackend};
 use pipefill::train::eval::{exact_match, held_out_tasks};
+use pipefill::train::reference::cpu_threads;
 use pipefill::train::{StepMetrics, Trainer};
 
 #[derive(clap::Args)]
@@ -144,13 +146,16 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         resume.map_or(Resume::Fresh, Resume::From),
         existing,
     )?;
+    if !job.schedule.is_none() && device.is_cuda() {
+        bail!(
+            "device = \"cuda\": the single-process pipeline computes on the CPU only; run the job as one process per GPU (`pipefill launch -n <ranks> -- train ...`) or with schedule \"none\" on one GPU"
+        );
+    }
+    // Loaded once, for the summary and the run.
+    let data = load_data(&job)?;
+    print!("{}", DatasetSummary::of(&data)?);
     if !job.schedule.is_none() {
-        if device.is_cuda() {
-            bail!(
-                "device = \"cuda\": the single-process pipeline computes on the CPU only; run the job as one process per GPU (`pipefill launch -n <ranks> -- train ...`) or with schedule \"none\" on one GPU"
-            );
-        }
-        return pipelined::train(&job, resume, &run_dir);
+        return pipelined::train(&job, resume, &run_dir, data);
     }
     if job.stages != 1 {
         println!(
@@ -159,16 +164,15 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         );
     }
     match device {
-        Device::Cpu { .. } => train_reference(
-            &job,
-            resume,
-            &run_dir,
-            Trainer::reference(&job.model, &job.data, &job.train)?,
-        ),
+        Device::Cpu { .. } => {
+            let backend = CpuBackend::new(cpu_threads(&job.train))?;
+            let trainer = Trainer::with_data(backend, &job.model, data, &job.train)?;
+            train_reference(&job, resume, &run_dir, trainer)
+        }
         #[cfg(feature = "cuda")]
         Device::Cuda { ordinal } => {
             let backend = pipefill::tensor::cuda::CudaBackend::new(ordinal)?;
-            let trainer = Trainer::with_backend(backend, &job.model, &job.data, &job.train)?;
+            let trainer = Trainer::with_data(backend, &job.model, data, &job.train)?;
             train_reference(&job, resume, &run_dir, trainer)
         }
         #[cfg(not(feature = "cuda"))]
@@ -227,9 +231,6 @@ fn train_reference<B: Backend>(
     run_dir: &RunDir,
     mut trainer: Trainer<B>,
 ) -> anyhow::Result<()> {
-    let summary = DatasetSummary::sample(&job.data, job.train.seed)?;
-    print!("{summary}");
-
     if let Some(dir) = resume {
         let checkpoint = Checkpoint::load(dir)?;
         trainer.restore(&checkpoint)?;
@@ -324,6 +325,41 @@ fn open_run_dir(
 ) -> anyhow::Result<(PathBuf, BufWriter<File>)> {
     let metrics = run_dir.create(&job.to_toml(), first_step)?;
     Ok((run_dir.path().to_path_buf(), metrics))
+}
+
+/// The job's step data. A JSONL dataset is tokenized here, once for the summary and the
+/// run, under a bar of the records tokenized and the tokens they gave (drawn on a
+/// terminal only), and ends with one line saying what was read.
+fn load_data(job: &JobConfig) -> anyhow::Result<StepData> {
+    let d = &job.data;
+    let Some(path) = d.path.as_deref().filter(|_| d.source == DataSource::Jsonl) else {
+        return Ok(StepData::new(d.clone(), job.model.seq_len, job.train.seed)?);
+    };
+    let bar = ProgressBar::new(0);
+    bar.set_style(
+        ProgressStyle::with_template("tokenizing {bar:30} {pos}/{len} records, {msg} [{elapsed}]")
+            .expect("valid template"),
+    );
+    let started = Instant::now();
+    let mut read = None;
+    let data = StepData::load(d.clone(), job.model.seq_len, job.train.seed, &mut |t| {
+        bar.set_length(t.of as u64);
+        bar.set_position(t.records as u64);
+        bar.set_message(format!("{} tokens", t.tokens));
+        read = Some(t);
+    });
+    bar.finish_and_clear();
+    let data = data?;
+    if let Some(t) = read {
+        println!(
+            "data: {} records, {} tokens from {} (tokenized in {:.1} s)",
+            t.records,
+            t.tokens,
+            path.display(),
+            started.elapsed().as_secs_f64()
+        );
+    }
+    Ok(data)
 }
 
 /// The per-step progress bar, starting at `first_step` of `steps`.

@@ -10,16 +10,18 @@
 
 use std::io::Write;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, bail};
 
 use pipefill::config::{Filler, JobConfig};
-use pipefill::data::DatasetSummary;
+use pipefill::data::StepData;
 use pipefill::model::checkpoint::sharded::{
     CHECKPOINTS_DIR, Layout, MANIFEST_FILE, Manifest, job_fingerprint, latest, load_sharded,
 };
 use pipefill::model::checkpoint::{Checkpoint, META_FILE};
+use pipefill::pipeline::feed::StepFeed;
 use pipefill::pipeline::{PipelineTrainer, StepMetrics, StepView};
 use pipefill::profile::report::{ActionCosts, action_costs};
 use pipefill::run::{RunDir, StepLine};
@@ -36,13 +38,12 @@ pub(super) fn train(
     job: &JobConfig,
     resume: Option<&Path>,
     run_dir: &RunDir,
+    data: StepData,
 ) -> anyhow::Result<()> {
-    let summary = DatasetSummary::sample(&job.data, job.train.seed)?;
-    print!("{summary}");
-
     let mut trainer = PipelineTrainer::from_job(job)
         .with_context(|| format!("schedule {} on {} ranks", job.schedule, job.stages))?
-        .filler(job.filler);
+        .filler(job.filler)
+        .feed(Arc::new(StepFeed::new(data, job.train.clone())));
     if let Some(dir) = resume {
         let checkpoint = load_resume(dir, &trainer)?;
         trainer = trainer.resume(&checkpoint);
