@@ -6,6 +6,7 @@ safetensors and tokenizers installed (no network is needed; everything is random
 
     python3 -m venv /tmp/hfenv && /tmp/hfenv/bin/pip install torch transformers safetensors
     /tmp/hfenv/bin/python scripts/hf_fixtures.py            # writes tests/fixtures/hf/*
+    /tmp/hfenv/bin/python scripts/hf_fixtures.py --only qwen2_rl   # one fixture
     /tmp/hfenv/bin/python scripts/hf_fixtures.py --check FIXTURE EXPORT
         # loads both with from_pretrained: an export of FIXTURE must give its logits
         # (tests/hf_interop.rs writes exports there when PIPEFILL_HF_EXPORT=DIR is set)
@@ -26,7 +27,10 @@ Parameters are drawn from N(0, 1/fan_in) (embeddings N(0, 1), norm gains 1 + N(0
 biases N(0, 0.1²)) rather than transformers' std 0.02, so activations, attention patterns
 and logits are O(1) and a wrong convention (RoPE layout, norm eps, GQA head order) shows.
 
-Fixtures: llama (GQA 4/2 heads, untied, one model.safetensors), qwen2 (qkv biases, saved in
+Fixtures: qwen2_rl (tied, vocabulary 300 with the tokenizer of tests/fixtures/data/tokenizer
+copied in: the model `pipefill rl --model` and `pipefill train --model` run on the JSONL
+fixtures, its tokenizer defaulting to the directory's), llama (GQA 4/2 heads, untied, one
+model.safetensors), qwen2 (qkv biases, saved in
 shards with model.safetensors.index.json), qwen2_tied (tie_word_embeddings: no
 lm_head.weight in the file; its gradient is the embedding's, both uses summed), mistral (weights saved in bf16; the expected
 outputs are those of the bf16-rounded weights computed in f32), llama3 (llama3 rope_scaling).
@@ -71,7 +75,7 @@ def randomize(model, seed):
                 p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
 
 
-def build(name, cls, config, seed, adamw=True, dtype="float32", shard=None):
+def build_fixture(name, cls, config, seed, adamw=True, dtype="float32", shard=None, tokenizer=None):
     torch.manual_seed(seed)
     config._attn_implementation = "eager"
     model = cls(config).float().eval()
@@ -131,6 +135,18 @@ def build(name, cls, config, seed, adamw=True, dtype="float32", shard=None):
             "eps": ADAMW["eps"],
             "weight_decay": ADAMW["weight_decay"],
         }
+    if tokenizer:
+        shutil.copy(os.path.join(tokenizer, "tokenizer.json"), out_dir)
+        # Special tokens as strings: transformers 5 refuses the dict form the data fixture's
+        # tokenizer_config.json has (an AddedToken without its "__type").
+        with open(os.path.join(tokenizer, "tokenizer_config.json")) as f:
+            tok_config = json.load(f)
+        for key, value in tok_config.items():
+            if key.endswith("_token") and isinstance(value, dict):
+                tok_config[key] = value["content"]
+        with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+            json.dump(tok_config, f, indent=2)
+            f.write("\n")
     save_file(tensors, os.path.join(out_dir, "expected.safetensors"))
     with open(os.path.join(out_dir, "expected.json"), "w") as f:
         json.dump(meta, f, indent=2)
@@ -162,6 +178,7 @@ def main():
         metavar=("FIXTURE", "EXPORT"),
         help="load both directories with from_pretrained and print their logits' max difference",
     )
+    ap.add_argument("--only", metavar="NAME", help="build only this fixture")
     args = ap.parse_args()
     torch.use_deterministic_algorithms(True)
     if args.check:
@@ -176,6 +193,22 @@ def main():
         print(f"{args.check[1]}: {type(model).__name__}, logits max abs diff {diff:.3e}")
         return 0 if diff <= 1e-5 else 1
     os.makedirs(OUT, exist_ok=True)
+    only = args.only
+
+    def build(name, *a, **kw):
+        if only is None or only == name:
+            build_fixture(name, *a, **kw)
+
+    build(
+        "qwen2_rl",
+        Qwen2ForCausalLM,
+        Qwen2Config(
+            **small(vocab_size=300, tie_word_embeddings=True, use_sliding_window=False)
+        ),
+        seed=6,
+        adamw=False,
+        tokenizer=os.path.join(os.path.dirname(OUT), "data", "tokenizer"),
+    )
     build(
         "llama",
         LlamaForCausalLM,

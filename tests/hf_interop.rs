@@ -231,6 +231,12 @@ fn qwen2_tied_matches_transformers() {
     matches_transformers("qwen2_tied");
 }
 
+/// The model `pipefill rl --model` runs on (vocabulary 300, the data fixtures' tokenizer).
+#[test]
+fn qwen2_rl_matches_transformers() {
+    matches_transformers("qwen2_rl");
+}
+
 #[test]
 fn mistral_bf16_matches_transformers() {
     matches_transformers("mistral");

@@ -3,7 +3,9 @@
 //! directory's weights, with its shape; pipelined training of an imported (tied) model is
 //! bitwise the reference trainer's; the result exports back to a directory that imports
 //! to the run's checkpoint; a sequence longer than the model's positions is one line;
-//! `pipefill generate` on a directory is transformers' greedy decoding.
+//! `pipefill generate` on a directory is transformers' greedy decoding; `pipefill rl
+//! --model DIR` runs GRPO on a JSONL prompt/answer file with the directory's tokenizer and
+//! exports back.
 
 mod common;
 
@@ -200,5 +202,64 @@ fn generation_from_a_model_directory_is_transformers_greedy() {
         String::from_utf8_lossy(&out.stderr).contains("has no tokenizer.json"),
         "{}",
         text(&out)
+    );
+}
+
+/// `pipefill rl --model DIR` on the JSONL prompt/answer fixture: the directory's tokenizer
+/// tokenizes the prompts (no `data.tokenizer` given), the warm-up moves the imported
+/// weights, and the run exports to a directory that imports to its checkpoint and carries
+/// the tokenizer.
+#[test]
+fn rl_on_a_model_directory_and_a_jsonl_file_exports_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = fixture("qwen2_rl");
+    let run = dir.path().join("rl");
+    let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/data/rl.jsonl");
+    let mut cmd = clean(EXE);
+    cmd.arg("rl").arg("--model").arg(&model);
+    for s in [
+        "model.seq_len=64".to_string(),
+        "stages=2".into(),
+        "data.source=\"jsonl\"".into(),
+        format!(
+            "data.path={}",
+            toml::Value::String(data.display().to_string())
+        ),
+        "rl.steps=2".into(),
+        "rl.warmup_steps=2".into(),
+        "rl.max_new_tokens=12".into(),
+    ] {
+        cmd.args(["--set", &s]);
+    }
+    let out = cmd.arg("--out-dir").arg(&run).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("prompt/answer records of"), "{stdout}");
+    let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    assert_eq!(metrics.lines().count(), 2, "{metrics}");
+
+    let ckpt = Checkpoint::load(&run.join("checkpoint")).unwrap();
+    let hf = HfModel::open(&model).unwrap();
+    assert_ne!(
+        tensor(&ckpt, "embed.tok"),
+        hf.read("embed.tok").unwrap().data,
+        "the warm-up and the updates moved nothing"
+    );
+    let exported = dir.path().join("hf");
+    let out = clean(EXE)
+        .arg("export")
+        .arg(&run)
+        .args(["--format", "hf", "-o"])
+        .arg(&exported)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let back = HfModel::open(&exported).unwrap();
+    for t in params(&ckpt) {
+        assert_eq!(back.read(&t.name).unwrap().data, t.data, "{}", t.name);
+    }
+    assert_eq!(
+        std::fs::read(exported.join("tokenizer.json")).unwrap(),
+        std::fs::read(model.join("tokenizer.json")).unwrap()
     );
 }

@@ -32,7 +32,8 @@ pub struct ExportArgs {
     #[arg(long, default_value = "f32")]
     dtype: ExportDtype,
     /// The Hugging Face directory the run started from: its architecture and other
-    /// config.json fields are kept and its tokenizer files copied.
+    /// config.json fields are kept and its tokenizer files copied [default: the run's
+    /// `model.from`, when that directory is still there].
     #[arg(long)]
     source: Option<PathBuf>,
     /// Replace the model in a non-empty output directory.
@@ -60,10 +61,30 @@ pub fn run(args: ExportArgs) -> anyhow::Result<()> {
         .into_iter()
         .filter(|t| names.contains(&t.name))
         .collect();
+    // Without --source, the directory the run imported its model from, where it still is.
+    let source = match (args.source, &config.from) {
+        (Some(dir), _) => Some(dir),
+        (None, Some(from)) if from.is_dir() => {
+            println!(
+                "source: {} (the run's model.from): its config fields and tokenizer files are kept",
+                from.display()
+            );
+            Some(from.clone())
+        }
+        (None, Some(from)) => {
+            println!(
+                "note: the run's model.from {} is not a directory here: exported without its \
+                 tokenizer files (--source DIR names where it is now)",
+                from.display()
+            );
+            None
+        }
+        (None, None) => None,
+    };
     let opts = ExportOptions {
         dtype: args.dtype,
         overwrite: args.overwrite,
-        source: args.source,
+        source,
     };
     hf::export(&args.out, &config, &tensors, &opts)
         .with_context(|| format!("exporting {}", point.dir().display()))?;

@@ -34,6 +34,11 @@ pub struct RlArgs {
     /// Override one field of the job, e.g. `--set rl.group=8` (repeatable).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     set: Vec<String>,
+    /// The Hugging Face model in directory DIR (Llama, Qwen2, Mistral) as the starting
+    /// policy: its config.json gives the shape, its safetensors the weights, its tokenizer
+    /// the JSONL data's by default (sets `model.from`; the warm-up steps still run).
+    #[arg(long, value_name = "DIR", conflicts_with = "init")]
+    model: Option<PathBuf>,
     /// Start from this `pipefill train` run directory (its checkpoint/ and job.toml)
     /// instead of a supervised warm-up.
     #[arg(long, value_name = "RUN_DIR")]
@@ -77,6 +82,10 @@ pub fn run(args: RlArgs) -> anyhow::Result<()> {
     if let Some(dir) = &args.out_dir {
         let dir = dir.display().to_string();
         sets.push(format!("out_dir={}", toml::Value::String(dir)));
+    }
+    if let Some(dir) = &args.model {
+        let dir = dir.display().to_string();
+        sets.push(format!("model.from={}", toml::Value::String(dir)));
     }
     let mut job = match &args.config {
         Some(path) => JobConfig::load(path, &sets)?,
