@@ -20,7 +20,8 @@
 #    (NCCL refuses two ranks on one GPU), and two ranks are started by hand, both with local
 #    rank 0 as on two one-GPU machines, on cuda:0 over TCP, against the CPU: the GPU
 #    pipeline runtime, GPU buffers on the wire and the all-reduce of GPU gradients.
-# 4. the reference trainer (`schedule = "none"`) on the GPU against the CPU.
+# 4. the reference trainer (`schedule = "none"`) on the GPU against the CPU, and the
+#    single-process pipeline of a Llama-shaped model (RoPE, GQA, SwiGLU) likewise.
 #
 # Tolerances (max |a - b| over every compared element):
 #   NCCL vs TCP, same GPUs: TOL_TRANSPORT = 1e-6. The transports carry the same bits and a
@@ -190,6 +191,16 @@ if run build 590 cargo build --release --features cuda; then
         run reference-cpu 300 "$EXE" train "${JOB[@]}" --set 'schedule="none"' --device cpu \
             --out-dir "$OUT/reference-cpu" &&
         compare "reference gpu-vs-cpu" "$OUT/reference-cuda" "$OUT/reference-cpu" "$TOL_DEVICE" 1
+
+    # The single-process pipeline (ZB-H1 on 2 ranks, each on GPU rank mod count; a Llama-
+    # shaped model so RoPE, GQA and SwiGLU run on the GPU) against the same run on the CPU.
+    LLAMA=(--set stages=2 --set model.positions='"rope"' --set model.activation='"swiglu"'
+           --set model.kv_heads=1)
+    run pipeline-cuda 300 "$EXE" train "${JOB[@]}" "${LLAMA[@]}" --device cuda \
+        --out-dir "$OUT/pipeline-cuda" &&
+        run pipeline-cpu 300 "$EXE" train "${JOB[@]}" "${LLAMA[@]}" --device cpu \
+            --out-dir "$OUT/pipeline-cpu" &&
+        compare "pipeline gpu-vs-cpu" "$OUT/pipeline-cuda" "$OUT/pipeline-cpu" "$TOL_DEVICE" 1
 
     if [ "${GPUS:-0}" -ge 2 ]; then
         # Two pipeline stages: activations and gradients over NcclTransport.

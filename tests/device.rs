@@ -79,16 +79,11 @@ fn cuda_usable(ordinal: usize) -> bool {
 fn train_on_cuda_without_cuda_is_one_error_naming_the_field() {
     let dir = tempfile::tempdir().unwrap();
     if cuda_usable(0) {
-        // With a GPU the single-process pipeline still refuses, clearly, rather than
-        // silently computing on the CPU.
+        // With a GPU the single-process pipeline trains there, each rank on a GPU.
         let out = run(&train_args(dir.path(), &["device=\"cuda\""]));
-        assert!(!out.status.success(), "{}", text(&out));
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(
-            stderr.contains("single-process pipeline computes on the CPU only"),
-            "{}",
-            text(&out)
-        );
+        assert!(out.status.success(), "{}", text(&out));
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(stdout.contains("on the GPUs"), "{}", text(&out));
         return;
     }
     let reason = (Device::Cuda { ordinal: 0 }).check_available().unwrap_err();
@@ -201,4 +196,25 @@ fn rl_on_cuda_is_refused_clearly_instead_of_running_on_the_cpu() {
     assert!(!stderr.contains("panicked"), "{}", text(&out));
     // Refused before anything ran: no warm-up, no run directory.
     assert!(!dir.path().join("job.toml").exists());
+}
+
+/// The library's in-process pipeline reaches the same check: a job on `cuda` where CUDA
+/// cannot be used is one error naming `device` before any rank is built (with a GPU it
+/// trains there; scripts/gpu-check.sh compares it with the CPU).
+#[test]
+fn the_in_process_pipeline_on_cuda_without_cuda_names_the_field() {
+    use pipefill::config::{DeviceKind, JobConfig};
+    use pipefill::pipeline::PipelineTrainer;
+    if cuda_usable(0) {
+        return;
+    }
+    let mut job =
+        JobConfig::embedded(&JOB.iter().map(|s| s.to_string()).collect::<Vec<_>>()).unwrap();
+    job.device = DeviceKind::Cuda;
+    let e = PipelineTrainer::from_job(&job)
+        .unwrap()
+        .run(1, |_| {})
+        .expect_err("refused")
+        .to_string();
+    assert!(e.contains("invalid `device`: \"cuda\" (cuda:0)"), "{e}");
 }

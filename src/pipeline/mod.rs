@@ -102,6 +102,9 @@ pub enum PipelineError {
     Runtime(#[from] pipefill_actors::RuntimeError),
     #[error(transparent)]
     Drafter(#[from] crate::model::drafter::DrafterError),
+    /// A job setting that cannot be used here (e.g. `device = "cuda"` without a GPU).
+    #[error(transparent)]
+    Job(#[from] crate::config::ConfigError),
 }
 
 /// Stages per rank of `plan`, or why the plan cannot drive the model.

@@ -37,7 +37,7 @@ use crate::config::{Filler, JobConfig, ScheduleChoice};
 use crate::model::checkpoint::Checkpoint;
 use crate::model::{Cut, Gpt, ModelError, OptimizerState};
 use crate::schedules::{AutoReplanner, Plan, ScheduleKind, build, read_plan};
-use crate::tensor::CpuBackend;
+use crate::tensor::{Backend, CpuBackend};
 
 mod kept;
 mod outcome;
@@ -272,18 +272,24 @@ impl PipelineTrainer {
         self.resume.as_ref().map_or(0, |c| c.meta.step)
     }
 
-    /// One [`RankCompute`] per rank, each with its own single-threaded CPU backend (in
-    /// virtual-clock mode a stage's thread CPU time must be all of its work).
-    fn computes(
+    /// A rank's CPU backend: one thread (the runtime runs the ranks side by side).
+    fn cpu_rank(_rank: usize) -> Result<CpuBackend, PipelineError> {
+        Ok(CpuBackend::new(1).map_err(ModelError::from)?)
+    }
+
+    /// One [`RankCompute`] per rank, each on its own backend `backend(rank)` (on the CPU one
+    /// thread each: in virtual-clock mode a stage's thread CPU time must be all of its work).
+    fn computes<B: Backend>(
         &self,
         shared: &Arc<Shared>,
         steps: u64,
-    ) -> Result<Vec<RankCompute<CpuBackend>>, PipelineError> {
+        backend: &dyn Fn(usize) -> Result<B, PipelineError>,
+    ) -> Result<Vec<RankCompute<B>>, PipelineError> {
         let (job, plan) = (&self.job, &self.plan);
         let resumed = self.resumed_state()?;
         let mut computes = Vec::with_capacity(plan.num_ranks());
         for rank in 0..plan.num_ranks() {
-            let backend = CpuBackend::new(1).map_err(ModelError::from)?;
+            let backend = backend(rank)?;
             let (shared, first) = (Arc::clone(shared), self.first_step());
             let mut compute = match &resumed {
                 Some((gpt, state)) => RankCompute::resumed(

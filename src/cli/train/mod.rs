@@ -16,10 +16,10 @@
 //!   schedule must reproduce.
 //!
 //! `device` (`--device`) is checked before anything runs: `"cuda"` in a build without the
-//! `cuda` feature, without a driver or without the GPU is one error naming the field. On a
-//! GPU, the reference trainer and each rank of a launched job compute there (a launched
-//! rank on the GPU of its local rank); the single-process pipeline runs on the CPU only
-//! and says so.
+//! `cuda` feature, without a driver or without the GPU is one error naming the field. On
+//! GPUs, the reference trainer computes on `cuda:0`, each rank of a launched job on the GPU
+//! of its local rank, and rank `r` of the single-process pipeline on GPU `r` mod the GPU
+//! count.
 
 mod pipelined;
 mod run_files;
@@ -146,11 +146,6 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         resume.map_or(Resume::Fresh, Resume::From),
         existing,
     )?;
-    if !job.schedule.is_none() && device.is_cuda() {
-        bail!(
-            "device = \"cuda\": the single-process pipeline computes on the CPU only; run the job as one process per GPU (`pipefill launch -n <ranks> -- train ...`) or with schedule \"none\" on one GPU"
-        );
-    }
     // Loaded once, for the summary and the run.
     let data = load_data(&job)?;
     print!("{}", DatasetSummary::of(&data)?);

@@ -15,6 +15,7 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 
+use pipefill::config::DeviceKind;
 use pipefill::config::{Filler, JobConfig};
 use pipefill::data::StepData;
 use pipefill::model::checkpoint::sharded::{
@@ -65,12 +66,16 @@ pub(super) fn train(
     let plan = trainer.plan().clone();
     let clock = job.clock.name();
     println!(
-        "model: {} params ({} layers, d_model {}, {} heads, seq {}) on the CPU",
+        "model: {} params ({} layers, d_model {}, {} heads, seq {}) on {}",
         job.model.param_count(),
         job.model.layers,
         job.model.d_model,
         job.model.heads,
         job.model.seq_len,
+        match job.device {
+            DeviceKind::Cpu => "the CPU",
+            DeviceKind::Cuda => "the GPUs (rank r on cuda:r mod their count)",
+        }
     );
     println!(
         "pipeline: schedule {} on {} ranks ({} stages, {} per rank), {} micro-batches × {} \

@@ -207,7 +207,7 @@ impl PipelineTrainer {
                     )
                 })
                 .collect::<Result<Vec<_>, _>>()?,
-            None => self.computes(&shared, steps)?,
+            None => self.computes(&shared, steps, &Self::cpu_rank)?,
         };
         let (keep, kept_rx) = channel();
         for compute in &mut computes {

@@ -13,10 +13,11 @@ use super::super::fill::{DrafterFill, HELD_OUT_EVERY, HeldOutEval};
 use super::super::join::{DrafterRun, DrafterStep, StepJoin, StepView};
 use super::super::shared::Shared;
 use super::{PipelineError, PipelineRun, PipelineTrainer};
-use crate::config::Filler;
+use crate::config::{DeviceKind, Filler};
 use crate::data::StepData;
 use crate::model::drafter::Placement;
 use crate::schedules::{Timeline, simulate};
+use crate::tensor::Backend;
 use crate::train::StepMetrics;
 
 impl PipelineTrainer {
@@ -60,10 +61,62 @@ impl PipelineTrainer {
 
     /// Runs `steps` optimizer steps. `on_step` is called on this thread, during the run, with
     /// each step's [`StepView`] as soon as every rank has stepped and reported the iteration.
+    ///
+    /// Each rank computes on the job's `device`: the CPU backend on one thread, or with
+    /// `device = "cuda"` GPU `rank mod count` of this machine's (checked before anything is
+    /// built; without the `cuda` feature, a driver or a GPU, one error naming `device`).
     pub fn run_observed(
         &self,
         steps: u64,
         mut on_step: impl FnMut(&StepView),
+    ) -> Result<PipelineRun, PipelineError> {
+        match self.job.device {
+            DeviceKind::Cpu => self.run_on(steps, &mut on_step, Self::cpu_rank),
+            DeviceKind::Cuda => self.run_on_cuda(steps, &mut on_step),
+        }
+    }
+
+    /// [`Self::run_observed`] on the GPUs of this machine.
+    #[cfg(feature = "cuda")]
+    fn run_on_cuda(
+        &self,
+        steps: u64,
+        on_step: &mut dyn FnMut(&StepView),
+    ) -> Result<PipelineRun, PipelineError> {
+        use crate::model::ModelError;
+        use crate::tensor::TensorError;
+        use crate::tensor::cuda::CudaBackend;
+        use crate::tensor::device::{Device, DeviceError};
+        let dev = |e: DeviceError| ModelError::from(TensorError::from(e));
+        // Names `device` when CUDA cannot be used at all.
+        self.job.device.usable_on_local_rank(0)?;
+        let count = crate::tensor::device::cuda_device_count().map_err(dev)?;
+        let device = self.job.device;
+        self.run_on(steps, on_step, |rank| {
+            match device.usable_on_local_rank(rank % count)? {
+                Device::Cuda { ordinal } => Ok(CudaBackend::new(ordinal).map_err(dev)?),
+                Device::Cpu { .. } => unreachable!("a cuda job's ranks are on GPUs"),
+            }
+        })
+    }
+
+    /// Without the `cuda` feature: the error naming `device`.
+    #[cfg(not(feature = "cuda"))]
+    fn run_on_cuda(
+        &self,
+        _: u64,
+        _: &mut dyn FnMut(&StepView),
+    ) -> Result<PipelineRun, PipelineError> {
+        self.job.device.usable_on_local_rank(0)?;
+        unreachable!("a build without the cuda feature cannot use a GPU")
+    }
+
+    /// The run with rank `r` computing on `backend(r)`.
+    fn run_on<B: Backend>(
+        &self,
+        steps: u64,
+        on_step: &mut dyn FnMut(&StepView),
+        backend: impl Fn(usize) -> Result<B, PipelineError>,
     ) -> Result<PipelineRun, PipelineError> {
         if steps == 0 {
             return Err(PipelineError::Config {
@@ -92,7 +145,7 @@ impl PipelineTrainer {
                 .with_tie(Shared::tie_in_process(&job.model, plan))
                 .with_checkpoints(self.checkpointing()?),
         );
-        let mut computes = self.computes(&shared, steps)?;
+        let mut computes = self.computes(&shared, steps, &backend)?;
         let (profiles, profiles_rx) = channel();
         let mut pipeline = self.pipeline(steps).on_iteration(profiles);
         let router = FillerRouter::default();
