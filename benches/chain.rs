@@ -172,7 +172,7 @@ fn main() {
         if let Some(w) = *decay {
             config.unroll_decay = w;
         }
-        config.buffer_rows = train.len();
+        config.advanced.buffer_rows = train.len();
         let buffer = DraftBufferHandle::new(&job.model, &config);
         buffer.begin_step(step);
         for r in &train {

@@ -380,7 +380,41 @@ impl JobConfig {
 /// `text`,
 /// `in `section`: message` when it names a field of a document without text (the `--set`
 /// path), so the command line's error stays one line.
+/// Settings that moved to an `advanced` table (internal tuning) or were merged into one,
+/// and where they are now: an old job file's error says so.
+const MOVED: &[(&str, &str)] = &[
+    ("smooth_l1_beta", "`drafter.advanced.smooth_l1_beta`"),
+    ("buffer_rows", "`drafter.advanced.buffer_rows`"),
+    ("cost_ema", "`drafter.advanced.cost_ema`"),
+    ("planned_fill", "`drafter.advanced.planned_fill`"),
+    ("plain_arm", "`rl.advanced.plain_arm`"),
+    ("min_group_rows", "`rl.advanced.min_group_rows`"),
+    (
+        "idle_fill",
+        "`rl.advanced.drafter_work` (idle_fill = false is \"after\")",
+    ),
+    (
+        "drafter_leftover",
+        "`rl.advanced.drafter_work` (\"defer\" is \"idle\", \"after\" is \"idle-then-after\")",
+    ),
+];
+
+/// `message` with where a moved setting went, when it names one as unknown.
+fn with_moved(message: String) -> String {
+    match MOVED
+        .iter()
+        .find(|(old, _)| message.contains(&format!("unknown field `{old}`")))
+    {
+        Some((old, new)) => format!("{message}; `{old}` is now {new}"),
+        None => message,
+    }
+}
+
 fn one_line(e: &toml::de::Error, text: &str) -> String {
+    with_moved(one_line_of(e, text))
+}
+
+fn one_line_of(e: &toml::de::Error, text: &str) -> String {
     let message = e.message().trim();
     if let Some(span) = e.span().filter(|s| s.start <= text.len()) {
         let before = &text[..span.start];
@@ -451,6 +485,39 @@ mod tests {
         assert_eq!(
             JobConfig::from_toml(&job.to_toml(), "round trip").unwrap(),
             job
+        );
+    }
+
+    /// Internal tuning lives in `[drafter.advanced]` and `[rl.advanced]`; a job file written
+    /// before it moved is one error saying where each setting went.
+    #[test]
+    fn moved_settings_are_named_with_their_new_place() {
+        let job = JobConfig::from_toml(
+            "[drafter.advanced]\ncost_ema = 0.5\n[rl.advanced]\nmin_group_rows = 8\n",
+            "job.toml",
+        )
+        .unwrap();
+        assert_eq!(job.drafter.advanced.cost_ema, 0.5);
+        assert_eq!(job.rl.advanced.min_group_rows, 8);
+        for (text, now) in [
+            ("[drafter]\ncost_ema = 0.5\n", "`drafter.advanced.cost_ema`"),
+            ("[rl]\nidle_fill = false\n", "`rl.advanced.drafter_work`"),
+            (
+                "[rl]\ndrafter_leftover = \"after\"\n",
+                "\"after\" is \"idle-then-after\"",
+            ),
+        ] {
+            let e = JobConfig::from_toml(text, "job.toml")
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("line 2") && e.contains(now), "{e}");
+        }
+        let e = JobConfig::embedded(&["rl.plain_arm=false".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("`plain_arm` is now `rl.advanced.plain_arm`"),
+            "{e}"
         );
     }
 

@@ -144,10 +144,10 @@ fn launched_rl_with_the_kl_term_equals_the_in_process_run_bitwise() {
 /// 2's drafter). The seed gives both steps informative groups from the run below.
 const SPECULATIVE: &[&str] = &[
     "rl.speculation=true",
-    "rl.plain_arm=false",
+    "rl.advanced.plain_arm=false",
     "rl.draft_k=1",
     "rl.spec_threshold=32",
-    "rl.idle_fill=false",
+    "rl.advanced.drafter_work=\"after\"",
     "rl.seed=4",
 ];
 

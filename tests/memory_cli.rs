@@ -355,7 +355,7 @@ fn size_set() -> impl Strategy<Value = String> {
         (1u64..=32).prop_map(|n| format!("train.micro_batches={n}")),
         (1u64..=8).prop_map(|n| format!("stages={n}")),
         (4u32..=17).prop_map(|b| format!("data.summary_tasks={}", 1u64 << b)),
-        (1u32..=16).prop_map(|b| format!("drafter.buffer_rows={}", 1u64 << b)),
+        (1u32..=16).prop_map(|b| format!("drafter.advanced.buffer_rows={}", 1u64 << b)),
         Just("schedule=\"none\"".to_string()),
         Just("schedule=\"gpipe\"".to_string()),
         Just("filler=\"none\"".to_string()),

@@ -1,7 +1,8 @@
-//! `rl.drafter_leftover` through [`PipelineRollouts::generate`]: with `"defer"` no drafter
+//! `rl.advanced.drafter_work` through [`PipelineRollouts::generate`]: with `"idle"` (what the
+//! gaps did not take is deferred) no drafter
 //! work runs after a rollout (each step's `drafter_work` says so, and its budget balances
-//! against what the gaps trained, what was carried and what was dropped); with `"after"`
-//! the budget's rest and the held-out evaluation run there, as before.
+//! against what the gaps trained, what was carried and what was dropped); with
+//! `"idle-then-after"` the budget's rest and the held-out evaluation run there, as before.
 
 use pipefill::config::JobConfig;
 use pipefill::data::tokenizer::{BOS, EOS};
@@ -23,9 +24,15 @@ fn job(leftover: &str) -> (JobConfig, Gpt<CpuBackend>) {
         "model.seq_len=40",
         "stages=2",
         "rl.spec_threshold=64",
-        "rl.plain_arm=false",
+        "rl.advanced.plain_arm=false",
         &format!("rl.drafter_slices={SLICES}"),
-        &format!("rl.drafter_leftover=\"{leftover}\""),
+        &format!(
+            "rl.advanced.drafter_work=\"{}\"",
+            match leftover {
+                "defer" => "idle",
+                _ => "idle-then-after",
+            }
+        ),
     ]
     .iter()
     .map(|s| s.to_string())

@@ -5,7 +5,7 @@
 //! smallest piece fits any gap of a millisecond, and the driver spends 10 ms on every
 //! proposal, so every stage waits at least that long between messages: pieces must run in
 //! the gaps, whole slices could not. The samples, greedy or sampled, stay those of the same
-//! rollout without the hook. With `rl.drafter_leftover = "defer"` nothing runs after the
+//! rollout without the hook. With `rl.advanced.drafter_work = "idle"` nothing runs after the
 //! rollout: the budget's rest is carried to the next step (capped at one step's budget), the
 //! held-out rows are evaluated in the gaps, and the priors are measured up front.
 

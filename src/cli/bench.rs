@@ -99,7 +99,7 @@ pub struct RolloutArgs {
     /// Fewest positions a group step carries: the engine merges smaller groups. The
     /// bench's d_model-512 target reads ~100 MB of weights per group step, so merging
     /// pays (benches/tail, same run: plain's tail 0.42 s at 32 rows against 0.81 s
-    /// splitting down to single sequences); `pipefill rl`'s `rl.min_group_rows` defaults
+    /// splitting down to single sequences); `pipefill rl`'s `rl.advanced.min_group_rows` defaults
     /// to 1, measured at d_model 256.
     #[arg(long, default_value_t = MIN_GROUP_ROWS)]
     min_group_rows: usize,

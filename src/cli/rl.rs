@@ -159,7 +159,7 @@ pub fn run(args: RlArgs) -> anyhow::Result<()> {
         );
     }
     if rl.speculation {
-        let arms = match rl.plain_arm {
+        let arms = match rl.advanced.plain_arm {
             true => format!("K ∈ 0..={} (0: plain)", rl.draft_k),
             false => format!("K ≤ {}", rl.draft_k),
         };

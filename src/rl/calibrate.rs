@@ -145,7 +145,7 @@ pub fn threshold_per_group(costs: &[StepCost], acceptance: impl Fn(usize) -> f64
 }
 
 /// [`threshold_per_group`] for an epsilon-greedy bandit over the measured draft lengths
-/// (and a plain arm, K = 0, with `plain_arm`): at a size, the bandit mostly takes the best
+/// (and a plain arm, K = 0, with `rl.advanced.plain_arm`): at a size, the bandit mostly takes the best
 /// arm but a fraction `epsilon` of its steps go to an arm drawn at random, which at a size
 /// where only a short draft barely pays can cost more than the best arm saves. Speculation
 /// pays there when that mix emits tokens faster than plain decoding: `Σ p_a L_a / Σ p_a
@@ -216,7 +216,7 @@ pub fn timing_context(n: usize, d: usize, vocab: usize) -> (Vec<f32>, Vec<u32>) 
 pub struct Calibration {
     pub costs: Vec<StepCost>,
     pub groups: usize,
-    /// Fewest positions a group step carries (`rl.min_group_rows`): the engine merges
+    /// Fewest positions a group step carries (`rl.advanced.min_group_rows`): the engine merges
     /// groups below it.
     pub min_group_rows: usize,
     /// Repetitions per cost (the fastest kept).
@@ -257,7 +257,7 @@ impl Calibration {
     }
 
     /// The engine's threshold (live sequences) at per-token acceptance `alpha`, for a
-    /// bandit over the measured draft lengths (and plain steps with `plain_arm`) exploring
+    /// bandit over the measured draft lengths (and plain steps with `rl.advanced.plain_arm`) exploring
     /// with probability `epsilon` ([`threshold_per_group_explored`]).
     pub fn threshold(&self, alpha: f64, epsilon: f64, plain_arm: bool) -> usize {
         let accept = |k| chain_acceptance(alpha, k);
@@ -437,7 +437,7 @@ mod tests {
         assert_eq!(engine, 2, "one group of two");
         assert_eq!(cal.threshold(0.5, 0.0, true), engine);
         assert_eq!(cal.threshold(0.0, 0.0, true), 0);
-        // Never merging (`rl.min_group_rows = 1`): two per group in each of four groups.
+        // Never merging (`rl.advanced.min_group_rows = 1`): two per group in each of four groups.
         let split = Calibration {
             min_group_rows: 1,
             ..cal.clone()

@@ -53,10 +53,6 @@ pub struct RlConfig {
     /// measured once at the start, and the drafter's acceptance measured every step
     /// ([`crate::rl::calibrate`]).
     pub spec_threshold: SpecThreshold,
-    /// A plain decode step (K = 0) among the bandit's arms, so that in each live-batch bucket
-    /// below the threshold it learns, from the rollouts' own step costs, whether speculating
-    /// pays there at all.
-    pub plain_arm: bool,
     /// Drafter training slices on each step's rollouts.
     pub drafter_slices: usize,
     /// AdamW learning rate of the drafter during RL when it starts trained (the `--init`
@@ -66,16 +62,29 @@ pub struct RlConfig {
     /// step's update chases those rows and acceptance fell below the untouched drafter's
     /// (examples/rl-longtail.toml); a tenth of it keeps improving on the next step's rows.
     pub drafter_lr: f32,
-    /// Run those slices in the rollout stages' idle time (the long tail), routed by a
-    /// `FillerRouter` with the verification passes; what does not fit goes by
-    /// `drafter_leftover`. `false`: all of them after the rollout.
-    pub idle_fill: bool,
-    /// With `idle_fill`, what becomes of the drafter work the idle gaps did not take:
-    /// `"defer"` (the default) carries the slices into the next step's idle budget (at most
-    /// one step's budget carried, the rest dropped and counted) and evaluates the held-out
-    /// rows in the gaps too, so the drafter trains only in idle time; `"after"` runs them
-    /// after the rollout, on the step's critical path.
-    pub drafter_leftover: DrafterLeftover,
+    /// Seed of the prompt stream and of sampling.
+    pub seed: u64,
+    /// Internal tuning (`[rl.advanced]`).
+    pub advanced: RolloutTuning,
+}
+
+/// `[rl.advanced]`: the rollout engine's internal tuning, not a job's intent. Every field has
+/// the default the engine was measured with; a job sets one only to experiment.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RolloutTuning {
+    /// A plain decode step (K = 0) among the bandit's arms, so that in each live-batch bucket
+    /// below the threshold it learns, from the rollouts' own step costs, whether speculating
+    /// pays there at all.
+    pub plain_arm: bool,
+    /// Where the drafter's per-step work (`rl.drafter_slices` slices on the step's rollouts,
+    /// and the held-out evaluation) runs: `"idle"` (the default) in the rollout stages' idle
+    /// time (the long tail), routed by a `FillerRouter` with the verification passes, what
+    /// the gaps did not take carried into the next step's idle budget (at most one step's
+    /// budget carried, the rest dropped and counted), so the drafter trains only in idle
+    /// time; `"idle-then-after"` in the idle time, the rest after the rollout on the step's
+    /// critical path; `"after"` all of it after the rollout.
+    pub drafter_work: DrafterTiming,
     /// Fewest positions (sequences × rows each: 1 decoding, K+1 verifying) a group step
     /// carries: the rollout engine merges groups smaller than this instead of sending
     /// them through the stages one behind another, since each group step reads every
@@ -87,8 +96,16 @@ pub struct RlConfig {
     /// 0.20 / 0.25 s against 0.33 / 0.37 s with it on. At d_model 512 merging pays
     /// (`pipefill bench rollout --min-group-rows`, default 32).
     pub min_group_rows: usize,
-    /// Seed of the prompt stream and of sampling.
-    pub seed: u64,
+}
+
+impl Default for RolloutTuning {
+    fn default() -> Self {
+        Self {
+            plain_arm: true,
+            drafter_work: DrafterTiming::Idle,
+            min_group_rows: 1,
+        }
+    }
 }
 
 impl Default for RlConfig {
@@ -108,13 +125,10 @@ impl Default for RlConfig {
             draft_k: 4,
             draft_tree: None,
             spec_threshold: SpecThreshold::Auto,
-            plain_arm: true,
             drafter_slices: 16,
             drafter_lr: 3e-4,
-            idle_fill: true,
-            drafter_leftover: DrafterLeftover::Defer,
-            min_group_rows: 1,
             seed: 0,
+            advanced: RolloutTuning::default(),
         }
     }
 }
@@ -139,8 +153,8 @@ impl RlConfig {
         if self.prompts == 0 {
             return bad("prompts", "must be at least 1".into());
         }
-        if self.min_group_rows == 0 {
-            return bad("min_group_rows", "must be at least 1".into());
+        if self.advanced.min_group_rows == 0 {
+            return bad("advanced.min_group_rows", "must be at least 1".into());
         }
         if self.group < 2 {
             return bad(
@@ -211,44 +225,71 @@ impl RlConfig {
     }
 }
 
-/// `rl.drafter_leftover`: where the drafter work the rollout's idle gaps did not take goes.
+/// `rl.advanced.drafter_work`: where the drafter's per-step work runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "kebab-case")]
+pub enum DrafterTiming {
+    /// In the rollout's idle gaps; the rest carried to the next step's.
+    #[default]
+    Idle,
+    /// In the rollout's idle gaps; the rest after the rollout.
+    IdleThenAfter,
+    /// After the rollout.
+    After,
+}
+
+/// Where the drafter work the rollout's idle gaps did not take goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DrafterLeftover {
     /// Into the next step's idle budget (capped at one step's budget): nothing after the
     /// rollout.
-    #[default]
     Defer,
     /// Run after the rollout on the caller's thread (on the step's critical path).
     After,
 }
 
-impl DrafterLeftover {
+impl DrafterTiming {
     /// The setting as written in a job file.
     pub fn as_str(self) -> &'static str {
         match self {
-            DrafterLeftover::Defer => "defer",
-            DrafterLeftover::After => "after",
+            DrafterTiming::Idle => "idle",
+            DrafterTiming::IdleThenAfter => "idle-then-after",
+            DrafterTiming::After => "after",
+        }
+    }
+
+    /// Whether the rollout's idle gaps take drafter work at all.
+    pub fn in_idle_time(self) -> bool {
+        self != DrafterTiming::After
+    }
+
+    /// Where what the gaps did not take goes (with `After`, all of it goes after).
+    pub fn leftover(self) -> DrafterLeftover {
+        match self {
+            DrafterTiming::Idle => DrafterLeftover::Defer,
+            DrafterTiming::IdleThenAfter | DrafterTiming::After => DrafterLeftover::After,
         }
     }
 }
 
-impl<'de> Deserialize<'de> for DrafterLeftover {
+impl<'de> Deserialize<'de> for DrafterTiming {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         struct V;
-        const EXPECTED: &str =
-            "\"defer\" (to the next step's idle time) or \"after\" (after the rollout)";
+        const EXPECTED: &str = "\"idle\" (in the rollout's idle time, the rest carried to the \
+                                next step's), \"idle-then-after\" (the rest after the rollout) or \
+                                \"after\" (all after the rollout)";
         impl serde::de::Visitor<'_> for V {
-            type Value = DrafterLeftover;
+            type Value = DrafterTiming;
             fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
                 f.write_str(EXPECTED)
             }
-            fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<DrafterLeftover, E> {
+            fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<DrafterTiming, E> {
                 match s.trim() {
-                    "defer" => Ok(DrafterLeftover::Defer),
-                    "after" => Ok(DrafterLeftover::After),
+                    "idle" => Ok(DrafterTiming::Idle),
+                    "idle-then-after" => Ok(DrafterTiming::IdleThenAfter),
+                    "after" => Ok(DrafterTiming::After),
                     other => Err(E::custom(format!(
-                        "drafter_leftover is {other:?}: expected {EXPECTED}"
+                        "drafter_work is {other:?}: expected {EXPECTED}"
                     ))),
                 }
             }
@@ -410,10 +451,13 @@ mod tests {
             ),
             (
                 RlConfig {
-                    min_group_rows: 0,
+                    advanced: RolloutTuning {
+                        min_group_rows: 0,
+                        ..RolloutTuning::default()
+                    },
                     ..RlConfig::default()
                 },
-                "rl.min_group_rows",
+                "rl.advanced.min_group_rows",
             ),
             (
                 RlConfig {
@@ -443,39 +487,53 @@ mod tests {
     }
 
     #[test]
-    fn drafter_leftover_is_defer_or_after_and_anything_else_names_the_field() {
+    fn drafter_work_is_one_of_three_and_anything_else_names_the_field() {
         use crate::config::JobConfig;
         let job = |set: &str| JobConfig::embedded(&[set.to_string()]);
-        assert_eq!(RlConfig::default().drafter_leftover, DrafterLeftover::Defer);
-        let after = job("rl.drafter_leftover=\"after\"").unwrap();
-        assert_eq!(after.rl.drafter_leftover, DrafterLeftover::After);
         assert_eq!(
-            job("rl.drafter_leftover=defer")
-                .unwrap()
-                .rl
-                .drafter_leftover,
-            DrafterLeftover::Defer
+            RlConfig::default().advanced.drafter_work,
+            DrafterTiming::Idle
         );
-        // The job written next to a run reads back the same.
-        let text = after.to_toml();
-        assert!(text.contains("drafter_leftover = \"after\""), "{text}");
-        let back = JobConfig::from_toml(&text, "written").unwrap();
-        assert_eq!(back.rl.drafter_leftover, DrafterLeftover::After);
-        assert_eq!(DrafterLeftover::After.as_str(), "after");
-        for bad in ["rl.drafter_leftover=later", "rl.drafter_leftover=1"] {
-            let err = job(bad).unwrap_err().to_string();
-            assert!(err.contains("drafter_leftover"), "{bad}: {err}");
+        for (text, work, idle, leftover) in [
+            ("idle", DrafterTiming::Idle, true, DrafterLeftover::Defer),
+            (
+                "idle-then-after",
+                DrafterTiming::IdleThenAfter,
+                true,
+                DrafterLeftover::After,
+            ),
+            ("after", DrafterTiming::After, false, DrafterLeftover::After),
+        ] {
+            let set = job(&format!("rl.advanced.drafter_work=\"{text}\"")).unwrap();
+            assert_eq!(set.rl.advanced.drafter_work, work);
+            assert_eq!((work.in_idle_time(), work.leftover()), (idle, leftover));
+            assert_eq!(work.as_str(), text);
+            // The job written next to a run reads back the same.
+            let written = set.to_toml();
             assert!(
-                err.contains("defer") && err.contains("after"),
+                written.contains(&format!("drafter_work = \"{text}\"")),
+                "{written}"
+            );
+            let back = JobConfig::from_toml(&written, "written").unwrap();
+            assert_eq!(back.rl.advanced.drafter_work, work);
+        }
+        for bad in [
+            "rl.advanced.drafter_work=later",
+            "rl.advanced.drafter_work=1",
+        ] {
+            let err = job(bad).unwrap_err().to_string();
+            assert!(err.contains("drafter_work"), "{bad}: {err}");
+            assert!(
+                err.contains("idle-then-after") && err.contains("\"after\""),
                 "{bad}: says what it takes: {err}"
             );
         }
-        let text = "[rl]\ndrafter_leftover = \"never\"\n";
+        let text = "[rl.advanced]\ndrafter_work = \"never\"\n";
         let err = JobConfig::from_toml(text, "job.toml")
             .unwrap_err()
             .to_string();
         assert!(
-            err.contains("drafter_leftover") && err.contains("line 2"),
+            err.contains("drafter_work") && err.contains("line 2"),
             "{err}"
         );
     }
@@ -485,7 +543,7 @@ mod tests {
         use crate::config::JobConfig;
         let job = |set: &str| JobConfig::embedded(&[set.to_string()]);
         assert_eq!(RlConfig::default().spec_threshold, SpecThreshold::Auto);
-        assert!(RlConfig::default().plain_arm);
+        assert!(RlConfig::default().advanced.plain_arm);
         let auto = job("rl.spec_threshold=\"auto\"").unwrap();
         assert_eq!(auto.rl.spec_threshold, SpecThreshold::Auto);
         // A bare word on the command line is a string too.
@@ -497,7 +555,13 @@ mod tests {
             job("rl.spec_threshold=12").unwrap().rl.spec_threshold,
             SpecThreshold::Live(12)
         );
-        assert!(!job("rl.plain_arm=false").unwrap().rl.plain_arm);
+        assert!(
+            !job("rl.advanced.plain_arm=false")
+                .unwrap()
+                .rl
+                .advanced
+                .plain_arm
+        );
         // The job written next to a run reads back the same.
         let text = auto.to_toml();
         assert!(text.contains("spec_threshold = \"auto\""), "{text}");

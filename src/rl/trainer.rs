@@ -171,7 +171,7 @@ pub struct RlStepMetrics {
     /// Generation time (drafter training excluded).
     pub rollout_seconds: f64,
     /// The drafter's time on the step's critical path, outside the rollout proper: with
-    /// `rl.drafter_leftover = "after"` the held-out evaluation and the slices that did not
+    /// `rl.advanced.drafter_work = "idle-then-after"` the held-out evaluation and the slices that did not
     /// fit the stages' idle time; with `"defer"` only the first step's one-off measurement
     /// of the idle work's costs (see `drafter_work`).
     pub drafter_seconds: f64,
@@ -187,7 +187,7 @@ pub struct RlStepMetrics {
     /// Drafter-training slices run in that idle time.
     pub idle_drafter_slices: usize,
     /// The drafter's work and where it ran: in the idle gaps, after the rollout, carried
-    /// to the next step or dropped (`rl.drafter_leftover`; engines with an idle router).
+    /// to the next step or dropped (`rl.advanced.drafter_work`; engines with an idle router).
     pub drafter_work: Option<crate::rl::rollout::idle::DrafterAccount>,
     /// Mean k3 KL to the reference per completion token (KL only).
     pub kl: Option<f64>,

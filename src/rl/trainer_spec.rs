@@ -2,7 +2,7 @@
 //! ([`super::rollout`]): the policy cut into the job's stages, groups of sequences in
 //! flight one behind another, and, with `rl.speculation`, lossless speculative decoding
 //! whose draft length a bandit picks while the live batch is at most `rl.spec_threshold`.
-//! With `rl.plain_arm` the bandit may also choose a plain step (K = 0) in each live-batch
+//! With `rl.advanced.plain_arm` the bandit may also choose a plain step (K = 0) in each live-batch
 //! bucket, so that where speculation does not pay it learns to stop.
 //!
 //! `rl.spec_threshold = "auto"` derives the threshold from measurement
@@ -18,17 +18,18 @@
 //! hidden states and next-token distributions ([`DraftRow`]s, computed anyway), and the
 //! drafter trains `drafter_slices` slices per step on them (this step's rows and the
 //! previous step's, [`crate::model::drafter::DraftBuffer`]), with its frozen embedding and
-//! head copies refreshed from the new policy before the rollout. With `rl.idle_fill` the
+//! head copies refreshed from the new policy before the rollout. With `rl.advanced.drafter_work` `"idle"` (or `"idle-then-after"`) the
 //! slices run inside the rollout, in the stages' idle time of the long tail: a
 //! [`RolloutRouter`] files the verification passes with a [`FillerRouter`] kept across
 //! steps (its cost estimates carry over), whose [`DrafterSlices`] sources cut the step's
 //! slices into pieces sized to the stages' idle gaps (one optimizer step per slice's worth
 //! of rows, as whole slices take), and each finished sequence's row reaches the buffer at
-//! once. What the gaps do not take goes by `rl.drafter_leftover`: with `"defer"` (the
+//! once. What the gaps do not take goes by `rl.advanced.drafter_work`: with `"idle"` (the
 //! default) it is carried into the next step's idle budget (at most one step's budget) and
 //! the held-out evaluation runs in the gaps too, so nothing of the drafter runs after the
-//! rollout (the router's priors, which `"after"` takes from the slices run there, are
-//! measured once before the first rollout instead); with `"after"` it runs on the caller's
+//! rollout (the router's priors, which `"idle-then-after"` takes from the slices run there,
+//! are measured once before the first rollout instead); with `"idle-then-after"` it runs on
+//! the caller's
 //! thread after the rollout, on the critical path (reported as `drafter_seconds`; on a
 //! thread of its own beside the update it slowed the update by more than its own time on
 //! the 2-core box). Each step's `drafter_work` says what ran where. The drafter starts from the
@@ -123,7 +124,7 @@ pub struct PipelineRollouts {
     calibration: Option<Calibration>,
     /// The drafter's per-token acceptance on rows it never trained on, and which rows.
     alpha: Option<(f64, &'static str)>,
-    /// The last step measured no α (`rl.drafter_leftover = "defer"`: its gaps evaluated
+    /// The last step measured no α (`rl.advanced.drafter_work = "idle"`: its gaps evaluated
     /// no held-out row), so the next one must.
     alpha_stale: bool,
     /// The threshold of the latest rollout.
@@ -151,7 +152,7 @@ impl PipelineRollouts {
                 // Set from the calibration before each rollout.
                 SpecThreshold::Auto => 0,
             };
-            let plain = usize::from(!rl.plain_arm);
+            let plain = usize::from(!rl.advanced.plain_arm);
             Speculation::Adaptive(AdaptiveConfig {
                 threshold,
                 ks: (plain..=rl.draft_k).collect(),
@@ -234,7 +235,7 @@ impl PipelineRollouts {
                 &ks,
                 sequences,
                 groups,
-                self.rl.min_group_rows,
+                self.rl.advanced.min_group_rows,
                 CALIBRATION_REPS,
             )
             .map_err(|e| RlError::Rollout(e.to_string()))?;
@@ -306,7 +307,7 @@ impl PipelineRollouts {
     /// took are returned (0 later).
     fn idle_router(&mut self) -> Result<(RolloutRouter, f64), RlError> {
         let buffer = lock(&self.trainer).buffer().clone();
-        let startup = match self.rl.drafter_leftover {
+        let startup = match self.rl.advanced.drafter_work.leftover() {
             DrafterLeftover::After => {
                 self.slices.begin(self.rl.drafter_slices, &self.router);
                 0.0
@@ -348,7 +349,7 @@ impl PipelineRollouts {
         &mut self,
         hook: &RolloutRouter,
     ) -> Result<(Option<EvalStats>, DrafterAccount), RlError> {
-        match self.rl.drafter_leftover {
+        match self.rl.advanced.drafter_work.leftover() {
             DrafterLeftover::After => {
                 // The router sent every row but the held-out ones to the buffer already.
                 let held = hook.held_out();
@@ -410,7 +411,7 @@ impl RolloutEngine for PipelineRollouts {
             a.threshold = t.threshold;
         }
         let stages = InferStage::stages_of(policy, &Cut::Even(self.stages))?;
-        let mut engine = Engine::new(stages)?.with_min_group_rows(self.rl.min_group_rows);
+        let mut engine = Engine::new(stages)?.with_min_group_rows(self.rl.advanced.min_group_rows);
         if let Some(b) = self.bandit.take() {
             engine = engine.with_bandit(b);
         }
@@ -424,13 +425,14 @@ impl RolloutEngine for PipelineRollouts {
             })
             .collect();
         let speculate = !matches!(self.speculation, Speculation::Off);
-        let (hook, startup_seconds) = match speculate && self.rl.idle_fill {
-            true => {
-                let (hook, startup) = self.idle_router()?;
-                (Some(Arc::new(hook)), startup)
-            }
-            false => (None, 0.0),
-        };
+        let (hook, startup_seconds) =
+            match speculate && self.rl.advanced.drafter_work.in_idle_time() {
+                true => {
+                    let (hook, startup) = self.idle_router()?;
+                    (Some(Arc::new(hook)), startup)
+                }
+                false => (None, 0.0),
+            };
         if speculate {
             let mut trainer = lock(&self.trainer);
             self.proposer.load_weights(&trainer.weights()?)?;
@@ -520,7 +522,7 @@ impl PipelineRollouts {
     /// The drafter's share of a step on a rollout's `rows`, without the idle router: its
     /// agreement on the first few (held out: it never trained on them), then every row into
     /// the buffer (the previous step's rows stay) and `rl.drafter_slices` slices. What
-    /// [`RolloutEngine::generate`] does after a rollout when `rl.idle_fill` is off; public so
+    /// [`RolloutEngine::generate`] does after a rollout when `rl.advanced.drafter_work = "after"`; public so
     /// that how the drafter follows a moving policy can be checked on rows alone.
     pub fn follow(&mut self, rows: &[DraftRow], step: u64) -> Result<f64, RlError> {
         Ok(self.follow_stats(rows, step)?.agreement)

@@ -298,7 +298,7 @@ pub(super) fn drafter_bytes(job: &JobConfig) -> Result<Size, ConfigError> {
         what,
         &[
             k(2),
-            f("drafter.buffer_rows", dr.buffer_rows),
+            f("drafter.advanced.buffer_rows", dr.advanced.buffer_rows),
             seq,
             row,
             k(ELEMENT),

@@ -324,7 +324,7 @@ fn the_numeric_fields_cover_every_section() {
         "train.eval_tasks",
         "data.max_size",
         "rl.max_new_tokens",
-        "drafter.buffer_rows",
+        "drafter.advanced.buffer_rows",
         "model.rope_scaling.factor",
         "model.rope_scaling.original_max_position_embeddings",
         "rl.draft_tree.nodes",

@@ -252,13 +252,13 @@ impl DraftBuffer {
 pub struct DraftBufferHandle(Arc<Mutex<DraftBuffer>>);
 
 impl DraftBufferHandle {
-    /// An empty shared buffer for the target `target` holding `config.buffer_rows` rows per
+    /// An empty shared buffer for the target `target` holding `config.advanced.buffer_rows` rows per
     /// step.
     pub fn new(target: &GptConfig, config: &DrafterConfig) -> Self {
         Self::from_buffer(DraftBuffer::new(
             target.d_model,
             target.vocab,
-            config.buffer_rows,
+            config.advanced.buffer_rows,
         ))
     }
 

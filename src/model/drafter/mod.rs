@@ -127,8 +127,6 @@ pub struct DrafterConfig {
     pub ce_weight: f32,
     /// Weight of the SmoothL1 term on the predicted hidden state (mean over its elements).
     pub hidden_weight: f32,
-    /// SmoothL1 threshold β: quadratic below, linear above.
-    pub smooth_l1_beta: f32,
     /// Target steps between refreshes of the frozen embedding and LM head copies.
     pub refresh_every: u64,
     /// AdamW learning rate (constant).
@@ -168,21 +166,43 @@ pub struct DrafterConfig {
     /// Weight of unrolled step `j`'s loss relative to step 1's: `unroll_decay^(j−1)`, in
     /// `(0, 1]` (1: the steps' losses are summed, as EAGLE-3 does).
     pub unroll_decay: f32,
-    /// Rows kept per target step in the buffer (the current and the previous step each).
-    pub buffer_rows: usize,
     /// Most recent target pairs a proposal attends to (see [`Drafter::propose`]).
     pub window: usize,
-    /// Weight of the newest measurement in the slice-cost estimate (EMA), in `(0, 1]`.
-    pub cost_ema: f64,
     /// Seed of the drafter's initialisation and of its batch sampling.
     pub seed: u64,
     /// What decides which drafter work runs in which bubble of a pipelined run (see
     /// [`Placement`]).
     pub placement: Placement,
+    /// Internal tuning (`[drafter.advanced]`).
+    pub advanced: DrafterTuning,
+}
+
+/// `[drafter.advanced]`: the drafter's internal tuning, not a job's intent. Every field has
+/// the default the engine was measured with; a job sets one only to experiment.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DrafterTuning {
+    /// SmoothL1 threshold β of the hidden-state loss: quadratic below, linear above.
+    pub smooth_l1_beta: f32,
+    /// Rows kept per target step in the buffer (the current and the previous step each).
+    pub buffer_rows: usize,
+    /// Weight of the newest measurement in the slice-cost estimate (EMA), in `(0, 1]`.
+    pub cost_ema: f64,
     /// With [`Placement::Planned`]: the share of each bubble, as the plan's simulation under
     /// a cost model of the configs predicts it, that the step's slices are sized to fill, in
     /// `(0, 1]` (below 1 leaves room for the model's error).
     pub planned_fill: f64,
+}
+
+impl Default for DrafterTuning {
+    fn default() -> Self {
+        DrafterTuning {
+            smooth_l1_beta: 1.0,
+            buffer_rows: 256,
+            cost_ema: 0.2,
+            planned_fill: 0.9,
+        }
+    }
 }
 
 /// What the pairs of an unrolled step (`drafter.unroll ≥ 2`) attend to.
@@ -224,7 +244,6 @@ impl Default for DrafterConfig {
         DrafterConfig {
             ce_weight: 1.0,
             hidden_weight: 1.0,
-            smooth_l1_beta: 1.0,
             refresh_every: 1,
             lr: 3e-3,
             weight_decay: 0.0,
@@ -237,12 +256,10 @@ impl Default for DrafterConfig {
             unroll: 2,
             unroll_context: UnrollContext::Causal,
             unroll_decay: 1.0,
-            buffer_rows: 256,
             window: 32,
-            cost_ema: 0.2,
             seed: 0,
             placement: Placement::Measured,
-            planned_fill: 0.9,
+            advanced: DrafterTuning::default(),
         }
     }
 }
@@ -268,9 +285,10 @@ impl DrafterConfig {
                 "and hidden_weight are both 0 (no loss)".into(),
             );
         }
-        if !(self.smooth_l1_beta > 0.0 && self.smooth_l1_beta.is_finite()) {
-            let reason = format!("{} is not a positive number", self.smooth_l1_beta);
-            return bad("drafter.smooth_l1_beta", reason);
+        let tuning = &self.advanced;
+        if !(tuning.smooth_l1_beta > 0.0 && tuning.smooth_l1_beta.is_finite()) {
+            let reason = format!("{} is not a positive number", tuning.smooth_l1_beta);
+            return bad("drafter.advanced.smooth_l1_beta", reason);
         }
         for (field, v) in [
             ("drafter.refresh_every", self.refresh_every as usize),
@@ -278,7 +296,7 @@ impl DrafterConfig {
             ("drafter.max_positions", self.max_positions),
             ("drafter.accumulation", self.accumulation),
             ("drafter.unroll", self.unroll),
-            ("drafter.buffer_rows", self.buffer_rows),
+            ("drafter.advanced.buffer_rows", tuning.buffer_rows),
             ("drafter.window", self.window),
         ] {
             if v == 0 {
@@ -290,8 +308,8 @@ impl DrafterConfig {
             return bad("drafter.unroll_decay", reason);
         }
         for (field, v) in [
-            ("drafter.cost_ema", self.cost_ema),
-            ("drafter.planned_fill", self.planned_fill),
+            ("drafter.advanced.cost_ema", tuning.cost_ema),
+            ("drafter.advanced.planned_fill", tuning.planned_fill),
         ] {
             if !(v > 0.0 && v <= 1.0) {
                 return bad(field, format!("{v} is not in (0, 1]"));

@@ -237,7 +237,7 @@ impl<B: Backend> Drafter<B> {
             &batch.target_hidden,
             &batch.mask,
             d,
-            c.smooth_l1_beta,
+            c.advanced.smooth_l1_beta,
             c.hidden_weight * weight,
             &mut df,
         );

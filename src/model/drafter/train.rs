@@ -293,7 +293,7 @@ impl<B: Backend> DrafterTrainer<B> {
         let cpu_seconds = (thread_cpu_time() - cpu0).max(0.0);
         self.cost = Some(match self.cost {
             None => cpu_seconds,
-            Some(old) => old + c.cost_ema * (cpu_seconds - old),
+            Some(old) => old + c.advanced.cost_ema * (cpu_seconds - old),
         });
         let n = sums.pairs.max(1) as f64;
         let (ce, hidden) = (sums.ce / n, sums.hidden / n);

@@ -7,7 +7,7 @@
 //! ([`modelled_costs`]: floating-point operations of the target's stages and of a drafter
 //! slice, at one nominal rate), and each rank's predicted bubble slots are filled, in time
 //! order, with full slices and one smaller slice for the rest of the slot
-//! ([`DrafterConfig::planned_fill`] of each slot). The resulting list of slice sizes is the
+//! ([`DrafterTuning::planned_fill`] of each slot). The resulting list of slice sizes is the
 //! same every step; it is a pure function, so every process of a multi-process run computes
 //! the same list for its rank. When the slices really run (in a bubble they fit, or at the
 //! step's end) is up to measured times; what they compute is not.
@@ -29,7 +29,7 @@ const NOMINAL_FLOPS: f64 = 1e9;
 pub struct SlicePlan {
     ranks: Vec<Vec<u64>>,
     micro_batches: usize,
-    /// Modelled cost of the slices / the simulated bubble time (before `planned_fill`).
+    /// Modelled cost of the slices / the simulated bubble time (before `drafter.advanced.planned_fill`).
     predicted_fill: f64,
 }
 
@@ -44,7 +44,7 @@ impl SlicePlan {
         let (mut used, mut idle) = (0.0, 0.0);
         for slot in &timeline.slots {
             idle += slot.length;
-            let mut budget = slot.length * d.planned_fill;
+            let mut budget = slot.length * d.advanced.planned_fill;
             let sizes = &mut ranks[slot.rank];
             while budget >= slice.cost(full) {
                 sizes.push(full as u64);
@@ -213,10 +213,13 @@ mod tests {
             assert!(s.iter().all(|&n| slice.normalize(n as usize) == n as usize));
         }
         let f = a.predicted_fill();
-        assert!(f > 0.5 && f <= job.drafter.planned_fill + 1e-9, "{f}");
+        assert!(
+            f > 0.5 && f <= job.drafter.advanced.planned_fill + 1e-9,
+            "{f}"
+        );
         // Filling less of each slot plans fewer rows.
         let mut less = job.clone();
-        less.drafter.planned_fill = 0.3;
+        less.drafter.advanced.planned_fill = 0.3;
         let b = SlicePlan::new(&plan, &less).unwrap();
         let rows = |p: &SlicePlan| {
             (0..4)

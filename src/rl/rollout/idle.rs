@@ -16,7 +16,7 @@
 //!    at once through [`MessageHook::row`]) and the previous step's, each sized by the
 //!    router to the idle time the stage has left, and the optimizer step once they add up
 //!    to a whole slice (see [`slices`]: the gaps are far shorter than a whole slice);
-//!    with `rl.drafter_leftover = "defer"` also the held-out evaluation (`"drafter eval"`,
+//!    with `rl.advanced.drafter_work = "idle"` also the held-out evaluation (`"drafter eval"`,
 //!    see [`eval`]), and the budget's rest carried into the next step instead of run after
 //!    the rollout.
 //!

@@ -87,7 +87,7 @@ pub const DEFAULT_SPEC_THRESHOLD: usize = 4;
 /// sequences (1 row, the engine before) took 0.81 s in the tail in another run where 8 rows
 /// took 0.46. A target whose weights sit in the cache gains the other way: at `d_model`
 /// 256 (`pipefill rl`, 32 sequences) more groups in flight use more cores, and 1 row was
-/// faster (`RlConfig::min_group_rows`, which defaults to 1, has the figures). So this is the
+/// faster (`RolloutTuning::min_group_rows`, which defaults to 1, has the figures). So this is the
 /// engine's and `bench rollout`'s default, not `pipefill rl`'s.
 pub const MIN_GROUP_ROWS: usize = 32;
 

@@ -208,7 +208,10 @@ fn drafter_weight_gradients_end_to_end() {
     let dc = DrafterConfig {
         ce_weight: 0.8,
         hidden_weight: 1.3,
-        smooth_l1_beta: 10.0,
+        advanced: DrafterTuning {
+            smooth_l1_beta: 10.0,
+            ..DrafterTuning::default()
+        },
         ..DrafterConfig::default()
     };
     let mut drafter = Drafter::new(&cfg, &dc, be.clone()).unwrap();
@@ -341,7 +344,10 @@ fn config_defaults_validate_and_errors_name_the_field() {
     let err = zero.validate().unwrap_err().to_string();
     assert!(err.contains("drafter.batch_rows"), "{err}");
     let beta = DrafterConfig {
-        smooth_l1_beta: 0.0,
+        advanced: DrafterTuning {
+            smooth_l1_beta: 0.0,
+            ..DrafterTuning::default()
+        },
         ..DrafterConfig::default()
     };
     assert!(

@@ -37,7 +37,10 @@ pub(super) fn drafter_config() -> DrafterConfig {
     DrafterConfig {
         batch_rows: 4,
         max_positions: 64,
-        buffer_rows: 64,
+        advanced: DrafterTuning {
+            buffer_rows: 64,
+            ..DrafterTuning::default()
+        },
         ..DrafterConfig::default()
     }
 }

@@ -298,7 +298,10 @@ fn chains(
 ) -> ChainStats {
     let config = DrafterConfig {
         unroll,
-        buffer_rows: train.len(),
+        advanced: DrafterTuning {
+            buffer_rows: train.len(),
+            ..DrafterTuning::default()
+        },
         ..drafter_config()
     };
     let buffer = DraftBufferHandle::new(&target(), &config);

@@ -1,5 +1,5 @@
 //! The drafter's held-out evaluation in the rollout's idle gaps: the `"drafter eval"` source
-//! of [`super::DrafterSlices`] (with `rl.drafter_leftover = "defer"`).
+//! of [`super::DrafterSlices`] (with `rl.advanced.drafter_work = "idle"`).
 //!
 //! Each step holds its first finished sequences' rows out of training
 //! ([`super::RolloutRouter::with_rows`]) to measure the drafter's top-1 agreement and

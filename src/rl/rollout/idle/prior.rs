@@ -2,7 +2,7 @@
 //! ([`DrafterSlices::measure_priors`]).
 //!
 //! The router hands out no work of a kind before it has a cost estimate for it. With
-//! `rl.drafter_leftover = "after"` the first estimates come from the whole slices run after
+//! `rl.advanced.drafter_work = "idle-then-after"` the first estimates come from the whole slices run after
 //! a rollout; with `"defer"` nothing runs there, so the costs are measured up front, on a
 //! scratch drafter of the same shape (the real one's weights, gradients, optimizer and row
 //! sampler stay untouched) over synthetic rows (a slice's cost depends on its shape, not its

@@ -17,7 +17,7 @@
 //! So the drafter takes as many optimizer steps per RL step, each over a slice's worth of
 //! rows, as when its slices run whole after the rollout: the learning rate keeps its
 //! meaning (`rl.drafter_lr` was set against whole slices). One piece or step runs at a time
-//! (they share the trainer). What the gaps did not take goes by `rl.drafter_leftover`:
+//! (they share the trainer). What the gaps did not take goes by `rl.advanced.drafter_work`:
 //!
 //! - `"after"` ([`DrafterSlices::begin`], [`DrafterSlices::finish`]): run on the caller's
 //!   thread after the rollout, on the step's critical path;
@@ -85,7 +85,7 @@ pub struct DrafterWork {
 /// metrics.jsonl, so that "trained only in idle time" can be checked (`after` all zero).
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct DrafterAccount {
-    /// `rl.drafter_leftover`: `"defer"` or `"after"`.
+    /// `"defer"` or `"after"` (`rl.advanced.drafter_work` `"idle"` or `"idle-then-after"`).
     pub leftover: &'static str,
     /// Layout rows the step had to train: `rl.drafter_slices` slices' worth, plus the
     /// carried ones.
@@ -203,7 +203,7 @@ impl DrafterSlices {
     }
 
     /// Starts a step with a budget of `slices` whole slices' worth of layout rows and one
-    /// optimizer step each, whatever an earlier step left (`rl.drafter_leftover = "after"`:
+    /// optimizer step each, whatever an earlier step left (`rl.advanced.drafter_work = "idle-then-after"`:
     /// [`DrafterSlices::finish`] runs the rest); sets the router's priors from what
     /// [`DrafterSlices::finish`] measured (kept once the router measured its own).
     pub fn begin(&self, slices: usize, router: &FillerRouter) {
@@ -222,7 +222,7 @@ impl DrafterSlices {
         }
     }
 
-    /// Starts a step of `rl.drafter_leftover = "defer"`: a budget of `slices` slices' worth
+    /// Starts a step of `rl.advanced.drafter_work = "idle"`: a budget of `slices` slices' worth
     /// plus what the last step carried ([`DrafterSlices::defer`]), held-out rows evaluated in
     /// the gaps ([`DrafterSlices::hold`]). The router's priors come from
     /// [`DrafterSlices::measure_priors`].
