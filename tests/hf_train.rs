@@ -263,3 +263,57 @@ fn rl_on_a_model_directory_and_a_jsonl_file_exports_back() {
         std::fs::read(model.join("tokenizer.json")).unwrap()
     );
 }
+
+/// The training path end to end: a Hugging Face directory and a JSONL chat file
+/// (tokenized by the directory's tokenizer, its chat template included), pipelined under
+/// ZB-H1 with the drafter trained in the bubbles, exported back with the tokenizer.
+#[test]
+fn train_on_a_model_directory_and_a_jsonl_file_with_the_drafter_exports_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = fixture("qwen2_rl");
+    let run = dir.path().join("sft");
+    let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/data/chat.jsonl");
+    let path = format!("data.path={}", toml::Value::String(data.display().to_string()));
+    let out = train(
+        &model,
+        &[
+            "train.steps=3",
+            "stages=2",
+            "schedule=\"zb-h1\"",
+            "filler=\"drafter\"",
+            "data.source=\"jsonl\"",
+            &path,
+        ],
+        &run,
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("data: ") && stdout.contains("chat.jsonl"), "{stdout}");
+    let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    let slices: Vec<u64> = metrics
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v["drafter_slices"].as_u64().unwrap()
+        })
+        .collect();
+    assert_eq!(slices.len(), 3, "{metrics}");
+    assert!(slices.iter().sum::<u64>() > 0, "no drafter slice ran: {metrics}");
+    assert!(run.join("checkpoint/drafter.safetensors").is_file());
+
+    let ckpt = Checkpoint::load(&run.join("checkpoint")).unwrap();
+    let exported = dir.path().join("hf");
+    let out = clean(EXE)
+        .arg("export")
+        .arg(&run)
+        .args(["--format", "hf", "-o"])
+        .arg(&exported)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let back = HfModel::open(&exported).unwrap();
+    for t in params(&ckpt) {
+        assert_eq!(back.read(&t.name).unwrap().data, t.data, "{}", t.name);
+    }
+    assert!(exported.join("tokenizer_config.json").is_file());
+}
