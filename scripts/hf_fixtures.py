@@ -7,6 +7,7 @@ safetensors and tokenizers installed (no network is needed; everything is random
     python3 -m venv /tmp/hfenv && /tmp/hfenv/bin/pip install torch transformers safetensors
     /tmp/hfenv/bin/python scripts/hf_fixtures.py            # writes tests/fixtures/hf/*
     /tmp/hfenv/bin/python scripts/hf_fixtures.py --only qwen2_rl   # one fixture
+    /tmp/hfenv/bin/python scripts/hf_fixtures.py --greedy   # only greedy.json of each fixture
     /tmp/hfenv/bin/python scripts/hf_fixtures.py --check FIXTURE EXPORT
         # loads both with from_pretrained: an export of FIXTURE must give its logits
         # (tests/hf_interop.rs writes exports there when PIPEFILL_HF_EXPORT=DIR is set)
@@ -21,7 +22,10 @@ save_pretrained, plus `expected.safetensors` and `expected.json`:
 - `adamw.<hf name>` (when `adamw` is in expected.json): every parameter after one
   torch.optim.AdamW step with the hyper-parameters in expected.json, weight decay on the
   matrices and embeddings only (pipefill never decays norm gains and biases);
-- expected.json: the loss, the AdamW hyper-parameters, the dtype of the saved weights.
+- expected.json: the loss, the AdamW hyper-parameters, the dtype of the saved weights;
+- greedy.json: transformers' greedy continuation (`generate`, do_sample=False, stopping at
+  generation_config.json's eos_token_id) of fixed prompts, from the saved directory as
+  `from_pretrained` loads it (f32), for the token-for-token test of `pipefill generate`.
 
 Parameters are drawn from N(0, 1/fan_in) (embeddings N(0, 1), norm gains 1 + N(0, 0.1²),
 biases N(0, 0.1²)) rather than transformers' std 0.02, so activations, attention patterns
@@ -152,6 +156,35 @@ def build_fixture(name, cls, config, seed, adamw=True, dtype="float32", shard=No
         json.dump(meta, f, indent=2)
         f.write("\n")
     print(f"{name}: loss {loss.item():.6f}, {sum(p.numel() for p in named.values())} params")
+    write_greedy(name)
+
+
+GREEDY_PROMPTS = [[1, 5, 9, 3], [7, 2], [11, 4, 6, 8, 10, 12]]
+GREEDY_NEW = 8
+
+
+def write_greedy(name):
+    out_dir = os.path.join(OUT, name)
+    model = AutoModelForCausalLM.from_pretrained(out_dir, attn_implementation="eager")
+    model = model.float().eval()
+    tokens = []
+    with torch.no_grad():
+        for prompt in GREEDY_PROMPTS:
+            ids = torch.tensor([prompt])
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=GREEDY_NEW,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            tokens.append(out[0, len(prompt) :].tolist())
+    with open(os.path.join(out_dir, "greedy.json"), "w") as f:
+        json.dump(
+            {"prompts": GREEDY_PROMPTS, "max_new_tokens": GREEDY_NEW, "tokens": tokens}, f
+        )
+        f.write("\n")
+    print(f"{name}: greedy {tokens}")
 
 
 def small(**kw):
@@ -179,6 +212,11 @@ def main():
         help="load both directories with from_pretrained and print their logits' max difference",
     )
     ap.add_argument("--only", metavar="NAME", help="build only this fixture")
+    ap.add_argument(
+        "--greedy",
+        action="store_true",
+        help="only (re)write greedy.json of the fixtures already built",
+    )
     args = ap.parse_args()
     torch.use_deterministic_algorithms(True)
     if args.check:
@@ -194,6 +232,11 @@ def main():
         return 0 if diff <= 1e-5 else 1
     os.makedirs(OUT, exist_ok=True)
     only = args.only
+    if args.greedy:
+        for name in sorted(os.listdir(OUT)):
+            if only is None or only == name:
+                write_greedy(name)
+        return 0
 
     def build(name, *a, **kw):
         if only is None or only == name:

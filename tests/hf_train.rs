@@ -171,25 +171,50 @@ fn a_sequence_longer_than_the_models_positions_is_one_line() {
 /// a text prompt without a tokenizer.json is one line asking for ids.
 #[test]
 fn generation_from_a_model_directory_is_transformers_greedy() {
-    for (name, want) in [
-        ("llama", [224, 81, 162, 235, 178, 207, 238, 88]),
-        ("qwen2_tied", [3; 8]),
+    // Every fixture's greedy.json (scripts/hf_fixtures.py --greedy): transformers' greedy
+    // continuations, stopped at generation_config.json's EOS where it names one (mistral's
+    // first prompt ends there; qwen2_tied names none and generates id 2 on and on).
+    for name in [
+        "llama",
+        "qwen2",
+        "qwen2_tied",
+        "mistral",
+        "llama3",
+        "qwen2_rl",
     ] {
-        let out = clean(EXE)
-            .args(["generate", "--model"])
-            .arg(fixture(name))
-            .args(["--prompt-ids", "1,5,9,3", "--max-new-tokens", "8", "--json"])
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "{}", text(&out));
-        let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        let tokens: Vec<u64> = json["tokens"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|t| t.as_u64().unwrap())
-            .collect();
-        assert_eq!(tokens, want, "{name}");
+        let greedy: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(fixture(name).join("greedy.json")).unwrap(),
+        )
+        .unwrap();
+        let ids = |v: &serde_json::Value| -> Vec<u64> {
+            v.as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t.as_u64().unwrap())
+                .collect()
+        };
+        let max_new = greedy["max_new_tokens"].to_string();
+        let prompts = greedy["prompts"].as_array().unwrap();
+        let wants = greedy["tokens"].as_array().unwrap();
+        assert_eq!(prompts.len(), wants.len());
+        for (prompt, want) in prompts.iter().zip(wants) {
+            let list: Vec<String> = ids(prompt).iter().map(u64::to_string).collect();
+            let out = clean(EXE)
+                .args(["generate", "--model"])
+                .arg(fixture(name))
+                .args([
+                    "--prompt-ids",
+                    &list.join(","),
+                    "--max-new-tokens",
+                    &max_new,
+                ])
+                .arg("--json")
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "{}", text(&out));
+            let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            assert_eq!(ids(&json["tokens"]), ids(want), "{name} after {list:?}");
+        }
     }
     let out = clean(EXE)
         .args(["generate", "--model"])
@@ -273,7 +298,10 @@ fn train_on_a_model_directory_and_a_jsonl_file_with_the_drafter_exports_back() {
     let model = fixture("qwen2_rl");
     let run = dir.path().join("sft");
     let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/data/chat.jsonl");
-    let path = format!("data.path={}", toml::Value::String(data.display().to_string()));
+    let path = format!(
+        "data.path={}",
+        toml::Value::String(data.display().to_string())
+    );
     let out = train(
         &model,
         &[
@@ -288,7 +316,10 @@ fn train_on_a_model_directory_and_a_jsonl_file_with_the_drafter_exports_back() {
     );
     assert!(out.status.success(), "{}", text(&out));
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(stdout.contains("data: ") && stdout.contains("chat.jsonl"), "{stdout}");
+    assert!(
+        stdout.contains("data: ") && stdout.contains("chat.jsonl"),
+        "{stdout}"
+    );
     let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
     let slices: Vec<u64> = metrics
         .lines()
@@ -298,7 +329,10 @@ fn train_on_a_model_directory_and_a_jsonl_file_with_the_drafter_exports_back() {
         })
         .collect();
     assert_eq!(slices.len(), 3, "{metrics}");
-    assert!(slices.iter().sum::<u64>() > 0, "no drafter slice ran: {metrics}");
+    assert!(
+        slices.iter().sum::<u64>() > 0,
+        "no drafter slice ran: {metrics}"
+    );
     assert!(run.join("checkpoint/drafter.safetensors").is_file());
 
     let ckpt = Checkpoint::load(&run.join("checkpoint")).unwrap();
@@ -316,4 +350,17 @@ fn train_on_a_model_directory_and_a_jsonl_file_with_the_drafter_exports_back() {
         assert_eq!(back.read(&t.name).unwrap().data, t.data, "{}", t.name);
     }
     assert!(exported.join("tokenizer_config.json").is_file());
+    // `generate` on the run encodes with the run's own tokenizer (the synthetic tasks'
+    // characters have no 'H'), the same ids as on the export.
+    let generate = |model: &Path| {
+        let out = clean(EXE)
+            .args(["generate", "--model"])
+            .arg(model)
+            .args(["--prompt", "Hello, World", "--max-new-tokens", "4", "--json"])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", text(&out));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    assert_eq!(generate(&run), generate(&exported));
 }

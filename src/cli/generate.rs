@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, bail};
 use pipefill::config::JobConfig;
 use pipefill::data::tokenizer::{BOS, EOS};
-use pipefill::data::{TextTokenizer, Tokenizer};
+use pipefill::data::{DataConfig, DataSource, TextTokenizer, Tokenizer};
 use pipefill::model::checkpoint::resume::{FINAL_DIR, ResumePoint};
 use pipefill::model::checkpoint::{Checkpoint, META_FILE};
 use pipefill::model::drafter::{Drafter, DrafterConfig};
@@ -70,6 +70,8 @@ pub struct GenerateArgs {
 pub trait Codec {
     fn encode_prompt(&self, text: &str) -> anyhow::Result<Vec<u32>>;
     fn decode(&self, ids: &[u32]) -> anyhow::Result<String>;
+    /// The id that ends a generation (`None`: only the length does).
+    fn eos(&self) -> Option<u32>;
 }
 
 /// The synthetic job's characters: a prompt is `BOS` and its characters, as the job's
@@ -83,6 +85,9 @@ impl Codec for Tokenizer {
     fn decode(&self, ids: &[u32]) -> anyhow::Result<String> {
         Ok(Tokenizer::decode(self, ids)?)
     }
+    fn eos(&self) -> Option<u32> {
+        Some(EOS)
+    }
 }
 
 /// A Hugging Face tokenizer.json: the prompt encoded with the special tokens its
@@ -94,21 +99,86 @@ impl Codec for TextTokenizer {
     fn decode(&self, ids: &[u32]) -> anyhow::Result<String> {
         Ok(TextTokenizer::decode(self, ids)?)
     }
+    fn eos(&self) -> Option<u32> {
+        Some(TextTokenizer::eos(self))
+    }
 }
 
-/// A model directory without a tokenizer.json: ids only.
-struct IdsOnly(PathBuf);
+/// A Hugging Face directory's codec: its tokenizer.json when it has one (else ids only),
+/// and the EOS of its generation_config.json (else the tokenizer's), where transformers'
+/// `generate` stops too.
+struct HfCodec {
+    dir: PathBuf,
+    tokenizer: Option<TextTokenizer>,
+    eos: Option<u32>,
+}
 
-impl Codec for IdsOnly {
-    fn encode_prompt(&self, _: &str) -> anyhow::Result<Vec<u32>> {
-        bail!(
-            "{} has no tokenizer.json to encode --prompt with: give --prompt-ids 1,2,3",
-            self.0.display()
-        )
+impl HfCodec {
+    fn load(dir: &Path) -> anyhow::Result<Self> {
+        let tokenizer = match dir.join("tokenizer.json").is_file() {
+            true => Some(TextTokenizer::load(dir)?),
+            false => None,
+        };
+        let eos = generation_eos(dir)?.or(tokenizer.as_ref().map(TextTokenizer::eos));
+        Ok(HfCodec {
+            dir: dir.to_path_buf(),
+            tokenizer,
+            eos,
+        })
     }
-    /// No text: the generated ids are the output.
-    fn decode(&self, _: &[u32]) -> anyhow::Result<String> {
-        Ok(String::new())
+}
+
+impl Codec for HfCodec {
+    fn encode_prompt(&self, text: &str) -> anyhow::Result<Vec<u32>> {
+        match &self.tokenizer {
+            Some(t) => Ok(t.encode(text, true)?),
+            None => bail!(
+                "{} has no tokenizer.json to encode --prompt with: give --prompt-ids 1,2,3",
+                self.dir.display()
+            ),
+        }
+    }
+    /// Without a tokenizer, no text: the generated ids are the output.
+    fn decode(&self, ids: &[u32]) -> anyhow::Result<String> {
+        match &self.tokenizer {
+            Some(t) => Ok(t.decode(ids)?),
+            None => Ok(String::new()),
+        }
+    }
+    fn eos(&self) -> Option<u32> {
+        self.eos
+    }
+}
+
+/// Most bytes of a generation_config.json read (a few hundred in practice).
+const GENERATION_CONFIG_MAX_BYTES: u64 = 1 << 20;
+
+/// `eos_token_id` of `dir`'s generation_config.json (a number, or a list whose first entry
+/// is taken), `None` without the file or the field.
+fn generation_eos(dir: &Path) -> anyhow::Result<Option<u32>> {
+    let path = dir.join("generation_config.json");
+    if !path.is_file() {
+        return Ok(None);
+    }
+    let len = std::fs::metadata(&path)?.len();
+    if len > GENERATION_CONFIG_MAX_BYTES {
+        bail!(
+            "{}: {len} bytes, more than a generation config ({GENERATION_CONFIG_MAX_BYTES})",
+            path.display()
+        );
+    }
+    let text = std::fs::read_to_string(&path).with_context(|| path.display().to_string())?;
+    let json: serde_json::Value = serde_json::from_str(&text)
+        .with_context(|| format!("{}: not valid JSON", path.display()))?;
+    let id = match &json["eos_token_id"] {
+        serde_json::Value::Null => return Ok(None),
+        serde_json::Value::Array(ids) => ids.first().cloned().unwrap_or_default(),
+        v => v.clone(),
+    };
+    match id.as_u64().and_then(|i| u32::try_from(i).ok()) {
+        Some(id) => Ok(Some(id)),
+        None if id.is_null() => Ok(None),
+        None => bail!("{}: eos_token_id {id} is not a token id", path.display()),
     }
 }
 
@@ -150,14 +220,10 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let (mut loaded, tokenizer): (_, Box<dyn Codec>) = if hf {
         let model = HfModel::open(&args.model)?;
         let gpt = model.gpt(be, &Cut::Even(1))?;
-        let codec: Box<dyn Codec> = if args.model.join("tokenizer.json").is_file() {
-            Box::new(TextTokenizer::load(&args.model)?)
-        } else {
-            Box::new(IdsOnly(args.model.clone()))
-        };
+        let codec: Box<dyn Codec> = Box::new(HfCodec::load(&args.model)?);
         (Loaded { gpt, drafter: None }, codec)
     } else {
-        (load_run(&args.model, be)?, Box::new(Tokenizer::new()))
+        (load_run(&args.model, be)?, run_codec(&args.model)?)
     };
     if args.no_draft {
         loaded.drafter = None;
@@ -239,6 +305,29 @@ pub fn load_run<B: Backend>(path: &Path, be: B) -> anyhow::Result<Loaded<B>> {
     Ok(Loaded { gpt, drafter })
 }
 
+/// The tokenizer the run at `path` trained with: a JSONL run's `data.tokenizer` (from its
+/// `job.toml`), else the synthetic tasks' characters.
+///
+/// Only `[data]` is read: the rest of the job (a `model.from` directory that has moved
+/// since, say) does not matter here.
+fn run_codec(path: &Path) -> anyhow::Result<Box<dyn Codec>> {
+    let job = path.join("job.toml");
+    if !job.is_file() {
+        return Ok(Box::new(Tokenizer::new()));
+    }
+    let context = || format!("--model {}: its job.toml's [data]", path.display());
+    let text = std::fs::read_to_string(&job).with_context(context)?;
+    let mut table: toml::Table = toml::from_str(&text).with_context(context)?;
+    let data: DataConfig = match table.remove("data") {
+        Some(data) => data.try_into().with_context(context)?,
+        None => DataConfig::default(),
+    };
+    if data.source != DataSource::Jsonl {
+        return Ok(Box::new(Tokenizer::new()));
+    }
+    Ok(Box::new(data.text_tokenizer().with_context(context)?))
+}
+
 /// The `[drafter]` of the run's `job.toml`, when `path` is a run directory that has one.
 fn drafter_config(path: &Path) -> Option<DrafterConfig> {
     let job = path.join("job.toml");
@@ -292,7 +381,8 @@ pub fn generate<B: Backend>(
     let mut engine = RolloutEngine::new(stages)?;
     let speculate = model.drafter.is_some() && options.draft > 0;
     let rollout = RolloutConfig {
-        eos: EOS,
+        // Never a token: the generation ends at its length only.
+        eos: codec.eos().unwrap_or(u32::MAX),
         temperature: options.temperature,
         groups: 1,
         seed: options.seed,
