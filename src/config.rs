@@ -362,6 +362,12 @@ impl JobConfig {
                 }
                 other => invalid("drafter", other.to_string()),
             })?;
+            let context = self.drafter.unroll_context;
+            if let Some(reason) = context.unsupported_for(&self.model) {
+                if self.drafter.unroll >= 2 {
+                    return Err(invalid("drafter.unroll_context", reason.into()));
+                }
+            }
         }
         if self.stages == 0 {
             return Err(invalid("stages", "must be at least 1".into()));
@@ -486,6 +492,33 @@ mod tests {
             JobConfig::from_toml(&job.to_toml(), "round trip").unwrap(),
             job
         );
+    }
+
+    /// The exact unrolled context cannot train a drafter of a Llama-style target: refused
+    /// when the job is read, naming the field, not at the first slice in a bubble.
+    #[test]
+    fn an_exact_unroll_context_on_a_llama_target_is_refused_naming_the_field() {
+        let sets = |extra: &str| -> Vec<String> {
+            ["drafter.unroll_context=\"exact\"", extra]
+                .iter()
+                .map(|s| s.to_string())
+                .collect()
+        };
+        for target in [
+            "model.positions=\"rope\"",
+            "model.qkv_bias=true",
+            "model.kv_heads=1",
+        ] {
+            let e = JobConfig::embedded(&sets(target)).unwrap_err().to_string();
+            assert!(
+                e.contains("drafter.unroll_context") && e.contains("causal"),
+                "{e}"
+            );
+        }
+        // A plain target, one unrolled step, or no drafter filler: nothing to refuse.
+        for ok in ["model.seed=1", "drafter.unroll=1", "filler=\"none\""] {
+            JobConfig::embedded(&sets(ok)).unwrap();
+        }
     }
 
     /// Internal tuning lives in `[drafter.advanced]` and `[rl.advanced]`; a job file written

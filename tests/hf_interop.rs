@@ -597,3 +597,46 @@ fn tied_models_import_tied_and_export_without_lm_head() {
     );
     let _: Option<HfError> = None;
 }
+
+/// f16 weights (as some checkpoints ship) read as their f32 values: the llama fixture's
+/// tensors written back in f16 import to each value rounded to f16.
+#[test]
+fn f16_weights_read_as_their_values() {
+    let (_tmp, dir) = copy("llama");
+    let path = dir.join("model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let mut halves: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (name, view) in st.tensors() {
+        assert_eq!(view.dtype(), Dtype::F32, "{name}");
+        let data: Vec<u8> = view
+            .data()
+            .chunks_exact(4)
+            .flat_map(|b| {
+                half::f16::from_f32(f32::from_le_bytes(b.try_into().unwrap())).to_le_bytes()
+            })
+            .collect();
+        halves.push((name, view.shape().to_vec(), data));
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView)> = halves
+        .iter()
+        .map(|(n, shape, data)| {
+            let view =
+                safetensors::tensor::TensorView::new(Dtype::F16, shape.clone(), data).unwrap();
+            (n.clone(), view)
+        })
+        .collect();
+    std::fs::write(&path, safetensors::serialize(views, None).unwrap()).unwrap();
+    let (f32_model, _) = open("llama");
+    let f16_model = HfModel::open(&dir).unwrap();
+    for (name, _) in hf::param_shapes(f16_model.config()) {
+        let want: Vec<f32> = f32_model
+            .read(&name)
+            .unwrap()
+            .data
+            .iter()
+            .map(|&v| half::f16::from_f32(v).to_f32())
+            .collect();
+        assert_eq!(f16_model.read(&name).unwrap().data, want, "{name}");
+    }
+}

@@ -356,7 +356,13 @@ fn train_on_a_model_directory_and_a_jsonl_file_with_the_drafter_exports_back() {
         let out = clean(EXE)
             .args(["generate", "--model"])
             .arg(model)
-            .args(["--prompt", "Hello, World", "--max-new-tokens", "4", "--json"])
+            .args([
+                "--prompt",
+                "Hello, World",
+                "--max-new-tokens",
+                "4",
+                "--json",
+            ])
             .output()
             .unwrap();
         assert!(out.status.success(), "{}", text(&out));

@@ -222,6 +222,21 @@ pub enum UnrollContext {
     Exact,
 }
 
+impl UnrollContext {
+    /// Why this context cannot train a drafter of `target`, if it cannot: the exact
+    /// context's attention over the chain is plain multi-head attention, without biases,
+    /// rotation or shared key/value heads.
+    pub fn unsupported_for(self, target: &crate::model::GptConfig) -> Option<&'static str> {
+        let plain = target.positions != crate::model::config::Positions::Rope
+            && target.kv_heads() == target.heads
+            && !target.qkv_bias;
+        (self == UnrollContext::Exact && !plain).then_some(
+            "= \"exact\" needs a target without rope, kv_heads < heads or qkv_bias; use \
+             \"causal\" (the default)",
+        )
+    }
+}
+
 /// Which drafter work runs in which bubble of a pipelined run.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]

@@ -54,7 +54,7 @@
 use super::loss::argmax;
 use super::masked::ChainAttention;
 use super::net::LossSums;
-use super::{DraftBatch, DraftRow, Drafter, DrafterError, Result};
+use super::{DraftBatch, DraftRow, Drafter, DrafterError, Result, UnrollContext};
 use crate::data::SplitMix64;
 use crate::model::layers::{activation, gradient, linear_bwd_input, linear_bwd_weight, linear_fwd};
 use crate::tensor::{Backend, DType};
@@ -147,17 +147,10 @@ impl<B: Backend> Drafter<B> {
         batch: &mut DraftBatch,
         steps: usize,
     ) -> Result<(LossSums, usize)> {
-        let t = &self.target;
-        if t.positions == crate::model::config::Positions::Rope
-            || t.kv_heads() != t.heads
-            || t.qkv_bias
-        {
-            // `ChainAttention` is plain multi-head attention without biases or rotation.
+        if let Some(reason) = UnrollContext::Exact.unsupported_for(&self.target) {
             return Err(DrafterError::Config {
                 field: "unroll_context",
-                reason: "= \"exact\" needs a target without rope, kv_heads < heads or \
-                         qkv_bias; use \"causal\" (the default)"
-                    .into(),
+                reason: reason.into(),
             });
         }
         let heads = self.target.heads;
