@@ -363,10 +363,10 @@ impl JobConfig {
                 other => invalid("drafter", other.to_string()),
             })?;
             let context = self.drafter.unroll_context;
-            if let Some(reason) = context.unsupported_for(&self.model) {
-                if self.drafter.unroll >= 2 {
-                    return Err(invalid("drafter.unroll_context", reason.into()));
-                }
+            if let Some(reason) = context.unsupported_for(&self.model)
+                && self.drafter.unroll >= 2
+            {
+                return Err(invalid("drafter.unroll_context", reason.into()));
             }
         }
         if self.stages == 0 {
