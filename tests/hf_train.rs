@@ -9,20 +9,15 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Output;
 
+use common::hf::fixture;
 use common::{clean, text};
 use pipefill::model::checkpoint::Checkpoint;
 use pipefill::model::hf::HfModel;
 
 const EXE: &str = env!("CARGO_BIN_EXE_pipefill");
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/hf")
-        .join(name)
-}
 
 const JOB: &[&str] = &[
     "model.seq_len=32",

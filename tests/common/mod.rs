@@ -7,6 +7,7 @@
 // Each test binary compiles this module and uses only some of it.
 #![allow(dead_code)]
 
+pub mod hf;
 pub mod job;
 pub mod rollouts;
 pub mod scripted;
