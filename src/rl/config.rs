@@ -44,9 +44,8 @@ pub struct RlConfig {
     /// Longest draft chain the rollout engine may choose (with `draft_tree`: deepest tree).
     pub draft_k: usize,
     /// Draft trees instead of chains (`[rl.draft_tree]`: `branch`, `width`, `nodes`; the
-    /// bandit's K is the depth). Off by default: on the 2-core CPU a 12-node tree accepted
-    /// 3.23 tokens against the chain's 2.82 but cost 1.92x a decode to verify against
-    /// 1.18x (`pipefill bench rollout --tree`), so chains won.
+    /// bandit's K is the depth). Off by default: on the CPU a tree's extra accepted tokens
+    /// did not pay for its dearer verification (docs/benchmarks.md, "Why the defaults").
     pub draft_tree: Option<DraftTreeConfig>,
     /// Speculate only while at most this many sequences are still generating: a number, or
     /// `"auto"` (the default) to derive it from the policy's and drafter's step costs,
@@ -57,10 +56,8 @@ pub struct RlConfig {
     pub drafter_slices: usize,
     /// AdamW learning rate of the drafter during RL when it starts trained (the `--init`
     /// run's drafter, from its bubbles); an untrained drafter learns at `drafter.lr`. A
-    /// trained drafter only has to follow a slowly moving policy, on each step's few rows
-    /// (the prompts of one step): at `drafter.lr` (3e-3, sized to learn from scratch) each
-    /// step's update chases those rows and acceptance fell below the untouched drafter's
-    /// (examples/rl-longtail.toml); a tenth of it keeps improving on the next step's rows.
+    /// trained drafter only has to follow a slowly moving policy on each step's few rows,
+    /// hence a tenth of `drafter.lr` (docs/benchmarks.md, "Why the defaults").
     pub drafter_lr: f32,
     /// Seed of the prompt stream and of sampling.
     pub seed: u64,
@@ -88,13 +85,9 @@ pub struct RolloutTuning {
     /// Fewest positions (sequences × rows each: 1 decoding, K+1 verifying) a group step
     /// carries: the rollout engine merges groups smaller than this instead of sending
     /// them through the stages one behind another, since each group step reads every
-    /// stage's weights. 1 (the default) keeps `stages` groups however small they get:
-    /// at d_model 256 the weights sit in the cache and more groups in flight use more
-    /// cores. Measured on the 2-core box, `pipefill rl examples/rl-longtail.toml --init
-    /// <d256 SFT>` (32 sequences, 4 stages), medians of steps 2-8, two alternating rounds:
-    /// rollout 0.24 / 0.25 s at 1 against 0.32 / 0.36 s at 32 with speculation off, and
-    /// 0.20 / 0.25 s against 0.33 / 0.37 s with it on. At d_model 512 merging pays
-    /// (`pipefill bench rollout --min-group-rows`, default 32).
+    /// stage's weights. 1 (the default) keeps `stages` groups however small they get: while
+    /// the weights sit in the cache, more groups in flight use more cores; merging pays once
+    /// they outgrow it (docs/benchmarks.md, "Why the defaults").
     pub min_group_rows: usize,
 }
 

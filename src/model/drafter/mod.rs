@@ -145,21 +145,9 @@ pub struct DrafterConfig {
     /// Drafter steps unrolled per slice (training-time test, see the module docs): step 1 learns
     /// from the target's hidden states; step `j ≥ 2` from the drafter's own predictions of
     /// step `j − 1`, as a proposal's depth-`j` draft does. A slice costs about `unroll` times
-    /// a one-step slice of the same rows (`cargo bench --bench chain`, median thread CPU per
-    /// slice of 16 pairs: d256 4.3-4.5 ms, 6.5-7.2 with `2` causal, 6.9 exact; d512 23.9 ms,
-    /// 37.2 causal, 38.2 exact: ~1.5x at `2`). **2 by default** (with `unroll_context =
-    /// "causal"`), because the drafter exists for the depth of its chains, and `2` lengthens
-    /// them more than the dearer slices cost. On `pipefill bench rollout` (d512, 6000 slices,
-    /// medians of 3 runs each, 2-core box): `unroll = 1` 88.2% top-1 agreement, acceptance
-    /// length 2.82 at fixed K=4 and 2.86 adaptive, adaptive long-tail speedup 1.29x; `2`
-    /// causal: 79.5%, 3.07, 3.63, 1.37x (top-1 agreement falls: step 1's weights also serve
-    /// the deeper steps); `3` (an earlier session): 81.0%, 2.74 at K=4. `cargo bench --bench
-    /// chain` (greedy chains of K=4 in the completions) gives `2` causal +0.41 (held-out
-    /// +0.46) at d256 and +1.0 at d512 over `1` (see `drafter/unroll.rs`). In `pipefill rl`
-    /// (examples/rl-longtail.toml from the d256 SFT checkpoint, 6 steps, 6 runs each
-    /// alternating, loaded box) the warm-started drafter's acceptance over steps 2-6 was 2.69
-    /// at `2` against 2.56 at `1` (median), but the drafter's work after each rollout (the
-    /// slices the idle gaps did not take, its evaluation) took 0.153 s against 0.075 s.
+    /// a one-step slice of the same rows. 2 by default (with `unroll_context = "causal"`):
+    /// the drafter exists for the depth of its chains, and 2 lengthens them more than the
+    /// dearer slices cost (docs/benchmarks.md, "Why the defaults").
     pub unroll: usize,
     /// What an unrolled step's pairs attend to (see [`UnrollContext`]).
     pub unroll_context: UnrollContext,
