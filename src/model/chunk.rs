@@ -17,7 +17,7 @@ use std::ops::Range;
 use serde::{Deserialize, Serialize};
 
 use super::drafter::DraftBufferHandle;
-use super::layers::{Block, Embedding, Head, RmsNorm};
+use super::layers::{Block, Embedding, Head, Layer, RmsNorm};
 use super::{GptConfig, ModelError, Param, Result};
 use crate::tensor::Backend;
 
@@ -345,12 +345,12 @@ impl<B: Backend> ModelChunk<B> {
     ) -> Result<ChunkOutput<B>> {
         self.in_flight.insert(mb, (shape, Phase::Forwarded));
         for block in &mut self.blocks {
-            x = block.forward(be, mb, &x, shape.batch, shape.seq)?;
+            x = block.forward(be, mb, &x, shape)?;
         }
         let (Some(norm), Some(head)) = (&mut self.final_norm, &mut self.head) else {
             return Ok(ChunkOutput::Hidden(x));
         };
-        let h = norm.forward(be, mb, &x, shape.tokens())?;
+        let h = norm.forward(be, mb, &x, shape)?;
         match targets {
             Some(t) if t.len() != shape.tokens() => {
                 let reason = format!("{} targets for {} positions", t.len(), shape.tokens());

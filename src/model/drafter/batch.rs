@@ -113,4 +113,12 @@ impl DraftBatch {
     pub fn rows(&self) -> usize {
         self.batch * self.seq
     }
+
+    /// Its `batch` sequences of `seq` positions, as the target's layers take them.
+    pub fn shape(&self) -> crate::model::Shape {
+        crate::model::Shape {
+            batch: self.batch,
+            seq: self.seq,
+        }
+    }
 }

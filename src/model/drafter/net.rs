@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 
 use super::loss::{argmax, smooth_l1, soft_cross_entropy};
 use super::{DraftBatch, DrafterConfig, DrafterError, FROZEN, Linear, Result};
-use crate::model::layers::{Attention, Block, Mlp, RmsNorm};
+use crate::model::layers::{Attention, Block, Layer, Mlp, RmsNorm};
 use crate::model::{Gpt, GptConfig, ModelChunk, ModelError, Param, init};
 use crate::tensor::{Backend, DType, Gemm};
 
@@ -188,7 +188,7 @@ impl<B: Backend> Drafter<B> {
         let x = be.from_host(&batch.inputs, be.storage_dtype())?;
         let result = (|| {
             let z = self.fc.forward(&be, mb, &x, rows)?;
-            let f = self.block.forward(&be, mb, &z, batch.batch, batch.seq)?;
+            let f = self.block.forward(&be, mb, &z, batch.shape())?;
             let logits = self.logits(&f, rows)?;
             Ok((f, logits))
         })();

@@ -56,6 +56,7 @@ use super::masked::ChainAttention;
 use super::net::LossSums;
 use super::{DraftBatch, DraftRow, Drafter, DrafterError, Result, UnrollContext};
 use crate::data::SplitMix64;
+use crate::model::layers::Layer;
 use crate::model::layers::{activation, gradient, linear_bwd_input, linear_bwd_weight, linear_fwd};
 use crate::tensor::{Backend, DType};
 
@@ -180,7 +181,7 @@ impl<B: Backend> Drafter<B> {
         chain: &mut ChainAttention,
     ) -> Result<Vec<UnrolledStep<B>>> {
         let be = self.be.clone();
-        let (d, rows) = (self.target.d_model, batch.rows());
+        let (d, rows, shape) = (self.target.d_model, batch.rows(), batch.shape());
         batch.check_inputs(d)?;
         let unroller = Unroller::new(batch, d);
         let mut out: Vec<UnrolledStep<B>> = Vec::with_capacity(steps);
@@ -193,7 +194,7 @@ impl<B: Backend> Drafter<B> {
             }
             let x = be.from_host(&batch.inputs, be.storage_dtype())?;
             let z = self.fc.forward(&be, s, &x, rows)?;
-            let a = self.block.norm1.forward(&be, s, &z, rows)?;
+            let a = self.block.norm1.forward(&be, s, &z, shape)?;
             let attn = &self.block.attn;
             let project =
                 |w| -> Result<Vec<f32>> { Ok(be.to_host(&linear_fwd(&be, &a, w, rows)?)?) };
@@ -202,8 +203,8 @@ impl<B: Backend> Drafter<B> {
             let y = linear_fwd(&be, &o, &attn.wo, rows)?;
             let mut h = activation(&be, rows * d)?;
             be.add(&z, &y, &mut h)?;
-            let c = self.block.norm2.forward(&be, s, &h, rows)?;
-            let m = self.block.mlp.forward(&be, s, &c, rows)?;
+            let c = self.block.norm2.forward(&be, s, &h, shape)?;
+            let m = self.block.mlp.forward(&be, s, &c, shape)?;
             let mut f = activation(&be, rows * d)?;
             be.add(&h, &m, &mut f)?;
             let logits = self.logits(&f, rows)?;

@@ -8,9 +8,9 @@
 //! the projections (plus bias) and its transpose to their gradients, so I yields the
 //! gradients of the projections' outputs and W only multiplies them by the saved input.
 
-use super::{Stash, activation, gradient, linear_bwd_input, linear_bwd_weight, linear_fwd};
+use super::{Layer, Stash, activation, gradient, linear_bwd_input, linear_bwd_weight, linear_fwd};
 use crate::model::config::Positions;
-use crate::model::{GptConfig, Param, Result, init};
+use crate::model::{GptConfig, Param, Result, Shape, init};
 use crate::tensor::{AttnShape, Backend};
 
 struct Saved<B: Backend> {
@@ -171,16 +171,12 @@ impl<B: Backend> Attention<B> {
             _ => Ok(g),
         }
     }
+}
 
+impl<B: Backend> Layer<B> for Attention<B> {
     /// `y = attn(x)` for `x: [batch·seq, d_model]`.
-    pub fn forward(
-        &mut self,
-        be: &B,
-        mb: usize,
-        x: &B::Buf,
-        batch: usize,
-        seq: usize,
-    ) -> Result<B::Buf> {
+    fn forward(&mut self, be: &B, mb: usize, x: &B::Buf, rows: Shape) -> Result<B::Buf> {
+        let Shape { batch, seq } = rows;
         let rows = batch * seq;
         let shape = AttnShape {
             batch,
@@ -215,7 +211,7 @@ impl<B: Backend> Attention<B> {
     }
 
     /// I: `dx` from `dy`; keeps `x`, `o` and the projection gradients for W.
-    pub fn backward_input(&mut self, be: &B, mb: usize, dy: &B::Buf) -> Result<B::Buf> {
+    fn backward_input(&mut self, be: &B, mb: usize, dy: &B::Buf) -> Result<B::Buf> {
         let s = self.fwd.take(mb, "backward_input", "forward")?;
         let rows = s.shape.batch * s.shape.seq;
         let n = rows * self.d();
@@ -252,7 +248,7 @@ impl<B: Backend> Attention<B> {
     }
 
     /// W: accumulates the gradients of `wq`, `wk`, `wv`, `wo` (and of the biases).
-    pub fn backward_weight(&mut self, be: &B, mb: usize) -> Result<()> {
+    fn backward_weight(&mut self, be: &B, mb: usize) -> Result<()> {
         let s = self.for_w.take(mb, "backward_weight", "backward_input")?;
         linear_bwd_weight(be, &s.o, &s.dy, &mut self.wo, s.rows)?;
         linear_bwd_weight(be, &s.x, &s.dq, &mut self.wq, s.rows)?;
@@ -267,23 +263,23 @@ impl<B: Backend> Attention<B> {
         Ok(())
     }
 
-    pub fn discard(&mut self, mb: usize) {
+    fn discard(&mut self, mb: usize) {
         self.fwd.remove(mb);
         self.for_w.remove(mb);
     }
 
-    pub fn stashed(&self) -> usize {
+    fn stashed(&self) -> usize {
         self.fwd.len() + self.for_w.len()
     }
 
     /// `wq, wk, wv, wo`, then `bq, bk, bv` when there are biases.
-    pub fn params(&self) -> Vec<&Param<B>> {
+    fn params(&self) -> Vec<&Param<B>> {
         let mut v = vec![&self.wq, &self.wk, &self.wv, &self.wo];
         v.extend(self.bias.iter().flatten());
         v
     }
 
-    pub fn params_mut(&mut self) -> Vec<&mut Param<B>> {
+    fn params_mut(&mut self) -> Vec<&mut Param<B>> {
         let mut v = vec![&mut self.wq, &mut self.wk, &mut self.wv, &mut self.wo];
         v.extend(self.bias.iter_mut().flatten());
         v

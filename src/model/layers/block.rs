@@ -1,10 +1,10 @@
 //! One transformer block: `h = x + Attn(RMSNorm(x))`, `y = h + MLP(RMSNorm(h))`.
 //!
 //! The residual additions have no parameters; the block's I adds the skip gradients, its W
-//! runs its four layers' W.
+//! runs its four layers' W, and its parameters and stash are its layers', in order.
 
-use super::{Attention, Mlp, RmsNorm, activation};
-use crate::model::{GptConfig, Param, Result};
+use super::{Attention, Layer, Mlp, RmsNorm, activation};
+use crate::model::{GptConfig, Param, Result, Shape};
 use crate::tensor::Backend;
 
 /// Block `i`, with parameters named `blocks.{i}.{norm1,attn,norm2,mlp}.…`.
@@ -26,29 +26,36 @@ impl<B: Backend> Block<B> {
         })
     }
 
-    /// `x: [batch·seq, d_model]` → same shape.
-    pub fn forward(
-        &mut self,
-        be: &B,
-        mb: usize,
-        x: &B::Buf,
-        batch: usize,
-        seq: usize,
-    ) -> Result<B::Buf> {
-        let rows = batch * seq;
-        let a = self.norm1.forward(be, mb, x, rows)?;
-        let y = self.attn.forward(be, mb, &a, batch, seq)?;
+    /// Its layers, in parameter order.
+    fn layers(&self) -> [&dyn Layer<B>; 4] {
+        [&self.norm1, &self.attn, &self.norm2, &self.mlp]
+    }
+
+    fn layers_mut(&mut self) -> [&mut dyn Layer<B>; 4] {
+        [
+            &mut self.norm1,
+            &mut self.attn,
+            &mut self.norm2,
+            &mut self.mlp,
+        ]
+    }
+}
+
+impl<B: Backend> Layer<B> for Block<B> {
+    fn forward(&mut self, be: &B, mb: usize, x: &B::Buf, shape: Shape) -> Result<B::Buf> {
+        let a = self.norm1.forward(be, mb, x, shape)?;
+        let y = self.attn.forward(be, mb, &a, shape)?;
         let mut h = activation(be, be.len(x))?;
         be.add(x, &y, &mut h)?;
-        let c = self.norm2.forward(be, mb, &h, rows)?;
-        let z = self.mlp.forward(be, mb, &c, rows)?;
+        let c = self.norm2.forward(be, mb, &h, shape)?;
+        let z = self.mlp.forward(be, mb, &c, shape)?;
         let mut out = activation(be, be.len(x))?;
         be.add(&h, &z, &mut out)?;
         Ok(out)
     }
 
     /// I: `dx` from `dy` through both residual branches.
-    pub fn backward_input(&mut self, be: &B, mb: usize, dy: &B::Buf) -> Result<B::Buf> {
+    fn backward_input(&mut self, be: &B, mb: usize, dy: &B::Buf) -> Result<B::Buf> {
         let dc = self.mlp.backward_input(be, mb, dy)?;
         let mut dh = self.norm2.backward_input(be, mb, &dc)?;
         be.axpy(1.0, dy, &mut dh)?;
@@ -58,38 +65,30 @@ impl<B: Backend> Block<B> {
         Ok(dx)
     }
 
-    /// W of the four layers.
-    pub fn backward_weight(&mut self, be: &B, mb: usize) -> Result<()> {
-        self.mlp.backward_weight(be, mb)?;
-        self.norm2.backward_weight(be, mb)?;
-        self.attn.backward_weight(be, mb)?;
-        self.norm1.backward_weight(be, mb)
+    /// W of the four layers, last first (as their I ran).
+    fn backward_weight(&mut self, be: &B, mb: usize) -> Result<()> {
+        self.layers_mut()
+            .into_iter()
+            .rev()
+            .try_for_each(|l| l.backward_weight(be, mb))
     }
 
-    pub fn discard(&mut self, mb: usize) {
-        self.norm1.discard(mb);
-        self.attn.discard(mb);
-        self.norm2.discard(mb);
-        self.mlp.discard(mb);
+    fn discard(&mut self, mb: usize) {
+        self.layers_mut().into_iter().for_each(|l| l.discard(mb));
     }
 
-    pub fn stashed(&self) -> usize {
-        self.norm1.stashed() + self.attn.stashed() + self.norm2.stashed() + self.mlp.stashed()
+    fn stashed(&self) -> usize {
+        self.layers().into_iter().map(|l| l.stashed()).sum()
     }
 
-    pub fn params(&self) -> Vec<&Param<B>> {
-        let mut v = self.norm1.params();
-        v.extend(self.attn.params());
-        v.extend(self.norm2.params());
-        v.extend(self.mlp.params());
-        v
+    fn params(&self) -> Vec<&Param<B>> {
+        self.layers().into_iter().flat_map(|l| l.params()).collect()
     }
 
-    pub fn params_mut(&mut self) -> Vec<&mut Param<B>> {
-        let mut v = self.norm1.params_mut();
-        v.extend(self.attn.params_mut());
-        v.extend(self.norm2.params_mut());
-        v.extend(self.mlp.params_mut());
-        v
+    fn params_mut(&mut self) -> Vec<&mut Param<B>> {
+        self.layers_mut()
+            .into_iter()
+            .flat_map(|l| l.params_mut())
+            .collect()
     }
 }

@@ -2,8 +2,8 @@
 //! `activation = "swiglu"` Llama's gated MLP `y = (silu(x·W1) ∘ (x·W3))·W2`, in Meta's names:
 //! `W1` the gate, `W3` the up and `W2` the down projection.
 
-use super::{Stash, activation, gradient, linear_bwd_input, linear_bwd_weight, linear_fwd};
-use crate::model::{GptConfig, Param, Result, init};
+use super::{Layer, Stash, activation, gradient, linear_bwd_input, linear_bwd_weight, linear_fwd};
+use crate::model::{GptConfig, Param, Result, Shape, init};
 use crate::tensor::{Activation, Backend};
 
 struct Saved<B: Backend> {
@@ -62,9 +62,12 @@ impl<B: Backend> Mlp<B> {
             for_w: Stash::new(name),
         })
     }
+}
 
+impl<B: Backend> Layer<B> for Mlp<B> {
     /// `y = mlp(x)` for `x: [rows, d_model]`.
-    pub fn forward(&mut self, be: &B, mb: usize, x: &B::Buf, rows: usize) -> Result<B::Buf> {
+    fn forward(&mut self, be: &B, mb: usize, x: &B::Buf, shape: Shape) -> Result<B::Buf> {
+        let rows = shape.tokens();
         let u = linear_fwd(be, x, &self.w1, rows)?;
         let mut g = activation(be, be.len(&u))?;
         be.activation_fwd(self.act, &u, &mut g)?;
@@ -90,7 +93,7 @@ impl<B: Backend> Mlp<B> {
     }
 
     /// I: `dx` from `dy`.
-    pub fn backward_input(&mut self, be: &B, mb: usize, dy: &B::Buf) -> Result<B::Buf> {
+    fn backward_input(&mut self, be: &B, mb: usize, dy: &B::Buf) -> Result<B::Buf> {
         let s = self.fwd.take(mb, "backward_input", "forward")?;
         let (d, h) = (self.w1.shape[0], self.w1.shape[1]);
         let mut dg = gradient(be, s.rows * h)?;
@@ -124,7 +127,7 @@ impl<B: Backend> Mlp<B> {
     }
 
     /// W: accumulates the gradients of `w1` and `w2` (and `w3`).
-    pub fn backward_weight(&mut self, be: &B, mb: usize) -> Result<()> {
+    fn backward_weight(&mut self, be: &B, mb: usize) -> Result<()> {
         let s = self.for_w.take(mb, "backward_weight", "backward_input")?;
         linear_bwd_weight(be, &s.g, &s.dy, &mut self.w2, s.rows)?;
         linear_bwd_weight(be, &s.x, &s.du, &mut self.w1, s.rows)?;
@@ -134,23 +137,23 @@ impl<B: Backend> Mlp<B> {
         Ok(())
     }
 
-    pub fn discard(&mut self, mb: usize) {
+    fn discard(&mut self, mb: usize) {
         self.fwd.remove(mb);
         self.for_w.remove(mb);
     }
 
-    pub fn stashed(&self) -> usize {
+    fn stashed(&self) -> usize {
         self.fwd.len() + self.for_w.len()
     }
 
     /// `w1, w2`, then `w3` when gated.
-    pub fn params(&self) -> Vec<&Param<B>> {
+    fn params(&self) -> Vec<&Param<B>> {
         let mut v = vec![&self.w1, &self.w2];
         v.extend(self.w3.as_ref());
         v
     }
 
-    pub fn params_mut(&mut self) -> Vec<&mut Param<B>> {
+    fn params_mut(&mut self) -> Vec<&mut Param<B>> {
         let mut v = vec![&mut self.w1, &mut self.w2];
         v.extend(self.w3.as_mut());
         v

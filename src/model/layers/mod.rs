@@ -8,6 +8,11 @@
 //! A full backward (B) is I then W. Calling I before F, or W before I, is a
 //! [`ModelError::Order`] error, never a panic. Activations are stored in the backend's storage
 //! type, gradients in `f32`.
+//!
+//! The layers of the residual stream (`[rows, d_model]` in and out: [`RmsNorm`],
+//! [`Attention`], [`Mlp`], and the [`Block`] composed of them) are a [`Layer`]; a composite
+//! walks its parts for the parameters and the stash. The embedding and the head take ids and
+//! targets, and keep calls of their own.
 
 mod attention;
 mod block;
@@ -27,8 +32,26 @@ pub use norm::RmsNorm;
 
 use std::collections::HashMap;
 
-use super::{ModelError, Param, Result};
+use super::{ModelError, Param, Result, Shape};
 use crate::tensor::{Backend, DType, Gemm};
+
+/// A layer of the residual stream: `[rows, d_model]` in and out, the rows `shape.batch`
+/// sequences of `shape.seq` positions, its backward split into I and W (module docs).
+pub trait Layer<B: Backend> {
+    /// F: the output, stashing what the backward needs under `mb`.
+    fn forward(&mut self, be: &B, mb: usize, x: &B::Buf, shape: Shape) -> Result<B::Buf>;
+    /// I: the input gradient; keeps what W needs.
+    fn backward_input(&mut self, be: &B, mb: usize, dy: &B::Buf) -> Result<B::Buf>;
+    /// W: accumulates the weight gradients and frees `mb`'s stash.
+    fn backward_weight(&mut self, be: &B, mb: usize) -> Result<()>;
+    /// The parameters, in name order.
+    fn params(&self) -> Vec<&Param<B>>;
+    fn params_mut(&mut self) -> Vec<&mut Param<B>>;
+    /// Drops whatever micro-batch `mb` left stashed.
+    fn discard(&mut self, mb: usize);
+    /// Micro-batches with something stashed (summed over a composite's parts).
+    fn stashed(&self) -> usize;
+}
 
 /// Per-micro-batch storage of one layer: what F leaves for I, or I leaves for W.
 pub(crate) struct Stash<T> {

@@ -1,7 +1,7 @@
 //! RMSNorm with a learned gain: `y = x / rms(x) · g`.
 
-use super::{Stash, activation, gradient};
-use crate::model::{Param, Result};
+use super::{Layer, Stash, activation, gradient};
+use crate::model::{Param, Result, Shape};
 use crate::tensor::{Backend, DType};
 
 struct Saved<B: Backend> {
@@ -40,9 +40,12 @@ impl<B: Backend> RmsNorm<B> {
     fn dim(&self) -> usize {
         self.weight.shape[0]
     }
+}
 
+impl<B: Backend> Layer<B> for RmsNorm<B> {
     /// `y = rmsnorm(x)` for `x: [rows, dim]`.
-    pub fn forward(&mut self, be: &B, mb: usize, x: &B::Buf, rows: usize) -> Result<B::Buf> {
+    fn forward(&mut self, be: &B, mb: usize, x: &B::Buf, shape: Shape) -> Result<B::Buf> {
+        let rows = shape.tokens();
         let dim = self.dim();
         let mut y = activation(be, rows * dim)?;
         let mut rstd = be.zeros(rows, DType::F32)?;
@@ -67,7 +70,7 @@ impl<B: Backend> RmsNorm<B> {
     }
 
     /// I: `dx` from `dy`.
-    pub fn backward_input(&mut self, be: &B, mb: usize, dy: &B::Buf) -> Result<B::Buf> {
+    fn backward_input(&mut self, be: &B, mb: usize, dy: &B::Buf) -> Result<B::Buf> {
         let s = self.fwd.take(mb, "backward_input", "forward")?;
         let dim = self.dim();
         let mut dx = gradient(be, s.rows * dim)?;
@@ -77,7 +80,7 @@ impl<B: Backend> RmsNorm<B> {
     }
 
     /// W: accumulates the gain's gradient.
-    pub fn backward_weight(&mut self, be: &B, mb: usize) -> Result<()> {
+    fn backward_weight(&mut self, be: &B, mb: usize) -> Result<()> {
         let (s, dy) = self.for_w.take(mb, "backward_weight", "backward_input")?;
         let dim = self.dim();
         be.rmsnorm_bwd_weight(&s.x, &s.rstd, &dy, &mut self.weight.grad, s.rows, dim)?;
@@ -85,21 +88,21 @@ impl<B: Backend> RmsNorm<B> {
     }
 
     /// Drops whatever is stashed for `mb`.
-    pub fn discard(&mut self, mb: usize) {
+    fn discard(&mut self, mb: usize) {
         self.fwd.remove(mb);
         self.for_w.remove(mb);
     }
 
     /// Micro-batches with something stashed.
-    pub fn stashed(&self) -> usize {
+    fn stashed(&self) -> usize {
         self.fwd.len() + self.for_w.len()
     }
 
-    pub fn params(&self) -> Vec<&Param<B>> {
+    fn params(&self) -> Vec<&Param<B>> {
         vec![&self.weight]
     }
 
-    pub fn params_mut(&mut self) -> Vec<&mut Param<B>> {
+    fn params_mut(&mut self) -> Vec<&mut Param<B>> {
         vec![&mut self.weight]
     }
 }

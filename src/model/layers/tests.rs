@@ -123,6 +123,10 @@ fn check_weights<L>(
 fn rmsnorm_input_and_weight_gradients() {
     let be = be();
     let (rows, dim) = (4, 8);
+    let shape = Shape {
+        batch: 1,
+        seq: rows,
+    };
     let mut norm = RmsNorm::new(&be, "n", dim, 1e-5).unwrap();
     randomize(&be, norm.params_mut());
     let x = normal(1, "x", rows * dim, 1.0);
@@ -130,7 +134,7 @@ fn rmsnorm_input_and_weight_gradients() {
     let xb = be.from_host(&x, DType::F32).unwrap();
     let dyb = be.from_host(&dy, DType::F32).unwrap();
     // I
-    norm.forward(&be, 0, &xb, rows).unwrap();
+    norm.forward(&be, 0, &xb, shape).unwrap();
     let dx = be
         .to_host(&norm.backward_input(&be, 0, &dyb).unwrap())
         .unwrap();
@@ -143,7 +147,7 @@ fn rmsnorm_input_and_weight_gradients() {
     );
     let num = numeric(&x, |x| {
         let y = norm
-            .forward(&be, 1, &be.from_host(x, DType::F32).unwrap(), rows)
+            .forward(&be, 1, &be.from_host(x, DType::F32).unwrap(), shape)
             .unwrap();
         norm.discard(1);
         dot(&be, &y, &dy)
@@ -156,12 +160,12 @@ fn rmsnorm_input_and_weight_gradients() {
         &mut norm,
         |n| n.params_mut(),
         |n| {
-            n.forward(&be, 0, &xb, rows).unwrap();
+            n.forward(&be, 0, &xb, shape).unwrap();
             n.backward_input(&be, 0, &dyb).unwrap();
             n.backward_weight(&be, 0).unwrap();
         },
         |n| {
-            let y = n.forward(&be, 1, &xb, rows).unwrap();
+            let y = n.forward(&be, 1, &xb, shape).unwrap();
             n.discard(1);
             dot(&be, &y, &dy)
         },
@@ -169,86 +173,29 @@ fn rmsnorm_input_and_weight_gradients() {
     assert_eq!(norm.stashed(), 0);
 }
 
-/// A layer mapping `[batch·seq, d]` to `[batch·seq, d]`, for the shared checks below.
-trait Mapping {
-    fn fwd(&mut self, be: &CpuBackend, mb: usize, x: &CpuBuf) -> CpuBuf;
-    fn bwd_in(&mut self, be: &CpuBackend, mb: usize, dy: &CpuBuf) -> CpuBuf;
-    fn bwd_w(&mut self, be: &CpuBackend, mb: usize);
-    fn drop_mb(&mut self, mb: usize);
-    fn all_params(&mut self) -> Vec<&mut Param<CpuBackend>>;
-}
-
 use crate::tensor::{CpuBuf, DType};
 
 const BATCH: usize = 2;
 const SEQ: usize = 4;
+const SHAPE: Shape = Shape {
+    batch: BATCH,
+    seq: SEQ,
+};
 
-impl Mapping for Attention<CpuBackend> {
-    fn fwd(&mut self, be: &CpuBackend, mb: usize, x: &CpuBuf) -> CpuBuf {
-        self.forward(be, mb, x, BATCH, SEQ).unwrap()
-    }
-    fn bwd_in(&mut self, be: &CpuBackend, mb: usize, dy: &CpuBuf) -> CpuBuf {
-        self.backward_input(be, mb, dy).unwrap()
-    }
-    fn bwd_w(&mut self, be: &CpuBackend, mb: usize) {
-        self.backward_weight(be, mb).unwrap()
-    }
-    fn drop_mb(&mut self, mb: usize) {
-        self.discard(mb)
-    }
-    fn all_params(&mut self) -> Vec<&mut Param<CpuBackend>> {
-        self.params_mut()
-    }
-}
-
-impl Mapping for Mlp<CpuBackend> {
-    fn fwd(&mut self, be: &CpuBackend, mb: usize, x: &CpuBuf) -> CpuBuf {
-        self.forward(be, mb, x, BATCH * SEQ).unwrap()
-    }
-    fn bwd_in(&mut self, be: &CpuBackend, mb: usize, dy: &CpuBuf) -> CpuBuf {
-        self.backward_input(be, mb, dy).unwrap()
-    }
-    fn bwd_w(&mut self, be: &CpuBackend, mb: usize) {
-        self.backward_weight(be, mb).unwrap()
-    }
-    fn drop_mb(&mut self, mb: usize) {
-        self.discard(mb)
-    }
-    fn all_params(&mut self) -> Vec<&mut Param<CpuBackend>> {
-        self.params_mut()
-    }
-}
-
-impl Mapping for Block<CpuBackend> {
-    fn fwd(&mut self, be: &CpuBackend, mb: usize, x: &CpuBuf) -> CpuBuf {
-        self.forward(be, mb, x, BATCH, SEQ).unwrap()
-    }
-    fn bwd_in(&mut self, be: &CpuBackend, mb: usize, dy: &CpuBuf) -> CpuBuf {
-        self.backward_input(be, mb, dy).unwrap()
-    }
-    fn bwd_w(&mut self, be: &CpuBackend, mb: usize) {
-        self.backward_weight(be, mb).unwrap()
-    }
-    fn drop_mb(&mut self, mb: usize) {
-        self.discard(mb)
-    }
-    fn all_params(&mut self) -> Vec<&mut Param<CpuBackend>> {
-        self.params_mut()
-    }
-}
-
-/// I and W of a [`Mapping`] against finite differences; I must leave every grad at zero.
-fn check_mapping<L: Mapping>(mut layer: L) {
+/// I and W of a [`Layer`] against finite differences; I must leave every grad at zero.
+fn check_mapping<L: Layer<CpuBackend>>(mut layer: L) {
     let be = be();
-    randomize(&be, layer.all_params());
+    randomize(&be, layer.params_mut());
     let n = BATCH * SEQ * 8;
     let x = normal(1, "x", n, 1.0);
     let dy = normal(2, "dy", n, 1.0);
     let xb = be.from_host(&x, DType::F32).unwrap();
     let dyb = be.from_host(&dy, DType::F32).unwrap();
-    layer.fwd(&be, 0, &xb);
-    let dx = be.to_host(&layer.bwd_in(&be, 0, &dyb)).unwrap();
-    for p in layer.all_params() {
+    layer.forward(&be, 0, &xb, SHAPE).unwrap();
+    let dx = be
+        .to_host(&layer.backward_input(&be, 0, &dyb).unwrap())
+        .unwrap();
+    for p in layer.params_mut() {
         let g = be.to_host(&p.grad).unwrap();
         assert!(
             g.iter().all(|&g| g == 0.0),
@@ -257,20 +204,22 @@ fn check_mapping<L: Mapping>(mut layer: L) {
         );
     }
     let num = numeric(&x, |x| {
-        let y = layer.fwd(&be, 1, &be.from_host(x, DType::F32).unwrap());
-        layer.drop_mb(1);
+        let y = layer
+            .forward(&be, 1, &be.from_host(x, DType::F32).unwrap(), SHAPE)
+            .unwrap();
+        layer.discard(1);
         dot(&be, &y, &dy)
     });
     assert_grad("dx", &dx, &num);
-    layer.bwd_w(&be, 0);
+    layer.backward_weight(&be, 0).unwrap();
     check_weights(
         &be,
         &mut layer,
-        |l| l.all_params(),
+        |l| l.params_mut(),
         |_| {},
         |l| {
-            let y = l.fwd(&be, 1, &xb);
-            l.drop_mb(1);
+            let y = l.forward(&be, 1, &xb, SHAPE).unwrap();
+            l.discard(1);
             dot(&be, &y, &dy)
         },
     );
@@ -365,9 +314,9 @@ fn attention_qkv_bias_input_and_weight_gradients() {
     let n = BATCH * SEQ * 8;
     let x = be.from_host(&normal(1, "x", n, 1.0), DType::F32).unwrap();
     let dy = be.from_host(&normal(2, "dy", n, 1.0), DType::F32).unwrap();
-    attn.fwd(&be, 0, &x);
-    attn.bwd_in(&be, 0, &dy);
-    attn.bwd_w(&be, 0);
+    attn.forward(&be, 0, &x, SHAPE).unwrap();
+    attn.backward_input(&be, 0, &dy).unwrap();
+    attn.backward_weight(&be, 0).unwrap();
     let [bq, bk, _] = attn.bias.as_ref().unwrap();
     let norm = |p: &Param<CpuBackend>| {
         let g = be.to_host(&p.grad).unwrap();
@@ -441,8 +390,12 @@ fn grouped_query_attention_is_attention_with_repeated_key_value_heads() {
     let x = be
         .from_host(&normal(1, "x", BATCH * SEQ * 8, 1.0), DType::F32)
         .unwrap();
-    let a = be.to_host(&gqa.fwd(&be, 0, &x)).unwrap();
-    let b = be.to_host(&mha.fwd(&be, 0, &x)).unwrap();
+    let a = be
+        .to_host(&gqa.forward(&be, 0, &x, SHAPE).unwrap())
+        .unwrap();
+    let b = be
+        .to_host(&mha.forward(&be, 0, &x, SHAPE).unwrap())
+        .unwrap();
     let err = a
         .iter()
         .zip(&b)
