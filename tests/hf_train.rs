@@ -9,7 +9,7 @@
 
 mod common;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Output;
 
 use common::hf::fixture;
@@ -35,6 +35,21 @@ fn train(model: &Path, extra: &[&str], out: &Path) -> Output {
         cmd.args(["--set", s]);
     }
     cmd.arg("--out-dir").arg(out).output().unwrap()
+}
+
+/// `pipefill export RUN --format hf` into `under/hf`: that directory, opened.
+fn export(run: &Path, under: &Path) -> (PathBuf, HfModel) {
+    let exported = under.join("hf");
+    let out = clean(EXE)
+        .arg("export")
+        .arg(run)
+        .args(["--format", "hf", "-o"])
+        .arg(&exported)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let back = HfModel::open(&exported).unwrap();
+    (exported, back)
 }
 
 /// The checkpoint's parameters (not its optimizer moments).
@@ -121,16 +136,7 @@ fn a_pipelined_imported_model_is_the_reference_and_exports() {
         "training moved nothing"
     );
 
-    let exported = dir.path().join("hf");
-    let out = clean(EXE)
-        .arg("export")
-        .arg(&piped)
-        .args(["--format", "hf", "-o"])
-        .arg(&exported)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", text(&out));
-    let back = HfModel::open(&exported).unwrap();
+    let (_, back) = export(&piped, dir.path());
     assert!(back.config().tie_embeddings);
     for t in params(&b) {
         assert_eq!(back.read(&t.name).unwrap().data, t.data, "{}", t.name);
@@ -265,16 +271,7 @@ fn rl_on_a_model_directory_and_a_jsonl_file_exports_back() {
         hf.read("embed.tok").unwrap().data,
         "the warm-up and the updates moved nothing"
     );
-    let exported = dir.path().join("hf");
-    let out = clean(EXE)
-        .arg("export")
-        .arg(&run)
-        .args(["--format", "hf", "-o"])
-        .arg(&exported)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", text(&out));
-    let back = HfModel::open(&exported).unwrap();
+    let (exported, back) = export(&run, dir.path());
     for t in params(&ckpt) {
         assert_eq!(back.read(&t.name).unwrap().data, t.data, "{}", t.name);
     }
@@ -331,16 +328,7 @@ fn train_on_a_model_directory_and_a_jsonl_file_with_the_drafter_exports_back() {
     assert!(run.join("checkpoint/drafter.safetensors").is_file());
 
     let ckpt = Checkpoint::load(&run.join("checkpoint")).unwrap();
-    let exported = dir.path().join("hf");
-    let out = clean(EXE)
-        .arg("export")
-        .arg(&run)
-        .args(["--format", "hf", "-o"])
-        .arg(&exported)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", text(&out));
-    let back = HfModel::open(&exported).unwrap();
+    let (exported, back) = export(&run, dir.path());
     for t in params(&ckpt) {
         assert_eq!(back.read(&t.name).unwrap().data, t.data, "{}", t.name);
     }

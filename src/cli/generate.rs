@@ -131,7 +131,7 @@ impl HfCodec {
 impl Codec for HfCodec {
     fn encode_prompt(&self, text: &str) -> anyhow::Result<Vec<u32>> {
         match &self.tokenizer {
-            Some(t) => Ok(t.encode(text, true)?),
+            Some(t) => t.encode_prompt(text),
             None => bail!(
                 "{} has no tokenizer.json to encode --prompt with: give --prompt-ids 1,2,3",
                 self.dir.display()
@@ -141,7 +141,7 @@ impl Codec for HfCodec {
     /// Without a tokenizer, no text: the generated ids are the output.
     fn decode(&self, ids: &[u32]) -> anyhow::Result<String> {
         match &self.tokenizer {
-            Some(t) => Ok(t.decode(ids)?),
+            Some(t) => Codec::decode(t, ids),
             None => Ok(String::new()),
         }
     }
