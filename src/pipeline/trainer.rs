@@ -37,6 +37,7 @@ use crate::config::{Filler, JobConfig, ScheduleChoice};
 use crate::model::checkpoint::Checkpoint;
 use crate::model::{Cut, Gpt, ModelError, OptimizerState};
 use crate::schedules::{AutoReplanner, Plan, ScheduleKind, build, read_plan};
+use crate::tensor::device::RankBackend;
 use crate::tensor::{Backend, CpuBackend};
 
 mod kept;
@@ -272,9 +273,9 @@ impl PipelineTrainer {
         self.resume.as_ref().map_or(0, |c| c.meta.step)
     }
 
-    /// A rank's CPU backend: one thread (the runtime runs the ranks side by side).
-    fn cpu_rank(_rank: usize) -> Result<CpuBackend, PipelineError> {
-        Ok(CpuBackend::new(1).map_err(ModelError::from)?)
+    /// Rank `rank`'s backend of type `B` (see [`RankBackend`]).
+    fn rank_backend<B: RankBackend>(rank: usize) -> Result<B, PipelineError> {
+        Ok(B::for_rank(rank).map_err(ModelError::from)?)
     }
 
     /// One [`RankCompute`] per rank, each on its own backend `backend(rank)` (on the CPU one

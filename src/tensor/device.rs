@@ -94,6 +94,51 @@ pub fn cuda_device_count() -> Result<usize, DeviceError> {
     }
 }
 
+/// A backend that each rank of a single-process job opens for itself: the CPU backend on
+/// one thread (the runtime runs the ranks side by side), or GPU `rank mod count` of this
+/// machine's. Code generic over it (the in-process pipeline, the RL loop) runs on either.
+pub trait RankBackend: super::Backend + Sized {
+    /// Rank `rank`'s backend.
+    fn for_rank(rank: usize) -> Result<Self, super::TensorError>;
+}
+
+impl RankBackend for super::CpuBackend {
+    fn for_rank(_rank: usize) -> Result<Self, super::TensorError> {
+        super::CpuBackend::new(1)
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl RankBackend for super::cuda::CudaBackend {
+    fn for_rank(rank: usize) -> Result<Self, super::TensorError> {
+        let count = cuda_device_count()?;
+        Ok(super::cuda::CudaBackend::new(rank % count.max(1))?)
+    }
+}
+
+/// Work to run on the backend of a device kind, chosen at run time ([`on_backend`]): the
+/// one generic method stands for the closure Rust cannot make generic.
+pub trait OnBackend {
+    type Output;
+    fn run<B: RankBackend>(self) -> Self::Output;
+}
+
+/// Runs `work` with the CPU backend, or with `cuda` the CUDA one; without the `cuda`
+/// feature a GPU is [`DeviceError::CudaNotCompiled`].
+pub fn on_backend<W: OnBackend>(cuda: bool, work: W) -> Result<W::Output, DeviceError> {
+    if !cuda {
+        return Ok(work.run::<super::CpuBackend>());
+    }
+    #[cfg(feature = "cuda")]
+    {
+        Ok(work.run::<super::cuda::CudaBackend>())
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        Err(DeviceError::CudaNotCompiled)
+    }
+}
+
 /// One line per device kind saying whether it can be used here (for `pipefill devices`
 /// and error messages).
 pub fn availability_report() -> String {
@@ -170,6 +215,31 @@ impl From<Device> for String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What [`on_backend`] ran: the name of the backend the work opened for rank 0.
+    struct BackendName;
+    impl OnBackend for BackendName {
+        type Output = Result<String, crate::tensor::TensorError>;
+        fn run<B: RankBackend>(self) -> Self::Output {
+            Ok(B::for_rank(0)?.name())
+        }
+    }
+
+    #[test]
+    fn on_backend_runs_the_cpu_backend_or_the_gpu_one_where_it_exists() {
+        let cpu = on_backend(false, BackendName).unwrap().unwrap();
+        assert!(cpu.starts_with("cpu"), "{cpu}");
+        let compiled = cfg!(feature = "cuda");
+        match on_backend(true, BackendName) {
+            // A build with CUDA: the CUDA backend, whose opening names its device or why not.
+            Ok(Ok(name)) => assert!(name.starts_with("cuda:0"), "{name}"),
+            Ok(Err(e)) => assert!(compiled, "{e}"),
+            Err(e) => {
+                assert!(!compiled, "{e}");
+                assert_eq!(e, DeviceError::CudaNotCompiled);
+            }
+        }
+    }
 
     #[test]
     fn parses_every_documented_form() {

@@ -21,20 +21,21 @@ use super::{PipelineError, PipelineTrainer};
 use crate::config::Filler;
 use crate::model::checkpoint::{Checkpoint, HostTensor};
 use crate::model::{GptConfig, ModelChunk, ModelError, OptimizerState};
+use crate::tensor::device::RankBackend;
 use crate::tensor::{Backend, CpuBackend};
 use crate::train::StepMetrics;
 
 /// A finished run's ranks, alive: each rank's chunks (parameters) and AdamW (moments, step
 /// count), for the next [`PipelineTrainer::run_kept`] to continue from.
-pub struct KeptRanks {
+pub struct KeptRanks<B: Backend = CpuBackend> {
     /// By rank.
-    ranks: Vec<RankParts<CpuBackend>>,
+    ranks: Vec<RankParts<B>>,
     model: GptConfig,
     data_seed: u64,
     next_step: u64,
 }
 
-impl std::fmt::Debug for KeptRanks {
+impl<B: Backend> std::fmt::Debug for KeptRanks<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("KeptRanks")
             .field("ranks", &self.ranks.len())
@@ -45,14 +46,14 @@ impl std::fmt::Debug for KeptRanks {
 
 /// What a kept run hands back: its steps' metrics, the runtime's report, and the ranks.
 #[derive(Debug)]
-pub struct KeptRun {
+pub struct KeptRun<B: Backend = CpuBackend> {
     /// Each step's metrics, in step order.
     pub steps: Vec<StepMetrics>,
     pub report: RunReport,
-    pub ranks: KeptRanks,
+    pub ranks: KeptRanks<B>,
 }
 
-impl KeptRanks {
+impl<B: Backend> KeptRanks<B> {
     /// The step a continuation starts at.
     pub fn next_step(&self) -> u64 {
         self.next_step
@@ -71,7 +72,7 @@ impl KeptRanks {
     }
 
     /// Every chunk, by stage (= model order).
-    fn chunks(&self) -> BTreeMap<u32, (&CpuBackend, &ModelChunk<CpuBackend>)> {
+    fn chunks(&self) -> BTreeMap<u32, (&B, &ModelChunk<B>)> {
         self.ranks
             .iter()
             .flat_map(|r| r.chunks.iter().map(move |(&s, c)| (s, (&r.backend, c))))
@@ -80,12 +81,9 @@ impl KeptRanks {
 
     /// Overwrites every parameter of `model` (the same model's whole or another cut) with
     /// the kept ones, buffer to buffer.
-    pub fn copy_params_into(
-        &self,
-        model: &mut crate::model::Gpt<CpuBackend>,
-    ) -> Result<(), PipelineError> {
+    pub fn copy_params_into(&self, model: &mut crate::model::Gpt<B>) -> Result<(), PipelineError> {
         let chunks = self.chunks();
-        let kept: BTreeMap<&str, (&CpuBackend, &crate::model::Param<CpuBackend>)> = chunks
+        let kept: BTreeMap<&str, (&B, &crate::model::Param<B>)> = chunks
             .values()
             .flat_map(|&(be, c)| {
                 c.params()
@@ -149,7 +147,14 @@ impl PipelineTrainer {
     /// them (at their next step; the resume checkpoint, if any, is not read), else from
     /// the resume checkpoint or the job's initial model. No filler and no periodic
     /// checkpoints (their state lives outside the ranks). A failed run loses the ranks.
-    pub fn run_kept(&self, ranks: Option<KeptRanks>, steps: u64) -> Result<KeptRun, PipelineError> {
+    ///
+    /// The ranks compute on `B`, each opening its own ([`RankBackend::for_rank`]): the
+    /// caller picks it for the job's `device`.
+    pub fn run_kept<B: RankBackend>(
+        &self,
+        ranks: Option<KeptRanks<B>>,
+        steps: u64,
+    ) -> Result<KeptRun<B>, PipelineError> {
         let refuse = |field, reason: &str| {
             Err(PipelineError::Config {
                 field,
@@ -207,7 +212,7 @@ impl PipelineTrainer {
                     )
                 })
                 .collect::<Result<Vec<_>, _>>()?,
-            None => self.computes(&shared, steps, &Self::cpu_rank)?,
+            None => self.computes(&shared, steps, &Self::rank_backend::<B>)?,
         };
         let (keep, kept_rx) = channel();
         for compute in &mut computes {
@@ -218,7 +223,7 @@ impl PipelineTrainer {
         let report = self.pipeline(steps).run_blocking(computes)?;
         let mut metrics: Vec<StepMetrics> = steps_rx.try_iter().collect();
         metrics.sort_by_key(|m| m.step);
-        let mut parts: Vec<RankParts<CpuBackend>> = kept_rx.try_iter().collect();
+        let mut parts: Vec<RankParts<B>> = kept_rx.try_iter().collect();
         parts.sort_by_key(|p| p.rank);
         if parts.len() != self.plan.num_ranks() {
             return Err(PipelineError::NoFinalState);

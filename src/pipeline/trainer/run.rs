@@ -15,9 +15,11 @@ use super::super::shared::Shared;
 use super::{PipelineError, PipelineRun, PipelineTrainer};
 use crate::config::{DeviceKind, Filler};
 use crate::data::StepData;
+use crate::model::ModelError;
 use crate::model::drafter::Placement;
 use crate::schedules::{Timeline, simulate};
-use crate::tensor::Backend;
+use crate::tensor::device::{OnBackend, RankBackend, on_backend};
+use crate::tensor::{Backend, TensorError};
 use crate::train::StepMetrics;
 
 impl PipelineTrainer {
@@ -70,45 +72,29 @@ impl PipelineTrainer {
         steps: u64,
         mut on_step: impl FnMut(&StepView),
     ) -> Result<PipelineRun, PipelineError> {
-        match self.job.device {
-            DeviceKind::Cpu => self.run_on(steps, &mut on_step, Self::cpu_rank),
-            DeviceKind::Cuda => self.run_on_cuda(steps, &mut on_step),
+        struct Run<'a, 'f> {
+            trainer: &'a PipelineTrainer,
+            steps: u64,
+            on_step: &'f mut dyn FnMut(&StepView),
         }
-    }
-
-    /// [`Self::run_observed`] on the GPUs of this machine.
-    #[cfg(feature = "cuda")]
-    fn run_on_cuda(
-        &self,
-        steps: u64,
-        on_step: &mut dyn FnMut(&StepView),
-    ) -> Result<PipelineRun, PipelineError> {
-        use crate::model::ModelError;
-        use crate::tensor::TensorError;
-        use crate::tensor::cuda::CudaBackend;
-        use crate::tensor::device::{Device, DeviceError};
-        let dev = |e: DeviceError| ModelError::from(TensorError::from(e));
-        // Names `device` when CUDA cannot be used at all.
-        self.job.device.usable_on_local_rank(0)?;
-        let count = crate::tensor::device::cuda_device_count().map_err(dev)?;
-        let device = self.job.device;
-        self.run_on(steps, on_step, |rank| {
-            match device.usable_on_local_rank(rank % count)? {
-                Device::Cuda { ordinal } => Ok(CudaBackend::new(ordinal).map_err(dev)?),
-                Device::Cpu { .. } => unreachable!("a cuda job's ranks are on GPUs"),
+        impl OnBackend for Run<'_, '_> {
+            type Output = Result<PipelineRun, PipelineError>;
+            fn run<B: RankBackend>(self) -> Self::Output {
+                self.trainer
+                    .run_on(self.steps, self.on_step, PipelineTrainer::rank_backend::<B>)
             }
-        })
-    }
-
-    /// Without the `cuda` feature: the error naming `device`.
-    #[cfg(not(feature = "cuda"))]
-    fn run_on_cuda(
-        &self,
-        _: u64,
-        _: &mut dyn FnMut(&StepView),
-    ) -> Result<PipelineRun, PipelineError> {
-        self.job.device.usable_on_local_rank(0)?;
-        unreachable!("a build without the cuda feature cannot use a GPU")
+        }
+        let cuda = self.job.device == DeviceKind::Cuda;
+        if cuda {
+            // Names `device` when CUDA cannot be used at all, before anything is built.
+            self.job.device.usable_on_local_rank(0)?;
+        }
+        let run = Run {
+            trainer: self,
+            steps,
+            on_step: &mut on_step,
+        };
+        on_backend(cuda, run).map_err(|e| ModelError::from(TensorError::from(e)))?
     }
 
     /// The run with rank `r` computing on `backend(r)`.
