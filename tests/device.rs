@@ -174,28 +174,42 @@ fn launched_cpu_ranks_refuse_nccl_clearly() {
     }
 }
 
+/// `pipefill rl` on `cuda`: with a usable GPU the in-process run trains there (policy,
+/// rollouts, drafter and the update's ranks); without one, one error naming `device` before
+/// anything ran.
 #[test]
-fn rl_on_cuda_is_refused_clearly_instead_of_running_on_the_cpu() {
+fn rl_on_cuda_runs_on_the_gpu_or_names_the_device() {
     let dir = tempfile::tempdir().unwrap();
-    let mut args = vec!["rl".to_string()];
-    for s in JOB.iter().chain(&["device=\"cuda\""]) {
+    let out_dir = dir.path().join("rl");
+    let mut args = vec!["rl".to_string(), "--steps".into(), "2".into()];
+    for s in JOB.iter().chain(&[
+        "device=\"cuda\"",
+        "rl.warmup_steps=2",
+        "rl.prompts=2",
+        "rl.group=2",
+        "rl.max_new_tokens=8",
+        "rl.drafter_slices=2",
+    ]) {
         args.push("--set".into());
         args.push(s.to_string());
     }
-    args.extend(["--out-dir".into(), dir.path().display().to_string()]);
+    args.extend(["--out-dir".into(), out_dir.display().to_string()]);
     let out = run(&args);
-    assert!(!out.status.success(), "{}", text(&out));
     let stderr = String::from_utf8_lossy(&out.stderr);
-    let expected = if cuda_usable(0) {
-        "pipefill rl computes on the CPU only".to_string()
-    } else {
-        let reason = (Device::Cuda { ordinal: 0 }).check_available().unwrap_err();
-        format!("invalid `device`: \"cuda\" (cuda:0) cannot be used here: {reason}")
-    };
-    assert!(stderr.contains(&expected), "{}", text(&out));
     assert!(!stderr.contains("panicked"), "{}", text(&out));
+    if cuda_usable(0) {
+        assert!(out.status.success(), "{}", text(&out));
+        let metrics = std::fs::read_to_string(out_dir.join("metrics.jsonl")).unwrap();
+        assert_eq!(metrics.lines().count(), 2, "{metrics}");
+        assert!(out_dir.join("checkpoint").is_dir());
+        return;
+    }
+    assert!(!out.status.success(), "{}", text(&out));
+    let reason = (Device::Cuda { ordinal: 0 }).check_available().unwrap_err();
+    let expected = format!("invalid `device`: \"cuda\" (cuda:0) cannot be used here: {reason}");
+    assert!(stderr.contains(&expected), "{}", text(&out));
     // Refused before anything ran: no warm-up, no run directory.
-    assert!(!dir.path().join("job.toml").exists());
+    assert!(!out_dir.exists());
 }
 
 /// The library's in-process pipeline reaches the same check: a job on `cuda` where CUDA

@@ -32,7 +32,7 @@ const UNIFORM: [&[(usize, bool)]; 4] = [
     &[],
 ];
 
-impl RolloutEngine for Varying {
+impl RolloutEngine<CpuBackend> for Varying {
     fn generate(
         &mut self,
         _policy: &Gpt<CpuBackend>,

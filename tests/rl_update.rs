@@ -42,7 +42,7 @@ impl Scripted {
     }
 }
 
-impl RolloutEngine for Scripted {
+impl RolloutEngine<CpuBackend> for Scripted {
     fn generate(
         &mut self,
         _policy: &Gpt<CpuBackend>,

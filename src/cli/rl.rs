@@ -26,6 +26,7 @@ use pipefill::rl::config::SpecThreshold;
 use pipefill::rl::trainer::{RlStepMetrics, RlTrainer, RolloutEngine, warm_up};
 use pipefill::rl::trainer_spec::{PipelineRollouts, ThresholdChoice};
 use pipefill::run::{Existing, Resume, RunDir};
+use pipefill::tensor::device::{OnBackend, RankBackend, on_backend};
 
 #[derive(clap::Args)]
 pub struct RlArgs {
@@ -93,17 +94,11 @@ pub fn run(args: RlArgs) -> anyhow::Result<()> {
     };
     // One rank of a multi-process job (pipefill launch, torchrun, mpirun, srun).
     let rank_env = pipefill::launch::RankEnv::detect()?;
-    // The rollouts and the update compute on the CPU only so far: a job that names a GPU is
-    // refused rather than quietly run on the CPU (an unusable device is named first).
-    if job
+    // Before anything runs: a device that cannot be used here ends the run at once.
+    let cuda = job
         .device
         .usable_on_local_rank(rank_env.local_rank)?
-        .is_cuda()
-    {
-        bail!(
-            "device = \"cuda\": pipefill rl computes on the CPU only for now; set device = \"cpu\""
-        );
-    }
+        .is_cuda();
     let checkpoint = match &args.init {
         Some(dir) => init_from(&mut job, dir)?,
         None => None,
@@ -115,18 +110,29 @@ pub fn run(args: RlArgs) -> anyhow::Result<()> {
     }
     let existing = Existing::overwrite(args.overwrite);
     if rank_env.is_distributed() {
+        if cuda {
+            // The launched ranks' rollouts and updates compute on the CPU only so far.
+            bail!(
+                "device = \"cuda\": a launched pipefill rl computes on the CPU only for now; \
+                 run it in one process (`pipefill rl`), or set device = \"cpu\""
+            );
+        }
         return crate::cli::launch::rl_distributed(&job, &rank_env, checkpoint, existing);
     }
     // Before any work: a run directory that holds another run ends the run at once.
     let run_dir = RunDir::claim(job.out_dir.as_deref(), "rl-", Resume::Unsupported, existing)?;
     let rl = job.rl.clone();
     println!(
-        "model: {} params ({} layers, d_model {}, seq {}); update: schedule {} on {} ranks, \
-         {} sequences ({} prompts × group {}) per step, packed {} per micro-batch",
+        "model: {} params ({} layers, d_model {}, seq {}) on the {}; update: schedule {} on {} \
+         ranks, {} sequences ({} prompts × group {}) per step, packed {} per micro-batch",
         job.model.param_count(),
         job.model.layers,
         job.model.d_model,
         job.model.seq_len,
+        match cuda {
+            true => "GPU (the update's rank r on GPU r mod their count)",
+            false => "CPU",
+        },
         job.schedule,
         job.stages,
         rl.sequences(),
@@ -139,10 +145,39 @@ pub fn run(args: RlArgs) -> anyhow::Result<()> {
         None => supervised_warm_up(&job)?,
     };
 
+    let run = InProcess {
+        job: &job,
+        checkpoint,
+        run_dir: &run_dir,
+    };
+    on_backend(cuda, run)?
+}
+
+/// The in-process RL run after its checkpoint is known: rollouts, drafter, policy and the
+/// update's ranks on the backend `B` of the job's `device`.
+struct InProcess<'a> {
+    job: &'a JobConfig,
+    checkpoint: Checkpoint,
+    run_dir: &'a RunDir,
+}
+
+impl OnBackend for InProcess<'_> {
+    type Output = anyhow::Result<()>;
+    fn run<B: RankBackend>(self) -> anyhow::Result<()> {
+        rl_in_process::<B>(self.job, self.checkpoint, self.run_dir)
+    }
+}
+
+fn rl_in_process<B: RankBackend>(
+    job: &JobConfig,
+    checkpoint: Checkpoint,
+    run_dir: &RunDir,
+) -> anyhow::Result<()> {
+    let rl = job.rl.clone();
     let out_dir = run_dir.path().to_path_buf();
     let mut metrics = run_dir.create(&job.to_toml(), 0)?;
 
-    let mut engine = PipelineRollouts::new(&job)?;
+    let mut engine = PipelineRollouts::<B>::on(job)?;
     let mut version = None;
     if rl.speculation
         && let Some(state) = &checkpoint.drafter
@@ -150,7 +185,7 @@ pub fn run(args: RlArgs) -> anyhow::Result<()> {
         engine = engine.with_drafter(state)?;
         version = Some(engine.drafter_version());
     }
-    let mut trainer = RlTrainer::new(&job, checkpoint)?;
+    let mut trainer = RlTrainer::<B>::on(job, checkpoint)?;
     if let (Some(n), Some(path)) = (trainer.prompts().records(), &job.data.path) {
         println!(
             "prompts: {n} prompt/answer records of {} (each once per epoch), scored by rl.reward = {:?}",
@@ -194,7 +229,7 @@ pub fn run(args: RlArgs) -> anyhow::Result<()> {
     let mut history: Vec<RlStepMetrics> = Vec::new();
     for _ in 0..rl.steps {
         let m = trainer
-            .run_step(&mut engine as &mut dyn RolloutEngine, |reward| {
+            .run_step(&mut engine as &mut dyn RolloutEngine<B>, |reward| {
                 rollout_bar.set_message(format!("reward {reward:.3}"));
                 rollout_bar.inc(1);
             })
@@ -241,7 +276,7 @@ pub fn run(args: RlArgs) -> anyhow::Result<()> {
     rollout_bar.finish();
     update_bar.finish();
 
-    run_dir.save_final(&mut trainer.checkpoint()?, &job)?;
+    run_dir.save_final(&mut trainer.checkpoint()?, job)?;
     let window = history.len().clamp(1, 5);
     let mean = |ms: &[RlStepMetrics]| ms.iter().map(|m| m.reward).sum::<f64>() / ms.len() as f64;
     let rollout: f64 = history.iter().map(|m| m.rollout_seconds).sum();
@@ -285,7 +320,7 @@ struct MetricsLine<'a> {
 
 /// The calibration in one line: what it measured, the acceptance it starts from and the
 /// threshold of the first rollout; `None` without one.
-fn calibration_line(engine: &PipelineRollouts) -> Option<String> {
+fn calibration_line<B: RankBackend>(engine: &PipelineRollouts<B>) -> Option<String> {
     let c = engine.calibration()?;
     let t = engine.next_threshold()?;
     let outcome = match (t.source, t.alpha, t.alpha_from) {

@@ -22,7 +22,7 @@ use crate::data::SplitMix64;
 use crate::model::drafter::{DraftContext, Drafter, DrafterError, TreeShape};
 use crate::model::infer::{InferStage, Span, StageInput, StageOutput, TreeStep, run_stages};
 use crate::model::{Cut, Gpt, ModelError};
-use crate::tensor::CpuBackend;
+use crate::tensor::Backend;
 
 /// Largest group size the step costs are measured for.
 pub const MAX_CALIBRATION_BATCH: usize = 32;
@@ -70,9 +70,9 @@ pub fn chain_acceptance(alpha: f64, k: usize) -> f64 {
 /// `model` on one thread decoding one position per sequence and verifying K+1, resuming at
 /// [`COST_PAST`] of a prefilled cache; and `drafter` proposing K tokens for `batch` copies
 /// of `ctx`. The decode cost is measured once per size and shared by its entries.
-pub fn step_costs(
-    model: &Gpt<CpuBackend>,
-    drafter: &mut Drafter<CpuBackend>,
+pub fn step_costs<B: Backend>(
+    model: &Gpt<B>,
+    drafter: &mut Drafter<B>,
     ctx: DraftContext<'_>,
     ks: &[usize],
     max_b: usize,
@@ -228,9 +228,9 @@ pub struct Calibration {
 impl Calibration {
     /// Measures `model` and `drafter` for the draft lengths `ks` and groups of up to
     /// `sequences / groups` (at most [`MAX_CALIBRATION_BATCH`]).
-    pub fn measure(
-        model: &Gpt<CpuBackend>,
-        drafter: &mut Drafter<CpuBackend>,
+    pub fn measure<B: Backend>(
+        model: &Gpt<B>,
+        drafter: &mut Drafter<B>,
         ks: &[usize],
         sequences: usize,
         groups: usize,
@@ -302,9 +302,9 @@ impl Calibration {
 /// target verifying the tree the drafter proposes for `ctx` (its nodes + 1 rows, with tree
 /// attention, resuming at [`COST_PAST`]), and that proposal. `(verify_ms, propose_ms,
 /// rows)`.
-pub fn tree_cost(
-    model: &Gpt<CpuBackend>,
-    drafter: &mut Drafter<CpuBackend>,
+pub fn tree_cost<B: Backend>(
+    model: &Gpt<B>,
+    drafter: &mut Drafter<B>,
     ctx: DraftContext<'_>,
     shape: &TreeShape,
     reps: usize,

@@ -45,7 +45,8 @@ use crate::model::checkpoint::Checkpoint;
 use crate::model::{AdamW, Cut, Gpt, ModelError};
 use crate::pipeline::feed::StepFeed;
 use crate::pipeline::{KeptRanks, PipelineError, PipelineTrainer, StepMetrics};
-use crate::tensor::CpuBackend;
+use crate::tensor::device::RankBackend;
+use crate::tensor::{Backend, CpuBackend};
 use crate::train::reference::adamw_config;
 
 /// What can go wrong in an RL run.
@@ -131,14 +132,14 @@ pub struct RolloutBatch {
     pub drafter_work: Option<crate::rl::rollout::idle::DrafterAccount>,
 }
 
-/// Generates the rollouts of a step.
-pub trait RolloutEngine {
+/// Generates the rollouts of a step, on the policy's backend `B`.
+pub trait RolloutEngine<B: Backend> {
     /// `group` completions of each of `prompts` (each `BOS` + prompt tokens) under
     /// `policy`, each ending at `eos` (the prompts' tokenizer's) or after `max_new` tokens;
     /// `step` seeds the sampling.
     fn generate(
         &mut self,
-        policy: &Gpt<CpuBackend>,
+        policy: &Gpt<B>,
         prompts: &[Vec<u32>],
         group: usize,
         max_new: usize,
@@ -220,11 +221,11 @@ pub struct RlStepMetrics {
 /// prompts ([`PromptSource::prompts`]), `rl.group` completions each, scored by
 /// [`PromptSource::score`]. The in-process trainer and the multi-process rollout rank share
 /// it.
-pub(crate) fn scored_rollouts(
+pub(crate) fn scored_rollouts<B: Backend>(
     job: &JobConfig,
     source: &PromptSource,
-    engine: &mut dyn RolloutEngine,
-    policy: &Gpt<CpuBackend>,
+    engine: &mut dyn RolloutEngine<B>,
+    policy: &Gpt<B>,
     step: u64,
 ) -> Result<(RolloutBatch, Vec<f32>), RlError> {
     let rl = &job.rl;
@@ -344,37 +345,46 @@ pub(crate) fn fitted_update(
 }
 
 /// Where the next update starts.
-enum UpdateState {
+enum UpdateState<B: Backend> {
     /// The checkpoint RL started from (shared with the pipeline that resumes it), or with
     /// [`RlTrainer::keep_update_ranks`] off the previous update's.
     Checkpoint(Arc<Checkpoint>),
     /// The previous update's ranks, alive.
-    Kept(KeptRanks),
+    Kept(KeptRanks<B>),
     /// A failed update took the state with it.
     Lost,
 }
 
 /// The RL loop's state: the job, the update's state (parameters and optimizer), the
-/// policy's model, the next RL step.
-pub struct RlTrainer {
+/// policy's model, the next RL step. The policy, the KL reference and the update's ranks
+/// compute on `B` (the job's `device`: [`RlTrainer::on`]).
+pub struct RlTrainer<B: RankBackend = CpuBackend> {
     job: JobConfig,
     /// The optimizer step RL started at (the checkpoint's step at the start).
     first_update: u64,
-    update: UpdateState,
+    update: UpdateState<B>,
     /// Whether the update's ranks stay alive between steps (else each update resumes from
     /// the previous one's checkpoint).
     keep_ranks: bool,
-    policy: Gpt<CpuBackend>,
+    policy: Gpt<B>,
     /// The frozen KL reference (`rl.kl_coef > 0` only).
-    reference: Option<Gpt<CpuBackend>>,
+    reference: Option<Gpt<B>>,
     step: u64,
     prompts: PromptSource,
 }
 
-impl RlTrainer {
-    /// RL from `checkpoint` (a `pipefill train` run's, or [`warm_up`]'s); the job's model
-    /// and data seed must be the checkpoint's.
+impl RlTrainer<CpuBackend> {
+    /// RL from `checkpoint` (a `pipefill train` run's, or [`warm_up`]'s) on the CPU; the
+    /// job's model and data seed must be the checkpoint's.
     pub fn new(job: &JobConfig, checkpoint: Checkpoint) -> Result<Self, RlError> {
+        RlTrainer::on(job, checkpoint)
+    }
+}
+
+impl<B: RankBackend> RlTrainer<B> {
+    /// RL from `checkpoint` with the policy on rank 0's backend `B` and the update's ranks
+    /// each on their own ([`RankBackend::for_rank`]).
+    pub fn on(job: &JobConfig, checkpoint: Checkpoint) -> Result<Self, RlError> {
         job.validate()?;
         job.rl.validate(job.model.seq_len)?;
         let policy = restore(job, &checkpoint)?;
@@ -425,7 +435,7 @@ impl RlTrainer {
         &self.prompts
     }
 
-    pub fn policy(&self) -> &Gpt<CpuBackend> {
+    pub fn policy(&self) -> &Gpt<B> {
         &self.policy
     }
 
@@ -443,7 +453,7 @@ impl RlTrainer {
     /// rollout and the update with the step's mean reward.
     pub fn run_step(
         &mut self,
-        engine: &mut dyn RolloutEngine,
+        engine: &mut dyn RolloutEngine<B>,
         mut on_rollout: impl FnMut(f64),
     ) -> Result<RlStepMetrics, RlError> {
         let rl = self.job.rl.clone();
@@ -535,7 +545,7 @@ impl RlTrainer {
     }
 }
 
-impl RlTrainer {
+impl<B: RankBackend> RlTrainer<B> {
     /// Runs `update` (one optimizer step) on `trainer` from the update's state, and
     /// refreshes the policy from its result in place (a fresh model would redo the random
     /// initialisation of every parameter only to overwrite it). Returns the step's metrics
@@ -589,9 +599,9 @@ impl RlTrainer {
     }
 }
 
-/// The whole model of `checkpoint` on a single-threaded CPU backend.
-fn restore(job: &JobConfig, checkpoint: &Checkpoint) -> Result<Gpt<CpuBackend>, RlError> {
-    let be = CpuBackend::new(1).map_err(ModelError::from)?;
+/// The whole model of `checkpoint` on rank 0's backend `B` (one CPU thread, or the first GPU).
+fn restore<B: RankBackend>(job: &JobConfig, checkpoint: &Checkpoint) -> Result<Gpt<B>, RlError> {
+    let be = B::for_rank(0).map_err(ModelError::from)?;
     // Blank: the restore sets every parameter (and fails on a missing one).
     let mut gpt = Gpt::blank(&job.model, be, &Cut::Even(1))?;
     let mut optimizer = AdamW::new(adamw_config(&job.train));

@@ -12,7 +12,7 @@ use super::trainer::{RlError, Rollout, RolloutBatch, RolloutEngine};
 use crate::data::SplitMix64;
 use crate::model::infer::{InferStage, Span, run_stages};
 use crate::model::{Cut, Gpt};
-use crate::tensor::CpuBackend;
+use crate::tensor::Backend;
 
 /// Plain (non-speculative) sampling at `temperature`.
 #[derive(Debug, Clone)]
@@ -21,10 +21,10 @@ pub struct PlainSampler {
     pub seed: u64,
 }
 
-impl RolloutEngine for PlainSampler {
+impl<B: Backend> RolloutEngine<B> for PlainSampler {
     fn generate(
         &mut self,
-        policy: &Gpt<CpuBackend>,
+        policy: &Gpt<B>,
         prompts: &[Vec<u32>],
         group: usize,
         max_new: usize,
@@ -108,6 +108,7 @@ mod tests {
     use super::*;
     use crate::data::tokenizer;
     use crate::model::GptConfig;
+    use crate::tensor::CpuBackend;
 
     #[test]
     fn groups_of_samples_stop_at_eos_or_the_budget_and_repeat_with_the_seed() {

@@ -68,6 +68,7 @@ use crate::model::infer::InferStage;
 use crate::model::{Cut, Gpt};
 use crate::rl::config::RlConfig;
 use crate::tensor::CpuBackend;
+use crate::tensor::device::RankBackend;
 
 impl From<RolloutError> for RlError {
     fn from(e: RolloutError) -> Self {
@@ -104,19 +105,19 @@ pub struct ThresholdChoice {
 }
 
 /// Rollouts through the pipelined rollout engine, speculative or plain, with a drafter
-/// trained on every step's rollouts.
-pub struct PipelineRollouts {
+/// trained on every step's rollouts; the drafter computes on the policy's backend `B`.
+pub struct PipelineRollouts<B: RankBackend = CpuBackend> {
     rl: RlConfig,
     stages: usize,
     speculation: Speculation,
     /// Trains on the rollouts' rows (shared with the router's drafter source).
-    trainer: Arc<Mutex<DrafterTrainer<CpuBackend>>>,
+    trainer: Arc<Mutex<DrafterTrainer<B>>>,
     /// Proposes during the rollout, loaded with the trainer's weights before each one.
-    proposer: Drafter<CpuBackend>,
+    proposer: Drafter<B>,
     /// Routes the stages' idle work, across steps.
     router: FillerRouter,
     /// The trainer's work as the router's sources, a step's budget at a time.
-    slices: DrafterSlices,
+    slices: DrafterSlices<B>,
     /// The adaptive engine's K bandit, carried from step to step (each step builds a new
     /// engine for the new policy).
     bandit: Option<KBandit>,
@@ -135,14 +136,21 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-impl PipelineRollouts {
-    /// The engine for `job`'s `[rl]`: its model cut into `job.stages` stages, its
-    /// `[drafter]` trained on the rollouts.
+impl PipelineRollouts<CpuBackend> {
+    /// The engine for `job`'s `[rl]` on the CPU: its model cut into `job.stages` stages,
+    /// its `[drafter]` trained on the rollouts.
     pub fn new(job: &JobConfig) -> Result<Self, RlError> {
+        PipelineRollouts::on(job)
+    }
+}
+
+impl<B: RankBackend> PipelineRollouts<B> {
+    /// [`PipelineRollouts::new`] with the drafter on rank 0's backend `B`, the policy's.
+    pub fn on(job: &JobConfig) -> Result<Self, RlError> {
         let (model, rl, stages) = (&job.model, &job.rl, job.stages);
         let config: &DrafterConfig = &job.drafter;
         config.validate()?;
-        let be = || CpuBackend::new(1).map_err(crate::model::ModelError::from);
+        let be = || B::for_rank(0).map_err(crate::model::ModelError::from);
         let buffer = DraftBufferHandle::new(model, config);
         let trainer = DrafterTrainer::new(Drafter::new(model, config, be()?)?, buffer, 0, 1)?;
         let speculation = if rl.speculation {
@@ -181,7 +189,7 @@ impl PipelineRollouts {
     }
 }
 
-impl PipelineRollouts {
+impl<B: RankBackend> PipelineRollouts<B> {
     /// Starts the drafter from `state` (an `--init` run's, trained in its pipeline's
     /// bubbles) instead of untrained: its weights and optimizer moments, and from now on
     /// `rl.drafter_lr` instead of `drafter.lr` (a trained drafter only follows the policy;
@@ -222,7 +230,7 @@ impl PipelineRollouts {
     /// With `rl.spec_threshold = "auto"`, measures the step costs on `policy` and the
     /// drafter, once (later calls return the first measurement); `None` otherwise. If
     /// speculation cannot pay on this target, the rollouts decode plainly from now on.
-    pub fn calibrate(&mut self, policy: &Gpt<CpuBackend>) -> Result<Option<&Calibration>, RlError> {
+    pub fn calibrate(&mut self, policy: &Gpt<B>) -> Result<Option<&Calibration>, RlError> {
         if self.auto_threshold() && self.calibration.is_none() {
             let ks: Vec<usize> = (1..=self.rl.draft_k).collect();
             let groups = self.stages.max(1);
@@ -393,10 +401,10 @@ impl PipelineRollouts {
     }
 }
 
-impl RolloutEngine for PipelineRollouts {
+impl<B: RankBackend> RolloutEngine<B> for PipelineRollouts<B> {
     fn generate(
         &mut self,
-        policy: &Gpt<CpuBackend>,
+        policy: &Gpt<B>,
         prompts: &[Vec<u32>],
         group: usize,
         max_new: usize,
@@ -518,7 +526,7 @@ impl RolloutEngine for PipelineRollouts {
     }
 }
 
-impl PipelineRollouts {
+impl<B: RankBackend> PipelineRollouts<B> {
     /// The drafter's share of a step on a rollout's `rows`, without the idle router: its
     /// agreement on the first few (held out: it never trained on them), then every row into
     /// the buffer (the previous step's rows stay) and `rl.drafter_slices` slices. What

@@ -53,6 +53,7 @@ use serde::Serialize;
 
 use super::pipe::{IdleTurn, MessageHook, WorkKind};
 use crate::model::drafter::{DraftBufferHandle, DraftRow};
+use crate::tensor::Backend;
 
 /// Weight of the newest observed gap in a stage's idle-gap average.
 const GAP_EMA: f64 = 0.3;
@@ -128,6 +129,21 @@ impl StageSide {
 /// Kind of the routed verification requests.
 pub const VERIFY: &str = "verify";
 
+/// What the router asks of the drafter's idle work, whatever device the drafter trains on.
+trait IdleDrafter: Send + Sync {
+    fn idle_work(&self) -> DrafterWork;
+    fn hold(&self, row: &DraftRow) -> bool;
+}
+
+impl<B: Backend> IdleDrafter for DrafterSlices<B> {
+    fn idle_work(&self) -> DrafterWork {
+        DrafterSlices::idle_work(self)
+    }
+    fn hold(&self, row: &DraftRow) -> bool {
+        DrafterSlices::hold(self, row)
+    }
+}
+
 /// The rollout engine's [`MessageHook`] over a [`FillerRouter`] (see the module docs).
 pub struct RolloutRouter {
     router: FillerRouter,
@@ -141,7 +157,7 @@ pub struct RolloutRouter {
     held: Mutex<Vec<DraftRow>>,
     origin: Instant,
     report: Mutex<IdleReport>,
-    drafter: Option<DrafterSlices>,
+    drafter: Option<Box<dyn IdleDrafter>>,
 }
 
 impl RolloutRouter {
@@ -183,8 +199,8 @@ impl RolloutRouter {
 
     /// Reports the drafter training `slices` (registered with this hook's router) ran in
     /// idle time.
-    pub fn with_drafter(mut self, slices: DrafterSlices) -> Self {
-        self.drafter = Some(slices);
+    pub fn with_drafter<B: Backend>(mut self, slices: DrafterSlices<B>) -> Self {
+        self.drafter = Some(Box::new(slices));
         self
     }
 

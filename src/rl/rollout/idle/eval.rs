@@ -19,6 +19,7 @@ use serde::Serialize;
 
 use super::slices::{DrafterSlices, lock};
 use crate::model::drafter::{DraftRow, EvalStats};
+use crate::tensor::Backend;
 
 /// Kind (and label prefix) of the held-out evaluation pieces.
 pub const DRAFTER_EVAL: &str = "drafter eval";
@@ -54,9 +55,9 @@ pub fn merge_eval(a: Option<EvalStats>, b: EvalStats) -> EvalStats {
 
 /// The `"drafter eval"` source: the oldest held-out rows that fit the gap (units:
 /// positions, i.e. the rows' lengths).
-pub(super) struct Evals(pub(super) DrafterSlices);
+pub(super) struct Evals<B: Backend>(pub(super) DrafterSlices<B>);
 
-impl FillerSource for Evals {
+impl<B: Backend> FillerSource for Evals<B> {
     fn kind(&self) -> &str {
         DRAFTER_EVAL
     }

@@ -25,7 +25,7 @@ use super::slices::{DRAFTER, DRAFTER_STEP, DrafterSlices, MIN_PIECE_ROWS, lock};
 use crate::data::SplitMix64;
 use crate::model::GptConfig;
 use crate::model::drafter::{DraftBufferHandle, DraftRow, Drafter, DrafterError, DrafterTrainer};
-use crate::tensor::CpuBackend;
+use crate::tensor::Backend;
 
 /// Timed runs per cost.
 const REPS: usize = 3;
@@ -82,7 +82,7 @@ fn synthetic_rows(target: &GptConfig, n: usize, len: usize) -> Vec<DraftRow> {
         .collect()
 }
 
-impl DrafterSlices {
+impl<B: Backend> DrafterSlices<B> {
     /// Measures the costs of the drafter's idle work on a scratch drafter and sets them as
     /// `router`'s priors (kept where the router measured its own); once: later calls return
     /// `None` and measure nothing.
@@ -94,15 +94,17 @@ impl DrafterSlices {
             return Ok(None);
         }
         let started = Instant::now();
-        let (target, config) = {
+        let (target, config, backend) = {
             let t = lock(&self.0.trainer);
             (
                 t.drafter().target_config().clone(),
                 t.drafter().config().clone(),
+                t.drafter().backend().clone(),
             )
         };
         let buffer = DraftBufferHandle::new(&target, &config);
-        let drafter = Drafter::new(&target, &config, CpuBackend::new(1)?)?;
+        // A scratch drafter on the trainer's device: the priors are that device's costs.
+        let drafter = Drafter::new(&target, &config, backend)?;
         let mut scratch = DrafterTrainer::new(drafter, buffer.clone(), 0, 1)?;
         let row_len = target.seq_len.max(2);
         {

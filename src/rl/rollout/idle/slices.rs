@@ -54,7 +54,7 @@ use serde::Serialize;
 
 use super::eval::{EvalWork, Evals};
 use crate::model::drafter::{DraftRow, DrafterError, DrafterTrainer, EvalStats};
-use crate::tensor::CpuBackend;
+use crate::tensor::Backend;
 
 /// Kind (and label prefix) of the pieces of drafter training.
 pub const DRAFTER: &str = "drafter";
@@ -166,8 +166,8 @@ impl Plan {
     }
 }
 
-pub(super) struct Shared {
-    pub(super) trainer: Arc<Mutex<DrafterTrainer<CpuBackend>>>,
+pub(super) struct Shared<B: Backend> {
+    pub(super) trainer: Arc<Mutex<DrafterTrainer<B>>>,
     /// A whole slice's layout rows.
     pub(super) full: usize,
     /// The target's sequence length (a held-out row's most positions).
@@ -178,12 +178,12 @@ pub(super) struct Shared {
 /// The drafter's training as the idle work of a rollout's stages, a step's budget at a time
 /// (see the module docs). Clones share the plan.
 #[derive(Clone)]
-pub struct DrafterSlices(pub(super) Arc<Shared>);
+pub struct DrafterSlices<B: Backend>(pub(super) Arc<Shared<B>>);
 
-impl DrafterSlices {
+impl<B: Backend> DrafterSlices<B> {
     /// Trains `trainer` in `router`'s idle time: registers the three sources with it (once:
     /// keep this value for the router's life, one step's budget at a time).
-    pub fn new(trainer: Arc<Mutex<DrafterTrainer<CpuBackend>>>, router: &FillerRouter) -> Self {
+    pub fn new(trainer: Arc<Mutex<DrafterTrainer<B>>>, router: &FillerRouter) -> Self {
         let (full, seq_len) = {
             let t = lock(&trainer);
             (t.max_slice_rows(), t.drafter().target_config().seq_len)
@@ -406,9 +406,9 @@ impl DrafterSlices {
 }
 
 /// The `"drafter"` source: pieces of the current slice, sized by the router.
-struct Pieces(DrafterSlices);
+struct Pieces<B: Backend>(DrafterSlices<B>);
 
-impl FillerSource for Pieces {
+impl<B: Backend> FillerSource for Pieces<B> {
     fn kind(&self) -> &str {
         DRAFTER
     }
@@ -468,9 +468,9 @@ impl FillerSource for Pieces {
 }
 
 /// The `"drafter step"` source: the optimizer step once a slice's worth accumulated.
-struct Steps(DrafterSlices);
+struct Steps<B: Backend>(DrafterSlices<B>);
 
-impl FillerSource for Steps {
+impl<B: Backend> FillerSource for Steps<B> {
     fn kind(&self) -> &str {
         DRAFTER_STEP
     }
