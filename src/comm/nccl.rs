@@ -111,8 +111,34 @@ fn panic_text(payload: Box<dyn std::any::Any + Send>) -> String {
         .unwrap_or_else(|| "cudarc panicked".into())
 }
 
+/// The text of a cudarc error in [`NcclError::Call`].
+pub(super) trait CallText {
+    fn text(&self) -> String;
+}
+
+impl CallText for cudarc::driver::DriverError {
+    fn text(&self) -> String {
+        format!("{self:?}")
+    }
+}
+
+/// cudarc's NCCL error prints neither the result code nor NCCL's text for it: both are
+/// given here (a caller tells "two ranks on one GPU", `ncclInvalidUsage`, from the rest).
+impl CallText for cudarc::nccl::result::NcclError {
+    fn text(&self) -> String {
+        // SAFETY: ncclGetErrorString takes any result code and returns a static
+        // NUL-terminated string, or null, which is checked.
+        let said = unsafe { cudarc::nccl::sys::ncclGetErrorString(self.0) };
+        let said = match said.is_null() {
+            true => "no text".into(),
+            false => unsafe { std::ffi::CStr::from_ptr(said) }.to_string_lossy(),
+        };
+        format!("{:?} ({said})", self.0)
+    }
+}
+
 /// Runs a cudarc call, turning its error or panic into [`NcclError::Call`].
-pub(super) fn call<T, E: std::fmt::Debug>(
+pub(super) fn call<T, E: CallText>(
     rank: usize,
     op: &'static str,
     f: impl FnOnce() -> Result<T, E>,
@@ -122,7 +148,7 @@ pub(super) fn call<T, E: std::fmt::Debug>(
         Ok(Err(e)) => Err(NcclError::Call {
             rank,
             op,
-            message: format!("{e:?}"),
+            message: e.text(),
         }),
         Err(p) => Err(NcclError::Call {
             rank,
