@@ -62,6 +62,19 @@ impl Job {
         for s in JOB {
             cmd.args(["--set", s]);
         }
+        // The launcher keeps ignoring what it was started ignoring (nohup, a background job
+        // of a non-interactive shell: SIGHUP, SIGINT); these tests start it as a terminal
+        // would, whatever ran the tests.
+        // SAFETY: between fork and exec only async-signal-safe calls (signal).
+        unsafe {
+            use std::os::unix::process::CommandExt;
+            cmd.pre_exec(|| {
+                for signal in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
+                    libc::signal(signal, libc::SIG_DFL);
+                }
+                Ok(())
+            });
+        }
         let mut launcher = cmd
             .arg("--out-dir")
             .arg(out)
