@@ -485,3 +485,80 @@ fn backend_names_its_device() {
     assert!(gpu.name().starts_with("cuda:0 ("), "{}", gpu.name());
     gpu.synchronize().unwrap();
 }
+
+/// The drafter trained on the same rows on both backends: its weights after four slices (one
+/// optimizer step each) and its held-out figures agree to rounding. The slice time of each
+/// is printed (the GPU's is launch-bound at this size).
+#[test]
+fn the_drafter_trains_alike() {
+    use pipefill::config::JobConfig;
+    use pipefill::model::drafter::{DraftBufferHandle, DraftRow, Drafter, DrafterTrainer};
+    let Some((cpu, gpu)) = backends("the_drafter_trains_alike") else {
+        return;
+    };
+    let job = JobConfig::embedded(&[]).unwrap();
+    let (target, config) = (job.model, job.drafter);
+    let mut rng = Rng(7);
+    let len = 16;
+    let rows: Vec<DraftRow> = (0..8)
+        .map(|_| {
+            let probs: Vec<f32> = (0..len)
+                .flat_map(|_| {
+                    let logits = rng.vec(target.vocab);
+                    let max = logits.iter().copied().fold(f32::MIN, f32::max);
+                    let e: Vec<f32> = logits.iter().map(|l| (4.0 * (l - max)).exp()).collect();
+                    let sum: f32 = e.iter().sum();
+                    e.into_iter().map(move |x| x / sum)
+                })
+                .collect();
+            DraftRow {
+                hidden: rng.vec(len * target.d_model),
+                targets: rng.ids(len, target.vocab),
+                probs,
+                step: 0,
+            }
+        })
+        .collect();
+    fn train<B: Backend>(
+        be: B,
+        target: &pipefill::model::GptConfig,
+        config: &pipefill::model::drafter::DrafterConfig,
+        rows: &[DraftRow],
+    ) -> Result<Vec<Vec<f32>>> {
+        let run =
+            || -> std::result::Result<Vec<Vec<f32>>, pipefill::model::drafter::DrafterError> {
+                let buffer = DraftBufferHandle::new(target, config);
+                for row in &rows[2..] {
+                    buffer.lock().push(row.clone())?;
+                }
+                let drafter = Drafter::new(target, config, be.clone())?;
+                let mut trainer = DrafterTrainer::new(drafter, buffer, 0, 1)?;
+                let started = std::time::Instant::now();
+                for _ in 0..4 {
+                    trainer.slice()?;
+                }
+                println!(
+                    "{}: 4 drafter slices in {:.1} ms",
+                    be.name(),
+                    started.elapsed().as_secs_f64() * 1e3
+                );
+                let stats = trainer.evaluate(&rows[..2])?;
+                let mut out: Vec<Vec<f32>> = (trainer.weights()?.tensors.into_iter())
+                    .map(|t| t.values)
+                    .collect();
+                out.push(vec![
+                    stats.agreement as f32,
+                    stats.ce as f32,
+                    stats.overlap as f32,
+                ]);
+                Ok(out)
+            };
+        run().map_err(|e| TensorError::Device(e.to_string()))
+    }
+    compare(
+        "drafter training",
+        train(cpu, &target, &config, &rows),
+        train(gpu, &target, &config, &rows),
+        1e-3,
+    );
+}
