@@ -5,6 +5,20 @@
 #   scripts/gpu-check.sh build      # only step 1 (binary and test binaries), for machines
 #                                   # that limit one command's time: run it first, then
 #                                   # the whole script, which reuses the build
+#   scripts/gpu-check.sh pack DIR   # builds here and copies the binary and the two test
+#                                   # binaries into DIR, for a GPU machine without a Rust
+#                                   # toolchain: there, PIPEFILL_PREBUILT=DIR scripts/gpu-check.sh
+#                                   # runs them instead of cargo
+#   GPU_CHECK_PARTS="checks throughput tlt" scripts/gpu-check.sh
+#                                   # the parts to run (default: checks): the checks below,
+#                                   # training throughput on a larger model, and RL with a
+#                                   # drafter trained in a pipeline's bubbles, speculation on
+#                                   # and off (the TLT figures)
+#
+# The binaries load CUDA's libraries at run time under the names of CUDA 12 or unversioned
+# (cudarc's candidates); on a CUDA 13 machine, whose libraries are .so.13, the script links
+# the unversioned names to what it finds (the toolkit, pip's nvidia-* wheels) in a directory
+# put first on LD_LIBRARY_PATH.
 #
 # 1. builds the binary and tests with `--features cuda` (its own target directory,
 #    target/cuda unless CARGO_TARGET_DIR is set, so the default build stays untouched);
@@ -21,7 +35,8 @@
 #    rank 0 as on two one-GPU machines, on cuda:0 over TCP, against the CPU: the GPU
 #    pipeline runtime, GPU buffers on the wire and the all-reduce of GPU gradients.
 # 4. the reference trainer (`schedule = "none"`) on the GPU against the CPU, and the
-#    single-process pipeline of a Llama-shaped model (RoPE, GQA, SwiGLU) likewise.
+#    single-process pipeline of a Llama-shaped model (RoPE, GQA, SwiGLU) likewise, and
+#    `pipefill rl` in one process on the GPU (3 steps, speculative rollouts).
 #
 # Tolerances (max |a - b| over every compared element):
 #   NCCL vs TCP, same GPUs: TOL_TRANSPORT = 1e-6. The transports carry the same bits and a
@@ -38,8 +53,14 @@ cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-target/cuda}"
 TOL_TRANSPORT="${TOL_TRANSPORT:-1e-6}"
 TOL_DEVICE="${TOL_DEVICE:-1e-2}"
-OUT="$(mktemp -d /tmp/pipefill-gpu-check.XXXXXX)"
-EXE="$CARGO_TARGET_DIR/release/pipefill"
+# Seconds each training run and each test binary may take (a hang costs no more).
+STEP_LIMIT="${GPU_CHECK_STEP_LIMIT:-300}"
+TEST_LIMIT="${GPU_CHECK_TEST_LIMIT:-600}"
+OUT="${GPU_CHECK_OUT:-$(mktemp -d /tmp/pipefill-gpu-check.XXXXXX)}"
+mkdir -p "$OUT"
+PREBUILT="${PIPEFILL_PREBUILT:-}"
+EXE="${PREBUILT:+$PREBUILT/pipefill}"
+EXE="${EXE:-$CARGO_TARGET_DIR/release/pipefill}"
 declare -a SUMMARY=()
 FAILED=0
 
@@ -141,7 +162,7 @@ by_hand() {
     for r in 0 1; do
         PIPEFILL_RANK="$r" PIPEFILL_WORLD_SIZE=2 PIPEFILL_LOCAL_RANK=0 \
             PIPEFILL_MASTER_ADDR=127.0.0.1 PIPEFILL_MASTER_PORT="$port" PIPEFILL_TOKEN="$token" \
-            timeout 300 "$EXE" train "${JOB[@]}" --set "stages=$stages" --set "dp=$dp" \
+            timeout "$STEP_LIMIT" "$EXE" train "${JOB[@]}" --set "stages=$stages" --set "dp=$dp" \
             --set "device=\"$device\"" --set "transport=\"$transport\"" \
             --out-dir "$OUT/$name" >"$OUT/$name.rank$r.log" 2>&1 &
         pids+=("$!")
@@ -160,16 +181,80 @@ by_hand() {
 # launched NAME NPROC STAGES DP DEVICE TRANSPORT: one launched training run into $OUT/NAME.
 launched() {
     local name="$1" n="$2" stages="$3" dp="$4" device="$5" transport="$6"
-    run "$name" 300 "$EXE" launch -n "$n" -- train "${JOB[@]}" --set "stages=$stages" \
+    run "$name" "$STEP_LIMIT" "$EXE" launch -n "$n" -- train "${JOB[@]}" --set "stages=$stages" \
         --set "dp=$dp" --set "device=\"$device\"" --set "transport=\"$transport\"" \
         --out-dir "$OUT/$name"
 }
+
+# cuda_libs: a directory of unversioned links to CUDA's libraries, first on LD_LIBRARY_PATH,
+# with the directories they were found in after it (NVRTC loads its builtins from there).
+cuda_libs() {
+    local links="$OUT/cuda-libs" dirs=() lib found dir
+    mkdir -p "$links"
+    for lib in cuda cublas cublasLt nvrtc nccl; do
+        # The first directory (in this order: toolkit, driver, system, pip wheels) that has it.
+        found=""
+        for dir in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
+            /usr/local/nvidia/lib64 /usr/lib/x86_64-linux-gnu /usr/local/lib /opt /usr/local; do
+            [ -d "$dir" ] || continue
+            found="$(find "$dir" -maxdepth 10 -name "lib$lib.so*" \( -type f -o -type l \) \
+                2>/dev/null | grep -v /stubs/ | grep -E "/lib$lib\.so(\.[0-9]+)*$" | sort -V | tail -n 1)"
+            [ -n "$found" ] && break
+        done
+        if [ -n "$found" ]; then
+            ln -sf "$found" "$links/lib$lib.so"
+            dirs+=("$(dirname "$found")")
+            echo "lib$lib.so -> $found"
+        else
+            echo "lib$lib.so: not found"
+        fi
+    done
+    local joined
+    joined="$(printf '%s\n' "${dirs[@]}" | awk '!seen[$0]++' | paste -sd:)"
+    export LD_LIBRARY_PATH="$links${joined:+:$joined}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+}
+
+# test NAME FILTER...: one test binary, by cargo, or prebuilt (lib or cuda_backend).
+test_bin() {
+    local name="$1" which="$2"
+    shift 2
+    if [ -n "$PREBUILT" ]; then
+        run "$name" "$TEST_LIMIT" "$PREBUILT/$which" "$@" --nocapture
+    elif [ "$which" = lib ]; then
+        run "$name" "$TEST_LIMIT" cargo test --release --features cuda --lib "$@" -- --nocapture
+    else
+        run "$name" "$TEST_LIMIT" cargo test --release --features cuda --test "$which" "$@" -- --nocapture
+    fi
+}
+
+if [ "${1:-}" = pack ]; then
+    dest="${2:?pack needs a directory}"
+    mkdir -p "$dest"
+    cargo build --release --features cuda --bin pipefill || exit 1
+    cp "$CARGO_TARGET_DIR/release/pipefill" "$dest/pipefill"
+    for which in lib cuda_backend; do
+        args=(--lib)
+        [ "$which" = lib ] || args=(--test "$which")
+        bin="$(cargo test --release --features cuda --no-run "${args[@]}" --message-format=json 2>/dev/null |
+            python3 -c 'import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
+        print(m["executable"])' | tail -n 1)"
+        [ -n "$bin" ] || { echo "pack: no test binary for $which"; exit 1; }
+        cp "$bin" "$dest/$which"
+    done
+    ls -l "$dest"
+    exit 0
+fi
 
 say "machine"
 timeout 30 nvidia-smi -L || record FAIL "nvidia-smi" "no GPU listed"
 GPUS="$(timeout 30 nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)"
 echo "GPUs: $GPUS; target dir: $CARGO_TARGET_DIR; outputs: $OUT"
 command -v python3 >/dev/null || record FAIL "python3" "needed to compare checkpoints"
+say "CUDA libraries"
+cuda_libs
 
 if [ "${1:-}" = build ]; then
     run build 590 cargo build --release --features cuda &&
@@ -179,16 +264,20 @@ if [ "${1:-}" = build ]; then
     exit "$FAILED"
 fi
 
-if run build 590 cargo build --release --features cuda; then
-    run cuda-backend 600 cargo test --release --features cuda --test cuda_backend -- --nocapture
-    run lib-tensor-cuda 600 cargo test --release --features cuda --lib tensor::cuda -- --nocapture
-    run lib-comm 600 cargo test --release --features cuda --lib comm -- --nocapture
-    run lib-launch-train 600 cargo test --release --features cuda --lib launch::train -- --nocapture
+PARTS=" ${GPU_CHECK_PARTS:-checks} "
+part() { [[ "$PARTS" == *" $1 "* ]]; }
+[ -n "$PREBUILT" ] || run build 590 cargo build --release --features cuda || PARTS=""
+
+if part checks; then
+    test_bin cuda-backend cuda_backend
+    test_bin lib-tensor-cuda lib tensor::cuda
+    test_bin lib-comm lib comm
+    test_bin lib-launch-train lib launch::train
 
     # The reference trainer on one GPU against the CPU (needs no second GPU).
-    run reference-cuda 300 "$EXE" train "${JOB[@]}" --set 'schedule="none"' --device cuda \
+    run reference-cuda "$STEP_LIMIT" "$EXE" train "${JOB[@]}" --set 'schedule="none"' --device cuda \
         --out-dir "$OUT/reference-cuda" &&
-        run reference-cpu 300 "$EXE" train "${JOB[@]}" --set 'schedule="none"' --device cpu \
+        run reference-cpu "$STEP_LIMIT" "$EXE" train "${JOB[@]}" --set 'schedule="none"' --device cpu \
             --out-dir "$OUT/reference-cpu" &&
         compare "reference gpu-vs-cpu" "$OUT/reference-cuda" "$OUT/reference-cpu" "$TOL_DEVICE" 1
 
@@ -196,11 +285,27 @@ if run build 590 cargo build --release --features cuda; then
     # shaped model so RoPE, GQA and SwiGLU run on the GPU) against the same run on the CPU.
     LLAMA=(--set stages=2 --set model.positions='"rope"' --set model.activation='"swiglu"'
            --set model.kv_heads=1)
-    run pipeline-cuda 300 "$EXE" train "${JOB[@]}" "${LLAMA[@]}" --device cuda \
+    run pipeline-cuda "$STEP_LIMIT" "$EXE" train "${JOB[@]}" "${LLAMA[@]}" --device cuda \
         --out-dir "$OUT/pipeline-cuda" &&
-        run pipeline-cpu 300 "$EXE" train "${JOB[@]}" "${LLAMA[@]}" --device cpu \
+        run pipeline-cpu "$STEP_LIMIT" "$EXE" train "${JOB[@]}" "${LLAMA[@]}" --device cpu \
             --out-dir "$OUT/pipeline-cpu" &&
         compare "pipeline gpu-vs-cpu" "$OUT/pipeline-cuda" "$OUT/pipeline-cpu" "$TOL_DEVICE" 1
+
+    # pipefill rl in one process on the GPU: the policy, the rollouts (speculative, the
+    # drafter trained in the rollout stages' idle time) and the update's 2 ranks; each of
+    # the 3 steps must be written, the speculation actually used.
+    RL=(--set stages=2 --set model.seq_len=64 --set rl.warmup_steps=10 --set rl.prompts=4
+        --set rl.group=4 --set rl.max_new_tokens=16 --set rl.drafter_slices=4)
+    if run rl-cuda "$STEP_LIMIT" "$EXE" rl "${JOB[@]}" "${RL[@]}" --steps 3 --set 'device="cuda"' \
+        --out-dir "$OUT/rl-cuda"; then
+        lines="$(wc -l <"$OUT/rl-cuda/metrics.jsonl" 2>/dev/null || echo 0)"
+        spec="$(grep -c '"speculation":true' "$OUT/rl-cuda/metrics.jsonl" 2>/dev/null)"
+        if [ "$lines" -eq 3 ]; then
+            record ok "rl-cuda metrics" "3 steps, ${spec:-0} with speculative rollouts"
+        else
+            record FAIL "rl-cuda metrics" "$lines lines in metrics.jsonl, 3 expected"
+        fi
+    fi
 
     if [ "${GPUS:-0}" -ge 2 ]; then
         # Two pipeline stages: activations and gradients over NcclTransport.
@@ -222,6 +327,55 @@ if run build 590 cargo build --release --features cuda; then
             compare "pp=2 gpu-vs-cpu (tcp)" "$OUT/pp2-cuda-tcp" "$OUT/pp2-cpu" "$TOL_DEVICE" 1
         by_hand dp2-cuda-tcp 1 2 cuda tcp && launched dp2-cpu 2 1 2 cpu tcp &&
             compare "dp=2 gpu-vs-cpu (tcp)" "$OUT/dp2-cuda-tcp" "$OUT/dp2-cpu" "$TOL_DEVICE" 1
+    fi
+fi
+
+# Throughput (part "throughput"), on f32 models large enough that the GPU, not the launch
+# overhead, sets the pace: the reference trainer on one GPU and the single-process 1F1B
+# pipeline with its 4 ranks on the same GPU (each rank its own stream), about 0.1 B
+# parameters (each run's `done:` line has its tokens/s, the pipeline's report its measured
+# and predicted bubble); then `pipefill rl` with speculation on and off (same warm-up,
+# seeds and prompts: rollout tokens/s and share of the step per step in metrics.jsonl);
+# last ZB-H1 with the drafter in the bubbles.
+if part throughput; then
+    BIG=(--set model.d_model=1024 --set model.heads=16 --set model.layers=8
+         --set model.seq_len=256 --set train.micro_batches=8 --set train.micro_batch_size=4
+         --set train.steps="${GPU_THROUGHPUT_STEPS:-6}" --set train.eval_tasks=0
+         --set data.summary_tasks=20 --set train.lr=1e-4 --device cuda)
+    run tp-reference 120 "$EXE" train "${BIG[@]}" --set 'schedule="none"' \
+        --out-dir "$OUT/tp-reference"
+    run tp-1f1b 120 "$EXE" train "${BIG[@]}" --set 'schedule="1f1b"' --set stages=4 \
+        --set 'filler="none"' --out-dir "$OUT/tp-1f1b"
+    RLBIG=(--set model.d_model=1024 --set model.heads=16 --set model.layers=8
+           --set model.seq_len=128 --set stages=2 --set 'filler="none"' --set rl.warmup_steps=30
+           --set rl.prompts=8 --set rl.group=8 --set rl.max_new_tokens=64 --set train.eval_tasks=0
+           --set data.summary_tasks=20 --set 'device="cuda"' --steps 4)
+    run tp-rl-speculative 150 "$EXE" rl "${RLBIG[@]}" --set rl.speculation=true \
+        --out-dir "$OUT/tp-rl-speculative"
+    run tp-rl-plain 150 "$EXE" rl "${RLBIG[@]}" --set rl.speculation=false \
+        --out-dir "$OUT/tp-rl-plain"
+    run tp-zb-h1-drafter 150 "$EXE" train "${BIG[@]}" --set 'schedule="zb-h1"' \
+        --set stages=4 --set 'filler="drafter"' --out-dir "$OUT/tp-zb-h1-drafter"
+fi
+
+# TLT (part "tlt"): a 0.1 B-parameter policy trained by a 2-rank ZB-H1 pipeline on the GPU
+# with the drafter in its bubbles, then `pipefill rl --init` from it with speculation on
+# and off (same policy, drafter, seeds and prompts): rollout tokens/s, acceptance length
+# and the rollouts' share of each step in metrics.jsonl, the medians in the `median step`
+# line.
+if part tlt; then
+    TLT=(--set model.d_model=1024 --set model.heads=16 --set model.layers=8
+         --set model.seq_len=128 --set stages=2 --set 'device="cuda"' --set train.eval_tasks=0
+         --set data.summary_tasks=20)
+    TLT_RL=(--set rl.prompts=8 --set rl.group=8 --set rl.max_new_tokens=64
+            --steps "${GPU_TLT_RL_STEPS:-5}")
+    if run tlt-train 300 "$EXE" train "${TLT[@]}" --set 'schedule="zb-h1"' \
+        --set 'filler="drafter"' --set train.steps="${GPU_TLT_STEPS:-200}" --set train.lr=3e-4 \
+        --out-dir "$OUT/tlt-train"; then
+        run tlt-rl-speculative 150 "$EXE" rl --init "$OUT/tlt-train" "${TLT[@]}" "${TLT_RL[@]}" \
+            --set rl.speculation=true --out-dir "$OUT/tlt-rl-speculative"
+        run tlt-rl-plain 150 "$EXE" rl --init "$OUT/tlt-train" "${TLT[@]}" "${TLT_RL[@]}" \
+            --set rl.speculation=false --out-dir "$OUT/tlt-rl-plain"
     fi
 fi
 
