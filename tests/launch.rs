@@ -153,7 +153,12 @@ fn free_port() -> u16 {
 #[test]
 fn launch_of_four_ranks_and_mpirun_equal_the_in_process_run() {
     let dir = tempfile::tempdir().unwrap();
-    let reference = in_process(&dir.path().join("single"), &[]);
+    let single = clean(EXE)
+        .args(train_args(&dir.path().join("single"), &[]))
+        .output()
+        .unwrap();
+    assert!(single.status.success(), "{}", text(&single));
+    let reference = Checkpoint::load(&dir.path().join("single/checkpoint")).unwrap();
 
     let launched = dir.path().join("launch");
     let out = clean(EXE)
@@ -162,12 +167,28 @@ fn launch_of_four_ranks_and_mpirun_equal_the_in_process_run() {
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", text(&out));
+    // Both runs sum themselves up alike (one RunSummary): the same steps and, computing the
+    // same, the same loss means.
+    let losses = |out: &std::process::Output| {
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        let done = stdout
+            .lines()
+            .find_map(|l| l.split_once("done: ").map(|(_, rest)| rest.to_string()))
+            .unwrap_or_else(|| panic!("no done: line in {stdout}"));
+        let steps = done.split(" steps in ").next().unwrap().to_string();
+        let loss = done
+            .split("; loss ")
+            .nth(1)
+            .unwrap()
+            .split(';')
+            .next()
+            .unwrap();
+        (steps, loss.to_string())
+    };
+    assert_eq!(losses(&out), losses(&single), "{}", text(&out));
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        stdout.contains("[rank 0] done: run directory"),
-        "{}",
-        text(&out)
-    );
+    assert!(stdout.contains("[rank 0] done: "), "{}", text(&out));
+    assert!(stdout.contains("; run directory "), "{}", text(&out));
     assert!(launched.join("job.toml").exists());
     assert_run_files(&dir.path().join("single"), &launched);
     assert_same(

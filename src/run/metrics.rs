@@ -90,6 +90,11 @@ impl<'a> StepLine<'a> {
         self
     }
 
+    /// The step's metrics.
+    pub fn metrics(&self) -> &'a StepMetrics {
+        self.metrics
+    }
+
     /// The line as one JSON object, without a newline.
     pub fn to_json(&self) -> String {
         serde_json::to_string(self).expect("a step line always serializes")

@@ -17,9 +17,8 @@ use pipefill::model::checkpoint::resume::{ResumePoint, verify_files};
 use pipefill::pipeline::PipelineTrainer;
 use pipefill::profile::merge::MergedProfile;
 use pipefill::profile::report::RunInfo;
-use pipefill::run::{Existing, Resume, RunDir, StepLine};
+use pipefill::run::{Existing, Resume, RunDir, RunLog, StepLine, steps_left};
 use pipefill::schedules::{Plan, simulate};
-use pipefill::train::StepMetrics;
 
 /// `pipefill train` as one rank of a multi-process job: joins the others, trains this
 /// rank's stages (each rank writing its shard of the sharded checkpoints), and on rank 0
@@ -75,12 +74,7 @@ pub fn train_distributed(
         })
         .transpose()?;
     let first_step = checkpoint.as_ref().map_or(0, RankResume::step);
-    if first_step >= job.train.steps {
-        bail!(
-            "the checkpoint is at step {first_step}: nothing to do for train.steps = {}",
-            job.train.steps
-        );
-    }
+    steps_left(first_step, job.train.steps)?;
     // Rank 0 owns the run directory: it is claimed and made the run's once the job has been
     // checked against its checkpoint, before any rank joins (the others learn of a refusal
     // from the rendezvous). Its path goes to every rank with the job (agree_run_dir).
@@ -98,9 +92,9 @@ pub fn train_distributed(
             resume.map_or(Resume::Fresh, Resume::From),
             existing,
         )?;
-        let metrics = dir.create(&job.to_toml(), first_step)?;
+        let log = RunLog::open(&dir, &job, first_step)?;
         job.out_dir = Some(dir.path().to_path_buf());
-        run_dir = Some((dir, metrics));
+        run_dir = Some((dir, log));
     }
     let job = &job;
     let mesh = std::sync::Arc::new(join(env, listen_ip()?, join_timeout()?)?);
@@ -149,7 +143,7 @@ pub fn train_distributed(
             );
         }
     }
-    if let (Some(mut checkpoint), Some((run_dir, metrics))) = (run.checkpoint, &mut run_dir) {
+    if let (Some(mut checkpoint), Some((run_dir, mut log))) = (run.checkpoint, run_dir) {
         let out_dir = run_dir.path().to_path_buf();
         if let Some(last) = run.checkpoints.last() {
             println!(
@@ -159,19 +153,18 @@ pub fn train_distributed(
             );
         }
         run_dir.save_final(&mut checkpoint, job)?;
-        if let Some(merged) = &run.merged {
-            write_run_files(
-                &out_dir,
-                metrics,
-                job,
-                plan,
-                merged,
-                &run.metrics,
-                first_step,
-            )?;
+        let merged = run.merged.as_ref();
+        for m in &run.metrics {
+            let timeline = merged.and_then(|p| p.iterations.get((m.step - first_step) as usize));
+            log.record(&StepLine::new(m, timeline));
+        }
+        let summary = log.finish()?;
+        if let Some(merged) = merged {
+            write_profile(&out_dir, job, plan, merged, first_step)?;
         }
         println!(
-            "done: run directory {} (job.toml, metrics.jsonl, report.txt, report.json, trace.json, timeline.svg, checkpoint/, checkpoints/)",
+            "done: {summary}; run directory {} (job.toml, metrics.jsonl, report.txt, \
+             report.json, trace.json, timeline.svg, checkpoint/, checkpoints/)",
             out_dir.display()
         );
     }
@@ -207,29 +200,16 @@ fn print_auto_choice(rank: usize, first_step: u64, choice: &AutoChoice) {
     }
 }
 
-/// Rank 0's run files from the merged profile and the step log: `metrics.jsonl`, the bubble
-/// report of a steady step next to the simulator's prediction under the mean measured
-/// costs, `trace.json` and `timeline.svg`.
-fn write_run_files(
+/// Rank 0's profile files from the merged profile: the bubble report of a steady step next
+/// to the simulator's prediction under the mean measured costs, `trace.json` and
+/// `timeline.svg`.
+fn write_profile(
     dir: &Path,
-    metrics_file: &mut impl Write,
     job: &JobConfig,
     plan: &Plan,
     merged: &MergedProfile,
-    metrics: &[StepMetrics],
     first_step: u64,
 ) -> anyhow::Result<()> {
-    let mut lines = String::new();
-    for m in metrics {
-        let timeline = merged.iterations.get((m.step - first_step) as usize);
-        lines += &StepLine::new(m, timeline).to_json();
-        lines.push('\n');
-    }
-    metrics_file
-        .write_all(lines.as_bytes())
-        .and_then(|()| metrics_file.flush())
-        .with_context(|| format!("cannot write {}/metrics.jsonl", dir.display()))?;
-
     // Means after the warm-up step, as a single-process run predicts with.
     let skip = usize::from(merged.iterations.len() > 1);
     let cost = mean_cost(plan, &merged.iterations, skip)

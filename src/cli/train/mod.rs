@@ -24,8 +24,6 @@
 mod pipelined;
 mod run_files;
 
-use std::fs::File;
-use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -38,12 +36,12 @@ use pipefill::data::{DataSource, DatasetSummary, StepData};
 use pipefill::launch::RankEnv;
 use pipefill::model::Gpt;
 use pipefill::model::checkpoint::Checkpoint;
-use pipefill::run::{Existing, Resume, RunDir};
+use pipefill::run::{Existing, Resume, RunDir, RunLog, StepLine, steps_left};
 use pipefill::tensor::device::Device;
 use pipefill::tensor::{Backend, CpuBackend};
+use pipefill::train::Trainer;
 use pipefill::train::eval::{exact_match, held_out_tasks};
 use pipefill::train::reference::cpu_threads;
-use pipefill::train::{StepMetrics, Trainer};
 
 #[derive(clap::Args)]
 pub struct TrainArgs {
@@ -232,12 +230,7 @@ fn train_reference<B: Backend>(
         println!("resumed from {} at step {}", dir.display(), trainer.step());
     }
     let first_step = trainer.step();
-    if first_step >= job.train.steps {
-        bail!(
-            "the checkpoint is at step {first_step}: nothing to do for train.steps = {}",
-            job.train.steps
-        );
-    }
+    steps_left(first_step, job.train.steps)?;
     let t = &job.train;
     println!(
         "model: {} params ({} layers, d_model {}, {} heads, seq {}) on {}",
@@ -261,65 +254,41 @@ fn train_reference<B: Backend>(
         t.clip
     );
 
-    let (out_dir, mut metrics) = open_run_dir(run_dir, job, first_step)?;
-    let metrics_path = out_dir.join("metrics.jsonl");
-
+    let mut log = RunLog::open(run_dir, job, first_step)?;
     let bar = progress_bar(t.steps, first_step);
-    // Without a terminal the bar is hidden: print a plain line now and then instead.
-    let plain_every = (t.steps / 20).max(1);
-    let started = Instant::now();
-    let mut history: Vec<StepMetrics> = Vec::with_capacity((t.steps - first_step) as usize);
     for _ in first_step..t.steps {
         let m = trainer.train_step()?;
-        serde_json::to_writer(&mut metrics, &m)?;
-        writeln!(metrics)?;
-        metrics.flush()?;
         let line = format!(
             "loss {:.4} | lr {:.2e} | {:.0} tok/s",
             m.loss,
             m.lr,
             m.tokens_per_second()
         );
-        if bar.is_hidden() && (m.step % plain_every == 0 || m.step + 1 == t.steps) {
-            println!("step {:>5}/{} {line}", m.step + 1, t.steps);
-        }
-        bar.set_message(line);
-        bar.inc(1);
-        history.push(m);
+        show_step(&bar, m.step, t.steps, line);
+        log.record(&StepLine::new(&m, None));
     }
     bar.finish();
 
     let checkpoint_dir = run_dir.save_final(&mut trainer.checkpoint()?, job)?;
-
-    let seconds = started.elapsed().as_secs_f64();
+    let summary = log.finish()?;
     evaluate(job, trainer.model_mut())?;
-    let tokens: usize = history.iter().map(|m| m.tokens).sum();
-    let window = history.len().min(10);
-    let mean = |ms: &[StepMetrics]| ms.iter().map(|m| m.loss).sum::<f32>() / ms.len() as f32;
     println!(
-        "done: {} steps in {:.1} s, {:.0} tok/s; loss {:.4} → {:.4} (mean of first/last {} steps); \
-         checkpoint {}, metrics {}",
-        history.len(),
-        seconds,
-        tokens as f64 / seconds.max(1e-9),
-        mean(&history[..window]),
-        mean(&history[history.len() - window..]),
-        window,
+        "done: {summary}; checkpoint {}, metrics {}",
         checkpoint_dir.display(),
-        metrics_path.display()
+        run_dir.path().join("metrics.jsonl").display()
     );
     Ok(())
 }
 
-/// Makes `run_dir` the run's ([`RunDir::create`]): writes `job.toml` and opens
-/// `metrics.jsonl` for the steps from `first_step` on.
-fn open_run_dir(
-    run_dir: &RunDir,
-    job: &JobConfig,
-    first_step: u64,
-) -> anyhow::Result<(PathBuf, BufWriter<File>)> {
-    let metrics = run_dir.create(&job.to_toml(), first_step)?;
-    Ok((run_dir.path().to_path_buf(), metrics))
+/// Shows step `step` (0-based) of `steps` on `bar` with its `line`; without a terminal the
+/// bar is hidden, and about 20 plain lines are printed over the run instead.
+fn show_step(bar: &ProgressBar, step: u64, steps: u64, line: String) {
+    let plain_every = (steps / 20).max(1);
+    if bar.is_hidden() && (step.is_multiple_of(plain_every) || step + 1 == steps) {
+        println!("step {:>5}/{} {line}", step + 1, steps);
+    }
+    bar.set_message(line);
+    bar.inc(1);
 }
 
 /// The job's step data. A JSONL dataset is tokenized here, once for the summary and the

@@ -8,10 +8,8 @@
 //! of the same job with `filler = "none"` ([`BASELINE_STEPS`] steps at most, same plan, model
 //! and data) measures its median step makespan; it only measures and writes nothing.
 
-use std::io::Write;
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Instant;
 
 use anyhow::{Context, bail};
 
@@ -23,12 +21,12 @@ use pipefill::model::checkpoint::sharded::{
 };
 use pipefill::model::checkpoint::{Checkpoint, META_FILE};
 use pipefill::pipeline::feed::StepFeed;
-use pipefill::pipeline::{PipelineTrainer, StepMetrics, StepView};
+use pipefill::pipeline::{PipelineTrainer, StepView};
 use pipefill::profile::report::{ActionCosts, action_costs};
-use pipefill::run::{RunDir, StepLine};
+use pipefill::run::{RunDir, RunLog, StepLine, steps_left};
 
 use super::run_files::{filling, write_profile};
-use super::{evaluate, open_run_dir, progress_bar};
+use super::{evaluate, progress_bar, show_step};
 
 /// Runs `job`'s pipeline (from `resume`'s checkpoint when given), printing progress and the
 /// bubble report, and writing the run directory.
@@ -57,12 +55,7 @@ pub(super) fn train(
     }
     let first_step = trainer.first_step();
     let t = &job.train;
-    if first_step >= t.steps {
-        bail!(
-            "the checkpoint is at step {first_step}: nothing to do for train.steps = {}",
-            t.steps
-        );
-    }
+    steps_left(first_step, t.steps)?;
     let plan = trainer.plan().clone();
     let clock = job.clock.name();
     println!(
@@ -88,13 +81,11 @@ pub(super) fn train(
         t.micro_batch_size,
     );
 
-    let (out_dir, mut metrics) = open_run_dir(run_dir, job, first_step)?;
-    let bar = progress_bar(t.steps, first_step);
-    let plain_every = (t.steps / 20).max(1);
-    let started = Instant::now();
+    let out_dir = run_dir.path().to_path_buf();
     // Each step's line goes to metrics.jsonl as the step completes, its measured bubble
-    // ratios with it; the first write error ends the writing and is reported after the run.
-    let mut written: anyhow::Result<()> = Ok(());
+    // ratios with it.
+    let mut log = RunLog::open(run_dir, job, first_step)?;
+    let bar = progress_bar(t.steps, first_step);
     let mut last = None;
     let filler = job.filler != Filler::None;
     let mut agreement = None;
@@ -126,14 +117,8 @@ pub(super) fn train(
         if let Some(a) = agreement {
             line += &format!(" | draft agree {:.1}%", 100.0 * a);
         }
-        if bar.is_hidden() && (m.step.is_multiple_of(plain_every) || m.step + 1 == t.steps) {
-            println!("step {:>5}/{} {line}", m.step + 1, t.steps);
-        }
-        bar.set_message(line.clone());
-        bar.inc(1);
-        if written.is_ok() {
-            written = write_step(&mut metrics, v, filler);
-        }
+        show_step(&bar, m.step, t.steps, line.clone());
+        log.record(&StepLine::of_view(v, filler));
         last = Some(line);
     });
     let run = match run {
@@ -143,15 +128,13 @@ pub(super) fn train(
             return Err(e.into());
         }
     };
-    let seconds = started.elapsed().as_secs_f64();
-    written.context("cannot write metrics.jsonl")?;
-
     match last {
         Some(line) => bar.finish_with_message(line),
         None => bar.finish(),
     }
 
     run_dir.save_final(&mut run.checkpoint()?, job)?;
+    let summary = log.finish()?;
 
     let baseline = match filler {
         true => Some(baseline(&trainer, t.steps - first_step)?),
@@ -170,28 +153,11 @@ pub(super) fn train(
     println!();
 
     evaluate(job, &mut run.model()?)?;
-    let history = &run.steps;
-    let tokens: usize = history.iter().map(|m| m.tokens).sum();
-    let window = history.len().clamp(1, 10);
-    let mean = |ms: &[StepMetrics]| ms.iter().map(|m| m.loss).sum::<f32>() / ms.len() as f32;
     println!(
-        "done: {} steps in {:.1} s, {:.0} tok/s; loss {:.4} → {:.4} (mean of first/last {} steps); \
-         run directory {} (report.txt, trace.json, timeline.svg, metrics.jsonl, checkpoint/)",
-        history.len(),
-        seconds,
-        tokens as f64 / seconds.max(1e-9),
-        mean(&history[..window.min(history.len())]),
-        mean(&history[history.len().saturating_sub(window)..]),
-        window,
+        "done: {summary}; run directory {} (report.txt, trace.json, timeline.svg, \
+         metrics.jsonl, checkpoint/)",
         out_dir.display()
     );
-    Ok(())
-}
-
-/// Appends one step's line to metrics.jsonl and flushes it, so the file follows the run.
-fn write_step(out: &mut impl Write, v: &StepView, filler: bool) -> anyhow::Result<()> {
-    writeln!(out, "{}", StepLine::of_view(v, filler).to_json())?;
-    out.flush()?;
     Ok(())
 }
 

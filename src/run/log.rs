@@ -1,0 +1,207 @@
+//! A training run's step log ([`RunLog`]): `metrics.jsonl` written a [`StepLine`] at a time
+//! as the steps complete, and the steps kept for the closing [`RunSummary`]. The reference
+//! trainer, the in-process pipeline and a launched job's rank 0 all log through it, so their
+//! files carry the same fields and their `done:` lines the same figures.
+
+use std::fmt;
+use std::fs::File;
+use std::io::{self, BufWriter, Write};
+use std::path::PathBuf;
+use std::time::Instant;
+
+use super::dir::{RunDir, RunDirError};
+use super::metrics::StepLine;
+use crate::config::JobConfig;
+use crate::train::StepMetrics;
+
+/// Steps of the loss means at the start and the end of a run in its summary.
+const LOSS_WINDOW: usize = 10;
+
+/// A run resumed at or past its last step has nothing to do.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("the checkpoint is at step {first_step}: nothing to do for train.steps = {steps}")]
+pub struct NothingToDo {
+    pub first_step: u64,
+    pub steps: u64,
+}
+
+/// The steps a run starting at `first_step` has left of `steps`, or [`NothingToDo`].
+pub fn steps_left(first_step: u64, steps: u64) -> Result<u64, NothingToDo> {
+    match steps.checked_sub(first_step) {
+        Some(left) if left > 0 => Ok(left),
+        _ => Err(NothingToDo { first_step, steps }),
+    }
+}
+
+/// `metrics.jsonl` of a run, open for its steps, and the steps logged so far.
+pub struct RunLog {
+    file: BufWriter<File>,
+    path: PathBuf,
+    /// The first write error: the log stops writing there, the run goes on, and
+    /// [`RunLog::finish`] reports it.
+    failed: Option<io::Error>,
+    steps: Vec<StepMetrics>,
+    started: Instant,
+}
+
+impl RunLog {
+    /// Makes `run_dir` the run's ([`RunDir::create`]: `job.toml`, and `metrics.jsonl` for
+    /// the steps from `first_step` on); the run's clock starts here.
+    pub fn open(run_dir: &RunDir, job: &JobConfig, first_step: u64) -> Result<Self, RunDirError> {
+        let file = run_dir.create(&job.to_toml(), first_step)?;
+        Ok(RunLog {
+            file,
+            path: run_dir.path().join(super::dir::METRICS_FILE),
+            failed: None,
+            steps: Vec::new(),
+            started: Instant::now(),
+        })
+    }
+
+    /// Appends `line` and flushes it, so that the file follows the run.
+    pub fn record(&mut self, line: &StepLine<'_>) {
+        self.steps.push(line.metrics().clone());
+        if self.failed.is_some() {
+            return;
+        }
+        let written = writeln!(self.file, "{}", line.to_json()).and_then(|()| self.file.flush());
+        if let Err(e) = written {
+            self.failed = Some(e);
+        }
+    }
+
+    /// The steps logged so far, in the order they were recorded.
+    pub fn steps(&self) -> &[StepMetrics] {
+        &self.steps
+    }
+
+    /// The run's summary, or the first error writing `metrics.jsonl` met.
+    pub fn finish(self) -> Result<RunSummary, RunDirError> {
+        if let Some(source) = self.failed {
+            return Err(RunDirError::Io {
+                path: self.path,
+                source,
+            });
+        }
+        Ok(RunSummary::of(
+            &self.steps,
+            self.started.elapsed().as_secs_f64(),
+        ))
+    }
+}
+
+/// What a run's `done:` line says: steps, seconds, tokens/s over the whole run, and the mean
+/// loss of its first and last steps.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunSummary {
+    pub steps: usize,
+    pub seconds: f64,
+    pub tokens: usize,
+    /// Steps in each loss mean (at most [`LOSS_WINDOW`]).
+    pub window: usize,
+    pub first_loss: f32,
+    pub last_loss: f32,
+}
+
+impl RunSummary {
+    /// The summary of `steps` run in `seconds`.
+    pub fn of(steps: &[StepMetrics], seconds: f64) -> Self {
+        let window = steps.len().min(LOSS_WINDOW);
+        let mean = |ms: &[StepMetrics]| match ms.len() {
+            0 => f32::NAN,
+            n => ms.iter().map(|m| m.loss).sum::<f32>() / n as f32,
+        };
+        RunSummary {
+            steps: steps.len(),
+            seconds,
+            tokens: steps.iter().map(|m| m.tokens).sum(),
+            window,
+            first_loss: mean(&steps[..window]),
+            last_loss: mean(&steps[steps.len() - window..]),
+        }
+    }
+}
+
+impl fmt::Display for RunSummary {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} steps in {:.1} s, {:.0} tok/s; loss {:.4} → {:.4} (mean of first/last {} steps)",
+            self.steps,
+            self.seconds,
+            self.tokens as f64 / self.seconds.max(1e-9),
+            self.first_loss,
+            self.last_loss,
+            self.window
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn step(step: u64, loss: f32) -> StepMetrics {
+        StepMetrics {
+            step,
+            loss,
+            lr: 1e-3,
+            grad_norm: 1.0,
+            tokens: 100,
+            seconds: 0.5,
+        }
+    }
+
+    #[test]
+    fn steps_left_counts_from_the_first_step_and_refuses_none_left() {
+        assert_eq!(steps_left(0, 5), Ok(5));
+        assert_eq!(steps_left(3, 5), Ok(2));
+        for first_step in [5, 9] {
+            let e = steps_left(first_step, 5).unwrap_err();
+            assert_eq!(
+                e.to_string(),
+                format!(
+                    "the checkpoint is at step {first_step}: nothing to do for train.steps = 5"
+                )
+            );
+        }
+    }
+
+    #[test]
+    fn the_summary_means_the_first_and_last_ten_losses() {
+        let steps: Vec<StepMetrics> = (0..25).map(|i| step(i, i as f32)).collect();
+        let s = RunSummary::of(&steps, 2.0);
+        assert_eq!((s.steps, s.tokens, s.window), (25, 2500, 10));
+        assert_eq!((s.first_loss, s.last_loss), (4.5, 19.5));
+        assert_eq!(
+            s.to_string(),
+            "25 steps in 2.0 s, 1250 tok/s; loss 4.5000 → 19.5000 (mean of first/last 10 steps)"
+        );
+        // Fewer steps than the window: both means are over all of them.
+        let s = RunSummary::of(&steps[..3], 1.0);
+        assert_eq!((s.window, s.first_loss, s.last_loss), (3, 1.0, 1.0));
+    }
+
+    #[test]
+    fn the_log_writes_each_line_as_it_comes_and_keeps_the_steps() {
+        let root = tempfile::tempdir().unwrap();
+        let path = root.path().join("run");
+        let dir = RunDir::claim(
+            Some(path.as_path()),
+            "",
+            super::super::Resume::Fresh,
+            super::super::Existing::Refuse,
+        )
+        .unwrap();
+        let job = JobConfig::embedded(&[]).unwrap();
+        let mut log = RunLog::open(&dir, &job, 0).unwrap();
+        for i in 0..3 {
+            log.record(&StepLine::new(&step(i, 2.0), None));
+            let written = std::fs::read_to_string(path.join("metrics.jsonl")).unwrap();
+            assert_eq!(written.lines().count(), i as usize + 1);
+        }
+        assert_eq!(log.steps().len(), 3);
+        let summary = log.finish().unwrap();
+        assert_eq!((summary.steps, summary.tokens), (3, 300));
+    }
+}
