@@ -181,6 +181,11 @@ impl<B: Backend> RankCompute<B> {
         }
     }
 
+    /// The backend this rank computes on.
+    pub(crate) fn backend(&self) -> &B {
+        &self.backend
+    }
+
     /// Joins the run's drafter: the last stage's chunk (if this rank holds it) captures its
     /// training rows into the drafter's buffer.
     pub(crate) fn set_drafter(&mut self, fill: Arc<DrafterFill>) -> Result<(), PipelineError> {

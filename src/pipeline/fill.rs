@@ -70,10 +70,12 @@ use crate::tensor::{Backend, CpuBackend};
 
 mod eval;
 mod planned;
+mod replica;
 mod slice_plan;
 pub(crate) mod state;
 
 pub use eval::HeldOutEval;
+use replica::ReplicaTrainer;
 pub use slice_plan::{SliceCost, SlicePlan, modelled_costs};
 
 /// Every this many target steps, micro-batch 0's rows are held out of training.
@@ -87,7 +89,8 @@ pub const STEP_KIND: &str = "drafter step";
 
 /// One rank's replica and where it stands in the exchange.
 struct Replica {
-    trainer: DrafterTrainer<CpuBackend>,
+    /// On the rank's device (a CPU thread in tests and the multi-process fill).
+    trainer: Box<dyn ReplicaTrainer>,
     /// The round this replica posted and has not applied yet.
     posted: Option<u64>,
 }
@@ -214,8 +217,9 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl DrafterFill {
-    /// One replica per rank; `first` and `last` are the chunks holding the target's
-    /// embedding and LM head, whose values seed the frozen copies (target step `step`).
+    /// One replica per rank, each on a CPU thread; `first` and `last` are the chunks
+    /// holding the target's embedding and LM head, whose values seed the frozen copies
+    /// (target step `step`).
     pub fn new<C: Backend>(
         target: &GptConfig,
         config: &DrafterConfig,
@@ -224,15 +228,36 @@ impl DrafterFill {
         last: &ModelChunk<C>,
         step: u64,
     ) -> Result<Self, DrafterError> {
+        let backends = (0..ranks)
+            .map(|_| CpuBackend::new(1))
+            .collect::<Result<Vec<_>, _>>()?;
+        DrafterFill::on_backends(target, config, backends, first, last, step)
+    }
+
+    /// [`DrafterFill::new`] with rank `r`'s replica on `backends[r]` (a rank's own device:
+    /// its slices run in that rank's bubbles). The router's priors are measured on the first.
+    pub fn on_backends<C: Backend, R: Backend>(
+        target: &GptConfig,
+        config: &DrafterConfig,
+        backends: Vec<R>,
+        first: &ModelChunk<C>,
+        last: &ModelChunk<C>,
+        step: u64,
+    ) -> Result<Self, DrafterError> {
+        let ranks = backends.len();
         let buffer = DraftBufferHandle::new(target, config);
+        let priors = match backends.first() {
+            Some(be) => eval::calibrate(target, config, be.clone())?,
+            None => eval::calibrate(target, config, CpuBackend::new(1)?)?,
+        };
         let mut replicas = Vec::with_capacity(ranks);
-        for r in 0..ranks {
-            let mut drafter = Drafter::new(target, config, CpuBackend::new(1)?)?;
+        for (r, be) in backends.into_iter().enumerate() {
+            let mut drafter = Drafter::new(target, config, be)?;
             drafter.refresh_from_chunk(first, step)?;
             drafter.refresh_from_chunk(last, step)?;
             let trainer = DrafterTrainer::new(drafter, buffer.clone(), r, ranks)?;
             replicas.push(Mutex::new(Replica {
-                trainer,
+                trainer: Box::new(trainer),
                 posted: None,
             }));
         }
@@ -245,7 +270,7 @@ impl DrafterFill {
             exchange: Mutex::new(Exchange::default()),
             board: WeightBoard::default(),
             tally: Mutex::new(Tally::default()),
-            priors: eval::calibrate(target, config)?,
+            priors,
             peers: OnceLock::new(),
             local: OnceLock::new(),
             planned: None,
@@ -276,8 +301,10 @@ impl DrafterFill {
                 });
             }
         };
+        // Each rank's replica on the rank's own device: its slices fill that rank's bubbles.
+        let backends = computes.iter().map(|c| c.backend().clone()).collect();
         let mut fill =
-            DrafterFill::new(&job.model, &job.drafter, computes.len(), first, last, step)?;
+            DrafterFill::on_backends(&job.model, &job.drafter, backends, first, last, step)?;
         if let Some(slices) = SlicePlan::of_job(plan, job)? {
             fill.plan_slices(slices, step);
         }
@@ -473,10 +500,9 @@ impl DrafterFill {
             return Ok(());
         };
         let version = replica.trainer.step_with(&grads)?;
-        let drafter = replica.trainer.drafter_mut();
         for (name, deposit) in [("embed.tok", &frozen.embed), ("head.w", &frozen.head)] {
             if let Some((step, values)) = deposit {
-                drafter.refresh(name, values, *step)?;
+                replica.trainer.refresh(name, values, *step)?;
             }
         }
         replica.posted = None;

@@ -11,14 +11,16 @@ use crate::model::drafter::{
     DraftBufferHandle, DraftRow, Drafter, DrafterConfig, DrafterError, DrafterTrainer,
 };
 use crate::model::{GptConfig, Shape};
-use crate::tensor::CpuBackend;
+use crate::tensor::{Backend, CpuBackend};
 
-/// Measures, on this thread, what a full and a one-row slice and a two-replica step cost, on
-/// synthetic rows of the target's shape: the router's priors (a cost line through the two
-/// slice sizes, and the step's cost) until real slices are measured.
-pub(super) fn calibrate(
+/// Measures, on this thread and `backend` (the replicas' device), what a full and a one-row
+/// slice and a two-replica step cost, on synthetic rows of the target's shape: the router's
+/// priors (a cost line through the two slice sizes, and the step's cost) until real slices
+/// are measured. Medians of three: a device's one-off costs (its first slice) stay out.
+pub(super) fn calibrate<B: Backend>(
     target: &GptConfig,
     config: &DrafterConfig,
+    backend: B,
 ) -> Result<(CostEstimate, f64), DrafterError> {
     let buffer = DraftBufferHandle::new(target, config);
     let (d, v) = (target.d_model, target.vocab);
@@ -35,7 +37,7 @@ pub(super) fn calibrate(
     buffer.push_micro_batch(shape, &hidden, &targets, &probs)?;
     let mut trainers = (0..2)
         .map(|r| {
-            let drafter = Drafter::new(target, config, CpuBackend::new(1)?)?;
+            let drafter = Drafter::new(target, config, backend.clone())?;
             DrafterTrainer::new(drafter, buffer.clone(), r, 2)
         })
         .collect::<Result<Vec<_>, _>>()?;

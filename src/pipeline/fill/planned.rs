@@ -393,10 +393,9 @@ impl DrafterFill {
         if updates {
             replica.trainer.step_with(&grads)?;
         }
-        let drafter = replica.trainer.drafter_mut();
         for (name, deposit) in [("embed.tok", &frozen.embed), ("head.w", &frozen.head)] {
             if let Some((s, values)) = deposit {
-                drafter.refresh(name, values, *s)?;
+                replica.trainer.refresh(name, values, *s)?;
             }
         }
         if rank == 0 && updates {
