@@ -22,12 +22,15 @@
 //! block on the receiver.
 
 use std::collections::BTreeMap;
-use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Arc, mpsc};
 use std::thread::JoinHandle;
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use cudarc::nccl::{Comm, ReduceOp};
+
+#[path = "nccl_call.rs"]
+mod nccl_call;
+pub(super) use nccl_call::call;
 
 use super::collective::{CollectiveError, GradSync};
 use super::link::{LinkError, PeerLink};
@@ -100,62 +103,6 @@ pub fn probe() -> Result<(), NcclError> {
         )
     };
     check_libraries(driver, nccl)
-}
-
-/// Text of a panic payload.
-fn panic_text(payload: Box<dyn std::any::Any + Send>) -> String {
-    payload
-        .downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| payload.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "cudarc panicked".into())
-}
-
-/// The text of a cudarc error in [`NcclError::Call`].
-pub(super) trait CallText {
-    fn text(&self) -> String;
-}
-
-impl CallText for cudarc::driver::DriverError {
-    fn text(&self) -> String {
-        format!("{self:?}")
-    }
-}
-
-/// cudarc's NCCL error prints neither the result code nor NCCL's text for it: both are
-/// given here (a caller tells "two ranks on one GPU", `ncclInvalidUsage`, from the rest).
-impl CallText for cudarc::nccl::result::NcclError {
-    fn text(&self) -> String {
-        // SAFETY: ncclGetErrorString takes any result code and returns a static
-        // NUL-terminated string, or null, which is checked.
-        let said = unsafe { cudarc::nccl::sys::ncclGetErrorString(self.0) };
-        let said = match said.is_null() {
-            true => "no text".into(),
-            false => unsafe { std::ffi::CStr::from_ptr(said) }.to_string_lossy(),
-        };
-        format!("{:?} ({said})", self.0)
-    }
-}
-
-/// Runs a cudarc call, turning its error or panic into [`NcclError::Call`].
-pub(super) fn call<T, E: CallText>(
-    rank: usize,
-    op: &'static str,
-    f: impl FnOnce() -> Result<T, E>,
-) -> Result<T, NcclError> {
-    match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(Ok(v)) => Ok(v),
-        Ok(Err(e)) => Err(NcclError::Call {
-            rank,
-            op,
-            message: e.text(),
-        }),
-        Err(p) => Err(NcclError::Call {
-            rank,
-            op,
-            message: panic_text(p),
-        }),
-    }
 }
 
 type Reply<T> = mpsc::Sender<Result<T, NcclError>>;

@@ -71,11 +71,14 @@ use crate::tensor::{Backend, CpuBackend};
 mod eval;
 mod planned;
 mod replica;
+mod round;
 mod slice_plan;
 pub(crate) mod state;
 
 pub use eval::HeldOutEval;
 use replica::ReplicaTrainer;
+pub use round::RoundPost;
+use round::{Deposit, Frozen};
 pub use slice_plan::{SliceCost, SlicePlan, modelled_costs};
 
 /// Every this many target steps, micro-batch 0's rows are held out of training.
@@ -93,67 +96,6 @@ struct Replica {
     trainer: Box<dyn ReplicaTrainer>,
     /// The round this replica posted and has not applied yet.
     posted: Option<u64>,
-}
-
-/// A frozen copy deposited by the rank that holds it: `(target step, values)`.
-type Deposit = Option<(u64, Arc<Vec<f32>>)>;
-
-#[derive(Clone, Default)]
-struct Frozen {
-    embed: Deposit,
-    head: Deposit,
-}
-
-impl Frozen {
-    /// Takes the copies `chunk` holds, as of target step `step`.
-    fn take_from<C: Backend>(&mut self, chunk: &ModelChunk<C>, step: u64) {
-        if let Ok(values) = chunk.param_values("embed.tok") {
-            self.embed = Some((step, Arc::new(values)));
-        }
-        if let Ok(values) = chunk.param_values("head.w") {
-            self.head = Some((step, Arc::new(values)));
-        }
-    }
-
-    /// `grads` posted with these copies, as it travels between processes.
-    fn post(&self, grads: &DrafterGrads) -> RoundPost {
-        let copy = |d: &Deposit| d.as_ref().map(|(s, v)| (*s, v.to_vec()));
-        RoundPost {
-            grads: grads.clone(),
-            embed: copy(&self.embed),
-            head: copy(&self.head),
-        }
-    }
-
-    /// A post from another process: its copies and gradients.
-    fn of_post(post: RoundPost) -> (Frozen, DrafterGrads) {
-        let arc = |d: Option<(u64, Vec<f32>)>| d.map(|(s, v)| (s, Arc::new(v)));
-        let frozen = Frozen {
-            embed: arc(post.embed),
-            head: arc(post.head),
-        };
-        (frozen, post.grads)
-    }
-
-    /// Keeps, of each copy, the newer deposit.
-    fn merge(&mut self, other: Frozen) {
-        for (mine, theirs) in [(&mut self.embed, other.embed), (&mut self.head, other.head)] {
-            if let Some((step, values)) = theirs
-                && mine.as_ref().is_none_or(|(s, _)| *s < step)
-            {
-                *mine = Some((step, values));
-            }
-        }
-    }
-}
-
-/// One replica's post of a round as it travels between processes: its gradients and the
-/// frozen copies its rank had deposited, `(target step, values)`.
-#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
-pub struct RoundPost {
-    pub grads: DrafterGrads,
-    pub embed: Option<(u64, Vec<f32>)>,
-    pub head: Option<(u64, Vec<f32>)>,
 }
 
 /// The other processes of a multi-process run, told of what this process's replica does.

@@ -28,6 +28,7 @@ pub mod prompts;
 pub mod reward;
 pub mod rollout;
 pub mod speculative;
+pub mod step_metrics;
 pub mod trainer;
 pub mod trainer_rollout;
 pub mod trainer_spec;

@@ -156,7 +156,7 @@ fn probe_libraries() -> std::result::Result<(), DeviceError> {
 }
 
 /// Text of a panic payload (cudarc panics on missing symbols in an old driver).
-fn panic_text(payload: Box<dyn std::any::Any + Send>) -> String {
+pub(crate) fn panic_text(payload: Box<dyn std::any::Any + Send>) -> String {
     payload
         .downcast_ref::<&str>()
         .map(|s| s.to_string())

@@ -1,0 +1,70 @@
+//! One line of an RL run's `metrics.jsonl` ([`RlStepMetrics`]): what a GRPO step's rollout,
+//! drafter, reference and update took and produced (`pipefill::rl::trainer` fills it).
+
+use serde::Serialize;
+
+/// One line of the RL run's `metrics.jsonl`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RlStepMetrics {
+    /// 0-based RL step.
+    pub step: u64,
+    /// Mean reward of the step's rollouts (the share answered correctly).
+    pub reward: f64,
+    /// Groups whose rewards differ (the only ones with a gradient).
+    pub informative_groups: usize,
+    /// Groups the update left out, and sequences (no KL term: advantage 0, exactly no
+    /// gradient; see [`super::update::skippable`]).
+    pub skipped_groups: usize,
+    pub skipped_sequences: usize,
+    /// Micro-batches the update ran (`rl.prompts` when nothing is skipped).
+    pub update_micro_batches: usize,
+    pub sequences: usize,
+    /// Generated tokens (up to and with `EOS`).
+    pub generated_tokens: usize,
+    /// Generation time (drafter training excluded).
+    pub rollout_seconds: f64,
+    /// The drafter's time on the step's critical path, outside the rollout proper: with
+    /// `rl.advanced.drafter_work = "idle-then-after"` the held-out evaluation and the slices that did not
+    /// fit the stages' idle time; with `"defer"` only the first step's one-off measurement
+    /// of the idle work's costs (see `drafter_work`).
+    pub drafter_seconds: f64,
+    /// The reference's log-probs of the rollouts (KL only; 0 without).
+    pub reference_seconds: f64,
+    pub update_seconds: f64,
+    /// Rollout time / whole step time (rollout + drafter + reference + update).
+    pub rollout_share: f64,
+    /// Idle time of the rollout's stage threads, summed over stages, and the part filled
+    /// with routed work (verification passes and drafter slices).
+    pub rollout_idle_seconds: Option<f64>,
+    pub rollout_idle_filled_seconds: Option<f64>,
+    /// Drafter-training slices run in that idle time.
+    pub idle_drafter_slices: usize,
+    /// The drafter's work and where it ran: in the idle gaps, after the rollout, carried
+    /// to the next step or dropped (`rl.advanced.drafter_work`; engines with an idle router).
+    pub drafter_work: Option<crate::rl::rollout::idle::DrafterAccount>,
+    /// Mean k3 KL to the reference per completion token (KL only).
+    pub kl: Option<f64>,
+    /// The whole step: prompts, rollout, drafter, rewards, reference, update.
+    pub step_seconds: f64,
+    /// Generated tokens per second of rollout.
+    pub tokens_per_s: f64,
+    /// Whether the rollouts decoded speculatively.
+    pub speculation: bool,
+    /// `tokens_per_s` when speculating (else null).
+    pub tokens_per_s_sd: Option<f64>,
+    /// `tokens_per_s` when not speculating (else null).
+    pub tokens_per_s_plain: Option<f64>,
+    /// Live sequences after each decode iteration.
+    pub live_batch: Vec<usize>,
+    pub acceptance_length: Option<f64>,
+    pub chosen_k: Option<f64>,
+    pub drafter_agreement: Option<f64>,
+    /// The update's loss as the pipeline combines its micro-batches' losses: `Σ_i A_i/n ·
+    /// NLL_i` over the sequences' mean NLLs (its gradient is GRPO's), or with KL the GRPO
+    /// loss, the mean over sequences of their mean per-token loss.
+    pub surrogate_loss: f32,
+    pub grad_norm: f32,
+    pub lr: f32,
+    /// The update's measured bubble ratio.
+    pub bubble_ratio: Option<f64>,
+}
