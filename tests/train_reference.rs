@@ -259,13 +259,14 @@ fn cli_trains_a_tiny_job_with_schedule_none() {
     let ckpt = Checkpoint::load(&dir.path().join("checkpoint")).unwrap();
     assert_eq!(ckpt.meta.step, 3);
 
-    // Resuming continues the same run: two more steps, appended metrics.
+    // Resuming continues the same run: two more steps, appended metrics. `--resume` names
+    // the run directory (its newest checkpoint, checkpoint/ here), as for a pipelined run.
     let tiny = ["--set", "model.layers=1", "--set", "train.threads=1"];
     let out = std::process::Command::new(exe)
         .args(["train", "--schedule", "none", "--steps", "5"])
         .args(tiny)
         .arg("--resume")
-        .arg(dir.path().join("checkpoint"))
+        .arg(dir.path())
         .arg("--out-dir")
         .arg(dir.path())
         .output()

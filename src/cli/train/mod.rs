@@ -36,6 +36,7 @@ use pipefill::data::{DataSource, DatasetSummary, StepData};
 use pipefill::launch::RankEnv;
 use pipefill::model::Gpt;
 use pipefill::model::checkpoint::Checkpoint;
+use pipefill::model::checkpoint::resume::ResumePoint;
 use pipefill::run::{Existing, Resume, RunDir, RunLog, StepLine, steps_left};
 use pipefill::tensor::device::Device;
 use pipefill::tensor::{Backend, CpuBackend};
@@ -224,8 +225,17 @@ fn train_reference<B: Backend>(
     run_dir: &RunDir,
     mut trainer: Trainer<B>,
 ) -> anyhow::Result<()> {
-    if let Some(dir) = resume {
-        let checkpoint = Checkpoint::load(dir)?;
+    if let Some(path) = resume {
+        // A run directory, or a checkpoint in one, as the pipelined runs take it.
+        let dir = match ResumePoint::find(path)? {
+            ResumePoint::Whole(dir) => dir,
+            ResumePoint::Sharded(dir) => bail!(
+                "{}: a sharded checkpoint of a pipelined run; schedule \"none\" resumes from a \
+                 whole-model one (a run's checkpoint/)",
+                dir.display()
+            ),
+        };
+        let checkpoint = Checkpoint::load(&dir)?;
         trainer.restore(&checkpoint)?;
         println!("resumed from {} at step {}", dir.display(), trainer.step());
     }

@@ -11,15 +11,14 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use anyhow::{Context, bail};
+use anyhow::Context;
 
 use pipefill::config::DeviceKind;
 use pipefill::config::{Filler, JobConfig};
 use pipefill::data::StepData;
-use pipefill::model::checkpoint::sharded::{
-    CHECKPOINTS_DIR, Layout, MANIFEST_FILE, Manifest, job_fingerprint, latest, load_sharded,
-};
-use pipefill::model::checkpoint::{Checkpoint, META_FILE};
+use pipefill::model::checkpoint::Checkpoint;
+use pipefill::model::checkpoint::resume::ResumePoint;
+use pipefill::model::checkpoint::sharded::{Layout, job_fingerprint, load_sharded};
 use pipefill::pipeline::feed::StepFeed;
 use pipefill::pipeline::{PipelineTrainer, StepView};
 use pipefill::profile::report::{ActionCosts, action_costs};
@@ -183,47 +182,20 @@ fn baseline(
     ))
 }
 
-/// The checkpoint `--resume PATH` names: a run directory (the newest of its complete sharded
-/// `checkpoints/step-N/` and its final `checkpoint/`), a sharded checkpoint directory, or a
-/// whole-model checkpoint directory. A sharded one must have been written by this job's
-/// layout and settings (checked against its manifest).
+/// The checkpoint `--resume PATH` names ([`ResumePoint::find`]: a run directory's newest, a
+/// sharded checkpoint directory, or a whole-model one). A sharded one must have been written
+/// by this job's layout and settings (checked against its manifest).
 fn load_resume(path: &Path, trainer: &PipelineTrainer) -> anyhow::Result<Checkpoint> {
-    let layout = Layout {
-        dp: 1,
-        stage_rank: trainer.plan().stage_rank.clone(),
-    };
-    let hash = job_fingerprint(trainer.job());
-    let sharded = |dir: &Path| {
-        load_sharded(dir, &layout, &hash)
-            .with_context(|| format!("cannot resume from {}", dir.display()))
-    };
-    if path.join(MANIFEST_FILE).is_file() {
-        return sharded(path);
-    }
-    if path.join(META_FILE).is_file() {
-        return Ok(Checkpoint::load(path)?);
-    }
-    let newest_sharded = latest(path)?;
-    let whole = path.join("checkpoint");
-    let whole_step = match whole.join(META_FILE).is_file() {
-        true => Some(Checkpoint::load(&whole)?.meta.step),
-        false => None,
-    };
-    match (newest_sharded, whole_step) {
-        (Some(dir), Some(step)) if step > Manifest::read(&dir)?.step => {
-            Ok(Checkpoint::load(&whole)?)
+    let context = |dir: &Path| format!("cannot resume from {}", dir.display());
+    match ResumePoint::find(path).with_context(|| context(path))? {
+        ResumePoint::Sharded(dir) => {
+            let layout = Layout {
+                dp: 1,
+                stage_rank: trainer.plan().stage_rank.clone(),
+            };
+            let hash = job_fingerprint(trainer.job());
+            load_sharded(&dir, &layout, &hash).with_context(|| context(&dir))
         }
-        (Some(dir), _) => sharded(&dir),
-        (None, Some(_)) => Ok(Checkpoint::load(&whole)?),
-        (None, None) if path.join(CHECKPOINTS_DIR).is_dir() => bail!(
-            "{}: no complete checkpoint in {CHECKPOINTS_DIR}/ (none has its manifest: the run \
-             stopped while writing them)",
-            path.display()
-        ),
-        (None, None) => bail!(
-            "{}: not a checkpoint or a run directory with one (no {MANIFEST_FILE}, {META_FILE}, \
-             {CHECKPOINTS_DIR}/ or checkpoint/)",
-            path.display()
-        ),
+        ResumePoint::Whole(dir) => Checkpoint::load(&dir).with_context(|| context(&dir)),
     }
 }
