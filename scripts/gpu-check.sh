@@ -151,10 +151,13 @@ JOB=(--set 'schedule="zb-h1"' --set 'filler="none"' --set model.d_model=32 --set
      --set train.micro_batch_size=2 --set train.steps=3 --set train.clip=0.5 --set train.lr=1e-3
      --set train.eval_tasks=0 --set data.summary_tasks=20)
 
-# by_hand NAME STAGES DP DEVICE TRANSPORT: a 2-rank job whose ranks this script starts
-# itself, both with local rank 0 (as on two one-GPU machines): on one GPU both use cuda:0.
+# by_hand NAME STAGES DP DEVICE TRANSPORT [rl]: a 2-rank job (training, or with `rl` the
+# RL job of the checks' RL settings) whose ranks this script starts itself, both with local
+# rank 0 (as on two one-GPU machines): on one GPU both use cuda:0.
 by_hand() {
-    local name="$1" stages="$2" dp="$3" device="$4" transport="$5" port token r rc=0
+    local name="$1" stages="$2" dp="$3" device="$4" transport="$5" what="${6:-train}"
+    local port token r rc=0 extra=()
+    [ "$what" = rl ] && extra=("${RL[@]}" --steps 2)
     port="$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
     token="$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n')"
     say "$name: 2 ranks started by hand, local rank 0 each, device $device, transport $transport"
@@ -162,7 +165,7 @@ by_hand() {
     for r in 0 1; do
         PIPEFILL_RANK="$r" PIPEFILL_WORLD_SIZE=2 PIPEFILL_LOCAL_RANK=0 \
             PIPEFILL_MASTER_ADDR=127.0.0.1 PIPEFILL_MASTER_PORT="$port" PIPEFILL_TOKEN="$token" \
-            timeout "$STEP_LIMIT" "$EXE" train "${JOB[@]}" --set "stages=$stages" --set "dp=$dp" \
+            timeout "$STEP_LIMIT" "$EXE" "$what" "${JOB[@]}" "${extra[@]}" --set "stages=$stages" --set "dp=$dp" \
             --set "device=\"$device\"" --set "transport=\"$transport\"" \
             --out-dir "$OUT/$name" >"$OUT/$name.rank$r.log" 2>&1 &
         pids+=("$!")
@@ -327,6 +330,8 @@ if part checks; then
             compare "pp=2 gpu-vs-cpu (tcp)" "$OUT/pp2-cuda-tcp" "$OUT/pp2-cpu" "$TOL_DEVICE" 1
         by_hand dp2-cuda-tcp 1 2 cuda tcp && launched dp2-cpu 2 1 2 cpu tcp &&
             compare "dp=2 gpu-vs-cpu (tcp)" "$OUT/dp2-cuda-tcp" "$OUT/dp2-cpu" "$TOL_DEVICE" 1
+        # A launched rl on the GPU: rank 0's rollouts and both ranks' update stages.
+        by_hand rl2-cuda-tcp 2 1 cuda tcp rl
     fi
 fi
 

@@ -174,6 +174,16 @@ fn launched_cpu_ranks_refuse_nccl_clearly() {
     }
 }
 
+/// A short RL run on `cuda` (two warm-up steps, 2 × 2 sequences of up to 8 tokens).
+const RL_ON_CUDA: &[&str] = &[
+    "device=\"cuda\"",
+    "rl.warmup_steps=2",
+    "rl.prompts=2",
+    "rl.group=2",
+    "rl.max_new_tokens=8",
+    "rl.drafter_slices=2",
+];
+
 /// `pipefill rl` on `cuda`: with a usable GPU the in-process run trains there (policy,
 /// rollouts, drafter and the update's ranks); without one, one error naming `device` before
 /// anything ran.
@@ -182,14 +192,7 @@ fn rl_on_cuda_runs_on_the_gpu_or_names_the_device() {
     let dir = tempfile::tempdir().unwrap();
     let out_dir = dir.path().join("rl");
     let mut args = vec!["rl".to_string(), "--steps".into(), "2".into()];
-    for s in JOB.iter().chain(&[
-        "device=\"cuda\"",
-        "rl.warmup_steps=2",
-        "rl.prompts=2",
-        "rl.group=2",
-        "rl.max_new_tokens=8",
-        "rl.drafter_slices=2",
-    ]) {
+    for s in JOB.iter().chain(RL_ON_CUDA) {
         args.push("--set".into());
         args.push(s.to_string());
     }
@@ -210,6 +213,44 @@ fn rl_on_cuda_runs_on_the_gpu_or_names_the_device() {
     assert!(stderr.contains(&expected), "{}", text(&out));
     // Refused before anything ran: no warm-up, no run directory.
     assert!(!out_dir.exists());
+}
+
+/// A launched `pipefill rl` on `cuda`: each rank computes on its local rank's GPU (the
+/// policy and rollouts on rank 0's); a rank whose GPU cannot be used says so, naming
+/// `device`, before anything ran.
+#[test]
+fn launched_rl_on_cuda_runs_on_the_gpus_or_names_the_device() {
+    let dir = tempfile::tempdir().unwrap();
+    let out_dir = dir.path().join("rl");
+    let mut args: Vec<String> = ["launch", "-n", "2", "--", "rl", "--steps", "2"]
+        .map(String::from)
+        .to_vec();
+    for s in JOB.iter().chain(RL_ON_CUDA) {
+        args.push("--set".into());
+        args.push(s.to_string());
+    }
+    args.extend(["--out-dir".into(), out_dir.display().to_string()]);
+    let out = run(&args);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{}", text(&out));
+    if cuda_usable(0) && cuda_usable(1) {
+        assert!(out.status.success(), "{}", text(&out));
+        let metrics = std::fs::read_to_string(out_dir.join("metrics.jsonl")).unwrap();
+        assert_eq!(metrics.lines().count(), 2, "{metrics}");
+        return;
+    }
+    assert!(!out.status.success(), "{}", text(&out));
+    for rank in 0..2 {
+        let device = Device::Cuda { ordinal: rank };
+        let Err(reason) = device.check_available() else {
+            continue;
+        };
+        let expected = format!(
+            "[rank {rank}] error: invalid `device`: \"cuda\" (cuda:{rank}) cannot be used here: {reason}"
+        );
+        assert!(stderr.contains(&expected), "{expected}\n{}", text(&out));
+    }
+    assert!(!out_dir.join("metrics.jsonl").exists());
 }
 
 /// The library's in-process pipeline reaches the same check: a job on `cuda` where CUDA

@@ -110,13 +110,6 @@ pub fn run(args: RlArgs) -> anyhow::Result<()> {
     }
     let existing = Existing::overwrite(args.overwrite);
     if rank_env.is_distributed() {
-        if cuda {
-            // The launched ranks' rollouts and updates compute on the CPU only so far.
-            bail!(
-                "device = \"cuda\": a launched pipefill rl computes on the CPU only for now; \
-                 run it in one process (`pipefill rl`), or set device = \"cpu\""
-            );
-        }
         return crate::cli::launch::rl_distributed(&job, &rank_env, checkpoint, existing);
     }
     // Before any work: a run directory that holds another run ends the run at once.

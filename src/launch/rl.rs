@@ -77,6 +77,7 @@ use crate::rl::prompts::PromptSource;
 use crate::rl::trainer::{RlError, fitted_update, update_job_of, warm_up_job};
 use crate::rl::trainer_spec::PipelineRollouts;
 use crate::tensor::CpuBackend;
+use crate::tensor::device::RankBackend;
 use crate::train::StepMetrics;
 use crate::train::reference::adamw_config;
 use rank::Ctx;
@@ -218,8 +219,27 @@ pub fn rl_rank(
     rl_rank_with(job, mesh, clock, init, RankOptions::default(), on_step)
 }
 
-/// [`rl_rank`] with `options` (every rank passes the same).
+/// [`rl_rank`] with `options` (every rank passes the same), on one CPU thread.
 pub fn rl_rank_with(
+    job: &JobConfig,
+    mesh: &Arc<TcpMesh>,
+    clock: Clock,
+    init: Option<&Checkpoint>,
+    options: RankOptions,
+    on_step: impl FnMut(&RlLaunchStep),
+) -> Result<Option<RlLaunchRun>, RlLaunchError> {
+    let backend = CpuBackend::new(1).map_err(|e| RlLaunchError::Rl {
+        rank: mesh.rank(),
+        error: Box::new(ModelError::from(e).into()),
+    })?;
+    rl_rank_on(backend, job, mesh, clock, init, options, on_step)
+}
+
+/// [`rl_rank_with`] computing on `backend` (a launched rank's: its local rank's GPU with
+/// `device = "cuda"`): the policy, rank 0's rollouts and drafter, and this rank's stages of
+/// every update. Tensors between the ranks go over the mesh (TCP).
+pub fn rl_rank_on<B: RankBackend>(
+    backend: B,
     job: &JobConfig,
     mesh: &Arc<TcpMesh>,
     clock: Clock,
@@ -236,7 +256,6 @@ pub fn rl_rank_with(
         rank,
         error: Box::new(error),
     };
-    let backend = CpuBackend::new(1).map_err(|e| rl_err(ModelError::from(e).into()))?;
     job.rl
         .validate(job.model.seq_len)
         .map_err(|e| rl_err(e.into()))?;
@@ -386,8 +405,11 @@ pub fn starting_drafter<'a>(
 
 /// Rank 0's rollout engine, its drafter warm-started from [`starting_drafter`] (weights and
 /// optimizer moments, as in-process).
-fn rollout_engine(job: &JobConfig, init: Option<&Checkpoint>) -> Result<PipelineRollouts, RlError> {
-    let engine = PipelineRollouts::new(job)?;
+fn rollout_engine<B: RankBackend>(
+    job: &JobConfig,
+    init: Option<&Checkpoint>,
+) -> Result<PipelineRollouts<B>, RlError> {
+    let engine = PipelineRollouts::<B>::on(job)?;
     match starting_drafter(job, init) {
         Some(state) => engine.with_drafter(state),
         None => Ok(engine),
@@ -421,12 +443,12 @@ fn replica_plan(
 /// The policy RL starts from, as this rank holds it: `init`'s whole model and optimizer, or
 /// `rl.warmup_steps` supervised steps pipelined over the processes (its own stages current,
 /// alive with `keep`, else exported for the first weight sync).
-fn start(
-    ctx: &Ctx<'_>,
+fn start<B: RankBackend>(
+    ctx: &Ctx<'_, B>,
     job: &JobConfig,
     init: Option<&Checkpoint>,
     keep: bool,
-) -> Result<RankState, RlLaunchError> {
+) -> Result<RankState<B>, RlLaunchError> {
     let (rl_err, pipeline_err) = (ctx.rl_err(), ctx.pipeline_err());
     if let Some(c) = init {
         // Blank: the restore sets every parameter (and fails on a missing one).
@@ -496,8 +518,8 @@ fn shares(batches: &[crate::data::MicroBatch], scales: &[f32], dp: usize) -> Vec
 /// there only); empty elsewhere. On [`RL_CHANNEL`] in the binary frame, not launch train's
 /// JSON step log: a replica whose loss scales sum to zero reports a NaN loss, which JSON
 /// cannot carry.
-fn gather_losses(
-    ctx: &Ctx<'_>,
+fn gather_losses<B: RankBackend>(
+    ctx: &Ctx<'_, B>,
     last_stage: usize,
     log: Vec<StepMetrics>,
 ) -> Result<Vec<Vec<StepMetrics>>, RlLaunchError> {

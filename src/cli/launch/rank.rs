@@ -11,6 +11,7 @@ use anyhow::{Context, bail};
 use pipefill::config::JobConfig;
 use pipefill::launch::auto::AutoChoice;
 use pipefill::launch::profile::mean_cost;
+use pipefill::launch::rl::{RankOptions, RlLaunchRun, RlLaunchStep, rl_rank_on};
 use pipefill::launch::train::{RankResume, train_rank};
 use pipefill::launch::{RankEnv, join, join_timeout, listen_ip};
 use pipefill::model::checkpoint::resume::{ResumePoint, verify_files};
@@ -19,6 +20,7 @@ use pipefill::profile::merge::MergedProfile;
 use pipefill::profile::report::RunInfo;
 use pipefill::run::{Existing, Resume, RunDir, RunLog, StepLine, steps_left};
 use pipefill::schedules::{Plan, simulate};
+use pipefill::tensor::device::{OnBackend, RankBackend, on_backend};
 
 /// `pipefill train` as one rank of a multi-process job: joins the others, trains this
 /// rank's stages (each rank writing its shard of the sharded checkpoints), and on rank 0
@@ -264,7 +266,6 @@ pub fn rl_distributed(
     init: Option<pipefill::model::checkpoint::Checkpoint>,
     existing: Existing,
 ) -> anyhow::Result<()> {
-    use pipefill::launch::rl::rl_rank;
     let rank = env.rank;
     // Rank 0 writes the run directory; it is claimed before any rank joins.
     let run_dir = match rank {
@@ -299,7 +300,7 @@ pub fn rl_distributed(
     }
     watchdog(&mesh);
     let mut lines = String::new();
-    let run = rl_rank(job, &mesh, job.clock.runtime(), init.as_ref(), |m| {
+    let on_step = |m: &RlLaunchStep| {
         println!(
             "step {:>4}/{} reward {:.3} | rollout {:.2} s | weight sync {:.3} s | update {:.2} s, loss {:+.4}, grad norm {:.3}",
             m.step + 1,
@@ -313,7 +314,17 @@ pub fn rl_distributed(
         );
         lines += &serde_json::to_string(m).expect("a step line always serializes");
         lines.push('\n');
-    })?;
+    };
+    // This rank computes on its local rank's GPU with device = "cuda", else a CPU thread.
+    let ranked = Ranked {
+        job,
+        mesh: &mesh,
+        init: init.as_ref(),
+        local_rank: env.local_rank,
+        on_step,
+    };
+    let cuda = job.device == pipefill::config::DeviceKind::Cuda;
+    let run = on_backend(cuda, ranked)??;
     let (Some(mut run), Some(run_dir)) = (run, run_dir) else {
         return Ok(());
     };
@@ -331,4 +342,30 @@ pub fn rl_distributed(
         out_dir.display()
     );
     Ok(())
+}
+
+/// A launched rl rank's run on the backend of its device ([`on_backend`]).
+struct Ranked<'a, F> {
+    job: &'a JobConfig,
+    mesh: &'a std::sync::Arc<pipefill::comm::tcp::TcpMesh>,
+    init: Option<&'a pipefill::model::checkpoint::Checkpoint>,
+    local_rank: usize,
+    on_step: F,
+}
+
+impl<F: FnMut(&RlLaunchStep)> OnBackend for Ranked<'_, F> {
+    type Output = anyhow::Result<Option<RlLaunchRun>>;
+    fn run<B: RankBackend>(self) -> Self::Output {
+        let backend = B::for_rank(self.local_rank)?;
+        let job = self.job;
+        Ok(rl_rank_on(
+            backend,
+            job,
+            self.mesh,
+            job.clock.runtime(),
+            self.init,
+            RankOptions::default(),
+            self.on_step,
+        )?)
+    }
 }

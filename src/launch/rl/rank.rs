@@ -33,7 +33,8 @@ use crate::rl::trainer::{
 };
 use crate::rl::trainer_spec::PipelineRollouts;
 use crate::schedules::Plan;
-use crate::tensor::CpuBackend;
+use crate::tensor::Backend;
+use crate::tensor::device::RankBackend;
 use crate::train::StepMetrics;
 
 /// A step's rollouts on the wire: `(prompt, generated)` token ids, the advantages and,
@@ -93,7 +94,7 @@ pub(super) struct RolloutFigures {
 }
 
 /// This rank on the mesh, and how its pipelines run: global rank `replica × pp + prank`.
-pub(super) struct Ctx<'a> {
+pub(super) struct Ctx<'a, B: RankBackend> {
     pub mesh: &'a Arc<TcpMesh>,
     pub rank: usize,
     pub replica: usize,
@@ -102,16 +103,16 @@ pub(super) struct Ctx<'a> {
     pub pp: usize,
     pub dp: usize,
     pub clock: Clock,
-    pub backend: CpuBackend,
+    pub backend: B,
 }
 
 /// One pipeline's transports, opened (registered on the mesh) before the step is released.
-pub(super) struct Links {
-    tensors: Arc<dyn Transport<<CpuBackend as crate::tensor::Backend>::Buf>>,
+pub(super) struct Links<B: Backend> {
+    tensors: Arc<dyn Transport<B::Buf>>,
     stats: Arc<dyn Transport<GradStats>>,
 }
 
-impl Ctx<'_> {
+impl<B: RankBackend> Ctx<'_, B> {
     pub fn link_err(&self, peer: usize, what: &'static str) -> impl Fn(LinkError) -> RlLaunchError {
         let (rank, mesh) = (self.rank, Arc::clone(self.mesh));
         move |source| match mesh.failure() {
@@ -152,7 +153,7 @@ impl Ctx<'_> {
     }
 
     /// The transports of this rank's replica's pipeline (mesh ranks `replica × pp ..`).
-    pub fn links(&self) -> Result<Links, RlLaunchError> {
+    pub fn links(&self) -> Result<Links<B>, RlLaunchError> {
         let base = self.replica * self.pp;
         let err = |error| RlLaunchError::Group {
             rank: self.rank,
@@ -184,10 +185,10 @@ impl Ctx<'_> {
         plan: &Plan,
         feed: Arc<StepFeed>,
         (first_step, steps): (u64, u64),
-        start: Start<'_>,
+        start: Start<'_, B>,
         keep: bool,
-        links: Links,
-    ) -> Result<(RunReport, Ended, Vec<StepMetrics>), RlLaunchError> {
+        links: Links<B>,
+    ) -> Result<(RunReport, Ended<B>, Vec<StepMetrics>), RlLaunchError> {
         let (rank, prank) = (self.rank, self.prank);
         let err = self.pipeline_err();
         feed.prefetch(first_step);
@@ -272,7 +273,7 @@ impl Ctx<'_> {
     /// opened the step's transports), and rank 0 takes them into `state`. Mid-run a kept
     /// rank sends its parameters only; the `last` sync sends the moments too (see
     /// [`super::state`]).
-    pub fn sync_weights(&self, state: &mut RankState, last: bool) -> Result<(), RlLaunchError> {
+    pub fn sync_weights(&self, state: &mut RankState<B>, last: bool) -> Result<(), RlLaunchError> {
         let model_err = |e: ModelError| self.pipeline_err()(e.into());
         if self.rank != 0 {
             let own = if self.replica == 0 {
@@ -307,9 +308,9 @@ impl Ctx<'_> {
     pub fn exchange_rollouts(
         &self,
         job: &JobConfig,
-        engine: Option<(&mut PipelineRollouts, &PromptSource)>,
-        policy: &Gpt<CpuBackend>,
-        reference: Option<&mut Gpt<CpuBackend>>,
+        engine: Option<(&mut PipelineRollouts<B>, &PromptSource)>,
+        policy: &Gpt<B>,
+        reference: Option<&mut Gpt<B>>,
         step: u64,
     ) -> Result<(RolloutWire, Option<RolloutFigures>), RlLaunchError> {
         let Some((engine, prompts)) = engine else {
@@ -387,11 +388,11 @@ impl Ctx<'_> {
 
 /// RL step `step`'s prompts, rollouts under `policy`, rewards and advantages, as the
 /// in-process trainer computes them.
-fn rollout(
+fn rollout<B: RankBackend>(
     job: &JobConfig,
     prompts: &PromptSource,
-    engine: &mut PipelineRollouts,
-    policy: &Gpt<CpuBackend>,
+    engine: &mut PipelineRollouts<B>,
+    policy: &Gpt<B>,
     step: u64,
 ) -> Result<(RolloutWire, RolloutFigures), RlError> {
     let rl = &job.rl;

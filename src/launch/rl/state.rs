@@ -21,45 +21,45 @@ use crate::launch::train::FinalWire;
 use crate::model::{Cut, Gpt, ModelError, OptimizerState};
 use crate::pipeline::compute::RankParts;
 use crate::pipeline::shared::RankFinal;
-use crate::tensor::{Backend, CpuBackend};
+use crate::tensor::Backend;
 
 /// What a rank holds between steps.
-pub(super) struct RankState {
+pub(super) struct RankState<B: Backend> {
     /// A whole model: rank 0's policy, every stage current after each weight sync.
     /// Elsewhere what a rebuilt rank loads its stages from: only this rank's own stages are
     /// kept current here, and only while it holds no [`RankState::kept`] rank.
-    pub model: Gpt<CpuBackend>,
+    pub model: Gpt<B>,
     /// `model`'s optimizer state, current as `model` is; with a kept rank, rank 0 has its
     /// peers' moments only after the final sync.
     pub optimizer: OptimizerState,
     /// The next optimizer step.
     pub step: u64,
     /// The last run's rank, alive: this rank's stages and moments are current there.
-    pub kept: Option<RankParts<CpuBackend>>,
+    pub kept: Option<RankParts<B>>,
     /// The last run's exported stages (no kept rank), for the next weight sync.
     pub exported: FinalWire,
 }
 
 /// Where a rank's pipelined run starts.
-pub(super) enum Start<'a> {
+pub(super) enum Start<'a, B: Backend> {
     /// The job's initial model (the warm-up).
     Fresh,
     /// The stages and moments of a host copy (rank 0's whole state, or a rank's own).
-    Host(&'a RankState),
+    Host(&'a RankState<B>),
     /// The previous run's rank, alive.
-    Kept(RankParts<CpuBackend>),
+    Kept(RankParts<B>),
 }
 
 /// What a rank's pipelined run leaves.
-pub(super) enum Ended {
+pub(super) enum Ended<B: Backend> {
     /// Host copies of its stages and moments.
     Exported(RankFinal),
     /// The rank, alive.
-    Kept(RankParts<CpuBackend>),
+    Kept(RankParts<B>),
 }
 
-impl RankState {
-    pub fn new(model: Gpt<CpuBackend>, optimizer: OptimizerState, step: u64) -> Self {
+impl<B: Backend> RankState<B> {
+    pub fn new(model: Gpt<B>, optimizer: OptimizerState, step: u64) -> Self {
         RankState {
             model,
             optimizer,
@@ -76,7 +76,7 @@ impl RankState {
     /// whatever the step's micro-batch count).
     ///
     /// [`RankCompute::from_parts`]: crate::pipeline::RankCompute
-    pub fn start(&mut self) -> Start<'_> {
+    pub fn start(&mut self) -> Start<'_, B> {
         match self.kept.take() {
             Some(parts) => Start::Kept(parts),
             None => Start::Host(self),
@@ -85,7 +85,7 @@ impl RankState {
 
     /// Takes what a run left: the kept rank, or its exported stages (taken into the host
     /// copy too, and held for the next weight sync).
-    pub fn ended(&mut self, ended: Ended) -> Result<(), ModelError> {
+    pub fn ended(&mut self, ended: Ended<B>) -> Result<(), ModelError> {
         match ended {
             Ended::Kept(parts) => self.kept = Some(parts),
             Ended::Exported(fin) => {
@@ -116,7 +116,7 @@ impl RankState {
         let Some(parts) = &self.kept else {
             return Ok(());
         };
-        let mut params: BTreeMap<String, &mut crate::model::Param<CpuBackend>> = self
+        let mut params: BTreeMap<String, &mut crate::model::Param<B>> = self
             .model
             .params_mut()
             .into_iter()
@@ -150,7 +150,7 @@ impl RankState {
     }
 
     /// A frozen copy of the whole model (the KL reference).
-    pub fn frozen_model(&self, backend: &CpuBackend) -> Result<Gpt<CpuBackend>, ModelError> {
+    pub fn frozen_model(&self, backend: &B) -> Result<Gpt<B>, ModelError> {
         let model = &self.model;
         let mut copy = Gpt::blank(model.config(), backend.clone(), &Cut::Even(1))?;
         for name in model.param_names() {
@@ -162,7 +162,7 @@ impl RankState {
 
 /// Host copies of a kept rank's parameters (and its moments with `moments`; else none and
 /// step 0, which [`RankState::absorb`] leaves as they are).
-fn wire_of(parts: &RankParts<CpuBackend>, moments: bool) -> Result<FinalWire, ModelError> {
+fn wire_of<B: Backend>(parts: &RankParts<B>, moments: bool) -> Result<FinalWire, ModelError> {
     let mut stages = Vec::with_capacity(parts.chunks.len());
     for (&stage, chunk) in &parts.chunks {
         let tensors = chunk
@@ -187,6 +187,7 @@ fn wire_of(parts: &RankParts<CpuBackend>, moments: bool) -> Result<FinalWire, Mo
 mod tests {
     use super::*;
     use crate::model::{AdamW, AdamWConfig, GptConfig, ModelChunk, SlotState};
+    use crate::tensor::CpuBackend;
 
     fn config() -> GptConfig {
         GptConfig {
