@@ -29,7 +29,12 @@ const JOB: &[&str] = &[
 ];
 
 fn train_args(out: &Path, extra: &[&str]) -> Vec<String> {
-    let mut args = vec!["train".to_string()];
+    job_args(&["train"], out, extra)
+}
+
+/// `command` (its words) on [`JOB`] with `extra` settings, into `out`.
+fn job_args(command: &[&str], out: &Path, extra: &[&str]) -> Vec<String> {
+    let mut args: Vec<String> = command.iter().map(|w| w.to_string()).collect();
     for s in JOB.iter().chain(extra) {
         args.push("--set".into());
         args.push(s.to_string());
@@ -191,13 +196,7 @@ const RL_ON_CUDA: &[&str] = &[
 fn rl_on_cuda_runs_on_the_gpu_or_names_the_device() {
     let dir = tempfile::tempdir().unwrap();
     let out_dir = dir.path().join("rl");
-    let mut args = vec!["rl".to_string(), "--steps".into(), "2".into()];
-    for s in JOB.iter().chain(RL_ON_CUDA) {
-        args.push("--set".into());
-        args.push(s.to_string());
-    }
-    args.extend(["--out-dir".into(), out_dir.display().to_string()]);
-    let out = run(&args);
+    let out = run(&job_args(&["rl", "--steps", "2"], &out_dir, RL_ON_CUDA));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!stderr.contains("panicked"), "{}", text(&out));
     if cuda_usable(0) {
@@ -222,15 +221,8 @@ fn rl_on_cuda_runs_on_the_gpu_or_names_the_device() {
 fn launched_rl_on_cuda_runs_on_the_gpus_or_names_the_device() {
     let dir = tempfile::tempdir().unwrap();
     let out_dir = dir.path().join("rl");
-    let mut args: Vec<String> = ["launch", "-n", "2", "--", "rl", "--steps", "2"]
-        .map(String::from)
-        .to_vec();
-    for s in JOB.iter().chain(RL_ON_CUDA) {
-        args.push("--set".into());
-        args.push(s.to_string());
-    }
-    args.extend(["--out-dir".into(), out_dir.display().to_string()]);
-    let out = run(&args);
+    let launch = ["launch", "-n", "2", "--", "rl", "--steps", "2"];
+    let out = run(&job_args(&launch, &out_dir, RL_ON_CUDA));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!stderr.contains("panicked"), "{}", text(&out));
     if cuda_usable(0) && cuda_usable(1) {
