@@ -362,10 +362,7 @@ impl JobConfig {
                 }
                 other => invalid("drafter", other.to_string()),
             })?;
-            let context = self.drafter.unroll_context;
-            if let Some(reason) = context.unsupported_for(&self.model)
-                && self.drafter.unroll >= 2
-            {
+            if let Some(reason) = self.drafter.unsupported_for(&self.model) {
                 return Err(invalid("drafter.unroll_context", reason.into()));
             }
         }
@@ -382,10 +379,6 @@ impl JobConfig {
     }
 }
 
-/// A TOML error as one line: ``line L, column C (`the line`): message`` when it points into
-/// `text`,
-/// `in `section`: message` when it names a field of a document without text (the `--set`
-/// path), so the command line's error stays one line.
 /// Settings that moved to an `advanced` table (internal tuning) or were merged into one,
 /// and where they are now: an old job file's error says so.
 const MOVED: &[(&str, &str)] = &[
@@ -416,6 +409,10 @@ fn with_moved(message: String) -> String {
     }
 }
 
+/// A TOML error as one line: ``line L, column C (`the line`): message`` when it points into
+/// `text`,
+/// `in `section`: message` when it names a field of a document without text (the `--set`
+/// path), so the command line's error stays one line.
 fn one_line(e: &toml::de::Error, text: &str) -> String {
     with_moved(one_line_of(e, text))
 }

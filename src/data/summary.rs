@@ -7,9 +7,9 @@ use std::fmt;
 
 use serde::Serialize;
 
+use super::DataError;
 use super::rng::SplitMix64;
 use super::tasks::{Task, TaskFamily, TaskGenerator};
-use super::{DataConfig, DataError};
 
 /// The sub-stream of the seed used for the summary sample (disjoint from every step's).
 const SUMMARY_STREAM: u64 = u64::MAX;
@@ -32,14 +32,6 @@ pub struct DatasetSummary {
 }
 
 impl DatasetSummary {
-    /// The summary of `config.summary_tasks` tasks drawn like the training stream of `seed`,
-    /// or of a `jsonl` source's documents (read and tokenized here: [`Self::of`] summarises
-    /// data already loaded).
-    pub fn sample(config: &DataConfig, seed: u64) -> Result<Self, DataError> {
-        config.validate()?;
-        Self::of(&super::StepData::new(config.clone(), 1, seed)?)
-    }
-
     /// The summary of the data `data` trains on: for the synthetic tasks,
     /// `data.summary_tasks` tasks drawn like its stream (from a sub-stream of its seed no
     /// step uses); for a `jsonl` source, its documents (lengths in tokens of whole

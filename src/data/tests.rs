@@ -91,9 +91,14 @@ fn tokenizer_round_trips_and_names_unknown_chars() {
     assert_eq!(tok.vocab_size(), 50);
 }
 
+/// The summary of the default data of stream `seed`.
+fn default_summary(seed: u64) -> DatasetSummary {
+    DatasetSummary::of(&StepData::new(DataConfig::default(), 1, seed).unwrap()).unwrap()
+}
+
 #[test]
 fn solution_lengths_are_long_tailed() {
-    let s = DatasetSummary::sample(&DataConfig::default(), 11).unwrap();
+    let s = default_summary(11);
     assert_eq!(s.tasks, DataConfig::default().summary_tasks);
     assert_eq!(s.per_family.len(), 4);
     assert!(s.p99 >= 3 * s.median, "median {}, p99 {}", s.median, s.p99);
@@ -162,6 +167,6 @@ fn streams_are_pinned_across_platforms_and_versions() {
     let mut g = TaskGenerator::new(&TaskFamily::ALL, 1.5, 24, SplitMix64::new(3)).unwrap();
     assert_eq!(g.next_task().text(), "sort 29,47\n29|47\n47|\n#29,47");
     assert_eq!(g.next_task().text(), "count 2 in 02\n0:0 2:1\n#1");
-    let s = DatasetSummary::sample(&DataConfig::default(), 0).unwrap();
+    let s = default_summary(0);
     assert_eq!((s.median, s.p90, s.p99, s.max), (18, 90, 353, 1051));
 }

@@ -111,7 +111,7 @@ impl DraftBatch {
 
     /// Rows of the layout (`batch · seq`).
     pub fn rows(&self) -> usize {
-        self.batch * self.seq
+        self.shape().tokens()
     }
 
     /// Its `batch` sequences of `seq` positions, as the target's layers take them.

@@ -268,6 +268,15 @@ impl Default for DrafterConfig {
 }
 
 impl DrafterConfig {
+    /// Why this drafter cannot train on `target`, if it cannot: unrolled steps (`unroll`
+    /// of 2 or more) in the exact context need the target's plain attention
+    /// ([`UnrollContext::unsupported_for`]).
+    pub fn unsupported_for(&self, target: &crate::model::GptConfig) -> Option<&'static str> {
+        (self.unroll >= 2)
+            .then(|| self.unroll_context.unsupported_for(target))
+            .flatten()
+    }
+
     /// Checks every field; the error names the first bad one.
     pub fn validate(&self) -> Result<()> {
         let bad = |field: &'static str, reason: String| Err(DrafterError::Config { field, reason });

@@ -54,7 +54,7 @@
 use super::loss::argmax;
 use super::masked::ChainAttention;
 use super::net::LossSums;
-use super::{DraftBatch, DraftRow, Drafter, DrafterError, Result, UnrollContext};
+use super::{DraftBatch, DraftRow, Drafter, DrafterError, Result};
 use crate::data::SplitMix64;
 use crate::model::layers::Layer;
 use crate::model::layers::{activation, gradient, linear_bwd_input, linear_bwd_weight, linear_fwd};
@@ -148,7 +148,7 @@ impl<B: Backend> Drafter<B> {
         batch: &mut DraftBatch,
         steps: usize,
     ) -> Result<(LossSums, usize)> {
-        if let Some(reason) = UnrollContext::Exact.unsupported_for(&self.target) {
+        if let Some(reason) = self.config().unsupported_for(&self.target) {
             return Err(DrafterError::Config {
                 field: "unroll_context",
                 reason: reason.into(),

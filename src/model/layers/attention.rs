@@ -175,9 +175,8 @@ impl<B: Backend> Attention<B> {
 
 impl<B: Backend> Layer<B> for Attention<B> {
     /// `y = attn(x)` for `x: [batch·seq, d_model]`.
-    fn forward(&mut self, be: &B, mb: usize, x: &B::Buf, rows: Shape) -> Result<B::Buf> {
-        let Shape { batch, seq } = rows;
-        let rows = batch * seq;
+    fn forward(&mut self, be: &B, mb: usize, x: &B::Buf, s: Shape) -> Result<B::Buf> {
+        let (Shape { batch, seq }, rows) = (s, s.tokens());
         let shape = AttnShape {
             batch,
             seq,
