@@ -170,7 +170,10 @@ fn rl_in_process<B: RankBackend>(
     let out_dir = run_dir.path().to_path_buf();
     let mut metrics = run_dir.create(&job.to_toml(), 0)?;
 
-    let mut engine = PipelineRollouts::<B>::on(job)?;
+    // Rank 0's work (policy, reference, drafter) on one backend, the update's ranks each on
+    // their own.
+    let backend = B::for_rank(0)?;
+    let mut engine = PipelineRollouts::on(job, backend.clone())?;
     let mut version = None;
     if rl.speculation
         && let Some(state) = &checkpoint.drafter
@@ -178,7 +181,7 @@ fn rl_in_process<B: RankBackend>(
         engine = engine.with_drafter(state)?;
         version = Some(engine.drafter_version());
     }
-    let mut trainer = RlTrainer::<B>::on(job, checkpoint)?;
+    let mut trainer = RlTrainer::on(job, checkpoint, backend)?;
     if let (Some(n), Some(path)) = (trainer.prompts().records(), &job.data.path) {
         println!(
             "prompts: {n} prompt/answer records of {} (each once per epoch), scored by rl.reward = {:?}",

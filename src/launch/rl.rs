@@ -288,7 +288,7 @@ pub fn rl_rank_on<B: RankBackend>(
     let mut state = start(&ctx, job, init, keep)?;
 
     let mut engine = (rank == 0)
-        .then(|| rollout_engine(job, init))
+        .then(|| rollout_engine(job, init, backend.clone()))
         .transpose()
         .map_err(rl_err)?;
     let prompts = (rank == 0)
@@ -408,8 +408,9 @@ pub fn starting_drafter<'a>(
 fn rollout_engine<B: RankBackend>(
     job: &JobConfig,
     init: Option<&Checkpoint>,
+    backend: B,
 ) -> Result<PipelineRollouts<B>, RlError> {
-    let engine = PipelineRollouts::<B>::on(job)?;
+    let engine = PipelineRollouts::on(job, backend)?;
     match starting_drafter(job, init) {
         Some(state) => engine.with_drafter(state),
         None => Ok(engine),

@@ -12,6 +12,11 @@ pub struct Gpt<B: Backend> {
 }
 
 impl<B: Backend> Gpt<B> {
+    /// The backend the model computes on (every chunk's).
+    pub fn backend(&self) -> &B {
+        self.chunks[0].backend()
+    }
+
     /// The model of `config`, cut into chunks by `cut` (use `Cut::Even(1)` for one piece).
     pub fn new(config: &GptConfig, backend: B, cut: &Cut) -> Result<Self> {
         let stages = cut.ranges(config.layers)?.len();

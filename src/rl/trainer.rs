@@ -310,20 +310,21 @@ impl RlTrainer<CpuBackend> {
     /// RL from `checkpoint` (a `pipefill train` run's, or [`warm_up`]'s) on the CPU; the
     /// job's model and data seed must be the checkpoint's.
     pub fn new(job: &JobConfig, checkpoint: Checkpoint) -> Result<Self, RlError> {
-        RlTrainer::on(job, checkpoint)
+        let backend = CpuBackend::new(1).map_err(ModelError::from)?;
+        RlTrainer::on(job, checkpoint, backend)
     }
 }
 
 impl<B: RankBackend> RlTrainer<B> {
-    /// RL from `checkpoint` with the policy on rank 0's backend `B` and the update's ranks
-    /// each on their own ([`RankBackend::for_rank`]).
-    pub fn on(job: &JobConfig, checkpoint: Checkpoint) -> Result<Self, RlError> {
+    /// RL from `checkpoint` with the policy (and the KL reference) on `backend`, rank 0's,
+    /// and the update's ranks each on their own ([`RankBackend::for_rank`]).
+    pub fn on(job: &JobConfig, checkpoint: Checkpoint, backend: B) -> Result<Self, RlError> {
         job.validate()?;
         job.rl.validate(job.model.seq_len)?;
-        let policy = restore(job, &checkpoint)?;
         let reference = (job.rl.kl_coef > 0.0)
-            .then(|| restore(job, &checkpoint))
+            .then(|| restore(job, &checkpoint, backend.clone()))
             .transpose()?;
+        let policy = restore(job, &checkpoint, backend)?;
         Ok(RlTrainer {
             job: job.clone(),
             first_update: checkpoint.meta.step,
@@ -340,7 +341,8 @@ impl<B: RankBackend> RlTrainer<B> {
     /// (no effect with `rl.kl_coef = 0`).
     pub fn with_reference(mut self, reference: &Checkpoint) -> Result<Self, RlError> {
         if self.reference.is_some() {
-            self.reference = Some(restore(&self.job, reference)?);
+            let backend = self.policy.backend().clone();
+            self.reference = Some(restore(&self.job, reference, backend)?);
         }
         Ok(self)
     }
@@ -532,11 +534,14 @@ impl<B: RankBackend> RlTrainer<B> {
     }
 }
 
-/// The whole model of `checkpoint` on rank 0's backend `B` (one CPU thread, or the first GPU).
-fn restore<B: RankBackend>(job: &JobConfig, checkpoint: &Checkpoint) -> Result<Gpt<B>, RlError> {
-    let be = B::for_rank(0).map_err(ModelError::from)?;
+/// The whole model of `checkpoint` on `backend`.
+fn restore<B: Backend>(
+    job: &JobConfig,
+    checkpoint: &Checkpoint,
+    backend: B,
+) -> Result<Gpt<B>, RlError> {
     // Blank: the restore sets every parameter (and fails on a missing one).
-    let mut gpt = Gpt::blank(&job.model, be, &Cut::Even(1))?;
+    let mut gpt = Gpt::blank(&job.model, backend, &Cut::Even(1))?;
     let mut optimizer = AdamW::new(adamw_config(&job.train));
     checkpoint.restore(&mut gpt, &mut optimizer, job.train.seed)?;
     Ok(gpt)

@@ -140,19 +140,21 @@ impl PipelineRollouts<CpuBackend> {
     /// The engine for `job`'s `[rl]` on the CPU: its model cut into `job.stages` stages,
     /// its `[drafter]` trained on the rollouts.
     pub fn new(job: &JobConfig) -> Result<Self, RlError> {
-        PipelineRollouts::on(job)
+        let backend = CpuBackend::new(1).map_err(crate::model::ModelError::from)?;
+        PipelineRollouts::on(job, backend)
     }
 }
 
 impl<B: RankBackend> PipelineRollouts<B> {
-    /// [`PipelineRollouts::new`] with the drafter on rank 0's backend `B`, the policy's.
-    pub fn on(job: &JobConfig) -> Result<Self, RlError> {
+    /// [`PipelineRollouts::new`] with the drafter (trainer and proposer) on `backend`, the
+    /// policy's: one stream for rank 0's work.
+    pub fn on(job: &JobConfig, backend: B) -> Result<Self, RlError> {
         let (model, rl, stages) = (&job.model, &job.rl, job.stages);
         let config: &DrafterConfig = &job.drafter;
         config.validate()?;
-        let be = || B::for_rank(0).map_err(crate::model::ModelError::from);
         let buffer = DraftBufferHandle::new(model, config);
-        let trainer = DrafterTrainer::new(Drafter::new(model, config, be()?)?, buffer, 0, 1)?;
+        let drafter = Drafter::new(model, config, backend.clone())?;
+        let trainer = DrafterTrainer::new(drafter, buffer, 0, 1)?;
         let speculation = if rl.speculation {
             let threshold = match rl.spec_threshold {
                 SpecThreshold::Live(n) => n,
@@ -173,7 +175,7 @@ impl<B: RankBackend> PipelineRollouts<B> {
         let trainer = Arc::new(Mutex::new(trainer));
         let router = FillerRouter::default();
         Ok(PipelineRollouts {
-            proposer: Drafter::new(model, config, be()?)?,
+            proposer: Drafter::new(model, config, backend)?,
             rl: rl.clone(),
             stages,
             speculation,
