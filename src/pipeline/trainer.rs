@@ -37,8 +37,8 @@ use crate::config::{Filler, JobConfig, ScheduleChoice};
 use crate::model::checkpoint::Checkpoint;
 use crate::model::{Cut, Gpt, ModelError, OptimizerState};
 use crate::schedules::{AutoReplanner, Plan, ScheduleKind, build, read_plan};
+use crate::tensor::CpuBackend;
 use crate::tensor::device::RankBackend;
-use crate::tensor::{Backend, CpuBackend};
 
 mod kept;
 mod outcome;
@@ -273,24 +273,19 @@ impl PipelineTrainer {
         self.resume.as_ref().map_or(0, |c| c.meta.step)
     }
 
-    /// Rank `rank`'s backend of type `B` (see [`RankBackend`]).
-    fn rank_backend<B: RankBackend>(rank: usize) -> Result<B, PipelineError> {
-        Ok(B::for_rank(rank).map_err(ModelError::from)?)
-    }
-
-    /// One [`RankCompute`] per rank, each on its own backend `backend(rank)` (on the CPU one
-    /// thread each: in virtual-clock mode a stage's thread CPU time must be all of its work).
-    fn computes<B: Backend>(
+    /// One [`RankCompute`] per rank, each on its own backend ([`RankBackend::for_rank`]: on
+    /// the CPU one thread each, since in virtual-clock mode a stage's thread CPU time must be
+    /// all of its work).
+    fn computes<B: RankBackend>(
         &self,
         shared: &Arc<Shared>,
         steps: u64,
-        backend: &dyn Fn(usize) -> Result<B, PipelineError>,
     ) -> Result<Vec<RankCompute<B>>, PipelineError> {
         let (job, plan) = (&self.job, &self.plan);
         let resumed = self.resumed_state()?;
         let mut computes = Vec::with_capacity(plan.num_ranks());
         for rank in 0..plan.num_ranks() {
-            let backend = backend(rank)?;
+            let backend = B::for_rank(rank).map_err(ModelError::from)?;
             let (shared, first) = (Arc::clone(shared), self.first_step());
             let mut compute = match &resumed {
                 Some((gpt, state)) => RankCompute::resumed(

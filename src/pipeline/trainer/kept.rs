@@ -212,7 +212,7 @@ impl PipelineTrainer {
                     )
                 })
                 .collect::<Result<Vec<_>, _>>()?,
-            None => self.computes(&shared, steps, &Self::rank_backend::<B>)?,
+            None => self.computes::<B>(&shared, steps)?,
         };
         let (keep, kept_rx) = channel();
         for compute in &mut computes {

@@ -18,8 +18,8 @@ use crate::data::StepData;
 use crate::model::ModelError;
 use crate::model::drafter::Placement;
 use crate::schedules::{Timeline, simulate};
+use crate::tensor::TensorError;
 use crate::tensor::device::{OnBackend, RankBackend, on_backend};
-use crate::tensor::{Backend, TensorError};
 use crate::train::StepMetrics;
 
 impl PipelineTrainer {
@@ -80,8 +80,7 @@ impl PipelineTrainer {
         impl OnBackend for Run<'_, '_> {
             type Output = Result<PipelineRun, PipelineError>;
             fn run<B: RankBackend>(self) -> Self::Output {
-                self.trainer
-                    .run_on(self.steps, self.on_step, PipelineTrainer::rank_backend::<B>)
+                self.trainer.run_on::<B>(self.steps, self.on_step)
             }
         }
         let cuda = self.job.device == DeviceKind::Cuda;
@@ -97,12 +96,11 @@ impl PipelineTrainer {
         on_backend(cuda, run).map_err(|e| ModelError::from(TensorError::from(e)))?
     }
 
-    /// The run with rank `r` computing on `backend(r)`.
-    fn run_on<B: Backend>(
+    /// The run with each rank computing on its own `B` ([`RankBackend::for_rank`]).
+    fn run_on<B: RankBackend>(
         &self,
         steps: u64,
         on_step: &mut dyn FnMut(&StepView),
-        backend: impl Fn(usize) -> Result<B, PipelineError>,
     ) -> Result<PipelineRun, PipelineError> {
         if steps == 0 {
             return Err(PipelineError::Config {
@@ -131,7 +129,7 @@ impl PipelineTrainer {
                 .with_tie(Shared::tie_in_process(&job.model, plan))
                 .with_checkpoints(self.checkpointing()?),
         );
-        let mut computes = self.computes(&shared, steps, &backend)?;
+        let mut computes = self.computes::<B>(&shared, steps)?;
         let (profiles, profiles_rx) = channel();
         let mut pipeline = self.pipeline(steps).on_iteration(profiles);
         let router = FillerRouter::default();
