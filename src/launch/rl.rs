@@ -1,4 +1,4 @@
-//! GRPO over processes (`pipefill launch -n N -- rl`): [`rl_rank`], one rank's part.
+//! GRPO over processes (`pipefill launch -n N -- rl`): [`rl_rank_on`], one rank's part.
 //!
 //! The design of RL systems that shard the training engine and sync weights to a rollout
 //! engine: the update is pipelined over the processes (each holds its plan rank's stages and
@@ -206,20 +206,10 @@ impl Default for RankOptions {
     }
 }
 
-/// Runs `job`'s RL (`rl.steps` GRPO steps) as the mesh's rank, from `init` when given (every
-/// rank passes the same checkpoint) or after `rl.warmup_steps` supervised steps. Rank 0 calls
-/// `on_step` after each step and returns the final policy; the other ranks return `None`.
-pub fn rl_rank(
-    job: &JobConfig,
-    mesh: &Arc<TcpMesh>,
-    clock: Clock,
-    init: Option<&Checkpoint>,
-    on_step: impl FnMut(&RlLaunchStep),
-) -> Result<Option<RlLaunchRun>, RlLaunchError> {
-    rl_rank_with(job, mesh, clock, init, RankOptions::default(), on_step)
-}
-
-/// [`rl_rank`] with `options` (every rank passes the same), on one CPU thread.
+/// Runs `job`'s RL (`rl.steps` GRPO steps) as the mesh's rank, on one CPU thread, from
+/// `init` when given (every rank passes the same checkpoint) or after `rl.warmup_steps`
+/// supervised steps, with `options` (every rank passes the same). Rank 0 calls `on_step`
+/// after each step and returns the final policy; the other ranks return `None`.
 pub fn rl_rank_with(
     job: &JobConfig,
     mesh: &Arc<TcpMesh>,

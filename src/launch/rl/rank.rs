@@ -1,4 +1,4 @@
-//! One rank's pieces of a launched RL run ([`super::rl_rank`]): its place in the job
+//! One rank's pieces of a launched RL run ([`super::rl_rank_on`]): its place in the job
 //! ([`Ctx`]: replica and pipeline rank on the mesh), one pipelined run of its stages, the
 //! weight sync to rank 0, and rank 0's rollouts with the KL reference's log-probs.
 
