@@ -187,7 +187,7 @@ pub struct RlLaunchRun {
     pub steps: Vec<RlLaunchStep>,
 }
 
-/// How a rank runs its part ([`rl_rank_with`]); [`Default`]: as [`rl_rank`] runs it.
+/// How a rank runs its part ([`rl_rank_with`], [`rl_rank_on`]); [`Default`]: as the CLI runs it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RankOptions {
     /// Whether the rank's update compute (its stages' parameters, AdamW moments and
