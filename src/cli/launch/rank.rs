@@ -120,6 +120,9 @@ pub fn train_distributed(
         println!("note: with dp > 1 only replica 0's pipeline fills its bubbles with the drafter");
     }
     watchdog(&mesh);
+    if let Some((_, log)) = &mut run_dir {
+        log.start_clock();
+    }
     let run = train_rank(
         job,
         plan,
@@ -154,13 +157,13 @@ pub fn train_distributed(
                 last.display()
             );
         }
-        run_dir.save_final(&mut checkpoint, job)?;
         let merged = run.merged.as_ref();
         for m in &run.metrics {
             let timeline = merged.and_then(|p| p.iterations.get((m.step - first_step) as usize));
             log.record(&StepLine::new(m, timeline));
         }
         let summary = log.finish()?;
+        run_dir.save_final(&mut checkpoint, job)?;
         if let Some(merged) = merged {
             write_profile(&out_dir, job, plan, merged, first_step)?;
         }

@@ -279,8 +279,8 @@ fn train_reference<B: Backend>(
     }
     bar.finish();
 
-    let checkpoint_dir = run_dir.save_final(&mut trainer.checkpoint()?, job)?;
     let summary = log.finish()?;
+    let checkpoint_dir = run_dir.save_final(&mut trainer.checkpoint()?, job)?;
     evaluate(job, trainer.model_mut())?;
     println!(
         "done: {summary}; checkpoint {}, metrics {}",

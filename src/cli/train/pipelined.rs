@@ -132,8 +132,8 @@ pub(super) fn train(
         None => bar.finish(),
     }
 
-    run_dir.save_final(&mut run.checkpoint()?, job)?;
     let summary = log.finish()?;
+    run_dir.save_final(&mut run.checkpoint()?, job)?;
 
     let baseline = match filler {
         true => Some(baseline(&trainer, t.steps - first_step)?),
