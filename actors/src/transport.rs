@@ -241,6 +241,19 @@ mod tests {
         );
     }
 
+    /// A message that arrived before the close is still delivered, by `recv` as by
+    /// `try_recv`; only what has not arrived is `Closed`.
+    #[test]
+    fn what_arrived_before_a_close_is_still_received() {
+        let t = InProcess::new(2);
+        t.send(1, env(0, 0, 7)).unwrap();
+        t.send(1, env(0, 1, 8)).unwrap();
+        t.close();
+        assert_eq!(t.recv(1, &tag(0, 0)).unwrap().payload, 7);
+        assert_eq!(t.try_recv(1, &tag(0, 1)).unwrap().unwrap().payload, 8);
+        assert_eq!(t.recv(1, &tag(0, 0)).unwrap_err(), LinkError::Closed);
+    }
+
     #[test]
     fn close_wakes_a_blocked_receiver() {
         let t = Arc::new(InProcess::<u32>::new(2));
