@@ -16,7 +16,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
-use pipefill::config::JobConfig;
+use pipefill::data::hf_tokenizer::read_capped;
 use pipefill::data::tokenizer::{BOS, EOS};
 use pipefill::data::{DataConfig, DataSource, TextTokenizer, Tokenizer};
 use pipefill::model::checkpoint::resume::{FINAL_DIR, ResumePoint};
@@ -160,15 +160,8 @@ fn generation_eos(dir: &Path) -> anyhow::Result<Option<u32>> {
     if !path.is_file() {
         return Ok(None);
     }
-    let len = std::fs::metadata(&path)?.len();
-    if len > GENERATION_CONFIG_MAX_BYTES {
-        bail!(
-            "{}: {len} bytes, more than a generation config ({GENERATION_CONFIG_MAX_BYTES})",
-            path.display()
-        );
-    }
-    let text = std::fs::read_to_string(&path).with_context(|| path.display().to_string())?;
-    let json: serde_json::Value = serde_json::from_str(&text)
+    let bytes = read_capped(&path, GENERATION_CONFIG_MAX_BYTES)?;
+    let json: serde_json::Value = serde_json::from_slice(&bytes)
         .with_context(|| format!("{}: not valid JSON", path.display()))?;
     let id = match &json["eos_token_id"] {
         serde_json::Value::Null => return Ok(None),
@@ -305,34 +298,42 @@ pub fn load_run<B: Backend>(path: &Path, be: B) -> anyhow::Result<Loaded<B>> {
     Ok(Loaded { gpt, drafter })
 }
 
-/// The tokenizer the run at `path` trained with: a JSONL run's `data.tokenizer` (from its
-/// `job.toml`), else the synthetic tasks' characters.
-///
-/// Only `[data]` is read: the rest of the job (a `model.from` directory that has moved
-/// since, say) does not matter here.
-fn run_codec(path: &Path) -> anyhow::Result<Box<dyn Codec>> {
+/// Section `name` of the run's `job.toml` at `path` (its default when the file or the
+/// section is missing). Only that section is read: the rest of the job (a `model.from`
+/// directory that has moved since, say) does not matter here.
+fn job_section<T: serde::de::DeserializeOwned + Default>(
+    path: &Path,
+    name: &str,
+) -> anyhow::Result<T> {
     let job = path.join("job.toml");
     if !job.is_file() {
-        return Ok(Box::new(Tokenizer::new()));
+        return Ok(T::default());
     }
-    let context = || format!("--model {}: its job.toml's [data]", path.display());
+    let context = || format!("--model {}: its job.toml's [{name}]", path.display());
     let text = std::fs::read_to_string(&job).with_context(context)?;
     let mut table: toml::Table = toml::from_str(&text).with_context(context)?;
-    let data: DataConfig = match table.remove("data") {
-        Some(data) => data.try_into().with_context(context)?,
-        None => DataConfig::default(),
-    };
+    match table.remove(name) {
+        Some(section) => section.try_into().with_context(context),
+        None => Ok(T::default()),
+    }
+}
+
+/// The tokenizer the run at `path` trained with: a JSONL run's `data.tokenizer` (from its
+/// `job.toml`), else the synthetic tasks' characters.
+fn run_codec(path: &Path) -> anyhow::Result<Box<dyn Codec>> {
+    let data: DataConfig = job_section(path, "data")?;
     if data.source != DataSource::Jsonl {
         return Ok(Box::new(Tokenizer::new()));
     }
+    let context = || format!("--model {}: its job.toml's [data]", path.display());
     Ok(Box::new(data.text_tokenizer().with_context(context)?))
 }
 
 /// The `[drafter]` of the run's `job.toml`, when `path` is a run directory that has one.
 fn drafter_config(path: &Path) -> Option<DrafterConfig> {
-    let job = path.join("job.toml");
-    job.is_file()
-        .then(|| JobConfig::load(&job, &[]).ok().map(|j| j.drafter))
+    path.join("job.toml")
+        .is_file()
+        .then(|| job_section(path, "drafter").ok())
         .flatten()
 }
 
