@@ -188,10 +188,13 @@ impl DrafterFill {
     ) -> Result<Self, DrafterError> {
         let ranks = backends.len();
         let buffer = DraftBufferHandle::new(target, config);
-        let priors = match backends.first() {
-            Some(be) => eval::calibrate(target, config, be.clone())?,
-            None => eval::calibrate(target, config, CpuBackend::new(1)?)?,
+        let Some(first_rank) = backends.first() else {
+            return Err(DrafterError::Config {
+                field: "stages",
+                reason: "a drafter in the bubbles needs at least one rank".into(),
+            });
         };
+        let priors = eval::calibrate(target, config, first_rank.clone())?;
         let mut replicas = Vec::with_capacity(ranks);
         for (r, be) in backends.into_iter().enumerate() {
             let mut drafter = Drafter::new(target, config, be)?;

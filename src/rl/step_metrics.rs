@@ -25,7 +25,7 @@ pub struct RlStepMetrics {
     pub rollout_seconds: f64,
     /// The drafter's time on the step's critical path, outside the rollout proper: with
     /// `rl.advanced.drafter_work = "idle-then-after"` the held-out evaluation and the slices that did not
-    /// fit the stages' idle time; with `"defer"` only the first step's one-off measurement
+    /// fit the stages' idle time; with `"idle"` only the first step's one-off measurement
     /// of the idle work's costs (see `drafter_work`).
     pub drafter_seconds: f64,
     /// The reference's log-probs of the rollouts (KL only; 0 without).

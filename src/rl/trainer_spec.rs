@@ -310,9 +310,9 @@ impl<B: RankBackend> PipelineRollouts<B> {
     }
 
     /// This step's idle-work hook: the step's drafter budget set, rows sent to the drafter's
-    /// buffer as sequences finish. With `"after"` the router's priors come from the slices
+    /// buffer as sequences finish. With `"idle-then-after"` the router's priors come from the slices
     /// measured after earlier rollouts (kept once the router measured its own); with
-    /// `"defer"` the budget adds what the last step carried, the held-out rows are evaluated
+    /// `"idle"` the budget adds what the last step carried, the held-out rows are evaluated
     /// in the gaps, and the priors are measured before the first rollout: the seconds that
     /// took are returned (0 later).
     fn idle_router(&mut self) -> Result<(RolloutRouter, f64), RlError> {
@@ -352,8 +352,8 @@ impl<B: RankBackend> PipelineRollouts<B> {
     }
 
     /// The drafter's share of a step after its idle-routed rollout: its held-out figures and
-    /// what it did where. `"after"`: the held-out rows evaluated, then what the stages'
-    /// idle time left of the budget, here on the critical path; `"defer"`: nothing runs,
+    /// what it did where. `"idle-then-after"`: the held-out rows evaluated, then what the
+    /// stages' idle time left of the budget, here on the critical path; `"idle"`: nothing runs,
     /// the budget's rest is carried (the figures are those the gaps measured).
     fn drafter_after_rollout(
         &mut self,
@@ -468,7 +468,7 @@ impl<B: RankBackend> RolloutEngine<B> for PipelineRollouts<B> {
         let report = hook.as_ref().map(|h| h.report());
 
         // The drafter follows the policy: its agreement on rows it never trained on, then
-        // (`"after"`) the slices the stages' idle time did not take. Without speculation
+        // (`"idle-then-after"`) the slices the stages' idle time did not take. Without speculation
         // nothing would use it, so it is left alone.
         let drafted = Instant::now();
         let (agreement, account) = match (&hook, speculate) {

@@ -3,7 +3,7 @@
 //!
 //! The router hands out no work of a kind before it has a cost estimate for it. With
 //! `rl.advanced.drafter_work = "idle-then-after"` the first estimates come from the whole slices run after
-//! a rollout; with `"defer"` nothing runs there, so the costs are measured up front, on a
+//! a rollout; with `"idle"` nothing runs there, so the costs are measured up front, on a
 //! scratch drafter of the same shape (the real one's weights, gradients, optimizer and row
 //! sampler stay untouched) over synthetic rows (a slice's cost depends on its shape, not its
 //! values): pieces of [`MIN_PIECE_ROWS`] and of [`LINE_UNITS`] times that (the line's
