@@ -121,56 +121,7 @@ fn check_weights<L>(
 
 #[test]
 fn rmsnorm_input_and_weight_gradients() {
-    let be = be();
-    let (rows, dim) = (4, 8);
-    let shape = Shape {
-        batch: 1,
-        seq: rows,
-    };
-    let mut norm = RmsNorm::new(&be, "n", dim, 1e-5).unwrap();
-    randomize(&be, norm.params_mut());
-    let x = normal(1, "x", rows * dim, 1.0);
-    let dy = normal(2, "dy", rows * dim, 1.0);
-    let xb = be.from_host(&x, DType::F32).unwrap();
-    let dyb = be.from_host(&dy, DType::F32).unwrap();
-    // I
-    norm.forward(&be, 0, &xb, shape).unwrap();
-    let dx = be
-        .to_host(&norm.backward_input(&be, 0, &dyb).unwrap())
-        .unwrap();
-    assert!(
-        be.to_host(&norm.weight.grad)
-            .unwrap()
-            .iter()
-            .all(|&g| g == 0.0),
-        "I touched W"
-    );
-    let num = numeric(&x, |x| {
-        let y = norm
-            .forward(&be, 1, &be.from_host(x, DType::F32).unwrap(), shape)
-            .unwrap();
-        norm.discard(1);
-        dot(&be, &y, &dy)
-    });
-    assert_grad("rmsnorm dx", &dx, &num);
-    norm.discard(0);
-    // W
-    check_weights(
-        &be,
-        &mut norm,
-        |n| n.params_mut(),
-        |n| {
-            n.forward(&be, 0, &xb, shape).unwrap();
-            n.backward_input(&be, 0, &dyb).unwrap();
-            n.backward_weight(&be, 0).unwrap();
-        },
-        |n| {
-            let y = n.forward(&be, 1, &xb, shape).unwrap();
-            n.discard(1);
-            dot(&be, &y, &dy)
-        },
-    );
-    assert_eq!(norm.stashed(), 0);
+    check_layer(RmsNorm::new(&be(), "n", 8, 1e-5).unwrap());
 }
 
 use crate::tensor::{CpuBuf, DType};
@@ -182,8 +133,9 @@ const SHAPE: Shape = Shape {
     seq: SEQ,
 };
 
-/// I and W of a [`Layer`] against finite differences; I must leave every grad at zero.
-fn check_mapping<L: Layer<CpuBackend>>(mut layer: L) {
+/// I and W of a [`Layer`] against finite differences; I must leave every grad at zero, and
+/// nothing may stay stashed after W.
+fn check_layer<L: Layer<CpuBackend>>(mut layer: L) {
     let be = be();
     randomize(&be, layer.params_mut());
     let n = BATCH * SEQ * 8;
@@ -223,26 +175,27 @@ fn check_mapping<L: Layer<CpuBackend>>(mut layer: L) {
             dot(&be, &y, &dy)
         },
     );
+    assert_eq!(layer.stashed(), 0);
 }
 
 #[test]
 fn attention_input_and_weight_gradients() {
-    check_mapping(Attention::new(&be(), "attn", &config(Activation::Gelu)).unwrap());
+    check_layer(Attention::new(&be(), "attn", &config(Activation::Gelu)).unwrap());
 }
 
 #[test]
 fn mlp_gelu_input_and_weight_gradients() {
-    check_mapping(Mlp::new(&be(), "mlp", &config(Activation::Gelu)).unwrap());
+    check_layer(Mlp::new(&be(), "mlp", &config(Activation::Gelu)).unwrap());
 }
 
 #[test]
 fn mlp_silu_input_and_weight_gradients() {
-    check_mapping(Mlp::new(&be(), "mlp", &config(Activation::Silu)).unwrap());
+    check_layer(Mlp::new(&be(), "mlp", &config(Activation::Silu)).unwrap());
 }
 
 #[test]
 fn block_input_and_weight_gradients() {
-    check_mapping(Block::new(&be(), 0, &config(Activation::Gelu)).unwrap());
+    check_layer(Block::new(&be(), 0, &config(Activation::Gelu)).unwrap());
 }
 
 /// The Llama-family options on the test shape (`d_model` 8): rotary positions with a small
@@ -268,10 +221,10 @@ use crate::model::config::{Positions, RopeScaling};
 #[test]
 fn attention_rope_input_and_weight_gradients() {
     let cfg = llama(Activation::Gelu, true, None, false);
-    check_mapping(Attention::new(&be(), "attn", &cfg).unwrap());
+    check_layer(Attention::new(&be(), "attn", &cfg).unwrap());
     // A head width of 4: two frequencies per head.
     let cfg = GptConfig { heads: 2, ..cfg };
-    check_mapping(Attention::new(&be(), "attn", &cfg).unwrap());
+    check_layer(Attention::new(&be(), "attn", &cfg).unwrap());
     // Llama-3 scaled: the second frequency (wavelength 19.9) lies in the smoothed band.
     let cfg = GptConfig {
         rope_scaling: Some(RopeScaling {
@@ -285,7 +238,7 @@ fn attention_rope_input_and_weight_gradients() {
     let freq = cfg.rope_inv_freq();
     assert_eq!(freq[0], 1.0);
     assert!(freq[1] < 0.316 && freq[1] > 0.316 / 8.0, "{freq:?}");
-    check_mapping(Attention::new(&be(), "attn", &cfg).unwrap());
+    check_layer(Attention::new(&be(), "attn", &cfg).unwrap());
 }
 
 #[test]
@@ -293,9 +246,9 @@ fn attention_grouped_query_input_and_weight_gradients() {
     let cfg = llama(Activation::Gelu, false, Some(2), false);
     let attn = Attention::new(&be(), "attn", &cfg).unwrap();
     assert_eq!(attn.wk.shape, vec![8, 4]);
-    check_mapping(attn);
+    check_layer(attn);
     let cfg = llama(Activation::Gelu, false, Some(1), false);
-    check_mapping(Attention::new(&be(), "attn", &cfg).unwrap());
+    check_layer(Attention::new(&be(), "attn", &cfg).unwrap());
 }
 
 /// With rotary positions (without them the key bias adds `q·bk` to every score of a query,
@@ -306,7 +259,7 @@ fn attention_qkv_bias_input_and_weight_gradients() {
     let cfg = llama(Activation::Gelu, true, None, true);
     let attn = Attention::new(&be(), "attn", &cfg).unwrap();
     assert_eq!(attn.params().len(), 7);
-    check_mapping(attn);
+    check_layer(attn);
     let be = be();
     let cfg = llama(Activation::Gelu, false, None, true);
     let mut attn = Attention::new(&be, "attn", &cfg).unwrap();
@@ -328,27 +281,27 @@ fn attention_qkv_bias_input_and_weight_gradients() {
 #[test]
 fn attention_llama_input_and_weight_gradients() {
     let cfg = llama(Activation::Gelu, true, Some(2), true);
-    check_mapping(Attention::new(&be(), "attn", &cfg).unwrap());
+    check_layer(Attention::new(&be(), "attn", &cfg).unwrap());
 }
 
 #[test]
 fn mlp_swiglu_input_and_weight_gradients() {
     let mlp = Mlp::new(&be(), "mlp", &config(Activation::Swiglu)).unwrap();
     assert_eq!(mlp.params().len(), 3, "gate, down and up");
-    check_mapping(mlp);
+    check_layer(mlp);
     let cfg = GptConfig {
         intermediate: Some(5),
         ..config(Activation::Swiglu)
     };
     let mlp = Mlp::new(&be(), "mlp", &cfg).unwrap();
     assert_eq!(mlp.w3.as_ref().unwrap().shape, vec![8, 5]);
-    check_mapping(mlp);
+    check_layer(mlp);
 }
 
 #[test]
 fn llama_block_input_and_weight_gradients() {
     let cfg = llama(Activation::Swiglu, true, Some(2), true);
-    check_mapping(Block::new(&be(), 0, &cfg).unwrap());
+    check_layer(Block::new(&be(), 0, &cfg).unwrap());
 }
 
 /// Grouped-query attention is multi-head attention whose key/value projections repeat each
