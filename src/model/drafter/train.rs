@@ -2,7 +2,7 @@
 //! the optimizer step (alone, or over the gradients of every replica), the running cost
 //! estimate, and held-out agreement with the target.
 
-use pipefill_actors::thread_cpu_time;
+use cpu_time::ThreadTime;
 use std::time::Instant;
 
 use super::net::LossSums;
@@ -262,7 +262,7 @@ impl<B: Backend> DrafterTrainer<B> {
     /// A slice of at most `rows` layout rows sampled from the whole buffer, or from one
     /// step's rows; `may_step`: a single replica steps after `accumulation` slices.
     fn slice_from(&mut self, rows: usize, step: Option<u64>, may_step: bool) -> Result<SliceStats> {
-        let (cpu0, wall0) = (thread_cpu_time(), Instant::now());
+        let (cpu0, wall0) = (ThreadTime::now(), Instant::now());
         let c = self.drafter.config().clone();
         let (batch_rows, positions) = self.slice_shape(rows);
         let rows = match step {
@@ -290,7 +290,7 @@ impl<B: Backend> DrafterTrainer<B> {
         } else {
             None
         };
-        let cpu_seconds = (thread_cpu_time() - cpu0).max(0.0);
+        let cpu_seconds = cpu0.elapsed().as_secs_f64();
         self.cost = Some(match self.cost {
             None => cpu_seconds,
             Some(old) => old + c.advanced.cost_ema * (cpu_seconds - old),
