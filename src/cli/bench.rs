@@ -161,8 +161,9 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
     let (trainer, loaded);
     let (trained, model, origin): (u64, &Gpt<CpuBackend>, String) = match &a.init {
         Some(dir) => {
-            let checkpoint = super::rl::init_from(&mut job, dir)?
-                .with_context(|| format!("--init {}: no checkpoint", dir.display()))?;
+            // With --json, stdout is the JSON alone: the runner's lines go to stderr.
+            let mut show = crate::cli::show::Terminal::default().lines_to_stderr(a.json);
+            let checkpoint = pipefill::run::rl::init_from(&mut job, dir, &mut show)?;
             let mut model = Gpt::blank(&job.model, CpuBackend::new(1)?, &Cut::Even(1))?;
             checkpoint
                 .restore_model(&mut model, job.train.seed)

@@ -1,6 +1,6 @@
 //! `pipefill launch -n N [--master-addr A] [--master-port P] [--listen-addr IP] -- train
-//! [ARGS]`: runs an N-process job on this machine; [`rank`]: what `pipefill train` and
-//! `pipefill rl` do when they find themselves one rank of such a job.
+//! [ARGS]`: runs an N-process job on this machine. What each rank does is the runner's
+//! ([`pipefill::run::train`], [`pipefill::run::rl`]), as under any other launcher.
 //!
 //! The launcher spawns N copies of this executable with pipefill's rank variables and a
 //! fresh job token (or `PIPEFILL_TOKEN` when set), prefixes every output line with its
@@ -23,10 +23,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 
-mod rank;
-
 use pipefill::launch::MASTER_FD;
-pub use rank::{rl_distributed, train_distributed};
 
 /// How long the other ranks have to exit on their own after one failed, or after the
 /// launcher passed them a signal, unless `--grace` says otherwise.

@@ -7,4 +7,5 @@ pub mod launch;
 pub mod profile;
 pub mod rl;
 pub mod schedule;
+pub mod show;
 pub mod train;

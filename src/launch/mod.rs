@@ -208,6 +208,19 @@ fn adopt_master(value: String, master: SocketAddr) -> Result<TcpListener, Launch
     }
 }
 
+/// Ends the process a few seconds after `mesh` fails, whatever the rank is doing then (a
+/// compute action runs to its end before the runtime notices): a dead peer must end every
+/// rank within 10 s. The reason goes to stderr as the process's last line.
+pub fn watchdog(mesh: &TcpMesh) {
+    let failure = mesh.failure_watch();
+    std::thread::spawn(move || {
+        let reason = failure();
+        std::thread::sleep(Duration::from_secs(3));
+        eprintln!("error: {reason}");
+        std::process::exit(1);
+    });
+}
+
 #[cfg(test)]
 mod tests {
     use std::os::fd::{AsRawFd, IntoRawFd};

@@ -1,13 +1,22 @@
-//! What every way of running a job shares, whichever path (the reference trainer, the
-//! in-process pipeline, a launched rank, `pipefill rl`) runs it: so far the run directory
-//! ([`dir`]), which decides whether a run may write where it was told to, the line of
-//! `metrics.jsonl` ([`metrics`]), and the training log that writes those lines and sums the
-//! run up ([`log`]).
+//! Running a job. [`train`] and [`rl`] are the runners every way of running a job goes
+//! through (the reference trainer, the in-process pipeline, a launched rank, `pipefill
+//! rl`); the CLI only parses arguments and draws what the runner [`show`]s. What they
+//! share: the run directory ([`dir`]), which decides whether a run may write where it was
+//! told to; the line of `metrics.jsonl` ([`metrics`]); the training log that writes those
+//! lines and sums the run up ([`log`]); and why a run stopped ([`error`]).
 
 pub mod dir;
+pub mod error;
 pub mod log;
 pub mod metrics;
+pub mod rl;
+pub mod show;
+pub mod train;
 
 pub use dir::{Existing, Resume, RunDir, RunDirError};
+pub use error::RunError;
 pub use log::{NothingToDo, RunLog, RunSummary, steps_left};
 pub use metrics::StepLine;
+pub use rl::{RlRequest, rl};
+pub use show::{Bar, Quiet, Show, Tick};
+pub use train::{TrainRequest, train};

@@ -1,75 +1,69 @@
-//! The pipelined main job: the real model through the actor runtime, one stage actor per
-//! rank, following the job's schedule (built-in or a custom file), then the run directory's
-//! profiling files (see [`super::run_files`]).
+//! The pipeline with every rank in this process: the real model through the actor runtime,
+//! one stage actor per rank, following the job's schedule (built-in, `auto`, or a custom
+//! file), then the run directory's profiling files (see [`super::files`]).
 //!
-//! With a filler (`filler = "drafter"`, the default) the progress bar shows the share of
-//! each step's waits that filler work used and the drafter's held-out agreement. Step
-//! inflation needs the same job without fillers: after the main run a second, shorter run
-//! of the same job with `filler = "none"` ([`BASELINE_STEPS`] steps at most, same plan, model
-//! and data) measures its median step makespan; it only measures and writes nothing.
+//! With a filler (`filler = "drafter"`, the default) the progress shows the share of each
+//! step's waits that filler work used and the drafter's held-out agreement. Step inflation
+//! needs the same job without fillers: after the main run a second, shorter run of the same
+//! job with `filler = "none"` ([`BASELINE_STEPS`] steps at most, same plan, model and data)
+//! measures its median step makespan; it only measures and writes nothing.
 
 use std::path::Path;
 use std::sync::Arc;
 
-use anyhow::Context;
+use super::files::{filling, write_profile};
+use super::{evaluate, model_line};
+use crate::config::DeviceKind;
+use crate::config::{Filler, JobConfig};
+use crate::data::StepData;
+use crate::model::checkpoint::Checkpoint;
+use crate::model::checkpoint::resume::ResumePoint;
+use crate::model::checkpoint::sharded::{Layout, job_fingerprint, load_sharded};
+use crate::pipeline::feed::StepFeed;
+use crate::pipeline::{PipelineTrainer, StepView};
+use crate::profile::report::{ActionCosts, action_costs};
+use crate::run::show::{Bar, Show, step_tick};
+use crate::run::{RunDir, RunError, RunLog, StepLine, steps_left};
 
-use pipefill::config::DeviceKind;
-use pipefill::config::{Filler, JobConfig};
-use pipefill::data::StepData;
-use pipefill::model::checkpoint::Checkpoint;
-use pipefill::model::checkpoint::resume::ResumePoint;
-use pipefill::model::checkpoint::sharded::{Layout, job_fingerprint, load_sharded};
-use pipefill::pipeline::feed::StepFeed;
-use pipefill::pipeline::{PipelineTrainer, StepView};
-use pipefill::profile::report::{ActionCosts, action_costs};
-use pipefill::run::{RunDir, RunLog, StepLine, steps_left};
-
-use super::run_files::{filling, write_profile};
-use super::{evaluate, progress_bar, show_step};
-
-/// Runs `job`'s pipeline (from `resume`'s checkpoint when given), printing progress and the
-/// bubble report, and writing the run directory.
 /// Most steps of the run without filler that step inflation is measured against.
 pub(super) const BASELINE_STEPS: u64 = 100;
 
+/// Runs `job`'s pipeline (from `resume`'s checkpoint when given), printing progress and the
+/// bubble report, and writing the run directory.
 pub(super) fn train(
     job: &JobConfig,
     resume: Option<&Path>,
     run_dir: &RunDir,
     data: StepData,
-) -> anyhow::Result<()> {
+    show: &mut dyn Show,
+) -> Result<(), RunError> {
     let mut trainer = PipelineTrainer::from_job(job)
-        .with_context(|| format!("schedule {} on {} ranks", job.schedule, job.stages))?
+        .map_err(|source| RunError::plan(job, source))?
         .filler(job.filler)
         .feed(Arc::new(StepFeed::new(data, job.train.clone())));
     if let Some(dir) = resume {
         let checkpoint = load_resume(dir, &trainer)?;
         trainer = trainer.resume(&checkpoint);
         trainer.check_resume()?;
-        println!(
+        show.line(&format!(
             "resuming from {} at step {}",
             dir.display(),
             trainer.first_step()
-        );
+        ));
     }
     let first_step = trainer.first_step();
     let t = &job.train;
     steps_left(first_step, t.steps)?;
     let plan = trainer.plan().clone();
     let clock = job.clock.name();
-    println!(
-        "model: {} params ({} layers, d_model {}, {} heads, seq {}) on {}",
-        job.model.param_count(),
-        job.model.layers,
-        job.model.d_model,
-        job.model.heads,
-        job.model.seq_len,
+    show.line(&model_line(
+        job,
         match job.device {
             DeviceKind::Cpu => "the CPU",
             DeviceKind::Cuda => "the GPUs (rank r on cuda:r mod their count)",
-        }
-    );
-    println!(
+        },
+    ));
+    show.line(&format!(
         "pipeline: schedule {} on {} ranks ({} stages, {} per rank), {} micro-batches × {} \
          sequences per step, {clock} clock",
         job.schedule,
@@ -78,14 +72,12 @@ pub(super) fn train(
         plan.stages_per_rank(),
         plan.microbatches,
         t.micro_batch_size,
-    );
+    ));
 
     let out_dir = run_dir.path().to_path_buf();
     // Each step's line goes to metrics.jsonl as the step completes, its measured bubble
     // ratios with it.
     let mut log = RunLog::open(run_dir, job, first_step)?;
-    let bar = progress_bar(t.steps, first_step);
-    let mut last = None;
     let filler = job.filler != Filler::None;
     let mut agreement = None;
     // Periodic checkpoints for the main run only (the baseline run below measures).
@@ -116,27 +108,17 @@ pub(super) fn train(
         if let Some(a) = agreement {
             line += &format!(" | draft agree {:.1}%", 100.0 * a);
         }
-        show_step(&bar, m.step, t.steps, line.clone());
+        step_tick(show, Bar::Step, m.step, t.steps, &line);
         log.record(&StepLine::of_view(v, filler));
-        last = Some(line);
     });
-    let run = match run {
-        Ok(run) => run,
-        Err(e) => {
-            bar.abandon();
-            return Err(e.into());
-        }
-    };
-    match last {
-        Some(line) => bar.finish_with_message(line),
-        None => bar.finish(),
-    }
+    show.finish(Bar::Step, run.is_ok());
+    let run = run?;
 
     let summary = log.finish()?;
     run_dir.save_final(&mut run.checkpoint()?, job)?;
 
     let baseline = match filler {
-        true => Some(baseline(&trainer, t.steps - first_step)?),
+        true => Some(baseline(&trainer, t.steps - first_step, show)?),
         false => None,
     };
     let filling = filling(
@@ -147,16 +129,16 @@ pub(super) fn train(
             .map(|(m, note, costs)| (m.as_slice(), note.clone(), costs)),
     );
     let report = write_profile(&out_dir, job, &run, clock, filling)?;
-    println!();
-    print!("{}", report.to_text());
-    println!();
+    show.line("");
+    show.line(report.to_text().trim_end());
+    show.line("");
 
-    evaluate(job, &mut run.model()?)?;
-    println!(
+    evaluate(job, &mut run.model()?, show)?;
+    show.line(&format!(
         "done: {summary}; run directory {} (report.txt, trace.json, timeline.svg, \
          metrics.jsonl, checkpoint/)",
         out_dir.display()
-    );
+    ));
     Ok(())
 }
 
@@ -166,14 +148,19 @@ pub(super) fn train(
 fn baseline(
     trainer: &PipelineTrainer,
     steps: u64,
-) -> anyhow::Result<(Vec<f64>, String, ActionCosts)> {
+    show: &mut dyn Show,
+) -> Result<(Vec<f64>, String, ActionCosts), RunError> {
     let n = steps.min(BASELINE_STEPS);
-    println!("step inflation: measuring {n} steps of the same job with filler = \"none\"");
+    show.line(&format!(
+        "step inflation: measuring {n} steps of the same job with filler = \"none\""
+    ));
     let run = trainer
         .clone()
         .filler(Filler::None)
         .run(n, |_| {})
-        .context("the run without filler (for step inflation)")?;
+        .map_err(|e| RunError::Baseline {
+            source: Box::new(e),
+        })?;
     let makespans = run.timelines().map(|t| t.makespan).collect();
     Ok((
         makespans,
@@ -185,17 +172,17 @@ fn baseline(
 /// The checkpoint `--resume PATH` names ([`ResumePoint::find`]: a run directory's newest, a
 /// sharded checkpoint directory, or a whole-model one). A sharded one must have been written
 /// by this job's layout and settings (checked against its manifest).
-fn load_resume(path: &Path, trainer: &PipelineTrainer) -> anyhow::Result<Checkpoint> {
-    let context = |dir: &Path| format!("cannot resume from {}", dir.display());
-    match ResumePoint::find(path).with_context(|| context(path))? {
+fn load_resume(path: &Path, trainer: &PipelineTrainer) -> Result<Checkpoint, RunError> {
+    let point = ResumePoint::find(path).map_err(|e| RunError::resume(path, e))?;
+    match point {
         ResumePoint::Sharded(dir) => {
             let layout = Layout {
                 dp: 1,
                 stage_rank: trainer.plan().stage_rank.clone(),
             };
             let hash = job_fingerprint(trainer.job());
-            load_sharded(&dir, &layout, &hash).with_context(|| context(&dir))
+            load_sharded(&dir, &layout, &hash).map_err(|e| RunError::resume(&dir, e))
         }
-        ResumePoint::Whole(dir) => Checkpoint::load(&dir).with_context(|| context(&dir)),
+        ResumePoint::Whole(dir) => Checkpoint::load(&dir).map_err(|e| RunError::resume(&dir, e)),
     }
 }

@@ -1,12 +1,12 @@
 //! The profiling files of a pipelined run's directory:
 //!
-//! - `metrics.jsonl` lines ([`pipefill::run::StepLine`], written by the caller): the step's metrics plus tokens/s, the step's
-//!   measured bubble ratios and, with a filler, the share of its waits that filler work used
+//! - `metrics.jsonl` lines ([`crate::run::StepLine`], written by the caller): the step's
+//!   metrics plus tokens/s, the step's measured bubble ratios and, with a filler, the share of its waits that filler work used
 //!   and the drafter's progress (its held-out agreement every few steps: the curve of its
 //!   training);
 //! - `report.txt` / `report.json`: the bubble report of one steady-state step, measured next
 //!   to the simulator's prediction under the measured costs
-//!   ([`pipefill::profile::report`]), with the filler's bubble-fill ratio, step inflation
+//!   ([`crate::profile::report`]), with the filler's bubble-fill ratio, step inflation
 //!   (against a run of the same job without filler, measured by the caller) and the
 //!   drafter's final agreement;
 //! - `trace.json`: the Chrome/Perfetto trace of the whole run, one process per rank, with
@@ -16,17 +16,17 @@
 
 use std::path::Path;
 
-use anyhow::{Context, bail};
-use pipefill::config::JobConfig;
-use pipefill::pipeline::{Clock, PipelineRun};
-use pipefill::profile::LaneSpan;
-use pipefill::profile::chrome::{ChromeOptions, chrome_trace_with};
-use pipefill::profile::report::{
+use crate::config::JobConfig;
+use crate::pipeline::{Clock, PipelineRun};
+use crate::profile::LaneSpan;
+use crate::profile::chrome::{ChromeOptions, chrome_trace_with};
+use crate::profile::report::{
     ActionCosts, BubbleReport, Filling, RunInfo, WorkFigures, action_costs, median_step_makespan,
     steady_iteration, step_inflations,
 };
-use pipefill::profile::svg::{SvgOptions, svg_with};
-use pipefill::schedules::{Span, Timeline};
+use crate::profile::svg::{SvgOptions, svg_with};
+use crate::run::RunError;
+use crate::schedules::{Span, Timeline};
 use pipefill_actors::IterationProfile;
 
 /// Name of the lane holding the runtime's measured waits for input.
@@ -93,12 +93,12 @@ pub(super) fn write_profile(
     run: &PipelineRun,
     clock: &str,
     filling: Option<Filling>,
-) -> anyhow::Result<BubbleReport> {
+) -> Result<BubbleReport, RunError> {
     let iterations = &run.report.iterations;
     let makespans: Vec<f64> = iterations.iter().map(|i| i.timeline.makespan).collect();
     let first_step = run.next_step() - iterations.len() as u64;
     let Some((index, note)) = steady_iteration(&makespans, first_step) else {
-        bail!("the runtime measured no step: no timeline to report");
+        return Err(RunError::NoStepMeasured);
     };
     // Mean costs after the warm-up step predict busy time (a sum of costs) without the
     // medians' bias; the runtime's median model is the fallback.
@@ -117,10 +117,7 @@ pub(super) fn write_profile(
                 p.clone(),
                 "median per-stage costs the runtime measured".into(),
             ),
-            None => bail!(
-                "the runtime did not measure every stage's costs, so the simulator has nothing \
-                 to predict with"
-            ),
+            None => return Err(RunError::NoCosts),
         },
     };
     let step = first_step as usize + index;
@@ -162,10 +159,9 @@ pub(super) fn write_profile(
         },
     );
     let path = dir.join("trace.json");
-    let file = std::fs::File::create(&path)
-        .with_context(|| format!("cannot create {}", path.display()))?;
+    let file = std::fs::File::create(&path).map_err(|e| RunError::write(&path, e))?;
     serde_json::to_writer(std::io::BufWriter::new(file), &trace)
-        .with_context(|| format!("cannot write {}", path.display()))?;
+        .map_err(|e| RunError::write(&path, e.into()))?;
 
     // The picture shows the reported step in milliseconds, with the filler work (if any)
     // along the bottom of each lane. Waits are left out: they are the bubbles themselves.
@@ -209,7 +205,7 @@ pub(super) fn write_profile(
         },
     );
     let path = dir.join("timeline.svg");
-    std::fs::write(&path, svg).with_context(|| format!("cannot write {}", path.display()))?;
+    std::fs::write(&path, svg).map_err(|e| RunError::write(&path, e))?;
     Ok(report)
 }
 

@@ -1,0 +1,78 @@
+//! [`Terminal`]: how the CLI shows a run ([`pipefill::run::Show`]). On a terminal each
+//! [`Bar`] is an indicatif bar (several at once for `pipefill rl`); elsewhere (a pipe, a
+//! file, a launched rank's prefixed output) the bars are hidden and the runner's plain lines
+//! are printed instead.
+
+use std::collections::HashMap;
+
+use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
+use pipefill::run::{Bar, Show, Tick};
+
+#[derive(Default)]
+pub struct Terminal {
+    bars: MultiProgress,
+    open: HashMap<Bar, ProgressBar>,
+    /// Lines go to stderr (a command whose stdout is JSON).
+    stderr: bool,
+}
+
+impl Terminal {
+    /// Prints the runner's lines on stderr when `stderr`.
+    pub fn lines_to_stderr(mut self, stderr: bool) -> Self {
+        self.stderr = stderr;
+        self
+    }
+
+    fn bar(&mut self, bar: Bar, len: u64) -> &ProgressBar {
+        self.open.entry(bar).or_insert_with(|| {
+            let template = match bar {
+                Bar::Tokenizing => {
+                    "tokenizing {bar:30} {pos}/{len} records, {msg} [{elapsed}]".to_string()
+                }
+                Bar::Step => "{bar:30} step {pos}/{len} {msg} [{elapsed} < {eta}]".to_string(),
+                Bar::WarmUp => "warm-up {bar:30} {pos}/{len} {msg}".to_string(),
+                Bar::Rollout => "rollout {bar:30} {pos}/{len} {msg}".to_string(),
+                Bar::Update => "update  {bar:30} {pos}/{len} {msg}".to_string(),
+            };
+            let style = ProgressStyle::with_template(&template).expect("valid template");
+            self.bars.add(ProgressBar::new(len).with_style(style))
+        })
+    }
+}
+
+impl Show for Terminal {
+    fn line(&mut self, text: &str) {
+        // Above the bars while any is drawn; MultiProgress::println prints nothing where
+        // they are hidden.
+        if self.stderr {
+            eprintln!("{text}");
+        } else if self.bars.is_hidden() || self.open.is_empty() {
+            println!("{text}");
+        } else {
+            let _ = self.bars.println(text);
+        }
+    }
+
+    fn tick(&mut self, tick: Tick<'_>) {
+        let bar = self.bar(tick.bar, tick.len);
+        if bar.is_hidden()
+            && let Some(plain) = tick.plain
+        {
+            println!("{plain}");
+        }
+        bar.set_length(tick.len);
+        bar.set_position(tick.pos);
+        bar.set_message(tick.message.to_string());
+    }
+
+    fn finish(&mut self, bar: Bar, ok: bool) {
+        let Some(b) = self.open.remove(&bar) else {
+            return;
+        };
+        match (bar, ok) {
+            (Bar::Tokenizing, _) => b.finish_and_clear(),
+            (_, true) => b.finish(),
+            (_, false) => b.abandon(),
+        }
+    }
+}

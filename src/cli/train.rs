@@ -1,0 +1,128 @@
+//! `pipefill train [CONFIG.toml] [--set key=value ...] [--schedule S] [--clock C] [--steps N]`:
+//! trains the model of a job file (the embedded default job when none is given).
+//!
+//! Every run loads its data once (a JSONL dataset under a bar of the records tokenized, then
+//! one `data:` line), prints the dataset summary (with the solution-length histogram), then a
+//! progress bar with step, loss and tokens/s, then a summary line and the held-out exact
+//! match, and writes its run directory (`out_dir`): `job.toml`, `metrics.jsonl` (one JSON
+//! line per step) and the final checkpoint.
+//!
+//! - A pipeline schedule (a built-in name or a custom schedule file; the default is
+//!   `zb-h1` on 4 ranks) runs the real model through the actor runtime; its run directory
+//!   also holds the bubble report (`report.txt`, `report.json`), the Chrome/Perfetto trace
+//!   (`trace.json`) and the SVG timeline (`timeline.svg`).
+//! - `schedule = "none"` runs the single-device reference trainer, the oracle every
+//!   schedule must reproduce.
+//!
+//! This module parses the arguments; the run itself, in one process or as one rank of a
+//! launched job, is [`pipefill::run::train`].
+//!
+//! `device` (`--device`) is checked before anything runs: `"cuda"` in a build without the
+//! `cuda` feature, without a driver or without the GPU is one error naming the field. On
+//! GPUs, the reference trainer computes on `cuda:0`, each rank of a launched job on the GPU
+//! of its local rank, and rank `r` of the single-process pipeline on GPU `r` mod the GPU
+//! count.
+
+use std::path::PathBuf;
+
+use pipefill::config::{Clock, JobConfig};
+use pipefill::launch::RankEnv;
+use pipefill::run::{Existing, TrainRequest};
+
+use crate::cli::show::Terminal;
+
+#[derive(clap::Args)]
+pub struct TrainArgs {
+    /// Job file (TOML). Without one, the embedded default job (examples/default.toml).
+    config: Option<PathBuf>,
+    /// Override one field of the job, e.g. `--set train.lr=1e-3` (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    set: Vec<String>,
+    /// Train the Hugging Face model in directory DIR (Llama, Qwen2, Mistral): its config.json
+    /// gives the model's shape, its safetensors the starting weights (sets `model.from`).
+    #[arg(long, value_name = "DIR")]
+    model: Option<PathBuf>,
+    /// Pipeline schedule: gpipe, 1f1b, interleaved-1f1b, looped-bfs, zb-h1, zb-h2, zb-v, the
+    /// path of a schedule file (.csv/.toml), or "none" (one device, the reference trainer).
+    #[arg(long)]
+    schedule: Option<String>,
+    /// How stage timelines are timed: virtual (thread CPU time per stage) or wall.
+    #[arg(long, value_enum)]
+    clock: Option<Clock>,
+    /// What the ranks compute on: cpu or cuda (overrides device; a launched rank uses the
+    /// GPU of its local rank).
+    #[arg(long, value_enum)]
+    device: Option<DeviceArg>,
+    /// Number of optimizer steps (overrides train.steps).
+    #[arg(long)]
+    steps: Option<u64>,
+    /// Output directory (overrides out_dir).
+    #[arg(long, value_name = "DIR")]
+    out_dir: Option<PathBuf>,
+    /// Continue from the checkpoint directory DIR (e.g. runs/X/checkpoint) up to
+    /// train.steps; the job must have the checkpoint's model and data seed.
+    #[arg(long, value_name = "DIR")]
+    resume: Option<PathBuf>,
+    /// Replace the run already in the output directory (its job.toml, metrics, reports and
+    /// checkpoints; other files stay). Without it a non-empty output directory is refused,
+    /// unless `--resume` continues the run in it.
+    #[arg(long)]
+    overwrite: bool,
+    /// Most memory the run may use, e.g. `8GiB`, `512MiB` (a launched rank: its share of the
+    /// job) [default: the memory available, MemAvailable in /proc/meminfo]. A job whose
+    /// estimate exceeds it is refused before anything is allocated.
+    #[arg(long, value_name = "SIZE")]
+    max_memory: Option<String>,
+}
+
+/// `--device`'s values (the job file's `device`).
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum DeviceArg {
+    Cpu,
+    Cuda,
+}
+
+pub fn run(args: TrainArgs) -> anyhow::Result<()> {
+    let mut sets = args.set.clone();
+    if let Some(device) = args.device {
+        let name = match device {
+            DeviceArg::Cpu => "cpu",
+            DeviceArg::Cuda => "cuda",
+        };
+        sets.push(format!("device=\"{name}\""));
+    }
+    if let Some(clock) = args.clock {
+        sets.push(format!("clock=\"{}\"", clock.name()));
+    }
+    if let Some(steps) = args.steps {
+        sets.push(format!("train.steps={steps}"));
+    }
+    if let Some(schedule) = &args.schedule {
+        sets.push(format!(
+            "schedule={}",
+            toml::Value::String(schedule.clone())
+        ));
+    }
+    if let Some(dir) = &args.out_dir {
+        let dir = dir.display().to_string();
+        sets.push(format!("out_dir={}", toml::Value::String(dir)));
+    }
+    if let Some(dir) = &args.model {
+        let dir = dir.display().to_string();
+        sets.push(format!("model.from={}", toml::Value::String(dir)));
+    }
+    let job = match &args.config {
+        Some(path) => JobConfig::load(path, &sets)?,
+        None => JobConfig::embedded(&sets)?,
+    };
+    // One rank of a multi-process job (pipefill launch, torchrun, mpirun, srun), or alone.
+    let env = RankEnv::detect()?;
+    let request = TrainRequest {
+        resume: args.resume.as_deref(),
+        existing: Existing::overwrite(args.overwrite),
+        max_memory: args.max_memory.as_deref(),
+        env: &env,
+    };
+    pipefill::run::train(&job, &request, &mut Terminal::default())?;
+    Ok(())
+}

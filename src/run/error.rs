@@ -1,0 +1,181 @@
+//! [`RunError`]: why a run (`pipefill train` or `pipefill rl`, on any path) stopped. The
+//! error of the layer that failed is kept as the source, so the CLI's one line reads
+//! "what the run was doing: why".
+
+use std::path::{Path, PathBuf};
+
+use crate::config::{ConfigError, JobConfig};
+use crate::data::DataError;
+use crate::launch::LaunchError;
+use crate::launch::rl::RlLaunchError;
+use crate::launch::train::DistributedError;
+use crate::model::ModelError;
+use crate::model::checkpoint::CheckpointError;
+use crate::pipeline::PipelineError;
+use crate::profile::merge::MergeError;
+use crate::profile::report::ReportError;
+use crate::rl::trainer::RlError;
+use crate::run::{NothingToDo, RunDirError};
+use crate::schedules::ScheduleError;
+use crate::tensor::TensorError;
+use crate::tensor::device::DeviceError;
+use crate::train::TrainError;
+
+/// An error of another layer, boxed where the runner adds what it was doing.
+type Source = Box<dyn std::error::Error + Send + Sync>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+    #[error(transparent)]
+    Tensor(#[from] TensorError),
+    #[error(transparent)]
+    RunDir(#[from] RunDirError),
+    #[error(transparent)]
+    NothingToDo(#[from] NothingToDo),
+    #[error(transparent)]
+    Data(#[from] DataError),
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    #[error(transparent)]
+    Train(#[from] TrainError),
+    #[error(transparent)]
+    Pipeline(Box<PipelineError>),
+    #[error(transparent)]
+    Schedule(#[from] ScheduleError),
+    #[error(transparent)]
+    Report(#[from] ReportError),
+    #[error(transparent)]
+    Merge(#[from] MergeError),
+    #[error(transparent)]
+    Rl(#[from] RlError),
+    /// Joining the other ranks of a launched job.
+    #[error(transparent)]
+    Launch(#[from] LaunchError),
+    /// A launched rank's training.
+    #[error(transparent)]
+    Distributed(#[from] DistributedError),
+    /// A launched rank's RL.
+    #[error(transparent)]
+    RlLaunch(#[from] RlLaunchError),
+    /// Closing the mesh after the run.
+    #[error(transparent)]
+    Link(#[from] crate::comm::link::LinkError),
+    /// The job's schedule does not make a plan for its ranks.
+    #[error("schedule {schedule} on {ranks} ranks")]
+    Plan {
+        schedule: String,
+        ranks: usize,
+        #[source]
+        source: Box<PipelineError>,
+    },
+    /// The same job without filler, run to measure step inflation.
+    #[error("the run without filler (for step inflation)")]
+    Baseline {
+        #[source]
+        source: Box<PipelineError>,
+    },
+    #[error("cannot resume from {}", path.display())]
+    Resume {
+        path: PathBuf,
+        #[source]
+        source: Source,
+    },
+    /// `pipefill rl --init DIR`: `what` says which part of the run is wrong.
+    #[error("--init {}{what}", dir.display())]
+    Init {
+        dir: PathBuf,
+        what: &'static str,
+        #[source]
+        source: Source,
+    },
+    #[error("rl step {step}")]
+    RlStep {
+        step: u64,
+        #[source]
+        source: RlError,
+    },
+    #[error("cannot write {}", path.display())]
+    Write {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A single process runs one pipeline.
+    #[error(
+        "dp = {dp}: a single-process `pipefill {command}` runs one pipeline; launch dp × stages \
+         = {processes} processes (`pipefill launch -n {processes} -- {command} ...`), or set dp = 1"
+    )]
+    DpInOneProcess {
+        dp: usize,
+        processes: usize,
+        command: &'static str,
+    },
+    #[error("dp = {dp} replicas cannot take equal shares of train.micro_batches = {micro_batches}")]
+    DpShare { dp: usize, micro_batches: usize },
+    #[error(
+        "the job's schedule \"{schedule}\" has {ranks} ranks × dp = {dp} but {world} processes \
+         were launched: one rank per process (set stages × dp = {world})"
+    )]
+    World {
+        schedule: String,
+        ranks: usize,
+        dp: usize,
+        world: usize,
+    },
+    #[error(
+        "{}: a sharded checkpoint of a pipelined run; schedule \"none\" resumes from a \
+         whole-model one (a run's checkpoint/)",
+        dir.display()
+    )]
+    ShardedForReference { dir: PathBuf },
+    #[error("the runtime measured no step: no timeline to report")]
+    NoStepMeasured,
+    #[error(
+        "the runtime did not measure every stage's costs, so the simulator has nothing to \
+         predict with"
+    )]
+    NoCosts,
+    #[error("schedule \"none\": the RL update runs as a pipelined step; name a schedule")]
+    RlWithoutSchedule,
+    #[error("rl.warmup_steps is 0 and no --init run is given: the policy would be untrained")]
+    UntrainedPolicy,
+}
+
+impl From<PipelineError> for RunError {
+    fn from(e: PipelineError) -> Self {
+        RunError::Pipeline(Box::new(e))
+    }
+}
+
+impl RunError {
+    /// `job`'s schedule could not be planned.
+    pub(crate) fn plan(job: &JobConfig, source: PipelineError) -> Self {
+        RunError::Plan {
+            schedule: job.schedule.to_string(),
+            ranks: job.stages,
+            source: Box::new(source),
+        }
+    }
+
+    /// Nothing can be resumed from `path`.
+    pub(crate) fn resume(path: &Path, source: impl Into<Source>) -> Self {
+        RunError::Resume {
+            path: path.to_path_buf(),
+            source: source.into(),
+        }
+    }
+
+    /// `path` could not be written.
+    pub(crate) fn write(path: &Path, source: std::io::Error) -> Self {
+        RunError::Write {
+            path: path.to_path_buf(),
+            source,
+        }
+    }
+}

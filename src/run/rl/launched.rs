@@ -1,0 +1,130 @@
+//! `pipefill rl` as one rank of a launched job ([`crate::launch::rl`]): joins the others,
+//! runs its stages of every update (rank 0 also the rollouts), and on rank 0 writes the run
+//! directory: `job.toml`, `metrics.jsonl` (one line per RL step) and the final policy's
+//! `checkpoint/`.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use super::drafter_line;
+use crate::comm::tcp::TcpMesh;
+use crate::config::JobConfig;
+use crate::launch::rl::{RankOptions, RlLaunchRun, RlLaunchStep, rl_rank_on, starting_drafter};
+use crate::launch::{RankEnv, join, join_timeout, listen_ip, watchdog};
+use crate::model::checkpoint::Checkpoint;
+use crate::run::show::Show;
+use crate::run::{Existing, Resume, RunDir, RunError};
+use crate::tensor::device::{OnBackend, RankBackend, on_backend};
+
+/// `job`'s RL as rank `env.rank` of `env.world` on the GPU of its local rank (`cuda`) or a
+/// CPU thread, the policy from `init` when given; rank 0 returns the run directory.
+pub(super) fn rl(
+    job: &JobConfig,
+    env: &RankEnv,
+    cuda: bool,
+    init: Option<Checkpoint>,
+    existing: Existing,
+    show: &mut dyn Show,
+) -> Result<Option<PathBuf>, RunError> {
+    let rank = env.rank;
+    // Rank 0 writes the run directory; it is claimed before any rank joins.
+    let run_dir = match rank {
+        0 => Some(RunDir::claim(
+            job.out_dir.as_deref(),
+            "rl-distributed-",
+            Resume::Unsupported,
+            existing,
+        )?),
+        _ => None,
+    };
+    let mesh = Arc::new(join(env, listen_ip()?, join_timeout()?)?);
+    if rank == 0 {
+        show.line(&format!(
+            "distributed rl: {} ranks ({:?} launcher), update schedule {} with {} stages, {} steps; rank 0 runs the rollouts ({})",
+            env.world,
+            env.launcher,
+            job.schedule,
+            job.stages,
+            job.rl.steps,
+            if job.rl.speculation {
+                "speculative"
+            } else {
+                "plain sampling"
+            }
+        ));
+        if job.rl.speculation {
+            let version = starting_drafter(job, init.as_ref()).map(|d| d.weights.version);
+            show.line(&drafter_line(version));
+        }
+    }
+    watchdog(&mesh);
+    let mut lines = String::new();
+    let on_step = |m: &RlLaunchStep| {
+        show.line(&format!(
+            "step {:>4}/{} reward {:.3} | rollout {:.2} s | weight sync {:.3} s | update {:.2} s, loss {:+.4}, grad norm {:.3}",
+            m.step + 1,
+            job.rl.steps,
+            m.reward,
+            m.rollout_seconds,
+            m.sync_seconds,
+            m.update_seconds,
+            m.surrogate_loss,
+            m.grad_norm
+        ));
+        lines += &serde_json::to_string(m).expect("a step line always serializes");
+        lines.push('\n');
+    };
+    let ranked = Ranked {
+        job,
+        mesh: &mesh,
+        init: init.as_ref(),
+        local_rank: env.local_rank,
+        on_step,
+    };
+    let run = on_backend(cuda, ranked)??;
+    let (Some(mut run), Some(run_dir)) = (run, run_dir) else {
+        return Ok(None);
+    };
+    let out_dir = run_dir.path().to_path_buf();
+    let mut metrics = run_dir.create(&job.to_toml(), 0)?;
+    metrics
+        .write_all(lines.as_bytes())
+        .and_then(|()| metrics.flush())
+        .map_err(|e| RunError::write(&out_dir.join("metrics.jsonl"), e))?;
+    run_dir.save_final(&mut run.checkpoint, job)?;
+    show.line(&format!(
+        "done: {} RL steps over {} processes; run directory {} (job.toml, metrics.jsonl, checkpoint/)",
+        run.steps.len(),
+        env.world,
+        out_dir.display()
+    ));
+    Ok(Some(out_dir))
+}
+
+/// A launched rl rank's run on the backend of its device ([`on_backend`]): its local
+/// rank's GPU with `device = "cuda"`, else a CPU thread.
+struct Ranked<'a, F> {
+    job: &'a JobConfig,
+    mesh: &'a Arc<TcpMesh>,
+    init: Option<&'a Checkpoint>,
+    local_rank: usize,
+    on_step: F,
+}
+
+impl<F: FnMut(&RlLaunchStep)> OnBackend for Ranked<'_, F> {
+    type Output = Result<Option<RlLaunchRun>, RunError>;
+    fn run<B: RankBackend>(self) -> Self::Output {
+        let backend = B::for_rank(self.local_rank)?;
+        let job = self.job;
+        Ok(rl_rank_on(
+            backend,
+            job,
+            self.mesh,
+            job.clock.runtime(),
+            self.init,
+            RankOptions::default(),
+            self.on_step,
+        )?)
+    }
+}

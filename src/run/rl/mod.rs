@@ -1,0 +1,174 @@
+//! The RL runner: `pipefill rl`, in one process or as one rank of a launched job, goes
+//! through [`rl`]: GRPO on the job's tasks (the `[rl]` section), each step a rollout batch
+//! then one pipelined update with the job's schedule ([`crate::rl::trainer`]).
+//!
+//! It owns what both ways share: the checks before anything runs (device, `[rl]`, memory,
+//! a schedule for the update), the starting policy (a `pipefill train` run given with
+//! `--init`, its checkpoint and the `[model]` and data seed it was trained with, or
+//! `rl.warmup_steps` supervised pipelined steps), the run directory (`job.toml`,
+//! `metrics.jsonl` one line per RL step, the final `checkpoint/`) and the summary. The
+//! steps run on [`in_process`] (rollouts, drafter and every rank of the update in this
+//! process) or [`launched`] (rank 0 the rollouts, every rank its stages of the update).
+//! With speculation the rollouts' drafter starts from the `--init` checkpoint's when that
+//! run trained one in its bubbles (`filler = "drafter"`).
+
+mod in_process;
+mod launched;
+
+use std::path::{Path, PathBuf};
+
+use super::show::{Bar, Show, Tick};
+use super::train::check_memory;
+use super::{Existing, Resume, RunDir, RunError};
+use crate::config::JobConfig;
+use crate::config::memory::Workload;
+use crate::launch::RankEnv;
+use crate::model::checkpoint::Checkpoint;
+use crate::rl::trainer::warm_up;
+use crate::tensor::device::on_backend;
+
+/// How an RL run was asked for, beside its job.
+#[derive(Debug, Clone, Copy)]
+pub struct RlRequest<'a> {
+    /// The `pipefill train` run directory the policy starts from (its `checkpoint/` and
+    /// `job.toml`); `None`: a supervised warm-up.
+    pub init: Option<&'a Path>,
+    /// What to do with a run already in the output directory.
+    pub existing: Existing,
+    /// The most memory the run may use; `None`: the memory available.
+    pub max_memory: Option<&'a str>,
+    /// Where this process stands: alone, or one rank of a launched job.
+    pub env: &'a RankEnv,
+}
+
+/// Runs `job`'s RL as `request` asks, showing its progress on `show`; the run directory
+/// it wrote (a launched rank other than 0: `None`, rank 0 writes it).
+pub fn rl(
+    job: &JobConfig,
+    request: &RlRequest,
+    show: &mut dyn Show,
+) -> Result<Option<PathBuf>, RunError> {
+    let env = request.env;
+    let mut job = job.clone();
+    // Before anything runs: a device that cannot be used here ends the run at once.
+    let cuda = job.device.usable_on_local_rank(env.local_rank)?.is_cuda();
+    let checkpoint = match request.init {
+        Some(dir) => Some(init_from(&mut job, dir, show)?),
+        None => None,
+    };
+    job.rl.validate(job.model.seq_len)?;
+    check_memory(&job, env, request.max_memory, Workload::Rl, show)?;
+    if job.schedule.is_none() {
+        return Err(RunError::RlWithoutSchedule);
+    }
+    if env.is_distributed() {
+        return launched::rl(&job, env, cuda, checkpoint, request.existing, show);
+    }
+    // Before any work: a run directory that holds another run ends the run at once.
+    let run_dir = RunDir::claim(
+        job.out_dir.as_deref(),
+        "rl-",
+        Resume::Unsupported,
+        request.existing,
+    )?;
+    let rl = &job.rl;
+    show.line(&format!(
+        "model: {} params ({} layers, d_model {}, seq {}) on the {}; update: schedule {} on {} \
+         ranks, {} sequences ({} prompts × group {}) per step, packed {} per micro-batch",
+        job.model.param_count(),
+        job.model.layers,
+        job.model.d_model,
+        job.model.seq_len,
+        match cuda {
+            true => "GPU (the update's rank r on GPU r mod their count)",
+            false => "CPU",
+        },
+        job.schedule,
+        job.stages,
+        rl.sequences(),
+        rl.prompts,
+        rl.group,
+        rl.group
+    ));
+    let checkpoint = match checkpoint {
+        Some(c) => c,
+        None => supervised_warm_up(&job, show)?,
+    };
+    let run = in_process::InProcess {
+        job: &job,
+        checkpoint,
+        run_dir: &run_dir,
+        show,
+    };
+    on_backend(cuda, run)??;
+    Ok(Some(run_dir.path().to_path_buf()))
+}
+
+/// Which drafter the rollouts start from, for the in-process and the launched run alike:
+/// the starting checkpoint's after `version` optimizer steps, or untrained (`None`).
+fn drafter_line(version: Option<u64>) -> String {
+    match version {
+        Some(steps) => format!(
+            "drafter: the starting checkpoint's (trained in its run's bubbles, {steps} optimizer \
+             steps)"
+        ),
+        None => "drafter: untrained (the starting checkpoint has none; a `pipefill train` run \
+                 with filler = \"drafter\" trains one in its bubbles)"
+            .into(),
+    }
+}
+
+/// The checkpoint of the `pipefill train` run in `dir`, adopting its `[model]` and data
+/// seed (the checkpoint holds that model, trained on that stream).
+pub fn init_from(
+    job: &mut JobConfig,
+    dir: &Path,
+    show: &mut dyn Show,
+) -> Result<Checkpoint, RunError> {
+    let init = JobConfig::load(&dir.join("job.toml"), &[]).map_err(|e| RunError::Init {
+        dir: dir.to_path_buf(),
+        what: ": not a pipefill train run",
+        source: Box::new(e),
+    })?;
+    if init.model != job.model || init.train.seed != job.train.seed {
+        show.line(&format!(
+            "--init {}: using its [model] and train.seed (the checkpoint's)",
+            dir.display()
+        ));
+        job.model = init.model;
+        job.train.seed = init.train.seed;
+    }
+    let checkpoint = Checkpoint::load(&dir.join("checkpoint")).map_err(|e| RunError::Init {
+        dir: dir.to_path_buf(),
+        what: "",
+        source: Box::new(e),
+    })?;
+    show.line(&format!(
+        "policy: {} at step {}",
+        dir.join("checkpoint").display(),
+        checkpoint.meta.step
+    ));
+    Ok(checkpoint)
+}
+
+/// `rl.warmup_steps` supervised pipelined steps, ticking [`Bar::WarmUp`].
+fn supervised_warm_up(job: &JobConfig, show: &mut dyn Show) -> Result<Checkpoint, RunError> {
+    let steps = job.rl.warmup_steps;
+    if steps == 0 {
+        return Err(RunError::UntrainedPolicy);
+    }
+    show.line(&format!(
+        "warm-up: {steps} supervised steps on the job's tasks (no --init run)"
+    ));
+    let checkpoint = warm_up(job, |m| {
+        show.tick(Tick {
+            bar: Bar::WarmUp,
+            pos: m.step + 1,
+            len: steps,
+            message: &format!("loss {:.4}", m.loss),
+            plain: None,
+        });
+    });
+    show.finish(Bar::WarmUp, checkpoint.is_ok());
+    Ok(checkpoint?)
+}

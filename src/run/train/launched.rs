@@ -1,0 +1,236 @@
+//! One rank of a launched job (`pipefill launch`, mpirun, srun, torchrun): joins the others,
+//! trains this rank's stages ([`crate::launch::train::train_rank`]; each rank writes its
+//! shard of the sharded checkpoints), and on rank 0 writes the run directory: `job.toml`,
+//! the whole model's checkpoint, `metrics.jsonl` and the merged profile's report, trace and
+//! timeline. A resumed run reads its checkpoint through [`ResumePoint::find`]; from a
+//! sharded one each rank reads its own shard.
+
+use std::path::{Path, PathBuf};
+
+use crate::comm::link::PeerLink;
+use crate::config::{Filler, JobConfig};
+use crate::launch::auto::AutoChoice;
+use crate::launch::profile::mean_cost;
+use crate::launch::train::{RankResume, train_rank};
+use crate::launch::{RankEnv, join, join_timeout, listen_ip, watchdog};
+use crate::model::checkpoint::resume::{ResumePoint, verify_files};
+use crate::pipeline::PipelineTrainer;
+use crate::profile::merge::MergedProfile;
+use crate::profile::report::RunInfo;
+use crate::run::show::Show;
+use crate::run::{Existing, Resume, RunDir, RunError, RunLog, StepLine, steps_left};
+use crate::schedules::{Plan, simulate};
+
+/// `job` as rank `env.rank` of `env.world`, from `resume` when given; the run directory
+/// rank 0 chose.
+pub(super) fn train(
+    job: &JobConfig,
+    env: &RankEnv,
+    resume: Option<&Path>,
+    existing: Existing,
+    show: &mut dyn Show,
+) -> Result<PathBuf, RunError> {
+    let rank = env.rank;
+    // Each replica's pipeline runs its share of every step's micro-batches.
+    if !job.train.micro_batches.is_multiple_of(job.dp) {
+        return Err(RunError::DpShare {
+            dp: job.dp,
+            micro_batches: job.train.micro_batches,
+        });
+    }
+    let mut share = job.clone();
+    share.train.micro_batches /= job.dp;
+    let trainer = PipelineTrainer::from_job(&share).map_err(|e| RunError::plan(job, e))?;
+    // schedule = "auto": the trainer's plan is ZB-H1, which every rank runs until the ranks
+    // have gathered their measured costs and switch to the same auto plan
+    // (crate::launch::auto).
+    let auto = job.schedule.is_auto();
+    let plan = trainer.plan();
+    if plan.num_ranks() * job.dp != env.world {
+        return Err(RunError::World {
+            schedule: job.schedule.to_string(),
+            ranks: plan.num_ranks(),
+            dp: job.dp,
+            world: env.world,
+        });
+    }
+    let point = resume
+        .map(|path| ResumePoint::find(path).map_err(|e| RunError::resume(path, e)))
+        .transpose()?;
+    let checkpoint = point
+        .as_ref()
+        .map(|point| {
+            RankResume::load(point, job, plan, rank).map_err(|e| RunError::resume(point.dir(), e))
+        })
+        .transpose()?;
+    let first_step = checkpoint.as_ref().map_or(0, RankResume::step);
+    steps_left(first_step, job.train.steps)?;
+    // Rank 0 owns the run directory: it is claimed and made the run's once the job has been
+    // checked against its checkpoint, before any rank joins (the others learn of a refusal
+    // from the rendezvous). Its path goes to every rank with the job (agree_run_dir).
+    let mut job = job.clone();
+    let mut run_dir = None;
+    if rank == 0 {
+        // Every rank checks its own shard's hash, but rank 0 writes the run directory first:
+        // every shard is checked here before that, so a bad one changes no file.
+        if let Some(ResumePoint::Sharded(dir)) = &point {
+            verify_files(dir).map_err(|e| RunError::resume(dir, e))?;
+        }
+        let dir = RunDir::claim(
+            job.out_dir.as_deref(),
+            "distributed-",
+            resume.map_or(Resume::Fresh, Resume::From),
+            existing,
+        )?;
+        let log = RunLog::open(&dir, &job, first_step)?;
+        job.out_dir = Some(dir.path().to_path_buf());
+        run_dir = Some((dir, log));
+    }
+    let job = &job;
+    let mesh = std::sync::Arc::new(join(env, listen_ip()?, join_timeout()?)?);
+    if rank == 0 {
+        show.line(&format!(
+            "distributed: {} ranks ({:?} launcher), {} × schedule {} with {} stages, {} steps",
+            env.world,
+            env.launcher,
+            job.dp,
+            job.schedule,
+            plan.stages,
+            job.train.steps - first_step
+        ));
+        if auto {
+            show.line(
+                "schedule auto: ZB-H1 until every rank has measured its stage, then the auto \
+                 plan of the gathered costs",
+            );
+        }
+        if job.filler != Filler::None && job.dp > 1 {
+            show.line(
+                "note: with dp > 1 only replica 0's pipeline fills its bubbles with the drafter",
+            );
+        }
+    }
+    watchdog(&mesh);
+    if let Some((_, log)) = &mut run_dir {
+        log.start_clock();
+    }
+    let run = train_rank(
+        job,
+        plan,
+        &mesh,
+        job.clock.runtime(),
+        job.train.steps - first_step,
+        checkpoint.as_ref(),
+        job.device.on_local_rank(env.local_rank),
+    )?;
+    if let Some(choice) = &run.auto {
+        show_auto_choice(rank, first_step, choice, show);
+    }
+    // An auto-scheduled run is reported by the plan its last step ran.
+    let plan = run.report.plan.as_deref().unwrap_or(plan);
+    if rank == 0 {
+        for m in &run.metrics {
+            show.line(&format!(
+                "step {:>5}/{} loss {:.4} grad norm {:.4}",
+                m.step + 1,
+                job.train.steps,
+                m.loss,
+                m.grad_norm
+            ));
+        }
+    }
+    if let (Some(mut checkpoint), Some((run_dir, mut log))) = (run.checkpoint, run_dir) {
+        let out_dir = run_dir.path().to_path_buf();
+        if let Some(last) = run.checkpoints.last() {
+            show.line(&format!(
+                "sharded checkpoints: {} (last {})",
+                run.checkpoints.len(),
+                last.display()
+            ));
+        }
+        let merged = run.merged.as_ref();
+        for m in &run.metrics {
+            let timeline = merged.and_then(|p| p.iterations.get((m.step - first_step) as usize));
+            log.record(&StepLine::new(m, timeline));
+        }
+        let summary = log.finish()?;
+        run_dir.save_final(&mut checkpoint, job)?;
+        if let Some(merged) = merged {
+            write_profile(&out_dir, job, plan, merged, first_step)?;
+        }
+        show.line(&format!(
+            "done: {summary}; run directory {} (job.toml, metrics.jsonl, report.txt, \
+             report.json, trace.json, timeline.svg, checkpoint/, checkpoints/)",
+            out_dir.display()
+        ));
+    }
+    mesh.close()?;
+    Ok(run.run_dir)
+}
+
+/// What the ranks of an auto-scheduled run agreed on: every rank names the plan (a digest
+/// of its text, equal on every rank) and what its stage measured; rank 0 the gathered costs.
+fn show_auto_choice(rank: usize, first_step: u64, choice: &AutoChoice, show: &mut dyn Show) {
+    let c = &choice.measured;
+    show.line(&format!(
+        "schedule auto: from step {} the auto plan {:016x} of the measured costs; stage {} measured F {:?} I {:?} W {:?}",
+        first_step + choice.iteration + 1,
+        choice.plan_hash(),
+        choice.stage,
+        c.f,
+        c.i,
+        c.w
+    ));
+    if rank == 0 {
+        let stages: Vec<String> = choice
+            .cost
+            .stage
+            .iter()
+            .map(|c| format!("[{:?}, {:?}, {:?}]", c.f, c.i, c.w))
+            .collect();
+        show.line(&format!(
+            "schedule auto: gathered costs (F, I, W by stage): [{}]",
+            stages.join(", ")
+        ));
+    }
+}
+
+/// Rank 0's profile files from the merged profile: the bubble report of a steady step next
+/// to the simulator's prediction under the mean measured costs, `trace.json` and
+/// `timeline.svg`.
+fn write_profile(
+    dir: &Path,
+    job: &JobConfig,
+    plan: &Plan,
+    merged: &MergedProfile,
+    first_step: u64,
+) -> Result<(), RunError> {
+    // Means after the warm-up step, as a single-process run predicts with.
+    let skip = usize::from(merged.iterations.len() > 1);
+    let cost = mean_cost(plan, &merged.iterations, skip).ok_or(RunError::NoCosts)?;
+    let predicted = simulate(plan, &cost)?;
+    let info = RunInfo {
+        schedule: job.schedule.to_string(),
+        clock: job.clock.name().into(),
+        stages: plan.stages,
+        microbatches: plan.microbatches,
+        steps: first_step + merged.iterations.len() as u64,
+        units: "s".into(),
+        iteration: 0,
+        iteration_note: String::new(),
+        cost_basis: format!(
+            "mean per-stage costs measured over steps {}–{} (merged from {} processes)",
+            first_step + skip as u64,
+            first_step + merged.iterations.len() as u64 - 1,
+            merged.overall.ranks.len()
+        ),
+    };
+    merged.write_files(
+        dir,
+        info,
+        first_step,
+        &predicted,
+        plan.stages_per_rank() > 1,
+    )?;
+    Ok(())
+}

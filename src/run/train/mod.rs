@@ -1,0 +1,189 @@
+//! The training runner: `pipefill train`, however it runs, goes through [`train`]: the
+//! single-device reference trainer (`schedule = "none"`), the pipeline with every rank in
+//! this process, or one rank of a launched job (`pipefill launch`, mpirun, srun, torchrun).
+//! It owns what the three share: the checks before anything runs (memory, device, `dp`),
+//! the run directory (claimed before any work), resume, the data, the metrics line (one
+//! [`crate::run::StepLine`] per step through [`crate::run::RunLog`]), the final checkpoint,
+//! the profile files and the held-out score. What differs is the engine the steps run on:
+//!
+//! - [`reference`]: the reference trainer on the job's device;
+//! - [`pipelined`]: the actor runtime, every rank in this process, rank `r` on
+//!   [`crate::tensor::device::RankBackend::for_rank`]`(r)`;
+//! - [`launched`]: this process's rank of the plan, the others over the TCP mesh (NCCL
+//!   between GPUs), rank 0 writing the run directory.
+
+mod files;
+mod launched;
+mod pipelined;
+mod reference;
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use super::show::{Bar, Show, Tick};
+use super::{Existing, Resume, RunDir, RunError};
+use crate::config::JobConfig;
+use crate::config::memory::{Bytes, MemoryLimit, Workload};
+use crate::data::{DataSource, DatasetSummary, StepData};
+use crate::launch::RankEnv;
+use crate::model::Gpt;
+use crate::tensor::Backend;
+use crate::train::eval::{exact_match, held_out_tasks};
+
+/// How a training run was asked for, beside its job.
+#[derive(Debug, Clone, Copy)]
+pub struct TrainRequest<'a> {
+    /// Continue from this run directory or checkpoint directory
+    /// ([`crate::model::checkpoint::resume::ResumePoint::find`]) up to `train.steps`.
+    pub resume: Option<&'a Path>,
+    /// What to do with a run already in the output directory.
+    pub existing: Existing,
+    /// The most memory the run may use (`8GiB`, ...; a launched rank: its share); `None`:
+    /// the memory available.
+    pub max_memory: Option<&'a str>,
+    /// Where this process stands: alone, or one rank of a launched job.
+    pub env: &'a RankEnv,
+}
+
+/// Runs `job` as `request` asks, showing its progress on `show`; the run directory it wrote
+/// (a launched rank other than 0: the one rank 0 wrote).
+pub fn train(
+    job: &JobConfig,
+    request: &TrainRequest,
+    show: &mut dyn Show,
+) -> Result<PathBuf, RunError> {
+    let env = request.env;
+    check_memory(job, env, request.max_memory, Workload::Train, show)?;
+    // Before joining any other rank: a device that cannot be used here ends the run at once.
+    let device = job.device.usable_on_local_rank(env.local_rank)?;
+    if env.is_distributed() {
+        return launched::train(job, env, request.resume, request.existing, show);
+    }
+    // Before any work: a run directory that holds another run ends the run at once.
+    let run_dir = RunDir::claim(
+        job.out_dir.as_deref(),
+        "",
+        request.resume.map_or(Resume::Fresh, Resume::From),
+        request.existing,
+    )?;
+    // Loaded once, for the summary and the run.
+    let data = load_data(job, show)?;
+    show.line(DatasetSummary::of(&data)?.to_string().trim_end());
+    if job.schedule.is_none() {
+        reference::train(job, device, request.resume, &run_dir, data, show)?;
+    } else {
+        pipelined::train(job, request.resume, &run_dir, data, show)?;
+    }
+    Ok(run_dir.path().to_path_buf())
+}
+
+/// Before anything is allocated: the job's sizes against `max_memory` (or the memory there
+/// is), a launched rank's share of them on each rank. A single process also refuses
+/// `dp > 1` (it runs one pipeline) and shows its estimate.
+pub(crate) fn check_memory(
+    job: &JobConfig,
+    env: &RankEnv,
+    max_memory: Option<&str>,
+    workload: Workload,
+    show: &mut dyn Show,
+) -> Result<(), RunError> {
+    let limit = MemoryLimit::resolve(max_memory)?;
+    let processes = if env.is_distributed() { env.world } else { 1 };
+    let estimate = job.check_memory(workload, &limit, processes)?;
+    if !env.is_distributed() {
+        if job.dp > 1 {
+            return Err(RunError::DpInOneProcess {
+                dp: job.dp,
+                processes: job.dp.saturating_mul(job.stages),
+                command: match workload {
+                    Workload::Train => "train",
+                    Workload::Rl => "rl",
+                },
+            });
+        }
+        show.line(&format!(
+            "memory: {} estimated, {limit}",
+            Bytes(estimate.total)
+        ));
+    }
+    Ok(())
+}
+
+/// The job's step data. A JSONL dataset is tokenized here, once for the summary and the
+/// run, ticking [`Bar::Tokenizing`] with the records tokenized and the tokens they gave,
+/// and ends with one line saying what was read.
+fn load_data(job: &JobConfig, show: &mut dyn Show) -> Result<StepData, RunError> {
+    let d = &job.data;
+    let Some(path) = d.path.as_deref().filter(|_| d.source == DataSource::Jsonl) else {
+        return Ok(StepData::new(d.clone(), job.model.seq_len, job.train.seed)?);
+    };
+    let started = Instant::now();
+    let mut read = None;
+    let data = StepData::load(d.clone(), job.model.seq_len, job.train.seed, &mut |t| {
+        let message = format!("{} tokens", t.tokens);
+        show.tick(Tick {
+            bar: Bar::Tokenizing,
+            pos: t.records as u64,
+            len: t.of as u64,
+            message: &message,
+            plain: None,
+        });
+        read = Some(t);
+    });
+    show.finish(Bar::Tokenizing, data.is_ok());
+    let data = data?;
+    if let Some(t) = read {
+        show.line(&format!(
+            "data: {} records, {} tokens from {} (tokenized in {:.1} s)",
+            t.records,
+            t.tokens,
+            path.display(),
+            started.elapsed().as_secs_f64()
+        ));
+    }
+    Ok(data)
+}
+
+/// The `model:` line every path shows first: the model's size and shape, and where it runs.
+fn model_line(job: &JobConfig, on: &str) -> String {
+    let m = &job.model;
+    format!(
+        "model: {} params ({} layers, d_model {}, {} heads, seq {}) on {on}",
+        m.param_count(),
+        m.layers,
+        m.d_model,
+        m.heads,
+        m.seq_len,
+    )
+}
+
+/// Scores greedy completions of the job's held-out tasks and shows the exact match.
+fn evaluate<B: Backend>(
+    job: &JobConfig,
+    model: &mut Gpt<B>,
+    show: &mut dyn Show,
+) -> Result<(), RunError> {
+    let (d, t) = (&job.data, &job.train);
+    // The held-out tasks are the synthetic ones (character-tokenized); a JSONL run has none.
+    if t.eval_tasks == 0 || d.source != DataSource::Synthetic {
+        return Ok(());
+    }
+    let tasks = held_out_tasks(
+        &d.families,
+        d.size_scale,
+        d.max_size,
+        t.seed,
+        job.model.seq_len,
+        t.eval_tasks,
+    )?;
+    let em = exact_match(model, &tasks)?;
+    show.line(&format!(
+        "exact match (greedy) on {} held-out tasks that fit seq_len {}: {}/{} ({:.1}%)",
+        em.tasks,
+        job.model.seq_len,
+        em.correct,
+        em.tasks,
+        100.0 * em.accuracy()
+    ));
+    Ok(())
+}

@@ -1,0 +1,118 @@
+//! `schedule = "none"`: the single-device reference trainer, the oracle every schedule must
+//! reproduce, on the job's device (the CPU with `train.threads`, or `cuda:0`).
+
+use std::path::Path;
+
+use super::{evaluate, model_line};
+use crate::config::JobConfig;
+use crate::data::StepData;
+use crate::model::checkpoint::Checkpoint;
+use crate::model::checkpoint::resume::ResumePoint;
+use crate::run::show::{Bar, Show, step_tick};
+use crate::run::{RunDir, RunError, RunLog, StepLine, steps_left};
+use crate::tensor::device::Device;
+use crate::tensor::{Backend, CpuBackend};
+use crate::train::Trainer;
+use crate::train::reference::cpu_threads;
+
+/// Trains `job` on one `device` (from `resume`'s checkpoint when given), writing `run_dir`.
+pub(super) fn train(
+    job: &JobConfig,
+    device: Device,
+    resume: Option<&Path>,
+    run_dir: &RunDir,
+    data: StepData,
+    show: &mut dyn Show,
+) -> Result<(), RunError> {
+    if job.stages != 1 {
+        show.line(&format!(
+            "schedule \"none\": the whole model on one device (stages = {} is ignored)",
+            job.stages
+        ));
+    }
+    match device {
+        Device::Cpu { .. } => {
+            let backend = CpuBackend::new(cpu_threads(&job.train))?;
+            let trainer = Trainer::with_data(backend, &job.model, data, &job.train)?;
+            run(job, resume, run_dir, trainer, show)
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda { ordinal } => {
+            let backend = crate::tensor::cuda::CudaBackend::new(ordinal)?;
+            let trainer = Trainer::with_data(backend, &job.model, data, &job.train)?;
+            run(job, resume, run_dir, trainer, show)
+        }
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda { .. } => Err(crate::tensor::device::DeviceError::CudaNotCompiled.into()),
+    }
+}
+
+/// Runs `job` with the reference `trainer`, showing progress and writing `run_dir`.
+fn run<B: Backend>(
+    job: &JobConfig,
+    resume: Option<&Path>,
+    run_dir: &RunDir,
+    mut trainer: Trainer<B>,
+    show: &mut dyn Show,
+) -> Result<(), RunError> {
+    if let Some(path) = resume {
+        // A run directory, or a checkpoint in one, as the pipelined runs take it.
+        let dir = match ResumePoint::find(path)? {
+            ResumePoint::Whole(dir) => dir,
+            ResumePoint::Sharded(dir) => return Err(RunError::ShardedForReference { dir }),
+        };
+        let checkpoint = Checkpoint::load(&dir)?;
+        trainer.restore(&checkpoint)?;
+        show.line(&format!(
+            "resumed from {} at step {}",
+            dir.display(),
+            trainer.step()
+        ));
+    }
+    let first_step = trainer.step();
+    steps_left(first_step, job.train.steps)?;
+    let t = &job.train;
+    show.line(&model_line(job, &trainer.backend().name()));
+    show.line(&format!(
+        "train: {} steps × {} micro-batches × {} sequences × {} tokens, lr {} (warmup {}), \
+         weight decay {}, clip {}",
+        t.steps,
+        t.micro_batches,
+        t.micro_batch_size,
+        job.model.seq_len,
+        t.lr,
+        t.warmup,
+        t.weight_decay,
+        t.clip
+    ));
+
+    let mut log = RunLog::open(run_dir, job, first_step)?;
+    for _ in first_step..t.steps {
+        let m = match trainer.train_step() {
+            Ok(m) => m,
+            Err(e) => {
+                show.finish(Bar::Step, false);
+                return Err(e.into());
+            }
+        };
+        let line = format!(
+            "loss {:.4} | lr {:.2e} | {:.0} tok/s",
+            m.loss,
+            m.lr,
+            m.tokens_per_second()
+        );
+        step_tick(show, Bar::Step, m.step, t.steps, &line);
+        log.record(&StepLine::new(&m, None));
+    }
+    show.finish(Bar::Step, true);
+
+    let summary = log.finish()?;
+    let checkpoint_dir = run_dir.save_final(&mut trainer.checkpoint()?, job)?;
+    evaluate(job, trainer.model_mut(), show)?;
+    show.line(&format!(
+        "done: {summary}; checkpoint {}, metrics {}",
+        checkpoint_dir.display(),
+        run_dir.path().join("metrics.jsonl").display()
+    ));
+    Ok(())
+}
