@@ -1,5 +1,6 @@
-//! `pipefill bench rollout [--json]`: the rollout engine on a long-tail batch, with plain
-//! decoding, speculation at a fixed K, and adaptive speculation.
+//! `pipefill bench rollout [--json] [--device cpu|cuda]`: the rollout engine on a long-tail
+//! batch, with plain decoding, speculation at a fixed K, and adaptive speculation, on the
+//! CPU or GPU 0.
 //!
 //! What it does, in order (each step prints what it trained or measured), on the job of
 //! [`BENCH_SETS`] (a `d_model` 512 target, where decoding is bound by reading weights):
@@ -43,6 +44,7 @@ use anyhow::{Context, bail};
 use costs::{COST_REPS, engine_buckets, probe_context, step_cost_lines, threshold_of_buckets};
 use pipefill::config::JobConfig;
 use pipefill::data::{SplitMix64, TaskGenerator, Tokenizer, tokenizer::BOS};
+use pipefill::model::checkpoint::Checkpoint;
 use pipefill::model::drafter::{
     DraftBufferHandle, DraftContext, Drafter, DrafterTrainer, TreeShape,
 };
@@ -53,8 +55,9 @@ use pipefill::rl::rollout::{
     AdaptiveConfig, MIN_GROUP_ROWS, Request, Rollout, RolloutConfig, RolloutEngine, Speculation,
     live_threshold,
 };
-use pipefill::tensor::CpuBackend;
-use pipefill::train::reference::Trainer;
+use pipefill::tensor::device::Device;
+use pipefill::tensor::{Backend, CpuBackend};
+use pipefill::train::reference::{Trainer, cpu_threads};
 use serde_json::json;
 
 #[derive(clap::Args)]
@@ -116,6 +119,10 @@ pub struct RolloutArgs {
     /// Override job fields, e.g. `--set model.layers=4`.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     sets: Vec<String>,
+    /// What the target, the rollouts and the drafter compute on: cpu or cuda (overrides
+    /// device; cuda: GPU 0).
+    #[arg(long, value_enum)]
+    device: Option<crate::cli::train::DeviceArg>,
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
@@ -150,21 +157,60 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
         bail!("--reps, --requests and --k must be at least 1");
     }
     // The bench's own defaults first, so that `--set` can still override them.
-    let sets: Vec<String> = BENCH_SETS
+    let mut sets: Vec<String> = BENCH_SETS
         .iter()
         .map(|s| s.to_string())
         .chain(a.sets.iter().cloned())
         .collect();
+    if let Some(device) = a.device {
+        sets.push(format!("device=\"{}\"", device.name()));
+    }
     let mut job = JobConfig::embedded(&sets).context("bench rollout: the job")?;
-    let t0 = Instant::now();
-    // Whichever target is used lives in one of these two.
-    let (trainer, loaded);
-    let (trained, model, origin): (u64, &Gpt<CpuBackend>, String) = match &a.init {
+    // Before any work: a device that cannot be used here ends the bench at once.
+    let device = job.device.usable_on_local_rank(0)?;
+    let init = match &a.init {
         Some(dir) => {
             // With --json, stdout is the JSON alone: the runner's lines go to stderr.
             let mut show = crate::cli::show::Terminal::default().lines_to_stderr(a.json);
             let checkpoint = pipefill::run::rl::init_from(&mut job, dir, &mut show)?;
-            let mut model = Gpt::blank(&job.model, CpuBackend::new(1)?, &Cut::Even(1))?;
+            Some((dir.clone(), checkpoint))
+        }
+        None => None,
+    };
+    // On the CPU a trained target keeps the `train.threads` threads it trained with for its
+    // rollouts; a loaded target and the drafter get one thread. On a GPU everything shares
+    // its one backend (one stream).
+    match device {
+        Device::Cpu { .. } => {
+            let train = CpuBackend::new(cpu_threads(&job.train))?;
+            let one = CpuBackend::new(1)?;
+            rollout_on(a, job, init, train, one)
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda { ordinal } => {
+            let gpu = pipefill::tensor::cuda::CudaBackend::new(ordinal)?;
+            rollout_on(a, job, init, gpu.clone(), gpu)
+        }
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda { .. } => Err(pipefill::tensor::device::DeviceError::CudaNotCompiled.into()),
+    }
+}
+
+/// The bench on backend `B`: the target trained on `train` (or loaded from `init`, a run
+/// directory and its checkpoint, onto `one`), the rollouts and the drafter on `one`.
+fn rollout_on<B: Backend>(
+    a: RolloutArgs,
+    job: JobConfig,
+    init: Option<(std::path::PathBuf, Checkpoint)>,
+    train: B,
+    one: B,
+) -> anyhow::Result<()> {
+    let t0 = Instant::now();
+    // Whichever target is used lives in one of these two.
+    let (trainer, loaded);
+    let (trained, model, origin): (u64, &Gpt<B>, String) = match init {
+        Some((dir, checkpoint)) => {
+            let mut model = Gpt::blank(&job.model, one.clone(), &Cut::Even(1))?;
             checkpoint
                 .restore_model(&mut model, job.train.seed)
                 .with_context(|| format!("--init {}", dir.display()))?;
@@ -177,7 +223,7 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
             )
         }
         None => {
-            let mut t = Trainer::reference(&job.model, &job.data, &job.train)?;
+            let mut t = Trainer::with_backend(train, &job.model, &job.data, &job.train)?;
             let mut loss = f32::NAN;
             for _ in 0..a.steps {
                 loss = t.train_step()?.loss;
@@ -195,10 +241,11 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
     say(
         a.json,
         format!(
-            "target: {} layers, d_model {} ({} parameters), {origin}",
+            "target: {} layers, d_model {} ({} parameters) on {}, {origin}",
             job.model.layers,
             job.model.d_model,
             job.model.param_count(),
+            model.backend().name(),
         ),
     );
     let requests = long_tail_batch(&job, a.requests)?;
@@ -228,8 +275,7 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
             job.model.seq_len
         ),
     );
-    let be = CpuBackend::new(1)?;
-    let mut drafter = Drafter::new(&job.model, &job.drafter, be)?;
+    let mut drafter = Drafter::new(&job.model, &job.drafter, one.clone())?;
     drafter.refresh_from_gpt(model, trained)?;
     let buffer = DraftBufferHandle::new(&job.model, &job.drafter);
     buffer.begin_step(trained);
@@ -404,6 +450,7 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
     ks.sort();
     if a.json {
         let out = json!({
+            "device": model.backend().name(),
             "plain_tokens_per_s": m(&plain, &tail),
             "fixed_tokens_per_s": m(&fixed, &tail),
             "adaptive_tokens_per_s": m(&adapt, &tail),

@@ -77,19 +77,25 @@ pub struct TrainArgs {
 
 /// `--device`'s values (the job file's `device`).
 #[derive(Clone, Copy, clap::ValueEnum)]
-enum DeviceArg {
+pub enum DeviceArg {
     Cpu,
     Cuda,
+}
+
+impl DeviceArg {
+    /// The job file's name for it.
+    pub fn name(self) -> &'static str {
+        match self {
+            DeviceArg::Cpu => "cpu",
+            DeviceArg::Cuda => "cuda",
+        }
+    }
 }
 
 pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     let mut sets = args.set.clone();
     if let Some(device) = args.device {
-        let name = match device {
-            DeviceArg::Cpu => "cpu",
-            DeviceArg::Cuda => "cuda",
-        };
-        sets.push(format!("device=\"{name}\""));
+        sets.push(format!("device=\"{}\"", device.name()));
     }
     if let Some(clock) = args.clock {
         sets.push(format!("clock=\"{}\"", clock.name()));

@@ -11,6 +11,8 @@ pub mod log;
 pub mod metrics;
 pub mod rl;
 pub mod show;
+#[cfg(test)]
+pub(crate) mod show_tests;
 pub mod train;
 
 pub use dir::{Existing, Resume, RunDir, RunDirError};

@@ -14,6 +14,8 @@
 
 mod in_process;
 mod launched;
+#[cfg(test)]
+mod tests;
 
 use std::path::{Path, PathBuf};
 
@@ -60,6 +62,9 @@ pub fn rl(
     check_memory(&job, env, request.max_memory, Workload::Rl, show)?;
     if job.schedule.is_none() {
         return Err(RunError::RlWithoutSchedule);
+    }
+    if checkpoint.is_none() && job.rl.warmup_steps == 0 {
+        return Err(RunError::UntrainedPolicy);
     }
     if env.is_distributed() {
         return launched::rl(&job, env, cuda, checkpoint, request.existing, show);
@@ -154,9 +159,6 @@ pub fn init_from(
 /// `rl.warmup_steps` supervised pipelined steps, ticking [`Bar::WarmUp`].
 fn supervised_warm_up(job: &JobConfig, show: &mut dyn Show) -> Result<Checkpoint, RunError> {
     let steps = job.rl.warmup_steps;
-    if steps == 0 {
-        return Err(RunError::UntrainedPolicy);
-    }
     show.line(&format!(
         "warm-up: {steps} supervised steps on the job's tasks (no --init run)"
     ));

@@ -16,6 +16,8 @@ mod files;
 mod launched;
 mod pipelined;
 mod reference;
+#[cfg(test)]
+mod tests;
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
