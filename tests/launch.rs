@@ -188,6 +188,16 @@ fn launch_of_four_ranks_and_mpirun_equal_the_in_process_run() {
     assert_eq!(losses(&out), losses(&single), "{}", text(&out));
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains("[rank 0] done: "), "{}", text(&out));
+    // Rank 0 shows each step as an in-process run does (one runner): loss, learning rate,
+    // tokens/s and the step's bubble ratios from the merged profile.
+    let first = stdout
+        .lines()
+        .find(|l| l.starts_with("[rank 0] step     1/"))
+        .unwrap_or_else(|| panic!("no step line: {}", text(&out)));
+    assert!(
+        first.contains(" | lr ") && first.contains(" tok/s | bubble "),
+        "{first}"
+    );
     assert!(stdout.contains("; run directory "), "{}", text(&out));
     assert!(launched.join("job.toml").exists());
     assert_run_files(&dir.path().join("single"), &launched);

@@ -6,13 +6,17 @@
 //! sharded one each rank reads its own shard.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
+use super::engine::{Engine, Steps, drive, step_message};
 use crate::comm::link::PeerLink;
+use crate::comm::tcp::TcpMesh;
 use crate::config::{Filler, JobConfig};
 use crate::launch::auto::AutoChoice;
 use crate::launch::profile::mean_cost;
-use crate::launch::train::{RankResume, train_rank};
+use crate::launch::train::{RankResume, RankRun, train_rank};
 use crate::launch::{RankEnv, join, join_timeout, listen_ip, watchdog};
+use crate::model::checkpoint::Checkpoint;
 use crate::model::checkpoint::resume::{ResumePoint, verify_files};
 use crate::pipeline::PipelineTrainer;
 use crate::profile::merge::MergedProfile;
@@ -20,6 +24,7 @@ use crate::profile::report::RunInfo;
 use crate::run::show::Show;
 use crate::run::{Existing, Resume, RunDir, RunError, RunLog, StepLine, steps_left};
 use crate::schedules::{Plan, simulate};
+use crate::tensor::device::Device;
 
 /// `job` as rank `env.rank` of `env.world`, from `resume` when given; the run directory
 /// rank 0 chose.
@@ -87,7 +92,7 @@ pub(super) fn train(
         run_dir = Some((dir, log));
     }
     let job = &job;
-    let mesh = std::sync::Arc::new(join(env, listen_ip()?, join_timeout()?)?);
+    let mesh = Arc::new(join(env, listen_ip()?, join_timeout()?)?);
     if rank == 0 {
         show.line(&format!(
             "distributed: {} ranks ({:?} launcher), {} × schedule {} with {} stages, {} steps",
@@ -114,33 +119,73 @@ pub(super) fn train(
     if let Some((_, log)) = &mut run_dir {
         log.start_clock();
     }
-    let run = train_rank(
+    let mut engine = Launched {
         job,
         plan,
-        &mesh,
-        job.clock.runtime(),
-        job.train.steps - first_step,
-        checkpoint.as_ref(),
-        job.device.on_local_rank(env.local_rank),
-    )?;
-    if let Some(choice) = &run.auto {
-        show_auto_choice(rank, first_step, choice, show);
-    }
-    // An auto-scheduled run is reported by the plan its last step ran.
-    let plan = run.report.plan.as_deref().unwrap_or(plan);
-    if rank == 0 {
-        for m in &run.metrics {
-            show.line(&format!(
-                "step {:>5}/{} loss {:.4} grad norm {:.4}",
-                m.step + 1,
-                job.train.steps,
-                m.loss,
-                m.grad_norm
-            ));
+        mesh: &mesh,
+        first_step,
+        checkpoint: checkpoint.as_ref(),
+        device: job.device.on_local_rank(env.local_rank),
+        run_dir: None,
+    };
+    let (dir, log) = run_dir.unzip();
+    drive(job, &mut engine, first_step, dir.as_ref().zip(log), show)?;
+    mesh.close()?;
+    Ok(engine.run_dir.unwrap_or_default())
+}
+
+/// This process's rank of a launched job as an [`Engine`]: its steps run in
+/// [`train_rank`]; rank 0 then holds every step's losses, the whole model and the merged
+/// profile.
+struct Launched<'a> {
+    job: &'a JobConfig,
+    plan: &'a Plan,
+    mesh: &'a Arc<TcpMesh>,
+    first_step: u64,
+    checkpoint: Option<&'a RankResume>,
+    device: Device,
+    /// The run directory the ranks agreed on (rank 0's), once they have.
+    run_dir: Option<PathBuf>,
+}
+
+impl Engine for Launched<'_> {
+    type Ran = RankRun;
+
+    fn run(&mut self, steps: u64, out: &mut Steps<'_>) -> Result<RankRun, RunError> {
+        let (job, first_step) = (self.job, self.first_step);
+        let run = train_rank(
+            job,
+            self.plan,
+            self.mesh,
+            job.clock.runtime(),
+            steps,
+            self.checkpoint,
+            self.device,
+        )?;
+        self.run_dir = Some(run.run_dir.clone());
+        if let Some(choice) = &run.auto {
+            show_auto_choice(self.mesh.rank(), first_step, choice, out.show());
         }
+        // Rank 0 has every step's losses (the others none), and the merged profile's
+        // timelines for their bubble ratios.
+        let merged = run.merged.as_ref();
+        for m in &run.metrics {
+            let timeline = merged.and_then(|p| p.iterations.get((m.step - first_step) as usize));
+            out.step(&StepLine::new(m, timeline), &step_message(m, timeline));
+        }
+        Ok(run)
     }
-    if let (Some(mut checkpoint), Some((run_dir, mut log))) = (run.checkpoint, run_dir) {
-        let out_dir = run_dir.path().to_path_buf();
+
+    fn checkpoint(&mut self, run: &mut RankRun) -> Result<Option<Checkpoint>, RunError> {
+        Ok(run.checkpoint.take())
+    }
+
+    fn after(
+        &mut self,
+        run: RankRun,
+        dir: &Path,
+        show: &mut dyn Show,
+    ) -> Result<&'static str, RunError> {
         if let Some(last) = run.checkpoints.last() {
             show.line(&format!(
                 "sharded checkpoints: {} (last {})",
@@ -148,24 +193,16 @@ pub(super) fn train(
                 last.display()
             ));
         }
-        let merged = run.merged.as_ref();
-        for m in &run.metrics {
-            let timeline = merged.and_then(|p| p.iterations.get((m.step - first_step) as usize));
-            log.record(&StepLine::new(m, timeline));
+        if let Some(merged) = &run.merged {
+            // An auto-scheduled run is reported by the plan its last step ran.
+            let plan = run.report.plan.as_deref().unwrap_or(self.plan);
+            write_profile(dir, self.job, plan, merged, self.first_step)?;
         }
-        let summary = log.finish()?;
-        run_dir.save_final(&mut checkpoint, job)?;
-        if let Some(merged) = merged {
-            write_profile(&out_dir, job, plan, merged, first_step)?;
-        }
-        show.line(&format!(
-            "done: {summary}; run directory {} (job.toml, metrics.jsonl, report.txt, \
-             report.json, trace.json, timeline.svg, checkpoint/, checkpoints/)",
-            out_dir.display()
-        ));
+        Ok(
+            "job.toml, metrics.jsonl, report.txt, report.json, trace.json, timeline.svg, \
+            checkpoint/, checkpoints/",
+        )
     }
-    mesh.close()?;
-    Ok(run.run_dir)
 }
 
 /// What the ranks of an auto-scheduled run agreed on: every rank names the plan (a digest

@@ -4,7 +4,9 @@
 //! It owns what the three share: the checks before anything runs (memory, device, `dp`),
 //! the run directory (claimed before any work), resume, the data, the metrics line (one
 //! [`crate::run::StepLine`] per step through [`crate::run::RunLog`]), the final checkpoint,
-//! the profile files and the held-out score. What differs is the engine the steps run on:
+//! the profile files and the held-out score. What differs is the engine the steps run on
+//! ([`engine::Engine`]; [`engine::drive`] runs any of them, so every path ticks, logs, sums
+//! up, checkpoints and ends alike):
 //!
 //! - [`reference`]: the reference trainer on the job's device;
 //! - [`pipelined`]: the actor runtime, every rank in this process, rank `r` on
@@ -12,6 +14,7 @@
 //! - [`launched`]: this process's rank of the plan, the others over the TCP mesh (NCCL
 //!   between GPUs), rank 0 writing the run directory.
 
+mod engine;
 mod files;
 mod launched;
 mod pipelined;

@@ -8,9 +8,10 @@
 //! job with `filler = "none"` ([`BASELINE_STEPS`] steps at most, same plan, model and data)
 //! measures its median step makespan; it only measures and writes nothing.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use super::engine::{Engine, Steps, drive, step_message};
 use super::files::{filling, write_profile};
 use super::{evaluate, model_line};
 use crate::config::DeviceKind;
@@ -20,9 +21,9 @@ use crate::model::checkpoint::Checkpoint;
 use crate::model::checkpoint::resume::ResumePoint;
 use crate::model::checkpoint::sharded::{Layout, job_fingerprint, load_sharded};
 use crate::pipeline::feed::StepFeed;
-use crate::pipeline::{PipelineTrainer, StepView};
+use crate::pipeline::{PipelineRun, PipelineTrainer, StepView};
 use crate::profile::report::{ActionCosts, action_costs};
-use crate::run::show::{Bar, Show, step_tick};
+use crate::run::show::Show;
 use crate::run::{RunDir, RunError, RunLog, StepLine, steps_left};
 
 /// Most steps of the run without filler that step inflation is measured against.
@@ -74,72 +75,96 @@ pub(super) fn train(
         t.micro_batch_size,
     ));
 
-    let out_dir = run_dir.path().to_path_buf();
     // Each step's line goes to metrics.jsonl as the step completes, its measured bubble
     // ratios with it.
-    let mut log = RunLog::open(run_dir, job, first_step)?;
-    let filler = job.filler != Filler::None;
-    let mut agreement = None;
-    // Periodic checkpoints for the main run only (the baseline run below measures).
-    let main = trainer
-        .clone()
-        .checkpoint_every(job.checkpoint_every, &out_dir);
-    let run = main.run_observed(t.steps - first_step, |v: &StepView| {
-        let m = v.metrics;
-        let mut line = format!(
-            "loss {:.4} | lr {:.2e} | {:.0} tok/s",
-            m.loss,
-            m.lr,
-            m.tokens_per_second()
-        );
-        if let Some(p) = v.profile {
-            line += &format!(
-                " | bubble {:.1}% (steady {:.1}%)",
-                100.0 * p.timeline.bubble_ratio,
-                100.0 * p.timeline.steady_bubble_ratio
-            );
-            if filler && p.waited() > 0.0 {
-                line += &format!(" | fill {:.1}%", 100.0 * p.filled() / p.waited());
-            }
+    let log = RunLog::open(run_dir, job, first_step)?;
+    let mut engine = InProcess {
+        job,
+        trainer,
+        out_dir: run_dir.path().to_path_buf(),
+        agreement: None,
+    };
+    drive(job, &mut engine, first_step, Some((run_dir, log)), show)
+}
+
+/// The pipeline with every rank in this process as an [`Engine`].
+struct InProcess<'j> {
+    job: &'j JobConfig,
+    trainer: PipelineTrainer,
+    out_dir: PathBuf,
+    /// The drafter's latest held-out agreement (measured every few steps).
+    agreement: Option<f64>,
+}
+
+impl InProcess<'_> {
+    /// The tick message of the step `v`: loss, learning rate, tokens/s, the step's measured
+    /// bubble ratios, with a filler the share of its waits filled, and the drafter's latest
+    /// agreement.
+    fn message(&mut self, v: &StepView) -> String {
+        let mut line = step_message(v.metrics, v.profile.map(|p| &p.timeline));
+        if let Some(p) = v.profile
+            && self.job.filler != Filler::None
+            && p.waited() > 0.0
+        {
+            line += &format!(" | fill {:.1}%", 100.0 * p.filled() / p.waited());
         }
         if let Some(a) = v.drafter.and_then(|d| d.agreement) {
-            agreement = Some(a);
+            self.agreement = Some(a);
         }
-        if let Some(a) = agreement {
+        if let Some(a) = self.agreement {
             line += &format!(" | draft agree {:.1}%", 100.0 * a);
         }
-        step_tick(show, Bar::Step, m.step, t.steps, &line);
-        log.record(&StepLine::of_view(v, filler));
-    });
-    show.finish(Bar::Step, run.is_ok());
-    let run = run?;
+        line
+    }
+}
 
-    let summary = log.finish()?;
-    run_dir.save_final(&mut run.checkpoint()?, job)?;
+impl Engine for InProcess<'_> {
+    /// The run, and the steps it ran (the baseline runs as many, at most [`BASELINE_STEPS`]).
+    type Ran = (PipelineRun, u64);
 
-    let baseline = match filler {
-        true => Some(baseline(&trainer, t.steps - first_step, show)?),
-        false => None,
-    };
-    let filling = filling(
-        job,
-        &run,
-        baseline
-            .as_ref()
-            .map(|(m, note, costs)| (m.as_slice(), note.clone(), costs)),
-    );
-    let report = write_profile(&out_dir, job, &run, clock, filling)?;
-    show.line("");
-    show.line(report.to_text().trim_end());
-    show.line("");
+    fn run(&mut self, steps: u64, out: &mut Steps<'_>) -> Result<Self::Ran, RunError> {
+        let filler = self.job.filler != Filler::None;
+        // Periodic checkpoints for the main run only (the baseline run measures).
+        let main = self
+            .trainer
+            .clone()
+            .checkpoint_every(self.job.checkpoint_every, &self.out_dir);
+        let run = main.run_observed(steps, |v: &StepView| {
+            let message = self.message(v);
+            out.step(&StepLine::of_view(v, filler), &message);
+        })?;
+        Ok((run, steps))
+    }
 
-    evaluate(job, &mut run.model()?, show)?;
-    show.line(&format!(
-        "done: {summary}; run directory {} (report.txt, trace.json, timeline.svg, \
-         metrics.jsonl, checkpoint/)",
-        out_dir.display()
-    ));
-    Ok(())
+    fn checkpoint(&mut self, ran: &mut Self::Ran) -> Result<Option<Checkpoint>, RunError> {
+        Ok(Some(ran.0.checkpoint()?))
+    }
+
+    fn after(
+        &mut self,
+        (run, steps): Self::Ran,
+        dir: &Path,
+        show: &mut dyn Show,
+    ) -> Result<&'static str, RunError> {
+        let job = self.job;
+        let baseline = match job.filler != Filler::None {
+            true => Some(baseline(&self.trainer, steps, show)?),
+            false => None,
+        };
+        let filling = filling(
+            job,
+            &run,
+            baseline
+                .as_ref()
+                .map(|(m, note, costs)| (m.as_slice(), note.clone(), costs)),
+        );
+        let report = write_profile(dir, job, &run, job.clock.name(), filling)?;
+        show.line("");
+        show.line(report.to_text().trim_end());
+        show.line("");
+        evaluate(job, &mut run.model()?, show)?;
+        Ok("report.txt, trace.json, timeline.svg, metrics.jsonl, checkpoint/")
+    }
 }
 
 /// Runs the same job without filler for at most [`BASELINE_STEPS`] of its `steps` steps and

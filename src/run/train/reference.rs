@@ -3,12 +3,13 @@
 
 use std::path::Path;
 
+use super::engine::{Engine, Steps, drive, step_message};
 use super::{evaluate, model_line};
 use crate::config::JobConfig;
 use crate::data::StepData;
 use crate::model::checkpoint::Checkpoint;
 use crate::model::checkpoint::resume::ResumePoint;
-use crate::run::show::{Bar, Show, step_tick};
+use crate::run::show::Show;
 use crate::run::{RunDir, RunError, RunLog, StepLine, steps_left};
 use crate::tensor::device::Device;
 use crate::tensor::{Backend, CpuBackend};
@@ -47,7 +48,7 @@ pub(super) fn train(
     }
 }
 
-/// Runs `job` with the reference `trainer`, showing progress and writing `run_dir`.
+/// Runs `job` with the reference `trainer` into `run_dir`.
 fn run<B: Backend>(
     job: &JobConfig,
     resume: Option<&Path>,
@@ -85,34 +86,34 @@ fn run<B: Backend>(
         t.weight_decay,
         t.clip
     ));
+    let log = RunLog::open(run_dir, job, first_step)?;
+    let mut engine = Reference { job, trainer };
+    drive(job, &mut engine, first_step, Some((run_dir, log)), show)
+}
 
-    let mut log = RunLog::open(run_dir, job, first_step)?;
-    for _ in first_step..t.steps {
-        let m = match trainer.train_step() {
-            Ok(m) => m,
-            Err(e) => {
-                show.finish(Bar::Step, false);
-                return Err(e.into());
-            }
-        };
-        let line = format!(
-            "loss {:.4} | lr {:.2e} | {:.0} tok/s",
-            m.loss,
-            m.lr,
-            m.tokens_per_second()
-        );
-        step_tick(show, Bar::Step, m.step, t.steps, &line);
-        log.record(&StepLine::new(&m, None));
+/// The reference trainer as an [`Engine`].
+struct Reference<'j, B: Backend> {
+    job: &'j JobConfig,
+    trainer: Trainer<B>,
+}
+
+impl<B: Backend> Engine for Reference<'_, B> {
+    type Ran = ();
+
+    fn run(&mut self, steps: u64, out: &mut Steps<'_>) -> Result<(), RunError> {
+        for _ in 0..steps {
+            let m = self.trainer.train_step()?;
+            out.step(&StepLine::new(&m, None), &step_message(&m, None));
+        }
+        Ok(())
     }
-    show.finish(Bar::Step, true);
 
-    let summary = log.finish()?;
-    let checkpoint_dir = run_dir.save_final(&mut trainer.checkpoint()?, job)?;
-    evaluate(job, trainer.model_mut(), show)?;
-    show.line(&format!(
-        "done: {summary}; checkpoint {}, metrics {}",
-        checkpoint_dir.display(),
-        run_dir.path().join("metrics.jsonl").display()
-    ));
-    Ok(())
+    fn checkpoint(&mut self, _: &mut ()) -> Result<Option<Checkpoint>, RunError> {
+        Ok(Some(self.trainer.checkpoint()?))
+    }
+
+    fn after(&mut self, _: (), _: &Path, show: &mut dyn Show) -> Result<&'static str, RunError> {
+        evaluate(self.job, self.trainer.model_mut(), show)?;
+        Ok("job.toml, metrics.jsonl, checkpoint/")
+    }
 }
