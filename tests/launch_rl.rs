@@ -107,6 +107,42 @@ fn launched_rl_over_two_processes_equals_the_in_process_run_bitwise() {
         text(&out)
     );
 
+    // One metrics line type for both runs: the same fields, the same rollout figures; only
+    // the launched one has a weight sync.
+    let keys = |run: &Path| -> Vec<Vec<String>> {
+        std::fs::read_to_string(run.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| {
+                let v: serde_json::Value = serde_json::from_str(l).unwrap();
+                let mut keys: Vec<String> = v.as_object().unwrap().keys().cloned().collect();
+                keys.retain(|k| k != "calibration");
+                keys
+            })
+            .collect()
+    };
+    assert_eq!(keys(&multi), keys(&single));
+    for field in ["generated_tokens", "tokens_per_s", "sequences"] {
+        let (m, s) = (
+            metrics_column(&multi, field),
+            metrics_column(&single, field),
+        );
+        assert!(m.iter().all(|&x| x > 0.0), "{field}: {m:?}");
+        if field != "tokens_per_s" {
+            assert_eq!(m, s, "{field}");
+        }
+    }
+    assert!(
+        metrics_column(&multi, "sync_seconds")
+            .iter()
+            .all(|&s| s >= 0.0)
+    );
+    assert!(
+        metrics_column(&single, "sync_seconds")
+            .iter()
+            .all(|s| s.is_nan())
+    );
+
     let (a, b) = (checkpoint(&single), checkpoint(&multi));
     assert_eq!(a.meta.step, 60 + 2);
     assert_bitwise(&a, &b);

@@ -59,7 +59,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pipefill_actors::Clock;
-use serde::Serialize;
 
 use super::profile::loss_rank;
 use crate::comm::frame;
@@ -74,6 +73,7 @@ use crate::model::{AdamW, Cut, Gpt, ModelError, OptimizerState};
 use crate::pipeline::feed::StepFeed;
 use crate::pipeline::{PipelineError, PipelineTrainer};
 use crate::rl::prompts::PromptSource;
+use crate::rl::step_metrics::{RlStepMetrics, rollout_rates};
 use crate::rl::trainer::{RlError, fitted_update, update_job_of, warm_up_job};
 use crate::rl::trainer_spec::PipelineRollouts;
 use crate::tensor::CpuBackend;
@@ -140,51 +140,12 @@ pub enum RlLaunchError {
     Peer { rank: usize, reason: String },
 }
 
-/// One RL step as rank 0 saw it.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct RlLaunchStep {
-    /// 0-based RL step.
-    pub step: u64,
-    /// Mean reward of the step's rollouts.
-    pub reward: f64,
-    pub sequences: usize,
-    /// Groups whose rewards differ (the only ones with a gradient).
-    pub informative_groups: usize,
-    /// Groups and sequences the update left out (exactly no gradient), as in-process.
-    pub skipped_groups: usize,
-    pub skipped_sequences: usize,
-    /// Micro-batches the update ran, over all replicas.
-    pub update_micro_batches: usize,
-    /// Rank 0's rollout, rewards included (drafter training excluded).
-    pub rollout_seconds: f64,
-    /// Drafter training on the step's rollouts.
-    pub drafter_seconds: f64,
-    /// Weight sync: every rank's stages in at rank 0.
-    pub sync_seconds: f64,
-    /// Rank 0's forward of the KL reference over the rollouts (0 without KL).
-    pub reference_seconds: f64,
-    /// The pipelined update over the processes (rank 0's view).
-    pub update_seconds: f64,
-    pub speculation: bool,
-    pub acceptance_length: Option<f64>,
-    /// The update's loss (each replica's last stage's process reports its share); with
-    /// replicas and no KL term it is unknown (NaN, written as null) when a replica's loss
-    /// scales `A_i / n` sum to zero, since the replica reports its loss over that sum.
-    pub surrogate_loss: f32,
-    /// Mean k3 KL to the reference per completion token (KL only).
-    pub kl: Option<f64>,
-    /// The global gradient norm.
-    pub grad_norm: f32,
-    pub lr: f32,
-    /// The whole step at rank 0: weight sync, rollout, drafter, reference, update.
-    pub step_seconds: f64,
-}
-
 /// What rank 0 ends with.
 pub struct RlLaunchRun {
     /// The whole policy and optimizer after the last step.
     pub checkpoint: Checkpoint,
-    pub steps: Vec<RlLaunchStep>,
+    /// Every step as rank 0 saw it (the in-process run's type, with the weight sync).
+    pub steps: Vec<RlStepMetrics>,
 }
 
 /// How a rank runs its part ([`rl_rank_with`], [`rl_rank_on`]); [`Default`]: as the CLI runs it.
@@ -216,7 +177,7 @@ pub fn rl_rank_with(
     clock: Clock,
     init: Option<&Checkpoint>,
     options: RankOptions,
-    on_step: impl FnMut(&RlLaunchStep),
+    on_step: impl FnMut(&RlStepMetrics),
 ) -> Result<Option<RlLaunchRun>, RlLaunchError> {
     let backend = CpuBackend::new(1).map_err(|e| RlLaunchError::Rl {
         rank: mesh.rank(),
@@ -235,7 +196,7 @@ pub fn rl_rank_on<B: RankBackend>(
     clock: Clock,
     init: Option<&Checkpoint>,
     options: RankOptions,
-    mut on_step: impl FnMut(&RlLaunchStep),
+    mut on_step: impl FnMut(&RlStepMetrics),
 ) -> Result<Option<RlLaunchRun>, RlLaunchError> {
     let (rank, world, dp) = (mesh.rank(), mesh.world(), job.dp);
     let rl_err = |error: RlError| RlLaunchError::Rl {
@@ -328,29 +289,47 @@ pub fn rl_rank_on<B: RankBackend>(
         let kl = ctx.gather_kl(kl_hook.as_deref(), last_stage, &shares)?;
         if let Some(f) = figures {
             let first = |d: usize| losses.get(d).and_then(|l| l.first());
-            let line = RlLaunchStep {
+            let rollout_seconds = rollout_seconds - f.drafter_seconds - f.reference_seconds;
+            let step_seconds = step_started.elapsed().as_secs_f64();
+            let (tokens_per_s, tokens_per_s_sd, tokens_per_s_plain) =
+                rollout_rates(f.generated_tokens, rollout_seconds, f.speculation);
+            let line = RlStepMetrics {
                 step,
                 reward: f.reward,
-                sequences: wire.sequences(),
                 informative_groups: f.informative_groups,
                 skipped_groups: packed.skipped_groups,
                 skipped_sequences: packed.skipped_sequences,
                 update_micro_batches: micro_batches,
-                rollout_seconds: rollout_seconds - f.drafter_seconds - f.reference_seconds,
+                sequences: wire.sequences(),
+                generated_tokens: f.generated_tokens,
+                rollout_seconds,
                 drafter_seconds: f.drafter_seconds,
-                sync_seconds,
                 reference_seconds: f.reference_seconds,
                 update_seconds,
-                speculation: f.speculation,
-                acceptance_length: f.acceptance_length,
-                surrogate_loss: surrogate(&losses, &shares),
+                sync_seconds: Some(sync_seconds),
+                rollout_share: rollout_seconds / step_seconds.max(1e-9),
+                rollout_idle_seconds: f.idle_seconds,
+                rollout_idle_filled_seconds: f.idle_filled_seconds,
+                idle_drafter_slices: f.idle_drafter_slices,
+                drafter_work: f.drafter_work,
                 kl,
+                step_seconds,
+                tokens_per_s,
+                speculation: f.speculation,
+                tokens_per_s_sd,
+                tokens_per_s_plain,
+                live_batch: f.live_batch,
+                acceptance_length: f.acceptance_length,
+                chosen_k: f.chosen_k,
+                drafter_agreement: f.drafter_agreement,
+                surrogate_loss: surrogate(&losses, &shares),
                 grad_norm: report
                     .steps
                     .first()
                     .map_or(f32::NAN, |s| s.grad_norm as f32),
                 lr: first(0).map_or(f32::NAN, |m| m.lr),
-                step_seconds: step_started.elapsed().as_secs_f64(),
+                // The update's bubbles are measured per process; rank 0 does not merge them.
+                bubble_ratio: None,
             };
             on_step(&line);
             steps.push(line);

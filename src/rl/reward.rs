@@ -28,6 +28,14 @@ pub fn completion_tokens(ids: &[u32], eos: u32) -> &[u32] {
     &ids[..end]
 }
 
+/// Tokens the policy produced over `generations`: each up to and with its `eos`.
+pub fn generated_tokens<'a>(generations: impl IntoIterator<Item = &'a [u32]>, eos: u32) -> usize {
+    generations
+        .into_iter()
+        .map(|g| (completion_tokens(g, eos).len() + 1).min(g.len()))
+        .sum()
+}
+
 /// The reward of the generated token ids `ids` (after the prompt) for `task`. An id
 /// outside the vocabulary is an error naming it and its position.
 pub fn reward_of_tokens(task: &Task, tok: &Tokenizer, ids: &[u32]) -> Result<f32, DataError> {

@@ -1,5 +1,7 @@
 //! One line of an RL run's `metrics.jsonl` ([`RlStepMetrics`]): what a GRPO step's rollout,
-//! drafter, reference and update took and produced (`pipefill::rl::trainer` fills it).
+//! drafter, reference and update took and produced. The in-process trainer
+//! (`pipefill::rl::trainer`) and a launched job's rank 0 (`pipefill::launch::rl`) fill the
+//! same type, so both runs' files have the same fields.
 
 use serde::Serialize;
 
@@ -31,6 +33,9 @@ pub struct RlStepMetrics {
     /// The reference's log-probs of the rollouts (KL only; 0 without).
     pub reference_seconds: f64,
     pub update_seconds: f64,
+    /// A launched run's weight sync: every rank's stages in at rank 0 before the rollout
+    /// (null in one process, where the policy is the update's own).
+    pub sync_seconds: Option<f64>,
     /// Rollout time / whole step time (rollout + drafter + reference + update).
     pub rollout_share: f64,
     /// Idle time of the rollout's stage threads, summed over stages, and the part filled
@@ -61,10 +66,28 @@ pub struct RlStepMetrics {
     pub drafter_agreement: Option<f64>,
     /// The update's loss as the pipeline combines its micro-batches' losses: `Σ_i A_i/n ·
     /// NLL_i` over the sequences' mean NLLs (its gradient is GRPO's), or with KL the GRPO
-    /// loss, the mean over sequences of their mean per-token loss.
+    /// loss, the mean over sequences of their mean per-token loss. A launched run with
+    /// replicas and no KL term reports null when a replica's loss scales `A_i / n` sum to
+    /// zero (the replica reports its loss over that sum).
     pub surrogate_loss: f32,
     pub grad_norm: f32,
     pub lr: f32,
-    /// The update's measured bubble ratio.
+    /// The update's measured bubble ratio (null in a launched run: each process measures
+    /// only its own stages).
     pub bubble_ratio: Option<f64>,
+}
+
+/// Rollout throughput: generated tokens per second of rollout, and the same figure under
+/// `(tokens_per_s_sd, tokens_per_s_plain)` by whether the rollout speculated.
+pub(crate) fn rollout_rates(
+    generated_tokens: usize,
+    rollout_seconds: f64,
+    speculation: bool,
+) -> (f64, Option<f64>, Option<f64>) {
+    let per_s = generated_tokens as f64 / rollout_seconds.max(1e-9);
+    (
+        per_s,
+        speculation.then_some(per_s),
+        (!speculation).then_some(per_s),
+    )
 }

@@ -35,7 +35,7 @@ use std::time::Instant;
 use super::config::RlConfig;
 use super::grpo::{GrpoError, group_advantages, reference_log_probs};
 use super::prompts::PromptSource;
-use super::reward::completion_tokens;
+use super::reward::generated_tokens;
 pub use super::step_metrics::RlStepMetrics;
 pub use super::update::{UpdateStep, needed_micro_batches, skippable, update_batches, update_step};
 use crate::config::{ConfigError, JobConfig};
@@ -404,13 +404,10 @@ impl<B: RankBackend> RlTrainer<B> {
             .chunks(rl.group)
             .filter(|g| g.iter().any(|&a| a != 0.0))
             .count();
-        // Tokens the policy produced: up to and with EOS.
-        let eos = self.prompts.eos();
-        let generated_tokens = batch
-            .rollouts
-            .iter()
-            .map(|r| (completion_tokens(&r.generated, eos).len() + 1).min(r.generated.len()))
-            .sum();
+        let generated_tokens = generated_tokens(
+            batch.rollouts.iter().map(|r| r.generated.as_slice()),
+            self.prompts.eos(),
+        );
 
         let reference_started = Instant::now();
         let logp_ref = match &mut self.reference {
@@ -442,8 +439,9 @@ impl<B: RankBackend> RlTrainer<B> {
         self.step += 1;
 
         let step_seconds = step_started.elapsed().as_secs_f64();
-        let tokens_per_s = generated_tokens as f64 / rollout_seconds.max(1e-9);
         let speculation = engine.speculative();
+        let (tokens_per_s, tokens_per_s_sd, tokens_per_s_plain) =
+            super::step_metrics::rollout_rates(generated_tokens, rollout_seconds, speculation);
         Ok(RlStepMetrics {
             step,
             reward,
@@ -457,6 +455,7 @@ impl<B: RankBackend> RlTrainer<B> {
             drafter_seconds: batch.drafter_seconds,
             reference_seconds,
             update_seconds,
+            sync_seconds: None,
             rollout_share: rollout_seconds / step_seconds.max(1e-9),
             rollout_idle_seconds: batch.idle_seconds,
             rollout_idle_filled_seconds: batch.idle_filled_seconds,
@@ -466,8 +465,8 @@ impl<B: RankBackend> RlTrainer<B> {
             step_seconds,
             tokens_per_s,
             speculation,
-            tokens_per_s_sd: speculation.then_some(tokens_per_s),
-            tokens_per_s_plain: (!speculation).then_some(tokens_per_s),
+            tokens_per_s_sd,
+            tokens_per_s_plain,
             live_batch: batch.live_batch,
             acceptance_length: batch.acceptance_length,
             chosen_k: batch.chosen_k,

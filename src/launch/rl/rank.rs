@@ -27,6 +27,7 @@ use crate::pipeline::shared::{Replica, Shared, tie_ranks};
 use crate::pipeline::{PipelineError, RankCompute};
 use crate::rl::grpo::{GrpoTokenLoss, group_advantages, reference_log_probs};
 use crate::rl::prompts::PromptSource;
+use crate::rl::reward::generated_tokens;
 use crate::rl::trainer::{
     RlError, Rollout, RolloutEngine, UpdateStep, needed_micro_batches, scored_rollouts,
     update_batches, update_step,
@@ -83,14 +84,23 @@ impl RolloutWire {
     }
 }
 
-/// Rank 0's figures of a rollout.
+/// Rank 0's figures of a rollout: those of [`crate::rl::step_metrics::RlStepMetrics`] that
+/// the rollout measures.
 pub(super) struct RolloutFigures {
     pub reward: f64,
     pub informative_groups: usize,
+    pub generated_tokens: usize,
     pub drafter_seconds: f64,
     pub reference_seconds: f64,
     pub speculation: bool,
     pub acceptance_length: Option<f64>,
+    pub chosen_k: Option<f64>,
+    pub drafter_agreement: Option<f64>,
+    pub live_batch: Vec<usize>,
+    pub idle_seconds: Option<f64>,
+    pub idle_filled_seconds: Option<f64>,
+    pub idle_drafter_slices: usize,
+    pub drafter_work: Option<crate::rl::rollout::idle::DrafterAccount>,
 }
 
 /// This rank on the mesh, and how its pipelines run: global rank `replica × pp + prank`.
@@ -404,10 +414,21 @@ fn rollout<B: RankBackend>(
             .chunks(rl.group)
             .filter(|g| g.iter().any(|&a| a != 0.0))
             .count(),
+        generated_tokens: generated_tokens(
+            batch.rollouts.iter().map(|r| r.generated.as_slice()),
+            prompts.eos(),
+        ),
         drafter_seconds: batch.drafter_seconds,
         reference_seconds: 0.0,
         speculation: engine.speculative(),
         acceptance_length: batch.acceptance_length,
+        chosen_k: batch.chosen_k,
+        drafter_agreement: batch.drafter_agreement,
+        live_batch: batch.live_batch,
+        idle_seconds: batch.idle_seconds,
+        idle_filled_seconds: batch.idle_filled_seconds,
+        idle_drafter_slices: batch.idle_drafter_slices,
+        drafter_work: batch.drafter_work,
     };
     let wire = RolloutWire {
         rollouts: batch

@@ -3,16 +3,13 @@
 //! [`Bar::Rollout`] with each batch's mean reward and [`Bar::Update`] with the update's
 //! loss, gradient norm and bubble ratio.
 
-use std::io::Write;
-use std::time::Instant;
-
 use super::drafter_line;
+use super::line::{MetricsLine, step_line, summary_lines, write_line};
 use crate::config::JobConfig;
 use crate::model::checkpoint::Checkpoint;
-use crate::rl::calibrate::Calibration;
 use crate::rl::config::SpecThreshold;
 use crate::rl::trainer::{RlStepMetrics, RlTrainer, RolloutEngine};
-use crate::rl::trainer_spec::{PipelineRollouts, ThresholdChoice};
+use crate::rl::trainer_spec::PipelineRollouts;
 use crate::run::show::{Bar, Show, Tick};
 use crate::run::{RunDir, RunError};
 use crate::tensor::device::{OnBackend, RankBackend};
@@ -92,7 +89,6 @@ fn run<B: RankBackend>(
     } else {
         show.line("rollouts: plain sampling (rl.speculation = false)");
     }
-    let started = Instant::now();
     let mut history: Vec<RlStepMetrics> = Vec::new();
     for _ in 0..rl.steps {
         let step = trainer.step();
@@ -113,25 +109,7 @@ fn run<B: RankBackend>(
                 return Err(RunError::RlStep { step, source });
             }
         };
-        let plain = format!(
-            "step {:>4}/{} reward {:.3} | rollout {:.2} s ({:.0} tok/s, {:.0}% of the step, \
-             stages idle {}){} | drafter {:.2} s | reference {:.2} s | update {:.2} s, grad \
-             norm {:.3}",
-            m.step + 1,
-            rl.steps,
-            m.reward,
-            m.rollout_seconds,
-            m.tokens_per_s,
-            100.0 * m.rollout_share,
-            idle_line(&m),
-            engine
-                .threshold()
-                .map_or(String::new(), |t| format!(" speculating ≤ {}", t.threshold)),
-            m.drafter_seconds,
-            m.reference_seconds,
-            m.update_seconds,
-            m.grad_norm
-        );
+        let plain = step_line(&m, rl.steps, engine.threshold());
         show.tick(Tick {
             bar: Bar::Update,
             pos: m.step + 1,
@@ -150,56 +128,21 @@ fn run<B: RankBackend>(
             spec_threshold: engine.threshold(),
             calibration: (m.step == 0).then(|| engine.calibration()).flatten(),
         };
-        serde_json::to_writer(&mut metrics, &line)
-            .map_err(std::io::Error::from)
-            .and_then(|()| writeln!(metrics))
-            .and_then(|()| metrics.flush())
-            .map_err(|e| RunError::write(&metrics_path, e))?;
+        write_line(&mut metrics, &metrics_path, &line)?;
         history.push(m);
     }
     show.finish(Bar::Rollout, true);
     show.finish(Bar::Update, true);
 
     run_dir.save_final(&mut trainer.checkpoint()?, job)?;
-    let window = history.len().clamp(1, 5);
-    let mean = |ms: &[RlStepMetrics]| ms.iter().map(|m| m.reward).sum::<f64>() / ms.len() as f64;
-    let rollout: f64 = history.iter().map(|m| m.rollout_seconds).sum();
-    let total = started.elapsed().as_secs_f64();
-    let median = |f: fn(&RlStepMetrics) -> f64| {
-        let mut v: Vec<f64> = history.iter().map(f).collect();
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    show.line(&format!(
-        "median step {:.3} s: rollout {:.3} s, drafter {:.3} s, reference {:.3} s, update {:.3} s",
-        median(|m| m.step_seconds),
-        median(|m| m.rollout_seconds),
-        median(|m| m.drafter_seconds),
-        median(|m| m.reference_seconds),
-        median(|m| m.update_seconds),
-    ));
-    show.line(&format!(
-        "done: {} RL steps in {total:.1} s (rollouts {:.0}%); reward {:.3} → {:.3} (mean of \
-         first/last {window} steps); run directory {} (metrics.jsonl, checkpoint/)",
-        history.len(),
-        100.0 * rollout / total.max(1e-9),
-        mean(&history[..window]),
-        mean(&history[history.len() - window..]),
+    let ran = format!(
+        "run directory {} (metrics.jsonl, checkpoint/)",
         out_dir.display()
-    ));
+    );
+    for line in summary_lines(&history, &ran) {
+        show.line(&line);
+    }
     Ok(())
-}
-
-/// A line of metrics.jsonl: the step's [`RlStepMetrics`], the live-batch threshold its
-/// rollout speculated below (and where it came from), and on the first line the step costs
-/// a calibrated threshold was derived from.
-#[derive(serde::Serialize)]
-struct MetricsLine<'a> {
-    #[serde(flatten)]
-    step: &'a RlStepMetrics,
-    spec_threshold: Option<&'a ThresholdChoice>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    calibration: Option<&'a Calibration>,
 }
 
 /// The calibration in one line: what it measured, the acceptance it starts from and the
@@ -228,16 +171,4 @@ fn calibration_line<B: RankBackend>(engine: &PipelineRollouts<B>) -> Option<Stri
         c.reps,
         c.summary()
     ))
-}
-
-/// `"1.23 s, 45% filled (6 slices)"`, or `-` without an idle-work router.
-fn idle_line(m: &RlStepMetrics) -> String {
-    match (m.rollout_idle_seconds, m.rollout_idle_filled_seconds) {
-        (Some(idle), Some(filled)) => format!(
-            "{idle:.2} s, {:.0}% filled ({} drafter slices)",
-            100.0 * filled / idle.max(1e-9),
-            m.idle_drafter_slices
-        ),
-        _ => "-".into(),
-    }
 }

@@ -3,16 +3,17 @@
 //! directory: `job.toml`, `metrics.jsonl` (one line per RL step) and the final policy's
 //! `checkpoint/`.
 
-use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use super::drafter_line;
+use super::line::{MetricsLine, step_line, summary_lines, write_line};
 use crate::comm::tcp::TcpMesh;
 use crate::config::JobConfig;
-use crate::launch::rl::{RankOptions, RlLaunchRun, RlLaunchStep, rl_rank_on, starting_drafter};
+use crate::launch::rl::{RankOptions, RlLaunchRun, rl_rank_on, starting_drafter};
 use crate::launch::{RankEnv, join, join_timeout, listen_ip, watchdog};
 use crate::model::checkpoint::Checkpoint;
+use crate::rl::step_metrics::RlStepMetrics;
 use crate::run::show::Show;
 use crate::run::{Existing, Resume, RunDir, RunError};
 use crate::tensor::device::{OnBackend, RankBackend, on_backend};
@@ -28,7 +29,8 @@ pub(super) fn rl(
     show: &mut dyn Show,
 ) -> Result<Option<PathBuf>, RunError> {
     let rank = env.rank;
-    // Rank 0 writes the run directory; it is claimed before any rank joins.
+    // Rank 0 writes the run directory; it is claimed before any rank joins, and made the
+    // run's (job.toml, metrics.jsonl) at the first step, once every rank has checked the job.
     let run_dir = match rank {
         0 => Some(RunDir::claim(
             job.out_dir.as_deref(),
@@ -59,21 +61,27 @@ pub(super) fn rl(
         }
     }
     watchdog(&mesh);
-    let mut lines = String::new();
-    let on_step = |m: &RlLaunchStep| {
-        show.line(&format!(
-            "step {:>4}/{} reward {:.3} | rollout {:.2} s | weight sync {:.3} s | update {:.2} s, loss {:+.4}, grad norm {:.3}",
-            m.step + 1,
-            job.rl.steps,
-            m.reward,
-            m.rollout_seconds,
-            m.sync_seconds,
-            m.update_seconds,
-            m.surrogate_loss,
-            m.grad_norm
-        ));
-        lines += &serde_json::to_string(m).expect("a step line always serializes");
-        lines.push('\n');
+    // Only rank 0 sees the steps: each is shown and logged as it completes.
+    let mut metrics = None;
+    let mut written = Ok(());
+    let on_step = |m: &RlStepMetrics| {
+        show.line(&step_line(m, job.rl.steps, None));
+        let (Some(dir), Ok(())) = (&run_dir, &written) else {
+            return;
+        };
+        let path = dir.path().join("metrics.jsonl");
+        let line = MetricsLine {
+            step: m,
+            spec_threshold: None,
+            calibration: None,
+        };
+        written = match &mut metrics {
+            Some(file) => write_line(file, &path, &line),
+            None => dir
+                .create(&job.to_toml(), 0)
+                .map_err(RunError::from)
+                .and_then(|file| write_line(metrics.insert(file), &path, &line)),
+        };
     };
     let ranked = Ranked {
         job,
@@ -83,22 +91,20 @@ pub(super) fn rl(
         on_step,
     };
     let run = on_backend(cuda, ranked)??;
+    written?;
     let (Some(mut run), Some(run_dir)) = (run, run_dir) else {
         return Ok(None);
     };
     let out_dir = run_dir.path().to_path_buf();
-    let mut metrics = run_dir.create(&job.to_toml(), 0)?;
-    metrics
-        .write_all(lines.as_bytes())
-        .and_then(|()| metrics.flush())
-        .map_err(|e| RunError::write(&out_dir.join("metrics.jsonl"), e))?;
     run_dir.save_final(&mut run.checkpoint, job)?;
-    show.line(&format!(
-        "done: {} RL steps over {} processes; run directory {} (job.toml, metrics.jsonl, checkpoint/)",
-        run.steps.len(),
+    let ran = format!(
+        "{} processes; run directory {} (job.toml, metrics.jsonl, checkpoint/)",
         env.world,
         out_dir.display()
-    ));
+    );
+    for line in summary_lines(&run.steps, &ran) {
+        show.line(&line);
+    }
     Ok(Some(out_dir))
 }
 
@@ -112,7 +118,7 @@ struct Ranked<'a, F> {
     on_step: F,
 }
 
-impl<F: FnMut(&RlLaunchStep)> OnBackend for Ranked<'_, F> {
+impl<F: FnMut(&RlStepMetrics)> OnBackend for Ranked<'_, F> {
     type Output = Result<Option<RlLaunchRun>, RunError>;
     fn run<B: RankBackend>(self) -> Self::Output {
         let backend = B::for_rank(self.local_rank)?;

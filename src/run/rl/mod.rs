@@ -14,6 +14,7 @@
 
 mod in_process;
 mod launched;
+mod line;
 #[cfg(test)]
 mod tests;
 
