@@ -36,23 +36,22 @@
 //!    alternating with plain runs, and prints the tree's step costs at one sequence per
 //!    group (verification of its rows, proposal) next to the chain's.
 
+mod batch;
 mod costs;
 
 use std::time::Instant;
 
 use anyhow::{Context, bail};
+use batch::{long_tail_batch, parse_tree};
 use costs::{COST_REPS, engine_buckets, probe_context, step_cost_lines, threshold_of_buckets};
 use pipefill::config::JobConfig;
-use pipefill::data::{SplitMix64, TaskGenerator, Tokenizer, tokenizer::BOS};
 use pipefill::model::checkpoint::Checkpoint;
-use pipefill::model::drafter::{
-    DraftBufferHandle, DraftContext, Drafter, DrafterTrainer, TreeShape,
-};
+use pipefill::model::drafter::{DraftBufferHandle, DraftContext, Drafter, DrafterTrainer};
 use pipefill::model::infer::InferStage;
 use pipefill::model::{Cut, Gpt};
 use pipefill::rl::calibrate::{MAX_CALIBRATION_BATCH, step_costs, threshold_per_group, tree_cost};
 use pipefill::rl::rollout::{
-    AdaptiveConfig, MIN_GROUP_ROWS, Request, Rollout, RolloutConfig, RolloutEngine, Speculation,
+    AdaptiveConfig, MIN_GROUP_ROWS, Rollout, RolloutConfig, RolloutEngine, Speculation,
     live_threshold,
 };
 use pipefill::tensor::device::Device;
@@ -557,62 +556,6 @@ fn rollout_on<B: Backend>(
 /// Proposals attend to the last 8 target pairs (the drafter trains on windows of at most
 /// 16). A longer tail: `--set model.seq_len=192` (completion lengths up to ~160, not 47).
 const BENCH_SETS: &[&str] = &["model.d_model=512", "drafter.window=8"];
-
-/// Scale of the heavy-tailed per-request caps: P(cap > 2 + k) = s / (s + k).
-const CAP_SCALE: f64 = 8.0;
-
-/// Prompts of the job's tasks (BOS + prompt text), each with a heavy-tailed cap.
-fn long_tail_batch(job: &JobConfig, n: usize) -> anyhow::Result<Vec<Request>> {
-    let tok = Tokenizer::new();
-    let mut tasks = TaskGenerator::new(
-        &job.data.families,
-        job.data.size_scale,
-        job.data.max_size,
-        SplitMix64::new(job.train.seed ^ 0x5eed_0001),
-    )?;
-    let seq_len = job.model.seq_len;
-    let mut rng = SplitMix64::new(job.train.seed ^ 0x5eed_0002);
-    let mut out = Vec::with_capacity(n);
-    while out.len() < n {
-        let task = tasks.next_task();
-        let mut prompt = vec![BOS];
-        tok.encode_into(&task.prompt, &mut prompt)?;
-        if prompt.len() + 1 < seq_len {
-            // Response lengths of RL rollouts are heavy-tailed: most stop early, a few run
-            // long. The task sizes give that only weakly in 64 positions, so each request
-            // also draws its own cap from the heavy-tailed law (EOS may still end it first).
-            let room = seq_len - prompt.len();
-            let cap = 2 + rng.heavy_tailed(CAP_SCALE, room as u32) as usize;
-            out.push(Request {
-                max_new: cap.min(room),
-                prompt,
-            });
-        }
-    }
-    Ok(out)
-}
-
-/// `DEPTH,BRANCH,WIDTH,NODES` as a checked [`TreeShape`].
-fn parse_tree(s: &str) -> anyhow::Result<TreeShape> {
-    let v: Vec<usize> = s
-        .split(',')
-        .map(|x| x.trim().parse::<usize>())
-        .collect::<Result<_, _>>()
-        .with_context(|| format!("--tree {s:?}: expected DEPTH,BRANCH,WIDTH,NODES"))?;
-    let [depth, branch, width, nodes] = v[..] else {
-        bail!("--tree {s:?}: expected 4 numbers DEPTH,BRANCH,WIDTH,NODES");
-    };
-    let shape = TreeShape {
-        depth,
-        branch,
-        width,
-        nodes,
-    };
-    if let Some((field, reason)) = shape.check() {
-        bail!("--tree {s:?}: {field} {reason}");
-    }
-    Ok(shape)
-}
 
 /// The arms of the bandit that also chooses plain decoding (K = 0) per bucket.
 const PLAIN_ARM_KS: &[usize] = &[0, 1, 2, 4, 6];

@@ -16,9 +16,8 @@
 
 use std::path::PathBuf;
 
-use pipefill::config::JobConfig;
 use pipefill::launch::RankEnv;
-use pipefill::run::{Existing, RlRequest};
+use pipefill::run::{Existing, Start};
 
 use crate::cli::show::Terminal;
 
@@ -60,26 +59,19 @@ pub fn run(args: RlArgs) -> anyhow::Result<()> {
     if let Some(steps) = args.steps {
         sets.push(format!("rl.steps={steps}"));
     }
-    if let Some(dir) = &args.out_dir {
-        let dir = dir.display().to_string();
-        sets.push(format!("out_dir={}", toml::Value::String(dir)));
-    }
-    if let Some(dir) = &args.model {
-        let dir = dir.display().to_string();
-        sets.push(format!("model.from={}", toml::Value::String(dir)));
-    }
-    let job = match &args.config {
-        Some(path) => JobConfig::load(path, &sets)?,
-        None => JobConfig::embedded(&sets)?,
-    };
+    let job = crate::cli::load_job(
+        args.config.as_deref(),
+        sets,
+        args.out_dir.as_deref(),
+        args.model.as_deref(),
+    )?;
     // One rank of a multi-process job (pipefill launch, torchrun, mpirun, srun), or alone.
     let env = RankEnv::detect()?;
-    let request = RlRequest {
-        init: args.init.as_deref(),
+    let start = Start {
+        env: &env,
         existing: Existing::overwrite(args.overwrite),
         max_memory: args.max_memory.as_deref(),
-        env: &env,
     };
-    pipefill::run::rl(&job, &request, &mut Terminal::default())?;
+    pipefill::run::rl(&job, args.init.as_deref(), &start, &mut Terminal::default())?;
     Ok(())
 }

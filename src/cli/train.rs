@@ -25,9 +25,9 @@
 
 use std::path::PathBuf;
 
-use pipefill::config::{Clock, JobConfig};
+use pipefill::config::Clock;
 use pipefill::launch::RankEnv;
-use pipefill::run::{Existing, TrainRequest};
+use pipefill::run::{Existing, Start};
 
 use crate::cli::show::Terminal;
 
@@ -109,26 +109,20 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             toml::Value::String(schedule.clone())
         ));
     }
-    if let Some(dir) = &args.out_dir {
-        let dir = dir.display().to_string();
-        sets.push(format!("out_dir={}", toml::Value::String(dir)));
-    }
-    if let Some(dir) = &args.model {
-        let dir = dir.display().to_string();
-        sets.push(format!("model.from={}", toml::Value::String(dir)));
-    }
-    let job = match &args.config {
-        Some(path) => JobConfig::load(path, &sets)?,
-        None => JobConfig::embedded(&sets)?,
-    };
+    let job = crate::cli::load_job(
+        args.config.as_deref(),
+        sets,
+        args.out_dir.as_deref(),
+        args.model.as_deref(),
+    )?;
     // One rank of a multi-process job (pipefill launch, torchrun, mpirun, srun), or alone.
     let env = RankEnv::detect()?;
-    let request = TrainRequest {
-        resume: args.resume.as_deref(),
+    let start = Start {
+        env: &env,
         existing: Existing::overwrite(args.overwrite),
         max_memory: args.max_memory.as_deref(),
-        env: &env,
     };
-    pipefill::run::train(&job, &request, &mut Terminal::default())?;
+    let resume = args.resume.as_deref();
+    pipefill::run::train(&job, resume, &start, &mut Terminal::default())?;
     Ok(())
 }

@@ -19,6 +19,18 @@ pub use dir::{Existing, Resume, RunDir, RunDirError};
 pub use error::RunError;
 pub use log::{NothingToDo, RunLog, RunSummary, steps_left};
 pub use metrics::StepLine;
-pub use rl::{RlRequest, rl};
+pub use rl::rl;
 pub use show::{Bar, Quiet, Show, Tick};
-pub use train::{TrainRequest, train};
+pub use train::train;
+
+/// How a run was asked to start, whatever it runs ([`train`], [`rl`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Start<'a> {
+    /// Where this process stands: alone, or one rank of a launched job.
+    pub env: &'a crate::launch::RankEnv,
+    /// What to do with a run already in the output directory.
+    pub existing: Existing,
+    /// The most memory the run may use (`8GiB`, ...; a launched rank: its share); `None`:
+    /// the memory available.
+    pub max_memory: Option<&'a str>,
+}

@@ -22,45 +22,33 @@ use std::path::{Path, PathBuf};
 
 use super::show::{Bar, Show, Tick};
 use super::train::check_memory;
-use super::{Existing, Resume, RunDir, RunError};
+use super::{Resume, RunDir, RunError, Start};
 use crate::config::JobConfig;
 use crate::config::memory::Workload;
-use crate::launch::RankEnv;
 use crate::model::checkpoint::Checkpoint;
 use crate::rl::trainer::warm_up;
 use crate::tensor::device::on_backend;
 
-/// How an RL run was asked for, beside its job.
-#[derive(Debug, Clone, Copy)]
-pub struct RlRequest<'a> {
-    /// The `pipefill train` run directory the policy starts from (its `checkpoint/` and
-    /// `job.toml`); `None`: a supervised warm-up.
-    pub init: Option<&'a Path>,
-    /// What to do with a run already in the output directory.
-    pub existing: Existing,
-    /// The most memory the run may use; `None`: the memory available.
-    pub max_memory: Option<&'a str>,
-    /// Where this process stands: alone, or one rank of a launched job.
-    pub env: &'a RankEnv,
-}
-
-/// Runs `job`'s RL as `request` asks, showing its progress on `show`; the run directory
-/// it wrote (a launched rank other than 0: `None`, rank 0 writes it).
+/// Runs `job`'s RL as `start` asks, the policy from the `pipefill train` run in `init`
+/// when given (its `checkpoint/` and `job.toml`; else a supervised warm-up), showing its
+/// progress on `show`; the run directory it wrote (a launched rank other than 0: `None`,
+/// rank 0 writes it).
 pub fn rl(
     job: &JobConfig,
-    request: &RlRequest,
+    init: Option<&Path>,
+    start: &Start,
     show: &mut dyn Show,
 ) -> Result<Option<PathBuf>, RunError> {
-    let env = request.env;
+    let env = start.env;
     let mut job = job.clone();
     // Before anything runs: a device that cannot be used here ends the run at once.
     let cuda = job.device.usable_on_local_rank(env.local_rank)?.is_cuda();
-    let checkpoint = match request.init {
+    let checkpoint = match init {
         Some(dir) => Some(init_from(&mut job, dir, show)?),
         None => None,
     };
     job.rl.validate(job.model.seq_len)?;
-    check_memory(&job, env, request.max_memory, Workload::Rl, show)?;
+    check_memory(&job, env, start.max_memory, Workload::Rl, show)?;
     if job.schedule.is_none() {
         return Err(RunError::RlWithoutSchedule);
     }
@@ -68,14 +56,14 @@ pub fn rl(
         return Err(RunError::UntrainedPolicy);
     }
     if env.is_distributed() {
-        return launched::rl(&job, env, cuda, checkpoint, request.existing, show);
+        return launched::rl(&job, env, cuda, checkpoint, start.existing, show);
     }
     // Before any work: a run directory that holds another run ends the run at once.
     let run_dir = RunDir::claim(
         job.out_dir.as_deref(),
         "rl-",
         Resume::Unsupported,
-        request.existing,
+        start.existing,
     )?;
     let rl = &job.rl;
     show.line(&format!(

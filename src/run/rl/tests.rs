@@ -3,12 +3,12 @@
 
 use std::path::Path;
 
-use super::{RlRequest, rl};
+use super::rl;
 use crate::config::JobConfig;
 use crate::launch::RankEnv;
 use crate::model::checkpoint::Checkpoint;
 use crate::run::show_tests::Recorded;
-use crate::run::{Bar, Existing, RunError};
+use crate::run::{Bar, Existing, RunError, Start};
 
 /// A model and RL step small enough that a few steps take well under a second.
 fn tiny(sets: &[&str], out: &Path) -> JobConfig {
@@ -40,13 +40,12 @@ fn tiny(sets: &[&str], out: &Path) -> JobConfig {
 
 fn run(job: &JobConfig, show: &mut Recorded) -> Result<Option<std::path::PathBuf>, RunError> {
     let env = RankEnv::single();
-    let request = RlRequest {
-        init: None,
+    let start = Start {
+        env: &env,
         existing: Existing::overwrite(false),
         max_memory: None,
-        env: &env,
     };
-    rl(job, &request, show)
+    rl(job, None, &start, show)
 }
 
 #[test]

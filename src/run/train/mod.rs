@@ -26,7 +26,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use super::show::{Bar, Show, Tick};
-use super::{Existing, Resume, RunDir, RunError};
+use super::{Resume, RunDir, RunError, Start};
 use crate::config::JobConfig;
 use crate::config::memory::{Bytes, MemoryLimit, Workload};
 use crate::data::{DataSource, DatasetSummary, StepData};
@@ -35,49 +35,37 @@ use crate::model::Gpt;
 use crate::tensor::Backend;
 use crate::train::eval::{exact_match, held_out_tasks};
 
-/// How a training run was asked for, beside its job.
-#[derive(Debug, Clone, Copy)]
-pub struct TrainRequest<'a> {
-    /// Continue from this run directory or checkpoint directory
-    /// ([`crate::model::checkpoint::resume::ResumePoint::find`]) up to `train.steps`.
-    pub resume: Option<&'a Path>,
-    /// What to do with a run already in the output directory.
-    pub existing: Existing,
-    /// The most memory the run may use (`8GiB`, ...; a launched rank: its share); `None`:
-    /// the memory available.
-    pub max_memory: Option<&'a str>,
-    /// Where this process stands: alone, or one rank of a launched job.
-    pub env: &'a RankEnv,
-}
-
-/// Runs `job` as `request` asks, showing its progress on `show`; the run directory it wrote
-/// (a launched rank other than 0: the one rank 0 wrote).
+/// Runs `job` as `start` asks, from `resume` when given (a run directory or a checkpoint
+/// directory, [`crate::model::checkpoint::resume::ResumePoint::find`]) up to
+/// `train.steps`, showing its progress on `show`; the run directory it wrote (a launched
+/// rank other than 0: the one rank 0 wrote).
 pub fn train(
     job: &JobConfig,
-    request: &TrainRequest,
+    resume: Option<&Path>,
+    start: &Start,
     show: &mut dyn Show,
 ) -> Result<PathBuf, RunError> {
-    let env = request.env;
-    check_memory(job, env, request.max_memory, Workload::Train, show)?;
+    let env = start.env;
+    check_memory(job, env, start.max_memory, Workload::Train, show)?;
     // Before joining any other rank: a device that cannot be used here ends the run at once.
     let device = job.device.usable_on_local_rank(env.local_rank)?;
     if env.is_distributed() {
-        return launched::train(job, env, request.resume, request.existing, show);
+        return launched::train(job, env, resume, start.existing, show);
     }
     // Before any work: a run directory that holds another run ends the run at once.
     let run_dir = RunDir::claim(
         job.out_dir.as_deref(),
         "",
-        request.resume.map_or(Resume::Fresh, Resume::From),
-        request.existing,
+        resume.map_or(Resume::Fresh, Resume::From),
+        start.existing,
     )?;
     // Loaded once, for the summary and the run.
     let data = load_data(job, show)?;
     show.line(DatasetSummary::of(&data)?.to_string().trim_end());
     if job.schedule.is_none() {
-        reference::train(job, device, request.resume, &run_dir, data, show)?;
+        reference::train(job, device, resume, &run_dir, data, show)?;
     } else {
-        pipelined::train(job, request.resume, &run_dir, data, show)?;
+        pipelined::train(job, resume, &run_dir, data, show)?;
     }
     Ok(run_dir.path().to_path_buf())
 }

@@ -3,12 +3,12 @@
 
 use std::path::Path;
 
-use super::{TrainRequest, train};
+use super::train;
 use crate::config::JobConfig;
 use crate::launch::RankEnv;
 use crate::model::checkpoint::Checkpoint;
 use crate::run::show_tests::Recorded;
-use crate::run::{Bar, Existing, RunDirError, RunError};
+use crate::run::{Bar, Existing, RunDirError, RunError, Start};
 
 /// A job small enough that a few steps of any path take well under a second.
 fn tiny(schedule: &str, steps: u64, out: &Path) -> JobConfig {
@@ -30,13 +30,12 @@ fn tiny(schedule: &str, steps: u64, out: &Path) -> JobConfig {
 
 fn run(job: &JobConfig, resume: Option<&Path>, show: &mut Recorded) -> Result<(), RunError> {
     let env = RankEnv::single();
-    let request = TrainRequest {
-        resume,
+    let start = Start {
+        env: &env,
         existing: Existing::overwrite(false),
         max_memory: None,
-        env: &env,
     };
-    train(job, &request, show).map(|_| ())
+    train(job, resume, &start, show).map(|_| ())
 }
 
 #[test]

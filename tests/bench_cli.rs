@@ -1,0 +1,66 @@
+//! `pipefill bench rollout` through the binary, on a target small enough for a second: its
+//! JSON names the device it ran on and carries its figures; a device that cannot be used is
+//! one error before any work.
+
+use std::process::Output;
+
+mod common;
+use common::{clean, text};
+
+const EXE: &str = env!("CARGO_BIN_EXE_pipefill");
+
+/// `bench rollout --json` on a tiny target, with `extra` arguments.
+fn bench(extra: &[&str]) -> Output {
+    let mut cmd = clean(EXE);
+    cmd.args([
+        "bench",
+        "rollout",
+        "--json",
+        "--steps",
+        "3",
+        "--drafter-slices",
+        "2",
+    ])
+    .args(["--requests", "4", "--reps", "1", "--stages", "2"]);
+    for s in ["model.d_model=32", "model.heads=2", "model.layers=4"] {
+        cmd.args(["--set", s]);
+    }
+    cmd.args(extra).output().unwrap()
+}
+
+#[test]
+fn the_json_names_the_device_and_holds_every_mode_s_throughput() {
+    let out = bench(&["--device", "cpu"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("stdout is not one JSON object ({e}): {}", text(&out)));
+    let device = json["device"].as_str().unwrap_or_default();
+    assert!(device.starts_with("cpu"), "{json}");
+    for field in [
+        "plain_tokens_per_s",
+        "fixed_tokens_per_s",
+        "adaptive_tokens_per_s",
+    ] {
+        let v = json[field].as_f64().unwrap_or(f64::NAN);
+        assert!(v > 0.0, "{field}: {json}");
+    }
+    // The progress lines went to stderr, the target's among them with its device.
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(&format!("on {device}, trained 3 steps")),
+        "{stderr}"
+    );
+}
+
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn cuda_without_the_feature_is_one_error_naming_the_device() {
+    let out = bench(&["--device", "cuda"]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr).trim().to_string();
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.starts_with("error: invalid `device`") && stderr.contains("--features cuda"),
+        "{stderr}"
+    );
+}
