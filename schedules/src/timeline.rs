@@ -295,6 +295,23 @@ impl Timeline {
     pub fn bubble_time(&self) -> f64 {
         self.ranks.iter().map(|r| r.idle).sum()
     }
+
+    /// The same timeline on another time axis: every time `t` becomes `(t - origin) ×
+    /// scale` (a measured step in seconds drawn in milliseconds from its start, say). Peak
+    /// memory is kept; the ratios do not change.
+    pub fn rescaled(&self, origin: f64, scale: f64) -> Timeline {
+        let spans = self
+            .spans
+            .iter()
+            .map(|s| Span {
+                start: (s.start - origin) * scale,
+                end: (s.end - origin) * scale,
+                ..*s
+            })
+            .collect();
+        let peak: Vec<f64> = self.ranks.iter().map(|r| r.peak_memory).collect();
+        Timeline::from_spans(self.ranks.len(), spans, &peak)
+    }
 }
 
 #[cfg(test)]
@@ -308,6 +325,26 @@ mod tests {
             end,
             action,
         }
+    }
+
+    #[test]
+    fn a_rescaled_timeline_moves_every_time_and_keeps_the_ratios_and_memory() {
+        let spans = vec![
+            span(0, 10.0, 11.0, Action::f(0, 0)),
+            span(1, 11.0, 12.0, Action::f(1, 0)),
+            span(0, 12.0, 13.0, Action::b(0, 0)),
+            span(1, 13.0, 14.0, Action::b(1, 0)),
+        ];
+        let t = Timeline::from_spans(2, spans, &[5.0, 7.0]);
+        let ms = t.rescaled(10.0, 1e3);
+        assert_eq!(ms.makespan, 4000.0);
+        assert_eq!(ms.spans[0].start, 0.0);
+        assert_eq!(ms.spans.last().unwrap().end, 4000.0);
+        assert_eq!(ms.ranks[1].busy, 2000.0);
+        assert_eq!(ms.bubble_ratio, t.bubble_ratio);
+        assert_eq!(ms.steady_bubble_ratio, t.steady_bubble_ratio);
+        assert_eq!(ms.ranks[1].peak_memory, 7.0);
+        assert_eq!(ms.slots.len(), t.slots.len());
     }
 
     #[test]

@@ -496,27 +496,12 @@ impl MergedProfile {
                 .map(|s| s.end)
                 .fold(f64::NEG_INFINITY, f64::max),
         );
-        let ms = |t: f64| (t - start) * 1e3;
-        let spans = measured
-            .spans
-            .iter()
-            .map(|s| Span {
-                start: ms(s.start),
-                end: ms(s.end),
-                ..*s
-            })
-            .collect();
-        let peak: Vec<f64> = measured.ranks.iter().map(|r| r.peak_memory).collect();
-        let timeline_ms = Timeline::from_spans(measured.ranks.len(), spans, &peak);
+        let timeline_ms = measured.rescaled(start, 1e3);
         let fillers: Vec<LaneSpan> = self
             .lanes
             .iter()
             .filter(|l| l.lane == FILLER_LANE && l.start >= start && l.end <= end)
-            .map(|l| LaneSpan {
-                start: ms(l.start),
-                end: ms(l.end),
-                ..l.clone()
-            })
+            .map(|l| l.clone().rescaled(start, 1e3))
             .collect();
         let replicas = if ranks > pp {
             format!(" = {} replicas × {pp}", ranks / pp)

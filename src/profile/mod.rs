@@ -41,6 +41,19 @@ pub struct LaneSpan {
     pub label: String,
 }
 
+impl LaneSpan {
+    /// The same span with every time `t` as `(t - origin) × scale` ([`Timeline::rescaled`]).
+    ///
+    /// [`Timeline::rescaled`]: crate::schedules::Timeline::rescaled
+    pub fn rescaled(self, origin: f64, scale: f64) -> LaneSpan {
+        LaneSpan {
+            start: (self.start - origin) * scale,
+            end: (self.end - origin) * scale,
+            ..self
+        }
+    }
+}
+
 /// The distinct lane names of `extra`, in order of first appearance.
 pub(crate) fn lane_names(extra: &[LaneSpan]) -> Vec<&str> {
     let mut names: Vec<&str> = Vec::new();

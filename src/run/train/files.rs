@@ -26,7 +26,6 @@ use crate::profile::report::{
 };
 use crate::profile::svg::{SvgOptions, svg_with};
 use crate::run::RunError;
-use crate::schedules::{Span, Timeline};
 use pipefill_actors::IterationProfile;
 
 /// Name of the lane holding the runtime's measured waits for input.
@@ -165,31 +164,10 @@ pub(super) fn write_profile(
 
     // The picture shows the reported step in milliseconds, with the filler work (if any)
     // along the bottom of each lane. Waits are left out: they are the bubbles themselves.
-    let ms = |t: f64| t * 1e3;
-    let spans: Vec<Span> = measured
-        .timeline
-        .spans
-        .iter()
-        .map(|s| Span {
-            start: ms(s.start),
-            end: ms(s.end),
-            ..*s
-        })
-        .collect();
-    let peak: Vec<f64> = measured
-        .timeline
-        .ranks
-        .iter()
-        .map(|r| r.peak_memory)
-        .collect();
-    let timeline_ms = Timeline::from_spans(measured.timeline.ranks.len(), spans, &peak);
+    let timeline_ms = measured.timeline.rescaled(0.0, 1e3);
     let fillers: Vec<LaneSpan> = lane_spans(measured)
         .filter(|l| l.lane == FILLER_LANE)
-        .map(|l| LaneSpan {
-            start: ms(l.start),
-            end: ms(l.end),
-            ..l
-        })
+        .map(|l| l.rescaled(0.0, 1e3))
         .collect();
     let title = report.timeline_title(&format!(
         "{} · {} ranks · {} micro-batches · step {step} measured ({clock} clock) · ms",
