@@ -16,18 +16,14 @@
 
 use std::path::PathBuf;
 
-use pipefill::launch::RankEnv;
-use pipefill::run::{Existing, Start};
-
+use crate::cli::job::JobArgs;
 use crate::cli::show::Terminal;
+use pipefill::launch::RankEnv;
 
 #[derive(clap::Args)]
 pub struct RlArgs {
-    /// Job file (TOML). Without one, the embedded default job (examples/default.toml).
-    config: Option<PathBuf>,
-    /// Override one field of the job, e.g. `--set rl.group=8` (repeatable).
-    #[arg(long = "set", value_name = "KEY=VALUE")]
-    set: Vec<String>,
+    #[command(flatten)]
+    job: JobArgs,
     /// The Hugging Face model in directory DIR (Llama, Qwen2, Mistral) as the starting
     /// policy: its config.json gives the shape, its safetensors the weights, its tokenizer
     /// the JSONL data's by default (sets `model.from`; the warm-up steps still run).
@@ -40,38 +36,17 @@ pub struct RlArgs {
     /// Number of RL steps (overrides rl.steps).
     #[arg(long)]
     steps: Option<u64>,
-    /// Output directory (overrides out_dir).
-    #[arg(long, value_name = "DIR")]
-    out_dir: Option<PathBuf>,
-    /// Replace the run already in the output directory (its job.toml, metrics and
-    /// checkpoint; other files stay). Without it a non-empty output directory is refused.
-    #[arg(long)]
-    overwrite: bool,
-    /// Most memory the run may use, e.g. `8GiB`, `512MiB` (a launched rank: its share of the
-    /// job) [default: the memory available, MemAvailable in /proc/meminfo]. A job whose
-    /// estimate exceeds it is refused before the rollouts and the update are built.
-    #[arg(long, value_name = "SIZE")]
-    max_memory: Option<String>,
 }
 
 pub fn run(args: RlArgs) -> anyhow::Result<()> {
-    let mut sets = args.set.clone();
+    let mut sets = Vec::new();
     if let Some(steps) = args.steps {
         sets.push(format!("rl.steps={steps}"));
     }
-    let job = crate::cli::load_job(
-        args.config.as_deref(),
-        sets,
-        args.out_dir.as_deref(),
-        args.model.as_deref(),
-    )?;
+    let job = args.job.job(sets, args.model.as_deref())?;
     // One rank of a multi-process job (pipefill launch, torchrun, mpirun, srun), or alone.
     let env = RankEnv::detect()?;
-    let start = Start {
-        env: &env,
-        existing: Existing::overwrite(args.overwrite),
-        max_memory: args.max_memory.as_deref(),
-    };
+    let start = args.job.start(&env);
     pipefill::run::rl(&job, args.init.as_deref(), &start, &mut Terminal::default())?;
     Ok(())
 }

@@ -25,19 +25,15 @@
 
 use std::path::PathBuf;
 
+use crate::cli::job::JobArgs;
+use crate::cli::show::Terminal;
 use pipefill::config::Clock;
 use pipefill::launch::RankEnv;
-use pipefill::run::{Existing, Start};
-
-use crate::cli::show::Terminal;
 
 #[derive(clap::Args)]
 pub struct TrainArgs {
-    /// Job file (TOML). Without one, the embedded default job (examples/default.toml).
-    config: Option<PathBuf>,
-    /// Override one field of the job, e.g. `--set train.lr=1e-3` (repeatable).
-    #[arg(long = "set", value_name = "KEY=VALUE")]
-    set: Vec<String>,
+    #[command(flatten)]
+    job: JobArgs,
     /// Train the Hugging Face model in directory DIR (Llama, Qwen2, Mistral): its config.json
     /// gives the model's shape, its safetensors the starting weights (sets `model.from`).
     #[arg(long, value_name = "DIR")]
@@ -56,23 +52,10 @@ pub struct TrainArgs {
     /// Number of optimizer steps (overrides train.steps).
     #[arg(long)]
     steps: Option<u64>,
-    /// Output directory (overrides out_dir).
-    #[arg(long, value_name = "DIR")]
-    out_dir: Option<PathBuf>,
     /// Continue from the checkpoint directory DIR (e.g. runs/X/checkpoint) up to
     /// train.steps; the job must have the checkpoint's model and data seed.
     #[arg(long, value_name = "DIR")]
     resume: Option<PathBuf>,
-    /// Replace the run already in the output directory (its job.toml, metrics, reports and
-    /// checkpoints; other files stay). Without it a non-empty output directory is refused,
-    /// unless `--resume` continues the run in it.
-    #[arg(long)]
-    overwrite: bool,
-    /// Most memory the run may use, e.g. `8GiB`, `512MiB` (a launched rank: its share of the
-    /// job) [default: the memory available, MemAvailable in /proc/meminfo]. A job whose
-    /// estimate exceeds it is refused before anything is allocated.
-    #[arg(long, value_name = "SIZE")]
-    max_memory: Option<String>,
 }
 
 /// `--device`'s values (the job file's `device`).
@@ -93,7 +76,7 @@ impl DeviceArg {
 }
 
 pub fn run(args: TrainArgs) -> anyhow::Result<()> {
-    let mut sets = args.set.clone();
+    let mut sets = Vec::new();
     if let Some(device) = args.device {
         sets.push(format!("device=\"{}\"", device.name()));
     }
@@ -109,19 +92,10 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             toml::Value::String(schedule.clone())
         ));
     }
-    let job = crate::cli::load_job(
-        args.config.as_deref(),
-        sets,
-        args.out_dir.as_deref(),
-        args.model.as_deref(),
-    )?;
+    let job = args.job.job(sets, args.model.as_deref())?;
     // One rank of a multi-process job (pipefill launch, torchrun, mpirun, srun), or alone.
     let env = RankEnv::detect()?;
-    let start = Start {
-        env: &env,
-        existing: Existing::overwrite(args.overwrite),
-        max_memory: args.max_memory.as_deref(),
-    };
+    let start = args.job.start(&env);
     let resume = args.resume.as_deref();
     pipefill::run::train(&job, resume, &start, &mut Terminal::default())?;
     Ok(())
