@@ -4,6 +4,19 @@
 //! share: the run directory ([`dir`]), which decides whether a run may write where it was
 //! told to; the line of `metrics.jsonl` ([`metrics`]); the training log that writes those
 //! lines and sums the run up ([`log`]); and why a run stopped ([`error`]).
+//!
+//! ```no_run
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! use pipefill::{config::JobConfig, launch::RankEnv, run};
+//!
+//! let job = JobConfig::embedded(&["train.steps=10".to_string(), "schedule=\"1f1b\"".to_string()])?;
+//! let env = RankEnv::detect()?; // alone, or one rank of pipefill launch, mpirun, srun, torchrun
+//! let start = run::Start { env: &env, existing: run::Existing::overwrite(false), max_memory: None };
+//! let run_dir = run::train(&job, None, &start, &mut run::Quiet)?;
+//! # let _ = run_dir;
+//! # Ok(())
+//! # }
+//! ```
 
 pub mod dir;
 pub mod error;
