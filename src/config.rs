@@ -305,6 +305,24 @@ impl JobConfig {
         toml::to_string(self).expect("a JobConfig always serializes")
     }
 
+    /// The `[drafter]` section, for a job that trains a drafter (`filler = "drafter"`, or
+    /// `pipefill rl` with `rl.speculation`): every field, and that its unrolled steps can
+    /// train on this model.
+    pub fn check_drafter(&self) -> Result<(), ConfigError> {
+        let invalid = |field: &str, reason: String| ConfigError::Invalid {
+            field: field.to_string(),
+            reason,
+        };
+        self.drafter.validate().map_err(|e| match e {
+            crate::model::drafter::DrafterError::Config { field, reason } => invalid(field, reason),
+            other => invalid("drafter", other.to_string()),
+        })?;
+        match self.drafter.unsupported_for(&self.model) {
+            Some(reason) => Err(invalid("drafter.unroll_context", reason.into())),
+            None => Ok(()),
+        }
+    }
+
     /// Checks the values that parse but cannot be used; the error names the field.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let invalid = |field: &str, reason: String| ConfigError::Invalid {
@@ -356,15 +374,7 @@ impl JobConfig {
             ));
         }
         if self.filler == Filler::Drafter {
-            self.drafter.validate().map_err(|e| match e {
-                crate::model::drafter::DrafterError::Config { field, reason } => {
-                    invalid(field, reason)
-                }
-                other => invalid("drafter", other.to_string()),
-            })?;
-            if let Some(reason) = self.drafter.unsupported_for(&self.model) {
-                return Err(invalid("drafter.unroll_context", reason.into()));
-            }
+            self.check_drafter()?;
         }
         if self.stages == 0 {
             return Err(invalid("stages", "must be at least 1".into()));

@@ -48,6 +48,11 @@ pub fn rl(
         None => None,
     };
     job.rl.validate(job.model.seq_len)?;
+    // The rollouts' drafter trains whatever the job's filler: its settings are checked now,
+    // not at its first slice.
+    if job.rl.speculation {
+        job.check_drafter()?;
+    }
     check_memory(&job, env, start.max_memory, Workload::Rl, show)?;
     if job.schedule.is_none() {
         return Err(RunError::RlWithoutSchedule);

@@ -89,3 +89,35 @@ fn a_run_that_cannot_start_is_refused_before_its_directory_is_touched() {
         assert!(!out.exists(), "{what}: {} was created", out.display());
     }
 }
+
+#[test]
+fn a_drafter_that_cannot_train_on_the_model_is_refused_at_start_only_when_rl_speculates() {
+    let dir = tempfile::tempdir().unwrap();
+    // Exact unrolled steps need plain attention; rope is not. The job fills no bubbles, so
+    // only the rollouts' drafter would meet it.
+    let sets = [
+        "filler=\"none\"",
+        "model.positions=\"rope\"",
+        "drafter.unroll=2",
+        "drafter.unroll_context=\"exact\"",
+    ];
+    let speculative = dir.path().join("speculative");
+    let job = tiny(
+        &[&sets[..], &["rl.speculation=true"]].concat(),
+        &speculative,
+    );
+    let mut shown = Recorded::default();
+    let err = run(&job, &mut shown).unwrap_err();
+    assert!(
+        err.to_string()
+            .starts_with("invalid `drafter.unroll_context`"),
+        "{err}"
+    );
+    assert!(shown.ticks.is_empty(), "{shown:?}");
+    assert!(!speculative.exists());
+    // Without speculation no drafter trains: the same job runs.
+    let plain = dir.path().join("plain");
+    let job = tiny(&[&sets[..], &["rl.speculation=false"]].concat(), &plain);
+    run(&job, &mut Recorded::default()).unwrap();
+    assert!(plain.join("checkpoint").is_dir());
+}
