@@ -12,7 +12,7 @@ use pipefill::run::{Bar, Show, Tick};
 pub struct Terminal {
     bars: MultiProgress,
     open: HashMap<Bar, ProgressBar>,
-    /// Lines go to stderr (a command whose stdout is JSON).
+    /// Lines (and plain progress lines) go to stderr: a command whose stdout is JSON.
     stderr: bool,
 }
 
@@ -40,26 +40,32 @@ impl Terminal {
     }
 }
 
+impl Terminal {
+    /// Prints `text` on this terminal's stream.
+    fn print(&self, text: &str) {
+        match self.stderr {
+            true => eprintln!("{text}"),
+            false => println!("{text}"),
+        }
+    }
+}
+
 impl Show for Terminal {
     fn line(&mut self, text: &str) {
-        // Above the bars while any is drawn; MultiProgress::println prints nothing where
-        // they are hidden.
-        if self.stderr {
-            eprintln!("{text}");
-        } else if self.bars.is_hidden() || self.open.is_empty() {
-            println!("{text}");
+        // While bars are drawn they are lifted off for the line, which then stays above them.
+        if self.bars.is_hidden() || self.open.is_empty() {
+            self.print(text);
         } else {
-            let _ = self.bars.println(text);
+            self.bars.suspend(|| self.print(text));
         }
     }
 
     fn tick(&mut self, tick: Tick<'_>) {
-        let bar = self.bar(tick.bar, tick.len);
-        if bar.is_hidden()
-            && let Some(plain) = tick.plain
-        {
-            println!("{plain}");
+        let hidden = self.bar(tick.bar, tick.len).is_hidden();
+        if hidden && let Some(plain) = tick.plain {
+            self.print(plain);
         }
+        let bar = &self.open[&tick.bar];
         bar.set_length(tick.len);
         bar.set_position(tick.pos);
         bar.set_message(tick.message.to_string());

@@ -23,7 +23,8 @@ pub struct RlStepMetrics {
     pub sequences: usize,
     /// Generated tokens (up to and with `EOS`).
     pub generated_tokens: usize,
-    /// Generation time (drafter training excluded).
+    /// Generation time (drafter training excluded; in a launched run also sending the
+    /// rollouts to the other ranks).
     pub rollout_seconds: f64,
     /// The drafter's time on the step's critical path, outside the rollout proper: with
     /// `rl.advanced.drafter_work = "idle-then-after"` the held-out evaluation and the slices that did not
@@ -36,7 +37,8 @@ pub struct RlStepMetrics {
     /// A launched run's weight sync: every rank's stages in at rank 0 before the rollout
     /// (null in one process, where the policy is the update's own).
     pub sync_seconds: Option<f64>,
-    /// Rollout time / whole step time (rollout + drafter + reference + update).
+    /// Rollout time / whole step time (rollout + drafter + reference + update, and a
+    /// launched run's weight sync).
     pub rollout_share: f64,
     /// Idle time of the rollout's stage threads, summed over stages, and the part filled
     /// with routed work (verification passes and drafter slices).
@@ -49,7 +51,8 @@ pub struct RlStepMetrics {
     pub drafter_work: Option<crate::rl::rollout::idle::DrafterAccount>,
     /// Mean k3 KL to the reference per completion token (KL only).
     pub kl: Option<f64>,
-    /// The whole step: prompts, rollout, drafter, rewards, reference, update.
+    /// The whole step: prompts, rollout, drafter, rewards, reference, update (and a launched
+    /// run's weight sync and gathering of the losses).
     pub step_seconds: f64,
     /// Generated tokens per second of rollout.
     pub tokens_per_s: f64,

@@ -141,6 +141,8 @@ pub enum RunError {
          predict with"
     )]
     NoCosts,
+    #[error("some stage measured no forward in the merged profile: nothing to predict with")]
+    NoMergedCosts,
     #[error("schedule \"none\": the RL update runs as a pipelined step; name a schedule")]
     RlWithoutSchedule,
     #[error("rl.warmup_steps is 0 and no --init run is given: the policy would be untrained")]

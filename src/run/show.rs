@@ -34,7 +34,8 @@ pub struct Tick<'a> {
 
 /// Where a run's lines and progress go.
 pub trait Show {
-    /// A line for the user: what runs, what was resumed, the summary.
+    /// A line for the user: what runs, what was resumed, the summary (a report may be
+    /// several lines in one text).
     fn line(&mut self, text: &str);
     /// Progress of one bar.
     fn tick(&mut self, tick: Tick<'_>);
@@ -52,8 +53,8 @@ impl Show for Quiet {
     fn finish(&mut self, _: Bar, _: bool) {}
 }
 
-/// Shows `steps` progress on `bar`: the ticks a run of `len` items sends, with the plain
-/// line `step N/len message` for about 20 of them over the run (and the last).
+/// Shows 0-based `step` of `len` on `bar`, with the plain line `step N/len message` for
+/// about 20 of a run's steps (and the last).
 pub(crate) fn step_tick(show: &mut dyn Show, bar: Bar, step: u64, len: u64, message: &str) {
     let plain_every = (len / 20).max(1);
     let plain = (step.is_multiple_of(plain_every) || step + 1 == len)

@@ -90,49 +90,49 @@ fn run<B: RankBackend>(
         show.line("rollouts: plain sampling (rl.speculation = false)");
     }
     let mut history: Vec<RlStepMetrics> = Vec::new();
-    for _ in 0..rl.steps {
-        let step = trainer.step();
-        let m = trainer.run_step(&mut engine as &mut dyn RolloutEngine<B>, |reward| {
+    // Whatever ends the steps, the bars end with them.
+    let mut steps = || -> Result<(), RunError> {
+        for _ in 0..rl.steps {
+            let step = trainer.step();
+            let m = trainer
+                .run_step(&mut engine as &mut dyn RolloutEngine<B>, |reward| {
+                    show.tick(Tick {
+                        bar: Bar::Rollout,
+                        pos: step + 1,
+                        len: rl.steps,
+                        message: &format!("reward {reward:.3}"),
+                        plain: None,
+                    });
+                })
+                .map_err(|source| RunError::RlStep { step, source })?;
+            let plain = step_line(&m, rl.steps, engine.threshold());
             show.tick(Tick {
-                bar: Bar::Rollout,
-                pos: step + 1,
+                bar: Bar::Update,
+                pos: m.step + 1,
                 len: rl.steps,
-                message: &format!("reward {reward:.3}"),
-                plain: None,
+                message: &format!(
+                    "loss {:+.4} | grad norm {:.3} | bubble {}",
+                    m.surrogate_loss,
+                    m.grad_norm,
+                    m.bubble_ratio
+                        .map_or("-".into(), |b| format!("{:.1}%", 100.0 * b))
+                ),
+                plain: Some(&plain),
             });
-        });
-        let m = match m {
-            Ok(m) => m,
-            Err(source) => {
-                show.finish(Bar::Rollout, false);
-                show.finish(Bar::Update, false);
-                return Err(RunError::RlStep { step, source });
-            }
-        };
-        let plain = step_line(&m, rl.steps, engine.threshold());
-        show.tick(Tick {
-            bar: Bar::Update,
-            pos: m.step + 1,
-            len: rl.steps,
-            message: &format!(
-                "loss {:+.4} | grad norm {:.3} | bubble {}",
-                m.surrogate_loss,
-                m.grad_norm,
-                m.bubble_ratio
-                    .map_or("-".into(), |b| format!("{:.1}%", 100.0 * b))
-            ),
-            plain: Some(&plain),
-        });
-        let line = MetricsLine {
-            step: &m,
-            spec_threshold: engine.threshold(),
-            calibration: (m.step == 0).then(|| engine.calibration()).flatten(),
-        };
-        write_line(&mut metrics, &metrics_path, &line)?;
-        history.push(m);
-    }
-    show.finish(Bar::Rollout, true);
-    show.finish(Bar::Update, true);
+            let line = MetricsLine {
+                step: &m,
+                spec_threshold: engine.threshold(),
+                calibration: (m.step == 0).then(|| engine.calibration()).flatten(),
+            };
+            write_line(&mut metrics, &metrics_path, &line)?;
+            history.push(m);
+        }
+        Ok(())
+    };
+    let ran = steps();
+    show.finish(Bar::Rollout, ran.is_ok());
+    show.finish(Bar::Update, ran.is_ok());
+    ran?;
 
     run_dir.save_final(&mut trainer.checkpoint()?, job)?;
     let ran = format!(

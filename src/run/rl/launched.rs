@@ -98,7 +98,7 @@ pub(super) fn rl(
     let out_dir = run_dir.path().to_path_buf();
     run_dir.save_final(&mut run.checkpoint, job)?;
     let ran = format!(
-        "{} processes; run directory {} (job.toml, metrics.jsonl, checkpoint/)",
+        "over {} processes; run directory {} (job.toml, metrics.jsonl, checkpoint/)",
         env.world,
         out_dir.display()
     );

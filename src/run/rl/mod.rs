@@ -33,6 +33,9 @@ use crate::tensor::device::on_backend;
 /// when given (its `checkpoint/` and `job.toml`; else a supervised warm-up), showing its
 /// progress on `show`; the run directory it wrote (a launched rank other than 0: `None`,
 /// rank 0 writes it).
+///
+/// A launched rank ends its process a few seconds after a peer fails, as in
+/// [`crate::run::train`].
 pub fn rl(
     job: &JobConfig,
     init: Option<&Path>,

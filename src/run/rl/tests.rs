@@ -75,19 +75,23 @@ fn an_in_process_run_warms_up_ticks_rollouts_and_updates_and_writes_a_line_per_s
 }
 
 #[test]
-fn a_run_that_cannot_start_is_refused_before_its_directory_is_touched() {
+fn a_run_that_cannot_start_is_refused_before_its_directory_is_looked_at() {
     let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("run");
+    // A directory holding another run: had the runner claimed it first, that would be the
+    // error.
+    std::fs::write(dir.path().join("job.toml"), "# another run").unwrap();
     for (sets, what) in [
         (&["schedule=\"none\""][..], "schedule \"none\""),
         (&["rl.warmup_steps=0"][..], "rl.warmup_steps is 0"),
     ] {
         let mut shown = Recorded::default();
-        let err = run(&tiny(sets, &out), &mut shown).unwrap_err();
+        let err = run(&tiny(sets, dir.path()), &mut shown).unwrap_err();
         assert!(err.to_string().starts_with(what), "{err}");
         assert!(shown.ticks.is_empty(), "{shown:?}");
-        assert!(!out.exists(), "{what}: {} was created", out.display());
+        assert!(shown.line("model:").is_none(), "{shown:?}");
     }
+    let kept = std::fs::read_to_string(dir.path().join("job.toml")).unwrap();
+    assert_eq!(kept, "# another run");
 }
 
 #[test]

@@ -8,7 +8,7 @@ use std::path::Path;
 use crate::config::JobConfig;
 use crate::model::checkpoint::Checkpoint;
 use crate::run::show::{Bar, Show, step_tick};
-use crate::run::{RunDir, RunError, RunLog, StepLine};
+use crate::run::{RunDir, RunError, RunLog, StepLine, steps_left};
 
 /// One way of running a job's steps.
 pub(super) trait Engine {
@@ -17,8 +17,8 @@ pub(super) trait Engine {
     /// Runs `steps` steps, handing each to `out` as it completes (a launched rank: once
     /// the steps' losses have reached rank 0).
     fn run(&mut self, steps: u64, out: &mut Steps<'_>) -> Result<Self::Ran, RunError>;
-    /// The whole model after the run; `None` on a rank that does not write the run
-    /// directory.
+    /// The whole model after the run, for the run directory's `checkpoint/`; `None`: this
+    /// engine has none to write.
     fn checkpoint(&mut self, ran: &mut Self::Ran) -> Result<Option<Checkpoint>, RunError>;
     /// What follows the final checkpoint in `dir`: profile files, the report, the held-out
     /// score. Returns the files of the run directory the `done:` line names.
@@ -63,13 +63,14 @@ pub(super) fn drive<E: Engine>(
     run: Option<(&RunDir, RunLog)>,
     show: &mut dyn Show,
 ) -> Result<(), RunError> {
+    let left = steps_left(first_step, job.train.steps)?;
     let (dir, mut log) = run.unzip();
     let mut steps = Steps {
         show: &mut *show,
         log: log.as_mut(),
         len: job.train.steps,
     };
-    let ran = engine.run(job.train.steps - first_step, &mut steps);
+    let ran = engine.run(left, &mut steps);
     show.finish(Bar::Step, ran.is_ok());
     let mut ran = ran?;
     let (Some(dir), Some(log)) = (dir, log) else {

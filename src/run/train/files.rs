@@ -26,6 +26,7 @@ use crate::profile::report::{
 };
 use crate::profile::svg::{SvgOptions, svg_with};
 use crate::run::RunError;
+use crate::run::show::Show;
 use pipefill_actors::IterationProfile;
 
 /// Name of the lane holding the runtime's measured waits for input.
@@ -35,11 +36,12 @@ const FILLER_LANE: &str = "filler";
 
 /// The filler figures of `run` over the whole run, with the median step makespan of a run
 /// without filler (`baseline`: its per-step makespans, how it ran and its compute-action
-/// costs) when one was measured.
+/// costs) when one was measured; what could not be measured is a warning on `show`.
 pub(super) fn filling(
     job: &JobConfig,
     run: &PipelineRun,
     baseline: Option<(&[f64], String, &ActionCosts)>,
+    show: &mut dyn Show,
 ) -> Option<Filling> {
     run.drafter.as_ref()?;
     let spans: Vec<_> = run
@@ -63,7 +65,7 @@ pub(super) fn filling(
     if let Clock::Virtual { link_latency } = run.report.clock {
         match step_inflations(&run.report.iterations, link_latency) {
             Ok(per_step) => f = f.with_replay(&per_step),
-            Err(e) => eprintln!("warning: step inflation not replayed: {e}"),
+            Err(e) => show.line(&format!("warning: step inflation not replayed: {e}")),
         }
     }
     let drafter = run.drafter.as_ref()?;

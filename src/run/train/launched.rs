@@ -69,7 +69,7 @@ pub(super) fn train(
         })
         .transpose()?;
     let first_step = checkpoint.as_ref().map_or(0, RankResume::step);
-    steps_left(first_step, job.train.steps)?;
+    let left = steps_left(first_step, job.train.steps)?;
     // Rank 0 owns the run directory: it is claimed and made the run's once the job has been
     // checked against its checkpoint, before any rank joins (the others learn of a refusal
     // from the rendezvous). Its path goes to every rank with the job (agree_run_dir).
@@ -96,12 +96,7 @@ pub(super) fn train(
     if rank == 0 {
         show.line(&format!(
             "distributed: {} ranks ({:?} launcher), {} × schedule {} with {} stages, {} steps",
-            env.world,
-            env.launcher,
-            job.dp,
-            job.schedule,
-            plan.stages,
-            job.train.steps - first_step
+            env.world, env.launcher, job.dp, job.schedule, plan.stages, left
         ));
         if auto {
             show.line(
@@ -170,7 +165,10 @@ impl Engine for Launched<'_> {
         // timelines for their bubble ratios.
         let merged = run.merged.as_ref();
         for m in &run.metrics {
-            let timeline = merged.and_then(|p| p.iterations.get((m.step - first_step) as usize));
+            let timeline = merged.and_then(|p| {
+                let index = m.step.checked_sub(first_step)?;
+                p.iterations.get(usize::try_from(index).ok()?)
+            });
             out.step(&StepLine::new(m, timeline), &step_message(m, timeline));
         }
         Ok(run)
@@ -244,7 +242,7 @@ fn write_profile(
 ) -> Result<(), RunError> {
     // Means after the warm-up step, as a single-process run predicts with.
     let skip = usize::from(merged.iterations.len() > 1);
-    let cost = mean_cost(plan, &merged.iterations, skip).ok_or(RunError::NoCosts)?;
+    let cost = mean_cost(plan, &merged.iterations, skip).ok_or(RunError::NoMergedCosts)?;
     let predicted = simulate(plan, &cost)?;
     let info = RunInfo {
         schedule: job.schedule.to_string(),

@@ -2,9 +2,10 @@
 //! single-device reference trainer (`schedule = "none"`), the pipeline with every rank in
 //! this process, or one rank of a launched job (`pipefill launch`, mpirun, srun, torchrun).
 //! It owns what the three share: the checks before anything runs (memory, device, `dp`),
-//! the run directory (claimed before any work), resume, the data, the metrics line (one
-//! [`crate::run::StepLine`] per step through [`crate::run::RunLog`]), the final checkpoint,
-//! the profile files and the held-out score. What differs is the engine the steps run on
+//! the run directory (claimed before any work), resume, the metrics line (one
+//! [`crate::run::StepLine`] per step through [`crate::run::RunLog`]), the final checkpoint
+//! and the profile files; in one process also the data (loaded once, summed up) and the
+//! held-out score. What differs is the engine the steps run on
 //! ([`engine::Engine`]; [`engine::drive`] runs any of them, so every path ticks, logs, sums
 //! up, checkpoints and ends alike):
 //!
@@ -39,6 +40,9 @@ use crate::train::eval::{exact_match, held_out_tasks};
 /// directory, [`crate::model::checkpoint::resume::ResumePoint::find`]) up to
 /// `train.steps`, showing its progress on `show`; the run directory it wrote (a launched
 /// rank other than 0: the one rank 0 wrote).
+///
+/// A launched rank ends its process (exit status 1, the reason on stderr) a few seconds
+/// after a peer fails ([`crate::launch::watchdog`]): a dead peer must end every rank.
 pub fn train(
     job: &JobConfig,
     resume: Option<&Path>,

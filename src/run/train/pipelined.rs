@@ -29,8 +29,8 @@ use crate::run::{RunDir, RunError, RunLog, StepLine, steps_left};
 /// Most steps of the run without filler that step inflation is measured against.
 pub(super) const BASELINE_STEPS: u64 = 100;
 
-/// Runs `job`'s pipeline (from `resume`'s checkpoint when given), printing progress and the
-/// bubble report, and writing the run directory.
+/// Runs `job`'s pipeline (from `resume`'s checkpoint when given) into `run_dir`, showing its
+/// progress and the bubble report on `show`.
 pub(super) fn train(
     job: &JobConfig,
     resume: Option<&Path>,
@@ -157,6 +157,7 @@ impl Engine for InProcess<'_> {
             baseline
                 .as_ref()
                 .map(|(m, note, costs)| (m.as_slice(), note.clone(), costs)),
+            show,
         );
         let report = write_profile(dir, job, &run, job.clock.name(), filling)?;
         show.line("");

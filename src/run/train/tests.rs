@@ -76,6 +76,11 @@ fn a_run_directory_holding_a_run_is_refused_before_any_step() {
         "{err}"
     );
     assert!(shown.ticks.is_empty(), "{shown:?}");
+    // Nothing but the memory estimate: no data loaded, no model built.
+    assert!(
+        shown.lines.iter().all(|l| l.starts_with("memory:")),
+        "{shown:?}"
+    );
     assert_eq!(
         std::fs::read(dir.path().join("metrics.jsonl")).unwrap(),
         before
