@@ -122,7 +122,9 @@ fn launched_rl_over_two_processes_equals_the_in_process_run_bitwise() {
             .collect()
     };
     assert_eq!(keys(&multi), keys(&single));
-    // The rollout figures rank 0 now reports are the in-process run's (same rollouts).
+    // The rollout figures rank 0 now reports: the same tokens as in-process (lossless
+    // decoding), and a live batch per rollout step (its shape, and whether the rollout
+    // speculated, follow the costs each run measured, so they may differ).
     let column = |run: &Path, field: &str| -> Vec<serde_json::Value> {
         std::fs::read_to_string(run.join("metrics.jsonl"))
             .unwrap()
@@ -130,16 +132,14 @@ fn launched_rl_over_two_processes_equals_the_in_process_run_bitwise() {
             .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()[field].clone())
             .collect()
     };
-    for field in ["live_batch", "generated_tokens", "speculation"] {
-        let m = column(&multi, field);
-        assert!(m.iter().all(|v| !v.is_null()), "{field}: {m:?}");
-        assert_eq!(m, column(&single, field), "{field}");
-    }
     assert!(
         column(&multi, "live_batch")
             .iter()
-            .all(|v| !v.as_array().unwrap().is_empty())
+            .all(|v| v.as_array().is_some_and(|a| !a.is_empty())),
+        "{:?}",
+        column(&multi, "live_batch")
     );
+    assert!(column(&multi, "speculation").iter().all(|v| v.is_boolean()));
     for field in ["generated_tokens", "tokens_per_s", "sequences"] {
         let (m, s) = (
             metrics_column(&multi, field),
