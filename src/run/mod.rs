@@ -36,6 +36,9 @@ pub use rl::rl;
 pub use show::{Bar, Quiet, Show, Tick};
 pub use train::train;
 
+use crate::config::JobConfig;
+use crate::config::memory::{Bytes, MemoryLimit, Workload};
+
 /// How a run was asked to start, whatever it runs ([`train`], [`rl`]).
 #[derive(Debug, Clone, Copy)]
 pub struct Start<'a> {
@@ -46,4 +49,37 @@ pub struct Start<'a> {
     /// The most memory the run may use (`8GiB`, ...; a launched rank: its share); `None`:
     /// the memory available.
     pub max_memory: Option<&'a str>,
+}
+
+/// Before anything is allocated: the job's sizes against `max_memory` (or the memory there
+/// is), a launched rank's share of them on each rank. A single process also refuses
+/// `dp > 1` (it runs one pipeline) and shows its estimate. Both runners call it before any
+/// work.
+fn check_memory(
+    job: &JobConfig,
+    start: &Start,
+    workload: Workload,
+    show: &mut dyn Show,
+) -> Result<(), RunError> {
+    let env = start.env;
+    let limit = MemoryLimit::resolve(start.max_memory)?;
+    let processes = if env.is_distributed() { env.world } else { 1 };
+    let estimate = job.check_memory(workload, &limit, processes)?;
+    if !env.is_distributed() {
+        if job.dp > 1 {
+            return Err(RunError::DpInOneProcess {
+                dp: job.dp,
+                processes: job.dp.saturating_mul(job.stages),
+                command: match workload {
+                    Workload::Train => "train",
+                    Workload::Rl => "rl",
+                },
+            });
+        }
+        show.line(&format!(
+            "memory: {} estimated, {limit}",
+            Bytes(estimate.total)
+        ));
+    }
+    Ok(())
 }

@@ -21,7 +21,6 @@ mod tests;
 use std::path::{Path, PathBuf};
 
 use super::show::{Bar, Show, Tick};
-use super::train::check_memory;
 use super::{Resume, RunDir, RunError, Start};
 use crate::config::JobConfig;
 use crate::config::memory::Workload;
@@ -56,7 +55,7 @@ pub fn rl(
     if job.rl.speculation {
         job.check_drafter()?;
     }
-    check_memory(&job, env, start.max_memory, Workload::Rl, show)?;
+    super::check_memory(&job, start, Workload::Rl, show)?;
     if job.schedule.is_none() {
         return Err(RunError::RlWithoutSchedule);
     }

@@ -29,9 +29,8 @@ use std::time::Instant;
 use super::show::{Bar, Show, Tick};
 use super::{Resume, RunDir, RunError, Start};
 use crate::config::JobConfig;
-use crate::config::memory::{Bytes, MemoryLimit, Workload};
+use crate::config::memory::Workload;
 use crate::data::{DataSource, DatasetSummary, StepData};
-use crate::launch::RankEnv;
 use crate::model::Gpt;
 use crate::tensor::Backend;
 use crate::train::eval::{exact_match, held_out_tasks};
@@ -50,7 +49,7 @@ pub fn train(
     show: &mut dyn Show,
 ) -> Result<PathBuf, RunError> {
     let env = start.env;
-    check_memory(job, env, start.max_memory, Workload::Train, show)?;
+    super::check_memory(job, start, Workload::Train, show)?;
     // Before joining any other rank: a device that cannot be used here ends the run at once.
     let device = job.device.usable_on_local_rank(env.local_rank)?;
     if env.is_distributed() {
@@ -72,38 +71,6 @@ pub fn train(
         pipelined::train(job, resume, &run_dir, data, show)?;
     }
     Ok(run_dir.path().to_path_buf())
-}
-
-/// Before anything is allocated: the job's sizes against `max_memory` (or the memory there
-/// is), a launched rank's share of them on each rank. A single process also refuses
-/// `dp > 1` (it runs one pipeline) and shows its estimate.
-pub(crate) fn check_memory(
-    job: &JobConfig,
-    env: &RankEnv,
-    max_memory: Option<&str>,
-    workload: Workload,
-    show: &mut dyn Show,
-) -> Result<(), RunError> {
-    let limit = MemoryLimit::resolve(max_memory)?;
-    let processes = if env.is_distributed() { env.world } else { 1 };
-    let estimate = job.check_memory(workload, &limit, processes)?;
-    if !env.is_distributed() {
-        if job.dp > 1 {
-            return Err(RunError::DpInOneProcess {
-                dp: job.dp,
-                processes: job.dp.saturating_mul(job.stages),
-                command: match workload {
-                    Workload::Train => "train",
-                    Workload::Rl => "rl",
-                },
-            });
-        }
-        show.line(&format!(
-            "memory: {} estimated, {limit}",
-            Bytes(estimate.total)
-        ));
-    }
-    Ok(())
 }
 
 /// The job's step data. A JSONL dataset is tokenized here, once for the summary and the
