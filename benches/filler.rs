@@ -34,12 +34,7 @@ fn main() {
             .expect("the default job builds a pipeline")
             .filler(Filler::Drafter);
         let run = trainer.run(steps, |_| {}).expect("the run completes");
-        let spans: Vec<_> = run
-            .report
-            .iterations
-            .iter()
-            .flat_map(|it| it.fillers.iter().map(|f| (f.rank, f.start, f.end)))
-            .collect();
+        let spans = run.filler_spans();
         let mut filling = Filling::measure("drafter", &run.report.overall, &spans);
         if let Clock::Virtual { link_latency } = run.report.clock {
             let per_step = step_inflations(&run.report.iterations, link_latency)

@@ -82,6 +82,16 @@ impl PipelineRun {
         self.report.iterations.iter().map(|i| &i.timeline)
     }
 
+    /// Every filler span of the run: what [`crate::profile::report::Filling::measure`]
+    /// measures the bubble-fill ratio from.
+    pub fn filler_spans(&self) -> Vec<crate::profile::report::FillerSpan> {
+        self.report
+            .iterations
+            .iter()
+            .flat_map(|it| it.fillers.iter().map(|f| (f.rank, f.start, f.end)))
+            .collect()
+    }
+
     /// Per-stage **mean** T_F, T_I, T_W (seconds) over the iterations from `skip` on (e.g.
     /// 1 to leave out the warm-up iteration), see [`StageCost::means`]; link latency and
     /// memory figures as in [`PipelineRun::measured_cost`]. `None` when some stage has no

@@ -44,12 +44,7 @@ pub(super) fn filling(
     show: &mut dyn Show,
 ) -> Option<Filling> {
     run.drafter.as_ref()?;
-    let spans: Vec<_> = run
-        .report
-        .iterations
-        .iter()
-        .flat_map(|it| it.fillers.iter().map(|f| (f.rank, f.start, f.end)))
-        .collect();
+    let spans = run.filler_spans();
     let makespans: Vec<f64> = run.timelines().map(|t| t.makespan).collect();
     let name = format!("{:?}", job.filler).to_lowercase();
     let mut f = Filling::measure(&name, &run.report.overall, &spans).with_baseline(
