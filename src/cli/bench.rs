@@ -41,6 +41,7 @@ mod costs;
 
 use std::time::Instant;
 
+use crate::cli::show::Terminal;
 use anyhow::{Context, bail};
 use batch::{long_tail_batch, parse_tree};
 use costs::{COST_REPS, engine_buckets, probe_context, step_cost_lines, threshold_of_buckets};
@@ -54,6 +55,7 @@ use pipefill::rl::rollout::{
     AdaptiveConfig, MIN_GROUP_ROWS, Rollout, RolloutConfig, RolloutEngine, Speculation,
     live_threshold,
 };
+use pipefill::run::Show;
 use pipefill::tensor::device::Device;
 use pipefill::tensor::{Backend, CpuBackend};
 use pipefill::train::reference::{Trainer, cpu_threads};
@@ -143,14 +145,6 @@ fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
-fn say(json: bool, line: String) {
-    if json {
-        eprintln!("{line}");
-    } else {
-        println!("{line}");
-    }
-}
-
 fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
     if a.reps == 0 || a.requests == 0 || a.k == 0 {
         bail!("--reps, --requests and --k must be at least 1");
@@ -167,11 +161,11 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
     let mut job = JobConfig::embedded(&sets).context("bench rollout: the job")?;
     // Before any work: a device that cannot be used here ends the bench at once.
     let device = job.device.usable_on_local_rank(0)?;
+    // With --json, stdout is the JSON alone: every line the bench shows goes to stderr.
+    let mut out = Terminal::default().lines_to_stderr(a.json);
     let init = match &a.init {
         Some(dir) => {
-            // With --json, stdout is the JSON alone: the runner's lines go to stderr.
-            let mut show = crate::cli::show::Terminal::default().lines_to_stderr(a.json);
-            let checkpoint = pipefill::run::rl::init_from(&mut job, dir, &mut show)?;
+            let checkpoint = pipefill::run::rl::init_from(&mut job, dir, &mut out)?;
             Some((dir.clone(), checkpoint))
         }
         None => None,
@@ -183,12 +177,12 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
         Device::Cpu { .. } => {
             let train = CpuBackend::new(cpu_threads(&job.train))?;
             let one = CpuBackend::new(1)?;
-            rollout_on(a, job, init, train, one)
+            rollout_on(a, job, init, train, one, &mut out)
         }
         #[cfg(feature = "cuda")]
         Device::Cuda { ordinal } => {
             let gpu = pipefill::tensor::cuda::CudaBackend::new(ordinal)?;
-            rollout_on(a, job, init, gpu.clone(), gpu)
+            rollout_on(a, job, init, gpu.clone(), gpu, &mut out)
         }
         #[cfg(not(feature = "cuda"))]
         Device::Cuda { .. } => Err(pipefill::tensor::device::DeviceError::CudaNotCompiled.into()),
@@ -196,13 +190,15 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
 }
 
 /// The bench on backend `B`: the target trained on `train` (or loaded from `init`, a run
-/// directory and its checkpoint, onto `one`), the rollouts and the drafter on `one`.
+/// directory and its checkpoint, onto `one`), the rollouts and the drafter on `one`; what it
+/// measured goes to `out`.
 fn rollout_on<B: Backend>(
     a: RolloutArgs,
     job: JobConfig,
     init: Option<(std::path::PathBuf, Checkpoint)>,
     train: B,
     one: B,
+    out: &mut Terminal,
 ) -> anyhow::Result<()> {
     let t0 = Instant::now();
     // Whichever target is used lives in one of these two.
@@ -237,16 +233,13 @@ fn rollout_on<B: Backend>(
             (a.steps, trainer.model(), origin)
         }
     };
-    say(
-        a.json,
-        format!(
-            "target: {} layers, d_model {} ({} parameters) on {}, {origin}",
-            job.model.layers,
-            job.model.d_model,
-            job.model.param_count(),
-            model.backend().name(),
-        ),
-    );
+    out.line(&format!(
+        "target: {} layers, d_model {} ({} parameters) on {}, {origin}",
+        job.model.layers,
+        job.model.d_model,
+        job.model.param_count(),
+        model.backend().name(),
+    ));
     let requests = long_tail_batch(&job, a.requests)?;
     let stages = InferStage::stages_of(model, &Cut::Even(a.stages))?;
     let mut engine = RolloutEngine::new(stages)?.with_min_group_rows(a.min_group_rows);
@@ -263,9 +256,7 @@ fn rollout_on<B: Backend>(
     let lens: Vec<usize> = (0..requests.len())
         .map(|i| first.completion(i).len())
         .collect();
-    say(
-        a.json,
-        format!(
+    out.line(&format!(
             "batch: {} sequences, completion lengths min {} median {} max {} (EOS or the {}-position cap)",
             requests.len(),
             lens.iter().min().unwrap_or(&0),
@@ -287,16 +278,13 @@ fn rollout_on<B: Backend>(
         dtrainer.slice()?;
     }
     let agree = dtrainer.agreement(&first.rows)?;
-    say(
-        a.json,
-        format!(
-            "drafter: {} slices on those {} rows in {:.1} s, top-1 agreement with the target {:.1}%",
-            a.drafter_slices,
-            first.rows.len(),
-            t1.elapsed().as_secs_f64(),
-            100.0 * agree
-        ),
-    );
+    out.line(&format!(
+        "drafter: {} slices on those {} rows in {:.1} s, top-1 agreement with the target {:.1}%",
+        a.drafter_slices,
+        first.rows.len(),
+        t1.elapsed().as_secs_f64(),
+        100.0 * agree
+    ));
     // What a step costs per sequences in one group, measured piece by piece (one thread):
     // the target's decode and verification, and the drafter's proposal on the longest row
     // of the plain rollout (the long tail's context). They decide the threshold below.
@@ -314,9 +302,7 @@ fn rollout_on<B: Backend>(
     };
     let costs = step_costs(model, dtrainer.drafter_mut(), ctx, &[a.k], max_b, COST_REPS)?;
     let propose_ms = costs.first().map_or(f64::NAN, |c| c.propose_ms);
-    say(
-        a.json,
-        format!(
+    out.line(&format!(
             "drafter: proposing K={} tokens for one sequence takes {propose_ms:.3} ms (fastest of {COST_REPS})",
             a.k
         ),
@@ -347,24 +333,19 @@ fn rollout_on<B: Backend>(
             .collect(),
     );
     for (b, pr, fr) in engine_buckets(&plain0, &fixed) {
-        say(
-            a.json,
-            format!(
-                "engine check: live ≤ {b:>3}: plain {pr:>9.1} tokens/s, fixed K={} {fr:>9.1} tokens/s",
-                a.k
-            ),
-        );
+        out.line(&format!(
+            "engine check: live ≤ {b:>3}: plain {pr:>9.1} tokens/s, fixed K={} {fr:>9.1} tokens/s",
+            a.k
+        ));
     }
     let per_group = threshold_per_group(&costs, |_| fixed_accept);
     // The engine merges small groups: the live batch at which groups are still that small.
     let threshold = live_threshold(per_group, (a.k + 1) as f64, groups, a.min_group_rows);
     for line in step_cost_lines(&costs, fixed_accept) {
-        say(a.json, line);
+        out.line(&line);
     }
     if let Some(c) = costs.first() {
-        say(
-            a.json,
-            format!(
+        out.line(&format!(
                 "step costs:   1 per group: verify tree {tree_rows} rows {tree_verify_ms:>7.3} ms ({:.2}x), propose tree {tree_propose_ms:>6.3} ms: {:.2} ms per token at acceptance length {tree_accept:.2} (chain {:.2} at {fixed_accept:.2}; decode {:.2})",
                 tree_verify_ms / c.decode_ms,
                 (tree_verify_ms + tree_propose_ms) / tree_accept,
@@ -373,9 +354,7 @@ fn rollout_on<B: Backend>(
             ),
         );
     }
-    say(
-        a.json,
-        format!(
+    out.line(&format!(
             "threshold: speculate while live ≤ {threshold} (at most {per_group} per group, up to {groups} groups of at least {} rows; acceptance length {fixed_accept:.2} at K={})",
             a.min_group_rows, a.k
         ),
@@ -383,12 +362,9 @@ fn rollout_on<B: Backend>(
     // The engine's own figures decide the same threshold: the largest bucket up to which
     // the fixed-K run was faster than the plain one in every bucket.
     let engine_threshold = threshold_of_buckets(&engine_buckets(&plain0, &fixed));
-    say(
-        a.json,
-        format!(
-            "threshold from the engine's per-bucket tokens/s: speculate while live ≤ {engine_threshold}"
-        ),
-    );
+    out.line(&format!(
+        "threshold from the engine's per-bucket tokens/s: speculate while live ≤ {engine_threshold}"
+    ));
     // And with a plain arm, the bandit decides per bucket over the whole long tail.
     let tail_live = (requests.len() / 4).max(threshold);
     let variants = [
@@ -448,7 +424,7 @@ fn rollout_on<B: Backend>(
     }
     ks.sort();
     if a.json {
-        let out = json!({
+        let figures = json!({
             "device": model.backend().name(),
             "plain_tokens_per_s": m(&plain, &tail),
             "fixed_tokens_per_s": m(&fixed, &tail),
@@ -489,7 +465,7 @@ fn rollout_on<B: Backend>(
             "requests": requests.len(),
             "reps": a.reps,
         });
-        println!("{out}");
+        println!("{figures}");
     } else {
         println!(
             "{:<10} {:>9} {:>11} {:>10} {:>8} {:>10}",
