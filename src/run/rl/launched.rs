@@ -62,25 +62,25 @@ pub(super) fn rl(
     }
     watchdog(&mesh);
     // Only rank 0 sees the steps: each is shown and logged as it completes.
+    let metrics_path = run_dir.as_ref().map(|d| d.path().join("metrics.jsonl"));
     let mut metrics = None;
     let mut written = Ok(());
     let on_step = |m: &RlStepMetrics| {
         show.line(&step_line(m, job.rl.steps, None));
-        let (Some(dir), Ok(())) = (&run_dir, &written) else {
+        let (Some(dir), Some(path), Ok(())) = (&run_dir, &metrics_path, &written) else {
             return;
         };
-        let path = dir.path().join("metrics.jsonl");
         let line = MetricsLine {
             step: m,
             spec_threshold: None,
             calibration: None,
         };
         written = match &mut metrics {
-            Some(file) => write_line(file, &path, &line),
+            Some(file) => write_line(file, path, &line),
             None => dir
                 .create(&job.to_toml(), 0)
                 .map_err(RunError::from)
-                .and_then(|file| write_line(metrics.insert(file), &path, &line)),
+                .and_then(|file| write_line(metrics.insert(file), path, &line)),
         };
     };
     let ranked = Ranked {

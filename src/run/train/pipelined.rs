@@ -119,10 +119,9 @@ impl InProcess<'_> {
 }
 
 impl Engine for InProcess<'_> {
-    /// The run, and the steps it ran (the baseline runs as many, at most [`BASELINE_STEPS`]).
-    type Ran = (PipelineRun, u64);
+    type Ran = PipelineRun;
 
-    fn run(&mut self, steps: u64, out: &mut Steps<'_>) -> Result<Self::Ran, RunError> {
+    fn run(&mut self, steps: u64, out: &mut Steps<'_>) -> Result<PipelineRun, RunError> {
         let filler = self.job.filler != Filler::None;
         // Periodic checkpoints for the main run only (the baseline run measures).
         let main = self
@@ -133,20 +132,22 @@ impl Engine for InProcess<'_> {
             let message = self.message(v);
             out.step(&StepLine::of_view(v, filler), &message);
         })?;
-        Ok((run, steps))
+        Ok(run)
     }
 
-    fn checkpoint(&mut self, ran: &mut Self::Ran) -> Result<Option<Checkpoint>, RunError> {
-        Ok(Some(ran.0.checkpoint()?))
+    fn checkpoint(&mut self, run: &mut PipelineRun) -> Result<Option<Checkpoint>, RunError> {
+        Ok(Some(run.checkpoint()?))
     }
 
     fn after(
         &mut self,
-        (run, steps): Self::Ran,
+        run: PipelineRun,
         dir: &Path,
         show: &mut dyn Show,
     ) -> Result<&'static str, RunError> {
         let job = self.job;
+        // The baseline runs as many steps as the run did, at most [`BASELINE_STEPS`].
+        let steps = run.next_step().saturating_sub(self.trainer.first_step());
         let baseline = match job.filler != Filler::None {
             true => Some(baseline(&self.trainer, steps, show)?),
             false => None,
