@@ -289,7 +289,8 @@ pub fn rl_rank_on<B: RankBackend>(
         let kl = ctx.gather_kl(kl_hook.as_deref(), last_stage, &shares)?;
         if let Some(f) = figures {
             let first = |d: usize| losses.get(d).and_then(|l| l.first());
-            let rollout_seconds = rollout_seconds - f.drafter_seconds - f.reference_seconds;
+            let b = f.batch;
+            let rollout_seconds = rollout_seconds - b.drafter_seconds - f.reference_seconds;
             let step_seconds = step_started.elapsed().as_secs_f64();
             let (tokens_per_s, tokens_per_s_sd, tokens_per_s_plain) =
                 rollout_rates(f.generated_tokens, rollout_seconds, f.speculation);
@@ -303,25 +304,25 @@ pub fn rl_rank_on<B: RankBackend>(
                 sequences: wire.sequences(),
                 generated_tokens: f.generated_tokens,
                 rollout_seconds,
-                drafter_seconds: f.drafter_seconds,
+                drafter_seconds: b.drafter_seconds,
                 reference_seconds: f.reference_seconds,
                 update_seconds,
                 sync_seconds: Some(sync_seconds),
                 rollout_share: rollout_seconds / step_seconds.max(1e-9),
-                rollout_idle_seconds: f.idle_seconds,
-                rollout_idle_filled_seconds: f.idle_filled_seconds,
-                idle_drafter_slices: f.idle_drafter_slices,
-                drafter_work: f.drafter_work,
+                rollout_idle_seconds: b.idle_seconds,
+                rollout_idle_filled_seconds: b.idle_filled_seconds,
+                idle_drafter_slices: b.idle_drafter_slices,
+                drafter_work: b.drafter_work,
                 kl,
                 step_seconds,
                 tokens_per_s,
                 speculation: f.speculation,
                 tokens_per_s_sd,
                 tokens_per_s_plain,
-                live_batch: f.live_batch,
-                acceptance_length: f.acceptance_length,
-                chosen_k: f.chosen_k,
-                drafter_agreement: f.drafter_agreement,
+                live_batch: b.live_batch,
+                acceptance_length: b.acceptance_length,
+                chosen_k: b.chosen_k,
+                drafter_agreement: b.drafter_agreement,
                 surrogate_loss: surrogate(&losses, &shares),
                 grad_norm: report
                     .steps

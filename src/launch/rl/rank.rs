@@ -29,8 +29,8 @@ use crate::rl::grpo::{GrpoTokenLoss, group_advantages, reference_log_probs};
 use crate::rl::prompts::PromptSource;
 use crate::rl::reward::generated_tokens;
 use crate::rl::trainer::{
-    RlError, Rollout, RolloutEngine, UpdateStep, needed_micro_batches, scored_rollouts,
-    update_batches, update_step,
+    RlError, Rollout, RolloutBatch, RolloutEngine, UpdateStep, needed_micro_batches,
+    scored_rollouts, update_batches, update_step,
 };
 use crate::rl::trainer_spec::PipelineRollouts;
 use crate::schedules::Plan;
@@ -90,17 +90,11 @@ pub(super) struct RolloutFigures {
     pub reward: f64,
     pub informative_groups: usize,
     pub generated_tokens: usize,
-    pub drafter_seconds: f64,
     pub reference_seconds: f64,
     pub speculation: bool,
-    pub acceptance_length: Option<f64>,
-    pub chosen_k: Option<f64>,
-    pub drafter_agreement: Option<f64>,
-    pub live_batch: Vec<usize>,
-    pub idle_seconds: Option<f64>,
-    pub idle_filled_seconds: Option<f64>,
-    pub idle_drafter_slices: usize,
-    pub drafter_work: Option<crate::rl::rollout::idle::DrafterAccount>,
+    /// The engine's own figures (live batch, acceptance, idle time, drafter work, ...); its
+    /// rollouts have gone to the wire.
+    pub batch: RolloutBatch,
 }
 
 /// This rank on the mesh, and how its pipelines run: global rank `replica × pp + prank`.
@@ -406,38 +400,31 @@ fn rollout<B: RankBackend>(
     step: u64,
 ) -> Result<(RolloutWire, RolloutFigures), RlError> {
     let rl = &job.rl;
-    let (batch, rewards) = scored_rollouts(job, prompts, engine, policy, step)?;
+    let (mut batch, rewards) = scored_rollouts(job, prompts, engine, policy, step)?;
     let advantages = group_advantages(&rewards, rl.group)?;
-    let figures = RolloutFigures {
-        reward: rewards.iter().map(|&r| f64::from(r)).sum::<f64>() / rewards.len() as f64,
-        informative_groups: advantages
-            .chunks(rl.group)
-            .filter(|g| g.iter().any(|&a| a != 0.0))
-            .count(),
-        generated_tokens: generated_tokens(
-            batch.rollouts.iter().map(|r| r.generated.as_slice()),
-            prompts.eos(),
-        ),
-        drafter_seconds: batch.drafter_seconds,
-        reference_seconds: 0.0,
-        speculation: engine.speculative(),
-        acceptance_length: batch.acceptance_length,
-        chosen_k: batch.chosen_k,
-        drafter_agreement: batch.drafter_agreement,
-        live_batch: batch.live_batch,
-        idle_seconds: batch.idle_seconds,
-        idle_filled_seconds: batch.idle_filled_seconds,
-        idle_drafter_slices: batch.idle_drafter_slices,
-        drafter_work: batch.drafter_work,
-    };
+    let generated_tokens = generated_tokens(
+        batch.rollouts.iter().map(|r| r.generated.as_slice()),
+        prompts.eos(),
+    );
+    let informative_groups = advantages
+        .chunks(rl.group)
+        .filter(|g| g.iter().any(|&a| a != 0.0))
+        .count();
     let wire = RolloutWire {
-        rollouts: batch
-            .rollouts
+        rollouts: std::mem::take(&mut batch.rollouts)
             .into_iter()
             .map(|r| (r.prompt, r.generated))
             .collect(),
         advantages,
         logp_ref: None,
+    };
+    let figures = RolloutFigures {
+        reward: rewards.iter().map(|&r| f64::from(r)).sum::<f64>() / rewards.len() as f64,
+        informative_groups,
+        generated_tokens,
+        reference_seconds: 0.0,
+        speculation: engine.speculative(),
+        batch,
     };
     Ok((wire, figures))
 }
