@@ -8,7 +8,7 @@ use pipefill::config::JobConfig;
 use pipefill::data::tokenizer::{BOS, EOS};
 use pipefill::model::{Cut, Gpt};
 use pipefill::rl::rollout::idle::{DrafterAccount, DrafterWork, EvalWork};
-use pipefill::rl::trainer::RolloutEngine;
+use pipefill::rl::trainer::{RolloutEngine, RolloutRequest};
 use pipefill::rl::trainer_spec::PipelineRollouts;
 use pipefill::tensor::CpuBackend;
 
@@ -51,9 +51,14 @@ fn accounts(leftover: &str) -> Vec<(DrafterAccount, f64)> {
         .collect();
     (0..STEPS)
         .map(|step| {
-            let batch = engine
-                .generate(&policy, &prompts, 3, 12, EOS, step)
-                .unwrap();
+            let request = RolloutRequest {
+                prompts: &prompts,
+                group: 3,
+                max_new: 12,
+                eos: EOS,
+                step,
+            };
+            let batch = engine.generate(&policy, request).unwrap();
             assert!(batch.acceptance_length.is_some(), "step {step} speculated");
             (
                 batch.drafter_work.expect("an idle router"),

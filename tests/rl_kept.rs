@@ -14,7 +14,7 @@ use pipefill::model::Gpt;
 use pipefill::model::checkpoint::ADAM_V_PREFIX;
 use pipefill::pipeline::{KeptRun, PipelineError, PipelineTrainer};
 use pipefill::rl::trainer::{
-    RlError, RlTrainer, RolloutBatch, RolloutEngine, step_prompts, warm_up,
+    RlError, RlTrainer, RolloutBatch, RolloutEngine, RolloutRequest, step_prompts, warm_up,
 };
 use pipefill::tensor::CpuBackend;
 
@@ -36,17 +36,14 @@ impl RolloutEngine<CpuBackend> for Varying {
     fn generate(
         &mut self,
         _policy: &Gpt<CpuBackend>,
-        prompts: &[Vec<u32>],
-        group: usize,
-        _max_new: usize,
-        _eos: u32,
-        step: u64,
+        request: RolloutRequest<'_>,
     ) -> Result<RolloutBatch, RlError> {
+        let step = request.step;
         let tasks = step_prompts(&self.job, step)?;
         scripted_batch(
-            prompts,
+            request.prompts,
             &tasks,
-            group,
+            request.group,
             UNIFORM[step as usize % UNIFORM.len()],
         )
     }

@@ -19,8 +19,8 @@ use pipefill::model::{AdamW, Cut, Gpt, Shape};
 use pipefill::pipeline::feed::StepBatches;
 use pipefill::rl::grpo::{GrpoLoss, SequenceLogProbs, group_advantages, grpo_loss};
 use pipefill::rl::trainer::{
-    RlError, RlStepMetrics, RlTrainer, Rollout, RolloutBatch, RolloutEngine, step_prompts,
-    update_batches, update_step, warm_up,
+    RlError, RlStepMetrics, RlTrainer, Rollout, RolloutBatch, RolloutEngine, RolloutRequest,
+    step_prompts, update_batches, update_step, warm_up,
 };
 use pipefill::tensor::{CpuBackend, IGNORE_TARGET};
 use pipefill::train::reference::adamw_config;
@@ -46,13 +46,9 @@ impl RolloutEngine<CpuBackend> for Scripted {
     fn generate(
         &mut self,
         _policy: &Gpt<CpuBackend>,
-        prompts: &[Vec<u32>],
-        group: usize,
-        _max_new: usize,
-        _eos: u32,
-        _step: u64,
+        request: RolloutRequest<'_>,
     ) -> Result<RolloutBatch, RlError> {
-        scripted_batch(prompts, &self.tasks, group, &self.uniform)
+        scripted_batch(request.prompts, &self.tasks, request.group, &self.uniform)
     }
 
     fn speculative(&self) -> bool {
@@ -112,9 +108,7 @@ fn the_pipelined_grpo_update_equals_the_single_device_update() {
             ids
         })
         .collect();
-    let batch = engine
-        .generate(&gpt, &prompts, 3, 24, tokenizer::EOS, 0)
-        .unwrap();
+    let batch = engine.generate(&gpt, request(&prompts)).unwrap();
     let advantages = group_advantages(&[1.0, 0.0, 0.0, 1.0, 0.0, 0.0], 3).unwrap();
     // The packed step on one device: the pipeline computes exactly this, stage by stage.
     let packed = update_step(&job.rl, &batch.rollouts, &advantages, None, 2)
@@ -248,6 +242,18 @@ fn max_diff(a: &Gpt<CpuBackend>, b: &Gpt<CpuBackend>) -> f32 {
 }
 
 /// `prompts` (BOS + each task's prompt) of `tasks`.
+/// What the tests here ask of an engine directly: 3 completions of each of `prompts`, at
+/// most 24 tokens each, at step 0.
+fn request(prompts: &[Vec<u32>]) -> RolloutRequest<'_> {
+    RolloutRequest {
+        prompts,
+        group: 3,
+        max_new: 24,
+        eos: tokenizer::EOS,
+        step: 0,
+    }
+}
+
 fn encoded(tasks: &[Task]) -> Vec<Vec<u32>> {
     tasks
         .iter()
@@ -289,9 +295,7 @@ fn groups_without_a_gradient_are_skipped_and_the_update_is_the_whole_steps() {
     assert_eq!(skip_counts(&m), (2, 2, 6, 2), "{m:?}");
 
     let (gpt, _) = load(&job, &start);
-    let batch = engine
-        .generate(&gpt, &encoded(&tasks), 3, 24, tokenizer::EOS, 0)
-        .unwrap();
+    let batch = engine.generate(&gpt, request(&encoded(&tasks))).unwrap();
     let rewards = [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0];
     let advantages = group_advantages(&rewards, 3).unwrap();
     // The pipeline ran exactly the skipping packed step (bitwise, as without skipping).
@@ -340,9 +344,7 @@ fn a_step_without_any_gradient_still_steps_the_optimizer_exactly() {
     assert_eq!(m.grad_norm, 0.0);
 
     let (gpt, _) = load(&job, &start);
-    let batch = engine
-        .generate(&gpt, &encoded(&tasks), 3, 24, tokenizer::EOS, 0)
-        .unwrap();
+    let batch = engine.generate(&gpt, request(&encoded(&tasks))).unwrap();
     let (mut whole, mut whole_opt) = load(&job, &start);
     let all = update_batches(&batch.rollouts, &[0.0; 12]).unwrap();
     single_device_step(&job, &mut whole, &mut whole_opt, &all);
@@ -447,9 +449,7 @@ fn the_pipelined_update_with_kl_equals_the_single_device_grpo_update() {
             ids
         })
         .collect();
-    let batch = engine
-        .generate(&gpt, &prompts, 3, 24, tokenizer::EOS, 0)
-        .unwrap();
+    let batch = engine.generate(&gpt, request(&prompts)).unwrap();
     let advantages = group_advantages(&[1.0, 0.0, 0.0, 1.0, 0.0, 0.0], 3).unwrap();
     let step = update_batches(&batch.rollouts, &advantages).unwrap();
     let seqs: Vec<SequenceLogProbs> = step

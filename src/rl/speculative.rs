@@ -15,7 +15,9 @@
 //! verifies in one pass with tree attention and accepts with [`super::tree`].
 
 use crate::data::SplitMix64;
-use crate::model::drafter::{DraftChain, DraftContext, DraftTree, Drafter, TreeShape};
+use crate::model::drafter::{
+    DraftChain, DraftContext, DraftTree, Drafter, DrafterError, TreeShape,
+};
 use crate::tensor::Backend;
 
 /// Why a proposer could not draft.
@@ -24,6 +26,27 @@ use crate::tensor::Backend;
 pub struct ProposeError {
     pub proposer: &'static str,
     pub reason: String,
+}
+
+impl ProposeError {
+    /// A proposer's failure not tied to its kind (what the engine or the trait's defaults
+    /// find wrong), reported as `proposer`'s.
+    pub fn unnamed(reason: impl Into<String>) -> Self {
+        ProposeError {
+            proposer: "proposer",
+            reason: reason.into(),
+        }
+    }
+}
+
+/// The trained drafter's failures, as the proposer `"drafter"`'s.
+impl From<DrafterError> for ProposeError {
+    fn from(e: DrafterError) -> Self {
+        ProposeError {
+            proposer: "drafter",
+            reason: e.to_string(),
+        }
+    }
 }
 
 /// Drafts chains of `k` tokens for a batch of sequences.
@@ -48,10 +71,7 @@ pub trait Proposer {
         _temperature: f32,
         _rng: &mut SplitMix64,
     ) -> Result<Vec<DraftTree>, ProposeError> {
-        Err(ProposeError {
-            proposer: "proposer",
-            reason: "does not draft trees".into(),
-        })
+        Err(ProposeError::unnamed("does not draft trees"))
     }
 }
 
@@ -63,10 +83,7 @@ impl<B: Backend> Proposer for Drafter<B> {
         temperature: f32,
         rng: &mut SplitMix64,
     ) -> Result<Vec<DraftChain>, ProposeError> {
-        Drafter::propose(self, contexts, k, temperature, rng).map_err(|e| ProposeError {
-            proposer: "drafter",
-            reason: e.to_string(),
-        })
+        Ok(Drafter::propose(self, contexts, k, temperature, rng)?)
     }
 
     fn propose_tree(
@@ -76,10 +93,7 @@ impl<B: Backend> Proposer for Drafter<B> {
         temperature: f32,
         _rng: &mut SplitMix64,
     ) -> Result<Vec<DraftTree>, ProposeError> {
-        Drafter::propose_tree(self, contexts, shape, temperature).map_err(|e| ProposeError {
-            proposer: "drafter",
-            reason: e.to_string(),
-        })
+        Ok(Drafter::propose_tree(self, contexts, shape, temperature)?)
     }
 }
 

@@ -131,19 +131,34 @@ pub struct RolloutBatch {
     pub drafter_work: Option<crate::rl::rollout::idle::DrafterAccount>,
 }
 
+/// What a step asks of a [`RolloutEngine`]: `group` completions of each of `prompts` (each
+/// `BOS` + prompt tokens), each ending at `eos` (the prompts' tokenizer's) or after
+/// `max_new` tokens; `step` seeds the sampling.
+#[derive(Debug, Clone, Copy)]
+pub struct RolloutRequest<'a> {
+    pub prompts: &'a [Vec<u32>],
+    pub group: usize,
+    pub max_new: usize,
+    pub eos: u32,
+    pub step: u64,
+}
+
+impl<'a> RolloutRequest<'a> {
+    /// The prompt of each sequence of the batch, in its order: every prompt `group` times,
+    /// group after group (as [`RolloutBatch::rollouts`]).
+    pub fn sequence_prompts(&self) -> impl Iterator<Item = &'a Vec<u32>> + 'a {
+        let group = self.group;
+        (self.prompts.iter()).flat_map(move |p| std::iter::repeat_n(p, group))
+    }
+}
+
 /// Generates the rollouts of a step, on the policy's backend `B`.
 pub trait RolloutEngine<B: Backend> {
-    /// `group` completions of each of `prompts` (each `BOS` + prompt tokens) under
-    /// `policy`, each ending at `eos` (the prompts' tokenizer's) or after `max_new` tokens;
-    /// `step` seeds the sampling.
+    /// The completions `request` asks for, under `policy`.
     fn generate(
         &mut self,
         policy: &Gpt<B>,
-        prompts: &[Vec<u32>],
-        group: usize,
-        max_new: usize,
-        eos: u32,
-        step: u64,
+        request: RolloutRequest<'_>,
     ) -> Result<RolloutBatch, RlError>;
 
     /// Whether the engine decodes speculatively.
@@ -164,14 +179,14 @@ pub(crate) fn scored_rollouts<B: Backend>(
     let rl = &job.rl;
     let prompts = source.prompts(step)?;
     let ids: Vec<Vec<u32>> = prompts.iter().map(|p| p.ids.clone()).collect();
-    let batch = engine.generate(
-        policy,
-        &ids,
-        rl.group,
-        rl.max_new_tokens,
-        source.eos(),
+    let request = RolloutRequest {
+        prompts: &ids,
+        group: rl.group,
+        max_new: rl.max_new_tokens,
+        eos: source.eos(),
         step,
-    )?;
+    };
+    let batch = engine.generate(policy, request)?;
     if batch.rollouts.len() != rl.sequences() {
         return Err(RlError::Rollout(format!(
             "{} rollouts for {} prompts × group {}",

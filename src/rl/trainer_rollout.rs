@@ -8,7 +8,7 @@
 //! sequence's tokens do not depend on which others are still live.
 
 use super::accept::{sample, softmax};
-use super::trainer::{RlError, Rollout, RolloutBatch, RolloutEngine};
+use super::trainer::{RlError, Rollout, RolloutBatch, RolloutEngine, RolloutRequest};
 use crate::data::SplitMix64;
 use crate::model::infer::{InferStage, Span, run_stages};
 use crate::model::{Cut, Gpt};
@@ -25,24 +25,19 @@ impl<B: Backend> RolloutEngine<B> for PlainSampler {
     fn generate(
         &mut self,
         policy: &Gpt<B>,
-        prompts: &[Vec<u32>],
-        group: usize,
-        max_new: usize,
-        eos: u32,
-        step: u64,
+        request: RolloutRequest<'_>,
     ) -> Result<RolloutBatch, RlError> {
+        let (max_new, eos) = (request.max_new, request.eos);
         let vocab = policy.config().vocab;
         let mut stages = InferStage::stages_of(policy, &Cut::Even(1))?;
-        let mut seqs: Vec<Rollout> = prompts
-            .iter()
-            .flat_map(|p| {
-                (0..group).map(|_| Rollout {
-                    prompt: p.clone(),
-                    generated: Vec::with_capacity(max_new),
-                })
+        let mut seqs: Vec<Rollout> = request
+            .sequence_prompts()
+            .map(|p| Rollout {
+                prompt: p.clone(),
+                generated: Vec::with_capacity(max_new),
             })
             .collect();
-        let step_seed = SplitMix64::derive(self.seed, step).next_u64();
+        let step_seed = SplitMix64::derive(self.seed, request.step).next_u64();
         let mut rngs: Vec<SplitMix64> = (0..seqs.len() as u64)
             .map(|i| SplitMix64::derive(step_seed, i))
             .collect();
@@ -125,9 +120,14 @@ mod tests {
             temperature: 1.0,
             seed: 4,
         };
-        let batch = engine
-            .generate(&gpt, &prompts, 3, 6, tokenizer::EOS, 0)
-            .unwrap();
+        let request = RolloutRequest {
+            prompts: &prompts,
+            group: 3,
+            max_new: 6,
+            eos: tokenizer::EOS,
+            step: 0,
+        };
+        let batch = engine.generate(&gpt, request).unwrap();
         assert_eq!(batch.rollouts.len(), 6);
         for (i, r) in batch.rollouts.iter().enumerate() {
             assert_eq!(r.prompt, prompts[i / 3]);
@@ -143,13 +143,11 @@ mod tests {
         let longest = batch.rollouts.iter().map(|r| r.generated.len()).max();
         assert_eq!(Some(batch.live_batch.len()), longest);
         // An untrained model's samples differ within a group; the seed repeats them.
-        let again = engine
-            .generate(&gpt, &prompts, 3, 6, tokenizer::EOS, 0)
-            .unwrap();
+        let again = engine.generate(&gpt, request).unwrap();
         assert_eq!(again.rollouts, batch.rollouts);
         assert_ne!(batch.rollouts[0], batch.rollouts[1]);
         let other = engine
-            .generate(&gpt, &prompts, 3, 6, tokenizer::EOS, 1)
+            .generate(&gpt, RolloutRequest { step: 1, ..request })
             .unwrap();
         assert_ne!(other.rollouts, batch.rollouts);
     }

@@ -57,7 +57,7 @@ use super::rollout::{
     RolloutEngine as Engine, RolloutError, Speculation,
 };
 use super::speculative::Proposer;
-use super::trainer::{RlError, Rollout, RolloutBatch, RolloutEngine};
+use super::trainer::{RlError, Rollout, RolloutBatch, RolloutEngine, RolloutRequest};
 use crate::config::JobConfig;
 use crate::data::SplitMix64;
 use crate::model::drafter::state::DrafterState;
@@ -407,12 +407,9 @@ impl<B: RankBackend> RolloutEngine<B> for PipelineRollouts<B> {
     fn generate(
         &mut self,
         policy: &Gpt<B>,
-        prompts: &[Vec<u32>],
-        group: usize,
-        max_new: usize,
-        eos: u32,
-        step: u64,
+        request: RolloutRequest<'_>,
     ) -> Result<RolloutBatch, RlError> {
+        let step = request.step;
         if self.auto_threshold() {
             self.calibrate(policy)?;
         }
@@ -425,13 +422,11 @@ impl<B: RankBackend> RolloutEngine<B> for PipelineRollouts<B> {
         if let Some(b) = self.bandit.take() {
             engine = engine.with_bandit(b);
         }
-        let requests: Vec<Request> = prompts
-            .iter()
-            .flat_map(|p| {
-                (0..group).map(|_| Request {
-                    prompt: p.clone(),
-                    max_new,
-                })
+        let requests: Vec<Request> = request
+            .sequence_prompts()
+            .map(|p| Request {
+                prompt: p.clone(),
+                max_new: request.max_new,
             })
             .collect();
         let speculate = !matches!(self.speculation, Speculation::Off);
@@ -454,7 +449,7 @@ impl<B: RankBackend> RolloutEngine<B> for PipelineRollouts<B> {
             engine = engine.with_hook(Arc::clone(h) as Arc<dyn MessageHook>);
         }
         let config = RolloutConfig {
-            eos,
+            eos: request.eos,
             temperature: self.rl.temperature,
             groups: self.stages.max(1),
             seed: SplitMix64::derive(self.rl.seed, step).next_u64(),

@@ -257,12 +257,10 @@ impl<'a> Driver<'a> {
                 drafting = clock.elapsed();
                 self.stats.propose_s += drafting.as_secs_f64();
                 if chains.len() != members.len() || chains.iter().any(|c| c.tokens.len() != k) {
-                    return Err(RolloutError::Propose(
-                        crate::rl::speculative::ProposeError {
-                            proposer: "proposer",
-                            reason: format!("asked {k} tokens for {} sequences", members.len()),
-                        },
-                    ));
+                    return Err(RolloutError::Propose(ProposeError::unnamed(format!(
+                        "asked {k} tokens for {} sequences",
+                        members.len()
+                    ))));
                 }
                 Some(chains)
             }
@@ -348,12 +346,7 @@ impl<'a> Driver<'a> {
         trees: Vec<DraftTree>,
         shape: &TreeShape,
     ) -> Result<Vec<DraftTree>, RolloutError> {
-        let bad = |reason: String| {
-            RolloutError::Propose(ProposeError {
-                proposer: "proposer",
-                reason,
-            })
-        };
+        let bad = |reason: String| RolloutError::Propose(ProposeError::unnamed(reason));
         if trees.len() != members.len() {
             return Err(bad(format!(
                 "{} trees for {} sequences",
