@@ -72,6 +72,7 @@ use crate::model::drafter::state::DrafterState;
 use crate::model::{AdamW, Cut, Gpt, ModelError, OptimizerState};
 use crate::pipeline::feed::StepFeed;
 use crate::pipeline::{PipelineError, PipelineTrainer};
+use crate::rl::config::UntrainedPolicy;
 use crate::rl::prompts::PromptSource;
 use crate::rl::step_metrics::{RlStepMetrics, rollout_rates};
 use crate::rl::trainer::{RlError, fitted_update, update_job_of, warm_up_job};
@@ -108,8 +109,8 @@ pub enum RlLaunchError {
     },
     #[error("rank {rank}: {error}")]
     Group { rank: usize, error: GroupError },
-    #[error("rl.warmup_steps is 0 and no --init run is given: the policy would be untrained")]
-    Untrained,
+    #[error(transparent)]
+    Untrained(#[from] UntrainedPolicy),
     /// (Boxed, as the pipeline's error below: they would make every result of a rank's
     /// run as large as the largest of them.)
     #[error("rank {rank}: {error}")]
@@ -433,10 +434,8 @@ fn start<B: RankBackend>(
             .map_err(|e| pipeline_err(e.into()))?;
         return Ok(RankState::new(model, optimizer, c.meta.step));
     }
+    job.rl.check_trained(init.is_some())?;
     let sft = warm_up_job(job);
-    if sft.train.steps == 0 {
-        return Err(RlLaunchError::Untrained);
-    }
     let sft_plan = replica_plan(&sft, ctx.rank, "the warm-up's train.micro_batches")?;
     let data = StepData::new(sft.data.clone(), sft.model.seq_len, sft.train.seed)
         .map_err(|e| pipeline_err(e.into()))?;

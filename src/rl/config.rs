@@ -126,7 +126,22 @@ impl Default for RlConfig {
     }
 }
 
+/// `rl.warmup_steps` is 0 and no `--init` run gives the policy its weights: RL would start
+/// from an untrained policy ([`RlConfig::check_trained`]; every runner reports it so).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("rl.warmup_steps is 0 and no --init run is given: the policy would be untrained")]
+pub struct UntrainedPolicy;
+
 impl RlConfig {
+    /// Checks that the policy starts trained: from an `--init` run (`init_given`) or after
+    /// `warmup_steps` supervised steps.
+    pub fn check_trained(&self, init_given: bool) -> Result<(), UntrainedPolicy> {
+        match init_given || self.warmup_steps > 0 {
+            true => Ok(()),
+            false => Err(UntrainedPolicy),
+        }
+    }
+
     /// Sequences per step: `prompts × group` (one micro-batch each in the update).
     pub fn sequences(&self) -> usize {
         self.prompts * self.group
@@ -381,6 +396,19 @@ impl Default for DraftTreeConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_policy_without_warm_up_or_init_is_refused() {
+        let cold = RlConfig {
+            warmup_steps: 0,
+            ..RlConfig::default()
+        };
+        assert_eq!(cold.check_trained(true), Ok(()));
+        assert_eq!(RlConfig::default().check_trained(false), Ok(()));
+        let err = cold.check_trained(false).unwrap_err().to_string();
+        assert!(err.starts_with("rl.warmup_steps is 0"), "{err}");
+        assert!(err.ends_with("the policy would be untrained"), "{err}");
+    }
 
     #[test]
     fn default_is_valid_and_bad_values_name_the_field() {

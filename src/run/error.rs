@@ -14,6 +14,7 @@ use crate::model::checkpoint::CheckpointError;
 use crate::pipeline::PipelineError;
 use crate::profile::merge::MergeError;
 use crate::profile::report::ReportError;
+use crate::rl::config::UntrainedPolicy;
 use crate::rl::trainer::RlError;
 use crate::run::{NothingToDo, RunDirError};
 use crate::schedules::ScheduleError;
@@ -145,8 +146,8 @@ pub enum RunError {
     NoMergedCosts,
     #[error("schedule \"none\": the RL update runs as a pipelined step; name a schedule")]
     RlWithoutSchedule,
-    #[error("rl.warmup_steps is 0 and no --init run is given: the policy would be untrained")]
-    UntrainedPolicy,
+    #[error(transparent)]
+    UntrainedPolicy(#[from] UntrainedPolicy),
 }
 
 impl From<PipelineError> for RunError {

@@ -59,9 +59,7 @@ pub fn rl(
     if job.schedule.is_none() {
         return Err(RunError::RlWithoutSchedule);
     }
-    if checkpoint.is_none() && job.rl.warmup_steps == 0 {
-        return Err(RunError::UntrainedPolicy);
-    }
+    job.rl.check_trained(checkpoint.is_some())?;
     if env.is_distributed() {
         return launched::rl(&job, env, cuda, checkpoint, start.existing, show);
     }
