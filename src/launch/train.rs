@@ -62,7 +62,7 @@ use crate::model::{AdamW, Cut, Gpt, ModelError, OptimizerState};
 use crate::pipeline::feed::StepFeed;
 use crate::pipeline::shared::Replica;
 use crate::pipeline::shared::{Checkpointing, RankCheckpointer, RankFinal, Shared, tie_ranks};
-use crate::pipeline::{PipelineError, RankCompute};
+use crate::pipeline::{PipelineError, RankCompute, RankJob};
 use crate::profile::merge::{MergeError, MergedProfile, gather_profiles, merge, send_profile};
 use crate::schedules::Plan;
 use crate::tensor::device::Device;
@@ -500,15 +500,14 @@ fn rank_compute<B: Backend>(
     steps: u64,
     resume: Option<&RankResume>,
 ) -> Result<RankCompute<B>, PipelineError> {
-    let mut compute = RankCompute::for_rank(
+    let run = RankJob {
         job,
         plan,
-        rank,
-        backend.clone(),
-        Arc::clone(shared),
+        shared: Arc::clone(shared),
         first_step,
-        steps,
-    )?;
+        iterations: steps,
+    };
+    let mut compute = RankCompute::for_rank(run, rank, backend.clone())?;
     let be = CpuBackend::new(1).map_err(ModelError::from)?;
     match resume {
         None => {}

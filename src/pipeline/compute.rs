@@ -81,97 +81,84 @@ pub struct RankCompute<B: Backend> {
     keep: Option<Sender<RankParts<B>>>,
 }
 
+/// What every rank of a run is built from, however it starts: the job, its plan, the run's
+/// shared state, and the `iterations` steps it runs from `first_step`.
+pub(crate) struct RankJob<'a> {
+    pub job: &'a crate::config::JobConfig,
+    pub plan: &'a crate::schedules::Plan,
+    pub shared: Arc<Shared>,
+    pub first_step: u64,
+    pub iterations: u64,
+}
+
 impl<B: Backend> RankCompute<B> {
-    /// Rank `rank` of `plan` for `job`: the chunks the plan places on it (the model cut
-    /// into `plan.stages` even chunks), on `backend`, with the job's AdamW and learning-rate
-    /// schedule, running `iterations` steps from `first_step`.
+    /// Rank `rank` of `run.plan`: the chunks the plan places on it (the model cut into
+    /// `plan.stages` even chunks), on `backend`, with the job's AdamW and learning-rate
+    /// schedule.
     pub(crate) fn for_rank(
-        job: &crate::config::JobConfig,
-        plan: &crate::schedules::Plan,
+        run: RankJob<'_>,
         rank: usize,
         backend: B,
-        shared: Arc<Shared>,
-        first_step: u64,
-        iterations: u64,
     ) -> Result<Self, PipelineError> {
-        Self::build(
-            job, plan, rank, backend, shared, first_step, iterations, false,
-        )
+        Self::build(run, rank, backend, false)
     }
 
     /// [`RankCompute::for_rank`] continuing from `model` and `state` (see
     /// [`RankCompute::load_resumed`]): the chunks are built without the random
     /// initialisation, since every parameter is overwritten at once.
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn resumed<G: Backend>(
-        job: &crate::config::JobConfig,
-        plan: &crate::schedules::Plan,
+        run: RankJob<'_>,
         rank: usize,
         backend: B,
-        shared: Arc<Shared>,
-        first_step: u64,
-        iterations: u64,
         (model, state): (&crate::model::Gpt<G>, &OptimizerState),
     ) -> Result<Self, PipelineError> {
-        let mut compute = Self::build(
-            job, plan, rank, backend, shared, first_step, iterations, true,
-        )?;
+        let mut compute = Self::build(run, rank, backend, true)?;
         compute.load_resumed(model, state)?;
         Ok(compute)
     }
 
     /// The rank's chunks (`blank`: placeholder parameters the caller overwrites) and a
     /// fresh optimizer.
-    #[allow(clippy::too_many_arguments)]
     fn build(
-        job: &crate::config::JobConfig,
-        plan: &crate::schedules::Plan,
+        run: RankJob<'_>,
         rank: usize,
         backend: B,
-        shared: Arc<Shared>,
-        first_step: u64,
-        iterations: u64,
         blank: bool,
     ) -> Result<Self, PipelineError> {
-        let cut = crate::model::Cut::Even(plan.stages);
+        let cut = crate::model::Cut::Even(run.plan.stages);
         let chunk = if blank {
             ModelChunk::blank
         } else {
             ModelChunk::new
         };
-        let chunks = plan
+        let chunks = run
+            .plan
             .stages_of(rank)
             .into_iter()
-            .map(|s| chunk(&job.model, backend.clone(), &cut, s as usize))
+            .map(|s| chunk(&run.job.model, backend.clone(), &cut, s as usize))
             .collect::<Result<Vec<_>, _>>()?;
         let chunks = chunks.into_iter().map(|c| (c.stage() as u32, c)).collect();
-        let optimizer = AdamW::new(adamw_config(&job.train));
-        let state = (backend, chunks, optimizer);
-        Ok(Self::assemble(
-            job, rank, state, shared, first_step, iterations,
-        ))
+        let optimizer = AdamW::new(adamw_config(&run.job.train));
+        Ok(Self::assemble(run, rank, (backend, chunks, optimizer)))
     }
 
-    /// A rank that has run none of its `iterations` yet, over `state`: its backend, chunks
+    /// A rank that has run none of its iterations yet, over `state`: its backend, chunks
     /// by stage and optimizer (fresh, or kept from an earlier run).
     fn assemble(
-        job: &crate::config::JobConfig,
+        run: RankJob<'_>,
         rank: usize,
         (backend, chunks, optimizer): (B, BTreeMap<u32, ModelChunk<B>>, AdamW<B>),
-        shared: Arc<Shared>,
-        first_step: u64,
-        iterations: u64,
     ) -> Self {
         RankCompute {
             rank,
             backend,
             chunks,
             optimizer,
-            lr: lr_schedule(&job.train),
-            shared,
-            first_step,
+            lr: lr_schedule(&run.job.train),
+            shared: run.shared,
+            first_step: run.first_step,
             done: 0,
-            iterations,
+            iterations: run.iterations,
             speculate: false,
             snapshot: None,
             held: HashSet::new(),

@@ -56,6 +56,7 @@ pub mod shared;
 pub mod trainer;
 
 pub use compute::RankCompute;
+pub(crate) use compute::RankJob;
 pub use join::{DrafterRun, DrafterStep, StepView};
 pub use pipefill_actors::{Clock, RunReport, StepMode};
 pub use trainer::{KeptRanks, KeptRun, PipelineRun, PipelineTrainer};

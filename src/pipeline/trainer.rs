@@ -29,7 +29,7 @@ use std::sync::Arc;
 
 use pipefill_actors::{Clock, StepMode};
 
-use super::compute::RankCompute;
+use super::compute::{RankCompute, RankJob};
 use super::feed::StepFeed;
 use super::shared::Shared;
 use super::{PipelineError, check_plan};
@@ -273,6 +273,22 @@ impl PipelineTrainer {
         self.resume.as_ref().map_or(0, |c| c.meta.step)
     }
 
+    /// What each rank of a run of `steps` steps from `first_step` is built from.
+    pub(super) fn rank_run(
+        &self,
+        shared: &Arc<Shared>,
+        first_step: u64,
+        steps: u64,
+    ) -> RankJob<'_> {
+        RankJob {
+            job: &self.job,
+            plan: &self.plan,
+            shared: Arc::clone(shared),
+            first_step,
+            iterations: steps,
+        }
+    }
+
     /// One [`RankCompute`] per rank, each on its own backend ([`RankBackend::for_rank`]: on
     /// the CPU one thread each, since in virtual-clock mode a stage's thread CPU time must be
     /// all of its work).
@@ -281,24 +297,14 @@ impl PipelineTrainer {
         shared: &Arc<Shared>,
         steps: u64,
     ) -> Result<Vec<RankCompute<B>>, PipelineError> {
-        let (job, plan) = (&self.job, &self.plan);
         let resumed = self.resumed_state()?;
-        let mut computes = Vec::with_capacity(plan.num_ranks());
-        for rank in 0..plan.num_ranks() {
+        let mut computes = Vec::with_capacity(self.plan.num_ranks());
+        for rank in 0..self.plan.num_ranks() {
             let backend = B::for_rank(rank).map_err(ModelError::from)?;
-            let (shared, first) = (Arc::clone(shared), self.first_step());
+            let run = self.rank_run(shared, self.first_step(), steps);
             let mut compute = match &resumed {
-                Some((gpt, state)) => RankCompute::resumed(
-                    job,
-                    plan,
-                    rank,
-                    backend,
-                    shared,
-                    first,
-                    steps,
-                    (gpt, state),
-                )?,
-                None => RankCompute::for_rank(job, plan, rank, backend, shared, first, steps)?,
+                Some((gpt, state)) => RankCompute::resumed(run, rank, backend, (gpt, state))?,
+                None => RankCompute::for_rank(run, rank, backend)?,
             };
             compute.set_speculative(self.speculative);
             computes.push(compute);

@@ -24,7 +24,7 @@ use crate::launch::train::FinalWire;
 use crate::model::{Gpt, ModelError};
 use crate::pipeline::feed::StepFeed;
 use crate::pipeline::shared::{Replica, Shared, tie_ranks};
-use crate::pipeline::{PipelineError, RankCompute};
+use crate::pipeline::{PipelineError, RankCompute, RankJob};
 use crate::rl::grpo::{GrpoTokenLoss, group_advantages, reference_log_probs};
 use crate::rl::prompts::PromptSource;
 use crate::rl::reward::generated_tokens;
@@ -226,24 +226,18 @@ impl<B: RankBackend> Ctx<'_, B> {
                 shared.stepped(step, 0.0);
             }
         }
-        let (backend, shared_rank) = (self.backend.clone(), Arc::clone(&shared));
+        let run = RankJob {
+            job,
+            plan,
+            shared: Arc::clone(&shared),
+            first_step,
+            iterations: steps,
+        };
+        let backend = self.backend.clone();
         let mut compute = match start {
-            Start::Fresh => {
-                RankCompute::for_rank(job, plan, prank, backend, shared_rank, first_step, steps)
-            }
-            Start::Host(s) => RankCompute::resumed(
-                job,
-                plan,
-                prank,
-                backend,
-                shared_rank,
-                first_step,
-                steps,
-                (&s.model, &s.optimizer),
-            ),
-            Start::Kept(parts) => {
-                RankCompute::from_parts(job, plan, parts, shared_rank, first_step, steps)
-            }
+            Start::Fresh => RankCompute::for_rank(run, prank, backend),
+            Start::Host(s) => RankCompute::resumed(run, prank, backend, (&s.model, &s.optimizer)),
+            Start::Kept(parts) => RankCompute::from_parts(run, parts),
         }
         .map_err(&err)?;
         let kept = keep.then(|| {

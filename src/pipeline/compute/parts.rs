@@ -3,12 +3,10 @@
 //! one step each (the RL update's) neither export nor reload the model and its moments.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 use std::sync::mpsc::Sender;
 
 use super::super::PipelineError;
-use super::super::shared::Shared;
-use super::RankCompute;
+use super::{RankCompute, RankJob};
 use crate::model::{AdamW, ModelChunk};
 use crate::tensor::Backend;
 use crate::train::reference::adamw_config;
@@ -23,21 +21,13 @@ pub(crate) struct RankParts<B: Backend> {
 }
 
 impl<B: Backend> RankCompute<B> {
-    /// Rank `parts.rank` of `plan` for `job` continuing from a kept rank's chunks and
-    /// optimizer (see [`RankCompute::keep_into`]), running `iterations` steps from
-    /// `first_step`: what [`RankCompute::resumed`] builds from a checkpoint of them, without
+    /// Rank `parts.rank` of `run.plan` continuing from a kept rank's chunks and optimizer
+    /// (see [`RankCompute::keep_into`]): what [`RankCompute::resumed`] builds from a checkpoint of them, without
     /// the copies. The plan must place the same stages on the rank, and the job's AdamW
     /// hyper-parameters must be the kept optimizer's.
-    pub(crate) fn from_parts(
-        job: &crate::config::JobConfig,
-        plan: &crate::schedules::Plan,
-        parts: RankParts<B>,
-        shared: Arc<Shared>,
-        first_step: u64,
-        iterations: u64,
-    ) -> Result<Self, PipelineError> {
+    pub(crate) fn from_parts(run: RankJob<'_>, parts: RankParts<B>) -> Result<Self, PipelineError> {
         let rank = parts.rank;
-        let placed = plan.stages_of(rank);
+        let placed = run.plan.stages_of(rank);
         if !parts.chunks.keys().copied().eq(placed.iter().copied()) {
             return Err(PipelineError::Config {
                 field: "schedule",
@@ -47,7 +37,7 @@ impl<B: Backend> RankCompute<B> {
                 ),
             });
         }
-        if parts.optimizer.config() != &adamw_config(&job.train) {
+        if parts.optimizer.config() != &adamw_config(&run.job.train) {
             return Err(PipelineError::Config {
                 field: "train",
                 reason: format!(
@@ -56,9 +46,7 @@ impl<B: Backend> RankCompute<B> {
             });
         }
         let state = (parts.backend, parts.chunks, parts.optimizer);
-        Ok(RankCompute::assemble(
-            job, rank, state, shared, first_step, iterations,
-        ))
+        Ok(RankCompute::assemble(run, rank, state))
     }
 
     /// After its last iteration the rank sends its chunks and optimizer to `keep` instead

@@ -201,16 +201,7 @@ impl PipelineTrainer {
             Some(k) => k
                 .ranks
                 .into_iter()
-                .map(|parts| {
-                    RankCompute::from_parts(
-                        job,
-                        &self.plan,
-                        parts,
-                        Arc::clone(&shared),
-                        first,
-                        steps,
-                    )
-                })
+                .map(|parts| RankCompute::from_parts(self.rank_run(&shared, first, steps), parts))
                 .collect::<Result<Vec<_>, _>>()?,
             None => self.computes::<B>(&shared, steps)?,
         };
