@@ -237,7 +237,7 @@ fn compare_lists_every_schedule() {
     let zbv = rows.iter().find(|r| r["schedule"] == "zb-v").unwrap();
     assert!((steady("zb-v") - t.steady_bubble_ratio).abs() < 1e-9);
     assert_eq!(zbv["makespan"].as_f64(), Some(t.makespan));
-    let peak = t.ranks.iter().map(|r| r.peak_memory).fold(0.0, f64::max);
+    let peak = t.peak_memory();
     assert_eq!(zbv["peak_memory"].as_f64(), Some(peak));
     // Like for like, interleaving shortens 1F1B's iteration.
     let makespan = |name: &str| {

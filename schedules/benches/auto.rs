@@ -37,7 +37,7 @@ fn zb_cost(h: f64, s: f64) -> CostModel {
 fn steady(kind: ScheduleKind, p: usize, m: usize, cost: &CostModel) -> (f64, f64) {
     let plan = generate(kind, p, m, 1).expect("built-in");
     let t = simulate(&plan, cost).expect("simulates");
-    let peak = t.ranks.iter().map(|r| r.peak_memory).fold(0.0, f64::max);
+    let peak = t.peak_memory();
     (t.steady_bubble_ratio, peak)
 }
 
@@ -102,7 +102,7 @@ fn uneven() {
             ] {
                 let plan = generate(kind, p, m, 1).expect("built-in");
                 let t = simulate(&plan, &cost).expect("simulates");
-                let peak = t.ranks.iter().map(|r| r.peak_memory).fold(0.0, f64::max);
+                let peak = t.peak_memory();
                 let a = auto_plan(&cost, p, m, 1, Placement::Contiguous, peak).expect("auto");
                 println!(
                     "{p:>2} {m:>3} {slow:>4}  {:<8} {peak:>5}  {:>7.4} {:>7.4}  {:>7.4} {:>7.4}",

@@ -291,6 +291,22 @@ impl Timeline {
         }
     }
 
+    /// When the first span starts (0 for a timeline without spans): the origin of the
+    /// makespan, which need not be 0 for a measured step.
+    pub fn start(&self) -> f64 {
+        let t0 = self
+            .spans
+            .iter()
+            .map(|s| s.start)
+            .fold(f64::INFINITY, f64::min);
+        if t0.is_finite() { t0 } else { 0.0 }
+    }
+
+    /// The most activation memory any rank holds at once.
+    pub fn peak_memory(&self) -> f64 {
+        self.ranks.iter().map(|r| r.peak_memory).fold(0.0, f64::max)
+    }
+
     /// Total idle time over all ranks inside the makespan.
     pub fn bubble_time(&self) -> f64 {
         self.ranks.iter().map(|r| r.idle).sum()

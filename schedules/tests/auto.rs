@@ -43,7 +43,7 @@ fn one_slow(stages: usize, slow: usize) -> CostModel {
 }
 
 fn peak(t: &Timeline) -> f64 {
-    t.ranks.iter().map(|r| r.peak_memory).fold(0.0, f64::max)
+    t.peak_memory()
 }
 
 /// The steady bubble ratio of built-in `kind` and its peak memory.

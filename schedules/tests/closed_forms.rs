@@ -269,7 +269,7 @@ fn zb_h2_and_zb_v_memory() {
         assert_eq!(h2.ranks[0].peak_memory, (2 * p - 1) as f64, "p={p}");
         // ZB-V's chunks are half-stages: 2p chunk activations is 1F1B's p M_B.
         let zbv = simulate(&generate(ScheduleKind::ZbV, p, m, 2).unwrap(), &cost).unwrap();
-        let worst = zbv.ranks.iter().map(|r| r.peak_memory).fold(0.0, f64::max);
+        let worst = zbv.peak_memory();
         assert!(worst <= (2 * p) as f64, "p={p}: ZB-V peak {worst}");
     }
 }

@@ -35,12 +35,7 @@ impl Default for GridOptions {
 /// a timeline whose costs are multiples of `unit` this is exact.
 pub fn grid(timeline: &Timeline, opts: &GridOptions) -> String {
     let unit = if opts.unit > 0.0 { opts.unit } else { 1.0 };
-    let t0 = timeline
-        .spans
-        .iter()
-        .map(|s| s.start)
-        .fold(f64::INFINITY, f64::min);
-    let t0 = if t0.is_finite() { t0 } else { 0.0 };
+    let t0 = timeline.start();
     let steps = (timeline.makespan / unit).round().max(0.0) as usize;
     let n_ranks = timeline.ranks.len();
 

@@ -10,12 +10,11 @@ use anyhow::{Result, bail};
 use clap::ValueEnum;
 use pipefill::profile::fmt_num;
 use pipefill_schedules::{
-    Origin, Placement, Plan, ScheduleError, ScheduleKind, Timeline, auto_plan, generate, simulate,
+    Origin, Placement, Plan, ScheduleError, ScheduleKind, Timeline, auto_plan,
 };
 use serde_json::json;
 
-use super::cost::CostSpec;
-use super::report::timeline_json;
+use super::report::{builtin_timeline, timeline_json};
 use super::source::{ACTION_BYTES, check_plan_size, describe_shape};
 use super::{CostArgs, check_memory, emit};
 use pipefill::config::memory::MemoryLimit;
@@ -147,25 +146,6 @@ fn builtin_chunks(kind: ScheduleKind, v: usize) -> usize {
     }
 }
 
-/// Built-in `kind`'s simulated timeline under its share of `spec`, or why there is none.
-fn builtin_timeline(
-    kind: ScheduleKind,
-    p: usize,
-    m: usize,
-    chunks: usize,
-    spec: &CostSpec,
-) -> Result<Timeline, String> {
-    let plan = generate(kind, p, m, chunks).map_err(|e| match e {
-        ScheduleError::Unsupported { reason, .. } => format!("unsupported: {reason}"),
-        e => format!("error: {e}"),
-    })?;
-    let cost = spec
-        .per_chunk(chunks)
-        .model(&plan)
-        .map_err(|e| format!("error: {e}"))?;
-    simulate(&plan, &cost).map_err(|e| format!("error: {e}"))
-}
-
 /// One line of the table: the figures, or the reason there are none.
 fn row(
     name: &str,
@@ -179,7 +159,7 @@ fn row(
             fmt_num(t.makespan, 3),
             t.bubble_ratio,
             t.steady_bubble_ratio,
-            fmt_num(t.ranks.iter().map(|r| r.peak_memory).fold(0.0, f64::max), 3)
+            fmt_num(t.peak_memory(), 3)
         ),
         Err(reason) => format!("{name:<17} {chunks:>2}  {reason}"),
     };

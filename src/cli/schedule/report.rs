@@ -200,24 +200,35 @@ fn compare_chunks(kind: ScheduleKind, args: &CompareArgs) -> usize {
     }
 }
 
+/// Built-in `kind`'s simulated timeline under its share of `spec`, or why there is none.
+pub(super) fn builtin_timeline(
+    kind: ScheduleKind,
+    p: usize,
+    m: usize,
+    chunks: usize,
+    spec: &CostSpec,
+) -> Result<Timeline, String> {
+    let plan = generate(kind, p, m, chunks).map_err(|e| match e {
+        ScheduleError::Unsupported { reason, .. } => format!("unsupported: {reason}"),
+        e => format!("error: {e}"),
+    })?;
+    // Like for like: the cost describes a rank's share of the model, split over its chunks.
+    let cost = spec
+        .per_chunk(chunks)
+        .model(&plan)
+        .map_err(|e| format!("error: {e}"))?;
+    simulate(&plan, &cost).map_err(|e| format!("error: {e}"))
+}
+
 fn compare_row(kind: ScheduleKind, args: &CompareArgs, spec: &CostSpec) -> Row {
     let chunks = compare_chunks(kind, args);
     let outcome = (|| -> Result<Figures, String> {
-        let plan = generate(kind, args.stages, args.microbatches, chunks).map_err(|e| match e {
-            ScheduleError::Unsupported { reason, .. } => format!("unsupported: {reason}"),
-            e => format!("error: {e}"),
-        })?;
-        // Like for like: the cost describes a rank's share of the model, split over its chunks.
-        let cost = spec
-            .per_chunk(chunks)
-            .model(&plan)
-            .map_err(|e| format!("error: {e}"))?;
-        let t = simulate(&plan, &cost).map_err(|e| format!("error: {e}"))?;
+        let t = builtin_timeline(kind, args.stages, args.microbatches, chunks, spec)?;
         Ok(Figures {
             makespan: t.makespan,
             bubble_ratio: t.bubble_ratio,
             steady_bubble_ratio: t.steady_bubble_ratio,
-            peak_memory: t.ranks.iter().map(|r| r.peak_memory).fold(0.0, f64::max),
+            peak_memory: t.peak_memory(),
             over_limit: check_memory(&t, args.cost.memory_limit)
                 .err()
                 .map(|e| e.to_string()),

@@ -102,12 +102,7 @@ pub fn svg_with(timeline: &Timeline, extra: &[LaneSpan], opts: &SvgOptions) -> S
         .fold(0.0, f64::max);
     let width = opts.width.max(LEFT + RIGHT + 100.0).max(title_w);
     let plot_w = width - LEFT - RIGHT;
-    let t0 = timeline
-        .spans
-        .iter()
-        .map(|s| s.start)
-        .fold(f64::INFINITY, f64::min);
-    let t0 = if t0.is_finite() { t0 } else { 0.0 };
+    let t0 = timeline.start();
     let makespan = if timeline.makespan > 0.0 {
         timeline.makespan
     } else {
