@@ -162,10 +162,21 @@ fn addition(size: usize, rng: &mut SplitMix64) -> Task {
     }
     sum.reverse();
     let answer = digits_to_string(&sum);
+    worked(TaskFamily::Addition, size, prompt, solution, answer)
+}
+
+/// A task of `family` whose worked `solution` ends in the answer line.
+fn worked(
+    family: TaskFamily,
+    size: usize,
+    prompt: String,
+    mut solution: String,
+    answer: String,
+) -> Task {
     solution.push(ANSWER_MARKER);
     solution.push_str(&answer);
     Task {
-        family: TaskFamily::Addition,
+        family,
         size: size as u32,
         prompt,
         solution,
@@ -196,15 +207,7 @@ fn sorting(size: usize, rng: &mut SplitMix64) -> Task {
         solution.push_str(&format!("{min}|{}\n", join(&rest)));
     }
     let answer = join(&sorted);
-    solution.push(ANSWER_MARKER);
-    solution.push_str(&answer);
-    Task {
-        family: TaskFamily::Sorting,
-        size: size as u32,
-        prompt,
-        solution,
-        answer,
-    }
+    worked(TaskFamily::Sorting, size, prompt, solution, answer)
 }
 
 /// `count 3 in 1323` → `1:0 3:1 2:1 3:2` / `#2`: each digit with the running count.
@@ -220,14 +223,8 @@ fn counting(size: usize, rng: &mut SplitMix64) -> Task {
         steps.push(format!("{d}:{count}"));
     }
     let answer = count.to_string();
-    let solution = format!("{}\n{ANSWER_MARKER}{answer}", steps.join(" "));
-    Task {
-        family: TaskFamily::Counting,
-        size: size as u32,
-        prompt,
-        solution,
-        answer,
-    }
+    let solution = format!("{}\n", steps.join(" "));
+    worked(TaskFamily::Counting, size, prompt, solution, answer)
 }
 
 /// `parity 1011` → `1:1 0:1 1:0 1:1` / `#1`: each bit with the running parity.
@@ -242,14 +239,8 @@ fn parity(size: usize, rng: &mut SplitMix64) -> Task {
         steps.push(format!("{b}:{p}"));
     }
     let answer = p.to_string();
-    let solution = format!("{}\n{ANSWER_MARKER}{answer}", steps.join(" "));
-    Task {
-        family: TaskFamily::Parity,
-        size: size as u32,
-        prompt,
-        solution,
-        answer,
-    }
+    let solution = format!("{}\n", steps.join(" "));
+    worked(TaskFamily::Parity, size, prompt, solution, answer)
 }
 
 /// A seeded stream of tasks: each draws its family uniformly from `families` and its size

@@ -111,30 +111,25 @@ pub fn rank_profile(
                 .collect()
         })
         .collect();
+    let lane = |lane: &str, start, end, label| LaneRecord {
+        lane: lane.into(),
+        start,
+        end,
+        label,
+    };
     let mut lanes = Vec::new();
     for it in &report.iterations {
-        lanes.extend(
-            it.bubbles
-                .iter()
-                .filter(|b| b.rank == pipeline_rank)
-                .map(|b| LaneRecord {
-                    lane: WAIT_LANE.into(),
-                    start: b.start,
-                    end: b.end,
-                    label: format!("wait for {}", b.waiting_for),
-                }),
-        );
-        lanes.extend(
-            it.fillers
-                .iter()
-                .filter(|f| f.rank == pipeline_rank)
-                .map(|f| LaneRecord {
-                    lane: FILLER_LANE.into(),
-                    start: f.start,
-                    end: f.end,
-                    label: f.label.clone(),
-                }),
-        );
+        let bubbles = it.bubbles.iter().filter(|b| b.rank == pipeline_rank);
+        lanes.extend(bubbles.map(|b| {
+            lane(
+                WAIT_LANE,
+                b.start,
+                b.end,
+                format!("wait for {}", b.waiting_for),
+            )
+        }));
+        let fillers = it.fillers.iter().filter(|f| f.rank == pipeline_rank);
+        lanes.extend(fillers.map(|f| lane(FILLER_LANE, f.start, f.end, f.label.clone())));
     }
     RankProfile {
         rank,

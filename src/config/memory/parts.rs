@@ -193,6 +193,26 @@ pub(super) fn hidden(job: &JobConfig) -> Result<Size, ConfigError> {
     Ok(hidden)
 }
 
+/// The parameters of a block `d_model` wide, checked: `squares` matrices of `d × d`, the
+/// MLP's three of `d × hidden`, and `vectors` of `d` (norms, biases).
+fn block_params(
+    job: &JobConfig,
+    what: &str,
+    squares: u64,
+    vectors: u64,
+) -> Result<Size, ConfigError> {
+    let d = f("model.d_model", job.model.d_model);
+    let hidden = hidden(job)?;
+    add(
+        what,
+        &[
+            mul(what, &[k(squares), d, d])?,
+            mul(what, &[k(3), d, hidden])?,
+            mul(what, &[k(vectors), d])?,
+        ],
+    )
+}
+
 /// An upper bound of the model's parameter count, checked: key/value projections as wide
 /// as `d_model`, three MLP matrices, biases, learned positions. Every term of
 /// [`crate::model::GptConfig::param_count`] is at most its term here, so a bound that fits
@@ -206,15 +226,7 @@ pub(super) fn param_bound(job: &JobConfig) -> Result<Size, ConfigError> {
         f("model.seq_len", m.seq_len),
         f("model.layers", m.layers),
     );
-    let hidden = hidden(job)?;
-    let block = add(
-        what,
-        &[
-            mul(what, &[k(4), d, d])?,
-            mul(what, &[k(3), d, hidden])?,
-            mul(what, &[k(5), d])?,
-        ],
-    )?;
+    let block = block_params(job, what, 4, 5)?;
     add(
         what,
         &[
@@ -277,15 +289,8 @@ pub(super) fn drafter_bytes(job: &JobConfig) -> Result<Size, ConfigError> {
         f("model.seq_len", m.seq_len),
         f("model.heads", m.heads),
     );
+    let trained = block_params(job, what, 6, 8)?;
     let hidden = hidden(job)?;
-    let trained = add(
-        what,
-        &[
-            mul(what, &[k(6), d, d])?,
-            mul(what, &[k(3), d, hidden])?,
-            mul(what, &[k(8), d])?,
-        ],
-    )?;
     let weights = add(
         what,
         &[
