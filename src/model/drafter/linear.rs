@@ -14,8 +14,7 @@ struct Saved<B: Backend> {
 /// `{name}.w: [d_in, d_out]`, initialised `N(0, 0.02²)` from (seed, name).
 pub struct Linear<B: Backend> {
     pub w: Param<B>,
-    fwd: Stash<Saved<B>>,
-    for_w: Stash<(Saved<B>, B::Buf)>,
+    stash: Stash<Saved<B>, (Saved<B>, B::Buf)>,
 }
 
 impl<B: Backend> Linear<B> {
@@ -24,15 +23,14 @@ impl<B: Backend> Linear<B> {
         let values = init::normal(seed, &pname, d_in * d_out, init::INIT_STD);
         Ok(Linear {
             w: Param::new(be, pname, vec![d_in, d_out], &values, true)?,
-            fwd: Stash::new(name),
-            for_w: Stash::new(name),
+            stash: Stash::new(name),
         })
     }
 
     /// `y = x·W` for `x: [rows, d_in]`; stashes `x` under `mb`.
     pub fn forward(&mut self, be: &B, mb: usize, x: &B::Buf, rows: usize) -> Result<B::Buf> {
         let y = linear_fwd(be, x, &self.w, rows)?;
-        self.fwd.put(
+        self.stash.keep_for_i(
             mb,
             Saved {
                 x: be.dup(x)?,
@@ -51,7 +49,7 @@ impl<B: Backend> Linear<B> {
         dy: &B::Buf,
         need_dx: bool,
     ) -> Result<Option<B::Buf>> {
-        let s = self.fwd.take(mb, "backward_input", "forward")?;
+        let s = self.stash.take_for_i(mb)?;
         let dx = if need_dx {
             let mut dx = gradient(be, s.rows * self.w.shape[0])?;
             linear_bwd_input(be, dy, &self.w, &mut dx, s.rows, false)?;
@@ -59,23 +57,22 @@ impl<B: Backend> Linear<B> {
         } else {
             None
         };
-        self.for_w.put(mb, (s, be.dup(dy)?));
+        self.stash.keep_for_w(mb, (s, be.dup(dy)?));
         Ok(dx)
     }
 
     /// W: `dW += xᵀ·dy`.
     pub fn backward_weight(&mut self, be: &B, mb: usize) -> Result<()> {
-        let (s, dy) = self.for_w.take(mb, "backward_weight", "backward_input")?;
+        let (s, dy) = self.stash.take_for_w(mb)?;
         linear_bwd_weight(be, &s.x, &dy, &mut self.w, s.rows)
     }
 
     pub fn discard(&mut self, mb: usize) {
-        self.fwd.remove(mb);
-        self.for_w.remove(mb);
+        self.stash.discard(mb);
     }
 
     pub fn stashed(&self) -> usize {
-        self.fwd.len() + self.for_w.len()
+        self.stash.len()
     }
 
     pub fn params(&self) -> Vec<&Param<B>> {

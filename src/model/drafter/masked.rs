@@ -21,6 +21,12 @@
 //! `unroll_decay = 0.5` with the whole gradient: 3.92); on the `d_model` 256 SFT target
 //! 2.20 → 2.37 (held-out 1.97 → 2.24).
 
+use std::ops::Range;
+use std::rc::Rc;
+
+/// A query of [`ChainAttention::queries`].
+type Query = (usize, usize, Range<usize>, Rc<[(usize, usize)]>);
+
 /// The keys query `(step, t)` attends to, as `(step, position)`: the real pairs up to the
 /// chain's start `t − step`, then the chain's pairs, one per step `1..=step` (the last is
 /// the query's own pair). Positions before 0 do not exist (a chain that would start before
@@ -74,6 +80,19 @@ impl ChainAttention {
         self.heads * self.head_dim
     }
 
+    /// Step `s`'s queries as `(row, head, the head's columns, keys)`, the keys those of
+    /// [`chain_keys`] as `(step, row)` (shared by a row's heads); by row then head, the order
+    /// of `probs`. It borrows nothing of `self`, so the backward can add into the key and
+    /// value gradients as it walks.
+    fn queries(&self, s: usize) -> impl Iterator<Item = Query> + use<> {
+        let (batch, seq, heads, hd) = (self.batch, self.seq, self.heads, self.head_dim);
+        (0..batch * seq).flat_map(move |row| {
+            let (b, t) = (row / seq, row % seq);
+            let keys: Rc<[_]> = chain_keys(s, t).map(|(j, p)| (j, b * seq + p)).collect();
+            (0..heads).map(move |h| (row, h, h * hd..(h + 1) * hd, keys.clone()))
+        })
+    }
+
     /// The next step's attention output `[rows, width]` for its `q, k, v` (each
     /// `[rows, width]`), which are kept for the later steps and the backward.
     pub(super) fn forward(&mut self, q: Vec<f32>, k: Vec<f32>, v: Vec<f32>) -> Vec<f32> {
@@ -86,29 +105,19 @@ impl ChainAttention {
         let scale = 1.0 / (hd as f32).sqrt();
         let mut out = vec![0.0; rows * w];
         let mut probs = Vec::with_capacity(rows * self.heads);
-        for b in 0..self.batch {
-            for t in 0..self.seq {
-                let row = b * self.seq + t;
-                let keys: Vec<(usize, usize)> = chain_keys(s, t).collect();
-                for h in 0..self.heads {
-                    let cols = h * hd..(h + 1) * hd;
-                    let qv = &self.q[s][row * w..][cols.clone()];
-                    let mut p: Vec<f32> = keys
-                        .iter()
-                        .map(|&(j, pos)| {
-                            let kv = &self.k[j][(b * self.seq + pos) * w..][cols.clone()];
-                            scale * dot(qv, kv)
-                        })
-                        .collect();
-                    softmax(&mut p);
-                    let o = &mut out[row * w..][cols.clone()];
-                    for (&pk, &(j, pos)) in p.iter().zip(&keys) {
-                        let vv = &self.v[j][(b * self.seq + pos) * w..][cols.clone()];
-                        o.iter_mut().zip(vv).for_each(|(o, &x)| *o += pk * x);
-                    }
-                    probs.push(p);
-                }
+        for (row, _, cols, keys) in self.queries(s) {
+            let qv = &self.q[s][row * w..][cols.clone()];
+            let mut p: Vec<f32> = keys
+                .iter()
+                .map(|&(j, r)| scale * dot(qv, &self.k[j][r * w..][cols.clone()]))
+                .collect();
+            softmax(&mut p);
+            let o = &mut out[row * w..][cols.clone()];
+            for (&pk, &(j, r)) in p.iter().zip(keys.iter()) {
+                let vv = &self.v[j][r * w..][cols.clone()];
+                o.iter_mut().zip(vv).for_each(|(o, &x)| *o += pk * x);
             }
+            probs.push(p);
         }
         self.probs.push(probs);
         self.dk.push(vec![0.0; rows * w]);
@@ -125,40 +134,31 @@ impl ChainAttention {
         let (w, hd) = (self.width(), self.head_dim);
         let scale = 1.0 / (hd as f32).sqrt();
         let mut dq = vec![0.0; self.batch * self.seq * w];
-        for b in 0..self.batch {
-            for t in 0..self.seq {
-                let row = b * self.seq + t;
-                let keys: Vec<(usize, usize)> = chain_keys(s, t).collect();
-                for h in 0..self.heads {
-                    let cols = h * hd..(h + 1) * hd;
-                    let p = &self.probs[s][row * self.heads + h];
-                    let g = &d_out[row * w..][cols.clone()];
-                    let dp: Vec<f32> = keys
-                        .iter()
-                        .map(|&(j, pos)| {
-                            dot(g, &self.v[j][(b * self.seq + pos) * w..][cols.clone()])
-                        })
-                        .collect();
-                    let mean: f32 = p.iter().zip(&dp).map(|(a, b)| a * b).sum();
-                    let qv = &self.q[s][row * w..][cols.clone()];
-                    let dqv = &mut dq[row * w..][cols.clone()];
-                    for ((&pk, &dpk), &(j, pos)) in p.iter().zip(&dp).zip(&keys) {
-                        let at = (b * self.seq + pos) * w + h * hd;
-                        let ds = pk * (dpk - mean) * scale;
-                        let kv = &self.k[j][at..at + hd];
-                        dqv.iter_mut().zip(kv).for_each(|(d, &x)| *d += ds * x);
-                        // The real pairs' keys and values learn from step 0's queries
-                        // only: a later step's loss pulling on them collapsed the first
-                        // draft at d512 (see the module docs).
-                        if j == 0 && s > 0 {
-                            continue;
-                        }
-                        let dk = &mut self.dk[j][at..at + hd];
-                        dk.iter_mut().zip(qv).for_each(|(d, &x)| *d += ds * x);
-                        let dv = &mut self.dv[j][at..at + hd];
-                        dv.iter_mut().zip(g).for_each(|(d, &x)| *d += pk * x);
-                    }
+        for (row, h, cols, keys) in self.queries(s) {
+            let p = &self.probs[s][row * self.heads + h];
+            let g = &d_out[row * w..][cols.clone()];
+            let dp: Vec<f32> = keys
+                .iter()
+                .map(|&(j, r)| dot(g, &self.v[j][r * w..][cols.clone()]))
+                .collect();
+            let mean: f32 = p.iter().zip(&dp).map(|(a, b)| a * b).sum();
+            let qv = &self.q[s][row * w..][cols.clone()];
+            let dqv = &mut dq[row * w..][cols.clone()];
+            for ((&pk, &dpk), &(j, r)) in p.iter().zip(&dp).zip(keys.iter()) {
+                let at = r * w + h * hd;
+                let ds = pk * (dpk - mean) * scale;
+                let kv = &self.k[j][at..at + hd];
+                dqv.iter_mut().zip(kv).for_each(|(d, &x)| *d += ds * x);
+                // The real pairs' keys and values learn from step 0's queries only: a
+                // later step's loss pulling on them collapsed the first draft at d512
+                // (see the module docs).
+                if j == 0 && s > 0 {
+                    continue;
                 }
+                let dk = &mut self.dk[j][at..at + hd];
+                dk.iter_mut().zip(qv).for_each(|(d, &x)| *d += ds * x);
+                let dv = &mut self.dv[j][at..at + hd];
+                dv.iter_mut().zip(g).for_each(|(d, &x)| *d += pk * x);
             }
         }
         dq

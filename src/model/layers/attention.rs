@@ -48,8 +48,7 @@ pub struct Attention<B: Backend> {
     kv_heads: usize,
     /// The RoPE frequencies ([`GptConfig::rope_inv_freq`]), when positions are rotary.
     rope: Option<Vec<f32>>,
-    fwd: Stash<Saved<B>>,
-    for_w: Stash<ForW<B>>,
+    stash: Stash<Saved<B>, ForW<B>>,
 }
 
 impl<B: Backend> Attention<B> {
@@ -79,8 +78,7 @@ impl<B: Backend> Attention<B> {
             heads: config.heads,
             kv_heads: config.kv_heads(),
             rope: (config.positions == Positions::Rope).then(|| config.rope_inv_freq()),
-            fwd: Stash::new(name),
-            for_w: Stash::new(name),
+            stash: Stash::new(name),
         })
     }
 
@@ -194,7 +192,7 @@ impl<B: Backend> Layer<B> for Attention<B> {
         let mut probs = activation(be, shape.probs_len())?;
         be.attention_fwd(&q, &k, &v, &mut o, &mut probs, shape)?;
         let y = linear_fwd(be, &o, &self.wo, rows)?;
-        self.fwd.put(
+        self.stash.keep_for_i(
             mb,
             Saved {
                 x: be.dup(x)?,
@@ -211,7 +209,7 @@ impl<B: Backend> Layer<B> for Attention<B> {
 
     /// I: `dx` from `dy`; keeps `x`, `o` and the projection gradients for W.
     fn backward_input(&mut self, be: &B, mb: usize, dy: &B::Buf) -> Result<B::Buf> {
-        let s = self.fwd.take(mb, "backward_input", "forward")?;
+        let s = self.stash.take_for_i(mb)?;
         let rows = s.shape.batch * s.shape.seq;
         let n = rows * self.d();
         let mut d_o = gradient(be, n)?;
@@ -242,13 +240,13 @@ impl<B: Backend> Layer<B> for Attention<B> {
             dv,
             rows,
         };
-        self.for_w.put(mb, for_w);
+        self.stash.keep_for_w(mb, for_w);
         Ok(dx)
     }
 
     /// W: accumulates the gradients of `wq`, `wk`, `wv`, `wo` (and of the biases).
     fn backward_weight(&mut self, be: &B, mb: usize) -> Result<()> {
-        let s = self.for_w.take(mb, "backward_weight", "backward_input")?;
+        let s = self.stash.take_for_w(mb)?;
         linear_bwd_weight(be, &s.o, &s.dy, &mut self.wo, s.rows)?;
         linear_bwd_weight(be, &s.x, &s.dq, &mut self.wq, s.rows)?;
         linear_bwd_weight(be, &s.x, &s.dk, &mut self.wk, s.rows)?;
@@ -263,12 +261,11 @@ impl<B: Backend> Layer<B> for Attention<B> {
     }
 
     fn discard(&mut self, mb: usize) {
-        self.fwd.remove(mb);
-        self.for_w.remove(mb);
+        self.stash.discard(mb);
     }
 
     fn stashed(&self) -> usize {
-        self.fwd.len() + self.for_w.len()
+        self.stash.len()
     }
 
     /// `wq, wk, wv, wo`, then `bq, bk, bv` when there are biases.

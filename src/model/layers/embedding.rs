@@ -9,9 +9,8 @@ use crate::model::config::Positions;
 use crate::model::{GptConfig, ModelError, Param, Result, init};
 use crate::tensor::Backend;
 
-struct ForW<B: Backend> {
+struct Saved {
     ids: Vec<u32>,
-    dy: Option<B::Buf>,
     batch: usize,
     seq: usize,
 }
@@ -21,8 +20,8 @@ pub struct Embedding<B: Backend> {
     pub tok: Param<B>,
     pub pos: Option<Param<B>>,
     seq_len: usize,
-    fwd: Stash<ForW<B>>,
-    for_w: Stash<ForW<B>>,
+    /// W needs the ids and the output gradient.
+    stash: Stash<Saved, (Saved, B::Buf)>,
 }
 
 impl<B: Backend> Embedding<B> {
@@ -40,8 +39,7 @@ impl<B: Backend> Embedding<B> {
                 Positions::Rope => None,
             },
             seq_len: config.seq_len,
-            fwd: Stash::new(name),
-            for_w: Stash::new(name),
+            stash: Stash::new(name),
         })
     }
 
@@ -75,11 +73,10 @@ impl<B: Backend> Embedding<B> {
         if let Some(pos) = &self.pos {
             be.add_broadcast_rows(&pos.value, &mut x, batch, seq * d)?;
         }
-        self.fwd.put(
+        self.stash.keep_for_i(
             mb,
-            ForW {
+            Saved {
                 ids: ids.to_vec(),
-                dy: None,
                 batch,
                 seq,
             },
@@ -89,32 +86,28 @@ impl<B: Backend> Embedding<B> {
 
     /// I: nothing flows further back; keeps `dy` for W.
     pub fn backward_input(&mut self, be: &B, mb: usize, dy: &B::Buf) -> Result<()> {
-        let mut s = self.fwd.take(mb, "backward_input", "forward")?;
-        s.dy = Some(be.dup(dy)?);
-        self.for_w.put(mb, s);
+        let s = self.stash.take_for_i(mb)?;
+        self.stash.keep_for_w(mb, (s, be.dup(dy)?));
         Ok(())
     }
 
     /// W: scatter-adds into `tok`, sums over the batch into `pos`.
     pub fn backward_weight(&mut self, be: &B, mb: usize) -> Result<()> {
-        let s = self.for_w.take(mb, "backward_weight", "backward_input")?;
+        let (s, dy) = self.stash.take_for_w(mb)?;
         let d = self.d();
-        if let Some(dy) = &s.dy {
-            be.embedding_bwd(&s.ids, dy, &mut self.tok.grad, d)?;
-            if let Some(pos) = &mut self.pos {
-                be.sum_rows(dy, &mut pos.grad, s.batch, s.seq * d)?;
-            }
+        be.embedding_bwd(&s.ids, &dy, &mut self.tok.grad, d)?;
+        if let Some(pos) = &mut self.pos {
+            be.sum_rows(&dy, &mut pos.grad, s.batch, s.seq * d)?;
         }
         Ok(())
     }
 
     pub fn discard(&mut self, mb: usize) {
-        self.fwd.remove(mb);
-        self.for_w.remove(mb);
+        self.stash.discard(mb);
     }
 
     pub fn stashed(&self) -> usize {
-        self.fwd.len() + self.for_w.len()
+        self.stash.len()
     }
 
     pub fn params(&self) -> Vec<&Param<B>> {

@@ -62,8 +62,7 @@ struct ForW<B: Backend> {
 /// `head.w: [d_model, vocab]` and the cross-entropy loss.
 pub struct Head<B: Backend> {
     pub w: Param<B>,
-    fwd: Stash<Saved<B>>,
-    for_w: Stash<ForW<B>>,
+    stash: Stash<Saved<B>, ForW<B>>,
     token_loss: Option<Arc<dyn TokenLoss>>,
 }
 
@@ -83,8 +82,7 @@ impl<B: Backend> Head<B> {
         w.tied = config.tie_embeddings;
         Ok(Head {
             w,
-            fwd: Stash::new(name),
-            for_w: Stash::new(name),
+            stash: Stash::new(name),
             token_loss: None,
         })
     }
@@ -168,7 +166,7 @@ impl<B: Backend> Head<B> {
             count,
             dlogp: hooked.as_ref().map(|(_, d)| d.clone()),
         };
-        self.fwd.put(mb, saved);
+        self.stash.keep_for_i(mb, saved);
         let loss = match hooked {
             Some((loss, _)) => loss,
             None if count == 0 => 0.0,
@@ -179,7 +177,7 @@ impl<B: Backend> Head<B> {
 
     /// I: `dx` from `scale = d objective / d loss`.
     pub fn backward_input(&mut self, be: &B, mb: usize, scale: f32) -> Result<B::Buf> {
-        let s = self.fwd.take(mb, "backward_input", "forward")?;
+        let s = self.stash.take_for_i(mb)?;
         let rows = s.targets.len();
         let vocab = self.w.shape[1];
         let dlogits = match &s.dlogp {
@@ -214,7 +212,7 @@ impl<B: Backend> Head<B> {
         };
         let mut dx = gradient(be, rows * self.w.shape[0])?;
         linear_bwd_input(be, &dlogits, &self.w, &mut dx, rows, false)?;
-        self.for_w.put(
+        self.stash.keep_for_w(
             mb,
             ForW {
                 x: s.x,
@@ -227,17 +225,16 @@ impl<B: Backend> Head<B> {
 
     /// W: accumulates the gradient of `head.w`.
     pub fn backward_weight(&mut self, be: &B, mb: usize) -> Result<()> {
-        let s = self.for_w.take(mb, "backward_weight", "backward_input")?;
+        let s = self.stash.take_for_w(mb)?;
         linear_bwd_weight(be, &s.x, &s.dlogits, &mut self.w, s.rows)
     }
 
     pub fn discard(&mut self, mb: usize) {
-        self.fwd.remove(mb);
-        self.for_w.remove(mb);
+        self.stash.discard(mb);
     }
 
     pub fn stashed(&self) -> usize {
-        self.fwd.len() + self.for_w.len()
+        self.stash.len()
     }
 
     pub fn params(&self) -> Vec<&Param<B>> {

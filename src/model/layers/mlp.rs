@@ -35,8 +35,7 @@ pub struct Mlp<B: Backend> {
     /// The up projection `[d_model, hidden]` of the gated MLP.
     pub w3: Option<Param<B>>,
     act: Activation,
-    fwd: Stash<Saved<B>>,
-    for_w: Stash<ForW<B>>,
+    stash: Stash<Saved<B>, ForW<B>>,
 }
 
 impl<B: Backend> Mlp<B> {
@@ -58,8 +57,7 @@ impl<B: Backend> Mlp<B> {
                 None
             },
             act: config.activation,
-            fwd: Stash::new(name),
-            for_w: Stash::new(name),
+            stash: Stash::new(name),
         })
     }
 }
@@ -79,7 +77,7 @@ impl<B: Backend> Layer<B> for Mlp<B> {
             gate = Some((std::mem::replace(&mut g, h), up));
         }
         let y = linear_fwd(be, &g, &self.w2, rows)?;
-        self.fwd.put(
+        self.stash.keep_for_i(
             mb,
             Saved {
                 x: be.dup(x)?,
@@ -94,7 +92,7 @@ impl<B: Backend> Layer<B> for Mlp<B> {
 
     /// I: `dx` from `dy`.
     fn backward_input(&mut self, be: &B, mb: usize, dy: &B::Buf) -> Result<B::Buf> {
-        let s = self.fwd.take(mb, "backward_input", "forward")?;
+        let s = self.stash.take_for_i(mb)?;
         let (d, h) = (self.w1.shape[0], self.w1.shape[1]);
         let mut dg = gradient(be, s.rows * h)?;
         linear_bwd_input(be, dy, &self.w2, &mut dg, s.rows, false)?;
@@ -122,13 +120,13 @@ impl<B: Backend> Layer<B> for Mlp<B> {
             dy: be.dup(dy)?,
             rows: s.rows,
         };
-        self.for_w.put(mb, for_w);
+        self.stash.keep_for_w(mb, for_w);
         Ok(dx)
     }
 
     /// W: accumulates the gradients of `w1` and `w2` (and `w3`).
     fn backward_weight(&mut self, be: &B, mb: usize) -> Result<()> {
-        let s = self.for_w.take(mb, "backward_weight", "backward_input")?;
+        let s = self.stash.take_for_w(mb)?;
         linear_bwd_weight(be, &s.g, &s.dy, &mut self.w2, s.rows)?;
         linear_bwd_weight(be, &s.x, &s.du, &mut self.w1, s.rows)?;
         if let (Some(w3), Some(du3)) = (&mut self.w3, &s.d_up) {
@@ -138,12 +136,11 @@ impl<B: Backend> Layer<B> for Mlp<B> {
     }
 
     fn discard(&mut self, mb: usize) {
-        self.fwd.remove(mb);
-        self.for_w.remove(mb);
+        self.stash.discard(mb);
     }
 
     fn stashed(&self) -> usize {
-        self.fwd.len() + self.for_w.len()
+        self.stash.len()
     }
 
     /// `w1, w2`, then `w3` when gated.

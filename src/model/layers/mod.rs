@@ -53,45 +53,64 @@ pub trait Layer<B: Backend> {
     fn stashed(&self) -> usize;
 }
 
-/// Per-micro-batch storage of one layer: what F leaves for I, or I leaves for W.
-pub(crate) struct Stash<T> {
+/// Per-micro-batch storage of one layer's split backward: what F leaves for I (`F`), then
+/// what I leaves for W (`W`). Taking what is not there is the layer's [`ModelError::Order`]
+/// error, so every layer reports a call out of order alike.
+pub(crate) struct Stash<F, W> {
     layer: String,
-    items: HashMap<usize, T>,
+    for_i: HashMap<usize, F>,
+    for_w: HashMap<usize, W>,
 }
 
-impl<T> Stash<T> {
+impl<F, W> Stash<F, W> {
     pub(crate) fn new(layer: &str) -> Self {
         Stash {
             layer: layer.to_string(),
-            items: HashMap::new(),
+            for_i: HashMap::new(),
+            for_w: HashMap::new(),
         }
     }
 
-    pub(crate) fn put(&mut self, mb: usize, item: T) {
-        self.items.insert(mb, item);
+    /// F: keeps what I of `mb` needs.
+    pub(crate) fn keep_for_i(&mut self, mb: usize, item: F) {
+        self.for_i.insert(mb, item);
     }
 
-    /// Removes the stash of `mb`; `action` needed it and `missing` is what should have made it.
-    pub(crate) fn take(
-        &mut self,
-        mb: usize,
-        action: &'static str,
-        missing: &'static str,
-    ) -> Result<T> {
-        self.items.remove(&mb).ok_or_else(|| ModelError::Order {
+    /// I: takes what F of `mb` kept.
+    pub(crate) fn take_for_i(&mut self, mb: usize) -> Result<F> {
+        let item = self.for_i.remove(&mb);
+        item.ok_or_else(|| self.order(mb, "backward_input", "forward"))
+    }
+
+    /// I: keeps what W of `mb` needs.
+    pub(crate) fn keep_for_w(&mut self, mb: usize, item: W) {
+        self.for_w.insert(mb, item);
+    }
+
+    /// W: takes what I of `mb` kept.
+    pub(crate) fn take_for_w(&mut self, mb: usize) -> Result<W> {
+        let item = self.for_w.remove(&mb);
+        item.ok_or_else(|| self.order(mb, "backward_weight", "backward_input"))
+    }
+
+    fn order(&self, mb: usize, action: &'static str, missing: &'static str) -> ModelError {
+        ModelError::Order {
             layer: self.layer.clone(),
             action,
             mb,
             missing,
-        })
+        }
     }
 
-    pub(crate) fn remove(&mut self, mb: usize) {
-        self.items.remove(&mb);
+    /// Drops whatever `mb` left, for I or for W.
+    pub(crate) fn discard(&mut self, mb: usize) {
+        self.for_i.remove(&mb);
+        self.for_w.remove(&mb);
     }
 
+    /// Entries kept, for I and for W together.
     pub(crate) fn len(&self) -> usize {
-        self.items.len()
+        self.for_i.len() + self.for_w.len()
     }
 }
 

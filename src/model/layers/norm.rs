@@ -14,9 +14,8 @@ struct Saved<B: Backend> {
 pub struct RmsNorm<B: Backend> {
     pub weight: Param<B>,
     eps: f32,
-    fwd: Stash<Saved<B>>,
-    /// What W needs: the forward's saved tensors and the output gradient.
-    for_w: Stash<(Saved<B>, B::Buf)>,
+    /// W needs the forward's saved tensors and the output gradient.
+    stash: Stash<Saved<B>, (Saved<B>, B::Buf)>,
 }
 
 impl<B: Backend> RmsNorm<B> {
@@ -32,8 +31,7 @@ impl<B: Backend> RmsNorm<B> {
         Ok(RmsNorm {
             weight,
             eps,
-            fwd: Stash::new(name),
-            for_w: Stash::new(name),
+            stash: Stash::new(name),
         })
     }
 
@@ -58,7 +56,7 @@ impl<B: Backend> Layer<B> for RmsNorm<B> {
             dim,
             self.eps,
         )?;
-        self.fwd.put(
+        self.stash.keep_for_i(
             mb,
             Saved {
                 x: be.dup(x)?,
@@ -71,17 +69,17 @@ impl<B: Backend> Layer<B> for RmsNorm<B> {
 
     /// I: `dx` from `dy`.
     fn backward_input(&mut self, be: &B, mb: usize, dy: &B::Buf) -> Result<B::Buf> {
-        let s = self.fwd.take(mb, "backward_input", "forward")?;
+        let s = self.stash.take_for_i(mb)?;
         let dim = self.dim();
         let mut dx = gradient(be, s.rows * dim)?;
         be.rmsnorm_bwd_input(&s.x, &self.weight.value, &s.rstd, dy, &mut dx, s.rows, dim)?;
-        self.for_w.put(mb, (s, be.dup(dy)?));
+        self.stash.keep_for_w(mb, (s, be.dup(dy)?));
         Ok(dx)
     }
 
     /// W: accumulates the gain's gradient.
     fn backward_weight(&mut self, be: &B, mb: usize) -> Result<()> {
-        let (s, dy) = self.for_w.take(mb, "backward_weight", "backward_input")?;
+        let (s, dy) = self.stash.take_for_w(mb)?;
         let dim = self.dim();
         be.rmsnorm_bwd_weight(&s.x, &s.rstd, &dy, &mut self.weight.grad, s.rows, dim)?;
         Ok(())
@@ -89,13 +87,12 @@ impl<B: Backend> Layer<B> for RmsNorm<B> {
 
     /// Drops whatever is stashed for `mb`.
     fn discard(&mut self, mb: usize) {
-        self.fwd.remove(mb);
-        self.for_w.remove(mb);
+        self.stash.discard(mb);
     }
 
     /// Micro-batches with something stashed.
     fn stashed(&self) -> usize {
-        self.fwd.len() + self.for_w.len()
+        self.stash.len()
     }
 
     fn params(&self) -> Vec<&Param<B>> {
