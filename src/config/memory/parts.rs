@@ -133,12 +133,9 @@ pub(super) fn activations(
     rows: Size,
     seq: Size,
 ) -> Result<Size, ConfigError> {
-    let m = &job.model;
-    let (d, h, vocab) = (
-        f("model.d_model", m.d_model),
-        f("model.heads", m.heads),
-        f("model.vocab", m.vocab),
-    );
+    let Dims {
+        d, heads: h, vocab, ..
+    } = dims(job);
     let hidden = hidden(job)?;
     let what = "the activations";
     // Per token and layer: the stash, and the attention probabilities (heads × seq).
@@ -193,6 +190,26 @@ pub(super) fn hidden(job: &JobConfig) -> Result<Size, ConfigError> {
     Ok(hidden)
 }
 
+/// The model's sizes, each a [`Size`] naming its field in the job.
+struct Dims {
+    vocab: Size,
+    d: Size,
+    heads: Size,
+    seq: Size,
+    layers: Size,
+}
+
+fn dims(job: &JobConfig) -> Dims {
+    let m = &job.model;
+    Dims {
+        vocab: f("model.vocab", m.vocab),
+        d: f("model.d_model", m.d_model),
+        heads: f("model.heads", m.heads),
+        seq: f("model.seq_len", m.seq_len),
+        layers: f("model.layers", m.layers),
+    }
+}
+
 /// The parameters of a block `d_model` wide, checked: `squares` matrices of `d × d`, the
 /// MLP's three of `d × hidden`, and `vectors` of `d` (norms, biases).
 fn block_params(
@@ -201,7 +218,7 @@ fn block_params(
     squares: u64,
     vectors: u64,
 ) -> Result<Size, ConfigError> {
-    let d = f("model.d_model", job.model.d_model);
+    let d = dims(job).d;
     let hidden = hidden(job)?;
     add(
         what,
@@ -218,14 +235,14 @@ fn block_params(
 /// [`crate::model::GptConfig::param_count`] is at most its term here, so a bound that fits
 /// means the exact count cannot overflow.
 pub(super) fn param_bound(job: &JobConfig) -> Result<Size, ConfigError> {
-    let m = &job.model;
     let what = "the parameters";
-    let (vocab, d, seq, layers) = (
-        f("model.vocab", m.vocab),
-        f("model.d_model", m.d_model),
-        f("model.seq_len", m.seq_len),
-        f("model.layers", m.layers),
-    );
+    let Dims {
+        vocab,
+        d,
+        seq,
+        layers,
+        ..
+    } = dims(job);
     let block = block_params(job, what, 4, 5)?;
     add(
         what,
@@ -281,14 +298,15 @@ pub(super) fn task_text(job: &JobConfig) -> Result<Size, ConfigError> {
 /// the embedding and head, with gradients and moments; its buffer of two steps' rows
 /// (hidden states and next-token distributions); one slice's activations.
 pub(super) fn drafter_bytes(job: &JobConfig) -> Result<Size, ConfigError> {
-    let (m, dr) = (&job.model, &job.drafter);
+    let dr = &job.drafter;
     let what = "the drafter";
-    let (d, vocab, seq, h) = (
-        f("model.d_model", m.d_model),
-        f("model.vocab", m.vocab),
-        f("model.seq_len", m.seq_len),
-        f("model.heads", m.heads),
-    );
+    let Dims {
+        d,
+        vocab,
+        seq,
+        heads: h,
+        ..
+    } = dims(job);
     let trained = block_params(job, what, 6, 8)?;
     let hidden = hidden(job)?;
     let weights = add(
@@ -336,25 +354,17 @@ pub(super) fn drafter_bytes(job: &JobConfig) -> Result<Size, ConfigError> {
 /// hidden states and next-token distributions (the drafter's rows), and one decode step's
 /// logits for the verified drafts (a tree's nodes, or the chain of `draft_k`).
 pub(super) fn rollout_bytes(job: &JobConfig) -> Result<Size, ConfigError> {
-    let (m, r) = (&job.model, &job.rl);
+    let r = &job.rl;
     let what = "the rollouts";
     let sequences = mul(what, &[f("rl.prompts", r.prompts), f("rl.group", r.group)])?;
-    let (d, vocab, seq) = (
-        f("model.d_model", m.d_model),
-        f("model.vocab", m.vocab),
-        f("model.seq_len", m.seq_len),
-    );
-    let kv = mul(
-        what,
-        &[
-            sequences,
-            f("model.layers", m.layers),
-            k(2),
-            d,
-            seq,
-            k(ELEMENT),
-        ],
-    )?;
+    let Dims {
+        d,
+        vocab,
+        seq,
+        layers,
+        ..
+    } = dims(job);
+    let kv = mul(what, &[sequences, layers, k(2), d, seq, k(ELEMENT)])?;
     let row = add(what, &[d, vocab, k(2)])?;
     let rows = mul(what, &[sequences, seq, row, k(ELEMENT)])?;
     let drafts = match r.draft_tree {
