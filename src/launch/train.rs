@@ -44,7 +44,6 @@ use super::profile::{
     PROFILE_CHANNEL, loss_rank, rank_profile, recv_metrics, send_metrics, sync_clock, whole_batch,
 };
 use pipefill_actors::{Clock, GradStats, Pipeline, RunReport, StepMode, Transport};
-use serde::{Deserialize, Serialize};
 
 use crate::comm::collective::{GradSync, RingGradSync, TIE_CHANNEL};
 use crate::comm::frame;
@@ -140,54 +139,6 @@ pub struct RankRun {
     pub checkpoints: Vec<PathBuf>,
     /// This rank's drafter replica after the run (replica 0's ranks, `filler = "drafter"`).
     pub drafter: Option<crate::model::drafter::DrafterWeights>,
-}
-
-/// A parameter or moment on the wire: name, shape, values.
-pub(crate) type TensorWire = (String, Vec<usize>, Vec<f32>);
-
-/// A rank's stages on the wire: its final state here, its weight sync in `launch rl`.
-#[derive(Default, Serialize, Deserialize)]
-pub(crate) struct FinalWire {
-    /// `(stage, tensors of that stage)`.
-    pub(crate) stages: Vec<(u32, Vec<TensorWire>)>,
-    pub(crate) optimizer: OptimizerState,
-}
-
-impl From<RankFinal> for FinalWire {
-    fn from(f: RankFinal) -> Self {
-        FinalWire {
-            stages: f
-                .stages
-                .into_iter()
-                .map(|(s, ts)| {
-                    (
-                        s,
-                        ts.into_iter().map(|t| (t.name, t.shape, t.data)).collect(),
-                    )
-                })
-                .collect(),
-            optimizer: f.optimizer,
-        }
-    }
-}
-
-impl From<FinalWire> for RankFinal {
-    fn from(f: FinalWire) -> Self {
-        RankFinal {
-            stages: f
-                .stages
-                .into_iter()
-                .map(|(s, ts)| {
-                    let ts = ts
-                        .into_iter()
-                        .map(|(name, shape, data)| HostTensor { name, shape, data })
-                        .collect();
-                    (s, ts)
-                })
-                .collect(),
-            optimizer: f.optimizer,
-        }
-    }
 }
 
 /// Runs `steps` optimizer steps of `job`'s `plan` as the mesh's rank on `device` (the
@@ -394,7 +345,7 @@ fn run_rank<B: Backend>(
         })?;
     let gather = |source| DistributedError::Gather { rank, source };
     if rank != 0 {
-        let bytes = frame::encode(&FinalWire::from(own)).map_err(|e| {
+        let bytes = frame::encode(&own).map_err(|e| {
             gather(LinkError::Protocol {
                 peer: 0,
                 reason: e.to_string(),
@@ -441,12 +392,12 @@ fn run_rank<B: Backend>(
     let mut finals = vec![own];
     for from in 1..pp {
         let bytes = mesh.recv(from, CONTROL_CHANNEL).map_err(gather)?;
-        let wire: FinalWire = frame::decode(&bytes).map_err(|e| DistributedError::BadFinal {
+        let fin: RankFinal = frame::decode(&bytes).map_err(|e| DistributedError::BadFinal {
             rank,
             from,
             reason: e.to_string(),
         })?;
-        finals.push(wire.into());
+        finals.push(fin);
     }
     let own_profile = rank_profile(rank, prank, &report, &clock_sync);
     let profiles =

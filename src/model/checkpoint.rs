@@ -138,7 +138,7 @@ pub enum CheckpointError {
 }
 
 /// One named tensor on the host.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct HostTensor {
     pub name: String,
     /// Logical shape, row-major.

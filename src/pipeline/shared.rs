@@ -39,8 +39,9 @@ use crate::tensor::Backend;
 use crate::train::StepMetrics;
 use crate::train::reference::combine_losses;
 
-/// One rank's state after its last step.
-#[derive(Debug, Clone)]
+/// One rank's state after its last step; on the wire, a launched rank's final state and a
+/// `launch rl` rank's weight sync.
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
 pub struct RankFinal {
     /// `(stage, parameters of that stage in model order)`.
     pub stages: Vec<(u32, Vec<HostTensor>)>,

@@ -20,10 +20,9 @@ use crate::comm::tcp_transport::{
 };
 use crate::config::JobConfig;
 use crate::launch::profile::GRAD_CHANNEL;
-use crate::launch::train::FinalWire;
 use crate::model::{Gpt, ModelError};
 use crate::pipeline::feed::StepFeed;
-use crate::pipeline::shared::{Replica, Shared, tie_ranks};
+use crate::pipeline::shared::{RankFinal, Replica, Shared, tie_ranks};
 use crate::pipeline::{PipelineError, RankCompute, RankJob};
 use crate::rl::grpo::{GrpoTokenLoss, group_advantages, reference_log_probs};
 use crate::rl::prompts::PromptSource;
@@ -277,7 +276,7 @@ impl<B: RankBackend> Ctx<'_, B> {
             let own = if self.replica == 0 {
                 state.sync_wire(last).map_err(model_err)?
             } else {
-                FinalWire::default()
+                RankFinal::default()
             };
             let bytes =
                 frame::encode(&own).map_err(|e| self.bad_frame(0, "weights")(e.to_string()))?;
@@ -292,7 +291,7 @@ impl<B: RankBackend> Ctx<'_, B> {
                 .mesh
                 .recv(peer, RL_CHANNEL)
                 .map_err(self.link_err(peer, "receiving the weights"))?;
-            let shard: FinalWire = frame::decode(&bytes)
+            let shard: RankFinal = frame::decode(&bytes)
                 .map_err(|e| self.bad_frame(peer, "weights")(e.to_string()))?;
             state.absorb(shard).map_err(model_err)?;
         }

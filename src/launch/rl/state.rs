@@ -17,7 +17,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::launch::train::FinalWire;
+use crate::model::checkpoint::HostTensor;
 use crate::model::{Cut, Gpt, ModelError, OptimizerState};
 use crate::pipeline::compute::RankParts;
 use crate::pipeline::shared::RankFinal;
@@ -37,7 +37,7 @@ pub(super) struct RankState<B: Backend> {
     /// The last run's rank, alive: this rank's stages and moments are current there.
     pub kept: Option<RankParts<B>>,
     /// The last run's exported stages (no kept rank), for the next weight sync.
-    pub exported: FinalWire,
+    pub exported: RankFinal,
 }
 
 /// Where a rank's pipelined run starts.
@@ -65,7 +65,7 @@ impl<B: Backend> RankState<B> {
             optimizer,
             step,
             kept: None,
-            exported: FinalWire::default(),
+            exported: RankFinal::default(),
         }
     }
 
@@ -89,12 +89,8 @@ impl<B: Backend> RankState<B> {
         match ended {
             Ended::Kept(parts) => self.kept = Some(parts),
             Ended::Exported(fin) => {
-                let own = FinalWire::from(fin);
-                self.absorb(FinalWire {
-                    stages: own.stages.clone(),
-                    optimizer: own.optimizer.clone(),
-                })?;
-                self.exported = own;
+                self.absorb(fin.clone())?;
+                self.exported = fin;
             }
         }
         Ok(())
@@ -102,7 +98,7 @@ impl<B: Backend> RankState<B> {
 
     /// This rank's stages for a weight sync: the kept rank's parameters (and moments, at
     /// the `last` sync), else the last run's export.
-    pub fn sync_wire(&mut self, last: bool) -> Result<FinalWire, ModelError> {
+    pub fn sync_wire(&mut self, last: bool) -> Result<RankFinal, ModelError> {
         match &self.kept {
             Some(parts) => wire_of(parts, last),
             None => Ok(std::mem::take(&mut self.exported)),
@@ -136,9 +132,9 @@ impl<B: Backend> RankState<B> {
     }
 
     /// Takes `shard`'s stages and moments.
-    pub fn absorb(&mut self, shard: FinalWire) -> Result<(), ModelError> {
-        for (name, _, data) in shard.stages.into_iter().flat_map(|(_, ts)| ts) {
-            self.model.set_param(&name, &data)?;
+    pub fn absorb(&mut self, shard: RankFinal) -> Result<(), ModelError> {
+        for t in shard.stages.into_iter().flat_map(|(_, ts)| ts) {
+            self.model.set_param(&t.name, &t.data)?;
         }
         self.absorb_moments(shard.optimizer);
         Ok(())
@@ -162,15 +158,18 @@ impl<B: Backend> RankState<B> {
 
 /// Host copies of a kept rank's parameters (and its moments with `moments`; else none and
 /// step 0, which [`RankState::absorb`] leaves as they are).
-fn wire_of<B: Backend>(parts: &RankParts<B>, moments: bool) -> Result<FinalWire, ModelError> {
+fn wire_of<B: Backend>(parts: &RankParts<B>, moments: bool) -> Result<RankFinal, ModelError> {
     let mut stages = Vec::with_capacity(parts.chunks.len());
     for (&stage, chunk) in &parts.chunks {
         let tensors = chunk
             .params()
             .into_iter()
             .map(|p| {
-                let data = parts.backend.to_host(&p.value)?;
-                Ok((p.name.clone(), p.shape.clone(), data))
+                Ok(HostTensor {
+                    name: p.name.clone(),
+                    shape: p.shape.clone(),
+                    data: parts.backend.to_host(&p.value)?,
+                })
             })
             .collect::<Result<Vec<_>, ModelError>>()?;
         stages.push((stage, tensors));
@@ -180,7 +179,7 @@ fn wire_of<B: Backend>(parts: &RankParts<B>, moments: bool) -> Result<FinalWire,
     } else {
         OptimizerState::default()
     };
-    Ok(FinalWire { stages, optimizer })
+    Ok(RankFinal { stages, optimizer })
 }
 
 #[cfg(test)]
@@ -244,7 +243,7 @@ mod tests {
         let sent: Vec<(String, Vec<f32>)> = mid.stages[0]
             .1
             .iter()
-            .map(|(name, _, data)| (name.clone(), data.clone()))
+            .map(|t| (t.name.clone(), t.data.clone()))
             .collect();
         assert_eq!((mid.stages.len(), mid.stages[0].0), (1, 1));
         assert_eq!(sent, want);
