@@ -169,31 +169,52 @@ pub fn train_rank(
         pp,
         dp,
     };
+    let asked = Asked {
+        job,
+        plan,
+        mesh,
+        clock,
+        steps,
+        resume,
+    };
     match device {
         Device::Cpu { threads } => {
             let links = device::cpu_links(mesh, job.transport, at, threads)?;
-            run_rank(job, plan, mesh, clock, steps, resume, links)
+            run_rank(asked, links)
         }
         #[cfg(feature = "cuda")]
         Device::Cuda { ordinal } => {
             let links = device::cuda_links(mesh, job.transport, at, ordinal)?;
-            run_rank(job, plan, mesh, clock, steps, resume, links)
+            run_rank(asked, links)
         }
         #[cfg(not(feature = "cuda"))]
         Device::Cuda { ordinal } => Err(device::cuda_unavailable(at, ordinal)),
     }
 }
 
-/// [`train_rank`] on `links`' backend and transports.
-fn run_rank<B: Backend>(
-    job: &JobConfig,
-    plan: &Plan,
-    mesh: &Arc<TcpMesh>,
+/// What [`train_rank`] was asked, handed on to its backend-generic part.
+struct Asked<'a> {
+    job: &'a JobConfig,
+    plan: &'a Plan,
+    mesh: &'a Arc<TcpMesh>,
     clock: Clock,
     steps: u64,
-    resume: Option<&RankResume>,
+    resume: Option<&'a RankResume>,
+}
+
+/// [`train_rank`] on `links`' backend and transports.
+fn run_rank<B: Backend>(
+    asked: Asked<'_>,
     links: device::RankLinks<B>,
 ) -> Result<RankRun, DistributedError> {
+    let Asked {
+        job,
+        plan,
+        mesh,
+        clock,
+        steps,
+        resume,
+    } = asked;
     let device::Placement {
         rank,
         replica,
