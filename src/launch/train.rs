@@ -193,6 +193,7 @@ pub fn train_rank(
 }
 
 /// What [`train_rank`] was asked, handed on to its backend-generic part.
+#[derive(Clone, Copy)]
 struct Asked<'a> {
     job: &'a JobConfig,
     plan: &'a Plan,
@@ -208,13 +209,9 @@ fn run_rank<B: Backend>(
     links: device::RankLinks<B>,
 ) -> Result<RankRun, DistributedError> {
     let Asked {
-        job,
-        plan,
-        mesh,
-        clock,
-        steps,
-        resume,
+        job, plan, mesh, ..
     } = asked;
+    let (clock, steps, resume) = (asked.clock, asked.steps, asked.resume);
     let device::Placement {
         rank,
         replica,
