@@ -86,9 +86,8 @@ pub struct RolloutArgs {
     #[arg(long, value_name = "RUN_DIR")]
     init: Option<std::path::PathBuf>,
     /// Drafter training slices on the plain rollout's rows (self-distillation on the
-    /// target's own generations). At `d_model` 256, 6000 (about 25 s on 16 Xeon cores) took
-    /// top-1 agreement from 71.7% to 80.7% and the acceptance length at K=4 from 2.11 to
-    /// 2.99 over 1500; at 512, 6000 (159 s on the 2-core box) reached 88.2% and 2.82.
+    /// target's own generations). More slices raise the drafter's agreement and acceptance
+    /// length, at a training cost that grows with `d_model` (docs/benchmarks.md).
     #[arg(long, default_value_t = 6000)]
     drafter_slices: usize,
     /// Sequences in the batch.
@@ -102,9 +101,8 @@ pub struct RolloutArgs {
     groups: Option<usize>,
     /// Fewest positions a group step carries: the engine merges smaller groups. The
     /// bench's d_model-512 target reads ~100 MB of weights per group step, so merging
-    /// pays (benches/tail, same run: plain's tail 0.42 s at 32 rows against 0.81 s
-    /// splitting down to single sequences); `pipefill rl`'s `rl.advanced.min_group_rows` defaults
-    /// to 1, measured at d_model 256.
+    /// pays; `pipefill rl`'s `rl.advanced.min_group_rows` defaults to 1, chosen at d_model
+    /// 256 (docs/benchmarks.md).
     #[arg(long, default_value_t = MIN_GROUP_ROWS)]
     min_group_rows: usize,
     /// K of the fixed-K run.
@@ -525,10 +523,10 @@ fn rollout_on<B: Backend>(
 /// The bench's job on top of the embedded default (each overridable with `--set`): a
 /// target wide enough that decoding a few sequences is bound by reading its weights from
 /// memory, as decoding is on a GPU, the regime speculative decoding is for: `d_model` 512,
-/// 8 layers, 25 M parameters, 100 MB of f32 weights, far beyond the 32 MB L3 of the 2-core
-/// EPYC box. There (busy box, medians) verifying K+1 = 5 positions of one sequence cost
-/// 1.15–1.43× a decode step. At `d_model` 256 (25 MB, which the L3 holds) it cost 1.7×, and
-/// the same bench's long-tail speedup was 0.6–1.1×: `--set model.d_model=256` to compare.
+/// 8 layers, 25 M parameters, 100 MB of f32 weights, far beyond a CPU's L3, so verifying
+/// K+1 positions costs little more than a decode step; at `d_model` 256 the weights fit the
+/// L3 of the reference machine and verification costs more (docs/benchmarks.md, "The
+/// rollout bench's job"): `--set model.d_model=256` to compare.
 /// Proposals attend to the last 8 target pairs (the drafter trains on windows of at most
 /// 16). A longer tail: `--set model.seq_len=192` (completion lengths up to ~160, not 47).
 const BENCH_SETS: &[&str] = &["model.d_model=512", "drafter.window=8"];
@@ -536,10 +534,9 @@ const BENCH_SETS: &[&str] = &["model.d_model=512", "drafter.window=8"];
 /// The arms of the bandit that also chooses plain decoding (K = 0) per bucket.
 const PLAIN_ARM_KS: &[usize] = &[0, 1, 2, 4, 6];
 /// Which of the adaptive variants is the bench's headline `adaptive` figure: the
-/// step-cost threshold. Against the bandit with a plain arm over the whole tail (same
-/// runs, medians of 3, busy 2-core box), in two runs: 1.41x and 1.77x against 1.16x and
-/// 1.01x plain's long-tail tokens/s (the plain arm's exploration of long drafts at large
-/// buckets costs more than the few steps per bucket and rollout can win back);
-/// the engine's per-bucket threshold came out 0 (no speculation) in both runs measured,
-/// its buckets too noisy to decide, so it is printed, not run.
+/// step-cost threshold. It beat the bandit with a plain arm over the whole tail (the plain
+/// arm's exploration of long drafts at large buckets costs more than the few steps per
+/// bucket and rollout can win back), and the engine's per-bucket threshold came out 0 (no
+/// speculation), its buckets too noisy to decide, so it is printed, not run
+/// (docs/benchmarks.md, "The rollout bench's headline").
 const HEADLINE: usize = 0;

@@ -15,12 +15,10 @@
 //! is one line naming the field that dominates the largest part, the estimate and its
 //! largest parts, and the limit.
 //!
-//! The constants are calibrated on the CPU backend (f32 storage), measured as peak RSS of
-//! `pipefill train --steps 1` (see the tests of `tests/memory_cli.rs`): d_model 512 (25 M
-//! parameters) peaked at 1.31 GB under the reference trainer and 1.64 GB pipelined
-//! (≈ 52 and 65 bytes per parameter, activations and the drafter included), seq_len 1024
-//! at d_model 64 at 0.71 GB and 2.02 GB (the attention probabilities, 4 heads × 1024² per
-//! sequence and layer, dominate), the default job at 94 MB.
+//! The constants are calibrated on the CPU backend (f32 storage) against the peak RSS of
+//! `pipefill train --steps 1` (see the tests of `tests/memory_cli.rs`), so that the
+//! estimate stays above it; the peaks are in docs/benchmarks.md, "Memory estimate
+//! calibration".
 
 mod limit;
 mod parts;
@@ -47,7 +45,7 @@ const ELEMENT: u64 = 4;
 /// (layer input, q, k, v, attention output, norms, residuals, the MLP's input, and what I
 /// leaves for W) and of the MLP's hidden width (pre-activation, activation, gate, up and
 /// their product): over what the layers keep, so that the estimate stays above the
-/// measured peaks (interleaved-1f1b and SwiGLU came within 5% of 12 and 3).
+/// measured peaks (docs/benchmarks.md, "Memory estimate calibration").
 const STASH_PER_D: u64 = 16;
 const STASH_PER_HIDDEN: u64 = 5;
 /// Bytes of the process itself (binary, runtime, allocator slack) and per pipeline rank

@@ -4,8 +4,9 @@
 //!
 //! [`overwritten`] builds a model whose parameters the caller sets at once (a resumed
 //! checkpoint, a run's final weights) without drawing them: the draws (a `ln`, `sqrt`,
-//! `sin`/`cos` per pair of values) were ~16% of all CPU of a `pipefill rl` run, which
-//! rebuilds its update pipeline from the previous step's weights every step.
+//! `sin`/`cos` per pair of values) were a large share of a `pipefill rl` run's CPU
+//! (docs/benchmarks.md, "Smaller figures behind design choices"), since it rebuilds its
+//! update pipeline from the previous step's weights every step.
 
 use std::cell::Cell;
 

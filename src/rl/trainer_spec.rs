@@ -29,16 +29,16 @@
 //! the held-out evaluation runs in the gaps too, so nothing of the drafter runs after the
 //! rollout (the router's priors, which `"idle-then-after"` takes from the slices run there,
 //! are measured once before the first rollout instead); with `"idle-then-after"` it runs on
-//! the caller's
-//! thread after the rollout, on the critical path (reported as `drafter_seconds`; on a
-//! thread of its own beside the update it slowed the update by more than its own time on
-//! the 2-core box). Each step's `drafter_work` says what ran where. The drafter starts from the
-//! policy's own run's drafter when that run trained one in its pipeline's bubbles
+//! the caller's thread after the rollout, on the critical path (reported as
+//! `drafter_seconds`; on a thread of its own beside the update it slowed the update by more
+//! than its own time on the reference machine, docs/benchmarks.md). Each step's
+//! `drafter_work` says what ran where. The drafter starts from the policy's own run's
+//! drafter when that run trained one in its pipeline's bubbles
 //! ([`PipelineRollouts::with_drafter`]), as TLT starts RL with a drafter that already
 //! follows the policy, and then trains at the lower `rl.drafter_lr`; otherwise untrained,
-//! at `drafter.lr`. The drafter that proposes
-//! during a rollout is a copy loaded before it, so training never changes what a rollout
-//! samples. With speculation off no drafter is recorded or trained.
+//! at `drafter.lr`. The drafter that proposes during a rollout is a copy loaded before it,
+//! so training never changes what a rollout samples. With speculation off no drafter is
+//! recorded or trained.
 //!
 //! Speculation never changes what is sampled (acceptance is lossless), so the reward curve
 //! is the same in distribution with it on or off; only the time differs.
@@ -86,8 +86,8 @@ impl From<crate::model::drafter::DrafterError> for RlError {
 const HELD_OUT_ROWS: usize = 4;
 /// Rows of the `--init` checkpoint's held-out buffer the acceptance prior is measured on.
 const PRIOR_ROWS: usize = 8;
-/// Repetitions per cost of the start-up calibration (the bench takes 9): about 0.2 s at
-/// `d_model` 256 for groups of up to 8.
+/// Repetitions per cost of the start-up calibration (the bench takes 9), which runs once per
+/// start (its time at `d_model` 256: docs/benchmarks.md).
 const CALIBRATION_REPS: usize = 3;
 
 /// The live-batch threshold of one rollout, and where it came from.

@@ -11,8 +11,8 @@
 //! is the full batch's, and the optimizer steps as before (even when no sequence is left
 //! with a gradient: one micro-batch of a zero-loss sequence then carries the step). With one sequence per micro-batch ([`update_batches`], the plain form the
 //! tests and the reference's log-probs use) every matrix product of a stage had one
-//! ~50-token row block: at d_model 512 on the CPU, packing the weight panels cost as much
-//! as the products themselves and the update ran at a third of SFT's tokens/s. Rows are
+//! ~50-token row block, too small for packing the weight panels to pay: the update ran far
+//! slower than SFT (docs/benchmarks.md, "Smaller figures behind design choices"). Rows are
 //! padded to their micro-batch's longest (`PAD` inputs, ignored targets; causal attention
 //! keeps the padding out of the real positions, and ignored targets give it no gradient),
 //! so the sequences are sorted by length before they are chunked; the chunks are ordered

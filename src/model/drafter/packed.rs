@@ -3,10 +3,11 @@
 //!
 //! A proposal multiplies one to a few rows per sequence by every drafter matrix, once per
 //! draft token. Through the backend's general GEMM each such product re-packed `W` (the
-//! whole block, 15 MB at `d_model` 512, every draft step), which made drafting 4 tokens
-//! cost ~0.4 of a target decode. [`PackedDrafter`] packs the matrices once per drafter
-//! version, as [`InferStage`](crate::model::infer::InferStage) does for the target, and
-//! each product streams them once for all its rows.
+//! whole block, 15 MB at `d_model` 512, every draft step), which made drafting a chain cost
+//! a large share of a target decode (docs/benchmarks.md, "Drafter proposals").
+//! [`PackedDrafter`] packs the matrices once per drafter version, as
+//! [`InferStage`](crate::model::infer::InferStage) does for the target, and each product
+//! streams them once for all its rows.
 //!
 //! A proposal's context is the sequence's last `window` target pairs, and the next proposal
 //! of the same sequence sees almost the same pairs again. A pair's key and value depend on

@@ -14,17 +14,14 @@
 //! from); the pairs before it need only their key and value, which the host backend
 //! remembers from the sequence's previous proposal ([`super::packed`]). The products run
 //! on packed host copies of the weights ([`rowmul`]), so what is left of a draft token's
-//! cost is streaming the block's weights once (15 MB in f32 at `d_model` 512): measured on
-//! the 2-core box, proposing K=4 for one sequence went from 8.5 to 1.2 ms at `d_model` 512
-//! (the target's decode 5–10 ms), and from 0.46 to 0.25 ms at 256.
+//! cost is streaming the block's weights once (15 MB in f32 at `d_model` 512), a fraction of
+//! the target's decode step (docs/benchmarks.md, "Drafter proposals").
 //!
 //! In a rollout the target's verification (100 MB at `d_model` 512) evicts the drafter from
 //! the L3 between two proposals, so the first draft step streams the block from memory and
-//! the other K−1 from the L3; the products are ~85% of a proposal (timers around them,
-//! d512, one sequence). Packing in half precision ([`super::packed`]) halves both streams:
-//! `cargo bench --bench propose`, d512, one sequence, context pairs in the memo, medians of
-//! one run on the shared box: f32 1.48 ms with the weights in the L3, 2.12 ms evicted;
-//! f16 0.94 and 1.59 ms (one step's products evicted: f32 0.67, f16 0.42 ms).
+//! the other K−1 from the L3; the products are most of a proposal. Packing in half
+//! precision ([`super::packed`]) halves both streams (`cargo bench --bench propose`;
+//! figures in docs/benchmarks.md, "Drafter proposals").
 
 use std::collections::BTreeMap;
 

@@ -23,14 +23,14 @@
 //!
 //! One change to EAGLE-2: the greedy chain (each node its parent's top token, down to
 //! `depth`) is always expanded and kept, the score ranking the rest of the budget. Scores
-//! alone gave a shallow, wide tree whose acceptance length fell below the chain's (2.61 for
-//! 6 levels, 12 nodes against 2.82 for a chain of 4, `d_model` 512, the bench's drafter at
-//! 88% top-1 agreement): the drafter's `q` is trained towards the target's softened
-//! distribution, so its probabilities undersell how often its top token is the target's,
-//! which is what greedy verification accepts. With the chain inside, a tree accepts at
-//! least what the chain of its depth does. The cost is the chain's: one block step per depth, with
-//! `width` rows instead of one, which [`rowmul`](crate::model::infer::rowmul) streams at
-//! nearly the cost of one row; and the target verifies `nodes + 1` rows at once.
+//! alone gave a shallow, wide tree whose acceptance length fell below the chain's
+//! (docs/benchmarks.md, "Draft trees keep the greedy chain"): the drafter's `q` is trained
+//! towards the target's softened distribution, so its probabilities undersell how often its
+//! top token is the target's, which is what greedy verification accepts. With the chain
+//! inside, a tree accepts at least what the chain of its depth does. The cost is the
+//! chain's: one block step per depth, with `width` rows instead of one, which
+//! [`rowmul`](crate::model::infer::rowmul) streams at nearly the cost of one row; and the
+//! target verifies `nodes + 1` rows at once.
 //!
 //! Candidates are the top tokens of the drafter's logits, not draws, so they are a
 //! deterministic function of the context: the tree's sampling acceptance needs no `q`.

@@ -26,25 +26,13 @@
 //!   included, so the steps run forward one after the other and backward together, last to
 //!   first ([`Drafter::unrolled_slice`]), every step's stash kept until then.
 //!
-//! Neither wins everywhere (`cargo bench --bench chain`, 6000 slices, one run each, greedy
-//! chains of K=4 in the training rows' completions; acceptance length, per-depth acceptance
-//! given the drafts before, top-1 agreement): on the `d_model` 256 SFT target of `/tmp/pf6`
-//! `unroll = 1` 2.35 [.74 .54 .39 .39] 69.4%, `2` causal 2.68 [.71 .66 .69 .58] 71.6%, `2`
-//! exact 2.82 [.73 .74 .64 .60] 69.5% (held-out rows: 2.02, 2.34, 2.41); on the rollout
-//! bench's `d_model` 512 target (100 steps) `1` 2.39 [.79 .65 .16 .04] 77.3%, `2` causal
-//! 3.41 [.76 .83 .97 .67] 71.8%, `2` exact 1.96 [.37 .59 .87 .95] 40.2% (its first draft
-//! collapsed), while on `pipefill bench rollout` (its own batch, same target) `2` exact
-//! reached 86.4% and 3.20 (adaptive long-tail speedup 1.45x, one run) against 88.2% and
-//! 2.82 for `1` and 79.5% and 3.07 for `2` causal in an earlier session: exact is not stable
-//! there. Its first draft collapsed because the later steps' losses reached the real pairs'
-//! keys and values: with that gradient stopped (now always, see `drafter/masked.rs`) `2`
-//! exact gives 4.04 [.86 .89 .93 .98] 80.0% on that d512 target against 3.50 [.85 .88 .92
-//! .33] 78.3% for `2` causal (held-out 4.04 vs 3.58; 3000 slices, one run each, the same
-//! ~36 ms per slice), but on the d256 target 2.37 vs 2.38 (held-out 2.24 vs 2.34; 7.4 vs 6.5
-//! ms per slice), and with 6000 slices 2.57 vs 2.73 (held-out 2.20 vs 2.38; `1` 2.50, 2.27),
-//! so causal stays the default until `pipefill bench rollout` says otherwise. A
-//! variant that fed predictions only along chains of `unroll` pairs from a real one did
-//! worse still (2.66 on `pipefill bench rollout` with `unroll = 2`).
+//! Neither wins everywhere (`cargo bench --bench chain`, greedy chains in the training
+//! rows' completions, and `pipefill bench rollout`): `exact` did better on one target and
+//! not on another, and before the gradient into the real pairs' keys and values was stopped
+//! (now always, see `drafter/masked.rs`) its first draft could collapse, so `causal` stays
+//! the default until `pipefill bench rollout` says otherwise (docs/benchmarks.md,
+//! "Training-time test: causal or exact context"). A variant that fed predictions only
+//! along chains of `unroll` pairs from a real one did worse still.
 //!
 //! The unrolled losses are added to step 1's, per position (EAGLE-3 sums its steps' losses),
 //! step `j`'s weighted `unroll_decay^(j−1)`, and the gradient is averaged over step 1's

@@ -60,14 +60,10 @@ pub enum RolloutError {
 /// the target's decode step, its verification of K+1 positions and the drafter's proposal
 /// (one thread, medians), and speculation pays at `b` while
 /// `acceptance × decode(b) > propose(b) + verify(b)`; the threshold is the live batch up to
-/// which the engine's groups hold at most the largest paying `b` ([`live_threshold`]; it
-/// was `b` times the groups in flight before the engine merged small groups). Measured on the shared 2-core box (`d_model` 256,
-/// 8 layers, K = 4, acceptance length 2.11 with the bench's drafter, 4 groups): at `b` = 1
-/// decode 1.74 ms, verify 2.81 ms (1.61×), propose 0.37 ms, so speculation pays
-/// (1.51 ms per token against 1.74); at `b` = 2, 4, 8 verification costs 2.2–3.2× a decode
-/// step and it loses. One sequence per group × 4 groups: 4. At `d_model` 512 (session 8's
-/// bench: speculation pays up to 4 per group) the merging engine's threshold is 4 too, one
-/// group of 4. The figures move with the machine's load and the drafter's acceptance: rerun
+/// which the engine's groups hold at most the largest paying `b` ([`live_threshold`]). The
+/// default is where that held on the reference machine: one sequence per group × 4 groups at
+/// `d_model` 256, one group of 4 at `d_model` 512 (docs/benchmarks.md, "Speculation
+/// threshold"). The costs move with the machine's load and the drafter's acceptance: rerun
 /// the bench per machine.
 pub const DEFAULT_SPEC_THRESHOLD: usize = 4;
 
@@ -75,20 +71,15 @@ pub const DEFAULT_SPEC_THRESHOLD: usize = 4;
 /// is split into no more groups than that allows, and groups that shrink below it merge.
 ///
 /// Why: a group step reads every stage's weights once, whatever its size, and on a
-/// memory-bound target that read is most of a small step's cost. On the 2-core box at
-/// `d_model` 512 (100 MB of weights; `pipefill bench rollout`'s step costs) a step of the
-/// whole model costs about 4.7 ms plus 0.55 ms per row, and two stages at once read weights
-/// only about 1.4× as fast as one: four groups of one sequence read the weights four times
-/// for four tokens where one group of four reads them once. A verification carries K+1 rows
-/// per sequence, so speculation keeps more, smaller groups than plain decoding.
-/// `benches/tail.rs` (128 requests, 4 stages, 4 groups, medians of 5 in one run, busy box):
-/// plain decoding's long tail (live ≤ 32) took 0.47 / 0.45 / 0.42 / 0.41 s at 8 / 16 / 32 /
-/// 64 rows, and the whole batch 2.35 / 2.27 / 2.26 / 2.31 s; splitting down to single
-/// sequences (1 row, the engine before) took 0.81 s in the tail in another run where 8 rows
-/// took 0.46. A target whose weights sit in the cache gains the other way: at `d_model`
-/// 256 (`pipefill rl`, 32 sequences) more groups in flight use more cores, and 1 row was
-/// faster (`RolloutTuning::min_group_rows`, which defaults to 1, has the figures). So this is the
-/// engine's and `bench rollout`'s default, not `pipefill rl`'s.
+/// memory-bound target that read is most of a small step's cost, and stages reading weights
+/// at once share the memory bandwidth: groups of one sequence read the weights once per token
+/// where one group of several reads them once for all. A verification carries K+1 rows per
+/// sequence, so speculation keeps more, smaller groups than plain decoding. On the bench's
+/// `d_model` 512 target 32 rows kept the long tail about as fast as larger groups and far
+/// faster than single sequences (docs/benchmarks.md, "Fewest rows per group step"). A target
+/// whose weights sit in the cache gains the other way: more groups in flight use more cores
+/// (`RolloutTuning::min_group_rows`, which defaults to 1). So this is the engine's and
+/// `bench rollout`'s default, not `pipefill rl`'s.
 pub const MIN_GROUP_ROWS: usize = 32;
 
 /// Groups the engine keeps in flight while `live` sequences are live and each step carries

@@ -13,15 +13,16 @@ use super::{PANEL, Packed, Precision, Tiling};
 /// Columns per register.
 const HALF: usize = 8;
 /// Up to 6 rows (12 sums, 2 weight vectors: with 8 rows only one half would fit, and a
-/// stream of half lines made 8 rows cost 2.1× one, against 1.4× with 8-column panels);
+/// stream of half lines made 8 rows dearer than 8-column panels did, docs/benchmarks.md);
 /// the block is 12 halves, divisible by every `P` of [`pass`], 6·16·`din` floats (192 KB
 /// at `din` 512: L2).
 pub(super) const TILING: Tiling = Tiling {
     max_rows: 6,
     block: 6,
 };
-/// How far ahead (bytes: 128 f32 lines) each weight stream is prefetched; on the 2-core
-/// EPYC box with 8-column panels 8 KB beat 1 and 4 KB and matched 16 and 32 KB.
+/// How far ahead (bytes: 128 f32 lines) each weight stream is prefetched: the shortest
+/// distance that did as well as any longer one on the reference machine (docs/benchmarks.md,
+/// "Row products (rowmul)").
 const PREFETCH_AHEAD: usize = 8 << 10;
 
 /// One pass over `panels` for the `rows` (1 to 6) rows of `x`, into `y: [rows, dout]`.

@@ -17,8 +17,9 @@ pub(super) const TILING: Tiling = Tiling {
     max_rows: 14,
     block: 6,
 };
-/// How far ahead (bytes: 128 f32 lines) each weight stream is prefetched: on the 2-core
-/// EPYC box 4 KB and 16 KB were no better (the runs differed less than the noise).
+/// How far ahead (bytes: 128 f32 lines) each weight stream is prefetched: as the AVX2
+/// kernel's, shorter and longer distances being no better on the reference machine
+/// (docs/benchmarks.md, "Row products (rowmul)").
 const PREFETCH_AHEAD: usize = 8 << 10;
 
 /// One pass over `panels` for the `rows` (1 to 14) rows of `x`, into `y: [rows, dout]`.

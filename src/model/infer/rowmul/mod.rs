@@ -3,7 +3,7 @@
 //! Generation multiplies one to a few dozen rows (decode: one per sequence; verification:
 //! K+1 per sequence) by weight matrices far larger than the cache. Such a product is bound
 //! by reading `W`, yet the backend's general GEMM packs `W` into panels on every call,
-//! which at `d_model` 256 made a 5-row product cost 3–4× a 1-row one. Here `W` is packed
+//! which made a product of a few rows cost several times a 1-row one. Here `W` is packed
 //! once, when the stage is built ([`Packed`]: panels of 16 columns, contiguous over `k`,
 //! one 64-byte line per `k`), and each pass streams the panels while several rows keep
 //! their sums in registers, so a weight vector is loaded once and used by every row.
@@ -17,15 +17,10 @@
 //! and beyond one pass the rows go over the panels block by block, so a block comes from
 //! memory once and from the cache for the other passes.
 //!
-//! Measured (`cargo bench --bench rowmul`, the 2-core EPYC box at 2.6 GHz, shared, medians
-//! of one run): the 33 matrices of the `d_model` 512 target (100 MB, from memory) cost 4.6
-//! ms for one row on AVX-512, and 5, 8, 10 and 20 rows cost 1.04, 1.19, 1.45 and 2.45×
-//! that; AVX2 took 5.2 ms and 1.07, 1.50, 1.62 and 2.63×. This CPU (Zen 4) runs a
-//! 512-bit FMA as two 256-bit halves, so AVX-512 does not double the FMA rate; it wins by
-//! its 32 registers (10 rows in one pass, fewer loads per FMA). From about 8 rows on the
-//! product is bound by the FMAs, not the weights: 20 rows are 31 M 16-lane FMAs, at most
-//! one per cycle, 12 ms at the nominal 2.6 GHz (11.4 measured: the clock boosts), against
-//! under 5 ms to stream the weights once.
+//! On a CPU that runs a 512-bit FMA as two 256-bit halves (Zen 4) AVX-512 does not double
+//! the FMA rate; it wins by its 32 registers (more rows in one pass, fewer loads per FMA).
+//! Beyond several rows the product is bound by the FMAs, not the weights. Figures
+//! (`cargo bench --bench rowmul`): docs/benchmarks.md, "Row products (rowmul)".
 //!
 //! Every output element is one multiply-add chain over `k` in order, on every path: a
 //! row's result does not depend on how many rows share the call nor on the instruction set,

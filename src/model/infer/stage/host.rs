@@ -4,8 +4,8 @@
 //! the products, the CPU backend's own kernels for the norms and the activation, and the
 //! activations never pass through a backend buffer. The backend path copied every
 //! product's input out of a buffer and its output into one (nine copies a block, plus a
-//! zeroed buffer per op): at `d_model` 512 that was ~4% of a 13-row verification in perf,
-//! all of it growing with the rows. The same functions run in the same order on each
+//! zeroed buffer per op), a cost that grows with the rows (docs/benchmarks.md, "Smaller
+//! figures behind design choices"). The same functions run in the same order on each
 //! row, so the values are bitwise those of the backend path.
 
 use super::{InferStage, RowLayout, Span, StageOutput};

@@ -2,18 +2,18 @@
 //! ([`DrafterSlices::measure_priors`]).
 //!
 //! The router hands out no work of a kind before it has a cost estimate for it. With
-//! `rl.advanced.drafter_work = "idle-then-after"` the first estimates come from the whole slices run after
-//! a rollout; with `"idle"` nothing runs there, so the costs are measured up front, on a
-//! scratch drafter of the same shape (the real one's weights, gradients, optimizer and row
-//! sampler stay untouched) over synthetic rows (a slice's cost depends on its shape, not its
-//! values): pieces of [`MIN_PIECE_ROWS`] and of [`LINE_UNITS`] times that (the line's
-//! level and slope: the gaps only ever fit small pieces, and a whole slice would cost
-//! several times more to measure), an optimizer step, and evaluations of rows of as many
-//! positions. Each is the fastest of [`REPS`] runs, after one unmeasured piece that warms
-//! the scratch drafter up: 0.2-0.4 s in all at d_model 256 (unroll 2) on the busy 2-core
-//! box, once per run. The priors only have to be about right: the router replaces them with
-//! its own measurements as the pieces run (the level from the first piece, the slope once
-//! the sizes vary).
+//! `rl.advanced.drafter_work = "idle-then-after"` the first estimates come from the whole
+//! slices run after a rollout; with `"idle"` nothing runs there, so the costs are measured
+//! up front, on a scratch drafter of the same shape (the real one's weights, gradients,
+//! optimizer and row sampler stay untouched) over synthetic rows (a slice's cost depends on
+//! its shape, not its values): pieces of [`MIN_PIECE_ROWS`] and of [`LINE_UNITS`] times
+//! that (the line's level and slope: the gaps only ever fit small pieces, and a whole slice
+//! would cost several times more to measure), an optimizer step, and evaluations of rows of
+//! as many positions. Each is the fastest of [`REPS`] runs, after one unmeasured piece that
+//! warms the scratch drafter up, once per run (a fraction of a second at d_model 256:
+//! docs/benchmarks.md, "Drafter training in the rollout's idle gaps"). The priors only have
+//! to be about right: the router replaces them with its own measurements as the pieces run
+//! (the level from the first piece, the slope once the sizes vary).
 
 use std::time::Instant;
 

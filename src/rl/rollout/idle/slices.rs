@@ -1,12 +1,12 @@
 //! The drafter's training cut to the rollout stages' idle gaps: [`DrafterSlices`].
 //!
 //! In the long tail a stage's idle time comes in many short gaps (while the other stages
-//! and the driver handle the few groups in flight: ~3-5 ms each at d_model 256 on the
-//! 2-core box), while a whole drafter slice (`drafter.batch_rows` windows of
-//! `drafter.max_positions`) costs ~25 ms there: a whole slice never fits a gap, and running
-//! one anyway holds the next message back by as much. So the step's budget of
-//! `rl.drafter_slices` slices is trained in **pieces** sized to the gaps, through two sources
-//! of the rollout's [`FillerRouter`]:
+//! and the driver handle the few groups in flight), each several times shorter than a whole
+//! drafter slice (`drafter.batch_rows` windows of `drafter.max_positions`; figures in
+//! docs/benchmarks.md, "Drafter training in the rollout's idle gaps"): a whole slice never
+//! fits a gap, and running one anyway holds the next message back by as much. So the step's
+//! budget of `rl.drafter_slices` slices is trained in **pieces** sized to the gaps, through
+//! two sources of the rollout's [`FillerRouter`]:
 //!
 //! - `"drafter"`: a piece of up to a whole slice's layout rows (units: layout rows, from
 //!   [`MIN_PIECE_ROWS`]), sized by the router's cost line to the idle time the stage has
@@ -36,13 +36,11 @@
 //! drafter ([`super::prior`]). Either way the pieces measured then fit the line's level and
 //! slope. Each step's [`DrafterAccount`] says what ran where.
 //!
-//! What limits it (measured on the shared 2-core box, `pipefill rl examples/rl-longtail.toml`,
-//! one run each): a piece has a fixed cost of ~1.7 ms at d_model 256 (a 16-row piece ~3 ms
-//! alone, ~0.09 ms a row more; perf puts half of it in the GEMM packing the drafter's weight
-//! matrices, which a piece of few rows pays as a whole slice does), comparable to the tail's
-//! gaps (1-5 ms), so only a few pieces fit a step; at d_model 512 the gaps are 10-17 ms and
-//! 64-row pieces took 57-120 ms on the stage threads under load. Cheaper small pieces
-//! (weights streamed, not packed, as the proposals' row kernels do) would let more fit.
+//! What limits it: a piece has a fixed cost (about half of it the GEMM packing the
+//! drafter's weight matrices, which a piece of few rows pays as a whole slice does),
+//! comparable to the tail's gaps, so only a few pieces fit a step (docs/benchmarks.md,
+//! "Drafter training in the rollout's idle gaps"). Cheaper small pieces (weights streamed,
+//! not packed, as the proposals' row kernels do) would let more fit.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -60,8 +58,8 @@ use crate::tensor::Backend;
 pub const DRAFTER: &str = "drafter";
 /// Kind (and label prefix) of the drafter's optimizer steps.
 pub const DRAFTER_STEP: &str = "drafter step";
-/// The smallest piece, in layout rows: below it a piece's fixed cost (~1.5 ms at
-/// d_model 256, about 20 rows' worth) would outweigh its work.
+/// The smallest piece, in layout rows: below it a piece's fixed cost would outweigh its
+/// work (docs/benchmarks.md, "Drafter training in the rollout's idle gaps").
 pub const MIN_PIECE_ROWS: usize = 16;
 
 pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
