@@ -8,8 +8,8 @@
 //! - [`plan`]: per-rank action lists and the stage → rank placement.
 //! - [`timeline`]: cost model, spans, bubble slots and the metric definitions.
 //! - [`generators`]: the built-in schedules (GPipe, 1F1B, interleaved, looped BFS, ZB-H1/H2/V).
-//! - [`simulate`]: the discrete-event simulator that times a plan under a cost model.
-//! - [`auto`]: the auto-scheduler, the plan with the least bubble under a memory limit.
+//! - [`simulate`](mod@simulate): the discrete-event simulator that times a plan under a cost model.
+//! - [`auto`](mod@auto): the auto-scheduler, the plan with the least bubble under a memory limit.
 
 pub mod action;
 pub mod auto;

@@ -86,7 +86,8 @@ impl Placement {
 /// One ordered action list per rank (`None` is an idle step, as an empty CSV cell),
 /// plus the stage → rank placement.
 ///
-/// A plan is *compute-only* when it holds no SEND/RECV; [`crate::lower`] inserts them.
+/// A plan is *compute-only* when it holds no SEND/RECV; [`crate::lower`](fn@crate::lower) inserts
+/// them.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Plan {
     /// Number of stages (model chunks) in the whole pipeline.

@@ -3,7 +3,7 @@
 //! know the other belongs to the job. Nothing else is read from a connection before its
 //! hello, and the hello is read under the handshake cap and a read timeout. A peer that
 //! closes the connection before answering is told apart by a new connection
-//! ([`after_close`]): it no longer listens (it exited) or it lives and dropped the hello
+//! (`after_close`): it no longer listens (it exited) or it lives and dropped the hello
 //! (a job token or world size not its own).
 
 use std::io::ErrorKind;

@@ -458,10 +458,10 @@ fn check_registration(
 /// A rank other than 0: registers `own` with rank 0 at `master` and waits for the table.
 ///
 /// When rank 0 closes the connection unanswered, what it means is found out by a new
-/// connection ([`after_close`]): nothing listens any more (rank 0 exited, its own error
+/// connection (`after_close`): nothing listens any more (rank 0 exited, its own error
 /// says why) or rank 0 still serves. A rank that did not show the job token is dropped
 /// without a word, but so is one dropped unread under a flood of connections
-/// ([`pending_cap`]), so it registers again, [`REGISTER_ATTEMPTS`] times in all, before
+/// ([`pending_cap`]), so it registers again, `REGISTER_ATTEMPTS` times in all, before
 /// it names a wrong token.
 pub fn join(
     rank: usize,

@@ -18,8 +18,8 @@
 //! saying goodbye, sends nothing for the silence timeout, or sends a bad frame fails the
 //! whole mesh with an error naming that rank: every sink is closed and every receiver wakes.
 //!
-//! The parts: [`setup`] builds a mesh ([`TcpMesh::connect`], [`TcpMesh::loopback`]);
-//! [`inner`] holds the state every thread of the mesh shares and the reader loop; this
+//! The parts: `setup` builds a mesh ([`TcpMesh::connect`], [`TcpMesh::loopback`]);
+//! `inner` holds the state every thread of the mesh shares and the reader loop; this
 //! module the wire frame, the options and errors, and the mesh's API.
 
 use std::collections::VecDeque;

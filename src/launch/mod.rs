@@ -1,4 +1,4 @@
-//! Starting a multi-process job: who this process is ([`env`]), and joining the others
+//! Starting a multi-process job: who this process is ([`env`](mod@env)), and joining the others
 //! ([`join`]): rendezvous on rank 0, then the authenticated TCP mesh; and one rank's part
 //! of pipelined training over that mesh ([`train`]), where `schedule = "auto"` switches
 //! every rank to the plan of the costs they measured and all-gathered ([`auto`]).

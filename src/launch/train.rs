@@ -10,7 +10,7 @@
 //! each rank is the in-process pipeline's, action for action, so the parameters after K
 //! steps are bitwise those of the in-process run of the same job (f32 on the CPU).
 //!
-//! Each rank computes on the job's `device` ([`device`]): the CPU, or (feature `cuda`) the
+//! Each rank computes on the job's `device` (the `device` module): the CPU, or (feature `cuda`) the
 //! GPU of its local rank, where the ranks agree on the transport `transport` asks for
 //! (`auto`: NCCL where every rank can use it) and replicas all-reduce over NCCL.
 //!
@@ -21,7 +21,7 @@
 //! knows the losses); rank 0 merges them ([`profile`](super::profile)) into the run
 //! directory files a single-process run writes.
 //!
-//! Checkpoints ([`shards`]): every rank of replica 0 writes its own shard after every
+//! Checkpoints (`shards`): every rank of replica 0 writes its own shard after every
 //! `checkpoint_every`-th step and after the last one, under the run directory rank 0 chose
 //! ([`RankRun::run_dir`]); rank 0 writes each manifest once every shard is acknowledged. A
 //! resumed rank reads only its own shard ([`RankResume`]).
@@ -99,7 +99,7 @@ pub enum DistributedError {
         from: usize,
         reason: String,
     },
-    /// The drafter in the bubbles (`filler = "drafter"`, [`fill`]) failed.
+    /// The drafter in the bubbles (`filler = "drafter"`, [`LaunchFill`]) failed.
     #[error(transparent)]
     Fill(#[from] FillError),
     #[error("rank {rank}: merging the profiles: {error}")]

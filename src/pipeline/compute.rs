@@ -1,12 +1,12 @@
 //! [`RankCompute`]: the real model behind the actor runtime's [`StageCompute`] trait.
 //!
 //! One `RankCompute` is one rank: the [`ModelChunk`]s of the stages the plan places on it
-//! (the model is cut into `plan.stages` chunks by [`Cut::Even`], whatever the placement),
-//! its own backend, its own AdamW over just those chunks, and access to the step's data.
-//! F, I, W and B map one to one onto the chunk's `forward`, `backward_input`,
-//! `backward_weight` and `backward`; payloads are the backend's buffers, moved, never
-//! copied. Stage 0 reads the step's input tokens and the last stage its targets and loss
-//! scales from the shared [`StepFeed`], which builds them with the reference trainer's own
+//! (the model is cut into `plan.stages` chunks by [`Cut::Even`](crate::model::Cut::Even), whatever
+//! the placement), its own backend, its own AdamW over just those chunks, and access to the step's
+//! data. F, I, W and B map one to one onto the chunk's `forward`, `backward_input`,
+//! `backward_weight` and `backward`; payloads are the backend's buffers, moved, never copied.
+//! Stage 0 reads the step's input tokens and the last stage its targets and loss scales from the
+//! shared [`StepFeed`](super::feed::StepFeed), which builds them with the reference trainer's own
 //! functions.
 //!
 //! The optimizer step is the reference trainer's: the rank reports its `Σ g²`
@@ -16,17 +16,17 @@
 //! strictly in order, so the rank counts its own iterations to know which step a forward
 //! belongs to.
 //!
-//! Filler (optional, [`RankCompute::set_drafter`]): the rank holding the last stage has its
+//! Filler (optional, `RankCompute::set_drafter`): the rank holding the last stage has its
 //! chunk copy the rows the drafter trains on into the run's [`DrafterFill`] buffers, and every
 //! rank closes its drafter round at the end of each target step (see [`super::fill`]). The
 //! drafter's own work runs in the bubbles, through the runtime's filler, never here.
 //!
-//! Kept ranks (optional, [`RankCompute::keep_into`]): after its last iteration the rank moves
-//! its chunks and optimizer out ([`RankParts`]) instead of exporting host copies, and a
-//! later run continues from them ([`RankCompute::from_parts`]): the RL update runs one
+//! Kept ranks (optional, `RankCompute::keep_into`): after its last iteration the rank moves
+//! its chunks and optimizer out (`RankParts`) instead of exporting host copies, and a
+//! later run continues from them (`RankCompute::from_parts`): the RL update runs one
 //! short run per RL step and would otherwise copy every parameter and moment out and back.
 //!
-//! Speculative steps (optional, [`RankCompute::set_speculative`]): the runtime may step
+//! Speculative steps (optional, `RankCompute::set_speculative`): the runtime may step
 //! before it knows every rank's statistics. The rank then snapshots its parameters and
 //! optimizer moments, keeps its gradients, and on a wrong guess restores them
 //! ([`StageCompute::rollback_step`]) so the step is redone exactly; first-stage forwards

@@ -43,7 +43,7 @@
 //!
 //! **Placement.** The above is the *measured* placement (`[drafter] placement = "measured"`,
 //! the default): slice sizes, and when a round is applied, follow measured times, so the
-//! drafter differs from run to run. Under `placement = "planned"` ([`planned`]) each rank's
+//! drafter differs from run to run. Under `placement = "planned"` (`planned`) each rank's
 //! slices in each step are a pure function of the plan and the configs ([`SlicePlan`]), they
 //! sample only the previous step's rows, and each step's round is applied at the end of the
 //! next step: the drafter is the same bit for bit on every run and across a resume.

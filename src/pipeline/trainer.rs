@@ -2,10 +2,11 @@
 //! learned and measured.
 //!
 //! This file holds the trainer's configuration (plan, clock, step mode, filler, resume,
-//! periodic checkpoints, data-parallel share) and the ranks' setup; [`run`] runs it (the
+//! periodic checkpoints, data-parallel share) and the ranks' setup; `run` runs it (the
 //! runtime on its own thread, the caller's thread joining each step's metrics and profile);
-//! [`outcome`] is what a run hands back (final parameters, moments, the drafter, figures);
-//! [`kept`] runs whose ranks stay alive for the next run (the RL update's steps).
+//! `outcome` ([`PipelineRun`]) is what a run hands back (final parameters, moments, the drafter,
+//! figures); `kept` ([`KeptRanks`], [`KeptRun`]) runs whose ranks stay alive for the next run (the
+//! RL update's steps).
 //!
 //! One runtime iteration is one optimizer step. The runtime runs on its own thread while
 //! the caller's thread receives each completed step's [`crate::train::StepMetrics`] and hands it to the

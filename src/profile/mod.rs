@@ -1,9 +1,9 @@
 //! Timeline writers: the pictures and traces a person reads to see where a pipeline idles.
 //!
-//! Every writer takes a [`Timeline`] (what ran where and when, with its bubble slots and
-//! metrics), never command-line arguments, so the same code draws a *predicted* timeline
-//! (from the schedule simulator, `pipefill schedule export`) and a *measured* one (from the
-//! runtime's profiler), and the two can be laid side by side.
+//! Every writer takes a [`Timeline`](crate::schedules::Timeline) (what ran where and when, with its
+//! bubble slots and metrics), never command-line arguments, so the same code draws a *predicted*
+//! timeline (from the schedule simulator, `pipefill schedule export`) and a *measured* one (from
+//! the runtime's profiler), and the two can be laid side by side.
 //!
 //! - [`svg`]: a self-contained SVG picture, one lane per rank, with a legend and a time axis.
 //! - [`chrome`]: a Chrome trace-event JSON file that opens in Perfetto (`ui.perfetto.dev`)

@@ -14,7 +14,7 @@
 //! one implementation of those definitions; this module never recomputes a metric. A
 //! closing line gives the whole run's figures (every step's timeline together), when known.
 //! A run with filler work adds its bubble-fill ratio, step inflation and drafter agreement
-//! ([`fill`]); its step inflation comes from replaying each filled step without its
+//! (`fill`); its step inflation comes from replaying each filled step without its
 //! fillers ([`replay`]).
 
 mod fill;

@@ -6,7 +6,7 @@
 //! that followed each, the last token being the one just emitted and not yet run through
 //! the target) and returns a chain of K tokens with the distributions `q` they were drawn
 //! from ([`DraftChain`]). Temperature 0 means greedy drafting.
-//! - [`Drafter`](crate::model::drafter::Drafter): the trained EAGLE-style drafter;
+//! - [`Drafter`]: the trained EAGLE-style drafter;
 //! - [`RandomProposer`]: random chains (acceptance must stay lossless even then);
 //! - [`OracleProposer`]: replays known continuations (every draft right), for tests.
 //!

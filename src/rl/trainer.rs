@@ -15,7 +15,7 @@
 //!    rollout batch the policy ratio is 1, so this is the clipped GRPO objective's gradient
 //!    exactly (see [`super::grpo`]). Without the KL term the sequences of advantage 0 (groups
 //!    whose rewards are all equal) have exactly no gradient and are left out, so the step
-//!    runs fewer micro-batches ([`fitted_update`]; `n` still counts them). The pipeline's
+//!    runs fewer micro-batches (`fitted_update`; `n` still counts them). The pipeline's
 //!    ranks stay alive from step to step ([`PipelineTrainer::run_kept`]): the next update
 //!    continues from their parameters and optimizer moments, and the policy is refreshed
 //!    from them buffer to buffer, where resuming each step from a checkpoint copied all of

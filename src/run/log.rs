@@ -98,7 +98,7 @@ pub struct RunSummary {
     pub steps: usize,
     pub seconds: f64,
     pub tokens: usize,
-    /// Steps in each loss mean (at most [`LOSS_WINDOW`]).
+    /// Steps in each loss mean (at most `LOSS_WINDOW`).
     pub window: usize,
     pub first_loss: f32,
     pub last_loss: f32,

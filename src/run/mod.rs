@@ -1,9 +1,9 @@
-//! Running a job. [`train`] and [`rl`] are the runners every way of running a job goes
-//! through (the reference trainer, the in-process pipeline, a launched rank, `pipefill
-//! rl`); the CLI only parses arguments and draws what the runner [`show`]s. What they
-//! share: the run directory ([`dir`]), which decides whether a run may write where it was
-//! told to; the line of `metrics.jsonl` ([`metrics`]); the training log that writes those
-//! lines and sums the run up ([`log`]); and why a run stopped ([`error`]).
+//! Running a job. [`train`](fn@train) and [`rl`](fn@rl) are the runners every way of running a job
+//! goes through (the reference trainer, the in-process pipeline, a launched rank, `pipefill rl`);
+//! the CLI only parses arguments and draws what the runner [`show`]s. What they share: the run
+//! directory ([`dir`]), which decides whether a run may write where it was told to; the line of
+//! `metrics.jsonl` ([`metrics`]); the training log that writes those lines and sums the run up
+//! ([`log`]); and why a run stopped ([`error`]).
 //!
 //! ```no_run
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -39,7 +39,7 @@ pub use train::train;
 use crate::config::JobConfig;
 use crate::config::memory::{Bytes, MemoryLimit, Workload};
 
-/// How a run was asked to start, whatever it runs ([`train`], [`rl`]).
+/// How a run was asked to start, whatever it runs ([`train`](fn@train), [`rl`](fn@rl)).
 #[derive(Debug, Clone, Copy)]
 pub struct Start<'a> {
     /// Where this process stands: alone, or one rank of a launched job.

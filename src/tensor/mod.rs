@@ -268,9 +268,10 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// `r` at position `positions[r]` (`rows = positions.len()`), Llama's `rotate_half`
     /// convention: for `i < head_dim/2` and `a = positions[r]·inv_freq[i]` (`inv_freq` has
     /// `head_dim/2` frequencies, e.g. `theta^(−2i/head_dim)`, see `GptConfig::rope_inv_freq`),
-    /// `out[i] = x[i]·cos a − x[i+head_dim/2]·sin a`, `out[i+head_dim/2] = x[i+head_dim/2]·cos a
-    /// + x[i]·sin a`. With `inverse` the rotation is by `−a`: the transpose, so the input
-    /// gradient of the forward rotation. `head_dim` must be even.
+    /// `out[i] = x[i]·cos a − x[i+head_dim/2]·sin a`,
+    /// `out[i+head_dim/2] = x[i+head_dim/2]·cos a + x[i]·sin a`. With `inverse` the rotation
+    /// is by `−a`: the transpose, so the input gradient of the forward rotation. `head_dim`
+    /// must be even.
     #[allow(clippy::too_many_arguments)]
     fn rope(
         &self,

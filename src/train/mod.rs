@@ -1,5 +1,5 @@
-//! Training loops. [`reference`] holds the single-device reference trainer: the whole
-//! model on one backend, no pipeline. It is the oracle every pipeline schedule must
+//! Training loops. [`reference`](mod@reference) holds the single-device reference trainer: the
+//! whole model on one backend, no pipeline. It is the oracle every pipeline schedule must
 //! reproduce, so its data order and micro-batching are explicit functions of the step.
 //!
 //! [`eval`] scores greedy completions of held-out tasks by exact match.

@@ -4,11 +4,11 @@
 //!
 //! As in the zero-bubble paper (Qi et al., ICLR 2024, section 4), a heuristic warm-starts a
 //! search:
-//! - [`greedy`]: a list scheduler that simulates time while it builds the plan (as many
+//! - `greedy`: a list scheduler that simulates time while it builds the plan (as many
 //!   forwards as memory allows in warm-up, then 1F-1I, W's into gaps or when memory
 //!   demands), with a handful of knobs left open (warm-up depth and W's held back per rank,
 //!   the gap a W may fill, F/I priority, depth- or breadth-first over chunks);
-//! - [`search`]: tries families of knob settings, hill-climbs the per-rank knobs of the
+//! - `search`: tries families of knob settings, hill-climbs the per-rank knobs of the
 //!   best, then moves one or two actions at a time within the best plan's rank lists
 //!   (local search over the order of W's and extra F's), each candidate scored by the
 //!   simulator.
@@ -65,7 +65,8 @@ pub struct AutoPlan {
 /// The plan with the least steady bubble for `ranks` ranks, `microbatches` micro-batches and
 /// `chunks` stages per rank placed by `placement`, under `cost` (one entry, or one per
 /// stage), with at most `memory_limit` activation memory on any rank (in the cost model's
-/// units; `f64::INFINITY` for none). Compute-only; [`crate::lower`] adds SEND/RECV.
+/// units; `f64::INFINITY` for none). Compute-only; [`crate::lower`](fn@crate::lower) adds
+/// SEND/RECV.
 pub fn auto(
     cost: &CostModel,
     ranks: usize,

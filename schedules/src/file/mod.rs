@@ -5,7 +5,7 @@
 //! the stage → rank table is inferred from which row each stage appears in; TOML may
 //! state it. Parse errors name the file, the rank (row), the step (0-based cell position)
 //! and the offending text. Whether the plan is *correct* (dependencies, deadlock,
-//! memory) is the validator's job ([`crate::validate`]), not the parser's.
+//! memory) is the validator's job ([`crate::validate`](fn@crate::validate)), not the parser's.
 
 mod csv;
 mod toml;

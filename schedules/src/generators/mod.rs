@@ -130,7 +130,8 @@ pub fn generate(
     }
 }
 
-/// [`generate`], then [`crate::lower`]: the plan with SEND/RECV for every cross-rank edge.
+/// [`generate`], then [`crate::lower`](fn@crate::lower): the plan with SEND/RECV for every
+/// cross-rank edge.
 pub fn build(kind: ScheduleKind, ranks: usize, microbatches: usize, chunks: usize) -> Result<Plan> {
     crate::lower::lower(&generate(kind, ranks, microbatches, chunks)?)
 }

@@ -306,7 +306,7 @@ impl LaunchFill {
     /// rank 0 the state (its replica's weights and optimizer, its copies of the buffers, the
     /// posts of the kept round it holds), elsewhere this replica's row sampler and, under the
     /// planned placement, the posts of the kept round this process holds and, on the last
-    /// stage's rank, its rows; rank 0's writer puts them together ([`assemble`]).
+    /// stage's rank, its rows; rank 0's writer puts them together (`assemble`).
     pub fn snapshot(&self) -> Result<DrafterSnap, DrafterError> {
         let fill = &self.fill;
         Ok(match self.rank {

@@ -181,7 +181,7 @@ impl RankShard {
 }
 
 /// Checks every file the manifest in `dir` lists (each shard, and the drafter's) against its
-/// size and hash without holding any of it ([`super::files::verify_listed`]). The first
+/// size and hash without holding any of it (`super::files::verify_listed`). The first
 /// mismatch is the error, naming the file.
 pub fn verify_files(dir: &Path) -> Result<(), CheckpointError> {
     let manifest = Manifest::read(dir)?;

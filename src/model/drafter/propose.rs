@@ -79,7 +79,7 @@ impl<B: Backend> Drafter<B> {
     /// the softmax of the logits); otherwise tokens are sampled from
     /// `q = softmax(logits / temperature)` with `rng`. Contexts longer than `window` pairs
     /// are cut to their last `window`. On the host backend the first proposal after a
-    /// weight change packs the weights (see [`super::packed`]).
+    /// weight change packs the weights (see `super::packed`).
     pub fn propose(
         &mut self,
         contexts: &[DraftContext<'_>],

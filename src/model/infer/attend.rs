@@ -4,13 +4,13 @@
 //! against a short cache are a handful of short dot products per head, cheaper in place
 //! than laid out for a batched backend product.
 //!
-//! The dot products keep [`LANES`] partial sums: a plain `iter().sum()` over f32 is one
+//! The dot products keep `LANES` partial sums: a plain `iter().sum()` over f32 is one
 //! dependent add chain that the compiler may not reorder, so a 64-wide head cost 64 add
 //! latencies per cached row, and at `d_model` 256 the attention of a verification's K+1
 //! rows was a fifth of the target's step. Every row goes through the same function, so a
 //! position's result does not depend on how many positions share the call.
 //!
-//! Where the CPU has AVX2, [`avx2`] runs the same arithmetic with 8-lane registers: four
+//! Where the CPU has AVX2, `avx2` runs the same arithmetic with 8-lane registers: four
 //! cached rows scored at once (four add chains in flight instead of one waiting on its
 //! latency) and each head's output kept in registers across the cached rows instead of
 //! loaded and stored once per row. Its separate multiplies and adds, lane for lane and in

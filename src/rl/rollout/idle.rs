@@ -15,9 +15,9 @@
 //!    rows this step's rollouts produced (each finished sequence's row reaches the buffer
 //!    at once through [`MessageHook::row`]) and the previous step's, each sized by the
 //!    router to the idle time the stage has left, and the optimizer step once they add up
-//!    to a whole slice (see [`slices`]: the gaps are far shorter than a whole slice);
+//!    to a whole slice (see `slices`: the gaps are far shorter than a whole slice);
 //!    with `rl.advanced.drafter_work = "idle"` also the held-out evaluation (`"drafter eval"`,
-//!    see [`eval`]), and the budget's rest carried into the next step instead of run after
+//!    see `eval`), and the budget's rest carried into the next step instead of run after
 //!    the rollout.
 //!
 //! The idle time a stage has left is predicted from what it observed: the moving average

@@ -7,8 +7,8 @@
 //! `--init`, its checkpoint and the `[model]` and data seed it was trained with, or
 //! `rl.warmup_steps` supervised pipelined steps), the run directory (`job.toml`,
 //! `metrics.jsonl` one line per RL step, the final `checkpoint/`) and the summary. The
-//! steps run on [`in_process`] (rollouts, drafter and every rank of the update in this
-//! process) or [`launched`] (rank 0 the rollouts, every rank its stages of the update).
+//! steps run on `in_process` (rollouts, drafter and every rank of the update in this
+//! process) or `launched` (rank 0 the rollouts, every rank its stages of the update).
 //! With speculation the rollouts' drafter starts from the `--init` checkpoint's when that
 //! run trained one in its bubbles (`filler = "drafter"`).
 
@@ -34,7 +34,7 @@ use crate::tensor::device::on_backend;
 /// rank 0 writes it).
 ///
 /// A launched rank ends its process a few seconds after a peer fails, as in
-/// [`crate::run::train`].
+/// [`crate::run::train`](fn@crate::run::train).
 pub fn rl(
     job: &JobConfig,
     init: Option<&Path>,

@@ -6,13 +6,13 @@
 //! [`crate::run::StepLine`] per step through [`crate::run::RunLog`]), the final checkpoint
 //! and the profile files; in one process also the data (loaded once, summed up) and the
 //! held-out score. What differs is the engine the steps run on
-//! ([`engine::Engine`]; [`engine::drive`] runs any of them, so every path ticks, logs, sums
+//! (`engine::Engine`; `engine::drive` runs any of them, so every path ticks, logs, sums
 //! up, checkpoints and ends alike):
 //!
-//! - [`reference`]: the reference trainer on the job's device;
-//! - [`pipelined`]: the actor runtime, every rank in this process, rank `r` on
+//! - `reference`: the reference trainer on the job's device;
+//! - `pipelined`: the actor runtime, every rank in this process, rank `r` on
 //!   [`crate::tensor::device::RankBackend::for_rank`]`(r)`;
-//! - [`launched`]: this process's rank of the plan, the others over the TCP mesh (NCCL
+//! - `launched`: this process's rank of the plan, the others over the TCP mesh (NCCL
 //!   between GPUs), rank 0 writing the run directory.
 
 mod engine;

@@ -8,8 +8,9 @@
 //! [`DeviceError::MissingCudaLibrary`]) before making any other cudarc call.
 //!
 //! Layout: this file holds the backend, its buffers and the helpers every operation uses;
-//! `backend.rs` implements [`Backend`]; `blas.rs` maps row-major products onto column-major
-//! cuBLAS and builds attention from them; `kernels.rs` compiles and indexes the kernels.
+//! `backend.rs` implements [`Backend`](crate::tensor::Backend); `blas.rs` maps row-major products
+//! onto column-major cuBLAS and builds attention from them; `kernels.rs` compiles and indexes the
+//! kernels.
 //!
 //! `bf16` buffers are stored as raw 16-bit words and widened into a temporary `f32` buffer
 //! around each operation (as the CPU backend does), so every kernel is written once, in `f32`.

@@ -8,8 +8,8 @@
 //! one 64-byte line per `k`), and each pass streams the panels while several rows keep
 //! their sums in registers, so a weight vector is loaded once and used by every row.
 //!
-//! One kernel per instruction set ([`Isa`]), picked at run time: [`avx512`] (16 lanes, 32
-//! registers: up to 14 rows per pass), [`avx2`] (8 lanes, 16 registers: up to 6 rows, each
+//! One kernel per instruction set ([`Isa`]), picked at run time: `avx512` (16 lanes, 32
+//! registers: up to 14 rows per pass), `avx2` (8 lanes, 16 registers: up to 6 rows, each
 //! panel as two halves) and a plain one. What keeps a few rows close to the cost of one:
 //! several panels are in flight at once, so a lone row does not wait on one FMA chain's
 //! latency per weight vector; each weight stream is prefetched ahead, because the hardware
