@@ -1,4 +1,5 @@
-//! Multi-process jobs through the binary: `pipefill launch -n 4` and a real `mpirun` give
+//! Multi-process jobs through the binary: `pipefill launch -n 4`, a real `mpirun`, and ranks
+//! started as torchrun and srun start them (described by their variables alone) give
 //! exactly the parameters (and optimizer moments) of the in-process run of the same job; a
 //! killed rank ends the job within 10 s with its rank named; a wrong job token is refused;
 //! dp = 2 replicas × 2 stages equal the in-process dp = 1 run within tests/dp.rs's tolerance.
@@ -229,6 +230,60 @@ fn launch_of_four_ranks_and_mpirun_equal_the_in_process_run() {
         &reference,
         &Checkpoint::load(&mpi.join("checkpoint")).unwrap(),
     );
+}
+
+/// torchrun and srun start every rank themselves and describe it in the environment only
+/// (`RANK`/`WORLD_SIZE`/`LOCAL_RANK`, `SLURM_PROCID`/`SLURM_NTASKS`/`SLURM_LOCALID`, with
+/// `MASTER_ADDR`/`MASTER_PORT`): four processes started that way, with nothing but those
+/// variables, run the same runner and end with the in-process run's parameters, bit for bit.
+#[test]
+fn torchrun_and_srun_style_ranks_equal_the_in_process_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let single = clean(EXE)
+        .args(train_args(&dir.path().join("single"), &[]))
+        .output()
+        .unwrap();
+    assert!(single.status.success(), "{}", text(&single));
+    let reference = Checkpoint::load(&dir.path().join("single/checkpoint")).unwrap();
+    let launchers: [(&str, [&str; 3]); 2] = [
+        ("torchrun", ["RANK", "WORLD_SIZE", "LOCAL_RANK"]),
+        ("srun", ["SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"]),
+    ];
+    for (launcher, [rank_var, world_var, local_var]) in launchers {
+        let out_dir = dir.path().join(launcher);
+        let port = free_port().to_string();
+        let ranks: Vec<_> = (0..4)
+            .map(|rank| {
+                clean(EXE)
+                    .args(train_args(&out_dir, &[]))
+                    .env(rank_var, rank.to_string())
+                    .env(world_var, "4")
+                    .env(local_var, rank.to_string())
+                    .env("MASTER_ADDR", "127.0.0.1")
+                    .env("MASTER_PORT", &port)
+                    .env("PIPEFILL_TOKEN", format!("{launcher}-test-token"))
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        for (rank, child) in ranks.into_iter().enumerate() {
+            let out = child.wait_with_output().unwrap();
+            assert!(
+                out.status.success(),
+                "{launcher} rank {rank}: {}",
+                text(&out)
+            );
+            // One job, not four: only rank 0 sums the run up.
+            let done = String::from_utf8_lossy(&out.stdout).contains("done: ");
+            assert_eq!(done, rank == 0, "{launcher} rank {rank}: {}", text(&out));
+        }
+        assert_same(
+            &reference,
+            &Checkpoint::load(&out_dir.join("checkpoint")).unwrap(),
+        );
+    }
 }
 
 /// Sends every line of `from` on a channel.
