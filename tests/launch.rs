@@ -239,12 +239,7 @@ fn launch_of_four_ranks_and_mpirun_equal_the_in_process_run() {
 #[test]
 fn torchrun_and_srun_style_ranks_equal_the_in_process_run() {
     let dir = tempfile::tempdir().unwrap();
-    let single = clean(EXE)
-        .args(train_args(&dir.path().join("single"), &[]))
-        .output()
-        .unwrap();
-    assert!(single.status.success(), "{}", text(&single));
-    let reference = Checkpoint::load(&dir.path().join("single/checkpoint")).unwrap();
+    let reference = in_process(&dir.path().join("single"), &[]);
     let launchers: [(&str, [&str; 3]); 2] = [
         ("torchrun", ["RANK", "WORLD_SIZE", "LOCAL_RANK"]),
         ("srun", ["SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"]),
