@@ -107,24 +107,10 @@ fn launched_rl_over_two_processes_equals_the_in_process_run_bitwise() {
         text(&out)
     );
 
-    // One metrics line type for both runs: the same fields, the same rollout figures; only
-    // the launched one has a weight sync.
-    let keys = |run: &Path| -> Vec<Vec<String>> {
-        std::fs::read_to_string(run.join("metrics.jsonl"))
-            .unwrap()
-            .lines()
-            .map(|l| {
-                let v: serde_json::Value = serde_json::from_str(l).unwrap();
-                let mut keys: Vec<String> = v.as_object().unwrap().keys().cloned().collect();
-                keys.retain(|k| k != "calibration");
-                keys
-            })
-            .collect()
-    };
-    assert_eq!(keys(&multi), keys(&single));
     // The rollout figures rank 0 now reports: the same tokens as in-process (lossless
     // decoding), and a live batch per rollout step (its shape, and whether the rollout
-    // speculated, follow the costs each run measured, so they may differ).
+    // speculated, follow the costs each run measured, so they may differ); only the
+    // launched run has a weight sync.
     let column = |run: &Path, field: &str| -> Vec<serde_json::Value> {
         std::fs::read_to_string(run.join("metrics.jsonl"))
             .unwrap()
@@ -139,7 +125,6 @@ fn launched_rl_over_two_processes_equals_the_in_process_run_bitwise() {
         "{:?}",
         column(&multi, "live_batch")
     );
-    assert!(column(&multi, "speculation").iter().all(|v| v.is_boolean()));
     for field in ["generated_tokens", "tokens_per_s", "sequences"] {
         let (m, s) = (
             metrics_column(&multi, field),
