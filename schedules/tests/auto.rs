@@ -8,8 +8,8 @@
 //! is in `benches/auto.rs`).
 
 use pipefill_schedules::{
-    CostModel, Origin, Placement, Plan, ScheduleError, ScheduleKind, StageCost, Timeline,
-    ValidateOptions, auto, auto_plan, generate, lower, peak_memory, simulate, validate,
+    CostModel, Origin, Placement, Plan, ScheduleError, ScheduleKind, StageCost, ValidateOptions,
+    auto, auto_plan, generate, lower, peak_memory, simulate, validate,
 };
 
 const EPS: f64 = 1e-9;
@@ -42,14 +42,10 @@ fn one_slow(stages: usize, slow: usize) -> CostModel {
     }
 }
 
-fn peak(t: &Timeline) -> f64 {
-    t.peak_memory()
-}
-
 /// The steady bubble ratio of built-in `kind` and its peak memory.
 fn builtin(kind: ScheduleKind, p: usize, m: usize, v: usize, cost: &CostModel) -> (f64, f64) {
     let t = simulate(&generate(kind, p, m, v).unwrap(), cost).unwrap();
-    (t.steady_bubble_ratio, peak(&t))
+    (t.steady_bubble_ratio, t.peak_memory())
 }
 
 /// The best steady bubble ratio of the built-ins with `shape`'s placement that fit `limit`.
@@ -64,7 +60,7 @@ fn best_builtin(shape: &Plan, cost: &CostModel, limit: f64) -> Option<f64> {
         .filter_map(|kind| generate(kind, p, m, v).ok())
         .filter(|plan| plan.stage_rank == shape.stage_rank)
         .map(|plan| simulate(&plan, cost).unwrap())
-        .filter(|t| peak(t) <= limit)
+        .filter(|t| t.peak_memory() <= limit)
         .map(|t| t.steady_bubble_ratio)
         .reduce(f64::min)
 }
@@ -172,7 +168,7 @@ fn a_slow_stage_is_scheduled_better_than_the_builtins_at_their_memory() {
         let (theirs, their_peak) = builtin(kind, p, m, 1, &cost);
         let a = auto_plan(&cost, p, m, 1, Placement::Contiguous, their_peak).unwrap();
         let ours = a.timeline.steady_bubble_ratio;
-        assert!(peak(&a.timeline) <= their_peak, "{kind}");
+        assert!(a.timeline.peak_memory() <= their_peak, "{kind}");
         assert!(
             (ours - bound).abs() < EPS,
             "{kind}: auto {ours}, bound {bound}"
