@@ -8,7 +8,7 @@ use std::path::Path;
 use crate::config::JobConfig;
 use crate::model::checkpoint::Checkpoint;
 use crate::run::show::{Bar, Show, step_tick};
-use crate::run::{RunDir, RunError, RunLog, StepLine, steps_left};
+use crate::run::{RunDir, RunError, RunLog, StepLine};
 
 /// One way of running a job's steps.
 pub(super) trait Engine {
@@ -54,16 +54,16 @@ impl Steps<'_> {
     }
 }
 
-/// Runs `engine` from `first_step` to `job.train.steps`. `run` is the run directory and its
-/// log where this process writes them (a launched rank other than 0 writes nothing).
+/// Runs the `left` steps of `job` still to run on `engine` (the caller checked there are
+/// some, [`crate::run::steps_left`], before opening the log). `run` is the run directory and
+/// its log where this process writes them (a launched rank other than 0 writes nothing).
 pub(super) fn drive<E: Engine>(
     job: &JobConfig,
     engine: &mut E,
-    first_step: u64,
+    left: u64,
     run: Option<(&RunDir, RunLog)>,
     show: &mut dyn Show,
 ) -> Result<(), RunError> {
-    let left = steps_left(first_step, job.train.steps)?;
     let (dir, mut log) = run.unzip();
     let mut steps = Steps {
         show: &mut *show,

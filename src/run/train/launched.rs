@@ -31,6 +31,7 @@ use crate::tensor::device::Device;
 pub(super) fn train(
     job: &JobConfig,
     env: &RankEnv,
+    device: Device,
     resume: Option<&Path>,
     existing: Existing,
     show: &mut dyn Show,
@@ -120,11 +121,11 @@ pub(super) fn train(
         mesh: &mesh,
         first_step,
         checkpoint: checkpoint.as_ref(),
-        device: job.device.on_local_rank(env.local_rank),
+        device,
         run_dir: None,
     };
     let (dir, log) = run_dir.unzip();
-    drive(job, &mut engine, first_step, dir.as_ref().zip(log), show)?;
+    drive(job, &mut engine, left, dir.as_ref().zip(log), show)?;
     mesh.close()?;
     Ok(engine.run_dir.unwrap_or_default())
 }

@@ -2,12 +2,12 @@
 //! single-device reference trainer (`schedule = "none"`), the pipeline with every rank in
 //! this process, or one rank of a launched job (`pipefill launch`, mpirun, srun, torchrun).
 //! It owns what the three share: the checks before anything runs (memory, device, `dp`),
-//! the run directory (claimed before any work), resume, the metrics line (one
-//! [`crate::run::StepLine`] per step through [`crate::run::RunLog`]), the final checkpoint
-//! and the profile files; in one process also the data (loaded once, summed up) and the
-//! held-out score. What differs is the engine the steps run on
-//! (`engine::Engine`; `engine::drive` runs any of them, so every path ticks, logs, sums
-//! up, checkpoints and ends alike):
+//! the run directory (claimed before any work), the metrics line (one
+//! [`crate::run::StepLine`] per step through [`crate::run::RunLog`]) and the final
+//! checkpoint; in one process also the data (loaded once, summed up) and the held-out score.
+//! What differs is the engine the steps run on (`engine::Engine`; `engine::drive` runs any
+//! of them, so every path ticks, logs, sums up, checkpoints and ends alike), which also
+//! resumes from its own kind of checkpoint and writes its own profile files:
 //!
 //! - `reference`: the reference trainer on the job's device;
 //! - `pipelined`: the actor runtime, every rank in this process, rank `r` on
@@ -53,7 +53,7 @@ pub fn train(
     // Before joining any other rank: a device that cannot be used here ends the run at once.
     let device = job.device.usable_on_local_rank(env.local_rank)?;
     if env.is_distributed() {
-        return launched::train(job, env, resume, start.existing, show);
+        return launched::train(job, env, device, resume, start.existing, show);
     }
     // Before any work: a run directory that holds another run ends the run at once.
     let run_dir = RunDir::claim(

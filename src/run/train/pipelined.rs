@@ -8,7 +8,7 @@
 //! job with `filler = "none"` ([`BASELINE_STEPS`] steps at most, same plan, model and data)
 //! measures its median step makespan; it only measures and writes nothing.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 use super::engine::{Engine, Steps, drive, step_message};
@@ -54,7 +54,7 @@ pub(super) fn train(
     }
     let first_step = trainer.first_step();
     let t = &job.train;
-    steps_left(first_step, t.steps)?;
+    let left = steps_left(first_step, t.steps)?;
     let plan = trainer.plan().clone();
     let clock = job.clock.name();
     show.line(&model_line(
@@ -81,17 +81,17 @@ pub(super) fn train(
     let mut engine = InProcess {
         job,
         trainer,
-        out_dir: run_dir.path().to_path_buf(),
+        out_dir: run_dir.path(),
         agreement: None,
     };
-    drive(job, &mut engine, first_step, Some((run_dir, log)), show)
+    drive(job, &mut engine, left, Some((run_dir, log)), show)
 }
 
 /// The pipeline with every rank in this process as an [`Engine`].
 struct InProcess<'j> {
     job: &'j JobConfig,
     trainer: PipelineTrainer,
-    out_dir: PathBuf,
+    out_dir: &'j Path,
     /// The drafter's latest held-out agreement (measured every few steps).
     agreement: Option<f64>,
 }
@@ -127,7 +127,7 @@ impl Engine for InProcess<'_> {
         let main = self
             .trainer
             .clone()
-            .checkpoint_every(self.job.checkpoint_every, &self.out_dir);
+            .checkpoint_every(self.job.checkpoint_every, self.out_dir);
         let run = main.run_observed(steps, |v: &StepView| {
             let message = self.message(v);
             out.step(&StepLine::of_view(v, filler), &message);
@@ -160,7 +160,7 @@ impl Engine for InProcess<'_> {
                 .map(|(m, note, costs)| (m.as_slice(), note.clone(), costs)),
             show,
         );
-        let report = write_profile(dir, job, &run, job.clock.name(), filling)?;
+        let report = write_profile(dir, job, &run, filling)?;
         show.line("");
         show.line(report.to_text().trim_end());
         show.line("");

@@ -71,7 +71,7 @@ fn run<B: Backend>(
         ));
     }
     let first_step = trainer.step();
-    steps_left(first_step, job.train.steps)?;
+    let left = steps_left(first_step, job.train.steps)?;
     let t = &job.train;
     show.line(&model_line(job, &trainer.backend().name()));
     show.line(&format!(
@@ -88,7 +88,7 @@ fn run<B: Backend>(
     ));
     let log = RunLog::open(run_dir, job, first_step)?;
     let mut engine = Reference { job, trainer };
-    drive(job, &mut engine, first_step, Some((run_dir, log)), show)
+    drive(job, &mut engine, left, Some((run_dir, log)), show)
 }
 
 /// The reference trainer as an [`Engine`].
