@@ -43,7 +43,7 @@ pub(super) fn filling(
     baseline: Option<(&[f64], String, &ActionCosts)>,
     show: &mut dyn Show,
 ) -> Option<Filling> {
-    run.drafter.as_ref()?;
+    let drafter = run.drafter.as_ref()?;
     let spans = run.filler_spans();
     let makespans: Vec<f64> = run.timelines().map(|t| t.makespan).collect();
     let name = format!("{:?}", job.filler).to_lowercase();
@@ -63,7 +63,6 @@ pub(super) fn filling(
             Err(e) => show.line(&format!("warning: step inflation not replayed: {e}")),
         }
     }
-    let drafter = run.drafter.as_ref()?;
     f.drafter_version = drafter.agreement.last().map(|a| a.1);
     f.work = drafter
         .router
@@ -87,9 +86,9 @@ pub(super) fn write_profile(
     dir: &Path,
     job: &JobConfig,
     run: &PipelineRun,
-    clock: &str,
     filling: Option<Filling>,
 ) -> Result<BubbleReport, RunError> {
+    let clock = job.clock.name();
     let iterations = &run.report.iterations;
     let makespans: Vec<f64> = iterations.iter().map(|i| i.timeline.makespan).collect();
     let first_step = run.next_step() - iterations.len() as u64;
