@@ -92,7 +92,7 @@ pub enum Filler {
 /// A job names the kind only: each rank of a launched job computes on the CUDA GPU whose
 /// ordinal is its local rank (one GPU per process), a single-process run on GPU 0
 /// ([`DeviceKind::on_local_rank`]).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum DeviceKind {
     /// The CPU backend, one thread per rank (DESIGN.md, "Clocks").

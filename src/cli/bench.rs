@@ -121,7 +121,7 @@ pub struct RolloutArgs {
     /// What the target, the rollouts and the drafter compute on: cpu or cuda (overrides
     /// device; cuda: GPU 0).
     #[arg(long, value_enum)]
-    device: Option<crate::cli::train::DeviceArg>,
+    device: Option<pipefill::config::DeviceKind>,
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
@@ -154,7 +154,7 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
         .chain(a.sets.iter().cloned())
         .collect();
     if let Some(device) = a.device {
-        sets.push(format!("device=\"{}\"", device.name()));
+        sets.push(format!("device=\"{device}\""));
     }
     let mut job = JobConfig::embedded(&sets).context("bench rollout: the job")?;
     // Before any work: a device that cannot be used here ends the bench at once.

@@ -27,7 +27,7 @@ use std::path::PathBuf;
 
 use crate::cli::job::JobArgs;
 use crate::cli::show::Terminal;
-use pipefill::config::Clock;
+use pipefill::config::{Clock, DeviceKind};
 use pipefill::launch::RankEnv;
 
 #[derive(clap::Args)]
@@ -48,7 +48,7 @@ pub struct TrainArgs {
     /// What the ranks compute on: cpu or cuda (overrides device; a launched rank uses the
     /// GPU of its local rank).
     #[arg(long, value_enum)]
-    device: Option<DeviceArg>,
+    device: Option<DeviceKind>,
     /// Number of optimizer steps (overrides train.steps).
     #[arg(long)]
     steps: Option<u64>,
@@ -58,27 +58,10 @@ pub struct TrainArgs {
     resume: Option<PathBuf>,
 }
 
-/// `--device`'s values (the job file's `device`).
-#[derive(Clone, Copy, clap::ValueEnum)]
-pub enum DeviceArg {
-    Cpu,
-    Cuda,
-}
-
-impl DeviceArg {
-    /// The job file's name for it.
-    pub fn name(self) -> &'static str {
-        match self {
-            DeviceArg::Cpu => "cpu",
-            DeviceArg::Cuda => "cuda",
-        }
-    }
-}
-
 pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     let mut sets = Vec::new();
     if let Some(device) = args.device {
-        sets.push(format!("device=\"{}\"", device.name()));
+        sets.push(format!("device=\"{device}\""));
     }
     if let Some(clock) = args.clock {
         sets.push(format!("clock=\"{}\"", clock.name()));

@@ -193,7 +193,6 @@ pub fn train_rank(
 }
 
 /// What [`train_rank`] was asked, handed on to its backend-generic part.
-#[derive(Clone, Copy)]
 struct Asked<'a> {
     job: &'a JobConfig,
     plan: &'a Plan,
