@@ -100,15 +100,7 @@ fn the_pipelined_grpo_update_equals_the_single_device_update() {
 
     // The same update on one device.
     let (mut gpt, mut opt) = load(&job, &start);
-    let prompts: Vec<Vec<u32>> = tasks
-        .iter()
-        .map(|t| {
-            let mut ids = vec![tokenizer::BOS];
-            ids.extend(Tokenizer::new().encode(&t.prompt).unwrap());
-            ids
-        })
-        .collect();
-    let batch = engine.generate(&gpt, request(&prompts)).unwrap();
+    let batch = engine.generate(&gpt, request(&encoded(&tasks))).unwrap();
     let advantages = group_advantages(&[1.0, 0.0, 0.0, 1.0, 0.0, 0.0], 3).unwrap();
     // The packed step on one device: the pipeline computes exactly this, stage by stage.
     let packed = update_step(&job.rl, &batch.rollouts, &advantages, None, 2)
@@ -241,7 +233,6 @@ fn max_diff(a: &Gpt<CpuBackend>, b: &Gpt<CpuBackend>) -> f32 {
     worst
 }
 
-/// `prompts` (BOS + each task's prompt) of `tasks`.
 /// What the tests here ask of an engine directly: 3 completions of each of `prompts`, at
 /// most 24 tokens each, at step 0.
 fn request(prompts: &[Vec<u32>]) -> RolloutRequest<'_> {
@@ -254,6 +245,7 @@ fn request(prompts: &[Vec<u32>]) -> RolloutRequest<'_> {
     }
 }
 
+/// `prompts` (BOS + each task's prompt) of `tasks`.
 fn encoded(tasks: &[Task]) -> Vec<Vec<u32>> {
     tasks
         .iter()
@@ -441,15 +433,7 @@ fn the_pipelined_update_with_kl_equals_the_single_device_grpo_update() {
     // The same GRPO step on one device, token by token.
     let (mut gpt, mut opt) = load(&job, &start);
     let (mut frozen, _) = load(&job, &reference);
-    let prompts: Vec<Vec<u32>> = tasks
-        .iter()
-        .map(|t| {
-            let mut ids = vec![tokenizer::BOS];
-            ids.extend(Tokenizer::new().encode(&t.prompt).unwrap());
-            ids
-        })
-        .collect();
-    let batch = engine.generate(&gpt, request(&prompts)).unwrap();
+    let batch = engine.generate(&gpt, request(&encoded(&tasks))).unwrap();
     let advantages = group_advantages(&[1.0, 0.0, 0.0, 1.0, 0.0, 0.0], 3).unwrap();
     let step = update_batches(&batch.rollouts, &advantages).unwrap();
     let seqs: Vec<SequenceLogProbs> = step
