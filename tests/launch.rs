@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use pipefill::model::checkpoint::Checkpoint;
 
 mod common;
-use common::{clean, text};
+use common::{assert_bitwise, clean, text};
 
 const EXE: &str = env!("CARGO_BIN_EXE_pipefill");
 
@@ -51,19 +51,6 @@ fn in_process(dir: &Path, extra: &[&str]) -> Checkpoint {
     let out = clean(EXE).args(train_args(dir, extra)).output().unwrap();
     assert!(out.status.success(), "{}", text(&out));
     Checkpoint::load(&dir.join("checkpoint")).unwrap()
-}
-
-/// Every tensor (parameters and optimizer moments) bitwise equal, and the same step.
-fn assert_same(a: &Checkpoint, b: &Checkpoint) {
-    assert_eq!(a.meta.step, b.meta.step);
-    assert_eq!(a.meta.optimizer_step, b.meta.optimizer_step);
-    assert_eq!(a.tensors.len(), b.tensors.len());
-    for (x, y) in a.tensors.iter().zip(&b.tensors) {
-        assert_eq!(x.name, y.name);
-        assert_eq!(x.shape, y.shape, "{}", x.name);
-        let bits = |t: &[f32]| t.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-        assert!(bits(&x.data) == bits(&y.data), "{} differs", x.name);
-    }
 }
 
 /// The launched run's directory holds what a single-process run's does: the merged
@@ -202,7 +189,7 @@ fn launch_of_four_ranks_and_mpirun_equal_the_in_process_run() {
     assert!(stdout.contains("; run directory "), "{}", text(&out));
     assert!(launched.join("job.toml").exists());
     assert_run_files(&dir.path().join("single"), &launched);
-    assert_same(
+    assert_bitwise(
         &reference,
         &Checkpoint::load(&launched.join("checkpoint")).unwrap(),
     );
@@ -226,7 +213,7 @@ fn launch_of_four_ranks_and_mpirun_equal_the_in_process_run() {
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", text(&out));
-    assert_same(
+    assert_bitwise(
         &reference,
         &Checkpoint::load(&mpi.join("checkpoint")).unwrap(),
     );
@@ -274,7 +261,7 @@ fn torchrun_and_srun_style_ranks_equal_the_in_process_run() {
             let done = String::from_utf8_lossy(&out.stdout).contains("done: ");
             assert_eq!(done, rank == 0, "{launcher} rank {rank}: {}", text(&out));
         }
-        assert_same(
+        assert_bitwise(
             &reference,
             &Checkpoint::load(&out_dir.join("checkpoint")).unwrap(),
         );
@@ -525,7 +512,7 @@ fn a_tied_model_launched_equals_the_in_process_run_and_stays_tied() {
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", text(&out));
-    assert_same(
+    assert_bitwise(
         &reference,
         &Checkpoint::load(&launched.join("checkpoint")).unwrap(),
     );
@@ -559,7 +546,7 @@ fn a_launched_run_of_2_steps_resumed_for_2_more_equals_4_steps_bitwise() {
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", text(&out));
-    assert_same(
+    assert_bitwise(
         &reference,
         &Checkpoint::load(&second.join("checkpoint")).unwrap(),
     );
