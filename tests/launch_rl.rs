@@ -39,7 +39,7 @@ use pipefill::rl::trainer::RlTrainer;
 use pipefill::rl::trainer_spec::PipelineRollouts;
 
 mod common;
-use common::{assert_bitwise, clean, metrics_column, text};
+use common::{assert_bitwise, clean, metrics_column, metrics_lines, text};
 
 const EXE: &str = env!("CARGO_BIN_EXE_pipefill");
 /// dp = 2 vs dp = 1 from the same policy: (max |Δparam|, relative L2 of the difference).
@@ -111,19 +111,14 @@ fn launched_rl_over_two_processes_equals_the_in_process_run_bitwise() {
     // decoding), and a live batch per rollout step (its shape, and whether the rollout
     // speculated, follow the costs each run measured, so they may differ); only the
     // launched run has a weight sync.
-    let column = |run: &Path, field: &str| -> Vec<serde_json::Value> {
-        std::fs::read_to_string(run.join("metrics.jsonl"))
-            .unwrap()
-            .lines()
-            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()[field].clone())
-            .collect()
-    };
+    let live: Vec<serde_json::Value> = metrics_lines(&multi)
+        .iter()
+        .map(|l| l["live_batch"].clone())
+        .collect();
     assert!(
-        column(&multi, "live_batch")
-            .iter()
+        live.iter()
             .all(|v| v.as_array().is_some_and(|a| !a.is_empty())),
-        "{:?}",
-        column(&multi, "live_batch")
+        "{live:?}"
     );
     for field in ["generated_tokens", "tokens_per_s", "sequences"] {
         let (m, s) = (

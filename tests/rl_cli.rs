@@ -7,6 +7,9 @@ use std::process::{Command, Output};
 
 use serde_json::Value;
 
+mod common;
+use common::{metrics_lines, text};
+
 const EXE: &str = env!("CARGO_BIN_EXE_pipefill");
 
 /// A model and RL step small enough that a few steps take a second or two.
@@ -36,14 +39,6 @@ fn pipefill(sub: &str, args: &[&str], out: &Path) -> Output {
     cmd.args(args).arg("--out-dir").arg(out).output().unwrap()
 }
 
-fn text(out: &Output) -> String {
-    format!(
-        "stdout:\n{}\nstderr:\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
-}
-
 /// A failed command's stderr: exactly one line, returned for further checks.
 fn one_line_error(out: &Output) -> String {
     assert!(!out.status.success(), "expected a failure: {}", text(out));
@@ -55,11 +50,7 @@ fn one_line_error(out: &Output) -> String {
 
 /// metrics.jsonl's lines, each checked for every per-step field.
 fn metrics(dir: &Path) -> Vec<Value> {
-    let text = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
-    let lines: Vec<Value> = text
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let lines = metrics_lines(dir);
     for (i, m) in lines.iter().enumerate() {
         for field in [
             "reward",

@@ -12,6 +12,7 @@ pub mod job;
 pub mod rollouts;
 pub mod scripted;
 
+use std::path::Path;
 use std::process::{Command, Output};
 
 use pipefill::model::checkpoint::Checkpoint;
@@ -66,15 +67,20 @@ pub fn assert_bitwise(a: &Checkpoint, b: &Checkpoint) {
     }
 }
 
-/// A field of every line of `run`'s metrics.jsonl (NaN where a line lacks it).
-pub fn metrics_column(run: &std::path::Path, field: &str) -> Vec<f64> {
+/// Every line of `run`'s metrics.jsonl, parsed.
+pub fn metrics_lines(run: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(run.join("metrics.jsonl"))
         .unwrap()
         .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            v[field].as_f64().unwrap_or(f64::NAN)
-        })
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// A field of every line of `run`'s metrics.jsonl (NaN where a line lacks it).
+pub fn metrics_column(run: &Path, field: &str) -> Vec<f64> {
+    metrics_lines(run)
+        .iter()
+        .map(|v| v[field].as_f64().unwrap_or(f64::NAN))
         .collect()
 }
 
