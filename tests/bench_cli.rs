@@ -55,10 +55,7 @@ fn the_json_names_the_device_and_holds_every_mode_s_throughput() {
 #[cfg(not(feature = "cuda"))]
 #[test]
 fn cuda_without_the_feature_is_one_error_naming_the_device() {
-    let out = bench(&["--device", "cuda"]);
-    assert!(!out.status.success());
-    let stderr = String::from_utf8_lossy(&out.stderr).trim().to_string();
-    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    let stderr = common::one_line_error(&bench(&["--device", "cuda"]));
     assert!(
         stderr.starts_with("error: invalid `device`") && stderr.contains("--features cuda"),
         "{stderr}"

@@ -15,7 +15,7 @@ use pipefill::tensor::CpuBackend;
 use serde_json::Value;
 
 mod common;
-use common::{clean, text};
+use common::{clean, one_line_error, text};
 
 const EXE: &str = env!("CARGO_BIN_EXE_pipefill");
 
@@ -63,16 +63,6 @@ fn tokens(v: &Value) -> Vec<u32> {
         .iter()
         .map(|t| t.as_u64().expect("an id") as u32)
         .collect()
-}
-
-/// A failed command's stderr: exactly one line, no panic.
-fn one_line_error(out: &Output) -> String {
-    assert!(!out.status.success(), "expected a failure: {}", text(out));
-    let stderr = String::from_utf8_lossy(&out.stderr).trim().to_string();
-    assert!(!stderr.contains("panicked"), "{stderr}");
-    assert_eq!(stderr.lines().count(), 1, "not one line: {stderr}");
-    assert!(stderr.starts_with("error: "), "{stderr}");
-    stderr
 }
 
 /// Greedy decoding with the checkpoint's model and its full-sequence training forward.

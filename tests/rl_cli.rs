@@ -8,7 +8,7 @@ use std::process::{Command, Output};
 use serde_json::Value;
 
 mod common;
-use common::{metrics_lines, text};
+use common::{metrics_lines, one_line_error, text};
 
 const EXE: &str = env!("CARGO_BIN_EXE_pipefill");
 
@@ -37,15 +37,6 @@ fn pipefill(sub: &str, args: &[&str], out: &Path) -> Output {
     }
     // After TINY, so a test's own --set wins.
     cmd.args(args).arg("--out-dir").arg(out).output().unwrap()
-}
-
-/// A failed command's stderr: exactly one line, returned for further checks.
-fn one_line_error(out: &Output) -> String {
-    assert!(!out.status.success(), "expected a failure: {}", text(out));
-    let stderr = String::from_utf8_lossy(&out.stderr).trim().to_string();
-    assert_eq!(stderr.lines().count(), 1, "not one line: {stderr}");
-    assert!(stderr.starts_with("error: "), "{stderr}");
-    stderr
 }
 
 /// metrics.jsonl's lines, each checked for every per-step field.

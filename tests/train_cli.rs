@@ -12,7 +12,7 @@ use pipefill::pipeline::PipelineTrainer;
 use serde_json::Value;
 
 mod common;
-use common::{clean, text};
+use common::{clean, one_line_error, text};
 
 const EXE: &str = env!("CARGO_BIN_EXE_pipefill");
 
@@ -33,15 +33,6 @@ fn train(args: &[&str], out: &Path) -> Output {
         cmd.args(["--set", s]);
     }
     cmd.arg("--out-dir").arg(out).output().unwrap()
-}
-
-/// A failed command's stderr: exactly one line, returned for further checks.
-fn one_line_error(out: &Output) -> String {
-    assert!(!out.status.success(), "expected a failure: {}", text(out));
-    let stderr = String::from_utf8_lossy(&out.stderr).trim().to_string();
-    assert_eq!(stderr.lines().count(), 1, "not one line: {stderr}");
-    assert!(stderr.starts_with("error: "), "{stderr}");
-    stderr
 }
 
 fn read_json(path: &Path) -> Value {

@@ -48,6 +48,17 @@ pub fn text(out: &Output) -> String {
     )
 }
 
+/// A failed command's stderr: exactly one line, an `error: `, no panic; returned for
+/// further checks.
+pub fn one_line_error(out: &Output) -> String {
+    assert!(!out.status.success(), "expected a failure: {}", text(out));
+    let stderr = String::from_utf8_lossy(&out.stderr).trim().to_string();
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "not one line: {stderr}");
+    assert!(stderr.starts_with("error: "), "{stderr}");
+    stderr
+}
+
 /// Asserts that `a` and `b` are the same step and hold the same tensors, bit for bit
 /// (names, shapes and values; the optimizer's moments are tensors too).
 pub fn assert_bitwise(a: &Checkpoint, b: &Checkpoint) {
