@@ -376,7 +376,7 @@ pub fn starting_drafter<'a>(
 
 /// Rank 0's rollout engine, its drafter warm-started from [`starting_drafter`] (weights and
 /// optimizer moments, as in-process).
-fn rollout_engine<B: RankBackend>(
+pub(crate) fn rollout_engine<B: RankBackend>(
     job: &JobConfig,
     init: Option<&Checkpoint>,
     backend: B,

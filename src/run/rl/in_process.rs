@@ -6,6 +6,7 @@
 use super::drafter_line;
 use super::line::{MetricsLine, step_line, summary_lines, write_line};
 use crate::config::JobConfig;
+use crate::launch::rl::{rollout_engine, starting_drafter};
 use crate::model::checkpoint::Checkpoint;
 use crate::rl::config::SpecThreshold;
 use crate::rl::trainer::{RlStepMetrics, RlTrainer, RolloutEngine};
@@ -44,14 +45,8 @@ fn run<B: RankBackend>(
     // Rank 0's work (policy, reference, drafter) on one backend, the update's ranks each on
     // their own.
     let backend = B::for_rank(0)?;
-    let mut engine = PipelineRollouts::on(job, backend.clone())?;
-    let mut version = None;
-    if rl.speculation
-        && let Some(state) = &checkpoint.drafter
-    {
-        engine = engine.with_drafter(state)?;
-        version = Some(engine.drafter_version());
-    }
+    let mut engine = rollout_engine(job, Some(&checkpoint), backend.clone())?;
+    let version = starting_drafter(job, Some(&checkpoint)).map(|d| d.weights.version);
     let mut trainer = RlTrainer::on(job, checkpoint, backend)?;
     if let (Some(n), Some(path)) = (trainer.prompts().records(), &job.data.path) {
         show.line(&format!(
