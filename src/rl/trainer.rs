@@ -204,6 +204,41 @@ pub(crate) fn scored_rollouts<B: Backend>(
     Ok((batch, rewards))
 }
 
+/// The mean of `rewards` (the share of the step's rollouts answered correctly).
+pub(crate) fn mean_reward(rewards: &[f32]) -> f64 {
+    rewards.iter().map(|&r| f64::from(r)).sum::<f64>() / rewards.len() as f64
+}
+
+/// What a step's scored rollouts come to, as both the in-process trainer and a launched
+/// run's rank 0 report them ([`RlStepMetrics`]).
+pub(crate) struct ScoredFigures {
+    /// [`mean_reward`] of the rewards.
+    pub reward: f64,
+    /// Groups with a non-zero advantage (the only ones with a gradient).
+    pub informative_groups: usize,
+    /// Tokens generated, up to and with `EOS` ([`generated_tokens`]).
+    pub generated_tokens: usize,
+}
+
+/// [`ScoredFigures`] of `rollouts`, their `rewards` and `advantages` (groups of `group`);
+/// `eos` ends a generation.
+pub(crate) fn scored_figures(
+    rollouts: &[Rollout],
+    rewards: &[f32],
+    advantages: &[f32],
+    group: usize,
+    eos: u32,
+) -> ScoredFigures {
+    ScoredFigures {
+        reward: mean_reward(rewards),
+        informative_groups: advantages
+            .chunks(group)
+            .filter(|g| g.iter().any(|&a| a != 0.0))
+            .count(),
+        generated_tokens: generated_tokens(rollouts.iter().map(|r| r.generated.as_slice()), eos),
+    }
+}
+
 /// The `count` prompts of RL step `step`: tasks of the job's families, seeded by
 /// `(rl.seed, step)`, whose `BOS` + prompt leaves `rl.max_new_tokens` in `model.seq_len`.
 pub fn step_prompts(job: &JobConfig, step: u64) -> Result<Vec<Task>, RlError> {
@@ -412,15 +447,18 @@ impl<B: RankBackend> RlTrainer<B> {
         let (batch, rewards) =
             scored_rollouts(&self.job, &self.prompts, engine, &self.policy, step)?;
         let rollout_seconds = step_started.elapsed().as_secs_f64() - batch.drafter_seconds;
-        let reward = rewards.iter().map(|&r| f64::from(r)).sum::<f64>() / rewards.len() as f64;
-        on_rollout(reward);
+        // Shown before the advantages are taken, which can fail.
+        on_rollout(mean_reward(&rewards));
         let advantages = group_advantages(&rewards, rl.group)?;
-        let informative_groups = advantages
-            .chunks(rl.group)
-            .filter(|g| g.iter().any(|&a| a != 0.0))
-            .count();
-        let generated_tokens = generated_tokens(
-            batch.rollouts.iter().map(|r| r.generated.as_slice()),
+        let ScoredFigures {
+            reward,
+            informative_groups,
+            generated_tokens,
+        } = scored_figures(
+            &batch.rollouts,
+            &rewards,
+            &advantages,
+            rl.group,
             self.prompts.eos(),
         );
 

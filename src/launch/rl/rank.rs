@@ -26,10 +26,9 @@ use crate::pipeline::shared::{RankFinal, Replica, Shared, tie_ranks};
 use crate::pipeline::{PipelineError, RankCompute, RankJob};
 use crate::rl::grpo::{GrpoTokenLoss, group_advantages, reference_log_probs};
 use crate::rl::prompts::PromptSource;
-use crate::rl::reward::generated_tokens;
 use crate::rl::trainer::{
-    RlError, Rollout, RolloutBatch, RolloutEngine, UpdateStep, needed_micro_batches,
-    scored_rollouts, update_batches, update_step,
+    RlError, Rollout, RolloutBatch, RolloutEngine, ScoredFigures, UpdateStep, needed_micro_batches,
+    scored_figures, scored_rollouts, update_batches, update_step,
 };
 use crate::rl::trainer_spec::PipelineRollouts;
 use crate::schedules::Plan;
@@ -395,14 +394,17 @@ fn rollout<B: RankBackend>(
     let rl = &job.rl;
     let (mut batch, rewards) = scored_rollouts(job, prompts, engine, policy, step)?;
     let advantages = group_advantages(&rewards, rl.group)?;
-    let generated_tokens = generated_tokens(
-        batch.rollouts.iter().map(|r| r.generated.as_slice()),
+    let ScoredFigures {
+        reward,
+        informative_groups,
+        generated_tokens,
+    } = scored_figures(
+        &batch.rollouts,
+        &rewards,
+        &advantages,
+        rl.group,
         prompts.eos(),
     );
-    let informative_groups = advantages
-        .chunks(rl.group)
-        .filter(|g| g.iter().any(|&a| a != 0.0))
-        .count();
     let wire = RolloutWire {
         rollouts: std::mem::take(&mut batch.rollouts)
             .into_iter()
@@ -412,7 +414,7 @@ fn rollout<B: RankBackend>(
         logp_ref: None,
     };
     let figures = RolloutFigures {
-        reward: rewards.iter().map(|&r| f64::from(r)).sum::<f64>() / rewards.len() as f64,
+        reward,
         informative_groups,
         generated_tokens,
         reference_seconds: 0.0,
