@@ -11,6 +11,7 @@ use crate::model::checkpoint::Checkpoint;
 use crate::rl::config::SpecThreshold;
 use crate::rl::trainer::{RlStepMetrics, RlTrainer, RolloutEngine};
 use crate::rl::trainer_spec::PipelineRollouts;
+use crate::run::dir::METRICS_FILE;
 use crate::run::show::{Bar, Show, Tick};
 use crate::run::{RunDir, RunError};
 use crate::tensor::device::{OnBackend, RankBackend};
@@ -39,7 +40,7 @@ fn run<B: RankBackend>(
 ) -> Result<(), RunError> {
     let rl = &job.rl;
     let out_dir = run_dir.path().to_path_buf();
-    let metrics_path = out_dir.join("metrics.jsonl");
+    let metrics_path = out_dir.join(METRICS_FILE);
     let mut metrics = run_dir.create(&job.to_toml(), 0)?;
 
     // Rank 0's work (policy, reference, drafter) on one backend, the update's ranks each on

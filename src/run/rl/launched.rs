@@ -14,6 +14,7 @@ use crate::launch::rl::{RankOptions, RlLaunchRun, rl_rank_on, starting_drafter};
 use crate::launch::{RankEnv, join, join_timeout, listen_ip, watchdog};
 use crate::model::checkpoint::Checkpoint;
 use crate::rl::step_metrics::RlStepMetrics;
+use crate::run::dir::METRICS_FILE;
 use crate::run::show::Show;
 use crate::run::{Existing, Resume, RunDir, RunError};
 use crate::tensor::device::{OnBackend, RankBackend, on_backend};
@@ -62,14 +63,14 @@ pub(super) fn rl(
     }
     watchdog(&mesh);
     // Only rank 0 sees the steps: each is shown and logged as it completes.
-    let metrics_path = run_dir.as_ref().map(|d| d.path().join("metrics.jsonl"));
     let mut metrics = None;
     let mut written = Ok(());
     let on_step = |m: &RlStepMetrics| {
         show.line(&step_line(m, job.rl.steps, None));
-        let (Some(dir), Some(path), Ok(())) = (&run_dir, &metrics_path, &written) else {
+        let (Some(dir), Ok(())) = (&run_dir, &written) else {
             return;
         };
+        let path = &dir.path().join(METRICS_FILE);
         let line = MetricsLine {
             step: m,
             spec_threshold: None,
