@@ -485,11 +485,7 @@ impl MergedProfile {
 
         // The picture: the steady step only, in milliseconds from its own start.
         let (start, end) = (
-            measured
-                .spans
-                .iter()
-                .map(|s| s.start)
-                .fold(f64::INFINITY, f64::min),
+            measured.start(),
             measured
                 .spans
                 .iter()
