@@ -422,6 +422,7 @@ fn start<B: RankBackend>(
     keep: bool,
 ) -> Result<RankState<B>, RlLaunchError> {
     let (rl_err, pipeline_err) = (ctx.rl_err(), ctx.pipeline_err());
+    job.rl.check_trained(init.is_some())?;
     if let Some(c) = init {
         // Blank: the restore sets every parameter (and fails on a missing one).
         let mut model = Gpt::blank(&job.model, ctx.backend.clone(), &Cut::Even(1))
@@ -434,7 +435,6 @@ fn start<B: RankBackend>(
             .map_err(|e| pipeline_err(e.into()))?;
         return Ok(RankState::new(model, optimizer, c.meta.step));
     }
-    job.rl.check_trained(init.is_some())?;
     let sft = warm_up_job(job);
     let sft_plan = replica_plan(&sft, ctx.rank, "the warm-up's train.micro_batches")?;
     let data = StepData::new(sft.data.clone(), sft.model.seq_len, sft.train.seed)
