@@ -304,11 +304,6 @@ impl<B: RankBackend> PipelineRollouts<B> {
         lock(&self.trainer).lr()
     }
 
-    /// The drafter's version (optimizer steps taken), for the CLI's report.
-    pub fn drafter_version(&self) -> u64 {
-        lock(&self.trainer).version()
-    }
-
     /// This step's idle-work hook: the step's drafter budget set, rows sent to the drafter's
     /// buffer as sequences finish. With `"idle-then-after"` the router's priors come from the slices
     /// measured after earlier rollouts (kept once the router measured its own); with
