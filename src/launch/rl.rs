@@ -294,16 +294,16 @@ pub fn rl_rank_on<B: RankBackend>(
             let rollout_seconds = rollout_seconds - b.drafter_seconds - f.reference_seconds;
             let step_seconds = step_started.elapsed().as_secs_f64();
             let (tokens_per_s, tokens_per_s_sd, tokens_per_s_plain) =
-                rollout_rates(f.generated_tokens, rollout_seconds, f.speculation);
+                rollout_rates(f.scored.generated_tokens, rollout_seconds, f.speculation);
             let line = RlStepMetrics {
                 step,
-                reward: f.reward,
-                informative_groups: f.informative_groups,
+                reward: f.scored.reward,
+                informative_groups: f.scored.informative_groups,
                 skipped_groups: packed.skipped_groups,
                 skipped_sequences: packed.skipped_sequences,
                 update_micro_batches: micro_batches,
                 sequences: wire.sequences(),
-                generated_tokens: f.generated_tokens,
+                generated_tokens: f.scored.generated_tokens,
                 rollout_seconds,
                 drafter_seconds: b.drafter_seconds,
                 reference_seconds: f.reference_seconds,

@@ -220,23 +220,24 @@ pub(crate) struct ScoredFigures {
     pub generated_tokens: usize,
 }
 
-/// [`ScoredFigures`] of `rollouts`, their `rewards` and `advantages` (groups of `group`);
-/// `eos` ends a generation.
+/// The advantages of `rewards` (groups of `group`, [`group_advantages`]) and the
+/// [`ScoredFigures`] of `rollouts` with them; `eos` ends a generation.
 pub(crate) fn scored_figures(
     rollouts: &[Rollout],
     rewards: &[f32],
-    advantages: &[f32],
     group: usize,
     eos: u32,
-) -> ScoredFigures {
-    ScoredFigures {
+) -> Result<(Vec<f32>, ScoredFigures), RlError> {
+    let advantages = group_advantages(rewards, group)?;
+    let figures = ScoredFigures {
         reward: mean_reward(rewards),
         informative_groups: advantages
             .chunks(group)
             .filter(|g| g.iter().any(|&a| a != 0.0))
             .count(),
         generated_tokens: generated_tokens(rollouts.iter().map(|r| r.generated.as_slice()), eos),
-    }
+    };
+    Ok((advantages, figures))
 }
 
 /// The `count` prompts of RL step `step`: tasks of the job's families, seeded by
@@ -449,18 +450,8 @@ impl<B: RankBackend> RlTrainer<B> {
         let rollout_seconds = step_started.elapsed().as_secs_f64() - batch.drafter_seconds;
         // Shown before the advantages are taken, which can fail.
         on_rollout(mean_reward(&rewards));
-        let advantages = group_advantages(&rewards, rl.group)?;
-        let ScoredFigures {
-            reward,
-            informative_groups,
-            generated_tokens,
-        } = scored_figures(
-            &batch.rollouts,
-            &rewards,
-            &advantages,
-            rl.group,
-            self.prompts.eos(),
-        );
+        let (advantages, scored) =
+            scored_figures(&batch.rollouts, &rewards, rl.group, self.prompts.eos())?;
 
         let reference_started = Instant::now();
         let logp_ref = match &mut self.reference {
@@ -494,16 +485,20 @@ impl<B: RankBackend> RlTrainer<B> {
         let step_seconds = step_started.elapsed().as_secs_f64();
         let speculation = engine.speculative();
         let (tokens_per_s, tokens_per_s_sd, tokens_per_s_plain) =
-            super::step_metrics::rollout_rates(generated_tokens, rollout_seconds, speculation);
+            super::step_metrics::rollout_rates(
+                scored.generated_tokens,
+                rollout_seconds,
+                speculation,
+            );
         Ok(RlStepMetrics {
             step,
-            reward,
-            informative_groups,
+            reward: scored.reward,
+            informative_groups: scored.informative_groups,
             skipped_groups,
             skipped_sequences,
             update_micro_batches,
             sequences: rewards.len(),
-            generated_tokens,
+            generated_tokens: scored.generated_tokens,
             rollout_seconds,
             drafter_seconds: batch.drafter_seconds,
             reference_seconds,

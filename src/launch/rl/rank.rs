@@ -24,7 +24,7 @@ use crate::model::{Gpt, ModelError};
 use crate::pipeline::feed::StepFeed;
 use crate::pipeline::shared::{RankFinal, Replica, Shared, tie_ranks};
 use crate::pipeline::{PipelineError, RankCompute, RankJob};
-use crate::rl::grpo::{GrpoTokenLoss, group_advantages, reference_log_probs};
+use crate::rl::grpo::{GrpoTokenLoss, reference_log_probs};
 use crate::rl::prompts::PromptSource;
 use crate::rl::trainer::{
     RlError, Rollout, RolloutBatch, RolloutEngine, ScoredFigures, UpdateStep, needed_micro_batches,
@@ -85,9 +85,7 @@ impl RolloutWire {
 /// Rank 0's figures of a rollout: those of [`crate::rl::step_metrics::RlStepMetrics`] that
 /// the rollout measures.
 pub(super) struct RolloutFigures {
-    pub reward: f64,
-    pub informative_groups: usize,
-    pub generated_tokens: usize,
+    pub scored: ScoredFigures,
     pub reference_seconds: f64,
     pub speculation: bool,
     /// The engine's own figures (live batch, acceptance, idle time, drafter work, ...); its
@@ -393,18 +391,7 @@ fn rollout<B: RankBackend>(
 ) -> Result<(RolloutWire, RolloutFigures), RlError> {
     let rl = &job.rl;
     let (mut batch, rewards) = scored_rollouts(job, prompts, engine, policy, step)?;
-    let advantages = group_advantages(&rewards, rl.group)?;
-    let ScoredFigures {
-        reward,
-        informative_groups,
-        generated_tokens,
-    } = scored_figures(
-        &batch.rollouts,
-        &rewards,
-        &advantages,
-        rl.group,
-        prompts.eos(),
-    );
+    let (advantages, scored) = scored_figures(&batch.rollouts, &rewards, rl.group, prompts.eos())?;
     let wire = RolloutWire {
         rollouts: std::mem::take(&mut batch.rollouts)
             .into_iter()
@@ -414,9 +401,7 @@ fn rollout<B: RankBackend>(
         logp_ref: None,
     };
     let figures = RolloutFigures {
-        reward,
-        informative_groups,
-        generated_tokens,
+        scored,
         reference_seconds: 0.0,
         speculation: engine.speculative(),
         batch,
