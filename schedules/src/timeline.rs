@@ -343,16 +343,22 @@ mod tests {
         }
     }
 
+    /// Two ranks, one micro-batch: F and B of stage 0 then 1, one time unit each, from `t0`.
+    fn two_stages(t0: f64) -> Vec<Span> {
+        vec![
+            span(0, t0, t0 + 1.0, Action::f(0, 0)),
+            span(1, t0 + 1.0, t0 + 2.0, Action::f(1, 0)),
+            span(0, t0 + 2.0, t0 + 3.0, Action::b(0, 0)),
+            span(1, t0 + 3.0, t0 + 4.0, Action::b(1, 0)),
+        ]
+    }
+
     #[test]
     fn a_rescaled_timeline_moves_every_time_and_keeps_the_ratios_and_memory() {
-        let spans = vec![
-            span(0, 10.0, 11.0, Action::f(0, 0)),
-            span(1, 11.0, 12.0, Action::f(1, 0)),
-            span(0, 12.0, 13.0, Action::b(0, 0)),
-            span(1, 13.0, 14.0, Action::b(1, 0)),
-        ];
-        let t = Timeline::from_spans(2, spans, &[5.0, 7.0]);
+        let t = Timeline::from_spans(2, two_stages(10.0), &[5.0, 7.0]);
+        assert_eq!((t.start(), t.peak_memory()), (10.0, 7.0));
         let ms = t.rescaled(10.0, 1e3);
+        assert_eq!((ms.start(), ms.peak_memory()), (0.0, 7.0));
         assert_eq!(ms.makespan, 4000.0);
         assert_eq!(ms.spans[0].start, 0.0);
         assert_eq!(ms.spans.last().unwrap().end, 4000.0);
@@ -366,13 +372,7 @@ mod tests {
     #[test]
     fn metrics_follow_the_design_definitions() {
         // rank 0: busy [0,1) and [2,3); rank 1: busy [1,2) and [3,4). makespan 4.
-        let spans = vec![
-            span(0, 0.0, 1.0, Action::f(0, 0)),
-            span(1, 1.0, 2.0, Action::f(1, 0)),
-            span(0, 2.0, 3.0, Action::b(0, 0)),
-            span(1, 3.0, 4.0, Action::b(1, 0)),
-        ];
-        let t = Timeline::from_spans(2, spans, &[]);
+        let t = Timeline::from_spans(2, two_stages(0.0), &[]);
         assert_eq!(t.makespan, 4.0);
         assert_eq!(t.ranks[0].busy, 2.0);
         assert_eq!(t.ranks[0].span, 3.0);
