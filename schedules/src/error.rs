@@ -11,7 +11,7 @@ pub enum ScheduleError {
 
     /// The schedule name is not one of the built-in generators.
     #[error(
-        "unknown schedule `{0}` (built-in: gpipe, 1f1b, interleaved-1f1b, looped-bfs, zb-h1, zb-h2, zb-v)"
+        "unknown schedule `{0}` (built-in: gpipe, 1f1b, interleaved-1f1b, looped-bfs, zb-h1, zb-h2, zb-v, dualpipe-v)"
     )]
     UnknownSchedule(String),
 

@@ -7,7 +7,8 @@
 //! - [`action`]: the action IR and its text form (PyTorch pipelining's grammar).
 //! - [`plan`]: per-rank action lists and the stage → rank placement.
 //! - [`timeline`]: cost model, spans, bubble slots and the metric definitions.
-//! - [`generators`]: the built-in schedules (GPipe, 1F1B, interleaved, looped BFS, ZB-H1/H2/V).
+//! - [`generators`]: the built-in schedules (GPipe, 1F1B, interleaved, looped BFS, ZB-H1/H2/V,
+//!   DualPipeV).
 //! - [`simulate`](mod@simulate): the discrete-event simulator that times a plan under a cost model.
 //! - [`auto`](mod@auto): the auto-scheduler, the plan with the least bubble under a memory limit.
 

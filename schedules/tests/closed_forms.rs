@@ -158,7 +158,7 @@ fn grid() -> impl Iterator<Item = (ScheduleKind, usize, usize, usize)> {
     ScheduleKind::ALL.into_iter().flat_map(|kind| {
         let chunks: &'static [usize] = match kind {
             ScheduleKind::Interleaved1F1B | ScheduleKind::LoopedBfs => &[2, 3],
-            ScheduleKind::ZbV => &[2],
+            ScheduleKind::ZbV | ScheduleKind::DualPipeV => &[2],
             _ => &[1],
         };
         chunks.iter().flat_map(move |&v| {
@@ -166,6 +166,7 @@ fn grid() -> impl Iterator<Item = (ScheduleKind, usize, usize, usize)> {
                 .into_iter()
                 .flat_map(move |p| microbatches(p).map(move |m| (kind, p, m, v)))
                 .filter(|&(kind, p, m, _)| kind != ScheduleKind::Interleaved1F1B || m % p == 0)
+                .filter(|&(kind, p, m, _)| kind != ScheduleKind::DualPipeV || m >= 2 * p)
         })
     })
 }

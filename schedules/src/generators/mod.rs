@@ -2,11 +2,12 @@
 //! into a compute-only [`Plan`].
 //!
 //! One file per family: [`gpipe`], [`one_f_one_b`], [`interleaved`], [`looped_bfs`],
-//! [`zero_bubble`] (ZB-H1, ZB-H2) and [`zb_v`]. Each builds its published order directly
-//! (closed-form per-rank lists, no search), so generation is linear in the number of
-//! actions. Every generator states its constraints on `p`, `m` and `v` and answers
+//! [`zero_bubble`] (ZB-H1, ZB-H2), [`zb_v`] and [`dualpipe_v`]. Each builds its published
+//! order directly (closed-form per-rank lists, no search), so generation is linear in the
+//! number of actions. Every generator states its constraints on `p`, `m` and `v` and answers
 //! [`ScheduleError::Unsupported`] outside them.
 
+pub mod dualpipe_v;
 pub mod gpipe;
 pub mod interleaved;
 pub mod looped_bfs;
@@ -37,11 +38,13 @@ pub enum ScheduleKind {
     ZbH2,
     /// Zero-bubble V: two V-placed stages per rank, 1F1B's memory, zero steady bubble.
     ZbV,
+    /// DeepSeek's DualPipeV: two V-placed stages per rank, overlapped F+B pairs.
+    DualPipeV,
 }
 
 impl ScheduleKind {
     /// Every built-in kind, in the order reports list them.
-    pub const ALL: [ScheduleKind; 7] = [
+    pub const ALL: [ScheduleKind; 8] = [
         ScheduleKind::GPipe,
         ScheduleKind::OneFOneB,
         ScheduleKind::Interleaved1F1B,
@@ -49,6 +52,7 @@ impl ScheduleKind {
         ScheduleKind::ZbH1,
         ScheduleKind::ZbH2,
         ScheduleKind::ZbV,
+        ScheduleKind::DualPipeV,
     ];
 
     /// The kind's name on the command line and in files.
@@ -61,11 +65,14 @@ impl ScheduleKind {
             ScheduleKind::ZbH1 => "zb-h1",
             ScheduleKind::ZbH2 => "zb-h2",
             ScheduleKind::ZbV => "zb-v",
+            ScheduleKind::DualPipeV => "dualpipe-v",
         }
     }
 
     /// Compute actions per (stage, micro-batch): F, I and W for the zero-bubble family
-    /// (which splits the backward), F and B otherwise.
+    /// (which splits the backward), F and B otherwise. For dualpipe-v, whose overlapped F+B
+    /// pairs count as one action, 2 is a bound ([`compute_actions`](Self::compute_actions)
+    /// has its exact count).
     pub fn actions_per_cell(self) -> u64 {
         match self {
             ScheduleKind::ZbH1 | ScheduleKind::ZbH2 | ScheduleKind::ZbV => 3,
@@ -77,6 +84,9 @@ impl ScheduleKind {
     /// `microbatches` micro-batches, counted with checked arithmetic (`None` when the count
     /// overflows `u64`): what a caller bounds before asking for a plan that large.
     pub fn compute_actions(self, ranks: usize, microbatches: usize, chunks: usize) -> Option<u64> {
+        if self == ScheduleKind::DualPipeV {
+            return dualpipe_v::compute_actions(ranks, microbatches);
+        }
         (ranks as u64)
             .checked_mul(chunks as u64)?
             .checked_mul(microbatches as u64)?
@@ -84,10 +94,13 @@ impl ScheduleKind {
     }
 
     /// Stages per rank used when the caller does not choose: 2 for the multi-chunk
-    /// families (interleaved-1f1b, looped-bfs, zb-v), 1 otherwise.
+    /// families (interleaved-1f1b, looped-bfs, zb-v, dualpipe-v), 1 otherwise.
     pub fn default_chunks(self) -> usize {
         match self {
-            ScheduleKind::Interleaved1F1B | ScheduleKind::LoopedBfs | ScheduleKind::ZbV => 2,
+            ScheduleKind::Interleaved1F1B
+            | ScheduleKind::LoopedBfs
+            | ScheduleKind::ZbV
+            | ScheduleKind::DualPipeV => 2,
             _ => 1,
         }
     }
@@ -127,6 +140,7 @@ pub fn generate(
         ScheduleKind::ZbH1 => zero_bubble::generate_h1(ranks, microbatches, chunks),
         ScheduleKind::ZbH2 => zero_bubble::generate_h2(ranks, microbatches, chunks),
         ScheduleKind::ZbV => zb_v::generate(ranks, microbatches, chunks),
+        ScheduleKind::DualPipeV => dualpipe_v::generate(ranks, microbatches, chunks),
     }
 }
 
@@ -199,6 +213,10 @@ mod tests {
             assert_eq!(kind.to_string(), kind.name());
         }
         assert_eq!(" ZB-V ".parse::<ScheduleKind>().unwrap(), ScheduleKind::ZbV);
+        assert_eq!(
+            "DualPipe-V".parse::<ScheduleKind>().unwrap(),
+            ScheduleKind::DualPipeV
+        );
         assert!(matches!(
             "2f2b".parse::<ScheduleKind>(),
             Err(ScheduleError::UnknownSchedule(name)) if name == "2f2b"
@@ -216,7 +234,8 @@ mod tests {
             [
                 ScheduleKind::Interleaved1F1B,
                 ScheduleKind::LoopedBfs,
-                ScheduleKind::ZbV
+                ScheduleKind::ZbV,
+                ScheduleKind::DualPipeV
             ]
         );
     }
