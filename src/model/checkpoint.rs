@@ -36,6 +36,7 @@ pub mod files;
 pub mod resume;
 pub mod retain;
 pub mod sharded;
+pub mod sweep;
 
 pub use files::write_atomic;
 use files::{MAX_META_BYTES, check_hash, read_bounded, read_exact, read_f32_tensors};

@@ -17,7 +17,7 @@ use thiserror::Error;
 
 use crate::config::JobConfig;
 use crate::model::checkpoint::resume::FINAL_DIR;
-use crate::model::checkpoint::sharded::CHECKPOINTS_DIR;
+use crate::model::checkpoint::sweep::{Sweep, sweep_run};
 use crate::model::checkpoint::{Checkpoint, CheckpointError};
 use crate::profile::report::{REPORT_JSON, REPORT_TXT};
 
@@ -30,17 +30,16 @@ pub const TRACE_FILE: &str = "trace.json";
 /// The SVG timeline of a pipelined run's reported step.
 pub const TIMELINE_FILE: &str = "timeline.svg";
 
-/// Every entry a pipefill run writes into its directory: what `--overwrite` removes (and
-/// nothing else: a file of the user's in the same directory stays).
-const RUN_ENTRIES: [&str; 8] = [
+/// Every file a pipefill run writes into its directory besides its checkpoints: what
+/// `--overwrite` removes with the files of `checkpoint/` and `checkpoints/` (and nothing
+/// else: a file of the user's in the same directory stays).
+const RUN_FILES: [&str; 6] = [
     JOB_FILE,
     METRICS_FILE,
     REPORT_JSON,
     REPORT_TXT,
     TRACE_FILE,
     TIMELINE_FILE,
-    FINAL_DIR,
-    CHECKPOINTS_DIR,
 ];
 
 /// Why a run may not use a directory.
@@ -197,8 +196,8 @@ impl RunDir {
         self.continues
     }
 
-    /// Makes the directory the run's: removes a replaced run's files (`--overwrite`),
-    /// creates it, writes `job.toml` and opens `metrics.jsonl` for the steps from
+    /// Makes the directory the run's: removes a replaced run's files (`--overwrite`), or
+    /// in a continued run what a checkpoint write that was killed left, creates it, writes `job.toml` and opens `metrics.jsonl` for the steps from
     /// `first_step` on. A continued run keeps the lines of the steps before `first_step`
     /// and drops the rest (the steps after its checkpoint, which it runs again); any other
     /// run starts the file empty.
@@ -209,6 +208,17 @@ impl RunDir {
         };
         if self.replaces {
             self.remove_run_files()?;
+        } else if self.continues {
+            // What a run killed while writing a checkpoint left: temporary files and
+            // step directories without a manifest (a complete checkpoint stays whole).
+            let removed = sweep_run(&self.path, Sweep::Leftovers)?;
+            if !removed.is_empty() {
+                tracing::info!(
+                    "removed {} leftovers of interrupted checkpoint writes in {}",
+                    removed.len(),
+                    self.path.display()
+                );
+            }
         }
         fs::create_dir_all(&self.path).map_err(io_err(&self.path))?;
         let job = self.path.join(JOB_FILE);
@@ -284,18 +294,23 @@ impl RunDir {
         Ok(kept)
     }
 
-    /// Removes the entries a previous run wrote ([`RUN_ENTRIES`]).
+    /// Removes what a previous run wrote: its files among [`RUN_FILES`], and in
+    /// `checkpoint/` and `checkpoints/` only the files of its checkpoints
+    /// ([`sweep_run`]: a user's file or folder there stays, and so does the directory
+    /// holding it).
     fn remove_run_files(&self) -> Result<(), RunDirError> {
-        for name in RUN_ENTRIES {
+        for name in RUN_FILES {
             let path = self.path.join(name);
             let removed = match fs::symlink_metadata(&path) {
-                Ok(m) if m.is_dir() => fs::remove_dir_all(&path),
-                Ok(_) => fs::remove_file(&path),
+                // A file of the run's; a directory (or a symlink) under its name is not.
+                Ok(m) if m.is_file() => fs::remove_file(&path),
+                Ok(_) => continue,
                 Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
                 Err(e) => Err(e),
             };
             removed.map_err(|source| RunDirError::Io { path, source })?;
         }
+        sweep_run(&self.path, Sweep::Everything)?;
         Ok(())
     }
 }

@@ -5,12 +5,29 @@ use std::path::Path;
 use super::{
     Existing, JOB_FILE, METRICS_FILE, Resume, RunDir, RunDirError, fresh_default, utc_stamp,
 };
+use crate::model::checkpoint::Checkpoint;
+use crate::model::checkpoint::sharded::{Layout, param_stages, save_sharded, step_dir};
+use crate::model::{AdamW, AdamWConfig, Cut, Gpt, GptConfig};
+use crate::tensor::CpuBackend;
+
+/// A small model's checkpoint after `step` steps.
+fn checkpoint(step: u64) -> Checkpoint {
+    let config = GptConfig {
+        vocab: 50,
+        d_model: 8,
+        heads: 2,
+        layers: 2,
+        seq_len: 8,
+        ..GptConfig::default()
+    };
+    let gpt = Gpt::new(&config, CpuBackend::new(1).unwrap(), &Cut::Even(1)).unwrap();
+    Checkpoint::capture(&gpt, &AdamW::new(AdamWConfig::default()), step, 5).unwrap()
+}
 
 /// A finished run's files in `dir`: job.toml, three metrics lines, a checkpoint.
 fn finished_run(dir: &Path) {
-    fs::create_dir_all(dir.join("checkpoint")).unwrap();
+    checkpoint(3).save(&dir.join("checkpoint")).unwrap();
     fs::write(dir.join(JOB_FILE), "stages = 4\n").unwrap();
-    fs::write(dir.join("checkpoint/meta.json"), "{}").unwrap();
     let lines: String = (0..3)
         .map(|s| format!("{{\"step\":{s},\"loss\":1.0}}\n"))
         .collect();
@@ -95,6 +112,118 @@ fn overwrite_replaces_the_run_files_only() {
     assert_eq!(
         fs::read_to_string(run.join(METRICS_FILE)).unwrap(),
         "{\"step\":0}\n"
+    );
+}
+
+/// A complete sharded checkpoint of `step` in run directory `run`.
+fn save_step(run: &Path, step: u64) -> std::path::PathBuf {
+    let layout = Layout {
+        dp: 1,
+        stage_rank: vec![0],
+    };
+    let dir = step_dir(run, step);
+    let stages = param_stages(&checkpoint(0).meta.model, 1).unwrap();
+    save_sharded(&dir, &checkpoint(step), &layout, &stages, "h").unwrap();
+    dir
+}
+
+/// Every path under `dir`, relative, sorted.
+fn tree(dir: &Path) -> Vec<String> {
+    let mut paths = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for entry in fs::read_dir(&d).unwrap() {
+            let path = entry.unwrap().path();
+            paths.push(path.strip_prefix(dir).unwrap().display().to_string());
+            if path.is_dir() {
+                stack.push(path);
+            }
+        }
+    }
+    paths.sort();
+    paths
+}
+
+#[test]
+fn overwrite_keeps_the_users_files_inside_the_checkpoint_directories() {
+    let root = tempfile::tempdir().unwrap();
+    let run = root.path().join("r");
+    finished_run(&run);
+    save_step(&run, 2);
+    fs::write(run.join("checkpoint/notes.md"), "mine").unwrap();
+    fs::create_dir_all(run.join("checkpoints/best")).unwrap();
+    fs::write(run.join("checkpoints/best/model.bin"), "mine").unwrap();
+    fs::write(run.join("checkpoints/README"), "mine").unwrap();
+    let dir = RunDir::claim(Some(&run), "", Resume::Fresh, Existing::Overwrite).unwrap();
+    dir.create("stages = 2\n", 0).unwrap();
+    assert_eq!(
+        tree(&run),
+        [
+            "checkpoint",
+            "checkpoint/notes.md",
+            "checkpoints",
+            "checkpoints/README",
+            "checkpoints/best",
+            "checkpoints/best/model.bin",
+            JOB_FILE,
+            METRICS_FILE,
+        ]
+    );
+}
+
+#[test]
+fn overwrite_of_a_directory_that_holds_no_run_removes_none_of_its_files() {
+    let root = tempfile::tempdir().unwrap();
+    let run = root.path().join("r");
+    // A user's directory whose folders carry the names of a run's.
+    for file in [
+        "checkpoint/model.safetensors",
+        "checkpoint/checkpoint.json",
+        "checkpoints/step-1/rank-00000.safetensors",
+        "checkpoints/step-1/manifest.json",
+    ] {
+        fs::create_dir_all(run.join(file).parent().unwrap()).unwrap();
+        fs::write(run.join(file), "mine").unwrap();
+    }
+    let before = tree(&run);
+    let dir = RunDir::claim(Some(&run), "", Resume::Fresh, Existing::Overwrite).unwrap();
+    dir.create("stages = 2\n", 0).unwrap();
+    let mut expected = before;
+    expected.extend([JOB_FILE.to_string(), METRICS_FILE.to_string()]);
+    expected.sort();
+    assert_eq!(tree(&run), expected);
+}
+
+#[test]
+fn a_continued_run_removes_what_killed_checkpoint_writes_left() {
+    let root = tempfile::tempdir().unwrap();
+    let run = root.path().join("r");
+    finished_run(&run);
+    let two = save_step(&run, 2);
+    fs::write(two.join(".manifest.json.tmp.999999999"), "{").unwrap();
+    // Killed while writing step 3: a temporary shard and no manifest; step 4's directory
+    // made and nothing in it.
+    let three = step_dir(&run, 3);
+    fs::create_dir_all(&three).unwrap();
+    fs::write(three.join(".rank-00000.safetensors.tmp.999999999"), "x").unwrap();
+    fs::create_dir_all(step_dir(&run, 4)).unwrap();
+    fs::write(run.join("checkpoint/.model.safetensors.tmp.999999999"), "x").unwrap();
+    let dir = RunDir::claim(Some(&run), "", Resume::From(&run), Existing::Refuse).unwrap();
+    assert!(dir.continues());
+    dir.create("stages = 2\n", 2).unwrap();
+    assert_eq!(
+        tree(&run),
+        [
+            "checkpoint",
+            "checkpoint/checkpoint.json",
+            "checkpoint/model.safetensors",
+            "checkpoints",
+            "checkpoints/step-00000002",
+            "checkpoints/step-00000002/manifest.json",
+            "checkpoints/step-00000002/rank-00000.safetensors",
+            JOB_FILE,
+            METRICS_FILE,
+        ]
     );
 }
 
