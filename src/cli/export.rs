@@ -36,7 +36,8 @@ pub struct ExportArgs {
     /// `model.from`, when that directory is still there].
     #[arg(long)]
     source: Option<PathBuf>,
-    /// Replace the model in a non-empty output directory.
+    /// Replace the model in a non-empty output directory: its config.json, model.safetensors
+    /// and tokenizer files; every other file stays.
     #[arg(long)]
     overwrite: bool,
 }
@@ -44,6 +45,15 @@ pub struct ExportArgs {
 pub fn run(args: ExportArgs) -> anyhow::Result<()> {
     let Format::Hf = args.format;
     let point = ResumePoint::find(&args.run_dir)?;
+    // Before the checkpoint is read: an output directory the export may not write (the
+    // checkpoint itself, a directory holding it or inside it, ...) is refused at once.
+    let mut opts = ExportOptions {
+        dtype: args.dtype,
+        overwrite: args.overwrite,
+        source: args.source.clone(),
+        checkpoint: Some(point.dir().to_path_buf()),
+    };
+    hf::check_out_dir(&args.out, &opts)?;
     let ckpt = match &point {
         ResumePoint::Whole(dir) => Checkpoint::load(dir)?,
         ResumePoint::Sharded(dir) => {
@@ -62,7 +72,7 @@ pub fn run(args: ExportArgs) -> anyhow::Result<()> {
         .filter(|t| names.contains(&t.name))
         .collect();
     // Without --source, the directory the run imported its model from, where it still is.
-    let source = match (args.source, &config.from) {
+    opts.source = match (args.source, &config.from) {
         (Some(dir), _) => Some(dir),
         (None, Some(from)) if from.is_dir() => {
             println!(
@@ -80,11 +90,6 @@ pub fn run(args: ExportArgs) -> anyhow::Result<()> {
             None
         }
         (None, None) => None,
-    };
-    let opts = ExportOptions {
-        dtype: args.dtype,
-        overwrite: args.overwrite,
-        source,
     };
     hf::export(&args.out, &config, &tensors, &opts)
         .with_context(|| format!("exporting {}", point.dir().display()))?;

@@ -369,11 +369,15 @@ impl std::str::FromStr for ExportDtype {
 #[derive(Clone, Debug, Default)]
 pub struct ExportOptions {
     pub dtype: ExportDtype,
-    /// Write into a non-empty directory (its weight files are replaced).
+    /// Write into a non-empty directory: the files an export writes are replaced, every
+    /// other file stays ([`check_out_dir`]).
     pub overwrite: bool,
     /// The Hugging Face directory the model came from: its architecture and config fields
     /// are kept, its tokenizer files copied.
     pub source: Option<PathBuf>,
+    /// The checkpoint the tensors were read from: the output may not be it, hold it or lie
+    /// inside it.
+    pub checkpoint: Option<PathBuf>,
 }
 
 /// Writes `tensors` (pipefill's parameters of `config`, by name) as a Hugging Face model
@@ -390,6 +394,8 @@ pub fn export(
     };
     let fitting = Architecture::for_config(config).map_err(&fail)?;
     config.validate()?;
+    // Before any work: an output directory the export may not write is refused at once.
+    check_out_dir(out, opts)?;
     let source = match &opts.source {
         Some(dir) => {
             let path = dir.join(CONFIG_FILE);
@@ -446,7 +452,7 @@ pub fn export(
         return Err(fail(format!("`{}` is not a model parameter", extra.name)));
     }
 
-    prepare_dir(out, opts, &fail)?;
+    export_dir::prepare_dir(out, opts)?;
     let dtype = match opts.dtype {
         ExportDtype::F32 => (Dtype::F32, "float32"),
         ExportDtype::Bf16 => (Dtype::BF16, "bfloat16"),
@@ -509,45 +515,8 @@ pub fn export_gpt<B: Backend>(
     export(out, gpt.config(), &tensors, opts)
 }
 
-/// Creates `out`, refusing a non-empty one unless `overwrite` (then its old weight files,
-/// which a reader would mix with the new ones, are removed).
-fn prepare_dir(
-    out: &Path,
-    opts: &ExportOptions,
-    fail: &dyn Fn(String) -> HfError,
-) -> Result<(), HfError> {
-    if let Some(src) = &opts.source
-        && let (Ok(a), Ok(b)) = (src.canonicalize(), out.canonicalize())
-        && a == b
-    {
-        return Err(fail("it is the source model's directory".into()));
-    }
-    match std::fs::read_dir(out) {
-        Ok(entries) => {
-            let entries: Vec<_> = entries.filter_map(|e| e.ok()).collect();
-            if !entries.is_empty() && !opts.overwrite {
-                return Err(fail(
-                    "the directory exists and is not empty (pass --overwrite to replace its \
-                     model)"
-                        .into(),
-                ));
-            }
-            for e in entries {
-                let name = e.file_name();
-                let name = name.to_string_lossy();
-                let weights = name.ends_with(".safetensors") || name == files::INDEX_FILE;
-                if weights && e.file_type().is_ok_and(|t| t.is_file()) {
-                    std::fs::remove_file(e.path()).map_err(|err| fail(err.to_string()))?;
-                }
-            }
-            Ok(())
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            std::fs::create_dir_all(out).map_err(|e| fail(format!("cannot create it: {e}")))
-        }
-        Err(e) => Err(fail(e.to_string())),
-    }
-}
+mod export_dir;
+pub use export_dir::check_out_dir;
 
 fn write(path: &Path, bytes: &[u8]) -> Result<(), HfError> {
     super::checkpoint::write_atomic(path, bytes).map_err(|e| HfError::File {
