@@ -30,11 +30,8 @@ pub const DEFAULT_JOB: &str = include_str!("../examples/default.toml");
 /// Errors reading or checking a job file.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("cannot read job file {path}: {error}")]
-    Read {
-        path: PathBuf,
-        error: std::io::Error,
-    },
+    #[error(transparent)]
+    Read(#[from] crate::input::InputError),
     /// A syntax error, an unknown field or an ill-typed value; `message` names the field.
     #[error("{origin}: {message}")]
     Parse { origin: String, message: String },
@@ -45,6 +42,9 @@ pub enum ConfigError {
     #[error("invalid `{field}`: {reason}")]
     Invalid { field: String, reason: String },
 }
+
+/// The largest job file read: a job is a page of settings (the default is 2 KB).
+pub const MAX_JOB_BYTES: u64 = 1 << 20;
 
 /// How stage timelines are timed (see DESIGN.md, "Clocks"): the job file's `clock` and
 /// `--clock`'s values.
@@ -286,12 +286,9 @@ impl JobConfig {
         Ok(())
     }
 
-    /// Reads and parses the job file at `path`.
+    /// Reads and parses the job file at `path` (at most [`MAX_JOB_BYTES`]).
     pub fn load(path: &Path, sets: &[String]) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|error| ConfigError::Read {
-            path: path.to_path_buf(),
-            error,
-        })?;
+        let text = crate::input::read_text(path, MAX_JOB_BYTES, "a job file")?;
         Self::from_toml_with(&text, &path.display().to_string(), sets)
     }
 

@@ -9,20 +9,21 @@
 //! - [`profile`]: trace and timeline writers (Chrome/Perfetto JSON, SVG).
 //! - [`rl`]: RL rollouts: the KV-cache generation engine and speculative decoding.
 //! - [`run`]: what every way of running a job shares (the run directory).
+//! - [`input`]: the one bounded reader of the files a user hands the program.
 //!
 //! The schedule IR, generators and simulator live in `pipefill-schedules`, re-exported as
-//! [`schedules`].
-
-pub use pipefill_schedules as schedules;
+//! [`schedules`] with the reading of schedule files.
 
 pub mod comm;
 pub mod config;
 pub mod data;
+pub mod input;
 pub mod launch;
 pub mod model;
 pub mod pipeline;
 pub mod profile;
 pub mod rl;
 pub mod run;
+pub mod schedules;
 pub mod tensor;
 pub mod train;

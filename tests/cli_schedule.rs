@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use pipefill_schedules::{
+use pipefill::schedules::{
     CostModel, Plan, ScheduleKind, generate, lower, parse_csv, parse_toml, read_plan, simulate,
 };
 use serde_json::Value;

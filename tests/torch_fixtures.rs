@@ -8,7 +8,7 @@
 
 use std::path::PathBuf;
 
-use pipefill_schedules::{
+use pipefill::schedules::{
     ActionKind, CostModel, Placement, Plan, ScheduleKind, ValidateOptions, generate, lower,
     peak_memory, read_plan, simulate, to_csv, validate,
 };

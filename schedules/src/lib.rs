@@ -1,8 +1,8 @@
 //! pipefill-schedules: *what runs when*.
 //!
-//! Pure Rust, no tensors, no I/O beyond schedule files. The types here are the project's
-//! spine: the runtime executes [`Plan`]s, and the profiler builds the same [`Timeline`] the
-//! simulator predicts, so measured and predicted figures share one set of definitions.
+//! Pure Rust, no tensors, no I/O (a schedule file is read by its user and parsed here).
+//! The types here are the project's spine: the runtime executes [`Plan`]s, and the profiler
+//! builds the same [`Timeline`] the simulator predicts, so measured and predicted figures share one set of definitions.
 //!
 //! - [`action`]: the action IR and its text form (PyTorch pipelining's grammar).
 //! - [`plan`]: per-rank action lists and the stage → rank placement.
@@ -27,7 +27,7 @@ pub mod validate;
 pub use action::{Action, ActionKind, ParseActionError, StageMb};
 pub use auto::{AutoPlan, AutoReplanner, Origin, auto, auto_plan};
 pub use error::{Result, ScheduleError};
-pub use file::{parse_csv, parse_toml, read_plan, to_csv, to_toml};
+pub use file::{parse_csv, parse_plan, parse_toml, to_csv, to_toml};
 pub use generators::{ScheduleKind, build, generate};
 pub use lower::lower;
 pub use memory::{peak_memory, rank_peak_memory};

@@ -16,7 +16,6 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
-use pipefill::data::hf_tokenizer::read_capped;
 use pipefill::data::tokenizer::{BOS, EOS};
 use pipefill::data::{DataConfig, DataSource, TextTokenizer, Tokenizer};
 use pipefill::model::checkpoint::resume::{FINAL_DIR, ResumePoint};
@@ -160,7 +159,7 @@ fn generation_eos(dir: &Path) -> anyhow::Result<Option<u32>> {
     if !path.is_file() {
         return Ok(None);
     }
-    let bytes = read_capped(&path, GENERATION_CONFIG_MAX_BYTES)?;
+    let bytes = pipefill::input::read(&path, GENERATION_CONFIG_MAX_BYTES, "a generation config")?;
     let json: serde_json::Value = serde_json::from_slice(&bytes)
         .with_context(|| format!("{}: not valid JSON", path.display()))?;
     let id = match &json["eos_token_id"] {
@@ -310,7 +309,8 @@ fn job_section<T: serde::de::DeserializeOwned + Default>(
         return Ok(T::default());
     }
     let context = || format!("--model {}: its job.toml's [{name}]", path.display());
-    let text = std::fs::read_to_string(&job).with_context(context)?;
+    let text = pipefill::input::read_text(&job, pipefill::config::MAX_JOB_BYTES, "a job file")
+        .with_context(context)?;
     let mut table: toml::Table = toml::from_str(&text).with_context(context)?;
     match table.remove(name) {
         Some(section) => section.try_into().with_context(context),
@@ -369,6 +369,13 @@ pub fn generate<B: Backend>(
         bail!(
             "temperature {} is not a finite number ≥ 0 (0 is greedy)",
             options.temperature
+        );
+    }
+    if model.drafter.is_some() && options.draft >= config.seq_len {
+        bail!(
+            "--draft {}: a draft must be shorter than the model's {} positions",
+            options.draft,
+            config.seq_len
         );
     }
     let max_new = options.max_new_tokens.min(config.seq_len - prompt.len());

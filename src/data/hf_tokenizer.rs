@@ -2,59 +2,20 @@
 //! tokens (bos / eos / pad) and chat template from `tokenizer_config.json` beside it.
 //!
 //! [`HfTokenizer::load`] takes a `tokenizer.json` file or a model directory holding one.
-//! Every file is input: its size is checked from its metadata before a byte is read
-//! ([`read_capped`]), and a file that is not valid is one error naming it.
+//! Every file is input, read by [`crate::input::read`] (a regular file, its size checked
+//! before a byte is read), and a file that is not valid is one error naming it.
 
-use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use super::DataError;
 use super::chat::ChatTemplate;
+use crate::input;
 
 /// Largest `tokenizer.json` read (Llama 3's is 9 MB, Qwen2's 7 MB).
 pub const MAX_TOKENIZER_BYTES: u64 = 256 << 20;
 /// Largest `tokenizer_config.json` / `special_tokens_map.json` read.
 pub const MAX_CONFIG_BYTES: u64 = 64 << 20;
-
-/// `path`'s metadata when it is a regular file; otherwise an error naming it.
-pub(crate) fn regular_file(path: &Path) -> Result<std::fs::Metadata, DataError> {
-    let meta = std::fs::metadata(path).map_err(|error| DataError::Io {
-        path: path.to_path_buf(),
-        error,
-    })?;
-    if !meta.is_file() {
-        return Err(DataError::File {
-            path: path.to_path_buf(),
-            reason: "is not a regular file".into(),
-        });
-    }
-    Ok(meta)
-}
-
-/// `path`'s bytes, at most `cap` of them: a path that is not a regular file, or one whose
-/// size (from its metadata, then as read) is over `cap`, is an error naming it.
-pub fn read_capped(path: &Path, cap: u64) -> Result<Vec<u8>, DataError> {
-    let io = |error: std::io::Error| DataError::Io {
-        path: path.to_path_buf(),
-        error,
-    };
-    let meta = regular_file(path)?;
-    let too_big = |len: u64| DataError::File {
-        path: path.to_path_buf(),
-        reason: format!("is {len} bytes, over the limit of {cap}"),
-    };
-    if meta.len() > cap {
-        return Err(too_big(meta.len()));
-    }
-    let file = std::fs::File::open(path).map_err(io)?;
-    let mut bytes = Vec::with_capacity(meta.len() as usize);
-    file.take(cap + 1).read_to_end(&mut bytes).map_err(io)?;
-    if bytes.len() as u64 > cap {
-        return Err(too_big(bytes.len() as u64));
-    }
-    Ok(bytes)
-}
 
 /// Ids and each one's byte range in the encoded text.
 pub type Encoded = (Vec<u32>, Vec<(usize, usize)>);
@@ -112,7 +73,7 @@ impl HfTokenizer {
             path.to_path_buf()
         };
         let dir = file.parent().unwrap_or(Path::new(".")).to_path_buf();
-        let bytes = read_capped(&file, MAX_TOKENIZER_BYTES)?;
+        let bytes = input::read(&file, MAX_TOKENIZER_BYTES, "a tokenizer.json")?;
         let inner =
             tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| DataError::Tokenizer {
                 path: file.clone(),
@@ -268,7 +229,7 @@ fn read_json(path: &Path) -> Result<Option<serde_json::Value>, DataError> {
     if !path.exists() {
         return Ok(None);
     }
-    let bytes = read_capped(path, MAX_CONFIG_BYTES)?;
+    let bytes = input::read(path, MAX_CONFIG_BYTES, "a tokenizer config")?;
     let value: serde_json::Value =
         serde_json::from_slice(&bytes).map_err(|e| DataError::Tokenizer {
             path: path.to_path_buf(),

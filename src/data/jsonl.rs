@@ -122,25 +122,14 @@ pub fn read_records(
     max_bytes: u64,
     max_line_bytes: u64,
 ) -> Result<Vec<Line>, DataError> {
-    let io = |error: std::io::Error| DataError::Io {
-        path: path.to_path_buf(),
-        error,
-    };
-    let meta = super::hf_tokenizer::regular_file(path)?;
-    if meta.len() > max_bytes {
+    let (file, len) = crate::input::open(path)?;
+    if len > max_bytes {
         return Err(DataError::File {
             path: path.to_path_buf(),
-            reason: format!(
-                "is {} bytes, over data.max_file_bytes = {max_bytes}",
-                meta.len()
-            ),
+            reason: format!("is {len} bytes, over data.max_file_bytes = {max_bytes}"),
         });
     }
-    read_lines(
-        BufReader::new(std::fs::File::open(path).map_err(io)?),
-        path,
-        max_line_bytes,
-    )
+    read_lines(BufReader::new(file), path, max_line_bytes)
 }
 
 /// The records of `reader` (named `path` in errors), each line at most `max_line_bytes`.

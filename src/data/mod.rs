@@ -71,6 +71,8 @@ pub enum DataError {
     Tokenizer { path: PathBuf, reason: String },
     #[error("chat template: {reason}")]
     Template { reason: String },
+    #[error(transparent)]
+    Input(#[from] crate::input::InputError),
 }
 
 /// Where the training stream comes from.
@@ -90,8 +92,10 @@ impl DataSource {
     }
 }
 
-/// Default `data.max_line_bytes`: 64 MiB.
-pub const MAX_LINE_BYTES: u64 = 64 << 20;
+/// Default `data.max_line_bytes`: 1 MiB (about 250K tokens of text). Tokenizing a record
+/// takes about 200 bytes of memory per byte of it for a moment, which the memory estimate
+/// counts for the longest line allowed; a corpus of longer records raises the limit.
+pub const MAX_LINE_BYTES: u64 = 1 << 20;
 /// Default `data.max_file_bytes`: 4 GiB.
 pub const MAX_FILE_BYTES: u64 = 4 << 30;
 

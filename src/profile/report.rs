@@ -45,11 +45,8 @@ pub enum ReportError {
     RankMismatch { measured: usize, predicted: usize },
     #[error("{path}: no such run directory")]
     NoRunDir { path: PathBuf },
-    #[error("cannot read {path}: {error}")]
-    Read {
-        path: PathBuf,
-        error: std::io::Error,
-    },
+    #[error(transparent)]
+    Read(#[from] crate::input::InputError),
     #[error("cannot write {path}: {error}")]
     Write {
         path: PathBuf,
@@ -346,13 +343,14 @@ impl BubbleReport {
             });
         }
         let path = dir.join(REPORT_JSON);
-        let text = std::fs::read_to_string(&path).map_err(|error| ReportError::Read {
-            path: path.clone(),
-            error,
-        })?;
+        let text = crate::input::read_text(&path, MAX_REPORT_BYTES, "a bubble report")?;
         Self::from_json(&text, &path)
     }
 }
+
+/// The largest `report.json` read back: a report holds one step's timelines, a few MB at
+/// thousands of actions.
+const MAX_REPORT_BYTES: u64 = 256 << 20;
 
 /// Seconds are shown as milliseconds (step times of a small model are a few ms); any other
 /// unit as it is.

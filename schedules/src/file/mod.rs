@@ -19,10 +19,11 @@ use crate::action::Action;
 use crate::error::{Result, ScheduleError};
 use crate::plan::{Placement, Plan};
 
-/// Reads a schedule file, choosing the form by extension (`.csv` or `.toml`).
-pub fn read_plan(path: &Path) -> Result<Plan> {
-    let file = path.display().to_string();
-    let ext = path
+/// Parses a schedule file's text, choosing the form by the extension of `file` (`.csv` or
+/// `.toml`), which also names the file in errors. Reading the file is the caller's: this
+/// crate does no I/O.
+pub fn parse_plan(text: &str, file: &str) -> Result<Plan> {
+    let ext = Path::new(file)
         .extension()
         .and_then(|e| e.to_str())
         .map(str::to_ascii_lowercase);
@@ -31,18 +32,14 @@ pub fn read_plan(path: &Path) -> Result<Plan> {
         Some("toml") => parse_toml,
         _ => {
             return Err(ScheduleError::File {
-                file,
+                file: file.to_string(),
                 reason: "unknown schedule file type: expected a .csv (PyTorch pipelining) \
                          or .toml (pipefill) file"
                     .into(),
             });
         }
     };
-    let text = std::fs::read_to_string(path).map_err(|e| ScheduleError::File {
-        file: file.clone(),
-        reason: format!("cannot read: {e}"),
-    })?;
-    parse(&text, &file)
+    parse(text, file)
 }
 
 /// Parses one step's text (already trimmed, non-idle) into an action, naming where it was.
@@ -150,14 +147,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn read_plan_rejects_unknown_extensions() {
-        let err = read_plan(Path::new("plan.json")).unwrap_err().to_string();
+    fn parse_plan_rejects_unknown_extensions() {
+        let err = parse_plan("0F0", "plan.json").unwrap_err().to_string();
         assert!(
             err.starts_with("plan.json: unknown schedule file type"),
             "{err}"
         );
-        let err = read_plan(Path::new("missing.csv")).unwrap_err().to_string();
-        assert!(err.starts_with("missing.csv: cannot read"), "{err}");
+        assert!(parse_plan("0F0,0B0", "plan.CSV").is_ok());
     }
 
     #[test]

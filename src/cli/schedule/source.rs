@@ -9,7 +9,7 @@ use std::path::Path;
 
 use anyhow::{Context, Result, anyhow, bail};
 use pipefill::config::memory::{Bytes, MemoryLimit, SCHEDULE_FILE_BYTE_COST};
-use pipefill_schedules::{Plan, ScheduleKind, ValidateOptions, read_plan, validate};
+use pipefill::schedules::{Plan, ScheduleKind, ValidateOptions, read_plan, validate};
 
 /// Bytes a schedule command holds per compute action of its plan: the plan, its lowered
 /// copy, the validator's and simulator's tables, the timeline and the text written. At

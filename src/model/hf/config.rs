@@ -93,6 +93,16 @@ pub struct HfConfig {
     pub raw: Map<String, Value>,
 }
 
+/// The largest config.json read (a real one is a few KB).
+const MAX_CONFIG_BYTES: u64 = 16 << 20;
+
+/// Reads and parses `dir`'s config.json.
+pub fn read(dir: &std::path::Path) -> Result<HfConfig, HfError> {
+    let path = dir.join(super::CONFIG_FILE);
+    let text = crate::input::read(&path, MAX_CONFIG_BYTES, "a config.json")?;
+    parse(&path, &text)
+}
+
 /// Parses config.json's text; `path` only names the file in errors.
 pub fn parse(path: &std::path::Path, text: &[u8]) -> Result<HfConfig, HfError> {
     let bad = |field: &str, reason: String| HfError::Config {

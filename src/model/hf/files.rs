@@ -9,7 +9,6 @@
 //! absolute paths, `..` and symlinks that lead out of it are refused.
 
 use std::collections::BTreeMap;
-use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Component, Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -25,6 +24,8 @@ pub const SINGLE_FILE: &str = "model.safetensors";
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
 /// safetensors' own limit on a header (100 MB).
 const MAX_HEADER: u64 = 100_000_000;
+/// The largest model.safetensors.index.json read (a 405B model's is under 200 KB).
+const MAX_INDEX_BYTES: u64 = 64 << 20;
 
 /// One weight file's parsed header.
 struct Shard {
@@ -91,7 +92,7 @@ impl WeightFiles {
             path: index_path.to_path_buf(),
             reason,
         };
-        let text = std::fs::read(index_path).map_err(|e| io(index_path, e))?;
+        let text = crate::input::read(index_path, MAX_INDEX_BYTES, "a safetensors index")?;
         let json: serde_json::Value =
             serde_json::from_slice(&text).map_err(|e| bad(format!("is not JSON: {e}")))?;
         let Some(map) = json.get("weight_map").and_then(|m| m.as_object()) else {
@@ -210,7 +211,7 @@ impl WeightFiles {
         };
         let (start, end) = info.data_offsets;
         let mut bytes = vec![0u8; end - start];
-        let mut f = File::open(&s.path).map_err(|e| io(&s.path, e))?;
+        let (mut f, _) = crate::input::open(&s.path)?;
         f.seek(SeekFrom::Start(s.data_start + start as u64))
             .and_then(|_| f.read_exact(&mut bytes))
             .map_err(|e| bad(format!("cannot be read: {e}")))?;
@@ -259,13 +260,17 @@ fn read_header(path: &Path) -> Result<Shard, HfError> {
         path: path.to_path_buf(),
         reason,
     };
-    let mut f = File::open(path).map_err(|e| io(path, e))?;
-    let len = f.metadata().map_err(|e| io(path, e))?.len();
+    let (mut f, len) = crate::input::open(path)?;
     let mut n = [0u8; 8];
     f.read_exact(&mut n)
         .map_err(|_| bad(format!("is truncated: {len} bytes, no safetensors header")))?;
     let n = u64::from_le_bytes(n);
-    if n > MAX_HEADER || 8 + n > len {
+    if n > MAX_HEADER {
+        return Err(bad(format!(
+            "has a {n}-byte safetensors header, over the format's limit of {MAX_HEADER} bytes"
+        )));
+    }
+    if 8 + n > len {
         return Err(bad(format!(
             "is truncated or not safetensors: a {n}-byte header in a {len}-byte file"
         )));

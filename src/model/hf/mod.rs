@@ -50,8 +50,6 @@ use crate::tensor::Backend;
 
 /// config.json's name.
 pub const CONFIG_FILE: &str = "config.json";
-/// The largest config.json read.
-const MAX_CONFIG_BYTES: u64 = 16 << 20;
 /// Files an export copies from the source model directory when it has them.
 pub const TOKENIZER_FILES: &[&str] = &[
     "tokenizer.json",
@@ -87,6 +85,8 @@ pub enum HfError {
     Export { path: PathBuf, reason: String },
     #[error(transparent)]
     Model(#[from] ModelError),
+    #[error(transparent)]
+    Input(#[from] crate::input::InputError),
 }
 
 /// The Hugging Face name of pipefill parameter `name`, and whether its matrix is stored
@@ -120,28 +120,29 @@ pub fn hf_name(name: &str) -> Option<(String, bool)> {
 }
 
 /// Every parameter of `config`'s whole model, in model order, with its pipefill shape (what
-/// [`Gpt::params`] holds, computed without building it).
-pub fn param_shapes(config: &GptConfig) -> Vec<(String, Vec<usize>)> {
+/// [`Gpt::params`] holds, computed without building it). Lazy, one layer at a time: a
+/// config.json's layer count is checked against the files by walking this, so a count that
+/// no file backs costs nothing before the first missing tensor.
+pub fn param_shapes(config: &GptConfig) -> impl Iterator<Item = (String, Vec<usize>)> + use<> {
     let (d, kv, h, v) = (
         config.d_model,
         config.kv_dim(),
         config.mlp_hidden(),
         config.vocab,
     );
-    let mut out = vec![("embed.tok".to_string(), vec![v, d])];
-    if config.positions == super::config::Positions::Learned {
-        out.push(("embed.pos".into(), vec![config.seq_len, d]));
-    }
-    for i in 0..config.layers {
+    let (bias, gated) = (config.qkv_bias, config.activation.is_gated());
+    let pos = (config.positions == super::config::Positions::Learned)
+        .then(|| ("embed.pos".to_string(), vec![config.seq_len, d]));
+    let layer = move |i: usize| {
         let p = |s: &str, shape: Vec<usize>| (format!("blocks.{i}.{s}"), shape);
-        out.push(p("norm1.weight", vec![d]));
-        out.extend([
+        let mut out = vec![
+            p("norm1.weight", vec![d]),
             p("attn.wq", vec![d, d]),
             p("attn.wk", vec![d, kv]),
             p("attn.wv", vec![d, kv]),
             p("attn.wo", vec![d, d]),
-        ]);
-        if config.qkv_bias {
+        ];
+        if bias {
             out.extend([
                 p("attn.bq", vec![d]),
                 p("attn.bk", vec![kv]),
@@ -150,13 +151,18 @@ pub fn param_shapes(config: &GptConfig) -> Vec<(String, Vec<usize>)> {
         }
         out.push(p("norm2.weight", vec![d]));
         out.extend([p("mlp.w1", vec![d, h]), p("mlp.w2", vec![h, d])]);
-        if config.activation.is_gated() {
+        if gated {
             out.push(p("mlp.w3", vec![d, h]));
         }
-    }
-    out.push(("final_norm.weight".into(), vec![d]));
-    out.push(("head.w".into(), vec![d, v]));
-    out
+        out
+    };
+    std::iter::once(("embed.tok".to_string(), vec![v, d]))
+        .chain(pos)
+        .chain((0..config.layers).flat_map(layer))
+        .chain([
+            ("final_norm.weight".into(), vec![d]),
+            ("head.w".into(), vec![d, v]),
+        ])
 }
 
 /// `[rows, cols]` row-major → `[cols, rows]` (the tied head's transpose, one helper).
@@ -179,22 +185,7 @@ pub struct HfModel {
 impl HfModel {
     /// Opens `dir`: config.json and the headers of its weight files.
     pub fn open(dir: &Path) -> Result<Self, HfError> {
-        let path = dir.join(CONFIG_FILE);
-        let meta = std::fs::metadata(&path).map_err(|e| HfError::File {
-            path: path.clone(),
-            reason: format!("cannot be read: {e}"),
-        })?;
-        if meta.len() > MAX_CONFIG_BYTES {
-            return Err(HfError::File {
-                path,
-                reason: format!("is {} bytes, more than a config can be", meta.len()),
-            });
-        }
-        let text = std::fs::read(&path).map_err(|e| HfError::File {
-            path: path.clone(),
-            reason: format!("cannot be read: {e}"),
-        })?;
-        let config = config::parse(&path, &text)?;
+        let config = config::read(dir)?;
         let files = WeightFiles::open(dir)?;
         let model = HfModel {
             dir: dir.to_path_buf(),
@@ -228,10 +219,18 @@ impl HfModel {
                 Some(m) => m,
                 None if hf == "lm_head.weight" && self.config.tied => continue,
                 None => {
+                    // A layer the files lack says which config.json field implied it.
+                    let reason = match name.starts_with("blocks.") {
+                        true => format!(
+                            "is missing (config.json: num_hidden_layers = {})",
+                            self.config.gpt.layers
+                        ),
+                        false => "is missing".into(),
+                    };
                     return Err(HfError::Tensor {
                         path: somewhere(),
                         tensor: hf,
-                        reason: "is missing".into(),
+                        reason,
                     });
                 }
             };
@@ -397,14 +396,7 @@ pub fn export(
     // Before any work: an output directory the export may not write is refused at once.
     check_out_dir(out, opts)?;
     let source = match &opts.source {
-        Some(dir) => {
-            let path = dir.join(CONFIG_FILE);
-            let text = std::fs::read(&path).map_err(|e| HfError::File {
-                path: path.clone(),
-                reason: format!("cannot be read: {e}"),
-            })?;
-            Some(config::parse(&path, &text)?)
-        }
+        Some(dir) => Some(config::read(dir)?),
         None => None,
     };
     // The source's class when it expresses the model (a Mistral stays a Mistral).
@@ -549,7 +541,7 @@ mod tests {
                 .iter()
                 .map(|p| (p.name.clone(), p.shape.clone()))
                 .collect();
-            assert_eq!(have, param_shapes(&config));
+            assert_eq!(have, param_shapes(&config).collect::<Vec<_>>());
             assert!(have.iter().all(|(n, _)| hf_name(n).is_some()));
         }
     }
