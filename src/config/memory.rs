@@ -70,6 +70,11 @@ pub const SCHEDULE_FILE_BYTE_COST: u64 = 64;
 /// parse transient), and its documents' ids (4 B) and target flags (1 B) per token, at most
 /// one token per byte (a byte-level or character tokenizer), with room for special tokens.
 pub const JSONL_BYTE_COST: u64 = 8;
+/// Bytes per byte of a record while the `tokenizers` crate encodes it (its normalized
+/// string with per-byte alignments, pre-token splits, the encoding's tokens and offsets):
+/// about 190 measured on a 2.8 MB line with a BPE tokenizer (docs/benchmarks.md), with
+/// room. Counted once, for the longest line `data.max_line_bytes` lets through.
+pub const TOKENIZE_BYTE_COST: u64 = 256;
 /// Bytes per byte of a tokenizer.json in memory (its vocabulary and merges as the
 /// `tokenizers` crate holds them).
 pub const TOKENIZER_BYTE_COST: u64 = 16;

@@ -8,13 +8,29 @@
 //! [`ChatTemplate::assistant_spans`] finds the text of each assistant turn (the SFT loss
 //! mask of a conversation): the conversation up to a turn, rendered with a generation
 //! prompt, must be a prefix of the conversation through that turn.
+//!
+//! A template is input from a model directory, so a render is bounded: it runs on
+//! [`FUEL`] instructions, writes at most [`MAX_OUTPUT_FACTOR`] times its messages' size (plus
+//! [`OUTPUT_SLACK`]), and a conversation has at most [`MAX_MESSAGES`] messages (finding the
+//! assistant turns renders every prefix of it).
 
+use std::io::Write;
 use std::sync::Arc;
 
 use minijinja::value::{Kwargs, Value};
 use minijinja::{Environment, Error, ErrorKind};
 
 use super::DataError;
+
+/// Instructions one render may run: a real template spends tens per message, so this is a
+/// conversation of hundreds of thousands of messages, and a few seconds at most.
+pub const FUEL: u64 = 20_000_000;
+/// A render writes at most this many times the JSON size of its messages...
+pub const MAX_OUTPUT_FACTOR: usize = 4;
+/// ... plus this much (a system prompt the template writes itself, role markers).
+pub const OUTPUT_SLACK: usize = 64 << 10;
+/// The most messages one conversation may have.
+pub const MAX_MESSAGES: usize = 1024;
 
 /// A compiled chat template.
 #[derive(Clone)]
@@ -103,6 +119,29 @@ fn write_json(v: &serde_json::Value, indent: Option<usize>, depth: usize, out: &
     }
 }
 
+/// A writer that refuses to grow past `cap` bytes, and remembers that it did (so the
+/// caller can tell the cap from another write error).
+struct Capped {
+    bytes: Vec<u8>,
+    cap: usize,
+    over: bool,
+}
+
+impl Write for Capped {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.bytes.len() + buf.len() > self.cap {
+            self.over = true;
+            return Err(std::io::Error::other("output limit"));
+        }
+        self.bytes.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 impl ChatTemplate {
     /// Compiles `source`; a syntax error is an error naming the line.
     pub fn new(source: &str) -> Result<Self, DataError> {
@@ -114,6 +153,7 @@ impl ChatTemplate {
                 .build()
                 .map_err(template_error)?,
         );
+        env.set_fuel(Some(FUEL));
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
         env.add_filter("tojson", tojson);
@@ -132,18 +172,61 @@ impl ChatTemplate {
         bos_token: &str,
         eos_token: &str,
     ) -> Result<String, DataError> {
+        if messages.len() > MAX_MESSAGES {
+            return Err(DataError::Template {
+                reason: format!(
+                    "a conversation of {} messages is more than {MAX_MESSAGES}",
+                    messages.len()
+                ),
+            });
+        }
         let template = self
             .env
             .get_template("chat_template")
             .map_err(template_error)?;
-        template
-            .render(minijinja::context! {
+        let size = serde_json::to_string(messages).map_or(0, |s| s.len());
+        let cap = size
+            .saturating_mul(MAX_OUTPUT_FACTOR)
+            .saturating_add(OUTPUT_SLACK);
+        let mut out = Capped {
+            bytes: Vec::new(),
+            cap,
+            over: false,
+        };
+        let rendered = template.render_captured_to(
+            minijinja::context! {
                 messages => Value::from(minijinja::value::Serde(messages)),
                 add_generation_prompt => add_generation_prompt,
                 bos_token => bos_token,
                 eos_token => eos_token,
-            })
-            .map_err(template_error)
+            },
+            &mut out,
+        );
+        match rendered {
+            Ok(_) => {}
+            Err(_) if out.over => {
+                return Err(DataError::Template {
+                    reason: format!(
+                        "the chat template wrote more than {cap} bytes for {} messages of \
+                         {size} bytes ({MAX_OUTPUT_FACTOR}x their size + {OUTPUT_SLACK})",
+                        messages.len()
+                    ),
+                });
+            }
+            Err(e) if e.kind() == ErrorKind::OutOfFuel => {
+                return Err(DataError::Template {
+                    reason: format!(
+                        "the chat template ran past its limit of {FUEL} instructions for {} \
+                         messages",
+                        messages.len()
+                    ),
+                });
+            }
+            Err(e) => return Err(template_error(e)),
+        }
+        String::from_utf8(out.bytes).map_err(|e| DataError::Template {
+            reason: format!("the chat template wrote text that is not UTF-8: {e}"),
+        })
     }
 
     /// The whole conversation's text and the byte range of each assistant turn in it: for

@@ -109,6 +109,17 @@ impl Documents {
                     let (ids, offsets) = tokenizer
                         .encode_with_offsets(&text, false)
                         .map_err(|e| at(*line, e))?;
+                    if ids.is_empty() {
+                        return Err(at(
+                            *line,
+                            DataError::Template {
+                                reason: format!(
+                                    "it renders this record's {} messages as no tokens",
+                                    messages.len()
+                                ),
+                            },
+                        ));
+                    }
                     let targets = offsets
                         .iter()
                         .map(|&o| spans.iter().any(|&(lo, hi)| overlaps(o, lo, hi)))

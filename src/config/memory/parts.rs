@@ -121,7 +121,18 @@ pub(super) fn file_peak(
     };
     let plan = crate::schedules::read_plan(path).map_err(invalid)?;
     crate::schedules::validate(&plan, &Default::default()).map_err(invalid)?;
-    Ok(plan_peak(&plan, layers, bound))
+    let peak = plan_peak(&plan, layers, bound);
+    // The micro-batches in flight are the file's, not `train.micro_batches`.
+    let blame = |s: Size| Size {
+        field: "schedule",
+        value: plan.microbatches as u64,
+        ..s
+    };
+    Ok(InFlight {
+        units: blame(peak.units),
+        head_units: blame(peak.head_units),
+        ..peak
+    })
 }
 
 /// Bytes of the activations of micro-batches of `rows` sequences of `seq` tokens held at
@@ -390,6 +401,11 @@ pub(super) fn dataset_bytes(job: &JobConfig) -> Result<Size, ConfigError> {
         true => size(&p.join("tokenizer.json")),
         false => size(p),
     });
+    // One record is tokenized at a time: its transient is the longest line's.
+    let longest = match data.max_line_bytes < file {
+        true => f("data.max_line_bytes", data.max_line_bytes),
+        false => f("data.path", file),
+    };
     add(
         "the dataset",
         &[
@@ -398,6 +414,7 @@ pub(super) fn dataset_bytes(job: &JobConfig) -> Result<Size, ConfigError> {
                 "the dataset",
                 &[f("data.tokenizer", tokenizer), k(TOKENIZER_BYTE_COST)],
             )?,
+            mul("the dataset", &[longest, k(TOKENIZE_BYTE_COST)])?,
         ],
     )
 }
