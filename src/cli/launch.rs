@@ -29,6 +29,10 @@ use pipefill::launch::MASTER_FD;
 /// launcher passed them a signal, unless `--grace` says otherwise.
 const GRACE: &str = "8";
 
+/// The most ranks one launcher starts: each is a process with a thread per stage and link,
+/// and past a few hundred the machine runs out of threads before the job can meet.
+const MAX_RANKS: usize = 256;
+
 /// How long a rank the launcher killed (SIGKILL) may take to be reaped before the summary
 /// goes on without it (a process stuck in the kernel ends only when the kernel lets it).
 const REAP: Duration = Duration::from_secs(5);
@@ -42,7 +46,7 @@ pub struct LaunchArgs {
     #[arg(long, default_value = "127.0.0.1")]
     master_addr: String,
     /// Port of rank 0's rendezvous (default: a free port).
-    #[arg(long)]
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
     master_port: Option<u16>,
     /// IP address the ranks' sockets listen on (default: loopback).
     #[arg(long, value_name = "IP")]
@@ -74,13 +78,23 @@ fn fresh_token() -> anyhow::Result<String> {
     Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
 }
 
+/// Kills and reaps the ranks started so far (a start that cannot go on).
+fn stop(ranks: &mut [Rank]) {
+    for r in ranks {
+        if let Rank::Running(child) = r {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
 /// Copies `from` to `to` line by line, each prefixed with `[rank R] `, until `from` ends.
 fn forward(
     rank: usize,
     from: impl Read + Send + 'static,
     mut to: impl Write + Send + 'static,
-) -> JoinHandle<()> {
-    std::thread::spawn(move || {
+) -> std::io::Result<JoinHandle<()>> {
+    std::thread::Builder::new().spawn(move || {
         for line in BufReader::new(from).split(b'\n') {
             let Ok(line) = line else { return };
             let mut out = format!("[rank {rank}] ").into_bytes();
@@ -94,8 +108,11 @@ fn forward(
 }
 
 pub fn run(args: LaunchArgs) -> anyhow::Result<()> {
-    if args.nproc == 0 {
-        bail!("-n must be at least 1");
+    if args.nproc == 0 || args.nproc > MAX_RANKS {
+        bail!(
+            "-n {}: a launcher starts 1 to {MAX_RANKS} ranks on one machine",
+            args.nproc
+        );
     }
     // Each rank runs its part of the job (train: its stages; rl: its stages of the update,
     // rank 0 the rollouts); anything else would run N whole copies.
@@ -149,27 +166,47 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<()> {
             }
         }
         die_with_launcher(&mut cmd);
+        // A signal while ranks are still being started stops the start (the ranks started
+        // so far are ended): nobody waits for the whole job to come up to be told no.
+        if let (1.., signal) = signals::received() {
+            stop(&mut ranks);
+            bail!(
+                "{} while starting rank {rank} of {}: the ranks started are stopped",
+                signal_name(signal),
+                args.nproc
+            );
+        }
         let mut child = match cmd.spawn() {
             Ok(child) => child,
             Err(e) => {
                 // The ranks already started would wait for this one until their timeout.
-                for r in &mut ranks {
-                    if let Rank::Running(child) = r {
-                        let _ = child.kill();
-                        let _ = child.wait();
-                    }
-                }
+                stop(&mut ranks);
                 return Err(e).with_context(|| format!("cannot start rank {rank}"));
             }
         };
         eprintln!("[launch] rank {rank}: pid {}", child.id());
-        if let Some(out) = child.stdout.take() {
-            output.push(forward(rank, out, std::io::stdout()));
-        }
-        if let Some(err) = child.stderr.take() {
-            output.push(forward(rank, err, std::io::stderr()));
-        }
+        let streams = [
+            child
+                .stdout
+                .take()
+                .map(|out| forward(rank, out, std::io::stdout())),
+            child
+                .stderr
+                .take()
+                .map(|err| forward(rank, err, std::io::stderr())),
+        ];
         ranks.push(Rank::Running(child));
+        for stream in streams.into_iter().flatten() {
+            match stream {
+                Ok(handle) => output.push(handle),
+                Err(e) => {
+                    stop(&mut ranks);
+                    return Err(e).with_context(|| {
+                        format!("cannot start a thread for rank {rank}'s output")
+                    });
+                }
+            }
+        }
     }
     // Rank 0 holds its own copy of the rendezvous listener now.
     drop(master);

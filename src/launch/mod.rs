@@ -82,6 +82,10 @@ pub fn listen_ip() -> Result<IpAddr, LaunchError> {
     }
 }
 
+/// The longest join timeout: a day (the timeout is added to clocks and multiplied, so it
+/// must stay far from `Duration`'s limit).
+pub const MAX_JOIN_TIMEOUT: Duration = Duration::from_secs(86_400);
+
 /// The join timeout: `PIPEFILL_JOIN_TIMEOUT` seconds, else [`DEFAULT_JOIN_TIMEOUT`].
 pub fn join_timeout() -> Result<Duration, LaunchError> {
     match std::env::var("PIPEFILL_JOIN_TIMEOUT") {
@@ -89,12 +93,16 @@ pub fn join_timeout() -> Result<Duration, LaunchError> {
             .trim()
             .parse::<f64>()
             .ok()
-            .filter(|s| s.is_finite() && *s > 0.0)
-            .map(Duration::from_secs_f64)
+            .filter(|s| *s > 0.0)
+            .and_then(|s| Duration::try_from_secs_f64(s).ok())
+            .filter(|d| *d <= MAX_JOIN_TIMEOUT)
             .ok_or_else(|| LaunchError::Setting {
                 var: "PIPEFILL_JOIN_TIMEOUT",
                 value: v.clone(),
-                reason: "not a positive number of seconds".into(),
+                reason: format!(
+                    "not a positive number of seconds up to {}",
+                    MAX_JOIN_TIMEOUT.as_secs()
+                ),
             }),
         _ => Ok(DEFAULT_JOIN_TIMEOUT),
     }

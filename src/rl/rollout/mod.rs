@@ -445,6 +445,20 @@ fn check(
         }
         _ => {}
     }
+    // A draft is verified in one pass over positions the model has: a longer one could
+    // never be used, and its buffers are sized by it.
+    let (field, longest) = match &config.speculation {
+        Speculation::Off => ("speculation", 0),
+        Speculation::Fixed { k } => ("speculation.k", *k),
+        Speculation::Tree(shape) => ("speculation.tree.depth", shape.depth),
+        Speculation::Adaptive(a) => ("speculation.ks", a.ks.iter().copied().max().unwrap_or(0)),
+    };
+    if longest >= seq_len {
+        return bad(
+            field,
+            format!("a draft of {longest} tokens does not fit the model's {seq_len} positions"),
+        );
+    }
     for (index, r) in requests.iter().enumerate() {
         let reason = if r.prompt.is_empty() {
             "empty prompt".to_string()
