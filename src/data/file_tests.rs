@@ -108,6 +108,42 @@ fn template_functions_and_errors() {
     assert!(err.starts_with("chat template: "), "{err}");
 }
 
+/// A template is bounded in work, in output and in the messages it is given: each limit is
+/// one error saying which, and a template within them renders as before.
+#[test]
+fn template_renders_are_bounded() {
+    use crate::data::chat::{FUEL, MAX_MESSAGES, OUTPUT_SLACK};
+    let m = serde_json::json!({"role": "user", "content": "hi"});
+    // Work: nested loops that write nothing.
+    let t = ChatTemplate::new(
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    )
+    .unwrap();
+    let err = t.render(std::slice::from_ref(&m), false, "", "");
+    let err = err.unwrap_err().to_string();
+    assert!(
+        err.contains(&format!("limit of {FUEL} instructions")),
+        "{err}"
+    );
+    // Output: a few instructions that write a lot.
+    let t = ChatTemplate::new("{% for i in range(1000) %}{{ 'x' * 100000 }}{% endfor %}").unwrap();
+    let err = t.render(std::slice::from_ref(&m), false, "", "");
+    let err = err.unwrap_err().to_string();
+    assert!(err.contains("the chat template wrote more than"), "{err}");
+    // Just under the output cap is fine: the slack alone, for no messages.
+    let t = ChatTemplate::new(&format!("{{{{ 'x' * {} }}}}", OUTPUT_SLACK - 2)).unwrap();
+    assert_eq!(
+        t.render(&[], false, "", "").unwrap().len(),
+        OUTPUT_SLACK - 2
+    );
+    // Messages.
+    let t = ChatTemplate::new("{{ messages | length }}").unwrap();
+    let many = vec![m.clone(); MAX_MESSAGES + 1];
+    let err = t.render(&many, false, "", "").unwrap_err().to_string();
+    assert!(err.contains("1025 messages is more than 1024"), "{err}");
+    assert_eq!(t.render(&many[1..], false, "", "").unwrap(), "1024");
+}
+
 #[test]
 fn records_of_each_form_parse_and_bad_ones_are_named() {
     assert_eq!(
@@ -215,9 +251,13 @@ fn sizes_are_checked_before_reading() {
     assert!(err.contains("over data.max_file_bytes = 1048576"), "{err}");
     // A directory, a missing file, an oversized tokenizer.json.
     let err = jsonl::read_records(dir.path(), 1 << 20, 1 << 10).unwrap_err();
-    assert!(err.to_string().contains("is not a regular file"), "{err}");
+    assert!(
+        err.to_string()
+            .contains("is a directory, not a regular file"),
+        "{err}"
+    );
     let err = jsonl::read_records(&dir.path().join("none"), 1, 1).unwrap_err();
-    assert!(err.to_string().starts_with("cannot read"), "{err}");
+    assert!(err.to_string().contains("none cannot be read"), "{err}");
     let big = dir.path().join("tokenizer.json");
     std::fs::File::create(&big)
         .unwrap()

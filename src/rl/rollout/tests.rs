@@ -136,3 +136,43 @@ fn a_plain_arm_decodes_some_steps_and_is_rewarded() {
         .unwrap_err();
     assert!(err.to_string().contains("speculation.ks"), "{err}");
 }
+
+/// A draft length is checked against the model's positions before anything is sized by it
+/// (`usize::MAX` overflowed a capacity, 1e9 asked for 200 GB): one error naming the field.
+#[test]
+fn a_draft_longer_than_the_positions_is_refused() {
+    let config = GptConfig {
+        layers: 1,
+        seq_len: 16,
+        ..GptConfig::default()
+    };
+    let gpt = Gpt::new(&config, CpuBackend::new(1).unwrap(), &Cut::Even(1)).unwrap();
+    let stages = InferStage::stages_of(&gpt, &Cut::Even(1)).unwrap();
+    let mut engine = RolloutEngine::new(stages).unwrap();
+    let requests = [Request {
+        prompt: vec![1, 2],
+        max_new: 4,
+    }];
+    let mut random = RandomProposer::new(config.vocab);
+    for k in [16, 1_000_000_000, usize::MAX] {
+        let cfg = RolloutConfig {
+            speculation: Speculation::Fixed { k },
+            ..RolloutConfig::default()
+        };
+        let err = engine
+            .run(&requests, &cfg, Some(&mut random))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(&format!(
+                "`speculation.k` a draft of {k} tokens does not fit the model's 16 positions"
+            )),
+            "{err}"
+        );
+    }
+    let cfg = RolloutConfig {
+        speculation: Speculation::Fixed { k: 15 },
+        ..RolloutConfig::default()
+    };
+    assert!(engine.run(&requests, &cfg, Some(&mut random)).is_ok());
+}
