@@ -136,7 +136,10 @@ fn activations_follow_the_schedules_peak() {
     assert!(part.bytes >= gpipe, "{} vs {gpipe}", part.bytes);
     // A file that cannot be read or used is one line naming `schedule`, its text once.
     let err = MemoryEstimate::of(&missing, Workload::Train).unwrap_err();
-    assert!(err.to_string().contains("plan.csv: cannot read"), "{err}");
+    assert!(
+        err.to_string().contains("plan.csv: cannot be read"),
+        "{err}"
+    );
     assert_eq!(field_of(err), "schedule");
     let garbage = dir.path().join("garbage.csv");
     std::fs::write(&garbage, "0F0,garbage\n").unwrap();
@@ -432,7 +435,14 @@ fn a_jsonl_dataset_and_its_tokenizer_are_counted_by_their_size() {
     };
     let (small_file, small) = data_bytes(10);
     let (big_file, big) = data_bytes(100_000);
-    assert_eq!(big - small, (big_file - small_file) * JSONL_BYTE_COST);
+    // Each file is counted by its size, and the tokenizing of its longest possible line: the
+    // whole small file, data.max_line_bytes of the big one.
+    let max_line = crate::data::MAX_LINE_BYTES;
+    assert!(small_file < max_line && big_file > max_line);
+    assert_eq!(
+        big - small,
+        (big_file - small_file) * JSONL_BYTE_COST + (max_line - small_file) * TOKENIZE_BYTE_COST
+    );
     // The tokenizer is counted too: the synthetic job's data part is smaller still.
     let tokenizer = std::fs::metadata(fixtures.join("tokenizer/tokenizer.json"))
         .unwrap()
@@ -445,7 +455,10 @@ fn a_jsonl_dataset_and_its_tokenizer_are_counted_by_their_size() {
         .unwrap()
         .bytes;
     assert!(
-        small >= synthetic + tokenizer * TOKENIZER_BYTE_COST + small_file * JSONL_BYTE_COST,
+        small
+            >= synthetic
+                + tokenizer * TOKENIZER_BYTE_COST
+                + small_file * (JSONL_BYTE_COST + TOKENIZE_BYTE_COST),
         "{small} vs {synthetic}"
     );
 }
