@@ -97,6 +97,17 @@ fn weight_files_that_are_not_files_are_named() {
     let err = one_line_error(&generate(&dir));
     assert!(err.contains("model.safetensors is a FIFO"), "{err}");
 
+    // A config.json that is a FIFO is the model directory's config, not a missing one.
+    let (_tmp, dir) = model_copy("mistral");
+    let config = dir.join("config.json");
+    std::fs::remove_file(&config).unwrap();
+    mkfifo(&config);
+    let err = one_line_error(&generate(&dir));
+    assert!(
+        err.contains("config.json is a FIFO, not a regular file"),
+        "{err}"
+    );
+
     // A shard that is a directory.
     let (_tmp, dir) = model_copy("qwen2");
     let shard = dir.join("model-00002-of-00003.safetensors");

@@ -207,8 +207,9 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         );
     }
     let be = CpuBackend::new(1)?;
-    // A Hugging Face directory (its config.json) or a pipefill run.
-    let hf = args.model.join(pipefill::model::hf::CONFIG_FILE).is_file();
+    // A Hugging Face directory (its config.json, whatever it is: one that is not a file is
+    // the import's error to name) or a pipefill run.
+    let hf = std::fs::symlink_metadata(args.model.join(pipefill::model::hf::CONFIG_FILE)).is_ok();
     let (mut loaded, tokenizer): (_, Box<dyn Codec>) = if hf {
         let model = HfModel::open(&args.model)?;
         let gpt = model.gpt(be, &Cut::Even(1))?;
