@@ -125,6 +125,22 @@ pub enum CheckpointError {
         rank: usize,
         reason: String,
     },
+    /// A periodic checkpoint could not be written: the run stops there (what the write
+    /// left is removed); `last` is the checkpoint a resume would continue from.
+    #[error(
+        "cannot write the checkpoint of step {step}: {cause}; the run stopped: {}",
+        match last {
+            Some(dir) => format!("its last complete checkpoint is {}", dir.display()),
+            None => "it has no complete checkpoint".to_string(),
+        }
+    )]
+    Periodic {
+        step: u64,
+        dir: PathBuf,
+        last: Option<PathBuf>,
+        /// Named in the message, not a `source`: the whole reason is one line.
+        cause: Box<CheckpointError>,
+    },
     #[error(transparent)]
     Model(#[from] ModelError),
     /// The drafter's state could not be taken or does not fit the drafter.
@@ -241,12 +257,12 @@ impl Checkpoint {
         }
         let be = model.chunks()[0].backend();
         let state = optimizer.state(be)?;
-        Ok(sharded::from_state(
+        Ok(sharded::from_owned_state(
             model.config().clone(),
             data_seed,
             step,
             tensors,
-            &state,
+            state,
         ))
     }
 

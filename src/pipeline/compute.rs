@@ -480,8 +480,10 @@ impl<B: Backend> RankCompute<B> {
         }
         if self.shared.checkpoint_due(step) {
             self.shared
-                .deposit_checkpoint(step, self.rank, self.export()?);
+                .deposit_checkpoint(step, self.rank, self.export()?)?;
         }
+        // A checkpoint write failed, or the caller stopped the run: this step is the last.
+        self.shared.check_stop(self.rank)?;
         if self.done == self.iterations {
             match self.keep.take() {
                 Some(keep) => self.send_parts(&keep),

@@ -86,6 +86,13 @@ pub enum PipelineError {
         expected: u64,
         got: u64,
     },
+    /// The run was stopped (a periodic checkpoint could not be written, or the caller
+    /// asked): the rank ended at the end of its step.
+    #[error(
+        "rank {rank} stopped: the run was stopped (a checkpoint or metrics write failed, or \
+         the caller asked)"
+    )]
+    Stopped { rank: usize },
     /// A rank never handed over its final parameters.
     #[error("the run ended without every rank's final parameters")]
     NoFinalState,

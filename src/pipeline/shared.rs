@@ -14,13 +14,18 @@
 //! - **Periodic checkpoints** ([`Checkpointing`]): after every `every`-th step each rank
 //!   deposits its state; once all have, a writer thread saves the sharded checkpoint (one
 //!   shard per rank, manifest last), off the stage threads; the trainer joins the writers
-//!   when the run ends ([`Shared::join_checkpoints`]). When the ranks live in different
+//!   when the run ends ([`Shared::join_checkpoints`]). One writer at a time: the next
+//!   checkpoint waits for the one before, so a run holds at most two of them in memory.
+//!   A write that fails stops the run at the end of the ranks' next step
+//!   ([`Shared::check_stop`]), and [`Shared::join_checkpoints`] reports it, naming the file
+//!   and the last complete checkpoint. When the ranks live in different
 //!   processes, each process's [`RankCheckpointer`] takes its own rank's state instead.
 //!   With a drafter in the bubbles ([`Shared::checkpoint_drafter`]) its state is taken when
 //!   the last rank deposits, and saved with the checkpoint.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
@@ -29,6 +34,7 @@ use super::PipelineError;
 use super::feed::{StepBatches, StepFeed};
 use crate::comm::collective::{GradSync, RingGradSync, TIE_CHANNEL};
 use crate::model::checkpoint::sharded::{self, Layout};
+use crate::model::checkpoint::sweep;
 use crate::model::checkpoint::{CheckpointError, HostTensor};
 use crate::model::drafter::DrafterError;
 use crate::model::drafter::state::DrafterState;
@@ -105,18 +111,42 @@ pub trait RankCheckpointer: Send + Sync + std::fmt::Debug {
     fn join(&self) -> Result<Vec<PathBuf>, CheckpointError>;
 }
 
-/// Checkpoints being gathered from the ranks, and the writers already started.
+/// Checkpoints being gathered from the ranks, the writer in flight, and what the writers
+/// before it did.
 #[derive(Default)]
 struct Saves {
     pending: BTreeMap<u64, Vec<Option<RankFinal>>>,
-    writers: Vec<std::thread::JoinHandle<Result<PathBuf, CheckpointError>>>,
+    /// At most one: the next checkpoint's writer starts once this one is done.
+    writer: Option<std::thread::JoinHandle<Result<PathBuf, CheckpointError>>>,
+    /// The directories the finished writers completed.
+    written: Vec<PathBuf>,
+    /// The first write that failed (the run stops; [`Shared::join_checkpoints`] reports it).
+    failed: Option<CheckpointError>,
+}
+
+impl Saves {
+    /// Waits for the writer in flight and records what it did.
+    fn settle(&mut self) {
+        let Some(writer) = self.writer.take() else {
+            return;
+        };
+        match writer.join() {
+            Ok(Ok(dir)) => self.written.push(dir),
+            Ok(Err(e)) => {
+                self.failed.get_or_insert(e);
+            }
+            Err(panic) => std::panic::resume_unwind(panic),
+        }
+    }
 }
 
 impl std::fmt::Debug for Saves {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Saves")
             .field("pending", &self.pending.keys().collect::<Vec<_>>())
-            .field("writers", &self.writers.len())
+            .field("writing", &self.writer.is_some())
+            .field("written", &self.written.len())
+            .field("failed", &self.failed.is_some())
             .finish()
     }
 }
@@ -141,6 +171,9 @@ pub struct Shared {
     shards: Mutex<BTreeMap<u64, Arc<StepBatches>>>,
     checkpointing: Option<Checkpointing>,
     saves: Mutex<Saves>,
+    /// Set when the run must stop at the ranks' next step end: a checkpoint write failed, or
+    /// the caller asked ([`Shared::stop`]).
+    stop: Arc<AtomicBool>,
     rank_checkpointer: Option<Arc<dyn RankCheckpointer>>,
     /// The drafter trained in the bubbles, saved with every checkpoint.
     drafter: DrafterSlot,
@@ -178,6 +211,7 @@ impl Shared {
             shards: Mutex::new(BTreeMap::new()),
             checkpointing: None,
             saves: Mutex::new(Saves::default()),
+            stop: Arc::new(AtomicBool::new(false)),
             rank_checkpointer: None,
             drafter: DrafterSlot::default(),
             tie: None,
@@ -248,13 +282,35 @@ impl Shared {
             .is_some_and(|c| c.every > 0 && (step + 1).is_multiple_of(c.every) && first_replica)
     }
 
-    /// `rank`'s state after step `step`; the last rank to deposit starts the writer.
-    pub fn deposit_checkpoint(&self, step: u64, rank: usize, fin: RankFinal) {
+    /// Stops the run at the ranks' next step end (each fails that step with a "stopped"
+    /// error; the caller reports why it asked).
+    pub fn stop(&self) {
+        self.stop.store(true, Ordering::Release);
+    }
+
+    /// Fails `rank`'s step once the run must stop ([`Shared::stop`], or a checkpoint
+    /// write failed).
+    pub fn check_stop(&self, rank: usize) -> Result<(), PipelineError> {
+        match self.stop.load(Ordering::Acquire) {
+            true => Err(PipelineError::Stopped { rank }),
+            false => Ok(()),
+        }
+    }
+
+    /// `rank`'s state after step `step`; the last rank to deposit starts the writer, once
+    /// the one before has finished (a write that failed fails this step: the run stops).
+    pub fn deposit_checkpoint(
+        &self,
+        step: u64,
+        rank: usize,
+        fin: RankFinal,
+    ) -> Result<(), PipelineError> {
         let Some(plan) = &self.checkpointing else {
-            return;
+            return Ok(());
         };
         if let Some(saver) = &self.rank_checkpointer {
-            return saver.deposit(step, rank, fin);
+            saver.deposit(step, rank, fin);
+            return Ok(());
         }
         let mut saves = self.saves.lock().unwrap_or_else(PoisonError::into_inner);
         let slots = saves
@@ -263,7 +319,7 @@ impl Shared {
             .or_insert_with(|| vec![None; self.ranks]);
         slots[rank] = Some(fin);
         if slots.iter().any(Option::is_none) {
-            return;
+            return Ok(());
         }
         let finals: Vec<RankFinal> = saves
             .pending
@@ -276,27 +332,32 @@ impl Shared {
         // Taken now, at the end of the step's last rank (the writer runs while the next
         // step's bubbles go on training the drafter).
         let drafter = self.drafter.0.get().map(|fill| fill.export_state());
-        saves.writers.push(std::thread::spawn(move || {
-            save_finals(&plan, step + 1, finals, drafter)
+        saves.settle();
+        if saves.failed.is_some() {
+            self.stop();
+            return self.check_stop(rank);
+        }
+        let stop = Arc::clone(&self.stop);
+        saves.writer = Some(std::thread::spawn(move || {
+            let saved = save_finals(&plan, step + 1, finals, drafter);
+            if saved.is_err() {
+                stop.store(true, Ordering::Release);
+            }
+            saved
         }));
+        Ok(())
     }
 
     /// Waits for every checkpoint writer; the directories written, in step order.
+    /// The first write that failed is the error.
     pub fn join_checkpoints(&self) -> Result<Vec<PathBuf>, PipelineError> {
-        let writers = std::mem::take(
-            &mut self
-                .saves
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .writers,
-        );
-        let mut dirs = Vec::with_capacity(writers.len());
-        for w in writers {
-            match w.join() {
-                Ok(dir) => dirs.push(dir?),
-                Err(panic) => std::panic::resume_unwind(panic),
-            }
+        let mut saves = self.saves.lock().unwrap_or_else(PoisonError::into_inner);
+        saves.settle();
+        if let Some(e) = saves.failed.take() {
+            return Err(e.into());
         }
+        let mut dirs = std::mem::take(&mut saves.written);
+        drop(saves);
         if let Some(saver) = &self.rank_checkpointer {
             dirs.extend(saver.join()?);
         }
@@ -482,22 +543,26 @@ fn save_finals(
         optimizer.slots.append(&mut fin.optimizer.slots);
     }
     let params = by_stage.into_values().flatten().collect();
-    let mut checkpoint = sharded::from_state(
+    let mut checkpoint = sharded::from_owned_state(
         plan.model.clone(),
         plan.data_seed,
         next_step,
         params,
-        &optimizer,
+        optimizer,
     );
-    checkpoint.drafter = drafter.transpose()?;
     let dir = sharded::step_dir(&plan.run_dir, next_step);
-    let manifest = sharded::save_sharded(
-        &dir,
-        &checkpoint,
-        &plan.layout,
-        &plan.stage_of,
-        &plan.config_hash,
-    )?;
+    let saved = drafter.transpose().map_err(Into::into).and_then(|d| {
+        checkpoint.drafter = d;
+        sharded::save_sharded(
+            &dir,
+            &checkpoint,
+            &plan.layout,
+            &plan.stage_of,
+            &plan.config_hash,
+        )
+    });
+    // What the failed write left goes; the error names the last complete checkpoint.
+    let manifest = saved.map_err(|e| sweep::failed_periodic(&plan.run_dir, &dir, next_step, e))?;
     plan.retention.completed(&dir, &manifest)?;
     Ok(dir)
 }

@@ -67,6 +67,21 @@ pub enum RunDirError {
     Io { path: PathBuf, source: io::Error },
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
+    /// A metrics line could not be written: the run stops there.
+    #[error(
+        "cannot write {path}: {cause}; the run stopped: {}",
+        match last {
+            Some(dir) => format!("its last complete checkpoint is {}", dir.display()),
+            None => "it has no complete checkpoint".to_string(),
+        }
+    )]
+    Metrics {
+        path: PathBuf,
+        /// The checkpoint a resume of the run would continue from.
+        last: Option<PathBuf>,
+        /// Named in the message, not a `source`: the whole reason is one line.
+        cause: io::Error,
+    },
     #[error("{path}: line {line} is not a metrics line with a \"step\": {reason}")]
     BadMetrics {
         path: PathBuf,

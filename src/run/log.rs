@@ -5,13 +5,14 @@
 
 use std::fmt;
 use std::fs::File;
-use std::io::{self, BufWriter, Write};
+use std::io::{BufWriter, Write};
 use std::path::PathBuf;
 use std::time::Instant;
 
 use super::dir::{RunDir, RunDirError};
 use super::metrics::StepLine;
 use crate::config::JobConfig;
+use crate::model::checkpoint::resume::last_complete;
 use crate::train::StepMetrics;
 
 /// Steps of the loss means at the start and the end of a run in its summary.
@@ -37,9 +38,6 @@ pub fn steps_left(first_step: u64, steps: u64) -> Result<u64, NothingToDo> {
 pub struct RunLog {
     file: BufWriter<File>,
     path: PathBuf,
-    /// The first write error: the log stops writing there, the run goes on, and
-    /// [`RunLog::finish`] reports it.
-    failed: Option<io::Error>,
     steps: Vec<StepMetrics>,
     started: Instant,
 }
@@ -52,7 +50,6 @@ impl RunLog {
         Ok(RunLog {
             file,
             path: run_dir.path().join(super::dir::METRICS_FILE),
-            failed: None,
             steps: Vec::new(),
             started: Instant::now(),
         })
@@ -64,30 +61,23 @@ impl RunLog {
         self.started = Instant::now();
     }
 
-    /// Appends `line` and flushes it, so that the file follows the run.
-    pub fn record(&mut self, line: &StepLine<'_>) {
-        self.steps.push(line.metrics().clone());
-        if self.failed.is_some() {
-            return;
-        }
+    /// Appends `line` and flushes it, so that the file follows the run. A line that cannot
+    /// be written (a full disk) is the error that stops the run, naming the file and the
+    /// checkpoint a resume would continue from.
+    pub fn record(&mut self, line: &StepLine<'_>) -> Result<(), RunDirError> {
         let written = writeln!(self.file, "{}", line.to_json()).and_then(|()| self.file.flush());
-        if let Err(e) = written {
-            self.failed = Some(e);
-        }
+        written.map_err(|cause| RunDirError::Metrics {
+            last: self.path.parent().and_then(last_complete),
+            path: self.path.clone(),
+            cause,
+        })?;
+        self.steps.push(line.metrics().clone());
+        Ok(())
     }
 
-    /// The run's summary, or the first error writing `metrics.jsonl` met.
-    pub fn finish(self) -> Result<RunSummary, RunDirError> {
-        if let Some(source) = self.failed {
-            return Err(RunDirError::Io {
-                path: self.path,
-                source,
-            });
-        }
-        Ok(RunSummary::of(
-            &self.steps,
-            self.started.elapsed().as_secs_f64(),
-        ))
+    /// The run's summary.
+    pub fn finish(self) -> RunSummary {
+        RunSummary::of(&self.steps, self.started.elapsed().as_secs_f64())
     }
 }
 
@@ -197,11 +187,49 @@ mod tests {
         let job = JobConfig::embedded(&[]).unwrap();
         let mut log = RunLog::open(&dir, &job, 0).unwrap();
         for i in 0..3 {
-            log.record(&StepLine::new(&step(i, 2.0), None));
+            log.record(&StepLine::new(&step(i, 2.0), None)).unwrap();
             let written = std::fs::read_to_string(path.join("metrics.jsonl")).unwrap();
             assert_eq!(written.lines().count(), i as usize + 1);
         }
-        let summary = log.finish().unwrap();
+        let summary = log.finish();
         assert_eq!((summary.steps, summary.tokens), (3, 300));
+    }
+
+    #[test]
+    fn a_line_that_cannot_be_written_is_the_error_naming_the_file_and_checkpoint() {
+        let root = tempfile::tempdir().unwrap();
+        let path = root.path().join("run");
+        let dir = RunDir::claim(
+            Some(path.as_path()),
+            "",
+            super::super::Resume::Fresh,
+            super::super::Existing::Refuse,
+        )
+        .unwrap();
+        let job = JobConfig::embedded(&[]).unwrap();
+        let mut log = RunLog::open(&dir, &job, 0).unwrap();
+        log.record(&StepLine::new(&step(0, 2.0), None)).unwrap();
+        // The disk fills: every write of the file fails from here on.
+        let full = std::fs::OpenOptions::new().append(true).open("/dev/full");
+        let Ok(full) = full else {
+            eprintln!("skipped: no /dev/full here");
+            return;
+        };
+        log.file = BufWriter::new(full);
+        let err = log.record(&StepLine::new(&step(1, 2.0), None)).unwrap_err();
+        let metrics = path.join(super::super::dir::METRICS_FILE);
+        assert!(
+            matches!(&err, RunDirError::Metrics { path: p, last: None, .. } if p == &metrics),
+            "{err}"
+        );
+        let msg = err.to_string();
+        assert!(
+            msg.contains("cannot write")
+                && msg.contains("No space left on device")
+                && msg.contains("the run stopped: it has no complete checkpoint"),
+            "{msg}"
+        );
+        // The step that was not written is not in the summary either.
+        assert_eq!(log.finish().steps, 1);
     }
 }

@@ -132,7 +132,8 @@ impl<C: StageCompute> Job<C> {
                     step,
                 }) => steps.add(iteration, grad_norm, decision, step),
                 Some(StageEvent::Failed(e)) => {
-                    tracing::error!("stopping the job: {e}");
+                    // The caller gets the error and reports it: one line, not two.
+                    tracing::debug!("stopping the job: {e}");
                     return Err(e);
                 }
                 None => return Err(RuntimeError::Actor("every stage actor is gone".into())),

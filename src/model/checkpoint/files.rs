@@ -15,7 +15,8 @@ use std::fs;
 use std::io::{Read, Write};
 use std::path::{Component, Path, PathBuf};
 
-use safetensors::{Dtype, SafeTensors, tensor::TensorView};
+use safetensors::tensor::{Metadata, TensorInfo};
+use safetensors::{Dtype, SafeTensors};
 
 use super::sharded::{Fnv1a, fingerprint};
 use super::{CheckpointError, HostTensor};
@@ -308,41 +309,111 @@ fn check_digest(
 }
 
 /// Writes `tensors` as the safetensors file `path` (atomically), its metadata's `format`
-/// entry `format`; returns its size and hash.
+/// entry `format`; returns its size and hash. See [`write_tensor_refs`].
 pub(crate) fn write_tensor_file(
     path: &Path,
     tensors: &[HostTensor],
     format: &str,
 ) -> Result<(u64, String), CheckpointError> {
-    let bytes: Vec<Vec<u8>> = tensors
-        .iter()
-        .map(|t| t.data.iter().flat_map(|x| x.to_le_bytes()).collect())
-        .collect();
-    let views = tensors
-        .iter()
-        .zip(&bytes)
-        .map(|(t, b)| {
-            TensorView::new(Dtype::F32, t.shape.clone(), b)
-                .map(|v| (t.name.clone(), v))
-                .map_err(|e| CheckpointError::Tensor {
-                    path: path.to_path_buf(),
-                    name: t.name.clone(),
-                    reason: format!(
-                        "shape {:?} does not hold its {} values ({e})",
-                        t.shape,
-                        t.data.len()
-                    ),
-                })
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    let info = HashMap::from([("format".to_string(), format.to_string())]);
-    let data =
-        safetensors::serialize(views, Some(info)).map_err(|e| CheckpointError::BadTensors {
+    write_tensor_refs(path, &tensors.iter().collect::<Vec<_>>(), format)
+}
+
+/// Bytes of the buffer the tensors' values are converted in on their way to the file.
+const WRITE_CHUNK: usize = 1 << 16;
+
+/// Writes `tensors` as the safetensors file `path` (atomically), its metadata's `format`
+/// entry `format`; returns its size and hash. The file is streamed: its header, then each
+/// tensor's values converted a [`WRITE_CHUNK`] at a time and hashed as they pass, so a
+/// write holds no copy of the tensors (the bytes are those `safetensors::serialize` gives).
+pub(crate) fn write_tensor_refs(
+    path: &Path,
+    tensors: &[&HostTensor],
+    format: &str,
+) -> Result<(u64, String), CheckpointError> {
+    let mut sorted = tensors.to_vec();
+    sorted.sort_by(|a, b| a.name.cmp(&b.name));
+    if let Some(w) = sorted.windows(2).find(|w| w[0].name == w[1].name) {
+        return Err(CheckpointError::Tensor {
             path: path.to_path_buf(),
-            reason: e.to_string(),
-        })?;
-    write_atomic(path, &data)?;
-    Ok((data.len() as u64, fingerprint(&data)))
+            name: w[0].name.clone(),
+            reason: "is given twice".into(),
+        });
+    }
+    let mut infos = Vec::with_capacity(sorted.len());
+    let mut offset = 0usize;
+    for t in &sorted {
+        if t.shape.iter().product::<usize>() != t.data.len() {
+            return Err(CheckpointError::Tensor {
+                path: path.to_path_buf(),
+                name: t.name.clone(),
+                reason: format!(
+                    "shape {:?} does not hold its {} values",
+                    t.shape,
+                    t.data.len()
+                ),
+            });
+        }
+        let end = offset + 4 * t.data.len();
+        infos.push((
+            t.name.clone(),
+            TensorInfo {
+                dtype: Dtype::F32,
+                shape: t.shape.clone(),
+                data_offsets: (offset, end),
+            },
+        ));
+        offset = end;
+    }
+    let bad = |reason: String| CheckpointError::BadTensors {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let info = HashMap::from([("format".to_string(), format.to_string())]);
+    let meta = Metadata::new(Some(info), infos).map_err(|e| bad(e.to_string()))?;
+    let mut header = serde_json::to_vec(&meta).map_err(|e| bad(e.to_string()))?;
+    header.resize(header.len().next_multiple_of(8), b' ');
+    let mut hashed = (Fnv1a::default(), 0u64);
+    write_atomic_with(path, &mut |file| {
+        let mut out = HashingWriter {
+            inner: std::io::BufWriter::with_capacity(WRITE_CHUNK, file),
+            hash: Fnv1a::default(),
+            bytes: 0,
+        };
+        out.write_all(&(header.len() as u64).to_le_bytes())?;
+        out.write_all(&header)?;
+        let mut chunk = Vec::with_capacity(WRITE_CHUNK);
+        for t in &sorted {
+            for values in t.data.chunks(WRITE_CHUNK / 4) {
+                chunk.clear();
+                chunk.extend(values.iter().flat_map(|x| x.to_le_bytes()));
+                out.write_all(&chunk)?;
+            }
+        }
+        out.inner.flush()?;
+        hashed = (out.hash, out.bytes);
+        Ok(())
+    })?;
+    Ok((hashed.1, hashed.0.finish()))
+}
+
+/// A writer that hashes ([`Fnv1a`]) and counts the bytes it passes on.
+struct HashingWriter<W: Write> {
+    inner: W,
+    hash: Fnv1a,
+    bytes: u64,
+}
+
+impl<W: Write> Write for HashingWriter<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.hash.update(&buf[..n]);
+        self.bytes += n as u64;
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
 }
 
 /// The f32 tensors `names` of the safetensors bytes `data` read from `path` (named in errors).
@@ -385,6 +456,15 @@ pub(crate) fn read_f32_tensors(
 /// The file and then its directory are synced, so once this returns the new file survives
 /// a crash (a checkpoint's manifest may then be written over it).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
+    write_atomic_with(path, &mut |file| file.write_all(bytes))
+}
+
+/// [`write_atomic`] of what `fill` writes into the temporary file. A failed write removes
+/// the temporary file; the error names `path`.
+pub fn write_atomic_with(
+    path: &Path,
+    fill: &mut dyn FnMut(&mut fs::File) -> std::io::Result<()>,
+) -> Result<(), CheckpointError> {
     let io = |error| CheckpointError::Io {
         path: path.to_path_buf(),
         error,
@@ -396,7 +476,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
     let tmp = path.with_file_name(format!(".{name}.tmp.{}", std::process::id()));
     let result = (|| {
         let mut f = fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
+        fill(&mut f)?;
         f.sync_all()?;
         fs::rename(&tmp, path)?;
         match path.parent().filter(|p| !p.as_os_str().is_empty()) {

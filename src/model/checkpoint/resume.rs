@@ -102,6 +102,14 @@ impl ResumePoint {
     }
 }
 
+/// The checkpoint a resume of run directory `run_dir` would continue from
+/// ([`ResumePoint::find`]), if it has one: what an error that stops a run names.
+pub fn last_complete(run_dir: &Path) -> Option<PathBuf> {
+    ResumePoint::find(run_dir)
+        .ok()
+        .map(|point| point.dir().to_path_buf())
+}
+
 /// Whether `dir` holds shard files (`rank-NNNNN.safetensors`).
 fn has_shards(dir: &Path) -> bool {
     fs::read_dir(dir).is_ok_and(|entries| {

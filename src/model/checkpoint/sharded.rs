@@ -202,12 +202,21 @@ pub fn write_shard(
     rank: usize,
     tensors: &[HostTensor],
 ) -> Result<ShardEntry, CheckpointError> {
+    write_shard_refs(dir, rank, &tensors.iter().collect::<Vec<_>>())
+}
+
+/// [`write_shard`] of tensors held elsewhere (no copy is made: the file is streamed).
+fn write_shard_refs(
+    dir: &Path,
+    rank: usize,
+    tensors: &[&HostTensor],
+) -> Result<ShardEntry, CheckpointError> {
     fs::create_dir_all(dir).map_err(|error| CheckpointError::Io {
         path: dir.to_path_buf(),
         error,
     })?;
     let file = shard_file(rank);
-    let (bytes, hash) = super::files::write_tensor_file(&dir.join(&file), tensors, SHARDED_FORMAT)?;
+    let (bytes, hash) = super::files::write_tensor_refs(&dir.join(&file), tensors, SHARDED_FORMAT)?;
     Ok(ShardEntry {
         rank,
         file,
@@ -322,7 +331,8 @@ pub fn save_sharded(
 ) -> Result<Manifest, CheckpointError> {
     remove_manifest(dir)?;
     let pp = layout.pp();
-    let mut per_rank: Vec<Vec<HostTensor>> = vec![Vec::new(); pp];
+    // The tensors stay where they are: each shard is streamed from references to them.
+    let mut per_rank: Vec<Vec<&HostTensor>> = vec![Vec::new(); pp];
     for t in &checkpoint.tensors {
         let param = param_of(&t.name);
         let &stage = stage_of.get(param).ok_or_else(|| {
@@ -337,12 +347,12 @@ pub fn save_sharded(
                 layout.stage_rank.len()
             ))
         })?;
-        per_rank[rank].push(t.clone());
+        per_rank[rank].push(t);
     }
     let mut shards = Vec::with_capacity(layout.world());
     for replica in 0..layout.dp {
         for (r, tensors) in per_rank.iter().enumerate() {
-            shards.push(write_shard(dir, replica * pp + r, tensors)?);
+            shards.push(write_shard_refs(dir, replica * pp + r, tensors)?);
         }
     }
     let drafter = match &checkpoint.drafter {
@@ -384,7 +394,8 @@ pub fn remove_manifest(dir: &Path) -> Result<(), CheckpointError> {
 
 /// A whole-model checkpoint of `params` (in model order) and `optimizer` after `step`
 /// steps, for a run whose state is held by its ranks rather than by one [`crate::model::Gpt`].
-/// Moments are stored as [`super::Checkpoint::capture`] stores them.
+/// Moments are stored as [`super::Checkpoint::capture`] stores them. The moments are copied;
+/// [`from_owned_state`] moves them instead.
 pub fn from_state(
     model: GptConfig,
     data_seed: u64,
@@ -392,26 +403,38 @@ pub fn from_state(
     params: Vec<HostTensor>,
     optimizer: &crate::model::OptimizerState,
 ) -> Checkpoint {
+    from_owned_state(model, data_seed, step, params, optimizer.clone())
+}
+
+/// [`from_state`] taking the optimizer state: its moments become the checkpoint's tensors
+/// without a copy (a checkpoint writer holds the state once, not twice).
+pub fn from_owned_state(
+    model: GptConfig,
+    data_seed: u64,
+    step: u64,
+    params: Vec<HostTensor>,
+    optimizer: crate::model::OptimizerState,
+) -> Checkpoint {
     let mut tensors = params;
     let shapes: HashMap<String, Vec<usize>> = tensors
         .iter()
         .map(|t| (t.name.clone(), t.shape.clone()))
         .collect();
-    for (name, slot) in &optimizer.slots {
+    for (name, slot) in optimizer.slots {
         let shape = shapes
-            .get(name)
+            .get(&name)
             .cloned()
             .unwrap_or_else(|| vec![slot.m.len()]);
-        let mut push = |prefix: &str, data: &[f32]| {
+        let mut push = |prefix: &str, data: Vec<f32>| {
             tensors.push(HostTensor {
                 name: format!("{prefix}{name}"),
                 shape: shape.clone(),
-                data: data.to_vec(),
+                data,
             })
         };
-        push(ADAM_M_PREFIX, &slot.m);
-        push(ADAM_V_PREFIX, &slot.v);
-        if let Some(master) = &slot.master {
+        push(ADAM_M_PREFIX, slot.m);
+        push(ADAM_V_PREFIX, slot.v);
+        if let Some(master) = slot.master {
             push(MASTER_PREFIX, master);
         }
     }

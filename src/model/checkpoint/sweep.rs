@@ -27,6 +27,7 @@ use std::path::{Path, PathBuf};
 
 use super::drafter::DRAFTER_FILE;
 use super::files::{MAX_META_BYTES, plain_name, read_bounded};
+use super::resume::last_complete;
 use super::sharded::{CHECKPOINTS_DIR, MANIFEST_FILE, Manifest, SHARDED_FORMAT};
 use super::{CheckpointError, CheckpointMeta, FORMAT, META_FILE, TENSOR_FILE};
 
@@ -161,6 +162,27 @@ pub fn sweep_step(dir: &Path, what: Sweep) -> Result<Vec<PathBuf>, CheckpointErr
         removed.push(dir.to_path_buf());
     }
     Ok(removed)
+}
+
+/// The error of the periodic checkpoint of `step` in `dir` (of run directory `run_dir`)
+/// whose write failed with `source`: what the write left in `dir` is removed first
+/// ([`Sweep::Leftovers`]: it has no manifest), and the error names the checkpoint a resume
+/// of the run would continue from.
+pub fn failed_periodic(
+    run_dir: &Path,
+    dir: &Path,
+    step: u64,
+    source: CheckpointError,
+) -> CheckpointError {
+    if let Err(e) = sweep_step(dir, Sweep::Leftovers) {
+        tracing::warn!("after a failed checkpoint write: {e}");
+    }
+    CheckpointError::Periodic {
+        step,
+        dir: dir.to_path_buf(),
+        last: last_complete(run_dir),
+        cause: Box::new(source),
+    }
 }
 
 /// Whether `path` is a directory itself (not a symlink to one).

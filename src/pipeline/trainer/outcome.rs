@@ -170,12 +170,12 @@ impl PipelineRun {
     /// [`PipelineRun::checkpoint`], consuming the run: its parameters move into the
     /// checkpoint instead of being copied.
     pub fn into_checkpoint(self) -> Checkpoint {
-        let mut checkpoint = crate::model::checkpoint::sharded::from_state(
+        let mut checkpoint = crate::model::checkpoint::sharded::from_owned_state(
             self.job.model,
             self.job.train.seed,
             self.next_step,
             self.params,
-            &self.optimizer,
+            self.optimizer,
         );
         checkpoint.drafter = self.drafter_state;
         checkpoint

@@ -1,6 +1,7 @@
 //! Running a [`PipelineTrainer`]: the runtime on its own thread, this thread joining each
 //! step's metrics with its measured profile (and the drafter's figures) for the caller.
 
+use std::ops::ControlFlow;
 use std::sync::Arc;
 use std::sync::mpsc::{RecvTimeoutError, channel};
 use std::time::Duration;
@@ -72,10 +73,24 @@ impl PipelineTrainer {
         steps: u64,
         mut on_step: impl FnMut(&StepView),
     ) -> Result<PipelineRun, PipelineError> {
+        self.run_observed_until(steps, |v| {
+            on_step(v);
+            ControlFlow::Continue(())
+        })
+    }
+
+    /// [`PipelineTrainer::run_observed`] where `on_step` may stop the run: after a
+    /// [`ControlFlow::Break`] every rank ends at the end of its step, and the run is
+    /// [`PipelineError::Stopped`] (a caller that could not record a step stops there).
+    pub fn run_observed_until(
+        &self,
+        steps: u64,
+        mut on_step: impl FnMut(&StepView) -> ControlFlow<()>,
+    ) -> Result<PipelineRun, PipelineError> {
         struct Run<'a, 'f> {
             trainer: &'a PipelineTrainer,
             steps: u64,
-            on_step: &'f mut dyn FnMut(&StepView),
+            on_step: &'f mut dyn FnMut(&StepView) -> ControlFlow<()>,
         }
         impl OnBackend for Run<'_, '_> {
             type Output = Result<PipelineRun, PipelineError>;
@@ -100,7 +115,7 @@ impl PipelineTrainer {
     fn run_on<B: RankBackend>(
         &self,
         steps: u64,
-        on_step: &mut dyn FnMut(&StepView),
+        on_step: &mut dyn FnMut(&StepView) -> ControlFlow<()>,
     ) -> Result<PipelineRun, PipelineError> {
         if steps == 0 {
             return Err(PipelineError::Config {
@@ -175,11 +190,14 @@ impl PipelineTrainer {
                     agreement: measured.map(|(_, a)| a),
                 }
             });
-            on_step(&StepView {
+            let flow = on_step(&StepView {
                 metrics: m,
                 profile: p,
                 drafter,
             });
+            if flow.is_break() {
+                shared.stop();
+            }
         };
         let mut join = StepJoin::new(self.first_step(), profiles_rx, &mut measure);
         let outcome = std::thread::scope(|scope| {
@@ -199,10 +217,12 @@ impl PipelineTrainer {
         });
         let metrics = join.finish();
         let report = match outcome {
-            Ok(report) => report?,
+            Ok(report) => report,
             Err(panic) => std::panic::resume_unwind(panic),
         };
+        // A checkpoint write that failed is why the ranks stopped: its error comes first.
         shared.join_checkpoints()?;
+        let report = report?;
         let finals = shared.take_finals().ok_or(PipelineError::NoFinalState)?;
         // An auto-scheduled run is predicted (and reported) by the plan its last step ran.
         let plan = match (&self.auto, &report.plan) {

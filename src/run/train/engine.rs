@@ -40,12 +40,14 @@ pub(super) struct Steps<'a> {
 }
 
 impl Steps<'_> {
-    /// A completed step: its metrics `line`, and the `message` its tick shows.
-    pub(super) fn step(&mut self, line: &StepLine<'_>, message: &str) {
+    /// A completed step: its metrics `line`, and the `message` its tick shows. A line that
+    /// cannot be written is the error that stops the run.
+    pub(super) fn step(&mut self, line: &StepLine<'_>, message: &str) -> Result<(), RunError> {
         step_tick(self.show, Bar::Step, line.metrics().step, self.len, message);
         if let Some(log) = self.log.as_deref_mut() {
-            log.record(line);
+            log.record(line)?;
         }
+        Ok(())
     }
 
     /// For the lines an engine shows while its steps run.
@@ -76,7 +78,7 @@ pub(super) fn drive<E: Engine>(
     let (Some(dir), Some(log)) = (dir, log) else {
         return Ok(());
     };
-    let summary = log.finish()?;
+    let summary = log.finish();
     if let Some(mut checkpoint) = engine.checkpoint(&mut ran)? {
         dir.save_final(&mut checkpoint, job)?;
     }

@@ -170,7 +170,7 @@ impl Engine for Launched<'_> {
                 let index = m.step.checked_sub(first_step)?;
                 p.iterations.get(usize::try_from(index).ok()?)
             });
-            out.step(&StepLine::new(m, timeline), &step_message(m, timeline));
+            out.step(&StepLine::new(m, timeline), &step_message(m, timeline))?;
         }
         Ok(run)
     }

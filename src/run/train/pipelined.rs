@@ -8,6 +8,7 @@
 //! job with `filler = "none"` ([`BASELINE_STEPS`] steps at most, same plan, model and data)
 //! measures its median step makespan; it only measures and writes nothing.
 
+use std::ops::ControlFlow;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -128,11 +129,26 @@ impl Engine for InProcess<'_> {
             .trainer
             .clone()
             .checkpoint_every(self.job.checkpoint_every, self.out_dir);
-        let run = main.run_observed(steps, |v: &StepView| {
+        // A step that cannot be logged stops the run (every rank ends its step), and its
+        // error is the run's.
+        let mut failed = None;
+        let run = main.run_observed_until(steps, |v: &StepView| {
+            if failed.is_some() {
+                return ControlFlow::Break(());
+            }
             let message = self.message(v);
-            out.step(&StepLine::of_view(v, filler), &message);
-        })?;
-        Ok(run)
+            match out.step(&StepLine::of_view(v, filler), &message) {
+                Ok(()) => ControlFlow::Continue(()),
+                Err(e) => {
+                    failed = Some(e);
+                    ControlFlow::Break(())
+                }
+            }
+        });
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(run?),
+        }
     }
 
     fn checkpoint(&mut self, run: &mut PipelineRun) -> Result<Option<Checkpoint>, RunError> {

@@ -103,7 +103,7 @@ impl<B: Backend> Engine for Reference<'_, B> {
     fn run(&mut self, steps: u64, out: &mut Steps<'_>) -> Result<(), RunError> {
         for _ in 0..steps {
             let m = self.trainer.train_step()?;
-            out.step(&StepLine::new(&m, None), &step_message(&m, None));
+            out.step(&StepLine::new(&m, None), &step_message(&m, None))?;
         }
         Ok(())
     }
