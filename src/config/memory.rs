@@ -12,8 +12,10 @@
 //!
 //! [`MemoryEstimate::check`] compares the total with a [`MemoryLimit`]: `--max-memory`, or
 //! the machine's available memory (`MemAvailable` in `/proc/meminfo`). Over it, the error
-//! is one line naming the field that dominates the largest part, the estimate and its
-//! largest parts, and the limit.
+//! is one line naming what to change: the field that dominates the largest part when
+//! changing it can bring the job under the limit (with the estimate, its largest parts and
+//! the limit), else the limit itself (below what any run needs, or over what any one
+//! setting can save).
 //!
 //! The constants are calibrated on the CPU backend (f32 storage) against the peak RSS of
 //! `pipefill train --steps 1` (see the tests of `tests/memory_cli.rs`), so that the
@@ -22,6 +24,7 @@
 
 mod limit;
 mod parts;
+mod refusal;
 mod size;
 
 pub use limit::{LimitSource, MemoryLimit};
@@ -33,9 +36,26 @@ use super::{ConfigError, Filler, JobConfig};
 use crate::data::Tokenizer;
 use crate::schedules::{CostModel, generate, peak_memory};
 
-/// Bytes per parameter: the f32 value, its gradient and two AdamW moments (16), and the
-/// copies of values and moments that initialisation and the checkpoints make.
-pub const PARAM_BYTES: u64 = 64;
+/// Bytes per parameter the ranks hold while they train: the f32 value, its gradient and
+/// two AdamW moments.
+pub const LIVE_PARAM_BYTES: u64 = 16;
+/// Bytes per parameter of the host copies of values and moments that initialisation and
+/// the final checkpoint make (calibrated, docs/benchmarks.md).
+pub const COPY_PARAM_BYTES: u64 = 48;
+/// Bytes per parameter a run's periodic checkpoints hold while the ranks train
+/// (`checkpoint_every > 0`): the ranks' deposited state (value and both moments, 12 bytes)
+/// twice, the checkpoint being written and the next one's deposits waiting for it (one
+/// writer at a time, `crate::pipeline::shared`; the files are streamed from those tensors,
+/// with no serialized copy). It coexists with the live state, not with the copies of
+/// initialisation and the final checkpoint, so the larger of the two is counted.
+pub const CHECKPOINT_PARAM_BYTES: u64 = 24;
+/// Bytes per parameter: the live state, and the larger of the initial/final copies and the
+/// periodic checkpoints' buffers ([`CHECKPOINT_PARAM_BYTES`]).
+pub const PARAM_BYTES: u64 = LIVE_PARAM_BYTES + max(COPY_PARAM_BYTES, CHECKPOINT_PARAM_BYTES);
+
+const fn max(a: u64, b: u64) -> u64 {
+    if a > b { a } else { b }
+}
 /// Extra bytes per parameter in `pipefill rl`: the rollout engine's copy of the policy's
 /// weights and the frozen reference policy.
 pub const RL_PARAM_BYTES: u64 = 16;
@@ -103,7 +123,8 @@ pub struct MemoryEstimate {
     /// Largest first.
     pub parts: Vec<Part>,
     pub total: u64,
-    /// The field of the largest part: what an over-limit error names.
+    /// The field of the largest part: what an over-limit error names when changing it can
+    /// bring the job under the limit ([`MemoryEstimate::check`]).
     pub field: &'static str,
 }
 
@@ -271,28 +292,60 @@ impl MemoryEstimate {
     }
 
     /// Checks `bytes` of this estimate (the whole, or a rank's [`share`](Self::share))
-    /// against `limit`; over it, one line naming the dominant field, the estimate, its
-    /// largest parts and the limit.
+    /// against `limit`. Over it, one line: a limit below the costs no setting changes (the
+    /// process itself) is too small, and the error names the limit; else the error names
+    /// the field that dominates the largest part, with the estimate, its largest parts and
+    /// the limit ([`JobConfig::check_memory`] then checks that changing that field can
+    /// bring the job under the limit at all).
     pub fn check(&self, bytes: u64, limit: &MemoryLimit) -> Result<(), ConfigError> {
         if bytes <= limit.bytes {
             return Ok(());
         }
+        let fixed = self.scaled(
+            bytes,
+            self.parts
+                .iter()
+                .filter(|p| p.field.is_empty())
+                .map(|p| p.bytes)
+                .sum(),
+        );
+        if fixed > limit.bytes {
+            return Err(ConfigError::Invalid {
+                field: "--max-memory".into(),
+                reason: format!(
+                    "{} is too small: any run needs at least {} whatever its settings (the \
+                     process itself)",
+                    refusal::the_limit(limit),
+                    Bytes(fixed)
+                ),
+            });
+        }
+        Err(ConfigError::Invalid {
+            field: self.field.to_string(),
+            reason: format!("{}, over {}", self.needs(bytes), refusal::the_limit(limit)),
+        })
+    }
+
+    /// `part` bytes of the whole estimate in the proportion `bytes` (the whole or a rank's
+    /// share) is of it.
+    fn scaled(&self, bytes: u64, part: u64) -> u64 {
+        let n = u128::from(part) * u128::from(bytes);
+        u64::try_from(n.div_ceil(u128::from(self.total.max(1)))).unwrap_or(u64::MAX)
+    }
+
+    /// "the job needs an estimated `bytes` (its three largest parts)".
+    fn needs(&self, bytes: u64) -> String {
         let largest: Vec<String> = self
             .parts
             .iter()
             .take(3)
             .map(|p| format!("{} {}", p.what, Bytes(p.bytes)))
             .collect();
-        Err(ConfigError::Invalid {
-            field: self.field.to_string(),
-            reason: format!(
-                "the job needs an estimated {} ({}), over the memory limit of {} ({})",
-                Bytes(bytes),
-                largest.join(", "),
-                Bytes(limit.bytes),
-                limit.source
-            ),
-        })
+        format!(
+            "the job needs an estimated {} ({})",
+            Bytes(bytes),
+            largest.join(", ")
+        )
     }
 }
 
@@ -308,12 +361,12 @@ impl JobConfig {
         // First without reading a schedule file (its size counted, its peak bounded), so
         // that one too large is refused unread; then with its own peak.
         let bounded = MemoryEstimate::bounded(self, workload)?;
-        bounded.check(bounded.share(processes), limit)?;
+        refusal::check(self, &bounded, workload, limit, processes)?;
         if self.schedule.file().is_none() {
             return Ok(bounded);
         }
         let estimate = MemoryEstimate::of(self, workload)?;
-        estimate.check(estimate.share(processes), limit)?;
+        refusal::check(self, &estimate, workload, limit, processes)?;
         Ok(estimate)
     }
 
@@ -324,5 +377,7 @@ impl JobConfig {
     }
 }
 
+#[cfg(test)]
+mod refusal_tests;
 #[cfg(test)]
 mod tests;
