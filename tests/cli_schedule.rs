@@ -431,6 +431,39 @@ fn export_plan_files_read_back() {
     }
 }
 
+/// DualPipe-V is built in: `schedule export dualpipe-v` for 4 ranks and 10 micro-batches
+/// writes PyTorch's own CSV of it byte for byte, and `show` draws it.
+#[test]
+fn dualpipe_v_is_built_in_and_exports_pytorchs_csv() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("dualpipev.csv");
+    let p = path.to_str().unwrap();
+    ok(&[
+        "export",
+        "dualpipe-v",
+        "-p",
+        "4",
+        "-m",
+        "10",
+        "--format",
+        "csv",
+        "-o",
+        p,
+    ]);
+    let torch =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/torch/dualpipev_4rank_10mb.csv");
+    assert_eq!(
+        std::fs::read_to_string(&path).unwrap().trim_end(),
+        std::fs::read_to_string(torch).unwrap().trim_end()
+    );
+    let shown = ok(&["show", "dualpipe-v", "-p", "4", "-m", "10"]);
+    assert_eq!(shown.lines().filter(|l| l.starts_with("rank ")).count(), 4);
+    assert!(
+        shown.contains("OVERLAP_F_B") || shown.contains(';'),
+        "{shown}"
+    );
+}
+
 #[test]
 fn example_schedules_are_valid() {
     for (name, ranks) in [("zb1p_2x2.toml", 2), ("overlap_1f1b_2x4.csv", 2)] {

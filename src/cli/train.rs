@@ -38,8 +38,9 @@ pub struct TrainArgs {
     /// gives the model's shape, its safetensors the starting weights (sets `model.from`).
     #[arg(long, value_name = "DIR")]
     model: Option<PathBuf>,
-    /// Pipeline schedule: gpipe, 1f1b, interleaved-1f1b, looped-bfs, zb-h1, zb-h2, zb-v, the
-    /// path of a schedule file (.csv/.toml), or "none" (one device, the reference trainer).
+    /// Pipeline schedule: gpipe, 1f1b, interleaved-1f1b, looped-bfs, zb-h1, zb-h2, zb-v,
+    /// dualpipe-v, the path of a schedule file (.csv/.toml), or "none" (one device, the
+    /// reference trainer).
     #[arg(long)]
     schedule: Option<String>,
     /// How stage timelines are timed: virtual (thread CPU time per stage) or wall.

@@ -36,7 +36,8 @@ use self::source::{ACTION_BYTES, PlanArgs, describe_shape};
 /// `pipefill schedule`: its subcommands, and the KIND|FILE help shown under them.
 #[derive(clap::Args)]
 #[command(after_help = "\
-KIND is a built-in schedule: gpipe, 1f1b, interleaved-1f1b, looped-bfs, zb-h1, zb-h2, zb-v.
+KIND is a built-in schedule: gpipe, 1f1b, interleaved-1f1b, looped-bfs, zb-h1, zb-h2, zb-v,
+dualpipe-v.
 FILE is a custom schedule: .csv (PyTorch pipelining's form: one row per rank, cells such as
 0F3, 2I0, 1W2, (0F7;7B3)OVERLAP_F_B, an empty cell for an idle step) or .toml.
 

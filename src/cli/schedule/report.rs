@@ -41,8 +41,8 @@ pub(crate) struct CompareArgs {
     /// Micro-batches per iteration, M.
     #[arg(short = 'm', long, value_name = "M")]
     microbatches: usize,
-    /// Stages per rank for the multi-chunk schedules (interleaved-1f1b, looped-bfs, zb-v)
-    /// [default: each one's own, 2]; the others always hold one stage per rank.
+    /// Stages per rank for the multi-chunk schedules (interleaved-1f1b, looped-bfs, zb-v,
+    /// dualpipe-v) [default: each one's own, 2]; the others always hold one stage per rank.
     #[arg(long, value_name = "V")]
     chunks: Option<usize>,
     /// `--cost` here is one rank's share of the model: a schedule with v stages per rank

@@ -57,8 +57,8 @@ pub fn check_plan_size(
 /// The KIND|FILE argument and the shape options every plan-taking subcommand shares.
 #[derive(clap::Args, Clone, Debug)]
 pub struct PlanArgs {
-    /// A built-in schedule (gpipe, 1f1b, interleaved-1f1b, looped-bfs, zb-h1, zb-h2, zb-v)
-    /// or a custom schedule file (.csv in PyTorch pipelining's form, or .toml).
+    /// A built-in schedule (gpipe, 1f1b, interleaved-1f1b, looped-bfs, zb-h1, zb-h2, zb-v,
+    /// dualpipe-v) or a custom schedule file (.csv in PyTorch pipelining's form, or .toml).
     #[arg(value_name = "KIND|FILE")]
     pub schedule: String,
     /// Pipeline ranks (devices), P. Required for a built-in schedule; for a file, checked
@@ -70,7 +70,8 @@ pub struct PlanArgs {
     #[arg(short = 'm', long, value_name = "M")]
     pub microbatches: Option<usize>,
     /// Stages (model chunks) per rank, V [default: the schedule's own: 2 for
-    /// interleaved-1f1b, looped-bfs and zb-v, 1 otherwise]. For a file, checked against it.
+    /// interleaved-1f1b, looped-bfs, zb-v and dualpipe-v, 1 otherwise]. For a file, checked
+    /// against it.
     #[arg(long, value_name = "V")]
     pub chunks: Option<usize>,
 }
