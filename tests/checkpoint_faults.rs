@@ -172,3 +172,52 @@ fn a_full_disk_stops_the_run_at_the_first_write_that_fails() {
     let out = train(&run, saved as u32 + 1, &["--resume", &resume]);
     assert!(out.status.success(), "{}", text(&out));
 }
+
+/// Item 11: what a run killed while writing a checkpoint leaves (temporary files, step
+/// directories without a manifest, empty ones) is removed when the run is resumed in its
+/// directory, which continues from its last complete checkpoint.
+#[test]
+fn a_resumed_run_removes_the_leftovers_of_killed_writes() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let out = train(&run, 3, &[]);
+    assert!(out.status.success(), "{}", text(&out));
+    let step = |n: u32| run.join("checkpoints").join(format!("step-{n:08}"));
+    // Killed while writing step 4: one shard and the other's temporary file, no manifest;
+    // step 5's directory made and left empty; a temporary sidecar in checkpoint/.
+    std::fs::create_dir_all(step(4)).unwrap();
+    std::fs::copy(
+        step(3).join("rank-00000.safetensors"),
+        step(4).join("rank-00000.safetensors"),
+    )
+    .unwrap();
+    std::fs::write(step(4).join(".rank-00001.safetensors.tmp.999999999"), "x").unwrap();
+    std::fs::create_dir_all(step(5)).unwrap();
+    std::fs::write(run.join("checkpoint/.checkpoint.json.tmp.999999999"), "{").unwrap();
+    std::fs::write(run.join("checkpoints/notes.txt"), "mine").unwrap();
+    let resume = run.to_str().unwrap().to_string();
+    let out = train(&run, 6, &["--resume", &resume]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("at step 3"),
+        "{}",
+        text(&out)
+    );
+    // Steps 4 to 6 written again, each complete; nothing else of the killed writes left.
+    for n in 4..=6 {
+        assert!(step(n).join("manifest.json").is_file(), "step {n}");
+        let names: Vec<String> = std::fs::read_dir(step(n))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert!(names.iter().all(|n| !n.starts_with('.')), "{names:?}");
+    }
+    assert!(
+        !run.join("checkpoint/.checkpoint.json.tmp.999999999")
+            .exists()
+    );
+    assert_eq!(
+        std::fs::read_to_string(run.join("checkpoints/notes.txt")).unwrap(),
+        "mine"
+    );
+}
