@@ -109,6 +109,12 @@ pub trait RankCheckpointer: Send + Sync + std::fmt::Debug {
     fn deposit(&self, step: u64, rank: usize, fin: RankFinal);
     /// Waits until every checkpoint deposited so far is written; the directories completed.
     fn join(&self) -> Result<Vec<PathBuf>, CheckpointError>;
+    /// Whether a write has failed: the run then stops at the ranks' next step end
+    /// ([`Shared::check_stop`]) and [`RankCheckpointer::join`] reports it. A writer that
+    /// cannot tell says `false` (the failure is reported when the run ends).
+    fn failed(&self) -> bool {
+        false
+    }
 }
 
 /// Checkpoints being gathered from the ranks, the writer in flight, and what the writers
@@ -291,7 +297,8 @@ impl Shared {
     /// Fails `rank`'s step once the run must stop ([`Shared::stop`], or a checkpoint
     /// write failed).
     pub fn check_stop(&self, rank: usize) -> Result<(), PipelineError> {
-        match self.stop.load(Ordering::Acquire) {
+        let failed = self.rank_checkpointer.as_ref().is_some_and(|c| c.failed());
+        match failed || self.stop.load(Ordering::Acquire) {
             true => Err(PipelineError::Stopped { rank }),
             false => Ok(()),
         }
