@@ -231,6 +231,45 @@ fn generation_from_a_model_directory_is_transformers_greedy() {
     );
 }
 
+/// `pipefill rl --model DIR` needs no warm-up: without `rl.warmup_steps` the pretrained
+/// model is the starting policy as it is (the synthetic tasks' warm-up would only pull it
+/// away from what it knows), in one process and launched.
+#[test]
+fn rl_on_a_pretrained_model_starts_without_warm_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = fixture("qwen2_rl");
+    let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/data/rl.jsonl");
+    let sets = [
+        "model.seq_len=64".to_string(),
+        "stages=2".into(),
+        "data.source=\"jsonl\"".into(),
+        format!(
+            "data.path={}",
+            toml::Value::String(data.display().to_string())
+        ),
+        "rl.steps=1".into(),
+        "rl.max_new_tokens=8".into(),
+    ];
+    for launched in [false, true] {
+        let run = dir.path().join(format!("rl-{launched}"));
+        let mut cmd = clean(EXE);
+        if launched {
+            cmd.args(["launch", "-n", "2", "--"]);
+        }
+        cmd.arg("rl").arg("--model").arg(&model);
+        for s in &sets {
+            cmd.args(["--set", s]);
+        }
+        let out = cmd.arg("--out-dir").arg(&run).output().unwrap();
+        assert!(out.status.success(), "{}", text(&out));
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(stdout.contains("(no warm-up)"), "{stdout}");
+        assert!(!stdout.contains("supervised steps"), "{stdout}");
+        let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+        assert_eq!(metrics.lines().count(), 1, "{metrics}");
+    }
+}
+
 /// `pipefill rl --model DIR` on the JSONL prompt/answer fixture: the directory's tokenizer
 /// tokenizes the prompts (no `data.tokenizer` given), the warm-up moves the imported
 /// weights, and the run exports to a directory that imports to its checkpoint and carries

@@ -417,7 +417,7 @@ fn the_pipelined_update_with_kl_equals_the_single_device_grpo_update() {
     job.rl.kl_coef = 0.5;
     // The reference is one warm-up step behind the policy, so the KL term has a gradient.
     let mut one = job.clone();
-    one.rl.warmup_steps = 1;
+    one.rl.warmup_steps = Some(1);
     let reference = warm_up(&one, |_| {}).unwrap();
     let start = warm_up(&job, |_| {}).unwrap();
     let tasks = step_prompts(&job, 0).unwrap();

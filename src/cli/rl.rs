@@ -26,7 +26,8 @@ pub struct RlArgs {
     job: JobArgs,
     /// The Hugging Face model in directory DIR (Llama, Qwen2, Mistral) as the starting
     /// policy: its config.json gives the shape, its safetensors the weights, its tokenizer
-    /// the JSONL data's by default (sets `model.from`; the warm-up steps still run).
+    /// the JSONL data's by default (sets `model.from`; no warm-up unless rl.warmup_steps is
+    /// set).
     #[arg(long, value_name = "DIR", conflicts_with = "init")]
     model: Option<PathBuf>,
     /// Start from this `pipefill train` run directory (its checkpoint/ and job.toml)

@@ -211,7 +211,7 @@ pub fn rl_rank_on<B: RankBackend>(
     job.rl
         .validate(job.model.seq_len)
         .map_err(|e| rl_err(e.into()))?;
-    let first_update = init.map_or(job.rl.warmup_steps, |c| c.meta.step);
+    let first_update = init.map_or(job.rl.warmup(job.model.from.is_some()), |c| c.meta.step);
     let update = update_job_of(job, first_update);
     let plan = replica_plan(
         &update,
@@ -422,7 +422,8 @@ fn start<B: RankBackend>(
     keep: bool,
 ) -> Result<RankState<B>, RlLaunchError> {
     let (rl_err, pipeline_err) = (ctx.rl_err(), ctx.pipeline_err());
-    job.rl.check_trained(init.is_some())?;
+    job.rl
+        .check_trained(init.is_some(), job.model.from.is_some())?;
     if let Some(c) = init {
         // Blank: the restore sets every parameter (and fails on a missing one).
         let mut model = Gpt::blank(&job.model, ctx.backend.clone(), &Cut::Even(1))
@@ -436,6 +437,12 @@ fn start<B: RankBackend>(
         return Ok(RankState::new(model, optimizer, c.meta.step));
     }
     let sft = warm_up_job(job);
+    if sft.train.steps == 0 {
+        // A pretrained policy as it is: the model imports `model.from`.
+        let model = Gpt::new(&job.model, ctx.backend.clone(), &Cut::Even(1))
+            .map_err(|e| pipeline_err(e.into()))?;
+        return Ok(RankState::new(model, OptimizerState::default(), 0));
+    }
     let sft_plan = replica_plan(&sft, ctx.rank, "the warm-up's train.micro_batches")?;
     let data = StepData::new(sft.data.clone(), sft.model.seq_len, sft.train.seed)
         .map_err(|e| pipeline_err(e.into()))?;

@@ -36,8 +36,11 @@ pub struct RlConfig {
     pub kl_coef: f32,
     /// Learning rate of the RL updates (constant).
     pub lr: f32,
-    /// Supervised steps on the same tasks before RL when no `--init` run is given.
-    pub warmup_steps: u64,
+    /// Supervised steps on the same tasks before RL when no `--init` run is given; unset,
+    /// [`RlConfig::warmup`] chooses: none for a pretrained policy (`--model`), where the
+    /// synthetic tasks would only pull it away from what it knows, else [`WARMUP_STEPS`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub warmup_steps: Option<u64>,
     /// Speculative decoding in the rollouts (lossless: the samples' distribution is the
     /// same either way).
     pub speculation: bool,
@@ -113,7 +116,7 @@ impl Default for RlConfig {
             clip: 0.2,
             kl_coef: 0.0,
             lr: 3e-4,
-            warmup_steps: 200,
+            warmup_steps: None,
             speculation: true,
             draft_k: 4,
             draft_tree: None,
@@ -126,17 +129,31 @@ impl Default for RlConfig {
     }
 }
 
-/// `rl.warmup_steps` is 0 and no `--init` run gives the policy its weights: RL would start
-/// from an untrained policy ([`RlConfig::check_trained`]; every runner reports it so).
+/// `rl.warmup_steps` of a policy that is not pretrained: the synthetic job's.
+pub const WARMUP_STEPS: u64 = 200;
+
+/// `rl.warmup_steps` is 0, and neither an `--init` run nor a pretrained model (`--model`)
+/// gives the policy its weights: RL would start from an untrained policy
+/// ([`RlConfig::check_trained`]; every runner reports it so).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-#[error("rl.warmup_steps is 0 and no --init run is given: the policy would be untrained")]
+#[error(
+    "rl.warmup_steps is 0 and neither --init nor --model gives the policy its weights: the \
+     policy would be untrained"
+)]
 pub struct UntrainedPolicy;
 
 impl RlConfig {
-    /// Checks that the policy starts trained: from an `--init` run (`init_given`) or after
-    /// `warmup_steps` supervised steps.
-    pub fn check_trained(&self, init_given: bool) -> Result<(), UntrainedPolicy> {
-        match init_given || self.warmup_steps > 0 {
+    /// Supervised warm-up steps before RL: `warmup_steps`, or without it none for a
+    /// `pretrained` policy (the job's `model.from`) and [`WARMUP_STEPS`] otherwise.
+    pub fn warmup(&self, pretrained: bool) -> u64 {
+        self.warmup_steps
+            .unwrap_or(if pretrained { 0 } else { WARMUP_STEPS })
+    }
+
+    /// Checks that the policy starts trained: from an `--init` run (`init_given`), from a
+    /// `pretrained` model, or after its warm-up's supervised steps.
+    pub fn check_trained(&self, init_given: bool, pretrained: bool) -> Result<(), UntrainedPolicy> {
+        match init_given || pretrained || self.warmup(pretrained) > 0 {
             true => Ok(()),
             false => Err(UntrainedPolicy),
         }

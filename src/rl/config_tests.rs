@@ -5,12 +5,18 @@ use super::*;
 #[test]
 fn a_policy_without_warm_up_or_init_is_refused() {
     let cold = RlConfig {
-        warmup_steps: 0,
+        warmup_steps: Some(0),
         ..RlConfig::default()
     };
-    assert_eq!(cold.check_trained(true), Ok(()));
-    assert_eq!(RlConfig::default().check_trained(false), Ok(()));
-    let err = cold.check_trained(false).unwrap_err().to_string();
+    assert_eq!(cold.check_trained(true, false), Ok(()));
+    assert_eq!(cold.check_trained(false, true), Ok(()));
+    assert_eq!(RlConfig::default().check_trained(false, false), Ok(()));
+    // Unset, the warm-up is the synthetic job's for an untrained policy, none for a
+    // pretrained one.
+    assert_eq!(RlConfig::default().warmup(false), WARMUP_STEPS);
+    assert_eq!(RlConfig::default().warmup(true), 0);
+    assert_eq!(cold.warmup(false), 0);
+    let err = cold.check_trained(false, false).unwrap_err().to_string();
     assert!(err.starts_with("rl.warmup_steps is 0"), "{err}");
     assert!(err.ends_with("the policy would be untrained"), "{err}");
 }

@@ -56,6 +56,9 @@ pub(super) fn rl(
                 "plain sampling"
             }
         ));
+        if init.is_none() {
+            show.line(&super::warm_up_line(job));
+        }
         if job.rl.speculation {
             let version = starting_drafter(job, init.as_ref()).map(|d| d.weights.version);
             show.line(&drafter_line(version));

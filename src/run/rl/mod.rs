@@ -59,7 +59,8 @@ pub fn rl(
     if job.schedule.is_none() {
         return Err(RunError::RlWithoutSchedule);
     }
-    job.rl.check_trained(checkpoint.is_some())?;
+    job.rl
+        .check_trained(checkpoint.is_some(), job.model.from.is_some())?;
     if env.is_distributed() {
         return launched::rl(&job, env, cuda, checkpoint, start.existing, show);
     }
@@ -150,12 +151,26 @@ pub fn init_from(
     Ok(checkpoint)
 }
 
-/// `rl.warmup_steps` supervised pipelined steps, ticking [`Bar::WarmUp`].
+/// Where the policy of a run without `--init` starts: the warm-up's steps, or the
+/// pretrained model as it is.
+fn warm_up_line(job: &JobConfig) -> String {
+    match (job.rl.warmup(job.model.from.is_some()), &job.model.from) {
+        (0, Some(dir)) => format!(
+            "policy: the pretrained model in {} (no warm-up)",
+            dir.display()
+        ),
+        (steps, _) => {
+            format!("warm-up: {steps} supervised steps on the job's tasks (no --init run)")
+        }
+    }
+}
+
+/// The warm-up's supervised pipelined steps ([`crate::rl::config::RlConfig::warmup`]),
+/// ticking [`Bar::WarmUp`]; none (the imported weights as they are) for a pretrained policy
+/// without `rl.warmup_steps`.
 fn supervised_warm_up(job: &JobConfig, show: &mut dyn Show) -> Result<Checkpoint, RunError> {
-    let steps = job.rl.warmup_steps;
-    show.line(&format!(
-        "warm-up: {steps} supervised steps on the job's tasks (no --init run)"
-    ));
+    let steps = job.rl.warmup(job.model.from.is_some());
+    show.line(&warm_up_line(job));
     let checkpoint = warm_up(job, |m| {
         show.tick(Tick {
             bar: Bar::WarmUp,
