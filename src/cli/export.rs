@@ -62,10 +62,7 @@ pub fn run(args: ExportArgs) -> anyhow::Result<()> {
         }
     };
     let config = ckpt.meta.model.clone();
-    let names: Vec<String> = hf::param_shapes(&config)
-        .into_iter()
-        .map(|(n, _)| n)
-        .collect();
+    let names: Vec<String> = hf::param_shapes(&config).map(|(n, _)| n).collect();
     let tensors: Vec<HostTensor> = ckpt
         .tensors
         .into_iter()

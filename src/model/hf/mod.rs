@@ -439,7 +439,7 @@ pub fn export(
         };
         named.push((hf, hf_shape, bytes));
     }
-    let known: Vec<String> = param_shapes(config).into_iter().map(|(n, _)| n).collect();
+    let known: Vec<String> = param_shapes(config).map(|(n, _)| n).collect();
     if let Some(extra) = tensors.iter().find(|t| !known.contains(&t.name)) {
         return Err(fail(format!("`{}` is not a model parameter", extra.name)));
     }
