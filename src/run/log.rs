@@ -15,8 +15,12 @@ use crate::config::JobConfig;
 use crate::model::checkpoint::resume::last_complete;
 use crate::train::StepMetrics;
 
-/// Steps of the loss means at the start and the end of a run in its summary.
-const LOSS_WINDOW: usize = 10;
+/// Steps of the means at the start and the end of a run of `steps` in its summary: the
+/// first and last 10%, at least one each (so a 4-step run compares its first step with its
+/// last, not the whole run with itself).
+pub fn summary_window(steps: usize) -> usize {
+    (steps / 10).max(1).min(steps)
+}
 
 /// A run resumed at or past its last step has nothing to do.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -88,7 +92,7 @@ pub struct RunSummary {
     pub steps: usize,
     pub seconds: f64,
     pub tokens: usize,
-    /// Steps in each loss mean (at most `LOSS_WINDOW`).
+    /// Steps in each loss mean ([`summary_window`]).
     pub window: usize,
     pub first_loss: f32,
     pub last_loss: f32,
@@ -97,7 +101,7 @@ pub struct RunSummary {
 impl RunSummary {
     /// The summary of `steps` run in `seconds`.
     pub fn of(steps: &[StepMetrics], seconds: f64) -> Self {
-        let window = steps.len().min(LOSS_WINDOW);
+        let window = summary_window(steps.len());
         let mean = |ms: &[StepMetrics]| match ms.len() {
             0 => f32::NAN,
             n => ms.iter().map(|m| m.loss).sum::<f32>() / n as f32,
@@ -159,18 +163,21 @@ mod tests {
     }
 
     #[test]
-    fn the_summary_means_the_first_and_last_ten_losses() {
-        let steps: Vec<StepMetrics> = (0..25).map(|i| step(i, i as f32)).collect();
-        let s = RunSummary::of(&steps, 2.0);
-        assert_eq!((s.steps, s.tokens, s.window), (25, 2500, 10));
-        assert_eq!((s.first_loss, s.last_loss), (4.5, 19.5));
+    fn the_summary_means_the_first_and_last_tenth_of_the_losses() {
+        let steps: Vec<StepMetrics> = (0..100).map(|i| step(i, i as f32)).collect();
+        let s = RunSummary::of(&steps, 8.0);
+        assert_eq!((s.steps, s.tokens, s.window), (100, 10000, 10));
+        assert_eq!((s.first_loss, s.last_loss), (4.5, 94.5));
         assert_eq!(
             s.to_string(),
-            "25 steps in 2.0 s, 1250 tok/s; loss 4.5000 → 19.5000 (mean of first/last 10 steps)"
+            "100 steps in 8.0 s, 1250 tok/s; loss 4.5000 → 94.5000 (mean of first/last 10 steps)"
         );
-        // Fewer steps than the window: both means are over all of them.
-        let s = RunSummary::of(&steps[..3], 1.0);
-        assert_eq!((s.window, s.first_loss, s.last_loss), (3, 1.0, 1.0));
+        // Fewer than 20 steps: the first and the last step, never the run against itself.
+        let s = RunSummary::of(&steps[..4], 1.0);
+        assert_eq!((s.window, s.first_loss, s.last_loss), (1, 0.0, 3.0));
+        assert_eq!(summary_window(25), 2);
+        assert_eq!(summary_window(1), 1);
+        assert_eq!(summary_window(0), 0);
     }
 
     #[test]

@@ -75,7 +75,7 @@ pub(super) fn summary_lines(history: &[RlStepMetrics], ran: &str) -> Vec<String>
         v.sort_by(f64::total_cmp);
         v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
     };
-    let window = history.len().min(5);
+    let window = crate::run::log::summary_window(history.len());
     let mean = |ms: &[RlStepMetrics]| ms.iter().map(|m| m.reward).sum::<f64>() / ms.len() as f64;
     let rollout: f64 = history.iter().map(|m| m.rollout_seconds).sum();
     let mut lines = Vec::new();
