@@ -8,16 +8,24 @@
 //! speculates with it: at temperature 0 that is token for token plain greedy decoding
 //! (lossless acceptance), and `--no-draft` turns it off.
 //!
+//! `--chat` renders the prompt as one user message through the tokenizer's chat template
+//! (chat_template.jinja or tokenizer_config.json's `chat_template`) with the assistant's
+//! header after it, as transformers' `apply_chat_template(add_generation_prompt=True)`.
+//! The text is written as it is decoded ([`stream::TextStream`]); `--json` writes one
+//! object at the end instead.
+//!
 //! The pieces are separate so that another source of models and tokenizers plugs in:
 //! [`load_run`] gives a [`Loaded`] model (a Hugging Face directory can give one too),
-//! [`Codec`] is what a tokenizer must do (the synthetic job's character tokenizer
-//! implements it here; a `tokenizer.json` one can), and [`generate`] takes the two.
+//! [`Codec`] is what a tokenizer must do (the synthetic job's character tokenizer and a
+//! `tokenizer.json` implement it), and [`generate`] takes the two.
+
+mod codec;
+mod stream;
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, bail};
-use pipefill::data::tokenizer::{BOS, EOS};
-use pipefill::data::{DataConfig, DataSource, TextTokenizer, Tokenizer};
+use anyhow::{Context, anyhow, bail};
+use pipefill::data::{DataConfig, DataSource, Tokenizer};
 use pipefill::model::checkpoint::resume::{FINAL_DIR, ResumePoint};
 use pipefill::model::checkpoint::{Checkpoint, META_FILE};
 use pipefill::model::drafter::{Drafter, DrafterConfig};
@@ -27,6 +35,9 @@ use pipefill::model::{Cut, Gpt};
 use pipefill::rl::rollout::{Request, RolloutConfig, RolloutEngine, Speculation};
 use pipefill::rl::speculative::Proposer;
 use pipefill::tensor::{Backend, CpuBackend};
+
+pub use codec::Codec;
+use codec::HfCodec;
 
 #[derive(clap::Args)]
 pub struct GenerateArgs {
@@ -44,6 +55,10 @@ pub struct GenerateArgs {
     /// The prompt as raw token ids: `--prompt-ids 1,2,3`.
     #[arg(long, value_name = "IDS", allow_hyphen_values = true)]
     prompt_ids: Option<String>,
+    /// The prompt is a user's chat message: rendered through the model's chat template,
+    /// with the assistant's turn to answer.
+    #[arg(long, conflicts_with = "prompt_ids")]
+    chat: bool,
     /// Most tokens to generate (fewer when the model's positions run out or at EOS).
     #[arg(long, default_value_t = 32)]
     max_new_tokens: usize,
@@ -59,119 +74,10 @@ pub struct GenerateArgs {
     /// Plain decoding even when the run has a drafter.
     #[arg(long)]
     no_draft: bool,
-    /// Print one JSON object `{"tokens": [...], "text": "..."}` (the generated tokens).
+    /// Print one JSON object `{"tokens": [...], "text": "..."}` (the generated tokens) at
+    /// the end, instead of the text as it comes.
     #[arg(long)]
     json: bool,
-}
-
-/// What a tokenizer does for generation: a prompt's text to the ids the model expects
-/// (special tokens included), and generated ids back to text.
-pub trait Codec {
-    fn encode_prompt(&self, text: &str) -> anyhow::Result<Vec<u32>>;
-    fn decode(&self, ids: &[u32]) -> anyhow::Result<String>;
-    /// The id that ends a generation (`None`: only the length does).
-    fn eos(&self) -> Option<u32>;
-}
-
-/// The synthetic job's characters: a prompt is `BOS` and its characters, as the job's
-/// documents and `pipefill rl`'s prompts begin.
-impl Codec for Tokenizer {
-    fn encode_prompt(&self, text: &str) -> anyhow::Result<Vec<u32>> {
-        let mut ids = vec![BOS];
-        self.encode_into(text, &mut ids)?;
-        Ok(ids)
-    }
-    fn decode(&self, ids: &[u32]) -> anyhow::Result<String> {
-        Ok(Tokenizer::decode(self, ids)?)
-    }
-    fn eos(&self) -> Option<u32> {
-        Some(EOS)
-    }
-}
-
-/// A Hugging Face tokenizer.json: the prompt encoded with the special tokens its
-/// post-processor adds (e.g. BOS), special tokens dropped from the text.
-impl Codec for TextTokenizer {
-    fn encode_prompt(&self, text: &str) -> anyhow::Result<Vec<u32>> {
-        Ok(self.encode(text, true)?)
-    }
-    fn decode(&self, ids: &[u32]) -> anyhow::Result<String> {
-        Ok(TextTokenizer::decode(self, ids)?)
-    }
-    fn eos(&self) -> Option<u32> {
-        Some(TextTokenizer::eos(self))
-    }
-}
-
-/// A Hugging Face directory's codec: its tokenizer.json when it has one (else ids only),
-/// and the EOS of its generation_config.json (else the tokenizer's), where transformers'
-/// `generate` stops too.
-struct HfCodec {
-    dir: PathBuf,
-    tokenizer: Option<TextTokenizer>,
-    eos: Option<u32>,
-}
-
-impl HfCodec {
-    fn load(dir: &Path) -> anyhow::Result<Self> {
-        let tokenizer = match dir.join("tokenizer.json").is_file() {
-            true => Some(TextTokenizer::load(dir)?),
-            false => None,
-        };
-        let eos = generation_eos(dir)?.or(tokenizer.as_ref().map(TextTokenizer::eos));
-        Ok(HfCodec {
-            dir: dir.to_path_buf(),
-            tokenizer,
-            eos,
-        })
-    }
-}
-
-impl Codec for HfCodec {
-    fn encode_prompt(&self, text: &str) -> anyhow::Result<Vec<u32>> {
-        match &self.tokenizer {
-            Some(t) => t.encode_prompt(text),
-            None => bail!(
-                "{} has no tokenizer.json to encode --prompt with: give --prompt-ids 1,2,3",
-                self.dir.display()
-            ),
-        }
-    }
-    /// Without a tokenizer, no text: the generated ids are the output.
-    fn decode(&self, ids: &[u32]) -> anyhow::Result<String> {
-        match &self.tokenizer {
-            Some(t) => Codec::decode(t, ids),
-            None => Ok(String::new()),
-        }
-    }
-    fn eos(&self) -> Option<u32> {
-        self.eos
-    }
-}
-
-/// Most bytes of a generation_config.json read (a few hundred in practice).
-const GENERATION_CONFIG_MAX_BYTES: u64 = 1 << 20;
-
-/// `eos_token_id` of `dir`'s generation_config.json (a number, or a list whose first entry
-/// is taken), `None` without the file or the field.
-fn generation_eos(dir: &Path) -> anyhow::Result<Option<u32>> {
-    let path = dir.join("generation_config.json");
-    if !path.is_file() {
-        return Ok(None);
-    }
-    let bytes = pipefill::input::read(&path, GENERATION_CONFIG_MAX_BYTES, "a generation config")?;
-    let json: serde_json::Value = serde_json::from_slice(&bytes)
-        .with_context(|| format!("{}: not valid JSON", path.display()))?;
-    let id = match &json["eos_token_id"] {
-        serde_json::Value::Null => return Ok(None),
-        serde_json::Value::Array(ids) => ids.first().cloned().unwrap_or_default(),
-        v => v.clone(),
-    };
-    match id.as_u64().and_then(|i| u32::try_from(i).ok()) {
-        Some(id) => Ok(Some(id)),
-        None if id.is_null() => Ok(None),
-        None => bail!("{}: eos_token_id {id} is not a token id", path.display()),
-    }
 }
 
 /// A model ready to generate: the target and, if it has one, its drafter.
@@ -223,6 +129,17 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     }
     let prompt = match (&args.prompt, &args.prompt_ids) {
         (_, Some(ids)) => parse_ids(ids)?,
+        (Some(text), None) if args.chat => tokenizer
+            .encode_chat(text)
+            .with_context(|| format!("--chat --prompt {text:?}"))?
+            .ok_or_else(|| {
+                anyhow!(
+                    "--chat: the tokenizer of {} has no chat template (a chat_template.jinja \
+                     or a chat_template in the tokenizer_config.json beside its \
+                     tokenizer.json)",
+                    args.model.display()
+                )
+            })?,
         (Some(text), None) => tokenizer
             .encode_prompt(text)
             .with_context(|| format!("--prompt {text:?}"))?,
@@ -234,11 +151,19 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         seed: args.seed,
         draft: args.draft,
     };
-    let out = generate(&mut loaded, tokenizer.as_ref(), &prompt, &options)?;
     if args.json {
+        let out = generate(&mut loaded, tokenizer.as_ref(), &prompt, &options)?;
         println!("{}", serde_json::to_string(&out)?);
     } else {
-        println!("{}", out.text);
+        let mut text = stream::TextStream::new(tokenizer.as_ref(), std::io::stdout().lock());
+        generate_streaming(
+            &mut loaded,
+            tokenizer.as_ref(),
+            &prompt,
+            &options,
+            &mut |tokens| text.push(tokens),
+        )?;
+        text.finish()?;
     }
     Ok(())
 }
@@ -347,6 +272,22 @@ pub fn generate<B: Backend>(
     prompt: &[u32],
     options: &Options,
 ) -> anyhow::Result<Generation> {
+    generate_streaming(model, codec, prompt, options, &mut |_| Ok(()))
+}
+
+/// [`generate`], handing the generated ids to `on_tokens` in order, each once (an error it
+/// returns ends the generation).
+///
+/// The rollout engine returns a whole completion and has no per-token hook yet, so today
+/// `on_tokens` gets every id in one call when the engine is done; with a hook it gets each
+/// step's accepted ids as the step ends.
+pub fn generate_streaming<B: Backend>(
+    model: &mut Loaded<B>,
+    codec: &dyn Codec,
+    prompt: &[u32],
+    options: &Options,
+    on_tokens: &mut dyn FnMut(&[u32]) -> anyhow::Result<()>,
+) -> anyhow::Result<Generation> {
     let config = model.gpt.config().clone();
     if prompt.is_empty() {
         bail!("the prompt is empty: give at least one token");
@@ -411,6 +352,7 @@ pub fn generate<B: Backend>(
     };
     let out = engine.run(&[request], &rollout, proposer)?;
     let tokens = out.completion(0).to_vec();
+    on_tokens(&tokens)?;
     let text = codec.decode(&tokens)?;
     Ok(Generation { tokens, text })
 }
