@@ -8,8 +8,9 @@ use pipefill::data::tokenizer::{BOS, EOS};
 use pipefill::data::{TextTokenizer, Tokenizer};
 
 /// What a tokenizer does for generation: a prompt's text to the ids the model expects
-/// (special tokens included), and generated ids back to text.
-pub trait Codec {
+/// (special tokens included), and generated ids back to text. `Sync`: the generated text is
+/// decoded on a thread beside the engine's.
+pub trait Codec: Sync {
     fn encode_prompt(&self, text: &str) -> anyhow::Result<Vec<u32>>;
     /// `text` as one user message rendered through the chat template with the assistant's
     /// header after it (`add_generation_prompt`), as ids; `None`: the tokenizer has no chat

@@ -23,6 +23,7 @@ mod codec;
 mod stream;
 
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, mpsc};
 
 use anyhow::{Context, anyhow, bail};
 use pipefill::data::{DataConfig, DataSource, Tokenizer};
@@ -32,7 +33,9 @@ use pipefill::model::drafter::{Drafter, DrafterConfig};
 use pipefill::model::hf::HfModel;
 use pipefill::model::infer::InferStage;
 use pipefill::model::{Cut, Gpt};
-use pipefill::rl::rollout::{Request, RolloutConfig, RolloutEngine, Speculation};
+use pipefill::rl::rollout::{
+    MessageHook, Request, RolloutConfig, RolloutEngine, Speculation, WorkKind,
+};
 use pipefill::rl::speculative::Proposer;
 use pipefill::tensor::{Backend, CpuBackend};
 
@@ -155,7 +158,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         let out = generate(&mut loaded, tokenizer.as_ref(), &prompt, &options)?;
         println!("{}", serde_json::to_string(&out)?);
     } else {
-        let mut text = stream::TextStream::new(tokenizer.as_ref(), std::io::stdout().lock());
+        let mut text = stream::TextStream::new(tokenizer.as_ref(), std::io::stdout());
         generate_streaming(
             &mut loaded,
             tokenizer.as_ref(),
@@ -275,18 +278,26 @@ pub fn generate<B: Backend>(
     generate_streaming(model, codec, prompt, options, &mut |_| Ok(()))
 }
 
-/// [`generate`], handing the generated ids to `on_tokens` in order, each once (an error it
-/// returns ends the generation).
-///
-/// The rollout engine returns a whole completion and has no per-token hook yet, so today
-/// `on_tokens` gets every id in one call when the engine is done; with a hook it gets each
-/// step's accepted ids as the step ends.
+/// The rollout engine's hook that hands each step's accepted ids on, as the step ends.
+struct Tap(mpsc::Sender<Vec<u32>>);
+
+impl MessageHook for Tap {
+    fn filed(&self, _stage: usize, _group: usize, _kind: WorkKind, _rows: usize) {}
+    fn tokens(&self, _seq: usize, tokens: &[u32]) {
+        // No receiver: `on_tokens` failed, and the generation returns its error.
+        let _ = self.0.send(tokens.to_vec());
+    }
+}
+
+/// [`generate`], handing the generated ids to `on_tokens` as each step of the engine
+/// accepts them (one id, or a verified draft's), in order and each once. `on_tokens` runs on
+/// a thread of its own, beside the engine; an error it returns is the generation's error.
 pub fn generate_streaming<B: Backend>(
     model: &mut Loaded<B>,
     codec: &dyn Codec,
     prompt: &[u32],
     options: &Options,
-    on_tokens: &mut dyn FnMut(&[u32]) -> anyhow::Result<()>,
+    on_tokens: &mut (dyn FnMut(&[u32]) -> anyhow::Result<()> + Send),
 ) -> anyhow::Result<Generation> {
     let config = model.gpt.config().clone();
     if prompt.is_empty() {
@@ -328,7 +339,8 @@ pub fn generate_streaming<B: Backend>(
         });
     }
     let stages = InferStage::stages_of(&model.gpt, &Cut::Even(1))?;
-    let mut engine = RolloutEngine::new(stages)?;
+    let (tap, taken) = mpsc::channel::<Vec<u32>>();
+    let mut engine = RolloutEngine::new(stages)?.with_hook(Arc::new(Tap(tap)));
     let speculate = model.drafter.is_some() && options.draft > 0;
     let rollout = RolloutConfig {
         // Never a token: the generation ends at its length only.
@@ -350,9 +362,17 @@ pub fn generate_streaming<B: Backend>(
         (true, Some(d)) => Some(d as &mut dyn Proposer),
         _ => None,
     };
-    let out = engine.run(&[request], &rollout, proposer)?;
+    let out = std::thread::scope(|scope| {
+        let writer = scope.spawn(move || taken.iter().try_for_each(|t| on_tokens(&t)));
+        let out = engine.run(&[request], &rollout, proposer);
+        // The hook's sender goes with the engine: the writer ends after the last ids.
+        drop(engine);
+        let written = writer
+            .join()
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+        written.and(Ok(out?))
+    })?;
     let tokens = out.completion(0).to_vec();
-    on_tokens(&tokens)?;
     let text = codec.decode(&tokens)?;
     Ok(Generation { tokens, text })
 }
@@ -418,5 +438,26 @@ mod tests {
             "{:?}",
             g.tokens
         );
+    }
+
+    /// The engine hands the ids over step by step: one call per plain decoding step, in
+    /// order, together the generation.
+    #[test]
+    fn tokens_come_as_each_step_accepts_them() {
+        let mut m = model();
+        let mut calls = Vec::new();
+        let g = generate_streaming(
+            &mut m,
+            &Tokenizer::new(),
+            &[3, 4, 5],
+            &options(),
+            &mut |t| {
+                calls.push(t.to_vec());
+                Ok(())
+            },
+        )
+        .unwrap();
+        assert_eq!(calls.concat(), g.tokens);
+        assert_eq!(calls.len(), g.tokens.len(), "{calls:?}");
     }
 }

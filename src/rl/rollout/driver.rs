@@ -462,6 +462,7 @@ impl<'a> Driver<'a> {
                     .iter()
                     .for_each(|&j| seq.probs.extend(softmax(row(j), 1.0)));
             }
+            let grown = seq.tokens.len();
             for tok in emitted {
                 seq.tokens.push(tok);
                 emitted_total += 1;
@@ -469,6 +470,9 @@ impl<'a> Driver<'a> {
                     seq.done = true;
                     break;
                 }
+            }
+            if let Some(h) = &self.hook {
+                h.tokens(i, &seq.tokens[grown..]);
             }
             if seq.done {
                 if let (Some(h), true) = (&self.hook, self.config.record_rows)

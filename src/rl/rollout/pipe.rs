@@ -72,6 +72,11 @@ pub trait MessageHook: Send + Sync {
 
     /// A sequence finished; its drafter-training row (rollouts that record rows only).
     fn row(&self, _row: &DraftRow) {}
+
+    /// Sequence `seq` (its request's index) grew by `tokens`, what one step accepted (a
+    /// plain step's token, or a verification's accepted draft and bonus token), in order,
+    /// on the driver's thread as the step ends; the last may be the EOS that ends it.
+    fn tokens(&self, _seq: usize, _tokens: &[u32]) {}
 }
 
 /// What an idle stage does next (the answer of [`MessageHook::idle`]).
