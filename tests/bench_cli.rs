@@ -5,7 +5,7 @@
 use std::process::Output;
 
 mod common;
-use common::{clean, text};
+use common::{clean, one_line_error, text};
 
 const EXE: &str = env!("CARGO_BIN_EXE_pipefill");
 
@@ -60,4 +60,36 @@ fn cuda_without_the_feature_is_one_error_naming_the_device() {
         stderr.starts_with("error: invalid `device`") && stderr.contains("--features cuda"),
         "{stderr}"
     );
+}
+
+/// `bench filler` runs the job with its filler and without, alternating, and reports the
+/// medians; a job without a filler or without a pipeline is one error naming the setting.
+#[test]
+fn bench_filler_compares_the_job_with_and_without_its_filler() {
+    let run = |extra: &[&str]| {
+        let mut cmd = clean(env!("CARGO_BIN_EXE_pipefill"));
+        cmd.args(["bench", "filler", "--steps", "3", "--rounds", "2", "--json"]);
+        for s in [
+            "model.d_model=16",
+            "model.heads=2",
+            "model.seq_len=32",
+            "stages=2",
+        ] {
+            cmd.args(["--set", s]);
+        }
+        cmd.args(extra).output().unwrap()
+    };
+    let out = run(&[]);
+    assert!(out.status.success(), "{}", text(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["rounds"], 2);
+    assert_eq!(v["step_makespan_with"].as_array().unwrap().len(), 2);
+    assert_eq!(v["step_makespan_without"].as_array().unwrap().len(), 2);
+    assert!(v["step_inflation"].as_f64().unwrap().is_finite(), "{v}");
+    let fill = v["bubble_fill_ratio"][0].as_f64().unwrap();
+    assert!((0.0..=1.0).contains(&fill), "{v}");
+    let err = one_line_error(&run(&["--set", "filler=\"none\""]));
+    assert!(err.contains("`filler`"), "{err}");
+    let err = one_line_error(&run(&["--set", "schedule=\"none\""]));
+    assert!(err.contains("`schedule`"), "{err}");
 }

@@ -62,6 +62,16 @@ fn a_pipelined_run_writes_its_run_directory_and_profile_reprints_the_report() {
     assert!(stdout.contains("schedule zb-h1 on 2 ranks"), "{stdout}");
     assert!(stdout.contains("done: 4 steps"), "{stdout}");
     assert!(stdout.contains("bubble report: schedule zb-h1"), "{stdout}");
+    // The job runs once: step inflation is each step replayed without its fillers, not a
+    // second run of the job with filler = "none" (that comparison is `bench filler`'s).
+    assert!(!stdout.contains("filler = \"none\""), "{stdout}");
+    assert!(stdout.contains("step inflation"), "{stdout}");
+    assert!(
+        stdout.contains("replayed with the same measured"),
+        "{stdout}"
+    );
+    // A 4-step run's summary compares its first step with its last.
+    assert!(stdout.contains("(mean of first/last 1 steps)"), "{stdout}");
 
     for f in [
         "job.toml",

@@ -1,4 +1,5 @@
-//! `pipefill bench rollout [--json] [--device cpu|cuda]`: the rollout engine on a long-tail
+//! `pipefill bench filler`: see [`filler`]. `pipefill bench rollout [--json] [--device
+//! cpu|cuda]`: the rollout engine on a long-tail
 //! batch, with plain decoding, speculation at a fixed K, and adaptive speculation, on the
 //! CPU or GPU 0.
 //!
@@ -38,6 +39,7 @@
 
 mod batch;
 mod costs;
+mod filler;
 
 use std::time::Instant;
 
@@ -71,6 +73,9 @@ pub struct BenchArgs {
 enum BenchWhat {
     /// Plain vs fixed-K vs adaptive speculative rollout on a long-tail batch.
     Rollout(RolloutArgs),
+    /// A job with its filler against the same job without, alternating (step inflation,
+    /// bubble fill).
+    Filler(filler::FillerArgs),
 }
 
 #[derive(clap::Args)]
@@ -127,6 +132,7 @@ pub struct RolloutArgs {
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     match args.what {
         BenchWhat::Rollout(a) => rollout(a),
+        BenchWhat::Filler(a) => filler::run(a),
     }
 }
 

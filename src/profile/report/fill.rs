@@ -330,7 +330,8 @@ impl Filling {
             _ => {
                 let _ = writeln!(
                     out,
-                    "step inflation: not measured (no replay, no run without fillers)"
+                    "step inflation: not measured (the wall clock cannot replay a step without \
+                     its fillers; `pipefill bench filler` compares runs with and without)"
                 );
             }
         }

@@ -7,8 +7,8 @@
 //! - `report.txt` / `report.json`: the bubble report of one steady-state step, measured next
 //!   to the simulator's prediction under the measured costs
 //!   ([`crate::profile::report`]), with the filler's bubble-fill ratio, step inflation
-//!   (against a run of the same job without filler, measured by the caller) and the
-//!   drafter's final agreement;
+//!   (each step replayed without its fillers; against separate runs without filler in
+//!   `pipefill bench filler`) and the drafter's final agreement;
 //! - `trace.json`: the Chrome/Perfetto trace of the whole run, one process per rank, with
 //!   lanes for compute, bubbles (idle slots of the measured timeline) and the runtime's
 //!   measured waits for input (communication);
@@ -36,7 +36,8 @@ const FILLER_LANE: &str = "filler";
 
 /// The filler figures of `run` over the whole run, with the median step makespan of a run
 /// without filler (`baseline`: its per-step makespans, how it ran and its compute-action
-/// costs) when one was measured; what could not be measured is a warning on `show`.
+/// costs; `pipefill bench filler`'s) when one was measured; what could not be measured is a
+/// warning on `show`.
 pub(super) fn filling(
     job: &JobConfig,
     run: &PipelineRun,

@@ -15,6 +15,7 @@
 //! - `launched`: this process's rank of the plan, the others over the TCP mesh (NCCL
 //!   between GPUs), rank 0 writing the run directory.
 
+mod bench;
 mod engine;
 mod files;
 mod launched;
@@ -22,6 +23,8 @@ mod pipelined;
 mod reference;
 #[cfg(test)]
 mod tests;
+
+pub use bench::{FillerBench, filler_bench, median};
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;

@@ -3,10 +3,10 @@
 //! file), then the run directory's profiling files (see [`super::files`]).
 //!
 //! With a filler (`filler = "drafter"`, the default) the progress shows the share of each
-//! step's waits that filler work used and the drafter's held-out agreement. Step inflation
-//! needs the same job without fillers: after the main run a second, shorter run of the same
-//! job with `filler = "none"` ([`BASELINE_STEPS`] steps at most, same plan, model and data)
-//! measures its median step makespan; it only measures and writes nothing.
+//! step's waits that filler work used and the drafter's held-out agreement. The run is the
+//! job, once: its step inflation is each step replayed without its fillers (virtual clock);
+//! the comparison with separate runs of the job without filler is `pipefill bench filler`
+//! ([`super::filler_bench`]).
 
 use std::ops::ControlFlow;
 use std::path::Path;
@@ -23,12 +23,8 @@ use crate::model::checkpoint::resume::ResumePoint;
 use crate::model::checkpoint::sharded::{Layout, job_fingerprint, load_sharded};
 use crate::pipeline::feed::StepFeed;
 use crate::pipeline::{PipelineRun, PipelineTrainer, StepView};
-use crate::profile::report::{ActionCosts, action_costs};
 use crate::run::show::Show;
 use crate::run::{RunDir, RunError, RunLog, StepLine, steps_left};
-
-/// Most steps of the run without filler that step inflation is measured against.
-pub(super) const BASELINE_STEPS: u64 = 100;
 
 /// Runs `job`'s pipeline (from `resume`'s checkpoint when given) into `run_dir`, showing its
 /// progress and the bubble report on `show`.
@@ -124,7 +120,6 @@ impl Engine for InProcess<'_> {
 
     fn run(&mut self, steps: u64, out: &mut Steps<'_>) -> Result<PipelineRun, RunError> {
         let filler = self.job.filler != Filler::None;
-        // Periodic checkpoints for the main run only (the baseline run measures).
         let main = self
             .trainer
             .clone()
@@ -162,20 +157,7 @@ impl Engine for InProcess<'_> {
         show: &mut dyn Show,
     ) -> Result<&'static str, RunError> {
         let job = self.job;
-        // The baseline runs as many steps as the run did, at most [`BASELINE_STEPS`].
-        let steps = run.next_step().saturating_sub(self.trainer.first_step());
-        let baseline = match job.filler != Filler::None {
-            true => Some(baseline(&self.trainer, steps, show)?),
-            false => None,
-        };
-        let filling = filling(
-            job,
-            &run,
-            baseline
-                .as_ref()
-                .map(|(m, note, costs)| (m.as_slice(), note.clone(), costs)),
-            show,
-        );
+        let filling = filling(job, &run, None, show);
         let report = write_profile(dir, job, &run, filling)?;
         show.line("");
         show.line(report.to_text().trim_end());
@@ -183,33 +165,6 @@ impl Engine for InProcess<'_> {
         evaluate(job, &mut run.model()?, show)?;
         Ok("report.txt, trace.json, timeline.svg, metrics.jsonl, checkpoint/")
     }
-}
-
-/// Runs the same job without filler for at most [`BASELINE_STEPS`] of its `steps` steps and
-/// returns its per-step makespans, with a note saying how it ran, and its compute-action
-/// costs (for the action cost change under filling).
-fn baseline(
-    trainer: &PipelineTrainer,
-    steps: u64,
-    show: &mut dyn Show,
-) -> Result<(Vec<f64>, String, ActionCosts), RunError> {
-    let n = steps.min(BASELINE_STEPS);
-    show.line(&format!(
-        "step inflation: measuring {n} steps of the same job with filler = \"none\""
-    ));
-    let run = trainer
-        .clone()
-        .filler(Filler::None)
-        .run(n, |_| {})
-        .map_err(|e| RunError::Baseline {
-            source: Box::new(e),
-        })?;
-    let makespans = run.timelines().map(|t| t.makespan).collect();
-    Ok((
-        makespans,
-        format!("the same job with filler = \"none\", {n} steps"),
-        action_costs(&run.report.iterations),
-    ))
 }
 
 /// The checkpoint `--resume PATH` names ([`ResumePoint::find`]: a run directory's newest, a
