@@ -9,7 +9,7 @@ use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 mod common;
-use common::{clean, text};
+use common::{clean, one_line_error, text};
 
 const EXE: &str = env!("CARGO_BIN_EXE_pipefill");
 
@@ -55,14 +55,6 @@ fn metrics_lines(run: &Path) -> usize {
         .unwrap_or(0)
 }
 
-/// The one line of a failed command's stderr.
-fn one_error_line(out: &Output) -> String {
-    assert!(!out.status.success(), "{}", text(out));
-    let err = String::from_utf8_lossy(&out.stderr).trim().to_string();
-    assert_eq!(err.lines().count(), 1, "{err}");
-    err
-}
-
 #[test]
 fn a_checkpoint_that_cannot_be_written_stops_the_run_at_once() {
     let dir = tempfile::tempdir().unwrap();
@@ -72,7 +64,7 @@ fn a_checkpoint_that_cannot_be_written_stops_the_run_at_once() {
     std::fs::create_dir_all(blocked.parent().unwrap()).unwrap();
     std::fs::write(&blocked, "mine").unwrap();
     let out = train(&run, 12, &["--overwrite"]);
-    let err = one_error_line(&out);
+    let err = one_line_error(&out);
     let last = run.join("checkpoints").join("step-00000002");
     assert!(
         err.contains("cannot write the checkpoint of step 3")
@@ -91,6 +83,49 @@ fn a_checkpoint_that_cannot_be_written_stops_the_run_at_once() {
     );
     let lines = metrics_lines(&run);
     assert!((3..=4).contains(&lines), "{lines} metrics lines");
+    assert_eq!(std::fs::read_to_string(&blocked).unwrap(), "mine");
+}
+
+/// Launched, the same: the ranks' shard writers fail at step 3, every rank stops within a
+/// step, each naming the file and the last complete checkpoint; the user's file stays.
+#[test]
+fn a_launched_run_stops_at_the_checkpoint_that_cannot_be_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let blocked = run.join("checkpoints").join("step-00000003");
+    std::fs::create_dir_all(blocked.parent().unwrap()).unwrap();
+    std::fs::write(&blocked, "mine").unwrap();
+    let mut cmd = clean(EXE);
+    cmd.args([
+        "launch",
+        "-n",
+        "2",
+        "--",
+        "train",
+        "--steps",
+        "12",
+        "--overwrite",
+    ]);
+    cmd.arg("--out-dir").arg(&run);
+    for s in JOB {
+        cmd.args(["--set", s]);
+    }
+    let out = cmd.output().unwrap();
+    assert!(!out.status.success(), "{}", text(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let last = run.join("checkpoints").join("step-00000002");
+    assert!(
+        stderr.contains("cannot write the checkpoint of step 3")
+            && stderr.contains(&format!(
+                "its last complete checkpoint is {}",
+                last.display()
+            )),
+        "{stderr}"
+    );
+    assert_eq!(
+        step_dirs(&run),
+        [run.join("checkpoints/step-00000001"), last]
+    );
     assert_eq!(std::fs::read_to_string(&blocked).unwrap(), "mine");
 }
 
@@ -131,7 +166,7 @@ fn a_full_disk_stops_the_run_at_the_first_write_that_fails() {
     let run = disk.0.path().join("run");
     let started = Instant::now();
     let out = train(&run, 200, &[]);
-    let err = one_error_line(&out);
+    let err = one_line_error(&out);
     assert!(started.elapsed() < Duration::from_secs(30), "{err}");
     assert!(
         err.contains("No space left on device") && err.contains("the run stopped"),

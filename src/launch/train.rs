@@ -338,11 +338,20 @@ fn run_rank<B: Backend>(
     clock_sync.at_run_start();
     let report = pipeline
         .run_local_blocking(vec![(prank, compute)], tensors)
-        .map_err(|e| match mesh.failure() {
-            // The mesh's failure names the rank that died; the runtime's error only says
-            // which action noticed.
-            Some(reason) => DistributedError::Peer { rank, reason },
-            None => pipeline_err(e.into()),
+        .map_err(|e| {
+            // A failed checkpoint write stopped the run: its error names the file and the
+            // last complete checkpoint.
+            if saver.as_ref().is_some_and(|s| s.failed())
+                && let Err(write) = shared.join_checkpoints()
+            {
+                return pipeline_err(write);
+            }
+            match mesh.failure() {
+                // The mesh's failure names the rank that died; the runtime's error only
+                // says which action noticed.
+                Some(reason) => DistributedError::Peer { rank, reason },
+                None => pipeline_err(e.into()),
+            }
         })?;
 
     let own = shared

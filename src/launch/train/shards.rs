@@ -29,7 +29,8 @@
 //!   manifest, which names it.
 
 use std::path::{Path, PathBuf};
-use std::sync::mpsc::{Sender, channel};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{SyncSender, sync_channel};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
@@ -45,6 +46,7 @@ use crate::model::checkpoint::resume::{RankShard, ResumePoint};
 use crate::model::checkpoint::sharded::{
     self, Layout, Manifest, SHARDED_FORMAT, ShardEntry, job_fingerprint, remove_manifest, step_dir,
 };
+use crate::model::checkpoint::sweep;
 use crate::model::checkpoint::{Checkpoint, CheckpointError, HostTensor, VERSION};
 use crate::pipeline::shared::{Checkpointing, RankCheckpointer, RankFinal};
 use crate::schedules::Plan;
@@ -147,8 +149,10 @@ type Job = (u64, RankFinal, Option<Result<DrafterSnap, String>>);
 
 /// This process's shard writer (see the module docs).
 pub struct MeshCheckpointer {
-    jobs: Mutex<Option<Sender<Job>>>,
+    jobs: Mutex<Option<SyncSender<Job>>>,
     worker: Mutex<Option<Worker>>,
+    /// Set by the writer when a save fails: the run stops at its ranks' next step end.
+    failed: Arc<AtomicBool>,
     drafter: OnceLock<Arc<LaunchFill>>,
 }
 
@@ -168,12 +172,23 @@ impl MeshCheckpointer {
     /// The writer of this process's rank (its mesh rank, in replica 0 when it writes at all),
     /// saving under `plan.run_dir`.
     pub fn start(mesh: Arc<TcpMesh>, plan: Checkpointing) -> Self {
-        let (jobs, rx) = channel::<Job>();
+        // One checkpoint queued behind the one being written, as in one process: a rank
+        // that checkpoints faster than the disk takes waits instead of holding every
+        // step's state in memory.
+        let (jobs, rx) = sync_channel::<Job>(1);
         let writer = Writer { mesh, plan };
+        let failed = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&failed);
         let worker = std::thread::spawn(move || {
             let mut dirs = Vec::new();
             for (step, fin, drafter) in rx {
-                let (dir, removed) = writer.save(step + 1, fin, drafter)?;
+                let (dir, removed) = writer.save(step + 1, fin, drafter).map_err(|e| {
+                    flag.store(true, Ordering::SeqCst);
+                    // What the write left goes; the error names the last complete one.
+                    let run_dir = &writer.plan.run_dir;
+                    let dir = step_dir(run_dir, step + 1);
+                    sweep::failed_periodic(run_dir, &dir, step + 1, e)
+                })?;
                 dirs.push(dir);
                 dirs.retain(|d| !removed.contains(d));
             }
@@ -182,6 +197,7 @@ impl MeshCheckpointer {
         MeshCheckpointer {
             jobs: Mutex::new(Some(jobs)),
             worker: Mutex::new(Some(worker)),
+            failed,
             drafter: OnceLock::new(),
         }
     }
@@ -204,6 +220,10 @@ impl RankCheckpointer for MeshCheckpointer {
         if let Some(tx) = jobs.as_ref() {
             let _ = tx.send((step, fin, drafter));
         }
+    }
+
+    fn failed(&self) -> bool {
+        self.failed.load(Ordering::SeqCst)
     }
 
     fn join(&self) -> Result<Vec<PathBuf>, CheckpointError> {
