@@ -37,6 +37,8 @@ pub mod resume;
 pub mod retain;
 pub mod sharded;
 pub mod sweep;
+#[cfg(test)]
+pub(crate) mod test_model;
 
 pub use files::write_atomic;
 use files::{MAX_META_BYTES, check_hash, read_bounded, read_exact, read_f32_tensors};

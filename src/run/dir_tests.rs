@@ -5,24 +5,8 @@ use std::path::Path;
 use super::{
     Existing, JOB_FILE, METRICS_FILE, Resume, RunDir, RunDirError, fresh_default, utc_stamp,
 };
-use crate::model::checkpoint::Checkpoint;
-use crate::model::checkpoint::sharded::{Layout, param_stages, save_sharded, step_dir};
-use crate::model::{AdamW, AdamWConfig, Cut, Gpt, GptConfig};
-use crate::tensor::CpuBackend;
-
-/// A small model's checkpoint after `step` steps.
-fn checkpoint(step: u64) -> Checkpoint {
-    let config = GptConfig {
-        vocab: 50,
-        d_model: 8,
-        heads: 2,
-        layers: 2,
-        seq_len: 8,
-        ..GptConfig::default()
-    };
-    let gpt = Gpt::new(&config, CpuBackend::new(1).unwrap(), &Cut::Even(1)).unwrap();
-    Checkpoint::capture(&gpt, &AdamW::new(AdamWConfig::default()), step, 5).unwrap()
-}
+use crate::model::checkpoint::sharded::{Layout, step_dir};
+use crate::model::checkpoint::test_model::{self, checkpoint};
 
 /// A finished run's files in `dir`: job.toml, three metrics lines, a checkpoint.
 fn finished_run(dir: &Path) {
@@ -122,8 +106,7 @@ fn save_step(run: &Path, step: u64) -> std::path::PathBuf {
         stage_rank: vec![0],
     };
     let dir = step_dir(run, step);
-    let stages = param_stages(&checkpoint(0).meta.model, 1).unwrap();
-    save_sharded(&dir, &checkpoint(step), &layout, &stages, "h").unwrap();
+    test_model::save(&dir, step, &layout, "h");
     dir
 }
 

@@ -1,18 +1,6 @@
 use super::*;
-use crate::model::checkpoint::sharded::{param_stages, save_sharded, shard_file, step_dir};
-use crate::model::{AdamW, AdamWConfig, Cut, Gpt, GptConfig};
-use crate::tensor::CpuBackend;
-
-fn small() -> GptConfig {
-    GptConfig {
-        vocab: 50,
-        d_model: 8,
-        heads: 2,
-        layers: 2,
-        seq_len: 8,
-        ..GptConfig::default()
-    }
-}
+use crate::model::checkpoint::sharded::{shard_file, step_dir};
+use crate::model::checkpoint::test_model;
 
 fn layout(dp: usize) -> Layout {
     Layout {
@@ -23,10 +11,7 @@ fn layout(dp: usize) -> Layout {
 
 /// Saves a sharded checkpoint of a fresh small model at `step` into `dir`.
 fn save(dir: &Path, step: u64, dp: usize) -> Manifest {
-    let gpt = Gpt::new(&small(), CpuBackend::new(1).unwrap(), &Cut::Even(1)).unwrap();
-    let c = Checkpoint::capture(&gpt, &AdamW::new(AdamWConfig::default()), step, 5).unwrap();
-    let stages = param_stages(&small(), 2).unwrap();
-    save_sharded(dir, &c, &layout(dp), &stages, "h").unwrap()
+    test_model::save(dir, step, &layout(dp), "h")
 }
 
 #[test]

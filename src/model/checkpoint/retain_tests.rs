@@ -1,30 +1,14 @@
 use super::*;
-use crate::model::checkpoint::Checkpoint;
-use crate::model::checkpoint::sharded::{Layout, param_stages, save_sharded, shard_file};
-use crate::model::{AdamW, AdamWConfig, Cut, Gpt, GptConfig};
-use crate::tensor::CpuBackend;
-
-fn small() -> GptConfig {
-    GptConfig {
-        vocab: 50,
-        d_model: 8,
-        heads: 2,
-        layers: 2,
-        seq_len: 8,
-        ..GptConfig::default()
-    }
-}
+use crate::model::checkpoint::sharded::{Layout, shard_file};
+use crate::model::checkpoint::test_model;
 
 /// Saves a complete sharded checkpoint of `step` of job `hash` in `run`; its manifest.
 fn save(run: &Path, step: u64, hash: &str) -> Manifest {
-    let gpt = Gpt::new(&small(), CpuBackend::new(1).unwrap(), &Cut::Even(1)).unwrap();
-    let c = Checkpoint::capture(&gpt, &AdamW::new(AdamWConfig::default()), step, 5).unwrap();
     let layout = Layout {
         dp: 1,
         stage_rank: vec![0, 1],
     };
-    let stages = param_stages(&small(), 2).unwrap();
-    save_sharded(&step_dir(run, step), &c, &layout, &stages, hash).unwrap()
+    test_model::save(&step_dir(run, step), step, &layout, hash)
 }
 
 /// The names under `run/checkpoints/`, sorted.

@@ -1,28 +1,11 @@
 use super::*;
 use crate::model::checkpoint::Checkpoint;
 use crate::model::checkpoint::resume::{FINAL_DIR, ResumePoint, verify_files};
-use crate::model::checkpoint::sharded::{Layout, param_stages, save_sharded, shard_file, step_dir};
-use crate::model::{AdamW, AdamWConfig, Cut, Gpt, GptConfig};
-use crate::tensor::CpuBackend;
+use crate::model::checkpoint::sharded::{Layout, shard_file, step_dir};
+use crate::model::checkpoint::test_model::{self, checkpoint};
 
 /// A process id above any kernel's `pid_max`: never a running process.
 const DEAD: u32 = 999_999_999;
-
-fn small() -> GptConfig {
-    GptConfig {
-        vocab: 50,
-        d_model: 8,
-        heads: 2,
-        layers: 2,
-        seq_len: 8,
-        ..GptConfig::default()
-    }
-}
-
-fn checkpoint(step: u64) -> Checkpoint {
-    let gpt = Gpt::new(&small(), CpuBackend::new(1).unwrap(), &Cut::Even(1)).unwrap();
-    Checkpoint::capture(&gpt, &AdamW::new(AdamWConfig::default()), step, 5).unwrap()
-}
 
 /// A complete sharded checkpoint of `step` in `run`.
 fn save(run: &Path, step: u64) -> PathBuf {
@@ -31,8 +14,7 @@ fn save(run: &Path, step: u64) -> PathBuf {
         stage_rank: vec![0, 1],
     };
     let dir = step_dir(run, step);
-    let stages = param_stages(&small(), 2).unwrap();
-    save_sharded(&dir, &checkpoint(step), &layout, &stages, "h").unwrap();
+    test_model::save(&dir, step, &layout, "h");
     dir
 }
 
