@@ -40,9 +40,9 @@ pub fn run(a: FillerArgs) -> anyhow::Result<()> {
     };
     if !a.json {
         println!(
-            "filler {:?} on schedule {}, {} ranks, {} steps a run, {} rounds alternating with \
-             filler = \"none\" ({} clock)",
-            job.filler,
+            "filler \"{}\" on schedule {}, {} ranks, {} steps a run, {} rounds alternating \
+             with filler = \"none\" ({} clock)",
+            format!("{:?}", job.filler).to_lowercase(),
             job.schedule,
             job.stages,
             a.steps,
