@@ -14,8 +14,9 @@ use pipefill::model::Gpt;
 use pipefill::model::checkpoint::ADAM_V_PREFIX;
 use pipefill::pipeline::{KeptRun, PipelineError, PipelineTrainer};
 use pipefill::rl::trainer::{
-    RlError, RlTrainer, RolloutBatch, RolloutEngine, RolloutRequest, step_prompts, warm_up,
+    RlError, RlTrainer, RolloutBatch, RolloutEngine, RolloutRequest, step_prompts,
 };
+use pipefill::rl::warm_up::warm_up;
 use pipefill::tensor::CpuBackend;
 
 /// Per step, which prompts' groups are uniform (every completion right or wrong, so

@@ -20,8 +20,9 @@ use pipefill::pipeline::feed::StepBatches;
 use pipefill::rl::grpo::{GrpoLoss, SequenceLogProbs, group_advantages, grpo_loss};
 use pipefill::rl::trainer::{
     RlError, RlStepMetrics, RlTrainer, Rollout, RolloutBatch, RolloutEngine, RolloutRequest,
-    step_prompts, update_batches, update_step, warm_up,
+    step_prompts, update_batches, update_step,
 };
+use pipefill::rl::warm_up::warm_up;
 use pipefill::tensor::{CpuBackend, IGNORE_TARGET};
 use pipefill::train::reference::adamw_config;
 

@@ -15,6 +15,8 @@
 //!   pays (`rl.spec_threshold = "auto"`).
 //! - `update`: the GRPO update's step as pipeline micro-batches (sequences packed several
 //!   per micro-batch) and the head's per-token loss that weighs them.
+//! - `warm_up`: where the policy starts without an `--init` run (supervised steps, or a
+//!   pretrained model as it is).
 //!
 //! The KV-cache inference path itself (no activations stashed for backward) lives in
 //! [`crate::model::infer`].
@@ -34,3 +36,4 @@ pub mod trainer_rollout;
 pub mod trainer_spec;
 pub mod tree;
 pub mod update;
+pub mod warm_up;

@@ -270,33 +270,6 @@ pub fn step_prompts(job: &JobConfig, step: u64) -> Result<Vec<Task>, RlError> {
     Ok(tasks)
 }
 
-/// Runs the job's warm-up ([`crate::rl::config::RlConfig::warmup`]) supervised steps of the job's pipeline on the job's tasks
-/// (the model's initial weights), calling `on_step` after each; returns the checkpoint.
-pub fn warm_up(job: &JobConfig, on_step: impl FnMut(&StepMetrics)) -> Result<Checkpoint, RlError> {
-    let sft = warm_up_job(job);
-    if sft.train.steps == 0 {
-        // A pretrained policy as it is: its weights (the model imports `model.from`), no
-        // optimizer moments yet, at step 0.
-        let model = Gpt::new(
-            &job.model,
-            CpuBackend::new(1).map_err(ModelError::from)?,
-            &Cut::Even(1),
-        )?;
-        let optimizer = AdamW::new(adamw_config(&job.train));
-        return Ok(Checkpoint::capture(&model, &optimizer, 0, job.train.seed)?);
-    }
-    let run = PipelineTrainer::from_job(&sft)?.run(sft.train.steps, on_step)?;
-    Ok(run.into_checkpoint())
-}
-
-/// The supervised job [`warm_up`] runs (the multi-process warm-up runs it too).
-pub(crate) fn warm_up_job(job: &JobConfig) -> JobConfig {
-    let mut sft = job.clone();
-    sft.train.steps = job.rl.warmup(job.model.from.is_some());
-    sft.train.warmup = sft.train.warmup.min(sft.train.steps / 2);
-    sft
-}
-
 /// The pipeline job of the RL update when RL started at optimizer step `first_update`:
 /// `rl.prompts` micro-batches of `rl.group` sequences ([`update_step`]), the RL learning
 /// rate (the multi-process update runs it too); a step with skippable sequences runs fewer
@@ -369,7 +342,7 @@ pub struct RlTrainer<B: RankBackend = CpuBackend> {
 }
 
 impl RlTrainer<CpuBackend> {
-    /// RL from `checkpoint` (a `pipefill train` run's, or [`warm_up`]'s) on the CPU; the
+    /// RL from `checkpoint` (a `pipefill train` run's, or [`super::warm_up::warm_up`]'s) on the CPU; the
     /// job's model and data seed must be the checkpoint's.
     pub fn new(job: &JobConfig, checkpoint: Checkpoint) -> Result<Self, RlError> {
         let backend = CpuBackend::new(1).map_err(ModelError::from)?;

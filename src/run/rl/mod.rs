@@ -25,7 +25,7 @@ use super::{Resume, RunDir, RunError, Start};
 use crate::config::JobConfig;
 use crate::config::memory::Workload;
 use crate::model::checkpoint::Checkpoint;
-use crate::rl::trainer::warm_up;
+use crate::rl::warm_up::warm_up;
 use crate::tensor::device::on_backend;
 
 /// Runs `job`'s RL as `start` asks, the policy from the `pipefill train` run in `init`
