@@ -52,6 +52,7 @@ use pipefill::model::checkpoint::Checkpoint;
 use pipefill::model::drafter::{DraftBufferHandle, DraftContext, Drafter, DrafterTrainer};
 use pipefill::model::infer::InferStage;
 use pipefill::model::{Cut, Gpt};
+use pipefill::profile::report::median;
 use pipefill::rl::calibrate::{MAX_CALIBRATION_BATCH, step_costs, threshold_per_group, tree_cost};
 use pipefill::rl::rollout::{
     AdaptiveConfig, MIN_GROUP_ROWS, Rollout, RolloutConfig, RolloutEngine, Speculation,
@@ -133,19 +134,6 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     match args.what {
         BenchWhat::Rollout(a) => rollout(a),
         BenchWhat::Filler(a) => filler::run(a),
-    }
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n == 0 {
-        return f64::NAN;
-    }
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
     }
 }
 
@@ -264,7 +252,7 @@ fn rollout_on<B: Backend>(
             "batch: {} sequences, completion lengths min {} median {} max {} (EOS or the {}-position cap)",
             requests.len(),
             lens.iter().min().unwrap_or(&0),
-            median(lens.iter().map(|&l| l as f64).collect()),
+            median(lens.iter().map(|&l| l as f64)),
             lens.iter().max().unwrap_or(&0),
             job.model.seq_len
         ),
@@ -328,14 +316,9 @@ fn rollout_on<B: Backend>(
         Ok((plain, spec_runs))
     };
     let (plain0, fixed) = pair(&Speculation::Fixed { k: a.k })?;
-    let fixed_accept = median(fixed.iter().map(|r| r.stats.acceptance_length()).collect());
+    let fixed_accept = median(fixed.iter().map(|r| r.stats.acceptance_length()));
     let (plain_tree, fixed_tree) = pair(&Speculation::Tree(shape))?;
-    let tree_accept = median(
-        fixed_tree
-            .iter()
-            .map(|r| r.stats.acceptance_length())
-            .collect(),
-    );
+    let tree_accept = median(fixed_tree.iter().map(|r| r.stats.acceptance_length()));
     for (b, pr, fr) in engine_buckets(&plain0, &fixed) {
         out.line(&format!(
             "engine check: live ≤ {b:>3}: plain {pr:>9.1} tokens/s, fixed K={} {fr:>9.1} tokens/s",
@@ -400,7 +383,7 @@ fn rollout_on<B: Backend>(
         .chain(&fixed_tree)
         .chain(runs.iter().flat_map(|r| &r.3))
         .all(|r| r.sequences == plain[0].sequences);
-    let m = |rs: &[Rollout], f: &dyn Fn(&Rollout) -> f64| median(rs.iter().map(f).collect());
+    let m = |rs: &[Rollout], f: &dyn Fn(&Rollout) -> f64| median(rs.iter().map(f));
     let tps = |r: &Rollout| r.stats.tokens_per_s();
     let tail = |r: &Rollout| r.stats.tail_tokens_per_s();
     let tail_s = |r: &Rollout| r.stats.seconds - r.stats.tail_start_s;

@@ -21,7 +21,7 @@ mod fill;
 mod replay;
 
 pub use fill::{
-    ActionCosts, CostChange, FillerSpan, Filling, RankFill, WorkFigures, action_costs,
+    ActionCosts, CostChange, FillerSpan, Filling, RankFill, WorkFigures, action_costs, median,
     median_step_makespan,
 };
 pub use replay::{ReplayError, replay, replay_makespans, step_inflations};

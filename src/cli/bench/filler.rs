@@ -4,7 +4,8 @@
 
 use anyhow::bail;
 use pipefill::config::JobConfig;
-use pipefill::run::train::{FillerBench, filler_bench, median};
+use pipefill::profile::report::median;
+use pipefill::run::train::{FillerBench, filler_bench};
 use serde_json::json;
 
 #[derive(clap::Args)]
@@ -63,17 +64,20 @@ pub fn run(a: FillerArgs) -> anyhow::Result<()> {
     let pct = |x: f64| format!("{:+.2}%", 100.0 * x);
     println!(
         "median step makespan: {:.4} s with filler, {:.4} s without; step inflation {}",
-        median(&bench.with),
-        median(&bench.without),
+        median(bench.with.iter().copied()),
+        median(bench.without.iter().copied()),
         pct(bench.inflation())
     );
     if !bench.replayed.is_empty() {
         println!(
             "replayed without its fillers (critical path alone): step inflation {}",
-            pct(median(&bench.replayed))
+            pct(median(bench.replayed.iter().copied()))
         );
     }
-    println!("bubble-fill ratio {:.1}%", 100.0 * median(&bench.fill));
+    println!(
+        "bubble-fill ratio {:.1}%",
+        100.0 * median(bench.fill.iter().copied())
+    );
     if let Some(change) = bench
         .last
         .as_ref()

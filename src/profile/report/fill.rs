@@ -369,6 +369,17 @@ fn ratio(part: f64, whole: f64) -> f64 {
     if whole > 0.0 { part / whole } else { 0.0 }
 }
 
+/// The median of `values` (the mean of the middle two of an even count; `NaN` for none).
+pub fn median(values: impl IntoIterator<Item = f64>) -> f64 {
+    let mut v: Vec<f64> = values.into_iter().collect();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
 /// The median makespan of the steps after the first (which warms up), or of the only step.
 pub fn median_step_makespan(makespans: &[f64]) -> Option<f64> {
     let steady = if makespans.len() > 1 {

@@ -13,7 +13,7 @@
 use super::files::filling;
 use crate::config::{ConfigError, Filler, JobConfig};
 use crate::pipeline::PipelineTrainer;
-use crate::profile::report::{Filling, action_costs, median_step_makespan};
+use crate::profile::report::{Filling, action_costs, median, median_step_makespan};
 use crate::run::RunError;
 use crate::run::show::Quiet;
 
@@ -35,22 +35,11 @@ pub struct FillerBench {
     pub last: Option<Filling>,
 }
 
-/// The median of `v` (`NaN` when empty).
-pub fn median(v: &[f64]) -> f64 {
-    let mut v = v.to_vec();
-    v.sort_by(f64::total_cmp);
-    match v.len() {
-        0 => f64::NAN,
-        n if n % 2 == 1 => v[n / 2],
-        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
-    }
-}
-
 impl FillerBench {
     /// Step inflation: the median over rounds of the filled runs' step makespan against
     /// the median of the runs without, − 1.
     pub fn inflation(&self) -> f64 {
-        median(&self.with) / median(&self.without) - 1.0
+        median(self.with.iter().copied()) / median(self.without.iter().copied()) - 1.0
     }
 }
 

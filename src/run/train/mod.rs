@@ -24,7 +24,7 @@ mod reference;
 #[cfg(test)]
 mod tests;
 
-pub use bench::{FillerBench, filler_bench, median};
+pub use bench::{FillerBench, filler_bench};
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
