@@ -181,12 +181,7 @@ fn remove_checkpoint(old: &Written, step: u64) -> Result<bool, CheckpointError> 
     }
     // The manifest first: from here on the directory reads as an incomplete checkpoint.
     remove_manifest(dir)?;
-    let files = manifest
-        .shards
-        .iter()
-        .map(|s| &s.file)
-        .chain(manifest.drafter.as_ref().map(|d| &d.file));
-    for name in files {
+    for name in manifest.files() {
         // Plain file names: `Manifest::read` checked them.
         let path = dir.join(name);
         match fs::remove_file(&path) {

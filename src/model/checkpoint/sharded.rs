@@ -227,6 +227,14 @@ fn write_shard_refs(
 }
 
 impl Manifest {
+    /// The files the manifest lists beside itself: every shard, and the drafter's.
+    pub fn files(&self) -> impl Iterator<Item = &String> {
+        self.shards
+            .iter()
+            .map(|s| &s.file)
+            .chain(self.drafter.as_ref().map(|d| &d.file))
+    }
+
     /// Writes the manifest into `dir`, atomically. Call it only once every shard it lists
     /// is written: its presence is what makes the checkpoint complete.
     pub fn write(&self, dir: &Path) -> Result<(), CheckpointError> {

@@ -139,12 +139,7 @@ pub fn sweep_step(dir: &Path, what: Sweep) -> Result<Vec<PathBuf>, CheckpointErr
         // The manifest first: from here on the directory reads as incomplete.
         remove(&manifest_path, &mut removed)?;
         incomplete = true;
-        let files = manifest
-            .shards
-            .iter()
-            .map(|s| &s.file)
-            .chain(manifest.drafter.as_ref().map(|d| &d.file));
-        for name in files {
+        for name in manifest.files() {
             // Plain names: Manifest::read checked them.
             remove(&dir.join(name), &mut removed)?;
         }
