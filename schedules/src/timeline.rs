@@ -307,6 +307,16 @@ impl Timeline {
         self.ranks.iter().map(|r| r.peak_memory).fold(0.0, f64::max)
     }
 
+    /// The worst rank's idle time when iterations overlap: the longest span less that
+    /// rank's busy time (what the closed forms of DESIGN.md's steady bubble state).
+    pub fn worst_idle(&self) -> f64 {
+        let max_span = self.ranks.iter().map(|r| r.span).fold(0.0, f64::max);
+        self.ranks
+            .iter()
+            .map(|r| max_span - r.busy)
+            .fold(f64::NEG_INFINITY, f64::max)
+    }
+
     /// Total idle time over all ranks inside the makespan.
     pub fn bubble_time(&self) -> f64 {
         self.ranks.iter().map(|r| r.idle).sum()

@@ -22,15 +22,6 @@ fn microbatches(p: usize) -> [usize; 4] {
     [p, 2 * p, 4 * p, 3 * p + 1]
 }
 
-/// Idle time of the worst rank: max span − that rank's busy time.
-fn worst_idle(t: &Timeline) -> f64 {
-    let max_span = t.ranks.iter().map(|r| r.span).fold(0.0, f64::max);
-    t.ranks
-        .iter()
-        .map(|r| max_span - r.busy)
-        .fold(f64::NEG_INFINITY, f64::max)
-}
-
 fn run(kind: ScheduleKind, p: usize, m: usize, v: usize, (f, i, w): (f64, f64, f64)) -> Timeline {
     let plan = generate(kind, p, m, v).unwrap_or_else(|e| panic!("{kind} p={p} m={m} v={v}: {e}"));
     simulate(&plan, &CostModel::uniform(f, i, w, 0.0))
@@ -38,7 +29,7 @@ fn run(kind: ScheduleKind, p: usize, m: usize, v: usize, (f, i, w): (f64, f64, f
 }
 
 fn assert_idle(kind: ScheduleKind, p: usize, m: usize, v: usize, cost: (f64, f64, f64), want: f64) {
-    let got = worst_idle(&run(kind, p, m, v, cost));
+    let got = run(kind, p, m, v, cost).worst_idle();
     assert!(
         (got - want).abs() < EPS,
         "{kind} p={p} m={m} v={v} (T_F, T_I, T_W)={cost:?}: worst-rank idle {got}, closed form {want}"
@@ -78,15 +69,10 @@ fn interleaved_idle_is_a_vth_of_1f1b() {
                     // Each chunk costs (T_F, T_I, T_W); 1F1B runs the same model as v-times
                     // larger stages.
                     let chunked =
-                        worst_idle(&run(ScheduleKind::Interleaved1F1B, p, m, v, (f, i, w)));
+                        run(ScheduleKind::Interleaved1F1B, p, m, v, (f, i, w)).worst_idle();
                     let vf = v as f64;
-                    let whole = worst_idle(&run(
-                        ScheduleKind::OneFOneB,
-                        p,
-                        m,
-                        1,
-                        (vf * f, vf * i, vf * w),
-                    ));
+                    let whole =
+                        run(ScheduleKind::OneFOneB, p, m, 1, (vf * f, vf * i, vf * w)).worst_idle();
                     assert!(
                         (chunked * vf - whole).abs() < EPS,
                         "p={p} m={m} v={v}: interleaved idle {chunked}, 1F1B idle {whole}"
@@ -120,8 +106,8 @@ fn zb_h1_idle_is_p_minus_1_times_f_plus_i_minus_w() {
         }
     }
     // A third of 1F1B's with equal costs.
-    let h1 = worst_idle(&run(ScheduleKind::ZbH1, 4, 16, 1, (1.0, 1.0, 1.0)));
-    let base = worst_idle(&run(ScheduleKind::OneFOneB, 4, 16, 1, (1.0, 1.0, 1.0)));
+    let h1 = run(ScheduleKind::ZbH1, 4, 16, 1, (1.0, 1.0, 1.0)).worst_idle();
+    let base = run(ScheduleKind::OneFOneB, 4, 16, 1, (1.0, 1.0, 1.0)).worst_idle();
     assert_eq!(3.0 * h1, base);
 }
 

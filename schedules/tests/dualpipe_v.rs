@@ -9,8 +9,8 @@
 //! `(p − 1)(T_F + 2T_I − T_W)` in chunk costs.
 
 use pipefill_schedules::{
-    ActionKind, CostModel, Placement, Plan, ScheduleError, ScheduleKind, Timeline, ValidateOptions,
-    build, generate, parse_csv, simulate, to_csv, validate,
+    ActionKind, CostModel, Placement, Plan, ScheduleError, ScheduleKind, ValidateOptions, build,
+    generate, parse_csv, simulate, to_csv, validate,
 };
 
 const FIXTURE: &str = concat!(
@@ -21,15 +21,6 @@ const EPS: f64 = 1e-9;
 
 fn dualpipe_v(p: usize, m: usize) -> Plan {
     generate(ScheduleKind::DualPipeV, p, m, 2).unwrap_or_else(|e| panic!("p={p} m={m}: {e}"))
-}
-
-/// Idle time of the worst rank: max span − that rank's busy time (as in closed_forms.rs).
-fn worst_idle(t: &Timeline) -> f64 {
-    let max_span = t.ranks.iter().map(|r| r.span).fold(0.0, f64::max);
-    t.ranks
-        .iter()
-        .map(|r| max_span - r.busy)
-        .fold(f64::NEG_INFINITY, f64::max)
 }
 
 /// DeepSeek's DualPipe(V) bubble `(PP/2 − 1)(F&B + B − 3W)` with `PP = 2p`, an overlapped
@@ -186,11 +177,11 @@ fn steady_bubble_is_dualpipes_published_figure_and_beats_1f1b() {
                     let t = simulate(&dualpipe_v(p, m), &model).unwrap();
                     let one_f = generate(ScheduleKind::OneFOneB, p, m, 1).unwrap();
                     let base = simulate(&one_f, &stage_model).unwrap();
-                    let (idle, published) = (worst_idle(&t), published_bubble(p, cost));
+                    let (idle, published) = (t.worst_idle(), published_bubble(p, cost));
                     println!(
                         "{f:>3} {i:>3} {w:>3} {p:>3} {m:>3} {idle:>16} {published:>10} {:>10} \
                          {:>12.4} {:>11.4}",
-                        worst_idle(&base),
+                        base.worst_idle(),
                         t.steady_bubble_ratio,
                         base.steady_bubble_ratio
                     );
@@ -209,7 +200,7 @@ fn steady_bubble_is_dualpipes_published_figure_and_beats_1f1b() {
                             < EPS,
                         "{what}"
                     );
-                    assert!(idle < worst_idle(&base), "{what}");
+                    assert!(idle < base.worst_idle(), "{what}");
                     assert!(
                         t.steady_bubble_ratio < base.steady_bubble_ratio,
                         "{what}: {} vs 1F1B {}",
