@@ -9,31 +9,23 @@ use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 mod common;
-use common::{clean, one_line_error, text};
+use common::{TINY_PIPELINE, clean, one_line_error, text};
 
 const EXE: &str = env!("CARGO_BIN_EXE_pipefill");
 
-const JOB: &[&str] = &[
-    "stages=2",
-    "schedule=1f1b",
-    "filler=none",
-    "model.layers=2",
-    "model.d_model=16",
-    "model.heads=2",
-    "model.seq_len=32",
-    "train.micro_batch_size=2",
-    "train.eval_tasks=0",
-    "data.summary_tasks=50",
-    "checkpoint_every=1",
-    "checkpoint_keep=0",
-];
+/// The tiny pipeline, checkpointing every step and keeping every checkpoint.
+fn job() -> impl Iterator<Item = &'static str> {
+    TINY_PIPELINE
+        .into_iter()
+        .chain(["checkpoint_every=1", "checkpoint_keep=0"])
+}
 
-/// `pipefill train --steps <steps> --out-dir <run> <args> --set JOB...`.
+/// `pipefill train --steps <steps> --out-dir <run> <args> --set job()...`.
 fn train(run: &Path, steps: u32, args: &[&str]) -> Output {
     let mut cmd = clean(EXE);
     cmd.args(["train", "--steps", &steps.to_string(), "--out-dir"]);
     cmd.arg(run).args(args);
-    for s in JOB {
+    for s in job() {
         cmd.args(["--set", s]);
     }
     cmd.output().unwrap()
@@ -107,7 +99,7 @@ fn a_launched_run_stops_at_the_checkpoint_that_cannot_be_written() {
         "--overwrite",
     ]);
     cmd.arg("--out-dir").arg(&run);
-    for s in JOB {
+    for s in job() {
         cmd.args(["--set", s]);
     }
     let out = cmd.output().unwrap();

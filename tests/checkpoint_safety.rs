@@ -272,15 +272,7 @@ fn a_whole_checkpoint_reads_only_regular_files_and_needs_its_hash() {
 fn train(steps: u64, out: &Path, extra: &[&str]) -> std::process::Output {
     let mut cmd = clean(EXE);
     cmd.args(["train", "--schedule", "none", "--steps", &steps.to_string()]);
-    for s in [
-        "model.layers=2",
-        "model.d_model=16",
-        "model.heads=2",
-        "model.seq_len=32",
-        "train.micro_batch_size=2",
-        "train.eval_tasks=0",
-        "data.summary_tasks=50",
-    ] {
+    for s in common::TINY_MODEL {
         cmd.args(["--set", s]);
     }
     cmd.arg("--out-dir").arg(out).args(extra).output().unwrap()

@@ -9,7 +9,7 @@ mod common;
 use std::path::Path;
 use std::process::Output;
 
-use common::{clean, text};
+use common::{clean, export_hf, text};
 use pipefill::model::checkpoint::Checkpoint;
 
 const EXE: &str = env!("CARGO_BIN_EXE_pipefill");
@@ -39,12 +39,6 @@ fn train(out: &Path, steps: &str, resume: bool) -> Output {
     cmd.arg("--out-dir").arg(out).output().unwrap()
 }
 
-fn export(run: &Path, out: &Path, extra: &[&str]) -> Output {
-    let mut cmd = clean(EXE);
-    cmd.arg("export").arg(run).args(["--format", "hf", "-o"]);
-    cmd.arg(out).args(extra).output().unwrap()
-}
-
 #[test]
 fn an_export_into_the_checkpoint_it_reads_is_refused_and_the_run_still_resumes() {
     let dir = tempfile::tempdir().unwrap();
@@ -54,7 +48,7 @@ fn an_export_into_the_checkpoint_it_reads_is_refused_and_the_run_still_resumes()
     let ckpt = run.join("checkpoint");
     let before = std::fs::read(ckpt.join("model.safetensors")).unwrap();
     for target in [ckpt.clone(), ckpt.join("hf"), run.clone()] {
-        let out = export(&run, &target, &["--overwrite"]);
+        let out = export_hf(&run, &target, &["--overwrite"]);
         assert!(
             !out.status.success(),
             "{}: {}",
@@ -85,12 +79,12 @@ fn an_export_over_an_earlier_one_keeps_the_users_files() {
     let out = train(&run, "2", false);
     assert!(out.status.success(), "{}", text(&out));
     let hf = dir.path().join("hf");
-    let out = export(&run, &hf, &[]);
+    let out = export_hf(&run, &hf, &[]);
     assert!(out.status.success(), "{}", text(&out));
     std::fs::write(hf.join("notes.md"), "mine").unwrap();
     std::fs::create_dir(hf.join("evals")).unwrap();
     std::fs::write(hf.join("evals/a.safetensors"), "mine").unwrap();
-    let out = export(&run, &hf, &["--overwrite", "--dtype", "bf16"]);
+    let out = export_hf(&run, &hf, &["--overwrite", "--dtype", "bf16"]);
     assert!(out.status.success(), "{}", text(&out));
     assert_eq!(
         std::fs::read_to_string(hf.join("notes.md")).unwrap(),

@@ -8,7 +8,7 @@ mod common;
 use std::path::Path;
 use std::process::Output;
 
-use common::{clean, text};
+use common::{clean, export_hf, text};
 use pipefill::model::checkpoint::Checkpoint;
 use pipefill::model::hf::HfModel;
 
@@ -33,12 +33,6 @@ fn train(extra: &[&str], out: &Path) -> Output {
     cmd.arg("--out-dir").arg(out).output().unwrap()
 }
 
-fn export(run: &Path, out: &Path, extra: &[&str]) -> Output {
-    let mut cmd = clean(EXE);
-    cmd.arg("export").arg(run).args(["--format", "hf", "-o"]);
-    cmd.arg(out).args(extra).output().unwrap()
-}
-
 #[test]
 fn a_llama_shaped_run_exports_and_reimports() {
     let dir = tempfile::tempdir().unwrap();
@@ -51,7 +45,7 @@ fn a_llama_shaped_run_exports_and_reimports() {
     let out = train(&llama, &run);
     assert!(out.status.success(), "{}", text(&out));
     let hf_dir = dir.path().join("hf");
-    let out = export(&run, &hf_dir, &[]);
+    let out = export_hf(&run, &hf_dir, &[]);
     assert!(out.status.success(), "{}", text(&out));
     assert!(
         String::from_utf8_lossy(&out.stdout).contains("exported step 2"),
@@ -69,12 +63,12 @@ fn a_llama_shaped_run_exports_and_reimports() {
     }
 
     // Again into the same directory: refused without --overwrite, in one line.
-    let out = export(&run, &hf_dir, &[]);
+    let out = export_hf(&run, &hf_dir, &[]);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(err.trim().lines().count(), 1, "{err}");
     assert!(err.contains("not empty"), "{err}");
-    let out = export(&run, &hf_dir, &["--overwrite", "--dtype", "bf16"]);
+    let out = export_hf(&run, &hf_dir, &["--overwrite", "--dtype", "bf16"]);
     assert!(out.status.success(), "{}", text(&out));
     HfModel::open(&hf_dir).unwrap();
 }
@@ -85,7 +79,7 @@ fn a_learned_positions_run_cannot_be_exported() {
     let run = dir.path().join("run");
     let out = train(&[], &run);
     assert!(out.status.success(), "{}", text(&out));
-    let out = export(&run, &dir.path().join("hf"), &[]);
+    let out = export_hf(&run, &dir.path().join("hf"), &[]);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(err.trim().lines().count(), 1, "{err}");
@@ -115,7 +109,7 @@ fn a_pipelined_runs_sharded_checkpoint_exports() {
     assert!(out.status.success(), "{}", text(&out));
     // The run directory's newest checkpoint is the sharded step 2.
     let hf_dir = dir.path().join("hf");
-    let out = export(&run, &hf_dir, &[]);
+    let out = export_hf(&run, &hf_dir, &[]);
     assert!(out.status.success(), "{}", text(&out));
     assert!(
         String::from_utf8_lossy(&out.stdout).contains("checkpoints/step-"),

@@ -9,14 +9,7 @@ use pipefill::model::hf::{self, ExportOptions, HfModel};
 use safetensors::{Dtype, SafeTensors};
 
 mod common;
-use common::hf::{copy, open};
-
-fn edit_config(dir: &Path, f: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>)) {
-    let path = dir.join("config.json");
-    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
-    f(v.as_object_mut().unwrap());
-    std::fs::write(&path, serde_json::to_vec(&v).unwrap()).unwrap();
-}
+use common::hf::{copy, edit_config, open};
 
 fn open_err(dir: &Path) -> String {
     match HfModel::open(dir) {

@@ -84,12 +84,11 @@ proptest! {
         picks in proptest::collection::vec((0..FIELDS.len(), value()), 1..=3),
     ) {
         let (_tmp, dir) = common::hf::copy("mistral");
-        let path = dir.join("config.json");
-        let mut config: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
-        for (field, v) in &picks {
-            config[FIELDS[*field]] = v.clone();
-        }
-        std::fs::write(&path, serde_json::to_vec(&config).unwrap()).unwrap();
+        common::hf::edit_config(&dir, |config| {
+            for (field, v) in &picks {
+                config.insert(FIELDS[*field].into(), v.clone());
+            }
+        });
         let _ = open_or_one_line(&dir);
     }
 

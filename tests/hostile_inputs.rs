@@ -8,6 +8,7 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 mod common;
+use common::hf::{copy, edit_config};
 use common::{clean, one_line_error, text};
 
 /// Longest any of these may take (the bound).
@@ -53,17 +54,6 @@ fn mkfifo(path: &Path) {
     assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "{path:?}");
 }
 
-/// A copy of tests/fixtures/hf/`name` in a scratch directory.
-fn model_copy(name: &str) -> (tempfile::TempDir, PathBuf) {
-    common::hf::copy(name)
-}
-
-fn edit_json(path: &Path, f: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>)) {
-    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
-    f(v.as_object_mut().unwrap());
-    std::fs::write(path, serde_json::to_vec(&v).unwrap()).unwrap();
-}
-
 fn generate(dir: &Path) -> Output {
     within_limit(pipefill(&[
         "generate",
@@ -76,8 +66,8 @@ fn generate(dir: &Path) -> Output {
 
 #[test]
 fn a_billion_layers_in_config_json_is_refused_naming_the_field() {
-    let (_tmp, dir) = model_copy("mistral");
-    edit_json(&dir.join("config.json"), |m| {
+    let (_tmp, dir) = copy("mistral");
+    edit_config(&dir, |m| {
         m.insert("num_hidden_layers".into(), 1_000_000_000.into());
     });
     let err = one_line_error(&generate(&dir));
@@ -90,7 +80,7 @@ fn a_billion_layers_in_config_json_is_refused_naming_the_field() {
 #[test]
 fn weight_files_that_are_not_files_are_named() {
     // A FIFO named model.safetensors would block a plain open forever.
-    let (_tmp, dir) = model_copy("mistral");
+    let (_tmp, dir) = copy("mistral");
     let weights = dir.join("model.safetensors");
     std::fs::remove_file(&weights).unwrap();
     mkfifo(&weights);
@@ -98,7 +88,7 @@ fn weight_files_that_are_not_files_are_named() {
     assert!(err.contains("model.safetensors is a FIFO"), "{err}");
 
     // A config.json that is a FIFO is the model directory's config, not a missing one.
-    let (_tmp, dir) = model_copy("mistral");
+    let (_tmp, dir) = copy("mistral");
     let config = dir.join("config.json");
     std::fs::remove_file(&config).unwrap();
     mkfifo(&config);
@@ -109,7 +99,7 @@ fn weight_files_that_are_not_files_are_named() {
     );
 
     // A shard that is a directory.
-    let (_tmp, dir) = model_copy("qwen2");
+    let (_tmp, dir) = copy("qwen2");
     let shard = dir.join("model-00002-of-00003.safetensors");
     std::fs::remove_file(&shard).unwrap();
     std::fs::create_dir(&shard).unwrap();
@@ -120,7 +110,7 @@ fn weight_files_that_are_not_files_are_named() {
     );
 
     // An index that is endless.
-    let (_tmp, dir) = model_copy("qwen2");
+    let (_tmp, dir) = copy("qwen2");
     let index = dir.join("model.safetensors.index.json");
     std::fs::remove_file(&index).unwrap();
     std::os::unix::fs::symlink("/dev/zero", &index).unwrap();
@@ -133,7 +123,7 @@ fn weight_files_that_are_not_files_are_named() {
 
 #[test]
 fn a_header_over_safetensors_limit_says_so() {
-    let (_tmp, dir) = model_copy("mistral");
+    let (_tmp, dir) = copy("mistral");
     let mut bytes = 150_000_000u64.to_le_bytes().to_vec();
     bytes.extend_from_slice(b"{}");
     std::fs::write(dir.join("model.safetensors"), bytes).unwrap();

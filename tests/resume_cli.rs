@@ -11,29 +11,15 @@ use pipefill::model::checkpoint::sharded::{MANIFEST_FILE, step_dir};
 
 mod common;
 use common::job::{TensorBits, sorted_bits};
-use common::{clean, text};
+use common::{TINY_PIPELINE, clean, text};
 
 const EXE: &str = env!("CARGO_BIN_EXE_pipefill");
 
-const JOB: &[&str] = &[
-    "stages=2",
-    "schedule=1f1b",
-    "filler=none",
-    "checkpoint_every=2",
-    "model.layers=2",
-    "model.d_model=16",
-    "model.heads=2",
-    "model.seq_len=32",
-    "train.micro_batch_size=2",
-    "train.eval_tasks=0",
-    "data.summary_tasks=50",
-];
-
-/// `pipefill train --steps 4` of [`JOB`] into `out`, with no launcher variables inherited.
+/// `pipefill train --steps 4` of the tiny pipeline, checkpointing every second step, into `out`, with no launcher variables inherited.
 fn train(extra: &[&str], out: &Path) -> Output {
     let mut cmd = clean(EXE);
     cmd.args(["train", "--steps", "4"]).args(extra);
-    for s in JOB {
+    for s in TINY_PIPELINE.iter().chain(&["checkpoint_every=2"]) {
         cmd.args(["--set", s]);
     }
     cmd.arg("--out-dir").arg(out).output().unwrap()

@@ -11,28 +11,15 @@ use std::process::Output;
 use serde_json::Value;
 
 mod common;
-use common::{clean, text};
+use common::{TINY_PIPELINE, clean, text};
 
 const EXE: &str = env!("CARGO_BIN_EXE_pipefill");
 
-const JOB: &[&str] = &[
-    "stages=2",
-    "schedule=1f1b",
-    "filler=none",
-    "model.layers=2",
-    "model.d_model=16",
-    "model.heads=2",
-    "model.seq_len=32",
-    "train.micro_batch_size=2",
-    "train.eval_tasks=0",
-    "data.summary_tasks=50",
-];
-
-/// `pipefill <args> --set JOB... --set extra...`.
+/// `pipefill <args> --set TINY_PIPELINE... --set extra...`.
 fn pipefill(args: &[&str], extra: &[&str]) -> Output {
     let mut cmd = clean(EXE);
     cmd.args(args);
-    for s in JOB.iter().chain(extra) {
+    for s in TINY_PIPELINE.iter().chain(extra) {
         cmd.args(["--set", s]);
     }
     cmd.output().unwrap()

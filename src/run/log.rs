@@ -180,10 +180,9 @@ mod tests {
         assert_eq!(summary_window(0), 0);
     }
 
-    #[test]
-    fn the_log_writes_each_line_as_it_comes_and_keeps_the_steps() {
-        let root = tempfile::tempdir().unwrap();
-        let path = root.path().join("run");
+    /// A fresh run directory `run` under `root` and the default job's log opened in it.
+    fn opened(root: &std::path::Path) -> (PathBuf, RunLog) {
+        let path = root.join("run");
         let dir = RunDir::claim(
             Some(path.as_path()),
             "",
@@ -192,7 +191,13 @@ mod tests {
         )
         .unwrap();
         let job = JobConfig::embedded(&[]).unwrap();
-        let mut log = RunLog::open(&dir, &job, 0).unwrap();
+        (path.clone(), RunLog::open(&dir, &job, 0).unwrap())
+    }
+
+    #[test]
+    fn the_log_writes_each_line_as_it_comes_and_keeps_the_steps() {
+        let root = tempfile::tempdir().unwrap();
+        let (path, mut log) = opened(root.path());
         for i in 0..3 {
             log.record(&StepLine::new(&step(i, 2.0), None)).unwrap();
             let written = std::fs::read_to_string(path.join("metrics.jsonl")).unwrap();
@@ -205,16 +210,7 @@ mod tests {
     #[test]
     fn a_line_that_cannot_be_written_is_the_error_naming_the_file_and_checkpoint() {
         let root = tempfile::tempdir().unwrap();
-        let path = root.path().join("run");
-        let dir = RunDir::claim(
-            Some(path.as_path()),
-            "",
-            super::super::Resume::Fresh,
-            super::super::Existing::Refuse,
-        )
-        .unwrap();
-        let job = JobConfig::embedded(&[]).unwrap();
-        let mut log = RunLog::open(&dir, &job, 0).unwrap();
+        let (path, mut log) = opened(root.path());
         log.record(&StepLine::new(&step(0, 2.0), None)).unwrap();
         // The disk fills: every write of the file fails from here on.
         let full = std::fs::OpenOptions::new().append(true).open("/dev/full");

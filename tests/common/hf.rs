@@ -26,6 +26,14 @@ pub fn copy(name: &str) -> (tempfile::TempDir, PathBuf) {
     (tmp, dir)
 }
 
+/// Edits the config.json of model directory `dir` in place with `f`.
+pub fn edit_config(dir: &Path, f: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>)) {
+    let path = dir.join("config.json");
+    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    f(v.as_object_mut().unwrap());
+    std::fs::write(&path, serde_json::to_vec(&v).unwrap()).unwrap();
+}
+
 /// Fixture `name` opened, and imported as a one-stage model on the CPU.
 pub fn open(name: &str) -> (HfModel, Gpt<CpuBackend>) {
     let model = HfModel::open(&fixture(name)).unwrap_or_else(|e| panic!("{name}: {e}"));

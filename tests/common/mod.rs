@@ -17,6 +17,31 @@ use std::process::{Command, Output};
 
 use pipefill::model::checkpoint::Checkpoint;
 
+/// A model small enough that a few steps take well under a second, as `--set` arguments.
+pub const TINY_MODEL: [&str; 7] = [
+    "model.layers=2",
+    "model.d_model=16",
+    "model.heads=2",
+    "model.seq_len=32",
+    "train.micro_batch_size=2",
+    "train.eval_tasks=0",
+    "data.summary_tasks=50",
+];
+
+/// [`TINY_MODEL`] as a 1F1B pipeline of two ranks without filler.
+pub const TINY_PIPELINE: [&str; 10] = [
+    "stages=2",
+    "schedule=1f1b",
+    "filler=none",
+    TINY_MODEL[0],
+    TINY_MODEL[1],
+    TINY_MODEL[2],
+    TINY_MODEL[3],
+    TINY_MODEL[4],
+    TINY_MODEL[5],
+    TINY_MODEL[6],
+];
+
 /// Variables a rank reads its identity from (pipefill's own, torchrun's, PMI's, Slurm's,
 /// OpenMPI's) and the job token: a test run under a launcher must not pass them on, or its
 /// children would take themselves for ranks of the test's own job.
@@ -37,6 +62,13 @@ pub fn clean(program: &str) -> Command {
         cmd.env_remove(var);
     }
     cmd
+}
+
+/// `pipefill export RUN --format hf -o OUT EXTRA...`.
+pub fn export_hf(run: &Path, out: &Path, extra: &[&str]) -> Output {
+    let mut cmd = clean(env!("CARGO_BIN_EXE_pipefill"));
+    cmd.arg("export").arg(run).args(["--format", "hf", "-o"]);
+    cmd.arg(out).args(extra).output().unwrap()
 }
 
 /// A finished child's stdout and stderr, for an assertion's message.
