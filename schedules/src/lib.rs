@@ -2,7 +2,8 @@
 //!
 //! Pure Rust, no tensors, no I/O (a schedule file is read by its user and parsed here).
 //! The types here are the project's spine: the runtime executes [`Plan`]s, and the profiler
-//! builds the same [`Timeline`] the simulator predicts, so measured and predicted figures share one set of definitions.
+//! builds the same [`Timeline`] the simulator predicts, so measured and predicted figures
+//! share one set of definitions.
 //!
 //! - [`action`]: the action IR and its text form (PyTorch pipelining's grammar).
 //! - [`plan`]: per-rank action lists and the stage → rank placement.

@@ -58,6 +58,15 @@ pub const FORMAT: &str = "pipefill-checkpoint";
 /// The sidecar's current `version`.
 pub const VERSION: u32 = 1;
 
+/// How a run stopped by a failed write ends its error: the checkpoint a resume would
+/// continue from (`last`), or that there is none.
+pub(crate) fn last_complete_note(last: Option<&Path>) -> String {
+    match last {
+        Some(dir) => format!("its last complete checkpoint is {}", dir.display()),
+        None => "it has no complete checkpoint".to_string(),
+    }
+}
+
 /// Errors saving or loading a checkpoint; each names the file.
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
@@ -131,10 +140,7 @@ pub enum CheckpointError {
     /// left is removed); `last` is the checkpoint a resume would continue from.
     #[error(
         "cannot write the checkpoint of step {step}: {cause}; the run stopped: {}",
-        match last {
-            Some(dir) => format!("its last complete checkpoint is {}", dir.display()),
-            None => "it has no complete checkpoint".to_string(),
-        }
+        last_complete_note(last.as_deref())
     )]
     Periodic {
         step: u64,

@@ -70,10 +70,7 @@ pub enum RunDirError {
     /// A metrics line could not be written: the run stops there.
     #[error(
         "cannot write {path}: {cause}; the run stopped: {}",
-        match last {
-            Some(dir) => format!("its last complete checkpoint is {}", dir.display()),
-            None => "it has no complete checkpoint".to_string(),
-        }
+        crate::model::checkpoint::last_complete_note(last.as_deref())
     )]
     Metrics {
         path: PathBuf,
@@ -211,9 +208,9 @@ impl RunDir {
         self.continues
     }
 
-    /// Makes the directory the run's: removes a replaced run's files (`--overwrite`), or
-    /// in a continued run what a checkpoint write that was killed left, creates it, writes `job.toml` and opens `metrics.jsonl` for the steps from
-    /// `first_step` on. A continued run keeps the lines of the steps before `first_step`
+    /// Makes the directory the run's: removes a replaced run's files (`--overwrite`), or in
+    /// a continued run what a checkpoint write that was killed left, creates it, writes
+    /// `job.toml` and opens `metrics.jsonl` for the steps from `first_step` on. A continued run keeps the lines of the steps before `first_step`
     /// and drops the rest (the steps after its checkpoint, which it runs again); any other
     /// run starts the file empty.
     pub fn create(&self, job_toml: &str, first_step: u64) -> Result<BufWriter<File>, RunDirError> {
