@@ -11,16 +11,17 @@
 //! turned into a [`JobConfig`], so they go through exactly the same checks as the file.
 
 pub mod memory;
+pub mod rl;
 pub mod schedule;
 
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use self::rl::RlConfig;
 use crate::data::DataConfig;
 use crate::model::GptConfig;
 use crate::model::drafter::DrafterConfig;
-use crate::rl::config::RlConfig;
 use crate::train::TrainConfig;
 pub use schedule::{ScheduleChoice, UnknownSchedule};
 
@@ -207,6 +208,22 @@ impl Default for JobConfig {
 }
 
 impl JobConfig {
+    /// The fingerprint of the settings that decide a run's trajectory: the model, the data
+    /// and the training hyper-parameters, except the step count (a resumed run may be asked
+    /// to go further), the CPU threads and the evaluation size (neither changes an update).
+    /// The schedule and the rank counts are checked apart, as a sharded checkpoint's layout.
+    pub fn fingerprint(&self) -> String {
+        let train = TrainConfig {
+            steps: 0,
+            threads: 0,
+            eval_tasks: 0,
+            ..self.train.clone()
+        };
+        let json = serde_json::to_vec(&(&self.model, &self.data, &train))
+            .expect("job settings always serialize");
+        crate::model::checkpoint::sharded::fingerprint(&json)
+    }
+
     /// Parses a job file's text; `origin` (a path, "embedded default") labels errors.
     pub fn from_toml(text: &str, origin: &str) -> Result<Self, ConfigError> {
         Self::from_toml_with(text, origin, &[])

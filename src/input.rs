@@ -181,3 +181,36 @@ mod tests {
         assert!(err.contains("is not UTF-8"), "{err}");
     }
 }
+
+/// The machine's memory as `/proc/meminfo` gives it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemInfo {
+    pub bytes: u64,
+    /// `MemAvailable` (else `MemTotal`, on kernels without it).
+    pub available: bool,
+}
+
+/// This machine's [`MemInfo`]; `None` where `/proc/meminfo` cannot be read.
+pub fn machine_memory() -> Option<MemInfo> {
+    meminfo(&read_text(Path::new("/proc/meminfo"), 1 << 20, "/proc/meminfo").ok()?)
+}
+
+/// The [`MemInfo`] of `/proc/meminfo`'s text: `MemAvailable`, else `MemTotal`.
+pub fn meminfo(text: &str) -> Option<MemInfo> {
+    let field = |name: &str| {
+        text.lines().find_map(|line| {
+            let rest = line.strip_prefix(name)?.strip_prefix(':')?.trim();
+            let kib: u64 = rest
+                .strip_suffix("kB")
+                .unwrap_or(rest)
+                .trim()
+                .parse()
+                .ok()?;
+            kib.checked_mul(1024)
+        })
+    };
+    let at = |available| move |bytes| MemInfo { bytes, available };
+    field("MemAvailable")
+        .map(at(true))
+        .or_else(|| field("MemTotal").map(at(false)))
+}

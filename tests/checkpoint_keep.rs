@@ -9,7 +9,7 @@ use std::process::Output;
 use pipefill::config::JobConfig;
 use pipefill::model::checkpoint::Checkpoint;
 use pipefill::model::checkpoint::sharded::{
-    CHECKPOINTS_DIR, Layout, MANIFEST_FILE, Manifest, job_fingerprint, load_sharded, step_dir,
+    CHECKPOINTS_DIR, Layout, MANIFEST_FILE, Manifest, load_sharded, step_dir,
 };
 use pipefill::pipeline::PipelineTrainer;
 
@@ -54,7 +54,7 @@ fn the_in_process_pipeline_keeps_the_newest_two_and_they_resume_bitwise() {
         listing(run_dir.path()),
         ["notes.txt", "step-00000004", "step-00000005"]
     );
-    let (layout, hash) = (one_replica_layout(&trainer), job_fingerprint(&job));
+    let (layout, hash) = (one_replica_layout(&trainer), job.fingerprint());
     let last = load_sharded(&step_dir(run_dir.path(), 5), &layout, &hash).unwrap();
     let end = sorted_bits(&whole.checkpoint().unwrap());
     assert!(

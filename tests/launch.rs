@@ -475,6 +475,44 @@ fn launch_of_dp2_times_pp2_equals_the_in_process_dp1_run() {
     println!("dp=2 × pp=2 through launch: max |Δparam| {max_abs:e}, relative L2 {rel:e}");
 }
 
+/// `dp × stages` in one process is the launched job: each replica a group of threads, the
+/// replicas all-reducing over in-process links in the ring the mesh runs, so the final
+/// checkpoint is bitwise the launched one's and the step log's whole-batch losses are the
+/// same numbers.
+#[test]
+fn dp2_times_pp2_in_one_process_equals_launch_of_four_ranks_bitwise() {
+    let dir = tempfile::tempdir().unwrap();
+    let settings = ["stages=2", "dp=2"];
+    let single = dir.path().join("single");
+    let one = in_process(&single, &settings);
+    let launched = dir.path().join("launched");
+    let out = clean(EXE)
+        .args(["launch", "-n", "4", "--"])
+        .args(train_args(&launched, &settings))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    assert_bitwise(
+        &one,
+        &Checkpoint::load(&launched.join("checkpoint")).unwrap(),
+    );
+    let losses = |dir: &Path| -> Vec<(u64, u64, u64)> {
+        common::metrics_lines(dir)
+            .iter()
+            .map(|v| {
+                let loss = v["loss"].as_f64().unwrap();
+                (
+                    v["step"].as_u64().unwrap(),
+                    loss.to_bits(),
+                    v["tokens"].as_u64().unwrap(),
+                )
+            })
+            .collect()
+    };
+    assert_eq!(losses(&single), losses(&launched));
+    assert_eq!(losses(&single).len(), 3);
+}
+
 /// A Llama-shaped model with the LM head tied to the token embedding: its first and last
 /// stages are in different processes and sum the tied gradient over the mesh. Two ranks
 /// launched equal the in-process run bitwise; with two replicas of those (the pair's

@@ -11,13 +11,13 @@ use std::sync::Arc;
 
 use pipefill::comm::tcp::{MeshOptions, TcpMesh};
 use pipefill::config::{Filler, JobConfig};
-use pipefill::launch::train::{RankResume, RankRun, drafter_of, train_rank};
 use pipefill::model::GptConfig;
 use pipefill::model::checkpoint::resume::ResumePoint;
 use pipefill::model::checkpoint::sharded::{Manifest, step_dir};
 use pipefill::model::checkpoint::{Checkpoint, HostTensor};
 use pipefill::model::drafter::Placement;
 use pipefill::model::drafter::state::DrafterState;
+use pipefill::pipeline::mesh::{RankResume, RankRun, drafter_of, train_rank};
 use pipefill::pipeline::{Clock, PipelineTrainer};
 use pipefill::schedules::{Plan, ScheduleKind, build};
 use pipefill::tensor::device::Device;

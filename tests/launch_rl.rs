@@ -32,9 +32,9 @@ use std::sync::Arc;
 
 use pipefill::comm::tcp::{MeshOptions, TcpMesh};
 use pipefill::config::JobConfig;
-use pipefill::launch::rl::{RankOptions, RlLaunchRun, rl_rank_with};
 use pipefill::model::checkpoint::{ADAM_M_PREFIX, ADAM_V_PREFIX, Checkpoint, MASTER_PREFIX};
 use pipefill::pipeline::Clock;
+use pipefill::rl::launched::{RankOptions, RlLaunchRun, rl_rank_with};
 use pipefill::rl::trainer::RlTrainer;
 use pipefill::rl::trainer_spec::PipelineRollouts;
 
@@ -140,6 +140,15 @@ fn launched_rl_over_two_processes_equals_the_in_process_run_bitwise() {
             .iter()
             .all(|s| s.is_nan())
     );
+
+    // Both measure the update's bubbles (rank 0 merging every rank's spans).
+    for run in [&single, &multi] {
+        let bubbles = metrics_column(run, "bubble_ratio");
+        assert!(
+            bubbles.iter().all(|b| (0.0..1.0).contains(b)),
+            "{bubbles:?}"
+        );
+    }
 
     let (a, b) = (checkpoint(&single), checkpoint(&multi));
     assert_eq!(a.meta.step, 60 + 2);

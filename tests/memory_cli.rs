@@ -323,7 +323,7 @@ fn bad_schedule_files_are_quoted_short_and_once() {
 }
 
 #[test]
-fn a_vocabulary_too_small_and_dp_in_one_process_are_refused_before_the_run() {
+fn a_vocabulary_too_small_and_dp_where_one_process_cannot_run_it_are_refused_before_the_run() {
     let dir = tempfile::tempdir().unwrap();
     let line = refused(dir.path(), &["train", "--set", "model.vocab=5"]);
     assert_eq!(
@@ -331,16 +331,35 @@ fn a_vocabulary_too_small_and_dp_in_one_process_are_refused_before_the_run() {
         "error: invalid `model.vocab`: 5 is too small: the tokenizer's ids (PAD, BOS, EOS and \
          the tasks' characters) need at least 50"
     );
-    for cmd in ["train", "rl"] {
-        let line = refused(dir.path(), &[cmd, "--set", "dp=2"]);
+    // `train` runs dp × stages in one process; the reference trainer and `rl`'s kept update
+    // ranks cannot.
+    let cases = [
+        (
+            &["train", "--set", "dp=2", "--set", "schedule=\"none\""][..],
+            "train",
+            "with schedule = \"none\" trains one model",
+        ),
+        (
+            &["rl", "--set", "dp=2"][..],
+            "rl",
+            "keeps one pipeline of update ranks",
+        ),
+    ];
+    for (args, cmd, runs) in cases {
+        let line = refused(dir.path(), args);
         assert_eq!(
             line,
             format!(
-                "error: dp = 2: a single-process `pipefill {cmd}` runs one pipeline; launch dp × \
-                 stages = 8 processes (`pipefill launch -n 8 -- {cmd} ...`), or set dp = 1"
+                "error: dp = 2: a single-process `pipefill {cmd}` {runs}; launch dp × stages = 8 \
+                 processes (`pipefill launch -n 8 -- {cmd} ...`), or set dp = 1"
             )
         );
     }
+    let line = refused(dir.path(), &["train", "--set", "dp=3"]);
+    assert_eq!(
+        line,
+        "error: dp = 3 replicas cannot take equal shares of train.micro_batches = 4"
+    );
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
 }
 

@@ -16,7 +16,7 @@ use std::path::Path;
 use pipefill::config::{Filler, JobConfig};
 use pipefill::model::checkpoint::Checkpoint;
 use pipefill::model::checkpoint::sharded::{
-    Layout, job_fingerprint, latest, load_sharded, param_stages, save_sharded, step_dir,
+    Layout, latest, load_sharded, param_stages, save_sharded, step_dir,
 };
 use pipefill::pipeline::{PipelineRun, PipelineTrainer, StepView};
 
@@ -40,7 +40,7 @@ fn save(run_dir: &Path, trainer: &PipelineTrainer, run: &PipelineRun) {
         &run.checkpoint().unwrap(),
         &one_replica_layout(trainer),
         &stages,
-        &job_fingerprint(job),
+        &job.fingerprint(),
     )
     .unwrap();
     assert_eq!(manifest.shards.len(), 2, "one shard per rank");
@@ -58,7 +58,7 @@ fn three_steps_resume_three_steps_equals_six_bit_for_bit() {
     let dir = latest(run_dir.path())
         .unwrap()
         .expect("a complete checkpoint");
-    let back = load_sharded(&dir, &one_replica_layout(&trainer), &job_fingerprint(&job)).unwrap();
+    let back = load_sharded(&dir, &one_replica_layout(&trainer), &job.fingerprint()).unwrap();
     assert_eq!(back.meta.step, 3);
     let rest = trainer.clone().resume(&back).run(3, |_| {}).unwrap();
 
@@ -98,25 +98,21 @@ fn a_checkpoint_of_another_job_or_layout_is_refused() {
 
     let mut other = job.clone();
     other.train.lr = 2e-2;
-    let err = load_sharded(
-        &dir,
-        &one_replica_layout(&trainer),
-        &job_fingerprint(&other),
-    )
-    .unwrap_err()
-    .to_string();
+    let err = load_sharded(&dir, &one_replica_layout(&trainer), &other.fingerprint())
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("job settings"), "{err}");
 
     // Going further (more steps) is the same job: allowed.
     let mut longer = job.clone();
     longer.train.steps = 2 * STEPS;
-    assert_eq!(job_fingerprint(&longer), job_fingerprint(&job));
+    assert_eq!(longer.fingerprint(), job.fingerprint());
 
     let four = Layout {
         dp: 2,
         ..one_replica_layout(&trainer)
     };
-    let err = load_sharded(&dir, &four, &job_fingerprint(&job))
+    let err = load_sharded(&dir, &four, &job.fingerprint())
         .unwrap_err()
         .to_string();
     assert!(err.contains("written by 2 ranks"), "{err}");
@@ -137,7 +133,7 @@ fn a_run_checkpointing_every_three_steps_resumes_from_its_middle_checkpoint_bit_
         latest(run_dir.path()).unwrap(),
         Some(step_dir(run_dir.path(), 6))
     );
-    let (layout, hash) = (one_replica_layout(&trainer), job_fingerprint(&job));
+    let (layout, hash) = (one_replica_layout(&trainer), job.fingerprint());
     let last = load_sharded(&step_dir(run_dir.path(), 6), &layout, &hash).unwrap();
     assert!(sorted_bits(&last) == sorted_bits(&whole.checkpoint().unwrap()));
     assert_eq!(last.meta.optimizer_step, 6);
@@ -184,7 +180,7 @@ fn the_drafter_is_saved_with_the_checkpoint_and_a_resumed_run_continues_it() {
         back.drafter.as_ref() == Some(&state),
         "whole checkpoint round trip"
     );
-    let (layout, hash) = (one_replica_layout(&trainer), job_fingerprint(&job));
+    let (layout, hash) = (one_replica_layout(&trainer), job.fingerprint());
     let periodic = load_sharded(&step_dir(run_dir.path(), 3), &layout, &hash).unwrap();
     let saved = periodic
         .drafter

@@ -9,7 +9,7 @@ use std::path::Path;
 
 use pipefill::config::{Filler, JobConfig};
 use pipefill::model::checkpoint::Checkpoint;
-use pipefill::model::checkpoint::sharded::{job_fingerprint, load_sharded, step_dir};
+use pipefill::model::checkpoint::sharded::{load_sharded, step_dir};
 use pipefill::model::drafter::Placement;
 use pipefill::model::drafter::state::DrafterState;
 use pipefill::pipeline::{PipelineRun, PipelineTrainer};
@@ -121,7 +121,7 @@ fn n_steps_resume_n_steps_equal_2n_steps_with_the_drafter_bit_for_bit() {
     let periodic = load_sharded(
         &step_dir(run_dir.path(), N),
         &one_replica_layout(&t),
-        &job_fingerprint(&job),
+        &job.fingerprint(),
     )
     .unwrap();
     assert!(periodic.drafter.is_some());

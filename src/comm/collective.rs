@@ -198,8 +198,11 @@ pub struct RingGradSync {
 }
 
 /// Channel of the tied embedding's gradient sum ([`RingGradSync::tied`]); apart from the
-/// replicas' [`crate::launch::profile::GRAD_CHANNEL`] since the groups share members.
+/// replicas' [`GRAD_CHANNEL`] since the groups share members.
 pub const TIE_CHANNEL: Channel = u32::MAX - 11;
+
+/// Channel of the gradient all-reduce between data-parallel replicas.
+pub const GRAD_CHANNEL: Channel = u32::MAX - 7;
 
 impl RingGradSync {
     /// Syncs over `ends` (each at its own global rank) on `channel`.

@@ -59,6 +59,10 @@ const fn max(a: u64, b: u64) -> u64 {
 /// Extra bytes per parameter in `pipefill rl`: the rollout engine's copy of the policy's
 /// weights and the frozen reference policy.
 pub const RL_PARAM_BYTES: u64 = 16;
+/// Bytes of a step's records in memory: its training line and its RL line
+/// (`crate::train::StepMetrics` and `crate::rl::RlStepMetrics`; their sizes are checked
+/// against this where those types live).
+pub const STEP_LINE_BYTES: u64 = 512;
 /// Bytes of one activation element (f32 storage).
 const ELEMENT: u64 = 4;
 /// Activation elements per token and layer that a forward stashes, in units of `d_model`
@@ -154,22 +158,26 @@ impl MemoryEstimate {
             Workload::Train => PARAM_BYTES,
             Workload::Rl => PARAM_BYTES + RL_PARAM_BYTES,
         };
+        // Every data-parallel replica holds the model, its moments and its activations
+        // (in one process or spread over `dp × stages` processes).
+        let dp = f("dp", job.dp.max(1));
         parts.push((
             "parameters, gradients and optimizer state",
-            mul("the parameters", &[p, k(per_param)])?,
+            mul("the parameters", &[p, k(per_param), dp])?,
         ));
 
         let seq = f("model.seq_len", m.seq_len);
         let flight = in_flight(
             &job.schedule,
             job.stages,
-            t.micro_batches,
+            (t.micro_batches / job.dp.max(1)).max(1),
             m.layers,
             "train.micro_batches",
             read_files,
         )?;
         let rows = f("train.micro_batch_size", t.micro_batch_size);
         let mut acts = activations(job, &flight, rows, seq)?;
+        acts = mul("the activations", &[acts, dp])?;
         if workload == Workload::Rl {
             // The update: `prompts` micro-batches of `group` sequences each; it runs after
             // the warm-up, so the larger of the two counts.
@@ -196,8 +204,7 @@ impl MemoryEstimate {
         let step_bytes = add(
             "the per-step records",
             &[
-                k(std::mem::size_of::<crate::train::StepMetrics>() as u64),
-                k(std::mem::size_of::<crate::rl::trainer::RlStepMetrics>() as u64),
+                k(STEP_LINE_BYTES),
                 mul(
                     "the per-step records",
                     &[flight.actions, k(ACTION_RECORD_BYTES)],
@@ -259,7 +266,10 @@ impl MemoryEstimate {
             parts.push(("schedule file", read));
         }
         parts.push(("process", k(PROCESS_BYTES)));
-        parts.push(("ranks", mul("the ranks", &[flight.ranks, k(RANK_BYTES)])?));
+        parts.push((
+            "ranks",
+            mul("the ranks", &[flight.ranks, k(RANK_BYTES), dp])?,
+        ));
 
         let sizes: Vec<Size> = parts.iter().map(|(_, s)| *s).collect();
         let total = add("the job", &sizes)?;

@@ -1,7 +1,7 @@
 //! Starting a multi-process job: who this process is ([`env`](mod@env)), and joining the others
-//! ([`join`]): rendezvous on rank 0, then the authenticated TCP mesh; and one rank's part
-//! of pipelined training over that mesh ([`train`]), where `schedule = "auto"` switches
-//! every rank to the plan of the costs they measured and all-gathered ([`auto`]).
+//! ([`join`]): rendezvous on rank 0, then the authenticated TCP mesh. Nothing here runs a
+//! rank: a launched training rank is [`crate::pipeline::mesh`], a launched RL rank
+//! [`crate::rl::launched`], both over the pipeline's one executor.
 //!
 //! `pipefill launch` (src/cli/launch.rs) spawns local ranks with pipefill's variables, and
 //! arms each one's parent-death signal as it spawns it, so its ranks never outlive it; any
@@ -15,11 +15,7 @@
 //! listener itself and hands it to rank 0 as an open descriptor ([`MASTER_FD`]); a port
 //! chosen by the launcher and bound again by rank 0 could be taken in between.
 
-pub mod auto;
 pub mod env;
-pub mod profile;
-pub mod rl;
-pub mod train;
 
 use std::net::{IpAddr, SocketAddr, TcpListener, ToSocketAddrs};
 use std::time::Duration;

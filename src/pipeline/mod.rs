@@ -49,9 +49,11 @@
 //! [`feed`] (each step's data), [`shared`] (global gradient norm, step log, final state).
 
 pub mod compute;
+pub mod executor;
 pub mod feed;
 pub mod fill;
 mod join;
+pub mod mesh;
 pub mod shared;
 pub mod trainer;
 

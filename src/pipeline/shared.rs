@@ -54,6 +54,21 @@ pub struct RankFinal {
     pub optimizer: OptimizerState,
 }
 
+impl RankFinal {
+    /// Every rank's final state as one model's: the parameters in model order (stages
+    /// ascending, each stage's in order) and the optimizer state: what a checkpoint holds.
+    pub fn merge(finals: Vec<RankFinal>) -> (Vec<HostTensor>, OptimizerState) {
+        let mut by_stage: BTreeMap<u32, Vec<HostTensor>> = BTreeMap::new();
+        let mut optimizer = OptimizerState::default();
+        for mut fin in finals {
+            by_stage.extend(fin.stages);
+            optimizer.step = fin.optimizer.step;
+            optimizer.slots.append(&mut fin.optimizer.slots);
+        }
+        (by_stage.into_values().flatten().collect(), optimizer)
+    }
+}
+
 /// What is known about one step while its ranks work on it.
 #[derive(Debug, Default)]
 struct StepEntry {
@@ -94,7 +109,7 @@ pub struct Checkpointing {
     pub layout: Layout,
     /// Parameter name → stage ([`sharded::param_stages`]).
     pub stage_of: HashMap<String, usize>,
-    /// [`sharded::job_fingerprint`] of the job.
+    /// [`crate::config::JobConfig::fingerprint`] of the job.
     pub config_hash: String,
     /// How many complete checkpoints the run keeps (`checkpoint_keep`), shared by its
     /// writers: each tells it when its checkpoint is complete.
@@ -102,7 +117,7 @@ pub struct Checkpointing {
 }
 
 /// Where a rank's periodic state goes when the run's ranks live in different processes:
-/// each process writes its own rank's shard (see [`crate::launch::train`]), so nothing is
+/// each process writes its own rank's shard (see [`crate::pipeline::mesh`]), so nothing is
 /// gathered here.
 pub trait RankCheckpointer: Send + Sync + std::fmt::Debug {
     /// `rank`'s state after step `step` (a due step, see [`Shared::checkpoint_due`]).
@@ -168,7 +183,10 @@ pub fn tie_ranks(model: &GptConfig, plan: &Plan) -> Option<[usize; 2]> {
 /// State shared by the ranks of one run (see the module docs).
 #[derive(Debug)]
 pub struct Shared {
+    /// The pipeline's ranks (this process's and others').
     ranks: usize,
+    /// How many of them step in this process: the last of them to step closes the step.
+    local: usize,
     pub(crate) feed: Arc<StepFeed>,
     state: Mutex<State>,
     progress: Sender<StepMetrics>,
@@ -206,6 +224,7 @@ impl Shared {
     pub fn new(ranks: usize, feed: Arc<StepFeed>, progress: Sender<StepMetrics>) -> Self {
         Shared {
             ranks,
+            local: ranks,
             feed,
             state: Mutex::new(State {
                 steps: BTreeMap::new(),
@@ -222,6 +241,14 @@ impl Shared {
             drafter: DrafterSlot::default(),
             tie: None,
         }
+    }
+
+    /// Only `local` of the pipeline's ranks live in this process (a launched rank: 1):
+    /// a step closes when they have stepped, and its log holds what they saw (the losses
+    /// where the last stage is here; the norm of their own gradients).
+    pub fn local_ranks(mut self, local: usize) -> Self {
+        self.local = local.clamp(1, self.ranks);
+        self
     }
 
     /// Sums a tied embedding's copies over `tie` (see [`Shared::tie_in_process`]).
@@ -466,7 +493,7 @@ impl Shared {
         let mut state = self.lock();
         let entry = state.steps.entry(step).or_default();
         entry.stepped += 1;
-        if entry.stepped < self.ranks {
+        if entry.stepped < self.local {
             return;
         }
         let entry = state.steps.remove(&step).expect("just updated");
@@ -542,14 +569,7 @@ fn save_finals(
     finals: Vec<RankFinal>,
     drafter: Option<Result<DrafterState, DrafterError>>,
 ) -> Result<PathBuf, CheckpointError> {
-    let mut by_stage: BTreeMap<u32, Vec<HostTensor>> = BTreeMap::new();
-    let mut optimizer = OptimizerState::default();
-    for mut fin in finals {
-        by_stage.extend(fin.stages);
-        optimizer.step = fin.optimizer.step;
-        optimizer.slots.append(&mut fin.optimizer.slots);
-    }
-    let params = by_stage.into_values().flatten().collect();
+    let (params, optimizer) = RankFinal::merge(finals);
     let mut checkpoint = sharded::from_owned_state(
         plan.model.clone(),
         plan.data_seed,

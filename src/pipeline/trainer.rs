@@ -31,12 +31,13 @@ use std::sync::Arc;
 use pipefill_actors::{Clock, StepMode};
 
 use super::compute::{RankCompute, RankJob};
+use super::executor::{Links, RankStart, rebuild};
 use super::feed::StepFeed;
 use super::shared::Shared;
 use super::{PipelineError, check_plan};
 use crate::config::{Filler, JobConfig, ScheduleChoice};
 use crate::model::checkpoint::Checkpoint;
-use crate::model::{Cut, Gpt, ModelError, OptimizerState};
+use crate::model::{Gpt, ModelError, OptimizerState};
 use crate::schedules::{AutoReplanner, Plan, ScheduleKind, build, read_plan};
 use crate::tensor::CpuBackend;
 use crate::tensor::device::RankBackend;
@@ -77,7 +78,7 @@ impl PipelineTrainer {
     pub fn new(job: &JobConfig, plan: Plan) -> Result<Self, PipelineError> {
         job.model.validate()?;
         job.train.validate()?;
-        check_plan(&plan, job.model.layers, job.train.micro_batches)?;
+        check_plan(&plan, job.model.layers, replica_micro_batches(job)?)?;
         Ok(PipelineTrainer {
             job: job.clone(),
             plan,
@@ -101,7 +102,7 @@ impl PipelineTrainer {
         chunks: Option<usize>,
     ) -> Result<Self, PipelineError> {
         let chunks = chunks.unwrap_or_else(|| kind.default_chunks());
-        let plan = build(kind, job.stages, job.train.micro_batches, chunks)?;
+        let plan = build(kind, job.stages, replica_micro_batches(job)?, chunks)?;
         Self::new(job, plan)
     }
 
@@ -122,7 +123,7 @@ impl PipelineTrainer {
                 let mut trainer = Self::builtin(job, ScheduleKind::ZbH1, Some(1))?;
                 trainer.auto = Some(AutoReplanner::new(
                     job.stages,
-                    job.train.micro_batches,
+                    replica_micro_batches(job)?,
                     None,
                 ));
                 Ok(trainer)
@@ -186,11 +187,11 @@ impl PipelineTrainer {
     /// What the ranks need to save periodic checkpoints, if the run saves any.
     fn checkpointing(&self) -> Result<Option<super::shared::Checkpointing>, PipelineError> {
         use crate::model::checkpoint::retain::Retention;
-        use crate::model::checkpoint::sharded::{Layout, job_fingerprint, param_stages};
+        use crate::model::checkpoint::sharded::{Layout, param_stages};
         let Some((every, run_dir)) = &self.checkpoints else {
             return Ok(None);
         };
-        let config_hash = job_fingerprint(&self.job);
+        let config_hash = self.job.fingerprint();
         // One per run: it deletes only what this run wrote, or what the run it continues
         // wrote in the same directory.
         let retention = match self.first_step() {
@@ -203,7 +204,7 @@ impl PipelineTrainer {
             model: self.job.model.clone(),
             data_seed: self.job.train.seed,
             layout: Layout {
-                dp: self.replica.as_ref().map_or(1, |r| r.count),
+                dp: self.replica.as_ref().map_or(self.job.dp, |r| r.count),
                 stage_rank: self.plan.stage_rank.clone(),
             },
             stage_of: param_stages(&self.job.model, self.plan.stages)?,
@@ -235,6 +236,7 @@ impl PipelineTrainer {
         }
         let mut share = job.clone();
         share.train.micro_batches = m / n;
+        share.dp = 1;
         let mut trainer = Self::new(&share, plan)?;
         trainer.job = job.clone();
         trainer.replica = Some(replica);
@@ -290,27 +292,42 @@ impl PipelineTrainer {
         }
     }
 
-    /// One [`RankCompute`] per rank, each on its own backend ([`RankBackend::for_rank`]: on
-    /// the CPU one thread each, since in virtual-clock mode a stage's thread CPU time must be
-    /// all of its work).
+    /// One [`RankCompute`] per rank of one replica (its first global rank `base`), each on
+    /// its own backend ([`RankBackend::for_rank`] of its global rank: on the CPU one thread
+    /// each, since in virtual-clock mode a stage's thread CPU time must be all of its work).
     fn computes<B: RankBackend>(
         &self,
         shared: &Arc<Shared>,
         steps: u64,
+        base: usize,
+        resumed: Option<&(Gpt<CpuBackend>, OptimizerState)>,
     ) -> Result<Vec<RankCompute<B>>, PipelineError> {
-        let resumed = self.resumed_state()?;
         let mut computes = Vec::with_capacity(self.plan.num_ranks());
         for rank in 0..self.plan.num_ranks() {
-            let backend = B::for_rank(rank).map_err(ModelError::from)?;
+            let backend = B::for_rank(base + rank).map_err(ModelError::from)?;
             let run = self.rank_run(shared, self.first_step(), steps);
-            let mut compute = match &resumed {
-                Some((gpt, state)) => RankCompute::resumed(run, rank, backend, (gpt, state))?,
-                None => RankCompute::for_rank(run, rank, backend)?,
+            let start = match resumed {
+                Some((gpt, state)) => RankStart::Resumed(gpt, state),
+                None => RankStart::Fresh,
             };
+            let mut compute = RankCompute::start(run, rank, backend, start)?;
             compute.set_speculative(self.speculative);
             computes.push(compute);
         }
         Ok(computes)
+    }
+
+    /// The collectives of the replicas this trainer runs: the one it was made
+    /// ([`PipelineTrainer::replica`]), or the job's `dp` replicas, all in this process.
+    fn links(&self) -> Vec<Links> {
+        match &self.replica {
+            Some(replica) => vec![Links {
+                replica: Some(replica.clone()),
+                tie: Shared::tie_in_process(&self.job.model, &self.plan),
+                ..Links::default()
+            }],
+            None => Links::in_process(&self.job, &self.plan, self.job.dp),
+        }
     }
 
     /// The resumed model and optimizer state, checked against the job by the checkpoint's
@@ -318,15 +335,24 @@ impl PipelineTrainer {
     pub(super) fn resumed_state(
         &self,
     ) -> Result<Option<(Gpt<CpuBackend>, OptimizerState)>, PipelineError> {
-        let Some(checkpoint) = &self.resume else {
-            return Ok(None);
-        };
-        let be = CpuBackend::new(1).map_err(ModelError::from)?;
-        // Blank: the restore sets every parameter (and fails on a missing one).
-        let mut gpt = Gpt::blank(&self.job.model, be, &Cut::Even(1))?;
-        checkpoint.restore_model(&mut gpt, self.job.train.seed)?;
-        // The moments go to the ranks as they are (each rank's optimizer checks its share),
-        // not through an optimizer of the whole model first: two copies fewer per resume.
-        Ok(Some((gpt, checkpoint.optimizer_state()?)))
+        self.resume
+            .as_ref()
+            .map(|checkpoint| rebuild(&self.job, checkpoint, true))
+            .transpose()
     }
+}
+
+/// The micro-batches of each step one pipeline runs: `train.micro_batches` shared equally
+/// by the job's `dp` replicas.
+fn replica_micro_batches(job: &JobConfig) -> Result<usize, PipelineError> {
+    let (m, dp) = (job.train.micro_batches, job.dp.max(1));
+    if !m.is_multiple_of(dp) {
+        return Err(PipelineError::Config {
+            field: "dp",
+            reason: format!(
+                "is {dp}, which cannot share train.micro_batches = {m} equally between replicas"
+            ),
+        });
+    }
+    Ok(m / dp)
 }

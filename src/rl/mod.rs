@@ -15,6 +15,8 @@
 //!   pays (`rl.spec_threshold = "auto"`).
 //! - `update`: the GRPO update's step as pipeline micro-batches (sequences packed several
 //!   per micro-batch) and the head's per-token loss that weighs them.
+//! - `launched`: one rank's part of a launched `pipefill rl` (rank 0 rolls out and
+//!   broadcasts; every rank runs its stages of the update through the pipeline's executor).
 //! - `warm_up`: where the policy starts without an `--init` run (supervised steps, or a
 //!   pretrained model as it is).
 //!
@@ -24,8 +26,10 @@
 pub mod accept;
 pub mod bandit;
 pub mod calibrate;
-pub mod config;
+/// The RL settings live with the job's ([`crate::config::rl`]).
+pub use crate::config::rl as config;
 pub mod grpo;
+pub mod launched;
 pub mod prompts;
 pub mod reward;
 pub mod rollout;

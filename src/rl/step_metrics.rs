@@ -1,6 +1,6 @@
 //! One line of an RL run's `metrics.jsonl` ([`RlStepMetrics`]): what a GRPO step's rollout,
 //! drafter, reference and update took and produced. The in-process trainer
-//! (`pipefill::rl::trainer`) and a launched job's rank 0 (`pipefill::launch::rl`) fill the
+//! (`pipefill::rl::trainer`) and a launched job's rank 0 (`pipefill::rl::launched`) fill the
 //! same type, so both runs' files have the same fields.
 
 use serde::Serialize;
@@ -80,9 +80,85 @@ pub struct RlStepMetrics {
     pub bubble_ratio: Option<f64>,
 }
 
+/// How long the parts of a step took (seconds).
+pub(crate) struct StepTimes {
+    /// The rollout itself: without the drafter's own work and the reference's log-probs.
+    pub rollout: f64,
+    pub reference: f64,
+    pub update: f64,
+    /// The weight sync (a launched run).
+    pub sync: Option<f64>,
+    /// The whole step.
+    pub step: f64,
+}
+
+/// What the step's update did, as the pipeline reported it.
+pub(crate) struct UpdateFigures {
+    pub micro_batches: usize,
+    pub skipped_groups: usize,
+    pub skipped_sequences: usize,
+    /// The GRPO surrogate loss of the whole batch.
+    pub loss: f32,
+    pub grad_norm: f32,
+    pub lr: f32,
+    pub kl: Option<f64>,
+    pub bubble_ratio: Option<f64>,
+}
+
+impl RlStepMetrics {
+    /// Step `step`'s line from its rollout (`scored` of `sequences` sequences, the engine's
+    /// `batch` figures, whether it `speculated`), its times and its update: the one place a
+    /// line is put together, in process or launched.
+    pub(crate) fn new(
+        step: u64,
+        (scored, sequences): (&crate::rl::trainer::ScoredFigures, usize),
+        batch: &crate::rl::trainer::RolloutBatch,
+        speculation: bool,
+        times: StepTimes,
+        update: UpdateFigures,
+    ) -> Self {
+        let (tokens_per_s, tokens_per_s_sd, tokens_per_s_plain) =
+            rollout_rates(scored.generated_tokens, times.rollout, speculation);
+        RlStepMetrics {
+            step,
+            reward: scored.reward,
+            informative_groups: scored.informative_groups,
+            skipped_groups: update.skipped_groups,
+            skipped_sequences: update.skipped_sequences,
+            update_micro_batches: update.micro_batches,
+            sequences,
+            generated_tokens: scored.generated_tokens,
+            rollout_seconds: times.rollout,
+            drafter_seconds: batch.drafter_seconds,
+            reference_seconds: times.reference,
+            update_seconds: times.update,
+            sync_seconds: times.sync,
+            rollout_share: times.rollout / times.step.max(1e-9),
+            rollout_idle_seconds: batch.idle_seconds,
+            rollout_idle_filled_seconds: batch.idle_filled_seconds,
+            idle_drafter_slices: batch.idle_drafter_slices,
+            drafter_work: batch.drafter_work.clone(),
+            kl: update.kl,
+            step_seconds: times.step,
+            tokens_per_s,
+            speculation,
+            tokens_per_s_sd,
+            tokens_per_s_plain,
+            live_batch: batch.live_batch.clone(),
+            acceptance_length: batch.acceptance_length,
+            chosen_k: batch.chosen_k,
+            drafter_agreement: batch.drafter_agreement,
+            surrogate_loss: update.loss,
+            grad_norm: update.grad_norm,
+            lr: update.lr,
+            bubble_ratio: update.bubble_ratio,
+        }
+    }
+}
+
 /// Rollout throughput: generated tokens per second of rollout, and the same figure under
 /// `(tokens_per_s_sd, tokens_per_s_plain)` by whether the rollout speculated.
-pub(crate) fn rollout_rates(
+fn rollout_rates(
     generated_tokens: usize,
     rollout_seconds: f64,
     speculation: bool,
@@ -93,4 +169,18 @@ pub(crate) fn rollout_rates(
         speculation.then_some(per_s),
         (!speculation).then_some(per_s),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RlStepMetrics;
+    use crate::config::memory::STEP_LINE_BYTES;
+
+    /// The memory estimate counts a step's lines as [`STEP_LINE_BYTES`].
+    #[test]
+    fn a_steps_lines_fit_the_memory_estimates_figure() {
+        let bytes =
+            std::mem::size_of::<crate::train::StepMetrics>() + std::mem::size_of::<RlStepMetrics>();
+        assert!(bytes as u64 <= STEP_LINE_BYTES, "{bytes} bytes");
+    }
 }

@@ -37,6 +37,7 @@ use super::grpo::{GrpoError, group_advantages, reference_log_probs};
 use super::prompts::PromptSource;
 use super::reward::generated_tokens;
 pub use super::step_metrics::RlStepMetrics;
+use super::step_metrics::{StepTimes, UpdateFigures};
 pub use super::update::{UpdateStep, needed_micro_batches, skippable, update_batches, update_step};
 use crate::config::{ConfigError, JobConfig};
 use crate::data::{DataError, SplitMix64, Task, TaskGenerator};
@@ -286,7 +287,7 @@ pub(crate) fn update_job_of(job: &JobConfig, first_update: u64) -> JobConfig {
 }
 
 /// The update's pipeline for a step whose sequences with a gradient need `needed`
-/// micro-batches ([`needed_micro_batches`]) over `replicas` data-parallel pipelines: the
+/// micro-batches ([`needed_micro_batches`]) over the update job's `dp` data-parallel pipelines: the
 /// fewest micro-batches from `needed` to `update`'s (`rl.prompts`) that the replicas share
 /// equally and the job's schedule runs (a schedule file runs its own count only; some
 /// schedules need a multiple of the ranks). Returns the whole step's job and one replica's
@@ -294,15 +295,13 @@ pub(crate) fn update_job_of(job: &JobConfig, first_update: u64) -> JobConfig {
 pub(crate) fn fitted_update(
     update: &JobConfig,
     needed: usize,
-    replicas: usize,
 ) -> Result<(JobConfig, PipelineTrainer), PipelineError> {
-    let (full, replicas) = (update.train.micro_batches, replicas.max(1));
+    let (full, replicas) = (update.train.micro_batches, update.dp.max(1));
     let with = |m: usize| {
         let mut job = update.clone();
         job.train.micro_batches = m;
-        let mut share = job.clone();
-        share.train.micro_batches = m / replicas;
-        PipelineTrainer::from_job(&share).map(|t| (job, t))
+        // The trainer plans each replica's share (`m / dp` micro-batches).
+        PipelineTrainer::from_job(&job).map(|t| (job, t))
     };
     // Fewer micro-batches than the full count are an optimisation: one the schedule
     // refuses is passed over, and only the full count's error is the job's.
@@ -448,7 +447,7 @@ impl<B: RankBackend> RlTrainer<B> {
         let reference_seconds = reference_started.elapsed().as_secs_f64();
         let started = Instant::now();
         let needed = needed_micro_batches(&rl, &advantages);
-        let (job, trainer) = fitted_update(&self.update_job(), needed, 1)?;
+        let (job, trainer) = fitted_update(&self.update_job(), needed)?;
         let update_micro_batches = job.train.micro_batches;
         let UpdateStep {
             step: update,
@@ -466,48 +465,33 @@ impl<B: RankBackend> RlTrainer<B> {
         let update_seconds = started.elapsed().as_secs_f64();
         self.step += 1;
 
-        let step_seconds = step_started.elapsed().as_secs_f64();
-        let speculation = engine.speculative();
-        let (tokens_per_s, tokens_per_s_sd, tokens_per_s_plain) =
-            super::step_metrics::rollout_rates(
-                scored.generated_tokens,
-                rollout_seconds,
-                speculation,
-            );
-        Ok(RlStepMetrics {
-            step,
-            reward: scored.reward,
-            informative_groups: scored.informative_groups,
+        let times = StepTimes {
+            rollout: rollout_seconds,
+            reference: reference_seconds,
+            update: update_seconds,
+            sync: None,
+            step: step_started.elapsed().as_secs_f64(),
+        };
+        let update = UpdateFigures {
+            micro_batches: update_micro_batches,
             skipped_groups,
             skipped_sequences,
-            update_micro_batches,
-            sequences: rewards.len(),
-            generated_tokens: scored.generated_tokens,
-            rollout_seconds,
-            drafter_seconds: batch.drafter_seconds,
-            reference_seconds,
-            update_seconds,
-            sync_seconds: None,
-            rollout_share: rollout_seconds / step_seconds.max(1e-9),
-            rollout_idle_seconds: batch.idle_seconds,
-            rollout_idle_filled_seconds: batch.idle_filled_seconds,
-            idle_drafter_slices: batch.idle_drafter_slices,
-            drafter_work: batch.drafter_work,
-            kl: kl_hook.and_then(|h| h.mean_kl()),
-            step_seconds,
-            tokens_per_s,
-            speculation,
-            tokens_per_s_sd,
-            tokens_per_s_plain,
-            live_batch: batch.live_batch,
-            acceptance_length: batch.acceptance_length,
-            chosen_k: batch.chosen_k,
-            drafter_agreement: batch.drafter_agreement,
-            surrogate_loss: m.loss,
+            loss: m.loss,
             grad_norm: m.grad_norm,
             lr: m.lr,
+            kl: kl_hook.and_then(|h| h.mean_kl()),
             bubble_ratio,
-        })
+        };
+        let sequences = rewards.len();
+        let speculation = engine.speculative();
+        Ok(RlStepMetrics::new(
+            step,
+            (&scored, sequences),
+            &batch,
+            speculation,
+            times,
+            update,
+        ))
     }
 }
 

@@ -7,14 +7,14 @@ use std::path::{Path, PathBuf};
 use crate::config::{ConfigError, JobConfig};
 use crate::data::DataError;
 use crate::launch::LaunchError;
-use crate::launch::rl::RlLaunchError;
-use crate::launch::train::DistributedError;
 use crate::model::ModelError;
 use crate::model::checkpoint::CheckpointError;
 use crate::pipeline::PipelineError;
+use crate::pipeline::mesh::DistributedError;
 use crate::profile::merge::MergeError;
 use crate::profile::report::ReportError;
 use crate::rl::config::UntrainedPolicy;
+use crate::rl::launched::RlLaunchError;
 use crate::rl::trainer::RlError;
 use crate::run::{NothingToDo, RunDirError};
 use crate::schedules::ScheduleError;
@@ -107,15 +107,16 @@ pub enum RunError {
         #[source]
         source: std::io::Error,
     },
-    /// A single process runs one pipeline.
+    /// What a single process cannot replicate (the reference trainer, the RL update).
     #[error(
-        "dp = {dp}: a single-process `pipefill {command}` runs one pipeline; launch dp × stages \
-         = {processes} processes (`pipefill launch -n {processes} -- {command} ...`), or set dp = 1"
+        "dp = {dp}: a single-process `pipefill {command}` {runs}; launch dp × stages = \
+         {processes} processes (`pipefill launch -n {processes} -- {command} ...`), or set dp = 1"
     )]
     DpInOneProcess {
         dp: usize,
         processes: usize,
         command: &'static str,
+        runs: &'static str,
     },
     #[error("dp = {dp} replicas cannot take equal shares of train.micro_batches = {micro_batches}")]
     DpShare { dp: usize, micro_batches: usize },

@@ -52,9 +52,10 @@ pub struct Start<'a> {
 }
 
 /// Before anything is allocated: the job's sizes against `max_memory` (or the memory there
-/// is), a launched rank's share of them on each rank. A single process also refuses
-/// `dp > 1` (it runs one pipeline) and shows its estimate. Both runners call it before any
-/// work.
+/// is), a launched rank's share of them on each rank; `dp` replicas must share the step's
+/// micro-batches equally. A single process shows its estimate, and refuses `dp > 1` where
+/// it runs one model (the reference trainer) or keeps one update pipeline (`rl`). Both
+/// runners call it before any work.
 fn check_memory(
     job: &JobConfig,
     start: &Start,
@@ -65,14 +66,24 @@ fn check_memory(
     let limit = MemoryLimit::resolve(start.max_memory)?;
     let processes = if env.is_distributed() { env.world } else { 1 };
     let estimate = job.check_memory(workload, &limit, processes)?;
+    if !job.train.micro_batches.is_multiple_of(job.dp) {
+        return Err(RunError::DpShare {
+            dp: job.dp,
+            micro_batches: job.train.micro_batches,
+        });
+    }
     if !env.is_distributed() {
-        if job.dp > 1 {
+        if job.dp > 1 && (workload == Workload::Rl || job.schedule.is_none()) {
             return Err(RunError::DpInOneProcess {
                 dp: job.dp,
                 processes: job.dp.saturating_mul(job.stages),
                 command: match workload {
                     Workload::Train => "train",
                     Workload::Rl => "rl",
+                },
+                runs: match workload {
+                    Workload::Train => "with schedule = \"none\" trains one model",
+                    Workload::Rl => "keeps one pipeline of update ranks",
                 },
             });
         }

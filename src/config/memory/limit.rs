@@ -43,37 +43,24 @@ impl MemoryLimit {
     /// The machine's available memory (`MemAvailable`, else `MemTotal`, of
     /// `/proc/meminfo`); unlimited where it cannot be read.
     pub fn machine() -> Self {
-        std::fs::read_to_string("/proc/meminfo")
-            .ok()
-            .and_then(|text| Self::from_meminfo(&text))
+        crate::input::machine_memory()
+            .map(Self::of_meminfo)
             .unwrap_or(Self::UNLIMITED)
     }
 
     /// The limit `/proc/meminfo`'s text gives.
     pub fn from_meminfo(text: &str) -> Option<Self> {
-        let field = |name: &str| {
-            text.lines().find_map(|line| {
-                let rest = line.strip_prefix(name)?.strip_prefix(':')?.trim();
-                let kib: u64 = rest
-                    .strip_suffix("kB")
-                    .unwrap_or(rest)
-                    .trim()
-                    .parse()
-                    .ok()?;
-                kib.checked_mul(1024)
-            })
-        };
-        field("MemAvailable")
-            .map(|bytes| MemoryLimit {
-                bytes,
-                source: LimitSource::Available,
-            })
-            .or_else(|| {
-                field("MemTotal").map(|bytes| MemoryLimit {
-                    bytes,
-                    source: LimitSource::Total,
-                })
-            })
+        crate::input::meminfo(text).map(Self::of_meminfo)
+    }
+
+    fn of_meminfo(m: crate::input::MemInfo) -> Self {
+        MemoryLimit {
+            bytes: m.bytes,
+            source: match m.available {
+                true => LimitSource::Available,
+                false => LimitSource::Total,
+            },
+        }
     }
 
     /// Parses `--max-memory`: a number of bytes with an optional unit, `8GiB`, `512MiB`,

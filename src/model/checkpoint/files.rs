@@ -20,7 +20,6 @@ use safetensors::{Dtype, SafeTensors};
 
 use super::sharded::{Fnv1a, fingerprint};
 use super::{CheckpointError, HostTensor};
-use crate::config::memory::MemoryLimit;
 
 /// The most bytes one tensor file of a checkpoint may hold (256 GiB: the parameters, both
 /// AdamW moments and the master weights of a 16-billion-parameter model).
@@ -147,7 +146,7 @@ fn read_checked(path: &Path, meta: &fs::Metadata) -> Result<Vec<u8>, CheckpointE
     // The size is what the listing declared and the disk holds, not what memory can hold:
     // a sparse file of 200 GiB is both. Over the available memory, or where the allocator
     // refuses it, the read is one error instead of an allocation failure's abort.
-    let available = MemoryLimit::machine().bytes;
+    let available = crate::input::machine_memory().map_or(u64::MAX, |m| m.bytes);
     let over = || CheckpointError::OverMemory {
         path: path.to_path_buf(),
         bytes: len,

@@ -133,7 +133,7 @@ pub struct RankShard {
 
 impl RankShard {
     /// Global rank `rank`'s shard of the checkpoint in `dir`, written by this `layout` and
-    /// job (`config_hash`, see [`super::sharded::job_fingerprint`]). A rank of a replica
+    /// job (`config_hash`, see [`crate::config::JobConfig::fingerprint`]). A rank of a replica
     /// that saved no shard of its own reads replica 0's rank of the same pipeline place.
     pub fn load(
         dir: &Path,
@@ -182,7 +182,7 @@ impl RankShard {
             },
             tensors: self.tensors.clone(),
             // A launched run's drafter is its own file named by the manifest, read back by
-            // `launch::train::drafter_of`, not part of any rank's shard.
+            // `pipeline::mesh::drafter_of`, not part of any rank's shard.
             drafter: None,
         }
     }

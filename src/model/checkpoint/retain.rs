@@ -2,7 +2,7 @@
 //!
 //! A run that saves a sharded checkpoint every step would otherwise keep all of them. Its
 //! checkpoint writer — the in-process pipeline's ([`crate::pipeline::shared`]) and rank 0's
-//! of a launched job ([`crate::launch::train`]) alike — tells its [`Retention`] each time a
+//! of a launched job ([`crate::pipeline::mesh`]) alike — tells its [`Retention`] each time a
 //! checkpoint is **complete** (its manifest written), and the retention then deletes this
 //! run's older complete checkpoints beyond the newest `keep`. So:
 //!

@@ -16,6 +16,7 @@ use std::sync::mpsc::channel;
 use pipefill_actors::RunReport;
 
 use super::super::compute::{RankCompute, RankParts};
+use super::super::executor::{RankStart, ReplicaLinks, Stepping};
 use super::super::shared::Shared;
 use super::{PipelineError, PipelineTrainer};
 use crate::config::Filler;
@@ -167,6 +168,13 @@ impl PipelineTrainer {
         if !matches!(self.filler, Filler::None) {
             return refuse("filler", "must be none for a run that keeps its ranks");
         }
+        if self.replica.is_none() && self.job.dp > 1 {
+            return refuse(
+                "dp",
+                "must be 1 for a run that keeps its ranks in one process (each launched \
+                 process keeps its own)",
+            );
+        }
         if self.checkpoints.is_some() {
             return refuse(
                 "checkpoint_every",
@@ -201,9 +209,13 @@ impl PipelineTrainer {
             Some(k) => k
                 .ranks
                 .into_iter()
-                .map(|parts| RankCompute::from_parts(self.rank_run(&shared, first, steps), parts))
+                .map(|parts| {
+                    let run = self.rank_run(&shared, first, steps);
+                    let (rank, backend) = (parts.rank, parts.backend.clone());
+                    RankCompute::start::<CpuBackend>(run, rank, backend, RankStart::Kept(parts))
+                })
                 .collect::<Result<Vec<_>, _>>()?,
-            None => self.computes::<B>(&shared, steps)?,
+            None => self.computes::<B>(&shared, steps, 0, self.resumed_state()?.as_ref())?,
         };
         let (keep, kept_rx) = channel();
         for compute in &mut computes {
@@ -211,7 +223,12 @@ impl PipelineTrainer {
             compute.keep_into(keep.clone());
         }
         drop(keep);
-        let report = self.pipeline(steps).run_blocking(computes)?;
+        let stepping = Stepping {
+            step_mode: self.step_mode,
+            ..Stepping::of_job(job, self.clock, steps)
+        };
+        let local = computes.into_iter().enumerate().collect();
+        let report = stepping.run(self.plan_source(), local, ReplicaLinks::default())?;
         let mut metrics: Vec<StepMetrics> = steps_rx.try_iter().collect();
         metrics.sort_by_key(|m| m.step);
         let mut parts: Vec<RankParts<B>> = kept_rx.try_iter().collect();

@@ -2,8 +2,6 @@
 //! measured timelines and the simulator's prediction, the final parameters and optimizer
 //! moments (served as a model or a checkpoint), and the drafter trained in the bubbles.
 
-use std::collections::BTreeMap;
-
 use pipefill_actors::RunReport;
 
 use super::super::join::DrafterRun;
@@ -47,16 +45,10 @@ impl PipelineRun {
         mut steps: Vec<StepMetrics>,
         report: RunReport,
         predicted: Option<Timeline>,
-        mut finals: Vec<RankFinal>,
+        finals: Vec<RankFinal>,
     ) -> Self {
         steps.sort_by_key(|m| m.step);
-        let mut by_stage: BTreeMap<u32, Vec<HostTensor>> = BTreeMap::new();
-        let mut optimizer = OptimizerState::default();
-        for fin in &mut finals {
-            by_stage.extend(std::mem::take(&mut fin.stages));
-            optimizer.step = fin.optimizer.step;
-            optimizer.slots.append(&mut fin.optimizer.slots);
-        }
+        let (params, optimizer) = RankFinal::merge(finals);
         // The plan the last step ran (an auto-scheduled run's may differ from its first).
         let plan = match (&trainer.auto, &report.plan) {
             (Some(_), Some(last)) => last.as_ref().clone(),
@@ -70,7 +62,7 @@ impl PipelineRun {
             predicted,
             plan,
             job: trainer.job.clone(),
-            params: by_stage.into_values().flatten().collect(),
+            params,
             optimizer,
             drafter: None,
             drafter_state: None,

@@ -3,11 +3,12 @@
 
 use std::ops::ControlFlow;
 use std::sync::Arc;
-use std::sync::mpsc::{RecvTimeoutError, channel};
+use std::sync::mpsc::channel;
 use std::time::Duration;
 
-use pipefill_actors::{FillerRouter, IterationProfile, Pipeline, PlanSource};
+use pipefill_actors::{FillerRouter, IterationProfile, PlanSource};
 
+use super::super::executor::{ReplicaLinks, ReplicaSteps, Stepping};
 use super::super::feed::StepFeed;
 use super::super::fill::state::samplers_fit;
 use super::super::fill::{DrafterFill, HELD_OUT_EVERY, HeldOutEval};
@@ -137,23 +138,41 @@ impl PipelineTrainer {
         let (job, plan) = (&self.job, &self.plan);
         let feed = self.step_feed()?;
         feed.prefetch(self.first_step());
-        let (progress, steps_rx) = channel();
-        let shared = Arc::new(
-            Shared::new(plan.num_ranks(), feed, progress)
-                .with_replica(self.replica.clone())
-                .with_tie(Shared::tie_in_process(&job.model, plan))
-                .with_checkpoints(self.checkpointing()?),
-        );
-        let mut computes = self.computes::<B>(&shared, steps)?;
+        let checkpointing = self.checkpointing()?;
+        let resumed = self.resumed_state()?;
+        // One pipeline per replica (the job's `dp`, or the one this trainer is), each with
+        // its own shared state over the same steps.
+        let pp = plan.num_ranks();
+        let mut replicas = Vec::new();
+        let mut receivers = Vec::new();
+        for (d, links) in self.links().into_iter().enumerate() {
+            let (progress, steps_rx) = channel();
+            let shared = Arc::new(
+                Shared::new(pp, Arc::clone(&feed), progress)
+                    .with_replica(links.replica.clone())
+                    .with_tie(links.tie.clone())
+                    .with_checkpoints(checkpointing.clone()),
+            );
+            let computes = self.computes::<B>(&shared, steps, d * pp, resumed.as_ref())?;
+            replicas.push((shared, computes, links.ends));
+            receivers.push(steps_rx);
+        }
+        drop(resumed);
+        let shareds: Vec<Arc<Shared>> = replicas.iter().map(|r| Arc::clone(&r.0)).collect();
+        let shared = Arc::clone(&shareds[0]);
         let (profiles, profiles_rx) = channel();
-        let mut pipeline = self.pipeline(steps).on_iteration(profiles);
+        let mut first = ReplicaLinks {
+            listener: Some(profiles),
+            ..ReplicaLinks::default()
+        };
         let router = FillerRouter::default();
+        // The drafter lives in the first replica's pipeline (as launched).
         let fill = match self.filler {
             Filler::Drafter => Some(DrafterFill::join(
                 &self.job,
                 &self.plan,
                 self.first_step(),
-                &mut computes,
+                &mut replicas[0].1,
             )?),
             Filler::None => None,
         };
@@ -167,7 +186,7 @@ impl PipelineTrainer {
         let mut eval = match &fill {
             Some(fill) => {
                 fill.attach(&router);
-                pipeline = pipeline.fillers(router.fillers(plan.num_ranks()));
+                first.fillers = router.fillers(pp);
                 Some(HeldOutEval::new(&job.model, &job.drafter)?)
             }
             None => None,
@@ -196,33 +215,61 @@ impl PipelineTrainer {
                 drafter,
             });
             if flow.is_break() {
-                shared.stop();
+                shareds.iter().for_each(|s| s.stop());
             }
         };
         let mut join = StepJoin::new(self.first_step(), profiles_rx, &mut measure);
-        let outcome = std::thread::scope(|scope| {
-            let runner = scope.spawn(|| pipeline.run_blocking(computes));
+        let mut merge = ReplicaSteps::new(receivers);
+        let stepping = Stepping {
+            step_mode: self.step_mode,
+            ..Stepping::of_job(job, self.clock, steps)
+        };
+        let mut links = vec![first];
+        links.resize_with(replicas.len(), ReplicaLinks::default);
+        let outcomes = std::thread::scope(|scope| {
+            let runners: Vec<_> = replicas
+                .into_iter()
+                .zip(links)
+                .map(|((_, computes, ends), links)| {
+                    let source = self.plan_source();
+                    scope.spawn(move || {
+                        let local = computes.into_iter().enumerate().collect();
+                        let outcome = stepping.run(source, local, links);
+                        if outcome.is_err() {
+                            // The other replicas would wait for this one's gradients.
+                            ends.iter().for_each(|e| drop(e.close()));
+                        }
+                        outcome
+                    })
+                })
+                .collect();
             loop {
-                match steps_rx.recv_timeout(Duration::from_millis(20)) {
-                    Ok(m) => join.metrics(m),
-                    Err(RecvTimeoutError::Timeout) if !runner.is_finished() => join.poll(),
-                    Err(_) => break,
+                let done = runners.iter().all(|r| r.is_finished());
+                match merge.wait(Duration::from_millis(20)) {
+                    Some(whole) => whole.into_iter().for_each(|m| join.metrics(m)),
+                    None if !done => join.poll(),
+                    None => break,
                 }
             }
-            let outcome = runner.join();
-            while let Ok(m) = steps_rx.try_recv() {
-                join.metrics(m);
-            }
-            outcome
+            let outcomes: Vec<_> = runners.into_iter().map(|r| r.join()).collect();
+            merge.drain().into_iter().for_each(|m| join.metrics(m));
+            outcomes
         });
         let metrics = join.finish();
-        let report = match outcome {
-            Ok(report) => report,
-            Err(panic) => std::panic::resume_unwind(panic),
-        };
+        let mut reports = Vec::with_capacity(outcomes.len());
+        for outcome in outcomes {
+            match outcome {
+                Ok(report) => reports.push(report),
+                Err(panic) => std::panic::resume_unwind(panic),
+            }
+        }
         // A checkpoint write that failed is why the ranks stopped: its error comes first.
         shared.join_checkpoints()?;
-        let report = report?;
+        let mut reports = reports.into_iter();
+        let report = reports.next().ok_or(PipelineError::NoFinalState)??;
+        for other in reports {
+            other?;
+        }
         let finals = shared.take_finals().ok_or(PipelineError::NoFinalState)?;
         // An auto-scheduled run is predicted (and reported) by the plan its last step ran.
         let plan = match (&self.auto, &report.plan) {
@@ -261,22 +308,14 @@ impl PipelineTrainer {
         })
     }
 
-    /// The runtime's job of `steps` iterations: the plan (or the auto re-planner), the clock,
-    /// the step mode and the job's gradient clipping.
-    pub(super) fn pipeline(&self, steps: u64) -> Pipeline {
-        let source = match &self.auto {
+    /// Where the runtime's plans come from: the plan, or the auto re-planner.
+    pub(super) fn plan_source(&self) -> PlanSource {
+        match &self.auto {
             Some(replanner) => {
                 let mut replanner = replanner.clone();
                 PlanSource::Replan(Box::new(move |i, cost| replanner.plan(i, cost)))
             }
             None => PlanSource::Given(self.plan.clone()),
-        };
-        let pipeline = Pipeline::new(source, self.clock)
-            .iterations(steps)
-            .step_mode(self.step_mode);
-        match self.job.train.clip {
-            clip if clip > 0.0 => pipeline.max_grad_norm(f64::from(clip)),
-            _ => pipeline,
         }
     }
 }

@@ -6,9 +6,9 @@
 use super::drafter_line;
 use super::line::{MetricsLine, step_line, summary_lines, write_line};
 use crate::config::JobConfig;
-use crate::launch::rl::{rollout_engine, starting_drafter};
 use crate::model::checkpoint::Checkpoint;
 use crate::rl::config::SpecThreshold;
+use crate::rl::launched::{rollout_engine, starting_drafter};
 use crate::rl::trainer::{RlStepMetrics, RlTrainer, RolloutEngine};
 use crate::rl::trainer_spec::PipelineRollouts;
 use crate::run::dir::METRICS_FILE;

@@ -1,4 +1,4 @@
-//! `pipefill rl` as one rank of a launched job ([`crate::launch::rl`]): joins the others,
+//! `pipefill rl` as one rank of a launched job ([`crate::rl::launched`]): joins the others,
 //! runs its stages of every update (rank 0 also the rollouts), and on rank 0 writes the run
 //! directory: `job.toml`, `metrics.jsonl` (one line per RL step) and the final policy's
 //! `checkpoint/`.
@@ -10,9 +10,9 @@ use super::drafter_line;
 use super::line::{MetricsLine, step_line, summary_lines, write_line};
 use crate::comm::tcp::TcpMesh;
 use crate::config::JobConfig;
-use crate::launch::rl::{RankOptions, RlLaunchRun, rl_rank_on, starting_drafter};
 use crate::launch::{RankEnv, join, join_timeout, listen_ip, watchdog};
 use crate::model::checkpoint::Checkpoint;
+use crate::rl::launched::{RankOptions, RlLaunchRun, rl_rank_on, starting_drafter};
 use crate::rl::step_metrics::RlStepMetrics;
 use crate::run::dir::METRICS_FILE;
 use crate::run::show::Show;

@@ -1,5 +1,5 @@
 //! One rank of a launched job (`pipefill launch`, mpirun, srun, torchrun): joins the others,
-//! trains this rank's stages ([`crate::launch::train::train_rank`]; each rank writes its
+//! trains this rank's stages ([`crate::pipeline::mesh::train_rank`]; each rank writes its
 //! shard of the sharded checkpoints), and on rank 0 writes the run directory: `job.toml`,
 //! the whole model's checkpoint, `metrics.jsonl` and the merged profile's report, trace and
 //! timeline. A resumed run reads its checkpoint through [`ResumePoint::find`]; from a
@@ -12,13 +12,13 @@ use super::engine::{Engine, Steps, drive, step_message};
 use crate::comm::link::PeerLink;
 use crate::comm::tcp::TcpMesh;
 use crate::config::{Filler, JobConfig};
-use crate::launch::auto::AutoChoice;
-use crate::launch::profile::mean_cost;
-use crate::launch::train::{RankResume, RankRun, train_rank};
 use crate::launch::{RankEnv, join, join_timeout, listen_ip, watchdog};
 use crate::model::checkpoint::Checkpoint;
 use crate::model::checkpoint::resume::{ResumePoint, verify_files};
 use crate::pipeline::PipelineTrainer;
+use crate::pipeline::mesh::auto::AutoChoice;
+use crate::pipeline::mesh::profile::mean_cost;
+use crate::pipeline::mesh::{RankResume, RankRun, train_rank};
 use crate::profile::merge::MergedProfile;
 use crate::profile::report::RunInfo;
 use crate::run::show::Show;
@@ -38,18 +38,10 @@ pub(super) fn train(
 ) -> Result<PathBuf, RunError> {
     let rank = env.rank;
     // Each replica's pipeline runs its share of every step's micro-batches.
-    if !job.train.micro_batches.is_multiple_of(job.dp) {
-        return Err(RunError::DpShare {
-            dp: job.dp,
-            micro_batches: job.train.micro_batches,
-        });
-    }
-    let mut share = job.clone();
-    share.train.micro_batches /= job.dp;
-    let trainer = PipelineTrainer::from_job(&share).map_err(|e| RunError::plan(job, e))?;
+    let trainer = PipelineTrainer::from_job(job).map_err(|e| RunError::plan(job, e))?;
     // schedule = "auto": the trainer's plan is ZB-H1, which every rank runs until the ranks
     // have gathered their measured costs and switch to the same auto plan
-    // (crate::launch::auto).
+    // (crate::pipeline::mesh::auto).
     let auto = job.schedule.is_auto();
     let plan = trainer.plan();
     if plan.num_ranks() * job.dp != env.world {

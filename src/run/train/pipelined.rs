@@ -20,7 +20,7 @@ use crate::config::{Filler, JobConfig};
 use crate::data::StepData;
 use crate::model::checkpoint::Checkpoint;
 use crate::model::checkpoint::resume::ResumePoint;
-use crate::model::checkpoint::sharded::{Layout, job_fingerprint, load_sharded};
+use crate::model::checkpoint::sharded::{Layout, load_sharded};
 use crate::pipeline::feed::StepFeed;
 use crate::pipeline::{PipelineRun, PipelineTrainer, StepView};
 use crate::run::show::Show;
@@ -61,14 +61,18 @@ pub(super) fn train(
             DeviceKind::Cuda => "the GPUs (rank r on cuda:r mod their count)",
         },
     ));
+    let replicas = match job.dp {
+        1 => String::new(),
+        dp => format!(" × {dp} data-parallel replicas (threads of this process)"),
+    };
     show.line(&format!(
-        "pipeline: schedule {} on {} ranks ({} stages, {} per rank), {} micro-batches × {} \
-         sequences per step, {clock} clock",
+        "pipeline: schedule {} on {} ranks ({} stages, {} per rank){replicas}, {} micro-batches \
+         × {} sequences per step, {clock} clock",
         job.schedule,
         plan.num_ranks(),
         plan.stages,
         plan.stages_per_rank(),
-        plan.microbatches,
+        t.micro_batches,
         t.micro_batch_size,
     ));
 
@@ -175,10 +179,10 @@ fn load_resume(path: &Path, trainer: &PipelineTrainer) -> Result<Checkpoint, Run
     match point {
         ResumePoint::Sharded(dir) => {
             let layout = Layout {
-                dp: 1,
+                dp: trainer.job().dp,
                 stage_rank: trainer.plan().stage_rank.clone(),
             };
-            let hash = job_fingerprint(trainer.job());
+            let hash = trainer.job().fingerprint();
             load_sharded(&dir, &layout, &hash).map_err(|e| RunError::resume(&dir, e))
         }
         ResumePoint::Whole(dir) => Checkpoint::load(&dir).map_err(|e| RunError::resume(&dir, e)),

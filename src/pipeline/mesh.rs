@@ -1,7 +1,7 @@
 //! Pipelined training of one rank in a multi-process job: [`train_rank`].
 //!
 //! Every process builds the same plan from the same job and runs only its own rank's
-//! [`RankCompute`] through the runtime's [`Pipeline::run_local`]; activations, gradients
+//! [`RankCompute`] through the one executor ([`super::executor`]); activations, gradients
 //! and gradient statistics travel on the TCP mesh ([`TcpTransport`]). With `dp` > 1 the
 //! world is `dp` replicas of the plan's ranks (global rank = replica × pp + pipeline
 //! rank): each replica's pipeline runs its share of every step's micro-batches among its
@@ -18,7 +18,7 @@
 //! 0 on the control channel, and rank 0 assembles the checkpoint in the reference
 //! trainer's format. Every rank then sends its profile (spans on its own clock, with the
 //! offset to rank 0's measured at join) and the last stage's process its step log (only it
-//! knows the losses); rank 0 merges them ([`profile`](super::profile)) into the run
+//! knows the losses); rank 0 merges them ([`profile`]) into the run
 //! directory files a single-process run writes.
 //!
 //! Checkpoints (`shards`): every rank of replica 0 writes its own shard after every
@@ -26,24 +26,23 @@
 //! ([`RankRun::run_dir`]); rank 0 writes each manifest once every shard is acknowledged. A
 //! resumed rank reads only its own shard ([`RankResume`]).
 
+pub mod auto;
 mod device;
 mod fill;
+pub mod profile;
 mod shards;
 
 pub use fill::{FILL_CHANNEL, FillError, LaunchFill, drafter_of};
 pub use shards::{CHECKPOINT_CHANNEL, RankResume, agree_run_dir, layout};
 
-use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::mpsc::channel;
 use std::time::Duration;
 
-use super::auto::{AutoChoice, AutoSwitch};
-use super::profile::{
-    PROFILE_CHANNEL, loss_rank, rank_profile, recv_metrics, send_metrics, sync_clock, whole_batch,
-};
-use pipefill_actors::{Clock, GradStats, Pipeline, RunReport, StepMode, Transport};
+use auto::{AutoChoice, AutoSwitch};
+use pipefill_actors::{Clock, GradStats, RunReport, Transport};
+use profile::{PROFILE_CHANNEL, loss_rank, rank_profile, recv_metrics, send_metrics, sync_clock};
 
 use crate::comm::collective::{GradSync, RingGradSync, TIE_CHANNEL};
 use crate::comm::frame;
@@ -52,22 +51,19 @@ use crate::comm::tcp::TcpMesh;
 use crate::comm::tcp_transport::{CONTROL_CHANNEL, STATS_CHANNEL, SerdeCodec, TcpTransport};
 use crate::config::JobConfig;
 use crate::data::StepData;
+use crate::model::checkpoint::Checkpoint;
 use crate::model::checkpoint::retain::Retention;
-use crate::model::checkpoint::sharded::{job_fingerprint, param_stages};
-use crate::model::checkpoint::{
-    ADAM_M_PREFIX, ADAM_V_PREFIX, Checkpoint, HostTensor, MASTER_PREFIX,
-};
-use crate::model::{AdamW, Cut, Gpt, ModelError, OptimizerState};
+use crate::model::checkpoint::sharded::param_stages;
+use crate::pipeline::executor::{RankStart, ReplicaLinks, Stepping};
 use crate::pipeline::feed::StepFeed;
 use crate::pipeline::shared::Replica;
 use crate::pipeline::shared::{Checkpointing, RankCheckpointer, RankFinal, Shared, tie_ranks};
 use crate::pipeline::{PipelineError, RankCompute, RankJob};
 use crate::profile::merge::{MergeError, MergedProfile, gather_profiles, merge, send_profile};
 use crate::schedules::Plan;
+use crate::tensor::Backend;
 use crate::tensor::device::Device;
-use crate::tensor::{Backend, CpuBackend};
 use crate::train::StepMetrics;
-use crate::train::reference::adamw_config;
 
 /// How long a rank waits for rank 0 to have gathered every final state.
 const FINAL_WAIT: Duration = Duration::from_secs(120);
@@ -243,7 +239,7 @@ fn run_rank<B: Backend>(
         count: dp,
         sync,
     });
-    let config_hash = job_fingerprint(job);
+    let config_hash = job.fingerprint();
     // As in-process: a resumed run keeps the newest checkpoints across the resume.
     let retention = match first_step {
         0 => Retention::new(job.checkpoint_keep),
@@ -276,7 +272,10 @@ fn run_rank<B: Backend>(
             TIE_CHANNEL,
         )) as Arc<dyn GradSync>
     });
+    // Only this rank steps here: its step log closes when it has stepped (with the losses
+    // in the last stage's process; the norm of own gradients only, replaced by the global one).
     let mut shared = Shared::new(pp, feed, progress)
+        .local_ranks(1)
         .with_replica(sync)
         .with_tie(tie)
         .with_checkpoints(Some(checkpointing));
@@ -284,18 +283,23 @@ fn run_rank<B: Backend>(
         shared = shared.with_rank_checkpointer(Arc::clone(saver) as Arc<dyn RankCheckpointer>);
     }
     let shared = Arc::new(shared);
-    // The other ranks step in their own processes: stand-ins for their `stepped` let this
-    // rank's own one close each step, so the step log reports (with the losses in the last
-    // stage's process; the norm of own gradients only, replaced by the global one).
-    for step in first_step..first_step + steps {
-        for _ in 1..pp {
-            shared.stepped(step, 0.0);
-        }
-    }
-    let mut compute = rank_compute(
-        job, plan, prank, &backend, &shared, first_step, steps, resume,
-    )
-    .map_err(pipeline_err)?;
+    let resumed = resume
+        .map(|r| r.rebuilt(job))
+        .transpose()
+        .map_err(pipeline_err)?;
+    let start = match &resumed {
+        Some((gpt, state)) => RankStart::Resumed(gpt, state),
+        None => RankStart::Fresh,
+    };
+    let run = RankJob {
+        job,
+        plan,
+        shared: Arc::clone(&shared),
+        first_step,
+        iterations: steps,
+    };
+    let mut compute = RankCompute::start(run, prank, backend, start).map_err(pipeline_err)?;
+    drop(resumed);
     // The drafter lives in replica 0's pipeline ([`fill`]).
     let filling = match (job.filler, replica) {
         (crate::config::Filler::Drafter, 0) => Some(LaunchFill::join(
@@ -320,24 +324,23 @@ fn run_rank<B: Backend>(
     // schedule = "auto": ZB-H1, then the plan of the costs every rank measured (super::auto).
     let auto = AutoSwitch::for_job(job, plan, clock);
     let link = Arc::clone(mesh) as Arc<dyn PeerLink>;
-    let (source, compute) = super::auto::plan_source(auto.as_ref(), plan, link, compute)
+    let (source, compute) = auto::plan_source(auto.as_ref(), plan, link, compute)
         .map_err(|e| pipeline_err(e.into()))?;
-    let mut pipeline = Pipeline::new(source, clock)
-        .replanner_agrees()
-        .iterations(steps)
-        .step_mode(StepMode::default())
-        .stats_transport(stats);
-    if job.train.clip > 0.0 {
-        pipeline = pipeline.max_grad_norm(f64::from(job.train.clip));
-    }
-    if let Some(filling) = &filling {
-        pipeline = pipeline.fillers(vec![filling.filler()]);
-    }
+    let stepping = Stepping {
+        replan_agrees: true,
+        ..Stepping::of_job(job, clock, steps)
+    };
+    let links = ReplicaLinks {
+        tensors: Some(tensors),
+        stats: Some(stats),
+        fillers: filling.iter().map(|f| f.filler()).collect(),
+        listener: None,
+    };
     let profile_err = |error| DistributedError::Profile { rank, error };
     let mut clock_sync = sync_clock(mesh, clock.is_virtual()).map_err(profile_err)?;
     clock_sync.at_run_start();
-    let report = pipeline
-        .run_local_blocking(vec![(prank, compute)], tensors)
+    let report = stepping
+        .run(source, vec![(prank, compute)], links)
         .map_err(|e| {
             // A failed checkpoint write stopped the run: its error names the file and the
             // last complete checkpoint.
@@ -435,7 +438,7 @@ fn run_rank<B: Backend>(
             from => recv_metrics(mesh, from).map_err(profile_err)?,
         });
     }
-    let mut metrics = whole_batch(logs);
+    let mut metrics = crate::pipeline::executor::whole_batch(logs);
     // Every rank's work is done: say goodbye, which lets the others exit.
     mesh.close().map_err(gather)?;
     for m in &mut metrics {
@@ -449,7 +452,14 @@ fn run_rank<B: Backend>(
     if filling.is_some() {
         merged.filling = Some(LaunchFill::measure(&merged));
     }
-    let checkpoint = assemble(job, finals, first_step + steps).map_err(pipeline_err)?;
+    let (params, optimizer) = RankFinal::merge(finals);
+    let checkpoint = crate::model::checkpoint::sharded::from_owned_state(
+        job.model.clone(),
+        job.train.seed,
+        first_step + steps,
+        params,
+        optimizer,
+    );
     Ok(RankRun {
         rank,
         report,
@@ -461,83 +471,4 @@ fn run_rank<B: Backend>(
         checkpoints,
         drafter,
     })
-}
-
-/// The [`RankCompute`] of `rank`: its chunks of the plan, on `backend`, loaded from
-/// `resume` when given (as the in-process trainer does for every rank; from a shard, only
-/// the rank's own parameters are set, and its chunks need no others).
-#[allow(clippy::too_many_arguments)]
-fn rank_compute<B: Backend>(
-    job: &JobConfig,
-    plan: &Plan,
-    rank: usize,
-    backend: &B,
-    shared: &Arc<Shared>,
-    first_step: u64,
-    steps: u64,
-    resume: Option<&RankResume>,
-) -> Result<RankCompute<B>, PipelineError> {
-    let run = RankJob {
-        job,
-        plan,
-        shared: Arc::clone(shared),
-        first_step,
-        iterations: steps,
-    };
-    let mut compute = RankCompute::for_rank(run, rank, backend.clone())?;
-    let be = CpuBackend::new(1).map_err(ModelError::from)?;
-    match resume {
-        None => {}
-        Some(RankResume::Whole(checkpoint)) => {
-            // Every parameter comes from the checkpoint: nothing drawn or imported.
-            let mut gpt = Gpt::blank(&job.model, be.clone(), &Cut::Even(1))?;
-            let mut optimizer = AdamW::new(adamw_config(&job.train));
-            checkpoint.restore(&mut gpt, &mut optimizer, job.train.seed)?;
-            let state = optimizer.state(&be)?;
-            compute.load_resumed(&gpt, &state)?;
-        }
-        Some(RankResume::Shard(shard)) => {
-            // The manifest's job fingerprint covers the model and the data seed.
-            let mut gpt = Gpt::blank(&job.model, be, &Cut::Even(1))?;
-            let moment = |n: &str| {
-                [ADAM_M_PREFIX, ADAM_V_PREFIX, MASTER_PREFIX]
-                    .iter()
-                    .any(|p| n.starts_with(p))
-            };
-            for t in shard.tensors.iter().filter(|t| !moment(&t.name)) {
-                gpt.set_param(&t.name, &t.data)?;
-            }
-            let state = shard.checkpoint().optimizer_state()?;
-            compute.load_resumed(&gpt, &state)?;
-        }
-    }
-    Ok(compute)
-}
-
-/// The whole model's checkpoint from every rank's final state (stages in model order).
-fn assemble(
-    job: &JobConfig,
-    finals: Vec<RankFinal>,
-    next_step: u64,
-) -> Result<Checkpoint, PipelineError> {
-    let mut by_stage: BTreeMap<u32, Vec<HostTensor>> = BTreeMap::new();
-    let mut state = OptimizerState::default();
-    for mut fin in finals {
-        by_stage.extend(fin.stages);
-        state.step = fin.optimizer.step;
-        state.slots.append(&mut fin.optimizer.slots);
-    }
-    let be = CpuBackend::new(1).map_err(ModelError::from)?;
-    let mut gpt = Gpt::blank(&job.model, be.clone(), &Cut::Even(1))?;
-    for p in by_stage.into_values().flatten() {
-        gpt.set_param(&p.name, &p.data)?;
-    }
-    let mut optimizer = AdamW::new(adamw_config(&job.train));
-    optimizer.load_state(&be, &state)?;
-    Ok(Checkpoint::capture(
-        &gpt,
-        &optimizer,
-        next_step,
-        job.train.seed,
-    )?)
 }

@@ -6,11 +6,12 @@ use std::sync::Arc;
 use std::sync::mpsc::channel;
 use std::time::Instant;
 
-use pipefill_actors::{Clock, GradStats, Pipeline, PlanSource, RunReport, StepMode, Transport};
+use pipefill_actors::{Clock, GradStats, PlanSource, RunReport, Transport};
 use serde::{Deserialize, Serialize};
 
 use super::state::{Ended, RankState, Start};
 use super::{RL_CHANNEL, RlLaunchError, Share};
+use crate::comm::collective::GRAD_CHANNEL;
 use crate::comm::collective::{GradSync, RingGradSync, TIE_CHANNEL};
 use crate::comm::frame;
 use crate::comm::link::{LinkError, PeerLink};
@@ -19,8 +20,8 @@ use crate::comm::tcp_transport::{
     BufCodec, STATS_CHANNEL, SerdeCodec, TENSOR_CHANNEL, TcpTransport,
 };
 use crate::config::JobConfig;
-use crate::launch::profile::GRAD_CHANNEL;
 use crate::model::{Gpt, ModelError};
+use crate::pipeline::executor::{RankStart, ReplicaLinks, Stepping};
 use crate::pipeline::feed::StepFeed;
 use crate::pipeline::shared::{RankFinal, Replica, Shared, tie_ranks};
 use crate::pipeline::{PipelineError, RankCompute, RankJob};
@@ -213,15 +214,10 @@ impl<B: RankBackend> Ctx<'_, B> {
         });
         let shared = Arc::new(
             Shared::new(self.pp, feed, progress)
+                .local_ranks(1)
                 .with_replica(replica)
                 .with_tie(tie),
         );
-        // The other ranks step in their own processes: stand-ins close each step here.
-        for step in first_step..first_step + steps {
-            for _ in 1..self.pp {
-                shared.stepped(step, 0.0);
-            }
-        }
         let run = RankJob {
             job,
             plan,
@@ -229,27 +225,29 @@ impl<B: RankBackend> Ctx<'_, B> {
             first_step,
             iterations: steps,
         };
-        let backend = self.backend.clone();
-        let mut compute = match start {
-            Start::Fresh => RankCompute::for_rank(run, prank, backend),
-            Start::Host(s) => RankCompute::resumed(run, prank, backend, (&s.model, &s.optimizer)),
-            Start::Kept(parts) => RankCompute::from_parts(run, parts),
-        }
-        .map_err(&err)?;
+        let start = match start {
+            Start::Fresh => RankStart::Fresh,
+            Start::Host(s) => RankStart::Resumed(&s.model, &s.optimizer),
+            Start::Kept(parts) => RankStart::Kept(parts),
+        };
+        let mut compute =
+            RankCompute::start(run, prank, self.backend.clone(), start).map_err(&err)?;
         let kept = keep.then(|| {
             let (tx, rx) = channel();
             compute.keep_into(tx);
             rx
         });
-        let mut pipeline = Pipeline::new(PlanSource::Given(plan.clone()), self.clock)
-            .iterations(steps)
-            .step_mode(StepMode::default())
-            .stats_transport(links.stats);
-        if job.train.clip > 0.0 {
-            pipeline = pipeline.max_grad_norm(f64::from(job.train.clip));
-        }
-        let report = pipeline
-            .run_local_blocking(vec![(prank, compute)], links.tensors)
+        let links = ReplicaLinks {
+            tensors: Some(links.tensors),
+            stats: Some(links.stats),
+            ..ReplicaLinks::default()
+        };
+        let report = Stepping::of_job(job, self.clock, steps)
+            .run(
+                PlanSource::Given(plan.clone()),
+                vec![(prank, compute)],
+                links,
+            )
             .map_err(|e| match self.mesh.failure() {
                 Some(reason) => RlLaunchError::Peer { rank, reason },
                 None => err(e.into()),

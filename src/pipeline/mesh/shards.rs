@@ -44,10 +44,11 @@ use crate::config::JobConfig;
 use crate::model::checkpoint::drafter::save_drafter;
 use crate::model::checkpoint::resume::{RankShard, ResumePoint};
 use crate::model::checkpoint::sharded::{
-    self, Layout, Manifest, SHARDED_FORMAT, ShardEntry, job_fingerprint, remove_manifest, step_dir,
+    self, Layout, Manifest, SHARDED_FORMAT, ShardEntry, remove_manifest, step_dir,
 };
 use crate::model::checkpoint::sweep;
 use crate::model::checkpoint::{Checkpoint, CheckpointError, HostTensor, VERSION};
+use crate::pipeline::PipelineError;
 use crate::pipeline::shared::{Checkpointing, RankCheckpointer, RankFinal};
 use crate::schedules::Plan;
 
@@ -81,7 +82,7 @@ impl RankResume {
             ResumePoint::Sharded(dir) => Ok(RankResume::Shard(Box::new(RankShard::load(
                 dir,
                 &layout(job, plan),
-                &job_fingerprint(job),
+                &job.fingerprint(),
                 rank,
             )?))),
         }
@@ -96,6 +97,23 @@ impl RankResume {
     }
 
     /// The checkpoint the rank loads: the whole one, or its shard's tensors alone.
+    /// The model and moments this rank starts from ([`crate::pipeline::executor::rebuild`]).
+    pub(crate) fn rebuilt(
+        &self,
+        job: &JobConfig,
+    ) -> Result<
+        (
+            crate::model::Gpt<crate::tensor::CpuBackend>,
+            crate::model::OptimizerState,
+        ),
+        PipelineError,
+    > {
+        match self {
+            RankResume::Whole(c) => crate::pipeline::executor::rebuild(job, c, true),
+            RankResume::Shard(s) => crate::pipeline::executor::rebuild(job, &s.checkpoint(), false),
+        }
+    }
+
     pub fn checkpoint(&self) -> Checkpoint {
         match self {
             RankResume::Whole(c) => (**c).clone(),

@@ -60,7 +60,6 @@ use std::time::{Duration, Instant};
 
 use pipefill_actors::Clock;
 
-use super::profile::loss_rank;
 use crate::comm::frame;
 use crate::comm::link::{Channel, LinkError, PeerLink};
 use crate::comm::tcp::TcpMesh;
@@ -71,10 +70,12 @@ use crate::model::checkpoint::Checkpoint;
 use crate::model::drafter::state::DrafterState;
 use crate::model::{AdamW, Cut, Gpt, ModelError, OptimizerState};
 use crate::pipeline::feed::StepFeed;
+use crate::pipeline::mesh::profile::{PROFILE_CHANNEL, loss_rank, rank_profile, sync_clock};
 use crate::pipeline::{PipelineError, PipelineTrainer};
+use crate::profile::merge::{gather_profiles, merge, send_profile};
 use crate::rl::config::UntrainedPolicy;
 use crate::rl::prompts::PromptSource;
-use crate::rl::step_metrics::{RlStepMetrics, rollout_rates};
+use crate::rl::step_metrics::{RlStepMetrics, StepTimes, UpdateFigures};
 use crate::rl::trainer::{RlError, fitted_update, update_job_of};
 use crate::rl::trainer_spec::PipelineRollouts;
 use crate::rl::warm_up::warm_up_job;
@@ -140,6 +141,11 @@ pub enum RlLaunchError {
     /// The mesh failed: a peer died or broke the protocol (named in the text).
     #[error("rank {rank}: {reason}")]
     Peer { rank: usize, reason: String },
+    #[error("rank {rank}: merging the update's profiles: {error}")]
+    Profile {
+        rank: usize,
+        error: crate::profile::merge::MergeError,
+    },
 }
 
 /// What rank 0 ends with.
@@ -250,6 +256,8 @@ pub fn rl_rank_on<B: RankBackend>(
         .map_err(rl_err)?;
     let mut reference = None;
     let mut steps = Vec::new();
+    let profile_err = |error| RlLaunchError::Profile { rank, error };
+    let mut clock_sync = sync_clock(mesh, clock.is_virtual()).map_err(profile_err)?;
     for step in 0..job.rl.steps {
         let step_started = Instant::now();
         // Open this step's transports before the weight sync releases the step.
@@ -274,7 +282,7 @@ pub fn rl_rank_on<B: RankBackend>(
         let updated = Instant::now();
         // Every rank fits the same count: the rollouts' advantages are the same bits.
         let needed = wire.needed_micro_batches(&job.rl);
-        let (step_job, trainer) = fitted_update(&update, needed, dp).map_err(pipeline_err)?;
+        let (step_job, trainer) = fitted_update(&update, needed).map_err(pipeline_err)?;
         let (plan, micro_batches) = (trainer.plan(), step_job.train.micro_batches);
         let last_stage = loss_rank(plan);
         let packed = wire.update(&job.rl, micro_batches).map_err(rl_err)?;
@@ -283,7 +291,21 @@ pub fn rl_rank_on<B: RankBackend>(
         let feed = Arc::new(StepFeed::given([(state.step, packed.step)]));
         let first = state.step;
         let from = state.start();
+        clock_sync.at_run_start();
         let (report, ended, log) = ctx.run(&step_job, plan, feed, (first, 1), from, keep, links)?;
+        // Rank 0 merges every rank's spans, as a launched `train` does.
+        let own = rank_profile(rank, ctx.prank, &report, &clock_sync);
+        let bubble_ratio = match rank {
+            0 => {
+                let all = gather_profiles(mesh.as_ref(), PROFILE_CHANNEL, own);
+                let merged = all.and_then(|p| merge(&p, world)).map_err(profile_err)?;
+                merged.iterations.first().map(|t| t.bubble_ratio)
+            }
+            _ => {
+                send_profile(mesh.as_ref(), PROFILE_CHANNEL, &own).map_err(profile_err)?;
+                None
+            }
+        };
         state.ended(ended).map_err(|e| pipeline_err(e.into()))?;
         let update_seconds = updated.elapsed().as_secs_f64();
         state.step += 1;
@@ -293,47 +315,28 @@ pub fn rl_rank_on<B: RankBackend>(
             let first = |d: usize| losses.get(d).and_then(|l| l.first());
             let b = f.batch;
             let rollout_seconds = rollout_seconds - b.drafter_seconds - f.reference_seconds;
-            let step_seconds = step_started.elapsed().as_secs_f64();
-            let (tokens_per_s, tokens_per_s_sd, tokens_per_s_plain) =
-                rollout_rates(f.scored.generated_tokens, rollout_seconds, f.speculation);
-            let line = RlStepMetrics {
-                step,
-                reward: f.scored.reward,
-                informative_groups: f.scored.informative_groups,
+            let times = StepTimes {
+                rollout: rollout_seconds,
+                reference: f.reference_seconds,
+                update: update_seconds,
+                sync: Some(sync_seconds),
+                step: step_started.elapsed().as_secs_f64(),
+            };
+            let update = UpdateFigures {
+                micro_batches,
                 skipped_groups: packed.skipped_groups,
                 skipped_sequences: packed.skipped_sequences,
-                update_micro_batches: micro_batches,
-                sequences: wire.sequences(),
-                generated_tokens: f.scored.generated_tokens,
-                rollout_seconds,
-                drafter_seconds: b.drafter_seconds,
-                reference_seconds: f.reference_seconds,
-                update_seconds,
-                sync_seconds: Some(sync_seconds),
-                rollout_share: rollout_seconds / step_seconds.max(1e-9),
-                rollout_idle_seconds: b.idle_seconds,
-                rollout_idle_filled_seconds: b.idle_filled_seconds,
-                idle_drafter_slices: b.idle_drafter_slices,
-                drafter_work: b.drafter_work,
-                kl,
-                step_seconds,
-                tokens_per_s,
-                speculation: f.speculation,
-                tokens_per_s_sd,
-                tokens_per_s_plain,
-                live_batch: b.live_batch,
-                acceptance_length: b.acceptance_length,
-                chosen_k: b.chosen_k,
-                drafter_agreement: b.drafter_agreement,
-                surrogate_loss: surrogate(&losses, &shares),
+                loss: surrogate(&losses, &shares),
                 grad_norm: report
                     .steps
                     .first()
                     .map_or(f32::NAN, |s| s.grad_norm as f32),
                 lr: first(0).map_or(f32::NAN, |m| m.lr),
-                // The update's bubbles are measured per process; rank 0 does not merge them.
-                bubble_ratio: None,
+                kl,
+                bubble_ratio,
             };
+            let scored = (&f.scored, wire.sequences());
+            let line = RlStepMetrics::new(step, scored, &b, f.speculation, times, update);
             on_step(&line);
             steps.push(line);
         }
@@ -404,9 +407,8 @@ fn replica_plan(
             count,
         });
     }
-    let mut share = job.clone();
-    share.train.micro_batches /= job.dp;
-    let trainer = PipelineTrainer::from_job(&share).map_err(|error| RlLaunchError::Pipeline {
+    // The trainer plans each replica's share.
+    let trainer = PipelineTrainer::from_job(job).map_err(|error| RlLaunchError::Pipeline {
         rank,
         error: Box::new(error),
     })?;

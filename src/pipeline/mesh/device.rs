@@ -19,12 +19,12 @@ use std::sync::Arc;
 use pipefill_actors::Transport;
 
 use super::DistributedError;
+use crate::comm::collective::GRAD_CHANNEL;
 use crate::comm::collective::{GradSync, RingGradSync};
 use crate::comm::link::PeerLink;
 use crate::comm::select::{TransportError, select_transport};
 use crate::comm::tcp::TcpMesh;
 use crate::comm::tcp_transport::{BufCodec, TENSOR_CHANNEL, TcpTransport};
-use crate::launch::profile::GRAD_CHANNEL;
 use crate::tensor::device::Device;
 use crate::tensor::{Backend, CpuBackend};
 
@@ -131,7 +131,7 @@ mod cuda {
 
     /// The CUDA rank's links on GPU `ordinal` (its local rank), over the transport every
     /// rank agreed on (see the module docs).
-    pub(in crate::launch::train) fn cuda_links(
+    pub(in crate::pipeline::mesh) fn cuda_links(
         mesh: &Arc<TcpMesh>,
         requested: crate::comm::select::TransportKind,
         at: Placement,
@@ -186,7 +186,7 @@ mod tests {
     /// Every mesh channel a launched training rank may use, by name.
     fn channels() -> Vec<(&'static str, Channel)> {
         use crate::comm::tcp_transport as t;
-        use crate::launch::profile as p;
+        use crate::pipeline::mesh::profile as p;
         #[allow(unused_mut)]
         let mut all = vec![
             ("TENSOR", t::TENSOR_CHANNEL),
@@ -195,10 +195,10 @@ mod tests {
             ("CLOCK", p::CLOCK_CHANNEL),
             ("PROFILE", p::PROFILE_CHANNEL),
             ("METRICS", p::METRICS_CHANNEL),
-            ("GRAD", p::GRAD_CHANNEL),
+            ("GRAD", crate::comm::collective::GRAD_CHANNEL),
             ("CHECKPOINT", super::super::CHECKPOINT_CHANNEL),
             ("TRANSPORT", crate::comm::select::TRANSPORT_CHANNEL),
-            ("RL", crate::launch::rl::RL_CHANNEL),
+            ("RL", crate::rl::launched::RL_CHANNEL),
         ];
         #[cfg(feature = "cuda")]
         all.extend([

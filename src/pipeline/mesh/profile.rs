@@ -29,9 +29,6 @@ pub const PROFILE_CHANNEL: Channel = u32::MAX - 5;
 /// Channel of the step log (last stage's process → rank 0).
 pub const METRICS_CHANNEL: Channel = u32::MAX - 6;
 
-/// Channel of the gradient all-reduce between data-parallel replicas.
-pub const GRAD_CHANNEL: Channel = u32::MAX - 7;
-
 /// Clock exchanges per rank; the one with the smallest round trip is kept.
 const CLOCK_ROUNDS: usize = 16;
 /// Lane of the runtime's measured waits for input (as a single-process run names it).
@@ -166,28 +163,6 @@ pub fn recv_metrics(mesh: &TcpMesh, from: usize) -> Result<Vec<StepMetrics>, Mer
         what: "step log",
         reason: e.to_string(),
     })
-}
-
-/// The whole batch's step log from every replica's (replica 0's metrics otherwise): each
-/// replica's loss is the mean over its own target tokens, so the batch's is their
-/// token-weighted mean, and its tokens their sum.
-pub fn whole_batch(logs: Vec<Vec<StepMetrics>>) -> Vec<StepMetrics> {
-    let mut logs = logs.into_iter();
-    let Some(mut whole) = logs.next() else {
-        return Vec::new();
-    };
-    let rest: Vec<Vec<StepMetrics>> = logs.collect();
-    for (i, m) in whole.iter_mut().enumerate() {
-        let mut weighted = f64::from(m.loss) * m.tokens as f64;
-        let mut tokens = m.tokens;
-        for other in rest.iter().filter_map(|l| l.get(i)) {
-            weighted += f64::from(other.loss) * other.tokens as f64;
-            tokens += other.tokens;
-        }
-        m.loss = (weighted / tokens.max(1) as f64) as f32;
-        m.tokens = tokens;
-    }
-    whole
 }
 
 /// Per-stage mean T_F, T_I, T_W over the merged iterations from `skip` on (as
