@@ -1,5 +1,6 @@
-//! `bench rollout`'s view of its adaptive thresholds: the engine's own tokens/s per
-//! live-batch bucket, and the printing of the step costs, which are measured by
+//! `bench rollout`'s view of its step costs: the engine's own tokens/s per live-batch
+//! bucket against what the step costs predict, the threshold either gives, the tail's share
+//! of a rollout, and the printing of the step costs, which are measured by
 //! [`pipefill::rl::calibrate`] (the same code `pipefill rl` calibrates with).
 
 use std::collections::BTreeMap;
@@ -7,42 +8,151 @@ use std::collections::BTreeMap;
 use pipefill::model::drafter::DraftRow;
 use pipefill::rl::bandit::bucket;
 use pipefill::rl::calibrate::StepCost;
-use pipefill::rl::rollout::Rollout;
+use pipefill::rl::rollout::{Rollout, WorkKind};
 
-/// Tokens generated and seconds spent while the live batch was in each bucket, summed
-/// over `runs` (from their live curves).
-fn by_bucket(runs: &[Rollout]) -> BTreeMap<usize, (f64, f64)> {
-    let mut out: BTreeMap<usize, (f64, f64)> = BTreeMap::new();
-    for r in runs {
-        for w in r.live_curve.windows(2).filter(|w| w[0].live > 0) {
-            let e = out.entry(bucket(w[0].live)).or_default();
-            e.0 += (w[1].tokens - w[0].tokens) as f64;
-            e.1 += w[1].t - w[0].t;
-        }
-    }
-    out
+/// One live-batch bucket of a mode's runs: tokens/s measured, and what the measured step
+/// costs predict for the same steps.
+#[derive(Clone, Copy, Debug, serde::Serialize)]
+pub(super) struct BucketFit {
+    pub bucket: usize,
+    /// Decode and verification steps launched while the live batch was in the bucket.
+    pub steps: usize,
+    pub measured: f64,
+    pub predicted: f64,
+    /// Tokens per sequence per step (1 for plain decoding).
+    pub acceptance: f64,
+    /// Most groups in flight at once.
+    pub groups: usize,
 }
 
-/// Tokens/s of the plain and the fixed-K runs while the live batch was in each bucket:
-/// `(bucket, plain, fixed)`, over the buckets both runs went through.
-pub(super) fn engine_buckets(plain: &[Rollout], fixed: &[Rollout]) -> Vec<(usize, f64, f64)> {
-    let (p, f) = (by_bucket(plain), by_bucket(fixed));
-    p.iter()
-        .filter_map(|(&b, &(pt, ps))| {
-            let &(ft, fs) = f.get(&b)?;
-            Some((b, pt / ps.max(1e-9), ft / fs.max(1e-9)))
+/// Per live-batch bucket (the live batch each step was launched at), over `runs`: the
+/// tokens/s of their decode and verification steps (the wall time from the previous
+/// step's results to this one's, prefill excluded) against the tokens/s their step costs
+/// predict: each step costs what `costs` measured for its kind at its number of sequences
+/// (decode, or proposal + verification), one step at a time. With several groups in flight
+/// the steps overlap, so there the engine may beat the prediction.
+pub(super) fn bucket_fits(runs: &[Rollout], costs: &[StepCost]) -> Vec<BucketFit> {
+    // bucket → (tokens, measured s, predicted s, sequence-steps, steps, most groups)
+    let mut acc: BTreeMap<usize, (f64, f64, f64, f64, usize, usize)> = BTreeMap::new();
+    for r in runs {
+        let mut prev = 0.0;
+        for s in &r.steps {
+            let wall = s.t - prev;
+            prev = s.t;
+            let cost_ms = match s.kind {
+                WorkKind::Prefill => continue,
+                WorkKind::Decode => cost_at(costs, s.sequences, None),
+                WorkKind::Verify { k } => cost_at(costs, s.sequences, Some(k)),
+            };
+            let e = acc.entry(bucket(s.live)).or_default();
+            e.0 += s.emitted as f64;
+            e.1 += wall;
+            e.2 += cost_ms / 1e3;
+            e.3 += s.sequences as f64;
+            e.4 += 1;
+            e.5 = e.5.max(s.in_flight);
+        }
+    }
+    acc.into_iter()
+        .map(
+            |(bucket, (tokens, wall, cost, seqs, steps, groups))| BucketFit {
+                bucket,
+                steps,
+                measured: tokens / wall.max(1e-9),
+                predicted: tokens / cost.max(1e-9),
+                acceptance: tokens / seqs.max(1.0),
+                groups,
+            },
+        )
+        .collect()
+}
+
+/// What one step of `b` sequences costs by `costs`, in ms: a decode (`k` = `None`) or the
+/// proposal and verification of a chain of `k` (the measured K nearest to it), linear in
+/// `b` between measured sizes and beyond the largest.
+fn cost_at(costs: &[StepCost], b: usize, k: Option<usize>) -> f64 {
+    let near = |c: &StepCost| k.map_or(0, |k| c.k.abs_diff(k));
+    let Some(best) = costs.iter().map(near).min() else {
+        return f64::NAN;
+    };
+    let pts: Vec<(f64, f64)> = costs
+        .iter()
+        .filter(|c| near(c) == best)
+        .map(|c| {
+            let ms = match k {
+                None => c.decode_ms,
+                Some(_) => c.verify_ms + c.propose_ms,
+            };
+            (c.batch as f64, ms)
+        })
+        .collect();
+    let b = b as f64;
+    let seg = pts
+        .windows(2)
+        .find(|w| b <= w[1].0)
+        .or_else(|| pts.windows(2).last());
+    match seg {
+        Some(w) => {
+            let ((b0, c0), (b1, c1)) = (w[0], w[1]);
+            c0 + (c1 - c0) * (b - b0) / (b1 - b0)
+        }
+        None => pts.first().map_or(f64::NAN, |p| p.1),
+    }
+}
+
+/// The largest bucket up to which speculation was faster in every bucket (0: not even in
+/// the smallest), from the plain and the fixed-K runs' measured tokens/s.
+pub(super) fn threshold_of_buckets(plain: &[BucketFit], fixed: &[BucketFit]) -> usize {
+    plain
+        .iter()
+        .map_while(|p| {
+            let f = fixed.iter().find(|f| f.bucket == p.bucket)?;
+            (f.measured > p.measured).then_some(p.bucket)
+        })
+        .last()
+        .unwrap_or(0)
+}
+
+/// One line per bucket: the plain and the fixed-K runs' measured tokens/s against what
+/// their step costs predict.
+pub(super) fn fit_lines(plain: &[BucketFit], fixed: &[BucketFit], k: usize) -> Vec<String> {
+    let fit = |f: &BucketFit| {
+        format!(
+            "{:>7.1} tokens/s vs {:>7.1} predicted ({:+4.0}%; {:.2} tokens per sequence a step, {} group{})",
+            f.measured,
+            f.predicted,
+            100.0 * (f.measured / f.predicted - 1.0),
+            f.acceptance,
+            f.groups,
+            if f.groups == 1 { "" } else { "s" }
+        )
+    };
+    plain
+        .iter()
+        .map(|p| {
+            let spec = fixed
+                .iter()
+                .find(|f| f.bucket == p.bucket)
+                .map_or(String::new(), |f| format!("; fixed K={k} {}", fit(f)));
+            format!(
+                "engine vs step costs, live ≤ {:>3}: plain {}{spec}",
+                p.bucket,
+                fit(p)
+            )
         })
         .collect()
 }
 
-/// The largest bucket up to which speculation was faster in every bucket (0: not even in
-/// the smallest), from `(bucket, plain, fixed)` tokens/s in bucket order.
-pub(super) fn threshold_of_buckets(buckets: &[(usize, f64, f64)]) -> usize {
-    buckets
+/// Share of a rollout's time after only its longest 10% of sequences are live (from the
+/// first moment at most a tenth of the batch is live to the end).
+pub(super) fn tail_share(r: &Rollout) -> f64 {
+    let n = r.sequences.len();
+    let tenth = (n / 10).max(1);
+    let total = r.stats.seconds.max(1e-9);
+    r.live_curve
         .iter()
-        .take_while(|(_, plain, fixed)| fixed > plain)
-        .last()
-        .map_or(0, |&(b, _, _)| b)
+        .find(|p| p.live <= tenth)
+        .map_or(0.0, |p| (total - p.t) / total)
 }
 
 /// Timed repetitions per cost (the fastest is kept).
