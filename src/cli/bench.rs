@@ -51,8 +51,8 @@ use crate::cli::show::Terminal;
 use anyhow::{Context, bail};
 use batch::{long_tail_batch, parse_tree};
 use costs::{
-    COST_REPS, bucket_fits, fit_lines, probe_context, step_cost_lines, tail_share,
-    threshold_of_buckets,
+    COST_REPS, bucket_fits, fit_lines, median_step_costs, per_token_acceptance, probe_context,
+    step_cost_lines, tail_share, threshold_of_buckets,
 };
 use pipefill::config::JobConfig;
 use pipefill::model::checkpoint::Checkpoint;
@@ -60,7 +60,9 @@ use pipefill::model::drafter::{DraftBufferHandle, DraftContext, Drafter, Drafter
 use pipefill::model::infer::InferStage;
 use pipefill::model::{Cut, Gpt};
 use pipefill::profile::report::median;
-use pipefill::rl::calibrate::{MAX_CALIBRATION_BATCH, step_costs, threshold_per_group, tree_cost};
+use pipefill::rl::calibrate::{
+    MAX_CALIBRATION_BATCH, chain_acceptance, step_costs, threshold_per_group_explored, tree_cost,
+};
 use pipefill::rl::rollout::{
     AdaptiveConfig, MIN_GROUP_ROWS, Rollout, RolloutConfig, RolloutEngine, Speculation,
     live_threshold,
@@ -325,8 +327,27 @@ fn rollout_on<B: Backend>(
         hidden: &hidden,
         tokens: &tokens,
     };
-    let costs = step_costs(model, dtrainer.drafter_mut(), ctx, &[a.k], max_b, COST_REPS)?;
-    let propose_ms = costs.first().map_or(f64::NAN, |c| c.propose_ms);
+    // Every draft length the adaptive engine may choose (and the fixed run's): a short
+    // draft still pays at group sizes where verifying K = 4 costs too much.
+    let mut cost_ks = AdaptiveConfig::default().ks;
+    if !cost_ks.contains(&a.k) {
+        cost_ks.push(a.k);
+    }
+    let costs = step_costs(
+        model,
+        dtrainer.drafter_mut(),
+        ctx,
+        &cost_ks,
+        max_b,
+        COST_REPS,
+    )?;
+    let median_costs = median_step_costs(model, dtrainer.drafter_mut(), ctx, &cost_ks, max_b)?;
+    // The fixed run's chain at one sequence per group.
+    let chain = *costs
+        .iter()
+        .find(|c| c.batch == 1 && c.k == a.k)
+        .context("no step cost of one sequence")?;
+    let propose_ms = chain.propose_ms;
     out.line(&format!(
             "drafter: proposing K={} tokens for one sequence takes {propose_ms:.3} ms (fastest of {COST_REPS})",
             a.k
@@ -352,28 +373,32 @@ fn rollout_on<B: Backend>(
     let fixed_accept = median(fixed.iter().map(|r| r.stats.acceptance_length()));
     let (plain_tree, fixed_tree) = pair(&Speculation::Tree(shape))?;
     let tree_accept = median(fixed_tree.iter().map(|r| r.stats.acceptance_length()));
-    let (plain_fits, fixed_fits) = (bucket_fits(&plain0, &costs), bucket_fits(&fixed, &costs));
+    let fits = |runs: &[Rollout]| bucket_fits(runs, &costs, &median_costs);
+    let (plain_fits, fixed_fits) = (fits(&plain0), fits(&fixed));
     for line in fit_lines(&plain_fits, &fixed_fits, a.k) {
         out.line(&line);
     }
-    let per_group = threshold_per_group(&costs, |_| fixed_accept);
+    // Each K's acceptance from the fixed run's: per-token acceptance α with
+    // 1 + α + … + α^K = its acceptance length.
+    let alpha = per_token_acceptance(fixed_accept, a.k);
+    let accept = |k: usize| chain_acceptance(alpha, k);
+    let epsilon = AdaptiveConfig::default().epsilon;
+    let per_group = threshold_per_group_explored(&costs, accept, epsilon, false);
     // The engine merges small groups: the live batch at which groups are still that small.
     let threshold = live_threshold(per_group, (a.k + 1) as f64, groups, a.min_group_rows);
-    for line in step_cost_lines(&costs, fixed_accept) {
+    for line in step_cost_lines(&costs, accept) {
         out.line(&line);
     }
-    if let Some(c) = costs.first() {
-        out.line(&format!(
-                "step costs:   1 per group: verify tree {tree_rows} rows {tree_verify_ms:>7.3} ms ({:.2}x), propose tree {tree_propose_ms:>6.3} ms: {:.2} ms per token at acceptance length {tree_accept:.2} (chain {:.2} at {fixed_accept:.2}; decode {:.2})",
-                tree_verify_ms / c.decode_ms,
-                (tree_verify_ms + tree_propose_ms) / tree_accept,
-                (c.verify_ms + c.propose_ms) / fixed_accept,
-                c.decode_ms
-            ),
-        );
-    }
     out.line(&format!(
-            "threshold: speculate while live ≤ {threshold} (at most {per_group} per group, up to {groups} groups of at least {} rows; acceptance length {fixed_accept:.2} at K={})",
+            "step costs:   1 per group: verify tree {tree_rows} rows {tree_verify_ms:>7.3} ms ({:.2}x), propose tree {tree_propose_ms:>6.3} ms: {:.2} ms per token at acceptance length {tree_accept:.2} (chain {:.2} at {fixed_accept:.2}; decode {:.2})",
+            tree_verify_ms / chain.decode_ms,
+            (tree_verify_ms + tree_propose_ms) / tree_accept,
+            (chain.verify_ms + chain.propose_ms) / fixed_accept,
+            chain.decode_ms
+        ),
+    );
+    out.line(&format!(
+            "threshold: speculate while live ≤ {threshold} (at most {per_group} per group with some K of {cost_ks:?} paying under the bandit's exploration, up to {groups} groups of at least {} rows; acceptance length {fixed_accept:.2} at K={}, per-token acceptance {alpha:.2})",
             a.min_group_rows, a.k
         ),
     );
@@ -481,6 +506,7 @@ fn rollout_on<B: Backend>(
             "propose_ms": propose_ms,
             "fixed_propose_ms_per_verification": m(&fixed, &propose_round_ms),
             "step_costs": costs,
+            "median_step_costs": median_costs,
             "k_choices": ks,
             "identical_outputs": identical,
             "requests": requests.len(),

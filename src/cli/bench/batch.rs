@@ -8,23 +8,25 @@ use pipefill::model::drafter::TreeShape;
 use pipefill::rl::rollout::Request;
 
 /// Scale of the heavy-tailed law of the answer lengths the batch asks for: P(L > 1 + k) =
-/// s / (s + k). Small: most requests want a short answer, a few a long one.
-const ANSWER_SCALE: f64 = 2.0;
-/// A request's budget of new tokens, in worked answers: a target that does not end its
-/// answer (one trained too little) still ends at a length its task sets.
-const ANSWER_BUDGET: usize = 2;
+/// s / (s + k): the median is 1 + s, and a tenth want over 1 + 9s. With 4 on the bench's
+/// d512 target the longest 10% of sequences took over half of the plain rollout's time
+/// (docs/benchmarks.md, "The rollout bench's long tail").
+const ANSWER_SCALE: f64 = 4.0;
 /// Tasks drawn per request to find one whose answer is as long as it wants.
 const DRAWS: usize = 256;
 
 /// `n` prompts of the job's tasks (BOS + prompt text) whose worked answers are long-tailed
 /// the way reasoning rollouts are: each request draws an answer length from a heavy-tailed
 /// law ([`ANSWER_SCALE`]) and takes, of [`DRAWS`] tasks that fit the model, the one with the
-/// shortest answer at least that long (the longest, if none is). The target's own EOS ends
-/// each, within a budget of [`ANSWER_BUDGET`] answers (and the model's positions).
+/// shortest answer at least that long (the longest, if none is), with that length as its
+/// budget of new tokens: a target that writes the task's answer runs to the budget, and one
+/// that ends early (EOS) ends there.
 ///
 /// Why not the job's tasks as they come: their sizes are heavy-tailed, but the shortest
-/// answers are already ~11 tokens and most are ~20, so in the model's positions the longest
-/// was only a few times the median, and the tail a small part of the rollout's time.
+/// answers are already ~11 tokens and most ~20, so in the model's positions the longest
+/// was only a few times the median, and the tail a small part of the rollout's time; and
+/// the bench's target (100 steps) rarely ends an answer by itself, so the budget is what
+/// sets the lengths.
 pub(super) fn long_tail_batch(job: &JobConfig, n: usize) -> anyhow::Result<Vec<Request>> {
     let tok = Tokenizer::new();
     let mut tasks = TaskGenerator::new(
@@ -57,11 +59,11 @@ pub(super) fn long_tail_batch(job: &JobConfig, n: usize) -> anyhow::Result<Vec<R
                 best = Some((answer, prompt));
             }
         }
-        let (answer, prompt) = best.with_context(|| {
+        let (_, prompt) = best.with_context(|| {
             format!("no task of the job's fits model.seq_len = {seq_len} (prompt and answer)")
         })?;
         out.push(Request {
-            max_new: (ANSWER_BUDGET * answer).min(seq_len - prompt.len()),
+            max_new: want.min(seq_len - prompt.len()),
             prompt,
         });
     }

@@ -5,10 +5,14 @@
 
 use std::collections::BTreeMap;
 
+use pipefill::model::Gpt;
 use pipefill::model::drafter::DraftRow;
+use pipefill::model::drafter::{DraftContext, Drafter};
+use pipefill::profile::report::median;
 use pipefill::rl::bandit::bucket;
-use pipefill::rl::calibrate::StepCost;
+use pipefill::rl::calibrate::{CalibrationError, StepCost, chain_acceptance, step_costs};
 use pipefill::rl::rollout::{Rollout, WorkKind};
+use pipefill::tensor::Backend;
 
 /// One live-batch bucket of a mode's runs: tokens/s measured, and what the measured step
 /// costs predict for the same steps.
@@ -18,7 +22,13 @@ pub(super) struct BucketFit {
     /// Decode and verification steps launched while the live batch was in the bucket.
     pub steps: usize,
     pub measured: f64,
+    /// Tokens/s of the engine's own work on those steps alone (the stages' compute and the
+    /// drafting): what the measured figure would be without any time between steps.
+    pub compute: f64,
+    /// Predicted from the fastest of the step costs' repetitions (what the threshold uses).
     pub predicted: f64,
+    /// Predicted from their medians (what a step typically costs on the machine as loaded).
+    pub predicted_median: f64,
     /// Tokens per sequence per step (1 for plain decoding).
     pub acceptance: f64,
     /// Most groups in flight at once.
@@ -31,39 +41,56 @@ pub(super) struct BucketFit {
 /// predict: each step costs what `costs` measured for its kind at its number of sequences
 /// (decode, or proposal + verification), one step at a time. With several groups in flight
 /// the steps overlap, so there the engine may beat the prediction.
-pub(super) fn bucket_fits(runs: &[Rollout], costs: &[StepCost]) -> Vec<BucketFit> {
-    // bucket → (tokens, measured s, predicted s, sequence-steps, steps, most groups)
-    let mut acc: BTreeMap<usize, (f64, f64, f64, f64, usize, usize)> = BTreeMap::new();
+pub(super) fn bucket_fits(
+    runs: &[Rollout],
+    costs: &[StepCost],
+    median_costs: &[StepCost],
+) -> Vec<BucketFit> {
+    #[derive(Default)]
+    struct Sums {
+        tokens: f64,
+        wall: f64,
+        compute: f64,
+        cost: f64,
+        median_cost: f64,
+        seqs: f64,
+        steps: usize,
+        groups: usize,
+    }
+    let mut acc: BTreeMap<usize, Sums> = BTreeMap::new();
     for r in runs {
         let mut prev = 0.0;
         for s in &r.steps {
             let wall = s.t - prev;
             prev = s.t;
-            let cost_ms = match s.kind {
+            let k = match s.kind {
                 WorkKind::Prefill => continue,
-                WorkKind::Decode => cost_at(costs, s.sequences, None),
-                WorkKind::Verify { k } => cost_at(costs, s.sequences, Some(k)),
+                WorkKind::Decode => None,
+                WorkKind::Verify { k } => Some(k),
             };
             let e = acc.entry(bucket(s.live)).or_default();
-            e.0 += s.emitted as f64;
-            e.1 += wall;
-            e.2 += cost_ms / 1e3;
-            e.3 += s.sequences as f64;
-            e.4 += 1;
-            e.5 = e.5.max(s.in_flight);
+            e.tokens += s.emitted as f64;
+            e.wall += wall;
+            e.compute += s.compute_s + s.drafting_s;
+            e.cost += cost_at(costs, s.sequences, k) / 1e3;
+            e.median_cost += cost_at(median_costs, s.sequences, k) / 1e3;
+            e.seqs += s.sequences as f64;
+            e.steps += 1;
+            e.groups = e.groups.max(s.in_flight);
         }
     }
+    let rate = |tokens: f64, s: f64| tokens / s.max(1e-9);
     acc.into_iter()
-        .map(
-            |(bucket, (tokens, wall, cost, seqs, steps, groups))| BucketFit {
-                bucket,
-                steps,
-                measured: tokens / wall.max(1e-9),
-                predicted: tokens / cost.max(1e-9),
-                acceptance: tokens / seqs.max(1.0),
-                groups,
-            },
-        )
+        .map(|(bucket, e)| BucketFit {
+            bucket,
+            steps: e.steps,
+            measured: rate(e.tokens, e.wall),
+            compute: rate(e.tokens, e.compute),
+            predicted: rate(e.tokens, e.cost),
+            predicted_median: rate(e.tokens, e.median_cost),
+            acceptance: e.tokens / e.seqs.max(1.0),
+            groups: e.groups,
+        })
         .collect()
 }
 
@@ -71,13 +98,17 @@ pub(super) fn bucket_fits(runs: &[Rollout], costs: &[StepCost]) -> Vec<BucketFit
 /// proposal and verification of a chain of `k` (the measured K nearest to it), linear in
 /// `b` between measured sizes and beyond the largest.
 fn cost_at(costs: &[StepCost], b: usize, k: Option<usize>) -> f64 {
-    let near = |c: &StepCost| k.map_or(0, |k| c.k.abs_diff(k));
-    let Some(best) = costs.iter().map(near).min() else {
+    // The entries of one K (decode costs are the same in all of them).
+    let Some(at) = costs
+        .iter()
+        .min_by_key(|c| k.map_or(0, |k| c.k.abs_diff(k)))
+        .map(|c| c.k)
+    else {
         return f64::NAN;
     };
     let pts: Vec<(f64, f64)> = costs
         .iter()
-        .filter(|c| near(c) == best)
+        .filter(|c| c.k == at)
         .map(|c| {
             let ms = match k {
                 None => c.decode_ms,
@@ -118,10 +149,13 @@ pub(super) fn threshold_of_buckets(plain: &[BucketFit], fixed: &[BucketFit]) -> 
 pub(super) fn fit_lines(plain: &[BucketFit], fixed: &[BucketFit], k: usize) -> Vec<String> {
     let fit = |f: &BucketFit| {
         format!(
-            "{:>7.1} tokens/s vs {:>7.1} predicted ({:+4.0}%; {:.2} tokens per sequence a step, {} group{})",
+            "{:>6.1} tokens/s (its steps' own compute {:>6.1}), predicted {:>6.1} from the fastest step costs ({:+4.0}%), {:>6.1} from their medians ({:+4.0}%); {:.2} tokens per sequence a step, {} group{}",
             f.measured,
+            f.compute,
             f.predicted,
             100.0 * (f.measured / f.predicted - 1.0),
+            f.predicted_median,
+            100.0 * (f.measured / f.predicted_median - 1.0),
             f.acceptance,
             f.groups,
             if f.groups == 1 { "" } else { "s" }
@@ -158,6 +192,31 @@ pub(super) fn tail_share(r: &Rollout) -> f64 {
 /// Timed repetitions per cost (the fastest is kept).
 pub(super) const COST_REPS: usize = 9;
 
+/// Step costs of `model` and `drafter` as [`step_costs`] measures them, but each the median
+/// of [`COST_REPS`] one-repetition measurements instead of the fastest: on a shared machine
+/// the fastest is what a step costs when nothing else runs, the median what it costs as the
+/// machine is loaded during the rollouts.
+pub(super) fn median_step_costs<B: Backend>(
+    model: &Gpt<B>,
+    drafter: &mut Drafter<B>,
+    ctx: DraftContext<'_>,
+    ks: &[usize],
+    max_b: usize,
+) -> Result<Vec<StepCost>, CalibrationError> {
+    let runs: Vec<Vec<StepCost>> = (0..COST_REPS)
+        .map(|_| step_costs(model, drafter, ctx, ks, max_b, 1))
+        .collect::<Result<_, _>>()?;
+    let mid = |i: usize, f: fn(&StepCost) -> f64| median(runs.iter().map(|r| f(&r[i])));
+    Ok((0..runs[0].len())
+        .map(|i| StepCost {
+            decode_ms: mid(i, |c| c.decode_ms),
+            verify_ms: mid(i, |c| c.verify_ms),
+            propose_ms: mid(i, |c| c.propose_ms),
+            ..runs[0][i]
+        })
+        .collect())
+}
+
 /// The drafter context of the bench's probe row (the plain rollout's longest: the long
 /// tail's context), owned: `(hidden, tokens)`.
 pub(super) fn probe_context(probe: &DraftRow, d: usize) -> (Vec<f32>, Vec<u32>) {
@@ -165,12 +224,31 @@ pub(super) fn probe_context(probe: &DraftRow, d: usize) -> (Vec<f32>, Vec<u32>) 
     (probe.hidden[..n * d].to_vec(), probe.targets[..n].to_vec())
 }
 
-/// One line per measured group size: its costs, and whether speculation pays there at
-/// acceptance length `accept`.
-pub(super) fn step_cost_lines(costs: &[StepCost], accept: f64) -> Vec<String> {
+/// The per-token acceptance α of a drafter whose chains of `k` reach acceptance length
+/// `accept` (`1 + α + … + α^k`; bisection, the sum grows with α).
+pub(super) fn per_token_acceptance(accept: f64, k: usize) -> f64 {
+    let (mut lo, mut hi) = (0.0, 1.0);
+    for _ in 0..50 {
+        let mid = 0.5 * (lo + hi);
+        if chain_acceptance(mid, k) < accept {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    0.5 * (lo + hi)
+}
+
+/// One line per measured group size and K: its costs, and whether speculation pays there
+/// at `acceptance(K)` tokens per verification.
+pub(super) fn step_cost_lines(
+    costs: &[StepCost],
+    acceptance: impl Fn(usize) -> f64,
+) -> Vec<String> {
     costs
         .iter()
         .map(|c| {
+            let accept = acceptance(c.k);
             format!(
                 "step costs: {:>3} per group: decode {:>7.3} ms, verify K+1={} {:>7.3} ms ({:.2}x), propose {:>6.3} ms: speculation {} ({:.2} vs {:.2} ms per plain-token-equivalent)",
                 c.batch,
