@@ -14,17 +14,19 @@
 //!    of sequences take alone;
 //! 3. runs it once with plain decoding, recording the drafter rows, and trains the drafter
 //!    (`[drafter]`) for `--drafter-slices` slices on exactly those rows;
-//! 4. runs it plainly and with a fixed K (its acceptance length is the one the threshold
-//!    uses), and derives the adaptive threshold from measured step costs: per sequences in
-//!    one group `b` = 1, 2, 4, …, the target's decode step, its verification of K+1
-//!    positions and the drafter's proposal (one thread, timed in turn, fastest of 9);
-//!    speculation pays at `b` while `acceptance × decode(b) > propose(b) + verify(b)`, and
-//!    the threshold is the live batch up to which the engine's groups hold at most the
-//!    largest such `b` (all smaller ones paying too; the engine merges small groups, see
-//!    `live_threshold`). Per live-batch bucket, the plain and the fixed-K runs' tokens/s
-//!    are printed against what those step costs predict for the very steps they ran (their
-//!    step logs: kind, sequences, tokens), with the threshold the measured figures would
-//!    give (the largest bucket up to which the fixed-K run was faster in every bucket);
+//! 4. runs it plainly and with a fixed K (its acceptance length gives the drafter's
+//!    per-token acceptance, hence every K's), and derives the adaptive threshold from
+//!    measured step costs: per sequences in one group `b` = 1, 2, 4, … and every K the
+//!    bandit may choose, the target's decode step, its verification of K+1 positions and
+//!    the drafter's proposal (one thread, timed in turn, fastest of 9); speculation pays at
+//!    `b` while some K's `acceptance(K) × decode(b) > propose(b) + verify(b)` under the
+//!    bandit's exploration, and the threshold is the live batch up to which the engine's
+//!    groups hold at most the largest such `b` (all smaller ones paying too; the engine
+//!    merges small groups, see `live_threshold`). Per live-batch bucket, the plain and the
+//!    fixed-K runs' tokens/s are printed against what the step costs (fastest, and medians
+//!    of 9) predict for the very steps they ran (their step logs: kind, sequences, tokens,
+//!    compute), with the threshold the measured figures would give (the largest bucket up
+//!    to which the fixed-K run was faster in every bucket);
 //! 5. runs the batch `--reps` times per mode, each adaptive variant alternating with plain
 //!    runs: `adaptive` (the step-cost threshold, arms K ≥ 1) and `K=0 arm` (the whole long
 //!    tail, with a plain arm that lets the bandit learn per bucket whether to speculate,
