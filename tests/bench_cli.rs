@@ -9,8 +9,8 @@ use common::{clean, one_line_error, text};
 
 const EXE: &str = env!("CARGO_BIN_EXE_pipefill");
 
-/// `bench rollout --json` on a tiny target, with `extra` arguments.
-fn bench(extra: &[&str]) -> Output {
+/// `bench rollout --json` on a tiny target kept in `run_dir`, with `extra` arguments.
+fn bench_in(run_dir: &std::path::Path, extra: &[&str]) -> Output {
     let mut cmd = clean(EXE);
     cmd.args([
         "bench",
@@ -21,11 +21,18 @@ fn bench(extra: &[&str]) -> Output {
         "--drafter-slices",
         "2",
     ])
-    .args(["--requests", "4", "--reps", "1", "--stages", "2"]);
+    .args(["--requests", "16", "--reps", "1", "--stages", "2"])
+    .arg("--run-dir")
+    .arg(run_dir);
     for s in ["model.d_model=32", "model.heads=2", "model.layers=4"] {
         cmd.args(["--set", s]);
     }
     cmd.args(extra).output().unwrap()
+}
+
+/// [`bench_in`] a fresh directory.
+fn bench(extra: &[&str]) -> Output {
+    bench_in(tempfile::tempdir().unwrap().path(), extra)
 }
 
 #[test]
@@ -50,6 +57,36 @@ fn the_json_names_the_device_and_holds_every_mode_s_throughput() {
         stderr.contains(&format!("on {device}, trained 3 steps")),
         "{stderr}"
     );
+}
+
+/// The first run trains the target and the drafter and keeps them in its run directory;
+/// a rerun loads both, and its figures check the engine against its step costs per bucket.
+#[test]
+fn a_rerun_loads_the_target_and_the_drafter_and_fits_the_step_costs() {
+    let dir = tempfile::tempdir().unwrap();
+    let first = bench_in(dir.path(), &[]);
+    assert!(first.status.success(), "{}", text(&first));
+    assert!(dir.path().join("job.toml").exists() && dir.path().join("checkpoint").is_dir());
+    let again = bench_in(dir.path(), &[]);
+    assert!(again.status.success(), "{}", text(&again));
+    let stderr = String::from_utf8_lossy(&again.stderr);
+    assert!(
+        stderr.contains(&format!("from {} at step 3", dir.path().display()))
+            && stderr.contains("drafter: loaded from"),
+        "{stderr}"
+    );
+    let json: serde_json::Value = serde_json::from_slice(&again.stdout).unwrap();
+    let plain = json["buckets"]["plain"].as_array().unwrap();
+    assert!(!plain.is_empty(), "{json}");
+    for b in plain
+        .iter()
+        .chain(json["buckets"]["fixed"].as_array().unwrap())
+    {
+        assert!(b["measured"].as_f64().unwrap() > 0.0, "{b}");
+        assert!(b["predicted"].as_f64().unwrap() > 0.0, "{b}");
+    }
+    let share = json["plain_tail_share"].as_f64().unwrap();
+    assert!((0.0..=1.0).contains(&share), "{json}");
 }
 
 #[cfg(not(feature = "cuda"))]

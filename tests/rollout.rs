@@ -219,3 +219,49 @@ fn bad_requests_and_configs_are_errors() {
     let reversed: Vec<_> = stages.into_iter().rev().collect();
     assert!(RolloutEngine::new(reversed).is_err());
 }
+
+/// A step that is the only group in flight (the long tail) runs through the stages on the
+/// driver's thread; with that off, it crosses the stage threads. The tokens are the same
+/// either way (greedy with and without drafts, and sampled), the inline path runs (lone
+/// steps) and the step log accounts for every step and token.
+#[test]
+fn inline_tail_generates_what_the_stage_threads_generate() {
+    let model = gpt();
+    let cases = [
+        (Speculation::Off, 0.0),
+        (Speculation::Fixed { k: 3 }, 0.0),
+        (Speculation::Off, 0.8),
+    ];
+    for (spec, temperature) in cases {
+        let mut outs = Vec::new();
+        for inline in [false, true] {
+            let mut e = engine(&model)
+                .with_min_group_rows(1)
+                .with_inline_tail(inline);
+            let mut random = RandomProposer::new(50);
+            let p: Option<&mut dyn Proposer> = match spec {
+                Speculation::Off => None,
+                _ => Some(&mut random),
+            };
+            let cfg = RolloutConfig {
+                groups: 3,
+                speculation: spec.clone(),
+                temperature,
+                seed: 7,
+                ..RolloutConfig::default()
+            };
+            let out = e.run(&requests(10), &cfg, p).unwrap();
+            let emitted: usize = out.steps.iter().map(|s| s.emitted).sum();
+            assert_eq!(emitted, out.stats.tokens, "{spec:?} inline {inline}");
+            assert_eq!(out.steps.len(), out.stats.steps, "{spec:?} inline {inline}");
+            assert!(
+                out.steps.iter().any(|s| s.in_flight == 1)
+                    && out.steps.iter().any(|s| s.in_flight > 1),
+                "{spec:?}: the batch starts with several groups and ends with one"
+            );
+            assert!(out.stats.stage_busy_s.iter().all(|&b| b > 0.0));
+            outs.push(out.sequences);
+        }
+        assert_eq!(outs[0], outs[1], "{spec:?} at temperature {temperature}");
+    }
+}

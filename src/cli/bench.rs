@@ -6,22 +6,27 @@
 //! What it does, in order (each step prints what it trained or measured), on the job of
 //! [`BENCH_SETS`] (a `d_model` 512 target, where decoding is bound by reading weights):
 //! 1. trains the target (the job's `[model]`, reference trainer) for `--steps` steps on the
-//!    job's tasks, so that it writes solutions and ends them with EOS;
-//! 2. builds the long-tail batch: `--requests` task prompts (heavy-tailed sizes, so
-//!    heavy-tailed completion lengths), each capped by the model's positions;
+//!    job's tasks, so that it writes solutions and ends them with EOS, and keeps it in
+//!    `--run-dir` (a rerun loads it; the drafter of step 3 is kept there too);
+//! 2. builds the long-tail batch: `--requests` task prompts whose answer lengths are drawn
+//!    from a heavy-tailed law (`batch`), each capped by the model's positions, and prints
+//!    the completion lengths and the share of the plain rollout's time that its longest 10%
+//!    of sequences take alone;
 //! 3. runs it once with plain decoding, recording the drafter rows, and trains the drafter
 //!    (`[drafter]`) for `--drafter-slices` slices on exactly those rows;
-//! 4. runs it plainly and with a fixed K (its acceptance length is the one the threshold
-//!    uses), and derives the adaptive threshold from measured step costs: per sequences in
-//!    one group `b` = 1, 2, 4, …, the target's decode step, its verification of K+1
-//!    positions and the drafter's proposal (one thread, timed in turn, fastest of 9);
-//!    speculation pays at `b` while `acceptance × decode(b) > propose(b) + verify(b)`, and
-//!    the threshold is the live batch up to which the engine's groups hold at most the
-//!    largest such `b` (all smaller ones paying too; the engine merges small groups, see
-//!    `live_threshold`). The engine's own tokens/s per live-batch bucket are printed next to it,
-//!    with the threshold they would give (the largest bucket up to which the fixed-K run
-//!    was faster in every bucket: runs of a few milliseconds per bucket, too noisy on a
-//!    shared box to decide);
+//! 4. runs it plainly and with a fixed K (its acceptance length gives the drafter's
+//!    per-token acceptance, hence every K's), and derives the adaptive threshold from
+//!    measured step costs: per sequences in one group `b` = 1, 2, 4, … and every K the
+//!    bandit may choose, the target's decode step, its verification of K+1 positions and
+//!    the drafter's proposal (one thread, timed in turn, fastest of 9); speculation pays at
+//!    `b` while some K's `acceptance(K) × decode(b) > propose(b) + verify(b)` under the
+//!    bandit's exploration, and the threshold is the live batch up to which the engine's
+//!    groups hold at most the largest such `b` (all smaller ones paying too; the engine
+//!    merges small groups, see `live_threshold`). Per live-batch bucket, the plain and the
+//!    fixed-K runs' tokens/s are printed against what the step costs (fastest, and medians
+//!    of 9) predict for the very steps they ran (their step logs: kind, sequences, tokens,
+//!    compute), with the threshold the measured figures would give (the largest bucket up
+//!    to which the fixed-K run was faster in every bucket);
 //! 5. runs the batch `--reps` times per mode, each adaptive variant alternating with plain
 //!    runs: `adaptive` (the step-cost threshold, arms K ≥ 1) and `K=0 arm` (the whole long
 //!    tail, with a plain arm that lets the bandit learn per bucket whether to speculate,
@@ -38,6 +43,7 @@
 //!    group (verification of its rows, proposal) next to the chain's.
 
 mod batch;
+mod cache;
 mod costs;
 mod filler;
 
@@ -46,14 +52,19 @@ use std::time::Instant;
 use crate::cli::show::Terminal;
 use anyhow::{Context, bail};
 use batch::{long_tail_batch, parse_tree};
-use costs::{COST_REPS, engine_buckets, probe_context, step_cost_lines, threshold_of_buckets};
+use costs::{
+    COST_REPS, bucket_fits, fit_lines, median_step_costs, per_token_acceptance, probe_context,
+    step_cost_lines, tail_share, threshold_of_buckets,
+};
 use pipefill::config::JobConfig;
 use pipefill::model::checkpoint::Checkpoint;
 use pipefill::model::drafter::{DraftBufferHandle, DraftContext, Drafter, DrafterTrainer};
 use pipefill::model::infer::InferStage;
 use pipefill::model::{Cut, Gpt};
 use pipefill::profile::report::median;
-use pipefill::rl::calibrate::{MAX_CALIBRATION_BATCH, step_costs, threshold_per_group, tree_cost};
+use pipefill::rl::calibrate::{
+    MAX_CALIBRATION_BATCH, chain_acceptance, step_costs, threshold_per_group_explored, tree_cost,
+};
 use pipefill::rl::rollout::{
     AdaptiveConfig, MIN_GROUP_ROWS, Rollout, RolloutConfig, RolloutEngine, Speculation,
     live_threshold,
@@ -84,13 +95,24 @@ pub struct RolloutArgs {
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
-    /// Target training steps before the rollouts (ignored with `--init`).
+    /// Target training steps before the rollouts (when `--run-dir` holds no target).
     #[arg(long, default_value_t = 100)]
     steps: u64,
-    /// Take the target from a `pipefill train` run (its checkpoint and `[model]`) instead
-    /// of training one: benchmark your own model, or skip the training on a re-run.
-    #[arg(long, value_name = "RUN_DIR")]
-    init: Option<std::path::PathBuf>,
+    /// Where the target and its drafters are kept: a directory holding a target (a
+    /// `pipefill train` run, or an earlier bench's: its checkpoint and `[model]` win) is
+    /// loaded; otherwise the bench trains one and saves it there. Drafters are kept there
+    /// too, one per batch and setting, so reruns only measure. Remove it to retrain.
+    #[arg(
+        long,
+        alias = "init",
+        value_name = "RUN_DIR",
+        default_value = "runs/bench-rollout"
+    )]
+    run_dir: std::path::PathBuf,
+    /// Run the long tail through the stage threads too (the engine's default runs a lone
+    /// group through every stage on the driver's thread): to measure what that saves.
+    #[arg(long)]
+    threaded_tail: bool,
     /// Drafter training slices on the plain rollout's rows (self-distillation on the
     /// target's own generations). More slices raise the drafter's agreement and acceptance
     /// length, at a training cost that grows with `d_model` (docs/benchmarks.md).
@@ -155,13 +177,7 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
     let device = job.device.usable_on_local_rank(0)?;
     // With --json, stdout is the JSON alone: every line the bench shows goes to stderr.
     let mut out = Terminal::default().lines_to_stderr(a.json);
-    let init = match &a.init {
-        Some(dir) => {
-            let checkpoint = pipefill::run::rl::init_from(&mut job, dir, &mut out)?;
-            Some((dir.clone(), checkpoint))
-        }
-        None => None,
-    };
+    let init = cache::cached_target(&mut job, &a.run_dir, &mut out)?;
     // On the CPU a trained target keeps the `train.threads` threads it trained with for its
     // rollouts; a loaded target and the drafter get one thread. On a GPU everything shares
     // its one backend (one stream).
@@ -181,26 +197,28 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
     }
 }
 
-/// The bench on backend `B`: the target trained on `train` (or loaded from `init`, a run
-/// directory and its checkpoint, onto `one`), the rollouts and the drafter on `one`; what it
-/// measured goes to `out`.
+/// The bench on backend `B`: the target trained on `train` (or loaded onto it from `init`,
+/// the run directory's checkpoint), the drafter on `one`; what it measured goes to `out`.
 fn rollout_on<B: Backend>(
     a: RolloutArgs,
     job: JobConfig,
-    init: Option<(std::path::PathBuf, Checkpoint)>,
+    init: Option<Checkpoint>,
     train: B,
     one: B,
     out: &mut Terminal,
 ) -> anyhow::Result<()> {
     let t0 = Instant::now();
+    let dir = &a.run_dir;
     // Whichever target is used lives in one of these two.
     let (trainer, loaded);
     let (trained, model, origin): (u64, &Gpt<B>, String) = match init {
-        Some((dir, checkpoint)) => {
-            let mut model = Gpt::blank(&job.model, one.clone(), &Cut::Even(1))?;
+        Some(checkpoint) => {
+            // On the backend a trained target would have, so that cached and fresh runs
+            // measure the same rollouts.
+            let mut model = Gpt::blank(&job.model, train, &Cut::Even(1))?;
             checkpoint
                 .restore_model(&mut model, job.train.seed)
-                .with_context(|| format!("--init {}", dir.display()))?;
+                .with_context(|| format!("--run-dir {}", dir.display()))?;
             let step = checkpoint.meta.step;
             loaded = model;
             (
@@ -215,12 +233,14 @@ fn rollout_on<B: Backend>(
             for _ in 0..a.steps {
                 loss = t.train_step()?.loss;
             }
+            cache::save_target(&job, &mut t.checkpoint()?, dir)?;
             trainer = t;
             let origin = format!(
-                "trained {} steps on {:?} (last loss {loss:.3}) in {:.1} s",
+                "trained {} steps on {:?} (last loss {loss:.3}) in {:.1} s, kept in {}",
                 a.steps,
                 job.data.families,
-                t0.elapsed().as_secs_f64()
+                t0.elapsed().as_secs_f64(),
+                dir.display()
             );
             (a.steps, trainer.model(), origin)
         }
@@ -234,7 +254,9 @@ fn rollout_on<B: Backend>(
     ));
     let requests = long_tail_batch(&job, a.requests)?;
     let stages = InferStage::stages_of(model, &Cut::Even(a.stages))?;
-    let mut engine = RolloutEngine::new(stages)?.with_min_group_rows(a.min_group_rows);
+    let mut engine = RolloutEngine::new(stages)?
+        .with_min_group_rows(a.min_group_rows)
+        .with_inline_tail(!a.threaded_tail);
     let groups = a.groups.unwrap_or(a.stages).max(1);
     let cfg = |speculation, record_rows| RolloutConfig {
         groups,
@@ -248,13 +270,15 @@ fn rollout_on<B: Backend>(
     let lens: Vec<usize> = (0..requests.len())
         .map(|i| first.completion(i).len())
         .collect();
+    let median_len = median(lens.iter().map(|&l| l as f64));
+    let max_len = lens.iter().copied().max().unwrap_or(0);
     out.line(&format!(
-            "batch: {} sequences, completion lengths min {} median {} max {} (EOS or the {}-position cap)",
+            "batch: {} sequences, completion lengths min {} median {median_len} max {max_len} ({:.1}x the median; EOS or the {}-position cap); the longest 10% alone take {:.0}% of this plain rollout's time",
             requests.len(),
             lens.iter().min().unwrap_or(&0),
-            median(lens.iter().map(|&l| l as f64)),
-            lens.iter().max().unwrap_or(&0),
-            job.model.seq_len
+            max_len as f64 / median_len.max(1.0),
+            job.model.seq_len,
+            100.0 * tail_share(&first)
         ),
     );
     let mut drafter = Drafter::new(&job.model, &job.drafter, one.clone())?;
@@ -266,15 +290,28 @@ fn rollout_on<B: Backend>(
     }
     let t1 = Instant::now();
     let mut dtrainer = DrafterTrainer::new(drafter, buffer, 0, 1)?;
-    for _ in 0..a.drafter_slices {
-        dtrainer.slice()?;
-    }
+    let kept = cache::drafter_path(dir, &job, trained, &requests, a.drafter_slices);
+    let origin = match cache::cached_drafter(&kept)? {
+        Some(weights) => {
+            dtrainer.load_weights(&weights)?;
+            format!("loaded from {}", kept.display())
+        }
+        None => {
+            for _ in 0..a.drafter_slices {
+                dtrainer.slice()?;
+            }
+            cache::save_drafter(&kept, &dtrainer.weights()?)?;
+            format!(
+                "{} slices on those {} rows in {:.1} s",
+                a.drafter_slices,
+                first.rows.len(),
+                t1.elapsed().as_secs_f64()
+            )
+        }
+    };
     let agree = dtrainer.agreement(&first.rows)?;
     out.line(&format!(
-        "drafter: {} slices on those {} rows in {:.1} s, top-1 agreement with the target {:.1}%",
-        a.drafter_slices,
-        first.rows.len(),
-        t1.elapsed().as_secs_f64(),
+        "drafter: {origin}, top-1 agreement with the target {:.1}%",
         100.0 * agree
     ));
     // What a step costs per sequences in one group, measured piece by piece (one thread):
@@ -292,8 +329,27 @@ fn rollout_on<B: Backend>(
         hidden: &hidden,
         tokens: &tokens,
     };
-    let costs = step_costs(model, dtrainer.drafter_mut(), ctx, &[a.k], max_b, COST_REPS)?;
-    let propose_ms = costs.first().map_or(f64::NAN, |c| c.propose_ms);
+    // Every draft length the adaptive engine may choose (and the fixed run's): a short
+    // draft still pays at group sizes where verifying K = 4 costs too much.
+    let mut cost_ks = AdaptiveConfig::default().ks;
+    if !cost_ks.contains(&a.k) {
+        cost_ks.push(a.k);
+    }
+    let costs = step_costs(
+        model,
+        dtrainer.drafter_mut(),
+        ctx,
+        &cost_ks,
+        max_b,
+        COST_REPS,
+    )?;
+    let median_costs = median_step_costs(model, dtrainer.drafter_mut(), ctx, &cost_ks, max_b)?;
+    // The fixed run's chain at one sequence per group.
+    let chain = *costs
+        .iter()
+        .find(|c| c.batch == 1 && c.k == a.k)
+        .context("no step cost of one sequence")?;
+    let propose_ms = chain.propose_ms;
     out.line(&format!(
             "drafter: proposing K={} tokens for one sequence takes {propose_ms:.3} ms (fastest of {COST_REPS})",
             a.k
@@ -319,36 +375,38 @@ fn rollout_on<B: Backend>(
     let fixed_accept = median(fixed.iter().map(|r| r.stats.acceptance_length()));
     let (plain_tree, fixed_tree) = pair(&Speculation::Tree(shape))?;
     let tree_accept = median(fixed_tree.iter().map(|r| r.stats.acceptance_length()));
-    for (b, pr, fr) in engine_buckets(&plain0, &fixed) {
-        out.line(&format!(
-            "engine check: live ≤ {b:>3}: plain {pr:>9.1} tokens/s, fixed K={} {fr:>9.1} tokens/s",
-            a.k
-        ));
-    }
-    let per_group = threshold_per_group(&costs, |_| fixed_accept);
-    // The engine merges small groups: the live batch at which groups are still that small.
-    let threshold = live_threshold(per_group, (a.k + 1) as f64, groups, a.min_group_rows);
-    for line in step_cost_lines(&costs, fixed_accept) {
+    let fits = |runs: &[Rollout]| bucket_fits(runs, &costs, &median_costs);
+    let (plain_fits, fixed_fits) = (fits(&plain0), fits(&fixed));
+    for line in fit_lines(&plain_fits, &fixed_fits, a.k) {
         out.line(&line);
     }
-    if let Some(c) = costs.first() {
-        out.line(&format!(
-                "step costs:   1 per group: verify tree {tree_rows} rows {tree_verify_ms:>7.3} ms ({:.2}x), propose tree {tree_propose_ms:>6.3} ms: {:.2} ms per token at acceptance length {tree_accept:.2} (chain {:.2} at {fixed_accept:.2}; decode {:.2})",
-                tree_verify_ms / c.decode_ms,
-                (tree_verify_ms + tree_propose_ms) / tree_accept,
-                (c.verify_ms + c.propose_ms) / fixed_accept,
-                c.decode_ms
-            ),
-        );
+    // Each K's acceptance from the fixed run's: per-token acceptance α with
+    // 1 + α + … + α^K = its acceptance length.
+    let alpha = per_token_acceptance(fixed_accept, a.k);
+    let accept = |k: usize| chain_acceptance(alpha, k);
+    let epsilon = AdaptiveConfig::default().epsilon;
+    let per_group = threshold_per_group_explored(&costs, accept, epsilon, false);
+    // The engine merges small groups: the live batch at which groups are still that small.
+    let threshold = live_threshold(per_group, (a.k + 1) as f64, groups, a.min_group_rows);
+    for line in step_cost_lines(&costs, accept) {
+        out.line(&line);
     }
     out.line(&format!(
-            "threshold: speculate while live ≤ {threshold} (at most {per_group} per group, up to {groups} groups of at least {} rows; acceptance length {fixed_accept:.2} at K={})",
+            "step costs:   1 per group: verify tree {tree_rows} rows {tree_verify_ms:>7.3} ms ({:.2}x), propose tree {tree_propose_ms:>6.3} ms: {:.2} ms per token at acceptance length {tree_accept:.2} (chain {:.2} at {fixed_accept:.2}; decode {:.2})",
+            tree_verify_ms / chain.decode_ms,
+            (tree_verify_ms + tree_propose_ms) / tree_accept,
+            (chain.verify_ms + chain.propose_ms) / fixed_accept,
+            chain.decode_ms
+        ),
+    );
+    out.line(&format!(
+            "threshold: speculate while live ≤ {threshold} (at most {per_group} per group with some K of {cost_ks:?} paying under the bandit's exploration, up to {groups} groups of at least {} rows; acceptance length {fixed_accept:.2} at K={}, per-token acceptance {alpha:.2})",
             a.min_group_rows, a.k
         ),
     );
     // The engine's own figures decide the same threshold: the largest bucket up to which
     // the fixed-K run was faster than the plain one in every bucket.
-    let engine_threshold = threshold_of_buckets(&engine_buckets(&plain0, &fixed));
+    let engine_threshold = threshold_of_buckets(&plain_fits, &fixed_fits);
     out.line(&format!(
         "threshold from the engine's per-bucket tokens/s: speculate while live ≤ {engine_threshold}"
     ));
@@ -433,6 +491,9 @@ fn rollout_on<B: Backend>(
             "adaptive_overall_tokens_per_s": m(&adapt, &tps),
             "overall_speedup": m(&adapt, &tps) / m(&plain, &tps),
             "plain_tail_s": m(&plain, &tail_s),
+            "plain_tail_share": m(&plain, &tail_share),
+            "completion_lengths": json!({"median": median_len, "max": max_len}),
+            "buckets": json!({"plain": plain_fits, "fixed": fixed_fits}),
             "adaptive_tail_s": m(&adapt, &tail_s),
             "adaptive_mode": runs[HEADLINE].0,
             "variants": runs.iter().zip(&speedups).map(|(r, s)| json!({
@@ -447,6 +508,7 @@ fn rollout_on<B: Backend>(
             "propose_ms": propose_ms,
             "fixed_propose_ms_per_verification": m(&fixed, &propose_round_ms),
             "step_costs": costs,
+            "median_step_costs": median_costs,
             "k_choices": ks,
             "identical_outputs": identical,
             "requests": requests.len(),
@@ -500,6 +562,11 @@ fn rollout_on<B: Backend>(
             a.k,
             m(&fixed, &propose_round_ms)
         );
+        println!(
+            "the longest 10% of sequences take {:.0}% of the plain rollout's time (median of {} runs)",
+            100.0 * m(&plain, &tail_share),
+            plain.len()
+        );
         println!("adaptive K choices (last run, K: count): {ks:?}");
         println!("greedy outputs identical across modes: {identical}");
     }
@@ -516,9 +583,11 @@ fn rollout_on<B: Backend>(
 /// K+1 positions costs little more than a decode step; at `d_model` 256 the weights fit the
 /// L3 of the reference machine and verification costs more (docs/benchmarks.md, "The
 /// rollout bench's job"): `--set model.d_model=256` to compare.
+/// 192 positions, so that the batch's long answers (`batch`) run to ~10x the median: the
+/// long tail of reasoning rollouts, where a few sequences decode for most of the time.
 /// Proposals attend to the last 8 target pairs (the drafter trains on windows of at most
-/// 16). A longer tail: `--set model.seq_len=192` (completion lengths up to ~160, not 47).
-const BENCH_SETS: &[&str] = &["model.d_model=512", "drafter.window=8"];
+/// 16).
+const BENCH_SETS: &[&str] = &["model.d_model=512", "model.seq_len=192", "drafter.window=8"];
 
 /// The arms of the bandit that also chooses plain decoding (K = 0) per bucket.
 const PLAIN_ARM_KS: &[usize] = &[0, 1, 2, 4, 6];

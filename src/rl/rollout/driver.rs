@@ -5,41 +5,28 @@
 //! that the stages' idle time in the long tail can train on it while the rollout runs.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::Arc;
 use std::sync::mpsc::{Receiver, Sender};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::pipe::{Done, MessageHook, Msg, WorkKind};
-use super::{LivePoint, Request, Rollout, RolloutConfig, RolloutError, RolloutStats, Speculation};
+use super::pipe::{Done, MessageHook, Msg, WorkKind, run_inline};
+use super::seq::{Seq, contexts, draft_row};
+use super::{
+    LivePoint, Request, Rollout, RolloutConfig, RolloutError, RolloutStats, Speculation, StepRecord,
+};
 use crate::data::SplitMix64;
 use crate::model::ModelError;
-use crate::model::drafter::{DraftChain, DraftContext, DraftRow, DraftTree, TreeShape};
-use crate::model::infer::{Compaction, Span, TreeStep};
+use crate::model::drafter::{DraftChain, DraftTree, TreeShape};
+use crate::model::infer::{Compaction, InferStage, Span, TreeStep};
 use crate::rl::accept::{accept_greedy, accept_sampling, argmax, sample, softmax};
 use crate::rl::bandit::KBandit;
 use crate::rl::speculative::ProposeError;
 use crate::rl::speculative::Proposer;
 use crate::rl::tree::{accept_tree_greedy, accept_tree_sampling};
-use crate::tensor::{Backend, IGNORE_TARGET};
+use crate::tensor::Backend;
 
 /// Fraction of the batch still live when the long tail starts.
 const TAIL_FRACTION: f64 = 0.25;
-
-struct Seq {
-    tokens: Vec<u32>,
-    prompt: usize,
-    /// Longest the sequence may grow (prompt + max_new, at most the model's positions).
-    cap: usize,
-    done: bool,
-    /// Final hidden states of positions `0..tokens.len() - 1`, `[.., d_model]`.
-    hidden: Vec<f32>,
-    /// Target distributions of the same positions (only when recording rows).
-    probs: Vec<f32>,
-    rng: SplitMix64,
-    /// The stages' caches still hold a verified tree's other branches: the next step
-    /// keeps only the accepted path.
-    compact: Option<Compaction>,
-}
 
 struct InFlight {
     members: Vec<usize>,
@@ -52,6 +39,12 @@ struct InFlight {
     choice: Option<usize>,
     /// Driver time spent drafting for this step.
     drafting: Duration,
+    /// When it left the driver (drafting done), the live batch then, its kind and the
+    /// groups in flight with it (for its [`StepRecord`]).
+    launched: Instant,
+    live: usize,
+    kind: WorkKind,
+    in_flight: usize,
 }
 
 pub(super) struct Driver<'a> {
@@ -72,6 +65,9 @@ pub(super) struct Driver<'a> {
     /// Positions per sequence of the last decode or verification step launched: what the
     /// next steps will likely carry (1 for plain decoding, K+1 for a verification).
     rows_per_seq: f64,
+    steps: Vec<StepRecord>,
+    /// Compute time per stage of the steps run on this thread ([`run_inline`]).
+    inline_busy: Vec<Duration>,
 }
 
 impl<'a> Driver<'a> {
@@ -112,6 +108,8 @@ impl<'a> Driver<'a> {
             hook: None,
             min_rows,
             rows_per_seq: 1.0,
+            steps: Vec::new(),
+            inline_busy: Vec::new(),
         }
     }
 
@@ -125,13 +123,18 @@ impl<'a> Driver<'a> {
         self.seqs.iter().filter(|s| !s.done).count()
     }
 
+    /// Generates until every sequence is done: steps go to the stage threads through
+    /// `first` and come back on `results`; with `inline`, a step that would be the only
+    /// group in flight runs through those stages on this thread instead.
     pub(super) fn run<B: Backend>(
         &mut self,
         first: &Sender<Msg<B>>,
         results: &Receiver<Result<Done, ModelError>>,
+        inline: Option<&[Mutex<&mut InferStage<B>>]>,
         mut proposer: Option<&mut dyn Proposer>,
     ) -> Result<(), RolloutError> {
         self.start = Instant::now();
+        self.inline_busy = vec![Duration::ZERO; inline.map_or(0, <[_]>::len)];
         let live: Vec<usize> = (0..self.seqs.len())
             .filter(|&i| !self.seqs[i].done)
             .collect();
@@ -151,21 +154,46 @@ impl<'a> Driver<'a> {
         self.point();
         loop {
             let groups = self.groups_for(self.live());
+            // The result of a step run on this thread.
+            let mut lone = None;
             while in_flight.len() < groups {
                 let Some(members) = ready.pop_front() else {
                     break;
                 };
-                let f = self.launch(first, next_id, members, proposer.as_deref_mut())?;
+                let (mut f, msg) = self.launch(next_id, members, proposer.as_deref_mut())?;
+                f.in_flight = in_flight.len() + 1;
+                match inline {
+                    // Nothing to overlap it with: the stages would run it one after another.
+                    Some(stages) if in_flight.is_empty() && ready.is_empty() => {
+                        lone = Some(run_inline(stages, msg, &mut self.inline_busy)?);
+                    }
+                    _ => first.send(msg).map_err(|_| RolloutError::Stopped)?,
+                }
                 in_flight.insert(next_id, f);
                 next_id += 1;
             }
             if in_flight.is_empty() {
                 return Ok(());
             }
-            let done = results.recv().map_err(|_| RolloutError::Stopped)??;
+            let done = match lone {
+                Some(done) => done,
+                None => results.recv().map_err(|_| RolloutError::Stopped)??,
+            };
             let f = in_flight.remove(&done.group).ok_or(RolloutError::Stopped)?;
             let clock = Instant::now();
+            let tokens = self.stats.tokens;
             let (alive, finished) = self.absorb(&f, &done);
+            self.steps.push(StepRecord {
+                t: self.start.elapsed().as_secs_f64(),
+                live: f.live,
+                sequences: f.members.len(),
+                kind: f.kind,
+                emitted: self.stats.tokens - tokens,
+                in_flight: f.in_flight,
+                drafting_s: f.drafting.as_secs_f64(),
+                compute_s: done.spent.as_secs_f64(),
+                latency_s: (clock - f.launched).as_secs_f64(),
+            });
             self.stats.absorb_s += clock.elapsed().as_secs_f64();
             self.point();
             if !finished.is_empty() {
@@ -210,14 +238,14 @@ impl<'a> Driver<'a> {
         });
     }
 
-    /// Sends one step of `members`: prefill, decode or (speculation on) verification.
+    /// One step of `members` (prefill, decode or, speculation on, verification): what the
+    /// driver keeps of it, and the message that runs it.
     fn launch<'p, B: Backend>(
         &mut self,
-        first: &Sender<Msg<B>>,
         group: usize,
         members: Vec<usize>,
         proposer: Option<&mut (dyn Proposer + 'p)>,
-    ) -> Result<InFlight, RolloutError> {
+    ) -> Result<(InFlight, Msg<B>), RolloutError> {
         let mut drafting = Duration::ZERO;
         let prefill = members.iter().all(|&i| self.seqs[i].hidden.is_empty());
         let live = self.live();
@@ -317,25 +345,28 @@ impl<'a> Driver<'a> {
         };
         let tree = (!step.parents.is_empty() || !step.compact.is_empty()).then_some(step);
         tracing::trace!(group, ?kind, sequences = members.len(), "rollout step");
-        first
-            .send(Msg::Work {
-                group,
-                kind,
-                spans: spans.clone(),
-                ids,
-                hidden: None,
-                tree,
-                spent: Duration::ZERO,
-            })
-            .map_err(|_| RolloutError::Stopped)?;
-        Ok(InFlight {
+        let msg = Msg::Work {
+            group,
+            kind,
+            spans: spans.clone(),
+            ids,
+            hidden: None,
+            tree,
+            spent: Duration::ZERO,
+        };
+        let f = InFlight {
             members,
             spans,
             drafts,
             trees,
             choice,
             drafting,
-        })
+            launched: Instant::now(),
+            live,
+            kind,
+            in_flight: 1,
+        };
+        Ok((f, msg))
     }
 
     /// Checks the proposer's trees and prunes each to what its sequence has room for: no
@@ -503,6 +534,9 @@ impl<'a> Driver<'a> {
         let mut stats = self.stats;
         stats.seconds = self.start.elapsed().as_secs_f64();
         stats.stage_busy_s = stage_busy_s;
+        for (busy, inline) in stats.stage_busy_s.iter_mut().zip(&self.inline_busy) {
+            *busy += inline.as_secs_f64();
+        }
         let n = self.seqs.len();
         let tail_live = ((n as f64 * TAIL_FRACTION).floor() as usize).max(1);
         let tail = self.curve.iter().find(|p| p.live <= tail_live);
@@ -529,43 +563,9 @@ impl<'a> Driver<'a> {
             rows,
             stats,
             live_curve: self.curve,
+            steps: self.steps,
             choices: bandit.as_mut().map(KBandit::take_log).unwrap_or_default(),
         };
         (rollout, bandit)
     }
-}
-
-/// A sequence's drafter-training row: its final hidden states, next tokens and target
-/// distributions (`None` before it has two tokens).
-fn draft_row(s: &Seq, d: usize, v: usize, step: u64) -> Option<DraftRow> {
-    if s.tokens.len() <= 1 {
-        return None;
-    }
-    // Position p's hidden state predicts token p + 1; the last token was never fed.
-    let len = (s.tokens.len() - 1).min(s.hidden.len() / d);
-    let mut targets: Vec<u32> = s.tokens[1..=len].to_vec();
-    if targets.is_empty() {
-        targets.push(IGNORE_TARGET);
-    }
-    Some(DraftRow {
-        hidden: s.hidden[..len * d].to_vec(),
-        targets,
-        probs: s.probs[..len * v].to_vec(),
-        step,
-    })
-}
-
-/// What the proposer sees of sequences `members` (see [`DraftContext`]).
-fn contexts<'s>(seqs: &'s [Seq], members: &[usize], d: usize) -> Vec<DraftContext<'s>> {
-    members
-        .iter()
-        .map(|&i| {
-            let s = &seqs[i];
-            let n = s.tokens.len() - 1;
-            DraftContext {
-                hidden: &s.hidden[..n * d],
-                tokens: &s.tokens[1..],
-            }
-        })
-        .collect()
 }

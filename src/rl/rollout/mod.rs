@@ -5,7 +5,11 @@
 //! driver (this module, on the calling thread: the rank that holds the final hidden states
 //! and the drafter) keeps up to `groups` groups of sequences in flight, one behind another,
 //! so that while stage 2 works on group A stage 1 already works on group B. Everything runs
-//! in one process; the stage-to-stage messages are channels, not the actor transport.
+//! in one process; the stage-to-stage messages are channels, not the actor transport. When
+//! only one group is in flight (the long tail) there is nothing to overlap, so by default the
+//! driver runs its step through every stage's layers itself ([`RolloutEngine::with_inline_tail`]).
+//! Every step goes into the rollout's step log ([`StepRecord`]), which `pipefill bench
+//! rollout` checks against the measured step costs.
 //!
 //! One step of a group is prefill (the prompts), decode (one position per sequence) or
 //! verification (the last token plus K drafted ones, K+1 positions, in one pass); see
@@ -22,11 +26,12 @@
 mod driver;
 pub mod idle;
 mod pipe;
+mod seq;
 
 pub use pipe::{IdleTurn, MessageHook, WorkKind};
 
-use std::sync::Arc;
 use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
 
 use serde::Serialize;
 
@@ -202,6 +207,29 @@ pub struct LivePoint {
     pub tokens: usize,
 }
 
+/// One group step as the driver saw it: what the bench's per-bucket cost model is checked
+/// against (which step ran at which live batch, and what it cost).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct StepRecord {
+    /// Seconds since the rollout started when its results came back.
+    pub t: f64,
+    /// Live sequences when it was launched.
+    pub live: usize,
+    /// Sequences in the step.
+    pub sequences: usize,
+    pub kind: WorkKind,
+    /// Tokens it emitted.
+    pub emitted: usize,
+    /// Groups in flight once it was launched (itself included).
+    pub in_flight: usize,
+    /// Driver time drafting for it.
+    pub drafting_s: f64,
+    /// Compute time of every stage on it (not its time queued behind other groups).
+    pub compute_s: f64,
+    /// From its launch (drafting done) to its results.
+    pub latency_s: f64,
+}
+
 /// Figures of one rollout.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct RolloutStats {
@@ -214,7 +242,7 @@ pub struct RolloutStats {
     pub verifications: usize,
     pub drafted: usize,
     pub accepted: usize,
-    /// Compute time of each stage thread (the rest is idle: bubbles).
+    /// Compute time of each stage, on its thread or the driver's (the rest is idle: bubbles).
     pub stage_busy_s: Vec<f64>,
     /// The long tail: from the first moment at most a quarter of the batch is live.
     pub tail_start_s: f64,
@@ -254,6 +282,8 @@ pub struct Rollout {
     pub rows: Vec<DraftRow>,
     pub stats: RolloutStats,
     pub live_curve: Vec<LivePoint>,
+    /// Every group step, in the order their results came back.
+    pub steps: Vec<StepRecord>,
     /// The bandit's choices (adaptive speculation).
     pub choices: Vec<Choice>,
 }
@@ -273,6 +303,9 @@ pub struct RolloutEngine<B: Backend> {
     /// only a few choices per live-batch bucket, too few to leave exploration.
     bandit: Option<KBandit>,
     min_group_rows: usize,
+    /// Whether a lone group runs through every stage on the driver's thread (see
+    /// [`RolloutEngine::with_inline_tail`]).
+    inline_tail: bool,
 }
 
 impl<B: Backend> RolloutEngine<B> {
@@ -295,6 +328,7 @@ impl<B: Backend> RolloutEngine<B> {
             hook: None,
             bandit: None,
             min_group_rows: MIN_GROUP_ROWS,
+            inline_tail: true,
         })
     }
 
@@ -314,6 +348,17 @@ impl<B: Backend> RolloutEngine<B> {
     /// (default [`MIN_GROUP_ROWS`]; 1: as many groups as `groups` allows, however small).
     pub fn with_min_group_rows(mut self, rows: usize) -> Self {
         self.min_group_rows = rows.max(1);
+        self
+    }
+
+    /// Whether a step that would be the only group in flight (the long tail) runs through
+    /// every stage's layers on the driver's thread instead of crossing the stage threads
+    /// (default on; never with a hook, whose routing and idle work live on the stage
+    /// threads). With one group in flight the stages run one after another anyway, so the
+    /// pipeline gains nothing and each hand-off costs a thread wake-up, which on a loaded
+    /// machine waits for a core (docs/benchmarks.md, "Reaching the cost model").
+    pub fn with_inline_tail(mut self, on: bool) -> Self {
+        self.inline_tail = on;
         self
     }
 
@@ -352,6 +397,11 @@ impl<B: Backend> RolloutEngine<B> {
             _ => None,
         };
         let (drv_tx, drv_rx) = mpsc::channel();
+        let inline = self.inline_tail && hook.is_none();
+        // Each stage thread holds its stage's lock only while it runs a message, so that
+        // the driver can run a lone group through all of them in turn.
+        let stages: Vec<Mutex<&mut InferStage<B>>> =
+            self.stages.iter_mut().map(Mutex::new).collect();
         std::thread::scope(|scope| {
             let (mut txs, mut rxs) = (Vec::new(), Vec::new());
             for _ in 0..n_stages {
@@ -359,9 +409,8 @@ impl<B: Backend> RolloutEngine<B> {
                 txs.push(tx);
                 rxs.push(rx);
             }
-            let handles: Vec<_> = self
-                .stages
-                .iter_mut()
+            let handles: Vec<_> = stages
+                .iter()
                 .zip(rxs)
                 .enumerate()
                 .map(|(i, (stage, rx))| {
@@ -383,7 +432,8 @@ impl<B: Backend> RolloutEngine<B> {
                 self.min_group_rows,
             )
             .with_hook(hook.clone());
-            let result = driver.run(&first, &drv_rx, proposer);
+            let inline = inline.then_some(stages.as_slice());
+            let result = driver.run(&first, &drv_rx, inline, proposer);
             drop(first);
             let busy: Vec<f64> = handles
                 .into_iter()

@@ -18,9 +18,15 @@
 //!
 //! The stage's compute (what the rollout measures as busy) is its messages' forwards; idle
 //! work is the hook's to time and record.
+//!
+//! A step that is the only group in flight may instead run through every stage on the
+//! driver's thread ([`run_inline`]): the stages would run one after another anyway, and
+//! each hand-off between threads is a wake-up that, on a machine with fewer cores than
+//! threads, waits for a core. Each stage sits behind a lock that its thread holds only
+//! while it runs a message.
 
-use std::sync::Arc;
 use std::sync::mpsc::{Receiver, Sender, TryRecvError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use crate::model::drafter::DraftRow;
@@ -119,10 +125,12 @@ pub(crate) struct Done {
     pub spent: Duration,
 }
 
-/// Runs stage `index` until its inbox closes; returns the time it spent computing.
+/// Runs stage `index` until its inbox closes; returns the time it spent computing. The
+/// stage is locked only while a message runs (the driver may run a lone group through it
+/// in between: [`run_inline`]).
 pub(crate) fn stage_loop<B: Backend>(
     index: usize,
-    stage: &mut InferStage<B>,
+    stage: &Mutex<&mut InferStage<B>>,
     inbox: Receiver<Msg<B>>,
     next: Option<Sender<Msg<B>>>,
     driver: Sender<Result<Done, ModelError>>,
@@ -169,7 +177,7 @@ pub(crate) fn stage_loop<B: Backend>(
             continue;
         };
         let t = Instant::now();
-        let sent = run(stage, work, &out);
+        let sent = run(&mut lock(stage), work, &out);
         let end = Instant::now();
         busy += end - t;
         if let (Some(h), true) = (&hook, picked) {
@@ -196,11 +204,12 @@ fn intake<B: Backend>(
     hook: &Option<Arc<dyn MessageHook>>,
     index: usize,
     routed: &mut Vec<(usize, Msg<B>)>,
-    stage: &mut InferStage<B>,
+    stage: &Mutex<&mut InferStage<B>>,
     next: &Option<Sender<Msg<B>>>,
 ) -> Option<Msg<B>> {
     match msg {
         Msg::Release(slots) => {
+            let mut stage = lock(stage);
             slots.iter().for_each(|&s| stage.release(s));
             if let Some(n) = next {
                 let _ = n.send(Msg::Release(slots));
@@ -224,6 +233,66 @@ fn intake<B: Backend>(
             Some(msg)
         }
     }
+}
+
+/// A stage's lock (poisoned only by a panic, which ends the rollout anyway).
+fn lock<'a, 'b, B: Backend>(
+    stage: &'a Mutex<&'b mut InferStage<B>>,
+) -> MutexGuard<'a, &'b mut InferStage<B>> {
+    stage.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Runs work message `msg` through every stage in turn on the calling thread, adding each
+/// stage's compute time to `busy`: what the stage threads would have done, without their
+/// hand-offs.
+pub(crate) fn run_inline<B: Backend>(
+    stages: &[Mutex<&mut InferStage<B>>],
+    msg: Msg<B>,
+    busy: &mut [Duration],
+) -> Result<Done, ModelError> {
+    let Msg::Work {
+        group,
+        spans,
+        ids,
+        tree,
+        mut spent,
+        ..
+    } = msg
+    else {
+        return Err(ModelError::Input {
+            stage: 0,
+            mb: 0,
+            reason: "only work runs inline".into(),
+        });
+    };
+    let mut hidden = None;
+    for (s, stage) in stages.iter().enumerate() {
+        let input = match hidden.take() {
+            Some(h) => StageInput::Hidden(h),
+            None => StageInput::Tokens(&ids),
+        };
+        let t = Instant::now();
+        let out = lock(stage).forward_with(&spans, tree.as_ref(), input);
+        let took = t.elapsed();
+        busy[s] += took;
+        spent += took;
+        match out? {
+            StageOutput::Hidden(h) => hidden = Some(h),
+            StageOutput::Final { logits, hidden } => {
+                return Ok(Done {
+                    group,
+                    logits,
+                    hidden,
+                    spent,
+                });
+            }
+        }
+    }
+    Err(ModelError::Input {
+        stage: stages.len().saturating_sub(1),
+        mb: group,
+        reason: "the last stage has no LM head".into(),
+    })
 }
 
 /// Runs one work message through the stage and sends the result on; `false` when the
