@@ -7,6 +7,11 @@
 //! be in flight, and the I and W of different micro-batches may interleave in any order the
 //! schedule chooses.
 //!
+//! With activation recomputation ([`ModelChunk::set_recompute`], [`super::recompute`]) a
+//! `full` chunk keeps only each block's input from F and runs the block's forward again in
+//! I, just before the block's I; `selective` leaves that to attention. Either way the
+//! results are bitwise those without.
+//!
 //! The last chunk can also hand copies of what its forward computes anyway (final hidden
 //! states, next-token distributions) to the drafter's training buffer
 //! ([`ModelChunk::set_draft_sink`]); that changes no result.
@@ -17,8 +22,8 @@ use std::ops::Range;
 use serde::{Deserialize, Serialize};
 
 use super::drafter::DraftBufferHandle;
-use super::layers::{Block, Embedding, Head, Layer, RmsNorm};
-use super::{GptConfig, ModelError, Param, Result};
+use super::layers::{Block, Embedding, Head, Held, Layer, RmsNorm};
+use super::{GptConfig, ModelError, Param, Recompute, Result};
 use crate::tensor::Backend;
 
 /// Shape of one micro-batch: `batch` sequences of `seq ≤ config.seq_len` tokens.
@@ -136,6 +141,10 @@ pub struct ModelChunk<B: Backend> {
     final_norm: Option<RmsNorm<B>>,
     head: Option<Head<B>>,
     in_flight: HashMap<usize, (Shape, Phase)>,
+    recompute: Recompute,
+    /// `Recompute::Full`: each in-flight micro-batch's block inputs, first block first,
+    /// until its I.
+    block_inputs: HashMap<usize, Vec<B::Buf>>,
     /// Where the last chunk copies its training forwards' hidden states and distributions.
     draft_sink: Option<DraftBufferHandle>,
 }
@@ -182,6 +191,8 @@ impl<B: Backend> ModelChunk<B> {
             final_norm,
             head,
             in_flight: HashMap::new(),
+            recompute: Recompute::None,
+            block_inputs: HashMap::new(),
             draft_sink: None,
             be: backend,
         };
@@ -269,6 +280,40 @@ impl<B: Backend> ModelChunk<B> {
         }
     }
 
+    /// Sets what this chunk's forwards keep and its I's recompute ([`Recompute`]); only
+    /// between steps (no micro-batch in flight), since a micro-batch's I must find what its
+    /// F kept.
+    pub fn set_recompute(&mut self, recompute: Recompute) -> Result<()> {
+        if let Some(&mb) = self.in_flight.keys().next() {
+            let reason = "cannot change recomputation while micro-batches are in flight";
+            return Err(self.input_err(mb, reason.into()));
+        }
+        for block in &mut self.blocks {
+            block
+                .attn
+                .set_recompute_core(recompute == Recompute::Selective);
+        }
+        self.recompute = recompute;
+        Ok(())
+    }
+
+    /// What this chunk's forwards keep and its I's recompute.
+    pub fn recompute(&self) -> Recompute {
+        self.recompute
+    }
+
+    /// Elements the blocks hold for the micro-batches in flight: from F for I (the block
+    /// inputs a `full` chunk keeps included), and from I for W. The embedding's and the
+    /// head's stashes are not counted (recomputation leaves them as they are).
+    pub fn held(&self) -> Held {
+        let inputs = self.block_inputs.values().flatten().map(|x| self.be.len(x));
+        let kept = Held {
+            for_i: inputs.sum(),
+            for_w: 0,
+        };
+        self.blocks.iter().map(|b| b.held(&self.be)).sum::<Held>() + kept
+    }
+
     /// Micro-batches forwarded whose W has not run yet.
     pub fn in_flight(&self) -> usize {
         self.in_flight.len()
@@ -344,8 +389,20 @@ impl<B: Backend> ModelChunk<B> {
         targets: Option<&[u32]>,
     ) -> Result<ChunkOutput<B>> {
         self.in_flight.insert(mb, (shape, Phase::Forwarded));
+        let full = self.recompute == Recompute::Full;
+        let mut inputs = Vec::new();
         for block in &mut self.blocks {
-            x = block.forward(be, mb, &x, shape)?;
+            let y = block.forward(be, mb, &x, shape)?;
+            if full {
+                // Only the input stays; I runs this forward again.
+                block.discard(mb);
+                inputs.push(std::mem::replace(&mut x, y));
+            } else {
+                x = y;
+            }
+        }
+        if full {
+            self.block_inputs.insert(mb, inputs);
         }
         let (Some(norm), Some(head)) = (&mut self.final_norm, &mut self.head) else {
             return Ok(ChunkOutput::Hidden(x));
@@ -402,7 +459,17 @@ impl<B: Backend> ModelChunk<B> {
                 return Err(self.input_err(mb, reason.into()));
             }
         };
+        let mut inputs = match self.recompute {
+            Recompute::Full => match self.block_inputs.remove(&mb) {
+                Some(inputs) if inputs.len() == self.blocks.len() => Some(inputs),
+                _ => return Err(self.order_err(mb, "backward_input", "forward")),
+            },
+            _ => None,
+        };
         for block in self.blocks.iter_mut().rev() {
+            if let Some(x) = inputs.as_mut().and_then(|i| i.pop()) {
+                block.forward(&be, mb, &x, shape)?;
+            }
             dy = block.backward_input(&be, mb, &dy)?;
         }
         self.in_flight.insert(mb, (shape, Phase::InputDone));
@@ -446,6 +513,7 @@ impl<B: Backend> ModelChunk<B> {
     /// Forgets micro-batch `mb` (after an evaluation-only forward, or an aborted step).
     pub fn discard(&mut self, mb: usize) {
         self.in_flight.remove(&mb);
+        self.block_inputs.remove(&mb);
         if let Some(e) = &mut self.embed {
             e.discard(mb);
         }
@@ -458,9 +526,11 @@ impl<B: Backend> ModelChunk<B> {
         }
     }
 
-    /// Number of layer stashes held (0 once every micro-batch's W has run).
+    /// Number of layer stashes held, a `full` chunk's kept block inputs counted as one per
+    /// micro-batch (0 once every micro-batch's W has run).
     pub fn stashed(&self) -> usize {
-        self.embed.as_ref().map_or(0, |e| e.stashed())
+        self.block_inputs.len()
+            + self.embed.as_ref().map_or(0, |e| e.stashed())
             + self.blocks.iter().map(|b| b.stashed()).sum::<usize>()
             + self.final_norm.as_ref().map_or(0, |n| n.stashed())
             + self.head.as_ref().map_or(0, |h| h.stashed())

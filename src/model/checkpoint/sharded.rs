@@ -145,13 +145,15 @@ impl Fnv1a {
 
 /// The fingerprint of the job settings that decide a run's trajectory: the model, the data
 /// and the training hyper-parameters, except the step count (a resumed run may be asked to
-/// go further), the CPU threads and the evaluation size (neither changes an update). The
+/// go further), the CPU threads, the evaluation size and the recomputation (none changes an
+/// update). The
 /// schedule and the rank counts are checked apart, as the manifest's [`Layout`].
 pub fn job_fingerprint(job: &crate::config::JobConfig) -> String {
     let train = crate::train::TrainConfig {
         steps: 0,
         threads: 0,
         eval_tasks: 0,
+        recompute: Default::default(),
         ..job.train.clone()
     };
     let json = serde_json::to_vec(&(&job.model, &job.data, &train))
