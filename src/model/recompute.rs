@@ -56,30 +56,44 @@ impl Recompute {
     /// Elements per token that one block holds in this mode, for sequences of `seq`
     /// positions ([`BlockStash`]).
     pub fn block_stash(self, config: &GptConfig, seq: usize) -> BlockStash {
-        let d = config.d_model as u64;
-        let kv = config.kv_dim() as u64;
-        let hidden = config.mlp_hidden() as u64;
-        let gated = config.activation.is_gated();
-        let probs = (config.heads * seq) as u64;
+        // Saturating: a size too large to count is the memory estimate's error to name.
+        let n = |x: usize| x as u64;
+        let (d, kv, hidden) = (
+            n(config.d_model),
+            n(config.kv_dim()),
+            n(config.mlp_hidden()),
+        );
+        let gate = if config.activation.is_gated() {
+            hidden
+        } else {
+            0
+        };
+        let probs = n(config.heads).saturating_mul(n(seq));
+        let sum = |xs: &[u64]| xs.iter().fold(0u64, |a, &x| a.saturating_add(x));
+        let times = |k: u64, x: u64| x.saturating_mul(k);
         // RMSNorm: its input and one rstd per row; attention: its input, q, k, v (k and v
         // repeated to `heads`), probabilities and output; the MLP: its input, `x·W1` and
         // the activation (and when gated silu(x·W1) and the up projection).
-        let norms = 2 * (d + 1);
-        let attn_core = probs + d;
-        let attn = 4 * d + attn_core;
-        let mlp = d + 2 * hidden + if gated { 2 * hidden } else { 0 };
-        let all = norms + attn + mlp;
+        let norms = times(2, d.saturating_add(1));
+        let attn_core = sum(&[probs, d]);
+        let attn = sum(&[times(4, d), attn_core]);
+        let mlp = sum(&[d, times(2, hidden), times(2, gate)]);
+        let all = sum(&[norms, attn, mlp]);
         // W: each norm its input, rstd and output gradient; attention its input, output,
         // output gradient and the projections' gradients (k, v at kv width); the MLP its
         // input, the activation, the gradients of `x·W1` (and of the up projection) and its
         // output gradient.
-        let for_w = 2 * (2 * d + 1)
-            + (4 * d + 2 * kv)
-            + (2 * d + 2 * hidden)
-            + if gated { hidden } else { 0 };
+        let for_w = sum(&[
+            times(2, times(2, d).saturating_add(1)),
+            times(4, d),
+            times(2, kv),
+            times(2, d),
+            times(2, hidden),
+            gate,
+        ]);
         let (forward, transient) = match self {
             Recompute::None => (all, 0),
-            Recompute::Selective => (all - attn_core, attn_core),
+            Recompute::Selective => (all.saturating_sub(attn_core), attn_core),
             Recompute::Full => (d, all),
         };
         BlockStash {
@@ -109,6 +123,24 @@ impl Recompute {
             Recompute::None => 0.0,
             Recompute::Selective => core / block,
             Recompute::Full => 1.0,
+        }
+    }
+}
+
+impl Recompute {
+    /// This mode's cost and saving as shares of a stage's forward, for the schedule's cost
+    /// model ([`pipefill_schedules::Recomputation`]): the forward keeps its share of the
+    /// blocks' stash, and I reruns [`Recompute::rerun_share`] of the forward.
+    pub fn recomputation(
+        self,
+        config: &GptConfig,
+        seq: usize,
+    ) -> pipefill_schedules::Recomputation {
+        let none = Recompute::None.block_stash(config, seq).forward.max(1) as f64;
+        pipefill_schedules::Recomputation {
+            name: self.name().into(),
+            keep: self.block_stash(config, seq).forward as f64 / none,
+            rerun: self.rerun_share(config, seq),
         }
     }
 }
