@@ -145,7 +145,10 @@ pub(crate) fn auto_cmd(args: AutoArgs, limit: &MemoryLimit) -> Result<()> {
         j["microbatches"] = json!(plan.microbatches);
         j["placement"] = json!(plan.placement.name());
         j["cost"] = json!(auto_spec.describe());
-        j["recompute"] = json!(chosen.as_ref().map_or("none", |r| r.name.as_str()));
+        // Only with recomputation: otherwise the object is simulate's, key for key.
+        if let Some(r) = &chosen {
+            j["recompute"] = json!(r.name);
+        }
         return emit(&(serde_json::to_string_pretty(&j)? + "\n"));
     }
 
