@@ -124,10 +124,9 @@ mod tests {
             let plan = crate::auto::greedy::schedule(&shape, &cost, 0.7, &knobs).unwrap();
             let peaks = peak_memory(&plan, &cost);
             assert!(peaks.iter().all(|&p| p <= 0.7 + 1e-9), "{depth}: {peaks:?}");
-            assert!(
-                peaks.iter().any(|&p| p > 0.5),
-                "{depth}: {peaks:?}: no I raised it"
-            );
+            // Every rank held an I's W stash (m_w = 0.5), more than its forwards alone ever
+            // could (at most depth · m_b = 0.4): the I's growth is counted.
+            assert!(peaks.iter().all(|&p| p >= 0.5 - 1e-9), "{depth}: {peaks:?}");
         }
     }
 
