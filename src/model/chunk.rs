@@ -1,4 +1,5 @@
-//! [`ModelChunk`]: one pipeline stage's share of the GPT, and the [`Cut`] that decides it.
+//! [`ModelChunk`]: one pipeline stage's share of the GPT (the [`Cut`] that decides it is in
+//! `cut.rs`).
 //!
 //! A chunk is a contiguous range of blocks; the first chunk also holds the embedding, the
 //! last the final norm, the LM head and the loss. Its calls are exactly the pipeline actions
@@ -21,6 +22,7 @@ use std::ops::Range;
 
 use serde::{Deserialize, Serialize};
 
+pub use super::cut::Cut;
 use super::drafter::DraftBufferHandle;
 use super::layers::{Block, Embedding, Head, Held, Layer, RmsNorm};
 use super::{GptConfig, ModelError, Param, Recompute, Result};
@@ -66,60 +68,6 @@ pub enum ChunkGrad<B: Backend> {
     Loss(f32),
     /// Gradient w.r.t. this chunk's output `[batch·seq, d_model]`, from the next stage.
     Hidden(B::Buf),
-}
-
-/// How the blocks are split over stage chunks.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Cut {
-    /// `S` chunks of as equal size as possible (the earlier chunks take the remainder).
-    Even(usize),
-    /// Explicit block counts per chunk; they must sum to `layers` (a count may be 0).
-    Layers(Vec<usize>),
-}
-
-impl Default for Cut {
-    fn default() -> Self {
-        Cut::Even(1)
-    }
-}
-
-impl Cut {
-    /// The block range of every chunk, or why the cut does not fit `layers` blocks.
-    pub fn ranges(&self, layers: usize) -> Result<Vec<Range<usize>>> {
-        let err = |reason: String| ModelError::Cut {
-            layers,
-            cut: format!("{self:?}"),
-            reason,
-        };
-        let counts = match self {
-            Cut::Even(0) => return Err(err("at least one chunk is needed".into())),
-            Cut::Even(s) if *s > layers => {
-                return Err(err(format!("{s} chunks would leave some without a block")));
-            }
-            Cut::Even(s) => (0..*s)
-                .map(|i| layers / s + usize::from(i < layers % s))
-                .collect(),
-            Cut::Layers(counts) if counts.is_empty() => {
-                return Err(err("at least one chunk is needed".into()));
-            }
-            Cut::Layers(counts) => {
-                let total: usize = counts.iter().sum();
-                if total != layers {
-                    return Err(err(format!("the counts sum to {total}")));
-                }
-                counts.clone()
-            }
-        };
-        let mut start = 0;
-        Ok(counts
-            .iter()
-            .map(|&c| {
-                start += c;
-                start - c..start
-            })
-            .collect())
-    }
 }
 
 /// Progress of one micro-batch through this chunk.

@@ -27,6 +27,7 @@
 pub mod checkpoint;
 pub mod chunk;
 pub mod config;
+mod cut;
 pub mod drafter;
 pub mod gpt;
 pub mod hf;
