@@ -210,13 +210,15 @@ impl Default for JobConfig {
 impl JobConfig {
     /// The fingerprint of the settings that decide a run's trajectory: the model, the data
     /// and the training hyper-parameters, except the step count (a resumed run may be asked
-    /// to go further), the CPU threads and the evaluation size (neither changes an update).
-    /// The schedule and the rank counts are checked apart, as a sharded checkpoint's layout.
+    /// to go further), the CPU threads, the evaluation size and the recomputation (none
+    /// changes an update). The schedule and the rank counts are checked apart, as a sharded
+    /// checkpoint's layout.
     pub fn fingerprint(&self) -> String {
         let train = TrainConfig {
             steps: 0,
             threads: 0,
             eval_tasks: 0,
+            recompute: Default::default(),
             ..self.train.clone()
         };
         let json = serde_json::to_vec(&(&self.model, &self.data, &train))

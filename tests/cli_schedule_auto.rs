@@ -170,3 +170,32 @@ fn a_bad_memory_limit_is_one_error_line() {
     ]);
     assert!(line.contains("memory limit 0.75 is below 1"), "{line}");
 }
+
+/// A limit no plan meets without recomputation (below one forward's `mb` = 1): `--recompute
+/// auto` finds one with it, within the limit, and says which; `none` is the plain error.
+#[test]
+fn recompute_auto_meets_a_limit_no_plain_plan_meets() {
+    let mut args = ARGS.to_vec();
+    args.push("0.9");
+    let line = error_line(&args);
+    assert!(line.contains("memory limit 0.9 is below 1"), "{line}");
+    args.extend(["--recompute", "auto"]);
+    let out = ok(&args);
+    let recompute = out
+        .lines()
+        .find(|l| l.starts_with("recompute: "))
+        .expect("a recompute line");
+    assert!(recompute.starts_with("recompute: selective"), "{recompute}");
+    let auto_row = out.lines().find(|l| l.starts_with("auto ")).unwrap();
+    let peak: f64 = auto_row.split_whitespace().last().unwrap().parse().unwrap();
+    assert!(peak <= 0.9, "{auto_row}");
+    // Tighter than selective's share of mb: full.
+    args[8] = "0.6";
+    args.push("--json");
+    let v: Value = serde_json::from_str(&ok(&args)).unwrap();
+    assert_eq!(v["recompute"], "full");
+    let peaks: Vec<f64> = (v["ranks"].as_array().unwrap().iter())
+        .map(|r| r["peak_memory"].as_f64().unwrap())
+        .collect();
+    assert!(peaks.iter().all(|&p| p <= 0.6), "{peaks:?}");
+}

@@ -12,6 +12,8 @@
 //!   DualPipeV).
 //! - [`simulate`](mod@simulate): the discrete-event simulator that times a plan under a cost model.
 //! - [`auto`](mod@auto): the auto-scheduler, the plan with the least bubble under a memory limit.
+//! - [`recompute`]: activation recomputation's cost and saving in the cost model, and the
+//!   auto-scheduler that turns it on when a memory limit needs it.
 
 pub mod action;
 pub mod auto;
@@ -21,6 +23,7 @@ pub mod generators;
 pub mod lower;
 pub mod memory;
 pub mod plan;
+pub mod recompute;
 pub mod simulate;
 pub mod timeline;
 pub mod validate;
@@ -33,6 +36,7 @@ pub use generators::{ScheduleKind, build, generate};
 pub use lower::lower;
 pub use memory::{peak_memory, rank_peak_memory};
 pub use plan::{Placement, Plan};
+pub use recompute::{Recomputation, RecomputedPlan, auto_recomputing};
 pub use simulate::{simulate, simulate_measured};
 pub use timeline::{BubbleSlot, CostModel, RankStats, Span, StageCost, Timeline};
 pub use validate::{ValidateOptions, Validation, validate};

@@ -167,6 +167,15 @@ impl MemoryEstimate {
         ));
 
         let seq = f("model.seq_len", m.seq_len);
+        if !job.schedule.is_none() {
+            t.recompute
+                .check(job.stages)
+                .map_err(|reason| ConfigError::Invalid {
+                    field: "train.recompute".into(),
+                    reason,
+                })?;
+        }
+        let stash = StashModel::of(job);
         let flight = in_flight(
             &job.schedule,
             job.stages,
@@ -174,6 +183,7 @@ impl MemoryEstimate {
             m.layers,
             "train.micro_batches",
             read_files,
+            &stash,
         )?;
         let rows = f("train.micro_batch_size", t.micro_batch_size);
         let mut acts = activations(job, &flight, rows, seq)?;
@@ -189,6 +199,7 @@ impl MemoryEstimate {
                 m.layers,
                 "rl.prompts",
                 read_files,
+                &stash,
             )?;
             let update = activations(job, &update, f("rl.group", r.group), seq)?;
             if update.n > acts.n {

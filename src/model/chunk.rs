@@ -1,4 +1,5 @@
-//! [`ModelChunk`]: one pipeline stage's share of the GPT, and the [`Cut`] that decides it.
+//! [`ModelChunk`]: one pipeline stage's share of the GPT (the [`Cut`] that decides it is in
+//! `cut.rs`).
 //!
 //! A chunk is a contiguous range of blocks; the first chunk also holds the embedding, the
 //! last the final norm, the LM head and the loss. Its calls are exactly the pipeline actions
@@ -6,6 +7,11 @@
 //! and the fused `backward` (B = I then W). Micro-batches are independent: any number may
 //! be in flight, and the I and W of different micro-batches may interleave in any order the
 //! schedule chooses.
+//!
+//! With activation recomputation ([`ModelChunk::set_recompute`], [`super::recompute`]) a
+//! `full` chunk keeps only each block's input from F and runs the block's forward again in
+//! I, just before the block's I; `selective` leaves that to attention. Either way the
+//! results are bitwise those without.
 //!
 //! The last chunk can also hand copies of what its forward computes anyway (final hidden
 //! states, next-token distributions) to the drafter's training buffer
@@ -16,9 +22,10 @@ use std::ops::Range;
 
 use serde::{Deserialize, Serialize};
 
+pub use super::cut::Cut;
 use super::drafter::DraftBufferHandle;
-use super::layers::{Block, Embedding, Head, Layer, RmsNorm};
-use super::{GptConfig, ModelError, Param, Result};
+use super::layers::{Block, Embedding, Head, Held, Layer, RmsNorm};
+use super::{GptConfig, ModelError, Param, Recompute, Result};
 use crate::tensor::Backend;
 
 /// Shape of one micro-batch: `batch` sequences of `seq ≤ config.seq_len` tokens.
@@ -63,60 +70,6 @@ pub enum ChunkGrad<B: Backend> {
     Hidden(B::Buf),
 }
 
-/// How the blocks are split over stage chunks.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Cut {
-    /// `S` chunks of as equal size as possible (the earlier chunks take the remainder).
-    Even(usize),
-    /// Explicit block counts per chunk; they must sum to `layers` (a count may be 0).
-    Layers(Vec<usize>),
-}
-
-impl Default for Cut {
-    fn default() -> Self {
-        Cut::Even(1)
-    }
-}
-
-impl Cut {
-    /// The block range of every chunk, or why the cut does not fit `layers` blocks.
-    pub fn ranges(&self, layers: usize) -> Result<Vec<Range<usize>>> {
-        let err = |reason: String| ModelError::Cut {
-            layers,
-            cut: format!("{self:?}"),
-            reason,
-        };
-        let counts = match self {
-            Cut::Even(0) => return Err(err("at least one chunk is needed".into())),
-            Cut::Even(s) if *s > layers => {
-                return Err(err(format!("{s} chunks would leave some without a block")));
-            }
-            Cut::Even(s) => (0..*s)
-                .map(|i| layers / s + usize::from(i < layers % s))
-                .collect(),
-            Cut::Layers(counts) if counts.is_empty() => {
-                return Err(err("at least one chunk is needed".into()));
-            }
-            Cut::Layers(counts) => {
-                let total: usize = counts.iter().sum();
-                if total != layers {
-                    return Err(err(format!("the counts sum to {total}")));
-                }
-                counts.clone()
-            }
-        };
-        let mut start = 0;
-        Ok(counts
-            .iter()
-            .map(|&c| {
-                start += c;
-                start - c..start
-            })
-            .collect())
-    }
-}
-
 /// Progress of one micro-batch through this chunk.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Phase {
@@ -136,6 +89,10 @@ pub struct ModelChunk<B: Backend> {
     final_norm: Option<RmsNorm<B>>,
     head: Option<Head<B>>,
     in_flight: HashMap<usize, (Shape, Phase)>,
+    recompute: Recompute,
+    /// `Recompute::Full`: each in-flight micro-batch's block inputs, first block first,
+    /// until its I.
+    block_inputs: HashMap<usize, Vec<B::Buf>>,
     /// Where the last chunk copies its training forwards' hidden states and distributions.
     draft_sink: Option<DraftBufferHandle>,
 }
@@ -182,6 +139,8 @@ impl<B: Backend> ModelChunk<B> {
             final_norm,
             head,
             in_flight: HashMap::new(),
+            recompute: Recompute::None,
+            block_inputs: HashMap::new(),
             draft_sink: None,
             be: backend,
         };
@@ -269,6 +228,40 @@ impl<B: Backend> ModelChunk<B> {
         }
     }
 
+    /// Sets what this chunk's forwards keep and its I's recompute ([`Recompute`]); only
+    /// between steps (no micro-batch in flight), since a micro-batch's I must find what its
+    /// F kept.
+    pub fn set_recompute(&mut self, recompute: Recompute) -> Result<()> {
+        if let Some(&mb) = self.in_flight.keys().next() {
+            let reason = "cannot change recomputation while micro-batches are in flight";
+            return Err(self.input_err(mb, reason.into()));
+        }
+        for block in &mut self.blocks {
+            block
+                .attn
+                .set_recompute_core(recompute == Recompute::Selective);
+        }
+        self.recompute = recompute;
+        Ok(())
+    }
+
+    /// What this chunk's forwards keep and its I's recompute.
+    pub fn recompute(&self) -> Recompute {
+        self.recompute
+    }
+
+    /// Elements the blocks hold for the micro-batches in flight: from F for I (the block
+    /// inputs a `full` chunk keeps included), and from I for W. The embedding's and the
+    /// head's stashes are not counted (recomputation leaves them as they are).
+    pub fn held(&self) -> Held {
+        let inputs = self.block_inputs.values().flatten().map(|x| self.be.len(x));
+        let kept = Held {
+            for_i: inputs.sum(),
+            for_w: 0,
+        };
+        self.blocks.iter().map(|b| b.held(&self.be)).sum::<Held>() + kept
+    }
+
     /// Micro-batches forwarded whose W has not run yet.
     pub fn in_flight(&self) -> usize {
         self.in_flight.len()
@@ -344,8 +337,20 @@ impl<B: Backend> ModelChunk<B> {
         targets: Option<&[u32]>,
     ) -> Result<ChunkOutput<B>> {
         self.in_flight.insert(mb, (shape, Phase::Forwarded));
+        let full = self.recompute == Recompute::Full;
+        let mut inputs = Vec::new();
         for block in &mut self.blocks {
-            x = block.forward(be, mb, &x, shape)?;
+            let y = block.forward(be, mb, &x, shape)?;
+            if full {
+                // Only the input stays; I runs this forward again.
+                block.discard(mb);
+                inputs.push(std::mem::replace(&mut x, y));
+            } else {
+                x = y;
+            }
+        }
+        if full {
+            self.block_inputs.insert(mb, inputs);
         }
         let (Some(norm), Some(head)) = (&mut self.final_norm, &mut self.head) else {
             return Ok(ChunkOutput::Hidden(x));
@@ -402,7 +407,17 @@ impl<B: Backend> ModelChunk<B> {
                 return Err(self.input_err(mb, reason.into()));
             }
         };
+        let mut inputs = match self.recompute {
+            Recompute::Full => match self.block_inputs.remove(&mb) {
+                Some(inputs) if inputs.len() == self.blocks.len() => Some(inputs),
+                _ => return Err(self.order_err(mb, "backward_input", "forward")),
+            },
+            _ => None,
+        };
         for block in self.blocks.iter_mut().rev() {
+            if let Some(x) = inputs.as_mut().and_then(|i| i.pop()) {
+                block.forward(&be, mb, &x, shape)?;
+            }
             dy = block.backward_input(&be, mb, &dy)?;
         }
         self.in_flight.insert(mb, (shape, Phase::InputDone));
@@ -446,6 +461,7 @@ impl<B: Backend> ModelChunk<B> {
     /// Forgets micro-batch `mb` (after an evaluation-only forward, or an aborted step).
     pub fn discard(&mut self, mb: usize) {
         self.in_flight.remove(&mb);
+        self.block_inputs.remove(&mb);
         if let Some(e) = &mut self.embed {
             e.discard(mb);
         }
@@ -458,9 +474,11 @@ impl<B: Backend> ModelChunk<B> {
         }
     }
 
-    /// Number of layer stashes held (0 once every micro-batch's W has run).
+    /// Number of layer stashes held, a `full` chunk's kept block inputs counted as one per
+    /// micro-batch (0 once every micro-batch's W has run).
     pub fn stashed(&self) -> usize {
-        self.embed.as_ref().map_or(0, |e| e.stashed())
+        self.block_inputs.len()
+            + self.embed.as_ref().map_or(0, |e| e.stashed())
             + self.blocks.iter().map(|b| b.stashed()).sum::<usize>()
             + self.final_norm.as_ref().map_or(0, |n| n.stashed())
             + self.head.as_ref().map_or(0, |h| h.stashed())

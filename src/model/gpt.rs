@@ -152,6 +152,13 @@ impl<B: Backend> Gpt<B> {
         self.chunks[i].set_param(name, values)
     }
 
+    /// Sets every chunk's activation recomputation ([`ModelChunk::set_recompute`]).
+    pub fn set_recompute(&mut self, recompute: super::Recompute) -> Result<()> {
+        self.chunks
+            .iter_mut()
+            .try_for_each(|c| c.set_recompute(recompute))
+    }
+
     pub fn zero_grads(&mut self) -> Result<()> {
         self.chunks.iter_mut().try_for_each(|c| c.zero_grads())
     }

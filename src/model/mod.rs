@@ -10,6 +10,7 @@
 //! - [`optim`]: [`AdamW`] with decoupled weight decay, global-norm clipping and
 //!   [`LrSchedule`] (warmup + cosine).
 //! - [`infer`]: KV-cache inference stages (generation, no backward stash).
+//! - [`recompute`]: activation recomputation, what each mode keeps and recomputes.
 //! - [`tie`]: tied input and output embeddings (the head's copy of `embed.tok`).
 //! - [`init`]: the deterministic initialisation, one RNG stream per (seed, parameter name).
 //! - [`drafter`]: the EAGLE-style drafter (one block over the target's hidden states), its
@@ -26,6 +27,7 @@
 pub mod checkpoint;
 pub mod chunk;
 pub mod config;
+mod cut;
 pub mod drafter;
 pub mod gpt;
 pub mod hf;
@@ -33,6 +35,7 @@ pub mod infer;
 pub mod init;
 pub mod layers;
 pub mod optim;
+pub mod recompute;
 #[cfg(test)]
 mod tests;
 pub mod tie;
@@ -41,6 +44,7 @@ pub use chunk::{ChunkGrad, ChunkInput, ChunkOutput, Cut, ModelChunk, Shape};
 pub use config::GptConfig;
 pub use gpt::Gpt;
 pub use optim::{AdamW, AdamWConfig, LrSchedule, OptimizerState, SlotState, clip_scale};
+pub use recompute::{Recompute, RecomputeSetting};
 
 use crate::tensor::{Backend, DType, TensorError};
 

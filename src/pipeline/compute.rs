@@ -135,8 +135,12 @@ impl<B: Backend> RankCompute<B> {
             .plan
             .stages_of(rank)
             .into_iter()
-            .map(|s| chunk(&run.job.model, backend.clone(), &cut, s as usize))
-            .collect::<Result<Vec<_>, _>>()?;
+            .map(|s| {
+                let mut c = chunk(&run.job.model, backend.clone(), &cut, s as usize)?;
+                c.set_recompute(run.job.train.recompute.of_rank(rank))?;
+                Ok(c)
+            })
+            .collect::<Result<Vec<_>, crate::model::ModelError>>()?;
         let chunks = chunks.into_iter().map(|c| (c.stage() as u32, c)).collect();
         let optimizer = AdamW::new(adamw_config(&run.job.train));
         Ok(Self::assemble(run, rank, (backend, chunks, optimizer)))

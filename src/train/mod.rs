@@ -15,8 +15,8 @@ use serde::{Deserialize, Serialize};
 pub use reference::Trainer;
 
 use crate::data::DataError;
-use crate::model::ModelError;
 use crate::model::checkpoint::CheckpointError;
+use crate::model::{ModelError, RecomputeSetting};
 
 /// Errors of a training run.
 #[derive(Debug, thiserror::Error)]
@@ -69,6 +69,12 @@ pub struct TrainConfig {
     /// Held-out tasks whose greedy completions are scored by exact match after training
     /// (0: none).
     pub eval_tasks: usize,
+    /// Activation recomputation: `"none"`, `"selective"` (attention's probabilities) or
+    /// `"full"` (each block's input only), or a list with one per pipeline rank; the
+    /// reference trainer uses the list's strongest. Training is bitwise the same in every
+    /// mode ([`crate::model::recompute`]).
+    #[serde(skip_serializing_if = "RecomputeSetting::is_default")]
+    pub recompute: RecomputeSetting,
 }
 
 impl Default for TrainConfig {
@@ -84,6 +90,7 @@ impl Default for TrainConfig {
             seed: 0,
             threads: 0,
             eval_tasks: 32,
+            recompute: RecomputeSetting::default(),
         }
     }
 }

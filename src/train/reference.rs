@@ -144,8 +144,10 @@ impl<B: Backend> Trainer<B> {
                 });
             }
         }
+        let mut gpt = Gpt::new(model, backend.clone(), &Cut::Even(1))?;
+        gpt.set_recompute(train.recompute.strongest())?;
         Ok(Self {
-            model: Gpt::new(model, backend.clone(), &Cut::Even(1))?,
+            model: gpt,
             optimizer: AdamW::new(adamw_config(train)),
             backend,
             train: train.clone(),

@@ -16,7 +16,9 @@
 //!
 //! Memory is the validator's accounting ([`crate::memory`]). A micro-batch *enters* a rank
 //! with the forward of the rank's lowest stage; it may enter only if the rank can still
-//! stash the forwards of every micro-batch already inside (on its other stages): so a
+//! stash the forwards of every micro-batch already inside (on its other stages), and, when
+//! an I keeps more for W than its forward held (recomputation, `m_w > m_b`), what every
+//! I still to run will add: so a
 //! rank never fills its memory with first-chunk forwards and starves the later chunks that
 //! would free it, and the scheduler cannot deadlock once the limit holds one micro-batch's
 //! forwards on every stage of a rank.
@@ -64,6 +66,8 @@ struct Rank {
     inside: usize,
     /// Forwards still owed on this rank by the micro-batches inside.
     owed: usize,
+    /// Forwards run on this rank whose I has not run yet.
+    awaiting_i: usize,
     left: usize,
 }
 
@@ -105,6 +109,7 @@ pub(crate) fn schedule(
                 held: 0.0,
                 inside: 0,
                 owed: 0,
+                awaiting_i: 0,
                 left: 3 * v * m,
                 stages: own,
             }
@@ -112,6 +117,9 @@ pub(crate) fn schedule(
         .collect();
     // A tolerance for comparing times and memory sums built from the same numbers.
     let eps = 1e-9;
+    // What an I adds to the memory held when it keeps more for W than the forward held
+    // (recomputation): reserved when a micro-batch enters, with its forwards.
+    let grow = (cost.m_w - cost.m_b).max(0.0);
 
     loop {
         let Some(r) = (0..p)
@@ -157,7 +165,10 @@ pub(crate) fn schedule(
                 let entry = c == 0;
                 let room = if entry {
                     let v = rank.stages.len();
-                    rank.held + cost.m_b * (v + rank.owed) as f64 <= limit + eps
+                    rank.held
+                        + (cost.m_b + grow) * (v + rank.owed) as f64
+                        + grow * rank.awaiting_i as f64
+                        <= limit + eps
                 } else {
                     true
                 };
@@ -222,6 +233,7 @@ pub(crate) fn schedule(
             ActionKind::F => {
                 rank.next_f[c] += 1;
                 rank.held += cost.m_b;
+                rank.awaiting_i += 1;
                 if c == 0 {
                     rank.inside += 1;
                     rank.owed += v - 1;
@@ -233,6 +245,7 @@ pub(crate) fn schedule(
             ActionKind::I => {
                 rank.next_i[c] += 1;
                 rank.held -= cost.m_b - cost.m_w;
+                rank.awaiting_i -= 1;
                 if c == 0 {
                     rank.inside -= 1;
                 }

@@ -23,7 +23,7 @@
 //! [`AutoReplanner`] re-plans while training: ZB-H1 until the costs are measured, then
 //! the auto plan for them.
 
-mod greedy;
+pub(crate) mod greedy;
 mod replan;
 mod search;
 
@@ -184,9 +184,10 @@ fn check(
             "costs must be finite and ≥ 0, and rank speeds finite and > 0".into(),
         ));
     }
-    if !(cost.m_b.is_finite() && cost.m_b > 0.0 && (0.0..=cost.m_b).contains(&cost.m_w)) {
+    // With recomputation, I may keep more for W than the forward held (m_w > m_b).
+    if !(cost.m_b.is_finite() && cost.m_b > 0.0 && cost.m_w.is_finite() && cost.m_w >= 0.0) {
         return Err(unsupported(format!(
-            "memory per forward must be > 0 and the part kept for W within it \
+            "memory per forward must be > 0 and the part kept for W finite and ≥ 0 \
              (m_b = {}, m_w = {})",
             cost.m_b, cost.m_w
         )));
@@ -197,12 +198,12 @@ fn check(
         .map(|r| shape.stages_of(r).len())
         .max()
         .unwrap_or(1);
-    let need = cost.m_b * most as f64;
+    let need = cost.m_b.max(cost.m_w) * most as f64;
     if memory_limit.is_nan() || memory_limit < need {
         return Err(unsupported(format!(
             "memory limit {memory_limit} is below {need}, the activations of one micro-batch \
-             on a rank holding {most} stage(s) (m_b = {} each)",
-            cost.m_b
+             on a rank holding {most} stage(s) (m_b = {}, m_w = {} each)",
+            cost.m_b, cost.m_w
         )));
     }
     Ok(shape)

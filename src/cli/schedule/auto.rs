@@ -8,9 +8,10 @@
 
 use anyhow::{Result, bail};
 use clap::ValueEnum;
+use pipefill::model::{GptConfig, Recompute};
 use pipefill::profile::fmt_num;
 use pipefill_schedules::{
-    Origin, Placement, Plan, ScheduleError, ScheduleKind, Timeline, auto_plan,
+    Origin, Placement, Plan, Recomputation, ScheduleError, ScheduleKind, Timeline, auto_recomputing,
 };
 use serde_json::json;
 
@@ -18,6 +19,28 @@ use super::report::{builtin_timeline, timeline_json};
 use super::source::{ACTION_BYTES, check_plan_size, describe_shape};
 use super::{CostArgs, check_memory, emit};
 use pipefill::config::memory::MemoryLimit;
+
+/// Activation recomputation of the auto plan (`--recompute`).
+#[derive(Clone, Copy, Debug, Default, ValueEnum)]
+enum RecomputeArg {
+    /// None.
+    #[default]
+    None,
+    /// Attention's probabilities and output recomputed on every I.
+    Selective,
+    /// Each block's forward recomputed on every I (only its input kept).
+    Full,
+    /// None when a plan fits the memory limit without, else the first of selective and
+    /// full with which one does.
+    Auto,
+}
+
+/// What recomputing `mode` costs and saves, as shares of a stage's forward, for the
+/// default `[model]` (its layers' stash sizes and multiply-adds at its `seq_len`).
+fn recomputation(mode: Recompute) -> Recomputation {
+    let model = GptConfig::default();
+    mode.recomputation(&model, model.seq_len)
+}
 
 /// Where the auto plan's stages live (`--placement`).
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -34,7 +57,9 @@ enum PlacementArg {
 #[command(after_help = "\
 --cost is one rank's share of the model, as in `compare`: with V stages per rank each stage
 runs at 1/V of f, i, w and stashes 1/V of mb, mw (per-stage lists are taken as given).
---memory-limit bounds every rank's peak activation memory; without it memory is unlimited.")]
+--memory-limit bounds every rank's peak activation memory; without it memory is unlimited.
+--recompute shares are the default [model]'s: with recomputation a forward keeps that share
+of mb (mw, what I keeps for W, does not change) and every I reruns that share of f.")]
 pub(crate) struct AutoArgs {
     /// Pipeline ranks (devices), P.
     #[arg(short = 'p', long, visible_alias = "ranks", value_name = "P")]
@@ -51,6 +76,10 @@ pub(crate) struct AutoArgs {
     placement: Option<PlacementArg>,
     #[command(flatten)]
     cost: CostArgs,
+    /// Activation recomputation on every stage: `auto` turns it on only when no plan fits
+    /// `--memory-limit` without it.
+    #[arg(long, value_enum, default_value = "none")]
+    recompute: RecomputeArg,
     /// Print the auto plan's figures as `schedule simulate --json` does.
     #[arg(long)]
     json: bool,
@@ -79,9 +108,34 @@ pub(crate) fn auto_cmd(args: AutoArgs, limit: &MemoryLimit) -> Result<()> {
     let limit = args.cost.memory_limit.unwrap_or(f64::INFINITY);
     // The shape only carries the stage count the cost lists are checked against.
     let shape = Plan::new(p, p * v, m, placement.clone());
-    let auto_spec = spec.per_chunk(v);
+    let modes: Vec<Recompute> = match args.recompute {
+        RecomputeArg::None => vec![],
+        RecomputeArg::Selective => vec![Recompute::Selective],
+        RecomputeArg::Full => vec![Recompute::Full],
+        RecomputeArg::Auto => vec![Recompute::Selective, Recompute::Full],
+    };
+    let offered: Vec<Recomputation> = modes.iter().map(|&m| recomputation(m)).collect();
+    let forced = !matches!(args.recompute, RecomputeArg::None | RecomputeArg::Auto);
+    // A mode asked for is the cost model; `auto` offers them when the plain one fails.
+    let (base, offered) = match forced {
+        true => (spec.recomputed(&offered[0]), vec![]),
+        false => (spec.clone(), offered),
+    };
+    let auto_spec = base.per_chunk(v);
     let cost = auto_spec.model(&shape)?;
-    let found = auto_plan(&cost, p, m, v, placement, limit)?;
+    let found = auto_recomputing(&cost, p, m, v, placement, limit, &offered)?;
+    let chosen = match (forced, found.recompute) {
+        (true, _) => Some(recomputation(modes[0])),
+        (false, Some(i)) => Some(offered[i].clone()),
+        (false, None) => None,
+    };
+    // The built-ins are timed with the same recomputation as the plan.
+    let spec = match (&chosen, forced) {
+        (Some(r), false) => spec.recomputed(r),
+        _ => base,
+    };
+    let auto_spec = spec.per_chunk(v);
+    let found = found.auto;
     let plan = &found.plan;
     if args.json {
         let mut j = timeline_json(&found.timeline);
@@ -91,6 +145,10 @@ pub(crate) fn auto_cmd(args: AutoArgs, limit: &MemoryLimit) -> Result<()> {
         j["microbatches"] = json!(plan.microbatches);
         j["placement"] = json!(plan.placement.name());
         j["cost"] = json!(auto_spec.describe());
+        // Only with recomputation: otherwise the object is simulate's, key for key.
+        if let Some(r) = &chosen {
+            j["recompute"] = json!(r.name);
+        }
         return emit(&(serde_json::to_string_pretty(&j)? + "\n"));
     }
 
@@ -103,9 +161,18 @@ pub(crate) fn auto_cmd(args: AutoArgs, limit: &MemoryLimit) -> Result<()> {
         Origin::Search => "the search over the greedy plans".to_string(),
         Origin::Builtin(kind) => format!("{kind} (nothing built beat it)"),
     };
+    let recompute = match &chosen {
+        None => "none".to_string(),
+        Some(r) => format!(
+            "{} (a forward keeps {:.1}% of mb, every I reruns {:.1}% of f)",
+            r.name,
+            100.0 * r.keep,
+            100.0 * r.rerun
+        ),
+    };
     let mut out = format!(
         "auto: {}\ncost {} (one rank's share), memory limit {limit_text}\n\
-         found by {origin}, {} plans simulated\n\n",
+         recompute: {recompute}\nfound by {origin}, {} plans simulated\n\n",
         describe_shape(plan),
         spec.describe(),
         found.evaluated,

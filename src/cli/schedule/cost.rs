@@ -204,6 +204,20 @@ impl CostSpec {
         }
     }
 
+    /// The spec with activation recomputation `r` on every stage
+    /// ([`CostModel::recomputed`]): `i += rerun · f`, `mb ×= keep`.
+    pub fn recomputed(&self, r: &pipefill_schedules::Recomputation) -> CostSpec {
+        let f = |s: usize| self.f[s.min(self.f.len() - 1)];
+        let stages = self.f.len().max(self.i.len());
+        CostSpec {
+            i: (0..stages)
+                .map(|s| self.i[s.min(self.i.len() - 1)] + r.rerun * f(s))
+                .collect(),
+            m_b: self.m_b * r.keep,
+            ..self.clone()
+        }
+    }
+
     /// The spec written back in `--cost` form (lists joined by `:`), for report headers.
     pub fn describe(&self) -> String {
         let list = |l: &[f64]| {

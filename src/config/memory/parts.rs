@@ -1,15 +1,102 @@
 //! The estimate's parts, one function each: the activations in flight at the schedule's
 //! peak, the parameters, the tasks' text, the drafter and the rollouts.
+//!
+//! Activations follow each rank's `train.recompute` mode ([`StashModel`]): a forward holds
+//! the share of the calibrated stash its mode keeps, I leaves what W needs (the same in
+//! every mode), and a recomputing rank holds one block's recomputed part during an I.
 
 use super::super::{ConfigError, JobConfig, ScheduleChoice};
 use super::size::{Size, add, div_ceil, f, k, mul, overflow};
 use super::*;
+use crate::model::{Recompute, RecomputeSetting};
+use crate::schedules::rank_peak_memory;
 
-/// Micro-batches in flight at a schedule's peak, in units of one micro-batch's stash on
-/// one stage (summed over the ranks), and on the rank that holds the head.
+/// Thousandths of one micro-batch's stash on one stage without recomputation: the unit of
+/// [`InFlight::units`], fine enough for a recomputing rank's small forward share.
+pub(super) const MILLI: u64 = 1000;
+
+/// The stash of each rank in units of one micro-batch's stash on one stage without
+/// recomputation (the calibrated `STASH_PER_D`, `STASH_PER_HIDDEN` and probabilities): a
+/// forward holds the share its mode keeps (the ratio of the layers' element counts,
+/// [`Recompute::block_stash`]); I leaves half of the calibrated stash for W in every mode
+/// (W's inputs and output gradients do not depend on it); an I of a recomputing rank holds
+/// one block's recomputed part for a moment.
+pub(super) struct StashModel {
+    /// Per mode, in [`Recompute::ALL`]'s order: the schedule's cost model and the transient.
+    modes: [(CostModel, f64); 3],
+    setting: crate::model::RecomputeSetting,
+}
+
+impl StashModel {
+    pub(super) fn of(job: &JobConfig) -> Self {
+        let (m, seq) = (&job.model, job.model.seq_len);
+        let none = Recompute::None.block_stash(m, seq).forward.max(1) as f64;
+        let modes = Recompute::ALL.map(|mode| {
+            let cost = CostModel::default().recomputed(&mode.recomputation(m, seq));
+            (cost, mode.block_stash(m, seq).transient as f64 / none)
+        });
+        StashModel {
+            modes,
+            setting: job.train.recompute.clone(),
+        }
+    }
+
+    fn mode(&self, mode: Recompute) -> &(CostModel, f64) {
+        &self.modes[mode as usize]
+    }
+
+    /// The cost model of rank `rank`'s stash.
+    fn rank(&self, rank: usize) -> &CostModel {
+        &self.mode(self.setting.of_rank(rank)).0
+    }
+
+    /// The modes of `ranks` ranks, each with how many ranks have it (never a loop over
+    /// the ranks: their count may be any size the estimate must refuse).
+    fn modes_of(&self, ranks: usize) -> Vec<(Recompute, f64)> {
+        match &self.setting {
+            RecomputeSetting::Every(m) => vec![(*m, ranks as f64)],
+            RecomputeSetting::PerRank(list) => {
+                let extra = ranks.saturating_sub(list.len()) as f64;
+                let last = list.last().map(|&m| (m, extra));
+                list.iter().map(|&m| (m, 1.0)).chain(last).collect()
+            }
+        }
+    }
+
+    /// The most one (stage, micro-batch) holds at any time on any of `ranks` ranks.
+    fn most(&self, ranks: usize) -> f64 {
+        (self.modes_of(ranks).into_iter())
+            .map(|(m, _)| &self.mode(m).0)
+            .map(|c| c.m_b.max(c.m_w))
+            .fold(0.0, f64::max)
+    }
+
+    /// Σ over `ranks` ranks of the recomputed part one I holds for a moment.
+    fn transient(&self, ranks: usize) -> f64 {
+        (self.modes_of(ranks).into_iter())
+            .map(|(m, n)| self.mode(m).1 * n)
+            .sum()
+    }
+}
+
+/// `x` units as thousandths, rounded up.
+fn milli(x: f64) -> u64 {
+    (x * MILLI as f64).ceil().max(0.0) as u64
+}
+
+/// `base` (a count blamed on its field) times `x` units, as thousandths.
+fn scaled(base: Size, x: f64) -> Result<Size, ConfigError> {
+    mul("the activations", &[base, k(milli(x))])
+}
+
+/// Micro-batches in flight at a schedule's peak, in thousandths ([`MILLI`]) of one
+/// micro-batch's stash on one stage (summed over the ranks), and on the rank that holds
+/// the head.
 pub(super) struct InFlight {
-    /// Σ over ranks of each rank's peak stash count.
+    /// Σ over ranks of each rank's peak stash, in thousandths.
     pub(super) units: Size,
+    /// Σ over ranks of the recomputed part one I holds, in thousandths of one block's stash.
+    pub(super) transient: Size,
     /// The head's rank's peak.
     pub(super) head_units: Size,
     /// Model blocks per stage (chunk).
@@ -30,13 +117,17 @@ pub(super) fn in_flight(
     layers: usize,
     microbatches_field: &'static str,
     read_files: bool,
+    stash: &StashModel,
 ) -> Result<InFlight, ConfigError> {
     let m = f(microbatches_field, microbatches);
     let layers = f("model.layers", layers);
     if schedule.is_none() {
-        // The reference trainer: one micro-batch at a time through the whole model.
+        // The reference trainer: one micro-batch at a time through the whole model, in the
+        // setting's strongest mode.
+        let (cost, transient) = stash.mode(stash.setting.strongest());
         return Ok(InFlight {
-            units: k(1),
+            units: k(milli(cost.m_b.max(cost.m_w))),
+            transient: k(milli(*transient)),
             head_units: k(1),
             layers_per_stage: layers,
             ranks: k(1),
@@ -51,8 +142,10 @@ pub(super) fn in_flight(
     let actions = mul("the plan", &[p, v, m, k(per_cell)])?;
     // GPipe's bound: every micro-batch stashed on every stage (a schedule file's stage
     // count is only known once it is read, so it is bounded by one block per stage).
+    let most = stash.most(ranks);
     let gpipe = InFlight {
-        units: mul("the activations", &[m, p, v])?,
+        units: scaled(mul("the activations", &[m, p, v])?, most)?,
+        transient: k(milli(stash.transient(ranks))),
         head_units: m,
         layers_per_stage: div_ceil(layers, (ranks as u64).saturating_mul(chunks as u64)),
         ranks: p,
@@ -60,12 +153,12 @@ pub(super) fn in_flight(
     };
     let Some(kind) = kind else {
         let bound = InFlight {
-            units: m,
+            units: scaled(m, most)?,
             layers_per_stage: layers,
             ..gpipe
         };
         return match read_files {
-            true => file_peak(schedule, layers, bound),
+            true => file_peak(schedule, layers, bound, stash),
             false => Ok(bound),
         };
     };
@@ -76,21 +169,32 @@ pub(super) fn in_flight(
         // The trainer reports why the schedule cannot be built.
         return Ok(gpipe);
     };
-    Ok(plan_peak(&plan, layers, gpipe))
+    Ok(plan_peak(&plan, layers, gpipe, stash))
 }
 
-/// `bound` with the units and blocks per stage of `plan`'s own peak.
-pub(super) fn plan_peak(plan: &crate::schedules::Plan, layers: Size, bound: InFlight) -> InFlight {
-    let peaks = peak_memory(plan, &CostModel::default());
+/// `bound` with the units and blocks per stage of `plan`'s own peak, each rank's stash in
+/// its mode.
+pub(super) fn plan_peak(
+    plan: &crate::schedules::Plan,
+    layers: Size,
+    bound: InFlight,
+    stash: &StashModel,
+) -> InFlight {
     let ceil = |x: f64| x.ceil().max(0.0) as u64;
-    let units = ceil(peaks.iter().sum());
+    let units: f64 = (plan.ranks.iter().enumerate())
+        .map(|(r, list)| rank_peak_memory(list, stash.rank(r)))
+        .sum();
+    // The head is not recomputed: its rank holds its softmax per forward until its I.
+    let peaks = peak_memory(plan, &CostModel::default());
     let head_rank = plan.stage_rank.last().copied().unwrap_or(0);
     let head = ceil(peaks.get(head_rank).copied().unwrap_or(0.0));
     InFlight {
+        // Rounded up to whole stashes, as the estimate has always counted them.
         units: Size {
-            n: units,
+            n: milli(units.ceil()),
             ..bound.units
         },
+        transient: k(milli(stash.transient(plan.num_ranks()))),
         head_units: Size {
             n: head,
             ..bound.head_units
@@ -107,6 +211,7 @@ pub(super) fn file_peak(
     schedule: &ScheduleChoice,
     layers: Size,
     bound: InFlight,
+    stash: &StashModel,
 ) -> Result<InFlight, ConfigError> {
     let Some(path) = schedule.file() else {
         return Ok(bound);
@@ -121,7 +226,7 @@ pub(super) fn file_peak(
     };
     let plan = crate::schedules::read_plan(path).map_err(invalid)?;
     crate::schedules::validate(&plan, &Default::default()).map_err(invalid)?;
-    let peak = plan_peak(&plan, layers, bound);
+    let peak = plan_peak(&plan, layers, bound, stash);
     // The micro-batches in flight are the file's, not `train.micro_batches`.
     let blame = |s: Size| Size {
         field: "schedule",
@@ -159,16 +264,29 @@ pub(super) fn activations(
         ],
     )?;
     let tokens = mul(what, &[rows, seq])?;
-    let stash = mul(
-        what,
-        &[
-            flight.units,
+    let stash = |units: Size| {
+        let factors = [
+            units,
             flight.layers_per_stage,
             tokens,
             per_token,
             k(ELEMENT),
-        ],
-    )?;
+        ];
+        mul(what, &factors)
+    };
+    // Counted in thousandths, blamed as in whole stashes (a thousandths count would be
+    // the largest factor, and a field's share of the product is what a refusal names).
+    let whole = Size {
+        n: flight.units.n.div_ceil(MILLI),
+        ..flight.units
+    };
+    let stash = Size {
+        n: div_ceil(stash(flight.units)?, MILLI).n,
+        ..stash(whole)?
+    };
+    // A recomputing rank's I: one block's recomputed part.
+    let recomputed = mul(what, &[flight.transient, tokens, per_token, k(ELEMENT)])?;
+    let recomputed = div_ceil(recomputed, MILLI);
     // The head's stash: the logits' softmax per micro-batch in flight on its rank.
     let head = mul(what, &[flight.head_units, tokens, vocab, k(ELEMENT)])?;
     let working_per_token = add(
@@ -181,7 +299,7 @@ pub(super) fn activations(
         ],
     )?;
     let working = mul(what, &[flight.ranks, tokens, working_per_token, k(ELEMENT)])?;
-    add(what, &[stash, head, working])
+    add(what, &[stash, recomputed, head, working])
 }
 
 /// The MLP's hidden width, checked (`mlp_ratio × d_model` unless `intermediate` is given).

@@ -462,3 +462,40 @@ fn a_jsonl_dataset_and_its_tokenizer_are_counted_by_their_size() {
         "{small} vs {synthetic}"
     );
 }
+
+/// The activations part of `sets`' estimate.
+fn activations_of(sets: &[&str]) -> u64 {
+    let e = MemoryEstimate::of(&job(sets).unwrap(), Workload::Train).unwrap();
+    e.parts
+        .iter()
+        .find(|p| p.what == "activations")
+        .unwrap()
+        .bytes
+}
+
+#[test]
+fn recomputation_shrinks_the_activations_rank_by_rank() {
+    // Sequences long enough that attention's probabilities weigh.
+    let base = ["model.seq_len=256", "schedule=\"1f1b\""];
+    let with = |mode: &str| {
+        let set = format!("train.recompute={mode}");
+        activations_of(&[base[0], base[1], set.as_str()])
+    };
+    let (none, selective, full) = (with("\"none\""), with("\"selective\""), with("\"full\""));
+    assert_eq!(none, activations_of(&base), "none is the default");
+    assert!(
+        full < selective && selective < none,
+        "{full} {selective} {none}"
+    );
+    // One rank of four recomputing saves a part of what all four save.
+    let one = with("[\"full\", \"none\", \"none\", \"none\"]");
+    assert!(full < one && one < none, "{full} {one} {none}");
+    // A list needs one mode per rank, and a mode is one of three names.
+    let err = job(&["train.recompute=[\"full\", \"none\"]"]).unwrap_err();
+    assert_eq!(field_of(err), "train.recompute");
+    let err = job(&["train.recompute=\"most\""]).unwrap_err().to_string();
+    assert!(
+        err.contains("recompute") && err.contains("\"selective\""),
+        "{err}"
+    );
+}

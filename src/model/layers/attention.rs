@@ -8,7 +8,10 @@
 //! the projections (plus bias) and its transpose to their gradients, so I yields the
 //! gradients of the projections' outputs and W only multiplies them by the saved input.
 
-use super::{Layer, Stash, activation, gradient, linear_bwd_input, linear_bwd_weight, linear_fwd};
+use super::{
+    Elems, Held, Layer, Stash, activation, gradient, linear_bwd_input, linear_bwd_weight,
+    linear_fwd,
+};
 use crate::model::config::Positions;
 use crate::model::{GptConfig, Param, Result, Shape, init};
 use crate::tensor::{AttnShape, Backend};
@@ -19,8 +22,9 @@ struct Saved<B: Backend> {
     q: B::Buf,
     k: B::Buf,
     v: B::Buf,
-    probs: B::Buf,
-    o: B::Buf,
+    /// The kernel's probabilities and output; `None` when I recomputes them
+    /// ([`Attention::set_recompute_core`]).
+    core: Option<(B::Buf, B::Buf)>,
     shape: AttnShape,
 }
 
@@ -36,6 +40,26 @@ struct ForW<B: Backend> {
     rows: usize,
 }
 
+impl<B: Backend> Elems<B> for Saved<B> {
+    fn elems(&self, be: &B) -> usize {
+        let core = self.core.as_ref().map_or(0, |(o, p)| be.len(o) + be.len(p));
+        [&self.x, &self.q, &self.k, &self.v]
+            .map(|b| be.len(b))
+            .iter()
+            .sum::<usize>()
+            + core
+    }
+}
+
+impl<B: Backend> Elems<B> for ForW<B> {
+    fn elems(&self, be: &B) -> usize {
+        [&self.x, &self.o, &self.dy, &self.dq, &self.dk, &self.dv]
+            .map(|b| be.len(b))
+            .iter()
+            .sum()
+    }
+}
+
 /// Causal self-attention with `heads` heads over `[batch, seq, d_model]` activations.
 pub struct Attention<B: Backend> {
     pub wq: Param<B>,
@@ -48,6 +72,9 @@ pub struct Attention<B: Backend> {
     kv_heads: usize,
     /// The RoPE frequencies ([`GptConfig::rope_inv_freq`]), when positions are rotary.
     rope: Option<Vec<f32>>,
+    /// Selective recomputation: F drops the kernel's probabilities and output, I runs the
+    /// kernel again from `q`, `k`, `v` ([`crate::model::Recompute::Selective`]).
+    recompute_core: bool,
     stash: Stash<Saved<B>, ForW<B>>,
 }
 
@@ -78,12 +105,35 @@ impl<B: Backend> Attention<B> {
             heads: config.heads,
             kv_heads: config.kv_heads(),
             rope: (config.positions == Positions::Rope).then(|| config.rope_inv_freq()),
+            recompute_core: false,
             stash: Stash::new(name),
         })
     }
 
+    /// Whether F keeps the attention kernel's probabilities and output (`false`) or I
+    /// recomputes them from `q`, `k`, `v` (`true`); either gives bitwise the same gradients.
+    pub fn set_recompute_core(&mut self, recompute: bool) {
+        self.recompute_core = recompute;
+    }
+
     fn d(&self) -> usize {
         self.wq.shape[0]
+    }
+
+    /// The kernel's output and probabilities for `q`, `k`, `v`.
+    fn core(
+        &self,
+        be: &B,
+        q: &B::Buf,
+        k: &B::Buf,
+        v: &B::Buf,
+        shape: AttnShape,
+    ) -> Result<(B::Buf, B::Buf)> {
+        let rows = shape.batch * shape.seq;
+        let mut o = activation(be, rows * self.d())?;
+        let mut probs = activation(be, shape.probs_len())?;
+        be.attention_fwd(q, k, v, &mut o, &mut probs, shape)?;
+        Ok((o, probs))
     }
 
     fn head_dim(&self) -> usize {
@@ -188,10 +238,9 @@ impl<B: Backend> Layer<B> for Attention<B> {
         let k = self.project(be, x, &self.wk, b.map(|b| &b[1]), pos, rows)?;
         let v = self.project(be, x, &self.wv, b.map(|b| &b[2]), None, rows)?;
         let (k, v) = (self.repeat(be, k, rows)?, self.repeat(be, v, rows)?);
-        let mut o = activation(be, rows * self.d())?;
-        let mut probs = activation(be, shape.probs_len())?;
-        be.attention_fwd(&q, &k, &v, &mut o, &mut probs, shape)?;
+        let (o, probs) = self.core(be, &q, &k, &v, shape)?;
         let y = linear_fwd(be, &o, &self.wo, rows)?;
+        let core = (!self.recompute_core).then_some((o, probs));
         self.stash.keep_for_i(
             mb,
             Saved {
@@ -199,8 +248,7 @@ impl<B: Backend> Layer<B> for Attention<B> {
                 q,
                 k,
                 v,
-                probs,
-                o,
+                core,
                 shape,
             },
         );
@@ -212,12 +260,17 @@ impl<B: Backend> Layer<B> for Attention<B> {
         let s = self.stash.take_for_i(mb)?;
         let rows = s.shape.batch * s.shape.seq;
         let n = rows * self.d();
+        let (o, probs) = match s.core {
+            Some(core) => core,
+            None => self.core(be, &s.q, &s.k, &s.v, s.shape)?,
+        };
         let mut d_o = gradient(be, n)?;
         linear_bwd_input(be, dy, &self.wo, &mut d_o, rows, false)?;
         let (mut dq, mut dk, mut dv) = (gradient(be, n)?, gradient(be, n)?, gradient(be, n)?);
         be.attention_bwd(
-            &s.q, &s.k, &s.v, &s.probs, &d_o, &mut dq, &mut dk, &mut dv, s.shape,
+            &s.q, &s.k, &s.v, &probs, &d_o, &mut dq, &mut dk, &mut dv, s.shape,
         )?;
+        drop(probs);
         let pos = self
             .rope
             .as_ref()
@@ -233,7 +286,7 @@ impl<B: Backend> Layer<B> for Attention<B> {
         linear_bwd_input(be, &dv, &self.wv, &mut dx, rows, true)?;
         let for_w = ForW {
             x: s.x,
-            o: s.o,
+            o,
             dy: be.dup(dy)?,
             dq,
             dk,
@@ -266,6 +319,10 @@ impl<B: Backend> Layer<B> for Attention<B> {
 
     fn stashed(&self) -> usize {
         self.stash.len()
+    }
+
+    fn held(&self, be: &B) -> Held {
+        self.stash.held(be)
     }
 
     /// `wq, wk, wv, wo`, then `bq, bk, bv` when there are biases.

@@ -3,7 +3,7 @@
 //! The residual additions have no parameters; the block's I adds the skip gradients, its W
 //! runs its four layers' W, and its parameters and stash are its layers', in order.
 
-use super::{Attention, Layer, Mlp, RmsNorm, activation};
+use super::{Attention, Held, Layer, Mlp, RmsNorm, activation};
 use crate::model::{GptConfig, Param, Result, Shape};
 use crate::tensor::Backend;
 
@@ -79,6 +79,10 @@ impl<B: Backend> Layer<B> for Block<B> {
 
     fn stashed(&self) -> usize {
         self.layers().into_iter().map(|l| l.stashed()).sum()
+    }
+
+    fn held(&self, be: &B) -> Held {
+        self.layers().into_iter().map(|l| l.held(be)).sum()
     }
 
     fn params(&self) -> Vec<&Param<B>> {

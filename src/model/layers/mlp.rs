@@ -2,7 +2,10 @@
 //! `activation = "swiglu"` Llama's gated MLP `y = (silu(x·W1) ∘ (x·W3))·W2`, in Meta's names:
 //! `W1` the gate, `W3` the up and `W2` the down projection.
 
-use super::{Layer, Stash, activation, gradient, linear_bwd_input, linear_bwd_weight, linear_fwd};
+use super::{
+    Elems, Held, Layer, Stash, activation, gradient, linear_bwd_input, linear_bwd_weight,
+    linear_fwd,
+};
 use crate::model::{GptConfig, Param, Result, Shape, init};
 use crate::tensor::{Activation, Backend};
 
@@ -26,6 +29,20 @@ struct ForW<B: Backend> {
     d_up: Option<B::Buf>,
     dy: B::Buf,
     rows: usize,
+}
+
+impl<B: Backend> Elems<B> for Saved<B> {
+    fn elems(&self, be: &B) -> usize {
+        let gate = self.gate.as_ref().map_or(0, |(a, u)| be.len(a) + be.len(u));
+        be.len(&self.x) + be.len(&self.u) + be.len(&self.g) + gate
+    }
+}
+
+impl<B: Backend> Elems<B> for ForW<B> {
+    fn elems(&self, be: &B) -> usize {
+        let up = self.d_up.as_ref().map_or(0, |b| be.len(b));
+        be.len(&self.x) + be.len(&self.g) + be.len(&self.du) + be.len(&self.dy) + up
+    }
 }
 
 /// Two-layer perceptron with a GELU or SiLU in between, or the gated SwiGLU.
@@ -141,6 +158,10 @@ impl<B: Backend> Layer<B> for Mlp<B> {
 
     fn stashed(&self) -> usize {
         self.stash.len()
+    }
+
+    fn held(&self, be: &B) -> Held {
+        self.stash.held(be)
     }
 
     /// `w1, w2`, then `w3` when gated.

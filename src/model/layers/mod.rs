@@ -51,6 +51,37 @@ pub trait Layer<B: Backend> {
     fn discard(&mut self, mb: usize);
     /// Micro-batches with something stashed (summed over a composite's parts).
     fn stashed(&self) -> usize;
+    /// Activation and gradient elements stashed, for I and for W (summed over a
+    /// composite's parts): what recomputation changes, measured.
+    fn held(&self, be: &B) -> Held;
+}
+
+/// Elements a layer holds in its stash: from F for I, and from I for W.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Held {
+    pub for_i: usize,
+    pub for_w: usize,
+}
+
+impl std::ops::Add for Held {
+    type Output = Held;
+    fn add(self, o: Held) -> Held {
+        Held {
+            for_i: self.for_i + o.for_i,
+            for_w: self.for_w + o.for_w,
+        }
+    }
+}
+
+impl std::iter::Sum for Held {
+    fn sum<I: Iterator<Item = Held>>(it: I) -> Held {
+        it.fold(Held::default(), |a, b| a + b)
+    }
+}
+
+/// A stash entry's element count: the lengths of the buffers it holds.
+pub(crate) trait Elems<B: Backend> {
+    fn elems(&self, be: &B) -> usize;
 }
 
 /// Per-micro-batch storage of one layer's split backward: what F leaves for I (`F`), then
@@ -111,6 +142,18 @@ impl<F, W> Stash<F, W> {
     /// Entries kept, for I and for W together.
     pub(crate) fn len(&self) -> usize {
         self.for_i.len() + self.for_w.len()
+    }
+
+    /// Elements kept, for I and for W.
+    pub(crate) fn held<B: Backend>(&self, be: &B) -> Held
+    where
+        F: Elems<B>,
+        W: Elems<B>,
+    {
+        Held {
+            for_i: self.for_i.values().map(|e| e.elems(be)).sum(),
+            for_w: self.for_w.values().map(|e| e.elems(be)).sum(),
+        }
     }
 }
 

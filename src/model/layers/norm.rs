@@ -1,6 +1,6 @@
 //! RMSNorm with a learned gain: `y = x / rms(x) · g`.
 
-use super::{Layer, Stash, activation, gradient};
+use super::{Elems, Held, Layer, Stash, activation, gradient};
 use crate::model::{Param, Result, Shape};
 use crate::tensor::{Backend, DType};
 
@@ -8,6 +8,18 @@ struct Saved<B: Backend> {
     x: B::Buf,
     rstd: B::Buf,
     rows: usize,
+}
+
+impl<B: Backend> Elems<B> for Saved<B> {
+    fn elems(&self, be: &B) -> usize {
+        be.len(&self.x) + be.len(&self.rstd)
+    }
+}
+
+impl<B: Backend> Elems<B> for (Saved<B>, B::Buf) {
+    fn elems(&self, be: &B) -> usize {
+        self.0.elems(be) + be.len(&self.1)
+    }
 }
 
 /// RMSNorm over the last dimension of `[rows, dim]` activations.
@@ -93,6 +105,10 @@ impl<B: Backend> Layer<B> for RmsNorm<B> {
     /// Micro-batches with something stashed.
     fn stashed(&self) -> usize {
         self.stash.len()
+    }
+
+    fn held(&self, be: &B) -> Held {
+        self.stash.held(be)
     }
 
     fn params(&self) -> Vec<&Param<B>> {

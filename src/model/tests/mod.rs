@@ -3,6 +3,7 @@
 
 mod llama;
 mod optim;
+mod recompute;
 
 use super::*;
 use crate::tensor::{CpuBackend, CpuBuf, IGNORE_TARGET};
