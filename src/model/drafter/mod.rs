@@ -25,10 +25,12 @@
 //!
 //! # Training data ([`DraftBuffer`])
 //! The last pipeline chunk, given a [`DraftBufferHandle`] through
-//! [`crate::model::ModelChunk::set_draft_sink`], copies the final hidden states and the softmax
-//! it already computed for the loss into the buffer, one [`DraftRow`] per sequence. Nothing
-//! else is computed. The buffer keeps the rows of the current and the previous target step
-//! ([`DraftBuffer::begin_step`]), each generation bounded.
+//! [`crate::model::ModelChunk::set_draft_sink`], copies the final hidden states it already
+//! computed and the tokens into the buffer, one [`DraftRow`] per sequence: `d_model + 1`
+//! values a position, whatever the vocabulary. A slice recomputes the soft targets
+//! `p_{t+1} = softmax(h_{t+1} · W_head)` of the rows it samples through the frozen head
+//! ([`Drafter::batch`]). The buffer keeps the rows of the current and the previous target
+//! step ([`DraftBuffer::begin_step`]), each generation bounded.
 //!
 //! # Training ([`DrafterTrainer`])
 //! A *slice* ([`DrafterTrainer::slice`]) is one forward + backward of the drafter on

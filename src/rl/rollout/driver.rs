@@ -33,8 +33,6 @@ struct Seq {
     done: bool,
     /// Final hidden states of positions `0..tokens.len() - 1`, `[.., d_model]`.
     hidden: Vec<f32>,
-    /// Target distributions of the same positions (only when recording rows).
-    probs: Vec<f32>,
     rng: SplitMix64,
     /// The stages' caches still hold a verified tree's other branches: the next step
     /// keeps only the accepted path.
@@ -93,7 +91,6 @@ impl<'a> Driver<'a> {
                 cap: (r.prompt.len() + r.max_new).min(seq_len),
                 done: r.max_new == 0,
                 hidden: Vec::new(),
-                probs: Vec::new(),
                 rng: SplitMix64::derive(config.seed, i as u64),
                 compact: None,
             })
@@ -456,12 +453,6 @@ impl<'a> Driver<'a> {
             for &j in &kept_rows {
                 seq.hidden.extend_from_slice(&hidden[j * d..(j + 1) * d]);
             }
-            if self.config.record_rows {
-                seq.probs.truncate(span.start * v);
-                kept_rows
-                    .iter()
-                    .for_each(|&j| seq.probs.extend(softmax(row(j), 1.0)));
-            }
             let grown = seq.tokens.len();
             for tok in emitted {
                 seq.tokens.push(tok);
@@ -476,7 +467,7 @@ impl<'a> Driver<'a> {
             }
             if seq.done {
                 if let (Some(h), true) = (&self.hook, self.config.record_rows)
-                    && let Some(row) = draft_row(seq, d, v, self.config.step)
+                    && let Some(row) = draft_row(seq, d, self.config.step)
                 {
                     h.row(&row);
                 }
@@ -510,7 +501,7 @@ impl<'a> Driver<'a> {
             stats.tail_start_s = p.t;
             stats.tail_tokens = stats.tokens - p.tokens;
         }
-        let (d, v) = (self.d, self.vocab);
+        let d = self.d;
         let record = self.config.record_rows;
         let step = self.config.step;
         let mut rows = Vec::new();
@@ -518,7 +509,7 @@ impl<'a> Driver<'a> {
         let mut prompt_lens = Vec::with_capacity(n);
         for s in self.seqs {
             if record {
-                rows.extend(draft_row(&s, d, v, step));
+                rows.extend(draft_row(&s, d, step));
             }
             prompt_lens.push(s.prompt);
             sequences.push(s.tokens);
@@ -535,9 +526,9 @@ impl<'a> Driver<'a> {
     }
 }
 
-/// A sequence's drafter-training row: its final hidden states, next tokens and target
-/// distributions (`None` before it has two tokens).
-fn draft_row(s: &Seq, d: usize, v: usize, step: u64) -> Option<DraftRow> {
+/// A sequence's drafter-training row: its final hidden states and next tokens (`None` before
+/// it has two tokens).
+fn draft_row(s: &Seq, d: usize, step: u64) -> Option<DraftRow> {
     if s.tokens.len() <= 1 {
         return None;
     }
@@ -550,7 +541,6 @@ fn draft_row(s: &Seq, d: usize, v: usize, step: u64) -> Option<DraftRow> {
     Some(DraftRow {
         hidden: s.hidden[..len * d].to_vec(),
         targets,
-        probs: s.probs[..len * v].to_vec(),
         step,
     })
 }
