@@ -55,7 +55,9 @@
 //! Given, for each live sequence, its last target pairs `(h_i, x_{i+1})`
 //! ([`DraftContext`]), the drafter proposes a chain of `k` tokens and the distribution `q`
 //! each was drawn from (for lossless acceptance), feeding its own predicted hidden state
-//! forward, as EAGLE does.
+//! forward, as EAGLE does. With a draft vocabulary ([`Drafter::set_draft_vocab`], EAGLE-3's
+//! most frequent tokens, see `vocab.rs`) a drafted token pays the head's columns of those
+//! tokens only.
 //!
 //! # Example
 //! ```
@@ -105,6 +107,7 @@ mod tests;
 mod train;
 mod tree;
 mod unroll;
+mod vocab;
 
 pub use batch::DraftBatch;
 pub use buffer::{DraftBuffer, DraftBufferHandle, DraftRow};
@@ -114,6 +117,7 @@ pub use propose::{DraftChain, DraftContext};
 pub use train::{DrafterGrads, DrafterTrainer, EvalStats, SliceStats};
 pub use tree::{DraftTree, MAX_TREE_NODES, TreeShape};
 pub use unroll::{ChainStats, greedy_tail};
+pub use vocab::frequent_tokens;
 
 use serde::{Deserialize, Serialize};
 

@@ -54,6 +54,8 @@ pub struct Drafter<B: Backend> {
     /// Frozen `head.w: [d, vocab]`.
     pub(super) head: B::Buf,
     pub(super) frozen_step: Option<u64>,
+    /// The reduced draft vocabulary of proposals, if set ([`super::vocab`]).
+    pub(super) draft: Option<super::vocab::DraftVocab<B>>,
     /// The proposal's packed weights and memo: dropped by every `&mut` path to the weights.
     pub(super) packs: super::packed::PackCache,
 }
@@ -82,6 +84,7 @@ impl<B: Backend> Drafter<B> {
             tok: init::normal(target.seed, FROZEN[0], v * d, init::INIT_STD),
             head: be.from_host(&head, be.storage_dtype())?,
             frozen_step: None,
+            draft: None,
             packs: Default::default(),
             target: target.clone(),
             config: config.clone(),
@@ -135,6 +138,9 @@ impl<B: Backend> Drafter<B> {
             self.tok = values.to_vec();
         } else {
             self.head = self.be.from_host(values, self.be.storage_dtype())?;
+            if let Some(draft) = self.draft.take() {
+                self.draft = Some(self.draft_head(draft.ids)?);
+            }
         }
         self.frozen_step = Some(step);
         Ok(())

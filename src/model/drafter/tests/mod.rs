@@ -1,7 +1,8 @@
 //! Tests of the drafter: finite-difference gradient checks of its new pieces (fc, the
 //! soft cross-entropy, SmoothL1, the whole drafter), the buffer and the config here;
 //! training, replicas, capture and proposals in [`train`]; the packed proposal path in
-//! [`propose`]; the unrolled training-time test in [`unroll`].
+//! [`propose`]; the unrolled training-time test in [`unroll`]; the reduced draft
+//! vocabulary in [`vocab`].
 //!
 //! Gradient checks follow `model/layers/tests.rs`: central differences with `h = 1e-2`,
 //! the objective summed in `f64`, parameters drawn at scale 0.5, and a relative error
@@ -11,6 +12,7 @@
 pub(super) mod propose;
 mod train;
 mod unroll;
+mod vocab;
 
 use super::loss::{smooth_l1, soft_cross_entropy};
 use super::*;
