@@ -121,3 +121,27 @@ fn a_refreshed_head_is_gathered_again() {
     let b = after.propose(&ctx, 3, 0.0, &mut SplitMix64::new(0)).unwrap();
     assert_eq!(a, b);
 }
+
+#[test]
+fn a_tree_over_a_draft_vocabulary_holds_only_its_tokens() {
+    let cfg = wide();
+    let (hidden, tokens) = pairs(&cfg, 6, 3);
+    let ctx = [DraftContext {
+        hidden: &hidden,
+        tokens: &tokens,
+    }];
+    // Fewer tokens than one node's children: the tree is cut, never filled with others.
+    let ids = [2, 7, 11];
+    let shape = crate::model::drafter::TreeShape {
+        depth: 3,
+        branch: 4,
+        width: 2,
+        nodes: 12,
+    };
+    let mut d = drafter(&cfg, 8, 6);
+    d.set_draft_vocab(Some(&ids)).unwrap();
+    let tree = d.propose_tree(&ctx, &shape, 0.0).unwrap().remove(0);
+    assert!(!tree.tokens.is_empty());
+    assert!(tree.tokens.iter().all(|t| ids.contains(t)), "{tree:?}");
+    assert!(tree.parents.iter().filter(|p| p.is_none()).count() <= ids.len());
+}
