@@ -149,7 +149,12 @@ impl DraftBuffer {
 
     /// Splits a micro-batch's `hidden: [batch·seq, d]` and `targets: [batch·seq]` into one
     /// row per sequence and pushes them.
-    pub fn push_micro_batch(&mut self, shape: Shape, hidden: &[f32], targets: &[u32]) -> Result<()> {
+    pub fn push_micro_batch(
+        &mut self,
+        shape: Shape,
+        hidden: &[f32],
+        targets: &[u32],
+    ) -> Result<()> {
         let (n, d) = (shape.tokens(), self.d_model);
         if hidden.len() != n * d || targets.len() != n {
             return Err(DrafterError::Input {

@@ -219,7 +219,9 @@ impl<B: Backend> Drafter<B> {
             r.check(d, v)?;
         }
         let mut batch = DraftBatch::layout(rows, &self.tok, d, max_positions, rng);
-        let h = self.be.from_host(&batch.target_hidden, self.be.storage_dtype())?;
+        let h = self
+            .be
+            .from_host(&batch.target_hidden, self.be.storage_dtype())?;
         let mut probs = self.be.to_host(&self.logits(&h, batch.rows())?)?;
         softmax_rows(&mut probs, &batch.mask, v);
         batch.target_probs = probs;

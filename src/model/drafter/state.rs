@@ -377,11 +377,7 @@ impl DrafterState {
     }
 
     /// The state [`DrafterState::to_parts`] split.
-    pub fn from_parts(
-        meta: &DrafterMeta,
-        tensors: &[HostTensor],
-        d_model: usize,
-    ) -> Result<Self> {
+    pub fn from_parts(meta: &DrafterMeta, tensors: &[HostTensor], d_model: usize) -> Result<Self> {
         if let Some(t) = tensors.iter().find(|t| t.name.ends_with(".probs")) {
             return Err(bad(format!(
                 "`{}`: a drafter file of the older format, whose buffer kept next-token \
@@ -431,7 +427,12 @@ impl DrafterState {
             optimizer,
             samplers: meta.samplers.clone(),
             buffer: BufferState::from_parts("drafter.buffer", &meta.buffer, tensors, d_model)?,
-            held_out: BufferState::from_parts("drafter.held_out", &meta.held_out, tensors, d_model)?,
+            held_out: BufferState::from_parts(
+                "drafter.held_out",
+                &meta.held_out,
+                tensors,
+                d_model,
+            )?,
             round: meta
                 .round
                 .as_ref()

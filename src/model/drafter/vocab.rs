@@ -12,7 +12,7 @@
 //! acceptance compares the target's `p` with that `q`. Training is unchanged (its soft
 //! targets and loss stay over the whole vocabulary).
 
-use super::{Drafter, DrafterError, DraftRow, Result};
+use super::{DraftRow, Drafter, DrafterError, Result};
 use crate::tensor::{Backend, IGNORE_TARGET};
 
 /// The draft vocabulary: target ids, ascending, and the head's columns for them.

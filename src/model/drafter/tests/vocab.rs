@@ -74,13 +74,20 @@ fn reduced_proposals_draft_only_its_tokens_with_a_whole_vocabulary_q() {
         ids.extend([0, 1]);
         ids.sort_unstable();
         ids.dedup();
-        assert!(ids.len() < v, "the test needs a vocabulary larger than the chains");
+        assert!(
+            ids.len() < v,
+            "the test needs a vocabulary larger than the chains"
+        );
         let mut reduced = drafter(&cfg, 8, 3);
         reduced.set_proposal_precision(Precision::F32);
         reduced.packs.gemm_only = gemm_only;
         reduced.set_draft_vocab(Some(&ids)).unwrap();
-        let greedy = reduced.propose(&ctx, k, 0.0, &mut SplitMix64::new(0)).unwrap();
-        let sampled = reduced.propose(&ctx, k, 0.8, &mut SplitMix64::new(5)).unwrap();
+        let greedy = reduced
+            .propose(&ctx, k, 0.0, &mut SplitMix64::new(0))
+            .unwrap();
+        let sampled = reduced
+            .propose(&ctx, k, 0.8, &mut SplitMix64::new(5))
+            .unwrap();
         for (g, r) in greedy.iter().zip(&reference) {
             assert_eq!(g.tokens, r.tokens, "gemm_only {gemm_only}");
         }
@@ -112,13 +119,19 @@ fn a_refreshed_head_is_gathered_again() {
     // Set, then refreshed; against refreshed, then set.
     let mut before = drafter(&cfg, 8, 4);
     before.set_draft_vocab(Some(&ids)).unwrap();
-    before.propose(&ctx, 3, 0.0, &mut SplitMix64::new(0)).unwrap();
+    before
+        .propose(&ctx, 3, 0.0, &mut SplitMix64::new(0))
+        .unwrap();
     before.refresh("head.w", &new_head, 1).unwrap();
     let mut after = drafter(&cfg, 8, 4);
     after.refresh("head.w", &new_head, 1).unwrap();
     after.set_draft_vocab(Some(&ids)).unwrap();
-    let a = before.propose(&ctx, 3, 0.0, &mut SplitMix64::new(0)).unwrap();
-    let b = after.propose(&ctx, 3, 0.0, &mut SplitMix64::new(0)).unwrap();
+    let a = before
+        .propose(&ctx, 3, 0.0, &mut SplitMix64::new(0))
+        .unwrap();
+    let b = after
+        .propose(&ctx, 3, 0.0, &mut SplitMix64::new(0))
+        .unwrap();
     assert_eq!(a, b);
 }
 
