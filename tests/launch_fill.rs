@@ -202,7 +202,7 @@ fn planned(filler: Filler, out: &Path) -> JobConfig {
 /// Every float of a drafter state as bits, by name, and the rest (version, AdamW step,
 /// samplers, rows' targets and steps, the kept round's shape) as JSON.
 fn state_bits(job: &JobConfig, state: &DrafterState) -> (Vec<(String, Vec<u32>)>, String) {
-    let (tensors, meta) = state.to_parts(job.model.d_model, job.model.vocab);
+    let (tensors, meta) = state.to_parts(job.model.d_model);
     let mut t: Vec<_> = tensors.iter().map(|t| (t.name.clone(), bits(t))).collect();
     t.sort();
     (t, serde_json::to_string(&meta).unwrap())

@@ -47,7 +47,7 @@ fn target_bits(run: &PipelineRun) -> Vec<(String, Vec<u32>)> {
 /// Every float of the drafter's state as bits, by name, and the rest (version, AdamW step,
 /// samplers, rows' targets and steps, the posted round's shape) as JSON.
 fn drafter_bits(job: &JobConfig, state: &DrafterState) -> (Vec<(String, Vec<u32>)>, String) {
-    let (tensors, meta) = state.to_parts(job.model.d_model, job.model.vocab);
+    let (tensors, meta) = state.to_parts(job.model.d_model);
     let mut t: Vec<_> = tensors
         .iter()
         .map(|t| (t.name.clone(), t.data.iter().map(|x| x.to_bits()).collect()))

@@ -208,7 +208,6 @@ impl MovingTarget {
                 let mut row = DraftRow {
                     hidden: Vec::new(),
                     targets: Vec::new(),
-                    probs: Vec::new(),
                     step,
                 };
                 for _ in 0..len {
@@ -222,7 +221,6 @@ impl MovingTarget {
                     let x = x.unwrap_or(v - 1);
                     row.hidden.extend_from_slice(&h);
                     row.targets.push(x as u32);
-                    row.probs.extend_from_slice(&p);
                     let mut next: Vec<f32> = (0..d)
                         .map(|i| {
                             let ah: f32 = (0..d).map(|j| a[i * d + j] * h[j]).sum();

@@ -41,6 +41,11 @@
 //!    and as an adaptive variant (`adapt tree`: the bandit's K is the tree's depth), each
 //!    alternating with plain runs, and prints the tree's step costs at one sequence per
 //!    group (verification of its rows, proposal) next to the chain's.
+//!
+//! With `--draft-vocab N,..` it stops after step 3 and compares, instead, the drafter's
+//! chains with the full head and with the `N` tokens most frequent in the rows, for each `N`
+//! ([`Drafter::set_draft_vocab`]): acceptance length at the fixed K (median of `--reps`),
+//! the proposal's cost for one sequence, and whether the output equals the plain run's.
 
 mod batch;
 mod cache;
@@ -58,7 +63,9 @@ use costs::{
 };
 use pipefill::config::JobConfig;
 use pipefill::model::checkpoint::Checkpoint;
-use pipefill::model::drafter::{DraftBufferHandle, DraftContext, Drafter, DrafterTrainer};
+use pipefill::model::drafter::{
+    DraftBufferHandle, DraftContext, Drafter, DrafterTrainer, frequent_tokens,
+};
 use pipefill::model::infer::InferStage;
 use pipefill::model::{Cut, Gpt};
 use pipefill::profile::report::median;
@@ -150,6 +157,10 @@ pub struct RolloutArgs {
     /// device; cuda: GPU 0).
     #[arg(long, value_enum)]
     device: Option<pipefill::config::DeviceKind>,
+    /// Compare the full head's chains with draft vocabularies of these many tokens and stop
+    /// (see the module docs).
+    #[arg(long, value_name = "N,..", value_delimiter = ',')]
+    draft_vocab: Vec<usize>,
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
@@ -329,6 +340,35 @@ fn rollout_on<B: Backend>(
         hidden: &hidden,
         tokens: &tokens,
     };
+    if !a.draft_vocab.is_empty() {
+        let d = dtrainer.drafter_mut();
+        let vocabs = a.draft_vocab.iter();
+        let vocabs = vocabs.map(|&n| Some(frequent_tokens(&first.rows, job.model.vocab, n)));
+        for ids in std::iter::once(None).chain(vocabs) {
+            let ids = ids.as_deref();
+            d.set_draft_vocab(ids)?;
+            let cost = step_costs(model, d, ctx, &[a.k], 1, COST_REPS)?;
+            let mut runs = Vec::with_capacity(a.reps);
+            for _ in 0..a.reps {
+                let p: &mut dyn pipefill::rl::speculative::Proposer = &mut *d;
+                let spec = cfg(Speculation::Fixed { k: a.k }, false);
+                runs.push(engine.run(&requests, &spec, Some(p))?);
+            }
+            out.line(&format!(
+                "{}: fixed K={} acceptance length {:.3} (median of {}), proposing K for one sequence {:.3} ms, output identical to plain: {}",
+                ids.map_or(format!("full head ({})", job.model.vocab), |i| format!(
+                    "draft vocabulary {}",
+                    i.len()
+                )),
+                a.k,
+                median(runs.iter().map(|r| r.stats.acceptance_length())),
+                a.reps,
+                cost.first().map_or(f64::NAN, |c| c.propose_ms),
+                runs.iter().all(|r| r.sequences == first.sequences)
+            ));
+        }
+        return Ok(());
+    }
     // Every draft length the adaptive engine may choose (and the fixed run's): a short
     // draft still pays at group sizes where verifying K = 4 costs too much.
     let mut cost_ks = AdaptiveConfig::default().ks;

@@ -14,7 +14,7 @@
 //! results are bitwise those without.
 //!
 //! The last chunk can also hand copies of what its forward computes anyway (final hidden
-//! states, next-token distributions) to the drafter's training buffer
+//! states, with the targets) to the drafter's training buffer
 //! ([`ModelChunk::set_draft_sink`]); that changes no result.
 
 use std::collections::HashMap;
@@ -187,8 +187,8 @@ impl<B: Backend> ModelChunk<B> {
         self.stage + 1 == self.stages
     }
     /// Sets (or clears) the buffer into which every training forward of this chunk (one with
-    /// targets) copies its final hidden states `[tokens, d_model]`, targets and next-token
-    /// distributions `[tokens, vocab]`, for the drafter. Only the last chunk computes them;
+    /// targets) copies its final hidden states `[tokens, d_model]` and targets, for the
+    /// drafter. Only the last chunk computes them;
     /// the buffer must be for this model's width and vocabulary.
     pub fn set_draft_sink(&mut self, sink: Option<DraftBufferHandle>) -> Result<()> {
         if let Some(s) = &sink {
@@ -362,11 +362,10 @@ impl<B: Backend> ModelChunk<B> {
                 Err(self.input_err(mb, reason))
             }
             Some(t) => {
-                let sink = self.draft_sink.clone();
-                let (loss, tokens, probs) = head.forward_capture(be, mb, &h, t, sink.is_some())?;
-                if let (Some(sink), Some(probs)) = (sink, probs) {
+                let (loss, tokens) = head.forward(be, mb, &h, t)?;
+                if let Some(sink) = self.draft_sink.clone() {
                     let hidden = be.to_host(&h)?;
-                    sink.push_micro_batch(shape, &hidden, t, &probs)
+                    sink.push_micro_batch(shape, &hidden, t)
                         .map_err(|e| self.input_err(mb, e.to_string()))?;
                 }
                 Ok(ChunkOutput::Loss { loss, tokens })

@@ -425,7 +425,8 @@ pub(super) fn task_text(job: &JobConfig) -> Result<Size, ConfigError> {
 
 /// The drafter: its block (as wide as the target's), input projection, frozen copies of
 /// the embedding and head, with gradients and moments; its buffer of two steps' rows
-/// (hidden states and next-token distributions); one slice's activations.
+/// (hidden states and tokens: no distributions, a slice recomputes them); one slice's
+/// activations (with the soft targets' logits and softmax through the frozen head).
 pub(super) fn drafter_bytes(job: &JobConfig) -> Result<Size, ConfigError> {
     let dr = &job.drafter;
     let what = "the drafter";
@@ -445,7 +446,7 @@ pub(super) fn drafter_bytes(job: &JobConfig) -> Result<Size, ConfigError> {
             mul(what, &[k(2 * ELEMENT), vocab, d])?,
         ],
     )?;
-    let row = add(what, &[d, vocab, k(1)])?;
+    let row = add(what, &[d, k(1)])?;
     let buffer = mul(
         what,
         &[
@@ -463,7 +464,7 @@ pub(super) fn drafter_bytes(job: &JobConfig) -> Result<Size, ConfigError> {
             mul(what, &[k(STASH_PER_D + 8), d])?,
             mul(what, &[k(STASH_PER_HIDDEN + 2), hidden])?,
             mul(what, &[k(2), h, positions])?,
-            mul(what, &[k(4), vocab])?,
+            mul(what, &[k(6), vocab])?,
         ],
     )?;
     let slice = mul(
@@ -480,7 +481,7 @@ pub(super) fn drafter_bytes(job: &JobConfig) -> Result<Size, ConfigError> {
 }
 
 /// `pipefill rl`'s rollouts: every sequence's KV cache through every block, its final
-/// hidden states and next-token distributions (the drafter's rows), and one decode step's
+/// hidden states and tokens (the drafter's rows), and one decode step's
 /// logits for the verified drafts (a tree's nodes, or the chain of `draft_k`).
 pub(super) fn rollout_bytes(job: &JobConfig) -> Result<Size, ConfigError> {
     let r = &job.rl;
@@ -494,7 +495,7 @@ pub(super) fn rollout_bytes(job: &JobConfig) -> Result<Size, ConfigError> {
         ..
     } = dims(job);
     let kv = mul(what, &[sequences, layers, k(2), d, seq, k(ELEMENT)])?;
-    let row = add(what, &[d, vocab, k(2)])?;
+    let row = add(what, &[d, k(2)])?;
     let rows = mul(what, &[sequences, seq, row, k(ELEMENT)])?;
     let drafts = match r.draft_tree {
         Some(tree) => f("rl.draft_tree.nodes", tree.nodes),

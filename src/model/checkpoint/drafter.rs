@@ -41,7 +41,7 @@ pub fn save_drafter(
     state: &DrafterState,
     model: &GptConfig,
 ) -> Result<DrafterEntry, CheckpointError> {
-    let (tensors, meta) = state.to_parts(model.d_model, model.vocab);
+    let (tensors, meta) = state.to_parts(model.d_model);
     std::fs::create_dir_all(dir).map_err(|error| CheckpointError::Io {
         path: dir.to_path_buf(),
         error,
@@ -77,7 +77,7 @@ pub(super) fn load_listed(
     let path = dir.join(&entry.file);
     let listed = (entry.file.as_str(), entry.bytes, entry.hash.as_str());
     let tensors = read_listed_tensors(dir, listing, "drafter.file", listed, &entry.tensors)?;
-    DrafterState::from_parts(&entry.state, &tensors, model.d_model, model.vocab).map_err(|e| {
+    DrafterState::from_parts(&entry.state, &tensors, model.d_model).map_err(|e| {
         CheckpointError::BadTensors {
             path,
             reason: e.to_string(),

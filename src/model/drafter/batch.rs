@@ -14,7 +14,8 @@ pub struct DraftBatch {
     pub inputs: Vec<f32>,
     /// The hidden state to predict `[batch·seq, d_model]`.
     pub target_hidden: Vec<f32>,
-    /// The target's next-token distribution to match `[batch·seq, vocab]`.
+    /// The target's next-token distribution to match `[batch·seq, vocab]`: recomputed from
+    /// `target_hidden` through the frozen head ([`super::Drafter::batch`]), 0 on masked pairs.
     pub target_probs: Vec<f32>,
     /// Which pairs count.
     pub mask: Vec<bool>,
@@ -38,14 +39,14 @@ impl DraftBatch {
         })
     }
 
-    /// Lays out `rows` with the (frozen) embedding table `tok: [vocab, d]`. A row longer than
+    /// Lays out `rows` with the (frozen) embedding table `tok: [vocab, d]`, `target_probs`
+    /// left empty (the drafter fills it, [`super::Drafter::batch`]). A row longer than
     /// `max_positions + 1` positions contributes a window of that many, starting where `rng`
     /// says (at 0 without `rng`).
-    pub fn from_rows(
+    pub(super) fn layout(
         rows: &[DraftRow],
         tok: &[f32],
         d: usize,
-        vocab: usize,
         max_positions: usize,
         mut rng: Option<&mut SplitMix64>,
     ) -> Self {
@@ -72,7 +73,7 @@ impl DraftBatch {
             seq,
             inputs: vec![0.0; n * 2 * d],
             target_hidden: vec![0.0; n * d],
-            target_probs: vec![0.0; n * vocab],
+            target_probs: Vec::new(),
             mask: vec![false; n],
         };
         for (i, (row, &(start, w))) in rows.iter().zip(&windows).enumerate() {
@@ -87,8 +88,6 @@ impl DraftBatch {
                 x[d..].copy_from_slice(&row.hidden[t * d..(t + 1) * d]);
                 b.target_hidden[out * d..(out + 1) * d]
                     .copy_from_slice(&row.hidden[(t + 1) * d..(t + 2) * d]);
-                b.target_probs[out * vocab..(out + 1) * vocab]
-                    .copy_from_slice(&row.probs[(t + 1) * vocab..(t + 2) * vocab]);
                 b.mask[out] = row.pair_valid(t);
             }
         }

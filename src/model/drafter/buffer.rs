@@ -1,6 +1,12 @@
-//! The drafter's training data: [`DraftRow`]s (one sequence's final hidden states, targets
-//! and target distributions) in a bounded [`DraftBuffer`] that keeps the current and the
-//! previous target step, shared through a [`DraftBufferHandle`].
+//! The drafter's training data: [`DraftRow`]s (one sequence's final hidden states and
+//! tokens) in a bounded [`DraftBuffer`] that keeps the current and the previous target step,
+//! shared through a [`DraftBufferHandle`].
+//!
+//! Why no distributions: a row's next-token distributions are `softmax(h · W_head)` of its own
+//! hidden states, so a slice recomputes them through the drafter's frozen head
+//! ([`super::Drafter::batch`]) for the few rows it samples; keeping them would cost
+//! `positions × vocab` floats a row (400 MB for 2048 rows at a 49K vocabulary) against
+//! `positions × d_model`.
 //!
 //! Why two generations: in RL the rows of one step arrive shortest first (short rollouts
 //! finish early), so a buffer of the current step alone would be biased to short sequences
@@ -23,8 +29,6 @@ pub struct DraftRow {
     /// Next-token targets `[len]`: `targets[t]` is the token at position `t + 1`
     /// ([`IGNORE_TARGET`] where unknown).
     pub targets: Vec<u32>,
-    /// The target's next-token distributions `[len, vocab]` (softmax of its logits).
-    pub probs: Vec<f32>,
     /// Target step that produced the row.
     pub step: u64,
 }
@@ -60,11 +64,6 @@ impl DraftRow {
             format!(
                 "{} hidden values for {n} positions of {d_model}",
                 self.hidden.len()
-            )
-        } else if self.probs.len() != n * vocab {
-            format!(
-                "{} probabilities for {n} positions of {vocab}",
-                self.probs.len()
             )
         } else if let Some(p) = bad_id {
             format!(
@@ -148,24 +147,22 @@ impl DraftBuffer {
         Ok(())
     }
 
-    /// Splits a micro-batch's `hidden: [batch·seq, d]`, `targets: [batch·seq]` and
-    /// `probs: [batch·seq, vocab]` into one row per sequence and pushes them.
+    /// Splits a micro-batch's `hidden: [batch·seq, d]` and `targets: [batch·seq]` into one
+    /// row per sequence and pushes them.
     pub fn push_micro_batch(
         &mut self,
         shape: Shape,
         hidden: &[f32],
         targets: &[u32],
-        probs: &[f32],
     ) -> Result<()> {
-        let (n, d, v) = (shape.tokens(), self.d_model, self.vocab);
-        if hidden.len() != n * d || targets.len() != n || probs.len() != n * v {
+        let (n, d) = (shape.tokens(), self.d_model);
+        if hidden.len() != n * d || targets.len() != n {
             return Err(DrafterError::Input {
                 what: "micro-batch",
                 reason: format!(
-                    "{shape:?} with {} hidden values, {} targets, {} probabilities",
+                    "{shape:?} with {} hidden values, {} targets",
                     hidden.len(),
                     targets.len(),
-                    probs.len()
                 ),
             });
         }
@@ -174,7 +171,6 @@ impl DraftBuffer {
             self.push(DraftRow {
                 hidden: hidden[b * s * d..(b + 1) * s * d].to_vec(),
                 targets: targets[b * s..(b + 1) * s].to_vec(),
-                probs: probs[b * s * v..(b + 1) * s * v].to_vec(),
                 step: 0,
             })?;
         }
@@ -278,14 +274,8 @@ impl DraftBufferHandle {
     }
 
     /// See [`DraftBuffer::push_micro_batch`].
-    pub fn push_micro_batch(
-        &self,
-        shape: Shape,
-        hidden: &[f32],
-        targets: &[u32],
-        probs: &[f32],
-    ) -> Result<()> {
-        self.lock().push_micro_batch(shape, hidden, targets, probs)
+    pub fn push_micro_batch(&self, shape: Shape, hidden: &[f32], targets: &[u32]) -> Result<()> {
+        self.lock().push_micro_batch(shape, hidden, targets)
     }
 
     /// See [`DraftBuffer::sample`].

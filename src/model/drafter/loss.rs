@@ -76,6 +76,22 @@ pub fn smooth_l1(
     total
 }
 
+/// Replaces each row of `logits: [rows, vocab]` by its softmax (in f64, like
+/// [`soft_cross_entropy`]'s), or by zeros where `mask` is off.
+pub fn softmax_rows(logits: &mut [f32], mask: &[bool], vocab: usize) {
+    for (row, &on) in logits.chunks_mut(vocab).zip(mask) {
+        if !on {
+            row.fill(0.0);
+            continue;
+        }
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let sum: f64 = row.iter().map(|&x| f64::from(x - max).exp()).sum();
+        for x in row.iter_mut() {
+            *x = (f64::from(*x - max).exp() / sum) as f32;
+        }
+    }
+}
+
 /// Index of the largest value (the first on ties); `None` for an empty row.
 pub fn argmax(row: &[f32]) -> Option<usize> {
     let mut best: Option<(usize, f32)> = None;

@@ -25,10 +25,12 @@
 //!
 //! # Training data ([`DraftBuffer`])
 //! The last pipeline chunk, given a [`DraftBufferHandle`] through
-//! [`crate::model::ModelChunk::set_draft_sink`], copies the final hidden states and the softmax
-//! it already computed for the loss into the buffer, one [`DraftRow`] per sequence. Nothing
-//! else is computed. The buffer keeps the rows of the current and the previous target step
-//! ([`DraftBuffer::begin_step`]), each generation bounded.
+//! [`crate::model::ModelChunk::set_draft_sink`], copies the final hidden states it already
+//! computed and the tokens into the buffer, one [`DraftRow`] per sequence: `d_model + 1`
+//! values a position, whatever the vocabulary. A slice recomputes the soft targets
+//! `p_{t+1} = softmax(h_{t+1} · W_head)` of the rows it samples through the frozen head
+//! ([`Drafter::batch`]). The buffer keeps the rows of the current and the previous target
+//! step ([`DraftBuffer::begin_step`]), each generation bounded.
 //!
 //! # Training ([`DrafterTrainer`])
 //! A *slice* ([`DrafterTrainer::slice`]) is one forward + backward of the drafter on
@@ -53,7 +55,9 @@
 //! Given, for each live sequence, its last target pairs `(h_i, x_{i+1})`
 //! ([`DraftContext`]), the drafter proposes a chain of `k` tokens and the distribution `q`
 //! each was drawn from (for lossless acceptance), feeding its own predicted hidden state
-//! forward, as EAGLE does.
+//! forward, as EAGLE does. With a draft vocabulary ([`Drafter::set_draft_vocab`], EAGLE-3's
+//! most frequent tokens, see `vocab.rs`) a drafted token pays the head's columns of those
+//! tokens only.
 //!
 //! # Example
 //! ```
@@ -103,6 +107,7 @@ mod tests;
 mod train;
 mod tree;
 mod unroll;
+mod vocab;
 
 pub use batch::DraftBatch;
 pub use buffer::{DraftBuffer, DraftBufferHandle, DraftRow};
@@ -112,6 +117,7 @@ pub use propose::{DraftChain, DraftContext};
 pub use train::{DrafterGrads, DrafterTrainer, EvalStats, SliceStats};
 pub use tree::{DraftTree, MAX_TREE_NODES, TreeShape};
 pub use unroll::{ChainStats, greedy_tail};
+pub use vocab::frequent_tokens;
 
 use serde::{Deserialize, Serialize};
 

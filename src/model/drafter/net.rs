@@ -4,8 +4,8 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::loss::{argmax, smooth_l1, soft_cross_entropy};
-use super::{DraftBatch, DrafterConfig, DrafterError, FROZEN, Linear, Result};
+use super::loss::{argmax, smooth_l1, soft_cross_entropy, softmax_rows};
+use super::{DraftBatch, DraftRow, DrafterConfig, DrafterError, FROZEN, Linear, Result};
 use crate::model::layers::{Attention, Block, Layer, Mlp, RmsNorm};
 use crate::model::{Gpt, GptConfig, ModelChunk, ModelError, Param, init};
 use crate::tensor::{Backend, DType, Gemm};
@@ -54,6 +54,8 @@ pub struct Drafter<B: Backend> {
     /// Frozen `head.w: [d, vocab]`.
     pub(super) head: B::Buf,
     pub(super) frozen_step: Option<u64>,
+    /// The reduced draft vocabulary of proposals, if set ([`super::vocab`]).
+    pub(super) draft: Option<super::vocab::DraftVocab<B>>,
     /// The proposal's packed weights and memo: dropped by every `&mut` path to the weights.
     pub(super) packs: super::packed::PackCache,
 }
@@ -82,6 +84,7 @@ impl<B: Backend> Drafter<B> {
             tok: init::normal(target.seed, FROZEN[0], v * d, init::INIT_STD),
             head: be.from_host(&head, be.storage_dtype())?,
             frozen_step: None,
+            draft: None,
             packs: Default::default(),
             target: target.clone(),
             config: config.clone(),
@@ -135,6 +138,9 @@ impl<B: Backend> Drafter<B> {
             self.tok = values.to_vec();
         } else {
             self.head = self.be.from_host(values, self.be.storage_dtype())?;
+            if let Some(draft) = self.draft.take() {
+                self.draft = Some(self.draft_head(draft.ids)?);
+            }
         }
         self.frozen_step = Some(step);
         Ok(())
@@ -196,6 +202,40 @@ impl<B: Backend> Drafter<B> {
             self.discard(mb);
         }
         result
+    }
+
+    /// `rows` laid out as a batch ([`DraftBatch`]) with its soft targets: each pair's next-token
+    /// distribution `softmax(h_{t+1} · W_head)` through the frozen head, as the target's own
+    /// head computed it from the same hidden state (the buffer keeps no distributions). The
+    /// head is the one of the last refresh: a previous step's row is scored by the newer head.
+    pub fn batch(
+        &self,
+        rows: &[DraftRow],
+        max_positions: usize,
+        rng: Option<&mut crate::data::SplitMix64>,
+    ) -> Result<DraftBatch> {
+        let (d, v) = (self.target.d_model, self.target.vocab);
+        for r in rows {
+            r.check(d, v)?;
+        }
+        let mut batch = DraftBatch::layout(rows, &self.tok, d, max_positions, rng);
+        let h = self
+            .be
+            .from_host(&batch.target_hidden, self.be.storage_dtype())?;
+        let mut probs = self.be.to_host(&self.logits(&h, batch.rows())?)?;
+        softmax_rows(&mut probs, &batch.mask, v);
+        batch.target_probs = probs;
+        Ok(batch)
+    }
+
+    /// The target's greedy token after each position of `row` (argmax of `h_t · W_head`
+    /// through the frozen head).
+    pub fn target_argmax(&self, row: &DraftRow) -> Result<Vec<usize>> {
+        let (d, v) = (self.target.d_model, self.target.vocab);
+        row.check(d, v)?;
+        let h = self.be.from_host(&row.hidden, self.be.storage_dtype())?;
+        let z = self.be.to_host(&self.logits(&h, row.len())?)?;
+        Ok(z.chunks(v).map(|r| argmax(r).unwrap_or(0)).collect())
     }
 
     /// `logits = f · W_head` for `f: [rows, d]` (nothing stashed).

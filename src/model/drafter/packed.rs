@@ -51,7 +51,7 @@ pub(super) struct PackedDrafter {
     pub w2: Packed,
     /// `[d, hidden]`: the gated MLP's up projection.
     pub w3: Option<Packed>,
-    /// The frozen LM head, `[d, vocab]`.
+    /// The frozen LM head, `[d, vocab]`, or its draft vocabulary's columns `[d, n]`.
     pub head: Packed,
 }
 
@@ -82,7 +82,10 @@ impl PackedDrafter {
             w1: pack(&host(&d.block.mlp.w1)?, dm, hidden),
             w2: pack(&host(&d.block.mlp.w2)?, hidden, dm),
             w3,
-            head: pack(&be.to_host(&d.head)?, dm, v),
+            head: match &d.draft {
+                Some(draft) => pack(&be.to_host(&draft.head)?, dm, draft.ids.len()),
+                None => pack(&be.to_host(&d.head)?, dm, v),
+            },
         })
     }
 

@@ -77,8 +77,9 @@ pub(super) enum Mat {
 impl<B: Backend> Drafter<B> {
     /// Drafts `k` tokens for each context. `temperature = 0` drafts greedily (argmax, `q` is
     /// the softmax of the logits); otherwise tokens are sampled from
-    /// `q = softmax(logits / temperature)` with `rng`. Contexts longer than `window` pairs
-    /// are cut to their last `window`. On the host backend the first proposal after a
+    /// `q = softmax(logits / temperature)` with `rng`. With a draft vocabulary
+    /// ([`Drafter::set_draft_vocab`]) the logits are its tokens' alone (`q` is 0 elsewhere).
+    /// Contexts longer than `window` pairs are cut to their last `window`. On the host backend the first proposal after a
     /// weight change packs the weights (see `super::packed`).
     pub fn propose(
         &mut self,
@@ -354,7 +355,11 @@ impl<B: Backend> Drafter<B> {
                 Mat::W3 => p.w3.as_ref().ok_or_else(no_w3)?,
                 Mat::Head => &p.head,
             };
-            return Ok(rowmul(x, w, rows));
+            let y = rowmul(x, w, rows);
+            return Ok(match (which, &self.draft) {
+                (Mat::Head, Some(draft)) => self.scatter_draft(&draft.ids, &y, rows),
+                _ => y,
+            });
         }
         let be = &self.be;
         let dt = be.storage_dtype();
@@ -377,7 +382,13 @@ impl<B: Backend> Drafter<B> {
             Mat::W1 => mm(&blk.mlp.w1.value, d, hidden),
             Mat::W2 => mm(&blk.mlp.w2.value, hidden, d),
             Mat::W3 => mm(&blk.mlp.w3.as_ref().ok_or_else(no_w3)?.value, d, hidden),
-            Mat::Head => mm(&self.head, d, v),
+            Mat::Head => match &self.draft {
+                Some(draft) => {
+                    let y = mm(&draft.head, d, draft.ids.len())?;
+                    Ok(self.scatter_draft(&draft.ids, &y, rows))
+                }
+                None => mm(&self.head, d, v),
+            },
         }
     }
 

@@ -93,33 +93,21 @@ impl BufferState {
         Ok(())
     }
 
-    /// The floats of every row (previous generation first) as `[positions, width]` tensors
-    /// `{prefix}.hidden` and `{prefix}.probs`, and the rest as metadata.
-    fn to_parts(
-        &self,
-        prefix: &str,
-        d_model: usize,
-        vocab: usize,
-    ) -> (Vec<HostTensor>, BufferMeta) {
+    /// The hidden states of every row (previous generation first) as one
+    /// `[positions, d_model]` tensor `{prefix}.hidden`, and the rest as metadata.
+    fn to_parts(&self, prefix: &str, d_model: usize) -> (Vec<HostTensor>, BufferMeta) {
         let rows = self.previous.iter().chain(&self.current);
         let positions: usize = rows.clone().map(DraftRow::len).sum();
         let mut tensors = Vec::new();
         if positions > 0 {
             let mut hidden = Vec::with_capacity(positions * d_model);
-            let mut probs = Vec::with_capacity(positions * vocab);
             for r in rows.clone() {
                 hidden.extend_from_slice(&r.hidden);
-                probs.extend_from_slice(&r.probs);
             }
             tensors.push(HostTensor {
                 name: format!("{prefix}.hidden"),
                 shape: vec![positions, d_model],
                 data: hidden,
-            });
-            tensors.push(HostTensor {
-                name: format!("{prefix}.probs"),
-                shape: vec![positions, vocab],
-                data: probs,
             });
         }
         let meta = BufferMeta {
@@ -139,26 +127,23 @@ impl BufferState {
         prefix: &str,
         meta: &BufferMeta,
         tensors: &[HostTensor],
-        (d_model, vocab): (usize, usize),
+        d_model: usize,
     ) -> Result<Self> {
         let positions: usize = meta.rows.iter().map(|r| r.targets.len()).sum();
-        let take = |what: &str, width: usize| -> Result<&[f32]> {
-            if positions == 0 {
-                return Ok(&[]);
-            }
-            let name = format!("{prefix}.{what}");
-            let t = find(tensors, &name)?;
-            if t.data.len() != positions * width {
-                return Err(bad(format!(
-                    "`{name}` has {} values, its {} rows need {}",
-                    t.data.len(),
-                    meta.rows.len(),
-                    positions * width
-                )));
-            }
-            Ok(&t.data)
+        let name = format!("{prefix}.hidden");
+        let hidden: &[f32] = if positions == 0 {
+            &[]
+        } else {
+            &find(tensors, &name)?.data
         };
-        let (hidden, probs) = (take("hidden", d_model)?, take("probs", vocab)?);
+        if hidden.len() != positions * d_model {
+            return Err(bad(format!(
+                "`{name}` has {} values, its {} rows need {}",
+                hidden.len(),
+                meta.rows.len(),
+                positions * d_model
+            )));
+        }
         let mut rows = Vec::with_capacity(meta.rows.len());
         let mut at = 0;
         for r in &meta.rows {
@@ -166,7 +151,6 @@ impl BufferState {
             rows.push(DraftRow {
                 hidden: hidden[at * d_model..(at + n) * d_model].to_vec(),
                 targets: r.targets.clone(),
-                probs: probs[at * vocab..(at + n) * vocab].to_vec(),
                 step: r.step,
             });
             at += n;
@@ -339,9 +323,9 @@ pub struct DrafterState {
 }
 
 impl DrafterState {
-    /// The floats as named tensors and the rest as [`DrafterMeta`]; `d_model` and `vocab` are
-    /// the target's (the rows' widths).
-    pub fn to_parts(&self, d_model: usize, vocab: usize) -> (Vec<HostTensor>, DrafterMeta) {
+    /// The floats as named tensors and the rest as [`DrafterMeta`]; `d_model` is the
+    /// target's (the rows' width).
+    pub fn to_parts(&self, d_model: usize) -> (Vec<HostTensor>, DrafterMeta) {
         let mut tensors: Vec<HostTensor> = self
             .weights
             .tensors
@@ -371,8 +355,8 @@ impl DrafterState {
                 }
             }
         }
-        let (buffer, buffer_meta) = self.buffer.to_parts("drafter.buffer", d_model, vocab);
-        let (held, held_meta) = self.held_out.to_parts("drafter.held_out", d_model, vocab);
+        let (buffer, buffer_meta) = self.buffer.to_parts("drafter.buffer", d_model);
+        let (held, held_meta) = self.held_out.to_parts("drafter.held_out", d_model);
         tensors.extend(buffer);
         tensors.extend(held);
         let round = self.round.as_ref().map(|r| {
@@ -393,12 +377,15 @@ impl DrafterState {
     }
 
     /// The state [`DrafterState::to_parts`] split.
-    pub fn from_parts(
-        meta: &DrafterMeta,
-        tensors: &[HostTensor],
-        d_model: usize,
-        vocab: usize,
-    ) -> Result<Self> {
+    pub fn from_parts(meta: &DrafterMeta, tensors: &[HostTensor], d_model: usize) -> Result<Self> {
+        if let Some(t) = tensors.iter().find(|t| t.name.ends_with(".probs")) {
+            return Err(bad(format!(
+                "`{}`: a drafter file of the older format, whose buffer kept next-token \
+                 distributions; this version keeps hidden states only and cannot resume it: \
+                 resume from a checkpoint this version wrote",
+                t.name
+            )));
+        }
         let weights = DrafterWeights {
             version: meta.version,
             frozen_step: meta.frozen_step,
@@ -435,13 +422,17 @@ impl DrafterState {
                 },
             );
         }
-        let widths = (d_model, vocab);
         Ok(DrafterState {
             weights,
             optimizer,
             samplers: meta.samplers.clone(),
-            buffer: BufferState::from_parts("drafter.buffer", &meta.buffer, tensors, widths)?,
-            held_out: BufferState::from_parts("drafter.held_out", &meta.held_out, tensors, widths)?,
+            buffer: BufferState::from_parts("drafter.buffer", &meta.buffer, tensors, d_model)?,
+            held_out: BufferState::from_parts(
+                "drafter.held_out",
+                &meta.held_out,
+                tensors,
+                d_model,
+            )?,
             round: meta
                 .round
                 .as_ref()

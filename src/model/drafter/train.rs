@@ -272,15 +272,7 @@ impl<B: Backend> DrafterTrainer<B> {
         if rows.is_empty() {
             return Err(DrafterError::NoData);
         }
-        let t = self.drafter.target_config();
-        let mut batch = DraftBatch::from_rows(
-            &rows,
-            &self.drafter.tok,
-            t.d_model,
-            t.vocab,
-            positions,
-            Some(&mut self.rng),
-        );
+        let mut batch = self.drafter.batch(&rows, positions, Some(&mut self.rng))?;
         let (sums, unrolled_pairs) = self.forward_backward(&mut batch)?;
         self.slices += 1;
         self.pairs += sums.pairs;
@@ -487,21 +479,10 @@ impl<B: Backend> DrafterTrainer<B> {
     /// Agreement and mean losses on `rows` (whole sequences, `batch_rows` at a time); no
     /// gradient is touched.
     pub fn evaluate(&mut self, rows: &[DraftRow]) -> Result<EvalStats> {
-        let t = self.drafter.target_config().clone();
         let mut total = LossSums::default();
         let mut overlap = 0.0;
         for chunk in rows.chunks(self.drafter.config().batch_rows) {
-            for r in chunk {
-                r.check(t.d_model, t.vocab)?;
-            }
-            let batch = DraftBatch::from_rows(
-                chunk,
-                &self.drafter.tok,
-                t.d_model,
-                t.vocab,
-                usize::MAX,
-                None,
-            );
+            let batch = self.drafter.batch(chunk, usize::MAX, None)?;
             let out = self.drafter.forward(EVAL_MB, &batch);
             self.drafter.discard(EVAL_MB);
             let (f, logits) = out?;

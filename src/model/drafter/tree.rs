@@ -246,7 +246,8 @@ fn children(
         .sum::<f64>()
         .ln();
     let mut top: Vec<usize> = Vec::with_capacity(branch + 1);
-    for (i, &x) in z.iter().enumerate() {
+    // A token outside the draft vocabulary (−∞) is no candidate.
+    for (i, &x) in z.iter().enumerate().filter(|(_, x)| x.is_finite()) {
         // Insertion into a short sorted list: `branch` is a handful.
         let at = top.partition_point(|&j| z[j] >= x);
         if at < branch {

@@ -39,7 +39,6 @@
 //! pairs, so [`super::SliceStats::pairs`] and [`super::DrafterGrads::pairs`] still count the
 //! slice's next-token pairs.
 
-use super::loss::argmax;
 use super::masked::ChainAttention;
 use super::net::LossSums;
 use super::{DraftBatch, DraftRow, Drafter, DrafterError, Result};
@@ -266,7 +265,7 @@ impl<B: Backend> Drafter<B> {
         for row in rows {
             row.check(d, v)?;
             // Position t's chain predicts targets[t + 1 ..= t + k].
-            for t in greedy_tail(row, v)..row.len().saturating_sub(k) {
+            for t in greedy_tail(row, &self.target_argmax(row)?)..row.len().saturating_sub(k) {
                 let next = &row.targets[t + 1..=t + k];
                 if row.targets[..=t]
                     .iter()
@@ -292,14 +291,15 @@ impl<B: Backend> Drafter<B> {
 }
 
 /// Where the greedy tail of `row` starts: the longest suffix in which every known token is
-/// its distribution's argmax (the target's greedy choice), i.e. the completion of a greedy
-/// rollout (and any prompt tokens before it that the target would have chosen too).
-pub fn greedy_tail(row: &DraftRow, vocab: usize) -> usize {
+/// the target's argmax there (`greedy[t]`, [`Drafter::target_argmax`]), i.e. the completion
+/// of a greedy rollout (and any prompt tokens before it that the target would have chosen
+/// too).
+pub fn greedy_tail(row: &DraftRow, greedy: &[usize]) -> usize {
     let mut start = row.len();
     while start > 0 {
         let t = start - 1;
-        let x = row.targets[t] as usize;
-        if x < vocab && argmax(&row.probs[t * vocab..(t + 1) * vocab]) != Some(x) {
+        let x = row.targets[t];
+        if x != crate::tensor::IGNORE_TARGET && greedy.get(t) != Some(&(x as usize)) {
             break;
         }
         start = t;

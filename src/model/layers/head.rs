@@ -106,21 +106,6 @@ impl<B: Backend> Head<B> {
         x: &B::Buf,
         targets: &[u32],
     ) -> Result<(f32, usize)> {
-        let (loss, count, _) = self.forward_capture(be, mb, x, targets, false)?;
-        Ok((loss, count))
-    }
-
-    /// [`Head::forward`], also returning, when `capture`, a host copy of the next-token
-    /// distributions `[rows, vocab]` it computes for the loss anyway (the drafter's training
-    /// targets): a copy, nothing recomputed.
-    pub fn forward_capture(
-        &mut self,
-        be: &B,
-        mb: usize,
-        x: &B::Buf,
-        targets: &[u32],
-        capture: bool,
-    ) -> Result<(f32, usize, Option<Vec<f32>>)> {
         let rows = targets.len();
         let logits = linear_fwd(be, x, &self.w, rows)?;
         let mut probs = activation(be, be.len(&logits))?;
@@ -154,11 +139,6 @@ impl<B: Backend> Head<B> {
             }
             None => None,
         };
-        let captured = if capture {
-            Some(be.to_host(&probs)?)
-        } else {
-            None
-        };
         let saved = Saved {
             x: be.dup(x)?,
             probs,
@@ -172,7 +152,7 @@ impl<B: Backend> Head<B> {
             None if count == 0 => 0.0,
             None => sum / count as f32,
         };
-        Ok((loss, count, captured))
+        Ok((loss, count))
     }
 
     /// I: `dx` from `scale = d objective / d loss`.

@@ -32,9 +32,8 @@ pub(super) fn calibrate<B: Backend>(
     let mut rng = SplitMix64::new(config.seed);
     let hidden: Vec<f32> = (0..n * d).map(|_| rng.next_f64() as f32 - 0.5).collect();
     let targets: Vec<u32> = (0..n).map(|_| (rng.next_u64() % v as u64) as u32).collect();
-    let probs = vec![1.0 / v as f32; n * v];
     buffer.begin_step(0);
-    buffer.push_micro_batch(shape, &hidden, &targets, &probs)?;
+    buffer.push_micro_batch(shape, &hidden, &targets)?;
     let mut trainers = (0..2)
         .map(|r| {
             let drafter = Drafter::new(target, config, backend.clone())?;

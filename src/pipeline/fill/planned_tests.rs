@@ -83,10 +83,9 @@ fn rows(job: &JobConfig, fill: &DrafterFill, step: u64) {
     let mut rng = SplitMix64::new(step + 7);
     let hidden: Vec<f32> = (0..n * d).map(|_| rng.next_f64() as f32 - 0.5).collect();
     let targets: Vec<u32> = (0..n).map(|_| (rng.next_u64() % v as u64) as u32).collect();
-    let probs = vec![1.0 / v as f32; n * v];
     fill.buffer().begin_step(step);
     fill.buffer()
-        .push_micro_batch(shape, &hidden, &targets, &probs)
+        .push_micro_batch(shape, &hidden, &targets)
         .unwrap();
 }
 

@@ -89,7 +89,6 @@ impl<'a> Driver<'a> {
                 cap: (r.prompt.len() + r.max_new).min(seq_len),
                 done: r.max_new == 0,
                 hidden: Vec::new(),
-                probs: Vec::new(),
                 rng: SplitMix64::derive(config.seed, i as u64),
                 compact: None,
             })
@@ -487,12 +486,6 @@ impl<'a> Driver<'a> {
             for &j in &kept_rows {
                 seq.hidden.extend_from_slice(&hidden[j * d..(j + 1) * d]);
             }
-            if self.config.record_rows {
-                seq.probs.truncate(span.start * v);
-                kept_rows
-                    .iter()
-                    .for_each(|&j| seq.probs.extend(softmax(row(j), 1.0)));
-            }
             let grown = seq.tokens.len();
             for tok in emitted {
                 seq.tokens.push(tok);
@@ -507,7 +500,7 @@ impl<'a> Driver<'a> {
             }
             if seq.done {
                 if let (Some(h), true) = (&self.hook, self.config.record_rows)
-                    && let Some(row) = draft_row(seq, d, v, self.config.step)
+                    && let Some(row) = draft_row(seq, d, self.config.step)
                 {
                     h.row(&row);
                 }
@@ -544,7 +537,7 @@ impl<'a> Driver<'a> {
             stats.tail_start_s = p.t;
             stats.tail_tokens = stats.tokens - p.tokens;
         }
-        let (d, v) = (self.d, self.vocab);
+        let d = self.d;
         let record = self.config.record_rows;
         let step = self.config.step;
         let mut rows = Vec::new();
@@ -552,7 +545,7 @@ impl<'a> Driver<'a> {
         let mut prompt_lens = Vec::with_capacity(n);
         for s in self.seqs {
             if record {
-                rows.extend(draft_row(&s, d, v, step));
+                rows.extend(draft_row(&s, d, step));
             }
             prompt_lens.push(s.prompt);
             sequences.push(s.tokens);

@@ -1,5 +1,5 @@
 //! One sequence as the rollout driver keeps it ([`Seq`]: its tokens, the target's hidden
-//! states and distributions so far, its sampling stream), and what is derived from it: its
+//! states so far, its sampling stream), and what is derived from it: its
 //! drafter-training row and what the proposer sees of it.
 
 use crate::data::SplitMix64;
@@ -16,17 +16,15 @@ pub(super) struct Seq {
     pub(super) done: bool,
     /// Final hidden states of positions `0..tokens.len() - 1`, `[.., d_model]`.
     pub(super) hidden: Vec<f32>,
-    /// Target distributions of the same positions (only when recording rows).
-    pub(super) probs: Vec<f32>,
     pub(super) rng: SplitMix64,
     /// The stages' caches still hold a verified tree's other branches: the next step
     /// keeps only the accepted path.
     pub(super) compact: Option<Compaction>,
 }
 
-/// A sequence's drafter-training row: its final hidden states, next tokens and target
-/// distributions (`None` before it has two tokens).
-pub(super) fn draft_row(s: &Seq, d: usize, v: usize, step: u64) -> Option<DraftRow> {
+/// A sequence's drafter-training row: its final hidden states and next tokens (`None` before
+/// it has two tokens).
+pub(super) fn draft_row(s: &Seq, d: usize, step: u64) -> Option<DraftRow> {
     if s.tokens.len() <= 1 {
         return None;
     }
@@ -39,7 +37,6 @@ pub(super) fn draft_row(s: &Seq, d: usize, v: usize, step: u64) -> Option<DraftR
     Some(DraftRow {
         hidden: s.hidden[..len * d].to_vec(),
         targets,
-        probs: s.probs[..len * v].to_vec(),
         step,
     })
 }

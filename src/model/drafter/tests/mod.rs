@@ -1,7 +1,8 @@
 //! Tests of the drafter: finite-difference gradient checks of its new pieces (fc, the
 //! soft cross-entropy, SmoothL1, the whole drafter), the buffer and the config here;
 //! training, replicas, capture and proposals in [`train`]; the packed proposal path in
-//! [`propose`]; the unrolled training-time test in [`unroll`].
+//! [`propose`]; the unrolled training-time test in [`unroll`]; the reduced draft
+//! vocabulary in [`vocab`].
 //!
 //! Gradient checks follow `model/layers/tests.rs`: central differences with `h = 1e-2`,
 //! the objective summed in `f64`, parameters drawn at scale 0.5, and a relative error
@@ -11,6 +12,7 @@
 pub(super) mod propose;
 mod train;
 mod unroll;
+mod vocab;
 
 use super::loss::{smooth_l1, soft_cross_entropy};
 use super::*;
@@ -180,7 +182,7 @@ fn smooth_l1_gradient_in_both_regimes() {
     assert_grad("smooth l1", &dp, &num);
 }
 
-/// Rows of `len` positions with random hidden states, tokens and distributions.
+/// Rows of `len` positions with random hidden states and tokens.
 fn random_rows(cfg: &GptConfig, n: usize, len: usize, seed: u64) -> Vec<DraftRow> {
     (0..n)
         .map(|i| {
@@ -193,7 +195,6 @@ fn random_rows(cfg: &GptConfig, n: usize, len: usize, seed: u64) -> Vec<DraftRow
             DraftRow {
                 hidden: normal(seed + 1, &name, len * cfg.d_model, 1.0),
                 targets,
-                probs: distributions(&name, len, cfg.vocab),
                 step: 0,
             }
         })
@@ -223,8 +224,7 @@ fn drafter_weight_gradients_end_to_end() {
         p.value = be.from_host(&v, DType::F32).unwrap();
     }
     let rows = random_rows(&cfg, 2, 5, 1);
-    let tok = drafter.tok.clone();
-    let batch = DraftBatch::from_rows(&rows, &tok, cfg.d_model, cfg.vocab, 16, None);
+    let batch = drafter.batch(&rows, 16, None).unwrap();
     assert_eq!((batch.batch, batch.seq), (2, 4));
     assert_eq!(
         batch.pairs(),
@@ -268,7 +268,6 @@ fn row(step_marker: f32, len: usize, cfg: &GptConfig) -> DraftRow {
     DraftRow {
         hidden: vec![step_marker; len * cfg.d_model],
         targets: vec![1; len],
-        probs: vec![1.0 / cfg.vocab as f32; len * cfg.vocab],
         step: 0,
     }
 }
@@ -313,15 +312,14 @@ fn buffer_splits_micro_batches_and_rejects_bad_lengths() {
     let h = DraftBufferHandle::from_buffer(DraftBuffer::new(d, v, 8));
     let shape = crate::model::Shape { batch: 2, seq: 3 };
     let hidden: Vec<f32> = (0..6 * d).map(|i| i as f32).collect();
-    let probs = vec![0.5; 6 * v];
-    h.push_micro_batch(shape, &hidden, &[1, 2, 3, 4, 5, 6], &probs)
+    h.push_micro_batch(shape, &hidden, &[1, 2, 3, 4, 5, 6])
         .unwrap();
     let rows: Vec<DraftRow> = h.lock().rows().cloned().collect();
     assert_eq!(rows.len(), 2);
     assert_eq!(rows[1].targets, [4, 5, 6]);
     assert_eq!(rows[1].hidden, hidden[3 * d..]);
     let err = h
-        .push_micro_batch(shape, &hidden[1..], &[1; 6], &probs)
+        .push_micro_batch(shape, &hidden[1..], &[1; 6])
         .unwrap_err();
     assert!(err.to_string().contains("micro-batch"), "{err}");
     let mut bad = row(0.0, 3, &cfg);

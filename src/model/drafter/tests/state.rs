@@ -142,3 +142,23 @@ fn a_drafter_file_that_does_not_match_its_entry_is_refused() {
         "{err}"
     );
 }
+
+#[test]
+fn rows_are_saved_without_distributions_and_an_older_file_with_them_is_refused() {
+    let (gpt, buffer) = filled_buffer();
+    let t = trainer(&gpt, &buffer);
+    let d = target().d_model;
+    let (mut tensors, meta) = state_of(&t, &buffer).to_parts(d);
+    let positions: usize = buffer.lock().rows().map(DraftRow::len).sum();
+    let rows = tensors.iter().find(|t| t.name == "drafter.buffer.hidden");
+    assert_eq!(rows.unwrap().shape, [positions, d]);
+    assert!(tensors.iter().all(|t| !t.name.ends_with(".probs")));
+    // The older format kept each position's next-token distribution beside its hidden state.
+    tensors.push(HostTensor {
+        name: "drafter.buffer.probs".into(),
+        shape: vec![positions, target().vocab],
+        data: vec![0.0; positions * target().vocab],
+    });
+    let err = DrafterState::from_parts(&meta, &tensors, d).unwrap_err();
+    assert!(err.to_string().contains("older format"), "{err}");
+}

@@ -111,13 +111,11 @@ fn capture_changes_no_training_result() {
     assert_eq!((b.current_len(), b.previous_len()), (8, 8));
     let row = b.rows().last().unwrap();
     assert_eq!(row.len(), 32);
-    for p in row.probs.chunks(target().vocab) {
-        assert!((p.iter().sum::<f32>() - 1.0).abs() < 1e-4);
-    }
+    assert_eq!(row.hidden.len(), 32 * target().d_model);
 }
 
 #[test]
-fn captured_rows_are_the_heads_input_and_softmax() {
+fn captured_rows_are_the_heads_input_and_the_batch_its_softmax() {
     let cfg = target();
     let mut gpt = Gpt::new(&cfg, be(), &Cut::Even(2)).unwrap();
     let buffer = DraftBufferHandle::new(&cfg, &drafter_config());
@@ -143,16 +141,25 @@ fn captured_rows_are_the_heads_input_and_softmax() {
     );
     let r = &rows[0];
     assert_eq!(r.targets, targets);
-    // logits = hidden · head.w and probs = softmax(logits).
+    // logits = hidden · head.w, and a slice's soft targets, recomputed through the drafter's
+    // frozen head, are softmax(logits) of the next position: pair t's at position t + 1.
     let head = gpt.param_values("head.w").unwrap();
     let v = cfg.vocab;
+    let mut drafter = Drafter::new(&cfg, &drafter_config(), be()).unwrap();
+    drafter.refresh_from_gpt(&gpt, 0).unwrap();
+    let batch = drafter.batch(&rows, usize::MAX, None).unwrap();
+    assert_eq!((batch.batch, batch.seq, batch.pairs()), (1, 5, 5));
+    let greedy = drafter.target_argmax(r).unwrap();
     for t in 0..6 {
         let z = &logits[t * v..(t + 1) * v];
+        assert_eq!(Some(greedy[t]), crate::model::drafter::loss::argmax(z));
         let max = z.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let sum: f32 = z.iter().map(|x| (x - max).exp()).sum();
         for j in 0..v {
             let q = (z[j] - max).exp() / sum;
-            assert!((q - r.probs[t * v + j]).abs() < 1e-5);
+            if t > 0 {
+                assert!((q - batch.target_probs[(t - 1) * v + j]).abs() < 1e-5);
+            }
             let hz: f32 = (0..cfg.d_model)
                 .map(|k| r.hidden[t * cfg.d_model + k] * head[k * v + j])
                 .sum();
@@ -322,8 +329,7 @@ fn proposals_match_the_training_forward_and_batching() {
     let mut cut = rows[0].clone();
     cut.targets.truncate(n + 1);
     cut.hidden.truncate((n + 1) * dm);
-    cut.probs.truncate((n + 1) * v);
-    let batch = DraftBatch::from_rows(&[cut], &d.tok, dm, v, usize::MAX, None);
+    let batch = d.batch(&[cut], usize::MAX, None).unwrap();
     let (_, z) = d.forward(7, &batch).unwrap();
     d.discard(7);
     let z = be().to_host(&z).unwrap();

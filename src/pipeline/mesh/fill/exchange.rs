@@ -37,7 +37,6 @@ pub(super) enum FillWire {
 pub(super) struct RowWire {
     pub(super) hidden: Vec<f32>,
     pub(super) targets: Vec<u32>,
-    pub(super) probs: Vec<f32>,
 }
 
 impl RowWire {
@@ -45,7 +44,6 @@ impl RowWire {
         RowWire {
             hidden: r.hidden.clone(),
             targets: r.targets.clone(),
-            probs: r.probs.clone(),
         }
     }
 
@@ -53,7 +51,6 @@ impl RowWire {
         DraftRow {
             hidden: self.hidden,
             targets: self.targets,
-            probs: self.probs,
             step,
         }
     }

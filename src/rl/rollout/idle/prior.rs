@@ -66,7 +66,7 @@ fn fastest_of(mut f: impl FnMut() -> Result<(), DrafterError>) -> Result<f64, Dr
     Ok(best)
 }
 
-/// `n` rows of `len` positions with arbitrary hidden states, tokens and distributions.
+/// `n` rows of `len` positions with arbitrary hidden states and tokens.
 fn synthetic_rows(target: &GptConfig, n: usize, len: usize) -> Vec<DraftRow> {
     let mut rng = SplitMix64::new(0x5eed);
     let vocab = target.vocab.max(1);
@@ -76,7 +76,6 @@ fn synthetic_rows(target: &GptConfig, n: usize, len: usize) -> Vec<DraftRow> {
                 .map(|_| (rng.next_f64() * 2.0 - 1.0) as f32)
                 .collect(),
             targets: (0..len).map(|_| rng.below(vocab as u64) as u32).collect(),
-            probs: vec![1.0 / vocab as f32; len * vocab],
             step: 0,
         })
         .collect()
