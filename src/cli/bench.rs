@@ -47,6 +47,7 @@
 //! ([`Drafter::set_draft_vocab`]): acceptance length at the fixed K (median of `--reps`),
 //! the proposal's cost for one sequence, and whether the output equals the plain run's.
 
+mod args;
 mod batch;
 mod cache;
 mod costs;
@@ -56,6 +57,8 @@ use std::time::Instant;
 
 use crate::cli::show::Terminal;
 use anyhow::{Context, bail};
+pub use args::BenchArgs;
+use args::{BenchWhat, RolloutArgs};
 use batch::{long_tail_batch, parse_tree};
 use costs::{
     COST_REPS, bucket_fits, fit_lines, median_step_costs, per_token_acceptance, probe_context,
@@ -73,95 +76,13 @@ use pipefill::rl::calibrate::{
     MAX_CALIBRATION_BATCH, chain_acceptance, step_costs, threshold_per_group_explored, tree_cost,
 };
 use pipefill::rl::rollout::{
-    AdaptiveConfig, MIN_GROUP_ROWS, Rollout, RolloutConfig, RolloutEngine, Speculation,
-    live_threshold,
+    AdaptiveConfig, Rollout, RolloutConfig, RolloutEngine, Speculation, live_threshold,
 };
 use pipefill::run::Show;
 use pipefill::tensor::device::Device;
 use pipefill::tensor::{Backend, CpuBackend};
 use pipefill::train::reference::{Trainer, cpu_threads};
 use serde_json::json;
-
-#[derive(clap::Args)]
-pub struct BenchArgs {
-    #[command(subcommand)]
-    what: BenchWhat,
-}
-
-#[derive(clap::Subcommand)]
-enum BenchWhat {
-    /// Plain vs fixed-K vs adaptive speculative rollout on a long-tail batch.
-    Rollout(RolloutArgs),
-    /// A job with its filler against the same job without, alternating (step inflation,
-    /// bubble fill).
-    Filler(filler::FillerArgs),
-}
-
-#[derive(clap::Args)]
-pub struct RolloutArgs {
-    /// Print one JSON object instead of the table.
-    #[arg(long)]
-    json: bool,
-    /// Target training steps before the rollouts (when `--run-dir` holds no target).
-    #[arg(long, default_value_t = 100)]
-    steps: u64,
-    /// Where the target and its drafters are kept: a directory holding a target (a
-    /// `pipefill train` run, or an earlier bench's: its checkpoint and `[model]` win) is
-    /// loaded; otherwise the bench trains one and saves it there. Drafters are kept there
-    /// too, one per batch and setting, so reruns only measure. Remove it to retrain.
-    #[arg(
-        long,
-        alias = "init",
-        value_name = "RUN_DIR",
-        default_value = "runs/bench-rollout"
-    )]
-    run_dir: std::path::PathBuf,
-    /// Run the long tail through the stage threads too (the engine's default runs a lone
-    /// group through every stage on the driver's thread): to measure what that saves.
-    #[arg(long)]
-    threaded_tail: bool,
-    /// Drafter training slices on the plain rollout's rows (self-distillation on the
-    /// target's own generations). More slices raise the drafter's agreement and acceptance
-    /// length, at a training cost that grows with `d_model` (docs/benchmarks.md).
-    #[arg(long, default_value_t = 6000)]
-    drafter_slices: usize,
-    /// Sequences in the batch.
-    #[arg(long, default_value_t = 128)]
-    requests: usize,
-    /// Pipeline stages (threads).
-    #[arg(long, default_value_t = 4)]
-    stages: usize,
-    /// Groups in flight (default: one per stage).
-    #[arg(long)]
-    groups: Option<usize>,
-    /// Fewest positions a group step carries: the engine merges smaller groups. The
-    /// bench's d_model-512 target reads ~100 MB of weights per group step, so merging
-    /// pays; `pipefill rl`'s `rl.advanced.min_group_rows` defaults to 1, chosen at d_model
-    /// 256 (docs/benchmarks.md).
-    #[arg(long, default_value_t = MIN_GROUP_ROWS)]
-    min_group_rows: usize,
-    /// K of the fixed-K run.
-    #[arg(long, default_value_t = 4)]
-    k: usize,
-    /// Runs per mode (medians are reported).
-    #[arg(long, default_value_t = 5)]
-    reps: usize,
-    /// The draft tree of the tree variants, `DEPTH,BRANCH,WIDTH,NODES` (see
-    /// `TreeShape`; the adaptive tree's depth is the bandit's K).
-    #[arg(long, default_value = "6,3,3,12", value_name = "D,B,W,N")]
-    tree: String,
-    /// Override job fields, e.g. `--set model.layers=4`.
-    #[arg(long = "set", value_name = "KEY=VALUE")]
-    sets: Vec<String>,
-    /// What the target, the rollouts and the drafter compute on: cpu or cuda (overrides
-    /// device; cuda: GPU 0).
-    #[arg(long, value_enum)]
-    device: Option<pipefill::config::DeviceKind>,
-    /// Compare the full head's chains with draft vocabularies of these many tokens and stop
-    /// (see the module docs).
-    #[arg(long, value_name = "N,..", value_delimiter = ',')]
-    draft_vocab: Vec<usize>,
-}
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     match args.what {

@@ -62,7 +62,7 @@ pub const RL_PARAM_BYTES: u64 = 16;
 /// Bytes of a step's records in memory: its training line and its RL line
 /// (`crate::train::StepMetrics` and `crate::rl::RlStepMetrics`; their sizes are checked
 /// against this where those types live).
-pub const STEP_LINE_BYTES: u64 = 512;
+pub const STEP_LINE_BYTES: u64 = 1024;
 /// Bytes of one activation element (f32 storage).
 const ELEMENT: u64 = 4;
 /// Activation elements per token and layer that a forward stashes, in units of `d_model`

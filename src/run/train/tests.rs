@@ -129,14 +129,16 @@ fn a_reference_run_refuses_a_sharded_checkpoint_naming_it() {
 }
 
 #[test]
-fn dp_above_one_in_one_process_is_refused_with_the_launch_to_use() {
+fn dp_above_one_for_the_reference_trainer_is_refused_with_the_launch_to_use() {
     let dir = tempfile::tempdir().unwrap();
-    let mut job = tiny("1f1b", 2, dir.path());
+    let mut job = tiny("none", 2, dir.path());
     job.dp = 2;
     let mut shown = Recorded::default();
     let err = run(&job, None, &mut shown).unwrap_err();
+    let text = err.to_string();
     assert!(
-        err.to_string().contains("pipefill launch -n 8 -- train"),
+        text.contains("with schedule = \"none\" trains one model")
+            && text.contains(&format!("pipefill launch -n {} -- train", 2 * job.stages)),
         "{err}"
     );
     assert!(shown.lines.is_empty(), "{shown:?}");
