@@ -83,6 +83,25 @@ fn run(prefix: &[&str], args: &[&str], extra: &[&str], out: &Path) -> Output {
     cmd.arg("--out-dir").arg(out).output().unwrap()
 }
 
+/// A launched `rl` runs its update over TCP: asked for NCCL, every rank refuses before
+/// joining, naming the setting.
+#[test]
+fn launched_rl_refuses_the_nccl_transport_it_would_not_use() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = pipefill(
+        &["launch", "-n", "2", "--"],
+        &["transport=\"nccl\""],
+        &dir.path().join("run"),
+    );
+    assert!(!out.status.success());
+    let all = text(&out);
+    assert!(
+        all.contains("invalid `transport`") && all.contains("runs its update over TCP"),
+        "{all}"
+    );
+    assert!(!dir.path().join("run").exists(), "{all}");
+}
+
 /// `dir`'s final checkpoint.
 fn checkpoint(dir: &Path) -> Checkpoint {
     Checkpoint::load(&dir.join("checkpoint")).unwrap()

@@ -28,7 +28,7 @@ use pipefill_actors::{
 use super::PipelineError;
 use super::compute::{RankCompute, RankJob, RankParts};
 use super::shared::{Replica, Shared};
-use crate::comm::collective::{GRAD_CHANNEL, GradSync, RingGradSync};
+use crate::comm::collective::{GRAD_CHANNEL, GradSync, RingGradSync, TIE_CHANNEL};
 use crate::comm::link::{InProcessLink, PeerLink};
 use crate::config::JobConfig;
 use crate::model::{Gpt, OptimizerState};
@@ -191,6 +191,46 @@ impl Links {
                 ends: ends[d * pp..(d + 1) * pp].to_vec(),
             })
             .collect()
+    }
+}
+
+impl Links {
+    /// The collectives of replica `replica` of the job's `dp` pipelines of `plan` whose
+    /// ranks are the mesh's (global rank = replica × pp + pipeline rank): `sync` between the
+    /// replicas (the device's: NCCL's, or the ring over the mesh), and the tied embedding's
+    /// sum between the first and last stage over the mesh.
+    pub fn mesh(
+        mesh: &Arc<crate::comm::tcp::TcpMesh>,
+        job: &JobConfig,
+        plan: &Plan,
+        replica: usize,
+        sync: Option<Arc<dyn GradSync>>,
+    ) -> Links {
+        let link = || vec![Arc::clone(mesh) as Arc<dyn PeerLink>];
+        let pp = plan.num_ranks();
+        Links {
+            replica: sync.map(|sync| Replica {
+                index: replica,
+                count: job.dp,
+                sync,
+            }),
+            tie: super::shared::tie_ranks(&job.model, plan).map(|pair| {
+                Arc::new(RingGradSync::tied(link(), pp, pair, TIE_CHANNEL)) as Arc<dyn GradSync>
+            }),
+            ends: Vec::new(),
+        }
+    }
+
+    /// The ring all-reduce between `dp` replicas of `pp` ranks over the mesh (`None` for one).
+    pub fn mesh_ring(
+        mesh: &Arc<crate::comm::tcp::TcpMesh>,
+        dp: usize,
+        pp: usize,
+    ) -> Option<Arc<dyn GradSync>> {
+        (dp > 1).then(|| {
+            let link = vec![Arc::clone(mesh) as Arc<dyn PeerLink>];
+            Arc::new(RingGradSync::new(link, dp, pp, GRAD_CHANNEL)) as Arc<dyn GradSync>
+        })
     }
 }
 

@@ -6,7 +6,7 @@
 //! world is `dp` replicas of the plan's ranks (global rank = replica × pp + pipeline
 //! rank): each replica's pipeline runs its share of every step's micro-batches among its
 //! own ranks, and every rank all-reduces its gradients with the same rank of the other
-//! replicas ([`RingGradSync`] over the mesh) before the optimizer step. The computation of
+//! replicas ([`RingGradSync`](crate::comm::collective::RingGradSync) over the mesh) before the optimizer step. The computation of
 //! each rank is the in-process pipeline's, action for action, so the parameters after K
 //! steps are bitwise those of the in-process run of the same job (f32 on the CPU).
 //!
@@ -44,7 +44,6 @@ use auto::{AutoChoice, AutoSwitch};
 use pipefill_actors::{Clock, GradStats, RunReport, Transport};
 use profile::{PROFILE_CHANNEL, loss_rank, rank_profile, recv_metrics, send_metrics, sync_clock};
 
-use crate::comm::collective::{GradSync, RingGradSync, TIE_CHANNEL};
 use crate::comm::frame;
 use crate::comm::link::{LinkError, PeerLink};
 use crate::comm::tcp::TcpMesh;
@@ -54,10 +53,9 @@ use crate::data::StepData;
 use crate::model::checkpoint::Checkpoint;
 use crate::model::checkpoint::retain::Retention;
 use crate::model::checkpoint::sharded::param_stages;
-use crate::pipeline::executor::{RankStart, ReplicaLinks, Stepping};
+use crate::pipeline::executor::{Links, RankStart, ReplicaLinks, Stepping};
 use crate::pipeline::feed::StepFeed;
-use crate::pipeline::shared::Replica;
-use crate::pipeline::shared::{Checkpointing, RankCheckpointer, RankFinal, Shared, tie_ranks};
+use crate::pipeline::shared::{Checkpointing, RankCheckpointer, RankFinal, Shared};
 use crate::pipeline::{PipelineError, RankCompute, RankJob};
 use crate::profile::merge::{MergeError, MergedProfile, gather_profiles, merge, send_profile};
 use crate::schedules::Plan;
@@ -234,11 +232,7 @@ fn run_rank<B: Backend>(
         sync,
         ..
     } = links;
-    let sync = sync.map(|sync| Replica {
-        index: replica,
-        count: dp,
-        sync,
-    });
+    let collectives = Links::mesh(mesh, job, plan, replica, sync);
     let config_hash = job.fingerprint();
     // As in-process: a resumed run keeps the newest checkpoints across the resume.
     let retention = match first_step {
@@ -263,21 +257,12 @@ fn run_rank<B: Backend>(
             checkpointing.clone(),
         ))
     });
-    // A tied embedding's first and last stages exchange their gradients on the mesh.
-    let tie = tie_ranks(&job.model, plan).map(|pair| {
-        Arc::new(RingGradSync::tied(
-            vec![Arc::clone(mesh) as Arc<dyn PeerLink>],
-            pp,
-            pair,
-            TIE_CHANNEL,
-        )) as Arc<dyn GradSync>
-    });
     // Only this rank steps here: its step log closes when it has stepped (with the losses
     // in the last stage's process; the norm of own gradients only, replaced by the global one).
     let mut shared = Shared::new(pp, feed, progress)
         .local_ranks(1)
-        .with_replica(sync)
-        .with_tie(tie)
+        .with_replica(collectives.replica)
+        .with_tie(collectives.tie)
         .with_checkpoints(Some(checkpointing));
     if let Some(saver) = &saver {
         shared = shared.with_rank_checkpointer(Arc::clone(saver) as Arc<dyn RankCheckpointer>);

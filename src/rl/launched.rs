@@ -261,7 +261,7 @@ pub fn rl_rank_on<B: RankBackend>(
     for step in 0..job.rl.steps {
         let step_started = Instant::now();
         // Open this step's transports before the weight sync releases the step.
-        let links = ctx.links()?;
+        let links = ctx.transports()?;
         let synced = Instant::now();
         ctx.sync_weights(&mut state, false)?;
         let sync_seconds = synced.elapsed().as_secs_f64();
@@ -451,7 +451,7 @@ fn start<B: RankBackend>(
         .map_err(|e| pipeline_err(e.into()))?;
     let feed = Arc::new(StepFeed::new(data, sft.train.clone()));
     let run = (0, sft.train.steps);
-    let links = ctx.links()?;
+    let links = ctx.transports()?;
     let (_, ended, _) = ctx.run(&sft, &sft_plan, feed, run, Start::Fresh, keep, links)?;
     // Only this rank's stages of the model are ever read: the others are rank 0's after the
     // first weight sync, and a rebuilt rank loads its own.

@@ -19,9 +19,7 @@ use std::sync::Arc;
 use pipefill_actors::Transport;
 
 use super::DistributedError;
-use crate::comm::collective::GRAD_CHANNEL;
-use crate::comm::collective::{GradSync, RingGradSync};
-use crate::comm::link::PeerLink;
+use crate::comm::collective::GradSync;
 use crate::comm::select::{TransportError, select_transport};
 use crate::comm::tcp::TcpMesh;
 use crate::comm::tcp_transport::{BufCodec, TENSOR_CHANNEL, TcpTransport};
@@ -89,14 +87,7 @@ fn tcp_links<B: Backend>(
         )
         .map_err(|e| at.transport_err(e.into()))?,
     );
-    let sync = (at.dp > 1).then(|| {
-        Arc::new(RingGradSync::new(
-            vec![Arc::clone(mesh) as Arc<dyn PeerLink>],
-            at.dp,
-            at.pp,
-            GRAD_CHANNEL,
-        )) as Arc<dyn GradSync>
-    });
+    let sync = crate::pipeline::executor::Links::mesh_ring(mesh, at.dp, at.pp);
     Ok(RankLinks {
         at,
         backend,

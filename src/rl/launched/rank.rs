@@ -11,8 +11,6 @@ use serde::{Deserialize, Serialize};
 
 use super::state::{Ended, RankState, Start};
 use super::{RL_CHANNEL, RlLaunchError, Share};
-use crate::comm::collective::GRAD_CHANNEL;
-use crate::comm::collective::{GradSync, RingGradSync, TIE_CHANNEL};
 use crate::comm::frame;
 use crate::comm::link::{LinkError, PeerLink};
 use crate::comm::tcp::TcpMesh;
@@ -21,9 +19,9 @@ use crate::comm::tcp_transport::{
 };
 use crate::config::JobConfig;
 use crate::model::{Gpt, ModelError};
-use crate::pipeline::executor::{RankStart, ReplicaLinks, Stepping};
+use crate::pipeline::executor::{Links, RankStart, ReplicaLinks, Stepping};
 use crate::pipeline::feed::StepFeed;
-use crate::pipeline::shared::{RankFinal, Replica, Shared, tie_ranks};
+use crate::pipeline::shared::{RankFinal, Shared};
 use crate::pipeline::{PipelineError, RankCompute, RankJob};
 use crate::rl::grpo::{GrpoTokenLoss, reference_log_probs};
 use crate::rl::prompts::PromptSource;
@@ -108,7 +106,7 @@ pub(super) struct Ctx<'a, B: RankBackend> {
 }
 
 /// One pipeline's transports, opened (registered on the mesh) before the step is released.
-pub(super) struct Links<B: Backend> {
+pub(super) struct Transports<B: Backend> {
     tensors: Arc<dyn Transport<B::Buf>>,
     stats: Arc<dyn Transport<GradStats>>,
 }
@@ -154,14 +152,14 @@ impl<B: RankBackend> Ctx<'_, B> {
     }
 
     /// The transports of this rank's replica's pipeline (mesh ranks `replica × pp ..`).
-    pub fn links(&self) -> Result<Links<B>, RlLaunchError> {
+    pub fn transports(&self) -> Result<Transports<B>, RlLaunchError> {
         let base = self.replica * self.pp;
         let err = |error| RlLaunchError::Group {
             rank: self.rank,
             error,
         };
         let codec = BufCodec(self.backend.clone());
-        Ok(Links {
+        Ok(Transports {
             tensors: Arc::new(
                 TcpTransport::group(self.mesh, TENSOR_CHANNEL, codec, base, self.pp)
                     .map_err(err)?,
@@ -188,35 +186,24 @@ impl<B: RankBackend> Ctx<'_, B> {
         (first_step, steps): (u64, u64),
         start: Start<'_, B>,
         keep: bool,
-        links: Links<B>,
+        transports: Transports<B>,
     ) -> Result<(RunReport, Ended<B>, Vec<StepMetrics>), RlLaunchError> {
         let (rank, prank) = (self.rank, self.prank);
         let err = self.pipeline_err();
         feed.prefetch(first_step);
         let (progress, step_log) = channel();
-        let replica = (self.dp > 1).then(|| Replica {
-            index: self.replica,
-            count: self.dp,
-            sync: Arc::new(RingGradSync::new(
-                vec![Arc::clone(self.mesh) as Arc<dyn PeerLink>],
-                self.dp,
-                self.pp,
-                GRAD_CHANNEL,
-            )),
-        });
-        let tie = tie_ranks(&job.model, plan).map(|pair| {
-            Arc::new(RingGradSync::tied(
-                vec![Arc::clone(self.mesh) as Arc<dyn PeerLink>],
-                self.pp,
-                pair,
-                TIE_CHANNEL,
-            )) as Arc<dyn GradSync>
-        });
+        let collectives = Links::mesh(
+            self.mesh,
+            job,
+            plan,
+            self.replica,
+            Links::mesh_ring(self.mesh, self.dp, self.pp),
+        );
         let shared = Arc::new(
             Shared::new(self.pp, feed, progress)
                 .local_ranks(1)
-                .with_replica(replica)
-                .with_tie(tie),
+                .with_replica(collectives.replica)
+                .with_tie(collectives.tie),
         );
         let run = RankJob {
             job,
@@ -238,8 +225,8 @@ impl<B: RankBackend> Ctx<'_, B> {
             rx
         });
         let links = ReplicaLinks {
-            tensors: Some(links.tensors),
-            stats: Some(links.stats),
+            tensors: Some(transports.tensors),
+            stats: Some(transports.stats),
             ..ReplicaLinks::default()
         };
         let report = Stepping::of_job(job, self.clock, steps)

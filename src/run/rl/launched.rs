@@ -8,8 +8,9 @@ use std::sync::Arc;
 
 use super::drafter_line;
 use super::line::{MetricsLine, step_line, summary_lines, write_line};
+use crate::comm::select::TransportKind;
 use crate::comm::tcp::TcpMesh;
-use crate::config::JobConfig;
+use crate::config::{ConfigError, JobConfig};
 use crate::launch::{RankEnv, join, join_timeout, listen_ip, watchdog};
 use crate::model::checkpoint::Checkpoint;
 use crate::rl::launched::{RankOptions, RlLaunchRun, rl_rank_on, starting_drafter};
@@ -30,6 +31,17 @@ pub(super) fn rl(
     show: &mut dyn Show,
 ) -> Result<Option<PathBuf>, RunError> {
     let rank = env.rank;
+    // The update's ranks open their transports for each step over the mesh (TCP): a job
+    // that asks for NCCL is refused, not run over TCP behind its back.
+    if job.transport == TransportKind::Nccl {
+        return Err(ConfigError::Invalid {
+            field: "transport".into(),
+            reason: "is \"nccl\", but a launched `rl` runs its update over TCP: set \"tcp\" or \
+                     \"auto\""
+                .into(),
+        }
+        .into());
+    }
     // Rank 0 writes the run directory; it is claimed before any rank joins, and made the
     // run's (job.toml, metrics.jsonl) at the first step, once every rank has checked the job.
     let run_dir = match rank {
