@@ -91,6 +91,24 @@ pub(crate) struct RankJob<'a> {
     pub iterations: u64,
 }
 
+impl<'a> RankJob<'a> {
+    /// `iterations` steps of `job`'s `plan` from `first_step`, sharing `shared`.
+    pub(crate) fn new(
+        job: &'a crate::config::JobConfig,
+        plan: &'a crate::schedules::Plan,
+        shared: &Arc<Shared>,
+        (first_step, iterations): (u64, u64),
+    ) -> Self {
+        RankJob {
+            job,
+            plan,
+            shared: Arc::clone(shared),
+            first_step,
+            iterations,
+        }
+    }
+}
+
 impl<B: Backend> RankCompute<B> {
     /// Rank `rank` of `run.plan`: the chunks the plan places on it (the model cut into
     /// `plan.stages` even chunks), on `backend`, with the job's AdamW and learning-rate

@@ -276,13 +276,7 @@ fn run_rank<B: Backend>(
         Some((gpt, state)) => RankStart::Resumed(gpt, state),
         None => RankStart::Fresh,
     };
-    let run = RankJob {
-        job,
-        plan,
-        shared: Arc::clone(&shared),
-        first_step,
-        iterations: steps,
-    };
+    let run = RankJob::new(job, plan, &shared, (first_step, steps));
     let mut compute = RankCompute::start(run, prank, backend, start).map_err(pipeline_err)?;
     drop(resumed);
     // The drafter lives in replica 0's pipeline ([`fill`]).

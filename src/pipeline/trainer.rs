@@ -283,13 +283,7 @@ impl PipelineTrainer {
         first_step: u64,
         steps: u64,
     ) -> RankJob<'_> {
-        RankJob {
-            job: &self.job,
-            plan: &self.plan,
-            shared: Arc::clone(shared),
-            first_step,
-            iterations: steps,
-        }
+        RankJob::new(&self.job, &self.plan, shared, (first_step, steps))
     }
 
     /// One [`RankCompute`] per rank of one replica (its first global rank `base`), each on

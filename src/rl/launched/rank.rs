@@ -205,13 +205,7 @@ impl<B: RankBackend> Ctx<'_, B> {
                 .with_replica(collectives.replica)
                 .with_tie(collectives.tie),
         );
-        let run = RankJob {
-            job,
-            plan,
-            shared: Arc::clone(&shared),
-            first_step,
-            iterations: steps,
-        };
+        let run = RankJob::new(job, plan, &shared, (first_step, steps));
         let start = match start {
             Start::Fresh => RankStart::Fresh,
             Start::Host(s) => RankStart::Resumed(&s.model, &s.optimizer),
