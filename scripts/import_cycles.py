@@ -2,7 +2,8 @@
 """Import circles in src/: the graph of which file's `use` lines (and `crate::` / `super::`
 paths) name which module, and its strongly connected components of more than two files.
 
-Usage: scripts/import_cycles.py [SRC_DIR]   (prints one line per circle, largest first)
+Usage: scripts/import_cycles.py [SRC_DIR] [--edges]   (prints one line per circle, largest
+first; with --edges, each circle's imports between its files under it)
 A reading of the text, not of the compiler's resolution: a `#[cfg(test)]` tail is skipped.
 """
 def expand(tree):
@@ -37,7 +38,9 @@ def expand(tree):
     return out
 
 import re, os, sys, glob
-root = sys.argv[1] if len(sys.argv) > 1 else 'src'
+args = [a for a in sys.argv[1:] if a != '--edges']
+show_edges = '--edges' in sys.argv[1:]
+root = args[0] if args else 'src'
 files = {}
 for f in glob.glob(f'{root}/**/*.rs', recursive=True):
     rel = os.path.relpath(f, root)[:-3]
@@ -108,3 +111,7 @@ for v in mods:
 big = [s for s in sccs if len(s) > 2]
 for s in sorted(big, key=len, reverse=True):
     print(len(s), sorted(s))
+    if show_edges:
+        for a in sorted(s):
+            for b in sorted(edges[a] & set(s)):
+                print(f'    {a} -> {b}')

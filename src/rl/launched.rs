@@ -54,13 +54,13 @@
 
 mod rank;
 mod state;
+mod step;
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use pipefill_actors::Clock;
 
-use crate::comm::frame;
 use crate::comm::link::{Channel, LinkError, PeerLink};
 use crate::comm::tcp::TcpMesh;
 use crate::comm::tcp_transport::GroupError;
@@ -70,21 +70,21 @@ use crate::model::checkpoint::Checkpoint;
 use crate::model::drafter::state::DrafterState;
 use crate::model::{AdamW, Cut, Gpt, ModelError, OptimizerState};
 use crate::pipeline::feed::StepFeed;
-use crate::pipeline::mesh::profile::{PROFILE_CHANNEL, loss_rank, rank_profile, sync_clock};
+use crate::pipeline::mesh::profile::sync_clock;
 use crate::pipeline::{PipelineError, PipelineTrainer};
-use crate::profile::merge::{gather_profiles, merge, send_profile};
 use crate::rl::config::UntrainedPolicy;
 use crate::rl::prompts::PromptSource;
-use crate::rl::step_metrics::{RlStepMetrics, StepTimes, UpdateFigures};
-use crate::rl::trainer::{RlError, fitted_update, update_job_of};
+use crate::rl::step::grpo_step;
+use crate::rl::step_metrics::RlStepMetrics;
+use crate::rl::trainer::{RlError, update_job_of};
 use crate::rl::trainer_spec::PipelineRollouts;
 use crate::rl::warm_up::warm_up_job;
 use crate::tensor::CpuBackend;
 use crate::tensor::device::RankBackend;
-use crate::train::StepMetrics;
 use crate::train::reference::adamw_config;
 use rank::Ctx;
 use state::{RankState, Start};
+use step::LaunchedRank;
 
 /// Channel of the weight sync (ranks → rank 0) and of the rollouts (rank 0 → ranks).
 pub const RL_CHANNEL: Channel = u32::MAX - 8;
@@ -244,103 +244,34 @@ pub fn rl_rank_on<B: RankBackend>(
         backend: backend.clone(),
     };
     let keep = options.keep_update_ranks;
-    let mut state = start(&ctx, job, init, keep)?;
-
-    let mut engine = (rank == 0)
-        .then(|| rollout_engine(job, init, backend.clone()))
-        .transpose()
-        .map_err(rl_err)?;
-    let prompts = (rank == 0)
-        .then(|| PromptSource::from_job(job))
-        .transpose()
-        .map_err(rl_err)?;
-    let mut reference = None;
-    let mut steps = Vec::new();
+    let state = start(&ctx, job, init, keep)?;
+    let rollouts = match rank {
+        0 => Some((
+            rollout_engine(job, init, backend.clone()).map_err(rl_err)?,
+            PromptSource::from_job(job).map_err(rl_err)?,
+        )),
+        _ => None,
+    };
     let profile_err = |error| RlLaunchError::Profile { rank, error };
-    let mut clock_sync = sync_clock(mesh, clock.is_virtual()).map_err(profile_err)?;
+    let clock_sync = sync_clock(mesh, clock.is_virtual()).map_err(profile_err)?;
+    let mut parts = LaunchedRank {
+        ctx: &ctx,
+        job,
+        state,
+        rollouts,
+        reference: None,
+        clock_sync,
+        keep,
+        links: None,
+    };
+    let mut steps = Vec::new();
     for step in 0..job.rl.steps {
-        let step_started = Instant::now();
-        // Open this step's transports before the weight sync releases the step.
-        let links = ctx.transports()?;
-        let synced = Instant::now();
-        ctx.sync_weights(&mut state, false)?;
-        let sync_seconds = synced.elapsed().as_secs_f64();
-        if rank == 0 && job.rl.kl_coef > 0.0 && reference.is_none() {
-            // The policy RL starts from, whole at rank 0 after the first sync.
-            let frozen = state.frozen_model(&backend);
-            reference = Some(frozen.map_err(|e| pipeline_err(e.into()))?);
-        }
-        let rolled = Instant::now();
-        let (wire, figures) = ctx.exchange_rollouts(
-            job,
-            engine.as_mut().zip(prompts.as_ref()),
-            &state.model,
-            reference.as_mut(),
-            step,
-        )?;
-        let rollout_seconds = rolled.elapsed().as_secs_f64();
-        let updated = Instant::now();
-        // Every rank fits the same count: the rollouts' advantages are the same bits.
-        let needed = wire.needed_micro_batches(&job.rl);
-        let (step_job, trainer) = fitted_update(&update, needed).map_err(pipeline_err)?;
-        let (plan, micro_batches) = (trainer.plan(), step_job.train.micro_batches);
-        let last_stage = loss_rank(plan);
-        let packed = wire.update(&job.rl, micro_batches).map_err(rl_err)?;
-        let kl_hook = packed.kl_hook;
-        let shares = shares(&packed.step.batches, &packed.step.scales, dp);
-        let feed = Arc::new(StepFeed::given([(state.step, packed.step)]));
-        let first = state.step;
-        let from = state.start();
-        clock_sync.at_run_start();
-        let (report, ended, log) = ctx.run(&step_job, plan, feed, (first, 1), from, keep, links)?;
-        // Rank 0 merges every rank's spans, as a launched `train` does.
-        let own = rank_profile(rank, ctx.prank, &report, &clock_sync);
-        let bubble_ratio = match rank {
-            0 => {
-                let all = gather_profiles(mesh.as_ref(), PROFILE_CHANNEL, own);
-                let merged = all.and_then(|p| merge(&p, world)).map_err(profile_err)?;
-                merged.iterations.first().map(|t| t.bubble_ratio)
-            }
-            _ => {
-                send_profile(mesh.as_ref(), PROFILE_CHANNEL, &own).map_err(profile_err)?;
-                None
-            }
-        };
-        state.ended(ended).map_err(|e| pipeline_err(e.into()))?;
-        let update_seconds = updated.elapsed().as_secs_f64();
-        state.step += 1;
-        let losses = gather_losses(&ctx, last_stage, log)?;
-        let kl = ctx.gather_kl(kl_hook.as_deref(), last_stage, &shares)?;
-        if let Some(f) = figures {
-            let first = |d: usize| losses.get(d).and_then(|l| l.first());
-            let b = f.batch;
-            let rollout_seconds = rollout_seconds - b.drafter_seconds - f.reference_seconds;
-            let times = StepTimes {
-                rollout: rollout_seconds,
-                reference: f.reference_seconds,
-                update: update_seconds,
-                sync: Some(sync_seconds),
-                step: step_started.elapsed().as_secs_f64(),
-            };
-            let update = UpdateFigures {
-                micro_batches,
-                skipped_groups: packed.skipped_groups,
-                skipped_sequences: packed.skipped_sequences,
-                loss: surrogate(&losses, &shares),
-                grad_norm: report
-                    .steps
-                    .first()
-                    .map_or(f32::NAN, |s| s.grad_norm as f32),
-                lr: first(0).map_or(f32::NAN, |m| m.lr),
-                kl,
-                bubble_ratio,
-            };
-            let scored = (&f.scored, wire.sequences());
-            let line = RlStepMetrics::new(step, scored, &b, f.speculation, times, update);
+        if let Some(line) = grpo_step(&job.rl, &update, step, &mut parts)? {
             on_step(&line);
             steps.push(line);
         }
     }
+    let mut state = parts.state;
     // The last weight sync: rank 0 ends with the whole policy and optimizer.
     ctx.sync_weights(&mut state, true)?;
     if rank != 0 {
@@ -460,100 +391,4 @@ fn start<B: RankBackend>(
     let mut state = RankState::new(model, OptimizerState::default(), sft.train.steps);
     state.ended(ended).map_err(|e| pipeline_err(e.into()))?;
     Ok(state)
-}
-
-/// One replica's share of an update step: the sum of its loss scales (as the runtime sums
-/// them) and its completion tokens.
-struct Share {
-    scale_sum: f32,
-    /// Whether any scale is non-zero (else the share's loss term is 0).
-    informative: bool,
-    tokens: usize,
-}
-
-/// Each of `dp` replicas' [`Share`] of the step's micro-batches and loss scales.
-fn shares(batches: &[crate::data::MicroBatch], scales: &[f32], dp: usize) -> Vec<Share> {
-    let per = batches.len() / dp;
-    (0..dp)
-        .map(|d| {
-            let own = d * per..(d + 1) * per;
-            Share {
-                scale_sum: scales[own.clone()].iter().sum::<f32>(),
-                informative: scales[own.clone()].iter().any(|&s| s != 0.0),
-                tokens: batches[own]
-                    .iter()
-                    .map(|mb| {
-                        let counted = mb.targets.iter();
-                        counted
-                            .filter(|&&t| t != crate::tensor::IGNORE_TARGET)
-                            .count()
-                    })
-                    .sum(),
-            }
-        })
-        .collect()
-}
-
-/// Every replica's step log at rank 0, from its last stage's process (the losses are known
-/// there only); empty elsewhere. On [`RL_CHANNEL`] in the binary frame, not launch train's
-/// JSON step log: a replica whose loss scales sum to zero reports a NaN loss, which JSON
-/// cannot carry.
-fn gather_losses<B: RankBackend>(
-    ctx: &Ctx<'_, B>,
-    last_stage: usize,
-    log: Vec<StepMetrics>,
-) -> Result<Vec<Vec<StepMetrics>>, RlLaunchError> {
-    let rank = ctx.rank;
-    let bad = |peer: usize| {
-        move |e: crate::comm::frame::FrameError| RlLaunchError::BadFrame {
-            rank,
-            peer,
-            what: "step log",
-            reason: e.to_string(),
-        }
-    };
-    if rank != 0 {
-        if ctx.prank == last_stage {
-            let bytes = frame::encode(&log).map_err(bad(0))?;
-            ctx.mesh
-                .send(0, RL_CHANNEL, &bytes)
-                .map_err(ctx.link_err(0, "sending the step log"))?;
-        }
-        return Ok(Vec::new());
-    }
-    let mut own = Some(log);
-    (0..ctx.dp)
-        .map(|d| match d * ctx.pp + last_stage {
-            0 => Ok(own.take().unwrap_or_default()),
-            from => {
-                let bytes = ctx
-                    .mesh
-                    .recv(from, RL_CHANNEL)
-                    .map_err(ctx.link_err(from, "receiving the step log"))?;
-                frame::decode(&bytes).map_err(bad(from))
-            }
-        })
-        .collect()
-}
-
-/// The update's loss as one pipeline would report it: with replicas each reports its
-/// `Σ scale·loss` over its scales' sum (the runtime's mean over a replica's share), which is
-/// multiplied back here: a share without a gradient (every scale 0) adds 0, and one whose
-/// scales sum to zero otherwise is unknown (NaN).
-fn surrogate(losses: &[Vec<StepMetrics>], shares: &[Share]) -> f32 {
-    let loss = |d: usize| losses.get(d).and_then(|l| l.first()).map(|m| m.loss);
-    if shares.len() == 1 {
-        return loss(0).unwrap_or(f32::NAN);
-    }
-    let mut total = 0.0f64;
-    for (d, share) in shares.iter().enumerate() {
-        match loss(d) {
-            _ if !share.informative => {}
-            Some(l) if share.scale_sum != 0.0 => {
-                total += f64::from(l) * f64::from(share.scale_sum);
-            }
-            _ => return f32::NAN,
-        }
-    }
-    total as f32
 }

@@ -34,6 +34,7 @@ pub mod prompts;
 pub mod reward;
 pub mod rollout;
 pub mod speculative;
+pub(crate) mod step;
 pub mod step_metrics;
 pub mod trainer;
 pub mod trainer_rollout;

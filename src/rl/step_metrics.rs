@@ -75,8 +75,8 @@ pub struct RlStepMetrics {
     pub surrogate_loss: f32,
     pub grad_norm: f32,
     pub lr: f32,
-    /// The update's measured bubble ratio (null in a launched run: each process measures
-    /// only its own stages).
+    /// The update's measured bubble ratio (a launched run's rank 0 merges every rank's
+    /// spans).
     pub bubble_ratio: Option<f64>,
 }
 
@@ -106,17 +106,15 @@ pub(crate) struct UpdateFigures {
 }
 
 impl RlStepMetrics {
-    /// Step `step`'s line from its rollout (`scored` of `sequences` sequences, the engine's
-    /// `batch` figures, whether it `speculated`), its times and its update: the one place a
-    /// line is put together, in process or launched.
+    /// Step `step`'s line from its rollout's figures, its times and its update: the one
+    /// place a line is put together, in process or launched.
     pub(crate) fn new(
         step: u64,
-        (scored, sequences): (&crate::rl::trainer::ScoredFigures, usize),
-        batch: &crate::rl::trainer::RolloutBatch,
-        speculation: bool,
+        rollout: &crate::rl::step::RolloutFigures,
         times: StepTimes,
         update: UpdateFigures,
     ) -> Self {
+        let (scored, batch, speculation) = (&rollout.scored, &rollout.batch, rollout.speculation);
         let (tokens_per_s, tokens_per_s_sd, tokens_per_s_plain) =
             rollout_rates(scored.generated_tokens, times.rollout, speculation);
         RlStepMetrics {
@@ -126,7 +124,7 @@ impl RlStepMetrics {
             skipped_groups: update.skipped_groups,
             skipped_sequences: update.skipped_sequences,
             update_micro_batches: update.micro_batches,
-            sequences,
+            sequences: rollout.sequences,
             generated_tokens: scored.generated_tokens,
             rollout_seconds: times.rollout,
             drafter_seconds: batch.drafter_seconds,

@@ -30,14 +30,14 @@
 //! update job's warm-up is the step RL starts at, so its schedule starts at the peak).
 
 use std::sync::Arc;
-use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
 
 use super::config::RlConfig;
-use super::grpo::{GrpoError, group_advantages, reference_log_probs};
+use super::grpo::GrpoError;
 use super::prompts::PromptSource;
-use super::reward::generated_tokens;
+use super::step::{RolloutFigures, StepParts, StepRollouts, UpdateOutcome, generate, grpo_step};
 pub use super::step_metrics::RlStepMetrics;
-use super::step_metrics::{StepTimes, UpdateFigures};
 pub use super::update::{UpdateStep, needed_micro_batches, skippable, update_batches, update_step};
 use crate::config::{ConfigError, JobConfig};
 use crate::data::{DataError, SplitMix64, Task, TaskGenerator};
@@ -100,7 +100,7 @@ pub enum RlError {
 
 /// One sampled sequence: `BOS` and the prompt's tokens, then the generated tokens (ending
 /// in `EOS` unless the token budget cut it off).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Rollout {
     pub prompt: Vec<u32>,
     pub generated: Vec<u32>,
@@ -164,81 +164,6 @@ pub trait RolloutEngine<B: Backend> {
 
     /// Whether the engine decodes speculatively.
     fn speculative(&self) -> bool;
-}
-
-/// RL step `step`'s rollouts from `engine` under `policy`, one reward each: the step's
-/// prompts ([`PromptSource::prompts`]), `rl.group` completions each, scored by
-/// [`PromptSource::score`]. The in-process trainer and the multi-process rollout rank share
-/// it.
-pub(crate) fn scored_rollouts<B: Backend>(
-    job: &JobConfig,
-    source: &PromptSource,
-    engine: &mut dyn RolloutEngine<B>,
-    policy: &Gpt<B>,
-    step: u64,
-) -> Result<(RolloutBatch, Vec<f32>), RlError> {
-    let rl = &job.rl;
-    let prompts = source.prompts(step)?;
-    let ids: Vec<Vec<u32>> = prompts.iter().map(|p| p.ids.clone()).collect();
-    let request = RolloutRequest {
-        prompts: &ids,
-        group: rl.group,
-        max_new: rl.max_new_tokens,
-        eos: source.eos(),
-        step,
-    };
-    let batch = engine.generate(policy, request)?;
-    if batch.rollouts.len() != rl.sequences() {
-        return Err(RlError::Rollout(format!(
-            "{} rollouts for {} prompts × group {}",
-            batch.rollouts.len(),
-            prompts.len(),
-            rl.group
-        )));
-    }
-    let rewards = batch
-        .rollouts
-        .iter()
-        .enumerate()
-        .map(|(i, r)| source.score(&prompts[i / rl.group], &r.generated))
-        .collect::<Result<Vec<f32>, _>>()?;
-    Ok((batch, rewards))
-}
-
-/// The mean of `rewards` (the share of the step's rollouts answered correctly).
-pub(crate) fn mean_reward(rewards: &[f32]) -> f64 {
-    rewards.iter().map(|&r| f64::from(r)).sum::<f64>() / rewards.len() as f64
-}
-
-/// What a step's scored rollouts come to, as both the in-process trainer and a launched
-/// run's rank 0 report them ([`RlStepMetrics`]).
-pub(crate) struct ScoredFigures {
-    /// [`mean_reward`] of the rewards.
-    pub reward: f64,
-    /// Groups with a non-zero advantage (the only ones with a gradient).
-    pub informative_groups: usize,
-    /// Tokens generated, up to and with `EOS` ([`generated_tokens`]).
-    pub generated_tokens: usize,
-}
-
-/// The advantages of `rewards` (groups of `group`, [`group_advantages`]) and the
-/// [`ScoredFigures`] of `rollouts` with them; `eos` ends a generation.
-pub(crate) fn scored_figures(
-    rollouts: &[Rollout],
-    rewards: &[f32],
-    group: usize,
-    eos: u32,
-) -> Result<(Vec<f32>, ScoredFigures), RlError> {
-    let advantages = group_advantages(rewards, group)?;
-    let figures = ScoredFigures {
-        reward: mean_reward(rewards),
-        informative_groups: advantages
-            .chunks(group)
-            .filter(|g| g.iter().any(|&a| a != 0.0))
-            .count(),
-        generated_tokens: generated_tokens(rollouts.iter().map(|r| r.generated.as_slice()), eos),
-    };
-    Ok((advantages, figures))
 }
 
 /// The `count` prompts of RL step `step`: tasks of the job's families, seeded by
@@ -418,80 +343,68 @@ impl<B: RankBackend> RlTrainer<B> {
         update_job_of(&self.job, self.first_update)
     }
 
-    /// One GRPO step with rollouts from `engine`. `on_rollout` is called between the
-    /// rollout and the update with the step's mean reward.
+    /// One GRPO step with rollouts from `engine` ([`grpo_step`]). `on_rollout` is called
+    /// between the rollout and the update with the step's mean reward.
     pub fn run_step(
         &mut self,
         engine: &mut dyn RolloutEngine<B>,
         mut on_rollout: impl FnMut(f64),
     ) -> Result<RlStepMetrics, RlError> {
-        let rl = self.job.rl.clone();
-        let step = self.step;
-        let step_started = Instant::now();
-        let (batch, rewards) =
-            scored_rollouts(&self.job, &self.prompts, engine, &self.policy, step)?;
-        let rollout_seconds = step_started.elapsed().as_secs_f64() - batch.drafter_seconds;
-        // Shown before the advantages are taken, which can fail.
-        on_rollout(mean_reward(&rewards));
-        let (advantages, scored) =
-            scored_figures(&batch.rollouts, &rewards, rl.group, self.prompts.eos())?;
-
-        let reference_started = Instant::now();
-        let logp_ref = match &mut self.reference {
-            Some(reference) => {
-                let plain = update_batches(&batch.rollouts, &advantages)?;
-                Some(reference_log_probs(reference, &plain.batches)?)
-            }
-            None => None,
+        let (rl, update, step) = (self.job.rl.clone(), self.update_job(), self.step);
+        let mut parts = InProcess {
+            trainer: self,
+            engine,
+            on_rollout: &mut on_rollout,
         };
-        let reference_seconds = reference_started.elapsed().as_secs_f64();
-        let started = Instant::now();
-        let needed = needed_micro_batches(&rl, &advantages);
-        let (job, trainer) = fitted_update(&self.update_job(), needed)?;
-        let update_micro_batches = job.train.micro_batches;
-        let UpdateStep {
-            step: update,
-            kl_hook,
-            skipped_sequences,
-            skipped_groups,
-        } = update_step(
-            &rl,
-            &batch.rollouts,
-            &advantages,
-            logp_ref,
-            update_micro_batches,
-        )?;
-        let (m, bubble_ratio) = self.update(trainer, update)?;
-        let update_seconds = started.elapsed().as_secs_f64();
+        let metrics = grpo_step(&rl, &update, step, &mut parts)?;
         self.step += 1;
+        Ok(metrics.expect("an in-process step generates its rollouts"))
+    }
+}
 
-        let times = StepTimes {
-            rollout: rollout_seconds,
-            reference: reference_seconds,
-            update: update_seconds,
-            sync: None,
-            step: step_started.elapsed().as_secs_f64(),
-        };
-        let update = UpdateFigures {
-            micro_batches: update_micro_batches,
-            skipped_groups,
-            skipped_sequences,
+/// An in-process step's parts: rollouts from a local engine under the trainer's policy,
+/// the update on the trainer's ranks (which refresh the policy).
+struct InProcess<'a, B: RankBackend> {
+    trainer: &'a mut RlTrainer<B>,
+    engine: &'a mut dyn RolloutEngine<B>,
+    on_rollout: &'a mut dyn FnMut(f64),
+}
+
+impl<B: RankBackend> StepParts for InProcess<'_, B> {
+    type Error = RlError;
+
+    fn rollouts(&mut self, step: u64) -> Result<(StepRollouts, Option<RolloutFigures>), RlError> {
+        let t = &mut *self.trainer;
+        let models = (&t.policy, t.reference.as_mut());
+        let (rollouts, figures) = generate(
+            &t.job,
+            &t.prompts,
+            self.engine,
+            models,
+            step,
+            self.on_rollout,
+        )?;
+        Ok((rollouts, Some(figures)))
+    }
+
+    fn update(
+        &mut self,
+        _job: &JobConfig,
+        trainer: PipelineTrainer,
+        update: UpdateStep,
+    ) -> Result<UpdateOutcome, RlError> {
+        let (m, bubble_ratio) = self.trainer.update(trainer, update.step)?;
+        Ok(UpdateOutcome {
             loss: m.loss,
             grad_norm: m.grad_norm,
             lr: m.lr,
-            kl: kl_hook.and_then(|h| h.mean_kl()),
+            kl: update.kl_hook.and_then(|h| h.mean_kl()),
             bubble_ratio,
-        };
-        let sequences = rewards.len();
-        let speculation = engine.speculative();
-        Ok(RlStepMetrics::new(
-            step,
-            (&scored, sequences),
-            &batch,
-            speculation,
-            times,
-            update,
-        ))
+        })
+    }
+
+    fn error(&self, error: RlError) -> RlError {
+        error
     }
 }
 

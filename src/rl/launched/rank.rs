@@ -4,13 +4,12 @@
 
 use std::sync::Arc;
 use std::sync::mpsc::channel;
-use std::time::Instant;
 
 use pipefill_actors::{Clock, GradStats, PlanSource, RunReport, Transport};
-use serde::{Deserialize, Serialize};
 
 use super::state::{Ended, RankState, Start};
-use super::{RL_CHANNEL, RlLaunchError, Share};
+use super::step::Share;
+use super::{RL_CHANNEL, RlLaunchError};
 use crate::comm::frame;
 use crate::comm::link::{LinkError, PeerLink};
 use crate::comm::tcp::TcpMesh;
@@ -23,74 +22,15 @@ use crate::pipeline::executor::{Links, RankStart, ReplicaLinks, Stepping};
 use crate::pipeline::feed::StepFeed;
 use crate::pipeline::shared::{RankFinal, Shared};
 use crate::pipeline::{PipelineError, RankCompute, RankJob};
-use crate::rl::grpo::{GrpoTokenLoss, reference_log_probs};
+use crate::rl::grpo::GrpoTokenLoss;
 use crate::rl::prompts::PromptSource;
-use crate::rl::trainer::{
-    RlError, Rollout, RolloutBatch, RolloutEngine, ScoredFigures, UpdateStep, needed_micro_batches,
-    scored_figures, scored_rollouts, update_batches, update_step,
-};
+use crate::rl::step::{RolloutFigures, StepRollouts, generate};
+use crate::rl::trainer::RlError;
 use crate::rl::trainer_spec::PipelineRollouts;
 use crate::schedules::Plan;
 use crate::tensor::Backend;
 use crate::tensor::device::RankBackend;
 use crate::train::StepMetrics;
-
-/// A step's rollouts on the wire: `(prompt, generated)` token ids, the advantages and,
-/// with the KL term, each sequence's completion-token log-probs under the reference.
-#[derive(Serialize, Deserialize)]
-pub(super) struct RolloutWire {
-    rollouts: Vec<(Vec<u32>, Vec<u32>)>,
-    advantages: Vec<f32>,
-    logp_ref: Option<Vec<Vec<f32>>>,
-}
-
-impl RolloutWire {
-    fn rollouts(&self) -> Vec<Rollout> {
-        self.rollouts
-            .iter()
-            .map(|(prompt, generated)| Rollout {
-                prompt: prompt.clone(),
-                generated: generated.clone(),
-            })
-            .collect()
-    }
-
-    /// The update's step in `micro_batches` micro-batches, as the in-process trainer
-    /// builds it ([`update_step`]), with the KL term's hook (for its KL figure).
-    pub(super) fn update(
-        &self,
-        rl: &crate::rl::config::RlConfig,
-        micro_batches: usize,
-    ) -> Result<UpdateStep, RlError> {
-        update_step(
-            rl,
-            &self.rollouts(),
-            &self.advantages,
-            self.logp_ref.clone(),
-            micro_batches,
-        )
-    }
-
-    /// The fewest micro-batches the update can run in ([`needed_micro_batches`]).
-    pub(super) fn needed_micro_batches(&self, rl: &crate::rl::config::RlConfig) -> usize {
-        needed_micro_batches(rl, &self.advantages)
-    }
-
-    pub(super) fn sequences(&self) -> usize {
-        self.rollouts.len()
-    }
-}
-
-/// Rank 0's figures of a rollout: those of [`crate::rl::step_metrics::RlStepMetrics`] that
-/// the rollout measures.
-pub(super) struct RolloutFigures {
-    pub scored: ScoredFigures,
-    pub reference_seconds: f64,
-    pub speculation: bool,
-    /// The engine's own figures (live batch, acceptance, idle time, drafter work, ...); its
-    /// rollouts have gone to the wire.
-    pub batch: RolloutBatch,
-}
 
 /// This rank on the mesh, and how its pipelines run: global rank `replica × pp + prank`.
 pub(super) struct Ctx<'a, B: RankBackend> {
@@ -274,47 +214,35 @@ impl<B: RankBackend> Ctx<'_, B> {
         Ok(())
     }
 
-    /// Step `step`'s rollouts: rank 0 (`engine` and its prompts) generates and scores them
-    /// under `policy`,
-    /// computes the reference's log-probs when given, and sends them to every rank, which
-    /// receives them here. Rank 0 also returns its figures.
+    /// Step `step`'s rollouts: rank 0 (`engine` and its prompts) generates them under
+    /// `policy` with the reference's log-probs when given ([`generate`]) and sends them to
+    /// every rank, which receives them here. Rank 0 also returns their figures.
     pub fn exchange_rollouts(
         &self,
         job: &JobConfig,
         engine: Option<(&mut PipelineRollouts<B>, &PromptSource)>,
-        policy: &Gpt<B>,
-        reference: Option<&mut Gpt<B>>,
+        models: (&Gpt<B>, Option<&mut Gpt<B>>),
         step: u64,
-    ) -> Result<(RolloutWire, Option<RolloutFigures>), RlLaunchError> {
+    ) -> Result<(StepRollouts, Option<RolloutFigures>), RlLaunchError> {
         let Some((engine, prompts)) = engine else {
             let bytes = self
                 .mesh
                 .recv(0, RL_CHANNEL)
                 .map_err(self.link_err(0, "receiving the rollouts"))?;
-            let wire =
+            let rollouts =
                 frame::decode(&bytes).map_err(|e| self.bad_frame(0, "rollouts")(e.to_string()))?;
-            return Ok((wire, None));
+            return Ok((rollouts, None));
         };
-        let (mut wire, mut figures) =
-            rollout(job, prompts, engine, policy, step).map_err(self.rl_err())?;
-        if let Some(reference) = reference {
-            let started = Instant::now();
-            let batches = update_batches(&wire.rollouts(), &wire.advantages)
-                .map_err(self.rl_err())?
-                .batches;
-            let logp_ref =
-                reference_log_probs(reference, &batches).map_err(|e| self.rl_err()(e.into()))?;
-            wire.logp_ref = Some(logp_ref);
-            figures.reference_seconds = started.elapsed().as_secs_f64();
-        }
+        let (rollouts, figures) =
+            generate(job, prompts, engine, models, step, &mut |_| {}).map_err(self.rl_err())?;
         let bytes =
-            frame::encode(&wire).map_err(|e| self.bad_frame(0, "rollouts")(e.to_string()))?;
+            frame::encode(&rollouts).map_err(|e| self.bad_frame(0, "rollouts")(e.to_string()))?;
         for peer in 1..self.mesh.world() {
             self.mesh
                 .send(peer, RL_CHANNEL, &bytes)
                 .map_err(self.link_err(peer, "sending the rollouts"))?;
         }
-        Ok((wire, Some(figures)))
+        Ok((rollouts, Some(figures)))
     }
 
     /// The mean k3 KL of the update over every replica (`own`: this rank's hook, whose
@@ -357,33 +285,4 @@ impl<B: RankBackend> Ctx<'_, B> {
         }
         Ok((tokens > 0).then(|| sum / tokens as f64))
     }
-}
-
-/// RL step `step`'s prompts, rollouts under `policy`, rewards and advantages, as the
-/// in-process trainer computes them.
-fn rollout<B: RankBackend>(
-    job: &JobConfig,
-    prompts: &PromptSource,
-    engine: &mut PipelineRollouts<B>,
-    policy: &Gpt<B>,
-    step: u64,
-) -> Result<(RolloutWire, RolloutFigures), RlError> {
-    let rl = &job.rl;
-    let (mut batch, rewards) = scored_rollouts(job, prompts, engine, policy, step)?;
-    let (advantages, scored) = scored_figures(&batch.rollouts, &rewards, rl.group, prompts.eos())?;
-    let wire = RolloutWire {
-        rollouts: std::mem::take(&mut batch.rollouts)
-            .into_iter()
-            .map(|r| (r.prompt, r.generated))
-            .collect(),
-        advantages,
-        logp_ref: None,
-    };
-    let figures = RolloutFigures {
-        scored,
-        reference_seconds: 0.0,
-        speculation: engine.speculative(),
-        batch,
-    };
-    Ok((wire, figures))
 }
