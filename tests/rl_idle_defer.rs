@@ -7,8 +7,8 @@
 use pipefill::config::JobConfig;
 use pipefill::data::tokenizer::{BOS, EOS};
 use pipefill::model::{Cut, Gpt};
+use pipefill::rl::generator::{RolloutGenerator, RolloutRequest};
 use pipefill::rl::rollout::idle::{DrafterAccount, DrafterWork, EvalWork};
-use pipefill::rl::trainer::{RolloutEngine, RolloutRequest};
 use pipefill::rl::trainer_spec::PipelineRollouts;
 use pipefill::tensor::CpuBackend;
 

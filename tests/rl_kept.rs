@@ -13,9 +13,10 @@ use pipefill::config::{Filler, JobConfig};
 use pipefill::model::Gpt;
 use pipefill::model::checkpoint::ADAM_V_PREFIX;
 use pipefill::pipeline::{KeptRun, PipelineError, PipelineTrainer};
-use pipefill::rl::trainer::{
-    RlError, RlTrainer, RolloutBatch, RolloutEngine, RolloutRequest, step_prompts,
-};
+use pipefill::rl::error::RlError;
+use pipefill::rl::generator::{RolloutBatch, RolloutGenerator, RolloutRequest};
+use pipefill::rl::prompts::step_prompts;
+use pipefill::rl::trainer::RlTrainer;
 use pipefill::rl::warm_up::warm_up;
 use pipefill::tensor::CpuBackend;
 
@@ -33,7 +34,7 @@ const UNIFORM: [&[(usize, bool)]; 4] = [
     &[],
 ];
 
-impl RolloutEngine<CpuBackend> for Varying {
+impl RolloutGenerator<CpuBackend> for Varying {
     fn generate(
         &mut self,
         _policy: &Gpt<CpuBackend>,
@@ -98,7 +99,7 @@ fn kept_update_ranks_equal_rebuilding_the_pipeline_every_step_bitwise() {
             let mut engine = Varying { job: job.clone() };
             let a = kept.run_step(&mut engine, |_| {}).unwrap();
             let b = rebuilt.run_step(&mut engine, |_| {}).unwrap();
-            let figures = |m: &pipefill::rl::trainer::RlStepMetrics| {
+            let figures = |m: &pipefill::rl::step_metrics::RlStepMetrics| {
                 (
                     m.update_micro_batches,
                     m.skipped_groups,

@@ -17,11 +17,13 @@ use pipefill::model::checkpoint::Checkpoint;
 use pipefill::model::layers::log_prob;
 use pipefill::model::{AdamW, Cut, Gpt, Shape};
 use pipefill::pipeline::feed::StepBatches;
+use pipefill::rl::error::RlError;
+use pipefill::rl::generator::{Rollout, RolloutBatch, RolloutGenerator, RolloutRequest};
 use pipefill::rl::grpo::{GrpoLoss, SequenceLogProbs, group_advantages, grpo_loss};
-use pipefill::rl::trainer::{
-    RlError, RlStepMetrics, RlTrainer, Rollout, RolloutBatch, RolloutEngine, RolloutRequest,
-    step_prompts, update_batches, update_step,
-};
+use pipefill::rl::prompts::step_prompts;
+use pipefill::rl::step_metrics::RlStepMetrics;
+use pipefill::rl::trainer::RlTrainer;
+use pipefill::rl::update::{update_batches, update_step};
 use pipefill::rl::warm_up::warm_up;
 use pipefill::tensor::{CpuBackend, IGNORE_TARGET};
 use pipefill::train::reference::adamw_config;
@@ -43,7 +45,7 @@ impl Scripted {
     }
 }
 
-impl RolloutEngine<CpuBackend> for Scripted {
+impl RolloutGenerator<CpuBackend> for Scripted {
     fn generate(
         &mut self,
         _policy: &Gpt<CpuBackend>,

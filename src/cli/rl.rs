@@ -8,7 +8,7 @@
 //! rollouts' drafter starts from the `--init` checkpoint's when that run trained one in its
 //! bubbles (`filler = "drafter"`). Two progress bars follow the rollouts (mean reward) and
 //! the updates (loss, gradient norm, bubble ratio); the run directory gets `job.toml`,
-//! `metrics.jsonl` (one line per RL step, see [`pipefill::rl::trainer::RlStepMetrics`])
+//! `metrics.jsonl` (one line per RL step, see [`pipefill::rl::step_metrics::RlStepMetrics`])
 //! and the final `checkpoint/`.
 //!
 //! This module parses the arguments; the run itself, in one process or as one rank of a

@@ -32,7 +32,7 @@ pub struct RlConfig {
     pub clip: f32,
     /// Weight β of the k3 KL penalty to the frozen initial policy (0: none). With β > 0 the
     /// reference's log-probs are computed once per rollout batch and the update's head
-    /// takes the per-token GRPO loss ([`crate::rl::grpo::GrpoTokenLoss`]).
+    /// takes the per-token GRPO loss ([`crate::rl::update::GrpoTokenLoss`]).
     pub kl_coef: f32,
     /// Learning rate of the RL updates (constant).
     pub lr: f32,

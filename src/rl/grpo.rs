@@ -29,7 +29,7 @@
 //!
 //! The KL term's gradient differs per token (`β·(1 − exp(d))`), and a micro-batch packing
 //! several sequences needs a weight per row; neither is one scale per micro-batch. The
-//! pipelined update therefore hands the last stage's head a [`GrpoTokenLoss`]
+//! pipelined update therefore hands the last stage's head a [`GrpoTokenLoss`](super::update::GrpoTokenLoss)
 //! ([`crate::model::layers::TokenLoss`], built by [`super::update::update_step`]): each
 //! row's tokens get the derivative of its sequence's share of the objective (with KL the
 //! mean of [`token_loss`] over its completion tokens at `ρ = 1`, the reference's log-probs
@@ -56,8 +56,6 @@ pub enum GrpoError {
     #[error("micro-batch layout: {0}")]
     Layout(String),
 }
-
-pub use super::update::GrpoTokenLoss;
 
 /// Added to a group's standard deviation so an almost-uniform group cannot blow up.
 pub const ADVANTAGE_EPS: f32 = 1e-6;
@@ -182,7 +180,7 @@ pub fn grpo_loss(
 
 /// Each sequence's completion-token log-probs under `reference` (one forward per
 /// sequence; `batches` as [`super::update::update_batches`] builds them, prompt targets
-/// ignored), as [`GrpoTokenLoss`] takes them.
+/// ignored), as [`GrpoTokenLoss`](super::update::GrpoTokenLoss) takes them.
 pub fn reference_log_probs<B: crate::tensor::Backend>(
     reference: &mut crate::model::Gpt<B>,
     batches: &[crate::data::MicroBatch],
@@ -220,6 +218,7 @@ pub fn update_scales(advantages: &[f32]) -> Vec<f32> {
 mod tests {
     use super::*;
     use crate::model::{Cut, Gpt, GptConfig, Shape};
+    use crate::rl::update::GrpoTokenLoss;
     use crate::tensor::{CpuBackend, IGNORE_TARGET};
 
     const CFG: GrpoLoss = GrpoLoss {
@@ -427,7 +426,7 @@ mod tests {
         assert!(err <= 1e-5 * norm.max(1.0), "error {err} of norm {norm}");
     }
 
-    /// The head's hooked loss (GRPO with KL through [`GrpoTokenLoss`], both sequences packed
+    /// The head's hooked loss (GRPO with KL through [`GrpoTokenLoss`](crate::rl::update::GrpoTokenLoss), both sequences packed
     /// in one micro-batch of two rows, scale 1) has the gradient of [`grpo_loss`] computed
     /// from the logits: checked by central differences on the entries of two parameters
     /// with the largest gradients.

@@ -17,7 +17,7 @@
 //!    log-probs under the frozen reference; it sends the rollouts (token ids), advantages
 //!    and reference log-probs to every rank;
 //! 3. every rank builds the update's micro-batches (targets, prompt mask, loss scales, and
-//!    with KL the head's [`GrpoTokenLoss`](crate::rl::grpo::GrpoTokenLoss)) with the
+//!    with KL the head's [`GrpoTokenLoss`](crate::rl::update::GrpoTokenLoss)) with the
 //!    in-process trainer's own functions and runs one pipelined optimizer step of the
 //!    update job over the TCP mesh, as `launch -- train` does; each replica runs its share
 //!    of the step's sequences and all-reduces its gradients with the other replicas (the
@@ -52,18 +52,20 @@
 //! before rank 0's rollout arrives, which rank 0 sends only once every rank's frame is in:
 //! so no frame of a step can reach a rank's previous, finished transport.
 
+mod error;
 mod rank;
 mod state;
 mod step;
+
+pub use error::{RL_CHANNEL, RlLaunchError};
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use pipefill_actors::Clock;
 
-use crate::comm::link::{Channel, LinkError, PeerLink};
+use crate::comm::link::PeerLink;
 use crate::comm::tcp::TcpMesh;
-use crate::comm::tcp_transport::GroupError;
 use crate::config::JobConfig;
 use crate::data::StepData;
 use crate::model::checkpoint::Checkpoint;
@@ -72,11 +74,11 @@ use crate::model::{AdamW, Cut, Gpt, ModelError, OptimizerState};
 use crate::pipeline::feed::StepFeed;
 use crate::pipeline::mesh::profile::sync_clock;
 use crate::pipeline::{PipelineError, PipelineTrainer};
-use crate::rl::config::UntrainedPolicy;
+use crate::rl::error::RlError;
 use crate::rl::prompts::PromptSource;
 use crate::rl::step::grpo_step;
+use crate::rl::step::update_job_of;
 use crate::rl::step_metrics::RlStepMetrics;
-use crate::rl::trainer::{RlError, update_job_of};
 use crate::rl::trainer_spec::PipelineRollouts;
 use crate::rl::warm_up::warm_up_job;
 use crate::tensor::CpuBackend;
@@ -86,67 +88,8 @@ use rank::Ctx;
 use state::{RankState, Start};
 use step::LaunchedRank;
 
-/// Channel of the weight sync (ranks → rank 0) and of the rollouts (rank 0 → ranks).
-pub const RL_CHANNEL: Channel = u32::MAX - 8;
-
 /// How long a rank waits for rank 0 to have gathered the final weights.
 const FINAL_WAIT: Duration = Duration::from_secs(120);
-
-/// Why a rank's part of a multi-process RL run failed; each names the rank.
-#[derive(Debug, thiserror::Error)]
-pub enum RlLaunchError {
-    #[error(
-        "the update's schedule has {plan} ranks × dp = {dp} but the job was launched with {world} processes: one rank per process (set stages × dp = {world})"
-    )]
-    World {
-        plan: usize,
-        dp: usize,
-        world: usize,
-    },
-    #[error("dp = {dp} replicas cannot take equal shares of {what} = {count}")]
-    Shares {
-        dp: usize,
-        what: &'static str,
-        count: usize,
-    },
-    #[error("rank {rank}: {error}")]
-    Group { rank: usize, error: GroupError },
-    #[error(transparent)]
-    Untrained(#[from] UntrainedPolicy),
-    /// (Boxed, as the pipeline's error below: they would make every result of a rank's
-    /// run as large as the largest of them.)
-    #[error("rank {rank}: {error}")]
-    Rl { rank: usize, error: Box<RlError> },
-    /// The rank's own pipeline failed (the error names the rank).
-    #[error("{error}")]
-    Pipeline {
-        rank: usize,
-        error: Box<PipelineError>,
-    },
-    #[error("rank {rank}: {what} with rank {peer}: {source}")]
-    Link {
-        rank: usize,
-        peer: usize,
-        what: &'static str,
-        #[source]
-        source: LinkError,
-    },
-    #[error("rank {rank}: rank {peer} sent an unreadable {what}: {reason}")]
-    BadFrame {
-        rank: usize,
-        peer: usize,
-        what: &'static str,
-        reason: String,
-    },
-    /// The mesh failed: a peer died or broke the protocol (named in the text).
-    #[error("rank {rank}: {reason}")]
-    Peer { rank: usize, reason: String },
-    #[error("rank {rank}: merging the update's profiles: {error}")]
-    Profile {
-        rank: usize,
-        error: crate::profile::merge::MergeError,
-    },
-}
 
 /// What rank 0 ends with.
 pub struct RlLaunchRun {

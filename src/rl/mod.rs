@@ -26,6 +26,8 @@
 pub mod accept;
 pub mod bandit;
 pub mod calibrate;
+pub mod error;
+pub mod generator;
 /// The RL settings live with the job's ([`crate::config::rl`]).
 pub use crate::config::rl as config;
 pub mod grpo;

@@ -17,12 +17,12 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use super::error::RlError;
 use super::reward::{completion_tokens, reward};
-use super::trainer::{RlError, step_prompts};
 use crate::config::JobConfig;
 use crate::data::jsonl::{Record, read_records};
 use crate::data::reward::Reward;
-use crate::data::{DataError, DataSource, SplitMix64, Task, TextTokenizer};
+use crate::data::{DataError, DataSource, SplitMix64, Task, TaskGenerator, TextTokenizer};
 
 /// One prompt of a step: its ids (special tokens included) and what a completion is
 /// checked against.
@@ -239,3 +239,33 @@ fn entries(
 #[cfg(test)]
 #[path = "prompts_tests.rs"]
 mod tests;
+
+/// The `count` prompts of RL step `step`: tasks of the job's families, seeded by
+/// `(rl.seed, step)`, whose `BOS` + prompt leaves `rl.max_new_tokens` in `model.seq_len`.
+pub fn step_prompts(job: &JobConfig, step: u64) -> Result<Vec<Task>, RlError> {
+    let (rl, seq_len) = (&job.rl, job.model.seq_len);
+    let generator = TaskGenerator::new(
+        &job.data.families,
+        job.data.size_scale,
+        job.data.max_size,
+        // Apart from the training stream (seeded by (train.seed, step)) even when the seeds
+        // are equal, so RL prompts are not the warm-up's documents.
+        SplitMix64::derive(rl.seed ^ 0x5eed_0fa1_u64, step),
+    )?;
+    // Short prompts are the common case; the bound only guards a budget nothing fits.
+    let tasks: Vec<Task> = generator
+        .take(1000 * rl.prompts)
+        .filter(|t| 1 + t.prompt.chars().count() + rl.max_new_tokens <= seq_len)
+        .take(rl.prompts)
+        .collect();
+    if tasks.len() < rl.prompts {
+        return Err(RlError::NoPrompts {
+            step,
+            found: tasks.len(),
+            wanted: rl.prompts,
+            seq_len,
+            max_new: rl.max_new_tokens,
+        });
+    }
+    Ok(tasks)
+}

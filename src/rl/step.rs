@@ -16,18 +16,17 @@ use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
+use super::error::RlError;
+use super::generator::{Rollout, RolloutBatch, RolloutGenerator, RolloutRequest};
 use super::grpo::{group_advantages, reference_log_probs};
 use super::prompts::PromptSource;
 use super::reward::generated_tokens;
 use super::step_metrics::{RlStepMetrics, StepTimes, UpdateFigures};
-use super::trainer::{
-    RlError, Rollout, RolloutBatch, RolloutEngine, RolloutRequest, fitted_update,
-};
 use super::update::{UpdateStep, needed_micro_batches, update_batches, update_step};
 use crate::config::JobConfig;
 use crate::config::rl::RlConfig;
 use crate::model::Gpt;
-use crate::pipeline::PipelineTrainer;
+use crate::pipeline::{PipelineError, PipelineTrainer};
 use crate::tensor::Backend;
 
 /// A step's rollouts as the update needs them (and as rank 0 sends them to the other
@@ -170,7 +169,7 @@ pub(crate) fn grpo_step<P: StepParts>(
 pub(crate) fn generate<B: Backend>(
     job: &JobConfig,
     source: &PromptSource,
-    engine: &mut dyn RolloutEngine<B>,
+    engine: &mut dyn RolloutGenerator<B>,
     (policy, reference): (&Gpt<B>, Option<&mut Gpt<B>>),
     step: u64,
     on_reward: &mut dyn FnMut(f64),
@@ -238,4 +237,44 @@ pub(crate) fn generate<B: Backend>(
 /// The mean of `rewards` (the share of the step's rollouts answered correctly).
 pub(crate) fn mean_reward(rewards: &[f32]) -> f64 {
     rewards.iter().map(|&r| f64::from(r)).sum::<f64>() / rewards.len() as f64
+}
+
+/// The pipeline job of the RL update when RL started at optimizer step `first_update`:
+/// `rl.prompts` micro-batches of `rl.group` sequences ([`update_step`]), the RL learning
+/// rate (the multi-process update runs it too); a step with skippable sequences runs fewer
+/// ([`fitted_update`]).
+pub(crate) fn update_job_of(job: &JobConfig, first_update: u64) -> JobConfig {
+    let rl: &RlConfig = &job.rl;
+    let mut job = job.clone();
+    job.train.micro_batches = rl.prompts;
+    job.train.micro_batch_size = rl.group;
+    job.train.lr = rl.lr;
+    job.train.warmup = first_update;
+    job.train.steps = first_update + rl.steps;
+    job
+}
+
+/// The update's pipeline for a step whose sequences with a gradient need `needed`
+/// micro-batches ([`needed_micro_batches`]) over the update job's `dp` data-parallel pipelines: the
+/// fewest micro-batches from `needed` to `update`'s (`rl.prompts`) that the replicas share
+/// equally and the job's schedule runs (a schedule file runs its own count only; some
+/// schedules need a multiple of the ranks). Returns the whole step's job and one replica's
+/// trainer (the whole pipeline's with one replica).
+pub(crate) fn fitted_update(
+    update: &JobConfig,
+    needed: usize,
+) -> Result<(JobConfig, PipelineTrainer), PipelineError> {
+    let (full, replicas) = (update.train.micro_batches, update.dp.max(1));
+    let with = |m: usize| {
+        let mut job = update.clone();
+        job.train.micro_batches = m;
+        // The trainer plans each replica's share (`m / dp` micro-batches).
+        PipelineTrainer::from_job(&job).map(|t| (job, t))
+    };
+    // Fewer micro-batches than the full count are an optimisation: one the schedule
+    // refuses is passed over, and only the full count's error is the job's.
+    (needed.max(1)..full)
+        .filter(|m| m % replicas == 0)
+        .find_map(|m| with(m).ok())
+        .map_or_else(|| with(full), Ok)
 }

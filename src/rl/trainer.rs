@@ -4,13 +4,13 @@
 //! 1. **Prompts**: `rl.prompts` tasks of the job's families from a stream seeded by
 //!    `(rl.seed, step)`, keeping those whose prompt leaves room for `rl.max_new_tokens`.
 //! 2. **Rollout**: `rl.group` completions per prompt from the current policy through a
-//!    [`RolloutEngine`] (the plain KV-cache sampler, or speculative decoding, which is
+//!    [`RolloutGenerator`] (the plain KV-cache sampler, or speculative decoding, which is
 //!    lossless: the samples are distributed the same either way).
 //! 3. **Rewards** by exact answer match ([`super::reward`]), **advantages** normalised per
 //!    group ([`super::grpo::group_advantages`]).
 //! 4. **Update**: one optimizer step of the pipeline with the job's schedule, through
 //!    [`PipelineTrainer::feed`]: `rl.prompts` micro-batches of `rl.group` sequences
-//!    ([`update_step`]), prompt targets ignored, the head weighing each sequence's tokens
+//!    ([`update_step`](super::update::update_step)), prompt targets ignored, the head weighing each sequence's tokens
 //!    by `A_i / n` ([`super::update::GrpoTokenLoss`]). With one on-policy update per
 //!    rollout batch the policy ratio is 1, so this is the clipped GRPO objective's gradient
 //!    exactly (see [`super::grpo`]). Without the KL term the sequences of advantage 0 (groups
@@ -24,23 +24,22 @@
 //! With `rl.kl_coef = β > 0` the objective adds β·k3-KL to a frozen reference (the policy
 //! RL started from, or [`RlTrainer::with_reference`]): the reference's per-token log-probs
 //! are computed once per rollout batch ([`super::grpo::reference_log_probs`], one forward
-//! per sequence of [`update_batches`]) and the head's loss takes the per-token KL term.
+//! per sequence of [`update_batches`](super::update::update_batches)) and the head's loss takes the per-token KL term.
 //!
 //! The learning rate decays by cosine from `rl.lr` to `rl.lr / 10` over the RL steps (the
 //! update job's warm-up is the step RL starts at, so its schedule starts at the peak).
 
 use std::sync::Arc;
 
-use serde::{Deserialize, Serialize};
-
-use super::config::RlConfig;
-use super::grpo::GrpoError;
+use super::error::RlError;
+use super::generator::RolloutGenerator;
 use super::prompts::PromptSource;
-use super::step::{RolloutFigures, StepParts, StepRollouts, UpdateOutcome, generate, grpo_step};
-pub use super::step_metrics::RlStepMetrics;
-pub use super::update::{UpdateStep, needed_micro_batches, skippable, update_batches, update_step};
-use crate::config::{ConfigError, JobConfig};
-use crate::data::{DataError, SplitMix64, Task, TaskGenerator};
+use super::step::{
+    RolloutFigures, StepParts, StepRollouts, UpdateOutcome, generate, grpo_step, update_job_of,
+};
+use super::step_metrics::RlStepMetrics;
+use super::update::UpdateStep;
+use crate::config::JobConfig;
 use crate::model::checkpoint::Checkpoint;
 use crate::model::{AdamW, Cut, Gpt, ModelError};
 use crate::pipeline::feed::StepFeed;
@@ -48,193 +47,6 @@ use crate::pipeline::{KeptRanks, PipelineError, PipelineTrainer, StepMetrics};
 use crate::tensor::device::RankBackend;
 use crate::tensor::{Backend, CpuBackend};
 use crate::train::reference::adamw_config;
-
-/// What can go wrong in an RL run.
-#[derive(Debug, thiserror::Error)]
-pub enum RlError {
-    #[error(transparent)]
-    Config(#[from] ConfigError),
-    #[error("rl update: {0}")]
-    Pipeline(#[from] PipelineError),
-    #[error("grpo: {0}")]
-    Grpo(#[from] GrpoError),
-    #[error(transparent)]
-    Data(#[from] DataError),
-    #[error(transparent)]
-    Model(#[from] ModelError),
-    #[error(transparent)]
-    Checkpoint(#[from] crate::model::checkpoint::CheckpointError),
-    /// The task stream has too few prompts short enough for the token budget.
-    #[error(
-        "step {step}: only {found} of {wanted} prompts fit model.seq_len = {seq_len} with \
-         rl.max_new_tokens = {max_new} (lower rl.max_new_tokens or data.max_size)"
-    )]
-    NoPrompts {
-        step: u64,
-        found: usize,
-        wanted: usize,
-        seq_len: usize,
-        max_new: usize,
-    },
-    /// An earlier update failed and took the policy's optimizer state with it.
-    #[error(
-        "update: an earlier step's update failed and lost the optimizer state; restart from \
-         the last saved checkpoint"
-    )]
-    UpdateLost,
-    /// A rollout engine returned something the update cannot use.
-    #[error("rollout: {0}")]
-    Rollout(String),
-    /// The update was asked to pack its sequences into a count of micro-batches that
-    /// cannot hold the ones with a gradient, or more than one per prompt.
-    #[error(
-        "update: {micro_batches} micro-batches asked for; the sequences with a gradient need \
-         {needed} to {prompts} (rl.prompts)"
-    )]
-    Packing {
-        micro_batches: usize,
-        needed: usize,
-        prompts: usize,
-    },
-}
-
-/// One sampled sequence: `BOS` and the prompt's tokens, then the generated tokens (ending
-/// in `EOS` unless the token budget cut it off).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Rollout {
-    pub prompt: Vec<u32>,
-    pub generated: Vec<u32>,
-}
-
-/// A rollout batch and how it was produced.
-#[derive(Debug, Clone, Default)]
-pub struct RolloutBatch {
-    /// `group` rollouts of every prompt, group after group.
-    pub rollouts: Vec<Rollout>,
-    /// Live sequences (still generating) after each decode iteration: the long tail.
-    pub live_batch: Vec<usize>,
-    /// Mean accepted draft tokens per verification + 1 (speculation only).
-    pub acceptance_length: Option<f64>,
-    /// Mean draft length the engine chose (speculation only).
-    pub chosen_k: Option<f64>,
-    /// Top-1 agreement of the drafter with the policy on this step's rollouts, before
-    /// training on them (engines with a drafter only).
-    pub drafter_agreement: Option<f64>,
-    /// Seconds of drafter training inside `generate`, after the rollout proper.
-    pub drafter_seconds: f64,
-    /// Idle time of the rollout's stage threads (summed over stages), and the part of it
-    /// filled with routed work (engines with stage threads only).
-    pub idle_seconds: Option<f64>,
-    pub idle_filled_seconds: Option<f64>,
-    /// Drafter-training slices run in the stages' idle time.
-    pub idle_drafter_slices: usize,
-    /// The drafter's work of the step and where it ran (engines with an idle-work router).
-    pub drafter_work: Option<crate::rl::rollout::idle::DrafterAccount>,
-}
-
-/// What a step asks of a [`RolloutEngine`]: `group` completions of each of `prompts` (each
-/// `BOS` + prompt tokens), each ending at `eos` (the prompts' tokenizer's) or after
-/// `max_new` tokens; `step` seeds the sampling.
-#[derive(Debug, Clone, Copy)]
-pub struct RolloutRequest<'a> {
-    pub prompts: &'a [Vec<u32>],
-    pub group: usize,
-    pub max_new: usize,
-    pub eos: u32,
-    pub step: u64,
-}
-
-impl<'a> RolloutRequest<'a> {
-    /// The prompt of each sequence of the batch, in its order: every prompt `group` times,
-    /// group after group (as [`RolloutBatch::rollouts`]).
-    pub fn sequence_prompts(&self) -> impl Iterator<Item = &'a Vec<u32>> + 'a {
-        let group = self.group;
-        (self.prompts.iter()).flat_map(move |p| std::iter::repeat_n(p, group))
-    }
-}
-
-/// Generates the rollouts of a step, on the policy's backend `B`.
-pub trait RolloutEngine<B: Backend> {
-    /// The completions `request` asks for, under `policy`.
-    fn generate(
-        &mut self,
-        policy: &Gpt<B>,
-        request: RolloutRequest<'_>,
-    ) -> Result<RolloutBatch, RlError>;
-
-    /// Whether the engine decodes speculatively.
-    fn speculative(&self) -> bool;
-}
-
-/// The `count` prompts of RL step `step`: tasks of the job's families, seeded by
-/// `(rl.seed, step)`, whose `BOS` + prompt leaves `rl.max_new_tokens` in `model.seq_len`.
-pub fn step_prompts(job: &JobConfig, step: u64) -> Result<Vec<Task>, RlError> {
-    let (rl, seq_len) = (&job.rl, job.model.seq_len);
-    let generator = TaskGenerator::new(
-        &job.data.families,
-        job.data.size_scale,
-        job.data.max_size,
-        // Apart from the training stream (seeded by (train.seed, step)) even when the seeds
-        // are equal, so RL prompts are not the warm-up's documents.
-        SplitMix64::derive(rl.seed ^ 0x5eed_0fa1_u64, step),
-    )?;
-    // Short prompts are the common case; the bound only guards a budget nothing fits.
-    let tasks: Vec<Task> = generator
-        .take(1000 * rl.prompts)
-        .filter(|t| 1 + t.prompt.chars().count() + rl.max_new_tokens <= seq_len)
-        .take(rl.prompts)
-        .collect();
-    if tasks.len() < rl.prompts {
-        return Err(RlError::NoPrompts {
-            step,
-            found: tasks.len(),
-            wanted: rl.prompts,
-            seq_len,
-            max_new: rl.max_new_tokens,
-        });
-    }
-    Ok(tasks)
-}
-
-/// The pipeline job of the RL update when RL started at optimizer step `first_update`:
-/// `rl.prompts` micro-batches of `rl.group` sequences ([`update_step`]), the RL learning
-/// rate (the multi-process update runs it too); a step with skippable sequences runs fewer
-/// ([`fitted_update`]).
-pub(crate) fn update_job_of(job: &JobConfig, first_update: u64) -> JobConfig {
-    let rl: &RlConfig = &job.rl;
-    let mut job = job.clone();
-    job.train.micro_batches = rl.prompts;
-    job.train.micro_batch_size = rl.group;
-    job.train.lr = rl.lr;
-    job.train.warmup = first_update;
-    job.train.steps = first_update + rl.steps;
-    job
-}
-
-/// The update's pipeline for a step whose sequences with a gradient need `needed`
-/// micro-batches ([`needed_micro_batches`]) over the update job's `dp` data-parallel pipelines: the
-/// fewest micro-batches from `needed` to `update`'s (`rl.prompts`) that the replicas share
-/// equally and the job's schedule runs (a schedule file runs its own count only; some
-/// schedules need a multiple of the ranks). Returns the whole step's job and one replica's
-/// trainer (the whole pipeline's with one replica).
-pub(crate) fn fitted_update(
-    update: &JobConfig,
-    needed: usize,
-) -> Result<(JobConfig, PipelineTrainer), PipelineError> {
-    let (full, replicas) = (update.train.micro_batches, update.dp.max(1));
-    let with = |m: usize| {
-        let mut job = update.clone();
-        job.train.micro_batches = m;
-        // The trainer plans each replica's share (`m / dp` micro-batches).
-        PipelineTrainer::from_job(&job).map(|t| (job, t))
-    };
-    // Fewer micro-batches than the full count are an optimisation: one the schedule
-    // refuses is passed over, and only the full count's error is the job's.
-    (needed.max(1)..full)
-        .filter(|m| m % replicas == 0)
-        .find_map(|m| with(m).ok())
-        .map_or_else(|| with(full), Ok)
-}
 
 /// Where the next update starts.
 enum UpdateState<B: Backend> {
@@ -343,11 +155,11 @@ impl<B: RankBackend> RlTrainer<B> {
         update_job_of(&self.job, self.first_update)
     }
 
-    /// One GRPO step with rollouts from `engine` ([`grpo_step`]). `on_rollout` is called
+    /// One GRPO step with rollouts from `engine` (`rl::step::grpo_step`, the one GRPO step loop). `on_rollout` is called
     /// between the rollout and the update with the step's mean reward.
     pub fn run_step(
         &mut self,
-        engine: &mut dyn RolloutEngine<B>,
+        engine: &mut dyn RolloutGenerator<B>,
         mut on_rollout: impl FnMut(f64),
     ) -> Result<RlStepMetrics, RlError> {
         let (rl, update, step) = (self.job.rl.clone(), self.update_job(), self.step);
@@ -366,7 +178,7 @@ impl<B: RankBackend> RlTrainer<B> {
 /// the update on the trainer's ranks (which refresh the policy).
 struct InProcess<'a, B: RankBackend> {
     trainer: &'a mut RlTrainer<B>,
-    engine: &'a mut dyn RolloutEngine<B>,
+    engine: &'a mut dyn RolloutGenerator<B>,
     on_rollout: &'a mut dyn FnMut(f64),
 }
 

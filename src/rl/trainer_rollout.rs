@@ -8,7 +8,8 @@
 //! sequence's tokens do not depend on which others are still live.
 
 use super::accept::{sample, softmax};
-use super::trainer::{RlError, Rollout, RolloutBatch, RolloutEngine, RolloutRequest};
+use super::error::RlError;
+use super::generator::{Rollout, RolloutBatch, RolloutGenerator, RolloutRequest};
 use crate::data::SplitMix64;
 use crate::model::infer::{InferStage, Span, run_stages};
 use crate::model::{Cut, Gpt};
@@ -21,7 +22,7 @@ pub struct PlainSampler {
     pub seed: u64,
 }
 
-impl<B: Backend> RolloutEngine<B> for PlainSampler {
+impl<B: Backend> RolloutGenerator<B> for PlainSampler {
     fn generate(
         &mut self,
         policy: &Gpt<B>,

@@ -51,13 +51,14 @@ use pipefill_actors::FillerRouter;
 use super::bandit::KBandit;
 use super::calibrate::Calibration;
 use super::config::{DrafterLeftover, SpecThreshold};
+use super::error::RlError;
+use super::generator::{Rollout, RolloutBatch, RolloutGenerator, RolloutRequest};
 use super::rollout::idle::{DrafterAccount, DrafterSlices, EvalWork, RolloutRouter};
 use super::rollout::{
     AdaptiveConfig, DEFAULT_SPEC_THRESHOLD, MessageHook, Request, RolloutConfig,
     RolloutEngine as Engine, RolloutError, Speculation,
 };
 use super::speculative::Proposer;
-use super::trainer::{RlError, Rollout, RolloutBatch, RolloutEngine, RolloutRequest};
 use crate::config::JobConfig;
 use crate::data::SplitMix64;
 use crate::model::drafter::state::DrafterState;
@@ -398,7 +399,7 @@ impl<B: RankBackend> PipelineRollouts<B> {
     }
 }
 
-impl<B: RankBackend> RolloutEngine<B> for PipelineRollouts<B> {
+impl<B: RankBackend> RolloutGenerator<B> for PipelineRollouts<B> {
     fn generate(
         &mut self,
         policy: &Gpt<B>,
@@ -522,7 +523,7 @@ impl<B: RankBackend> PipelineRollouts<B> {
     /// The drafter's share of a step on a rollout's `rows`, without the idle router: its
     /// agreement on the first few (held out: it never trained on them), then every row into
     /// the buffer (the previous step's rows stay) and `rl.drafter_slices` slices. What
-    /// [`RolloutEngine::generate`] does after a rollout when `rl.advanced.drafter_work = "after"`; public so
+    /// [`RolloutGenerator::generate`] does after a rollout when `rl.advanced.drafter_work = "after"`; public so
     /// that how the drafter follows a moving policy can be checked on rows alone.
     pub fn follow(&mut self, rows: &[DraftRow], step: u64) -> Result<f64, RlError> {
         Ok(self.follow_stats(rows, step)?.agreement)

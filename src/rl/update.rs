@@ -32,8 +32,9 @@
 use std::sync::{Arc, Mutex, PoisonError};
 
 use super::config::RlConfig;
+use super::error::RlError;
+use super::generator::Rollout;
 use super::grpo::{GrpoError, GrpoLoss, token_loss, update_scales};
-use super::trainer::{RlError, Rollout};
 use crate::data::{MicroBatch, tokenizer};
 use crate::model::layers::TokenLoss;
 use crate::pipeline::feed::StepBatches;

@@ -2,7 +2,7 @@
 //! job's pipeline on its tasks, or, for a pretrained model without `rl.warmup_steps`, the
 //! imported weights as they are ([`crate::rl::config::RlConfig::warmup`]).
 
-use super::trainer::RlError;
+use super::error::RlError;
 use crate::config::JobConfig;
 use crate::model::checkpoint::Checkpoint;
 use crate::model::{AdamW, Cut, Gpt, ModelError};

@@ -2,7 +2,8 @@
 //! rewards and group advantages.
 
 use pipefill::data::{Task, Tokenizer, tokenizer};
-use pipefill::rl::trainer::{RlError, Rollout, RolloutBatch};
+use pipefill::rl::error::RlError;
+use pipefill::rl::generator::{Rollout, RolloutBatch};
 
 /// `group` completions per prompt: the first of each group is the task's worked solution
 /// (reward 1), the others a wrong answer (reward 0); a prompt listed in `uniform` has every

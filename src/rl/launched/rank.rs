@@ -7,9 +7,8 @@ use std::sync::mpsc::channel;
 
 use pipefill_actors::{Clock, GradStats, PlanSource, RunReport, Transport};
 
+use super::error::{RL_CHANNEL, RlLaunchError};
 use super::state::{Ended, RankState, Start};
-use super::step::Share;
-use super::{RL_CHANNEL, RlLaunchError};
 use crate::comm::frame;
 use crate::comm::link::{LinkError, PeerLink};
 use crate::comm::tcp::TcpMesh;
@@ -22,11 +21,11 @@ use crate::pipeline::executor::{Links, RankStart, ReplicaLinks, Stepping};
 use crate::pipeline::feed::StepFeed;
 use crate::pipeline::shared::{RankFinal, Shared};
 use crate::pipeline::{PipelineError, RankCompute, RankJob};
-use crate::rl::grpo::GrpoTokenLoss;
+use crate::rl::error::RlError;
 use crate::rl::prompts::PromptSource;
 use crate::rl::step::{RolloutFigures, StepRollouts, generate};
-use crate::rl::trainer::RlError;
 use crate::rl::trainer_spec::PipelineRollouts;
+use crate::rl::update::GrpoTokenLoss;
 use crate::schedules::Plan;
 use crate::tensor::Backend;
 use crate::tensor::device::RankBackend;
@@ -285,4 +284,36 @@ impl<B: RankBackend> Ctx<'_, B> {
         }
         Ok((tokens > 0).then(|| sum / tokens as f64))
     }
+}
+
+/// One replica's share of an update step: the sum of its loss scales (as the runtime sums
+/// them) and its completion tokens.
+pub(super) struct Share {
+    pub scale_sum: f32,
+    /// Whether any scale is non-zero (else the share's loss term is 0).
+    pub informative: bool,
+    pub tokens: usize,
+}
+
+/// Each of `dp` replicas' [`Share`] of the step's micro-batches and loss scales.
+pub(super) fn shares(batches: &[crate::data::MicroBatch], scales: &[f32], dp: usize) -> Vec<Share> {
+    let per = batches.len() / dp;
+    (0..dp)
+        .map(|d| {
+            let own = d * per..(d + 1) * per;
+            Share {
+                scale_sum: scales[own.clone()].iter().sum::<f32>(),
+                informative: scales[own.clone()].iter().any(|&s| s != 0.0),
+                tokens: batches[own]
+                    .iter()
+                    .map(|mb| {
+                        let counted = mb.targets.iter();
+                        counted
+                            .filter(|&&t| t != crate::tensor::IGNORE_TARGET)
+                            .count()
+                    })
+                    .sum(),
+            }
+        })
+        .collect()
 }

@@ -6,9 +6,9 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::rank::{Ctx, Transports};
+use super::error::{RL_CHANNEL, RlLaunchError};
+use super::rank::{Ctx, Share, Transports, shares};
 use super::state::RankState;
-use super::{RL_CHANNEL, RlLaunchError};
 use crate::comm::frame;
 use crate::comm::link::PeerLink;
 use crate::config::JobConfig;
@@ -17,10 +17,11 @@ use crate::pipeline::PipelineTrainer;
 use crate::pipeline::feed::StepFeed;
 use crate::pipeline::mesh::profile::{ClockSync, PROFILE_CHANNEL, loss_rank, rank_profile};
 use crate::profile::merge::{gather_profiles, merge, send_profile};
+use crate::rl::error::RlError;
 use crate::rl::prompts::PromptSource;
 use crate::rl::step::{RolloutFigures, StepParts, StepRollouts, UpdateOutcome};
-use crate::rl::trainer::{RlError, UpdateStep};
 use crate::rl::trainer_spec::PipelineRollouts;
+use crate::rl::update::UpdateStep;
 use crate::tensor::device::RankBackend;
 use crate::train::StepMetrics;
 
@@ -123,38 +124,6 @@ impl<B: RankBackend> StepParts for LaunchedRank<'_, '_, B> {
     fn error(&self, error: RlError) -> RlLaunchError {
         self.ctx.rl_err()(error)
     }
-}
-
-/// One replica's share of an update step: the sum of its loss scales (as the runtime sums
-/// them) and its completion tokens.
-pub(super) struct Share {
-    scale_sum: f32,
-    /// Whether any scale is non-zero (else the share's loss term is 0).
-    informative: bool,
-    pub tokens: usize,
-}
-
-/// Each of `dp` replicas' [`Share`] of the step's micro-batches and loss scales.
-fn shares(batches: &[crate::data::MicroBatch], scales: &[f32], dp: usize) -> Vec<Share> {
-    let per = batches.len() / dp;
-    (0..dp)
-        .map(|d| {
-            let own = d * per..(d + 1) * per;
-            Share {
-                scale_sum: scales[own.clone()].iter().sum::<f32>(),
-                informative: scales[own.clone()].iter().any(|&s| s != 0.0),
-                tokens: batches[own]
-                    .iter()
-                    .map(|mb| {
-                        let counted = mb.targets.iter();
-                        counted
-                            .filter(|&&t| t != crate::tensor::IGNORE_TARGET)
-                            .count()
-                    })
-                    .sum(),
-            }
-        })
-        .collect()
 }
 
 /// Every replica's step log at rank 0, from its last stage's process (the losses are known

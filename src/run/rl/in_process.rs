@@ -8,8 +8,10 @@ use super::line::{MetricsLine, step_line, summary_lines, write_line};
 use crate::config::JobConfig;
 use crate::model::checkpoint::Checkpoint;
 use crate::rl::config::SpecThreshold;
+use crate::rl::generator::RolloutGenerator;
 use crate::rl::launched::{rollout_engine, starting_drafter};
-use crate::rl::trainer::{RlStepMetrics, RlTrainer, RolloutEngine};
+use crate::rl::step_metrics::RlStepMetrics;
+use crate::rl::trainer::RlTrainer;
 use crate::rl::trainer_spec::PipelineRollouts;
 use crate::run::dir::METRICS_FILE;
 use crate::run::show::{Bar, Show, Tick};
@@ -91,7 +93,7 @@ fn run<B: RankBackend>(
         for _ in 0..rl.steps {
             let step = trainer.step();
             let m = trainer
-                .run_step(&mut engine as &mut dyn RolloutEngine<B>, |reward| {
+                .run_step(&mut engine as &mut dyn RolloutGenerator<B>, |reward| {
                     show.tick(Tick {
                         bar: Bar::Rollout,
                         pos: step + 1,
