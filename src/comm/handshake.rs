@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use super::frame::{self, HANDSHAKE_CAP};
-use super::tcp::{MeshError, MeshOptions};
+use super::tcp::options::{MeshError, MeshOptions};
 
 /// What a rank says first on a connection it opened.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -11,7 +11,8 @@ use std::sync::mpsc::{RecvTimeoutError, Sender, channel};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use super::tcp::{Inner, Wire};
+use super::tcp::inner::Inner;
+use super::tcp::wire::Wire;
 
 /// The running heartbeat thread of one mesh.
 pub(crate) struct Heartbeat {

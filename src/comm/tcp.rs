@@ -27,104 +27,19 @@ use std::net::Shutdown;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Serialize};
-
-use super::frame;
 pub use super::handshake::Hello;
 use super::heartbeat::Heartbeat;
 use super::link::{Channel, LinkError, PeerLink, check_peer};
 
-mod inner;
+pub(crate) mod inner;
+pub mod options;
 mod setup;
+pub(crate) mod wire;
 
 pub(crate) use inner::Inner;
 use inner::lock;
-
-/// A frame on an established connection.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub enum Wire {
-    Data {
-        channel: Channel,
-        bytes: Vec<u8>,
-    },
-    /// Nothing to say; proves the peer is alive.
-    Beat,
-    /// The peer has sent everything and is leaving: its connection ending is not a failure.
-    Bye,
-    /// The peer's mesh failed for `reason` (which names the rank at fault) and it is about
-    /// to exit: its connection ending next is a consequence, not the cause.
-    Failed {
-        reason: String,
-    },
-}
-
-/// Settings of a mesh.
-#[derive(Clone, Debug)]
-pub struct MeshOptions {
-    pub token: String,
-    /// Cap on one frame (bytes).
-    pub frame_cap: usize,
-    /// How long setup may take before naming the ranks that did not connect.
-    pub connect_timeout: Duration,
-    /// Interval of heartbeats sent on every connection.
-    pub beat: Duration,
-    /// A peer silent for this long is declared dead.
-    pub silence: Duration,
-    /// How long an accepted connection may take to present its hello.
-    pub handshake_timeout: Duration,
-}
-
-impl MeshOptions {
-    pub fn new(token: impl Into<String>) -> Self {
-        MeshOptions {
-            token: token.into(),
-            frame_cap: frame::DEFAULT_FRAME_CAP,
-            connect_timeout: Duration::from_secs(60),
-            beat: Duration::from_secs(1),
-            silence: Duration::from_secs(5),
-            handshake_timeout: Duration::from_secs(10),
-        }
-    }
-}
-
-/// Why a mesh could not be set up.
-#[derive(Debug, thiserror::Error)]
-pub enum MeshError {
-    #[error("rank {rank}: {what}")]
-    Io {
-        rank: usize,
-        what: String,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("rank {rank}: ranks {missing:?} did not connect within {timeout:?}")]
-    Timeout {
-        rank: usize,
-        missing: Vec<usize>,
-        timeout: Duration,
-    },
-    #[error("rank {rank}: rank {peer} refused the connection or broke the handshake: {reason}")]
-    Handshake {
-        rank: usize,
-        peer: usize,
-        reason: String,
-    },
-    #[error("rank {rank}: {peers} peer addresses for a world of {world}")]
-    Table {
-        rank: usize,
-        peers: usize,
-        world: usize,
-    },
-}
-
-/// Receives data frames of one channel as they arrive (on the peer's reader thread), and
-/// is closed when the mesh fails.
-pub trait Sink: Send + Sync {
-    /// A frame from rank `from`. An error is a protocol violation by `from`: it fails the mesh.
-    fn deliver(&self, from: usize, bytes: Vec<u8>) -> Result<(), String>;
-    /// Nothing more will arrive; wake whoever waits.
-    fn close(&self);
-}
+pub use options::{MeshError, MeshOptions};
+pub use wire::{Sink, Wire};
 
 /// The TCP mesh of one rank (see the module docs).
 pub struct TcpMesh {

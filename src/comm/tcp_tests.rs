@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::*;
-use crate::comm::frame::{FrameError, HANDSHAKE_CAP};
+use crate::comm::frame::{self, FrameError, HANDSHAKE_CAP};
 
 #[test]
 fn frames_flow_between_every_pair_in_order_per_channel() {

@@ -17,13 +17,14 @@
 
 use std::sync::Arc;
 
+use super::config::{DataConfig, DataSource};
 use super::documents::{Documents, Tokenized};
+use super::error::DataError;
 use super::jsonl::read_records;
 use super::rng::SplitMix64;
 use super::tasks::TaskGenerator;
 use super::text_tokenizer::TextTokenizer;
 use super::tokenizer::Tokenizer;
-use super::{DataConfig, DataError, DataSource};
 use crate::tensor::IGNORE_TARGET;
 
 /// One micro-batch: `rows` sequences of `seq_len` input tokens and their next-token targets,

@@ -20,7 +20,7 @@ use std::sync::Arc;
 use minijinja::value::{Kwargs, Value};
 use minijinja::{Environment, Error, ErrorKind};
 
-use super::DataError;
+use super::error::DataError;
 
 /// Instructions one render may run: a real template spends tens per message, so this is a
 /// conversation of hundreds of thousands of messages, and a few seconds at most.

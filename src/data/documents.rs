@@ -15,7 +15,7 @@
 
 use std::path::{Path, PathBuf};
 
-use super::DataError;
+use super::error::DataError;
 use super::jsonl::{Line, Record};
 use super::text_tokenizer::TextTokenizer;
 

@@ -16,8 +16,8 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use super::DataError;
 use super::chat::ChatTemplate;
+use super::error::DataError;
 use crate::input;
 
 /// Largest `tokenizer.json` read (Llama 3's is 9 MB, Qwen2's 7 MB).

@@ -15,8 +15,8 @@
 use std::io::{BufRead, BufReader, Read};
 use std::path::Path;
 
-use super::DataError;
 use super::chat::Message;
+use super::error::DataError;
 
 /// One record of a JSONL file.
 #[derive(Debug, Clone, PartialEq)]

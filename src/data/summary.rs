@@ -7,7 +7,7 @@ use std::fmt;
 
 use serde::Serialize;
 
-use super::DataError;
+use super::error::DataError;
 use super::rng::SplitMix64;
 use super::tasks::{Task, TaskFamily, TaskGenerator};
 
@@ -36,7 +36,7 @@ impl DatasetSummary {
     /// `data.summary_tasks` tasks drawn like its stream (from a sub-stream of its seed no
     /// step uses); for a `jsonl` source, its documents (lengths in tokens of whole
     /// documents, no families).
-    pub fn of(data: &super::StepData) -> Result<Self, DataError> {
+    pub fn of(data: &super::batch::StepData) -> Result<Self, DataError> {
         if let Some(docs) = data.documents() {
             return Ok(Self::from_lengths(
                 docs.lengths().collect(),

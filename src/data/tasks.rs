@@ -15,7 +15,7 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
-use super::DataError;
+use super::error::DataError;
 use super::rng::SplitMix64;
 
 /// The marker that precedes the final answer in a worked solution or a completion.

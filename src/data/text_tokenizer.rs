@@ -5,8 +5,8 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use super::DataError;
 use super::chat::ChatTemplate;
+use super::error::DataError;
 use super::hf_tokenizer::{Encoded, HfTokenizer};
 use super::tokenizer::{self, Tokenizer};
 

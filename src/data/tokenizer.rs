@@ -3,7 +3,7 @@
 //! The vocabulary is a constant, not learned, so every rank, every checkpoint and every
 //! later RL run agree on token ids without shipping a vocabulary file.
 
-use super::DataError;
+use super::error::DataError;
 
 /// Padding (never produced by packing; reserved for ragged batches in RL).
 pub const PAD: u32 = 0;

@@ -9,7 +9,7 @@ use std::net::TcpStream;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use super::{Sink, Wire};
+use super::wire::{Sink, Wire};
 use crate::comm::frame::{self, FrameError};
 use crate::comm::link::{Channel, LinkError};
 

@@ -10,8 +10,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use super::TcpMesh;
 use super::inner::{Boxes, Inner};
-use super::{MeshError, MeshOptions, TcpMesh};
+use super::options::{MeshError, MeshOptions};
 use crate::comm::handshake::{admit, dial};
 use crate::comm::heartbeat::Heartbeat;
 use crate::comm::rendezvous::pending_cap;

@@ -13,10 +13,13 @@
 
 use serde_json::{Map, Value, json};
 
-use super::HfError;
+use super::error::HfError;
 use crate::model::GptConfig;
 use crate::model::config::{DEFAULT_ROPE_THETA, Positions, RopeScaling};
 use crate::tensor::Activation;
+
+/// config.json's name.
+pub const CONFIG_FILE: &str = "config.json";
 
 /// The longest `seq_len` an import gives the model (`max_position_embeddings` above it is
 /// cut to it); a caller that trains longer sequences sets `seq_len` itself.
@@ -98,7 +101,7 @@ const MAX_CONFIG_BYTES: u64 = 16 << 20;
 
 /// Reads and parses `dir`'s config.json.
 pub fn read(dir: &std::path::Path) -> Result<HfConfig, HfError> {
-    let path = dir.join(super::CONFIG_FILE);
+    let path = dir.join(CONFIG_FILE);
     let text = crate::input::read(&path, MAX_CONFIG_BYTES, "a config.json")?;
     parse(&path, &text)
 }

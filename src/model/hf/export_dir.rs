@@ -19,8 +19,8 @@
 
 use std::path::{Component, Path, PathBuf};
 
+use super::error::HfError;
 use super::files::{INDEX_FILE, SINGLE_FILE};
-use super::{ExportOptions, HfError};
 use crate::model::checkpoint::sharded::MANIFEST_FILE;
 use crate::model::checkpoint::sweep::written_by_pipefill;
 use crate::model::checkpoint::{META_FILE, TENSOR_FILE};
@@ -142,6 +142,40 @@ fn resolved(path: &Path) -> PathBuf {
         return base;
     }
     abs
+}
+
+/// The weights' type in an export.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ExportDtype {
+    #[default]
+    F32,
+    Bf16,
+}
+
+impl std::str::FromStr for ExportDtype {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "f32" | "float32" => Ok(ExportDtype::F32),
+            "bf16" | "bfloat16" => Ok(ExportDtype::Bf16),
+            other => Err(format!("dtype \"{other}\": f32 or bf16")),
+        }
+    }
+}
+
+/// How [`export()`](super::export) writes.
+#[derive(Clone, Debug, Default)]
+pub struct ExportOptions {
+    pub dtype: ExportDtype,
+    /// Write into a non-empty directory: the files an export writes are replaced, every
+    /// other file stays ([`check_out_dir`]).
+    pub overwrite: bool,
+    /// The Hugging Face directory the model came from: its architecture and config fields
+    /// are kept, its tokenizer files copied.
+    pub source: Option<PathBuf>,
+    /// The checkpoint the tensors were read from: the output may not be it, hold it or lie
+    /// inside it.
+    pub checkpoint: Option<PathBuf>,
 }
 
 #[cfg(test)]

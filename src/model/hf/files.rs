@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use safetensors::Dtype;
 use safetensors::tensor::Metadata;
 
-use super::HfError;
+use super::error::HfError;
 
 /// The single-file form.
 pub const SINGLE_FILE: &str = "model.safetensors";

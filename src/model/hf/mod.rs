@@ -34,6 +34,7 @@
 //! transformers does.
 
 pub mod config;
+mod error;
 pub mod files;
 
 use std::path::{Path, PathBuf};
@@ -41,15 +42,14 @@ use std::path::{Path, PathBuf};
 use safetensors::Dtype;
 use safetensors::tensor::TensorView;
 
-pub use config::{Architecture, HfConfig, SEQ_LEN_CAP};
+pub use config::{Architecture, CONFIG_FILE, HfConfig, SEQ_LEN_CAP};
+pub use error::HfError;
 pub use files::WeightFiles;
 
 use super::checkpoint::HostTensor;
 use super::{Cut, Gpt, GptConfig, ModelChunk, ModelError};
 use crate::tensor::Backend;
 
-/// config.json's name.
-pub const CONFIG_FILE: &str = "config.json";
 /// Files an export copies from the source model directory when it has them.
 pub const TOKENIZER_FILES: &[&str] = &[
     "tokenizer.json",
@@ -62,32 +62,6 @@ pub const TOKENIZER_FILES: &[&str] = &[
     "chat_template.jinja",
     "generation_config.json",
 ];
-
-/// What can go wrong reading or writing a Hugging Face model directory; each names the file
-/// and the field or tensor.
-#[derive(Debug, thiserror::Error)]
-pub enum HfError {
-    #[error("{path}: `{field}` {reason}")]
-    Config {
-        path: PathBuf,
-        field: String,
-        reason: String,
-    },
-    #[error("{path}: tensor `{tensor}` {reason}")]
-    Tensor {
-        path: PathBuf,
-        tensor: String,
-        reason: String,
-    },
-    #[error("{path} {reason}")]
-    File { path: PathBuf, reason: String },
-    #[error("cannot export to {path}: {reason}")]
-    Export { path: PathBuf, reason: String },
-    #[error(transparent)]
-    Model(#[from] ModelError),
-    #[error(transparent)]
-    Input(#[from] crate::input::InputError),
-}
 
 /// The Hugging Face name of pipefill parameter `name`, and whether its matrix is stored
 /// transposed; `None` for a parameter the Llama family does not have (`embed.pos`).
@@ -345,40 +319,6 @@ impl HfModel {
     }
 }
 
-/// The weights' type in an export.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum ExportDtype {
-    #[default]
-    F32,
-    Bf16,
-}
-
-impl std::str::FromStr for ExportDtype {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "f32" | "float32" => Ok(ExportDtype::F32),
-            "bf16" | "bfloat16" => Ok(ExportDtype::Bf16),
-            other => Err(format!("dtype \"{other}\": f32 or bf16")),
-        }
-    }
-}
-
-/// How [`export()`] writes.
-#[derive(Clone, Debug, Default)]
-pub struct ExportOptions {
-    pub dtype: ExportDtype,
-    /// Write into a non-empty directory: the files an export writes are replaced, every
-    /// other file stays ([`check_out_dir`]).
-    pub overwrite: bool,
-    /// The Hugging Face directory the model came from: its architecture and config fields
-    /// are kept, its tokenizer files copied.
-    pub source: Option<PathBuf>,
-    /// The checkpoint the tensors were read from: the output may not be it, hold it or lie
-    /// inside it.
-    pub checkpoint: Option<PathBuf>,
-}
-
 /// Writes `tensors` (pipefill's parameters of `config`, by name) as a Hugging Face model
 /// directory `out`: config.json, model.safetensors, and the source's tokenizer files.
 pub fn export(
@@ -508,7 +448,7 @@ pub fn export_gpt<B: Backend>(
 }
 
 mod export_dir;
-pub use export_dir::check_out_dir;
+pub use export_dir::{ExportDtype, ExportOptions, check_out_dir};
 
 fn write(path: &Path, bytes: &[u8]) -> Result<(), HfError> {
     super::checkpoint::write_atomic(path, bytes).map_err(|e| HfError::File {

@@ -1,0 +1,64 @@
+//! A mesh's settings ([`MeshOptions`]) and why its setup can fail ([`MeshError`]).
+
+use std::time::Duration;
+
+use crate::comm::frame;
+
+/// Settings of a mesh.
+#[derive(Clone, Debug)]
+pub struct MeshOptions {
+    pub token: String,
+    /// Cap on one frame (bytes).
+    pub frame_cap: usize,
+    /// How long setup may take before naming the ranks that did not connect.
+    pub connect_timeout: Duration,
+    /// Interval of heartbeats sent on every connection.
+    pub beat: Duration,
+    /// A peer silent for this long is declared dead.
+    pub silence: Duration,
+    /// How long an accepted connection may take to present its hello.
+    pub handshake_timeout: Duration,
+}
+
+impl MeshOptions {
+    pub fn new(token: impl Into<String>) -> Self {
+        MeshOptions {
+            token: token.into(),
+            frame_cap: frame::DEFAULT_FRAME_CAP,
+            connect_timeout: Duration::from_secs(60),
+            beat: Duration::from_secs(1),
+            silence: Duration::from_secs(5),
+            handshake_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Why a mesh could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum MeshError {
+    #[error("rank {rank}: {what}")]
+    Io {
+        rank: usize,
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("rank {rank}: ranks {missing:?} did not connect within {timeout:?}")]
+    Timeout {
+        rank: usize,
+        missing: Vec<usize>,
+        timeout: Duration,
+    },
+    #[error("rank {rank}: rank {peer} refused the connection or broke the handshake: {reason}")]
+    Handshake {
+        rank: usize,
+        peer: usize,
+        reason: String,
+    },
+    #[error("rank {rank}: {peers} peer addresses for a world of {world}")]
+    Table {
+        rank: usize,
+        peers: usize,
+        world: usize,
+    },
+}
