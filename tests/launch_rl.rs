@@ -382,7 +382,7 @@ fn launched_rl_refuses_unequal_shares_and_a_world_unlike_the_plan() {
     let out = pipefill(&["launch", "-n", "3", "--"], &[], dir.path());
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("launched with 3 processes"), "{err}");
+    assert!(err.contains("3 processes were launched"), "{err}");
 }
 
 /// [`TINY`] and `extra` as a job.

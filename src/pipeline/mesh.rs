@@ -66,17 +66,32 @@ use crate::train::StepMetrics;
 /// How long a rank waits for rank 0 to have gathered every final state.
 const FINAL_WAIT: Duration = Duration::from_secs(120);
 
+/// A launch whose process count is not the job's pipeline ranks × replicas.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "the plan has {ranks} ranks × dp = {dp} but {world} processes were launched: one rank per \
+     process (set stages × dp = {world})"
+)]
+pub struct WorldMismatch {
+    pub ranks: usize,
+    pub dp: usize,
+    pub world: usize,
+}
+
+/// That a launch of `world` processes runs `dp` replicas of a plan of `ranks` ranks, one
+/// rank per process (global rank = replica × ranks + pipeline rank).
+pub fn check_world(ranks: usize, dp: usize, world: usize) -> Result<(), WorldMismatch> {
+    match ranks * dp == world {
+        true => Ok(()),
+        false => Err(WorldMismatch { ranks, dp, world }),
+    }
+}
+
 /// Why a rank's part of a distributed run failed.
 #[derive(Debug, thiserror::Error)]
 pub enum DistributedError {
-    #[error(
-        "the plan has {plan} ranks × dp = {dp} replicas but the job was launched with {world} processes"
-    )]
-    World {
-        plan: usize,
-        dp: usize,
-        world: usize,
-    },
+    #[error(transparent)]
+    World(#[from] WorldMismatch),
     /// The rank's own pipeline failed (the error names the rank; it is shown whole, not as
     /// a chain, so that the one-line CLI error does not repeat it).
     #[error("{error}")]
@@ -149,13 +164,7 @@ pub fn train_rank(
     device: Device,
 ) -> Result<RankRun, DistributedError> {
     let (rank, world, pp, dp) = (mesh.rank(), mesh.world(), plan.num_ranks(), job.dp);
-    if pp * dp != world {
-        return Err(DistributedError::World {
-            plan: pp,
-            dp,
-            world,
-        });
-    }
+    check_world(pp, dp, world)?;
     // Global rank = replica × pp + pipeline rank (RingGradSync's numbering).
     let at = device::Placement {
         rank,

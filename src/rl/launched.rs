@@ -72,6 +72,7 @@ use crate::model::checkpoint::Checkpoint;
 use crate::model::drafter::state::DrafterState;
 use crate::model::{AdamW, Cut, Gpt, ModelError, OptimizerState};
 use crate::pipeline::feed::StepFeed;
+use crate::pipeline::mesh::check_world;
 use crate::pipeline::mesh::profile::sync_clock;
 use crate::pipeline::{PipelineError, PipelineTrainer};
 use crate::rl::error::RlError;
@@ -169,13 +170,7 @@ pub fn rl_rank_on<B: RankBackend>(
         "the update's sequences (rl.prompts × rl.group)",
     )?;
     let pp = plan.num_ranks();
-    if pp * dp != world {
-        return Err(RlLaunchError::World {
-            plan: pp,
-            dp,
-            world,
-        });
-    }
+    check_world(pp, dp, world)?;
     let ctx = Ctx {
         mesh,
         rank,

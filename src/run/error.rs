@@ -120,15 +120,10 @@ pub enum RunError {
     },
     #[error("dp = {dp} replicas cannot take equal shares of train.micro_batches = {micro_batches}")]
     DpShare { dp: usize, micro_batches: usize },
-    #[error(
-        "the job's schedule \"{schedule}\" has {ranks} ranks × dp = {dp} but {world} processes \
-         were launched: one rank per process (set stages × dp = {world})"
-    )]
+    #[error("the job's schedule \"{schedule}\": {mismatch}")]
     World {
         schedule: String,
-        ranks: usize,
-        dp: usize,
-        world: usize,
+        mismatch: crate::pipeline::mesh::WorldMismatch,
     },
     #[error(
         "{}: a sharded checkpoint of a pipelined run; schedule \"none\" resumes from a \

@@ -4,6 +4,7 @@
 use crate::comm::link::{Channel, LinkError};
 use crate::comm::tcp_transport::GroupError;
 use crate::pipeline::PipelineError;
+use crate::pipeline::mesh::WorldMismatch;
 use crate::rl::config::UntrainedPolicy;
 use crate::rl::error::RlError;
 
@@ -13,14 +14,8 @@ pub const RL_CHANNEL: Channel = u32::MAX - 8;
 /// Why a rank's part of a multi-process RL run failed; each names the rank.
 #[derive(Debug, thiserror::Error)]
 pub enum RlLaunchError {
-    #[error(
-        "the update's schedule has {plan} ranks × dp = {dp} but the job was launched with {world} processes: one rank per process (set stages × dp = {world})"
-    )]
-    World {
-        plan: usize,
-        dp: usize,
-        world: usize,
-    },
+    #[error(transparent)]
+    World(#[from] WorldMismatch),
     #[error("dp = {dp} replicas cannot take equal shares of {what} = {count}")]
     Shares {
         dp: usize,

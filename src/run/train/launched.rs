@@ -18,7 +18,7 @@ use crate::model::checkpoint::resume::{ResumePoint, verify_files};
 use crate::pipeline::PipelineTrainer;
 use crate::pipeline::mesh::auto::AutoChoice;
 use crate::pipeline::mesh::profile::mean_cost;
-use crate::pipeline::mesh::{RankResume, RankRun, train_rank};
+use crate::pipeline::mesh::{RankResume, RankRun, check_world, train_rank};
 use crate::profile::merge::MergedProfile;
 use crate::profile::report::RunInfo;
 use crate::run::show::Show;
@@ -44,14 +44,10 @@ pub(super) fn train(
     // (crate::pipeline::mesh::auto).
     let auto = job.schedule.is_auto();
     let plan = trainer.plan();
-    if plan.num_ranks() * job.dp != env.world {
-        return Err(RunError::World {
-            schedule: job.schedule.to_string(),
-            ranks: plan.num_ranks(),
-            dp: job.dp,
-            world: env.world,
-        });
-    }
+    check_world(plan.num_ranks(), job.dp, env.world).map_err(|mismatch| RunError::World {
+        schedule: job.schedule.to_string(),
+        mismatch,
+    })?;
     let point = resume
         .map(|path| ResumePoint::find(path).map_err(|e| RunError::resume(path, e)))
         .transpose()?;
