@@ -31,7 +31,8 @@ use pipefill::model::drafter::{DraftChain, DraftContext, Drafter};
 use pipefill::model::infer::InferStage;
 use pipefill::model::{Cut, Gpt};
 use pipefill::rl::rollout::{
-    AdaptiveConfig, MIN_GROUP_ROWS, Request, Rollout, RolloutConfig, RolloutEngine, Speculation,
+    AdaptiveConfig, MIN_GROUP_ROWS, Request, RolloutConfig, RolloutEngine, RolloutOutput,
+    Speculation,
 };
 use pipefill::rl::speculative::{ProposeError, Proposer};
 use pipefill::tensor::CpuBackend;
@@ -112,7 +113,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// Per live-batch size in the tail: (seconds, tokens, group steps).
-fn breakdown(r: &Rollout, tail_live: usize) -> BTreeMap<usize, (f64, usize, usize)> {
+fn breakdown(r: &RolloutOutput, tail_live: usize) -> BTreeMap<usize, (f64, usize, usize)> {
     let mut out: BTreeMap<usize, (f64, usize, usize)> = BTreeMap::new();
     for w in r.live_curve.windows(2) {
         if w[0].live == 0 || w[0].live > tail_live {
@@ -180,7 +181,7 @@ fn main() {
     }
     modes.retain(|(n, _, _)| only.as_ref().is_none_or(|o| o.iter().any(|x| x == n)));
     let mut engines: Vec<_> = modes.iter().map(|(_, _, m)| engine(*m)).collect();
-    let mut runs: Vec<Vec<Rollout>> = vec![Vec::new(); modes.len()];
+    let mut runs: Vec<Vec<RolloutOutput>> = vec![Vec::new(); modes.len()];
     for _ in 0..reps {
         for (m, (_, spec, _)) in modes.iter().enumerate() {
             let proposer: Option<&mut dyn Proposer> = match spec {
@@ -204,7 +205,7 @@ fn main() {
         "mode", "total s", "tail s", "tail tok/s", "accept", "steps", "propose", "absorb"
     );
     for ((name, _, _), rs) in modes.iter().zip(&runs) {
-        let m = |f: &dyn Fn(&Rollout) -> f64| median(rs.iter().map(f).collect());
+        let m = |f: &dyn Fn(&RolloutOutput) -> f64| median(rs.iter().map(f).collect());
         println!(
             "{name:<13} {:>8.3} {:>8.3} {:>10.1} {:>8.2} {:>7.0} {:>8.3} {:>8.3}",
             m(&|r| r.stats.seconds),
@@ -223,7 +224,7 @@ fn main() {
     // Per live size: the run with the median tail, bucketed by powers of two.
     println!("tail per live-batch bucket (median-tail run): ms per group step / tokens/s / steps");
     for ((name, _, _), rs) in modes.iter().zip(&runs) {
-        let mut by: Vec<&Rollout> = rs.iter().collect();
+        let mut by: Vec<&RolloutOutput> = rs.iter().collect();
         by.sort_by(|a, b| {
             (a.stats.seconds - a.stats.tail_start_s)
                 .total_cmp(&(b.stats.seconds - b.stats.tail_start_s))

@@ -51,7 +51,7 @@ pub const MAX_JOB_BYTES: u64 = 1 << 20;
 /// `--clock`'s values.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
-pub enum Clock {
+pub enum ClockKind {
     /// Each action is timed by the thread CPU time it used, one virtual clock per stage.
     #[default]
     Virtual,
@@ -59,20 +59,20 @@ pub enum Clock {
     Wall,
 }
 
-impl Clock {
+impl ClockKind {
     /// The runtime's clock for this choice (a virtual clock without link latency).
     pub fn runtime(self) -> pipefill_actors::Clock {
         match self {
-            Clock::Virtual => pipefill_actors::Clock::virtual_free(),
-            Clock::Wall => pipefill_actors::Clock::Wall,
+            ClockKind::Virtual => pipefill_actors::Clock::virtual_free(),
+            ClockKind::Wall => pipefill_actors::Clock::Wall,
         }
     }
 
     /// The name the job file uses.
     pub fn name(self) -> &'static str {
         match self {
-            Clock::Virtual => "virtual",
-            Clock::Wall => "wall",
+            ClockKind::Virtual => "virtual",
+            ClockKind::Wall => "wall",
         }
     }
 }
@@ -156,7 +156,7 @@ pub struct JobConfig {
     /// ranks); each takes `1/dp` of every step's micro-batches.
     pub dp: usize,
     /// How stage timelines are timed.
-    pub clock: Clock,
+    pub clock: ClockKind,
     /// What the ranks compute on: `"cpu"` or `"cuda"` (a launched rank's GPU is the one
     /// of its local rank).
     pub device: DeviceKind,
@@ -191,7 +191,7 @@ impl Default for JobConfig {
             schedule: ScheduleChoice::Builtin(crate::schedules::ScheduleKind::ZbH1),
             stages: 4,
             dp: 1,
-            clock: Clock::default(),
+            clock: ClockKind::default(),
             device: DeviceKind::default(),
             transport: Default::default(),
             filler: Filler::default(),

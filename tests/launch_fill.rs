@@ -15,7 +15,7 @@ use pipefill::model::GptConfig;
 use pipefill::model::checkpoint::resume::ResumePoint;
 use pipefill::model::checkpoint::sharded::{Manifest, step_dir};
 use pipefill::model::checkpoint::{Checkpoint, HostTensor};
-use pipefill::model::drafter::Placement;
+use pipefill::model::drafter::FillMode;
 use pipefill::model::drafter::state::DrafterState;
 use pipefill::pipeline::mesh::{RankResume, RankRun, drafter_of, train_rank};
 use pipefill::pipeline::{Clock, PipelineTrainer};
@@ -195,7 +195,7 @@ fn the_launched_checkpoint_carries_the_drafter_and_a_resumed_run_continues_it() 
 /// The job of `job` with the drafter placed by plan.
 fn planned(filler: Filler, out: &Path) -> JobConfig {
     let mut job = job(filler, out);
-    job.drafter.placement = Placement::Planned;
+    job.drafter.placement = FillMode::Planned;
     job
 }
 

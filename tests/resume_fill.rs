@@ -10,7 +10,7 @@ use std::path::Path;
 use pipefill::config::{Filler, JobConfig};
 use pipefill::model::checkpoint::Checkpoint;
 use pipefill::model::checkpoint::sharded::{load_sharded, step_dir};
-use pipefill::model::drafter::Placement;
+use pipefill::model::drafter::FillMode;
 use pipefill::model::drafter::state::DrafterState;
 use pipefill::pipeline::{PipelineRun, PipelineTrainer};
 
@@ -24,7 +24,7 @@ const N: u64 = 3;
 fn job() -> JobConfig {
     let mut job = tiny_job(2, 2 * N);
     job.filler = Filler::Drafter;
-    job.drafter.placement = Placement::Planned;
+    job.drafter.placement = FillMode::Planned;
     job
 }
 

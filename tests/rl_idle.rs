@@ -20,7 +20,7 @@ use pipefill::model::{Cut, Gpt, GptConfig, init};
 use pipefill::rl::config::RlConfig;
 use pipefill::rl::rollout::idle::{DRAFTER, DRAFTER_STEP, DrafterSlices, RolloutRouter, VERIFY};
 use pipefill::rl::rollout::{
-    MessageHook, Request, Rollout, RolloutConfig, RolloutEngine, Speculation,
+    MessageHook, Request, RolloutConfig, RolloutEngine, RolloutOutput, Speculation,
 };
 use pipefill::rl::speculative::RandomProposer;
 use pipefill::rl::trainer_spec::PipelineRollouts;
@@ -45,7 +45,7 @@ fn requests(n: usize) -> Vec<Request> {
         .collect()
 }
 
-fn rollout(e: &mut RolloutEngine<CpuBackend>, spec: Speculation) -> Rollout {
+fn rollout(e: &mut RolloutEngine<CpuBackend>, spec: Speculation) -> RolloutOutput {
     let cfg = RolloutConfig {
         groups: STAGES,
         speculation: spec.clone(),

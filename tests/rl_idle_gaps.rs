@@ -26,7 +26,7 @@ use pipefill::rl::rollout::idle::{
     RolloutRouter,
 };
 use pipefill::rl::rollout::{
-    MessageHook, Request, Rollout, RolloutConfig, RolloutEngine, Speculation,
+    MessageHook, Request, RolloutConfig, RolloutEngine, RolloutOutput, Speculation,
 };
 use pipefill::rl::speculative::{ProposeError, Proposer};
 use pipefill::tensor::CpuBackend;
@@ -78,7 +78,11 @@ fn requests() -> Vec<Request> {
         .collect()
 }
 
-fn rollout(gpt: &Gpt<CpuBackend>, temperature: f32, hook: Option<Arc<RolloutRouter>>) -> Rollout {
+fn rollout(
+    gpt: &Gpt<CpuBackend>,
+    temperature: f32,
+    hook: Option<Arc<RolloutRouter>>,
+) -> RolloutOutput {
     let stages = InferStage::stages_of(gpt, &Cut::Even(STAGES)).unwrap();
     let mut engine = RolloutEngine::new(stages).unwrap();
     if let Some(h) = hook {

@@ -8,7 +8,7 @@ use pipefill::model::Cut;
 use pipefill::model::drafter::{DraftBufferHandle, Drafter, DrafterConfig, DrafterTrainer};
 use pipefill::model::infer::InferStage;
 use pipefill::rl::rollout::{
-    AdaptiveConfig, Request, Rollout, RolloutConfig, RolloutEngine, RolloutError, Speculation,
+    AdaptiveConfig, Request, RolloutConfig, RolloutEngine, RolloutError, RolloutOutput, Speculation,
 };
 use pipefill::rl::speculative::{OracleProposer, Proposer, RandomProposer};
 use pipefill::tensor::CpuBackend;
@@ -18,7 +18,7 @@ fn run(
     spec: Speculation,
     groups: usize,
     p: Option<&mut dyn Proposer>,
-) -> Rollout {
+) -> RolloutOutput {
     let cfg = RolloutConfig {
         groups,
         speculation: spec,
@@ -96,7 +96,7 @@ fn the_k_bandit_keeps_learning_across_rollouts_and_engines() {
         epsilon: 0.0,
         ..AdaptiveConfig::default()
     });
-    let explored = |r: &Rollout| r.choices.iter().filter(|c| c.explored).count();
+    let explored = |r: &RolloutOutput| r.choices.iter().filter(|c| c.explored).count();
     let mut e = engine(&model);
     let mut random = RandomProposer::new(50);
     let first = run(&mut e, adaptive.clone(), 1, Some(&mut random));

@@ -13,7 +13,7 @@ use pipefill::model::drafter::{
 };
 use pipefill::model::infer::InferStage;
 use pipefill::model::{Cut, Gpt, GptConfig, init};
-use pipefill::rl::rollout::{Rollout, RolloutConfig, RolloutEngine, Speculation};
+use pipefill::rl::rollout::{RolloutConfig, RolloutEngine, RolloutOutput, Speculation};
 use pipefill::rl::speculative::{OracleProposer, Proposer, RandomProposer};
 use pipefill::tensor::{Activation, CpuBackend};
 
@@ -69,7 +69,7 @@ fn run(
     spec: Speculation,
     groups: usize,
     p: Option<&mut dyn Proposer>,
-) -> Rollout {
+) -> RolloutOutput {
     let cfg = RolloutConfig {
         groups,
         speculation: spec,

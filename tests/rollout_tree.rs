@@ -11,7 +11,7 @@ use pipefill::model::drafter::{
     TreeShape,
 };
 use pipefill::rl::rollout::{
-    AdaptiveConfig, Rollout, RolloutConfig, RolloutEngine, RolloutError, Speculation,
+    AdaptiveConfig, RolloutConfig, RolloutEngine, RolloutError, RolloutOutput, Speculation,
 };
 use pipefill::rl::speculative::{OracleProposer, ProposeError, Proposer, RandomProposer};
 use pipefill::tensor::CpuBackend;
@@ -21,7 +21,7 @@ fn run(
     spec: Speculation,
     temperature: f32,
     p: Option<&mut dyn Proposer>,
-) -> Result<Rollout, RolloutError> {
+) -> Result<RolloutOutput, RolloutError> {
     let cfg = RolloutConfig {
         groups: 2,
         temperature,

@@ -76,7 +76,7 @@ use pipefill::rl::calibrate::{
     MAX_CALIBRATION_BATCH, chain_acceptance, step_costs, threshold_per_group_explored, tree_cost,
 };
 use pipefill::rl::rollout::{
-    AdaptiveConfig, Rollout, RolloutConfig, RolloutEngine, Speculation, live_threshold,
+    AdaptiveConfig, RolloutConfig, RolloutEngine, RolloutOutput, Speculation, live_threshold,
 };
 use pipefill::run::Show;
 use pipefill::tensor::device::Device;
@@ -323,20 +323,21 @@ fn rollout_on<B: Backend>(
     let (tree_verify_ms, tree_propose_ms, tree_rows) =
         tree_cost(model, dtrainer.drafter_mut(), ctx, &shape, COST_REPS)?;
     let drafter = dtrainer.drafter_mut();
-    let mut pair = |spec: &Speculation| -> anyhow::Result<(Vec<Rollout>, Vec<Rollout>)> {
-        let (mut plain, mut spec_runs) = (Vec::new(), Vec::new());
-        for _ in 0..a.reps {
-            plain.push(engine.run(&requests, &cfg(Speculation::Off, false), None)?);
-            let p: &mut dyn pipefill::rl::speculative::Proposer = &mut *drafter;
-            spec_runs.push(engine.run(&requests, &cfg(spec.clone(), false), Some(p))?);
-        }
-        Ok((plain, spec_runs))
-    };
+    let mut pair =
+        |spec: &Speculation| -> anyhow::Result<(Vec<RolloutOutput>, Vec<RolloutOutput>)> {
+            let (mut plain, mut spec_runs) = (Vec::new(), Vec::new());
+            for _ in 0..a.reps {
+                plain.push(engine.run(&requests, &cfg(Speculation::Off, false), None)?);
+                let p: &mut dyn pipefill::rl::speculative::Proposer = &mut *drafter;
+                spec_runs.push(engine.run(&requests, &cfg(spec.clone(), false), Some(p))?);
+            }
+            Ok((plain, spec_runs))
+        };
     let (plain0, fixed) = pair(&Speculation::Fixed { k: a.k })?;
     let fixed_accept = median(fixed.iter().map(|r| r.stats.acceptance_length()));
     let (plain_tree, fixed_tree) = pair(&Speculation::Tree(shape))?;
     let tree_accept = median(fixed_tree.iter().map(|r| r.stats.acceptance_length()));
-    let fits = |runs: &[Rollout]| bucket_fits(runs, &costs, &median_costs);
+    let fits = |runs: &[RolloutOutput]| bucket_fits(runs, &costs, &median_costs);
     let (plain_fits, fixed_fits) = (fits(&plain0), fits(&fixed));
     for line in fit_lines(&plain_fits, &fixed_fits, a.k) {
         out.line(&line);
@@ -383,7 +384,7 @@ fn rollout_on<B: Backend>(
             Some(shape),
         ),
     ];
-    let mut runs: Vec<(&str, usize, Vec<Rollout>, Vec<Rollout>)> = Vec::new();
+    let mut runs: Vec<(&str, usize, Vec<RolloutOutput>, Vec<RolloutOutput>)> = Vec::new();
     for (name, threshold, ks, tree) in variants {
         let spec = Speculation::Adaptive(AdaptiveConfig {
             threshold,
@@ -394,7 +395,7 @@ fn rollout_on<B: Backend>(
         let (plain, spec_runs) = pair(&spec)?;
         runs.push((name, threshold, plain, spec_runs));
     }
-    let plain: Vec<Rollout> = runs.iter().flat_map(|r| r.2.iter().cloned()).collect();
+    let plain: Vec<RolloutOutput> = runs.iter().flat_map(|r| r.2.iter().cloned()).collect();
     let adapt = runs[HEADLINE].3.clone();
 
     let identical = fixed
@@ -402,16 +403,16 @@ fn rollout_on<B: Backend>(
         .chain(&fixed_tree)
         .chain(runs.iter().flat_map(|r| &r.3))
         .all(|r| r.sequences == plain[0].sequences);
-    let m = |rs: &[Rollout], f: &dyn Fn(&Rollout) -> f64| median(rs.iter().map(f));
-    let tps = |r: &Rollout| r.stats.tokens_per_s();
-    let tail = |r: &Rollout| r.stats.tail_tokens_per_s();
-    let tail_s = |r: &Rollout| r.stats.seconds - r.stats.tail_start_s;
-    let acc = |r: &Rollout| r.stats.acceptance_length();
-    let secs = |r: &Rollout| r.stats.seconds;
+    let m = |rs: &[RolloutOutput], f: &dyn Fn(&RolloutOutput) -> f64| median(rs.iter().map(f));
+    let tps = |r: &RolloutOutput| r.stats.tokens_per_s();
+    let tail = |r: &RolloutOutput| r.stats.tail_tokens_per_s();
+    let tail_s = |r: &RolloutOutput| r.stats.seconds - r.stats.tail_start_s;
+    let acc = |r: &RolloutOutput| r.stats.acceptance_length();
+    let secs = |r: &RolloutOutput| r.stats.seconds;
     // Driver time per verification spent drafting: what a speculative round pays on top of
     // the target's verification pass.
     let propose_round_ms =
-        |r: &Rollout| 1e3 * r.stats.propose_s / (r.stats.verifications.max(1) as f64);
+        |r: &RolloutOutput| 1e3 * r.stats.propose_s / (r.stats.verifications.max(1) as f64);
     // Each variant against the plain runs interleaved with it (the same drift).
     let speedups: Vec<f64> = runs
         .iter()

@@ -27,7 +27,7 @@ use std::path::PathBuf;
 
 use crate::cli::job::JobArgs;
 use crate::cli::show::Terminal;
-use pipefill::config::{Clock, DeviceKind};
+use pipefill::config::{ClockKind, DeviceKind};
 use pipefill::launch::RankEnv;
 
 #[derive(clap::Args)]
@@ -45,7 +45,7 @@ pub struct TrainArgs {
     schedule: Option<String>,
     /// How stage timelines are timed: virtual (thread CPU time per stage) or wall.
     #[arg(long, value_enum)]
-    clock: Option<Clock>,
+    clock: Option<ClockKind>,
     /// What the ranks compute on: cpu or cuda (overrides device; a launched rank uses the
     /// GPU of its local rank).
     #[arg(long, value_enum)]

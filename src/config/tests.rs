@@ -109,7 +109,7 @@ fn sets_override_and_create_sections() {
     let job = JobConfig::from_toml_with("", "test", &sets).unwrap();
     assert_eq!(job.train.steps, 7);
     assert_eq!(job.model.layers, 2);
-    assert_eq!(job.clock, Clock::Wall);
+    assert_eq!(job.clock, ClockKind::Wall);
     assert_eq!(job.data.families, vec![crate::data::TaskFamily::Parity]);
     let err = JobConfig::from_toml_with("", "test", &["train.steps".into()]).unwrap_err();
     assert!(err.to_string().contains("key=value"), "{err}");

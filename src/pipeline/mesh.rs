@@ -166,7 +166,7 @@ pub fn train_rank(
     let (rank, world, pp, dp) = (mesh.rank(), mesh.world(), plan.num_ranks(), job.dp);
     check_world(pp, dp, world)?;
     // Global rank = replica × pp + pipeline rank (RingGradSync's numbering).
-    let at = device::Placement {
+    let at = device::MeshRank {
         rank,
         replica: rank / pp,
         pp,
@@ -214,7 +214,7 @@ fn run_rank<B: Backend>(
         job, plan, mesh, ..
     } = asked;
     let (clock, steps, resume) = (asked.clock, asked.steps, asked.resume);
-    let device::Placement {
+    let device::MeshRank {
         rank,
         replica,
         pp,

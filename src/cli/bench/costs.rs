@@ -11,7 +11,7 @@ use pipefill::model::drafter::{DraftContext, Drafter};
 use pipefill::profile::report::median;
 use pipefill::rl::bandit::bucket;
 use pipefill::rl::calibrate::{CalibrationError, StepCost, chain_acceptance, step_costs};
-use pipefill::rl::rollout::{Rollout, WorkKind};
+use pipefill::rl::rollout::{RolloutOutput, WorkKind};
 use pipefill::tensor::Backend;
 
 /// One live-batch bucket of a mode's runs: tokens/s measured, and what the measured step
@@ -42,7 +42,7 @@ pub(super) struct BucketFit {
 /// (decode, or proposal + verification), one step at a time. With several groups in flight
 /// the steps overlap, so there the engine may beat the prediction.
 pub(super) fn bucket_fits(
-    runs: &[Rollout],
+    runs: &[RolloutOutput],
     costs: &[StepCost],
     median_costs: &[StepCost],
 ) -> Vec<BucketFit> {
@@ -179,7 +179,7 @@ pub(super) fn fit_lines(plain: &[BucketFit], fixed: &[BucketFit], k: usize) -> V
 
 /// Share of a rollout's time after only its longest 10% of sequences are live (from the
 /// first moment at most a tenth of the batch is live to the end).
-pub(super) fn tail_share(r: &Rollout) -> f64 {
+pub(super) fn tail_share(r: &RolloutOutput) -> f64 {
     let n = r.sequences.len();
     let tenth = (n / 10).max(1);
     let total = r.stats.seconds.max(1e-9);

@@ -165,8 +165,8 @@ pub struct DrafterConfig {
     /// Seed of the drafter's initialisation and of its batch sampling.
     pub seed: u64,
     /// What decides which drafter work runs in which bubble of a pipelined run (see
-    /// [`Placement`]).
-    pub placement: Placement,
+    /// [`FillMode`]).
+    pub placement: FillMode,
     /// Internal tuning (`[drafter.advanced]`).
     pub advanced: DrafterTuning,
 }
@@ -182,7 +182,7 @@ pub struct DrafterTuning {
     pub buffer_rows: usize,
     /// Weight of the newest measurement in the slice-cost estimate (EMA), in `(0, 1]`.
     pub cost_ema: f64,
-    /// With [`Placement::Planned`]: the share of each bubble, as the plan's simulation under
+    /// With [`FillMode::Planned`]: the share of each bubble, as the plan's simulation under
     /// a cost model of the configs predicts it, that the step's slices are sized to fill, in
     /// `(0, 1]` (below 1 leaves room for the model's error).
     pub planned_fill: f64,
@@ -234,7 +234,7 @@ impl UnrollContext {
 /// Which drafter work runs in which bubble of a pipelined run.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
-pub enum Placement {
+pub enum FillMode {
     /// Slices sized to each bubble's measured idle time, rounds applied as soon as every
     /// replica posted them: the fullest bubbles, but what the drafter learns depends on
     /// timing, so it is not reproducible (nor bitwise across a resume).
@@ -267,7 +267,7 @@ impl Default for DrafterConfig {
             unroll_decay: 1.0,
             window: 32,
             seed: 0,
-            placement: Placement::Measured,
+            placement: FillMode::Measured,
             advanced: DrafterTuning::default(),
         }
     }

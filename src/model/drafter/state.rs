@@ -8,7 +8,7 @@
 //! run apply the same update at every drafter step, so one replica's weights and optimizer
 //! stand for all of them; gradients accumulated since the last drafter step (an open
 //! exchange round) are not kept: the resumed run starts a fresh round at the saved version.
-//! Under a planned placement ([`super::Placement::Planned`]) the round of the step just
+//! Under a planned placement ([`super::FillMode::Planned`]) the round of the step just
 //! finished is complete but applied only at the end of the next step, so it is kept
 //! ([`RoundState`]): a resumed run applies it where an uninterrupted run would.
 //!

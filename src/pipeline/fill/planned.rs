@@ -1,4 +1,4 @@
-//! The planned placement at run time ([`Placement::Planned`]): the drafter a run trains is a
+//! The planned placement at run time ([`FillMode::Planned`]): the drafter a run trains is a
 //! function of the plan, the configs and the step index, not of measured times.
 //!
 //! - **What runs.** Rank `r` runs, in target step `s`, the slices [`SlicePlan::slices`]`(r, s)`

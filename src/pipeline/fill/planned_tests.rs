@@ -1,6 +1,6 @@
 use super::*;
 use crate::config::JobConfig;
-use crate::model::drafter::Placement;
+use crate::model::drafter::FillMode;
 use crate::model::{Cut, Gpt, GptConfig, Shape};
 use crate::pipeline::fill::RoundPeers;
 use crate::schedules::{Plan, ScheduleKind, build};
@@ -9,7 +9,7 @@ use crate::tensor::CpuBackend;
 #[test]
 fn a_failed_exchange_ends_the_wait_for_a_round_with_its_reason() {
     let mut job = JobConfig::default();
-    job.drafter.placement = Placement::Planned;
+    job.drafter.placement = FillMode::Planned;
     let plan = build(ScheduleKind::OneFOneB, 2, job.train.micro_batches, 1).unwrap();
     let slices = SlicePlan::new(&plan, &job).unwrap();
     let planned = Arc::new(Planned::new(slices, 0, vec![SplitMix64::new(1); 2]));
@@ -57,7 +57,7 @@ fn tiny_job() -> JobConfig {
         mlp_ratio: 2,
         ..job.model
     };
-    job.drafter.placement = Placement::Planned;
+    job.drafter.placement = FillMode::Planned;
     job
 }
 

@@ -1,5 +1,5 @@
 //! [`SlicePlan`]: which drafter slices each rank runs in each target step under the planned
-//! placement ([`Placement::Planned`]), computed once from the plan and the job's configs.
+//! placement ([`FillMode::Planned`]), computed once from the plan and the job's configs.
 //!
 //! Why: under the measured placement a slice's size is chosen from the idle time measured at
 //! run time, so two runs (or a run and its resumption) train different drafters. Here the
@@ -14,7 +14,7 @@
 
 use crate::config::JobConfig;
 use crate::model::GptConfig;
-use crate::model::drafter::{DraftBatch, DrafterConfig, Placement};
+use crate::model::drafter::{DraftBatch, DrafterConfig, FillMode};
 use crate::schedules::{CostModel, Plan, ScheduleError, StageCost, simulate};
 
 use super::HELD_OUT_EVERY;
@@ -72,8 +72,8 @@ impl SlicePlan {
     /// placement.
     pub fn of_job(plan: &Plan, job: &JobConfig) -> Result<Option<Self>, ScheduleError> {
         match job.drafter.placement {
-            Placement::Planned => Self::new(plan, job).map(Some),
-            Placement::Measured => Ok(None),
+            FillMode::Planned => Self::new(plan, job).map(Some),
+            FillMode::Measured => Ok(None),
         }
     }
 
@@ -190,7 +190,7 @@ mod tests {
     use super::*;
     use crate::schedules::{ScheduleKind, build};
 
-    fn job(placement: Placement) -> JobConfig {
+    fn job(placement: FillMode) -> JobConfig {
         let mut job = JobConfig::default();
         job.drafter.placement = placement;
         job
@@ -198,7 +198,7 @@ mod tests {
 
     #[test]
     fn the_plan_is_a_function_of_plan_and_config_and_fills_the_predicted_bubbles() {
-        let job = job(Placement::Planned);
+        let job = job(FillMode::Planned);
         let plan = build(ScheduleKind::ZbH1, 4, job.train.micro_batches, 1).unwrap();
         let a = SlicePlan::new(&plan, &job).unwrap();
         assert_eq!(a, SlicePlan::new(&plan, &job).unwrap(), "pure");
@@ -236,7 +236,7 @@ mod tests {
 
     #[test]
     fn a_step_after_a_held_out_only_step_has_no_slices() {
-        let mut job = job(Placement::Planned);
+        let mut job = job(FillMode::Planned);
         job.train.micro_batches = 1;
         let plan = build(ScheduleKind::OneFOneB, 2, 1, 1).unwrap();
         let p = SlicePlan::new(&plan, &job).unwrap();

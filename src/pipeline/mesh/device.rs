@@ -29,7 +29,7 @@ use crate::tensor::{Backend, CpuBackend};
 /// A rank's backend and its links to the other ranks.
 pub(super) struct RankLinks<B: Backend> {
     /// Where the rank sits in the job (the links are built for it).
-    pub(super) at: Placement,
+    pub(super) at: MeshRank,
     pub(super) backend: B,
     /// Activations and gradients among the ranks of this rank's pipeline replica.
     pub(super) tensors: Arc<dyn Transport<B::Buf>>,
@@ -39,14 +39,14 @@ pub(super) struct RankLinks<B: Backend> {
 
 /// The place of a rank in the job: `dp` replicas of a `pp`-rank pipeline.
 #[derive(Clone, Copy, Debug)]
-pub(super) struct Placement {
+pub(super) struct MeshRank {
     pub(super) rank: usize,
     pub(super) replica: usize,
     pub(super) pp: usize,
     pub(super) dp: usize,
 }
 
-impl Placement {
+impl MeshRank {
     fn transport_err(self, error: TransportError) -> DistributedError {
         DistributedError::Transport {
             rank: self.rank,
@@ -60,7 +60,7 @@ impl Placement {
 pub(super) fn cpu_links(
     mesh: &Arc<TcpMesh>,
     requested: crate::comm::select::TransportKind,
-    at: Placement,
+    at: MeshRank,
     threads: usize,
 ) -> Result<RankLinks<CpuBackend>, DistributedError> {
     select_transport(requested, Device::Cpu { threads }).map_err(|e| at.transport_err(e))?;
@@ -75,7 +75,7 @@ pub(super) fn cpu_links(
 fn tcp_links<B: Backend>(
     mesh: &Arc<TcpMesh>,
     backend: B,
-    at: Placement,
+    at: MeshRank,
 ) -> Result<RankLinks<B>, DistributedError> {
     let tensors: Arc<dyn Transport<B::Buf>> = Arc::new(
         TcpTransport::group(
@@ -99,7 +99,7 @@ fn tcp_links<B: Backend>(
 /// Without the `cuda` feature a CUDA rank is the clear "rebuild with --features cuda"
 /// error (the CLI reports it before joining the mesh; this is the library's own check).
 #[cfg(not(feature = "cuda"))]
-pub(super) fn cuda_unavailable(at: Placement, ordinal: usize) -> DistributedError {
+pub(super) fn cuda_unavailable(at: MeshRank, ordinal: usize) -> DistributedError {
     DistributedError::Device {
         rank: at.rank,
         reason: format!(
@@ -125,7 +125,7 @@ mod cuda {
     pub(in crate::pipeline::mesh) fn cuda_links(
         mesh: &Arc<TcpMesh>,
         requested: crate::comm::select::TransportKind,
-        at: Placement,
+        at: MeshRank,
         ordinal: usize,
     ) -> Result<RankLinks<CudaBackend>, DistributedError> {
         let device = Device::Cuda { ordinal };

@@ -18,7 +18,7 @@ use super::{PipelineError, PipelineRun, PipelineTrainer};
 use crate::config::{DeviceKind, Filler};
 use crate::data::StepData;
 use crate::model::ModelError;
-use crate::model::drafter::Placement;
+use crate::model::drafter::FillMode;
 use crate::schedules::{Timeline, simulate};
 use crate::tensor::TensorError;
 use crate::tensor::device::{OnBackend, RankBackend, on_backend};
@@ -322,5 +322,5 @@ impl PipelineTrainer {
 
 /// Whether `trainer` fills its bubbles with the drafter under the planned placement.
 fn job_is_planned(trainer: &PipelineTrainer) -> bool {
-    matches!(trainer.filler, Filler::Drafter) && trainer.job.drafter.placement == Placement::Planned
+    matches!(trainer.filler, Filler::Drafter) && trainer.job.drafter.placement == FillMode::Planned
 }

@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 use super::pipe::{Done, MessageHook, Msg, WorkKind, run_inline};
 use super::seq::{Seq, contexts, draft_row};
 use super::{
-    LivePoint, Request, Rollout, RolloutConfig, RolloutError, RolloutStats, Speculation, StepRecord,
+    LivePoint, Request, RolloutConfig, RolloutError, RolloutOutput, RolloutStats, Speculation,
+    StepRecord,
 };
 use crate::data::SplitMix64;
 use crate::model::ModelError;
@@ -522,7 +523,7 @@ impl<'a> Driver<'a> {
         (alive, finished)
     }
 
-    pub(super) fn finish(self, stage_busy_s: Vec<f64>) -> (Rollout, Option<KBandit>) {
+    pub(super) fn finish(self, stage_busy_s: Vec<f64>) -> (RolloutOutput, Option<KBandit>) {
         let mut bandit = self.bandit;
         let mut stats = self.stats;
         stats.seconds = self.start.elapsed().as_secs_f64();
@@ -550,7 +551,7 @@ impl<'a> Driver<'a> {
             prompt_lens.push(s.prompt);
             sequences.push(s.tokens);
         }
-        let rollout = Rollout {
+        let rollout = RolloutOutput {
             sequences,
             prompt_lens,
             rows,

@@ -273,7 +273,7 @@ impl RolloutStats {
 
 /// What a rollout produced.
 #[derive(Clone, Debug, PartialEq)]
-pub struct Rollout {
+pub struct RolloutOutput {
     /// Prompt + completion of each request, in request order.
     pub sequences: Vec<Vec<u32>>,
     /// Where each completion starts in its sequence.
@@ -288,7 +288,7 @@ pub struct Rollout {
     pub choices: Vec<Choice>,
 }
 
-impl Rollout {
+impl RolloutOutput {
     /// The generated tokens of request `i`.
     pub fn completion(&self, i: usize) -> &[u32] {
         &self.sequences[i][self.prompt_lens[i]..]
@@ -378,7 +378,7 @@ impl<B: Backend> RolloutEngine<B> {
         requests: &[Request],
         config: &RolloutConfig,
         proposer: Option<&mut dyn Proposer>,
-    ) -> Result<Rollout, RolloutError> {
+    ) -> Result<RolloutOutput, RolloutError> {
         let model = self.stages[0].config().clone();
         check(
             requests,
