@@ -23,12 +23,19 @@
 //! gradients on weights one version old (as asynchronous data parallelism does); they go
 //! into the next round.
 //!
-//! **Frozen copies.** The drafter's embedding and LM head are frozen copies of the target's
-//! (`embed.tok` on the first rank, `head.w` on the last). Those ranks deposit them after
-//! every `refresh_every`-th target step; a rank's post of a round carries its newest deposits,
-//! and every replica refreshes from the round's newest ones right after that round's update,
-//! so the copies too are the same on every replica at every version (whichever rank
-//! completes the round, and whenever).
+//! **Frozen tables.** The drafter's embedding and LM head are the target's, frozen
+//! ([`crate::model::drafter::FrozenTables`]): `embed.tok` on the first rank, `head.w` on the
+//! last. Those ranks deposit them (one host copy each) after every `refresh_every`-th target
+//! step; a rank's post of a round carries its newest deposits, and every replica takes the
+//! round's newest ones right after that round's update (under the planned placement, before
+//! the next step's first slice), so the tables too are the same on every replica at every
+//! version (whichever rank completes the round, and whenever). The replicas of a process
+//! share one set: the embedding is the deposit itself, and the head is uploaded once by the
+//! first replica to take it and shared by every replica whose backend reads that memory
+//! ([`crate::tensor::Backend::shares_buffers_with`]: all of them on the CPU), so a process
+//! holds one snapshot of each table however many replicas it runs. Ranks that hold neither
+//! table (middle stages) read the holders' deposits: in one process the same `Arc`s, across
+//! processes one copy that crossed once per refresh.
 //!
 //! **Other processes.** In a multi-process run (`pipefill launch`) each process holds the
 //! replica of its own rank; [`DrafterFill::connect`] hands every local post to a
@@ -62,7 +69,7 @@ use super::compute::RankCompute;
 use crate::config::JobConfig;
 use crate::model::drafter::{
     DraftBufferHandle, Drafter, DrafterConfig, DrafterError, DrafterGrads, DrafterTrainer,
-    DrafterWeights,
+    DrafterWeights, FrozenTables,
 };
 use crate::model::{GptConfig, ModelChunk};
 use crate::schedules::Plan;
@@ -76,7 +83,7 @@ mod slice_plan;
 pub(crate) mod state;
 
 pub use eval::HeldOutEval;
-use replica::ReplicaTrainer;
+use replica::{ReplicaTrainer, TableCache};
 pub use round::RoundPost;
 use round::{Deposit, Frozen};
 pub use slice_plan::{SliceCost, SlicePlan, modelled_costs};
@@ -152,6 +159,10 @@ pub struct DrafterFill {
     local: OnceLock<usize>,
     /// The planned placement's state (`None`: slices placed by measured times).
     planned: Option<planned::Planned>,
+    /// The frozen tables the replicas last built, shared by the others.
+    tables: Mutex<TableCache>,
+    /// The newest deposits a replica took (what the held-out evaluation reads).
+    taken: Mutex<Frozen>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -160,7 +171,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl DrafterFill {
     /// One replica per rank, each on a CPU thread; `first` and `last` are the chunks
-    /// holding the target's embedding and LM head, whose values seed the frozen copies
+    /// holding the target's embedding and LM head, whose values seed the frozen tables
     /// (target step `step`).
     pub fn new<C: Backend>(
         target: &GptConfig,
@@ -170,10 +181,28 @@ impl DrafterFill {
         last: &ModelChunk<C>,
         step: u64,
     ) -> Result<Self, DrafterError> {
-        let backends = (0..ranks)
-            .map(|_| CpuBackend::new(1))
-            .collect::<Result<Vec<_>, _>>()?;
-        DrafterFill::on_backends(target, config, backends, first, last, step)
+        let mut seeds = Frozen::default();
+        seeds.take_from(first, step);
+        seeds.take_from(last, step);
+        DrafterFill::seeded(target, config, cpu_backends(ranks)?, seeds)
+    }
+
+    /// [`DrafterFill::new`] from the tables' values themselves (`embed.tok` and `head.w` as
+    /// of target step `step`): a process that holds neither chunk, given them by the ranks
+    /// that do.
+    pub fn with_tables(
+        target: &GptConfig,
+        config: &DrafterConfig,
+        ranks: usize,
+        embed: Vec<f32>,
+        head: Vec<f32>,
+        step: u64,
+    ) -> Result<Self, DrafterError> {
+        let seeds = Frozen {
+            embed: Some((step, Arc::new(embed))),
+            head: Some((step, Arc::new(head))),
+        };
+        DrafterFill::seeded(target, config, cpu_backends(ranks)?, seeds)
     }
 
     /// [`DrafterFill::new`] with rank `r`'s replica on `backends[r]` (a rank's own device:
@@ -186,6 +215,19 @@ impl DrafterFill {
         last: &ModelChunk<C>,
         step: u64,
     ) -> Result<Self, DrafterError> {
+        let mut seeds = Frozen::default();
+        seeds.take_from(first, step);
+        seeds.take_from(last, step);
+        DrafterFill::seeded(target, config, backends, seeds)
+    }
+
+    /// Replicas on `backends`, their frozen tables taken from `seeds` (shared among them).
+    fn seeded<R: Backend>(
+        target: &GptConfig,
+        config: &DrafterConfig,
+        backends: Vec<R>,
+        seeds: Frozen,
+    ) -> Result<Self, DrafterError> {
         let ranks = backends.len();
         let buffer = DraftBufferHandle::new(target, config);
         let Some(first_rank) = backends.first() else {
@@ -196,11 +238,16 @@ impl DrafterFill {
         };
         let priors = eval::calibrate(target, config, first_rank.clone())?;
         let mut replicas = Vec::with_capacity(ranks);
+        let mut tables = TableCache::default();
         for (r, be) in backends.into_iter().enumerate() {
-            let mut drafter = Drafter::new(target, config, be)?;
-            drafter.refresh_from_chunk(first, step)?;
-            drafter.refresh_from_chunk(last, step)?;
-            let trainer = DrafterTrainer::new(drafter, buffer.clone(), r, ranks)?;
+            // Built over the tables another replica took from the seeds where it can read
+            // them: no tables of its own are drawn.
+            let drafter = match tables.tables_for(&be) {
+                Some(shared) => Drafter::sharing(target, config, be, &shared)?,
+                None => Drafter::new(target, config, be)?,
+            };
+            let mut trainer = DrafterTrainer::new(drafter, buffer.clone(), r, ranks)?;
+            trainer.adopt(&seeds, &mut tables)?;
             replicas.push(Mutex::new(Replica {
                 trainer: Box::new(trainer),
                 posted: None,
@@ -219,6 +266,8 @@ impl DrafterFill {
             peers: OnceLock::new(),
             local: OnceLock::new(),
             planned: None,
+            tables: Mutex::new(tables),
+            taken: Mutex::new(seeds),
         })
     }
 
@@ -413,14 +462,47 @@ impl DrafterFill {
         step: u64,
     ) -> Result<(), DrafterError> {
         let mut ex = lock(&self.exchange);
-        let held = ex.held.entry(rank).or_default();
-        if let Ok(values) = chunk.param_values("embed.tok") {
-            held.embed = Some((step, Arc::new(values)));
-        }
-        if let Ok(values) = chunk.param_values("head.w") {
-            held.head = Some((step, Arc::new(values)));
-        }
+        ex.held.entry(rank).or_default().take_from(chunk, step);
         Ok(())
+    }
+
+    /// `replica` takes the deposited tables `frozen`, sharing what another replica of this
+    /// process built from them.
+    fn adopt(&self, replica: &mut Replica, frozen: &Frozen) -> Result<(), DrafterError> {
+        replica.trainer.adopt(frozen, &mut lock(&self.tables))?;
+        lock(&self.taken).merge(frozen.clone());
+        Ok(())
+    }
+
+    /// Bytes of the frozen tables the replicas read, each table counted once however many
+    /// replicas share it (one embedding and one head when they all share).
+    pub fn frozen_table_bytes(&self) -> usize {
+        let mut seen = std::collections::BTreeMap::new();
+        for r in &self.replicas {
+            seen.extend(lock(r).trainer.tables());
+        }
+        seen.values().sum()
+    }
+
+    /// The tables the replicas last built, where `be` reads their memory (the replicas on
+    /// the CPU and `be` a CPU backend).
+    pub(crate) fn cpu_tables(&self, be: &CpuBackend) -> Option<FrozenTables<CpuBackend>> {
+        lock(&self.tables).tables_for(be)
+    }
+
+    /// `rank`'s replica takes the deposited tables `frozen`.
+    fn take_tables(&self, rank: usize, frozen: &Frozen) -> Result<(), DrafterError> {
+        self.adopt(&mut lock(&self.replicas[rank]), frozen)
+    }
+
+    /// The newest frozen tables the replicas took, into `trainer` (shared where its
+    /// backend reads the replicas' memory): the held-out evaluation's drafter.
+    pub(crate) fn share_tables<B: Backend>(
+        &self,
+        trainer: &mut DrafterTrainer<B>,
+    ) -> Result<(), DrafterError> {
+        let taken = lock(&self.taken).clone();
+        ReplicaTrainer::adopt(trainer, &taken, &mut lock(&self.tables))
     }
 
     /// The completed round `rank`'s replica has still to apply.
@@ -445,11 +527,7 @@ impl DrafterFill {
             return Ok(());
         };
         let version = replica.trainer.step_with(&grads)?;
-        for (name, deposit) in [("embed.tok", &frozen.embed), ("head.w", &frozen.head)] {
-            if let Some((step, values)) = deposit {
-                replica.trainer.refresh(name, values, *step)?;
-            }
-        }
+        self.adopt(&mut replica, &frozen)?;
         replica.posted = None;
         if rank == 0 {
             self.board.publish(version, replica.trainer.weights()?);
@@ -567,4 +645,12 @@ impl FillerSource for Steps {
             run: Box::new(move || fill.apply(rank).map_err(|e| e.to_string())),
         })
     }
+}
+
+/// `ranks` one-thread CPU backends.
+fn cpu_backends(ranks: usize) -> Result<Vec<CpuBackend>, DrafterError> {
+    (0..ranks)
+        .map(|_| CpuBackend::new(1))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(DrafterError::from)
 }
