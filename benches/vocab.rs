@@ -17,12 +17,12 @@ use std::time::Instant;
 use pipefill::config::JobConfig;
 use pipefill::data::SplitMix64;
 use pipefill::model::checkpoint::drafter::save_drafter;
-use pipefill::model::{GptConfig, init};
 use pipefill::model::config::Positions;
 use pipefill::model::drafter::state::{BufferState, DrafterState};
 use pipefill::model::drafter::{
     DraftBufferHandle, DraftContext, DraftRow, Drafter, DrafterTrainer, frequent_tokens,
 };
+use pipefill::model::{GptConfig, init};
 use pipefill::pipeline::fill::DrafterFill;
 use pipefill::tensor::{Activation, CpuBackend};
 

@@ -433,7 +433,11 @@ pub(super) fn task_text(job: &JobConfig) -> Result<Size, ConfigError> {
 /// `replicas` trainers share the tables: a pipelined run's ranks (with the held-out
 /// evaluation's weights), or for `pipefill rl` (`rl`) the one trainer and the proposer, whose
 /// weights and half-precision packs (the head's too) are counted beside it.
-pub(super) fn drafter_bytes(job: &JobConfig, replicas: Size, rl: bool) -> Result<Size, ConfigError> {
+pub(super) fn drafter_bytes(
+    job: &JobConfig,
+    replicas: Size,
+    rl: bool,
+) -> Result<Size, ConfigError> {
     let dr = &job.drafter;
     let what = "the drafter";
     let Dims {

@@ -13,8 +13,8 @@ use super::round::{Deposit, Frozen};
 use crate::data::SplitMix64;
 use crate::model::OptimizerState;
 use crate::model::drafter::{
-    DrafterError, DrafterGrads, DrafterTrainer, DrafterWeights, FROZEN, FrozenTables,
-    NamedTensor, SliceStats,
+    DrafterError, DrafterGrads, DrafterTrainer, DrafterWeights, FROZEN, FrozenTables, NamedTensor,
+    SliceStats,
 };
 use crate::tensor::Backend;
 
@@ -135,7 +135,10 @@ impl TableCache {
     /// The tables last built, if a backend of type `B` built them on memory `be` reads.
     pub(crate) fn tables_for<B: Backend>(&self, be: &B) -> Option<FrozenTables<B>> {
         let built = self.0.as_ref()?.downcast_ref::<Built<B>>()?;
-        built.be.shares_buffers_with(be).then(|| built.after.clone())
+        built
+            .be
+            .shares_buffers_with(be)
+            .then(|| built.after.clone())
     }
 }
 

@@ -16,8 +16,8 @@
 use std::sync::Arc;
 
 use super::{DrafterFill, Frozen, lock};
-use crate::model::drafter::{DrafterError, DrafterWeights, FROZEN};
 use crate::model::drafter::state::{BufferState, DrafterState, RoundState};
+use crate::model::drafter::{DrafterError, DrafterWeights, FROZEN};
 
 impl DrafterFill {
     /// The drafter's state now: replica 0's weights, version and optimizer (every replica

@@ -69,11 +69,11 @@ use super::shards::RankResume;
 use crate::comm::link::{Channel, PeerLink};
 use crate::comm::tcp::TcpMesh;
 use crate::config::JobConfig;
+use crate::model::ModelError;
 use crate::model::checkpoint::CheckpointError;
 use crate::model::checkpoint::drafter::load_drafter;
 use crate::model::drafter::state::DrafterState;
 use crate::model::drafter::{DrafterError, DrafterWeights, FROZEN};
-use crate::model::ModelError;
 use crate::pipeline::RankCompute;
 use crate::pipeline::fill::{DrafterFill, SlicePlan};
 use crate::profile::merge::{FILLER_LANE, MergedProfile};
@@ -215,15 +215,9 @@ impl LaunchFill {
                 reason: "no rank holds the target's embedding or LM head".into(),
             });
         };
-        let mut fill = DrafterFill::with_tables(
-            &job.model,
-            &job.drafter,
-            pp,
-            embed,
-            head,
-            first_step,
-        )
-        .map_err(drafter_err)?;
+        let mut fill =
+            DrafterFill::with_tables(&job.model, &job.drafter, pp, embed, head, first_step)
+                .map_err(drafter_err)?;
         // The same pure function of the plan and the job in every process.
         let slices = SlicePlan::of_job(plan, job).map_err(|e| FillError::Plan {
             rank,

@@ -171,14 +171,18 @@ fn the_file_keeps_no_frozen_tables_and_an_older_file_with_them_still_loads() {
     let d = target().d_model;
     let (mut tensors, meta) = state_of(&t, &buffer).to_parts(d);
     assert!(
-        tensors.iter().all(|t| !FROZEN.iter().any(|f| t.name.ends_with(f))),
+        tensors
+            .iter()
+            .all(|t| !FROZEN.iter().any(|f| t.name.ends_with(f))),
         "the drafter's file holds a frozen table"
     );
     // A restored drafter reads the tables of the target it drafts for.
     let state = DrafterState::from_parts(&meta, &tensors, d).unwrap();
     let mut restored = trainer(&gpt, &buffer);
     let (weights, optimizer) = (&state.weights, &state.optimizer);
-    restored.import_state(weights, optimizer, state.samplers[0]).unwrap();
+    restored
+        .import_state(weights, optimizer, state.samplers[0])
+        .unwrap();
     assert_eq!(
         restored.drafter().frozen_tensors().unwrap(),
         t.drafter().frozen_tensors().unwrap()
@@ -202,7 +206,9 @@ fn the_file_keeps_no_frozen_tables_and_an_older_file_with_them_still_loads() {
     let state = DrafterState::from_parts(&meta, &tensors, d).unwrap();
     let mut restored = trainer(&gpt, &buffer);
     let (weights, optimizer) = (&state.weights, &state.optimizer);
-    restored.import_state(weights, optimizer, state.samplers[0]).unwrap();
+    restored
+        .import_state(weights, optimizer, state.samplers[0])
+        .unwrap();
     let tables = restored.drafter().frozen_tensors().unwrap();
     assert_eq!(tables[0].values, older[0].data);
     assert_eq!(tables[1].values, older[1].data);
