@@ -221,10 +221,9 @@ impl Planned {
             return None;
         }
         if !tables {
-            let due = self.due_tables(fill, step);
-            let deposits = match &due {
-                Some(_) => self.deposits(step - 1)?,
-                None => Frozen::default(),
+            let deposits = match self.due_tables(fill, step) {
+                true => self.deposits(step - 1)?,
+                false => Frozen::default(),
             };
             if !take {
                 return Some((step, rows));
@@ -241,11 +240,11 @@ impl Planned {
         Some((step, rows))
     }
 
-    /// `Some` when step `step`'s slices read tables deposited at the end of step `step − 1`
-    /// in this run (a refresh was due then); `None` when they read those the replica holds
-    /// (no refresh due, or the run's first step, whose tables are its seeds or checkpoint's).
-    fn due_tables(&self, fill: &DrafterFill, step: u64) -> Option<()> {
-        (step > self.start && step.is_multiple_of(fill.refresh_every)).then_some(())
+    /// Whether step `step`'s slices read tables deposited at the end of step `step − 1` in
+    /// this run (a refresh was due then), not those the replica holds (no refresh due, or
+    /// the run's first step, whose tables are its seeds or its checkpoint's).
+    fn due_tables(&self, fill: &DrafterFill, step: u64) -> bool {
+        step > self.start && step.is_multiple_of(fill.refresh_every)
     }
 
     /// The tables posted with round `step` so far, once both are in (`None` before).
@@ -393,7 +392,7 @@ impl DrafterFill {
         if let Some((_, frozen)) = &round
             && !lock(&planned.cursors[rank]).tables
         {
-            if planned.due_tables(self, step).is_some() {
+            if planned.due_tables(self, step) {
                 self.take_tables(rank, frozen)?;
             }
             lock(&planned.cursors[rank]).tables = true;
