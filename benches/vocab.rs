@@ -3,7 +3,9 @@
 //! nothing read or written but a temporary checkpoint directory.
 //!
 //! It reports, beside the target's size: what one drafter replica holds (its trainable
-//! weights with gradients and AdamW moments, and the frozen embedding and head), its buffer
+//! weights with gradients and AdamW moments), the frozen embedding and head (one snapshot per
+//! process, measured on the replicas a 4-rank pipelined run builds, against a copy each as
+//! before), its buffer
 //! filled with 2048 training positions and 256 held-out ones (as the run held) and
 //! what the same rows took when they kept their distributions, the size of
 //! `drafter.safetensors` for that state, a slice's time (median), and a K = 4 proposal's
@@ -14,13 +16,14 @@ use std::time::Instant;
 
 use pipefill::config::JobConfig;
 use pipefill::data::SplitMix64;
-use pipefill::model::GptConfig;
 use pipefill::model::checkpoint::drafter::save_drafter;
 use pipefill::model::config::Positions;
 use pipefill::model::drafter::state::{BufferState, DrafterState};
 use pipefill::model::drafter::{
     DraftBufferHandle, DraftContext, DraftRow, Drafter, DrafterTrainer, frequent_tokens,
 };
+use pipefill::model::{GptConfig, init};
+use pipefill::pipeline::fill::DrafterFill;
 use pipefill::tensor::{Activation, CpuBackend};
 
 const MB: f64 = 1e6;
@@ -86,13 +89,43 @@ fn main() -> anyhow::Result<()> {
     let be = CpuBackend::new(1)?;
     let drafter = Drafter::new(&cfg, &dc, be)?;
     let trained: usize = drafter.params().iter().map(|p| p.numel()).sum();
-    let frozen = 2 * v * d;
+    let replica = 16.0 * trained as f64;
+    let tables = drafter.frozen().bytes(drafter.backend()) as f64;
     println!(
-        "drafter replica: {trained} trainable parameters, with gradients and moments {:.1} MB ({:.1}% of the target's); frozen embedding and head copies {:.1} MB",
-        16.0 * trained as f64 / MB,
-        100.0 * 16.0 * trained as f64 / target_bytes,
-        4.0 * frozen as f64 / MB
+        "drafter replica: {trained} trainable parameters, with gradients and moments {:.1} MB ({:.1}% of the target's)",
+        replica / MB,
+        100.0 * replica / target_bytes,
     );
+    // A pipelined run's replicas in one process (here 4, as a 4-stage run holds), built as the
+    // fill builds them: the tables they read, each counted once.
+    let ranks = 4;
+    let fill = DrafterFill::with_tables(
+        &cfg,
+        &dc,
+        ranks,
+        init::normal(cfg.seed, "embed.tok", v * d, init::INIT_STD),
+        init::normal(cfg.seed, "head.w", v * d, init::INIT_STD),
+        0,
+    )?;
+    let shared = fill.frozen_table_bytes() as f64;
+    drop(fill);
+    println!(
+        "frozen embedding and head: {:.1} MB a snapshot; {ranks} replicas of one process read {:.1} MB of them (a copy each: {:.1} MB)",
+        tables / MB,
+        shared / MB,
+        ranks as f64 * tables / MB
+    );
+    for n in [1, ranks] {
+        let each = replica + shared / n as f64;
+        let copies = replica + tables;
+        println!(
+            "per replica, {n} in a process: {:.1} MB ({:.1}% of the target's); with a copy of the tables each {:.1} MB ({:.1}%)",
+            each / MB,
+            100.0 * each / target_bytes,
+            copies / MB,
+            100.0 * copies / target_bytes
+        );
+    }
 
     // The buffer: 2048 training positions (2 generations of 16 rows of 64) and 256
     // held out.
@@ -146,12 +179,19 @@ fn main() -> anyhow::Result<()> {
     };
     let dir = tempfile::tempdir()?;
     let entry = save_drafter(dir.path(), &state, &cfg)?;
-    let shard = 4.0 * target_params as f64;
+    // The target's checkpoint: its values and both AdamW moments, f32.
+    let (shard, ckpt) = (4.0 * target_params as f64, 12.0 * target_params as f64);
+    let with_tables = entry.bytes as f64 + tables;
     println!(
-        "drafter.safetensors: {:.1} MB ({:.1}% of the target's {:.0} MB of f32 weights)",
+        "drafter.safetensors: {:.1} MB ({:.1}% of the target's checkpoint of {:.0} MB, {:.1}% of its {:.0} MB of f32 weights); with the tables, as it was, {:.1} MB ({:.1}%, {:.1}%)",
         entry.bytes as f64 / MB,
+        100.0 * entry.bytes as f64 / ckpt,
+        ckpt / MB,
         100.0 * entry.bytes as f64 / shard,
-        shard / MB
+        shard / MB,
+        with_tables / MB,
+        100.0 * with_tables / ckpt,
+        100.0 * with_tables / shard
     );
     drop(dir);
 

@@ -69,11 +69,19 @@ fn drafter_replicas_hold_the_same_weights_after_every_step() {
         "only {} drafter steps in 6 target steps",
         first.version
     );
+    // The four replicas read one embedding and one head between them, not a copy each.
+    let job = job(6);
+    let table = 4 * job.model.vocab * job.model.d_model;
+    assert_eq!(
+        d.frozen_table_bytes,
+        2 * table,
+        "the replicas' frozen tables"
+    );
     for (rank, r) in d.replicas.iter().enumerate().skip(1) {
         assert_eq!(r.version, first.version, "rank {rank}'s replica");
         assert_eq!(
             r.frozen_step, first.frozen_step,
-            "rank {rank}'s frozen copies"
+            "rank {rank}'s frozen tables"
         );
         assert_eq!(r.tensors.len(), first.tensors.len());
         for (a, b) in first.tensors.iter().zip(&r.tensors) {

@@ -146,3 +146,36 @@ fn planned_filling_leaves_the_target_of_the_unfilled_run() {
     assert!(unfilled.drafter.is_none());
     assert!(target_bits(&filled) == target_bits(&unfilled));
 }
+
+/// The drafter's file keeps no frozen table when a refresh was due at the checkpoint's step
+/// (the tables are the target's weights in the same checkpoint), and keeps them when
+/// `refresh_every` left them behind the target's; either way N + resume + N equals 2N.
+#[test]
+fn the_frozen_tables_travel_in_the_file_only_when_they_lag_the_target() {
+    let frozen_in = |state: &DrafterState| {
+        let (tensors, _) = state.to_parts(job().model.d_model);
+        let names = ["embed.tok", "head.w"];
+        tensors
+            .iter()
+            .filter(|t| names.iter().any(|n| t.name.ends_with(n)))
+            .count()
+    };
+    for (refresh_every, tables) in [(1, 0), (2, 2)] {
+        let mut job = job();
+        job.drafter.refresh_every = refresh_every;
+        let t = trainer(&job);
+        let whole = t.clone().run(2 * N, |_| {}).unwrap();
+        let first = t.run(N, |_| {}).unwrap();
+        // After step N − 1 = 2: a refresh was due there with every step, not every second.
+        let saved = first.drafter_state().unwrap();
+        assert_eq!(frozen_in(saved), tables, "refresh_every = {refresh_every}");
+        let dir = tempfile::tempdir().unwrap();
+        let back = save_and_load(&first, dir.path());
+        let rest = t.clone().resume(&back).run(N, |_| {}).unwrap();
+        assert!(target_bits(&rest) == target_bits(&whole));
+        assert!(
+            drafter_of(&job, &rest) == drafter_of(&job, &whole),
+            "refresh_every = {refresh_every}: the drafter differs after resume"
+        );
+    }
+}

@@ -252,8 +252,15 @@ fn trained_drafter(job: &JobConfig, target: &MovingTarget) -> DrafterState {
     for _ in 0..1500 {
         trainer.slice().unwrap();
     }
+    // The frozen tables travel with the weights here: the rows come from a synthetic target
+    // that no checkpoint holds, and `follow` (unlike a rollout) refreshes nothing from a
+    // policy.
+    let mut weights = trainer.weights().unwrap();
+    weights
+        .tensors
+        .extend(trainer.drafter().frozen_tensors().unwrap());
     DrafterState {
-        weights: trainer.weights().unwrap(),
+        weights,
         optimizer: trainer.optimizer_state().unwrap(),
         samplers: vec![trainer.sampler()],
         buffer: Default::default(),

@@ -262,7 +262,13 @@ impl MemoryEstimate {
             Workload::Rl => job.rl.speculation,
         };
         if drafter {
-            parts.push(("drafter", drafter_bytes(job)?));
+            // A pipelined run's replicas, one per rank of its first pipeline (in one process:
+            // the estimate is a process's); `pipefill rl`'s one trainer and its proposer.
+            let (replicas, rl) = match workload {
+                Workload::Train => (flight.ranks, false),
+                Workload::Rl => (k(1), true),
+            };
+            parts.push(("drafter", drafter_bytes(job, replicas, rl)?));
         }
         if workload == Workload::Rl {
             parts.push(("rollouts", rollout_bytes(job)?));

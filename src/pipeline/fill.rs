@@ -23,12 +23,19 @@
 //! gradients on weights one version old (as asynchronous data parallelism does); they go
 //! into the next round.
 //!
-//! **Frozen copies.** The drafter's embedding and LM head are frozen copies of the target's
-//! (`embed.tok` on the first rank, `head.w` on the last). Those ranks deposit them after
-//! every `refresh_every`-th target step; a rank's post of a round carries its newest deposits,
-//! and every replica refreshes from the round's newest ones right after that round's update,
-//! so the copies too are the same on every replica at every version (whichever rank
-//! completes the round, and whenever).
+//! **Frozen tables.** The drafter's embedding and LM head are the target's, frozen
+//! ([`crate::model::drafter::FrozenTables`]): `embed.tok` on the first rank, `head.w` on the
+//! last. Those ranks deposit them (one host copy each) after every `refresh_every`-th target
+//! step; a rank's post of a round carries its newest deposits, and every replica takes the
+//! round's newest ones right after that round's update (under the planned placement, before
+//! the next step's first slice), so the tables too are the same on every replica at every
+//! version (whichever rank completes the round, and whenever). The replicas of a process
+//! share one set: the embedding is the deposit itself, and the head is uploaded once by the
+//! first replica to take it and shared by every replica whose backend reads that memory
+//! ([`crate::tensor::Backend::shares_buffers_with`]: all of them on the CPU), so a process
+//! holds one snapshot of each table however many replicas it runs. Ranks that hold neither
+//! table (middle stages) read the holders' deposits: in one process the same `Arc`s, across
+//! processes one copy that crossed once per refresh.
 //!
 //! **Other processes.** In a multi-process run (`pipefill launch`) each process holds the
 //! replica of its own rank; [`DrafterFill::connect`] hands every local post to a
@@ -60,13 +67,10 @@ use pipefill_actors::{FillerRouter, FillerSource, Slice, WeightBoard};
 use super::PipelineError;
 use super::compute::RankCompute;
 use crate::config::JobConfig;
-use crate::model::drafter::{
-    DraftBufferHandle, Drafter, DrafterConfig, DrafterError, DrafterGrads, DrafterTrainer,
-    DrafterWeights,
-};
-use crate::model::{GptConfig, ModelChunk};
+use crate::model::ModelChunk;
+use crate::model::drafter::{DraftBufferHandle, DrafterError, DrafterGrads, DrafterWeights};
 use crate::schedules::Plan;
-use crate::tensor::{Backend, CpuBackend};
+use crate::tensor::Backend;
 
 mod eval;
 mod planned;
@@ -74,9 +78,10 @@ mod replica;
 mod round;
 mod slice_plan;
 pub(crate) mod state;
+mod tables;
 
 pub use eval::HeldOutEval;
-use replica::ReplicaTrainer;
+use replica::{ReplicaTrainer, TableCache};
 pub use round::RoundPost;
 use round::{Deposit, Frozen};
 pub use slice_plan::{SliceCost, SlicePlan, modelled_costs};
@@ -152,6 +157,10 @@ pub struct DrafterFill {
     local: OnceLock<usize>,
     /// The planned placement's state (`None`: slices placed by measured times).
     planned: Option<planned::Planned>,
+    /// The frozen tables the replicas last built, shared by the others.
+    tables: Mutex<TableCache>,
+    /// The newest deposits a replica took (what the held-out evaluation reads).
+    taken: Mutex<Frozen>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -159,69 +168,6 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl DrafterFill {
-    /// One replica per rank, each on a CPU thread; `first` and `last` are the chunks
-    /// holding the target's embedding and LM head, whose values seed the frozen copies
-    /// (target step `step`).
-    pub fn new<C: Backend>(
-        target: &GptConfig,
-        config: &DrafterConfig,
-        ranks: usize,
-        first: &ModelChunk<C>,
-        last: &ModelChunk<C>,
-        step: u64,
-    ) -> Result<Self, DrafterError> {
-        let backends = (0..ranks)
-            .map(|_| CpuBackend::new(1))
-            .collect::<Result<Vec<_>, _>>()?;
-        DrafterFill::on_backends(target, config, backends, first, last, step)
-    }
-
-    /// [`DrafterFill::new`] with rank `r`'s replica on `backends[r]` (a rank's own device:
-    /// its slices run in that rank's bubbles). The router's priors are measured on the first.
-    pub fn on_backends<C: Backend, R: Backend>(
-        target: &GptConfig,
-        config: &DrafterConfig,
-        backends: Vec<R>,
-        first: &ModelChunk<C>,
-        last: &ModelChunk<C>,
-        step: u64,
-    ) -> Result<Self, DrafterError> {
-        let ranks = backends.len();
-        let buffer = DraftBufferHandle::new(target, config);
-        let Some(first_rank) = backends.first() else {
-            return Err(DrafterError::Config {
-                field: "stages",
-                reason: "a drafter in the bubbles needs at least one rank".into(),
-            });
-        };
-        let priors = eval::calibrate(target, config, first_rank.clone())?;
-        let mut replicas = Vec::with_capacity(ranks);
-        for (r, be) in backends.into_iter().enumerate() {
-            let mut drafter = Drafter::new(target, config, be)?;
-            drafter.refresh_from_chunk(first, step)?;
-            drafter.refresh_from_chunk(last, step)?;
-            let trainer = DrafterTrainer::new(drafter, buffer.clone(), r, ranks)?;
-            replicas.push(Mutex::new(Replica {
-                trainer: Box::new(trainer),
-                posted: None,
-            }));
-        }
-        Ok(DrafterFill {
-            ranks,
-            refresh_every: config.refresh_every,
-            held_out: DraftBufferHandle::new(target, config),
-            buffer,
-            replicas,
-            exchange: Mutex::new(Exchange::default()),
-            board: WeightBoard::default(),
-            tally: Mutex::new(Tally::default()),
-            priors,
-            peers: OnceLock::new(),
-            local: OnceLock::new(),
-            planned: None,
-        })
-    }
-
     /// The drafter of a run of `job` following `plan` from target step `step`: one replica
     /// per rank, seeded from the target's first and last chunks, and the last stage's capture
     /// hooked to its buffer.
@@ -413,13 +359,7 @@ impl DrafterFill {
         step: u64,
     ) -> Result<(), DrafterError> {
         let mut ex = lock(&self.exchange);
-        let held = ex.held.entry(rank).or_default();
-        if let Ok(values) = chunk.param_values("embed.tok") {
-            held.embed = Some((step, Arc::new(values)));
-        }
-        if let Ok(values) = chunk.param_values("head.w") {
-            held.head = Some((step, Arc::new(values)));
-        }
+        ex.held.entry(rank).or_default().take_from(chunk, step);
         Ok(())
     }
 
@@ -445,11 +385,7 @@ impl DrafterFill {
             return Ok(());
         };
         let version = replica.trainer.step_with(&grads)?;
-        for (name, deposit) in [("embed.tok", &frozen.embed), ("head.w", &frozen.head)] {
-            if let Some((step, values)) = deposit {
-                replica.trainer.refresh(name, values, *step)?;
-            }
-        }
+        self.adopt(&mut replica, &frozen)?;
         replica.posted = None;
         if rank == 0 {
             self.board.publish(version, replica.trainer.weights()?);

@@ -44,6 +44,9 @@ pub struct DrafterRun {
     pub router: RouterStats,
     /// `(step, drafter version, held-out agreement)` each time it was measured.
     pub agreement: Vec<(u64, u64, f64)>,
+    /// Bytes of the frozen embedding and head the replicas read after the run, each table
+    /// counted once however many replicas share it.
+    pub frozen_table_bytes: usize,
 }
 
 /// Pairs each step's metrics (from the ranks) with its iteration's measured profile (from

@@ -18,7 +18,8 @@
 //! hidden states and next-token distributions ([`DraftRow`]s, computed anyway), and the
 //! drafter trains `drafter_slices` slices per step on them (this step's rows and the
 //! previous step's, [`crate::model::drafter::DraftBuffer`]), with its frozen embedding and
-//! head copies refreshed from the new policy before the rollout. With `rl.advanced.drafter_work` `"idle"` (or `"idle-then-after"`) the
+//! head refreshed from the new policy before the rollout: one snapshot, which the trainer
+//! and the proposer share ([`crate::model::drafter::FrozenTables`]). With `rl.advanced.drafter_work` `"idle"` (or `"idle-then-after"`) the
 //! slices run inside the rollout, in the stages' idle time of the long tail: a
 //! [`RolloutRouter`] files the verification passes with a [`FillerRouter`] kept across
 //! steps (its cost estimates carry over), whose [`DrafterSlices`] sources cut the step's
@@ -173,10 +174,12 @@ impl<B: RankBackend> PipelineRollouts<B> {
         } else {
             Speculation::Off
         };
+        let mut proposer = Drafter::new(model, config, backend)?;
+        proposer.share_frozen(&trainer.drafter().frozen())?;
         let trainer = Arc::new(Mutex::new(trainer));
         let router = FillerRouter::default();
         Ok(PipelineRollouts {
-            proposer: Drafter::new(model, config, backend)?,
+            proposer,
             rl: rl.clone(),
             stages,
             speculation,
@@ -436,9 +439,10 @@ impl<B: RankBackend> RolloutGenerator<B> for PipelineRollouts<B> {
             };
         if speculate {
             let mut trainer = lock(&self.trainer);
-            self.proposer.load_weights(&trainer.weights()?)?;
-            self.proposer.refresh_from_gpt(policy, step)?;
+            // One snapshot of the policy's embedding and head, read by both drafters.
             trainer.drafter_mut().refresh_from_gpt(policy, step)?;
+            self.proposer.load_weights(&trainer.weights()?)?;
+            self.proposer.share_frozen(&trainer.drafter().frozen())?;
             trainer.buffer().begin_step(step);
         }
         if let Some(h) = &hook {

@@ -192,8 +192,10 @@ pub const IGNORE_TARGET: u32 = u32::MAX;
 /// says otherwise, output buffers are overwritten and must not alias inputs (the borrow
 /// checker enforces this).
 pub trait Backend: Clone + Send + Sync + 'static {
-    /// A device buffer of `f32` values (storage type [`DType`]).
-    type Buf: Send + 'static;
+    /// A device buffer of `f32` values (storage type [`DType`]). `Sync` so that a buffer
+    /// nobody writes (the drafter's frozen tables) can be read through an `Arc` by several
+    /// owners.
+    type Buf: Send + Sync + 'static;
 
     /// Human-readable name of the device ("cpu (2 threads)", "cuda:0 (H100)").
     fn name(&self) -> String;
@@ -219,6 +221,14 @@ pub trait Backend: Clone + Send + Sync + 'static {
     fn copy(&self, src: &Self::Buf, dst: &mut Self::Buf) -> Result<()>;
     /// Every element of `buf` set to `value`.
     fn fill(&self, buf: &mut Self::Buf, value: f32) -> Result<()>;
+
+    /// Whether a buffer made by `other` can be read by this backend's operations as they
+    /// are ordered (the same memory and, on a GPU, the same stream), so that one copy of a
+    /// read-only buffer serves both. The default, `false`, is always safe.
+    fn shares_buffers_with(&self, other: &Self) -> bool {
+        let _ = other;
+        false
+    }
 
     /// A new buffer with the same values and storage type as `src`.
     fn dup(&self, src: &Self::Buf) -> Result<Self::Buf> {

@@ -217,6 +217,9 @@ pub fn load_run<B: Backend>(path: &Path, be: B) -> anyhow::Result<Loaded<B>> {
         Some(state) => {
             let dc = drafter_config(path).unwrap_or_default();
             let mut d = Drafter::new(&config, &dc, be)?;
+            // The file keeps no frozen tables (one written before they were shared does,
+            // and loading them below keeps them): the target's own.
+            d.refresh_from_gpt(&gpt, checkpoint.meta.step)?;
             d.load_weights(&state.weights)
                 .with_context(|| format!("--model {}: its drafter", dir.display()))?;
             Some(d)

@@ -423,11 +423,21 @@ pub(super) fn task_text(job: &JobConfig) -> Result<Size, ConfigError> {
     })
 }
 
-/// The drafter: its block (as wide as the target's), input projection, frozen copies of
-/// the embedding and head, with gradients and moments; its buffer of two steps' rows
-/// (hidden states and tokens: no distributions, a slice recomputes them); one slice's
-/// activations (with the soft targets' logits and softmax through the frozen head).
-pub(super) fn drafter_bytes(job: &JobConfig) -> Result<Size, ConfigError> {
+/// The drafter: each replica's trainable state (its block, as wide as the target's, and
+/// input projection: value, gradient and moments; the first also the copies a checkpoint
+/// makes); the frozen embedding and head, one snapshot per process whatever the number of
+/// replicas (`model/drafter/frozen.rs`); its buffer of two steps' rows (hidden states and
+/// tokens: no distributions, a slice recomputes them); one slice's activations (with the soft
+/// targets' logits and softmax through the frozen head).
+///
+/// `replicas` trainers share the tables: a pipelined run's ranks (with the held-out
+/// evaluation's weights), or for `pipefill rl` (`rl`) the one trainer and the proposer, whose
+/// weights and half-precision packs (the head's too) are counted beside it.
+pub(super) fn drafter_bytes(
+    job: &JobConfig,
+    replicas: Size,
+    rl: bool,
+) -> Result<Size, ConfigError> {
     let dr = &job.drafter;
     let what = "the drafter";
     let Dims {
@@ -439,13 +449,31 @@ pub(super) fn drafter_bytes(job: &JobConfig) -> Result<Size, ConfigError> {
     } = dims(job);
     let trained = block_params(job, what, 6, 8)?;
     let hidden = hidden(job)?;
-    let weights = add(
+    let table = mul(what, &[vocab, d])?;
+    let trainers = add(
         what,
         &[
-            mul(what, &[trained, k(PARAM_BYTES)])?,
-            mul(what, &[k(2 * ELEMENT), vocab, d])?,
+            mul(what, &[replicas, trained, k(LIVE_PARAM_BYTES)])?,
+            mul(what, &[trained, k(PARAM_BYTES - LIVE_PARAM_BYTES)])?,
         ],
     )?;
+    // The proposer's weights and their f16 packs with the head's; or the held-out
+    // evaluation's weights and gradients.
+    let beside = match rl {
+        true => add(
+            what,
+            &[
+                mul(what, &[trained, k(ELEMENT + 2)])?,
+                mul(what, &[table, k(2)])?,
+            ],
+        )?,
+        false => mul(what, &[trained, k(2 * ELEMENT)])?,
+    };
+    // The snapshot read (the embedding f32 on the host, the head in storage), the next one
+    // a refresh builds while it is read, and the head's host values (a pipelined run's
+    // deposit, which the replicas upload; the refresh's own in `pipefill rl`).
+    let tables = mul(what, &[table, k(2 * (4 + ELEMENT) + 4)])?;
+    let weights = add(what, &[trainers, beside, tables])?;
     let row = add(what, &[d, k(1)])?;
     let buffer = mul(
         what,

@@ -14,9 +14,12 @@
 //! ```
 //!
 //! where `Block` is one decoder block of the target's shape ([`crate::model::layers::Block`],
-//! parameters `drafter.block.…`) and `tok_emb` / `W_head` are **frozen copies** of the target's
-//! `embed.tok` and `head.w`, refreshed from the target every `refresh_every` target steps
-//! ([`Drafter::refresh_from_chunk`], [`Drafter::refresh_from_gpt`], [`Drafter::refresh`]).
+//! parameters `drafter.block.…`) and `tok_emb` / `W_head` are the target's `embed.tok` and
+//! `head.w`, frozen ([`FrozenTables`]): one snapshot per process, refreshed from the target
+//! every `refresh_every` target steps ([`Drafter::refresh_from_chunk`],
+//! [`Drafter::refresh_from_gpt`], [`Drafter::refresh`]) and shared by pointer by the process's
+//! drafters ([`Drafter::share_frozen`]); never in the drafter's optimizer, its weights
+//! messages or its checkpoint (see `frozen.rs`).
 //! Positions need no embedding of their own: `h_t` already carries them.
 //! The loss of one pair (see [`loss`]) is
 //! `ce_weight · CE(p_{t+1}, q_{t+1}) + hidden_weight · mean_j SmoothL1_β(f̂_{t+1} − h_{t+1})`,
@@ -95,6 +98,7 @@
 
 mod batch;
 mod buffer;
+mod frozen;
 mod linear;
 pub mod loss;
 mod masked;
@@ -111,6 +115,7 @@ mod vocab;
 
 pub use batch::DraftBatch;
 pub use buffer::{DraftBuffer, DraftBufferHandle, DraftRow};
+pub use frozen::FrozenTables;
 pub use linear::Linear;
 pub use net::{Drafter, DrafterWeights, LossSums, NamedTensor};
 pub use propose::{DraftChain, DraftContext};
@@ -365,5 +370,5 @@ impl From<TensorError> for DrafterError {
 /// Result of a drafter operation.
 pub type Result<T> = std::result::Result<T, DrafterError>;
 
-/// The named parameters the drafter copies, frozen, from the target.
+/// The target's parameters the drafter reads, frozen ([`FrozenTables`]).
 pub const FROZEN: [&str; 2] = ["embed.tok", "head.w"];

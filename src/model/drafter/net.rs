@@ -2,12 +2,16 @@
 //! target's token embedding and LM head, the loss, and its weights as a message
 //! ([`DrafterWeights`]).
 
+use std::sync::Arc;
+
 use serde::{Deserialize, Serialize};
 
 use super::loss::{argmax, smooth_l1, soft_cross_entropy, softmax_rows};
-use super::{DraftBatch, DraftRow, DrafterConfig, DrafterError, FROZEN, Linear, Result};
+use super::{
+    DraftBatch, DraftRow, DrafterConfig, DrafterError, FROZEN, FrozenTables, Linear, Result,
+};
 use crate::model::layers::{Attention, Block, Layer, Mlp, RmsNorm};
-use crate::model::{Gpt, GptConfig, ModelChunk, ModelError, Param, init};
+use crate::model::{GptConfig, ModelError, Param, init};
 use crate::tensor::{Backend, DType, Gemm};
 
 /// One tensor by name, on the host.
@@ -49,11 +53,9 @@ pub struct Drafter<B: Backend> {
     pub(super) config: DrafterConfig,
     pub(super) fc: Linear<B>,
     pub(super) block: Block<B>,
-    /// Frozen `embed.tok: [vocab, d]`, on the host: it only gathers rows of the fc input.
-    pub(super) tok: Vec<f32>,
-    /// Frozen `head.w: [d, vocab]`.
-    pub(super) head: B::Buf,
-    pub(super) frozen_step: Option<u64>,
+    /// The target's frozen `embed.tok` and `head.w`, shared with the process's other
+    /// drafters ([`super::frozen`]).
+    pub(super) frozen: FrozenTables<B>,
     /// The reduced draft vocabulary of proposals, if set ([`super::vocab`]).
     pub(super) draft: Option<super::vocab::DraftVocab<B>>,
     /// The proposal's packed weights and memo: dropped by every `&mut` path to the weights.
@@ -61,12 +63,32 @@ pub struct Drafter<B: Backend> {
 }
 
 impl<B: Backend> Drafter<B> {
-    /// A drafter initialised from `config.seed`, its frozen copies equal to the target's
+    /// A drafter initialised from `config.seed`, its frozen tables equal to the target's
     /// initial `embed.tok` and `head.w` until the first refresh.
     pub fn new(target: &GptConfig, config: &DrafterConfig, be: B) -> Result<Self> {
         target.validate()?;
-        config.validate()?;
         let (d, v) = (target.d_model, target.vocab);
+        let head = init::normal(target.seed, FROZEN[1], d * v, init::INIT_STD);
+        let frozen = FrozenTables {
+            tok: Arc::new(init::normal(target.seed, FROZEN[0], v * d, init::INIT_STD)),
+            head: Arc::new(be.from_host(&head, be.storage_dtype())?),
+            step: None,
+        };
+        Drafter::sharing(target, config, be, &frozen)
+    }
+
+    /// A drafter initialised from `config.seed` that reads `tables` (another drafter's of
+    /// this process, on memory `be` reads: see [`Drafter::share_frozen`]), without drawing
+    /// tables of its own.
+    pub fn sharing(
+        target: &GptConfig,
+        config: &DrafterConfig,
+        be: B,
+        tables: &FrozenTables<B>,
+    ) -> Result<Self> {
+        target.validate()?;
+        config.validate()?;
+        let d = target.d_model;
         let shape = GptConfig {
             seed: config.seed,
             ..target.clone()
@@ -77,19 +99,18 @@ impl<B: Backend> Drafter<B> {
             norm2: RmsNorm::new(&be, "drafter.block.norm2", d, target.norm_eps)?,
             mlp: Mlp::new(&be, "drafter.block.mlp", &shape)?,
         };
-        let head = init::normal(target.seed, FROZEN[1], d * v, init::INIT_STD);
-        Ok(Drafter {
+        let mut drafter = Drafter {
             fc: Linear::new(&be, "drafter.fc", 2 * d, d, config.seed)?,
             block,
-            tok: init::normal(target.seed, FROZEN[0], v * d, init::INIT_STD),
-            head: be.from_host(&head, be.storage_dtype())?,
-            frozen_step: None,
+            frozen: tables.clone(),
             draft: None,
             packs: Default::default(),
             target: target.clone(),
             config: config.clone(),
             be,
-        })
+        };
+        drafter.share_frozen(tables)?;
+        Ok(drafter)
     }
 
     pub fn config(&self) -> &DrafterConfig {
@@ -103,72 +124,6 @@ impl<B: Backend> Drafter<B> {
 
     pub fn backend(&self) -> &B {
         &self.be
-    }
-
-    /// Target step of the frozen copies' last refresh (`None`: never refreshed).
-    pub fn frozen_step(&self) -> Option<u64> {
-        self.frozen_step
-    }
-
-    /// Whether the frozen copies are due for a refresh at target step `target_step`
-    /// (never refreshed, or `refresh_every` steps since the last one).
-    pub fn needs_refresh(&self, target_step: u64) -> bool {
-        self.frozen_step
-            .is_none_or(|s| target_step >= s.saturating_add(self.config.refresh_every))
-    }
-
-    /// Overwrites the frozen copy `name` (`embed.tok` or `head.w`) with the target's values at
-    /// target step `step`.
-    pub fn refresh(&mut self, name: &str, values: &[f32], step: u64) -> Result<()> {
-        let expected = self.target.vocab * self.target.d_model;
-        if !FROZEN.contains(&name) {
-            return Err(ModelError::UnknownParam(name.to_string()).into());
-        }
-        if values.len() != expected {
-            let (name, got) = (name.to_string(), values.len());
-            return Err(ModelError::ParamLen {
-                name,
-                expected,
-                got,
-            }
-            .into());
-        }
-        self.packs.invalidate();
-        if name == FROZEN[0] {
-            self.tok = values.to_vec();
-        } else {
-            self.head = self.be.from_host(values, self.be.storage_dtype())?;
-            if let Some(draft) = self.draft.take() {
-                self.draft = Some(self.draft_head(draft.ids)?);
-            }
-        }
-        self.frozen_step = Some(step);
-        Ok(())
-    }
-
-    /// Refreshes whichever frozen copies `chunk` holds (the first chunk has the embedding,
-    /// the last the head); returns how many it held.
-    pub fn refresh_from_chunk<C: Backend>(
-        &mut self,
-        chunk: &ModelChunk<C>,
-        step: u64,
-    ) -> Result<usize> {
-        let mut n = 0;
-        for name in FROZEN {
-            if let Ok(values) = chunk.param_values(name) {
-                self.refresh(name, &values, step)?;
-                n += 1;
-            }
-        }
-        Ok(n)
-    }
-
-    /// Refreshes both frozen copies from a whole model.
-    pub fn refresh_from_gpt<C: Backend>(&mut self, gpt: &Gpt<C>, step: u64) -> Result<()> {
-        for name in FROZEN {
-            self.refresh(name, &gpt.param_values(name)?, step)?;
-        }
-        Ok(())
     }
 
     /// The trainable parameters (`drafter.fc.w`, then the block's).
@@ -218,7 +173,7 @@ impl<B: Backend> Drafter<B> {
         for r in rows {
             r.check(d, v)?;
         }
-        let mut batch = DraftBatch::layout(rows, &self.tok, d, max_positions, rng);
+        let mut batch = DraftBatch::layout(rows, &self.frozen.tok, d, max_positions, rng);
         let h = self
             .be
             .from_host(&batch.target_hidden, self.be.storage_dtype())?;
@@ -243,7 +198,7 @@ impl<B: Backend> Drafter<B> {
         let (d, v) = (self.target.d_model, self.target.vocab);
         let mut logits = self.be.zeros(rows * v, self.be.storage_dtype())?;
         self.be
-            .matmul(f, &self.head, &mut logits, Gemm::nn(rows, d, v))?;
+            .matmul(f, &self.frozen.head, &mut logits, Gemm::nn(rows, d, v))?;
         Ok(logits)
     }
 
@@ -301,7 +256,7 @@ impl<B: Backend> Drafter<B> {
         let dz = be.from_host(&dz, DType::F32)?;
         be.matmul(
             &dz,
-            &self.head,
+            &self.frozen.head,
             &mut dfeat,
             Gemm::nn(rows, v, d).trans_b().accumulate(),
         )?;
@@ -351,7 +306,8 @@ impl<B: Backend> Drafter<B> {
         Ok(())
     }
 
-    /// Every weight, trainable then frozen, as a message versioned `version`.
+    /// The trainable weights as a message versioned `version`, with the frozen tables' step
+    /// but not the tables: whoever loads them holds the target they come from.
     pub fn weights(&self, version: u64) -> Result<DrafterWeights> {
         let be = &self.be;
         let mut tensors = Vec::new();
@@ -362,33 +318,56 @@ impl<B: Backend> Drafter<B> {
                 values: be.to_host(&p.value)?,
             });
         }
-        let (d, v) = (self.target.d_model, self.target.vocab);
-        tensors.push(NamedTensor {
-            name: FROZEN[0].into(),
-            shape: vec![v, d],
-            values: self.tok.clone(),
-        });
-        tensors.push(NamedTensor {
-            name: FROZEN[1].into(),
-            shape: vec![d, v],
-            values: be.to_host(&self.head)?,
-        });
         Ok(DrafterWeights {
             version,
-            frozen_step: self.frozen_step,
+            frozen_step: self.frozen.step,
             tensors,
         })
     }
 
+    /// The frozen tables as named tensors (`embed.tok`, `head.w`), for the one case where
+    /// they must travel with the weights: a checkpoint whose tables lag the target's own
+    /// values (see `pipeline/fill/state.rs`).
+    pub fn frozen_tensors(&self) -> Result<Vec<NamedTensor>> {
+        let (d, v) = (self.target.d_model, self.target.vocab);
+        Ok(vec![
+            NamedTensor {
+                name: FROZEN[0].into(),
+                shape: vec![v, d],
+                values: self.frozen.tok.to_vec(),
+            },
+            NamedTensor {
+                name: FROZEN[1].into(),
+                shape: vec![d, v],
+                values: self.be.to_host(&self.frozen.head)?,
+            },
+        ])
+    }
+
     /// Loads a snapshot made by [`Drafter::weights`] of a drafter of the same shape: every
-    /// tensor must be present once, known and of the right length.
+    /// trainable tensor must be present once, known and of the right length. The frozen
+    /// tables stay those this drafter holds (refreshed from its target), unless the snapshot
+    /// carries both (a file written before the tables were shared, or tables that lag the
+    /// target's checkpoint): then those, checked, with their step.
     pub fn load_weights(&mut self, weights: &DrafterWeights) -> Result<()> {
         let be = self.be.clone();
         let missing = |name: &str| DrafterError::Input {
             what: "weights",
             reason: format!("no `{name}`"),
         };
-        let expected = self.params().len() + FROZEN.len();
+        let find = |name: &str| weights.tensors.iter().find(|t| t.name == name);
+        let frozen: Vec<&NamedTensor> = FROZEN.iter().filter_map(|&n| find(n)).collect();
+        if frozen.len() == 1 {
+            let (has, lacks) = match frozen[0].name == FROZEN[0] {
+                true => (FROZEN[0], FROZEN[1]),
+                false => (FROZEN[1], FROZEN[0]),
+            };
+            return Err(DrafterError::Input {
+                what: "weights",
+                reason: format!("`{has}` without `{lacks}`: the frozen tables come as a pair"),
+            });
+        }
+        let expected = self.params().len() + frozen.len();
         if weights.tensors.len() != expected {
             return Err(DrafterError::Input {
                 what: "weights",
@@ -398,8 +377,7 @@ impl<B: Backend> Drafter<B> {
         // Every check first, so a bad snapshot leaves the drafter as it was.
         let mut values = Vec::with_capacity(expected);
         for p in self.params() {
-            let t = weights.tensors.iter().find(|t| t.name == p.name);
-            let t = t.ok_or_else(|| missing(&p.name))?;
+            let t = find(&p.name).ok_or_else(|| missing(&p.name))?;
             if t.values.len() != p.numel() {
                 let (name, expected, got) = (t.name.clone(), p.numel(), t.values.len());
                 return Err(ModelError::ParamLen {
@@ -411,16 +389,6 @@ impl<B: Backend> Drafter<B> {
             }
             values.push(&t.values);
         }
-        let frozen = FROZEN
-            .iter()
-            .map(|&name| {
-                weights
-                    .tensors
-                    .iter()
-                    .find(|t| t.name == name)
-                    .ok_or_else(|| missing(name))
-            })
-            .collect::<Result<Vec<_>>>()?;
         let size = self.target.vocab * self.target.d_model;
         if let Some(t) = frozen.iter().find(|t| t.values.len() != size) {
             let (name, got) = (t.name.clone(), t.values.len());
@@ -434,10 +402,12 @@ impl<B: Backend> Drafter<B> {
         for (p, v) in self.params_mut().into_iter().zip(values) {
             p.value = be.from_host(v, be.dtype(&p.value))?;
         }
-        for t in frozen {
+        for t in &frozen {
             self.refresh(&t.name, &t.values, 0)?;
         }
-        self.frozen_step = weights.frozen_step;
+        if !frozen.is_empty() {
+            self.frozen.step = weights.frozen_step;
+        }
         Ok(())
     }
 }
@@ -447,7 +417,7 @@ impl<B: Backend> std::fmt::Debug for Drafter<B> {
         f.debug_struct("Drafter")
             .field("d_model", &self.target.d_model)
             .field("vocab", &self.target.vocab)
-            .field("frozen_step", &self.frozen_step)
+            .field("frozen_step", &self.frozen.step)
             .field("stashed", &self.stashed())
             .finish()
     }

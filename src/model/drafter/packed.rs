@@ -84,7 +84,7 @@ impl PackedDrafter {
             w3,
             head: match &d.draft {
                 Some(draft) => pack(&be.to_host(&draft.head)?, dm, draft.ids.len()),
-                None => pack(&be.to_host(&d.head)?, dm, v),
+                None => pack(&be.to_host(&d.frozen.head)?, dm, v),
             },
         })
     }

@@ -204,7 +204,7 @@ impl<B: Backend> Drafter<B> {
     fn push_pair(&self, x: &mut Vec<f32>, token: u32, hidden: &[f32]) {
         let d = self.target.d_model;
         let id = token as usize;
-        x.extend_from_slice(&self.tok[id * d..(id + 1) * d]);
+        x.extend_from_slice(&self.frozen.tok[id * d..(id + 1) * d]);
         x.extend_from_slice(hidden);
     }
 
@@ -387,7 +387,7 @@ impl<B: Backend> Drafter<B> {
                     let y = mm(&draft.head, d, draft.ids.len())?;
                     Ok(self.scatter_draft(&draft.ids, &y, rows))
                 }
-                None => mm(&self.head, d, v),
+                None => mm(&self.frozen.head, d, v),
             },
         }
     }

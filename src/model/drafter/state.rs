@@ -1,8 +1,9 @@
 //! The drafter's state in a checkpoint ([`DrafterState`]): what a run that trains the drafter
 //! in its bubbles needs to continue from the same drafter instead of a fresh one.
 //!
-//! It holds one replica's weights (trainable and the frozen copies of the target's embedding
-//! and head, with the drafter version and the target step of the copies), its AdamW state,
+//! It holds one replica's trainable weights (with the drafter version and the target step of
+//! its frozen tables; not the tables themselves, which a resumed run takes from the target's
+//! checkpoint: `pipeline/fill/state.rs` says when they must travel anyway), its AdamW state,
 //! every replica's row sampler (each replica draws its own stream), and the rows of the
 //! training and held-out buffers (both generations, in order). The replicas of a pipelined
 //! run apply the same update at every drafter step, so one replica's weights and optimizer
@@ -195,7 +196,7 @@ pub struct RowMeta {
 pub struct DrafterMeta {
     /// Drafter optimizer steps taken.
     pub version: u64,
-    /// Target step of the frozen copies' last refresh.
+    /// Target step of the frozen tables' last refresh.
     pub frozen_step: Option<u64>,
     /// AdamW's step counter.
     pub optimizer_step: u64,
@@ -311,7 +312,9 @@ impl RoundState {
 /// The drafter's state (see the module docs).
 #[derive(Clone, Debug, PartialEq)]
 pub struct DrafterState {
-    /// Weights, version and frozen step (of replica 0; the replicas hold the same).
+    /// Trainable weights, version and frozen step (of replica 0; the replicas hold the same).
+    /// The frozen tables only where they lag the target's weights in the same checkpoint,
+    /// or in a file written before the tables were shared.
     pub weights: DrafterWeights,
     pub optimizer: OptimizerState,
     /// Each replica's row sampler, by replica.

@@ -86,7 +86,7 @@ impl<B: Backend> Drafter<B> {
     /// Gathers the frozen head's columns `ids` (again after every refresh of the head).
     pub(super) fn draft_head(&self, ids: Vec<u32>) -> Result<DraftVocab<B>> {
         let (d, v, n) = (self.target.d_model, self.target.vocab, ids.len());
-        let full = self.be.to_host(&self.head)?;
+        let full = self.be.to_host(&self.frozen.head)?;
         let mut cols = Vec::with_capacity(d * n);
         for row in full.chunks_exact(v).take(d) {
             cols.extend(ids.iter().map(|&t| row[t as usize]));

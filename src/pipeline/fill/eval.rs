@@ -34,11 +34,13 @@ pub(super) fn calibrate<B: Backend>(
     let targets: Vec<u32> = (0..n).map(|_| (rng.next_u64() % v as u64) as u32).collect();
     buffer.begin_step(0);
     buffer.push_micro_batch(shape, &hidden, &targets)?;
-    let mut trainers = (0..2)
-        .map(|r| {
-            let drafter = Drafter::new(target, config, backend.clone())?;
-            DrafterTrainer::new(drafter, buffer.clone(), r, 2)
-        })
+    // Two replicas over one set of tables, as the run's replicas share theirs.
+    let first = Drafter::new(target, config, backend.clone())?;
+    let second = Drafter::sharing(target, config, backend, &first.frozen())?;
+    let mut trainers = [first, second]
+        .into_iter()
+        .enumerate()
+        .map(|(r, drafter)| DrafterTrainer::new(drafter, buffer.clone(), r, 2))
         .collect::<Result<Vec<_>, _>>()?;
     let full = trainers[0].max_slice_rows();
     // The median of three of each size.
@@ -64,16 +66,26 @@ pub(super) fn calibrate<B: Backend>(
     ))
 }
 
-/// Measures the drafter on held-out rows from the weights it was handed (the caller's
-/// thread, off the pipeline's timeline).
+/// Measures the drafter on held-out rows from the weights it was handed and the frozen
+/// tables the replicas read (the caller's thread, off the pipeline's timeline).
 pub struct HeldOutEval {
     trainer: DrafterTrainer<CpuBackend>,
     version: Option<u64>,
 }
 
 impl HeldOutEval {
-    pub fn new(target: &GptConfig, config: &DrafterConfig) -> Result<Self, DrafterError> {
-        let drafter = Drafter::new(target, config, CpuBackend::new(1)?)?;
+    /// The evaluation of `fill`'s drafter, reading its replicas' tables (shared where
+    /// those are on the CPU).
+    pub fn new(
+        target: &GptConfig,
+        config: &DrafterConfig,
+        fill: &DrafterFill,
+    ) -> Result<Self, DrafterError> {
+        let be = CpuBackend::new(1)?;
+        let drafter = match fill.cpu_tables(&be) {
+            Some(tables) => Drafter::sharing(target, config, be, &tables)?,
+            None => Drafter::new(target, config, be)?,
+        };
         let buffer = DraftBufferHandle::new(target, config);
         Ok(HeldOutEval {
             trainer: DrafterTrainer::new(drafter, buffer, 0, 1)?,
@@ -91,6 +103,8 @@ impl HeldOutEval {
             self.trainer.load_weights(&latest.value)?;
             self.version = Some(latest.version);
         }
+        // The weights carry no tables: the replicas' newest, shared where they are on the CPU.
+        fill.share_tables(&mut self.trainer)?;
         let rows: Vec<DraftRow> = {
             let held = fill.held_out().lock();
             let all: Vec<&DraftRow> = held.rows().collect();

@@ -8,10 +8,17 @@
 //!   [`pipefill_actors::FillerSource::fixed_size`]); the slices no bubble took run at the
 //!   step's end. Where they run changes the step's time, never what they compute: one
 //!   replica's slices run one after another on its rank's thread, in the planned order.
+//! - **Frozen tables.** A step's slices read the tables deposited at the end of the step
+//!   before (when a refresh was due then; otherwise the older ones they already read): the
+//!   target's weights after that step, which is what a checkpoint taken there holds, so the
+//!   drafter's file need not (see `state.rs`). A replica takes them before its first slice
+//!   of the step; a bubble whose rank has not received them yet (posted by the first and
+//!   last ranks at their step end) runs no slice, and the step's end waits for them with the
+//!   round.
 //! - **Rounds.** At the end of step `s` every rank waits until round `s − 1` is complete,
-//!   runs the step's leftover slices, applies that round (its gradients of every replica,
-//!   summed in replica order, then the frozen copies posted with it) and posts its gradients
-//!   of step `s` as round `s`. In one process round `s − 1` is complete by then: a rank cannot
+//!   takes its tables if it had not, runs the step's leftover slices, applies that round (its
+//!   gradients of every replica, summed in replica order) and posts its gradients of step `s`
+//!   as round `s`. In one process round `s − 1` is complete by then: a rank cannot
 //!   finish step `s` before every rank has begun it, that is ended step `s − 1`. Across
 //!   processes (`pipefill launch`) the other replicas' posts, and step `s − 1`'s rows, travel
 //!   on the mesh and may still be on their way, so the wait is real; the last stage's process
@@ -47,6 +54,8 @@ struct Cursor {
     next: usize,
     /// The replica's row sampler as it ended its last step (what a checkpoint keeps).
     sampler: SplitMix64,
+    /// Whether the replica reads the frozen tables of `step`'s slices.
+    tables: bool,
 }
 
 /// One step's round: each replica's gradients, by replica, and the copies posted with them.
@@ -78,6 +87,7 @@ impl Planned {
                     step: start,
                     next: 0,
                     sampler,
+                    tables: false,
                 })
             })
             .collect();
@@ -123,8 +133,8 @@ impl Planned {
         if !self.has_round_before(next) {
             return Ok(None);
         }
-        let (grads, frozen) = self.complete(next - 1)?;
-        Ok(Some(round_state(next - 1, grads, &frozen)))
+        let (grads, _) = self.complete(next - 1)?;
+        Ok(Some(round_state(next - 1, grads)))
     }
 
     /// Whether step `next` has a round before it (to wait for, apply or keep): every step
@@ -144,7 +154,7 @@ impl Planned {
         let rounds = lock(&self.rounds);
         let round = rounds.get(&step)?;
         let grads = round.grads.values().cloned().collect();
-        Some(round_state(step, grads, &round.frozen))
+        Some(round_state(step, grads))
     }
 
     /// The exchange failed for `reason`: every wait for a round ends with it.
@@ -183,37 +193,65 @@ impl Planned {
                 ),
             });
         }
-        let deposit =
-            |d: &Option<(u64, Vec<f32>)>| d.as_ref().map(|(s, v)| (*s, Arc::new(v.clone())));
+        // Tables a file written before they were shared keeps with the round are not taken:
+        // the run's first step reads its seeds, the target's weights of the same checkpoint.
         let mut rounds = lock(&self.rounds);
         rounds.insert(
             round.step,
             Round {
                 grads: round.grads.iter().map(|g| (g.replica, g.clone())).collect(),
-                frozen: Frozen {
-                    embed: deposit(&round.embed),
-                    head: deposit(&round.head),
-                },
+                frozen: Frozen::default(),
                 applied: 0,
             },
         );
         Ok(())
     }
 
-    /// `rank`'s next planned slice, `(its step, layout rows)`, if it has one left and the
-    /// step before has rows to sample; `take` hands it out.
+    /// `rank`'s next planned slice, `(its step, layout rows)`, if it has one left, the
+    /// step before has rows to sample and the tables the slice reads are in; `take` hands it
+    /// out (the replica taking the tables first).
     fn next(&self, fill: &DrafterFill, rank: usize, take: bool) -> Option<(u64, u64)> {
-        let mut cursor = lock(self.cursors.get(rank)?);
-        let rows = *self.slices.slices(rank, cursor.step).get(cursor.next)?;
-        let step = cursor.step;
+        let (step, rows, tables) = {
+            let cursor = lock(self.cursors.get(rank)?);
+            let rows = *self.slices.slices(rank, cursor.step).get(cursor.next)?;
+            (cursor.step, rows, cursor.tables)
+        };
         // A step with slices is at least 1; its slices sample the step before.
         if !fill.buffer.has_step(step - 1) {
             return None;
         }
+        if !tables {
+            let deposits = match self.due_tables(fill, step) {
+                true => self.deposits(step - 1)?,
+                false => Frozen::default(),
+            };
+            if !take {
+                return Some((step, rows));
+            }
+            if fill.take_tables(rank, &deposits).is_err() {
+                // The slice's own run reports the replica's error.
+                return None;
+            }
+            lock(&self.cursors[rank]).tables = true;
+        }
         if take {
-            cursor.next += 1;
+            lock(&self.cursors[rank]).next += 1;
         }
         Some((step, rows))
+    }
+
+    /// Whether step `step`'s slices read tables deposited at the end of step `step − 1` in
+    /// this run (a refresh was due then), not those the replica holds (no refresh due, or
+    /// the run's first step, whose tables are its seeds or its checkpoint's).
+    fn due_tables(&self, fill: &DrafterFill, step: u64) -> bool {
+        step > self.start && step.is_multiple_of(fill.refresh_every)
+    }
+
+    /// The tables posted with round `step` so far, once both are in (`None` before).
+    fn deposits(&self, step: u64) -> Option<Frozen> {
+        let rounds = lock(&self.rounds);
+        let frozen = &rounds.get(&step)?.frozen;
+        (frozen.embed.is_some() && frozen.head.is_some()).then(|| frozen.clone())
     }
 
     /// Adds one replica's post of round `step`.
@@ -289,14 +327,15 @@ impl Planned {
     }
 }
 
-/// A round as a checkpoint keeps it.
-fn round_state(step: u64, grads: Vec<DrafterGrads>, frozen: &Frozen) -> RoundState {
-    let copy = |d: &super::Deposit| d.as_ref().map(|(s, v)| (*s, v.to_vec()));
+/// A round as a checkpoint keeps it: its gradients, not the tables posted with it (the
+/// replicas took those before the checkpoint's next step, and they are the target's weights
+/// in the same checkpoint).
+fn round_state(step: u64, grads: Vec<DrafterGrads>) -> RoundState {
     RoundState {
         step,
         grads,
-        embed: copy(&frozen.embed),
-        head: copy(&frozen.head),
+        embed: None,
+        head: None,
     }
 }
 
@@ -350,6 +389,14 @@ impl DrafterFill {
         // Before the leftover slices: across processes the round's completion is what says
         // that the rows they sample are in (see the module docs).
         let round = applies.then(|| planned.complete(step - 1)).transpose()?;
+        if let Some((_, frozen)) = &round
+            && !lock(&planned.cursors[rank]).tables
+        {
+            if planned.due_tables(self, step) {
+                self.take_tables(rank, frozen)?;
+            }
+            lock(&planned.cursors[rank]).tables = true;
+        }
         while let Some((s, rows)) = planned.next(self, rank, true) {
             self.slice(rank, rows as usize, Some(s - 1))?;
         }
@@ -370,6 +417,7 @@ impl DrafterFill {
             step: step + 1,
             next: 0,
             sampler,
+            tables: false,
         };
         let wire = self.peers.get().map(|_| frozen.post(&grads));
         planned.post(step, grads, frozen)?;
@@ -379,24 +427,19 @@ impl DrafterFill {
         }
     }
 
-    /// `rank`'s replica applies round `step`: the summed update when it counted pairs, then
-    /// the copies posted with it; replica 0 publishes the weights.
+    /// `rank`'s replica applies round `step`: the summed update when it counted pairs (its
+    /// tables it took before the step's slices); replica 0 publishes the weights.
     fn planned_apply(
         &self,
         planned: &Planned,
         rank: usize,
         step: u64,
-        (grads, frozen): (Vec<DrafterGrads>, Frozen),
+        (grads, _): (Vec<DrafterGrads>, Frozen),
     ) -> Result<(), DrafterError> {
         let mut replica = lock(&self.replicas[rank]);
         let updates = grads.iter().any(|g| g.pairs > 0);
         if updates {
             replica.trainer.step_with(&grads)?;
-        }
-        for (name, deposit) in [("embed.tok", &frozen.embed), ("head.w", &frozen.head)] {
-            if let Some((s, values)) = deposit {
-                replica.trainer.refresh(name, values, *s)?;
-            }
         }
         if rank == 0 && updates {
             self.board

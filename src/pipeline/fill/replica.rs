@@ -1,11 +1,20 @@
 //! A rank's drafter replica behind one object type ([`ReplicaTrainer`]), whatever backend it
 //! computes on: the fill keeps one per rank, each on its rank's device, without every type
 //! that holds the fill being generic over the backend.
+//!
+//! The replicas of a process share one set of frozen tables ([`TableCache`]): the first to
+//! take a deposit builds them (the embedding is the deposit itself, the head one upload), and
+//! every other replica whose backend reads that memory takes the same `Arc`s.
 
+use std::any::Any;
+use std::sync::{Arc, Weak};
+
+use super::round::{Deposit, Frozen};
 use crate::data::SplitMix64;
 use crate::model::OptimizerState;
 use crate::model::drafter::{
-    DrafterError, DrafterGrads, DrafterTrainer, DrafterWeights, SliceStats,
+    DrafterError, DrafterGrads, DrafterTrainer, DrafterWeights, FROZEN, FrozenTables, NamedTensor,
+    SliceStats,
 };
 use crate::tensor::Backend;
 
@@ -21,8 +30,13 @@ pub(super) trait ReplicaTrainer: Send {
     fn take_grads(&mut self) -> Result<DrafterGrads>;
     fn step_with(&mut self, grads: &[DrafterGrads]) -> Result<u64>;
     fn weights(&self) -> Result<DrafterWeights>;
-    /// Refreshes the frozen copy `name` (`embed.tok` or `head.w`) as of target step `step`.
-    fn refresh(&mut self, name: &str, values: &[f32], step: u64) -> Result<()>;
+    /// The frozen tables as named tensors ([`crate::model::drafter::Drafter::frozen_tensors`]).
+    fn frozen_tensors(&self) -> Result<Vec<NamedTensor>>;
+    /// Each frozen table the replica reads, by identity, with its bytes.
+    fn tables(&self) -> [(usize, usize); 2];
+    /// Takes the deposited frozen tables `frozen` (those it carries), sharing the tables
+    /// another replica built from the same deposits where `cache` holds them.
+    fn adopt(&mut self, frozen: &Frozen, cache: &mut TableCache) -> Result<()>;
     fn sampler(&self) -> SplitMix64;
     fn export_state(&self) -> Result<(DrafterWeights, OptimizerState)>;
     fn import_state(
@@ -58,8 +72,44 @@ impl<B: Backend> ReplicaTrainer for DrafterTrainer<B> {
     fn weights(&self) -> Result<DrafterWeights> {
         DrafterTrainer::weights(self)
     }
-    fn refresh(&mut self, name: &str, values: &[f32], step: u64) -> Result<()> {
-        self.drafter_mut().refresh(name, values, step)
+    fn frozen_tensors(&self) -> Result<Vec<NamedTensor>> {
+        self.drafter().frozen_tensors()
+    }
+    fn tables(&self) -> [(usize, usize); 2] {
+        let (t, be) = (self.drafter().frozen(), self.drafter().backend());
+        let head_bytes = t.bytes(be) - 4 * t.tok.len();
+        [
+            (Arc::as_ptr(&t.tok) as usize, 4 * t.tok.len()),
+            (Arc::as_ptr(&t.head) as *const u8 as usize, head_bytes),
+        ]
+    }
+    fn adopt(&mut self, frozen: &Frozen, cache: &mut TableCache) -> Result<()> {
+        if frozen.embed.is_none() && frozen.head.is_none() {
+            return Ok(());
+        }
+        let drafter = self.drafter_mut();
+        let before = drafter.frozen();
+        let built = (cache.0.as_ref()).and_then(|b| b.downcast_ref::<Built<B>>());
+        if let Some(built) = built
+            && built.be.shares_buffers_with(drafter.backend())
+            && built.from(&before, frozen)
+        {
+            return drafter.share_frozen(&built.after);
+        }
+        for (name, deposit) in FROZEN.iter().zip([&frozen.embed, &frozen.head]) {
+            if let Some((step, values)) = deposit {
+                drafter.refresh_shared(name, values, *step)?;
+            }
+        }
+        cache.0 = Some(Box::new(Built {
+            be: drafter.backend().clone(),
+            embed: weak(&frozen.embed),
+            head: weak(&frozen.head),
+            tok_before: Arc::downgrade(&before.tok),
+            head_before: Arc::downgrade(&before.head),
+            after: drafter.frozen(),
+        }));
+        Ok(())
     }
     fn sampler(&self) -> SplitMix64 {
         DrafterTrainer::sampler(self)
@@ -75,4 +125,52 @@ impl<B: Backend> ReplicaTrainer for DrafterTrainer<B> {
     ) -> Result<()> {
         DrafterTrainer::import_state(self, weights, optimizer, sampler)
     }
+}
+
+/// The frozen tables a replica of this process last built from deposits, for the others.
+#[derive(Default)]
+pub(crate) struct TableCache(Option<Box<dyn Any + Send>>);
+
+impl TableCache {
+    /// The tables last built, if a backend of type `B` built them on memory `be` reads.
+    pub(crate) fn tables_for<B: Backend>(&self, be: &B) -> Option<FrozenTables<B>> {
+        let built = self.0.as_ref()?.downcast_ref::<Built<B>>()?;
+        built
+            .be
+            .shares_buffers_with(be)
+            .then(|| built.after.clone())
+    }
+}
+
+/// Tables built on `be` from deposits (by identity: the `Weak`s keep their allocations from
+/// being reused by another deposit) over the tables a deposit did not replace.
+struct Built<B: Backend> {
+    be: B,
+    embed: Option<Weak<Vec<f32>>>,
+    head: Option<Weak<Vec<f32>>>,
+    tok_before: Weak<Vec<f32>>,
+    head_before: Weak<B::Buf>,
+    after: FrozenTables<B>,
+}
+
+impl<B: Backend> Built<B> {
+    /// Whether taking `frozen` over `before` gives these tables: the same deposits, and where
+    /// a table was not deposited, the same table before.
+    fn from(&self, before: &FrozenTables<B>, frozen: &Frozen) -> bool {
+        let same = |mine: &Option<Weak<Vec<f32>>>, theirs: &Deposit| match (mine, theirs) {
+            (Some(w), Some((_, v))) => std::ptr::eq(w.as_ptr(), Arc::as_ptr(v)),
+            (None, None) => true,
+            _ => false,
+        };
+        same(&self.embed, &frozen.embed)
+            && same(&self.head, &frozen.head)
+            && (frozen.embed.is_some()
+                || std::ptr::eq(self.tok_before.as_ptr(), Arc::as_ptr(&before.tok)))
+            && (frozen.head.is_some()
+                || std::ptr::eq(self.head_before.as_ptr(), Arc::as_ptr(&before.head)))
+    }
+}
+
+fn weak(deposit: &Deposit) -> Option<Weak<Vec<f32>>> {
+    deposit.as_ref().map(|(_, v)| Arc::downgrade(v))
 }

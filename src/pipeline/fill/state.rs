@@ -5,10 +5,19 @@
 //! checkpoint follows: each replica's sampler as it ended that step, the round it posted (to
 //! be applied at the end of the next step), and only rows of steps up to it, so a resumed run
 //! continues exactly as an uninterrupted one would.
+//!
+//! The frozen tables are not saved: the next step's slices read those deposited at the end of
+//! the step the checkpoint follows, that is the target's weights in the same checkpoint, which
+//! a resumed run's replicas are seeded with. The one exception is a planned run whose
+//! `refresh_every` deposited nothing at that step: its tables lag the target's, so they go
+//! into the file with the weights. Under the measured placement (not reproducible anyway) a
+//! resumed run reads the target's.
 
-use super::{DrafterFill, lock};
-use crate::model::drafter::DrafterError;
+use std::sync::Arc;
+
+use super::{DrafterFill, Frozen, lock};
 use crate::model::drafter::state::{BufferState, DrafterState, RoundState};
+use crate::model::drafter::{DrafterError, DrafterWeights, FROZEN};
 
 impl DrafterFill {
     /// The drafter's state now: replica 0's weights, version and optimizer (every replica
@@ -33,7 +42,19 @@ impl DrafterFill {
             }
             None => None,
         };
-        let (weights, optimizer) = lock(&self.replicas[0]).trainer.export_state()?;
+        let (weights, optimizer) = {
+            let replica = lock(&self.replicas[0]);
+            let (mut weights, optimizer) = replica.trainer.export_state()?;
+            // The tables the next step reads are the target's weights in the same checkpoint
+            // unless no refresh was due at its last step (planned, `refresh_every` > 1): only
+            // then do they travel in the file.
+            if let Some((next, _)) = &kept
+                && !next.is_multiple_of(self.refresh_every)
+            {
+                weights.tensors.extend(replica.trainer.frozen_tensors()?);
+            }
+            (weights, optimizer)
+        };
         let buffer = BufferState::of(&self.buffer.lock());
         let held_out = BufferState::of(&self.held_out.lock());
         let (Some(planned), Some((next, round))) = (&self.planned, kept) else {
@@ -79,17 +100,21 @@ impl DrafterFill {
         Some((buffer, held_out))
     }
 
-    /// Continues from `state` before the run starts: every replica takes its weights, version,
-    /// frozen copies and optimizer and its own sampler, the buffers their rows, and the board
+    /// Continues from `state` before the run starts: every replica takes its weights, version
+    /// and optimizer and its own sampler (and the frozen tables when the file has them: the
+    /// seeds, the target's, otherwise), the buffers their rows, and the board
     /// the weights (so the held-out measurement and the rollout engine see them at once).
     /// Under the planned placement the kept round is posted again and rows of the run's own
     /// steps are left out.
     pub fn import_state(&self, state: &DrafterState) -> Result<(), DrafterError> {
         samplers_fit(state, self.ranks)?;
+        // Tables in the file (lagging the target's, or written before they were shared) are
+        // taken once and shared; otherwise the replicas keep their seeds, the target's.
+        let (weights, tables) = split_tables(&state.weights);
         for (replica, &sampler) in self.replicas.iter().zip(&state.samplers) {
-            lock(replica)
-                .trainer
-                .import_state(&state.weights, &state.optimizer, sampler)?;
+            let mut replica = lock(replica);
+            (replica.trainer).import_state(&weights, &state.optimizer, sampler)?;
+            self.adopt(&mut replica, &tables)?;
         }
         let (buffer, held_out) = match &self.planned {
             Some(planned) => {
@@ -105,6 +130,24 @@ impl DrafterFill {
             .publish(state.weights.version, state.weights.clone());
         Ok(())
     }
+}
+
+/// `weights` without the frozen tables, and the tables it carried as deposits of its frozen
+/// step.
+fn split_tables(weights: &DrafterWeights) -> (DrafterWeights, Frozen) {
+    let step = weights.frozen_step.unwrap_or(0);
+    let mut tables = Frozen::default();
+    let mut rest = weights.clone();
+    rest.tensors.retain(|t| {
+        let slot = match t.name.as_str() {
+            n if n == FROZEN[0] => &mut tables.embed,
+            n if n == FROZEN[1] => &mut tables.head,
+            _ => return true,
+        };
+        *slot = Some((step, Arc::new(t.values.clone())));
+        false
+    });
+    (rest, tables)
 }
 
 /// Whether a checkpointed drafter `state` fits a run of `ranks` ranks: one sampler each.

@@ -69,17 +69,17 @@ use super::shards::RankResume;
 use crate::comm::link::{Channel, PeerLink};
 use crate::comm::tcp::TcpMesh;
 use crate::config::JobConfig;
+use crate::model::ModelError;
 use crate::model::checkpoint::CheckpointError;
 use crate::model::checkpoint::drafter::load_drafter;
 use crate::model::drafter::state::DrafterState;
 use crate::model::drafter::{DrafterError, DrafterWeights, FROZEN};
-use crate::model::{Cut, Gpt, ModelError};
 use crate::pipeline::RankCompute;
 use crate::pipeline::fill::{DrafterFill, SlicePlan};
 use crate::profile::merge::{FILLER_LANE, MergedProfile};
 use crate::profile::report::Filling;
 use crate::schedules::Plan;
-use crate::tensor::{Backend, CpuBackend};
+use crate::tensor::Backend;
 use exchange::{FillWire, Peers, aborting, decode, encode, peer_err, receive, send_all};
 
 /// Channel of the drafter's seeds, rows and rounds between the ranks of replica 0.
@@ -170,11 +170,10 @@ impl LaunchFill {
         }
         let drafter_err = |source| FillError::Drafter { rank, source };
         let model_err = |e: ModelError| drafter_err(DrafterError::Model(e));
-        // The target as this process knows it: its own chunks' values, the others' initial
-        // ones, and the frozen copies from their holders.
-        let be = CpuBackend::new(1).map_err(|e| model_err(e.into()))?;
-        let mut target = Gpt::new(&job.model, be, &Cut::Even(1)).map_err(model_err)?;
-        for (name, stage) in FROZEN.iter().zip([0, last_stage]) {
+        // The frozen tables: this rank's own, and the others' from their holders (one copy
+        // each crosses; the process's replicas share it).
+        let mut tables: [Option<Vec<f32>>; 2] = [None, None];
+        for ((name, stage), slot) in FROZEN.iter().zip([0, last_stage]).zip(&mut tables) {
             if let Some(chunk) = compute.chunk_ref(stage) {
                 let values = chunk.param_values(name).map_err(model_err)?;
                 let seed = FillWire::Seed {
@@ -189,10 +188,10 @@ impl LaunchFill {
                 let FillWire::Seed { values, .. } = seed else {
                     unreachable!("built above")
                 };
-                target.set_param(name, &values).map_err(model_err)?;
+                *slot = Some(values);
             }
         }
-        for (name, holder) in FROZEN.iter().zip(holders) {
+        for ((name, holder), slot) in FROZEN.iter().zip(holders).zip(&mut tables) {
             if holder == rank {
                 continue;
             }
@@ -200,9 +199,7 @@ impl LaunchFill {
                 .recv(holder, FILL_CHANNEL)
                 .map_err(|e| peer_err(rank, holder, e))?;
             match decode(rank, holder, &bytes)? {
-                FillWire::Seed { name: got, values } if got == *name => {
-                    target.set_param(name, &values).map_err(model_err)?;
-                }
+                FillWire::Seed { name: got, values } if got == *name => *slot = Some(values),
                 _ => {
                     return Err(FillError::Peer {
                         rank,
@@ -212,9 +209,15 @@ impl LaunchFill {
                 }
             }
         }
-        let chunk = &target.chunks()[0];
-        let mut fill = DrafterFill::new(&job.model, &job.drafter, pp, chunk, chunk, first_step)
-            .map_err(drafter_err)?;
+        let [Some(embed), Some(head)] = tables else {
+            return Err(FillError::Plan {
+                rank,
+                reason: "no rank holds the target's embedding or LM head".into(),
+            });
+        };
+        let mut fill =
+            DrafterFill::with_tables(&job.model, &job.drafter, pp, embed, head, first_step)
+                .map_err(drafter_err)?;
         // The same pure function of the plan and the job in every process.
         let slices = SlicePlan::of_job(plan, job).map_err(|e| FillError::Plan {
             rank,

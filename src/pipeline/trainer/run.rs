@@ -187,7 +187,7 @@ impl PipelineTrainer {
             Some(fill) => {
                 fill.attach(&router);
                 first.fillers = router.fillers(pp);
-                Some(HeldOutEval::new(&job.model, &job.drafter)?)
+                Some(HeldOutEval::new(&job.model, &job.drafter, fill)?)
             }
             None => None,
         };
@@ -285,6 +285,7 @@ impl PipelineTrainer {
                 replicas: fill.settle()?,
                 router: router.stats(),
                 agreement,
+                frozen_table_bytes: fill.frozen_table_bytes(),
             }),
             None => None,
         };

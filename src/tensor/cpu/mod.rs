@@ -111,6 +111,12 @@ impl Backend for CpuBackend {
         self.storage
     }
 
+    /// Every CPU buffer is host memory that any CPU backend reads; the same storage type
+    /// keeps what a shared buffer computes that of one made here.
+    fn shares_buffers_with(&self, other: &Self) -> bool {
+        self.storage == other.storage
+    }
+
     fn zeros(&self, len: usize, dtype: DType) -> Result<CpuBuf> {
         Ok(CpuBuf(match dtype {
             DType::F32 => Storage::F32(vec![0.0; len]),

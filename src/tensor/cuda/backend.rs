@@ -22,6 +22,12 @@ impl Backend for CudaBackend {
         self.storage
     }
 
+    /// The same device and stream (one backend and its clones): a buffer written on another
+    /// stream could still be in flight when this one reads it.
+    fn shares_buffers_with(&self, other: &Self) -> bool {
+        std::sync::Arc::ptr_eq(&self.inner, &other.inner) && self.storage == other.storage
+    }
+
     fn zeros(&self, len: usize, dtype: DType) -> Result<CudaBuf> {
         Ok(CudaBuf(match dtype {
             DType::F32 => Storage::F32(self.zeros_slice("zeros", len)?),

@@ -62,7 +62,7 @@ fn round_packed_weights(d: &mut Drafter<CpuBackend>) {
             p.value = be.from_host(&v, DType::F32).unwrap();
         }
     }
-    let head = to_half(&be.to_host(&d.head).unwrap());
+    let head = to_half(&be.to_host(&d.frozen.head).unwrap());
     d.refresh("head.w", &head, 0).unwrap();
 }
 
@@ -143,7 +143,7 @@ fn llama_chains_are_the_training_forward_of_their_context() {
             let seq = pairs.len();
             let mut inputs = Vec::with_capacity(seq * 2 * d);
             for (t, h) in &pairs {
-                inputs.extend_from_slice(&dr.tok[*t as usize * d..][..d]);
+                inputs.extend_from_slice(&dr.frozen.tok[*t as usize * d..][..d]);
                 inputs.extend_from_slice(h);
             }
             let batch = DraftBatch {
@@ -330,6 +330,7 @@ fn a_weight_change_between_proposals_is_packed_again() {
         assert_eq!(d.packs.packs(), i as u64 + 2, "change {i}");
         let mut fresh = Drafter::new(cfg, d.config(), be.clone()).unwrap();
         fresh.load_weights(&d.weights(0).unwrap()).unwrap();
+        fresh.share_frozen(&d.frozen()).unwrap();
         assert_eq!(
             got,
             fresh.propose(&ctx, 4, 0.0, &mut rng).unwrap(),

@@ -3,7 +3,7 @@
 
 use super::*;
 use crate::model::checkpoint::drafter::{load_drafter, save_drafter};
-use crate::model::drafter::{DraftBufferHandle, Drafter, DrafterConfig};
+use crate::model::drafter::{DraftBufferHandle, Drafter, DrafterConfig, FROZEN};
 use crate::model::{Cut, Gpt, GptConfig, Shape};
 use crate::tensor::CpuBackend;
 
@@ -161,4 +161,70 @@ fn rows_are_saved_without_distributions_and_an_older_file_with_them_is_refused()
     });
     let err = DrafterState::from_parts(&meta, &tensors, d).unwrap_err();
     assert!(err.to_string().contains("older format"), "{err}");
+}
+
+#[test]
+fn the_file_keeps_no_frozen_tables_and_an_older_file_with_them_still_loads() {
+    let (gpt, buffer) = filled_buffer();
+    let mut t = trainer(&gpt, &buffer);
+    t.slice().unwrap();
+    let d = target().d_model;
+    let (mut tensors, meta) = state_of(&t, &buffer).to_parts(d);
+    assert!(
+        tensors
+            .iter()
+            .all(|t| !FROZEN.iter().any(|f| t.name.ends_with(f))),
+        "the drafter's file holds a frozen table"
+    );
+    // A restored drafter reads the tables of the target it drafts for.
+    let state = DrafterState::from_parts(&meta, &tensors, d).unwrap();
+    let mut restored = trainer(&gpt, &buffer);
+    let (weights, optimizer) = (&state.weights, &state.optimizer);
+    restored
+        .import_state(weights, optimizer, state.samplers[0])
+        .unwrap();
+    assert_eq!(
+        restored.drafter().frozen_tensors().unwrap(),
+        t.drafter().frozen_tensors().unwrap()
+    );
+    assert_eq!(restored.weights().unwrap(), t.weights().unwrap());
+
+    // A file written before the tables were shared keeps them with the weights: it loads,
+    // and the drafter reads its tables (checked), as it did.
+    let older: Vec<HostTensor> = t
+        .drafter()
+        .frozen_tensors()
+        .unwrap()
+        .into_iter()
+        .map(|f| HostTensor {
+            name: format!("{WEIGHT_PREFIX}{}", f.name),
+            shape: f.shape,
+            data: f.values.iter().map(|x| 2.0 * x).collect(),
+        })
+        .collect();
+    tensors.extend(older.iter().cloned());
+    let state = DrafterState::from_parts(&meta, &tensors, d).unwrap();
+    let mut restored = trainer(&gpt, &buffer);
+    let (weights, optimizer) = (&state.weights, &state.optimizer);
+    restored
+        .import_state(weights, optimizer, state.samplers[0])
+        .unwrap();
+    let tables = restored.drafter().frozen_tensors().unwrap();
+    assert_eq!(tables[0].values, older[0].data);
+    assert_eq!(tables[1].values, older[1].data);
+    assert_eq!(restored.drafter().frozen_step(), meta.frozen_step);
+
+    // One table without the other, or a table of the wrong size, is refused.
+    let mut one = state.weights.clone();
+    one.tensors.retain(|t| t.name != FROZEN[1]);
+    let err = restored.load_weights(&one).unwrap_err().to_string();
+    assert!(err.contains("come as a pair"), "{err}");
+    let mut short = state.weights.clone();
+    short.tensors.iter_mut().for_each(|t| {
+        if t.name == FROZEN[0] {
+            t.values.pop();
+        }
+    });
+    let err = restored.load_weights(&short).unwrap_err().to_string();
+    assert!(err.contains(FROZEN[0]), "{err}");
 }

@@ -374,9 +374,12 @@ fn proposals_match_the_training_forward_and_batching() {
 fn refresh_follows_the_target_and_no_data_is_an_error() {
     let (mut t, buffer) = trainer_with_sink(3);
     let mut d = Drafter::new(&target(), &drafter_config(), be()).unwrap();
-    // Before any refresh the copies equal the target's initial values.
+    // Before any refresh the tables equal the target's initial values; the weights carry
+    // the trainable tensors only.
     let w = d.weights(0).unwrap();
-    let head = w.tensors.iter().find(|x| x.name == "head.w").unwrap();
+    assert!(w.tensors.iter().all(|x| x.name.starts_with("drafter.")));
+    let tables = d.frozen_tensors().unwrap();
+    let head = tables.iter().find(|x| x.name == "head.w").unwrap();
     assert_eq!(head.values, t.model().param_values("head.w").unwrap());
     assert!(d.needs_refresh(0));
     run(&mut t, &buffer, 2);
@@ -388,7 +391,8 @@ fn refresh_follows_the_target_and_no_data_is_an_error() {
     );
     assert!(!d.needs_refresh(2) && d.needs_refresh(3));
     let w = d.weights(0).unwrap();
-    let head = w.tensors.iter().find(|x| x.name == "head.w").unwrap();
+    let tables = d.frozen_tensors().unwrap();
+    let head = tables.iter().find(|x| x.name == "head.w").unwrap();
     assert_eq!(head.values, t.model().param_values("head.w").unwrap());
     assert!(d.refresh("blocks.0.attn.wq", &[0.0], 2).is_err());
     // A snapshot lacking a tensor is refused and changes nothing.
