@@ -33,6 +33,10 @@ pub enum CollectiveError {
         got: usize,
         values: usize,
     },
+    #[error(
+        "{what} is not implemented by this gradient exchange ({sync}): the sharded optimizer (optimizer.shard) needs the ring over TCP or in-process links"
+    )]
+    Unsupported { what: &'static str, sync: String },
     #[error(transparent)]
     Link(#[from] LinkError),
 }
@@ -139,7 +143,61 @@ pub fn all_gather(
 /// Sums `buf` element-wise over the members of `group` (global ranks, in ring order; this
 /// rank must be one of them), leaving the sum in every member's `buf`, bitwise the same on
 /// all. Every member must call it with the same group, channel and buffer length.
+/// It is [`reduce_scatter_sum`] then [`all_gather_chunks`]: the sharded optimizer's
+/// reduce-scatter gives its chunk the same bits as this all-reduce does.
 pub fn all_reduce_sum(
+    link: &dyn PeerLink,
+    group: &[usize],
+    channel: Channel,
+    buf: &mut [f32],
+) -> Result<(), CollectiveError> {
+    reduce_scatter_sum(link, group, channel, buf)?;
+    all_gather_chunks(link, group, channel, buf)
+}
+
+/// The chunk of a buffer of `len` values that the member at `pos` of a group of `n` owns
+/// after [`reduce_scatter_sum`]: the same cut on every member.
+pub fn owned_chunk(len: usize, n: usize, pos: usize) -> std::ops::Range<usize> {
+    chunk_ranges(len, n)[(pos + 1) % n].clone()
+}
+
+/// The first half of the ring all-reduce: sums `buf` over `group` so that this member's
+/// chunk ([`owned_chunk`] of its position, returned) holds the sum over every member; the
+/// rest of `buf` holds partial sums. Every member must call it with the same group,
+/// channel and buffer length.
+pub fn reduce_scatter_sum(
+    link: &dyn PeerLink,
+    group: &[usize],
+    channel: Channel,
+    buf: &mut [f32],
+) -> Result<std::ops::Range<usize>, CollectiveError> {
+    let pos = position(link, group)?;
+    let n = group.len();
+    let chunks = chunk_ranges(buf.len(), n);
+    if n == 1 {
+        return Ok(0..buf.len());
+    }
+    let next = group[(pos + 1) % n];
+    let prev = group[(pos + n - 1) % n];
+    // In round s this member sends chunk (pos − s) and adds its own values to chunk
+    // (pos − s − 1) received from its predecessor. After n − 1 rounds chunk (pos + 1)
+    // holds the sum over every member.
+    for s in 0..n - 1 {
+        let send = chunks[(pos + n - s) % n].clone();
+        link.send(next, channel, &encode(&buf[send]))?;
+        let recv = chunks[(pos + 2 * n - s - 1) % n].clone();
+        // received + own: the partial sum travels round the ring and each member adds its
+        // own term to its right, a fixed order independent of timing.
+        recv_chunk(link, prev, channel, &mut buf[recv], |o, r| *o += r)?;
+    }
+    Ok(chunks[(pos + 1) % n].clone())
+}
+
+/// The second half of the ring all-reduce: each member's chunk ([`owned_chunk`]) of
+/// `buf` goes round the ring, so every member ends with every member's chunk (what it held
+/// elsewhere is overwritten). Every member must call it with the same group, channel and
+/// buffer length.
+pub fn all_gather_chunks(
     link: &dyn PeerLink,
     group: &[usize],
     channel: Channel,
@@ -153,18 +211,6 @@ pub fn all_reduce_sum(
     let next = group[(pos + 1) % n];
     let prev = group[(pos + n - 1) % n];
     let chunks = chunk_ranges(buf.len(), n);
-    // Reduce-scatter: in round s this member sends chunk (pos − s) and adds its own values
-    // to chunk (pos − s − 1) received from its predecessor. After n − 1 rounds chunk
-    // (pos + 1) holds the sum over every member.
-    for s in 0..n - 1 {
-        let send = chunks[(pos + n - s) % n].clone();
-        link.send(next, channel, &encode(&buf[send]))?;
-        let recv = chunks[(pos + 2 * n - s - 1) % n].clone();
-        // received + own: the partial sum travels round the ring and each member adds its
-        // own term to its right, a fixed order independent of timing.
-        recv_chunk(link, prev, channel, &mut buf[recv], |o, r| *o += r)?;
-    }
-    // All-gather: pass the summed chunks round; each member overwrites with what it gets.
     for s in 0..n - 1 {
         let send = chunks[(pos + 1 + n - s) % n].clone();
         link.send(next, channel, &encode(&buf[send]))?;
@@ -181,6 +227,53 @@ pub fn all_reduce_sum(
 pub trait GradSync: Send + Sync + std::fmt::Debug {
     /// `rank` is the caller's rank within its pipeline (`0..pp`).
     fn all_reduce(&self, rank: usize, grads: &mut [f32]) -> Result<(), CollectiveError>;
+
+    /// The sharded optimizer's reduce-scatter (ZeRO-1): sums `grads` over the replicas so
+    /// that the returned range, this replica's chunk, holds bitwise what
+    /// [`GradSync::all_reduce`] would leave there; the rest holds partial sums.
+    fn reduce_scatter(
+        &self,
+        rank: usize,
+        grads: &mut [f32],
+    ) -> Result<std::ops::Range<usize>, CollectiveError> {
+        let _ = (rank, grads);
+        Err(self.unsupported("the reduce-scatter"))
+    }
+
+    /// The chunk of a buffer of `len` values this replica owns: the range
+    /// [`GradSync::reduce_scatter`] sums for it.
+    fn owned(&self, rank: usize, len: usize) -> Result<std::ops::Range<usize>, CollectiveError> {
+        let _ = (rank, len);
+        Err(self.unsupported("the sharded optimizer's chunk"))
+    }
+
+    /// The sharded optimizer's all-gather: every replica's chunk of `buf` (the range
+    /// [`GradSync::reduce_scatter`] returned to it) to every replica.
+    fn all_gather(&self, rank: usize, buf: &mut [f32]) -> Result<(), CollectiveError> {
+        let _ = (rank, buf);
+        Err(self.unsupported("the all-gather"))
+    }
+
+    /// Every replica's `frame`, indexed by the chunk that replica owns (chunk `c` of
+    /// [`chunk_cut`]).
+    fn gather_by_chunk(&self, rank: usize, frame: &[u8]) -> Result<Vec<Vec<u8>>, CollectiveError> {
+        let _ = (rank, frame);
+        Err(self.unsupported("the gather of small frames"))
+    }
+
+    /// The error of a collective this exchange does not have.
+    fn unsupported(&self, what: &'static str) -> CollectiveError {
+        CollectiveError::Unsupported {
+            what,
+            sync: format!("{self:?}"),
+        }
+    }
+}
+
+/// The `n` chunks a buffer of `len` values is cut into by the ring (the longer first):
+/// the sharded optimizer's cut of a rank's flat parameters, the same on every replica.
+pub fn chunk_cut(len: usize, n: usize) -> Vec<std::ops::Range<usize>> {
+    chunk_ranges(len, n.max(1))
 }
 
 /// [`GradSync`] by [`all_reduce_sum`] over [`PeerLink`]s, for a job of `dp` replicas of a
@@ -261,8 +354,9 @@ impl std::fmt::Debug for RingGradSync {
     }
 }
 
-impl GradSync for RingGradSync {
-    fn all_reduce(&self, rank: usize, grads: &mut [f32]) -> Result<(), CollectiveError> {
+impl RingGradSync {
+    /// Pipeline rank `rank`'s link end and its group.
+    fn end(&self, rank: usize) -> Result<(&dyn PeerLink, Vec<usize>), CollectiveError> {
         let link = self
             .ends
             .get(&rank)
@@ -277,7 +371,41 @@ impl GradSync for RingGradSync {
             }
             None => Self::replica_group(link.rank(), self.dp, self.pp),
         };
-        all_reduce_sum(link.as_ref(), &group, self.channel, grads)
+        Ok((link.as_ref(), group))
+    }
+}
+
+impl GradSync for RingGradSync {
+    fn all_reduce(&self, rank: usize, grads: &mut [f32]) -> Result<(), CollectiveError> {
+        let (link, group) = self.end(rank)?;
+        all_reduce_sum(link, &group, self.channel, grads)
+    }
+
+    fn reduce_scatter(
+        &self,
+        rank: usize,
+        grads: &mut [f32],
+    ) -> Result<std::ops::Range<usize>, CollectiveError> {
+        let (link, group) = self.end(rank)?;
+        reduce_scatter_sum(link, &group, self.channel, grads)
+    }
+
+    fn owned(&self, rank: usize, len: usize) -> Result<std::ops::Range<usize>, CollectiveError> {
+        let (link, group) = self.end(rank)?;
+        Ok(owned_chunk(len, group.len(), position(link, &group)?))
+    }
+
+    fn all_gather(&self, rank: usize, buf: &mut [f32]) -> Result<(), CollectiveError> {
+        let (link, group) = self.end(rank)?;
+        all_gather_chunks(link, &group, self.channel, buf)
+    }
+
+    fn gather_by_chunk(&self, rank: usize, frame: &[u8]) -> Result<Vec<Vec<u8>>, CollectiveError> {
+        let (link, group) = self.end(rank)?;
+        let mut frames = all_gather(link, &group, self.channel, frame)?;
+        // The member at position p owns chunk p + 1: rotate right by one.
+        frames.rotate_right(1);
+        Ok(frames)
     }
 }
 

@@ -49,6 +49,7 @@ use crate::tensor::Backend;
 use crate::train::reference::{adamw_config, lr_schedule};
 
 mod parts;
+mod zero;
 
 pub(crate) use parts::RankParts;
 
@@ -79,6 +80,9 @@ pub struct RankCompute<B: Backend> {
     drafter: Option<Arc<DrafterFill>>,
     /// Where the rank moves its parts after the last iteration (`None`: it exports them).
     keep: Option<Sender<RankParts<B>>>,
+    /// The sharded optimizer (`optimizer.shard` with replicas): `optimizer` then holds the
+    /// moments of this replica's chunk only.
+    zero: Option<zero::Zero>,
 }
 
 /// What every rank of a run is built from, however it starts: the job, its plan, the run's
@@ -161,7 +165,7 @@ impl<B: Backend> RankCompute<B> {
             .collect::<Result<Vec<_>, crate::model::ModelError>>()?;
         let chunks = chunks.into_iter().map(|c| (c.stage() as u32, c)).collect();
         let optimizer = AdamW::new(adamw_config(&run.job.train));
-        Ok(Self::assemble(run, rank, (backend, chunks, optimizer)))
+        Self::assemble(run, rank, (backend, chunks, optimizer))
     }
 
     /// A rank that has run none of its iterations yet, over `state`: its backend, chunks
@@ -170,8 +174,9 @@ impl<B: Backend> RankCompute<B> {
         run: RankJob<'_>,
         rank: usize,
         (backend, chunks, optimizer): (B, BTreeMap<u32, ModelChunk<B>>, AdamW<B>),
-    ) -> Self {
-        RankCompute {
+    ) -> Result<Self, PipelineError> {
+        let zero = zero::Zero::for_rank(run.job, &run.shared, rank, &chunks)?;
+        Ok(RankCompute {
             rank,
             backend,
             chunks,
@@ -187,7 +192,8 @@ impl<B: Backend> RankCompute<B> {
             redo: HashSet::new(),
             drafter: None,
             keep: None,
-        }
+            zero,
+        })
     }
 
     /// The backend this rank computes on.
@@ -207,15 +213,20 @@ impl<B: Backend> RankCompute<B> {
 
     /// A tied embedding's copies take the sum of their gradients ([`crate::model::tie`]):
     /// here when this rank holds both, with the other stage's rank when it holds one.
-    fn sum_tied(&mut self) -> Result<(), PipelineError> {
+    /// Whether the rank holds a copy.
+    fn sum_tied(&mut self) -> Result<bool, PipelineError> {
         use crate::model::tie;
         match tie::sides(self.chunks.values_mut()) {
-            (None, None) => Ok(()),
-            (Some(_), Some(_)) => Ok(tie::sum_local(&self.backend, self.chunks.values_mut())?),
+            (None, None) => Ok(false),
+            (Some(_), Some(_)) => {
+                tie::sum_local(&self.backend, self.chunks.values_mut())?;
+                Ok(true)
+            }
             (Some(mut side), None) | (None, Some(mut side)) => {
                 let mut grad = side.grad(&self.backend)?;
                 self.shared.sum_tied(self.rank, &mut grad)?;
-                Ok(side.set_grad(&self.backend, &grad)?)
+                side.set_grad(&self.backend, &grad)?;
+                Ok(true)
             }
         }
     }
@@ -241,12 +252,16 @@ impl<B: Backend> RankCompute<B> {
                 names.push(name);
             }
         }
-        let own = OptimizerState {
-            step: state.step,
-            slots: names
-                .iter()
-                .filter_map(|n| state.slots.get(n).map(|s| (n.clone(), s.clone())))
-                .collect(),
+        let own = match &self.zero {
+            // A replica of a sharded optimizer keeps its chunk of the moments.
+            Some(zero) => zero.own_state(state),
+            None => OptimizerState {
+                step: state.step,
+                slots: names
+                    .iter()
+                    .filter_map(|n| state.slots.get(n).map(|s| (n.clone(), s.clone())))
+                    .collect(),
+            },
         };
         self.optimizer.load_state(&self.backend, &own)?;
         Ok(())
@@ -286,10 +301,13 @@ impl<B: Backend> RankCompute<B> {
             }
             stages.push((stage, params));
         }
-        Ok(RankFinal {
-            stages,
-            optimizer: self.optimizer.state(&self.backend)?,
-        })
+        let optimizer = match &self.zero {
+            Some(zero) => {
+                zero.gather_state(self.rank, &self.backend, &self.optimizer, &self.chunks)?
+            }
+            None => self.optimizer.state(&self.backend)?,
+        };
+        Ok(RankFinal { stages, optimizer })
     }
 }
 
@@ -391,26 +409,30 @@ impl<B: Backend> StageCompute for RankCompute<B> {
     fn grad_stats(&mut self, iteration: u64) -> Result<GradStats, PipelineError> {
         self.check_iteration(iteration)?;
         // Data-parallel replicas sum their gradients first, so the norm, the clip decision
-        // and the step are the whole batch's on every replica.
-        let params = self.chunks.values_mut().flat_map(|c| c.params_mut());
-        self.shared.sync_grads(self.rank, &self.backend, params)?;
-        self.sum_tied()?;
-        let mut own = Vec::with_capacity(self.chunks.len());
-        let mut stats = GradStats::default();
-        for (&stage, chunk) in &self.chunks {
-            let mut sq = Vec::new();
-            // A tied copy's gradient is its original's: the norm counts it once.
-            for p in chunk.params().into_iter().filter(|p| !p.tied) {
-                let q = self
-                    .backend
-                    .sum_squares(&p.grad)
-                    .map_err(crate::model::ModelError::from)?;
-                // Σ g² is NaN or infinite exactly when some entry is (or overflows).
-                stats.nonfinite |= !q.is_finite();
-                stats.sq_norm += q;
-                sq.push(q);
+        // and the step are the whole batch's on every replica. Replicas sum the norm from
+        // the sharded optimizer's segments, sharded or not, so both clip alike (`zero`).
+        let own = match &mut self.zero {
+            Some(zero) => zero.reduce(self.rank, &self.backend, &self.chunks)?,
+            None => {
+                let params = self.chunks.values_mut().flat_map(|c| c.params_mut());
+                let summed = self.shared.sync_grads(self.rank, &self.backend, params)?;
+                let tied = self.sum_tied()?;
+                match (summed, self.shared.replica()) {
+                    (Some(mut grads), Some(r)) => {
+                        if tied {
+                            grads = zero::flat(&self.backend, &self.chunks, true)?;
+                        }
+                        zero::replica_sq_norms(&self.chunks, &grads, r.count)
+                    }
+                    _ => zero::param_sq_norms(&self.backend, &self.chunks)?,
+                }
             }
-            own.push((stage, sq));
+        };
+        let mut stats = GradStats::default();
+        for q in own.iter().flat_map(|(_, sq)| sq) {
+            // Σ g² is NaN or infinite exactly when some entry is (or overflows).
+            stats.nonfinite |= !q.is_finite();
+            stats.sq_norm += q;
         }
         self.shared.post_sq_norms(self.step(), own);
         Ok(stats)
@@ -429,8 +451,19 @@ impl<B: Backend> StageCompute for RankCompute<B> {
             self.snapshot = Some(self.take_snapshot(iteration)?);
         }
         if let StepDecision::Apply { clip_scale } = decision {
-            let params = self.chunks.values_mut().flat_map(|c| c.params_mut());
-            self.optimizer.step(&self.backend, params, lr, clip_scale)?;
+            match &self.zero {
+                Some(zero) => zero.step(
+                    self.rank,
+                    (&self.backend, &mut self.optimizer),
+                    &mut self.chunks,
+                    lr,
+                    clip_scale,
+                )?,
+                None => {
+                    let params = self.chunks.values_mut().flat_map(|c| c.params_mut());
+                    self.optimizer.step(&self.backend, params, lr, clip_scale)?;
+                }
+            }
         }
         self.done += 1;
         if speculative {
@@ -492,6 +525,9 @@ impl<B: Backend> RankCompute<B> {
         for chunk in self.chunks.values_mut() {
             chunk.zero_grads()?;
         }
+        if let Some(zero) = &mut self.zero {
+            zero.finish();
+        }
         if let Some(fill) = &self.drafter {
             let chunks: Vec<_> = self.chunks.values().collect();
             fill.step_end(self.rank, step, &chunks)
@@ -500,9 +536,13 @@ impl<B: Backend> RankCompute<B> {
                     reason: format!("drafter: {e}"),
                 })?;
         }
-        if self.shared.checkpoint_due(step) {
-            self.shared
-                .deposit_checkpoint(step, self.rank, self.export()?)?;
+        // A sharded optimizer's replicas all gather the moments the first one saves.
+        let due = self.shared.checkpoint_due(step);
+        if due || (self.zero.is_some() && self.shared.checkpoint_step(step)) {
+            let fin = self.export()?;
+            if due {
+                self.shared.deposit_checkpoint(step, self.rank, fin)?;
+            }
         }
         // A checkpoint write failed, or the caller stopped the run: this step is the last.
         self.shared.check_stop(self.rank)?;

@@ -405,6 +405,19 @@ impl Shared {
         self
     }
 
+    /// This pipeline's place among the data-parallel replicas (`None`: the whole batch).
+    pub fn replica(&self) -> Option<&Replica> {
+        self.replica.as_ref()
+    }
+
+    /// Whether any replica saves its state after step `step` (the sharded optimizer's
+    /// replicas gather their moments together then, see [`Shared::checkpoint_due`]).
+    pub fn checkpoint_step(&self, step: u64) -> bool {
+        self.checkpointing
+            .as_ref()
+            .is_some_and(|c| c.every > 0 && (step + 1).is_multiple_of(c.every))
+    }
+
     /// Step `step`'s micro-batches as this pipeline runs them: the whole step, or a
     /// replica's share of it (with the whole batch's loss scales, see [`Replica`]).
     pub fn step_data(&self, step: u64) -> Arc<StepBatches> {
@@ -434,14 +447,15 @@ impl Shared {
 
     /// Sums the gradients of pipeline rank `rank`'s `params` with the other replicas' (a
     /// no-op without replicas): all of them, concatenated in model order, in one all-reduce.
+    /// The sum, as it was concatenated (`None`: no replicas).
     pub fn sync_grads<'a, B: Backend + 'a>(
         &self,
         rank: usize,
         backend: &B,
         params: impl IntoIterator<Item = &'a mut Param<B>>,
-    ) -> Result<(), PipelineError> {
+    ) -> Result<Option<Vec<f32>>, PipelineError> {
         let Some(r) = &self.replica else {
-            return Ok(());
+            return Ok(None);
         };
         let mut params: Vec<&mut Param<B>> = params.into_iter().collect();
         let mut flat = Vec::new();
@@ -466,7 +480,7 @@ impl Shared {
                 .map_err(ModelError::from)?;
             rest = &rest[n..];
         }
-        Ok(())
+        Ok(Some(flat))
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {

@@ -1,0 +1,508 @@
+//! ZeRO-1, the sharded optimizer (`optimizer.shard = true`): each data-parallel replica of
+//! a rank keeps the AdamW state of only its chunk of the rank's parameters.
+//!
+//! A rank's parameters, concatenated in model order (stages ascending, each stage's in
+//! order), form one flat buffer of `len` values; the ring cuts it into `dp` chunks
+//! ([`chunk_cut`]), the same cut on every replica, and each replica owns one. A step:
+//!
+//! 1. the replicas reduce-scatter their gradients: each ends with its chunk summed, bitwise
+//!    what the unsharded all-reduce leaves there (it is the all-reduce's first half);
+//! 2. the gradient norm is summed from **segments**, each parameter's part of one chunk
+//!    (tied copies left out): each replica computes its chunk's segments and the replicas
+//!    exchange them, so every replica has every segment and sums them in model order. The
+//!    unsharded data-parallel path sums the same segments of its all-reduced gradient
+//!    ([`replica_sq_norms`]), which is why the two clip by bitwise the same norm;
+//! 3. each replica runs AdamW on its chunk only (one piece per parameter it cuts; AdamW is
+//!    element-wise, so a piece's update is bitwise the whole parameter's there) and the
+//!    replicas all-gather the updated values.
+//!
+//! Checkpoints keep the unsharded format: the replicas all-gather their moments when a
+//! state is exported ([`Zero::gather_state`]), so a sharded run resumes an unsharded one's
+//! checkpoint and the reverse; a resumed replica takes its chunk of the moments
+//! ([`Zero::own_state`]).
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+use std::sync::Arc;
+
+use super::super::PipelineError;
+use super::super::shared::Shared;
+use crate::comm::collective::{CollectiveError, GradSync, chunk_cut};
+use crate::model::{AdamW, ModelChunk, ModelError, OptimizerState, Param, SlotState};
+use crate::tensor::{Backend, DType};
+
+/// One parameter's place in a rank's flat buffer.
+#[derive(Debug, Clone)]
+struct Span {
+    stage: u32,
+    name: String,
+    range: Range<usize>,
+    /// A tied copy: its gradient is its original's, so the norm leaves it out.
+    tied: bool,
+}
+
+/// A rank's parameters in flat order.
+#[derive(Debug, Clone)]
+struct Layout {
+    spans: Vec<Span>,
+    len: usize,
+}
+
+impl Layout {
+    fn of<B: Backend>(chunks: &BTreeMap<u32, ModelChunk<B>>) -> Self {
+        let mut spans = Vec::new();
+        let mut start = 0;
+        for (&stage, chunk) in chunks {
+            for p in chunk.params() {
+                let n = p.numel();
+                spans.push(Span {
+                    stage,
+                    name: p.name.clone(),
+                    range: start..start + n,
+                    tied: p.tied,
+                });
+                start += n;
+            }
+        }
+        Layout { spans, len: start }
+    }
+
+    /// Each parameter's part of `chunk` (non-empty only), with its range there.
+    fn pieces(&self, chunk: &Range<usize>) -> impl Iterator<Item = (&Span, Range<usize>)> {
+        let chunk = chunk.clone();
+        self.spans.iter().filter_map(move |s| {
+            let (lo, hi) = (s.range.start.max(chunk.start), s.range.end.min(chunk.end));
+            (lo < hi).then_some((s, lo..hi))
+        })
+    }
+
+    /// `Σ g²` of each segment of `chunk` (tied copies left out), in flat order;
+    /// `values` are the chunk's gradient values.
+    fn chunk_sq_norms(&self, chunk: &Range<usize>, values: &[f32]) -> Vec<(u32, f64)> {
+        self.pieces(chunk)
+            .filter(|(s, _)| !s.tied)
+            .map(|(s, r)| {
+                let part = &values[r.start - chunk.start..r.end - chunk.start];
+                (s.stage, sum_squares(part))
+            })
+            .collect()
+    }
+}
+
+/// `Σ v²` in `f64`, in order.
+fn sum_squares(values: &[f32]) -> f64 {
+    values.iter().map(|&v| f64::from(v) * f64::from(v)).sum()
+}
+
+/// Segments `(stage, Σ g²)` in flat order, as the per-stage lists the step log sums.
+fn by_stage(segments: impl IntoIterator<Item = (u32, f64)>) -> Vec<(u32, Vec<f64>)> {
+    let mut stages: BTreeMap<u32, Vec<f64>> = BTreeMap::new();
+    for (stage, q) in segments {
+        stages.entry(stage).or_default().push(q);
+    }
+    stages.into_iter().collect()
+}
+
+/// The rank's parameters' values or gradients on the host, in flat order.
+pub(super) fn flat<B: Backend>(
+    be: &B,
+    chunks: &BTreeMap<u32, ModelChunk<B>>,
+    grads: bool,
+) -> Result<Vec<f32>, PipelineError> {
+    let mut out = Vec::new();
+    for p in chunks.values().flat_map(|c| c.params()) {
+        let buf = if grads { &p.grad } else { &p.value };
+        out.extend(be.to_host(buf).map_err(ModelError::from)?);
+    }
+    Ok(out)
+}
+
+/// The gradient norm's segments of a pipeline without replicas: each parameter's `Σ g²`
+/// (tied copies left out), by stage, in model order.
+pub(super) fn param_sq_norms<B: Backend>(
+    be: &B,
+    chunks: &BTreeMap<u32, ModelChunk<B>>,
+) -> Result<Vec<(u32, Vec<f64>)>, PipelineError> {
+    let mut own = Vec::with_capacity(chunks.len());
+    for (&stage, chunk) in chunks {
+        let sq = chunk
+            .params()
+            .into_iter()
+            .filter(|p| !p.tied)
+            .map(|p| be.sum_squares(&p.grad))
+            .collect::<Result<Vec<f64>, _>>()
+            .map_err(ModelError::from)?;
+        own.push((stage, sq));
+    }
+    Ok(own)
+}
+
+/// The gradient norm's segments of an unsharded replica ([`Shared::sync_grads`]'s summed
+/// `grads`, after the tied sum), cut as `count` sharded replicas cut them: the same norm,
+/// bitwise, as a sharded run's.
+pub(super) fn replica_sq_norms<B: Backend>(
+    chunks: &BTreeMap<u32, ModelChunk<B>>,
+    grads: &[f32],
+    count: usize,
+) -> Vec<(u32, Vec<f64>)> {
+    let layout = Layout::of(chunks);
+    let segments = chunk_cut(layout.len, count)
+        .into_iter()
+        .flat_map(|c| layout.chunk_sq_norms(&c, &grads[c.clone()]));
+    by_stage(segments)
+}
+
+/// One rank's share of the sharded optimizer (see the module docs).
+pub(super) struct Zero {
+    layout: Layout,
+    sync: Arc<dyn GradSync>,
+    /// The replicas: the flat buffer's cut.
+    count: usize,
+    /// This replica's chunk of the flat buffer.
+    own: Range<usize>,
+    /// This replica's chunk of the step's summed gradient, from the reduce-scatter to the
+    /// step's end (a rolled-back step is redone from it).
+    grads: Option<Vec<f32>>,
+}
+
+impl Zero {
+    /// The sharded optimizer of `rank` over `chunks` when the job shards it among more than
+    /// one replica (`None`: every replica keeps the whole state).
+    pub(super) fn for_rank<B: Backend>(
+        job: &crate::config::JobConfig,
+        shared: &Shared,
+        rank: usize,
+        chunks: &BTreeMap<u32, ModelChunk<B>>,
+    ) -> Result<Option<Self>, PipelineError> {
+        let Some(replica) = shared.replica().filter(|r| r.count > 1) else {
+            return Ok(None);
+        };
+        if !job.optimizer.shard {
+            return Ok(None);
+        }
+        let layout = Layout::of(chunks);
+        let sync = Arc::clone(&replica.sync);
+        let own = sync
+            .owned(rank, layout.len)
+            .map_err(|e| shard_err(rank, "its chunk", e))?;
+        Ok(Some(Zero {
+            layout,
+            sync,
+            count: replica.count,
+            own,
+            grads: None,
+        }))
+    }
+
+    /// Reduce-scatters the rank's gradients, keeps this replica's chunk of the sum, and
+    /// returns the gradient norm's segments of every replica (by stage, in model order).
+    pub(super) fn reduce<B: Backend>(
+        &mut self,
+        rank: usize,
+        be: &B,
+        chunks: &BTreeMap<u32, ModelChunk<B>>,
+    ) -> Result<Vec<(u32, Vec<f64>)>, PipelineError> {
+        let mut grads = flat(be, chunks, true)?;
+        let own = self
+            .sync
+            .reduce_scatter(rank, &mut grads)
+            .map_err(|e| shard_err(rank, "the gradients' reduce-scatter", e))?;
+        if own != self.own {
+            return Err(PipelineError::Shard {
+                rank,
+                reason: format!(
+                    "the reduce-scatter summed values {own:?}, this replica owns {:?}",
+                    self.own
+                ),
+            });
+        }
+        let mine = self.layout.chunk_sq_norms(&own, &grads[own.clone()]);
+        let frame: Vec<u8> = mine.iter().flat_map(|(_, q)| q.to_le_bytes()).collect();
+        let frames = self
+            .sync
+            .gather_by_chunk(rank, &frame)
+            .map_err(|e| shard_err(rank, "the gradient norm's exchange", e))?;
+        let mut segments = Vec::new();
+        for (chunk, frame) in chunk_cut(self.layout.len, self.count).iter().zip(&frames) {
+            let stages: Vec<u32> = self
+                .layout
+                .pieces(chunk)
+                .filter(|(s, _)| !s.tied)
+                .map(|(s, _)| s.stage)
+                .collect();
+            if frame.len() != stages.len() * 8 {
+                return Err(PipelineError::Shard {
+                    rank,
+                    reason: format!(
+                        "a replica sent {} bytes of gradient norm segments for values \
+                         {chunk:?}, expected {} ({} segments): the replicas' models differ",
+                        frame.len(),
+                        stages.len() * 8,
+                        stages.len()
+                    ),
+                });
+            }
+            let values = frame
+                .chunks_exact(8)
+                .map(|b| f64::from_le_bytes(b.try_into().expect("chunks of 8")));
+            segments.extend(stages.into_iter().zip(values));
+        }
+        self.grads = Some(grads[own].to_vec());
+        Ok(by_stage(segments))
+    }
+
+    /// AdamW on this replica's chunk (at `lr`, gradients scaled by `clip_scale`), then the
+    /// all-gather of the updated values into every parameter.
+    pub(super) fn step<B: Backend>(
+        &self,
+        rank: usize,
+        (be, optimizer): (&B, &mut AdamW<B>),
+        chunks: &mut BTreeMap<u32, ModelChunk<B>>,
+        lr: f32,
+        clip_scale: f32,
+    ) -> Result<(), PipelineError> {
+        let grads = self.grads.as_ref().ok_or_else(|| PipelineError::Shard {
+            rank,
+            reason: "the optimizer step came before the gradients' reduce-scatter".into(),
+        })?;
+        let mut params: Vec<&mut Param<B>> =
+            chunks.values_mut().flat_map(|c| c.params_mut()).collect();
+        let own = &self.own;
+        let mut pieces = Vec::new();
+        let mut at = Vec::new();
+        for (span, r) in self.layout.pieces(own) {
+            let p = param(&params, span, rank)?;
+            let value = be.to_host(&p.value).map_err(ModelError::from)?;
+            let local = r.start - span.range.start..r.end - span.range.start;
+            let grad = &grads[r.start - own.start..r.end - own.start];
+            pieces.push(Param {
+                name: p.name.clone(),
+                shape: vec![r.len()],
+                value: be
+                    .from_host(&value[local], be.dtype(&p.value))
+                    .map_err(ModelError::from)?,
+                grad: be
+                    .from_host(grad, be.dtype(&p.grad))
+                    .map_err(ModelError::from)?,
+                decay: p.decay,
+                tied: p.tied,
+            });
+            at.push(r);
+        }
+        optimizer.step(be, pieces.iter_mut(), lr, clip_scale)?;
+        let mut values = vec![0.0; self.layout.len];
+        for (piece, r) in pieces.iter().zip(at) {
+            values[r].copy_from_slice(&be.to_host(&piece.value).map_err(ModelError::from)?);
+        }
+        self.sync
+            .all_gather(rank, &mut values)
+            .map_err(|e| shard_err(rank, "the parameters' all-gather", e))?;
+        for (span, p) in self.layout.spans.iter().zip(params.iter_mut()) {
+            let dtype = be.dtype(&p.value);
+            p.value = be
+                .from_host(&values[span.range.clone()], dtype)
+                .map_err(ModelError::from)?;
+        }
+        Ok(())
+    }
+
+    /// The step is over: its gradient chunk goes.
+    pub(super) fn finish(&mut self) {
+        self.grads = None;
+    }
+
+    /// The whole optimizer state, every replica's chunk gathered into every replica (the
+    /// unsharded run's state, bitwise): every replica must call it at the same step.
+    pub(super) fn gather_state<B: Backend>(
+        &self,
+        rank: usize,
+        be: &B,
+        optimizer: &AdamW<B>,
+        chunks: &BTreeMap<u32, ModelChunk<B>>,
+    ) -> Result<OptimizerState, PipelineError> {
+        let local = optimizer.state(be)?;
+        // No step taken (on every replica alike): no moments yet.
+        if local.step == 0 {
+            return Ok(local);
+        }
+        let params: Vec<&Param<B>> = chunks.values().flat_map(|c| c.params()).collect();
+        let master: Vec<bool> = params
+            .iter()
+            .map(|p| be.dtype(&p.value) != DType::F32)
+            .collect();
+        let master_of: std::collections::HashMap<&str, bool> = self
+            .layout
+            .spans
+            .iter()
+            .zip(&master)
+            .map(|(s, &m)| (s.name.as_str(), m))
+            .collect();
+        let field = |slot: &SlotState, which: usize| -> Option<Vec<f32>> {
+            match which {
+                0 => Some(slot.m.clone()),
+                1 => Some(slot.v.clone()),
+                _ => slot.master.clone(),
+            }
+        };
+        let mut gathered: Vec<[Vec<f32>; 3]> = vec![Default::default(); params.len()];
+        let kinds = if master.iter().any(|&m| m) { 3 } else { 2 };
+        for which in 0..kinds {
+            let mut buf = vec![0.0; self.layout.len];
+            for (span, r) in self.layout.pieces(&self.own) {
+                if which == 2 && !master_of[span.name.as_str()] {
+                    continue;
+                }
+                let slot = local.slots.get(&span.name).ok_or_else(|| missing(rank, span))?;
+                let values = field(slot, which).unwrap_or_default();
+                let want = r.len();
+                if values.len() != want {
+                    return Err(PipelineError::Shard {
+                        rank,
+                        reason: format!(
+                            "`{}` has {} optimizer values, its chunk {want}",
+                            span.name,
+                            values.len()
+                        ),
+                    });
+                }
+                buf[r].copy_from_slice(&values);
+            }
+            self.sync
+                .all_gather(rank, &mut buf)
+                .map_err(|e| shard_err(rank, "the optimizer state's all-gather", e))?;
+            for (i, span) in self.layout.spans.iter().enumerate() {
+                gathered[i][which] = buf[span.range.clone()].to_vec();
+            }
+        }
+        let slots = self
+            .layout
+            .spans
+            .iter()
+            .zip(gathered)
+            .zip(master)
+            .map(|((span, [m, v, w]), master)| {
+                let master = master.then_some(w);
+                (span.name.clone(), SlotState { m, v, master })
+            })
+            .collect();
+        Ok(OptimizerState {
+            step: local.step,
+            slots,
+        })
+    }
+
+    /// This replica's chunk of a whole optimizer `state` (a checkpoint's): each parameter's
+    /// moments cut to its piece of the chunk; parameters without state stay without.
+    pub(super) fn own_state(&self, state: &OptimizerState) -> OptimizerState {
+        let slots = self
+            .layout
+            .pieces(&self.own)
+            .filter_map(|(span, r)| {
+                let slot = state.slots.get(&span.name)?;
+                let local = r.start - span.range.start..r.end - span.range.start;
+                let cut = |v: &Vec<f32>| v.get(local.clone()).map(<[f32]>::to_vec);
+                Some((
+                    span.name.clone(),
+                    SlotState {
+                        m: cut(&slot.m)?,
+                        v: cut(&slot.v)?,
+                        master: slot.master.as_ref().and_then(cut),
+                    },
+                ))
+            })
+            .collect();
+        OptimizerState {
+            step: state.step,
+            slots,
+        }
+    }
+}
+
+/// The parameter of `span` among the rank's `params` (in flat order).
+fn param<'p, B: Backend>(
+    params: &'p [&mut Param<B>],
+    span: &Span,
+    rank: usize,
+) -> Result<&'p Param<B>, PipelineError> {
+    params
+        .iter()
+        .find(|p| p.name == span.name)
+        .map(|p| &**p)
+        .ok_or_else(|| PipelineError::Shard {
+            rank,
+            reason: format!("no parameter `{}` on this rank", span.name),
+        })
+}
+
+fn missing(rank: usize, span: &Span) -> PipelineError {
+    PipelineError::Shard {
+        rank,
+        reason: format!(
+            "no optimizer state for `{}` after a step: the replica's moments are incomplete",
+            span.name
+        ),
+    }
+}
+
+fn shard_err(rank: usize, what: &str, e: CollectiveError) -> PipelineError {
+    PipelineError::Shard {
+        rank,
+        reason: format!("{what}: {e}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layout() -> Layout {
+        let span = |stage, name: &str, range, tied| Span {
+            stage,
+            name: name.into(),
+            range,
+            tied,
+        };
+        Layout {
+            spans: vec![
+                span(0, "a", 0..5, false),
+                span(0, "b", 5..6, false),
+                span(1, "c", 6..10, true),
+                span(1, "d", 10..13, false),
+            ],
+            len: 13,
+        }
+    }
+
+    #[test]
+    fn pieces_cut_parameters_at_chunk_boundaries() {
+        let l = layout();
+        let got: Vec<(&str, Range<usize>)> =
+            l.pieces(&(4..11)).map(|(s, r)| (s.name.as_str(), r)).collect();
+        assert_eq!(got, vec![("a", 4..5), ("b", 5..6), ("c", 6..10), ("d", 10..11)]);
+    }
+
+    #[test]
+    fn segments_of_every_chunk_leave_tied_copies_out_and_sum_to_the_whole() {
+        let l = layout();
+        let values: Vec<f32> = (0..13).map(|i| i as f32).collect();
+        let segs: Vec<(u32, f64)> = chunk_cut(13, 3)
+            .into_iter()
+            .flat_map(|c| l.chunk_sq_norms(&c, &values[c.clone()]))
+            .collect();
+        // Chunks 0..5, 5..9, 9..13: a | b | d's two parts; c (tied) is left out.
+        assert_eq!(
+            segs,
+            vec![(0, 30.0), (0, 25.0), (1, 100.0), (1, 121.0 + 144.0)]
+        );
+        let total: f64 = segs.iter().map(|s| s.1).sum();
+        let direct: f64 = [0, 1, 2, 3, 4, 5, 10, 11, 12]
+            .iter()
+            .map(|&i| f64::from(i * i))
+            .sum();
+        assert_eq!(total, direct);
+        assert_eq!(
+            by_stage(segs),
+            vec![(0, vec![30.0, 25.0]), (1, vec![100.0, 265.0])]
+        );
+    }
+}
