@@ -140,6 +140,27 @@ pub fn all_gather(
         .collect()
 }
 
+/// Every member's `frame` on the first member of `group`, in group order (its own
+/// included, as given); the others send theirs and get `None`. Every member must call it
+/// with the same group and channel.
+pub fn gather_to_first(
+    link: &dyn PeerLink,
+    group: &[usize],
+    channel: Channel,
+    frame: &[u8],
+) -> Result<Option<Vec<Vec<u8>>>, CollectiveError> {
+    let pos = position(link, group)?;
+    if pos != 0 {
+        link.send(group[0], channel, frame)?;
+        return Ok(None);
+    }
+    let mut frames = vec![frame.to_vec()];
+    for &peer in &group[1..] {
+        frames.push(link.recv(peer, channel)?);
+    }
+    Ok(Some(frames))
+}
+
 /// Sums `buf` element-wise over the members of `group` (global ranks, in ring order; this
 /// rank must be one of them), leaving the sum in every member's `buf`, bitwise the same on
 /// all. Every member must call it with the same group, channel and buffer length.
@@ -259,6 +280,17 @@ pub trait GradSync: Send + Sync + std::fmt::Debug {
     fn gather_by_chunk(&self, rank: usize, frame: &[u8]) -> Result<Vec<Vec<u8>>, CollectiveError> {
         let _ = (rank, frame);
         Err(self.unsupported("the gather of small frames"))
+    }
+
+    /// Every replica's `frame` on the first replica (`Some`, indexed by the chunk each
+    /// replica owns, as [`GradSync::gather_by_chunk`]); the others send theirs (`None`).
+    fn gather_to_first(
+        &self,
+        rank: usize,
+        frame: &[u8],
+    ) -> Result<Option<Vec<Vec<u8>>>, CollectiveError> {
+        let _ = (rank, frame);
+        Err(self.unsupported("the gather to the first replica"))
     }
 
     /// The error of a collective this exchange does not have.
@@ -406,6 +438,19 @@ impl GradSync for RingGradSync {
         // The member at position p owns chunk p + 1: rotate right by one.
         frames.rotate_right(1);
         Ok(frames)
+    }
+
+    fn gather_to_first(
+        &self,
+        rank: usize,
+        frame: &[u8],
+    ) -> Result<Option<Vec<Vec<u8>>>, CollectiveError> {
+        let (link, group) = self.end(rank)?;
+        let frames = gather_to_first(link, &group, self.channel, frame)?;
+        Ok(frames.map(|mut frames| {
+            frames.rotate_right(1);
+            frames
+        }))
     }
 }
 

@@ -226,6 +226,19 @@ impl<B: Backend> AdamW<B> {
         })
     }
 
+    /// The state of parameter `name` copied to the host (`None`: it has not been stepped),
+    /// without copying the others'.
+    pub fn slot_state(&self, be: &B, name: &str) -> Result<Option<SlotState>> {
+        let Some(s) = self.slots.get(name) else {
+            return Ok(None);
+        };
+        Ok(Some(SlotState {
+            m: be.to_host(&s.m)?,
+            v: be.to_host(&s.v)?,
+            master: s.master.as_ref().map(|m| be.to_host(m)).transpose()?,
+        }))
+    }
+
     /// Restores a state saved by [`AdamW::state`]; slot lengths must be consistent.
     pub fn load_state(&mut self, be: &B, state: &OptimizerState) -> Result<()> {
         let mut slots = BTreeMap::new();

@@ -536,13 +536,12 @@ impl<B: Backend> RankCompute<B> {
                     reason: format!("drafter: {e}"),
                 })?;
         }
-        // A sharded optimizer's replicas all gather the moments the first one saves.
-        let due = self.shared.checkpoint_due(step);
-        if due || (self.zero.is_some() && self.shared.checkpoint_step(step)) {
-            let fin = self.export()?;
-            if due {
-                self.shared.deposit_checkpoint(step, self.rank, fin)?;
-            }
+        if self.shared.checkpoint_due(step) {
+            self.shared
+                .deposit_checkpoint(step, self.rank, self.export()?)?;
+        } else if let Some(zero) = self.zero.as_ref().filter(|_| self.shared.checkpoint_step(step)) {
+            // The first replica saves: the others send it their moments.
+            zero.gather_state(self.rank, &self.backend, &self.optimizer, &self.chunks)?;
         }
         // A checkpoint write failed, or the caller stopped the run: this step is the last.
         self.shared.check_stop(self.rank)?;

@@ -16,10 +16,10 @@
 //!    element-wise, so a piece's update is bitwise the whole parameter's there) and the
 //!    replicas all-gather the updated values.
 //!
-//! Checkpoints keep the unsharded format: the replicas all-gather their moments when a
-//! state is exported ([`Zero::gather_state`]), so a sharded run resumes an unsharded one's
-//! checkpoint and the reverse; a resumed replica takes its chunk of the moments
-//! ([`Zero::own_state`]).
+//! Checkpoints keep the unsharded format: when a state is exported the replicas gather
+//! their moments on the first replica, the one whose state is saved and handed over
+//! ([`Zero::gather_state`]), so a sharded run resumes an unsharded one's checkpoint and the
+//! reverse; a resumed replica takes its chunk of the moments ([`Zero::own_state`]).
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -311,8 +311,11 @@ impl Zero {
         self.grads = None;
     }
 
-    /// The whole optimizer state, every replica's chunk gathered into every replica (the
-    /// unsharded run's state, bitwise): every replica must call it at the same step.
+    /// The whole optimizer state on the first replica, gathered from every replica's chunk
+    /// (the unsharded run's state, bitwise); the other replicas send their chunk and get the
+    /// state without moments (only the first replica's state is saved or handed over).
+    /// Every replica must call it at the same step. One moment at a time crosses, so the
+    /// first replica holds the whole state and one chunk of one moment besides.
     pub(super) fn gather_state<B: Backend>(
         &self,
         rank: usize,
@@ -320,75 +323,109 @@ impl Zero {
         optimizer: &AdamW<B>,
         chunks: &BTreeMap<u32, ModelChunk<B>>,
     ) -> Result<OptimizerState, PipelineError> {
-        let local = optimizer.state(be)?;
+        let step = optimizer.steps();
+        let mut state = OptimizerState {
+            step,
+            slots: BTreeMap::new(),
+        };
         // No step taken (on every replica alike): no moments yet.
-        if local.step == 0 {
-            return Ok(local);
+        if step == 0 {
+            return Ok(state);
         }
-        let params: Vec<&Param<B>> = chunks.values().flat_map(|c| c.params()).collect();
-        let master: Vec<bool> = params
-            .iter()
+        let master: Vec<bool> = chunks
+            .values()
+            .flat_map(|c| c.params())
             .map(|p| be.dtype(&p.value) != DType::F32)
             .collect();
-        let master_of: std::collections::HashMap<&str, bool> = self
-            .layout
-            .spans
-            .iter()
-            .zip(&master)
-            .map(|(s, &m)| (s.name.as_str(), m))
-            .collect();
-        let field = |slot: &SlotState, which: usize| -> Option<Vec<f32>> {
-            match which {
-                0 => Some(slot.m.clone()),
-                1 => Some(slot.v.clone()),
-                _ => slot.master.clone(),
+        let mut own = Vec::new();
+        for (span, r) in self.layout.pieces(&self.own) {
+            let slot = optimizer
+                .slot_state(be, &span.name)?
+                .ok_or_else(|| missing(rank, span))?;
+            if slot.m.len() != r.len() {
+                return Err(PipelineError::Shard {
+                    rank,
+                    reason: format!(
+                        "`{}` has {} optimizer values, its piece of this replica's chunk {}",
+                        span.name,
+                        slot.m.len(),
+                        r.len()
+                    ),
+                });
             }
-        };
-        let mut gathered: Vec<[Vec<f32>; 3]> = vec![Default::default(); params.len()];
+            own.push(slot);
+        }
+        // (m, v, master) of every parameter, filled on the first replica.
+        let mut whole: Vec<[Vec<f32>; 3]> = Vec::new();
         let kinds = if master.iter().any(|&m| m) { 3 } else { 2 };
         for which in 0..kinds {
-            let mut buf = vec![0.0; self.layout.len];
-            for (span, r) in self.layout.pieces(&self.own) {
-                if which == 2 && !master_of[span.name.as_str()] {
-                    continue;
+            let wanted = |i: usize| which < 2 || master[i];
+            let frame: Vec<u8> = own
+                .iter()
+                .filter_map(|slot| match which {
+                    0 => Some(&slot.m),
+                    1 => Some(&slot.v),
+                    _ => slot.master.as_ref(),
+                })
+                .flatten()
+                .flat_map(|v| v.to_le_bytes())
+                .collect();
+            let Some(frames) = self
+                .sync
+                .gather_to_first(rank, &frame)
+                .map_err(|e| shard_err(rank, "the optimizer state's gather", e))?
+            else {
+                continue;
+            };
+            whole.resize_with(self.layout.spans.len(), Default::default);
+            for (i, span) in self.layout.spans.iter().enumerate() {
+                if wanted(i) {
+                    whole[i][which] = vec![0.0; span.range.len()];
                 }
-                let slot = local.slots.get(&span.name).ok_or_else(|| missing(rank, span))?;
-                let values = field(slot, which).unwrap_or_default();
-                let want = r.len();
-                if values.len() != want {
+            }
+            let index: std::collections::HashMap<&str, usize> = self
+                .layout
+                .spans
+                .iter()
+                .enumerate()
+                .map(|(i, s)| (s.name.as_str(), i))
+                .collect();
+            for (chunk, frame) in chunk_cut(self.layout.len, self.count).iter().zip(&frames) {
+                let mut values = frame
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes(b.try_into().expect("chunks of 4")));
+                let mut expected = 0;
+                for (span, r) in self.layout.pieces(chunk) {
+                    let i = index[span.name.as_str()];
+                    if !wanted(i) {
+                        continue;
+                    }
+                    expected += r.len();
+                    let local = r.start - span.range.start..r.end - span.range.start;
+                    for slot in &mut whole[i][which][local] {
+                        *slot = values.next().unwrap_or(f32::NAN);
+                    }
+                }
+                if frame.len() != expected * 4 {
                     return Err(PipelineError::Shard {
                         rank,
                         reason: format!(
-                            "`{}` has {} optimizer values, its chunk {want}",
-                            span.name,
-                            values.len()
+                            "a replica sent {} bytes of optimizer state for values {chunk:?}, \
+                             expected {}: the replicas' models differ",
+                            frame.len(),
+                            expected * 4
                         ),
                     });
                 }
-                buf[r].copy_from_slice(&values);
-            }
-            self.sync
-                .all_gather(rank, &mut buf)
-                .map_err(|e| shard_err(rank, "the optimizer state's all-gather", e))?;
-            for (i, span) in self.layout.spans.iter().enumerate() {
-                gathered[i][which] = buf[span.range.clone()].to_vec();
             }
         }
-        let slots = self
-            .layout
-            .spans
-            .iter()
-            .zip(gathered)
-            .zip(master)
-            .map(|((span, [m, v, w]), master)| {
-                let master = master.then_some(w);
-                (span.name.clone(), SlotState { m, v, master })
-            })
-            .collect();
-        Ok(OptimizerState {
-            step: local.step,
-            slots,
-        })
+        for ((span, [m, v, w]), master) in self.layout.spans.iter().zip(whole).zip(&master) {
+            let master = master.then_some(w);
+            state
+                .slots
+                .insert(span.name.clone(), SlotState { m, v, master });
+        }
+        Ok(state)
     }
 
     /// This replica's chunk of a whole optimizer `state` (a checkpoint's): each parameter's
@@ -454,6 +491,111 @@ fn shard_err(rank: usize, what: &str, e: CollectiveError) -> PipelineError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::comm::collective::RingGradSync;
+    use crate::comm::link::{InProcessLink, PeerLink};
+    use crate::model::{AdamWConfig, Cut, GptConfig};
+    use crate::tensor::CpuBackend;
+
+    /// A small model (one chunk of all of it) whose gradients are `seed`'s values.
+    fn chunks(seed: u32) -> BTreeMap<u32, ModelChunk<CpuBackend>> {
+        let config = GptConfig {
+            vocab: 40,
+            d_model: 8,
+            heads: 2,
+            layers: 2,
+            seq_len: 8,
+            ..GptConfig::default()
+        };
+        let be = CpuBackend::new(1).unwrap();
+        let mut chunk = ModelChunk::new(&config, be.clone(), &Cut::Even(1), 0).unwrap();
+        for (i, p) in chunk.params_mut().into_iter().enumerate() {
+            let g: Vec<f32> = (0..p.numel())
+                .map(|j| ((j as u32 * 7 + i as u32 * 13 + seed * 101) % 23) as f32 * 0.01 - 0.11)
+                .collect();
+            p.grad = be.from_host(&g, DType::F32).unwrap();
+        }
+        BTreeMap::from([(0, chunk)])
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// Two replicas step a sharded AdamW twice: each holds the moments of its chunk only,
+    /// the parameters and the norm's segments are bitwise those of the unsharded step over
+    /// the all-reduced gradient, and the first replica gathers the whole state.
+    #[test]
+    fn two_sharded_replicas_step_as_one_unsharded_optimizer_with_half_the_moments() {
+        let (lr, clip) = (1e-2, 0.5);
+        let links: Vec<Arc<dyn PeerLink>> = InProcessLink::group(2)
+            .into_iter()
+            .map(|l| Arc::new(l) as Arc<dyn PeerLink>)
+            .collect();
+        let handles: Vec<_> = links
+            .iter()
+            .enumerate()
+            .map(|(d, link)| {
+                let sync: Arc<dyn GradSync> =
+                    Arc::new(RingGradSync::new(vec![Arc::clone(link)], 2, 1, 3));
+                std::thread::spawn(move || {
+                    let be = CpuBackend::new(1).unwrap();
+                    let mut chunks = chunks(d as u32);
+                    let layout = Layout::of(&chunks);
+                    let own = sync.owned(0, layout.len).unwrap();
+                    let mut zero = Zero {
+                        layout,
+                        sync,
+                        count: 2,
+                        own: own.clone(),
+                        grads: None,
+                    };
+                    let mut adam = AdamW::new(AdamWConfig::default());
+                    let mut norms = Vec::new();
+                    for _ in 0..2 {
+                        norms.push(zero.reduce(0, &be, &chunks).unwrap());
+                        zero.step(0, (&be, &mut adam), &mut chunks, lr, clip).unwrap();
+                        zero.finish();
+                    }
+                    let held: usize = adam.state(&be).unwrap().slots.values().map(|s| s.m.len()).sum();
+                    assert_eq!(held, own.len(), "replica {d} holds only its chunk's moments");
+                    let state = zero.gather_state(0, &be, &adam, &chunks).unwrap();
+                    (flat(&be, &chunks, false).unwrap(), norms, state, own)
+                })
+            })
+            .collect();
+        let out: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        assert_eq!(out[0].3.len() + out[1].3.len(), Layout::of(&chunks(0)).len);
+
+        // The unsharded reference: the summed gradient (a sum of two is bitwise the ring's
+        // in either order), whole AdamW over it, the same segments.
+        let be = CpuBackend::new(1).unwrap();
+        let mut reference = chunks(0);
+        let mut summed = flat(&be, &reference, true).unwrap();
+        let other = flat(&be, &chunks(1), true).unwrap();
+        for (s, o) in summed.iter_mut().zip(&other) {
+            *s += o;
+        }
+        let mut adam = AdamW::new(AdamWConfig::default());
+        let mut rest = summed.as_slice();
+        for p in reference.values_mut().flat_map(|c| c.params_mut()) {
+            let n = p.numel();
+            p.grad = be.from_host(&rest[..n], DType::F32).unwrap();
+            rest = &rest[n..];
+        }
+        let expected_norms = replica_sq_norms(&reference, &summed, 2);
+        for _ in 0..2 {
+            let params = reference.values_mut().flat_map(|c| c.params_mut());
+            adam.step(&be, params, lr, clip).unwrap();
+        }
+        let expected = flat(&be, &reference, false).unwrap();
+        for (d, (values, norms, _, _)) in out.iter().enumerate() {
+            assert_eq!(bits(values), bits(&expected), "replica {d}'s parameters");
+            assert_eq!(norms[0], expected_norms, "replica {d}'s norm segments");
+        }
+        let whole = adam.state(&be).unwrap();
+        assert_eq!(out[0].2, whole, "the first replica gathers the whole state");
+        assert!(out[1].2.slots.is_empty() && out[1].2.step == 2);
+    }
 
     fn layout() -> Layout {
         let span = |stage, name: &str, range, tied| Span {
