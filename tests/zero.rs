@@ -86,7 +86,11 @@ fn periodic(dir: &Path, steps: u64, prefix: &str) -> Vec<(String, usize, u64)> {
             let hash = bytes.iter().fold(0xcbf29ce484222325u64, |h, &b| {
                 (h ^ u64::from(b)).wrapping_mul(0x100000001b3)
             });
-            (e.file_name().to_string_lossy().into_owned(), bytes.len(), hash)
+            (
+                e.file_name().to_string_lossy().into_owned(),
+                bytes.len(),
+                hash,
+            )
         })
         .collect();
     files.sort();
@@ -210,13 +214,9 @@ fn sharding_is_refused_where_it_cannot_work_and_a_no_op_for_one_replica() {
         err.contains("optimizer.shard") && err.contains("tie_embeddings"),
         "{err}"
     );
-    let err = JobConfig::embedded(&[
-        "dp=2".into(),
-        SHARD.into(),
-        "device=\"cuda\"".into(),
-    ])
-    .unwrap_err()
-    .to_string();
+    let err = JobConfig::embedded(&["dp=2".into(), SHARD.into(), "device=\"cuda\"".into()])
+        .unwrap_err()
+        .to_string();
     assert!(
         err.contains("optimizer.shard") && err.contains("transport = \"tcp\""),
         "{err}"

@@ -16,6 +16,10 @@
 //! strictly in order, so the rank counts its own iterations to know which step a forward
 //! belongs to.
 //!
+//! Sharded optimizer (`optimizer.shard` with data-parallel replicas, see [`zero`]): the
+//! rank's AdamW then holds the moments of its replica's chunk of the rank's parameters only;
+//! the gradients are reduce-scattered, the chunk updated and the parameters all-gathered.
+//!
 //! Filler (optional, `RankCompute::set_drafter`): the rank holding the last stage has its
 //! chunk copy the rows the drafter trains on into the run's [`DrafterFill`] buffers, and every
 //! rank closes its drafter round at the end of each target step (see [`super::fill`]). The
@@ -41,7 +45,6 @@ use pipefill_actors::{GradStats, StageCompute, StepDecision};
 use super::PipelineError;
 use super::fill::DrafterFill;
 use super::shared::{RankFinal, Shared};
-use crate::model::checkpoint::HostTensor;
 use crate::model::{
     AdamW, ChunkGrad, ChunkInput, ChunkOutput, LrSchedule, ModelChunk, OptimizerState, Shape,
 };
@@ -49,7 +52,8 @@ use crate::tensor::Backend;
 use crate::train::reference::{adamw_config, lr_schedule};
 
 mod parts;
-mod zero;
+mod state;
+pub(crate) mod zero;
 
 pub(crate) use parts::RankParts;
 
@@ -238,35 +242,6 @@ impl<B: Backend> RankCompute<B> {
         self.speculate = on;
     }
 
-    /// Loads this rank's share of a resumed model and optimizer state: the parameters of the
-    /// chunks it holds and their AdamW moments (the other ranks' slots are left out).
-    pub(crate) fn load_resumed<G: Backend>(
-        &mut self,
-        model: &crate::model::Gpt<G>,
-        state: &OptimizerState,
-    ) -> Result<(), PipelineError> {
-        let mut names = Vec::new();
-        for chunk in self.chunks.values_mut() {
-            for name in chunk.param_names() {
-                chunk.set_param(&name, &model.param_values(&name)?)?;
-                names.push(name);
-            }
-        }
-        let own = match &self.zero {
-            // A replica of a sharded optimizer keeps its chunk of the moments.
-            Some(zero) => zero.own_state(state),
-            None => OptimizerState {
-                step: state.step,
-                slots: names
-                    .iter()
-                    .filter_map(|n| state.slots.get(n).map(|s| (n.clone(), s.clone())))
-                    .collect(),
-            },
-        };
-        self.optimizer.load_state(&self.backend, &own)?;
-        Ok(())
-    }
-
     /// The chunk of `stage`, if this rank holds it.
     pub(crate) fn chunk_ref(&self, stage: u32) -> Option<&ModelChunk<B>> {
         self.chunks.get(&stage)
@@ -282,32 +257,6 @@ impl<B: Backend> RankCompute<B> {
         self.chunks
             .get_mut(&stage)
             .ok_or(PipelineError::NotHere { rank, stage })
-    }
-
-    /// The final parameters and optimizer state of this rank.
-    fn export(&self) -> Result<RankFinal, PipelineError> {
-        let mut stages = Vec::with_capacity(self.chunks.len());
-        for (&stage, chunk) in &self.chunks {
-            let mut params = Vec::new();
-            for p in chunk.params() {
-                params.push(HostTensor {
-                    name: p.name.clone(),
-                    shape: p.shape.clone(),
-                    data: self
-                        .backend
-                        .to_host(&p.value)
-                        .map_err(crate::model::ModelError::from)?,
-                });
-            }
-            stages.push((stage, params));
-        }
-        let optimizer = match &self.zero {
-            Some(zero) => {
-                zero.gather_state(self.rank, &self.backend, &self.optimizer, &self.chunks)?
-            }
-            None => self.optimizer.state(&self.backend)?,
-        };
-        Ok(RankFinal { stages, optimizer })
     }
 }
 
@@ -539,7 +488,11 @@ impl<B: Backend> RankCompute<B> {
         if self.shared.checkpoint_due(step) {
             self.shared
                 .deposit_checkpoint(step, self.rank, self.export()?)?;
-        } else if let Some(zero) = self.zero.as_ref().filter(|_| self.shared.checkpoint_step(step)) {
+        } else if let Some(zero) = self
+            .zero
+            .as_ref()
+            .filter(|_| self.shared.checkpoint_step(step))
+        {
             // The first replica saves: the others send it their moments.
             zero.gather_state(self.rank, &self.backend, &self.optimizer, &self.chunks)?;
         }

@@ -247,7 +247,11 @@ impl Zero {
                 .map(|b| f64::from_le_bytes(b.try_into().expect("chunks of 8")));
             segments.extend(stages.into_iter().zip(values));
         }
-        self.grads = Some(grads[own].to_vec());
+        // Only this replica's chunk stays (cut in place: no second copy).
+        grads.truncate(own.end);
+        grads.drain(..own.start);
+        grads.shrink_to_fit();
+        self.grads = Some(grads);
         Ok(by_stage(segments))
     }
 
@@ -268,14 +272,16 @@ impl Zero {
         let mut params: Vec<&mut Param<B>> =
             chunks.values_mut().flat_map(|c| c.params_mut()).collect();
         let own = &self.own;
-        let mut pieces = Vec::new();
-        let mut at = Vec::new();
+        // One piece at a time, made just before its update: a piece's value and gradient
+        // are the only copies besides the all-gather's buffer.
+        let mut values = vec![0.0; self.layout.len];
+        optimizer.begin_step();
         for (span, r) in self.layout.pieces(own) {
             let p = param(&params, span, rank)?;
             let value = be.to_host(&p.value).map_err(ModelError::from)?;
             let local = r.start - span.range.start..r.end - span.range.start;
             let grad = &grads[r.start - own.start..r.end - own.start];
-            pieces.push(Param {
+            let mut piece = Param {
                 name: p.name.clone(),
                 shape: vec![r.len()],
                 value: be
@@ -286,12 +292,8 @@ impl Zero {
                     .map_err(ModelError::from)?,
                 decay: p.decay,
                 tied: p.tied,
-            });
-            at.push(r);
-        }
-        optimizer.step(be, pieces.iter_mut(), lr, clip_scale)?;
-        let mut values = vec![0.0; self.layout.len];
-        for (piece, r) in pieces.iter().zip(at) {
+            };
+            optimizer.step_param(be, &mut piece, lr, clip_scale)?;
             values[r].copy_from_slice(&be.to_host(&piece.value).map_err(ModelError::from)?);
         }
         self.sync
@@ -429,29 +431,50 @@ impl Zero {
     }
 
     /// This replica's chunk of a whole optimizer `state` (a checkpoint's): each parameter's
-    /// moments cut to its piece of the chunk; parameters without state stay without.
-    pub(super) fn own_state(&self, state: &OptimizerState) -> OptimizerState {
-        let slots = self
-            .layout
-            .pieces(&self.own)
-            .filter_map(|(span, r)| {
-                let slot = state.slots.get(&span.name)?;
-                let local = r.start - span.range.start..r.end - span.range.start;
-                let cut = |v: &Vec<f32>| v.get(local.clone()).map(<[f32]>::to_vec);
-                Some((
-                    span.name.clone(),
-                    SlotState {
-                        m: cut(&slot.m)?,
-                        v: cut(&slot.v)?,
-                        master: slot.master.as_ref().and_then(cut),
-                    },
-                ))
-            })
-            .collect();
-        OptimizerState {
+    /// moments cut to its piece of the chunk; parameters without state stay without. A
+    /// parameter whose moments are not its size is an error naming it.
+    pub(super) fn own_state(
+        &self,
+        rank: usize,
+        state: &OptimizerState,
+    ) -> Result<OptimizerState, PipelineError> {
+        let mut slots = BTreeMap::new();
+        for (span, r) in self.layout.pieces(&self.own) {
+            let Some(slot) = state.slots.get(&span.name) else {
+                continue;
+            };
+            let size = span.range.len();
+            let sizes = [Some(slot.m.len()), Some(slot.v.len())];
+            let master = slot.master.as_ref().map(Vec::len);
+            if sizes
+                .into_iter()
+                .chain([master])
+                .flatten()
+                .any(|n| n != size)
+            {
+                return Err(PipelineError::Shard {
+                    rank,
+                    reason: format!(
+                        "the optimizer state of `{}` holds {} moments, the parameter {size} \
+                         values",
+                        span.name,
+                        slot.m.len()
+                    ),
+                });
+            }
+            let local = r.start - span.range.start..r.end - span.range.start;
+            let cut = |v: &Vec<f32>| v[local.clone()].to_vec();
+            let piece = SlotState {
+                m: cut(&slot.m),
+                v: cut(&slot.v),
+                master: slot.master.as_ref().map(cut),
+            };
+            slots.insert(span.name.clone(), piece);
+        }
+        Ok(OptimizerState {
             step: state.step,
             slots,
-        }
+        })
     }
 }
 
@@ -489,162 +512,5 @@ fn shard_err(rank: usize, what: &str, e: CollectiveError) -> PipelineError {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::comm::collective::RingGradSync;
-    use crate::comm::link::{InProcessLink, PeerLink};
-    use crate::model::{AdamWConfig, Cut, GptConfig};
-    use crate::tensor::CpuBackend;
-
-    /// A small model (one chunk of all of it) whose gradients are `seed`'s values.
-    fn chunks(seed: u32) -> BTreeMap<u32, ModelChunk<CpuBackend>> {
-        let config = GptConfig {
-            vocab: 40,
-            d_model: 8,
-            heads: 2,
-            layers: 2,
-            seq_len: 8,
-            ..GptConfig::default()
-        };
-        let be = CpuBackend::new(1).unwrap();
-        let mut chunk = ModelChunk::new(&config, be.clone(), &Cut::Even(1), 0).unwrap();
-        for (i, p) in chunk.params_mut().into_iter().enumerate() {
-            let g: Vec<f32> = (0..p.numel())
-                .map(|j| ((j as u32 * 7 + i as u32 * 13 + seed * 101) % 23) as f32 * 0.01 - 0.11)
-                .collect();
-            p.grad = be.from_host(&g, DType::F32).unwrap();
-        }
-        BTreeMap::from([(0, chunk)])
-    }
-
-    fn bits(v: &[f32]) -> Vec<u32> {
-        v.iter().map(|x| x.to_bits()).collect()
-    }
-
-    /// Two replicas step a sharded AdamW twice: each holds the moments of its chunk only,
-    /// the parameters and the norm's segments are bitwise those of the unsharded step over
-    /// the all-reduced gradient, and the first replica gathers the whole state.
-    #[test]
-    fn two_sharded_replicas_step_as_one_unsharded_optimizer_with_half_the_moments() {
-        let (lr, clip) = (1e-2, 0.5);
-        let links: Vec<Arc<dyn PeerLink>> = InProcessLink::group(2)
-            .into_iter()
-            .map(|l| Arc::new(l) as Arc<dyn PeerLink>)
-            .collect();
-        let handles: Vec<_> = links
-            .iter()
-            .enumerate()
-            .map(|(d, link)| {
-                let sync: Arc<dyn GradSync> =
-                    Arc::new(RingGradSync::new(vec![Arc::clone(link)], 2, 1, 3));
-                std::thread::spawn(move || {
-                    let be = CpuBackend::new(1).unwrap();
-                    let mut chunks = chunks(d as u32);
-                    let layout = Layout::of(&chunks);
-                    let own = sync.owned(0, layout.len).unwrap();
-                    let mut zero = Zero {
-                        layout,
-                        sync,
-                        count: 2,
-                        own: own.clone(),
-                        grads: None,
-                    };
-                    let mut adam = AdamW::new(AdamWConfig::default());
-                    let mut norms = Vec::new();
-                    for _ in 0..2 {
-                        norms.push(zero.reduce(0, &be, &chunks).unwrap());
-                        zero.step(0, (&be, &mut adam), &mut chunks, lr, clip).unwrap();
-                        zero.finish();
-                    }
-                    let held: usize = adam.state(&be).unwrap().slots.values().map(|s| s.m.len()).sum();
-                    assert_eq!(held, own.len(), "replica {d} holds only its chunk's moments");
-                    let state = zero.gather_state(0, &be, &adam, &chunks).unwrap();
-                    (flat(&be, &chunks, false).unwrap(), norms, state, own)
-                })
-            })
-            .collect();
-        let out: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
-        assert_eq!(out[0].3.len() + out[1].3.len(), Layout::of(&chunks(0)).len);
-
-        // The unsharded reference: the summed gradient (a sum of two is bitwise the ring's
-        // in either order), whole AdamW over it, the same segments.
-        let be = CpuBackend::new(1).unwrap();
-        let mut reference = chunks(0);
-        let mut summed = flat(&be, &reference, true).unwrap();
-        let other = flat(&be, &chunks(1), true).unwrap();
-        for (s, o) in summed.iter_mut().zip(&other) {
-            *s += o;
-        }
-        let mut adam = AdamW::new(AdamWConfig::default());
-        let mut rest = summed.as_slice();
-        for p in reference.values_mut().flat_map(|c| c.params_mut()) {
-            let n = p.numel();
-            p.grad = be.from_host(&rest[..n], DType::F32).unwrap();
-            rest = &rest[n..];
-        }
-        let expected_norms = replica_sq_norms(&reference, &summed, 2);
-        for _ in 0..2 {
-            let params = reference.values_mut().flat_map(|c| c.params_mut());
-            adam.step(&be, params, lr, clip).unwrap();
-        }
-        let expected = flat(&be, &reference, false).unwrap();
-        for (d, (values, norms, _, _)) in out.iter().enumerate() {
-            assert_eq!(bits(values), bits(&expected), "replica {d}'s parameters");
-            assert_eq!(norms[0], expected_norms, "replica {d}'s norm segments");
-        }
-        let whole = adam.state(&be).unwrap();
-        assert_eq!(out[0].2, whole, "the first replica gathers the whole state");
-        assert!(out[1].2.slots.is_empty() && out[1].2.step == 2);
-    }
-
-    fn layout() -> Layout {
-        let span = |stage, name: &str, range, tied| Span {
-            stage,
-            name: name.into(),
-            range,
-            tied,
-        };
-        Layout {
-            spans: vec![
-                span(0, "a", 0..5, false),
-                span(0, "b", 5..6, false),
-                span(1, "c", 6..10, true),
-                span(1, "d", 10..13, false),
-            ],
-            len: 13,
-        }
-    }
-
-    #[test]
-    fn pieces_cut_parameters_at_chunk_boundaries() {
-        let l = layout();
-        let got: Vec<(&str, Range<usize>)> =
-            l.pieces(&(4..11)).map(|(s, r)| (s.name.as_str(), r)).collect();
-        assert_eq!(got, vec![("a", 4..5), ("b", 5..6), ("c", 6..10), ("d", 10..11)]);
-    }
-
-    #[test]
-    fn segments_of_every_chunk_leave_tied_copies_out_and_sum_to_the_whole() {
-        let l = layout();
-        let values: Vec<f32> = (0..13).map(|i| i as f32).collect();
-        let segs: Vec<(u32, f64)> = chunk_cut(13, 3)
-            .into_iter()
-            .flat_map(|c| l.chunk_sq_norms(&c, &values[c.clone()]))
-            .collect();
-        // Chunks 0..5, 5..9, 9..13: a | b | d's two parts; c (tied) is left out.
-        assert_eq!(
-            segs,
-            vec![(0, 30.0), (0, 25.0), (1, 100.0), (1, 121.0 + 144.0)]
-        );
-        let total: f64 = segs.iter().map(|s| s.1).sum();
-        let direct: f64 = [0, 1, 2, 3, 4, 5, 10, 11, 12]
-            .iter()
-            .map(|&i| f64::from(i * i))
-            .sum();
-        assert_eq!(total, direct);
-        assert_eq!(
-            by_stage(segs),
-            vec![(0, vec![30.0, 25.0]), (1, vec![100.0, 265.0])]
-        );
-    }
-}
+#[path = "zero_tests.rs"]
+mod tests;
