@@ -140,8 +140,8 @@ pub fn all_gather(
         .collect()
 }
 
-/// Every member's `frame` on the first member of `group`, in group order (its own
-/// included, as given); the others send theirs and get `None`. Every member must call it
+/// Every member's `frame` on the first member of `group`, in group order (its own left
+/// empty: it has it); the others send theirs and get `None`. Every member must call it
 /// with the same group and channel.
 pub fn gather_to_first(
     link: &dyn PeerLink,
@@ -154,7 +154,7 @@ pub fn gather_to_first(
         link.send(group[0], channel, frame)?;
         return Ok(None);
     }
-    let mut frames = vec![frame.to_vec()];
+    let mut frames = vec![Vec::new()];
     for &peer in &group[1..] {
         frames.push(link.recv(peer, channel)?);
     }
@@ -283,7 +283,8 @@ pub trait GradSync: Send + Sync + std::fmt::Debug {
     }
 
     /// Every replica's `frame` on the first replica (`Some`, indexed by the chunk each
-    /// replica owns, as [`GradSync::gather_by_chunk`]); the others send theirs (`None`).
+    /// replica owns, as [`GradSync::gather_by_chunk`]; its own left empty); the others send
+    /// theirs (`None`).
     fn gather_to_first(
         &self,
         rank: usize,

@@ -166,3 +166,57 @@ fn all_gather_gives_every_member_every_frame_in_group_order() {
         Err(CollectiveError::NotMember { rank: 0, .. })
     ));
 }
+
+#[test]
+fn gather_to_first_hands_the_first_member_every_other_frame_in_group_order() {
+    let group = vec![2, 0, 1];
+    let handles: Vec<_> = InProcessLink::group(3)
+        .into_iter()
+        .map(|link| {
+            let group = group.clone();
+            thread::spawn(move || {
+                let own = vec![link.rank() as u8; link.rank() + 1];
+                (
+                    link.rank(),
+                    gather_to_first(&link, &group, 4, &own).unwrap(),
+                )
+            })
+        })
+        .collect();
+    for h in handles {
+        match h.join().unwrap() {
+            (2, got) => assert_eq!(got, Some(vec![vec![], vec![0u8], vec![1u8, 1]])),
+            (_, got) => assert_eq!(got, None),
+        }
+    }
+}
+
+#[test]
+fn a_reduce_scatter_then_an_all_gather_is_the_all_reduce_and_owns_the_cut() {
+    let inputs: Vec<Vec<f32>> = (0..3).map(|r| values(r + 40, 11)).collect();
+    let reduced = run(inputs.clone());
+    let links = InProcessLink::group(3);
+    let handles: Vec<_> = links
+        .into_iter()
+        .zip(inputs)
+        .map(|(link, mut buf)| {
+            thread::spawn(move || {
+                let group = [0, 1, 2];
+                let own = reduce_scatter_sum(&link, &group, 6, &mut buf).unwrap();
+                assert_eq!(own, owned_chunk(11, 3, link.rank()));
+                let chunk = buf[own.clone()].to_vec();
+                all_gather_chunks(&link, &group, 6, &mut buf).unwrap();
+                (own, chunk, buf)
+            })
+        })
+        .collect();
+    for h in handles {
+        let (own, chunk, buf) = h.join().unwrap();
+        assert_eq!(buf, reduced[0]);
+        assert_eq!(
+            chunk,
+            reduced[0][own].to_vec(),
+            "the chunk is summed before the gather"
+        );
+    }
+}

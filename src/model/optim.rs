@@ -103,6 +103,17 @@ pub struct SlotState {
     pub master: Option<Vec<f32>>,
 }
 
+/// One part of a parameter's optimizer state ([`AdamW::slot_part`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SlotPart {
+    /// The first moment.
+    M,
+    /// The second moment.
+    V,
+    /// The `f32` master weights (parameters stored in a narrower type only).
+    Master,
+}
+
 /// Host copy of an optimizer's whole state, by parameter name (what checkpoints store).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct OptimizerState {
@@ -239,17 +250,18 @@ impl<B: Backend> AdamW<B> {
         })
     }
 
-    /// The state of parameter `name` copied to the host (`None`: it has not been stepped),
-    /// without copying the others'.
-    pub fn slot_state(&self, be: &B, name: &str) -> Result<Option<SlotState>> {
+    /// One part of parameter `name`'s state copied to the host, without copying the rest
+    /// (`None`: it has not been stepped, or has no master copy).
+    pub fn slot_part(&self, be: &B, name: &str, part: SlotPart) -> Result<Option<Vec<f32>>> {
         let Some(s) = self.slots.get(name) else {
             return Ok(None);
         };
-        Ok(Some(SlotState {
-            m: be.to_host(&s.m)?,
-            v: be.to_host(&s.v)?,
-            master: s.master.as_ref().map(|m| be.to_host(m)).transpose()?,
-        }))
+        let buf = match part {
+            SlotPart::M => Some(&s.m),
+            SlotPart::V => Some(&s.v),
+            SlotPart::Master => s.master.as_ref(),
+        };
+        Ok(buf.map(|b| be.to_host(b)).transpose()?)
     }
 
     /// Restores a state saved by [`AdamW::state`]; slot lengths must be consistent.

@@ -28,7 +28,7 @@ use std::sync::Arc;
 use super::super::PipelineError;
 use super::super::shared::Shared;
 use crate::comm::collective::{CollectiveError, GradSync, chunk_cut};
-use crate::model::{AdamW, ModelChunk, ModelError, OptimizerState, Param, SlotState};
+use crate::model::{AdamW, ModelChunk, ModelError, OptimizerState, Param, SlotPart, SlotState};
 use crate::tensor::{Backend, DType};
 
 /// One parameter's place in a rank's flat buffer.
@@ -160,6 +160,8 @@ pub(super) struct Zero {
     count: usize,
     /// This replica's chunk of the flat buffer.
     own: Range<usize>,
+    /// The first replica: the one whose state is saved and handed over.
+    first: bool,
     /// This replica's chunk of the step's summed gradient, from the reduce-scatter to the
     /// step's end (a rolled-back step is redone from it).
     grads: Option<Vec<f32>>,
@@ -190,6 +192,7 @@ impl Zero {
             sync,
             count: replica.count,
             own,
+            first: replica.index == 0,
             grads: None,
         }))
     }
@@ -316,8 +319,10 @@ impl Zero {
     /// The whole optimizer state on the first replica, gathered from every replica's chunk
     /// (the unsharded run's state, bitwise); the other replicas send their chunk and get the
     /// state without moments (only the first replica's state is saved or handed over).
-    /// Every replica must call it at the same step. One moment at a time crosses, so the
-    /// first replica holds the whole state and one chunk of one moment besides.
+    /// Every replica must call it at the same step. One part (m, v, master) of one chunk
+    /// crosses at a time, and each is read off the device as it is sent, so the first
+    /// replica holds the whole state and one chunk of one part besides, the others one chunk
+    /// of one part.
     pub(super) fn gather_state<B: Backend>(
         &self,
         rank: usize,
@@ -339,76 +344,86 @@ impl Zero {
             .flat_map(|c| c.params())
             .map(|p| be.dtype(&p.value) != DType::F32)
             .collect();
-        let mut own = Vec::new();
-        for (span, r) in self.layout.pieces(&self.own) {
-            let slot = optimizer
-                .slot_state(be, &span.name)?
+        let index: std::collections::HashMap<&str, usize> = (self.layout.spans.iter())
+            .enumerate()
+            .map(|(i, s)| (s.name.as_str(), i))
+            .collect();
+        let parts: &[SlotPart] = match master.iter().any(|&m| m) {
+            true => &[SlotPart::M, SlotPart::V, SlotPart::Master],
+            false => &[SlotPart::M, SlotPart::V],
+        };
+        // This replica's piece of `span`'s `part`.
+        let piece = |span: &Span, r: &Range<usize>, part| -> Result<Vec<f32>, PipelineError> {
+            let values = optimizer
+                .slot_part(be, &span.name, part)?
                 .ok_or_else(|| missing(rank, span))?;
-            if slot.m.len() != r.len() {
+            if values.len() != r.len() {
                 return Err(PipelineError::Shard {
                     rank,
                     reason: format!(
                         "`{}` has {} optimizer values, its piece of this replica's chunk {}",
                         span.name,
-                        slot.m.len(),
+                        values.len(),
                         r.len()
                     ),
                 });
             }
-            own.push(slot);
-        }
+            Ok(values)
+        };
+        let wanted =
+            |span: &Span, part| part != SlotPart::Master || master[index[span.name.as_str()]];
         // (m, v, master) of every parameter, filled on the first replica.
         let mut whole: Vec<[Vec<f32>; 3]> = Vec::new();
-        let kinds = if master.iter().any(|&m| m) { 3 } else { 2 };
-        for which in 0..kinds {
-            let wanted = |i: usize| which < 2 || master[i];
-            let frame: Vec<u8> = own
-                .iter()
-                .filter_map(|slot| match which {
-                    0 => Some(&slot.m),
-                    1 => Some(&slot.v),
-                    _ => slot.master.as_ref(),
-                })
-                .flatten()
-                .flat_map(|v| v.to_le_bytes())
-                .collect();
-            let Some(frames) = self
-                .sync
-                .gather_to_first(rank, &frame)
-                .map_err(|e| shard_err(rank, "the optimizer state's gather", e))?
-            else {
+        for (k, &part) in parts.iter().enumerate() {
+            if !self.first {
+                let mut frame = Vec::new();
+                for (span, r) in self.layout.pieces(&self.own) {
+                    if wanted(span, part) {
+                        let values = piece(span, &r, part)?;
+                        frame.extend(values.iter().flat_map(|v| v.to_le_bytes()));
+                    }
+                }
+                self.sync
+                    .gather_to_first(rank, &frame)
+                    .map_err(|e| shard_err(rank, "the optimizer state's gather", e))?;
                 continue;
-            };
+            }
+            let frames = self
+                .sync
+                .gather_to_first(rank, &[])
+                .map_err(|e| shard_err(rank, "the optimizer state's gather", e))?
+                .ok_or_else(|| PipelineError::Shard {
+                    rank,
+                    reason: "the first replica was not handed the others' optimizer state".into(),
+                })?;
             whole.resize_with(self.layout.spans.len(), Default::default);
             for (i, span) in self.layout.spans.iter().enumerate() {
-                if wanted(i) {
-                    whole[i][which] = vec![0.0; span.range.len()];
+                if wanted(span, part) {
+                    whole[i][k] = vec![0.0; span.range.len()];
                 }
             }
-            let index: std::collections::HashMap<&str, usize> = self
-                .layout
-                .spans
-                .iter()
-                .enumerate()
-                .map(|(i, s)| (s.name.as_str(), i))
-                .collect();
             for (chunk, frame) in chunk_cut(self.layout.len, self.count).iter().zip(&frames) {
+                let own = *chunk == self.own;
                 let mut values = frame
                     .chunks_exact(4)
                     .map(|b| f32::from_le_bytes(b.try_into().expect("chunks of 4")));
                 let mut expected = 0;
                 for (span, r) in self.layout.pieces(chunk) {
+                    if !wanted(span, part) {
+                        continue;
+                    }
                     let i = index[span.name.as_str()];
-                    if !wanted(i) {
+                    let local = r.start - span.range.start..r.end - span.range.start;
+                    if own {
+                        whole[i][k][local].copy_from_slice(&piece(span, &r, part)?);
                         continue;
                     }
                     expected += r.len();
-                    let local = r.start - span.range.start..r.end - span.range.start;
-                    for slot in &mut whole[i][which][local] {
+                    for slot in &mut whole[i][k][local] {
                         *slot = values.next().unwrap_or(f32::NAN);
                     }
                 }
-                if frame.len() != expected * 4 {
+                if !own && frame.len() != expected * 4 {
                     return Err(PipelineError::Shard {
                         rank,
                         reason: format!(

@@ -58,6 +58,7 @@ fn two_sharded_replicas_step_as_one_unsharded_optimizer_with_half_the_moments() 
                     sync,
                     count: 2,
                     own: own.clone(),
+                    first: d == 0,
                     grads: None,
                 };
                 let mut adam = AdamW::new(AdamWConfig::default());
@@ -183,6 +184,7 @@ fn a_resumed_replica_takes_its_piece_of_each_moment_and_refuses_a_wrong_size() {
         sync: Arc::new(RingGradSync::new(vec![link], 2, 1, 3)),
         count: 2,
         own: 4..11,
+        first: false,
         grads: None,
     };
     let slot = |n: usize, at: f32| SlotState {
