@@ -155,14 +155,14 @@ fn pieces_cut_parameters_at_chunk_boundaries() {
 fn segments_of_every_chunk_leave_tied_copies_out_and_sum_to_the_whole() {
     let l = layout();
     let values: Vec<f32> = (0..13).map(|i| i as f32).collect();
-    let segs: Vec<(u32, f64)> = chunk_cut(13, 3)
+    let segs: Vec<(u32, f64)> = chunk_cut(13, 4)
         .into_iter()
         .flat_map(|c| l.chunk_sq_norms(&c, &values[c.clone()]))
         .collect();
-    // Chunks 0..5, 5..9, 9..13: a | b | d's two parts; c (tied) is left out.
+    // Chunks 0..4, 4..7, 7..10, 10..13: a's two parts, b, d; c (tied) is left out.
     assert_eq!(
         segs,
-        vec![(0, 30.0), (0, 25.0), (1, 100.0), (1, 121.0 + 144.0)]
+        vec![(0, 14.0), (0, 16.0), (0, 25.0), (1, 100.0 + 121.0 + 144.0)]
     );
     let total: f64 = segs.iter().map(|s| s.1).sum();
     let direct: f64 = [0, 1, 2, 3, 4, 5, 10, 11, 12]
@@ -172,7 +172,7 @@ fn segments_of_every_chunk_leave_tied_copies_out_and_sum_to_the_whole() {
     assert_eq!(total, direct);
     assert_eq!(
         by_stage(segs),
-        vec![(0, vec![30.0, 25.0]), (1, vec![100.0, 265.0])]
+        vec![(0, vec![14.0, 16.0, 25.0]), (1, vec![365.0])]
     );
 }
 
