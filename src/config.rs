@@ -11,6 +11,7 @@
 //! turned into a [`JobConfig`], so they go through exactly the same checks as the file.
 
 pub mod memory;
+pub mod optimizer;
 pub mod rl;
 pub mod schedule;
 
@@ -18,6 +19,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use self::optimizer::OptimizerConfig;
 use self::rl::RlConfig;
 use crate::data::DataConfig;
 use crate::model::GptConfig;
@@ -178,6 +180,8 @@ pub struct JobConfig {
     pub model: GptConfig,
     pub data: DataConfig,
     pub train: TrainConfig,
+    /// How the optimizer's state is kept across the replicas (`shard`: ZeRO-1).
+    pub optimizer: OptimizerConfig,
     /// `pipefill rl`: GRPO rollouts and updates (checked by `pipefill rl` only, so a
     /// training job's small `seq_len` never trips over RL defaults).
     pub rl: RlConfig,
@@ -201,6 +205,7 @@ impl Default for JobConfig {
             model: GptConfig::default(),
             data: DataConfig::default(),
             train: TrainConfig::default(),
+            optimizer: OptimizerConfig::default(),
             rl: RlConfig::default(),
             drafter: DrafterConfig::default(),
         }
@@ -398,6 +403,7 @@ impl JobConfig {
         if self.dp == 0 {
             return Err(invalid("dp", "must be at least 1".into()));
         }
+        OptimizerConfig::check(self)?;
         // Sizes whose memory cannot even be counted (checked arithmetic) are errors now;
         // whether the count fits the machine is the command's check (`check_memory`).
         memory::MemoryEstimate::bounded(self, memory::Workload::Train)?;

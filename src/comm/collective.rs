@@ -33,6 +33,10 @@ pub enum CollectiveError {
         got: usize,
         values: usize,
     },
+    #[error(
+        "{what} is not implemented by this gradient exchange ({sync}): the sharded optimizer (optimizer.shard) needs the ring over TCP or in-process links"
+    )]
+    Unsupported { what: &'static str, sync: String },
     #[error(transparent)]
     Link(#[from] LinkError),
 }
@@ -136,10 +140,85 @@ pub fn all_gather(
         .collect()
 }
 
+/// Every member's `frame` on the first member of `group`, in group order (its own left
+/// empty: it has it); the others send theirs and get `None`. Every member must call it
+/// with the same group and channel.
+pub fn gather_to_first(
+    link: &dyn PeerLink,
+    group: &[usize],
+    channel: Channel,
+    frame: &[u8],
+) -> Result<Option<Vec<Vec<u8>>>, CollectiveError> {
+    let pos = position(link, group)?;
+    if pos != 0 {
+        link.send(group[0], channel, frame)?;
+        return Ok(None);
+    }
+    let mut frames = vec![Vec::new()];
+    for &peer in &group[1..] {
+        frames.push(link.recv(peer, channel)?);
+    }
+    Ok(Some(frames))
+}
+
 /// Sums `buf` element-wise over the members of `group` (global ranks, in ring order; this
 /// rank must be one of them), leaving the sum in every member's `buf`, bitwise the same on
 /// all. Every member must call it with the same group, channel and buffer length.
+/// It is [`reduce_scatter_sum`] then [`all_gather_chunks`]: the sharded optimizer's
+/// reduce-scatter gives its chunk the same bits as this all-reduce does.
 pub fn all_reduce_sum(
+    link: &dyn PeerLink,
+    group: &[usize],
+    channel: Channel,
+    buf: &mut [f32],
+) -> Result<(), CollectiveError> {
+    reduce_scatter_sum(link, group, channel, buf)?;
+    all_gather_chunks(link, group, channel, buf)
+}
+
+/// The chunk of a buffer of `len` values that the member at `pos` of a group of `n` owns
+/// after [`reduce_scatter_sum`]: the same cut on every member.
+pub fn owned_chunk(len: usize, n: usize, pos: usize) -> std::ops::Range<usize> {
+    chunk_ranges(len, n)[(pos + 1) % n].clone()
+}
+
+/// The first half of the ring all-reduce: sums `buf` over `group` so that this member's
+/// chunk ([`owned_chunk`] of its position, returned) holds the sum over every member; the
+/// rest of `buf` holds partial sums. Every member must call it with the same group,
+/// channel and buffer length.
+pub fn reduce_scatter_sum(
+    link: &dyn PeerLink,
+    group: &[usize],
+    channel: Channel,
+    buf: &mut [f32],
+) -> Result<std::ops::Range<usize>, CollectiveError> {
+    let pos = position(link, group)?;
+    let n = group.len();
+    let chunks = chunk_ranges(buf.len(), n);
+    if n == 1 {
+        return Ok(0..buf.len());
+    }
+    let next = group[(pos + 1) % n];
+    let prev = group[(pos + n - 1) % n];
+    // In round s this member sends chunk (pos − s) and adds its own values to chunk
+    // (pos − s − 1) received from its predecessor. After n − 1 rounds chunk (pos + 1)
+    // holds the sum over every member.
+    for s in 0..n - 1 {
+        let send = chunks[(pos + n - s) % n].clone();
+        link.send(next, channel, &encode(&buf[send]))?;
+        let recv = chunks[(pos + 2 * n - s - 1) % n].clone();
+        // received + own: the partial sum travels round the ring and each member adds its
+        // own term to its right, a fixed order independent of timing.
+        recv_chunk(link, prev, channel, &mut buf[recv], |o, r| *o += r)?;
+    }
+    Ok(chunks[(pos + 1) % n].clone())
+}
+
+/// The second half of the ring all-reduce: each member's chunk ([`owned_chunk`]) of
+/// `buf` goes round the ring, so every member ends with every member's chunk (what it held
+/// elsewhere is overwritten). Every member must call it with the same group, channel and
+/// buffer length.
+pub fn all_gather_chunks(
     link: &dyn PeerLink,
     group: &[usize],
     channel: Channel,
@@ -153,18 +232,6 @@ pub fn all_reduce_sum(
     let next = group[(pos + 1) % n];
     let prev = group[(pos + n - 1) % n];
     let chunks = chunk_ranges(buf.len(), n);
-    // Reduce-scatter: in round s this member sends chunk (pos − s) and adds its own values
-    // to chunk (pos − s − 1) received from its predecessor. After n − 1 rounds chunk
-    // (pos + 1) holds the sum over every member.
-    for s in 0..n - 1 {
-        let send = chunks[(pos + n - s) % n].clone();
-        link.send(next, channel, &encode(&buf[send]))?;
-        let recv = chunks[(pos + 2 * n - s - 1) % n].clone();
-        // received + own: the partial sum travels round the ring and each member adds its
-        // own term to its right, a fixed order independent of timing.
-        recv_chunk(link, prev, channel, &mut buf[recv], |o, r| *o += r)?;
-    }
-    // All-gather: pass the summed chunks round; each member overwrites with what it gets.
     for s in 0..n - 1 {
         let send = chunks[(pos + 1 + n - s) % n].clone();
         link.send(next, channel, &encode(&buf[send]))?;
@@ -181,6 +248,65 @@ pub fn all_reduce_sum(
 pub trait GradSync: Send + Sync + std::fmt::Debug {
     /// `rank` is the caller's rank within its pipeline (`0..pp`).
     fn all_reduce(&self, rank: usize, grads: &mut [f32]) -> Result<(), CollectiveError>;
+
+    /// The sharded optimizer's reduce-scatter (ZeRO-1): sums `grads` over the replicas so
+    /// that the returned range, this replica's chunk, holds bitwise what
+    /// [`GradSync::all_reduce`] would leave there; the rest holds partial sums.
+    fn reduce_scatter(
+        &self,
+        rank: usize,
+        grads: &mut [f32],
+    ) -> Result<std::ops::Range<usize>, CollectiveError> {
+        let _ = (rank, grads);
+        Err(self.unsupported("the reduce-scatter"))
+    }
+
+    /// The chunk of a buffer of `len` values this replica owns: the range
+    /// [`GradSync::reduce_scatter`] sums for it.
+    fn owned(&self, rank: usize, len: usize) -> Result<std::ops::Range<usize>, CollectiveError> {
+        let _ = (rank, len);
+        Err(self.unsupported("the sharded optimizer's chunk"))
+    }
+
+    /// The sharded optimizer's all-gather: every replica's chunk of `buf` (the range
+    /// [`GradSync::reduce_scatter`] returned to it) to every replica.
+    fn all_gather(&self, rank: usize, buf: &mut [f32]) -> Result<(), CollectiveError> {
+        let _ = (rank, buf);
+        Err(self.unsupported("the all-gather"))
+    }
+
+    /// Every replica's `frame`, indexed by the chunk that replica owns (chunk `c` of
+    /// [`chunk_cut`]).
+    fn gather_by_chunk(&self, rank: usize, frame: &[u8]) -> Result<Vec<Vec<u8>>, CollectiveError> {
+        let _ = (rank, frame);
+        Err(self.unsupported("the gather of small frames"))
+    }
+
+    /// Every replica's `frame` on the first replica (`Some`, indexed by the chunk each
+    /// replica owns, as [`GradSync::gather_by_chunk`]; its own left empty); the others send
+    /// theirs (`None`).
+    fn gather_to_first(
+        &self,
+        rank: usize,
+        frame: &[u8],
+    ) -> Result<Option<Vec<Vec<u8>>>, CollectiveError> {
+        let _ = (rank, frame);
+        Err(self.unsupported("the gather to the first replica"))
+    }
+
+    /// The error of a collective this exchange does not have.
+    fn unsupported(&self, what: &'static str) -> CollectiveError {
+        CollectiveError::Unsupported {
+            what,
+            sync: format!("{self:?}"),
+        }
+    }
+}
+
+/// The `n` chunks a buffer of `len` values is cut into by the ring (the longer first):
+/// the sharded optimizer's cut of a rank's flat parameters, the same on every replica.
+pub fn chunk_cut(len: usize, n: usize) -> Vec<std::ops::Range<usize>> {
+    chunk_ranges(len, n.max(1))
 }
 
 /// [`GradSync`] by [`all_reduce_sum`] over [`PeerLink`]s, for a job of `dp` replicas of a
@@ -261,8 +387,9 @@ impl std::fmt::Debug for RingGradSync {
     }
 }
 
-impl GradSync for RingGradSync {
-    fn all_reduce(&self, rank: usize, grads: &mut [f32]) -> Result<(), CollectiveError> {
+impl RingGradSync {
+    /// Pipeline rank `rank`'s link end and its group.
+    fn end(&self, rank: usize) -> Result<(&dyn PeerLink, Vec<usize>), CollectiveError> {
         let link = self
             .ends
             .get(&rank)
@@ -277,176 +404,57 @@ impl GradSync for RingGradSync {
             }
             None => Self::replica_group(link.rank(), self.dp, self.pp),
         };
-        all_reduce_sum(link.as_ref(), &group, self.channel, grads)
+        Ok((link.as_ref(), group))
+    }
+}
+
+impl GradSync for RingGradSync {
+    fn all_reduce(&self, rank: usize, grads: &mut [f32]) -> Result<(), CollectiveError> {
+        let (link, group) = self.end(rank)?;
+        all_reduce_sum(link, &group, self.channel, grads)
+    }
+
+    fn reduce_scatter(
+        &self,
+        rank: usize,
+        grads: &mut [f32],
+    ) -> Result<std::ops::Range<usize>, CollectiveError> {
+        let (link, group) = self.end(rank)?;
+        reduce_scatter_sum(link, &group, self.channel, grads)
+    }
+
+    fn owned(&self, rank: usize, len: usize) -> Result<std::ops::Range<usize>, CollectiveError> {
+        let (link, group) = self.end(rank)?;
+        Ok(owned_chunk(len, group.len(), position(link, &group)?))
+    }
+
+    fn all_gather(&self, rank: usize, buf: &mut [f32]) -> Result<(), CollectiveError> {
+        let (link, group) = self.end(rank)?;
+        all_gather_chunks(link, &group, self.channel, buf)
+    }
+
+    fn gather_by_chunk(&self, rank: usize, frame: &[u8]) -> Result<Vec<Vec<u8>>, CollectiveError> {
+        let (link, group) = self.end(rank)?;
+        let mut frames = all_gather(link, &group, self.channel, frame)?;
+        // The member at position p owns chunk p + 1: rotate right by one.
+        frames.rotate_right(1);
+        Ok(frames)
+    }
+
+    fn gather_to_first(
+        &self,
+        rank: usize,
+        frame: &[u8],
+    ) -> Result<Option<Vec<Vec<u8>>>, CollectiveError> {
+        let (link, group) = self.end(rank)?;
+        let frames = gather_to_first(link, &group, self.channel, frame)?;
+        Ok(frames.map(|mut frames| {
+            frames.rotate_right(1);
+            frames
+        }))
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use std::thread;
-
-    use super::*;
-    use crate::comm::link::InProcessLink;
-
-    /// Runs the all-reduce on every member of a group of `n` with inputs `inputs[r]`.
-    fn run(inputs: Vec<Vec<f32>>) -> Vec<Vec<f32>> {
-        let n = inputs.len();
-        let links = InProcessLink::group(n);
-        let group: Vec<usize> = (0..n).collect();
-        let handles: Vec<_> = links
-            .into_iter()
-            .zip(inputs)
-            .map(|(link, mut buf)| {
-                let group = group.clone();
-                thread::spawn(move || {
-                    all_reduce_sum(&link, &group, 5, &mut buf).unwrap();
-                    buf
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    }
-
-    /// Deterministic pseudo-random values in [-1, 1) (a 64-bit LCG).
-    fn values(seed: u64, len: usize) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
-        (0..len)
-            .map(|_| {
-                s = s
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-            })
-            .collect()
-    }
-
-    #[test]
-    fn sums_equal_the_direct_sum_for_1_to_5_members_and_odd_lengths() {
-        for n in 1..=5 {
-            for len in [0, 1, 2, 3, 7, 13, 64, 101] {
-                let inputs: Vec<Vec<f32>> = (0..n)
-                    .map(|r| values(r as u64 * 31 + len as u64, len))
-                    .collect();
-                let direct: Vec<f64> = (0..len)
-                    .map(|i| inputs.iter().map(|v| f64::from(v[i])).sum())
-                    .collect();
-                let out = run(inputs);
-                for (r, got) in out.iter().enumerate() {
-                    assert_eq!(
-                        got, &out[0],
-                        "n={n} len={len}: rank {r} differs from rank 0"
-                    );
-                }
-                for (i, (&g, &d)) in out[0].iter().zip(&direct).enumerate() {
-                    // n f32 additions of values in [-1, 1): error below n ulps of n.
-                    assert!(
-                        (f64::from(g) - d).abs() <= 1e-6 * n as f64,
-                        "n={n} len={len} [{i}]: {g} vs direct {d}"
-                    );
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn integer_valued_sums_are_exact() {
-        // Small integers add exactly in f32 in any order, so the ring must equal the direct
-        // sum bit for bit: a misplaced or doubled chunk would show.
-        let n = 4;
-        let len = 11;
-        let inputs: Vec<Vec<f32>> = (0..n)
-            .map(|r| (0..len).map(|i| (r * 100 + i) as f32).collect())
-            .collect();
-        let out = run(inputs);
-        let expected: Vec<f32> = (0..len)
-            .map(|i| (0..n).map(|r| (r * 100 + i) as f32).sum())
-            .collect();
-        for got in out {
-            assert_eq!(got, expected);
-        }
-    }
-
-    #[test]
-    fn a_subgroup_reduces_only_among_its_members() {
-        // World of 4 = 2 replicas × 2 stages; each stage's group is {s, 2 + s}.
-        let links = InProcessLink::group(4);
-        let handles: Vec<_> = links
-            .into_iter()
-            .map(|link| {
-                thread::spawn(move || {
-                    let r = link.rank();
-                    let group = [r % 2, 2 + r % 2];
-                    let mut buf = vec![r as f32; 3];
-                    all_reduce_sum(&link, &group, 1, &mut buf).unwrap();
-                    buf
-                })
-            })
-            .collect();
-        let out: Vec<Vec<f32>> = handles.into_iter().map(|h| h.join().unwrap()).collect();
-        assert_eq!(out[0], vec![2.0; 3]);
-        assert_eq!(out[2], vec![2.0; 3]);
-        assert_eq!(out[1], vec![4.0; 3]);
-        assert_eq!(out[3], vec![4.0; 3]);
-    }
-
-    #[test]
-    fn replica_groups_hold_the_same_pipeline_rank_of_every_replica() {
-        assert_eq!(RingGradSync::replica_group(5, 3, 2), vec![1, 3, 5]);
-        assert_eq!(RingGradSync::replica_group(0, 1, 4), vec![0]);
-    }
-
-    #[test]
-    fn bad_groups_and_mismatched_lengths_are_refused() {
-        let links = InProcessLink::group(3);
-        let mut buf = vec![0.0; 4];
-        assert!(matches!(
-            all_reduce_sum(&links[0], &[1, 2], 0, &mut buf),
-            Err(CollectiveError::NotMember { rank: 0, .. })
-        ));
-        assert!(matches!(
-            all_reduce_sum(&links[0], &[0, 1, 1], 0, &mut buf),
-            Err(CollectiveError::Duplicate { rank: 1, .. })
-        ));
-        // Rank 1 sends a chunk of the wrong length for rank 0's buffer of 4.
-        links[1].send(0, 0, &[0; 12]).unwrap();
-        let err = all_reduce_sum(&links[0], &[0, 1], 0, &mut buf).unwrap_err();
-        assert!(
-            matches!(
-                err,
-                CollectiveError::Length {
-                    peer: 1,
-                    expected: 8,
-                    got: 12,
-                    ..
-                }
-            ),
-            "{err}"
-        );
-    }
-
-    #[test]
-    fn all_gather_gives_every_member_every_frame_in_group_order() {
-        // A subgroup in a non-sorted order, next to a rank that takes no part.
-        let group = vec![3, 0, 2];
-        let handles: Vec<_> = InProcessLink::group(4)
-            .into_iter()
-            .filter(|l| group.contains(&l.rank()))
-            .map(|link| {
-                let group = group.clone();
-                thread::spawn(move || {
-                    let own = vec![link.rank() as u8; link.rank() + 1];
-                    all_gather(&link, &group, 9, &own).unwrap()
-                })
-            })
-            .collect();
-        let expected = vec![vec![3u8; 4], vec![0u8; 1], vec![2u8; 3]];
-        for h in handles {
-            assert_eq!(h.join().unwrap(), expected);
-        }
-        let links = InProcessLink::group(2);
-        assert!(matches!(
-            all_gather(&links[0], &[1], 0, b"x"),
-            Err(CollectiveError::NotMember { rank: 0, .. })
-        ));
-    }
-}
+#[path = "collective_tests.rs"]
+mod tests;

@@ -39,6 +39,9 @@ use crate::schedules::{CostModel, generate, peak_memory};
 /// Bytes per parameter the ranks hold while they train: the f32 value, its gradient and
 /// two AdamW moments.
 pub const LIVE_PARAM_BYTES: u64 = 16;
+/// Of [`LIVE_PARAM_BYTES`], the two f32 AdamW moments: what a sharded optimizer
+/// (`optimizer.shard`, ZeRO-1) divides among the `dp` replicas.
+pub const MOMENT_BYTES: u64 = 8;
 /// Bytes per parameter of the host copies of values and moments that initialisation and
 /// the final checkpoint make (calibrated, docs/benchmarks.md).
 pub const COPY_PARAM_BYTES: u64 = 48;
@@ -161,10 +164,18 @@ impl MemoryEstimate {
         // Every data-parallel replica holds the model, its moments and its activations
         // (in one process or spread over `dp × stages` processes).
         let dp = f("dp", job.dp.max(1));
-        parts.push((
-            "parameters, gradients and optimizer state",
-            mul("the parameters", &[p, k(per_param), dp])?,
-        ));
+        // A sharded optimizer keeps one copy of the moments among all the replicas.
+        let live = match crate::config::optimizer::OptimizerConfig::sharded(job) {
+            true => add(
+                "the parameters",
+                &[
+                    mul("the parameters", &[p, k(per_param - MOMENT_BYTES), dp])?,
+                    mul("the parameters", &[p, k(MOMENT_BYTES)])?,
+                ],
+            )?,
+            false => mul("the parameters", &[p, k(per_param), dp])?,
+        };
+        parts.push(("parameters, gradients and optimizer state", live));
 
         let seq = f("model.seq_len", m.seq_len);
         if !job.schedule.is_none() {

@@ -43,7 +43,7 @@ pub mod tie;
 pub use chunk::{ChunkGrad, ChunkInput, ChunkOutput, Cut, ModelChunk, Shape};
 pub use config::GptConfig;
 pub use gpt::Gpt;
-pub use optim::{AdamW, AdamWConfig, LrSchedule, OptimizerState, SlotState, clip_scale};
+pub use optim::{AdamW, AdamWConfig, LrSchedule, OptimizerState, SlotPart, SlotState, clip_scale};
 pub use recompute::{Recompute, RecomputeSetting};
 
 use crate::tensor::{Backend, DType, TensorError};

@@ -103,6 +103,17 @@ pub struct SlotState {
     pub master: Option<Vec<f32>>,
 }
 
+/// One part of a parameter's optimizer state ([`AdamW::slot_part`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SlotPart {
+    /// The first moment.
+    M,
+    /// The second moment.
+    V,
+    /// The `f32` master weights (parameters stored in a narrower type only).
+    Master,
+}
+
 /// Host copy of an optimizer's whole state, by parameter name (what checkpoints store).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct OptimizerState {
@@ -145,43 +156,56 @@ impl<B: Backend> AdamW<B> {
         lr: f32,
         grad_scale: f32,
     ) -> Result<()> {
-        self.step += 1;
-        let c = &self.config;
+        self.begin_step();
         for p in params {
-            let slot = match self.slots.get_mut(&p.name) {
-                Some(slot) => slot,
-                None => {
-                    let n = p.numel();
-                    let master = match be.dtype(&p.value) {
-                        DType::F32 => None,
-                        _ => Some(be.from_host(&be.to_host(&p.value)?, DType::F32)?),
-                    };
-                    let slot = Slot {
-                        m: be.zeros(n, DType::F32)?,
-                        v: be.zeros(n, DType::F32)?,
-                        master,
-                    };
-                    self.slots.entry(p.name.clone()).or_insert(slot)
-                }
-            };
-            let hp = AdamWStep {
-                lr,
-                beta1: c.beta1,
-                beta2: c.beta2,
-                eps: c.eps,
-                weight_decay: if p.decay { c.weight_decay } else { 0.0 },
-                step: self.step,
-                grad_scale,
-            };
-            be.adamw_step(
-                &mut p.value,
-                slot.master.as_mut(),
-                &p.grad,
-                &mut slot.m,
-                &mut slot.v,
-                hp,
-            )?;
+            self.step_param(be, p, lr, grad_scale)?;
         }
+        Ok(())
+    }
+
+    /// Begins one update: [`AdamW::step_param`] then updates each parameter with this
+    /// update's step count (what [`AdamW::step`] does for all of its parameters at once;
+    /// the sharded optimizer steps its pieces one by one, each made just before its update).
+    pub fn begin_step(&mut self) {
+        self.step += 1;
+    }
+
+    /// Updates `p` within the update [`AdamW::begin_step`] began.
+    pub fn step_param(&mut self, be: &B, p: &mut Param<B>, lr: f32, grad_scale: f32) -> Result<()> {
+        let c = &self.config;
+        let slot = match self.slots.get_mut(&p.name) {
+            Some(slot) => slot,
+            None => {
+                let n = p.numel();
+                let master = match be.dtype(&p.value) {
+                    DType::F32 => None,
+                    _ => Some(be.from_host(&be.to_host(&p.value)?, DType::F32)?),
+                };
+                let slot = Slot {
+                    m: be.zeros(n, DType::F32)?,
+                    v: be.zeros(n, DType::F32)?,
+                    master,
+                };
+                self.slots.entry(p.name.clone()).or_insert(slot)
+            }
+        };
+        let hp = AdamWStep {
+            lr,
+            beta1: c.beta1,
+            beta2: c.beta2,
+            eps: c.eps,
+            weight_decay: if p.decay { c.weight_decay } else { 0.0 },
+            step: self.step,
+            grad_scale,
+        };
+        be.adamw_step(
+            &mut p.value,
+            slot.master.as_mut(),
+            &p.grad,
+            &mut slot.m,
+            &mut slot.v,
+            hp,
+        )?;
         Ok(())
     }
 
@@ -224,6 +248,20 @@ impl<B: Backend> AdamW<B> {
             step: self.step,
             slots,
         })
+    }
+
+    /// One part of parameter `name`'s state copied to the host, without copying the rest
+    /// (`None`: it has not been stepped, or has no master copy).
+    pub fn slot_part(&self, be: &B, name: &str, part: SlotPart) -> Result<Option<Vec<f32>>> {
+        let Some(s) = self.slots.get(name) else {
+            return Ok(None);
+        };
+        let buf = match part {
+            SlotPart::M => Some(&s.m),
+            SlotPart::V => Some(&s.v),
+            SlotPart::Master => s.master.as_ref(),
+        };
+        Ok(buf.map(|b| be.to_host(b)).transpose()?)
     }
 
     /// Restores a state saved by [`AdamW::state`]; slot lengths must be consistent.

@@ -16,6 +16,10 @@
 //! strictly in order, so the rank counts its own iterations to know which step a forward
 //! belongs to.
 //!
+//! Sharded optimizer (`optimizer.shard` with data-parallel replicas, see [`zero`]): the
+//! rank's AdamW then holds the moments of its replica's chunk of the rank's parameters only;
+//! the gradients are reduce-scattered, the chunk updated and the parameters all-gathered.
+//!
 //! Filler (optional, `RankCompute::set_drafter`): the rank holding the last stage has its
 //! chunk copy the rows the drafter trains on into the run's [`DrafterFill`] buffers, and every
 //! rank closes its drafter round at the end of each target step (see [`super::fill`]). The
@@ -41,7 +45,6 @@ use pipefill_actors::{GradStats, StageCompute, StepDecision};
 use super::PipelineError;
 use super::fill::DrafterFill;
 use super::shared::{RankFinal, Shared};
-use crate::model::checkpoint::HostTensor;
 use crate::model::{
     AdamW, ChunkGrad, ChunkInput, ChunkOutput, LrSchedule, ModelChunk, OptimizerState, Shape,
 };
@@ -49,6 +52,8 @@ use crate::tensor::Backend;
 use crate::train::reference::{adamw_config, lr_schedule};
 
 mod parts;
+mod state;
+pub(crate) mod zero;
 
 pub(crate) use parts::RankParts;
 
@@ -79,6 +84,9 @@ pub struct RankCompute<B: Backend> {
     drafter: Option<Arc<DrafterFill>>,
     /// Where the rank moves its parts after the last iteration (`None`: it exports them).
     keep: Option<Sender<RankParts<B>>>,
+    /// The sharded optimizer (`optimizer.shard` with replicas): `optimizer` then holds the
+    /// moments of this replica's chunk only.
+    zero: Option<zero::Zero>,
 }
 
 /// What every rank of a run is built from, however it starts: the job, its plan, the run's
@@ -161,7 +169,7 @@ impl<B: Backend> RankCompute<B> {
             .collect::<Result<Vec<_>, crate::model::ModelError>>()?;
         let chunks = chunks.into_iter().map(|c| (c.stage() as u32, c)).collect();
         let optimizer = AdamW::new(adamw_config(&run.job.train));
-        Ok(Self::assemble(run, rank, (backend, chunks, optimizer)))
+        Self::assemble(run, rank, (backend, chunks, optimizer))
     }
 
     /// A rank that has run none of its iterations yet, over `state`: its backend, chunks
@@ -170,8 +178,9 @@ impl<B: Backend> RankCompute<B> {
         run: RankJob<'_>,
         rank: usize,
         (backend, chunks, optimizer): (B, BTreeMap<u32, ModelChunk<B>>, AdamW<B>),
-    ) -> Self {
-        RankCompute {
+    ) -> Result<Self, PipelineError> {
+        let zero = zero::Zero::for_rank(run.job, &run.shared, rank, &chunks)?;
+        Ok(RankCompute {
             rank,
             backend,
             chunks,
@@ -187,7 +196,8 @@ impl<B: Backend> RankCompute<B> {
             redo: HashSet::new(),
             drafter: None,
             keep: None,
-        }
+            zero,
+        })
     }
 
     /// The backend this rank computes on.
@@ -207,15 +217,20 @@ impl<B: Backend> RankCompute<B> {
 
     /// A tied embedding's copies take the sum of their gradients ([`crate::model::tie`]):
     /// here when this rank holds both, with the other stage's rank when it holds one.
-    fn sum_tied(&mut self) -> Result<(), PipelineError> {
+    /// Whether the rank holds a copy.
+    fn sum_tied(&mut self) -> Result<bool, PipelineError> {
         use crate::model::tie;
         match tie::sides(self.chunks.values_mut()) {
-            (None, None) => Ok(()),
-            (Some(_), Some(_)) => Ok(tie::sum_local(&self.backend, self.chunks.values_mut())?),
+            (None, None) => Ok(false),
+            (Some(_), Some(_)) => {
+                tie::sum_local(&self.backend, self.chunks.values_mut())?;
+                Ok(true)
+            }
             (Some(mut side), None) | (None, Some(mut side)) => {
                 let mut grad = side.grad(&self.backend)?;
                 self.shared.sum_tied(self.rank, &mut grad)?;
-                Ok(side.set_grad(&self.backend, &grad)?)
+                side.set_grad(&self.backend, &grad)?;
+                Ok(true)
             }
         }
     }
@@ -225,31 +240,6 @@ impl<B: Backend> RankCompute<B> {
     /// every rank's gradient statistics.
     pub(crate) fn set_speculative(&mut self, on: bool) {
         self.speculate = on;
-    }
-
-    /// Loads this rank's share of a resumed model and optimizer state: the parameters of the
-    /// chunks it holds and their AdamW moments (the other ranks' slots are left out).
-    pub(crate) fn load_resumed<G: Backend>(
-        &mut self,
-        model: &crate::model::Gpt<G>,
-        state: &OptimizerState,
-    ) -> Result<(), PipelineError> {
-        let mut names = Vec::new();
-        for chunk in self.chunks.values_mut() {
-            for name in chunk.param_names() {
-                chunk.set_param(&name, &model.param_values(&name)?)?;
-                names.push(name);
-            }
-        }
-        let own = OptimizerState {
-            step: state.step,
-            slots: names
-                .iter()
-                .filter_map(|n| state.slots.get(n).map(|s| (n.clone(), s.clone())))
-                .collect(),
-        };
-        self.optimizer.load_state(&self.backend, &own)?;
-        Ok(())
     }
 
     /// The chunk of `stage`, if this rank holds it.
@@ -267,29 +257,6 @@ impl<B: Backend> RankCompute<B> {
         self.chunks
             .get_mut(&stage)
             .ok_or(PipelineError::NotHere { rank, stage })
-    }
-
-    /// The final parameters and optimizer state of this rank.
-    fn export(&self) -> Result<RankFinal, PipelineError> {
-        let mut stages = Vec::with_capacity(self.chunks.len());
-        for (&stage, chunk) in &self.chunks {
-            let mut params = Vec::new();
-            for p in chunk.params() {
-                params.push(HostTensor {
-                    name: p.name.clone(),
-                    shape: p.shape.clone(),
-                    data: self
-                        .backend
-                        .to_host(&p.value)
-                        .map_err(crate::model::ModelError::from)?,
-                });
-            }
-            stages.push((stage, params));
-        }
-        Ok(RankFinal {
-            stages,
-            optimizer: self.optimizer.state(&self.backend)?,
-        })
     }
 }
 
@@ -391,26 +358,30 @@ impl<B: Backend> StageCompute for RankCompute<B> {
     fn grad_stats(&mut self, iteration: u64) -> Result<GradStats, PipelineError> {
         self.check_iteration(iteration)?;
         // Data-parallel replicas sum their gradients first, so the norm, the clip decision
-        // and the step are the whole batch's on every replica.
-        let params = self.chunks.values_mut().flat_map(|c| c.params_mut());
-        self.shared.sync_grads(self.rank, &self.backend, params)?;
-        self.sum_tied()?;
-        let mut own = Vec::with_capacity(self.chunks.len());
-        let mut stats = GradStats::default();
-        for (&stage, chunk) in &self.chunks {
-            let mut sq = Vec::new();
-            // A tied copy's gradient is its original's: the norm counts it once.
-            for p in chunk.params().into_iter().filter(|p| !p.tied) {
-                let q = self
-                    .backend
-                    .sum_squares(&p.grad)
-                    .map_err(crate::model::ModelError::from)?;
-                // Σ g² is NaN or infinite exactly when some entry is (or overflows).
-                stats.nonfinite |= !q.is_finite();
-                stats.sq_norm += q;
-                sq.push(q);
+        // and the step are the whole batch's on every replica. Replicas sum the norm from
+        // the sharded optimizer's segments, sharded or not, so both clip alike (`zero`).
+        let own = match &mut self.zero {
+            Some(zero) => zero.reduce(self.rank, &self.backend, &self.chunks)?,
+            None => {
+                let params = self.chunks.values_mut().flat_map(|c| c.params_mut());
+                let summed = self.shared.sync_grads(self.rank, &self.backend, params)?;
+                let tied = self.sum_tied()?;
+                match (summed, self.shared.replica()) {
+                    (Some(mut grads), Some(r)) => {
+                        if tied {
+                            grads = zero::flat(&self.backend, &self.chunks, true)?;
+                        }
+                        zero::replica_sq_norms(&self.chunks, &grads, r.count)
+                    }
+                    _ => zero::param_sq_norms(&self.backend, &self.chunks)?,
+                }
             }
-            own.push((stage, sq));
+        };
+        let mut stats = GradStats::default();
+        for q in own.iter().flat_map(|(_, sq)| sq) {
+            // Σ g² is NaN or infinite exactly when some entry is (or overflows).
+            stats.nonfinite |= !q.is_finite();
+            stats.sq_norm += q;
         }
         self.shared.post_sq_norms(self.step(), own);
         Ok(stats)
@@ -429,8 +400,19 @@ impl<B: Backend> StageCompute for RankCompute<B> {
             self.snapshot = Some(self.take_snapshot(iteration)?);
         }
         if let StepDecision::Apply { clip_scale } = decision {
-            let params = self.chunks.values_mut().flat_map(|c| c.params_mut());
-            self.optimizer.step(&self.backend, params, lr, clip_scale)?;
+            match &self.zero {
+                Some(zero) => zero.step(
+                    self.rank,
+                    (&self.backend, &mut self.optimizer),
+                    &mut self.chunks,
+                    lr,
+                    clip_scale,
+                )?,
+                None => {
+                    let params = self.chunks.values_mut().flat_map(|c| c.params_mut());
+                    self.optimizer.step(&self.backend, params, lr, clip_scale)?;
+                }
+            }
         }
         self.done += 1;
         if speculative {
@@ -492,6 +474,9 @@ impl<B: Backend> RankCompute<B> {
         for chunk in self.chunks.values_mut() {
             chunk.zero_grads()?;
         }
+        if let Some(zero) = &mut self.zero {
+            zero.finish();
+        }
         if let Some(fill) = &self.drafter {
             let chunks: Vec<_> = self.chunks.values().collect();
             fill.step_end(self.rank, step, &chunks)
@@ -503,6 +488,13 @@ impl<B: Backend> RankCompute<B> {
         if self.shared.checkpoint_due(step) {
             self.shared
                 .deposit_checkpoint(step, self.rank, self.export()?)?;
+        } else if let Some(zero) = self
+            .zero
+            .as_ref()
+            .filter(|_| self.shared.checkpoint_step(step))
+        {
+            // The first replica saves: the others send it their moments.
+            zero.gather_state(self.rank, &self.backend, &self.optimizer, &self.chunks)?;
         }
         // A checkpoint write failed, or the caller stopped the run: this step is the last.
         self.shared.check_stop(self.rank)?;

@@ -83,6 +83,13 @@ pub(crate) struct Stepping {
     pub clip: f32,
     /// A re-planning source agrees with the other processes itself (launched `auto`).
     pub replan_agrees: bool,
+    /// The job shards its optimizer (`optimizer.shard`): every step is taken at the end of
+    /// its iteration ([`StepMode::Barrier`]), whatever `step_mode` says. Post-validation
+    /// defers a step whose statistics are late by the rank's own clock, and the runtime
+    /// settles the last deferred steps rank by rank: a rank of one replica then waits in the
+    /// step's all-gather for a rank of the other that waits to be settled after a rank
+    /// that waits in turn for the first replica (seen as a hang at the last step).
+    pub sharded: bool,
 }
 
 impl Stepping {
@@ -94,6 +101,7 @@ impl Stepping {
             step_mode: StepMode::default(),
             clip: job.train.clip,
             replan_agrees: false,
+            sharded: crate::config::optimizer::OptimizerConfig::sharded(job),
         }
     }
 
@@ -105,9 +113,13 @@ impl Stepping {
         local: Vec<(usize, C)>,
         links: ReplicaLinks<C::Tensor>,
     ) -> Result<RunReport, RuntimeError> {
+        let mode = match self.sharded {
+            true => StepMode::Barrier,
+            false => self.step_mode,
+        };
         let mut pipeline = Pipeline::new(source, self.clock)
             .iterations(self.steps)
-            .step_mode(self.step_mode);
+            .step_mode(mode);
         if self.clip > 0.0 {
             pipeline = pipeline.max_grad_norm(f64::from(self.clip));
         }

@@ -81,6 +81,9 @@ pub enum PipelineError {
     /// A stage produced something the pipeline cannot use.
     #[error("stage {stage}: {reason}")]
     Stage { stage: u32, reason: String },
+    /// The sharded optimizer's exchange between replicas failed, or its state does not fit.
+    #[error("sharded optimizer (optimizer.shard) of rank {rank}: {reason}")]
+    Shard { rank: usize, reason: String },
     /// The runtime ran a rank's optimizer steps out of order.
     #[error("rank {rank}: optimizer step of iteration {got}, expected iteration {expected}")]
     OutOfOrder {

@@ -33,17 +33,17 @@ use std::time::Instant;
 use super::PipelineError;
 use super::feed::{StepBatches, StepFeed};
 use crate::comm::collective::{GradSync, RingGradSync, TIE_CHANNEL};
-use crate::model::checkpoint::sharded::{self, Layout};
-use crate::model::checkpoint::sweep;
+use crate::model::checkpoint::sharded::Layout;
 use crate::model::checkpoint::{CheckpointError, HostTensor};
-use crate::model::drafter::DrafterError;
-use crate::model::drafter::state::DrafterState;
 use crate::model::layers::{OffsetTokenLoss, TokenLoss};
 use crate::model::{GptConfig, ModelError, OptimizerState, Param};
 use crate::schedules::Plan;
 use crate::tensor::Backend;
 use crate::train::StepMetrics;
 use crate::train::reference::combine_losses;
+
+mod save;
+use save::save_finals;
 
 /// One rank's state after its last step; on the wire, a launched rank's final state and a
 /// `launch rl` rank's weight sync.
@@ -98,7 +98,7 @@ pub struct Replica {
     pub sync: Arc<dyn GradSync>,
 }
 
-/// Where and how often a run saves sharded checkpoints ([`sharded::step_dir`] of `run_dir`).
+/// Where and how often a run saves sharded checkpoints ([`crate::model::checkpoint::sharded::step_dir`] of `run_dir`).
 #[derive(Debug, Clone)]
 pub struct Checkpointing {
     /// Save after every step `k` with `(k + 1) % every == 0`.
@@ -107,7 +107,7 @@ pub struct Checkpointing {
     pub model: crate::model::GptConfig,
     pub data_seed: u64,
     pub layout: Layout,
-    /// Parameter name → stage ([`sharded::param_stages`]).
+    /// Parameter name → stage ([`crate::model::checkpoint::sharded::param_stages`]).
     pub stage_of: HashMap<String, usize>,
     /// [`crate::config::JobConfig::fingerprint`] of the job.
     pub config_hash: String,
@@ -310,9 +310,7 @@ impl Shared {
     /// replica saves: the others hold the same state.
     pub fn checkpoint_due(&self, step: u64) -> bool {
         let first_replica = self.replica.as_ref().is_none_or(|r| r.index == 0);
-        self.checkpointing
-            .as_ref()
-            .is_some_and(|c| c.every > 0 && (step + 1).is_multiple_of(c.every) && first_replica)
+        first_replica && self.checkpoint_step(step)
     }
 
     /// Stops the run at the ranks' next step end (each fails that step with a "stopped"
@@ -405,6 +403,19 @@ impl Shared {
         self
     }
 
+    /// This pipeline's place among the data-parallel replicas (`None`: the whole batch).
+    pub fn replica(&self) -> Option<&Replica> {
+        self.replica.as_ref()
+    }
+
+    /// Whether any replica saves its state after step `step` (the sharded optimizer's
+    /// replicas gather their moments together then, see [`Shared::checkpoint_due`]).
+    pub fn checkpoint_step(&self, step: u64) -> bool {
+        self.checkpointing
+            .as_ref()
+            .is_some_and(|c| c.every > 0 && (step + 1).is_multiple_of(c.every))
+    }
+
     /// Step `step`'s micro-batches as this pipeline runs them: the whole step, or a
     /// replica's share of it (with the whole batch's loss scales, see [`Replica`]).
     pub fn step_data(&self, step: u64) -> Arc<StepBatches> {
@@ -434,14 +445,15 @@ impl Shared {
 
     /// Sums the gradients of pipeline rank `rank`'s `params` with the other replicas' (a
     /// no-op without replicas): all of them, concatenated in model order, in one all-reduce.
+    /// The sum, as it was concatenated (`None`: no replicas).
     pub fn sync_grads<'a, B: Backend + 'a>(
         &self,
         rank: usize,
         backend: &B,
         params: impl IntoIterator<Item = &'a mut Param<B>>,
-    ) -> Result<(), PipelineError> {
+    ) -> Result<Option<Vec<f32>>, PipelineError> {
         let Some(r) = &self.replica else {
-            return Ok(());
+            return Ok(None);
         };
         let mut params: Vec<&mut Param<B>> = params.into_iter().collect();
         let mut flat = Vec::new();
@@ -466,7 +478,7 @@ impl Shared {
                 .map_err(ModelError::from)?;
             rest = &rest[n..];
         }
-        Ok(())
+        Ok(Some(flat))
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -560,38 +572,6 @@ impl Shared {
                 .collect(),
         )
     }
-}
-
-/// Writes the ranks' `finals` as the sharded checkpoint of `next_step` (steps done).
-fn save_finals(
-    plan: &Checkpointing,
-    next_step: u64,
-    finals: Vec<RankFinal>,
-    drafter: Option<Result<DrafterState, DrafterError>>,
-) -> Result<PathBuf, CheckpointError> {
-    let (params, optimizer) = RankFinal::merge(finals);
-    let mut checkpoint = sharded::from_owned_state(
-        plan.model.clone(),
-        plan.data_seed,
-        next_step,
-        params,
-        optimizer,
-    );
-    let dir = sharded::step_dir(&plan.run_dir, next_step);
-    let saved = drafter.transpose().map_err(Into::into).and_then(|d| {
-        checkpoint.drafter = d;
-        sharded::save_sharded(
-            &dir,
-            &checkpoint,
-            &plan.layout,
-            &plan.stage_of,
-            &plan.config_hash,
-        )
-    });
-    // What the failed write left goes; the error names the last complete checkpoint.
-    let manifest = saved.map_err(|e| sweep::failed_periodic(&plan.run_dir, &dir, next_step, e))?;
-    plan.retention.completed(&dir, &manifest)?;
-    Ok(dir)
 }
 
 #[cfg(test)]

@@ -92,6 +92,7 @@ impl<B: RankBackend> RlTrainer<B> {
     pub fn on(job: &JobConfig, checkpoint: Checkpoint, backend: B) -> Result<Self, RlError> {
         job.validate()?;
         job.rl.validate(job.model.seq_len)?;
+        crate::config::optimizer::OptimizerConfig::check_rl(job)?;
         let reference = (job.rl.kl_coef > 0.0)
             .then(|| restore(job, &checkpoint, backend.clone()))
             .transpose()?;

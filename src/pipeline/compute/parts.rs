@@ -46,7 +46,7 @@ impl<B: Backend> RankCompute<B> {
             });
         }
         let state = (parts.backend, parts.chunks, parts.optimizer);
-        Ok(RankCompute::assemble(run, rank, state))
+        RankCompute::assemble(run, rank, state)
     }
 
     /// After its last iteration the rank sends its chunks and optimizer to `keep` instead

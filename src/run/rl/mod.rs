@@ -50,6 +50,7 @@ pub fn rl(
         None => None,
     };
     job.rl.validate(job.model.seq_len)?;
+    crate::config::optimizer::OptimizerConfig::check_rl(&job)?;
     // The rollouts' drafter trains whatever the job's filler: its settings are checked now,
     // not at its first slice.
     if job.rl.speculation {

@@ -1,0 +1,74 @@
+//! The job file's `[optimizer]` section: how the optimizer's state is kept across the
+//! data-parallel replicas (the AdamW hyper-parameters themselves are `[train]`'s).
+//!
+//! `shard = true` is ZeRO-1 (Megatron's distributed optimizer): each of the `dp` replicas
+//! keeps the AdamW moments of a `1/dp` flat cut of every rank's parameters, the gradients
+//! are reduce-scattered and the updated parameters all-gathered (see
+//! `crate::pipeline::compute::zero`). With `dp = 1` there is nothing to shard and the
+//! setting changes nothing, so one job file runs at any `dp`.
+
+use serde::{Deserialize, Serialize};
+
+use super::{ConfigError, DeviceKind, JobConfig};
+use crate::comm::select::TransportKind;
+
+/// `[optimizer]`: where the optimizer's state lives.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct OptimizerConfig {
+    /// ZeRO-1: each data-parallel replica keeps `1/dp` of the AdamW state (a no-op at
+    /// `dp = 1`). The parameters are bitwise the unsharded run's.
+    pub shard: bool,
+}
+
+impl OptimizerConfig {
+    /// Whether `job` shards its optimizer state (on, and more than one replica).
+    pub fn sharded(job: &JobConfig) -> bool {
+        job.optimizer.shard && job.dp > 1
+    }
+
+    /// Refuses `shard` where it cannot work: a tied embedding (its copies sum the whole
+    /// gradient after the replicas' reduction, which a replica's chunk does not have) and
+    /// CUDA ranks whose gradient exchange may be NCCL's (only the ring over TCP has the
+    /// reduce-scatter and all-gather).
+    pub(super) fn check(job: &JobConfig) -> Result<(), ConfigError> {
+        if !Self::sharded(job) {
+            return Ok(());
+        }
+        let refuse = |reason: String| {
+            Err(ConfigError::Invalid {
+                field: "optimizer.shard".into(),
+                reason,
+            })
+        };
+        if job.model.tie_embeddings {
+            return refuse(
+                "cannot shard the optimizer of a model with model.tie_embeddings = true: the \
+                 tied copies sum their whole gradients, which a replica's shard does not hold \
+                 (untie the embeddings or set optimizer.shard = false)"
+                    .into(),
+            );
+        }
+        if job.device == DeviceKind::Cuda && job.transport != TransportKind::Tcp {
+            return refuse(format!(
+                "needs transport = \"tcp\" with device = \"cuda\" (transport is \"{}\"): NCCL's \
+                 gradient exchange has no reduce-scatter and all-gather here",
+                job.transport
+            ));
+        }
+        Ok(())
+    }
+
+    /// `pipefill rl` does not shard its update's optimizer: refused rather than ignored.
+    pub fn check_rl(job: &JobConfig) -> Result<(), ConfigError> {
+        match Self::sharded(job) {
+            true => Err(ConfigError::Invalid {
+                field: "optimizer.shard".into(),
+                reason: "is not supported by `pipefill rl` (its update keeps every replica's \
+                         optimizer whole between RL steps): set optimizer.shard = false"
+                    .into(),
+            }),
+            false => Ok(()),
+        }
+    }
+}

@@ -1,0 +1,531 @@
+//! ZeRO-1, the sharded optimizer (`optimizer.shard = true`): each data-parallel replica of
+//! a rank keeps the AdamW state of only its chunk of the rank's parameters.
+//!
+//! A rank's parameters, concatenated in model order (stages ascending, each stage's in
+//! order), form one flat buffer of `len` values; the ring cuts it into `dp` chunks
+//! ([`chunk_cut`]), the same cut on every replica, and each replica owns one. A step:
+//!
+//! 1. the replicas reduce-scatter their gradients: each ends with its chunk summed, bitwise
+//!    what the unsharded all-reduce leaves there (it is the all-reduce's first half);
+//! 2. the gradient norm is summed from **segments**, each parameter's part of one chunk
+//!    (tied copies left out): each replica computes its chunk's segments and the replicas
+//!    exchange them, so every replica has every segment and sums them in model order. The
+//!    unsharded data-parallel path sums the same segments of its all-reduced gradient
+//!    ([`replica_sq_norms`]), which is why the two clip by bitwise the same norm;
+//! 3. each replica runs AdamW on its chunk only (one piece per parameter it cuts; AdamW is
+//!    element-wise, so a piece's update is bitwise the whole parameter's there) and the
+//!    replicas all-gather the updated values.
+//!
+//! Checkpoints keep the unsharded format: when a state is exported the replicas gather
+//! their moments on the first replica, the one whose state is saved and handed over
+//! ([`Zero::gather_state`]), so a sharded run resumes an unsharded one's checkpoint and the
+//! reverse; a resumed replica takes its chunk of the moments ([`Zero::own_state`]).
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+use std::sync::Arc;
+
+use super::super::PipelineError;
+use super::super::shared::Shared;
+use crate::comm::collective::{CollectiveError, GradSync, chunk_cut};
+use crate::model::{AdamW, ModelChunk, ModelError, OptimizerState, Param, SlotPart, SlotState};
+use crate::tensor::{Backend, DType};
+
+/// One parameter's place in a rank's flat buffer.
+#[derive(Debug, Clone)]
+struct Span {
+    stage: u32,
+    name: String,
+    range: Range<usize>,
+    /// A tied copy: its gradient is its original's, so the norm leaves it out.
+    tied: bool,
+}
+
+/// A rank's parameters in flat order.
+#[derive(Debug, Clone)]
+struct Layout {
+    spans: Vec<Span>,
+    len: usize,
+}
+
+impl Layout {
+    fn of<B: Backend>(chunks: &BTreeMap<u32, ModelChunk<B>>) -> Self {
+        let mut spans = Vec::new();
+        let mut start = 0;
+        for (&stage, chunk) in chunks {
+            for p in chunk.params() {
+                let n = p.numel();
+                spans.push(Span {
+                    stage,
+                    name: p.name.clone(),
+                    range: start..start + n,
+                    tied: p.tied,
+                });
+                start += n;
+            }
+        }
+        Layout { spans, len: start }
+    }
+
+    /// Each parameter's part of `chunk` (non-empty only), with its range there.
+    fn pieces(&self, chunk: &Range<usize>) -> impl Iterator<Item = (&Span, Range<usize>)> {
+        let chunk = chunk.clone();
+        self.spans.iter().filter_map(move |s| {
+            let (lo, hi) = (s.range.start.max(chunk.start), s.range.end.min(chunk.end));
+            (lo < hi).then_some((s, lo..hi))
+        })
+    }
+
+    /// `Σ g²` of each segment of `chunk` (tied copies left out), in flat order;
+    /// `values` are the chunk's gradient values.
+    fn chunk_sq_norms(&self, chunk: &Range<usize>, values: &[f32]) -> Vec<(u32, f64)> {
+        self.pieces(chunk)
+            .filter(|(s, _)| !s.tied)
+            .map(|(s, r)| {
+                let part = &values[r.start - chunk.start..r.end - chunk.start];
+                (s.stage, sum_squares(part))
+            })
+            .collect()
+    }
+}
+
+/// `Σ v²` in `f64`, in order.
+fn sum_squares(values: &[f32]) -> f64 {
+    values.iter().map(|&v| f64::from(v) * f64::from(v)).sum()
+}
+
+/// Segments `(stage, Σ g²)` in flat order, as the per-stage lists the step log sums.
+fn by_stage(segments: impl IntoIterator<Item = (u32, f64)>) -> Vec<(u32, Vec<f64>)> {
+    let mut stages: BTreeMap<u32, Vec<f64>> = BTreeMap::new();
+    for (stage, q) in segments {
+        stages.entry(stage).or_default().push(q);
+    }
+    stages.into_iter().collect()
+}
+
+/// The rank's parameters' values or gradients on the host, in flat order.
+pub(super) fn flat<B: Backend>(
+    be: &B,
+    chunks: &BTreeMap<u32, ModelChunk<B>>,
+    grads: bool,
+) -> Result<Vec<f32>, PipelineError> {
+    let mut out = Vec::new();
+    for p in chunks.values().flat_map(|c| c.params()) {
+        let buf = if grads { &p.grad } else { &p.value };
+        out.extend(be.to_host(buf).map_err(ModelError::from)?);
+    }
+    Ok(out)
+}
+
+/// The gradient norm's segments of a pipeline without replicas: each parameter's `Σ g²`
+/// (tied copies left out), by stage, in model order.
+pub(super) fn param_sq_norms<B: Backend>(
+    be: &B,
+    chunks: &BTreeMap<u32, ModelChunk<B>>,
+) -> Result<Vec<(u32, Vec<f64>)>, PipelineError> {
+    let mut own = Vec::with_capacity(chunks.len());
+    for (&stage, chunk) in chunks {
+        let sq = chunk
+            .params()
+            .into_iter()
+            .filter(|p| !p.tied)
+            .map(|p| be.sum_squares(&p.grad))
+            .collect::<Result<Vec<f64>, _>>()
+            .map_err(ModelError::from)?;
+        own.push((stage, sq));
+    }
+    Ok(own)
+}
+
+/// The gradient norm's segments of an unsharded replica ([`Shared::sync_grads`]'s summed
+/// `grads`, after the tied sum), cut as `count` sharded replicas cut them: the same norm,
+/// bitwise, as a sharded run's.
+pub(super) fn replica_sq_norms<B: Backend>(
+    chunks: &BTreeMap<u32, ModelChunk<B>>,
+    grads: &[f32],
+    count: usize,
+) -> Vec<(u32, Vec<f64>)> {
+    let layout = Layout::of(chunks);
+    let segments = chunk_cut(layout.len, count)
+        .into_iter()
+        .flat_map(|c| layout.chunk_sq_norms(&c, &grads[c.clone()]));
+    by_stage(segments)
+}
+
+/// One rank's share of the sharded optimizer (see the module docs).
+pub(super) struct Zero {
+    layout: Layout,
+    sync: Arc<dyn GradSync>,
+    /// The replicas: the flat buffer's cut.
+    count: usize,
+    /// This replica's chunk of the flat buffer.
+    own: Range<usize>,
+    /// The first replica: the one whose state is saved and handed over.
+    first: bool,
+    /// This replica's chunk of the step's summed gradient, from the reduce-scatter to the
+    /// step's end (a rolled-back step is redone from it).
+    grads: Option<Vec<f32>>,
+}
+
+impl Zero {
+    /// The sharded optimizer of `rank` over `chunks` when the job shards it among more than
+    /// one replica (`None`: every replica keeps the whole state).
+    pub(super) fn for_rank<B: Backend>(
+        job: &crate::config::JobConfig,
+        shared: &Shared,
+        rank: usize,
+        chunks: &BTreeMap<u32, ModelChunk<B>>,
+    ) -> Result<Option<Self>, PipelineError> {
+        let Some(replica) = shared.replica().filter(|r| r.count > 1) else {
+            return Ok(None);
+        };
+        if !job.optimizer.shard {
+            return Ok(None);
+        }
+        let layout = Layout::of(chunks);
+        let sync = Arc::clone(&replica.sync);
+        let own = sync
+            .owned(rank, layout.len)
+            .map_err(|e| shard_err(rank, "its chunk", e))?;
+        Ok(Some(Zero {
+            layout,
+            sync,
+            count: replica.count,
+            own,
+            first: replica.index == 0,
+            grads: None,
+        }))
+    }
+
+    /// Reduce-scatters the rank's gradients, keeps this replica's chunk of the sum, and
+    /// returns the gradient norm's segments of every replica (by stage, in model order).
+    pub(super) fn reduce<B: Backend>(
+        &mut self,
+        rank: usize,
+        be: &B,
+        chunks: &BTreeMap<u32, ModelChunk<B>>,
+    ) -> Result<Vec<(u32, Vec<f64>)>, PipelineError> {
+        let mut grads = flat(be, chunks, true)?;
+        let own = self
+            .sync
+            .reduce_scatter(rank, &mut grads)
+            .map_err(|e| shard_err(rank, "the gradients' reduce-scatter", e))?;
+        if own != self.own {
+            return Err(PipelineError::Shard {
+                rank,
+                reason: format!(
+                    "the reduce-scatter summed values {own:?}, this replica owns {:?}",
+                    self.own
+                ),
+            });
+        }
+        let mine = self.layout.chunk_sq_norms(&own, &grads[own.clone()]);
+        let frame: Vec<u8> = mine.iter().flat_map(|(_, q)| q.to_le_bytes()).collect();
+        let frames = self
+            .sync
+            .gather_by_chunk(rank, &frame)
+            .map_err(|e| shard_err(rank, "the gradient norm's exchange", e))?;
+        let mut segments = Vec::new();
+        for (chunk, frame) in chunk_cut(self.layout.len, self.count).iter().zip(&frames) {
+            let stages: Vec<u32> = self
+                .layout
+                .pieces(chunk)
+                .filter(|(s, _)| !s.tied)
+                .map(|(s, _)| s.stage)
+                .collect();
+            if frame.len() != stages.len() * 8 {
+                return Err(PipelineError::Shard {
+                    rank,
+                    reason: format!(
+                        "a replica sent {} bytes of gradient norm segments for values \
+                         {chunk:?}, expected {} ({} segments): the replicas' models differ",
+                        frame.len(),
+                        stages.len() * 8,
+                        stages.len()
+                    ),
+                });
+            }
+            let values = frame
+                .chunks_exact(8)
+                .map(|b| f64::from_le_bytes(b.try_into().expect("chunks of 8")));
+            segments.extend(stages.into_iter().zip(values));
+        }
+        // Only this replica's chunk stays (cut in place: no second copy).
+        grads.truncate(own.end);
+        grads.drain(..own.start);
+        grads.shrink_to_fit();
+        self.grads = Some(grads);
+        Ok(by_stage(segments))
+    }
+
+    /// AdamW on this replica's chunk (at `lr`, gradients scaled by `clip_scale`), then the
+    /// all-gather of the updated values into every parameter.
+    pub(super) fn step<B: Backend>(
+        &self,
+        rank: usize,
+        (be, optimizer): (&B, &mut AdamW<B>),
+        chunks: &mut BTreeMap<u32, ModelChunk<B>>,
+        lr: f32,
+        clip_scale: f32,
+    ) -> Result<(), PipelineError> {
+        let grads = self.grads.as_ref().ok_or_else(|| PipelineError::Shard {
+            rank,
+            reason: "the optimizer step came before the gradients' reduce-scatter".into(),
+        })?;
+        let mut params: Vec<&mut Param<B>> =
+            chunks.values_mut().flat_map(|c| c.params_mut()).collect();
+        let own = &self.own;
+        // One piece at a time, made just before its update: a piece's value and gradient
+        // are the only copies besides the all-gather's buffer.
+        let mut values = vec![0.0; self.layout.len];
+        optimizer.begin_step();
+        for (span, r) in self.layout.pieces(own) {
+            let p = param(&params, span, rank)?;
+            let value = be.to_host(&p.value).map_err(ModelError::from)?;
+            let local = r.start - span.range.start..r.end - span.range.start;
+            let grad = &grads[r.start - own.start..r.end - own.start];
+            let mut piece = Param {
+                name: p.name.clone(),
+                shape: vec![r.len()],
+                value: be
+                    .from_host(&value[local], be.dtype(&p.value))
+                    .map_err(ModelError::from)?,
+                grad: be
+                    .from_host(grad, be.dtype(&p.grad))
+                    .map_err(ModelError::from)?,
+                decay: p.decay,
+                tied: p.tied,
+            };
+            optimizer.step_param(be, &mut piece, lr, clip_scale)?;
+            values[r].copy_from_slice(&be.to_host(&piece.value).map_err(ModelError::from)?);
+        }
+        self.sync
+            .all_gather(rank, &mut values)
+            .map_err(|e| shard_err(rank, "the parameters' all-gather", e))?;
+        for (span, p) in self.layout.spans.iter().zip(params.iter_mut()) {
+            let dtype = be.dtype(&p.value);
+            p.value = be
+                .from_host(&values[span.range.clone()], dtype)
+                .map_err(ModelError::from)?;
+        }
+        Ok(())
+    }
+
+    /// The step is over: its gradient chunk goes.
+    pub(super) fn finish(&mut self) {
+        self.grads = None;
+    }
+
+    /// The whole optimizer state on the first replica, gathered from every replica's chunk
+    /// (the unsharded run's state, bitwise); the other replicas send their chunk and get the
+    /// state without moments (only the first replica's state is saved or handed over).
+    /// Every replica must call it at the same step. One part (m, v, master) of one chunk
+    /// crosses at a time, and each is read off the device as it is sent, so the first
+    /// replica holds the whole state and one chunk of one part besides, the others one chunk
+    /// of one part.
+    pub(super) fn gather_state<B: Backend>(
+        &self,
+        rank: usize,
+        be: &B,
+        optimizer: &AdamW<B>,
+        chunks: &BTreeMap<u32, ModelChunk<B>>,
+    ) -> Result<OptimizerState, PipelineError> {
+        let step = optimizer.steps();
+        let mut state = OptimizerState {
+            step,
+            slots: BTreeMap::new(),
+        };
+        // No step taken (on every replica alike): no moments yet.
+        if step == 0 {
+            return Ok(state);
+        }
+        let master: Vec<bool> = chunks
+            .values()
+            .flat_map(|c| c.params())
+            .map(|p| be.dtype(&p.value) != DType::F32)
+            .collect();
+        let index: std::collections::HashMap<&str, usize> = (self.layout.spans.iter())
+            .enumerate()
+            .map(|(i, s)| (s.name.as_str(), i))
+            .collect();
+        let parts: &[SlotPart] = match master.iter().any(|&m| m) {
+            true => &[SlotPart::M, SlotPart::V, SlotPart::Master],
+            false => &[SlotPart::M, SlotPart::V],
+        };
+        // This replica's piece of `span`'s `part`.
+        let piece = |span: &Span, r: &Range<usize>, part| -> Result<Vec<f32>, PipelineError> {
+            let values = optimizer
+                .slot_part(be, &span.name, part)?
+                .ok_or_else(|| missing(rank, span))?;
+            if values.len() != r.len() {
+                return Err(PipelineError::Shard {
+                    rank,
+                    reason: format!(
+                        "`{}` has {} optimizer values, its piece of this replica's chunk {}",
+                        span.name,
+                        values.len(),
+                        r.len()
+                    ),
+                });
+            }
+            Ok(values)
+        };
+        let wanted =
+            |span: &Span, part| part != SlotPart::Master || master[index[span.name.as_str()]];
+        // (m, v, master) of every parameter, filled on the first replica.
+        let mut whole: Vec<[Vec<f32>; 3]> = Vec::new();
+        for (k, &part) in parts.iter().enumerate() {
+            if !self.first {
+                let mut frame = Vec::new();
+                for (span, r) in self.layout.pieces(&self.own) {
+                    if wanted(span, part) {
+                        let values = piece(span, &r, part)?;
+                        frame.extend(values.iter().flat_map(|v| v.to_le_bytes()));
+                    }
+                }
+                self.sync
+                    .gather_to_first(rank, &frame)
+                    .map_err(|e| shard_err(rank, "the optimizer state's gather", e))?;
+                continue;
+            }
+            let frames = self
+                .sync
+                .gather_to_first(rank, &[])
+                .map_err(|e| shard_err(rank, "the optimizer state's gather", e))?
+                .ok_or_else(|| PipelineError::Shard {
+                    rank,
+                    reason: "the first replica was not handed the others' optimizer state".into(),
+                })?;
+            whole.resize_with(self.layout.spans.len(), Default::default);
+            for (i, span) in self.layout.spans.iter().enumerate() {
+                if wanted(span, part) {
+                    whole[i][k] = vec![0.0; span.range.len()];
+                }
+            }
+            for (chunk, frame) in chunk_cut(self.layout.len, self.count).iter().zip(&frames) {
+                let own = *chunk == self.own;
+                let mut values = frame
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes(b.try_into().expect("chunks of 4")));
+                let mut expected = 0;
+                for (span, r) in self.layout.pieces(chunk) {
+                    if !wanted(span, part) {
+                        continue;
+                    }
+                    let i = index[span.name.as_str()];
+                    let local = r.start - span.range.start..r.end - span.range.start;
+                    if own {
+                        whole[i][k][local].copy_from_slice(&piece(span, &r, part)?);
+                        continue;
+                    }
+                    expected += r.len();
+                    for slot in &mut whole[i][k][local] {
+                        *slot = values.next().unwrap_or(f32::NAN);
+                    }
+                }
+                if !own && frame.len() != expected * 4 {
+                    return Err(PipelineError::Shard {
+                        rank,
+                        reason: format!(
+                            "a replica sent {} bytes of optimizer state for values {chunk:?}, \
+                             expected {}: the replicas' models differ",
+                            frame.len(),
+                            expected * 4
+                        ),
+                    });
+                }
+            }
+        }
+        for ((span, [m, v, w]), master) in self.layout.spans.iter().zip(whole).zip(&master) {
+            let master = master.then_some(w);
+            state
+                .slots
+                .insert(span.name.clone(), SlotState { m, v, master });
+        }
+        Ok(state)
+    }
+
+    /// This replica's chunk of a whole optimizer `state` (a checkpoint's): each parameter's
+    /// moments cut to its piece of the chunk; parameters without state stay without. A
+    /// parameter whose moments are not its size is an error naming it.
+    pub(super) fn own_state(
+        &self,
+        rank: usize,
+        state: &OptimizerState,
+    ) -> Result<OptimizerState, PipelineError> {
+        let mut slots = BTreeMap::new();
+        for (span, r) in self.layout.pieces(&self.own) {
+            let Some(slot) = state.slots.get(&span.name) else {
+                continue;
+            };
+            let size = span.range.len();
+            let sizes = [Some(slot.m.len()), Some(slot.v.len())];
+            let master = slot.master.as_ref().map(Vec::len);
+            if sizes
+                .into_iter()
+                .chain([master])
+                .flatten()
+                .any(|n| n != size)
+            {
+                return Err(PipelineError::Shard {
+                    rank,
+                    reason: format!(
+                        "the optimizer state of `{}` holds {} moments, the parameter {size} \
+                         values",
+                        span.name,
+                        slot.m.len()
+                    ),
+                });
+            }
+            let local = r.start - span.range.start..r.end - span.range.start;
+            let cut = |v: &Vec<f32>| v[local.clone()].to_vec();
+            let piece = SlotState {
+                m: cut(&slot.m),
+                v: cut(&slot.v),
+                master: slot.master.as_ref().map(cut),
+            };
+            slots.insert(span.name.clone(), piece);
+        }
+        Ok(OptimizerState {
+            step: state.step,
+            slots,
+        })
+    }
+}
+
+/// The parameter of `span` among the rank's `params` (in flat order).
+fn param<'p, B: Backend>(
+    params: &'p [&mut Param<B>],
+    span: &Span,
+    rank: usize,
+) -> Result<&'p Param<B>, PipelineError> {
+    params
+        .iter()
+        .find(|p| p.name == span.name)
+        .map(|p| &**p)
+        .ok_or_else(|| PipelineError::Shard {
+            rank,
+            reason: format!("no parameter `{}` on this rank", span.name),
+        })
+}
+
+fn missing(rank: usize, span: &Span) -> PipelineError {
+    PipelineError::Shard {
+        rank,
+        reason: format!(
+            "no optimizer state for `{}` after a step: the replica's moments are incomplete",
+            span.name
+        ),
+    }
+}
+
+fn shard_err(rank: usize, what: &str, e: CollectiveError) -> PipelineError {
+    PipelineError::Shard {
+        rank,
+        reason: format!("{what}: {e}"),
+    }
+}
+
+#[cfg(test)]
+#[path = "zero_tests.rs"]
+mod tests;

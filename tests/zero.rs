@@ -1,0 +1,228 @@
+//! ZeRO-1, the sharded optimizer (`optimizer.shard = true`) through the binary: with it,
+//! dp = 2 replicas end with bitwise the parameters and optimizer moments of the unsharded
+//! dp = 2 run (the reduce-scatter is the all-reduce's first half, and both sum the clipped
+//! gradient norm from the same segments), in one process and launched; its periodic and
+//! final checkpoints are the unsharded run's, so a resume crosses between the two; and the
+//! memory estimate counts the moments once among the replicas.
+
+use std::path::Path;
+
+use pipefill::config::JobConfig;
+use pipefill::config::memory::{MOMENT_BYTES, MemoryEstimate, Workload};
+use pipefill::model::checkpoint::Checkpoint;
+
+mod common;
+use common::{assert_bitwise, clean, one_line_error, text};
+
+const EXE: &str = env!("CARGO_BIN_EXE_pipefill");
+
+/// Two replicas of two ZB-H1 ranks, clipped on every step (so the gradient norm decides
+/// the update), checkpointing every 2 steps.
+const JOB: &[&str] = &[
+    "schedule=\"zb-h1\"",
+    "stages=2",
+    "dp=2",
+    "filler=\"none\"",
+    "model.d_model=16",
+    "model.heads=2",
+    "model.layers=4",
+    "model.seq_len=32",
+    "train.micro_batches=4",
+    "train.micro_batch_size=2",
+    "train.steps=3",
+    "train.clip=0.5",
+    "train.eval_tasks=2",
+    "data.summary_tasks=50",
+    "checkpoint_every=2",
+];
+const SHARD: &str = "optimizer.shard=true";
+
+fn train_args(out: &Path, extra: &[&str]) -> Vec<String> {
+    let mut args = vec!["train".to_string()];
+    for s in JOB.iter().chain(extra) {
+        args.push("--set".into());
+        args.push(s.to_string());
+    }
+    args.push("--out-dir".into());
+    args.push(out.display().to_string());
+    args
+}
+
+/// Runs `train` in one process into `dir`; its final checkpoint.
+fn train(dir: &Path, extra: &[&str], more: &[&str]) -> Checkpoint {
+    let out = clean(EXE)
+        .args(train_args(dir, extra))
+        .args(more)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    Checkpoint::load(&dir.join("checkpoint")).unwrap()
+}
+
+/// Each step's loss and gradient norm, as bits.
+fn log(dir: &Path) -> Vec<(u64, u64, u64)> {
+    common::metrics_lines(dir)
+        .iter()
+        .map(|v| {
+            (
+                v["step"].as_u64().unwrap(),
+                v["loss"].as_f64().unwrap().to_bits(),
+                v["grad_norm"].as_f64().unwrap().to_bits(),
+            )
+        })
+        .collect()
+}
+
+/// The files of the periodic checkpoint after `steps` steps whose names start with
+/// `prefix`, each as its length and a 64-bit FNV-1a hash of its bytes.
+fn periodic(dir: &Path, steps: u64, prefix: &str) -> Vec<(String, usize, u64)> {
+    let step = dir.join(format!("checkpoints/step-{steps:08}"));
+    let mut files: Vec<(String, usize, u64)> = std::fs::read_dir(&step)
+        .unwrap_or_else(|e| panic!("{}: {e}", step.display()))
+        .map(|e| e.unwrap())
+        .filter(|e| e.file_name().to_string_lossy().starts_with(prefix))
+        .map(|e| {
+            let bytes = std::fs::read(e.path()).unwrap();
+            let hash = bytes.iter().fold(0xcbf29ce484222325u64, |h, &b| {
+                (h ^ u64::from(b)).wrapping_mul(0x100000001b3)
+            });
+            (
+                e.file_name().to_string_lossy().into_owned(),
+                bytes.len(),
+                hash,
+            )
+        })
+        .collect();
+    files.sort();
+    assert!(!files.is_empty(), "{}: no {prefix}* files", step.display());
+    files
+}
+
+#[test]
+fn sharded_replicas_equal_unsharded_ones_bitwise_with_two_stages_and_one() {
+    let dir = tempfile::tempdir().unwrap();
+    for stages in ["stages=2", "stages=1"] {
+        let plain = dir.path().join(format!("plain-{stages}"));
+        let sharded = dir.path().join(format!("sharded-{stages}"));
+        let a = train(&plain, &[stages], &[]);
+        let b = train(&sharded, &[stages, SHARD], &[]);
+        assert_bitwise(&a, &b);
+        assert_eq!(log(&plain), log(&sharded), "{stages}: step logs differ");
+        assert_eq!(log(&plain).len(), 3);
+        // The periodic checkpoint gathers the replicas' moments into the same shards.
+        assert_eq!(
+            periodic(&plain, 2, ""),
+            periodic(&sharded, 2, ""),
+            "{stages}"
+        );
+    }
+}
+
+#[test]
+fn launched_sharded_ranks_equal_the_in_process_sharded_run_bitwise() {
+    let dir = tempfile::tempdir().unwrap();
+    let single = dir.path().join("single");
+    let one = train(&single, &[SHARD], &[]);
+    let launched = dir.path().join("launched");
+    let out = clean(EXE)
+        .args(["launch", "-n", "4", "--"])
+        .args(train_args(&launched, &[SHARD]))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    assert_bitwise(
+        &one,
+        &Checkpoint::load(&launched.join("checkpoint")).unwrap(),
+    );
+    // A launched job saves replica 0's shards (ranks 0 and 1), an in-process one every
+    // replica's: replica 0's are the same files.
+    for rank in ["rank-00000", "rank-00001"] {
+        assert_eq!(periodic(&single, 2, rank), periodic(&launched, 2, rank));
+    }
+}
+
+#[test]
+fn a_resume_crosses_between_sharded_and_unsharded_runs_bitwise() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = |name: &str| dir.path().join(name);
+    let four = ["train.steps=4"];
+    let whole = train(&p("whole"), &four, &[]);
+    let two = ["train.steps=2"];
+    train(&p("sharded-2"), &[&two[..], &[SHARD]].concat(), &[]);
+    train(&p("plain-2"), &two, &[]);
+    // sharded → sharded, sharded → unsharded, unsharded → sharded.
+    for (from, shard) in [("sharded-2", true), ("sharded-2", false), ("plain-2", true)] {
+        let extra: Vec<&str> = four.iter().copied().chain(shard.then_some(SHARD)).collect();
+        let to = p(&format!("{from}-then-{shard}"));
+        let from = p(from);
+        let resumed = train(&to, &extra, &["--resume", from.to_str().unwrap()]);
+        assert_bitwise(&whole, &resumed);
+    }
+}
+
+#[test]
+fn the_memory_estimate_counts_the_moments_once_among_the_replicas() {
+    let sets = |extra: &[&str]| -> Vec<String> {
+        JOB.iter().chain(extra).map(|s| s.to_string()).collect()
+    };
+    let live = |job: &JobConfig| {
+        MemoryEstimate::of(job, Workload::Train)
+            .unwrap()
+            .parts
+            .into_iter()
+            .find(|p| p.what == "parameters, gradients and optimizer state")
+            .unwrap()
+            .bytes
+    };
+    for dp in [2u64, 4] {
+        let dp_set = format!("dp={dp}");
+        let plain = JobConfig::embedded(&sets(&[&dp_set])).unwrap();
+        let sharded = JobConfig::embedded(&sets(&[&dp_set, SHARD])).unwrap();
+        let params = plain.model.param_count() as u64;
+        // Each of the dp replicas keeps 1/dp of the moments: (dp − 1) copies fewer.
+        assert_eq!(
+            live(&plain) - live(&sharded),
+            params * MOMENT_BYTES * (dp - 1),
+            "dp={dp}"
+        );
+        assert!(
+            MemoryEstimate::of(&sharded, Workload::Train).unwrap().total
+                < MemoryEstimate::of(&plain, Workload::Train).unwrap().total
+        );
+    }
+    // One replica: nothing to shard, the same estimate.
+    let one = JobConfig::embedded(&sets(&["dp=1"])).unwrap();
+    let one_sharded = JobConfig::embedded(&sets(&["dp=1", SHARD])).unwrap();
+    assert_eq!(
+        MemoryEstimate::of(&one, Workload::Train).unwrap(),
+        MemoryEstimate::of(&one_sharded, Workload::Train).unwrap()
+    );
+}
+
+#[test]
+fn sharding_is_refused_where_it_cannot_work_and_a_no_op_for_one_replica() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = clean(EXE)
+        .args(train_args(
+            dir.path(),
+            &[SHARD, "model.tie_embeddings=true"],
+        ))
+        .output()
+        .unwrap();
+    let err = one_line_error(&out);
+    assert!(
+        err.contains("optimizer.shard") && err.contains("tie_embeddings"),
+        "{err}"
+    );
+    let err = JobConfig::embedded(&["dp=2".into(), SHARD.into(), "device=\"cuda\"".into()])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("optimizer.shard") && err.contains("transport = \"tcp\""),
+        "{err}"
+    );
+    // dp = 1: the setting changes nothing.
+    let a = train(&dir.path().join("a"), &["dp=1"], &[]);
+    let b = train(&dir.path().join("b"), &["dp=1", SHARD], &[]);
+    assert_bitwise(&a, &b);
+}
