@@ -50,13 +50,11 @@ fn setup() -> (CpuBackend, Head<CpuBackend>, Vec<f32>, Vec<u32>) {
     (be, head, x, targets)
 }
 
+/// A loss, `dx` and `dW`.
+type Grads = (f32, Vec<f32>, Vec<f32>);
+
 /// The unfused loss, `dx` and `dW` for `SCALE`.
-fn unfused(
-    be: &CpuBackend,
-    head: &Head<CpuBackend>,
-    x: &[f32],
-    t: &[u32],
-) -> (f32, Vec<f32>, Vec<f32>) {
+fn unfused(be: &CpuBackend, head: &Head<CpuBackend>, x: &[f32], t: &[u32]) -> Grads {
     let xb = be.from_host(x, DType::F32).unwrap();
     let n = ROWS * VOCAB;
     let mut logits = be.zeros(n, DType::F32).unwrap();
@@ -102,9 +100,9 @@ fn close(what: &str, got: &[f32], want: &[f32]) {
 }
 
 /// The fused head's loss, `dx` and `dW` for `SCALE`, with or without the mean-CE hook.
-fn fused(hooked: bool) -> ((f32, Vec<f32>, Vec<f32>), (f32, Vec<f32>, Vec<f32>)) {
+fn fused(hooked: bool) -> (Grads, Grads) {
     let (be, mut head, x, t) = setup();
-    assert!(chunk_rows(D, VOCAB) < ROWS && ROWS % chunk_rows(D, VOCAB) != 0);
+    assert!(chunk_rows(D, VOCAB) < ROWS && !ROWS.is_multiple_of(chunk_rows(D, VOCAB)));
     if hooked {
         head.set_token_loss(Some(Arc::new(MeanCe)));
     }
