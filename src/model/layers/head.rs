@@ -61,15 +61,15 @@ pub fn log_prob(row: &[f32], t: usize) -> f32 {
     (f64::from(row[t] - m) - lse) as f32
 }
 
-/// Tokens per chunk of the fused head: at least a quarter of `d_model` (a chunk's share of
-/// `dW` is a product over the chunk's tokens, whose output `[d_model, vocab]` is read and
-/// written once per chunk: under ~d/4 tokens that traffic outweighs the arithmetic), and at
-/// least as many as make a chunk of 2^20 logits (at a small vocabulary one chunk holds the
-/// whole micro-batch); a multiple of 16. A chunk's logits are thus at most a quarter of the
-/// head's weight, or 4 MiB.
+/// Tokens per chunk of the fused head: `d_model` (so a chunk's logits are at most the size
+/// of the head's weight, whatever the micro-batch's tokens; and a chunk's share of `dW`, a
+/// product over the chunk's tokens whose `[d_model, vocab]` output is read and written once
+/// per chunk, does `d_model` multiply-adds per element it moves), and at least as many as
+/// make a chunk of 2^20 logits (at a small vocabulary one chunk holds the whole
+/// micro-batch); a multiple of 16.
 pub fn chunk_rows(d_model: usize, vocab: usize) -> usize {
     const MIN_LOGITS: usize = 1 << 20;
-    let rows = (d_model / 4).max(MIN_LOGITS.div_ceil(vocab.max(1)));
+    let rows = d_model.max(MIN_LOGITS.div_ceil(vocab.max(1)));
     rows.div_ceil(16) * 16
 }
 
@@ -92,6 +92,9 @@ pub struct Head<B: Backend> {
     pub w: Param<B>,
     stash: Stash<Saved<B>, ForW<B>>,
     token_loss: Option<Arc<dyn TokenLoss>>,
+    /// `dW` buffers W has finished with, for the next forwards: a forward overwrites one
+    /// rather than allocating (and zeroing) `[d_model, vocab]` per micro-batch.
+    spare: Vec<B::Buf>,
 }
 
 impl<B: Backend> Head<B> {
@@ -112,6 +115,7 @@ impl<B: Backend> Head<B> {
             w,
             stash: Stash::new(name),
             token_loss: None,
+            spare: Vec::new(),
         })
     }
 
@@ -168,7 +172,7 @@ impl<B: Backend> Head<B> {
     /// log-probability before any gradient, so the chunks' logits are computed twice (once
     /// for the log-probabilities, on the host, once for the gradients).
     fn hooked(
-        &self,
+        &mut self,
         be: &B,
         mb: usize,
         x: &B::Buf,
@@ -230,7 +234,7 @@ impl<B: Backend> Head<B> {
     /// logits' gradient in their place, and the chunk's rows of `dx` and its share of `dW`
     /// are computed from it: the returned [`Saved`].
     fn chunked(
-        &self,
+        &mut self,
         be: &B,
         x: &B::Buf,
         targets: &[u32],
@@ -240,10 +244,12 @@ impl<B: Backend> Head<B> {
         let (d, vocab, rows) = (self.w.shape[0], self.w.shape[1], targets.len());
         let step = chunk_rows(d, vocab);
         let mut saved = if grad {
-            Some(Saved {
-                dx: gradient(be, rows * d)?,
-                dw: gradient(be, d * vocab)?,
-            })
+            let dw = match self.spare.pop() {
+                Some(dw) => dw,
+                None => gradient(be, d * vocab)?,
+            };
+            let dx = gradient(be, rows * d)?;
+            Some(Saved { dx, dw })
         } else {
             None
         };
@@ -274,12 +280,14 @@ impl<B: Backend> Head<B> {
                 be.matmul(logits, &self.w.value, dxc, back)?;
                 be.copy_range(dxc, 0, &mut s.dx, start * d, n * d)?;
             }
-            be.matmul(
-                xc,
-                logits,
-                &mut s.dw,
-                Gemm::nn(d, n, vocab).trans_a().accumulate(),
-            )?;
+            // The first chunk overwrites the (reused) buffer, the others add to it.
+            let mut g = Gemm::nn(d, n, vocab).trans_a();
+            g.accumulate = start > 0;
+            be.matmul(xc, logits, &mut s.dw, g)?;
+        }
+        if let Some(s) = saved.as_mut().filter(|_| rows == 0) {
+            // No chunk overwrote the reused buffer.
+            be.fill(&mut s.dw, 0.0)?;
         }
         Ok(saved)
     }
@@ -295,7 +303,9 @@ impl<B: Backend> Head<B> {
     /// W: accumulates the gradient of `head.w`.
     pub fn backward_weight(&mut self, be: &B, mb: usize) -> Result<()> {
         let s = self.stash.take_for_w(mb)?;
-        Ok(be.axpy(s.scale, &s.dw, &mut self.w.grad)?)
+        be.axpy(s.scale, &s.dw, &mut self.w.grad)?;
+        self.spare.push(s.dw);
+        Ok(())
     }
 
     pub fn discard(&mut self, mb: usize) {

@@ -145,6 +145,21 @@ fn chunked_head_under_a_token_loss_matches_the_unfused_gradients() {
 }
 
 #[test]
+fn a_reused_weight_gradient_buffer_starts_afresh() {
+    let (be, mut head, x, t) = setup();
+    let xb = be.from_host(&x, DType::F32).unwrap();
+    let mut grads = Vec::new();
+    for mb in 0..2 {
+        be.fill(&mut head.w.grad, 0.0).unwrap();
+        head.forward(&be, mb, &xb, &t, true).unwrap();
+        head.backward_input(&be, mb, SCALE).unwrap();
+        head.backward_weight(&be, mb).unwrap();
+        grads.push(be.to_host(&head.w.grad).unwrap());
+    }
+    assert_eq!(grads[0], grads[1]);
+}
+
+#[test]
 fn evaluation_forward_gives_the_loss_and_keeps_nothing() {
     let (be, mut head, x, t) = setup();
     let xb = be.from_host(&x, DType::F32).unwrap();
@@ -161,9 +176,9 @@ fn evaluation_forward_gives_the_loss_and_keeps_nothing() {
 
 #[test]
 fn chunk_rows_bound_the_chunk_by_the_weight_or_a_small_vocabulary() {
-    // 135M-class Llama: a quarter of d_model; a chunk's logits are a quarter of the weight.
-    assert_eq!(chunk_rows(576, 49_152), 144);
-    assert_eq!(chunk_rows(896, 151_936), 224);
+    // 135M-class Llama, Qwen2.5-0.5B: d_model; a chunk's logits are the weight's size.
+    assert_eq!(chunk_rows(576, 49_152), 576);
+    assert_eq!(chunk_rows(896, 151_936), 896);
     // A toy vocabulary: one chunk of 2^20 logits holds any realistic micro-batch.
     assert!(chunk_rows(64, 50) >= 20_000);
     assert_eq!(chunk_rows(1, 1 << 30) % 16, 0);
