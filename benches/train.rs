@@ -10,6 +10,17 @@
 //! over its measured steps, the figure quoted in reports. `scripts/bench_torch_llama.py`
 //! times transformers + torch on the same model and batch for the comparison.
 //!
+//! Two real-shape cases (issue 31), random weights drawn at bench time, run only when the
+//! filter names them (`-- real`, `-- llama_135m`, `-- llama_135m/1f1b`, `-- qwen`, …: each
+//! under the reference trainer, `/reference`, and the pipeline, `/1f1b`), since one step takes seconds
+//! to tens of seconds on a few cores and the Qwen shape about 10 GB: `real/llama_135m` (a
+//! 135 M-class Llama: SmolLM's 30 layers, d 576, 9/3 heads, SwiGLU 1536, tied embeddings,
+//! 49,152 vocabulary) and `real/qwen2.5_0.5b` (Qwen2.5-0.5B's shape: 24 layers, d 896, 14/2
+//! heads, q/k/v biases, SwiGLU 4864, tied, 151,936 vocabulary), each under the reference
+//! trainer and the 2-stage 1F1B pipeline, on the same step of 4 × 4 × 64 tokens. They are
+//! timed step by step without criterion (whose ten samples would take minutes per case):
+//! one warm-up step, then `PIPEFILL_BENCH_STEPS` (default 3) measured ones.
+//!
 //! `cargo bench -p pipefill --bench train [-- FILTER]` (threads: `PIPEFILL_THREADS`,
 //! default all cores).
 
@@ -36,6 +47,41 @@ fn llama_d256() -> GptConfig {
         activation: Activation::Swiglu,
         positions: Positions::Rope,
         tie_embeddings: true,
+        ..GptConfig::default()
+    }
+}
+
+/// A 135 M-class Llama (SmolLM-135M's shape).
+fn llama_135m() -> GptConfig {
+    GptConfig {
+        vocab: 49_152,
+        d_model: 576,
+        heads: 9,
+        kv_heads: Some(3),
+        layers: 30,
+        intermediate: Some(1536),
+        activation: Activation::Swiglu,
+        positions: Positions::Rope,
+        tie_embeddings: true,
+        ..GptConfig::default()
+    }
+}
+
+/// Qwen2.5-0.5B's shape.
+fn qwen_05b() -> GptConfig {
+    GptConfig {
+        vocab: 151_936,
+        d_model: 896,
+        heads: 14,
+        kv_heads: Some(2),
+        layers: 24,
+        intermediate: Some(4864),
+        activation: Activation::Swiglu,
+        positions: Positions::Rope,
+        rope_theta: 1_000_000.0,
+        qkv_bias: true,
+        tie_embeddings: true,
+        norm_eps: 1e-6,
         ..GptConfig::default()
     }
 }
@@ -144,7 +190,63 @@ fn pipeline(c: &mut Criterion, name: &str, job: &JobConfig) -> Vec<Duration> {
     per_step
 }
 
+/// Whether the bench's filter (its first argument that is not a flag) names `case`; no
+/// filter names nothing, so the real-shape cases run only when asked for.
+fn selected(case: &str) -> bool {
+    let filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));
+    filter.is_some_and(|f| case.contains(&f))
+}
+
+/// Measured steps of a real-shape case (`PIPEFILL_BENCH_STEPS`, default 3).
+fn real_steps() -> u64 {
+    let steps = std::env::var("PIPEFILL_BENCH_STEPS").ok();
+    steps.and_then(|s| s.parse().ok()).unwrap_or(3)
+}
+
+/// A real-shape case under the reference trainer (`real/{case}/reference`) and the 2-stage
+/// 1F1B pipeline (`real/{case}/1f1b`), each selected by the filter on its own (so that one
+/// process measures one, for its peak RSS): one warm-up step, then [`real_steps`] timed ones.
+fn real(case: &str, model: GptConfig) {
+    let steps = real_steps();
+    let single = job(model);
+    let name = format!("real/{case}/reference");
+    if selected(&name) {
+        let mut trainer = Trainer::reference(&single.model, &single.data, &single.train)
+            .expect("the job builds a trainer");
+        trainer.train_step().expect("a training step");
+        let per_step = (0..steps)
+            .map(|_| {
+                let started = Instant::now();
+                black_box(trainer.train_step().expect("a training step"));
+                started.elapsed()
+            })
+            .collect();
+        report(&format!("reference trainer, {name}"), &single, per_step);
+    }
+    let name = format!("real/{case}/1f1b");
+    if selected(&name) {
+        let piped = JobConfig {
+            stages: 2,
+            ..single
+        };
+        let trainer = PipelineTrainer::builtin(&piped, ScheduleKind::OneFOneB, None)
+            .expect("the job builds a pipeline");
+        let run = trainer.run(steps + 1, |_| {}).expect("a pipelined run");
+        let per_step = run.steps.iter().skip(1);
+        let per_step = per_step
+            .map(|m| Duration::from_secs_f64(m.seconds))
+            .collect();
+        report(
+            &format!("in-process pipeline (1f1b, 2 stages), {name}"),
+            &piped,
+            per_step,
+        );
+    }
+}
+
 fn main() {
+    real("llama_135m", llama_135m());
+    real("qwen2.5_0.5b", qwen_05b());
     let mut criterion = Criterion::default()
         .warm_up_time(Duration::from_secs(1))
         .measurement_time(Duration::from_secs(8))

@@ -396,10 +396,17 @@ fn loss<B: Backend>(b: &B, vocab: usize) -> Result<Vec<Vec<f32>>> {
     let mut dlogits = b.zeros(rows * vocab, DType::F32)?;
     b.cross_entropy_bwd(&probs, &targets, &mut dlogits, vocab, 1.0 / counted as f32)?;
     let norm = b.sum_squares(&logits)? as f32;
+    // The fused head's ops: the loss and gradient in place, and a range of rows.
+    let mut fused = b.dup(&logits)?;
+    let (fused_total, _) = b.cross_entropy_grad(&mut fused, &targets, vocab, 0.5)?;
+    let mut rows_2_to_5 = b.zeros(3 * vocab, DType::F32)?;
+    b.copy_range(&logits, 2 * vocab, &mut rows_2_to_5, 0, 3 * vocab)?;
     Ok(vec![
-        vec![total, counted as f32, norm],
+        vec![total, counted as f32, norm, fused_total],
         b.to_host(&probs)?,
         b.to_host(&dlogits)?,
+        b.to_host(&fused)?,
+        b.to_host(&rows_2_to_5)?,
     ])
 }
 

@@ -287,6 +287,29 @@ impl<B: Backend> ModelChunk<B> {
         input: ChunkInput<'_, B>,
         targets: Option<&[u32]>,
     ) -> Result<ChunkOutput<B>> {
+        self.forward_with(mb, shape, input, targets, true)
+    }
+
+    /// F for evaluation: as [`ModelChunk::forward`], but the head computes only the loss (no
+    /// gradient kept for a backward that will not come); discard `mb` afterwards.
+    pub fn evaluate(
+        &mut self,
+        mb: usize,
+        shape: Shape,
+        input: ChunkInput<'_, B>,
+        targets: Option<&[u32]>,
+    ) -> Result<ChunkOutput<B>> {
+        self.forward_with(mb, shape, input, targets, false)
+    }
+
+    fn forward_with(
+        &mut self,
+        mb: usize,
+        shape: Shape,
+        input: ChunkInput<'_, B>,
+        targets: Option<&[u32]>,
+        grad: bool,
+    ) -> Result<ChunkOutput<B>> {
         let be = self.be.clone();
         let (d, n) = (self.config.d_model, shape.tokens());
         if self.in_flight.contains_key(&mb) {
@@ -323,7 +346,7 @@ impl<B: Backend> ModelChunk<B> {
                 return Err(self.input_err(mb, "activations given to the first chunk".into()));
             }
         };
-        let result = self.forward_blocks(&be, mb, shape, x, targets);
+        let result = self.forward_blocks(&be, mb, shape, x, targets, grad);
         if result.is_err() {
             self.discard(mb);
         }
@@ -337,6 +360,7 @@ impl<B: Backend> ModelChunk<B> {
         shape: Shape,
         mut x: B::Buf,
         targets: Option<&[u32]>,
+        grad: bool,
     ) -> Result<ChunkOutput<B>> {
         self.in_flight.insert(mb, (shape, Phase::Forwarded));
         let full = self.recompute == Recompute::Full;
@@ -364,7 +388,7 @@ impl<B: Backend> ModelChunk<B> {
                 Err(self.input_err(mb, reason))
             }
             Some(t) => {
-                let (loss, tokens) = head.forward(be, mb, &h, t)?;
+                let (loss, tokens) = head.forward(be, mb, &h, t, grad)?;
                 if let Some(sink) = self.draft_sink.clone() {
                     let hidden = be.to_host(&h)?;
                     sink.push_micro_batch(shape, &hidden, t)

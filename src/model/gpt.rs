@@ -50,13 +50,15 @@ impl<B: Backend> Gpt<B> {
         self.chunks
     }
 
-    /// F of every chunk; returns the last chunk's output.
+    /// F of every chunk (with `grad` a training forward, else an evaluation's); returns the
+    /// last chunk's output.
     fn forward_all(
         &mut self,
         mb: usize,
         shape: Shape,
         ids: &[u32],
         targets: Option<&[u32]>,
+        grad: bool,
     ) -> Result<ChunkOutput<B>> {
         let last = self.chunks.len() - 1;
         let mut out = None;
@@ -66,7 +68,12 @@ impl<B: Backend> Gpt<B> {
                 Some(ChunkOutput::Hidden(h)) => ChunkInput::Hidden(h),
                 Some(_) => unreachable!("only the last chunk returns a loss or logits"),
             };
-            out = Some(chunk.forward(mb, shape, input, if i == last { targets } else { None })?);
+            let targets = if i == last { targets } else { None };
+            out = Some(if grad {
+                chunk.forward(mb, shape, input, targets)?
+            } else {
+                chunk.evaluate(mb, shape, input, targets)?
+            });
         }
         Ok(out.expect("a model has at least one chunk"))
     }
@@ -81,7 +88,7 @@ impl<B: Backend> Gpt<B> {
         targets: &[u32],
         scale: f32,
     ) -> Result<f32> {
-        let loss = match self.forward_all(mb, shape, ids, Some(targets))? {
+        let loss = match self.forward_all(mb, shape, ids, Some(targets), true)? {
             ChunkOutput::Loss { loss, .. } => loss,
             _ => unreachable!("the last chunk with targets returns its loss"),
         };
@@ -98,7 +105,7 @@ impl<B: Backend> Gpt<B> {
     /// The mean loss of one micro-batch, without touching gradients (evaluation).
     pub fn loss(&mut self, shape: Shape, ids: &[u32], targets: &[u32]) -> Result<f32> {
         const EVAL_MB: usize = usize::MAX;
-        let out = self.forward_all(EVAL_MB, shape, ids, Some(targets));
+        let out = self.forward_all(EVAL_MB, shape, ids, Some(targets), false);
         self.chunks.iter_mut().for_each(|c| c.discard(EVAL_MB));
         match out? {
             ChunkOutput::Loss { loss, .. } => Ok(loss),
@@ -109,7 +116,7 @@ impl<B: Backend> Gpt<B> {
     /// Logits `[batch·seq, vocab]` on the host (inference; nothing stashed).
     pub fn logits(&mut self, shape: Shape, ids: &[u32]) -> Result<Vec<f32>> {
         const EVAL_MB: usize = usize::MAX;
-        let out = self.forward_all(EVAL_MB, shape, ids, None);
+        let out = self.forward_all(EVAL_MB, shape, ids, None, false);
         self.chunks.iter_mut().for_each(|c| c.discard(EVAL_MB));
         match out? {
             ChunkOutput::Logits(l) => Ok(self.chunks[0].backend().to_host(&l)?),

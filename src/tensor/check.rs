@@ -82,6 +82,30 @@ pub(super) fn copy<B: Backend>(be: &B, [src, dst]: [&B::Buf; 2]) -> Result<()> {
     exact(be, "copy", [("dst", dst, be.len(src))])
 }
 
+/// [`Backend::copy_range`]: both ranges inside their buffers, one storage type.
+pub(super) fn copy_range<B: Backend>(
+    be: &B,
+    [src, dst]: [&B::Buf; 2],
+    src_at: usize,
+    dst_at: usize,
+    len: usize,
+) -> Result<()> {
+    const OP: &str = "copy_range";
+    at_least(
+        be,
+        OP,
+        [("src", src, src_at + len), ("dst", dst, dst_at + len)],
+    )?;
+    let (from, to) = (be.dtype(src), be.dtype(dst));
+    if from != to {
+        return Err(TensorError::Invalid {
+            op: OP,
+            reason: format!("src is {from:?} and dst {to:?}; a range copy keeps the storage type"),
+        });
+    }
+    Ok(())
+}
+
 /// [`Backend::matmul`]: `a: [m, k]`, `b: [k, n]`, `c: [m, n]` (transposes store the same count).
 pub(super) fn matmul<B: Backend>(be: &B, [a, b, c]: [&B::Buf; 3], g: Gemm) -> Result<()> {
     let Gemm { m, k, n, .. } = g;
@@ -391,6 +415,19 @@ pub(super) fn cross_entropy_fwd<B: Backend>(
     const OP: &str = "cross_entropy_fwd";
     let n = targets.len() * vocab;
     exact(be, OP, [("logits", logits, n), ("probs", probs, n)])?;
+    ids(OP, targets, vocab, true)
+}
+
+/// [`Backend::cross_entropy_grad`]: `logits: [targets, vocab]`, every target `< vocab` or
+/// [`IGNORE_TARGET`].
+pub(super) fn cross_entropy_grad<B: Backend>(
+    be: &B,
+    logits: &B::Buf,
+    targets: &[u32],
+    vocab: usize,
+) -> Result<()> {
+    const OP: &str = "cross_entropy_grad";
+    exact(be, OP, [("logits", logits, targets.len() * vocab)])?;
     ids(OP, targets, vocab, true)
 }
 

@@ -230,6 +230,17 @@ pub trait Backend: Clone + Send + Sync + 'static {
         false
     }
 
+    /// `dst[dst_at..dst_at + len] = src[src_at..src_at + len]`, both of one storage type: a
+    /// range of rows of a row-major matrix (the fused LM head's chunks of tokens).
+    fn copy_range(
+        &self,
+        src: &Self::Buf,
+        src_at: usize,
+        dst: &mut Self::Buf,
+        dst_at: usize,
+        len: usize,
+    ) -> Result<()>;
+
     /// A new buffer with the same values and storage type as `src`.
     fn dup(&self, src: &Self::Buf) -> Result<Self::Buf> {
         let mut out = self.zeros(self.len(src), self.dtype(src))?;
@@ -457,6 +468,19 @@ pub trait Backend: Clone + Send + Sync + 'static {
         vocab: usize,
         scale: f32,
     ) -> Result<()>;
+
+    /// The fused loss and gradient of `logits: [rows, vocab]` against `targets: [rows]`, in
+    /// place: each counted row becomes `scale·(softmax(row) − onehot(target))`, each ignored
+    /// row 0; returns `(Σ loss, counted rows)` as [`Backend::cross_entropy_fwd`] does. The
+    /// fused LM head's one pass over a chunk's logits, so that probabilities and gradients
+    /// never exist beside them.
+    fn cross_entropy_grad(
+        &self,
+        logits: &mut Self::Buf,
+        targets: &[u32],
+        vocab: usize,
+        scale: f32,
+    ) -> Result<(f32, usize)>;
 
     // ---- reductions and optimizer ----------------------------------------------------------
 

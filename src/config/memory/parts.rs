@@ -8,6 +8,7 @@
 use super::super::{ConfigError, JobConfig, ScheduleChoice};
 use super::size::{Size, add, div_ceil, f, k, mul, overflow};
 use super::*;
+use crate::model::layers::chunk_rows;
 use crate::model::{Recompute, RecomputeSetting};
 use crate::schedules::rank_peak_memory;
 
@@ -184,7 +185,7 @@ pub(super) fn plan_peak(
     let units: f64 = (plan.ranks.iter().enumerate())
         .map(|(r, list)| rank_peak_memory(list, stash.rank(r)))
         .sum();
-    // The head is not recomputed: its rank holds its softmax per forward until its I.
+    // The head is not recomputed: its rank holds its gradients per forward until its W.
     let peaks = peak_memory(plan, &CostModel::default());
     let head_rank = plan.stage_rank.last().copied().unwrap_or(0);
     let head = ceil(peaks.get(head_rank).copied().unwrap_or(0.0));
@@ -242,7 +243,7 @@ pub(super) fn file_peak(
 
 /// Bytes of the activations of micro-batches of `rows` sequences of `seq` tokens held at
 /// `flight`'s peak, plus one working set per rank (a layer's backward: the attention
-/// probabilities' gradient, the logits and their gradient).
+/// probabilities' gradient) and the fused head's (one chunk of logits).
 pub(super) fn activations(
     job: &JobConfig,
     flight: &InFlight,
@@ -287,19 +288,35 @@ pub(super) fn activations(
     // A recomputing rank's I: one block's recomputed part.
     let recomputed = mul(what, &[flight.transient, tokens, per_token, k(ELEMENT)])?;
     let recomputed = div_ceil(recomputed, MILLI);
-    // The head's stash: the logits' softmax per micro-batch in flight on its rank.
-    let head = mul(what, &[flight.head_units, tokens, vocab, k(ELEMENT)])?;
+    // The fused head's stash per micro-batch in flight on its rank (F computes the
+    // gradients, I and W scale them): `dW` and `dx`; never `[tokens, vocab]`.
+    let per_mb = add(what, &[mul(what, &[d, vocab])?, mul(what, &[tokens, d])?])?;
+    let head = mul(what, &[flight.head_units, per_mb, k(ELEMENT)])?;
+    // Its working set: one chunk of tokens' logits (their gradient in place), and the
+    // chunk's rows of the input and of `dx`.
+    let rows = chunk_rows(job.model.d_model, job.model.vocab) as u64;
+    let chunk = Size {
+        n: rows.min(tokens.n),
+        ..tokens
+    };
+    let head_working = mul(
+        what,
+        &[
+            chunk,
+            add(what, &[vocab, mul(what, &[k(2), d])?])?,
+            k(ELEMENT),
+        ],
+    )?;
     let working_per_token = add(
         what,
         &[
             mul(what, &[k(2), h, seq])?,
-            mul(what, &[k(3), vocab])?,
             mul(what, &[k(12), d])?,
             mul(what, &[k(4), hidden])?,
         ],
     )?;
     let working = mul(what, &[flight.ranks, tokens, working_per_token, k(ELEMENT)])?;
-    add(what, &[stash, recomputed, head, working])
+    add(what, &[stash, recomputed, head, head_working, working])
 }
 
 /// The MLP's hidden width, checked (`mlp_ratio × d_model` unless `intermediate` is given).

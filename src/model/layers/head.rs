@@ -1,6 +1,23 @@
 //! The LM head and the loss: `logits = x·W`, `loss = mean cross-entropy(logits, targets)`
 //! over the counted targets (those not equal to [`crate::tensor::IGNORE_TARGET`]).
 //!
+//! **Fused and chunked over tokens** (as Liger's fused linear cross-entropy): a training
+//! forward walks the micro-batch's tokens in chunks of [`chunk_rows`]; per chunk it computes
+//! the logits, the loss, the logits' gradient in place of the logits, the chunk's rows of
+//! `dx` and its share of `dW`, then drops the chunk. The `[tokens, vocab]` logits never exist
+//! at once, forward or backward. The gradients are those of a loss scale of 1, since the
+//! scale (`d objective / d loss`) only arrives with I: I multiplies the stashed `dx` by it and
+//! W adds `scale·dW` to the weight's gradient, so the split I/W stays (W still touches the
+//! weight's gradient, and only W) at no extra matrix product.
+//!
+//! Why the gradients are computed in F rather than in I or W: each other way computes the
+//! chunk's logits again (once in I, or in I and in W), a product as large as the head's
+//! forward (a fifth of a 135 M model's FLOPs at a 49K vocabulary); computed in F the head
+//! costs its three products, as unfused. What waits for W is `dW` itself, `[d_model, vocab]`
+//! in `f32` per micro-batch between F and W, the size of the head's own gradient, whatever
+//! the micro-batch's tokens (the unfused head kept `[tokens, vocab]` probabilities from F to
+//! I and as many logit gradients from I to W). An evaluation forward computes only the loss.
+//!
 //! A [`TokenLoss`] hook replaces the mean cross-entropy by any function of the counted
 //! targets' log-probabilities (e.g. the GRPO objective with its per-token KL penalty, whose
 //! gradient differs per token, which one loss scale per micro-batch cannot express). The
@@ -8,9 +25,9 @@
 
 use std::sync::Arc;
 
-use super::{Stash, activation, gradient, linear_bwd_input, linear_bwd_weight, linear_fwd};
+use super::{Stash, gradient, linear_fwd};
 use crate::model::{GptConfig, ModelError, Param, Result, init};
-use crate::tensor::{Backend, DType, IGNORE_TARGET};
+use crate::tensor::{Backend, DType, Gemm, IGNORE_TARGET};
 
 /// A micro-batch's loss as a function of its counted targets' log-probabilities.
 pub trait TokenLoss: Send + Sync + std::fmt::Debug {
@@ -44,19 +61,30 @@ pub fn log_prob(row: &[f32], t: usize) -> f32 {
     (f64::from(row[t] - m) - lse) as f32
 }
 
-struct Saved<B: Backend> {
-    x: B::Buf,
-    probs: B::Buf,
-    targets: Vec<u32>,
-    count: usize,
-    /// With a [`TokenLoss`]: `d loss / d logp` of each counted target.
-    dlogp: Option<Vec<f32>>,
+/// Tokens per chunk of the fused head: `d_model` (so a chunk's logits are at most the size
+/// of the head's weight, whatever the micro-batch's tokens; and a chunk's share of `dW`, a
+/// product over the chunk's tokens whose `[d_model, vocab]` output is read and written once
+/// per chunk, does `d_model` multiply-adds per element it moves), and at least as many as
+/// make a chunk of 2^20 logits (at a small vocabulary one chunk holds the whole
+/// micro-batch); a multiple of 16.
+pub fn chunk_rows(d_model: usize, vocab: usize) -> usize {
+    const MIN_LOGITS: usize = 1 << 20;
+    let rows = d_model.max(MIN_LOGITS.div_ceil(vocab.max(1)));
+    rows.div_ceil(16) * 16
 }
 
+/// What a training forward leaves for I: the gradients of a loss scale of 1.
+struct Saved<B: Backend> {
+    /// `[rows, d_model]`.
+    dx: B::Buf,
+    /// `[d_model, vocab]`.
+    dw: B::Buf,
+}
+
+/// What I leaves for W: `dW` and the scale it is added with.
 struct ForW<B: Backend> {
-    x: B::Buf,
-    dlogits: B::Buf,
-    rows: usize,
+    dw: B::Buf,
+    scale: f32,
 }
 
 /// `head.w: [d_model, vocab]` and the cross-entropy loss.
@@ -64,6 +92,9 @@ pub struct Head<B: Backend> {
     pub w: Param<B>,
     stash: Stash<Saved<B>, ForW<B>>,
     token_loss: Option<Arc<dyn TokenLoss>>,
+    /// `dW` buffers W has finished with, for the next forwards: a forward overwrites one
+    /// rather than allocating (and zeroing) `[d_model, vocab]` per micro-batch.
+    spare: Vec<B::Buf>,
 }
 
 impl<B: Backend> Head<B> {
@@ -84,6 +115,7 @@ impl<B: Backend> Head<B> {
             w,
             stash: Stash::new(name),
             token_loss: None,
+            spare: Vec::new(),
         })
     }
 
@@ -98,115 +130,182 @@ impl<B: Backend> Head<B> {
         linear_fwd(be, x, &self.w, rows)
     }
 
-    /// The mean loss over counted targets (0 when none counts) and the count.
+    /// The mean loss over counted targets (0 when none counts) and the count. With `grad`
+    /// (a training forward) the gradients are computed and kept for I and W (module docs);
+    /// without, only the loss.
     pub fn forward(
         &mut self,
         be: &B,
         mb: usize,
         x: &B::Buf,
         targets: &[u32],
+        grad: bool,
     ) -> Result<(f32, usize)> {
-        let rows = targets.len();
-        let logits = linear_fwd(be, x, &self.w, rows)?;
-        let mut probs = activation(be, be.len(&logits))?;
-        let vocab = self.w.shape[1];
-        let (sum, count) = be.cross_entropy_fwd(&logits, targets, &mut probs, vocab)?;
-        let hooked = match &self.token_loss {
-            Some(hook) => {
-                let host = be.to_host(&logits)?;
-                let logp: Vec<f32> = (targets.iter().enumerate())
-                    .filter(|&(_, &t)| t != IGNORE_TARGET)
-                    .map(|(r, &t)| log_prob(&host[r * vocab..(r + 1) * vocab], t as usize))
-                    .collect();
-                let (loss, dlogp) = hook.loss(mb, &logp).map_err(|reason| ModelError::Input {
-                    stage: 0,
-                    mb,
-                    reason: format!("token loss: {reason}"),
+        let count = targets.iter().filter(|&&t| t != IGNORE_TARGET).count();
+        let hook = self.token_loss.clone();
+        let (loss, saved) = match hook {
+            None => {
+                let per_token = if count == 0 { 0.0 } else { 1.0 / count as f32 };
+                let vocab = self.w.shape[1];
+                let mut sum = 0.0f64;
+                let saved = self.chunked(be, x, targets, grad, |logits, rows| {
+                    let (s, _) = be.cross_entropy_grad(logits, &targets[rows], vocab, per_token)?;
+                    sum += f64::from(s);
+                    Ok(())
                 })?;
-                if dlogp.len() != logp.len() {
-                    let reason = format!(
-                        "token loss gave {} gradients for {} counted targets",
-                        dlogp.len(),
-                        logp.len()
-                    );
-                    return Err(ModelError::Input {
-                        stage: 0,
-                        mb,
-                        reason,
-                    });
-                }
-                Some((loss, dlogp))
+                let loss = if count == 0 {
+                    0.0
+                } else {
+                    sum as f32 / count as f32
+                };
+                (loss, saved)
             }
-            None => None,
+            Some(hook) => self.hooked(be, mb, x, targets, grad, hook.as_ref())?,
         };
-        let saved = Saved {
-            x: be.dup(x)?,
-            probs,
-            targets: targets.to_vec(),
-            count,
-            dlogp: hooked.as_ref().map(|(_, d)| d.clone()),
-        };
-        self.stash.keep_for_i(mb, saved);
-        let loss = match hooked {
-            Some((loss, _)) => loss,
-            None if count == 0 => 0.0,
-            None => sum / count as f32,
-        };
+        if let Some(saved) = saved {
+            self.stash.keep_for_i(mb, saved);
+        }
         Ok((loss, count))
     }
 
-    /// I: `dx` from `scale = d objective / d loss`.
-    pub fn backward_input(&mut self, be: &B, mb: usize, scale: f32) -> Result<B::Buf> {
-        let s = self.stash.take_for_i(mb)?;
-        let rows = s.targets.len();
+    /// The forward under a [`TokenLoss`]: the hook needs every counted target's
+    /// log-probability before any gradient, so the chunks' logits are computed twice (once
+    /// for the log-probabilities, on the host, once for the gradients).
+    fn hooked(
+        &mut self,
+        be: &B,
+        mb: usize,
+        x: &B::Buf,
+        targets: &[u32],
+        grad: bool,
+        hook: &dyn TokenLoss,
+    ) -> Result<(f32, Option<Saved<B>>)> {
         let vocab = self.w.shape[1];
-        let dlogits = match &s.dlogp {
-            // d logp_t / d logits = onehot(t) − probs, so the row gets −scale·g_t·(probs − onehot).
-            Some(dlogp) => {
-                let probs = be.to_host(&s.probs)?;
-                let mut host = vec![0.0f32; rows * vocab];
-                let counted = s
-                    .targets
-                    .iter()
-                    .enumerate()
-                    .filter(|&(_, &t)| t != IGNORE_TARGET);
-                for ((r, &t), &g) in counted.zip(dlogp) {
-                    let c = -scale * g;
-                    let out = &mut host[r * vocab..(r + 1) * vocab];
-                    let p = &probs[r * vocab..(r + 1) * vocab];
-                    out.iter_mut().zip(p).for_each(|(o, &p)| *o = c * p);
-                    out[t as usize] -= c;
-                }
-                be.from_host(&host, DType::F32)?
-            }
-            None => {
-                let mut dlogits = gradient(be, rows * vocab)?;
-                let per_token = if s.count == 0 {
-                    0.0
-                } else {
-                    scale / s.count as f32
-                };
-                be.cross_entropy_bwd(&s.probs, &s.targets, &mut dlogits, vocab, per_token)?;
-                dlogits
-            }
-        };
-        let mut dx = gradient(be, rows * self.w.shape[0])?;
-        linear_bwd_input(be, &dlogits, &self.w, &mut dx, rows, false)?;
-        self.stash.keep_for_w(
+        let mut logp = Vec::new();
+        self.chunked(be, x, targets, false, |logits, rows| {
+            let host = be.to_host(logits)?;
+            let counted = (targets[rows].iter().enumerate()).filter(|&(_, &t)| t != IGNORE_TARGET);
+            logp.extend(
+                counted.map(|(r, &t)| log_prob(&host[r * vocab..(r + 1) * vocab], t as usize)),
+            );
+            Ok(())
+        })?;
+        let input = |reason: String| ModelError::Input {
+            stage: 0,
             mb,
-            ForW {
-                x: s.x,
-                dlogits,
-                rows,
-            },
-        );
+            reason,
+        };
+        let (loss, dlogp) = hook
+            .loss(mb, &logp)
+            .map_err(|reason| input(format!("token loss: {reason}")))?;
+        if dlogp.len() != logp.len() {
+            let (got, want) = (dlogp.len(), logp.len());
+            return Err(input(format!(
+                "token loss gave {got} gradients for {want} counted targets"
+            )));
+        }
+        if !grad {
+            return Ok((loss, None));
+        }
+        // The counted targets' gradients, in row order across the chunks.
+        let mut g = dlogp.iter();
+        let saved = self.chunked(be, x, targets, true, |logits, rows| {
+            let t = &targets[rows];
+            let mut probs = gradient(be, t.len() * vocab)?;
+            be.cross_entropy_fwd(logits, t, &mut probs, vocab)?;
+            let probs = be.to_host(&probs)?;
+            let mut host = vec![0.0f32; t.len() * vocab];
+            // d logp_t / d logits = onehot(t) − probs, so the row gets −g_t·(probs − onehot).
+            for (r, &t) in t.iter().enumerate().filter(|&(_, &t)| t != IGNORE_TARGET) {
+                let c = -g.next().copied().unwrap_or(0.0);
+                let out = &mut host[r * vocab..(r + 1) * vocab];
+                let p = &probs[r * vocab..(r + 1) * vocab];
+                out.iter_mut().zip(p).for_each(|(o, &p)| *o = c * p);
+                out[t as usize] -= c;
+            }
+            *logits = be.from_host(&host, DType::F32)?;
+            Ok(())
+        })?;
+        Ok((loss, saved))
+    }
+
+    /// Walks `x: [rows, d_model]` in chunks of [`chunk_rows`]: computes each chunk's logits
+    /// (`f32`) and hands them to `f` with the chunk's rows. With `grad`, `f` leaves the
+    /// logits' gradient in their place, and the chunk's rows of `dx` and its share of `dW`
+    /// are computed from it: the returned [`Saved`].
+    fn chunked(
+        &mut self,
+        be: &B,
+        x: &B::Buf,
+        targets: &[u32],
+        grad: bool,
+        mut f: impl FnMut(&mut B::Buf, std::ops::Range<usize>) -> Result<()>,
+    ) -> Result<Option<Saved<B>>> {
+        let (d, vocab, rows) = (self.w.shape[0], self.w.shape[1], targets.len());
+        let step = chunk_rows(d, vocab);
+        let mut saved = if grad {
+            let dw = match self.spare.pop() {
+                Some(dw) => dw,
+                None => gradient(be, d * vocab)?,
+            };
+            let dx = gradient(be, rows * d)?;
+            Some(Saved { dx, dw })
+        } else {
+            None
+        };
+        // One chunk's buffers, made again only for a shorter last chunk.
+        let mut bufs: Option<(B::Buf, B::Buf, B::Buf)> = None;
+        for start in (0..rows).step_by(step) {
+            let n = step.min(rows - start);
+            if bufs.as_ref().is_none_or(|(_, l, _)| be.len(l) != n * vocab) {
+                let xc = be.zeros(n * d, be.dtype(x))?;
+                bufs = Some((xc, gradient(be, n * vocab)?, gradient(be, n * d)?));
+            }
+            let Some((xc, logits, dxc)) = bufs.as_mut() else {
+                unreachable!("made above")
+            };
+            // The whole micro-batch in one chunk reads x itself.
+            let whole = n == rows;
+            if !whole {
+                be.copy_range(x, start * d, xc, 0, n * d)?;
+            }
+            let xc = if whole { x } else { &*xc };
+            be.matmul(xc, &self.w.value, logits, Gemm::nn(n, d, vocab))?;
+            f(logits, start..start + n)?;
+            let Some(s) = saved.as_mut() else { continue };
+            let back = Gemm::nn(n, vocab, d).trans_b();
+            if whole {
+                be.matmul(logits, &self.w.value, &mut s.dx, back)?;
+            } else {
+                be.matmul(logits, &self.w.value, dxc, back)?;
+                be.copy_range(dxc, 0, &mut s.dx, start * d, n * d)?;
+            }
+            // The first chunk overwrites the (reused) buffer, the others add to it.
+            let mut g = Gemm::nn(d, n, vocab).trans_a();
+            g.accumulate = start > 0;
+            be.matmul(xc, logits, &mut s.dw, g)?;
+        }
+        if let Some(s) = saved.as_mut().filter(|_| rows == 0) {
+            // No chunk overwrote the reused buffer.
+            be.fill(&mut s.dw, 0.0)?;
+        }
+        Ok(saved)
+    }
+
+    /// I: `dx` for `scale = d objective / d loss`.
+    pub fn backward_input(&mut self, be: &B, mb: usize, scale: f32) -> Result<B::Buf> {
+        let Saved { mut dx, dw } = self.stash.take_for_i(mb)?;
+        be.scale(&mut dx, scale)?;
+        self.stash.keep_for_w(mb, ForW { dw, scale });
         Ok(dx)
     }
 
     /// W: accumulates the gradient of `head.w`.
     pub fn backward_weight(&mut self, be: &B, mb: usize) -> Result<()> {
         let s = self.stash.take_for_w(mb)?;
-        linear_bwd_weight(be, &s.x, &s.dlogits, &mut self.w, s.rows)
+        be.axpy(s.scale, &s.dw, &mut self.w.grad)?;
+        self.spare.push(s.dw);
+        Ok(())
     }
 
     pub fn discard(&mut self, mb: usize) {

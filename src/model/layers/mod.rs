@@ -18,6 +18,8 @@ mod attention;
 mod block;
 mod embedding;
 mod head;
+#[cfg(test)]
+mod head_tests;
 mod mlp;
 mod norm;
 #[cfg(test)]
@@ -26,7 +28,7 @@ mod tests;
 pub use attention::Attention;
 pub use block::Block;
 pub use embedding::Embedding;
-pub use head::{Head, OffsetTokenLoss, TokenLoss, log_prob};
+pub use head::{Head, OffsetTokenLoss, TokenLoss, chunk_rows, log_prob};
 pub use mlp::Mlp;
 pub use norm::RmsNorm;
 

@@ -405,13 +405,13 @@ fn head_and_loss_input_and_weight_gradients() {
     let targets = [0u32, 6, 2, crate::tensor::IGNORE_TARGET, 2, 5, 1, 3];
     let scale = 0.7;
     let xb = be.from_host(&x, DType::F32).unwrap();
-    let (_, count) = head.forward(&be, 0, &xb, &targets).unwrap();
+    let (_, count) = head.forward(&be, 0, &xb, &targets, true).unwrap();
     assert_eq!(count, 7);
     let dx = be
         .to_host(&head.backward_input(&be, 0, scale).unwrap())
         .unwrap();
     let loss_at = |head: &mut Head<CpuBackend>, x: &CpuBuf| {
-        let (loss, _) = head.forward(&be, 1, x, &targets).unwrap();
+        let (loss, _) = head.forward(&be, 1, x, &targets, true).unwrap();
         head.discard(1);
         f64::from(scale) * f64::from(loss)
     };

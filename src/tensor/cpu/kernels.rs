@@ -379,6 +379,61 @@ pub fn cross_entropy_fwd(
     (sum as f32, count)
 }
 
+/// [`crate::tensor::Backend::cross_entropy_grad`]: per row one pass for the maximum, one
+/// for the exponentials (kept in place) and one for the scaled gradient; the rows' losses
+/// are summed in `f64` in row order, so the result does not depend on `par`.
+pub fn cross_entropy_grad(
+    par: bool,
+    logits: &mut [f32],
+    targets: &[u32],
+    vocab: usize,
+    scale: f32,
+) -> (f32, usize) {
+    if vocab == 0 {
+        return (0.0, targets.iter().filter(|&&t| t != IGNORE_TARGET).count());
+    }
+    let mut losses = vec![0.0f32; targets.len()];
+    let row = |((row, loss), &t): ((&mut [f32], &mut f32), &u32)| {
+        *loss = cross_entropy_grad_row(row, t, scale);
+    };
+    if par && logits.len() >= 1 << 15 {
+        (logits.par_chunks_mut(vocab))
+            .zip(losses.par_iter_mut())
+            .zip(targets.par_iter())
+            .for_each(row);
+    } else {
+        (logits.chunks_mut(vocab))
+            .zip(losses.iter_mut())
+            .zip(targets)
+            .for_each(row);
+    }
+    let counted = targets
+        .iter()
+        .zip(&losses)
+        .filter(|&(&t, _)| t != IGNORE_TARGET);
+    let (sum, count) = counted.fold((0.0f64, 0), |(s, c), (_, &l)| (s + f64::from(l), c + 1));
+    (sum as f32, count)
+}
+
+/// One row of [`cross_entropy_grad`]: its loss `lse − row[t]` (0 when ignored).
+fn cross_entropy_grad_row(row: &mut [f32], t: u32, scale: f32) -> f32 {
+    if t == IGNORE_TARGET {
+        row.fill(0.0);
+        return 0.0;
+    }
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let target = row[t as usize];
+    let mut sum = 0.0f32;
+    for v in row.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    let per_prob = scale / sum;
+    row.iter_mut().for_each(|v| *v *= per_prob);
+    row[t as usize] -= scale;
+    sum.ln() + max - target
+}
+
 pub fn cross_entropy_bwd(
     probs: &[f32],
     targets: &[u32],

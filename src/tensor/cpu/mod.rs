@@ -159,6 +159,24 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn copy_range(
+        &self,
+        src: &CpuBuf,
+        src_at: usize,
+        dst: &mut CpuBuf,
+        dst_at: usize,
+        len: usize,
+    ) -> Result<()> {
+        check::copy_range(self, [src, dst], src_at, dst_at, len)?;
+        let (from, to) = (src_at..src_at + len, dst_at..dst_at + len);
+        match (&src.0, &mut dst.0) {
+            (Storage::F32(s), Storage::F32(d)) => d[to].copy_from_slice(&s[from]),
+            (Storage::Bf16(s), Storage::Bf16(d)) => d[to].copy_from_slice(&s[from]),
+            _ => unreachable!("check::copy_range refuses two storage types"),
+        }
+        Ok(())
+    }
+
     fn fill(&self, buf: &mut CpuBuf, value: f32) -> Result<()> {
         buf.write(|d| d.fill(value));
         Ok(())
@@ -490,6 +508,19 @@ impl Backend for CpuBackend {
         let l = logits.read();
         Ok(self.run(targets.len() * vocab, |par| {
             probs.write(|p| kernels::cross_entropy_fwd(par, &l, targets, p, vocab))
+        }))
+    }
+
+    fn cross_entropy_grad(
+        &self,
+        logits: &mut CpuBuf,
+        targets: &[u32],
+        vocab: usize,
+        scale: f32,
+    ) -> Result<(f32, usize)> {
+        check::cross_entropy_grad(self, logits, targets, vocab)?;
+        Ok(self.run(targets.len() * vocab, |par| {
+            logits.write(|l| kernels::cross_entropy_grad(par, l, targets, vocab, scale))
         }))
     }
 

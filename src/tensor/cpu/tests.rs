@@ -2,6 +2,7 @@
 //! are checked against central finite differences of the `f64` reference forward, so a
 //! wrong formula fails even if forward and backward share a mistake.
 
+mod fused_head_ops;
 mod llama_ops;
 
 use super::*;

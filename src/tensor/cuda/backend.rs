@@ -91,6 +91,17 @@ impl Backend for CudaBackend {
         }
     }
 
+    fn copy_range(
+        &self,
+        src: &CudaBuf,
+        src_at: usize,
+        dst: &mut CudaBuf,
+        dst_at: usize,
+        len: usize,
+    ) -> Result<()> {
+        self.range_copy(src, src_at, dst, dst_at, len)
+    }
+
     fn fill(&self, buf: &mut CudaBuf, value: f32) -> Result<()> {
         const OP: &str = "fill";
         let Some((n64, cfg)) = Self::elementwise_len(buf.len()) else {
@@ -545,6 +556,16 @@ impl Backend for CudaBackend {
         vocab: usize,
     ) -> Result<(f32, usize)> {
         self.loss_fwd(logits, targets, probs, vocab)
+    }
+
+    fn cross_entropy_grad(
+        &self,
+        logits: &mut CudaBuf,
+        targets: &[u32],
+        vocab: usize,
+        scale: f32,
+    ) -> Result<(f32, usize)> {
+        self.loss_grad(logits, targets, vocab, scale)
     }
 
     fn cross_entropy_bwd(

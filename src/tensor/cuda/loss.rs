@@ -6,7 +6,7 @@
 use cudarc::driver::CudaSlice;
 
 use super::kernels::{self, K};
-use super::{CudaBackend, CudaBuf, grid_rows};
+use super::{CudaBackend, CudaBuf, Storage, dev, grid_rows};
 use crate::tensor::{AdamWStep, Backend, Result, check};
 
 impl CudaBackend {
@@ -73,6 +73,51 @@ impl CudaBackend {
                 [&*p, &t, d, &vocab64, &scale, &n64]
             )
         })
+    }
+
+    /// The fused loss and gradient, composed of the forward and backward kernels above
+    /// (a temporary of the chunk's size holds the probabilities): the fused LM head's chunk
+    /// stays chunk-sized on the GPU too.
+    pub(super) fn loss_grad(
+        &self,
+        logits: &mut CudaBuf,
+        targets: &[u32],
+        vocab: usize,
+        scale: f32,
+    ) -> Result<(f32, usize)> {
+        check::cross_entropy_grad(self, logits, targets, vocab)?;
+        let mut probs = self.zeros(logits.len(), crate::tensor::DType::F32)?;
+        let loss = self.loss_fwd(logits, targets, &mut probs, vocab)?;
+        self.loss_bwd(&probs, targets, logits, vocab, scale)?;
+        Ok(loss)
+    }
+
+    /// [`Backend::copy_range`]: one device-to-device copy.
+    pub(super) fn range_copy(
+        &self,
+        src: &CudaBuf,
+        src_at: usize,
+        dst: &mut CudaBuf,
+        dst_at: usize,
+        len: usize,
+    ) -> Result<()> {
+        const OP: &str = "copy_range";
+        check::copy_range(self, [src, dst], src_at, dst_at, len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let (from, to) = (src_at..src_at + len, dst_at..dst_at + len);
+        let s = self.stream();
+        match (&src.0, &mut dst.0) {
+            (Storage::F32(a), Storage::F32(b)) => {
+                s.memcpy_dtod(&a.slice(from), &mut b.slice_mut(to))
+            }
+            (Storage::Bf16(a), Storage::Bf16(b)) => {
+                s.memcpy_dtod(&a.slice(from), &mut b.slice_mut(to))
+            }
+            _ => unreachable!("check::copy_range refuses two storage types"),
+        }
+        .map_err(dev(OP))
     }
 
     pub(super) fn squared_norm(&self, x: &CudaBuf) -> Result<f64> {
