@@ -10,6 +10,7 @@
 //! `--set section.key=value` overrides are applied to the parsed document before it is
 //! turned into a [`JobConfig`], so they go through exactly the same checks as the file.
 
+mod error;
 pub mod memory;
 pub mod optimizer;
 pub mod rl;
@@ -25,26 +26,11 @@ use crate::data::DataConfig;
 use crate::model::GptConfig;
 use crate::model::drafter::DrafterConfig;
 use crate::train::TrainConfig;
+pub use error::ConfigError;
 pub use schedule::{ScheduleChoice, UnknownSchedule};
 
 /// The embedded default job (the same text as `examples/default.toml`).
 pub const DEFAULT_JOB: &str = include_str!("../examples/default.toml");
-
-/// Errors reading or checking a job file.
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    #[error(transparent)]
-    Read(#[from] crate::input::InputError),
-    /// A syntax error, an unknown field or an ill-typed value; `message` names the field.
-    #[error("{origin}: {message}")]
-    Parse { origin: String, message: String },
-    /// A `--set` argument that is not `key=value` or cannot be applied.
-    #[error("--set {arg:?}: {reason}")]
-    Set { arg: String, reason: String },
-    /// A value that parses but cannot be used.
-    #[error("invalid `{field}`: {reason}")]
-    Invalid { field: String, reason: String },
-}
 
 /// The largest job file read: a job is a page of settings (the default is 2 KB).
 pub const MAX_JOB_BYTES: u64 = 1 << 20;

@@ -22,11 +22,13 @@
 //! estimate stays above it; the peaks are in docs/benchmarks.md, "Memory estimate
 //! calibration".
 
+mod costs;
 mod limit;
 mod parts;
 mod refusal;
 mod size;
 
+pub use costs::*;
 pub use limit::{LimitSource, MemoryLimit};
 use parts::*;
 pub use size::Bytes;
@@ -34,95 +36,6 @@ use size::{Size, add, f, k, mul};
 
 use super::{ConfigError, Filler, JobConfig};
 use crate::data::Tokenizer;
-use crate::schedules::{CostModel, generate, peak_memory};
-
-/// Bytes per parameter the ranks hold while they train: the f32 value, its gradient and
-/// two AdamW moments.
-pub const LIVE_PARAM_BYTES: u64 = 16;
-/// Of [`LIVE_PARAM_BYTES`], the two f32 AdamW moments: what a sharded optimizer
-/// (`optimizer.shard`, ZeRO-1) divides among the `dp` replicas.
-pub const MOMENT_BYTES: u64 = 8;
-/// Bytes per parameter of the host copies of values and moments that initialisation and
-/// the final checkpoint make (calibrated, docs/benchmarks.md).
-pub const COPY_PARAM_BYTES: u64 = 48;
-/// Bytes per parameter a run's periodic checkpoints hold while the ranks train
-/// (`checkpoint_every > 0`): the ranks' deposited state (value and both moments, 12 bytes)
-/// twice, the checkpoint being written and the next one's deposits waiting for it (one
-/// writer at a time, `crate::pipeline::shared`; the files are streamed from those tensors,
-/// with no serialized copy). It coexists with the live state, not with the copies of
-/// initialisation and the final checkpoint, so the larger of the two is counted.
-pub const CHECKPOINT_PARAM_BYTES: u64 = 24;
-/// Bytes per parameter: the live state, and the larger of the initial/final copies and the
-/// periodic checkpoints' buffers ([`CHECKPOINT_PARAM_BYTES`]).
-pub const PARAM_BYTES: u64 = LIVE_PARAM_BYTES + max(COPY_PARAM_BYTES, CHECKPOINT_PARAM_BYTES);
-
-const fn max(a: u64, b: u64) -> u64 {
-    if a > b { a } else { b }
-}
-/// Extra bytes per parameter in `pipefill rl`: the rollout engine's copy of the policy's
-/// weights and the frozen reference policy.
-pub const RL_PARAM_BYTES: u64 = 16;
-/// Bytes of a step's records in memory: its training line and its RL line
-/// (`crate::train::StepMetrics` and `crate::rl::RlStepMetrics`; their sizes are checked
-/// against this where those types live).
-pub const STEP_LINE_BYTES: u64 = 1024;
-/// Bytes of one activation element (f32 storage).
-const ELEMENT: u64 = 4;
-/// Activation elements per token and layer that a forward stashes, in units of `d_model`
-/// (layer input, q, k, v, attention output, norms, residuals, the MLP's input, and what I
-/// leaves for W) and of the MLP's hidden width (pre-activation, activation, gate, up and
-/// their product): over what the layers keep, so that the estimate stays above the
-/// measured peaks (docs/benchmarks.md, "Memory estimate calibration").
-const STASH_PER_D: u64 = 16;
-const STASH_PER_HIDDEN: u64 = 5;
-/// Bytes of the process itself (binary, runtime, allocator slack) and per pipeline rank
-/// (its thread, channels and buffers).
-const PROCESS_BYTES: u64 = 32 << 20;
-const RANK_BYTES: u64 = 4 << 20;
-/// Bytes of one generated task besides its text (its strings' headers, family, size).
-const TASK_BYTES: u64 = 256;
-/// Bytes a run keeps per action and step: the runtime's measured span and action record.
-const ACTION_RECORD_BYTES: u64 = 256;
-/// Bytes per action of a plan: the action (24) in the plan, its lowered copy with the
-/// SEND/RECV pairs, the validator's and simulator's per-(stage, micro-batch) tables and
-/// the timeline's span.
-pub const PLAN_ACTION_BYTES: u64 = 256;
-/// Plans of at most this many actions are generated to read their peak activation memory;
-/// larger ones are bounded by GPipe's (every micro-batch in flight).
-const MAX_PEAK_ACTIONS: u64 = 1 << 16;
-/// Bytes per byte of a schedule file read: an empty CSV cell (one byte) becomes a 24-byte
-/// step, a 4-byte cell an action with the validator's tables.
-pub const SCHEDULE_FILE_BYTE_COST: u64 = 64;
-/// Bytes per byte of a JSONL dataset: its records' text (about its size, with each line's
-/// parse transient), and its documents' ids (4 B) and target flags (1 B) per token, at most
-/// one token per byte (a byte-level or character tokenizer), with room for special tokens.
-pub const JSONL_BYTE_COST: u64 = 8;
-/// Bytes per byte of a record while the `tokenizers` crate encodes it (its normalized
-/// string with per-byte alignments, pre-token splits, the encoding's tokens and offsets):
-/// about 190 measured on a 2.8 MB line with a BPE tokenizer (docs/benchmarks.md), with
-/// room. Counted once, for the longest line `data.max_line_bytes` lets through.
-pub const TOKENIZE_BYTE_COST: u64 = 256;
-/// Bytes per byte of a tokenizer.json in memory (its vocabulary and merges as the
-/// `tokenizers` crate holds them).
-pub const TOKENIZER_BYTE_COST: u64 = 16;
-/// Compute actions per (stage, micro-batch) in the largest case (F, I and W).
-const ACTIONS_PER_CELL: u64 = 3;
-
-/// What a job runs: `pipefill train` or `pipefill rl`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Workload {
-    Train,
-    Rl,
-}
-
-/// One part of an estimate: what it is, its bytes, and the field that dominates it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Part {
-    pub what: &'static str,
-    pub bytes: u64,
-    /// The config field with the largest factor in the part's largest term.
-    pub field: &'static str,
-}
 
 /// A job's estimated peak memory, part by part.
 #[derive(Clone, Debug, PartialEq, Eq)]

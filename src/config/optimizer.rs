@@ -9,7 +9,8 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{ConfigError, DeviceKind, JobConfig};
+use super::error::ConfigError;
+use super::{DeviceKind, JobConfig};
 use crate::comm::select::TransportKind;
 
 /// `[optimizer]`: where the optimizer's state lives.

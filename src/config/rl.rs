@@ -5,7 +5,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::ConfigError;
+use super::error::ConfigError;
 use crate::data::reward::Reward;
 use crate::model::drafter::TreeShape;
 

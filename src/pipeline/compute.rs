@@ -16,7 +16,7 @@
 //! strictly in order, so the rank counts its own iterations to know which step a forward
 //! belongs to.
 //!
-//! Sharded optimizer (`optimizer.shard` with data-parallel replicas, see [`zero`]): the
+//! Sharded optimizer (`optimizer.shard` with data-parallel replicas, see `compute/zero.rs`): the
 //! rank's AdamW then holds the moments of its replica's chunk of the rank's parameters only;
 //! the gradients are reduce-scattered, the chunk updated and the parameters all-gathered.
 //!
@@ -42,7 +42,7 @@ use std::sync::mpsc::Sender;
 
 use pipefill_actors::{GradStats, StageCompute, StepDecision};
 
-use super::PipelineError;
+use super::error::PipelineError;
 use super::fill::DrafterFill;
 use super::shared::{RankFinal, Shared};
 use crate::model::{

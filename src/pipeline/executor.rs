@@ -25,8 +25,8 @@ use pipefill_actors::{
     RuntimeError, StageCompute, StepMode, Transport,
 };
 
-use super::PipelineError;
 use super::compute::{RankCompute, RankJob, RankParts};
+use super::error::PipelineError;
 use super::shared::{Replica, Shared};
 use crate::comm::collective::{GRAD_CHANNEL, GradSync, RingGradSync, TIE_CHANNEL};
 use crate::comm::link::{InProcessLink, PeerLink};

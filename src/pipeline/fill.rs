@@ -17,7 +17,7 @@
 //! weighs the same whatever the slices' sizes. At the end of each target step a rank posts the gradients its replica
 //! accumulated as *round* `v` (its drafter version). Once every rank has posted round `v`,
 //! each replica applies the same update — every round's gradients summed in replica order
-//! ([`DrafterTrainer::step_with`]) — in its next bubble (kind `"drafter step"`), or at its
+//! ([`DrafterTrainer::step_with`](crate::model::drafter::DrafterTrainer::step_with)) — in its next bubble (kind `"drafter step"`), or at its
 //! next target step's end if no bubble came. So after each drafter step every replica holds
 //! the same weights, bit for bit. Slices run while a round is still open compute
 //! gradients on weights one version old (as asynchronous data parallelism does); they go
@@ -64,12 +64,8 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 use pipefill_actors::router::CostEstimate;
 use pipefill_actors::{FillerRouter, FillerSource, Slice, WeightBoard};
 
-use super::PipelineError;
-use super::compute::RankCompute;
-use crate::config::JobConfig;
 use crate::model::ModelChunk;
 use crate::model::drafter::{DraftBufferHandle, DrafterError, DrafterGrads, DrafterWeights};
-use crate::schedules::Plan;
 use crate::tensor::Backend;
 
 mod eval;
@@ -84,10 +80,8 @@ pub use eval::HeldOutEval;
 use replica::{ReplicaTrainer, TableCache};
 pub use round::RoundPost;
 use round::{Deposit, Frozen};
-pub use slice_plan::{SliceCost, SlicePlan, modelled_costs};
+pub use slice_plan::{HELD_OUT_EVERY, SliceCost, SlicePlan, modelled_costs};
 
-/// Every this many target steps, micro-batch 0's rows are held out of training.
-pub const HELD_OUT_EVERY: u64 = 4;
 /// Most recent held-out rows the agreement is measured on.
 const HELD_OUT_ROWS: usize = 32;
 /// Router kind of a drafter slice (forward + backward).
@@ -168,44 +162,6 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl DrafterFill {
-    /// The drafter of a run of `job` following `plan` from target step `step`: one replica
-    /// per rank, seeded from the target's first and last chunks, and the last stage's capture
-    /// hooked to its buffer.
-    pub(crate) fn join<B: Backend>(
-        job: &JobConfig,
-        plan: &Plan,
-        step: u64,
-        computes: &mut [RankCompute<B>],
-    ) -> Result<Arc<Self>, PipelineError> {
-        let last_stage = (plan.stages - 1) as u32;
-        let last_rank = plan.stage_rank[last_stage as usize];
-        let (first, last) = match (
-            computes[0].chunk_ref(0),
-            computes[last_rank].chunk_ref(last_stage),
-        ) {
-            (Some(f), Some(l)) => (f, l),
-            _ => {
-                return Err(PipelineError::Config {
-                    field: "plan",
-                    reason: "places stage 0 off rank 0: the drafter's frozen copies need it there"
-                        .into(),
-                });
-            }
-        };
-        // Each rank's replica on the rank's own device: its slices fill that rank's bubbles.
-        let backends = computes.iter().map(|c| c.backend().clone()).collect();
-        let mut fill =
-            DrafterFill::on_backends(&job.model, &job.drafter, backends, first, last, step)?;
-        if let Some(slices) = SlicePlan::of_job(plan, job)? {
-            fill.plan_slices(slices, step);
-        }
-        let fill = Arc::new(fill);
-        for c in computes.iter_mut() {
-            c.set_drafter(Arc::clone(&fill))?;
-        }
-        Ok(fill)
-    }
-
     /// The buffer the last stage captures training rows into.
     pub fn buffer(&self) -> &DraftBufferHandle {
         &self.buffer

@@ -3,7 +3,7 @@
 //! The runtime is model-free; this module gives it the model. [`RankCompute`] implements
 //! the runtime's `StageCompute` for one rank (its model chunks, backend, AdamW and data
 //! access), and [`PipelineTrainer`] runs a whole job: it builds one `RankCompute` per rank
-//! of a [`Plan`], runs K optimizer steps (one runtime iteration each) and gathers what was
+//! of a [`Plan`](crate::schedules::Plan), runs K optimizer steps (one runtime iteration each) and gathers what was
 //! learned and measured into a [`PipelineRun`].
 //!
 //! Pipelined training reproduces the single-device reference trainer
@@ -33,7 +33,7 @@
 //! # Ok(()) }
 //! ```
 //!
-//! - [`PipelineTrainer`]: `from_job`, `builtin`, `new` (any [`Plan`], e.g. from
+//! - [`PipelineTrainer`]: `from_job`, `builtin`, `new` (any [`Plan`](crate::schedules::Plan), e.g. from
 //!   [`crate::schedules::read_plan`]), then `clock(...)` (virtual by default, from
 //!   `job.clock`), `step_mode(...)` and `speculative_steps(...)` (optimizer
 //!   post-validation), `resume(&checkpoint)`, and `run(steps, on_step)`. `on_step` is called on
@@ -49,6 +49,7 @@
 //! [`feed`] (each step's data), [`shared`] (global gradient norm, step log, final state).
 
 pub mod compute;
+mod error;
 pub mod executor;
 pub mod feed;
 pub mod fill;
@@ -59,103 +60,11 @@ pub mod trainer;
 
 pub use compute::RankCompute;
 pub(crate) use compute::RankJob;
+pub use error::PipelineError;
 pub use join::{DrafterRun, DrafterStep, StepView};
 pub use pipefill_actors::{Clock, RunReport, StepMode};
-pub use trainer::{KeptRanks, KeptRun, PipelineRun, PipelineTrainer};
+pub use trainer::PipelineTrainer;
+pub use trainer::kept::{KeptRanks, KeptRun};
+pub use trainer::outcome::PipelineRun;
 
-use crate::schedules::Plan;
 pub use crate::train::StepMetrics;
-
-/// What can go wrong setting up or running a pipelined job.
-#[derive(Debug, thiserror::Error)]
-pub enum PipelineError {
-    /// The job and the plan do not fit together; names the field or figure.
-    #[error("pipeline setup: `{field}` {reason}")]
-    Config { field: &'static str, reason: String },
-    /// A plan action names a stage this rank does not hold.
-    #[error("rank {rank} holds no stage {stage}")]
-    NotHere { rank: usize, stage: u32 },
-    /// A plan action names a micro-batch the step does not have.
-    #[error("micro-batch {microbatch} does not exist: the step has {have}")]
-    NoMicroBatch { microbatch: u32, have: usize },
-    /// A stage produced something the pipeline cannot use.
-    #[error("stage {stage}: {reason}")]
-    Stage { stage: u32, reason: String },
-    /// The sharded optimizer's exchange between replicas failed, or its state does not fit.
-    #[error("sharded optimizer (optimizer.shard) of rank {rank}: {reason}")]
-    Shard { rank: usize, reason: String },
-    /// The runtime ran a rank's optimizer steps out of order.
-    #[error("rank {rank}: optimizer step of iteration {got}, expected iteration {expected}")]
-    OutOfOrder {
-        rank: usize,
-        expected: u64,
-        got: u64,
-    },
-    /// The run was stopped (a periodic checkpoint could not be written, or the caller
-    /// asked): the rank ended at the end of its step.
-    #[error(
-        "rank {rank} stopped: the run was stopped (a checkpoint or metrics write failed, or \
-         the caller asked)"
-    )]
-    Stopped { rank: usize },
-    /// A rank never handed over its final parameters.
-    #[error("the run ended without every rank's final parameters")]
-    NoFinalState,
-    #[error(transparent)]
-    Model(#[from] crate::model::ModelError),
-    #[error(transparent)]
-    Train(#[from] crate::train::TrainError),
-    #[error(transparent)]
-    Data(#[from] crate::data::DataError),
-    #[error(transparent)]
-    Checkpoint(#[from] crate::model::checkpoint::CheckpointError),
-    #[error(transparent)]
-    Schedule(#[from] crate::schedules::ScheduleError),
-    #[error(transparent)]
-    Runtime(#[from] pipefill_actors::RuntimeError),
-    #[error(transparent)]
-    Drafter(#[from] crate::model::drafter::DrafterError),
-    /// A job setting that cannot be used here (e.g. `device = "cuda"` without a GPU).
-    #[error(transparent)]
-    Job(#[from] crate::config::ConfigError),
-}
-
-/// Stages per rank of `plan`, or why the plan cannot drive the model.
-fn check_plan(plan: &Plan, layers: usize, microbatches: usize) -> Result<(), PipelineError> {
-    let bad = |field, reason| Err(PipelineError::Config { field, reason });
-    if plan.num_ranks() == 0 || plan.stages == 0 {
-        return bad("plan", "has no ranks or no stages".into());
-    }
-    if plan.stages > layers {
-        return bad(
-            "model.layers",
-            format!(
-                "is {layers}, fewer than the plan's {} stages (each stage needs a block)",
-                plan.stages
-            ),
-        );
-    }
-    if plan.microbatches != microbatches {
-        return bad(
-            "train.micro_batches",
-            format!(
-                "is {microbatches}, but the plan runs {} micro-batches per step",
-                plan.microbatches
-            ),
-        );
-    }
-    if plan.stage_rank.len() != plan.stages {
-        return bad(
-            "plan",
-            format!(
-                "places {} stages but has {}",
-                plan.stage_rank.len(),
-                plan.stages
-            ),
-        );
-    }
-    if let Some(r) = (0..plan.num_ranks()).find(|&r| plan.stages_of(r).is_empty()) {
-        return bad("plan", format!("rank {r} holds no stage"));
-    }
-    Ok(())
-}

@@ -30,7 +30,7 @@ use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
-use super::PipelineError;
+use super::error::PipelineError;
 use super::feed::{StepBatches, StepFeed};
 use crate::comm::collective::{GradSync, RingGradSync, TIE_CHANNEL};
 use crate::model::checkpoint::sharded::Layout;

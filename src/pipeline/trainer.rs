@@ -1,11 +1,11 @@
-//! [`PipelineTrainer`] runs a job through the actor runtime; [`PipelineRun`] is what it
+//! [`PipelineTrainer`] runs a job through the actor runtime; [`PipelineRun`](outcome::PipelineRun) is what it
 //! learned and measured.
 //!
 //! This file holds the trainer's configuration (plan, clock, step mode, filler, resume,
 //! periodic checkpoints, data-parallel share) and the ranks' setup; `run` runs it (the
 //! runtime on its own thread, the caller's thread joining each step's metrics and profile);
-//! `outcome` ([`PipelineRun`]) is what a run hands back (final parameters, moments, the drafter,
-//! figures); `kept` ([`KeptRanks`], [`KeptRun`]) runs whose ranks stay alive for the next run (the
+//! `outcome` ([`PipelineRun`](outcome::PipelineRun)) is what a run hands back (final parameters, moments, the drafter,
+//! figures); `kept` ([`KeptRanks`](kept::KeptRanks), [`KeptRun`](kept::KeptRun)) runs whose ranks stay alive for the next run (the
 //! RL update's steps).
 //!
 //! One runtime iteration is one optimizer step. The runtime runs on its own thread while
@@ -24,17 +24,17 @@
 //! "planned"`, each step's planned slices, so the drafter is reproducible and bitwise across
 //! a resume). Every few steps the caller's thread measures the drafter's top-1 agreement
 //! with the target on held-out rows, from the weights the drafter publishes;
-//! [`PipelineRun::drafter`] holds every replica's final weights and the router's figures.
+//! [`PipelineRun::drafter`](outcome::PipelineRun::drafter) holds every replica's final weights and the router's figures.
 
 use std::sync::Arc;
 
 use pipefill_actors::{Clock, StepMode};
 
 use super::compute::{RankCompute, RankJob};
+use super::error::PipelineError;
 use super::executor::{Links, RankStart, rebuild};
 use super::feed::StepFeed;
 use super::shared::Shared;
-use super::{PipelineError, check_plan};
 use crate::config::{Filler, JobConfig, ScheduleChoice};
 use crate::model::checkpoint::Checkpoint;
 use crate::model::{Gpt, ModelError, OptimizerState};
@@ -42,12 +42,9 @@ use crate::schedules::{AutoReplanner, Plan, ScheduleKind, build, read_plan};
 use crate::tensor::CpuBackend;
 use crate::tensor::device::RankBackend;
 
-mod kept;
-mod outcome;
+pub(super) mod kept;
+pub(super) mod outcome;
 mod run;
-
-pub use kept::{KeptRanks, KeptRun};
-pub use outcome::PipelineRun;
 
 /// A pipelined training job: a [`JobConfig`] and the [`Plan`] its ranks follow.
 #[derive(Debug, Clone)]
@@ -349,4 +346,44 @@ fn replica_micro_batches(job: &JobConfig) -> Result<usize, PipelineError> {
         });
     }
     Ok(m / dp)
+}
+
+/// Stages per rank of `plan`, or why the plan cannot drive the model.
+fn check_plan(plan: &Plan, layers: usize, microbatches: usize) -> Result<(), PipelineError> {
+    let bad = |field, reason| Err(PipelineError::Config { field, reason });
+    if plan.num_ranks() == 0 || plan.stages == 0 {
+        return bad("plan", "has no ranks or no stages".into());
+    }
+    if plan.stages > layers {
+        return bad(
+            "model.layers",
+            format!(
+                "is {layers}, fewer than the plan's {} stages (each stage needs a block)",
+                plan.stages
+            ),
+        );
+    }
+    if plan.microbatches != microbatches {
+        return bad(
+            "train.micro_batches",
+            format!(
+                "is {microbatches}, but the plan runs {} micro-batches per step",
+                plan.microbatches
+            ),
+        );
+    }
+    if plan.stage_rank.len() != plan.stages {
+        return bad(
+            "plan",
+            format!(
+                "places {} stages but has {}",
+                plan.stage_rank.len(),
+                plan.stages
+            ),
+        );
+    }
+    if let Some(r) = (0..plan.num_ranks()).find(|&r| plan.stages_of(r).is_empty()) {
+        return bad("plan", format!("rank {r} holds no stage"));
+    }
+    Ok(())
 }

@@ -3,7 +3,7 @@
 use std::fmt;
 
 use super::super::ConfigError;
-use super::Bytes;
+use super::size::Bytes;
 
 /// Where a memory limit comes from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -6,11 +6,12 @@
 //! every mode), and a recomputing rank holds one block's recomputed part during an I.
 
 use super::super::{ConfigError, JobConfig, ScheduleChoice};
+use super::costs::*;
 use super::size::{Size, add, div_ceil, f, k, mul, overflow};
-use super::*;
 use crate::model::layers::chunk_rows;
 use crate::model::{Recompute, RecomputeSetting};
 use crate::schedules::rank_peak_memory;
+use crate::schedules::{CostModel, generate, peak_memory};
 
 /// Thousandths of one micro-batch's stash on one stage without recomputation: the unit of
 /// [`InFlight::units`], fine enough for a recomputing rank's small forward share.

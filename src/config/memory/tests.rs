@@ -1,7 +1,7 @@
 use proptest::prelude::*;
 
 use super::*;
-use crate::schedules::ScheduleKind;
+use crate::schedules::{ScheduleKind, generate};
 
 fn job(sets: &[&str]) -> Result<JobConfig, ConfigError> {
     let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();

@@ -10,8 +10,8 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use super::CheckpointError;
+use super::files::{MANIFEST_FILE, SHARDED_FORMAT};
 use super::files::{read_listed_tensors, write_tensor_file};
-use super::sharded::{MANIFEST_FILE, SHARDED_FORMAT};
 use crate::model::GptConfig;
 use crate::model::drafter::state::{DrafterMeta, DrafterState};
 

@@ -18,7 +18,6 @@ use std::path::{Component, Path, PathBuf};
 use safetensors::tensor::{Metadata, TensorInfo};
 use safetensors::{Dtype, SafeTensors};
 
-use super::sharded::{Fnv1a, fingerprint};
 use super::{CheckpointError, HostTensor};
 
 /// The most bytes one tensor file of a checkpoint may hold (256 GiB: the parameters, both
@@ -487,6 +486,44 @@ pub fn write_atomic_with(
         let _ = fs::remove_file(&tmp);
     }
     result.map_err(io)
+}
+
+/// File name of the manifest inside a sharded checkpoint directory.
+pub const MANIFEST_FILE: &str = "manifest.json";
+/// The manifest's `format` value.
+pub const SHARDED_FORMAT: &str = "pipefill-sharded-checkpoint";
+
+/// FNV-1a 64 of `bytes`, as 16 hex digits: a cheap check that a shard is the one written
+/// (not a defence against tampering).
+pub fn fingerprint(bytes: &[u8]) -> String {
+    let mut h = Fnv1a::default();
+    h.update(bytes);
+    h.finish()
+}
+
+/// FNV-1a 64 fed a piece at a time ([`fingerprint`] of the concatenation), so a file can be
+/// hashed as it streams past instead of read whole.
+#[derive(Debug, Clone, Copy)]
+pub struct Fnv1a(u64);
+
+impl Default for Fnv1a {
+    fn default() -> Self {
+        Fnv1a(0xcbf2_9ce4_8422_2325)
+    }
+}
+
+impl Fnv1a {
+    pub fn update(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 ^= u64::from(b);
+            self.0 = self.0.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+
+    /// The hash, hex, as the manifests write it.
+    pub fn finish(&self) -> String {
+        format!("{:016x}", self.0)
+    }
 }
 
 #[cfg(test)]

@@ -23,6 +23,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use super::drafter::{DrafterEntry, load_drafter, save_drafter};
+pub use super::files::{Fnv1a, MANIFEST_FILE, SHARDED_FORMAT, fingerprint};
 use super::files::{MAX_META_BYTES, check_listed, read_bounded, read_listed_tensors};
 use super::{
     ADAM_M_PREFIX, ADAM_V_PREFIX, Checkpoint, CheckpointError, CheckpointMeta, FORMAT, HostTensor,
@@ -31,10 +32,6 @@ use super::{
 use crate::model::{Cut, GptConfig, ModelChunk};
 use crate::tensor::CpuBackend;
 
-/// File name of the manifest inside a sharded checkpoint directory.
-pub const MANIFEST_FILE: &str = "manifest.json";
-/// The manifest's `format` value.
-pub const SHARDED_FORMAT: &str = "pipefill-sharded-checkpoint";
 /// Name of the sub-directory of a run directory that holds its checkpoints.
 pub const CHECKPOINTS_DIR: &str = "checkpoints";
 
@@ -108,39 +105,6 @@ pub struct Manifest {
     /// The drafter's file, when the run trained one in its bubbles.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub drafter: Option<DrafterEntry>,
-}
-
-/// FNV-1a 64 of `bytes`, as 16 hex digits: a cheap check that a shard is the one written
-/// (not a defence against tampering).
-pub fn fingerprint(bytes: &[u8]) -> String {
-    let mut h = Fnv1a::default();
-    h.update(bytes);
-    h.finish()
-}
-
-/// FNV-1a 64 fed a piece at a time ([`fingerprint`] of the concatenation), so a file can be
-/// hashed as it streams past instead of read whole.
-#[derive(Debug, Clone, Copy)]
-pub struct Fnv1a(u64);
-
-impl Default for Fnv1a {
-    fn default() -> Self {
-        Fnv1a(0xcbf2_9ce4_8422_2325)
-    }
-}
-
-impl Fnv1a {
-    pub fn update(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 ^= u64::from(b);
-            self.0 = self.0.wrapping_mul(0x0100_0000_01b3);
-        }
-    }
-
-    /// The hash, hex, as the manifests write it.
-    pub fn finish(&self) -> String {
-        format!("{:016x}", self.0)
-    }
 }
 
 /// The shard file name of global rank `rank`.

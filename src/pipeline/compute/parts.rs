@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::sync::mpsc::Sender;
 
-use super::super::PipelineError;
+use super::super::error::PipelineError;
 use super::{RankCompute, RankJob};
 use crate::model::{AdamW, ModelChunk};
 use crate::tensor::Backend;

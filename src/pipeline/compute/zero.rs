@@ -25,7 +25,7 @@ use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::Arc;
 
-use super::super::PipelineError;
+use super::super::error::PipelineError;
 use super::super::shared::Shared;
 use crate::comm::collective::{CollectiveError, GradSync, chunk_cut};
 use crate::model::{AdamW, ModelChunk, ModelError, OptimizerState, Param, SlotPart, SlotState};

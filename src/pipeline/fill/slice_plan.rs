@@ -17,7 +17,8 @@ use crate::model::GptConfig;
 use crate::model::drafter::{DraftBatch, DrafterConfig, FillMode};
 use crate::schedules::{CostModel, Plan, ScheduleError, StageCost, simulate};
 
-use super::HELD_OUT_EVERY;
+/// Every this many target steps, micro-batch 0's rows are held out of training.
+pub const HELD_OUT_EVERY: u64 = 4;
 
 /// Nominal floating-point rate of the modelled costs: only ratios matter to the plan, this
 /// just makes the simulated times read as seconds of a slow core.

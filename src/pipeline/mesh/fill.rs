@@ -54,19 +54,22 @@
 //!
 //! Filling never touches the target: the target's parameters are those of an unfilled run.
 
+mod error;
 mod exchange;
-mod snap;
+pub(super) mod snap;
 
-pub use snap::{DrafterSnap, PeerSnap, assemble};
+use error::lock;
+pub use error::{FILL_CHANNEL, FillError};
+pub use snap::{DrafterSnap, PeerSnap};
 
 use std::sync::mpsc::{Sender, channel};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use pipefill_actors::{BubbleFiller, FillerRouter};
 
 use super::shards::RankResume;
-use crate::comm::link::{Channel, PeerLink};
+use crate::comm::link::PeerLink;
 use crate::comm::tcp::TcpMesh;
 use crate::config::JobConfig;
 use crate::model::ModelError;
@@ -81,34 +84,6 @@ use crate::profile::report::Filling;
 use crate::schedules::Plan;
 use crate::tensor::Backend;
 use exchange::{FillWire, Peers, aborting, decode, encode, peer_err, receive, send_all};
-
-/// Channel of the drafter's seeds, rows and rounds between the ranks of replica 0.
-pub const FILL_CHANNEL: Channel = u32::MAX - 19;
-
-/// Why launched filling failed.
-#[derive(Debug, thiserror::Error)]
-pub enum FillError {
-    #[error("rank {rank}: filler = \"drafter\": {reason}")]
-    Plan { rank: usize, reason: String },
-    #[error("rank {rank}: the drafter's exchange with rank {peer}: {reason}")]
-    Peer {
-        rank: usize,
-        peer: usize,
-        reason: String,
-    },
-    #[error("rank {rank}: drafter: {source}")]
-    Drafter {
-        rank: usize,
-        #[source]
-        source: DrafterError,
-    },
-    #[error("rank {rank}: the resumed checkpoint's drafter: {source}")]
-    Checkpoint {
-        rank: usize,
-        #[source]
-        source: CheckpointError,
-    },
-}
 
 /// This process's drafter replica in a multi-process run (see the module docs).
 pub struct LaunchFill {
@@ -128,10 +103,6 @@ impl std::fmt::Debug for LaunchFill {
             .field("rank", &self.rank)
             .finish_non_exhaustive()
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// The drafter state a resumed run continues from, if its checkpoint saved one.

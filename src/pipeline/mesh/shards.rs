@@ -52,7 +52,8 @@ use crate::pipeline::PipelineError;
 use crate::pipeline::shared::{Checkpointing, RankCheckpointer, RankFinal};
 use crate::schedules::Plan;
 
-use super::fill::{DrafterSnap, LaunchFill, PeerSnap, assemble};
+use super::fill::LaunchFill;
+use super::fill::snap::{DrafterSnap, PeerSnap, assemble};
 
 /// Channel of the run directory (rank 0 to every rank) and of the shard acknowledgements
 /// (replica 0's ranks to rank 0).

@@ -16,9 +16,10 @@ use std::sync::mpsc::channel;
 use pipefill_actors::RunReport;
 
 use super::super::compute::{RankCompute, RankParts};
+use super::super::error::PipelineError;
 use super::super::executor::{RankStart, ReplicaLinks, Stepping};
 use super::super::shared::Shared;
-use super::{PipelineError, PipelineTrainer};
+use super::PipelineTrainer;
 use crate::config::Filler;
 use crate::model::checkpoint::{Checkpoint, HostTensor};
 use crate::model::{GptConfig, ModelChunk, ModelError, OptimizerState};
@@ -114,7 +115,7 @@ impl<B: Backend> KeptRanks<B> {
     }
 
     /// A checkpoint of the kept parameters and optimizer state: what the run's
-    /// [`super::PipelineRun::checkpoint`] would have held had it exported them.
+    /// [`PipelineRun::checkpoint`](super::outcome::PipelineRun::checkpoint) would have held had it exported them.
     pub fn checkpoint(&self) -> Result<Checkpoint, PipelineError> {
         let mut params = Vec::new();
         for (be, chunk) in self.chunks().into_values() {

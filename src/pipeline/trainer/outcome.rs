@@ -4,9 +4,10 @@
 
 use pipefill_actors::RunReport;
 
+use super::super::error::PipelineError;
 use super::super::join::DrafterRun;
 use super::super::shared::RankFinal;
-use super::{PipelineError, PipelineTrainer};
+use super::PipelineTrainer;
 use crate::config::JobConfig;
 use crate::model::checkpoint::{Checkpoint, HostTensor};
 use crate::model::drafter::state::DrafterState;

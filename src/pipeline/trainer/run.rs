@@ -8,18 +8,21 @@ use std::time::Duration;
 
 use pipefill_actors::{FillerRouter, IterationProfile, PlanSource};
 
+use super::super::compute::RankCompute;
+use super::super::error::PipelineError;
 use super::super::executor::{ReplicaLinks, ReplicaSteps, Stepping};
 use super::super::feed::StepFeed;
 use super::super::fill::state::samplers_fit;
-use super::super::fill::{DrafterFill, HELD_OUT_EVERY, HeldOutEval};
+use super::super::fill::{DrafterFill, HELD_OUT_EVERY, HeldOutEval, SlicePlan};
 use super::super::join::{DrafterRun, DrafterStep, StepJoin, StepView};
 use super::super::shared::Shared;
-use super::{PipelineError, PipelineRun, PipelineTrainer};
-use crate::config::{DeviceKind, Filler};
+use super::PipelineTrainer;
+use super::outcome::PipelineRun;
+use crate::config::{DeviceKind, Filler, JobConfig};
 use crate::data::StepData;
 use crate::model::ModelError;
 use crate::model::drafter::FillMode;
-use crate::schedules::{Timeline, simulate};
+use crate::schedules::{Plan, Timeline, simulate};
 use crate::tensor::TensorError;
 use crate::tensor::device::{OnBackend, RankBackend, on_backend};
 use crate::train::StepMetrics;
@@ -168,7 +171,7 @@ impl PipelineTrainer {
         let router = FillerRouter::default();
         // The drafter lives in the first replica's pipeline (as launched).
         let fill = match self.filler {
-            Filler::Drafter => Some(DrafterFill::join(
+            Filler::Drafter => Some(join_drafter(
                 &self.job,
                 &self.plan,
                 self.first_step(),
@@ -324,4 +327,41 @@ impl PipelineTrainer {
 /// Whether `trainer` fills its bubbles with the drafter under the planned placement.
 fn job_is_planned(trainer: &PipelineTrainer) -> bool {
     matches!(trainer.filler, Filler::Drafter) && trainer.job.drafter.placement == FillMode::Planned
+}
+
+/// The drafter of a run of `job` following `plan` from target step `step`: one replica per
+/// rank of `computes`, seeded from the target's first and last chunks, and the last stage's
+/// capture hooked to its buffer.
+fn join_drafter<B: RankBackend>(
+    job: &JobConfig,
+    plan: &Plan,
+    step: u64,
+    computes: &mut [RankCompute<B>],
+) -> Result<Arc<DrafterFill>, PipelineError> {
+    let last_stage = (plan.stages - 1) as u32;
+    let last_rank = plan.stage_rank[last_stage as usize];
+    let (first, last) = match (
+        computes[0].chunk_ref(0),
+        computes[last_rank].chunk_ref(last_stage),
+    ) {
+        (Some(f), Some(l)) => (f, l),
+        _ => {
+            return Err(PipelineError::Config {
+                field: "plan",
+                reason: "places stage 0 off rank 0: the drafter's frozen copies need it there"
+                    .into(),
+            });
+        }
+    };
+    // Each rank's replica on the rank's own device: its slices fill that rank's bubbles.
+    let backends = computes.iter().map(|c| c.backend().clone()).collect();
+    let mut fill = DrafterFill::on_backends(&job.model, &job.drafter, backends, first, last, step)?;
+    if let Some(slices) = SlicePlan::of_job(plan, job)? {
+        fill.plan_slices(slices, step);
+    }
+    let fill = Arc::new(fill);
+    for c in computes.iter_mut() {
+        c.set_drafter(Arc::clone(&fill))?;
+    }
+    Ok(fill)
 }

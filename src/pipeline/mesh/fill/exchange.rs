@@ -7,7 +7,7 @@ use std::sync::mpsc::{Receiver, Sender};
 
 use serde::{Deserialize, Serialize};
 
-use super::{FILL_CHANNEL, FillError, lock};
+use super::error::{FILL_CHANNEL, FillError, lock};
 use crate::comm::frame;
 use crate::comm::link::PeerLink;
 use crate::comm::tcp::TcpMesh;
