@@ -196,11 +196,12 @@ pub(crate) fn generate<B: Backend>(
     let rewards = (batch.rollouts.iter().enumerate())
         .map(|(i, r)| source.score(&prompts[i / rl.group], &r.generated))
         .collect::<Result<Vec<f32>, _>>()?;
+    let reward = mean_reward(&rewards);
     // Shown before the advantages are taken, which can fail.
-    on_reward(mean_reward(&rewards));
+    on_reward(reward);
     let advantages = group_advantages(&rewards, rl.group)?;
     let scored = ScoredFigures {
-        reward: mean_reward(&rewards),
+        reward,
         informative_groups: (advantages.chunks(rl.group))
             .filter(|g| g.iter().any(|&a| a != 0.0))
             .count(),

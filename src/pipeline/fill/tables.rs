@@ -27,10 +27,7 @@ impl DrafterFill {
         last: &ModelChunk<C>,
         step: u64,
     ) -> Result<Self, DrafterError> {
-        let mut seeds = Frozen::default();
-        seeds.take_from(first, step);
-        seeds.take_from(last, step);
-        DrafterFill::seeded(target, config, cpu_backends(ranks)?, seeds)
+        DrafterFill::on_backends(target, config, cpu_backends(ranks)?, first, last, step)
     }
 
     /// [`DrafterFill::new`] from the tables' values themselves (`embed.tok` and `head.w` as
