@@ -14,32 +14,8 @@
 //! Frames are the chunk's `f32` values, little-endian. A collective uses one channel;
 //! collectives of disjoint groups may share it (their (sender, receiver) pairs differ).
 
-use super::link::{Channel, LinkError, PeerLink};
-
-/// Errors of a collective; each names the group or the peer.
-#[derive(Debug, thiserror::Error)]
-pub enum CollectiveError {
-    #[error("rank {rank} is not a member of the group {group:?}")]
-    NotMember { rank: usize, group: Vec<usize> },
-    #[error("rank {rank} appears twice in the group {group:?}")]
-    Duplicate { rank: usize, group: Vec<usize> },
-    #[error(
-        "rank {peer} sent {got} bytes on channel {channel}, expected {expected} (a chunk of {values} f32 values): the members disagree on the buffer's length"
-    )]
-    Length {
-        peer: usize,
-        channel: Channel,
-        expected: usize,
-        got: usize,
-        values: usize,
-    },
-    #[error(
-        "{what} is not implemented by this gradient exchange ({sync}): the sharded optimizer (optimizer.shard) needs the ring over TCP or in-process links"
-    )]
-    Unsupported { what: &'static str, sync: String },
-    #[error(transparent)]
-    Link(#[from] LinkError),
-}
+use super::link::{Channel, PeerLink};
+use crate::comm::CommError;
 
 /// The `n` chunk ranges of a buffer of `len` values: sizes differ by at most one, the
 /// longer ones first, so every member computes the same cut.
@@ -67,10 +43,10 @@ fn recv_chunk(
     channel: Channel,
     own: &mut [f32],
     apply: impl Fn(&mut f32, f32),
-) -> Result<(), CollectiveError> {
+) -> Result<(), CommError> {
     let frame = link.recv(peer, channel)?;
     if frame.len() != own.len() * 4 {
-        return Err(CollectiveError::Length {
+        return Err(CommError::Length {
             peer,
             channel,
             expected: own.len() * 4,
@@ -88,12 +64,12 @@ fn recv_chunk(
 }
 
 /// This rank's position in `group`, which must hold it once and no rank twice.
-fn position(link: &dyn PeerLink, group: &[usize]) -> Result<usize, CollectiveError> {
+fn position(link: &dyn PeerLink, group: &[usize]) -> Result<usize, CommError> {
     let me = link.rank();
     let pos = group
         .iter()
         .position(|&r| r == me)
-        .ok_or_else(|| CollectiveError::NotMember {
+        .ok_or_else(|| CommError::NotMember {
             rank: me,
             group: group.to_vec(),
         })?;
@@ -102,7 +78,7 @@ fn position(link: &dyn PeerLink, group: &[usize]) -> Result<usize, CollectiveErr
         .enumerate()
         .find_map(|(i, r)| group[..i].contains(r).then_some(r))
     {
-        return Err(CollectiveError::Duplicate {
+        return Err(CommError::Duplicate {
             rank: dup,
             group: group.to_vec(),
         });
@@ -120,7 +96,7 @@ pub fn all_gather(
     group: &[usize],
     channel: Channel,
     frame: &[u8],
-) -> Result<Vec<Vec<u8>>, CollectiveError> {
+) -> Result<Vec<Vec<u8>>, CommError> {
     let pos = position(link, group)?;
     for (i, &peer) in group.iter().enumerate() {
         if i != pos {
@@ -148,7 +124,7 @@ pub fn gather_to_first(
     group: &[usize],
     channel: Channel,
     frame: &[u8],
-) -> Result<Option<Vec<Vec<u8>>>, CollectiveError> {
+) -> Result<Option<Vec<Vec<u8>>>, CommError> {
     let pos = position(link, group)?;
     if pos != 0 {
         link.send(group[0], channel, frame)?;
@@ -171,7 +147,7 @@ pub fn all_reduce_sum(
     group: &[usize],
     channel: Channel,
     buf: &mut [f32],
-) -> Result<(), CollectiveError> {
+) -> Result<(), CommError> {
     reduce_scatter_sum(link, group, channel, buf)?;
     all_gather_chunks(link, group, channel, buf)
 }
@@ -191,7 +167,7 @@ pub fn reduce_scatter_sum(
     group: &[usize],
     channel: Channel,
     buf: &mut [f32],
-) -> Result<std::ops::Range<usize>, CollectiveError> {
+) -> Result<std::ops::Range<usize>, CommError> {
     let pos = position(link, group)?;
     let n = group.len();
     let chunks = chunk_ranges(buf.len(), n);
@@ -223,7 +199,7 @@ pub fn all_gather_chunks(
     group: &[usize],
     channel: Channel,
     buf: &mut [f32],
-) -> Result<(), CollectiveError> {
+) -> Result<(), CommError> {
     let pos = position(link, group)?;
     let n = group.len();
     if n == 1 {
@@ -247,7 +223,7 @@ pub fn all_gather_chunks(
 /// rank with all of the rank's gradients concatenated in model order.
 pub trait GradSync: Send + Sync + std::fmt::Debug {
     /// `rank` is the caller's rank within its pipeline (`0..pp`).
-    fn all_reduce(&self, rank: usize, grads: &mut [f32]) -> Result<(), CollectiveError>;
+    fn all_reduce(&self, rank: usize, grads: &mut [f32]) -> Result<(), CommError>;
 
     /// The sharded optimizer's reduce-scatter (ZeRO-1): sums `grads` over the replicas so
     /// that the returned range, this replica's chunk, holds bitwise what
@@ -256,28 +232,28 @@ pub trait GradSync: Send + Sync + std::fmt::Debug {
         &self,
         rank: usize,
         grads: &mut [f32],
-    ) -> Result<std::ops::Range<usize>, CollectiveError> {
+    ) -> Result<std::ops::Range<usize>, CommError> {
         let _ = (rank, grads);
         Err(self.unsupported("the reduce-scatter"))
     }
 
     /// The chunk of a buffer of `len` values this replica owns: the range
     /// [`GradSync::reduce_scatter`] sums for it.
-    fn owned(&self, rank: usize, len: usize) -> Result<std::ops::Range<usize>, CollectiveError> {
+    fn owned(&self, rank: usize, len: usize) -> Result<std::ops::Range<usize>, CommError> {
         let _ = (rank, len);
         Err(self.unsupported("the sharded optimizer's chunk"))
     }
 
     /// The sharded optimizer's all-gather: every replica's chunk of `buf` (the range
     /// [`GradSync::reduce_scatter`] returned to it) to every replica.
-    fn all_gather(&self, rank: usize, buf: &mut [f32]) -> Result<(), CollectiveError> {
+    fn all_gather(&self, rank: usize, buf: &mut [f32]) -> Result<(), CommError> {
         let _ = (rank, buf);
         Err(self.unsupported("the all-gather"))
     }
 
     /// Every replica's `frame`, indexed by the chunk that replica owns (chunk `c` of
     /// [`chunk_cut`]).
-    fn gather_by_chunk(&self, rank: usize, frame: &[u8]) -> Result<Vec<Vec<u8>>, CollectiveError> {
+    fn gather_by_chunk(&self, rank: usize, frame: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
         let _ = (rank, frame);
         Err(self.unsupported("the gather of small frames"))
     }
@@ -289,14 +265,14 @@ pub trait GradSync: Send + Sync + std::fmt::Debug {
         &self,
         rank: usize,
         frame: &[u8],
-    ) -> Result<Option<Vec<Vec<u8>>>, CollectiveError> {
+    ) -> Result<Option<Vec<Vec<u8>>>, CommError> {
         let _ = (rank, frame);
         Err(self.unsupported("the gather to the first replica"))
     }
 
     /// The error of a collective this exchange does not have.
-    fn unsupported(&self, what: &'static str) -> CollectiveError {
-        CollectiveError::Unsupported {
+    fn unsupported(&self, what: &'static str) -> CommError {
+        CommError::Unsupported {
             what,
             sync: format!("{self:?}"),
         }
@@ -389,14 +365,11 @@ impl std::fmt::Debug for RingGradSync {
 
 impl RingGradSync {
     /// Pipeline rank `rank`'s link end and its group.
-    fn end(&self, rank: usize) -> Result<(&dyn PeerLink, Vec<usize>), CollectiveError> {
-        let link = self
-            .ends
-            .get(&rank)
-            .ok_or_else(|| CollectiveError::NotMember {
-                rank,
-                group: self.ends.keys().copied().collect(),
-            })?;
+    fn end(&self, rank: usize) -> Result<(&dyn PeerLink, Vec<usize>), CommError> {
+        let link = self.ends.get(&rank).ok_or_else(|| CommError::NotMember {
+            rank,
+            group: self.ends.keys().copied().collect(),
+        })?;
         let group = match self.pair {
             Some(pair) => {
                 let base = link.rank() - link.rank() % self.pp.max(1);
@@ -409,7 +382,7 @@ impl RingGradSync {
 }
 
 impl GradSync for RingGradSync {
-    fn all_reduce(&self, rank: usize, grads: &mut [f32]) -> Result<(), CollectiveError> {
+    fn all_reduce(&self, rank: usize, grads: &mut [f32]) -> Result<(), CommError> {
         let (link, group) = self.end(rank)?;
         all_reduce_sum(link, &group, self.channel, grads)
     }
@@ -418,22 +391,22 @@ impl GradSync for RingGradSync {
         &self,
         rank: usize,
         grads: &mut [f32],
-    ) -> Result<std::ops::Range<usize>, CollectiveError> {
+    ) -> Result<std::ops::Range<usize>, CommError> {
         let (link, group) = self.end(rank)?;
         reduce_scatter_sum(link, &group, self.channel, grads)
     }
 
-    fn owned(&self, rank: usize, len: usize) -> Result<std::ops::Range<usize>, CollectiveError> {
+    fn owned(&self, rank: usize, len: usize) -> Result<std::ops::Range<usize>, CommError> {
         let (link, group) = self.end(rank)?;
         Ok(owned_chunk(len, group.len(), position(link, &group)?))
     }
 
-    fn all_gather(&self, rank: usize, buf: &mut [f32]) -> Result<(), CollectiveError> {
+    fn all_gather(&self, rank: usize, buf: &mut [f32]) -> Result<(), CommError> {
         let (link, group) = self.end(rank)?;
         all_gather_chunks(link, &group, self.channel, buf)
     }
 
-    fn gather_by_chunk(&self, rank: usize, frame: &[u8]) -> Result<Vec<Vec<u8>>, CollectiveError> {
+    fn gather_by_chunk(&self, rank: usize, frame: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
         let (link, group) = self.end(rank)?;
         let mut frames = all_gather(link, &group, self.channel, frame)?;
         // The member at position p owns chunk p + 1: rotate right by one.
@@ -445,7 +418,7 @@ impl GradSync for RingGradSync {
         &self,
         rank: usize,
         frame: &[u8],
-    ) -> Result<Option<Vec<Vec<u8>>>, CollectiveError> {
+    ) -> Result<Option<Vec<Vec<u8>>>, CommError> {
         let (link, group) = self.end(rank)?;
         let frames = gather_to_first(link, &group, self.channel, frame)?;
         Ok(frames.map(|mut frames| {

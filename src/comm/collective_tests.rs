@@ -1,5 +1,6 @@
 //! Tests of the ring collectives over in-process links.
 
+use crate::comm::CommError;
 use std::thread;
 
 use super::*;
@@ -118,11 +119,11 @@ fn bad_groups_and_mismatched_lengths_are_refused() {
     let mut buf = vec![0.0; 4];
     assert!(matches!(
         all_reduce_sum(&links[0], &[1, 2], 0, &mut buf),
-        Err(CollectiveError::NotMember { rank: 0, .. })
+        Err(CommError::NotMember { rank: 0, .. })
     ));
     assert!(matches!(
         all_reduce_sum(&links[0], &[0, 1, 1], 0, &mut buf),
-        Err(CollectiveError::Duplicate { rank: 1, .. })
+        Err(CommError::Duplicate { rank: 1, .. })
     ));
     // Rank 1 sends a chunk of the wrong length for rank 0's buffer of 4.
     links[1].send(0, 0, &[0; 12]).unwrap();
@@ -130,7 +131,7 @@ fn bad_groups_and_mismatched_lengths_are_refused() {
     assert!(
         matches!(
             err,
-            CollectiveError::Length {
+            CommError::Length {
                 peer: 1,
                 expected: 8,
                 got: 12,
@@ -163,7 +164,7 @@ fn all_gather_gives_every_member_every_frame_in_group_order() {
     let links = InProcessLink::group(2);
     assert!(matches!(
         all_gather(&links[0], &[1], 0, b"x"),
-        Err(CollectiveError::NotMember { rank: 0, .. })
+        Err(CommError::NotMember { rank: 0, .. })
     ));
 }
 

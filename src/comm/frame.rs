@@ -4,10 +4,11 @@
 //! Every reader is given a size cap before it reads a frame, and checks the length against
 //! it before allocating, so a peer (or a stranger, before it has shown the job token) cannot
 //! make a process allocate more than the cap. A frame over the cap, a truncated one and one
-//! whose bytes do not decode as the expected message are all [`FrameError`]s, never panics:
+//! whose bytes do not decode as the expected message are all [`CommError`]s, never panics:
 //! the connection that carried it is closed by its owner with a logged error.
 //! `tests` fuzzes the decoder with arbitrary bytes (proptest).
 
+use crate::comm::CommError;
 use std::io::{self, Read, Write};
 
 use serde::Serialize;
@@ -19,41 +20,26 @@ pub const DEFAULT_FRAME_CAP: usize = 1 << 30;
 /// Cap for messages read before a connection is authenticated (hello, rendezvous).
 pub const HANDSHAKE_CAP: usize = 64 * 1024;
 
-/// Why a frame could not be read or written.
-#[derive(Debug, thiserror::Error)]
-pub enum FrameError {
-    #[error("frame of {len} bytes is over the cap of {cap} bytes")]
-    TooLarge { len: usize, cap: usize },
-    #[error("undecodable frame: {0}")]
-    Decode(String),
-    #[error("cannot encode frame: {0}")]
-    Encode(String),
-    #[error("the peer closed the connection")]
-    Eof,
-    #[error("i/o: {0}")]
-    Io(#[from] io::Error),
-}
-
 fn config() -> bincode::config::Configuration {
     bincode::config::standard()
 }
 
 /// The bincode-2 bytes of `msg` (no length prefix).
-pub fn encode<T: Serialize>(msg: &T) -> Result<Vec<u8>, FrameError> {
-    bincode::serde::encode_to_vec(msg, config()).map_err(|e| FrameError::Encode(e.to_string()))
+pub fn encode<T: Serialize>(msg: &T) -> Result<Vec<u8>, CommError> {
+    bincode::serde::encode_to_vec(msg, config()).map_err(|e| CommError::Encode(e.to_string()))
 }
 
 /// Decodes one message from exactly `bytes` (trailing bytes are an error: a frame holds one
 /// message). Collections inside are bounded by the frame's own length (bincode checks
 /// each claimed length against the bytes left), so a lying length cannot allocate more.
-pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, FrameError> {
+pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, CommError> {
     let (msg, used) = bincode::serde::decode_from_slice::<T, _>(
         bytes,
         config().with_limit::<{ DEFAULT_FRAME_CAP }>(),
     )
-    .map_err(|e| FrameError::Decode(e.to_string()))?;
+    .map_err(|e| CommError::Decode(e.to_string()))?;
     if used != bytes.len() {
-        return Err(FrameError::Decode(format!(
+        return Err(CommError::Decode(format!(
             "{} trailing bytes after the message",
             bytes.len() - used
         )));
@@ -62,9 +48,9 @@ pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, FrameError> {
 }
 
 /// Writes `payload` as one frame (length prefix, then the bytes), refusing one over `cap`.
-pub fn write_frame(w: &mut impl Write, payload: &[u8], cap: usize) -> Result<(), FrameError> {
+pub fn write_frame(w: &mut impl Write, payload: &[u8], cap: usize) -> Result<(), CommError> {
     if payload.len() > cap || payload.len() > u32::MAX as usize {
-        return Err(FrameError::TooLarge {
+        return Err(CommError::TooLarge {
             len: payload.len(),
             cap,
         });
@@ -75,17 +61,17 @@ pub fn write_frame(w: &mut impl Write, payload: &[u8], cap: usize) -> Result<(),
 }
 
 /// Reads one frame's payload, checking its length against `cap` before allocating.
-/// A clean end of stream before the length is [`FrameError::Eof`].
-pub fn read_frame(r: &mut impl Read, cap: usize) -> Result<Vec<u8>, FrameError> {
+/// A clean end of stream before the length is [`CommError::Eof`].
+pub fn read_frame(r: &mut impl Read, cap: usize) -> Result<Vec<u8>, CommError> {
     let mut len = [0u8; 4];
     match r.read_exact(&mut len) {
         Ok(()) => {}
-        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Err(FrameError::Eof),
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Err(CommError::Eof),
         Err(e) => return Err(e.into()),
     }
     let len = u32::from_le_bytes(len) as usize;
     if len > cap {
-        return Err(FrameError::TooLarge { len, cap });
+        return Err(CommError::TooLarge { len, cap });
     }
     let mut buf = vec![0u8; len];
     r.read_exact(&mut buf)?;
@@ -93,12 +79,12 @@ pub fn read_frame(r: &mut impl Read, cap: usize) -> Result<Vec<u8>, FrameError> 
 }
 
 /// Encodes `msg` and writes it as one frame.
-pub fn send_msg<T: Serialize>(w: &mut impl Write, msg: &T, cap: usize) -> Result<(), FrameError> {
+pub fn send_msg<T: Serialize>(w: &mut impl Write, msg: &T, cap: usize) -> Result<(), CommError> {
     write_frame(w, &encode(msg)?, cap)
 }
 
 /// Reads one frame and decodes it as `T`.
-pub fn recv_msg<T: DeserializeOwned>(r: &mut impl Read, cap: usize) -> Result<T, FrameError> {
+pub fn recv_msg<T: DeserializeOwned>(r: &mut impl Read, cap: usize) -> Result<T, CommError> {
     decode(&read_frame(r, cap)?)
 }
 
@@ -137,14 +123,14 @@ mod tests {
         let mut wire = Vec::new();
         assert!(matches!(
             write_frame(&mut wire, &[0; 17], 16),
-            Err(FrameError::TooLarge { len: 17, cap: 16 })
+            Err(CommError::TooLarge { len: 17, cap: 16 })
         ));
         assert!(wire.is_empty());
         // A length prefix claiming 4 GiB is refused before anything is allocated.
         let lying = u32::MAX.to_le_bytes();
         assert!(matches!(
             read_frame(&mut lying.as_slice(), 1 << 20),
-            Err(FrameError::TooLarge { cap: 1048576, .. })
+            Err(CommError::TooLarge { cap: 1048576, .. })
         ));
     }
 
@@ -152,12 +138,12 @@ mod tests {
     fn truncated_and_empty_streams_are_errors() {
         assert!(matches!(
             read_frame(&mut [].as_slice(), 16),
-            Err(FrameError::Eof)
+            Err(CommError::Eof)
         ));
         let short = [8u8, 0, 0, 0, 1, 2];
         assert!(matches!(
             read_frame(&mut short.as_slice(), 16),
-            Err(FrameError::Io(_))
+            Err(CommError::Io(_))
         ));
         let trailing = {
             let mut b = encode(&7u32).unwrap();
@@ -166,7 +152,7 @@ mod tests {
         };
         assert!(matches!(
             decode::<u32>(&trailing),
-            Err(FrameError::Decode(_))
+            Err(CommError::Decode(_))
         ));
     }
 

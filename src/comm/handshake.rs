@@ -6,6 +6,7 @@
 //! (`after_close`): it no longer listens (it exited) or it lives and dropped the hello
 //! (a job token or world size not its own).
 
+use crate::comm::CommError;
 use std::io::ErrorKind;
 use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
@@ -13,7 +14,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use super::frame::{self, HANDSHAKE_CAP};
-use super::tcp::options::{MeshError, MeshOptions};
+use super::tcp::options::MeshOptions;
 
 /// What a rank says first on a connection it opened.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -30,10 +31,10 @@ pub(crate) fn same_token(a: &str, b: &str) -> bool {
 
 /// Whether a frame could not be read or written because the other end closed the
 /// connection (an end of stream, a reset, a broken pipe).
-pub(crate) fn closed(e: &frame::FrameError) -> bool {
+pub(crate) fn closed(e: &CommError) -> bool {
     match e {
-        frame::FrameError::Eof => true,
-        frame::FrameError::Io(e) => matches!(
+        CommError::Eof => true,
+        CommError::Io(e) => matches!(
             e.kind(),
             ErrorKind::UnexpectedEof
                 | ErrorKind::ConnectionReset
@@ -93,13 +94,13 @@ pub(crate) fn dial(
     addr: SocketAddr,
     deadline: Instant,
     opts: &MeshOptions,
-) -> Result<TcpStream, MeshError> {
+) -> Result<TcpStream, CommError> {
     let mut stream = loop {
         match TcpStream::connect_timeout(&addr, Duration::from_secs(1)) {
             Ok(s) => break s,
             Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
             Err(_) => {
-                return Err(MeshError::Timeout {
+                return Err(CommError::MeshTimeout {
                     rank,
                     missing: vec![peer],
                     timeout: opts.connect_timeout,
@@ -107,14 +108,14 @@ pub(crate) fn dial(
             }
         }
     };
-    let handshake = |reason: String| MeshError::Handshake { rank, peer, reason };
+    let handshake = |reason: String| CommError::Handshake { rank, peer, reason };
     let hello = Hello {
         token: opts.token.clone(),
         rank: rank as u32,
         world: world as u32,
     };
     let _ = stream.set_read_timeout(Some(opts.connect_timeout));
-    let failed = |e: frame::FrameError| match closed(&e) {
+    let failed = |e: CommError| match closed(&e) {
         true => handshake(closed_reason(peer, addr)),
         false => handshake(e.to_string()),
     };

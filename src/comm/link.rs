@@ -8,30 +8,12 @@
 //! channel). The launcher implements the trait over its TCP mesh; the collectives in
 //! [`super::collective`] and the data-parallel trainer only ever see the trait.
 
+use crate::comm::CommError;
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex};
 
 /// A numbered stream of frames between two ranks.
 pub type Channel = u32;
-
-/// Errors of a [`PeerLink`]; each names the peer (and channel where there is one).
-#[derive(Debug, thiserror::Error)]
-pub enum LinkError {
-    #[error("rank {rank} is not in this link's world of {world} ranks")]
-    NoSuchRank { rank: usize, world: usize },
-    #[error("rank {rank} tried to send a frame to itself on channel {channel}")]
-    ToSelf { rank: usize, channel: Channel },
-    #[error("the link to rank {peer} is closed (channel {channel})")]
-    Closed { peer: usize, channel: Channel },
-    #[error("the link to rank {peer} failed: {source}")]
-    Io {
-        peer: usize,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("rank {peer} broke the link protocol: {reason}")]
-    Protocol { peer: usize, reason: String },
-}
 
 /// Byte frames between the ranks of one job.
 ///
@@ -44,12 +26,12 @@ pub trait PeerLink: Send + Sync {
     /// The number of ranks in the job.
     fn world(&self) -> usize;
     /// Sends one frame to rank `to` on `channel`.
-    fn send(&self, to: usize, channel: Channel, frame: &[u8]) -> Result<(), LinkError>;
+    fn send(&self, to: usize, channel: Channel, frame: &[u8]) -> Result<(), CommError>;
     /// The next frame from rank `from` on `channel`, waiting for it.
-    fn recv(&self, from: usize, channel: Channel) -> Result<Vec<u8>, LinkError>;
-    /// Ends this rank's side: peers blocked on a frame from it get [`LinkError::Closed`] once
+    fn recv(&self, from: usize, channel: Channel) -> Result<Vec<u8>, CommError>;
+    /// Ends this rank's side: peers blocked on a frame from it get [`CommError::Closed`] once
     /// the frames already sent are read. Closing twice is harmless.
-    fn close(&self) -> Result<(), LinkError>;
+    fn close(&self) -> Result<(), CommError>;
 }
 
 /// Checks that `peer` is another rank of a world of `world` ranks.
@@ -58,12 +40,12 @@ pub fn check_peer(
     world: usize,
     peer: usize,
     channel: Channel,
-) -> Result<(), LinkError> {
+) -> Result<(), CommError> {
     if peer >= world {
-        return Err(LinkError::NoSuchRank { rank: peer, world });
+        return Err(CommError::NoSuchRank { rank: peer, world });
     }
     if peer == rank {
-        return Err(LinkError::ToSelf { rank, channel });
+        return Err(CommError::ToSelf { rank, channel });
     }
     Ok(())
 }
@@ -127,11 +109,11 @@ impl PeerLink for InProcessLink {
         self.world
     }
 
-    fn send(&self, to: usize, channel: Channel, frame: &[u8]) -> Result<(), LinkError> {
+    fn send(&self, to: usize, channel: Channel, frame: &[u8]) -> Result<(), CommError> {
         check_peer(self.rank, self.world, to, channel)?;
         let mut boxes = self.lock();
         if boxes.closed[self.rank] || boxes.closed[to] {
-            return Err(LinkError::Closed { peer: to, channel });
+            return Err(CommError::Closed { peer: to, channel });
         }
         boxes
             .queues
@@ -143,7 +125,7 @@ impl PeerLink for InProcessLink {
         Ok(())
     }
 
-    fn recv(&self, from: usize, channel: Channel) -> Result<Vec<u8>, LinkError> {
+    fn recv(&self, from: usize, channel: Channel) -> Result<Vec<u8>, CommError> {
         check_peer(self.rank, self.world, from, channel)?;
         let mut boxes = self.lock();
         loop {
@@ -155,7 +137,7 @@ impl PeerLink for InProcessLink {
                 return Ok(frame);
             }
             if boxes.closed[from] || boxes.closed[self.rank] {
-                return Err(LinkError::Closed {
+                return Err(CommError::Closed {
                     peer: from,
                     channel,
                 });
@@ -168,7 +150,7 @@ impl PeerLink for InProcessLink {
         }
     }
 
-    fn close(&self) -> Result<(), LinkError> {
+    fn close(&self) -> Result<(), CommError> {
         self.lock().closed[self.rank] = true;
         self.hub.arrived.notify_all();
         Ok(())
@@ -209,11 +191,11 @@ mod tests {
         let links = InProcessLink::group(2);
         assert!(matches!(
             links[0].send(2, 0, b""),
-            Err(LinkError::NoSuchRank { rank: 2, world: 2 })
+            Err(CommError::NoSuchRank { rank: 2, world: 2 })
         ));
         assert!(matches!(
             links[0].send(0, 3, b""),
-            Err(LinkError::ToSelf {
+            Err(CommError::ToSelf {
                 rank: 0,
                 channel: 3
             })
@@ -224,14 +206,14 @@ mod tests {
         assert_eq!(links[0].recv(1, 0).unwrap(), b"last");
         assert!(matches!(
             links[0].recv(1, 0),
-            Err(LinkError::Closed {
+            Err(CommError::Closed {
                 peer: 1,
                 channel: 0
             })
         ));
         assert!(matches!(
             links[0].send(1, 0, b"late"),
-            Err(LinkError::Closed { peer: 1, .. })
+            Err(CommError::Closed { peer: 1, .. })
         ));
     }
 }

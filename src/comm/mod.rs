@@ -19,9 +19,11 @@
 //! - `nccl_id` (feature `cuda`): NCCL unique ids, shared as rendezvous messages on the mesh.
 //! - `nccl_transport` (feature `cuda`): the runtime's `Transport<CudaBuf>` over NCCL p2p,
 //!   with headers on the mesh.
+//! - `error`: `CommError`, the one error of this layer.
 //! - `select`: which transport a run uses (`transport = "auto" | "tcp" | "nccl"`).
 
 pub mod collective;
+pub mod error;
 pub mod link;
 
 pub mod frame;
@@ -40,3 +42,5 @@ pub mod tcp_transport;
 
 #[cfg(test)]
 mod test_log;
+
+pub use error::CommError;

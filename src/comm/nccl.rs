@@ -21,6 +21,7 @@
 //! (`nccl_transport`) posts without waiting, as the runtime's `Transport::send` must not
 //! block on the receiver.
 
+use crate::comm::CommError;
 use std::collections::BTreeMap;
 use std::sync::{Arc, mpsc};
 use std::thread::JoinHandle;
@@ -32,8 +33,8 @@ use cudarc::nccl::{Comm, ReduceOp};
 mod nccl_call;
 pub(super) use nccl_call::call;
 
-use super::collective::{CollectiveError, GradSync};
-use super::link::{LinkError, PeerLink};
+use super::collective::GradSync;
+use super::link::PeerLink;
 pub use super::nccl_id::{
     NCCL_HEADER_CHANNEL, NCCL_ID_BYTES, NCCL_ID_CHANNEL, NCCL_LINK_ID_CHANNEL, NcclId,
     id_from_frame, share_id,
@@ -42,44 +43,8 @@ use crate::tensor::DType;
 pub use crate::tensor::cuda::CudaData;
 use crate::tensor::device::{Device, DeviceError};
 
-/// Errors of the NCCL layer; each names the rank, peer or operation.
-#[derive(Debug, thiserror::Error)]
-pub enum NcclError {
-    /// The driver or libnccl is missing, or the GPU does not exist.
-    #[error(transparent)]
-    Device(#[from] DeviceError),
-    /// An NCCL id frame of the wrong size or kind.
-    #[error("NCCL id from rank {from}: {reason}")]
-    BadId { from: usize, reason: String },
-    /// The group's first member could not create the id.
-    #[error("rank {leader} could not create the NCCL id: {reason}")]
-    LeaderFailed { leader: usize, reason: String },
-    /// This rank is not in the group it asked to join.
-    #[error("rank {rank} is not a member of the NCCL group {group:?}")]
-    NotMember { rank: usize, group: Vec<usize> },
-    /// A peer outside the communicator, or the rank itself.
-    #[error("NCCL rank {rank}: peer {peer} is not another rank of a world of {world}")]
-    BadPeer {
-        rank: usize,
-        peer: usize,
-        world: usize,
-    },
-    /// An NCCL or CUDA call failed (or panicked inside cudarc).
-    #[error("NCCL rank {rank}: {op}: {message}")]
-    Call {
-        rank: usize,
-        op: &'static str,
-        message: String,
-    },
-    /// The communicator's thread is gone (it failed earlier or panicked).
-    #[error("NCCL rank {rank}: the communicator thread has stopped")]
-    Stopped { rank: usize },
-    #[error(transparent)]
-    Link(#[from] LinkError),
-}
-
 /// The error for the presence of the driver and libnccl, in the order they are needed.
-fn check_libraries(driver: bool, nccl: bool) -> Result<(), NcclError> {
+fn check_libraries(driver: bool, nccl: bool) -> Result<(), CommError> {
     if !driver {
         return Err(DeviceError::NoCudaDriver.into());
     }
@@ -94,7 +59,7 @@ fn check_libraries(driver: bool, nccl: bool) -> Result<(), NcclError> {
 
 /// Checks that the CUDA driver and libnccl can be loaded: the only safe first step, since
 /// any other cudarc call panics when its library is missing.
-pub fn probe() -> Result<(), NcclError> {
+pub fn probe() -> Result<(), CommError> {
     // SAFETY: these only try to dlopen the library names cudarc would use and close them.
     let (driver, nccl) = unsafe {
         (
@@ -105,7 +70,7 @@ pub fn probe() -> Result<(), NcclError> {
     check_libraries(driver, nccl)
 }
 
-type Reply<T> = mpsc::Sender<Result<T, NcclError>>;
+type Reply<T> = mpsc::Sender<Result<T, CommError>>;
 
 /// What the communicator thread does; each command answers on its reply channel.
 enum Command {
@@ -142,7 +107,7 @@ enum Command {
 
 /// The completion of a posted operation, run on the communicator's thread: the buffer
 /// that left (a send) or arrived (a receive), or the failure.
-pub type Posted = Box<dyn FnOnce(Result<CudaData, NcclError>) + Send>;
+pub type Posted = Box<dyn FnOnce(Result<CudaData, CommError>) + Send>;
 
 /// One rank's NCCL communicator, owned by a thread of its own (see the module docs).
 pub struct NcclComm {
@@ -165,7 +130,7 @@ impl std::fmt::Debug for NcclComm {
 impl NcclComm {
     /// Joins communicator `id` as `rank` of `world` on GPU `ordinal`. Blocks until every
     /// rank has joined (NCCL's `ncclCommInitRank`).
-    pub fn new(ordinal: usize, rank: usize, world: usize, id: NcclId) -> Result<Self, NcclError> {
+    pub fn new(ordinal: usize, rank: usize, world: usize, id: NcclId) -> Result<Self, CommError> {
         probe()?;
         Device::Cuda { ordinal }.check_available()?;
         let (commands, inbox) = mpsc::channel();
@@ -173,7 +138,7 @@ impl NcclComm {
         let worker = std::thread::Builder::new()
             .name(format!("nccl-rank-{rank}"))
             .spawn(move || {
-                let init = || -> Result<(Comm, Arc<CudaStream>), NcclError> {
+                let init = || -> Result<(Comm, Arc<CudaStream>), CommError> {
                     let ctx = call(rank, "creating a context", || CudaContext::new(ordinal))?;
                     let stream = call(rank, "creating a stream", || ctx.new_stream())?;
                     let comm = call(rank, "ncclCommInitRank", || {
@@ -192,12 +157,12 @@ impl NcclComm {
                     }
                 }
             })
-            .map_err(|e| NcclError::Call {
+            .map_err(|e| CommError::Call {
                 rank,
                 op: "spawning the communicator thread",
                 message: e.to_string(),
             })?;
-        let stream = started.recv().map_err(|_| NcclError::Stopped { rank })??;
+        let stream = started.recv().map_err(|_| CommError::Stopped { rank })??;
         Ok(NcclComm {
             rank,
             world,
@@ -220,9 +185,9 @@ impl NcclComm {
         &self.stream
     }
 
-    fn check_peer(&self, peer: usize) -> Result<(), NcclError> {
+    fn check_peer(&self, peer: usize) -> Result<(), CommError> {
         if peer >= self.world || peer == self.rank {
-            return Err(NcclError::BadPeer {
+            return Err(CommError::BadPeer {
                 rank: self.rank,
                 peer,
                 world: self.world,
@@ -232,8 +197,8 @@ impl NcclComm {
     }
 
     /// Sends `command` (built around its reply channel) and waits for the answer.
-    fn run<T>(&self, command: impl FnOnce(Reply<T>) -> Command) -> Result<T, NcclError> {
-        let stopped = || NcclError::Stopped { rank: self.rank };
+    fn run<T>(&self, command: impl FnOnce(Reply<T>) -> Command) -> Result<T, CommError> {
+        let stopped = || CommError::Stopped { rank: self.rank };
         let (done, answer) = mpsc::channel();
         self.commands
             .as_ref()
@@ -245,13 +210,13 @@ impl NcclComm {
 
     /// Sends `buf` to rank `peer` (which must post a [`recv`](Self::recv) of the same
     /// length) and gives the buffer back once it has left.
-    pub fn send(&self, buf: CudaSlice<f32>, peer: usize) -> Result<CudaSlice<f32>, NcclError> {
+    pub fn send(&self, buf: CudaSlice<f32>, peer: usize) -> Result<CudaSlice<f32>, CommError> {
         self.check_peer(peer)?;
         self.run(|done| Command::Send { buf, peer, done })
     }
 
     /// Receives from rank `peer` into `buf`, whose length must match the send.
-    pub fn recv(&self, buf: CudaSlice<f32>, peer: usize) -> Result<CudaSlice<f32>, NcclError> {
+    pub fn recv(&self, buf: CudaSlice<f32>, peer: usize) -> Result<CudaSlice<f32>, CommError> {
         self.check_peer(peer)?;
         self.run(|done| Command::Recv { buf, peer, done })
     }
@@ -259,7 +224,7 @@ impl NcclComm {
     /// Queues sending `data` to rank `peer` (which must post a receive of the same type
     /// and length) and returns at once; `done` gets the buffer back once it has left.
     /// Operations run in the order they are posted.
-    pub fn post_send(&self, data: CudaData, peer: usize, done: Posted) -> Result<(), NcclError> {
+    pub fn post_send(&self, data: CudaData, peer: usize, done: Posted) -> Result<(), CommError> {
         self.check_peer(peer)?;
         self.post(Command::PostSend { data, peer, done })
     }
@@ -272,7 +237,7 @@ impl NcclComm {
         len: usize,
         peer: usize,
         done: Posted,
-    ) -> Result<(), NcclError> {
+    ) -> Result<(), CommError> {
         self.check_peer(peer)?;
         self.post(Command::PostRecv {
             dtype,
@@ -282,8 +247,8 @@ impl NcclComm {
         })
     }
 
-    fn post(&self, command: Command) -> Result<(), NcclError> {
-        let stopped = || NcclError::Stopped { rank: self.rank };
+    fn post(&self, command: Command) -> Result<(), CommError> {
+        let stopped = || CommError::Stopped { rank: self.rank };
         self.commands
             .as_ref()
             .ok_or_else(stopped)?
@@ -292,12 +257,12 @@ impl NcclComm {
     }
 
     /// Sums `buf` over every rank, in place.
-    pub fn all_reduce_sum(&self, buf: CudaSlice<f32>) -> Result<CudaSlice<f32>, NcclError> {
+    pub fn all_reduce_sum(&self, buf: CudaSlice<f32>) -> Result<CudaSlice<f32>, CommError> {
         self.run(|done| Command::AllReduce { buf, done })
     }
 
     /// Sums host values over every rank, through the GPU (for gradients kept on the host).
-    pub fn all_reduce_sum_host(&self, values: &mut [f32]) -> Result<(), NcclError> {
+    pub fn all_reduce_sum_host(&self, values: &mut [f32]) -> Result<(), CommError> {
         let summed = self.run(|done| Command::AllReduceHost {
             values: values.to_vec(),
             done,
@@ -380,14 +345,14 @@ fn serve(comm: &Comm, rank: usize, inbox: &mpsc::Receiver<Command>) {
 
 /// Queues sending `data` as bytes (NCCL p2p moves bytes; a bf16 buffer has no NCCL type
 /// here). Nothing is sent for an empty buffer: the receiver skips it too.
-fn send_data(comm: &Comm, rank: usize, data: &CudaData, peer: usize) -> Result<(), NcclError> {
-    fn bytes<T>(comm: &Comm, rank: usize, s: &CudaSlice<T>, peer: usize) -> Result<(), NcclError> {
+fn send_data(comm: &Comm, rank: usize, data: &CudaData, peer: usize) -> Result<(), CommError> {
+    fn bytes<T>(comm: &Comm, rank: usize, s: &CudaSlice<T>, peer: usize) -> Result<(), CommError> {
         if s.is_empty() {
             return Ok(());
         }
         // SAFETY: the view covers exactly the slice's bytes, and any bits are valid `u8`s.
         let view = unsafe { s.transmute::<u8>(s.len() * std::mem::size_of::<T>()) };
-        let view = view.ok_or_else(|| NcclError::Call {
+        let view = view.ok_or_else(|| CommError::Call {
             rank,
             op: "ncclSend",
             message: "the byte view does not fit the buffer".into(),
@@ -408,13 +373,13 @@ fn recv_data(
     dtype: DType,
     len: usize,
     peer: usize,
-) -> Result<CudaData, NcclError> {
+) -> Result<CudaData, CommError> {
     fn bytes<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
         comm: &Comm,
         rank: usize,
         len: usize,
         peer: usize,
-    ) -> Result<CudaSlice<T>, NcclError> {
+    ) -> Result<CudaSlice<T>, CommError> {
         let stream = comm.stream();
         if len == 0 {
             return call(rank, "allocating a receive buffer", || stream.null::<T>());
@@ -425,7 +390,7 @@ fn recv_data(
         // SAFETY: the view covers exactly the buffer's bytes; any bytes are valid `T`s
         // here (`f32` and `u16` have no invalid bit patterns).
         let view = unsafe { buf.transmute_mut::<u8>(len * std::mem::size_of::<T>()) };
-        let mut view = view.ok_or_else(|| NcclError::Call {
+        let mut view = view.ok_or_else(|| CommError::Call {
             rank,
             op: "ncclRecv",
             message: "the byte view does not fit the buffer".into(),
@@ -467,7 +432,7 @@ impl NcclGradSync {
         dp: usize,
         pp: usize,
         ordinal: usize,
-    ) -> Result<Self, NcclError> {
+    ) -> Result<Self, CommError> {
         let global = link.rank();
         let group = Self::replica_group(global, dp, pp);
         let id = share_id(link, &group, NCCL_ID_CHANNEL, NcclId::create)?;
@@ -484,22 +449,12 @@ impl NcclGradSync {
 }
 
 impl GradSync for NcclGradSync {
-    fn all_reduce(&self, rank: usize, grads: &mut [f32]) -> Result<(), CollectiveError> {
-        let comm = self
-            .comms
-            .get(&rank)
-            .ok_or_else(|| CollectiveError::NotMember {
-                rank,
-                group: self.comms.keys().copied().collect(),
-            })?;
-        // `CollectiveError` has no device variant: an NCCL failure is reported as the
-        // failure of this rank's link, keeping the NCCL error as the source.
-        comm.all_reduce_sum_host(grads).map_err(|e| {
-            CollectiveError::Link(LinkError::Io {
-                peer: rank,
-                source: std::io::Error::other(e),
-            })
-        })
+    fn all_reduce(&self, rank: usize, grads: &mut [f32]) -> Result<(), CommError> {
+        let comm = self.comms.get(&rank).ok_or_else(|| CommError::NotMember {
+            rank,
+            group: self.comms.keys().copied().collect(),
+        })?;
+        comm.all_reduce_sum_host(grads)
     }
 }
 

@@ -1,12 +1,12 @@
-//! A cudarc call on the communicator's thread as an [`NcclError::Call`]: its error, with
+//! A cudarc call on the communicator's thread as a [`CommError::Call`]: its error, with
 //! NCCL's result code and text where cudarc prints neither, or its panic.
 
+use crate::comm::CommError;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
-use super::NcclError;
 use crate::tensor::cuda::panic_text;
 
-/// The text of a cudarc error in [`NcclError::Call`].
+/// The text of a cudarc error in [`CommError::Call`].
 pub(crate) trait CallText {
     fn text(&self) -> String;
 }
@@ -32,20 +32,20 @@ impl CallText for cudarc::nccl::result::NcclError {
     }
 }
 
-/// Runs a cudarc call, turning its error or panic into [`NcclError::Call`].
+/// Runs a cudarc call, turning its error or panic into [`CommError::Call`].
 pub(crate) fn call<T, E: CallText>(
     rank: usize,
     op: &'static str,
     f: impl FnOnce() -> Result<T, E>,
-) -> Result<T, NcclError> {
+) -> Result<T, CommError> {
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(v)) => Ok(v),
-        Ok(Err(e)) => Err(NcclError::Call {
+        Ok(Err(e)) => Err(CommError::Call {
             rank,
             op,
             message: e.text(),
         }),
-        Err(p) => Err(NcclError::Call {
+        Err(p) => Err(CommError::Call {
             rank,
             op,
             message: panic_text(p),

@@ -12,11 +12,12 @@
 //!
 //! The channels every NCCL user of the mesh takes are listed here, in one place.
 
+use crate::comm::CommError;
 use cudarc::nccl::Id;
 
 use super::frame;
 use super::link::{Channel, PeerLink};
-use super::nccl::{NcclError, call, probe};
+use super::nccl::{call, probe};
 use super::rendezvous::Rendezvous;
 
 /// Bytes of an NCCL unique id (`ncclUniqueId`).
@@ -46,7 +47,7 @@ impl std::fmt::Debug for NcclId {
 
 impl NcclId {
     /// A fresh id from libnccl (after the [`probe`]).
-    pub fn create() -> Result<Self, NcclError> {
+    pub fn create() -> Result<Self, CommError> {
         probe()?;
         let id = call(0, "ncclGetUniqueId", Id::new)?;
         // `c_char` is `i8` or `u8` by platform; the bits are what travels.
@@ -74,10 +75,10 @@ pub fn share_id(
     link: &dyn PeerLink,
     group: &[usize],
     channel: Channel,
-    create: impl FnOnce() -> Result<NcclId, NcclError>,
-) -> Result<NcclId, NcclError> {
+    create: impl FnOnce() -> Result<NcclId, CommError>,
+) -> Result<NcclId, CommError> {
     let rank = link.rank();
-    let not_member = || NcclError::NotMember {
+    let not_member = || CommError::NotNcclMember {
         rank,
         group: group.to_vec(),
     };
@@ -95,7 +96,7 @@ pub fn share_id(
                 reason: e.to_string(),
             },
         };
-        let frame = frame::encode(&message).map_err(|e| NcclError::BadId {
+        let frame = frame::encode(&message).map_err(|e| CommError::BadId {
             from: leader,
             reason: e.to_string(),
         })?;
@@ -108,15 +109,15 @@ pub fn share_id(
 }
 
 /// The id in a leader's frame, or why there is none.
-pub fn id_from_frame(leader: usize, frame: &[u8]) -> Result<NcclId, NcclError> {
-    let bad = |reason: String| NcclError::BadId {
+pub fn id_from_frame(leader: usize, frame: &[u8]) -> Result<NcclId, CommError> {
+    let bad = |reason: String| CommError::BadId {
         from: leader,
         reason,
     };
     match frame::decode::<Rendezvous>(frame).map_err(|e| bad(e.to_string()))? {
         Rendezvous::NcclId { id } => NcclId::from_bytes(&id)
             .ok_or_else(|| bad(format!("{} bytes, expected {NCCL_ID_BYTES}", id.len()))),
-        Rendezvous::NcclIdFailed { reason } => Err(NcclError::LeaderFailed { leader, reason }),
+        Rendezvous::NcclIdFailed { reason } => Err(CommError::LeaderFailed { leader, reason }),
         other => Err(bad(format!("{} instead of an id", other.kind()))),
     }
 }

@@ -28,6 +28,7 @@
 //! `send` never blocks on the receiver: it writes the header and posts the send. A failed
 //! NCCL operation (or a mesh failure) closes the inbox; receivers then get the reason.
 
+use crate::comm::CommError;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use pipefill_actors::{Envelope, InProcess, LinkError, Tag, Transport};
@@ -36,9 +37,8 @@ use serde::{Deserialize, Serialize};
 use super::frame;
 use super::link::PeerLink;
 use super::nccl::{
-    CudaData, NCCL_HEADER_CHANNEL, NCCL_LINK_ID_CHANNEL, NcclComm, NcclError, NcclId, share_id,
+    CudaData, NCCL_HEADER_CHANNEL, NCCL_LINK_ID_CHANNEL, NcclComm, NcclId, share_id,
 };
-use super::select::TransportError;
 use super::tcp::{Inner, Sink, TcpMesh, Wire};
 use super::tcp_transport::{Route, explain_closed, group_rank, route};
 use crate::tensor::DType;
@@ -144,7 +144,7 @@ impl Sink for Headers {
         check_header(self.rank, self.base, self.world, mesh_from, &h)?;
         let (rank, from, tag, sent_at) = (self.rank, h.from as usize, h.tag, h.sent_at);
         let inbox = Arc::clone(&self.inbox);
-        let done = Box::new(move |r: Result<CudaData, NcclError>| match r {
+        let done = Box::new(move |r: Result<CudaData, CommError>| match r {
             Ok(data) => {
                 let envelope = Envelope {
                     tag,
@@ -207,7 +207,7 @@ impl NcclTransport {
         ordinal: usize,
         base: usize,
         size: usize,
-    ) -> Result<Self, TransportError> {
+    ) -> Result<Self, CommError> {
         let rank = group_rank(mesh.rank(), mesh.world(), base, size)?;
         super::nccl::probe()?;
         let members: Vec<usize> = (base..base + size).collect();
@@ -277,7 +277,7 @@ impl Transport<CudaBuf> for NcclTransport {
         let bytes = frame::encode(&header).map_err(|e| LinkError::Other(e.to_string()))?;
         let inbox = Arc::clone(&self.inbox);
         let (rank, tag) = (self.rank, envelope.tag);
-        let done = Box::new(move |r: Result<CudaData, NcclError>| {
+        let done = Box::new(move |r: Result<CudaData, CommError>| {
             if let Err(e) = r {
                 inbox.fail(format!("rank {rank}: sending {tag} to rank {to}: {e}"));
             }

@@ -2,12 +2,12 @@
 //! anywhere; the exchange between two ranks needs a GPU with NCCL and skips with a printed
 //! reason elsewhere.
 
+use crate::comm::CommError;
 use pipefill_actors::Flow;
 
 use super::*;
 use crate::comm::nccl::{gpu_test_ready, skip_duplicate_gpu};
 use crate::comm::tcp::MeshOptions;
-use crate::comm::tcp_transport::GroupError;
 use crate::tensor::cuda::CudaBackend;
 use crate::tensor::{Backend, DType};
 
@@ -81,11 +81,11 @@ fn a_bad_group_or_a_missing_gpu_is_a_clear_error_not_a_panic() {
     let err = NcclTransport::group(&mesh, 0, 1, 1).unwrap_err();
     assert!(matches!(
         err,
-        TransportError::Group(GroupError::PastMesh {
+        CommError::PastMesh {
             base: 1,
             size: 1,
             world: 1
-        })
+        }
     ));
     // SAFETY: only a dlopen attempt.
     if unsafe { !cudarc::driver::sys::is_culib_present() } {

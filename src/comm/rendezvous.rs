@@ -20,6 +20,7 @@
 //! once the mesh stands ([`Rendezvous::NcclId`], see `comm::nccl`), so one decoder (and
 //! one fuzz target) covers every message exchanged to set a job up.
 
+use crate::comm::CommError;
 use std::collections::VecDeque;
 use std::io::{ErrorKind, Read};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -84,44 +85,7 @@ pub fn pending_cap(world: usize) -> usize {
 /// while still serving the rendezvous, before it concludes that its job token is wrong.
 const REGISTER_ATTEMPTS: usize = 3;
 
-#[derive(Debug, thiserror::Error)]
-pub enum RendezvousError {
-    #[error("rendezvous: {what}")]
-    Io {
-        what: String,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("rendezvous: {}", missing_text(.missing, .timeout))]
-    Timeout {
-        missing: Vec<usize>,
-        timeout: Duration,
-    },
-    #[error("rendezvous: rank 0 at {master} did not answer within {timeout:?}")]
-    NoMaster {
-        master: SocketAddr,
-        timeout: Duration,
-    },
-    #[error("rendezvous: rank 0 refused rank {rank}: {reason}")]
-    Refused { rank: usize, reason: String },
-    /// Rank 0 gave up after this rank had joined, and said why.
-    #[error("rendezvous: rank 0 gave up the rendezvous: {reason}")]
-    Abandoned { reason: String },
-    /// Rank 0 closed this rank's connection unanswered, every time, while it went on
-    /// serving: it does that only to a connection that did not show its job token.
-    #[error(
-        "rendezvous: rank 0 closed the connection without an answer {attempts} times while still serving the rendezvous at {master}: it does that to a registration whose job token is not its own (PIPEFILL_TOKEN must be the same on every rank)"
-    )]
-    WrongToken { master: SocketAddr, attempts: usize },
-    /// Rank 0 closed the connection and nothing serves the rendezvous any more (`after`
-    /// names the address; it is no field of its own, so that the error stays small).
-    #[error("rendezvous: rank 0 closed the connection before answering, and {after}")]
-    MasterGone { after: String },
-    #[error("rendezvous: {0}")]
-    Protocol(String),
-}
-
-fn missing_text(missing: &[usize], timeout: &Duration) -> String {
+pub(crate) fn missing_text(missing: &[usize], timeout: &Duration) -> String {
     let secs = timeout.as_secs_f64();
     match missing {
         [one] => format!("rank {one} did not join within {secs} s"),
@@ -129,9 +93,9 @@ fn missing_text(missing: &[usize], timeout: &Duration) -> String {
     }
 }
 
-fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> RendezvousError {
+fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> CommError {
     let what = what.into();
-    move |source| RendezvousError::Io { what, source }
+    move |source| CommError::RendezvousIo { what, source }
 }
 
 /// Rank 0's side: serves on `listener` until all `world` ranks registered, then answers
@@ -142,7 +106,7 @@ pub fn serve(
     own: SocketAddr,
     token: &str,
     timeout: Duration,
-) -> Result<Vec<SocketAddr>, RendezvousError> {
+) -> Result<Vec<SocketAddr>, CommError> {
     serve_with(listener, world, own, token, timeout, REGISTER_TIMEOUT)
 }
 
@@ -155,7 +119,7 @@ pub fn serve_with(
     token: &str,
     timeout: Duration,
     register_timeout: Duration,
-) -> Result<Vec<SocketAddr>, RendezvousError> {
+) -> Result<Vec<SocketAddr>, CommError> {
     let mut table = Table {
         world,
         token,
@@ -165,7 +129,7 @@ pub fn serve_with(
     table.addrs[0] = Some(own);
     if let Err(e) = gather(listener, &mut table, timeout, register_timeout) {
         let reason = match &e {
-            RendezvousError::Timeout { missing, timeout } => missing_text(missing, timeout),
+            CommError::RendezvousTimeout { missing, timeout } => missing_text(missing, timeout),
             other => other.to_string(),
         };
         for (_, stream) in &mut table.joined {
@@ -186,7 +150,7 @@ pub fn serve_with(
     };
     for (rank, mut stream) in table.joined {
         frame::send_msg(&mut stream, &answer, HANDSHAKE_CAP).map_err(|e| {
-            RendezvousError::Protocol(format!("sending rank {rank} the table: {e}"))
+            CommError::RendezvousProtocol(format!("sending rank {rank} the table: {e}"))
         })?;
     }
     Ok(addrs)
@@ -247,7 +211,7 @@ fn gather(
     table: &mut Table,
     timeout: Duration,
     register_timeout: Duration,
-) -> Result<(), RendezvousError> {
+) -> Result<(), CommError> {
     let deadline = Instant::now() + timeout;
     listener
         .set_nonblocking(true)
@@ -309,7 +273,7 @@ fn gather(
             let missing = (0..table.world)
                 .filter(|&r| table.addrs[r].is_none())
                 .collect();
-            break Err(RendezvousError::Timeout { missing, timeout });
+            break Err(CommError::RendezvousTimeout { missing, timeout });
         }
         if !busy {
             std::thread::sleep(Duration::from_millis(2));
@@ -375,7 +339,7 @@ impl Pending {
                 Some(prefix) => {
                     let len = u32::from_le_bytes(prefix.try_into().expect("four bytes")) as usize;
                     if len > HANDSHAKE_CAP {
-                        let e = frame::FrameError::TooLarge {
+                        let e = CommError::TooLarge {
                             len,
                             cap: HANDSHAKE_CAP,
                         };
@@ -470,7 +434,7 @@ pub fn join(
     own: SocketAddr,
     token: &str,
     timeout: Duration,
-) -> Result<Vec<SocketAddr>, RendezvousError> {
+) -> Result<Vec<SocketAddr>, CommError> {
     let deadline = Instant::now() + timeout;
     let msg = Rendezvous::Register {
         token: token.to_string(),
@@ -478,7 +442,7 @@ pub fn join(
         world: world as u32,
         addr: own.to_string(),
     };
-    let gone = |after: String| RendezvousError::MasterGone { after };
+    let gone = |after: String| CommError::MasterGone { after };
     let exited = || {
         format!(
             "nothing listens at {master} any more: rank 0 exited or gave up (its own error says why)"
@@ -489,15 +453,15 @@ pub fn join(
         attempt += 1;
         match register(&msg, master, deadline, attempt == 1) {
             Ok(Some(answer)) => break answer,
-            Err(Exchange::Timeout) => return Err(RendezvousError::NoMaster { master, timeout }),
-            Err(Exchange::Protocol(what)) => return Err(RendezvousError::Protocol(what)),
+            Err(Exchange::Timeout) => return Err(CommError::NoMaster { master, timeout }),
+            Err(Exchange::Protocol(what)) => return Err(CommError::RendezvousProtocol(what)),
             Err(Exchange::Closed) => return Err(gone(exited())),
             Ok(None) => match after_close(master) {
                 AfterClose::Listening if attempt < REGISTER_ATTEMPTS => {
                     std::thread::sleep(Duration::from_millis(100));
                 }
                 AfterClose::Listening => {
-                    return Err(RendezvousError::WrongToken {
+                    return Err(CommError::WrongToken {
                         master,
                         attempts: attempt,
                     });
@@ -516,16 +480,16 @@ pub fn join(
             .iter()
             .map(|a| {
                 a.parse()
-                    .map_err(|e| RendezvousError::Protocol(format!("address {a:?}: {e}")))
+                    .map_err(|e| CommError::RendezvousProtocol(format!("address {a:?}: {e}")))
             })
             .collect(),
-        Rendezvous::Table { addrs } => Err(RendezvousError::Protocol(format!(
+        Rendezvous::Table { addrs } => Err(CommError::RendezvousProtocol(format!(
             "a table of {} addresses for {world} ranks",
             addrs.len()
         ))),
-        Rendezvous::Refused { reason } => Err(RendezvousError::Refused { rank, reason }),
-        Rendezvous::Abandoned { reason } => Err(RendezvousError::Abandoned { reason }),
-        other => Err(RendezvousError::Protocol(format!(
+        Rendezvous::Refused { reason } => Err(CommError::Refused { rank, reason }),
+        Rendezvous::Abandoned { reason } => Err(CommError::Abandoned { reason }),
+        other => Err(CommError::RendezvousProtocol(format!(
             "rank 0 answered with {}",
             other.kind()
         ))),
@@ -570,7 +534,7 @@ fn register(
     match frame::recv_msg(&mut stream, HANDSHAKE_CAP) {
         Ok(answer) => Ok(Some(answer)),
         Err(e) if closed(&e) => Ok(None),
-        Err(frame::FrameError::Io(e))
+        Err(CommError::Io(e))
             if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) =>
         {
             Err(Exchange::Timeout)

@@ -19,11 +19,11 @@
 //! [`agree`]: any rank's failure fails every rank, naming it; NCCL only where every rank
 //! can use it.
 
+use crate::comm::CommError;
 use serde::{Deserialize, Serialize};
 
 use super::frame;
 use super::link::{Channel, PeerLink};
-use super::tcp_transport::GroupError;
 use crate::tensor::device::{Device, DeviceError};
 
 /// The `transport` a job asks for.
@@ -59,32 +59,6 @@ pub enum Selected {
     },
 }
 
-/// Why a run's transport cannot be set up.
-#[derive(Debug, thiserror::Error)]
-pub enum TransportError {
-    /// NCCL asked for, but the ranks do not compute on a GPU.
-    #[error(
-        "transport = \"nccl\" needs the ranks to compute on a CUDA GPU, but this run computes on {device}; use transport = \"tcp\" or \"auto\""
-    )]
-    NcclNeedsCudaDevice { device: Device },
-    /// NCCL asked for on a GPU, but CUDA or NCCL cannot be used here.
-    #[error("transport = \"nccl\" cannot be used on {device}: {reason}")]
-    NcclUnavailable { device: Device, reason: DeviceError },
-    /// Another rank cannot set up its device or transport (rank `rank`'s own reason).
-    #[error("rank {rank} cannot set up its device or transport: {reason}")]
-    OtherRank { rank: usize, reason: String },
-    /// The ranks could not settle the transport (the mesh failed or a message was bad).
-    #[error("agreeing on the transport: {reason}")]
-    Agreement { reason: String },
-    /// A transport over a range of mesh ranks that is wrong.
-    #[error(transparent)]
-    Group(#[from] GroupError),
-    /// Setting up NCCL failed (the id exchange or a communicator).
-    #[cfg(feature = "cuda")]
-    #[error(transparent)]
-    Nccl(#[from] super::nccl::NcclError),
-}
-
 /// Channel of the ranks' [`Choice`]s and rank 0's verdict ([`settle`]).
 pub const TRANSPORT_CHANNEL: Channel = u32::MAX - 9;
 
@@ -93,12 +67,10 @@ pub fn decide(
     requested: TransportKind,
     device: Device,
     nccl_ready: impl FnOnce(usize) -> Result<(), DeviceError>,
-) -> Result<Selected, TransportError> {
+) -> Result<Selected, CommError> {
     match (requested, device) {
         (TransportKind::Tcp, _) | (TransportKind::Auto, Device::Cpu { .. }) => Ok(Selected::Tcp),
-        (TransportKind::Nccl, Device::Cpu { .. }) => {
-            Err(TransportError::NcclNeedsCudaDevice { device })
-        }
+        (TransportKind::Nccl, Device::Cpu { .. }) => Err(CommError::NcclNeedsCudaDevice { device }),
         (TransportKind::Auto, Device::Cuda { ordinal }) => match nccl_ready(ordinal) {
             Ok(()) => Ok(Selected::Nccl { ordinal }),
             Err(reason) => {
@@ -108,7 +80,7 @@ pub fn decide(
         },
         (TransportKind::Nccl, Device::Cuda { ordinal }) => match nccl_ready(ordinal) {
             Ok(()) => Ok(Selected::Nccl { ordinal }),
-            Err(reason) => Err(TransportError::NcclUnavailable { device, reason }),
+            Err(reason) => Err(CommError::NcclUnavailable { device, reason }),
         },
     }
 }
@@ -119,7 +91,7 @@ pub fn nccl_ready(ordinal: usize) -> Result<(), DeviceError> {
     {
         if let Err(e) = super::nccl::probe() {
             return Err(match e {
-                super::nccl::NcclError::Device(d) => d,
+                CommError::Device(d) => d,
                 other => DeviceError::CudaInit {
                     ordinal,
                     message: other.to_string(),
@@ -136,10 +108,7 @@ pub fn nccl_ready(ordinal: usize) -> Result<(), DeviceError> {
 }
 
 /// The transport of a run whose ranks compute on `device`, as the job asked.
-pub fn select_transport(
-    requested: TransportKind,
-    device: Device,
-) -> Result<Selected, TransportError> {
+pub fn select_transport(requested: TransportKind, device: Device) -> Result<Selected, CommError> {
     decide(requested, device, nccl_ready)
 }
 
@@ -152,8 +121,8 @@ pub enum Choice {
     Failed(String),
 }
 
-impl From<&Result<Selected, TransportError>> for Choice {
-    fn from(own: &Result<Selected, TransportError>) -> Self {
+impl From<&Result<Selected, CommError>> for Choice {
+    fn from(own: &Result<Selected, CommError>) -> Self {
         match own {
             Ok(Selected::Tcp) => Choice::Tcp,
             Ok(Selected::Nccl { .. }) => Choice::Nccl,
@@ -165,12 +134,12 @@ impl From<&Result<Selected, TransportError>> for Choice {
 /// The run's transport from every rank's [`Choice`] (index = rank): the first failed
 /// rank fails the run; otherwise NCCL when every rank can use it, TCP when any cannot
 /// (only `auto` leaves a rank on TCP while others could use NCCL: `nccl` fails instead).
-pub fn agree(choices: &[Choice]) -> Result<Choice, TransportError> {
+pub fn agree(choices: &[Choice]) -> Result<Choice, CommError> {
     if let Some((rank, reason)) = choices.iter().enumerate().find_map(|(r, c)| match c {
         Choice::Failed(reason) => Some((r, reason)),
         _ => None,
     }) {
-        return Err(TransportError::OtherRank {
+        return Err(CommError::OtherRank {
             rank,
             reason: reason.clone(),
         });
@@ -193,8 +162,8 @@ type Verdict = Result<Choice, (usize, String)>;
 /// The transport every rank of `link` uses: each sends its own choice to rank 0, which
 /// [`agree`]s and answers every rank. All ranks call it at the same point, before any of
 /// them creates a communicator.
-pub fn settle(link: &dyn PeerLink, own: Choice) -> Result<Choice, TransportError> {
-    let broken = |reason: String| TransportError::Agreement { reason };
+pub fn settle(link: &dyn PeerLink, own: Choice) -> Result<Choice, CommError> {
+    let broken = |reason: String| CommError::Agreement { reason };
     if link.rank() != 0 {
         let bytes = frame::encode(&own).map_err(|e| broken(e.to_string()))?;
         link.send(0, TRANSPORT_CHANNEL, &bytes)
@@ -204,7 +173,7 @@ pub fn settle(link: &dyn PeerLink, own: Choice) -> Result<Choice, TransportError
             .map_err(|e| broken(e.to_string()))?;
         let verdict: Verdict =
             frame::decode(&bytes).map_err(|e| broken(format!("rank 0's verdict: {e}")))?;
-        return verdict.map_err(|(rank, reason)| TransportError::OtherRank { rank, reason });
+        return verdict.map_err(|(rank, reason)| CommError::OtherRank { rank, reason });
     }
     let mut choices = vec![own];
     for from in 1..link.world() {
@@ -217,7 +186,7 @@ pub fn settle(link: &dyn PeerLink, own: Choice) -> Result<Choice, TransportError
     let agreed = agree(&choices);
     let verdict: Verdict = match &agreed {
         Ok(choice) => Ok(choice.clone()),
-        Err(TransportError::OtherRank { rank, reason }) => Err((*rank, reason.clone())),
+        Err(CommError::OtherRank { rank, reason }) => Err((*rank, reason.clone())),
         Err(other) => Err((0, other.to_string())),
     };
     let bytes = frame::encode(&verdict).map_err(|e| broken(e.to_string()))?;

@@ -22,6 +22,7 @@
 //! `inner` holds the state every thread of the mesh shares and the reader loop; this
 //! module the wire frame, the options and errors, and the mesh's API.
 
+use crate::comm::CommError;
 use std::collections::VecDeque;
 use std::net::Shutdown;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -29,7 +30,7 @@ use std::time::{Duration, Instant};
 
 pub use super::handshake::Hello;
 use super::heartbeat::Heartbeat;
-use super::link::{Channel, LinkError, PeerLink, check_peer};
+use super::link::{Channel, PeerLink, check_peer};
 
 pub(crate) mod inner;
 pub mod options;
@@ -38,7 +39,7 @@ pub(crate) mod wire;
 
 pub(crate) use inner::Inner;
 use inner::lock;
-pub use options::{MeshError, MeshOptions};
+pub use options::MeshOptions;
 pub use wire::{Sink, Wire};
 
 /// The TCP mesh of one rank (see the module docs).
@@ -164,12 +165,12 @@ impl PeerLink for TcpMesh {
         self.inner.world
     }
 
-    fn send(&self, to: usize, channel: Channel, frame: &[u8]) -> Result<(), LinkError> {
+    fn send(&self, to: usize, channel: Channel, frame: &[u8]) -> Result<(), CommError> {
         check_peer(self.inner.rank, self.inner.world, to, channel)?;
         {
             let boxes = lock(&self.inner.boxes);
             if boxes.closed || boxes.failure.is_some() || boxes.gone[to] {
-                return Err(LinkError::Closed { peer: to, channel });
+                return Err(CommError::Closed { peer: to, channel });
             }
         }
         let wire = Wire::Data {
@@ -179,7 +180,7 @@ impl PeerLink for TcpMesh {
         self.inner.send_wire(to, &wire)
     }
 
-    fn recv(&self, from: usize, channel: Channel) -> Result<Vec<u8>, LinkError> {
+    fn recv(&self, from: usize, channel: Channel) -> Result<Vec<u8>, CommError> {
         check_peer(self.inner.rank, self.inner.world, from, channel)?;
         let mut boxes = lock(&self.inner.boxes);
         loop {
@@ -191,13 +192,13 @@ impl PeerLink for TcpMesh {
                 return Ok(f);
             }
             if let Some(reason) = &boxes.failure {
-                return Err(LinkError::Protocol {
+                return Err(CommError::Protocol {
                     peer: from,
                     reason: reason.clone(),
                 });
             }
             if boxes.gone[from] || boxes.closed {
-                return Err(LinkError::Closed {
+                return Err(CommError::Closed {
                     peer: from,
                     channel,
                 });
@@ -211,7 +212,7 @@ impl PeerLink for TcpMesh {
     }
 
     /// Says goodbye to every peer (after everything already sent) and stops the heartbeat.
-    fn close(&self) -> Result<(), LinkError> {
+    fn close(&self) -> Result<(), CommError> {
         let already = std::mem::replace(&mut lock(&self.inner.boxes).closed, true);
         if already {
             return Ok(());

@@ -1,10 +1,11 @@
+use crate::comm::CommError;
 use std::io::Write;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::*;
-use crate::comm::frame::{self, FrameError, HANDSHAKE_CAP};
+use crate::comm::frame::{self, HANDSHAKE_CAP};
 
 #[test]
 fn frames_flow_between_every_pair_in_order_per_channel() {
@@ -21,7 +22,7 @@ fn frames_flow_between_every_pair_in_order_per_channel() {
     assert_eq!(m[0].recv(2, 1).unwrap(), b"back");
     assert!(matches!(
         m[0].send(0, 1, b""),
-        Err(LinkError::ToSelf {
+        Err(CommError::ToSelf {
             rank: 0,
             channel: 1
         })
@@ -36,7 +37,7 @@ fn a_goodbye_ends_receives_from_that_peer_without_failing_the_mesh() {
     assert_eq!(m[0].recv(1, 3).unwrap(), b"last");
     assert!(matches!(
         m[0].recv(1, 3),
-        Err(LinkError::Closed {
+        Err(CommError::Closed {
             peer: 1,
             channel: 3
         })
@@ -136,7 +137,7 @@ fn a_wrong_token_is_refused_before_anything_else_is_read() {
     let _ = wrong.set_read_timeout(Some(Duration::from_secs(5)));
     assert!(matches!(
         frame::read_frame(&mut wrong, HANDSHAKE_CAP),
-        Err(FrameError::Eof) | Err(FrameError::Io(_))
+        Err(CommError::Eof) | Err(CommError::Io(_))
     ));
     let err = server.join().unwrap().err().unwrap();
     assert!(
@@ -234,7 +235,7 @@ fn a_silent_connection_does_not_delay_a_real_rank_and_is_dropped_with_a_logged_e
         .unwrap();
     assert!(matches!(
         frame::read_frame(&mut silent, HANDSHAKE_CAP),
-        Err(FrameError::Eof) | Err(FrameError::Io(_))
+        Err(CommError::Eof) | Err(CommError::Io(_))
     ));
     let needle = format!("dropped connection from {silent_addr}");
     let line = log.wait_for(&needle, Duration::from_secs(5));

@@ -10,6 +10,7 @@
 //! with an error naming the sender; a failed mesh closes the inbox and receivers get the
 //! mesh's error (naming the dead rank) instead of a bare "link closed".
 
+use crate::comm::CommError;
 use std::sync::Arc;
 
 use pipefill_actors::{Envelope, InProcess, LinkError, Tag, Transport};
@@ -117,31 +118,6 @@ impl<T: Send + 'static, C: Codec<T>> Sink for Port<T, C> {
     }
 }
 
-/// Why a group of mesh ranks cannot carry a transport (a caller's numbering bug).
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum GroupError {
-    #[error("transport group at mesh rank {base}: the group is empty")]
-    Empty { base: usize },
-    #[error(
-        "transport group of mesh ranks {base}..{end}: it runs past the mesh's {world} ranks",
-        end = .base.saturating_add(*.size)
-    )]
-    PastMesh {
-        base: usize,
-        size: usize,
-        world: usize,
-    },
-    #[error(
-        "transport group of mesh ranks {base}..{end}: this process is mesh rank {rank}, not one of them",
-        end = .base + .size
-    )]
-    NotMember {
-        rank: usize,
-        base: usize,
-        size: usize,
-    },
-}
-
 /// This process's rank within the group of mesh ranks `base..base + size`, or why the
 /// group is wrong (shared by every transport that numbers a range of the mesh).
 pub fn group_rank(
@@ -149,15 +125,15 @@ pub fn group_rank(
     world: usize,
     base: usize,
     size: usize,
-) -> Result<usize, GroupError> {
+) -> Result<usize, CommError> {
     if size == 0 {
-        return Err(GroupError::Empty { base });
+        return Err(CommError::EmptyGroup { base });
     }
     if base.checked_add(size).is_none_or(|end| end > world) {
-        return Err(GroupError::PastMesh { base, size, world });
+        return Err(CommError::PastMesh { base, size, world });
     }
     if mesh_rank < base || mesh_rank >= base + size {
-        return Err(GroupError::NotMember {
+        return Err(CommError::NotInGroup {
             rank: mesh_rank,
             base,
             size,
@@ -235,7 +211,7 @@ impl<T: Send + 'static, C: Codec<T>> TcpTransport<T, C> {
         codec: C,
         base: usize,
         size: usize,
-    ) -> Result<Self, GroupError> {
+    ) -> Result<Self, CommError> {
         use super::link::PeerLink;
         let rank = group_rank(mesh.rank(), mesh.world(), base, size)?;
         let port = Arc::new(Port {
@@ -348,8 +324,8 @@ mod tests {
 
     #[test]
     fn a_group_is_numbered_from_its_base() {
-        assert_eq!(group_rank(5, 8, 4, 2), Ok(1));
-        assert_eq!(group_rank(0, 1, 0, 1), Ok(0));
+        assert_eq!(group_rank(5, 8, 4, 2).unwrap(), 1);
+        assert_eq!(group_rank(0, 1, 0, 1).unwrap(), 0);
     }
 
     #[test]
@@ -369,7 +345,7 @@ mod tests {
         );
         assert!(matches!(
             group_rank(0, 4, usize::MAX, 2),
-            Err(GroupError::PastMesh { .. })
+            Err(CommError::PastMesh { .. })
         ));
     }
 
@@ -381,14 +357,14 @@ mod tests {
             .unwrap();
         let codec = BufCodec(CpuBackend::new(1).unwrap());
         let err = TcpTransport::group(&mesh, TENSOR_CHANNEL, codec, 1, 1).err();
-        assert_eq!(
+        assert!(matches!(
             err,
-            Some(GroupError::PastMesh {
+            Some(CommError::PastMesh {
                 base: 1,
                 size: 1,
                 world: 1
             })
-        );
+        ));
         let ok = TcpTransport::group(&mesh, STATS_CHANNEL, SerdeCodec, 0, 1);
         assert_eq!(Transport::<u32>::ranks(&ok.unwrap()), 1);
     }

@@ -17,13 +17,14 @@
 
 pub mod env;
 
+use crate::comm::CommError;
 use std::net::{IpAddr, SocketAddr, TcpListener, ToSocketAddrs};
 use std::time::Duration;
 
 pub use env::{EnvError, Launcher, RankEnv};
 
-use crate::comm::rendezvous::{self, RendezvousError};
-use crate::comm::tcp::{MeshError, MeshOptions, TcpMesh};
+use crate::comm::rendezvous::{self};
+use crate::comm::tcp::{MeshOptions, TcpMesh};
 
 /// The environment variable through which `pipefill launch` hands rank 0 the rendezvous
 /// listener it bound (an open descriptor number), so that the port cannot be taken by
@@ -61,9 +62,9 @@ pub enum LaunchError {
         reason: String,
     },
     #[error("rank {rank}: {error}")]
-    Rendezvous { rank: usize, error: RendezvousError },
+    Rendezvous { rank: usize, error: CommError },
     #[error(transparent)]
-    Mesh(#[from] MeshError),
+    Mesh(#[from] CommError),
 }
 
 /// Where this rank's mesh listens: `PIPEFILL_LISTEN_ADDR` (an IP address), else loopback.

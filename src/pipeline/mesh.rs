@@ -32,6 +32,7 @@ mod fill;
 pub mod profile;
 mod shards;
 
+use crate::comm::CommError;
 pub use fill::{FILL_CHANNEL, FillError, LaunchFill, drafter_of};
 pub use shards::{CHECKPOINT_CHANNEL, RankResume, agree_run_dir, layout};
 
@@ -45,7 +46,7 @@ use pipefill_actors::{Clock, GradStats, RunReport, Transport};
 use profile::{PROFILE_CHANNEL, loss_rank, rank_profile, recv_metrics, send_metrics, sync_clock};
 
 use crate::comm::frame;
-use crate::comm::link::{LinkError, PeerLink};
+use crate::comm::link::PeerLink;
 use crate::comm::tcp::TcpMesh;
 use crate::comm::tcp_transport::{CONTROL_CHANNEL, STATS_CHANNEL, SerdeCodec, TcpTransport};
 use crate::config::JobConfig;
@@ -100,7 +101,7 @@ pub enum DistributedError {
     Gather {
         rank: usize,
         #[source]
-        source: LinkError,
+        source: CommError,
     },
     #[error("rank {rank}: the final state of rank {from} is undecodable: {reason}")]
     BadFinal {
@@ -118,10 +119,7 @@ pub enum DistributedError {
     Peer { rank: usize, reason: String },
     /// The transport between the ranks cannot be set up (`transport` in the job).
     #[error("rank {rank}: {error}")]
-    Transport {
-        rank: usize,
-        error: crate::comm::select::TransportError,
-    },
+    Transport { rank: usize, error: CommError },
     /// The rank's device (`device` in the job) cannot be used.
     #[error("rank {rank}: {reason}")]
     Device { rank: usize, reason: String },
@@ -223,7 +221,7 @@ fn run_rank<B: Backend>(
     let (world, prank) = (mesh.world(), rank % pp);
     let pipeline_err = |error: PipelineError| DistributedError::Pipeline { rank, error };
     let first_step = resume.map_or(0, RankResume::step);
-    let peer_err = |e: LinkError| DistributedError::Peer {
+    let peer_err = |e: CommError| DistributedError::Peer {
         rank,
         reason: mesh.failure().unwrap_or_else(|| e.to_string()),
     };
@@ -363,7 +361,7 @@ fn run_rank<B: Backend>(
     let gather = |source| DistributedError::Gather { rank, source };
     if rank != 0 {
         let bytes = frame::encode(&own).map_err(|e| {
-            gather(LinkError::Protocol {
+            gather(CommError::Protocol {
                 peer: 0,
                 reason: e.to_string(),
             })

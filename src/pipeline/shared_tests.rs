@@ -1,3 +1,4 @@
+use crate::comm::CommError;
 use std::sync::mpsc::channel;
 
 use super::*;
@@ -39,11 +40,7 @@ fn a_step_is_reported_once_every_rank_has_stepped() {
 #[derive(Debug)]
 struct NoSync;
 impl GradSync for NoSync {
-    fn all_reduce(
-        &self,
-        _: usize,
-        _: &mut [f32],
-    ) -> Result<(), crate::comm::collective::CollectiveError> {
+    fn all_reduce(&self, _: usize, _: &mut [f32]) -> Result<(), CommError> {
         Ok(())
     }
 }

@@ -19,6 +19,7 @@
 //! names each process by replica and stages, the report gives every replica's figures next
 //! to the bubble ratio over all ranks, and the picture shows every rank.
 
+use crate::comm::CommError;
 use std::path::Path;
 
 use std::fmt::Write as _;
@@ -32,7 +33,7 @@ use super::report::{
     BubbleReport, REPORT_JSON, REPORT_TXT, ReportError, RunInfo, steady_iteration,
 };
 use super::svg::{SvgOptions, svg_with};
-use crate::comm::link::{Channel, LinkError, PeerLink};
+use crate::comm::link::{Channel, PeerLink};
 
 /// Lane of the filler work (drawn in the SVG too; other lanes go to the trace only).
 pub const FILLER_LANE: &str = "filler";
@@ -70,7 +71,7 @@ pub enum MergeError {
     #[error(transparent)]
     Report(#[from] ReportError),
     #[error(transparent)]
-    Link(#[from] LinkError),
+    Link(#[from] CommError),
 }
 
 /// One clock exchange: `sent` and `received` on the measuring rank's clock, `served_at`

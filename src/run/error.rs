@@ -2,6 +2,7 @@
 //! error of the layer that failed is kept as the source, so the CLI's one line reads
 //! "what the run was doing: why".
 
+use crate::comm::CommError;
 use std::path::{Path, PathBuf};
 
 use crate::config::{ConfigError, JobConfig};
@@ -66,7 +67,7 @@ pub enum RunError {
     RlLaunch(#[from] RlLaunchError),
     /// Closing the mesh after the run.
     #[error(transparent)]
-    Link(#[from] crate::comm::link::LinkError),
+    Link(#[from] CommError),
     /// The job's schedule does not make a plan for its ranks.
     #[error("schedule {schedule} on {ranks} ranks")]
     Plan {

@@ -1,4 +1,5 @@
 use super::*;
+use crate::comm::CommError;
 use proptest::prelude::*;
 
 fn local() -> TcpListener {
@@ -45,7 +46,7 @@ fn a_wrong_token_and_garbage_are_refused_and_a_missing_rank_is_named() {
     // Dropped unanswered each time while rank 0 went on serving: a wrong token, said so.
     let err = intruder.join().unwrap().unwrap_err();
     assert!(
-        matches!(err, RendezvousError::WrongToken { attempts: 3, .. }),
+        matches!(err, CommError::WrongToken { attempts: 3, .. }),
         "{err}"
     );
     assert!(
@@ -68,7 +69,7 @@ fn a_rank_whose_rank_0_exited_is_told_so_and_not_about_its_token() {
     drop(stream);
     let err = joiner.join().unwrap().unwrap_err();
     let text = err.to_string();
-    assert!(matches!(err, RendezvousError::MasterGone { .. }), "{text}");
+    assert!(matches!(err, CommError::MasterGone { .. }), "{text}");
     assert!(text.contains("rank 0 exited"), "{text}");
     assert!(!text.contains("token"), "{text}");
 }

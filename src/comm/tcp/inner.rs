@@ -3,6 +3,7 @@
 //! the reader loop each peer's thread runs. It is its own module because the mesh, its
 //! heartbeat and the transports all act on it, while only [`super::TcpMesh`] is public.
 
+use crate::comm::CommError;
 use std::collections::{HashMap, VecDeque};
 use std::io::Write;
 use std::net::TcpStream;
@@ -10,8 +11,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use super::wire::{Sink, Wire};
-use crate::comm::frame::{self, FrameError};
-use crate::comm::link::{Channel, LinkError};
+use crate::comm::frame::{self};
+use crate::comm::link::Channel;
 
 #[derive(Default)]
 pub(super) struct Boxes {
@@ -52,8 +53,8 @@ impl Inner {
     }
 
     /// Sends one wire frame to `to` as one write (length prefix and payload together).
-    pub(crate) fn send_wire(&self, to: usize, wire: &Wire) -> Result<(), LinkError> {
-        let protocol = |e: FrameError| LinkError::Protocol {
+    pub(crate) fn send_wire(&self, to: usize, wire: &Wire) -> Result<(), CommError> {
+        let protocol = |e: CommError| CommError::Protocol {
             peer: to,
             reason: e.to_string(),
         };
@@ -61,7 +62,7 @@ impl Inner {
         let mut buf = Vec::with_capacity(payload.len() + 4);
         frame::write_frame(&mut buf, &payload, self.cap).map_err(protocol)?;
         let Some(Some(stream)) = self.writers.get(to) else {
-            return Err(LinkError::NoSuchRank {
+            return Err(CommError::NoSuchRank {
                 rank: to,
                 world: self.world,
             });
@@ -90,7 +91,7 @@ impl Inner {
         if !gone {
             self.fail(format!("rank {to} died: sending to it failed: {source}"));
         }
-        Err(LinkError::Io { peer: to, source })
+        Err(CommError::LinkIo { peer: to, source })
     }
 
     /// The first failure, naming the rank that caused it.
@@ -199,8 +200,8 @@ impl Inner {
                     drop(boxes);
                     if !closed {
                         self.fail(match e {
-                            FrameError::Eof => format!("rank {from} died: its connection closed"),
-                            FrameError::Io(io)
+                            CommError::Eof => format!("rank {from} died: its connection closed"),
+                            CommError::Io(io)
                                 if matches!(
                                     io.kind(),
                                     std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
@@ -208,7 +209,7 @@ impl Inner {
                             {
                                 format!("rank {from} died: no heartbeat for {silence:?}")
                             }
-                            FrameError::Io(io) => format!("rank {from} died: {io}"),
+                            CommError::Io(io) => format!("rank {from} died: {io}"),
                             other => format!("rank {from} sent a bad frame: {other}"),
                         });
                     }

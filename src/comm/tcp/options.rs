@@ -1,4 +1,4 @@
-//! A mesh's settings ([`MeshOptions`]) and why its setup can fail ([`MeshError`]).
+//! A mesh's settings ([`MeshOptions`]) and why its setup can fail ([`CommError`]).
 
 use std::time::Duration;
 
@@ -31,34 +31,4 @@ impl MeshOptions {
             handshake_timeout: Duration::from_secs(10),
         }
     }
-}
-
-/// Why a mesh could not be set up.
-#[derive(Debug, thiserror::Error)]
-pub enum MeshError {
-    #[error("rank {rank}: {what}")]
-    Io {
-        rank: usize,
-        what: String,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("rank {rank}: ranks {missing:?} did not connect within {timeout:?}")]
-    Timeout {
-        rank: usize,
-        missing: Vec<usize>,
-        timeout: Duration,
-    },
-    #[error("rank {rank}: rank {peer} refused the connection or broke the handshake: {reason}")]
-    Handshake {
-        rank: usize,
-        peer: usize,
-        reason: String,
-    },
-    #[error("rank {rank}: {peers} peer addresses for a world of {world}")]
-    Table {
-        rank: usize,
-        peers: usize,
-        world: usize,
-    },
 }

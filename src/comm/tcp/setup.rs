@@ -4,6 +4,7 @@
 //! [`TcpMesh::loopback`], every rank of a mesh on this machine's loopback, as the tests
 //! build it.
 
+use crate::comm::CommError;
 use std::collections::HashMap;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -12,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use super::TcpMesh;
 use super::inner::{Boxes, Inner};
-use super::options::{MeshError, MeshOptions};
+use super::options::MeshOptions;
 use crate::comm::handshake::{admit, dial};
 use crate::comm::heartbeat::Heartbeat;
 use crate::comm::rendezvous::pending_cap;
@@ -34,17 +35,17 @@ impl TcpMesh {
         listener: TcpListener,
         peers: &[SocketAddr],
         opts: &MeshOptions,
-    ) -> Result<TcpMesh, MeshError> {
+    ) -> Result<TcpMesh, CommError> {
         let world = peers.len();
         if rank >= world {
-            return Err(MeshError::Table {
+            return Err(CommError::Table {
                 rank,
                 peers: world,
                 world: rank + 1,
             });
         }
         let deadline = Instant::now() + opts.connect_timeout;
-        let io = |what: String| move |source| MeshError::Io { rank, what, source };
+        let io = |what: String| move |source| CommError::MeshIo { rank, what, source };
         let mut streams: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
         for (peer, addr) in peers.iter().enumerate().take(rank) {
             streams[peer] = Some(dial(rank, world, peer, *addr, deadline, opts)?);
@@ -110,7 +111,7 @@ impl TcpMesh {
                         let missing = (rank + 1..world)
                             .filter(|&r| streams[r].is_none())
                             .collect();
-                        return Err(MeshError::Timeout {
+                        return Err(CommError::MeshTimeout {
                             rank,
                             missing,
                             timeout: opts.connect_timeout,
@@ -169,10 +170,10 @@ impl TcpMesh {
     /// The meshes of `world` ranks on loopback (127.0.0.1, ports the OS picks), in rank
     /// order, each end connected on a thread of its own as separate processes would
     /// connect theirs: for tests and single-machine experiments.
-    pub fn loopback(world: usize, opts: &MeshOptions) -> Result<Vec<TcpMesh>, MeshError> {
+    pub fn loopback(world: usize, opts: &MeshOptions) -> Result<Vec<TcpMesh>, CommError> {
         let io = |rank: usize, what: &str| {
             let what = what.to_string();
-            move |source| MeshError::Io { rank, what, source }
+            move |source| CommError::MeshIo { rank, what, source }
         };
         let listeners = (0..world)
             .map(|rank| TcpListener::bind("127.0.0.1:0").map_err(io(rank, "listener on 127.0.0.1")))

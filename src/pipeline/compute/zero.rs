@@ -21,13 +21,14 @@
 //! ([`Zero::gather_state`]), so a sharded run resumes an unsharded one's checkpoint and the
 //! reverse; a resumed replica takes its chunk of the moments ([`Zero::own_state`]).
 
+use crate::comm::CommError;
 use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::Arc;
 
 use super::super::error::PipelineError;
 use super::super::shared::Shared;
-use crate::comm::collective::{CollectiveError, GradSync, chunk_cut};
+use crate::comm::collective::{GradSync, chunk_cut};
 use crate::model::{AdamW, ModelChunk, ModelError, OptimizerState, Param, SlotPart, SlotState};
 use crate::tensor::{Backend, DType};
 
@@ -519,7 +520,7 @@ fn missing(rank: usize, span: &Span) -> PipelineError {
     }
 }
 
-fn shard_err(rank: usize, what: &str, e: CollectiveError) -> PipelineError {
+fn shard_err(rank: usize, what: &str, e: CommError) -> PipelineError {
     PipelineError::Shard {
         rank,
         reason: format!("{what}: {e}"),

@@ -14,13 +14,14 @@
 //! [`NcclTransport`]: crate::comm::nccl_transport::NcclTransport
 //! [`NcclGradSync`]: crate::comm::nccl::NcclGradSync
 
+use crate::comm::CommError;
 use std::sync::Arc;
 
 use pipefill_actors::Transport;
 
 use super::DistributedError;
 use crate::comm::collective::GradSync;
-use crate::comm::select::{TransportError, select_transport};
+use crate::comm::select::select_transport;
 use crate::comm::tcp::TcpMesh;
 use crate::comm::tcp_transport::{BufCodec, TENSOR_CHANNEL, TcpTransport};
 use crate::tensor::device::Device;
@@ -47,7 +48,7 @@ pub(super) struct MeshRank {
 }
 
 impl MeshRank {
-    fn transport_err(self, error: TransportError) -> DistributedError {
+    fn transport_err(self, error: CommError) -> DistributedError {
         DistributedError::Transport {
             rank: self.rank,
             error,

@@ -28,6 +28,7 @@
 //!   and rank 0 assembles and writes the drafter's file ([`super::fill`]) before the
 //!   manifest, which names it.
 
+use crate::comm::CommError;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{SyncSender, sync_channel};
@@ -38,7 +39,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use serde::{Deserialize, Serialize};
 
 use crate::comm::frame;
-use crate::comm::link::{Channel, LinkError, PeerLink};
+use crate::comm::link::{Channel, PeerLink};
 use crate::comm::tcp::TcpMesh;
 use crate::config::JobConfig;
 use crate::model::checkpoint::drafter::save_drafter;
@@ -133,8 +134,8 @@ pub fn layout(job: &JobConfig, plan: &Plan) -> Layout {
 
 /// The run directory of the job: rank 0's `proposed` (or `runs/distributed-<seconds>`), sent
 /// to every other rank, which returns it.
-pub fn agree_run_dir(mesh: &TcpMesh, proposed: Option<&Path>) -> Result<PathBuf, LinkError> {
-    let protocol = |peer, reason: String| LinkError::Protocol { peer, reason };
+pub fn agree_run_dir(mesh: &TcpMesh, proposed: Option<&Path>) -> Result<PathBuf, CommError> {
+    let protocol = |peer, reason: String| CommError::Protocol { peer, reason };
     if mesh.rank() != 0 {
         let bytes = mesh.recv(0, CHECKPOINT_CHANNEL)?;
         return frame::decode(&bytes).map_err(|e| protocol(0, format!("run directory: {e}")));

@@ -1,8 +1,8 @@
 //! What a launched RL rank's part can fail with ([`RlLaunchError`]), and the mesh channel
 //! its own frames use ([`RL_CHANNEL`]).
 
-use crate::comm::link::{Channel, LinkError};
-use crate::comm::tcp_transport::GroupError;
+use crate::comm::CommError;
+use crate::comm::link::Channel;
 use crate::pipeline::PipelineError;
 use crate::pipeline::mesh::WorldMismatch;
 use crate::rl::config::UntrainedPolicy;
@@ -23,7 +23,7 @@ pub enum RlLaunchError {
         count: usize,
     },
     #[error("rank {rank}: {error}")]
-    Group { rank: usize, error: GroupError },
+    Group { rank: usize, error: CommError },
     #[error(transparent)]
     Untrained(#[from] UntrainedPolicy),
     /// (Boxed, as the pipeline's error below: they would make every result of a rank's
@@ -42,7 +42,7 @@ pub enum RlLaunchError {
         peer: usize,
         what: &'static str,
         #[source]
-        source: LinkError,
+        source: CommError,
     },
     #[error("rank {rank}: rank {peer} sent an unreadable {what}: {reason}")]
     BadFrame {

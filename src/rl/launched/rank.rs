@@ -2,6 +2,7 @@
 //! ([`Ctx`]: replica and pipeline rank on the mesh), one pipelined run of its stages, the
 //! weight sync to rank 0, and rank 0's rollouts with the KL reference's log-probs.
 
+use crate::comm::CommError;
 use std::sync::Arc;
 use std::sync::mpsc::channel;
 
@@ -10,7 +11,7 @@ use pipefill_actors::{Clock, GradStats, PlanSource, RunReport, Transport};
 use super::error::{RL_CHANNEL, RlLaunchError};
 use super::state::{Ended, RankState, Start};
 use crate::comm::frame;
-use crate::comm::link::{LinkError, PeerLink};
+use crate::comm::link::PeerLink;
 use crate::comm::tcp::TcpMesh;
 use crate::comm::tcp_transport::{
     BufCodec, STATS_CHANNEL, SerdeCodec, TENSOR_CHANNEL, TcpTransport,
@@ -51,7 +52,7 @@ pub(super) struct Transports<B: Backend> {
 }
 
 impl<B: RankBackend> Ctx<'_, B> {
-    pub fn link_err(&self, peer: usize, what: &'static str) -> impl Fn(LinkError) -> RlLaunchError {
+    pub fn link_err(&self, peer: usize, what: &'static str) -> impl Fn(CommError) -> RlLaunchError {
         let (rank, mesh) = (self.rank, Arc::clone(self.mesh));
         move |source| match mesh.failure() {
             Some(reason) => RlLaunchError::Peer { rank, reason },

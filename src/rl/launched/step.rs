@@ -3,6 +3,7 @@
 //! sync, sent to every rank; the update runs this rank's stages over the mesh, and rank 0
 //! gathers what the step reports (the replicas' losses and KL, every rank's spans).
 
+use crate::comm::CommError;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -137,7 +138,7 @@ fn gather_losses<B: RankBackend>(
 ) -> Result<Vec<Vec<StepMetrics>>, RlLaunchError> {
     let rank = ctx.rank;
     let bad = |peer: usize| {
-        move |e: crate::comm::frame::FrameError| RlLaunchError::BadFrame {
+        move |e: CommError| RlLaunchError::BadFrame {
             rank,
             peer,
             what: "step log",
