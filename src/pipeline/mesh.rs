@@ -33,6 +33,7 @@ pub mod profile;
 mod shards;
 
 use crate::comm::CommError;
+use crate::profile::ProfileError;
 pub use fill::{FILL_CHANNEL, FillError, LaunchFill, drafter_of};
 pub use shards::{CHECKPOINT_CHANNEL, RankResume, agree_run_dir, layout};
 
@@ -58,7 +59,7 @@ use crate::pipeline::executor::{Links, RankStart, ReplicaLinks, Stepping};
 use crate::pipeline::feed::StepFeed;
 use crate::pipeline::shared::{Checkpointing, RankCheckpointer, RankFinal, Shared};
 use crate::pipeline::{PipelineError, RankCompute, RankJob};
-use crate::profile::merge::{MergeError, MergedProfile, gather_profiles, merge, send_profile};
+use crate::profile::merge::{MergedProfile, gather_profiles, merge, send_profile};
 use crate::schedules::Plan;
 use crate::tensor::Backend;
 use crate::tensor::device::Device;
@@ -113,7 +114,7 @@ pub enum DistributedError {
     #[error(transparent)]
     Fill(#[from] FillError),
     #[error("rank {rank}: merging the profiles: {error}")]
-    Profile { rank: usize, error: MergeError },
+    Profile { rank: usize, error: ProfileError },
     /// The mesh failed: a peer died or broke the protocol (named in the text).
     #[error("rank {rank}: {reason}")]
     Peer { rank: usize, reason: String },

@@ -19,7 +19,7 @@
 //! names each process by replica and stages, the report gives every replica's figures next
 //! to the bubble ratio over all ranks, and the picture shows every rank.
 
-use crate::comm::CommError;
+use crate::profile::ProfileError;
 use std::path::Path;
 
 use std::fmt::Write as _;
@@ -29,50 +29,12 @@ use serde::{Deserialize, Serialize};
 
 use super::LaneSpan;
 use super::chrome::{ChromeOptions, chrome_trace_with};
-use super::report::{
-    BubbleReport, REPORT_JSON, REPORT_TXT, ReportError, RunInfo, steady_iteration,
-};
+use super::report::{BubbleReport, REPORT_JSON, REPORT_TXT, RunInfo, steady_iteration};
 use super::svg::{SvgOptions, svg_with};
 use crate::comm::link::{Channel, PeerLink};
 
 /// Lane of the filler work (drawn in the SVG too; other lanes go to the trace only).
 pub const FILLER_LANE: &str = "filler";
-
-/// Errors merging profiles; each names the rank.
-#[derive(Debug, thiserror::Error)]
-pub enum MergeError {
-    #[error("no profile from rank {rank} (expected one from each of {ranks} ranks)")]
-    MissingRank { rank: usize, ranks: usize },
-    #[error("rank {rank} sent its profile twice, or a rank outside 0..{ranks}")]
-    BadRank { rank: usize, ranks: usize },
-    #[error("rank {rank} measured {got} iterations, rank 0 measured {expected}")]
-    Iterations {
-        rank: usize,
-        got: usize,
-        expected: usize,
-    },
-    #[error("rank {rank}'s profile holds a span of rank {span_rank}")]
-    SpanRank { rank: usize, span_rank: usize },
-    #[error("rank {peer} sent an unreadable {what}: {reason}")]
-    BadFrame {
-        peer: usize,
-        what: &'static str,
-        reason: String,
-    },
-    #[error("no clock exchange with rank 0 completed")]
-    NoSamples,
-    #[error("cannot write {path}: {error}")]
-    Write {
-        path: std::path::PathBuf,
-        error: std::io::Error,
-    },
-    #[error("no iteration measured: nothing to report")]
-    Empty,
-    #[error(transparent)]
-    Report(#[from] ReportError),
-    #[error(transparent)]
-    Link(#[from] CommError),
-}
 
 /// One clock exchange: `sent` and `received` on the measuring rank's clock, `served_at`
 /// (request received) and `answered_at` (reply sent) on rank 0's.
@@ -116,9 +78,9 @@ pub fn estimate_offset(samples: &[ClockSample]) -> Option<ClockOffset> {
         })
 }
 
-fn f64s(frame: &[u8], peer: usize, what: &'static str) -> Result<Vec<f64>, MergeError> {
+fn f64s(frame: &[u8], peer: usize, what: &'static str) -> Result<Vec<f64>, ProfileError> {
     if !frame.len().is_multiple_of(8) {
-        return Err(MergeError::BadFrame {
+        return Err(ProfileError::BadFrame {
             peer,
             what,
             reason: format!("{} bytes is not a whole number of f64", frame.len()),
@@ -138,7 +100,7 @@ pub fn serve_clock(
     channel: Channel,
     rounds: usize,
     now: &dyn Fn() -> f64,
-) -> Result<(), MergeError> {
+) -> Result<(), ProfileError> {
     for _ in 0..rounds {
         let request = link.recv(peer, channel)?;
         let served_at = now();
@@ -157,7 +119,7 @@ pub fn measure_clock(
     channel: Channel,
     rounds: usize,
     now: &dyn Fn() -> f64,
-) -> Result<ClockOffset, MergeError> {
+) -> Result<ClockOffset, ProfileError> {
     let mut samples = Vec::with_capacity(rounds);
     for _ in 0..rounds {
         let sent = now();
@@ -166,7 +128,7 @@ pub fn measure_clock(
         let received = now();
         let times = f64s(&reply, 0, "clock reply")?;
         let [served_at, answered_at] = times[..] else {
-            return Err(MergeError::BadFrame {
+            return Err(ProfileError::BadFrame {
                 peer: 0,
                 what: "clock reply",
                 reason: format!("{} values, expected 2", times.len()),
@@ -179,7 +141,7 @@ pub fn measure_clock(
             received,
         });
     }
-    estimate_offset(&samples).ok_or(MergeError::NoSamples)
+    estimate_offset(&samples).ok_or(ProfileError::NoSamples)
 }
 
 /// One extra-lane span of a rank (its rank is the profile's).
@@ -210,7 +172,7 @@ pub fn send_profile(
     link: &dyn PeerLink,
     channel: Channel,
     profile: &RankProfile,
-) -> Result<(), MergeError> {
+) -> Result<(), ProfileError> {
     let json = serde_json::to_vec(profile).expect("a profile always serializes");
     Ok(link.send(0, channel, &json)?)
 }
@@ -220,15 +182,16 @@ pub fn gather_profiles(
     link: &dyn PeerLink,
     channel: Channel,
     own: RankProfile,
-) -> Result<Vec<RankProfile>, MergeError> {
+) -> Result<Vec<RankProfile>, ProfileError> {
     let mut all = vec![own];
     for peer in 1..link.world() {
         let frame = link.recv(peer, channel)?;
-        let p: RankProfile = serde_json::from_slice(&frame).map_err(|e| MergeError::BadFrame {
-            peer,
-            what: "profile",
-            reason: e.to_string(),
-        })?;
+        let p: RankProfile =
+            serde_json::from_slice(&frame).map_err(|e| ProfileError::BadFrame {
+                peer,
+                what: "profile",
+                reason: e.to_string(),
+            })?;
         all.push(p);
     }
     Ok(all)
@@ -249,13 +212,13 @@ pub struct MergedProfile {
 }
 
 /// Merges one profile per rank `0..ranks` (see the module docs).
-pub fn merge(profiles: &[RankProfile], ranks: usize) -> Result<MergedProfile, MergeError> {
+pub fn merge(profiles: &[RankProfile], ranks: usize) -> Result<MergedProfile, ProfileError> {
     let mut by_rank: Vec<Option<&RankProfile>> = vec![None; ranks];
     for p in profiles {
         match by_rank.get_mut(p.rank) {
             Some(slot @ None) => *slot = Some(p),
             _ => {
-                return Err(MergeError::BadRank {
+                return Err(ProfileError::BadRank {
                     rank: p.rank,
                     ranks,
                 });
@@ -265,19 +228,19 @@ pub fn merge(profiles: &[RankProfile], ranks: usize) -> Result<MergedProfile, Me
     let by_rank = by_rank
         .into_iter()
         .enumerate()
-        .map(|(rank, p)| p.ok_or(MergeError::MissingRank { rank, ranks }))
+        .map(|(rank, p)| p.ok_or(ProfileError::MissingRank { rank, ranks }))
         .collect::<Result<Vec<_>, _>>()?;
     let expected = by_rank.first().map_or(0, |p| p.iterations.len());
     for p in &by_rank {
         if p.iterations.len() != expected {
-            return Err(MergeError::Iterations {
+            return Err(ProfileError::Iterations {
                 rank: p.rank,
                 got: p.iterations.len(),
                 expected,
             });
         }
         if let Some(s) = p.iterations.iter().flatten().find(|s| s.rank != p.rank) {
-            return Err(MergeError::SpanRank {
+            return Err(ProfileError::SpanRank {
                 rank: p.rank,
                 span_rank: s.rank,
             });
@@ -437,9 +400,10 @@ impl MergedProfile {
         first_step: u64,
         predicted: &Timeline,
         show_stage: bool,
-    ) -> Result<BubbleReport, MergeError> {
+    ) -> Result<BubbleReport, ProfileError> {
         let makespans: Vec<f64> = self.iterations.iter().map(|t| t.makespan).collect();
-        let (index, note) = steady_iteration(&makespans, first_step).ok_or(MergeError::Empty)?;
+        let (index, note) =
+            steady_iteration(&makespans, first_step).ok_or(ProfileError::NothingMeasured)?;
         info.iteration = first_step as usize + index;
         info.iteration_note = note;
         let measured = &self.iterations[index];
@@ -463,7 +427,7 @@ impl MergedProfile {
         }
         for (name, body) in [(REPORT_JSON, report.to_json()), (REPORT_TXT, text)] {
             let path = dir.join(name);
-            std::fs::write(&path, body).map_err(|error| MergeError::Write { path, error })?;
+            std::fs::write(&path, body).map_err(|error| ProfileError::Write { path, error })?;
         }
 
         let mut trace = chrome_trace_with(
@@ -477,7 +441,7 @@ impl MergedProfile {
         self.name_processes(&mut trace);
         let write = |name: &str, bytes: Vec<u8>| {
             let path = dir.join(name);
-            std::fs::write(&path, bytes).map_err(|error| MergeError::Write { path, error })
+            std::fs::write(&path, bytes).map_err(|error| ProfileError::Write { path, error })
         };
         write(
             "trace.json",

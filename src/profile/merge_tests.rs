@@ -1,3 +1,4 @@
+use crate::profile::ProfileError;
 use std::time::Instant;
 
 use pipefill_schedules::{Action, ActionKind};
@@ -126,18 +127,18 @@ fn missing_duplicate_or_inconsistent_profiles_are_refused() {
     let p = profiles();
     assert!(matches!(
         merge(&p[..1], 2),
-        Err(MergeError::MissingRank { rank: 1, ranks: 2 })
+        Err(ProfileError::MissingRank { rank: 1, ranks: 2 })
     ));
     let twice = vec![p[0].clone(), p[0].clone()];
     assert!(matches!(
         merge(&twice, 2),
-        Err(MergeError::BadRank { rank: 0, .. })
+        Err(ProfileError::BadRank { rank: 0, .. })
     ));
     let mut short = p.clone();
     short[1].iterations.push(Vec::new());
     assert!(matches!(
         merge(&short, 2),
-        Err(MergeError::Iterations {
+        Err(ProfileError::Iterations {
             rank: 1,
             got: 2,
             expected: 1
@@ -147,7 +148,7 @@ fn missing_duplicate_or_inconsistent_profiles_are_refused() {
     foreign[1].iterations[0][0].rank = 0;
     assert!(matches!(
         merge(&foreign, 2),
-        Err(MergeError::SpanRank {
+        Err(ProfileError::SpanRank {
             rank: 1,
             span_rank: 0
         })

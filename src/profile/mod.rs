@@ -14,13 +14,16 @@
 //!   estimated at rendezvous), written as the same files as a single-process run.
 //! - [`grid`]: the text grid people draw schedules with, one row per rank and one column
 //!   per time step.
+//! - [`error`]: [`ProfileError`], the one error of this layer.
 
 pub mod chrome;
+pub mod error;
 pub mod grid;
 pub mod merge;
 pub mod report;
 pub mod svg;
 
+pub use error::ProfileError;
 use pipefill_schedules::{Action, ActionKind};
 
 /// Work drawn beside a timeline's compute actions on one rank: filler work run inside a

@@ -20,14 +20,15 @@
 mod fill;
 mod replay;
 
+use crate::profile::ProfileError;
 pub use fill::{
     ActionCosts, CostChange, FillerSpan, Filling, RankFill, WorkFigures, action_costs, median,
     median_step_makespan,
 };
-pub use replay::{ReplayError, replay, replay_makespans, step_inflations};
+pub use replay::{replay, replay_makespans, step_inflations};
 
 use std::fmt::Write as _;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use pipefill_schedules::Timeline;
 use serde::{Deserialize, Serialize};
@@ -36,26 +37,6 @@ use serde::{Deserialize, Serialize};
 pub const REPORT_JSON: &str = "report.json";
 /// File name of the human-readable report in a run directory.
 pub const REPORT_TXT: &str = "report.txt";
-
-/// Errors building, writing or reading a report.
-#[derive(Debug, thiserror::Error)]
-pub enum ReportError {
-    /// The measured and predicted timelines do not describe the same pipeline.
-    #[error("the measured timeline has {measured} ranks but the predicted one has {predicted}")]
-    RankMismatch { measured: usize, predicted: usize },
-    #[error("{path}: no such run directory")]
-    NoRunDir { path: PathBuf },
-    #[error(transparent)]
-    Read(#[from] crate::input::InputError),
-    #[error("cannot write {path}: {error}")]
-    Write {
-        path: PathBuf,
-        error: std::io::Error,
-    },
-    /// The file exists but is not a report this version understands.
-    #[error("{path} is not a valid bubble report: {message}")]
-    Corrupt { path: PathBuf, message: String },
-}
 
 /// What the report is about, besides the timelines themselves.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -161,9 +142,9 @@ impl BubbleReport {
         info: RunInfo,
         measured: &Timeline,
         predicted: &Timeline,
-    ) -> Result<Self, ReportError> {
+    ) -> Result<Self, ProfileError> {
         if measured.ranks.len() != predicted.ranks.len() {
-            return Err(ReportError::RankMismatch {
+            return Err(ProfileError::RankMismatch {
                 measured: measured.ranks.len(),
                 predicted: predicted.ranks.len(),
             });
@@ -319,26 +300,26 @@ impl BubbleReport {
     }
 
     /// Parses `report.json`'s text; `path` labels errors.
-    pub fn from_json(text: &str, path: &Path) -> Result<Self, ReportError> {
-        serde_json::from_str(text).map_err(|e| ReportError::Corrupt {
+    pub fn from_json(text: &str, path: &Path) -> Result<Self, ProfileError> {
+        serde_json::from_str(text).map_err(|e| ProfileError::Corrupt {
             path: path.to_path_buf(),
             message: e.to_string(),
         })
     }
 
     /// Writes `report.json` and `report.txt` into `dir` (which must exist).
-    pub fn write(&self, dir: &Path) -> Result<(), ReportError> {
+    pub fn write(&self, dir: &Path) -> Result<(), ProfileError> {
         for (name, text) in [(REPORT_JSON, self.to_json()), (REPORT_TXT, self.to_text())] {
             let path = dir.join(name);
-            std::fs::write(&path, text).map_err(|error| ReportError::Write { path, error })?;
+            std::fs::write(&path, text).map_err(|error| ProfileError::Write { path, error })?;
         }
         Ok(())
     }
 
     /// Reads the report of the run directory `dir` back from its `report.json`.
-    pub fn read(dir: &Path) -> Result<Self, ReportError> {
+    pub fn read(dir: &Path) -> Result<Self, ProfileError> {
         if !dir.is_dir() {
-            return Err(ReportError::NoRunDir {
+            return Err(ProfileError::NoRunDir {
                 path: dir.to_path_buf(),
             });
         }

@@ -3,6 +3,7 @@
 //! "what the run was doing: why".
 
 use crate::comm::CommError;
+use crate::profile::ProfileError;
 use std::path::{Path, PathBuf};
 
 use crate::config::{ConfigError, JobConfig};
@@ -12,8 +13,6 @@ use crate::model::ModelError;
 use crate::model::checkpoint::CheckpointError;
 use crate::pipeline::PipelineError;
 use crate::pipeline::mesh::DistributedError;
-use crate::profile::merge::MergeError;
-use crate::profile::report::ReportError;
 use crate::rl::config::UntrainedPolicy;
 use crate::rl::error::RlError;
 use crate::rl::launched::RlLaunchError;
@@ -51,9 +50,7 @@ pub enum RunError {
     #[error(transparent)]
     Schedule(#[from] ScheduleError),
     #[error(transparent)]
-    Report(#[from] ReportError),
-    #[error(transparent)]
-    Merge(#[from] MergeError),
+    Profile(#[from] ProfileError),
     #[error(transparent)]
     Rl(#[from] RlError),
     /// Joining the other ranks of a launched job.

@@ -10,6 +10,7 @@
 //! on every rank alike, is the error left). With the virtual clock every rank's times are
 //! already on one base (payloads carry their send time), so the offsets are zero.
 
+use crate::profile::ProfileError;
 use std::time::Instant;
 
 use pipefill_actors::RunReport;
@@ -17,7 +18,7 @@ use pipefill_actors::RunReport;
 use crate::comm::link::{Channel, PeerLink};
 use crate::comm::tcp::TcpMesh;
 use crate::profile::merge::{
-    ClockOffset, FILLER_LANE, LaneRecord, MergeError, RankProfile, measure_clock, serve_clock,
+    ClockOffset, FILLER_LANE, LaneRecord, RankProfile, measure_clock, serve_clock,
 };
 use crate::schedules::{CostModel, Plan, Span, StageCost, Timeline};
 use crate::train::StepMetrics;
@@ -61,7 +62,7 @@ impl ClockSync {
 
 /// Measures every rank's clock offset to rank 0 over the mesh (every rank calls it at
 /// join); `virtual_clock`: the run's times share one base already, offsets are zero.
-pub fn sync_clock(mesh: &TcpMesh, virtual_clock: bool) -> Result<ClockSync, MergeError> {
+pub fn sync_clock(mesh: &TcpMesh, virtual_clock: bool) -> Result<ClockSync, ProfileError> {
     let epoch = Instant::now();
     let zero = ClockOffset {
         offset: 0.0,
@@ -150,15 +151,15 @@ pub fn loss_rank(plan: &Plan) -> usize {
 }
 
 /// Sends the step log to rank 0 as one JSON frame.
-pub fn send_metrics(mesh: &TcpMesh, metrics: &[StepMetrics]) -> Result<(), MergeError> {
+pub fn send_metrics(mesh: &TcpMesh, metrics: &[StepMetrics]) -> Result<(), ProfileError> {
     let json = serde_json::to_vec(metrics).expect("step metrics always serialize");
     Ok(mesh.send(0, METRICS_CHANNEL, &json)?)
 }
 
 /// On rank 0: the step log `from` sent.
-pub fn recv_metrics(mesh: &TcpMesh, from: usize) -> Result<Vec<StepMetrics>, MergeError> {
+pub fn recv_metrics(mesh: &TcpMesh, from: usize) -> Result<Vec<StepMetrics>, ProfileError> {
     let frame = mesh.recv(from, METRICS_CHANNEL)?;
-    serde_json::from_slice(&frame).map_err(|e| MergeError::BadFrame {
+    serde_json::from_slice(&frame).map_err(|e| ProfileError::BadFrame {
         peer: from,
         what: "step log",
         reason: e.to_string(),

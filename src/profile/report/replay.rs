@@ -30,32 +30,11 @@
 //! compute action, speculating or not) is taken as it was measured; without fillers a
 //! different timing could have chosen differently, which the replay does not explore.
 
+use crate::profile::ProfileError;
 use std::collections::HashMap;
 
 use pipefill_actors::{ActionRecord, IterationProfile, StepRecord, StepWork};
 use pipefill_schedules::{Action, ActionKind, Timeline};
-use thiserror::Error;
-
-/// Why a run could not be replayed.
-#[derive(Debug, Error, PartialEq)]
-pub enum ReplayError {
-    #[error("step replay: no record has a compute action, so there is no makespan")]
-    Empty,
-    #[error(
-        "step replay: rank {rank} has no record of where its first walk began (a profile \
-         from before step records were kept?)"
-    )]
-    NoStart { rank: usize },
-    #[error(
-        "step replay: no rank can make progress; rank {rank} in iteration {iteration} waits \
-         at {what} for something no record of the run produces"
-    )]
-    Stuck {
-        rank: usize,
-        iteration: u64,
-        what: String,
-    },
-}
 
 /// What a rank produced that another may wait for, by iteration.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -120,7 +99,7 @@ pub fn replay(
     records: &[ActionRecord],
     steps: &[StepRecord],
     link_latency: f64,
-) -> Result<Vec<ActionRecord>, ReplayError> {
+) -> Result<Vec<ActionRecord>, ProfileError> {
     let mut replay = Replay::new(records, steps, link_latency)?;
     let ranks = replay.lists.len();
     loop {
@@ -136,7 +115,7 @@ pub fn replay(
         };
         if !progressed {
             let item = replay.lists[rank][replay.pos[rank]];
-            return Err(ReplayError::Stuck {
+            return Err(ProfileError::Stuck {
                 rank,
                 iteration: item.iteration(),
                 what: item.describe(),
@@ -150,7 +129,7 @@ impl<'a> Replay<'a> {
         records: &'a [ActionRecord],
         steps: &'a [StepRecord],
         link_latency: f64,
-    ) -> Result<Self, ReplayError> {
+    ) -> Result<Self, ProfileError> {
         let ranks = records
             .iter()
             .map(|r| r.rank + 1)
@@ -189,7 +168,7 @@ impl<'a> Replay<'a> {
             let clock = match (began, list.is_empty()) {
                 (Some(t), _) => t,
                 (None, true) => 0.0,
-                (None, false) => return Err(ReplayError::NoStart { rank }),
+                (None, false) => return Err(ProfileError::NoStart { rank }),
             };
             state.push(RankState {
                 clock,
@@ -363,7 +342,7 @@ impl<'a> Replay<'a> {
 pub fn replay_makespans(
     iterations: &[IterationProfile],
     link_latency: f64,
-) -> Result<Vec<f64>, ReplayError> {
+) -> Result<Vec<f64>, ProfileError> {
     let records: Vec<ActionRecord> = iterations
         .iter()
         .flat_map(|it| it.records.iter().copied())
@@ -379,7 +358,7 @@ pub fn replay_makespans(
         let (mine, after) = rest.split_at(it.records.len());
         rest = after;
         if !mine.iter().any(|r| r.action.kind.is_compute()) {
-            return Err(ReplayError::Empty);
+            return Err(ProfileError::NoMakespan);
         }
         let spans = mine.iter().map(ActionRecord::span).collect();
         makespans.push(Timeline::from_spans(it.timeline.ranks.len(), spans, &[]).makespan);
@@ -392,7 +371,7 @@ pub fn replay_makespans(
 pub fn step_inflations(
     iterations: &[IterationProfile],
     link_latency: f64,
-) -> Result<Vec<f64>, ReplayError> {
+) -> Result<Vec<f64>, ProfileError> {
     let without = replay_makespans(iterations, link_latency)?;
     Ok(iterations
         .iter()

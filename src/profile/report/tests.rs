@@ -1,4 +1,5 @@
 use super::*;
+use crate::profile::ProfileError;
 use crate::profile::test_support::two_rank_timeline;
 use pipefill_schedules::{Action, Span};
 
@@ -191,7 +192,7 @@ fn mismatched_timelines_are_an_error() {
     let err = BubbleReport::new(info("s"), &one, &predicted()).unwrap_err();
     assert!(matches!(
         err,
-        ReportError::RankMismatch {
+        ProfileError::RankMismatch {
             measured: 1,
             predicted: 2
         }

@@ -5,6 +5,7 @@ use crate::comm::CommError;
 use crate::comm::link::Channel;
 use crate::pipeline::PipelineError;
 use crate::pipeline::mesh::WorldMismatch;
+use crate::profile::ProfileError;
 use crate::rl::config::UntrainedPolicy;
 use crate::rl::error::RlError;
 
@@ -55,8 +56,5 @@ pub enum RlLaunchError {
     #[error("rank {rank}: {reason}")]
     Peer { rank: usize, reason: String },
     #[error("rank {rank}: merging the update's profiles: {error}")]
-    Profile {
-        rank: usize,
-        error: crate::profile::merge::MergeError,
-    },
+    Profile { rank: usize, error: ProfileError },
 }
