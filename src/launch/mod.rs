@@ -14,14 +14,16 @@
 //! otherwise; the rendezvous listens on the master address. `pipefill launch` binds that
 //! listener itself and hands it to rank 0 as an open descriptor ([`MASTER_FD`]); a port
 //! chosen by the launcher and bound again by rank 0 could be taken in between.
+//! Everything here fails as one [`LaunchError`] (`error`).
 
 pub mod env;
+pub mod error;
 
-use crate::comm::CommError;
 use std::net::{IpAddr, SocketAddr, TcpListener, ToSocketAddrs};
 use std::time::Duration;
 
-pub use env::{EnvError, Launcher, RankEnv};
+pub use env::{Launcher, RankEnv};
+pub use error::LaunchError;
 
 use crate::comm::rendezvous::{self};
 use crate::comm::tcp::{MeshOptions, TcpMesh};
@@ -33,39 +35,6 @@ pub const MASTER_FD: &str = "PIPEFILL_MASTER_FD";
 
 /// Default time every rank has to join the rendezvous and the mesh.
 pub const DEFAULT_JOIN_TIMEOUT: Duration = Duration::from_secs(60);
-
-#[derive(Debug, thiserror::Error)]
-pub enum LaunchError {
-    #[error(transparent)]
-    Env(#[from] EnvError),
-    #[error(
-        "rank {rank} of a {world}-rank job has no job token: set PIPEFILL_TOKEN to the same secret on every rank (pipefill launch does)"
-    )]
-    NoToken { rank: usize, world: usize },
-    #[error("rank {rank}: cannot listen on {addr}")]
-    Listen {
-        rank: usize,
-        addr: String,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("rank {rank}: master address {addr}: {reason}")]
-    Master {
-        rank: usize,
-        addr: String,
-        reason: String,
-    },
-    #[error("environment variable {var}={value:?}: {reason}")]
-    Setting {
-        var: &'static str,
-        value: String,
-        reason: String,
-    },
-    #[error("rank {rank}: {error}")]
-    Rendezvous { rank: usize, error: CommError },
-    #[error(transparent)]
-    Mesh(#[from] CommError),
-}
 
 /// Where this rank's mesh listens: `PIPEFILL_LISTEN_ADDR` (an IP address), else loopback.
 pub fn listen_ip() -> Result<IpAddr, LaunchError> {

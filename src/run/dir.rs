@@ -8,17 +8,16 @@
 //! ([`RunDir::create`]) come after the job has been checked against its checkpoint, so a
 //! start that fails changes no file.
 
+use crate::run::RunError;
 use std::fs::{self, File};
 use std::io::{self, BufRead, BufReader, BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use thiserror::Error;
-
 use crate::config::JobConfig;
+use crate::model::checkpoint::Checkpoint;
 use crate::model::checkpoint::resume::FINAL_DIR;
 use crate::model::checkpoint::sweep::{Sweep, sweep_run};
-use crate::model::checkpoint::{Checkpoint, CheckpointError};
 use crate::profile::report::{REPORT_JSON, REPORT_TXT};
 
 /// The job file a run directory holds.
@@ -41,51 +40,6 @@ const RUN_FILES: [&str; 6] = [
     TRACE_FILE,
     TIMELINE_FILE,
 ];
-
-/// Why a run may not use a directory.
-#[derive(Debug, Error)]
-pub enum RunDirError {
-    #[error(
-        "out_dir is empty: name the run directory, or leave out_dir unset for a fresh one under runs/"
-    )]
-    Empty,
-    #[error(
-        "run directory {path} already holds {what}: pass --overwrite to replace the run{}, or \
-         choose another --out-dir",
-        match resumable {
-            true => format!(", --resume {} to continue it", path.display()),
-            false => String::new(),
-        }
-    )]
-    NotEmpty {
-        path: PathBuf,
-        what: String,
-        /// The command can continue a run (`--resume`).
-        resumable: bool,
-    },
-    #[error("run directory {path}: {source}")]
-    Io { path: PathBuf, source: io::Error },
-    #[error(transparent)]
-    Checkpoint(#[from] CheckpointError),
-    /// A metrics line could not be written: the run stops there.
-    #[error(
-        "cannot write {path}: {cause}; the run stopped: {}",
-        crate::model::checkpoint::last_complete_note(last.as_deref())
-    )]
-    Metrics {
-        path: PathBuf,
-        /// The checkpoint a resume of the run would continue from.
-        last: Option<PathBuf>,
-        /// Named in the message, not a `source`: the whole reason is one line.
-        cause: io::Error,
-    },
-    #[error("{path}: line {line} is not a metrics line with a \"step\": {reason}")]
-    BadMetrics {
-        path: PathBuf,
-        line: usize,
-        reason: String,
-    },
-}
 
 /// What a run continues from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -137,13 +91,13 @@ impl RunDir {
         prefix: &str,
         resume: Resume,
         existing: Existing,
-    ) -> Result<RunDir, RunDirError> {
+    ) -> Result<RunDir, RunError> {
         let path = match path {
-            Some(p) if p.as_os_str().is_empty() => return Err(RunDirError::Empty),
+            Some(p) if p.as_os_str().is_empty() => return Err(RunError::EmptyOutDir),
             Some(p) => p.to_path_buf(),
             None => fresh_default(Path::new("runs"), prefix, now()),
         };
-        let io_err = |source| RunDirError::Io {
+        let io_err = |source| RunError::RunDirIo {
             path: path.clone(),
             source,
         };
@@ -191,7 +145,7 @@ impl RunDir {
                 format!("{}{more}", shown.join(", "))
             }
         };
-        Err(RunDirError::NotEmpty {
+        Err(RunError::NotEmpty {
             path: dir.path,
             what,
             resumable: resume != Resume::Unsupported,
@@ -213,10 +167,10 @@ impl RunDir {
     /// `job.toml` and opens `metrics.jsonl` for the steps from `first_step` on. A continued run keeps the lines of the steps before `first_step`
     /// and drops the rest (the steps after its checkpoint, which it runs again); any other
     /// run starts the file empty.
-    pub fn create(&self, job_toml: &str, first_step: u64) -> Result<BufWriter<File>, RunDirError> {
+    pub fn create(&self, job_toml: &str, first_step: u64) -> Result<BufWriter<File>, RunError> {
         let io_err = |path: &Path| {
             let path = path.to_path_buf();
-            move |source| RunDirError::Io { path, source }
+            move |source| RunError::RunDirIo { path, source }
         };
         if self.replaces {
             self.remove_run_files()?;
@@ -262,7 +216,7 @@ impl RunDir {
         &self,
         checkpoint: &mut Checkpoint,
         job: &JobConfig,
-    ) -> Result<PathBuf, RunDirError> {
+    ) -> Result<PathBuf, RunError> {
         let notes = &mut checkpoint.meta.notes;
         notes.insert(JOB_FILE.into(), job.to_toml());
         notes.insert("schedule".into(), job.schedule.to_string());
@@ -272,23 +226,23 @@ impl RunDir {
     }
 
     /// The lines of `metrics.jsonl` whose step is before `first_step`.
-    fn metrics_before(&self, first_step: u64) -> Result<Vec<String>, RunDirError> {
+    fn metrics_before(&self, first_step: u64) -> Result<Vec<String>, RunError> {
         let path = self.path.join(METRICS_FILE);
         let file = match File::open(&path) {
             Ok(f) => f,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
-            Err(source) => return Err(RunDirError::Io { path, source }),
+            Err(source) => return Err(RunError::RunDirIo { path, source }),
         };
         let mut kept = Vec::new();
         for (i, line) in BufReader::new(file).lines().enumerate() {
-            let line = line.map_err(|source| RunDirError::Io {
+            let line = line.map_err(|source| RunError::RunDirIo {
                 path: path.clone(),
                 source,
             })?;
             if line.trim().is_empty() {
                 continue;
             }
-            let bad = |reason: String| RunDirError::BadMetrics {
+            let bad = |reason: String| RunError::BadMetrics {
                 path: path.clone(),
                 line: i + 1,
                 reason,
@@ -310,7 +264,7 @@ impl RunDir {
     /// `checkpoint/` and `checkpoints/` only the files of its checkpoints
     /// ([`sweep_run`]: a user's file or folder there stays, and so does the directory
     /// holding it).
-    fn remove_run_files(&self) -> Result<(), RunDirError> {
+    fn remove_run_files(&self) -> Result<(), RunError> {
         for name in RUN_FILES {
             let path = self.path.join(name);
             let removed = match fs::symlink_metadata(&path) {
@@ -320,7 +274,7 @@ impl RunDir {
                 Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
                 Err(e) => Err(e),
             };
-            removed.map_err(|source| RunDirError::Io { path, source })?;
+            removed.map_err(|source| RunError::RunDirIo { path, source })?;
         }
         sweep_run(&self.path, Sweep::Everything)?;
         Ok(())

@@ -1,10 +1,9 @@
+use crate::run::RunError;
 use std::fs;
 use std::io::Write;
 use std::path::Path;
 
-use super::{
-    Existing, JOB_FILE, METRICS_FILE, Resume, RunDir, RunDirError, fresh_default, utc_stamp,
-};
+use super::{Existing, JOB_FILE, METRICS_FILE, Resume, RunDir, fresh_default, utc_stamp};
 use crate::model::checkpoint::sharded::{Layout, step_dir};
 use crate::model::checkpoint::test_model::{self, checkpoint};
 
@@ -32,7 +31,7 @@ fn a_missing_or_empty_directory_is_claimed() {
 #[test]
 fn an_empty_out_dir_is_refused() {
     let err = RunDir::claim(Some(Path::new("")), "", Resume::Fresh, Existing::Refuse).unwrap_err();
-    assert!(matches!(err, RunDirError::Empty), "{err}");
+    assert!(matches!(err, RunError::EmptyOutDir), "{err}");
     assert!(err.to_string().contains("out_dir is empty"), "{err}");
 }
 
@@ -62,7 +61,7 @@ fn a_finished_run_is_refused_and_left_as_it_was() {
         Existing::Refuse,
     )
     .unwrap_err();
-    assert!(matches!(err, RunDirError::NotEmpty { .. }), "{err}");
+    assert!(matches!(err, RunError::NotEmpty { .. }), "{err}");
 }
 
 #[test]

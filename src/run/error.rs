@@ -16,7 +16,6 @@ use crate::pipeline::mesh::DistributedError;
 use crate::rl::config::UntrainedPolicy;
 use crate::rl::error::RlError;
 use crate::rl::launched::RlLaunchError;
-use crate::run::{NothingToDo, RunDirError};
 use crate::schedules::ScheduleError;
 use crate::tensor::TensorError;
 use crate::tensor::device::DeviceError;
@@ -33,10 +32,6 @@ pub enum RunError {
     Device(#[from] DeviceError),
     #[error(transparent)]
     Tensor(#[from] TensorError),
-    #[error(transparent)]
-    RunDir(#[from] RunDirError),
-    #[error(transparent)]
-    NothingToDo(#[from] NothingToDo),
     #[error(transparent)]
     Data(#[from] DataError),
     #[error(transparent)]
@@ -64,7 +59,7 @@ pub enum RunError {
     RlLaunch(#[from] RlLaunchError),
     /// Closing the mesh after the run.
     #[error(transparent)]
-    Link(#[from] CommError),
+    Comm(#[from] CommError),
     /// The job's schedule does not make a plan for its ranks.
     #[error("schedule {schedule} on {ranks} ranks")]
     Plan {
@@ -142,6 +137,51 @@ pub enum RunError {
     RlWithoutSchedule,
     #[error(transparent)]
     UntrainedPolicy(#[from] UntrainedPolicy),
+
+    // ---- the run directory and its metrics log (`dir`, `log`)
+    #[error(
+        "out_dir is empty: name the run directory, or leave out_dir unset for a fresh one under runs/"
+    )]
+    EmptyOutDir,
+    #[error(
+        "run directory {path} already holds {what}: pass --overwrite to replace the run{}, or \
+         choose another --out-dir",
+        match resumable {
+            true => format!(", --resume {} to continue it", path.display()),
+            false => String::new(),
+        }
+    )]
+    NotEmpty {
+        path: PathBuf,
+        what: String,
+        /// The command can continue a run (`--resume`).
+        resumable: bool,
+    },
+    #[error("run directory {path}: {source}")]
+    RunDirIo {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    /// A metrics line could not be written: the run stops there.
+    #[error(
+        "cannot write {path}: {cause}; the run stopped: {}",
+        crate::model::checkpoint::last_complete_note(last.as_deref())
+    )]
+    Metrics {
+        path: PathBuf,
+        /// The checkpoint a resume of the run would continue from.
+        last: Option<PathBuf>,
+        /// Named in the message, not a `source`: the whole reason is one line.
+        cause: std::io::Error,
+    },
+    #[error("{path}: line {line} is not a metrics line with a \"step\": {reason}")]
+    BadMetrics {
+        path: PathBuf,
+        line: usize,
+        reason: String,
+    },
+    #[error("the checkpoint is at step {first_step}: nothing to do for train.steps = {steps}")]
+    NothingToDo { first_step: u64, steps: u64 },
 }
 
 impl From<PipelineError> for RunError {

@@ -3,13 +3,14 @@
 //! trainer, the in-process pipeline and a launched job's rank 0 all log through it, so their
 //! files carry the same fields and their `done:` lines the same figures.
 
+use crate::run::RunError;
 use std::fmt;
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::PathBuf;
 use std::time::Instant;
 
-use super::dir::{RunDir, RunDirError};
+use super::dir::RunDir;
 use super::metrics::StepLine;
 use crate::config::JobConfig;
 use crate::model::checkpoint::resume::last_complete;
@@ -22,19 +23,11 @@ pub fn summary_window(steps: usize) -> usize {
     (steps / 10).max(1).min(steps)
 }
 
-/// A run resumed at or past its last step has nothing to do.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("the checkpoint is at step {first_step}: nothing to do for train.steps = {steps}")]
-pub struct NothingToDo {
-    pub first_step: u64,
-    pub steps: u64,
-}
-
-/// The steps a run starting at `first_step` has left of `steps`, or [`NothingToDo`].
-pub fn steps_left(first_step: u64, steps: u64) -> Result<u64, NothingToDo> {
+/// The steps a run starting at `first_step` has left of `steps`, or [`RunError::NothingToDo`].
+pub fn steps_left(first_step: u64, steps: u64) -> Result<u64, RunError> {
     match steps.checked_sub(first_step) {
         Some(left) if left > 0 => Ok(left),
-        _ => Err(NothingToDo { first_step, steps }),
+        _ => Err(RunError::NothingToDo { first_step, steps }),
     }
 }
 
@@ -49,7 +42,7 @@ pub struct RunLog {
 impl RunLog {
     /// Makes `run_dir` the run's ([`RunDir::create`]: `job.toml`, and `metrics.jsonl` for
     /// the steps from `first_step` on); the run's clock starts here.
-    pub fn open(run_dir: &RunDir, job: &JobConfig, first_step: u64) -> Result<Self, RunDirError> {
+    pub fn open(run_dir: &RunDir, job: &JobConfig, first_step: u64) -> Result<Self, RunError> {
         let file = run_dir.create(&job.to_toml(), first_step)?;
         Ok(RunLog {
             file,
@@ -68,9 +61,9 @@ impl RunLog {
     /// Appends `line` and flushes it, so that the file follows the run. A line that cannot
     /// be written (a full disk) is the error that stops the run, naming the file and the
     /// checkpoint a resume would continue from.
-    pub fn record(&mut self, line: &StepLine<'_>) -> Result<(), RunDirError> {
+    pub fn record(&mut self, line: &StepLine<'_>) -> Result<(), RunError> {
         let written = writeln!(self.file, "{}", line.to_json()).and_then(|()| self.file.flush());
-        written.map_err(|cause| RunDirError::Metrics {
+        written.map_err(|cause| RunError::Metrics {
             last: self.path.parent().and_then(last_complete),
             path: self.path.clone(),
             cause,
@@ -149,8 +142,8 @@ mod tests {
 
     #[test]
     fn steps_left_counts_from_the_first_step_and_refuses_none_left() {
-        assert_eq!(steps_left(0, 5), Ok(5));
-        assert_eq!(steps_left(3, 5), Ok(2));
+        assert_eq!(steps_left(0, 5).unwrap(), 5);
+        assert_eq!(steps_left(3, 5).unwrap(), 2);
         for first_step in [5, 9] {
             let e = steps_left(first_step, 5).unwrap_err();
             assert_eq!(
@@ -222,7 +215,7 @@ mod tests {
         let err = log.record(&StepLine::new(&step(1, 2.0), None)).unwrap_err();
         let metrics = path.join(super::super::dir::METRICS_FILE);
         assert!(
-            matches!(&err, RunDirError::Metrics { path: p, last: None, .. } if p == &metrics),
+            matches!(&err, RunError::Metrics { path: p, last: None, .. } if p == &metrics),
             "{err}"
         );
         let msg = err.to_string();

@@ -28,9 +28,9 @@ pub mod show;
 pub(crate) mod show_tests;
 pub mod train;
 
-pub use dir::{Existing, Resume, RunDir, RunDirError};
+pub use dir::{Existing, Resume, RunDir};
 pub use error::RunError;
-pub use log::{NothingToDo, RunLog, RunSummary, steps_left};
+pub use log::{RunLog, RunSummary, steps_left};
 pub use metrics::StepLine;
 pub use rl::rl;
 pub use show::{Bar, Quiet, Show, Tick};

@@ -13,9 +13,10 @@ use crate::rl::launched::{rollout_engine, starting_drafter};
 use crate::rl::step_metrics::RlStepMetrics;
 use crate::rl::trainer::RlTrainer;
 use crate::rl::trainer_spec::PipelineRollouts;
+use crate::run::RunDir;
+use crate::run::RunError;
 use crate::run::dir::METRICS_FILE;
 use crate::run::show::{Bar, Show, Tick};
-use crate::run::{RunDir, RunError};
 use crate::tensor::device::{OnBackend, RankBackend};
 
 /// The in-process RL run after its checkpoint is known, on the backend `B` of the job's

@@ -3,6 +3,7 @@
 //! directory: `job.toml`, `metrics.jsonl` (one line per RL step) and the final policy's
 //! `checkpoint/`.
 
+use crate::run::RunError;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -17,7 +18,7 @@ use crate::rl::launched::{RankOptions, RlLaunchRun, rl_rank_on, starting_drafter
 use crate::rl::step_metrics::RlStepMetrics;
 use crate::run::dir::METRICS_FILE;
 use crate::run::show::Show;
-use crate::run::{Existing, Resume, RunDir, RunError};
+use crate::run::{Existing, Resume, RunDir};
 use crate::tensor::device::{OnBackend, RankBackend, on_backend};
 
 /// `job`'s RL as rank `env.rank` of `env.world` on the GPU of its local rank (`cuda`) or a

@@ -18,10 +18,11 @@ mod line;
 #[cfg(test)]
 mod tests;
 
+use crate::run::RunError;
 use std::path::{Path, PathBuf};
 
 use super::show::{Bar, Show, Tick};
-use super::{Resume, RunDir, RunError, Start};
+use super::{Resume, RunDir, Start};
 use crate::config::JobConfig;
 use crate::config::memory::Workload;
 use crate::model::checkpoint::Checkpoint;

@@ -1,6 +1,7 @@
 //! The RL runner through the library: what it shows and writes, and what it refuses
 //! before any work.
 
+use crate::run::RunError;
 use std::path::Path;
 
 use super::rl;
@@ -8,7 +9,7 @@ use crate::config::JobConfig;
 use crate::launch::RankEnv;
 use crate::model::checkpoint::Checkpoint;
 use crate::run::show_tests::Recorded;
-use crate::run::{Bar, Existing, RunError, Start};
+use crate::run::{Bar, Existing, Start};
 
 /// A model and RL step small enough that a few steps take well under a second.
 fn tiny(sets: &[&str], out: &Path) -> JobConfig {

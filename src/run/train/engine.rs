@@ -3,12 +3,13 @@
 //! once for all three: each step's tick and metrics line, the summary, the final
 //! checkpoint, what follows it, and the `done:` line.
 
+use crate::run::RunError;
 use std::path::Path;
 
 use crate::config::JobConfig;
 use crate::model::checkpoint::Checkpoint;
 use crate::run::show::{Bar, Show, step_tick};
-use crate::run::{RunDir, RunError, RunLog, StepLine};
+use crate::run::{RunDir, RunLog, StepLine};
 
 /// One way of running a job's steps.
 pub(super) trait Engine {

@@ -24,13 +24,14 @@ mod reference;
 #[cfg(test)]
 mod tests;
 
+use crate::run::RunError;
 pub use bench::{FillerBench, filler_bench};
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use super::show::{Bar, Show, Tick};
-use super::{Resume, RunDir, RunError, Start};
+use super::{Resume, RunDir, Start};
 use crate::config::JobConfig;
 use crate::config::memory::Workload;
 use crate::data::{DataSource, DatasetSummary, StepData};

@@ -8,6 +8,7 @@
 //! the comparison with separate runs of the job without filler is `pipefill bench filler`
 //! ([`super::filler_bench`]).
 
+use crate::run::RunError;
 use std::ops::ControlFlow;
 use std::path::Path;
 use std::sync::Arc;
@@ -24,7 +25,7 @@ use crate::model::checkpoint::sharded::{Layout, load_sharded};
 use crate::pipeline::feed::StepFeed;
 use crate::pipeline::{PipelineRun, PipelineTrainer, StepView};
 use crate::run::show::Show;
-use crate::run::{RunDir, RunError, RunLog, StepLine, steps_left};
+use crate::run::{RunDir, RunLog, StepLine, steps_left};
 
 /// Runs `job`'s pipeline (from `resume`'s checkpoint when given) into `run_dir`, showing its
 /// progress and the bubble report on `show`.

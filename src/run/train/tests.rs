@@ -1,6 +1,7 @@
 //! The training runner through the library, as the CLI calls it: what it shows, what it
 //! writes, and what it refuses before any work.
 
+use crate::run::RunError;
 use std::path::Path;
 
 use super::train;
@@ -8,7 +9,7 @@ use crate::config::JobConfig;
 use crate::launch::RankEnv;
 use crate::model::checkpoint::Checkpoint;
 use crate::run::show_tests::Recorded;
-use crate::run::{Bar, Existing, RunDirError, RunError, Start};
+use crate::run::{Bar, Existing, Start};
 
 /// A job small enough that a few steps of any path take well under a second.
 fn tiny(schedule: &str, steps: u64, out: &Path) -> JobConfig {
@@ -71,10 +72,7 @@ fn a_run_directory_holding_a_run_is_refused_before_any_step() {
     let before = std::fs::read(dir.path().join("metrics.jsonl")).unwrap();
     let mut shown = Recorded::default();
     let err = run(&job, None, &mut shown).unwrap_err();
-    assert!(
-        matches!(err, RunError::RunDir(RunDirError::NotEmpty { .. })),
-        "{err}"
-    );
+    assert!(matches!(err, RunError::NotEmpty { .. }), "{err}");
     assert!(shown.ticks.is_empty(), "{shown:?}");
     // Nothing but the memory estimate: no data loaded, no model built.
     assert!(
@@ -98,7 +96,7 @@ fn resuming_a_finished_run_has_nothing_to_do_and_resuming_further_continues_it()
         &mut Recorded::default(),
     )
     .unwrap_err();
-    assert!(matches!(err, RunError::NothingToDo(_)), "{err}");
+    assert!(matches!(err, RunError::NothingToDo { .. }), "{err}");
     let mut shown = Recorded::default();
     run(&tiny("1f1b", 4, &first), Some(&first), &mut shown).unwrap();
     assert_eq!(shown.of(Bar::Step), [(3, 4), (4, 4)]);
