@@ -23,6 +23,7 @@
 //!
 //! `cargo bench -p pipefill --bench tail`
 
+use pipefill::rl::RlError;
 use std::collections::BTreeMap;
 
 use pipefill::config::JobConfig;
@@ -34,7 +35,7 @@ use pipefill::rl::rollout::{
     AdaptiveConfig, MIN_GROUP_ROWS, Request, RolloutConfig, RolloutEngine, RolloutOutput,
     Speculation,
 };
-use pipefill::rl::speculative::{ProposeError, Proposer};
+use pipefill::rl::speculative::Proposer;
 use pipefill::tensor::CpuBackend;
 
 #[allow(dead_code)] // the timing helpers are for criterion benches
@@ -60,7 +61,7 @@ impl Proposer for Replay {
         k: usize,
         temperature: f32,
         rng: &mut SplitMix64,
-    ) -> Result<Vec<DraftChain>, ProposeError> {
+    ) -> Result<Vec<DraftChain>, RlError> {
         // The real drafter's proposal, for its cost; its tokens are then replaced.
         let mut chains = Proposer::propose(&mut self.drafter, contexts, k, temperature, rng)?;
         for (c, chain) in contexts.iter().zip(&mut chains) {

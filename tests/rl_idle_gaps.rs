@@ -12,6 +12,7 @@
 mod common;
 
 use common::rollouts::config;
+use pipefill::rl::RlError;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -28,7 +29,7 @@ use pipefill::rl::rollout::idle::{
 use pipefill::rl::rollout::{
     MessageHook, Request, RolloutConfig, RolloutEngine, RolloutOutput, Speculation,
 };
-use pipefill::rl::speculative::{ProposeError, Proposer};
+use pipefill::rl::speculative::Proposer;
 use pipefill::tensor::CpuBackend;
 use pipefill_actors::FillerRouter;
 use pipefill_actors::router::CostEstimate;
@@ -61,7 +62,7 @@ impl Proposer for Slow {
         k: usize,
         temperature: f32,
         rng: &mut SplitMix64,
-    ) -> Result<Vec<DraftChain>, ProposeError> {
+    ) -> Result<Vec<DraftChain>, RlError> {
         std::thread::sleep(Duration::from_millis(10));
         Proposer::propose(&mut self.0, contexts, k, temperature, rng)
     }

@@ -13,7 +13,7 @@ use pipefill::config::{Filler, JobConfig};
 use pipefill::model::Gpt;
 use pipefill::model::checkpoint::ADAM_V_PREFIX;
 use pipefill::pipeline::{KeptRun, PipelineError, PipelineTrainer};
-use pipefill::rl::error::RlError;
+use pipefill::rl::RlError;
 use pipefill::rl::generator::{RolloutBatch, RolloutGenerator, RolloutRequest};
 use pipefill::rl::prompts::step_prompts;
 use pipefill::rl::trainer::RlTrainer;

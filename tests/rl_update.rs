@@ -17,7 +17,7 @@ use pipefill::model::checkpoint::Checkpoint;
 use pipefill::model::layers::log_prob;
 use pipefill::model::{AdamW, Cut, Gpt, Shape};
 use pipefill::pipeline::feed::StepBatches;
-use pipefill::rl::error::RlError;
+use pipefill::rl::RlError;
 use pipefill::rl::generator::{Rollout, RolloutBatch, RolloutGenerator, RolloutRequest};
 use pipefill::rl::grpo::{GrpoLoss, SequenceLogProbs, group_advantages, grpo_loss};
 use pipefill::rl::prompts::step_prompts;

@@ -7,8 +7,9 @@ use common::rollouts::{config, engine, gpt, greedy_reference, requests};
 use pipefill::model::Cut;
 use pipefill::model::drafter::{DraftBufferHandle, Drafter, DrafterConfig, DrafterTrainer};
 use pipefill::model::infer::InferStage;
+use pipefill::rl::RlError;
 use pipefill::rl::rollout::{
-    AdaptiveConfig, Request, RolloutConfig, RolloutEngine, RolloutError, RolloutOutput, Speculation,
+    AdaptiveConfig, Request, RolloutConfig, RolloutEngine, RolloutOutput, Speculation,
 };
 use pipefill::rl::speculative::{OracleProposer, Proposer, RandomProposer};
 use pipefill::tensor::CpuBackend;
@@ -205,10 +206,7 @@ fn bad_requests_and_configs_are_errors() {
         max_new: 3,
     }];
     let err = e.run(&empty, &RolloutConfig::default(), None).unwrap_err();
-    assert!(
-        matches!(err, RolloutError::Request { index: 0, .. }),
-        "{err}"
-    );
+    assert!(matches!(err, RlError::Request { index: 0, .. }), "{err}");
     let spec = RolloutConfig {
         speculation: Speculation::Fixed { k: 2 },
         ..RolloutConfig::default()

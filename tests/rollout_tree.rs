@@ -10,10 +10,11 @@ use pipefill::model::drafter::{
     DraftBufferHandle, DraftChain, DraftContext, DraftTree, Drafter, DrafterConfig, DrafterTrainer,
     TreeShape,
 };
+use pipefill::rl::RlError;
 use pipefill::rl::rollout::{
-    AdaptiveConfig, RolloutConfig, RolloutEngine, RolloutError, RolloutOutput, Speculation,
+    AdaptiveConfig, RolloutConfig, RolloutEngine, RolloutOutput, Speculation,
 };
-use pipefill::rl::speculative::{OracleProposer, ProposeError, Proposer, RandomProposer};
+use pipefill::rl::speculative::{OracleProposer, Proposer, RandomProposer};
 use pipefill::tensor::CpuBackend;
 
 fn run(
@@ -21,7 +22,7 @@ fn run(
     spec: Speculation,
     temperature: f32,
     p: Option<&mut dyn Proposer>,
-) -> Result<RolloutOutput, RolloutError> {
+) -> Result<RolloutOutput, RlError> {
     let cfg = RolloutConfig {
         groups: 2,
         temperature,
@@ -50,7 +51,7 @@ impl Proposer for Decoys {
         k: usize,
         temperature: f32,
         rng: &mut SplitMix64,
-    ) -> Result<Vec<DraftChain>, ProposeError> {
+    ) -> Result<Vec<DraftChain>, RlError> {
         self.0.propose(contexts, k, temperature, rng)
     }
 
@@ -60,7 +61,7 @@ impl Proposer for Decoys {
         shape: &TreeShape,
         temperature: f32,
         rng: &mut SplitMix64,
-    ) -> Result<Vec<DraftTree>, ProposeError> {
+    ) -> Result<Vec<DraftTree>, RlError> {
         let vocab = self.1 as u32;
         let chains = self.0.propose(contexts, shape.depth, temperature, rng)?;
         Ok(chains
@@ -192,7 +193,7 @@ fn bad_tree_configs_are_errors() {
             k: usize,
             t: f32,
             rng: &mut SplitMix64,
-        ) -> Result<Vec<DraftChain>, ProposeError> {
+        ) -> Result<Vec<DraftChain>, RlError> {
             self.0.propose(c, k, t, rng)
         }
     }

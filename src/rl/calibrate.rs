@@ -14,31 +14,21 @@
 //! follows from the drafter's per-token acceptance α (its held-out `Σ min(p, q)`, measured
 //! every step) as `1 + α + … + α^K`.
 
+use crate::rl::RlError;
 use std::time::Instant;
 
 use serde::Serialize;
 
 use crate::data::SplitMix64;
-use crate::model::drafter::{DraftContext, Drafter, DrafterError, TreeShape};
+use crate::model::drafter::{DraftContext, Drafter, TreeShape};
 use crate::model::infer::{InferStage, Span, StageInput, StageOutput, TreeStep, run_stages};
-use crate::model::{Cut, Gpt, ModelError};
+use crate::model::{Cut, Gpt};
 use crate::tensor::Backend;
 
 /// Largest group size the step costs are measured for.
 pub const MAX_CALIBRATION_BATCH: usize = 32;
 /// Positions already in each sequence's cache when a timed step starts.
 pub const COST_PAST: usize = 32;
-
-/// What stopped a measurement.
-#[derive(Debug, thiserror::Error)]
-pub enum CalibrationError {
-    #[error("calibration: {0}")]
-    Model(#[from] ModelError),
-    #[error("calibration: {0}")]
-    Drafter(#[from] DrafterError),
-    #[error("calibration: {0}")]
-    Input(String),
-}
 
 /// What one step of a group of `batch` sequences costs, in milliseconds, drafting `k`.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
@@ -77,17 +67,17 @@ pub fn step_costs<B: Backend>(
     ks: &[usize],
     max_b: usize,
     reps: usize,
-) -> Result<Vec<StepCost>, CalibrationError> {
+) -> Result<Vec<StepCost>, RlError> {
     let k_max = ks.iter().copied().max().unwrap_or(0);
     if k_max == 0 || ks.contains(&0) || reps == 0 {
-        return Err(CalibrationError::Input(format!(
+        return Err(RlError::CalibrationInput(format!(
             "draft lengths {ks:?} and {reps} repetitions: need K ≥ 1 and at least one repetition"
         )));
     }
     let past = COST_PAST.min(model.config().seq_len.saturating_sub(k_max + 1));
     let mut stages = InferStage::stages_of(model, &Cut::Even(1))?;
     let mut rng = SplitMix64::new(1);
-    let ms = |f: &mut dyn FnMut() -> Result<(), CalibrationError>| {
+    let ms = |f: &mut dyn FnMut() -> Result<(), RlError>| {
         let s = Instant::now();
         f().map(|()| s.elapsed().as_secs_f64() * 1e3)
     };
@@ -236,7 +226,7 @@ impl Calibration {
         groups: usize,
         min_group_rows: usize,
         reps: usize,
-    ) -> Result<Self, CalibrationError> {
+    ) -> Result<Self, RlError> {
         let started = Instant::now();
         let c = model.config();
         let (hidden, tokens) = timing_context(COST_PAST, c.d_model, c.vocab);
@@ -308,7 +298,7 @@ pub fn tree_cost<B: Backend>(
     ctx: DraftContext<'_>,
     shape: &TreeShape,
     reps: usize,
-) -> Result<(f64, f64, usize), CalibrationError> {
+) -> Result<(f64, f64, usize), RlError> {
     let ctx = [ctx];
     let tree = drafter.propose_tree(&ctx, shape, 0.0)?.remove(0);
     let rows = tree.len() + 1;

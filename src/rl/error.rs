@@ -1,10 +1,16 @@
-//! [`RlError`]: what can go wrong in an RL run, in process or on a launched rank.
+//! [`RlError`]: what can go wrong in an RL run, in process or on a launched rank: the one
+//! error of the `rl` layer (GRPO, the rollout engine and its proposers, the calibration of
+//! step costs, a launched rank's exchanges).
 
-use super::grpo::GrpoError;
+use crate::comm::CommError;
 use crate::config::ConfigError;
 use crate::data::DataError;
 use crate::model::ModelError;
+use crate::model::drafter::DrafterError;
 use crate::pipeline::PipelineError;
+use crate::pipeline::mesh::WorldMismatch;
+use crate::profile::ProfileError;
+use crate::rl::config::UntrainedPolicy;
 
 /// What can go wrong in an RL run.
 #[derive(Debug, thiserror::Error)]
@@ -13,8 +19,6 @@ pub enum RlError {
     Config(#[from] ConfigError),
     #[error("rl update: {0}")]
     Pipeline(#[from] PipelineError),
-    #[error("grpo: {0}")]
-    Grpo(#[from] GrpoError),
     #[error(transparent)]
     Data(#[from] DataError),
     #[error(transparent)]
@@ -53,4 +57,100 @@ pub enum RlError {
         needed: usize,
         prompts: usize,
     },
+
+    // ---- group-relative advantages (`grpo`)
+    #[error("grpo: {len} rewards do not split into groups of {group}")]
+    Ragged { len: usize, group: usize },
+    #[error("grpo: reward {index} is {value}, not a finite number")]
+    NotFinite { index: usize, value: f32 },
+    #[error(
+        "grpo: sequence {sequence}: {what} has {got} values, the policy's log-probs {expected}"
+    )]
+    GrpoLength {
+        sequence: usize,
+        what: &'static str,
+        got: usize,
+        expected: usize,
+    },
+    #[error("grpo: {advantages} advantages for {sequences} sequences")]
+    AdvantageCount { advantages: usize, sequences: usize },
+    /// A packed update's rows do not hold every sequence exactly once.
+    #[error("grpo: micro-batch layout: {0}")]
+    Layout(String),
+
+    // ---- a launched rank (`launched`)
+    #[error(transparent)]
+    World(#[from] WorldMismatch),
+    #[error("dp = {dp} replicas cannot take equal shares of {what} = {count}")]
+    Shares {
+        dp: usize,
+        what: &'static str,
+        count: usize,
+    },
+    #[error("rank {rank}: {error}")]
+    Group { rank: usize, error: CommError },
+    #[error(transparent)]
+    Untrained(#[from] UntrainedPolicy),
+    /// (Boxed, as the pipeline's error below: they would make every result of a rank's
+    /// run as large as the largest of them.)
+    #[error("rank {rank}: {error}")]
+    OnRank { rank: usize, error: Box<RlError> },
+    /// The rank's own pipeline failed (the error names the rank).
+    #[error("{error}")]
+    RankPipeline {
+        rank: usize,
+        error: Box<PipelineError>,
+    },
+    #[error("rank {rank}: {what} with rank {peer}: {source}")]
+    RankLink {
+        rank: usize,
+        peer: usize,
+        what: &'static str,
+        #[source]
+        source: CommError,
+    },
+    #[error("rank {rank}: rank {peer} sent an unreadable {what}: {reason}")]
+    BadFrame {
+        rank: usize,
+        peer: usize,
+        what: &'static str,
+        reason: String,
+    },
+    /// The mesh failed: a peer died or broke the protocol (named in the text).
+    #[error("rank {rank}: {reason}")]
+    Peer { rank: usize, reason: String },
+    #[error("rank {rank}: merging the update's profiles: {error}")]
+    RankProfile { rank: usize, error: ProfileError },
+
+    // ---- the rollout engine (`rollout`, `speculative`)
+    #[error("rollout config: `{field}` {reason}")]
+    RolloutConfig { field: &'static str, reason: String },
+    #[error("request {index}: {reason}")]
+    Request { index: usize, reason: String },
+    #[error("stage threads stopped before the rollout finished")]
+    Stopped,
+    /// The trained drafter failed, as a proposer or in the calibration.
+    #[error("drafter: {0}")]
+    Drafter(#[from] DrafterError),
+    /// Why a proposer could not draft.
+    #[error("proposer {proposer}: {reason}")]
+    Propose {
+        proposer: &'static str,
+        reason: String,
+    },
+
+    // ---- the start-up calibration of step costs (`calibrate`)
+    #[error("calibration: {0}")]
+    CalibrationInput(String),
+}
+
+impl RlError {
+    /// A proposer's failure not tied to its kind (what the engine or the trait's defaults
+    /// find wrong).
+    pub fn proposer(reason: impl Into<String>) -> Self {
+        RlError::Propose {
+            proposer: "proposer",
+            reason: reason.into(),
+        }
+    }
 }

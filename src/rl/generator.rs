@@ -2,9 +2,9 @@
 //! [`Rollout`] (one sampled sequence), [`RolloutBatch`], and the [`RolloutGenerator`]
 //! trait (the plain KV-cache sampler and the pipelined, speculative engine implement it).
 
+use crate::rl::RlError;
 use serde::{Deserialize, Serialize};
 
-use super::error::RlError;
 use crate::model::Gpt;
 use crate::tensor::Backend;
 

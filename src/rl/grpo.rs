@@ -36,41 +36,21 @@
 //! computed once per rollout batch by [`reference_log_probs`]), so the micro-batches' losses
 //! sum to [`grpo_loss`] and the head backpropagates its per-token gradient.
 
-/// What can be wrong with GRPO inputs; each names the figure and where.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum GrpoError {
-    #[error("{len} rewards do not split into groups of {group}")]
-    Ragged { len: usize, group: usize },
-    #[error("reward {index} is {value}, not a finite number")]
-    NotFinite { index: usize, value: f32 },
-    #[error("sequence {sequence}: {what} has {got} values, the policy's log-probs {expected}")]
-    Length {
-        sequence: usize,
-        what: &'static str,
-        got: usize,
-        expected: usize,
-    },
-    #[error("{advantages} advantages for {sequences} sequences")]
-    Count { advantages: usize, sequences: usize },
-    /// A packed update's rows do not hold every sequence exactly once.
-    #[error("micro-batch layout: {0}")]
-    Layout(String),
-}
-
+use crate::rl::RlError;
 /// Added to a group's standard deviation so an almost-uniform group cannot blow up.
 pub const ADVANTAGE_EPS: f32 = 1e-6;
 
 /// Group-normalised advantages of `rewards`, laid out group after group (`group`
 /// consecutive rewards per prompt).
-pub fn group_advantages(rewards: &[f32], group: usize) -> Result<Vec<f32>, GrpoError> {
+pub fn group_advantages(rewards: &[f32], group: usize) -> Result<Vec<f32>, RlError> {
     if group == 0 || !rewards.len().is_multiple_of(group) {
-        return Err(GrpoError::Ragged {
+        return Err(RlError::Ragged {
             len: rewards.len(),
             group,
         });
     }
     if let Some((index, &value)) = rewards.iter().enumerate().find(|(_, r)| !r.is_finite()) {
-        return Err(GrpoError::NotFinite { index, value });
+        return Err(RlError::NotFinite { index, value });
     }
     let mut out = Vec::with_capacity(rewards.len());
     for g in rewards.chunks(group) {
@@ -140,9 +120,9 @@ pub fn grpo_loss(
     cfg: GrpoLoss,
     seqs: &[SequenceLogProbs],
     advantages: &[f32],
-) -> Result<(f32, Vec<Vec<f32>>), GrpoError> {
+) -> Result<(f32, Vec<Vec<f32>>), RlError> {
     if advantages.len() != seqs.len() {
-        return Err(GrpoError::Count {
+        return Err(RlError::AdvantageCount {
             advantages: advantages.len(),
             sequences: seqs.len(),
         });
@@ -153,7 +133,7 @@ pub fn grpo_loss(
     for (i, (s, &a)) in seqs.iter().zip(advantages).enumerate() {
         let len = s.logp.len();
         let check = |what, got: usize| {
-            (got != len).then_some(GrpoError::Length {
+            (got != len).then_some(RlError::GrpoLength {
                 sequence: i,
                 what,
                 got,
@@ -245,15 +225,15 @@ mod tests {
             close(a[0], -1.0 / s) && close(a[1], 0.0) && close(a[2], 1.0 / s),
             "{a:?}"
         );
-        assert_eq!(
+        assert!(matches!(
             group_advantages(&[1.0; 5], 2),
-            Err(GrpoError::Ragged { len: 5, group: 2 })
-        );
+            Err(RlError::Ragged { len: 5, group: 2 })
+        ));
         assert_eq!(
             group_advantages(&[1.0, f32::NAN], 2)
                 .unwrap_err()
                 .to_string(),
-            "reward 1 is NaN, not a finite number"
+            "grpo: reward 1 is NaN, not a finite number"
         );
     }
 
@@ -318,11 +298,11 @@ mod tests {
         bad[1].logp_ref = Some(vec![0.0, 0.0]);
         assert_eq!(
             grpo_loss(CFG, &bad, &[1.0, 1.0]).unwrap_err().to_string(),
-            "sequence 1: logp_ref has 2 values, the policy's log-probs 1"
+            "grpo: sequence 1: logp_ref has 2 values, the policy's log-probs 1"
         );
         assert!(matches!(
             grpo_loss(CFG, &seqs, &[1.0]),
-            Err(GrpoError::Count { .. })
+            Err(RlError::AdvantageCount { .. })
         ));
     }
 

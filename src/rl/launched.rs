@@ -52,12 +52,11 @@
 //! before rank 0's rollout arrives, which rank 0 sends only once every rank's frame is in:
 //! so no frame of a step can reach a rank's previous, finished transport.
 
-mod error;
 mod rank;
 mod state;
 mod step;
 
-pub use error::{RL_CHANNEL, RlLaunchError};
+use crate::rl::RlError;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -75,7 +74,6 @@ use crate::pipeline::feed::StepFeed;
 use crate::pipeline::mesh::check_world;
 use crate::pipeline::mesh::profile::sync_clock;
 use crate::pipeline::{PipelineError, PipelineTrainer};
-use crate::rl::error::RlError;
 use crate::rl::prompts::PromptSource;
 use crate::rl::step::grpo_step;
 use crate::rl::step::update_job_of;
@@ -88,6 +86,9 @@ use crate::train::reference::adamw_config;
 use rank::Ctx;
 use state::{RankState, Start};
 use step::LaunchedRank;
+
+/// Channel of the weight sync (ranks → rank 0) and of the rollouts (rank 0 → ranks).
+pub const RL_CHANNEL: crate::comm::link::Channel = u32::MAX - 8;
 
 /// How long a rank waits for rank 0 to have gathered the final weights.
 const FINAL_WAIT: Duration = Duration::from_secs(120);
@@ -130,8 +131,8 @@ pub fn rl_rank_with(
     init: Option<&Checkpoint>,
     options: RankOptions,
     on_step: impl FnMut(&RlStepMetrics),
-) -> Result<Option<RlLaunchRun>, RlLaunchError> {
-    let backend = CpuBackend::new(1).map_err(|e| RlLaunchError::Rl {
+) -> Result<Option<RlLaunchRun>, RlError> {
+    let backend = CpuBackend::new(1).map_err(|e| RlError::OnRank {
         rank: mesh.rank(),
         error: Box::new(ModelError::from(e).into()),
     })?;
@@ -149,13 +150,13 @@ pub fn rl_rank_on<B: RankBackend>(
     init: Option<&Checkpoint>,
     options: RankOptions,
     mut on_step: impl FnMut(&RlStepMetrics),
-) -> Result<Option<RlLaunchRun>, RlLaunchError> {
+) -> Result<Option<RlLaunchRun>, RlError> {
     let (rank, world, dp) = (mesh.rank(), mesh.world(), job.dp);
-    let rl_err = |error: RlError| RlLaunchError::Rl {
+    let rl_err = |error: RlError| RlError::OnRank {
         rank,
         error: Box::new(error),
     };
-    let pipeline_err = |error: PipelineError| RlLaunchError::Pipeline {
+    let pipeline_err = |error: PipelineError| RlError::RankPipeline {
         rank,
         error: Box::new(error),
     };
@@ -190,7 +191,7 @@ pub fn rl_rank_on<B: RankBackend>(
         )),
         _ => None,
     };
-    let profile_err = |error| RlLaunchError::Profile { rank, error };
+    let profile_err = |error| RlError::RankProfile { rank, error };
     let clock_sync = sync_clock(mesh, clock.is_virtual()).map_err(profile_err)?;
     let mut parts = LaunchedRank {
         ctx: &ctx,
@@ -217,7 +218,7 @@ pub fn rl_rank_on<B: RankBackend>(
         // 0 has read this rank's weights.
         mesh.quiesce();
         if !mesh.wait_gone(0, FINAL_WAIT) {
-            return Err(RlLaunchError::Peer {
+            return Err(RlError::Peer {
                 rank,
                 reason: mesh.failure().unwrap_or_else(|| {
                     format!("rank 0 did not confirm the final weights within {FINAL_WAIT:?}")
@@ -267,17 +268,17 @@ fn replica_plan(
     job: &JobConfig,
     rank: usize,
     what: &'static str,
-) -> Result<crate::schedules::Plan, RlLaunchError> {
+) -> Result<crate::schedules::Plan, RlError> {
     let count = job.train.micro_batches;
     if !count.is_multiple_of(job.dp) {
-        return Err(RlLaunchError::Shares {
+        return Err(RlError::Shares {
             dp: job.dp,
             what,
             count,
         });
     }
     // The trainer plans each replica's share.
-    let trainer = PipelineTrainer::from_job(job).map_err(|error| RlLaunchError::Pipeline {
+    let trainer = PipelineTrainer::from_job(job).map_err(|error| RlError::RankPipeline {
         rank,
         error: Box::new(error),
     })?;
@@ -292,7 +293,7 @@ fn start<B: RankBackend>(
     job: &JobConfig,
     init: Option<&Checkpoint>,
     keep: bool,
-) -> Result<RankState<B>, RlLaunchError> {
+) -> Result<RankState<B>, RlError> {
     let (rl_err, pipeline_err) = (ctx.rl_err(), ctx.pipeline_err());
     job.rl
         .check_trained(init.is_some(), job.model.from.is_some())?;

@@ -30,6 +30,7 @@ pub mod error;
 pub mod generator;
 /// The RL settings live with the job's ([`crate::config::rl`]).
 pub use crate::config::rl as config;
+pub use error::RlError;
 pub mod grpo;
 pub mod launched;
 pub mod prompts;

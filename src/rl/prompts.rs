@@ -14,10 +14,10 @@
 //! A completion is the generated ids up to (without) the tokenizer's EOS; a completion cut
 //! off by the token budget is scored like any other.
 
+use crate::rl::RlError;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use super::error::RlError;
 use super::reward::{completion_tokens, reward};
 use crate::config::JobConfig;
 use crate::data::jsonl::{Record, read_records};

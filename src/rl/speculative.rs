@@ -15,39 +15,9 @@
 //! verifies in one pass with tree attention and accepts with [`super::tree`].
 
 use crate::data::SplitMix64;
-use crate::model::drafter::{
-    DraftChain, DraftContext, DraftTree, Drafter, DrafterError, TreeShape,
-};
+use crate::model::drafter::{DraftChain, DraftContext, DraftTree, Drafter, TreeShape};
+use crate::rl::RlError;
 use crate::tensor::Backend;
-
-/// Why a proposer could not draft.
-#[derive(Debug, thiserror::Error)]
-#[error("proposer {proposer}: {reason}")]
-pub struct ProposeError {
-    pub proposer: &'static str,
-    pub reason: String,
-}
-
-impl ProposeError {
-    /// A proposer's failure not tied to its kind (what the engine or the trait's defaults
-    /// find wrong), reported as `proposer`'s.
-    pub fn unnamed(reason: impl Into<String>) -> Self {
-        ProposeError {
-            proposer: "proposer",
-            reason: reason.into(),
-        }
-    }
-}
-
-/// The trained drafter's failures, as the proposer `"drafter"`'s.
-impl From<DrafterError> for ProposeError {
-    fn from(e: DrafterError) -> Self {
-        ProposeError {
-            proposer: "drafter",
-            reason: e.to_string(),
-        }
-    }
-}
 
 /// Drafts chains of `k` tokens for a batch of sequences.
 pub trait Proposer {
@@ -58,7 +28,7 @@ pub trait Proposer {
         k: usize,
         temperature: f32,
         rng: &mut SplitMix64,
-    ) -> Result<Vec<DraftChain>, ProposeError>;
+    ) -> Result<Vec<DraftChain>, RlError>;
 
     /// One tree per context, of at most `shape.nodes` nodes and `shape.depth` levels,
     /// siblings distinct; its tokens must not be draws correlated with the target (the
@@ -70,8 +40,8 @@ pub trait Proposer {
         _shape: &TreeShape,
         _temperature: f32,
         _rng: &mut SplitMix64,
-    ) -> Result<Vec<DraftTree>, ProposeError> {
-        Err(ProposeError::unnamed("does not draft trees"))
+    ) -> Result<Vec<DraftTree>, RlError> {
+        Err(RlError::proposer("does not draft trees"))
     }
 }
 
@@ -82,7 +52,7 @@ impl<B: Backend> Proposer for Drafter<B> {
         k: usize,
         temperature: f32,
         rng: &mut SplitMix64,
-    ) -> Result<Vec<DraftChain>, ProposeError> {
+    ) -> Result<Vec<DraftChain>, RlError> {
         Ok(Drafter::propose(self, contexts, k, temperature, rng)?)
     }
 
@@ -92,7 +62,7 @@ impl<B: Backend> Proposer for Drafter<B> {
         shape: &TreeShape,
         temperature: f32,
         _rng: &mut SplitMix64,
-    ) -> Result<Vec<DraftTree>, ProposeError> {
+    ) -> Result<Vec<DraftTree>, RlError> {
         Ok(Drafter::propose_tree(self, contexts, shape, temperature)?)
     }
 }
@@ -117,7 +87,7 @@ impl Proposer for RandomProposer {
         k: usize,
         temperature: f32,
         rng: &mut SplitMix64,
-    ) -> Result<Vec<DraftChain>, ProposeError> {
+    ) -> Result<Vec<DraftChain>, RlError> {
         let v = self.vocab;
         Ok(contexts
             .iter()
@@ -151,7 +121,7 @@ impl Proposer for RandomProposer {
         shape: &TreeShape,
         _temperature: f32,
         rng: &mut SplitMix64,
-    ) -> Result<Vec<DraftTree>, ProposeError> {
+    ) -> Result<Vec<DraftTree>, RlError> {
         let v = self.vocab as u64;
         let branch = shape.branch.min(self.vocab);
         Ok(contexts
@@ -207,7 +177,7 @@ impl Proposer for OracleProposer {
         k: usize,
         _temperature: f32,
         _rng: &mut SplitMix64,
-    ) -> Result<Vec<DraftChain>, ProposeError> {
+    ) -> Result<Vec<DraftChain>, RlError> {
         let v = self.vocab;
         Ok(contexts
             .iter()
@@ -239,7 +209,7 @@ impl Proposer for OracleProposer {
         shape: &TreeShape,
         temperature: f32,
         rng: &mut SplitMix64,
-    ) -> Result<Vec<DraftTree>, ProposeError> {
+    ) -> Result<Vec<DraftTree>, RlError> {
         let k = shape.depth.min(shape.nodes);
         let chains = self.propose(contexts, k, temperature, rng)?;
         Ok(chains.iter().map(|c| DraftTree::chain(&c.tokens)).collect())

@@ -12,11 +12,11 @@
 //! the losses, KL and profiles). Whoever generated the rollouts ([`generate`]) has their
 //! [`RolloutFigures`] and reports the step.
 
+use crate::rl::RlError;
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
-use super::error::RlError;
 use super::generator::{Rollout, RolloutBatch, RolloutGenerator, RolloutRequest};
 use super::grpo::{group_advantages, reference_log_probs};
 use super::prompts::PromptSource;

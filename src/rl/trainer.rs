@@ -29,9 +29,9 @@
 //! The learning rate decays by cosine from `rl.lr` to `rl.lr / 10` over the RL steps (the
 //! update job's warm-up is the step RL starts at, so its schedule starts at the peak).
 
+use crate::rl::RlError;
 use std::sync::Arc;
 
-use super::error::RlError;
 use super::generator::RolloutGenerator;
 use super::prompts::PromptSource;
 use super::step::{

@@ -8,11 +8,11 @@
 //! sequence's tokens do not depend on which others are still live.
 
 use super::accept::{sample, softmax};
-use super::error::RlError;
 use super::generator::{Rollout, RolloutBatch, RolloutGenerator, RolloutRequest};
 use crate::data::SplitMix64;
 use crate::model::infer::{InferStage, Span, run_stages};
 use crate::model::{Cut, Gpt};
+use crate::rl::RlError;
 use crate::tensor::Backend;
 
 /// Plain (non-speculative) sampling at `temperature`.

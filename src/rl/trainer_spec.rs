@@ -44,6 +44,7 @@
 //! Speculation never changes what is sampled (acceptance is lossless), so the reward curve
 //! is the same in distribution with it on or off; only the time differs.
 
+use crate::rl::RlError;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
@@ -52,12 +53,11 @@ use pipefill_actors::FillerRouter;
 use super::bandit::KBandit;
 use super::calibrate::Calibration;
 use super::config::{DrafterLeftover, SpecThreshold};
-use super::error::RlError;
 use super::generator::{Rollout, RolloutBatch, RolloutGenerator, RolloutRequest};
 use super::rollout::idle::{DrafterAccount, DrafterSlices, EvalWork, RolloutRouter};
 use super::rollout::{
     AdaptiveConfig, DEFAULT_SPEC_THRESHOLD, MessageHook, Request, RolloutConfig,
-    RolloutEngine as Engine, RolloutError, Speculation,
+    RolloutEngine as Engine, Speculation,
 };
 use super::speculative::Proposer;
 use crate::config::JobConfig;
@@ -71,18 +71,6 @@ use crate::model::{Cut, Gpt};
 use crate::rl::config::RlConfig;
 use crate::tensor::CpuBackend;
 use crate::tensor::device::RankBackend;
-
-impl From<RolloutError> for RlError {
-    fn from(e: RolloutError) -> Self {
-        RlError::Rollout(e.to_string())
-    }
-}
-
-impl From<crate::model::drafter::DrafterError> for RlError {
-    fn from(e: crate::model::drafter::DrafterError) -> Self {
-        RlError::Rollout(format!("drafter: {e}"))
-    }
-}
 
 /// Rows of each step held out of the drafter's training to measure its agreement.
 const HELD_OUT_ROWS: usize = 4;
@@ -251,8 +239,7 @@ impl<B: RankBackend> PipelineRollouts<B> {
                 groups,
                 self.rl.advanced.min_group_rows,
                 CALIBRATION_REPS,
-            )
-            .map_err(|e| RlError::Rollout(e.to_string()))?;
+            )?;
             if !c.can_pay() {
                 self.speculation = Speculation::Off;
             }

@@ -29,12 +29,12 @@
 //! to [`super::grpo::grpo_loss`]. Either way the step's gradient is the one-per-sequence
 //! update's up to float rounding (tests/rl_update.rs compares them).
 
+use crate::rl::RlError;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use super::config::RlConfig;
-use super::error::RlError;
 use super::generator::Rollout;
-use super::grpo::{GrpoError, GrpoLoss, token_loss, update_scales};
+use super::grpo::{GrpoLoss, token_loss, update_scales};
 use crate::data::{MicroBatch, tokenizer};
 use crate::model::layers::TokenLoss;
 use crate::pipeline::feed::StepBatches;
@@ -225,7 +225,7 @@ fn selection(
 
 fn check_counts(rollouts: &[Rollout], advantages: &[f32]) -> Result<(), RlError> {
     if rollouts.len() != advantages.len() {
-        return Err(GrpoError::Count {
+        return Err(RlError::AdvantageCount {
             advantages: advantages.len(),
             sequences: rollouts.len(),
         }
@@ -305,9 +305,9 @@ impl GrpoTokenLoss {
         tokens: Vec<usize>,
         logp_ref: Option<Vec<Vec<f32>>>,
         rows: Vec<Vec<usize>>,
-    ) -> Result<Self, GrpoError> {
+    ) -> Result<Self, RlError> {
         let n = advantages.len();
-        let count = |sequences| GrpoError::Count {
+        let count = |sequences| RlError::AdvantageCount {
             advantages: n,
             sequences,
         };
@@ -319,7 +319,7 @@ impl GrpoTokenLoss {
                 return Err(count(r.len()));
             }
             if let Some(sequence) = (0..n).find(|&i| r[i].len() != tokens[i]) {
-                return Err(GrpoError::Length {
+                return Err(RlError::GrpoLength {
                     sequence,
                     what: "logp_ref",
                     got: r[sequence].len(),
@@ -331,11 +331,11 @@ impl GrpoTokenLoss {
         for &i in rows.iter().flatten() {
             match seen.get_mut(i) {
                 Some(s) => *s += 1,
-                None => return Err(GrpoError::Layout(format!("no sequence {i} of {n}"))),
+                None => return Err(RlError::Layout(format!("no sequence {i} of {n}"))),
             }
         }
         if let Some(i) = seen.iter().position(|&s| s > 1) {
-            return Err(GrpoError::Layout(format!(
+            return Err(RlError::Layout(format!(
                 "sequence {i} is in {} micro-batch rows, not one",
                 seen[i]
             )));
@@ -345,7 +345,7 @@ impl GrpoTokenLoss {
         if let Some(i) =
             (0..n).find(|&i| seen[i] == 0 && !zero_loss(advantages[i], logp_ref.is_some()))
         {
-            return Err(GrpoError::Layout(format!(
+            return Err(RlError::Layout(format!(
                 "sequence {i} is in no micro-batch but has a loss (advantage {}{})",
                 advantages[i],
                 if logp_ref.is_some() { ", KL term" } else { "" }

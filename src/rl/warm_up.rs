@@ -2,11 +2,11 @@
 //! job's pipeline on its tasks, or, for a pretrained model without `rl.warmup_steps`, the
 //! imported weights as they are ([`crate::rl::config::RlConfig::warmup`]).
 
-use super::error::RlError;
 use crate::config::JobConfig;
 use crate::model::checkpoint::Checkpoint;
 use crate::model::{AdamW, Cut, Gpt, ModelError};
 use crate::pipeline::{PipelineTrainer, StepMetrics};
+use crate::rl::RlError;
 use crate::tensor::CpuBackend;
 use crate::train::reference::adamw_config;
 

@@ -4,6 +4,7 @@
 
 use crate::comm::CommError;
 use crate::profile::ProfileError;
+use crate::rl::RlError;
 use std::path::{Path, PathBuf};
 
 use crate::config::{ConfigError, JobConfig};
@@ -14,8 +15,6 @@ use crate::model::checkpoint::CheckpointError;
 use crate::pipeline::PipelineError;
 use crate::pipeline::mesh::DistributedError;
 use crate::rl::config::UntrainedPolicy;
-use crate::rl::error::RlError;
-use crate::rl::launched::RlLaunchError;
 use crate::schedules::ScheduleError;
 use crate::tensor::TensorError;
 use crate::tensor::device::DeviceError;
@@ -54,9 +53,6 @@ pub enum RunError {
     /// A launched rank's training.
     #[error(transparent)]
     Distributed(#[from] DistributedError),
-    /// A launched rank's RL.
-    #[error(transparent)]
-    RlLaunch(#[from] RlLaunchError),
     /// Closing the mesh after the run.
     #[error(transparent)]
     Comm(#[from] CommError),

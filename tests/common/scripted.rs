@@ -2,7 +2,7 @@
 //! rewards and group advantages.
 
 use pipefill::data::{Task, Tokenizer, tokenizer};
-use pipefill::rl::error::RlError;
+use pipefill::rl::RlError;
 use pipefill::rl::generator::{Rollout, RolloutBatch};
 
 /// `group` completions per prompt: the first of each group is the task's worked solution

@@ -3,6 +3,7 @@
 //! of a rollout, and the printing of the step costs, which are measured by
 //! [`pipefill::rl::calibrate`] (the same code `pipefill rl` calibrates with).
 
+use pipefill::rl::RlError;
 use std::collections::BTreeMap;
 
 use pipefill::model::Gpt;
@@ -10,7 +11,7 @@ use pipefill::model::drafter::DraftRow;
 use pipefill::model::drafter::{DraftContext, Drafter};
 use pipefill::profile::report::median;
 use pipefill::rl::bandit::bucket;
-use pipefill::rl::calibrate::{CalibrationError, StepCost, chain_acceptance, step_costs};
+use pipefill::rl::calibrate::{StepCost, chain_acceptance, step_costs};
 use pipefill::rl::rollout::{RolloutOutput, WorkKind};
 use pipefill::tensor::Backend;
 
@@ -202,7 +203,7 @@ pub(super) fn median_step_costs<B: Backend>(
     ctx: DraftContext<'_>,
     ks: &[usize],
     max_b: usize,
-) -> Result<Vec<StepCost>, CalibrationError> {
+) -> Result<Vec<StepCost>, RlError> {
     let runs: Vec<Vec<StepCost>> = (0..COST_REPS)
         .map(|_| step_costs(model, drafter, ctx, ks, max_b, 1))
         .collect::<Result<_, _>>()?;

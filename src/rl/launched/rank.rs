@@ -3,12 +3,13 @@
 //! weight sync to rank 0, and rank 0's rollouts with the KL reference's log-probs.
 
 use crate::comm::CommError;
+use crate::rl::RlError;
 use std::sync::Arc;
 use std::sync::mpsc::channel;
 
 use pipefill_actors::{Clock, GradStats, PlanSource, RunReport, Transport};
 
-use super::error::{RL_CHANNEL, RlLaunchError};
+use super::RL_CHANNEL;
 use super::state::{Ended, RankState, Start};
 use crate::comm::frame;
 use crate::comm::link::PeerLink;
@@ -22,7 +23,6 @@ use crate::pipeline::executor::{Links, RankStart, ReplicaLinks, Stepping};
 use crate::pipeline::feed::StepFeed;
 use crate::pipeline::shared::{RankFinal, Shared};
 use crate::pipeline::{PipelineError, RankCompute, RankJob};
-use crate::rl::error::RlError;
 use crate::rl::prompts::PromptSource;
 use crate::rl::step::{RolloutFigures, StepRollouts, generate};
 use crate::rl::trainer_spec::PipelineRollouts;
@@ -52,11 +52,11 @@ pub(super) struct Transports<B: Backend> {
 }
 
 impl<B: RankBackend> Ctx<'_, B> {
-    pub fn link_err(&self, peer: usize, what: &'static str) -> impl Fn(CommError) -> RlLaunchError {
+    pub fn link_err(&self, peer: usize, what: &'static str) -> impl Fn(CommError) -> RlError {
         let (rank, mesh) = (self.rank, Arc::clone(self.mesh));
         move |source| match mesh.failure() {
-            Some(reason) => RlLaunchError::Peer { rank, reason },
-            None => RlLaunchError::Link {
+            Some(reason) => RlError::Peer { rank, reason },
+            None => RlError::RankLink {
                 rank,
                 peer,
                 what,
@@ -65,25 +65,25 @@ impl<B: RankBackend> Ctx<'_, B> {
         }
     }
 
-    pub fn rl_err(&self) -> impl Fn(RlError) -> RlLaunchError {
+    pub fn rl_err(&self) -> impl Fn(RlError) -> RlError {
         let rank = self.rank;
-        move |error| RlLaunchError::Rl {
+        move |error| RlError::OnRank {
             rank,
             error: Box::new(error),
         }
     }
 
-    pub fn pipeline_err(&self) -> impl Fn(PipelineError) -> RlLaunchError {
+    pub fn pipeline_err(&self) -> impl Fn(PipelineError) -> RlError {
         let rank = self.rank;
-        move |error| RlLaunchError::Pipeline {
+        move |error| RlError::RankPipeline {
             rank,
             error: Box::new(error),
         }
     }
 
-    fn bad_frame(&self, peer: usize, what: &'static str) -> impl Fn(String) -> RlLaunchError {
+    fn bad_frame(&self, peer: usize, what: &'static str) -> impl Fn(String) -> RlError {
         let rank = self.rank;
-        move |reason| RlLaunchError::BadFrame {
+        move |reason| RlError::BadFrame {
             rank,
             peer,
             what,
@@ -92,9 +92,9 @@ impl<B: RankBackend> Ctx<'_, B> {
     }
 
     /// The transports of this rank's replica's pipeline (mesh ranks `replica × pp ..`).
-    pub fn transports(&self) -> Result<Transports<B>, RlLaunchError> {
+    pub fn transports(&self) -> Result<Transports<B>, RlError> {
         let base = self.replica * self.pp;
-        let err = |error| RlLaunchError::Group {
+        let err = |error| RlError::Group {
             rank: self.rank,
             error,
         };
@@ -127,7 +127,7 @@ impl<B: RankBackend> Ctx<'_, B> {
         start: Start<'_, B>,
         keep: bool,
         transports: Transports<B>,
-    ) -> Result<(RunReport, Ended<B>, Vec<StepMetrics>), RlLaunchError> {
+    ) -> Result<(RunReport, Ended<B>, Vec<StepMetrics>), RlError> {
         let (rank, prank) = (self.rank, self.prank);
         let err = self.pipeline_err();
         feed.prefetch(first_step);
@@ -170,7 +170,7 @@ impl<B: RankBackend> Ctx<'_, B> {
                 links,
             )
             .map_err(|e| match self.mesh.failure() {
-                Some(reason) => RlLaunchError::Peer { rank, reason },
+                Some(reason) => RlError::Peer { rank, reason },
                 None => err(e.into()),
             })?;
         let ended = match kept {
@@ -186,7 +186,7 @@ impl<B: RankBackend> Ctx<'_, B> {
     /// opened the step's transports), and rank 0 takes them into `state`. Mid-run a kept
     /// rank sends its parameters only; the `last` sync sends the moments too (see
     /// [`super::state`]).
-    pub fn sync_weights(&self, state: &mut RankState<B>, last: bool) -> Result<(), RlLaunchError> {
+    pub fn sync_weights(&self, state: &mut RankState<B>, last: bool) -> Result<(), RlError> {
         let model_err = |e: ModelError| self.pipeline_err()(e.into());
         if self.rank != 0 {
             let own = if self.replica == 0 {
@@ -223,7 +223,7 @@ impl<B: RankBackend> Ctx<'_, B> {
         engine: Option<(&mut PipelineRollouts<B>, &PromptSource)>,
         models: (&Gpt<B>, Option<&mut Gpt<B>>),
         step: u64,
-    ) -> Result<(StepRollouts, Option<RolloutFigures>), RlLaunchError> {
+    ) -> Result<(StepRollouts, Option<RolloutFigures>), RlError> {
         let Some((engine, prompts)) = engine else {
             let bytes = self
                 .mesh
@@ -253,7 +253,7 @@ impl<B: RankBackend> Ctx<'_, B> {
         own: Option<&GrpoTokenLoss>,
         loss_rank: usize,
         shares: &[Share],
-    ) -> Result<Option<f64>, RlLaunchError> {
+    ) -> Result<Option<f64>, RlError> {
         let Some(own) = own else {
             return Ok(None);
         };

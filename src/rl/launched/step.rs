@@ -4,10 +4,11 @@
 //! gathers what the step reports (the replicas' losses and KL, every rank's spans).
 
 use crate::comm::CommError;
+use crate::rl::RlError;
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::error::{RL_CHANNEL, RlLaunchError};
+use super::RL_CHANNEL;
 use super::rank::{Ctx, Share, Transports, shares};
 use super::state::RankState;
 use crate::comm::frame;
@@ -18,7 +19,6 @@ use crate::pipeline::PipelineTrainer;
 use crate::pipeline::feed::StepFeed;
 use crate::pipeline::mesh::profile::{ClockSync, PROFILE_CHANNEL, loss_rank, rank_profile};
 use crate::profile::merge::{gather_profiles, merge, send_profile};
-use crate::rl::error::RlError;
 use crate::rl::prompts::PromptSource;
 use crate::rl::step::{RolloutFigures, StepParts, StepRollouts, UpdateOutcome};
 use crate::rl::trainer_spec::PipelineRollouts;
@@ -43,12 +43,9 @@ pub(super) struct LaunchedRank<'a, 'm, B: RankBackend> {
 }
 
 impl<B: RankBackend> StepParts for LaunchedRank<'_, '_, B> {
-    type Error = RlLaunchError;
+    type Error = RlError;
 
-    fn rollouts(
-        &mut self,
-        step: u64,
-    ) -> Result<(StepRollouts, Option<RolloutFigures>), RlLaunchError> {
+    fn rollouts(&mut self, step: u64) -> Result<(StepRollouts, Option<RolloutFigures>), RlError> {
         let ctx = self.ctx;
         // Open this step's transports before the weight sync releases the step.
         self.links = Some(ctx.transports()?);
@@ -75,7 +72,7 @@ impl<B: RankBackend> StepParts for LaunchedRank<'_, '_, B> {
         job: &JobConfig,
         trainer: PipelineTrainer,
         update: UpdateStep,
-    ) -> Result<UpdateOutcome, RlLaunchError> {
+    ) -> Result<UpdateOutcome, RlError> {
         let ctx = self.ctx;
         let plan = trainer.plan();
         let last_stage = loss_rank(plan);
@@ -91,7 +88,7 @@ impl<B: RankBackend> StepParts for LaunchedRank<'_, '_, B> {
         let (report, ended, log) = ctx.run(job, plan, feed, (first, 1), from, self.keep, links)?;
         // Rank 0 merges every rank's spans, as a launched `train` does.
         let own = rank_profile(ctx.rank, ctx.prank, &report, &self.clock_sync);
-        let profile_err = |error| RlLaunchError::Profile {
+        let profile_err = |error| RlError::RankProfile {
             rank: ctx.rank,
             error,
         };
@@ -122,7 +119,7 @@ impl<B: RankBackend> StepParts for LaunchedRank<'_, '_, B> {
         })
     }
 
-    fn error(&self, error: RlError) -> RlLaunchError {
+    fn error(&self, error: RlError) -> RlError {
         self.ctx.rl_err()(error)
     }
 }
@@ -135,10 +132,10 @@ fn gather_losses<B: RankBackend>(
     ctx: &Ctx<'_, B>,
     last_stage: usize,
     log: Vec<StepMetrics>,
-) -> Result<Vec<Vec<StepMetrics>>, RlLaunchError> {
+) -> Result<Vec<Vec<StepMetrics>>, RlError> {
     let rank = ctx.rank;
     let bad = |peer: usize| {
-        move |e: CommError| RlLaunchError::BadFrame {
+        move |e: CommError| RlError::BadFrame {
             rank,
             peer,
             what: "step log",

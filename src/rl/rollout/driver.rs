@@ -4,6 +4,7 @@
 //! sequence's drafter-training row goes to the hook as soon as the sequence finishes, so
 //! that the stages' idle time in the long tail can train on it while the rollout runs.
 
+use crate::rl::RlError;
 use std::collections::{HashMap, VecDeque};
 use std::sync::mpsc::{Receiver, Sender};
 use std::sync::{Arc, Mutex};
@@ -12,8 +13,7 @@ use std::time::{Duration, Instant};
 use super::pipe::{Done, MessageHook, Msg, WorkKind, run_inline};
 use super::seq::{Seq, contexts, draft_row};
 use super::{
-    LivePoint, Request, RolloutConfig, RolloutError, RolloutOutput, RolloutStats, Speculation,
-    StepRecord,
+    LivePoint, Request, RolloutConfig, RolloutOutput, RolloutStats, Speculation, StepRecord,
 };
 use crate::data::SplitMix64;
 use crate::model::ModelError;
@@ -21,7 +21,6 @@ use crate::model::drafter::{DraftChain, DraftTree, TreeShape};
 use crate::model::infer::{Compaction, InferStage, Span, TreeStep};
 use crate::rl::accept::{accept_greedy, accept_sampling, argmax, sample, softmax};
 use crate::rl::bandit::KBandit;
-use crate::rl::speculative::ProposeError;
 use crate::rl::speculative::Proposer;
 use crate::rl::tree::{accept_tree_greedy, accept_tree_sampling};
 use crate::tensor::Backend;
@@ -132,7 +131,7 @@ impl<'a> Driver<'a> {
         results: &Receiver<Result<Done, ModelError>>,
         inline: Option<&[Mutex<&mut InferStage<B>>]>,
         mut proposer: Option<&mut dyn Proposer>,
-    ) -> Result<(), RolloutError> {
+    ) -> Result<(), RlError> {
         self.start = Instant::now();
         self.inline_busy = vec![Duration::ZERO; inline.map_or(0, <[_]>::len)];
         let live: Vec<usize> = (0..self.seqs.len())
@@ -167,7 +166,7 @@ impl<'a> Driver<'a> {
                     Some(stages) if in_flight.is_empty() && ready.is_empty() => {
                         lone = Some(run_inline(stages, msg, &mut self.inline_busy)?);
                     }
-                    _ => first.send(msg).map_err(|_| RolloutError::Stopped)?,
+                    _ => first.send(msg).map_err(|_| RlError::Stopped)?,
                 }
                 in_flight.insert(next_id, f);
                 next_id += 1;
@@ -177,9 +176,9 @@ impl<'a> Driver<'a> {
             }
             let done = match lone {
                 Some(done) => done,
-                None => results.recv().map_err(|_| RolloutError::Stopped)??,
+                None => results.recv().map_err(|_| RlError::Stopped)??,
             };
-            let f = in_flight.remove(&done.group).ok_or(RolloutError::Stopped)?;
+            let f = in_flight.remove(&done.group).ok_or(RlError::Stopped)?;
             let clock = Instant::now();
             let tokens = self.stats.tokens;
             let (alive, finished) = self.absorb(&f, &done);
@@ -199,7 +198,7 @@ impl<'a> Driver<'a> {
             if !finished.is_empty() {
                 first
                     .send(Msg::Release(finished))
-                    .map_err(|_| RolloutError::Stopped)?;
+                    .map_err(|_| RlError::Stopped)?;
             }
             if alive.is_empty() {
                 continue;
@@ -245,7 +244,7 @@ impl<'a> Driver<'a> {
         group: usize,
         members: Vec<usize>,
         proposer: Option<&mut (dyn Proposer + 'p)>,
-    ) -> Result<(InFlight, Msg<B>), RolloutError> {
+    ) -> Result<(InFlight, Msg<B>), RlError> {
         let mut drafting = Duration::ZERO;
         let prefill = members.iter().all(|&i| self.seqs[i].hidden.is_empty());
         let live = self.live();
@@ -285,10 +284,10 @@ impl<'a> Driver<'a> {
                 drafting = clock.elapsed();
                 self.stats.propose_s += drafting.as_secs_f64();
                 if chains.len() != members.len() || chains.iter().any(|c| c.tokens.len() != k) {
-                    return Err(RolloutError::Propose(ProposeError::unnamed(format!(
+                    return Err(RlError::proposer(format!(
                         "asked {k} tokens for {} sequences",
                         members.len()
-                    ))));
+                    )));
                 }
                 Some(chains)
             }
@@ -376,8 +375,8 @@ impl<'a> Driver<'a> {
         members: &[usize],
         trees: Vec<DraftTree>,
         shape: &TreeShape,
-    ) -> Result<Vec<DraftTree>, RolloutError> {
-        let bad = |reason: String| RolloutError::Propose(ProposeError::unnamed(reason));
+    ) -> Result<Vec<DraftTree>, RlError> {
+        let bad = |reason: String| RlError::proposer(reason);
         if trees.len() != members.len() {
             return Err(bad(format!(
                 "{} trees for {} sequences",

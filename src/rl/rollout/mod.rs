@@ -28,6 +28,7 @@ pub mod idle;
 mod pipe;
 mod seq;
 
+use crate::rl::RlError;
 pub use pipe::{IdleTurn, MessageHook, WorkKind};
 
 use std::sync::mpsc;
@@ -36,28 +37,12 @@ use std::sync::{Arc, Mutex};
 use serde::Serialize;
 
 use super::bandit::{Choice, KBandit};
-use super::speculative::{ProposeError, Proposer};
-use crate::model::ModelError;
+use super::speculative::Proposer;
 use crate::model::drafter::{DraftRow, TreeShape};
 use crate::model::infer::InferStage;
 use crate::tensor::Backend;
 use driver::Driver;
 use pipe::{Msg, stage_loop};
-
-/// What can go wrong in a rollout.
-#[derive(Debug, thiserror::Error)]
-pub enum RolloutError {
-    #[error("rollout config: `{field}` {reason}")]
-    Config { field: &'static str, reason: String },
-    #[error("request {index}: {reason}")]
-    Request { index: usize, reason: String },
-    #[error(transparent)]
-    Model(#[from] ModelError),
-    #[error(transparent)]
-    Propose(#[from] ProposeError),
-    #[error("stage threads stopped before the rollout finished")]
-    Stopped,
-}
 
 /// Live batch at or below which [`AdaptiveConfig::default`] speculates.
 ///
@@ -310,7 +295,7 @@ pub struct RolloutEngine<B: Backend> {
 
 impl<B: Backend> RolloutEngine<B> {
     /// An engine over `stages` (first with the embedding, last with the head, in order).
-    pub fn new(stages: Vec<InferStage<B>>) -> Result<Self, RolloutError> {
+    pub fn new(stages: Vec<InferStage<B>>) -> Result<Self, RlError> {
         let ok = !stages.is_empty()
             && stages[0].is_first()
             && stages[stages.len() - 1].is_last()
@@ -318,7 +303,7 @@ impl<B: Backend> RolloutEngine<B> {
                 .windows(2)
                 .all(|w| w[0].blocks().end == w[1].blocks().start);
         if !ok {
-            return Err(RolloutError::Config {
+            return Err(RlError::RolloutConfig {
                 field: "stages",
                 reason: "must be the model's stages in order, embedding first, head last".into(),
             });
@@ -378,7 +363,7 @@ impl<B: Backend> RolloutEngine<B> {
         requests: &[Request],
         config: &RolloutConfig,
         proposer: Option<&mut dyn Proposer>,
-    ) -> Result<RolloutOutput, RolloutError> {
+    ) -> Result<RolloutOutput, RlError> {
         let model = self.stages[0].config().clone();
         check(
             requests,
@@ -456,8 +441,8 @@ fn check(
     has_proposer: bool,
     seq_len: usize,
     vocab: usize,
-) -> Result<(), RolloutError> {
-    let bad = |field, reason: String| Err(RolloutError::Config { field, reason });
+) -> Result<(), RlError> {
+    let bad = |field, reason: String| Err(RlError::RolloutConfig { field, reason });
     if config.groups == 0 {
         return bad("groups", "must be at least 1".into());
     }
@@ -473,7 +458,7 @@ fn check(
         Speculation::Fixed { k: 0 } => return bad("speculation.k", "must be at least 1".into()),
         Speculation::Tree(shape) => {
             if let Some((field, reason)) = shape.check() {
-                return Err(RolloutError::Config {
+                return Err(RlError::RolloutConfig {
                     field: tree_field(field),
                     reason,
                 });
@@ -482,7 +467,7 @@ fn check(
         Speculation::Adaptive(AdaptiveConfig {
             tree: Some(shape), ..
         }) if let Some((field, reason)) = (TreeShape { depth: 1, ..*shape }).check() => {
-            return Err(RolloutError::Config {
+            return Err(RlError::RolloutConfig {
                 field: tree_field(field),
                 reason,
             });
@@ -522,7 +507,7 @@ fn check(
         } else {
             continue;
         };
-        return Err(RolloutError::Request { index, reason });
+        return Err(RlError::Request { index, reason });
     }
     Ok(())
 }
