@@ -36,13 +36,13 @@
 //! ([`StageCompute::rollback_step`]) so the step is redone exactly; first-stage forwards
 //! run on the guessed weights are run again and replace their stash.
 
+use crate::pipeline::PipelineError;
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 use std::sync::mpsc::Sender;
 
 use pipefill_actors::{GradStats, StageCompute, StepDecision};
 
-use super::error::PipelineError;
 use super::fill::DrafterFill;
 use super::shared::{RankFinal, Shared};
 use crate::model::{

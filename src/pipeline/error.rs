@@ -1,4 +1,10 @@
-//! [`PipelineError`]: what can go wrong setting up or running a pipelined job.
+//! [`PipelineError`]: what can go wrong setting up or running a pipelined job, in process or
+//! on a launched rank (its mesh, its final state, the drafter in its bubbles).
+
+use crate::comm::CommError;
+use crate::model::checkpoint::CheckpointError;
+use crate::model::drafter::DrafterError;
+use crate::profile::ProfileError;
 
 /// What can go wrong setting up or running a pipelined job.
 #[derive(Debug, thiserror::Error)]
@@ -52,4 +58,68 @@ pub enum PipelineError {
     /// A job setting that cannot be used here (e.g. `device = "cuda"` without a GPU).
     #[error(transparent)]
     Job(#[from] crate::config::ConfigError),
+
+    // ---- a launched rank (`mesh`)
+    /// The plan's ranks × dp are not the launched processes: one rank per process.
+    #[error(
+        "the plan has {ranks} ranks × dp = {dp} but {world} processes were launched: one rank per \
+         process (set stages × dp = {world})"
+    )]
+    World {
+        ranks: usize,
+        dp: usize,
+        world: usize,
+    },
+    /// The rank's own pipeline failed (the error names the rank; it is shown whole, not as
+    /// a chain, so that the one-line CLI error does not repeat it).
+    #[error("{error}")]
+    OnRank {
+        rank: usize,
+        error: Box<PipelineError>,
+    },
+    #[error("rank {rank}: gathering the final state")]
+    Gather {
+        rank: usize,
+        #[source]
+        source: CommError,
+    },
+    #[error("rank {rank}: the final state of rank {from} is undecodable: {reason}")]
+    BadFinal {
+        rank: usize,
+        from: usize,
+        reason: String,
+    },
+    #[error("rank {rank}: merging the profiles: {error}")]
+    Profile { rank: usize, error: ProfileError },
+    /// The mesh failed: a peer died or broke the protocol (named in the text).
+    #[error("rank {rank}: {reason}")]
+    Peer { rank: usize, reason: String },
+    /// The transport between the ranks cannot be set up (`transport` in the job).
+    #[error("rank {rank}: {error}")]
+    Transport { rank: usize, error: CommError },
+    /// The rank's device (`device` in the job) cannot be used.
+    #[error("rank {rank}: {reason}")]
+    Device { rank: usize, reason: String },
+
+    // ---- the drafter in a launched run's bubbles (`mesh::fill`)
+    #[error("rank {rank}: filler = \"drafter\": {reason}")]
+    FillPlan { rank: usize, reason: String },
+    #[error("rank {rank}: the drafter's exchange with rank {peer}: {reason}")]
+    FillPeer {
+        rank: usize,
+        peer: usize,
+        reason: String,
+    },
+    #[error("rank {rank}: drafter: {source}")]
+    FillDrafter {
+        rank: usize,
+        #[source]
+        source: DrafterError,
+    },
+    #[error("rank {rank}: the resumed checkpoint's drafter: {source}")]
+    FillCheckpoint {
+        rank: usize,
+        #[source]
+        source: CheckpointError,
+    },
 }

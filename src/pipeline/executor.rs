@@ -15,6 +15,7 @@
 //!   in-process links instead of the mesh: the same sums in the same order, bitwise);
 //! - [`whole_batch`] merges the replicas' step logs into the whole batch's.
 
+use crate::pipeline::PipelineError;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, Sender};
@@ -26,7 +27,6 @@ use pipefill_actors::{
 };
 
 use super::compute::{RankCompute, RankJob, RankParts};
-use super::error::PipelineError;
 use super::shared::{Replica, Shared};
 use crate::comm::collective::{GRAD_CHANNEL, GradSync, RingGradSync, TIE_CHANNEL};
 use crate::comm::link::{InProcessLink, PeerLink};

@@ -33,8 +33,8 @@ pub mod profile;
 mod shards;
 
 use crate::comm::CommError;
-use crate::profile::ProfileError;
-pub use fill::{FILL_CHANNEL, FillError, LaunchFill, drafter_of};
+use crate::pipeline::PipelineError;
+pub use fill::{FILL_CHANNEL, LaunchFill, drafter_of};
 pub use shards::{CHECKPOINT_CHANNEL, RankResume, agree_run_dir, layout};
 
 use std::path::PathBuf;
@@ -58,7 +58,7 @@ use crate::model::checkpoint::sharded::param_stages;
 use crate::pipeline::executor::{Links, RankStart, ReplicaLinks, Stepping};
 use crate::pipeline::feed::StepFeed;
 use crate::pipeline::shared::{Checkpointing, RankCheckpointer, RankFinal, Shared};
-use crate::pipeline::{PipelineError, RankCompute, RankJob};
+use crate::pipeline::{RankCompute, RankJob};
 use crate::profile::merge::{MergedProfile, gather_profiles, merge, send_profile};
 use crate::schedules::Plan;
 use crate::tensor::Backend;
@@ -68,62 +68,13 @@ use crate::train::StepMetrics;
 /// How long a rank waits for rank 0 to have gathered every final state.
 const FINAL_WAIT: Duration = Duration::from_secs(120);
 
-/// A launch whose process count is not the job's pipeline ranks × replicas.
-#[derive(Debug, thiserror::Error)]
-#[error(
-    "the plan has {ranks} ranks × dp = {dp} but {world} processes were launched: one rank per \
-     process (set stages × dp = {world})"
-)]
-pub struct WorldMismatch {
-    pub ranks: usize,
-    pub dp: usize,
-    pub world: usize,
-}
-
 /// That a launch of `world` processes runs `dp` replicas of a plan of `ranks` ranks, one
 /// rank per process (global rank = replica × ranks + pipeline rank).
-pub fn check_world(ranks: usize, dp: usize, world: usize) -> Result<(), WorldMismatch> {
+pub fn check_world(ranks: usize, dp: usize, world: usize) -> Result<(), PipelineError> {
     match ranks * dp == world {
         true => Ok(()),
-        false => Err(WorldMismatch { ranks, dp, world }),
+        false => Err(PipelineError::World { ranks, dp, world }),
     }
-}
-
-/// Why a rank's part of a distributed run failed.
-#[derive(Debug, thiserror::Error)]
-pub enum DistributedError {
-    #[error(transparent)]
-    World(#[from] WorldMismatch),
-    /// The rank's own pipeline failed (the error names the rank; it is shown whole, not as
-    /// a chain, so that the one-line CLI error does not repeat it).
-    #[error("{error}")]
-    Pipeline { rank: usize, error: PipelineError },
-    #[error("rank {rank}: gathering the final state")]
-    Gather {
-        rank: usize,
-        #[source]
-        source: CommError,
-    },
-    #[error("rank {rank}: the final state of rank {from} is undecodable: {reason}")]
-    BadFinal {
-        rank: usize,
-        from: usize,
-        reason: String,
-    },
-    /// The drafter in the bubbles (`filler = "drafter"`, [`LaunchFill`]) failed.
-    #[error(transparent)]
-    Fill(#[from] FillError),
-    #[error("rank {rank}: merging the profiles: {error}")]
-    Profile { rank: usize, error: ProfileError },
-    /// The mesh failed: a peer died or broke the protocol (named in the text).
-    #[error("rank {rank}: {reason}")]
-    Peer { rank: usize, reason: String },
-    /// The transport between the ranks cannot be set up (`transport` in the job).
-    #[error("rank {rank}: {error}")]
-    Transport { rank: usize, error: CommError },
-    /// The rank's device (`device` in the job) cannot be used.
-    #[error("rank {rank}: {reason}")]
-    Device { rank: usize, reason: String },
 }
 
 /// What one rank's run produced.
@@ -161,7 +112,7 @@ pub fn train_rank(
     steps: u64,
     resume: Option<&RankResume>,
     device: Device,
-) -> Result<RankRun, DistributedError> {
+) -> Result<RankRun, PipelineError> {
     let (rank, world, pp, dp) = (mesh.rank(), mesh.world(), plan.num_ranks(), job.dp);
     check_world(pp, dp, world)?;
     // Global rank = replica × pp + pipeline rank (RingGradSync's numbering).
@@ -208,7 +159,7 @@ struct Asked<'a> {
 fn run_rank<B: Backend>(
     asked: Asked<'_>,
     links: device::RankLinks<B>,
-) -> Result<RankRun, DistributedError> {
+) -> Result<RankRun, PipelineError> {
     let Asked {
         job, plan, mesh, ..
     } = asked;
@@ -220,9 +171,12 @@ fn run_rank<B: Backend>(
         dp,
     } = links.at;
     let (world, prank) = (mesh.world(), rank % pp);
-    let pipeline_err = |error: PipelineError| DistributedError::Pipeline { rank, error };
+    let pipeline_err = |error: PipelineError| PipelineError::OnRank {
+        rank,
+        error: Box::new(error),
+    };
     let first_step = resume.map_or(0, RankResume::step);
-    let peer_err = |e: CommError| DistributedError::Peer {
+    let peer_err = |e: CommError| PipelineError::Peer {
         rank,
         reason: mesh.failure().unwrap_or_else(|| e.to_string()),
     };
@@ -303,7 +257,7 @@ fn run_rank<B: Backend>(
         saver.save_drafter(Arc::clone(filling));
     }
 
-    let transport_err = |error| DistributedError::Transport { rank, error };
+    let transport_err = |error| PipelineError::Transport { rank, error };
     let stats: Arc<dyn Transport<GradStats>> = Arc::new(
         TcpTransport::group(mesh, STATS_CHANNEL, SerdeCodec, replica * pp, pp)
             .map_err(|e| transport_err(e.into()))?,
@@ -323,7 +277,7 @@ fn run_rank<B: Backend>(
         fillers: filling.iter().map(|f| f.filler()).collect(),
         listener: None,
     };
-    let profile_err = |error| DistributedError::Profile { rank, error };
+    let profile_err = |error| PipelineError::Profile { rank, error };
     let mut clock_sync = sync_clock(mesh, clock.is_virtual()).map_err(profile_err)?;
     clock_sync.at_run_start();
     let report = stepping
@@ -339,7 +293,7 @@ fn run_rank<B: Backend>(
             match mesh.failure() {
                 // The mesh's failure names the rank that died; the runtime's error only
                 // says which action noticed.
-                Some(reason) => DistributedError::Peer { rank, reason },
+                Some(reason) => PipelineError::Peer { rank, reason },
                 None => pipeline_err(e.into()),
             }
         })?;
@@ -356,10 +310,10 @@ fn run_rank<B: Backend>(
     let checkpoints = shared
         .join_checkpoints()
         .map_err(|e| match mesh.failure() {
-            Some(reason) => DistributedError::Peer { rank, reason },
+            Some(reason) => PipelineError::Peer { rank, reason },
             None => pipeline_err(e),
         })?;
-    let gather = |source| DistributedError::Gather { rank, source };
+    let gather = |source| PipelineError::Gather { rank, source };
     if rank != 0 {
         let bytes = frame::encode(&own).map_err(|e| {
             gather(CommError::Protocol {
@@ -386,7 +340,7 @@ fn run_rank<B: Backend>(
         // exit now could reset the connection before rank 0 has read this rank's state.
         mesh.quiesce();
         if !mesh.wait_gone(0, FINAL_WAIT) {
-            return Err(DistributedError::Peer {
+            return Err(PipelineError::Peer {
                 rank,
                 reason: mesh.failure().unwrap_or_else(|| {
                     format!("rank 0 did not confirm the final state within {FINAL_WAIT:?}")
@@ -408,7 +362,7 @@ fn run_rank<B: Backend>(
     let mut finals = vec![own];
     for from in 1..pp {
         let bytes = mesh.recv(from, CONTROL_CHANNEL).map_err(gather)?;
-        let fin: RankFinal = frame::decode(&bytes).map_err(|e| DistributedError::BadFinal {
+        let fin: RankFinal = frame::decode(&bytes).map_err(|e| PipelineError::BadFinal {
             rank,
             from,
             reason: e.to_string(),

@@ -23,6 +23,7 @@
 //!   With a drafter in the bubbles ([`Shared::checkpoint_drafter`]) its state is taken when
 //!   the last rank deposits, and saved with the checkpoint.
 
+use crate::pipeline::PipelineError;
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -30,7 +31,6 @@ use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
-use super::error::PipelineError;
 use super::feed::{StepBatches, StepFeed};
 use crate::comm::collective::{GradSync, RingGradSync, TIE_CHANNEL};
 use crate::model::checkpoint::sharded::Layout;

@@ -26,12 +26,12 @@
 //! with the target on held-out rows, from the weights the drafter publishes;
 //! [`PipelineRun::drafter`](outcome::PipelineRun::drafter) holds every replica's final weights and the router's figures.
 
+use crate::pipeline::PipelineError;
 use std::sync::Arc;
 
 use pipefill_actors::{Clock, StepMode};
 
 use super::compute::{RankCompute, RankJob};
-use super::error::PipelineError;
 use super::executor::{Links, RankStart, rebuild};
 use super::feed::StepFeed;
 use super::shared::Shared;

@@ -8,7 +8,6 @@ use crate::data::DataError;
 use crate::model::ModelError;
 use crate::model::drafter::DrafterError;
 use crate::pipeline::PipelineError;
-use crate::pipeline::mesh::WorldMismatch;
 use crate::profile::ProfileError;
 use crate::rl::config::UntrainedPolicy;
 
@@ -79,8 +78,6 @@ pub enum RlError {
     Layout(String),
 
     // ---- a launched rank (`launched`)
-    #[error(transparent)]
-    World(#[from] WorldMismatch),
     #[error("dp = {dp} replicas cannot take equal shares of {what} = {count}")]
     Shares {
         dp: usize,

@@ -56,6 +56,7 @@ mod rank;
 mod state;
 mod step;
 
+use crate::pipeline::PipelineError;
 use crate::rl::RlError;
 
 use std::sync::Arc;
@@ -70,10 +71,10 @@ use crate::data::StepData;
 use crate::model::checkpoint::Checkpoint;
 use crate::model::drafter::state::DrafterState;
 use crate::model::{AdamW, Cut, Gpt, ModelError, OptimizerState};
+use crate::pipeline::PipelineTrainer;
 use crate::pipeline::feed::StepFeed;
 use crate::pipeline::mesh::check_world;
 use crate::pipeline::mesh::profile::sync_clock;
-use crate::pipeline::{PipelineError, PipelineTrainer};
 use crate::rl::prompts::PromptSource;
 use crate::rl::step::grpo_step;
 use crate::rl::step::update_job_of;

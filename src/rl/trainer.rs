@@ -29,6 +29,7 @@
 //! The learning rate decays by cosine from `rl.lr` to `rl.lr / 10` over the RL steps (the
 //! update job's warm-up is the step RL starts at, so its schedule starts at the peak).
 
+use crate::pipeline::PipelineError;
 use crate::rl::RlError;
 use std::sync::Arc;
 
@@ -43,7 +44,7 @@ use crate::config::JobConfig;
 use crate::model::checkpoint::Checkpoint;
 use crate::model::{AdamW, Cut, Gpt, ModelError};
 use crate::pipeline::feed::StepFeed;
-use crate::pipeline::{KeptRanks, PipelineError, PipelineTrainer, StepMetrics};
+use crate::pipeline::{KeptRanks, PipelineTrainer, StepMetrics};
 use crate::tensor::device::RankBackend;
 use crate::tensor::{Backend, CpuBackend};
 use crate::train::reference::adamw_config;

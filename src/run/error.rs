@@ -13,7 +13,6 @@ use crate::launch::LaunchError;
 use crate::model::ModelError;
 use crate::model::checkpoint::CheckpointError;
 use crate::pipeline::PipelineError;
-use crate::pipeline::mesh::DistributedError;
 use crate::rl::config::UntrainedPolicy;
 use crate::schedules::ScheduleError;
 use crate::tensor::TensorError;
@@ -50,9 +49,6 @@ pub enum RunError {
     /// Joining the other ranks of a launched job.
     #[error(transparent)]
     Launch(#[from] LaunchError),
-    /// A launched rank's training.
-    #[error(transparent)]
-    Distributed(#[from] DistributedError),
     /// Closing the mesh after the run.
     #[error(transparent)]
     Comm(#[from] CommError),
@@ -112,7 +108,7 @@ pub enum RunError {
     #[error("the job's schedule \"{schedule}\": {mismatch}")]
     World {
         schedule: String,
-        mismatch: crate::pipeline::mesh::WorldMismatch,
+        mismatch: PipelineError,
     },
     #[error(
         "{}: a sharded checkpoint of a pipelined run; schedule \"none\" resumes from a \

@@ -2,10 +2,10 @@
 //! a later run's rank continuing from them ([`RankCompute::from_parts`]), so that runs of
 //! one step each (the RL update's) neither export nor reload the model and its moments.
 
+use crate::pipeline::PipelineError;
 use std::collections::BTreeMap;
 use std::sync::mpsc::Sender;
 
-use super::super::error::PipelineError;
 use super::{RankCompute, RankJob};
 use crate::model::{AdamW, ModelChunk};
 use crate::tensor::Backend;

@@ -1,9 +1,10 @@
 //! A rank's state in and out: a resumed rank loads its share of a checkpoint's model and
 //! moments, a finished (or checkpointing) rank exports its parameters and moments.
 
-use super::{PipelineError, RankCompute, RankFinal};
+use super::{RankCompute, RankFinal};
 use crate::model::OptimizerState;
 use crate::model::checkpoint::HostTensor;
+use crate::pipeline::PipelineError;
 use crate::tensor::Backend;
 
 impl<B: Backend> RankCompute<B> {

@@ -22,11 +22,11 @@
 //! reverse; a resumed replica takes its chunk of the moments ([`Zero::own_state`]).
 
 use crate::comm::CommError;
+use crate::pipeline::PipelineError;
 use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::Arc;
 
-use super::super::error::PipelineError;
 use super::super::shared::Shared;
 use crate::comm::collective::{GradSync, chunk_cut};
 use crate::model::{AdamW, ModelChunk, ModelError, OptimizerState, Param, SlotPart, SlotState};

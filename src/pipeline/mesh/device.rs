@@ -15,11 +15,11 @@
 //! [`NcclGradSync`]: crate::comm::nccl::NcclGradSync
 
 use crate::comm::CommError;
+use crate::pipeline::PipelineError;
 use std::sync::Arc;
 
 use pipefill_actors::Transport;
 
-use super::DistributedError;
 use crate::comm::collective::GradSync;
 use crate::comm::select::select_transport;
 use crate::comm::tcp::TcpMesh;
@@ -48,8 +48,8 @@ pub(super) struct MeshRank {
 }
 
 impl MeshRank {
-    fn transport_err(self, error: CommError) -> DistributedError {
-        DistributedError::Transport {
+    fn transport_err(self, error: CommError) -> PipelineError {
+        PipelineError::Transport {
             rank: self.rank,
             error,
         }
@@ -63,9 +63,9 @@ pub(super) fn cpu_links(
     requested: crate::comm::select::TransportKind,
     at: MeshRank,
     threads: usize,
-) -> Result<RankLinks<CpuBackend>, DistributedError> {
+) -> Result<RankLinks<CpuBackend>, PipelineError> {
     select_transport(requested, Device::Cpu { threads }).map_err(|e| at.transport_err(e))?;
-    let backend = CpuBackend::new(threads).map_err(|e| DistributedError::Device {
+    let backend = CpuBackend::new(threads).map_err(|e| PipelineError::Device {
         rank: at.rank,
         reason: e.to_string(),
     })?;
@@ -77,7 +77,7 @@ fn tcp_links<B: Backend>(
     mesh: &Arc<TcpMesh>,
     backend: B,
     at: MeshRank,
-) -> Result<RankLinks<B>, DistributedError> {
+) -> Result<RankLinks<B>, PipelineError> {
     let tensors: Arc<dyn Transport<B::Buf>> = Arc::new(
         TcpTransport::group(
             mesh,
@@ -100,8 +100,8 @@ fn tcp_links<B: Backend>(
 /// Without the `cuda` feature a CUDA rank is the clear "rebuild with --features cuda"
 /// error (the CLI reports it before joining the mesh; this is the library's own check).
 #[cfg(not(feature = "cuda"))]
-pub(super) fn cuda_unavailable(at: MeshRank, ordinal: usize) -> DistributedError {
-    DistributedError::Device {
+pub(super) fn cuda_unavailable(at: MeshRank, ordinal: usize) -> PipelineError {
+    PipelineError::Device {
         rank: at.rank,
         reason: format!(
             "device = \"cuda\" (cuda:{ordinal}): {}",
@@ -128,7 +128,7 @@ mod cuda {
         requested: crate::comm::select::TransportKind,
         at: MeshRank,
         ordinal: usize,
-    ) -> Result<RankLinks<CudaBackend>, DistributedError> {
+    ) -> Result<RankLinks<CudaBackend>, PipelineError> {
         let device = Device::Cuda { ordinal };
         // The backend first: a GPU that cannot be used is this rank's failure to report.
         let backend = CudaBackend::new(ordinal);
@@ -137,14 +137,14 @@ mod cuda {
             Err(e) => Choice::Failed(format!("device = \"cuda\" ({device}): {e}")),
         };
         let agreed = settle(mesh.as_ref(), own).map_err(|e| match mesh.failure() {
-            Some(reason) => DistributedError::Peer {
+            Some(reason) => PipelineError::Peer {
                 rank: at.rank,
                 reason,
             },
             None => at.transport_err(e),
         })?;
         // Past the agreement no rank failed, this one included.
-        let backend = backend.map_err(|e| DistributedError::Device {
+        let backend = backend.map_err(|e| PipelineError::Device {
             rank: at.rank,
             reason: e.to_string(),
         })?;

@@ -54,12 +54,13 @@
 //!
 //! Filling never touches the target: the target's parameters are those of an unfilled run.
 
-mod error;
+mod channel;
 mod exchange;
 pub(super) mod snap;
 
-use error::lock;
-pub use error::{FILL_CHANNEL, FillError};
+use crate::pipeline::PipelineError;
+pub use channel::FILL_CHANNEL;
+use channel::lock;
 pub use snap::{DrafterSnap, PeerSnap};
 
 use std::sync::mpsc::{Sender, channel};
@@ -93,8 +94,8 @@ pub struct LaunchFill {
     fill: Arc<DrafterFill>,
     router: FillerRouter,
     outbox: Mutex<Option<Sender<FillWire>>>,
-    sender: Mutex<Option<JoinHandle<Result<(), FillError>>>>,
-    receivers: Mutex<Vec<JoinHandle<Result<(), FillError>>>>,
+    sender: Mutex<Option<JoinHandle<Result<(), PipelineError>>>>,
+    receivers: Mutex<Vec<JoinHandle<Result<(), PipelineError>>>>,
 }
 
 impl std::fmt::Debug for LaunchFill {
@@ -127,19 +128,19 @@ impl LaunchFill {
         compute: &mut RankCompute<B>,
         first_step: u64,
         resume: Option<&RankResume>,
-    ) -> Result<Arc<Self>, FillError> {
+    ) -> Result<Arc<Self>, PipelineError> {
         let (rank, pp) = (mesh.rank(), plan.num_ranks());
         let last_stage = (plan.stages - 1) as u32;
         let holders = [plan.stage_rank[0], plan.stage_rank[last_stage as usize]];
         if holders[0] != 0 {
-            return Err(FillError::Plan {
+            return Err(PipelineError::FillPlan {
                 rank,
                 reason:
                     "the plan places stage 0 off rank 0: the drafter's frozen copies need it there"
                         .into(),
             });
         }
-        let drafter_err = |source| FillError::Drafter { rank, source };
+        let drafter_err = |source| PipelineError::FillDrafter { rank, source };
         let model_err = |e: ModelError| drafter_err(DrafterError::Model(e));
         // The frozen tables: this rank's own, and the others' from their holders (one copy
         // each crosses; the process's replicas share it).
@@ -172,7 +173,7 @@ impl LaunchFill {
             match decode(rank, holder, &bytes)? {
                 FillWire::Seed { name: got, values } if got == *name => *slot = Some(values),
                 _ => {
-                    return Err(FillError::Peer {
+                    return Err(PipelineError::FillPeer {
                         rank,
                         peer: holder,
                         reason: format!("sent something else than the seed of {name}"),
@@ -181,7 +182,7 @@ impl LaunchFill {
             }
         }
         let [Some(embed), Some(head)] = tables else {
-            return Err(FillError::Plan {
+            return Err(PipelineError::FillPlan {
                 rank,
                 reason: "no rank holds the target's embedding or LM head".into(),
             });
@@ -190,7 +191,7 @@ impl LaunchFill {
             DrafterFill::with_tables(&job.model, &job.drafter, pp, embed, head, first_step)
                 .map_err(drafter_err)?;
         // The same pure function of the plan and the job in every process.
-        let slices = SlicePlan::of_job(plan, job).map_err(|e| FillError::Plan {
+        let slices = SlicePlan::of_job(plan, job).map_err(|e| PipelineError::FillPlan {
             rank,
             reason: format!("the planned placement: {e}"),
         })?;
@@ -200,13 +201,13 @@ impl LaunchFill {
         let fill = Arc::new(fill);
         compute
             .set_drafter(Arc::clone(&fill))
-            .map_err(|e| FillError::Plan {
+            .map_err(|e| PipelineError::FillPlan {
                 rank,
                 reason: e.to_string(),
             })?;
         if let Some(resume) = resume
-            && let Some(state) =
-                drafter_of(resume).map_err(|source| FillError::Checkpoint { rank, source })?
+            && let Some(state) = drafter_of(resume)
+                .map_err(|source| PipelineError::FillCheckpoint { rank, source })?
         {
             fill.import_state(&state).map_err(drafter_err)?;
         }
@@ -256,7 +257,7 @@ impl LaunchFill {
 
     /// After the run: says `Done` to every peer, waits for theirs (so every post is in),
     /// and settles the replica. Returns its weights.
-    pub fn finish(&self) -> Result<DrafterWeights, FillError> {
+    pub fn finish(&self) -> Result<DrafterWeights, PipelineError> {
         if let Some(outbox) = lock(&self.outbox).take() {
             // A sender that stopped has failed: its join below says why.
             let _ = outbox.send(FillWire::Done);
@@ -268,7 +269,7 @@ impl LaunchFill {
         for receiver in std::mem::take(&mut *lock(&self.receivers)) {
             join(receiver)?;
         }
-        let drafter_err = |source| FillError::Drafter {
+        let drafter_err = |source| PipelineError::FillDrafter {
             rank: self.rank,
             source,
         };
@@ -307,7 +308,7 @@ impl LaunchFill {
     }
 }
 
-fn join(handle: JoinHandle<Result<(), FillError>>) -> Result<(), FillError> {
+fn join(handle: JoinHandle<Result<(), PipelineError>>) -> Result<(), PipelineError> {
     match handle.join() {
         Ok(result) => result,
         Err(panic) => std::panic::resume_unwind(panic),

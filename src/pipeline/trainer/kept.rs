@@ -9,6 +9,7 @@
 //! The result is bitwise the resumed one's (same parameters, moments and step count; the
 //! update's tests compare checkpoints of both).
 
+use crate::pipeline::PipelineError;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::mpsc::channel;
@@ -16,7 +17,6 @@ use std::sync::mpsc::channel;
 use pipefill_actors::RunReport;
 
 use super::super::compute::{RankCompute, RankParts};
-use super::super::error::PipelineError;
 use super::super::executor::{RankStart, ReplicaLinks, Stepping};
 use super::super::shared::Shared;
 use super::PipelineTrainer;

@@ -2,9 +2,9 @@
 //! measured timelines and the simulator's prediction, the final parameters and optimizer
 //! moments (served as a model or a checkpoint), and the drafter trained in the bubbles.
 
+use crate::pipeline::PipelineError;
 use pipefill_actors::RunReport;
 
-use super::super::error::PipelineError;
 use super::super::join::DrafterRun;
 use super::super::shared::RankFinal;
 use super::PipelineTrainer;

@@ -1,6 +1,7 @@
 //! Running a [`PipelineTrainer`]: the runtime on its own thread, this thread joining each
 //! step's metrics with its measured profile (and the drafter's figures) for the caller.
 
+use crate::pipeline::PipelineError;
 use std::ops::ControlFlow;
 use std::sync::Arc;
 use std::sync::mpsc::channel;
@@ -9,7 +10,6 @@ use std::time::Duration;
 use pipefill_actors::{FillerRouter, IterationProfile, PlanSource};
 
 use super::super::compute::RankCompute;
-use super::super::error::PipelineError;
 use super::super::executor::{ReplicaLinks, ReplicaSteps, Stepping};
 use super::super::feed::StepFeed;
 use super::super::fill::state::samplers_fit;

@@ -3,6 +3,7 @@
 //! weight sync to rank 0, and rank 0's rollouts with the KL reference's log-probs.
 
 use crate::comm::CommError;
+use crate::pipeline::PipelineError;
 use crate::rl::RlError;
 use std::sync::Arc;
 use std::sync::mpsc::channel;
@@ -22,7 +23,7 @@ use crate::model::{Gpt, ModelError};
 use crate::pipeline::executor::{Links, RankStart, ReplicaLinks, Stepping};
 use crate::pipeline::feed::StepFeed;
 use crate::pipeline::shared::{RankFinal, Shared};
-use crate::pipeline::{PipelineError, RankCompute, RankJob};
+use crate::pipeline::{RankCompute, RankJob};
 use crate::rl::prompts::PromptSource;
 use crate::rl::step::{RolloutFigures, StepRollouts, generate};
 use crate::rl::trainer_spec::PipelineRollouts;

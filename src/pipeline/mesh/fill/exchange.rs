@@ -2,12 +2,13 @@
 //! travels on [`FILL_CHANNEL`] ([`FillWire`]), what a stage thread sends at its step ends
 //! ([`Peers`]), the sender thread and one receiver thread per peer.
 
+use crate::pipeline::PipelineError;
 use std::sync::Mutex;
 use std::sync::mpsc::{Receiver, Sender};
 
 use serde::{Deserialize, Serialize};
 
-use super::error::{FILL_CHANNEL, FillError, lock};
+use super::channel::{FILL_CHANNEL, lock};
 use crate::comm::frame;
 use crate::comm::link::PeerLink;
 use crate::comm::tcp::TcpMesh;
@@ -58,29 +59,32 @@ impl RowWire {
 
 /// `result` of an exchange thread; a failure also ends the fill's waits for rounds, which
 /// can then never complete.
-pub(super) fn aborting(fill: &DrafterFill, result: Result<(), FillError>) -> Result<(), FillError> {
+pub(super) fn aborting(
+    fill: &DrafterFill,
+    result: Result<(), PipelineError>,
+) -> Result<(), PipelineError> {
     if let Err(e) = &result {
         fill.abort(e.to_string());
     }
     result
 }
 
-pub(super) fn peer_err(rank: usize, peer: usize, e: impl std::fmt::Display) -> FillError {
-    FillError::Peer {
+pub(super) fn peer_err(rank: usize, peer: usize, e: impl std::fmt::Display) -> PipelineError {
+    PipelineError::FillPeer {
         rank,
         peer,
         reason: e.to_string(),
     }
 }
 
-pub(super) fn encode(rank: usize, wire: &FillWire) -> Result<Vec<u8>, FillError> {
-    frame::encode(wire).map_err(|e| FillError::Plan {
+pub(super) fn encode(rank: usize, wire: &FillWire) -> Result<Vec<u8>, PipelineError> {
+    frame::encode(wire).map_err(|e| PipelineError::FillPlan {
         rank,
         reason: format!("encoding a drafter message: {e}"),
     })
 }
 
-pub(super) fn decode(rank: usize, peer: usize, bytes: &[u8]) -> Result<FillWire, FillError> {
+pub(super) fn decode(rank: usize, peer: usize, bytes: &[u8]) -> Result<FillWire, PipelineError> {
     frame::decode(bytes).map_err(|e| peer_err(rank, peer, format!("undecodable message: {e}")))
 }
 
@@ -156,7 +160,7 @@ pub(super) fn send_all(
     mesh: &TcpMesh,
     peers: &[usize],
     rx: Receiver<FillWire>,
-) -> Result<(), FillError> {
+) -> Result<(), PipelineError> {
     for wire in rx {
         let done = matches!(wire, FillWire::Done);
         let bytes = encode(rank, &wire)?;
@@ -178,7 +182,7 @@ pub(super) fn receive(
     peer: usize,
     mesh: &TcpMesh,
     fill: &DrafterFill,
-) -> Result<(), FillError> {
+) -> Result<(), PipelineError> {
     let drafter_err = |e: DrafterError| peer_err(rank, peer, e);
     loop {
         let bytes = mesh
