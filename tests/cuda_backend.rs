@@ -6,11 +6,12 @@
 //! rejects) is a failure, not a skip.
 #![cfg(feature = "cuda")]
 
+use pipefill::tensor::TensorError;
 use pipefill::tensor::cuda::CudaBackend;
 use pipefill::tensor::device::cuda_device_count;
 use pipefill::tensor::{
     Activation, AdamWStep, AttnShape, Backend, BatchedGemm, CpuBackend, DType, Gemm, IGNORE_TARGET,
-    Result, TensorError,
+    Result,
 };
 
 /// Both backends, or `None` (after saying why) where no CUDA device can be used.

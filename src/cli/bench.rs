@@ -125,7 +125,7 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
             rollout_on(a, job, init, gpu.clone(), gpu, &mut out)
         }
         #[cfg(not(feature = "cuda"))]
-        Device::Cuda { .. } => Err(pipefill::tensor::device::DeviceError::CudaNotCompiled.into()),
+        Device::Cuda { .. } => Err(pipefill::tensor::TensorError::CudaNotCompiled.into()),
     }
 }
 

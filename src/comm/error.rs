@@ -5,13 +5,14 @@
 //! mesh, the launcher, the RL ranks) wrap one `comm` error. Each variant carries the rank,
 //! peer, channel or address it happened at.
 
+use crate::tensor::TensorError;
 use std::io;
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use crate::comm::link::Channel;
 use crate::comm::rendezvous::missing_text;
-use crate::tensor::device::{Device, DeviceError};
+use crate::tensor::device::Device;
 
 #[derive(Debug, thiserror::Error)]
 pub enum CommError {
@@ -66,7 +67,7 @@ pub enum CommError {
     // ---- NCCL (`nccl`, feature `cuda`)
     /// The driver or libnccl is missing, or the GPU does not exist.
     #[error(transparent)]
-    Device(#[from] DeviceError),
+    Device(#[from] TensorError),
     /// An NCCL id frame of the wrong size or kind.
     #[error("NCCL id from rank {from}: {reason}")]
     BadId { from: usize, reason: String },
@@ -137,7 +138,7 @@ pub enum CommError {
     NcclNeedsCudaDevice { device: Device },
     /// NCCL asked for on a GPU, but CUDA or NCCL cannot be used here.
     #[error("transport = \"nccl\" cannot be used on {device}: {reason}")]
-    NcclUnavailable { device: Device, reason: DeviceError },
+    NcclUnavailable { device: Device, reason: TensorError },
     /// Another rank cannot set up its device or transport (rank `rank`'s own reason).
     #[error("rank {rank} cannot set up its device or transport: {reason}")]
     OtherRank { rank: usize, reason: String },

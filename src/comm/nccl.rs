@@ -22,6 +22,7 @@
 //! block on the receiver.
 
 use crate::comm::CommError;
+use crate::tensor::TensorError;
 use std::collections::BTreeMap;
 use std::sync::{Arc, mpsc};
 use std::thread::JoinHandle;
@@ -41,15 +42,15 @@ pub use super::nccl_id::{
 };
 use crate::tensor::DType;
 pub use crate::tensor::cuda::CudaData;
-use crate::tensor::device::{Device, DeviceError};
+use crate::tensor::device::Device;
 
 /// The error for the presence of the driver and libnccl, in the order they are needed.
 fn check_libraries(driver: bool, nccl: bool) -> Result<(), CommError> {
     if !driver {
-        return Err(DeviceError::NoCudaDriver.into());
+        return Err(TensorError::NoCudaDriver.into());
     }
     if !nccl {
-        return Err(DeviceError::MissingCudaLibrary {
+        return Err(TensorError::MissingCudaLibrary {
             library: "NCCL (libnccl)",
         }
         .into());

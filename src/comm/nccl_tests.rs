@@ -6,6 +6,7 @@ use super::*;
 use crate::comm::frame;
 use crate::comm::link::InProcessLink;
 use crate::comm::rendezvous::Rendezvous;
+use crate::tensor::TensorError;
 
 fn sample_id(seed: u8) -> NcclId {
     let bytes: Vec<u8> = (0..NCCL_ID_BYTES as u8)
@@ -90,7 +91,7 @@ fn a_leader_that_cannot_create_the_id_fails_its_members_with_its_reason() {
     let waiting =
         std::thread::spawn(move || share_id(&member, &[0, 1], NCCL_ID_CHANNEL, || unreachable!()));
     let leader = share_id(&links[0], &[0, 1], NCCL_ID_CHANNEL, || {
-        Err(DeviceError::NoCudaDriver.into())
+        Err(TensorError::NoCudaDriver.into())
     });
     assert!(leader.is_err());
     let err = waiting.join().unwrap().unwrap_err();

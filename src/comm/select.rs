@@ -20,11 +20,12 @@
 //! can use it.
 
 use crate::comm::CommError;
+use crate::tensor::TensorError;
 use serde::{Deserialize, Serialize};
 
 use super::frame;
 use super::link::{Channel, PeerLink};
-use crate::tensor::device::{Device, DeviceError};
+use crate::tensor::device::Device;
 
 /// The `transport` a job asks for.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -66,7 +67,7 @@ pub const TRANSPORT_CHANNEL: Channel = u32::MAX - 9;
 pub fn decide(
     requested: TransportKind,
     device: Device,
-    nccl_ready: impl FnOnce(usize) -> Result<(), DeviceError>,
+    nccl_ready: impl FnOnce(usize) -> Result<(), TensorError>,
 ) -> Result<Selected, CommError> {
     match (requested, device) {
         (TransportKind::Tcp, _) | (TransportKind::Auto, Device::Cpu { .. }) => Ok(Selected::Tcp),
@@ -86,13 +87,13 @@ pub fn decide(
 }
 
 /// Whether NCCL can be used on GPU `ordinal` of this machine (probing dlopens only).
-pub fn nccl_ready(ordinal: usize) -> Result<(), DeviceError> {
+pub fn nccl_ready(ordinal: usize) -> Result<(), TensorError> {
     #[cfg(feature = "cuda")]
     {
         if let Err(e) = super::nccl::probe() {
             return Err(match e {
                 CommError::Device(d) => d,
-                other => DeviceError::CudaInit {
+                other => TensorError::CudaInit {
                     ordinal,
                     message: other.to_string(),
                 },
@@ -103,7 +104,7 @@ pub fn nccl_ready(ordinal: usize) -> Result<(), DeviceError> {
     #[cfg(not(feature = "cuda"))]
     {
         let _ = ordinal;
-        Err(DeviceError::CudaNotCompiled)
+        Err(TensorError::CudaNotCompiled)
     }
 }
 
@@ -204,12 +205,12 @@ mod tests {
     const CPU: Device = Device::Cpu { threads: 1 };
     const GPU1: Device = Device::Cuda { ordinal: 1 };
 
-    fn ready(_: usize) -> Result<(), DeviceError> {
+    fn ready(_: usize) -> Result<(), TensorError> {
         Ok(())
     }
 
-    fn no_driver(_: usize) -> Result<(), DeviceError> {
-        Err(DeviceError::NoCudaDriver)
+    fn no_driver(_: usize) -> Result<(), TensorError> {
+        Err(TensorError::NoCudaDriver)
     }
 
     #[test]
@@ -251,7 +252,7 @@ mod tests {
             "transport = \"nccl\" cannot be used on cuda:1: no CUDA driver found; use --device cpu"
         );
         let err = decide(TransportKind::Nccl, GPU1, |_| {
-            Err(DeviceError::CudaNotCompiled)
+            Err(TensorError::CudaNotCompiled)
         })
         .unwrap_err();
         assert!(err.to_string().contains("--features cuda"), "{err}");
@@ -284,7 +285,7 @@ mod tests {
             }
         }
         #[cfg(not(feature = "cuda"))]
-        assert_eq!(nccl_ready(0), Err(DeviceError::CudaNotCompiled));
+        assert_eq!(nccl_ready(0), Err(TensorError::CudaNotCompiled));
     }
 
     #[test]

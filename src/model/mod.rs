@@ -40,13 +40,14 @@ pub mod recompute;
 mod tests;
 pub mod tie;
 
+use crate::tensor::TensorError;
 pub use chunk::{ChunkGrad, ChunkInput, ChunkOutput, Cut, ModelChunk, Shape};
 pub use config::GptConfig;
 pub use gpt::Gpt;
 pub use optim::{AdamW, AdamWConfig, LrSchedule, OptimizerState, SlotPart, SlotState, clip_scale};
 pub use recompute::{Recompute, RecomputeSetting};
 
-use crate::tensor::{Backend, DType, TensorError};
+use crate::tensor::{Backend, DType};
 
 /// What can go wrong building or running the model.
 #[derive(Debug, thiserror::Error)]

@@ -16,7 +16,6 @@ use crate::pipeline::PipelineError;
 use crate::rl::config::UntrainedPolicy;
 use crate::schedules::ScheduleError;
 use crate::tensor::TensorError;
-use crate::tensor::device::DeviceError;
 use crate::train::TrainError;
 
 /// An error of another layer, boxed where the runner adds what it was doing.
@@ -26,8 +25,6 @@ type Source = Box<dyn std::error::Error + Send + Sync>;
 pub enum RunError {
     #[error(transparent)]
     Config(#[from] ConfigError),
-    #[error(transparent)]
-    Device(#[from] DeviceError),
     #[error(transparent)]
     Tensor(#[from] TensorError),
     #[error(transparent)]

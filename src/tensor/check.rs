@@ -13,7 +13,8 @@
 //! Each check takes the operation's buffers as one array in the order of the trait method's
 //! parameters, then the ids and shape; its body is the table of expected lengths.
 
-use super::{AttnShape, Backend, BatchedGemm, Gemm, IGNORE_TARGET, Result, TensorError};
+use super::{AttnShape, Backend, BatchedGemm, Gemm, IGNORE_TARGET, Result};
+use crate::tensor::TensorError;
 
 /// One operand and the number of elements it must hold.
 type Operand<'a, B> = (&'static str, &'a <B as Backend>::Buf, usize);

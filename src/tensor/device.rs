@@ -4,8 +4,9 @@
 //!
 //! CUDA is detected at run time (the `cuda` feature loads the driver dynamically), so a binary
 //! built with CUDA support still runs on a machine without a GPU: asking for a CUDA device
-//! there is a clear [`DeviceError`], never a panic.
+//! there is a clear [`TensorError`], never a panic.
 
+use crate::tensor::TensorError;
 use std::fmt;
 use std::str::FromStr;
 
@@ -28,37 +29,6 @@ impl Default for Device {
     }
 }
 
-/// Why a device cannot be named or used.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum DeviceError {
-    /// The device string does not parse.
-    #[error("invalid device `{input}`: {reason} (expected cpu, cpu:THREADS, cuda or cuda:ORDINAL)")]
-    Parse { input: String, reason: String },
-    /// This binary was built without the `cuda` feature.
-    #[error("this build has no CUDA support (rebuild with `--features cuda`); use --device cpu")]
-    CudaNotCompiled,
-    /// The CUDA driver library (libcuda) cannot be loaded: no GPU driver on this machine.
-    #[error("no CUDA driver found; use --device cpu")]
-    NoCudaDriver,
-    /// The driver is there but a CUDA library the backend needs is not.
-    #[error(
-        "the CUDA driver is present but the {library} library is not (install the CUDA toolkit libraries); use --device cpu"
-    )]
-    MissingCudaLibrary { library: &'static str },
-    /// The requested ordinal is past the last GPU.
-    #[error("cuda:{ordinal} does not exist: {count} CUDA device(s) found")]
-    NoSuchDevice { ordinal: usize, count: usize },
-    /// The driver refused to initialise the device (driver too old, device busy, …).
-    #[error("cannot initialise cuda:{ordinal}: {message}")]
-    CudaInit { ordinal: usize, message: String },
-}
-
-impl From<DeviceError> for super::TensorError {
-    fn from(e: DeviceError) -> Self {
-        super::TensorError::Device(e.to_string())
-    }
-}
-
 impl Device {
     /// Whether this is a CUDA device.
     pub fn is_cuda(&self) -> bool {
@@ -67,7 +37,7 @@ impl Device {
 
     /// Checks that this device can be used here: always for the CPU; for CUDA, that the
     /// feature is compiled in, the driver and libraries load, and the ordinal exists.
-    pub fn check_available(&self) -> Result<(), DeviceError> {
+    pub fn check_available(&self) -> Result<(), TensorError> {
         match *self {
             Device::Cpu { .. } => Ok(()),
             Device::Cuda { ordinal } => {
@@ -75,7 +45,7 @@ impl Device {
                 if ordinal < count {
                     Ok(())
                 } else {
-                    Err(DeviceError::NoSuchDevice { ordinal, count })
+                    Err(TensorError::NoSuchDevice { ordinal, count })
                 }
             }
         }
@@ -83,14 +53,14 @@ impl Device {
 }
 
 /// Number of CUDA devices on this machine, or why CUDA cannot be used at all.
-pub fn cuda_device_count() -> Result<usize, DeviceError> {
+pub fn cuda_device_count() -> Result<usize, TensorError> {
     #[cfg(feature = "cuda")]
     {
         super::cuda::device_count()
     }
     #[cfg(not(feature = "cuda"))]
     {
-        Err(DeviceError::CudaNotCompiled)
+        Err(TensorError::CudaNotCompiled)
     }
 }
 
@@ -99,18 +69,18 @@ pub fn cuda_device_count() -> Result<usize, DeviceError> {
 /// machine's. Code generic over it (the in-process pipeline, the RL loop) runs on either.
 pub trait RankBackend: super::Backend + Sized {
     /// Rank `rank`'s backend.
-    fn for_rank(rank: usize) -> Result<Self, super::TensorError>;
+    fn for_rank(rank: usize) -> Result<Self, TensorError>;
 }
 
 impl RankBackend for super::CpuBackend {
-    fn for_rank(_rank: usize) -> Result<Self, super::TensorError> {
+    fn for_rank(_rank: usize) -> Result<Self, TensorError> {
         super::CpuBackend::new(1)
     }
 }
 
 #[cfg(feature = "cuda")]
 impl RankBackend for super::cuda::CudaBackend {
-    fn for_rank(rank: usize) -> Result<Self, super::TensorError> {
+    fn for_rank(rank: usize) -> Result<Self, TensorError> {
         let count = cuda_device_count()?;
         Ok(super::cuda::CudaBackend::new(rank % count.max(1))?)
     }
@@ -124,8 +94,8 @@ pub trait OnBackend {
 }
 
 /// Runs `work` with the CPU backend, or with `cuda` the CUDA one; without the `cuda`
-/// feature a GPU is [`DeviceError::CudaNotCompiled`].
-pub fn on_backend<W: OnBackend>(cuda: bool, work: W) -> Result<W::Output, DeviceError> {
+/// feature a GPU is [`TensorError::CudaNotCompiled`].
+pub fn on_backend<W: OnBackend>(cuda: bool, work: W) -> Result<W::Output, TensorError> {
     if !cuda {
         return Ok(work.run::<super::CpuBackend>());
     }
@@ -135,7 +105,7 @@ pub fn on_backend<W: OnBackend>(cuda: bool, work: W) -> Result<W::Output, Device
     }
     #[cfg(not(feature = "cuda"))]
     {
-        Err(DeviceError::CudaNotCompiled)
+        Err(TensorError::CudaNotCompiled)
     }
 }
 
@@ -162,10 +132,10 @@ impl fmt::Display for Device {
 }
 
 impl FromStr for Device {
-    type Err = DeviceError;
+    type Err = TensorError;
 
-    fn from_str(input: &str) -> Result<Self, DeviceError> {
-        let fail = |reason: String| DeviceError::Parse {
+    fn from_str(input: &str) -> Result<Self, TensorError> {
+        let fail = |reason: String| TensorError::DeviceParse {
             input: input.to_string(),
             reason,
         };
@@ -174,7 +144,7 @@ impl FromStr for Device {
             Some((kind, index)) => (kind, Some(index)),
             None => (text.as_str(), None),
         };
-        let number = |what: &str| -> Result<Option<usize>, DeviceError> {
+        let number = |what: &str| -> Result<Option<usize>, TensorError> {
             match index {
                 None => Ok(None),
                 Some(s) => s
@@ -199,9 +169,9 @@ impl FromStr for Device {
 }
 
 impl TryFrom<String> for Device {
-    type Error = DeviceError;
+    type Error = TensorError;
 
-    fn try_from(s: String) -> Result<Self, DeviceError> {
+    fn try_from(s: String) -> Result<Self, TensorError> {
         s.parse()
     }
 }
@@ -219,7 +189,7 @@ mod tests {
     /// What [`on_backend`] ran: the name of the backend the work opened for rank 0.
     struct BackendName;
     impl OnBackend for BackendName {
-        type Output = Result<String, crate::tensor::TensorError>;
+        type Output = Result<String, TensorError>;
         fn run<B: RankBackend>(self) -> Self::Output {
             Ok(B::for_rank(0)?.name())
         }
@@ -238,7 +208,7 @@ mod tests {
                 Err(e) => assert!(cuda_device_count().map_or(true, |n| n == 0), "{e}"),
             }
         } else {
-            assert_eq!(gpu.unwrap_err(), DeviceError::CudaNotCompiled);
+            assert_eq!(gpu.unwrap_err(), TensorError::CudaNotCompiled);
         }
     }
 
@@ -290,7 +260,10 @@ mod tests {
         ] {
             let err = input.parse::<Device>().unwrap_err();
             let text = err.to_string();
-            assert!(matches!(err, DeviceError::Parse { .. }), "{input}: {err:?}");
+            assert!(
+                matches!(err, TensorError::DeviceParse { .. }),
+                "{input}: {err:?}"
+            );
             assert!(text.contains(needle), "{input}: `{text}` lacks `{needle}`");
             assert!(
                 text.contains(&format!("`{input}`")),
@@ -329,7 +302,7 @@ mod tests {
             Err(e) => {
                 let text = e.to_string();
                 assert!(
-                    text.contains("--device cpu") || matches!(e, DeviceError::NoSuchDevice { .. }),
+                    text.contains("--device cpu") || matches!(e, TensorError::NoSuchDevice { .. }),
                     "{text}"
                 );
             }
@@ -337,7 +310,7 @@ mod tests {
         #[cfg(not(feature = "cuda"))]
         assert_eq!(
             (Device::Cuda { ordinal: 0 }).check_available(),
-            Err(DeviceError::CudaNotCompiled)
+            Err(TensorError::CudaNotCompiled)
         );
     }
 }

@@ -23,40 +23,15 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod device;
+pub mod error;
 
 pub use cpu::{CpuBackend, CpuBuf};
+pub use error::TensorError;
 
 use serde::{Deserialize, Serialize};
 
 /// Result of a tensor operation.
 pub type Result<T> = std::result::Result<T, TensorError>;
-
-/// What can go wrong in a tensor operation.
-#[derive(Debug, thiserror::Error)]
-pub enum TensorError {
-    /// A buffer's length does not match the shape given to the operation.
-    #[error("{op}: operand `{operand}` has {got} elements, expected {expected}")]
-    Shape {
-        op: &'static str,
-        operand: &'static str,
-        expected: usize,
-        got: usize,
-    },
-    /// A token id or target is outside the vocabulary.
-    #[error("{op}: id {id} at position {position} is out of range (vocabulary {vocab})")]
-    IdOutOfRange {
-        op: &'static str,
-        id: u32,
-        position: usize,
-        vocab: usize,
-    },
-    /// A parameter of the operation itself is invalid (zero heads, …).
-    #[error("{op}: {reason}")]
-    Invalid { op: &'static str, reason: String },
-    /// The device failed (allocation, launch, copy); the message comes from the driver.
-    #[error("device error: {0}")]
-    Device(String),
-}
 
 /// Storage type of a buffer. Arithmetic is always `f32`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]

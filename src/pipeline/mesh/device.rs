@@ -105,7 +105,7 @@ pub(super) fn cuda_unavailable(at: MeshRank, ordinal: usize) -> PipelineError {
         rank: at.rank,
         reason: format!(
             "device = \"cuda\" (cuda:{ordinal}): {}",
-            crate::tensor::device::DeviceError::CudaNotCompiled
+            crate::tensor::TensorError::CudaNotCompiled
         ),
     }
 }

@@ -45,7 +45,7 @@ pub(super) fn train(
             run(job, resume, run_dir, trainer, show)
         }
         #[cfg(not(feature = "cuda"))]
-        Device::Cuda { .. } => Err(crate::tensor::device::DeviceError::CudaNotCompiled.into()),
+        Device::Cuda { .. } => Err(crate::tensor::TensorError::CudaNotCompiled.into()),
     }
 }
 

@@ -11,6 +11,7 @@ pub(crate) mod kernels;
 #[cfg(test)]
 mod tests;
 
+use crate::tensor::TensorError;
 use std::sync::Arc;
 
 use gemm::Parallelism;
@@ -19,9 +20,7 @@ use half::bf16;
 pub use buf::CpuBuf;
 use buf::{Storage, gemm_slices};
 
-use super::{
-    Activation, AdamWStep, AttnShape, Backend, BatchedGemm, DType, Gemm, Result, TensorError, check,
-};
+use super::{Activation, AdamWStep, AttnShape, Backend, BatchedGemm, DType, Gemm, Result, check};
 
 /// Operations below this many multiply-adds (or elements) stay on the caller's thread.
 pub(super) const PARALLEL_WORK: usize = 1 << 20;

@@ -4,8 +4,8 @@
 //! cudarc loads the CUDA libraries dynamically, so this builds without a CUDA toolkit and a
 //! binary with the feature still starts on a machine without a GPU. cudarc *panics* when a
 //! library it needs cannot be loaded, so [`CudaBackend::new`] first probes for the driver,
-//! cuBLAS and NVRTC and returns [`DeviceError::NoCudaDriver`] (or
-//! [`DeviceError::MissingCudaLibrary`]) before making any other cudarc call.
+//! cuBLAS and NVRTC and returns [`TensorError::NoCudaDriver`] (or
+//! [`TensorError::MissingCudaLibrary`]) before making any other cudarc call.
 //!
 //! Layout: this file holds the backend, its buffers and the helpers every operation uses;
 //! `backend.rs` implements [`Backend`](crate::tensor::Backend); `blas.rs` maps row-major products
@@ -36,6 +36,7 @@ mod blas;
 mod kernels;
 mod loss;
 
+use crate::tensor::TensorError;
 use std::ops::Deref;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Arc, Mutex};
@@ -44,8 +45,7 @@ use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 
 use self::kernels::{K, Kernels};
-use super::device::DeviceError;
-use super::{DType, Result, TensorError};
+use super::{DType, Result};
 
 /// A buffer in GPU memory: `f32` values, or `bf16` bit patterns.
 #[derive(Debug)]
@@ -136,19 +136,19 @@ impl std::fmt::Debug for CudaBackend {
 
 /// Checks that the driver, cuBLAS and NVRTC libraries can be loaded. This is the only safe
 /// first step: any other cudarc call panics when its library is missing.
-fn probe_libraries() -> std::result::Result<(), DeviceError> {
+fn probe_libraries() -> std::result::Result<(), TensorError> {
     // SAFETY: these only try to dlopen the library names cudarc would use and close them.
     unsafe {
         if !cudarc::driver::sys::is_culib_present() {
-            return Err(DeviceError::NoCudaDriver);
+            return Err(TensorError::NoCudaDriver);
         }
         if !cudarc::cublas::sys::is_culib_present() {
-            return Err(DeviceError::MissingCudaLibrary {
+            return Err(TensorError::MissingCudaLibrary {
                 library: "cuBLAS (libcublas)",
             });
         }
         if !cudarc::nvrtc::sys::is_culib_present() {
-            return Err(DeviceError::MissingCudaLibrary {
+            return Err(TensorError::MissingCudaLibrary {
                 library: "NVRTC (libnvrtc)",
             });
         }
@@ -166,17 +166,17 @@ pub(crate) fn panic_text(payload: Box<dyn std::any::Any + Send>) -> String {
 }
 
 /// Number of CUDA devices, after checking that the libraries load.
-pub(crate) fn device_count() -> std::result::Result<usize, DeviceError> {
+pub(crate) fn device_count() -> std::result::Result<usize, TensorError> {
     probe_libraries()?;
     match catch_unwind(CudaContext::device_count) {
         Ok(Ok(n)) => Ok(n.max(0) as usize),
         // A driver without a GPU (e.g. a container with the library mounted): no devices.
         Ok(Err(e)) if e.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_NO_DEVICE => Ok(0),
-        Ok(Err(e)) => Err(DeviceError::CudaInit {
+        Ok(Err(e)) => Err(TensorError::CudaInit {
             ordinal: 0,
             message: format!("cuInit: {e}"),
         }),
-        Err(p) => Err(DeviceError::CudaInit {
+        Err(p) => Err(TensorError::CudaInit {
             ordinal: 0,
             message: panic_text(p),
         }),
@@ -187,12 +187,12 @@ impl CudaBackend {
     /// The backend on GPU `ordinal`: creates a context and a stream, a cuBLAS handle, and
     /// loads the kernels (compiled by NVRTC on the first call in the process).
     ///
-    /// Without a CUDA driver this returns [`DeviceError::NoCudaDriver`] ("no CUDA driver
+    /// Without a CUDA driver this returns [`TensorError::NoCudaDriver`] ("no CUDA driver
     /// found; use --device cpu"), never a panic.
-    pub fn new(ordinal: usize) -> std::result::Result<Self, DeviceError> {
+    pub fn new(ordinal: usize) -> std::result::Result<Self, TensorError> {
         let count = device_count()?;
         if ordinal >= count {
-            return Err(DeviceError::NoSuchDevice { ordinal, count });
+            return Err(TensorError::NoSuchDevice { ordinal, count });
         }
         let init = || -> std::result::Result<Inner, String> {
             let ctx = CudaContext::new(ordinal).map_err(|e| format!("creating a context: {e}"))?;
@@ -214,9 +214,9 @@ impl CudaBackend {
         };
         let inner = match catch_unwind(AssertUnwindSafe(init)) {
             Ok(Ok(inner)) => inner,
-            Ok(Err(message)) => return Err(DeviceError::CudaInit { ordinal, message }),
+            Ok(Err(message)) => return Err(TensorError::CudaInit { ordinal, message }),
             Err(p) => {
-                return Err(DeviceError::CudaInit {
+                return Err(TensorError::CudaInit {
                     ordinal,
                     message: panic_text(p),
                 });
@@ -419,7 +419,7 @@ mod tests {
             Ok(b) => assert!(driver, "a backend without a driver: {b:?}"),
             Err(e) => {
                 if !driver {
-                    assert_eq!(e, DeviceError::NoCudaDriver);
+                    assert_eq!(e, TensorError::NoCudaDriver);
                     assert_eq!(e.to_string(), "no CUDA driver found; use --device cpu");
                 }
                 // As a TensorError it keeps the message.
@@ -433,9 +433,9 @@ mod tests {
     fn device_count_without_a_driver_is_an_error() {
         // SAFETY: dlopen probe only.
         if unsafe { !cudarc::driver::sys::is_culib_present() } {
-            assert_eq!(device_count(), Err(DeviceError::NoCudaDriver));
+            assert_eq!(device_count(), Err(TensorError::NoCudaDriver));
             let cuda = crate::tensor::device::Device::Cuda { ordinal: 0 };
-            assert_eq!(cuda.check_available(), Err(DeviceError::NoCudaDriver));
+            assert_eq!(cuda.check_available(), Err(TensorError::NoCudaDriver));
         }
     }
 
