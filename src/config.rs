@@ -16,6 +16,7 @@ pub mod optimizer;
 pub mod rl;
 pub mod schedule;
 
+use crate::model::ModelError;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -321,7 +322,7 @@ impl JobConfig {
             reason,
         };
         self.drafter.validate().map_err(|e| match e {
-            crate::model::drafter::DrafterError::Config { field, reason } => invalid(field, reason),
+            ModelError::DrafterConfig { field, reason } => invalid(field, reason),
             other => invalid("drafter", other.to_string()),
         })?;
         match self.drafter.unsupported_for(&self.model) {
@@ -337,9 +338,7 @@ impl JobConfig {
             reason,
         };
         self.model.validate().map_err(|e| match e {
-            crate::model::ModelError::Config { field, reason } => {
-                invalid(&format!("model.{field}"), reason)
-            }
+            ModelError::Config { field, reason } => invalid(&format!("model.{field}"), reason),
             other => invalid("model", other.to_string()),
         })?;
         let min_vocab = Self::min_vocab();

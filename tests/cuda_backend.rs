@@ -6,6 +6,7 @@
 //! rejects) is a failure, not a skip.
 #![cfg(feature = "cuda")]
 
+use pipefill::model::ModelError;
 use pipefill::tensor::TensorError;
 use pipefill::tensor::cuda::CudaBackend;
 use pipefill::tensor::device::cuda_device_count;
@@ -521,32 +522,31 @@ fn the_drafter_trains_alike() {
         config: &pipefill::model::drafter::DrafterConfig,
         rows: &[DraftRow],
     ) -> Result<Vec<Vec<f32>>> {
-        let run =
-            || -> std::result::Result<Vec<Vec<f32>>, pipefill::model::drafter::DrafterError> {
-                let buffer = DraftBufferHandle::new(target, config);
-                for row in &rows[2..] {
-                    buffer.lock().push(row.clone())?;
-                }
-                let drafter = Drafter::new(target, config, be.clone())?;
-                let mut trainer = DrafterTrainer::new(drafter, buffer, 0, 1)?;
-                let mut ms = Vec::new();
-                for _ in 0..4 {
-                    let started = std::time::Instant::now();
-                    trainer.slice()?;
-                    ms.push(format!("{:.2}", started.elapsed().as_secs_f64() * 1e3));
-                }
-                println!("{}: drafter slices of [{}] ms", be.name(), ms.join(", "));
-                let stats = trainer.evaluate(&rows[..2])?;
-                let mut out: Vec<Vec<f32>> = (trainer.weights()?.tensors.into_iter())
-                    .map(|t| t.values)
-                    .collect();
-                out.push(vec![
-                    stats.agreement as f32,
-                    stats.ce as f32,
-                    stats.overlap as f32,
-                ]);
-                Ok(out)
-            };
+        let run = || -> std::result::Result<Vec<Vec<f32>>, ModelError> {
+            let buffer = DraftBufferHandle::new(target, config);
+            for row in &rows[2..] {
+                buffer.lock().push(row.clone())?;
+            }
+            let drafter = Drafter::new(target, config, be.clone())?;
+            let mut trainer = DrafterTrainer::new(drafter, buffer, 0, 1)?;
+            let mut ms = Vec::new();
+            for _ in 0..4 {
+                let started = std::time::Instant::now();
+                trainer.slice()?;
+                ms.push(format!("{:.2}", started.elapsed().as_secs_f64() * 1e3));
+            }
+            println!("{}: drafter slices of [{}] ms", be.name(), ms.join(", "));
+            let stats = trainer.evaluate(&rows[..2])?;
+            let mut out: Vec<Vec<f32>> = (trainer.weights()?.tensors.into_iter())
+                .map(|t| t.values)
+                .collect();
+            out.push(vec![
+                stats.agreement as f32,
+                stats.ce as f32,
+                stats.overlap as f32,
+            ]);
+            Ok(out)
+        };
         run().map_err(|e| TensorError::Device(e.to_string()))
     }
     compare(

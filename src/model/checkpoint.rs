@@ -22,13 +22,14 @@
 //! [`retain`] keeps only a run's newest few of them. [`files`] is how every file of a
 //! checkpoint is written and read (plain names, regular files, sizes checked first).
 
+use crate::model::ModelError;
 use std::collections::HashMap;
 use std::fs;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use super::{AdamW, Gpt, GptConfig, ModelError, OptimizerState, SlotState};
+use super::{AdamW, Gpt, GptConfig, OptimizerState, SlotState};
 use crate::tensor::Backend;
 
 pub mod drafter;
@@ -65,101 +66,6 @@ pub(crate) fn last_complete_note(last: Option<&Path>) -> String {
         Some(dir) => format!("its last complete checkpoint is {}", dir.display()),
         None => "it has no complete checkpoint".to_string(),
     }
-}
-
-/// Errors saving or loading a checkpoint; each names the file.
-#[derive(Debug, thiserror::Error)]
-pub enum CheckpointError {
-    #[error("checkpoint {path}: {error}")]
-    Io {
-        path: PathBuf,
-        error: std::io::Error,
-    },
-    #[error("checkpoint {path}: not a pipefill checkpoint sidecar: {reason}")]
-    BadMeta { path: PathBuf, reason: String },
-    #[error(
-        "checkpoint {path}: the file is truncated or was replaced: {got} bytes, its manifest or sidecar says {expected}"
-    )]
-    Size {
-        path: PathBuf,
-        expected: u64,
-        got: u64,
-    },
-    /// A file of the checkpoint whose bytes are not the ones its listing recorded.
-    #[error("checkpoint {path}: corrupted: its hash is {got}, {listing} says {expected}")]
-    Corrupted {
-        path: PathBuf,
-        got: String,
-        expected: String,
-        /// The manifest's or sidecar's file name.
-        listing: String,
-    },
-    /// A file name or size that the manifest or sidecar `path` gives in `field`, refused
-    /// before anything is read ([`files`]).
-    #[error("checkpoint {path}: {field} {name:?} {reason}")]
-    Listed {
-        path: PathBuf,
-        field: String,
-        name: String,
-        reason: String,
-    },
-    #[error("checkpoint {path}: is {kind}, not a regular file")]
-    Irregular { path: PathBuf, kind: &'static str },
-    #[error(
-        "checkpoint {path}: {bytes} bytes, more than this file of a checkpoint may hold ({limit})"
-    )]
-    TooLarge {
-        path: PathBuf,
-        bytes: u64,
-        limit: u64,
-    },
-    /// A file whose listed size the memory cannot hold: refused before it is allocated.
-    #[error(
-        "checkpoint {path}: {bytes} bytes, more than the memory can hold ({available} bytes \
-         available)"
-    )]
-    OverMemory {
-        path: PathBuf,
-        bytes: u64,
-        available: u64,
-    },
-    #[error("checkpoint {path}: not a valid safetensors file: {reason}")]
-    BadTensors { path: PathBuf, reason: String },
-    /// The checkpoint does not fit the model it is restored into.
-    #[error("checkpoint does not fit this run: {0}")]
-    Mismatch(String),
-    /// Another rank of a multi-process run could not write (or acknowledge) its shard of
-    /// the checkpoint in `path`.
-    #[error("checkpoint {path}: rank {rank}'s shard: {reason}")]
-    Peer {
-        path: PathBuf,
-        rank: usize,
-        reason: String,
-    },
-    /// A periodic checkpoint could not be written: the run stops there (what the write
-    /// left is removed); `last` is the checkpoint a resume would continue from.
-    #[error(
-        "cannot write the checkpoint of step {step}: {cause}; the run stopped: {}",
-        last_complete_note(last.as_deref())
-    )]
-    Periodic {
-        step: u64,
-        dir: PathBuf,
-        last: Option<PathBuf>,
-        /// Named in the message, not a `source`: the whole reason is one line.
-        cause: Box<CheckpointError>,
-    },
-    #[error(transparent)]
-    Model(#[from] ModelError),
-    /// The drafter's state could not be taken or does not fit the drafter.
-    #[error("checkpoint of the drafter: {0}")]
-    Drafter(#[from] crate::model::drafter::DrafterError),
-    #[error("checkpoint {path}: tensor `{name}`: {reason}")]
-    Tensor {
-        path: PathBuf,
-        name: String,
-        reason: String,
-    },
 }
 
 /// One named tensor on the host.
@@ -254,7 +160,7 @@ impl Checkpoint {
         optimizer: &AdamW<B>,
         step: u64,
         data_seed: u64,
-    ) -> Result<Self, CheckpointError> {
+    ) -> Result<Self, ModelError> {
         let mut tensors = Vec::new();
         for p in model.params() {
             tensors.push(HostTensor {
@@ -275,7 +181,7 @@ impl Checkpoint {
     }
 
     /// The optimizer state stored in the checkpoint (moments by parameter name).
-    pub fn optimizer_state(&self) -> Result<OptimizerState, CheckpointError> {
+    pub fn optimizer_state(&self) -> Result<OptimizerState, ModelError> {
         let mut state = OptimizerState {
             step: self.meta.optimizer_step,
             ..OptimizerState::default()
@@ -285,7 +191,7 @@ impl Checkpoint {
                 let v = self
                     .tensor(&format!("{ADAM_V_PREFIX}{name}"))
                     .ok_or_else(|| {
-                        CheckpointError::Mismatch(format!(
+                        ModelError::Mismatch(format!(
                             "`{}` has no second moment `{ADAM_V_PREFIX}{name}`",
                             t.name
                         ))
@@ -314,7 +220,7 @@ impl Checkpoint {
         model: &mut Gpt<B>,
         optimizer: &mut AdamW<B>,
         data_seed: u64,
-    ) -> Result<(), CheckpointError> {
+    ) -> Result<(), ModelError> {
         self.restore_model(model, data_seed)?;
         let be = model.chunks()[0].backend().clone();
         optimizer.load_state(&be, &self.optimizer_state()?)?;
@@ -328,15 +234,15 @@ impl Checkpoint {
         &self,
         model: &mut Gpt<B>,
         data_seed: u64,
-    ) -> Result<(), CheckpointError> {
+    ) -> Result<(), ModelError> {
         if &self.meta.model != model.config() {
-            return Err(CheckpointError::Mismatch(format!(
+            return Err(ModelError::Mismatch(format!(
                 "its model differs from this run's in {}",
                 config_diff(&self.meta.model, model.config())
             )));
         }
         if self.meta.data_seed != data_seed {
-            return Err(CheckpointError::Mismatch(format!(
+            return Err(ModelError::Mismatch(format!(
                 "it was trained on data seed {}, this run has {data_seed}",
                 self.meta.data_seed
             )));
@@ -347,11 +253,11 @@ impl Checkpoint {
             .map(|p| (p.name.clone(), p.shape.clone()))
             .collect();
         for (name, shape) in shapes {
-            let t = self.tensor(&name).ok_or_else(|| {
-                CheckpointError::Mismatch(format!("parameter `{name}` is missing"))
-            })?;
+            let t = self
+                .tensor(&name)
+                .ok_or_else(|| ModelError::Mismatch(format!("parameter `{name}` is missing")))?;
             if t.shape != shape {
-                return Err(CheckpointError::Mismatch(format!(
+                return Err(ModelError::Mismatch(format!(
                     "parameter `{name}` has shape {:?}, the model {shape:?}",
                     t.shape
                 )));
@@ -362,8 +268,8 @@ impl Checkpoint {
     }
 
     /// Writes the checkpoint into directory `dir` (created if needed), atomically.
-    pub fn save(&mut self, dir: &Path) -> Result<(), CheckpointError> {
-        fs::create_dir_all(dir).map_err(|error| CheckpointError::Io {
+    pub fn save(&mut self, dir: &Path) -> Result<(), ModelError> {
+        fs::create_dir_all(dir).map_err(|error| ModelError::CheckpointIo {
             path: dir.to_path_buf(),
             error,
         })?;
@@ -382,16 +288,16 @@ impl Checkpoint {
 
     /// Reads the checkpoint in directory `dir`, checking that the two files belong together
     /// (the tensor file's size before it is read, then its hash).
-    pub fn load(dir: &Path) -> Result<Self, CheckpointError> {
+    pub fn load(dir: &Path) -> Result<Self, ModelError> {
         let meta_path = dir.join(META_FILE);
         let text = read_bounded(&meta_path, MAX_META_BYTES)?;
         let meta: CheckpointMeta =
-            serde_json::from_slice(&text).map_err(|e| CheckpointError::BadMeta {
+            serde_json::from_slice(&text).map_err(|e| ModelError::BadMeta {
                 path: meta_path.clone(),
                 reason: e.to_string(),
             })?;
         if meta.format != FORMAT || meta.version != VERSION {
-            return Err(CheckpointError::BadMeta {
+            return Err(ModelError::BadMeta {
                 path: meta_path,
                 reason: format!(
                     "format {:?} version {}, expected {FORMAT:?} version {VERSION}",
@@ -400,7 +306,7 @@ impl Checkpoint {
             });
         }
         let Some(hash) = &meta.tensor_hash else {
-            return Err(CheckpointError::BadMeta {
+            return Err(ModelError::BadMeta {
                 path: meta_path,
                 reason: format!(
                     "no `tensor_hash` for {TENSOR_FILE}: it was written by a version of pipefill \

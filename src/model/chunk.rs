@@ -17,6 +17,7 @@
 //! states, with the targets) to the drafter's training buffer
 //! ([`ModelChunk::set_draft_sink`]); that changes no result.
 
+use crate::model::ModelError;
 use std::collections::HashMap;
 use std::ops::Range;
 
@@ -25,7 +26,7 @@ use serde::{Deserialize, Serialize};
 pub use super::cut::Cut;
 use super::drafter::DraftBufferHandle;
 use super::layers::{Block, Embedding, Head, Held, Layer, RmsNorm};
-use super::{GptConfig, ModelError, Recompute, Result};
+use super::{GptConfig, Recompute, Result};
 use crate::tensor::Backend;
 
 mod params;

@@ -1,10 +1,11 @@
 //! [`Cut`]: how the model's blocks are split over pipeline stage chunks.
 
+use crate::model::ModelError;
 use std::ops::Range;
 
 use serde::{Deserialize, Serialize};
 
-use super::{ModelError, Result};
+use super::Result;
 
 /// How the blocks are split over stage chunks.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

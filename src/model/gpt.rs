@@ -2,7 +2,8 @@
 //! single-device reference trainer uses, and what pipelined training must reproduce.
 
 use super::chunk::{ChunkGrad, ChunkInput, ChunkOutput, Cut, ModelChunk, Shape};
-use super::{GptConfig, ModelError, Param, Result};
+use super::{GptConfig, Param, Result};
+use crate::model::ModelError;
 use crate::tensor::Backend;
 
 /// The whole model, as one or more chunks on the same backend.

@@ -29,6 +29,7 @@ pub mod chunk;
 pub mod config;
 mod cut;
 pub mod drafter;
+pub mod error;
 pub mod gpt;
 pub mod hf;
 pub mod infer;
@@ -40,66 +41,14 @@ pub mod recompute;
 mod tests;
 pub mod tie;
 
-use crate::tensor::TensorError;
 pub use chunk::{ChunkGrad, ChunkInput, ChunkOutput, Cut, ModelChunk, Shape};
 pub use config::GptConfig;
+pub use error::ModelError;
 pub use gpt::Gpt;
 pub use optim::{AdamW, AdamWConfig, LrSchedule, OptimizerState, SlotPart, SlotState, clip_scale};
 pub use recompute::{Recompute, RecomputeSetting};
 
 use crate::tensor::{Backend, DType};
-
-/// What can go wrong building or running the model.
-#[derive(Debug, thiserror::Error)]
-pub enum ModelError {
-    /// A configuration field is unusable.
-    #[error("model config: `{field}` {reason}")]
-    Config { field: &'static str, reason: String },
-    /// The model cannot be cut as asked.
-    #[error("cannot cut {layers} layers as {cut}: {reason}")]
-    Cut {
-        layers: usize,
-        cut: String,
-        reason: String,
-    },
-    /// An input does not fit the chunk (wrong kind, wrong length).
-    #[error("stage {stage}, micro-batch {mb}: {reason}")]
-    Input {
-        stage: usize,
-        mb: usize,
-        reason: String,
-    },
-    /// A backward action came without the action it depends on (I before F, W before I).
-    #[error("{layer}: {action} of micro-batch {mb} has no matching {missing}")]
-    Order {
-        layer: String,
-        action: &'static str,
-        mb: usize,
-        missing: &'static str,
-    },
-    /// No parameter of that name in this chunk.
-    #[error("no parameter named `{0}`")]
-    UnknownParam(String),
-    /// Values given for a parameter have the wrong length.
-    #[error("parameter `{name}` has {expected} values, got {got}")]
-    ParamLen {
-        name: String,
-        expected: usize,
-        got: usize,
-    },
-    /// Optimizer state that does not match the parameters.
-    #[error("optimizer state: {0}")]
-    OptimizerState(String),
-    /// The tied embedding's two copies cannot be summed as asked.
-    #[error("tied embeddings: {0}")]
-    Tied(String),
-    /// The weights of `[model] from` could not be read (the message names the file).
-    #[error("importing the model: {0}")]
-    Import(String),
-    /// A tensor operation failed.
-    #[error(transparent)]
-    Tensor(#[from] TensorError),
-}
 
 /// Result of a model operation.
 pub type Result<T> = std::result::Result<T, ModelError>;

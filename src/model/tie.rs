@@ -11,7 +11,8 @@
 //! exactly, so the single-device reference and a pipeline whose first and last stages sit
 //! on different ranks get bitwise the same gradient.
 
-use super::{ModelChunk, ModelError, Param, Result};
+use super::{ModelChunk, Param, Result};
+use crate::model::ModelError;
 use crate::tensor::Backend;
 
 /// The token embedding's name.

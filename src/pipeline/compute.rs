@@ -36,6 +36,7 @@
 //! ([`StageCompute::rollback_step`]) so the step is redone exactly; first-stage forwards
 //! run on the guessed weights are run again and replace their stash.
 
+use crate::model::ModelError;
 use crate::pipeline::PipelineError;
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
@@ -166,7 +167,7 @@ impl<B: Backend> RankCompute<B> {
                 c.set_recompute(run.job.train.recompute.of_rank(rank))?;
                 Ok(c)
             })
-            .collect::<Result<Vec<_>, crate::model::ModelError>>()?;
+            .collect::<Result<Vec<_>, ModelError>>()?;
         let chunks = chunks.into_iter().map(|c| (c.stage() as u32, c)).collect();
         let optimizer = AdamW::new(adamw_config(&run.job.train));
         Self::assemble(run, rank, (backend, chunks, optimizer))
@@ -441,7 +442,7 @@ impl<B: Backend> StageCompute for RankCompute<B> {
                     })?;
                 self.backend
                     .copy(saved, &mut p.value)
-                    .map_err(crate::model::ModelError::from)?;
+                    .map_err(ModelError::from)?;
             }
         }
         self.optimizer.load_state(&self.backend, &snap.optimizer)?;
@@ -513,10 +514,7 @@ impl<B: Backend> RankCompute<B> {
     fn take_snapshot(&self, iteration: u64) -> Result<Snapshot<B>, PipelineError> {
         let mut params = BTreeMap::new();
         for p in self.chunks.values().flat_map(|c| c.params()) {
-            let copy = self
-                .backend
-                .dup(&p.value)
-                .map_err(crate::model::ModelError::from)?;
+            let copy = self.backend.dup(&p.value).map_err(ModelError::from)?;
             params.insert(p.name.clone(), copy);
         }
         Ok(Snapshot {

@@ -2,8 +2,7 @@
 //! on a launched rank (its mesh, its final state, the drafter in its bubbles).
 
 use crate::comm::CommError;
-use crate::model::checkpoint::CheckpointError;
-use crate::model::drafter::DrafterError;
+use crate::model::ModelError;
 use crate::profile::ProfileError;
 
 /// What can go wrong setting up or running a pipelined job.
@@ -42,19 +41,15 @@ pub enum PipelineError {
     #[error("the run ended without every rank's final parameters")]
     NoFinalState,
     #[error(transparent)]
-    Model(#[from] crate::model::ModelError),
+    Model(#[from] ModelError),
     #[error(transparent)]
     Train(#[from] crate::train::TrainError),
     #[error(transparent)]
     Data(#[from] crate::data::DataError),
     #[error(transparent)]
-    Checkpoint(#[from] crate::model::checkpoint::CheckpointError),
-    #[error(transparent)]
     Schedule(#[from] crate::schedules::ScheduleError),
     #[error(transparent)]
     Runtime(#[from] pipefill_actors::RuntimeError),
-    #[error(transparent)]
-    Drafter(#[from] crate::model::drafter::DrafterError),
     /// A job setting that cannot be used here (e.g. `device = "cuda"` without a GPU).
     #[error(transparent)]
     Job(#[from] crate::config::ConfigError),
@@ -114,12 +109,12 @@ pub enum PipelineError {
     FillDrafter {
         rank: usize,
         #[source]
-        source: DrafterError,
+        source: ModelError,
     },
     #[error("rank {rank}: the resumed checkpoint's drafter: {source}")]
     FillCheckpoint {
         rank: usize,
         #[source]
-        source: CheckpointError,
+        source: ModelError,
     },
 }

@@ -15,6 +15,7 @@
 //!   in-process links instead of the mesh: the same sums in the same order, bitwise);
 //! - [`whole_batch`] merges the replicas' step logs into the whole batch's.
 
+use crate::model::ModelError;
 use crate::pipeline::PipelineError;
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -287,8 +288,8 @@ pub(crate) fn rebuild(
     checkpoint: &crate::model::checkpoint::Checkpoint,
     whole: bool,
 ) -> Result<(Gpt<CpuBackend>, OptimizerState), PipelineError> {
+    use crate::model::Cut;
     use crate::model::checkpoint::{ADAM_M_PREFIX, ADAM_V_PREFIX, MASTER_PREFIX};
-    use crate::model::{Cut, ModelError};
     let be = CpuBackend::new(1).map_err(ModelError::from)?;
     // Blank: every parameter the rank uses is set from the checkpoint.
     let mut gpt = Gpt::blank(&job.model, be, &Cut::Even(1))?;

@@ -58,6 +58,7 @@
 //! Filler work never touches the target: it reads copies of what the target computed and
 //! writes only drafter state, so the target's parameters are those of a run without it.
 
+use crate::model::ModelError;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 
@@ -65,7 +66,7 @@ use pipefill_actors::router::CostEstimate;
 use pipefill_actors::{FillerRouter, FillerSource, Slice, WeightBoard};
 
 use crate::model::ModelChunk;
-use crate::model::drafter::{DraftBufferHandle, DrafterError, DrafterGrads, DrafterWeights};
+use crate::model::drafter::{DraftBufferHandle, DrafterGrads, DrafterWeights};
 use crate::tensor::Backend;
 
 mod eval;
@@ -100,12 +101,7 @@ struct Replica {
 /// The other processes of a multi-process run, told of what this process's replica does.
 pub trait RoundPeers: Send + Sync {
     /// Local `rank` ended target step `step`, posting `post` (`None` while its round is open).
-    fn step_end(
-        &self,
-        rank: usize,
-        step: u64,
-        post: Option<&RoundPost>,
-    ) -> Result<(), DrafterError>;
+    fn step_end(&self, rank: usize, step: u64, post: Option<&RoundPost>) -> Result<(), ModelError>;
 }
 
 /// One round's gradients, and once complete what every replica applies.
@@ -202,7 +198,7 @@ impl DrafterFill {
         rank: usize,
         step: u64,
         chunks: &[&ModelChunk<C>],
-    ) -> Result<(), DrafterError> {
+    ) -> Result<(), ModelError> {
         if let Some(planned) = &self.planned {
             return self.planned_step_end(planned, rank, step, chunks);
         }
@@ -248,11 +244,11 @@ impl DrafterFill {
     }
 
     /// Adds one replica's post to its round, completing the round with the last one.
-    fn post(&self, grads: DrafterGrads, frozen: Frozen) -> Result<(), DrafterError> {
+    fn post(&self, grads: DrafterGrads, frozen: Frozen) -> Result<(), ModelError> {
         let mut ex = lock(&self.exchange);
         let round = ex.rounds.entry(grads.version).or_default();
         if grads.replica >= self.ranks || round.grads.iter().any(|g| g.replica == grads.replica) {
-            return Err(DrafterError::Replicas {
+            return Err(ModelError::Replicas {
                 version: grads.version,
                 reason: format!(
                     "replica {} posted again, or is not one of {}",
@@ -287,19 +283,22 @@ impl DrafterFill {
 
     /// `rank`'s row sampler as a checkpoint keeps it (see [`DrafterFill::export_state`]):
     /// under the planned placement as the replica ended its last step.
-    pub fn checkpoint_sampler(&self, rank: usize) -> Result<crate::data::SplitMix64, DrafterError> {
+    pub fn checkpoint_sampler(&self, rank: usize) -> Result<crate::data::SplitMix64, ModelError> {
         if let Some(sampler) = self.planned.as_ref().and_then(|p| p.sampler(rank)) {
             return Ok(sampler);
         }
-        let replica = self.replicas.get(rank).ok_or_else(|| DrafterError::Input {
-            what: "replica",
-            reason: format!("{rank} is not one of {}", self.ranks),
-        })?;
+        let replica = self
+            .replicas
+            .get(rank)
+            .ok_or_else(|| ModelError::DrafterInput {
+                what: "replica",
+                reason: format!("{rank} is not one of {}", self.ranks),
+            })?;
         Ok(lock(replica).trainer.sampler())
     }
 
     /// Another process's replica posted `post`.
-    pub fn post_remote(&self, post: RoundPost) -> Result<(), DrafterError> {
+    pub fn post_remote(&self, post: RoundPost) -> Result<(), ModelError> {
         let arc = |d: Option<(u64, Vec<f32>)>| d.map(|(s, v)| (s, Arc::new(v)));
         let frozen = Frozen {
             embed: arc(post.embed),
@@ -313,7 +312,7 @@ impl DrafterFill {
         rank: usize,
         chunk: &ModelChunk<C>,
         step: u64,
-    ) -> Result<(), DrafterError> {
+    ) -> Result<(), ModelError> {
         let mut ex = lock(&self.exchange);
         ex.held.entry(rank).or_default().take_from(chunk, step);
         Ok(())
@@ -328,7 +327,7 @@ impl DrafterFill {
 
     /// Applies the completed round `rank`'s replica posted: the summed update, then the
     /// round's frozen copies; replica 0 publishes the new weights.
-    fn apply(&self, rank: usize) -> Result<(), DrafterError> {
+    fn apply(&self, rank: usize) -> Result<(), ModelError> {
         let mut replica = lock(&self.replicas[rank]);
         let Some(v) = replica.posted else {
             return Ok(());
@@ -364,7 +363,7 @@ impl DrafterFill {
 
     /// One slice of at most `rows` layout rows on `rank`'s replica, sampling the whole
     /// buffer or the rows of target step `from` only.
-    fn slice(&self, rank: usize, rows: usize, from: Option<u64>) -> Result<(), DrafterError> {
+    fn slice(&self, rank: usize, rows: usize, from: Option<u64>) -> Result<(), ModelError> {
         let outcome = {
             let trainer = &mut lock(&self.replicas[rank]).trainer;
             match from {
@@ -390,7 +389,7 @@ impl DrafterFill {
     /// all stand at the same version. Returns each replica's weights, by rank. Under the
     /// planned placement every replica stands at the same version already, and the last
     /// step's round stays posted (a continuation applies it at its first step's end).
-    pub fn settle(&self) -> Result<Vec<DrafterWeights>, DrafterError> {
+    pub fn settle(&self) -> Result<Vec<DrafterWeights>, ModelError> {
         for rank in (0..self.ranks).filter(|_| self.planned.is_none()) {
             self.apply(rank)?;
         }

@@ -23,6 +23,7 @@
 //!   With a drafter in the bubbles ([`Shared::checkpoint_drafter`]) its state is taken when
 //!   the last rank deposits, and saved with the checkpoint.
 
+use crate::model::ModelError;
 use crate::pipeline::PipelineError;
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
@@ -33,10 +34,10 @@ use std::time::Instant;
 
 use super::feed::{StepBatches, StepFeed};
 use crate::comm::collective::{GradSync, RingGradSync, TIE_CHANNEL};
+use crate::model::checkpoint::HostTensor;
 use crate::model::checkpoint::sharded::Layout;
-use crate::model::checkpoint::{CheckpointError, HostTensor};
 use crate::model::layers::{OffsetTokenLoss, TokenLoss};
-use crate::model::{GptConfig, ModelError, OptimizerState, Param};
+use crate::model::{GptConfig, OptimizerState, Param};
 use crate::schedules::Plan;
 use crate::tensor::Backend;
 use crate::train::StepMetrics;
@@ -123,7 +124,7 @@ pub trait RankCheckpointer: Send + Sync + std::fmt::Debug {
     /// `rank`'s state after step `step` (a due step, see [`Shared::checkpoint_due`]).
     fn deposit(&self, step: u64, rank: usize, fin: RankFinal);
     /// Waits until every checkpoint deposited so far is written; the directories completed.
-    fn join(&self) -> Result<Vec<PathBuf>, CheckpointError>;
+    fn join(&self) -> Result<Vec<PathBuf>, ModelError>;
     /// Whether a write has failed: the run then stops at the ranks' next step end
     /// ([`Shared::check_stop`]) and [`RankCheckpointer::join`] reports it. A writer that
     /// cannot tell says `false` (the failure is reported when the run ends).
@@ -138,11 +139,11 @@ pub trait RankCheckpointer: Send + Sync + std::fmt::Debug {
 struct Saves {
     pending: BTreeMap<u64, Vec<Option<RankFinal>>>,
     /// At most one: the next checkpoint's writer starts once this one is done.
-    writer: Option<std::thread::JoinHandle<Result<PathBuf, CheckpointError>>>,
+    writer: Option<std::thread::JoinHandle<Result<PathBuf, ModelError>>>,
     /// The directories the finished writers completed.
     written: Vec<PathBuf>,
     /// The first write that failed (the run stops; [`Shared::join_checkpoints`] reports it).
-    failed: Option<CheckpointError>,
+    failed: Option<ModelError>,
 }
 
 impl Saves {

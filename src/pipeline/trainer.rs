@@ -26,6 +26,7 @@
 //! with the target on held-out rows, from the weights the drafter publishes;
 //! [`PipelineRun::drafter`](outcome::PipelineRun::drafter) holds every replica's final weights and the router's figures.
 
+use crate::model::ModelError;
 use crate::pipeline::PipelineError;
 use std::sync::Arc;
 
@@ -37,7 +38,7 @@ use super::feed::StepFeed;
 use super::shared::Shared;
 use crate::config::{Filler, JobConfig, ScheduleChoice};
 use crate::model::checkpoint::Checkpoint;
-use crate::model::{Gpt, ModelError, OptimizerState};
+use crate::model::{Gpt, OptimizerState};
 use crate::schedules::{AutoReplanner, Plan, ScheduleKind, build, read_plan};
 use crate::tensor::CpuBackend;
 use crate::tensor::device::RankBackend;

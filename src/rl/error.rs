@@ -6,7 +6,6 @@ use crate::comm::CommError;
 use crate::config::ConfigError;
 use crate::data::DataError;
 use crate::model::ModelError;
-use crate::model::drafter::DrafterError;
 use crate::pipeline::PipelineError;
 use crate::profile::ProfileError;
 use crate::rl::config::UntrainedPolicy;
@@ -22,8 +21,6 @@ pub enum RlError {
     Data(#[from] DataError),
     #[error(transparent)]
     Model(#[from] ModelError),
-    #[error(transparent)]
-    Checkpoint(#[from] crate::model::checkpoint::CheckpointError),
     /// The task stream has too few prompts short enough for the token budget.
     #[error(
         "step {step}: only {found} of {wanted} prompts fit model.seq_len = {seq_len} with \
@@ -126,9 +123,6 @@ pub enum RlError {
     Request { index: usize, reason: String },
     #[error("stage threads stopped before the rollout finished")]
     Stopped,
-    /// The trained drafter failed, as a proposer or in the calibration.
-    #[error("drafter: {0}")]
-    Drafter(#[from] DrafterError),
     /// Why a proposer could not draft.
     #[error("proposer {proposer}: {reason}")]
     Propose {

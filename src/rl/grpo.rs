@@ -36,6 +36,7 @@
 //! computed once per rollout batch by [`reference_log_probs`]), so the micro-batches' losses
 //! sum to [`grpo_loss`] and the head backpropagates its per-token gradient.
 
+use crate::model::ModelError;
 use crate::rl::RlError;
 /// Added to a group's standard deviation so an almost-uniform group cannot blow up.
 pub const ADVANTAGE_EPS: f32 = 1e-6;
@@ -164,7 +165,7 @@ pub fn grpo_loss(
 pub fn reference_log_probs<B: crate::tensor::Backend>(
     reference: &mut crate::model::Gpt<B>,
     batches: &[crate::data::MicroBatch],
-) -> Result<Vec<Vec<f32>>, crate::model::ModelError> {
+) -> Result<Vec<Vec<f32>>, ModelError> {
     let vocab = reference.config().vocab;
     batches
         .iter()

@@ -56,6 +56,7 @@ mod rank;
 mod state;
 mod step;
 
+use crate::model::ModelError;
 use crate::pipeline::PipelineError;
 use crate::rl::RlError;
 
@@ -70,7 +71,7 @@ use crate::config::JobConfig;
 use crate::data::StepData;
 use crate::model::checkpoint::Checkpoint;
 use crate::model::drafter::state::DrafterState;
-use crate::model::{AdamW, Cut, Gpt, ModelError, OptimizerState};
+use crate::model::{AdamW, Cut, Gpt, OptimizerState};
 use crate::pipeline::PipelineTrainer;
 use crate::pipeline::feed::StepFeed;
 use crate::pipeline::mesh::check_world;

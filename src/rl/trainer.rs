@@ -29,6 +29,7 @@
 //! The learning rate decays by cosine from `rl.lr` to `rl.lr / 10` over the RL steps (the
 //! update job's warm-up is the step RL starts at, so its schedule starts at the peak).
 
+use crate::model::ModelError;
 use crate::pipeline::PipelineError;
 use crate::rl::RlError;
 use std::sync::Arc;
@@ -42,7 +43,7 @@ use super::step_metrics::RlStepMetrics;
 use super::update::UpdateStep;
 use crate::config::JobConfig;
 use crate::model::checkpoint::Checkpoint;
-use crate::model::{AdamW, Cut, Gpt, ModelError};
+use crate::model::{AdamW, Cut, Gpt};
 use crate::pipeline::feed::StepFeed;
 use crate::pipeline::{KeptRanks, PipelineTrainer, StepMetrics};
 use crate::tensor::device::RankBackend;

@@ -44,6 +44,7 @@
 //! Speculation never changes what is sampled (acceptance is lossless), so the reward curve
 //! is the same in distribution with it on or off; only the time differs.
 
+use crate::model::ModelError;
 use crate::rl::RlError;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
@@ -130,7 +131,7 @@ impl PipelineRollouts<CpuBackend> {
     /// The engine for `job`'s `[rl]` on the CPU: its model cut into `job.stages` stages,
     /// its `[drafter]` trained on the rollouts.
     pub fn new(job: &JobConfig) -> Result<Self, RlError> {
-        let backend = CpuBackend::new(1).map_err(crate::model::ModelError::from)?;
+        let backend = CpuBackend::new(1).map_err(ModelError::from)?;
         PipelineRollouts::on(job, backend)
     }
 }

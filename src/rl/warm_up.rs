@@ -3,8 +3,9 @@
 //! imported weights as they are ([`crate::rl::config::RlConfig::warmup`]).
 
 use crate::config::JobConfig;
+use crate::model::ModelError;
 use crate::model::checkpoint::Checkpoint;
-use crate::model::{AdamW, Cut, Gpt, ModelError};
+use crate::model::{AdamW, Cut, Gpt};
 use crate::pipeline::{PipelineTrainer, StepMetrics};
 use crate::rl::RlError;
 use crate::tensor::CpuBackend;

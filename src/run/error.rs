@@ -11,7 +11,6 @@ use crate::config::{ConfigError, JobConfig};
 use crate::data::DataError;
 use crate::launch::LaunchError;
 use crate::model::ModelError;
-use crate::model::checkpoint::CheckpointError;
 use crate::pipeline::PipelineError;
 use crate::rl::config::UntrainedPolicy;
 use crate::schedules::ScheduleError;
@@ -31,8 +30,6 @@ pub enum RunError {
     Data(#[from] DataError),
     #[error(transparent)]
     Model(#[from] ModelError),
-    #[error(transparent)]
-    Checkpoint(#[from] CheckpointError),
     #[error(transparent)]
     Train(#[from] TrainError),
     #[error(transparent)]

@@ -10,13 +10,13 @@
 pub mod eval;
 pub mod reference;
 
+use crate::model::ModelError;
 use serde::{Deserialize, Serialize};
 
 pub use reference::Trainer;
 
 use crate::data::DataError;
-use crate::model::checkpoint::CheckpointError;
-use crate::model::{ModelError, RecomputeSetting};
+use crate::model::RecomputeSetting;
 
 /// Errors of a training run.
 #[derive(Debug, thiserror::Error)]
@@ -31,8 +31,6 @@ pub enum TrainError {
     Model(#[from] ModelError),
     #[error(transparent)]
     Data(#[from] DataError),
-    #[error(transparent)]
-    Checkpoint(#[from] CheckpointError),
 }
 
 /// The most compute threads `train.threads` may ask for.

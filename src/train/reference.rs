@@ -13,6 +13,7 @@
 //! A pipeline runtime runs the same forward/backward calls per (stage, micro-batch) in a
 //! different order; the gradients differ only by floating-point summation order.
 
+use crate::model::ModelError;
 use std::time::Instant;
 
 use super::{StepMetrics, TrainConfig, TrainError};
@@ -102,8 +103,7 @@ impl Trainer<CpuBackend> {
         data: &DataConfig,
         train: &TrainConfig,
     ) -> Result<Self, TrainError> {
-        let backend =
-            CpuBackend::new(cpu_threads(train)).map_err(crate::model::ModelError::from)?;
+        let backend = CpuBackend::new(cpu_threads(train)).map_err(ModelError::from)?;
         Self::with_backend(backend, model, data, train)
     }
 }

@@ -5,11 +5,11 @@
 //! file that is not there; a file that does not match its entry is refused, naming it, and so
 //! is an entry whose name is not a plain file name in the checkpoint's directory.
 
+use crate::model::ModelError;
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use super::CheckpointError;
 use super::files::{MANIFEST_FILE, SHARDED_FORMAT};
 use super::files::{read_listed_tensors, write_tensor_file};
 use crate::model::GptConfig;
@@ -40,9 +40,9 @@ pub fn save_drafter(
     dir: &Path,
     state: &DrafterState,
     model: &GptConfig,
-) -> Result<DrafterEntry, CheckpointError> {
+) -> Result<DrafterEntry, ModelError> {
     let (tensors, meta) = state.to_parts(model.d_model);
-    std::fs::create_dir_all(dir).map_err(|error| CheckpointError::Io {
+    std::fs::create_dir_all(dir).map_err(|error| ModelError::CheckpointIo {
         path: dir.to_path_buf(),
         error,
     })?;
@@ -62,7 +62,7 @@ pub fn load_drafter(
     dir: &Path,
     entry: &DrafterEntry,
     model: &GptConfig,
-) -> Result<DrafterState, CheckpointError> {
+) -> Result<DrafterState, ModelError> {
     load_listed(dir, &dir.join(MANIFEST_FILE), entry, model)
 }
 
@@ -73,12 +73,12 @@ pub(super) fn load_listed(
     listing: &Path,
     entry: &DrafterEntry,
     model: &GptConfig,
-) -> Result<DrafterState, CheckpointError> {
+) -> Result<DrafterState, ModelError> {
     let path = dir.join(&entry.file);
     let listed = (entry.file.as_str(), entry.bytes, entry.hash.as_str());
     let tensors = read_listed_tensors(dir, listing, "drafter.file", listed, &entry.tensors)?;
     DrafterState::from_parts(&entry.state, &tensors, model.d_model).map_err(|e| {
-        CheckpointError::BadTensors {
+        ModelError::BadTensors {
             path,
             reason: e.to_string(),
         }

@@ -9,6 +9,7 @@
 //! ([`MAX_META_BYTES`] for a manifest or sidecar); the read takes at most that many bytes,
 //! so a file that grows while it is read is refused too.
 
+use crate::model::ModelError;
 use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::fs;
@@ -18,7 +19,7 @@ use std::path::{Component, Path, PathBuf};
 use safetensors::tensor::{Metadata, TensorInfo};
 use safetensors::{Dtype, SafeTensors};
 
-use super::{CheckpointError, HostTensor};
+use super::HostTensor;
 
 /// The most bytes one tensor file of a checkpoint may hold (256 GiB: the parameters, both
 /// AdamW moments and the master weights of a 16-billion-parameter model).
@@ -43,8 +44,8 @@ pub(crate) fn check_listed(
     field: &str,
     name: &str,
     bytes: u64,
-) -> Result<(), CheckpointError> {
-    let refuse = |reason: String| CheckpointError::Listed {
+) -> Result<(), ModelError> {
+    let refuse = |reason: String| ModelError::Listed {
         path: listing.to_path_buf(),
         field: field.to_string(),
         name: name.to_string(),
@@ -86,12 +87,12 @@ pub(crate) fn stat_listed(
     field: &str,
     name: &str,
     bytes: u64,
-) -> Result<(PathBuf, fs::Metadata), CheckpointError> {
+) -> Result<(PathBuf, fs::Metadata), ModelError> {
     check_listed(listing, field, name, bytes)?;
     let path = dir.join(name);
     let meta = stat(&path)?;
     if let Some(kind) = irregular(&meta) {
-        return Err(CheckpointError::Listed {
+        return Err(ModelError::Listed {
             path: listing.to_path_buf(),
             field: field.to_string(),
             name: name.to_string(),
@@ -99,7 +100,7 @@ pub(crate) fn stat_listed(
         });
     }
     if meta.len() != bytes {
-        return Err(CheckpointError::Size {
+        return Err(ModelError::Size {
             path,
             expected: bytes,
             got: meta.len(),
@@ -108,8 +109,8 @@ pub(crate) fn stat_listed(
     Ok((path, meta))
 }
 
-fn stat(path: &Path) -> Result<fs::Metadata, CheckpointError> {
-    fs::symlink_metadata(path).map_err(|error| CheckpointError::Io {
+fn stat(path: &Path) -> Result<fs::Metadata, ModelError> {
+    fs::symlink_metadata(path).map_err(|error| ModelError::CheckpointIo {
         path: path.to_path_buf(),
         error,
     })
@@ -117,15 +118,15 @@ fn stat(path: &Path) -> Result<fs::Metadata, CheckpointError> {
 
 /// Opens the regular file `path` whose metadata `meta` was checked, refused if it is not
 /// that file any more.
-fn open_checked(path: &Path, meta: &fs::Metadata) -> Result<fs::File, CheckpointError> {
-    let io = |error| CheckpointError::Io {
+fn open_checked(path: &Path, meta: &fs::Metadata) -> Result<fs::File, ModelError> {
+    let io = |error| ModelError::CheckpointIo {
         path: path.to_path_buf(),
         error,
     };
     let file = fs::File::open(path).map_err(io)?;
     let opened = file.metadata().map_err(io)?;
     if irregular(&opened).is_some() || !same_file(meta, &opened) {
-        return Err(CheckpointError::Irregular {
+        return Err(ModelError::Irregular {
             path: path.to_path_buf(),
             kind: "a file replaced while it was opened",
         });
@@ -135,8 +136,8 @@ fn open_checked(path: &Path, meta: &fs::Metadata) -> Result<fs::File, Checkpoint
 
 /// Reads the regular file `path` whose metadata `meta` was checked: at most its size, and
 /// refused if it is not that file any more or not that size.
-fn read_checked(path: &Path, meta: &fs::Metadata) -> Result<Vec<u8>, CheckpointError> {
-    let io = |error| CheckpointError::Io {
+fn read_checked(path: &Path, meta: &fs::Metadata) -> Result<Vec<u8>, ModelError> {
+    let io = |error| ModelError::CheckpointIo {
         path: path.to_path_buf(),
         error,
     };
@@ -146,7 +147,7 @@ fn read_checked(path: &Path, meta: &fs::Metadata) -> Result<Vec<u8>, CheckpointE
     // a sparse file of 200 GiB is both. Over the available memory, or where the allocator
     // refuses it, the read is one error instead of an allocation failure's abort.
     let available = crate::input::machine_memory().map_or(u64::MAX, |m| m.bytes);
-    let over = || CheckpointError::OverMemory {
+    let over = || ModelError::OverMemory {
         path: path.to_path_buf(),
         bytes: len,
         available,
@@ -161,7 +162,7 @@ fn read_checked(path: &Path, meta: &fs::Metadata) -> Result<Vec<u8>, CheckpointE
         .read_to_end(&mut data)
         .map_err(io)?;
     if data.len() as u64 != len {
-        return Err(CheckpointError::Size {
+        return Err(ModelError::Size {
             path: path.to_path_buf(),
             expected: len,
             got: data.len() as u64,
@@ -183,16 +184,16 @@ fn same_file(a: &fs::Metadata, b: &fs::Metadata) -> bool {
 
 /// Reads the regular file `path` (a manifest or sidecar, or a tensor file whose size is
 /// checked by the caller) of at most `limit` bytes.
-pub(crate) fn read_bounded(path: &Path, limit: u64) -> Result<Vec<u8>, CheckpointError> {
+pub(crate) fn read_bounded(path: &Path, limit: u64) -> Result<Vec<u8>, ModelError> {
     let meta = stat(path)?;
     if let Some(kind) = irregular(&meta) {
-        return Err(CheckpointError::Irregular {
+        return Err(ModelError::Irregular {
             path: path.to_path_buf(),
             kind,
         });
     }
     if meta.len() > limit {
-        return Err(CheckpointError::TooLarge {
+        return Err(ModelError::TooLarge {
             path: path.to_path_buf(),
             bytes: meta.len(),
             limit,
@@ -203,9 +204,9 @@ pub(crate) fn read_bounded(path: &Path, limit: u64) -> Result<Vec<u8>, Checkpoin
 
 /// Reads the regular file `path` of exactly `bytes` bytes (its listing's figure), checking
 /// its size before reading.
-pub(crate) fn read_exact(path: &Path, bytes: u64) -> Result<Vec<u8>, CheckpointError> {
+pub(crate) fn read_exact(path: &Path, bytes: u64) -> Result<Vec<u8>, ModelError> {
     if bytes > MAX_FILE_BYTES {
-        return Err(CheckpointError::TooLarge {
+        return Err(ModelError::TooLarge {
             path: path.to_path_buf(),
             bytes,
             limit: MAX_FILE_BYTES,
@@ -213,13 +214,13 @@ pub(crate) fn read_exact(path: &Path, bytes: u64) -> Result<Vec<u8>, CheckpointE
     }
     let meta = stat(path)?;
     if let Some(kind) = irregular(&meta) {
-        return Err(CheckpointError::Irregular {
+        return Err(ModelError::Irregular {
             path: path.to_path_buf(),
             kind,
         });
     }
     if meta.len() != bytes {
-        return Err(CheckpointError::Size {
+        return Err(ModelError::Size {
             path: path.to_path_buf(),
             expected: bytes,
             got: meta.len(),
@@ -236,7 +237,7 @@ pub(crate) fn read_listed_tensors(
     field: &str,
     (name, bytes, hash): (&str, u64, &str),
     names: &[String],
-) -> Result<Vec<HostTensor>, CheckpointError> {
+) -> Result<Vec<HostTensor>, ModelError> {
     let (path, meta) = stat_listed(dir, listing, field, name, bytes)?;
     let data = read_checked(&path, &meta)?;
     check_hash(&path, &data, hash, listing)?;
@@ -251,15 +252,17 @@ pub(crate) fn verify_listed(
     listing: &Path,
     field: &str,
     (name, bytes, hash): (&str, u64, &str),
-) -> Result<(), CheckpointError> {
+) -> Result<(), ModelError> {
     let (path, meta) = stat_listed(dir, listing, field, name, bytes)?;
     let mut file = open_checked(&path, &meta)?.take(bytes.saturating_add(1));
     let (mut h, mut read, mut buf) = (Fnv1a::default(), 0u64, vec![0u8; 1 << 20]);
     loop {
-        let n = file.read(&mut buf).map_err(|error| CheckpointError::Io {
-            path: path.clone(),
-            error,
-        })?;
+        let n = file
+            .read(&mut buf)
+            .map_err(|error| ModelError::CheckpointIo {
+                path: path.clone(),
+                error,
+            })?;
         if n == 0 {
             break;
         }
@@ -267,7 +270,7 @@ pub(crate) fn verify_listed(
         read += n as u64;
     }
     if read != bytes {
-        return Err(CheckpointError::Size {
+        return Err(ModelError::Size {
             path,
             expected: bytes,
             got: read,
@@ -282,19 +285,14 @@ pub(crate) fn check_hash(
     data: &[u8],
     hash: &str,
     listing: &Path,
-) -> Result<(), CheckpointError> {
+) -> Result<(), ModelError> {
     check_digest(path, fingerprint(data), hash, listing)
 }
 
 /// Refuses `path` unless its hash `got` is `hash`, as `listing` records it.
-fn check_digest(
-    path: &Path,
-    got: String,
-    hash: &str,
-    listing: &Path,
-) -> Result<(), CheckpointError> {
+fn check_digest(path: &Path, got: String, hash: &str, listing: &Path) -> Result<(), ModelError> {
     if got != hash {
-        return Err(CheckpointError::Corrupted {
+        return Err(ModelError::Corrupted {
             path: path.to_path_buf(),
             got,
             expected: hash.to_string(),
@@ -312,7 +310,7 @@ pub(crate) fn write_tensor_file(
     path: &Path,
     tensors: &[HostTensor],
     format: &str,
-) -> Result<(u64, String), CheckpointError> {
+) -> Result<(u64, String), ModelError> {
     write_tensor_refs(path, &tensors.iter().collect::<Vec<_>>(), format)
 }
 
@@ -327,11 +325,11 @@ pub(crate) fn write_tensor_refs(
     path: &Path,
     tensors: &[&HostTensor],
     format: &str,
-) -> Result<(u64, String), CheckpointError> {
+) -> Result<(u64, String), ModelError> {
     let mut sorted = tensors.to_vec();
     sorted.sort_by(|a, b| a.name.cmp(&b.name));
     if let Some(w) = sorted.windows(2).find(|w| w[0].name == w[1].name) {
-        return Err(CheckpointError::Tensor {
+        return Err(ModelError::CheckpointTensor {
             path: path.to_path_buf(),
             name: w[0].name.clone(),
             reason: "is given twice".into(),
@@ -341,7 +339,7 @@ pub(crate) fn write_tensor_refs(
     let mut offset = 0usize;
     for t in &sorted {
         if t.shape.iter().product::<usize>() != t.data.len() {
-            return Err(CheckpointError::Tensor {
+            return Err(ModelError::CheckpointTensor {
                 path: path.to_path_buf(),
                 name: t.name.clone(),
                 reason: format!(
@@ -362,7 +360,7 @@ pub(crate) fn write_tensor_refs(
         ));
         offset = end;
     }
-    let bad = |reason: String| CheckpointError::BadTensors {
+    let bad = |reason: String| ModelError::BadTensors {
         path: path.to_path_buf(),
         reason,
     };
@@ -419,15 +417,15 @@ pub(crate) fn read_f32_tensors(
     path: &Path,
     data: &[u8],
     names: &[String],
-) -> Result<Vec<HostTensor>, CheckpointError> {
-    let st = SafeTensors::deserialize(data).map_err(|e| CheckpointError::BadTensors {
+) -> Result<Vec<HostTensor>, ModelError> {
+    let st = SafeTensors::deserialize(data).map_err(|e| ModelError::BadTensors {
         path: path.to_path_buf(),
         reason: e.to_string(),
     })?;
     names
         .iter()
         .map(|name| {
-            let err = |reason: String| CheckpointError::Tensor {
+            let err = |reason: String| ModelError::CheckpointTensor {
                 path: path.to_path_buf(),
                 name: name.clone(),
                 reason,
@@ -453,7 +451,7 @@ pub(crate) fn read_f32_tensors(
 /// is atomic on POSIX filesystems): readers see the old file or the new one, never a mix.
 /// The file and then its directory are synced, so once this returns the new file survives
 /// a crash (a checkpoint's manifest may then be written over it).
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), ModelError> {
     write_atomic_with(path, &mut |file| file.write_all(bytes))
 }
 
@@ -462,8 +460,8 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
 pub fn write_atomic_with(
     path: &Path,
     fill: &mut dyn FnMut(&mut fs::File) -> std::io::Result<()>,
-) -> Result<(), CheckpointError> {
-    let io = |error| CheckpointError::Io {
+) -> Result<(), ModelError> {
+    let io = |error| ModelError::CheckpointIo {
         path: path.to_path_buf(),
         error,
     };

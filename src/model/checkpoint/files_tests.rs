@@ -1,4 +1,5 @@
 use super::*;
+use crate::model::ModelError;
 use safetensors::tensor::TensorView;
 
 #[test]
@@ -77,7 +78,7 @@ fn a_failed_tensor_write_names_the_file_and_leaves_no_temporary() {
     fs::create_dir(&path).unwrap();
     let err = write_tensor_file(&path, std::slice::from_ref(&t), "fmt").unwrap_err();
     assert!(
-        matches!(&err, CheckpointError::Io { path: p, .. } if p == &path),
+        matches!(&err, ModelError::CheckpointIo { path: p, .. } if p == &path),
         "{err}"
     );
     assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 1);

@@ -10,6 +10,7 @@
 //! ([`verify_files`]), so a corrupted shard of another rank fails the start before any file
 //! of the run changes.
 
+use crate::model::ModelError;
 use std::fs;
 use std::path::{Path, PathBuf};
 
@@ -17,7 +18,7 @@ use super::files::{MAX_META_BYTES, read_bounded, stat_listed, verify_listed};
 use super::sharded::{
     CHECKPOINTS_DIR, Layout, MANIFEST_FILE, Manifest, latest, read_shard, shard_field,
 };
-use super::{Checkpoint, CheckpointError, CheckpointMeta, FORMAT, HostTensor, META_FILE, VERSION};
+use super::{Checkpoint, CheckpointMeta, FORMAT, HostTensor, META_FILE, VERSION};
 
 /// Name of the final whole-model checkpoint directory inside a run directory.
 pub const FINAL_DIR: &str = "checkpoint";
@@ -37,7 +38,7 @@ impl ResumePoint {
     /// final `checkpoint/` (the sharded one when both are at the same step). A checkpoint
     /// directory without its manifest is refused, never read: it is one a run did not finish
     /// writing.
-    pub fn find(path: &Path) -> Result<Self, CheckpointError> {
+    pub fn find(path: &Path) -> Result<Self, ModelError> {
         if path.join(MANIFEST_FILE).is_file() {
             return Ok(ResumePoint::Sharded(path.to_path_buf()));
         }
@@ -55,7 +56,7 @@ impl ResumePoint {
             false => None,
         };
         let bad = |reason: String| {
-            Err(CheckpointError::BadMeta {
+            Err(ModelError::BadMeta {
                 path: path.to_path_buf(),
                 reason,
             })
@@ -85,14 +86,14 @@ impl ResumePoint {
     }
 
     /// The step it resumes at (read from its manifest or sidecar; the tensors are not read).
-    pub fn step(&self) -> Result<u64, CheckpointError> {
+    pub fn step(&self) -> Result<u64, ModelError> {
         match self {
             ResumePoint::Sharded(dir) => Ok(Manifest::read(dir)?.step),
             ResumePoint::Whole(dir) => {
                 let path = dir.join(META_FILE);
                 let text = read_bounded(&path, MAX_META_BYTES)?;
                 let meta: CheckpointMeta =
-                    serde_json::from_slice(&text).map_err(|e| CheckpointError::BadMeta {
+                    serde_json::from_slice(&text).map_err(|e| ModelError::BadMeta {
                         path,
                         reason: e.to_string(),
                     })?;
@@ -140,7 +141,7 @@ impl RankShard {
         layout: &Layout,
         config_hash: &str,
         rank: usize,
-    ) -> Result<Self, CheckpointError> {
+    ) -> Result<Self, ModelError> {
         let manifest = Manifest::read(dir)?;
         manifest.check(layout, config_hash)?;
         manifest.check_shards(dir)?;
@@ -191,7 +192,7 @@ impl RankShard {
 /// Checks every file the manifest in `dir` lists (each shard, and the drafter's) against its
 /// size and hash without holding any of it (`super::files::verify_listed`). The first
 /// mismatch is the error, naming the file.
-pub fn verify_files(dir: &Path) -> Result<(), CheckpointError> {
+pub fn verify_files(dir: &Path) -> Result<(), ModelError> {
     let manifest = Manifest::read(dir)?;
     let listing = dir.join(MANIFEST_FILE);
     for s in &manifest.shards {

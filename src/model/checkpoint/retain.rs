@@ -24,12 +24,12 @@
 //! The final whole-model `checkpoint/` of a run is not a periodic checkpoint and is never
 //! touched.
 
+use crate::model::ModelError;
 use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, PoisonError};
 
-use super::CheckpointError;
 use super::sharded::{CHECKPOINTS_DIR, MANIFEST_FILE, Manifest, remove_manifest, step_dir};
 
 /// A complete checkpoint this run wrote.
@@ -65,13 +65,13 @@ impl Retention {
         run_dir: &Path,
         config_hash: &str,
         step: u64,
-    ) -> Result<Self, CheckpointError> {
+    ) -> Result<Self, ModelError> {
         let retention = Self::new(keep);
         let root = run_dir.join(CHECKPOINTS_DIR);
         let entries = match fs::read_dir(&root) {
             Ok(entries) => entries,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(retention),
-            Err(error) => return Err(CheckpointError::Io { path: root, error }),
+            Err(error) => return Err(ModelError::CheckpointIo { path: root, error }),
         };
         let mut written = retention
             .written
@@ -79,7 +79,7 @@ impl Retention {
             .unwrap_or_else(PoisonError::into_inner);
         for entry in entries {
             let dir = entry
-                .map_err(|error| CheckpointError::Io {
+                .map_err(|error| ModelError::CheckpointIo {
                     path: root.clone(),
                     error,
                 })?
@@ -114,11 +114,7 @@ impl Retention {
     /// Records that the checkpoint `manifest` describes is complete in `dir` (its manifest
     /// just written), and deletes this run's complete checkpoints older than the newest
     /// `keep`. Returns the directories deleted, oldest first.
-    pub fn completed(
-        &self,
-        dir: &Path,
-        manifest: &Manifest,
-    ) -> Result<Vec<PathBuf>, CheckpointError> {
+    pub fn completed(&self, dir: &Path, manifest: &Manifest) -> Result<Vec<PathBuf>, ModelError> {
         if self.keep == 0 {
             return Ok(Vec::new());
         }
@@ -154,7 +150,7 @@ fn is_step_dir(dir: &Path, step: u64) -> bool {
 
 /// Deletes the checkpoint of `step` this run wrote in `old.dir`, if it still is that
 /// checkpoint (else leaves it, with a warning); whether it was deleted.
-fn remove_checkpoint(old: &Written, step: u64) -> Result<bool, CheckpointError> {
+fn remove_checkpoint(old: &Written, step: u64) -> Result<bool, ModelError> {
     let dir = &old.dir;
     let leave = |why: String| {
         tracing::warn!("checkpoint_keep: left {} in place: {why}", dir.display());
@@ -186,7 +182,7 @@ fn remove_checkpoint(old: &Written, step: u64) -> Result<bool, CheckpointError> 
         let path = dir.join(name);
         match fs::remove_file(&path) {
             Err(error) if error.kind() != std::io::ErrorKind::NotFound => {
-                return Err(CheckpointError::Io { path, error });
+                return Err(ModelError::CheckpointIo { path, error });
             }
             _ => {}
         }
@@ -201,7 +197,7 @@ fn remove_checkpoint(old: &Written, step: u64) -> Result<bool, CheckpointError> 
             );
             Ok(true)
         }
-        Err(error) => Err(CheckpointError::Io {
+        Err(error) => Err(ModelError::CheckpointIo {
             path: dir.clone(),
             error,
         }),

@@ -16,6 +16,7 @@
 //! In memory a sharded checkpoint is read back into the whole-model [`Checkpoint`], which
 //! both trainers resume from.
 
+use crate::model::ModelError;
 use std::collections::HashMap;
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -26,8 +27,8 @@ use super::drafter::{DrafterEntry, load_drafter, save_drafter};
 pub use super::files::{Fnv1a, MANIFEST_FILE, SHARDED_FORMAT, fingerprint};
 use super::files::{MAX_META_BYTES, check_listed, read_bounded, read_listed_tensors};
 use super::{
-    ADAM_M_PREFIX, ADAM_V_PREFIX, Checkpoint, CheckpointError, CheckpointMeta, FORMAT, HostTensor,
-    MASTER_PREFIX, VERSION, write_atomic,
+    ADAM_M_PREFIX, ADAM_V_PREFIX, Checkpoint, CheckpointMeta, FORMAT, HostTensor, MASTER_PREFIX,
+    VERSION, write_atomic,
 };
 use crate::model::{Cut, GptConfig, ModelChunk};
 use crate::tensor::CpuBackend;
@@ -123,8 +124,8 @@ pub fn step_dir(run_dir: &Path, step: u64) -> PathBuf {
 pub fn param_stages(
     model: &GptConfig,
     stages: usize,
-) -> Result<HashMap<String, usize>, CheckpointError> {
-    let be = CpuBackend::new(1).map_err(crate::model::ModelError::from)?;
+) -> Result<HashMap<String, usize>, ModelError> {
+    let be = CpuBackend::new(1).map_err(ModelError::from)?;
     let cut = Cut::Even(stages);
     let mut owner = HashMap::new();
     for s in 0..stages {
@@ -149,7 +150,7 @@ pub fn write_shard(
     dir: &Path,
     rank: usize,
     tensors: &[HostTensor],
-) -> Result<ShardEntry, CheckpointError> {
+) -> Result<ShardEntry, ModelError> {
     write_shard_refs(dir, rank, &tensors.iter().collect::<Vec<_>>())
 }
 
@@ -158,8 +159,8 @@ fn write_shard_refs(
     dir: &Path,
     rank: usize,
     tensors: &[&HostTensor],
-) -> Result<ShardEntry, CheckpointError> {
-    fs::create_dir_all(dir).map_err(|error| CheckpointError::Io {
+) -> Result<ShardEntry, ModelError> {
+    fs::create_dir_all(dir).map_err(|error| ModelError::CheckpointIo {
         path: dir.to_path_buf(),
         error,
     })?;
@@ -185,7 +186,7 @@ impl Manifest {
 
     /// Writes the manifest into `dir`, atomically. Call it only once every shard it lists
     /// is written: its presence is what makes the checkpoint complete.
-    pub fn write(&self, dir: &Path) -> Result<(), CheckpointError> {
+    pub fn write(&self, dir: &Path) -> Result<(), ModelError> {
         let json = serde_json::to_vec_pretty(self).expect("a manifest always serializes");
         write_atomic(&dir.join(MANIFEST_FILE), &json)
     }
@@ -193,10 +194,10 @@ impl Manifest {
     /// Reads the manifest of the checkpoint in `dir`. The names it gives its files must be
     /// plain file names, and their sizes at most [`super::files::MAX_FILE_BYTES`]: a
     /// manifest that points outside its directory is refused before any file is looked at.
-    pub fn read(dir: &Path) -> Result<Self, CheckpointError> {
+    pub fn read(dir: &Path) -> Result<Self, ModelError> {
         let path = dir.join(MANIFEST_FILE);
         if !path.exists() {
-            return Err(CheckpointError::BadMeta {
+            return Err(ModelError::BadMeta {
                 path,
                 reason: "no manifest: the checkpoint is incomplete (a run stopped while \
                          writing it) or this is not a sharded checkpoint"
@@ -205,12 +206,12 @@ impl Manifest {
         }
         let text = read_bounded(&path, MAX_META_BYTES)?;
         let manifest: Manifest =
-            serde_json::from_slice(&text).map_err(|e| CheckpointError::BadMeta {
+            serde_json::from_slice(&text).map_err(|e| ModelError::BadMeta {
                 path: path.clone(),
                 reason: e.to_string(),
             })?;
         if manifest.format != SHARDED_FORMAT || manifest.version != VERSION {
-            return Err(CheckpointError::BadMeta {
+            return Err(ModelError::BadMeta {
                 path,
                 reason: format!(
                     "format {:?} version {}, expected {SHARDED_FORMAT:?} version {VERSION}",
@@ -229,12 +230,12 @@ impl Manifest {
 
     /// Refuses a manifest that does not list one shard per saved rank, in rank order (the
     /// manifest read from `dir`, named in the error).
-    pub fn check_shards(&self, dir: &Path) -> Result<(), CheckpointError> {
+    pub fn check_shards(&self, dir: &Path) -> Result<(), ModelError> {
         let saved = self.replicas_saved.unwrap_or(self.layout.dp);
         let expected = saved * self.layout.pp();
         let ranks: Vec<usize> = self.shards.iter().map(|s| s.rank).collect();
         if saved == 0 || saved > self.layout.dp || ranks != (0..expected).collect::<Vec<_>>() {
-            return Err(CheckpointError::BadMeta {
+            return Err(ModelError::BadMeta {
                 path: dir.join(MANIFEST_FILE),
                 reason: format!(
                     "lists shards of ranks {ranks:?} for {saved} saved replica(s) of dp {}, \
@@ -247,8 +248,8 @@ impl Manifest {
     }
 
     /// Refuses a manifest written by another layout or job.
-    pub fn check(&self, layout: &Layout, config_hash: &str) -> Result<(), CheckpointError> {
-        let mismatch = |what: String| Err(CheckpointError::Mismatch(what));
+    pub fn check(&self, layout: &Layout, config_hash: &str) -> Result<(), ModelError> {
+        let mismatch = |what: String| Err(ModelError::Mismatch(what));
         if self.world != layout.world() {
             return mismatch(format!(
                 "it was written by {} ranks (dp {} × pp {}), this run has {} (dp {} × pp {})",
@@ -284,7 +285,7 @@ pub fn save_sharded(
     layout: &Layout,
     stage_of: &HashMap<String, usize>,
     config_hash: &str,
-) -> Result<Manifest, CheckpointError> {
+) -> Result<Manifest, ModelError> {
     remove_manifest(dir)?;
     let pp = layout.pp();
     // The tensors stay where they are: each shard is streamed from references to them.
@@ -292,13 +293,13 @@ pub fn save_sharded(
     for t in &checkpoint.tensors {
         let param = param_of(&t.name);
         let &stage = stage_of.get(param).ok_or_else(|| {
-            CheckpointError::Mismatch(format!(
+            ModelError::Mismatch(format!(
                 "tensor `{}` belongs to no stage of the layout (unknown parameter `{param}`)",
                 t.name
             ))
         })?;
         let &rank = layout.stage_rank.get(stage).ok_or_else(|| {
-            CheckpointError::Mismatch(format!(
+            ModelError::Mismatch(format!(
                 "parameter `{param}` is in stage {stage}, the layout places {} stages",
                 layout.stage_rank.len()
             ))
@@ -338,12 +339,14 @@ pub fn save_sharded(
 /// Removes the manifest of the checkpoint in `dir`, if any. Saving over an older checkpoint
 /// starts with this, so that until the new manifest is written the directory reads as
 /// incomplete, never as the old manifest over new shards.
-pub fn remove_manifest(dir: &Path) -> Result<(), CheckpointError> {
+pub fn remove_manifest(dir: &Path) -> Result<(), ModelError> {
     match fs::remove_file(dir.join(MANIFEST_FILE)) {
-        Err(error) if error.kind() != std::io::ErrorKind::NotFound => Err(CheckpointError::Io {
-            path: dir.join(MANIFEST_FILE),
-            error,
-        }),
+        Err(error) if error.kind() != std::io::ErrorKind::NotFound => {
+            Err(ModelError::CheckpointIo {
+                path: dir.join(MANIFEST_FILE),
+                error,
+            })
+        }
         _ => Ok(()),
     }
 }
@@ -399,10 +402,7 @@ pub fn from_owned_state(
 
 /// Reads one shard, checking its name, size and hash against `entry` (the manifest's
 /// `shards[entry.rank]`) before its tensors are parsed.
-pub(super) fn read_shard(
-    dir: &Path,
-    entry: &ShardEntry,
-) -> Result<Vec<HostTensor>, CheckpointError> {
+pub(super) fn read_shard(dir: &Path, entry: &ShardEntry) -> Result<Vec<HostTensor>, ModelError> {
     read_listed_tensors(
         dir,
         &dir.join(MANIFEST_FILE),
@@ -425,7 +425,7 @@ pub fn load_sharded(
     dir: &Path,
     layout: &Layout,
     config_hash: &str,
-) -> Result<Checkpoint, CheckpointError> {
+) -> Result<Checkpoint, ModelError> {
     let manifest = Manifest::read(dir)?;
     manifest.check(layout, config_hash)?;
     manifest.check_shards(dir)?;
@@ -463,16 +463,16 @@ pub fn load_sharded(
 /// The newest complete checkpoint of run directory `run_dir` (the highest step whose
 /// directory has a manifest), or `None`. Directories without a manifest are skipped: they
 /// are checkpoints a run never finished writing.
-pub fn latest(run_dir: &Path) -> Result<Option<PathBuf>, CheckpointError> {
+pub fn latest(run_dir: &Path) -> Result<Option<PathBuf>, ModelError> {
     let root = run_dir.join(CHECKPOINTS_DIR);
     let entries = match fs::read_dir(&root) {
         Ok(e) => e,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(error) => return Err(CheckpointError::Io { path: root, error }),
+        Err(error) => return Err(ModelError::CheckpointIo { path: root, error }),
     };
     let mut best: Option<(u64, PathBuf)> = None;
     for entry in entries {
-        let entry = entry.map_err(|error| CheckpointError::Io {
+        let entry = entry.map_err(|error| ModelError::CheckpointIo {
             path: root.clone(),
             error,
         })?;

@@ -21,6 +21,7 @@
 //! `checkpoint.json` or manifest that is not pipefill's, a tensor file another program wrote,
 //! and the temporary file of a process still running.
 
+use crate::model::ModelError;
 use std::fs;
 use std::io::{self, Read};
 use std::path::{Path, PathBuf};
@@ -29,7 +30,7 @@ use super::drafter::DRAFTER_FILE;
 use super::files::{MAX_META_BYTES, plain_name, read_bounded};
 use super::resume::last_complete;
 use super::sharded::{CHECKPOINTS_DIR, MANIFEST_FILE, Manifest, SHARDED_FORMAT};
-use super::{CheckpointError, CheckpointMeta, FORMAT, META_FILE, TENSOR_FILE};
+use super::{CheckpointMeta, FORMAT, META_FILE, TENSOR_FILE};
 
 /// What a sweep removes (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -68,7 +69,7 @@ pub fn step_of(name: &str) -> Option<u64> {
 
 /// Sweeps the checkpoints of run directory `run_dir` (`checkpoint/` and `checkpoints/`) as
 /// `what` says; returns the paths removed.
-pub fn sweep_run(run_dir: &Path, what: Sweep) -> Result<Vec<PathBuf>, CheckpointError> {
+pub fn sweep_run(run_dir: &Path, what: Sweep) -> Result<Vec<PathBuf>, ModelError> {
     let mut removed = sweep_final(&run_dir.join(super::resume::FINAL_DIR), what)?;
     let root = run_dir.join(CHECKPOINTS_DIR);
     if !real_dir(&root) {
@@ -86,7 +87,7 @@ pub fn sweep_run(run_dir: &Path, what: Sweep) -> Result<Vec<PathBuf>, Checkpoint
 }
 
 /// Sweeps the whole-model checkpoint directory `dir` as `what` says.
-pub fn sweep_final(dir: &Path, what: Sweep) -> Result<Vec<PathBuf>, CheckpointError> {
+pub fn sweep_final(dir: &Path, what: Sweep) -> Result<Vec<PathBuf>, ModelError> {
     let mut removed = Vec::new();
     if !real_dir(dir) {
         return Ok(removed);
@@ -122,7 +123,7 @@ pub fn sweep_final(dir: &Path, what: Sweep) -> Result<Vec<PathBuf>, CheckpointEr
 /// its checkpoint ([`Sweep::Everything`]), or what an interrupted write left
 /// ([`Sweep::Leftovers`]: a directory with a manifest keeps its checkpoint). The directory
 /// goes once empty, except a complete one swept for leftovers.
-pub fn sweep_step(dir: &Path, what: Sweep) -> Result<Vec<PathBuf>, CheckpointError> {
+pub fn sweep_step(dir: &Path, what: Sweep) -> Result<Vec<PathBuf>, ModelError> {
     let mut removed = Vec::new();
     if !real_dir(dir) {
         return Ok(removed);
@@ -163,16 +164,11 @@ pub fn sweep_step(dir: &Path, what: Sweep) -> Result<Vec<PathBuf>, CheckpointErr
 /// whose write failed with `source`: what the write left in `dir` is removed first
 /// ([`Sweep::Leftovers`]: it has no manifest), and the error names the checkpoint a resume
 /// of the run would continue from.
-pub fn failed_periodic(
-    run_dir: &Path,
-    dir: &Path,
-    step: u64,
-    source: CheckpointError,
-) -> CheckpointError {
+pub fn failed_periodic(run_dir: &Path, dir: &Path, step: u64, source: ModelError) -> ModelError {
     if let Err(e) = sweep_step(dir, Sweep::Leftovers) {
         tracing::warn!("after a failed checkpoint write: {e}");
     }
-    CheckpointError::Periodic {
+    ModelError::Periodic {
         step,
         dir: dir.to_path_buf(),
         last: last_complete(run_dir),
@@ -186,8 +182,8 @@ fn real_dir(path: &Path) -> bool {
 }
 
 /// The names of the entries of `dir`.
-fn names(dir: &Path) -> Result<Vec<String>, CheckpointError> {
-    let io = |error| CheckpointError::Io {
+fn names(dir: &Path) -> Result<Vec<String>, ModelError> {
+    let io = |error| ModelError::CheckpointIo {
         path: dir.to_path_buf(),
         error,
     };
@@ -209,7 +205,7 @@ fn read_sidecar(path: &Path) -> Option<CheckpointMeta> {
 }
 
 /// Removes the regular file `path` (a missing one is no error), recording it.
-fn remove(path: &Path, removed: &mut Vec<PathBuf>) -> Result<(), CheckpointError> {
+fn remove(path: &Path, removed: &mut Vec<PathBuf>) -> Result<(), ModelError> {
     match fs::symlink_metadata(path) {
         Ok(m) if m.is_file() => {}
         // Not a file (a directory, a symlink) or not there: nothing a checkpoint wrote.
@@ -221,7 +217,7 @@ fn remove(path: &Path, removed: &mut Vec<PathBuf>) -> Result<(), CheckpointError
             Ok(())
         }
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-        Err(error) => Err(CheckpointError::Io {
+        Err(error) => Err(ModelError::CheckpointIo {
             path: path.to_path_buf(),
             error,
         }),
@@ -229,7 +225,7 @@ fn remove(path: &Path, removed: &mut Vec<PathBuf>) -> Result<(), CheckpointError
 }
 
 /// Removes `path` when it is a safetensors file whose header says pipefill wrote it.
-fn remove_if_ours(path: &Path, removed: &mut Vec<PathBuf>) -> Result<(), CheckpointError> {
+fn remove_if_ours(path: &Path, removed: &mut Vec<PathBuf>) -> Result<(), ModelError> {
     match written_by_pipefill(path) {
         true => remove(path, removed),
         false => Ok(()),
@@ -272,7 +268,7 @@ fn remove_temps(
     names: &[String],
     ours: impl Fn(&str) -> bool,
     removed: &mut Vec<PathBuf>,
-) -> Result<(), CheckpointError> {
+) -> Result<(), ModelError> {
     for name in names {
         let Some((target, pid)) = temp_target(name) else {
             continue;
@@ -290,7 +286,7 @@ fn running_elsewhere(pid: u32) -> bool {
 }
 
 /// Removes `dir` if it is empty; whether it did.
-fn remove_if_empty(dir: &Path) -> Result<bool, CheckpointError> {
+fn remove_if_empty(dir: &Path) -> Result<bool, ModelError> {
     match fs::remove_dir(dir) {
         Ok(()) => Ok(true),
         Err(e)
@@ -301,7 +297,7 @@ fn remove_if_empty(dir: &Path) -> Result<bool, CheckpointError> {
         {
             Ok(false)
         }
-        Err(error) => Err(CheckpointError::Io {
+        Err(error) => Err(ModelError::CheckpointIo {
             path: dir.to_path_buf(),
             error,
         }),

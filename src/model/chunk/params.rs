@@ -2,8 +2,9 @@
 //! optimizer, checkpoints and the drafter's frozen copies read and write.
 
 use super::ModelChunk;
+use crate::model::ModelError;
 use crate::model::layers::Layer;
-use crate::model::{ModelError, Param, Result};
+use crate::model::{Param, Result};
 use crate::tensor::Backend;
 
 impl<B: Backend> ModelChunk<B> {

@@ -1,7 +1,8 @@
 //! [`DraftBatch`]: sampled [`DraftRow`]s laid out as one drafter micro-batch.
 
-use super::{DraftRow, DrafterError};
+use super::DraftRow;
 use crate::data::SplitMix64;
+use crate::model::ModelError;
 use crate::tensor::IGNORE_TARGET;
 
 /// `batch` sequences of `seq` pairs, padded at the end (a padded pair is masked; causal
@@ -24,12 +25,12 @@ pub struct DraftBatch {
 impl DraftBatch {
     /// Errors unless `inputs` holds one `2·d_model` pair per row: the forward passes read it
     /// as a `[rows, 2·d_model]` matrix.
-    pub(super) fn check_inputs(&self, d_model: usize) -> Result<(), DrafterError> {
+    pub(super) fn check_inputs(&self, d_model: usize) -> Result<(), ModelError> {
         let rows = self.rows();
         if self.inputs.len() == rows * 2 * d_model {
             return Ok(());
         }
-        Err(DrafterError::Input {
+        Err(ModelError::DrafterInput {
             what: "batch",
             reason: format!(
                 "{} inputs for {rows} pairs of {}",

@@ -13,10 +13,11 @@
 //! whenever a slice runs early in a step; the previous step's rows, long ones included,
 //! stay available until the step after.
 
+use crate::model::ModelError;
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use super::{DrafterConfig, DrafterError, Result};
+use super::{DrafterConfig, Result};
 use crate::data::SplitMix64;
 use crate::model::{GptConfig, Shape};
 use crate::tensor::IGNORE_TARGET;
@@ -73,7 +74,7 @@ impl DraftRow {
         } else {
             return Ok(());
         };
-        Err(DrafterError::Input {
+        Err(ModelError::DrafterInput {
             what: "row",
             reason,
         })
@@ -157,7 +158,7 @@ impl DraftBuffer {
     ) -> Result<()> {
         let (n, d) = (shape.tokens(), self.d_model);
         if hidden.len() != n * d || targets.len() != n {
-            return Err(DrafterError::Input {
+            return Err(ModelError::DrafterInput {
                 what: "micro-batch",
                 reason: format!(
                     "{shape:?} with {} hidden values, {} targets",

@@ -13,10 +13,11 @@
 //! (its chunk, or a post from another process); every other drafter of the process takes
 //! the same `Arc`s ([`Drafter::share_frozen`]).
 
+use crate::model::ModelError;
 use std::sync::Arc;
 
 use super::{Drafter, FROZEN, Result};
-use crate::model::{Gpt, ModelChunk, ModelError};
+use crate::model::{Gpt, ModelChunk};
 use crate::tensor::Backend;
 
 /// The frozen embedding and head one or more drafters read (cloning shares them).

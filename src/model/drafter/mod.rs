@@ -113,6 +113,7 @@ mod tree;
 mod unroll;
 mod vocab;
 
+use crate::model::ModelError;
 pub use batch::DraftBatch;
 pub use buffer::{DraftBuffer, DraftBufferHandle, DraftRow};
 pub use frozen::FrozenTables;
@@ -125,9 +126,6 @@ pub use unroll::{ChainStats, greedy_tail};
 pub use vocab::frequent_tokens;
 
 use serde::{Deserialize, Serialize};
-
-use super::ModelError;
-use crate::tensor::TensorError;
 
 /// The `[drafter]` section of a job file: the drafter's loss, optimizer, data and cost
 /// estimate. Every field has a default.
@@ -290,7 +288,8 @@ impl DrafterConfig {
 
     /// Checks every field; the error names the first bad one.
     pub fn validate(&self) -> Result<()> {
-        let bad = |field: &'static str, reason: String| Err(DrafterError::Config { field, reason });
+        let bad =
+            |field: &'static str, reason: String| Err(ModelError::DrafterConfig { field, reason });
         for (field, v) in [
             ("drafter.ce_weight", self.ce_weight),
             ("drafter.hidden_weight", self.hidden_weight),
@@ -342,33 +341,8 @@ impl DrafterConfig {
     }
 }
 
-/// What can go wrong building, training or using the drafter.
-#[derive(Debug, thiserror::Error)]
-pub enum DrafterError {
-    /// A `[drafter]` value that cannot be used.
-    #[error("`{field}` {reason}")]
-    Config { field: &'static str, reason: String },
-    /// The buffer holds no sequence with at least one training pair.
-    #[error("drafter slice: the draft buffer holds no sequence with a training pair yet")]
-    NoData,
-    /// An input (row, context, weights, gradients) does not fit the drafter.
-    #[error("drafter {what}: {reason}")]
-    Input { what: &'static str, reason: String },
-    /// Gradients handed to [`DrafterTrainer::step_with`] that do not make one consistent set.
-    #[error("drafter step {version}: {reason}")]
-    Replicas { version: u64, reason: String },
-    #[error(transparent)]
-    Model(#[from] ModelError),
-}
-
-impl From<TensorError> for DrafterError {
-    fn from(e: TensorError) -> Self {
-        DrafterError::Model(ModelError::Tensor(e))
-    }
-}
-
 /// Result of a drafter operation.
-pub type Result<T> = std::result::Result<T, DrafterError>;
+pub type Result<T> = std::result::Result<T, ModelError>;
 
 /// The target's parameters the drafter reads, frozen ([`FrozenTables`]).
 pub const FROZEN: [&str; 2] = ["embed.tok", "head.w"];

@@ -2,16 +2,15 @@
 //! target's token embedding and LM head, the loss, and its weights as a message
 //! ([`DrafterWeights`]).
 
+use crate::model::ModelError;
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
 use super::loss::{argmax, smooth_l1, soft_cross_entropy, softmax_rows};
-use super::{
-    DraftBatch, DraftRow, DrafterConfig, DrafterError, FROZEN, FrozenTables, Linear, Result,
-};
+use super::{DraftBatch, DraftRow, DrafterConfig, FROZEN, FrozenTables, Linear, Result};
 use crate::model::layers::{Attention, Block, Layer, Mlp, RmsNorm};
-use crate::model::{GptConfig, ModelError, Param, init};
+use crate::model::{GptConfig, Param, init};
 use crate::tensor::{Backend, DType, Gemm};
 
 /// One tensor by name, on the host.
@@ -351,7 +350,7 @@ impl<B: Backend> Drafter<B> {
     /// target's checkpoint): then those, checked, with their step.
     pub fn load_weights(&mut self, weights: &DrafterWeights) -> Result<()> {
         let be = self.be.clone();
-        let missing = |name: &str| DrafterError::Input {
+        let missing = |name: &str| ModelError::DrafterInput {
             what: "weights",
             reason: format!("no `{name}`"),
         };
@@ -362,14 +361,14 @@ impl<B: Backend> Drafter<B> {
                 true => (FROZEN[0], FROZEN[1]),
                 false => (FROZEN[1], FROZEN[0]),
             };
-            return Err(DrafterError::Input {
+            return Err(ModelError::DrafterInput {
                 what: "weights",
                 reason: format!("`{has}` without `{lacks}`: the frozen tables come as a pair"),
             });
         }
         let expected = self.params().len() + frozen.len();
         if weights.tensors.len() != expected {
-            return Err(DrafterError::Input {
+            return Err(ModelError::DrafterInput {
                 what: "weights",
                 reason: format!("{} tensors, expected {expected}", weights.tensors.len()),
             });

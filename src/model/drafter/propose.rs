@@ -23,11 +23,12 @@
 //! precision ([`super::packed`]) halves both streams (`cargo bench --bench propose`;
 //! figures in docs/benchmarks.md, "Drafter proposals").
 
+use crate::model::ModelError;
 use std::collections::BTreeMap;
 
 use super::loss::argmax;
 use super::packed::{KvMemo, PackedDrafter};
-use super::{Drafter, DrafterError, Result};
+use super::{Drafter, Result};
 use crate::data::SplitMix64;
 use crate::model::config::Positions;
 use crate::model::infer::attend::{Heads, attend};
@@ -104,7 +105,7 @@ impl<B: Backend> Drafter<B> {
         f: impl FnOnce(&Self, &mut Products<'_>) -> Result<T>,
     ) -> Result<T> {
         if !(temperature >= 0.0 && temperature.is_finite()) {
-            return Err(DrafterError::Input {
+            return Err(ModelError::DrafterInput {
                 what,
                 reason: format!("temperature {temperature} is not a finite number ≥ 0"),
             });
@@ -135,7 +136,7 @@ impl<B: Backend> Drafter<B> {
         let mut groups: BTreeMap<usize, Vec<(usize, usize)>> = BTreeMap::new();
         for (i, c) in contexts.iter().enumerate() {
             let n = c.tokens.len();
-            let bad = |reason: String| DrafterError::Input {
+            let bad = |reason: String| ModelError::DrafterInput {
                 what,
                 reason: format!("context {i}: {reason}"),
             };
@@ -432,8 +433,8 @@ impl<B: Backend> Drafter<B> {
 }
 
 /// The error of a product by `W3` in a drafter whose MLP is not gated.
-fn no_w3() -> DrafterError {
-    DrafterError::Input {
+fn no_w3() -> ModelError {
+    ModelError::DrafterInput {
         what: "proposal",
         reason: "the drafter's MLP has no up projection (w3): it is not gated".into(),
     }

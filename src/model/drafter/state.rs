@@ -17,12 +17,11 @@
 //! under the names [`DrafterState::to_parts`] gives, and the rest (version, samplers, the
 //! rows' targets and steps) into the checkpoint's JSON as [`DrafterMeta`].
 
+use crate::model::ModelError;
 use serde::{Deserialize, Serialize};
 
 use super::Result;
-use super::{
-    DraftBuffer, DraftRow, DrafterError, DrafterGrads, DrafterTrainer, DrafterWeights, NamedTensor,
-};
+use super::{DraftBuffer, DraftRow, DrafterGrads, DrafterTrainer, DrafterWeights, NamedTensor};
 use crate::data::SplitMix64;
 use crate::model::OptimizerState;
 use crate::model::SlotState;
@@ -74,7 +73,7 @@ impl BufferState {
     /// Puts the rows back into an empty `buffer`, each generation under its own step.
     pub fn restore(&self, buffer: &mut DraftBuffer) -> Result<()> {
         if !buffer.is_empty() || buffer.step().is_some() {
-            return Err(DrafterError::Input {
+            return Err(ModelError::DrafterInput {
                 what: "buffer state",
                 reason: "restored into a buffer that is already in use".into(),
             });
@@ -445,8 +444,8 @@ impl DrafterState {
     }
 }
 
-fn bad(reason: String) -> DrafterError {
-    DrafterError::Input {
+fn bad(reason: String) -> ModelError {
+    ModelError::DrafterInput {
         what: "checkpointed state",
         reason,
     }

@@ -2,14 +2,15 @@
 //! the optimizer step (alone, or over the gradients of every replica), the running cost
 //! estimate, and held-out agreement with the target.
 
+use crate::model::ModelError;
 use cpu_time::ThreadTime;
 use std::time::Instant;
 
 use super::net::LossSums;
 use super::unroll::Unroller;
 use super::{
-    DraftBatch, DraftBufferHandle, DraftRow, Drafter, DrafterError, DrafterWeights, NamedTensor,
-    Result, UnrollContext,
+    DraftBatch, DraftBufferHandle, DraftRow, Drafter, DrafterWeights, NamedTensor, Result,
+    UnrollContext,
 };
 use crate::data::SplitMix64;
 use crate::model::{AdamW, AdamWConfig, clip_scale};
@@ -101,7 +102,7 @@ impl<B: Backend> DrafterTrainer<B> {
         replicas: usize,
     ) -> Result<Self> {
         if replica >= replicas {
-            return Err(DrafterError::Config {
+            return Err(ModelError::DrafterConfig {
                 field: "replica",
                 reason: format!("{replica} is not below the replica count {replicas}"),
             });
@@ -151,7 +152,7 @@ impl<B: Backend> DrafterTrainer<B> {
     /// target on few rows (RL, see [`crate::rl::trainer_spec`]).
     pub fn set_lr(&mut self, lr: f32) -> Result<()> {
         if !(lr >= 0.0 && lr.is_finite()) {
-            return Err(DrafterError::Config {
+            return Err(ModelError::DrafterConfig {
                 field: "lr",
                 reason: format!("{lr} is not a finite number ≥ 0"),
             });
@@ -250,7 +251,7 @@ impl<B: Backend> DrafterTrainer<B> {
     /// (what [`DrafterTrainer::slice`] does after `accumulation` slices); the new version.
     pub fn step_accumulated(&mut self) -> Result<u64> {
         if self.replicas != 1 {
-            return Err(DrafterError::Replicas {
+            return Err(ModelError::Replicas {
                 version: self.version,
                 reason: format!("{} replicas step together (step_with)", self.replicas),
             });
@@ -270,7 +271,7 @@ impl<B: Backend> DrafterTrainer<B> {
             None => self.buffer.sample(&mut self.rng, batch_rows),
         };
         if rows.is_empty() {
-            return Err(DrafterError::NoData);
+            return Err(ModelError::NoData);
         }
         let mut batch = self.drafter.batch(&rows, positions, Some(&mut self.rng))?;
         let (sums, unrolled_pairs) = self.forward_backward(&mut batch)?;
@@ -407,7 +408,7 @@ impl<B: Backend> DrafterTrainer<B> {
     /// this replica accumulated since its [`DrafterTrainer::take_grads`] (slices run while
     /// the exchange was under way) are kept for the next step.
     pub fn step_with(&mut self, grads: &[DrafterGrads]) -> Result<u64> {
-        let bad = |reason: String| DrafterError::Replicas {
+        let bad = |reason: String| ModelError::Replicas {
             version: self.version,
             reason,
         };
@@ -494,7 +495,7 @@ impl<B: Backend> DrafterTrainer<B> {
             total.agree += s.agree;
         }
         if total.pairs == 0 {
-            return Err(DrafterError::Input {
+            return Err(ModelError::DrafterInput {
                 what: "held-out rows",
                 reason: format!("{} rows hold no training pair", rows.len()),
             });

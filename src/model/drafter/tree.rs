@@ -36,7 +36,8 @@
 //! deterministic function of the context: the tree's sampling acceptance needs no `q`.
 
 use super::propose::{Mat, Products};
-use super::{DraftContext, Drafter, DrafterError, Result};
+use super::{DraftContext, Drafter, Result};
+use crate::model::ModelError;
 use crate::tensor::Backend;
 
 /// The shape of the drafter's trees (see the module docs).
@@ -127,7 +128,7 @@ impl<B: Backend> Drafter<B> {
         temperature: f32,
     ) -> Result<Vec<DraftTree>> {
         if let Some((field, reason)) = shape.check() {
-            return Err(DrafterError::Config { field, reason });
+            return Err(ModelError::DrafterConfig { field, reason });
         }
         self.with_products("tree proposal", temperature, |drafter, products| {
             drafter.grow_trees(products, contexts, shape, temperature)

@@ -41,8 +41,9 @@
 
 use super::masked::ChainAttention;
 use super::net::LossSums;
-use super::{DraftBatch, DraftRow, Drafter, DrafterError, Result};
+use super::{DraftBatch, DraftRow, Drafter, Result};
 use crate::data::SplitMix64;
+use crate::model::ModelError;
 use crate::model::layers::Layer;
 use crate::model::layers::{activation, gradient, linear_bwd_input, linear_bwd_weight, linear_fwd};
 use crate::tensor::{Backend, DType};
@@ -136,7 +137,7 @@ impl<B: Backend> Drafter<B> {
         steps: usize,
     ) -> Result<(LossSums, usize)> {
         if let Some(reason) = self.config().unsupported_for(&self.target) {
-            return Err(DrafterError::Config {
+            return Err(ModelError::DrafterConfig {
                 field: "unroll_context",
                 reason: reason.into(),
             });
@@ -252,7 +253,7 @@ impl<B: Backend> Drafter<B> {
     pub fn chain_acceptance(&mut self, rows: &[DraftRow], k: usize) -> Result<ChainStats> {
         let (d, v) = (self.target.d_model, self.target.vocab);
         if k == 0 {
-            return Err(DrafterError::Input {
+            return Err(ModelError::DrafterInput {
                 what: "chain acceptance",
                 reason: "k must be at least 1".into(),
             });

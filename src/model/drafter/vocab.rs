@@ -12,7 +12,8 @@
 //! acceptance compares the target's `p` with that `q`. Training is unchanged (its soft
 //! targets and loss stay over the whole vocabulary).
 
-use super::{DraftRow, Drafter, DrafterError, Result};
+use super::{DraftRow, Drafter, Result};
+use crate::model::ModelError;
 use crate::tensor::{Backend, IGNORE_TARGET};
 
 /// The draft vocabulary: target ids, ascending, and the head's columns for them.
@@ -69,7 +70,7 @@ impl<B: Backend> Drafter<B> {
                 .map(|t| format!("token {t} is outside the vocabulary {v}"))
         };
         if let Some(reason) = reason {
-            return Err(DrafterError::Input {
+            return Err(ModelError::DrafterInput {
                 what: "draft vocabulary",
                 reason,
             });

@@ -11,9 +11,9 @@
 //! activation other than SiLU, an active sliding window, a RoPE type other than `default` or
 //! `llama3`, partial rotary) is one error naming the field.
 
+use crate::model::ModelError;
 use serde_json::{Map, Value, json};
 
-use super::error::HfError;
 use crate::model::GptConfig;
 use crate::model::config::{DEFAULT_ROPE_THETA, Positions, RopeScaling};
 use crate::tensor::Activation;
@@ -100,15 +100,15 @@ pub struct HfConfig {
 const MAX_CONFIG_BYTES: u64 = 16 << 20;
 
 /// Reads and parses `dir`'s config.json.
-pub fn read(dir: &std::path::Path) -> Result<HfConfig, HfError> {
+pub fn read(dir: &std::path::Path) -> Result<HfConfig, ModelError> {
     let path = dir.join(CONFIG_FILE);
     let text = crate::input::read(&path, MAX_CONFIG_BYTES, "a config.json")?;
     parse(&path, &text)
 }
 
 /// Parses config.json's text; `path` only names the file in errors.
-pub fn parse(path: &std::path::Path, text: &[u8]) -> Result<HfConfig, HfError> {
-    let bad = |field: &str, reason: String| HfError::Config {
+pub fn parse(path: &std::path::Path, text: &[u8]) -> Result<HfConfig, ModelError> {
+    let bad = |field: &str, reason: String| ModelError::HfConfig {
         path: path.to_path_buf(),
         field: field.to_string(),
         reason,
@@ -119,7 +119,7 @@ pub fn parse(path: &std::path::Path, text: &[u8]) -> Result<HfConfig, HfError> {
         Err(e) => return Err(bad("(file)", format!("is not JSON: {e}"))),
     };
     let field = |name: &str| raw.get(name).filter(|v| !v.is_null());
-    let uint = |name: &str| -> Result<usize, HfError> {
+    let uint = |name: &str| -> Result<usize, ModelError> {
         match field(name) {
             None => Err(bad(name, "is missing".into())),
             Some(v) => v
@@ -129,13 +129,13 @@ pub fn parse(path: &std::path::Path, text: &[u8]) -> Result<HfConfig, HfError> {
                 .ok_or_else(|| bad(name, format!("{v} is not a positive integer"))),
         }
     };
-    let float = |name: &str, v: &Value| -> Result<f32, HfError> {
+    let float = |name: &str, v: &Value| -> Result<f32, ModelError> {
         v.as_f64()
             .map(|x| x as f32)
             .filter(|x| x.is_finite() && *x > 0.0)
             .ok_or_else(|| bad(name, format!("{v} is not a positive number")))
     };
-    let flag = |name: &str| -> Result<bool, HfError> {
+    let flag = |name: &str| -> Result<bool, ModelError> {
         match field(name) {
             None => Ok(false),
             Some(Value::Bool(b)) => Ok(*b),
@@ -276,9 +276,9 @@ pub fn parse(path: &std::path::Path, text: &[u8]) -> Result<HfConfig, HfError> {
 /// `(rope_theta, rope_scaling)` from `rope_parameters` or `rope_theta` + `rope_scaling`.
 fn rope(
     raw: &Map<String, Value>,
-    bad: &dyn Fn(&str, String) -> HfError,
-    float: &dyn Fn(&str, &Value) -> Result<f32, HfError>,
-) -> Result<(f32, Option<RopeScaling>), HfError> {
+    bad: &dyn Fn(&str, String) -> ModelError,
+    float: &dyn Fn(&str, &Value) -> Result<f32, ModelError>,
+) -> Result<(f32, Option<RopeScaling>), ModelError> {
     let get = |m: &Map<String, Value>, k: &str| m.get(k).filter(|v| !v.is_null()).cloned();
     let (params, prefix) = match get(raw, "rope_parameters") {
         Some(Value::Object(m)) => (m, "rope_parameters"),
@@ -323,7 +323,7 @@ fn rope(
     match kind {
         "default" => Ok((theta, None)),
         "llama3" => {
-            let num = |k: &str| -> Result<f32, HfError> {
+            let num = |k: &str| -> Result<f32, ModelError> {
                 match get(&params, k) {
                     Some(v) => float(&name(k), &v),
                     None => Err(bad(

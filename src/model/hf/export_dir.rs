@@ -17,9 +17,9 @@
 //!   the export does not write (another `*.safetensors`, a `model.safetensors.index.json`),
 //!   which a reader would take for the model instead of the exported one.
 
+use crate::model::ModelError;
 use std::path::{Component, Path, PathBuf};
 
-use super::error::HfError;
 use super::files::{INDEX_FILE, SINGLE_FILE};
 use crate::model::checkpoint::sharded::MANIFEST_FILE;
 use crate::model::checkpoint::sweep::written_by_pipefill;
@@ -27,8 +27,8 @@ use crate::model::checkpoint::{META_FILE, TENSOR_FILE};
 
 /// Checks, reading only, that an export may write into `out` as `opts` say (see the
 /// module docs); the error names `out` and why not.
-pub fn check_out_dir(out: &Path, opts: &ExportOptions) -> Result<(), HfError> {
-    let fail = |reason: String| HfError::Export {
+pub fn check_out_dir(out: &Path, opts: &ExportOptions) -> Result<(), ModelError> {
+    let fail = |reason: String| ModelError::Export {
         path: out.to_path_buf(),
         reason,
     };
@@ -110,9 +110,9 @@ pub fn check_out_dir(out: &Path, opts: &ExportOptions) -> Result<(), HfError> {
 }
 
 /// [`check_out_dir`], then creates `out` if it is not there.
-pub(super) fn prepare_dir(out: &Path, opts: &ExportOptions) -> Result<(), HfError> {
+pub(super) fn prepare_dir(out: &Path, opts: &ExportOptions) -> Result<(), ModelError> {
     check_out_dir(out, opts)?;
-    std::fs::create_dir_all(out).map_err(|e| HfError::Export {
+    std::fs::create_dir_all(out).map_err(|e| ModelError::Export {
         path: out.to_path_buf(),
         reason: format!("cannot create it: {e}"),
     })

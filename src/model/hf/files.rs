@@ -8,6 +8,7 @@
 //! parameters. Every shard named by the index must be a path inside the model directory:
 //! absolute paths, `..` and symlinks that lead out of it are refused.
 
+use crate::model::ModelError;
 use std::collections::BTreeMap;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Component, Path, PathBuf};
@@ -15,8 +16,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use safetensors::Dtype;
 use safetensors::tensor::Metadata;
-
-use super::error::HfError;
 
 /// The single-file form.
 pub const SINGLE_FILE: &str = "model.safetensors";
@@ -51,8 +50,8 @@ pub struct TensorMeta {
     pub shape: Vec<usize>,
 }
 
-fn io(path: &Path, e: std::io::Error) -> HfError {
-    HfError::File {
+fn io(path: &Path, e: std::io::Error) -> ModelError {
+    ModelError::File {
         path: path.to_path_buf(),
         reason: e.to_string(),
     }
@@ -61,14 +60,14 @@ fn io(path: &Path, e: std::io::Error) -> HfError {
 impl WeightFiles {
     /// Opens the weights of model directory `dir`: the index when there is one, else
     /// `model.safetensors`.
-    pub fn open(dir: &Path) -> Result<Self, HfError> {
+    pub fn open(dir: &Path) -> Result<Self, ModelError> {
         let index_path = dir.join(INDEX_FILE);
         if index_path.exists() {
             return Self::open_index(dir, &index_path);
         }
         let single = dir.join(SINGLE_FILE);
         if !single.exists() {
-            return Err(HfError::File {
+            return Err(ModelError::File {
                 path: dir.to_path_buf(),
                 reason: format!("has neither {SINGLE_FILE} nor {INDEX_FILE}"),
             });
@@ -87,8 +86,8 @@ impl WeightFiles {
         })
     }
 
-    fn open_index(dir: &Path, index_path: &Path) -> Result<Self, HfError> {
-        let bad = |reason: String| HfError::File {
+    fn open_index(dir: &Path, index_path: &Path) -> Result<Self, ModelError> {
+        let bad = |reason: String| ModelError::File {
             path: index_path.to_path_buf(),
             reason,
         };
@@ -118,7 +117,7 @@ impl WeightFiles {
                 }
             };
             if shards[i].meta.info(tensor).is_none() {
-                return Err(HfError::Tensor {
+                return Err(ModelError::HfTensor {
                     path: shards[i].path.clone(),
                     tensor: tensor.clone(),
                     reason: format!("is listed in {INDEX_FILE} but not in the file"),
@@ -134,7 +133,7 @@ impl WeightFiles {
                 .into_keys()
                 .find(|n| !index.contains_key(n))
             {
-                return Err(HfError::Tensor {
+                return Err(ModelError::HfTensor {
                     path: s.path.clone(),
                     tensor: extra,
                     reason: format!("is in the file but not in {INDEX_FILE}"),
@@ -181,9 +180,9 @@ impl WeightFiles {
 
     /// `name`'s values as `f32` (from f32, bf16 or f16), row-major in the file's shape. The
     /// caller has checked the shape, so the allocation is the one it expects.
-    pub fn read_f32(&self, name: &str) -> Result<Vec<f32>, HfError> {
+    pub fn read_f32(&self, name: &str) -> Result<Vec<f32>, ModelError> {
         let Some(&i) = self.index.get(name) else {
-            return Err(HfError::Tensor {
+            return Err(ModelError::HfTensor {
                 path: self
                     .shards
                     .first()
@@ -195,7 +194,7 @@ impl WeightFiles {
         };
         let s = &self.shards[i];
         let info = s.meta.info(name).expect("indexed names are in their shard");
-        let bad = |reason: String| HfError::Tensor {
+        let bad = |reason: String| ModelError::HfTensor {
             path: s.path.clone(),
             tensor: name.to_string(),
             reason,
@@ -255,8 +254,8 @@ fn inside(root: &Path, file: &str) -> Result<PathBuf, String> {
 }
 
 /// Reads and checks one file's header, and that the file is as long as the header says.
-fn read_header(path: &Path) -> Result<Shard, HfError> {
-    let bad = |reason: String| HfError::File {
+fn read_header(path: &Path) -> Result<Shard, ModelError> {
+    let bad = |reason: String| ModelError::File {
         path: path.to_path_buf(),
         reason,
     };

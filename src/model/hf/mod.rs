@@ -34,20 +34,19 @@
 //! transformers does.
 
 pub mod config;
-mod error;
 pub mod files;
 
+use crate::model::ModelError;
 use std::path::{Path, PathBuf};
 
 use safetensors::Dtype;
 use safetensors::tensor::TensorView;
 
 pub use config::{Architecture, CONFIG_FILE, HfConfig, SEQ_LEN_CAP};
-pub use error::HfError;
 pub use files::WeightFiles;
 
 use super::checkpoint::HostTensor;
-use super::{Cut, Gpt, GptConfig, ModelChunk, ModelError};
+use super::{Cut, Gpt, GptConfig, ModelChunk};
 use crate::tensor::Backend;
 
 /// Files an export copies from the source model directory when it has them.
@@ -158,7 +157,7 @@ pub struct HfModel {
 
 impl HfModel {
     /// Opens `dir`: config.json and the headers of its weight files.
-    pub fn open(dir: &Path) -> Result<Self, HfError> {
+    pub fn open(dir: &Path) -> Result<Self, ModelError> {
         let config = config::read(dir)?;
         let files = WeightFiles::open(dir)?;
         let model = HfModel {
@@ -171,7 +170,7 @@ impl HfModel {
     }
 
     /// Every tensor the config implies is in the files with its shape, and nothing else is.
-    fn check_tensors(&self) -> Result<(), HfError> {
+    fn check_tensors(&self) -> Result<(), ModelError> {
         let somewhere = || {
             self.files
                 .names()
@@ -201,7 +200,7 @@ impl HfModel {
                         ),
                         false => "is missing".into(),
                     };
-                    return Err(HfError::Tensor {
+                    return Err(ModelError::HfTensor {
                         path: somewhere(),
                         tensor: hf,
                         reason,
@@ -209,7 +208,7 @@ impl HfModel {
                 }
             };
             if meta.shape != hf_shape {
-                return Err(HfError::Tensor {
+                return Err(ModelError::HfTensor {
                     path: self.files.file_of(&hf).unwrap_or(&self.dir).to_path_buf(),
                     tensor: hf,
                     reason: format!(
@@ -224,7 +223,7 @@ impl HfModel {
             .names()
             .find(|n| !expected.contains(*n) && !ignorable(n))
         {
-            return Err(HfError::Tensor {
+            return Err(ModelError::HfTensor {
                 path: self.files.file_of(extra).unwrap_or(&self.dir).to_path_buf(),
                 tensor: extra.to_string(),
                 reason: "is not a parameter of the model config.json describes".into(),
@@ -254,7 +253,7 @@ impl HfModel {
 
     /// Pipefill parameter `name` in pipefill's layout (transposed where it must be; `head.w`
     /// from the embedding when the model is tied and has no `lm_head.weight`).
-    pub fn read(&self, name: &str) -> Result<HostTensor, HfError> {
+    pub fn read(&self, name: &str) -> Result<HostTensor, ModelError> {
         let shape = param_shapes(&self.config.gpt)
             .into_iter()
             .find(|(n, _)| n == name)
@@ -281,12 +280,12 @@ impl HfModel {
     }
 
     /// Sets every parameter of `chunk` from the files, reading only those.
-    pub fn load_chunk<B: Backend>(&self, chunk: &mut ModelChunk<B>) -> Result<(), HfError> {
+    pub fn load_chunk<B: Backend>(&self, chunk: &mut ModelChunk<B>) -> Result<(), ModelError> {
         for name in chunk.param_names() {
             let t = self.read(&name)?;
             let have = &chunk.param(&name)?.shape;
             if *have != t.shape {
-                return Err(HfError::Tensor {
+                return Err(ModelError::HfTensor {
                     path: self.dir.clone(),
                     tensor: name,
                     reason: format!("has shape {:?}, the chunk's is {have:?}", t.shape),
@@ -303,14 +302,14 @@ impl HfModel {
         backend: B,
         cut: &Cut,
         stage: usize,
-    ) -> Result<ModelChunk<B>, HfError> {
+    ) -> Result<ModelChunk<B>, ModelError> {
         let mut chunk = ModelChunk::blank(&self.config.gpt, backend, cut, stage)?;
         self.load_chunk(&mut chunk)?;
         Ok(chunk)
     }
 
     /// The whole model, cut by `cut`, with the imported parameters.
-    pub fn gpt<B: Backend>(&self, backend: B, cut: &Cut) -> Result<Gpt<B>, HfError> {
+    pub fn gpt<B: Backend>(&self, backend: B, cut: &Cut) -> Result<Gpt<B>, ModelError> {
         let mut gpt = Gpt::blank(&self.config.gpt, backend, cut)?;
         for chunk in gpt.chunks_mut() {
             self.load_chunk(chunk)?;
@@ -326,8 +325,8 @@ pub fn export(
     config: &GptConfig,
     tensors: &[HostTensor],
     opts: &ExportOptions,
-) -> Result<(), HfError> {
-    let fail = |reason: String| HfError::Export {
+) -> Result<(), ModelError> {
+    let fail = |reason: String| ModelError::Export {
         path: out.to_path_buf(),
         reason,
     };
@@ -417,7 +416,7 @@ pub fn export(
             // Regular files only: a symlink is not followed out of the source.
             match std::fs::symlink_metadata(&from) {
                 Ok(m) if m.file_type().is_file() => {
-                    let bytes = std::fs::read(&from).map_err(|e| HfError::File {
+                    let bytes = std::fs::read(&from).map_err(|e| ModelError::File {
                         path: from.clone(),
                         reason: format!("cannot be read: {e}"),
                     })?;
@@ -435,7 +434,7 @@ pub fn export_gpt<B: Backend>(
     gpt: &Gpt<B>,
     out: &Path,
     opts: &ExportOptions,
-) -> Result<(), HfError> {
+) -> Result<(), ModelError> {
     let mut tensors = Vec::new();
     for p in gpt.params() {
         tensors.push(HostTensor {
@@ -450,8 +449,8 @@ pub fn export_gpt<B: Backend>(
 mod export_dir;
 pub use export_dir::{ExportDtype, ExportOptions, check_out_dir};
 
-fn write(path: &Path, bytes: &[u8]) -> Result<(), HfError> {
-    super::checkpoint::write_atomic(path, bytes).map_err(|e| HfError::File {
+fn write(path: &Path, bytes: &[u8]) -> Result<(), ModelError> {
+    super::checkpoint::write_atomic(path, bytes).map_err(|e| ModelError::File {
         path: path.to_path_buf(),
         reason: e.to_string(),
     })

@@ -14,6 +14,7 @@
 //! on host slices (the `host` submodule); larger calls (prefill) and other backends run
 //! the backend's ops and GEMM.
 
+use crate::model::ModelError;
 use std::ops::Range;
 
 use super::attend::{Heads, attend, attend_rows};
@@ -21,7 +22,7 @@ use super::kv::KvCache;
 use super::rowmul::{Packed, concat_cols, streams_host_weights};
 use super::tree::{RowLayout, TreeStep, layout};
 use crate::model::config::Positions;
-use crate::model::{Cut, Gpt, GptConfig, ModelChunk, ModelError, Result};
+use crate::model::{Cut, Gpt, GptConfig, ModelChunk, Result};
 use crate::tensor::cpu::kernels;
 use crate::tensor::{Activation, Backend, DType, Gemm};
 use host::{HostBlock, HostHead};

@@ -5,8 +5,9 @@
 //! the output gradient, and its W action scatters it into the tables.
 
 use super::{Stash, activation};
+use crate::model::ModelError;
 use crate::model::config::Positions;
-use crate::model::{GptConfig, ModelError, Param, Result, init};
+use crate::model::{GptConfig, Param, Result, init};
 use crate::tensor::Backend;
 
 struct Saved {

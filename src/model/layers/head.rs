@@ -23,10 +23,11 @@
 //! gradient differs per token, which one loss scale per micro-batch cannot express). The
 //! hooked path computes on the host; without a hook nothing changes (bitwise).
 
+use crate::model::ModelError;
 use std::sync::Arc;
 
 use super::{Stash, gradient, linear_fwd};
-use crate::model::{GptConfig, ModelError, Param, Result, init};
+use crate::model::{GptConfig, Param, Result, init};
 use crate::tensor::{Backend, DType, Gemm, IGNORE_TARGET};
 
 /// A micro-batch's loss as a function of its counted targets' log-probabilities.

@@ -25,6 +25,7 @@ mod norm;
 #[cfg(test)]
 mod tests;
 
+use crate::model::ModelError;
 pub use attention::Attention;
 pub use block::Block;
 pub use embedding::Embedding;
@@ -34,7 +35,7 @@ pub use norm::RmsNorm;
 
 use std::collections::HashMap;
 
-use super::{ModelError, Param, Result, Shape};
+use super::{Param, Result, Shape};
 use crate::tensor::{Backend, DType, Gemm};
 
 /// A layer of the residual stream: `[rows, d_model]` in and out, the rows `shape.batch`

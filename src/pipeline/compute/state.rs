@@ -2,6 +2,7 @@
 //! moments, a finished (or checkpointing) rank exports its parameters and moments.
 
 use super::{RankCompute, RankFinal};
+use crate::model::ModelError;
 use crate::model::OptimizerState;
 use crate::model::checkpoint::HostTensor;
 use crate::pipeline::PipelineError;
@@ -46,10 +47,7 @@ impl<B: Backend> RankCompute<B> {
                 params.push(HostTensor {
                     name: p.name.clone(),
                     shape: p.shape.clone(),
-                    data: self
-                        .backend
-                        .to_host(&p.value)
-                        .map_err(crate::model::ModelError::from)?,
+                    data: self.backend.to_host(&p.value).map_err(ModelError::from)?,
                 });
             }
             stages.push((stage, params));

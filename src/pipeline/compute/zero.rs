@@ -22,6 +22,7 @@
 //! reverse; a resumed replica takes its chunk of the moments ([`Zero::own_state`]).
 
 use crate::comm::CommError;
+use crate::model::ModelError;
 use crate::pipeline::PipelineError;
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -29,7 +30,7 @@ use std::sync::Arc;
 
 use super::super::shared::Shared;
 use crate::comm::collective::{GradSync, chunk_cut};
-use crate::model::{AdamW, ModelChunk, ModelError, OptimizerState, Param, SlotPart, SlotState};
+use crate::model::{AdamW, ModelChunk, OptimizerState, Param, SlotPart, SlotState};
 use crate::tensor::{Backend, DType};
 
 /// One parameter's place in a rank's flat buffer.

@@ -2,14 +2,13 @@
 //! starts from ([`calibrate`], before the run) and the top-1 agreement on held-out rows
 //! ([`HeldOutEval`], on the caller's thread).
 
+use crate::model::ModelError;
 use pipefill_actors::router::CostEstimate;
 use pipefill_actors::thread_cpu_time;
 
 use super::{DrafterFill, HELD_OUT_ROWS};
 use crate::data::SplitMix64;
-use crate::model::drafter::{
-    DraftBufferHandle, DraftRow, Drafter, DrafterConfig, DrafterError, DrafterTrainer,
-};
+use crate::model::drafter::{DraftBufferHandle, DraftRow, Drafter, DrafterConfig, DrafterTrainer};
 use crate::model::{GptConfig, Shape};
 use crate::tensor::{Backend, CpuBackend};
 
@@ -21,7 +20,7 @@ pub(super) fn calibrate<B: Backend>(
     target: &GptConfig,
     config: &DrafterConfig,
     backend: B,
-) -> Result<(CostEstimate, f64), DrafterError> {
+) -> Result<(CostEstimate, f64), ModelError> {
     let buffer = DraftBufferHandle::new(target, config);
     let (d, v) = (target.d_model, target.vocab);
     let shape = Shape {
@@ -44,7 +43,7 @@ pub(super) fn calibrate<B: Backend>(
         .collect::<Result<Vec<_>, _>>()?;
     let full = trainers[0].max_slice_rows();
     // The median of three of each size.
-    let mut median = |rows: usize| -> Result<f64, DrafterError> {
+    let mut median = |rows: usize| -> Result<f64, ModelError> {
         let mut costs = Vec::new();
         for _ in 0..3 {
             costs.push(trainers[0].slice_within(rows)?.cpu_seconds);
@@ -80,7 +79,7 @@ impl HeldOutEval {
         target: &GptConfig,
         config: &DrafterConfig,
         fill: &DrafterFill,
-    ) -> Result<Self, DrafterError> {
+    ) -> Result<Self, ModelError> {
         let be = CpuBackend::new(1)?;
         let drafter = match fill.cpu_tables(&be) {
             Some(tables) => Drafter::sharing(target, config, be, &tables)?,
@@ -95,7 +94,7 @@ impl HeldOutEval {
 
     /// `(drafter version, top-1 agreement)` of the newest published weights on the newest
     /// held-out rows; `None` before the first drafter step or the first held-out rows.
-    pub fn measure(&mut self, fill: &DrafterFill) -> Result<Option<(u64, f64)>, DrafterError> {
+    pub fn measure(&mut self, fill: &DrafterFill) -> Result<Option<(u64, f64)>, ModelError> {
         let Some(latest) = fill.board().latest() else {
             return Ok(None);
         };

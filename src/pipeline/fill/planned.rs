@@ -30,6 +30,7 @@
 //!   its sampler as it ended step `s`, round `s` (posted, not applied: the export waits until
 //!   it is complete) and the rows of steps up to `s` ([`super::state`]).
 
+use crate::model::ModelError;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Condvar, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
@@ -39,8 +40,8 @@ use pipefill_actors::{FillerSource, Slice};
 use super::{DrafterFill, Frozen, RoundPost, SLICE_KIND, SlicePlan, lock};
 use crate::data::SplitMix64;
 use crate::model::ModelChunk;
+use crate::model::drafter::DrafterGrads;
 use crate::model::drafter::state::RoundState;
-use crate::model::drafter::{DrafterError, DrafterGrads};
 use crate::tensor::Backend;
 
 /// How long a rank waits for a round that every rank should have posted already.
@@ -129,7 +130,7 @@ impl Planned {
     /// The round of the step before `next`, once every replica posted it (waiting for the
     /// posts when a step of this run posted it); none before the run's first step when the
     /// run did not resume one.
-    pub(super) fn kept_round(&self, next: u64) -> Result<Option<RoundState>, DrafterError> {
+    pub(super) fn kept_round(&self, next: u64) -> Result<Option<RoundState>, ModelError> {
         if !self.has_round_before(next) {
             return Ok(None);
         }
@@ -172,7 +173,7 @@ impl Planned {
         &self,
         samplers: &[SplitMix64],
         round: Option<&RoundState>,
-    ) -> Result<(), DrafterError> {
+    ) -> Result<(), ModelError> {
         for (cursor, &sampler) in self.cursors.iter().zip(samplers) {
             lock(cursor).sampler = sampler;
         }
@@ -180,7 +181,7 @@ impl Planned {
             return Ok(());
         };
         if round.step + 1 != self.start || round.grads.len() != self.cursors.len() {
-            return Err(DrafterError::Input {
+            return Err(ModelError::DrafterInput {
                 what: "checkpointed state",
                 reason: format!(
                     "keeps the round of step {} from {} replicas; a run from step {} with {} \
@@ -255,12 +256,12 @@ impl Planned {
     }
 
     /// Adds one replica's post of round `step`.
-    fn post(&self, step: u64, grads: DrafterGrads, frozen: Frozen) -> Result<(), DrafterError> {
+    fn post(&self, step: u64, grads: DrafterGrads, frozen: Frozen) -> Result<(), ModelError> {
         let mut rounds = lock(&self.rounds);
         let round = rounds.entry(step).or_default();
         let replica = grads.replica;
         if replica >= self.cursors.len() || round.grads.contains_key(&replica) {
-            return Err(DrafterError::Replicas {
+            return Err(ModelError::Replicas {
                 version: grads.version,
                 reason: format!(
                     "replica {replica} posted the round of step {step} again, or is not one of {}",
@@ -276,7 +277,7 @@ impl Planned {
     }
 
     /// Waits until every replica posted round `step`; its gradients and copies.
-    fn complete(&self, step: u64) -> Result<(Vec<DrafterGrads>, Frozen), DrafterError> {
+    fn complete(&self, step: u64) -> Result<(Vec<DrafterGrads>, Frozen), ModelError> {
         let deadline = Instant::now() + ROUND_WAIT;
         let mut rounds = lock(&self.rounds);
         loop {
@@ -297,7 +298,7 @@ impl Planned {
                 missing.join(", ")
             };
             if let Some(reason) = self.failed.get() {
-                return Err(DrafterError::Replicas {
+                return Err(ModelError::Replicas {
                     version: 0,
                     reason: format!(
                         "the round of target step {step} lacks replicas {} and will not \
@@ -308,7 +309,7 @@ impl Planned {
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return Err(DrafterError::Replicas {
+                return Err(ModelError::Replicas {
                     version: 0,
                     reason: format!(
                         "the round of target step {step} still lacks the gradients of replicas \
@@ -359,11 +360,14 @@ impl DrafterFill {
     /// Another process's replica posted `post` as its round of target step `step` (the
     /// planned placement's rounds are keyed by step; see [`DrafterFill::post_remote`] for
     /// the measured placement's).
-    pub fn post_remote_at(&self, step: u64, post: RoundPost) -> Result<(), DrafterError> {
-        let planned = self.planned.as_ref().ok_or_else(|| DrafterError::Input {
-            what: "round post",
-            reason: "keyed by step, but this run places its slices by measured times".into(),
-        })?;
+    pub fn post_remote_at(&self, step: u64, post: RoundPost) -> Result<(), ModelError> {
+        let planned = self
+            .planned
+            .as_ref()
+            .ok_or_else(|| ModelError::DrafterInput {
+                what: "round post",
+                reason: "keyed by step, but this run places its slices by measured times".into(),
+            })?;
         let (frozen, grads) = Frozen::of_post(post);
         planned.post(step, grads, frozen)
     }
@@ -377,10 +381,10 @@ impl DrafterFill {
         rank: usize,
         step: u64,
         chunks: &[&ModelChunk<C>],
-    ) -> Result<(), DrafterError> {
+    ) -> Result<(), ModelError> {
         let at = lock(&planned.cursors[rank]).step;
         if at != step {
-            return Err(DrafterError::Input {
+            return Err(ModelError::DrafterInput {
                 what: "planned placement",
                 reason: format!("rank {rank} ended target step {step} while at step {at}"),
             });
@@ -435,7 +439,7 @@ impl DrafterFill {
         rank: usize,
         step: u64,
         (grads, _): (Vec<DrafterGrads>, Frozen),
-    ) -> Result<(), DrafterError> {
+    ) -> Result<(), ModelError> {
         let mut replica = lock(&self.replicas[rank]);
         let updates = grads.iter().any(|g| g.pairs > 0);
         if updates {

@@ -1,5 +1,6 @@
 use super::*;
 use crate::config::JobConfig;
+use crate::model::ModelError;
 use crate::model::drafter::FillMode;
 use crate::model::{Cut, Gpt, GptConfig, Shape};
 use crate::pipeline::fill::RoundPeers;
@@ -41,7 +42,7 @@ fn a_failed_exchange_ends_the_wait_for_a_round_with_its_reason() {
 struct Outbox(Mutex<Vec<(u64, RoundPost)>>);
 
 impl RoundPeers for Outbox {
-    fn step_end(&self, _: usize, step: u64, post: Option<&RoundPost>) -> Result<(), DrafterError> {
+    fn step_end(&self, _: usize, step: u64, post: Option<&RoundPost>) -> Result<(), ModelError> {
         lock(&self.0).extend(post.map(|p| (step, p.clone())));
         Ok(())
     }

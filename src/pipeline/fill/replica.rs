@@ -6,6 +6,7 @@
 //! take a deposit builds them (the embedding is the deposit itself, the head one upload), and
 //! every other replica whose backend reads that memory takes the same `Arc`s.
 
+use crate::model::ModelError;
 use std::any::Any;
 use std::sync::{Arc, Weak};
 
@@ -13,12 +14,11 @@ use super::round::{Deposit, Frozen};
 use crate::data::SplitMix64;
 use crate::model::OptimizerState;
 use crate::model::drafter::{
-    DrafterError, DrafterGrads, DrafterTrainer, DrafterWeights, FROZEN, FrozenTables, NamedTensor,
-    SliceStats,
+    DrafterGrads, DrafterTrainer, DrafterWeights, FROZEN, FrozenTables, NamedTensor, SliceStats,
 };
 use crate::tensor::Backend;
 
-type Result<T> = std::result::Result<T, DrafterError>;
+type Result<T> = std::result::Result<T, ModelError>;
 
 /// What the fill asks of a replica's [`DrafterTrainer`] (each method is the trainer's own).
 pub(super) trait ReplicaTrainer: Send {

@@ -13,11 +13,12 @@
 //! into the file with the weights. Under the measured placement (not reproducible anyway) a
 //! resumed run reads the target's.
 
+use crate::model::ModelError;
 use std::sync::Arc;
 
 use super::{DrafterFill, Frozen, lock};
 use crate::model::drafter::state::{BufferState, DrafterState, RoundState};
-use crate::model::drafter::{DrafterError, DrafterWeights, FROZEN};
+use crate::model::drafter::{DrafterWeights, FROZEN};
 
 impl DrafterFill {
     /// The drafter's state now: replica 0's weights, version and optimizer (every replica
@@ -27,7 +28,7 @@ impl DrafterFill {
     /// the last step this process's rank ended, and the round and rows are what this process
     /// holds now: the other processes' posts and the last stage's rows are gathered with
     /// their shards ([`DrafterFill::checkpoint_round`], [`DrafterFill::checkpoint_rows`]).
-    pub fn export_state(&self) -> Result<DrafterState, DrafterError> {
+    pub fn export_state(&self) -> Result<DrafterState, ModelError> {
         // In one process every rank has posted the kept round when a checkpoint is taken;
         // across processes the others' posts are gathered with their shards instead.
         let kept = match &self.planned {
@@ -106,7 +107,7 @@ impl DrafterFill {
     /// the weights (so the held-out measurement and the rollout engine see them at once).
     /// Under the planned placement the kept round is posted again and rows of the run's own
     /// steps are left out.
-    pub fn import_state(&self, state: &DrafterState) -> Result<(), DrafterError> {
+    pub fn import_state(&self, state: &DrafterState) -> Result<(), ModelError> {
         samplers_fit(state, self.ranks)?;
         // Tables in the file (lagging the target's, or written before they were shared) are
         // taken once and shared; otherwise the replicas keep their seeds, the target's.
@@ -151,11 +152,11 @@ fn split_tables(weights: &DrafterWeights) -> (DrafterWeights, Frozen) {
 }
 
 /// Whether a checkpointed drafter `state` fits a run of `ranks` ranks: one sampler each.
-pub(crate) fn samplers_fit(state: &DrafterState, ranks: usize) -> Result<(), DrafterError> {
+pub(crate) fn samplers_fit(state: &DrafterState, ranks: usize) -> Result<(), ModelError> {
     if state.samplers.len() == ranks {
         return Ok(());
     }
-    Err(DrafterError::Input {
+    Err(ModelError::DrafterInput {
         what: "checkpointed state",
         reason: format!(
             "has {} replicas' samplers, this run has {ranks} ranks",

@@ -3,6 +3,7 @@
 //! built sharing its tables), each later deposit taken once and shared ([`TableCache`]),
 //! and the held-out evaluation reading the same.
 
+use crate::model::ModelError;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use pipefill_actors::WeightBoard;
@@ -10,7 +11,7 @@ use pipefill_actors::WeightBoard;
 use super::replica::{ReplicaTrainer, TableCache};
 use super::{DrafterFill, Exchange, Frozen, Replica, Tally, eval, lock};
 use crate::model::drafter::{
-    DraftBufferHandle, Drafter, DrafterConfig, DrafterError, DrafterTrainer, FrozenTables,
+    DraftBufferHandle, Drafter, DrafterConfig, DrafterTrainer, FrozenTables,
 };
 use crate::model::{GptConfig, ModelChunk};
 use crate::tensor::{Backend, CpuBackend};
@@ -26,7 +27,7 @@ impl DrafterFill {
         first: &ModelChunk<C>,
         last: &ModelChunk<C>,
         step: u64,
-    ) -> Result<Self, DrafterError> {
+    ) -> Result<Self, ModelError> {
         DrafterFill::on_backends(target, config, cpu_backends(ranks)?, first, last, step)
     }
 
@@ -40,7 +41,7 @@ impl DrafterFill {
         embed: Vec<f32>,
         head: Vec<f32>,
         step: u64,
-    ) -> Result<Self, DrafterError> {
+    ) -> Result<Self, ModelError> {
         let seeds = Frozen {
             embed: Some((step, Arc::new(embed))),
             head: Some((step, Arc::new(head))),
@@ -57,7 +58,7 @@ impl DrafterFill {
         first: &ModelChunk<C>,
         last: &ModelChunk<C>,
         step: u64,
-    ) -> Result<Self, DrafterError> {
+    ) -> Result<Self, ModelError> {
         let mut seeds = Frozen::default();
         seeds.take_from(first, step);
         seeds.take_from(last, step);
@@ -70,11 +71,11 @@ impl DrafterFill {
         config: &DrafterConfig,
         backends: Vec<R>,
         seeds: Frozen,
-    ) -> Result<Self, DrafterError> {
+    ) -> Result<Self, ModelError> {
         let ranks = backends.len();
         let buffer = DraftBufferHandle::new(target, config);
         let Some(first_rank) = backends.first() else {
-            return Err(DrafterError::Config {
+            return Err(ModelError::DrafterConfig {
                 field: "stages",
                 reason: "a drafter in the bubbles needs at least one rank".into(),
             });
@@ -116,7 +117,7 @@ impl DrafterFill {
 
     /// `replica` takes the deposited tables `frozen`, sharing what another replica of this
     /// process built from them.
-    pub(super) fn adopt(&self, replica: &mut Replica, frozen: &Frozen) -> Result<(), DrafterError> {
+    pub(super) fn adopt(&self, replica: &mut Replica, frozen: &Frozen) -> Result<(), ModelError> {
         replica.trainer.adopt(frozen, &mut lock(&self.tables))?;
         lock(&self.taken).merge(frozen.clone());
         Ok(())
@@ -139,7 +140,7 @@ impl DrafterFill {
     }
 
     /// `rank`'s replica takes the deposited tables `frozen`.
-    pub(super) fn take_tables(&self, rank: usize, frozen: &Frozen) -> Result<(), DrafterError> {
+    pub(super) fn take_tables(&self, rank: usize, frozen: &Frozen) -> Result<(), ModelError> {
         self.adopt(&mut lock(&self.replicas[rank]), frozen)
     }
 
@@ -148,16 +149,16 @@ impl DrafterFill {
     pub(crate) fn share_tables<B: Backend>(
         &self,
         trainer: &mut DrafterTrainer<B>,
-    ) -> Result<(), DrafterError> {
+    ) -> Result<(), ModelError> {
         let taken = lock(&self.taken).clone();
         ReplicaTrainer::adopt(trainer, &taken, &mut lock(&self.tables))
     }
 }
 
 /// `ranks` one-thread CPU backends.
-fn cpu_backends(ranks: usize) -> Result<Vec<CpuBackend>, DrafterError> {
+fn cpu_backends(ranks: usize) -> Result<Vec<CpuBackend>, ModelError> {
     (0..ranks)
         .map(|_| CpuBackend::new(1))
         .collect::<Result<Vec<_>, _>>()
-        .map_err(DrafterError::from)
+        .map_err(ModelError::from)
 }

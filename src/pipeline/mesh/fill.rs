@@ -74,10 +74,9 @@ use crate::comm::link::PeerLink;
 use crate::comm::tcp::TcpMesh;
 use crate::config::JobConfig;
 use crate::model::ModelError;
-use crate::model::checkpoint::CheckpointError;
 use crate::model::checkpoint::drafter::load_drafter;
 use crate::model::drafter::state::DrafterState;
-use crate::model::drafter::{DrafterError, DrafterWeights, FROZEN};
+use crate::model::drafter::{DrafterWeights, FROZEN};
 use crate::pipeline::RankCompute;
 use crate::pipeline::fill::{DrafterFill, SlicePlan};
 use crate::profile::merge::{FILLER_LANE, MergedProfile};
@@ -107,7 +106,7 @@ impl std::fmt::Debug for LaunchFill {
 }
 
 /// The drafter state a resumed run continues from, if its checkpoint saved one.
-pub fn drafter_of(resume: &RankResume) -> Result<Option<DrafterState>, CheckpointError> {
+pub fn drafter_of(resume: &RankResume) -> Result<Option<DrafterState>, ModelError> {
     match resume {
         RankResume::Whole(c) => Ok(c.drafter.clone()),
         RankResume::Shard(s) => match (&s.manifest.drafter, s.path.parent()) {
@@ -141,13 +140,12 @@ impl LaunchFill {
             });
         }
         let drafter_err = |source| PipelineError::FillDrafter { rank, source };
-        let model_err = |e: ModelError| drafter_err(DrafterError::Model(e));
         // The frozen tables: this rank's own, and the others' from their holders (one copy
         // each crosses; the process's replicas share it).
         let mut tables: [Option<Vec<f32>>; 2] = [None, None];
         for ((name, stage), slot) in FROZEN.iter().zip([0, last_stage]).zip(&mut tables) {
             if let Some(chunk) = compute.chunk_ref(stage) {
-                let values = chunk.param_values(name).map_err(model_err)?;
+                let values = chunk.param_values(name).map_err(drafter_err)?;
                 let seed = FillWire::Seed {
                     name: name.to_string(),
                     values,
@@ -282,7 +280,7 @@ impl LaunchFill {
     /// posts of the kept round it holds), elsewhere this replica's row sampler and, under the
     /// planned placement, the posts of the kept round this process holds and, on the last
     /// stage's rank, its rows; rank 0's writer puts them together (`assemble`).
-    pub fn snapshot(&self) -> Result<DrafterSnap, DrafterError> {
+    pub fn snapshot(&self) -> Result<DrafterSnap, ModelError> {
         let fill = &self.fill;
         Ok(match self.rank {
             0 => DrafterSnap::State(Box::new(fill.export_state()?)),

@@ -29,6 +29,7 @@
 //!   manifest, which names it.
 
 use crate::comm::CommError;
+use crate::model::ModelError;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{SyncSender, sync_channel};
@@ -48,7 +49,7 @@ use crate::model::checkpoint::sharded::{
     self, Layout, Manifest, SHARDED_FORMAT, ShardEntry, remove_manifest, step_dir,
 };
 use crate::model::checkpoint::sweep;
-use crate::model::checkpoint::{Checkpoint, CheckpointError, HostTensor, VERSION};
+use crate::model::checkpoint::{Checkpoint, HostTensor, VERSION};
 use crate::pipeline::PipelineError;
 use crate::pipeline::shared::{Checkpointing, RankCheckpointer, RankFinal};
 use crate::schedules::Plan;
@@ -78,7 +79,7 @@ impl RankResume {
         job: &JobConfig,
         plan: &Plan,
         rank: usize,
-    ) -> Result<Self, CheckpointError> {
+    ) -> Result<Self, ModelError> {
         match point {
             ResumePoint::Whole(dir) => Ok(RankResume::Whole(Box::new(Checkpoint::load(dir)?))),
             ResumePoint::Sharded(dir) => Ok(RankResume::Shard(Box::new(RankShard::load(
@@ -162,7 +163,7 @@ struct Ack {
     sampler: Option<Result<PeerSnap, String>>,
 }
 
-type Worker = JoinHandle<Result<Vec<PathBuf>, CheckpointError>>;
+type Worker = JoinHandle<Result<Vec<PathBuf>, ModelError>>;
 
 /// A rank's state at a step's end, and its drafter's when the run trains one.
 type Job = (u64, RankFinal, Option<Result<DrafterSnap, String>>);
@@ -246,7 +247,7 @@ impl RankCheckpointer for MeshCheckpointer {
         self.failed.load(Ordering::SeqCst)
     }
 
-    fn join(&self) -> Result<Vec<PathBuf>, CheckpointError> {
+    fn join(&self) -> Result<Vec<PathBuf>, ModelError> {
         drop(
             self.jobs
                 .lock()
@@ -275,7 +276,7 @@ impl Writer {
         next_step: u64,
         fin: RankFinal,
         drafter: Option<Result<DrafterSnap, String>>,
-    ) -> Result<(PathBuf, Vec<PathBuf>), CheckpointError> {
+    ) -> Result<(PathBuf, Vec<PathBuf>), ModelError> {
         let (rank, plan) = (self.mesh.rank(), &self.plan);
         let started = Instant::now();
         let dir = step_dir(&plan.run_dir, next_step);
@@ -284,7 +285,7 @@ impl Writer {
             let tensors = shard_tensors(plan, next_step, fin);
             sharded::write_shard(&dir, rank, &tensors)
         });
-        let peer_err = |rank, reason: String| CheckpointError::Peer {
+        let peer_err = |rank, reason: String| ModelError::ShardPeer {
             path: dir.clone(),
             rank,
             reason,

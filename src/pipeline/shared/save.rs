@@ -1,13 +1,12 @@
 //! The writer of an in-process run's periodic checkpoint: the ranks' deposited states,
 //! merged and saved as one sharded checkpoint off the stage threads.
 
+use crate::model::ModelError;
 use std::path::PathBuf;
 
 use super::{Checkpointing, RankFinal};
-use crate::model::checkpoint::CheckpointError;
 use crate::model::checkpoint::sharded;
 use crate::model::checkpoint::sweep;
-use crate::model::drafter::DrafterError;
 use crate::model::drafter::state::DrafterState;
 
 /// Writes the ranks' `finals` as the sharded checkpoint of `next_step` (steps done).
@@ -15,8 +14,8 @@ pub(super) fn save_finals(
     plan: &Checkpointing,
     next_step: u64,
     finals: Vec<RankFinal>,
-    drafter: Option<Result<DrafterState, DrafterError>>,
-) -> Result<PathBuf, CheckpointError> {
+    drafter: Option<Result<DrafterState, ModelError>>,
+) -> Result<PathBuf, ModelError> {
     let (params, optimizer) = RankFinal::merge(finals);
     let mut checkpoint = sharded::from_owned_state(
         plan.model.clone(),

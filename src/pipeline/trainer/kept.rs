@@ -9,6 +9,7 @@
 //! The result is bitwise the resumed one's (same parameters, moments and step count; the
 //! update's tests compare checkpoints of both).
 
+use crate::model::ModelError;
 use crate::pipeline::PipelineError;
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -22,7 +23,7 @@ use super::super::shared::Shared;
 use super::PipelineTrainer;
 use crate::config::Filler;
 use crate::model::checkpoint::{Checkpoint, HostTensor};
-use crate::model::{GptConfig, ModelChunk, ModelError, OptimizerState};
+use crate::model::{GptConfig, ModelChunk, OptimizerState};
 use crate::tensor::device::RankBackend;
 use crate::tensor::{Backend, CpuBackend};
 use crate::train::StepMetrics;

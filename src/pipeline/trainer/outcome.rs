@@ -2,6 +2,7 @@
 //! measured timelines and the simulator's prediction, the final parameters and optimizer
 //! moments (served as a model or a checkpoint), and the drafter trained in the bubbles.
 
+use crate::model::ModelError;
 use crate::pipeline::PipelineError;
 use pipefill_actors::RunReport;
 
@@ -11,7 +12,7 @@ use super::PipelineTrainer;
 use crate::config::JobConfig;
 use crate::model::checkpoint::{Checkpoint, HostTensor};
 use crate::model::drafter::state::DrafterState;
-use crate::model::{Cut, Gpt, ModelError, OptimizerState};
+use crate::model::{Cut, Gpt, OptimizerState};
 use crate::schedules::{CostModel, Plan, StageCost, Timeline, simulate};
 use crate::tensor::CpuBackend;
 use crate::train::StepMetrics;

@@ -3,6 +3,7 @@
 //! weight sync to rank 0, and rank 0's rollouts with the KL reference's log-probs.
 
 use crate::comm::CommError;
+use crate::model::ModelError;
 use crate::pipeline::PipelineError;
 use crate::rl::RlError;
 use std::sync::Arc;
@@ -19,7 +20,7 @@ use crate::comm::tcp_transport::{
     BufCodec, STATS_CHANNEL, SerdeCodec, TENSOR_CHANNEL, TcpTransport,
 };
 use crate::config::JobConfig;
-use crate::model::{Gpt, ModelError};
+use crate::model::Gpt;
 use crate::pipeline::executor::{Links, RankStart, ReplicaLinks, Stepping};
 use crate::pipeline::feed::StepFeed;
 use crate::pipeline::shared::{RankFinal, Shared};

@@ -15,10 +15,11 @@
 //! [`RlTrainer::keep_update_ranks`]: crate::rl::trainer::RlTrainer::keep_update_ranks
 //! [`RankCompute::from_parts`]: crate::pipeline::RankCompute
 
+use crate::model::ModelError;
 use std::collections::BTreeMap;
 
 use crate::model::checkpoint::HostTensor;
-use crate::model::{Cut, Gpt, ModelError, OptimizerState};
+use crate::model::{Cut, Gpt, OptimizerState};
 use crate::pipeline::compute::RankParts;
 use crate::pipeline::shared::RankFinal;
 use crate::tensor::Backend;

@@ -4,6 +4,7 @@
 
 use super::*;
 use crate::data::DataConfig;
+use crate::model::ModelError;
 use crate::model::infer::rowmul::Precision;
 use crate::model::{Cut, Gpt, Shape};
 use crate::train::{TrainConfig, Trainer};
@@ -404,7 +405,7 @@ fn refresh_follows_the_target_and_no_data_is_an_error() {
     assert_eq!(d.weights(0).unwrap(), w);
     let empty = DraftBufferHandle::new(&target(), &drafter_config());
     let mut dt = DrafterTrainer::new(d, empty, 0, 1).unwrap();
-    assert!(matches!(dt.slice(), Err(DrafterError::NoData)));
+    assert!(matches!(dt.slice(), Err(ModelError::NoData)));
     assert!(dt.predicted_cost().is_none());
 }
 

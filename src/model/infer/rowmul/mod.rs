@@ -41,6 +41,7 @@ mod avx512;
 #[cfg(test)]
 mod tests;
 
+use crate::model::ModelError;
 use std::ops::Range;
 
 use crate::tensor::{Backend, CpuBackend, DType};
@@ -106,9 +107,9 @@ impl Packed {
         din: usize,
         dout: usize,
         precision: Precision,
-    ) -> Result<Self, RowmulError> {
+    ) -> Result<Self, ModelError> {
         if w.len() != din * dout {
-            return Err(RowmulError::Weights {
+            return Err(ModelError::RowmulWeights {
                 got: w.len(),
                 din,
                 dout,
@@ -119,7 +120,7 @@ impl Packed {
             Precision::F16 => {
                 let max = f32::from(half::f16::MAX);
                 if let Some(&v) = w.iter().find(|v| v.is_finite() && v.abs() > max) {
-                    return Err(RowmulError::HalfRange(v));
+                    return Err(ModelError::HalfRange(v));
                 }
                 Lines::F16(panels(w, din, dout, |v| {
                     HalfLine(v.map(|x| half::f16::from_f32(x).to_bits()))
@@ -220,19 +221,6 @@ impl Isa {
     }
 }
 
-/// Why [`rowmul_on`] could not run.
-#[derive(Debug, thiserror::Error)]
-pub enum RowmulError {
-    #[error("rowmul: the {0:?} kernel needs CPU features this machine lacks")]
-    Unavailable(Isa),
-    #[error("rowmul: x has {got} floats, not rows {rows} × din {din}")]
-    Shape { got: usize, rows: usize, din: usize },
-    #[error("rowmul: w has {got} floats, not din {din} × dout {dout}")]
-    Weights { got: usize, din: usize, dout: usize },
-    #[error("rowmul: weight {0} is beyond the range of half precision (±65504)")]
-    HalfRange(f32),
-}
-
 /// Whether few-row products on `be` should stream packed host weights through [`rowmul`]:
 /// where the backend's buffers are host memory in f32 anyway (a device backend keeps its
 /// own GEMM).
@@ -273,12 +261,12 @@ pub fn rowmul(x: &[f32], w: &Packed, rows: usize) -> Vec<f32> {
 }
 
 /// [`rowmul`] on a chosen kernel (to compare them; the results are bitwise the same).
-pub fn rowmul_on(isa: Isa, x: &[f32], w: &Packed, rows: usize) -> Result<Vec<f32>, RowmulError> {
+pub fn rowmul_on(isa: Isa, x: &[f32], w: &Packed, rows: usize) -> Result<Vec<f32>, ModelError> {
     if !isa.is_available() {
-        return Err(RowmulError::Unavailable(isa));
+        return Err(ModelError::RowmulUnavailable(isa));
     }
     if x.len() != rows * w.din {
-        return Err(RowmulError::Shape {
+        return Err(ModelError::RowmulShape {
             got: x.len(),
             rows,
             din: w.din,

@@ -1,6 +1,7 @@
 //! Every kernel against a naive product, and against each other bitwise.
 
 use super::*;
+use crate::model::ModelError;
 
 fn val(i: usize) -> f32 {
     ((i * 7919 % 101) as f32 - 50.0) / 37.0
@@ -97,12 +98,12 @@ fn half_precision_is_the_f32_product_of_rounded_weights() {
 #[test]
 fn a_weight_beyond_half_range_is_an_error() {
     let err = Packed::with_precision(&[1.0, 7e4, 0.0, 1.0], 2, 2, Precision::F16).unwrap_err();
+    assert!(matches!(err, ModelError::HalfRange(v) if v == 7e4), "{err}");
+    let err = Packed::with_precision(&[1.0; 3], 2, 2, Precision::F32).unwrap_err();
     assert!(
-        matches!(err, RowmulError::HalfRange(v) if v == 7e4),
+        matches!(err, ModelError::RowmulWeights { got: 3, .. }),
         "{err}"
     );
-    let err = Packed::with_precision(&[1.0; 3], 2, 2, Precision::F32).unwrap_err();
-    assert!(matches!(err, RowmulError::Weights { got: 3, .. }), "{err}");
 }
 
 #[test]
@@ -112,7 +113,7 @@ fn a_wrong_shape_is_an_error() {
     assert!(
         matches!(
             err,
-            RowmulError::Shape {
+            ModelError::RowmulShape {
                 got: 5,
                 rows: 2,
                 din: 2

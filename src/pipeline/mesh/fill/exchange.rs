@@ -2,6 +2,7 @@
 //! travels on [`FILL_CHANNEL`] ([`FillWire`]), what a stage thread sends at its step ends
 //! ([`Peers`]), the sender thread and one receiver thread per peer.
 
+use crate::model::ModelError;
 use crate::pipeline::PipelineError;
 use std::sync::Mutex;
 use std::sync::mpsc::{Receiver, Sender};
@@ -12,7 +13,7 @@ use super::channel::{FILL_CHANNEL, lock};
 use crate::comm::frame;
 use crate::comm::link::PeerLink;
 use crate::comm::tcp::TcpMesh;
-use crate::model::drafter::{DraftBufferHandle, DraftRow, DrafterError};
+use crate::model::drafter::{DraftBufferHandle, DraftRow};
 use crate::pipeline::fill::{DrafterFill, RoundPeers, RoundPost};
 
 /// What travels on [`FILL_CHANNEL`].
@@ -104,7 +105,7 @@ impl RoundPeers for Peers {
         _rank: usize,
         step: u64,
         post: Option<&RoundPost>,
-    ) -> Result<(), DrafterError> {
+    ) -> Result<(), ModelError> {
         let mut messages = Vec::new();
         if let Some((buffer, held_out)) = &self.capture {
             let wire = RowWire::of;
@@ -145,7 +146,7 @@ impl RoundPeers for Peers {
         messages.extend(post.cloned().map(|post| FillWire::Post { step, post }));
         let outbox = lock(&self.outbox);
         for m in messages {
-            outbox.send(m).map_err(|_| DrafterError::Input {
+            outbox.send(m).map_err(|_| ModelError::DrafterInput {
                 what: "exchange",
                 reason: "the sender to the other processes has stopped".into(),
             })?;
@@ -183,7 +184,7 @@ pub(super) fn receive(
     mesh: &TcpMesh,
     fill: &DrafterFill,
 ) -> Result<(), PipelineError> {
-    let drafter_err = |e: DrafterError| peer_err(rank, peer, e);
+    let drafter_err = |e: ModelError| peer_err(rank, peer, e);
     loop {
         let bytes = mesh
             .recv(peer, FILL_CHANNEL)

@@ -15,6 +15,7 @@
 //! to be about right: the router replaces them with its own measurements as the pieces run
 //! (the level from the first piece, the slope once the sizes vary).
 
+use crate::model::ModelError;
 use std::time::Instant;
 
 use pipefill_actors::FillerRouter;
@@ -24,7 +25,7 @@ use super::eval::DRAFTER_EVAL;
 use super::slices::{DRAFTER, DRAFTER_STEP, DrafterSlices, MIN_PIECE_ROWS, lock};
 use crate::data::SplitMix64;
 use crate::model::GptConfig;
-use crate::model::drafter::{DraftBufferHandle, DraftRow, Drafter, DrafterError, DrafterTrainer};
+use crate::model::drafter::{DraftBufferHandle, DraftRow, Drafter, DrafterTrainer};
 use crate::tensor::Backend;
 
 /// Timed runs per cost.
@@ -56,7 +57,7 @@ pub struct DrafterPriors {
 /// The fastest of `REPS` runs of `f`, seconds: on a busy machine one run may be
 /// preempted for many times its cost, and a prior that high would keep a kind's pieces at
 /// the smallest size, never measuring another.
-fn fastest_of(mut f: impl FnMut() -> Result<(), DrafterError>) -> Result<f64, DrafterError> {
+fn fastest_of(mut f: impl FnMut() -> Result<(), ModelError>) -> Result<f64, ModelError> {
     let mut best = f64::INFINITY;
     for _ in 0..REPS {
         let t = Instant::now();
@@ -88,7 +89,7 @@ impl<B: Backend> DrafterSlices<B> {
     pub fn measure_priors(
         &self,
         router: &FillerRouter,
-    ) -> Result<Option<DrafterPriors>, DrafterError> {
+    ) -> Result<Option<DrafterPriors>, ModelError> {
         if !lock(&self.0.plan).priors.is_empty() {
             return Ok(None);
         }

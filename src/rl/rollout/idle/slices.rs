@@ -42,6 +42,7 @@
 //! "Drafter training in the rollout's idle gaps"). Cheaper small pieces (weights streamed,
 //! not packed, as the proposals' row kernels do) would let more fit.
 
+use crate::model::ModelError;
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
@@ -51,7 +52,7 @@ use pipefill_actors::{FillerRouter, FillerSource, Slice};
 use serde::Serialize;
 
 use super::eval::{EvalWork, Evals};
-use crate::model::drafter::{DraftRow, DrafterError, DrafterTrainer, EvalStats};
+use crate::model::drafter::{DraftRow, DrafterTrainer, EvalStats};
 use crate::tensor::Backend;
 
 /// Kind (and label prefix) of the pieces of drafter training.
@@ -354,7 +355,7 @@ impl<B: Backend> DrafterSlices<B> {
 
     /// Runs on this thread what the idle gaps left of the step's budget: the rest of the
     /// current slice's rows, whole slices, and every optimizer step due. Returns what it ran.
-    pub fn finish(&self) -> Result<DrafterWork, DrafterError> {
+    pub fn finish(&self) -> Result<DrafterWork, ModelError> {
         let full = self.0.full;
         let mut done = DrafterWork::default();
         loop {
