@@ -28,7 +28,7 @@ use crate::model::GptConfig;
 use crate::model::drafter::DrafterConfig;
 use crate::train::TrainConfig;
 pub use error::ConfigError;
-pub use schedule::{ScheduleChoice, UnknownSchedule};
+pub use schedule::ScheduleChoice;
 
 /// The embedded default job (the same text as `examples/default.toml`).
 pub const DEFAULT_JOB: &str = include_str!("../examples/default.toml");

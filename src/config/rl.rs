@@ -132,16 +132,6 @@ impl Default for RlConfig {
 /// `rl.warmup_steps` of a policy that is not pretrained: the synthetic job's.
 pub const WARMUP_STEPS: u64 = 200;
 
-/// `rl.warmup_steps` is 0, and neither an `--init` run nor a pretrained model (`--model`)
-/// gives the policy its weights: RL would start from an untrained policy
-/// ([`RlConfig::check_trained`]; every runner reports it so).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-#[error(
-    "rl.warmup_steps is 0 and neither --init nor --model gives the policy its weights: the \
-     policy would be untrained"
-)]
-pub struct UntrainedPolicy;
-
 impl RlConfig {
     /// Supervised warm-up steps before RL: `warmup_steps`, or without it none for a
     /// `pretrained` policy (the job's `model.from`) and [`WARMUP_STEPS`] otherwise.
@@ -152,10 +142,10 @@ impl RlConfig {
 
     /// Checks that the policy starts trained: from an `--init` run (`init_given`), from a
     /// `pretrained` model, or after its warm-up's supervised steps.
-    pub fn check_trained(&self, init_given: bool, pretrained: bool) -> Result<(), UntrainedPolicy> {
+    pub fn check_trained(&self, init_given: bool, pretrained: bool) -> Result<(), ConfigError> {
         match init_given || pretrained || self.warmup(pretrained) > 0 {
             true => Ok(()),
-            false => Err(UntrainedPolicy),
+            false => Err(ConfigError::UntrainedPolicy),
         }
     }
 

@@ -8,6 +8,7 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+use crate::config::ConfigError;
 use crate::schedules::ScheduleKind;
 
 /// What plan a job runs.
@@ -54,17 +55,8 @@ impl ScheduleChoice {
     }
 }
 
-/// Why a `schedule` value names no schedule.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error(
-    "schedule {0:?} is neither a built-in schedule ({names}, auto, or none) nor a schedule file \
-     (.csv or .toml)",
-    names = ScheduleKind::ALL.iter().map(|k| k.name()).collect::<Vec<_>>().join(", ")
-)]
-pub struct UnknownSchedule(pub String);
-
 impl FromStr for ScheduleChoice {
-    type Err = UnknownSchedule;
+    type Err = ConfigError;
 
     /// Names are case-insensitive and trimmed; anything ending in `.csv` or `.toml` is a
     /// file (read, and checked to exist, when the plan is built).
@@ -84,7 +76,7 @@ impl FromStr for ScheduleChoice {
         if ext.is_some_and(|e| e.eq_ignore_ascii_case("csv") || e.eq_ignore_ascii_case("toml")) {
             return Ok(ScheduleChoice::File(path.to_path_buf()));
         }
-        Err(UnknownSchedule(cut(name)))
+        Err(ConfigError::UnknownSchedule(cut(name)))
     }
 }
 

@@ -8,7 +8,6 @@ use crate::data::DataError;
 use crate::model::ModelError;
 use crate::pipeline::PipelineError;
 use crate::profile::ProfileError;
-use crate::rl::config::UntrainedPolicy;
 
 /// What can go wrong in an RL run.
 #[derive(Debug, thiserror::Error)]
@@ -83,8 +82,6 @@ pub enum RlError {
     },
     #[error("rank {rank}: {error}")]
     Group { rank: usize, error: CommError },
-    #[error(transparent)]
-    Untrained(#[from] UntrainedPolicy),
     /// (Boxed, as the pipeline's error below: they would make every result of a rank's
     /// run as large as the largest of them.)
     #[error("rank {rank}: {error}")]

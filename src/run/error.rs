@@ -12,7 +12,6 @@ use crate::data::DataError;
 use crate::launch::LaunchError;
 use crate::model::ModelError;
 use crate::pipeline::PipelineError;
-use crate::rl::config::UntrainedPolicy;
 use crate::schedules::ScheduleError;
 use crate::tensor::TensorError;
 use crate::train::TrainError;
@@ -121,8 +120,6 @@ pub enum RunError {
     NoMergedCosts,
     #[error("schedule \"none\": the RL update runs as a pipelined step; name a schedule")]
     RlWithoutSchedule,
-    #[error(transparent)]
-    UntrainedPolicy(#[from] UntrainedPolicy),
 
     // ---- the run directory and its metrics log (`dir`, `log`)
     #[error(
