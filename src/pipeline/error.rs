@@ -78,11 +78,11 @@ pub enum PipelineError {
         #[source]
         source: CommError,
     },
-    #[error("rank {rank}: the final state of rank {from} is undecodable: {reason}")]
+    #[error("rank {rank}: the final state of rank {from} is undecodable: {error}")]
     BadFinal {
         rank: usize,
         from: usize,
-        reason: String,
+        error: CommError,
     },
     #[error("rank {rank}: merging the profiles: {error}")]
     Profile { rank: usize, error: ProfileError },
@@ -93,8 +93,12 @@ pub enum PipelineError {
     #[error("rank {rank}: {error}")]
     Transport { rank: usize, error: CommError },
     /// The rank's device (`device` in the job) cannot be used.
-    #[error("rank {rank}: {reason}")]
-    Device { rank: usize, reason: String },
+    #[error("rank {rank}: {device}: {error}")]
+    Device {
+        rank: usize,
+        device: crate::tensor::device::Device,
+        error: crate::tensor::TensorError,
+    },
 
     // ---- the drafter in a launched run's bubbles (`mesh::fill`)
     #[error("rank {rank}: filler = \"drafter\": {reason}")]

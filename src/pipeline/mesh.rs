@@ -362,11 +362,8 @@ fn run_rank<B: Backend>(
     let mut finals = vec![own];
     for from in 1..pp {
         let bytes = mesh.recv(from, CONTROL_CHANNEL).map_err(gather)?;
-        let fin: RankFinal = frame::decode(&bytes).map_err(|e| PipelineError::BadFinal {
-            rank,
-            from,
-            reason: e.to_string(),
-        })?;
+        let fin: RankFinal =
+            frame::decode(&bytes).map_err(|error| PipelineError::BadFinal { rank, from, error })?;
         finals.push(fin);
     }
     let own_profile = rank_profile(rank, prank, &report, &clock_sync);

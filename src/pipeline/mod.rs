@@ -20,7 +20,7 @@
 //! use pipefill::pipeline::{PipelineTrainer, PipelineRun};
 //! use pipefill::schedules::ScheduleKind;
 //!
-//! # fn main() -> Result<(), PipelineError> {
+//! # fn main() -> Result<(), pipefill::pipeline::PipelineError> {
 //! let job = JobConfig { stages: 4, schedule: "zb-h1".parse().unwrap(), ..JobConfig::default() };
 //! // From the job's `schedule` (a built-in name or a .csv/.toml file) and `stages`:
 //! let trainer = PipelineTrainer::from_job(&job)?;

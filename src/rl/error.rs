@@ -100,12 +100,12 @@ pub enum RlError {
         #[source]
         source: CommError,
     },
-    #[error("rank {rank}: rank {peer} sent an unreadable {what}: {reason}")]
+    #[error("rank {rank}: rank {peer} sent an unreadable {what}: {error}")]
     BadFrame {
         rank: usize,
         peer: usize,
         what: &'static str,
-        reason: String,
+        error: CommError,
     },
     /// The mesh failed: a peer died or broke the protocol (named in the text).
     #[error("rank {rank}: {reason}")]

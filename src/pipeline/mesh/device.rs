@@ -65,9 +65,10 @@ pub(super) fn cpu_links(
     threads: usize,
 ) -> Result<RankLinks<CpuBackend>, PipelineError> {
     select_transport(requested, Device::Cpu { threads }).map_err(|e| at.transport_err(e))?;
-    let backend = CpuBackend::new(threads).map_err(|e| PipelineError::Device {
+    let backend = CpuBackend::new(threads).map_err(|error| PipelineError::Device {
         rank: at.rank,
-        reason: e.to_string(),
+        device: Device::Cpu { threads },
+        error,
     })?;
     tcp_links(mesh, backend, at)
 }
@@ -103,10 +104,8 @@ fn tcp_links<B: Backend>(
 pub(super) fn cuda_unavailable(at: MeshRank, ordinal: usize) -> PipelineError {
     PipelineError::Device {
         rank: at.rank,
-        reason: format!(
-            "device = \"cuda\" (cuda:{ordinal}): {}",
-            crate::tensor::TensorError::CudaNotCompiled
-        ),
+        device: Device::Cuda { ordinal },
+        error: crate::tensor::TensorError::CudaNotCompiled,
     }
 }
 
@@ -144,9 +143,10 @@ mod cuda {
             None => at.transport_err(e),
         })?;
         // Past the agreement no rank failed, this one included.
-        let backend = backend.map_err(|e| PipelineError::Device {
+        let backend = backend.map_err(|error| PipelineError::Device {
             rank: at.rank,
-            reason: e.to_string(),
+            device,
+            error,
         })?;
         if agreed == Choice::Tcp {
             return tcp_links(mesh, backend, at);

@@ -83,13 +83,13 @@ impl<B: RankBackend> Ctx<'_, B> {
         }
     }
 
-    fn bad_frame(&self, peer: usize, what: &'static str) -> impl Fn(String) -> RlError {
+    fn bad_frame(&self, peer: usize, what: &'static str) -> impl Fn(CommError) -> RlError {
         let rank = self.rank;
-        move |reason| RlError::BadFrame {
+        move |error| RlError::BadFrame {
             rank,
             peer,
             what,
-            reason,
+            error,
         }
     }
 
@@ -196,8 +196,7 @@ impl<B: RankBackend> Ctx<'_, B> {
             } else {
                 RankFinal::default()
             };
-            let bytes =
-                frame::encode(&own).map_err(|e| self.bad_frame(0, "weights")(e.to_string()))?;
+            let bytes = frame::encode(&own).map_err(self.bad_frame(0, "weights"))?;
             return self
                 .mesh
                 .send(0, RL_CHANNEL, &bytes)
@@ -209,8 +208,8 @@ impl<B: RankBackend> Ctx<'_, B> {
                 .mesh
                 .recv(peer, RL_CHANNEL)
                 .map_err(self.link_err(peer, "receiving the weights"))?;
-            let shard: RankFinal = frame::decode(&bytes)
-                .map_err(|e| self.bad_frame(peer, "weights")(e.to_string()))?;
+            let shard: RankFinal =
+                frame::decode(&bytes).map_err(self.bad_frame(peer, "weights"))?;
             state.absorb(shard).map_err(model_err)?;
         }
         Ok(())
@@ -231,14 +230,12 @@ impl<B: RankBackend> Ctx<'_, B> {
                 .mesh
                 .recv(0, RL_CHANNEL)
                 .map_err(self.link_err(0, "receiving the rollouts"))?;
-            let rollouts =
-                frame::decode(&bytes).map_err(|e| self.bad_frame(0, "rollouts")(e.to_string()))?;
+            let rollouts = frame::decode(&bytes).map_err(self.bad_frame(0, "rollouts"))?;
             return Ok((rollouts, None));
         };
         let (rollouts, figures) =
             generate(job, prompts, engine, models, step, &mut |_| {}).map_err(self.rl_err())?;
-        let bytes =
-            frame::encode(&rollouts).map_err(|e| self.bad_frame(0, "rollouts")(e.to_string()))?;
+        let bytes = frame::encode(&rollouts).map_err(self.bad_frame(0, "rollouts"))?;
         for peer in 1..self.mesh.world() {
             self.mesh
                 .send(peer, RL_CHANNEL, &bytes)
@@ -261,8 +258,8 @@ impl<B: RankBackend> Ctx<'_, B> {
         };
         if self.rank != 0 {
             if self.prank == loss_rank {
-                let bytes = frame::encode(&own.mean_kl())
-                    .map_err(|e| self.bad_frame(0, "KL figure")(e.to_string()))?;
+                let bytes =
+                    frame::encode(&own.mean_kl()).map_err(self.bad_frame(0, "KL figure"))?;
                 self.mesh
                     .send(0, RL_CHANNEL, &bytes)
                     .map_err(self.link_err(0, "sending the KL figure"))?;
@@ -279,7 +276,7 @@ impl<B: RankBackend> Ctx<'_, B> {
                         .recv(from, RL_CHANNEL)
                         .map_err(self.link_err(from, "receiving the KL figure"))?;
                     frame::decode::<Option<f64>>(&bytes)
-                        .map_err(|e| self.bad_frame(from, "KL figure")(e.to_string()))?
+                        .map_err(self.bad_frame(from, "KL figure"))?
                 }
             };
             sum += mean.unwrap_or(0.0) * share.tokens as f64;

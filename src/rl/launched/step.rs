@@ -139,7 +139,7 @@ fn gather_losses<B: RankBackend>(
             rank,
             peer,
             what: "step log",
-            reason: e.to_string(),
+            error: e,
         }
     };
     if rank != 0 {
