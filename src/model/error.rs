@@ -86,7 +86,7 @@ pub enum ModelError {
         listing: String,
     },
     /// A file name or size that the manifest or sidecar `path` gives in `field`, refused
-    /// before anything is read ([`files`]).
+    /// before anything is read ([`files`](crate::model::checkpoint::files)).
     #[error("checkpoint {path}: {field} {name:?} {reason}")]
     Listed {
         path: PathBuf,
@@ -157,7 +157,7 @@ pub enum ModelError {
     /// An input (row, context, weights, gradients) does not fit the drafter.
     #[error("drafter {what}: {reason}")]
     DrafterInput { what: &'static str, reason: String },
-    /// Gradients handed to [`DrafterTrainer::step_with`] that do not make one consistent set.
+    /// Gradients handed to [`DrafterTrainer::step_with`](crate::model::drafter::DrafterTrainer::step_with) that do not make one consistent set.
     #[error("drafter step {version}: {reason}")]
     Replicas { version: u64, reason: String },
 

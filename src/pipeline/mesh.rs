@@ -260,7 +260,7 @@ fn run_rank<B: Backend>(
     let transport_err = |error| PipelineError::Transport { rank, error };
     let stats: Arc<dyn Transport<GradStats>> = Arc::new(
         TcpTransport::group(mesh, STATS_CHANNEL, SerdeCodec, replica * pp, pp)
-            .map_err(|e| transport_err(e.into()))?,
+            .map_err(transport_err)?,
     );
     // schedule = "auto": ZB-H1, then the plan of the costs every rank measured (super::auto).
     let auto = AutoSwitch::for_job(job, plan, clock);

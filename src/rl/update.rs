@@ -228,8 +228,7 @@ fn check_counts(rollouts: &[Rollout], advantages: &[f32]) -> Result<(), RlError>
         return Err(RlError::AdvantageCount {
             advantages: advantages.len(),
             sequences: rollouts.len(),
-        }
-        .into());
+        });
     }
     Ok(())
 }

@@ -77,7 +77,7 @@ pub enum RunError {
     RlStep {
         step: u64,
         #[source]
-        source: RlError,
+        source: Box<RlError>,
     },
     #[error("cannot write {}", path.display())]
     Write {
@@ -101,7 +101,7 @@ pub enum RunError {
     #[error("the job's schedule \"{schedule}\": {mismatch}")]
     World {
         schedule: String,
-        mismatch: PipelineError,
+        mismatch: Box<PipelineError>,
     },
     #[error(
         "{}: a sharded checkpoint of a pipelined run; schedule \"none\" resumes from a \

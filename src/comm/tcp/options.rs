@@ -1,4 +1,4 @@
-//! A mesh's settings ([`MeshOptions`]) and why its setup can fail ([`CommError`]).
+//! A mesh's settings ([`MeshOptions`]): why its setup can fail is a [`CommError`](crate::comm::CommError).
 
 use std::time::Duration;
 

@@ -79,8 +79,7 @@ impl<B: Backend> Drafter<B> {
                     name,
                     expected: size,
                     got,
-                }
-                .into());
+                });
             }
         }
         let head_changed = !Arc::ptr_eq(&self.frozen.head, &tables.head);
@@ -122,7 +121,7 @@ impl<B: Backend> Drafter<B> {
     fn check_frozen(&self, name: &str, len: usize) -> Result<()> {
         let expected = self.target.vocab * self.target.d_model;
         if !FROZEN.contains(&name) {
-            return Err(ModelError::UnknownParam(name.to_string()).into());
+            return Err(ModelError::UnknownParam(name.to_string()));
         }
         if len != expected {
             let name = name.to_string();
@@ -130,8 +129,7 @@ impl<B: Backend> Drafter<B> {
                 name,
                 expected,
                 got: len,
-            }
-            .into());
+            });
         }
         Ok(())
     }

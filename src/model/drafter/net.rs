@@ -383,8 +383,7 @@ impl<B: Backend> Drafter<B> {
                     name,
                     expected,
                     got,
-                }
-                .into());
+                });
             }
             values.push(&t.values);
         }
@@ -395,8 +394,7 @@ impl<B: Backend> Drafter<B> {
                 name,
                 expected: size,
                 got,
-            }
-            .into());
+            });
         }
         for (p, v) in self.params_mut().into_iter().zip(values) {
             p.value = be.from_host(v, be.dtype(&p.value))?;

@@ -549,13 +549,13 @@ impl<B: Backend> std::fmt::Debug for DrafterTrainer<B> {
 impl<B: Backend> DrafterTrainer<B> {
     /// The optimizer's state (moments and step counter).
     pub fn optimizer_state(&self) -> Result<crate::model::OptimizerState> {
-        Ok(self.optimizer.state(self.drafter.backend())?)
+        self.optimizer.state(self.drafter.backend())
     }
 
     /// Replaces the optimizer's state with a checkpointed one.
     pub fn load_optimizer_state(&mut self, state: &crate::model::OptimizerState) -> Result<()> {
         let be = self.drafter.backend().clone();
-        Ok(self.optimizer.load_state(&be, state)?)
+        self.optimizer.load_state(&be, state)
     }
 
     /// The row sampler (where this replica's stream of sampled rows stands).

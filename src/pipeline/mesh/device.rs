@@ -87,7 +87,7 @@ fn tcp_links<B: Backend>(
             at.replica * at.pp,
             at.pp,
         )
-        .map_err(|e| at.transport_err(e.into()))?,
+        .map_err(|e| at.transport_err(e))?,
     );
     let sync = crate::pipeline::executor::Links::mesh_ring(mesh, at.dp, at.pp);
     Ok(RankLinks {

@@ -25,7 +25,7 @@ pub(super) fn save_finals(
         optimizer,
     );
     let dir = sharded::step_dir(&plan.run_dir, next_step);
-    let saved = drafter.transpose().map_err(Into::into).and_then(|d| {
+    let saved = drafter.transpose().and_then(|d| {
         checkpoint.drafter = d;
         sharded::save_sharded(
             &dir,

@@ -23,7 +23,6 @@ use crate::data::StepData;
 use crate::model::ModelError;
 use crate::model::drafter::FillMode;
 use crate::schedules::{Plan, Timeline, simulate};
-use crate::tensor::TensorError;
 use crate::tensor::device::{OnBackend, RankBackend, on_backend};
 use crate::train::StepMetrics;
 
@@ -112,7 +111,7 @@ impl PipelineTrainer {
             steps,
             on_step: &mut on_step,
         };
-        on_backend(cuda, run).map_err(|e| ModelError::from(TensorError::from(e)))?
+        on_backend(cuda, run).map_err(ModelError::from)?
     }
 
     /// The run with each rank computing on its own `B` ([`RankBackend::for_rank`]).

@@ -103,7 +103,10 @@ fn run<B: RankBackend>(
                         plain: None,
                     });
                 })
-                .map_err(|source| RunError::RlStep { step, source })?;
+                .map_err(|source| RunError::RlStep {
+                    step,
+                    source: Box::new(source),
+                })?;
             let plain = step_line(&m, rl.steps, engine.threshold());
             show.tick(Tick {
                 bar: Bar::Update,

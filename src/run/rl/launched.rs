@@ -96,7 +96,6 @@ pub(super) fn rl(
             Some(file) => write_line(file, path, &line),
             None => dir
                 .create(&job.to_toml(), 0)
-                .map_err(RunError::from)
                 .and_then(|file| write_line(metrics.insert(file), path, &line)),
         };
     };

@@ -47,7 +47,7 @@ pub(super) fn train(
     let plan = trainer.plan();
     check_world(plan.num_ranks(), job.dp, env.world).map_err(|mismatch| RunError::World {
         schedule: job.schedule.to_string(),
-        mismatch,
+        mismatch: Box::new(mismatch),
     })?;
     let point = resume
         .map(|path| ResumePoint::find(path).map_err(|e| RunError::resume(path, e)))
