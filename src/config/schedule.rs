@@ -8,7 +8,7 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use crate::config::ConfigError;
+use crate::config::error::ConfigError;
 use crate::schedules::ScheduleKind;
 
 /// What plan a job runs.

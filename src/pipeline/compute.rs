@@ -37,7 +37,7 @@
 //! run on the guessed weights are run again and replace their stash.
 
 use crate::model::ModelError;
-use crate::pipeline::PipelineError;
+use crate::pipeline::error::PipelineError;
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 use std::sync::mpsc::Sender;

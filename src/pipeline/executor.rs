@@ -16,7 +16,7 @@
 //! - [`whole_batch`] merges the replicas' step logs into the whole batch's.
 
 use crate::model::ModelError;
-use crate::pipeline::PipelineError;
+use crate::pipeline::error::PipelineError;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, Sender};

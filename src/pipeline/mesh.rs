@@ -33,7 +33,7 @@ pub mod profile;
 mod shards;
 
 use crate::comm::CommError;
-use crate::pipeline::PipelineError;
+use crate::pipeline::error::PipelineError;
 pub use fill::{FILL_CHANNEL, LaunchFill, drafter_of};
 pub use shards::{CHECKPOINT_CHANNEL, RankResume, agree_run_dir, layout};
 

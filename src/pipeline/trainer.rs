@@ -27,7 +27,7 @@
 //! [`PipelineRun::drafter`](outcome::PipelineRun::drafter) holds every replica's final weights and the router's figures.
 
 use crate::model::ModelError;
-use crate::pipeline::PipelineError;
+use crate::pipeline::error::PipelineError;
 use std::sync::Arc;
 
 use pipefill_actors::{Clock, StepMode};

@@ -52,9 +52,12 @@
 //! before rank 0's rollout arrives, which rank 0 sends only once every rank's frame is in:
 //! so no frame of a step can reach a rank's previous, finished transport.
 
+mod channel;
 mod rank;
 mod state;
 mod step;
+
+pub use channel::RL_CHANNEL;
 
 use crate::model::ModelError;
 use crate::pipeline::PipelineError;
@@ -88,9 +91,6 @@ use crate::train::reference::adamw_config;
 use rank::Ctx;
 use state::{RankState, Start};
 use step::LaunchedRank;
-
-/// Channel of the weight sync (ranks → rank 0) and of the rollouts (rank 0 → ranks).
-pub const RL_CHANNEL: crate::comm::link::Channel = u32::MAX - 8;
 
 /// How long a rank waits for rank 0 to have gathered the final weights.
 const FINAL_WAIT: Duration = Duration::from_secs(120);

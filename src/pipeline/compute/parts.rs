@@ -2,7 +2,7 @@
 //! a later run's rank continuing from them ([`RankCompute::from_parts`]), so that runs of
 //! one step each (the RL update's) neither export nor reload the model and its moments.
 
-use crate::pipeline::PipelineError;
+use crate::pipeline::error::PipelineError;
 use std::collections::BTreeMap;
 use std::sync::mpsc::Sender;
 

@@ -5,7 +5,7 @@ use super::{RankCompute, RankFinal};
 use crate::model::ModelError;
 use crate::model::OptimizerState;
 use crate::model::checkpoint::HostTensor;
-use crate::pipeline::PipelineError;
+use crate::pipeline::error::PipelineError;
 use crate::tensor::Backend;
 
 impl<B: Backend> RankCompute<B> {

@@ -23,7 +23,7 @@
 
 use crate::comm::CommError;
 use crate::model::ModelError;
-use crate::pipeline::PipelineError;
+use crate::pipeline::error::PipelineError;
 use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::Arc;

@@ -15,7 +15,7 @@
 //! [`NcclGradSync`]: crate::comm::nccl::NcclGradSync
 
 use crate::comm::CommError;
-use crate::pipeline::PipelineError;
+use crate::pipeline::error::PipelineError;
 use std::sync::Arc;
 
 use pipefill_actors::Transport;

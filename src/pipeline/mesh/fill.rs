@@ -58,7 +58,7 @@ mod channel;
 mod exchange;
 pub(super) mod snap;
 
-use crate::pipeline::PipelineError;
+use crate::pipeline::error::PipelineError;
 pub use channel::FILL_CHANNEL;
 use channel::lock;
 pub use snap::{DrafterSnap, PeerSnap};

@@ -50,7 +50,7 @@ use crate::model::checkpoint::sharded::{
 };
 use crate::model::checkpoint::sweep;
 use crate::model::checkpoint::{Checkpoint, HostTensor, VERSION};
-use crate::pipeline::PipelineError;
+use crate::pipeline::error::PipelineError;
 use crate::pipeline::shared::{Checkpointing, RankCheckpointer, RankFinal};
 use crate::schedules::Plan;
 

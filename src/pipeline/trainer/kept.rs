@@ -10,7 +10,7 @@
 //! update's tests compare checkpoints of both).
 
 use crate::model::ModelError;
-use crate::pipeline::PipelineError;
+use crate::pipeline::error::PipelineError;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::mpsc::channel;

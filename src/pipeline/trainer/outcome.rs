@@ -3,7 +3,7 @@
 //! moments (served as a model or a checkpoint), and the drafter trained in the bubbles.
 
 use crate::model::ModelError;
-use crate::pipeline::PipelineError;
+use crate::pipeline::error::PipelineError;
 use pipefill_actors::RunReport;
 
 use super::super::join::DrafterRun;

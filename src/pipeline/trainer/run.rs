@@ -1,7 +1,7 @@
 //! Running a [`PipelineTrainer`]: the runtime on its own thread, this thread joining each
 //! step's metrics with its measured profile (and the drafter's figures) for the caller.
 
-use crate::pipeline::PipelineError;
+use crate::pipeline::error::PipelineError;
 use std::ops::ControlFlow;
 use std::sync::Arc;
 use std::sync::mpsc::channel;

@@ -11,7 +11,7 @@ use std::sync::mpsc::channel;
 
 use pipefill_actors::{Clock, GradStats, PlanSource, RunReport, Transport};
 
-use super::RL_CHANNEL;
+use super::channel::RL_CHANNEL;
 use super::state::{Ended, RankState, Start};
 use crate::comm::frame;
 use crate::comm::link::PeerLink;

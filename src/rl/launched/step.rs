@@ -8,7 +8,7 @@ use crate::rl::RlError;
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::RL_CHANNEL;
+use super::channel::RL_CHANNEL;
 use super::rank::{Ctx, Share, Transports, shares};
 use super::state::RankState;
 use crate::comm::frame;

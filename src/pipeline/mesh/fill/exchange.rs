@@ -3,7 +3,7 @@
 //! ([`Peers`]), the sender thread and one receiver thread per peer.
 
 use crate::model::ModelError;
-use crate::pipeline::PipelineError;
+use crate::pipeline::error::PipelineError;
 use std::sync::Mutex;
 use std::sync::mpsc::{Receiver, Sender};
 
