@@ -23,7 +23,6 @@
 //!
 //! `cargo bench -p pipefill --bench tail`
 
-use pipefill::rl::RlError;
 use std::collections::BTreeMap;
 
 use pipefill::config::JobConfig;
@@ -31,6 +30,7 @@ use pipefill::data::SplitMix64;
 use pipefill::model::drafter::{DraftChain, DraftContext, Drafter};
 use pipefill::model::infer::InferStage;
 use pipefill::model::{Cut, Gpt};
+use pipefill::rl::RlError;
 use pipefill::rl::rollout::{
     AdaptiveConfig, MIN_GROUP_ROWS, Request, RolloutConfig, RolloutEngine, RolloutOutput,
     Speculation,

@@ -16,7 +16,6 @@ pub mod optimizer;
 pub mod rl;
 pub mod schedule;
 
-use crate::model::ModelError;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -25,6 +24,7 @@ use self::optimizer::OptimizerConfig;
 use self::rl::RlConfig;
 use crate::data::DataConfig;
 use crate::model::GptConfig;
+use crate::model::ModelError;
 use crate::model::drafter::DrafterConfig;
 use crate::train::TrainConfig;
 pub use error::ConfigError;

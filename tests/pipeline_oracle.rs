@@ -16,7 +16,6 @@
 //! value. (An earlier runtime used `max / (norm + 1e-6)` and drifted by about 1e-7 after
 //! 3 steps; this bound catches any such change.)
 
-use pipefill::pipeline::PipelineError;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::OnceLock;
@@ -25,6 +24,7 @@ use pipefill::config::{JobConfig, ScheduleChoice};
 use pipefill::model::GptConfig;
 use pipefill::model::config::Positions;
 use pipefill::model::init::INIT_STD;
+use pipefill::pipeline::PipelineError;
 use pipefill::pipeline::{Clock, PipelineRun, PipelineTrainer, StepMode};
 use pipefill::schedules::{ScheduleKind, build, read_plan};
 use pipefill::tensor::Activation;

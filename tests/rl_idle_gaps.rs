@@ -12,7 +12,6 @@
 mod common;
 
 use common::rollouts::config;
-use pipefill::rl::RlError;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -22,6 +21,7 @@ use pipefill::model::drafter::{
 };
 use pipefill::model::infer::InferStage;
 use pipefill::model::{Cut, Gpt};
+use pipefill::rl::RlError;
 use pipefill::rl::rollout::idle::{
     DRAFTER, DRAFTER_EVAL, DRAFTER_STEP, DrafterSlices, DrafterWork, EvalWork, MIN_PIECE_ROWS,
     RolloutRouter,

@@ -1,9 +1,9 @@
 //! Tests of the ring collectives over in-process links.
 
-use crate::comm::CommError;
 use std::thread;
 
 use super::*;
+use crate::comm::CommError;
 use crate::comm::link::InProcessLink;
 
 /// Runs the all-reduce on every member of a group of `n` with inputs `inputs[r]`.

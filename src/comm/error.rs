@@ -5,13 +5,13 @@
 //! mesh, the launcher, the RL ranks) wrap one `comm` error. Each variant carries the rank,
 //! peer, channel or address it happened at.
 
-use crate::tensor::TensorError;
 use std::io;
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use crate::comm::link::Channel;
 use crate::comm::rendezvous::missing_text;
+use crate::tensor::TensorError;
 use crate::tensor::device::Device;
 
 #[derive(Debug, thiserror::Error)]

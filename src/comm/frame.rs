@@ -8,11 +8,12 @@
 //! the connection that carried it is closed by its owner with a logged error.
 //! `tests` fuzzes the decoder with arbitrary bytes (proptest).
 
-use crate::comm::CommError;
 use std::io::{self, Read, Write};
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
+
+use crate::comm::CommError;
 
 /// Default cap on one frame's payload: 1 GiB (an activation of a large micro-batch fits).
 pub const DEFAULT_FRAME_CAP: usize = 1 << 30;

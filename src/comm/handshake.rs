@@ -6,7 +6,6 @@
 //! (`after_close`): it no longer listens (it exited) or it lives and dropped the hello
 //! (a job token or world size not its own).
 
-use crate::comm::CommError;
 use std::io::ErrorKind;
 use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
@@ -15,6 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use super::frame::{self, HANDSHAKE_CAP};
 use super::tcp::options::MeshOptions;
+use crate::comm::CommError;
 
 /// What a rank says first on a connection it opened.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

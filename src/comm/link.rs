@@ -8,9 +8,10 @@
 //! channel). The launcher implements the trait over its TCP mesh; the collectives in
 //! [`super::collective`] and the data-parallel trainer only ever see the trait.
 
-use crate::comm::CommError;
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex};
+
+use crate::comm::CommError;
 
 /// A numbered stream of frames between two ranks.
 pub type Channel = u32;

@@ -21,14 +21,15 @@
 //! (`nccl_transport`) posts without waiting, as the runtime's `Transport::send` must not
 //! block on the receiver.
 
-use crate::comm::CommError;
-use crate::tensor::TensorError;
 use std::collections::BTreeMap;
 use std::sync::{Arc, mpsc};
 use std::thread::JoinHandle;
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use cudarc::nccl::{Comm, ReduceOp};
+
+use crate::comm::CommError;
+use crate::tensor::TensorError;
 
 #[path = "nccl_call.rs"]
 mod nccl_call;

@@ -1,9 +1,9 @@
 //! A cudarc call on the communicator's thread as a [`CommError::Call`]: its error, with
 //! NCCL's result code and text where cudarc prints neither, or its panic.
 
-use crate::comm::CommError;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
+use crate::comm::CommError;
 use crate::tensor::cuda::panic_text;
 
 /// The text of a cudarc error in [`CommError::Call`].

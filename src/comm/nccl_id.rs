@@ -12,13 +12,13 @@
 //!
 //! The channels every NCCL user of the mesh takes are listed here, in one place.
 
-use crate::comm::CommError;
 use cudarc::nccl::Id;
 
 use super::frame;
 use super::link::{Channel, PeerLink};
 use super::nccl::{call, probe};
 use super::rendezvous::Rendezvous;
+use crate::comm::CommError;
 
 /// Bytes of an NCCL unique id (`ncclUniqueId`).
 pub const NCCL_ID_BYTES: usize = 128;

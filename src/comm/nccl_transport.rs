@@ -28,7 +28,6 @@
 //! `send` never blocks on the receiver: it writes the header and posts the send. A failed
 //! NCCL operation (or a mesh failure) closes the inbox; receivers then get the reason.
 
-use crate::comm::CommError;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use pipefill_actors::{Envelope, InProcess, LinkError, Tag, Transport};
@@ -41,6 +40,7 @@ use super::nccl::{
 };
 use super::tcp::{Inner, Sink, TcpMesh, Wire};
 use super::tcp_transport::{Route, explain_closed, group_rank, route};
+use crate::comm::CommError;
 use crate::tensor::DType;
 use crate::tensor::cuda::CudaBuf;
 

@@ -2,10 +2,10 @@
 //! anywhere; the exchange between two ranks needs a GPU with NCCL and skips with a printed
 //! reason elsewhere.
 
-use crate::comm::CommError;
 use pipefill_actors::Flow;
 
 use super::*;
+use crate::comm::CommError;
 use crate::comm::nccl::{gpu_test_ready, skip_duplicate_gpu};
 use crate::comm::tcp::MeshOptions;
 use crate::tensor::cuda::CudaBackend;

@@ -20,7 +20,6 @@
 //! once the mesh stands ([`Rendezvous::NcclId`], see `comm::nccl`), so one decoder (and
 //! one fuzz target) covers every message exchanged to set a job up.
 
-use crate::comm::CommError;
 use std::collections::VecDeque;
 use std::io::{ErrorKind, Read};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -30,6 +29,7 @@ use serde::{Deserialize, Serialize};
 
 use super::frame::{self, HANDSHAKE_CAP};
 use super::handshake::{AfterClose, after_close, closed};
+use crate::comm::CommError;
 
 /// The messages of the rendezvous.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

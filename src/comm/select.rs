@@ -19,12 +19,12 @@
 //! [`agree`]: any rank's failure fails every rank, naming it; NCCL only where every rank
 //! can use it.
 
-use crate::comm::CommError;
-use crate::tensor::TensorError;
 use serde::{Deserialize, Serialize};
 
 use super::frame;
 use super::link::{Channel, PeerLink};
+use crate::comm::CommError;
+use crate::tensor::TensorError;
 use crate::tensor::device::Device;
 
 /// The `transport` a job asks for.

@@ -22,7 +22,6 @@
 //! `inner` holds the state every thread of the mesh shares and the reader loop; this
 //! module the wire frame, the options and errors, and the mesh's API.
 
-use crate::comm::CommError;
 use std::collections::VecDeque;
 use std::net::Shutdown;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -31,6 +30,7 @@ use std::time::{Duration, Instant};
 pub use super::handshake::Hello;
 use super::heartbeat::Heartbeat;
 use super::link::{Channel, PeerLink, check_peer};
+use crate::comm::CommError;
 
 pub(crate) mod inner;
 pub mod options;

@@ -1,10 +1,10 @@
-use crate::comm::CommError;
 use std::io::Write;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::*;
+use crate::comm::CommError;
 use crate::comm::frame::{self, HANDSHAKE_CAP};
 
 #[test]

@@ -10,7 +10,6 @@
 //! with an error naming the sender; a failed mesh closes the inbox and receivers get the
 //! mesh's error (naming the dead rank) instead of a bare "link closed".
 
-use crate::comm::CommError;
 use std::sync::Arc;
 
 use pipefill_actors::{Envelope, InProcess, LinkError, Tag, Transport};
@@ -20,6 +19,7 @@ use serde::{Deserialize, Serialize};
 use super::frame;
 use super::link::Channel;
 use super::tcp::{Inner, Sink, TcpMesh, Wire};
+use crate::comm::CommError;
 use crate::tensor::{Backend, DType};
 
 /// Channels the runtime's transports use; peer-link users take small numbers.

@@ -13,8 +13,9 @@
 //! The job token is `PIPEFILL_TOKEN`; without it a multi-process job is refused, since
 //! nothing could tell a peer from a stranger.
 
-use crate::launch::LaunchError;
 use std::collections::HashMap;
+
+use crate::launch::LaunchError;
 
 /// The default rendezvous port (torchrun's).
 pub const DEFAULT_MASTER_PORT: u16 = 29500;

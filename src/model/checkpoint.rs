@@ -22,7 +22,6 @@
 //! [`retain`] keeps only a run's newest few of them. [`files`] is how every file of a
 //! checkpoint is written and read (plain names, regular files, sizes checked first).
 
-use crate::model::ModelError;
 use std::collections::HashMap;
 use std::fs;
 use std::path::Path;
@@ -30,6 +29,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use super::{AdamW, Gpt, GptConfig, OptimizerState, SlotState};
+use crate::model::ModelError;
 use crate::tensor::Backend;
 
 pub mod drafter;

@@ -17,7 +17,6 @@
 //! states, with the targets) to the drafter's training buffer
 //! ([`ModelChunk::set_draft_sink`]); that changes no result.
 
-use crate::model::ModelError;
 use std::collections::HashMap;
 use std::ops::Range;
 
@@ -27,6 +26,7 @@ pub use super::cut::Cut;
 use super::drafter::DraftBufferHandle;
 use super::layers::{Block, Embedding, Head, Held, Layer, RmsNorm};
 use super::{GptConfig, Recompute, Result};
+use crate::model::ModelError;
 use crate::tensor::Backend;
 
 mod params;

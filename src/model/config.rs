@@ -1,8 +1,8 @@
 //! [`GptConfig`]: the shape of the model, the `[model]` section of a job file.
 
-use crate::model::ModelError;
 use serde::{Deserialize, Serialize};
 
+use crate::model::ModelError;
 use crate::tensor::Activation;
 
 /// The RoPE base of Llama 2 (and the default of `rope_theta`).

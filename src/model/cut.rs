@@ -1,11 +1,11 @@
 //! [`Cut`]: how the model's blocks are split over pipeline stage chunks.
 
-use crate::model::ModelError;
 use std::ops::Range;
 
 use serde::{Deserialize, Serialize};
 
 use super::Result;
+use crate::model::ModelError;
 
 /// How the blocks are split over stage chunks.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

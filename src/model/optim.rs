@@ -7,12 +7,12 @@
 //! `Σ g²` ([`super::ModelChunk::grad_sq_norm`]), the sum gives the norm, and [`clip_scale`]
 //! turns it into the factor every stage passes to [`AdamW::step`].
 
-use crate::model::ModelError;
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
 use super::{ModelChunk, Param, Result};
+use crate::model::ModelError;
 use crate::tensor::{AdamWStep, Backend, DType};
 
 /// AdamW hyper-parameters (the learning rate comes from [`LrSchedule`]).

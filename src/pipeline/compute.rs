@@ -36,8 +36,6 @@
 //! ([`StageCompute::rollback_step`]) so the step is redone exactly; first-stage forwards
 //! run on the guessed weights are run again and replace their stash.
 
-use crate::model::ModelError;
-use crate::pipeline::error::PipelineError;
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 use std::sync::mpsc::Sender;
@@ -46,9 +44,11 @@ use pipefill_actors::{GradStats, StageCompute, StepDecision};
 
 use super::fill::DrafterFill;
 use super::shared::{RankFinal, Shared};
+use crate::model::ModelError;
 use crate::model::{
     AdamW, ChunkGrad, ChunkInput, ChunkOutput, LrSchedule, ModelChunk, OptimizerState, Shape,
 };
+use crate::pipeline::error::PipelineError;
 use crate::tensor::Backend;
 use crate::train::reference::{adamw_config, lr_schedule};
 

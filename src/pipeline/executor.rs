@@ -15,8 +15,6 @@
 //!   in-process links instead of the mesh: the same sums in the same order, bitwise);
 //! - [`whole_batch`] merges the replicas' step logs into the whole batch's.
 
-use crate::model::ModelError;
-use crate::pipeline::error::PipelineError;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, Sender};
@@ -32,7 +30,9 @@ use super::shared::{Replica, Shared};
 use crate::comm::collective::{GRAD_CHANNEL, GradSync, RingGradSync, TIE_CHANNEL};
 use crate::comm::link::{InProcessLink, PeerLink};
 use crate::config::JobConfig;
+use crate::model::ModelError;
 use crate::model::{Gpt, OptimizerState};
+use crate::pipeline::error::PipelineError;
 use crate::schedules::Plan;
 use crate::tensor::{Backend, CpuBackend};
 use crate::train::StepMetrics;

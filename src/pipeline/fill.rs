@@ -58,7 +58,6 @@
 //! Filler work never touches the target: it reads copies of what the target computed and
 //! writes only drafter state, so the target's parameters are those of a run without it.
 
-use crate::model::ModelError;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 
@@ -66,6 +65,7 @@ use pipefill_actors::router::CostEstimate;
 use pipefill_actors::{FillerRouter, FillerSource, Slice, WeightBoard};
 
 use crate::model::ModelChunk;
+use crate::model::ModelError;
 use crate::model::drafter::{DraftBufferHandle, DrafterGrads, DrafterWeights};
 use crate::tensor::Backend;
 

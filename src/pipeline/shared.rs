@@ -23,8 +23,6 @@
 //!   With a drafter in the bubbles ([`Shared::checkpoint_drafter`]) its state is taken when
 //!   the last rank deposits, and saved with the checkpoint.
 
-use crate::model::ModelError;
-use crate::pipeline::error::PipelineError;
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -34,10 +32,12 @@ use std::time::Instant;
 
 use super::feed::{StepBatches, StepFeed};
 use crate::comm::collective::{GradSync, RingGradSync, TIE_CHANNEL};
+use crate::model::ModelError;
 use crate::model::checkpoint::HostTensor;
 use crate::model::checkpoint::sharded::Layout;
 use crate::model::layers::{OffsetTokenLoss, TokenLoss};
 use crate::model::{GptConfig, OptimizerState, Param};
+use crate::pipeline::error::PipelineError;
 use crate::schedules::Plan;
 use crate::tensor::Backend;
 use crate::train::StepMetrics;

@@ -1,7 +1,7 @@
-use crate::comm::CommError;
 use std::sync::mpsc::channel;
 
 use super::*;
+use crate::comm::CommError;
 use crate::data::{DataConfig, StepData};
 use crate::train::TrainConfig;
 

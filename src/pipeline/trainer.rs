@@ -26,8 +26,6 @@
 //! with the target on held-out rows, from the weights the drafter publishes;
 //! [`PipelineRun::drafter`](outcome::PipelineRun::drafter) holds every replica's final weights and the router's figures.
 
-use crate::model::ModelError;
-use crate::pipeline::error::PipelineError;
 use std::sync::Arc;
 
 use pipefill_actors::{Clock, StepMode};
@@ -37,8 +35,10 @@ use super::executor::{Links, RankStart, rebuild};
 use super::feed::StepFeed;
 use super::shared::Shared;
 use crate::config::{Filler, JobConfig, ScheduleChoice};
+use crate::model::ModelError;
 use crate::model::checkpoint::Checkpoint;
 use crate::model::{Gpt, OptimizerState};
+use crate::pipeline::error::PipelineError;
 use crate::schedules::{AutoReplanner, Plan, ScheduleKind, build, read_plan};
 use crate::tensor::CpuBackend;
 use crate::tensor::device::RankBackend;

@@ -19,7 +19,6 @@
 //! names each process by replica and stages, the report gives every replica's figures next
 //! to the bubble ratio over all ranks, and the picture shows every rank.
 
-use crate::profile::ProfileError;
 use std::path::Path;
 
 use std::fmt::Write as _;
@@ -32,6 +31,7 @@ use super::chrome::{ChromeOptions, chrome_trace_with};
 use super::report::{BubbleReport, REPORT_JSON, REPORT_TXT, RunInfo, steady_iteration};
 use super::svg::{SvgOptions, svg_with};
 use crate::comm::link::{Channel, PeerLink};
+use crate::profile::ProfileError;
 
 /// Lane of the filler work (drawn in the SVG too; other lanes go to the trace only).
 pub const FILLER_LANE: &str = "filler";

@@ -1,10 +1,10 @@
-use crate::profile::ProfileError;
 use std::time::Instant;
 
 use pipefill_schedules::{Action, ActionKind};
 
 use super::*;
 use crate::comm::link::InProcessLink;
+use crate::profile::ProfileError;
 
 fn span(rank: usize, kind: ActionKind, mb: u32, start: f64, end: f64) -> Span {
     Span {

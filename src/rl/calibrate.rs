@@ -14,7 +14,6 @@
 //! follows from the drafter's per-token acceptance α (its held-out `Σ min(p, q)`, measured
 //! every step) as `1 + α + … + α^K`.
 
-use crate::rl::RlError;
 use std::time::Instant;
 
 use serde::Serialize;
@@ -23,6 +22,7 @@ use crate::data::SplitMix64;
 use crate::model::drafter::{DraftContext, Drafter, TreeShape};
 use crate::model::infer::{InferStage, Span, StageInput, StageOutput, TreeStep, run_stages};
 use crate::model::{Cut, Gpt};
+use crate::rl::RlError;
 use crate::tensor::Backend;
 
 /// Largest group size the step costs are measured for.

@@ -2,10 +2,10 @@
 //! [`Rollout`] (one sampled sequence), [`RolloutBatch`], and the [`RolloutGenerator`]
 //! trait (the plain KV-cache sampler and the pipelined, speculative engine implement it).
 
-use crate::rl::RlError;
 use serde::{Deserialize, Serialize};
 
 use crate::model::Gpt;
+use crate::rl::RlError;
 use crate::tensor::Backend;
 
 /// One sampled sequence: `BOS` and the prompt's tokens, then the generated tokens (ending

@@ -14,7 +14,6 @@
 //! A completion is the generated ids up to (without) the tokenizer's EOS; a completion cut
 //! off by the token budget is scored like any other.
 
-use crate::rl::RlError;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -23,6 +22,7 @@ use crate::config::JobConfig;
 use crate::data::jsonl::{Record, read_records};
 use crate::data::reward::Reward;
 use crate::data::{DataError, DataSource, SplitMix64, Task, TaskGenerator, TextTokenizer};
+use crate::rl::RlError;
 
 /// One prompt of a step: its ids (special tokens included) and what a completion is
 /// checked against.

@@ -12,8 +12,6 @@
 //! the losses, KL and profiles). Whoever generated the rollouts ([`generate`]) has their
 //! [`RolloutFigures`] and reports the step.
 
-use crate::pipeline::PipelineError;
-use crate::rl::RlError;
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
@@ -27,7 +25,9 @@ use super::update::{UpdateStep, needed_micro_batches, update_batches, update_ste
 use crate::config::JobConfig;
 use crate::config::rl::RlConfig;
 use crate::model::Gpt;
+use crate::pipeline::PipelineError;
 use crate::pipeline::PipelineTrainer;
+use crate::rl::RlError;
 use crate::tensor::Backend;
 
 /// A step's rollouts as the update needs them (and as rank 0 sends them to the other

@@ -29,9 +29,6 @@
 //! The learning rate decays by cosine from `rl.lr` to `rl.lr / 10` over the RL steps (the
 //! update job's warm-up is the step RL starts at, so its schedule starts at the peak).
 
-use crate::model::ModelError;
-use crate::pipeline::PipelineError;
-use crate::rl::RlError;
 use std::sync::Arc;
 
 use super::generator::RolloutGenerator;
@@ -42,10 +39,13 @@ use super::step::{
 use super::step_metrics::RlStepMetrics;
 use super::update::UpdateStep;
 use crate::config::JobConfig;
+use crate::model::ModelError;
 use crate::model::checkpoint::Checkpoint;
 use crate::model::{AdamW, Cut, Gpt};
+use crate::pipeline::PipelineError;
 use crate::pipeline::feed::StepFeed;
 use crate::pipeline::{KeptRanks, PipelineTrainer, StepMetrics};
+use crate::rl::RlError;
 use crate::tensor::device::RankBackend;
 use crate::tensor::{Backend, CpuBackend};
 use crate::train::reference::adamw_config;

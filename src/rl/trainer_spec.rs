@@ -44,8 +44,6 @@
 //! Speculation never changes what is sampled (acceptance is lossless), so the reward curve
 //! is the same in distribution with it on or off; only the time differs.
 
-use crate::model::ModelError;
-use crate::rl::RlError;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
@@ -63,12 +61,14 @@ use super::rollout::{
 use super::speculative::Proposer;
 use crate::config::JobConfig;
 use crate::data::SplitMix64;
+use crate::model::ModelError;
 use crate::model::drafter::state::DrafterState;
 use crate::model::drafter::{
     DraftBufferHandle, DraftRow, Drafter, DrafterConfig, DrafterTrainer, EvalStats,
 };
 use crate::model::infer::InferStage;
 use crate::model::{Cut, Gpt};
+use crate::rl::RlError;
 use crate::rl::config::RlConfig;
 use crate::tensor::CpuBackend;
 use crate::tensor::device::RankBackend;

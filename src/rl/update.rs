@@ -29,7 +29,6 @@
 //! to [`super::grpo::grpo_loss`]. Either way the step's gradient is the one-per-sequence
 //! update's up to float rounding (tests/rl_update.rs compares them).
 
-use crate::rl::RlError;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use super::config::RlConfig;
@@ -38,6 +37,7 @@ use super::grpo::{GrpoLoss, token_loss, update_scales};
 use crate::data::{MicroBatch, tokenizer};
 use crate::model::layers::TokenLoss;
 use crate::pipeline::feed::StepBatches;
+use crate::rl::RlError;
 use crate::tensor::IGNORE_TARGET;
 
 /// The update's step of one micro-batch per rollout (inputs = the sequence without its last

@@ -8,7 +8,6 @@
 //! ([`RunDir::create`]) come after the job has been checked against its checkpoint, so a
 //! start that fails changes no file.
 
-use crate::run::RunError;
 use std::fs::{self, File};
 use std::io::{self, BufRead, BufReader, BufWriter, Write};
 use std::path::{Path, PathBuf};
@@ -19,6 +18,7 @@ use crate::model::checkpoint::Checkpoint;
 use crate::model::checkpoint::resume::FINAL_DIR;
 use crate::model::checkpoint::sweep::{Sweep, sweep_run};
 use crate::profile::report::{REPORT_JSON, REPORT_TXT};
+use crate::run::RunError;
 
 /// The job file a run directory holds.
 pub const JOB_FILE: &str = "job.toml";

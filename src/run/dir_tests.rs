@@ -1,4 +1,3 @@
-use crate::run::RunError;
 use std::fs;
 use std::io::Write;
 use std::path::Path;
@@ -6,6 +5,7 @@ use std::path::Path;
 use super::{Existing, JOB_FILE, METRICS_FILE, Resume, RunDir, fresh_default, utc_stamp};
 use crate::model::checkpoint::sharded::{Layout, step_dir};
 use crate::model::checkpoint::test_model::{self, checkpoint};
+use crate::run::RunError;
 
 /// A finished run's files in `dir`: job.toml, three metrics lines, a checkpoint.
 fn finished_run(dir: &Path) {

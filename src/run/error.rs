@@ -2,16 +2,16 @@
 //! error of the layer that failed is kept as the source, so the CLI's one line reads
 //! "what the run was doing: why".
 
-use crate::comm::CommError;
-use crate::profile::ProfileError;
-use crate::rl::RlError;
 use std::path::{Path, PathBuf};
 
+use crate::comm::CommError;
 use crate::config::{ConfigError, JobConfig};
 use crate::data::DataError;
 use crate::launch::LaunchError;
 use crate::model::ModelError;
 use crate::pipeline::PipelineError;
+use crate::profile::ProfileError;
+use crate::rl::RlError;
 use crate::schedules::ScheduleError;
 use crate::tensor::TensorError;
 use crate::train::TrainError;

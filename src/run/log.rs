@@ -3,7 +3,6 @@
 //! trainer, the in-process pipeline and a launched job's rank 0 all log through it, so their
 //! files carry the same fields and their `done:` lines the same figures.
 
-use crate::run::RunError;
 use std::fmt;
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -14,6 +13,7 @@ use super::dir::RunDir;
 use super::metrics::StepLine;
 use crate::config::JobConfig;
 use crate::model::checkpoint::resume::last_complete;
+use crate::run::RunError;
 use crate::train::StepMetrics;
 
 /// Steps of the means at the start and the end of a run of `steps` in its summary: the

@@ -6,11 +6,12 @@
 //! built with CUDA support still runs on a machine without a GPU: asking for a CUDA device
 //! there is a clear [`TensorError`], never a panic.
 
-use crate::tensor::TensorError;
 use std::fmt;
 use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
+
+use crate::tensor::TensorError;
 
 /// A compute device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -10,12 +10,12 @@
 pub mod eval;
 pub mod reference;
 
-use crate::model::ModelError;
 use serde::{Deserialize, Serialize};
 
 pub use reference::Trainer;
 
 use crate::data::DataError;
+use crate::model::ModelError;
 use crate::model::RecomputeSetting;
 
 /// Errors of a training run.

@@ -13,11 +13,11 @@
 //! A pipeline runtime runs the same forward/backward calls per (stage, micro-batch) in a
 //! different order; the gradients differ only by floating-point summation order.
 
-use crate::model::ModelError;
 use std::time::Instant;
 
 use super::{StepMetrics, TrainConfig, TrainError};
 use crate::data::{DataConfig, MicroBatch, StepData};
+use crate::model::ModelError;
 use crate::model::checkpoint::Checkpoint;
 use crate::model::{AdamW, AdamWConfig, Cut, Gpt, GptConfig, LrSchedule, Shape};
 use crate::tensor::{Backend, CpuBackend};

@@ -3,13 +3,13 @@
 //! of a rollout, and the printing of the step costs, which are measured by
 //! [`pipefill::rl::calibrate`] (the same code `pipefill rl` calibrates with).
 
-use pipefill::rl::RlError;
 use std::collections::BTreeMap;
 
 use pipefill::model::Gpt;
 use pipefill::model::drafter::DraftRow;
 use pipefill::model::drafter::{DraftContext, Drafter};
 use pipefill::profile::report::median;
+use pipefill::rl::RlError;
 use pipefill::rl::bandit::bucket;
 use pipefill::rl::calibrate::{StepCost, chain_acceptance, step_costs};
 use pipefill::rl::rollout::{RolloutOutput, WorkKind};

@@ -1,6 +1,7 @@
 use super::*;
-use crate::comm::CommError;
 use proptest::prelude::*;
+
+use crate::comm::CommError;
 
 fn local() -> TcpListener {
     TcpListener::bind("127.0.0.1:0").unwrap()

@@ -3,7 +3,6 @@
 //! the reader loop each peer's thread runs. It is its own module because the mesh, its
 //! heartbeat and the transports all act on it, while only [`super::TcpMesh`] is public.
 
-use crate::comm::CommError;
 use std::collections::{HashMap, VecDeque};
 use std::io::Write;
 use std::net::TcpStream;
@@ -11,6 +10,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use super::wire::{Sink, Wire};
+use crate::comm::CommError;
 use crate::comm::frame::{self};
 use crate::comm::link::Channel;
 

@@ -4,7 +4,6 @@
 //! [`TcpMesh::loopback`], every rank of a mesh on this machine's loopback, as the tests
 //! build it.
 
-use crate::comm::CommError;
 use std::collections::HashMap;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -14,6 +13,7 @@ use std::time::{Duration, Instant};
 use super::TcpMesh;
 use super::inner::{Boxes, Inner};
 use super::options::MeshOptions;
+use crate::comm::CommError;
 use crate::comm::handshake::{admit, dial};
 use crate::comm::heartbeat::Heartbeat;
 use crate::comm::rendezvous::pending_cap;

@@ -5,7 +5,6 @@
 //! file that is not there; a file that does not match its entry is refused, naming it, and so
 //! is an entry whose name is not a plain file name in the checkpoint's directory.
 
-use crate::model::ModelError;
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
@@ -13,6 +12,7 @@ use serde::{Deserialize, Serialize};
 use super::files::{MANIFEST_FILE, SHARDED_FORMAT};
 use super::files::{read_listed_tensors, write_tensor_file};
 use crate::model::GptConfig;
+use crate::model::ModelError;
 use crate::model::drafter::state::{DrafterMeta, DrafterState};
 
 /// File name of the drafter's tensors inside a checkpoint directory.

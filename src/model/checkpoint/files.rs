@@ -9,7 +9,6 @@
 //! ([`MAX_META_BYTES`] for a manifest or sidecar); the read takes at most that many bytes,
 //! so a file that grows while it is read is refused too.
 
-use crate::model::ModelError;
 use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::fs;
@@ -20,6 +19,7 @@ use safetensors::tensor::{Metadata, TensorInfo};
 use safetensors::{Dtype, SafeTensors};
 
 use super::HostTensor;
+use crate::model::ModelError;
 
 /// The most bytes one tensor file of a checkpoint may hold (256 GiB: the parameters, both
 /// AdamW moments and the master weights of a 16-billion-parameter model).

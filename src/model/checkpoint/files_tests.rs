@@ -1,6 +1,7 @@
 use super::*;
-use crate::model::ModelError;
 use safetensors::tensor::TensorView;
+
+use crate::model::ModelError;
 
 #[test]
 fn plain_names_are_one_normal_component() {

@@ -10,7 +10,6 @@
 //! ([`verify_files`]), so a corrupted shard of another rank fails the start before any file
 //! of the run changes.
 
-use crate::model::ModelError;
 use std::fs;
 use std::path::{Path, PathBuf};
 
@@ -19,6 +18,7 @@ use super::sharded::{
     CHECKPOINTS_DIR, Layout, MANIFEST_FILE, Manifest, latest, read_shard, shard_field,
 };
 use super::{Checkpoint, CheckpointMeta, FORMAT, HostTensor, META_FILE, VERSION};
+use crate::model::ModelError;
 
 /// Name of the final whole-model checkpoint directory inside a run directory.
 pub const FINAL_DIR: &str = "checkpoint";

@@ -24,13 +24,13 @@
 //! The final whole-model `checkpoint/` of a run is not a periodic checkpoint and is never
 //! touched.
 
-use crate::model::ModelError;
 use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, PoisonError};
 
 use super::sharded::{CHECKPOINTS_DIR, MANIFEST_FILE, Manifest, remove_manifest, step_dir};
+use crate::model::ModelError;
 
 /// A complete checkpoint this run wrote.
 #[derive(Debug, Clone)]

@@ -16,7 +16,6 @@
 //! In memory a sharded checkpoint is read back into the whole-model [`Checkpoint`], which
 //! both trainers resume from.
 
-use crate::model::ModelError;
 use std::collections::HashMap;
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -30,6 +29,7 @@ use super::{
     ADAM_M_PREFIX, ADAM_V_PREFIX, Checkpoint, CheckpointMeta, FORMAT, HostTensor, MASTER_PREFIX,
     VERSION, write_atomic,
 };
+use crate::model::ModelError;
 use crate::model::{Cut, GptConfig, ModelChunk};
 use crate::tensor::CpuBackend;
 

@@ -21,7 +21,6 @@
 //! `checkpoint.json` or manifest that is not pipefill's, a tensor file another program wrote,
 //! and the temporary file of a process still running.
 
-use crate::model::ModelError;
 use std::fs;
 use std::io::{self, Read};
 use std::path::{Path, PathBuf};
@@ -31,6 +30,7 @@ use super::files::{MAX_META_BYTES, plain_name, read_bounded};
 use super::resume::last_complete;
 use super::sharded::{CHECKPOINTS_DIR, MANIFEST_FILE, Manifest, SHARDED_FORMAT};
 use super::{CheckpointMeta, FORMAT, META_FILE, TENSOR_FILE};
+use crate::model::ModelError;
 
 /// What a sweep removes (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -13,12 +13,12 @@
 //! whenever a slice runs early in a step; the previous step's rows, long ones included,
 //! stay available until the step after.
 
-use crate::model::ModelError;
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use super::{DrafterConfig, Result};
 use crate::data::SplitMix64;
+use crate::model::ModelError;
 use crate::model::{GptConfig, Shape};
 use crate::tensor::IGNORE_TARGET;
 

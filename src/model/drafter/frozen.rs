@@ -13,10 +13,10 @@
 //! (its chunk, or a post from another process); every other drafter of the process takes
 //! the same `Arc`s ([`Drafter::share_frozen`]).
 
-use crate::model::ModelError;
 use std::sync::Arc;
 
 use super::{Drafter, FROZEN, Result};
+use crate::model::ModelError;
 use crate::model::{Gpt, ModelChunk};
 use crate::tensor::Backend;
 

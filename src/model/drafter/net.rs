@@ -2,13 +2,13 @@
 //! target's token embedding and LM head, the loss, and its weights as a message
 //! ([`DrafterWeights`]).
 
-use crate::model::ModelError;
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
 use super::loss::{argmax, smooth_l1, soft_cross_entropy, softmax_rows};
 use super::{DraftBatch, DraftRow, DrafterConfig, FROZEN, FrozenTables, Linear, Result};
+use crate::model::ModelError;
 use crate::model::layers::{Attention, Block, Layer, Mlp, RmsNorm};
 use crate::model::{GptConfig, Param, init};
 use crate::tensor::{Backend, DType, Gemm};

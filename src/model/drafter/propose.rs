@@ -23,13 +23,13 @@
 //! precision ([`super::packed`]) halves both streams (`cargo bench --bench propose`;
 //! figures in docs/benchmarks.md, "Drafter proposals").
 
-use crate::model::ModelError;
 use std::collections::BTreeMap;
 
 use super::loss::argmax;
 use super::packed::{KvMemo, PackedDrafter};
 use super::{Drafter, Result};
 use crate::data::SplitMix64;
+use crate::model::ModelError;
 use crate::model::config::Positions;
 use crate::model::infer::attend::{Heads, attend};
 use crate::model::infer::rowmul::{rowmul, side_by_side};

@@ -17,12 +17,12 @@
 //! under the names [`DrafterState::to_parts`] gives, and the rest (version, samplers, the
 //! rows' targets and steps) into the checkpoint's JSON as [`DrafterMeta`].
 
-use crate::model::ModelError;
 use serde::{Deserialize, Serialize};
 
 use super::Result;
 use super::{DraftBuffer, DraftRow, DrafterGrads, DrafterTrainer, DrafterWeights, NamedTensor};
 use crate::data::SplitMix64;
+use crate::model::ModelError;
 use crate::model::OptimizerState;
 use crate::model::SlotState;
 use crate::model::checkpoint::HostTensor;

@@ -2,7 +2,6 @@
 //! the optimizer step (alone, or over the gradients of every replica), the running cost
 //! estimate, and held-out agreement with the target.
 
-use crate::model::ModelError;
 use cpu_time::ThreadTime;
 use std::time::Instant;
 
@@ -13,6 +12,7 @@ use super::{
     UnrollContext,
 };
 use crate::data::SplitMix64;
+use crate::model::ModelError;
 use crate::model::{AdamW, AdamWConfig, clip_scale};
 use crate::tensor::{Backend, DType};
 

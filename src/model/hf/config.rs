@@ -11,10 +11,10 @@
 //! activation other than SiLU, an active sliding window, a RoPE type other than `default` or
 //! `llama3`, partial rotary) is one error naming the field.
 
-use crate::model::ModelError;
 use serde_json::{Map, Value, json};
 
 use crate::model::GptConfig;
+use crate::model::ModelError;
 use crate::model::config::{DEFAULT_ROPE_THETA, Positions, RopeScaling};
 use crate::tensor::Activation;
 

@@ -17,10 +17,10 @@
 //!   the export does not write (another `*.safetensors`, a `model.safetensors.index.json`),
 //!   which a reader would take for the model instead of the exported one.
 
-use crate::model::ModelError;
 use std::path::{Component, Path, PathBuf};
 
 use super::files::{INDEX_FILE, SINGLE_FILE};
+use crate::model::ModelError;
 use crate::model::checkpoint::sharded::MANIFEST_FILE;
 use crate::model::checkpoint::sweep::written_by_pipefill;
 use crate::model::checkpoint::{META_FILE, TENSOR_FILE};

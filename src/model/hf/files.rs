@@ -8,7 +8,6 @@
 //! parameters. Every shard named by the index must be a path inside the model directory:
 //! absolute paths, `..` and symlinks that lead out of it are refused.
 
-use crate::model::ModelError;
 use std::collections::BTreeMap;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Component, Path, PathBuf};
@@ -16,6 +15,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use safetensors::Dtype;
 use safetensors::tensor::Metadata;
+
+use crate::model::ModelError;
 
 /// The single-file form.
 pub const SINGLE_FILE: &str = "model.safetensors";

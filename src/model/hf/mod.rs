@@ -36,7 +36,6 @@
 pub mod config;
 pub mod files;
 
-use crate::model::ModelError;
 use std::path::{Path, PathBuf};
 
 use safetensors::Dtype;
@@ -47,6 +46,7 @@ pub use files::WeightFiles;
 
 use super::checkpoint::HostTensor;
 use super::{Cut, Gpt, GptConfig, ModelChunk};
+use crate::model::ModelError;
 use crate::tensor::Backend;
 
 /// Files an export copies from the source model directory when it has them.

@@ -9,9 +9,9 @@
 //! one that never saw those positions. A draft tree's verification appends every node and
 //! [`KvCache::compact`] then keeps only the accepted path, moved to consecutive positions.
 
-use crate::model::ModelError;
 use std::collections::HashMap;
 
+use crate::model::ModelError;
 use crate::model::Result;
 
 /// The cache of one sequence: per layer, `len` rows of keys and values, `d_model` wide.

@@ -14,13 +14,13 @@
 //! on host slices (the `host` submodule); larger calls (prefill) and other backends run
 //! the backend's ops and GEMM.
 
-use crate::model::ModelError;
 use std::ops::Range;
 
 use super::attend::{Heads, attend, attend_rows};
 use super::kv::KvCache;
 use super::rowmul::{Packed, concat_cols, streams_host_weights};
 use super::tree::{RowLayout, TreeStep, layout};
+use crate::model::ModelError;
 use crate::model::config::Positions;
 use crate::model::{Cut, Gpt, GptConfig, ModelChunk, Result};
 use crate::tensor::cpu::kernels;

@@ -23,10 +23,10 @@
 //! gradient differs per token, which one loss scale per micro-batch cannot express). The
 //! hooked path computes on the host; without a hook nothing changes (bitwise).
 
-use crate::model::ModelError;
 use std::sync::Arc;
 
 use super::{Stash, gradient, linear_fwd};
+use crate::model::ModelError;
 use crate::model::{GptConfig, Param, Result, init};
 use crate::tensor::{Backend, DType, Gemm, IGNORE_TARGET};
 

@@ -2,12 +2,12 @@
 //! a later run's rank continuing from them ([`RankCompute::from_parts`]), so that runs of
 //! one step each (the RL update's) neither export nor reload the model and its moments.
 
-use crate::pipeline::error::PipelineError;
 use std::collections::BTreeMap;
 use std::sync::mpsc::Sender;
 
 use super::{RankCompute, RankJob};
 use crate::model::{AdamW, ModelChunk};
+use crate::pipeline::error::PipelineError;
 use crate::tensor::Backend;
 use crate::train::reference::adamw_config;
 

@@ -21,16 +21,16 @@
 //! ([`Zero::gather_state`]), so a sharded run resumes an unsharded one's checkpoint and the
 //! reverse; a resumed replica takes its chunk of the moments ([`Zero::own_state`]).
 
-use crate::comm::CommError;
-use crate::model::ModelError;
-use crate::pipeline::error::PipelineError;
 use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::Arc;
 
 use super::super::shared::Shared;
+use crate::comm::CommError;
 use crate::comm::collective::{GradSync, chunk_cut};
+use crate::model::ModelError;
 use crate::model::{AdamW, ModelChunk, OptimizerState, Param, SlotPart, SlotState};
+use crate::pipeline::error::PipelineError;
 use crate::tensor::{Backend, DType};
 
 /// One parameter's place in a rank's flat buffer.

@@ -2,12 +2,12 @@
 //! starts from ([`calibrate`], before the run) and the top-1 agreement on held-out rows
 //! ([`HeldOutEval`], on the caller's thread).
 
-use crate::model::ModelError;
 use pipefill_actors::router::CostEstimate;
 use pipefill_actors::thread_cpu_time;
 
 use super::{DrafterFill, HELD_OUT_ROWS};
 use crate::data::SplitMix64;
+use crate::model::ModelError;
 use crate::model::drafter::{DraftBufferHandle, DraftRow, Drafter, DrafterConfig, DrafterTrainer};
 use crate::model::{GptConfig, Shape};
 use crate::tensor::{Backend, CpuBackend};

@@ -30,7 +30,6 @@
 //!   its sampler as it ended step `s`, round `s` (posted, not applied: the export waits until
 //!   it is complete) and the rows of steps up to `s` ([`super::state`]).
 
-use crate::model::ModelError;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Condvar, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
@@ -40,6 +39,7 @@ use pipefill_actors::{FillerSource, Slice};
 use super::{DrafterFill, Frozen, RoundPost, SLICE_KIND, SlicePlan, lock};
 use crate::data::SplitMix64;
 use crate::model::ModelChunk;
+use crate::model::ModelError;
 use crate::model::drafter::DrafterGrads;
 use crate::model::drafter::state::RoundState;
 use crate::tensor::Backend;

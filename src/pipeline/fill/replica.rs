@@ -6,12 +6,12 @@
 //! take a deposit builds them (the embedding is the deposit itself, the head one upload), and
 //! every other replica whose backend reads that memory takes the same `Arc`s.
 
-use crate::model::ModelError;
 use std::any::Any;
 use std::sync::{Arc, Weak};
 
 use super::round::{Deposit, Frozen};
 use crate::data::SplitMix64;
+use crate::model::ModelError;
 use crate::model::OptimizerState;
 use crate::model::drafter::{
     DrafterGrads, DrafterTrainer, DrafterWeights, FROZEN, FrozenTables, NamedTensor, SliceStats,

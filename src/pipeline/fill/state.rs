@@ -13,10 +13,10 @@
 //! into the file with the weights. Under the measured placement (not reproducible anyway) a
 //! resumed run reads the target's.
 
-use crate::model::ModelError;
 use std::sync::Arc;
 
 use super::{DrafterFill, Frozen, lock};
+use crate::model::ModelError;
 use crate::model::drafter::state::{BufferState, DrafterState, RoundState};
 use crate::model::drafter::{DrafterWeights, FROZEN};
 

@@ -3,13 +3,13 @@
 //! built sharing its tables), each later deposit taken once and shared ([`TableCache`]),
 //! and the held-out evaluation reading the same.
 
-use crate::model::ModelError;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use pipefill_actors::WeightBoard;
 
 use super::replica::{ReplicaTrainer, TableCache};
 use super::{DrafterFill, Exchange, Frozen, Replica, Tally, eval, lock};
+use crate::model::ModelError;
 use crate::model::drafter::{
     DraftBufferHandle, Drafter, DrafterConfig, DrafterTrainer, FrozenTables,
 };

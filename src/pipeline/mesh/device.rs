@@ -14,16 +14,16 @@
 //! [`NcclTransport`]: crate::comm::nccl_transport::NcclTransport
 //! [`NcclGradSync`]: crate::comm::nccl::NcclGradSync
 
-use crate::comm::CommError;
-use crate::pipeline::error::PipelineError;
 use std::sync::Arc;
 
 use pipefill_actors::Transport;
 
+use crate::comm::CommError;
 use crate::comm::collective::GradSync;
 use crate::comm::select::select_transport;
 use crate::comm::tcp::TcpMesh;
 use crate::comm::tcp_transport::{BufCodec, TENSOR_CHANNEL, TcpTransport};
+use crate::pipeline::error::PipelineError;
 use crate::tensor::device::Device;
 use crate::tensor::{Backend, CpuBackend};
 

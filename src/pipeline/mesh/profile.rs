@@ -10,13 +10,13 @@
 //! on every rank alike, is the error left). With the virtual clock every rank's times are
 //! already on one base (payloads carry their send time), so the offsets are zero.
 
-use crate::profile::ProfileError;
 use std::time::Instant;
 
 use pipefill_actors::RunReport;
 
 use crate::comm::link::{Channel, PeerLink};
 use crate::comm::tcp::TcpMesh;
+use crate::profile::ProfileError;
 use crate::profile::merge::{
     ClockOffset, FILLER_LANE, LaneRecord, RankProfile, measure_clock, serve_clock,
 };

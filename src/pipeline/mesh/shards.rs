@@ -28,8 +28,6 @@
 //!   and rank 0 assembles and writes the drafter's file ([`super::fill`]) before the
 //!   manifest, which names it.
 
-use crate::comm::CommError;
-use crate::model::ModelError;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{SyncSender, sync_channel};
@@ -39,10 +37,12 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
+use crate::comm::CommError;
 use crate::comm::frame;
 use crate::comm::link::{Channel, PeerLink};
 use crate::comm::tcp::TcpMesh;
 use crate::config::JobConfig;
+use crate::model::ModelError;
 use crate::model::checkpoint::drafter::save_drafter;
 use crate::model::checkpoint::resume::{RankShard, ResumePoint};
 use crate::model::checkpoint::sharded::{

@@ -1,10 +1,10 @@
 //! The writer of an in-process run's periodic checkpoint: the ranks' deposited states,
 //! merged and saved as one sharded checkpoint off the stage threads.
 
-use crate::model::ModelError;
 use std::path::PathBuf;
 
 use super::{Checkpointing, RankFinal};
+use crate::model::ModelError;
 use crate::model::checkpoint::sharded;
 use crate::model::checkpoint::sweep;
 use crate::model::drafter::state::DrafterState;

@@ -9,8 +9,6 @@
 //! The result is bitwise the resumed one's (same parameters, moments and step count; the
 //! update's tests compare checkpoints of both).
 
-use crate::model::ModelError;
-use crate::pipeline::error::PipelineError;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::mpsc::channel;
@@ -22,8 +20,10 @@ use super::super::executor::{RankStart, ReplicaLinks, Stepping};
 use super::super::shared::Shared;
 use super::PipelineTrainer;
 use crate::config::Filler;
+use crate::model::ModelError;
 use crate::model::checkpoint::{Checkpoint, HostTensor};
 use crate::model::{GptConfig, ModelChunk, OptimizerState};
+use crate::pipeline::error::PipelineError;
 use crate::tensor::device::RankBackend;
 use crate::tensor::{Backend, CpuBackend};
 use crate::train::StepMetrics;

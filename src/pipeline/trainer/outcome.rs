@@ -2,17 +2,17 @@
 //! measured timelines and the simulator's prediction, the final parameters and optimizer
 //! moments (served as a model or a checkpoint), and the drafter trained in the bubbles.
 
-use crate::model::ModelError;
-use crate::pipeline::error::PipelineError;
 use pipefill_actors::RunReport;
 
 use super::super::join::DrafterRun;
 use super::super::shared::RankFinal;
 use super::PipelineTrainer;
 use crate::config::JobConfig;
+use crate::model::ModelError;
 use crate::model::checkpoint::{Checkpoint, HostTensor};
 use crate::model::drafter::state::DrafterState;
 use crate::model::{Cut, Gpt, OptimizerState};
+use crate::pipeline::error::PipelineError;
 use crate::schedules::{CostModel, Plan, StageCost, Timeline, simulate};
 use crate::tensor::CpuBackend;
 use crate::train::StepMetrics;

@@ -1,7 +1,6 @@
 //! Running a [`PipelineTrainer`]: the runtime on its own thread, this thread joining each
 //! step's metrics with its measured profile (and the drafter's figures) for the caller.
 
-use crate::pipeline::error::PipelineError;
 use std::ops::ControlFlow;
 use std::sync::Arc;
 use std::sync::mpsc::channel;
@@ -22,6 +21,7 @@ use crate::config::{DeviceKind, Filler, JobConfig};
 use crate::data::StepData;
 use crate::model::ModelError;
 use crate::model::drafter::FillMode;
+use crate::pipeline::error::PipelineError;
 use crate::schedules::{Plan, Timeline, simulate};
 use crate::tensor::device::{OnBackend, RankBackend, on_backend};
 use crate::train::StepMetrics;

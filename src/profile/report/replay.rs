@@ -30,11 +30,12 @@
 //! compute action, speculating or not) is taken as it was measured; without fillers a
 //! different timing could have chosen differently, which the replay does not explore.
 
-use crate::profile::ProfileError;
 use std::collections::HashMap;
 
 use pipefill_actors::{ActionRecord, IterationProfile, StepRecord, StepWork};
 use pipefill_schedules::{Action, ActionKind, Timeline};
+
+use crate::profile::ProfileError;
 
 /// What a rank produced that another may wait for, by iteration.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -2,10 +2,6 @@
 //! ([`Ctx`]: replica and pipeline rank on the mesh), one pipelined run of its stages, the
 //! weight sync to rank 0, and rank 0's rollouts with the KL reference's log-probs.
 
-use crate::comm::CommError;
-use crate::model::ModelError;
-use crate::pipeline::PipelineError;
-use crate::rl::RlError;
 use std::sync::Arc;
 use std::sync::mpsc::channel;
 
@@ -13,6 +9,7 @@ use pipefill_actors::{Clock, GradStats, PlanSource, RunReport, Transport};
 
 use super::channel::RL_CHANNEL;
 use super::state::{Ended, RankState, Start};
+use crate::comm::CommError;
 use crate::comm::frame;
 use crate::comm::link::PeerLink;
 use crate::comm::tcp::TcpMesh;
@@ -21,10 +18,13 @@ use crate::comm::tcp_transport::{
 };
 use crate::config::JobConfig;
 use crate::model::Gpt;
+use crate::model::ModelError;
+use crate::pipeline::PipelineError;
 use crate::pipeline::executor::{Links, RankStart, ReplicaLinks, Stepping};
 use crate::pipeline::feed::StepFeed;
 use crate::pipeline::shared::{RankFinal, Shared};
 use crate::pipeline::{RankCompute, RankJob};
+use crate::rl::RlError;
 use crate::rl::prompts::PromptSource;
 use crate::rl::step::{RolloutFigures, StepRollouts, generate};
 use crate::rl::trainer_spec::PipelineRollouts;

@@ -15,9 +15,9 @@
 //! [`RlTrainer::keep_update_ranks`]: crate::rl::trainer::RlTrainer::keep_update_ranks
 //! [`RankCompute::from_parts`]: crate::pipeline::RankCompute
 
-use crate::model::ModelError;
 use std::collections::BTreeMap;
 
+use crate::model::ModelError;
 use crate::model::checkpoint::HostTensor;
 use crate::model::{Cut, Gpt, OptimizerState};
 use crate::pipeline::compute::RankParts;

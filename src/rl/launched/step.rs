@@ -3,14 +3,13 @@
 //! sync, sent to every rank; the update runs this rank's stages over the mesh, and rank 0
 //! gathers what the step reports (the replicas' losses and KL, every rank's spans).
 
-use crate::comm::CommError;
-use crate::rl::RlError;
 use std::sync::Arc;
 use std::time::Instant;
 
 use super::channel::RL_CHANNEL;
 use super::rank::{Ctx, Share, Transports, shares};
 use super::state::RankState;
+use crate::comm::CommError;
 use crate::comm::frame;
 use crate::comm::link::PeerLink;
 use crate::config::JobConfig;
@@ -19,6 +18,7 @@ use crate::pipeline::PipelineTrainer;
 use crate::pipeline::feed::StepFeed;
 use crate::pipeline::mesh::profile::{ClockSync, PROFILE_CHANNEL, loss_rank, rank_profile};
 use crate::profile::merge::{gather_profiles, merge, send_profile};
+use crate::rl::RlError;
 use crate::rl::prompts::PromptSource;
 use crate::rl::step::{RolloutFigures, StepParts, StepRollouts, UpdateOutcome};
 use crate::rl::trainer_spec::PipelineRollouts;

@@ -4,7 +4,6 @@
 //! sequence's drafter-training row goes to the hook as soon as the sequence finishes, so
 //! that the stages' idle time in the long tail can train on it while the rollout runs.
 
-use crate::rl::RlError;
 use std::collections::{HashMap, VecDeque};
 use std::sync::mpsc::{Receiver, Sender};
 use std::sync::{Arc, Mutex};
@@ -19,6 +18,7 @@ use crate::data::SplitMix64;
 use crate::model::ModelError;
 use crate::model::drafter::{DraftChain, DraftTree, TreeShape};
 use crate::model::infer::{Compaction, InferStage, Span, TreeStep};
+use crate::rl::RlError;
 use crate::rl::accept::{accept_greedy, accept_sampling, argmax, sample, softmax};
 use crate::rl::bandit::KBandit;
 use crate::rl::speculative::Proposer;

@@ -3,7 +3,6 @@
 //! directory: `job.toml`, `metrics.jsonl` (one line per RL step) and the final policy's
 //! `checkpoint/`.
 
-use crate::run::RunError;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -16,6 +15,7 @@ use crate::launch::{RankEnv, join, join_timeout, listen_ip, watchdog};
 use crate::model::checkpoint::Checkpoint;
 use crate::rl::launched::{RankOptions, RlLaunchRun, rl_rank_on, starting_drafter};
 use crate::rl::step_metrics::RlStepMetrics;
+use crate::run::RunError;
 use crate::run::dir::METRICS_FILE;
 use crate::run::show::Show;
 use crate::run::{Existing, Resume, RunDir};

@@ -18,7 +18,6 @@ mod line;
 #[cfg(test)]
 mod tests;
 
-use crate::run::RunError;
 use std::path::{Path, PathBuf};
 
 use super::show::{Bar, Show, Tick};
@@ -27,6 +26,7 @@ use crate::config::JobConfig;
 use crate::config::memory::Workload;
 use crate::model::checkpoint::Checkpoint;
 use crate::rl::warm_up::warm_up;
+use crate::run::RunError;
 use crate::tensor::device::on_backend;
 
 /// Runs `job`'s RL as `start` asks, the policy from the `pipefill train` run in `init`

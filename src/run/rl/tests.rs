@@ -1,13 +1,13 @@
 //! The RL runner through the library: what it shows and writes, and what it refuses
 //! before any work.
 
-use crate::run::RunError;
 use std::path::Path;
 
 use super::rl;
 use crate::config::JobConfig;
 use crate::launch::RankEnv;
 use crate::model::checkpoint::Checkpoint;
+use crate::run::RunError;
 use crate::run::show_tests::Recorded;
 use crate::run::{Bar, Existing, Start};
 

@@ -3,11 +3,11 @@
 //! once for all three: each step's tick and metrics line, the summary, the final
 //! checkpoint, what follows it, and the `done:` line.
 
-use crate::run::RunError;
 use std::path::Path;
 
 use crate::config::JobConfig;
 use crate::model::checkpoint::Checkpoint;
+use crate::run::RunError;
 use crate::run::show::{Bar, Show, step_tick};
 use crate::run::{RunDir, RunLog, StepLine};
 

@@ -5,7 +5,6 @@
 //! timeline. A resumed run reads its checkpoint through [`ResumePoint::find`]; from a
 //! sharded one each rank reads its own shard.
 
-use crate::run::RunError;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -22,6 +21,7 @@ use crate::pipeline::mesh::profile::mean_cost;
 use crate::pipeline::mesh::{RankResume, RankRun, check_world, train_rank};
 use crate::profile::merge::MergedProfile;
 use crate::profile::report::RunInfo;
+use crate::run::RunError;
 use crate::run::show::Show;
 use crate::run::{Existing, Resume, RunDir, RunLog, StepLine, steps_left};
 use crate::schedules::{Plan, simulate};

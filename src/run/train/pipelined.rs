@@ -8,7 +8,6 @@
 //! the comparison with separate runs of the job without filler is `pipefill bench filler`
 //! ([`super::filler_bench`]).
 
-use crate::run::RunError;
 use std::ops::ControlFlow;
 use std::path::Path;
 use std::sync::Arc;
@@ -24,6 +23,7 @@ use crate::model::checkpoint::resume::ResumePoint;
 use crate::model::checkpoint::sharded::{Layout, load_sharded};
 use crate::pipeline::feed::StepFeed;
 use crate::pipeline::{PipelineRun, PipelineTrainer, StepView};
+use crate::run::RunError;
 use crate::run::show::Show;
 use crate::run::{RunDir, RunLog, StepLine, steps_left};
 

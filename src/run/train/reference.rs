@@ -1,7 +1,6 @@
 //! `schedule = "none"`: the single-device reference trainer, the oracle every schedule must
 //! reproduce, on the job's device (the CPU with `train.threads`, or `cuda:0`).
 
-use crate::run::RunError;
 use std::path::Path;
 
 use super::engine::{Engine, Steps, drive, step_message};
@@ -10,6 +9,7 @@ use crate::config::JobConfig;
 use crate::data::StepData;
 use crate::model::checkpoint::Checkpoint;
 use crate::model::checkpoint::resume::ResumePoint;
+use crate::run::RunError;
 use crate::run::show::Show;
 use crate::run::{RunDir, RunLog, StepLine, steps_left};
 use crate::tensor::device::Device;

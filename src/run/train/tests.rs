@@ -1,13 +1,13 @@
 //! The training runner through the library, as the CLI calls it: what it shows, what it
 //! writes, and what it refuses before any work.
 
-use crate::run::RunError;
 use std::path::Path;
 
 use super::train;
 use crate::config::JobConfig;
 use crate::launch::RankEnv;
 use crate::model::checkpoint::Checkpoint;
+use crate::run::RunError;
 use crate::run::show_tests::Recorded;
 use crate::run::{Bar, Existing, Start};
 

@@ -11,7 +11,6 @@ pub(crate) mod kernels;
 #[cfg(test)]
 mod tests;
 
-use crate::tensor::TensorError;
 use std::sync::Arc;
 
 use gemm::Parallelism;
@@ -21,6 +20,7 @@ pub use buf::CpuBuf;
 use buf::{Storage, gemm_slices};
 
 use super::{Activation, AdamWStep, AttnShape, Backend, BatchedGemm, DType, Gemm, Result, check};
+use crate::tensor::TensorError;
 
 /// Operations below this many multiply-adds (or elements) stay on the caller's thread.
 pub(super) const PARALLEL_WORK: usize = 1 << 20;

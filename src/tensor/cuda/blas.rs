@@ -6,7 +6,6 @@
 //! `Cᵀ = op(B)ᵀ·op(A)ᵀ`: swap the operands, swap `m` and `n`, keep each operand's transpose
 //! flag and pass each storage row stride as the leading dimension.
 
-use crate::tensor::TensorError;
 use cudarc::cublas::sys::cublasOperation_t;
 use cudarc::cublas::{Gemm as _, GemmConfig, StridedBatchedConfig};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
@@ -14,6 +13,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use super::CudaBuf;
 use super::kernels::{self, K};
 use super::{CudaBackend, dev, grid_rows};
+use crate::tensor::TensorError;
 use crate::tensor::{AttnShape, BatchedGemm, Gemm, Result, check};
 
 /// One row-major product `C = alpha·op(A)·op(B) + beta·C` with explicit row strides.

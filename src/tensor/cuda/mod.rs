@@ -36,7 +36,6 @@ mod blas;
 mod kernels;
 mod loss;
 
-use crate::tensor::TensorError;
 use std::ops::Deref;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Arc, Mutex};
@@ -46,6 +45,7 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 
 use self::kernels::{K, Kernels};
 use super::{DType, Result};
+use crate::tensor::TensorError;
 
 /// A buffer in GPU memory: `f32` values, or `bf16` bit patterns.
 #[derive(Debug)]

@@ -41,9 +41,9 @@ mod avx512;
 #[cfg(test)]
 mod tests;
 
-use crate::model::ModelError;
 use std::ops::Range;
 
+use crate::model::ModelError;
 use crate::tensor::{Backend, CpuBackend, DType};
 
 /// Rows up to which [`InferStage`](super::InferStage) uses [`rowmul`] instead of the

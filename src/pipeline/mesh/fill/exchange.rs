@@ -2,8 +2,6 @@
 //! travels on [`FILL_CHANNEL`] ([`FillWire`]), what a stage thread sends at its step ends
 //! ([`Peers`]), the sender thread and one receiver thread per peer.
 
-use crate::model::ModelError;
-use crate::pipeline::error::PipelineError;
 use std::sync::Mutex;
 use std::sync::mpsc::{Receiver, Sender};
 
@@ -13,7 +11,9 @@ use super::channel::{FILL_CHANNEL, lock};
 use crate::comm::frame;
 use crate::comm::link::PeerLink;
 use crate::comm::tcp::TcpMesh;
+use crate::model::ModelError;
 use crate::model::drafter::{DraftBufferHandle, DraftRow};
+use crate::pipeline::error::PipelineError;
 use crate::pipeline::fill::{DrafterFill, RoundPeers, RoundPost};
 
 /// What travels on [`FILL_CHANNEL`].

@@ -15,7 +15,6 @@
 //! to be about right: the router replaces them with its own measurements as the pieces run
 //! (the level from the first piece, the slope once the sizes vary).
 
-use crate::model::ModelError;
 use std::time::Instant;
 
 use pipefill_actors::FillerRouter;
@@ -25,6 +24,7 @@ use super::eval::DRAFTER_EVAL;
 use super::slices::{DRAFTER, DRAFTER_STEP, DrafterSlices, MIN_PIECE_ROWS, lock};
 use crate::data::SplitMix64;
 use crate::model::GptConfig;
+use crate::model::ModelError;
 use crate::model::drafter::{DraftBufferHandle, DraftRow, Drafter, DrafterTrainer};
 use crate::tensor::Backend;
 

@@ -42,7 +42,6 @@
 //! "Drafter training in the rollout's idle gaps"). Cheaper small pieces (weights streamed,
 //! not packed, as the proposals' row kernels do) would let more fit.
 
-use crate::model::ModelError;
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
@@ -52,6 +51,7 @@ use pipefill_actors::{FillerRouter, FillerSource, Slice};
 use serde::Serialize;
 
 use super::eval::{EvalWork, Evals};
+use crate::model::ModelError;
 use crate::model::drafter::{DraftRow, DrafterTrainer, EvalStats};
 use crate::tensor::Backend;
 
