@@ -131,7 +131,7 @@ pub fn rl_rank_with(
     options: RankOptions,
     on_step: impl FnMut(&RlStepMetrics),
 ) -> Result<Option<RlLaunchRun>, RlLaunchError> {
-    let backend = CpuBackend::new(1).map_err(|e| RlLaunchError::Rl {
+    let backend = CpuBackend::for_rank(0, job.train.precision).map_err(|e| RlLaunchError::Rl {
         rank: mesh.rank(),
         error: Box::new(ModelError::from(e).into()),
     })?;
