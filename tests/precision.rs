@@ -7,6 +7,8 @@
 //! - a bf16 run resumed from its sharded checkpoint is bitwise the uninterrupted one;
 //! - 200 steps of the default job in bf16 follow the f32 loss curve within a stated
 //!   tolerance ([`CURVE_TOLERANCE`]), which an untrained curve does not meet;
+//! - launched over 4 processes (2 replicas of 2 stages, a tied embedding whose gradient is
+//!   summed over the mesh), a bf16 run is bitwise the in-process one;
 //! - a bad `train.precision` is one error naming the field.
 
 use pipefill::config::JobConfig;
@@ -21,6 +23,9 @@ use pipefill::train::{StepMetrics, Trainer};
 
 mod common;
 use common::job::{one_replica_layout, sorted_bits, tiny_job};
+use common::{assert_bitwise, clean, text};
+
+const EXE: &str = env!("CARGO_BIN_EXE_pipefill");
 
 const STEPS: u64 = 3;
 
@@ -153,9 +158,9 @@ fn a_bf16_run_resumed_from_its_checkpoint_is_bitwise_the_whole_run() {
 const CURVE_STEPS: usize = 200;
 const WINDOW: usize = 20;
 /// The most the bf16 curve's mean loss over any window of [`WINDOW`] steps may differ from
-/// the f32 curve's. Measured: 0.0087 at most (docs/benchmarks.md, "Mixed precision"); the
-/// untrained curve is more than 1.0 away from the trained one after the first windows.
-const CURVE_TOLERANCE: f32 = 0.03;
+/// the f32 curve's: twice the 0.030 measured (docs/benchmarks.md, "Mixed precision
+/// (train.precision)"). An untrained curve, stuck at the first loss, is 2.45 away.
+const CURVE_TOLERANCE: f32 = 0.06;
 
 /// The largest difference between the window means of two loss curves.
 fn window_gap(a: &[f32], b: &[f32]) -> f32 {
@@ -178,6 +183,9 @@ fn the_default_job_in_bf16_follows_the_f32_loss_curve() {
     };
     let (f32_curve, bf16_curve) = (curve("f32"), curve("bf16"));
     let gap = window_gap(&bf16_curve, &f32_curve);
+    let untrained = vec![f32_curve[0]; CURVE_STEPS];
+    let untrained_gap = window_gap(&untrained, &f32_curve);
+    eprintln!("largest gap of {WINDOW}-step mean losses: bf16 {gap}, untrained {untrained_gap}");
     assert!(
         gap <= CURVE_TOLERANCE,
         "bf16's windowed loss is {gap} from f32's (tolerance {CURVE_TOLERANCE})"
@@ -185,8 +193,7 @@ fn the_default_job_in_bf16_follows_the_f32_loss_curve() {
     // Not bitwise the f32 run: the bf16 storage applied.
     assert!(bf16_curve != f32_curve);
     // The tolerance tells training from no training: a curve stuck at the first loss fails.
-    let untrained = vec![f32_curve[0]; CURVE_STEPS];
-    assert!(window_gap(&untrained, &f32_curve) > 10.0 * CURVE_TOLERANCE);
+    assert!(untrained_gap > 10.0 * CURVE_TOLERANCE);
 }
 
 #[test]
@@ -206,4 +213,49 @@ fn a_bad_precision_is_one_error_naming_the_field() {
         JobConfig::embedded(&[]).unwrap().train.precision,
         DType::F32
     );
+}
+
+#[test]
+fn a_launched_bf16_run_is_bitwise_the_in_process_one() {
+    let sets = [
+        "train.precision=\"bf16\"",
+        "schedule=\"zb-h1\"",
+        "stages=2",
+        "dp=2",
+        "filler=\"none\"",
+        "model.tie_embeddings=true",
+        "model.positions=\"rope\"",
+        "model.activation=\"swiglu\"",
+        "model.kv_heads=1",
+        "model.d_model=16",
+        "model.heads=2",
+        "model.layers=4",
+        "model.seq_len=32",
+        "train.micro_batches=4",
+        "train.micro_batch_size=2",
+        "train.steps=3",
+        "train.clip=0.5",
+        "train.eval_tasks=0",
+        "data.summary_tasks=50",
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    let run = |launched: bool| {
+        let out_dir = dir
+            .path()
+            .join(if launched { "launched" } else { "single" });
+        let mut cmd = clean(EXE);
+        if launched {
+            cmd.args(["launch", "-n", "4", "--"]);
+        }
+        cmd.arg("train");
+        for s in sets {
+            cmd.args(["--set", s]);
+        }
+        let out = cmd.arg("--out-dir").arg(&out_dir).output().unwrap();
+        assert!(out.status.success(), "{}", text(&out));
+        Checkpoint::load(&out_dir.join("checkpoint")).unwrap()
+    };
+    let single = run(false);
+    assert_bf16_with_master("in-process", &single);
+    assert_bitwise(&single, &run(true));
 }

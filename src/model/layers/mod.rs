@@ -169,6 +169,23 @@ pub(crate) fn gradient<B: Backend>(be: &B, len: usize) -> Result<B::Buf> {
     Ok(be.zeros(len, DType::F32)?)
 }
 
+/// A copy of gradient `g` that I keeps for W, in the backend's storage type: the backward's
+/// stash is bf16 in a bf16 run as the forward's is (W's products still accumulate in f32,
+/// into the f32 weight gradients); in f32 it is [`Backend::dup`].
+pub(crate) fn keep<B: Backend>(be: &B, g: &B::Buf) -> Result<B::Buf> {
+    let mut out = activation(be, be.len(g))?;
+    be.copy(g, &mut out)?;
+    Ok(out)
+}
+
+/// Gradient `g`, which I has finished with, kept for W as [`keep`] keeps a copy.
+pub(crate) fn narrow<B: Backend>(be: &B, g: B::Buf) -> Result<B::Buf> {
+    match be.dtype(&g) == be.storage_dtype() {
+        true => Ok(g),
+        false => keep(be, &g),
+    }
+}
+
 /// `y = x·W` with `x: [rows, in]`, `W: [in, out]`.
 pub(crate) fn linear_fwd<B: Backend>(
     be: &B,
