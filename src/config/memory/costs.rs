@@ -34,7 +34,7 @@ const fn max(a: u64, b: u64) -> u64 {
 pub const fn precision_param_bytes(precision: DType) -> u64 {
     match precision {
         DType::F32 => 0,
-        DType::Bf16 => 4 - 2 + MASTER_BYTES + COPY_PARAM_BYTES / 3,
+        DType::Bf16 => MASTER_BYTES + COPY_PARAM_BYTES / 3 - (4 - 2),
     }
 }
 

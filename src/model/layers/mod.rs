@@ -6,8 +6,10 @@
 //!   `grad` and frees the micro-batch's stash.
 //!
 //! A full backward (B) is I then W. Calling I before F, or W before I, is a
-//! [`ModelError::Order`] error, never a panic. Activations are stored in the backend's storage
-//! type, gradients in `f32`.
+//! [`ModelError::Order`] error, never a panic. Activations, and the gradients I keeps for W
+//! ([`keep`]), are stored in the backend's storage type (bf16 under `train.precision =
+//! "bf16"`); the gradients a backward computes and passes on, and the weight gradients, in
+//! `f32`.
 //!
 //! The layers of the residual stream (`[rows, d_model]` in and out: [`RmsNorm`],
 //! [`Attention`], [`Mlp`], and the [`Block`] composed of them) are a [`Layer`]; a composite
