@@ -9,6 +9,7 @@
 //!   tolerance ([`CURVE_TOLERANCE`]), which an untrained curve does not meet;
 //! - launched over 4 processes (2 replicas of 2 stages, a tied embedding whose gradient is
 //!   summed over the mesh), a bf16 run is bitwise the in-process one;
+//! - speculative decoding on a bf16 model is token for token plain decoding;
 //! - a bad `train.precision` is one error naming the field.
 
 use pipefill::config::JobConfig;
@@ -23,7 +24,13 @@ use pipefill::train::{StepMetrics, Trainer};
 
 mod common;
 use common::job::{one_replica_layout, sorted_bits, tiny_job};
+use common::rollouts::{self, requests};
 use common::{assert_bitwise, clean, text};
+use pipefill::model::infer::InferStage;
+use pipefill::model::{Cut, Gpt};
+use pipefill::rl::rollout::{RolloutConfig, RolloutEngine, RolloutOutput, Speculation};
+use pipefill::rl::speculative::{OracleProposer, Proposer, RandomProposer};
+use pipefill::tensor::CpuBackend;
 
 const EXE: &str = env!("CARGO_BIN_EXE_pipefill");
 
@@ -258,4 +265,38 @@ fn a_launched_bf16_run_is_bitwise_the_in_process_one() {
     let single = run(false);
     assert_bf16_with_master("in-process", &single);
     assert_bitwise(&single, &run(true));
+}
+
+/// `e`'s rollout of the rollout tests' requests (tests/rollout.rs) in 2 groups.
+fn rollout(
+    e: &mut RolloutEngine<CpuBackend>,
+    speculation: Speculation,
+    proposer: Option<&mut dyn Proposer>,
+) -> RolloutOutput {
+    let cfg = RolloutConfig {
+        groups: 2,
+        speculation,
+        ..RolloutConfig::default()
+    };
+    e.run(&requests(10), &cfg, proposer).unwrap()
+}
+
+#[test]
+fn bf16_speculative_decoding_is_token_for_token_plain_decoding() {
+    let be = CpuBackend::new(1).unwrap().with_storage(DType::Bf16);
+    let gpt = Gpt::new(&rollouts::config(), be, &Cut::Even(1)).unwrap();
+    let stages = InferStage::stages_of(&gpt, &Cut::Layers(vec![1, 2, 1])).unwrap();
+    let mut e = RolloutEngine::new(stages).unwrap();
+    let plain = rollout(&mut e, Speculation::Off, None).sequences;
+    let mut random = RandomProposer::new(50);
+    let fixed = rollout(&mut e, Speculation::Fixed { k: 3 }, Some(&mut random));
+    assert_eq!(fixed.sequences, plain, "random drafts");
+    assert!(fixed.stats.verifications > 0);
+    let mut oracle = OracleProposer::new(50, &plain);
+    let exact = rollout(&mut e, Speculation::Fixed { k: 4 }, Some(&mut oracle));
+    assert_eq!(exact.sequences, plain, "oracle drafts");
+    assert!(
+        exact.stats.accepted > 0,
+        "the oracle's drafts were accepted"
+    );
 }
