@@ -9,7 +9,7 @@ use std::path::Path;
 use std::process::Output;
 
 use common::{clean, export_hf, text};
-use pipefill::model::checkpoint::Checkpoint;
+use pipefill::model::checkpoint::{Checkpoint, MASTER_PREFIX};
 use pipefill::model::hf::HfModel;
 
 const EXE: &str = env!("CARGO_BIN_EXE_pipefill");
@@ -71,6 +71,47 @@ fn a_llama_shaped_run_exports_and_reimports() {
     let out = export_hf(&run, &hf_dir, &["--overwrite", "--dtype", "bf16"]);
     assert!(out.status.success(), "{}", text(&out));
     HfModel::open(&hf_dir).unwrap();
+}
+
+/// A `train.precision = "bf16"` run exports its f32 master weights with `--dtype f32`, and
+/// with `--dtype bf16` them rounded: the bf16 values the run computed with.
+#[test]
+fn a_bf16_run_exports_its_master_weights_or_them_rounded() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let bf16 = [
+        "model.positions=\"rope\"",
+        "model.activation=\"swiglu\"",
+        "train.precision=\"bf16\"",
+    ];
+    let out = train(&bf16, &run);
+    assert!(out.status.success(), "{}", text(&out));
+    let ckpt = Checkpoint::load(&run.join("checkpoint")).unwrap();
+    let master = |name: &str| {
+        let t = ckpt.tensor(&format!("{MASTER_PREFIX}{name}"));
+        t.unwrap_or_else(|| panic!("no master weights of `{name}`"))
+    };
+    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    for (dtype, dir_name) in [("f32", "hf32"), ("bf16", "hf16")] {
+        let hf_dir = dir.path().join(dir_name);
+        let out = export_hf(&run, &hf_dir, &["--dtype", dtype]);
+        assert!(out.status.success(), "{}", text(&out));
+        let model = HfModel::open(&hf_dir).unwrap();
+        let mut finer = false;
+        for (name, _) in pipefill::model::hf::param_shapes(model.config()) {
+            let got = model.read(&name).unwrap().data;
+            let want = match dtype {
+                "f32" => &master(&name).data,
+                _ => &ckpt.tensor(&name).unwrap().data,
+            };
+            assert_eq!(bits(&got), bits(want), "--dtype {dtype}: {name}");
+            finer |= bits(&master(&name).data) != bits(&ckpt.tensor(&name).unwrap().data);
+        }
+        assert!(
+            finer,
+            "the master weights are the bf16 values: nothing to tell apart"
+        );
+    }
 }
 
 #[test]

@@ -229,10 +229,16 @@ fn the_estimate_covers_what_a_run_uses() {
     let dir = tempfile::tempdir().unwrap();
     // Each run's peak RSS must stay within its estimate, and the estimate within 4x of it
     // (a bound so loose it refuses jobs that fit would be no use either).
+    // Each shape in f32 and in bf16 (`train.precision`: half the stash, and the f32
+    // master weights beside the parameters).
+    let bf16 = "train.precision=\"bf16\"";
     for sets in [
         &["schedule=\"none\"", "model.seq_len=512"][..],
         &["model.seq_len=512"],
         &["model.d_model=256"],
+        &["schedule=\"none\"", "model.seq_len=512", bf16],
+        &["model.seq_len=512", bf16],
+        &["model.d_model=256", bf16],
     ] {
         let mut sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
         sets.extend([

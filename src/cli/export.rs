@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use pipefill::model::checkpoint::resume::ResumePoint;
 use pipefill::model::checkpoint::sharded::{Manifest, load_sharded};
-use pipefill::model::checkpoint::{Checkpoint, HostTensor};
+use pipefill::model::checkpoint::{Checkpoint, HostTensor, MASTER_PREFIX};
 use pipefill::model::hf::{self, ExportDtype, ExportOptions};
 
 #[derive(Clone, Copy, Debug, clap::ValueEnum)]
@@ -28,7 +28,8 @@ pub struct ExportArgs {
     /// The directory to write (created; refused when it exists and is not empty).
     #[arg(short = 'o', long = "out")]
     out: PathBuf,
-    /// Type of the written weights: f32 or bf16.
+    /// Type of the written weights: f32 or bf16 (of a `train.precision = "bf16"` run, its f32
+    /// master weights, or them rounded to bf16).
     #[arg(long, default_value = "f32")]
     dtype: ExportDtype,
     /// The Hugging Face directory the run started from: its architecture and other
@@ -63,10 +64,18 @@ pub fn run(args: ExportArgs) -> anyhow::Result<()> {
     };
     let config = ckpt.meta.model.clone();
     let names: Vec<String> = hf::param_shapes(&config).map(|(n, _)| n).collect();
+    // A bf16 run's parameters at full precision: its f32 master weights (`--dtype bf16`
+    // rounds them to the values the run computed with).
+    let master = |t: &HostTensor| ckpt.tensor(&format!("{MASTER_PREFIX}{}", t.name));
     let tensors: Vec<HostTensor> = ckpt
         .tensors
-        .into_iter()
+        .iter()
         .filter(|t| names.contains(&t.name))
+        .map(|t| HostTensor {
+            name: t.name.clone(),
+            shape: t.shape.clone(),
+            data: master(t).unwrap_or(t).data.clone(),
+        })
         .collect();
     // Without --source, the directory the run imported its model from, where it still is.
     opts.source = match (args.source, &config.from) {

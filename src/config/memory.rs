@@ -17,10 +17,11 @@
 //! the limit), else the limit itself (below what any run needs, or over what any one
 //! setting can save).
 //!
-//! The constants are calibrated on the CPU backend (f32 storage) against the peak RSS of
-//! `pipefill train --steps 1` (see the tests of `tests/memory_cli.rs`), so that the
-//! estimate stays above it; the peaks are in docs/benchmarks.md, "Memory estimate
-//! calibration".
+//! The constants are calibrated on the CPU backend against the peak RSS of
+//! `pipefill train --steps 1`, in f32 and in bf16 (`train.precision`: the stash at 2 bytes
+//! an element, the f32 master weights beside the parameters; see the tests of
+//! `tests/memory_cli.rs`), so that the estimate stays above it; the peaks are in
+//! docs/benchmarks.md, "Memory estimate calibration" and "Mixed precision".
 
 mod costs;
 mod limit;
@@ -70,20 +71,23 @@ impl MemoryEstimate {
         let (m, t) = (&job.model, &job.train);
         let mut parts: Vec<(&'static str, Size)> = Vec::new();
         let p = params(job)?;
-        let per_param = match workload {
-            Workload::Train => PARAM_BYTES,
-            Workload::Rl => PARAM_BYTES + RL_PARAM_BYTES,
-        };
+        let per_param = precision_param_bytes(t.precision)
+            + match workload {
+                Workload::Train => PARAM_BYTES,
+                Workload::Rl => PARAM_BYTES + RL_PARAM_BYTES,
+            };
+        let sharded = sharded_bytes(t.precision);
         // Every data-parallel replica holds the model, its moments and its activations
         // (in one process or spread over `dp × stages` processes).
         let dp = f("dp", job.dp.max(1));
-        // A sharded optimizer keeps one copy of the moments among all the replicas.
+        // A sharded optimizer keeps one copy of the moments (and master weights) among all
+        // the replicas.
         let live = match crate::config::optimizer::OptimizerConfig::sharded(job) {
             true => add(
                 "the parameters",
                 &[
-                    mul("the parameters", &[p, k(per_param - MOMENT_BYTES), dp])?,
-                    mul("the parameters", &[p, k(MOMENT_BYTES)])?,
+                    mul("the parameters", &[p, k(per_param - sharded), dp])?,
+                    mul("the parameters", &[p, k(sharded)])?,
                 ],
             )?,
             false => mul("the parameters", &[p, k(per_param), dp])?,

@@ -178,18 +178,19 @@ impl<B: Backend> AdamW<B> {
             Some(slot) => slot,
             None => {
                 let n = p.numel();
-                let master = match be.dtype(&p.value) {
-                    DType::F32 => None,
-                    _ => Some(be.from_host(&be.to_host(&p.value)?, DType::F32)?),
-                };
                 let slot = Slot {
                     m: be.zeros(n, DType::F32)?,
                     v: be.zeros(n, DType::F32)?,
-                    master,
+                    master: None,
                 };
                 self.slots.entry(p.name.clone()).or_insert(slot)
             }
         };
+        // A narrower parameter keeps an f32 master, from its value on its first step (or the
+        // first after an f32 run's state was loaded: that state has none).
+        if slot.master.is_none() && be.dtype(&p.value) != DType::F32 {
+            slot.master = Some(be.from_host(&be.to_host(&p.value)?, DType::F32)?);
+        }
         let hp = AdamWStep {
             lr,
             beta1: c.beta1,

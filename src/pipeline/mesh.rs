@@ -132,12 +132,12 @@ pub fn train_rank(
     };
     match device {
         Device::Cpu { threads } => {
-            let links = device::cpu_links(mesh, job.transport, at, threads)?;
+            let links = device::cpu_links(mesh, job.transport, at, threads, job.train.precision)?;
             run_rank(asked, links)
         }
         #[cfg(feature = "cuda")]
         Device::Cuda { ordinal } => {
-            let links = device::cuda_links(mesh, job.transport, at, ordinal)?;
+            let links = device::cuda_links(mesh, job.transport, at, ordinal, job.train.precision)?;
             run_rank(asked, links)
         }
         #[cfg(not(feature = "cuda"))]

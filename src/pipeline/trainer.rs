@@ -296,7 +296,8 @@ impl PipelineTrainer {
     ) -> Result<Vec<RankCompute<B>>, PipelineError> {
         let mut computes = Vec::with_capacity(self.plan.num_ranks());
         for rank in 0..self.plan.num_ranks() {
-            let backend = B::for_rank(base + rank).map_err(ModelError::from)?;
+            let backend =
+                B::for_rank(base + rank, self.job.train.precision).map_err(ModelError::from)?;
             let run = self.rank_run(shared, self.first_step(), steps);
             let start = match resumed {
                 Some((gpt, state)) => RankStart::Resumed(gpt, state),

@@ -134,10 +134,11 @@ pub fn rl_rank_with(
     options: RankOptions,
     on_step: impl FnMut(&RlStepMetrics),
 ) -> Result<Option<RlLaunchRun>, RlError> {
-    let backend = CpuBackend::new(1).map_err(|e| RlError::OnRank {
-        rank: mesh.rank(),
-        error: Box::new(ModelError::from(e).into()),
-    })?;
+    let backend =
+        CpuBackend::for_rank(mesh.rank(), job.train.precision).map_err(|e| RlError::OnRank {
+            rank: mesh.rank(),
+            error: Box::new(ModelError::from(e).into()),
+        })?;
     rl_rank_on(backend, job, mesh, clock, init, options, on_step)
 }
 

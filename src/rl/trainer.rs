@@ -83,7 +83,7 @@ impl RlTrainer<CpuBackend> {
     /// RL from `checkpoint` (a `pipefill train` run's, or [`super::warm_up::warm_up`]'s) on the CPU; the
     /// job's model and data seed must be the checkpoint's.
     pub fn new(job: &JobConfig, checkpoint: Checkpoint) -> Result<Self, RlError> {
-        let backend = CpuBackend::new(1).map_err(ModelError::from)?;
+        let backend = CpuBackend::for_rank(0, job.train.precision).map_err(ModelError::from)?;
         RlTrainer::on(job, checkpoint, backend)
     }
 }

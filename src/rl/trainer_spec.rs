@@ -131,7 +131,7 @@ impl PipelineRollouts<CpuBackend> {
     /// The engine for `job`'s `[rl]` on the CPU: its model cut into `job.stages` stages,
     /// its `[drafter]` trained on the rollouts.
     pub fn new(job: &JobConfig) -> Result<Self, RlError> {
-        let backend = CpuBackend::new(1).map_err(ModelError::from)?;
+        let backend = CpuBackend::for_rank(0, job.train.precision).map_err(ModelError::from)?;
         PipelineRollouts::on(job, backend)
     }
 }

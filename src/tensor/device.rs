@@ -67,23 +67,24 @@ pub fn cuda_device_count() -> Result<usize, TensorError> {
 
 /// A backend that each rank of a single-process job opens for itself: the CPU backend on
 /// one thread (the runtime runs the ranks side by side), or GPU `rank mod count` of this
-/// machine's. Code generic over it (the in-process pipeline, the RL loop) runs on either.
+/// machine's, storing parameters and activations in the job's `train.precision`. Code
+/// generic over it (the in-process pipeline, the RL loop) runs on either.
 pub trait RankBackend: super::Backend + Sized {
-    /// Rank `rank`'s backend.
-    fn for_rank(rank: usize) -> Result<Self, TensorError>;
+    /// Rank `rank`'s backend, storing in `precision`.
+    fn for_rank(rank: usize, precision: super::DType) -> Result<Self, super::TensorError>;
 }
 
 impl RankBackend for super::CpuBackend {
-    fn for_rank(_rank: usize) -> Result<Self, TensorError> {
-        super::CpuBackend::new(1)
+    fn for_rank(_rank: usize, precision: super::DType) -> Result<Self, super::TensorError> {
+        Ok(super::CpuBackend::new(1)?.with_storage(precision))
     }
 }
 
 #[cfg(feature = "cuda")]
 impl RankBackend for super::cuda::CudaBackend {
-    fn for_rank(rank: usize) -> Result<Self, TensorError> {
+    fn for_rank(rank: usize, precision: super::DType) -> Result<Self, super::TensorError> {
         let count = cuda_device_count()?;
-        Ok(super::cuda::CudaBackend::new(rank % count.max(1))?)
+        Ok(super::cuda::CudaBackend::new(rank % count.max(1))?.with_storage(precision))
     }
 }
 
@@ -192,7 +193,7 @@ mod tests {
     impl OnBackend for BackendName {
         type Output = Result<String, TensorError>;
         fn run<B: RankBackend>(self) -> Self::Output {
-            Ok(B::for_rank(0)?.name())
+            Ok(B::for_rank(0, crate::tensor::DType::F32)?.name())
         }
     }
 

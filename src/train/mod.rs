@@ -15,8 +15,8 @@ use serde::{Deserialize, Serialize};
 pub use reference::Trainer;
 
 use crate::data::DataError;
-use crate::model::ModelError;
-use crate::model::RecomputeSetting;
+use crate::model::{ModelError, RecomputeSetting};
+use crate::tensor::DType;
 
 /// Errors of a training run.
 #[derive(Debug, thiserror::Error)]
@@ -73,6 +73,15 @@ pub struct TrainConfig {
     /// mode ([`crate::model::recompute`]).
     #[serde(skip_serializing_if = "RecomputeSetting::is_default")]
     pub recompute: RecomputeSetting,
+    /// Storage type of the parameters the layers compute with, the activations and the
+    /// stashes: `"f32"` or `"bf16"`. Products and reductions accumulate in f32 either way,
+    /// and gradients, the AdamW moments and (in bf16) the master weights stay f32.
+    #[serde(skip_serializing_if = "is_f32")]
+    pub precision: DType,
+}
+
+fn is_f32(dtype: &DType) -> bool {
+    *dtype == DType::F32
 }
 
 impl Default for TrainConfig {
@@ -89,6 +98,7 @@ impl Default for TrainConfig {
             threads: 0,
             eval_tasks: 32,
             recompute: RecomputeSetting::default(),
+            precision: DType::F32,
         }
     }
 }

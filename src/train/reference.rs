@@ -84,6 +84,12 @@ pub fn cpu_threads(train: &TrainConfig) -> usize {
     }
 }
 
+/// The CPU backend a job's whole model trains on: `train.threads` threads, storing in
+/// `train.precision`.
+pub fn cpu_backend(train: &TrainConfig) -> Result<CpuBackend, crate::tensor::TensorError> {
+    Ok(CpuBackend::new(cpu_threads(train))?.with_storage(train.precision))
+}
+
 /// Trains a whole model on one backend: gradient accumulation over micro-batches, then
 /// one clipped AdamW update per step.
 pub struct Trainer<B: Backend> {
@@ -97,13 +103,13 @@ pub struct Trainer<B: Backend> {
 }
 
 impl Trainer<CpuBackend> {
-    /// The reference trainer on the CPU backend with `train.threads` threads.
+    /// The reference trainer on the job's CPU backend ([`cpu_backend`]).
     pub fn reference(
         model: &GptConfig,
         data: &DataConfig,
         train: &TrainConfig,
     ) -> Result<Self, TrainError> {
-        let backend = CpuBackend::new(cpu_threads(train)).map_err(ModelError::from)?;
+        let backend = cpu_backend(train).map_err(ModelError::from)?;
         Self::with_backend(backend, model, data, train)
     }
 }

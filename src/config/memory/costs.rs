@@ -1,5 +1,7 @@
 //! The per-element and per-item costs the memory estimate is made of, and its [`Part`]s.
 
+use crate::tensor::DType;
+
 /// Bytes per parameter the ranks hold while they train: the f32 value, its gradient and
 /// two AdamW moments.
 pub const LIVE_PARAM_BYTES: u64 = 16;
@@ -23,6 +25,41 @@ pub const PARAM_BYTES: u64 = LIVE_PARAM_BYTES + max(COPY_PARAM_BYTES, CHECKPOINT
 const fn max(a: u64, b: u64) -> u64 {
     if a > b { a } else { b }
 }
+/// Bytes per parameter that `train.precision` adds to [`PARAM_BYTES`] (which is f32's): in
+/// bf16 the value the layers compute with takes 2 bytes instead of 4, the f32 master weights
+/// 4 more (with the moments, what a sharded optimizer divides: [`sharded_bytes`]), and
+/// every host copy of initialisation and the final checkpoint holds the master beside the
+/// value and moments (16 bytes instead of 12: a third more of [`COPY_PARAM_BYTES`]).
+/// Gradients stay f32 in either (accumulated over micro-batches and all-reduced).
+pub const fn precision_param_bytes(precision: DType) -> u64 {
+    match precision {
+        DType::F32 => 0,
+        DType::Bf16 => MASTER_BYTES + COPY_PARAM_BYTES / 3 - (4 - 2),
+    }
+}
+
+/// Bytes per parameter of the f32 master weights of a bf16 run.
+pub const MASTER_BYTES: u64 = 4;
+
+/// Bytes per parameter a sharded optimizer (ZeRO-1) divides among the replicas: the
+/// moments, and in bf16 the master weights.
+pub const fn sharded_bytes(precision: DType) -> u64 {
+    match precision {
+        DType::F32 => MOMENT_BYTES,
+        DType::Bf16 => MOMENT_BYTES + MASTER_BYTES,
+    }
+}
+
+/// Bytes of one element of what a forward stashes (the activations): the storage type's.
+/// Gradients of the activations (what I leaves for W, what goes back between stages) and
+/// the working sets stay [`ELEMENT`] (f32): the CPU backend widens bf16 to f32 to compute.
+pub(super) const fn stash_element(precision: DType) -> u64 {
+    match precision {
+        DType::F32 => ELEMENT,
+        DType::Bf16 => 2,
+    }
+}
+
 /// Extra bytes per parameter in `pipefill rl`: the rollout engine's copy of the policy's
 /// weights and the frozen reference policy.
 pub const RL_PARAM_BYTES: u64 = 16;

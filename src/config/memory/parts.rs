@@ -266,14 +266,9 @@ pub(super) fn activations(
         ],
     )?;
     let tokens = mul(what, &[rows, seq])?;
+    let element = k(stash_element(job.train.precision));
     let stash = |units: Size| {
-        let factors = [
-            units,
-            flight.layers_per_stage,
-            tokens,
-            per_token,
-            k(ELEMENT),
-        ];
+        let factors = [units, flight.layers_per_stage, tokens, per_token, element];
         mul(what, &factors)
     };
     // Counted in thousandths, blamed as in whole stashes (a thousandths count would be
@@ -287,7 +282,7 @@ pub(super) fn activations(
         ..stash(whole)?
     };
     // A recomputing rank's I: one block's recomputed part.
-    let recomputed = mul(what, &[flight.transient, tokens, per_token, k(ELEMENT)])?;
+    let recomputed = mul(what, &[flight.transient, tokens, per_token, element])?;
     let recomputed = div_ceil(recomputed, MILLI);
     // The fused head's stash per micro-batch in flight on its rank (F computes the
     // gradients, I and W scale them): `dW` and `dx`; never `[tokens, vocab]`.

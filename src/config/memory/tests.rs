@@ -499,3 +499,37 @@ fn recomputation_shrinks_the_activations_rank_by_rank() {
         "{err}"
     );
 }
+
+#[test]
+fn bf16_counts_the_master_weights_and_stashes_at_two_bytes() {
+    let part = |sets: &[&str], what: &str| {
+        let e = MemoryEstimate::of(&job(sets).unwrap(), Workload::Train).unwrap();
+        e.parts.iter().find(|p| p.what == what).unwrap().bytes
+    };
+    let bf16 = "train.precision=\"bf16\"";
+    // Per parameter: 64 bytes in f32; in bf16 the value's 2 bytes saved, the master's 4
+    // and the checkpoint copies' 16 added.
+    let params = "parameters, gradients and optimizer state";
+    let (f, b) = (part(&[], params), part(&[bf16], params));
+    assert_eq!(
+        PARAM_BYTES + precision_param_bytes(crate::tensor::DType::Bf16),
+        82
+    );
+    assert_eq!(b * PARAM_BYTES, f * 82, "{f} against {b}");
+    // The stash is half; the working sets and the head's f32 `dW` are not.
+    for seq in ["model.seq_len=64", "model.seq_len=512"] {
+        let (f, b) = (
+            part(&[seq], "activations"),
+            part(&[seq, bf16], "activations"),
+        );
+        assert!(b < f && 2 * b > f, "{seq}: {f} against {b}");
+    }
+    // Sharded (ZeRO-1), the master weights are divided with the moments.
+    let zero = ["dp=2", "optimizer.shard=true"];
+    let (f, b) = (
+        part(&zero, params),
+        part(&[&zero[..], &[bf16]].concat(), params),
+    );
+    let p = f / (2 * PARAM_BYTES - MOMENT_BYTES);
+    assert_eq!(b, p * (2 * 82 - MOMENT_BYTES - MASTER_BYTES));
+}

@@ -9,8 +9,8 @@
 //! gradients of the projections' outputs and W only multiplies them by the saved input.
 
 use super::{
-    Elems, Held, Layer, Stash, activation, gradient, linear_bwd_input, linear_bwd_weight,
-    linear_fwd,
+    Elems, Held, Layer, Stash, activation, gradient, keep, linear_bwd_input, linear_bwd_weight,
+    linear_fwd, narrow,
 };
 use crate::model::config::Positions;
 use crate::model::{GptConfig, Param, Result, Shape, init};
@@ -287,10 +287,10 @@ impl<B: Backend> Layer<B> for Attention<B> {
         let for_w = ForW {
             x: s.x,
             o,
-            dy: be.dup(dy)?,
-            dq,
-            dk,
-            dv,
+            dy: keep(be, dy)?,
+            dq: narrow(be, dq)?,
+            dk: narrow(be, dk)?,
+            dv: narrow(be, dv)?,
             rows,
         };
         self.stash.keep_for_w(mb, for_w);

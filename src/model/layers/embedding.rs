@@ -4,7 +4,7 @@
 //! The embedding has no input gradient (its input is token ids), so its I action only keeps
 //! the output gradient, and its W action scatters it into the tables.
 
-use super::{Stash, activation};
+use super::{Stash, activation, keep};
 use crate::model::ModelError;
 use crate::model::config::Positions;
 use crate::model::{GptConfig, Param, Result, init};
@@ -88,7 +88,7 @@ impl<B: Backend> Embedding<B> {
     /// I: nothing flows further back; keeps `dy` for W.
     pub fn backward_input(&mut self, be: &B, mb: usize, dy: &B::Buf) -> Result<()> {
         let s = self.stash.take_for_i(mb)?;
-        self.stash.keep_for_w(mb, (s, be.dup(dy)?));
+        self.stash.keep_for_w(mb, (s, keep(be, dy)?));
         Ok(())
     }
 

@@ -3,8 +3,8 @@
 //! `W1` the gate, `W3` the up and `W2` the down projection.
 
 use super::{
-    Elems, Held, Layer, Stash, activation, gradient, linear_bwd_input, linear_bwd_weight,
-    linear_fwd,
+    Elems, Held, Layer, Stash, activation, gradient, keep, linear_bwd_input, linear_bwd_weight,
+    linear_fwd, narrow,
 };
 use crate::model::{GptConfig, Param, Result, Shape, init};
 use crate::tensor::{Activation, Backend};
@@ -132,9 +132,9 @@ impl<B: Backend> Layer<B> for Mlp<B> {
         let for_w = ForW {
             x: s.x,
             g: s.g,
-            du,
-            d_up,
-            dy: be.dup(dy)?,
+            du: narrow(be, du)?,
+            d_up: d_up.map(|g| narrow(be, g)).transpose()?,
+            dy: keep(be, dy)?,
             rows: s.rows,
         };
         self.stash.keep_for_w(mb, for_w);

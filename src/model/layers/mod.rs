@@ -6,8 +6,10 @@
 //!   `grad` and frees the micro-batch's stash.
 //!
 //! A full backward (B) is I then W. Calling I before F, or W before I, is a
-//! [`ModelError::Order`] error, never a panic. Activations are stored in the backend's storage
-//! type, gradients in `f32`.
+//! [`ModelError::Order`] error, never a panic. Activations, and the gradients I keeps for W
+//! ([`keep`]), are stored in the backend's storage type (bf16 under `train.precision =
+//! "bf16"`); the gradients a backward computes and passes on, and the weight gradients, in
+//! `f32`.
 //!
 //! The layers of the residual stream (`[rows, d_model]` in and out: [`RmsNorm`],
 //! [`Attention`], [`Mlp`], and the [`Block`] composed of them) are a [`Layer`]; a composite
@@ -168,6 +170,23 @@ pub(crate) fn activation<B: Backend>(be: &B, len: usize) -> Result<B::Buf> {
 /// A gradient buffer of `len` elements (`f32`).
 pub(crate) fn gradient<B: Backend>(be: &B, len: usize) -> Result<B::Buf> {
     Ok(be.zeros(len, DType::F32)?)
+}
+
+/// A copy of gradient `g` that I keeps for W, in the backend's storage type: the backward's
+/// stash is bf16 in a bf16 run as the forward's is (W's products still accumulate in f32,
+/// into the f32 weight gradients); in f32 it is [`Backend::dup`].
+pub(crate) fn keep<B: Backend>(be: &B, g: &B::Buf) -> Result<B::Buf> {
+    let mut out = activation(be, be.len(g))?;
+    be.copy(g, &mut out)?;
+    Ok(out)
+}
+
+/// Gradient `g`, which I has finished with, kept for W as [`keep`] keeps a copy.
+pub(crate) fn narrow<B: Backend>(be: &B, g: B::Buf) -> Result<B::Buf> {
+    match be.dtype(&g) == be.storage_dtype() {
+        true => Ok(g),
+        false => keep(be, &g),
+    }
 }
 
 /// `y = x·W` with `x: [rows, in]`, `W: [in, out]`.

@@ -1,6 +1,6 @@
 //! RMSNorm with a learned gain: `y = x / rms(x) · g`.
 
-use super::{Elems, Held, Layer, Stash, activation, gradient};
+use super::{Elems, Held, Layer, Stash, activation, gradient, keep};
 use crate::model::{Param, Result, Shape};
 use crate::tensor::{Backend, DType};
 
@@ -85,7 +85,7 @@ impl<B: Backend> Layer<B> for RmsNorm<B> {
         let dim = self.dim();
         let mut dx = gradient(be, s.rows * dim)?;
         be.rmsnorm_bwd_input(&s.x, &self.weight.value, &s.rstd, dy, &mut dx, s.rows, dim)?;
-        self.stash.keep_for_w(mb, (s, be.dup(dy)?));
+        self.stash.keep_for_w(mb, (s, keep(be, dy)?));
         Ok(dx)
     }
 

@@ -141,3 +141,35 @@ fn bf16_storage_trains_with_f32_master_weights() {
         assert_eq!(half::bf16::from_f32(*m).to_f32(), *s);
     }
 }
+
+#[test]
+fn an_f32_state_loaded_for_bf16_parameters_steps_them_through_master_weights() {
+    use crate::tensor::DType;
+    let f32_be = CpuBackend::new(1).unwrap();
+    let bf16_be = CpuBackend::new(1).unwrap().with_storage(DType::Bf16);
+    let p = |be: &CpuBackend| param(be, "w", &[0.5, -0.25, 1.0], &[0.1, -0.2, 0.3], true);
+    // One step in f32: its state has moments and no master.
+    let (mut w, mut opt) = (p(&f32_be), AdamW::new(AdamWConfig::default()));
+    opt.step(&f32_be, [&mut w], 1e-3, 1.0).unwrap();
+    let state = opt.state(&f32_be).unwrap();
+    assert!(state.slots["w"].master.is_none());
+
+    // Resumed with the parameter in bf16: the update goes through an f32 master made from
+    // the value, so a step too small for bf16 still moves it.
+    let mut w = p(&bf16_be);
+    let mut opt = AdamW::new(AdamWConfig::default());
+    opt.load_state(&bf16_be, &state).unwrap();
+    opt.step(&bf16_be, [&mut w], 1e-5, 1.0).unwrap();
+    let master = opt.state(&bf16_be).unwrap().slots["w"].master.clone();
+    let master = master.expect("a bf16 parameter has master weights");
+    assert!(
+        master
+            .iter()
+            .zip([0.5f32, -0.25, 1.0])
+            .all(|(m, v)| *m != v)
+    );
+    let stored = bf16_be.to_host(&w.value).unwrap();
+    for (m, s) in master.iter().zip(&stored) {
+        assert_eq!(half::bf16::from_f32(*m).to_f32(), *s);
+    }
+}

@@ -25,7 +25,7 @@ use crate::comm::tcp::TcpMesh;
 use crate::comm::tcp_transport::{BufCodec, TENSOR_CHANNEL, TcpTransport};
 use crate::pipeline::error::PipelineError;
 use crate::tensor::device::Device;
-use crate::tensor::{Backend, CpuBackend};
+use crate::tensor::{Backend, CpuBackend, DType};
 
 /// A rank's backend and its links to the other ranks.
 pub(super) struct RankLinks<B: Backend> {
@@ -56,13 +56,15 @@ impl MeshRank {
     }
 }
 
-/// The CPU rank's links: the CPU backend on `threads` threads, TCP, ring all-reduce (the
-/// transport the job asks for must be TCP: `auto` is, `nccl` is an error naming the device).
+/// The CPU rank's links: the CPU backend on `threads` threads storing in `precision` (the
+/// job's `train.precision`), TCP, ring all-reduce (the transport the job asks for must be
+/// TCP: `auto` is, `nccl` is an error naming the device).
 pub(super) fn cpu_links(
     mesh: &Arc<TcpMesh>,
     requested: crate::comm::select::TransportKind,
     at: MeshRank,
     threads: usize,
+    precision: DType,
 ) -> Result<RankLinks<CpuBackend>, PipelineError> {
     select_transport(requested, Device::Cpu { threads }).map_err(|e| at.transport_err(e))?;
     let backend = CpuBackend::new(threads).map_err(|error| PipelineError::Device {
@@ -70,6 +72,7 @@ pub(super) fn cpu_links(
         device: Device::Cpu { threads },
         error,
     })?;
+    let backend = backend.with_storage(precision);
     tcp_links(mesh, backend, at)
 }
 
@@ -120,17 +123,18 @@ mod cuda {
     use crate::comm::select::{Choice, settle};
     use crate::tensor::cuda::CudaBackend;
 
-    /// The CUDA rank's links on GPU `ordinal` (its local rank), over the transport every
-    /// rank agreed on (see the module docs).
+    /// The CUDA rank's links on GPU `ordinal` (its local rank) storing in `precision`, over
+    /// the transport every rank agreed on (see the module docs).
     pub(in crate::pipeline::mesh) fn cuda_links(
         mesh: &Arc<TcpMesh>,
         requested: crate::comm::select::TransportKind,
         at: MeshRank,
         ordinal: usize,
+        precision: DType,
     ) -> Result<RankLinks<CudaBackend>, PipelineError> {
         let device = Device::Cuda { ordinal };
         // The backend first: a GPU that cannot be used is this rank's failure to report.
-        let backend = CudaBackend::new(ordinal);
+        let backend = CudaBackend::new(ordinal).map(|b| b.with_storage(precision));
         let own = match &backend {
             Ok(_) => Choice::from(&select_transport(requested, device)),
             Err(e) => Choice::Failed(format!("device = \"cuda\" ({device}): {e}")),

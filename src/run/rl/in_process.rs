@@ -48,7 +48,7 @@ fn run<B: RankBackend>(
 
     // Rank 0's work (policy, reference, drafter) on one backend, the update's ranks each on
     // their own.
-    let backend = B::for_rank(0)?;
+    let backend = B::for_rank(0, job.train.precision)?;
     let mut engine = rollout_engine(job, Some(&checkpoint), backend.clone())?;
     let version = starting_drafter(job, Some(&checkpoint)).map(|d| d.weights.version);
     let mut trainer = RlTrainer::on(job, checkpoint, backend)?;

@@ -137,7 +137,7 @@ struct Ranked<'a, F> {
 impl<F: FnMut(&RlStepMetrics)> OnBackend for Ranked<'_, F> {
     type Output = Result<Option<RlLaunchRun>, RunError>;
     fn run<B: RankBackend>(self) -> Self::Output {
-        let backend = B::for_rank(self.local_rank)?;
+        let backend = B::for_rank(self.local_rank, self.job.train.precision)?;
         let job = self.job;
         Ok(rl_rank_on(
             backend,

@@ -112,11 +112,16 @@ fn load_data(job: &JobConfig, show: &mut dyn Show) -> Result<StepData, RunError>
     Ok(data)
 }
 
-/// The `model:` line every path shows first: the model's size and shape, and where it runs.
+/// The `model:` line every path shows first: the model's size and shape, where it runs,
+/// and a `train.precision` other than f32.
 fn model_line(job: &JobConfig, on: &str) -> String {
     let m = &job.model;
+    let precision = match job.train.precision {
+        crate::tensor::DType::F32 => "",
+        crate::tensor::DType::Bf16 => ", in bf16 (f32 master weights)",
+    };
     format!(
-        "model: {} params ({} layers, d_model {}, {} heads, seq {}) on {on}",
+        "model: {} params ({} layers, d_model {}, {} heads, seq {}) on {on}{precision}",
         m.param_count(),
         m.layers,
         m.d_model,

@@ -12,10 +12,10 @@ use crate::model::checkpoint::resume::ResumePoint;
 use crate::run::RunError;
 use crate::run::show::Show;
 use crate::run::{RunDir, RunLog, StepLine, steps_left};
+use crate::tensor::Backend;
 use crate::tensor::device::Device;
-use crate::tensor::{Backend, CpuBackend};
 use crate::train::Trainer;
-use crate::train::reference::cpu_threads;
+use crate::train::reference::cpu_backend;
 
 /// Trains `job` on one `device` (from `resume`'s checkpoint when given), writing `run_dir`.
 pub(super) fn train(
@@ -34,13 +34,14 @@ pub(super) fn train(
     }
     match device {
         Device::Cpu { .. } => {
-            let backend = CpuBackend::new(cpu_threads(&job.train))?;
+            let backend = cpu_backend(&job.train)?;
             let trainer = Trainer::with_data(backend, &job.model, data, &job.train)?;
             run(job, resume, run_dir, trainer, show)
         }
         #[cfg(feature = "cuda")]
         Device::Cuda { ordinal } => {
-            let backend = crate::tensor::cuda::CudaBackend::new(ordinal)?;
+            let backend =
+                crate::tensor::cuda::CudaBackend::new(ordinal)?.with_storage(job.train.precision);
             let trainer = Trainer::with_data(backend, &job.model, data, &job.train)?;
             run(job, resume, run_dir, trainer, show)
         }
