@@ -7,7 +7,7 @@
 //!
 //! A full backward (B) is I then W. Calling I before F, or W before I, is a
 //! [`ModelError::Order`] error, never a panic. Activations, and the gradients I keeps for W
-//! ([`keep`]), are stored in the backend's storage type (bf16 under `train.precision =
+//! (`keep`), are stored in the backend's storage type (bf16 under `train.precision =
 //! "bf16"`); the gradients a backward computes and passes on, and the weight gradients, in
 //! `f32`.
 //!
