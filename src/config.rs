@@ -15,6 +15,7 @@ pub mod memory;
 pub mod optimizer;
 pub mod rl;
 pub mod schedule;
+pub mod train;
 
 use std::path::{Path, PathBuf};
 
@@ -26,9 +27,9 @@ use crate::data::DataConfig;
 use crate::model::GptConfig;
 use crate::model::ModelError;
 use crate::model::drafter::DrafterConfig;
-use crate::train::TrainConfig;
 pub use error::ConfigError;
 pub use schedule::ScheduleChoice;
+pub use train::TrainConfig;
 
 /// The embedded default job (the same text as `examples/default.toml`).
 pub const DEFAULT_JOB: &str = include_str!("../examples/default.toml");
@@ -367,12 +368,7 @@ impl JobConfig {
                 ),
             ));
         }
-        self.train.validate().map_err(|e| match e {
-            crate::train::TrainError::Config { field, reason } => {
-                invalid(&format!("train.{field}"), reason)
-            }
-            other => invalid("train", other.to_string()),
-        })?;
+        self.train.validate()?;
         if self.data.families.is_empty() {
             return Err(invalid(
                 "data.families",

@@ -18,8 +18,8 @@ use pipefill::data::DataConfig;
 use pipefill::pipeline::{Clock, PipelineTrainer};
 use std::sync::Mutex;
 
+use pipefill::config::TrainConfig;
 use pipefill::schedules::{ScheduleKind, Timeline};
-use pipefill::train::TrainConfig;
 
 const STEPS: u64 = 8;
 /// Iteration 0 touches every buffer for the first time (page faults, cold caches) and runs

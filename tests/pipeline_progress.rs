@@ -10,11 +10,11 @@
 use std::time::Instant;
 
 use pipefill::config::JobConfig;
+use pipefill::config::TrainConfig;
 use pipefill::data::DataConfig;
 use pipefill::model::GptConfig;
 use pipefill::pipeline::{Clock, PipelineTrainer};
 use pipefill::schedules::ScheduleKind;
-use pipefill::train::TrainConfig;
 
 const STEPS: u64 = 6;
 

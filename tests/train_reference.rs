@@ -3,11 +3,12 @@
 //! field.
 
 use pipefill::config::JobConfig;
+use pipefill::config::TrainConfig;
 use pipefill::data::{DataConfig, StepData};
 use pipefill::model::GptConfig;
 use pipefill::model::checkpoint::Checkpoint;
 use pipefill::tensor::CpuBackend;
-use pipefill::train::{TrainConfig, Trainer};
+use pipefill::train::Trainer;
 
 /// A shortened, smaller default job: 2 blocks of width 32, sequences of 32 tokens.
 fn small_job() -> (GptConfig, DataConfig, TrainConfig) {

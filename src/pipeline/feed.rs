@@ -17,9 +17,9 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
+use crate::config::TrainConfig;
 use crate::data::{MicroBatch, StepData};
 use crate::model::layers::TokenLoss;
-use crate::train::TrainConfig;
 use crate::train::reference::{loss_scales, step_micro_batches};
 
 /// One step's micro-batches and the `d objective / d loss` of each.

@@ -2,8 +2,8 @@ use std::sync::mpsc::channel;
 
 use super::*;
 use crate::comm::CommError;
+use crate::config::TrainConfig;
 use crate::data::{DataConfig, StepData};
-use crate::train::TrainConfig;
 
 fn shared(ranks: usize) -> (Shared, std::sync::mpsc::Receiver<StepMetrics>) {
     let train = TrainConfig {

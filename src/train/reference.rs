@@ -15,7 +15,8 @@
 
 use std::time::Instant;
 
-use super::{StepMetrics, TrainConfig, TrainError};
+use super::{StepMetrics, TrainError};
+use crate::config::TrainConfig;
 use crate::data::{DataConfig, MicroBatch, StepData};
 use crate::model::ModelError;
 use crate::model::checkpoint::Checkpoint;
@@ -144,9 +145,10 @@ impl<B: Backend> Trainer<B> {
             ("train.seed", data.seed(), train.seed),
         ] {
             if data_has != job_has {
-                return Err(TrainError::Config {
+                return Err(TrainError::StepData {
                     field,
-                    reason: format!("is {job_has}, but the step data was built for {data_has}"),
+                    job: job_has,
+                    data: data_has,
                 });
             }
         }

@@ -3,12 +3,12 @@
 //! one-replica sharded layout of a trainer's plan.
 
 use pipefill::config::JobConfig;
+use pipefill::config::TrainConfig;
 use pipefill::data::DataConfig;
 use pipefill::model::GptConfig;
 use pipefill::model::checkpoint::Checkpoint;
 use pipefill::model::checkpoint::sharded::Layout;
 use pipefill::pipeline::PipelineTrainer;
-use pipefill::train::TrainConfig;
 
 /// Clip threshold of [`tiny_job`]: small enough that the gradient norm exceeds it on some
 /// steps, so the clipped path is exercised too.

@@ -3,11 +3,12 @@
 //! agree with the training forward.
 
 use super::*;
+use crate::config::TrainConfig;
 use crate::data::DataConfig;
 use crate::model::ModelError;
 use crate::model::infer::rowmul::Precision;
 use crate::model::{Cut, Gpt, Shape};
-use crate::train::{TrainConfig, Trainer};
+use crate::train::Trainer;
 
 /// The target: small enough that a few dozen reference steps take well under a second.
 pub(super) fn target() -> GptConfig {
