@@ -144,6 +144,9 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<()> {
     signals::install().context("cannot install the launcher's signal handlers")?;
     let mut ranks: Vec<Rank> = Vec::with_capacity(args.nproc);
     let mut output = Vec::with_capacity(2 * args.nproc);
+    // The ranks' own process group (rank 0's pid): a signal passed on reaches them all in
+    // one kill(2), so no rank sees another end before its own signal arrives.
+    let mut group: Option<libc::pid_t> = None;
     for rank in 0..args.nproc {
         let mut cmd = Command::new(&exe);
         cmd.args(&args.command)
@@ -166,6 +169,10 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<()> {
             }
         }
         die_with_launcher(&mut cmd);
+        {
+            use std::os::unix::process::CommandExt;
+            cmd.process_group(group.unwrap_or(0));
+        }
         // A signal while ranks are still being started stops the start (the ranks started
         // so far are ended): nobody waits for the whole job to come up to be told no.
         if let (1.., signal) = signals::received() {
@@ -185,6 +192,7 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<()> {
             }
         };
         eprintln!("[launch] rank {rank}: pid {}", child.id());
+        group.get_or_insert(child.id() as libc::pid_t);
         let streams = [
             child
                 .stdout
@@ -210,7 +218,7 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<()> {
     }
     // Rank 0 holds its own copy of the rendezvous listener now.
     drop(master);
-    supervise(ranks, args.grace, output)
+    supervise(ranks, group, args.grace, output)
 }
 
 /// Passes `listener` to the rank as an open descriptor named in `PIPEFILL_MASTER_FD`
@@ -398,6 +406,7 @@ impl Rank {
 /// (and prints the same, a `[launch]` line per rank) unless every rank exited ok.
 fn supervise(
     mut ranks: Vec<Rank>,
+    group: Option<libc::pid_t>,
     grace: Duration,
     output: Vec<JoinHandle<()>>,
 ) -> anyhow::Result<()> {
@@ -450,12 +459,13 @@ fn supervise(
                 eprintln!(
                     "[launch] got {name}: passing it on to ranks {live:?}; whoever still runs {grace:?} later is killed"
                 );
-                for &rank in &live {
-                    if let Rank::Running(child) = &ranks[rank] {
-                        // SAFETY: kill(2) on our own child's pid, which is not reaped yet
-                        // (try_wait above saw it running), so the pid is still its.
-                        unsafe { libc::kill(child.id() as libc::pid_t, signal) };
-                    }
+                // One kill(2) of the ranks' group: passed on rank by rank, a rank could see
+                // an earlier one's end (its connection closed) and fail before its own
+                // signal came, when the launcher is descheduled between two kills.
+                if let (Some(group), false) = (group, live.is_empty()) {
+                    // SAFETY: kill(2) of the process group the launcher made for its ranks
+                    // (a live rank keeps the group, so its id is still theirs).
+                    unsafe { libc::kill(-group, signal) };
                 }
                 // The ranks have the whole grace from now to act on it.
                 cause = Some((Instant::now(), format!("the launcher got {name}")));
