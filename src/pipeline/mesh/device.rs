@@ -161,7 +161,7 @@ mod cuda {
         );
         let sync = if at.dp > 1 {
             let sync = NcclGradSync::connect(mesh.as_ref(), at.dp, at.pp, ordinal)
-                .map_err(|e| at.transport_err(e.into()))?;
+                .map_err(|e| at.transport_err(e))?;
             Some(Arc::new(sync) as Arc<dyn GradSync>)
         } else {
             None
