@@ -13,11 +13,12 @@ AXIS is the setting that varies:
 
 JOB is `default` (the default job: 4 pipelined stages, drafter filler), `seq512` (the
 default job at seq_len 512, where activations weigh most), `d512` (d_model 512, 25 M
-parameters, 2 stages, no filler) or `qwen05` (Qwen2.5-0.5B's shape: vocab 151936, d_model
+parameters, 2 stages, no filler), `qwen05` (Qwen2.5-0.5B's shape: vocab 151936, d_model
 896, 14 heads over 2, q/k/v biases, intermediate 4864, tied embeddings; at 2 of its 24
-layers so that it fits the box, whole on one device; 3 steps of 4 × 64 tokens; the
-`shard` axis needs a pipelined job, so not this one), or `qwen05-seq1024` (the same at
-seq_len 1024, 2 steps of 2 × 1024 tokens: where its activations weigh).
+layers so that it fits the box, whole on one device; 3 steps of 4 × 64 tokens; the `shard`
+axis needs a pipelined job, so not this one), `qwen05-pp2` (the same untied, as the
+sharded optimizer wants, in 2 stages of 1F1B, 2 micro-batches of 2) or `qwen05-seq1024`
+(`qwen05` at seq_len 1024, 2 steps of 2 × 1024 tokens: where its activations weigh).
 
 Each run is one process under `/usr/bin/time` (every rank a thread: the process's peak RSS,
 the estimate of the whole job from its `memory:` line, tokens/s from its `done:` line).
@@ -73,6 +74,19 @@ JOBS = {
         2,
     ),
     "qwen05": (QWEN05, ["--max-memory", "40GiB"], 1),
+    "qwen05-pp2": (
+        QWEN05
+        + [
+            "model.tie_embeddings=false",
+            "stages=2",
+            'schedule="1f1b"',
+            'filler="none"',
+            "train.micro_batches=2",
+            "train.micro_batch_size=2",
+        ],
+        ["--max-memory", "60GiB"],
+        2,
+    ),
     "qwen05-seq1024": (
         QWEN05
         + ["model.seq_len=1024", "train.micro_batch_size=2", "train.steps=2"],
