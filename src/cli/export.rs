@@ -65,18 +65,24 @@ pub fn run(args: ExportArgs) -> anyhow::Result<()> {
     let config = ckpt.meta.model.clone();
     let names: Vec<String> = hf::param_shapes(&config).map(|(n, _)| n).collect();
     // A bf16 run's parameters at full precision: its f32 master weights (`--dtype bf16`
-    // rounds them to the values the run computed with).
-    let master = |t: &HostTensor| ckpt.tensor(&format!("{MASTER_PREFIX}{}", t.name));
-    let tensors: Vec<HostTensor> = ckpt
-        .tensors
-        .iter()
-        .filter(|t| names.contains(&t.name))
-        .map(|t| HostTensor {
-            name: t.name.clone(),
-            shape: t.shape.clone(),
-            data: master(t).unwrap_or(t).data.clone(),
-        })
-        .collect();
+    // rounds them to the values the run computed with). The checkpoint's tensors are moved,
+    // not copied: a model's worth of memory less at export.
+    let mut masters = std::collections::HashMap::new();
+    let mut tensors: Vec<HostTensor> = Vec::with_capacity(names.len());
+    for t in ckpt.tensors {
+        match t.name.strip_prefix(MASTER_PREFIX) {
+            Some(name) => {
+                masters.insert(name.to_string(), t.data);
+            }
+            None if names.contains(&t.name) => tensors.push(t),
+            None => {}
+        }
+    }
+    for t in &mut tensors {
+        if let Some(master) = masters.remove(&t.name) {
+            t.data = master;
+        }
+    }
     // Without --source, the directory the run imported its model from, where it still is.
     opts.source = match (args.source, &config.from) {
         (Some(dir), _) => Some(dir),
