@@ -71,27 +71,39 @@ impl MemoryEstimate {
         let (m, t) = (&job.model, &job.train);
         let mut parts: Vec<(&'static str, Size)> = Vec::new();
         let p = params(job)?;
-        let per_param = precision_param_bytes(t.precision)
-            + match workload {
-                Workload::Train => PARAM_BYTES,
-                Workload::Rl => PARAM_BYTES + RL_PARAM_BYTES,
-            };
+        let live_param = LIVE_PARAM_BYTES + live_precision_bytes(t.precision);
+        // Held once whatever `dp` is: the final checkpoint's host copies of the state (or,
+        // while periodic checkpoints are written, their buffers), and in `pipefill rl` the
+        // rollout engine's copy of the policy and the reference policy.
+        let copies = state_copies(!job.schedule.is_none())
+            * (COPY_PARAM_BYTES + copy_precision_bytes(t.precision));
+        let held = match job.checkpoint_every {
+            0 => copies,
+            _ => copies.max(CHECKPOINT_PARAM_BYTES),
+        } + match workload {
+            Workload::Train => 0,
+            Workload::Rl => RL_PARAM_BYTES,
+        };
         let sharded = sharded_bytes(t.precision);
-        // Every data-parallel replica holds the model, its moments and its activations
-        // (in one process or spread over `dp × stages` processes).
+        // Every data-parallel replica holds the model, its gradients and moments and its
+        // activations (in one process or spread over `dp × stages` processes).
         let dp = f("dp", job.dp.max(1));
         // A sharded optimizer keeps one copy of the moments (and master weights) among all
         // the replicas.
-        let live = match crate::config::optimizer::OptimizerConfig::sharded(job) {
+        let replicas = match crate::config::optimizer::OptimizerConfig::sharded(job) {
             true => add(
                 "the parameters",
                 &[
-                    mul("the parameters", &[p, k(per_param - sharded), dp])?,
+                    mul("the parameters", &[p, k(live_param - sharded), dp])?,
                     mul("the parameters", &[p, k(sharded)])?,
                 ],
             )?,
-            false => mul("the parameters", &[p, k(per_param), dp])?,
+            false => mul("the parameters", &[p, k(live_param), dp])?,
         };
+        let live = add(
+            "the parameters",
+            &[replicas, mul("the parameters", &[p, k(held)])?],
+        )?;
         parts.push(("parameters, gradients and optimizer state", live));
 
         let seq = f("model.seq_len", m.seq_len);

@@ -8,33 +8,45 @@ pub const LIVE_PARAM_BYTES: u64 = 16;
 /// Of [`LIVE_PARAM_BYTES`], the two f32 AdamW moments: what a sharded optimizer
 /// (`optimizer.shard`, ZeRO-1) divides among the `dp` replicas.
 pub const MOMENT_BYTES: u64 = 8;
-/// Bytes per parameter of the host copies of values and moments that initialisation and
-/// the final checkpoint make (calibrated, docs/benchmarks.md).
-pub const COPY_PARAM_BYTES: u64 = 48;
+/// Bytes per parameter of one host copy of the state (value and both moments, 12 bytes in
+/// f32), with a third again for what initialisation copies beside it. Calibrated at
+/// Qwen2.5-0.5B's shape, where the final checkpoint's copy makes the peak
+/// (docs/benchmarks.md, "Activation recomputation").
+pub const COPY_PARAM_BYTES: u64 = 16;
 /// Bytes per parameter a run's periodic checkpoints hold while the ranks train
 /// (`checkpoint_every > 0`): the ranks' deposited state (value and both moments, 12 bytes)
 /// twice, the checkpoint being written and the next one's deposits waiting for it (one
 /// writer at a time, `crate::pipeline::shared`; the files are streamed from those tensors,
-/// with no serialized copy). It coexists with the live state, not with the copies of
-/// initialisation and the final checkpoint, so the larger of the two is counted.
+/// with no serialized copy). It coexists with the live state, not with the copies of the
+/// final checkpoint, so the larger of the two is counted.
 pub const CHECKPOINT_PARAM_BYTES: u64 = 24;
-/// Bytes per parameter: the live state, and the larger of the initial/final copies and the
-/// periodic checkpoints' buffers ([`CHECKPOINT_PARAM_BYTES`]).
-pub const PARAM_BYTES: u64 = LIVE_PARAM_BYTES + max(COPY_PARAM_BYTES, CHECKPOINT_PARAM_BYTES);
 
-const fn max(a: u64, b: u64) -> u64 {
-    if a > b { a } else { b }
+/// Host copies of the whole state a run holds at its end ([`COPY_PARAM_BYTES`] each, once
+/// however many replicas train): the reference trainer copies its state once, into the
+/// final checkpoint; a pipeline's ranks hand their states over and the checkpoint is
+/// assembled from them: two.
+pub const fn state_copies(pipelined: bool) -> u64 {
+    if pipelined { 2 } else { 1 }
 }
-/// Bytes per parameter that `train.precision` adds to [`PARAM_BYTES`] (which is f32's): in
-/// bf16 the value the layers compute with takes 2 bytes instead of 4, the f32 master weights
-/// 4 more (with the moments, what a sharded optimizer divides: [`sharded_bytes`]), and
-/// every host copy of initialisation and the final checkpoint holds the master beside the
-/// value and moments (16 bytes instead of 12: a third more of [`COPY_PARAM_BYTES`]).
-/// Gradients stay f32 in either (accumulated over micro-batches and all-reduced).
-pub const fn precision_param_bytes(precision: DType) -> u64 {
+
+/// Bytes per parameter `train.precision` adds to a replica's live state
+/// ([`LIVE_PARAM_BYTES`] is f32's): in bf16 the value the layers compute with takes 2 bytes
+/// instead of 4, and the f32 master weights 4 more (with the moments, what a sharded
+/// optimizer divides: [`sharded_bytes`]). Gradients stay f32 in either (accumulated over
+/// micro-batches and all-reduced).
+pub const fn live_precision_bytes(precision: DType) -> u64 {
     match precision {
         DType::F32 => 0,
-        DType::Bf16 => MASTER_BYTES + COPY_PARAM_BYTES / 3 - (4 - 2),
+        DType::Bf16 => MASTER_BYTES - (4 - 2),
+    }
+}
+
+/// Bytes per parameter `train.precision` adds to one host copy of the state: in bf16 the
+/// master beside the value and the moments (16 bytes instead of 12).
+pub const fn copy_precision_bytes(precision: DType) -> u64 {
+    match precision {
+        DType::F32 => 0,
+        DType::Bf16 => MASTER_BYTES,
     }
 }
 

@@ -467,7 +467,7 @@ pub(super) fn drafter_bytes(
         what,
         &[
             mul(what, &[replicas, trained, k(LIVE_PARAM_BYTES)])?,
-            mul(what, &[trained, k(PARAM_BYTES - LIVE_PARAM_BYTES)])?,
+            mul(what, &[trained, k(2 * COPY_PARAM_BYTES)])?,
         ],
     )?;
     // The proposer's weights and their f16 packs with the head's; or the held-out

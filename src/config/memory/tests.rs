@@ -507,15 +507,16 @@ fn bf16_counts_the_master_weights_and_stashes_at_two_bytes() {
         e.parts.iter().find(|p| p.what == what).unwrap().bytes
     };
     let bf16 = "train.precision=\"bf16\"";
-    // Per parameter: 64 bytes in f32; in bf16 the value's 2 bytes saved, the master's 4
-    // and the checkpoint copies' 16 added.
+    // Per parameter of the default (pipelined) job: 16 bytes live and two host copies of
+    // 16 in f32; in bf16 the value's 2 bytes saved, the master's 4 added, live and in each
+    // copy.
     let params = "parameters, gradients and optimizer state";
     let (f, b) = (part(&[], params), part(&[bf16], params));
-    assert_eq!(
-        PARAM_BYTES + precision_param_bytes(crate::tensor::DType::Bf16),
-        82
-    );
-    assert_eq!(b * PARAM_BYTES, f * 82, "{f} against {b}");
+    let bf16_live = LIVE_PARAM_BYTES + live_precision_bytes(crate::tensor::DType::Bf16);
+    let bf16_copy = COPY_PARAM_BYTES + copy_precision_bytes(crate::tensor::DType::Bf16);
+    let f32_per = LIVE_PARAM_BYTES + 2 * COPY_PARAM_BYTES;
+    assert_eq!((f32_per, bf16_live + 2 * bf16_copy), (48, 58));
+    assert_eq!(b * f32_per, f * 58, "{f} against {b}");
     // The stash is half; the working sets and the head's f32 `dW` are not.
     for seq in ["model.seq_len=64", "model.seq_len=512"] {
         let (f, b) = (
@@ -530,6 +531,9 @@ fn bf16_counts_the_master_weights_and_stashes_at_two_bytes() {
         part(&zero, params),
         part(&[&zero[..], &[bf16]].concat(), params),
     );
-    let p = f / (2 * PARAM_BYTES - MOMENT_BYTES);
-    assert_eq!(b, p * (2 * 82 - MOMENT_BYTES - MASTER_BYTES));
+    let p = f / (2 * LIVE_PARAM_BYTES - MOMENT_BYTES + 2 * COPY_PARAM_BYTES);
+    assert_eq!(
+        b,
+        p * (2 * bf16_live - MOMENT_BYTES - MASTER_BYTES + 2 * bf16_copy)
+    );
 }
