@@ -14,36 +14,20 @@ use std::time::{Duration, Instant};
 use pipefill::model::checkpoint::Checkpoint;
 
 mod common;
-use common::{assert_bitwise, clean, text};
+use common::{LAUNCHED_MODEL, assert_bitwise, clean, text};
 
 const EXE: &str = env!("CARGO_BIN_EXE_pipefill");
 
-/// Four ranks of ZB-H1 with clipping on (the ranks' gradient statistics cross processes).
+/// Four ranks of ZB-H1 on [`LAUNCHED_MODEL`].
 const JOB: &[&str] = &[
     "schedule=\"zb-h1\"",
     "stages=4",
     "filler=\"none\"",
-    "model.d_model=16",
-    "model.heads=2",
-    "model.layers=4",
-    "model.seq_len=32",
-    "train.micro_batches=4",
-    "train.micro_batch_size=2",
-    "train.steps=3",
-    "train.clip=0.5",
     "train.eval_tasks=2",
-    "data.summary_tasks=50",
 ];
 
 fn train_args(out: &Path, extra: &[&str]) -> Vec<String> {
-    let mut args = vec!["train".to_string()];
-    for s in JOB.iter().chain(extra) {
-        args.push("--set".into());
-        args.push(s.to_string());
-    }
-    args.push("--out-dir".into());
-    args.push(out.display().to_string());
-    args
+    common::train_args(out, JOB.iter().chain(&LAUNCHED_MODEL).chain(extra).copied())
 }
 
 /// The in-process run's checkpoint (computed once per test that needs it).

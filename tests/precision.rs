@@ -25,7 +25,7 @@ use pipefill::train::{StepMetrics, Trainer};
 mod common;
 use common::job::{one_replica_layout, sorted_bits, tiny_job};
 use common::rollouts::{self, requests};
-use common::{assert_bitwise, clean, text};
+use common::{LAUNCHED_MODEL, assert_bitwise, clean, text};
 use pipefill::model::infer::InferStage;
 use pipefill::model::{Cut, Gpt};
 use pipefill::rl::rollout::{RolloutConfig, RolloutEngine, RolloutOutput, Speculation};
@@ -234,16 +234,7 @@ fn a_launched_bf16_run_is_bitwise_the_in_process_one() {
         "model.positions=\"rope\"",
         "model.activation=\"swiglu\"",
         "model.kv_heads=1",
-        "model.d_model=16",
-        "model.heads=2",
-        "model.layers=4",
-        "model.seq_len=32",
-        "train.micro_batches=4",
-        "train.micro_batch_size=2",
-        "train.steps=3",
-        "train.clip=0.5",
         "train.eval_tasks=0",
-        "data.summary_tasks=50",
     ];
     let dir = tempfile::tempdir().unwrap();
     let run = |launched: bool| {
@@ -254,11 +245,11 @@ fn a_launched_bf16_run_is_bitwise_the_in_process_one() {
         if launched {
             cmd.args(["launch", "-n", "4", "--"]);
         }
-        cmd.arg("train");
-        for s in sets {
-            cmd.args(["--set", s]);
-        }
-        let out = cmd.arg("--out-dir").arg(&out_dir).output().unwrap();
+        let sets = sets.iter().chain(&LAUNCHED_MODEL).copied();
+        let out = cmd
+            .args(common::train_args(&out_dir, sets))
+            .output()
+            .unwrap();
         assert!(out.status.success(), "{}", text(&out));
         Checkpoint::load(&out_dir.join("checkpoint")).unwrap()
     };

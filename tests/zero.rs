@@ -12,40 +12,29 @@ use pipefill::config::memory::{MOMENT_BYTES, MemoryEstimate, Workload};
 use pipefill::model::checkpoint::Checkpoint;
 
 mod common;
-use common::{assert_bitwise, clean, one_line_error, text};
+use common::{LAUNCHED_MODEL, assert_bitwise, clean, one_line_error, text};
 
 const EXE: &str = env!("CARGO_BIN_EXE_pipefill");
 
-/// Two replicas of two ZB-H1 ranks, clipped on every step (so the gradient norm decides
-/// the update), checkpointing every 2 steps.
+/// Two replicas of two ZB-H1 ranks on [`LAUNCHED_MODEL`] (clipped on every step, so the
+/// gradient norm decides the update), checkpointing every 2 steps.
 const JOB: &[&str] = &[
     "schedule=\"zb-h1\"",
     "stages=2",
     "dp=2",
     "filler=\"none\"",
-    "model.d_model=16",
-    "model.heads=2",
-    "model.layers=4",
-    "model.seq_len=32",
-    "train.micro_batches=4",
-    "train.micro_batch_size=2",
-    "train.steps=3",
-    "train.clip=0.5",
     "train.eval_tasks=2",
-    "data.summary_tasks=50",
     "checkpoint_every=2",
 ];
 const SHARD: &str = "optimizer.shard=true";
 
+/// The job's settings, then `extra`.
+fn sets<'a>(extra: &'a [&'a str]) -> impl Iterator<Item = &'a str> {
+    JOB.iter().chain(&LAUNCHED_MODEL).chain(extra).copied()
+}
+
 fn train_args(out: &Path, extra: &[&str]) -> Vec<String> {
-    let mut args = vec!["train".to_string()];
-    for s in JOB.iter().chain(extra) {
-        args.push("--set".into());
-        args.push(s.to_string());
-    }
-    args.push("--out-dir".into());
-    args.push(out.display().to_string());
-    args
+    common::train_args(out, sets(extra))
 }
 
 /// Runs `train` in one process into `dir`; its final checkpoint.
@@ -162,9 +151,7 @@ fn a_resume_crosses_between_sharded_and_unsharded_runs_bitwise() {
 
 #[test]
 fn the_memory_estimate_counts_the_moments_once_among_the_replicas() {
-    let sets = |extra: &[&str]| -> Vec<String> {
-        JOB.iter().chain(extra).map(|s| s.to_string()).collect()
-    };
+    let sets = |extra: &[&str]| -> Vec<String> { sets(extra).map(str::to_string).collect() };
     let live = |job: &JobConfig| {
         MemoryEstimate::of(job, Workload::Train)
             .unwrap()

@@ -42,6 +42,32 @@ pub const TINY_PIPELINE: [&str; 10] = [
     TINY_MODEL[6],
 ];
 
+/// The launched tests' model and batch: four layers (so four stages fit), 4 micro-batches
+/// of 2, 3 steps, clipped on every step (the gradient norm crosses processes).
+pub const LAUNCHED_MODEL: [&str; 9] = [
+    "model.d_model=16",
+    "model.heads=2",
+    "model.layers=4",
+    "model.seq_len=32",
+    "train.micro_batches=4",
+    "train.micro_batch_size=2",
+    "train.steps=3",
+    "train.clip=0.5",
+    "data.summary_tasks=50",
+];
+
+/// `train` with each of `sets` as a `--set`, into `out`.
+pub fn train_args<'a>(out: &Path, sets: impl IntoIterator<Item = &'a str>) -> Vec<String> {
+    let mut args = vec!["train".to_string()];
+    for s in sets {
+        args.push("--set".into());
+        args.push(s.to_string());
+    }
+    args.push("--out-dir".into());
+    args.push(out.display().to_string());
+    args
+}
+
 /// Variables a rank reads its identity from (pipefill's own, torchrun's, PMI's, Slurm's,
 /// OpenMPI's) and the job token: a test run under a launcher must not pass them on, or its
 /// children would take themselves for ranks of the test's own job.

@@ -176,13 +176,17 @@ fn the_file_keeps_no_frozen_tables_and_an_older_file_with_them_still_loads() {
             .all(|t| !FROZEN.iter().any(|f| t.name.ends_with(f))),
         "the drafter's file holds a frozen table"
     );
+    // The file's parts, and a drafter restored from them on a fresh trainer of the target.
+    let parts = |tensors: &[HostTensor]| DrafterState::from_parts(&meta, tensors, d).unwrap();
+    let restore = |state: &DrafterState| {
+        let mut restored = trainer(&gpt, &buffer);
+        restored
+            .import_state(&state.weights, &state.optimizer, state.samplers[0])
+            .unwrap();
+        restored
+    };
     // A restored drafter reads the tables of the target it drafts for.
-    let state = DrafterState::from_parts(&meta, &tensors, d).unwrap();
-    let mut restored = trainer(&gpt, &buffer);
-    let (weights, optimizer) = (&state.weights, &state.optimizer);
-    restored
-        .import_state(weights, optimizer, state.samplers[0])
-        .unwrap();
+    let restored = restore(&parts(&tensors));
     assert_eq!(
         restored.drafter().frozen_tensors().unwrap(),
         t.drafter().frozen_tensors().unwrap()
@@ -203,12 +207,8 @@ fn the_file_keeps_no_frozen_tables_and_an_older_file_with_them_still_loads() {
         })
         .collect();
     tensors.extend(older.iter().cloned());
-    let state = DrafterState::from_parts(&meta, &tensors, d).unwrap();
-    let mut restored = trainer(&gpt, &buffer);
-    let (weights, optimizer) = (&state.weights, &state.optimizer);
-    restored
-        .import_state(weights, optimizer, state.samplers[0])
-        .unwrap();
+    let state = parts(&tensors);
+    let mut restored = restore(&state);
     let tables = restored.drafter().frozen_tensors().unwrap();
     assert_eq!(tables[0].values, older[0].data);
     assert_eq!(tables[1].values, older[1].data);
