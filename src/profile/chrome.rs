@@ -18,6 +18,8 @@
 //! the spans of one rank never do.
 
 use pipefill_schedules::Timeline;
+use std::io::Write;
+
 use serde_json::{Value, json};
 
 use super::{LaneSpan, lane_names};
@@ -36,6 +38,8 @@ pub struct ChromeOptions {
     pub us_per_unit: f64,
     /// Also write every bubble slot as an event named `bubble` on lane [`BUBBLE_LANE`].
     pub bubbles: bool,
+    /// Each rank's process name, by rank; `rank N` for a rank past its end.
+    pub process_names: Vec<String>,
 }
 
 impl Default for ChromeOptions {
@@ -43,6 +47,7 @@ impl Default for ChromeOptions {
         ChromeOptions {
             us_per_unit: 1000.0,
             bubbles: false,
+            process_names: Vec::new(),
         }
     }
 }
@@ -62,30 +67,73 @@ pub fn chrome_trace(timeline: &Timeline, opts: &ChromeOptions) -> Value {
 /// The trace of `timeline` plus `extra` spans (filler work, transfers, …), each distinct
 /// lane name on its own thread of its rank, from [`FIRST_EXTRA_LANE`] on.
 pub fn chrome_trace_with(timeline: &Timeline, extra: &[LaneSpan], opts: &ChromeOptions) -> Value {
+    let mut events = Vec::new();
+    for_each_event(timeline, extra, opts, |e| {
+        events.push(e);
+        Ok(())
+    })
+    .unwrap_or_default();
+    json!({ "traceEvents": events, "displayTimeUnit": "ms" })
+}
+
+/// [`chrome_trace_with`] written to `out` event by event: a whole run's trace is the
+/// largest thing a run writes, and as a [`Value`] it would be held whole, several times
+/// its text's size, at the end of the run (the peak of a long run's memory).
+pub fn write_chrome_trace(
+    out: impl Write,
+    timeline: &Timeline,
+    extra: &[LaneSpan],
+    opts: &ChromeOptions,
+) -> std::io::Result<()> {
+    let mut out = std::io::BufWriter::new(out);
+    out.write_all(b"{\"traceEvents\":[")?;
+    let mut first = true;
+    for_each_event(timeline, extra, opts, |e| {
+        if !first {
+            out.write_all(b",")?;
+        }
+        first = false;
+        serde_json::to_writer(&mut out, &e).map_err(std::io::Error::from)
+    })?;
+    out.write_all(b"],\"displayTimeUnit\":\"ms\"}")?;
+    out.flush()
+}
+
+/// Every event of the trace, in order, handed to `emit` one at a time.
+fn for_each_event(
+    timeline: &Timeline,
+    extra: &[LaneSpan],
+    opts: &ChromeOptions,
+    mut emit: impl FnMut(Value) -> std::io::Result<()>,
+) -> std::io::Result<()> {
     let scale = if opts.us_per_unit > 0.0 {
         opts.us_per_unit
     } else {
         1000.0
     };
-    let mut events = Vec::new();
     for r in &timeline.ranks {
-        events.push(json!({
+        let name = opts
+            .process_names
+            .get(r.rank)
+            .cloned()
+            .unwrap_or_else(|| format!("rank {}", r.rank));
+        emit(json!({
             "name": "process_name", "ph": "M", "pid": r.rank, "tid": COMPUTE_LANE,
-            "args": { "name": format!("rank {}", r.rank) }
-        }));
-        events.push(json!({
+            "args": { "name": name }
+        }))?;
+        emit(json!({
             "name": "process_sort_index", "ph": "M", "pid": r.rank, "tid": COMPUTE_LANE,
             "args": { "sort_index": r.rank }
-        }));
-        events.push(json!({
+        }))?;
+        emit(json!({
             "name": "thread_name", "ph": "M", "pid": r.rank, "tid": COMPUTE_LANE,
             "args": { "name": "compute" }
-        }));
+        }))?;
         if opts.bubbles {
-            events.push(json!({
+            emit(json!({
                 "name": "thread_name", "ph": "M", "pid": r.rank, "tid": BUBBLE_LANE,
                 "args": { "name": "bubbles" }
-            }));
+            }))?;
         }
     }
     for span in &timeline.spans {
@@ -101,7 +149,7 @@ pub fn chrome_trace_with(timeline: &Timeline, extra: &[LaneSpan], opts: &ChromeO
             args["backward_microbatch"] = json!(b.microbatch);
         }
         let (ts, dur) = ts_dur(span.start, span.end, scale);
-        events.push(json!({
+        emit(json!({
             "name": a.to_string(),
             "cat": a.kind.as_str(),
             "ph": "X",
@@ -110,12 +158,12 @@ pub fn chrome_trace_with(timeline: &Timeline, extra: &[LaneSpan], opts: &ChromeO
             "ts": ts,
             "dur": dur,
             "args": args,
-        }));
+        }))?;
     }
     if opts.bubbles {
         for slot in &timeline.slots {
             let (ts, dur) = ts_dur(slot.start, slot.start + slot.length, scale);
-            events.push(json!({
+            emit(json!({
                 "name": "bubble",
                 "cat": "bubble",
                 "ph": "X",
@@ -128,7 +176,7 @@ pub fn chrome_trace_with(timeline: &Timeline, extra: &[LaneSpan], opts: &ChromeO
                     "before": slot.before.map(|a| a.to_string()),
                     "after": slot.after.map(|a| a.to_string()),
                 },
-            }));
+            }))?;
         }
     }
     let lanes = lane_names(extra);
@@ -139,13 +187,13 @@ pub fn chrome_trace_with(timeline: &Timeline, extra: &[LaneSpan], opts: &ChromeO
         let tid = tid_of(&span.lane);
         if !named.contains(&(span.rank, tid)) {
             named.push((span.rank, tid));
-            events.push(json!({
+            emit(json!({
                 "name": "thread_name", "ph": "M", "pid": span.rank, "tid": tid,
                 "args": { "name": span.lane }
-            }));
+            }))?;
         }
         let (ts, dur) = ts_dur(span.start, span.end, scale);
-        events.push(json!({
+        emit(json!({
             "name": span.label,
             "cat": span.lane,
             "ph": "X",
@@ -154,9 +202,9 @@ pub fn chrome_trace_with(timeline: &Timeline, extra: &[LaneSpan], opts: &ChromeO
             "ts": ts,
             "dur": dur,
             "args": { "start": span.start, "end": span.end },
-        }));
+        }))?;
     }
-    json!({ "traceEvents": events, "displayTimeUnit": "ms" })
+    Ok(())
 }
 
 /// The trace of `timeline` as JSON text, ready to write to a `.json` file.
@@ -170,8 +218,10 @@ pub fn chrome_trace_json_with(
     extra: &[LaneSpan],
     opts: &ChromeOptions,
 ) -> String {
-    // Serialising a `Value` built from numbers and strings cannot fail.
-    serde_json::to_string(&chrome_trace_with(timeline, extra, opts)).unwrap_or_default()
+    let mut text = Vec::new();
+    // Writing numbers and strings to memory cannot fail, and JSON is UTF-8.
+    write_chrome_trace(&mut text, timeline, extra, opts).unwrap_or_default();
+    String::from_utf8(text).unwrap_or_default()
 }
 
 #[cfg(test)]
@@ -242,6 +292,7 @@ mod tests {
             &ChromeOptions {
                 us_per_unit: 1.0,
                 bubbles: true,
+                ..ChromeOptions::default()
             },
         );
         let mut xs: Vec<(u64, u64, f64, f64)> = x_events(&v)
@@ -289,5 +340,27 @@ mod tests {
             .map(|e| e["pid"].as_u64().unwrap())
             .collect();
         assert_eq!(names, vec![0, 1]);
+    }
+
+    #[test]
+    fn the_written_trace_is_the_value_and_names_processes_as_asked() {
+        let t = two_rank_timeline();
+        let opts = ChromeOptions {
+            bubbles: true,
+            process_names: vec!["replica 0 · stage 0".into()],
+            ..ChromeOptions::default()
+        };
+        let mut text = Vec::new();
+        write_chrome_trace(&mut text, &t, &fillers(), &opts).unwrap();
+        let written: Value = serde_json::from_slice(&text).unwrap();
+        assert_eq!(written, chrome_trace_with(&t, &fillers(), &opts));
+        let names: Vec<_> = written["traceEvents"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["name"] == "process_name")
+            .map(|e| e["args"]["name"].as_str().unwrap().to_string())
+            .collect();
+        assert_eq!(names, ["replica 0 · stage 0", "rank 1"]);
     }
 }

@@ -27,7 +27,7 @@ use pipefill_schedules::{Plan, Span, Timeline};
 use serde::{Deserialize, Serialize};
 
 use super::LaneSpan;
-use super::chrome::{ChromeOptions, chrome_trace_with};
+use super::chrome::{ChromeOptions, write_chrome_trace};
 use super::report::{BubbleReport, REPORT_JSON, REPORT_TXT, RunInfo, steady_iteration};
 use super::svg::{SvgOptions, svg_with};
 use crate::comm::link::{Channel, PeerLink};
@@ -430,23 +430,22 @@ impl MergedProfile {
             std::fs::write(&path, body).map_err(|error| ProfileError::Write { path, error })?;
         }
 
-        let mut trace = chrome_trace_with(
-            &self.overall,
-            &self.lanes,
-            &ChromeOptions {
-                us_per_unit: 1e6,
-                bubbles: true,
-            },
-        );
-        self.name_processes(&mut trace);
-        let write = |name: &str, bytes: Vec<u8>| {
-            let path = dir.join(name);
-            std::fs::write(&path, bytes).map_err(|error| ProfileError::Write { path, error })
-        };
-        write(
-            "trace.json",
-            serde_json::to_vec(&trace).expect("a trace always serializes"),
-        )?;
+        let path = dir.join("trace.json");
+        let trace = std::fs::File::create(&path).and_then(|file| {
+            write_chrome_trace(
+                file,
+                &self.overall,
+                &self.lanes,
+                &ChromeOptions {
+                    us_per_unit: 1e6,
+                    bubbles: true,
+                    process_names: (0..self.overall.ranks.len())
+                        .map(|rank| self.process_name(rank))
+                        .collect(),
+                },
+            )
+        });
+        trace.map_err(|error| ProfileError::Write { path, error })?;
 
         // The picture: the steady step only, in milliseconds from its own start.
         let (start, end) = (
@@ -486,28 +485,13 @@ impl MergedProfile {
                 ..SvgOptions::default()
             },
         );
-        write("timeline.svg", svg.into_bytes())?;
+        let path = dir.join("timeline.svg");
+        std::fs::write(&path, svg).map_err(|error| ProfileError::Write { path, error })?;
         Ok(report)
     }
 }
 
 impl MergedProfile {
-    /// Renames the trace's processes by replica and stages (the trace writer names them
-    /// `rank N` only).
-    fn name_processes(&self, trace: &mut serde_json::Value) {
-        let Some(events) = trace
-            .get_mut("traceEvents")
-            .and_then(serde_json::Value::as_array_mut)
-        else {
-            return;
-        };
-        for e in events.iter_mut().filter(|e| e["name"] == "process_name") {
-            if let Some(rank) = e["pid"].as_u64() {
-                e["args"]["name"] = self.process_name(rank as usize).into();
-            }
-        }
-    }
-
     /// The report's section on every replica's figures in `measured` (step `step`) and the
     /// whole run's, in the report's units.
     fn replica_text(&self, measured: &Timeline, step: usize, units: &str) -> String {

@@ -109,6 +109,7 @@ pub(crate) fn export_cmd(args: ExportArgs, limit: &MemoryLimit) -> Result<()> {
                 let opts = ChromeOptions {
                     us_per_unit: args.us_per_unit,
                     bubbles: args.bubbles,
+                    ..ChromeOptions::default()
                 };
                 (
                     chrome_trace_json(&timeline, &opts) + "\n",

@@ -19,7 +19,7 @@ use std::path::Path;
 use crate::config::JobConfig;
 use crate::pipeline::{Clock, PipelineRun};
 use crate::profile::LaneSpan;
-use crate::profile::chrome::{ChromeOptions, chrome_trace_with};
+use crate::profile::chrome::{ChromeOptions, write_chrome_trace};
 use crate::profile::report::{
     ActionCosts, BubbleReport, Filling, RunInfo, WorkFigures, action_costs, median_step_makespan,
     steady_iteration, step_inflations,
@@ -146,18 +146,19 @@ pub(super) fn write_profile(
     for it in iterations {
         extra.extend(lane_spans(it));
     }
-    let trace = chrome_trace_with(
+    let path = dir.join("trace.json");
+    let file = std::fs::File::create(&path).map_err(|e| RunError::write(&path, e))?;
+    write_chrome_trace(
+        file,
         &run.report.overall,
         &extra,
         &ChromeOptions {
             us_per_unit: 1e6,
             bubbles: true,
+            ..ChromeOptions::default()
         },
-    );
-    let path = dir.join("trace.json");
-    let file = std::fs::File::create(&path).map_err(|e| RunError::write(&path, e))?;
-    serde_json::to_writer(std::io::BufWriter::new(file), &trace)
-        .map_err(|e| RunError::write(&path, e.into()))?;
+    )
+    .map_err(|e| RunError::write(&path, e))?;
 
     // The picture shows the reported step in milliseconds, with the filler work (if any)
     // along the bottom of each lane. Waits are left out: they are the bubbles themselves.
