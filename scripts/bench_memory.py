@@ -9,9 +9,13 @@ optimizer").
 AXIS is the setting that varies:
 - `precision`: train.precision = f32, bf16;
 - `recompute`: train.recompute = none, selective, full;
-- `shard`: optimizer.shard = false, true, at dp = 2 (the job's stages × 2 replicas).
+- `shard`: optimizer.shard = false, true, at dp = 2 (the job's stages × 2 replicas);
+- `path`: the reference trainer, the pipeline, the pipeline with the drafter filling its
+  bubbles (a job of one device pipelined as 2 stages of 1F1B): how close the estimate is.
 
-JOB is `default` (the default job: 4 pipelined stages, drafter filler), `seq512` (the
+JOB is `default` (the default job as `pipefill train` runs it: 400 steps, 4 pipelined
+stages of ZB-H1, drafter filler), `llama135m` (SmolLM-135M's shape, 2 steps of 4 × 4 × 64
+tokens, one device), `seq512` (the
 default job at seq_len 512, where activations weigh most), `d512` (d_model 512, 25 M
 parameters, 2 stages, no filler), `qwen05` (Qwen2.5-0.5B's shape: vocab 151936, d_model
 896, 14 heads over 2, q/k/v biases, intermediate 4864, tied embeddings; at 2 of its 24
@@ -55,9 +59,31 @@ QWEN05 = [
     "data.summary_tasks=50",
 ]
 
+# SmolLM-135M's shape (Llama: vocab 49152, d_model 576, 30 layers, 9 heads over 3,
+# intermediate 1536, tied), 2 steps of 4 micro-batches of 4 × 64 tokens, whole on one device.
+LLAMA135M = [
+    "model.vocab=49152",
+    "model.d_model=576",
+    "model.heads=9",
+    "model.kv_heads=3",
+    "model.layers=30",
+    "model.intermediate=1536",
+    'model.positions="rope"',
+    'model.activation="swiglu"',
+    "model.tie_embeddings=true",
+    "model.seq_len=64",
+    'schedule="none"',
+    "train.micro_batches=4",
+    "train.micro_batch_size=4",
+    "train.steps=2",
+    "train.eval_tasks=0",
+    "data.summary_tasks=50",
+]
+
 # Each job's `--set`s, other arguments, and its ranks (per replica).
 JOBS = {
-    "default": (["train.steps=30", "train.eval_tasks=0"], [], 4),
+    "default": ([], [], 4),
+    "llama135m": (LLAMA135M, [], 1),
     "seq512": (["model.seq_len=512", "train.steps=5", "train.eval_tasks=0"], [], 4),
     "d512": (
         [
@@ -100,6 +126,13 @@ AXES = {
     "recompute": [
         (mode, [f'train.recompute="{mode}"']) for mode in ("none", "selective", "full")
     ],
+    # The reference trainer, the pipeline, and the pipeline with the drafter in its bubbles
+    # (a job whose own schedule is "none" is pipelined as 2 stages of 1F1B).
+    "path": [
+        ("reference", ['schedule="none"', 'filler="none"']),
+        ("pipeline", ['filler="none"']),
+        ("drafter", ['filler="drafter"']),
+    ],
     "shard": [
         ("unsharded", ["dp=2", "optimizer.shard=false"]),
         ("sharded", ["dp=2", "optimizer.shard=true"]),
@@ -122,6 +155,10 @@ def estimate_mib(text):
 
 def args_of(job, value_sets, out):
     sets, extra, _ = JOBS[job]
+    if 'schedule="none"' in sets and 'schedule="none"' not in value_sets and any(
+        v.startswith("filler=") for v in value_sets
+    ):
+        value_sets = ["stages=2", 'schedule="1f1b"'] + value_sets
     args = ["train"]
     for s in sets + value_sets:
         args += ["--set", s]

@@ -72,18 +72,19 @@ impl MemoryEstimate {
         let mut parts: Vec<(&'static str, Size)> = Vec::new();
         let p = params(job)?;
         let live_param = LIVE_PARAM_BYTES + live_precision_bytes(t.precision);
-        // Held once whatever `dp` is: the final checkpoint's host copies of the state (or,
-        // while periodic checkpoints are written, their buffers), and in `pipefill rl` the
-        // rollout engine's copy of the policy and the reference policy.
-        let copies = state_copies(!job.schedule.is_none())
-            * (COPY_PARAM_BYTES + copy_precision_bytes(t.precision));
-        let held = match job.checkpoint_every {
-            0 => copies,
-            _ => copies.max(CHECKPOINT_PARAM_BYTES),
-        } + match workload {
+        // Held once whatever `dp` is: in `pipefill rl` the rollout engine's copy of the
+        // policy and the reference policy; while periodic checkpoints are written, their
+        // buffers (beside the activations); after the last step, the final checkpoint's
+        // host copies of the state (when the activations are gone: the larger counts).
+        let held = match workload {
             Workload::Train => 0,
             Workload::Rl => RL_PARAM_BYTES,
         };
+        let periodic = match job.checkpoint_every {
+            0 => 0,
+            _ => CHECKPOINT_PARAM_BYTES,
+        };
+        let copy = COPY_PARAM_BYTES + copy_precision_bytes(t.precision);
         let sharded = sharded_bytes(t.precision);
         // Every data-parallel replica holds the model, its gradients and moments and its
         // activations (in one process or spread over `dp × stages` processes).
@@ -146,7 +147,18 @@ impl MemoryEstimate {
                 acts = update;
             }
         }
-        parts.push(("activations", acts));
+        // The step's peak (activations, periodic checkpoints' buffers) and the end's (the
+        // final checkpoint's copies) do not coexist.
+        let buffers = mul("the parameters", &[p, k(periodic)])?;
+        let copies = mul("the parameters", &[p, k(copy), dp])?;
+        if copies.n > acts.n.saturating_add(buffers.n) {
+            parts.push(("the final checkpoint's copies", copies));
+        } else {
+            parts.push(("activations", acts));
+            if buffers.n > 0 {
+                parts.push(("checkpoint buffers", buffers));
+            }
+        }
 
         let steps = match workload {
             Workload::Train => f("train.steps", t.steps),
@@ -162,6 +174,15 @@ impl MemoryEstimate {
                 )?,
             ],
         )?;
+        // Filler work in a pipeline's bubbles: each slice's span, kept for the trace.
+        let fill_bytes = match job.filler == Filler::None || job.schedule.is_none() {
+            true => k(0),
+            false => mul(
+                "the per-step records",
+                &[flight.ranks, k(FILL_RECORD_BYTES), dp],
+            )?,
+        };
+        let step_bytes = add("the per-step records", &[step_bytes, fill_bytes])?;
         let records = mul("the per-step records", &[steps, step_bytes])?;
         let plan = mul("the plan", &[flight.actions, k(PLAN_ACTION_BYTES)])?;
         parts.push((

@@ -87,9 +87,13 @@ fn check_memory(
                 },
             });
         }
+        let parts: Vec<String> = (estimate.parts.iter())
+            .map(|p| format!("{} {}", p.what, Bytes(p.bytes)))
+            .collect();
         show.line(&format!(
-            "memory: {} estimated, {limit}",
-            Bytes(estimate.total)
+            "memory: {} estimated ({}), {limit}",
+            Bytes(estimate.total),
+            parts.join(", ")
         ));
     }
     Ok(())

@@ -8,26 +8,18 @@ pub const LIVE_PARAM_BYTES: u64 = 16;
 /// Of [`LIVE_PARAM_BYTES`], the two f32 AdamW moments: what a sharded optimizer
 /// (`optimizer.shard`, ZeRO-1) divides among the `dp` replicas.
 pub const MOMENT_BYTES: u64 = 8;
-/// Bytes per parameter of one host copy of the state (value and both moments, 12 bytes in
-/// f32), with a third again for what initialisation copies beside it. Calibrated at
-/// Qwen2.5-0.5B's shape, where the final checkpoint's copy makes the peak
-/// (docs/benchmarks.md, "Activation recomputation").
+/// Bytes per parameter of one host copy of the state made at the end of a run (value and
+/// both moments, 12 bytes in f32, with a third again for what is copied beside it while
+/// the checkpoint is assembled and written). One per replica: each replica hands its final
+/// state over. Measured: 12-14 bytes a parameter beside the live state at Qwen2.5-0.5B's
+/// shape and at `d_model` 512 (docs/benchmarks.md, "Memory estimate calibration").
 pub const COPY_PARAM_BYTES: u64 = 16;
 /// Bytes per parameter a run's periodic checkpoints hold while the ranks train
 /// (`checkpoint_every > 0`): the ranks' deposited state (value and both moments, 12 bytes)
 /// twice, the checkpoint being written and the next one's deposits waiting for it (one
 /// writer at a time, `crate::pipeline::shared`; the files are streamed from those tensors,
-/// with no serialized copy). It coexists with the live state, not with the copies of the
-/// final checkpoint, so the larger of the two is counted.
+/// with no serialized copy). It coexists with the live state and the activations.
 pub const CHECKPOINT_PARAM_BYTES: u64 = 24;
-
-/// Host copies of the whole state a run holds at its end ([`COPY_PARAM_BYTES`] each, once
-/// however many replicas train): the reference trainer copies its state once, into the
-/// final checkpoint; a pipeline's ranks hand their states over and the checkpoint is
-/// assembled from them: two.
-pub const fn state_copies(pipelined: bool) -> u64 {
-    if pipelined { 2 } else { 1 }
-}
 
 /// Bytes per parameter `train.precision` adds to a replica's live state
 /// ([`LIVE_PARAM_BYTES`] is f32's): in bf16 the value the layers compute with takes 2 bytes
@@ -81,19 +73,24 @@ pub const RL_PARAM_BYTES: u64 = 16;
 pub const STEP_LINE_BYTES: u64 = 1024;
 /// Bytes of one activation element (f32 storage).
 pub(super) const ELEMENT: u64 = 4;
-/// Activation elements per token and layer that a forward stashes, in units of `d_model`
-/// (layer input, q, k, v, attention output, norms, residuals, the MLP's input, and what I
-/// leaves for W) and of the MLP's hidden width (pre-activation, activation, gate, up and
-/// their product): over what the layers keep, so that the estimate stays above the
-/// measured peaks (docs/benchmarks.md, "Memory estimate calibration").
+/// A drafter slice's activation elements per position, in units of `d_model` and of the
+/// MLP's hidden width (with 8 and 2 more of each for its input projection and unrolled
+/// positions, [`super::parts`]'s `drafter_bytes`): an allowance over what its block keeps.
+/// The target's blocks are counted element by element (`Recompute::block_stash`).
 pub(super) const STASH_PER_D: u64 = 16;
 pub(super) const STASH_PER_HIDDEN: u64 = 5;
 /// Bytes of the process itself (binary, runtime, allocator slack) and per pipeline rank
-/// (its thread, channels and buffers).
-pub(super) const PROCESS_BYTES: u64 = 32 << 20;
-pub(super) const RANK_BYTES: u64 = 4 << 20;
+/// (its thread, channels and buffers): a one-stage run of a tiny model peaks at 12.3 MB,
+/// a four-stage one at 14.8 MB (docs/benchmarks.md, "Memory estimate calibration").
+pub(super) const PROCESS_BYTES: u64 = 14 << 20;
+pub(super) const RANK_BYTES: u64 = 1 << 20;
 /// Bytes of one generated task besides its text (its strings' headers, family, size).
 pub(super) const TASK_BYTES: u64 = 256;
+/// Bytes a run keeps per rank and step for the filler work in its bubbles: every slice's
+/// span (its label, times and cost), kept for the run's trace. Measured on the default job
+/// (about 22 drafter slices a rank and step): its peak RSS grows by 28 KB a rank and step
+/// with the drafter, 3 KB without (docs/benchmarks.md, "Memory estimate calibration").
+pub const FILL_RECORD_BYTES: u64 = 20 << 10;
 /// Bytes a run keeps per action and step: the runtime's measured span and action record.
 pub(super) const ACTION_RECORD_BYTES: u64 = 256;
 /// Bytes per action of a plan: the action (24) in the plan, its lowered copy with the

@@ -18,11 +18,10 @@ use crate::schedules::{CostModel, generate, peak_memory};
 pub(super) const MILLI: u64 = 1000;
 
 /// The stash of each rank in units of one micro-batch's stash on one stage without
-/// recomputation (the calibrated `STASH_PER_D`, `STASH_PER_HIDDEN` and probabilities): a
-/// forward holds the share its mode keeps (the ratio of the layers' element counts,
-/// [`Recompute::block_stash`]); I leaves half of the calibrated stash for W in every mode
-/// (W's inputs and output gradients do not depend on it); an I of a recomputing rank holds
-/// one block's recomputed part for a moment.
+/// recomputation (the elements a block keeps, [`Recompute::block_stash`]): a forward holds
+/// the share its mode keeps; I leaves what W needs (the same in every mode: W's inputs and
+/// output gradients do not depend on it); an I of a recomputing rank holds one block's
+/// recomputed part for a moment.
 pub(super) struct StashModel {
     /// Per mode, in [`Recompute::ALL`]'s order: the schedule's cost model and the transient.
     modes: [(CostModel, f64); 3],
@@ -34,8 +33,11 @@ impl StashModel {
         let (m, seq) = (&job.model, job.model.seq_len);
         let none = Recompute::None.block_stash(m, seq).forward.max(1) as f64;
         let modes = Recompute::ALL.map(|mode| {
-            let cost = CostModel::default().recomputed(&mode.recomputation(m, seq));
-            (cost, mode.block_stash(m, seq).transient as f64 / none)
+            let stash = mode.block_stash(m, seq);
+            let mut cost = CostModel::default().recomputed(&mode.recomputation(m, seq));
+            // What I leaves for W, counted as the layers leave it (not the schedules' 0.5).
+            cost.m_w = stash.for_w as f64 / none;
+            (cost, stash.transient as f64 / none)
         });
         StashModel {
             modes,
@@ -256,15 +258,20 @@ pub(super) fn activations(
     } = dims(job);
     let hidden = hidden(job)?;
     let what = "the activations";
-    // Per token and layer: the stash, and the attention probabilities (heads × seq).
-    let per_token = add(
-        what,
-        &[
-            mul(what, &[k(STASH_PER_D), d])?,
-            mul(what, &[k(STASH_PER_HIDDEN), hidden])?,
-            mul(what, &[h, seq])?,
-        ],
-    )?;
+    // Per token and layer: what a block's forward keeps for its I, element by element as
+    // the layers keep it (the attention probabilities, heads × seq, among them), blamed on
+    // the largest of the sizes it is made of.
+    let exact = crate::model::Recompute::None
+        .block_stash(&job.model, job.model.seq_len)
+        .forward;
+    let largest = [d, hidden, mul(what, &[h, seq])?]
+        .into_iter()
+        .max_by_key(|s| s.n)
+        .unwrap_or(d);
+    let per_token = Size {
+        n: exact,
+        ..largest
+    };
     let tokens = mul(what, &[rows, seq])?;
     let element = k(stash_element(job.train.precision));
     let stash = |units: Size| {
@@ -303,10 +310,13 @@ pub(super) fn activations(
             k(ELEMENT),
         ],
     )?;
+    // A block's I: the gradients of its projections and of the MLP's hidden layer, and
+    // the attention probabilities' gradient (CUDA's kernel writes it whole; the CPU's goes
+    // row by row, so there it is an allowance).
     let working_per_token = add(
         what,
         &[
-            mul(what, &[k(2), h, seq])?,
+            mul(what, &[h, seq])?,
             mul(what, &[k(12), d])?,
             mul(what, &[k(4), hidden])?,
         ],

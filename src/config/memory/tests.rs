@@ -24,17 +24,23 @@ fn field_of(err: ConfigError) -> String {
 
 #[test]
 fn the_default_job_is_estimated_near_its_measured_peak() {
-    // Measured: 94 MB peak RSS for `pipefill train --steps 1` of the default job.
+    // Measured: 122.7 MB peak RSS for `pipefill train` of the default job (400 steps),
+    // 81.3 MB for 30 steps (docs/benchmarks.md, "Memory estimate calibration").
     let e = MemoryEstimate::of(&JobConfig::default(), Workload::Train).unwrap();
     assert!(
-        (94 << 20..256 << 20).contains(&e.total),
+        (117 << 20..134 << 20).contains(&e.total),
         "{}",
         Bytes(e.total)
     );
     assert_eq!(e.total, e.parts.iter().map(|p| p.bytes).sum::<u64>());
     assert!(e.parts.windows(2).all(|w| w[0].bytes >= w[1].bytes));
     let rl = MemoryEstimate::of(&JobConfig::default(), Workload::Rl).unwrap();
-    assert!(rl.total > e.total);
+    let params = |e: &MemoryEstimate| {
+        let p = e.parts.iter().find(|p| p.what.starts_with("parameters"));
+        p.unwrap().bytes
+    };
+    // The rollout engine's copy of the policy and the reference policy.
+    assert!(params(&rl) > params(&e));
     assert!(rl.parts.iter().any(|p| p.what == "rollouts"));
 }
 
@@ -507,16 +513,24 @@ fn bf16_counts_the_master_weights_and_stashes_at_two_bytes() {
         e.parts.iter().find(|p| p.what == what).unwrap().bytes
     };
     let bf16 = "train.precision=\"bf16\"";
-    // Per parameter of the default (pipelined) job: 16 bytes live and two host copies of
-    // 16 in f32; in bf16 the value's 2 bytes saved, the master's 4 added, live and in each
-    // copy.
+    // Per parameter of the default (pipelined) job: 16 bytes live in f32; in bf16 the
+    // value's 2 bytes saved and the master's 4 added.
     let params = "parameters, gradients and optimizer state";
     let (f, b) = (part(&[], params), part(&[bf16], params));
     let bf16_live = LIVE_PARAM_BYTES + live_precision_bytes(crate::tensor::DType::Bf16);
+    assert_eq!((LIVE_PARAM_BYTES, bf16_live), (16, 18));
+    assert_eq!(b * 16, f * 18, "{f} against {b}");
+    // The final checkpoint's host copy (where it outweighs the activations): 16 bytes a
+    // parameter in f32, 20 in bf16 (the master beside the value and the moments).
+    let copies = "the final checkpoint's copies";
+    let wide = ["model.d_model=512", "model.heads=8", "filler=\"none\""];
+    let (f, b) = (
+        part(&wide, copies),
+        part(&[&wide[..], &[bf16]].concat(), copies),
+    );
     let bf16_copy = COPY_PARAM_BYTES + copy_precision_bytes(crate::tensor::DType::Bf16);
-    let f32_per = LIVE_PARAM_BYTES + 2 * COPY_PARAM_BYTES;
-    assert_eq!((f32_per, bf16_live + 2 * bf16_copy), (48, 58));
-    assert_eq!(b * f32_per, f * 58, "{f} against {b}");
+    assert_eq!((COPY_PARAM_BYTES, bf16_copy), (16, 20));
+    assert_eq!(b * 16, f * 20, "{f} against {b}");
     // The stash is half; the working sets and the head's f32 `dW` are not.
     for seq in ["model.seq_len=64", "model.seq_len=512"] {
         let (f, b) = (
@@ -531,9 +545,6 @@ fn bf16_counts_the_master_weights_and_stashes_at_two_bytes() {
         part(&zero, params),
         part(&[&zero[..], &[bf16]].concat(), params),
     );
-    let p = f / (2 * LIVE_PARAM_BYTES - MOMENT_BYTES + 2 * COPY_PARAM_BYTES);
-    assert_eq!(
-        b,
-        p * (2 * bf16_live - MOMENT_BYTES - MASTER_BYTES + 2 * bf16_copy)
-    );
+    let p = f / (2 * LIVE_PARAM_BYTES - MOMENT_BYTES);
+    assert_eq!(b, p * (2 * bf16_live - MOMENT_BYTES - MASTER_BYTES));
 }
