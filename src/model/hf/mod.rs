@@ -491,5 +491,14 @@ mod tests {
         let t = transpose(&x, 2, 3);
         assert_eq!(t, [0.0, 3.0, 1.0, 4.0, 2.0, 5.0]);
         assert_eq!(transpose(&t, 3, 2), x);
+        // Sizes that are not whole tiles, element by element.
+        let (rows, cols) = (70, 45);
+        let x: Vec<f32> = (0..rows * cols).map(|i| i as f32).collect();
+        let t = transpose(&x, rows, cols);
+        for r in 0..rows {
+            for c in 0..cols {
+                assert_eq!(t[c * rows + r], x[r * cols + c]);
+            }
+        }
     }
 }
