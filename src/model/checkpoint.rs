@@ -161,6 +161,28 @@ impl Checkpoint {
         step: u64,
         data_seed: u64,
     ) -> Result<Self, ModelError> {
+        let state = optimizer.state(model.chunks()[0].backend())?;
+        Self::capture_with(model, state, step, data_seed)
+    }
+
+    /// [`Checkpoint::capture`] at the end of a run: the optimizer's moments move into the
+    /// checkpoint ([`AdamW::take_state`]) instead of being copied beside the live ones.
+    pub fn capture_final<B: Backend>(
+        model: &Gpt<B>,
+        optimizer: &mut AdamW<B>,
+        step: u64,
+        data_seed: u64,
+    ) -> Result<Self, ModelError> {
+        let state = optimizer.take_state(model.chunks()[0].backend())?;
+        Self::capture_with(model, state, step, data_seed)
+    }
+
+    fn capture_with<B: Backend>(
+        model: &Gpt<B>,
+        state: OptimizerState,
+        step: u64,
+        data_seed: u64,
+    ) -> Result<Self, ModelError> {
         let mut tensors = Vec::new();
         for p in model.params() {
             tensors.push(HostTensor {
@@ -169,8 +191,6 @@ impl Checkpoint {
                 data: model.param_values(&p.name)?,
             });
         }
-        let be = model.chunks()[0].backend();
-        let state = optimizer.state(be)?;
         Ok(sharded::from_owned_state(
             model.config().clone(),
             data_seed,

@@ -502,7 +502,10 @@ impl<B: Backend> RankCompute<B> {
         if self.done == self.iterations {
             match self.keep.take() {
                 Some(keep) => self.send_parts(&keep),
-                None => self.shared.deposit_final(self.rank, self.export()?),
+                None => {
+                    let state = self.export_final()?;
+                    self.shared.deposit_final(self.rank, state)
+                }
             }
         } else {
             self.shared.feed.prefetch(self.step());

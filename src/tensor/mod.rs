@@ -223,6 +223,13 @@ pub trait Backend: Clone + Send + Sync + 'static {
         Ok(out)
     }
 
+    /// [`Backend::to_host`] of a buffer no longer needed: a backend whose buffers are host
+    /// memory hands the `f32` values over without a copy (the end of a run, where a copy
+    /// of the whole state would be the run's peak).
+    fn into_host(&self, buf: Self::Buf) -> Result<Vec<f32>> {
+        self.to_host(&buf)
+    }
+
     // ---- matrix products ----------------------------------------------------------------
 
     /// `c (+)= op(a) · op(b)`, see [`Gemm`].

@@ -269,6 +269,18 @@ impl<B: Backend> Trainer<B> {
         )?)
     }
 
+    /// [`Trainer::checkpoint`] at the end of the run: the optimizer's moments move into it
+    /// instead of being copied, so the run's last moments do not hold the state twice. The
+    /// trainer takes no further step.
+    pub fn final_checkpoint(&mut self) -> Result<Checkpoint, TrainError> {
+        Ok(Checkpoint::capture_final(
+            &self.model,
+            &mut self.optimizer,
+            self.step,
+            self.data.seed(),
+        )?)
+    }
+
     /// Continues from `checkpoint`: parameters, optimizer state and step. The model shape
     /// and data seed must be this trainer's.
     pub fn restore(&mut self, checkpoint: &Checkpoint) -> Result<(), TrainError> {

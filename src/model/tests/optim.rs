@@ -134,6 +134,11 @@ fn bf16_storage_trains_with_f32_master_weights() {
     assert!(last < 0.6 * first, "{first} -> {last}");
     let state = opt.state(&be).unwrap();
     assert!(state.slots.values().all(|s| s.master.is_some()));
+    // Taken at the end of a run: the same state, moved out, and nothing left behind.
+    let mut taken = AdamW::new(AdamWConfig::default());
+    taken.load_state(&be, &state).unwrap();
+    assert_eq!(taken.take_state(&be).unwrap(), state);
+    assert!(taken.state(&be).unwrap().slots.is_empty());
     // Stored values are the master weights rounded to bf16.
     let master = &state.slots["head.w"].master.as_ref().unwrap()[..4];
     let stored = &gpt.param_values("head.w").unwrap()[..4];

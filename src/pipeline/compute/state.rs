@@ -38,8 +38,36 @@ impl<B: Backend> RankCompute<B> {
         Ok(())
     }
 
+    /// [`RankCompute::export`] after the rank's last step: the moments move out
+    /// ([`crate::model::AdamW::take_state`]) instead of being copied beside the live ones,
+    /// so the run's end does not hold them twice. The rank takes no further step.
+    pub(super) fn export_final(&mut self) -> Result<RankFinal, PipelineError> {
+        if self.zero.is_some() {
+            return self.export();
+        }
+        let optimizer = self.optimizer.take_state(&self.backend)?;
+        Ok(RankFinal {
+            stages: self.export_params()?,
+            optimizer,
+        })
+    }
+
     /// The final parameters and optimizer state of this rank.
     pub(super) fn export(&self) -> Result<RankFinal, PipelineError> {
+        let optimizer = match &self.zero {
+            Some(zero) => {
+                zero.gather_state(self.rank, &self.backend, &self.optimizer, &self.chunks)?
+            }
+            None => self.optimizer.state(&self.backend)?,
+        };
+        Ok(RankFinal {
+            stages: self.export_params()?,
+            optimizer,
+        })
+    }
+
+    /// The parameters of every chunk of this rank, copied to the host, by stage.
+    fn export_params(&self) -> Result<Vec<(u32, Vec<HostTensor>)>, PipelineError> {
         let mut stages = Vec::with_capacity(self.chunks.len());
         for (&stage, chunk) in &self.chunks {
             let mut params = Vec::new();
@@ -52,12 +80,6 @@ impl<B: Backend> RankCompute<B> {
             }
             stages.push((stage, params));
         }
-        let optimizer = match &self.zero {
-            Some(zero) => {
-                zero.gather_state(self.rank, &self.backend, &self.optimizer, &self.chunks)?
-            }
-            None => self.optimizer.state(&self.backend)?,
-        };
-        Ok(RankFinal { stages, optimizer })
+        Ok(stages)
     }
 }

@@ -111,7 +111,7 @@ impl<B: Backend> Engine for Reference<'_, B> {
     }
 
     fn checkpoint(&mut self, _: &mut ()) -> Result<Option<Checkpoint>, RunError> {
-        Ok(Some(self.trainer.checkpoint()?))
+        Ok(Some(self.trainer.final_checkpoint()?))
     }
 
     fn after(&mut self, _: (), _: &Path, show: &mut dyn Show) -> Result<&'static str, RunError> {

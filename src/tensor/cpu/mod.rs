@@ -134,6 +134,13 @@ impl Backend for CpuBackend {
         Ok(buf.read().into_owned())
     }
 
+    fn into_host(&self, buf: CpuBuf) -> Result<Vec<f32>> {
+        Ok(match buf.0 {
+            Storage::F32(v) => v,
+            Storage::Bf16(v) => v.iter().map(|x| x.to_f32()).collect(),
+        })
+    }
+
     fn len(&self, buf: &CpuBuf) -> usize {
         buf.len()
     }
