@@ -84,7 +84,7 @@ impl MemoryEstimate {
             0 => 0,
             _ => CHECKPOINT_PARAM_BYTES,
         };
-        let copy = COPY_PARAM_BYTES + copy_precision_bytes(t.precision);
+        let copy = final_copy_bytes(!job.schedule.is_none()) + copy_precision_bytes(t.precision);
         let sharded = sharded_bytes(t.precision);
         // Every data-parallel replica holds the model, its gradients and moments and its
         // activations (in one process or spread over `dp × stages` processes).

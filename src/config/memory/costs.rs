@@ -8,12 +8,19 @@ pub const LIVE_PARAM_BYTES: u64 = 16;
 /// Of [`LIVE_PARAM_BYTES`], the two f32 AdamW moments: what a sharded optimizer
 /// (`optimizer.shard`, ZeRO-1) divides among the `dp` replicas.
 pub const MOMENT_BYTES: u64 = 8;
-/// Bytes per parameter of one host copy of the state made at the end of a run (value and
-/// both moments, 12 bytes in f32, with a third again for what is copied beside it while
-/// the checkpoint is assembled and written). One per replica: each replica hands its final
-/// state over. Measured: 12-14 bytes a parameter beside the live state at Qwen2.5-0.5B's
-/// shape and at `d_model` 512 (docs/benchmarks.md, "Memory estimate calibration").
+/// Bytes per parameter of one host copy of the state (value and both moments, 12 bytes in
+/// f32, with a third again for what is copied beside it): the drafter's checkpoint copies.
 pub const COPY_PARAM_BYTES: u64 = 16;
+/// Bytes per parameter and replica a run holds at its end beyond its live state
+/// ([`LIVE_PARAM_BYTES`]), while the final checkpoint is made. The reference trainer
+/// copies the values (4 bytes; the moments move into the checkpoint, and the model stays
+/// for the held-out evaluation): measured 21 bytes a parameter in all at SmolLM-135M's
+/// shape. A pipeline's ranks hand over their values and moved moments (12 bytes) and end,
+/// and the checkpoint is a copy of what they handed over (12 more): measured 24 bytes a
+/// parameter in all (docs/benchmarks.md, "Memory estimate calibration").
+pub const fn final_copy_bytes(pipelined: bool) -> u64 {
+    if pipelined { 8 } else { 6 }
+}
 /// Bytes per parameter a run's periodic checkpoints hold while the ranks train
 /// (`checkpoint_every > 0`): the ranks' deposited state (value and both moments, 12 bytes)
 /// twice, the checkpoint being written and the next one's deposits waiting for it (one
@@ -33,8 +40,8 @@ pub const fn live_precision_bytes(precision: DType) -> u64 {
     }
 }
 
-/// Bytes per parameter `train.precision` adds to one host copy of the state: in bf16 the
-/// master beside the value and the moments (16 bytes instead of 12).
+/// Bytes per parameter `train.precision` adds to the host copies at the end of a run: in
+/// bf16 the master beside the value and the moments.
 pub const fn copy_precision_bytes(precision: DType) -> u64 {
     match precision {
         DType::F32 => 0,

@@ -520,17 +520,17 @@ fn bf16_counts_the_master_weights_and_stashes_at_two_bytes() {
     let bf16_live = LIVE_PARAM_BYTES + live_precision_bytes(crate::tensor::DType::Bf16);
     assert_eq!((LIVE_PARAM_BYTES, bf16_live), (16, 18));
     assert_eq!(b * 16, f * 18, "{f} against {b}");
-    // The final checkpoint's host copy (where it outweighs the activations): 16 bytes a
-    // parameter in f32, 20 in bf16 (the master beside the value and the moments).
+    // The final checkpoint's host copies (where they outweigh the activations): 8 bytes a
+    // parameter beyond the live state in f32, 12 in bf16 (the master's 4).
     let copies = "the final checkpoint's copies";
-    let wide = ["model.d_model=512", "model.heads=8", "filler=\"none\""];
+    let wide = ["model.d_model=1024", "model.heads=8", "filler=\"none\""];
     let (f, b) = (
         part(&wide, copies),
         part(&[&wide[..], &[bf16]].concat(), copies),
     );
-    let bf16_copy = COPY_PARAM_BYTES + copy_precision_bytes(crate::tensor::DType::Bf16);
-    assert_eq!((COPY_PARAM_BYTES, bf16_copy), (16, 20));
-    assert_eq!(b * 16, f * 20, "{f} against {b}");
+    let bf16_copy = final_copy_bytes(true) + copy_precision_bytes(crate::tensor::DType::Bf16);
+    assert_eq!((final_copy_bytes(true), bf16_copy), (8, 12));
+    assert_eq!(b * 8, f * 12, "{f} against {b}");
     // The stash is half; the working sets and the head's f32 `dW` are not.
     for seq in ["model.seq_len=64", "model.seq_len=512"] {
         let (f, b) = (
