@@ -326,3 +326,50 @@ fn launched_planned_filling_leaves_the_target_of_the_unfilled_run() {
     assert!(filled[0].drafter.as_ref().is_some_and(|d| d.version > 0));
     assert!(target_bits(&bare[0]) == target_bits(&filled[0]));
 }
+
+/// A tied target (`embed.tok` on rank 0, its transposed copy `head.w` on rank 2): the
+/// replicas read one frozen table, and the launched planned run still trains the drafter of
+/// the in-process run bit for bit, and N steps resumed for N more give the 2N-step run's.
+#[test]
+fn a_tied_targets_planned_drafter_is_the_same_launched_in_process_and_resumed() {
+    let dir = tempfile::tempdir().unwrap();
+    let tied = |out: &Path| {
+        let mut job = planned(Filler::Drafter, out);
+        job.model.tie_embeddings = true;
+        job
+    };
+    let whole_dir = dir.path().join("whole");
+    let whole_job = tied(&whole_dir);
+    let whole = launch(&whole_job, 2 * N, None);
+    let weights = whole[0].drafter.clone().expect("rank 0's replica");
+    assert!(weights.version >= 2, "version {}", weights.version);
+    for r in &whole {
+        assert!(r.drafter.as_ref() == Some(&weights), "rank {}", r.rank);
+    }
+    let saved = state_bits(&whole_job, &saved_drafter(&whole_job, &whole_dir));
+
+    let local = PipelineTrainer::from_job(&whole_job)
+        .unwrap()
+        .filler(Filler::Drafter)
+        .run(2 * N, |_| {})
+        .unwrap();
+    let own = local.drafter_state().expect("the in-process drafter");
+    assert_eq!(own.weights, weights, "the in-process drafter differs");
+    assert!(
+        state_bits(&whole_job, own) == saved,
+        "the in-process drafter's state differs from the launched one's"
+    );
+
+    let half_dir = dir.path().join("half");
+    let half_job = tied(&half_dir);
+    launch(&half_job, N, None);
+    let rest = launch(&half_job, N, Some(&half_dir));
+    assert!(
+        target_bits(&rest[0]) == target_bits(&whole[0]),
+        "the target differs"
+    );
+    assert!(
+        state_bits(&half_job, &saved_drafter(&half_job, &half_dir)) == saved,
+        "the drafter differs after a resume"
+    );
+}

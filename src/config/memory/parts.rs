@@ -449,7 +449,7 @@ pub(super) fn task_text(job: &JobConfig) -> Result<Size, ConfigError> {
 /// The drafter: each replica's trainable state (its block, as wide as the target's, and
 /// input projection: value, gradient and moments; the first also the copies a checkpoint
 /// makes); the frozen embedding and head, one snapshot per process whatever the number of
-/// replicas (`model/drafter/frozen.rs`); its buffer of two steps' rows (hidden states and
+/// replicas (`model/drafter/frozen.rs`), one table for a tied target; its buffer of two steps' rows (hidden states and
 /// tokens: no distributions, a slice recomputes them); one slice's activations (with the soft
 /// targets' logits and softmax through the frozen head).
 ///
@@ -494,8 +494,15 @@ pub(super) fn drafter_bytes(
     };
     // The snapshot read (the embedding f32 on the host, the head in storage), the next one
     // a refresh builds while it is read, and the head's host values (a pipelined run's
-    // deposit, which the replicas upload; the refresh's own in `pipefill rl`).
-    let tables = mul(what, &[table, k(2 * (4 + ELEMENT) + 4)])?;
+    // deposit, which the replicas upload; the refresh's own in `pipefill rl`). A tied
+    // target's snapshot is one table in storage, read both ways; beside the two snapshots,
+    // the host values of both its copies' deposits (the embedding's uploaded, the head's
+    // not read).
+    let per_element = match job.model.tie_embeddings {
+        true => 2 * ELEMENT + 2 * 4,
+        false => 2 * (4 + ELEMENT) + 4,
+    };
+    let tables = mul(what, &[table, k(per_element)])?;
     let weights = add(what, &[trainers, beside, tables])?;
     let row = add(what, &[d, k(1)])?;
     let buffer = mul(

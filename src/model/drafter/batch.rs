@@ -40,17 +40,18 @@ impl DraftBatch {
         })
     }
 
-    /// Lays out `rows` with the (frozen) embedding table `tok: [vocab, d]`, `target_probs`
+    /// Lays out `rows` with the (frozen) embedding rows `embed` gathers (`[ids, d]` for
+    /// `ids`, zeros for [`IGNORE_TARGET`]: [`super::Drafter::embed_rows`]), `target_probs`
     /// left empty (the drafter fills it, [`super::Drafter::batch`]). A row longer than
     /// `max_positions + 1` positions contributes a window of that many, starting where `rng`
     /// says (at 0 without `rng`).
     pub(super) fn layout(
         rows: &[DraftRow],
-        tok: &[f32],
         d: usize,
         max_positions: usize,
         mut rng: Option<&mut SplitMix64>,
-    ) -> Self {
+        embed: impl FnOnce(&[u32]) -> Result<Vec<f32>, ModelError>,
+    ) -> Result<Self, ModelError> {
         let windows: Vec<(usize, usize)> = rows
             .iter()
             .map(|r| {
@@ -77,22 +78,28 @@ impl DraftBatch {
             target_probs: Vec::new(),
             mask: vec![false; n],
         };
+        // Each laid-out pair's token (padding's is ignored), gathered in one call.
+        let mut tokens = vec![IGNORE_TARGET; n];
+        for (i, (row, &(start, w))) in rows.iter().zip(&windows).enumerate() {
+            for j in 0..w.saturating_sub(1) {
+                tokens[i * seq + j] = row.targets[start + j];
+            }
+        }
+        let tok = embed(&tokens)?;
+        for (x, e) in b.inputs.chunks_exact_mut(2 * d).zip(tok.chunks_exact(d)) {
+            x[..d].copy_from_slice(e);
+        }
         for (i, (row, &(start, w))) in rows.iter().zip(&windows).enumerate() {
             for j in 0..w.saturating_sub(1) {
                 let (t, out) = (start + j, i * seq + j);
-                let token = row.targets[t];
                 let x = &mut b.inputs[out * 2 * d..(out + 1) * 2 * d];
-                if token != IGNORE_TARGET {
-                    let id = token as usize;
-                    x[..d].copy_from_slice(&tok[id * d..(id + 1) * d]);
-                }
                 x[d..].copy_from_slice(&row.hidden[t * d..(t + 1) * d]);
                 b.target_hidden[out * d..(out + 1) * d]
                     .copy_from_slice(&row.hidden[(t + 1) * d..(t + 2) * d]);
                 b.mask[out] = row.pair_valid(t);
             }
         }
-        b
+        Ok(b)
     }
 
     /// The shape `(rows, positions)` of a slice laid out in at most `pairs` layout rows

@@ -15,11 +15,11 @@
 //!
 //! where `Block` is one decoder block of the target's shape ([`crate::model::layers::Block`],
 //! parameters `drafter.block.…`) and `tok_emb` / `W_head` are the target's `embed.tok` and
-//! `head.w`, frozen ([`FrozenTables`]): one snapshot per process, refreshed from the target
-//! every `refresh_every` target steps ([`Drafter::refresh_from_chunk`],
-//! [`Drafter::refresh_from_gpt`], [`Drafter::refresh`]) and shared by pointer by the process's
-//! drafters ([`Drafter::share_frozen`]); never in the drafter's optimizer, its weights
-//! messages or its checkpoint (see `frozen.rs`).
+//! `head.w`, frozen ([`FrozenTables`]; a tied target's one table read both ways): one
+//! snapshot per process, refreshed from the target every `refresh_every` target steps
+//! ([`Drafter::refresh_from_chunk`], [`Drafter::refresh_from_gpt`], [`Drafter::refresh`])
+//! and shared by pointer by the process's drafters ([`Drafter::share_frozen`]); never in
+//! the drafter's optimizer, its weights messages or its checkpoint (see `frozen.rs`).
 //! Positions need no embedding of their own: `h_t` already carries them.
 //! The loss of one pair (see [`loss`]) is
 //! `ce_weight · CE(p_{t+1}, q_{t+1}) + hidden_weight · mean_j SmoothL1_β(f̂_{t+1} − h_{t+1})`,

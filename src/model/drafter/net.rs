@@ -67,11 +67,22 @@ impl<B: Backend> Drafter<B> {
     pub fn new(target: &GptConfig, config: &DrafterConfig, be: B) -> Result<Self> {
         target.validate()?;
         let (d, v) = (target.d_model, target.vocab);
-        let head = init::normal(target.seed, FROZEN[1], d * v, init::INIT_STD);
-        let frozen = FrozenTables {
-            tok: Arc::new(init::normal(target.seed, FROZEN[0], v * d, init::INIT_STD)),
-            head: Arc::new(be.from_host(&head, be.storage_dtype())?),
-            step: None,
+        let tok = init::normal(target.seed, FROZEN[0], v * d, init::INIT_STD);
+        // A tied target's head starts as its embedding's draw (`layers/head.rs`): one table.
+        let frozen = match target.tie_embeddings {
+            true => FrozenTables {
+                head: Arc::new(be.from_host(&tok, be.storage_dtype())?),
+                tok: None,
+                step: None,
+            },
+            false => FrozenTables {
+                head: Arc::new(be.from_host(
+                    &init::normal(target.seed, FROZEN[1], d * v, init::INIT_STD),
+                    be.storage_dtype(),
+                )?),
+                tok: Some(Arc::new(tok)),
+                step: None,
+            },
         };
         Drafter::sharing(target, config, be, &frozen)
     }
@@ -172,7 +183,8 @@ impl<B: Backend> Drafter<B> {
         for r in rows {
             r.check(d, v)?;
         }
-        let mut batch = DraftBatch::layout(rows, &self.frozen.tok, d, max_positions, rng);
+        let mut batch =
+            DraftBatch::layout(rows, d, max_positions, rng, |ids| self.embed_rows(ids))?;
         let h = self
             .be
             .from_host(&batch.target_hidden, self.be.storage_dtype())?;
@@ -196,8 +208,8 @@ impl<B: Backend> Drafter<B> {
     pub fn logits(&self, f: &B::Buf, rows: usize) -> Result<B::Buf> {
         let (d, v) = (self.target.d_model, self.target.vocab);
         let mut logits = self.be.zeros(rows * v, self.be.storage_dtype())?;
-        self.be
-            .matmul(f, &self.frozen.head, &mut logits, Gemm::nn(rows, d, v))?;
+        let g = self.frozen.by_head(Gemm::nn(rows, d, v));
+        self.be.matmul(f, &self.frozen.head, &mut logits, g)?;
         Ok(logits)
     }
 
@@ -257,7 +269,8 @@ impl<B: Backend> Drafter<B> {
             &dz,
             &self.frozen.head,
             &mut dfeat,
-            Gemm::nn(rows, v, d).trans_b().accumulate(),
+            self.frozen
+                .by_head(Gemm::nn(rows, v, d).trans_b().accumulate()),
         )?;
         let sums = LossSums {
             ce,
@@ -329,16 +342,17 @@ impl<B: Backend> Drafter<B> {
     /// values (see `pipeline/fill/state.rs`).
     pub fn frozen_tensors(&self) -> Result<Vec<NamedTensor>> {
         let (d, v) = (self.target.d_model, self.target.vocab);
+        let [tok, head] = self.host_tables()?;
         Ok(vec![
             NamedTensor {
                 name: FROZEN[0].into(),
                 shape: vec![v, d],
-                values: self.frozen.tok.to_vec(),
+                values: tok,
             },
             NamedTensor {
                 name: FROZEN[1].into(),
                 shape: vec![d, v],
-                values: self.be.to_host(&self.frozen.head)?,
+                values: head,
             },
         ])
     }
@@ -400,7 +414,9 @@ impl<B: Backend> Drafter<B> {
             p.value = be.from_host(v, be.dtype(&p.value))?;
         }
         for t in &frozen {
-            self.refresh(&t.name, &t.values, 0)?;
+            if self.takes(&t.name, true) {
+                self.refresh(&t.name, &t.values, 0)?;
+            }
         }
         if !frozen.is_empty() {
             self.frozen.step = weights.frozen_step;

@@ -67,6 +67,7 @@ impl PackedDrafter {
             Packed::with_precision(w, din, dout, precision)
                 .unwrap_or_else(|_| Packed::new(w, din, dout))
         };
+
         let attn = &d.block.attn;
         let kvd = d.target.kv_dim();
         let wkv = side_by_side(&[&host(&attn.wk)?, &host(&attn.wv)?], dm, kvd);
@@ -84,6 +85,19 @@ impl PackedDrafter {
             w3,
             head: match &d.draft {
                 Some(draft) => pack(&be.to_host(&draft.head)?, dm, draft.ids.len()),
+                // A tied target's head is its one `[vocab, d]` table, packed as its
+                // transpose (the same panels, no `[d, vocab]` copy).
+                None if d.frozen.tied() => {
+                    let table = be.to_host(&d.frozen.head)?;
+                    Packed::with_precision_transposed(&table, dm, v, precision)
+                        .or_else(|_| {
+                            Packed::with_precision_transposed(&table, dm, v, Precision::F32)
+                        })
+                        .map_err(|e| crate::tensor::TensorError::Invalid {
+                            op: "packing the drafter's head",
+                            reason: e.to_string(),
+                        })?
+                }
                 None => pack(&be.to_host(&d.frozen.head)?, dm, v),
             },
         })

@@ -201,14 +201,6 @@ impl<B: Backend> Drafter<B> {
         Ok(chains)
     }
 
-    /// Appends one fc input row: the frozen embedding of `token`, then `hidden`.
-    fn push_pair(&self, x: &mut Vec<f32>, token: u32, hidden: &[f32]) {
-        let d = self.target.d_model;
-        let id = token as usize;
-        x.extend_from_slice(&self.frozen.tok[id * d..(id + 1) * d]);
-        x.extend_from_slice(hidden);
-    }
-
     /// Runs `new` pairs per member (`tokens: [members·new]`, `hidden: [members·new, d]`)
     /// through `fc` and the block, attending over each member's cache (extended by these
     /// pairs); returns the block output at each member's last pair, `[members, d]`.
@@ -254,9 +246,13 @@ impl<B: Backend> Drafter<B> {
                 None => todo.push(i),
             }
         }
+        // fc's input rows: each pair's frozen embedding, then its hidden state.
+        let ids: Vec<u32> = todo.iter().map(|&i| tokens[i]).collect();
+        let embedded = self.embed_rows(&ids)?;
         let mut x = Vec::with_capacity(todo.len() * 2 * d);
-        for &i in &todo {
-            self.push_pair(&mut x, tokens[i], pair(i));
+        for (&i, e) in todo.iter().zip(embedded.chunks_exact(d)) {
+            x.extend_from_slice(e);
+            x.extend_from_slice(pair(i));
         }
         let blk = &self.block;
         let z = self.product(products, Mat::Fc, &x, todo.len())?;
@@ -365,11 +361,12 @@ impl<B: Backend> Drafter<B> {
         let be = &self.be;
         let dt = be.storage_dtype();
         let xb = be.from_host(x, dt)?;
-        let mm = |w: &B::Buf, din: usize, dout: usize| -> Result<Vec<f32>> {
-            let mut y = be.zeros(rows * dout, dt)?;
-            be.matmul(&xb, w, &mut y, Gemm::nn(rows, din, dout))?;
+        let mm_as = |w: &B::Buf, g: Gemm| -> Result<Vec<f32>> {
+            let mut y = be.zeros(rows * g.n, dt)?;
+            be.matmul(&xb, w, &mut y, g)?;
             Ok(be.to_host(&y)?)
         };
+        let mm = |w: &B::Buf, din: usize, dout: usize| mm_as(w, Gemm::nn(rows, din, dout));
         let (blk, attn) = (&self.block, &self.block.attn);
         let kvd = self.target.kv_dim();
         match which {
@@ -388,7 +385,7 @@ impl<B: Backend> Drafter<B> {
                     let y = mm(&draft.head, d, draft.ids.len())?;
                     Ok(self.scatter_draft(&draft.ids, &y, rows))
                 }
-                None => mm(&self.frozen.head, d, v),
+                None => mm_as(&self.frozen.head, self.frozen.by_head(Gemm::nn(rows, d, v))),
             },
         }
     }

@@ -32,8 +32,9 @@ pub(super) trait ReplicaTrainer: Send {
     fn weights(&self) -> Result<DrafterWeights>;
     /// The frozen tables as named tensors ([`crate::model::drafter::Drafter::frozen_tensors`]).
     fn frozen_tensors(&self) -> Result<Vec<NamedTensor>>;
-    /// Each frozen table the replica reads, by identity, with its bytes.
-    fn tables(&self) -> [(usize, usize); 2];
+    /// Each frozen table the replica reads, by identity, with its bytes (one for a tied
+    /// target, two otherwise).
+    fn tables(&self) -> Vec<(usize, usize)>;
     /// Takes the deposited frozen tables `frozen` (those it carries), sharing the tables
     /// another replica built from the same deposits where `cache` holds them.
     fn adopt(&mut self, frozen: &Frozen, cache: &mut TableCache) -> Result<()>;
@@ -75,13 +76,14 @@ impl<B: Backend> ReplicaTrainer for DrafterTrainer<B> {
     fn frozen_tensors(&self) -> Result<Vec<NamedTensor>> {
         self.drafter().frozen_tensors()
     }
-    fn tables(&self) -> [(usize, usize); 2] {
+    fn tables(&self) -> Vec<(usize, usize)> {
         let (t, be) = (self.drafter().frozen(), self.drafter().backend());
-        let head_bytes = t.bytes(be) - 4 * t.tok.len();
-        [
-            (Arc::as_ptr(&t.tok) as usize, 4 * t.tok.len()),
-            (Arc::as_ptr(&t.head) as *const u8 as usize, head_bytes),
-        ]
+        let tok = t
+            .tok
+            .as_ref()
+            .map(|tok| (Arc::as_ptr(tok) as usize, t.tok_bytes()));
+        let head = (Arc::as_ptr(&t.head) as *const u8 as usize, t.head_bytes(be));
+        tok.into_iter().chain([head]).collect()
     }
     fn adopt(&mut self, frozen: &Frozen, cache: &mut TableCache) -> Result<()> {
         if frozen.embed.is_none() && frozen.head.is_none() {
@@ -96,16 +98,22 @@ impl<B: Backend> ReplicaTrainer for DrafterTrainer<B> {
         {
             return drafter.share_frozen(&built.after);
         }
+        let with_embed = frozen.embed.is_some();
         for (name, deposit) in FROZEN.iter().zip([&frozen.embed, &frozen.head]) {
             if let Some((step, values)) = deposit {
-                drafter.refresh_shared(name, values, *step)?;
+                match drafter.takes(name, with_embed) {
+                    true => drafter.refresh_shared(name, values, *step)?,
+                    // A tied target's head deposit: its embedding's, which came too; the
+                    // newer step of the two is the tables'.
+                    false => drafter.refresh_step(*step),
+                }
             }
         }
         cache.0 = Some(Box::new(Built {
             be: drafter.backend().clone(),
             embed: weak(&frozen.embed),
             head: weak(&frozen.head),
-            tok_before: Arc::downgrade(&before.tok),
+            tok_before: before.tok.as_ref().map(Arc::downgrade),
             head_before: Arc::downgrade(&before.head),
             after: drafter.frozen(),
         }));
@@ -148,7 +156,7 @@ struct Built<B: Backend> {
     be: B,
     embed: Option<Weak<Vec<f32>>>,
     head: Option<Weak<Vec<f32>>>,
-    tok_before: Weak<Vec<f32>>,
+    tok_before: Option<Weak<Vec<f32>>>,
     head_before: Weak<B::Buf>,
     after: FrozenTables<B>,
 }
@@ -165,7 +173,8 @@ impl<B: Backend> Built<B> {
         same(&self.embed, &frozen.embed)
             && same(&self.head, &frozen.head)
             && (frozen.embed.is_some()
-                || std::ptr::eq(self.tok_before.as_ptr(), Arc::as_ptr(&before.tok)))
+                || self.tok_before.as_ref().map(Weak::as_ptr)
+                    == before.tok.as_ref().map(Arc::as_ptr))
             && (frozen.head.is_some()
                 || std::ptr::eq(self.head_before.as_ptr(), Arc::as_ptr(&before.head)))
     }

@@ -34,6 +34,15 @@ impl CpuBuf {
         }
     }
 
+    /// The values `range` as `f32`: borrowed for `f32` storage, only those widened for
+    /// `bf16` (a gather of a few rows need not widen a whole table).
+    pub(super) fn read_range(&self, range: std::ops::Range<usize>) -> Cow<'_, [f32]> {
+        match &self.0 {
+            Storage::F32(v) => Cow::Borrowed(&v[range]),
+            Storage::Bf16(v) => Cow::Owned(v[range].iter().map(|x| x.to_f32()).collect()),
+        }
+    }
+
     /// Runs `f` on the values as a mutable `f32` slice, rounding back for `bf16` storage.
     pub(super) fn write<R>(&mut self, f: impl FnOnce(&mut [f32]) -> R) -> R {
         match &mut self.0 {

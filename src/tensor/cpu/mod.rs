@@ -444,10 +444,10 @@ impl Backend for CpuBackend {
         dim: usize,
     ) -> Result<()> {
         check::embedding_fwd(self, [table, out], ids, dim)?;
-        let t = table.read();
         out.write(|o| {
             for (row, &id) in o.chunks_mut(dim.max(1)).zip(ids) {
-                row.copy_from_slice(&t[id as usize * dim..][..dim]);
+                let at = id as usize * dim;
+                row.copy_from_slice(&table.read_range(at..at + dim));
             }
         });
         Ok(())

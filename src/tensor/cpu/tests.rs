@@ -398,6 +398,18 @@ fn embedding_gather_and_scatter_add() {
             table[id as usize * dim..][..dim]
         );
     }
+    // A bf16 table gives its rounded rows, gathered without widening the rest of it.
+    let half = be.from_host(&table, DType::Bf16).unwrap();
+    let mut out16 = be.zeros(ids.len() * dim, DType::F32).unwrap();
+    be.embedding_fwd(&half, &ids, &mut out16, dim).unwrap();
+    let rounded = host(&be, &half);
+    let got16 = host(&be, &out16);
+    for (i, &id) in ids.iter().enumerate() {
+        assert_eq!(
+            got16[i * dim..(i + 1) * dim],
+            rounded[id as usize * dim..][..dim]
+        );
+    }
     let dy = rand_vec(22, ids.len() * dim);
     let mut dt = buf(&be, &vec![1.0; vocab * dim]);
     be.embedding_bwd(&ids, &buf(&be, &dy), &mut dt, dim)

@@ -2,7 +2,7 @@
 //! soft cross-entropy, SmoothL1, the whole drafter), the buffer and the config here;
 //! training, replicas, capture and proposals in [`train`]; the packed proposal path in
 //! [`propose`]; the unrolled training-time test in [`unroll`]; the reduced draft
-//! vocabulary in [`vocab`].
+//! vocabulary in [`vocab`]; a tied target's one frozen table in [`tied`].
 //!
 //! Gradient checks follow `model/layers/tests.rs`: central differences with `h = 1e-2`,
 //! the objective summed in `f64`, parameters drawn at scale 0.5, and a relative error
@@ -10,6 +10,7 @@
 
 /// Its random drafter and contexts also serve the tree proposal's tests.
 pub(super) mod propose;
+mod tied;
 mod train;
 mod unroll;
 mod vocab;

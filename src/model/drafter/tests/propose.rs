@@ -48,7 +48,7 @@ pub(in crate::model::drafter) fn pairs(
 }
 
 /// `x` rounded to the nearest f16, as half-precision packing rounds it.
-fn to_half(x: &[f32]) -> Vec<f32> {
+pub(super) fn to_half(x: &[f32]) -> Vec<f32> {
     x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect()
 }
 
@@ -62,17 +62,17 @@ fn round_packed_weights(d: &mut Drafter<CpuBackend>) {
             p.value = be.from_host(&v, DType::F32).unwrap();
         }
     }
-    let head = to_half(&be.to_host(&d.frozen.head).unwrap());
-    d.refresh("head.w", &head, 0).unwrap();
+    let [_, head] = d.host_tables().unwrap();
+    d.refresh("head.w", &to_half(&head), 0).unwrap();
 }
 
-fn contexts<'a>(data: &'a [(Vec<f32>, Vec<u32>)]) -> Vec<DraftContext<'a>> {
+pub(super) fn contexts<'a>(data: &'a [(Vec<f32>, Vec<u32>)]) -> Vec<DraftContext<'a>> {
     data.iter()
         .map(|(hidden, tokens)| DraftContext { hidden, tokens })
         .collect()
 }
 
-fn shapes() -> Vec<GptConfig> {
+pub(super) fn shapes() -> Vec<GptConfig> {
     vec![
         tiny(),
         // Widths that are not multiples of a panel (8 columns): the padded last panel.
@@ -143,7 +143,7 @@ fn llama_chains_are_the_training_forward_of_their_context() {
             let seq = pairs.len();
             let mut inputs = Vec::with_capacity(seq * 2 * d);
             for (t, h) in &pairs {
-                inputs.extend_from_slice(&dr.frozen.tok[*t as usize * d..][..d]);
+                inputs.extend_from_slice(&dr.embed_rows(&[*t]).unwrap());
                 inputs.extend_from_slice(h);
             }
             let batch = DraftBatch {

@@ -96,7 +96,7 @@ impl Packed {
         Packed {
             din,
             dout,
-            lines: Lines::F32(panels(w, din, dout, Line)),
+            lines: Lines::F32(panels(w, din, dout, false, Line)),
         }
     }
 
@@ -108,6 +108,28 @@ impl Packed {
         dout: usize,
         precision: Precision,
     ) -> Result<Self, ModelError> {
+        Packed::build(w, din, dout, false, precision)
+    }
+
+    /// [`Packed::with_precision`] of `W: [din, dout]` given as its transpose, the row-major
+    /// `wt: [dout, din]` (a tied LM head read from its embedding table): the same panels,
+    /// without a transposed copy first.
+    pub fn with_precision_transposed(
+        wt: &[f32],
+        din: usize,
+        dout: usize,
+        precision: Precision,
+    ) -> Result<Self, ModelError> {
+        Packed::build(wt, din, dout, true, precision)
+    }
+
+    fn build(
+        w: &[f32],
+        din: usize,
+        dout: usize,
+        transposed: bool,
+        precision: Precision,
+    ) -> Result<Self, ModelError> {
         if w.len() != din * dout {
             return Err(ModelError::RowmulWeights {
                 got: w.len(),
@@ -116,13 +138,13 @@ impl Packed {
             });
         }
         let lines = match precision {
-            Precision::F32 => return Ok(Packed::new(w, din, dout)),
+            Precision::F32 => Lines::F32(panels(w, din, dout, transposed, Line)),
             Precision::F16 => {
                 let max = f32::from(half::f16::MAX);
                 if let Some(&v) = w.iter().find(|v| v.is_finite() && v.abs() > max) {
                     return Err(ModelError::HalfRange(v));
                 }
-                Lines::F16(panels(w, din, dout, |v| {
+                Lines::F16(panels(w, din, dout, transposed, |v| {
                     HalfLine(v.map(|x| half::f16::from_f32(x).to_bits()))
                 }))
             }
@@ -167,16 +189,26 @@ impl Packed {
     }
 }
 
-/// The panels of `w: [din, dout]`, each row of 16 columns (zero-padded) made a line by
-/// `line`.
-fn panels<L>(w: &[f32], din: usize, dout: usize, line: impl Fn([f32; PANEL]) -> L) -> Vec<L> {
+/// The panels of `w: [din, dout]` (given as `[dout, din]` when `transposed`), each row of
+/// 16 columns (zero-padded) made a line by `line`.
+fn panels<L>(
+    w: &[f32],
+    din: usize,
+    dout: usize,
+    transposed: bool,
+    line: impl Fn([f32; PANEL]) -> L,
+) -> Vec<L> {
     let n = dout.div_ceil(PANEL);
     let mut lines = Vec::with_capacity(n * din);
     for p in 0..n {
         let (c, width) = (p * PANEL, PANEL.min(dout - p * PANEL));
         for k in 0..din {
             let mut v = [0.0f32; PANEL];
-            v[..width].copy_from_slice(&w[k * dout + c..][..width]);
+            match transposed {
+                // Column `c + j` of `W` is row `c + j` of `wt`.
+                true => (0..width).for_each(|j| v[j] = w[(c + j) * din + k]),
+                false => v[..width].copy_from_slice(&w[k * dout + c..][..width]),
+            }
             lines.push(line(v));
         }
     }

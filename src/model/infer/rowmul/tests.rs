@@ -126,3 +126,28 @@ fn a_wrong_shape_is_an_error() {
         Vec::<f32>::new()
     );
 }
+
+/// A matrix packed from its transpose is the same panels as packed from itself (f32 and
+/// f16, a partial last panel included), and a wrong length is refused either way.
+#[test]
+fn packing_from_the_transpose_gives_the_same_panels() {
+    for (din, dout) in [(3, 5), (17, 35), (8, 16)] {
+        let w: Vec<f32> = (0..din * dout).map(|i| val(i + 3)).collect();
+        let wt = crate::model::tie::transpose(&w, din, dout);
+        for precision in [Precision::F32, Precision::F16] {
+            let a = Packed::with_precision(&w, din, dout, precision).unwrap();
+            let b = Packed::with_precision_transposed(&wt, din, dout, precision).unwrap();
+            assert_eq!(b.precision(), precision);
+            for p in 0..a.panels() {
+                for k in 0..din {
+                    for j in 0..PANEL {
+                        let (x, y) = (a.weight(p, k, j), b.weight(p, k, j));
+                        assert_eq!(x.to_bits(), y.to_bits(), "{din}x{dout} {p} {k} {j}");
+                    }
+                }
+            }
+        }
+        let short = &wt[1..];
+        assert!(Packed::with_precision_transposed(short, din, dout, Precision::F32).is_err());
+    }
+}
