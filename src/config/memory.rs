@@ -147,6 +147,21 @@ impl MemoryEstimate {
                 acts = update;
             }
         }
+        if m.tie_embeddings {
+            // Each step sums a tied pair's gradients through the host: the head's copied
+            // and transposed, the sum, and each side's set back from it.
+            let tie = mul(
+                "the activations",
+                &[
+                    k(tie_table_copies(!job.schedule.is_none())),
+                    f("model.vocab", m.vocab),
+                    f("model.d_model", m.d_model),
+                    k(4),
+                    dp,
+                ],
+            )?;
+            acts = add("the activations", &[acts, tie])?;
+        }
         // The step's peak (activations, periodic checkpoints' buffers) and the end's (the
         // final checkpoint's copies) do not coexist.
         let buffers = mul("the parameters", &[p, k(periodic)])?;
