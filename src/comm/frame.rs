@@ -10,8 +10,8 @@
 
 use std::io::{self, Read, Write};
 
-use serde::Serialize;
 use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize, Serializer};
 
 use crate::comm::CommError;
 
@@ -30,11 +30,19 @@ pub fn encode<T: Serialize>(msg: &T) -> Result<Vec<u8>, CommError> {
     bincode::serde::encode_to_vec(msg, config()).map_err(|e| CommError::Encode(e.to_string()))
 }
 
+/// Serializes a byte field as one byte string (`#[serde(serialize_with = ...)]`): bincode
+/// writes it exactly as a sequence of `u8`s (the length, then the bytes), in one copy instead
+/// of a call per byte.
+pub fn byte_string<B: AsRef<[u8]>, S: Serializer>(bytes: &B, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_bytes(bytes.as_ref())
+}
+
 /// Decodes one message from exactly `bytes` (trailing bytes are an error: a frame holds one
 /// message). Collections inside are bounded by the frame's own length (bincode checks
-/// each claimed length against the bytes left), so a lying length cannot allocate more.
-pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, CommError> {
-    let (msg, used) = bincode::serde::decode_from_slice::<T, _>(
+/// each claimed length against the bytes left), so a lying length cannot allocate more. A
+/// message may borrow from `bytes` (a `&[u8]` field is a view of the frame, not a copy).
+pub fn decode<'de, T: Deserialize<'de>>(bytes: &'de [u8]) -> Result<T, CommError> {
+    let (msg, used) = bincode::serde::borrow_decode_from_slice::<T, _>(
         bytes,
         config().with_limit::<{ DEFAULT_FRAME_CAP }>(),
     )
@@ -153,6 +161,27 @@ mod tests {
         };
         assert!(matches!(
             decode::<u32>(&trailing),
+            Err(CommError::Decode(_))
+        ));
+    }
+
+    #[test]
+    fn a_byte_string_is_written_as_a_byte_sequence_and_read_back_as_a_view() {
+        #[derive(Serialize, Deserialize)]
+        struct View<'a> {
+            #[serde(serialize_with = "byte_string")]
+            bytes: &'a [u8],
+        }
+        let data = vec![1u8, 0, 255, 7];
+        let wire = encode(&View { bytes: &data }).unwrap();
+        assert_eq!(wire, encode(&data).unwrap());
+        let view: View = decode(&wire).unwrap();
+        assert_eq!(view.bytes, data);
+        // The view is of the frame itself: nothing was copied.
+        assert!(wire.as_ptr_range().contains(&view.bytes.as_ptr()));
+        // A length past the frame's end is an error, not a read past it.
+        assert!(matches!(
+            decode::<View>(&wire[..wire.len() - 1]),
             Err(CommError::Decode(_))
         ));
     }
