@@ -6,12 +6,15 @@
 //! make a process allocate more than the cap. A frame over the cap, a truncated one and one
 //! whose bytes do not decode as the expected message are all [`CommError`]s, never panics:
 //! the connection that carried it is closed by its owner with a logged error.
+//! Large byte fields (a channel's frame, a tensor's bytes) are written as one byte string
+//! ([`byte_string`]) and read back as a view of the frame or in one copy ([`byte_vec`]),
+//! not byte by byte; on the wire that is the same as a sequence of `u8`s.
 //! `tests` fuzzes the decoder with arbitrary bytes (proptest).
 
 use std::io::{self, Read, Write};
 
-use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize, Serializer};
+use serde::de::{DeserializeOwned, Visitor};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::comm::CommError;
 
@@ -35,6 +38,24 @@ pub fn encode<T: Serialize>(msg: &T) -> Result<Vec<u8>, CommError> {
 /// of a call per byte.
 pub fn byte_string<B: AsRef<[u8]>, S: Serializer>(bytes: &B, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_bytes(bytes.as_ref())
+}
+
+/// Deserializes a byte field written by [`byte_string`] (`#[serde(deserialize_with = ...)]`)
+/// in one copy. It asks for borrowed bytes, which bincode checks against the frame's length
+/// before anything is allocated (an owned byte buffer would be allocated at its claimed
+/// length first).
+pub fn byte_vec<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
+    struct Bytes;
+    impl<'de> Visitor<'de> for Bytes {
+        type Value = Vec<u8>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a byte string")
+        }
+        fn visit_bytes<E: serde::de::Error>(self, v: &[u8]) -> Result<Vec<u8>, E> {
+            Ok(v.to_vec())
+        }
+    }
+    d.deserialize_bytes(Bytes)
 }
 
 /// Decodes one message from exactly `bytes` (trailing bytes are an error: a frame holds one
@@ -177,6 +198,16 @@ mod tests {
         assert_eq!(wire, encode(&data).unwrap());
         let view: View = decode(&wire).unwrap();
         assert_eq!(view.bytes, data);
+        #[derive(Deserialize)]
+        struct Owned {
+            #[serde(deserialize_with = "byte_vec")]
+            bytes: Vec<u8>,
+        }
+        assert_eq!(decode::<Owned>(&wire).unwrap().bytes, data);
+        // A length claiming more than the frame holds is refused before it is allocated.
+        let mut lying = encode(&(u32::MAX as u64)).unwrap();
+        lying.push(0);
+        assert!(matches!(decode::<Owned>(&lying), Err(CommError::Decode(_))));
         // The view is of the frame itself: nothing was copied.
         assert!(wire.as_ptr_range().contains(&view.bytes.as_ptr()));
         // A length past the frame's end is an error, not a read past it.

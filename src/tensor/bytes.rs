@@ -69,7 +69,12 @@ mod tests {
     fn a_length_that_is_not_whole_values_is_an_error_naming_the_type() {
         assert_eq!(elements("t", 6, DType::Bf16).unwrap(), 3);
         assert_eq!(elements("t", 0, DType::F32).unwrap(), 0);
-        let err = from_le("from_host_bytes", &[1, 2, 3], DType::Bf16, u16::from_le_bytes);
+        let err = from_le(
+            "from_host_bytes",
+            &[1, 2, 3],
+            DType::Bf16,
+            u16::from_le_bytes,
+        );
         assert_eq!(
             err.unwrap_err().to_string(),
             "from_host_bytes: 3 bytes are not a whole number of bf16 values (2 bytes each)"

@@ -5,9 +5,9 @@
 use half::bf16;
 
 use super::blas::dense;
-use crate::tensor::bytes::{from_le, to_le};
 use super::kernels::{self, K};
 use super::{CudaBackend, CudaBuf, Storage, dev, grid_rows};
+use crate::tensor::bytes::{from_le, to_le};
 use crate::tensor::{
     Activation, AdamWStep, AttnShape, Backend, BatchedGemm, DType, Gemm, Result, check,
 };
