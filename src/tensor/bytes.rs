@@ -10,7 +10,7 @@ use super::{DType, Result, TensorError};
 /// The number of `dtype` values `bytes` bytes hold, or why they are not a whole number of them.
 pub(crate) fn elements(op: &'static str, bytes: usize, dtype: DType) -> Result<usize> {
     let size = dtype.size();
-    if bytes % size != 0 {
+    if !bytes.is_multiple_of(size) {
         return Err(TensorError::Invalid {
             op,
             reason: format!(
