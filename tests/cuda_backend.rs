@@ -103,6 +103,34 @@ fn memory_round_trips_and_conversions_match() {
     both!("memory bf16", 0.0, cpu, gpu, memory, DType::Bf16);
 }
 
+/// Storage bytes (what a TCP frame carries) are the same on both backends, bf16 as its 2-byte
+/// bits, and read back to the same buffer; a length that is not whole values is the CPU's error.
+#[test]
+fn storage_bytes_match() {
+    let Some((cpu, gpu)) = backends("bytes") else {
+        return;
+    };
+    let data: Vec<f32> = Rng(3).vec(1001).into_iter().map(|x| x * 300.0).collect();
+    for dtype in [DType::F32, DType::Bf16] {
+        let want = cpu
+            .to_host_bytes(&cpu.from_host(&data, dtype).unwrap())
+            .unwrap();
+        assert_eq!(want.len(), 1001 * dtype.size());
+        let on_gpu = gpu.from_host(&data, dtype).unwrap();
+        assert_eq!(gpu.to_host_bytes(&on_gpu).unwrap(), want, "{dtype:?}");
+        let back = gpu.from_host_bytes(&want, dtype).unwrap();
+        assert_eq!(gpu.dtype(&back), dtype);
+        assert_eq!(gpu.to_host_bytes(&back).unwrap(), want, "{dtype:?}");
+        let empty = gpu.from_host_bytes(&[], dtype).unwrap();
+        assert_eq!(gpu.len(&empty), 0);
+    }
+    let odd = |b: &dyn Fn() -> Result<()>| b().unwrap_err().to_string();
+    assert_eq!(
+        odd(&|| gpu.from_host_bytes(&[0; 5], DType::Bf16).map(|_| ())),
+        odd(&|| cpu.from_host_bytes(&[0; 5], DType::Bf16).map(|_| ()))
+    );
+}
+
 fn products<B: Backend>(b: &B, dtype: DType) -> Result<Vec<Vec<f32>>> {
     let mut r = Rng(2);
     let (m, k, n) = (7, 13, 5);

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use crate::comm::link::Channel;
 use crate::comm::rendezvous::missing_text;
+use crate::tensor::DType;
 use crate::tensor::TensorError;
 use crate::tensor::device::Device;
 
@@ -43,6 +44,13 @@ pub enum CommError {
     Decode(String),
     #[error("cannot encode frame: {0}")]
     Encode(String),
+    /// A tensor frame's bytes are not the buffer its header declares (`tcp_transport`).
+    #[error(
+        "the frame declares a {} buffer of {len} values ({} bytes each) but carries {got} bytes",
+        .dtype.name(),
+        .dtype.size()
+    )]
+    BufPayload { dtype: DType, len: u64, got: usize },
     #[error("the peer closed the connection")]
     Eof,
     #[error("i/o: {0}")]

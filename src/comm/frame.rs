@@ -6,12 +6,15 @@
 //! make a process allocate more than the cap. A frame over the cap, a truncated one and one
 //! whose bytes do not decode as the expected message are all [`CommError`]s, never panics:
 //! the connection that carried it is closed by its owner with a logged error.
+//! Large byte fields (a channel's frame, a tensor's bytes) are written as one byte string
+//! ([`byte_string`]) and read back as a view of the frame or in one copy ([`byte_vec`]),
+//! not byte by byte; on the wire that is the same as a sequence of `u8`s.
 //! `tests` fuzzes the decoder with arbitrary bytes (proptest).
 
 use std::io::{self, Read, Write};
 
-use serde::Serialize;
-use serde::de::DeserializeOwned;
+use serde::de::{DeserializeOwned, Visitor};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::comm::CommError;
 
@@ -30,11 +33,37 @@ pub fn encode<T: Serialize>(msg: &T) -> Result<Vec<u8>, CommError> {
     bincode::serde::encode_to_vec(msg, config()).map_err(|e| CommError::Encode(e.to_string()))
 }
 
+/// Serializes a byte field as one byte string (`#[serde(serialize_with = ...)]`): bincode
+/// writes it exactly as a sequence of `u8`s (the length, then the bytes), in one copy instead
+/// of a call per byte.
+pub fn byte_string<B: AsRef<[u8]>, S: Serializer>(bytes: &B, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_bytes(bytes.as_ref())
+}
+
+/// Deserializes a byte field written by [`byte_string`] (`#[serde(deserialize_with = ...)]`)
+/// in one copy. It asks for borrowed bytes, which bincode checks against the frame's length
+/// before anything is allocated (an owned byte buffer would be allocated at its claimed
+/// length first).
+pub fn byte_vec<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
+    struct Bytes;
+    impl<'de> Visitor<'de> for Bytes {
+        type Value = Vec<u8>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a byte string")
+        }
+        fn visit_bytes<E: serde::de::Error>(self, v: &[u8]) -> Result<Vec<u8>, E> {
+            Ok(v.to_vec())
+        }
+    }
+    d.deserialize_bytes(Bytes)
+}
+
 /// Decodes one message from exactly `bytes` (trailing bytes are an error: a frame holds one
 /// message). Collections inside are bounded by the frame's own length (bincode checks
-/// each claimed length against the bytes left), so a lying length cannot allocate more.
-pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, CommError> {
-    let (msg, used) = bincode::serde::decode_from_slice::<T, _>(
+/// each claimed length against the bytes left), so a lying length cannot allocate more. A
+/// message may borrow from `bytes` (a `&[u8]` field is a view of the frame, not a copy).
+pub fn decode<'de, T: Deserialize<'de>>(bytes: &'de [u8]) -> Result<T, CommError> {
+    let (msg, used) = bincode::serde::borrow_decode_from_slice::<T, _>(
         bytes,
         config().with_limit::<{ DEFAULT_FRAME_CAP }>(),
     )
@@ -153,6 +182,37 @@ mod tests {
         };
         assert!(matches!(
             decode::<u32>(&trailing),
+            Err(CommError::Decode(_))
+        ));
+    }
+
+    #[test]
+    fn a_byte_string_is_written_as_a_byte_sequence_and_read_back_as_a_view() {
+        #[derive(Serialize, Deserialize)]
+        struct View<'a> {
+            #[serde(serialize_with = "byte_string")]
+            bytes: &'a [u8],
+        }
+        let data = vec![1u8, 0, 255, 7];
+        let wire = encode(&View { bytes: &data }).unwrap();
+        assert_eq!(wire, encode(&data).unwrap());
+        let view: View = decode(&wire).unwrap();
+        assert_eq!(view.bytes, data);
+        #[derive(Deserialize)]
+        struct Owned {
+            #[serde(deserialize_with = "byte_vec")]
+            bytes: Vec<u8>,
+        }
+        assert_eq!(decode::<Owned>(&wire).unwrap().bytes, data);
+        // A length claiming more than the frame holds is refused before it is allocated.
+        let mut lying = encode(&(u32::MAX as u64)).unwrap();
+        lying.push(0);
+        assert!(matches!(decode::<Owned>(&lying), Err(CommError::Decode(_))));
+        // The view is of the frame itself: nothing was copied.
+        assert!(wire.as_ptr_range().contains(&view.bytes.as_ptr()));
+        // A length past the frame's end is an error, not a read past it.
+        assert!(matches!(
+            decode::<View>(&wire[..wire.len() - 1]),
             Err(CommError::Decode(_))
         ));
     }

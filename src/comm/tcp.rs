@@ -19,8 +19,9 @@
 //! whole mesh with an error naming that rank: every sink is closed and every receiver wakes.
 //!
 //! The parts: `setup` builds a mesh ([`TcpMesh::connect`], [`TcpMesh::loopback`]);
-//! `inner` holds the state every thread of the mesh shares and the reader loop; this
-//! module the wire frame, the options and errors, and the mesh's API.
+//! `inner` holds the state every thread of the mesh shares and the reader loop; `traffic`
+//! counts what the mesh writes; this module the wire frame, the options and errors, and
+//! the mesh's API.
 
 use std::collections::VecDeque;
 use std::net::Shutdown;
@@ -35,11 +36,13 @@ use crate::comm::CommError;
 pub(crate) mod inner;
 pub mod options;
 mod setup;
+pub mod traffic;
 pub(crate) mod wire;
 
 pub(crate) use inner::Inner;
 use inner::lock;
 pub use options::MeshOptions;
+pub use traffic::{Sent, Traffic};
 pub use wire::{Sink, Wire};
 
 /// The TCP mesh of one rank (see the module docs).
@@ -136,6 +139,11 @@ impl TcpMesh {
         }
     }
 
+    /// What this rank has written to its peers so far.
+    pub fn sent(&self) -> Sent {
+        lock(&self.inner.sent).clone()
+    }
+
     pub(crate) fn inner(&self) -> &Arc<Inner> {
         &self.inner
     }
@@ -224,6 +232,7 @@ impl PeerLink for TcpMesh {
             // A peer that already left cannot hear it; that is fine.
             let _ = self.inner.send_wire(peer, &Wire::Bye);
         }
+        tracing::info!("rank {} sent {}", self.inner.rank, self.sent());
         self.inner.arrived.notify_all();
         Ok(())
     }

@@ -45,41 +45,69 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> Codec<T> for SerdeCodec {
     }
 }
 
-/// A backend buffer on the wire: its storage type and its values as host `f32`s (exact
-/// for both storage types: a bf16 value widens to f32 and rounds back to itself).
+/// A backend buffer on the wire: its storage type, its number of values and its storage's
+/// bytes ([`Backend::to_host_bytes`]: 4 an `f32`, the 2-byte bits of a `bf16`, so a bf16
+/// activation costs 2 bytes an element and is never widened on either side). Decoded, `bytes`
+/// is a view of the frame: nothing is allocated before [`HostBuf::values`] has held the
+/// declared type and length against it.
 #[derive(Debug, PartialEq, Serialize, Deserialize)]
-pub struct HostBuf {
+pub struct HostBuf<'a> {
     pub dtype: DType,
-    pub data: Vec<f32>,
+    pub len: u64,
+    #[serde(serialize_with = "frame::byte_string")]
+    pub bytes: &'a [u8],
 }
 
-/// The codec of a backend's buffers (activations and gradients between stages).
+impl HostBuf<'_> {
+    /// The number of values, when `bytes` holds exactly `len` values of `dtype`.
+    pub fn values(&self) -> Result<usize, CommError> {
+        let wrong = || CommError::BufPayload {
+            dtype: self.dtype,
+            len: self.len,
+            got: self.bytes.len(),
+        };
+        match self.len.checked_mul(self.dtype.size() as u64) {
+            Some(need) if need == self.bytes.len() as u64 => {
+                usize::try_from(self.len).map_err(|_| wrong())
+            }
+            _ => Err(wrong()),
+        }
+    }
+}
+
+/// The codec of a backend's buffers (activations and gradients between stages): a
+/// [`HostBuf`] of the buffer's storage bytes.
 pub struct BufCodec<B: Backend>(pub B);
 
 impl<B: Backend> Codec<B::Buf> for BufCodec<B> {
     fn encode(&self, value: &B::Buf) -> Result<Vec<u8>, String> {
+        let bytes = self.0.to_host_bytes(value).map_err(|e| e.to_string())?;
         let host = HostBuf {
             dtype: self.0.dtype(value),
-            data: self.0.to_host(value).map_err(|e| e.to_string())?,
+            len: self.0.len(value) as u64,
+            bytes: &bytes,
         };
         frame::encode(&host).map_err(|e| e.to_string())
     }
     fn decode(&self, bytes: &[u8]) -> Result<B::Buf, String> {
         let host: HostBuf = frame::decode(bytes).map_err(|e| e.to_string())?;
+        host.values().map_err(|e| e.to_string())?;
         self.0
-            .from_host(&host.data, host.dtype)
+            .from_host_bytes(host.bytes, host.dtype)
             .map_err(|e| e.to_string())
     }
 }
 
-/// One payload on the wire: its envelope's fields and the encoded payload.
+/// One payload on the wire: its envelope's fields and the encoded payload (decoded, a view
+/// of the frame, which the codec decodes from without a copy).
 #[derive(Debug, PartialEq, Serialize, Deserialize)]
-pub struct WireEnvelope {
+pub struct WireEnvelope<'a> {
     pub to: u32,
     pub from: u32,
     pub tag: Tag,
     pub sent_at: f64,
-    pub payload: Vec<u8>,
+    #[serde(serialize_with = "frame::byte_string")]
+    pub payload: &'a [u8],
 }
 
 struct Port<T, C> {
@@ -99,7 +127,7 @@ impl<T: Send + 'static, C: Codec<T>> Sink for Port<T, C> {
                 wire.from, wire.to, self.rank
             ));
         }
-        let payload = self.codec.decode(&wire.payload)?;
+        let payload = self.codec.decode(wire.payload)?;
         let envelope = Envelope {
             tag: wire.tag,
             from: wire.from as usize,
@@ -252,16 +280,17 @@ impl<T: Send + 'static, C: Codec<T>> Transport<T> for TcpTransport<T, C> {
                 .send(to, envelope)
                 .map_err(|e| self.explain(e));
         }
+        let payload = self
+            .port
+            .codec
+            .encode(&envelope.payload)
+            .map_err(LinkError::Other)?;
         let wire = WireEnvelope {
             to: to as u32,
             from: envelope.from as u32,
             tag: envelope.tag,
             sent_at: envelope.sent_at,
-            payload: self
-                .port
-                .codec
-                .encode(&envelope.payload)
-                .map_err(LinkError::Other)?,
+            payload: &payload,
         };
         let bytes = frame::encode(&wire).map_err(|e| LinkError::Other(e.to_string()))?;
         self.mesh
@@ -295,77 +324,5 @@ impl<T: Send + 'static, C: Codec<T>> Transport<T> for TcpTransport<T, C> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::comm::tcp::MeshOptions;
-    use crate::tensor::CpuBackend;
-
-    #[test]
-    fn sends_stay_local_or_are_refused_past_the_world_or_after_a_failure() {
-        let none = || None;
-        assert_eq!(route(1, 4, 1, || Some("x".into())).unwrap(), Route::Local);
-        assert_eq!(route(1, 4, 3, none).unwrap(), Route::Remote);
-        assert!(matches!(
-            route(1, 4, 4, none),
-            Err(LinkError::NoSuchRank { to: 4, ranks: 4 })
-        ));
-        let failed = route(1, 4, 2, || Some("rank 2 died".into())).unwrap_err();
-        assert_eq!(
-            failed.to_string(),
-            LinkError::Other("rank 2 died".into()).to_string()
-        );
-        let closed = explain_closed(LinkError::Closed, Some("rank 3 died".into()));
-        assert!(matches!(closed, LinkError::Other(r) if r == "rank 3 died"));
-        assert!(matches!(
-            explain_closed(LinkError::Closed, None),
-            LinkError::Closed
-        ));
-    }
-
-    #[test]
-    fn a_group_is_numbered_from_its_base() {
-        assert_eq!(group_rank(5, 8, 4, 2).unwrap(), 1);
-        assert_eq!(group_rank(0, 1, 0, 1).unwrap(), 0);
-    }
-
-    #[test]
-    fn a_wrong_group_is_a_typed_error_naming_the_range() {
-        let err = group_rank(1, 4, 2, 2).unwrap_err();
-        assert_eq!(
-            err.to_string(),
-            "transport group of mesh ranks 2..4: this process is mesh rank 1, not one of them"
-        );
-        assert_eq!(
-            group_rank(3, 4, 2, 3).unwrap_err().to_string(),
-            "transport group of mesh ranks 2..5: it runs past the mesh's 4 ranks"
-        );
-        assert_eq!(
-            group_rank(0, 4, 0, 0).unwrap_err().to_string(),
-            "transport group at mesh rank 0: the group is empty"
-        );
-        assert!(matches!(
-            group_rank(0, 4, usize::MAX, 2),
-            Err(CommError::PastMesh { .. })
-        ));
-    }
-
-    #[test]
-    fn group_on_a_mesh_refuses_a_range_without_this_rank_instead_of_panicking() {
-        let mesh = TcpMesh::loopback(1, &MeshOptions::new("t"))
-            .unwrap()
-            .pop()
-            .unwrap();
-        let codec = BufCodec(CpuBackend::new(1).unwrap());
-        let err = TcpTransport::group(&mesh, TENSOR_CHANNEL, codec, 1, 1).err();
-        assert!(matches!(
-            err,
-            Some(CommError::PastMesh {
-                base: 1,
-                size: 1,
-                world: 1
-            })
-        ));
-        let ok = TcpTransport::group(&mesh, STATS_CHANNEL, SerdeCodec, 0, 1);
-        assert_eq!(Transport::<u32>::ranks(&ok.unwrap()), 1);
-    }
-}
+#[path = "tcp_transport_tests.rs"]
+mod tests;

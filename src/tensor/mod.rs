@@ -5,7 +5,8 @@
 //! one RMSNorm, one attention, …). That keeps the kernels apart from the model code and lets a
 //! device backend (CUDA, feature `cuda`) keep every tensor on the device and run each operation
 //! as a single kernel or cuBLAS call. Host copies happen only through [`Backend::from_host`] and
-//! [`Backend::to_host`].
+//! [`Backend::to_host`] (values as `f32`), and [`Backend::from_host_bytes`] and
+//! [`Backend::to_host_bytes`] (the storage's own bytes, for byte transports: `bytes.rs`).
 //!
 //! Conventions shared by every operation:
 //! - A buffer is a flat array of `f32` values (its *storage* may be `bf16`, see [`DType`]);
@@ -18,6 +19,7 @@
 //! - Activations use the `[batch, seq, d]` layout, so an `[N = batch·seq, d]` matrix; attention
 //!   heads are interleaved in `d` as `[batch, seq, heads, head_dim]`.
 
+mod bytes;
 mod check;
 pub mod cpu;
 #[cfg(feature = "cuda")]
@@ -42,6 +44,24 @@ pub enum DType {
     F32,
     /// bfloat16: half the memory, 8 bits of mantissa; values are rounded to nearest-even on write.
     Bf16,
+}
+
+impl DType {
+    /// Bytes one stored value takes.
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::Bf16 => 2,
+        }
+    }
+
+    /// The name a job file and a message use (`f32`, `bf16`).
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::Bf16 => "bf16",
+        }
+    }
 }
 
 /// Elementwise non-linearity of the MLP.
@@ -188,6 +208,14 @@ pub trait Backend: Clone + Send + Sync + 'static {
     fn from_host(&self, data: &[f32], dtype: DType) -> Result<Self::Buf>;
     /// The buffer's values, widened to `f32`.
     fn to_host(&self, buf: &Self::Buf) -> Result<Vec<f32>>;
+    /// The buffer's storage as little-endian bytes, each value as it is stored: 4 bytes an
+    /// `f32`, the 2-byte bits of a `bf16` (never widened). What a byte transport sends.
+    fn to_host_bytes(&self, buf: &Self::Buf) -> Result<Vec<u8>>;
+    /// A new buffer of `dtype` holding `bytes` as [`Backend::to_host_bytes`] gives them
+    /// (no rounding: the values are the stored ones). A length that is not a whole number
+    /// of `dtype` values is [`TensorError::Invalid`].
+    #[allow(clippy::wrong_self_convention)]
+    fn from_host_bytes(&self, bytes: &[u8], dtype: DType) -> Result<Self::Buf>;
     /// Number of elements.
     fn len(&self, buf: &Self::Buf) -> usize;
     /// Storage type.

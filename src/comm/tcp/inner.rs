@@ -9,6 +9,7 @@ use std::net::TcpStream;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
+use super::traffic::Sent;
 use super::wire::{Sink, Wire};
 use crate::comm::CommError;
 use crate::comm::frame::{self};
@@ -36,6 +37,8 @@ pub(crate) struct Inner {
     pub(super) boxes: Mutex<Boxes>,
     pub(super) arrived: Condvar,
     pub(super) sinks: Mutex<HashMap<Channel, Arc<dyn Sink>>>,
+    /// What this rank has written, for measuring a job's traffic.
+    pub(super) sent: Mutex<Sent>,
 }
 
 pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -69,6 +72,7 @@ impl Inner {
         };
         let written = lock(stream).write_all(&buf);
         let Err(source) = written else {
+            lock(&self.sent).add(wire, buf.len());
             return Ok(());
         };
         // A peer that said goodbye and exited is not dead; its goodbye may still be on its

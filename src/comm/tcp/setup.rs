@@ -151,6 +151,7 @@ impl TcpMesh {
             }),
             arrived: Condvar::new(),
             sinks: Mutex::new(HashMap::new()),
+            sent: Mutex::default(),
         });
         for (peer, stream) in readers {
             let inner = Arc::clone(&inner);

@@ -10,6 +10,11 @@ use crate::comm::link::Channel;
 pub enum Wire {
     Data {
         channel: Channel,
+        /// Written and read as one byte string (the same bytes as a `u8` sequence).
+        #[serde(
+            serialize_with = "crate::comm::frame::byte_string",
+            deserialize_with = "crate::comm::frame::byte_vec"
+        )]
         bytes: Vec<u8>,
     },
     /// Nothing to say; proves the peer is alive.
@@ -18,9 +23,7 @@ pub enum Wire {
     Bye,
     /// The peer's mesh failed for `reason` (which names the rank at fault) and it is about
     /// to exit: its connection ending next is a consequence, not the cause.
-    Failed {
-        reason: String,
-    },
+    Failed { reason: String },
 }
 
 /// Receives data frames of one channel as they arrive (on the peer's reader thread), and

@@ -19,6 +19,7 @@ use half::bf16;
 pub use buf::CpuBuf;
 use buf::{Storage, gemm_slices};
 
+use super::bytes::{from_le, to_le};
 use super::{Activation, AdamWStep, AttnShape, Backend, BatchedGemm, DType, Gemm, Result, check};
 use crate::tensor::TensorError;
 
@@ -139,6 +140,23 @@ impl Backend for CpuBackend {
             Storage::F32(v) => v,
             Storage::Bf16(v) => v.iter().map(|x| x.to_f32()).collect(),
         })
+    }
+
+    fn to_host_bytes(&self, buf: &CpuBuf) -> Result<Vec<u8>> {
+        Ok(match &buf.0 {
+            Storage::F32(v) => to_le(v, |x| x.to_le_bytes()),
+            Storage::Bf16(v) => to_le(v, |x| x.to_bits().to_le_bytes()),
+        })
+    }
+
+    fn from_host_bytes(&self, bytes: &[u8], dtype: DType) -> Result<CpuBuf> {
+        const OP: &str = "from_host_bytes";
+        Ok(CpuBuf(match dtype {
+            DType::F32 => Storage::F32(from_le(OP, bytes, dtype, f32::from_le_bytes)?),
+            DType::Bf16 => Storage::Bf16(from_le(OP, bytes, dtype, |b| {
+                bf16::from_bits(u16::from_le_bytes(b))
+            })?),
+        }))
     }
 
     fn len(&self, buf: &CpuBuf) -> usize {

@@ -7,6 +7,7 @@ use half::bf16;
 use super::blas::dense;
 use super::kernels::{self, K};
 use super::{CudaBackend, CudaBuf, Storage, dev, grid_rows};
+use crate::tensor::bytes::{from_le, to_le};
 use crate::tensor::{
     Activation, AdamWStep, AttnShape, Backend, BatchedGemm, DType, Gemm, Result, check,
 };
@@ -59,6 +60,28 @@ impl Backend for CudaBackend {
                 .map(|b| bf16::from_bits(b).to_f32())
                 .collect(),
         })
+    }
+
+    /// One device-to-host copy of the stored values (bf16 as its 2-byte bits, never widened).
+    fn to_host_bytes(&self, buf: &CudaBuf) -> Result<Vec<u8>> {
+        const OP: &str = "to_host_bytes";
+        Ok(match &buf.0 {
+            Storage::F32(s) => to_le(&self.download(OP, s)?, |x| x.to_le_bytes()),
+            Storage::Bf16(s) => to_le(&self.download(OP, s)?, |x| x.to_le_bytes()),
+        })
+    }
+
+    /// The bytes' values in their own width, then one host-to-device copy.
+    fn from_host_bytes(&self, bytes: &[u8], dtype: DType) -> Result<CudaBuf> {
+        const OP: &str = "from_host_bytes";
+        Ok(CudaBuf(match dtype {
+            DType::F32 => {
+                Storage::F32(self.upload(OP, &from_le(OP, bytes, dtype, f32::from_le_bytes)?)?)
+            }
+            DType::Bf16 => {
+                Storage::Bf16(self.upload(OP, &from_le(OP, bytes, dtype, u16::from_le_bytes)?)?)
+            }
+        }))
     }
 
     fn len(&self, buf: &CudaBuf) -> usize {
