@@ -322,7 +322,18 @@ pub(super) fn activations(
         ],
     )?;
     let working = mul(what, &[flight.ranks, tokens, working_per_token, k(ELEMENT)])?;
-    add(what, &[stash, recomputed, head, head_working, working])
+    // A bf16 stash is widened to f32 where the CPU reads it: a block's forward stash, in F
+    // and again in I, per rank (measured at seq_len 512: 49 MiB over the stash's count).
+    let widened = match job.train.precision {
+        crate::tensor::DType::F32 => k(0),
+        crate::tensor::DType::Bf16 => {
+            mul(what, &[flight.ranks, k(2), tokens, per_token, k(ELEMENT)])?
+        }
+    };
+    add(
+        what,
+        &[stash, recomputed, head, head_working, working, widened],
+    )
 }
 
 /// The MLP's hidden width, checked (`mlp_ratio × d_model` unless `intermediate` is given).
