@@ -208,6 +208,16 @@ fn state_bits(job: &JobConfig, state: &DrafterState) -> (Vec<(String, Vec<u32>)>
     (t, serde_json::to_string(&meta).unwrap())
 }
 
+/// The drafter `job`'s in-process pipeline trains in `steps` steps.
+fn in_process_drafter(job: &JobConfig, steps: u64) -> DrafterState {
+    let run = PipelineTrainer::from_job(job)
+        .unwrap()
+        .filler(Filler::Drafter)
+        .run(steps, |_| {})
+        .unwrap();
+    run.drafter_state().expect("the in-process drafter").clone()
+}
+
 /// The drafter state of the checkpoint at `dir` (a run directory: its newest checkpoint).
 fn saved_drafter(job: &JobConfig, dir: &Path) -> DrafterState {
     let point = ResumePoint::find(dir).unwrap();
@@ -261,12 +271,7 @@ fn launched_planned_runs_train_the_same_drafter_bit_for_bit_as_in_process() {
     );
 
     // The in-process planned run of the same job trains the same drafter, bit for bit.
-    let local = PipelineTrainer::from_job(&job_a)
-        .unwrap()
-        .filler(Filler::Drafter)
-        .run(2 * N, |_| {})
-        .unwrap();
-    let own = local.drafter_state().expect("the in-process drafter");
+    let own = &in_process_drafter(&job_a, 2 * N);
     assert_eq!(own.weights, weights, "the in-process drafter differs");
     assert!(
         state_bits(&job_a, own) == state_bits(&job_a, &sa),
@@ -348,12 +353,7 @@ fn a_tied_targets_planned_drafter_is_the_same_launched_in_process_and_resumed() 
     }
     let saved = state_bits(&whole_job, &saved_drafter(&whole_job, &whole_dir));
 
-    let local = PipelineTrainer::from_job(&whole_job)
-        .unwrap()
-        .filler(Filler::Drafter)
-        .run(2 * N, |_| {})
-        .unwrap();
-    let own = local.drafter_state().expect("the in-process drafter");
+    let own = &in_process_drafter(&whole_job, 2 * N);
     assert_eq!(own.weights, weights, "the in-process drafter differs");
     assert!(
         state_bits(&whole_job, own) == saved,

@@ -253,17 +253,17 @@ impl<B: Backend> AdamW<B> {
     }
 
     /// [`AdamW::state`], moved out rather than copied where the backend allows
-    /// ([`Backend::into_host`]): for the end of a run. The optimizer is left without
+    /// ([`Backend::take_host`]): for the end of a run. The optimizer is left without
     /// moments; a step after this would start them again from zero.
     pub fn take_state(&mut self, be: &B) -> Result<OptimizerState> {
         let mut slots = BTreeMap::new();
         for (name, s) in std::mem::take(&mut self.slots) {
-            let master = s.master.map(|m| be.into_host(m)).transpose()?;
+            let master = s.master.map(|m| be.take_host(m)).transpose()?;
             slots.insert(
                 name,
                 SlotState {
-                    m: be.into_host(s.m)?,
-                    v: be.into_host(s.v)?,
+                    m: be.take_host(s.m)?,
+                    v: be.take_host(s.v)?,
                     master,
                 },
             );

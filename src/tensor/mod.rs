@@ -48,7 +48,7 @@ pub enum DType {
 
 impl DType {
     /// Bytes one stored value takes.
-    pub fn size(self) -> usize {
+    pub const fn size(self) -> usize {
         match self {
             DType::F32 => 4,
             DType::Bf16 => 2,
@@ -254,7 +254,7 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// [`Backend::to_host`] of a buffer no longer needed: a backend whose buffers are host
     /// memory hands the `f32` values over without a copy (the end of a run, where a copy
     /// of the whole state would be the run's peak).
-    fn into_host(&self, buf: Self::Buf) -> Result<Vec<f32>> {
+    fn take_host(&self, buf: Self::Buf) -> Result<Vec<f32>> {
         self.to_host(&buf)
     }
 

@@ -74,10 +74,7 @@ pub const fn sharded_bytes(precision: DType) -> u64 {
 /// Gradients of the activations (what I leaves for W, what goes back between stages) and
 /// the working sets stay [`ELEMENT`] (f32): the CPU backend widens bf16 to f32 to compute.
 pub(super) const fn stash_element(precision: DType) -> u64 {
-    match precision {
-        DType::F32 => ELEMENT,
-        DType::Bf16 => 2,
-    }
+    precision.size() as u64
 }
 
 /// Extra bytes per parameter in `pipefill rl`: the rollout engine's copy of the policy's

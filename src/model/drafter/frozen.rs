@@ -76,11 +76,7 @@ impl<B: Backend> FrozenTables<B> {
 
     /// Bytes of the backend table (the head, or a tied target's one table).
     pub fn head_bytes(&self, be: &B) -> usize {
-        let element = match be.dtype(&self.head) {
-            crate::tensor::DType::F32 => 4,
-            crate::tensor::DType::Bf16 => 2,
-        };
-        element * be.len(&self.head)
+        be.dtype(&self.head).size() * be.len(&self.head)
     }
 
     /// A product written with `head.w: [d, vocab]` as its `B` operand, as it reads the table

@@ -135,7 +135,7 @@ impl Backend for CpuBackend {
         Ok(buf.read().into_owned())
     }
 
-    fn into_host(&self, buf: CpuBuf) -> Result<Vec<f32>> {
+    fn take_host(&self, buf: CpuBuf) -> Result<Vec<f32>> {
         Ok(match buf.0 {
             Storage::F32(v) => v,
             Storage::Bf16(v) => v.iter().map(|x| x.to_f32()).collect(),
