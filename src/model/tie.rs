@@ -22,7 +22,7 @@ pub const HEAD: &str = "head.w";
 
 /// `values: [rows, cols]` transposed to `[cols, rows]`.
 ///
-/// In tiles of [`TILE`]² elements: at a real vocabulary the tied pair is transposed twice a
+/// In tiles of 32 × 32 elements: at a real vocabulary the tied pair is transposed twice a
 /// step (`[vocab, d]`, 28 M elements for SmolLM-135M), and a row-by-row walk misses the
 /// cache on every write.
 pub fn transpose(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
