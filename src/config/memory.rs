@@ -156,7 +156,7 @@ impl MemoryEstimate {
                     k(tie_table_copies(!job.schedule.is_none())),
                     f("model.vocab", m.vocab),
                     f("model.d_model", m.d_model),
-                    k(4),
+                    k(ELEMENT),
                     dp,
                 ],
             )?;
