@@ -20,8 +20,9 @@
 //! The constants are calibrated on the CPU backend against the peak RSS of
 //! `pipefill train --steps 1`, in f32 and in bf16 (`train.precision`: the stash at 2 bytes
 //! an element, the f32 master weights beside the parameters; see the tests of
-//! `tests/memory_cli.rs`), so that the estimate stays above it; the peaks are in
-//! docs/benchmarks.md, "Memory estimate calibration" and "Mixed precision".
+//! `tests/memory_cli.rs`) and of real shapes, so that the estimate is within ±15% of it;
+//! the peaks are in docs/benchmarks.md, "Memory estimate calibration" and "Mixed
+//! precision".
 
 mod costs;
 mod limit;
@@ -72,10 +73,10 @@ impl MemoryEstimate {
         let mut parts: Vec<(&'static str, Size)> = Vec::new();
         let p = params(job)?;
         let live_param = LIVE_PARAM_BYTES + live_precision_bytes(t.precision);
+        let pipelined = !job.schedule.is_none();
         // Held once whatever `dp` is: in `pipefill rl` the rollout engine's copy of the
-        // policy and the reference policy; while periodic checkpoints are written, their
-        // buffers (beside the activations); after the last step, the final checkpoint's
-        // host copies of the state (when the activations are gone: the larger counts).
+        // policy and the reference policy. (Periodic checkpoints' buffers and the final
+        // checkpoint's copies are weighed against the activations below.)
         let held = match workload {
             Workload::Train => 0,
             Workload::Rl => RL_PARAM_BYTES,
@@ -84,7 +85,7 @@ impl MemoryEstimate {
             0 => 0,
             _ => CHECKPOINT_PARAM_BYTES,
         };
-        let copy = final_copy_bytes(!job.schedule.is_none()) + copy_precision_bytes(t.precision);
+        let copy = final_copy_bytes(pipelined) + copy_precision_bytes(t.precision);
         let sharded = sharded_bytes(t.precision);
         // Every data-parallel replica holds the model, its gradients and moments and its
         // activations (in one process or spread over `dp × stages` processes).
@@ -108,7 +109,7 @@ impl MemoryEstimate {
         parts.push(("parameters, gradients and optimizer state", live));
 
         let seq = f("model.seq_len", m.seq_len);
-        if !job.schedule.is_none() {
+        if pipelined {
             t.recompute
                 .check(job.stages)
                 .map_err(|reason| ConfigError::Invalid {
@@ -153,7 +154,7 @@ impl MemoryEstimate {
             let tie = mul(
                 "the activations",
                 &[
-                    k(tie_table_copies(!job.schedule.is_none())),
+                    k(tie_table_copies(pipelined)),
                     f("model.vocab", m.vocab),
                     f("model.d_model", m.d_model),
                     k(ELEMENT),
@@ -190,7 +191,7 @@ impl MemoryEstimate {
             ],
         )?;
         // Filler work in a pipeline's bubbles: each slice's span, kept for the trace.
-        let fill_bytes = match job.filler == Filler::None || job.schedule.is_none() {
+        let fill_bytes = match job.filler == Filler::None || !pipelined {
             true => k(0),
             false => mul(
                 "the per-step records",
@@ -234,7 +235,7 @@ impl MemoryEstimate {
         parts.push(("data", add("the data", &[summary, eval, batches, dataset])?));
 
         let drafter = match workload {
-            Workload::Train => job.filler == Filler::Drafter && !job.schedule.is_none(),
+            Workload::Train => job.filler == Filler::Drafter && pipelined,
             Workload::Rl => job.rl.speculation,
         };
         if drafter {
