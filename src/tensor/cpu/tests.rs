@@ -135,6 +135,41 @@ fn matmul_larger_parallel_matches_serial() {
     }
 }
 
+/// Products reading the right operand transposed go through faer (the rest through gemm):
+/// big enough to split over the pool, they give the same bits on 1 and on 2 threads (the
+/// pipeline's stages and the reference trainer may run on different thread counts and must
+/// agree bitwise), and agree with the naive product.
+#[test]
+fn matmul_transposed_rhs_same_bits_on_any_thread_count() {
+    let (m, k, n) = (64, 600, 48);
+    assert!(m * k * n >= super::PARALLEL_WORK);
+    let (a, b) = (rand_vec(7, m * k), rand_vec(8, k * n));
+    let before = rand_vec(9, m * n);
+    for ta in [false, true] {
+        let g = Gemm {
+            trans_a: ta,
+            ..Gemm::nn(m, k, n).trans_b()
+        };
+        for g in [g, g.accumulate()] {
+            let got: Vec<Vec<f32>> = [1, 2]
+                .map(|threads| {
+                    let be = CpuBackend::new(threads).unwrap();
+                    let mut c = buf(&be, &before);
+                    be.matmul(&buf(&be, &a), &buf(&be, &b), &mut c, g).unwrap();
+                    host(&be, &c)
+                })
+                .into();
+            assert_eq!(got[0], got[1], "{g:?}");
+            let want: Vec<f64> = naive_matmul(&a, &b, g)
+                .iter()
+                .zip(&before)
+                .map(|(p, &c)| p + if g.accumulate { f64::from(c) } else { 0.0 })
+                .collect();
+            assert_close("transposed rhs", &got[0], &want, 1e-4);
+        }
+    }
+}
+
 #[test]
 fn matmul_batched_strided_and_broadcast() {
     let be = CpuBackend::new(1).unwrap();
