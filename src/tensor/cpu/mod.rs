@@ -8,6 +8,7 @@
 
 mod buf;
 pub(crate) mod kernels;
+mod malloc;
 #[cfg(test)]
 mod tests;
 
@@ -47,6 +48,7 @@ impl CpuBackend {
     /// A backend computing on `threads` threads (0 is taken as 1). With 1 every operation
     /// runs on the caller's thread; otherwise on a private rayon pool of that size.
     pub fn new(threads: usize) -> Result<Self> {
+        malloc::tune();
         let threads = threads.max(1);
         let pool = if threads > 1 {
             let pool = rayon::ThreadPoolBuilder::new()

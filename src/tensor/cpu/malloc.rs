@@ -1,0 +1,34 @@
+//! glibc's allocator, tuned once per process for a training step's buffers.
+//!
+//! A step allocates and frees the same multi-megabyte buffers (activations, gradients, a
+//! chunk's logits) micro-batch after micro-batch. By default glibc serves each buffer above
+//! its mmap threshold (128 KiB, raised only up to 32 MiB as it sees them freed) with a fresh
+//! mapping that it unmaps on free, and gives the top of its heap back to the kernel past
+//! the trim threshold; either way the next buffer touches new pages and pays a page fault
+//! for each 4 KiB. On a virtual machine a fault costs microseconds: in a SmolLM-135M-shaped
+//! training step (docs/benchmarks.md, "Allocator"), 2.8 M faults took a fifth of the run.
+//! Raising both thresholds keeps freed buffers in the heap for the next micro-batch, as
+//! PyTorch's caching allocator does for device memory. The peak does not grow: what is
+//! kept is what the step had in use a moment before.
+
+use std::sync::Once;
+
+/// Buffers up to this size come from the heap (1 GiB; larger ones, such as a model's
+/// tables at a very large vocabulary, are mapped on their own and returned on free).
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+const MMAP_THRESHOLD: libc::c_int = 1 << 30;
+
+/// Tunes the process's allocator, once; the first CPU backend calls it. A no-op where the
+/// C library is not glibc.
+pub(super) fn tune() {
+    static TUNED: Once = Once::new();
+    TUNED.call_once(|| {
+        #[cfg(all(target_os = "linux", target_env = "gnu"))]
+        // SAFETY: mallopt only sets allocator parameters; it takes the allocator's lock and
+        // is safe to call from any thread at any time.
+        unsafe {
+            libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD);
+            libc::mallopt(libc::M_TRIM_THRESHOLD, libc::c_int::MAX);
+        }
+    });
+}
