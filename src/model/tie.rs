@@ -59,15 +59,13 @@ impl<B: Backend> Side<'_, B> {
 
     /// Sets the copy's gradient to `sum` (in the embedding's layout).
     pub fn set_grad(&mut self, be: &B, sum: &[f32]) -> Result<()> {
-        let (p, values) = match self {
-            Side::Embed(p) => (p, sum.to_vec()),
+        match self {
+            Side::Embed(p) => p.grad = be.from_host(sum, be.dtype(&p.grad))?,
             Side::Head(p) => {
                 let (d, v) = (p.shape[0], p.shape[1]);
-                (p, transpose(sum, v, d))
+                p.grad = be.from_host(&transpose(sum, v, d), be.dtype(&p.grad))?;
             }
-        };
-        let dtype = be.dtype(&p.grad);
-        p.grad = be.from_host(&values, dtype)?;
+        }
         Ok(())
     }
 }

@@ -96,6 +96,10 @@ pub struct Head<B: Backend> {
     /// `dW` buffers W has finished with, for the next forwards: a forward overwrites one
     /// rather than allocating (and zeroing) `[d_model, vocab]` per micro-batch.
     spare: Vec<B::Buf>,
+    /// One chunk's buffers (its rows of `x`, its logits, its rows of `dx`), kept from one
+    /// forward to the next: a chunk's logits are as big as the weight, and making them anew
+    /// per micro-batch cost a page fault per 4 KiB (docs/benchmarks.md, "Allocator").
+    chunk: Option<(B::Buf, B::Buf, B::Buf)>,
 }
 
 impl<B: Backend> Head<B> {
@@ -117,6 +121,7 @@ impl<B: Backend> Head<B> {
             stash: Stash::new(name),
             token_loss: None,
             spare: Vec::new(),
+            chunk: None,
         })
     }
 
@@ -254,11 +259,14 @@ impl<B: Backend> Head<B> {
         } else {
             None
         };
-        // One chunk's buffers, made again only for a shorter last chunk.
-        let mut bufs: Option<(B::Buf, B::Buf, B::Buf)> = None;
+        // One chunk's buffers, made again only for a chunk of another length.
+        let mut bufs = self.chunk.take();
         for start in (0..rows).step_by(step) {
             let n = step.min(rows - start);
-            if bufs.as_ref().is_none_or(|(_, l, _)| be.len(l) != n * vocab) {
+            let fits = |(xc, l, _): &(B::Buf, B::Buf, B::Buf)| {
+                be.len(l) == n * vocab && be.dtype(xc) == be.dtype(x)
+            };
+            if !bufs.as_ref().is_some_and(fits) {
                 let xc = be.zeros(n * d, be.dtype(x))?;
                 bufs = Some((xc, gradient(be, n * vocab)?, gradient(be, n * d)?));
             }
@@ -286,6 +294,7 @@ impl<B: Backend> Head<B> {
             g.accumulate = start > 0;
             be.matmul(xc, logits, &mut s.dw, g)?;
         }
+        self.chunk = bufs;
         if let Some(s) = saved.as_mut().filter(|_| rows == 0) {
             // No chunk overwrote the reused buffer.
             be.fill(&mut s.dw, 0.0)?;
