@@ -12,12 +12,13 @@
 //!
 //! Two real-shape cases (issue 31), random weights drawn at bench time, run only when the
 //! filter names them (`-- real`, `-- llama_135m`, `-- llama_135m/1f1b`, `-- qwen`, …: each
-//! under the reference trainer, `/reference`, and the pipeline, `/1f1b`), since one step takes seconds
+//! under the reference trainer, `/reference`, and the 2-stage pipeline under 1F1B, ZB-H1 or
+//! ZB-H2, `/1f1b`, `/zbh1`, `/zbh2`), since one step takes seconds
 //! to tens of seconds on a few cores and the Qwen shape about 10 GB: `real/llama_135m` (a
 //! 135 M-class Llama: SmolLM's 30 layers, d 576, 9/3 heads, SwiGLU 1536, tied embeddings,
 //! 49,152 vocabulary) and `real/qwen2.5_0.5b` (Qwen2.5-0.5B's shape: 24 layers, d 896, 14/2
-//! heads, q/k/v biases, SwiGLU 4864, tied, 151,936 vocabulary), each under the reference
-//! trainer and the 2-stage 1F1B pipeline, on the same step of 4 × 4 × 64 tokens. They are
+//! heads, q/k/v biases, SwiGLU 4864, tied, 151,936 vocabulary), on the same step of
+//! 4 × 4 × 64 tokens. They are
 //! timed step by step without criterion (whose ten samples would take minutes per case):
 //! one warm-up step, then `PIPEFILL_BENCH_STEPS` (default 3) measured ones.
 //!
@@ -204,7 +205,7 @@ fn real_steps() -> u64 {
 }
 
 /// A real-shape case under the reference trainer (`real/{case}/reference`) and the 2-stage
-/// 1F1B pipeline (`real/{case}/1f1b`), each selected by the filter on its own (so that one
+/// pipeline (`real/{case}/1f1b`, `/zbh1`, `/zbh2`), each selected by the filter on its own (so that one
 /// process measures one, for its peak RSS): one warm-up step, then [`real_steps`] timed ones.
 fn real(case: &str, model: GptConfig) {
     let steps = real_steps();
@@ -223,21 +224,28 @@ fn real(case: &str, model: GptConfig) {
             .collect();
         report(&format!("reference trainer, {name}"), &single, per_step);
     }
-    let name = format!("real/{case}/1f1b");
-    if selected(&name) {
+    for (label, kind) in [
+        ("1f1b", ScheduleKind::OneFOneB),
+        ("zbh1", ScheduleKind::ZbH1),
+        ("zbh2", ScheduleKind::ZbH2),
+    ] {
+        let name = format!("real/{case}/{label}");
+        if !selected(&name) {
+            continue;
+        }
         let piped = JobConfig {
             stages: 2,
-            ..single
+            ..single.clone()
         };
-        let trainer = PipelineTrainer::builtin(&piped, ScheduleKind::OneFOneB, None)
-            .expect("the job builds a pipeline");
+        let trainer =
+            PipelineTrainer::builtin(&piped, kind, None).expect("the job builds a pipeline");
         let run = trainer.run(steps + 1, |_| {}).expect("a pipelined run");
         let per_step = run.steps.iter().skip(1);
         let per_step = per_step
             .map(|m| Duration::from_secs_f64(m.seconds))
             .collect();
         report(
-            &format!("in-process pipeline (1f1b, 2 stages), {name}"),
+            &format!("in-process pipeline ({label}, 2 stages), {name}"),
             &piped,
             per_step,
         );
