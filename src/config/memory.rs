@@ -149,8 +149,8 @@ impl MemoryEstimate {
             }
         }
         if m.tie_embeddings {
-            // Each step sums a tied pair's gradients through the host: the head's copied
-            // and transposed, the sum, and each side's set back from it.
+            // Each step sums a tied pair's gradients through a host table it keeps, and a
+            // pipeline's first and last ranks exchange theirs.
             let tie = mul(
                 "the activations",
                 &[

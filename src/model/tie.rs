@@ -21,12 +21,18 @@ pub const EMBED: &str = "embed.tok";
 pub const HEAD: &str = "head.w";
 
 /// `values: [rows, cols]` transposed to `[cols, rows]`.
+pub fn transpose(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut out = vec![0.0; values.len()];
+    transpose_into(values, rows, cols, &mut out);
+    out
+}
+
+/// [`transpose`] into `out`, of `values`' length.
 ///
 /// In tiles of 32 × 32 elements: at a real vocabulary the tied pair is transposed twice a
 /// step (`[vocab, d]`, 28 M elements for SmolLM-135M), and a row-by-row walk misses the
 /// cache on every write.
-pub fn transpose(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
-    let mut out = vec![0.0; values.len()];
+pub fn transpose_into(values: &[f32], rows: usize, cols: usize, out: &mut [f32]) {
     for r0 in (0..rows).step_by(TILE) {
         for c0 in (0..cols).step_by(TILE) {
             for r in r0..(r0 + TILE).min(rows) {
@@ -36,11 +42,25 @@ pub fn transpose(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
             }
         }
     }
-    out
 }
 
 /// The side of [`transpose`]'s tiles.
 const TILE: usize = 32;
+
+/// The host table a tied pair's gradient sum reuses from one step to the next, so that a
+/// step's sum allocates nothing: a `[vocab, d]` table made anew each step faulted its pages
+/// in each time (docs/benchmarks.md, "Where the gap to torch was").
+#[derive(Debug, Default)]
+pub struct TieScratch(Vec<f32>);
+
+impl TieScratch {
+    /// The kept table, `len` long (made the first time).
+    fn take(&mut self, len: usize) -> Vec<f32> {
+        let mut table = std::mem::take(&mut self.0);
+        table.resize(len, 0.0);
+        table
+    }
+}
 
 /// A tied pair's side held in one place: the embedding's or the head's copy.
 pub enum Side<'a, B: Backend> {
@@ -49,21 +69,35 @@ pub enum Side<'a, B: Backend> {
 }
 
 impl<B: Backend> Side<'_, B> {
-    /// The copy's gradient in the embedding's `[vocab, d_model]` layout.
-    pub fn grad(&self, be: &B) -> Result<Vec<f32>> {
+    /// Takes the copy's gradient out, in the embedding's `[vocab, d_model]` layout (moved,
+    /// not copied, where the backend's buffers are host memory); the copy holds no gradient
+    /// until [`Side::set_grad`].
+    pub fn take_grad(&mut self, be: &B, scratch: &mut TieScratch) -> Result<Vec<f32>> {
+        let (Side::Embed(p) | Side::Head(p)) = self;
+        let empty = be.from_host(&[], be.dtype(&p.grad))?;
+        let grad = be.take_host(std::mem::replace(&mut p.grad, empty))?;
         Ok(match self {
-            Side::Embed(p) => be.to_host(&p.grad)?,
-            Side::Head(p) => transpose(&be.to_host(&p.grad)?, p.shape[0], p.shape[1]),
+            Side::Embed(_) => grad,
+            Side::Head(p) => {
+                let mut out = scratch.take(grad.len());
+                transpose_into(&grad, p.shape[0], p.shape[1], &mut out);
+                scratch.0 = grad;
+                out
+            }
         })
     }
 
-    /// Sets the copy's gradient to `sum` (in the embedding's layout).
-    pub fn set_grad(&mut self, be: &B, sum: &[f32]) -> Result<()> {
+    /// Sets the copy's gradient to `sum` (in the embedding's layout). The head's copy
+    /// transposes it into `scratch`'s table and leaves `sum` there for the next step.
+    pub fn set_grad(&mut self, be: &B, sum: Vec<f32>, scratch: &mut TieScratch) -> Result<()> {
         match self {
-            Side::Embed(p) => p.grad = be.from_host(sum, be.dtype(&p.grad))?,
+            Side::Embed(p) => p.grad = be.from_host_vec(sum, be.dtype(&p.grad))?,
             Side::Head(p) => {
                 let (d, v) = (p.shape[0], p.shape[1]);
-                p.grad = be.from_host(&transpose(sum, v, d), be.dtype(&p.grad))?;
+                let mut out = scratch.take(sum.len());
+                transpose_into(&sum, v, d, &mut out);
+                p.grad = be.from_host_vec(out, be.dtype(&p.grad))?;
+                scratch.0 = sum;
             }
         }
         Ok(())
@@ -93,21 +127,26 @@ pub fn sides<'a, B: Backend + 'a>(
 }
 
 /// Sums the tied pair's gradients when one rank holds both copies (the reference trainer,
-/// a one-rank pipeline, a V-shaped placement); a no-op when it holds neither. Holding one
+/// a one-rank pipeline, a V-shaped placement), through `scratch`'s table; a no-op when it
+/// holds neither. Holding one
 /// copy only is an error: the sum needs the other rank ([`sides`] and a collective).
 pub fn sum_local<'a, B: Backend + 'a>(
     be: &B,
     chunks: impl IntoIterator<Item = &'a mut ModelChunk<B>>,
+    scratch: &mut TieScratch,
 ) -> Result<()> {
     match sides(chunks) {
         (None, None) => Ok(()),
         (Some(mut e), Some(mut h)) => {
-            let mut sum = e.grad(be)?;
-            for (s, g) in sum.iter_mut().zip(h.grad(be)?) {
+            let mut sum = e.take_grad(be, scratch)?;
+            let mut head = h.take_grad(be, scratch)?;
+            for (s, g) in sum.iter_mut().zip(&head) {
                 *s += g;
             }
-            e.set_grad(be, &sum)?;
-            h.set_grad(be, &sum)
+            // Both copies take the sum: the head's through `head`'s table (no new one).
+            head.copy_from_slice(&sum);
+            h.set_grad(be, head, scratch)?;
+            e.set_grad(be, sum, scratch)
         }
         _ => Err(ModelError::Tied(
             "these chunks hold one copy of the tied embedding only; its gradient must be \

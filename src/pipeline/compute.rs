@@ -224,13 +224,15 @@ impl<B: Backend> RankCompute<B> {
         match tie::sides(self.chunks.values_mut()) {
             (None, None) => Ok(false),
             (Some(_), Some(_)) => {
-                tie::sum_local(&self.backend, self.chunks.values_mut())?;
+                let scratch = self.optimizer.tie_scratch();
+                tie::sum_local(&self.backend, self.chunks.values_mut(), scratch)?;
                 Ok(true)
             }
             (Some(mut side), None) | (None, Some(mut side)) => {
-                let mut grad = side.grad(&self.backend)?;
+                let scratch = self.optimizer.tie_scratch();
+                let mut grad = side.take_grad(&self.backend, scratch)?;
                 self.shared.sum_tied(self.rank, &mut grad)?;
-                side.set_grad(&self.backend, &grad)?;
+                side.set_grad(&self.backend, grad, scratch)?;
                 Ok(true)
             }
         }

@@ -206,6 +206,12 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// A new buffer holding `data` (rounded to `dtype`).
     #[allow(clippy::wrong_self_convention)]
     fn from_host(&self, data: &[f32], dtype: DType) -> Result<Self::Buf>;
+    /// [`Backend::from_host`] of values no longer needed on the host: a backend whose
+    /// buffers are host memory keeps `f32` values without a copy.
+    #[allow(clippy::wrong_self_convention)]
+    fn from_host_vec(&self, data: Vec<f32>, dtype: DType) -> Result<Self::Buf> {
+        self.from_host(&data, dtype)
+    }
     /// The buffer's values, widened to `f32`.
     fn to_host(&self, buf: &Self::Buf) -> Result<Vec<f32>>;
     /// The buffer's storage as little-endian bytes, each value as it is stored: 4 bytes an

@@ -209,7 +209,8 @@ fn tied_embeddings_get_the_gradient_of_the_shared_matrix() {
     }
     let untied_embed = gpt.grad_values(tie::EMBED).unwrap();
     let be = gpt.chunks()[0].backend().clone();
-    tie::sum_local(&be, gpt.chunks_mut().iter_mut()).unwrap();
+    let mut scratch = tie::TieScratch::default();
+    tie::sum_local(&be, gpt.chunks_mut().iter_mut(), &mut scratch).unwrap();
     let grad = gpt.grad_values(tie::EMBED).unwrap();
     assert_eq!(
         tie::transpose(&grad, v, d),

@@ -133,6 +133,13 @@ impl Backend for CpuBackend {
         }))
     }
 
+    fn from_host_vec(&self, data: Vec<f32>, dtype: DType) -> Result<CpuBuf> {
+        match dtype {
+            DType::F32 => Ok(CpuBuf(Storage::F32(data))),
+            DType::Bf16 => self.from_host(&data, dtype),
+        }
+    }
+
     fn to_host(&self, buf: &CpuBuf) -> Result<Vec<f32>> {
         Ok(buf.read().into_owned())
     }
