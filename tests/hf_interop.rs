@@ -132,7 +132,8 @@ fn matches_transformers(name: &str) {
     // A tied model's two copies get the sum of their gradients (what transformers computes
     // for its one shared matrix).
     let tied = model.config().tie_embeddings;
-    pipefill::model::tie::sum_local(&be, gpt.chunks_mut().iter_mut()).unwrap();
+    let mut scratch = pipefill::model::tie::TieScratch::default();
+    pipefill::model::tie::sum_local(&be, gpt.chunks_mut().iter_mut(), &mut scratch).unwrap();
     let mut worst = (0.0f32, String::new());
     for p in gpt.params() {
         if tied && p.name == "head.w" {
