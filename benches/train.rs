@@ -205,8 +205,9 @@ fn real_steps() -> u64 {
 }
 
 /// A real-shape case under the reference trainer (`real/{case}/reference`) and the 2-stage
-/// pipeline (`real/{case}/1f1b`, `/zbh1`, `/zbh2`), each selected by the filter on its own (so that one
-/// process measures one, for its peak RSS): one warm-up step, then [`real_steps`] timed ones.
+/// pipeline (`real/{case}/1f1b`, `/zbh1`, `/zbh2`), each selected by the filter on its own
+/// (so that one process measures one, for its peak RSS): one warm-up step, then
+/// [`real_steps`] timed ones.
 fn real(case: &str, model: GptConfig) {
     let steps = real_steps();
     let single = job(model);

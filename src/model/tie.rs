@@ -128,8 +128,8 @@ pub fn sides<'a, B: Backend + 'a>(
 
 /// Sums the tied pair's gradients when one rank holds both copies (the reference trainer,
 /// a one-rank pipeline, a V-shaped placement), through `scratch`'s table; a no-op when it
-/// holds neither. Holding one
-/// copy only is an error: the sum needs the other rank ([`sides`] and a collective).
+/// holds neither. Holding one copy only is an error: the sum needs the other rank
+/// ([`sides`] and a collective).
 pub fn sum_local<'a, B: Backend + 'a>(
     be: &B,
     chunks: impl IntoIterator<Item = &'a mut ModelChunk<B>>,

@@ -98,7 +98,8 @@ pub struct Head<B: Backend> {
     spare: Vec<B::Buf>,
     /// One chunk's buffers (its rows of `x`, its logits, its rows of `dx`), kept from one
     /// forward to the next: a chunk's logits are as big as the weight, and making them anew
-    /// per micro-batch cost a page fault per 4 KiB (docs/benchmarks.md, "Allocator").
+    /// per micro-batch cost a page fault per 4 KiB (docs/benchmarks.md, "Where the gap to
+    /// torch was").
     chunk: Option<(B::Buf, B::Buf, B::Buf)>,
 }
 

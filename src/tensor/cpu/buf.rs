@@ -119,7 +119,8 @@ pub(super) fn gemm_strided(
     if rv.rs < rv.cs {
         // The right operand runs down its columns (`trans_b`, as in dY·Wᵀ): gemm packs it
         // element by element at stride k, at half its speed when k is large (1536 or a
-        // vocabulary); faer packs it at full speed (docs/benchmarks.md, "CPU matrix products").
+        // vocabulary); faer packs it at full speed (docs/benchmarks.md, "Where the gap to
+        // torch was").
         // Both split only rows and columns over threads, so the result does not depend on
         // the thread count.
         let par = match par {
