@@ -140,6 +140,8 @@ pub(super) fn gemm_strided(
             };
             faer::linalg::matmul::matmul(dst, accum, lhs, rhs, alpha, par);
         }
+        // On this thread; the pool's threads clear theirs as each task starts (kernels.rs).
+        super::upper::clear();
         return;
     }
     // SAFETY: the asserts above bound every index gemm forms from these strides by the

@@ -22,9 +22,11 @@ fn for_rows(par: bool, data: &mut [f32], width: usize, f: impl Fn(usize, &mut [f
     }
     // Below ~32k elements a rayon split costs more than it saves.
     if par && data.len() >= 1 << 15 {
-        data.par_chunks_mut(width)
-            .enumerate()
-            .for_each(|(r, row)| f(r, row));
+        data.par_chunks_mut(width).enumerate().for_each(|(r, row)| {
+            // A pool thread may come from one of faer's products (upper.rs).
+            super::upper::clear();
+            f(r, row)
+        });
     } else {
         data.chunks_mut(width)
             .enumerate()
@@ -187,7 +189,10 @@ fn per_pair<P: Send, T: Send>(
         blocks
             .into_par_iter()
             .enumerate()
-            .map(|(i, p)| f(i, p))
+            .map(|(i, p)| {
+                super::upper::clear();
+                f(i, p)
+            })
             .collect()
     } else {
         blocks
@@ -400,7 +405,10 @@ pub fn cross_entropy_grad(
         (logits.par_chunks_mut(vocab))
             .zip(losses.par_iter_mut())
             .zip(targets.par_iter())
-            .for_each(row);
+            .for_each(|r| {
+                super::upper::clear();
+                row(r)
+            });
     } else {
         (logits.chunks_mut(vocab))
             .zip(losses.iter_mut())

@@ -11,6 +11,7 @@ pub(crate) mod kernels;
 mod malloc;
 #[cfg(test)]
 mod tests;
+mod upper;
 
 use std::sync::Arc;
 
@@ -84,7 +85,10 @@ impl CpuBackend {
     /// work across threads.
     fn run<R: Send>(&self, work: usize, f: impl FnOnce(bool) -> R + Send) -> R {
         match &self.pool {
-            Some(pool) if work >= PARALLEL_WORK => pool.install(|| f(true)),
+            Some(pool) if work >= PARALLEL_WORK => pool.install(|| {
+                upper::clear();
+                f(true)
+            }),
             _ => f(false),
         }
     }
