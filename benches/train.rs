@@ -29,7 +29,7 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, SamplingMode, Throughput};
-use pipefill::config::{Filler, JobConfig};
+use pipefill::config::{ClockKind, Filler, JobConfig};
 use pipefill::model::GptConfig;
 use pipefill::model::config::Positions;
 use pipefill::pipeline::PipelineTrainer;
@@ -234,8 +234,11 @@ fn real(case: &str, model: GptConfig) {
         if !selected(&name) {
             continue;
         }
+        // Timed by the wall clock, as the reference trainer is: the ranks share the job's
+        // threads, and a step takes as long as it really did.
         let piped = JobConfig {
             stages: 2,
+            clock: ClockKind::Wall,
             ..single.clone()
         };
         let trainer =

@@ -294,10 +294,17 @@ impl PipelineTrainer {
         base: usize,
         resumed: Option<&(Gpt<CpuBackend>, OptimizerState)>,
     ) -> Result<Vec<RankCompute<B>>, PipelineError> {
-        let mut computes = Vec::with_capacity(self.plan.num_ranks());
-        for rank in 0..self.plan.num_ranks() {
-            let backend =
-                B::for_rank(base + rank, self.job.train.precision).map_err(ModelError::from)?;
+        let ranks = self.plan.num_ranks();
+        // The wall clock times what the ranks take together, so they may share the job's
+        // threads; the virtual clock times each rank by its own thread's CPU time.
+        let threads = match self.clock {
+            Clock::Wall => crate::train::reference::cpu_threads(&self.job.train),
+            _ => 1,
+        };
+        let backends = B::for_ranks(base..base + ranks, self.job.train.precision, threads)
+            .map_err(ModelError::from)?;
+        let mut computes = Vec::with_capacity(ranks);
+        for (rank, backend) in backends.into_iter().enumerate() {
             let run = self.rank_run(shared, self.first_step(), steps);
             let start = match resumed {
                 Some((gpt, state)) => RankStart::Resumed(gpt, state),

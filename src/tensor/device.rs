@@ -72,11 +72,39 @@ pub fn cuda_device_count() -> Result<usize, TensorError> {
 pub trait RankBackend: super::Backend + Sized {
     /// Rank `rank`'s backend, storing in `precision`.
     fn for_rank(rank: usize, precision: super::DType) -> Result<Self, super::TensorError>;
+
+    /// The backends of one process's ranks `ranks`, storing in `precision`, which may
+    /// share `threads` compute threads among them where the device has no more than
+    /// that (`threads` ≤ 1: [`RankBackend::for_rank`] each).
+    fn for_ranks(
+        ranks: std::ops::Range<usize>,
+        precision: super::DType,
+        threads: usize,
+    ) -> Result<Vec<Self>, super::TensorError> {
+        let _ = threads;
+        ranks.map(|rank| Self::for_rank(rank, precision)).collect()
+    }
 }
 
 impl RankBackend for super::CpuBackend {
     fn for_rank(_rank: usize, precision: super::DType) -> Result<Self, super::TensorError> {
         Ok(super::CpuBackend::new(1)?.with_storage(precision))
+    }
+
+    /// One pool of `threads` threads that every rank's operations run in: while a rank
+    /// waits in a bubble, the others' products split over its cores instead of leaving
+    /// them idle. Products and reductions give the same bits on any number of threads, so
+    /// the result is that of one thread per rank.
+    fn for_ranks(
+        ranks: std::ops::Range<usize>,
+        precision: super::DType,
+        threads: usize,
+    ) -> Result<Vec<Self>, super::TensorError> {
+        if threads <= 1 {
+            return ranks.map(|rank| Self::for_rank(rank, precision)).collect();
+        }
+        let shared = super::CpuBackend::new(threads)?.with_storage(precision);
+        Ok(ranks.map(|_| shared.clone()).collect())
     }
 }
 
