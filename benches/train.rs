@@ -20,7 +20,9 @@
 //! heads, q/k/v biases, SwiGLU 4864, tied, 151,936 vocabulary), on the same step of
 //! 4 × 4 × 64 tokens. They are
 //! timed step by step without criterion (whose ten samples would take minutes per case):
-//! one warm-up step, then `PIPEFILL_BENCH_STEPS` (default 3) measured ones.
+//! one warm-up step, then `PIPEFILL_BENCH_STEPS` (default 3) measured ones. The pipeline
+//! cases run on the wall clock, their two ranks sharing the job's threads
+//! (`PIPEFILL_THREADS=1`: one thread a rank).
 //!
 //! `cargo bench -p pipefill --bench train [-- FILTER]` (threads: `PIPEFILL_THREADS`,
 //! default all cores).
