@@ -284,26 +284,29 @@ impl PipelineTrainer {
         RankJob::new(&self.job, &self.plan, shared, (first_step, steps))
     }
 
-    /// One [`RankCompute`] per rank of one replica (its first global rank `base`), each on
-    /// its own backend ([`RankBackend::for_rank`] of its global rank: on the CPU one thread
-    /// each, since in virtual-clock mode a stage's thread CPU time must be all of its work).
-    fn computes<B: RankBackend>(
-        &self,
-        shared: &Arc<Shared>,
-        steps: u64,
-        base: usize,
-        resumed: Option<&(Gpt<CpuBackend>, OptimizerState)>,
-    ) -> Result<Vec<RankCompute<B>>, PipelineError> {
-        let ranks = self.plan.num_ranks();
-        // The wall clock times what the ranks take together, so they may share the job's
-        // threads; the virtual clock times each rank by its own thread's CPU time.
+    /// The backends of `count` ranks of this process (every replica's, in global rank
+    /// order): on the wall clock they share the job's threads, since it times what the
+    /// ranks take together; the virtual clock times each rank by its own thread's CPU
+    /// time, so each computes on one ([`RankBackend::for_ranks`]).
+    fn backends<B: RankBackend>(&self, count: usize) -> Result<Vec<B>, PipelineError> {
         let threads = match self.clock {
             Clock::Wall => crate::train::reference::cpu_threads(&self.job.train),
             _ => 1,
         };
-        let backends = B::for_ranks(base..base + ranks, self.job.train.precision, threads)
-            .map_err(ModelError::from)?;
-        let mut computes = Vec::with_capacity(ranks);
+        let backends = B::for_ranks(0..count, self.job.train.precision, threads);
+        Ok(backends.map_err(ModelError::from)?)
+    }
+
+    /// One [`RankCompute`] per rank of one replica, on `backends` (one each, in rank order;
+    /// see [`PipelineTrainer::backends`]).
+    fn computes<B: RankBackend>(
+        &self,
+        shared: &Arc<Shared>,
+        steps: u64,
+        backends: Vec<B>,
+        resumed: Option<&(Gpt<CpuBackend>, OptimizerState)>,
+    ) -> Result<Vec<RankCompute<B>>, PipelineError> {
+        let mut computes = Vec::with_capacity(backends.len());
         for (rank, backend) in backends.into_iter().enumerate() {
             let run = self.rank_run(shared, self.first_step(), steps);
             let start = match resumed {

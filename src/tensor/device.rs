@@ -73,9 +73,9 @@ pub trait RankBackend: super::Backend + Sized {
     /// Rank `rank`'s backend, storing in `precision`.
     fn for_rank(rank: usize, precision: super::DType) -> Result<Self, super::TensorError>;
 
-    /// The backends of one process's ranks `ranks`, storing in `precision`, which may
-    /// share `threads` compute threads among them where the device has no more than
-    /// that (`threads` ≤ 1: [`RankBackend::for_rank`] each).
+    /// The backends of this process's ranks `ranks`, storing in `precision`: by default
+    /// [`RankBackend::for_rank`] each; a device whose compute threads the ranks can share
+    /// gives them one set of `threads` (`threads` ≤ 1: one thread each).
     fn for_ranks(
         ranks: std::ops::Range<usize>,
         precision: super::DType,
@@ -223,6 +223,18 @@ mod tests {
         fn run<B: RankBackend>(self) -> Self::Output {
             Ok(B::for_rank(0, crate::tensor::DType::F32)?.name())
         }
+    }
+
+    #[test]
+    fn cpu_ranks_share_the_threads_they_are_given_or_compute_on_one_each() {
+        use crate::tensor::{Backend, CpuBackend, DType};
+        let shared = CpuBackend::for_ranks(4..7, DType::Bf16, 2).unwrap();
+        assert_eq!(shared.len(), 3);
+        for be in &shared {
+            assert_eq!((be.threads(), be.storage_dtype()), (2, DType::Bf16));
+        }
+        let alone = CpuBackend::for_ranks(0..2, DType::F32, 1).unwrap();
+        assert!(alone.iter().all(|be| be.threads() == 1), "{alone:?}");
     }
 
     #[test]

@@ -217,7 +217,10 @@ impl PipelineTrainer {
                     RankCompute::start::<CpuBackend>(run, rank, backend, RankStart::Kept(parts))
                 })
                 .collect::<Result<Vec<_>, _>>()?,
-            None => self.computes::<B>(&shared, steps, 0, self.resumed_state()?.as_ref())?,
+            None => {
+                let backends = self.backends::<B>(self.plan.num_ranks())?;
+                self.computes::<B>(&shared, steps, backends, self.resumed_state()?.as_ref())?
+            }
         };
         let (keep, kept_rx) = channel();
         for compute in &mut computes {

@@ -114,7 +114,7 @@ impl PipelineTrainer {
         on_backend(cuda, run).map_err(ModelError::from)?
     }
 
-    /// The run with each rank computing on its own `B` ([`RankBackend::for_rank`]).
+    /// The run with each rank computing on a `B` ([`PipelineTrainer::backends`]).
     fn run_on<B: RankBackend>(
         &self,
         steps: u64,
@@ -147,7 +147,9 @@ impl PipelineTrainer {
         let pp = plan.num_ranks();
         let mut replicas = Vec::new();
         let mut receivers = Vec::new();
-        for (d, links) in self.links().into_iter().enumerate() {
+        let links = self.links();
+        let mut backends = self.backends::<B>(links.len() * pp)?.into_iter();
+        for links in links {
             let (progress, steps_rx) = channel();
             let shared = Arc::new(
                 Shared::new(pp, Arc::clone(&feed), progress)
@@ -155,7 +157,8 @@ impl PipelineTrainer {
                     .with_tie(links.tie.clone())
                     .with_checkpoints(checkpointing.clone()),
             );
-            let computes = self.computes::<B>(&shared, steps, d * pp, resumed.as_ref())?;
+            let own = backends.by_ref().take(pp).collect();
+            let computes = self.computes::<B>(&shared, steps, own, resumed.as_ref())?;
             replicas.push((shared, computes, links.ends));
             receivers.push(steps_rx);
         }
