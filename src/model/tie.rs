@@ -92,14 +92,22 @@ impl<B: Backend> Side<'_, B> {
     pub fn set_grad(&mut self, be: &B, sum: Vec<f32>, scratch: &mut TieScratch) -> Result<()> {
         match self {
             Side::Embed(p) => p.grad = be.from_host_vec(sum, be.dtype(&p.grad))?,
-            Side::Head(p) => {
-                let (d, v) = (p.shape[0], p.shape[1]);
-                let mut out = scratch.take(sum.len());
-                transpose_into(&sum, v, d, &mut out);
-                p.grad = be.from_host_vec(out, be.dtype(&p.grad))?;
+            Side::Head(_) => {
+                let table = scratch.take(sum.len());
+                self.set_transposed(be, &sum, table)?;
                 scratch.0 = sum;
             }
         }
+        Ok(())
+    }
+
+    /// The head's copy: its gradient set to `sum` (in the embedding's layout) transposed
+    /// into `table`, which it keeps.
+    fn set_transposed(&mut self, be: &B, sum: &[f32], mut table: Vec<f32>) -> Result<()> {
+        let (Side::Embed(p) | Side::Head(p)) = self;
+        let (d, v) = (p.shape[0], p.shape[1]);
+        transpose_into(sum, v, d, &mut table);
+        p.grad = be.from_host_vec(table, be.dtype(&p.grad))?;
         Ok(())
     }
 }
@@ -139,13 +147,12 @@ pub fn sum_local<'a, B: Backend + 'a>(
         (None, None) => Ok(()),
         (Some(mut e), Some(mut h)) => {
             let mut sum = e.take_grad(be, scratch)?;
-            let mut head = h.take_grad(be, scratch)?;
+            let head = h.take_grad(be, scratch)?;
             for (s, g) in sum.iter_mut().zip(&head) {
                 *s += g;
             }
-            // Both copies take the sum: the head's through `head`'s table (no new one).
-            head.copy_from_slice(&sum);
-            h.set_grad(be, head, scratch)?;
+            // Both copies take the sum: the head's transposed into `head`'s table.
+            h.set_transposed(be, &sum, head)?;
             e.set_grad(be, sum, scratch)
         }
         _ => Err(ModelError::Tied(
