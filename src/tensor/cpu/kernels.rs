@@ -22,11 +22,10 @@ fn for_rows(par: bool, data: &mut [f32], width: usize, f: impl Fn(usize, &mut [f
     }
     // Below ~32k elements a rayon split costs more than it saves.
     if par && data.len() >= 1 << 15 {
-        data.par_chunks_mut(width).enumerate().for_each(|(r, row)| {
-            // A pool thread may come from one of faer's products (upper.rs).
-            super::upper::clear();
-            f(r, row)
-        });
+        // A pool thread may come from one of faer's products: each task clears (upper.rs).
+        data.par_chunks_mut(width)
+            .enumerate()
+            .for_each_init(super::upper::clear, |(), (r, row)| f(r, row));
     } else {
         data.chunks_mut(width)
             .enumerate()
@@ -189,10 +188,7 @@ fn per_pair<P: Send, T: Send>(
         blocks
             .into_par_iter()
             .enumerate()
-            .map(|(i, p)| {
-                super::upper::clear();
-                f(i, p)
-            })
+            .map_init(super::upper::clear, |(), (i, p)| f(i, p))
             .collect()
     } else {
         blocks
@@ -405,10 +401,7 @@ pub fn cross_entropy_grad(
         (logits.par_chunks_mut(vocab))
             .zip(losses.par_iter_mut())
             .zip(targets.par_iter())
-            .for_each(|r| {
-                super::upper::clear();
-                row(r)
-            });
+            .for_each_init(super::upper::clear, |(), r| row(r));
     } else {
         (logits.chunks_mut(vocab))
             .zip(losses.iter_mut())

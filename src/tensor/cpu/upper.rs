@@ -4,7 +4,7 @@
 //! upper halves of the AVX/AVX-512 registers still set. Until the thread runs a
 //! `vzeroupper`, every legacy-SSE instruction it runs pays a dependency on those halves:
 //! and Rust's scalar float code at the baseline x86-64 target is all legacy SSE. On this
-//! repository's Sapphire Rapids box the SwiGLU backward (an `exp` per element) ran 25–40x
+//! repository's Sapphire Rapids box the SwiGLU backward (an `exp` per element) ran 23–43x
 //! slower after a product on the same thread, and a one-thread training step 1.8x slower
 //! (docs/benchmarks.md, "Dirty upper registers"). Compiled code clears them itself on
 //! leaving AVX code; assembly has to be followed by [`clear`].
