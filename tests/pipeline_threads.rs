@@ -12,7 +12,7 @@ use pipefill::schedules::ScheduleKind;
 use pipefill::tensor::Activation;
 use pipefill::train::Trainer;
 
-use common::job::tiny_job;
+use common::job::{named_bits, tiny_job};
 
 const STEPS: u64 = 2;
 
@@ -60,14 +60,13 @@ fn ranks_sharing_two_threads_compute_what_one_thread_computes() {
             );
         }
         let model = reference.model();
-        for name in model.param_names() {
-            let want = model.param_values(&name).unwrap();
-            let got = run.param_values(&name).unwrap();
-            let same = got
-                .iter()
-                .zip(&want)
-                .all(|(a, b)| a.to_bits() == b.to_bits());
-            assert!(same && got.len() == want.len(), "{kind}: {name} differs");
-        }
+        let want = named_bits(model.param_names(), |n| model.param_values(n).unwrap());
+        let got = named_bits(model.param_names(), |n| {
+            run.param_values(n).unwrap().to_vec()
+        });
+        assert!(
+            got == want,
+            "{kind}: the parameters differ from the reference's"
+        );
     }
 }
