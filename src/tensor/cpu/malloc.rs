@@ -19,8 +19,8 @@
 //! gradient, 113 MB at a 49K vocabulary) allocated on a stage thread or a pool thread was
 //! mapped afresh every micro-batch whatever the threshold: in the 2-stage pipeline sharing
 //! two threads at SmolLM-135M's shape, one arena took a 3-step run from 1.57 M faults to
-//! 1.09 M and 165 to 170 tokens/s, its peak from 3501 to 3519 MiB. A step's allocations
-//! are few and large, so the one arena's lock is not contended.
+//! 1.09 M and 165 to 170 tokens/s, its peak from 3501 to 3519 MiB (what the one arena's
+//! lock costs is inside those figures).
 
 use std::sync::Once;
 
