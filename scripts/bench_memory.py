@@ -20,8 +20,8 @@ default job at seq_len 512, where activations weigh most), `d512` (d_model 512, 
 parameters, 2 stages, no filler), `qwen05` (Qwen2.5-0.5B's shape: vocab 151936, d_model
 896, 14 heads over 2, q/k/v biases, intermediate 4864, tied embeddings; at 2 of its 24
 layers so that it fits the box, whole on one device; 3 steps of 4 × 64 tokens; the `shard`
-axis needs a pipelined job, so not this one), `qwen05-pp2` (the same untied, as the
-sharded optimizer wants, in 2 stages of 1F1B, 2 micro-batches of 2) or `qwen05-seq1024`
+axis needs a pipelined job, so not this one), `qwen05-pp2` (the same in 2 stages of
+1F1B, 2 micro-batches of 2) or `qwen05-seq1024`
 (`qwen05` at seq_len 1024, 2 steps of 2 × 1024 tokens: where its activations weigh).
 
 Each run is one process under `/usr/bin/time` (every rank a thread: the process's peak RSS,
@@ -102,7 +102,6 @@ JOBS = {
     "qwen05-pp2": (
         QWEN05
         + [
-            "model.tie_embeddings=false",
             "stages=2",
             'schedule="1f1b"',
             'filler="none"',

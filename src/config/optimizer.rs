@@ -28,34 +28,21 @@ impl OptimizerConfig {
         job.optimizer.shard && job.dp > 1
     }
 
-    /// Refuses `shard` where it cannot work: a tied embedding (its copies sum the whole
-    /// gradient after the replicas' reduction, which a replica's chunk does not have) and
-    /// CUDA ranks whose gradient exchange may be NCCL's (only the ring over TCP has the
-    /// reduce-scatter and all-gather).
+    /// Refuses `shard` where it cannot work: CUDA ranks whose gradient exchange may be
+    /// NCCL's (only the ring over TCP has the reduce-scatter and all-gather).
     pub(super) fn check(job: &JobConfig) -> Result<(), ConfigError> {
-        if !Self::sharded(job) {
-            return Ok(());
-        }
-        let refuse = |reason: String| {
-            Err(ConfigError::Invalid {
+        if Self::sharded(job)
+            && job.device == DeviceKind::Cuda
+            && job.transport != TransportKind::Tcp
+        {
+            return Err(ConfigError::Invalid {
                 field: "optimizer.shard".into(),
-                reason,
-            })
-        };
-        if job.model.tie_embeddings {
-            return refuse(
-                "cannot shard the optimizer of a model with model.tie_embeddings = true: the \
-                 tied copies sum their whole gradients, which a replica's shard does not hold \
-                 (untie the embeddings or set optimizer.shard = false)"
-                    .into(),
-            );
-        }
-        if job.device == DeviceKind::Cuda && job.transport != TransportKind::Tcp {
-            return refuse(format!(
-                "needs transport = \"tcp\" with device = \"cuda\" (transport is \"{}\"): NCCL's \
-                 gradient exchange has no reduce-scatter and all-gather here",
-                job.transport
-            ));
+                reason: format!(
+                    "needs transport = \"tcp\" with device = \"cuda\" (transport is \"{}\"): \
+                     NCCL's gradient exchange has no reduce-scatter and all-gather here",
+                    job.transport
+                ),
+            });
         }
         Ok(())
     }

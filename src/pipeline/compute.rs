@@ -238,6 +238,23 @@ impl<B: Backend> RankCompute<B> {
         }
     }
 
+    /// The sharded optimizer's reduce-scatter, with the tied pair's sum where this rank
+    /// holds a copy ([`zero::Zero::gather_pair`]); the gradient norm's segments.
+    fn reduce_sharded(&mut self) -> Result<Vec<(u32, Vec<f64>)>, PipelineError> {
+        let mut zero = self.zero.take().expect("a sharded optimizer");
+        let out = (|| {
+            zero.reduce(self.rank, &self.backend, &self.chunks)?;
+            if zero.holds_pair() {
+                zero.gather_pair(self.rank, &self.backend, &mut self.chunks)?;
+                self.sum_tied()?;
+                zero.keep_pair(self.rank, &self.backend, &self.chunks)?;
+            }
+            zero.sq_norms(self.rank)
+        })();
+        self.zero = Some(zero);
+        out
+    }
+
     /// Offers speculative optimizer steps to the runtime (post-validation: step at once,
     /// roll back if the exact decision differs). Off by default: the step then waits for
     /// every rank's gradient statistics.
@@ -364,7 +381,7 @@ impl<B: Backend> StageCompute for RankCompute<B> {
         // and the step are the whole batch's on every replica. Replicas sum the norm from
         // the sharded optimizer's segments, sharded or not, so both clip alike (`zero`).
         let own = match &mut self.zero {
-            Some(zero) => zero.reduce(self.rank, &self.backend, &self.chunks)?,
+            Some(_) => self.reduce_sharded()?,
             None => {
                 let params = self.chunks.values_mut().flat_map(|c| c.params_mut());
                 let summed = self.shared.sync_grads(self.rank, &self.backend, params)?;

@@ -41,6 +41,9 @@ struct Span {
     range: Range<usize>,
     /// A tied copy: its gradient is its original's, so the norm leaves it out.
     tied: bool,
+    /// One of a tied pair's copies (the embedding or the head's copy of it), whose
+    /// gradients are summed after the replicas' ([`Zero::gather_pair`]).
+    pair: bool,
 }
 
 /// A rank's parameters in flat order.
@@ -55,6 +58,7 @@ impl Layout {
         let mut spans = Vec::new();
         let mut start = 0;
         for (&stage, chunk) in chunks {
+            let tied_model = chunk.config().tie_embeddings;
             for p in chunk.params() {
                 let n = p.numel();
                 spans.push(Span {
@@ -62,6 +66,7 @@ impl Layout {
                     name: p.name.clone(),
                     range: start..start + n,
                     tied: p.tied,
+                    pair: p.tied || (tied_model && p.name == crate::model::tie::EMBED),
                 });
                 start += n;
             }
@@ -199,14 +204,13 @@ impl Zero {
         }))
     }
 
-    /// Reduce-scatters the rank's gradients, keeps this replica's chunk of the sum, and
-    /// returns the gradient norm's segments of every replica (by stage, in model order).
+    /// Reduce-scatters the rank's gradients and keeps this replica's chunk of the sum.
     pub(super) fn reduce<B: Backend>(
         &mut self,
         rank: usize,
         be: &B,
         chunks: &BTreeMap<u32, ModelChunk<B>>,
-    ) -> Result<Vec<(u32, Vec<f64>)>, PipelineError> {
+    ) -> Result<(), PipelineError> {
         let mut grads = flat(be, chunks, true)?;
         let own = self
             .sync
@@ -221,7 +225,20 @@ impl Zero {
                 ),
             });
         }
-        let mine = self.layout.chunk_sq_norms(&own, &grads[own.clone()]);
+        // Only this replica's chunk stays (cut in place: no second copy).
+        grads.truncate(own.end);
+        grads.drain(..own.start);
+        grads.shrink_to_fit();
+        self.grads = Some(grads);
+        Ok(())
+    }
+
+    /// The gradient norm's segments of every replica (by stage, in model order), from the
+    /// chunk [`Zero::reduce`] kept: each replica sums its own and the replicas exchange them.
+    pub(super) fn sq_norms(&self, rank: usize) -> Result<Vec<(u32, Vec<f64>)>, PipelineError> {
+        let own = &self.own;
+        let grads = self.chunk_grads(rank)?;
+        let mine = self.layout.chunk_sq_norms(own, grads);
         let frame: Vec<u8> = mine.iter().flat_map(|(_, q)| q.to_le_bytes()).collect();
         let frames = self
             .sync
@@ -252,12 +269,15 @@ impl Zero {
                 .map(|b| f64::from_le_bytes(b.try_into().expect("chunks of 8")));
             segments.extend(stages.into_iter().zip(values));
         }
-        // Only this replica's chunk stays (cut in place: no second copy).
-        grads.truncate(own.end);
-        grads.drain(..own.start);
-        grads.shrink_to_fit();
-        self.grads = Some(grads);
         Ok(by_stage(segments))
+    }
+
+    /// This replica's chunk of the step's summed gradient ([`Zero::reduce`]'s).
+    fn chunk_grads(&self, rank: usize) -> Result<&[f32], PipelineError> {
+        self.grads.as_deref().ok_or_else(|| PipelineError::Shard {
+            rank,
+            reason: "the gradients were used before their reduce-scatter".into(),
+        })
     }
 
     /// AdamW on this replica's chunk (at `lr`, gradients scaled by `clip_scale`), then the
@@ -270,10 +290,7 @@ impl Zero {
         lr: f32,
         clip_scale: f32,
     ) -> Result<(), PipelineError> {
-        let grads = self.grads.as_ref().ok_or_else(|| PipelineError::Shard {
-            rank,
-            reason: "the optimizer step came before the gradients' reduce-scatter".into(),
-        })?;
+        let grads = self.chunk_grads(rank)?;
         let mut params: Vec<&mut Param<B>> =
             chunks.values_mut().flat_map(|c| c.params_mut()).collect();
         let own = &self.own;
@@ -527,6 +544,8 @@ fn shard_err(rank: usize, what: &str, e: CommError) -> PipelineError {
         reason: format!("{what}: {e}"),
     }
 }
+
+mod tied;
 
 #[cfg(test)]
 #[path = "zero_tests.rs"]

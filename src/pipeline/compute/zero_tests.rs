@@ -64,7 +64,8 @@ fn two_sharded_replicas_step_as_one_unsharded_optimizer_with_half_the_moments() 
                 let mut adam = AdamW::new(AdamWConfig::default());
                 let mut norms = Vec::new();
                 for _ in 0..2 {
-                    norms.push(zero.reduce(0, &be, &chunks).unwrap());
+                    zero.reduce(0, &be, &chunks).unwrap();
+                    norms.push(zero.sq_norms(0).unwrap());
                     zero.step(0, (&be, &mut adam), &mut chunks, lr, clip)
                         .unwrap();
                     zero.finish();
@@ -126,6 +127,7 @@ fn layout() -> Layout {
         name: name.into(),
         range,
         tied,
+        pair: tied,
     };
     Layout {
         spans: vec![

@@ -1,0 +1,120 @@
+//! A tied embedding under the sharded optimizer.
+//!
+//! The tied pair's copies take the sum of their gradients after the replicas' sum
+//! ([`crate::model::tie`]), and that sum needs each copy's whole table, while a replica's
+//! reduce-scatter leaves it only its chunk. So the replicas first all-gather the pair's
+//! pieces of their chunks, which puts on each replica bitwise the table the unsharded
+//! all-reduce does (the reduce-scatter is its first half, this its second, for these
+//! parameters only); the rank then sums the pair as an unsharded one does, and keeps its
+//! chunk's piece of the sum. Everything else stays sharded.
+
+use std::collections::BTreeMap;
+
+use super::{Zero, shard_err};
+use crate::comm::collective::chunk_cut;
+use crate::model::{ModelChunk, ModelError};
+use crate::pipeline::error::PipelineError;
+use crate::tensor::Backend;
+
+impl Zero {
+    /// Whether this rank holds a copy of a tied pair.
+    pub(in crate::pipeline::compute) fn holds_pair(&self) -> bool {
+        self.layout.spans.iter().any(|s| s.pair)
+    }
+
+    /// Sets the gradient of each tied copy this rank holds to its replicas' sum, whole,
+    /// from every replica's piece of it (after [`Zero::reduce`]). Every replica of the rank
+    /// calls it at the same step.
+    pub(in crate::pipeline::compute) fn gather_pair<B: Backend>(
+        &self,
+        rank: usize,
+        be: &B,
+        chunks: &mut BTreeMap<u32, ModelChunk<B>>,
+    ) -> Result<(), PipelineError> {
+        let grads = self.chunk_grads(rank)?;
+        let own = &self.own;
+        let frame: Vec<u8> = (self.layout.pieces(own))
+            .filter(|(s, _)| s.pair)
+            .flat_map(|(_, r)| &grads[r.start - own.start..r.end - own.start])
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        let frames = self
+            .sync
+            .gather_by_chunk(rank, &frame)
+            .map_err(|e| shard_err(rank, "the tied embedding's gather", e))?;
+        // Each copy's whole table, filled piece by piece in flat order.
+        let mut tables: BTreeMap<&str, Vec<f32>> = (self.layout.spans.iter())
+            .filter(|s| s.pair)
+            .map(|s| (s.name.as_str(), vec![0.0; s.range.len()]))
+            .collect();
+        // Each frame is dropped once read: the tables and one frame are held, not two copies.
+        for (chunk, frame) in chunk_cut(self.layout.len, self.count).iter().zip(frames) {
+            let mut values = frame
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().expect("chunks of 4")));
+            let mut expected = 0;
+            for (span, r) in self.layout.pieces(chunk).filter(|(s, _)| s.pair) {
+                expected += r.len();
+                let table = tables.get_mut(span.name.as_str()).expect("a pair's table");
+                let local = r.start - span.range.start..r.end - span.range.start;
+                for slot in &mut table[local] {
+                    *slot = values.next().unwrap_or(f32::NAN);
+                }
+            }
+            if frame.len() != expected * 4 {
+                return Err(PipelineError::Shard {
+                    rank,
+                    reason: format!(
+                        "a replica sent {} bytes of the tied embedding's gradient for values \
+                         {chunk:?}, expected {}: the replicas' models differ",
+                        frame.len(),
+                        expected * 4
+                    ),
+                });
+            }
+        }
+        for p in chunks.values_mut().flat_map(|c| c.params_mut()) {
+            if let Some(table) = tables.remove(p.name.as_str()) {
+                let dtype = be.dtype(&p.grad);
+                p.grad = be.from_host_vec(table, dtype).map_err(ModelError::from)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes this replica's pieces of the tied copies' summed gradients (after the pair's
+    /// sum) into the chunk the optimizer steps and the norm sums.
+    pub(in crate::pipeline::compute) fn keep_pair<B: Backend>(
+        &mut self,
+        rank: usize,
+        be: &B,
+        chunks: &BTreeMap<u32, ModelChunk<B>>,
+    ) -> Result<(), PipelineError> {
+        let own = self.own.clone();
+        let pieces: Vec<_> = (self.layout.pieces(&own))
+            .filter(|(s, _)| s.pair)
+            .map(|(s, r)| {
+                (
+                    s.name.clone(),
+                    r.start - s.range.start..r.end - s.range.start,
+                    r,
+                )
+            })
+            .collect();
+        let grads = self.grads.as_mut().ok_or_else(|| PipelineError::Shard {
+            rank,
+            reason: "the tied embedding's sum came before the gradients' reduce-scatter".into(),
+        })?;
+        for (name, local, r) in pieces {
+            let p = (chunks.values().flat_map(|c| c.params()))
+                .find(|p| p.name == name)
+                .ok_or_else(|| PipelineError::Shard {
+                    rank,
+                    reason: format!("no parameter `{name}` on this rank"),
+                })?;
+            let sum = be.to_host(&p.grad).map_err(ModelError::from)?;
+            grads[r.start - own.start..r.end - own.start].copy_from_slice(&sum[local]);
+        }
+        Ok(())
+    }
+}
