@@ -42,12 +42,20 @@ impl Zero {
             .sync
             .gather_by_chunk(rank, &frame)
             .map_err(|e| shard_err(rank, "the tied embedding's gather", e))?;
-        // Each copy's whole table, filled piece by piece in flat order.
-        let mut tables: BTreeMap<&str, Vec<f32>> = (self.layout.spans.iter())
-            .filter(|s| s.pair)
-            .map(|s| (s.name.as_str(), vec![0.0; s.range.len()]))
-            .collect();
-        // Each frame is dropped once read: the tables and one frame are held, not two copies.
+        // Each copy's whole table, filled piece by piece in flat order into its gradient's
+        // own buffer (moved out where the backend's buffers are host memory): beside the
+        // tables, only the frames are held.
+        let mut tables: BTreeMap<String, Vec<f32>> = BTreeMap::new();
+        for p in chunks.values_mut().flat_map(|c| c.params_mut()) {
+            if self.layout.spans.iter().any(|s| s.pair && s.name == p.name) {
+                let empty = be
+                    .from_host(&[], be.dtype(&p.grad))
+                    .map_err(ModelError::from)?;
+                let grad = std::mem::replace(&mut p.grad, empty);
+                let table = be.take_host(grad).map_err(ModelError::from)?;
+                tables.insert(p.name.clone(), table);
+            }
+        }
         for (chunk, frame) in chunk_cut(self.layout.len, self.count).iter().zip(frames) {
             let mut values = frame
                 .chunks_exact(4)
@@ -55,7 +63,7 @@ impl Zero {
             let mut expected = 0;
             for (span, r) in self.layout.pieces(chunk).filter(|(s, _)| s.pair) {
                 expected += r.len();
-                let table = tables.get_mut(span.name.as_str()).expect("a pair's table");
+                let table = tables.get_mut(&span.name).expect("a pair's table");
                 let local = r.start - span.range.start..r.end - span.range.start;
                 for slot in &mut table[local] {
                     *slot = values.next().unwrap_or(f32::NAN);
@@ -74,7 +82,7 @@ impl Zero {
             }
         }
         for p in chunks.values_mut().flat_map(|c| c.params_mut()) {
-            if let Some(table) = tables.remove(p.name.as_str()) {
+            if let Some(table) = tables.remove(&p.name) {
                 let dtype = be.dtype(&p.grad);
                 p.grad = be.from_host_vec(table, dtype).map_err(ModelError::from)?;
             }
