@@ -96,17 +96,18 @@ pub(super) const ELEMENT: u64 = 4;
 pub(super) const STASH_PER_D: u64 = 16;
 pub(super) const STASH_PER_HIDDEN: u64 = 5;
 /// Bytes of the process itself (binary, runtime, allocator slack) and per pipeline rank
-/// (its thread, channels and buffers): a one-stage run of a tiny model peaks at 12.0 MiB,
-/// a four-stage one at 14.4 MiB (docs/benchmarks.md, "Memory estimate calibration").
-pub(super) const PROCESS_BYTES: u64 = 14 << 20;
+/// (its thread, channels and buffers): a one-stage run of a tiny model peaks at 11.6 MiB
+/// (docs/benchmarks.md, "Memory estimate calibration").
+pub(super) const PROCESS_BYTES: u64 = 12 << 20;
 pub(super) const RANK_BYTES: u64 = 1 << 20;
 /// Bytes of one generated task besides its text (its strings' headers, family, size).
 pub(super) const TASK_BYTES: u64 = 256;
 /// Bytes a run keeps per rank and step for the filler work in its bubbles: every slice's
 /// span (its label, times and cost), kept for the run's trace. Measured on the default job
-/// (about 22 drafter slices a rank and step): its peak RSS grows by 29 KiB a rank and step
-/// with the drafter, 2.6 KiB without (docs/benchmarks.md, "Memory estimate calibration").
-pub const FILL_RECORD_BYTES: u64 = 20 << 10;
+/// (about 22 drafter slices a rank and step): from 100 to 400 steps its peak RSS grows by
+/// 17.8 KiB a rank and step with the drafter, 3.6 KiB without (docs/benchmarks.md,
+/// "Memory estimate calibration").
+pub const FILL_RECORD_BYTES: u64 = 14 << 10;
 /// Bytes a run keeps per action and step: the runtime's measured span and action record.
 pub(super) const ACTION_RECORD_BYTES: u64 = 256;
 /// Bytes per action of a plan: the action (24) in the plan, its lowered copy with the

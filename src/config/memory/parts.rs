@@ -311,12 +311,16 @@ pub(super) fn activations(
         ],
     )?;
     // A block's I: the gradients of its projections and of the MLP's hidden layer, and
-    // the attention probabilities' gradient (CUDA's kernel writes it whole; the CPU's goes
-    // row by row, so there it is an allowance).
+    // on CUDA the attention probabilities' gradient, which its kernel writes whole (the
+    // CPU's goes row by row: one row a thread).
+    let probs_grad = match job.device {
+        crate::config::DeviceKind::Cuda => mul(what, &[h, seq])?,
+        crate::config::DeviceKind::Cpu => k(0),
+    };
     let working_per_token = add(
         what,
         &[
-            mul(what, &[h, seq])?,
+            probs_grad,
             mul(what, &[k(12), d])?,
             mul(what, &[k(4), hidden])?,
         ],
@@ -516,16 +520,29 @@ pub(super) fn drafter_bytes(
     let tables = mul(what, &[table, k(per_element)])?;
     let weights = add(what, &[trainers, beside, tables])?;
     let row = add(what, &[d, k(1)])?;
-    let buffer = mul(
-        what,
-        &[
-            k(2),
-            f("drafter.advanced.buffer_rows", dr.advanced.buffer_rows),
-            seq,
-            row,
-            k(ELEMENT),
-        ],
-    )?;
+    // The buffer keeps this step's rows and the last step's, each at most `buffer_rows`
+    // and at most what a step captures: the training batch's sequences, or the rollouts'.
+    let captured = match rl {
+        true => mul(
+            what,
+            &[f("rl.prompts", job.rl.prompts), f("rl.group", job.rl.group)],
+        )?,
+        false => mul(
+            what,
+            &[
+                f("train.micro_batches", job.train.micro_batches),
+                f("train.micro_batch_size", job.train.micro_batch_size),
+            ],
+        )?,
+    };
+    let kept = [
+        f("drafter.advanced.buffer_rows", dr.advanced.buffer_rows),
+        captured,
+    ]
+    .into_iter()
+    .min_by_key(|s| s.n)
+    .expect("two sizes");
+    let buffer = mul(what, &[k(2), kept, seq, row, k(ELEMENT)])?;
     let positions = f("drafter.max_positions", dr.max_positions);
     let per_token = add(
         what,

@@ -48,8 +48,18 @@ fn a_limit_one_setting_can_meet_names_that_setting() {
     let e = MemoryEstimate::of(&job, Workload::Train).unwrap();
     let driver = e.parts.iter().find(|p| !p.field.is_empty()).unwrap();
     assert_eq!(driver.field, e.field);
-    // Without the largest part the job fits: its field is what to change.
-    let (field, text) = refusal(&job, &flag(e.total - driver.bytes + 1), 1);
+    // With that field at its smallest the job fits: the field is what to change.
+    let smallest = JobConfig::embedded(&[format!("{}=1", e.field)]).unwrap();
+    let fits = MemoryEstimate::of(&smallest, Workload::Train)
+        .unwrap()
+        .total;
+    assert!(
+        fits < e.total,
+        "{} = 1 needs {fits}, the job {}",
+        e.field,
+        e.total
+    );
+    let (field, text) = refusal(&job, &flag(fits + 1), 1);
     assert_eq!(field, e.field, "{text}");
     assert!(text.contains("the job needs an estimated"), "{text}");
 }
