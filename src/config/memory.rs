@@ -163,6 +163,12 @@ impl MemoryEstimate {
             )?;
             acts = add("the activations", &[acts, tie])?;
         }
+        if job.dp > 1 {
+            // The replicas' gradient exchange goes through host copies of each rank's
+            // gradients ([`EXCHANGE_BYTES`]).
+            let exchange = mul("the parameters", &[p, k(EXCHANGE_BYTES), dp])?;
+            acts = add("the activations", &[acts, exchange])?;
+        }
         // The step's peak (activations, periodic checkpoints' buffers) and the end's (the
         // final checkpoint's copies) do not coexist.
         let buffers = mul("the parameters", &[p, k(periodic)])?;

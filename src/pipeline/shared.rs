@@ -457,7 +457,9 @@ impl Shared {
             return Ok(None);
         };
         let mut params: Vec<&mut Param<B>> = params.into_iter().collect();
-        let mut flat = Vec::new();
+        // Sized once: grown by doubling it would hold up to twice the gradients for a moment.
+        let len = params.iter().map(|p| backend.len(&p.grad)).sum();
+        let mut flat = Vec::with_capacity(len);
         for p in &params {
             flat.extend(backend.to_host(&p.grad).map_err(ModelError::from)?);
         }

@@ -150,3 +150,10 @@ pub struct Part {
     /// The config field with the largest factor in the part's largest term.
     pub field: &'static str,
 }
+
+/// Bytes per parameter of a data-parallel replica's gradient exchange, beside its live
+/// state: the rank's gradients flat on the host and the ring's frames (the sharded
+/// optimizer's reduce-scatter is the same first half; its all-gather then holds one
+/// parameter's frames at a time). Measured at Qwen2.5-0.5B's shape, dp = 2 × 2 stages in
+/// one process (docs/benchmarks.md, "Sharded optimizer").
+pub const EXCHANGE_BYTES: u64 = 6;

@@ -77,10 +77,7 @@ impl Layout {
     /// Each parameter's part of `chunk` (non-empty only), with its range there.
     fn pieces(&self, chunk: &Range<usize>) -> impl Iterator<Item = (&Span, Range<usize>)> {
         let chunk = chunk.clone();
-        self.spans.iter().filter_map(move |s| {
-            let (lo, hi) = (s.range.start.max(chunk.start), s.range.end.min(chunk.end));
-            (lo < hi).then_some((s, lo..hi))
-        })
+        (self.spans.iter()).filter_map(move |s| overlap(&s.range, &chunk).map(|r| (s, r)))
     }
 
     /// `Σ g²` of each segment of `chunk` (tied copies left out), in flat order;
@@ -116,7 +113,13 @@ pub(super) fn flat<B: Backend>(
     chunks: &BTreeMap<u32, ModelChunk<B>>,
     grads: bool,
 ) -> Result<Vec<f32>, PipelineError> {
-    let mut out = Vec::new();
+    // Sized once: grown by doubling it would hold up to twice the values for a moment.
+    let len = chunks
+        .values()
+        .flat_map(|c| c.params())
+        .map(|p| p.numel())
+        .sum();
+    let mut out = Vec::with_capacity(len);
     for p in chunks.values().flat_map(|c| c.params()) {
         let buf = if grads { &p.grad } else { &p.value };
         out.extend(be.to_host(buf).map_err(ModelError::from)?);
@@ -280,8 +283,11 @@ impl Zero {
         })
     }
 
-    /// AdamW on this replica's chunk (at `lr`, gradients scaled by `clip_scale`), then the
-    /// all-gather of the updated values into every parameter.
+    /// AdamW on this replica's chunk (at `lr`, gradients scaled by `clip_scale`) and the
+    /// all-gather of the updated values, parameter by parameter: a parameter's values move
+    /// to the host, this replica's piece of it is updated there, the other replicas'
+    /// updated pieces are copied in, and the values move back. Beside the live state one
+    /// parameter's frames and piece are held at a time, never a flat copy of the rank's.
     pub(super) fn step<B: Backend>(
         &self,
         rank: usize,
@@ -291,41 +297,70 @@ impl Zero {
         clip_scale: f32,
     ) -> Result<(), PipelineError> {
         let grads = self.chunk_grads(rank)?;
+        let own = &self.own;
+        let cut = chunk_cut(self.layout.len, self.count);
         let mut params: Vec<&mut Param<B>> =
             chunks.values_mut().flat_map(|c| c.params_mut()).collect();
-        let own = &self.own;
-        // One piece at a time, made just before its update: a piece's value and gradient
-        // are the only copies besides the all-gather's buffer.
-        let mut values = vec![0.0; self.layout.len];
         optimizer.begin_step();
-        for (span, r) in self.layout.pieces(own) {
-            let p = param(&params, span, rank)?;
-            let value = be.to_host(&p.value).map_err(ModelError::from)?;
-            let local = r.start - span.range.start..r.end - span.range.start;
-            let grad = &grads[r.start - own.start..r.end - own.start];
-            let mut piece = Param {
-                name: p.name.clone(),
-                shape: vec![r.len()],
-                value: be
-                    .from_host(&value[local], be.dtype(&p.value))
-                    .map_err(ModelError::from)?,
-                grad: be
-                    .from_host(grad, be.dtype(&p.grad))
-                    .map_err(ModelError::from)?,
-                decay: p.decay,
-                tied: p.tied,
-            };
-            optimizer.step_param(be, &mut piece, lr, clip_scale)?;
-            values[r].copy_from_slice(&be.to_host(&piece.value).map_err(ModelError::from)?);
-        }
-        self.sync
-            .all_gather(rank, &mut values)
-            .map_err(|e| shard_err(rank, "the parameters' all-gather", e))?;
-        for (span, p) in self.layout.spans.iter().zip(params.iter_mut()) {
+        for span in &self.layout.spans {
+            let p = (params.iter_mut())
+                .find(|p| p.name == span.name)
+                .ok_or_else(|| no_param(rank, span))?;
             let dtype = be.dtype(&p.value);
-            p.value = be
-                .from_host(&values[span.range.clone()], dtype)
-                .map_err(ModelError::from)?;
+            let empty = be.from_host(&[], dtype).map_err(ModelError::from)?;
+            let old = std::mem::replace(&mut p.value, empty);
+            let mut value = be.take_host(old).map_err(ModelError::from)?;
+            let frame = match overlap(&span.range, own) {
+                None => Vec::new(),
+                Some(r) => {
+                    let local = r.start - span.range.start..r.end - span.range.start;
+                    let grad = &grads[r.start - own.start..r.end - own.start];
+                    let mut piece = Param {
+                        name: p.name.clone(),
+                        shape: vec![r.len()],
+                        value: be
+                            .from_host(&value[local.clone()], dtype)
+                            .map_err(ModelError::from)?,
+                        grad: be
+                            .from_host(grad, be.dtype(&p.grad))
+                            .map_err(ModelError::from)?,
+                        decay: p.decay,
+                        tied: p.tied,
+                    };
+                    optimizer.step_param(be, &mut piece, lr, clip_scale)?;
+                    let updated = be.to_host(&piece.value).map_err(ModelError::from)?;
+                    value[local].copy_from_slice(&updated);
+                    updated.iter().flat_map(|v| v.to_le_bytes()).collect()
+                }
+            };
+            let frames = self
+                .sync
+                .gather_by_chunk(rank, &frame)
+                .map_err(|e| shard_err(rank, "the parameters' all-gather", e))?;
+            for (chunk, frame) in cut.iter().zip(frames) {
+                let piece = overlap(&span.range, chunk);
+                let expected = piece.as_ref().map_or(0, |r| r.len());
+                if frame.len() != expected * 4 {
+                    return Err(PipelineError::Shard {
+                        rank,
+                        reason: format!(
+                            "a replica sent {} bytes of `{}`'s updated values for values \
+                             {chunk:?}, expected {}: the replicas' models differ",
+                            frame.len(),
+                            span.name,
+                            expected * 4
+                        ),
+                    });
+                }
+                let Some(r) = piece.filter(|_| chunk != own) else {
+                    continue;
+                };
+                let local = r.start - span.range.start..r.end - span.range.start;
+                for (slot, b) in value[local].iter_mut().zip(frame.chunks_exact(4)) {
+                    *slot = f32::from_le_bytes(b.try_into().expect("chunks of 4"));
+                }
+            }
+            p.value = be.from_host_vec(value, dtype).map_err(ModelError::from)?;
         }
         Ok(())
     }
@@ -512,20 +547,18 @@ impl Zero {
     }
 }
 
-/// The parameter of `span` among the rank's `params` (in flat order).
-fn param<'p, B: Backend>(
-    params: &'p [&mut Param<B>],
-    span: &Span,
-    rank: usize,
-) -> Result<&'p Param<B>, PipelineError> {
-    params
-        .iter()
-        .find(|p| p.name == span.name)
-        .map(|p| &**p)
-        .ok_or_else(|| PipelineError::Shard {
-            rank,
-            reason: format!("no parameter `{}` on this rank", span.name),
-        })
+/// The error of a parameter of the layout the rank does not hold.
+fn no_param(rank: usize, span: &Span) -> PipelineError {
+    PipelineError::Shard {
+        rank,
+        reason: format!("no parameter `{}` on this rank", span.name),
+    }
+}
+
+/// The part of `range` inside `chunk`, if any.
+fn overlap(range: &Range<usize>, chunk: &Range<usize>) -> Option<Range<usize>> {
+    let (lo, hi) = (range.start.max(chunk.start), range.end.min(chunk.end));
+    (lo < hi).then_some(lo..hi)
 }
 
 fn missing(rank: usize, span: &Span) -> PipelineError {
