@@ -27,7 +27,8 @@ use crate::tensor::Backend;
 
 /// Largest group size the step costs are measured for.
 pub const MAX_CALIBRATION_BATCH: usize = 32;
-/// Positions already in each sequence's cache when a timed step starts.
+/// The context `pipefill rl`'s calibration times its steps at: the drafter's context and
+/// the target's cache, in positions.
 pub const COST_PAST: usize = 32;
 
 /// What one step of a group of `batch` sequences costs, in milliseconds, drafting `k`.
@@ -57,9 +58,10 @@ pub fn chain_acceptance(alpha: f64, k: usize) -> f64 {
 
 /// Step costs for groups of 1, 2, 4, … up to `max_b` sequences and every draft length in
 /// `ks` (ascending by batch, then by `ks`' order), each the fastest of `reps`: the whole
-/// `model` on one thread decoding one position per sequence and verifying K+1, resuming at
-/// [`COST_PAST`] of a prefilled cache; and `drafter` proposing K tokens for `batch` copies
-/// of `ctx`. The decode cost is measured once per size and shared by its entries.
+/// `model` on one thread decoding one position per sequence and verifying K+1, resuming
+/// a prefilled cache as long as `ctx` (the attention over the cache grows with it: a long
+/// tail decodes far into its sequences); and `drafter` proposing K tokens for `batch`
+/// copies of `ctx`. The decode cost is measured once per size and shared by its entries.
 pub fn step_costs<B: Backend>(
     model: &Gpt<B>,
     drafter: &mut Drafter<B>,
@@ -74,7 +76,7 @@ pub fn step_costs<B: Backend>(
             "draft lengths {ks:?} and {reps} repetitions: need K ≥ 1 and at least one repetition"
         )));
     }
-    let past = COST_PAST.min(model.config().seq_len.saturating_sub(k_max + 1));
+    let past = (ctx.tokens.len().max(1)).min(model.config().seq_len.saturating_sub(k_max + 1));
     let mut stages = InferStage::stages_of(model, &Cut::Even(1))?;
     let mut rng = SplitMix64::new(1);
     let ms = |f: &mut dyn FnMut() -> Result<(), RlError>| {

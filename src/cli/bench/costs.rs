@@ -218,10 +218,12 @@ pub(super) fn median_step_costs<B: Backend>(
         .collect())
 }
 
-/// The drafter context of the bench's probe row (the plain rollout's longest: the long
-/// tail's context), owned: `(hidden, tokens)`.
+/// The long tail's typical context, owned: `(hidden, tokens)` of the first half of the
+/// bench's probe row (the plain rollout's longest), about the middle of the positions the
+/// tail decodes at (the longest sequence from where a tenth of the batch is live to its
+/// end). The step costs are timed at a cache this long.
 pub(super) fn probe_context(probe: &DraftRow, d: usize) -> (Vec<f32>, Vec<u32>) {
-    let n = probe.len();
+    let n = probe.len().div_ceil(2);
     (probe.hidden[..n * d].to_vec(), probe.targets[..n].to_vec())
 }
 
