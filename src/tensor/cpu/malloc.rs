@@ -26,11 +26,11 @@ use std::sync::Once;
 
 /// Buffers up to this size come from the heap (256 MiB); larger ones, such as a tied
 /// table or a head's gradient at Qwen2.5's 152K vocabulary (545 MB), are mapped on their
-/// own and returned on free. With 1 GiB the 545 MB tables the drafter's refreshes make and
-/// free each step stayed in the heap and its peak rose step by step: Qwen2.5-0.5B's shape
-/// at 2 layers, pipelined with the drafter, peaked at 12,750 MiB against 11,453 with 256
-/// MiB, in the same time (61.1 / 61.4 s); the reference trainer there ran 56 against 57-58
-/// tokens/s, its peak unchanged (docs/benchmarks.md, "Memory estimate calibration").
+/// own and returned on free. Qwen2.5-0.5B's shape at 2 layers, pipelined with the drafter
+/// (whose refreshes make and free such tables each step), peaked at 12,750 MiB with 1 GiB
+/// here, its RSS rising step by step, and at 11,453 MiB with 256 MiB, in the same time
+/// (61.1 / 61.4 s); the reference trainer there ran 56 against 57-58 tokens/s, its peak
+/// unchanged (docs/benchmarks.md, "Memory estimate calibration").
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 const MMAP_THRESHOLD: libc::c_int = 1 << 28;
 
