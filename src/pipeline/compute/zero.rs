@@ -46,6 +46,13 @@ struct Span {
     pair: bool,
 }
 
+impl Span {
+    /// `r` (a part of this span's range in the flat buffer) within the parameter.
+    fn local(&self, r: &Range<usize>) -> Range<usize> {
+        r.start - self.range.start..r.end - self.range.start
+    }
+}
+
 /// A rank's parameters in flat order.
 #[derive(Debug, Clone)]
 struct Layout {
@@ -302,10 +309,21 @@ impl Zero {
         let mut params: Vec<&mut Param<B>> =
             chunks.values_mut().flat_map(|c| c.params_mut()).collect();
         optimizer.begin_step();
-        for span in &self.layout.spans {
-            let p = (params.iter_mut())
-                .find(|p| p.name == span.name)
-                .ok_or_else(|| no_param(rank, span))?;
+        // The layout lists the rank's parameters in this same order (`Layout::of`).
+        if params.len() != self.layout.spans.len() {
+            return Err(PipelineError::Shard {
+                rank,
+                reason: format!(
+                    "{} parameters on this rank, {} in its optimizer's layout",
+                    params.len(),
+                    self.layout.spans.len()
+                ),
+            });
+        }
+        for (span, p) in self.layout.spans.iter().zip(params.iter_mut()) {
+            if p.name != span.name {
+                return Err(no_param(rank, span));
+            }
             let dtype = be.dtype(&p.value);
             let empty = be.from_host(&[], dtype).map_err(ModelError::from)?;
             let old = std::mem::replace(&mut p.value, empty);
@@ -313,7 +331,7 @@ impl Zero {
             let frame = match overlap(&span.range, own) {
                 None => Vec::new(),
                 Some(r) => {
-                    let local = r.start - span.range.start..r.end - span.range.start;
+                    let local = span.local(&r);
                     let grad = &grads[r.start - own.start..r.end - own.start];
                     let mut piece = Param {
                         name: p.name.clone(),
@@ -355,9 +373,9 @@ impl Zero {
                 let Some(r) = piece.filter(|_| chunk != own) else {
                     continue;
                 };
-                let local = r.start - span.range.start..r.end - span.range.start;
-                for (slot, b) in value[local].iter_mut().zip(frame.chunks_exact(4)) {
-                    *slot = f32::from_le_bytes(b.try_into().expect("chunks of 4"));
+                let local = span.local(&r);
+                for (slot, v) in value[local].iter_mut().zip(f32s(&frame)) {
+                    *slot = v;
                 }
             }
             p.value = be.from_host_vec(value, dtype).map_err(ModelError::from)?;
@@ -458,16 +476,14 @@ impl Zero {
             }
             for (chunk, frame) in chunk_cut(self.layout.len, self.count).iter().zip(&frames) {
                 let own = *chunk == self.own;
-                let mut values = frame
-                    .chunks_exact(4)
-                    .map(|b| f32::from_le_bytes(b.try_into().expect("chunks of 4")));
+                let mut values = f32s(frame);
                 let mut expected = 0;
                 for (span, r) in self.layout.pieces(chunk) {
                     if !wanted(span, part) {
                         continue;
                     }
                     let i = index[span.name.as_str()];
-                    let local = r.start - span.range.start..r.end - span.range.start;
+                    let local = span.local(&r);
                     if own {
                         whole[i][k][local].copy_from_slice(&piece(span, &r, part)?);
                         continue;
@@ -531,7 +547,7 @@ impl Zero {
                     ),
                 });
             }
-            let local = r.start - span.range.start..r.end - span.range.start;
+            let local = span.local(&r);
             let cut = |v: &Vec<f32>| v[local.clone()].to_vec();
             let piece = SlotState {
                 m: cut(&slot.m),
@@ -553,6 +569,12 @@ fn no_param(rank: usize, span: &Span) -> PipelineError {
         rank,
         reason: format!("no parameter `{}` on this rank", span.name),
     }
+}
+
+/// The f32 values of a frame of little-endian bytes (a trailing partial value dropped:
+/// callers check the frame's length).
+fn f32s(frame: &[u8]) -> impl Iterator<Item = f32> + '_ {
+    (frame.chunks_exact(4)).map(|b| f32::from_le_bytes(b.try_into().expect("chunks of 4")))
 }
 
 /// The part of `range` inside `chunk`, if any.

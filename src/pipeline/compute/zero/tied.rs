@@ -10,7 +10,7 @@
 
 use std::collections::BTreeMap;
 
-use super::{Zero, shard_err};
+use super::{Zero, f32s, no_param, shard_err};
 use crate::comm::collective::chunk_cut;
 use crate::model::{ModelChunk, ModelError};
 use crate::pipeline::error::PipelineError;
@@ -57,15 +57,12 @@ impl Zero {
             }
         }
         for (chunk, frame) in chunk_cut(self.layout.len, self.count).iter().zip(frames) {
-            let mut values = frame
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes(b.try_into().expect("chunks of 4")));
+            let mut values = f32s(&frame);
             let mut expected = 0;
             for (span, r) in self.layout.pieces(chunk).filter(|(s, _)| s.pair) {
                 expected += r.len();
                 let table = tables.get_mut(&span.name).expect("a pair's table");
-                let local = r.start - span.range.start..r.end - span.range.start;
-                for slot in &mut table[local] {
+                for slot in &mut table[span.local(&r)] {
                     *slot = values.next().unwrap_or(f32::NAN);
                 }
             }
@@ -99,29 +96,16 @@ impl Zero {
         chunks: &BTreeMap<u32, ModelChunk<B>>,
     ) -> Result<(), PipelineError> {
         let own = self.own.clone();
-        let pieces: Vec<_> = (self.layout.pieces(&own))
-            .filter(|(s, _)| s.pair)
-            .map(|(s, r)| {
-                (
-                    s.name.clone(),
-                    r.start - s.range.start..r.end - s.range.start,
-                    r,
-                )
-            })
-            .collect();
         let grads = self.grads.as_mut().ok_or_else(|| PipelineError::Shard {
             rank,
             reason: "the tied embedding's sum came before the gradients' reduce-scatter".into(),
         })?;
-        for (name, local, r) in pieces {
+        for (span, r) in self.layout.pieces(&own).filter(|(s, _)| s.pair) {
             let p = (chunks.values().flat_map(|c| c.params()))
-                .find(|p| p.name == name)
-                .ok_or_else(|| PipelineError::Shard {
-                    rank,
-                    reason: format!("no parameter `{name}` on this rank"),
-                })?;
+                .find(|p| p.name == span.name)
+                .ok_or_else(|| no_param(rank, span))?;
             let sum = be.to_host(&p.grad).map_err(ModelError::from)?;
-            grads[r.start - own.start..r.end - own.start].copy_from_slice(&sum[local]);
+            grads[r.start - own.start..r.end - own.start].copy_from_slice(&sum[span.local(&r)]);
         }
         Ok(())
     }
