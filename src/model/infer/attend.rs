@@ -20,6 +20,8 @@
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 
+use super::denormals::Flushed;
+
 /// Partial sums per dot product (one AVX register of f32; the compiler vectorises them).
 const LANES: usize = 8;
 
@@ -79,6 +81,10 @@ pub fn attend(
     attend_rows(q, keys, values, (visible, &[]), heads, scores, out);
 }
 
+/// What one new position sees: the cached rows `0..prefix`, then the rows `extra`
+/// (increasing).
+pub type Visible<'a> = (usize, &'a [usize]);
+
 /// [`attend`] over the cached rows `0..prefix` followed by the rows `extra` (increasing),
 /// `visible = (prefix, extra)`: a draft tree's node sees the sequence's prefix, its
 /// ancestors and itself. The rows are taken in that order with the same arithmetic as
@@ -88,17 +94,37 @@ pub fn attend_rows(
     q: &[f32],
     keys: &[f32],
     values: &[f32],
-    visible: (usize, &[usize]),
+    visible: Visible<'_>,
     heads: Heads,
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
+    attend_span(q, keys, values, &[visible], heads, scores, out);
+}
+
+/// [`attend_rows`] for several new positions of one sequence at once: `qs` holds their
+/// queries one after another, `visible[r]` what position `r` sees, and `out` their outputs
+/// in the same order. Each position's result is bitwise its own [`attend_rows`]; with AVX2
+/// the cache is read once for all of them instead of once per position.
+pub fn attend_span(
+    qs: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    visible: &[Visible<'_>],
+    heads: Heads,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    let _flushed = Flushed::subnormals();
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU has AVX2.
-        return unsafe { avx2::attend_rows(q, keys, values, visible, heads, scores, out) };
+        return unsafe { avx2::attend_span(qs, keys, values, visible, heads, scores, out) };
     }
-    attend_rows_plain(q, keys, values, visible, heads, scores, out);
+    let qw = qs.len() / visible.len().max(1);
+    for ((q, o), &v) in qs.chunks(qw).zip(out.chunks_mut(qw)).zip(visible) {
+        attend_rows_plain(q, keys, values, v, heads, scores, o);
+    }
 }
 
 /// [`attend_rows`] without SIMD intrinsics: the reference [`avx2`] matches bitwise.
@@ -238,6 +264,97 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_span_is_bitwise_each_of_its_rows_alone() {
+        let wave =
+            |n: usize, f: f32| -> Vec<f32> { (0..n).map(|i| (i as f32 * f).sin()).collect() };
+        // (query heads, key/value heads, query width): a 60-wide head leaves a tail.
+        for (hq, hkv, width) in [(4, 4, 256), (4, 2, 256), (3, 3, 60), (6, 3, 60)] {
+            let heads = Heads { q: hq, kv: hkv };
+            let kw = width / hq * hkv;
+            let (keys, values) = (wave(40 * kw, 0.11), wave(40 * kw, 0.23));
+            for start in [0, 1, 3, 4, 17, 33] {
+                // A chain of five new rows after `start` cached ones, and a tree's rows
+                // (each sees the prefix, some of the new rows, and itself).
+                let tree = [
+                    vec![0],
+                    vec![0, 1],
+                    vec![0, 2],
+                    vec![0, 1, 3],
+                    vec![0, 2, 4],
+                ];
+                let tree: Vec<Vec<usize>> = tree
+                    .iter()
+                    .map(|s| s.iter().map(|&a| start + a).collect())
+                    .collect();
+                let chain: Vec<Visible<'_>> = (0..5).map(|r| (start + r + 1, &[][..])).collect();
+                let mut mixed: Vec<Visible<'_>> = tree.iter().map(|t| (start, &t[..])).collect();
+                mixed[2] = (start + 2, &tree[2][1..]);
+                for visible in [&chain[..], &mixed[..], &chain[..1]] {
+                    let n = visible.len();
+                    let qs = wave(n * width, 0.37);
+                    let mut got = vec![0.5f32; n * width];
+                    attend_span(
+                        &qs,
+                        &keys,
+                        &values,
+                        visible,
+                        heads,
+                        &mut Vec::new(),
+                        &mut got,
+                    );
+                    for (r, &v) in visible.iter().enumerate() {
+                        let mut want = vec![0.5f32; width];
+                        let q = &qs[r * width..][..width];
+                        attend_rows_plain(q, &keys, &values, v, heads, &mut Vec::new(), &mut want);
+                        assert_eq!(
+                            &got[r * width..][..width],
+                            &want[..],
+                            "heads {heads:?} start {start} row {r} of {visible:?}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn weights_below_the_normal_range_flush_alike_on_every_path() {
+        // Scores 0, -40, -80, ... per cached row: from the third row on the softmax
+        // weights and their products are subnormal.
+        let (hd, n) = (16, 12);
+        let q = vec![1.0f32; hd];
+        let keys: Vec<f32> = (0..n * hd).map(|i| -10.0 * (i / hd) as f32).collect();
+        let values: Vec<f32> = (0..n * hd).map(|i| 1.0 + (i % 7) as f32).collect();
+        let mut got = vec![0.0f32; hd];
+        attend(
+            &q,
+            &keys,
+            &values,
+            n,
+            Heads::mha(1),
+            &mut Vec::new(),
+            &mut got,
+        );
+        let want = {
+            let _f = Flushed::subnormals();
+            let mut o = vec![0.0f32; hd];
+            let v = (n, &[][..]);
+            attend_rows_plain(
+                &q,
+                &keys,
+                &values,
+                v,
+                Heads::mha(1),
+                &mut Vec::new(),
+                &mut o,
+            );
+            o
+        };
+        assert_eq!(got, want);
+        assert!(got.iter().all(|x| x.is_normal()));
     }
 
     #[test]

@@ -5,6 +5,7 @@
 //! separate, inference-only path:
 //! - [`attend`]: causal attention of a new position against a host cache (shared with
 //!   the drafter's incremental proposals);
+//! - `denormals`: the flushed subnormals its kernels compute with;
 //! - [`kv`]: [`KvCache`], per-layer keys and values of every live sequence, with rollback;
 //! - [`rowmul`]: few-row products that stream the weights once (decode, verification);
 //! - [`stage`]: [`InferStage`], a stage's blocks rebuilt by parameter name from a
@@ -14,6 +15,7 @@
 //!   keeps a tree's accepted path.
 
 pub mod attend;
+mod denormals;
 pub mod kv;
 pub mod rowmul;
 pub mod stage;

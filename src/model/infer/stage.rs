@@ -16,7 +16,7 @@
 
 use std::ops::Range;
 
-use super::attend::{Heads, attend, attend_rows};
+use super::attend::{Heads, Visible, attend_span};
 use super::kv::KvCache;
 use super::rowmul::{Packed, concat_cols, streams_host_weights};
 use super::tree::{RowLayout, TreeStep, layout};
@@ -498,32 +498,35 @@ impl<B: Backend> InferStage<B> {
         let mut o = vec![0.0f32; rows * d];
         let mut r0 = 0;
         let mut scores = Vec::new();
-        let mut extra = Vec::new();
-        let (mut k, mut v) = (Vec::new(), Vec::new());
+        let (mut k, mut v, mut qs) = (Vec::new(), Vec::new(), Vec::new());
         for (s, layout) in spans.iter().zip(layouts) {
-            let q = |r: usize| &qkv[(r0 + r) * width..][..d];
             k.clear();
             v.clear();
+            qs.clear();
             for r in 0..s.len {
-                let row = &qkv[(r0 + r) * width + d..][..2 * kvd];
-                k.extend_from_slice(&row[..kvd]);
-                v.extend_from_slice(&row[kvd..]);
+                let row = &qkv[(r0 + r) * width..][..width];
+                qs.extend_from_slice(&row[..d]);
+                k.extend_from_slice(&row[d..d + kvd]);
+                v.extend_from_slice(&row[d + kvd..]);
             }
             self.cache.append(s.slot, li, &k, &v)?;
             let (kc, vc) = self.cache.layer(s.slot, li);
-            for r in 0..s.len {
-                let out = &mut o[(r0 + r) * d..][..d];
-                match layout {
-                    None => attend(q(r), kc, vc, s.start + r + 1, heads, &mut scores, out),
-                    Some(l) => {
-                        // A tree row sees the prefix, its ancestors and itself.
-                        extra.clear();
-                        extra.extend(l.sees[r].iter().map(|&a| s.start + a));
-                        let visible = (s.start, extra.as_slice());
-                        attend_rows(q(r), kc, vc, visible, heads, &mut scores, out);
-                    }
-                }
-            }
+            // A chain's row sees the cache up to itself; a tree row the prefix, its
+            // ancestors and itself.
+            let extras: Vec<Vec<usize>> = match layout {
+                None => Vec::new(),
+                Some(l) => (0..s.len)
+                    .map(|r| l.sees[r].iter().map(|&a| s.start + a).collect())
+                    .collect(),
+            };
+            let visible: Vec<Visible<'_>> = (0..s.len)
+                .map(|r| match layout {
+                    None => (s.start + r + 1, &[][..]),
+                    Some(_) => (s.start, extras[r].as_slice()),
+                })
+                .collect();
+            let out = &mut o[r0 * d..][..s.len * d];
+            attend_span(&qs, kc, vc, &visible, heads, &mut scores, out);
             r0 += s.len;
         }
         Ok(o)

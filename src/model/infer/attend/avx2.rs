@@ -1,86 +1,161 @@
-//! [`attend_rows`](super::attend_rows) on AVX2: the plain loops' arithmetic, lane for lane.
+//! [`attend_span`](super::attend_span) on AVX2: the plain loops' arithmetic, lane for lane.
 //!
 //! A score is [`dot`](super::dot): eight partial sums (one register), each adding `q·k` of
-//! its lane chunk by chunk, summed pairwise, then the tail in order; four cached rows are
-//! scored together so that four such chains are in flight. A head's output adds `w·v` per
-//! cached row in order, each element in a register over all the rows (blocks of up to 8
-//! registers, 64 values) rather than loaded and stored per row. Multiplies and adds stay
-//! separate instructions (no FMA), as in the plain code.
+//! its lane chunk by chunk, summed pairwise, then the tail in order. The cached rows are
+//! walked in order, a few at a time, and each block serves every new position and head
+//! before the next is read: the cache of a sequence is read once per step rather than once
+//! per new position and head (a verification's K+1 positions at a long context were
+//! bound by re-reading it, a head's 256 bytes at a time 2 KiB apart). A head's output adds
+//! `w·v` per cached row in order, each element kept in a register across a block of rows.
+//! Multiplies and adds stay separate instructions (no FMA), as in the plain code.
 
 use std::arch::x86_64::{
     __m256, _mm256_add_ps, _mm256_loadu_ps, _mm256_mul_ps, _mm256_set1_ps, _mm256_setzero_ps,
     _mm256_storeu_ps,
 };
 
-use super::{Heads, LANES};
+use super::{Heads, LANES, Visible};
 
-/// [`attend_rows`](super::attend_rows) on AVX2.
+/// Cached rows scored together: four dot products in flight per query head.
+const KEY_BLOCK: usize = 4;
+/// Cached rows whose values are added to a head's output while it stays in registers.
+const VALUE_BLOCK: usize = 16;
+
+/// [`attend_span`](super::attend_span) on AVX2.
 ///
 /// # Safety
 /// Needs AVX2.
 #[target_feature(enable = "avx2")]
-pub(super) unsafe fn attend_rows(
-    q: &[f32],
+pub(super) unsafe fn attend_span(
+    qs: &[f32],
     keys: &[f32],
     values: &[f32],
-    (prefix, extra): (usize, &[usize]),
+    visible: &[Visible<'_>],
     heads: Heads,
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
-    let hd = q.len() / heads.q;
+    let n = visible.len();
+    let qw = qs.len() / n.max(1);
+    let hd = qw / heads.q;
     let (width, rep) = (heads.kv * hd, heads.rep());
     let scale = 1.0 / (hd as f32).sqrt();
-    let rows = || (0..prefix).chain(extra.iter().copied());
-    for h in 0..heads.q {
-        let qh = &q[h * hd..][..hd];
-        let g = h / rep;
-        let key = |j: usize| &keys[j * width + g * hd..][..hd];
-        scores.clear();
-        let mut it = rows();
-        while let (Some(a), Some(b), Some(c), Some(d)) =
-            (it.next(), it.next(), it.next(), it.next())
-        {
-            let s = dots([key(a), key(b), key(c), key(d)], qh);
-            scores.extend(s.map(|s| s * scale));
-        }
-        // The last rows, fewer than four (`it` went past them: skip the ones scored).
-        let done = scores.len();
-        for j in rows().skip(done) {
-            let [s] = dots([key(j)], qh);
-            scores.push(s * scale);
-        }
-        let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0.0;
-        for p in scores.iter_mut() {
-            *p = (*p - max).exp();
-            sum += *p;
-        }
-        let value = |j: usize| &values[j * width + g * hd..][..hd];
-        let oh = &mut out[h * hd..][..hd];
-        let vectors = hd / LANES;
-        let mut e = 0;
-        while e < vectors {
-            let m = (vectors - e).min(8);
-            let at = e * LANES;
-            let (s, o) = (&scores[..], &mut oh[at..][..m * LANES]);
-            match m {
-                8 => weighted::<8>(o, s, sum, rows(), |j| &value(j)[at..]),
-                7 => weighted::<7>(o, s, sum, rows(), |j| &value(j)[at..]),
-                6 => weighted::<6>(o, s, sum, rows(), |j| &value(j)[at..]),
-                5 => weighted::<5>(o, s, sum, rows(), |j| &value(j)[at..]),
-                4 => weighted::<4>(o, s, sum, rows(), |j| &value(j)[at..]),
-                3 => weighted::<3>(o, s, sum, rows(), |j| &value(j)[at..]),
-                2 => weighted::<2>(o, s, sum, rows(), |j| &value(j)[at..]),
-                _ => weighted::<1>(o, s, sum, rows(), |j| &value(j)[at..]),
+    // The cached rows every new position sees, read once for all of them.
+    let shared = visible.iter().map(|v| v.0).min().unwrap_or(0);
+    // Each row's own rows after the shared ones: the rest of its prefix, then its extras.
+    let own = |r: usize| (shared..visible[r].0).chain(visible[r].1.iter().copied());
+    let count = |r: usize| visible[r].0 + visible[r].1.len();
+    let stride = (0..n).map(count).max().unwrap_or(0);
+    scores.clear();
+    scores.resize(n * heads.q * stride, 0.0);
+    let at = |r: usize, h: usize| (r * heads.q + h) * stride;
+    let q = |r: usize, h: usize| &qs[r * qw + h * hd..][..hd];
+    let key = |j: usize, g: usize| &keys[j * width + g * hd..][..hd];
+
+    // Scores over the shared rows, a block of cached rows for every row and head.
+    let mut j = 0;
+    while j + KEY_BLOCK <= shared {
+        for r in 0..n {
+            for h in 0..heads.q {
+                let g = h / rep;
+                let s = dots(
+                    [key(j, g), key(j + 1, g), key(j + 2, g), key(j + 3, g)],
+                    q(r, h),
+                );
+                let o = at(r, h) + j;
+                for (x, s) in scores[o..o + KEY_BLOCK].iter_mut().zip(s) {
+                    *x = s * scale;
+                }
             }
-            e += m;
         }
-        let tail = vectors * LANES;
-        for (i, o) in oh.iter_mut().enumerate().skip(tail) {
-            for (p, j) in scores.iter().zip(rows()) {
-                *o += p / sum * value(j)[i];
+        j += KEY_BLOCK;
+    }
+    for j in j..shared {
+        for r in 0..n {
+            for h in 0..heads.q {
+                let [s] = dots([key(j, h / rep)], q(r, h));
+                scores[at(r, h) + j] = s * scale;
             }
+        }
+    }
+    // Each row's own rows, then its softmax: weights `p / sum` in place of the scores.
+    for r in 0..n {
+        for h in 0..heads.q {
+            let g = h / rep;
+            let o = at(r, h);
+            for (i, j) in own(r).enumerate() {
+                let [s] = dots([key(j, g)], q(r, h));
+                scores[o + shared + i] = s * scale;
+            }
+            let row = &mut scores[o..o + count(r)];
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0.0;
+            for p in row.iter_mut() {
+                *p = (*p - max).exp();
+                sum += *p;
+            }
+            row.iter_mut().for_each(|p| *p /= sum);
+        }
+    }
+
+    // Values: the shared rows a block at a time, then each row's own.
+    let value = |j: usize, g: usize| &values[j * width + g * hd..][..hd];
+    let mut j = 0;
+    while j < shared {
+        let end = (j + VALUE_BLOCK).min(shared);
+        for r in 0..n {
+            for h in 0..heads.q {
+                let o = at(r, h);
+                let w = &scores[o + j..o + end];
+                let oh = &mut out[r * qw + h * hd..][..hd];
+                weighted(oh, w, j..end, |j| value(j, h / rep));
+            }
+        }
+        j = end;
+    }
+    for r in 0..n {
+        for h in 0..heads.q {
+            let o = at(r, h) + shared;
+            let w = &scores[o..o + count(r) - shared];
+            let oh = &mut out[r * qw + h * hd..][..hd];
+            weighted(oh, w, own(r), |j| value(j, h / rep));
+        }
+    }
+}
+
+/// `o += w·v(j)` for the `(w, j)` of `weights` and `rows` in order, a head's output of
+/// `o.len()` values: blocks of up to eight registers, then the tail value by value.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn weighted<'v>(
+    o: &mut [f32],
+    weights: &[f32],
+    rows: impl Iterator<Item = usize> + Clone,
+    v: impl Fn(usize) -> &'v [f32],
+) {
+    let vectors = o.len() / LANES;
+    let mut e = 0;
+    while e < vectors {
+        let m = (vectors - e).min(8);
+        let at = e * LANES;
+        let o = &mut o[at..][..m * LANES];
+        let rows = rows.clone();
+        match m {
+            8 => weighted_regs::<8>(o, weights, rows, |j| &v(j)[at..]),
+            7 => weighted_regs::<7>(o, weights, rows, |j| &v(j)[at..]),
+            6 => weighted_regs::<6>(o, weights, rows, |j| &v(j)[at..]),
+            5 => weighted_regs::<5>(o, weights, rows, |j| &v(j)[at..]),
+            4 => weighted_regs::<4>(o, weights, rows, |j| &v(j)[at..]),
+            3 => weighted_regs::<3>(o, weights, rows, |j| &v(j)[at..]),
+            2 => weighted_regs::<2>(o, weights, rows, |j| &v(j)[at..]),
+            _ => weighted_regs::<1>(o, weights, rows, |j| &v(j)[at..]),
+        }
+        e += m;
+    }
+    let tail = vectors * LANES;
+    for (i, o) in o.iter_mut().enumerate().skip(tail) {
+        for (w, j) in weights.iter().zip(rows.clone()) {
+            *o += w * v(j)[i];
         }
     }
 }
@@ -116,14 +191,13 @@ fn dots<const N: usize>(keys: [&[f32]; N], q: &[f32]) -> [f32; N] {
     out
 }
 
-/// `o += (p / sum)·v(j)` for the `(p, j)` of `scores` and `rows` in order, `o` being `M`
+/// `o += w·v(j)` for the `(w, j)` of `weights` and `rows` in order, `o` being `M`
 /// registers (`8·M` values) and `v(j)` at least as long.
 #[target_feature(enable = "avx2")]
 #[inline]
-fn weighted<'v, const M: usize>(
+fn weighted_regs<'v, const M: usize>(
     o: &mut [f32],
-    scores: &[f32],
-    sum: f32,
+    weights: &[f32],
     rows: impl Iterator<Item = usize>,
     v: impl Fn(usize) -> &'v [f32],
 ) {
@@ -134,8 +208,8 @@ fn weighted<'v, const M: usize>(
         for (i, a) in acc.iter_mut().enumerate() {
             *a = _mm256_loadu_ps(o.as_ptr().add(i * LANES));
         }
-        for (p, j) in scores.iter().zip(rows) {
-            let w = _mm256_set1_ps(p / sum);
+        for (&w, j) in weights.iter().zip(rows) {
+            let w = _mm256_set1_ps(w);
             let vj = &v(j)[..M * LANES];
             for (i, a) in acc.iter_mut().enumerate() {
                 *a = _mm256_add_ps(

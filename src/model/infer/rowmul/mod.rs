@@ -43,6 +43,7 @@ mod tests;
 
 use std::ops::Range;
 
+use super::denormals::Flushed;
 use crate::model::ModelError;
 use crate::tensor::{Backend, CpuBackend, DType};
 
@@ -321,6 +322,7 @@ fn run(isa: Isa, x: &[f32], w: &Packed, rows: usize) -> Vec<f32> {
     if rows == 0 || w.din == 0 || w.dout == 0 {
         return y;
     }
+    let _flushed = Flushed::subnormals();
     let tiling = match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => avx512::TILING,

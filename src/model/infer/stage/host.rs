@@ -10,6 +10,7 @@
 
 use super::{InferStage, RowLayout, Span, StageOutput};
 use crate::model::Result;
+use crate::model::infer::denormals::Flushed;
 use crate::model::infer::rowmul::{Packed, ROWMUL_MAX_ROWS, rowmul};
 use crate::tensor::Backend;
 use crate::tensor::cpu::kernels;
@@ -61,6 +62,8 @@ impl<B: Backend> InferStage<B> {
         x: &[f32],
         rows: usize,
     ) -> Result<StageOutput<B>> {
+        // The norms and activations between the products too (see `denormals`).
+        let _flushed = Flushed::subnormals();
         let mut x = self.block_host(0, spans, layouts, x)?;
         for li in 1..self.blocks.len() {
             x = self.block_host(li, spans, layouts, &x)?;
