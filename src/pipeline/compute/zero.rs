@@ -29,9 +29,10 @@ use super::super::shared::Shared;
 use crate::comm::CommError;
 use crate::comm::collective::{GradSync, chunk_cut};
 use crate::model::ModelError;
-use crate::model::{AdamW, ModelChunk, OptimizerState, Param, SlotPart, SlotState};
+use crate::model::{AdamW, ModelChunk, Param};
 use crate::pipeline::error::PipelineError;
-use crate::tensor::{Backend, DType};
+use crate::tensor::Backend;
+use crate::tensor::cpu::kernels;
 
 /// One parameter's place in a rank's flat buffer.
 #[derive(Debug, Clone)]
@@ -94,15 +95,10 @@ impl Layout {
             .filter(|(s, _)| !s.tied)
             .map(|(s, r)| {
                 let part = &values[r.start - chunk.start..r.end - chunk.start];
-                (s.stage, sum_squares(part))
+                (s.stage, kernels::sum_squares(false, part))
             })
             .collect()
     }
-}
-
-/// `Σ v²` in `f64`, in order.
-fn sum_squares(values: &[f32]) -> f64 {
-    values.iter().map(|&v| f64::from(v) * f64::from(v)).sum()
 }
 
 /// Segments `(stage, Σ g²)` in flat order, as the per-stage lists the step log sums.
@@ -387,180 +383,6 @@ impl Zero {
     pub(super) fn finish(&mut self) {
         self.grads = None;
     }
-
-    /// The whole optimizer state on the first replica, gathered from every replica's chunk
-    /// (the unsharded run's state, bitwise); the other replicas send their chunk and get the
-    /// state without moments (only the first replica's state is saved or handed over).
-    /// Every replica must call it at the same step. One part (m, v, master) of one chunk
-    /// crosses at a time, and each is read off the device as it is sent, so the first
-    /// replica holds the whole state and one chunk of one part besides, the others one chunk
-    /// of one part.
-    pub(super) fn gather_state<B: Backend>(
-        &self,
-        rank: usize,
-        be: &B,
-        optimizer: &AdamW<B>,
-        chunks: &BTreeMap<u32, ModelChunk<B>>,
-    ) -> Result<OptimizerState, PipelineError> {
-        let step = optimizer.steps();
-        let mut state = OptimizerState {
-            step,
-            slots: BTreeMap::new(),
-        };
-        // No step taken (on every replica alike): no moments yet.
-        if step == 0 {
-            return Ok(state);
-        }
-        let master: Vec<bool> = chunks
-            .values()
-            .flat_map(|c| c.params())
-            .map(|p| be.dtype(&p.value) != DType::F32)
-            .collect();
-        let index: std::collections::HashMap<&str, usize> = (self.layout.spans.iter())
-            .enumerate()
-            .map(|(i, s)| (s.name.as_str(), i))
-            .collect();
-        let parts: &[SlotPart] = match master.iter().any(|&m| m) {
-            true => &[SlotPart::M, SlotPart::V, SlotPart::Master],
-            false => &[SlotPart::M, SlotPart::V],
-        };
-        // This replica's piece of `span`'s `part`.
-        let piece = |span: &Span, r: &Range<usize>, part| -> Result<Vec<f32>, PipelineError> {
-            let values = optimizer
-                .slot_part(be, &span.name, part)?
-                .ok_or_else(|| missing(rank, span))?;
-            if values.len() != r.len() {
-                return Err(PipelineError::Shard {
-                    rank,
-                    reason: format!(
-                        "`{}` has {} optimizer values, its piece of this replica's chunk {}",
-                        span.name,
-                        values.len(),
-                        r.len()
-                    ),
-                });
-            }
-            Ok(values)
-        };
-        let wanted =
-            |span: &Span, part| part != SlotPart::Master || master[index[span.name.as_str()]];
-        // (m, v, master) of every parameter, filled on the first replica.
-        let mut whole: Vec<[Vec<f32>; 3]> = Vec::new();
-        for (k, &part) in parts.iter().enumerate() {
-            if !self.first {
-                let mut frame = Vec::new();
-                for (span, r) in self.layout.pieces(&self.own) {
-                    if wanted(span, part) {
-                        let values = piece(span, &r, part)?;
-                        frame.extend(values.iter().flat_map(|v| v.to_le_bytes()));
-                    }
-                }
-                self.sync
-                    .gather_to_first(rank, &frame)
-                    .map_err(|e| shard_err(rank, "the optimizer state's gather", e))?;
-                continue;
-            }
-            let frames = self
-                .sync
-                .gather_to_first(rank, &[])
-                .map_err(|e| shard_err(rank, "the optimizer state's gather", e))?
-                .ok_or_else(|| PipelineError::Shard {
-                    rank,
-                    reason: "the first replica was not handed the others' optimizer state".into(),
-                })?;
-            whole.resize_with(self.layout.spans.len(), Default::default);
-            for (i, span) in self.layout.spans.iter().enumerate() {
-                if wanted(span, part) {
-                    whole[i][k] = vec![0.0; span.range.len()];
-                }
-            }
-            for (chunk, frame) in chunk_cut(self.layout.len, self.count).iter().zip(&frames) {
-                let own = *chunk == self.own;
-                let mut values = f32s(frame);
-                let mut expected = 0;
-                for (span, r) in self.layout.pieces(chunk) {
-                    if !wanted(span, part) {
-                        continue;
-                    }
-                    let i = index[span.name.as_str()];
-                    let local = span.local(&r);
-                    if own {
-                        whole[i][k][local].copy_from_slice(&piece(span, &r, part)?);
-                        continue;
-                    }
-                    expected += r.len();
-                    for slot in &mut whole[i][k][local] {
-                        *slot = values.next().unwrap_or(f32::NAN);
-                    }
-                }
-                if !own && frame.len() != expected * 4 {
-                    return Err(PipelineError::Shard {
-                        rank,
-                        reason: format!(
-                            "a replica sent {} bytes of optimizer state for values {chunk:?}, \
-                             expected {}: the replicas' models differ",
-                            frame.len(),
-                            expected * 4
-                        ),
-                    });
-                }
-            }
-        }
-        for ((span, [m, v, w]), master) in self.layout.spans.iter().zip(whole).zip(&master) {
-            let master = master.then_some(w);
-            state
-                .slots
-                .insert(span.name.clone(), SlotState { m, v, master });
-        }
-        Ok(state)
-    }
-
-    /// This replica's chunk of a whole optimizer `state` (a checkpoint's): each parameter's
-    /// moments cut to its piece of the chunk; parameters without state stay without. A
-    /// parameter whose moments are not its size is an error naming it.
-    pub(super) fn own_state(
-        &self,
-        rank: usize,
-        state: &OptimizerState,
-    ) -> Result<OptimizerState, PipelineError> {
-        let mut slots = BTreeMap::new();
-        for (span, r) in self.layout.pieces(&self.own) {
-            let Some(slot) = state.slots.get(&span.name) else {
-                continue;
-            };
-            let size = span.range.len();
-            let sizes = [Some(slot.m.len()), Some(slot.v.len())];
-            let master = slot.master.as_ref().map(Vec::len);
-            if sizes
-                .into_iter()
-                .chain([master])
-                .flatten()
-                .any(|n| n != size)
-            {
-                return Err(PipelineError::Shard {
-                    rank,
-                    reason: format!(
-                        "the optimizer state of `{}` holds {} moments, the parameter {size} \
-                         values",
-                        span.name,
-                        slot.m.len()
-                    ),
-                });
-            }
-            let local = span.local(&r);
-            let cut = |v: &Vec<f32>| v[local.clone()].to_vec();
-            let piece = SlotState {
-                m: cut(&slot.m),
-                v: cut(&slot.v),
-                master: slot.master.as_ref().map(cut),
-            };
-            slots.insert(span.name.clone(), piece);
-        }
-        Ok(OptimizerState {
-            step: state.step,
-            slots,
-        })
-    }
 }
 
 /// The error of a parameter of the layout the rank does not hold.
@@ -600,6 +422,7 @@ fn shard_err(rank: usize, what: &str, e: CommError) -> PipelineError {
     }
 }
 
+mod state;
 mod tied;
 
 #[cfg(test)]
