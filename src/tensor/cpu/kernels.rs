@@ -454,18 +454,66 @@ pub fn cross_entropy_bwd(
     }
 }
 
-/// AdamW on `f32` slices: updates `p` (the master copy when one exists), `m` and `v`.
-pub fn adamw(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], hp: &AdamWStep) {
+/// Elements per block of the optimizer's kernels ([`adamw`], [`sum_squares`]): the unit the
+/// pool splits them by, and [`sum_squares`]' unit of summation, so that its result does not
+/// depend on the number of threads.
+const OPTIMIZER_BLOCK: usize = 1 << 16;
+
+/// AdamW on `f32` slices: updates `p` (the master copy when one exists), `m` and `v`;
+/// with `par`, blocks of elements on the pool's threads (each element's arithmetic is the
+/// same either way).
+pub fn adamw(par: bool, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], hp: &AdamWStep) {
     let t = hp.step.max(1) as i32;
     let bc1 = 1.0 - hp.beta1.powi(t);
     let bc2 = 1.0 - hp.beta2.powi(t);
-    for i in 0..p.len() {
-        let gi = g[i] * hp.grad_scale;
-        m[i] = hp.beta1 * m[i] + (1.0 - hp.beta1) * gi;
-        v[i] = hp.beta2 * v[i] + (1.0 - hp.beta2) * gi * gi;
-        let mhat = m[i] / bc1;
-        let vhat = v[i] / bc2;
-        p[i] -= hp.lr * (mhat / (vhat.sqrt() + hp.eps) + hp.weight_decay * p[i]);
+    let block = |p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]| {
+        for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m).zip(v) {
+            let gi = g * hp.grad_scale;
+            *m = hp.beta1 * *m + (1.0 - hp.beta1) * gi;
+            *v = hp.beta2 * *v + (1.0 - hp.beta2) * gi * gi;
+            let mhat = *m / bc1;
+            let vhat = *v / bc2;
+            *p -= hp.lr * (mhat / (vhat.sqrt() + hp.eps) + hp.weight_decay * *p);
+        }
+    };
+    if par {
+        let n = OPTIMIZER_BLOCK;
+        p.par_chunks_mut(n)
+            .zip(g.par_chunks(n))
+            .zip(m.par_chunks_mut(n))
+            .zip(v.par_chunks_mut(n))
+            .for_each(|(((p, g), m), v)| block(p, g, m, v));
+    } else {
+        block(p, g, m, v);
+    }
+}
+
+/// `Σ x²` in `f64`: each block of [`OPTIMIZER_BLOCK`] values summed in eight lanes (added
+/// pairwise at the end, then its tail in order), the blocks' sums added in order. One
+/// dependent `f64` add per value kept a 163 M-parameter model's gradient norm at ~0.2 s a
+/// step; the blocks make it independent of `par` (blocks on the pool's threads) too.
+pub fn sum_squares(par: bool, x: &[f32]) -> f64 {
+    let block = |b: &[f32]| {
+        let mut acc = [0.0f64; 8];
+        let chunks = b.chunks_exact(8);
+        let tail = chunks.remainder();
+        for c in chunks {
+            for (a, &v) in acc.iter_mut().zip(c) {
+                *a += f64::from(v) * f64::from(v);
+            }
+        }
+        let mut s =
+            ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+        for &v in tail {
+            s += f64::from(v) * f64::from(v);
+        }
+        s
+    };
+    if par {
+        let sums: Vec<f64> = x.par_chunks(OPTIMIZER_BLOCK).map(block).collect();
+        sums.into_iter().sum()
+    } else {
+        x.chunks(OPTIMIZER_BLOCK).map(block).sum()
     }
 }
 

@@ -576,7 +576,8 @@ impl Backend for CpuBackend {
     }
 
     fn sum_squares(&self, x: &CpuBuf) -> Result<f64> {
-        Ok(x.read().iter().map(|&v| f64::from(v) * f64::from(v)).sum())
+        let x = x.read();
+        Ok(self.run(x.len(), |par| kernels::sum_squares(par, &x)))
     }
 
     fn adamw_step(
@@ -590,12 +591,17 @@ impl Backend for CpuBackend {
     ) -> Result<()> {
         check::adamw_step(self, [param, grad, m, v], master.as_deref())?;
         let g = grad.read();
+        let mut step = |p: &mut CpuBuf| {
+            self.run(g.len(), |par| {
+                p.write(|p| m.write(|m| v.write(|v| kernels::adamw(par, p, &g, m, v, &hp))))
+            })
+        };
         match master {
             Some(master) => {
-                master.write(|p| m.write(|m| v.write(|v| kernels::adamw(p, &g, m, v, &hp))));
+                step(master);
                 self.copy(master, param)?;
             }
-            None => param.write(|p| m.write(|m| v.write(|v| kernels::adamw(p, &g, m, v, &hp)))),
+            None => step(param),
         }
         Ok(())
     }
