@@ -4,8 +4,8 @@
 use super::*;
 use crate::comm::collective::RingGradSync;
 use crate::comm::link::{InProcessLink, PeerLink};
-use crate::model::{AdamWConfig, Cut, GptConfig};
-use crate::tensor::CpuBackend;
+use crate::model::{AdamWConfig, Cut, GptConfig, OptimizerState, SlotState};
+use crate::tensor::{CpuBackend, DType};
 
 /// A small model (one chunk of all of it) whose gradients are `seed`'s values.
 fn chunks(seed: u32) -> BTreeMap<u32, ModelChunk<CpuBackend>> {
