@@ -34,7 +34,7 @@ pub use error::{Result, ScheduleError};
 pub use file::{parse_csv, parse_plan, parse_toml, to_csv, to_toml};
 pub use generators::{ScheduleKind, build, generate};
 pub use lower::lower;
-pub use memory::{peak_memory, rank_peak_memory};
+pub use memory::{joint_peak_memory, peak_memory, rank_peak_memory};
 pub use plan::{Placement, Plan};
 pub use recompute::{Recomputation, RecomputedPlan, auto_recomputing};
 pub use simulate::{simulate, simulate_measured};

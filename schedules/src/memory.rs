@@ -12,7 +12,7 @@
 
 use crate::action::{Action, ActionKind};
 use crate::plan::Plan;
-use crate::timeline::CostModel;
+use crate::timeline::{CostModel, Timeline};
 
 /// Change in held activation memory caused by one plain (non-composite) action.
 fn delta(kind: ActionKind, cost: &CostModel) -> f64 {
@@ -54,6 +54,35 @@ pub fn peak_memory(plan: &Plan, cost: &CostModel) -> Vec<f64> {
         .collect()
 }
 
+/// The most activation memory the ranks hold together at any one time of `timeline`, in
+/// the cost models' units, rank `r`'s stash by `cost(r)`: what one process running every
+/// rank holds at its peak, where [`peak_memory`]'s sum assumes every rank at its own peak
+/// at once. A zero-bubble schedule's ranks peak at different times (each keeps `m_w` per
+/// deferred W until its W fills a bubble), so its sum overstates the process. A stash
+/// counts from its action's start and a release from its action's end, so the figure
+/// holds whatever happens within an action; at equal times releases come first (a rank's next
+/// action starts as its last one ends).
+pub fn joint_peak_memory<'c>(timeline: &Timeline, cost: impl Fn(usize) -> &'c CostModel) -> f64 {
+    let mut events: Vec<(f64, f64)> = Vec::new();
+    for span in &timeline.spans {
+        let c = cost(span.rank);
+        for part in span.action.parts() {
+            match delta(part.kind, c) {
+                d if d > 0.0 => events.push((span.start, d)),
+                d if d < 0.0 => events.push((span.end, d)),
+                _ => {}
+            }
+        }
+    }
+    events.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.total_cmp(&b.1)));
+    let (mut held, mut peak) = (0.0f64, 0.0f64);
+    for (_, d) in events {
+        held += d;
+        peak = peak.max(held);
+    }
+    peak
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -69,6 +98,39 @@ mod tests {
         let mut p = Plan::new(1, 1, 4, Placement::Contiguous);
         p.ranks[0] = actions.into_iter().map(Some).collect();
         p
+    }
+
+    #[test]
+    fn one_rank_holds_jointly_what_it_holds_alone() {
+        let p = one_rank(vec![
+            Action::f(0, 0),
+            Action::i(0, 0),
+            Action::f(0, 1),
+            Action::i(0, 1),
+            Action::w(0, 0),
+            Action::w(0, 1),
+        ]);
+        let timeline = crate::simulate::simulate(&p, &cost()).unwrap();
+        let c = cost();
+        assert_eq!(joint_peak_memory(&timeline, |_| &c), 1.5);
+    }
+
+    #[test]
+    fn zero_bubble_ranks_peak_apart_and_one_f_one_b_ranks_together() {
+        use crate::generators::{ScheduleKind, generate};
+        let c = cost();
+        let joint_and_sum = |kind| {
+            let plan = generate(kind, 4, 4, 1).unwrap();
+            let timeline = crate::simulate::simulate(&plan, &c).unwrap();
+            let sum: f64 = peak_memory(&plan, &c).iter().sum();
+            (joint_peak_memory(&timeline, |_| &c), sum)
+        };
+        // 1F1B: every rank holds its warm-up's stashes when the first backward starts.
+        let (joint, sum) = joint_and_sum(ScheduleKind::OneFOneB);
+        assert_eq!(joint, sum);
+        // ZB-H1: the ranks' deferred W keep their m_w at different times.
+        let (joint, sum) = joint_and_sum(ScheduleKind::ZbH1);
+        assert!(joint < sum, "joint {joint}, sum {sum}");
     }
 
     #[test]

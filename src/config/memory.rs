@@ -2,8 +2,8 @@
 //!
 //! [`MemoryEstimate::of`] adds up what a run holds at its peak: the parameters with their
 //! gradients, AdamW moments and the copies a checkpoint makes; the activations of the
-//! micro-batches in flight at the schedule's peak (from the plan itself for a built-in
-//! schedule, every micro-batch through every layer for a schedule file); one working set
+//! micro-batches in flight at the schedule's peak (what the plan's ranks stash together at
+//! its simulated peak, for a built-in schedule and a schedule file alike); one working set
 //! per rank; the data (the summary's tasks, the batches, the held-out tasks); the per-step
 //! records; the drafter trained in the bubbles; and for `pipefill rl` the rollouts' KV
 //! caches, logits and drafter rows. Every size is computed with checked 64-bit arithmetic,

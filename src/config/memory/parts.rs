@@ -10,8 +10,9 @@ use super::costs::*;
 use super::size::{Size, add, div_ceil, f, k, mul, overflow};
 use crate::model::layers::chunk_rows;
 use crate::model::{Recompute, RecomputeSetting};
-use crate::schedules::rank_peak_memory;
-use crate::schedules::{CostModel, generate, peak_memory};
+use crate::schedules::{
+    CostModel, generate, joint_peak_memory, peak_memory, rank_peak_memory, simulate,
+};
 
 /// Thousandths of one micro-batch's stash on one stage without recomputation: the unit of
 /// [`InFlight::units`], fine enough for a recomputing rank's small forward share.
@@ -94,10 +95,11 @@ fn scaled(base: Size, x: f64) -> Result<Size, ConfigError> {
 }
 
 /// Micro-batches in flight at a schedule's peak, in thousandths ([`MILLI`]) of one
-/// micro-batch's stash on one stage (summed over the ranks), and on the rank that holds
-/// the head.
+/// micro-batch's stash on one stage (over all the ranks), and on the rank that holds the
+/// head.
 pub(super) struct InFlight {
-    /// Σ over ranks of each rank's peak stash, in thousandths.
+    /// What the ranks stash together at the plan's simulated peak (the sum of each rank's
+    /// own peak for a plan that cannot be simulated, and GPipe's bound), in thousandths.
     pub(super) units: Size,
     /// Σ over ranks of the recomputed part one I holds, in thousandths of one block's stash.
     pub(super) transient: Size,
@@ -185,9 +187,14 @@ pub(super) fn plan_peak(
     stash: &StashModel,
 ) -> InFlight {
     let ceil = |x: f64| x.ceil().max(0.0) as u64;
-    let units: f64 = (plan.ranks.iter().enumerate())
-        .map(|(r, list)| rank_peak_memory(list, stash.rank(r)))
-        .sum();
+    // What the ranks hold together at the plan's simulated peak (one process runs every
+    // rank); the sum of each rank's own peak where the plan cannot be simulated.
+    let units = match simulate(plan, &CostModel::default()) {
+        Ok(timeline) => joint_peak_memory(&timeline, |r| stash.rank(r)),
+        Err(_) => (plan.ranks.iter().enumerate())
+            .map(|(r, list)| rank_peak_memory(list, stash.rank(r)))
+            .sum(),
+    };
     // The head is not recomputed: its rank holds its gradients per forward until its W.
     let peaks = peak_memory(plan, &CostModel::default());
     let head_rank = plan.stage_rank.last().copied().unwrap_or(0);
