@@ -322,11 +322,16 @@ mod tests {
 
     #[test]
     fn weights_below_the_normal_range_flush_alike_on_every_path() {
-        // Scores 0, -40, -80, ... per cached row: from the third row on the softmax
-        // weights and their products are subnormal.
+        // Scores 0, then -93, -94, ... -103 (16 × key × 1/√16): every weight but the first
+        // is subnormal (e^-93 ≈ 4e-41), so flushed it weighs nothing.
         let (hd, n) = (16, 12);
         let q = vec![1.0f32; hd];
-        let keys: Vec<f32> = (0..n * hd).map(|i| -10.0 * (i / hd) as f32).collect();
+        let keys: Vec<f32> = (0..n * hd)
+            .map(|i| match i / hd {
+                0 => 0.0,
+                j => -(92.0 + j as f32) / 4.0,
+            })
+            .collect();
         let values: Vec<f32> = (0..n * hd).map(|i| 1.0 + (i % 7) as f32).collect();
         let mut got = vec![0.0f32; hd];
         attend(
@@ -354,7 +359,7 @@ mod tests {
             o
         };
         assert_eq!(got, want);
-        assert!(got.iter().all(|x| x.is_normal()));
+        assert_eq!(got, values[..hd]);
     }
 
     #[test]
