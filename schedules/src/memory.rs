@@ -100,16 +100,21 @@ mod tests {
         p
     }
 
-    #[test]
-    fn one_rank_holds_jointly_what_it_holds_alone() {
-        let p = one_rank(vec![
+    /// F0 I0 F1 I1 W0 W1 on one stage.
+    fn split_backward() -> Plan {
+        one_rank(vec![
             Action::f(0, 0),
             Action::i(0, 0),
             Action::f(0, 1),
             Action::i(0, 1),
             Action::w(0, 0),
             Action::w(0, 1),
-        ]);
+        ])
+    }
+
+    #[test]
+    fn one_rank_holds_jointly_what_it_holds_alone() {
+        let p = split_backward();
         let timeline = crate::simulate::simulate(&p, &cost()).unwrap();
         let c = cost();
         assert_eq!(joint_peak_memory(&timeline, |_| &c), 1.5);
@@ -150,14 +155,7 @@ mod tests {
     #[test]
     fn split_backward_keeps_m_w_until_w() {
         // F0 (1) I0 (0.5) F1 (1.5) I1 (1.0) W0 (0.5) W1 (0): peak 1.5.
-        let p = one_rank(vec![
-            Action::f(0, 0),
-            Action::i(0, 0),
-            Action::f(0, 1),
-            Action::i(0, 1),
-            Action::w(0, 0),
-            Action::w(0, 1),
-        ]);
+        let p = split_backward();
         assert_eq!(peak_memory(&p, &cost()), vec![1.5]);
         // Deferring both W to the end keeps m_w per micro-batch held: F0 I0 F1 → 1.5 still,
         // but with m_w = 1 (I frees nothing) the peak is 2.
