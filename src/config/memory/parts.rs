@@ -10,9 +10,7 @@ use super::costs::*;
 use super::size::{Size, add, div_ceil, f, k, mul, overflow};
 use crate::model::layers::chunk_rows;
 use crate::model::{Recompute, RecomputeSetting};
-use crate::schedules::{
-    CostModel, generate, joint_peak_memory, peak_memory, rank_peak_memory, simulate,
-};
+use crate::schedules::{CostModel, generate, joint_peak_memory, rank_peak_memory, simulate};
 
 /// Thousandths of one micro-batch's stash on one stage without recomputation: the unit of
 /// [`InFlight::units`], fine enough for a recomputing rank's small forward share.
@@ -196,9 +194,12 @@ pub(super) fn plan_peak(
             .sum(),
     };
     // The head is not recomputed: its rank holds its gradients per forward until its W.
-    let peaks = peak_memory(plan, &CostModel::default());
     let head_rank = plan.stage_rank.last().copied().unwrap_or(0);
-    let head = ceil(peaks.get(head_rank).copied().unwrap_or(0.0));
+    let head = plan
+        .ranks
+        .get(head_rank)
+        .map_or(0.0, |list| rank_peak_memory(list, &CostModel::default()));
+    let head = ceil(head);
     InFlight {
         // Rounded up to whole stashes, as the estimate has always counted them.
         units: Size {
