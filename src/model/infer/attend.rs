@@ -323,7 +323,8 @@ mod tests {
     #[test]
     fn weights_below_the_normal_range_flush_alike_on_every_path() {
         // Scores 0, then -93, -94, ... -103 (16 × key × 1/√16): every weight but the first
-        // is subnormal (e^-93 ≈ 4e-41), so flushed it weighs nothing.
+        // is subnormal (e^-93 ≈ 4e-41). The first row's values are 0, so the output is
+        // the subnormal rows' share alone: nothing once flushed, tiny but not 0 unflushed.
         let (hd, n) = (16, 12);
         let q = vec![1.0f32; hd];
         let keys: Vec<f32> = (0..n * hd)
@@ -332,34 +333,26 @@ mod tests {
                 j => -(92.0 + j as f32) / 4.0,
             })
             .collect();
-        let values: Vec<f32> = (0..n * hd).map(|i| 1.0 + (i % 7) as f32).collect();
+        let values: Vec<f32> = (0..n * hd)
+            .map(|i| if i < hd { 0.0 } else { 1.0 + (i % 7) as f32 })
+            .collect();
         let mut got = vec![0.0f32; hd];
-        attend(
-            &q,
-            &keys,
-            &values,
-            n,
-            Heads::mha(1),
-            &mut Vec::new(),
-            &mut got,
-        );
-        let want = {
-            let _f = Flushed::subnormals();
+        let heads = Heads::mha(1);
+        attend(&q, &keys, &values, n, heads, &mut Vec::new(), &mut got);
+        let plain = |flushed: bool| {
+            let _f = flushed.then(Flushed::subnormals);
             let mut o = vec![0.0f32; hd];
             let v = (n, &[][..]);
-            attend_rows_plain(
-                &q,
-                &keys,
-                &values,
-                v,
-                Heads::mha(1),
-                &mut Vec::new(),
-                &mut o,
-            );
+            attend_rows_plain(&q, &keys, &values, v, heads, &mut Vec::new(), &mut o);
             o
         };
-        assert_eq!(got, want);
-        assert_eq!(got, values[..hd]);
+        assert_eq!(got, plain(true));
+        assert!(got.iter().all(|&x| x == 0.0), "{got:?}");
+        #[cfg(target_arch = "x86_64")]
+        assert!(
+            plain(false).iter().all(|x| x.is_subnormal()),
+            "the inputs make subnormals"
+        );
     }
 
     #[test]

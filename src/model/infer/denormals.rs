@@ -2,12 +2,14 @@
 //!
 //! A long context's softmax gives most cached rows weights far below `f32::MIN_POSITIVE`,
 //! and their products with the values are subnormal again. x86 cores compute an operation
-//! on or to a subnormal in microcode, about a hundred cycles instead of four: on this
-//! repository's bench target (d_model 512, 2-core Sapphire Rapids) a 5-row verification at
-//! 350 cached positions cost 14.8 ms with subnormals and 10.8 ms without, a 1-row decode
-//! 10.5 and 9.1 ms (docs/benchmarks.md, "Subnormals in generation"). Inference runtimes
+//! on or to a subnormal in a slow microcode assist: on the rollout bench's target (d_model
+//! 512, on 2 cores of a Xeon with AVX-512 and AMX) a 5-row verification at 350 cached
+//! positions cost 14.8 ms with subnormals and 10.8 ms with the thread flushing them, a
+//! 1-row decode 10.5 and 9.1 ms (docs/benchmarks.md, "Subnormals in generation"; 11.8 and
+//! 9.8 ms with this guard around the kernels). Inference runtimes
 //! flush them (TensorFlow on x86 by default, PyTorch with `set_flush_denormal`); the values
-//! lost are below 1.2e-38, far under an f32 ulp of any sum they join.
+//! lost are below 1.2e-38: a softmax weight that small, times a value, is far under an ulp of
+//! an output that is a weighted mean of values.
 //!
 //! The mode is set for the span of one kernel call and put back after it, so the kernels'
 //! results do not depend on the calling thread's mode, and nothing else (training, the

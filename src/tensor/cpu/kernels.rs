@@ -489,9 +489,10 @@ pub fn adamw(par: bool, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], 
 }
 
 /// `Σ x²` in `f64`: each block of [`OPTIMIZER_BLOCK`] values summed in eight lanes (added
-/// pairwise at the end, then its tail in order), the blocks' sums added in order. One
-/// dependent `f64` add per value kept a 163 M-parameter model's gradient norm at ~0.2 s a
-/// step; the blocks make it independent of `par` (blocks on the pool's threads) too.
+/// pairwise at the end, then its tail in order), the blocks' sums added in order. It was one
+/// dependent `f64` add per value, on the caller's thread while the pool waited (2.9% of a
+/// SmolLM-shape reference step's samples, docs/benchmarks.md); the blocks also make the
+/// result independent of `par` (blocks on the pool's threads).
 pub fn sum_squares(par: bool, x: &[f32]) -> f64 {
     let block = |b: &[f32]| {
         let mut acc = [0.0f64; 8];
