@@ -265,3 +265,34 @@ fn the_in_process_pipeline_on_cuda_without_cuda_names_the_field() {
         .to_string();
     assert!(e.contains("invalid `device`: \"cuda\" (cuda:0)"), "{e}");
 }
+
+/// `PIPEFILL_BLAS` naming a library that cannot be used (none there, or one that is not
+/// MKL) is one clear error naming the setting and the library, before anything runs; it is
+/// never a silent fallback to other products.
+#[test]
+fn a_blas_that_cannot_be_used_is_one_error_naming_it() {
+    for (lib, why) in [
+        ("/nonexistent/libmkl_rt.so.3", "cannot be loaded"),
+        ("libc.so.6", "has no cblas_sgemm"),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let out = clean(EXE)
+            .env("PIPEFILL_BLAS", lib)
+            .args(train_args(dir.path(), &[]))
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{lib}: {}", text(&out));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            stderr.contains(&format!("PIPEFILL_BLAS={lib}: {why}")),
+            "{lib}: {}",
+            text(&out)
+        );
+        assert!(!stderr.contains("panicked"), "{}", text(&out));
+        assert!(
+            !dir.path().join("job.toml").exists(),
+            "{lib}: a run was started"
+        );
+    }
+}

@@ -270,6 +270,11 @@ impl MemoryEstimate {
             "ranks",
             mul("the ranks", &[flight.ranks, k(RANK_BYTES), dp])?,
         ));
+        if crate::tensor::cpu::uses_mkl() {
+            let per_rank = mul("the ranks", &[flight.ranks, k(MKL_RANK_BYTES), dp])?;
+            let mkl = add("MKL", &[k(MKL_PROCESS_BYTES), per_rank])?;
+            parts.push(("MKL", mkl));
+        }
 
         let sizes: Vec<Size> = parts.iter().map(|(_, s)| *s).collect();
         let total = add("the job", &sizes)?;

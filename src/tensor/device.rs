@@ -36,11 +36,12 @@ impl Device {
         matches!(self, Device::Cuda { .. })
     }
 
-    /// Checks that this device can be used here: always for the CPU; for CUDA, that the
+    /// Checks that this device can be used here: for the CPU, that a products library
+    /// `PIPEFILL_BLAS` names can be used (`tensor/cpu/blas.rs`); for CUDA, that the
     /// feature is compiled in, the driver and libraries load, and the ordinal exists.
     pub fn check_available(&self) -> Result<(), TensorError> {
         match *self {
-            Device::Cpu { .. } => Ok(()),
+            Device::Cpu { .. } => super::cpu::check_blas(),
             Device::Cuda { ordinal } => {
                 let count = cuda_device_count()?;
                 if ordinal < count {

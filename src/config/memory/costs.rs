@@ -100,6 +100,12 @@ pub(super) const STASH_PER_HIDDEN: u64 = 5;
 /// (docs/benchmarks.md, "Memory estimate calibration").
 pub(super) const PROCESS_BYTES: u64 = 12 << 20;
 pub(super) const RANK_BYTES: u64 = 1 << 20;
+/// Bytes MKL adds where it computes the products (`tensor/cpu/blas.rs`): its code and
+/// tables, and per rank the state of a thread that calls it (with its OpenMP team). The
+/// default job's peak rose by 10.0 MiB on one stage and 18.4 MiB on four (docs/benchmarks.md,
+/// "MKL's products").
+pub(super) const MKL_PROCESS_BYTES: u64 = 8 << 20;
+pub(super) const MKL_RANK_BYTES: u64 = 3 << 20;
 /// Bytes of one generated task besides its text (its strings' headers, family, size).
 pub(super) const TASK_BYTES: u64 = 256;
 /// Bytes a run keeps per rank and step for the filler work in its bubbles: every slice's

@@ -6,6 +6,7 @@ use std::borrow::Cow;
 use gemm::Parallelism;
 use half::bf16;
 
+use super::blas::{self, Blas, Operand};
 use crate::tensor::Gemm;
 
 /// A CPU buffer: a vector of `f32`, or of `bf16` widened on read.
@@ -115,6 +116,20 @@ pub(super) fn gemm_strided(
     } else {
         par
     };
+    if let Ok(Some(blas)) = super::blas::get()
+        && blas_gemm(
+            blas,
+            (m, k, n),
+            (dst, dv),
+            (lhs, lv),
+            (rhs, rv),
+            alpha,
+            accumulate,
+            par,
+        )
+    {
+        return;
+    }
     let is = |x: usize| x as isize;
     if rv.rs < rv.cs {
         // The right operand runs down its columns (`trans_b`, as in dY·Wᵀ): gemm packs it
@@ -170,6 +185,53 @@ pub(super) fn gemm_strided(
             par,
         );
     }
+}
+
+/// [`gemm_strided`] through MKL, on `par`'s threads; `false` (nothing done) where CBLAS
+/// cannot take the views or the sizes.
+#[allow(clippy::too_many_arguments)]
+fn blas_gemm(
+    blas: &Blas,
+    (m, k, n): (usize, usize, usize),
+    (dst, dv): (&mut [f32], View),
+    (lhs, lv): (&[f32], View),
+    (rhs, rv): (&[f32], View),
+    alpha: f32,
+    accumulate: bool,
+    par: Parallelism,
+) -> bool {
+    let (Some(oa), Some(ob)) = (
+        Operand::of(m, k, lv.rs, lv.cs),
+        Operand::of(k, n, rv.rs, rv.cs),
+    ) else {
+        return false;
+    };
+    if dv.cs != 1 || dv.rs < n || !blas::fits(&[m, n, k, oa.ld, ob.ld, dv.rs]) {
+        return false;
+    }
+    let threads = match par {
+        Parallelism::Rayon(t) => t,
+        _ => 1,
+    };
+    let beta = if accumulate { 1.0 } else { 0.0 };
+    // SAFETY: the caller checked that the views of `m × k`, `k × n` and `m × n` lie in
+    // their slices, `dst` is exclusively borrowed, and the sizes fit CBLAS's int.
+    unsafe {
+        blas.sgemm(
+            (m, k, n),
+            threads,
+            alpha,
+            lhs.as_ptr(),
+            oa,
+            rhs.as_ptr(),
+            ob,
+            beta,
+            dst.as_mut_ptr(),
+            dv.rs,
+        );
+    }
+    super::upper::clear();
+    true
 }
 
 /// `c (+)= op(a)·op(b)` on row-major slices (see [`Gemm`]).

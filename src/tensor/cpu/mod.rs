@@ -6,6 +6,7 @@
 //! threads and runs every operation inside it (`pool.install` + `Parallelism::Rayon`), so it
 //! never competes with the global rayon pool.
 
+mod blas;
 mod buf;
 pub(crate) mod kernels;
 mod malloc;
@@ -24,6 +25,21 @@ use buf::{Storage, gemm_slices};
 use super::bytes::{from_le, to_le};
 use super::{Activation, AdamWStep, AttnShape, Backend, BatchedGemm, DType, Gemm, Result, check};
 use crate::tensor::TensorError;
+
+/// Whether the products run on MKL in this process (`PIPEFILL_BLAS`, see `blas.rs`).
+pub fn uses_mkl() -> bool {
+    matches!(blas::get(), Ok(Some(_)))
+}
+
+/// Why the library `PIPEFILL_BLAS` names cannot be used, if it cannot.
+pub fn check_blas() -> Result<()> {
+    blas::get()
+        .map(|_| ())
+        .map_err(|reason| TensorError::Invalid {
+            op: "cpu backend",
+            reason,
+        })
+}
 
 /// Operations below this many multiply-adds (or elements) stay on the caller's thread.
 pub(super) const PARALLEL_WORK: usize = 1 << 20;
@@ -50,6 +66,7 @@ impl CpuBackend {
     /// runs on the caller's thread; otherwise on a private rayon pool of that size.
     pub fn new(threads: usize) -> Result<Self> {
         malloc::tune();
+        check_blas()?;
         let threads = threads.max(1);
         let pool = if threads > 1 {
             let pool = rayon::ThreadPoolBuilder::new()
@@ -93,6 +110,18 @@ impl CpuBackend {
         }
     }
 
+    /// Runs a matrix product `f`: where MKL computes it, right here, since MKL splits it
+    /// over threads of its own from the caller's (inside the pool, a pool thread would
+    /// wait beside them: 204–207 GF/s over a SmolLM-135M-shaped step, against 240–242 from
+    /// the caller's thread, docs/benchmarks.md); otherwise as [`CpuBackend::run`] does.
+    fn product<R: Send>(&self, work: usize, f: impl FnOnce() -> R + Send) -> R {
+        if blas::get().is_ok_and(|b| b.is_some()) {
+            f()
+        } else {
+            self.run(work, |_| f())
+        }
+    }
+
     fn parallelism(&self) -> Parallelism {
         if self.threads > 1 {
             Parallelism::Rayon(self.threads)
@@ -106,8 +135,12 @@ impl Backend for CpuBackend {
     type Buf = CpuBuf;
 
     fn name(&self) -> String {
+        let products = match blas::get() {
+            Ok(Some(blas)) => format!(", products by {}", blas.name),
+            _ => String::new(),
+        };
         format!(
-            "cpu ({} thread{})",
+            "cpu ({} thread{}{products})",
             self.threads,
             if self.threads == 1 { "" } else { "s" }
         )
@@ -223,7 +256,7 @@ impl Backend for CpuBackend {
         check::matmul(self, [a, b, c], g)?;
         let (a, b) = (a.read(), b.read());
         let par = self.parallelism();
-        self.run(g.m * g.k * g.n, |_| {
+        self.product(g.m * g.k * g.n, || {
             c.write(|c| gemm_slices(&a, &b, c, g, par))
         });
         Ok(())
@@ -234,7 +267,7 @@ impl Backend for CpuBackend {
         let gm = g.gemm;
         let (a, b) = (a.read(), b.read());
         let par = self.parallelism();
-        self.run(g.batch * gm.m * gm.k * gm.n, |_| {
+        self.product(g.batch * gm.m * gm.k * gm.n, || {
             c.write(|c| {
                 for i in 0..g.batch {
                     let (a, b) = (&a[i * g.stride_a..], &b[i * g.stride_b..]);
