@@ -1,10 +1,12 @@
-//! The CPU backend: `f32` arithmetic, matrix products by `gemm`, optional `bf16` storage.
+//! The CPU backend: `f32` arithmetic, matrix products by MKL where it is found (`blas.rs`)
+//! and by the `gemm` and `faer` crates otherwise, optional `bf16` storage.
 //!
 //! Threading is explicit because the runtime's virtual clock times each action by the CPU
 //! time of the thread that ran it: [`CpuBackend::new`]`(1)` computes on the caller's thread
-//! only (gemm `Parallelism::None`, serial kernels); `new(n > 1)` owns a rayon pool of `n`
-//! threads and runs every operation inside it (`pool.install` + `Parallelism::Rayon`), so it
-//! never competes with the global rayon pool.
+//! only (gemm `Parallelism::None`, MKL on one thread, serial kernels); `new(n > 1)` owns a
+//! rayon pool of `n` threads and runs every operation inside it (`pool.install` +
+//! `Parallelism::Rayon`), so it never competes with the global rayon pool, except MKL's
+//! products, which MKL splits over `n` threads of its own from the caller's.
 
 mod blas;
 mod buf;
