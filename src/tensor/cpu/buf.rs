@@ -116,7 +116,8 @@ pub(super) fn gemm_strided(
     } else {
         par
     };
-    if let Ok(Some(blas)) = super::blas::get()
+    if m * n * k >= blas::MIN_WORK
+        && let Ok(Some(blas)) = super::blas::get()
         && blas_gemm(
             blas,
             (m, k, n),
