@@ -5,7 +5,7 @@
 //! behind: at SmolLM-135M's shapes, with the caches flushed before each product, faer ran
 //! a product reading its right operand transposed (`dY·Wᵀ`, a layer's input gradient) at
 //! 108–136 GF/s and gemm an attention projection at 102, where MKL, the library PyTorch
-//! computes with on x86, ran them at 190–229 (docs/benchmarks.md, "MKL's products"). So
+//! computes with on x86, ran them at 189–229 (docs/benchmarks.md, "MKL's products"). So
 //! the products go to MKL when it is found, and to the crates otherwise: the library is
 //! opened with `dlopen`, so building needs no MKL and a machine without it runs as before.
 //!
@@ -18,8 +18,8 @@
 //! reference trainer whatever threads each has, and a product split over threads
 //! differently may round differently: MKL's does at some shapes. MKL's strict conditional
 //! numerical reproducibility (`MKL_CBWR_Set(MKL_CBWR_AUTO | MKL_CBWR_STRICT)`) makes its
-//! products the same bits on any number of threads and any alignment, so the library is
-//! used only where that mode is accepted. OpenBLAS has no such mode (its results change
+//! products the same bits on any number of threads (checked at 30 shape and layout cases,
+//! docs/benchmarks.md), so the library is used only where that mode is accepted. OpenBLAS has no such mode (its results change
 //! with its thread count at some shapes), so it is not used.
 //!
 //! MKL threads with GNU OpenMP (`libgomp`, the C compiler's runtime) where that loads, and
@@ -212,7 +212,17 @@ impl Operand {
 /// ran at 11,843 tokens/s with every product on MKL against 12,973 on the crates, and at
 /// 12,215 against 12,410 with this bound. The choice depends on the product's shape only,
 /// so the reference trainer and the pipeline still compute each product alike.
-pub(super) const MIN_WORK: usize = 1 << 22;
+const MIN_WORK: usize = 1 << 22;
+
+/// MKL, where it computes a product of `work` multiply-adds: loaded, and the product at
+/// least [`MIN_WORK`]. The one place that decides, for the product itself and for where
+/// the backend calls it from.
+pub(super) fn for_product(work: usize) -> Option<&'static Blas> {
+    if work < MIN_WORK {
+        return None;
+    }
+    get().ok().flatten()
+}
 
 /// Whether every size fits CBLAS's `int`.
 pub(super) fn fits(sizes: &[usize]) -> bool {

@@ -116,8 +116,7 @@ pub(super) fn gemm_strided(
     } else {
         par
     };
-    if m * n * k >= blas::MIN_WORK
-        && let Ok(Some(blas)) = super::blas::get()
+    if let Some(blas) = blas::for_product(m * n * k)
         && blas_gemm(
             blas,
             (m, k, n),

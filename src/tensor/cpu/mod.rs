@@ -112,15 +112,17 @@ impl CpuBackend {
         }
     }
 
-    /// Runs a matrix product `f`: where MKL computes it, right here, since MKL splits it
-    /// over threads of its own from the caller's (inside the pool, a pool thread would
-    /// wait beside them: 204–207 GF/s over a SmolLM-135M-shaped step, against 240–242 from
-    /// the caller's thread, docs/benchmarks.md); otherwise as [`CpuBackend::run`] does.
-    fn product<R: Send>(&self, work: usize, f: impl FnOnce() -> R + Send) -> R {
-        if blas::get().is_ok_and(|b| b.is_some()) {
+    /// Runs matrix products `f` of `each` multiply-adds (`total` in all): where MKL computes
+    /// them, right here, since MKL splits a product over threads of its own from the
+    /// caller's (inside the pool, a pool thread would wait beside them: 204–207 GF/s over a
+    /// SmolLM-135M-shaped step, against 240–242 from the caller's thread,
+    /// docs/benchmarks.md); otherwise as [`CpuBackend::run`] does, so that the crates split
+    /// them over this backend's pool.
+    fn product<R: Send>(&self, each: usize, total: usize, f: impl FnOnce() -> R + Send) -> R {
+        if blas::for_product(each).is_some() {
             f()
         } else {
-            self.run(work, |_| f())
+            self.run(total, |_| f())
         }
     }
 
@@ -258,9 +260,8 @@ impl Backend for CpuBackend {
         check::matmul(self, [a, b, c], g)?;
         let (a, b) = (a.read(), b.read());
         let par = self.parallelism();
-        self.product(g.m * g.k * g.n, || {
-            c.write(|c| gemm_slices(&a, &b, c, g, par))
-        });
+        let work = g.m * g.k * g.n;
+        self.product(work, work, || c.write(|c| gemm_slices(&a, &b, c, g, par)));
         Ok(())
     }
 
@@ -269,7 +270,8 @@ impl Backend for CpuBackend {
         let gm = g.gemm;
         let (a, b) = (a.read(), b.read());
         let par = self.parallelism();
-        self.product(g.batch * gm.m * gm.k * gm.n, || {
+        let each = gm.m * gm.k * gm.n;
+        self.product(each, g.batch * each, || {
             c.write(|c| {
                 for i in 0..g.batch {
                     let (a, b) = (&a[i * g.stride_a..], &b[i * g.stride_b..]);
