@@ -442,7 +442,7 @@ impl<B: Backend> ModelChunk<B> {
         };
         for block in self.blocks.iter_mut().rev() {
             if let Some(x) = inputs.as_mut().and_then(|i| i.pop()) {
-                block.forward(&be, mb, &x, shape)?;
+                block.refill(&be, mb, &x, shape)?;
             }
             dy = block.backward_input(&be, mb, &dy)?;
         }

@@ -8,6 +8,8 @@
 //!   `--recompute-granularity selective`, "core attention").
 //! - [`Recompute::Full`]: a chunk keeps each block's input only; its I runs the block's
 //!   forward again, then the block's I (Megatron-LM's `full` with one block per checkpoint).
+//!   The rerun stops short of the block's output, which nothing reads: the MLP's down
+//!   projection is not run again (a quarter to a third of a block's multiply-adds).
 //!
 //! The backward stays split: I recomputes, computes the input gradient, and keeps what W
 //! needs (the weights' inputs and the projections' output gradients), as without
@@ -105,7 +107,8 @@ impl Recompute {
 
     /// The share of a block's forward multiply-adds its I runs again in this mode, for
     /// sequences of `seq` positions: 0, the attention kernel's (`2·seq·d` per token against
-    /// the projections' and the MLP's), or 1.
+    /// the projections' and the MLP's), or all but the MLP's down projection (whose output
+    /// I does not read: [`super::layers::Layer::refill`]).
     pub fn rerun_share(self, config: &GptConfig, seq: usize) -> f64 {
         let d = config.d_model as f64;
         let kv = config.kv_dim() as f64;
@@ -122,7 +125,7 @@ impl Recompute {
         match self {
             Recompute::None => 0.0,
             Recompute::Selective => core / block,
-            Recompute::Full => 1.0,
+            Recompute::Full => (block - d * hidden) / block,
         }
     }
 }

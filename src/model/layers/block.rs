@@ -31,6 +31,16 @@ impl<B: Backend> Block<B> {
         [&self.norm1, &self.attn, &self.norm2, &self.mlp]
     }
 
+    /// The attention branch: `h = x + Attn(RMSNorm(x))` and the MLP's input `RMSNorm(h)`.
+    fn attend(&mut self, be: &B, mb: usize, x: &B::Buf, shape: Shape) -> Result<(B::Buf, B::Buf)> {
+        let a = self.norm1.forward(be, mb, x, shape)?;
+        let y = self.attn.forward(be, mb, &a, shape)?;
+        let mut h = activation(be, be.len(x))?;
+        be.add(x, &y, &mut h)?;
+        let c = self.norm2.forward(be, mb, &h, shape)?;
+        Ok((h, c))
+    }
+
     fn layers_mut(&mut self) -> [&mut dyn Layer<B>; 4] {
         [
             &mut self.norm1,
@@ -43,15 +53,18 @@ impl<B: Backend> Block<B> {
 
 impl<B: Backend> Layer<B> for Block<B> {
     fn forward(&mut self, be: &B, mb: usize, x: &B::Buf, shape: Shape) -> Result<B::Buf> {
-        let a = self.norm1.forward(be, mb, x, shape)?;
-        let y = self.attn.forward(be, mb, &a, shape)?;
-        let mut h = activation(be, be.len(x))?;
-        be.add(x, &y, &mut h)?;
-        let c = self.norm2.forward(be, mb, &h, shape)?;
+        let (h, c) = self.attend(be, mb, x, shape)?;
         let z = self.mlp.forward(be, mb, &c, shape)?;
         let mut out = activation(be, be.len(x))?;
         be.add(&h, &z, &mut out)?;
         Ok(out)
+    }
+
+    /// The stash without the MLP's down projection and the last residual addition: the
+    /// block's output is not needed again.
+    fn refill(&mut self, be: &B, mb: usize, x: &B::Buf, shape: Shape) -> Result<()> {
+        let (_, c) = self.attend(be, mb, x, shape)?;
+        self.mlp.refill(be, mb, &c, shape)
     }
 
     /// I: `dx` from `dy` through both residual branches.

@@ -79,10 +79,10 @@ impl<B: Backend> Mlp<B> {
     }
 }
 
-impl<B: Backend> Layer<B> for Mlp<B> {
-    /// `y = mlp(x)` for `x: [rows, d_model]`.
-    fn forward(&mut self, be: &B, mb: usize, x: &B::Buf, shape: Shape) -> Result<B::Buf> {
-        let rows = shape.tokens();
+impl<B: Backend> Mlp<B> {
+    /// What I needs of `x`: `x·W1`, the activation (gated: `silu(x·W1)` and `x·W3`), and
+    /// `W2`'s input.
+    fn hidden(&self, be: &B, x: &B::Buf, rows: usize) -> Result<Saved<B>> {
         let u = linear_fwd(be, x, &self.w1, rows)?;
         let mut g = activation(be, be.len(&u))?;
         be.activation_fwd(self.act, &u, &mut g)?;
@@ -93,18 +93,31 @@ impl<B: Backend> Layer<B> for Mlp<B> {
             be.mul(&g, &up, &mut h)?;
             gate = Some((std::mem::replace(&mut g, h), up));
         }
-        let y = linear_fwd(be, &g, &self.w2, rows)?;
-        self.stash.keep_for_i(
-            mb,
-            Saved {
-                x: be.dup(x)?,
-                u,
-                g,
-                gate,
-                rows,
-            },
-        );
+        Ok(Saved {
+            x: be.dup(x)?,
+            u,
+            g,
+            gate,
+            rows,
+        })
+    }
+}
+
+impl<B: Backend> Layer<B> for Mlp<B> {
+    /// `y = mlp(x)` for `x: [rows, d_model]`.
+    fn forward(&mut self, be: &B, mb: usize, x: &B::Buf, shape: Shape) -> Result<B::Buf> {
+        let saved = self.hidden(be, x, shape.tokens())?;
+        let y = linear_fwd(be, &saved.g, &self.w2, saved.rows)?;
+        self.stash.keep_for_i(mb, saved);
         Ok(y)
+    }
+
+    /// The stash without the down projection `g·W2`, whose output I does not read: a
+    /// third (gated) or half of the MLP's multiply-adds not run again.
+    fn refill(&mut self, be: &B, mb: usize, x: &B::Buf, shape: Shape) -> Result<()> {
+        let saved = self.hidden(be, x, shape.tokens())?;
+        self.stash.keep_for_i(mb, saved);
+        Ok(())
     }
 
     /// I: `dx` from `dy`.

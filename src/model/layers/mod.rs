@@ -1,5 +1,6 @@
 //! The GPT's layers. Each has three calls, per micro-batch `mb`:
-//! - `forward`: the output, stashing what the backward needs under `mb`;
+//! - `forward`: the output, stashing what the backward needs under `mb` (`refill`: the
+//!   stash alone, for full recomputation);
 //! - `backward_input` (the I action): the gradient w.r.t. the layer's input. It computes no
 //!   weight gradient; it drops what only I needed and keeps what W needs;
 //! - `backward_weight` (the W action): accumulates the weight gradients into the parameters'
@@ -45,6 +46,12 @@ use crate::tensor::{Backend, DType, Gemm};
 pub trait Layer<B: Backend> {
     /// F: the output, stashing what the backward needs under `mb`.
     fn forward(&mut self, be: &B, mb: usize, x: &B::Buf, shape: Shape) -> Result<B::Buf>;
+    /// F again before I, under full recomputation ([`crate::model::recompute`]): stashes
+    /// what I needs, as `forward` does. The output is not returned, since I's gradient comes
+    /// from above, so a layer may skip what computes only the output.
+    fn refill(&mut self, be: &B, mb: usize, x: &B::Buf, shape: Shape) -> Result<()> {
+        self.forward(be, mb, x, shape).map(drop)
+    }
     /// I: the input gradient; keeps what W needs.
     fn backward_input(&mut self, be: &B, mb: usize, dy: &B::Buf) -> Result<B::Buf>;
     /// W: accumulates the weight gradients and frees `mb`'s stash.

@@ -132,3 +132,14 @@ fn recomputation_changes_only_between_steps() {
     assert_eq!(c.stashed(), 0, "discard drops the kept inputs");
     c.set_recompute(Recompute::None).unwrap();
 }
+
+#[test]
+fn full_recomputation_reruns_all_but_the_down_projection() {
+    for cfg in [tiny(), llama()] {
+        let seq = SHAPE.seq;
+        let [none, selective, full] = Recompute::ALL.map(|m| m.rerun_share(&cfg, seq));
+        assert!(none == 0.0 && 0.0 < selective && selective < full && full < 1.0);
+        // The down projection: a fifth to a third of a block's multiply-adds.
+        assert!(1.0 - full > 0.2 && 1.0 - full < 0.4, "{full}");
+    }
+}
