@@ -29,10 +29,7 @@ impl CpuBuf {
 
     /// The values as `f32`: borrowed for `f32` storage, widened for `bf16`.
     pub(super) fn read(&self) -> Cow<'_, [f32]> {
-        match &self.0 {
-            Storage::F32(v) => Cow::Borrowed(v),
-            Storage::Bf16(v) => Cow::Owned(v.iter().map(|x| x.to_f32()).collect()),
-        }
+        self.read_range(0..self.len())
     }
 
     /// The values `range` as `f32`: borrowed for `f32` storage, only those widened for
@@ -47,8 +44,41 @@ impl CpuBuf {
     /// Runs `f` on the values as a mutable `f32` slice, rounding back for `bf16` storage.
     pub(super) fn write<R>(&mut self, f: impl FnOnce(&mut [f32]) -> R) -> R {
         match &mut self.0 {
-            Storage::F32(v) => f(v),
-            Storage::Bf16(v) => {
+            Storage::F32(v) => BlockMut::F32(v),
+            Storage::Bf16(v) => BlockMut::Bf16(v),
+        }
+        .write(f)
+    }
+}
+
+/// One block of a buffer's values (see [`CpuBuf::blocks`]).
+pub(super) enum Block<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [bf16]),
+}
+
+impl Block<'_> {
+    /// The block as `f32`: borrowed, or widened (only this block).
+    pub(super) fn read(&self) -> Cow<'_, [f32]> {
+        match self {
+            Block::F32(v) => Cow::Borrowed(v),
+            Block::Bf16(v) => Cow::Owned(v.iter().map(|x| x.to_f32()).collect()),
+        }
+    }
+}
+
+/// One block of a buffer's values, to write (see [`CpuBuf::blocks_mut`]).
+pub(super) enum BlockMut<'a> {
+    F32(&'a mut [f32]),
+    Bf16(&'a mut [bf16]),
+}
+
+impl BlockMut<'_> {
+    /// As [`CpuBuf::write`], on this block only.
+    pub(super) fn write<R>(self, f: impl FnOnce(&mut [f32]) -> R) -> R {
+        match self {
+            BlockMut::F32(v) => f(v),
+            BlockMut::Bf16(v) => {
                 let mut wide: Vec<f32> = v.iter().map(|x| x.to_f32()).collect();
                 let r = f(&mut wide);
                 v.iter_mut()
@@ -56,6 +86,27 @@ impl CpuBuf {
                     .for_each(|(d, &s)| *d = bf16::from_f32(s));
                 r
             }
+        }
+    }
+}
+
+impl CpuBuf {
+    /// The values in consecutive blocks of `len` (the last may be shorter), each widened
+    /// only while a task reads it: a kernel that works block by block (attention, one
+    /// sequence and head at a time) holds one block's `f32` copy per task, not the whole
+    /// buffer's.
+    pub(super) fn blocks(&self, len: usize) -> Vec<Block<'_>> {
+        match &self.0 {
+            Storage::F32(v) => v.chunks(len.max(1)).map(Block::F32).collect(),
+            Storage::Bf16(v) => v.chunks(len.max(1)).map(Block::Bf16).collect(),
+        }
+    }
+
+    /// As [`CpuBuf::blocks`], to write.
+    pub(super) fn blocks_mut(&mut self, len: usize) -> Vec<BlockMut<'_>> {
+        match &mut self.0 {
+            Storage::F32(v) => v.chunks_mut(len.max(1)).map(BlockMut::F32).collect(),
+            Storage::Bf16(v) => v.chunks_mut(len.max(1)).map(BlockMut::Bf16).collect(),
         }
     }
 }

@@ -9,7 +9,7 @@ use rayon::prelude::*;
 
 use gemm::Parallelism;
 
-use super::buf::{View, gemm_strided};
+use super::buf::{Block, BlockMut, View, gemm_strided};
 use crate::tensor::{Activation, AdamWStep, AttnShape, IGNORE_TARGET};
 
 /// Inside a pair of a parallel loop each product stays on its thread.
@@ -214,52 +214,64 @@ pub fn attention_fwd(
     k: &[f32],
     v: &[f32],
     out: &mut [f32],
-    probs: &mut [f32],
+    probs: Vec<BlockMut<'_>>,
     s: AttnShape,
 ) {
-    let (t, dh) = (s.seq, s.head_dim);
-    let scale = 1.0 / (dh as f32).sqrt();
-    let head = View::rows(s.heads * dh); // one head's [seq, head_dim] inside a row of d
-    let head_t = View::transposed(s.heads * dh);
-    let blocks: Vec<&mut [f32]> = probs.chunks_mut(t * t).collect();
-    let outs = per_pair(par, blocks, |bh, p| {
-        let off = head_offset(&s, bh / s.heads, bh % s.heads);
-        // P = softmax(Q·Kᵀ/√dh) row by row, over the causal prefix only.
-        let sq = View::rows(t);
-        gemm_strided(
-            (t, dh, t),
-            p,
-            sq,
-            &q[off..],
-            head,
-            &k[off..],
-            head_t,
-            scale,
-            false,
-            NO_PAR,
-        );
-        for (i, row) in p.chunks_mut(t).enumerate() {
-            softmax_in_place(&mut row[..=i]);
-            row[i + 1..].fill(0.0);
-        }
-        let mut o = vec![0.0f32; t * dh];
-        gemm_strided(
-            (t, t, dh),
-            &mut o,
-            View::rows(dh),
-            p,
-            sq,
-            &v[off..],
-            head,
-            1.0,
-            false,
-            NO_PAR,
-        );
-        o
+    let outs = per_pair(par, probs, |bh, p| {
+        p.write(|p| attention_fwd_pair(q, k, v, p, &s, bh))
     });
     for (bh, o) in outs.iter().enumerate() {
         scatter_head(&s, bh / s.heads, bh % s.heads, o, out);
     }
+}
+
+/// [`attention_fwd`] of pair `bh` (sequence `bh / heads`, head `bh % heads`): its
+/// probabilities into `p` (`[seq, seq]`), its output returned (`[seq, head_dim]`).
+fn attention_fwd_pair(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    p: &mut [f32],
+    s: &AttnShape,
+    bh: usize,
+) -> Vec<f32> {
+    let (t, dh) = (s.seq, s.head_dim);
+    let scale = 1.0 / (dh as f32).sqrt();
+    let head = View::rows(s.heads * dh); // one head's [seq, head_dim] inside a row of d
+    let head_t = View::transposed(s.heads * dh);
+    let off = head_offset(s, bh / s.heads, bh % s.heads);
+    // P = softmax(Q·Kᵀ/√dh) row by row, over the causal prefix only.
+    let sq = View::rows(t);
+    gemm_strided(
+        (t, dh, t),
+        p,
+        sq,
+        &q[off..],
+        head,
+        &k[off..],
+        head_t,
+        scale,
+        false,
+        NO_PAR,
+    );
+    for (i, row) in p.chunks_mut(t).enumerate() {
+        softmax_in_place(&mut row[..=i]);
+        row[i + 1..].fill(0.0);
+    }
+    let mut o = vec![0.0f32; t * dh];
+    gemm_strided(
+        (t, t, dh),
+        &mut o,
+        View::rows(dh),
+        p,
+        sq,
+        &v[off..],
+        head,
+        1.0,
+        false,
+        NO_PAR,
+    );
+    o
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -268,7 +280,7 @@ pub fn attention_bwd(
     q: &[f32],
     k: &[f32],
     v: &[f32],
-    probs: &[f32],
+    probs: Vec<Block<'_>>,
     d_out: &[f32],
     dq: &mut [f32],
     dk: &mut [f32],
@@ -280,8 +292,9 @@ pub fn attention_bwd(
     let head = View::rows(s.heads * dh);
     let head_t = View::transposed(s.heads * dh);
     let (sq, sq_t, local) = (View::rows(t), View::transposed(t), View::rows(dh));
-    let blocks: Vec<&[f32]> = probs.chunks(t * t).collect();
-    let grads = per_pair(par, blocks, |bh, p| {
+    let grads = per_pair(par, probs, |bh, p| {
+        let wide = p.read();
+        let p: &[f32] = &wide;
         let off = head_offset(&s, bh / s.heads, bh % s.heads);
         let d_o = &d_out[off..];
         // dV = Pᵀ·dO

@@ -473,7 +473,8 @@ impl Backend for CpuBackend {
         check::attention_fwd(self, [q, k, v, out, probs], shape)?;
         let (q, k, v) = (q.read(), k.read(), v.read());
         self.run(shape.probs_len() * shape.head_dim, |par| {
-            out.write(|o| probs.write(|p| kernels::attention_fwd(par, &q, &k, &v, o, p, shape)))
+            let p = probs.blocks_mut(shape.seq * shape.seq);
+            out.write(|o| kernels::attention_fwd(par, &q, &k, &v, o, p, shape))
         });
         Ok(())
     }
@@ -491,13 +492,13 @@ impl Backend for CpuBackend {
         shape: AttnShape,
     ) -> Result<()> {
         check::attention_bwd(self, [q, k, v, probs, d_out, dq, dk, dv], shape)?;
-        let (q, k, v, p, d) = (q.read(), k.read(), v.read(), probs.read(), d_out.read());
+        let (q, k, v, d) = (q.read(), k.read(), v.read(), d_out.read());
+        // The probabilities are widened one sequence and head at a time.
+        let p = probs.blocks(shape.seq * shape.seq);
         self.run(shape.probs_len() * shape.head_dim, |par| {
             dq.write(|gq| {
                 dk.write(|gk| {
-                    dv.write(|gv| {
-                        kernels::attention_bwd(par, &q, &k, &v, &p, &d, gq, gk, gv, shape)
-                    })
+                    dv.write(|gv| kernels::attention_bwd(par, &q, &k, &v, p, &d, gq, gk, gv, shape))
                 })
             })
         });

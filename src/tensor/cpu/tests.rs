@@ -422,6 +422,47 @@ fn attention_forward_and_gradients() {
     }
 }
 
+/// bf16 probabilities, widened one sequence and head at a time, are the f32 kernel's
+/// rounded: the forward stores `bf16(p)` and the backward reads them as the f32 kernel reads
+/// those rounded values, bit for bit.
+#[test]
+fn attention_with_bf16_probabilities_is_the_rounded_f32() {
+    let s = AttnShape {
+        batch: 3,
+        seq: 7,
+        heads: 2,
+        head_dim: 4,
+    };
+    let n = s.qkv_len();
+    let [q, k, v, d_o] = [21, 22, 23, 24].map(|seed| rand_vec(seed, n));
+    for be in backends() {
+        let (qb, kb, vb, db) = (buf(&be, &q), buf(&be, &k), buf(&be, &v), buf(&be, &d_o));
+        let run = |dtype| {
+            let mut out = be.zeros(n, DType::F32).unwrap();
+            let mut probs = be.zeros(s.probs_len(), dtype).unwrap();
+            be.attention_fwd(&qb, &kb, &vb, &mut out, &mut probs, s)
+                .unwrap();
+            (host(&be, &out), probs)
+        };
+        let (out32, p32) = run(DType::F32);
+        let (out16, p16) = run(DType::Bf16);
+        assert_eq!(out16, out32, "the output is computed before rounding");
+        let rounded: Vec<f32> = host(&be, &p32)
+            .iter()
+            .map(|&x| half::bf16::from_f32(x).to_f32())
+            .collect();
+        assert_eq!(host(&be, &p16), rounded);
+        let grads = |probs: &CpuBuf| {
+            let mut g = [(); 3].map(|_| be.zeros(n, DType::F32).unwrap());
+            let [dq, dk, dv] = &mut g;
+            be.attention_bwd(&qb, &kb, &vb, probs, &db, dq, dk, dv, s)
+                .unwrap();
+            g.map(|b| host(&be, &b))
+        };
+        assert_eq!(grads(&p16), grads(&buf(&be, &rounded)));
+    }
+}
+
 #[test]
 fn embedding_gather_and_scatter_add() {
     let be = CpuBackend::new(1).unwrap();
