@@ -334,12 +334,18 @@ pub(super) fn activations(
         ],
     )?;
     let working = mul(what, &[flight.ranks, tokens, working_per_token, k(ELEMENT)])?;
-    // A bf16 stash is widened to f32 where the CPU reads it: a block's forward stash, in F
-    // and again in I, per rank (measured at seq_len 512: 49 MiB over the stash's count).
+    // A bf16 stash is widened to f32 where the CPU reads it, operand by operand: counted as
+    // a block's forward stash per rank, but for the attention probabilities, which the
+    // kernels widen one sequence and head at a time (measured: "Mixed precision" in
+    // docs/benchmarks.md).
     let widened = match job.train.precision {
         crate::tensor::DType::F32 => k(0),
         crate::tensor::DType::Bf16 => {
-            mul(what, &[flight.ranks, k(2), tokens, per_token, k(ELEMENT)])?
+            let unpaired = Size {
+                n: per_token.n.saturating_sub(mul(what, &[h, seq])?.n),
+                ..per_token
+            };
+            mul(what, &[flight.ranks, tokens, unpaired, k(ELEMENT)])?
         }
     };
     add(
