@@ -208,7 +208,7 @@ fn scatter_head(s: &AttnShape, b: usize, h: usize, src: &[f32], dst: &mut [f32])
     }
 }
 
-pub fn attention_fwd(
+pub(super) fn attention_fwd(
     par: bool,
     q: &[f32],
     k: &[f32],
@@ -275,7 +275,7 @@ fn attention_fwd_pair(
 }
 
 #[allow(clippy::too_many_arguments)]
-pub fn attention_bwd(
+pub(super) fn attention_bwd(
     par: bool,
     q: &[f32],
     k: &[f32],
