@@ -61,8 +61,8 @@ pub use args::BenchArgs;
 use args::{BenchWhat, RolloutArgs};
 use batch::{long_tail_batch, parse_tree};
 use costs::{
-    COST_REPS, bucket_fits, fit_lines, median_step_costs, per_token_acceptance, probe_context,
-    step_cost_lines, tail_share, threshold_of_buckets,
+    COST_REPS, CostsAt, EARLY_PARTS, TAIL_PARTS, bucket_fits, fit_lines, median_step_costs,
+    per_token_acceptance, probe_context, step_cost_lines, tail_share, threshold_of_buckets,
 };
 use pipefill::config::JobConfig;
 use pipefill::model::checkpoint::Checkpoint;
@@ -256,10 +256,15 @@ fn rollout_on<B: Backend>(
         .context("no rows")?
         .clone();
     let max_b = requests.len().div_ceil(groups).min(MAX_CALIBRATION_BATCH);
-    let (hidden, tokens) = probe_context(&probe, job.model.d_model);
+    let (hidden, tokens) = probe_context(&probe, job.model.d_model, TAIL_PARTS);
     let ctx = DraftContext {
         hidden: &hidden,
         tokens: &tokens,
+    };
+    let (early_hidden, early_tokens) = probe_context(&probe, job.model.d_model, EARLY_PARTS);
+    let early = DraftContext {
+        hidden: &early_hidden,
+        tokens: &early_tokens,
     };
     if !a.draft_vocab.is_empty() {
         let d = dtrainer.drafter_mut();
@@ -304,7 +309,27 @@ fn rollout_on<B: Backend>(
         max_b,
         COST_REPS,
     )?;
-    let median_costs = median_step_costs(model, dtrainer.drafter_mut(), ctx, &cost_ks, max_b)?;
+    // The per-bucket predictions: the step costs at the early context and at the tail's.
+    let at = |c: DraftContext<'_>, costs| CostsAt {
+        context: c.tokens.len(),
+        costs,
+    };
+    let early_costs = step_costs(
+        model,
+        dtrainer.drafter_mut(),
+        early,
+        &cost_ks,
+        max_b,
+        COST_REPS,
+    )?;
+    let bucket_costs = [at(early, early_costs), at(ctx, costs.clone())];
+    let median_costs = [early, ctx]
+        .into_iter()
+        .map(|c| {
+            let costs = median_step_costs(model, dtrainer.drafter_mut(), c, &cost_ks, max_b)?;
+            Ok(at(c, costs))
+        })
+        .collect::<Result<Vec<_>, pipefill::rl::RlError>>()?;
     // The fixed run's chain at one sequence per group.
     let chain = *costs
         .iter()
@@ -337,8 +362,13 @@ fn rollout_on<B: Backend>(
     let fixed_accept = median(fixed.iter().map(|r| r.stats.acceptance_length()));
     let (plain_tree, fixed_tree) = pair(&Speculation::Tree(shape))?;
     let tree_accept = median(fixed_tree.iter().map(|r| r.stats.acceptance_length()));
-    let fits = |runs: &[RolloutOutput]| bucket_fits(runs, &costs, &median_costs);
+    let fits = |runs: &[RolloutOutput]| bucket_fits(runs, &bucket_costs, &median_costs);
     let (plain_fits, fixed_fits) = (fits(&plain0), fits(&fixed));
+    out.line(&format!(
+        "engine vs step costs: each step predicted at its own context, linear between the step costs at {} and {} cached positions",
+        early.tokens.len(),
+        ctx.tokens.len()
+    ));
     for line in fit_lines(&plain_fits, &fixed_fits, a.k) {
         out.line(&line);
     }
@@ -470,6 +500,7 @@ fn rollout_on<B: Backend>(
             "propose_ms": propose_ms,
             "fixed_propose_ms_per_verification": m(&fixed, &propose_round_ms),
             "step_costs": costs,
+            "bucket_step_costs": bucket_costs,
             "median_step_costs": median_costs,
             "k_choices": ks,
             "identical_outputs": identical,

@@ -36,16 +36,25 @@ pub(super) struct BucketFit {
     pub groups: usize,
 }
 
+/// Step costs measured at one cache length (`step_costs`' context).
+#[derive(Clone, Debug, serde::Serialize)]
+pub(super) struct CostsAt {
+    /// Positions cached before the timed steps.
+    pub context: usize,
+    pub costs: Vec<StepCost>,
+}
+
 /// Per live-batch bucket (the live batch each step was launched at), over `runs`: the
 /// tokens/s of their decode and verification steps (the wall time from the previous
 /// step's results to this one's, prefill excluded) against the tokens/s their step costs
 /// predict: each step costs what `costs` measured for its kind at its number of sequences
-/// (decode, or proposal + verification), one step at a time. With several groups in flight
-/// the steps overlap, so there the engine may beat the prediction.
+/// (decode, or proposal + verification) and at its own context ([`cost_at`]), one step at
+/// a time. With several groups in flight the steps overlap, so there the engine may beat
+/// the prediction.
 pub(super) fn bucket_fits(
     runs: &[RolloutOutput],
-    costs: &[StepCost],
-    median_costs: &[StepCost],
+    costs: &[CostsAt],
+    median_costs: &[CostsAt],
 ) -> Vec<BucketFit> {
     #[derive(Default)]
     struct Sums {
@@ -73,8 +82,8 @@ pub(super) fn bucket_fits(
             e.tokens += s.emitted as f64;
             e.wall += wall;
             e.compute += s.compute_s + s.drafting_s;
-            e.cost += cost_at(costs, s.sequences, k) / 1e3;
-            e.median_cost += cost_at(median_costs, s.sequences, k) / 1e3;
+            e.cost += cost_at(costs, s.sequences, k, s.context) / 1e3;
+            e.median_cost += cost_at(median_costs, s.sequences, k, s.context) / 1e3;
             e.seqs += s.sequences as f64;
             e.steps += 1;
             e.groups = e.groups.max(s.in_flight);
@@ -95,10 +104,34 @@ pub(super) fn bucket_fits(
         .collect()
 }
 
+/// What one step of `b` sequences at a cache of `context` positions costs, in ms: each
+/// table's cost ([`cost_in`]), linear in the context between the first two tables' and
+/// beyond the longer (the attention over the cache grows linearly with it, the rest does
+/// not change); below the shorter, its cost (a context that short is a step right after
+/// the prompt's prefill, where the larger batches run beyond the measured sizes, and a
+/// line through two points far away gave them half the cost they ran at). One table's
+/// cost at any context.
+fn cost_at(tables: &[CostsAt], b: usize, k: Option<usize>, context: usize) -> f64 {
+    match tables {
+        [] => f64::NAN,
+        [t] => cost_in(&t.costs, b, k),
+        [t0, t1, ..] => {
+            let (c0, c1) = (t0.context as f64, t1.context as f64);
+            let (y0, y1) = (cost_in(&t0.costs, b, k), cost_in(&t1.costs, b, k));
+            if c0 == c1 {
+                return y0.min(y1);
+            }
+            // A longer cache never costs less: a noisy pair gives no slope.
+            let slope = ((y1 - y0) / (c1 - c0)).max(0.0);
+            y0 + slope * (context as f64 - c0).max(0.0)
+        }
+    }
+}
+
 /// What one step of `b` sequences costs by `costs`, in ms: a decode (`k` = `None`) or the
 /// proposal and verification of a chain of `k` (the measured K nearest to it), linear in
 /// `b` between measured sizes and beyond the largest.
-fn cost_at(costs: &[StepCost], b: usize, k: Option<usize>) -> f64 {
+fn cost_in(costs: &[StepCost], b: usize, k: Option<usize>) -> f64 {
     // The entries of one K (decode costs are the same in all of them).
     let Some(at) = costs
         .iter()
@@ -218,14 +251,21 @@ pub(super) fn median_step_costs<B: Backend>(
         .collect())
 }
 
-/// The long tail's typical context, owned: `(hidden, tokens)` of the first half of the
-/// bench's probe row (the plain rollout's longest), about the middle of the positions the
-/// tail decodes at (the longest sequence from where a tenth of the batch is live to its
-/// end). The step costs are timed at a cache this long.
-pub(super) fn probe_context(probe: &DraftRow, d: usize) -> (Vec<f32>, Vec<u32>) {
-    let n = probe.len().div_ceil(2);
+/// A context of the bench's probe row (the plain rollout's longest), owned: `(hidden,
+/// tokens)` of its first `1/parts`. Half of it ([`TAIL_PARTS`]) is about the middle of the
+/// positions the long tail decodes at (the longest sequence from where a tenth of the
+/// batch is live to its end): the threshold's step costs are timed at a cache this long.
+/// An eighth ([`EARLY_PARTS`]) is nearer where the larger buckets decode, early in the
+/// rollout: the per-bucket predictions take the step costs at both, linear in between.
+pub(super) fn probe_context(probe: &DraftRow, d: usize, parts: usize) -> (Vec<f32>, Vec<u32>) {
+    let n = probe.len().div_ceil(parts.max(1)).max(1).min(probe.len());
     (probe.hidden[..n * d].to_vec(), probe.targets[..n].to_vec())
 }
+
+/// [`probe_context`]'s share for the long tail's step costs.
+pub(super) const TAIL_PARTS: usize = 2;
+/// [`probe_context`]'s share for the early, larger buckets' step costs.
+pub(super) const EARLY_PARTS: usize = 8;
 
 /// The per-token acceptance α of a drafter whose chains of `k` reach acceptance length
 /// `accept` (`1 + α + … + α^k`; bisection, the sum grows with α).
@@ -266,4 +306,44 @@ pub(super) fn step_cost_lines(
             )
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table(context: usize, decode_ms: [f64; 2]) -> CostsAt {
+        let costs = [1, 2]
+            .into_iter()
+            .zip(decode_ms)
+            .map(|(batch, decode_ms)| StepCost {
+                batch,
+                k: 4,
+                decode_ms,
+                verify_ms: 2.0 * decode_ms,
+                propose_ms: 1.0,
+            })
+            .collect();
+        CostsAt { context, costs }
+    }
+
+    #[test]
+    fn a_step_costs_what_its_own_context_and_size_cost() {
+        let two = [table(50, [10.0, 14.0]), table(250, [20.0, 30.0])];
+        // Between the contexts, beyond them, and between the sizes.
+        assert_eq!(cost_at(&two, 1, None, 150), 15.0);
+        assert_eq!(cost_at(&two, 1, None, 350), 25.0);
+        assert_eq!(cost_at(&two, 2, None, 50), 14.0);
+        assert_eq!(
+            cost_at(&two, 2, None, 10),
+            14.0,
+            "not below the shorter context"
+        );
+        assert_eq!(cost_at(&two, 2, Some(4), 250), 61.0);
+        // One table: its cost at any context; a longer cache measured cheaper: no slope.
+        assert_eq!(cost_at(&two[..1], 1, None, 400), 10.0);
+        let noisy = [table(50, [10.0, 14.0]), table(250, [9.0, 13.0])];
+        assert_eq!(cost_at(&noisy, 1, None, 400), 10.0);
+        assert!(cost_at(&[], 1, None, 10).is_nan());
+    }
 }

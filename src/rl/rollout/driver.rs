@@ -186,6 +186,7 @@ impl<'a> Driver<'a> {
                 t: self.start.elapsed().as_secs_f64(),
                 live: f.live,
                 sequences: f.members.len(),
+                context: f.spans.iter().map(|s| s.start).sum::<usize>() / f.spans.len().max(1),
                 kind: f.kind,
                 emitted: self.stats.tokens - tokens,
                 in_flight: f.in_flight,

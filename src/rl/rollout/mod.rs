@@ -202,6 +202,9 @@ pub struct StepRecord {
     pub live: usize,
     /// Sequences in the step.
     pub sequences: usize,
+    /// Positions its sequences had cached when it was launched (their mean, rounded
+    /// down): a step's attention, and so its cost, grows with it.
+    pub context: usize,
     pub kind: WorkKind,
     /// Tokens it emitted.
     pub emitted: usize,
