@@ -309,27 +309,6 @@ fn rollout_on<B: Backend>(
         max_b,
         COST_REPS,
     )?;
-    // The per-bucket predictions: the step costs at the early context and at the tail's.
-    let at = |c: DraftContext<'_>, costs| CostsAt {
-        context: c.tokens.len(),
-        costs,
-    };
-    let early_costs = step_costs(
-        model,
-        dtrainer.drafter_mut(),
-        early,
-        &cost_ks,
-        max_b,
-        COST_REPS,
-    )?;
-    let bucket_costs = [at(early, early_costs), at(ctx, costs.clone())];
-    let median_costs = [early, ctx]
-        .into_iter()
-        .map(|c| {
-            let costs = median_step_costs(model, dtrainer.drafter_mut(), c, &cost_ks, max_b)?;
-            Ok(at(c, costs))
-        })
-        .collect::<Result<Vec<_>, pipefill::rl::RlError>>()?;
     // The fixed run's chain at one sequence per group.
     let chain = *costs
         .iter()
@@ -347,25 +326,52 @@ fn rollout_on<B: Backend>(
     let shape = parse_tree(&a.tree)?;
     let (tree_verify_ms, tree_propose_ms, tree_rows) =
         tree_cost(model, dtrainer.drafter_mut(), ctx, &shape, COST_REPS)?;
-    let drafter = dtrainer.drafter_mut();
-    let mut pair =
-        |spec: &Speculation| -> anyhow::Result<(Vec<RolloutOutput>, Vec<RolloutOutput>)> {
-            let (mut plain, mut spec_runs) = (Vec::new(), Vec::new());
-            for _ in 0..a.reps {
-                plain.push(engine.run(&requests, &cfg(Speculation::Off, false), None)?);
-                let p: &mut dyn pipefill::rl::speculative::Proposer = &mut *drafter;
-                spec_runs.push(engine.run(&requests, &cfg(spec.clone(), false), Some(p))?);
-            }
-            Ok((plain, spec_runs))
-        };
-    let (plain0, fixed) = pair(&Speculation::Fixed { k: a.k })?;
+    let mut pair = |drafter: &mut Drafter<B>,
+                    spec: &Speculation|
+     -> anyhow::Result<(Vec<RolloutOutput>, Vec<RolloutOutput>)> {
+        let (mut plain, mut spec_runs) = (Vec::new(), Vec::new());
+        for _ in 0..a.reps {
+            plain.push(engine.run(&requests, &cfg(Speculation::Off, false), None)?);
+            let p: &mut dyn pipefill::rl::speculative::Proposer = &mut *drafter;
+            spec_runs.push(engine.run(&requests, &cfg(spec.clone(), false), Some(p))?);
+        }
+        Ok((plain, spec_runs))
+    };
+    let (plain0, fixed) = pair(dtrainer.drafter_mut(), &Speculation::Fixed { k: a.k })?;
     let fixed_accept = median(fixed.iter().map(|r| r.stats.acceptance_length()));
-    let (plain_tree, fixed_tree) = pair(&Speculation::Tree(shape))?;
+    let (plain_tree, fixed_tree) = pair(dtrainer.drafter_mut(), &Speculation::Tree(shape))?;
     let tree_accept = median(fixed_tree.iter().map(|r| r.stats.acceptance_length()));
+    // The per-bucket predictions: the step costs at the early context and at the tail's,
+    // up to the largest step the runs had (a plain group may hold every live sequence).
+    let fit_b = plain0
+        .iter()
+        .chain(&fixed)
+        .flat_map(|r| r.steps.iter().map(|s| s.sequences))
+        .max()
+        .unwrap_or(1)
+        .next_power_of_two();
+    let tables = |fastest: bool, dtrainer: &mut DrafterTrainer<B>| {
+        [early, ctx]
+            .into_iter()
+            .map(|c| {
+                let d = dtrainer.drafter_mut();
+                let costs = match fastest {
+                    true => step_costs(model, d, c, &cost_ks, fit_b, COST_REPS)?,
+                    false => median_step_costs(model, d, c, &cost_ks, fit_b)?,
+                };
+                Ok(CostsAt {
+                    context: c.tokens.len(),
+                    costs,
+                })
+            })
+            .collect::<Result<Vec<_>, pipefill::rl::RlError>>()
+    };
+    let bucket_costs = tables(true, &mut dtrainer)?;
+    let median_costs = tables(false, &mut dtrainer)?;
     let fits = |runs: &[RolloutOutput]| bucket_fits(runs, &bucket_costs, &median_costs);
     let (plain_fits, fixed_fits) = (fits(&plain0), fits(&fixed));
     out.line(&format!(
-        "engine vs step costs: each step predicted at its own context, linear between the step costs at {} and {} cached positions",
+        "engine vs step costs: each step predicted at its own context, linear between the step costs at {} and {} cached positions (groups of up to {fit_b} sequences timed)",
         early.tokens.len(),
         ctx.tokens.len()
     ));
@@ -422,7 +428,7 @@ fn rollout_on<B: Backend>(
             tree,
             ..AdaptiveConfig::default()
         });
-        let (plain, spec_runs) = pair(&spec)?;
+        let (plain, spec_runs) = pair(dtrainer.drafter_mut(), &spec)?;
         runs.push((name, threshold, plain, spec_runs));
     }
     let plain: Vec<RolloutOutput> = runs.iter().flat_map(|r| r.2.iter().cloned()).collect();
