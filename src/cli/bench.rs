@@ -61,7 +61,7 @@ pub use args::BenchArgs;
 use args::{BenchWhat, RolloutArgs};
 use batch::{long_tail_batch, parse_tree};
 use costs::{
-    COST_REPS, CostsAt, EARLY_PARTS, TAIL_PARTS, bucket_fits, fit_lines, median_step_costs,
+    COST_REPS, EARLY_PARTS, TAIL_PARTS, bucket_fits, bucket_tables, fit_lines,
     per_token_acceptance, probe_context, step_cost_lines, tail_share, threshold_of_buckets,
 };
 use pipefill::config::JobConfig;
@@ -350,24 +350,9 @@ fn rollout_on<B: Backend>(
         .max()
         .unwrap_or(1)
         .next_power_of_two();
-    let tables = |fastest: bool, dtrainer: &mut DrafterTrainer<B>| {
-        [early, ctx]
-            .into_iter()
-            .map(|c| {
-                let d = dtrainer.drafter_mut();
-                let costs = match fastest {
-                    true => step_costs(model, d, c, &cost_ks, fit_b, COST_REPS)?,
-                    false => median_step_costs(model, d, c, &cost_ks, fit_b)?,
-                };
-                Ok(CostsAt {
-                    context: c.tokens.len(),
-                    costs,
-                })
-            })
-            .collect::<Result<Vec<_>, pipefill::rl::RlError>>()
-    };
-    let bucket_costs = tables(true, &mut dtrainer)?;
-    let median_costs = tables(false, &mut dtrainer)?;
+    let (contexts, d) = ([early, ctx], dtrainer.drafter_mut());
+    let bucket_costs = bucket_tables(model, d, &contexts, &cost_ks, fit_b, true)?;
+    let median_costs = bucket_tables(model, d, &contexts, &cost_ks, fit_b, false)?;
     let fits = |runs: &[RolloutOutput]| bucket_fits(runs, &bucket_costs, &median_costs);
     let (plain_fits, fixed_fits) = (fits(&plain0), fits(&fixed));
     out.line(&format!(

@@ -251,6 +251,32 @@ pub(super) fn median_step_costs<B: Backend>(
         .collect())
 }
 
+/// Step costs for the per-bucket predictions ([`bucket_fits`]), one table per context of
+/// `contexts`, for groups of up to `max_b` sequences: each cost the fastest of
+/// [`COST_REPS`] (`fastest`) or their median ([`median_step_costs`]).
+pub(super) fn bucket_tables<B: Backend>(
+    model: &Gpt<B>,
+    drafter: &mut Drafter<B>,
+    contexts: &[DraftContext<'_>],
+    ks: &[usize],
+    max_b: usize,
+    fastest: bool,
+) -> Result<Vec<CostsAt>, RlError> {
+    contexts
+        .iter()
+        .map(|&c| {
+            let costs = match fastest {
+                true => step_costs(model, drafter, c, ks, max_b, COST_REPS)?,
+                false => median_step_costs(model, drafter, c, ks, max_b)?,
+            };
+            Ok(CostsAt {
+                context: c.tokens.len(),
+                costs,
+            })
+        })
+        .collect()
+}
+
 /// A context of the bench's probe row (the plain rollout's longest), owned: `(hidden,
 /// tokens)` of its first `1/parts`. Half of it ([`TAIL_PARTS`]) is about the middle of the
 /// positions the long tail decodes at (the longest sequence from where a tenth of the
