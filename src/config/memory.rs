@@ -25,12 +25,14 @@
 //! precision".
 
 mod costs;
+mod flight;
 mod limit;
 mod parts;
 mod refusal;
 mod size;
 
 pub use costs::*;
+use flight::*;
 pub use limit::{LimitSource, MemoryLimit};
 use parts::*;
 pub use size::Bytes;
