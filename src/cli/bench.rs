@@ -301,26 +301,6 @@ fn rollout_on<B: Backend>(
     if !cost_ks.contains(&a.k) {
         cost_ks.push(a.k);
     }
-    let costs = step_costs(
-        model,
-        dtrainer.drafter_mut(),
-        ctx,
-        &cost_ks,
-        max_b,
-        COST_REPS,
-    )?;
-    // The fixed run's chain at one sequence per group.
-    let chain = *costs
-        .iter()
-        .find(|c| c.batch == 1 && c.k == a.k)
-        .context("no step cost of one sequence")?;
-    let propose_ms = chain.propose_ms;
-    out.line(&format!(
-            "drafter: proposing K={} tokens for one sequence takes {propose_ms:.3} ms (fastest of {COST_REPS})",
-            a.k
-        ),
-    );
-
     // Modes alternate run by run, so that the machine's drift (other jobs on a shared box)
     // hits both sides of a comparison alike.
     let shape = parse_tree(&a.tree)?;
@@ -351,12 +331,32 @@ fn rollout_on<B: Backend>(
         .unwrap_or(1)
         .next_power_of_two();
     let (contexts, d) = ([early, ctx], dtrainer.drafter_mut());
-    let bucket_costs = bucket_tables(model, d, &contexts, &cost_ks, fit_b, true)?;
-    let median_costs = bucket_tables(model, d, &contexts, &cost_ks, fit_b, false)?;
+    let timed_b = fit_b.max(max_b);
+    let bucket_costs = bucket_tables(model, d, &contexts, &cost_ks, timed_b, true)?;
+    let median_costs = bucket_tables(model, d, &contexts, &cost_ks, timed_b, false)?;
+    // The threshold's step costs: the tail's, up to the sizes a group of the adaptive
+    // engine may have.
+    let costs: Vec<_> = bucket_costs[1]
+        .costs
+        .iter()
+        .filter(|c| c.batch <= max_b)
+        .copied()
+        .collect();
+    // The fixed run's chain at one sequence per group.
+    let chain = *costs
+        .iter()
+        .find(|c| c.batch == 1 && c.k == a.k)
+        .context("no step cost of one sequence")?;
+    let propose_ms = chain.propose_ms;
+    out.line(&format!(
+            "drafter: proposing K={} tokens for one sequence takes {propose_ms:.3} ms (fastest of {COST_REPS})",
+            a.k
+        ),
+    );
     let fits = |runs: &[RolloutOutput]| bucket_fits(runs, &bucket_costs, &median_costs);
     let (plain_fits, fixed_fits) = (fits(&plain0), fits(&fixed));
     out.line(&format!(
-        "engine vs step costs: each step predicted at its own context, linear between the step costs at {} and {} cached positions (groups of up to {fit_b} sequences timed)",
+        "engine vs step costs: each step predicted at its own context, linear between the step costs at {} and {} cached positions (groups of up to {timed_b} sequences timed)",
         early.tokens.len(),
         ctx.tokens.len()
     ));

@@ -36,9 +36,10 @@ impl CpuBuf {
     /// `bf16` (a gather of a few rows need not widen a whole table).
     pub(super) fn read_range(&self, range: std::ops::Range<usize>) -> Cow<'_, [f32]> {
         match &self.0 {
-            Storage::F32(v) => Cow::Borrowed(&v[range]),
-            Storage::Bf16(v) => Cow::Owned(v[range].iter().map(|x| x.to_f32()).collect()),
+            Storage::F32(v) => Block::F32(&v[range]),
+            Storage::Bf16(v) => Block::Bf16(&v[range]),
         }
+        .read()
     }
 
     /// Runs `f` on the values as a mutable `f32` slice, rounding back for `bf16` storage.
@@ -57,9 +58,9 @@ pub(super) enum Block<'a> {
     Bf16(&'a [bf16]),
 }
 
-impl Block<'_> {
+impl<'a> Block<'a> {
     /// The block as `f32`: borrowed, or widened (only this block).
-    pub(super) fn read(&self) -> Cow<'_, [f32]> {
+    pub(super) fn read(self) -> Cow<'a, [f32]> {
         match self {
             Block::F32(v) => Cow::Borrowed(v),
             Block::Bf16(v) => Cow::Owned(v.iter().map(|x| x.to_f32()).collect()),
