@@ -12,8 +12,10 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
-use pipefill_actors::{GradStats, StageCompute, StepDecision, spin_cpu};
+use pipefill_actors::{GradStats, StageCompute, StepDecision};
 use pipefill_schedules::Plan;
+
+use super::work;
 
 #[derive(Debug, Clone, Copy)]
 pub struct Act {
@@ -138,7 +140,7 @@ impl StageCompute for WeightFake {
     type Error = String;
 
     fn forward(&mut self, s: u32, mb: u32, input: Option<Act>) -> Result<Option<Act>, String> {
-        spin_cpu(self.cost);
+        work(self.cost);
         let h = match input {
             Some(a) if a.microbatch == mb => a.value,
             None if s == 0 => data(self.steps, mb, self.large_at),
@@ -170,7 +172,7 @@ impl StageCompute for WeightFake {
         mb: u32,
         grad: Option<Act>,
     ) -> Result<Option<Act>, String> {
-        spin_cpu(self.cost);
+        work(self.cost);
         let &(_, y) = self
             .stash
             .get(&(s, mb))
@@ -189,7 +191,7 @@ impl StageCompute for WeightFake {
     }
 
     fn backward_weight(&mut self, s: u32, mb: u32) -> Result<(), String> {
-        spin_cpu(self.cost);
+        work(self.cost);
         let g = self
             .grads_in
             .remove(&(s, mb))
@@ -238,7 +240,7 @@ impl StageCompute for WeightFake {
                 self.steps
             ));
         }
-        spin_cpu(self.step_cost);
+        work(self.step_cost);
         if speculative {
             self.snapshot = Some((iteration, self.stages.clone()));
         }
