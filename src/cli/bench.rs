@@ -61,8 +61,9 @@ pub use args::BenchArgs;
 use args::{BenchWhat, RolloutArgs};
 use batch::{long_tail_batch, parse_tree};
 use costs::{
-    COST_REPS, EARLY_PARTS, TAIL_PARTS, bucket_fits, bucket_tables, fit_lines,
-    per_token_acceptance, probe_context, step_cost_lines, tail_share, threshold_of_buckets,
+    COST_REPS, EARLY_PARTS, TAIL_PARTS, bucket_fits, bucket_tables, fit_lines, overlap_lines,
+    overlaps, per_token_acceptance, probe_context, step_cost_lines, tail_share,
+    threshold_of_buckets,
 };
 use pipefill::config::JobConfig;
 use pipefill::model::checkpoint::Checkpoint;
@@ -353,7 +354,13 @@ fn rollout_on<B: Backend>(
             a.k
         ),
     );
-    let fits = |runs: &[RolloutOutput]| bucket_fits(runs, &bucket_costs, &median_costs);
+    // How much faster the stage threads run several groups' steps at once, for the buckets
+    // the runs had several groups in flight in (early in the rollout: the early context).
+    let overlaps = overlaps(model, early.tokens.len(), timed_b, groups, COST_REPS)?;
+    for line in overlap_lines(&overlaps) {
+        out.line(&line);
+    }
+    let fits = |runs: &[RolloutOutput]| bucket_fits(runs, &bucket_costs, &median_costs, &overlaps);
     let (plain_fits, fixed_fits) = (fits(&plain0), fits(&fixed));
     out.line(&format!(
         "engine vs step costs: each step predicted at its own context, linear between the step costs at {} and {} cached positions (groups of up to {timed_b} sequences timed)",

@@ -1,13 +1,17 @@
 //! `bench rollout`'s view of its step costs: the engine's own tokens/s per live-batch
 //! bucket against what the step costs predict, the threshold either gives, the tail's share
 //! of a rollout, and the printing of the step costs, which are measured by
-//! [`pipefill::rl::calibrate`] (the same code `pipefill rl` calibrates with).
+//! [`pipefill::rl::calibrate`] (the same code `pipefill rl` calibrates with). With several
+//! groups in flight the engine's stage threads run their steps at once; how much faster
+//! that is than one after another is measured here ([`overlaps`]), for the predictions
+//! alone (the engine's threshold is decided in the tail, one group at a time).
 
 use std::collections::BTreeMap;
+use std::time::Instant;
 
-use pipefill::model::Gpt;
-use pipefill::model::drafter::DraftRow;
-use pipefill::model::drafter::{DraftContext, Drafter};
+use pipefill::model::drafter::{DraftContext, DraftRow, Drafter};
+use pipefill::model::infer::{InferStage, Span, run_stages};
+use pipefill::model::{Cut, Gpt};
 use pipefill::profile::report::median;
 use pipefill::rl::RlError;
 use pipefill::rl::bandit::bucket;
@@ -34,6 +38,21 @@ pub(super) struct BucketFit {
     pub acceptance: f64,
     /// Most groups in flight at once.
     pub groups: usize,
+    /// How much faster the bucket's steps were predicted to run for overlapping other
+    /// groups' ([`Overlap`]): their one-at-a-time cost over the predicted (1 with one group).
+    pub overlap: f64,
+    /// `predicted` without the overlap: every step one at a time (a lower bound where the
+    /// overlap's is an upper one).
+    pub predicted_serial: f64,
+}
+
+/// How much faster the steps of `groups` groups of `batch` sequences each run started
+/// together than one after another ([`overlaps`]).
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub(super) struct Overlap {
+    pub batch: usize,
+    pub groups: usize,
+    pub speedup: f64,
 }
 
 /// Step costs measured at one cache length (`step_costs`' context).
@@ -48,13 +67,14 @@ pub(super) struct CostsAt {
 /// tokens/s of their decode and verification steps (the wall time from the previous
 /// step's results to this one's, prefill excluded) against the tokens/s their step costs
 /// predict: each step costs what `costs` measured for its kind at its number of sequences
-/// (decode, or proposal + verification) and at its own context ([`cost_at`]), one step at
-/// a time. With several groups in flight the steps overlap, so there the engine may beat
-/// the prediction.
+/// (decode, or proposal + verification) and at its own context ([`cost_at`]), divided,
+/// where other groups were in flight with it, by how much faster that many groups' steps
+/// ran at once than one after another ([`overlap_at`]).
 pub(super) fn bucket_fits(
     runs: &[RolloutOutput],
     costs: &[CostsAt],
     median_costs: &[CostsAt],
+    overlaps: &[Overlap],
 ) -> Vec<BucketFit> {
     #[derive(Default)]
     struct Sums {
@@ -63,6 +83,8 @@ pub(super) fn bucket_fits(
         compute: f64,
         cost: f64,
         median_cost: f64,
+        /// The steps' cost one at a time (fastest step costs), for `overlap`.
+        serial: f64,
         seqs: f64,
         steps: usize,
         groups: usize,
@@ -82,8 +104,11 @@ pub(super) fn bucket_fits(
             e.tokens += s.emitted as f64;
             e.wall += wall;
             e.compute += s.compute_s + s.drafting_s;
-            e.cost += cost_at(costs, s.sequences, k, s.context) / 1e3;
-            e.median_cost += cost_at(median_costs, s.sequences, k, s.context) / 1e3;
+            let speedup = overlap_at(overlaps, s.sequences, s.in_flight);
+            let serial = cost_at(costs, s.sequences, k, s.context) / 1e3;
+            e.serial += serial;
+            e.cost += serial / speedup;
+            e.median_cost += cost_at(median_costs, s.sequences, k, s.context) / 1e3 / speedup;
             e.seqs += s.sequences as f64;
             e.steps += 1;
             e.groups = e.groups.max(s.in_flight);
@@ -100,6 +125,8 @@ pub(super) fn bucket_fits(
             predicted_median: rate(e.tokens, e.median_cost),
             acceptance: e.tokens / e.seqs.max(1.0),
             groups: e.groups,
+            overlap: e.serial / e.cost.max(1e-12),
+            predicted_serial: rate(e.tokens, e.serial),
         })
         .collect()
 }
@@ -151,18 +178,111 @@ fn cost_in(costs: &[StepCost], b: usize, k: Option<usize>) -> f64 {
             (c.batch as f64, ms)
         })
         .collect();
-    let b = b as f64;
+    linear(&pts, b as f64)
+}
+
+/// `pts` (ascending in x) at `x`: linear between two points and beyond the last two; the
+/// one point's value where there is one; NaN where there is none.
+fn linear(pts: &[(f64, f64)], x: f64) -> f64 {
     let seg = pts
         .windows(2)
-        .find(|w| b <= w[1].0)
+        .find(|w| x <= w[1].0)
         .or_else(|| pts.windows(2).last());
     match seg {
         Some(w) => {
-            let ((b0, c0), (b1, c1)) = (w[0], w[1]);
-            c0 + (c1 - c0) * (b - b0) / (b1 - b0)
+            let ((x0, y0), (x1, y1)) = (w[0], w[1]);
+            y0 + (y1 - y0) * (x - x0) / (x1 - x0)
         }
         None => pts.first().map_or(f64::NAN, |p| p.1),
     }
+}
+
+/// How much faster a step of `b` sequences runs with `in_flight` groups in flight than
+/// alone, by `overlaps`: at the most groups measured up to `in_flight`, linear in `b`
+/// between measured sizes and flat beyond them (never below 1: a step cannot lose by
+/// another group's being in flight, whose wait is its own). 1 with one group in flight.
+fn overlap_at(overlaps: &[Overlap], b: usize, in_flight: usize) -> f64 {
+    let Some(groups) = overlaps
+        .iter()
+        .map(|o| o.groups)
+        .filter(|&g| g <= in_flight)
+        .max()
+    else {
+        return 1.0;
+    };
+    let pts: Vec<(f64, f64)> = overlaps
+        .iter()
+        .filter(|o| o.groups == groups)
+        .map(|o| (o.batch as f64, o.speedup))
+        .collect();
+    let (lo, hi) = (pts[0], pts[pts.len() - 1]);
+    let b = (b as f64).clamp(lo.0, hi.0);
+    linear(&pts, b).max(1.0)
+}
+
+/// [`Overlap`]s of `model` for groups of 1, 2, 4, … up to `max_b` sequences and 2 up to
+/// `max_groups` groups: `n` decode steps of `b` sequences at a cache of `past` positions,
+/// started together on `n` threads, each on its own copy of the whole model (as the engine's
+/// stage threads read each their own stage's weights), against one such step alone; each
+/// the fastest of `reps`, timed in turn. The speedup is `n · alone / together`: 1 where
+/// the steps gain nothing from running at once, `n` where nothing is shared (cores, memory
+/// bandwidth, the backend's threads).
+pub(super) fn overlaps<B: Backend>(
+    model: &Gpt<B>,
+    past: usize,
+    max_b: usize,
+    max_groups: usize,
+    reps: usize,
+) -> Result<Vec<Overlap>, RlError> {
+    if max_groups < 2 {
+        return Ok(Vec::new());
+    }
+    let past = past.clamp(1, model.config().seq_len.saturating_sub(2).max(1));
+    let mut sets = (0..max_groups)
+        .map(|_| InferStage::stages_of(model, &Cut::Even(1)))
+        .collect::<Result<Vec<_>, _>>()?;
+    let spans = |b: usize, start: usize, len: usize| -> Vec<Span> {
+        (0..b).map(|slot| Span { slot, start, len }).collect()
+    };
+    let mut out = Vec::new();
+    let mut b = 1;
+    while b <= max_b.max(1) {
+        let ids = vec![5u32; b * (past + 1)];
+        for set in &mut sets {
+            run_stages(set, &spans(b, 0, past + 1), &ids)?;
+        }
+        let step =
+            |set: &mut Vec<InferStage<B>>| run_stages(set, &spans(b, past, 1), &ids[..b]).map(drop);
+        let mut alone = f64::MAX;
+        let mut together = vec![f64::MAX; max_groups + 1];
+        for _ in 0..reps.max(1) {
+            let t = Instant::now();
+            step(&mut sets[0])?;
+            alone = alone.min(t.elapsed().as_secs_f64());
+            for (n, best) in together.iter_mut().enumerate().skip(2) {
+                let t = Instant::now();
+                std::thread::scope(|scope| {
+                    let steps: Vec<_> = sets[..n]
+                        .iter_mut()
+                        .map(|set| scope.spawn(move || step(set)))
+                        .collect();
+                    steps.into_iter().try_for_each(|h| {
+                        h.join()
+                            .map_err(|_| RlError::Stopped)?
+                            .map_err(RlError::from)
+                    })
+                })?;
+                *best = best.min(t.elapsed().as_secs_f64());
+            }
+        }
+        out.extend((2..=max_groups).map(|n| Overlap {
+            batch: b,
+            groups: n,
+            speedup: n as f64 * alone / together[n],
+        }));
+        b *= 2;
+    }
+    Ok(out)
 }
 
 /// The largest bucket up to which speculation was faster in every bucket (0: not even in
@@ -183,7 +303,7 @@ pub(super) fn threshold_of_buckets(plain: &[BucketFit], fixed: &[BucketFit]) -> 
 pub(super) fn fit_lines(plain: &[BucketFit], fixed: &[BucketFit], k: usize) -> Vec<String> {
     let fit = |f: &BucketFit| {
         format!(
-            "{:>6.1} tokens/s (its steps' own compute {:>6.1}), predicted {:>6.1} from the fastest step costs ({:+4.0}%), {:>6.1} from their medians ({:+4.0}%); {:.2} tokens per sequence a step, {} group{}",
+            "{:>6.1} tokens/s (its steps' own compute {:>6.1}), predicted {:>6.1} from the fastest step costs ({:+4.0}%), {:>6.1} from their medians ({:+4.0}%); {:.2} tokens per sequence a step, {} group{}{}",
             f.measured,
             f.compute,
             f.predicted,
@@ -192,7 +312,16 @@ pub(super) fn fit_lines(plain: &[BucketFit], fixed: &[BucketFit], k: usize) -> V
             100.0 * (f.measured / f.predicted_median - 1.0),
             f.acceptance,
             f.groups,
-            if f.groups == 1 { "" } else { "s" }
+            if f.groups == 1 { "" } else { "s" },
+            match f.overlap > 1.0 {
+                true => format!(
+                    " (overlapping {:.2}x; one step at a time: {:.1}, {:+.0}%)",
+                    f.overlap,
+                    f.predicted_serial,
+                    100.0 * (f.measured / f.predicted_serial - 1.0)
+                ),
+                false => String::new(),
+            }
         )
     };
     plain
@@ -206,6 +335,26 @@ pub(super) fn fit_lines(plain: &[BucketFit], fixed: &[BucketFit], k: usize) -> V
                 "engine vs step costs, live ≤ {:>3}: plain {}{spec}",
                 p.bucket,
                 fit(p)
+            )
+        })
+        .collect()
+}
+
+/// One line per measured group size: the [`Overlap`] speedups of its group counts.
+pub(super) fn overlap_lines(overlaps: &[Overlap]) -> Vec<String> {
+    let mut sizes: Vec<usize> = overlaps.iter().map(|o| o.batch).collect();
+    sizes.dedup();
+    sizes
+        .into_iter()
+        .map(|b| {
+            let each: Vec<String> = overlaps
+                .iter()
+                .filter(|o| o.batch == b)
+                .map(|o| format!("{} groups {:.2}x", o.groups, o.speedup))
+                .collect();
+            format!(
+                "overlap: {b:>3} per group, steps started together against one after another: {}",
+                each.join(", ")
             )
         })
         .collect()
@@ -371,5 +520,63 @@ mod tests {
         let noisy = [table(50, [10.0, 14.0]), table(250, [9.0, 13.0])];
         assert_eq!(cost_at(&noisy, 1, None, 400), 10.0);
         assert!(cost_at(&[], 1, None, 10).is_nan());
+    }
+
+    #[test]
+    fn a_step_overlaps_as_its_group_count_and_size_measured() {
+        let o = |batch, groups, speedup| Overlap {
+            batch,
+            groups,
+            speedup,
+        };
+        let overlaps = [o(1, 2, 1.6), o(4, 2, 1.2), o(1, 3, 1.8), o(4, 3, 0.9)];
+        // Alone, or with nothing measured: no overlap.
+        assert_eq!(overlap_at(&overlaps, 1, 1), 1.0);
+        assert_eq!(overlap_at(&[], 2, 4), 1.0);
+        // Between sizes, and flat beyond them.
+        assert!((overlap_at(&overlaps, 2, 2) - 1.6 + 0.4 / 3.0).abs() < 1e-12);
+        assert_eq!(overlap_at(&overlaps, 16, 2), 1.2);
+        // More groups in flight than measured: the most measured; never below 1.
+        assert_eq!(overlap_at(&overlaps, 1, 8), 1.8);
+        assert_eq!(overlap_at(&overlaps, 4, 3), 1.0);
+    }
+
+    #[test]
+    fn overlapped_steps_are_predicted_faster() {
+        use pipefill::rl::rollout::StepRecord;
+        let step = |t, in_flight| StepRecord {
+            t,
+            live: 2,
+            sequences: 1,
+            context: 50,
+            kind: WorkKind::Decode,
+            emitted: 1,
+            in_flight,
+            drafting_s: 0.0,
+            compute_s: 0.01,
+            latency_s: 0.01,
+        };
+        let run = |in_flight| RolloutOutput {
+            sequences: Vec::new(),
+            prompt_lens: Vec::new(),
+            rows: Vec::new(),
+            stats: Default::default(),
+            live_curve: Vec::new(),
+            steps: vec![step(0.01, in_flight), step(0.02, in_flight)],
+            choices: Vec::new(),
+        };
+        let costs = [table(50, [10.0, 14.0])];
+        let overlaps = [Overlap {
+            batch: 1,
+            groups: 2,
+            speedup: 2.0,
+        }];
+        let alone = bucket_fits(&[run(1)], &costs, &costs, &overlaps);
+        let both = bucket_fits(&[run(2)], &costs, &costs, &overlaps);
+        // Two 10 ms decodes: 100 tokens/s one after another, 200 at once; measured 100.
+        assert_eq!((alone[0].predicted, alone[0].overlap), (100.0, 1.0));
+        assert_eq!((both[0].predicted, both[0].overlap), (200.0, 2.0));
+        assert_eq!(both[0].predicted_serial, 100.0);
+        assert!((both[0].measured - 100.0).abs() < 1e-9);
     }
 }
