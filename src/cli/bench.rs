@@ -111,9 +111,9 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
     // With --json, stdout is the JSON alone: every line the bench shows goes to stderr.
     let mut out = Terminal::default().lines_to_stderr(a.json);
     let init = cache::cached_target(&mut job, &a.run_dir, &mut out)?;
-    // On the CPU a trained target keeps the `train.threads` threads it trained with for its
-    // rollouts; a loaded target and the drafter get one thread. On a GPU everything shares
-    // its one backend (one stream).
+    // On the CPU the target, trained or loaded, computes on the `train.threads` threads a
+    // trained one trains with, rollouts included; the drafter gets one thread. On a GPU
+    // everything shares its one backend (one stream).
     match device {
         Device::Cpu { .. } => {
             let train = CpuBackend::new(cpu_threads(&job.train))?;
