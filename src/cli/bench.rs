@@ -52,6 +52,7 @@ mod batch;
 mod cache;
 mod costs;
 mod filler;
+mod overlap;
 
 use std::time::Instant;
 
@@ -61,10 +62,10 @@ pub use args::BenchArgs;
 use args::{BenchWhat, RolloutArgs};
 use batch::{long_tail_batch, parse_tree};
 use costs::{
-    COST_REPS, EARLY_PARTS, TAIL_PARTS, bucket_fits, bucket_tables, fit_lines, overlap_lines,
-    overlaps, per_token_acceptance, probe_context, step_cost_lines, tail_share,
-    threshold_of_buckets,
+    COST_REPS, EARLY_PARTS, TAIL_PARTS, bucket_fits, bucket_tables, fit_lines,
+    per_token_acceptance, probe_context, step_cost_lines, tail_share, threshold_of_buckets,
 };
+use overlap::{overlap_lines, overlaps};
 use pipefill::config::JobConfig;
 use pipefill::model::checkpoint::Checkpoint;
 use pipefill::model::drafter::{
