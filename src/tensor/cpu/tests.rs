@@ -8,7 +8,9 @@ mod host_bytes;
 mod llama_ops;
 
 use super::*;
-use crate::tensor::{Backend, DType, IGNORE_TARGET};
+use crate::tensor::{
+    Activation, AdamWStep, AttnShape, Backend, BatchedGemm, DType, Gemm, IGNORE_TARGET,
+};
 
 /// Deterministic pseudo-random values in [-1, 1).
 fn rand_vec(seed: u64, n: usize) -> Vec<f32> {
