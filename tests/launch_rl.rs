@@ -272,6 +272,12 @@ fn launched_rl_starts_from_the_init_runs_drafter_and_equals_the_in_process_run_b
         "a step without a gradient (another rl.seed in SPECULATIVE may give one)"
     );
     assert_bitwise(&checkpoint(&single), &checkpoint(&multi));
+    // Both keep the drafter that followed the policy through the run, trained further than
+    // --init's, the same bits.
+    let kept = |run: &Path| checkpoint(run).drafter.expect("the run's drafter");
+    let (a, b) = (kept(&single), kept(&multi));
+    assert!(a.optimizer.step > trained.optimizer.step);
+    assert_eq!((a.weights, a.optimizer), (b.weights, b.optimizer));
 }
 
 #[test]

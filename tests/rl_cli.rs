@@ -113,6 +113,55 @@ fn rl_from_a_train_run_starts_at_its_checkpoint() {
 }
 
 #[test]
+fn an_rl_run_keeps_the_drafter_that_followed_its_policy() {
+    use pipefill::model::checkpoint::Checkpoint;
+    let drafter_of = |dir: &Path| {
+        Checkpoint::load(&dir.join("checkpoint"))
+            .unwrap()
+            .drafter
+            .expect("the checkpoint keeps a drafter")
+    };
+    // From a warm-up (no drafter): the rollouts speculate (a fixed threshold: the calibrated
+    // one finds that speculation cannot pay on a model this small), their drafter trains 16
+    // slices a step after the rollout, and the run's checkpoint keeps it.
+    let first = tempfile::tempdir().unwrap();
+    let (after, fixed) = ("rl.advanced.drafter_work=\"after\"", "rl.spec_threshold=8");
+    let spec = ["--set", after, "--set", fixed];
+    let out = pipefill("rl", &[&["--steps", "2"], &spec[..]].concat(), first.path());
+    assert!(out.status.success(), "{}", text(&out));
+    let kept = drafter_of(first.path());
+    assert_eq!(kept.optimizer.step, 2 * 16);
+    assert!(!kept.buffer.current.is_empty() && !kept.held_out.current.is_empty());
+    // A run from it starts from that drafter and keeps training it.
+    let init = first.path().to_str().unwrap();
+    let next = tempfile::tempdir().unwrap();
+    let args = [&["--init", init, "--steps", "1"], &spec[..]].concat();
+    let out = pipefill("rl", &args, next.path());
+    assert!(out.status.success(), "{}", text(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("drafter: the starting checkpoint's"),
+        "{stdout}"
+    );
+    assert_eq!(drafter_of(next.path()).optimizer.step, 3 * 16);
+    // Without speculation nothing trains it: the checkpoint keeps --init's as it was.
+    let plain = tempfile::tempdir().unwrap();
+    let off = [
+        "--init",
+        init,
+        "--steps",
+        "1",
+        "--set",
+        "rl.speculation=false",
+    ];
+    let out = pipefill("rl", &off, plain.path());
+    assert!(out.status.success(), "{}", text(&out));
+    let carried = drafter_of(plain.path());
+    assert_eq!(carried.weights, kept.weights);
+    assert_eq!(carried.optimizer, kept.optimizer);
+}
+
+#[test]
 fn rl_with_draft_trees_runs_and_says_so() {
     let dir = tempfile::tempdir().unwrap();
     let out = pipefill(

@@ -79,6 +79,7 @@ use crate::pipeline::PipelineTrainer;
 use crate::pipeline::feed::StepFeed;
 use crate::pipeline::mesh::check_world;
 use crate::pipeline::mesh::profile::sync_clock;
+use crate::rl::generator::RolloutGenerator;
 use crate::rl::prompts::PromptSource;
 use crate::rl::step::grpo_step;
 use crate::rl::step::update_job_of;
@@ -235,8 +236,12 @@ pub fn rl_rank_on<B: RankBackend>(
     optimizer
         .load_state(&backend, &state.optimizer)
         .map_err(|e| pipeline_err(e.into()))?;
-    let checkpoint = Checkpoint::capture(&state.model, &optimizer, state.step, job.train.seed)
+    let mut checkpoint = Checkpoint::capture(&state.model, &optimizer, state.step, job.train.seed)
         .map_err(|e| rl_err(e.into()))?;
+    if let Some((engine, _)) = &parts.rollouts {
+        let init = init.and_then(|c| c.drafter.as_ref());
+        checkpoint.drafter = final_drafter(init, engine).map_err(rl_err)?;
+    }
     Ok(Some(RlLaunchRun { checkpoint, steps }))
 }
 
@@ -249,6 +254,20 @@ pub fn starting_drafter<'a>(
 ) -> Option<&'a DrafterState> {
     init.filter(|_| job.rl.speculation)
         .and_then(|c| c.drafter.as_ref())
+}
+
+/// The drafter a finished RL run's checkpoint keeps: where the rollouts speculated,
+/// `engine`'s (it has followed the policy through the run:
+/// [`PipelineRollouts::drafter_state`]); otherwise (speculation off, or found not to pay on
+/// this target) `init`'s, the starting checkpoint's, as it was, since nothing trained it.
+pub fn final_drafter<B: RankBackend>(
+    init: Option<&DrafterState>,
+    engine: &PipelineRollouts<B>,
+) -> Result<Option<DrafterState>, RlError> {
+    match engine.speculative() {
+        true => engine.drafter_state().map(Some),
+        false => Ok(init.cloned()),
+    }
 }
 
 /// Rank 0's rollout engine, its drafter warm-started from [`starting_drafter`] (weights and

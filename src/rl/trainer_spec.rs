@@ -62,7 +62,7 @@ use super::speculative::Proposer;
 use crate::config::JobConfig;
 use crate::data::SplitMix64;
 use crate::model::ModelError;
-use crate::model::drafter::state::DrafterState;
+use crate::model::drafter::state::{BufferState, DrafterState};
 use crate::model::drafter::{
     DraftBufferHandle, DraftRow, Drafter, DrafterConfig, DrafterTrainer, EvalStats,
 };
@@ -121,6 +121,9 @@ pub struct PipelineRollouts<B: RankBackend = CpuBackend> {
     alpha_stale: bool,
     /// The threshold of the latest rollout.
     threshold: Option<ThresholdChoice>,
+    /// The latest rollout's held-out rows (the drafter never trained on them when they were
+    /// evaluated): a checkpoint's acceptance prior ([`Self::drafter_state`]).
+    held_out: Vec<DraftRow>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -180,6 +183,7 @@ impl<B: RankBackend> PipelineRollouts<B> {
             alpha: None,
             alpha_stale: false,
             threshold: None,
+            held_out: Vec::new(),
         })
     }
 }
@@ -212,6 +216,28 @@ impl<B: RankBackend> PipelineRollouts<B> {
         }
         drop(trainer);
         Ok(self)
+    }
+
+    /// The drafter's state now, as a checkpoint keeps it (what [`Self::with_drafter`] starts
+    /// from): its weights, moments and row sampler, the rollouts' rows in its buffer, and the
+    /// latest rollout's held-out rows. After an RL run it has followed the policy, so the
+    /// run's checkpoint keeps it rather than the one the run started from.
+    pub fn drafter_state(&self) -> Result<DrafterState, RlError> {
+        let trainer = lock(&self.trainer);
+        let (weights, optimizer) = trainer.export_state()?;
+        let buffer = BufferState::of(&trainer.buffer().lock());
+        Ok(DrafterState {
+            weights,
+            optimizer,
+            samplers: vec![trainer.sampler()],
+            held_out: BufferState {
+                step: buffer.step,
+                previous: Vec::new(),
+                current: self.held_out.clone(),
+            },
+            buffer,
+            round: None,
+        })
     }
 
     /// Whether the threshold is calibrated here (`rl.spec_threshold = "auto"`, speculating
@@ -454,6 +480,9 @@ impl<B: RankBackend> RolloutGenerator<B> for PipelineRollouts<B> {
         // (`"idle-then-after"`) the slices the stages' idle time did not take. Without speculation
         // nothing would use it, so it is left alone.
         let drafted = Instant::now();
+        if let (Some(h), true) = (&hook, speculate) {
+            self.held_out = h.held_out();
+        }
         let (agreement, account) = match (&hook, speculate) {
             (Some(h), true) => {
                 let (stats, mut account) = self.drafter_after_rollout(h)?;
@@ -525,6 +554,7 @@ impl<B: RankBackend> PipelineRollouts<B> {
     fn follow_stats(&mut self, rows: &[DraftRow], step: u64) -> Result<EvalStats, RlError> {
         lock(&self.trainer).buffer().begin_step(step);
         let held = &rows[..HELD_OUT_ROWS.min(rows.len())];
+        self.held_out = held.to_vec();
         self.drafter_work(held, rows, self.rl.drafter_slices as u64)
     }
 

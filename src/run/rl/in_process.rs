@@ -9,7 +9,7 @@ use crate::config::JobConfig;
 use crate::model::checkpoint::Checkpoint;
 use crate::rl::config::SpecThreshold;
 use crate::rl::generator::RolloutGenerator;
-use crate::rl::launched::{rollout_engine, starting_drafter};
+use crate::rl::launched::{final_drafter, rollout_engine, starting_drafter};
 use crate::rl::step_metrics::RlStepMetrics;
 use crate::rl::trainer::RlTrainer;
 use crate::rl::trainer_spec::PipelineRollouts;
@@ -51,6 +51,9 @@ fn run<B: RankBackend>(
     let backend = B::for_rank(0, job.train.precision)?;
     let mut engine = rollout_engine(job, Some(&checkpoint), backend.clone())?;
     let version = starting_drafter(job, Some(&checkpoint)).map(|d| d.weights.version);
+    // Where the rollouts do not speculate nothing trains the drafter: the run's checkpoint
+    // keeps `--init`'s.
+    let init_drafter = checkpoint.drafter.clone();
     let mut trainer = RlTrainer::on(job, checkpoint, backend)?;
     if let (Some(n), Some(path)) = (trainer.prompts().records(), &job.data.path) {
         show.line(&format!(
@@ -136,7 +139,9 @@ fn run<B: RankBackend>(
     show.finish(Bar::Update, ran.is_ok());
     ran?;
 
-    run_dir.save_final(&mut trainer.checkpoint()?, job)?;
+    let mut checkpoint = trainer.checkpoint()?;
+    checkpoint.drafter = final_drafter(init_drafter.as_ref(), &engine)?;
+    run_dir.save_final(&mut checkpoint, job)?;
     let ran = format!(
         "run directory {} (metrics.jsonl, checkpoint/)",
         out_dir.display()
