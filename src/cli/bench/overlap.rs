@@ -92,9 +92,9 @@ pub(super) fn overlaps<B: Backend>(
                         .map(|set| scope.spawn(move || step(set)))
                         .collect();
                     steps.into_iter().try_for_each(|h| {
-                        h.join()
-                            .map_err(|_| RlError::Stopped)?
-                            .map_err(RlError::from)
+                        // A step that panicked panics here too, as it would have alone.
+                        let ran = h.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
+                        ran.map_err(RlError::from)
                     })
                 })?;
                 *best = best.min(t.elapsed().as_secs_f64());
