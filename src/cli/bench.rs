@@ -334,11 +334,10 @@ fn rollout_on<B: Backend>(
         .next_power_of_two();
     let (contexts, d) = ([early, ctx], dtrainer.drafter_mut());
     let timed_b = fit_b.max(max_b);
-    let bucket_costs = bucket_tables(model, d, &contexts, &cost_ks, timed_b, true)?;
-    let median_costs = bucket_tables(model, d, &contexts, &cost_ks, timed_b, false)?;
-    // The threshold's step costs: the tail's, up to the sizes a group of the adaptive
-    // engine may have.
-    let costs: Vec<_> = bucket_costs[1]
+    let (bucket_costs, median_costs) = bucket_tables(model, d, &contexts, &cost_ks, timed_b)?;
+    // The threshold's step costs: the tail's (`ctx`, the last context), up to the sizes a
+    // group of the adaptive engine may have.
+    let costs: Vec<_> = bucket_costs[contexts.len() - 1]
         .costs
         .iter()
         .filter(|c| c.batch <= max_b)

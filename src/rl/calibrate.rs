@@ -70,6 +70,45 @@ pub fn step_costs<B: Backend>(
     max_b: usize,
     reps: usize,
 ) -> Result<Vec<StepCost>, RlError> {
+    let fastest = |t: &[f64]| t.iter().copied().fold(f64::MAX, f64::min);
+    let timed = step_cost_reps(model, drafter, ctx, ks, max_b, reps)?;
+    Ok(timed.iter().map(|t| t.cost(fastest)).collect())
+}
+
+/// Every repetition of one entry of [`step_costs`], in milliseconds.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepCostReps {
+    pub batch: usize,
+    pub k: usize,
+    pub decode_ms: Vec<f64>,
+    pub verify_ms: Vec<f64>,
+    pub propose_ms: Vec<f64>,
+}
+
+impl StepCostReps {
+    /// The entry's cost with each time summarised by `pick` over its repetitions (the
+    /// fastest for [`step_costs`]).
+    pub fn cost(&self, pick: impl Fn(&[f64]) -> f64) -> StepCost {
+        StepCost {
+            batch: self.batch,
+            k: self.k,
+            decode_ms: pick(&self.decode_ms),
+            verify_ms: pick(&self.verify_ms),
+            propose_ms: pick(&self.propose_ms),
+        }
+    }
+}
+
+/// [`step_costs`]' measurement with every repetition kept, so that one measurement gives
+/// the fastest and, say, the median.
+pub fn step_cost_reps<B: Backend>(
+    model: &Gpt<B>,
+    drafter: &mut Drafter<B>,
+    ctx: DraftContext<'_>,
+    ks: &[usize],
+    max_b: usize,
+    reps: usize,
+) -> Result<Vec<StepCostReps>, RlError> {
     let k_max = ks.iter().copied().max().unwrap_or(0);
     if k_max == 0 || ks.contains(&0) || reps == 0 {
         return Err(RlError::CalibrationInput(format!(
@@ -92,34 +131,37 @@ pub fn step_costs<B: Backend>(
         let ids = vec![5u32; b * (past + k_max + 1)];
         run_stages(&mut stages, &spans(b, 0, past + k_max + 1), &ids)?;
         let contexts = vec![ctx; b];
-        // Timed in turn, so that a burst of other work on a shared box hits them alike, and
-        // each keeps its least-disturbed time: the threshold needs every smaller size to
-        // pay, so one inflated verification would cut it.
-        let mut decode_ms = f64::MAX;
-        let (mut verify_ms, mut propose_ms) = (vec![f64::MAX; ks.len()], vec![f64::MAX; ks.len()]);
+        // Timed in turn, so that a burst of other work on a shared box hits them alike: the
+        // threshold takes each one's least-disturbed time, since it needs every smaller size
+        // to pay, and one inflated verification would cut it.
+        let mut decode_ms = Vec::with_capacity(reps);
+        let (mut verify_ms, mut propose_ms) =
+            (vec![Vec::new(); ks.len()], vec![Vec::new(); ks.len()]);
         for _ in 0..reps {
-            decode_ms = decode_ms.min(ms(&mut || {
+            decode_ms.push(ms(&mut || {
                 run_stages(&mut stages, &spans(b, past, 1), &ids[..b])?;
                 Ok(())
             })?);
             for (i, &k) in ks.iter().enumerate() {
-                verify_ms[i] = verify_ms[i].min(ms(&mut || {
+                verify_ms[i].push(ms(&mut || {
                     run_stages(&mut stages, &spans(b, past, k + 1), &ids[..b * (k + 1)])?;
                     Ok(())
                 })?);
-                propose_ms[i] = propose_ms[i].min(ms(&mut || {
+                propose_ms[i].push(ms(&mut || {
                     drafter.propose(&contexts, k, 0.0, &mut rng)?;
                     Ok(())
                 })?);
             }
         }
-        out.extend(ks.iter().enumerate().map(|(i, &k)| StepCost {
-            batch: b,
-            k,
-            decode_ms,
-            verify_ms: verify_ms[i],
-            propose_ms: propose_ms[i],
-        }));
+        out.extend((ks.iter().zip(verify_ms).zip(propose_ms)).map(
+            |((&k, verify_ms), propose_ms)| StepCostReps {
+                batch: b,
+                k,
+                decode_ms: decode_ms.clone(),
+                verify_ms,
+                propose_ms,
+            },
+        ));
         b *= 2;
     }
     Ok(out)

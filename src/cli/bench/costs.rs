@@ -11,7 +11,7 @@ use pipefill::model::drafter::{DraftContext, DraftRow, Drafter};
 use pipefill::profile::report::median;
 use pipefill::rl::RlError;
 use pipefill::rl::bandit::bucket;
-use pipefill::rl::calibrate::{StepCost, chain_acceptance, step_costs};
+use pipefill::rl::calibrate::{StepCost, chain_acceptance, step_cost_reps};
 use pipefill::rl::rollout::{RolloutOutput, WorkKind};
 use pipefill::tensor::Backend;
 
@@ -256,55 +256,31 @@ pub(super) fn tail_share(r: &RolloutOutput) -> f64 {
 /// Timed repetitions per cost (the fastest is kept).
 pub(super) const COST_REPS: usize = 9;
 
-/// Step costs of `model` and `drafter` as [`step_costs`] measures them, but each the median
-/// of [`COST_REPS`] one-repetition measurements instead of the fastest: on a shared machine
-/// the fastest is what a step costs when nothing else runs, the median what it costs as the
-/// machine is loaded during the rollouts.
-pub(super) fn median_step_costs<B: Backend>(
-    model: &Gpt<B>,
-    drafter: &mut Drafter<B>,
-    ctx: DraftContext<'_>,
-    ks: &[usize],
-    max_b: usize,
-) -> Result<Vec<StepCost>, RlError> {
-    let runs: Vec<Vec<StepCost>> = (0..COST_REPS)
-        .map(|_| step_costs(model, drafter, ctx, ks, max_b, 1))
-        .collect::<Result<_, _>>()?;
-    let mid = |i: usize, f: fn(&StepCost) -> f64| median(runs.iter().map(|r| f(&r[i])));
-    Ok((0..runs[0].len())
-        .map(|i| StepCost {
-            decode_ms: mid(i, |c| c.decode_ms),
-            verify_ms: mid(i, |c| c.verify_ms),
-            propose_ms: mid(i, |c| c.propose_ms),
-            ..runs[0][i]
-        })
-        .collect())
-}
-
 /// Step costs for the per-bucket predictions ([`bucket_fits`]), one table per context of
-/// `contexts`, for groups of up to `max_b` sequences: each cost the fastest of
-/// [`COST_REPS`] (`fastest`) or their median ([`median_step_costs`]).
+/// `contexts`, for groups of up to `max_b` sequences, from one measurement of
+/// [`COST_REPS`] repetitions ([`step_cost_reps`]): each cost the fastest of them, and each
+/// their median (on a shared machine the fastest is what a step costs when nothing else
+/// runs, the median what it costs as the machine is loaded during the rollouts).
 pub(super) fn bucket_tables<B: Backend>(
     model: &Gpt<B>,
     drafter: &mut Drafter<B>,
     contexts: &[DraftContext<'_>],
     ks: &[usize],
     max_b: usize,
-    fastest: bool,
-) -> Result<Vec<CostsAt>, RlError> {
-    contexts
-        .iter()
-        .map(|&c| {
-            let costs = match fastest {
-                true => step_costs(model, drafter, c, ks, max_b, COST_REPS)?,
-                false => median_step_costs(model, drafter, c, ks, max_b)?,
-            };
-            Ok(CostsAt {
-                context: c.tokens.len(),
-                costs,
-            })
-        })
-        .collect()
+) -> Result<(Vec<CostsAt>, Vec<CostsAt>), RlError> {
+    let fastest = |t: &[f64]| t.iter().copied().fold(f64::MAX, f64::min);
+    let middle = |t: &[f64]| median(t.iter().copied());
+    let mut tables = (Vec::new(), Vec::new());
+    for &c in contexts {
+        let timed = step_cost_reps(model, drafter, c, ks, max_b, COST_REPS)?;
+        let table = |pick: &dyn Fn(&[f64]) -> f64| CostsAt {
+            context: c.tokens.len(),
+            costs: timed.iter().map(|t| t.cost(pick)).collect(),
+        };
+        tables.0.push(table(&fastest));
+        tables.1.push(table(&middle));
+    }
+    Ok(tables)
 }
 
 /// A context of the bench's probe row (the plain rollout's longest), owned: `(hidden,
