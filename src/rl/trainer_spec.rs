@@ -372,10 +372,10 @@ impl<B: RankBackend> PipelineRollouts<B> {
         &mut self,
         hook: &RolloutRouter,
     ) -> Result<(Option<EvalStats>, DrafterAccount), RlError> {
-        match self.rl.advanced.drafter_work.leftover() {
+        let held = hook.held_out();
+        let done = match self.rl.advanced.drafter_work.leftover() {
             DrafterLeftover::After => {
                 // The router sent every row but the held-out ones to the buffer already.
-                let held = hook.held_out();
                 let t = Instant::now();
                 let stats = self.drafter_work(&held, &held, 0)?;
                 let eval_seconds = t.elapsed().as_secs_f64();
@@ -386,7 +386,7 @@ impl<B: RankBackend> PipelineRollouts<B> {
                     rows: held.len(),
                     seconds: eval_seconds,
                 };
-                Ok((Some(stats), account))
+                (Some(stats), account)
             }
             DrafterLeftover::Defer => {
                 let mut account = self.slices.defer();
@@ -395,24 +395,25 @@ impl<B: RankBackend> PipelineRollouts<B> {
                 // step; with none yet, or one already a step old, the rows are evaluated
                 // here (a few ms; they reached the buffer, but nothing trained since).
                 if stats.is_none() && (self.alpha.is_none() || self.alpha_stale) {
-                    let held: Vec<DraftRow> = (hook.held_out().into_iter())
-                        .filter(|r| r.pairs() > 0)
-                        .collect();
-                    if !held.is_empty() {
+                    let rows: Vec<DraftRow> =
+                        held.iter().filter(|r| r.pairs() > 0).cloned().collect();
+                    if !rows.is_empty() {
                         let t = Instant::now();
-                        stats = Some(lock(&self.trainer).evaluate(&held)?);
+                        stats = Some(lock(&self.trainer).evaluate(&rows)?);
                         account.eval_after = EvalWork {
                             pieces: 1,
-                            rows: held.len(),
+                            rows: rows.len(),
                             seconds: t.elapsed().as_secs_f64(),
                         };
                         account.eval_skipped_rows = 0;
                     }
                 }
                 self.alpha_stale = stats.is_none();
-                Ok((stats, account))
+                (stats, account)
             }
-        }
+        };
+        self.held_out = held;
+        Ok(done)
     }
 }
 
@@ -480,9 +481,6 @@ impl<B: RankBackend> RolloutGenerator<B> for PipelineRollouts<B> {
         // (`"idle-then-after"`) the slices the stages' idle time did not take. Without speculation
         // nothing would use it, so it is left alone.
         let drafted = Instant::now();
-        if let (Some(h), true) = (&hook, speculate) {
-            self.held_out = h.held_out();
-        }
         let (agreement, account) = match (&hook, speculate) {
             (Some(h), true) => {
                 let (stats, mut account) = self.drafter_after_rollout(h)?;
