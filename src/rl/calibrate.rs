@@ -122,14 +122,11 @@ pub fn step_cost_reps<B: Backend>(
         let s = Instant::now();
         f().map(|()| s.elapsed().as_secs_f64() * 1e3)
     };
-    let spans = |b: usize, start: usize, len: usize| -> Vec<Span> {
-        (0..b).map(|slot| Span { slot, start, len }).collect()
-    };
     let mut out = Vec::new();
     let mut b = 1;
     while b <= max_b.max(1) {
         let ids = vec![5u32; b * (past + k_max + 1)];
-        run_stages(&mut stages, &spans(b, 0, past + k_max + 1), &ids)?;
+        run_stages(&mut stages, &Span::each(b, 0, past + k_max + 1), &ids)?;
         let contexts = vec![ctx; b];
         // Timed in turn, so that a burst of other work on a shared box hits them alike: the
         // threshold takes each one's least-disturbed time, since it needs every smaller size
@@ -139,12 +136,16 @@ pub fn step_cost_reps<B: Backend>(
             (vec![Vec::new(); ks.len()], vec![Vec::new(); ks.len()]);
         for _ in 0..reps {
             decode_ms.push(ms(&mut || {
-                run_stages(&mut stages, &spans(b, past, 1), &ids[..b])?;
+                run_stages(&mut stages, &Span::each(b, past, 1), &ids[..b])?;
                 Ok(())
             })?);
             for (i, &k) in ks.iter().enumerate() {
                 verify_ms[i].push(ms(&mut || {
-                    run_stages(&mut stages, &spans(b, past, k + 1), &ids[..b * (k + 1)])?;
+                    run_stages(
+                        &mut stages,
+                        &Span::each(b, past, k + 1),
+                        &ids[..b * (k + 1)],
+                    )?;
                     Ok(())
                 })?);
                 propose_ms[i].push(ms(&mut || {

@@ -66,18 +66,16 @@ pub(super) fn overlaps<B: Backend>(
     let mut sets = (0..max_groups)
         .map(|_| InferStage::stages_of(model, &Cut::Even(1)))
         .collect::<Result<Vec<_>, _>>()?;
-    let spans = |b: usize, start: usize, len: usize| -> Vec<Span> {
-        (0..b).map(|slot| Span { slot, start, len }).collect()
-    };
     let mut out = Vec::new();
     let mut b = 1;
     while b <= max_b.max(1) {
         let ids = vec![5u32; b * (past + 1)];
         for set in &mut sets {
-            run_stages(set, &spans(b, 0, past + 1), &ids)?;
+            run_stages(set, &Span::each(b, 0, past + 1), &ids)?;
         }
-        let step =
-            |set: &mut Vec<InferStage<B>>| run_stages(set, &spans(b, past, 1), &ids[..b]).map(drop);
+        let step = |set: &mut Vec<InferStage<B>>| {
+            run_stages(set, &Span::each(b, past, 1), &ids[..b]).map(drop)
+        };
         let mut alone = f64::MAX;
         let mut together = vec![f64::MAX; max_groups + 1];
         for _ in 0..reps.max(1) {

@@ -37,6 +37,14 @@ pub struct Span {
     pub len: usize,
 }
 
+impl Span {
+    /// The same positions `start..start + len` of sequences `0..count` (a timed step of a
+    /// group whose sequences are all as long).
+    pub fn each(count: usize, start: usize, len: usize) -> Vec<Span> {
+        (0..count).map(|slot| Span { slot, start, len }).collect()
+    }
+}
+
 /// What a stage consumes: token ids (first stage) or the previous stage's activations,
 /// `[rows, d_model]` with the spans' rows in order.
 pub enum StageInput<'a, B: Backend> {
