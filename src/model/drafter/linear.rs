@@ -51,9 +51,10 @@ impl<B: Backend> Linear<B> {
     ) -> Result<Option<B::Buf>> {
         let s = self.stash.take_for_i(mb)?;
         let dx = if need_dx {
-            let mut dx = gradient(be, s.rows * self.w.shape[0])?;
-            linear_bwd_input(be, dy, &self.w, &mut dx, s.rows, false)?;
-            Some(dx)
+            let w = &self.w;
+            Some(gradient(be, s.rows * w.shape[0], |dx| {
+                linear_bwd_input(be, dy, w, dx, s.rows, false)
+            })?)
         } else {
             None
         };

@@ -189,12 +189,10 @@ impl<B: Backend> Drafter<B> {
             let o = chain.forward(project(&attn.wq)?, project(&attn.wk)?, project(&attn.wv)?);
             let o = be.from_host(&o, be.storage_dtype())?;
             let y = linear_fwd(&be, &o, &attn.wo, rows)?;
-            let mut h = activation(&be, rows * d)?;
-            be.add(&z, &y, &mut h)?;
+            let h = activation(&be, rows * d, |h| Ok(be.add(&z, &y, h)?))?;
             let c = self.block.norm2.forward(&be, s, &h, shape)?;
             let m = self.block.mlp.forward(&be, s, &c, shape)?;
-            let mut f = activation(&be, rows * d)?;
-            be.add(&h, &m, &mut f)?;
+            let f = activation(&be, rows * d, |f| Ok(be.add(&h, &m, f)?))?;
             let logits = self.logits(&f, rows)?;
             let weight = self.config.unroll_decay.powi(s as i32);
             let (sums, df) = self.loss_grad_weighted(batch, &f, &logits, weight)?;
@@ -218,20 +216,21 @@ impl<B: Backend> Drafter<B> {
             let mut dh = self.block.norm2.backward_input(&be, s, &dc)?;
             be.axpy(1.0, &st.df, &mut dh)?;
             let attn = &mut self.block.attn;
-            let mut d_o = gradient(&be, rows * d)?;
-            linear_bwd_input(&be, &dh, &attn.wo, &mut d_o, rows, false)?;
+            let d_o = gradient(&be, rows * d, |d_o| {
+                linear_bwd_input(&be, &dh, &attn.wo, d_o, rows, false)
+            })?;
             linear_bwd_weight(&be, &st.o, &dh, &mut attn.wo, rows)?;
             let dq = chain.backward(s, &be.to_host(&d_o)?);
             let (dk, dv) = chain.kv_grads(s);
-            let mut da = gradient(&be, rows * d)?;
-            for (i, (g, w)) in [(dq, &mut attn.wq), (dk, &mut attn.wk), (dv, &mut attn.wv)]
-                .into_iter()
-                .enumerate()
-            {
-                let g = be.from_host(&g, DType::F32)?;
-                linear_bwd_input(&be, &g, w, &mut da, rows, i > 0)?;
-                linear_bwd_weight(&be, &st.a, &g, w, rows)?;
-            }
+            let da = gradient(&be, rows * d, |da| {
+                let projections = [(dq, &mut attn.wq), (dk, &mut attn.wk), (dv, &mut attn.wv)];
+                for (i, (g, w)) in projections.into_iter().enumerate() {
+                    let g = be.from_host(&g, DType::F32)?;
+                    linear_bwd_input(&be, &g, w, da, rows, i > 0)?;
+                    linear_bwd_weight(&be, &st.a, &g, w, rows)?;
+                }
+                Ok(())
+            })?;
             let mut dz = self.block.norm1.backward_input(&be, s, &da)?;
             be.axpy(1.0, &dh, &mut dz)?;
             self.fc.backward_input(&be, s, &dz, false)?;

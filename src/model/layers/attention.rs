@@ -9,8 +9,8 @@
 //! gradients of the projections' outputs and W only multiplies them by the saved input.
 
 use super::{
-    Elems, Held, Layer, Stash, activation, gradient, keep, linear_bwd_input, linear_bwd_weight,
-    linear_fwd, narrow,
+    Elems, Held, Layer, Stash, activation, activations, gradient, gradients, keep,
+    linear_bwd_input, linear_bwd_weight, linear_fwd, narrow,
 };
 use crate::model::config::Positions;
 use crate::model::{GptConfig, Param, Result, Shape, init};
@@ -130,9 +130,9 @@ impl<B: Backend> Attention<B> {
         shape: AttnShape,
     ) -> Result<(B::Buf, B::Buf)> {
         let rows = shape.batch * shape.seq;
-        let mut o = activation(be, rows * self.d())?;
-        let mut probs = activation(be, shape.probs_len())?;
-        be.attention_fwd(q, k, v, &mut o, &mut probs, shape)?;
+        let [o, probs] = activations(be, [rows * self.d(), shape.probs_len()], |[o, p]| {
+            Ok(be.attention_fwd(q, k, v, o, p, shape)?)
+        })?;
         Ok((o, probs))
     }
 
@@ -167,9 +167,9 @@ impl<B: Backend> Attention<B> {
         match (&self.rope, rotate) {
             (Some(freq), Some(pos)) => {
                 let hd = self.head_dim();
-                let mut r = activation(be, be.len(&y))?;
-                be.rope(&y, &mut r, pos, w.shape[1] / hd, hd, freq, false)?;
-                Ok(r)
+                activation(be, be.len(&y), |r| {
+                    Ok(be.rope(&y, r, pos, w.shape[1] / hd, hd, freq, false)?)
+                })
             }
             _ => Ok(y),
         }
@@ -180,16 +180,10 @@ impl<B: Backend> Attention<B> {
         if self.rep() == 1 {
             return Ok(x);
         }
-        let mut out = activation(be, rows * self.d())?;
-        be.repeat_kv(
-            &x,
-            &mut out,
-            rows,
-            self.kv_heads,
-            self.rep(),
-            self.head_dim(),
-        )?;
-        Ok(out)
+        let (kv_heads, rep, hd) = (self.kv_heads, self.rep(), self.head_dim());
+        activation(be, rows * self.d(), |out| {
+            Ok(be.repeat_kv(&x, out, rows, kv_heads, rep, hd)?)
+        })
     }
 
     /// The gradient of a `heads`-wide `dk` or `dv` at `kv_heads` width, un-rotated when
@@ -206,16 +200,15 @@ impl<B: Backend> Attention<B> {
         let g = if width == self.d() {
             g
         } else {
-            let mut out = gradient(be, rows * width)?;
-            be.repeat_kv_bwd(&g, &mut out, rows, self.kv_heads, self.rep(), hd)?;
-            out
+            let (kv_heads, rep) = (self.kv_heads, self.rep());
+            gradient(be, rows * width, |out| {
+                Ok(be.repeat_kv_bwd(&g, out, rows, kv_heads, rep, hd)?)
+            })?
         };
         match (&self.rope, rotate) {
-            (Some(freq), Some(pos)) => {
-                let mut out = gradient(be, rows * width)?;
-                be.rope(&g, &mut out, pos, width / hd, hd, freq, true)?;
-                Ok(out)
-            }
+            (Some(freq), Some(pos)) => gradient(be, rows * width, |out| {
+                Ok(be.rope(&g, out, pos, width / hd, hd, freq, true)?)
+            }),
             _ => Ok(g),
         }
     }
@@ -264,12 +257,13 @@ impl<B: Backend> Layer<B> for Attention<B> {
             Some(core) => core,
             None => self.core(be, &s.q, &s.k, &s.v, s.shape)?,
         };
-        let mut d_o = gradient(be, n)?;
-        linear_bwd_input(be, dy, &self.wo, &mut d_o, rows, false)?;
-        let (mut dq, mut dk, mut dv) = (gradient(be, n)?, gradient(be, n)?, gradient(be, n)?);
-        be.attention_bwd(
-            &s.q, &s.k, &s.v, &probs, &d_o, &mut dq, &mut dk, &mut dv, s.shape,
-        )?;
+        let d_o = gradient(be, n, |d_o| {
+            linear_bwd_input(be, dy, &self.wo, d_o, rows, false)
+        })?;
+        let [dq, dk, dv] = gradients(be, [n; 3], |[dq, dk, dv]| {
+            let (q, k, v) = (&s.q, &s.k, &s.v);
+            Ok(be.attention_bwd(q, k, v, &probs, &d_o, dq, dk, dv, s.shape)?)
+        })?;
         drop(probs);
         let pos = self
             .rope
@@ -280,10 +274,11 @@ impl<B: Backend> Layer<B> for Attention<B> {
         let dq = self.unshare(be, dq, pos, rows, self.d())?;
         let dk = self.unshare(be, dk, pos, rows, kv)?;
         let dv = self.unshare(be, dv, None, rows, kv)?;
-        let mut dx = gradient(be, n)?;
-        linear_bwd_input(be, &dq, &self.wq, &mut dx, rows, false)?;
-        linear_bwd_input(be, &dk, &self.wk, &mut dx, rows, true)?;
-        linear_bwd_input(be, &dv, &self.wv, &mut dx, rows, true)?;
+        let dx = gradient(be, n, |dx| {
+            linear_bwd_input(be, &dq, &self.wq, dx, rows, false)?;
+            linear_bwd_input(be, &dk, &self.wk, dx, rows, true)?;
+            linear_bwd_input(be, &dv, &self.wv, dx, rows, true)
+        })?;
         let for_w = ForW {
             x: s.x,
             o,

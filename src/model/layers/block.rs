@@ -35,8 +35,7 @@ impl<B: Backend> Block<B> {
     fn attend(&mut self, be: &B, mb: usize, x: &B::Buf, shape: Shape) -> Result<(B::Buf, B::Buf)> {
         let a = self.norm1.forward(be, mb, x, shape)?;
         let y = self.attn.forward(be, mb, &a, shape)?;
-        let mut h = activation(be, be.len(x))?;
-        be.add(x, &y, &mut h)?;
+        let h = activation(be, be.len(x), |h| Ok(be.add(x, &y, h)?))?;
         let c = self.norm2.forward(be, mb, &h, shape)?;
         Ok((h, c))
     }
@@ -55,9 +54,7 @@ impl<B: Backend> Layer<B> for Block<B> {
     fn forward(&mut self, be: &B, mb: usize, x: &B::Buf, shape: Shape) -> Result<B::Buf> {
         let (h, c) = self.attend(be, mb, x, shape)?;
         let z = self.mlp.forward(be, mb, &c, shape)?;
-        let mut out = activation(be, be.len(x))?;
-        be.add(&h, &z, &mut out)?;
-        Ok(out)
+        activation(be, be.len(x), |out| Ok(be.add(&h, &z, out)?))
     }
 
     /// The stash without the MLP's down projection and the last residual addition: the

@@ -69,11 +69,13 @@ impl<B: Backend> Embedding<B> {
                 ),
             });
         }
-        let mut x = activation(be, ids.len() * d)?;
-        be.embedding_fwd(&self.tok.value, ids, &mut x, d)?;
-        if let Some(pos) = &self.pos {
-            be.add_broadcast_rows(&pos.value, &mut x, batch, seq * d)?;
-        }
+        let x = activation(be, ids.len() * d, |x| {
+            be.embedding_fwd(&self.tok.value, ids, x, d)?;
+            if let Some(pos) = &self.pos {
+                be.add_broadcast_rows(&pos.value, x, batch, seq * d)?;
+            }
+            Ok(())
+        })?;
         self.stash.keep_for_i(
             mb,
             Saved {

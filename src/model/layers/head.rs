@@ -218,8 +218,10 @@ impl<B: Backend> Head<B> {
         let mut g = dlogp.iter();
         let saved = self.chunked(be, x, targets, true, |logits, rows| {
             let t = &targets[rows];
-            let mut probs = gradient(be, t.len() * vocab)?;
-            be.cross_entropy_fwd(logits, t, &mut probs, vocab)?;
+            let probs = gradient(be, t.len() * vocab, |probs| {
+                be.cross_entropy_fwd(logits, t, probs, vocab)?;
+                Ok(())
+            })?;
             let probs = be.to_host(&probs)?;
             let mut host = vec![0.0f32; t.len() * vocab];
             // d logp_t / d logits = onehot(t) − probs, so the row gets −g_t·(probs − onehot).
@@ -253,9 +255,9 @@ impl<B: Backend> Head<B> {
         let mut saved = if grad {
             let dw = match self.spare.pop() {
                 Some(dw) => dw,
-                None => gradient(be, d * vocab)?,
+                None => be.zeros(d * vocab, DType::F32)?,
             };
-            let dx = gradient(be, rows * d)?;
+            let dx = be.zeros(rows * d, DType::F32)?;
             Some(Saved { dx, dw })
         } else {
             None
@@ -269,7 +271,11 @@ impl<B: Backend> Head<B> {
             };
             if !bufs.as_ref().is_some_and(fits) {
                 let xc = be.zeros(n * d, be.dtype(x))?;
-                bufs = Some((xc, gradient(be, n * vocab)?, gradient(be, n * d)?));
+                let (logits, dxc) = (
+                    be.zeros(n * vocab, DType::F32)?,
+                    be.zeros(n * d, DType::F32)?,
+                );
+                bufs = Some((xc, logits, dxc));
             }
             let Some((xc, logits, dxc)) = bufs.as_mut() else {
                 unreachable!("made above")

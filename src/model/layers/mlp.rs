@@ -84,13 +84,11 @@ impl<B: Backend> Mlp<B> {
     /// `W2`'s input.
     fn hidden(&self, be: &B, x: &B::Buf, rows: usize) -> Result<Saved<B>> {
         let u = linear_fwd(be, x, &self.w1, rows)?;
-        let mut g = activation(be, be.len(&u))?;
-        be.activation_fwd(self.act, &u, &mut g)?;
+        let mut g = activation(be, be.len(&u), |g| Ok(be.activation_fwd(self.act, &u, g)?))?;
         let mut gate = None;
         if let Some(w3) = &self.w3 {
             let up = linear_fwd(be, x, w3, rows)?;
-            let mut h = activation(be, be.len(&u))?;
-            be.mul(&g, &up, &mut h)?;
+            let h = activation(be, be.len(&u), |h| Ok(be.mul(&g, &up, h)?))?;
             gate = Some((std::mem::replace(&mut g, h), up));
         }
         Ok(Saved {
@@ -124,24 +122,26 @@ impl<B: Backend> Layer<B> for Mlp<B> {
     fn backward_input(&mut self, be: &B, mb: usize, dy: &B::Buf) -> Result<B::Buf> {
         let s = self.stash.take_for_i(mb)?;
         let (d, h) = (self.w1.shape[0], self.w1.shape[1]);
-        let mut dg = gradient(be, s.rows * h)?;
-        linear_bwd_input(be, dy, &self.w2, &mut dg, s.rows, false)?;
+        let rows = s.rows;
+        let mut dg = gradient(be, rows * h, |dg| {
+            linear_bwd_input(be, dy, &self.w2, dg, rows, false)
+        })?;
         let mut d_up = None;
         if let Some((act, up)) = &s.gate {
-            let mut du3 = gradient(be, s.rows * h)?;
-            be.mul(&dg, act, &mut du3)?;
-            let mut d_act = gradient(be, s.rows * h)?;
-            be.mul(&dg, up, &mut d_act)?;
-            dg = d_act;
+            let du3 = gradient(be, rows * h, |du3| Ok(be.mul(&dg, act, du3)?))?;
+            dg = gradient(be, rows * h, |d_act| Ok(be.mul(&dg, up, d_act)?))?;
             d_up = Some(du3);
         }
-        let mut du = gradient(be, s.rows * h)?;
-        be.activation_bwd(self.act, &s.u, &dg, &mut du)?;
-        let mut dx = gradient(be, s.rows * d)?;
-        linear_bwd_input(be, &du, &self.w1, &mut dx, s.rows, false)?;
-        if let (Some(w3), Some(du3)) = (&self.w3, &d_up) {
-            linear_bwd_input(be, du3, w3, &mut dx, s.rows, true)?;
-        }
+        let du = gradient(be, rows * h, |du| {
+            Ok(be.activation_bwd(self.act, &s.u, &dg, du)?)
+        })?;
+        let dx = gradient(be, rows * d, |dx| {
+            linear_bwd_input(be, &du, &self.w1, dx, rows, false)?;
+            if let (Some(w3), Some(du3)) = (&self.w3, &d_up) {
+                linear_bwd_input(be, du3, w3, dx, rows, true)?;
+            }
+            Ok(())
+        })?;
         let for_w = ForW {
             x: s.x,
             g: s.g,

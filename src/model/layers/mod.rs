@@ -169,23 +169,72 @@ impl<F, W> Stash<F, W> {
     }
 }
 
-/// An activation buffer of `len` elements in the backend's storage type.
-pub(crate) fn activation<B: Backend>(be: &B, len: usize) -> Result<B::Buf> {
-    Ok(be.zeros(len, be.storage_dtype())?)
+/// A new activation of `len` elements in the backend's storage type, written whole by
+/// `write`: not zeroed first ([`Backend::uninit`]). `write` must overwrite every element
+/// (its first operation on the buffer overwrites rather than accumulates), as the poisoned
+/// backend's tests check for every layer.
+pub(crate) fn activation<B: Backend>(
+    be: &B,
+    len: usize,
+    write: impl FnOnce(&mut B::Buf) -> Result<()>,
+) -> Result<B::Buf> {
+    let [out] = activations(be, [len], |[out]| write(out))?;
+    Ok(out)
 }
 
-/// A gradient buffer of `len` elements (`f32`).
-pub(crate) fn gradient<B: Backend>(be: &B, len: usize) -> Result<B::Buf> {
-    Ok(be.zeros(len, DType::F32)?)
+/// As [`activation`], several buffers one operation writes (attention's output and
+/// probabilities).
+pub(crate) fn activations<B: Backend, const N: usize>(
+    be: &B,
+    lens: [usize; N],
+    write: impl FnOnce(&mut [B::Buf; N]) -> Result<()>,
+) -> Result<[B::Buf; N]> {
+    written(be, lens, be.storage_dtype(), write)
+}
+
+/// As [`activation`], a gradient (`f32`).
+pub(crate) fn gradient<B: Backend>(
+    be: &B,
+    len: usize,
+    write: impl FnOnce(&mut B::Buf) -> Result<()>,
+) -> Result<B::Buf> {
+    let [out] = gradients(be, [len], |[out]| write(out))?;
+    Ok(out)
+}
+
+/// As [`activations`], gradients (`f32`).
+pub(crate) fn gradients<B: Backend, const N: usize>(
+    be: &B,
+    lens: [usize; N],
+    write: impl FnOnce(&mut [B::Buf; N]) -> Result<()>,
+) -> Result<[B::Buf; N]> {
+    written(be, lens, DType::F32, write)
+}
+
+fn written<B: Backend, const N: usize>(
+    be: &B,
+    lens: [usize; N],
+    dtype: DType,
+    write: impl FnOnce(&mut [B::Buf; N]) -> Result<()>,
+) -> Result<[B::Buf; N]> {
+    let mut made = Vec::with_capacity(N);
+    for len in lens {
+        // SAFETY: `write` overwrites every element (the callers' contract, above) before the
+        // buffers leave here; if it fails, they are dropped unread.
+        made.push(unsafe { be.uninit(len, dtype)? });
+    }
+    let Ok(mut out) = <[B::Buf; N]>::try_from(made) else {
+        unreachable!("one buffer for each of the N lengths")
+    };
+    write(&mut out)?;
+    Ok(out)
 }
 
 /// A copy of gradient `g` that I keeps for W, in the backend's storage type: the backward's
 /// stash is bf16 in a bf16 run as the forward's is (W's products still accumulate in f32,
 /// into the f32 weight gradients); in f32 it is [`Backend::dup`].
 pub(crate) fn keep<B: Backend>(be: &B, g: &B::Buf) -> Result<B::Buf> {
-    let mut out = activation(be, be.len(g))?;
-    be.copy(g, &mut out)?;
-    Ok(out)
+    activation(be, be.len(g), |out| Ok(be.copy(g, out)?))
 }
 
 /// Gradient `g`, which I has finished with, kept for W as [`keep`] keeps a copy.
@@ -204,9 +253,9 @@ pub(crate) fn linear_fwd<B: Backend>(
     rows: usize,
 ) -> Result<B::Buf> {
     let (din, dout) = (w.shape[0], w.shape[1]);
-    let mut y = activation(be, rows * dout)?;
-    be.matmul(x, &w.value, &mut y, Gemm::nn(rows, din, dout))?;
-    Ok(y)
+    activation(be, rows * dout, |y| {
+        Ok(be.matmul(x, &w.value, y, Gemm::nn(rows, din, dout))?)
+    })
 }
 
 /// `dx (+)= dy·Wᵀ`: the input gradient of [`linear_fwd`].

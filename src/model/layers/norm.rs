@@ -57,17 +57,11 @@ impl<B: Backend> Layer<B> for RmsNorm<B> {
     fn forward(&mut self, be: &B, mb: usize, x: &B::Buf, shape: Shape) -> Result<B::Buf> {
         let rows = shape.tokens();
         let dim = self.dim();
-        let mut y = activation(be, rows * dim)?;
         let mut rstd = be.zeros(rows, DType::F32)?;
-        be.rmsnorm_fwd(
-            x,
-            &self.weight.value,
-            &mut y,
-            &mut rstd,
-            rows,
-            dim,
-            self.eps,
-        )?;
+        let y = activation(be, rows * dim, |y| {
+            let w = &self.weight.value;
+            Ok(be.rmsnorm_fwd(x, w, y, &mut rstd, rows, dim, self.eps)?)
+        })?;
         self.stash.keep_for_i(
             mb,
             Saved {
@@ -83,8 +77,10 @@ impl<B: Backend> Layer<B> for RmsNorm<B> {
     fn backward_input(&mut self, be: &B, mb: usize, dy: &B::Buf) -> Result<B::Buf> {
         let s = self.stash.take_for_i(mb)?;
         let dim = self.dim();
-        let mut dx = gradient(be, s.rows * dim)?;
-        be.rmsnorm_bwd_input(&s.x, &self.weight.value, &s.rstd, dy, &mut dx, s.rows, dim)?;
+        let dx = gradient(be, s.rows * dim, |dx| {
+            let w = &self.weight.value;
+            Ok(be.rmsnorm_bwd_input(&s.x, w, &s.rstd, dy, dx, s.rows, dim)?)
+        })?;
         self.stash.keep_for_w(mb, (s, keep(be, dy)?));
         Ok(dx)
     }

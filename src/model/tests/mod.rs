@@ -1,9 +1,11 @@
 //! Whole-model tests: cutting, split vs fused backward, ordering, and training;
-//! [`optim`] tests the optimizer, [`llama`] the Llama-family options and tied embeddings.
+//! [`optim`] tests the optimizer, [`llama`] the Llama-family options and tied embeddings,
+//! [`uninit`] that every layer writes its new outputs whole.
 
 mod llama;
 mod optim;
 mod recompute;
+mod uninit;
 
 use super::*;
 use crate::tensor::{CpuBackend, CpuBuf, IGNORE_TARGET};

@@ -44,6 +44,30 @@ impl Backend for CpuBackend {
         }))
     }
 
+    /// `f32` buffers are left as the allocator gives them; `bf16` ones are zeroed, since a
+    /// kernel's write widens a `bf16` buffer's values before it overwrites them
+    /// (`CpuBuf::write`). Poisoned (`CpuBackend::with_poisoned_outputs`), both are NaN.
+    unsafe fn uninit(&self, len: usize, dtype: DType) -> Result<CpuBuf> {
+        Ok(CpuBuf(match dtype {
+            DType::F32 if self.poison => Storage::F32(vec![f32::NAN; len]),
+            DType::Bf16 if self.poison => Storage::Bf16(vec![bf16::NAN; len]),
+            DType::F32 => {
+                let mut values = Vec::with_capacity(len);
+                // SAFETY: the capacity is `len`, `f32` is `Copy` and has no invalid bit
+                // patterns, and the caller writes every element before any is read (the
+                // trait's contract, tested on the poisoned backend): no uninitialised value
+                // is ever read, which is what the lint guards against (candle's CPU
+                // `alloc_uninit` does the same).
+                #[allow(clippy::uninit_vec)]
+                unsafe {
+                    values.set_len(len)
+                };
+                Storage::F32(values)
+            }
+            DType::Bf16 => return self.zeros(len, dtype),
+        }))
+    }
+
     fn from_host(&self, data: &[f32], dtype: DType) -> Result<CpuBuf> {
         Ok(CpuBuf(match dtype {
             DType::F32 => Storage::F32(data.to_vec()),

@@ -50,6 +50,8 @@ pub struct CpuBackend {
     threads: usize,
     pool: Option<Arc<rayon::ThreadPool>>,
     storage: DType,
+    /// New outputs ([`crate::tensor::Backend::uninit`]) filled with NaN.
+    poison: bool,
 }
 
 impl std::fmt::Debug for CpuBackend {
@@ -57,6 +59,7 @@ impl std::fmt::Debug for CpuBackend {
         f.debug_struct("CpuBackend")
             .field("threads", &self.threads)
             .field("storage", &self.storage)
+            .field("poison", &self.poison)
             .finish()
     }
 }
@@ -82,12 +85,22 @@ impl CpuBackend {
             threads,
             pool,
             storage: DType::F32,
+            poison: false,
         })
     }
 
     /// The same backend, asking the model to store parameters and activations as `dtype`.
     pub fn with_storage(mut self, dtype: DType) -> Self {
         self.storage = dtype;
+        self
+    }
+
+    /// The same backend with every new output ([`crate::tensor::Backend::uninit`]) filled
+    /// with NaN rather than left as the allocator gives it: a run on it matches one on the
+    /// plain backend only where every operation writes its output whole before reading it
+    /// (the tests of that contract).
+    pub fn with_poisoned_outputs(mut self) -> Self {
+        self.poison = true;
         self
     }
 

@@ -460,3 +460,26 @@ fn sized_slices_compute_what_they_announce_and_replicas_stay_identical() {
         );
     }
 }
+
+/// A drafter's slices (the unrolled training-time test included) write every new output
+/// whole: on a backend that fills new outputs with NaN they train the same weights bitwise.
+#[test]
+fn drafter_slices_write_their_new_outputs_whole() {
+    let (mut t, buffer) = trainer_with_sink(3);
+    run(&mut t, &buffer, 2);
+    let make = |be: CpuBackend| {
+        let mut d = Drafter::new(&target(), &drafter_config(), be).unwrap();
+        d.refresh_from_gpt(t.model(), t.step()).unwrap();
+        DrafterTrainer::new(d, buffer.clone(), 0, 1).unwrap()
+    };
+    let (mut plain, mut poisoned) = (make(be()), make(be().with_poisoned_outputs()));
+    assert!(plain.drafter().config().unroll > 1);
+    let start = plain.weights().unwrap();
+    for _ in 0..4 {
+        plain.slice().unwrap();
+        poisoned.slice().unwrap();
+    }
+    let w = plain.weights().unwrap();
+    assert!(w.version > start.version, "the slices stepped the drafter");
+    assert_eq!(w, poisoned.weights().unwrap());
+}
