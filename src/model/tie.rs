@@ -29,15 +29,20 @@ pub fn transpose(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 
 /// [`transpose`] into `out`, of `values`' length.
 ///
-/// In tiles of 32 × 32 elements: at a real vocabulary the tied pair is transposed twice a
-/// step (`[vocab, d]`, 28 M elements for SmolLM-135M), and a row-by-row walk misses the
-/// cache on every write.
+/// In tiles of 128 × 128 elements, each output row's part of a tile written in one run: at
+/// a real vocabulary the tied pair is transposed twice a step (`[vocab, d]`, 28 M elements
+/// for SmolLM-135M), and there writes down a column of the output, each to another page,
+/// cost more than reads down a column of the input. 75 and 64 ms for SmolLM-135M's two
+/// transposes, against 119 and 116 ms with 32 × 32 tiles written down their columns
+/// (docs/benchmarks.md, "The tied pair's transposes").
 pub fn transpose_into(values: &[f32], rows: usize, cols: usize, out: &mut [f32]) {
     for r0 in (0..rows).step_by(TILE) {
+        let r1 = (r0 + TILE).min(rows);
         for c0 in (0..cols).step_by(TILE) {
-            for r in r0..(r0 + TILE).min(rows) {
-                for c in c0..(c0 + TILE).min(cols) {
-                    out[c * rows + r] = values[r * cols + c];
+            for c in c0..(c0 + TILE).min(cols) {
+                let run = &mut out[c * rows + r0..c * rows + r1];
+                for (i, o) in run.iter_mut().enumerate() {
+                    *o = values[(r0 + i) * cols + c];
                 }
             }
         }
@@ -45,7 +50,7 @@ pub fn transpose_into(values: &[f32], rows: usize, cols: usize, out: &mut [f32])
 }
 
 /// The side of [`transpose`]'s tiles.
-const TILE: usize = 32;
+const TILE: usize = 128;
 
 /// The host table a tied pair's gradient sum reuses from one step to the next, so that a
 /// step's sum allocates nothing: a `[vocab, d]` table made anew each step faulted its pages
@@ -160,5 +165,24 @@ pub fn sum_local<'a, B: Backend + 'a>(
              summed with the other stage's"
                 .into(),
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::transpose;
+
+    #[test]
+    fn transposes_any_shape_across_tile_edges() {
+        for (rows, cols) in [(1, 1), (3, 5), (128, 128), (129, 300), (300, 129), (1, 257)] {
+            let values: Vec<f32> = (0..rows * cols).map(|i| i as f32).collect();
+            let t = transpose(&values, rows, cols);
+            for r in 0..rows {
+                for c in 0..cols {
+                    assert_eq!(t[c * rows + r], values[r * cols + c], "{rows} × {cols}");
+                }
+            }
+            assert_eq!(transpose(&t, cols, rows), values);
+        }
     }
 }
