@@ -316,6 +316,53 @@ fn launched_rl_with_two_replicas_equals_one_within_float_rounding() {
     assert_replicas_match(&one, &two, &out, WARM_UP_TOLERANCE);
 }
 
+/// A launched RL run with two replicas shards its update's optimizer where asked
+/// (ZeRO-1: each replica keeps half the moments between RL steps, and the last update
+/// gathers them for the checkpoint): its checkpoint, parameters and moments, is bitwise
+/// the unsharded run's. In one process the setting is refused, naming it.
+#[test]
+fn launched_rl_with_a_sharded_optimizer_equals_the_unsharded_run_bitwise() {
+    let dir = tempfile::tempdir().unwrap();
+    let init = dir.path().join("init");
+    let out = run(
+        &["launch", "-n", "2", "--"],
+        &["train"],
+        &["train.steps=60"],
+        &init,
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    let init = init.to_str().unwrap();
+    let launch4 = ["launch", "-n", "4", "--"];
+    let runs: Vec<Vec<u8>> = ["false", "true"]
+        .iter()
+        .map(|shard| {
+            let out_dir = dir.path().join(format!("shard-{shard}"));
+            let set = format!("optimizer.shard={shard}");
+            let extra = ["dp=2", "rl.steps=3", set.as_str()];
+            let out = run(&launch4, &["rl", "--init", init], &extra, &out_dir);
+            assert!(out.status.success(), "{}", text(&out));
+            std::fs::read(out_dir.join("checkpoint/model.safetensors")).unwrap()
+        })
+        .collect();
+    assert!(
+        runs[0] == runs[1],
+        "sharded and unsharded checkpoints differ"
+    );
+    let refused = dir.path().join("in-process");
+    let out = run(
+        &[],
+        &["rl", "--init", init],
+        &["dp=2", "optimizer.shard=true"],
+        &refused,
+    );
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("optimizer.shard") && err.contains("launched run"),
+        "{err}"
+    );
+}
+
 /// `two` (dp = 2) had `one`'s (dp = 1) rollouts, and ends with its parameters within the
 /// stated tolerance.
 fn assert_replicas_match(

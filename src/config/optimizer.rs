@@ -47,13 +47,17 @@ impl OptimizerConfig {
         Ok(())
     }
 
-    /// `pipefill rl` does not shard its update's optimizer: refused rather than ignored.
+    /// An in-process `pipefill rl` does not shard its update's optimizer (its replicas share
+    /// one process's memory, so each holding a share would save nothing): refused rather
+    /// than ignored. A launched one does (`pipefill launch -n N -- rl`, each replica its own
+    /// processes), and is not checked here.
     pub fn check_rl(job: &JobConfig) -> Result<(), ConfigError> {
         match Self::sharded(job) {
             true => Err(ConfigError::Invalid {
                 field: "optimizer.shard".into(),
-                reason: "is not supported by `pipefill rl` (its update keeps every replica's \
-                         optimizer whole between RL steps): set optimizer.shard = false"
+                reason: "shards an RL update only in a launched run (`pipefill launch -n N -- \
+                         rl`, each replica in its own processes): set optimizer.shard = false \
+                         here"
                     .into(),
             }),
             false => Ok(()),

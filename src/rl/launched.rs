@@ -205,6 +205,7 @@ pub fn rl_rank_on<B: RankBackend>(
         reference: None,
         clock_sync,
         keep,
+        rl_step: 0,
         links: None,
     };
     let mut steps = Vec::new();

@@ -13,6 +13,7 @@ use crate::comm::CommError;
 use crate::comm::frame;
 use crate::comm::link::PeerLink;
 use crate::config::JobConfig;
+use crate::config::optimizer::OptimizerConfig;
 use crate::model::Gpt;
 use crate::pipeline::PipelineTrainer;
 use crate::pipeline::feed::StepFeed;
@@ -38,6 +39,8 @@ pub(super) struct LaunchedRank<'a, 'm, B: RankBackend> {
     pub clock_sync: ClockSync,
     /// Whether the update's rank stays alive from step to step.
     pub keep: bool,
+    /// The RL step under way (0-based), set as its rollouts start.
+    pub rl_step: u64,
     /// This step's transports, opened before the weight sync releases the step.
     pub links: Option<Transports<B>>,
 }
@@ -47,6 +50,7 @@ impl<B: RankBackend> StepParts for LaunchedRank<'_, '_, B> {
 
     fn rollouts(&mut self, step: u64) -> Result<(StepRollouts, Option<RolloutFigures>), RlError> {
         let ctx = self.ctx;
+        self.rl_step = step;
         // Open this step's transports before the weight sync releases the step.
         self.links = Some(ctx.transports()?);
         let synced = Instant::now();
@@ -85,7 +89,12 @@ impl<B: RankBackend> StepParts for LaunchedRank<'_, '_, B> {
         };
         let from = self.state.start();
         self.clock_sync.at_run_start();
-        let (report, ended, log) = ctx.run(job, plan, feed, (first, 1), from, self.keep, links)?;
+        // A sharded optimizer's last update exports instead: its ranks gather the replicas'
+        // moments on the first replica as the run ends (`Zero::gather_state`), which the
+        // last weight sync sends to rank 0; a kept rank holds only its replica's share.
+        let last = self.rl_step + 1 == self.job.rl.steps;
+        let keep = self.keep && !(last && OptimizerConfig::sharded(job));
+        let (report, ended, log) = ctx.run(job, plan, feed, (first, 1), from, keep, links)?;
         // Rank 0 merges every rank's spans, as a launched `train` does.
         let own = rank_profile(ctx.rank, ctx.prank, &report, &self.clock_sync);
         let profile_err = |error| RlError::RankProfile {

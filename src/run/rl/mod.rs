@@ -51,7 +51,10 @@ pub fn rl(
         None => None,
     };
     job.rl.validate(job.model.seq_len)?;
-    crate::config::optimizer::OptimizerConfig::check_rl(&job)?;
+    // A launched run shards its update's optimizer where asked; one process does not.
+    if !env.is_distributed() {
+        crate::config::optimizer::OptimizerConfig::check_rl(&job)?;
+    }
     // The rollouts' drafter trains whatever the job's filler: its settings are checked now,
     // not at its first slice.
     if job.rl.speculation {
