@@ -283,14 +283,7 @@ fn launched_rl_starts_from_the_init_runs_drafter_and_equals_the_in_process_run_b
 #[test]
 fn launched_rl_with_two_replicas_equals_one_within_float_rounding() {
     let dir = tempfile::tempdir().unwrap();
-    let init = dir.path().join("init");
-    let out = run(
-        &["launch", "-n", "2", "--"],
-        &["train"],
-        &["train.steps=60"],
-        &init,
-    );
-    assert!(out.status.success(), "{}", text(&out));
+    let init = trained_init(dir.path());
     let init = init.to_str().unwrap();
     let (launch2, launch4) = (["launch", "-n", "2", "--"], ["launch", "-n", "4", "--"]);
     // From the same policy: plain GRPO, and with the KL term (each replica's head reads its
@@ -323,14 +316,7 @@ fn launched_rl_with_two_replicas_equals_one_within_float_rounding() {
 #[test]
 fn launched_rl_with_a_sharded_optimizer_equals_the_unsharded_run_bitwise() {
     let dir = tempfile::tempdir().unwrap();
-    let init = dir.path().join("init");
-    let out = run(
-        &["launch", "-n", "2", "--"],
-        &["train"],
-        &["train.steps=60"],
-        &init,
-    );
-    assert!(out.status.success(), "{}", text(&out));
+    let init = trained_init(dir.path());
     let init = init.to_str().unwrap();
     let launch4 = ["launch", "-n", "4", "--"];
     let runs: Vec<Vec<u8>> = ["false", "true"]
@@ -361,6 +347,19 @@ fn launched_rl_with_a_sharded_optimizer_equals_the_unsharded_run_bitwise() {
         err.contains("optimizer.shard") && err.contains("launched run"),
         "{err}"
     );
+}
+
+/// A policy for `--init`: [`TINY`] trained 60 steps by `launch -n 2 -- train`, in `dir`.
+fn trained_init(dir: &Path) -> std::path::PathBuf {
+    let init = dir.join("init");
+    let out = run(
+        &["launch", "-n", "2", "--"],
+        &["train"],
+        &["train.steps=60"],
+        &init,
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    init
 }
 
 /// `two` (dp = 2) had `one`'s (dp = 1) rollouts, and ends with its parameters within the
