@@ -70,9 +70,13 @@ pub fn step_costs<B: Backend>(
     max_b: usize,
     reps: usize,
 ) -> Result<Vec<StepCost>, RlError> {
-    let fastest = |t: &[f64]| t.iter().copied().fold(f64::MAX, f64::min);
     let timed = step_cost_reps(model, drafter, ctx, ks, max_b, reps)?;
     Ok(timed.iter().map(|t| t.cost(fastest)).collect())
+}
+
+/// The fastest of a cost's repetitions (what it costs when nothing else runs).
+pub fn fastest(times: &[f64]) -> f64 {
+    times.iter().copied().fold(f64::MAX, f64::min)
 }
 
 /// Every repetition of one entry of [`step_costs`], in milliseconds.

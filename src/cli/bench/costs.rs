@@ -11,7 +11,7 @@ use pipefill::model::drafter::{DraftContext, DraftRow, Drafter};
 use pipefill::profile::report::median;
 use pipefill::rl::RlError;
 use pipefill::rl::bandit::bucket;
-use pipefill::rl::calibrate::{StepCost, chain_acceptance, step_cost_reps};
+use pipefill::rl::calibrate::{StepCost, chain_acceptance, fastest, step_cost_reps};
 use pipefill::rl::rollout::{RolloutOutput, WorkKind};
 use pipefill::tensor::Backend;
 
@@ -268,7 +268,6 @@ pub(super) fn bucket_tables<B: Backend>(
     ks: &[usize],
     max_b: usize,
 ) -> Result<(Vec<CostsAt>, Vec<CostsAt>), RlError> {
-    let fastest = |t: &[f64]| t.iter().copied().fold(f64::MAX, f64::min);
     let middle = |t: &[f64]| median(t.iter().copied());
     let mut tables = (Vec::new(), Vec::new());
     for &c in contexts {
