@@ -31,7 +31,8 @@ fn unfused(
 ) {
     let n = t.len();
     let mut logits = be.zeros(n * VOCAB, DType::F32).unwrap();
-    be.matmul(x, w, &mut logits, Gemm::nn(n, D, VOCAB)).unwrap();
+    be.matmul(x, w, &mut logits, Gemm::nn(n, D, VOCAB).trans_b())
+        .unwrap();
     let mut probs = be.zeros(n * VOCAB, DType::F32).unwrap();
     let (_, count) = be.cross_entropy_fwd(&logits, t, &mut probs, VOCAB).unwrap();
     drop(logits);
@@ -40,13 +41,13 @@ fn unfused(
         .unwrap();
     drop(probs);
     let mut dx = be.zeros(n * D, DType::F32).unwrap();
-    be.matmul(&dlogits, w, &mut dx, Gemm::nn(n, VOCAB, D).trans_b())
+    be.matmul(&dlogits, w, &mut dx, Gemm::nn(n, VOCAB, D))
         .unwrap();
     be.matmul(
-        x,
         &dlogits,
+        x,
         grad,
-        Gemm::nn(D, n, VOCAB).trans_a().accumulate(),
+        Gemm::nn(VOCAB, n, D).trans_a().accumulate(),
     )
     .unwrap();
 }

@@ -514,17 +514,7 @@ fn a_tied_model_launched_equals_the_in_process_run_and_stays_tied() {
     let reference = in_process(&dir.path().join("single"), TIED);
     let tied = |c: &Checkpoint| {
         let get = |n: &str| &c.tensors.iter().find(|t| t.name == n).unwrap().data;
-        let (tok, head) = (get("embed.tok"), get("head.w"));
-        let v = c
-            .tensors
-            .iter()
-            .find(|t| t.name == "embed.tok")
-            .unwrap()
-            .shape[0];
-        assert_eq!(
-            &pipefill::model::tie::transpose(tok, v, tok.len() / v),
-            head
-        );
+        assert_eq!(get("embed.tok"), get("head.w"));
     };
     tied(&reference);
     let launched = dir.path().join("launched");

@@ -151,8 +151,7 @@ impl MemoryEstimate {
             }
         }
         if m.tie_embeddings {
-            // Each step sums a tied pair's gradients through a host table it keeps, and a
-            // pipeline's first and last ranks exchange theirs.
+            // A pipeline's first and last ranks exchange a tied pair's gradients.
             let tie = mul(
                 "the activations",
                 &[

@@ -34,6 +34,7 @@ use crate::tensor::Backend;
 
 pub mod drafter;
 pub mod files;
+mod migrate;
 pub mod resume;
 pub mod retain;
 pub mod sharded;
@@ -56,8 +57,9 @@ pub const ADAM_V_PREFIX: &str = "optim.v.";
 pub const MASTER_PREFIX: &str = "optim.master.";
 /// The sidecar's `format` value.
 pub const FORMAT: &str = "pipefill-checkpoint";
-/// The sidecar's current `version`.
-pub const VERSION: u32 = 1;
+/// The sidecar's current `version`: 2 since the LM head is `[vocab, d_model]`; a version 1
+/// checkpoint is read into that layout ([`migrate`]).
+pub const VERSION: u32 = 2;
 
 /// How a run stopped by a failed write ends its error: the checkpoint a resume would
 /// continue from (`last`), or that there is none.
@@ -316,11 +318,11 @@ impl Checkpoint {
                 path: meta_path.clone(),
                 reason: e.to_string(),
             })?;
-        if meta.format != FORMAT || meta.version != VERSION {
+        if meta.format != FORMAT || !(1..=VERSION).contains(&meta.version) {
             return Err(ModelError::BadMeta {
                 path: meta_path,
                 reason: format!(
-                    "format {:?} version {}, expected {FORMAT:?} version {VERSION}",
+                    "format {:?} version {}, expected {FORMAT:?} version 1 to {VERSION}",
                     meta.format, meta.version
                 ),
             });
@@ -343,11 +345,15 @@ impl Checkpoint {
             Some(entry) => Some(drafter::load_listed(dir, &meta_path, entry, &meta.model)?),
             None => None,
         };
-        Ok(Self {
+        let version = meta.version;
+        let mut ckpt = Self {
             meta,
             tensors,
             drafter,
-        })
+        };
+        migrate::upgrade(&mut ckpt, version);
+        ckpt.meta.version = VERSION;
+        Ok(ckpt)
     }
 }
 

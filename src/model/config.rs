@@ -88,7 +88,7 @@ pub struct GptConfig {
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub qkv_bias: bool,
     /// The LM head reuses the token embedding (`tie_word_embeddings`): the last stage holds
-    /// a copy of `embed.tok` as `head.w` (transposed), and the two copies' gradients are
+    /// a copy of `embed.tok` as `head.w`, and the two copies' gradients are
     /// summed before every optimizer step, so they stay bitwise equal (as Megatron-LM keeps
     /// a first and a last stage's shared embedding); see [`crate::model::tie`].
     #[serde(skip_serializing_if = "std::ops::Not::not")]

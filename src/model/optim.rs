@@ -128,8 +128,6 @@ pub struct AdamW<B: Backend> {
     config: AdamWConfig,
     step: u64,
     slots: BTreeMap<String, Slot<B>>,
-    /// The host table [`AdamW::step_chunks`] sums a tied pair's gradients through.
-    tie: super::tie::TieScratch,
 }
 
 impl<B: Backend> AdamW<B> {
@@ -138,7 +136,6 @@ impl<B: Backend> AdamW<B> {
             config,
             step: 0,
             slots: BTreeMap::new(),
-            tie: Default::default(),
         }
     }
 
@@ -214,19 +211,12 @@ impl<B: Backend> AdamW<B> {
         Ok(())
     }
 
-    /// The host table a tied pair's gradient sum goes through, kept from step to step
-    /// ([`super::tie::sum_local`]; a pipeline's rank that holds one copy sums it with the
-    /// other rank's through it too).
-    pub(crate) fn tie_scratch(&mut self) -> &mut super::tie::TieScratch {
-        &mut self.tie
-    }
-
     /// Clips by the global norm of `chunks` (all on this optimizer) and steps them all;
     /// a tied embedding's two copies first take the sum of their gradients
     /// ([`super::tie::sum_local`]). Returns the gradient norm before clipping.
     pub fn step_chunks(&mut self, chunks: &mut [ModelChunk<B>], lr: f32) -> Result<f64> {
         if let Some(be) = chunks.first().map(|c| c.backend().clone()) {
-            super::tie::sum_local(&be, chunks.iter_mut(), &mut self.tie)?;
+            super::tie::sum_local(&be, chunks.iter_mut())?;
         }
         let mut sq = 0.0;
         for c in chunks.iter() {
@@ -264,10 +254,8 @@ impl<B: Backend> AdamW<B> {
 
     /// [`AdamW::state`], moved out rather than copied where the backend allows
     /// ([`Backend::take_host`]): for the end of a run. The optimizer is left without
-    /// moments; a step after this would start them again from zero. The tied pair's host
-    /// table goes too (no step follows to reuse it).
+    /// moments; a step after this would start them again from zero.
     pub fn take_state(&mut self, be: &B) -> Result<OptimizerState> {
-        self.tie = Default::default();
         let mut slots = BTreeMap::new();
         for (name, s) in std::mem::take(&mut self.slots) {
             let master = s.master.map(|m| be.take_host(m)).transpose()?;

@@ -224,15 +224,13 @@ impl<B: Backend> RankCompute<B> {
         match tie::sides(self.chunks.values_mut()) {
             (None, None) => Ok(false),
             (Some(_), Some(_)) => {
-                let scratch = self.optimizer.tie_scratch();
-                tie::sum_local(&self.backend, self.chunks.values_mut(), scratch)?;
+                tie::sum_local(&self.backend, self.chunks.values_mut())?;
                 Ok(true)
             }
             (Some(mut side), None) | (None, Some(mut side)) => {
-                let scratch = self.optimizer.tie_scratch();
-                let mut grad = side.take_grad(&self.backend, scratch)?;
+                let mut grad = side.take_grad(&self.backend)?;
                 self.shared.sum_tied(self.rank, &mut grad)?;
-                side.set_grad(&self.backend, grad, scratch)?;
+                side.set_grad(&self.backend, grad)?;
                 Ok(true)
             }
         }

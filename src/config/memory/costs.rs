@@ -22,15 +22,13 @@ pub const fn final_copy_bytes(pipelined: bool) -> u64 {
     if pipelined { 8 } else { 6 }
 }
 /// `[vocab, d_model]` f32 tables beyond the live state that a tied pair's gradient sum
-/// (`model::tie`) holds: the host table it reuses from step to step (`TieScratch`, one per
-/// optimizer that holds the head's copy; the gradients themselves move out and back), and
-/// in a pipeline the two ranks' halves crossing between its first and last rank as
-/// encoded frames, sent and received. At Qwen2.5-0.5B's shape (2 layers, a table is
-/// 545 MB) the peaks fell by 229 MB (reference) and 572 MB (2 stages of 1F1B) when the sum
-/// stopped making its tables anew (3 and 5 were counted before); 1 and 4 put the estimate
-/// 2% and 1% under those peaks (docs/benchmarks.md, "Memory estimate calibration").
+/// (`model::tie`) holds. The copies share a layout, so the gradients move out and back
+/// and the reference trainer sums them in place (none). In a pipeline the two ranks' halves
+/// cross between its first and last rank as encoded frames, sent and received, beside the
+/// sum. Until session 47 a host table reused from step to step (`TieScratch`) took the
+/// head's transpose, one more each (docs/benchmarks.md, "Memory estimate calibration").
 pub const fn tie_table_copies(pipelined: bool) -> u64 {
-    if pipelined { 4 } else { 1 }
+    if pipelined { 3 } else { 0 }
 }
 
 /// Bytes per parameter a run's periodic checkpoints hold while the ranks train

@@ -13,17 +13,17 @@
 //! (its chunk, or a post from another process); every other drafter of the process takes
 //! the same `Arc`s ([`Drafter::share_frozen`]).
 //!
-//! A tied target (`tie_embeddings`) keeps its head bitwise equal to its embedding
-//! transposed (`model/tie.rs`), so its snapshot is one table, `[vocab, d]` on the backend,
-//! read both ways: embedding rows are gathered from it ([`Drafter::embed_rows`]) and the
-//! head's products take it transposed ([`FrozenTables::by_head`]), which halves the
-//! snapshot. An untied target keeps the two tables.
+//! The head, `head.w: [vocab, d]` as the target holds it, is on the backend; the head's
+//! products read it transposed ([`FrozenTables::by_head`]). A tied target (`tie_embeddings`)
+//! keeps its head bitwise equal to its embedding (`model/tie.rs`), so its snapshot is that
+//! one table, read both ways: embedding rows are gathered from it too
+//! ([`Drafter::embed_rows`]), which halves the snapshot. An untied target keeps the two
+//! tables.
 
 use std::sync::Arc;
 
 use super::{Drafter, FROZEN, Result};
 use crate::model::ModelError;
-use crate::model::tie::transpose;
 use crate::model::{Gpt, ModelChunk};
 use crate::tensor::{Backend, Gemm, IGNORE_TARGET};
 
@@ -32,8 +32,8 @@ pub struct FrozenTables<B: Backend> {
     /// An untied target's `embed.tok: [vocab, d]`, on the host (it only gathers rows of the
     /// fc input); `None` for a tied target, whose rows come from `head`.
     pub tok: Option<Arc<Vec<f32>>>,
-    /// On the backend that built it: an untied target's `head.w: [d, vocab]`; a tied
-    /// target's one table, in `embed.tok`'s layout `[vocab, d]` (its head transposed).
+    /// On the backend that built it: `head.w: [vocab, d]` (a tied target's one table, its
+    /// embedding's values too).
     pub head: Arc<B::Buf>,
     /// Target step of the last refresh (`None`: the target's initial values).
     pub step: Option<u64>,
@@ -79,12 +79,11 @@ impl<B: Backend> FrozenTables<B> {
         be.dtype(&self.head).size() * be.len(&self.head)
     }
 
-    /// A product written with `head.w: [d, vocab]` as its `B` operand, as it reads the table
-    /// this holds: a tied target's `[vocab, d]` is the head transposed, so `B`'s transpose
-    /// flips (no `[d, vocab]` copy is made).
+    /// A product written with the head's `W: [d, vocab]` as its `B` operand, as it reads the
+    /// `[vocab, d]` table this holds: `B`'s transpose flips (no `[d, vocab]` copy is made).
     pub fn by_head(&self, g: Gemm) -> Gemm {
         Gemm {
-            trans_b: g.trans_b ^ self.tied(),
+            trans_b: !g.trans_b,
             ..g
         }
     }
@@ -147,13 +146,9 @@ impl<B: Backend> Drafter<B> {
                 }
                 return Ok(rows);
             }
-            None if ids.is_empty() => return Ok(Vec::new()),
             None => {
-                let be = &self.be;
                 let gather: Vec<u32> = ids.iter().map(|t| if known(t) { *t } else { 0 }).collect();
-                let mut out = be.zeros(ids.len() * d, be.dtype(&self.frozen.head))?;
-                be.embedding_fwd(&self.frozen.head, &gather, &mut out, d)?;
-                be.to_host(&out)?
+                self.head_rows(&gather)?
             }
         };
         for (row, _) in rows.chunks_exact_mut(d).zip(ids).filter(|(_, t)| !known(t)) {
@@ -162,17 +157,25 @@ impl<B: Backend> Drafter<B> {
         Ok(rows)
     }
 
-    /// The frozen tables on the host as the target holds them: `embed.tok: [vocab, d]` and
-    /// `head.w: [d, vocab]` (a tied target's second one transposed from the first).
+    /// The head table's rows `ids` (each below the vocabulary), `[ids.len(), d_model]` on
+    /// the host, gathered on the backend.
+    pub(super) fn head_rows(&self, ids: &[u32]) -> Result<Vec<f32>> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (be, d) = (&self.be, self.target.d_model);
+        let mut out = be.zeros(ids.len() * d, be.dtype(&self.frozen.head))?;
+        be.embedding_fwd(&self.frozen.head, ids, &mut out, d)?;
+        Ok(be.to_host(&out)?)
+    }
+
+    /// The frozen tables on the host as the target holds them: `embed.tok` and `head.w`,
+    /// both `[vocab, d]` (a tied target's one table twice).
     pub(super) fn host_tables(&self) -> Result<[Vec<f32>; 2]> {
-        let (d, v) = (self.target.d_model, self.target.vocab);
         let table = self.be.to_host(&self.frozen.head)?;
         Ok(match &self.frozen.tok {
             Some(tok) => [tok.to_vec(), table],
-            None => {
-                let head = transpose(&table, v, d);
-                [table, head]
-            }
+            None => [table.clone(), table],
         })
     }
 
@@ -190,7 +193,7 @@ impl<B: Backend> Drafter<B> {
     }
 
     /// Whether a refresh that brings table `name` (and the embedding too when `with_embed`)
-    /// needs it: a tied target's head is its embedding transposed, bitwise, so it is read
+    /// needs it: a tied target's head is its embedding, bitwise, so it is read
     /// only when the embedding does not come with it.
     pub(crate) fn takes(&self, name: &str, with_embed: bool) -> bool {
         !(self.target.tie_embeddings && name == FROZEN[1] && with_embed)
@@ -235,7 +238,7 @@ impl<B: Backend> Drafter<B> {
     }
 
     /// Replaces table `name` (checked) with `host()`'s values, uploaded for the head and for
-    /// a tied target's one table (a head's values transposed to the embedding's layout).
+    /// a tied target's one table (from either copy: the same values).
     fn replace(
         &mut self,
         name: &str,
@@ -248,12 +251,7 @@ impl<B: Backend> Drafter<B> {
             self.frozen.tok = Some(host()?);
         } else {
             let values = host()?;
-            let (d, v) = (self.target.d_model, self.target.vocab);
-            let table = match tied && name == FROZEN[1] {
-                true => std::borrow::Cow::Owned(transpose(&values, d, v)),
-                false => std::borrow::Cow::Borrowed(values.as_slice()),
-            };
-            let head = self.be.from_host(&table, self.be.storage_dtype())?;
+            let head = self.be.from_host(&values, self.be.storage_dtype())?;
             self.frozen.head = Arc::new(head);
             if let Some(draft) = self.draft.take() {
                 self.draft = Some(self.draft_head(draft.ids)?);

@@ -51,7 +51,7 @@ pub(super) struct PackedDrafter {
     pub w2: Packed,
     /// `[d, hidden]`: the gated MLP's up projection.
     pub w3: Option<Packed>,
-    /// The frozen LM head, `[d, vocab]`, or its draft vocabulary's columns `[d, n]`.
+    /// The frozen LM head as `[d, vocab]` panels, or its draft vocabulary's columns `[d, n]`.
     pub head: Packed,
 }
 
@@ -85,9 +85,9 @@ impl PackedDrafter {
             w3,
             head: match &d.draft {
                 Some(draft) => pack(&be.to_host(&draft.head)?, dm, draft.ids.len()),
-                // A tied target's head is its one `[vocab, d]` table, packed as its
-                // transpose (the same panels, no `[d, vocab]` copy).
-                None if d.frozen.tied() => {
+                // The head's `[vocab, d]` table, packed as its transpose (the same panels,
+                // no `[d, vocab]` copy).
+                None => {
                     let table = be.to_host(&d.frozen.head)?;
                     Packed::with_precision_transposed(&table, dm, v, precision)
                         .or_else(|_| {
@@ -98,7 +98,6 @@ impl PackedDrafter {
                             reason: e.to_string(),
                         })?
                 }
-                None => pack(&be.to_host(&d.frozen.head)?, dm, v),
             },
         })
     }

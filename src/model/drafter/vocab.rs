@@ -84,21 +84,11 @@ impl<B: Backend> Drafter<B> {
         self.draft.as_ref().map(|d| d.ids.as_slice())
     }
 
-    /// Gathers the frozen head's columns `ids` (again after every refresh of the head): a
-    /// tied target's are its one table's rows `ids`, gathered and transposed.
+    /// Gathers the frozen head's columns `ids` (again after every refresh of the head): its
+    /// `[vocab, d]` table's rows `ids`, gathered and transposed.
     pub(super) fn draft_head(&self, ids: Vec<u32>) -> Result<DraftVocab<B>> {
-        let (d, v, n) = (self.target.d_model, self.target.vocab, ids.len());
-        let cols = match self.frozen.tied() {
-            true => crate::model::tie::transpose(&self.embed_rows(&ids)?, n, d),
-            false => {
-                let full = self.be.to_host(&self.frozen.head)?;
-                let mut cols = Vec::with_capacity(d * n);
-                for row in full.chunks_exact(v).take(d) {
-                    cols.extend(ids.iter().map(|&t| row[t as usize]));
-                }
-                cols
-            }
-        };
+        let (d, n) = (self.target.d_model, ids.len());
+        let cols = crate::model::tie::transpose(&self.head_rows(&ids)?, n, d);
         let head = self.be.from_host(&cols, self.be.storage_dtype())?;
         Ok(DraftVocab { ids, head })
     }

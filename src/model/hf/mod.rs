@@ -22,7 +22,7 @@
 //! | `blocks.{i}.norm2.weight` | `model.layers.{i}.post_attention_layernorm.weight` | |
 //! | `blocks.{i}.mlp.w1/w3/w2` | `model.layers.{i}.mlp.{gate,up,down}_proj.weight` | ᵀ |
 //! | `final_norm.weight` | `model.norm.weight` | |
-//! | `head.w [d, vocab]` | `lm_head.weight` | ᵀ |
+//! | `head.w [vocab, d]` | `lm_head.weight` | |
 //!
 //! The conventions match without any permutation of heads: pipefill's RoPE is
 //! `rotate_half` on each head's two halves (Hugging Face's layout, not Meta's interleaved
@@ -68,7 +68,7 @@ pub fn hf_name(name: &str) -> Option<(String, bool)> {
     match name {
         "embed.tok" => return Some(("model.embed_tokens.weight".into(), false)),
         "final_norm.weight" => return Some(("model.norm.weight".into(), false)),
-        "head.w" => return Some(("lm_head.weight".into(), true)),
+        "head.w" => return Some(("lm_head.weight".into(), false)),
         _ => {}
     }
     let rest = name.strip_prefix("blocks.")?;
@@ -134,11 +134,12 @@ pub fn param_shapes(config: &GptConfig) -> impl Iterator<Item = (String, Vec<usi
         .chain((0..config.layers).flat_map(layer))
         .chain([
             ("final_norm.weight".into(), vec![d]),
-            ("head.w".into(), vec![d, v]),
+            ("head.w".into(), vec![v, d]),
         ])
 }
 
-/// `[rows, cols]` row-major → `[cols, rows]` (the tied head's transpose, one helper).
+/// `[rows, cols]` row-major → `[cols, rows]` (a linear weight between Hugging Face's
+/// `[out, in]` and this crate's `[in, out]`, one helper).
 pub use super::tie::transpose;
 
 /// Tensors an old checkpoint may carry that are not parameters (recomputed buffers).
@@ -252,7 +253,7 @@ impl HfModel {
     }
 
     /// Pipefill parameter `name` in pipefill's layout (transposed where it must be; `head.w`
-    /// from the embedding when the model is tied and has no `lm_head.weight`).
+    /// from the embedding when the model is tied, in its layout).
     pub fn read(&self, name: &str) -> Result<HostTensor, ModelError> {
         let shape = param_shapes(&self.config.gpt)
             .into_iter()
@@ -260,10 +261,8 @@ impl HfModel {
             .map(|(_, s)| s)
             .ok_or_else(|| ModelError::UnknownParam(name.to_string()))?;
         let (mut hf, t) = hf_name(name).ok_or_else(|| ModelError::UnknownParam(name.into()))?;
-        let mut t = t;
         if name == "head.w" && self.config.tied {
             hf = "model.embed_tokens.weight".into();
-            t = true;
         }
         let data = self.files.read_f32(&hf)?;
         let data = if t {

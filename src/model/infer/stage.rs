@@ -186,7 +186,8 @@ impl<B: Backend> InferStage<B> {
                 Some((be.from_host(&norm, dt)?, buf)),
                 host.then(|| HostHead {
                     norm,
-                    w: Packed::new(&w, d, config.vocab),
+                    // `head.w: [vocab, d]` is the head's `[d, vocab]` transposed.
+                    w: Packed::transposed(&w, d, config.vocab),
                 }),
             )
         } else {
@@ -385,7 +386,7 @@ impl<B: Backend> InferStage<B> {
         let vocab = self.config.vocab;
         let hidden = be.to_host(&h)?;
         let mut logits = be.zeros(rows * vocab, DType::F32)?;
-        be.matmul(&h, head, &mut logits, Gemm::nn(rows, d, vocab))?;
+        be.matmul(&h, head, &mut logits, Gemm::nn(rows, d, vocab).trans_b())?;
         let logits = be.to_host(&logits)?;
         Ok(StageOutput::Final { logits, hidden })
     }

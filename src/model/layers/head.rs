@@ -1,5 +1,5 @@
-//! The LM head and the loss: `logits = x·W`, `loss = mean cross-entropy(logits, targets)`
-//! over the counted targets (those not equal to [`crate::tensor::IGNORE_TARGET`]).
+//! The LM head and the loss: `logits = x·Wᵀ` (`W: [vocab, d_model]`), `loss = mean
+//! cross-entropy(logits, targets)` over the counted targets (those not equal to [`crate::tensor::IGNORE_TARGET`]).
 //!
 //! **Fused and chunked over tokens** (as Liger's fused linear cross-entropy): a training
 //! forward walks the micro-batch's tokens in chunks of [`chunk_rows`]; per chunk it computes
@@ -13,7 +13,7 @@
 //! Why the gradients are computed in F rather than in I or W: each other way computes the
 //! chunk's logits again (once in I, or in I and in W), a product as large as the head's
 //! forward (a fifth of a 135 M model's FLOPs at a 49K vocabulary); computed in F the head
-//! costs its three products, as unfused. What waits for W is `dW` itself, `[d_model, vocab]`
+//! costs its three products, as unfused. What waits for W is `dW` itself, `[vocab, d_model]`
 //! in `f32` per micro-batch between F and W, the size of the head's own gradient, whatever
 //! the micro-batch's tokens (the unfused head kept `[tokens, vocab]` probabilities from F to
 //! I and as many logit gradients from I to W). An evaluation forward computes only the loss.
@@ -25,7 +25,7 @@
 
 use std::sync::Arc;
 
-use super::{Stash, gradient, linear_fwd};
+use super::{Stash, activation, gradient};
 use crate::model::ModelError;
 use crate::model::{GptConfig, Param, Result, init};
 use crate::tensor::{Backend, DType, Gemm, IGNORE_TARGET};
@@ -64,7 +64,7 @@ pub fn log_prob(row: &[f32], t: usize) -> f32 {
 
 /// Tokens per chunk of the fused head: `d_model` (so a chunk's logits are at most the size
 /// of the head's weight, whatever the micro-batch's tokens; and a chunk's share of `dW`, a
-/// product over the chunk's tokens whose `[d_model, vocab]` output is read and written once
+/// product over the chunk's tokens whose `[vocab, d_model]` output is read and written once
 /// per chunk, does `d_model` multiply-adds per element it moves), and at least as many as
 /// make a chunk of 2^20 logits (at a small vocabulary one chunk holds the whole
 /// micro-batch); a multiple of 16.
@@ -78,7 +78,7 @@ pub fn chunk_rows(d_model: usize, vocab: usize) -> usize {
 struct Saved<B: Backend> {
     /// `[rows, d_model]`.
     dx: B::Buf,
-    /// `[d_model, vocab]`.
+    /// `[vocab, d_model]`.
     dw: B::Buf,
 }
 
@@ -88,13 +88,16 @@ struct ForW<B: Backend> {
     scale: f32,
 }
 
-/// `head.w: [d_model, vocab]` and the cross-entropy loss.
+/// `head.w: [vocab, d_model]` and the cross-entropy loss: `logits = x·Wᵀ`. The weight has
+/// the token embedding's layout (and Hugging Face's `lm_head.weight`'s), so a tied head is
+/// the embedding's table as it is: the pair's gradients sum and their values stay equal
+/// without a transpose (`model/tie.rs`).
 pub struct Head<B: Backend> {
     pub w: Param<B>,
     stash: Stash<Saved<B>, ForW<B>>,
     token_loss: Option<Arc<dyn TokenLoss>>,
     /// `dW` buffers W has finished with, for the next forwards: a forward overwrites one
-    /// rather than allocating (and zeroing) `[d_model, vocab]` per micro-batch.
+    /// rather than allocating (and zeroing) `[vocab, d_model]` per micro-batch.
     spare: Vec<B::Buf>,
     /// One chunk's buffers (its rows of `x`, its logits, its rows of `dx`), kept from one
     /// forward to the next: a chunk's logits are as big as the weight, and making them anew
@@ -104,18 +107,20 @@ pub struct Head<B: Backend> {
 }
 
 impl<B: Backend> Head<B> {
-    /// `{name}.w: [d_model, vocab]`; with `tie_embeddings` a copy of the token embedding
-    /// (`embed.tok`'s draw, transposed), marked [`Param::tied`].
+    /// `{name}.w: [vocab, d_model]`; with `tie_embeddings` a copy of the token embedding
+    /// (`embed.tok`'s draw), marked [`Param::tied`].
     pub fn new(be: &B, name: &str, config: &GptConfig) -> Result<Self> {
         let (d, v) = (config.d_model, config.vocab);
         let pname = format!("{name}.w");
         let values = if config.tie_embeddings {
-            let tok = init::normal(config.seed, crate::model::tie::EMBED, v * d, init::INIT_STD);
-            crate::model::tie::transpose(&tok, v, d)
+            init::normal(config.seed, crate::model::tie::EMBED, v * d, init::INIT_STD)
         } else {
-            init::normal(config.seed, &pname, d * v, init::INIT_STD)
+            // Drawn in the `[d_model, vocab]` order the head had until checkpoint version 2,
+            // so a seed still names the same model.
+            let drawn = init::normal(config.seed, &pname, d * v, init::INIT_STD);
+            crate::model::tie::transpose(&drawn, d, v)
         };
-        let mut w = Param::new(be, pname, vec![d, v], &values, true)?;
+        let mut w = Param::new(be, pname, vec![v, d], &values, true)?;
         w.tied = config.tie_embeddings;
         Ok(Head {
             w,
@@ -134,7 +139,10 @@ impl<B: Backend> Head<B> {
 
     /// Logits `[rows, vocab]` of `x: [rows, d_model]`, nothing stashed (inference).
     pub fn logits(&self, be: &B, x: &B::Buf, rows: usize) -> Result<B::Buf> {
-        linear_fwd(be, x, &self.w, rows)
+        let (vocab, d) = (self.w.shape[0], self.w.shape[1]);
+        activation(be, rows * vocab, |y| {
+            Ok(be.matmul(x, &self.w.value, y, Gemm::nn(rows, d, vocab).trans_b())?)
+        })
     }
 
     /// The mean loss over counted targets (0 when none counts) and the count. With `grad`
@@ -153,7 +161,7 @@ impl<B: Backend> Head<B> {
         let (loss, saved) = match hook {
             None => {
                 let per_token = if count == 0 { 0.0 } else { 1.0 / count as f32 };
-                let vocab = self.w.shape[1];
+                let vocab = self.w.shape[0];
                 let mut sum = 0.0f64;
                 let saved = self.chunked(be, x, targets, grad, |logits, rows| {
                     let (s, _) = be.cross_entropy_grad(logits, &targets[rows], vocab, per_token)?;
@@ -187,7 +195,7 @@ impl<B: Backend> Head<B> {
         grad: bool,
         hook: &dyn TokenLoss,
     ) -> Result<(f32, Option<Saved<B>>)> {
-        let vocab = self.w.shape[1];
+        let vocab = self.w.shape[0];
         let mut logp = Vec::new();
         self.chunked(be, x, targets, false, |logits, rows| {
             let host = be.to_host(logits)?;
@@ -250,7 +258,7 @@ impl<B: Backend> Head<B> {
         grad: bool,
         mut f: impl FnMut(&mut B::Buf, std::ops::Range<usize>) -> Result<()>,
     ) -> Result<Option<Saved<B>>> {
-        let (d, vocab, rows) = (self.w.shape[0], self.w.shape[1], targets.len());
+        let (vocab, d, rows) = (self.w.shape[0], self.w.shape[1], targets.len());
         let step = chunk_rows(d, vocab);
         let mut saved = if grad {
             let dw = match self.spare.pop() {
@@ -286,10 +294,10 @@ impl<B: Backend> Head<B> {
                 be.copy_range(x, start * d, xc, 0, n * d)?;
             }
             let xc = if whole { x } else { &*xc };
-            be.matmul(xc, &self.w.value, logits, Gemm::nn(n, d, vocab))?;
+            be.matmul(xc, &self.w.value, logits, Gemm::nn(n, d, vocab).trans_b())?;
             f(logits, start..start + n)?;
             let Some(s) = saved.as_mut() else { continue };
-            let back = Gemm::nn(n, vocab, d).trans_b();
+            let back = Gemm::nn(n, vocab, d);
             if whole {
                 be.matmul(logits, &self.w.value, &mut s.dx, back)?;
             } else {
@@ -297,9 +305,9 @@ impl<B: Backend> Head<B> {
                 be.copy_range(dxc, 0, &mut s.dx, start * d, n * d)?;
             }
             // The first chunk overwrites the (reused) buffer, the others add to it.
-            let mut g = Gemm::nn(d, n, vocab).trans_a();
+            let mut g = Gemm::nn(vocab, n, d).trans_a();
             g.accumulate = start > 0;
-            be.matmul(xc, logits, &mut s.dw, g)?;
+            be.matmul(logits, xc, &mut s.dw, g)?;
         }
         self.chunk = bufs;
         if let Some(s) = saved.as_mut().filter(|_| rows == 0) {

@@ -58,22 +58,22 @@ fn unfused(be: &CpuBackend, head: &Head<CpuBackend>, x: &[f32], t: &[u32]) -> Gr
     let xb = be.from_host(x, DType::F32).unwrap();
     let n = ROWS * VOCAB;
     let mut logits = be.zeros(n, DType::F32).unwrap();
-    be.matmul(&xb, &head.w.value, &mut logits, Gemm::nn(ROWS, D, VOCAB))
-        .unwrap();
+    be.matmul(
+        &xb,
+        &head.w.value,
+        &mut logits,
+        Gemm::nn(ROWS, D, VOCAB).trans_b(),
+    )
+    .unwrap();
     let mut probs = be.zeros(n, DType::F32).unwrap();
     let (sum, count) = be.cross_entropy_fwd(&logits, t, &mut probs, VOCAB).unwrap();
     be.cross_entropy_bwd(&probs, t, &mut logits, VOCAB, SCALE / count as f32)
         .unwrap();
     let mut dx = be.zeros(ROWS * D, DType::F32).unwrap();
-    be.matmul(
-        &logits,
-        &head.w.value,
-        &mut dx,
-        Gemm::nn(ROWS, VOCAB, D).trans_b(),
-    )
-    .unwrap();
+    be.matmul(&logits, &head.w.value, &mut dx, Gemm::nn(ROWS, VOCAB, D))
+        .unwrap();
     let mut dw = be.zeros(D * VOCAB, DType::F32).unwrap();
-    be.matmul(&xb, &logits, &mut dw, Gemm::nn(D, ROWS, VOCAB).trans_a())
+    be.matmul(&logits, &xb, &mut dw, Gemm::nn(VOCAB, ROWS, D).trans_a())
         .unwrap();
     (
         sum / count as f32,

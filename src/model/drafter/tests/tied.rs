@@ -1,5 +1,5 @@
 //! A tied target's one frozen table read both ways (`frozen.rs`): against an untied drafter
-//! given that table and its transpose as its two, the same embedding rows, soft targets,
+//! given that table as its two, the same embedding rows, soft targets,
 //! logits, gradients and proposals (bitwise where the products sum in the same order: the
 //! packed head is the same panels), and half the bytes.
 
@@ -16,14 +16,12 @@ fn tied(cfg: &GptConfig) -> GptConfig {
 }
 
 /// An untied drafter and a tied one with the same weights and tables: the untied head is
-/// the tied table transposed.
+/// the tied table.
 fn twins(cfg: &GptConfig) -> (Drafter<CpuBackend>, Drafter<CpuBackend>) {
     let mut untied = drafter(cfg, 6, 5);
     let tied = drafter(&tied(cfg), 6, 5);
     let [tok, _] = tied.host_tables().unwrap();
-    untied
-        .refresh("head.w", &transpose(&tok, cfg.vocab, cfg.d_model), 0)
-        .unwrap();
+    untied.refresh("head.w", &tok, 0).unwrap();
     (untied, tied)
 }
 
@@ -64,7 +62,7 @@ fn a_tied_table_is_refreshed_from_either_copy() {
     let mut a = drafter(&cfg, 6, 5);
     let mut b = drafter(&cfg, 6, 5);
     a.refresh("embed.tok", &tok, 4).unwrap();
-    b.refresh("head.w", &transpose(&tok, v, d), 4).unwrap();
+    b.refresh("head.w", &tok, 4).unwrap();
     assert_eq!(a.host_tables().unwrap(), b.host_tables().unwrap());
     assert_eq!((a.frozen_step(), b.frozen_step()), (Some(4), Some(4)));
     // A wrong length is refused whichever copy brings it.
@@ -170,8 +168,13 @@ fn the_tied_head_is_packed_from_the_table_transposed() {
     let packed = d.packed_matrices().unwrap();
     let [tok, head] = d.host_tables().unwrap();
     let (dm, v) = (cfg.d_model, cfg.vocab);
-    let expected =
-        crate::model::infer::rowmul::Packed::with_precision(&head, dm, v, Precision::F16).unwrap();
+    let expected = crate::model::infer::rowmul::Packed::with_precision(
+        &transpose(&head, v, dm),
+        dm,
+        v,
+        Precision::F16,
+    )
+    .unwrap();
     let x = normal(2, "x", 3 * dm, 1.0);
     let rowmul = crate::model::infer::rowmul::rowmul;
     assert_eq!(rowmul(&x, &packed[6], 3), rowmul(&x, &expected, 3));

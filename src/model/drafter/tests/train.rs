@@ -143,7 +143,7 @@ fn captured_rows_are_the_heads_input_and_the_batch_its_softmax() {
     );
     let r = &rows[0];
     assert_eq!(r.targets, targets);
-    // logits = hidden · head.w, and a slice's soft targets, recomputed through the drafter's
+    // logits = hidden · head.wᵀ, and a slice's soft targets, recomputed through the drafter's
     // frozen head, are softmax(logits) of the next position: pair t's at position t + 1.
     let head = gpt.param_values("head.w").unwrap();
     let v = cfg.vocab;
@@ -163,7 +163,7 @@ fn captured_rows_are_the_heads_input_and_the_batch_its_softmax() {
                 assert!((q - batch.target_probs[(t - 1) * v + j]).abs() < 1e-5);
             }
             let hz: f32 = (0..cfg.d_model)
-                .map(|k| r.hidden[t * cfg.d_model + k] * head[k * v + j])
+                .map(|k| r.hidden[t * cfg.d_model + k] * head[j * cfg.d_model + k])
                 .sum();
             assert!((hz - z[j]).abs() < 1e-4);
         }

@@ -1,0 +1,89 @@
+//! Checkpoints of an earlier [`VERSION`](super::VERSION), read into today's layout.
+//!
+//! Version 1 stored the LM head `head.w` (with its moments and master weights, and a
+//! drafter's frozen copies of it) as `[d_model, vocab]`. Version 2 stores it as `[vocab,
+//! d_model]`, the token embedding's layout (`model/tie.rs`). A version 1 checkpoint is
+//! transposed as it is read, so it resumes and loads as before; it is never rewritten.
+
+use super::{ADAM_M_PREFIX, ADAM_V_PREFIX, Checkpoint, MASTER_PREFIX};
+use crate::model::tie::{HEAD, transpose};
+
+/// Brings a checkpoint of `version` to the current layout (a no-op for the current one).
+pub(super) fn upgrade(ckpt: &mut Checkpoint, version: u32) {
+    if version != 1 {
+        return;
+    }
+    let (d, v) = (ckpt.meta.model.d_model, ckpt.meta.model.vocab);
+    let names = ["", ADAM_M_PREFIX, ADAM_V_PREFIX, MASTER_PREFIX].map(|p| format!("{p}{HEAD}"));
+    for t in ckpt.tensors.iter_mut().filter(|t| names.contains(&t.name)) {
+        t.data = transpose(&t.data, d, v);
+        t.shape = vec![v, d];
+    }
+    let Some(drafter) = ckpt.drafter.as_mut() else {
+        return;
+    };
+    for t in drafter
+        .weights
+        .tensors
+        .iter_mut()
+        .filter(|t| t.name == HEAD)
+    {
+        t.values = transpose(&t.values, d, v);
+        t.shape = vec![v, d];
+    }
+    if let Some((_, values)) = drafter.round.as_mut().and_then(|r| r.head.as_mut()) {
+        *values = transpose(values, d, v);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::test_model::checkpoint;
+    use super::super::{Checkpoint, HostTensor, VERSION};
+    use super::*;
+
+    /// A checkpoint written by version 1 (its head and the head's moments `[d, vocab]`)
+    /// loads as today's: the same values transposed, every other tensor bit for bit.
+    #[test]
+    fn a_version_1_checkpoint_loads_with_its_head_transposed() {
+        let mut now = checkpoint(3);
+        let (d, v) = (now.meta.model.d_model, now.meta.model.vocab);
+        // The head's moments, unlike its values, so a mix-up shows.
+        let value = now.tensors.iter().find(|t| t.name == HEAD).unwrap().clone();
+        for (k, prefix) in [ADAM_M_PREFIX, ADAM_V_PREFIX].into_iter().enumerate() {
+            if !now
+                .tensors
+                .iter()
+                .any(|t| t.name == format!("{prefix}{HEAD}"))
+            {
+                let data = (0..d * v).map(|i| (i * (k + 2)) as f32).collect();
+                let name = format!("{prefix}{HEAD}");
+                now.tensors.push(HostTensor {
+                    name,
+                    data,
+                    ..value.clone()
+                });
+            }
+        }
+        let mut old = now.clone();
+        old.meta.version = 1;
+        let head = |n: &str| n == HEAD || n.ends_with(&format!(".{HEAD}"));
+        let mut moved = 0;
+        for t in old.tensors.iter_mut().filter(|t| head(&t.name)) {
+            t.data = transpose(&t.data, v, d);
+            t.shape = vec![d, v];
+            moved += 1;
+        }
+        assert_eq!(moved, 3, "head.w and its two moments");
+        let dir = tempfile::tempdir().unwrap();
+        old.save(dir.path()).unwrap();
+        let back = Checkpoint::load(dir.path()).unwrap();
+        assert_eq!(back.meta.version, VERSION);
+        assert_eq!(back.tensors, now.tensors);
+        // A version from the future is refused, naming it.
+        old.meta.version = VERSION + 1;
+        old.save(dir.path()).unwrap();
+        let err = Checkpoint::load(dir.path()).unwrap_err().to_string();
+        assert!(err.contains(&format!("version {}", VERSION + 1)), "{err}");
+    }
+}
