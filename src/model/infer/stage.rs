@@ -18,7 +18,7 @@ use std::ops::Range;
 
 use super::attend::{Heads, Visible, attend_span};
 use super::kv::KvCache;
-use super::rowmul::{Packed, concat_cols, streams_host_weights};
+use super::rowmul::{Packed, Precision, concat_cols, streams_host_weights};
 use super::tree::{RowLayout, TreeStep, layout};
 use crate::model::ModelError;
 use crate::model::config::Positions;
@@ -182,13 +182,13 @@ impl<B: Backend> InferStage<B> {
         let (head, head_host) = if last {
             let (w, norm) = (get("head.w")?, get("final_norm.weight")?);
             let buf = be.from_host(&w, dt)?;
+            // `head.w: [vocab, d]` is the head's `[d, vocab]` transposed.
+            let packed = host
+                .then(|| Packed::with_precision_transposed(&w, d, config.vocab, Precision::F32))
+                .transpose()?;
             (
                 Some((be.from_host(&norm, dt)?, buf)),
-                host.then(|| HostHead {
-                    norm,
-                    // `head.w: [vocab, d]` is the head's `[d, vocab]` transposed.
-                    w: Packed::transposed(&w, d, config.vocab),
-                }),
+                packed.map(|w| HostHead { norm, w }),
             )
         } else {
             (None, None)

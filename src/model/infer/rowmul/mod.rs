@@ -101,17 +101,6 @@ impl Packed {
         }
     }
 
-    /// [`Packed::new`] of `W: [din, dout]` given as its transpose, the row-major `wt: [dout,
-    /// din]` (an LM head, `[vocab, d]`).
-    pub fn transposed(wt: &[f32], din: usize, dout: usize) -> Self {
-        assert_eq!(wt.len(), din * dout, "Packed: wt is [dout, din]");
-        Packed {
-            din,
-            dout,
-            lines: Lines::F32(panels(wt, din, dout, true, Line)),
-        }
-    }
-
     /// Packs the row-major `w: [din, dout]` in `precision`. Half precision refuses a
     /// finite weight beyond its range (it would become infinite).
     pub fn with_precision(
