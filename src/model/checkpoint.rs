@@ -58,7 +58,7 @@ pub const MASTER_PREFIX: &str = "optim.master.";
 /// The sidecar's `format` value.
 pub const FORMAT: &str = "pipefill-checkpoint";
 /// The sidecar's current `version`: 2 since the LM head is `[vocab, d_model]`; a version 1
-/// checkpoint is read into that layout ([`migrate`]).
+/// checkpoint is read into that layout (`checkpoint/migrate.rs`).
 pub const VERSION: u32 = 2;
 
 /// How a run stopped by a failed write ends its error: the checkpoint a resume would
