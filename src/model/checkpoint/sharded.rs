@@ -214,8 +214,17 @@ impl Manifest {
             return Err(ModelError::BadMeta {
                 path,
                 reason: format!(
-                    "format {:?} version {}, expected {SHARDED_FORMAT:?} version {VERSION}",
-                    manifest.format, manifest.version
+                    "format {:?} version {}, expected {SHARDED_FORMAT:?} version {VERSION}{}",
+                    manifest.format,
+                    manifest.version,
+                    match manifest.version {
+                        // checkpoint/migrate.rs reads a whole version 1 checkpoint only.
+                        1 =>
+                            " (version 1 stored the LM head as [d_model, vocab]; a sharded \
+                              checkpoint of it does not resume, the run's final whole \
+                              checkpoint/ still loads)",
+                        _ => "",
+                    }
                 ),
             });
         }

@@ -167,3 +167,20 @@ fn fingerprint_is_fnv1a() {
     }
     assert_eq!(h.finish(), "85944171f73967e8");
 }
+
+/// A sharded checkpoint of version 1 (the LM head `[d_model, vocab]`) is refused, saying
+/// why and what still loads.
+#[test]
+fn a_version_1_sharded_checkpoint_is_refused_saying_why() {
+    let dir = tempfile::tempdir().unwrap();
+    save(dir.path());
+    let path = dir.path().join(MANIFEST_FILE);
+    let mut json: serde_json::Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
+    json["version"] = 1.into();
+    fs::write(&path, serde_json::to_vec(&json).unwrap()).unwrap();
+    let err = Manifest::read(dir.path()).unwrap_err().to_string();
+    assert!(
+        err.contains("version 1") && err.contains("[d_model, vocab]"),
+        "{err}"
+    );
+}
