@@ -345,14 +345,12 @@ impl Checkpoint {
             Some(entry) => Some(drafter::load_listed(dir, &meta_path, entry, &meta.model)?),
             None => None,
         };
-        let version = meta.version;
         let mut ckpt = Self {
             meta,
             tensors,
             drafter,
         };
-        migrate::upgrade(&mut ckpt, version);
-        ckpt.meta.version = VERSION;
+        migrate::upgrade(&mut ckpt);
         Ok(ckpt)
     }
 }

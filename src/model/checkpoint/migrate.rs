@@ -5,11 +5,13 @@
 //! d_model]`, the token embedding's layout (`model/tie.rs`). A version 1 checkpoint is
 //! transposed as it is read, so it resumes and loads as before; it is never rewritten.
 
-use super::{ADAM_M_PREFIX, ADAM_V_PREFIX, Checkpoint, MASTER_PREFIX};
+use super::{ADAM_M_PREFIX, ADAM_V_PREFIX, Checkpoint, MASTER_PREFIX, VERSION};
 use crate::model::tie::{HEAD, transpose};
 
-/// Brings a checkpoint of `version` to the current layout (a no-op for the current one).
-pub(super) fn upgrade(ckpt: &mut Checkpoint, version: u32) {
+/// Brings a checkpoint of an earlier version to the current layout and version (a no-op
+/// for the current one).
+pub(super) fn upgrade(ckpt: &mut Checkpoint) {
+    let version = std::mem::replace(&mut ckpt.meta.version, VERSION);
     if version != 1 {
         return;
     }
@@ -39,7 +41,7 @@ pub(super) fn upgrade(ckpt: &mut Checkpoint, version: u32) {
 #[cfg(test)]
 mod tests {
     use super::super::test_model::checkpoint;
-    use super::super::{Checkpoint, HostTensor, VERSION};
+    use super::super::{Checkpoint, HostTensor};
     use super::*;
 
     /// A checkpoint written by version 1 (its head and the head's moments `[d, vocab]`)

@@ -10,7 +10,6 @@ use super::loss::{argmax, smooth_l1, soft_cross_entropy, softmax_rows};
 use super::{DraftBatch, DraftRow, DrafterConfig, FROZEN, FrozenTables, Linear, Result};
 use crate::model::ModelError;
 use crate::model::layers::{Attention, Block, Layer, Mlp, RmsNorm};
-use crate::model::tie::transpose;
 use crate::model::{GptConfig, Param, init};
 use crate::tensor::{Backend, DType, Gemm};
 
@@ -77,13 +76,8 @@ impl<B: Backend> Drafter<B> {
                 step: None,
             },
             false => FrozenTables {
-                // The target's untied head's draw (`layers/head.rs`).
                 head: Arc::new(be.from_host(
-                    &transpose(
-                        &init::normal(target.seed, FROZEN[1], d * v, init::INIT_STD),
-                        d,
-                        v,
-                    ),
+                    &crate::model::layers::initial_values(target, FROZEN[1]),
                     be.storage_dtype(),
                 )?),
                 tok: Some(Arc::new(tok)),

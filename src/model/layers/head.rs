@@ -1,5 +1,6 @@
 //! The LM head and the loss: `logits = x·Wᵀ` (`W: [vocab, d_model]`), `loss = mean
-//! cross-entropy(logits, targets)` over the counted targets (those not equal to [`crate::tensor::IGNORE_TARGET`]).
+//! cross-entropy(logits, targets)` over the counted targets (those not equal to
+//! [`crate::tensor::IGNORE_TARGET`]).
 //!
 //! **Fused and chunked over tokens** (as Liger's fused linear cross-entropy): a training
 //! forward walks the micro-batch's tokens in chunks of [`chunk_rows`]; per chunk it computes
@@ -74,6 +75,20 @@ pub fn chunk_rows(d_model: usize, vocab: usize) -> usize {
     rows.div_ceil(16) * 16
 }
 
+/// The initial values of the head `name` (`[vocab, d_model]`): with `tie_embeddings`, the
+/// token embedding's draw; otherwise its own, drawn in the `[d_model, vocab]` order the head
+/// had until checkpoint version 2, so a seed still names the same model. The drafter's
+/// frozen head starts from these too.
+pub fn initial_values(config: &GptConfig, name: &str) -> Vec<f32> {
+    let (d, v) = (config.d_model, config.vocab);
+    if config.tie_embeddings {
+        init::normal(config.seed, crate::model::tie::EMBED, v * d, init::INIT_STD)
+    } else {
+        let drawn = init::normal(config.seed, name, d * v, init::INIT_STD);
+        crate::model::tie::transpose(&drawn, d, v)
+    }
+}
+
 /// What a training forward leaves for I: the gradients of a loss scale of 1.
 struct Saved<B: Backend> {
     /// `[rows, d_model]`.
@@ -112,14 +127,7 @@ impl<B: Backend> Head<B> {
     pub fn new(be: &B, name: &str, config: &GptConfig) -> Result<Self> {
         let (d, v) = (config.d_model, config.vocab);
         let pname = format!("{name}.w");
-        let values = if config.tie_embeddings {
-            init::normal(config.seed, crate::model::tie::EMBED, v * d, init::INIT_STD)
-        } else {
-            // Drawn in the `[d_model, vocab]` order the head had until checkpoint version 2,
-            // so a seed still names the same model.
-            let drawn = init::normal(config.seed, &pname, d * v, init::INIT_STD);
-            crate::model::tie::transpose(&drawn, d, v)
-        };
+        let values = initial_values(config, &pname);
         let mut w = Param::new(be, pname, vec![v, d], &values, true)?;
         w.tied = config.tie_embeddings;
         Ok(Head {

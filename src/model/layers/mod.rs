@@ -32,7 +32,7 @@ use crate::model::ModelError;
 pub use attention::Attention;
 pub use block::Block;
 pub use embedding::Embedding;
-pub use head::{Head, OffsetTokenLoss, TokenLoss, chunk_rows, log_prob};
+pub use head::{Head, OffsetTokenLoss, TokenLoss, chunk_rows, initial_values, log_prob};
 pub use mlp::Mlp;
 pub use norm::RmsNorm;
 
