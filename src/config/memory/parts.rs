@@ -90,18 +90,18 @@ pub(super) fn activations(
         ],
     )?;
     let working = mul(what, &[flight.ranks, tokens, working_per_token, k(ELEMENT)])?;
-    // A bf16 stash is widened to f32 where the CPU reads it, operand by operand: counted as
-    // a block's forward stash per rank, but for the attention probabilities, which the
-    // kernels widen one sequence and head at a time (measured: "Mixed precision" in
-    // docs/benchmarks.md).
+    // A bf16 buffer is widened to f32 where the CPU computes on it: products, element-wise
+    // operations and norms a block of rows at a time, the attention probabilities one
+    // sequence and head at a time, and attention's `q`, `k`, `v` and output whole. Counted
+    // per rank as those four `[tokens, d]` operands and three blocks (measured: "Mixed
+    // precision" in docs/benchmarks.md).
     let widened = match job.train.precision {
         crate::tensor::DType::F32 => k(0),
         crate::tensor::DType::Bf16 => {
-            let unpaired = Size {
-                n: per_token.n.saturating_sub(mul(what, &[h, seq])?.n),
-                ..per_token
-            };
-            mul(what, &[flight.ranks, tokens, unpaired, k(ELEMENT)])?
+            let whole = mul(what, &[tokens, k(4), d])?;
+            let blocks = k(3 * crate::tensor::cpu::WIDEN_BLOCK as u64);
+            let values = add(what, &[whole, blocks])?;
+            mul(what, &[flight.ranks, values, k(ELEMENT)])?
         }
     };
     add(

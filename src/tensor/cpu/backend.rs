@@ -1,16 +1,23 @@
 //! [`Backend`] for [`CpuBackend`]: the operand checks (`crate::tensor::check`), then each
 //! operation on the backend's threads (`CpuBackend::run`, `CpuBackend::product`), bf16
-//! buffers widened where a kernel reads them and rounded where it writes them (`buf.rs`).
+//! buffers widened where a kernel reads them and rounded where it writes them (`buf.rs`):
+//! a block of rows at a time where the operation allows (products, element-wise
+//! operations, norms, RoPE), so a bf16 buffer's `f32` transient is a block, not the buffer.
 //! The reference semantics the CUDA backend follows.
 
 use half::bf16;
 
-use super::buf::{Storage, gemm_slices};
+use super::buf::{Storage, WIDEN_BLOCK, block_len, gemm_slices, zip_rows};
 use super::{CpuBackend, CpuBuf, blas, kernels};
 use crate::tensor::bytes::{from_le, to_le};
 use crate::tensor::{
     Activation, AdamWStep, AttnShape, Backend, BatchedGemm, DType, Gemm, Result, check,
 };
+
+/// The fewest rows a blocked product takes at a time: each block packs `b` again (and a
+/// weight gradient's blocks read and write `c` again), which costs little against 256 rows
+/// of multiply-adds.
+const MIN_BLOCK_ROWS: usize = 256;
 
 impl Backend for CpuBackend {
     type Buf = CpuBuf;
@@ -126,10 +133,14 @@ impl Backend for CpuBackend {
         match (&src.0, &mut dst.0) {
             (Storage::F32(s), Storage::F32(d)) => d.copy_from_slice(s),
             (Storage::Bf16(s), Storage::Bf16(d)) => d.copy_from_slice(s),
-            _ => {
-                let s = src.read();
-                dst.write(|d| d.copy_from_slice(&s));
+            // Widened or rounded value by value: no transient.
+            (Storage::Bf16(s), Storage::F32(d)) => {
+                d.iter_mut().zip(s).for_each(|(d, s)| *d = s.to_f32())
             }
+            (Storage::F32(s), Storage::Bf16(d)) => d
+                .iter_mut()
+                .zip(s)
+                .for_each(|(d, &s)| *d = bf16::from_f32(s)),
         }
         Ok(())
     }
@@ -153,14 +164,57 @@ impl Backend for CpuBackend {
     }
 
     fn fill(&self, buf: &mut CpuBuf, value: f32) -> Result<()> {
-        buf.write(|d| d.fill(value));
+        zip_rows(buf, [], 1, |_, d, []| d.fill(value));
         Ok(())
     }
 
     fn matmul(&self, a: &CpuBuf, b: &CpuBuf, c: &mut CpuBuf, g: Gemm) -> Result<()> {
         check::matmul(self, [a, b, c], g)?;
-        let (a, b) = (a.read(), b.read());
         let par = self.parallelism();
+        if (a.is_bf16() || c.is_bf16()) && g.m * g.k * g.n > 0 {
+            // Block by block, so a bf16 activation or output costs a block's f32 copy, not
+            // its whole buffer's; `b` (a weight, or a gradient already f32) is read whole.
+            if !g.trans_a {
+                // Rows of `a` and `c`: each row of `c` is computed as in one product.
+                let rows = (WIDEN_BLOCK / g.k.max(g.n)).max(MIN_BLOCK_ROWS);
+                let b = b.read();
+                for (a, c) in a
+                    .blocks(rows * g.k)
+                    .into_iter()
+                    .zip(c.blocks_mut(rows * g.n))
+                {
+                    let a = a.read();
+                    let gb = Gemm {
+                        m: a.len() / g.k,
+                        ..g
+                    };
+                    let work = gb.m * g.k * g.n;
+                    self.product(work, work, || c.write(|c| gemm_slices(&a, &b, c, gb, par)));
+                }
+                return Ok(());
+            }
+            if !c.is_bf16() && !g.trans_b {
+                // `aᵀ·b` over tokens (a weight gradient into f32 `c`): blocks of the
+                // reduction's rows, accumulated into `c` in order.
+                let rows = (WIDEN_BLOCK / g.m.max(g.n)).max(MIN_BLOCK_ROWS);
+                let blocks = a.blocks(rows * g.m).into_iter().zip(b.blocks(rows * g.n));
+                c.write(|c| {
+                    for (i, (a, b)) in blocks.enumerate() {
+                        let (a, b) = (a.read(), b.read());
+                        let k = a.len() / g.m;
+                        let gb = Gemm {
+                            k,
+                            accumulate: g.accumulate || i > 0,
+                            ..g
+                        };
+                        let work = g.m * k * g.n;
+                        self.product(work, work, || gemm_slices(&a, &b, c, gb, par));
+                    }
+                });
+                return Ok(());
+            }
+        }
+        let (a, b) = (a.read(), b.read());
         let work = g.m * g.k * g.n;
         self.product(work, work, || c.write(|c| gemm_slices(&a, &b, c, g, par)));
         Ok(())
@@ -185,8 +239,7 @@ impl Backend for CpuBackend {
 
     fn add(&self, a: &CpuBuf, b: &CpuBuf, out: &mut CpuBuf) -> Result<()> {
         check::add(self, [a, b, out])?;
-        let (a, b) = (a.read(), b.read());
-        out.write(|o| {
+        zip_rows(out, [a, b], 1, |_, o, [a, b]| {
             o.iter_mut()
                 .zip(a.iter().zip(b.iter()))
                 .for_each(|(o, (x, y))| *o = x + y)
@@ -196,8 +249,7 @@ impl Backend for CpuBackend {
 
     fn axpy(&self, alpha: f32, src: &CpuBuf, dst: &mut CpuBuf) -> Result<()> {
         check::axpy(self, [src, dst])?;
-        let s = src.read();
-        dst.write(|d| {
+        zip_rows(dst, [src], 1, |_, d, [s]| {
             d.iter_mut()
                 .zip(s.iter())
                 .for_each(|(d, &s)| *d += alpha * s)
@@ -206,14 +258,15 @@ impl Backend for CpuBackend {
     }
 
     fn scale(&self, buf: &mut CpuBuf, alpha: f32) -> Result<()> {
-        buf.write(|d| d.iter_mut().for_each(|x| *x *= alpha));
+        zip_rows(buf, [], 1, |_, d, []| {
+            d.iter_mut().for_each(|x| *x *= alpha)
+        });
         Ok(())
     }
 
     fn activation_fwd(&self, act: Activation, x: &CpuBuf, out: &mut CpuBuf) -> Result<()> {
         check::activation_fwd(self, [x, out])?;
-        let x = x.read();
-        out.write(|o| kernels::activation_fwd(act, &x, o));
+        zip_rows(out, [x], 1, |_, o, [x]| kernels::activation_fwd(act, x, o));
         Ok(())
     }
 
@@ -225,15 +278,15 @@ impl Backend for CpuBackend {
         dx: &mut CpuBuf,
     ) -> Result<()> {
         check::activation_bwd(self, [x, dy, dx])?;
-        let (x, dy) = (x.read(), dy.read());
-        dx.write(|d| kernels::activation_bwd(act, &x, &dy, d));
+        zip_rows(dx, [x, dy], 1, |_, d, [x, dy]| {
+            kernels::activation_bwd(act, x, dy, d)
+        });
         Ok(())
     }
 
     fn mul(&self, a: &CpuBuf, b: &CpuBuf, out: &mut CpuBuf) -> Result<()> {
         check::mul(self, [a, b, out])?;
-        let (a, b) = (a.read(), b.read());
-        out.write(|o| {
+        zip_rows(out, [a, b], 1, |_, o, [a, b]| {
             o.iter_mut()
                 .zip(a.iter().zip(b.iter()))
                 .for_each(|(o, (x, y))| *o = x * y)
@@ -259,8 +312,12 @@ impl Backend for CpuBackend {
             head_dim,
             inv_freq.len(),
         )?;
-        let x = x.read();
-        out.write(|o| kernels::rope(&x, o, positions, head_dim, inv_freq, inverse));
+        let width = x.len() / positions.len().max(1);
+        zip_rows(out, [x], width, |row, o, [x]| {
+            let rows = o.len() / width.max(1);
+            let at = &positions[row..row + rows];
+            kernels::rope(x, o, at, head_dim, inv_freq, inverse)
+        });
         Ok(())
     }
 
@@ -322,10 +379,16 @@ impl Backend for CpuBackend {
         eps: f32,
     ) -> Result<()> {
         check::rmsnorm_fwd(self, [x, weight, out, rstd], rows, dim)?;
-        let (x, w) = (x.read(), weight.read());
-        self.run(rows * dim, |par| {
-            out.write(|o| rstd.write(|r| kernels::rmsnorm_fwd(par, &x, &w, o, r, eps)))
-        });
+        let w = weight.read();
+        let block = block_len(&[x, &*out, &*rstd], rows * dim, dim) / dim.max(1);
+        let xs = x.blocks(block * dim);
+        let rs = rstd.blocks_mut(block);
+        for ((x, o), r) in xs.into_iter().zip(out.blocks_mut(block * dim)).zip(rs) {
+            let x = x.read();
+            self.run(x.len(), |par| {
+                o.write(|o| r.write(|r| kernels::rmsnorm_fwd(par, &x, &w, o, r, eps)))
+            });
+        }
         Ok(())
     }
 
@@ -340,10 +403,16 @@ impl Backend for CpuBackend {
         dim: usize,
     ) -> Result<()> {
         check::rmsnorm_bwd_input(self, [x, weight, rstd, dy, dx], rows, dim)?;
-        let (x, w, r, dy) = (x.read(), weight.read(), rstd.read(), dy.read());
-        self.run(rows * dim, |par| {
-            dx.write(|d| kernels::rmsnorm_bwd_input(par, &x, &w, &r, &dy, d))
-        });
+        let w = weight.read();
+        let block = block_len(&[x, rstd, dy, &*dx], rows * dim, dim) / dim.max(1);
+        let (xs, rs) = (x.blocks(block * dim), rstd.blocks(block));
+        let blocks = xs.into_iter().zip(rs).zip(dy.blocks(block * dim));
+        for (((x, r), dy), d) in blocks.zip(dx.blocks_mut(block * dim)) {
+            let (x, r, dy) = (x.read(), r.read(), dy.read());
+            self.run(x.len(), |par| {
+                d.write(|d| kernels::rmsnorm_bwd_input(par, &x, &w, &r, &dy, d))
+            });
+        }
         Ok(())
     }
 
@@ -357,8 +426,14 @@ impl Backend for CpuBackend {
         dim: usize,
     ) -> Result<()> {
         check::rmsnorm_bwd_weight(self, [x, rstd, dy, dweight], rows, dim)?;
-        let (x, r, dy) = (x.read(), rstd.read(), dy.read());
-        dweight.write(|d| kernels::rmsnorm_bwd_weight(&x, &r, &dy, d));
+        // Row by row into `dweight`, so blocks of rows sum in the same order.
+        let block = block_len(&[x, rstd, dy], rows * dim, dim) / dim.max(1);
+        let (xs, rs) = (x.blocks(block * dim), rstd.blocks(block));
+        dweight.write(|d| {
+            for ((x, r), dy) in xs.into_iter().zip(rs).zip(dy.blocks(block * dim)) {
+                kernels::rmsnorm_bwd_weight(&x.read(), &r.read(), &dy.read(), d);
+            }
+        });
         Ok(())
     }
 
@@ -451,7 +526,7 @@ impl Backend for CpuBackend {
         check::add_broadcast_rows(self, [row, dst], batch, row_len)?;
         let r = row.read();
         let r = &r[..row_len];
-        dst.write(|d| {
+        zip_rows(dst, [], row_len, |_, d, []| {
             for chunk in d.chunks_mut(row_len.max(1)) {
                 chunk.iter_mut().zip(r).for_each(|(d, &s)| *d += s);
             }
@@ -461,13 +536,16 @@ impl Backend for CpuBackend {
 
     fn sum_rows(&self, src: &CpuBuf, out: &mut CpuBuf, batch: usize, row_len: usize) -> Result<()> {
         check::sum_rows(self, [src, out], batch, row_len)?;
-        let s = src.read();
+        // Row by row into `out`, so blocks of rows sum in the same order.
+        let block = block_len(&[src], batch * row_len, row_len);
         out.write(|o| {
-            for chunk in s.chunks(row_len.max(1)) {
-                o[..row_len]
-                    .iter_mut()
-                    .zip(chunk)
-                    .for_each(|(o, &s)| *o += s);
+            for s in src.blocks(block) {
+                for chunk in s.read().chunks(row_len.max(1)) {
+                    o[..row_len]
+                        .iter_mut()
+                        .zip(chunk)
+                        .for_each(|(o, &s)| *o += s);
+                }
             }
         });
         Ok(())

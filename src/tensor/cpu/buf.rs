@@ -112,6 +112,54 @@ impl CpuBuf {
     }
 }
 
+/// Values of a `bf16` operand widened at a time where a kernel can work block by block
+/// (256 KiB as `f32`): the transient a bf16 buffer costs while read or written is this, not
+/// the whole buffer's `f32` copy.
+pub(crate) const WIDEN_BLOCK: usize = 1 << 16;
+
+impl CpuBuf {
+    pub(super) fn is_bf16(&self) -> bool {
+        matches!(self.0, Storage::Bf16(_))
+    }
+}
+
+/// The block length, in values, for `bufs` of rows of `unit` values: the whole of `len` where
+/// every buffer is `f32` (borrowed, one call, the f32 path unchanged), else as many whole
+/// rows as fit [`WIDEN_BLOCK`] (at least one).
+pub(super) fn block_len(bufs: &[&CpuBuf], len: usize, unit: usize) -> usize {
+    let unit = unit.max(1);
+    if bufs.iter().any(|b| b.is_bf16()) {
+        unit * (WIDEN_BLOCK / unit).max(1)
+    } else {
+        len.max(unit)
+    }
+}
+
+/// Runs `f` on consecutive blocks of `out` and of each of `ins` (all `out`'s length), each
+/// block whole rows of `unit` values, widened only while `f` runs on it ([`block_len`]):
+/// for operations whose every row depends only on the same rows of its inputs. `f` gets
+/// the block's first row.
+pub(super) fn zip_rows<const N: usize>(
+    out: &mut CpuBuf,
+    ins: [&CpuBuf; N],
+    unit: usize,
+    mut f: impl FnMut(usize, &mut [f32], [&[f32]; N]),
+) {
+    let len = out.len();
+    debug_assert!(ins.iter().all(|b| b.len() == len), "checked by the caller");
+    let mut all: Vec<&CpuBuf> = ins.to_vec();
+    all.push(&*out);
+    let block = block_len(&all, len, unit);
+    drop(all);
+    let mut ins = ins.map(|b| b.blocks(block).into_iter());
+    for (i, o) in out.blocks_mut(block).into_iter().enumerate() {
+        let wide: [Cow<'_, [f32]>; N] =
+            std::array::from_fn(|j| ins[j].next().map_or(Cow::Borrowed(&[][..]), Block::read));
+        let slices: [&[f32]; N] = std::array::from_fn(|j| &*wide[j]);
+        o.write(|o| f(i * block / unit.max(1), o, slices));
+    }
+}
+
 /// A strided matrix inside a slice: element `(r, c)` lives at `r·rs + c·cs`.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct View {

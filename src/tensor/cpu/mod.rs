@@ -22,6 +22,7 @@ use std::sync::Arc;
 use gemm::Parallelism;
 
 pub use buf::CpuBuf;
+pub(crate) use buf::WIDEN_BLOCK;
 
 use super::{DType, Result};
 use crate::tensor::TensorError;

@@ -3,6 +3,7 @@
 //! wrong formula fails even if forward and backward share a mistake.
 
 mod attention;
+mod blocks;
 mod fused_head_ops;
 mod host_bytes;
 mod llama_ops;
