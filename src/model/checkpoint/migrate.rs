@@ -88,4 +88,56 @@ mod tests {
         let err = Checkpoint::load(dir.path()).unwrap_err().to_string();
         assert!(err.contains(&format!("version {}", VERSION + 1)), "{err}");
     }
+
+    /// A version 1 drafter's frozen head (kept where it lagged the target's) and a kept
+    /// round's frozen head are transposed as the model's is; the drafter's other tensors
+    /// and the round's frozen embedding are left as they are.
+    #[test]
+    fn a_version_1_drafters_frozen_heads_are_transposed() {
+        use crate::model::drafter::state::{DrafterState, RoundState};
+        use crate::model::drafter::{DrafterWeights, NamedTensor};
+        let mut now = checkpoint(3);
+        let (d, v) = (now.meta.model.d_model, now.meta.model.vocab);
+        let values = |n: usize, k: f32| (0..n).map(|i| k * i as f32).collect::<Vec<_>>();
+        let tensor = |name: &str, shape: Vec<usize>, k: f32| NamedTensor {
+            name: name.into(),
+            values: values(shape.iter().product(), k),
+            shape,
+        };
+        now.drafter = Some(DrafterState {
+            weights: DrafterWeights {
+                version: 4,
+                frozen_step: Some(2),
+                tensors: vec![
+                    tensor("fc.w", vec![2 * d, d], -1.0),
+                    tensor(HEAD, vec![v, d], 1.0),
+                    tensor("embed.tok", vec![v, d], 0.5),
+                ],
+            },
+            optimizer: Default::default(),
+            samplers: Vec::new(),
+            buffer: Default::default(),
+            held_out: Default::default(),
+            round: Some(RoundState {
+                step: 3,
+                grads: Vec::new(),
+                embed: Some((2, values(v * d, 0.25))),
+                head: Some((2, values(v * d, 2.0))),
+            }),
+        });
+        // As version 1 wrote it: the two frozen heads `[d, vocab]`.
+        let mut old = now.clone();
+        old.meta.version = 1;
+        let drafter = old.drafter.as_mut().unwrap();
+        let head = drafter.weights.tensors.iter_mut().find(|t| t.name == HEAD);
+        let head = head.unwrap();
+        head.values = transpose(&head.values, v, d);
+        head.shape = vec![d, v];
+        let round = drafter.round.as_mut().unwrap().head.as_mut().unwrap();
+        round.1 = transpose(&round.1, v, d);
+        assert_ne!(old.drafter, now.drafter);
+        upgrade(&mut old);
+        assert_eq!(old.meta.version, VERSION);
+        assert_eq!(old.drafter, now.drafter);
+    }
 }
