@@ -122,10 +122,7 @@ impl Backend for CpuBackend {
     }
 
     fn dtype(&self, buf: &CpuBuf) -> DType {
-        match buf.0 {
-            Storage::F32(_) => DType::F32,
-            Storage::Bf16(_) => DType::Bf16,
-        }
+        buf.dtype()
     }
 
     fn copy(&self, src: &CpuBuf, dst: &mut CpuBuf) -> Result<()> {

@@ -7,7 +7,7 @@ use gemm::Parallelism;
 use half::bf16;
 
 use super::blas::{self, Blas, Operand};
-use crate::tensor::Gemm;
+use crate::tensor::{DType, Gemm};
 
 /// A CPU buffer: a vector of `f32`, or of `bf16` widened on read.
 #[derive(Clone, Debug, PartialEq)]
@@ -118,8 +118,16 @@ impl CpuBuf {
 pub(crate) const WIDEN_BLOCK: usize = 1 << 16;
 
 impl CpuBuf {
+    /// The storage type ([`crate::tensor::Backend::dtype`]).
+    pub(super) fn dtype(&self) -> DType {
+        match self.0 {
+            Storage::F32(_) => DType::F32,
+            Storage::Bf16(_) => DType::Bf16,
+        }
+    }
+
     pub(super) fn is_bf16(&self) -> bool {
-        matches!(self.0, Storage::Bf16(_))
+        self.dtype() == DType::Bf16
     }
 }
 
@@ -147,10 +155,10 @@ pub(super) fn zip_rows<const N: usize>(
 ) {
     let len = out.len();
     debug_assert!(ins.iter().all(|b| b.len() == len), "checked by the caller");
-    let mut all: Vec<&CpuBuf> = ins.to_vec();
-    all.push(&*out);
-    let block = block_len(&all, len, unit);
-    drop(all);
+    let block = match out.is_bf16() {
+        true => block_len(&[&*out], len, unit),
+        false => block_len(&ins, len, unit),
+    };
     let mut ins = ins.map(|b| b.blocks(block).into_iter());
     for (i, o) in out.blocks_mut(block).into_iter().enumerate() {
         let wide: [Cow<'_, [f32]>; N] =
