@@ -7,17 +7,12 @@
 
 use half::bf16;
 
-use super::buf::{Storage, WIDEN_BLOCK, block_len, gemm_slices, zip_rows};
+use super::buf::{Storage, block_len, gemm_slices, product_block_rows, zip_rows};
 use super::{CpuBackend, CpuBuf, blas, kernels};
 use crate::tensor::bytes::{from_le, to_le};
 use crate::tensor::{
     Activation, AdamWStep, AttnShape, Backend, BatchedGemm, DType, Gemm, Result, check,
 };
-
-/// The fewest rows a blocked product takes at a time: each block packs `b` again (and a
-/// weight gradient's blocks read and write `c` again), which costs little against 256 rows
-/// of multiply-adds.
-const MIN_BLOCK_ROWS: usize = 256;
 
 impl Backend for CpuBackend {
     type Buf = CpuBuf;
@@ -173,7 +168,7 @@ impl Backend for CpuBackend {
             // its whole buffer's; `b` (a weight, or a gradient already f32) is read whole.
             if !g.trans_a {
                 // Rows of `a` and `c`: each row of `c` is computed as in one product.
-                let rows = (WIDEN_BLOCK / g.k.max(g.n)).max(MIN_BLOCK_ROWS);
+                let rows = product_block_rows(g.k.max(g.n));
                 let b = b.read();
                 for (a, c) in a
                     .blocks(rows * g.k)
@@ -193,7 +188,7 @@ impl Backend for CpuBackend {
             if !c.is_bf16() && !g.trans_b {
                 // `aᵀ·b` over tokens (a weight gradient into f32 `c`): blocks of the
                 // reduction's rows, accumulated into `c` in order.
-                let rows = (WIDEN_BLOCK / g.m.max(g.n)).max(MIN_BLOCK_ROWS);
+                let rows = product_block_rows(g.m.max(g.n));
                 let blocks = a.blocks(rows * g.m).into_iter().zip(b.blocks(rows * g.n));
                 c.write(|c| {
                     for (i, (a, b)) in blocks.enumerate() {

@@ -113,9 +113,22 @@ impl CpuBuf {
 }
 
 /// Values of a `bf16` operand widened at a time where a kernel can work block by block
-/// (256 KiB as `f32`): the transient a bf16 buffer costs while read or written is this, not
-/// the whole buffer's `f32` copy.
+/// (256 KiB as `f32`; a product's blocks may be larger, [`product_block_rows`]): the
+/// transient a bf16 buffer costs while read or written is a block, not the whole buffer's
+/// `f32` copy.
 pub(crate) const WIDEN_BLOCK: usize = 1 << 16;
+
+/// The fewest rows a blocked product takes at a time: each block packs `b` again (and a
+/// weight gradient's blocks read and write `c` again), which costs little against 256 rows
+/// of multiply-adds.
+const MIN_BLOCK_ROWS: usize = 256;
+
+/// Rows a product with a bf16 operand takes at a time, its widest operand rows of `width`
+/// values: [`WIDEN_BLOCK`] values, or [`MIN_BLOCK_ROWS`] where rows are wider than a
+/// 256th of that (the memory estimate counts these blocks too).
+pub(crate) fn product_block_rows(width: usize) -> usize {
+    (WIDEN_BLOCK / width.max(1)).max(MIN_BLOCK_ROWS)
+}
 
 impl CpuBuf {
     /// The storage type ([`crate::tensor::Backend::dtype`]).

@@ -22,7 +22,7 @@ use std::sync::Arc;
 use gemm::Parallelism;
 
 pub use buf::CpuBuf;
-pub(crate) use buf::WIDEN_BLOCK;
+pub(crate) use buf::product_block_rows;
 
 use super::{DType, Result};
 use crate::tensor::TensorError;

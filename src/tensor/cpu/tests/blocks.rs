@@ -3,7 +3,7 @@
 //! once, on buffers that span several blocks and end in a partial one.
 
 use super::*;
-use crate::tensor::cpu::WIDEN_BLOCK;
+use crate::tensor::cpu::buf::WIDEN_BLOCK;
 
 /// Rows of `dim` values spanning three blocks and part of a fourth.
 fn rows(dim: usize) -> usize {
