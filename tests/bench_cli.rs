@@ -21,7 +21,8 @@ fn bench_in(run_dir: &std::path::Path, extra: &[&str]) -> Output {
         "--drafter-slices",
         "2",
     ])
-    .args(["--requests", "16", "--reps", "1", "--stages", "2"])
+    .args(["--requests", "16", "--drafter-requests", "16"])
+    .args(["--reps", "1", "--stages", "2"])
     .arg("--run-dir")
     .arg(run_dir);
     for s in ["model.d_model=32", "model.heads=2", "model.layers=4"] {
@@ -87,6 +88,13 @@ fn a_rerun_loads_the_target_and_the_drafter_and_fits_the_step_costs() {
     }
     let share = json["plain_tail_share"].as_f64().unwrap();
     assert!((0.0..=1.0).contains(&share), "{json}");
+    // The drafter's agreement, on the measured batch it never trained on and on its rows.
+    for which in ["held_out", "own_rows"] {
+        let a = json["drafter_agreement"][which]
+            .as_f64()
+            .unwrap_or(f64::NAN);
+        assert!((0.0..=1.0).contains(&a), "{which}: {json}");
+    }
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -12,8 +12,11 @@
 //!    from a heavy-tailed law (`batch`), each capped by the model's positions, and prints
 //!    the completion lengths and the share of the plain rollout's time that its longest 10%
 //!    of sequences take alone;
-//! 3. runs it once with plain decoding, recording the drafter rows, and trains the drafter
-//!    (`[drafter]`) for `--drafter-slices` slices on exactly those rows;
+//! 3. runs it once with plain decoding (its rows are the drafter's held-out rows), then
+//!    rolls out `--drafter-requests` other prompts of the same tasks plainly and trains the
+//!    drafter (`[drafter]`) for `--drafter-slices` slices on their rows: as TLT's drafter
+//!    learns from earlier rollouts, it never sees the measured batch's; its top-1 agreement
+//!    with the target is printed on both;
 //! 4. runs it plainly and with a fixed K (its acceptance length gives the drafter's
 //!    per-token acceptance, hence every K's), and derives the adaptive threshold from
 //!    measured step costs: per sequences in one group `b` = 1, 2, 4, … and every K the
@@ -60,7 +63,7 @@ use crate::cli::show::Terminal;
 use anyhow::{Context, bail};
 pub use args::BenchArgs;
 use args::{BenchWhat, RolloutArgs};
-use batch::{long_tail_batch, parse_tree};
+use batch::{Stream, long_tail_batch, parse_tree};
 use costs::{
     COST_REPS, EARLY_PARTS, TAIL_PARTS, bucket_fits, bucket_tables, fit_lines,
     per_token_acceptance, probe_context, step_cost_lines, tail_share, threshold_of_buckets,
@@ -186,7 +189,7 @@ fn rollout_on<B: Backend>(
         job.model.param_count(),
         model.backend().name(),
     ));
-    let requests = long_tail_batch(&job, a.requests)?;
+    let requests = long_tail_batch(&job, a.requests, Stream::Measured, &[])?;
     let stages = InferStage::stages_of(model, &Cut::Even(a.stages))?;
     let mut engine = RolloutEngine::new(stages)?
         .with_min_group_rows(a.min_group_rows)
@@ -199,7 +202,8 @@ fn rollout_on<B: Backend>(
         ..RolloutConfig::default()
     };
 
-    // The drafter, trained on the rows of a plain rollout of this very batch.
+    // The batch measured plainly once: its lengths, and its rows (the drafter's held-out
+    // rows, and the probe of the step costs below).
     let first = engine.run(&requests, &cfg(Speculation::Off, true), None)?;
     let lens: Vec<usize> = (0..requests.len())
         .map(|i| first.completion(i).len())
@@ -215,16 +219,22 @@ fn rollout_on<B: Backend>(
             100.0 * tail_share(&first)
         ),
     );
+    // The drafter, trained on the rows of a plain rollout of other prompts of the same
+    // tasks (`Stream::Drafter`): what it drafts in the measured runs it has not seen.
+    let lesson_requests = long_tail_batch(&job, a.drafter_requests, Stream::Drafter, &requests)?;
     let mut drafter = Drafter::new(&job.model, &job.drafter, one.clone())?;
     drafter.refresh_from_gpt(model, trained)?;
+    let lesson = engine
+        .run(&lesson_requests, &cfg(Speculation::Off, true), None)?
+        .rows;
     let buffer = DraftBufferHandle::new(&job.model, &job.drafter);
     buffer.begin_step(trained);
-    for row in first.rows.iter().cloned() {
+    for row in lesson.iter().cloned() {
         buffer.lock().push(row)?;
     }
     let t1 = Instant::now();
     let mut dtrainer = DrafterTrainer::new(drafter, buffer, 0, 1)?;
-    let kept = cache::drafter_path(dir, &job, trained, &requests, a.drafter_slices);
+    let kept = cache::drafter_path(dir, &job, trained, &lesson_requests, a.drafter_slices);
     let origin = match cache::cached_drafter(&kept)? {
         Some(weights) => {
             dtrainer.load_weights(&weights)?;
@@ -236,17 +246,19 @@ fn rollout_on<B: Backend>(
             }
             cache::save_drafter(&kept, &dtrainer.weights()?)?;
             format!(
-                "{} slices on those {} rows in {:.1} s",
+                "{} slices on the rows of {} other prompts' plain rollout in {:.1} s",
                 a.drafter_slices,
-                first.rows.len(),
-                t1.elapsed().as_secs_f64()
+                lesson.len(),
+                t1.elapsed().as_secs_f64(),
             )
         }
     };
+    let seen = dtrainer.agreement(&lesson)?;
     let agree = dtrainer.agreement(&first.rows)?;
     out.line(&format!(
-        "drafter: {origin}, top-1 agreement with the target {:.1}%",
-        100.0 * agree
+        "drafter: {origin}; top-1 agreement with the target {:.1}% on the measured batch (held out), {:.1}% on its own rows",
+        100.0 * agree,
+        100.0 * seen
     ));
     // What a step costs per sequences in one group, measured piece by piece (one thread):
     // the target's decode and verification, and the drafter's proposal, at the long
@@ -271,7 +283,7 @@ fn rollout_on<B: Backend>(
     if !a.draft_vocab.is_empty() {
         let d = dtrainer.drafter_mut();
         let vocabs = a.draft_vocab.iter();
-        let vocabs = vocabs.map(|&n| Some(frequent_tokens(&first.rows, job.model.vocab, n)));
+        let vocabs = vocabs.map(|&n| Some(frequent_tokens(&lesson, job.model.vocab, n)));
         for ids in std::iter::once(None).chain(vocabs) {
             let ids = ids.as_deref();
             d.set_draft_vocab(ids)?;
@@ -483,6 +495,7 @@ fn rollout_on<B: Backend>(
             "plain_tail_s": m(&plain, &tail_s),
             "plain_tail_share": m(&plain, &tail_share),
             "completion_lengths": json!({"median": median_len, "max": max_len}),
+            "drafter_agreement": json!({"held_out": agree, "own_rows": seen}),
             "buckets": json!({"plain": plain_fits, "fixed": fixed_fits}),
             "adaptive_tail_s": m(&adapt, &tail_s),
             "adaptive_mode": runs[HEADLINE].0,

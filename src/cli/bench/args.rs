@@ -40,11 +40,18 @@ pub struct RolloutArgs {
     /// group through every stage on the driver's thread): to measure what that saves.
     #[arg(long)]
     pub(super) threaded_tail: bool,
-    /// Drafter training slices on the plain rollout's rows (self-distillation on the
+    /// Drafter training slices on the rows of its own batch (self-distillation on the
     /// target's own generations). More slices raise the drafter's agreement and acceptance
-    /// length, at a training cost that grows with `d_model` (docs/benchmarks.md).
-    #[arg(long, default_value_t = 6000)]
+    /// length, at a training cost that grows with `d_model`: on the d512 target 16000 took
+    /// the acceptance length at K = 4 on the measured batch to 3.74 where 6000 gave 3.17
+    /// (docs/benchmarks.md, "Drafter slices in the rollout bench"), in about 6 minutes on a
+    /// 2-core box, once (the drafter is kept).
+    #[arg(long, default_value_t = 16000)]
     pub(super) drafter_slices: usize,
+    /// Sequences of the drafter's own batch: other prompts of the same tasks, rolled out
+    /// plainly, whose rows it trains on (it never sees the measured batch's).
+    #[arg(long, default_value_t = 256)]
+    pub(super) drafter_requests: usize,
     /// Sequences in the batch.
     #[arg(long, default_value_t = 128)]
     pub(super) requests: usize,
