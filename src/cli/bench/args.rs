@@ -42,10 +42,10 @@ pub struct RolloutArgs {
     pub(super) threaded_tail: bool,
     /// Drafter training slices on the rows of its own batch (self-distillation on the
     /// target's own generations). More slices raise the drafter's agreement and acceptance
-    /// length, at a training cost that grows with `d_model`: on the d512 target 16000 took
-    /// the acceptance length at K = 4 on the measured batch to 3.74 where 6000 gave 3.17
-    /// (docs/benchmarks.md, "Drafter slices in the rollout bench"), in about 6 minutes on a
-    /// 2-core box, once (the drafter is kept).
+    /// length, at a training cost that grows with `d_model`: on the d512 target, trained on
+    /// prompts that still shared the measured batch's small tasks, 16000 took the acceptance
+    /// length at K = 4 to 3.74 where 6000 gave 3.17 (docs/benchmarks.md, "A drafter that has
+    /// not seen the measured batch"), in about 6 minutes on a 2-core box, once (it is kept).
     #[arg(long, default_value_t = 16000)]
     pub(super) drafter_slices: usize,
     /// Sequences of the drafter's own batch: other prompts of the same tasks, rolled out
