@@ -138,7 +138,7 @@ fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
 /// the run directory's checkpoint), the drafter on `one`; what it measured goes to `out`.
 fn rollout_on<B: Backend>(
     a: RolloutArgs,
-    job: JobConfig,
+    mut job: JobConfig,
     init: Option<Checkpoint>,
     train: B,
     one: B,
@@ -222,6 +222,9 @@ fn rollout_on<B: Backend>(
     // The drafter, trained on the rows of a plain rollout of other prompts of the same
     // tasks (`Stream::Drafter`): what it drafts in the measured runs it has not seen.
     let lesson_requests = long_tail_batch(&job, a.drafter_requests, Stream::Drafter, &requests)?;
+    // Room for every row of that rollout (a buffer drops the oldest beyond it).
+    let rows = &mut job.drafter.advanced.buffer_rows;
+    *rows = (*rows).max(a.drafter_requests);
     let mut drafter = Drafter::new(&job.model, &job.drafter, one.clone())?;
     drafter.refresh_from_gpt(model, trained)?;
     let lesson = engine

@@ -49,8 +49,10 @@ pub struct RolloutArgs {
     #[arg(long, default_value_t = 16000)]
     pub(super) drafter_slices: usize,
     /// Sequences of the drafter's own batch: other prompts of the same tasks, rolled out
-    /// plainly, whose rows it trains on (it never sees the measured batch's).
-    #[arg(long, default_value_t = 256)]
+    /// plainly, whose rows it trains on (it never sees the measured batch's). As TLT's
+    /// drafter learns from many steps' rollouts: on the d512 target 1024 took held-out
+    /// agreement from 65% (256) to 82% and the acceptance length at K = 4 from 2.30 to 3.92.
+    #[arg(long, default_value_t = 1024)]
     pub(super) drafter_requests: usize,
     /// Sequences in the batch.
     #[arg(long, default_value_t = 128)]
