@@ -68,6 +68,16 @@ fn metrics(dir: &Path) -> Vec<Value> {
         assert!(live.windows(2).all(|w| w[0] >= w[1]), "{m}");
         assert_eq!(live.last(), Some(&0), "{m}");
         assert!(m["tokens_per_s"].as_f64().unwrap() > 0.0, "{m}");
+        // The completions' lengths, and the share of the rollout their longest tenth ran
+        // alone (this engine times its steps).
+        let lens = &m["completion_lengths"];
+        let (median, max) = (
+            lens["median"].as_f64().unwrap(),
+            lens["max"].as_u64().unwrap(),
+        );
+        assert!(median >= 1.0 && median <= max as f64 && max <= 12, "{m}");
+        let tail = m["tail_share"].as_f64().unwrap();
+        assert!((0.0..1.0).contains(&tail), "{m}");
     }
     lines
 }

@@ -66,7 +66,7 @@ use args::{BenchWhat, RolloutArgs};
 use batch::{Stream, long_tail_batch, parse_tree};
 use costs::{
     COST_REPS, EARLY_PARTS, TAIL_PARTS, bucket_fits, bucket_tables, fit_lines,
-    per_token_acceptance, probe_context, step_cost_lines, tail_share, threshold_of_buckets,
+    per_token_acceptance, probe_context, step_cost_lines, threshold_of_buckets,
 };
 use overlap::{overlap_lines, overlaps};
 use pipefill::config::JobConfig;
@@ -216,7 +216,7 @@ fn rollout_on<B: Backend>(
             lens.iter().min().unwrap_or(&0),
             max_len as f64 / median_len.max(1.0),
             job.model.seq_len,
-            100.0 * tail_share(&first)
+            100.0 * first.tail_share()
         ),
     );
     // The drafter, trained on the rows of a plain rollout of other prompts of the same
@@ -496,7 +496,7 @@ fn rollout_on<B: Backend>(
             "adaptive_overall_tokens_per_s": m(&adapt, &tps),
             "overall_speedup": m(&adapt, &tps) / m(&plain, &tps),
             "plain_tail_s": m(&plain, &tail_s),
-            "plain_tail_share": m(&plain, &tail_share),
+            "plain_tail_share": m(&plain, &RolloutOutput::tail_share),
             "completion_lengths": json!({"median": median_len, "max": max_len}),
             "drafter_agreement": json!({"held_out": agree, "own_rows": seen}),
             "buckets": json!({"plain": plain_fits, "fixed": fixed_fits}),
@@ -571,7 +571,7 @@ fn rollout_on<B: Backend>(
         );
         println!(
             "the longest 10% of sequences take {:.0}% of the plain rollout's time (median of {} runs)",
-            100.0 * m(&plain, &tail_share),
+            100.0 * m(&plain, &RolloutOutput::tail_share),
             plain.len()
         );
         println!("adaptive K choices (last run, K: count): {ks:?}");

@@ -23,6 +23,9 @@ pub struct RolloutBatch {
     pub rollouts: Vec<Rollout>,
     /// Live sequences (still generating) after each decode iteration: the long tail.
     pub live_batch: Vec<usize>,
+    /// Share of the rollout's time its longest 10% of sequences ran alone (engines that time
+    /// their steps only).
+    pub tail_share: Option<f64>,
     /// Mean accepted draft tokens per verification + 1 (speculation only).
     pub acceptance_length: Option<f64>,
     /// Mean draft length the engine chose (speculation only).

@@ -30,10 +30,12 @@ pub fn completion_tokens(ids: &[u32], eos: u32) -> &[u32] {
 
 /// Tokens the policy produced over `generations`: each up to and with its `eos`.
 pub fn generated_tokens<'a>(generations: impl IntoIterator<Item = &'a [u32]>, eos: u32) -> usize {
-    generations
-        .into_iter()
-        .map(|g| (completion_tokens(g, eos).len() + 1).min(g.len()))
-        .sum()
+    generations.into_iter().map(|g| generated_len(g, eos)).sum()
+}
+
+/// Tokens the policy produced in `generation`: up to and with its `eos`.
+pub fn generated_len(generation: &[u32], eos: u32) -> usize {
+    (completion_tokens(generation, eos).len() + 1).min(generation.len())
 }
 
 /// The reward of the generated token ids `ids` (after the prompt) for `task`. An id

@@ -19,7 +19,8 @@ use serde::{Deserialize, Serialize};
 use super::generator::{Rollout, RolloutBatch, RolloutGenerator, RolloutRequest};
 use super::grpo::{group_advantages, reference_log_probs};
 use super::prompts::PromptSource;
-use super::reward::generated_tokens;
+use super::reward::{generated_len, generated_tokens};
+use super::step_metrics::CompletionLengths;
 use super::step_metrics::{RlStepMetrics, StepTimes, UpdateFigures};
 use super::update::{UpdateStep, needed_micro_batches, update_batches, update_step};
 use crate::config::JobConfig;
@@ -67,6 +68,7 @@ pub(crate) struct ScoredFigures {
     pub informative_groups: usize,
     /// Tokens generated, up to and with `EOS` ([`generated_tokens`]).
     pub generated_tokens: usize,
+    pub completion_lengths: CompletionLengths,
 }
 
 /// The figures of a rollout, where it was generated: those of [`RlStepMetrics`] that the
@@ -209,6 +211,11 @@ pub(crate) fn generate<B: Backend>(
         generated_tokens: generated_tokens(
             batch.rollouts.iter().map(|r| r.generated.as_slice()),
             source.eos(),
+        ),
+        completion_lengths: CompletionLengths::of(
+            &(batch.rollouts.iter())
+                .map(|r| generated_len(&r.generated, source.eos()))
+                .collect::<Vec<_>>(),
         ),
     };
     let referenced = Instant::now();

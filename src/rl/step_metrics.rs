@@ -5,6 +5,23 @@
 
 use serde::Serialize;
 
+/// Completion lengths of a step's rollouts.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct CompletionLengths {
+    pub median: f64,
+    pub max: usize,
+}
+
+impl CompletionLengths {
+    /// Of the completions' lengths `lens`.
+    pub(crate) fn of(lens: &[usize]) -> Self {
+        CompletionLengths {
+            median: crate::profile::report::median(lens.iter().map(|&l| l as f64)),
+            max: lens.iter().copied().max().unwrap_or(0),
+        }
+    }
+}
+
 /// One line of the RL run's `metrics.jsonl`.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct RlStepMetrics {
@@ -64,6 +81,12 @@ pub struct RlStepMetrics {
     pub tokens_per_s_plain: Option<f64>,
     /// Live sequences after each decode iteration.
     pub live_batch: Vec<usize>,
+    /// Generated tokens per sequence (each up to and with its `EOS`): median and longest.
+    pub completion_lengths: CompletionLengths,
+    /// Share of the rollout's time after only its longest 10% of sequences are live
+    /// ([`RolloutOutput::tail_share`](crate::rl::rollout::RolloutOutput::tail_share);
+    /// generators that do not time their steps: null).
+    pub tail_share: Option<f64>,
     pub acceptance_length: Option<f64>,
     pub chosen_k: Option<f64>,
     pub drafter_agreement: Option<f64>,
@@ -143,6 +166,8 @@ impl RlStepMetrics {
             tokens_per_s_sd,
             tokens_per_s_plain,
             live_batch: batch.live_batch.clone(),
+            completion_lengths: scored.completion_lengths,
+            tail_share: batch.tail_share,
             acceptance_length: batch.acceptance_length,
             chosen_k: batch.chosen_k,
             drafter_agreement: batch.drafter_agreement,

@@ -7,12 +7,15 @@
 //! Sampling is seeded by `(seed, step, sequence)`: each sequence has its own stream, so a
 //! sequence's tokens do not depend on which others are still live.
 
+use std::time::Instant;
+
 use super::accept::{sample, softmax};
 use super::generator::{Rollout, RolloutBatch, RolloutGenerator, RolloutRequest};
 use crate::data::SplitMix64;
 use crate::model::infer::{InferStage, Span, run_stages};
 use crate::model::{Cut, Gpt};
 use crate::rl::RlError;
+use crate::rl::rollout::{LivePoint, tail_share};
 use crate::tensor::Backend;
 
 /// Plain (non-speculative) sampling at `temperature`.
@@ -54,6 +57,8 @@ impl<B: Backend> RolloutGenerator<B> for PlainSampler {
             .collect();
         let mut ids: Vec<u32> = seqs.iter().flat_map(|s| s.prompt.clone()).collect();
         let mut curve = Vec::with_capacity(max_new);
+        // The live batch in time, for the tail's share.
+        let (started, mut timed, mut tokens) = (Instant::now(), Vec::new(), 0);
         while !live.is_empty() {
             let (logits, _) = run_stages(&mut stages, &spans, &ids)?;
             let mut row = 0;
@@ -72,8 +77,14 @@ impl<B: Backend> RolloutGenerator<B> for PlainSampler {
                     }
                 }
             }
+            tokens += spans.len();
             live = next_live;
             curve.push(live.len());
+            timed.push(LivePoint {
+                t: started.elapsed().as_secs_f64(),
+                live: live.len(),
+                tokens,
+            });
             spans = live
                 .iter()
                 .map(|&slot| Span {
@@ -87,7 +98,9 @@ impl<B: Backend> RolloutGenerator<B> for PlainSampler {
                 .map(|&slot| *seqs[slot].generated.last().expect("one token sampled"))
                 .collect();
         }
+        let seconds = started.elapsed().as_secs_f64();
         Ok(RolloutBatch {
+            tail_share: Some(tail_share(&timed, seqs.len(), seconds)),
             rollouts: seqs,
             live_batch: curve,
             ..RolloutBatch::default()

@@ -518,6 +518,7 @@ impl<B: RankBackend> RolloutGenerator<B> for PipelineRollouts<B> {
         Ok(RolloutBatch {
             rollouts,
             live_batch: out.live_curve.iter().map(|p| p.live).collect(),
+            tail_share: Some(out.tail_share()),
             acceptance_length: (s.verifications > 0).then(|| s.acceptance_length()),
             chosen_k,
             drafter_agreement: agreement,

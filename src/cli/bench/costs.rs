@@ -241,18 +241,6 @@ pub(super) fn fit_lines(plain: &[BucketFit], fixed: &[BucketFit], k: usize) -> V
         .collect()
 }
 
-/// Share of a rollout's time after only its longest 10% of sequences are live (from the
-/// first moment at most a tenth of the batch is live to the end).
-pub(super) fn tail_share(r: &RolloutOutput) -> f64 {
-    let n = r.sequences.len();
-    let tenth = (n / 10).max(1);
-    let total = r.stats.seconds.max(1e-9);
-    r.live_curve
-        .iter()
-        .find(|p| p.live <= tenth)
-        .map_or(0.0, |p| (total - p.t) / total)
-}
-
 /// Timed repetitions per cost (the fastest is kept).
 pub(super) const COST_REPS: usize = 9;
 

@@ -281,6 +281,23 @@ impl RolloutOutput {
     pub fn completion(&self, i: usize) -> &[u32] {
         &self.sequences[i][self.prompt_lens[i]..]
     }
+
+    /// [`tail_share`] of this rollout.
+    pub fn tail_share(&self) -> f64 {
+        tail_share(&self.live_curve, self.sequences.len(), self.stats.seconds)
+    }
+}
+
+/// Share of a rollout's `seconds` after only the longest 10% of its `sequences` are live
+/// (from the first point of `curve` with at most a tenth of them live to the end): how long
+/// its tail is, in the terms of the TLT issue (at least half, for reasoning rollouts).
+pub fn tail_share(curve: &[LivePoint], sequences: usize, seconds: f64) -> f64 {
+    let tenth = (sequences / 10).max(1);
+    let total = seconds.max(1e-9);
+    curve
+        .iter()
+        .find(|p| p.live <= tenth)
+        .map_or(0.0, |p| (total - p.t) / total)
 }
 
 /// The pipeline's inference stages, ready to generate.
