@@ -97,6 +97,20 @@ fn a_rerun_loads_the_target_and_the_drafter_and_fits_the_step_costs() {
     }
 }
 
+/// A drafter batch of no prompts is one error naming the flag, before any training.
+#[test]
+fn no_drafter_requests_is_one_error_naming_the_flag() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = clean(EXE)
+        .args(["bench", "rollout", "--drafter-requests", "0", "--run-dir"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    let stderr = one_line_error(&out);
+    assert!(stderr.contains("--drafter-requests"), "{stderr}");
+    assert!(!dir.path().join("job.toml").exists());
+}
+
 #[cfg(not(feature = "cuda"))]
 #[test]
 fn cuda_without_the_feature_is_one_error_naming_the_device() {

@@ -97,8 +97,8 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
 }
 
 fn rollout(a: RolloutArgs) -> anyhow::Result<()> {
-    if a.reps == 0 || a.requests == 0 || a.k == 0 {
-        bail!("--reps, --requests and --k must be at least 1");
+    if a.reps == 0 || a.requests == 0 || a.drafter_requests == 0 || a.k == 0 {
+        bail!("--reps, --requests, --drafter-requests and --k must be at least 1");
     }
     // The bench's own defaults first, so that `--set` can still override them.
     let mut sets: Vec<String> = BENCH_SETS
