@@ -28,11 +28,6 @@ pub fn completion_tokens(ids: &[u32], eos: u32) -> &[u32] {
     &ids[..end]
 }
 
-/// Tokens the policy produced over `generations`: each up to and with its `eos`.
-pub fn generated_tokens<'a>(generations: impl IntoIterator<Item = &'a [u32]>, eos: u32) -> usize {
-    generations.into_iter().map(|g| generated_len(g, eos)).sum()
-}
-
 /// Tokens the policy produced in `generation`: up to and with its `eos`.
 pub fn generated_len(generation: &[u32], eos: u32) -> usize {
     (completion_tokens(generation, eos).len() + 1).min(generation.len())

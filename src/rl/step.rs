@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 use super::generator::{Rollout, RolloutBatch, RolloutGenerator, RolloutRequest};
 use super::grpo::{group_advantages, reference_log_probs};
 use super::prompts::PromptSource;
-use super::reward::{generated_len, generated_tokens};
+use super::reward::generated_len;
 use super::step_metrics::CompletionLengths;
 use super::step_metrics::{RlStepMetrics, StepTimes, UpdateFigures};
 use super::update::{UpdateStep, needed_micro_batches, update_batches, update_step};
@@ -66,7 +66,7 @@ pub(crate) struct ScoredFigures {
     pub reward: f64,
     /// Groups with a non-zero advantage (the only ones with a gradient).
     pub informative_groups: usize,
-    /// Tokens generated, up to and with `EOS` ([`generated_tokens`]).
+    /// Tokens generated, each completion up to and with its `EOS` ([`generated_len`]).
     pub generated_tokens: usize,
     pub completion_lengths: CompletionLengths,
 }
@@ -203,20 +203,16 @@ pub(crate) fn generate<B: Backend>(
     // Shown before the advantages are taken, which can fail.
     on_reward(reward);
     let advantages = group_advantages(&rewards, rl.group)?;
+    let lens: Vec<usize> = (batch.rollouts.iter())
+        .map(|r| generated_len(&r.generated, source.eos()))
+        .collect();
     let scored = ScoredFigures {
         reward,
         informative_groups: (advantages.chunks(rl.group))
             .filter(|g| g.iter().any(|&a| a != 0.0))
             .count(),
-        generated_tokens: generated_tokens(
-            batch.rollouts.iter().map(|r| r.generated.as_slice()),
-            source.eos(),
-        ),
-        completion_lengths: CompletionLengths::of(
-            &(batch.rollouts.iter())
-                .map(|r| generated_len(&r.generated, source.eos()))
-                .collect::<Vec<_>>(),
-        ),
+        generated_tokens: lens.iter().sum(),
+        completion_lengths: CompletionLengths::of(&lens),
     };
     let referenced = Instant::now();
     let logp_ref = match reference {

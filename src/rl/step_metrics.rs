@@ -81,7 +81,8 @@ pub struct RlStepMetrics {
     pub tokens_per_s_plain: Option<f64>,
     /// Live sequences after each decode iteration.
     pub live_batch: Vec<usize>,
-    /// Generated tokens per sequence (each up to and with its `EOS`): median and longest.
+    /// Generated tokens per sequence (each up to and with its `EOS`, as `generated_tokens`
+    /// counts them): median and longest.
     pub completion_lengths: CompletionLengths,
     /// Share of the rollout's time after only its longest 10% of sequences are live
     /// ([`RolloutOutput::tail_share`](crate::rl::rollout::RolloutOutput::tail_share);

@@ -56,9 +56,8 @@ impl<B: Backend> RolloutGenerator<B> for PlainSampler {
             })
             .collect();
         let mut ids: Vec<u32> = seqs.iter().flat_map(|s| s.prompt.clone()).collect();
-        let mut curve = Vec::with_capacity(max_new);
-        // The live batch in time, for the tail's share.
-        let (started, mut timed, mut tokens) = (Instant::now(), Vec::new(), 0);
+        // The live batch after each iteration, in time (for the tail's share).
+        let (started, mut curve, mut tokens) = (Instant::now(), Vec::with_capacity(max_new), 0);
         while !live.is_empty() {
             let (logits, _) = run_stages(&mut stages, &spans, &ids)?;
             let mut row = 0;
@@ -79,8 +78,7 @@ impl<B: Backend> RolloutGenerator<B> for PlainSampler {
             }
             tokens += spans.len();
             live = next_live;
-            curve.push(live.len());
-            timed.push(LivePoint {
+            curve.push(LivePoint {
                 t: started.elapsed().as_secs_f64(),
                 live: live.len(),
                 tokens,
@@ -100,9 +98,9 @@ impl<B: Backend> RolloutGenerator<B> for PlainSampler {
         }
         let seconds = started.elapsed().as_secs_f64();
         Ok(RolloutBatch {
-            tail_share: Some(tail_share(&timed, seqs.len(), seconds)),
+            tail_share: Some(tail_share(&curve, seqs.len(), seconds)),
             rollouts: seqs,
-            live_batch: curve,
+            live_batch: curve.iter().map(|p| p.live).collect(),
             ..RolloutBatch::default()
         })
     }

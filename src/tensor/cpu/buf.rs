@@ -116,7 +116,7 @@ impl CpuBuf {
 /// (256 KiB as `f32`; a product's blocks may be larger, [`product_block_rows`]): the
 /// transient a bf16 buffer costs while read or written is a block, not the whole buffer's
 /// `f32` copy.
-pub(crate) const WIDEN_BLOCK: usize = 1 << 16;
+pub(super) const WIDEN_BLOCK: usize = 1 << 16;
 
 /// The fewest rows a blocked product takes at a time: each block packs `b` again (and a
 /// weight gradient's blocks read and write `c` again), which costs little against 256 rows
@@ -168,9 +168,11 @@ pub(super) fn zip_rows<const N: usize>(
 ) {
     let len = out.len();
     debug_assert!(ins.iter().all(|b| b.len() == len), "checked by the caller");
-    let block = match out.is_bf16() {
-        true => block_len(&[&*out], len, unit),
-        false => block_len(&ins, len, unit),
+    // A bf16 output is blocked whatever the inputs; otherwise the inputs decide.
+    let block = if out.is_bf16() {
+        block_len(&[&*out], len, unit)
+    } else {
+        block_len(&ins, len, unit)
     };
     let mut ins = ins.map(|b| b.blocks(block).into_iter());
     for (i, o) in out.blocks_mut(block).into_iter().enumerate() {
