@@ -91,19 +91,20 @@ pub(super) fn activations(
     )?;
     let working = mul(what, &[flight.ranks, tokens, working_per_token, k(ELEMENT)])?;
     // A bf16 buffer is widened to f32 where the CPU computes on it: products, element-wise
-    // operations and norms a block of rows at a time, the attention probabilities one
-    // sequence and head at a time, and attention's `q`, `k`, `v` and output whole. Counted
-    // per rank as those four `[tokens, d]` operands and three blocks of the widest
-    // product (measured: "Mixed precision" in docs/benchmarks.md).
+    // operations and norms a block of rows at a time, attention one sequence at a time
+    // (its `q`, `k`, `v` and output or output gradient, `[seq, d]` each) and within it the
+    // probabilities one head at a time. Counted per rank as those four `[seq, d]`
+    // operands and three blocks of the widest product (measured: "Mixed precision" in
+    // docs/benchmarks.md).
     let widened = match job.train.precision {
         crate::tensor::DType::F32 => k(0),
         crate::tensor::DType::Bf16 => {
-            let whole = mul(what, &[tokens, k(4), d])?;
+            let attention = mul(what, &[seq, k(4), d])?;
             // A product's block of its widest operand, the MLP's hidden layer (checked to
             // fit a usize by `hidden`).
             let rows = crate::tensor::cpu::product_block_rows(hidden.n as usize) as u64;
             let blocks = mul(what, &[k(3), k(rows), hidden])?;
-            let values = add(what, &[whole, blocks])?;
+            let values = add(what, &[attention, blocks])?;
             mul(what, &[flight.ranks, values, k(ELEMENT)])?
         }
     };

@@ -439,10 +439,15 @@ impl Backend for CpuBackend {
         shape: AttnShape,
     ) -> Result<()> {
         check::attention_fwd(self, [q, k, v, out, probs], shape)?;
-        let (q, k, v) = (q.read(), k.read(), v.read());
+        // A sequence's rows at a time, and a (sequence, head) pair's probabilities.
+        let (rows, pair) = (
+            shape.seq * shape.heads * shape.head_dim,
+            shape.seq * shape.seq,
+        );
+        let qkv = [q, k, v].map(|b| b.blocks(rows));
+        let (out, p) = (out.blocks_mut(rows), probs.blocks_mut(pair));
         self.run(shape.probs_len() * shape.head_dim, |par| {
-            let p = probs.blocks_mut(shape.seq * shape.seq);
-            out.write(|o| kernels::attention_fwd(par, &q, &k, &v, o, p, shape))
+            kernels::attention_fwd(par, qkv, out, p, shape)
         });
         Ok(())
     }
@@ -460,15 +465,15 @@ impl Backend for CpuBackend {
         shape: AttnShape,
     ) -> Result<()> {
         check::attention_bwd(self, [q, k, v, probs, d_out, dq, dk, dv], shape)?;
-        let (q, k, v, d) = (q.read(), k.read(), v.read(), d_out.read());
-        // The probabilities are widened one sequence and head at a time.
-        let p = probs.blocks(shape.seq * shape.seq);
+        let (rows, pair) = (
+            shape.seq * shape.heads * shape.head_dim,
+            shape.seq * shape.seq,
+        );
+        let qkv = [q, k, v].map(|b| b.blocks(rows));
+        let (p, d) = (probs.blocks(pair), d_out.blocks(rows));
+        let grads = [dq, dk, dv].map(|b| b.blocks_mut(rows));
         self.run(shape.probs_len() * shape.head_dim, |par| {
-            dq.write(|gq| {
-                dk.write(|gk| {
-                    dv.write(|gv| kernels::attention_bwd(par, &q, &k, &v, p, &d, gq, gk, gv, shape))
-                })
-            })
+            kernels::attention_bwd(par, qkv, p, d, grads, shape)
         });
         Ok(())
     }

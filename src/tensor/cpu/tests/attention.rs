@@ -122,3 +122,50 @@ fn attention_with_bf16_probabilities_is_the_rounded_f32() {
         assert_eq!(grads(&p16), grads(&buf(&be, &rounded)));
     }
 }
+
+/// bf16 `q`, `k`, `v`, output gradient, output and probabilities, each widened one sequence
+/// (or one head's probabilities) at a time, give the f32 kernel's results on the same values,
+/// rounded where stored in bf16: bit for bit, on one thread and split over heads on two (the
+/// shape is large enough for the pool).
+#[test]
+fn attention_with_bf16_operands_is_the_f32_kernel_on_their_values() {
+    let s = AttnShape {
+        batch: 3,
+        seq: 48,
+        heads: 4,
+        head_dim: 40,
+    };
+    assert!(s.probs_len() * s.head_dim >= crate::tensor::cpu::PARALLEL_WORK);
+    let n = s.qkv_len();
+    let round = |x: &[f32]| -> Vec<f32> {
+        x.iter()
+            .map(|&x| half::bf16::from_f32(x).to_f32())
+            .collect()
+    };
+    let [q, k, v, d_o] = [31, 32, 33, 34].map(|seed| round(&rand_vec(seed, n)));
+    for be in backends() {
+        let run = |dtype| {
+            let [qb, kb, vb, db] = [&q, &k, &v, &d_o].map(|x| be.from_host(x, dtype).unwrap());
+            let mut out = be.zeros(n, dtype).unwrap();
+            let mut probs = be.zeros(s.probs_len(), dtype).unwrap();
+            be.attention_fwd(&qb, &kb, &vb, &mut out, &mut probs, s)
+                .unwrap();
+            let mut g = [(); 3].map(|_| be.zeros(n, DType::F32).unwrap());
+            let [dq, dk, dv] = &mut g;
+            be.attention_bwd(&qb, &kb, &vb, &probs, &db, dq, dk, dv, s)
+                .unwrap();
+            (host(&be, &out), host(&be, &probs), g.map(|b| host(&be, &b)))
+        };
+        let (out32, p32, _) = run(DType::F32);
+        let (out16, p16, g16) = run(DType::Bf16);
+        assert_eq!(out16, round(&out32), "the output, rounded");
+        assert_eq!(p16, round(&p32), "the probabilities, rounded");
+        // The backward reads the rounded probabilities: the f32 kernel on those.
+        let [qb, kb, vb, db] = [&q, &k, &v, &d_o].map(|x| buf(&be, x));
+        let mut g = [(); 3].map(|_| be.zeros(n, DType::F32).unwrap());
+        let [dq, dk, dv] = &mut g;
+        be.attention_bwd(&qb, &kb, &vb, &buf(&be, &p16), &db, dq, dk, dv, s)
+            .unwrap();
+        assert_eq!(g16, g.map(|b| host(&be, &b)), "the gradients");
+    }
+}
