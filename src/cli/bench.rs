@@ -66,7 +66,7 @@ use args::{BenchWhat, RolloutArgs};
 use batch::{Stream, long_tail_batch, parse_tree};
 use costs::{
     COST_REPS, EARLY_PARTS, TAIL_PARTS, bucket_fits, bucket_tables, fit_lines,
-    per_token_acceptance, probe_context, step_cost_lines, threshold_of_buckets,
+    per_token_acceptance, probe_context, step_cost_lines, step_rows, threshold_of_buckets,
 };
 use overlap::{overlap_lines, overlaps};
 use pipefill::config::JobConfig;
@@ -371,7 +371,22 @@ fn rollout_on<B: Backend>(
     );
     // How much faster the stage threads run several groups' steps at once, for the buckets
     // the runs had several groups in flight in (early in the rollout: the early context).
-    let overlaps = overlaps(model, early.tokens.len(), timed_b, groups, COST_REPS)?;
+    // Up to the most rows a fitted step carried (K+1 a sequence when verifying).
+    let fit_rows = plain0
+        .iter()
+        .chain(&fixed)
+        .flat_map(|r| r.steps.iter().map(step_rows))
+        .max()
+        .unwrap_or(1)
+        .next_power_of_two();
+    let overlaps = overlaps(
+        model,
+        early.tokens.len(),
+        fit_rows,
+        timed_b,
+        groups,
+        COST_REPS,
+    )?;
     for line in overlap_lines(&overlaps) {
         out.line(&line);
     }

@@ -12,7 +12,7 @@ use pipefill::profile::report::median;
 use pipefill::rl::RlError;
 use pipefill::rl::bandit::bucket;
 use pipefill::rl::calibrate::{StepCost, chain_acceptance, fastest, step_cost_reps};
-use pipefill::rl::rollout::{RolloutOutput, WorkKind};
+use pipefill::rl::rollout::{RolloutOutput, StepRecord, WorkKind};
 use pipefill::tensor::Backend;
 
 use super::overlap::{Overlap, overlap_at};
@@ -93,7 +93,7 @@ pub(super) fn bucket_fits(
             e.tokens += s.emitted as f64;
             e.wall += wall;
             e.compute += s.compute_s + s.drafting_s;
-            let speedup = overlap_at(overlaps, s.sequences, s.in_flight);
+            let speedup = overlap_at(overlaps, step_rows(s), s.in_flight);
             let serial = cost_at(costs, s.sequences, k, s.context) / 1e3;
             e.serial += serial;
             e.cost += serial / speedup;
@@ -118,6 +118,15 @@ pub(super) fn bucket_fits(
             predicted_serial: rate(e.tokens, e.serial),
         })
         .collect()
+}
+
+/// Rows a step carried through the model: one per sequence for a decode, K+1 for the
+/// verification of K drafts (how its products run, and so how it overlaps: `overlap`).
+pub(super) fn step_rows(s: &StepRecord) -> usize {
+    match s.kind {
+        WorkKind::Verify { k } => s.sequences * (k + 1),
+        WorkKind::Prefill | WorkKind::Decode => s.sequences,
+    }
 }
 
 /// What one step of `b` sequences at a cache of `context` positions costs, in ms: each
@@ -366,33 +375,39 @@ mod tests {
         assert!(cost_at(&[], 1, None, 10).is_nan());
     }
 
-    #[test]
-    fn overlapped_steps_are_predicted_faster() {
-        use pipefill::rl::rollout::StepRecord;
-        let step = |t, in_flight| StepRecord {
+    fn step(t: f64, in_flight: usize, kind: WorkKind) -> StepRecord {
+        StepRecord {
             t,
             live: 2,
             sequences: 1,
             context: 50,
-            kind: WorkKind::Decode,
+            kind,
             emitted: 1,
             in_flight,
             drafting_s: 0.0,
             compute_s: 0.01,
             latency_s: 0.01,
-        };
-        let run = |in_flight| RolloutOutput {
+        }
+    }
+
+    fn two_steps(in_flight: usize, kind: WorkKind) -> RolloutOutput {
+        RolloutOutput {
             sequences: Vec::new(),
             prompt_lens: Vec::new(),
             rows: Vec::new(),
             stats: Default::default(),
             live_curve: Vec::new(),
-            steps: vec![step(0.01, in_flight), step(0.02, in_flight)],
+            steps: vec![step(0.01, in_flight, kind), step(0.02, in_flight, kind)],
             choices: Vec::new(),
-        };
+        }
+    }
+
+    #[test]
+    fn overlapped_steps_are_predicted_faster() {
+        let run = |in_flight| two_steps(in_flight, WorkKind::Decode);
         let costs = [table(50, [10.0, 14.0])];
         let overlaps = [Overlap {
-            batch: 1,
+            rows: 1,
             groups: 2,
             speedup: 2.0,
         }];
@@ -403,5 +418,24 @@ mod tests {
         assert_eq!((both[0].predicted, both[0].overlap), (200.0, 2.0));
         assert_eq!(both[0].predicted_serial, 100.0);
         assert!((both[0].measured - 100.0).abs() < 1e-9);
+    }
+
+    /// A verification of K drafts of one sequence carries K+1 rows and overlaps as steps of
+    /// that many rows do, not as one-row decodes.
+    #[test]
+    fn a_verification_overlaps_as_its_rows_not_its_sequences() {
+        let costs = [table(50, [10.0, 14.0])];
+        let o = |rows, speedup| Overlap {
+            rows,
+            groups: 2,
+            speedup,
+        };
+        let overlaps = [o(1, 2.0), o(5, 1.0)];
+        let verify = WorkKind::Verify { k: 4 };
+        assert_eq!(step_rows(&step(0.0, 2, verify)), 5);
+        assert_eq!(step_rows(&step(0.0, 2, WorkKind::Decode)), 1);
+        let fit = |kind| bucket_fits(&[two_steps(2, kind)], &costs, &costs, &overlaps)[0].overlap;
+        assert_eq!(fit(WorkKind::Decode), 2.0);
+        assert_eq!(fit(verify), 1.0);
     }
 }

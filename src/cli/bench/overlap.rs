@@ -3,6 +3,14 @@
 //! several groups in flight the stage threads run different groups' steps at the same time,
 //! sharing the machine's cores, memory bandwidth and the backend's threads. The engine's
 //! threshold is decided in the tail, one group at a time, so only the bench uses it.
+//!
+//! Measured and looked up by the rows a step carries (a decode: one per sequence; a
+//! verification: K+1 per sequence), not by its sequences: a step's products run on its own
+//! thread up to `ROWMUL_MAX_ROWS` rows and on the backend's pool beyond, where one step
+//! already keeps every core busy and another group's step can only wait for it. Verifying
+//! 5 positions of 8 sequences is a 40-row step: keyed by its 8 sequences it was predicted
+//! to overlap as 8-row decodes do (1.6x on the 2-core box), against 1.2-1.4x for steps of
+//! that many rows.
 
 use std::time::Instant;
 
@@ -13,20 +21,20 @@ use pipefill::tensor::Backend;
 
 use super::costs::linear;
 
-/// How much faster the steps of `groups` groups of `batch` sequences each run started
-/// together than one after another ([`overlaps`]).
+/// How much faster the steps of `groups` groups of `rows` rows each run started together
+/// than one after another ([`overlaps`]).
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
 pub(super) struct Overlap {
-    pub batch: usize,
+    pub rows: usize,
     pub groups: usize,
     pub speedup: f64,
 }
 
-/// How much faster a step of `b` sequences runs with `in_flight` groups in flight than
-/// alone, by `overlaps`: at the most groups measured up to `in_flight`, linear in `b`
+/// How much faster a step of `rows` rows runs with `in_flight` groups in flight than
+/// alone, by `overlaps`: at the most groups measured up to `in_flight`, linear in the rows
 /// between measured sizes and flat beyond them (never below 1: a step cannot lose by
 /// another group's being in flight, whose wait is its own). 1 with one group in flight.
-pub(super) fn overlap_at(overlaps: &[Overlap], b: usize, in_flight: usize) -> f64 {
+pub(super) fn overlap_at(overlaps: &[Overlap], rows: usize, in_flight: usize) -> f64 {
     let Some(groups) = overlaps
         .iter()
         .map(|o| o.groups)
@@ -38,43 +46,53 @@ pub(super) fn overlap_at(overlaps: &[Overlap], b: usize, in_flight: usize) -> f6
     let pts: Vec<(f64, f64)> = overlaps
         .iter()
         .filter(|o| o.groups == groups)
-        .map(|o| (o.batch as f64, o.speedup))
+        .map(|o| (o.rows as f64, o.speedup))
         .collect();
     let (lo, hi) = (pts[0], pts[pts.len() - 1]);
-    let b = (b as f64).clamp(lo.0, hi.0);
-    linear(&pts, b).max(1.0)
+    let rows = (rows as f64).clamp(lo.0, hi.0);
+    linear(&pts, rows).max(1.0)
 }
 
-/// [`Overlap`]s of `model` for groups of 1, 2, 4, … up to `max_b` sequences and 2 up to
-/// `max_groups` groups: `n` decode steps of `b` sequences at a cache of `past` positions,
-/// started together on `n` threads, each on its own copy of the whole model (as the engine's
-/// stage threads read each their own stage's weights), against one such step alone; each
-/// the fastest of `reps`, timed in turn. The speedup is `n · alone / together`: 1 where
-/// the steps gain nothing from running at once, `n` where nothing is shared (cores, memory
-/// bandwidth, the backend's threads).
+/// [`Overlap`]s of `model` for steps of 1, 2, 4, … up to `max_rows` rows and 2 up to
+/// `max_groups` groups: `n` steps of those rows at a cache of `past` positions, started
+/// together on `n` threads, each on its own copy of the whole model (as the engine's stage
+/// threads read each their own stage's weights), against one such step alone; each the
+/// fastest of `reps`, timed in turn. A step of `r` rows is a decode of `r` sequences up to
+/// `max_seqs` of them, and beyond that a verification-like step of `r / max_seqs` positions
+/// of each (the engine's own shapes: K+1 positions of a group's sequences). The speedup is
+/// `n · alone / together`: 1 where the steps gain nothing from running at once, `n` where
+/// nothing is shared (cores, memory bandwidth, the backend's threads).
 pub(super) fn overlaps<B: Backend>(
     model: &Gpt<B>,
     past: usize,
-    max_b: usize,
+    max_rows: usize,
+    max_seqs: usize,
     max_groups: usize,
     reps: usize,
 ) -> Result<Vec<Overlap>, RlError> {
     if max_groups < 2 {
         return Ok(Vec::new());
     }
-    let past = past.clamp(1, model.config().seq_len.saturating_sub(2).max(1));
+    let max_seqs = max_seqs.max(1);
+    // Room in the cache for the longest step's positions after `past`.
+    let per_most = max_rows.max(1).div_ceil(max_seqs);
+    let room = model.config().seq_len.saturating_sub(per_most + 1).max(1);
+    let past = past.clamp(1, room);
     let mut sets = (0..max_groups)
         .map(|_| InferStage::stages_of(model, &Cut::Even(1)))
         .collect::<Result<Vec<_>, _>>()?;
     let mut out = Vec::new();
-    let mut b = 1;
-    while b <= max_b.max(1) {
-        let ids = vec![5u32; b * (past + 1)];
+    let mut rows = 1;
+    while rows <= max_rows.max(1) {
+        let seqs = rows.min(max_seqs);
+        let per = rows.div_ceil(seqs);
+        let ids = vec![5u32; seqs * (past + per)];
         for set in &mut sets {
-            run_stages(set, &Span::each(b, 0, past + 1), &ids)?;
+            run_stages(set, &Span::each(seqs, 0, past + per), &ids)?;
         }
+        // Each step rolls the cache back to `past` and appends its positions again.
         let step = |set: &mut Vec<InferStage<B>>| {
-            run_stages(set, &Span::each(b, past, 1), &ids[..b]).map(drop)
+            run_stages(set, &Span::each(seqs, past, per), &ids[..seqs * per]).map(drop)
         };
         let mut alone = f64::MAX;
         let mut together = vec![f64::MAX; max_groups + 1];
@@ -99,29 +117,29 @@ pub(super) fn overlaps<B: Backend>(
             }
         }
         out.extend((2..=max_groups).map(|n| Overlap {
-            batch: b,
+            rows: seqs * per,
             groups: n,
             speedup: n as f64 * alone / together[n],
         }));
-        b *= 2;
+        rows *= 2;
     }
     Ok(out)
 }
 
-/// One line per measured group size: the [`Overlap`] speedups of its group counts.
+/// One line per measured step size: the [`Overlap`] speedups of its group counts.
 pub(super) fn overlap_lines(overlaps: &[Overlap]) -> Vec<String> {
-    let mut sizes: Vec<usize> = overlaps.iter().map(|o| o.batch).collect();
+    let mut sizes: Vec<usize> = overlaps.iter().map(|o| o.rows).collect();
     sizes.dedup();
     sizes
         .into_iter()
         .map(|b| {
             let each: Vec<String> = overlaps
                 .iter()
-                .filter(|o| o.batch == b)
+                .filter(|o| o.rows == b)
                 .map(|o| format!("{} groups {:.2}x", o.groups, o.speedup))
                 .collect();
             format!(
-                "overlap: {b:>3} per group, steps started together against one after another: {}",
+                "overlap: {b:>3} rows a step, steps started together against one after another: {}",
                 each.join(", ")
             )
         })
@@ -134,8 +152,8 @@ mod tests {
 
     #[test]
     fn a_step_overlaps_as_its_group_count_and_size_measured() {
-        let o = |batch, groups, speedup| Overlap {
-            batch,
+        let o = |rows, groups, speedup| Overlap {
+            rows,
             groups,
             speedup,
         };
