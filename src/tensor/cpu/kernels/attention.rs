@@ -34,21 +34,18 @@ fn each<P: Send, T: Send>(par: bool, items: Vec<P>, f: impl Fn(usize, P) -> T + 
     }
 }
 
-/// One sequence's operands: its rows of `q`, `k`, `v` and its heads' blocks of
+/// One sequence's operands at a time: its rows of `q`, `k`, `v` and its heads' blocks of
 /// probabilities, in sequence order.
 fn per_sequence<'a, P>(
     s: &AttnShape,
-    q: Vec<Block<'a>>,
-    k: Vec<Block<'a>>,
-    v: Vec<Block<'a>>,
+    [q, k, v]: [Vec<Block<'a>>; 3],
     probs: Vec<P>,
-) -> Vec<([Block<'a>; 3], Vec<P>)> {
-    let mut probs = probs.into_iter();
+) -> impl Iterator<Item = ([Block<'a>; 3], Vec<P>)> {
+    let (heads, mut probs) = (s.heads, probs.into_iter());
     q.into_iter()
         .zip(k)
         .zip(v)
-        .map(|((q, k), v)| ([q, k, v], probs.by_ref().take(s.heads).collect()))
-        .collect()
+        .map(move |((q, k), v)| ([q, k, v], probs.by_ref().take(heads).collect()))
 }
 
 /// Copies a contiguous `[seq, head_dim]` result into head `h` of a sequence's `[seq, d]`
@@ -64,13 +61,12 @@ fn scatter_head(s: &AttnShape, h: usize, src: &[f32], dst: &mut [f32]) {
 /// d]`), `probs` in blocks of one (sequence, head) pair (`[seq, seq]`).
 pub(in crate::tensor::cpu) fn attention_fwd(
     par: bool,
-    [q, k, v]: [Vec<Block<'_>>; 3],
+    qkv: [Vec<Block<'_>>; 3],
     out: Vec<BlockMut<'_>>,
     probs: Vec<BlockMut<'_>>,
     s: AttnShape,
 ) {
-    let seqs = per_sequence(&s, q, k, v, probs).into_iter().zip(out);
-    for (([q, k, v], probs), out) in seqs {
+    for (([q, k, v], probs), out) in per_sequence(&s, qkv, probs).zip(out) {
         let (q, k, v) = (q.read(), k.read(), v.read());
         let heads = each(par, probs, |h, p| {
             p.write(|p| attention_fwd_head(&q, &k, &v, p, &s, h))
@@ -136,17 +132,14 @@ fn attention_fwd_head(
 /// `dq`, `dk` and `dv` by sequence too).
 pub(in crate::tensor::cpu) fn attention_bwd(
     par: bool,
-    [q, k, v]: [Vec<Block<'_>>; 3],
+    qkv: [Vec<Block<'_>>; 3],
     probs: Vec<Block<'_>>,
     d_out: Vec<Block<'_>>,
     [dq, dk, dv]: [Vec<BlockMut<'_>>; 3],
     s: AttnShape,
 ) {
     let grads = dq.into_iter().zip(dk).zip(dv).map(|((q, k), v)| [q, k, v]);
-    let seqs = per_sequence(&s, q, k, v, probs)
-        .into_iter()
-        .zip(d_out)
-        .zip(grads);
+    let seqs = per_sequence(&s, qkv, probs).zip(d_out).zip(grads);
     for ((([q, k, v], probs), d_out), [dq, dk, dv]) in seqs {
         let (q, k, v, d_o) = (q.read(), k.read(), v.read(), d_out.read());
         let heads = each(par, probs, |h, p| {
