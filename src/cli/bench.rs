@@ -81,7 +81,8 @@ use pipefill::rl::calibrate::{
     MAX_CALIBRATION_BATCH, chain_acceptance, step_costs, threshold_per_group_explored, tree_cost,
 };
 use pipefill::rl::rollout::{
-    AdaptiveConfig, RolloutConfig, RolloutEngine, RolloutOutput, Speculation, live_threshold,
+    AdaptiveConfig, RolloutConfig, RolloutEngine, RolloutOutput, Speculation, StepRecord,
+    live_threshold,
 };
 use pipefill::run::Show;
 use pipefill::tensor::device::Device;
@@ -340,13 +341,16 @@ fn rollout_on<B: Backend>(
     let tree_accept = median(fixed_tree.iter().map(|r| r.stats.acceptance_length()));
     // The per-bucket predictions: the step costs at the early context and at the tail's,
     // up to the largest step the runs had (a plain group may hold every live sequence).
-    let fit_b = plain0
-        .iter()
-        .chain(&fixed)
-        .flat_map(|r| r.steps.iter().map(|s| s.sequences))
-        .max()
-        .unwrap_or(1)
-        .next_power_of_two();
+    // The largest of `size` over the fitted runs' steps, to the next power of two (the
+    // sizes the tables and the overlaps are timed at).
+    let largest = |size: fn(&StepRecord) -> usize| {
+        (plain0.iter().chain(&fixed))
+            .flat_map(|r| r.steps.iter().map(size))
+            .max()
+            .unwrap_or(1)
+            .next_power_of_two()
+    };
+    let fit_b = largest(|s| s.sequences);
     let (contexts, d) = ([early, ctx], dtrainer.drafter_mut());
     let timed_b = fit_b.max(max_b);
     let (bucket_costs, median_costs) = bucket_tables(model, d, &contexts, &cost_ks, timed_b)?;
@@ -372,17 +376,10 @@ fn rollout_on<B: Backend>(
     // How much faster the stage threads run several groups' steps at once, for the buckets
     // the runs had several groups in flight in (early in the rollout: the early context).
     // Up to the most rows a fitted step carried (K+1 a sequence when verifying).
-    let fit_rows = plain0
-        .iter()
-        .chain(&fixed)
-        .flat_map(|r| r.steps.iter().map(step_rows))
-        .max()
-        .unwrap_or(1)
-        .next_power_of_two();
     let overlaps = overlaps(
         model,
         early.tokens.len(),
-        fit_rows,
+        largest(step_rows),
         timed_b,
         groups,
         COST_REPS,
