@@ -3,7 +3,8 @@
 //! the CLI only parses arguments and draws what the runner [`show`]s. What they share: the run
 //! directory ([`dir`]), which decides whether a run may write where it was told to; the line of
 //! `metrics.jsonl` ([`metrics`]); the training log that writes those lines and sums the run up
-//! ([`log`]); and why a run stopped ([`error`]).
+//! ([`log`]); the process's measured peak memory it ends with ([`peak`]); and why a run stopped
+//! ([`error`]).
 //!
 //! ```no_run
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -22,6 +23,7 @@ pub mod dir;
 pub mod error;
 pub mod log;
 pub mod metrics;
+pub mod peak;
 pub mod rl;
 pub mod show;
 #[cfg(test)]

@@ -103,6 +103,7 @@ pub(super) fn summary_lines(history: &[RlStepMetrics], ran: &str) -> Vec<String>
         history.len(),
         100.0 * rollout / seconds.max(1e-9),
     ));
+    lines.extend(crate::run::peak::peak_line());
     lines
 }
 

@@ -88,6 +88,9 @@ pub(super) fn drive<E: Engine>(
         "done: {summary}; run directory {} ({files})",
         dir.path().display()
     ));
+    if let Some(line) = crate::run::peak::peak_line() {
+        show.line(&line);
+    }
     Ok(())
 }
 
