@@ -194,15 +194,15 @@ fn the_memory_estimate_counts_the_moments_once_among_the_replicas() {
 }
 
 #[test]
-fn sharding_is_refused_where_it_cannot_work_and_a_no_op_for_one_replica() {
+fn sharding_is_accepted_on_every_transport_and_a_no_op_for_one_replica() {
     let dir = tempfile::tempdir().unwrap();
-    let err = JobConfig::embedded(&["dp=2".into(), SHARD.into(), "device=\"cuda\"".into()])
-        .unwrap_err()
-        .to_string();
-    assert!(
-        err.contains("optimizer.shard") && err.contains("transport = \"tcp\""),
-        "{err}"
-    );
+    // CUDA ranks shard over NCCL as over TCP: no transport is refused.
+    for transport in ["auto", "nccl", "tcp"] {
+        let set = format!("transport=\"{transport}\"");
+        let job =
+            JobConfig::embedded(&["dp=2".into(), SHARD.into(), "device=\"cuda\"".into(), set]);
+        assert!(job.is_ok(), "transport = {transport}: {:?}", job.err());
+    }
     // dp = 1: the setting changes nothing.
     let a = train(&dir.path().join("a"), &["dp=1"], &[]);
     let b = train(&dir.path().join("b"), &["dp=1", SHARD], &[]);

@@ -15,7 +15,11 @@
 //! - `collective`: the ring all-reduce over a `PeerLink` group and `GradSync`, which sums a
 //!   pipeline rank's gradients across data-parallel replicas.
 //! - `nccl` (feature `cuda`): NCCL between GPUs: the unique-id exchange, p2p send/recv and
-//!   the all-reduce behind `NcclGradSync`.
+//!   the all-reduce, on a communicator's own thread.
+//! - `nccl_sync` (feature `cuda`): `NcclGradSync`, the replicas' `GradSync` over NCCL, with
+//!   the sharded optimizer's reduce-scatter, all-gather and gathers of frames.
+//! - `padded`: the host-side layouts of those NCCL collectives (chunks in equal padded
+//!   slots, frames back to back), compiled and tested without the `cuda` feature.
 //! - `nccl_id` (feature `cuda`): NCCL unique ids, shared as rendezvous messages on the mesh.
 //! - `nccl_transport` (feature `cuda`): the runtime's `Transport<CudaBuf>` over NCCL p2p,
 //!   with headers on the mesh.
@@ -34,7 +38,10 @@ pub mod nccl;
 #[cfg(feature = "cuda")]
 pub mod nccl_id;
 #[cfg(feature = "cuda")]
+mod nccl_sync;
+#[cfg(feature = "cuda")]
 pub mod nccl_transport;
+pub mod padded;
 pub mod rendezvous;
 pub mod select;
 pub mod tcp;

@@ -1,6 +1,8 @@
 //! NCCL between GPUs (feature `cuda`): the unique-id exchange, a communicator on its own
 //! thread, point-to-point send/recv for stage links and the sum all-reduce behind
-//! [`NcclGradSync`], the data-parallel [`GradSync`] on GPUs.
+//! [`NcclGradSync`], the data-parallel [`GradSync`](super::collective::GradSync) on GPUs
+//! (in `nccl_sync`, with the sharded optimizer's reduce-scatter, all-gather and gathers of
+//! frames, each a job on the communicator's thread: [`NcclComm::with`]).
 //!
 //! Why an owning thread: cudarc's `nccl::Comm` is not `Send`, while the runtime hands
 //! gradient syncs and transports to actors on other threads. [`NcclComm`] therefore creates
@@ -15,13 +17,12 @@
 //!
 //! The unique ids that let ranks meet are made and shared in `nccl_id` (re-exported here).
 //!
-//! Besides the blocking calls ([`NcclComm::send`], [`NcclComm::recv`], the all-reduces),
-//! a communicator takes *posted* point-to-point operations ([`NcclComm::post_send`],
-//! [`NcclComm::post_recv`]) whose completion runs on its thread: the stage-link transport
-//! (`nccl_transport`) posts without waiting, as the runtime's `Transport::send` must not
-//! block on the receiver.
+//! Besides the blocking calls ([`NcclComm::send`], [`NcclComm::recv`], the all-reduces,
+//! [`NcclComm::with`]), a communicator takes *posted* point-to-point operations
+//! ([`NcclComm::post_send`], [`NcclComm::post_recv`]) whose completion runs on its thread:
+//! the stage-link transport (`nccl_transport`) posts without waiting, as the runtime's
+//! `Transport::send` must not block on the receiver.
 
-use std::collections::BTreeMap;
 use std::sync::{Arc, mpsc};
 use std::thread::JoinHandle;
 
@@ -35,12 +36,11 @@ use crate::tensor::TensorError;
 mod nccl_call;
 pub(super) use nccl_call::call;
 
-use super::collective::GradSync;
-use super::link::PeerLink;
 pub use super::nccl_id::{
     NCCL_HEADER_CHANNEL, NCCL_ID_BYTES, NCCL_ID_CHANNEL, NCCL_LINK_ID_CHANNEL, NcclId,
     id_from_frame, share_id,
 };
+pub use super::nccl_sync::NcclGradSync;
 use crate::tensor::DType;
 pub use crate::tensor::cuda::CudaData;
 use crate::tensor::device::Device;
@@ -105,7 +105,12 @@ enum Command {
         peer: usize,
         done: Posted,
     },
+    /// A job on the communicator ([`NcclComm::with`]); it answers on its own channel.
+    With(Job),
 }
+
+/// A job run on the communicator's thread with its `Comm`.
+type Job = Box<dyn FnOnce(&Comm) + Send>;
 
 /// The completion of a posted operation, run on the communicator's thread: the buffer
 /// that left (a send) or arrived (a receive), or the failure.
@@ -272,6 +277,21 @@ impl NcclComm {
         values.copy_from_slice(&summed);
         Ok(())
     }
+
+    /// Runs `job` on the communicator's thread with its `Comm` and waits for its answer:
+    /// the collectives of [`NcclGradSync`] are jobs, so this thread's command set stays
+    /// small. The job must leave the stream synchronized (a host copy back does) and run
+    /// its cudarc calls under [`call`].
+    pub(super) fn with<T: Send + 'static>(
+        &self,
+        job: impl FnOnce(&Comm) -> Result<T, CommError> + Send + 'static,
+    ) -> Result<T, CommError> {
+        self.run(|done| {
+            Command::With(Box::new(move |comm| {
+                let _ = done.send(job(comm));
+            }))
+        })
+    }
 }
 
 impl Drop for NcclComm {
@@ -341,6 +361,7 @@ fn serve(comm: &Comm, rank: usize, inbox: &mpsc::Receiver<Command>) {
                 })();
                 let _ = done.send(r);
             }
+            Command::With(job) => job(comm),
         }
     }
 }
@@ -404,60 +425,6 @@ fn recv_data(
         DType::F32 => CudaData::F32(bytes(comm, rank, len, peer)?),
         DType::Bf16 => CudaData::Bf16(bytes(comm, rank, len, peer)?),
     })
-}
-
-/// [`GradSync`] over NCCL: each pipeline rank run here holds the communicator of its
-/// data-parallel group (the `dp` replicas of that stage, global rank `replica × pp + rank`).
-pub struct NcclGradSync {
-    comms: BTreeMap<usize, NcclComm>,
-}
-
-impl std::fmt::Debug for NcclGradSync {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("NcclGradSync")
-            .field("pipeline_ranks", &self.comms.keys().collect::<Vec<_>>())
-            .finish()
-    }
-}
-
-impl NcclGradSync {
-    /// The data-parallel group of the stage of global rank `global` (its first member leads).
-    pub fn replica_group(global: usize, dp: usize, pp: usize) -> Vec<usize> {
-        let stage = global % pp.max(1);
-        (0..dp).map(|replica| replica * pp + stage).collect()
-    }
-
-    /// This process's rank (`link.rank()`, global) joins its stage's group on GPU
-    /// `ordinal`, getting the id from the group's leader on [`NCCL_ID_CHANNEL`].
-    pub fn connect(
-        link: &dyn PeerLink,
-        dp: usize,
-        pp: usize,
-        ordinal: usize,
-    ) -> Result<Self, CommError> {
-        let global = link.rank();
-        let group = Self::replica_group(global, dp, pp);
-        let id = share_id(link, &group, NCCL_ID_CHANNEL, NcclId::create)?;
-        let comm = NcclComm::new(ordinal, global / pp.max(1), dp, id)?;
-        Ok(Self::from_comms([(global % pp.max(1), comm)]))
-    }
-
-    /// From communicators by pipeline rank (a whole pipeline in one process holds all).
-    pub fn from_comms(comms: impl IntoIterator<Item = (usize, NcclComm)>) -> Self {
-        NcclGradSync {
-            comms: comms.into_iter().collect(),
-        }
-    }
-}
-
-impl GradSync for NcclGradSync {
-    fn all_reduce(&self, rank: usize, grads: &mut [f32]) -> Result<(), CommError> {
-        let comm = self.comms.get(&rank).ok_or_else(|| CommError::NotMember {
-            rank,
-            group: self.comms.keys().copied().collect(),
-        })?;
-        comm.all_reduce_sum_host(grads)
-    }
 }
 
 /// Whether this machine can run a GPU test of `ranks` NCCL ranks; prints why not. Ranks

@@ -5,13 +5,14 @@
 //! keeps the AdamW moments of a `1/dp` flat cut of every rank's parameters, the gradients
 //! are reduce-scattered and the updated parameters all-gathered (see
 //! `crate::pipeline::compute::zero`). With `dp = 1` there is nothing to shard and the
-//! setting changes nothing, so one job file runs at any `dp`.
+//! setting changes nothing, so one job file runs at any `dp`. Every gradient exchange has
+//! those collectives (the ring over TCP or in-process links, and NCCL's between CUDA
+//! ranks, `crate::comm::nccl_sync`), so any device and transport may shard.
 
 use serde::{Deserialize, Serialize};
 
+use super::JobConfig;
 use super::error::ConfigError;
-use super::{DeviceKind, JobConfig};
-use crate::comm::select::TransportKind;
 
 /// `[optimizer]`: where the optimizer's state lives.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -28,22 +29,11 @@ impl OptimizerConfig {
         job.optimizer.shard && job.dp > 1
     }
 
-    /// Refuses `shard` where it cannot work: CUDA ranks whose gradient exchange may be
-    /// NCCL's (only the ring over TCP has the reduce-scatter and all-gather).
+    /// Nothing to refuse in a training job: every gradient exchange has the sharded
+    /// optimizer's collectives, NCCL's included. (Kept as this section's check in
+    /// `JobConfig::validate`; an in-process `pipefill rl` is [`OptimizerConfig::check_rl`]'s.)
     pub(super) fn check(job: &JobConfig) -> Result<(), ConfigError> {
-        if Self::sharded(job)
-            && job.device == DeviceKind::Cuda
-            && job.transport != TransportKind::Tcp
-        {
-            return Err(ConfigError::Invalid {
-                field: "optimizer.shard".into(),
-                reason: format!(
-                    "needs transport = \"tcp\" with device = \"cuda\" (transport is \"{}\"): \
-                     NCCL's gradient exchange has no reduce-scatter and all-gather here",
-                    job.transport
-                ),
-            });
-        }
+        let _ = job;
         Ok(())
     }
 
