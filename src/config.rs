@@ -384,7 +384,6 @@ impl JobConfig {
         if self.dp == 0 {
             return Err(invalid("dp", "must be at least 1".into()));
         }
-        OptimizerConfig::check(self)?;
         // Sizes whose memory cannot even be counted (checked arithmetic) are errors now;
         // whether the count fits the machine is the command's check (`check_memory`).
         memory::MemoryEstimate::bounded(self, memory::Workload::Train)?;

@@ -33,7 +33,7 @@ pub enum CommError {
         values: usize,
     },
     #[error(
-        "{what} is not implemented by this gradient exchange ({sync}): the sharded optimizer (optimizer.shard) needs the ring over TCP or in-process links"
+        "{what} is not implemented by this gradient exchange ({sync}), which the sharded optimizer (optimizer.shard) needs"
     )]
     Unsupported { what: &'static str, sync: String },
 

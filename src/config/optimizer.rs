@@ -19,7 +19,7 @@ use super::error::ConfigError;
 #[serde(default, deny_unknown_fields)]
 pub struct OptimizerConfig {
     /// ZeRO-1: each data-parallel replica keeps `1/dp` of the AdamW state (a no-op at
-    /// `dp = 1`). The parameters are bitwise the unsharded run's.
+    /// `dp = 1`). The parameters are bitwise the unsharded run's (over NCCL: at `dp = 2`).
     pub shard: bool,
 }
 
@@ -27,14 +27,6 @@ impl OptimizerConfig {
     /// Whether `job` shards its optimizer state (on, and more than one replica).
     pub fn sharded(job: &JobConfig) -> bool {
         job.optimizer.shard && job.dp > 1
-    }
-
-    /// Nothing to refuse in a training job: every gradient exchange has the sharded
-    /// optimizer's collectives, NCCL's included. (Kept as this section's check in
-    /// `JobConfig::validate`; an in-process `pipefill rl` is [`OptimizerConfig::check_rl`]'s.)
-    pub(super) fn check(job: &JobConfig) -> Result<(), ConfigError> {
-        let _ = job;
-        Ok(())
     }
 
     /// An in-process `pipefill rl` does not shard its update's optimizer (its replicas share

@@ -6,7 +6,9 @@
 //! ([`chunk_cut`]), the same cut on every replica, and each replica owns one. A step:
 //!
 //! 1. the replicas reduce-scatter their gradients: each ends with its chunk summed, bitwise
-//!    what the unsharded all-reduce leaves there (it is the all-reduce's first half);
+//!    what the unsharded all-reduce leaves there (the ring's is the all-reduce's first half;
+//!    NCCL's is bitwise so at `dp = 2`, a sum of two, and may differ in the last bits
+//!    beyond: `comm::nccl_sync`);
 //! 2. the gradient norm is summed from **segments**, each parameter's part of one chunk
 //!    (tied copies left out): each replica computes its chunk's segments and the replicas
 //!    exchange them, so every replica has every segment and sums them in model order. The
