@@ -28,7 +28,8 @@
 # 3. trains one small job as launched ranks on the GPUs, `transport = "nccl"` against
 #    `transport = "tcp"` on the same GPUs, and compares every tensor of the two final
 #    checkpoints (parameters and AdamW moments), with 2+ GPUs: a 2-stage pipeline (tensors
-#    over NcclTransport) and 2 data-parallel replicas (gradients over NcclGradSync); also
+#    over NcclTransport) and 2 data-parallel replicas (gradients over NcclGradSync, and
+#    with `optimizer.shard = true` its reduce-scatter and all-gather against unsharded); also
 #    `auto` (must pick NCCL) and the GPU runs against the same launched jobs on the CPU.
 #    A rank's GPU is its local rank, so with one GPU the NCCL runs are reported as skipped
 #    (NCCL refuses two ranks on one GPU), and two ranks are started by hand, both with local
@@ -181,12 +182,14 @@ by_hand() {
     record ok "$name"
 }
 
-# launched NAME NPROC STAGES DP DEVICE TRANSPORT: one launched training run into $OUT/NAME.
+# launched NAME NPROC STAGES DP DEVICE TRANSPORT [ARGS...]: one launched training run into
+# $OUT/NAME, ARGS added to the job's.
 launched() {
     local name="$1" n="$2" stages="$3" dp="$4" device="$5" transport="$6"
+    shift 6
     run "$name" "$STEP_LIMIT" "$EXE" launch -n "$n" -- train "${JOB[@]}" --set "stages=$stages" \
         --set "dp=$dp" --set "device=\"$device\"" --set "transport=\"$transport\"" \
-        --out-dir "$OUT/$name"
+        "$@" --out-dir "$OUT/$name"
 }
 
 # cuda_libs: a directory of unversioned links to CUDA's libraries, first on LD_LIBRARY_PATH,
@@ -319,6 +322,11 @@ if part checks; then
         # Two replicas of one stage: gradients all-reduced by NcclGradSync.
         launched dp2-nccl 2 1 2 cuda nccl && launched dp2-tcp 2 1 2 cuda tcp &&
             compare "dp=2 nccl-vs-tcp" "$OUT/dp2-nccl" "$OUT/dp2-tcp" "$TOL_TRANSPORT" 0
+        # The sharded optimizer (ZeRO-1) over NCCL: NCCL's reduce-scatter and all-gather; at
+        # dp = 2 (a sum of two) bitwise the unsharded run, moments included.
+        launched dp2-nccl-shard 2 1 2 cuda nccl --set optimizer.shard=true &&
+            compare "dp=2 sharded-vs-unsharded (nccl)" "$OUT/dp2-nccl-shard" "$OUT/dp2-nccl" \
+                "$TOL_TRANSPORT" 0
         # auto picks NCCL on GPUs: the same result as nccl.
         launched pp2-auto 2 2 1 cuda auto && grep -qE 'NCCL cannot be used|cannot use NCCL' "$OUT/pp2-auto.log" &&
             record FAIL "pp2-auto" "auto fell back to TCP"
