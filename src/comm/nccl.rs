@@ -2,7 +2,7 @@
 //! thread, point-to-point send/recv for stage links and the sum all-reduce behind
 //! [`NcclGradSync`], the data-parallel [`GradSync`](super::collective::GradSync) on GPUs
 //! (in `nccl_sync`, with the sharded optimizer's reduce-scatter, all-gather and gathers of
-//! frames, each a job on the communicator's thread: [`NcclComm::with`]).
+//! frames, each a job on the communicator's thread: `NcclComm::with`).
 //!
 //! Why an owning thread: cudarc's `nccl::Comm` is not `Send`, while the runtime hands
 //! gradient syncs and transports to actors on other threads. [`NcclComm`] therefore creates
@@ -18,7 +18,7 @@
 //! The unique ids that let ranks meet are made and shared in `nccl_id` (re-exported here).
 //!
 //! Besides the blocking calls ([`NcclComm::send`], [`NcclComm::recv`], the all-reduces,
-//! [`NcclComm::with`]), a communicator takes *posted* point-to-point operations
+//! `NcclComm::with`), a communicator takes *posted* point-to-point operations
 //! ([`NcclComm::post_send`], [`NcclComm::post_recv`]) whose completion runs on its thread:
 //! the stage-link transport (`nccl_transport`) posts without waiting, as the runtime's
 //! `Transport::send` must not block on the receiver.

@@ -2,7 +2,7 @@
 //! sharded optimizer's collectives (ZeRO-1, `crate::pipeline::compute::zero`).
 //!
 //! Gradients live on the host; each collective copies them to the communicator's GPU, runs
-//! NCCL's own collective there (a job on the communicator's thread, [`NcclComm::with`]) and
+//! NCCL's own collective there (a job on the communicator's thread, `NcclComm::with`) and
 //! copies the result back.
 //!
 //! The chunks are the trait's cut ([`chunk_cut`]: sizes differ by at most one, the longer
