@@ -95,6 +95,21 @@ fn a_rerun_loads_the_target_and_the_drafter_and_fits_the_step_costs() {
             .unwrap_or(f64::NAN);
         assert!((0.0..=1.0).contains(&a), "{which}: {json}");
     }
+    // The own-rows figure was kept beside the drafter: the rerun prints the first run's
+    // without rolling the drafter's batch out again.
+    let first: serde_json::Value = serde_json::from_slice(&first.stdout).unwrap();
+    let own = |j: &serde_json::Value| j["drafter_agreement"]["own_rows"].as_f64();
+    assert_eq!(own(&json), own(&first), "{json}");
+    let kept = std::fs::read_dir(dir.path()).unwrap().flatten();
+    let names: Vec<String> = kept
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(
+        names
+            .iter()
+            .any(|n| n.starts_with("drafter-") && n.ends_with(".own")),
+        "{names:?}"
+    );
 }
 
 /// A drafter batch of no prompts is one error naming the flag, before any training.

@@ -228,9 +228,18 @@ fn rollout_on<B: Backend>(
     *rows = (*rows).max(a.drafter_requests);
     let mut drafter = Drafter::new(&job.model, &job.drafter, one.clone())?;
     drafter.refresh_from_gpt(model, trained)?;
-    let lesson = engine
-        .run(&lesson_requests, &cfg(Speculation::Off, true), None)?
-        .rows;
+    let kept = cache::drafter_path(dir, &job, trained, &lesson_requests, a.drafter_slices);
+    let cached = cache::cached_drafter(&kept)?;
+    // A kept drafter and its kept agreement leave nothing to roll out for, unless the draft
+    // vocabularies are counted on the rows.
+    let seen = match (&cached, a.draft_vocab.is_empty()) {
+        (Some(_), true) => cache::cached_agreement(&kept)?,
+        _ => None,
+    };
+    let lesson = match seen {
+        Some(_) => Vec::new(),
+        None => (engine.run(&lesson_requests, &cfg(Speculation::Off, true), None)?).rows,
+    };
     let buffer = DraftBufferHandle::new(&job.model, &job.drafter);
     buffer.begin_step(trained);
     for row in lesson.iter().cloned() {
@@ -238,8 +247,7 @@ fn rollout_on<B: Backend>(
     }
     let t1 = Instant::now();
     let mut dtrainer = DrafterTrainer::new(drafter, buffer, 0, 1)?;
-    let kept = cache::drafter_path(dir, &job, trained, &lesson_requests, a.drafter_slices);
-    let origin = match cache::cached_drafter(&kept)? {
+    let origin = match cached {
         Some(weights) => {
             dtrainer.load_weights(&weights)?;
             format!("loaded from {}", kept.display())
@@ -257,7 +265,14 @@ fn rollout_on<B: Backend>(
             )
         }
     };
-    let seen = dtrainer.agreement(&lesson)?;
+    let seen = match seen {
+        Some(seen) => seen,
+        None => {
+            let seen = dtrainer.agreement(&lesson)?;
+            cache::save_agreement(&kept, seen)?;
+            seen
+        }
+    };
     let agree = dtrainer.agreement(&first.rows)?;
     out.line(&format!(
         "drafter: {origin}; top-1 agreement with the target {:.1}% on the measured batch (held out), {:.1}% on its own rows",

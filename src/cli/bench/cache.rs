@@ -6,7 +6,9 @@
 //! directory that holds one (a run of `pipefill train`, or an earlier bench's) is loaded as
 //! it is, its `[model]` and seed winning over the bench's. A drafter is a file named by a
 //! fingerprint of everything it was trained from (the target's step, the batch, `[drafter]`,
-//! the slices), so a changed batch or setting trains a new one beside the old.
+//! the slices), so a changed batch or setting trains a new one beside the old. Beside it, its
+//! agreement on its own rows (`.own`), so that a rerun need not roll its batch out again to
+//! print it.
 
 use std::path::Path;
 
@@ -81,4 +83,55 @@ pub(super) fn save_drafter(path: &Path, weights: &DrafterWeights) -> anyhow::Res
     let bytes = bincode::serde::encode_to_vec(weights, bincode::config::standard())
         .context("encoding the drafter")?;
     write_atomic(path, &bytes).with_context(|| format!("{}", path.display()))
+}
+
+/// Where the agreement of the drafter at `drafter` on its own rows is kept.
+fn agreement_path(drafter: &Path) -> std::path::PathBuf {
+    drafter.with_extension("own")
+}
+
+/// The agreement on its own rows kept beside the drafter at `drafter`, if there is one.
+pub(super) fn cached_agreement(drafter: &Path) -> anyhow::Result<Option<f64>> {
+    let path = agreement_path(drafter);
+    let Ok(text) = std::fs::read_to_string(&path) else {
+        return Ok(None);
+    };
+    match text.trim().parse::<f64>() {
+        Ok(a) if (0.0..=1.0).contains(&a) => Ok(Some(a)),
+        _ => anyhow::bail!(
+            "{}: not a drafter's agreement (a number in [0, 1]; remove it)",
+            path.display()
+        ),
+    }
+}
+
+/// Keeps `agreement` beside the drafter at `drafter`.
+pub(super) fn save_agreement(drafter: &Path, agreement: f64) -> anyhow::Result<()> {
+    let path = agreement_path(drafter);
+    write_atomic(&path, format!("{agreement}\n").as_bytes())
+        .with_context(|| format!("{}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The kept agreement comes back as written; none kept is `None`; anything else in its
+    /// file is one error naming the file.
+    #[test]
+    fn the_agreement_kept_beside_a_drafter_comes_back_or_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let drafter = dir.path().join("drafter-0123.bin");
+        assert_eq!(cached_agreement(&drafter).unwrap(), None);
+        save_agreement(&drafter, 0.875).unwrap();
+        assert_eq!(cached_agreement(&drafter).unwrap(), Some(0.875));
+        for bad in ["", "eighty", "1.5", "NaN"] {
+            std::fs::write(dir.path().join("drafter-0123.own"), bad).unwrap();
+            let err = cached_agreement(&drafter).unwrap_err().to_string();
+            assert!(
+                err.contains("drafter-0123.own") && err.ends_with("remove it)"),
+                "{err}"
+            );
+        }
+    }
 }
