@@ -197,20 +197,23 @@ pub fn machine_memory() -> Option<MemInfo> {
 
 /// The [`MemInfo`] of `/proc/meminfo`'s text: `MemAvailable`, else `MemTotal`.
 pub fn meminfo(text: &str) -> Option<MemInfo> {
-    let field = |name: &str| {
-        text.lines().find_map(|line| {
-            let rest = line.strip_prefix(name)?.strip_prefix(':')?.trim();
-            let kib: u64 = rest
-                .strip_suffix("kB")
-                .unwrap_or(rest)
-                .trim()
-                .parse()
-                .ok()?;
-            kib.checked_mul(1024)
-        })
-    };
     let at = |available| move |bytes| MemInfo { bytes, available };
-    field("MemAvailable")
+    proc_field(text, "MemAvailable")
         .map(at(true))
-        .or_else(|| field("MemTotal").map(at(false)))
+        .or_else(|| proc_field(text, "MemTotal").map(at(false)))
+}
+
+/// The bytes of field `name` of a `/proc` text of `Name: N kB` lines (`/proc/meminfo`,
+/// `/proc/self/status`); `None` where it is missing, not a number of kB, or overflows.
+pub fn proc_field(text: &str, name: &str) -> Option<u64> {
+    text.lines().find_map(|line| {
+        let rest = line.strip_prefix(name)?.strip_prefix(':')?.trim();
+        let kib: u64 = rest
+            .strip_suffix("kB")
+            .unwrap_or(rest)
+            .trim()
+            .parse()
+            .ok()?;
+        kib.checked_mul(1024)
+    })
 }

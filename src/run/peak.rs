@@ -6,17 +6,13 @@ use crate::config::memory::Bytes;
 
 /// The process's resident peak (`VmHWM` of `/proc/self/status`), where Linux gives it.
 pub fn peak_resident() -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    vm_hwm(&status)
+    let path = std::path::Path::new("/proc/self/status");
+    vm_hwm(&crate::input::read_text(path, 1 << 20, "/proc/self/status").ok()?)
 }
 
 /// `VmHWM`'s bytes in the text of a `/proc/<pid>/status`.
 fn vm_hwm(status: &str) -> Option<u64> {
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-    let mut words = line.split_whitespace().skip(1);
-    let kib: u64 = words.next()?.parse().ok()?;
-    (words.next() == Some("kB")).then_some(())?;
-    kib.checked_mul(1024)
+    crate::input::proc_field(status, "VmHWM")
 }
 
 /// `"memory: peak 224.2 MiB resident (this process)"`, or `None` where it is not known. A
