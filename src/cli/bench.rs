@@ -232,18 +232,21 @@ fn rollout_on<B: Backend>(
     let cached = cache::cached_drafter(&kept)?;
     // A kept drafter and its kept agreement leave nothing to roll out for, unless the draft
     // vocabularies are counted on the rows.
-    let seen = match (&cached, a.draft_vocab.is_empty()) {
+    let kept_seen = match (&cached, a.draft_vocab.is_empty()) {
         (Some(_), true) => cache::cached_agreement(&kept)?,
         _ => None,
     };
-    let lesson = match seen {
+    let lesson = match kept_seen {
         Some(_) => Vec::new(),
         None => (engine.run(&lesson_requests, &cfg(Speculation::Off, true), None)?).rows,
     };
+    // The buffer holds the rows only for a drafter trained here; a kept one is loaded.
     let buffer = DraftBufferHandle::new(&job.model, &job.drafter);
     buffer.begin_step(trained);
-    for row in lesson.iter().cloned() {
-        buffer.lock().push(row)?;
+    if cached.is_none() {
+        for row in lesson.iter().cloned() {
+            buffer.lock().push(row)?;
+        }
     }
     let t1 = Instant::now();
     let mut dtrainer = DrafterTrainer::new(drafter, buffer, 0, 1)?;
@@ -265,7 +268,7 @@ fn rollout_on<B: Backend>(
             )
         }
     };
-    let seen = match seen {
+    let seen = match kept_seen {
         Some(seen) => seen,
         None => {
             let seen = dtrainer.agreement(&lesson)?;

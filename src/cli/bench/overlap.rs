@@ -132,14 +132,14 @@ pub(super) fn overlap_lines(overlaps: &[Overlap]) -> Vec<String> {
     sizes.dedup();
     sizes
         .into_iter()
-        .map(|b| {
+        .map(|rows| {
             let each: Vec<String> = overlaps
                 .iter()
-                .filter(|o| o.rows == b)
+                .filter(|o| o.rows == rows)
                 .map(|o| format!("{} groups {:.2}x", o.groups, o.speedup))
                 .collect();
             format!(
-                "overlap: {b:>3} rows a step, steps started together against one after another: {}",
+                "overlap: {rows:>3} rows a step, steps started together against one after another: {}",
                 each.join(", ")
             )
         })
