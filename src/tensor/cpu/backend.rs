@@ -439,11 +439,7 @@ impl Backend for CpuBackend {
         shape: AttnShape,
     ) -> Result<()> {
         check::attention_fwd(self, [q, k, v, out, probs], shape)?;
-        // A sequence's rows at a time, and a (sequence, head) pair's probabilities.
-        let (rows, pair) = (
-            shape.seq * shape.heads * shape.head_dim,
-            shape.seq * shape.seq,
-        );
+        let (rows, pair) = attention_blocks(&shape);
         let qkv = [q, k, v].map(|b| b.blocks(rows));
         let (out, p) = (out.blocks_mut(rows), probs.blocks_mut(pair));
         self.run(shape.probs_len() * shape.head_dim, |par| {
@@ -465,10 +461,7 @@ impl Backend for CpuBackend {
         shape: AttnShape,
     ) -> Result<()> {
         check::attention_bwd(self, [q, k, v, probs, d_out, dq, dk, dv], shape)?;
-        let (rows, pair) = (
-            shape.seq * shape.heads * shape.head_dim,
-            shape.seq * shape.seq,
-        );
+        let (rows, pair) = attention_blocks(&shape);
         let qkv = [q, k, v].map(|b| b.blocks(rows));
         let (p, d) = (probs.blocks(pair), d_out.blocks(rows));
         let grads = [dq, dk, dv].map(|b| b.blocks_mut(rows));
@@ -619,4 +612,11 @@ impl Backend for CpuBackend {
         }
         Ok(())
     }
+}
+
+/// The blocks attention's kernels take their operands in: a sequence's rows of `q`, `k`,
+/// `v`, the output and their gradients (`[seq, d]`), and a (sequence, head) pair's
+/// probabilities (`[seq, seq]`).
+fn attention_blocks(s: &AttnShape) -> (usize, usize) {
+    (s.seq * s.heads * s.head_dim, s.seq * s.seq)
 }
