@@ -110,6 +110,13 @@ fn a_rerun_loads_the_target_and_the_drafter_and_fits_the_step_costs() {
             .any(|n| n.starts_with("drafter-") && n.ends_with(".own")),
         "{names:?}"
     );
+    // Read, not computed again: a kept figure no rollout gives comes back as it is.
+    let own_file = names.iter().find(|n| n.ends_with(".own")).unwrap();
+    std::fs::write(dir.path().join(own_file), "0.25\n").unwrap();
+    let third = bench_in(dir.path(), &[]);
+    assert!(third.status.success(), "{}", text(&third));
+    let third: serde_json::Value = serde_json::from_slice(&third.stdout).unwrap();
+    assert_eq!(own(&third), Some(0.25), "{third}");
 }
 
 /// A drafter batch of no prompts is one error naming the flag, before any training.
