@@ -342,12 +342,14 @@ impl RingGradSync {
             ..Self::new(ends, 1, pp, channel)
         }
     }
+}
 
-    /// The group of global rank `rank` in a job of `dp` replicas of `pp` ranks: the same
-    /// pipeline rank of every replica.
-    pub fn replica_group(rank: usize, dp: usize, pp: usize) -> Vec<usize> {
-        (0..dp).map(|d| d * pp + rank % pp).collect()
-    }
+/// The data-parallel group of global rank `rank` in a job of `dp` replicas of `pp` ranks:
+/// the same pipeline rank of every replica, by replica (the first leads). Every
+/// [`GradSync`] groups its replicas so.
+pub fn replica_group(rank: usize, dp: usize, pp: usize) -> Vec<usize> {
+    let stage = rank % pp.max(1);
+    (0..dp).map(|d| d * pp + stage).collect()
 }
 
 impl std::fmt::Debug for RingGradSync {
@@ -375,7 +377,7 @@ impl RingGradSync {
                 let base = link.rank() - link.rank() % self.pp.max(1);
                 pair.map(|r| base + r).to_vec()
             }
-            None => Self::replica_group(link.rank(), self.dp, self.pp),
+            None => replica_group(link.rank(), self.dp, self.pp),
         };
         Ok((link.as_ref(), group))
     }

@@ -109,8 +109,8 @@ fn a_subgroup_reduces_only_among_its_members() {
 
 #[test]
 fn replica_groups_hold_the_same_pipeline_rank_of_every_replica() {
-    assert_eq!(RingGradSync::replica_group(5, 3, 2), vec![1, 3, 5]);
-    assert_eq!(RingGradSync::replica_group(0, 1, 4), vec![0]);
+    assert_eq!(replica_group(5, 3, 2), vec![1, 3, 5]);
+    assert_eq!(replica_group(0, 1, 4), vec![0]);
 }
 
 #[test]

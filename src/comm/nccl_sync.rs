@@ -21,7 +21,7 @@ use std::ops::Range;
 use cudarc::driver::{CudaSlice, CudaViewMut, DeviceRepr, ValidAsZeroBits};
 use cudarc::nccl::{NcclType, ReduceOp};
 
-use super::collective::GradSync;
+use super::collective::{GradSync, replica_group};
 use super::link::PeerLink;
 use super::nccl::{NCCL_ID_CHANNEL, NcclComm, NcclId, call, share_id};
 use super::padded::{self, PadError};
@@ -47,12 +47,6 @@ impl std::fmt::Debug for NcclGradSync {
 }
 
 impl NcclGradSync {
-    /// The data-parallel group of the stage of global rank `global` (its first member leads).
-    pub fn replica_group(global: usize, dp: usize, pp: usize) -> Vec<usize> {
-        let stage = global % pp.max(1);
-        (0..dp).map(|replica| replica * pp + stage).collect()
-    }
-
     /// This process's rank (`link.rank()`, global) joins its stage's group on GPU
     /// `ordinal`, getting the id from the group's leader on [`NCCL_ID_CHANNEL`]. Its NCCL
     /// rank is its replica, `global / pp`: the chunk it owns.
@@ -63,7 +57,7 @@ impl NcclGradSync {
         ordinal: usize,
     ) -> Result<Self, CommError> {
         let global = link.rank();
-        let group = Self::replica_group(global, dp, pp);
+        let group = replica_group(global, dp, pp);
         let id = share_id(link, &group, NCCL_ID_CHANNEL, NcclId::create)?;
         let comm = NcclComm::new(ordinal, global / pp.max(1), dp, id)?;
         Ok(Self::from_comms([(global % pp.max(1), comm)]))

@@ -4,7 +4,7 @@
 //! a printed reason where there is none ([`gpu_test_ready`]).
 
 use super::*;
-use crate::comm::collective::{GradSync, chunk_cut};
+use crate::comm::collective::{GradSync, chunk_cut, replica_group};
 use crate::comm::frame;
 use crate::comm::link::{InProcessLink, PeerLink};
 use crate::comm::rendezvous::Rendezvous;
@@ -70,7 +70,7 @@ fn the_leader_s_id_reaches_every_member_of_its_group_only() {
         .into_iter()
         .map(|link| {
             std::thread::spawn(move || {
-                let group = NcclGradSync::replica_group(link.rank(), 2, 2);
+                let group = replica_group(link.rank(), 2, 2);
                 let seed = 10 + link.rank() as u8;
                 share_id(&link, &group, NCCL_ID_CHANNEL, || Ok(sample_id(seed)))
             })
