@@ -6,13 +6,15 @@
 //! needed), so each iteration does the same work.
 //!
 //! Cases: 1 sequence × 1 (decode), 5 (K+1 = 5 chain), 13 and 20 rows (chains and trees);
-//! 4 sequences × 1 and × 5. Afterwards a table of medians and each case's ratio to the
+//! 4, 8, 16 and 32 sequences × 1 and × 5 (up to 160 rows: either side of
+//! `ROWMUL_MAX_ROWS`, where the products leave the packed row kernel for the GEMM). Afterwards a table of medians and each case's ratio to the
 //! decode step of as many sequences: speculation pays only while that ratio stays well
 //! under the tokens a step accepts.
 //!
 //! `cargo bench --bench verify` (a criterion filter such as `-- d512/tree13` runs one case,
 //! e.g. under `perf record`; `VERIFY_D=512` builds only that model, so that building the
-//! other one does not fill the profile).
+//! other one does not fill the profile; `VERIFY_THREADS=2` gives the backend a pool of
+//! two threads, which the GEMM uses and the row kernel does not).
 
 use std::hint::black_box;
 
@@ -53,6 +55,12 @@ fn cases() -> Vec<Case> {
         (1, 20, true),
         (4, 1, false),
         (4, 5, false),
+        (8, 1, false),
+        (8, 5, false),
+        (16, 1, false),
+        (16, 5, false),
+        (32, 1, false),
+        (32, 5, false),
     ] {
         let kind = if tree { "tree" } else { "chain" };
         let name = if rows == 1 {
@@ -80,19 +88,24 @@ fn main() {
     };
     for d_model in widths {
         let cfg = model_config(d_model);
-        let be = CpuBackend::new(1).expect("a one-thread backend");
+        let threads: usize = std::env::var("VERIFY_THREADS").map_or(1, |v| {
+            v.parse()
+                .expect("VERIFY_THREADS: the backend's thread count, such as 2")
+        });
+        let be = CpuBackend::new(threads).expect("the backend");
         let gpt = Gpt::new(&cfg, be, &Cut::Even(1)).expect("the model");
         let mut stages = InferStage::stages_of(&gpt, &Cut::Even(1)).expect("the stage");
         let stage = &mut stages[0];
         let most = cases().iter().map(|c| c.rows).max().unwrap_or(1);
-        let prefill: Vec<Span> = (0..4)
+        let slots = cases().iter().map(|c| c.seqs).max().unwrap_or(1);
+        let prefill: Vec<Span> = (0..slots)
             .map(|slot| Span {
                 slot,
                 start: 0,
                 len: PAST + most,
             })
             .collect();
-        let ids = vec![5u32; 4 * (PAST + most)];
+        let ids = vec![5u32; slots * (PAST + most)];
         stage
             .forward(&prefill, StageInput::Tokens(&ids))
             .expect("prefill");

@@ -7,10 +7,10 @@
 //! Measured and looked up by the rows a step carries (a decode: one per sequence; a
 //! verification: K+1 per sequence), not by its sequences: a step's products run on its own
 //! thread up to `ROWMUL_MAX_ROWS` rows and on the backend's pool beyond, where one step
-//! already keeps every core busy and another group's step can only wait for it. Verifying
-//! 5 positions of 8 sequences is a 40-row step: keyed by its 8 sequences it was predicted
-//! to overlap as 8-row decodes do (1.6x on the 2-core box), against 1.2-1.4x for steps of
-//! that many rows.
+//! already keeps every core busy and another group's step can only wait for it. A
+//! verification of 5 positions of 32 sequences is a 160-row step on the pool: keyed by its
+//! sequences it would be predicted to overlap as 32-row decodes do (1.9x on the 2-core
+//! box), against 1.2x for steps of that many rows.
 
 use std::time::Instant;
 

@@ -4,6 +4,7 @@
 
 use super::*;
 use crate::model::config::{Positions, RopeScaling};
+use crate::model::infer::rowmul::ROWMUL_MAX_ROWS;
 use crate::model::{Cut, Gpt, GptConfig, Shape, init};
 use crate::tensor::{Activation, CpuBackend};
 
@@ -85,24 +86,30 @@ fn prefill_then_decode_equals_full_forward() {
     prefill_then_decode(model(), (5, 12), 7);
 }
 
-/// Prefill of 2 × 20 rows (more than the host path takes: the backend's GEMM), then decode
+/// Prefill of 4 × 33 rows (more than the host path takes: the backend's GEMM), then decode
 /// and a 3-position step on the host path, against the training forward: every logit
 /// within 1e-5, as for the default GPT.
 #[test]
 fn llama_prefill_then_decode_equals_full_forward() {
-    prefill_then_decode(llama_model(), (20, 30), 23);
+    assert!(
+        4 * 33 > ROWMUL_MAX_ROWS,
+        "the prefill takes the backend's GEMM"
+    );
+    prefill_then_decode(llama_model(), (33, 48), 40);
     prefill_then_decode(llama_model(), (5, 12), 7);
 }
 
-/// Two sequences: a prefill of `prompt` positions each, then decode up to `total`, with a
-/// three-position step at `three`.
+/// Sequences: a prefill of `prompt` positions each, then decode up to `total`, with a
+/// three-position step at `three`; two of them, or four where the prompt is longer than the
+/// host path's rows.
 fn prefill_then_decode(mut gpt: Gpt<CpuBackend>, (prompt, total): (usize, usize), three: usize) {
     let vocab = gpt.config().vocab;
-    let seqs = [ids(total, 0), ids(total, 1)];
+    let seq_count = if 2 * prompt > ROWMUL_MAX_ROWS { 4 } else { 2 };
+    let seqs: Vec<Vec<u32>> = (0..seq_count).map(|s| ids(total, s as u32)).collect();
     let mut stages = InferStage::stages_of(&gpt, &Cut::Layers(vec![1, 2, 1])).unwrap();
-    // Prefill both prompts in one call, then decode one position at a time, except a
+    // Prefill every prompt in one call, then decode one position at a time, except a
     // three-position step in the middle (the verification shape).
-    let spans: Vec<Span> = (0..2)
+    let spans: Vec<Span> = (0..seq_count)
         .map(|s| Span {
             slot: s,
             start: 0,
@@ -114,13 +121,13 @@ fn prefill_then_decode(mut gpt: Gpt<CpuBackend>, (prompt, total): (usize, usize)
         .flat_map(|s| s[..prompt].iter().copied())
         .collect();
     let (first, _) = run_stages(&mut stages, &spans, &flat).unwrap();
-    let mut got: Vec<Vec<f32>> = (0..2)
+    let mut got: Vec<Vec<f32>> = (0..seq_count)
         .map(|s| first[s * prompt * vocab..][..prompt * vocab].to_vec())
         .collect();
     let mut pos = prompt;
     while pos < total {
         let n = if pos == three { 3 } else { 1 };
-        let spans: Vec<Span> = (0..2)
+        let spans: Vec<Span> = (0..seq_count)
             .map(|s| Span {
                 slot: s,
                 start: pos,
@@ -132,7 +139,7 @@ fn prefill_then_decode(mut gpt: Gpt<CpuBackend>, (prompt, total): (usize, usize)
             .flat_map(|s| s[pos..pos + n].iter().copied())
             .collect();
         let (l, _) = run_stages(&mut stages, &spans, &flat).unwrap();
-        for s in 0..2 {
+        for s in 0..seq_count {
             got[s].extend_from_slice(&l[s * n * vocab..][..n * vocab]);
         }
         pos += n;

@@ -48,8 +48,13 @@ use crate::model::ModelError;
 use crate::tensor::{Backend, CpuBackend, DType};
 
 /// Rows up to which [`InferStage`](super::InferStage) uses [`rowmul`] instead of the
-/// backend's GEMM (beyond it the product is compute bound and the GEMM's blocking wins).
-pub const ROWMUL_MAX_ROWS: usize = 32;
+/// backend's GEMM. On one thread the packed weights beat the GEMM, which packs them on
+/// every call, up to about this many rows (at `d_model` 512: 40 rows 24 against 34 ms,
+/// 160 rows even). Beyond 32 rows the GEMM on the backend's pool is faster for a step
+/// alone (40 rows on two threads: 21 ms), but steps that wide come while several groups
+/// are in flight, whose stage threads already keep the cores busy: there the cheaper
+/// product per core wins (docs/benchmarks.md, "Row products (rowmul)").
+pub const ROWMUL_MAX_ROWS: usize = 128;
 
 /// Columns per panel (one AVX-512 register of f32, one cache line).
 const PANEL: usize = 16;
