@@ -56,6 +56,7 @@ mod cache;
 mod costs;
 mod filler;
 mod overlap;
+mod report;
 
 use std::time::Instant;
 
@@ -88,7 +89,7 @@ use pipefill::run::Show;
 use pipefill::tensor::device::Device;
 use pipefill::tensor::{Backend, CpuBackend};
 use pipefill::train::reference::{Trainer, cpu_threads};
-use serde_json::json;
+use report::{Report, TreeFigures, Variant};
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     match args.what {
@@ -457,7 +458,7 @@ fn rollout_on<B: Backend>(
             Some(shape),
         ),
     ];
-    let mut runs: Vec<(&str, usize, Vec<RolloutOutput>, Vec<RolloutOutput>)> = Vec::new();
+    let mut runs: Vec<Variant> = Vec::new();
     for (name, threshold, ks, tree) in variants {
         let spec = Speculation::Adaptive(AdaptiveConfig {
             threshold,
@@ -466,147 +467,45 @@ fn rollout_on<B: Backend>(
             ..AdaptiveConfig::default()
         });
         let (plain, spec_runs) = pair(dtrainer.drafter_mut(), &spec)?;
-        runs.push((name, threshold, plain, spec_runs));
-    }
-    let plain: Vec<RolloutOutput> = runs.iter().flat_map(|r| r.2.iter().cloned()).collect();
-    let adapt = runs[HEADLINE].3.clone();
-
-    let identical = fixed
-        .iter()
-        .chain(&fixed_tree)
-        .chain(runs.iter().flat_map(|r| &r.3))
-        .all(|r| r.sequences == plain[0].sequences);
-    let m = |rs: &[RolloutOutput], f: &dyn Fn(&RolloutOutput) -> f64| median(rs.iter().map(f));
-    let tps = |r: &RolloutOutput| r.stats.tokens_per_s();
-    let tail = |r: &RolloutOutput| r.stats.tail_tokens_per_s();
-    let tail_s = |r: &RolloutOutput| r.stats.seconds - r.stats.tail_start_s;
-    let acc = |r: &RolloutOutput| r.stats.acceptance_length();
-    let secs = |r: &RolloutOutput| r.stats.seconds;
-    // Driver time per verification spent drafting: what a speculative round pays on top of
-    // the target's verification pass.
-    let propose_round_ms =
-        |r: &RolloutOutput| 1e3 * r.stats.propose_s / (r.stats.verifications.max(1) as f64);
-    // Each variant against the plain runs interleaved with it (the same drift).
-    let speedups: Vec<f64> = runs
-        .iter()
-        .map(|r| m(&r.3, &tail) / m(&r.2, &tail))
-        .collect();
-    let speedup = speedups[HEADLINE];
-    let fixed_speedup = m(&fixed, &tail) / m(&plain0, &tail);
-    let tree_speedup = m(&fixed_tree, &tail) / m(&plain_tree, &tail);
-    let last = adapt.last().expect("reps ≥ 1");
-    let mut ks: Vec<(usize, usize)> = Vec::new();
-    for c in &last.choices {
-        match ks.iter_mut().find(|(k, _)| *k == c.k) {
-            Some(e) => e.1 += 1,
-            None => ks.push((c.k, 1)),
-        }
-    }
-    ks.sort();
-    if a.json {
-        let figures = json!({
-            "device": model.backend().name(),
-            "plain_tokens_per_s": m(&plain, &tail),
-            "fixed_tokens_per_s": m(&fixed, &tail),
-            "adaptive_tokens_per_s": m(&adapt, &tail),
-            "speedup": speedup,
-            "acceptance_length": m(&adapt, &acc),
-            "fixed_acceptance_length": fixed_accept,
-            "fixed_speedup": fixed_speedup,
-            "tree": json!({
-                "shape": [shape.depth, shape.branch, shape.width, shape.nodes],
-                "fixed_tokens_per_s": m(&fixed_tree, &tail),
-                "fixed_speedup": tree_speedup,
-                "acceptance_length": tree_accept,
-                "verify_ms": tree_verify_ms,
-                "propose_ms": tree_propose_ms,
-                "rows": tree_rows,
-            }),
-            "plain_overall_tokens_per_s": m(&plain, &tps),
-            "adaptive_overall_tokens_per_s": m(&adapt, &tps),
-            "overall_speedup": m(&adapt, &tps) / m(&plain, &tps),
-            "plain_tail_s": m(&plain, &tail_s),
-            "plain_tail_share": m(&plain, &RolloutOutput::tail_share),
-            "completion_lengths": json!({"median": median_len, "max": max_len}),
-            "drafter_agreement": json!({"held_out": agree, "own_rows": seen}),
-            "buckets": json!({"plain": plain_fits, "fixed": fixed_fits}),
-            "adaptive_tail_s": m(&adapt, &tail_s),
-            "adaptive_mode": runs[HEADLINE].0,
-            "variants": runs.iter().zip(&speedups).map(|(r, s)| json!({
-                "mode": r.0,
-                "threshold": r.1,
-                "tokens_per_s": m(&r.3, &tail),
-                "speedup": s,
-                "acceptance_length": m(&r.3, &acc),
-            })).collect::<Vec<_>>(),
-            "threshold": threshold,
-            "engine_threshold": engine_threshold,
-            "propose_ms": propose_ms,
-            "fixed_propose_ms_per_verification": m(&fixed, &propose_round_ms),
-            "step_costs": costs,
-            "bucket_step_costs": bucket_costs,
-            "median_step_costs": median_costs,
-            "k_choices": ks,
-            "identical_outputs": identical,
-            "requests": requests.len(),
-            "reps": a.reps,
+        runs.push(Variant {
+            name,
+            threshold,
+            plain,
+            runs: spec_runs,
         });
-        println!("{figures}");
-    } else {
-        println!(
-            "{:<10} {:>9} {:>11} {:>10} {:>8} {:>10}",
-            "mode", "total s", "tokens/s", "tail tok/s", "tail s", "accept len"
-        );
-        let table = [
-            ("plain", &plain),
-            ("fixed K", &fixed),
-            ("fixed tree", &fixed_tree),
-        ]
-        .into_iter()
-        .chain(runs.iter().map(|r| (r.0, &r.3)));
-        for (name, rs) in table {
-            println!(
-                "{name:<10} {:>9.3} {:>11.1} {:>10.1} {:>8.3} {:>10.2}",
-                m(rs, &secs),
-                m(rs, &tps),
-                m(rs, &tail),
-                m(rs, &tail_s),
-                m(rs, &acc)
-            );
-        }
-        println!(
-            "long-tail speedup fixed K={}/plain: {fixed_speedup:.2}x; fixed tree {}/plain: \
-             {tree_speedup:.2}x",
-            a.k, a.tree
-        );
-        for (r, s) in runs.iter().zip(&speedups) {
-            println!(
-                "long-tail speedup {}/plain: {s:.2}x (live ≤ {}, arms {:?})",
-                r.0,
-                r.1,
-                match r.0 {
-                    "K=0 arm" => PLAIN_ARM_KS.to_vec(),
-                    _ => AdaptiveConfig::default().ks,
-                }
-            );
-        }
-        println!(
-            "long-tail speedup adaptive/plain: {speedup:.2}x ({}; medians of {} runs)",
-            runs[HEADLINE].0, a.reps
-        );
-        println!(
-            "drafting inside the rollout, fixed K={}: {:.3} ms per sequence verified (alone: {propose_ms:.3} ms)",
-            a.k,
-            m(&fixed, &propose_round_ms)
-        );
-        println!(
-            "the longest 10% of sequences take {:.0}% of the plain rollout's time (median of {} runs)",
-            100.0 * m(&plain, &RolloutOutput::tail_share),
-            plain.len()
-        );
-        println!("adaptive K choices (last run, K: count): {ks:?}");
-        println!("greedy outputs identical across modes: {identical}");
     }
+    let report = Report {
+        device: model.backend().name(),
+        requests: requests.len(),
+        reps: a.reps,
+        k: a.k,
+        plain: &plain0,
+        fixed: &fixed,
+        fixed_acceptance: fixed_accept,
+        tree: TreeFigures {
+            arg: &a.tree,
+            shape,
+            plain: &plain_tree,
+            runs: &fixed_tree,
+            acceptance: tree_accept,
+            verify_ms: tree_verify_ms,
+            propose_ms: tree_propose_ms,
+            rows: tree_rows,
+        },
+        variants: &runs,
+        median_len,
+        max_len,
+        agreement: (agree, seen),
+        plain_fits: &plain_fits,
+        fixed_fits: &fixed_fits,
+        threshold,
+        engine_threshold,
+        propose_ms,
+        costs: &costs,
+        bucket_costs: &bucket_costs,
+        median_costs: &median_costs,
+    };
+    let identical = report.print(a.json);
     if !identical {
         bail!("speculative decoding changed the greedy outputs");
     }
