@@ -1,13 +1,14 @@
 //! [`Backend`] for [`CpuBackend`]: the operand checks (`crate::tensor::check`), then each
 //! operation on the backend's threads (`CpuBackend::run`, `CpuBackend::product`), bf16
-//! buffers widened where a kernel reads them and rounded where it writes them (`buf.rs`):
-//! a block of rows at a time where the operation allows (products, element-wise
-//! operations, norms, RoPE), so a bf16 buffer's `f32` transient is a block, not the buffer.
+//! buffers widened where a kernel reads them and rounded where it writes them (`buf.rs`;
+//! the products' blocks in `matmul.rs`): a block of rows at a time where the operation
+//! allows (products, element-wise operations, norms, RoPE), so a bf16 buffer's `f32`
+//! transient is a block, not the buffer.
 //! The reference semantics the CUDA backend follows.
 
 use half::bf16;
 
-use super::buf::{Storage, block_len, gemm_slices, product_block_rows, zip_rows};
+use super::buf::{Storage, block_len, gemm_slices, zip_rows};
 use super::{CpuBackend, CpuBuf, blas, kernels};
 use crate::tensor::bytes::{from_le, to_le};
 use crate::tensor::{
@@ -163,48 +164,11 @@ impl Backend for CpuBackend {
     fn matmul(&self, a: &CpuBuf, b: &CpuBuf, c: &mut CpuBuf, g: Gemm) -> Result<()> {
         check::matmul(self, [a, b, c], g)?;
         let par = self.parallelism();
-        if (a.is_bf16() || c.is_bf16()) && g.m * g.k * g.n > 0 {
-            // Block by block, so a bf16 activation or output costs a block's f32 copy, not
-            // its whole buffer's; `b` (a weight, or a gradient already f32) is read whole.
-            if !g.trans_a {
-                // Rows of `a` and `c`: each row of `c` is computed as in one product.
-                let rows = product_block_rows(g.k.max(g.n));
-                let b = b.read();
-                for (a, c) in a
-                    .blocks(rows * g.k)
-                    .into_iter()
-                    .zip(c.blocks_mut(rows * g.n))
-                {
-                    let a = a.read();
-                    let gb = Gemm {
-                        m: a.len() / g.k,
-                        ..g
-                    };
-                    let work = gb.m * g.k * g.n;
-                    self.product(work, work, || c.write(|c| gemm_slices(&a, &b, c, gb, par)));
-                }
-                return Ok(());
-            }
-            if !c.is_bf16() && !g.trans_b {
-                // `aᵀ·b` over tokens (a weight gradient into f32 `c`): blocks of the
-                // reduction's rows, accumulated into `c` in order.
-                let rows = product_block_rows(g.m.max(g.n));
-                let blocks = a.blocks(rows * g.m).into_iter().zip(b.blocks(rows * g.n));
-                c.write(|c| {
-                    for (i, (a, b)) in blocks.enumerate() {
-                        let (a, b) = (a.read(), b.read());
-                        let k = a.len() / g.m;
-                        let gb = Gemm {
-                            k,
-                            accumulate: g.accumulate || i > 0,
-                            ..g
-                        };
-                        let work = g.m * k * g.n;
-                        self.product(work, work, || gemm_slices(&a, &b, c, gb, par));
-                    }
-                });
-                return Ok(());
-            }
+        if (a.is_bf16() || c.is_bf16())
+            && g.m * g.k * g.n > 0
+            && self.matmul_blocks(a, b, c, g, par)
+        {
+            return Ok(());
         }
         let (a, b) = (a.read(), b.read());
         let work = g.m * g.k * g.n;

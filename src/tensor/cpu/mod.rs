@@ -13,6 +13,7 @@ mod blas;
 mod buf;
 pub(crate) mod kernels;
 mod malloc;
+mod matmul;
 #[cfg(test)]
 mod tests;
 mod upper;
