@@ -90,10 +90,6 @@ enum Command {
         buf: CudaSlice<f32>,
         done: Reply<CudaSlice<f32>>,
     },
-    AllReduceHost {
-        values: Vec<f32>,
-        done: Reply<Vec<f32>>,
-    },
     PostSend {
         data: CudaData,
         peer: usize,
@@ -270,18 +266,23 @@ impl NcclComm {
 
     /// Sums host values over every rank, through the GPU (for gradients kept on the host).
     pub fn all_reduce_sum_host(&self, values: &mut [f32]) -> Result<(), CommError> {
-        let summed = self.run(|done| Command::AllReduceHost {
-            values: values.to_vec(),
-            done,
+        let (rank, host) = (self.rank, values.to_vec());
+        let summed = self.with(move |comm| {
+            let stream = comm.stream();
+            let mut buf = call(rank, "copying to the GPU", || stream.clone_htod(&host))?;
+            call(rank, "ncclAllReduce", || {
+                comm.all_reduce_in_place(&mut buf, &ReduceOp::Sum)
+            })?;
+            call(rank, "copying to the host", || stream.clone_dtoh(&buf))
         })?;
         values.copy_from_slice(&summed);
         Ok(())
     }
 
     /// Runs `job` on the communicator's thread with its `Comm` and waits for its answer:
-    /// the collectives of [`NcclGradSync`] are jobs, so this thread's command set stays
-    /// small. The job must leave the stream synchronized (a host copy back does) and run
-    /// its cudarc calls under [`call`].
+    /// the host collectives (the all-reduce above, those of [`NcclGradSync`]) are jobs, so
+    /// this thread's command set stays small. The job must leave the stream synchronized
+    /// (a host copy back does) and run its cudarc calls under [`call`].
     pub(super) fn with<T: Send + 'static>(
         &self,
         job: impl FnOnce(&Comm) -> Result<T, CommError> + Send + 'static,
@@ -350,16 +351,6 @@ fn serve(comm: &Comm, rank: usize, inbox: &mpsc::Receiver<Command>) {
                 let r = recv_data(comm, rank, dtype, len, peer)
                     .and_then(|data| sync("ncclRecv").map(|()| data));
                 done(r);
-            }
-            Command::AllReduceHost { values, done } => {
-                let r = (|| {
-                    let mut buf = call(rank, "copying to the GPU", || stream.clone_htod(&values))?;
-                    call(rank, "ncclAllReduce", || {
-                        comm.all_reduce_in_place(&mut buf, &ReduceOp::Sum)
-                    })?;
-                    call(rank, "copying to the host", || stream.clone_dtoh(&buf))
-                })();
-                let _ = done.send(r);
             }
             Command::With(job) => job(comm),
         }
