@@ -1,9 +1,9 @@
 //! ZeRO-1, the sharded optimizer (`optimizer.shard = true`) through the binary: with it,
 //! dp = 2 replicas end with bitwise the parameters and optimizer moments of the unsharded
-//! dp = 2 run (the ring's reduce-scatter is its all-reduce's first half, and both sum the clipped
-//! gradient norm from the same segments), in one process and launched; its periodic and
-//! final checkpoints are the unsharded run's, so a resume crosses between the two; and the
-//! memory estimate counts the moments once among the replicas.
+//! dp = 2 run (the ring's reduce-scatter is its all-reduce's first half, and both sum the
+//! clipped gradient norm from the same segments), in one process and launched; its periodic
+//! and final checkpoints are the unsharded run's, so a resume crosses between the two; and
+//! the memory estimate counts the moments once among the replicas.
 
 use std::path::Path;
 
