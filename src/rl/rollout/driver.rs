@@ -138,32 +138,28 @@ impl<'a> Driver<'a> {
             .filter(|&i| !self.seqs[i].done)
             .collect();
         let groups = self.groups_for(live.len());
-        let mut ready: VecDeque<Vec<usize>> = (0..groups)
-            .map(|g| {
-                live.iter()
-                    .copied()
-                    .skip(g)
-                    .step_by(groups)
-                    .collect::<Vec<_>>()
-            })
-            .filter(|g| !g.is_empty())
+        // Sequences waiting for a step, in the order they launch: at first the groups
+        // strided over the batch, one after another.
+        let mut waiting: VecDeque<usize> = (0..groups)
+            .flat_map(|g| live.iter().copied().skip(g).step_by(groups))
             .collect();
         let mut in_flight: HashMap<usize, InFlight> = HashMap::new();
         let mut next_id = 0;
         self.point();
         loop {
-            let groups = self.groups_for(self.live());
+            let live = self.live();
+            let groups = self.groups_for(live);
+            let slots = groups.saturating_sub(in_flight.len());
+            let launches = take_groups(&mut waiting, slots, live.div_ceil(groups));
+            let alone = in_flight.is_empty() && waiting.is_empty() && launches.len() == 1;
             // The result of a step run on this thread.
             let mut lone = None;
-            while in_flight.len() < groups {
-                let Some(members) = ready.pop_front() else {
-                    break;
-                };
+            for members in launches {
                 let (mut f, msg) = self.launch(next_id, members, proposer.as_deref_mut())?;
                 f.in_flight = in_flight.len() + 1;
                 match inline {
                     // Nothing to overlap it with: the stages would run it one after another.
-                    Some(stages) if in_flight.is_empty() && ready.is_empty() => {
+                    Some(stages) if alone => {
                         lone = Some(run_inline(stages, msg, &mut self.inline_busy)?);
                     }
                     _ => first.send(msg).map_err(|_| RlError::Stopped)?,
@@ -201,26 +197,8 @@ impl<'a> Driver<'a> {
                     .send(Msg::Release(finished))
                     .map_err(|_| RlError::Stopped)?;
             }
-            if alive.is_empty() {
-                continue;
-            }
-            let groups = self.groups_for(self.live());
-            let now = in_flight.len() + ready.len();
-            if now >= groups {
-                // Too many groups for the live batch: every group step reads all the
-                // stages' weights again, so small groups merge (the group waits for the
-                // next one to come back, or joins one already waiting).
-                match ready.back_mut() {
-                    Some(back) => back.extend(alive),
-                    None => ready.push_back(alive),
-                }
-            } else {
-                // Split the group when stages would otherwise wait: the more groups in
-                // flight, the fewer bubbles, as long as each keeps at least one sequence.
-                let pieces = alive.len().min(groups - now);
-                let size = alive.len().div_ceil(pieces);
-                ready.extend(alive.chunks(size).map(<[usize]>::to_vec));
-            }
+            // The next launch regroups them with any already waiting.
+            waiting.extend(alive);
         }
     }
 
@@ -335,8 +313,15 @@ impl<'a> Driver<'a> {
             }
         }
         if !prefill {
-            let rows: usize = spans.iter().map(|s| s.len).sum();
-            self.rows_per_seq = rows as f64 / members.len() as f64;
+            // A chain's K+1 even where a sequence near its cap drafts fewer: the groups'
+            // count and sizes follow the mode's rows, not which sequences end next.
+            self.rows_per_seq = match drafts {
+                Some(_) => (k + 1) as f64,
+                None => {
+                    let rows: usize = spans.iter().map(|s| s.len).sum();
+                    rows as f64 / members.len() as f64
+                }
+            };
         }
         let kind = match (prefill, drafts.is_some() || trees.is_some()) {
             (true, _) => WorkKind::Prefill,
@@ -561,5 +546,57 @@ impl<'a> Driver<'a> {
             choices: bandit.as_mut().map(KBandit::take_log).unwrap_or_default(),
         };
         (rollout, bandit)
+    }
+}
+
+/// The groups to launch from the front of `waiting` into `slots` free places in flight,
+/// each of at most `size` sequences (the live batch over the groups it keeps in flight):
+/// as few as hold them, their sizes differing by at most one. Sequences beyond `slots`
+/// groups of `size` wait for the next free place.
+///
+/// Balanced groups keep the stages balanced: a group twice the others' size takes twice
+/// as long at every stage, and the smaller ones queued behind it wait there, so the
+/// stages run it as a convoy and the cores idle (docs/benchmarks.md, "Balanced groups").
+/// Merging every returning group into the one waiting made such groups as the live batch
+/// shrank.
+fn take_groups(waiting: &mut VecDeque<usize>, slots: usize, size: usize) -> Vec<Vec<usize>> {
+    let n = waiting.len().min(slots * size.max(1));
+    let pieces = n.div_ceil(size.max(1)).min(slots);
+    (0..pieces)
+        .map(|p| {
+            // Sizes n / pieces, the first n % pieces one larger.
+            let len = n / pieces + usize::from(p < n % pieces);
+            waiting.drain(..len).collect()
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn take(waiting: usize, slots: usize, size: usize) -> (Vec<usize>, usize) {
+        let mut w: VecDeque<usize> = (0..waiting).collect();
+        let groups = take_groups(&mut w, slots, size);
+        let flat: Vec<usize> = groups.iter().flatten().copied().collect();
+        assert_eq!(flat, (0..flat.len()).collect::<Vec<_>>(), "in order");
+        (groups.iter().map(Vec::len).collect(), w.len())
+    }
+
+    #[test]
+    fn groups_are_balanced_and_no_larger_than_their_share() {
+        // Ten sequences over four groups (the first launch): 3, 3, 2, 2.
+        assert_eq!(take(10, 4, 3), (vec![3, 3, 2, 2], 0));
+        // Two groups' survivors and one free place: a group of its share, the rest waits
+        // (merged whole they would be a group twice the others').
+        assert_eq!(take(12, 1, 8), (vec![8], 4));
+        // Fewer than a share: one group, however many places are free.
+        assert_eq!(take(7, 3, 8), (vec![7], 0));
+        // Speculation starts (more, smaller groups): a returning group splits in shares.
+        assert_eq!(take(32, 3, 16), (vec![16, 16], 0));
+        assert_eq!(take(33, 3, 16), (vec![11, 11, 11], 0));
+        // No free place, or nobody waiting: nothing launches.
+        assert_eq!(take(5, 0, 8), (vec![], 5));
+        assert_eq!(take(0, 4, 8), (vec![], 0));
     }
 }
