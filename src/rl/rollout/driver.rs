@@ -9,6 +9,7 @@ use std::sync::mpsc::{Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use super::groups::take_groups;
 use super::pipe::{Done, MessageHook, Msg, WorkKind, run_inline};
 use super::seq::{Seq, contexts, draft_row};
 use super::{
@@ -546,57 +547,5 @@ impl<'a> Driver<'a> {
             choices: bandit.as_mut().map(KBandit::take_log).unwrap_or_default(),
         };
         (rollout, bandit)
-    }
-}
-
-/// The groups to launch from the front of `waiting` into `slots` free places in flight,
-/// each of at most `size` sequences (the live batch over the groups it keeps in flight):
-/// as few as hold them, their sizes differing by at most one. Sequences beyond `slots`
-/// groups of `size` wait for the next free place.
-///
-/// Balanced groups keep the stages balanced: a group twice the others' size takes twice
-/// as long at every stage, and the smaller ones queued behind it wait there, so the
-/// stages run it as a convoy and the cores idle (docs/benchmarks.md, "Balanced groups").
-/// Merging every returning group into the one waiting made such groups as the live batch
-/// shrank.
-fn take_groups(waiting: &mut VecDeque<usize>, slots: usize, size: usize) -> Vec<Vec<usize>> {
-    let n = waiting.len().min(slots * size.max(1));
-    let pieces = n.div_ceil(size.max(1)).min(slots);
-    (0..pieces)
-        .map(|p| {
-            // Sizes n / pieces, the first n % pieces one larger.
-            let len = n / pieces + usize::from(p < n % pieces);
-            waiting.drain(..len).collect()
-        })
-        .collect()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn take(waiting: usize, slots: usize, size: usize) -> (Vec<usize>, usize) {
-        let mut w: VecDeque<usize> = (0..waiting).collect();
-        let groups = take_groups(&mut w, slots, size);
-        let flat: Vec<usize> = groups.iter().flatten().copied().collect();
-        assert_eq!(flat, (0..flat.len()).collect::<Vec<_>>(), "in order");
-        (groups.iter().map(Vec::len).collect(), w.len())
-    }
-
-    #[test]
-    fn groups_are_balanced_and_no_larger_than_their_share() {
-        // Ten sequences over four groups (the first launch): 3, 3, 2, 2.
-        assert_eq!(take(10, 4, 3), (vec![3, 3, 2, 2], 0));
-        // Two groups' survivors and one free place: a group of its share, the rest waits
-        // (merged whole they would be a group twice the others').
-        assert_eq!(take(12, 1, 8), (vec![8], 4));
-        // Fewer than a share: one group, however many places are free.
-        assert_eq!(take(7, 3, 8), (vec![7], 0));
-        // Speculation starts (more, smaller groups): a returning group splits in shares.
-        assert_eq!(take(32, 3, 16), (vec![16, 16], 0));
-        assert_eq!(take(33, 3, 16), (vec![11, 11, 11], 0));
-        // No free place, or nobody waiting: nothing launches.
-        assert_eq!(take(5, 0, 8), (vec![], 5));
-        assert_eq!(take(0, 4, 8), (vec![], 0));
     }
 }

@@ -15,8 +15,9 @@
 //! verification (the last token plus K drafted ones, K+1 positions, in one pass); see
 //! [`super::accept`] for the acceptance rules and [`super::speculative`] for the drafts.
 //! Sequences end at EOS or at their length cap, so the live batch shrinks into a long tail;
-//! when a group comes back and fewer than `groups` are in flight, its live sequences are
-//! split so that the stages stay busy. With [`Speculation::Adaptive`] speculation runs only
+//! the sequences not in flight wait in one queue, from which each free place in flight takes
+//! a group of at most an equal share of the live batch ([`groups`]), so that the stages stay
+//! busy and balanced. With [`Speculation::Adaptive`] speculation runs only
 //! while the live batch is at most `threshold`, and a [`KBandit`] picks K per live-batch
 //! bucket. With a draft tree ([`Speculation::Tree`], or [`AdaptiveConfig::tree`]) a step
 //! verifies the drafter's tree instead of a chain: its rows attend to their ancestors only
@@ -24,11 +25,13 @@
 //! next step compacts the stages' caches to that path.
 
 mod driver;
+mod groups;
 pub mod idle;
 mod pipe;
 mod seq;
 
 use crate::rl::RlError;
+pub use groups::{MIN_GROUP_ROWS, groups_in_flight, live_threshold};
 pub use pipe::{IdleTurn, MessageHook, WorkKind};
 
 use std::sync::mpsc;
@@ -56,48 +59,6 @@ use pipe::{Msg, stage_loop};
 /// threshold"). The costs move with the machine's load and the drafter's acceptance: rerun
 /// the bench per machine.
 pub const DEFAULT_SPEC_THRESHOLD: usize = 4;
-
-/// Fewest positions (rows) a group step should carry, unless fewer are live: the live batch
-/// is split into no more groups than that allows, and groups that shrink below it merge.
-///
-/// Why: a group step reads every stage's weights once, whatever its size, and on a
-/// memory-bound target that read is most of a small step's cost, and stages reading weights
-/// at once share the memory bandwidth: groups of one sequence read the weights once per token
-/// where one group of several reads them once for all. A verification carries K+1 rows per
-/// sequence, so speculation keeps more, smaller groups than plain decoding. On the bench's
-/// `d_model` 512 target 32 rows kept the long tail about as fast as larger groups and far
-/// faster than single sequences (docs/benchmarks.md, "Fewest rows per group step"). A target
-/// whose weights sit in the cache gains the other way: more groups in flight use more cores
-/// (`RolloutTuning::min_group_rows`, which defaults to 1). So this is the engine's and
-/// `bench rollout`'s default, not `pipefill rl`'s.
-pub const MIN_GROUP_ROWS: usize = 32;
-
-/// Groups the engine keeps in flight while `live` sequences are live and each step carries
-/// `rows_per_seq` positions per sequence: at most `groups`, none with fewer than
-/// `min_rows` positions, at least one.
-pub fn groups_in_flight(live: usize, rows_per_seq: f64, groups: usize, min_rows: usize) -> usize {
-    let rows = live as f64 * rows_per_seq / min_rows.max(1) as f64;
-    (rows.floor() as usize).clamp(1, groups.max(1))
-}
-
-/// The live-batch threshold at which speculation still runs at most `per_group` sequences
-/// per group, verifying `rows_per_seq` positions per sequence with up to `groups` groups
-/// of at least `min_rows` positions ([`groups_in_flight`]): how a threshold per group,
-/// which step costs decide, becomes the engine's.
-pub fn live_threshold(
-    per_group: usize,
-    rows_per_seq: f64,
-    groups: usize,
-    min_rows: usize,
-) -> usize {
-    (1..=per_group * groups.max(1))
-        .take_while(|&live| {
-            let g = groups_in_flight(live, rows_per_seq, groups, min_rows);
-            live.div_ceil(g) <= per_group
-        })
-        .last()
-        .unwrap_or(0)
-}
 
 /// When to speculate.
 #[derive(Clone, Debug, PartialEq)]

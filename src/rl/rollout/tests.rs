@@ -3,25 +3,6 @@ use crate::model::{Cut, Gpt, GptConfig};
 use crate::rl::speculative::RandomProposer;
 use crate::tensor::CpuBackend;
 
-/// Groups follow the rows a step carries: one group until the live batch fills two of
-/// `min_rows`, then more up to `groups`; a threshold per group becomes the live batch up
-/// to which the groups stay that small.
-#[test]
-fn groups_in_flight_follow_the_rows_and_thresholds_follow_the_groups() {
-    assert_eq!(groups_in_flight(1, 1.0, 4, 32), 1);
-    assert_eq!(groups_in_flight(63, 1.0, 4, 32), 1);
-    assert_eq!(groups_in_flight(64, 1.0, 4, 32), 2);
-    assert_eq!(groups_in_flight(128, 1.0, 4, 32), 4);
-    assert_eq!(groups_in_flight(13, 5.0, 4, 32), 2, "verifying 5 rows each");
-    assert_eq!(groups_in_flight(500, 1.0, 4, 1), 4);
-    assert_eq!(groups_in_flight(0, 1.0, 0, 0), 1);
-    // 4 per group: one group of 4 verifying 20 rows; 5 would be one group of 5.
-    assert_eq!(live_threshold(4, 5.0, 4, MIN_GROUP_ROWS), 4);
-    // 8 per group at 5 rows each: two groups from 13 live, at most 8 each up to 16.
-    assert_eq!(live_threshold(8, 5.0, 4, MIN_GROUP_ROWS), 8);
-    assert_eq!(live_threshold(0, 5.0, 4, MIN_GROUP_ROWS), 0);
-}
-
 /// The engine merges groups that shrink (fewer group steps than splitting down to
 /// single sequences), and what it generates does not depend on it.
 #[test]
