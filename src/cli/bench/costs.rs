@@ -54,7 +54,8 @@ pub(super) struct CostsAt {
 
 /// Per live-batch bucket (the live batch each step was launched at), over `runs`: the
 /// tokens/s of their decode and verification steps (the wall time from the previous
-/// step's results to this one's, prefill excluded) against the tokens/s their step costs
+/// step's results to this one's; the prefill, and the steps launched before it ended,
+/// excluded) against the tokens/s their step costs
 /// predict: each step costs what `costs` measured for its kind at its number of sequences
 /// (decode, or proposal + verification) and at its own context ([`cost_at`]), divided,
 /// where other groups were in flight with it, by how much faster that many groups' steps
@@ -80,12 +81,21 @@ pub(super) fn bucket_fits(
     }
     let mut acc: BTreeMap<usize, Sums> = BTreeMap::new();
     for r in runs {
+        // The prefill's cost is in no step cost, and the time a step ran beside it goes to
+        // the prefill's wall: such a step would look faster than it ran.
+        let prefilled = r
+            .steps
+            .iter()
+            .filter(|s| s.kind == WorkKind::Prefill)
+            .map(|s| s.t)
+            .fold(0.0, f64::max);
         let mut prev = 0.0;
         for s in &r.steps {
             let wall = s.t - prev;
             prev = s.t;
             let k = match s.kind {
                 WorkKind::Prefill => continue,
+                _ if s.t - s.latency_s < prefilled => continue,
                 WorkKind::Decode => None,
                 WorkKind::Verify { k } => Some(k),
             };
@@ -418,6 +428,26 @@ mod tests {
         assert_eq!((both[0].predicted, both[0].overlap), (200.0, 2.0));
         assert_eq!(both[0].predicted_serial, 100.0);
         assert!((both[0].measured - 100.0).abs() < 1e-9);
+    }
+
+    /// A step launched before the prefill ended ran partly in the prefill's wall time: it
+    /// is left out, not credited with the tokens of a step that seemed to take no time.
+    #[test]
+    fn steps_beside_the_prefill_are_left_out() {
+        let costs = [table(50, [10.0, 14.0])];
+        let mut run = two_steps(1, WorkKind::Decode);
+        // The first decode was launched at 0.0, before the prefill's results at 0.015; the
+        // second at 0.016, after them.
+        run.steps.insert(1, step(0.015, 1, WorkKind::Prefill));
+        run.steps[2].latency_s = 0.004;
+        let fit = bucket_fits(&[run], &costs, &costs, &[]);
+        assert_eq!(fit[0].steps, 1);
+        // The second decode: 1 token in the 5 ms since the prefill's results.
+        assert!(
+            (fit[0].measured - 200.0).abs() < 1e-6,
+            "{}",
+            fit[0].measured
+        );
     }
 
     /// A verification of K drafts of one sequence carries K+1 rows and overlaps as steps of
