@@ -1,6 +1,7 @@
 //! The rollout driver: launches group steps into the stage pipeline, turns the last stage's
-//! logits into tokens (plain sampling or speculative acceptance), keeps the groups split so
-//! that the stages stay busy, and records the figures. With a [`MessageHook`], each
+//! logits into tokens (plain sampling or speculative acceptance), regroups the sequences
+//! into groups of equal shares as places in flight free up ([`super::groups`]), so that
+//! the stages stay busy, and records the figures. With a [`MessageHook`], each
 //! sequence's drafter-training row goes to the hook as soon as the sequence finishes, so
 //! that the stages' idle time in the long tail can train on it while the rollout runs.
 
