@@ -16,10 +16,10 @@
 //! [`super::accept`] for the acceptance rules and [`super::speculative`] for the drafts.
 //! Sequences end at EOS or at their length cap, so the live batch shrinks into a long tail;
 //! the sequences not in flight wait in one queue, from which each free place in flight takes
-//! a group of at most an equal share of the live batch ([`groups`]), so that the stages stay
-//! busy and balanced. With [`Speculation::Adaptive`] speculation runs only
-//! while the live batch is at most `threshold`, and a [`KBandit`] picks K per live-batch
-//! bucket. With a draft tree ([`Speculation::Tree`], or [`AdaptiveConfig::tree`]) a step
+//! a group of at most an equal share of the live batch (over [`groups_in_flight`] groups),
+//! so that the stages stay busy and balanced. With [`Speculation::Adaptive`] speculation
+//! runs only while the live batch is at most `threshold`, and a [`KBandit`] picks K per
+//! live-batch bucket. With a draft tree ([`Speculation::Tree`], or [`AdaptiveConfig::tree`]) a step
 //! verifies the drafter's tree instead of a chain: its rows attend to their ancestors only
 //! ([`crate::model::infer::TreeStep`]), [`super::tree`] accepts a path, and the sequence's
 //! next step compacts the stages' caches to that path.
