@@ -108,7 +108,13 @@ impl<'a> Driver<'a> {
             start: Instant::now(),
             hook: None,
             min_rows,
-            rows_per_seq: 1.0,
+            // Until a step is launched, the mode's: the first steps after the prefill are
+            // grouped as the rest will be.
+            rows_per_seq: match &config.speculation {
+                Speculation::Fixed { k } => (k + 1) as f64,
+                Speculation::Tree(shape) => (shape.nodes + 1) as f64,
+                Speculation::Off | Speculation::Adaptive(_) => 1.0,
+            },
             steps: Vec::new(),
             inline_busy: Vec::new(),
         }
