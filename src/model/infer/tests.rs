@@ -83,7 +83,7 @@ pub(super) fn llama_model() -> Gpt<CpuBackend> {
 
 #[test]
 fn prefill_then_decode_equals_full_forward() {
-    prefill_then_decode(model(), (5, 12), 7);
+    prefill_then_decode(model(), 2, (5, 12), 7);
 }
 
 /// Prefill of 4 × 33 rows (more than the host path takes: the backend's GEMM), then decode
@@ -97,16 +97,19 @@ fn llama_prefill_then_decode_equals_full_forward() {
             "the prefill takes the backend's GEMM"
         )
     };
-    prefill_then_decode(llama_model(), (33, 48), 40);
-    prefill_then_decode(llama_model(), (5, 12), 7);
+    prefill_then_decode(llama_model(), 4, (33, 48), 40);
+    prefill_then_decode(llama_model(), 2, (5, 12), 7);
 }
 
-/// Sequences: a prefill of `prompt` positions each, then decode up to `total`, with a
-/// three-position step at `three`; two of them, or four where the prompt is longer than the
-/// host path's rows.
-fn prefill_then_decode(mut gpt: Gpt<CpuBackend>, (prompt, total): (usize, usize), three: usize) {
+/// `seq_count` sequences: a prefill of `prompt` positions each, then decode up to `total`,
+/// with a three-position step at `three`.
+fn prefill_then_decode(
+    mut gpt: Gpt<CpuBackend>,
+    seq_count: usize,
+    (prompt, total): (usize, usize),
+    three: usize,
+) {
     let vocab = gpt.config().vocab;
-    let seq_count = if 2 * prompt > ROWMUL_MAX_ROWS { 4 } else { 2 };
     let seqs: Vec<Vec<u32>> = (0..seq_count).map(|s| ids(total, s as u32)).collect();
     let mut stages = InferStage::stages_of(&gpt, &Cut::Layers(vec![1, 2, 1])).unwrap();
     // Prefill every prompt in one call, then decode one position at a time, except a
