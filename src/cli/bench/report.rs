@@ -61,8 +61,12 @@ pub(super) struct Report<'a> {
     pub median_costs: &'a [CostsAt],
 }
 
-fn m(rs: &[RolloutOutput], f: &dyn Fn(&RolloutOutput) -> f64) -> f64 {
-    median(rs.iter().map(f))
+/// The median of `f` over `rs`.
+fn m<'a>(
+    rs: impl IntoIterator<Item = &'a RolloutOutput>,
+    f: impl Fn(&RolloutOutput) -> f64,
+) -> f64 {
+    median(rs.into_iter().map(f))
 }
 fn tps(r: &RolloutOutput) -> f64 {
     r.stats.tokens_per_s()
@@ -90,27 +94,25 @@ impl Report<'_> {
     /// run produced the plain runs' greedy tokens.
     pub fn print(&self, json: bool) -> bool {
         let headline = &self.variants[super::HEADLINE];
-        let plain: Vec<RolloutOutput> = self
-            .variants
-            .iter()
-            .flat_map(|v| v.plain.iter().cloned())
-            .collect();
+        // Every variant's plain runs, borrowed.
+        let plain = || self.variants.iter().flat_map(|v| &v.plain);
         let adapt = &headline.runs;
         let (fixed, fixed_tree) = (self.fixed, self.tree.runs);
+        let reference = plain().next().expect("reps ≥ 1");
         let identical = fixed
             .iter()
             .chain(fixed_tree)
             .chain(self.variants.iter().flat_map(|v| &v.runs))
-            .all(|r| r.sequences == plain[0].sequences);
+            .all(|r| r.sequences == reference.sequences);
         // Each variant against the plain runs interleaved with it (the same drift).
         let speedups: Vec<f64> = self
             .variants
             .iter()
-            .map(|v| m(&v.runs, &tail) / m(&v.plain, &tail))
+            .map(|v| m(&v.runs, tail) / m(&v.plain, tail))
             .collect();
         let speedup = speedups[super::HEADLINE];
-        let fixed_speedup = m(fixed, &tail) / m(self.plain, &tail);
-        let tree_speedup = m(fixed_tree, &tail) / m(self.tree.plain, &tail);
+        let fixed_speedup = m(fixed, tail) / m(self.plain, tail);
+        let tree_speedup = m(fixed_tree, tail) / m(self.tree.plain, tail);
         let last = adapt.last().expect("reps ≥ 1");
         let mut ks: Vec<(usize, usize)> = Vec::new();
         for c in &last.choices {
@@ -124,46 +126,46 @@ impl Report<'_> {
         if json {
             let figures = json!({
                 "device": self.device,
-                "plain_tokens_per_s": m(&plain, &tail),
-                "fixed_tokens_per_s": m(fixed, &tail),
-                "adaptive_tokens_per_s": m(adapt, &tail),
+                "plain_tokens_per_s": m(plain(), tail),
+                "fixed_tokens_per_s": m(fixed, tail),
+                "adaptive_tokens_per_s": m(adapt, tail),
                 "speedup": speedup,
-                "acceptance_length": m(adapt, &acc),
+                "acceptance_length": m(adapt, acc),
                 "fixed_acceptance_length": self.fixed_acceptance,
                 "fixed_speedup": fixed_speedup,
                 "tree": json!({
                     "shape": [t.shape.depth, t.shape.branch, t.shape.width, t.shape.nodes],
-                    "fixed_tokens_per_s": m(fixed_tree, &tail),
+                    "fixed_tokens_per_s": m(fixed_tree, tail),
                     "fixed_speedup": tree_speedup,
                     "acceptance_length": t.acceptance,
                     "verify_ms": t.verify_ms,
                     "propose_ms": t.propose_ms,
                     "rows": t.rows,
                 }),
-                "plain_overall_tokens_per_s": m(&plain, &tps),
-                "adaptive_overall_tokens_per_s": m(adapt, &tps),
-                "overall_speedup": m(adapt, &tps) / m(&plain, &tps),
-                "plain_tail_s": m(&plain, &tail_s),
-                "plain_tail_share": m(&plain, &RolloutOutput::tail_share),
+                "plain_overall_tokens_per_s": m(plain(), tps),
+                "adaptive_overall_tokens_per_s": m(adapt, tps),
+                "overall_speedup": m(adapt, tps) / m(plain(), tps),
+                "plain_tail_s": m(plain(), tail_s),
+                "plain_tail_share": m(plain(), RolloutOutput::tail_share),
                 "completion_lengths": json!({"median": self.median_len, "max": self.max_len}),
                 "drafter_agreement": json!({
                     "held_out": self.agreement.0,
                     "own_rows": self.agreement.1,
                 }),
                 "buckets": json!({"plain": self.plain_fits, "fixed": self.fixed_fits}),
-                "adaptive_tail_s": m(adapt, &tail_s),
+                "adaptive_tail_s": m(adapt, tail_s),
                 "adaptive_mode": headline.name,
                 "variants": self.variants.iter().zip(&speedups).map(|(v, s)| json!({
                     "mode": v.name,
                     "threshold": v.threshold,
-                    "tokens_per_s": m(&v.runs, &tail),
+                    "tokens_per_s": m(&v.runs, tail),
                     "speedup": s,
-                    "acceptance_length": m(&v.runs, &acc),
+                    "acceptance_length": m(&v.runs, acc),
                 })).collect::<Vec<_>>(),
                 "threshold": self.threshold,
                 "engine_threshold": self.engine_threshold,
                 "propose_ms": self.propose_ms,
-                "fixed_propose_ms_per_verification": m(fixed, &propose_round_ms),
+                "fixed_propose_ms_per_verification": m(fixed, propose_round_ms),
                 "step_costs": self.costs,
                 "bucket_step_costs": self.bucket_costs,
                 "median_step_costs": self.median_costs,
@@ -179,21 +181,27 @@ impl Report<'_> {
             "{:<10} {:>9} {:>11} {:>10} {:>8} {:>10}",
             "mode", "total s", "tokens/s", "tail tok/s", "tail s", "accept len"
         );
-        let table = [
-            ("plain", plain.as_slice()),
-            ("fixed K", fixed),
-            ("fixed tree", fixed_tree),
+        let table: Vec<(&str, Vec<&RolloutOutput>)> = [
+            ("plain", plain().collect()),
+            ("fixed K", fixed.iter().collect()),
+            ("fixed tree", fixed_tree.iter().collect()),
         ]
         .into_iter()
-        .chain(self.variants.iter().map(|v| (v.name, v.runs.as_slice())));
-        for (name, rs) in table {
+        .chain(
+            self.variants
+                .iter()
+                .map(|v| (v.name, v.runs.iter().collect())),
+        )
+        .collect();
+        for (name, rs) in &table {
+            let rs = || rs.iter().copied();
             println!(
                 "{name:<10} {:>9.3} {:>11.1} {:>10.1} {:>8.3} {:>10.2}",
-                m(rs, &secs),
-                m(rs, &tps),
-                m(rs, &tail),
-                m(rs, &tail_s),
-                m(rs, &acc)
+                m(rs(), secs),
+                m(rs(), tps),
+                m(rs(), tail),
+                m(rs(), tail_s),
+                m(rs(), acc)
             );
         }
         println!(
@@ -219,13 +227,13 @@ impl Report<'_> {
         println!(
             "drafting inside the rollout, fixed K={}: {:.3} ms per sequence verified (alone: {:.3} ms)",
             self.k,
-            m(fixed, &propose_round_ms),
+            m(fixed, propose_round_ms),
             self.propose_ms
         );
         println!(
             "the longest 10% of sequences take {:.0}% of the plain rollout's time (median of {} runs)",
-            100.0 * m(&plain, &RolloutOutput::tail_share),
-            plain.len()
+            100.0 * m(plain(), RolloutOutput::tail_share),
+            plain().count()
         );
         println!("adaptive K choices (last run, K: count): {ks:?}");
         println!("greedy outputs identical across modes: {identical}");
