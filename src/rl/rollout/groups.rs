@@ -61,8 +61,9 @@ pub(super) fn take_groups(
     slots: usize,
     size: usize,
 ) -> Vec<Vec<usize>> {
-    let n = waiting.len().min(slots * size.max(1));
-    let pieces = n.div_ceil(size.max(1)).min(slots);
+    let size = size.max(1);
+    let n = waiting.len().min(slots * size);
+    let pieces = n.div_ceil(size).min(slots);
     (0..pieces)
         .map(|p| {
             // Sizes n / pieces, the first n % pieces one larger.
