@@ -2,28 +2,47 @@
 //!
 //! Version 1 stored the LM head `head.w` (with its moments and master weights, and a
 //! drafter's frozen copies of it) as `[d_model, vocab]`. Version 2 stores it as `[vocab,
-//! d_model]`, the token embedding's layout (`model/tie.rs`). A version 1 checkpoint is
-//! transposed as it is read, so it resumes and loads as before; it is never rewritten.
+//! d_model]`, the token embedding's layout (`model/tie.rs`). A version 1 checkpoint, whole
+//! or sharded, is transposed as it is read, so it resumes and loads as before; it is never
+//! rewritten. A sharded checkpoint's parts are read apart (a rank reads its own shard, the
+//! drafter's file separately), so each part has its own upgrade.
 
-use super::{ADAM_M_PREFIX, ADAM_V_PREFIX, Checkpoint, MASTER_PREFIX, VERSION};
+use super::{ADAM_M_PREFIX, ADAM_V_PREFIX, Checkpoint, HostTensor, MASTER_PREFIX, VERSION};
+use crate::model::GptConfig;
+use crate::model::drafter::state::DrafterState;
 use crate::model::tie::{HEAD, transpose};
 
 /// Brings a checkpoint of an earlier version to the current layout and version (a no-op
 /// for the current one).
 pub(super) fn upgrade(ckpt: &mut Checkpoint) {
     let version = std::mem::replace(&mut ckpt.meta.version, VERSION);
+    upgrade_tensors(version, &ckpt.meta.model, &mut ckpt.tensors);
+    if let Some(drafter) = ckpt.drafter.as_mut() {
+        upgrade_drafter(version, &ckpt.meta.model, drafter);
+    }
+}
+
+/// Brings `tensors` (all of a checkpoint's, or one shard's) written by `version` to the
+/// current layout.
+pub(super) fn upgrade_tensors(version: u32, model: &GptConfig, tensors: &mut [HostTensor]) {
     if version != 1 {
         return;
     }
-    let (d, v) = (ckpt.meta.model.d_model, ckpt.meta.model.vocab);
+    let (d, v) = (model.d_model, model.vocab);
     let names = ["", ADAM_M_PREFIX, ADAM_V_PREFIX, MASTER_PREFIX].map(|p| format!("{p}{HEAD}"));
-    for t in ckpt.tensors.iter_mut().filter(|t| names.contains(&t.name)) {
+    for t in tensors.iter_mut().filter(|t| names.contains(&t.name)) {
         t.data = transpose(&t.data, d, v);
         t.shape = vec![v, d];
     }
-    let Some(drafter) = ckpt.drafter.as_mut() else {
+}
+
+/// Brings a drafter's state written by `version` beside a target of `model` to the current
+/// layout: its frozen head, and a kept round's.
+pub(super) fn upgrade_drafter(version: u32, model: &GptConfig, drafter: &mut DrafterState) {
+    if version != 1 {
         return;
-    };
+    }
+    let (d, v) = (model.d_model, model.vocab);
     for t in drafter
         .weights
         .tensors
@@ -40,7 +59,7 @@ pub(super) fn upgrade(ckpt: &mut Checkpoint) {
 
 #[cfg(test)]
 mod tests {
-    use super::super::test_model::checkpoint;
+    use super::super::test_model::{as_version_1, checkpoint, drafter, drafter_as_version_1};
     use super::super::{Checkpoint, HostTensor};
     use super::*;
 
@@ -69,13 +88,7 @@ mod tests {
         }
         let mut old = now.clone();
         old.meta.version = 1;
-        let head = |n: &str| n == HEAD || n.ends_with(&format!(".{HEAD}"));
-        let mut moved = 0;
-        for t in old.tensors.iter_mut().filter(|t| head(&t.name)) {
-            t.data = transpose(&t.data, v, d);
-            t.shape = vec![d, v];
-            moved += 1;
-        }
+        let moved = as_version_1(&old.meta.model, &mut old.tensors);
         assert_eq!(moved, 3, "head.w and its two moments");
         let dir = tempfile::tempdir().unwrap();
         old.save(dir.path()).unwrap();
@@ -94,47 +107,12 @@ mod tests {
     /// and the round's frozen embedding are left as they are.
     #[test]
     fn a_version_1_drafters_frozen_heads_are_transposed() {
-        use crate::model::drafter::state::{DrafterState, RoundState};
-        use crate::model::drafter::{DrafterWeights, NamedTensor};
         let mut now = checkpoint(3);
-        let (d, v) = (now.meta.model.d_model, now.meta.model.vocab);
-        let values = |n: usize, k: f32| (0..n).map(|i| k * i as f32).collect::<Vec<_>>();
-        let tensor = |name: &str, shape: Vec<usize>, k: f32| NamedTensor {
-            name: name.into(),
-            values: values(shape.iter().product(), k),
-            shape,
-        };
-        now.drafter = Some(DrafterState {
-            weights: DrafterWeights {
-                version: 4,
-                frozen_step: Some(2),
-                tensors: vec![
-                    tensor("fc.w", vec![2 * d, d], -1.0),
-                    tensor(HEAD, vec![v, d], 1.0),
-                    tensor("embed.tok", vec![v, d], 0.5),
-                ],
-            },
-            optimizer: Default::default(),
-            samplers: Vec::new(),
-            buffer: Default::default(),
-            held_out: Default::default(),
-            round: Some(RoundState {
-                step: 3,
-                grads: Vec::new(),
-                embed: Some((2, values(v * d, 0.25))),
-                head: Some((2, values(v * d, 2.0))),
-            }),
-        });
+        now.drafter = Some(drafter(&now.meta.model));
         // As version 1 wrote it: the two frozen heads `[d, vocab]`.
         let mut old = now.clone();
         old.meta.version = 1;
-        let drafter = old.drafter.as_mut().unwrap();
-        let head = drafter.weights.tensors.iter_mut().find(|t| t.name == HEAD);
-        let head = head.unwrap();
-        head.values = transpose(&head.values, v, d);
-        head.shape = vec![d, v];
-        let round = drafter.round.as_mut().unwrap().head.as_mut().unwrap();
-        round.1 = transpose(&round.1, v, d);
+        drafter_as_version_1(&old.meta.model, old.drafter.as_mut().unwrap());
         assert_ne!(old.drafter, now.drafter);
         upgrade(&mut old);
         assert_eq!(old.meta.version, VERSION);

@@ -13,12 +13,15 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
+use super::drafter::load_drafter;
 use super::files::{MAX_META_BYTES, read_bounded, stat_listed, verify_listed};
+use super::migrate::{upgrade_drafter, upgrade_tensors};
 use super::sharded::{
     CHECKPOINTS_DIR, Layout, MANIFEST_FILE, Manifest, latest, read_shard, shard_field,
 };
 use super::{Checkpoint, CheckpointMeta, FORMAT, HostTensor, META_FILE, VERSION};
 use crate::model::ModelError;
+use crate::model::drafter::state::DrafterState;
 
 /// Name of the final whole-model checkpoint directory inside a run directory.
 pub const FINAL_DIR: &str = "checkpoint";
@@ -155,12 +158,25 @@ impl RankShard {
             false => rank % layout.pp(),
         };
         let entry = &manifest.shards[index];
-        let tensors = read_shard(dir, entry)?;
+        let mut tensors = read_shard(dir, entry)?;
+        upgrade_tensors(manifest.version, &manifest.model, &mut tensors);
         Ok(RankShard {
             path: dir.join(&entry.file),
             tensors,
             manifest,
         })
+    }
+
+    /// The drafter's state the manifest lists beside the shards, if any (a launched run's
+    /// drafter is its own file, not part of any rank's shard), in today's layout.
+    pub fn drafter(&self) -> Result<Option<DrafterState>, ModelError> {
+        let (Some(entry), Some(dir)) = (&self.manifest.drafter, self.path.parent()) else {
+            return Ok(None);
+        };
+        let model = &self.manifest.model;
+        let mut drafter = load_drafter(dir, entry, model)?;
+        upgrade_drafter(self.manifest.version, model, &mut drafter);
+        Ok(Some(drafter))
     }
 
     /// The shard as a (partial) whole-model [`Checkpoint`]: its tensors under their model
@@ -182,8 +198,7 @@ impl RankShard {
                 drafter: None,
             },
             tensors: self.tensors.clone(),
-            // A launched run's drafter is its own file named by the manifest, read back by
-            // `pipeline::mesh::drafter_of`, not part of any rank's shard.
+            // Read apart by [`RankShard::drafter`].
             drafter: None,
         }
     }

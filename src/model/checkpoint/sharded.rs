@@ -210,21 +210,13 @@ impl Manifest {
                 path: path.clone(),
                 reason: e.to_string(),
             })?;
-        if manifest.format != SHARDED_FORMAT || manifest.version != VERSION {
+        // Version 1 is read into today's layout by `super::migrate`.
+        if manifest.format != SHARDED_FORMAT || !(1..=VERSION).contains(&manifest.version) {
             return Err(ModelError::BadMeta {
                 path,
                 reason: format!(
-                    "format {:?} version {}, expected {SHARDED_FORMAT:?} version {VERSION}{}",
-                    manifest.format,
-                    manifest.version,
-                    match manifest.version {
-                        // checkpoint/migrate.rs reads a whole version 1 checkpoint only.
-                        1 =>
-                            " (version 1 stored the LM head as [d_model, vocab]; a sharded \
-                              checkpoint of it does not resume, the run's final whole \
-                              checkpoint/ still loads)",
-                        _ => "",
-                    }
+                    "format {:?} version {}, expected {SHARDED_FORMAT:?} version 1 to {VERSION}",
+                    manifest.format, manifest.version
                 ),
             });
         }
@@ -450,10 +442,10 @@ pub fn load_sharded(
             tensors.extend(shard);
         }
     }
-    Ok(Checkpoint {
+    let mut ckpt = Checkpoint {
         meta: CheckpointMeta {
             format: FORMAT.into(),
-            version: VERSION,
+            version: manifest.version,
             step: manifest.step,
             model: manifest.model,
             optimizer_step: manifest.optimizer_step,
@@ -466,7 +458,9 @@ pub fn load_sharded(
         },
         tensors,
         drafter,
-    })
+    };
+    super::migrate::upgrade(&mut ckpt);
+    Ok(ckpt)
 }
 
 /// The newest complete checkpoint of run directory `run_dir` (the highest step whose

@@ -74,7 +74,6 @@ use crate::comm::link::PeerLink;
 use crate::comm::tcp::TcpMesh;
 use crate::config::JobConfig;
 use crate::model::ModelError;
-use crate::model::checkpoint::drafter::load_drafter;
 use crate::model::drafter::state::DrafterState;
 use crate::model::drafter::{DrafterWeights, FROZEN};
 use crate::pipeline::RankCompute;
@@ -109,10 +108,7 @@ impl std::fmt::Debug for LaunchFill {
 pub fn drafter_of(resume: &RankResume) -> Result<Option<DrafterState>, ModelError> {
     match resume {
         RankResume::Whole(c) => Ok(c.drafter.clone()),
-        RankResume::Shard(s) => match (&s.manifest.drafter, s.path.parent()) {
-            (Some(entry), Some(dir)) => Ok(Some(load_drafter(dir, entry, &s.manifest.model)?)),
-            _ => Ok(None),
-        },
+        RankResume::Shard(s) => s.drafter(),
     }
 }
 
