@@ -66,7 +66,7 @@ pub use args::BenchArgs;
 use args::{BenchWhat, RolloutArgs};
 use batch::{Stream, long_tail_batch, parse_tree};
 use costs::{
-    COST_REPS, EARLY_PARTS, TAIL_PARTS, bucket_fits, bucket_tables, fit_lines,
+    COST_REPS, EARLY_PARTS, FIRST_PARTS, TAIL_PARTS, bucket_fits, bucket_tables, fit_lines,
     per_token_acceptance, probe_context, step_cost_lines, step_rows, threshold_of_buckets,
 };
 use overlap::{overlap_lines, overlaps};
@@ -303,6 +303,11 @@ fn rollout_on<B: Backend>(
         hidden: &early_hidden,
         tokens: &early_tokens,
     };
+    let (start_hidden, start_tokens) = probe_context(&probe, job.model.d_model, FIRST_PARTS);
+    let start = DraftContext {
+        hidden: &start_hidden,
+        tokens: &start_tokens,
+    };
     if !a.draft_vocab.is_empty() {
         let d = dtrainer.drafter_mut();
         let vocabs = a.draft_vocab.iter();
@@ -358,7 +363,8 @@ fn rollout_on<B: Backend>(
     let fixed_accept = median(fixed.iter().map(|r| r.stats.acceptance_length()));
     let (plain_tree, fixed_tree) = pair(dtrainer.drafter_mut(), &Speculation::Tree(shape))?;
     let tree_accept = median(fixed_tree.iter().map(|r| r.stats.acceptance_length()));
-    // The per-bucket predictions: the step costs at the early context and at the tail's,
+    // The per-bucket predictions: the step costs at the first steps', the early and the
+    // tail's contexts,
     // up to the largest step the runs had (a plain group may hold every live sequence).
     // The largest of `size` over the fitted runs' steps, to the next power of two (the
     // sizes the tables and the overlaps are timed at).
@@ -370,7 +376,7 @@ fn rollout_on<B: Backend>(
             .next_power_of_two()
     };
     let fit_b = largest(|s| s.sequences);
-    let (contexts, d) = ([early, ctx], dtrainer.drafter_mut());
+    let (contexts, d) = ([start, early, ctx], dtrainer.drafter_mut());
     let timed_b = fit_b.max(max_b);
     let (bucket_costs, median_costs) = bucket_tables(model, d, &contexts, &cost_ks, timed_b)?;
     // The threshold's step costs: the tail's (`ctx`, the last context), up to the sizes a
@@ -409,9 +415,12 @@ fn rollout_on<B: Backend>(
     let fits = |runs: &[RolloutOutput]| bucket_fits(runs, &bucket_costs, &median_costs, &overlaps);
     let (plain_fits, fixed_fits) = (fits(&plain0), fits(&fixed));
     out.line(&format!(
-        "engine vs step costs: each step predicted at its own context, linear between the step costs at {} and {} cached positions (groups of up to {timed_b} sequences timed)",
-        early.tokens.len(),
-        ctx.tokens.len()
+        "engine vs step costs: each step predicted at its own context, linear between the step costs at {} cached positions (groups of up to {timed_b} sequences timed)",
+        contexts
+            .iter()
+            .map(|c| c.tokens.len().to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
     ));
     for line in fit_lines(&plain_fits, &fixed_fits, a.k) {
         out.line(&line);

@@ -140,26 +140,27 @@ pub(super) fn step_rows(s: &StepRecord) -> usize {
 }
 
 /// What one step of `b` sequences at a cache of `context` positions costs, in ms: each
-/// table's cost ([`cost_in`]), linear in the context between the first two tables' and
-/// beyond the longer (the attention over the cache grows linearly with it, the rest does
-/// not change); below the shorter, its cost (a context that short is a step right after
-/// the prompt's prefill, where the larger batches run beyond the measured sizes, and a
-/// line through two points far away gave them half the cost they ran at). One table's
-/// cost at any context.
+/// table's cost ([`cost_in`]), linear in the context between the tables' (ascending) and
+/// beyond the longest (the attention over the cache grows linearly with it, the rest does
+/// not change); below the shortest, its cost (a line through points far away gave the
+/// steps right after the prompts' prefill half the cost they ran at, so the shortest
+/// table is timed near their caches). A longer cache never costs less: a noisy table
+/// takes its shorter neighbour's cost. One table's cost at any context.
 fn cost_at(tables: &[CostsAt], b: usize, k: Option<usize>, context: usize) -> f64 {
-    match tables {
-        [] => f64::NAN,
-        [t] => cost_in(&t.costs, b, k),
-        [t0, t1, ..] => {
-            let (c0, c1) = (t0.context as f64, t1.context as f64);
-            let (y0, y1) = (cost_in(&t0.costs, b, k), cost_in(&t1.costs, b, k));
-            if c0 == c1 {
-                return y0.min(y1);
-            }
-            // A longer cache never costs less: a noisy pair gives no slope.
-            let slope = ((y1 - y0) / (c1 - c0)).max(0.0);
-            y0 + slope * (context as f64 - c0).max(0.0)
+    let mut pts: Vec<(f64, f64)> = Vec::new();
+    for t in tables {
+        let (x, y) = (t.context as f64, cost_in(&t.costs, b, k));
+        match pts.last_mut() {
+            Some(last) if last.0 == x => last.1 = last.1.min(y),
+            _ => pts.push((x, y)),
         }
+    }
+    for i in 1..pts.len() {
+        pts[i].1 = pts[i].1.max(pts[i - 1].1);
+    }
+    match pts.first() {
+        None => f64::NAN,
+        Some(&(first, _)) => linear(&pts, (context as f64).max(first)),
     }
 }
 
@@ -294,7 +295,8 @@ pub(super) fn bucket_tables<B: Backend>(
 /// positions the long tail decodes at (the longest sequence from where a tenth of the
 /// batch is live to its end): the threshold's step costs are timed at a cache this long.
 /// An eighth ([`EARLY_PARTS`]) is nearer where the larger buckets decode, early in the
-/// rollout: the per-bucket predictions take the step costs at both, linear in between.
+/// rollout, and a thirty-second ([`FIRST_PARTS`]) where the widest do, right after the
+/// prefill: the per-bucket predictions take the step costs at all three, linear in between.
 pub(super) fn probe_context(probe: &DraftRow, d: usize, parts: usize) -> (Vec<f32>, Vec<u32>) {
     let n = probe.len().div_ceil(parts.max(1)).max(1).min(probe.len());
     (probe.hidden[..n * d].to_vec(), probe.targets[..n].to_vec())
@@ -304,6 +306,11 @@ pub(super) fn probe_context(probe: &DraftRow, d: usize, parts: usize) -> (Vec<f3
 pub(super) const TAIL_PARTS: usize = 2;
 /// [`probe_context`]'s share for the early, larger buckets' step costs.
 pub(super) const EARLY_PARTS: usize = 8;
+/// [`probe_context`]'s share for the first steps after the prompts' prefill, where the
+/// widest buckets decode (their caches held 12–28 positions on the d512 bench, where the
+/// probe row's eighth is 55: at that cost the buckets of 33–128 live sequences were
+/// predicted 11–16% slower than they ran).
+pub(super) const FIRST_PARTS: usize = 32;
 
 /// The per-token acceptance α of a drafter whose chains of `k` reach acceptance length
 /// `accept` (`1 + α + … + α^k`; bisection, the sum grows with α).
@@ -383,6 +390,15 @@ mod tests {
         let noisy = [table(50, [10.0, 14.0]), table(250, [9.0, 13.0])];
         assert_eq!(cost_at(&noisy, 1, None, 400), 10.0);
         assert!(cost_at(&[], 1, None, 10).is_nan());
+        // Three tables: linear within each pair, the shortest's cost below it.
+        let three = [table(10, [6.0, 8.0]), two[0].clone(), two[1].clone()];
+        assert_eq!(cost_at(&three, 1, None, 30), 8.0);
+        assert_eq!(cost_at(&three, 1, None, 150), 15.0);
+        assert_eq!(cost_at(&three, 2, None, 5), 8.0);
+        // A shorter table measured dearer than the next is its floor.
+        let noisy = [table(10, [12.0, 16.0]), two[0].clone(), two[1].clone()];
+        assert_eq!(cost_at(&noisy, 1, None, 50), 12.0);
+        assert_eq!(cost_at(&noisy, 1, None, 250), 20.0);
     }
 
     fn step(t: f64, in_flight: usize, kind: WorkKind) -> StepRecord {
