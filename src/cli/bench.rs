@@ -196,6 +196,9 @@ fn rollout_on<B: Backend>(
     let mut engine = RolloutEngine::new(stages)?
         .with_min_group_rows(a.min_group_rows)
         .with_inline_tail(!a.threaded_tail);
+    if let Some(w) = a.workers {
+        engine = engine.with_workers(w);
+    }
     let groups = a.groups.unwrap_or(a.stages).max(1);
     let cfg = |speculation, record_rows| RolloutConfig {
         groups,

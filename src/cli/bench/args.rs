@@ -57,10 +57,15 @@ pub struct RolloutArgs {
     /// Sequences in the batch.
     #[arg(long, default_value_t = 128)]
     pub(super) requests: usize,
-    /// Pipeline stages (threads).
+    /// Pipeline stages.
     #[arg(long, default_value_t = 4)]
     pub(super) stages: usize,
-    /// Groups in flight (default: one per stage).
+    /// Most stage threads, each a run of consecutive stages, and most groups of plain
+    /// decode steps (default: the machine's cores): `--workers 4` runs a thread per stage
+    /// and four plain groups, to measure what that costs.
+    #[arg(long)]
+    pub(super) workers: Option<usize>,
+    /// Groups in flight (default: one per stage; plain decode steps at most `--workers`).
     #[arg(long)]
     pub(super) groups: Option<usize>,
     /// Fewest positions a group step carries: the engine merges smaller groups. The

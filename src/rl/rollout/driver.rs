@@ -64,6 +64,8 @@ pub(super) struct Driver<'a> {
     hook: Option<Arc<dyn MessageHook>>,
     /// Fewest positions a group step should carry (see [`super::MIN_GROUP_ROWS`]).
     min_rows: usize,
+    /// Most groups in flight for plain decode steps ([`Driver::with_plain_groups`]).
+    plain_groups: usize,
     /// Positions per sequence of the last decode or verification step launched: what the
     /// next steps will likely carry (1 for plain decoding, K+1 for a verification).
     rows_per_seq: f64,
@@ -108,6 +110,7 @@ impl<'a> Driver<'a> {
             start: Instant::now(),
             hook: None,
             min_rows,
+            plain_groups: config.groups,
             // Until a step is launched, the mode's: the first steps after the prefill are
             // grouped as the rest will be.
             rows_per_seq: match &config.speculation {
@@ -118,6 +121,13 @@ impl<'a> Driver<'a> {
             steps: Vec::new(),
             inline_busy: Vec::new(),
         }
+    }
+
+    /// Keeps at most `groups` groups in flight while steps decode plainly (at most the
+    /// config's; verifications keep the config's).
+    pub(super) fn with_plain_groups(mut self, groups: usize) -> Self {
+        self.plain_groups = groups.clamp(1, self.config.groups.max(1));
+        self
     }
 
     /// Hands each finished sequence's drafter row to `hook` (when rows are recorded).
@@ -213,7 +223,11 @@ impl<'a> Driver<'a> {
     /// Groups to keep in flight while `live` sequences are live: at most the config's, and
     /// none whose step would carry fewer than `min_rows` positions (but at least one).
     fn groups_for(&self, live: usize) -> usize {
-        super::groups_in_flight(live, self.rows_per_seq, self.config.groups, self.min_rows)
+        let most = match self.rows_per_seq > 1.0 {
+            true => self.config.groups,
+            false => self.plain_groups,
+        };
+        super::groups_in_flight(live, self.rows_per_seq, most, self.min_rows)
     }
 
     fn point(&mut self) {

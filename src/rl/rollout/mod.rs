@@ -1,8 +1,9 @@
 //! The rollout engine: batched generation through the pipeline stages, each with its own
 //! KV cache, with optional lossless speculative decoding and an adaptive choice of K.
 //!
-//! What is real here: every stage is an [`InferStage`] on its own thread (`pipe`), and the
-//! driver (this module, on the calling thread: the rank that holds the final hidden states
+//! What is real here: every stage is an [`InferStage`] run by a stage thread (`pipe`; one
+//! per stage, or without a hook one per core for a run of consecutive stages:
+//! [`RolloutEngine::with_workers`]), and the driver (this module, on the calling thread: the rank that holds the final hidden states
 //! and the drafter) keeps up to `groups` groups of sequences in flight, one behind another,
 //! so that while stage 2 works on group A stage 1 already works on group B. Everything runs
 //! in one process; the stage-to-stage messages are channels, not the actor transport. When
@@ -36,6 +37,7 @@ pub use pipe::{IdleTurn, MessageHook, WorkKind};
 
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use serde::Serialize;
 
@@ -272,6 +274,8 @@ pub struct RolloutEngine<B: Backend> {
     /// Whether a lone group runs through every stage on the driver's thread (see
     /// [`RolloutEngine::with_inline_tail`]).
     inline_tail: bool,
+    /// Most stage threads without a hook (see [`RolloutEngine::with_workers`]).
+    workers: usize,
 }
 
 impl<B: Backend> RolloutEngine<B> {
@@ -295,6 +299,7 @@ impl<B: Backend> RolloutEngine<B> {
             bandit: None,
             min_group_rows: MIN_GROUP_ROWS,
             inline_tail: true,
+            workers: std::thread::available_parallelism().map_or(1, |n| n.get()),
         })
     }
 
@@ -325,6 +330,19 @@ impl<B: Backend> RolloutEngine<B> {
     /// machine waits for a core (docs/benchmarks.md, "Reaching the cost model").
     pub fn with_inline_tail(mut self, on: bool) -> Self {
         self.inline_tail = on;
+        self
+    }
+
+    /// Runs the stages on at most `workers` threads, each a run of consecutive stages, and
+    /// plain decode steps in at most that many groups (default: the machine's cores; never
+    /// with a hook, whose routing and idle work are per stage). A plain step leaves the
+    /// driver nothing to overlap, so groups beyond the threads only queue; on two cores
+    /// four groups on four stage threads ran the wide plain steps about a fifth below their
+    /// measured cost, two on two at it. Verifications keep `groups`: the driver drafts for
+    /// one group while the others compute (docs/benchmarks.md, "Step costs at the first
+    /// steps' caches").
+    pub fn with_workers(mut self, workers: usize) -> Self {
+        self.workers = workers.max(1);
         self
     }
 
@@ -368,21 +386,30 @@ impl<B: Backend> RolloutEngine<B> {
         // the driver can run a lone group through all of them in turn.
         let stages: Vec<Mutex<&mut InferStage<B>>> =
             self.stages.iter_mut().map(Mutex::new).collect();
+        let workers = match hook {
+            Some(_) => n_stages,
+            None => n_stages.min(self.workers),
+        };
+        // Thread `w`'s stages: an even share, in order.
+        let runs: Vec<_> = (0..workers)
+            .map(|w| w * n_stages / workers..(w + 1) * n_stages / workers)
+            .collect();
         std::thread::scope(|scope| {
             let (mut txs, mut rxs) = (Vec::new(), Vec::new());
-            for _ in 0..n_stages {
+            for _ in 0..workers {
                 let (tx, rx) = mpsc::channel::<Msg<B>>();
                 txs.push(tx);
                 rxs.push(rx);
             }
-            let handles: Vec<_> = stages
+            let handles: Vec<_> = runs
                 .iter()
                 .zip(rxs)
                 .enumerate()
-                .map(|(i, (stage, rx))| {
-                    let next = txs.get(i + 1).cloned();
+                .map(|(w, (run, rx))| {
+                    let next = txs.get(w + 1).cloned();
                     let (drv, hook) = (drv_tx.clone(), hook.clone());
-                    scope.spawn(move || stage_loop(i, stage, rx, next, drv, hook))
+                    let (first, run) = (run.start, &stages[run.clone()]);
+                    scope.spawn(move || stage_loop(first, run, rx, next, drv, hook))
                 })
                 .collect();
             let first = txs.swap_remove(0);
@@ -397,13 +424,18 @@ impl<B: Backend> RolloutEngine<B> {
                 bandit,
                 self.min_group_rows,
             )
+            .with_plain_groups(workers)
             .with_hook(hook.clone());
             let inline = inline.then_some(stages.as_slice());
             let result = driver.run(&first, &drv_rx, inline, proposer);
             drop(first);
             let busy: Vec<f64> = handles
                 .into_iter()
-                .map(|h| h.join().map(|d| d.as_secs_f64()).unwrap_or(f64::NAN))
+                .zip(&runs)
+                .flat_map(|(h, run)| match h.join() {
+                    Ok(busy) => busy.iter().map(Duration::as_secs_f64).collect(),
+                    Err(_) => vec![f64::NAN; run.len()],
+                })
                 .collect();
             result.map(|()| driver.finish(busy))
         })

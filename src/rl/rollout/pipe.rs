@@ -1,5 +1,7 @@
-//! The stage threads of the rollout engine: one thread per [`InferStage`], joined by
-//! channels, so that groups of sequences flow through the stages one behind another.
+//! The stage threads of the rollout engine, joined by channels, so that groups of
+//! sequences flow through the stages one behind another. A thread runs one [`InferStage`],
+//! or a run of consecutive ones where the stages outnumber the cores (never with a hook:
+//! its routing and idle work are per stage).
 //!
 //! A [`Work`] message is one group's step (prefill, decode or speculative verification):
 //! stage `s` runs it against its KV cache and sends the activations on to stage `s + 1`;
@@ -125,18 +127,19 @@ pub(crate) struct Done {
     pub spent: Duration,
 }
 
-/// Runs stage `index` until its inbox closes; returns the time it spent computing. The
-/// stage is locked only while a message runs (the driver may run a lone group through it
+/// Runs the stages `stages` (stage `index` and the ones after it, in order: one stage
+/// with a hook) until the inbox closes; returns the time each spent computing. A stage is
+/// locked only while a message runs through it (the driver may run a lone group through it
 /// in between: [`run_inline`]).
 pub(crate) fn stage_loop<B: Backend>(
     index: usize,
-    stage: &Mutex<&mut InferStage<B>>,
+    stages: &[Mutex<&mut InferStage<B>>],
     inbox: Receiver<Msg<B>>,
     next: Option<Sender<Msg<B>>>,
     driver: Sender<Result<Done, ModelError>>,
     hook: Option<Arc<dyn MessageHook>>,
-) -> Duration {
-    let mut busy = Duration::ZERO;
+) -> Vec<Duration> {
+    let mut busy = vec![Duration::ZERO; stages.len()];
     // Routed messages waiting for the hook, oldest first.
     let mut routed: Vec<(usize, Msg<B>)> = Vec::new();
     let out = Outlets {
@@ -147,7 +150,7 @@ pub(crate) fn stage_loop<B: Backend>(
     loop {
         // The work to run now, and whether the hook picked it from the routed queue.
         let next_work = match inbox.try_recv() {
-            Ok(msg) => intake(msg, &hook, index, &mut routed, stage, &next).map(|w| (w, false)),
+            Ok(msg) => intake(msg, &hook, index, &mut routed, stages, &next).map(|w| (w, false)),
             Err(TryRecvError::Disconnected) if routed.is_empty() => break,
             Err(_) => {
                 let turn = hook
@@ -168,7 +171,7 @@ pub(crate) fn stage_loop<B: Backend>(
                         if let Some(h) = &hook {
                             h.waited(index, t, Instant::now());
                         }
-                        intake(msg, &hook, index, &mut routed, stage, &next).map(|w| (w, false))
+                        intake(msg, &hook, index, &mut routed, stages, &next).map(|w| (w, false))
                     }
                 }
             }
@@ -177,9 +180,8 @@ pub(crate) fn stage_loop<B: Backend>(
             continue;
         };
         let t = Instant::now();
-        let sent = run(&mut lock(stage), work, &out);
+        let sent = run(stages, work, &out, &mut busy);
         let end = Instant::now();
-        busy += end - t;
         if let (Some(h), true) = (&hook, picked) {
             h.routed_ran(index, t, end);
         }
@@ -204,13 +206,15 @@ fn intake<B: Backend>(
     hook: &Option<Arc<dyn MessageHook>>,
     index: usize,
     routed: &mut Vec<(usize, Msg<B>)>,
-    stage: &Mutex<&mut InferStage<B>>,
+    stages: &[Mutex<&mut InferStage<B>>],
     next: &Option<Sender<Msg<B>>>,
 ) -> Option<Msg<B>> {
     match msg {
         Msg::Release(slots) => {
-            let mut stage = lock(stage);
-            slots.iter().for_each(|&s| stage.release(s));
+            for stage in stages {
+                let mut stage = lock(stage);
+                slots.iter().for_each(|&s| stage.release(s));
+            }
             if let Some(n) = next {
                 let _ = n.send(Msg::Release(slots));
             }
@@ -265,39 +269,69 @@ pub(crate) fn run_inline<B: Backend>(
             reason: "only work runs inline".into(),
         });
     };
-    let mut hidden = None;
-    for (s, stage) in stages.iter().enumerate() {
+    match forward_through(stages, &spans, tree.as_ref(), &ids, None, busy, &mut spent)? {
+        StageOutput::Final { logits, hidden } => Ok(Done {
+            group,
+            logits,
+            hidden,
+            spent,
+        }),
+        StageOutput::Hidden(_) => Err(no_head(stages.len().saturating_sub(1), group)),
+    }
+}
+
+/// Runs one step through `stages` in turn, each locked while it runs, from `hidden` (the
+/// previous stage's activations) or else from `ids` (the first stage's tokens); adds each
+/// stage's compute time to its `busy` and to `spent`. The last stage's output.
+fn forward_through<B: Backend>(
+    stages: &[Mutex<&mut InferStage<B>>],
+    spans: &[Span],
+    tree: Option<&TreeStep>,
+    ids: &[u32],
+    mut hidden: Option<B::Buf>,
+    busy: &mut [Duration],
+    spent: &mut Duration,
+) -> Result<StageOutput<B>, ModelError> {
+    let last = stages.len().saturating_sub(1);
+    for (s, (stage, busy)) in stages.iter().zip(busy).enumerate() {
         let input = match hidden.take() {
             Some(h) => StageInput::Hidden(h),
-            None => StageInput::Tokens(&ids),
+            None => StageInput::Tokens(ids),
         };
         let t = Instant::now();
-        let out = lock(stage).forward_with(&spans, tree.as_ref(), input);
+        let out = lock(stage).forward_with(spans, tree, input);
         let took = t.elapsed();
-        busy[s] += took;
-        spent += took;
+        *busy += took;
+        *spent += took;
         match out? {
-            StageOutput::Hidden(h) => hidden = Some(h),
-            StageOutput::Final { logits, hidden } => {
-                return Ok(Done {
-                    group,
-                    logits,
-                    hidden,
-                    spent,
-                });
-            }
+            StageOutput::Hidden(h) if s < last => hidden = Some(h),
+            out => return Ok(out),
         }
     }
     Err(ModelError::Input {
-        stage: stages.len().saturating_sub(1),
-        mb: group,
-        reason: "the last stage has no LM head".into(),
+        stage: 0,
+        mb: 0,
+        reason: "no stage to run".into(),
     })
 }
 
-/// Runs one work message through the stage and sends the result on; `false` when the
-/// receiver is gone (the rollout stopped).
-fn run<B: Backend>(stage: &mut InferStage<B>, msg: Msg<B>, out: &Outlets<'_, B>) -> bool {
+/// The error of a step that left the last stage without logits.
+fn no_head(stage: usize, group: usize) -> ModelError {
+    ModelError::Input {
+        stage,
+        mb: group,
+        reason: "the last stage has no LM head".into(),
+    }
+}
+
+/// Runs one work message through the thread's stages and sends the result on; `false`
+/// when the receiver is gone (the rollout stopped).
+fn run<B: Backend>(
+    stages: &[Mutex<&mut InferStage<B>>],
+    msg: Msg<B>,
+    out: &Outlets<'_, B>,
+    busy: &mut [Duration],
+) -> bool {
     let Msg::Work {
         group,
         kind,
@@ -305,18 +339,20 @@ fn run<B: Backend>(stage: &mut InferStage<B>, msg: Msg<B>, out: &Outlets<'_, B>)
         ids,
         hidden,
         tree,
-        spent,
+        mut spent,
     } = msg
     else {
         return true;
     };
-    let input = match hidden {
-        Some(h) => StageInput::Hidden(h),
-        None => StageInput::Tokens(&ids),
-    };
-    let t = Instant::now();
-    let result = stage.forward_with(&spans, tree.as_ref(), input);
-    let spent = spent + t.elapsed();
+    let result = forward_through(
+        stages,
+        &spans,
+        tree.as_ref(),
+        &ids,
+        hidden,
+        busy,
+        &mut spent,
+    );
     match result {
         Ok(StageOutput::Hidden(h)) => match out.next {
             Some(n) => n
@@ -332,11 +368,7 @@ fn run<B: Backend>(stage: &mut InferStage<B>, msg: Msg<B>, out: &Outlets<'_, B>)
                 .is_ok(),
             None => out
                 .driver
-                .send(Err(ModelError::Input {
-                    stage: out.index,
-                    mb: group,
-                    reason: "the last stage has no LM head".into(),
-                }))
+                .send(Err(no_head(out.index + stages.len() - 1, group)))
                 .is_ok(),
         },
         Ok(StageOutput::Final { logits, hidden }) => out

@@ -157,3 +157,55 @@ fn a_draft_longer_than_the_positions_is_refused() {
     };
     assert!(engine.run(&requests, &cfg, Some(&mut random)).is_ok());
 }
+
+/// Stages run on fewer threads than there are stages (a run of consecutive stages each,
+/// and no more plain groups than threads) generate what a thread per stage does, plainly
+/// and speculatively, and every stage's compute time is still reported.
+#[test]
+fn fewer_stage_threads_than_stages_change_no_output() {
+    let config = GptConfig {
+        layers: 4,
+        seq_len: 40,
+        seed: 7,
+        ..GptConfig::default()
+    };
+    let gpt = Gpt::new(&config, CpuBackend::new(1).unwrap(), &Cut::Even(1)).unwrap();
+    let requests: Vec<Request> = (0..10)
+        .map(|i| Request {
+            prompt: vec![1, 3 + i as u32],
+            max_new: 3 + (i * 7) % 20,
+        })
+        .collect();
+    let run = |workers, speculation: &Speculation| {
+        let stages = InferStage::stages_of(&gpt, &Cut::Even(4)).unwrap();
+        let mut engine = RolloutEngine::new(stages)
+            .unwrap()
+            .with_min_group_rows(1)
+            .with_workers(workers);
+        let cfg = RolloutConfig {
+            groups: 4,
+            speculation: speculation.clone(),
+            ..RolloutConfig::default()
+        };
+        let mut random = RandomProposer::new(config.vocab);
+        let proposer: Option<&mut dyn Proposer> = match speculation {
+            Speculation::Off => None,
+            _ => Some(&mut random),
+        };
+        engine.run(&requests, &cfg, proposer).unwrap()
+    };
+    for speculation in [Speculation::Off, Speculation::Fixed { k: 2 }] {
+        let each = run(4, &speculation);
+        for workers in [1, 2, 3] {
+            let fewer = run(workers, &speculation);
+            assert_eq!(fewer.sequences, each.sequences, "{workers} threads");
+            assert_eq!(fewer.stats.stage_busy_s.len(), 4);
+            assert!(fewer.stats.stage_busy_s.iter().all(|&b| b > 0.0));
+            let most = fewer.steps.iter().map(|s| s.in_flight).max().unwrap();
+            match speculation {
+                Speculation::Off => assert!(most <= workers, "{most} plain groups"),
+                _ => assert!(most <= 4),
+            }
+        }
+    }
+}
