@@ -3,17 +3,23 @@ use crate::model::{Cut, Gpt, GptConfig};
 use crate::rl::speculative::RandomProposer;
 use crate::tensor::CpuBackend;
 
+/// A fresh model of `layers` blocks over `seq_len` positions, drawn from `seed`.
+fn model(layers: usize, seq_len: usize, seed: u64) -> Gpt<CpuBackend> {
+    let config = GptConfig {
+        layers,
+        seq_len,
+        seed,
+        ..GptConfig::default()
+    };
+    Gpt::new(&config, CpuBackend::new(1).unwrap(), &Cut::Even(1)).unwrap()
+}
+
 /// The engine merges groups that shrink (fewer group steps than splitting down to
 /// single sequences), and what it generates does not depend on it.
 #[test]
 fn merging_small_groups_takes_fewer_steps_and_changes_no_output() {
-    let config = GptConfig {
-        layers: 2,
-        seq_len: 48,
-        seed: 5,
-        ..GptConfig::default()
-    };
-    let gpt = Gpt::new(&config, CpuBackend::new(1).unwrap(), &Cut::Even(1)).unwrap();
+    let gpt = model(2, 48, 5);
+    let config = gpt.config().clone();
     let engine = |rows| {
         let stages = InferStage::stages_of(&gpt, &Cut::Even(2)).unwrap();
         RolloutEngine::new(stages)
@@ -60,13 +66,8 @@ fn merging_small_groups_takes_fewer_steps_and_changes_no_output() {
 /// steps, rewards them like verifications, and stays lossless.
 #[test]
 fn a_plain_arm_decodes_some_steps_and_is_rewarded() {
-    let config = GptConfig {
-        layers: 2,
-        seq_len: 32,
-        seed: 3,
-        ..GptConfig::default()
-    };
-    let gpt = Gpt::new(&config, CpuBackend::new(1).unwrap(), &Cut::Even(1)).unwrap();
+    let gpt = model(2, 32, 3);
+    let config = gpt.config().clone();
     let stages = || InferStage::stages_of(&gpt, &Cut::Even(2)).unwrap();
     let requests: Vec<Request> = (0..6)
         .map(|i| Request {
@@ -122,12 +123,8 @@ fn a_plain_arm_decodes_some_steps_and_is_rewarded() {
 /// (`usize::MAX` overflowed a capacity, 1e9 asked for 200 GB): one error naming the field.
 #[test]
 fn a_draft_longer_than_the_positions_is_refused() {
-    let config = GptConfig {
-        layers: 1,
-        seq_len: 16,
-        ..GptConfig::default()
-    };
-    let gpt = Gpt::new(&config, CpuBackend::new(1).unwrap(), &Cut::Even(1)).unwrap();
+    let gpt = model(1, 16, GptConfig::default().seed);
+    let config = gpt.config().clone();
     let stages = InferStage::stages_of(&gpt, &Cut::Even(1)).unwrap();
     let mut engine = RolloutEngine::new(stages).unwrap();
     let requests = [Request {
@@ -163,13 +160,8 @@ fn a_draft_longer_than_the_positions_is_refused() {
 /// and speculatively, and every stage's compute time is still reported.
 #[test]
 fn fewer_stage_threads_than_stages_change_no_output() {
-    let config = GptConfig {
-        layers: 4,
-        seq_len: 40,
-        seed: 7,
-        ..GptConfig::default()
-    };
-    let gpt = Gpt::new(&config, CpuBackend::new(1).unwrap(), &Cut::Even(1)).unwrap();
+    let gpt = model(4, 40, 7);
+    let config = gpt.config().clone();
     let requests: Vec<Request> = (0..10)
         .map(|i| Request {
             prompt: vec![1, 3 + i as u32],
