@@ -3,12 +3,14 @@
 //!
 //! What is real here: every stage is an [`InferStage`] run by a stage thread (`pipe`; one
 //! per stage, or without a hook one per core for a run of consecutive stages:
-//! [`RolloutEngine::with_workers`]), and the driver (this module, on the calling thread: the rank that holds the final hidden states
-//! and the drafter) keeps up to `groups` groups of sequences in flight, one behind another,
-//! so that while stage 2 works on group A stage 1 already works on group B. Everything runs
-//! in one process; the stage-to-stage messages are channels, not the actor transport. When
-//! only one group is in flight (the long tail) there is nothing to overlap, so by default the
-//! driver runs its step through every stage's layers itself ([`RolloutEngine::with_inline_tail`]).
+//! [`RolloutEngine::with_workers`]), and the driver (this module, on the calling thread:
+//! the rank that holds the final hidden states and the drafter) keeps up to `groups`
+//! groups of sequences in flight, one behind another, so that while stage 2 works on group
+//! A stage 1 already works on group B. Plain decode steps keep no more groups in flight
+//! than there are stage threads. Everything runs in one process; the stage-to-stage
+//! messages are channels, not the actor transport. When only one group is in flight (the
+//! long tail) there is nothing to overlap, so by default the driver runs its step through
+//! every stage's layers itself ([`RolloutEngine::with_inline_tail`]).
 //! Every step goes into the rollout's step log ([`StepRecord`]), which `pipefill bench
 //! rollout` checks against the measured step costs.
 //!
