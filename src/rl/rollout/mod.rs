@@ -417,6 +417,11 @@ impl<B: Backend> RolloutEngine<B> {
             let first = txs.swap_remove(0);
             drop(txs);
             drop(drv_tx);
+            // No more plain groups than threads; with a hook (a thread per stage) `groups`.
+            let plain_groups = match hook {
+                Some(_) => config.groups,
+                None => workers,
+            };
             let mut driver = Driver::new(
                 requests,
                 config,
@@ -426,7 +431,7 @@ impl<B: Backend> RolloutEngine<B> {
                 bandit,
                 self.min_group_rows,
             )
-            .with_plain_groups(workers)
+            .with_plain_groups(plain_groups)
             .with_hook(hook.clone());
             let inline = inline.then_some(stages.as_slice());
             let result = driver.run(&first, &drv_rx, inline, proposer);
