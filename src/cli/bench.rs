@@ -296,21 +296,14 @@ fn rollout_on<B: Backend>(
         .context("no rows")?
         .clone();
     let max_b = requests.len().div_ceil(groups).min(MAX_CALIBRATION_BATCH);
-    let (hidden, tokens) = probe_context(&probe, job.model.d_model, TAIL_PARTS);
-    let ctx = DraftContext {
-        hidden: &hidden,
-        tokens: &tokens,
-    };
-    let (early_hidden, early_tokens) = probe_context(&probe, job.model.d_model, EARLY_PARTS);
-    let early = DraftContext {
-        hidden: &early_hidden,
-        tokens: &early_tokens,
-    };
-    let (start_hidden, start_tokens) = probe_context(&probe, job.model.d_model, FIRST_PARTS);
-    let start = DraftContext {
-        hidden: &start_hidden,
-        tokens: &start_tokens,
-    };
+    // The caches the step costs are timed at: the first steps', the early buckets', the
+    // tail's (`probe_context`).
+    let owned = [FIRST_PARTS, EARLY_PARTS, TAIL_PARTS]
+        .map(|parts| probe_context(&probe, job.model.d_model, parts));
+    let [start, early, ctx] = owned.each_ref().map(|(hidden, tokens)| DraftContext {
+        hidden: hidden.as_slice(),
+        tokens: tokens.as_slice(),
+    });
     if !a.draft_vocab.is_empty() {
         let d = dtrainer.drafter_mut();
         let vocabs = a.draft_vocab.iter();
@@ -366,9 +359,8 @@ fn rollout_on<B: Backend>(
     let fixed_accept = median(fixed.iter().map(|r| r.stats.acceptance_length()));
     let (plain_tree, fixed_tree) = pair(dtrainer.drafter_mut(), &Speculation::Tree(shape))?;
     let tree_accept = median(fixed_tree.iter().map(|r| r.stats.acceptance_length()));
-    // The per-bucket predictions: the step costs at the first steps', the early and the
-    // tail's contexts,
-    // up to the largest step the runs had (a plain group may hold every live sequence).
+    // The per-bucket predictions: the step costs at the three contexts, up to the
+    // largest step the runs had (a plain group may hold every live sequence).
     // The largest of `size` over the fitted runs' steps, to the next power of two (the
     // sizes the tables and the overlaps are timed at).
     let largest = |size: fn(&StepRecord) -> usize| {

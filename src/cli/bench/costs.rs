@@ -308,8 +308,8 @@ pub(super) const TAIL_PARTS: usize = 2;
 pub(super) const EARLY_PARTS: usize = 8;
 /// [`probe_context`]'s share for the first steps after the prompts' prefill, where the
 /// widest buckets decode (their caches held 12–28 positions on the d512 bench, where the
-/// probe row's eighth is 55: at that cost the buckets of 33–128 live sequences were
-/// predicted 11–16% slower than they ran).
+/// probe row's eighth is 55: at that cost plain at live ≤ 64 was predicted 11–13% slower
+/// than it ran).
 pub(super) const FIRST_PARTS: usize = 32;
 
 /// The per-token acceptance α of a drafter whose chains of `k` reach acceptance length
