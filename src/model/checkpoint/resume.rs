@@ -132,6 +132,7 @@ pub struct RankShard {
     pub manifest: Manifest,
     /// The shard file read.
     pub path: PathBuf,
+    /// In today's layout, whatever `manifest.version` wrote them (upgraded as read).
     pub tensors: Vec<HostTensor>,
 }
 
