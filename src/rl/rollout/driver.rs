@@ -220,8 +220,9 @@ impl<'a> Driver<'a> {
         }
     }
 
-    /// Groups to keep in flight while `live` sequences are live: at most the config's, and
-    /// none whose step would carry fewer than `min_rows` positions (but at least one).
+    /// Groups to keep in flight while `live` sequences are live: at most the config's (at
+    /// most `plain_groups` while steps decode plainly), and none whose step would carry
+    /// fewer than `min_rows` positions (but at least one).
     fn groups_for(&self, live: usize) -> usize {
         let most = match self.rows_per_seq > 1.0 {
             true => self.config.groups,
